@@ -1,0 +1,15 @@
+"""loom: one training script, any number of processes; a strategy says how the work is divided.
+
+import loom
+topo = loom.init()
+job = loom.DataParallel().setup(model, optimizer, loss_fn)
+for batch in loom.data.loader(dataset, global_batch_size=256):
+    loss = job.train_step(batch)
+"""
+
+from loom import data
+from loom.strategies import DataParallel, DataParallelConfig
+from loom.topology import Topology, current, init, shutdown
+
+__all__ = ["DataParallel", "DataParallelConfig", "Topology", "current", "data", "init", "shutdown"]
+__version__ = "0.1.0"

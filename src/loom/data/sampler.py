@@ -1,0 +1,159 @@
+"""Global-batch sharding: one global order, consumed a global batch at a time, split contiguously.
+
+The order of an epoch depends only on ``(seed, epoch)``, never on the number of workers. Step k of an epoch
+consumes samples ``order[k*G : (k+1)*G]`` (G = global batch size; the last batch may be shorter unless
+``drop_last``). Replica r of W takes a contiguous share of that batch: the first ``n % W`` replicas get one sample
+more than the rest, so shares differ by at most one and may be empty when ``n < W``. Nothing is duplicated or
+dropped to pad shards, unlike ``DistributedSampler``.
+
+The position (epoch, samples consumed) is the sampler's state. Because it is counted in *global* samples, a
+position saved at one world size resumes at another exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["GlobalBatchSampler", "GlobalBatch", "share_bounds"]
+
+
+def share_bounds(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Start and end (exclusive) of replica ``rank``'s contiguous share of a batch of ``batch_size``."""
+    base, extra = divmod(batch_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """The indices of one step: the whole global batch and this replica's share of it."""
+
+    epoch: int
+    step: int
+    """Step number within the epoch."""
+    start: int
+    """Position of the global batch's first sample in the epoch's order."""
+    indices: torch.Tensor
+    """Dataset indices of the whole global batch, in order."""
+    share: torch.Tensor
+    """Dataset indices of this replica's share (possibly empty)."""
+
+    @property
+    def global_size(self) -> int:
+        return int(self.indices.numel())
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+class GlobalBatchSampler:
+    """Yields a `GlobalBatch` per step of the current epoch, for one replica of ``world_size``.
+
+    Iterating continues from the saved position; finishing an epoch moves the position to the start of the next
+    epoch, so a loop that never calls `set_epoch` still sees a fresh order every epoch.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        global_batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 0:
+            raise ValueError(f"dataset size must be a non-negative int, got {dataset_size!r}")
+        self.dataset_size = dataset_size
+        self.global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
+        self.world_size = _check_positive_int("world_size", world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.rank = rank
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.consumed = 0
+        """Samples of the current epoch already handed out (a multiple of the global batch size, or the end)."""
+
+    # -- the order -------------------------------------------------------------------------------------------
+    def epoch_samples(self) -> int:
+        """Samples one epoch consumes (the dataset size, less the ragged tail with ``drop_last``)."""
+        if self.drop_last:
+            return self.dataset_size - self.dataset_size % self.global_batch_size
+        return self.dataset_size
+
+    def __len__(self) -> int:
+        """Steps per epoch."""
+        return -(-self.epoch_samples() // self.global_batch_size)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The global order of ``epoch``: a permutation of the dataset indices (identity without shuffle)."""
+        if not self.shuffle:
+            return torch.arange(self.dataset_size)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.dataset_size, generator=generator)
+
+    # -- position --------------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``; a no-op if the position is already inside that epoch (resume)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.consumed = 0
+
+    def __iter__(self):
+        order = self.order(self.epoch)
+        end = self.epoch_samples()
+        while self.consumed < end:
+            start = self.consumed
+            indices = order[start : min(start + self.global_batch_size, end)]
+            lo, hi = share_bounds(indices.numel(), self.rank, self.world_size)
+            step = start // self.global_batch_size
+            # Advance before yielding: a state_dict taken while the caller works on this batch counts it as
+            # consumed, which is what a checkpoint written after the step must record.
+            self.consumed = start + indices.numel()
+            yield GlobalBatch(self.epoch, step, start, indices, indices[lo:hi])
+        self.epoch += 1
+        self.consumed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "global_batch_size": self.global_batch_size,
+            "dataset_size": self.dataset_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved at any world size. The order must be the same one: same dataset size, seed,
+        shuffle and drop_last. The global batch size may differ: the next batch then starts at the saved sample."""
+        for key in ("dataset_size", "seed", "shuffle", "drop_last"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume the data position: saved {key}={state[key]!r} but this loader has "
+                    f"{key}={getattr(self, key)!r}. HINT: build the loader with the same {key} as the saved run."
+                )
+        consumed = int(state["consumed"])
+        if not 0 <= consumed <= self.epoch_samples():
+            raise ValueError(
+                f"saved position {consumed} is outside this epoch of {self.epoch_samples()} samples"
+            )
+        self.epoch = int(state["epoch"])
+        self.consumed = consumed

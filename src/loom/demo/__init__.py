@@ -1,0 +1,1 @@
+"""The built-in demo: a small CNN on scikit-learn's bundled handwritten digits, trained with DataParallel."""

@@ -1,0 +1,1 @@
+"""Launching: processes, hosts and restarts (knows no model)."""

@@ -1,0 +1,173 @@
+"""Start the worker processes of a job on PyTorch's elastic agent (the engine behind ``torchrun``).
+
+The agent runs the rendezvous, starts ``nproc`` workers on this node, watches them, stops all of them when one
+fails, and restarts the whole group up to ``max_restarts`` times. loom adds:
+
+- a fresh rendezvous TCP store per attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): reusing the agent's store
+  across restarts made gloo restarts hang or fail intermittently on this machine;
+- loopback addresses for one-node jobs, so nothing listens beyond this host unless multi-node flags ask for it;
+- each output line prefixed with its rank, and the workers' logs kept under the run directory;
+- a one-line failure message naming the failing rank and its error, instead of the agent's table.
+
+Workers run `loom.launch.worker`, which runs the user's script and records its exception for the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["LaunchSpec", "launch", "free_port"]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What `loom run` starts."""
+
+    target: str
+    """Path of the training script, or a module name when ``module`` is set."""
+    args: tuple[str, ...] = ()
+    """Arguments passed to the script."""
+    nproc: int = 1
+    """Worker processes on this node."""
+    module: bool = False
+    """Run ``target`` as a module (``python -m``)."""
+    max_restarts: int = 0
+    """Times the whole worker group is restarted after a failure."""
+    nnodes: int = 1
+    """Nodes (hosts) in the job; each runs ``loom run`` with its own ``node_rank``."""
+    node_rank: int = 0
+    master: str | None = None
+    """``ADDR:PORT`` of node 0's rendezvous store; required with more than one node."""
+    local_addr: str | None = None
+    """Address other nodes reach this node at (defaults: loopback on one node, the master address on node 0)."""
+    run_dir: Path = field(default_factory=lambda: Path("runs"))
+    """Where logs and metrics of the job go."""
+    shutdown_timeout_s: int = 5
+    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "nnodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and not self.master:
+            raise ValueError("a multi-node job needs --master ADDR:PORT (node 0's address and a free port)")
+        if self.master is not None:
+            host, _, port = self.master.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--master must be ADDR:PORT, got {self.master!r}")
+        if not self.module and not Path(self.target).is_file():
+            raise FileNotFoundError(f"loom run: script {self.target!r} does not exist")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _endpoint_and_addr(spec: LaunchSpec) -> tuple[str, str | None]:
+    if spec.master is None:
+        return f"127.0.0.1:{free_port()}", spec.local_addr or "127.0.0.1"
+    master_host = spec.master.rpartition(":")[0]
+    if spec.local_addr:
+        return spec.master, spec.local_addr
+    return spec.master, master_host if spec.node_rank == 0 else None
+
+
+def _worker_env(spec: LaunchSpec) -> None:
+    """Environment every worker inherits (the agent copies this process's environment)."""
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers sharing the cores; as torchrun does
+    os.environ["LOOM_RUN_DIR"] = str(spec.run_dir.resolve())
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    if spec.master is None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _quiet_agent_logs() -> None:
+    # The agent narrates every rendezvous at WARNING; loom prints its own summary of failures.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _failure_text(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):  # an error file written by the worker: {"message": "...", "extraInfo": ...}
+        message = message.get("message", "")
+    message = str(message or "").strip()
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return message or f"killed by signal {-failure.exitcode}"
+    return message.splitlines()[-1] if message else "exited without a Python exception"
+
+
+def _describe_failures(error) -> str:
+    """One line for the root cause: the worker that raised, else one not stopped by the agent's SIGTERM."""
+    failures = error.failures
+
+    def blame(rank: int) -> tuple[int, int, int]:
+        f = failures[rank]
+        raised = isinstance(f.message, dict) or f.error_file_data.get("message") is not None
+        stopped_by_agent = f.exitcode == -15
+        return (0 if raised else 1, 1 if stopped_by_agent else 0, f.timestamp)
+
+    root = min(failures, key=blame)
+    failure = failures[root]
+    lines = [f"loom run: worker rank {root} failed (exit code {failure.exitcode}): {_failure_text(failure)}"]
+    others = sorted(r for r in failures if r != root)
+    if others:
+        lines.append(f"loom run: stopped the other workers (ranks {others})")
+    return "\n".join(lines)
+
+
+def launch(spec: LaunchSpec) -> int:
+    """Run the job to completion; returns the process exit status (0 on success)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    _worker_env(spec)
+    _quiet_agent_logs()
+    endpoint, local_addr = _endpoint_and_addr(spec)
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc,
+        run_id=os.environ.get("LOOM_RUN_ID", uuid.uuid4().hex[:12]),
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": spec.node_rank == 0, "join_timeout": 300},
+        max_restarts=spec.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(spec.run_dir / "logs"), tee=Std.ALL),
+        log_line_prefix_template="[rank${rank}]: ",
+        local_addr=local_addr,
+        shutdown_timeout=spec.shutdown_timeout_s,
+    )
+    worker_args = ["-u", "-m", "loom.launch.worker"]
+    worker_args += ["-m", spec.target] if spec.module else [str(Path(spec.target).resolve())]
+    worker_args += list(spec.args)
+    try:
+        launch_agent(config, sys.executable, worker_args)
+    except ChildFailedError as error:
+        print(_describe_failures(error), file=sys.stderr)
+        print(f"loom run: worker logs are in {spec.run_dir / 'logs'}", file=sys.stderr)
+        return 1
+    except SignalException as stop:
+        print(f"loom run: stopped by signal {stop.sigval.name}; workers were terminated", file=sys.stderr)
+        return 128 + int(stop.sigval)
+    return 0

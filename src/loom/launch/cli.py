@@ -1,0 +1,117 @@
+"""The ``loom`` command: ``run`` (launch a job), ``demo`` (the built-in example), ``bench`` (measurements)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _default_run_dir() -> Path:
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def _add_run_parser(sub) -> None:
+    p = sub.add_parser(
+        "run",
+        help="launch a training script on N local worker processes",
+        description="Launch SCRIPT on N worker processes (PyTorch's elastic agent); each line is prefixed with "
+        "its rank. Multi-node: run the same command on every node with --nnodes, --node-rank and --master.",
+    )
+    p.add_argument("-n", "--nproc", type=_positive_int, default=1, help="worker processes on this node")
+    p.add_argument("--max-restarts", type=_non_negative_int, default=0, help="restarts of the worker group")
+    p.add_argument("--nnodes", type=_positive_int, default=1, help="number of nodes in the job")
+    p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this node's rank, 0..nnodes-1")
+    p.add_argument("--master", default=None, metavar="ADDR:PORT", help="node 0's rendezvous address")
+    p.add_argument("--local-addr", default=None, help="the address other nodes reach this node at")
+    p.add_argument("--run-dir", type=Path, default=None, help="logs and metrics (default: runs/<timestamp>)")
+    p.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name (python -m)")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    from loom.launch.agent import LaunchSpec, launch
+
+    try:
+        spec = LaunchSpec(
+            target=ns.script,
+            args=tuple(ns.args),
+            nproc=ns.nproc,
+            module=ns.module,
+            max_restarts=ns.max_restarts,
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            master=ns.master,
+            local_addr=ns.local_addr,
+            run_dir=ns.run_dir or _default_run_dir(),
+        )
+    except (ValueError, FileNotFoundError) as error:
+        print(f"loom run: {error}", file=sys.stderr)
+        return 2
+    return launch(spec)
+
+
+def _cmd_demo(ns: argparse.Namespace) -> int:
+    from loom.demo.main import run_demo
+
+    return run_demo(nproc=ns.nproc, epochs=ns.epochs, run_dir=ns.run_dir or _default_run_dir())
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from loom.bench.data_parallel import run_benchmark
+
+    return run_benchmark(repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="Distributed training of PyTorch models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run_parser(sub)
+
+    demo = sub.add_parser("demo", help="train a small CNN on the bundled digits data across local workers")
+    demo.add_argument("-n", "--nproc", type=_positive_int, default=2, help="worker processes (default 2)")
+    demo.add_argument("--epochs", type=_positive_int, default=8, help="training epochs (default 8)")
+    demo.add_argument(
+        "--run-dir", type=Path, default=None, help="logs and metrics (default: runs/<timestamp>)"
+    )
+
+    bench = sub.add_parser("bench", help="benchmarks against named baselines, measured in the same run")
+    bench.add_argument("which", choices=["dp"], help="dp: loom DataParallel vs raw DistributedDataParallel")
+    bench.add_argument("--repetitions", type=_positive_int, default=5, help="repetitions (median reported)")
+    bench.add_argument("--steps", type=_positive_int, default=30, help="timed steps per repetition")
+    bench.add_argument("--out", type=Path, default=Path("benchmarks/reports"), help="report directory")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _build_parser().parse_args(argv)
+    handlers = {"run": _cmd_run, "demo": _cmd_demo, "bench": _cmd_bench}
+    return handlers[ns.command](ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

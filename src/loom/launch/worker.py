@@ -1,0 +1,53 @@
+"""Entry point of every worker process `loom run` starts: ``python -m loom.launch.worker [-m] TARGET ARGS``.
+
+Runs the user's script as ``__main__`` and, if it raises, records the exception in the file the elastic agent
+reads (so the launcher can name the failing rank and its error). The worker also asks the kernel to kill it if
+the launcher dies, so no worker outlives its job even when the launcher is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _run(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m loom.launch.worker [-m MODULE | SCRIPT] [ARGS...]")
+    if argv[0] == "-m":
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script, args = argv[0], argv[1:]
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    _die_with_parent()
+    record(_run)(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

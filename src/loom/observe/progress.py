@@ -1,0 +1,74 @@
+"""Progress of a training loop, shown by the main process only.
+
+On a terminal it is a live rich progress bar. Under ``loom run`` a worker's output goes through the launcher,
+which prefixes every *line* with the rank, so a bar that redraws itself with carriage returns would smear:
+there the bar is printed as a fresh line instead: at most every ``line_interval_s`` seconds, and once at the
+end.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+__all__ = ["ProgressBar"]
+
+
+class ProgressBar:
+    """``with ProgressBar(total, "epoch 1", enabled=topo.is_main) as bar: bar.advance(info="loss 0.12")``."""
+
+    def __init__(
+        self,
+        total: int,
+        description: str,
+        *,
+        enabled: bool = True,
+        width: int = 30,
+        line_interval_s: float = 2.0,
+    ) -> None:
+        self.total = max(total, 1)
+        self.description = description
+        self.enabled = enabled
+        self.width = width
+        self.done = 0
+        self._live = enabled and sys.stdout.isatty()
+        self._rich: Progress | None = None
+        self._task = None
+        self.line_interval_s = line_interval_s
+        self._started = time.perf_counter()
+        self._last_line = self._started
+
+    def __enter__(self) -> ProgressBar:
+        if self._live:
+            self._rich = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
+            self._rich.start()
+            self._task = self._rich.add_task(self.description, total=self.total, info="")
+        return self
+
+    def advance(self, steps: int = 1, info: str = "") -> None:
+        self.done += steps
+        if not self.enabled:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, advance=steps, info=info)
+            return
+        now = time.perf_counter()
+        if now - self._last_line >= self.line_interval_s or self.done >= self.total:
+            self._last_line = now
+            fraction = min(self.done / self.total, 1.0)
+            filled = int(round(fraction * self.width))
+            eta = (now - self._started) / fraction * (1 - fraction) if fraction > 0 else 0.0
+            bar = "#" * filled + "." * (self.width - filled)
+            print(f"{self.description} [{bar}] {self.done}/{self.total} eta {eta:4.1f}s {info}", flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._rich is not None:
+            self._rich.stop()

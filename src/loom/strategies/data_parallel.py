@@ -1,0 +1,285 @@
+"""Synchronous data parallelism with global-batch semantics, built on PyTorch's DistributedDataParallel.
+
+Every worker holds the whole model and trains on its share of each global batch; gradients are all-reduced
+during backward (DDP's buckets overlap communication with the rest of backward). What loom adds is exactness
+under uneven shares: DDP averages gradients over *processes*, which is the global-batch gradient only when every
+share has the same size. loom scales each replica's mean loss by ``n_r * W / N`` (``n_r`` its samples, ``W`` the
+world size, ``N`` the global batch) before backward, so DDP's average becomes ``sum_r n_r/N * grad_r``: the
+gradient of the global-batch mean loss, i.e. what one process computes on the whole batch. An empty share still
+joins the all-reduce with a zero-weighted forward.
+
+Limits: the model must accept a zero-size batch when a share is empty (BatchNorm in training mode does not;
+use ``drop_last=True`` or a global batch of at least the world size). Losses must be mean-reduced over the batch
+(PyTorch's default), since that is what the scaling undoes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from loom.observe.metrics import StepMetrics
+from loom.strategies.consistency import check_same_model
+from loom.topology import Topology, current
+
+__all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """How `DataParallel` synchronizes gradients."""
+
+    accumulate: int = 1
+    """Micro-batches per step: the local share is split in this many pieces, gradients accumulate locally and
+    are all-reduced once, on the last piece."""
+    bucket_cap_mb: float = 25.0
+    """Size of DDP's gradient buckets; smaller buckets start communicating earlier in backward."""
+    find_unused_parameters: bool = False
+    """Set when some parameters do not take part in every forward (costs a graph traversal per step)."""
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm statistics) to every replica at each forward."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+
+
+class DataParallel:
+    """Strategy: replicate the model, shard the data, all-reduce gradients every step.
+
+    ``DataParallel(accumulate=1, bucket_cap_mb=25.0, ...)`` — see `DataParallelConfig` for the fields.
+    """
+
+    def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
+        self.config = DataParallelConfig(**config)
+        self.topology = topology
+        self.metrics_path = metrics_path
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DataParallelJob:
+        """Broadcast rank 0's parameters, wrap the model for gradient synchronization, return the job."""
+        topo = self.topology if self.topology is not None else current()
+        _check_setup_arguments(model, optimizer, loss_fn)
+        model.to(topo.device)
+        if topo.is_distributed:
+            check_same_model(model, topo.rank, topo.world_size)
+            wrapped: nn.Module = DistributedDataParallel(
+                model,
+                device_ids=[topo.local_rank] if topo.device.type == "cuda" else None,
+                bucket_cap_mb=self.config.bucket_cap_mb,
+                find_unused_parameters=self.config.find_unused_parameters,
+                broadcast_buffers=self.config.broadcast_buffers,
+            )
+        else:
+            wrapped = model
+        metrics = StepMetrics(topo.rank, self.metrics_path)
+        return DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
+
+
+def _check_setup_arguments(model: Any, optimizer: Any, loss_fn: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"setup() expects an nn.Module as model, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"setup() expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"setup() expects a callable loss_fn(outputs, targets), got {type(loss_fn).__name__}")
+    owned = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the model. "
+                    "HINT: build the optimizer from model.parameters() of the model passed to setup()."
+                )
+
+
+def _split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
+    if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)) or len(batch) < 2:
+        raise TypeError(
+            f"a batch must be a tuple (inputs, targets), got {type(batch).__name__}. "
+            "HINT: iterate a loom.data.loader(...) or pass (inputs, targets)."
+        )
+    return batch[0], batch[1]
+
+
+def _batch_len(inputs: Any) -> int:
+    if isinstance(inputs, torch.Tensor):
+        return int(inputs.shape[0]) if inputs.dim() else 1
+    if isinstance(inputs, (list, tuple)) and inputs:
+        return _batch_len(inputs[0])
+    if isinstance(inputs, dict) and inputs:
+        return _batch_len(next(iter(inputs.values())))
+    raise TypeError(f"cannot tell the batch size of inputs of type {type(inputs).__name__}")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _zero_loss(outputs: Any) -> torch.Tensor:
+    """A loss of exactly zero that still reaches every parameter the forward used (for empty shares)."""
+    tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(_flatten(outputs))
+    floating = [t for t in tensors if t.is_floating_point()]
+    if not floating:
+        raise TypeError("the model's outputs hold no floating-point tensor to build a zero loss from")
+    return sum(t.sum() for t in floating) * 0.0
+
+
+def _flatten(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flatten(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flatten(v)
+
+
+def _micro_batches(inputs: Any, targets: torch.Tensor, pieces: int) -> list[tuple[Any, torch.Tensor, int]]:
+    n = _batch_len(inputs)
+    if pieces == 1:
+        return [(inputs, targets, n)]
+    bounds = torch.arange(pieces + 1) * n // pieces
+    out = []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        out.append((_slice(inputs, lo, hi), targets[lo:hi], hi - lo))
+    return out
+
+
+def _slice(value: Any, lo: int, hi: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[lo:hi]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_slice(v, lo, hi) for v in value)
+    if isinstance(value, dict):
+        return {k: _slice(v, lo, hi) for k, v in value.items()}
+    return value
+
+
+class DataParallelJob:
+    """A model set up for data-parallel training: `train_step`, `eval_step`, and its state."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        wrapped: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        topology: Topology,
+        config: DataParallelConfig,
+        metrics: StepMetrics,
+    ) -> None:
+        self.module = module
+        """The user's model (unwrapped): read or export its parameters here."""
+        self.wrapped = wrapped
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.topology = topology
+        self.config = config
+        self.metrics = metrics
+        self.step = 0
+
+    # -- training --------------------------------------------------------------------------------------------
+    def _global_count(self, batch: Any, local: int) -> int:
+        known = getattr(batch, "global_size", None)
+        if known is not None:
+            return int(known)
+        if not self.topology.is_distributed:
+            return local
+        count = torch.tensor([local], dtype=torch.int64, device=self.topology.device)
+        dist.all_reduce(count)
+        return int(count.item())
+
+    def train_step(self, batch: Any) -> float:
+        """One optimizer step on the global batch this share belongs to; returns the global-batch loss."""
+        started = time.perf_counter()
+        inputs, targets = _split_batch(batch)
+        device = self.topology.device
+        inputs, targets = _to_device(inputs, device), _to_device(targets, device)
+        local = _batch_len(inputs)
+        total = self._global_count(batch, local)
+        if total == 0:
+            raise ValueError("train_step got a global batch of 0 samples (every share is empty)")
+        world = self.topology.world_size
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        pieces = [p for p in _micro_batches(inputs, targets, self.config.accumulate) if p[2] > 0]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        if not pieces:  # empty share: join the gradient all-reduce with zero contribution
+            _zero_loss(self.wrapped(inputs)).backward()
+        for i, (x, y, n) in enumerate(pieces):
+            sync_now = i == len(pieces) - 1
+            with self._no_sync() if not sync_now else nullcontext():
+                loss = self.loss_fn(self.wrapped(x), y)
+                (loss * (n * world / total)).backward()
+            loss_sum += loss.detach().double() * n
+        pending = dist.all_reduce(loss_sum, async_op=True) if self.topology.is_distributed else None
+        self.optimizer.step()
+        if pending is not None:
+            pending.wait()
+        global_loss = float(loss_sum.item()) / total
+        self.step += 1
+        self.metrics.record(self.step, time.perf_counter() - started, local, total, global_loss)
+        return global_loss
+
+    def _no_sync(self):
+        return self.wrapped.no_sync() if isinstance(self.wrapped, DistributedDataParallel) else nullcontext()
+
+    @torch.no_grad()
+    def eval_step(
+        self, batch: Any, metrics: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
+    ) -> dict[str, float]:
+        """Global-batch loss, and any extra mean-reduced ``metrics`` (e.g. accuracy), in eval mode."""
+        inputs, targets = _split_batch(batch)
+        device = self.topology.device
+        inputs, targets = _to_device(inputs, device), _to_device(targets, device)
+        fns: dict[str, Callable] = {"loss": self.loss_fn, **(metrics or {})}
+        local = _batch_len(inputs)
+        sums = torch.zeros(len(fns) + 1, dtype=torch.float64, device=device)
+        sums[-1] = local
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            if local:
+                outputs = self.module(inputs)
+                for i, fn in enumerate(fns.values()):
+                    sums[i] = float(fn(outputs, targets)) * local
+        finally:
+            self.module.train(was_training)
+        if self.topology.is_distributed:
+            dist.all_reduce(sums)
+        count = float(sums[-1].item())
+        if count == 0:
+            raise ValueError("eval_step got a global batch of 0 samples (every share is empty)")
+        return {name: float(sums[i].item()) / count for i, name in enumerate(fns)}
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])

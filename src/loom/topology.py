@@ -1,0 +1,125 @@
+"""Where this process stands in the job: rank, world size, local rank, backend.
+
+`init()` reads the environment a launcher leaves (`loom run` and `torchrun` both set RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT), joins the default process group and returns a `Topology`. Outside any
+launcher the job is one process and no process group is created, so `python train.py` runs unchanged.
+
+The topology is an ordinary object handed to strategies explicitly. `current()` returns the one `init()` made,
+for scripts that do not want to carry it around; strategies accept `topology=` to override it (tests do).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Topology", "init", "current", "shutdown"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place in the job."""
+
+    rank: int
+    """Global rank, 0 ≤ rank < world_size."""
+    world_size: int
+    """Number of worker processes in the job."""
+    local_rank: int
+    """Rank among the workers on this host (selects the GPU when there is one)."""
+    local_world_size: int
+    """Number of workers on this host."""
+    backend: str
+    """Process-group backend: ``gloo`` on CPU, ``nccl`` when every process has a GPU, ``none`` for one process."""
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the process that prints and writes job-wide files."""
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+
+_current: Topology | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _pick_backend(requested: str | None) -> str:
+    if requested is not None:
+        if requested not in ("gloo", "nccl"):
+            raise ValueError(f"backend={requested!r} is not supported; use 'gloo' or 'nccl'")
+        return requested
+    # NCCL only when this process has a GPU; a mixed job would fail inside NCCL, so users with partial GPUs
+    # must ask for gloo explicitly.
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(backend: str | None = None, timeout_s: float = 300.0) -> Topology:
+    """Join the job this process belongs to and return its topology.
+
+    Idempotent: a second call returns the same topology. Registers `shutdown()` to run at exit.
+    """
+    global _current
+    if _current is not None:
+        return _current
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"inconsistent launcher environment: RANK={rank}, WORLD_SIZE={world_size}")
+    if world_size == 1:
+        _current = Topology(0, 1, 0, 1, "none")
+        return _current
+    chosen = _pick_backend(backend)
+    if chosen == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=chosen,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    _current = Topology(rank, world_size, local_rank, local_world_size, chosen)
+    atexit.register(shutdown)
+    return _current
+
+
+def current() -> Topology:
+    """The topology `init()` made; calls `init()` first if nobody has."""
+    return _current if _current is not None else init()
+
+
+def shutdown() -> None:
+    """Leave the process group (safe to call twice, or without `init()`)."""
+    global _current
+    if dist.is_available() and dist.is_initialized():
+        mode = os.environ.get("LOOM_EXIT_MODE", "destroy")
+        if mode == "barrier":
+            dist.barrier()
+        if mode != "none":
+            dist.destroy_process_group()
+    _current = None

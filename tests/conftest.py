@@ -1,0 +1,89 @@
+"""Shared fixtures: run N worker processes of a script without the launcher, always cleaned up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_workers(script: str, world_size: int, *args: str, timeout: float = 90.0) -> list[str]:
+    """Run tests/workers/<script> as ranks 0..world_size-1 of one job; return each rank's stdout.
+
+    Each process gets its own session; when one fails or time runs out, all are killed with whatever they
+    started, and the error names the rank and shows its stderr.
+    """
+    port = free_port()
+    logs = tempfile.TemporaryDirectory(prefix="loom-test-")
+    procs, outs, errs = [], [], []
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME="lo",
+            OMP_NUM_THREADS="1",
+        )
+        out = open(Path(logs.name) / f"{rank}.out", "w+")  # noqa: SIM115 - closed in finally
+        err = open(Path(logs.name) / f"{rank}.err", "w+")  # noqa: SIM115
+        outs.append(out)
+        errs.append(err)
+        cmd = [sys.executable, str(WORKERS / script), *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True))
+
+    def text(files, rank: int) -> str:
+        files[rank].flush()
+        files[rank].seek(0)
+        return files[rank].read()
+
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                r = failed[0]
+                raise AssertionError(f"rank {r} of {script} exited {codes[r]}:\n{text(errs, r)[-4000:]}")
+            if all(c == 0 for c in codes):
+                return [text(outs, r) for r in range(world_size)]
+            if time.monotonic() > deadline:
+                stuck = [r for r, c in enumerate(codes) if c is None]
+                raise AssertionError(f"ranks {stuck} of {script} did not finish within {timeout} s")
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+        for f in outs + errs:
+            f.close()
+        logs.cleanup()
+
+
+@pytest.fixture
+def workers():
+    return run_workers

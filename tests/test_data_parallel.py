@@ -1,0 +1,102 @@
+"""DataParallel equals one process on the same global batches, with uneven and empty shares."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
+
+import loom
+from loom.topology import Topology
+
+SINGLE = Topology(0, 1, 0, 1, "none")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("world_size", "global_batch"), [(2, 10), (3, 10), (4, 10), (4, 3)])
+def test_matches_one_process(workers, world_size, global_batch):
+    steps = 10
+    outputs = workers("dp_exact.py", world_size, str(global_batch), str(steps), timeout=150)
+    refs = {opt: reference_run(opt, global_batch, steps) for opt in ("sgd", "adam")}
+    for rank, out in enumerate(outputs):
+        runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(runs) == 4, f"rank {rank} printed {len(runs)} runs"
+        for run in runs:
+            ref_losses, ref_params = refs[run["optimizer"]]
+            label = f"rank {rank} {run['optimizer']} accumulate={run['accumulate']}"
+            assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True)) <= 1e-5, label
+            for name, ref in ref_params.items():
+                got = torch.tensor(run["params"][name]).view_as(ref)
+                assert (got - ref).abs().max().item() <= 1e-5, f"{label}: {name}"
+
+
+def test_single_process_without_launcher_matches_reference():
+    data = make_dataset()
+    model = make_mlp()
+    job = loom.DataParallel(topology=SINGLE).setup(
+        model, make_optimizer("adam", model), nn.functional.mse_loss
+    )
+    loader = loom.data.loader(data, 10, seed=1, topology=SINGLE)
+    losses = [job.train_step(b) for b in loader]
+    ref_losses, ref_params = reference_run("adam", 10, len(losses))
+    assert losses == pytest.approx(ref_losses, abs=1e-6)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(job.module.state_dict()[name], ref, atol=1e-6, rtol=0)
+
+
+def test_plain_tuple_batch_and_eval_step():
+    data = make_dataset()
+    model = make_mlp()
+    job = loom.DataParallel(topology=SINGLE).setup(
+        model, make_optimizer("sgd", model), nn.functional.mse_loss
+    )
+    x, y = data.tensors
+    loss = job.train_step((x[:10], y[:10]))
+    assert isinstance(loss, float)
+    result = job.eval_step((x, y), metrics={"mae": lambda out, t: (out - t).abs().mean()})
+    with torch.no_grad():
+        out = job.module(x)
+    assert result["loss"] == pytest.approx(nn.functional.mse_loss(out, y).item(), rel=1e-6)
+    assert result["mae"] == pytest.approx((out - y).abs().mean().item(), rel=1e-6)
+    assert job.metrics.records[-1].samples == 10
+
+
+def test_state_dict_round_trip():
+    data = make_dataset()
+    model = make_mlp()
+    job = loom.DataParallel(topology=SINGLE).setup(
+        model, make_optimizer("adam", model), nn.functional.mse_loss
+    )
+    x, y = data.tensors
+    job.train_step((x, y))
+    state = job.state_dict()
+    other_model = make_mlp()
+    other = loom.DataParallel(topology=SINGLE).setup(
+        other_model, make_optimizer("adam", other_model), nn.functional.mse_loss
+    )
+    other.load_state_dict(state)
+    assert other.step == 1
+    assert job.train_step((x, y)) == other.train_step((x, y))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"accumulate": 0}, "accumulate must be an int >= 1"), ({"bucket_cap_mb": -1}, "bucket_cap_mb")],
+)
+def test_bad_config_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        loom.DataParallel(**kwargs)
+
+
+def test_bad_setup_arguments_are_refused():
+    model = make_mlp()
+    strategy = loom.DataParallel(topology=SINGLE)
+    with pytest.raises(TypeError, match="nn.Module"):
+        strategy.setup("model", make_optimizer("sgd", model), nn.functional.mse_loss)
+    stranger = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(ValueError, match="not in the model"):
+        strategy.setup(model, stranger, nn.functional.mse_loss)
+    job = strategy.setup(model, make_optimizer("sgd", model), nn.functional.mse_loss)
+    with pytest.raises(TypeError, match=r"tuple \(inputs, targets\)"):
+        job.train_step(torch.zeros(3, 8))

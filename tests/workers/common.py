@@ -1,0 +1,51 @@
+"""Models, data and a single-process reference shared by worker scripts and the tests that check them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from loom.data import GlobalBatchSampler
+
+N_SAMPLES = 37  # not divisible by any batch size used in the tests
+
+
+def make_dataset(n: int = N_SAMPLES) -> TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    raise ValueError(name)
+
+
+def reference_run(optimizer: str, global_batch: int, steps: int, seed: int = 1):
+    """One process, whole global batches: the losses and final parameters a distributed run must match."""
+    data = make_dataset()
+    model = make_mlp()
+    opt = make_optimizer(optimizer, model)
+    sampler = GlobalBatchSampler(len(data), global_batch, seed=seed)
+    losses = []
+    while len(losses) < steps:
+        for batch in sampler:
+            x, y = data[batch.indices]
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if len(losses) == steps:
+                break
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

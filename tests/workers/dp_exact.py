@@ -1,0 +1,30 @@
+"""Train the shared MLP with DataParallel; print one JSON line per (optimizer, accumulate) with losses+params."""
+
+import json
+import sys
+
+from common import make_dataset, make_mlp, make_optimizer
+from torch import nn
+
+import loom
+
+global_batch, steps = int(sys.argv[1]), int(sys.argv[2])
+topo = loom.init()
+data = make_dataset()
+for optimizer in ("sgd", "adam"):
+    for accumulate in (1, 3):
+        model = make_mlp()
+        job = loom.DataParallel(accumulate=accumulate).setup(
+            model, make_optimizer(optimizer, model), nn.functional.mse_loss
+        )
+        loader = loom.data.loader(data, global_batch, seed=1)
+        losses = []
+        while len(losses) < steps:
+            for batch in loader:
+                losses.append(job.train_step(batch))
+                if len(losses) == steps:
+                    break
+        params = {k: v.flatten().tolist() for k, v in job.module.state_dict().items()}
+        print(
+            json.dumps({"optimizer": optimizer, "accumulate": accumulate, "losses": losses, "params": params})
+        )
