@@ -14,10 +14,20 @@ SINGLE = Topology(0, 1, 0, 1, "none")
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("world_size", "global_batch"), [(2, 10), (3, 10), (4, 10), (4, 3)])
-def test_matches_one_process(workers, world_size, global_batch):
+@pytest.mark.parametrize(
+    ("world_size", "global_batch", "allreduce"),
+    [
+        (2, 10, "native"),
+        (3, 10, "native"),
+        (4, 10, "native"),
+        (4, 3, "native"),
+        (3, 10, "ring"),
+        (3, 10, "driver"),
+    ],
+)
+def test_matches_one_process(workers, world_size, global_batch, allreduce):
     steps = 10
-    outputs = workers("dp_exact.py", world_size, str(global_batch), str(steps), timeout=150)
+    outputs = workers("dp_exact.py", world_size, str(global_batch), str(steps), allreduce, timeout=150)
     refs = {opt: reference_run(opt, global_batch, steps) for opt in ("sgd", "adam")}
     for rank, out in enumerate(outputs):
         runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -100,3 +110,13 @@ def test_bad_setup_arguments_are_refused():
     job = strategy.setup(model, make_optimizer("sgd", model), nn.functional.mse_loss)
     with pytest.raises(TypeError, match=r"tuple \(inputs, targets\)"):
         job.train_step(torch.zeros(3, 8))
+
+
+@pytest.mark.timeout(60)
+def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(workers):
+    outputs = workers("dp_mismatch.py", 3, timeout=45)
+    for out in outputs:
+        assert "REFUSED" in out, out
+        assert "rank 0 vs rank 2" in out
+        assert "'0.weight'" in out and "[16, 8]" in out and "[17, 8]" in out
+        assert "ranks that differ from rank 0: [2]" in out

@@ -9,12 +9,13 @@ from torch import nn
 import loom
 
 global_batch, steps = int(sys.argv[1]), int(sys.argv[2])
+allreduce = sys.argv[3] if len(sys.argv) > 3 else "native"
 topo = loom.init()
 data = make_dataset()
 for optimizer in ("sgd", "adam"):
     for accumulate in (1, 3):
         model = make_mlp()
-        job = loom.DataParallel(accumulate=accumulate).setup(
+        job = loom.DataParallel(accumulate=accumulate, allreduce=allreduce).setup(
             model, make_optimizer(optimizer, model), nn.functional.mse_loss
         )
         loader = loom.data.loader(data, global_batch, seed=1)

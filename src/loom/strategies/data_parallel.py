@@ -15,6 +15,7 @@ use ``drop_last=True`` or a global batch of at least the world size). Losses mus
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from loom.comm import ALGORITHMS, allreduce_hook
 from loom.observe.metrics import StepMetrics
 from loom.strategies.consistency import check_same_model
 from loom.topology import Topology, current
@@ -48,8 +50,13 @@ class DataParallelConfig:
     """Set when some parameters do not take part in every forward (costs a graph traversal per step)."""
     broadcast_buffers: bool = True
     """Copy rank 0's buffers (e.g. BatchNorm statistics) to every replica at each forward."""
+    allreduce: str = "native"
+    """Gradient all-reduce algorithm (see `loom.comm`): ``native`` is DDP's own, asynchronous, overlapped with
+    backward; ``ring`` and ``driver`` are loom's, counted byte by byte."""
 
     def __post_init__(self) -> None:
+        if self.allreduce not in ALGORITHMS:
+            raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
         if not self.bucket_cap_mb > 0:
@@ -79,12 +86,21 @@ class DataParallel:
                 device_ids=[topo.local_rank] if topo.device.type == "cuda" else None,
                 bucket_cap_mb=self.config.bucket_cap_mb,
                 find_unused_parameters=self.config.find_unused_parameters,
-                broadcast_buffers=self.config.broadcast_buffers,
+                **_buffer_sync_option(self.config.broadcast_buffers),
             )
+            if self.config.allreduce != "native":
+                wrapped.register_comm_hook(None, allreduce_hook(self.config.allreduce))
         else:
             wrapped = model
         metrics = StepMetrics(topo.rank, self.metrics_path)
         return DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
+
+
+def _buffer_sync_option(enabled: bool) -> dict[str, bool]:
+    """DDP renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (torch 2.13); pass whichever it knows."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}
 
 
 def _check_setup_arguments(model: Any, optimizer: Any, loss_fn: Any) -> None:

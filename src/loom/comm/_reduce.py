@@ -1,0 +1,86 @@
+"""What the all-reduce algorithms share: argument checks, group arithmetic and the local reduction."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+OPS = ("sum", "avg", "max", "min")
+ALGORITHMS = ("native", "ring", "driver")
+
+
+def check_op_and_algorithm(op: str, algorithm: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown all-reduce op={op!r}; valid ops are {', '.join(map(repr, OPS))}")
+    check_algorithm(algorithm)
+
+
+def check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"unknown all-reduce algorithm={algorithm!r}; valid algorithms are {', '.join(map(repr, ALGORITHMS))}"
+        )
+
+
+def check_tensor(tensor: object, op: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype == torch.bool or tensor.dtype.is_complex:
+        raise TypeError(
+            f"all_reduce does not support dtype {tensor.dtype}. HINT: use a floating-point or integer tensor."
+        )
+    if op == "avg" and not tensor.dtype.is_floating_point:
+        # Refused rather than floor-divided: a silently truncated mean is a worse surprise than an error.
+        raise ValueError(
+            f"op='avg' is not supported for integer tensors (dtype {tensor.dtype}): their mean is not an integer. "
+            "HINT: all-reduce with op='sum' and divide, or convert to a floating-point dtype first."
+        )
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size; (0, 1) when there is no process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError(
+                "all_reduce got group= but no process group is initialized. HINT: call loom.init() first."
+            )
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} called all_reduce on a group it is not a member of. "
+            "HINT: call collectives on a group only from its members."
+        )
+    return rank, dist.get_world_size(group)
+
+
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank point-to-point calls need for the process at ``group_rank`` in ``group``."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def combine_into(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
+    """``acc = op(acc, incoming)`` elementwise, in ``acc``'s dtype (``avg`` sums; the caller divides once)."""
+    if op in ("sum", "avg"):
+        acc.add_(incoming)
+    elif op == "max":
+        torch.maximum(acc, incoming, out=acc)
+    else:
+        torch.minimum(acc, incoming, out=acc)
+
+
+def exchange(
+    send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup | None
+) -> None:
+    """Send ``send`` to ``dst`` while receiving ``recv`` from ``src``; return when both are done.
+
+    Posting both before waiting on either is what keeps a ring from deadlocking: every process sends and
+    receives at once. Empty buffers are skipped; both ends know the sizes, so they skip the same messages.
+    """
+    works = []
+    if recv.numel():
+        works.append(dist.irecv(recv, src=src, group=group))
+    if send.numel():
+        works.append(dist.isend(send, dst=dst, group=group))
+    for work in works:
+        work.wait()

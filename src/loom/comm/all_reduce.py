@@ -1,0 +1,79 @@
+"""`all_reduce`: one entry point for the three all-reduce algorithms, with the checks they share.
+
+``native`` is the backend's own ``torch.distributed.all_reduce`` (the one to use in production); ``ring``
+(`loom.comm.ring`) and ``driver`` (`loom.comm.driver`) are written over point-to-point messages so that their
+traffic can be counted exactly and compared (see `loom.comm.counters`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from loom.comm._reduce import check_op_and_algorithm, check_tensor, group_rank_and_size
+from loom.comm.counters import counters
+from loom.comm.driver import all_reduce_driver
+from loom.comm.ring import all_reduce_ring
+
+__all__ = ["all_reduce"]
+
+
+def _all_reduce_native(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """The backend's all-reduce; returns the ring-equivalent bus bytes as an estimate of its traffic."""
+    n = dist.get_world_size(group)
+    # gloo has no AVG reduction, so average as sum-then-divide on every backend for identical behaviour.
+    backend_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
+    dist.all_reduce(flat, op=backend_op, group=group)
+    if op == "avg":
+        flat.div_(n)
+    estimate = 2 * (n - 1) * flat.nbytes // n
+    return estimate, estimate
+
+
+_ALGORITHMS: dict[str, Callable[[torch.Tensor, str, dist.ProcessGroup | None], tuple[int, int]]] = {
+    "native": _all_reduce_native,
+    "ring": all_reduce_ring,
+    "driver": all_reduce_driver,
+}
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    algorithm: str = "native",
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` elementwise over the processes of ``group`` (default: all), in place; return it.
+
+    Args:
+        tensor: the same shape and dtype on every rank (not checked: a mismatch hangs or fails in the backend).
+            float32, float64, float16, bfloat16 and the integer dtypes are supported; bool and complex are not.
+        op: ``"sum"``, ``"avg"`` (sum divided by the group size; floating-point tensors only, integers raise a
+            ValueError rather than silently flooring), ``"max"`` or ``"min"``.
+        algorithm: ``"native"`` (the backend's), ``"ring"`` or ``"driver"``; all give the same result up to
+            floating-point summation order.
+        group: a process group from ``torch.distributed.new_group``; this process must belong to it.
+
+    With one process, or no process group at all, this is a no-op. Non-contiguous tensors are reduced through
+    a contiguous copy that is copied back. Every call is recorded in `loom.comm.counters()`.
+    """
+    check_op_and_algorithm(op, algorithm)
+    check_tensor(tensor, op)
+    _, n = group_rank_and_size(group)
+    if n == 1 or tensor.numel() == 0:
+        counters().record(algorithm, 0, 0)
+        return tensor
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    try:
+        sent, received = _ALGORITHMS[algorithm](work.view(-1), op, group)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: all_reduce(op={op!r}, algorithm={algorithm!r}) of a "
+            f"{tuple(tensor.shape)} {tensor.dtype} tensor over {n} processes failed: {error}"
+        ) from error
+    if work is not tensor:
+        tensor.copy_(work)
+    counters().record(algorithm, sent, received)
+    return tensor

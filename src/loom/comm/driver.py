@@ -1,0 +1,48 @@
+"""Centralized ("driver") all-reduce: every rank sends to a root, the root reduces and sends the result back.
+
+The baseline the ring is measured against, as in a parameter server with one shard: the root (rank 0 of the
+group) sends (N-1) * D and receives (N-1) * D bytes for D bytes of data, so its link is the bottleneck and the
+time grows linearly with N; every other rank sends and receives D. See `loom.comm.ring` for the
+bandwidth-optimal alternative.
+
+Limits: the root holds N-1 receive buffers at once ((N-1) * D extra memory) so that all receives proceed in
+parallel; it reduces them in group-rank order, so the result is deterministic and identical on every rank.
+Float16/bfloat16 are reduced in their own dtype, one rounding per add; ``avg`` sums then divides, so a float16
+sum that overflows gives inf even when the mean would fit (divide first yourself if that matters).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from loom.comm._reduce import combine_into, global_rank, group_rank_and_size
+
+__all__ = ["all_reduce_driver"]
+
+
+def all_reduce_driver(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """Centralized all-reduce of a contiguous 1-D tensor in place; returns (bytes sent, bytes received).
+
+    Low level: arguments are not checked. Use `loom.comm.all_reduce(t, algorithm="driver")` as the entry point.
+    """
+    rank, n = group_rank_and_size(group)
+    if flat.numel() == 0:
+        return 0, 0
+    root = global_rank(group, 0)
+    if rank != 0:
+        dist.send(flat, dst=root, group=group)
+        dist.recv(flat, src=root, group=group)
+        return flat.nbytes, flat.nbytes
+
+    peers = [global_rank(group, r) for r in range(1, n)]
+    incoming = [torch.empty_like(flat) for _ in peers]
+    for work in [dist.irecv(buf, src=peer, group=group) for buf, peer in zip(incoming, peers, strict=True)]:
+        work.wait()
+    for buf in incoming:
+        combine_into(flat, buf, op)
+    if op == "avg":
+        flat.div_(n)
+    for work in [dist.isend(flat, dst=peer, group=group) for peer in peers]:
+        work.wait()
+    return (n - 1) * flat.nbytes, (n - 1) * flat.nbytes

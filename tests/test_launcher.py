@@ -1,0 +1,191 @@
+"""`loom run`: rank-prefixed output, fast failure naming the rank, reliable restarts, signals, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+LOOM = [sys.executable, "-m", "loom.launch.cli"]
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``marker`` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until_gone(marker: str, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def run_loom(args: list, cwd: Path, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        [*LOOM, *map(str, args)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"loom {args} did not finish within {timeout} s") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(60)
+def test_output_is_prefixed_with_the_rank_and_collectives_work(tmp_path):
+    script = write_script(
+        tmp_path,
+        "hello_job.py",
+        """
+        import torch, torch.distributed as dist, loom
+        topo = loom.init()
+        x = torch.tensor([topo.rank + 1.0])
+        dist.all_reduce(x)
+        print(f"hello from {topo.rank} of {topo.world_size}: {x.item():g}")
+    """,
+    )
+    result = run_loom(["run", "-n", 3, "--run-dir", tmp_path / "run", script], tmp_path)
+    assert result.returncode == 0, result.stderr
+    for rank in range(3):
+        assert f"[rank{rank}]: hello from {rank} of 3: 6" in result.stdout
+    assert (tmp_path / "run" / "logs").is_dir()
+    assert wait_until_gone(str(script)) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
+    script = write_script(
+        tmp_path,
+        "failing_job.py",
+        """
+        import sys, time, loom
+        topo = loom.init()
+        if topo.rank == 1:
+            open(sys.argv[1], "w").write(str(time.time()))
+            raise ValueError("bad value on purpose")
+        time.sleep(120)  # rank 0 would hang for two minutes if nobody stopped it
+    """,
+    )
+    stamp = tmp_path / "raised_at"
+    result = run_loom(["run", "-n", 2, "--run-dir", tmp_path / "run", script, stamp], tmp_path)
+    finished = time.time()
+    assert result.returncode != 0
+    assert "worker rank 1 failed" in result.stderr
+    assert "ValueError: bad value on purpose" in result.stderr
+    assert finished - float(stamp.read_text()) < 10.0
+    assert wait_until_gone(str(script)) == []
+
+
+RESTART_SCRIPT = """
+    import os, torch, torch.distributed as dist, loom
+    topo = loom.init()
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and topo.rank == 1:
+        raise RuntimeError("fail on the first attempt only")
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    print(f"attempt {attempt} rank {topo.rank} sum {x.item():g}")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_restart_after_a_failure_works_every_time(tmp_path):
+    script = write_script(tmp_path, "restart_job.py", RESTART_SCRIPT)
+    for trial in range(10):
+        result = run_loom(
+            ["run", "-n", 2, "--max-restarts", 1, "--run-dir", tmp_path / f"r{trial}", script], tmp_path
+        )
+        assert result.returncode == 0, f"trial {trial}: {result.stderr[-2000:]}"
+        assert "[rank0]: attempt 1 rank 0 sum 2" in result.stdout, f"trial {trial}"
+        assert "[rank1]: attempt 1 rank 1 sum 2" in result.stdout, f"trial {trial}"
+    assert wait_until_gone(str(script)) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_signals_to_the_launcher_leave_no_worker_behind(tmp_path, how):
+    script = write_script(
+        tmp_path,
+        f"sleepy_job_{how}.py",
+        """
+        import time, loom
+        topo = loom.init()
+        print("ready", flush=True)
+        time.sleep(120)
+    """,
+    )
+    proc = subprocess.Popen(
+        [*LOOM, "run", "-n", "2", "--run-dir", str(tmp_path / "run"), str(script)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(processes_mentioning(str(script))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # let the workers get into their script
+        assert len(processes_mentioning(str(script))) >= 3, "launcher and two workers did not start"
+        proc.send_signal(getattr(signal, how))
+        code = proc.wait(timeout=20)
+        assert code != 0
+        assert wait_until_gone(str(script), timeout=15) == [], f"orphan workers after {how}"
+    finally:
+        for pid in processes_mentioning(str(script)):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "-n", "2", "no_such_script.py"], "script 'no_such_script.py' does not exist"),
+        (["run", "-n", "0", "x.py"], "expected a positive integer, got 0"),
+        (["run", "-n", "two", "x.py"], "expected a positive integer, got 'two'"),
+        (["run", "--bogus", "x.py"], "unrecognized arguments: --bogus"),
+        (["run", "--nnodes", "2", "--node-rank", "0", "x.py"], "--master ADDR:PORT"),
+        (["launch", "x.py"], "invalid choice: 'launch'"),
+    ],
+)
+def test_bad_command_lines_get_a_clear_error(tmp_path, args, message):
+    (tmp_path / "x.py").write_text("print('never run')\n")
+    result = run_loom(args, tmp_path, timeout=20)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,123 @@
+"""Every loom.comm all-reduce algorithm against native and a one-process reference; print one JSON line.
+
+Run as N ranks. Inputs are seeded by (case, rank), so each rank can rebuild every rank's input and reduce them
+locally: that is the reference. Output: {"failures": [...], "bytes": {algorithm: snapshot},
+"group": {...} (N >= 3 only)}.
+"""
+
+import itertools
+import json
+
+import torch
+import torch.distributed as dist
+
+import loom
+from loom import comm
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
+# Error bound relative to sum(|x_r|): summing N terms in another order moves the result by a few roundings.
+TOLERANCE = {
+    torch.float32: 1e-6,
+    torch.float64: 1e-6,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+    torch.int64: 0,
+}
+BYTES_NUMEL = 60  # divisible by 2, 3 and 4, so the ring's chunks are equal
+
+topo = loom.init()
+rank, n = topo.rank, topo.world_size
+failures: list[str] = []
+
+
+def make_input(case: int, r: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * case + r)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+
+def reference(inputs: list[torch.Tensor], op: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reduction computed in float64 in one process, and the scale its rounding error is measured against."""
+    stack = torch.stack([t.double() for t in inputs])
+    scale = stack.abs().sum(0)
+    if op == "sum":
+        return stack.sum(0), scale
+    if op == "avg":
+        return stack.mean(0), scale / len(inputs)
+    return (stack.amax(0) if op == "max" else stack.amin(0)), scale
+
+
+def close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, tol: float) -> bool:
+    return bool(((got.double() - want.double()).abs() <= tol * scale).all())
+
+
+def check_case(case: int, dtype: torch.dtype, shape: tuple[int, ...], op: str, transpose: bool) -> None:
+    inputs = [make_input(case, r, dtype, shape) for r in range(n)]
+    want, scale = reference(inputs, op)
+    tol = 0.0 if op in ("max", "min") else TOLERANCE[dtype]
+    native = comm.all_reduce(inputs[rank].clone(), op, "native")
+    for algorithm in comm.ALGORITHMS:
+        mine = inputs[rank].clone()
+        if transpose:  # a non-contiguous view of the same values
+            mine = mine.t().contiguous().t()
+        out = comm.all_reduce(mine, op, algorithm)
+        label = f"rank {rank} {algorithm} {op} {dtype} {tuple(shape)}"
+        if out is not mine:
+            failures.append(f"{label}: did not return its input tensor")
+        if out.dtype != dtype or out.shape != shape:
+            failures.append(f"{label}: changed dtype or shape")
+        elif not close(out, native, scale, tol):
+            failures.append(f"{label}: differs from native by {(out.double() - native.double()).abs().max()}")
+        elif not close(out, want, scale, tol):
+            failures.append(f"{label}: differs from the reference by {(out.double() - want).abs().max()}")
+
+
+def check_integer_avg_refused() -> None:
+    for algorithm in comm.ALGORITHMS:
+        try:
+            comm.all_reduce(torch.ones(3, dtype=torch.int64), "avg", algorithm)
+        except ValueError as error:
+            if "int64" not in str(error):
+                failures.append(
+                    f"rank {rank} {algorithm}: avg-on-int64 error does not name the dtype: {error}"
+                )
+        else:
+            failures.append(f"rank {rank} {algorithm}: avg on int64 did not raise")
+
+
+def measure_bytes(group: dist.ProcessGroup | None = None) -> dict[str, dict]:
+    result = {}
+    for algorithm in comm.ALGORITHMS:
+        comm.counters().reset()
+        comm.all_reduce(torch.ones(BYTES_NUMEL, dtype=torch.float32), "sum", algorithm, group=group)
+        result[algorithm] = comm.counters().snapshot()
+    return result
+
+
+def check_group(members: list[int]) -> dict:
+    """all-reduce on a group that excludes global rank 0, so group ranks differ from global ranks."""
+    group = dist.new_group(members)  # every rank must take part in creating it
+    if rank not in members:
+        return {}
+    me = members.index(rank)
+    for case, op in enumerate(("sum", "avg", "max"), start=10_000):
+        inputs = [make_input(case, r, torch.float64, (7,)) for r in range(len(members))]
+        want, scale = reference(inputs, op)
+        for algorithm in comm.ALGORITHMS:
+            got = comm.all_reduce(inputs[me].clone(), op, algorithm, group=group)
+            if not close(got, want, scale, 1e-12):
+                failures.append(f"rank {rank} group {members} {algorithm} {op}: differs from the reference")
+    return {"group_rank": me, "size": len(members), "bytes": measure_bytes(group)}
+
+
+cases = itertools.product(DTYPES, sorted({0, 1, n - 1, 1000, 1001}), comm.OPS)
+for case, (dtype, size, op) in enumerate(cases):
+    if op == "avg" and not dtype.is_floating_point:
+        continue  # refused, checked below
+    check_case(case, dtype, (size,), op, transpose=False)
+for case, dtype in enumerate(DTYPES, start=5_000):
+    check_case(case, dtype, (3, 5), "sum", transpose=True)
+check_integer_avg_refused()
+group = check_group(list(range(1, n))) if n >= 3 else {}
+print(json.dumps({"failures": failures, "bytes": measure_bytes(), "group": group}))

@@ -1,0 +1,17 @@
+"""Rank 2 builds a wider hidden layer: every rank must get the same clear error, none may hang."""
+
+import torch
+from torch import nn
+
+import loom
+from loom.strategies.consistency import ModelMismatchError
+
+topo = loom.init()
+hidden = 17 if topo.rank == 2 else 16
+model = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 4))
+try:
+    loom.DataParallel().setup(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss)
+except ModelMismatchError as error:
+    print(f"REFUSED: {error}")
+else:
+    print("ACCEPTED")
