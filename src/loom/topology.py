@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,9 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Topology:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        if os.environ.get("LOOM_RUN_DIR"):
+            # torch prefixes tracebacks with the rank; `loom run` already prefixes every line with it.
+            sys.excepthook = _note_uncaught_exception
     _current = Topology(rank, world_size, local_rank, local_world_size, chosen)
     atexit.register(shutdown)
     return _current
@@ -113,13 +117,33 @@ def current() -> Topology:
     return _current if _current is not None else init()
 
 
-def shutdown() -> None:
-    """Leave the process group (safe to call twice, or without `init()`)."""
+def _note_uncaught_exception(kind, value, tb) -> None:
+    global _failed
+    _failed = True
+    _previous_excepthook(kind, value, tb)
+
+
+_failed = False
+_previous_excepthook = sys.excepthook
+sys.excepthook = _note_uncaught_exception
+
+
+def shutdown(barrier_timeout_s: float = 60.0) -> None:
+    """Leave the process group (safe to call twice, or without `init()`).
+
+    On a normal exit the ranks first meet at a barrier, so none tears its connections down while a peer still
+    uses them (tearing down unsynchronized aborted about 2 processes in 100 here). After an uncaught exception
+    there is no barrier: the failing rank exits at once and the launcher stops the others.
+    """
     global _current
     if dist.is_available() and dist.is_initialized():
-        mode = os.environ.get("LOOM_EXIT_MODE", "destroy")
-        if mode == "barrier":
-            dist.barrier()
-        if mode != "none":
-            dist.destroy_process_group()
+        if not _failed:
+            try:
+                if dist.get_backend() == "gloo":
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=barrier_timeout_s))
+                else:
+                    dist.barrier()
+            except RuntimeError as error:
+                print(f"loom: rank {dist.get_rank()}: exit barrier failed: {error}", file=sys.stderr)
+        dist.destroy_process_group()
     _current = None
