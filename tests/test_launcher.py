@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -189,3 +191,141 @@ def test_bad_command_lines_get_a_clear_error(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_two_nodes_on_loopback_form_one_job(tmp_path):
+    script = write_script(
+        tmp_path,
+        "two_node_job.py",
+        """
+        import torch, torch.distributed as dist, loom
+        topo = loom.init()
+        x = torch.tensor([topo.rank + 1.0])
+        dist.all_reduce(x)
+        print(f"rank {topo.rank} of {topo.world_size} local {topo.local_rank} sum {x.item():g}")
+    """,
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [
+                *LOOM,
+                "run",
+                "-n",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--master",
+                f"127.0.0.1:{port}",
+                "--run-dir",
+                str(tmp_path / f"node{node}"),
+                str(script),
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=75)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert [p.returncode for p in nodes] == [0, 0], outputs
+    combined = "".join(outputs)
+    for rank in range(4):
+        assert f"rank {rank} of 4" in combined and "sum 10" in combined, combined
+    assert wait_until_gone(str(script)) == []
+
+
+def _can_make_namespaces() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and iproute2 for network namespaces")
+def test_two_hosts_in_network_namespaces(tmp_path):
+    """Two "hosts" joined by a veth pair: each runs `loom run` with the multi-node flags, nothing on loopback."""
+    tag = f"{os.getpid() % 100000}"
+    hosts = [f"loomh{tag}a", f"loomh{tag}b"]
+    links = [f"lv{tag}a", f"lv{tag}b"]
+    addrs = ["10.77.91.1", "10.77.91.2"]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    script = write_script(
+        tmp_path,
+        "netns_job.py",
+        """
+        import os, torch, torch.distributed as dist, loom
+        topo = loom.init()
+        x = torch.tensor([topo.rank + 1.0])
+        dist.all_reduce(x)
+        print(f"rank {topo.rank} of {topo.world_size} sum {x.item():g} via {os.environ['GLOO_SOCKET_IFNAME']}")
+    """,
+    )
+    try:
+        for host in hosts:
+            ip("netns", "add", host)
+        ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for host, link, addr in zip(hosts, links, addrs, strict=True):
+            ip("link", "set", link, "netns", host)
+            ip("-n", host, "addr", "add", f"{addr}/24", "dev", link)
+            ip("-n", host, "link", "set", link, "up")
+            ip("-n", host, "link", "set", "lo", "up")
+        port = 29000 + os.getpid() % 1000  # a fresh namespace has no other listener
+        nodes = [
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    host,
+                    *LOOM,
+                    "run",
+                    "-n",
+                    "1",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(node),
+                    "--master",
+                    f"{addrs[0]}:{port}",
+                    "--run-dir",
+                    str(tmp_path / host),
+                    str(script),
+                ],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            for node, host in enumerate(hosts)
+        ]
+        try:
+            outputs = [p.communicate(timeout=90)[0] for p in nodes]
+        finally:
+            for p in nodes:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.communicate()
+        assert [p.returncode for p in nodes] == [0, 0], outputs
+        combined = "".join(outputs)
+        assert "rank 0 of 2 sum 3" in combined and "rank 1 of 2 sum 3" in combined, combined
+        assert f"via {links[0]}" in combined and f"via {links[1]}" in combined
+    finally:
+        for host in hosts:
+            subprocess.run(["ip", "netns", "pids", host], capture_output=True)
+            subprocess.run(["ip", "netns", "del", host], capture_output=True)

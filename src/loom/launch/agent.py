@@ -77,23 +77,65 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _endpoint_and_addr(spec: LaunchSpec) -> tuple[str, str | None]:
+def route_address(host: str) -> str:
+    """This host's address on the route to ``host`` (a UDP "connect" sends nothing, it only picks a route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def _endpoint_and_addr(spec: LaunchSpec) -> tuple[str, str]:
+    """The rendezvous endpoint, and the address this node's workers are reached at by the others.
+
+    Whichever node the rendezvous makes rank 0 hosts the workers' store at its address, so every node needs an
+    address the others can reach: by default, its own address on the route to the master.
+    """
     if spec.master is None:
         return f"127.0.0.1:{free_port()}", spec.local_addr or "127.0.0.1"
     master_host = spec.master.rpartition(":")[0]
-    if spec.local_addr:
-        return spec.master, spec.local_addr
-    return spec.master, master_host if spec.node_rank == 0 else None
+    return spec.master, spec.local_addr or route_address(master_host)
 
 
-def _worker_env(spec: LaunchSpec) -> None:
-    """Environment every worker inherits (the agent copies this process's environment)."""
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IPv4 ``address`` on this host (Linux), or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def _run_id(spec: LaunchSpec) -> str:
+    """The rendezvous key: every node of a job must use the same one, so multi-node jobs derive it from the
+    master endpoint (each job's store is new, hosted by node 0's agent); ``LOOM_RUN_ID`` overrides it."""
+    if "LOOM_RUN_ID" in os.environ:
+        return os.environ["LOOM_RUN_ID"]
+    if spec.master is not None:
+        return "loom-" + spec.master.replace(":", "-")
+    return uuid.uuid4().hex[:12]
+
+
+def _worker_env(spec: LaunchSpec, local_addr: str) -> None:
+    """Environment every worker inherits (the agent copies this process's environment).
+
+    gloo binds to the interface named by GLOO_SOCKET_IFNAME; unless the user chose one, it is the interface
+    that holds this node's address (loopback for one-node jobs), so nothing listens on other networks."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers sharing the cores; as torchrun does
     os.environ["LOOM_RUN_DIR"] = str(spec.run_dir.resolve())
     os.environ["PYTHONUNBUFFERED"] = "1"
-    if spec.master is None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = interface_of(local_addr) if sys.platform.startswith("linux") else None
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def _quiet_agent_logs() -> None:
@@ -139,14 +181,14 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    _worker_env(spec)
-    _quiet_agent_logs()
     endpoint, local_addr = _endpoint_and_addr(spec)
+    _worker_env(spec, local_addr)
+    _quiet_agent_logs()
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc,
-        run_id=os.environ.get("LOOM_RUN_ID", uuid.uuid4().hex[:12]),
+        run_id=_run_id(spec),
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": spec.node_rank == 0, "join_timeout": 300},
