@@ -7,9 +7,22 @@ for batch in loom.data.loader(dataset, global_batch_size=256):
     loss = job.train_step(batch)
 """
 
-from loom import data
+from loom import checkpoint, comm, data
+from loom.fit import FitResult, fit
 from loom.strategies import DataParallel, DataParallelConfig
 from loom.topology import Topology, current, init, shutdown
 
-__all__ = ["DataParallel", "DataParallelConfig", "Topology", "current", "data", "init", "shutdown"]
+__all__ = [
+    "DataParallel",
+    "DataParallelConfig",
+    "FitResult",
+    "Topology",
+    "checkpoint",
+    "comm",
+    "current",
+    "data",
+    "fit",
+    "init",
+    "shutdown",
+]
 __version__ = "0.1.0"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -63,9 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_set, test_set = digits_datasets()
     model = digits_cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    run_dir = os.environ.get("LOOM_RUN_DIR")
-    metrics_path = f"{run_dir}/metrics/rank{topo.rank}.jsonl" if run_dir else None
-    job = loom.DataParallel(metrics_path=metrics_path).setup(model, optimizer, nn.functional.cross_entropy)
+    job = loom.DataParallel().setup(model, optimizer, nn.functional.cross_entropy)
     train_loader = loom.data.loader(train_set, args.global_batch, seed=0)
     test_loader = loom.data.loader(test_set, 512, shuffle=False)
 

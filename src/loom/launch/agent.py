@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import sys
 import uuid
@@ -50,6 +51,10 @@ class LaunchSpec:
     """Where logs and metrics of the job go."""
     shutdown_timeout_s: int = 5
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    servers: int = 0
+    """Parameter-server processes to start beside the workers (one-node jobs only)."""
+    server_bind: str = "127.0.0.1"
+    """Address the parameter servers listen on (loopback unless asked)."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes"):
@@ -66,6 +71,12 @@ class LaunchSpec:
             host, _, port = self.master.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--master must be ADDR:PORT, got {self.master!r}")
+        if self.servers < 0:
+            raise ValueError(f"--servers must be >= 0, got {self.servers}")
+        if self.servers and self.nnodes > 1:
+            raise ValueError(
+                "--servers is supported on one-node jobs only (parameter servers start on this host)"
+            )
         if not self.module and not Path(self.target).is_file():
             raise FileNotFoundError(f"loom run: script {self.target!r} does not exist")
 
@@ -132,6 +143,9 @@ def _worker_env(spec: LaunchSpec, local_addr: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers sharing the cores; as torchrun does
     os.environ["LOOM_RUN_DIR"] = str(spec.run_dir.resolve())
     os.environ["PYTHONUNBUFFERED"] = "1"
+    # The job secret authenticates loom's own sockets (parameter servers, ...); every node must share it, so a
+    # multi-node job takes it from the environment the user gives all nodes.
+    os.environ.setdefault("LOOM_JOB_SECRET", secrets.token_hex(32))
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         interface = interface_of(local_addr) if sys.platform.startswith("linux") else None
         if interface is not None:
@@ -180,6 +194,8 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
+    from loom.launch.servers import server_processes
+
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     endpoint, local_addr = _endpoint_and_addr(spec)
     _worker_env(spec, local_addr)
@@ -204,7 +220,10 @@ def launch(spec: LaunchSpec) -> int:
     worker_args += ["-m", spec.target] if spec.module else [str(Path(spec.target).resolve())]
     worker_args += list(spec.args)
     try:
-        launch_agent(config, sys.executable, worker_args)
+        with server_processes(spec.servers, spec.server_bind) as server_addresses:
+            if server_addresses:
+                os.environ["LOOM_PS_ADDRS"] = ",".join(server_addresses)
+            launch_agent(config, sys.executable, worker_args)
     except ChildFailedError as error:
         print(_describe_failures(error), file=sys.stderr)
         print(f"loom run: worker logs are in {spec.run_dir / 'logs'}", file=sys.stderr)

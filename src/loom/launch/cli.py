@@ -48,6 +48,8 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--master", default=None, metavar="ADDR:PORT", help="node 0's rendezvous address")
     p.add_argument("--local-addr", default=None, help="the address other nodes reach this node at")
     p.add_argument("--run-dir", type=Path, default=None, help="logs and metrics (default: runs/<timestamp>)")
+    p.add_argument("--servers", type=_non_negative_int, default=0, help="parameter-server processes to start")
+    p.add_argument("--server-bind", default="127.0.0.1", help="address the parameter servers listen on")
     p.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -68,6 +70,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             master=ns.master,
             local_addr=ns.local_addr,
             run_dir=ns.run_dir or _default_run_dir(),
+            servers=ns.servers,
+            server_bind=ns.server_bind,
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"loom run: {error}", file=sys.stderr)

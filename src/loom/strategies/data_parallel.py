@@ -16,6 +16,7 @@ use ``drop_last=True`` or a global batch of at least the world size). Losses mus
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -92,8 +93,14 @@ class DataParallel:
                 wrapped.register_comm_hook(None, allreduce_hook(self.config.allreduce))
         else:
             wrapped = model
-        metrics = StepMetrics(topo.rank, self.metrics_path)
+        metrics = StepMetrics(topo.rank, self.metrics_path or _default_metrics_path(topo))
         return DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
+
+
+def _default_metrics_path(topo: Topology) -> str | None:
+    """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl``."""
+    run_dir = os.environ.get("LOOM_RUN_DIR")
+    return f"{run_dir}/metrics/rank{topo.rank}.jsonl" if run_dir else None
 
 
 def _buffer_sync_option(enabled: bool) -> dict[str, bool]:

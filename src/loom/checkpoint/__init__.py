@@ -1,0 +1,43 @@
+"""Consistent, atomic checkpoints in safetensors + JSON (no pickle), and the RNG state that goes with them.
+
+```python
+from loom.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+
+save_checkpoint("ckpt", step, {"job": job.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()})
+found = load_checkpoint("ckpt")          # (step, state) of the newest intact checkpoint, or None
+```
+
+A checkpoint becomes visible only once all of it is on disk (`loom.checkpoint.store` has the protocol);
+`save_checkpoint_async` takes the snapshot immediately and writes it in the background. `loom.fit` builds
+resume on these.
+"""
+
+from loom.checkpoint.background import AsyncCheckpoint, save_checkpoint_async
+from loom.checkpoint.rng import capture_rng, restore_rng
+from loom.checkpoint.store import (
+    CheckpointError,
+    CorruptCheckpointError,
+    CorruptCheckpointWarning,
+    NoValidCheckpointError,
+    checkpoint_name,
+    list_checkpoints,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "AsyncCheckpoint",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "CorruptCheckpointWarning",
+    "NoValidCheckpointError",
+    "capture_rng",
+    "checkpoint_name",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_checkpoint",
+    "restore_rng",
+    "save_checkpoint",
+    "save_checkpoint_async",
+]

@@ -1,0 +1,98 @@
+"""Asynchronous checkpoints: copy the state now, write it while training goes on.
+
+`save_checkpoint_async` takes the snapshot inside the call: every tensor is cloned to fresh CPU memory and the
+rest of the tree encoded to JSON before it returns, so the next optimizer step (which updates parameters and
+optimizer moments in place) cannot leak into the checkpoint. Only the file writes, fsyncs and renames happen on
+a background thread, with the same commit protocol as `save_checkpoint`.
+
+At most one asynchronous save is in flight per process: a second call first waits for the first (and raises if
+it failed), which also bounds the memory held by snapshots to one copy of the state. The writer thread is not a
+daemon, so a normal interpreter exit lets a pending checkpoint finish.
+
+Limits: the snapshot costs one copy of every tensor in host memory and the time to make it (a device-to-host
+copy for GPU tensors); it is the training loop's pause, the disk time is not.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from loom.checkpoint.store import CheckpointError, validate_save_arguments, write_checkpoint
+from loom.checkpoint.tree import flatten_state
+
+__all__ = ["AsyncCheckpoint", "save_checkpoint_async"]
+
+_slot_lock = threading.Lock()
+_in_flight: AsyncCheckpoint | None = None
+
+
+class AsyncCheckpoint:
+    """Handle of a checkpoint being written in the background: `wait()` for it, `done()` to poll."""
+
+    def __init__(self, directory: Path, step: int) -> None:
+        self.directory = directory
+        self.step = step
+        self.path: Path | None = None
+        """The checkpoint's directory, once written."""
+        self._error: BaseException | None = None
+        self._reported = False
+        self._finished = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self, skeleton: Any, tensors: dict, keep: int | None) -> None:
+        try:
+            self.path = write_checkpoint(self.directory, self.step, skeleton, tensors, keep)
+        except BaseException as err:  # kept for wait(), which re-raises it in the caller's thread
+            self._error = err
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until the checkpoint is durable; return its path, or raise the error that stopped it."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"checkpoint of step {self.step} still being written after {timeout} s")
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            self._reported = True
+            raise CheckpointError(
+                f"writing the checkpoint of step {self.step} to {self.directory} failed: {self._error!r}"
+            ) from self._error
+        assert self.path is not None  # set whenever there is no error
+        return self.path
+
+    def __repr__(self) -> str:
+        status = "failed" if self._error else "written" if self.done() else "writing"
+        return f"AsyncCheckpoint(step={self.step}, directory={str(self.directory)!r}, {status})"
+
+
+def save_checkpoint_async(
+    directory: str | os.PathLike, step: int, state: dict[str, Any], keep: int | None = 3
+) -> AsyncCheckpoint:
+    """Snapshot ``state`` now and write it as `save_checkpoint` would, in the background; return the handle.
+
+    Waits first for this process's previous asynchronous save, raising `CheckpointError` if that one failed
+    and its own `wait()` has not reported it yet.
+    """
+    global _in_flight
+    validate_save_arguments(step, state, keep)
+    with _slot_lock:
+        previous, _in_flight = _in_flight, None
+        if previous is not None:
+            previous._finished.wait()
+            if not previous._reported:  # a failure nobody has seen yet stops this save
+                previous.wait()
+        skeleton, tensors = flatten_state(state, clone=True)
+        handle = AsyncCheckpoint(Path(directory), step)
+        handle._thread = threading.Thread(
+            target=handle._write, args=(skeleton, tensors, keep), name=f"loom-checkpoint-{step}", daemon=False
+        )
+        handle._thread.start()
+        _in_flight = handle
+    return handle

@@ -1,0 +1,63 @@
+"""Writes that survive a crash: fsync the file, then the directory that names it.
+
+POSIX makes a rename atomic, but not durable: after a power loss the new name may point at a file whose data
+never reached the disk, unless the data was fsynced before the rename and the directory after it. Everything
+here follows that order. (A process crash alone, e.g. SIGKILL, loses nothing the kernel already accepted; the
+fsyncs are for machine crashes.)
+
+Limits: some network filesystems do not honour fsync on directories; `fsync_directory` then does nothing
+(it ignores the ``EINVAL``/``EBADF``/``EISDIR`` they raise), and durability is only as good as the filesystem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from pathlib import Path
+
+__all__ = ["write_durable", "fsync_directory", "replace_durable", "unique_name"]
+
+
+def unique_name(prefix: str) -> str:
+    """A name no other writer picks: prefix, this process's id and random hex."""
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, and fsync it before returning."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_directory(path: Path) -> None:
+    """Make the entries of directory ``path`` (creations, renames, removals) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.EBADF, errno.EISDIR):
+            raise
+    finally:
+        os.close(fd)
+
+
+def replace_durable(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` with a file holding ``data``: a reader sees the old or the new file, whole."""
+    temporary = path.with_name(unique_name(f".{path.name}.tmp"))
+    try:
+        write_durable(temporary, data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
+    fsync_directory(path.parent)

@@ -1,0 +1,176 @@
+"""Split a nested state into JSON plus a flat dict of tensors, and join them back, without pickle.
+
+A checkpoint state is a tree of dicts, lists and tuples whose leaves are tensors, ``None``, bools, ints, floats
+and strings. `flatten_state` walks it once and returns a *skeleton*, a JSON-able copy of the tree in which every
+tensor is replaced by a placeholder naming its key in the tensor file (the key is the tensor's path in the tree,
+e.g. ``job/optimizer/state/0/exp_avg``, so a safetensors file can be read on its own). `unflatten_state` puts the
+tensors back in place.
+
+JSON alone would lose what PyTorch's state_dicts rely on, so a few shapes are tagged with a ``"__loom__"`` key:
+
+- a tuple (Adam's ``betas``) is ``{"__loom__": "tuple", "items": [...]}``, a list stays a JSON array;
+- a dict whose keys are not all strings (an optimizer's ``state`` is keyed by parameter index), or that has a
+  ``"__loom__"`` key of its own, is ``{"__loom__": "dict", "items": [[key, value], ...]}``, keys encoded like
+  values, so ``{0: ...}`` and ``{"0": ...}`` stay distinct;
+- an ``OrderedDict`` (a module's state_dict) is ``"odict"``, with the ``_metadata`` attribute PyTorch keeps on it
+  (module versions that ``load_state_dict`` reads), when there is one;
+- a non-finite float is ``{"__loom__": "float", "value": "nan"}`` (strict JSON has no NaN or Infinity).
+
+Finite floats are written with ``repr``, which round-trips every double exactly.
+
+Limits: tensors come back contiguous, on the CPU, without ``requires_grad``, each with its own memory (two
+entries that shared a tensor become two tensors). Subclasses of the leaf types come back as the base type
+(``numpy.float32`` as ``float``, ``numpy.int64`` as ``int``); any other type is refused with its path.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["TAG", "flatten_state", "unflatten_state"]
+
+TAG = "__loom__"
+"""The key that marks a JSON object as an encoded tuple, dict, float or tensor placeholder."""
+
+
+class _Flattener:
+    def __init__(self, clone: bool) -> None:
+        self.clone = clone
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._storages: set[int] = set()
+
+    def encode(self, value: Any, path: tuple[str, ...]) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return str(value) if isinstance(value, str) else value
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path)
+        if isinstance(value, float):
+            value = float(value)
+            if math.isfinite(value):
+                return value
+            return {TAG: "float", "value": repr(value)}  # 'nan', 'inf', '-inf'
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real):  # e.g. numpy.float32: stored as the double it converts to
+            return self.encode(float(value), path)
+        if isinstance(value, tuple):
+            return {TAG: "tuple", "items": [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            return self._mapping(value, path)
+        where = "/".join(path) or "<root>"
+        raise TypeError(
+            f"cannot checkpoint the value at {where!r}: {type(value).__name__} is not a tensor, None, bool, int, "
+            "float, str, list, tuple or dict. HINT: convert it to one of these in the state_dict() that made it."
+        )
+
+    def _mapping(self, value: Mapping, path: tuple[str, ...]) -> Any:
+        plain = all(isinstance(k, str) for k in value) and TAG not in value
+        if plain and type(value) is dict:
+            return {k: self.encode(v, (*path, k)) for k, v in value.items()}
+        items = []
+        for k, v in value.items():
+            if isinstance(k, torch.Tensor):
+                raise TypeError(
+                    f"cannot checkpoint a dict keyed by tensors at {'/'.join(path) or '<root>'!r}"
+                )
+            items.append([self.encode(k, (*path, "<key>")), self.encode(v, (*path, str(k)))])
+        if not isinstance(value, OrderedDict):
+            return {TAG: "dict", "items": items}
+        encoded: dict[str, Any] = {TAG: "odict", "items": items}
+        metadata = getattr(value, "_metadata", None)
+        if metadata is not None:
+            encoded["metadata"] = self.encode(metadata, (*path, "<metadata>"))
+        return encoded
+
+    def _tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> dict[str, Any]:
+        if tensor.layout != torch.strided:
+            raise TypeError(f"cannot checkpoint the {tensor.layout} tensor at {'/'.join(path)!r}: only dense")
+        key = "/".join(path) or "<root>"
+        if key in self.tensors:  # e.g. {0: t} and {"0": t} give the same path
+            suffix = 1
+            while f"{key}~{suffix}" in self.tensors:
+                suffix += 1
+            key = f"{key}~{suffix}"
+        # With clone, a copy made now, so later in-place updates (the next optimizer step) cannot reach it.
+        data = tensor.detach().to("cpu", copy=self.clone, memory_format=torch.contiguous_format).contiguous()
+        storage = data.untyped_storage().data_ptr()
+        if storage and storage in self._storages:  # safetensors refuses tensors that share memory
+            data = data.clone()
+        self._storages.add(data.untyped_storage().data_ptr())
+        self.tensors[key] = data
+        return {TAG: "tensor", "key": key, "dtype": str(data.dtype), "shape": list(data.shape)}
+
+
+def flatten_state(state: Any, *, clone: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Return ``(skeleton, tensors)``: a JSON-able copy of ``state`` and the tensors it refers to by key.
+
+    With ``clone=True`` every tensor is copied to fresh CPU memory, so the result cannot change afterwards;
+    otherwise CPU tensors that are already contiguous are shared with ``state``.
+    """
+    flattener = _Flattener(clone)
+    skeleton = flattener.encode(state, ())
+    return skeleton, flattener.tensors
+
+
+class _Unflattener:
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.used: set[str] = set()
+
+    def decode(self, value: Any) -> Any:
+        if isinstance(value, list):
+            return [self.decode(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        kind = value.get(TAG)
+        if kind is None:
+            return {k: self.decode(v) for k, v in value.items()}
+        if kind == "tuple":
+            return tuple(self.decode(v) for v in value["items"])
+        if kind in ("dict", "odict"):
+            pairs = [(self.decode(k), self.decode(v)) for k, v in value["items"]]
+            if kind == "dict":
+                return dict(pairs)
+            ordered: OrderedDict = OrderedDict(pairs)
+            if "metadata" in value:
+                ordered._metadata = self.decode(value["metadata"])  # type: ignore[attr-defined]
+            return ordered
+        if kind == "float":
+            return float(value["value"])
+        if kind == "tensor":
+            return self._tensor(value)
+        raise ValueError(f"unknown tag {TAG}={kind!r} in the checkpoint's JSON")
+
+    def _tensor(self, placeholder: dict[str, Any]) -> torch.Tensor:
+        key = placeholder["key"]
+        if key not in self.tensors:
+            raise ValueError(f"the JSON refers to tensor {key!r}, which the tensor file does not hold")
+        tensor = self.tensors[key]
+        if str(tensor.dtype) != placeholder["dtype"] or list(tensor.shape) != placeholder["shape"]:
+            raise ValueError(
+                f"tensor {key!r} is {tensor.dtype} {list(tensor.shape)} in the tensor file but the JSON says "
+                f"{placeholder['dtype']} {placeholder['shape']}"
+            )
+        self.used.add(key)
+        return tensor
+
+
+def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `flatten_state`. Raises ``ValueError`` if the two parts do not belong together."""
+    unflattener = _Unflattener(tensors)
+    state = unflattener.decode(skeleton)
+    unused = set(tensors) - unflattener.used
+    if unused:
+        raise ValueError(
+            f"the tensor file holds {len(unused)} tensor(s) the JSON never refers to, e.g. "
+            f"{sorted(unused)[0]!r}"
+        )
+    return state

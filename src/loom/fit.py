@@ -1,0 +1,395 @@
+"""`fit`: the training loop, with checkpoints, automatic resume, progress and an LR schedule.
+
+```python
+job = loom.DataParallel().setup(model, optimizer, loss_fn)
+loader = loom.data.loader(dataset, global_batch_size=256, seed=0)
+result = loom.fit(job, loader, steps=10_000, checkpoint_dir="ckpt", checkpoint_every=500)
+```
+
+Run the same command again after a crash and it continues from the newest intact checkpoint: the job (model,
+optimizer, step), the loader's position in global samples, the LR scheduler, every rank's RNG state and the
+loop's own counters are restored, so the resumed run takes the same steps on the same samples as an
+uninterrupted one. ``steps`` and ``epochs`` are totals for the whole run, not for this call.
+
+Who writes: the state of a replicated job (`DataParallel`) is the same on every rank, so rank 0 alone writes
+it, after gathering every rank's RNG state; at each checkpoint the ranks then agree (one small all-gather) that
+it succeeded, so a failed write stops every rank with the same error instead of leaving some waiting. Every
+rank loads the checkpoint itself and the ranks check they found the same step.
+
+Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). Strategies whose
+state differs per rank (sharded ones) need per-rank files, which this loop does not write yet. The LR scheduler
+is stepped once per optimizer step. RNG states are restored exactly when the world size is unchanged; after
+a resize rank r takes saved rank ``r mod old_world_size``'s state. With ``async_checkpoint=True`` a checkpoint
+is durable only once the next one starts or `fit` returns (it always waits for the last one).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loom.checkpoint import (
+    AsyncCheckpoint,
+    CheckpointError,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+    save_checkpoint_async,
+)
+from loom.observe.progress import ProgressBar
+from loom.strategies.data_parallel import DataParallelJob
+from loom.topology import Topology
+
+__all__ = ["FitResult", "fit"]
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What `fit` did."""
+
+    steps: int
+    """Optimizer steps of the whole run so far (including those before a resume)."""
+    epochs: int
+    """Epochs completed in the whole run."""
+    last_loss: float | None
+    """Global-batch loss of the last step (None if the run has taken no step)."""
+    resumed_from: int | None
+    """Step of the checkpoint this call resumed from, or None if it started fresh."""
+    steps_run: int
+    """Steps taken by this call."""
+
+
+# -- collectives (no-ops in a single process) -------------------------------------------------------------------
+def _collective(topo: Topology) -> bool:
+    return topo.is_distributed and dist.is_available() and dist.is_initialized()
+
+
+def _all_gather_int(value: int, topo: Topology) -> list[int]:
+    if not _collective(topo):
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=topo.device)
+    gathered = [torch.zeros_like(mine) for _ in range(topo.world_size)]
+    dist.all_gather(gathered, mine)
+    return [int(t.item()) for t in gathered]
+
+
+def _all_gather_bytes(payload: bytes, topo: Topology) -> list[bytes]:
+    lengths = _all_gather_int(len(payload), topo)
+    if not _collective(topo):
+        return [payload]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=topo.device)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(topo.device)
+    gathered = [torch.zeros_like(padded) for _ in lengths]
+    dist.all_gather(gathered, padded)
+    return [bytes(g[:n].cpu().tolist()) for g, n in zip(gathered, lengths, strict=True)]
+
+
+def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
+    """Every rank's RNG state (as `capture_rng` gives it), in rank order; JSON on the wire, never pickle."""
+    mine = capture_rng()
+    if not _collective(topo):
+        return [mine]
+    wire = dict(
+        mine,
+        torch=mine["torch"].tolist(),
+        cuda=None if mine["cuda"] is None else [t.tolist() for t in mine["cuda"]],
+    )
+    states = [json.loads(raw) for raw in _all_gather_bytes(json.dumps(wire).encode(), topo)]
+    for state in states:
+        state["torch"] = torch.tensor(state["torch"], dtype=torch.uint8)
+        if state["cuda"] is not None:
+            state["cuda"] = [torch.tensor(t, dtype=torch.uint8) for t in state["cuda"]]
+    return states
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------------
+class _Checkpointer:
+    """Writes the loop's checkpoints from rank 0 and makes every rank agree that the write succeeded."""
+
+    def __init__(self, job, loader, scheduler, directory: Path, keep: int, use_async: bool) -> None:
+        self.job, self.loader, self.scheduler = job, loader, scheduler
+        self.directory, self.keep, self.use_async = directory, keep, use_async
+        self.topo: Topology = job.topology
+        self.pending: AsyncCheckpoint | None = None
+        self.saved_step: int | None = None
+
+    def save(self, step: int, loop_state: dict[str, Any]) -> None:
+        rng = _gather_rng(self.topo)  # every rank takes part
+        failure = ""
+        if self.topo.is_main:
+            state = {
+                "job": self.job.state_dict(),
+                "loader": self.loader.state_dict(),
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "rng": {"ranks": rng},
+                "fit": dict(loop_state, world_size=self.topo.world_size),
+            }
+            try:
+                if self.use_async:
+                    self.pending = save_checkpoint_async(self.directory, step, state, keep=self.keep)
+                else:
+                    save_checkpoint(self.directory, step, state, keep=self.keep)
+            except Exception as err:  # reported on every rank below
+                failure = repr(err)
+        self._agree(failure, f"saving the checkpoint of step {step}")
+        self.saved_step = step
+
+    def finish(self) -> None:
+        failure = ""
+        if self.pending is not None:
+            try:
+                self.pending.wait()
+            except CheckpointError as err:
+                failure = repr(err)
+            self.pending = None
+        self._agree(failure, "finishing the last checkpoint")
+
+    def abandon(self) -> None:
+        """After an error elsewhere: let a pending write finish, without collectives or masking that error."""
+        if self.pending is not None:
+            try:
+                self.pending.wait()
+            except CheckpointError as err:
+                warnings.warn(f"the last asynchronous checkpoint also failed: {err}", stacklevel=3)
+            self.pending = None
+
+    def _agree(self, failure: str, operation: str) -> None:
+        flags = _all_gather_int(1 if failure else 0, self.topo)
+        if any(flags) and not failure:
+            failure = f"rank {flags.index(1)} failed"
+        if failure:
+            raise CheckpointError(
+                f"{operation} in {self.directory} failed (seen on rank {self.topo.rank}): {failure}. "
+                "HINT: check that the directory is writable and has free space."
+            )
+
+
+def _resume(job, loader, scheduler, directory: Path, topo: Topology) -> tuple[int, dict[str, Any]] | None:
+    error: Exception | None = None
+    try:
+        found = load_checkpoint(directory)
+    except CheckpointError as err:  # raised on every rank after the steps are compared, so nobody hangs
+        found, error = None, err
+    steps = _all_gather_int(-2 if error else -1 if found is None else found[0], topo)
+    if error is not None:
+        raise error
+    if len(set(steps)) > 1:
+        described = ", ".join(f"rank {r}: {'none' if s < 0 else s}" for r, s in enumerate(steps))
+        raise CheckpointError(
+            f"ranks found different checkpoints in {directory} ({described}). HINT: checkpoint_dir must be "
+            "storage every rank sees (a shared filesystem), used by one job at a time."
+        )
+    if found is None:
+        return None
+    step, state = found
+    if not isinstance(state.get("fit"), dict):
+        raise ValueError(
+            f"the checkpoint of step {step} in {directory} was not written by loom.fit (no 'fit' entry). "
+            "HINT: pass a checkpoint_dir of its own to fit()."
+        )
+    job.load_state_dict(state["job"])
+    loader.load_state_dict(state["loader"])
+    if scheduler is not None:
+        if state.get("scheduler") is None:
+            raise ValueError(
+                f"fit() got an lr_scheduler but the checkpoint of step {step} in {directory} holds none. "
+                "HINT: resume with the same arguments as the run that wrote it."
+            )
+        scheduler.load_state_dict(state["scheduler"])
+    ranks = state["rng"]["ranks"]
+    restore_rng(ranks[topo.rank % len(ranks)])
+    return step, state["fit"]
+
+
+# -- the loop ----------------------------------------------------------------------------------------------------
+def _positive_int(name: str, value: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
+def _validate(
+    job, loader, epochs, steps, checkpoint_dir, checkpoint_every, keep, async_checkpoint, scheduler, log_every
+) -> None:
+    if (epochs is None) == (steps is None):
+        raise ValueError(
+            f"pass exactly one of epochs= or steps=, got epochs={epochs!r}, steps={steps!r}. "
+            "HINT: steps counts optimizer steps, epochs full passes over the data; both are totals for the run."
+        )
+    _positive_int("epochs", epochs, optional=True)
+    _positive_int("steps", steps, optional=True)
+    _positive_int("checkpoint_every", checkpoint_every)
+    _positive_int("keep", keep)
+    _positive_int("log_every", log_every, optional=True)
+    missing = [
+        m for m in ("train_step", "state_dict", "load_state_dict") if not callable(getattr(job, m, None))
+    ]
+    if missing or not isinstance(getattr(job, "topology", None), Topology):
+        raise TypeError(
+            f"fit() expects a job from a strategy's setup() (train_step, state_dict, load_state_dict, topology); "
+            f"{type(job).__name__} lacks {missing or ['topology']}. HINT: job = loom.DataParallel().setup(...)."
+        )
+    if not hasattr(loader, "__iter__"):
+        raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
+    if scheduler is not None:
+        lacking = [
+            m for m in ("step", "state_dict", "load_state_dict") if not callable(getattr(scheduler, m, None))
+        ]
+        if lacking:
+            raise TypeError(
+                f"lr_scheduler {type(scheduler).__name__} lacks {lacking}; pass a torch LR scheduler"
+            )
+    if checkpoint_dir is None:
+        if async_checkpoint:
+            raise ValueError("async_checkpoint=True needs a checkpoint_dir")
+        return
+    if not (
+        callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    ):
+        raise TypeError(
+            f"checkpointing needs a loader with state_dict()/load_state_dict() to resume its position; "
+            f"{type(loader).__name__} has none. HINT: use loom.data.loader(dataset, global_batch_size)."
+        )
+    replicated = getattr(job, "replicated_state", isinstance(job, DataParallelJob))
+    if job.topology.is_distributed and not replicated:
+        raise ValueError(
+            f"fit() checkpoints only jobs whose state is the same on every rank (DataParallel); "
+            f"{type(job).__name__} is not. HINT: run without checkpoint_dir, or save per-rank state yourself."
+        )
+
+
+@dataclass
+class _Position:
+    """Where the loop stands; saved in every checkpoint under ``"fit"``."""
+
+    step: int
+    epoch: int
+    epoch_step: int = 0
+    """Batches of ``epoch`` taken so far."""
+    last_loss: float | None = None
+
+
+def _len(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+@dataclass
+class _Loop:
+    job: Any
+    loader: Any
+    scheduler: Any
+    checkpointer: _Checkpointer | None
+    checkpoint_every: int
+    epochs: int | None
+    steps: int | None
+    log_every: int | None
+
+    def steps_left(self, at: _Position) -> int | None:
+        if self.steps is not None:
+            return self.steps - at.step
+        per_epoch = _len(self.loader)
+        return None if per_epoch is None else max(per_epoch * (self.epochs - at.epoch) - at.epoch_step, 0)
+
+    def run(self, at: _Position, bar: ProgressBar) -> None:
+        empty_passes, started, first = 0, time.perf_counter(), at.step
+        while (self.steps is None or at.step < self.steps) and (
+            self.epochs is None or at.epoch < self.epochs
+        ):
+            if callable(getattr(self.loader, "set_epoch", None)):
+                self.loader.set_epoch(at.epoch)  # a no-op when resuming inside this epoch
+            taken = 0
+            for batch in self.loader:
+                at.last_loss = float(self.job.train_step(batch))
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                at.step, at.epoch_step, taken = at.step + 1, at.epoch_step + 1, taken + 1
+                self._report(at, bar, (at.step - first) / (time.perf_counter() - started))
+                if self.checkpointer is not None and at.step % self.checkpoint_every == 0:
+                    self.checkpointer.save(at.step, asdict(at))
+                if self.steps is not None and at.step >= self.steps:
+                    break
+            else:
+                at.epoch, at.epoch_step = at.epoch + 1, 0
+            # One empty pass is normal after resuming from the last batch of an epoch; two mean no data.
+            empty_passes = empty_passes + 1 if taken == 0 else 0
+            if empty_passes >= 2:
+                raise ValueError(
+                    f"the loader yielded no batch in epochs {at.epoch - 2} and {at.epoch - 1}. "
+                    "HINT: check that the dataset is not empty (or smaller than the batch with drop_last)."
+                )
+
+    def _report(self, at: _Position, bar: ProgressBar, steps_per_s: float) -> None:
+        bar.advance(info=f"step {at.step} epoch {at.epoch} loss {at.last_loss:.4f}")
+        if self.log_every is not None and self.job.topology.is_main and at.step % self.log_every == 0:
+            print(
+                f"step {at.step} epoch {at.epoch} loss {at.last_loss:.6g} ({steps_per_s:.2f} steps/s)",
+                flush=True,
+            )
+
+    def completed_epochs(self, at: _Position) -> int:
+        """Epochs done, counting one whose last batch was taken though its iterator was not run to the end."""
+        per_epoch = _len(self.loader)
+        return at.epoch + 1 if per_epoch is not None and 0 < per_epoch <= at.epoch_step else at.epoch
+
+
+def fit(
+    job: Any,
+    loader: Any,
+    *,
+    epochs: int | None = None,
+    steps: int | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 100,
+    keep: int = 3,
+    async_checkpoint: bool = False,
+    lr_scheduler: Any = None,
+    log_every: int | None = None,
+    progress: bool = True,
+) -> FitResult:
+    """Train ``job`` on ``loader`` until the run has taken ``steps`` steps or completed ``epochs`` epochs.
+
+    ``checkpoint_dir``: resume from it when it holds a checkpoint, save into it every ``checkpoint_every``
+    steps and at the end, keeping the newest ``keep``; ``async_checkpoint`` writes them in the background.
+    ``lr_scheduler`` is stepped after every optimizer step and checkpointed. ``log_every``: the main process
+    prints a line every so many steps. ``progress``: show a progress bar on the main process.
+    Without a checkpoint, counting starts at the job's ``step`` and the loader's ``epoch`` (0 for fresh ones).
+    """
+    _validate(job, loader, epochs, steps, checkpoint_dir, checkpoint_every, keep, async_checkpoint,
+              lr_scheduler, log_every)  # fmt: skip
+    at = _Position(int(getattr(job, "step", 0)), int(getattr(loader, "epoch", 0)))
+    resumed_from, checkpointer = None, None
+    if checkpoint_dir is not None:
+        checkpointer = _Checkpointer(job, loader, lr_scheduler, Path(checkpoint_dir), keep, async_checkpoint)
+        resumed = _resume(job, loader, lr_scheduler, Path(checkpoint_dir), job.topology)
+        if resumed is not None:
+            resumed_from, saved = resumed
+            at = _Position(resumed_from, saved["epoch"], saved["epoch_step"], saved["last_loss"])
+        checkpointer.saved_step = resumed_from
+    loop = _Loop(job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every)
+    first_step, left = at.step, loop.steps_left(at)
+    goal = f"step {steps}" if steps is not None else f"epoch {epochs}"
+    show = progress and job.topology.is_main and left is not None
+    try:
+        with ProgressBar(left or 0, f"fit to {goal}", enabled=show) as bar:
+            loop.run(at, bar)
+        if checkpointer is not None:
+            if at.step != checkpointer.saved_step and at.step > first_step:
+                checkpointer.save(at.step, asdict(at))
+            checkpointer.finish()
+    except BaseException:
+        if checkpointer is not None:
+            checkpointer.abandon()
+        raise
+    return FitResult(at.step, loop.completed_epochs(at), at.last_loss, resumed_from, at.step - first_step)

@@ -1,0 +1,52 @@
+"""Train with loom.fit to a total step count, checkpointing into a directory; print the result and parameters.
+
+``fit_resume.py DIR:STEPS [DIR:STEPS ...]``: one run per argument, each from freshly built objects as a
+restarted script would, resuming from DIR when it holds a checkpoint (several runs share a launch because
+starting processes is the slow part). Each rank seeds its RNG differently after setup, so dropout masks differ
+per rank and resuming must restore every rank's own RNG state, not just rank 0's.
+"""
+
+import json
+import sys
+
+import torch
+from common import make_dataset
+from torch import nn
+
+import loom
+from loom.fit import fit
+
+topo = loom.init()
+for run in sys.argv[1:]:
+    checkpoint_dir, steps = run.rsplit(":", 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.25), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    job = loom.DataParallel().setup(model, optimizer, nn.functional.mse_loss)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+    torch.manual_seed(100 + topo.rank)
+    loader = loom.data.loader(make_dataset(), 10, seed=1)
+    result = fit(
+        job,
+        loader,
+        steps=int(steps),
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=2,
+        keep=2,
+        lr_scheduler=scheduler,
+        progress=False,
+    )
+    params = {k: v.flatten().tolist() for k, v in job.module.state_dict().items()}
+    print(
+        json.dumps(
+            {
+                "rank": topo.rank,
+                "dir": checkpoint_dir,
+                "steps": result.steps,
+                "resumed_from": result.resumed_from,
+                "steps_run": result.steps_run,
+                "loss": result.last_loss,
+                "params": params,
+            }
+        )
+    )
