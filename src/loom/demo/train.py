@@ -50,6 +50,17 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (outputs.argmax(dim=1) == targets).float().mean()
 
 
+def evaluate(job, test_loader) -> tuple[float, float]:
+    """Test loss and accuracy over the whole test set (each global batch weighted by its size)."""
+    total = loss = correct = 0.0
+    for batch in test_loader:
+        result = job.eval_step(batch, metrics={"accuracy": accuracy})
+        total += batch.global_size
+        loss += result["loss"] * batch.global_size
+        correct += result["accuracy"] * batch.global_size
+    return loss / total, correct / total
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=8)
@@ -84,10 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                 trained += batch.global_size
                 bar.advance(info=f"loss {losses[-1]:.3f}")
             train_time += time.perf_counter() - started
-        evals = [job.eval_step(b, metrics={"accuracy": accuracy}) for b in test_loader]
-        sizes = [len(test_set)] if len(evals) == 1 else None
-        test_loss = evals[0]["loss"] if sizes else sum(e["loss"] for e in evals) / len(evals)
-        test_acc = evals[0]["accuracy"] if sizes else sum(e["accuracy"] for e in evals) / len(evals)
+        test_loss, test_acc = evaluate(job, test_loader)
         result = {
             "workers": topo.world_size,
             "epochs": epoch + 1,
