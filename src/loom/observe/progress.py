@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 __all__ = ["ProgressBar"]
 
@@ -35,7 +35,7 @@ class ProgressBar:
         self.done = 0
         self._live = enabled and sys.stdout.isatty()
         self._rich: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
         self.line_interval_s = line_interval_s
         self._started = time.perf_counter()
         self._last_line = self._started
@@ -57,7 +57,7 @@ class ProgressBar:
         self.done += steps
         if not self.enabled:
             return
-        if self._rich is not None:
+        if self._rich is not None and self._task is not None:
             self._rich.update(self._task, advance=steps, info=info)
             return
         now = time.perf_counter()

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from loom.comm import ALGORITHMS, allreduce_hook
+from loom.fault.watchdog import Watchdog, hang_timeout_s
 from loom.observe.metrics import StepMetrics
 from loom.strategies.consistency import check_same_model
 from loom.topology import Topology, current
@@ -54,6 +55,9 @@ class DataParallelConfig:
     allreduce: str = "native"
     """Gradient all-reduce algorithm (see `loom.comm`): ``native`` is DDP's own, asynchronous, overlapped with
     backward; ``ring`` and ``driver`` are loom's, counted byte by byte."""
+    hang_timeout_s: float | None = None
+    """Seconds a collective may wait before the job stops with a report of who did not arrive
+    (`loom.fault.watchdog`); None: ``LOOM_HANG_TIMEOUT_S``, else 180."""
 
     def __post_init__(self) -> None:
         if self.allreduce not in ALGORITHMS:
@@ -62,6 +66,8 @@ class DataParallelConfig:
             raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        if self.hang_timeout_s is not None:
+            hang_timeout_s(self.hang_timeout_s)
 
 
 class DataParallel:
@@ -82,19 +88,23 @@ class DataParallel:
         model.to(topo.device)
         if topo.is_distributed:
             check_same_model(model, topo.rank, topo.world_size)
-            wrapped: nn.Module = DistributedDataParallel(
+            ddp = DistributedDataParallel(
                 model,
                 device_ids=[topo.local_rank] if topo.device.type == "cuda" else None,
                 bucket_cap_mb=self.config.bucket_cap_mb,
                 find_unused_parameters=self.config.find_unused_parameters,
-                **_buffer_sync_option(self.config.broadcast_buffers),
+                **_buffer_sync_option(self.config.broadcast_buffers),  # type: ignore[arg-type]
             )
             if self.config.allreduce != "native":
-                wrapped.register_comm_hook(None, allreduce_hook(self.config.allreduce))
+                ddp.register_comm_hook(None, allreduce_hook(self.config.allreduce))
+            wrapped: nn.Module = ddp
         else:
             wrapped = model
         metrics = StepMetrics(topo.rank, self.metrics_path or _default_metrics_path(topo))
-        return DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
+        job = DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
+        if topo.is_distributed:
+            job.watchdog = Watchdog.start(topo, self.config.hang_timeout_s)
+        return job
 
 
 def _default_metrics_path(topo: Topology) -> str | None:
@@ -162,7 +172,7 @@ def _zero_loss(outputs: Any) -> torch.Tensor:
     floating = [t for t in tensors if t.is_floating_point()]
     if not floating:
         raise TypeError("the model's outputs hold no floating-point tensor to build a zero loss from")
-    return sum(t.sum() for t in floating) * 0.0
+    return torch.stack([t.sum() for t in floating]).sum() * 0.0
 
 
 def _flatten(value: Any):
@@ -219,6 +229,8 @@ class DataParallelJob:
         self.config = config
         self.metrics = metrics
         self.step = 0
+        self.watchdog = Watchdog(topology.rank, topology.world_size, hang_timeout_s(config.hang_timeout_s))
+        """Numbers this job's collectives; `DataParallel.setup` starts one that stops a hung job."""
 
     # -- training --------------------------------------------------------------------------------------------
     def _global_count(self, batch: Any, local: int) -> int:
@@ -228,7 +240,8 @@ class DataParallelJob:
         if not self.topology.is_distributed:
             return local
         count = torch.tensor([local], dtype=torch.int64, device=self.topology.device)
-        dist.all_reduce(count)
+        with self.watchdog.collective("sample-count all-reduce"):
+            dist.all_reduce(count)
         return int(count.item())
 
     def train_step(self, batch: Any) -> float:
@@ -247,17 +260,20 @@ class DataParallelJob:
         pieces = [p for p in _micro_batches(inputs, targets, self.config.accumulate) if p[2] > 0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         if not pieces:  # empty share: join the gradient all-reduce with zero contribution
-            _zero_loss(self.wrapped(inputs)).backward()
+            with self.watchdog.collective("gradient all-reduce"):
+                _zero_loss(self.wrapped(inputs)).backward()
         for i, (x, y, n) in enumerate(pieces):
             sync_now = i == len(pieces) - 1
             with self._no_sync() if not sync_now else nullcontext():
                 loss = self.loss_fn(self.wrapped(x), y)
-                (loss * (n * world / total)).backward()
+                with self.watchdog.collective("gradient all-reduce") if sync_now else nullcontext():
+                    (loss * (n * world / total)).backward()
             loss_sum += loss.detach().double() * n
-        pending = dist.all_reduce(loss_sum, async_op=True) if self.topology.is_distributed else None
-        self.optimizer.step()
-        if pending is not None:
-            pending.wait()
+        with self.watchdog.collective("loss all-reduce"):  # overlapped with the optimizer step
+            pending = dist.all_reduce(loss_sum, async_op=True) if self.topology.is_distributed else None
+            self.optimizer.step()
+            if pending is not None:
+                pending.wait()
         global_loss = float(loss_sum.item()) / total
         self.step += 1
         self.metrics.record(self.step, time.perf_counter() - started, local, total, global_loss)
@@ -288,7 +304,8 @@ class DataParallelJob:
         finally:
             self.module.train(was_training)
         if self.topology.is_distributed:
-            dist.all_reduce(sums)
+            with self.watchdog.collective("evaluation all-reduce"):
+                dist.all_reduce(sums)
         count = float(sums[-1].item())
         if count == 0:
             raise ValueError("eval_step got a global batch of 0 samples (every share is empty)")
