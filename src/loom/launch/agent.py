@@ -55,6 +55,8 @@ class LaunchSpec:
     """Parameter-server processes to start beside the workers (one-node jobs only)."""
     server_bind: str = "127.0.0.1"
     """Address the parameter servers listen on (loopback unless asked)."""
+    trace_steps: str | None = None
+    """``A:B``: workers write a Chrome-trace timeline of steps A..B (handed over as ``LOOM_TRACE_STEPS``)."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes"):
@@ -143,6 +145,8 @@ def _worker_env(spec: LaunchSpec, local_addr: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers sharing the cores; as torchrun does
     os.environ["LOOM_RUN_DIR"] = str(spec.run_dir.resolve())
     os.environ["PYTHONUNBUFFERED"] = "1"
+    if spec.trace_steps:
+        os.environ["LOOM_TRACE_STEPS"] = spec.trace_steps
     # The job secret authenticates loom's own sockets (parameter servers, ...); every node must share it, so a
     # multi-node job takes it from the environment the user gives all nodes.
     os.environ.setdefault("LOOM_JOB_SECRET", secrets.token_hex(32))

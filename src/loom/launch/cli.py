@@ -50,6 +50,13 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--run-dir", type=Path, default=None, help="logs and metrics (default: runs/<timestamp>)")
     p.add_argument("--servers", type=_non_negative_int, default=0, help="parameter-server processes to start")
     p.add_argument("--server-bind", default="127.0.0.1", help="address the parameter servers listen on")
+    p.add_argument(
+        "--trace-steps",
+        type=_trace_window,
+        default=None,
+        metavar="A:B",
+        help="write a Chrome-trace timeline of steps A to B into the run directory",
+    )
     p.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -71,6 +78,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             local_addr=ns.local_addr,
             run_dir=ns.run_dir or _default_run_dir(),
             servers=ns.servers,
+            trace_steps=ns.trace_steps,
             server_bind=ns.server_bind,
         )
     except (ValueError, FileNotFoundError) as error:
@@ -86,9 +94,33 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    from loom.bench.data_parallel import run_benchmark
+    if ns.which == "dp":
+        from loom.bench.data_parallel import run_benchmark
 
-    return run_benchmark(repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out)
+        return run_benchmark(repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out)
+    if ns.which == "allreduce":
+        from loom.bench.allreduce import run_allreduce_benchmark
+
+        return run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick)
+    from loom.bench.checkpoint_overhead import run_checkpoint_benchmark
+
+    return run_checkpoint_benchmark(out_dir=ns.out)
+
+
+def _cmd_report(ns: argparse.Namespace) -> int:
+    if not ns.run_dir.is_dir():
+        print(f"loom report: run directory {str(ns.run_dir)!r} does not exist", file=sys.stderr)
+        return 2
+    from loom.observe.report import run_report
+
+    return run_report(ns.run_dir)
+
+
+def _trace_window(text: str) -> str:
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST steps with FIRST < LAST, got {text!r}")
+    return text
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -104,16 +136,24 @@ def _build_parser() -> argparse.ArgumentParser:
     )
 
     bench = sub.add_parser("bench", help="benchmarks against named baselines, measured in the same run")
-    bench.add_argument("which", choices=["dp"], help="dp: loom DataParallel vs raw DistributedDataParallel")
+    bench.add_argument(
+        "which",
+        choices=["dp", "allreduce", "checkpoint"],
+        help="dp: DataParallel vs raw DDP; allreduce: algorithms vs native; checkpoint: save overhead",
+    )
+    bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (allreduce)")
     bench.add_argument("--repetitions", type=_positive_int, default=5, help="repetitions (median reported)")
     bench.add_argument("--steps", type=_positive_int, default=30, help="timed steps per repetition")
     bench.add_argument("--out", type=Path, default=Path("benchmarks/reports"), help="report directory")
+
+    report = sub.add_parser("report", help="an HTML report with plots from a run directory")
+    report.add_argument("run_dir", type=Path, help="the --run-dir of a finished (or running) job")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = _build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "demo": _cmd_demo, "bench": _cmd_bench}
+    handlers = {"run": _cmd_run, "demo": _cmd_demo, "bench": _cmd_bench, "report": _cmd_report}
     return handlers[ns.command](ns)
 
 
