@@ -9,13 +9,30 @@ for batch in loom.data.loader(dataset, global_batch_size=256):
 
 from loom import checkpoint, comm, data
 from loom.fit import FitResult, fit
-from loom.strategies import DataParallel, DataParallelConfig
+from loom.mesh import Mesh
+from loom.strategies import (
+    DataParallel,
+    DataParallelConfig,
+    Hybrid,
+    HybridConfig,
+    Pipeline,
+    PipelineConfig,
+    TensorParallel,
+    TensorParallelConfig,
+)
 from loom.topology import Topology, current, init, shutdown
 
 __all__ = [
     "DataParallel",
     "DataParallelConfig",
     "FitResult",
+    "Hybrid",
+    "HybridConfig",
+    "Mesh",
+    "Pipeline",
+    "PipelineConfig",
+    "TensorParallel",
+    "TensorParallelConfig",
     "Topology",
     "checkpoint",
     "comm",

@@ -1,5 +1,19 @@
 """Strategies: how the work of training is divided among processes."""
 
 from loom.strategies.data_parallel import DataParallel, DataParallelConfig, DataParallelJob
+from loom.strategies.hybrid import Hybrid, HybridConfig
+from loom.strategies.pipeline import Pipeline, PipelineConfig, PipelineJob
+from loom.strategies.tensor_parallel import TensorParallel, TensorParallelConfig
 
-__all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
+__all__ = [
+    "DataParallel",
+    "DataParallelConfig",
+    "DataParallelJob",
+    "Hybrid",
+    "HybridConfig",
+    "Pipeline",
+    "PipelineConfig",
+    "PipelineJob",
+    "TensorParallel",
+    "TensorParallelConfig",
+]

@@ -1,0 +1,161 @@
+"""A named process mesh ``dp × pp × tp``: validated once, one process group per axis.
+
+Hybrid parallelism arranges the world's processes in a 3-D grid. Every process has a coordinate on each axis:
+
+- ``dp`` (data parallel, outermost): replicas that see different shares of the global batch;
+- ``pp`` (pipeline parallel): stages of the model, stage ``i`` on pipeline coordinate ``i``;
+- ``tp`` (tensor parallel, innermost): shards of single layers.
+
+Ranks are laid out row-major with ``tp`` varying fastest: ``rank = (dp_i * pp + pp_i) * tp + tp_i``. Tensor
+parallelism exchanges the most data (collectives inside every layer), so its groups are neighbouring ranks, which
+launchers place on the same host; data parallelism exchanges the least (once per step) and spans hosts. This is
+the order of Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021) and of torchtitan's ``ParallelDims``.
+
+`MeshShape` is the pure arithmetic (coordinates, the ranks along an axis), testable without processes. `Mesh`
+validates the shape against the world size once and creates the process groups: ``dist.new_group`` must be called
+by every process for every group in the same order, so each axis's groups are all created everywhere and a process
+keeps the one it belongs to. Nothing is stored in module globals; the mesh is handed to strategies explicitly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from loom.topology import Topology, current
+
+__all__ = ["AXES", "Mesh", "MeshShape"]
+
+AXES = ("dp", "pp", "tp")
+"""Axis names, outermost first."""
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Degrees of the three axes; their product is the number of processes the mesh needs."""
+
+    dp: int = 1
+    """Data-parallel degree: replicas over which the global batch is sharded."""
+    pp: int = 1
+    """Pipeline-parallel degree: stages the model's layers are split into."""
+    tp: int = 1
+    """Tensor-parallel degree: shards of each split layer."""
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            value = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mesh degree {axis}={value!r} must be an int >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def size(self, axis: str) -> int:
+        return getattr(self, _check_axis(axis))
+
+    def describe(self) -> str:
+        return " × ".join(f"{axis}={self.size(axis)}" for axis in AXES)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise a `ValueError` naming every degree and the world size unless their product matches."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"mesh {self.describe()} needs {self.world_size} processes, but the world size is {world_size}. "
+                f"HINT: choose degrees whose product is {world_size}, or launch {self.world_size} processes."
+            )
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """The ``{axis: index}`` of global ``rank`` (tp fastest, dp slowest)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside mesh {self.describe()} of {self.world_size} processes")
+        rest, tp_i = divmod(rank, self.tp)
+        dp_i, pp_i = divmod(rest, self.pp)
+        return {"dp": dp_i, "pp": pp_i, "tp": tp_i}
+
+    def rank_at(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        """The global rank at a coordinate."""
+        for axis, index in zip(AXES, (dp, pp, tp), strict=True):
+            if not 0 <= index < self.size(axis):
+                raise ValueError(f"{axis} index {index} is outside 0..{self.size(axis) - 1}")
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def ranks_along(self, axis: str, rank: int) -> list[int]:
+        """Global ranks that share every coordinate of ``rank`` except ``axis``, in axis order."""
+        coords = self.coordinates(rank)
+        return [self.rank_at(**{**coords, _check_axis(axis): i}) for i in range(self.size(axis))]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``: the whole world partitioned, in a deterministic order."""
+        others = [a for a in AXES if a != _check_axis(axis)]
+        out = []
+        for fixed in itertools.product(*(range(self.size(a)) for a in others)):
+            base = dict(zip(others, fixed, strict=True))
+            out.append([self.rank_at(**{**base, axis: i}) for i in range(self.size(axis))])
+        return out
+
+
+def _check_axis(axis: str) -> str:
+    if axis not in AXES:
+        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
+    return axis
+
+
+class Mesh:
+    """This process's place on a ``dp × pp × tp`` mesh, with a process group per axis.
+
+    ``Mesh(dp=2, pp=2)`` on 4 processes: validated against the world size on construction (the error names the
+    degrees and the world size), then ``group("pp")`` is the group of this process's pipeline, ``index("pp")`` its
+    stage, ``peer("pp", i)`` the global rank of stage ``i`` of the same pipeline. An axis of size 1 has no group
+    (`group` returns ``None`` and collectives along it are skipped).
+    """
+
+    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, topology: Topology | None = None) -> None:
+        self.shape = MeshShape(dp, pp, tp)
+        self.topology = topology if topology is not None else current()
+        self.shape.check_world_size(self.topology.world_size)
+        self.rank = self.topology.rank
+        self.coordinates = self.shape.coordinates(self.rank)
+        self._groups: dict[str, Any] = {}
+        if self.topology.is_distributed:
+            for axis in AXES:
+                if self.shape.size(axis) == 1:
+                    continue
+                for ranks in self.shape.groups(axis):
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self._groups[axis] = group
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.shape.describe()}, rank={self.rank}, coordinates={self.coordinates})"
+
+    def size(self, axis: str) -> int:
+        return self.shape.size(axis)
+
+    def index(self, axis: str) -> int:
+        """This process's coordinate on ``axis``."""
+        return self.coordinates[_check_axis(axis)]
+
+    def group(self, axis: str) -> Any:
+        """The process group along ``axis`` this process belongs to, or ``None`` when the axis has size 1."""
+        return self._groups.get(_check_axis(axis))
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this process's group along ``axis``."""
+        return self.shape.ranks_along(axis, self.rank)
+
+    def peer(self, axis: str, index: int) -> int:
+        """Global rank of the process at ``index`` on ``axis`` and this process's coordinates elsewhere."""
+        return self.shape.rank_at(**{**self.coordinates, _check_axis(axis): index})
+
+    def data_topology(self) -> Topology:
+        """A `Topology` whose ranks are the data-parallel replicas, for ``loom.data.loader(topology=...)``.
+
+        Data is sharded across ``dp`` only: every process of one replica (all its stages and tensor shards)
+        loads the same share.
+        """
+        t = self.topology
+        return Topology(self.index("dp"), self.size("dp"), t.local_rank, t.local_world_size, t.backend)

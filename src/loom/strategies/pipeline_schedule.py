@@ -1,0 +1,185 @@
+"""Pipeline schedules as data: one instruction stream per stage, executed by a separate runtime.
+
+A pipeline splits a model into ``p`` stages and each step's batch into ``m`` micro-batches. A *schedule* decides
+in which order each stage runs the forward (F) and backward (B) pass of each micro-batch:
+
+- **GPipe** (Huang et al. 2019): every stage runs all ``m`` forwards, then all ``m`` backwards (in reverse).
+  Simple, but each stage keeps the activations of all ``m`` micro-batches alive until their backward.
+- **1F1B** (PipeDream-Flush, Narayanan et al. 2021): stage ``s`` runs ``p - s - 1`` warm-up forwards, then
+  alternates one forward and one backward, then drains the remaining backwards. Same bubble as GPipe, but stage
+  ``s`` never holds more than ``p - s`` micro-batches of activations (at most ``p``, independent of ``m``).
+
+With every stage taking the same time per micro-batch, both leave each stage idle for a fraction
+``(p - 1) / (m + p - 1)`` of the step (the *bubble*, `bubble_fraction`): the pipeline fills and drains once.
+
+Each compute op expands into instructions with its communication: a forward on a stage that is not the first
+receives its input activation first, and one that is not the last sends its output after; a backward receives
+the output gradient (unless last) and sends the input gradient (unless first). The runtime executes the list in
+order with blocking receives and non-blocking sends; `simulate` replays the same streams with given op durations
+(and would report a deadlock), so schedules are tested without processes. The idea of schedules as generators of
+instructions follows DeepSpeed's ``pipe/schedule.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "SCHEDULES",
+    "Instruction",
+    "Op",
+    "SimulationResult",
+    "bubble_fraction",
+    "compute_order",
+    "peak_live_microbatches",
+    "simulate",
+    "stage_instructions",
+]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class Op(str, Enum):
+    RECV_ACTIVATION = "recv_activation"
+    FORWARD = "forward"
+    SEND_ACTIVATION = "send_activation"
+    RECV_GRADIENT = "recv_gradient"
+    BACKWARD = "backward"
+    SEND_GRADIENT = "send_gradient"
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: Op
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{self.op.value}({self.microbatch})"
+
+
+def _check(schedule: str, stage: int, stages: int, microbatches: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    if stages < 1 or microbatches < 1:
+        raise ValueError(
+            f"need stages >= 1 and microbatches >= 1, got stages={stages}, microbatches={microbatches}"
+        )
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is outside 0..{stages - 1}")
+
+
+def compute_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order of ``("F", j)`` and ``("B", j)`` compute ops of one stage."""
+    _check(schedule, stage, stages, microbatches)
+    m = microbatches
+    if schedule == "gpipe":
+        return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
+    warmup = min(stages - stage - 1, m)
+    order = [("F", j) for j in range(warmup)]
+    for k in range(m - warmup):  # steady state: one forward, one backward
+        order += [("F", warmup + k), ("B", k)]
+    order += [("B", j) for j in range(m - warmup, m)]  # cool-down: drain the backwards still owed
+    return order
+
+
+def stage_instructions(
+    schedule: str, stage: int, stages: int, microbatches: int, *, forward_only: bool = False
+) -> list[Instruction]:
+    """The full instruction stream of ``stage``: compute ops with their receives and sends.
+
+    ``forward_only`` gives the evaluation stream: every micro-batch's forward, no backward.
+    """
+    first, last = stage == 0, stage == stages - 1
+    if forward_only:
+        _check(schedule, stage, stages, microbatches)
+        order = [("F", j) for j in range(microbatches)]
+    else:
+        order = compute_order(schedule, stage, stages, microbatches)
+    out: list[Instruction] = []
+    for kind, j in order:
+        if kind == "F":
+            if not first:
+                out.append(Instruction(Op.RECV_ACTIVATION, j))
+            out.append(Instruction(Op.FORWARD, j))
+            if not last:
+                out.append(Instruction(Op.SEND_ACTIVATION, j))
+        else:
+            if not last:
+                out.append(Instruction(Op.RECV_GRADIENT, j))
+            out.append(Instruction(Op.BACKWARD, j))
+            if not first:
+                out.append(Instruction(Op.SEND_GRADIENT, j))
+    return out
+
+
+def peak_live_microbatches(instructions: list[Instruction]) -> int:
+    """Most micro-batches whose activations are held at once (alive from their forward to their backward)."""
+    live, peak = set(), 0
+    for ins in instructions:
+        if ins.op is Op.FORWARD:
+            live.add(ins.microbatch)
+            peak = max(peak, len(live))
+        elif ins.op is Op.BACKWARD:
+            live.discard(ins.microbatch)
+    return peak
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The idle fraction ``(p - 1) / (m + p - 1)`` of a pipeline with equal stage times (GPipe paper, §2.3)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    makespan: float
+    """Time from the first instruction to the last, over all stages."""
+    busy: list[float]
+    """Compute time of each stage."""
+    finish: dict[tuple[int, str, int], float]
+    """End time of every compute op, keyed ``(stage, "F" | "B", microbatch)``."""
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the whole pipeline: ``1 - sum(busy) / (p * makespan)``."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+
+
+def simulate(
+    schedule: str, stages: int, microbatches: int, forward_time: float = 1.0, backward_time: float = 1.0
+) -> SimulationResult:
+    """Replay every stage's instruction stream with fixed op durations and free communication.
+
+    A receive waits for the matching op on the neighbouring stage; sends never block (as in the runtime). Raises
+    `RuntimeError` if no stage can make progress (a schedule that would deadlock).
+    """
+    streams = [stage_instructions(schedule, s, stages, microbatches) for s in range(stages)]
+    pos = [0] * stages
+    clock = [0.0] * stages
+    busy = [0.0] * stages
+    finish: dict[tuple[int, str, int], float] = {}
+    while any(pos[s] < len(streams[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            while pos[s] < len(streams[s]):
+                ins = streams[s][pos[s]]
+                if ins.op is Op.RECV_ACTIVATION:
+                    ready = finish.get((s - 1, "F", ins.microbatch))
+                elif ins.op is Op.RECV_GRADIENT:
+                    ready = finish.get((s + 1, "B", ins.microbatch))
+                else:
+                    ready = clock[s]
+                if ready is None:
+                    break
+                clock[s] = max(clock[s], ready)
+                if ins.op in (Op.FORWARD, Op.BACKWARD):
+                    duration = forward_time if ins.op is Op.FORWARD else backward_time
+                    clock[s] += duration
+                    busy[s] += duration
+                    finish[(s, "F" if ins.op is Op.FORWARD else "B", ins.microbatch)] = clock[s]
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = {s: streams[s][pos[s]] for s in range(stages) if pos[s] < len(streams[s])}
+            raise RuntimeError(f"schedule {schedule!r} deadlocks: stages wait at {stuck}")
+    return SimulationResult(max(clock), busy, finish)

@@ -1,0 +1,101 @@
+"""Cutting a model into pipeline stages: its chain of layers, and where to cut it.
+
+A model can be pipelined when its forward is a *chain*: the output of one submodule is the whole input of the
+next. `chain_layers` reads that chain from the module tree: the children of an ``nn.Sequential``, or the
+top-level children of any other module in registration order, with ``nn.Sequential`` and ``nn.ModuleList``
+children expanded into their elements (so ``blocks.0``, ``blocks.1``, … can land on different stages). loom cannot
+see a ``forward`` that does anything else (a residual around two children, a child called twice); such a model
+must be written as a chain — e.g. an encoder–decoder as ``embed → encoder → decoder → head`` where each module
+passes a tuple of tensors on.
+
+Cut points are either given as names (each the first layer of a new stage) or chosen by `balanced_cuts`:
+contiguous stages minimising the heaviest stage's weight, with weights = parameter counts or measured times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+__all__ = ["balanced_cuts", "chain_layers", "cuts_from_names", "stage_ranges"]
+
+
+def chain_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's chain of ``(qualified name, module)``; see the module docstring for what counts as a chain."""
+    layers: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.Sequential, nn.ModuleList)) and not isinstance(model, nn.Sequential):
+            layers += [(f"{name}.{sub}", module) for sub, module in child.named_children()]
+        else:
+            layers.append((name, child))
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no child modules to split into pipeline stages")
+    return layers
+
+
+def _check_stage_count(stages: int, n_layers: int) -> None:
+    if stages > n_layers:
+        raise ValueError(
+            f"cannot split {n_layers} layers into {stages} pipeline stages (more stages than layers). "
+            f"HINT: use at most {n_layers} stages, or a model with more layers."
+        )
+
+
+def cuts_from_names(layers: Sequence[tuple[str, nn.Module]], names: Sequence[str], stages: int) -> list[int]:
+    """Indices of the first layer of stages 1..p-1, from the names where each of those stages begins."""
+    _check_stage_count(stages, len(layers))
+    if len(names) != stages - 1:
+        raise ValueError(
+            f"split={list(names)} names {len(names)} cut points, but {stages} stages need {stages - 1} "
+            "(the first layer of every stage after the first)"
+        )
+    index = {name: i for i, (name, _) in enumerate(layers)}
+    cuts = []
+    for name in names:
+        if name not in index:
+            raise ValueError(
+                f"split point {name!r} is not a layer of the model's chain; the layers are "
+                f"{[n for n, _ in layers]}"
+            )
+        cuts.append(index[name])
+    if cuts != sorted(set(cuts)) or cuts[0] == 0:
+        raise ValueError(
+            f"split points {list(names)} must be distinct, in chain order, and not the first layer "
+            f"{layers[0][0]!r} (positions {cuts})"
+        )
+    return cuts
+
+
+def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
+    """Contiguous cut points minimising the heaviest stage (ties: the earliest cuts), every stage non-empty.
+
+    Dynamic programming over prefixes, exact for the small layer counts of a chain (O(p · L²)).
+    """
+    n = len(weights)
+    _check_stage_count(stages, n)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    inf = float("inf")
+    # best[k][i]: smallest possible heaviest stage when the first i layers form k stages.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], choice[k][i] = cost, j
+    cuts, i = [], n
+    for k in range(stages, 1, -1):
+        i = choice[k][i]
+        cuts.append(i)
+    return sorted(cuts)
+
+
+def stage_ranges(cuts: Sequence[int], n_layers: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of each stage's layers from the cut points."""
+    bounds = [0, *cuts, n_layers]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))

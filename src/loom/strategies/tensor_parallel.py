@@ -1,0 +1,257 @@
+"""Tensor parallelism: single layers split across the ``tp`` processes, Megatron-style (Shoeybi et al. 2019).
+
+``TensorParallel(size=t, plan="auto" | {module name: kind})`` rewrites blocks of the model in place:
+
+- ``"mlp"``: a block with exactly two ``nn.Linear`` children in a row (``fc1 → activation → fc2``, e.g. an
+  ``nn.Sequential``): ``fc1`` column-parallel, ``fc2`` row-parallel, the block's input through ``f``;
+- ``"attention"``: a module with ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linears and a head count
+  attribute (``n_heads``/``num_heads``/``n_head``) that its ``forward`` uses to reshape: split by heads (q, k, v
+  column-parallel, ``out_proj`` row-parallel), the head count set to ``heads / t``;
+- ``"embedding"``: an ``nn.Embedding`` split by vocabulary rows.
+
+``"auto"`` finds these patterns in the module tree (attention first; the MLP pattern is not searched inside an
+attention module). Everything not in the plan stays replicated and gets identical gradients on every tp rank.
+Each process sees the whole batch (data is sharded across ``dp`` only); the loss is the same on every tp rank.
+
+The strategy is a one-stage `Pipeline` whose stage is transformed by `apply_tensor_parallel`, so training,
+evaluation, state and data-parallel composition are shared with it. ``state_dict()`` holds this process's
+shards; ``full_state_dict()`` all-gathers them (every process calls it) and returns the whole model on rank 0.
+
+Limits: fused ``qkv`` projections are not recognised (their rows interleave q, k and v); the vocabulary-parallel
+embedding supports neither ``padding_idx`` nor ``max_norm``; an output head tied to the embedding must be untied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.mesh import Mesh
+from loom.strategies.data_parallel import LossFn
+from loom.strategies.pipeline import Pipeline, PipelineJob
+from loom.strategies.pipeline_runtime import PipelineStage
+from loom.strategies.tensor_parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelComm,
+    VocabParallelEmbedding,
+    copy_to_parallel,
+)
+from loom.topology import Topology, current
+
+__all__ = ["TensorParallel", "TensorParallelConfig", "apply_tensor_parallel", "auto_plan", "gather_shards"]
+
+KINDS = ("mlp", "attention", "embedding")
+_Q_K_V = ("q_proj", "k_proj", "v_proj")
+_HEADS = ("n_heads", "num_heads", "n_head")
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """How `TensorParallel` splits layers."""
+
+    size: int
+    """Tensor-parallel degree ``t``: processes each layer is split over."""
+    plan: Any = "auto"
+    """``"auto"``, or ``{module name: "mlp" | "attention" | "embedding"}``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"size must be an int >= 1, got {self.size!r}")
+        if isinstance(self.plan, str):
+            if self.plan != "auto":
+                raise ValueError(f'plan must be "auto" or a dict of module name -> kind, got {self.plan!r}')
+        elif not isinstance(self.plan, dict) or any(kind not in KINDS for kind in self.plan.values()):
+            raise ValueError(f"plan must map module names to one of {KINDS}, got {self.plan!r}")
+
+
+def _is_attention(module: nn.Module) -> bool:
+    has_linears = all(isinstance(getattr(module, n, None), nn.Linear) for n in (*_Q_K_V, "out_proj"))
+    return has_linears and any(isinstance(getattr(module, h, None), int) for h in _HEADS)
+
+
+def _linear_children(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    linears = _linear_children(module)
+    if len(linears) != 2 or len(list(module.children())) > 4:
+        return False
+    (_, first), (_, second) = linears
+    return first.out_features == second.in_features
+
+
+def auto_plan(model: nn.Module, allow_empty: bool = False) -> dict[str, str]:
+    """The blocks of ``model`` that match the patterns of the module docstring."""
+    plan: dict[str, str] = {}
+    inside_attention: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(a + ".") for a in inside_attention):
+            continue
+        if _is_attention(module):
+            plan[name], inside_attention = "attention", [*inside_attention, name]
+        elif _is_mlp(module):
+            plan[name] = "mlp"
+        elif isinstance(module, nn.Embedding):
+            plan[name] = "embedding"
+    if not plan and not allow_empty:
+        raise ValueError(
+            f"plan='auto' found no MLP, attention or embedding block to split in {type(model).__name__}. "
+            "HINT: pass plan={'module.name': 'mlp' | 'attention' | 'embedding'}."
+        )
+    return plan
+
+
+def _enter_block(module: nn.Module, comm: TensorParallelComm) -> None:
+    """The ``f`` operator at the block's input: the input gradient is summed over the tp ranks once."""
+
+    def hook(_module: nn.Module, args: tuple) -> tuple:
+        return tuple(copy_to_parallel(a, comm) if isinstance(a, torch.Tensor) else a for a in args)
+
+    module.register_forward_pre_hook(hook)
+
+
+def _split_attention(name: str, module: nn.Module, comm: TensorParallelComm, dims: dict[int, int]) -> None:
+    attr = next(h for h in _HEADS if isinstance(getattr(module, h, None), int))
+    heads = getattr(module, attr)
+    if heads % comm.size:
+        raise ValueError(
+            f"tensor parallelism of size {comm.size} cannot split the {heads} attention heads of {name!r}. "
+            f"HINT: choose a tensor-parallel size that divides {heads}."
+        )
+    for proj in _Q_K_V:
+        layer = ColumnParallelLinear(getattr(module, proj), comm, f"{name}.{proj} (heads={heads})")
+        setattr(module, proj, layer)
+        dims.update(layer.shard_dims)
+    out = RowParallelLinear(module.out_proj, comm, f"{name}.out_proj in_features (heads={heads})")
+    module.out_proj = out
+    dims.update(out.shard_dims)
+    setattr(module, attr, heads // comm.size)
+    _enter_block(module, comm)
+
+
+def _split_mlp(name: str, module: nn.Module, comm: TensorParallelComm, dims: dict[int, int]) -> None:
+    linears = _linear_children(module)
+    if len(linears) != 2:
+        raise ValueError(f"module {name!r} planned as 'mlp' has {len(linears)} Linear children, not 2")
+    (first_name, first), (second_name, second) = linears
+    col = ColumnParallelLinear(first, comm, f"the hidden size of {name!r} ({first_name}.out_features)")
+    row = RowParallelLinear(second, comm, f"the hidden size of {name!r} ({second_name}.in_features)")
+    setattr(module, first_name, col)
+    setattr(module, second_name, row)
+    dims.update(col.shard_dims)
+    dims.update(row.shard_dims)
+    _enter_block(module, comm)
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Any, comm: TensorParallelComm) -> dict[int, int]:
+    """Split the planned blocks of ``model`` in place; returns ``{id(parameter): shard dim}`` of the shards."""
+    plan = auto_plan(model) if plan == "auto" else dict(plan)
+    modules = dict(model.named_modules())
+    dims: dict[int, int] = {}
+    for name, kind in plan.items():
+        if name not in modules:
+            raise ValueError(f"tensor-parallel plan names {name!r}, which is not a module of the model")
+        module = modules[name]
+        if kind == "attention":
+            _split_attention(name, module, comm, dims)
+        elif kind == "mlp":
+            _split_mlp(name, module, comm, dims)
+        else:
+            if not isinstance(module, nn.Embedding):
+                raise ValueError(f"module {name!r} planned as 'embedding' is a {type(module).__name__}")
+            parent_name, _, child = name.rpartition(".")
+            layer = VocabParallelEmbedding(module, comm)
+            setattr(modules[parent_name] if parent_name else model, child, layer)
+            dims.update(layer.shard_dims)
+    return dims
+
+
+def gather_shards(
+    named: dict[str, torch.Tensor], dims: dict[int, int], comm: TensorParallelComm
+) -> dict[str, torch.Tensor]:
+    """Whole tensors from the tp shards in ``named`` (name -> parameter, as kept); collective over tp."""
+    out = {}
+    for key, value in named.items():
+        t = value.detach()
+        dim = dims.get(id(value))
+        if dim is not None and comm.group is not None:
+            parts = [torch.empty_like(t) for _ in range(comm.size)]
+            dist.all_gather(parts, t.contiguous(), group=comm.group)
+            t = torch.cat(parts, dim=dim)
+        out[key] = t
+    return out
+
+
+def _stage_plan(stage: PipelineStage, plan: Any) -> Any:
+    """A plan in the full model's names, restricted to ``stage`` and renamed into it (``layers.<i>...``)."""
+    if plan == "auto":
+        found = auto_plan(stage, allow_empty=stage.stages > 1)  # a stage may hold nothing to split
+        return found
+    renamed = {}
+    for key, kind in plan.items():
+        for i, layer in enumerate(stage.layer_names):
+            if layer == "":
+                renamed[f"layers.{i}.{key}"] = kind
+            elif key == layer or key.startswith(layer + "."):
+                renamed[f"layers.{i}{key[len(layer) :]}"] = kind
+    if stage.stages == 1 and len(renamed) != len(plan):
+        raise ValueError(f"tensor-parallel plan {plan} names modules that are not in the model")
+    return renamed
+
+
+def tensor_parallel_transform(mesh: Mesh, plan: Any) -> tuple[TensorParallelComm, Callable]:
+    """The comm of this process's tp group and a ``stage_transform`` for `Pipeline.setup`."""
+    comm = TensorParallelComm(mesh.group("tp"), mesh.index("tp"), mesh.size("tp"))
+    return comm, lambda stage: apply_tensor_parallel(stage, _stage_plan(stage, plan), comm)
+
+
+def attach_tensor_parallel(job: PipelineJob, comm: TensorParallelComm, dims: dict[int, int]) -> None:
+    """Let the job's ``full_state_dict`` reassemble the shards, and expose the comm's counts."""
+    job.tensor_parallel = comm  # type: ignore[attr-defined]
+    job.gather_shards = lambda named: gather_shards(job.module.named_state(keep_vars=True), dims, comm)
+    named = job.module.named_state(keep_vars=True)
+    job.shard_metadata["tensor_parallel"] = {
+        "size": comm.size,
+        "rank": comm.rank,
+        "shard_dims": {key: dims[id(value)] for key, value in named.items() if id(value) in dims},
+    }
+
+
+class TensorParallel:
+    """Strategy: split MLP, attention and embedding layers over ``size`` processes (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        topology: Topology | None = None,
+        mesh: Mesh | None = None,
+        metrics_path: str | None = None,
+        **config,
+    ) -> None:
+        self.config = TensorParallelConfig(**config)
+        self.topology = topology
+        self.mesh = mesh
+        self.metrics_path = metrics_path
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> PipelineJob:
+        topo = self.topology if self.topology is not None else current()
+        mesh = self.mesh if self.mesh is not None else Mesh(tp=self.config.size, topology=topo)
+        if mesh.size("tp") != self.config.size or mesh.size("pp") != 1:
+            raise ValueError(
+                f"TensorParallel(size={self.config.size}) on a mesh with tp={mesh.size('tp')}, "
+                f"pp={mesh.size('pp')}. HINT: combine with a pipeline through Hybrid(pp=..., tp=...)."
+            )
+        comm, transform = tensor_parallel_transform(mesh, self.config.plan)
+        dims: dict[int, int] = {}
+        job = Pipeline(stages=1, mesh=mesh, metrics_path=self.metrics_path).setup(
+            model, optimizer, loss_fn, stage_transform=lambda stage: dims.update(transform(stage))
+        )
+        attach_tensor_parallel(job, comm, dims)
+        return job

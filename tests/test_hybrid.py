@@ -1,0 +1,30 @@
+"""Hybrid dp × pp and dp × tp (and pp × tp) on 4 processes equal one process after 5 steps."""
+
+import json
+
+import pytest
+
+from loom.strategies.hybrid import HybridConfig
+
+
+@pytest.mark.timeout(90)
+def test_meshes_match_one_process(workers):
+    outputs = workers("hybrid_exact.py", 4, timeout=85)
+    for rank, out in enumerate(outputs):
+        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(records) == 4, f"rank {rank} printed {len(records)} records"
+        for r in records:
+            label = f"rank {rank} {r['model']} {r['mesh']}"
+            assert r["loss"] <= 1e-5, label
+            if rank == 0:
+                assert r["params"] <= 1e-5, f"{label}: {r['worst']}"
+            else:
+                assert "params" not in r, label  # full_state_dict is for rank 0 only
+
+
+@pytest.mark.timeout(10)
+def test_config_validates_tp_and_plan():
+    with pytest.raises(ValueError, match="size must be an int >= 1, got 0"):
+        HybridConfig(tp=0)
+    with pytest.raises(ValueError, match="plan must map module names"):
+        HybridConfig(tp=2, tp_plan={"blocks.0.mlp": "rowwise"})
