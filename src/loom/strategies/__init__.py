@@ -2,6 +2,7 @@
 
 from loom.strategies.data_parallel import DataParallel, DataParallelConfig, DataParallelJob
 from loom.strategies.hybrid import Hybrid, HybridConfig
+from loom.strategies.parameter_server import ParameterServer, ParameterServerConfig, ParameterServerJob
 from loom.strategies.pipeline import Pipeline, PipelineConfig, PipelineJob
 from loom.strategies.tensor_parallel import TensorParallel, TensorParallelConfig
 
@@ -11,6 +12,9 @@ __all__ = [
     "DataParallelJob",
     "Hybrid",
     "HybridConfig",
+    "ParameterServer",
+    "ParameterServerConfig",
+    "ParameterServerJob",
     "Pipeline",
     "PipelineConfig",
     "PipelineJob",

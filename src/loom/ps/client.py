@@ -1,0 +1,177 @@
+"""The worker's side of the transport: one authenticated DEALER connection per server, requests fanned out.
+
+A request goes to several servers at once and the replies are gathered as they come. Replies are authenticated
+like requests (the MAC proves the server holds the job secret) and must answer the exact request sent: same
+session, the sequence number of one of the sends of the request; anything else is dropped and counted.
+
+Retries: a server that does not answer within an attempt window (2 s, doubling to 10 s) is greeted again (a
+restarted server has a new epoch, and frames of the old epoch are dropped by design) and the request is resent
+under a new sequence number. Resending is safe because the server recognises pushes it has applied by the
+worker's clock. A request that gets no answer before its deadline raises `TimeoutError` naming the server.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from loom.ps.wire import Frame, FrameDropped, MessageType, WireLimits, decode, encode
+
+__all__ = ["ServerLink", "PSClient"]
+
+
+class ServerLink:
+    """One connection to one server: session, sequence numbers, the server's epoch, byte counters."""
+
+    def __init__(self, context: zmq.Context, index: int, address: str, secret: bytes, limits: WireLimits):
+        self.index = index
+        self.address = address
+        self.secret = secret
+        self.limits = limits
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, limits.max_frame)
+        self.socket.connect(f"tcp://{address}")
+        self.session = int.from_bytes(os.urandom(8), "little") | 1
+        self.seq = 0
+        self.epoch = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.dropped = 0
+
+    def send(self, kind: MessageType, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> int:
+        self.seq += 1
+        epoch = 0 if kind == MessageType.HELLO else self.epoch
+        data = encode(
+            self.secret, kind, epoch=epoch, session=self.session, seq=self.seq, meta=meta, tensors=tensors
+        )
+        self.socket.send(data, copy=False)
+        self.bytes_sent += len(data)
+        return self.seq
+
+    def receive(self, seqs: set[int]) -> Frame | None:
+        """A reply to one of the requests ``seqs`` (sends of one request) if waiting; others are dropped."""
+        while True:
+            try:
+                data = self.socket.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            self.bytes_received += len(data.buffer)
+            try:
+                frame = decode(self.secret, data.buffer, self.limits)
+            except FrameDropped:
+                self.dropped += 1
+                continue
+            if frame.session != self.session or frame.seq not in seqs:
+                self.dropped += 1  # a late answer to a request given up on
+                continue
+            return frame
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class PSClient:
+    """Connections to every server of the job."""
+
+    def __init__(self, addresses: list[str], secret: bytes, limits: WireLimits | None = None) -> None:
+        if not addresses:
+            raise ValueError("no parameter-server addresses. HINT: start the job with `loom run --servers K`")
+        self.context = zmq.Context()
+        self.limits = limits or WireLimits()
+        self.links = [ServerLink(self.context, i, a, secret, self.limits) for i, a in enumerate(addresses)]
+        self.traffic: dict[str, list[int]] = {}
+        """Bytes sent and received per request type: ``{"PUSH": [sent, received], ...}``."""
+
+    def hello(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Greet every server (waiting for servers still starting); returns their answers."""
+        frames = self.request(MessageType.HELLO, [{}] * len(self.links), timeout_s=timeout_s)
+        for link, frame in zip(self.links, frames, strict=True):
+            link.epoch = frame.epoch
+        return [f.meta for f in frames]
+
+    def request(
+        self,
+        kind: MessageType,
+        metas: list[dict[str, Any]],
+        tensors: list[dict[str, torch.Tensor] | None] | None = None,
+        *,
+        servers: list[int] | None = None,
+        timeout_s: float = 60.0,
+    ) -> list[Frame]:
+        """Send ``metas[i]`` (and ``tensors[i]``) to server ``servers[i]``; return the replies in that order."""
+        servers = list(range(len(self.links))) if servers is None else servers
+        tensors = tensors or [None] * len(servers)
+        start = time.monotonic()
+        deadline = start + timeout_s
+        attempt = {i: 2.0 for i in range(len(servers))}
+        retry_at = {i: start + 2.0 for i in range(len(servers))}
+        pending = {i: {self._send(servers[i], kind, metas[i], tensors[i])} for i in range(len(servers))}
+        replies: dict[int, Frame] = {}
+        poller = zmq.Poller()
+        for i in pending:
+            poller.register(self.links[servers[i]].socket, zmq.POLLIN)
+        while pending:
+            now = time.monotonic()
+            wake = min([deadline, *(retry_at[i] for i in pending)])
+            poller.poll(max(0, int((wake - now) * 1000)) + 1)
+            for i in list(pending):
+                link = self.links[servers[i]]
+                frame = link.receive(pending[i])
+                if frame is None:
+                    continue
+                self._count(kind, 0, frame.nbytes)
+                if frame.type == MessageType.ERROR:
+                    raise RuntimeError(str(frame.meta.get("error", "parameter server error")))
+                replies[i] = frame
+                del pending[i]
+            now = time.monotonic()
+            if pending and now > deadline:
+                late = [f"{servers[i]} at {self.links[servers[i]].address}" for i in pending]
+                raise TimeoutError(
+                    f"parameter server {', '.join(late)} did not answer {kind.name} within {timeout_s:.0f} s. "
+                    "HINT: check the server log; is it running and started with the same LOOM_JOB_SECRET?"
+                )
+            for i in list(pending):
+                if now >= retry_at[i]:  # maybe restarted: learn its epoch again, then resend
+                    if kind != MessageType.HELLO:
+                        self._rehello(servers[i], min(attempt[i], deadline - now))
+                    pending[i].add(self._send(servers[i], kind, metas[i], tensors[i]))
+                    attempt[i] = min(10.0, attempt[i] * 2)
+                    retry_at[i] = time.monotonic() + attempt[i]
+        return [replies[i] for i in range(len(servers))]
+
+    def _send(self, server: int, kind: MessageType, meta, tensors) -> int:
+        link = self.links[server]
+        before = link.bytes_sent
+        seq = link.send(kind, meta, tensors)
+        self._count(kind, link.bytes_sent - before, 0)
+        return seq
+
+    def _rehello(self, server: int, timeout_s: float) -> None:
+        link = self.links[server]
+        seq = self._send(server, MessageType.HELLO, {}, None)
+        end = time.monotonic() + max(0.1, timeout_s)
+        while time.monotonic() < end:
+            if link.socket.poll(int(max(1, (end - time.monotonic()) * 1000))):
+                frame = link.receive({seq})
+                if frame is not None:
+                    link.epoch = frame.epoch
+                    return
+
+    def _count(self, kind: MessageType, sent: int, received: int) -> None:
+        entry = self.traffic.setdefault(kind.name, [0, 0])
+        entry[0] += sent
+        entry[1] += received
+
+    def bytes_moved(self) -> int:
+        return sum(s + r for s, r in self.traffic.values())
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+        self.context.term()

@@ -1,0 +1,399 @@
+"""A parameter-server process: ``python -m loom.ps.server --index i --num-servers K --bind ADDR:PORT``.
+
+One ZeroMQ ROUTER socket, one thread, one event loop. Every incoming message is checked by `loom.ps.wire` (size,
+header, MAC with the job secret from ``LOOM_JOB_SECRET``, epoch, sequence number) before anything in it is
+decoded; what fails is dropped, counted by reason, and never answered. Requests that must wait (a ``sync`` push
+until every worker has pushed that step, an ``ssp`` pull until the slowest worker is close enough) are parked with
+the address to answer and answered later, so one slow worker never blocks the loop.
+
+The server holds any number of models ("namespaces"), each a `ModelShard` with its own plan, optimizer, clocks and
+checkpoint. It listens on loopback unless ``--bind`` names another interface. With a checkpoint directory
+(``--checkpoint-dir``, else ``$LOOM_PS_CHECKPOINT_DIR``, else ``$LOOM_RUN_DIR/ps``) it saves every
+``checkpoint_every`` updates, on request, and on SIGTERM, and a restarted server resumes from the last save
+(updates since then are lost; Li et al. 2014 replicate shards on neighbouring servers to avoid that, loom does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from loom.ps.plan import Piece
+from loom.ps.shard import ModelShard, ShardSettings
+from loom.ps.wire import (
+    DropCounters,
+    Frame,
+    FrameDropped,
+    MessageType,
+    SessionTable,
+    WireLimits,
+    decode,
+    encode,
+)
+from loom.ps.wire import secret_from_hex as _secret_from_hex
+
+__all__ = ["ServerConfig", "ParameterServerProcess", "main"]
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How one server process runs."""
+
+    index: int = 0
+    """This server's index among ``num_servers``."""
+    num_servers: int = 1
+    bind: str = "127.0.0.1:0"
+    """``HOST:PORT`` to listen on; loopback unless an interface is named explicitly."""
+    checkpoint_dir: Path | None = None
+    """Where this server's shards are saved (a ``server<index>`` folder inside it); None: no checkpoints."""
+    limits: WireLimits = field(default_factory=WireLimits)
+    poll_ms: int = 50
+    """How often parked requests and worker timeouts are re-examined when no message arrives."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.num_servers:
+            raise ValueError(f"--index {self.index} is outside 0..{self.num_servers - 1}")
+        host, _, port = self.bind.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--bind must be HOST:PORT, got {self.bind!r}")
+
+
+@dataclass
+class _Parked:
+    identity: bytes
+    frame: Frame
+    worker: int
+    clock: int
+
+
+class ParameterServerProcess:
+    """The event loop of one server; `serve()` runs until `stop()` (or SIGTERM in `main`)."""
+
+    def __init__(self, config: ServerConfig, secret: bytes) -> None:
+        self.config = config
+        self.secret = secret
+        self.epoch = int.from_bytes(os.urandom(8), "little") | 1
+        self.sessions = SessionTable(self.epoch)
+        self.counters = DropCounters()
+        self.models: dict[str, ModelShard] = {}
+        self.failed: dict[str, str] = {}
+        self.parked_pulls: dict[str, dict[int, _Parked]] = {}
+        self.parked_pushes: dict[str, dict[int, dict[int, _Parked]]] = {}
+        self._stopping = False
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, config.limits.max_frame)
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
+        self.socket.bind(f"tcp://{config.bind}")
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
+        self._restore()
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def log(self, text: str) -> None:
+        print(f"loom.ps.server[{self.config.index}]: {text}", flush=True)
+
+    @property
+    def shard_dir(self) -> Path | None:
+        base = self.config.checkpoint_dir
+        return None if base is None else base / f"server{self.config.index}"
+
+    def _restore(self) -> None:
+        if self.shard_dir is None or not self.shard_dir.is_dir():
+            return
+        for path in sorted(self.shard_dir.glob("*.json")):
+            shard = ModelShard.load(path)
+            self.models[shard.name] = shard
+            self.log(f"resumed model {shard.name!r} at version {shard.version} from {path}")
+
+    def checkpoint(self) -> list[str]:
+        if self.shard_dir is None:
+            return []
+        return [str(shard.save(self.shard_dir)) for shard in self.models.values()]
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        self.log(f"listening on {self.address}")
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self.config.poll_ms))
+                if self.monitor in events:
+                    recv_monitor_message(self.monitor)
+                    self.counters.drop("bad_handshake")
+                if self.socket in events:
+                    for _ in range(64):  # drain a burst before looking at the clocks again
+                        try:
+                            parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.handle(parts)
+                self._tick(time.monotonic())
+        finally:
+            if self.models:
+                self.checkpoint()
+            self.socket.disable_monitor()
+            self.monitor.close(0)
+            self.socket.close(0)
+            self.context.term()
+
+    # -- one message ------------------------------------------------------------------------------------------
+    def handle(self, parts: list) -> None:
+        if len(parts) != 2:
+            self.counters.drop("malformed")
+            return
+        identity, data = parts[0].bytes, parts[1].buffer
+        try:
+            frame = decode(self.secret, data, self.config.limits)
+            self.sessions.admit(frame)
+        except FrameDropped as dropped:
+            self.counters.drop(dropped.reason)
+            return
+        self.counters.accepted += 1
+        self.counters.bytes_in += frame.nbytes
+        handler = self._handlers().get(frame.type)
+        if handler is None:
+            self._error(identity, frame, f"message type {frame.type.name} is not a request")
+            return
+        try:
+            handler(identity, frame)
+        except (ValueError, KeyError, TypeError, RuntimeError) as error:
+            self.counters.drop("rejected")
+            self._error(identity, frame, f"{type(error).__name__}: {error}")
+
+    def _handlers(self):
+        return {
+            MessageType.HELLO: self._hello,
+            MessageType.INIT: self._init,
+            MessageType.PULL: self._pull,
+            MessageType.PULL_ROWS: self._pull_rows,
+            MessageType.PUSH: self._push,
+            MessageType.BYE: self._bye,
+            MessageType.STATS: self._stats,
+            MessageType.SAVE: self._save,
+        }
+
+    def _reply(self, identity: bytes, frame: Frame, meta: dict[str, Any], tensors=None) -> None:
+        data = encode(self.secret, MessageType.REPLY, epoch=self.epoch, session=frame.session, seq=frame.seq,
+                      meta=meta, tensors=tensors)  # fmt: skip
+        self.counters.bytes_out += len(data)
+        self.socket.send_multipart([identity, data], copy=False)
+
+    def _error(self, identity: bytes, frame: Frame, message: str) -> None:
+        data = encode(self.secret, MessageType.ERROR, epoch=self.epoch, session=frame.session, seq=frame.seq,
+                      meta={"error": f"parameter server {self.config.index}: {message}"})  # fmt: skip
+        self.socket.send_multipart([identity, data], copy=False)
+
+    def _model(self, frame: Frame) -> tuple[str, ModelShard, int]:
+        name = frame.meta.get("ns")
+        if not isinstance(name, str) or name not in self.models:
+            raise ValueError(f"model {name!r} was not initialized on this server. HINT: call setup() first")
+        if name in self.failed:
+            raise RuntimeError(self.failed[name])
+        shard = self.models[name]
+        worker = frame.meta.get("worker")
+        shard.clocks.check_worker(worker)
+        if shard.clocks.seen(worker, time.monotonic()):
+            self.log(f"model {name!r}: worker {worker} is back")
+        return name, shard, worker
+
+    # -- handlers ---------------------------------------------------------------------------------------------
+    def _hello(self, identity: bytes, frame: Frame) -> None:
+        versions = {name: shard.version for name, shard in self.models.items()}
+        self._reply(identity, frame, {"index": self.config.index, "models": versions})
+
+    def _init(self, identity: bytes, frame: Frame) -> None:
+        name = frame.meta.get("ns")
+        if not isinstance(name, str) or not _NAMESPACE.match(name):
+            raise ValueError(f"model name {name!r} must be 1-64 letters, digits, '_' or '-'")
+        mine = [Piece.from_json(p) for p in frame.meta["pieces"]]
+        settings = ShardSettings(**frame.meta["settings"])
+        if name in self.models:
+            held = sorted((p.id, p.name, p.start, p.stop) for p in self.models[name].pieces.values())
+            if held != sorted((p.id, p.name, p.start, p.stop) for p in mine):
+                raise ValueError(
+                    f"model {name!r} exists here with a different plan. HINT: use another namespace"
+                )
+        else:
+            values = {p.id: frame.tensors[f"p{p.id}"] for p in mine}
+            self.models[name] = ModelShard(name, settings, mine, values)
+            self.log(f"model {name!r}: {len(mine)} pieces, {sum(p.numel for p in mine)} values, "
+                     f"{settings.optimizer}, mode {settings.mode}")  # fmt: skip
+        self._reply(identity, frame, {"version": self.models[name].version})
+
+    def _pull(self, identity: bytes, frame: Frame) -> None:
+        name, shard, worker = self._model(frame)
+        parked = _Parked(identity, frame, worker, int(frame.meta["clock"]))
+        if frame.meta.get("peek"):  # a read of the current values, outside the consistency model
+            self._reply(identity, frame, {"version": shard.version, "slowest": -1}, shard.dense_values())
+        elif shard.clocks.may_pull(worker, parked.clock):
+            self._grant_pull(shard, parked)
+        else:
+            self.parked_pulls.setdefault(name, {})[worker] = parked
+
+    def _grant_pull(self, shard: ModelShard, parked: _Parked) -> None:
+        slowest = shard.clocks.grant(parked.worker, parked.clock)
+        meta = {"version": shard.version, "slowest": slowest}
+        self._reply(parked.identity, parked.frame, meta, shard.dense_values())
+
+    def _pull_rows(self, identity: bytes, frame: Frame) -> None:
+        _, shard, _ = self._model(frame)
+        self._reply(identity, frame, {"version": shard.version}, shard.rows(frame.tensors))
+
+    def _push(self, identity: bytes, frame: Frame) -> None:
+        name, shard, worker = self._model(frame)
+        shard.check_gradients(frame.tensors)
+        clock = int(frame.meta["clock"])
+        if clock < shard.clocks.clocks[worker]:  # a resent push that was applied already
+            self._reply(identity, frame, {"version": shard.version, "staleness": 0, "duplicate": True})
+            return
+        parked = _Parked(identity, frame, worker, clock)
+        if shard.settings.mode == "sync":
+            self.parked_pushes.setdefault(name, {}).setdefault(clock, {})[worker] = parked
+            self._complete_sync(name, shard)
+            return
+        staleness = shard.version - int(frame.meta["version"])
+        shard.apply([frame.tensors])
+        shard.clocks.pushed(worker, clock)
+        shard.record_staleness(staleness)
+        self._after_update(shard)
+        self._reply(identity, frame, {"version": shard.version, "staleness": staleness})
+        self._release_pulls(name, shard)
+
+    def _complete_sync(self, name: str, shard: ModelShard) -> None:
+        steps = self.parked_pushes.get(name, {})
+        for clock in sorted(steps):
+            waiting = steps[clock]
+            if not set(shard.clocks.active()) <= set(waiting):
+                return
+            order = sorted(waiting)
+            staleness = [shard.version - int(waiting[w].frame.meta["version"]) for w in order]
+            shard.apply([waiting[w].frame.tensors for w in order])
+            loss_sum = sum(float(waiting[w].frame.meta.get("loss_sum", 0.0)) for w in order)
+            for w, stale in zip(order, staleness, strict=True):
+                shard.clocks.pushed(w, clock)
+                shard.record_staleness(stale)
+            self._after_update(shard)
+            for w, stale in zip(order, staleness, strict=True):
+                meta = {"version": shard.version, "staleness": stale, "loss_sum": loss_sum}
+                self._reply(waiting[w].identity, waiting[w].frame, meta)
+            del steps[clock]
+
+    def _after_update(self, shard: ModelShard) -> None:
+        every = shard.settings.checkpoint_every
+        if every and shard.version % every == 0 and self.shard_dir is not None:
+            shard.save(self.shard_dir)
+
+    def _release_pulls(self, name: str, shard: ModelShard) -> None:
+        parked = self.parked_pulls.get(name, {})
+        for worker in sorted(parked):
+            if shard.clocks.may_pull(worker, parked[worker].clock):
+                self._grant_pull(shard, parked.pop(worker))
+
+    def _bye(self, identity: bytes, frame: Frame) -> None:
+        name, shard, worker = self._model(frame)
+        shard.clocks.finish(worker)
+        self._reply(identity, frame, {"version": shard.version})
+        self._release_pulls(name, shard)
+        if shard.settings.mode == "sync":
+            self._complete_sync(name, shard)
+
+    def _stats(self, identity: bytes, frame: Frame) -> None:
+        models = {name: shard.stats() for name, shard in self.models.items()}
+        meta = {"index": self.config.index, "wire": self.counters.snapshot(), "models": models}
+        self._reply(identity, frame, meta)
+
+    def _save(self, identity: bytes, frame: Frame) -> None:
+        self._reply(identity, frame, {"saved": self.checkpoint()})
+
+    # -- time -------------------------------------------------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        for name, shard in self.models.items():
+            if name in self.failed or shard.settings.mode == "async":
+                continue
+            if shard.settings.mode == "sync" and not self.parked_pushes.get(name):
+                continue  # in sync a silence only matters while a step waits for it
+            waiting = set(self.parked_pulls.get(name, {}))
+            for step in self.parked_pushes.get(name, {}).values():
+                waiting.update(step)
+            for worker in shard.clocks.expire(now, frozenset(waiting)):
+                silent = now - shard.clocks.last_seen[worker]
+                if shard.settings.mode == "ssp":
+                    self.log(f"model {name!r}: worker {worker} silent for {silent:.1f} s "
+                             f"(timeout {shard.settings.timeout_s} s); ssp no longer waits for it")  # fmt: skip
+                    self._release_pulls(name, shard)
+                else:
+                    self._fail_sync(name, worker, silent)
+                    break
+
+    def _fail_sync(self, name: str, worker: int, silent: float) -> None:
+        message = (f"sync step failed: worker {worker} did not push within {silent:.1f} s "
+                   "(killed or hung?). HINT: use mode='async' or 'ssp' to tolerate lost workers")  # fmt: skip
+        self.log(f"model {name!r}: {message}")
+        self.failed[name] = message
+        for waiting in self.parked_pushes.pop(name, {}).values():
+            for parked in waiting.values():
+                self._error(parked.identity, parked.frame, message)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loom.ps.server", description=__doc__.splitlines()[0])
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--num-servers", type=int, default=1)
+    p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (default: loopback, a free port)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None)
+    p.add_argument("--max-payload-mb", type=float, default=256.0, help="largest tensor payload accepted")
+    return p.parse_args(argv)
+
+
+def _default_checkpoint_dir() -> Path | None:
+    if os.environ.get("LOOM_PS_CHECKPOINT_DIR"):
+        return Path(os.environ["LOOM_PS_CHECKPOINT_DIR"])
+    if os.environ.get("LOOM_RUN_DIR"):
+        return Path(os.environ["LOOM_RUN_DIR"]) / "ps"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    secret_hex = os.environ.get("LOOM_JOB_SECRET")
+    if not secret_hex:
+        print("loom.ps.server: LOOM_JOB_SECRET is not set. HINT: start servers with `loom run --servers K`",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    torch.set_num_threads(1)
+    config = ServerConfig(
+        index=args.index,
+        num_servers=args.num_servers,
+        bind=args.bind,
+        checkpoint_dir=args.checkpoint_dir or _default_checkpoint_dir(),
+        limits=WireLimits(max_payload=int(args.max_payload_mb * (1 << 20))),
+    )
+    server = ParameterServerProcess(config, _secret_from_hex(secret_hex))
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""One model's pieces on one server: the values, the optimizer that updates them, and their checkpoint.
+
+The server runs the user's optimizer *where the parameters live* (Li et al. 2014): ``torch.optim.<Type>`` is
+rebuilt on the server over this server's pieces, with the hyperparameters of the user's param groups, so its state
+(momentum, Adam moments) is sharded exactly like the parameters. Pieces of embedding tables stay ``rows x width``
+matrices and receive sparse COO gradients, as ``nn.Embedding(sparse=True)`` produces in one process; dense pieces
+are flat vectors.
+
+Checkpoints are safetensors (values and optimizer tensors) plus JSON (plan, version, clocks, optimizer scalars):
+``DIR/<namespace>.json`` names the safetensors file it belongs to and is replaced last, atomically, so a crash while
+saving leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from loom.ps.clocks import ClockTable
+from loom.ps.plan import Piece
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ModelShard", "ShardSettings"]
+
+ELEMENTWISE_OPTIMIZERS = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adagrad",
+    "RMSprop",
+    "SparseAdam",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+)
+"""Optimizers whose update of an element depends only on that element: exact on any cut of a parameter."""
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """What the workers asked for when they set the model up (sent with INIT, kept in the checkpoint)."""
+
+    mode: str
+    staleness: int
+    num_workers: int
+    timeout_s: float
+    checkpoint_every: int
+    optimizer: str
+    groups: list[dict[str, Any]]
+    """Hyperparameters of each optimizer param group (without ``params``)."""
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}
+
+
+class ModelShard:
+    """The pieces of one model (a namespace) held by this server."""
+
+    def __init__(
+        self, name: str, settings: ShardSettings, pieces: list[Piece], values: dict[int, torch.Tensor]
+    ):
+        if settings.optimizer not in ELEMENTWISE_OPTIMIZERS:
+            raise ValueError(
+                f"optimizer {settings.optimizer} cannot run sharded; supported: {', '.join(ELEMENTWISE_OPTIMIZERS)}"
+            )
+        self.name = name
+        self.settings = settings
+        self.pieces = {p.id: p for p in pieces}
+        self.params: dict[int, torch.Tensor] = {}
+        for piece in pieces:
+            value = values[piece.id].detach()
+            shape = (piece.rows, piece.width) if piece.sparse else (piece.numel,)
+            if value.numel() != piece.numel:
+                raise ValueError(
+                    f"piece {piece.id} of {piece.name!r} has {value.numel()} values, not {piece.numel}"
+                )
+            self.params[piece.id] = value.reshape(shape).clone().requires_grad_(True)
+        self.optimizer = self._build_optimizer()
+        self.version = 0
+        self.clocks = ClockTable(settings.num_workers, settings.mode, settings.staleness, settings.timeout_s)
+        self.staleness_histogram: dict[int, int] = {}
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, self.settings.optimizer)
+        groups = []
+        for index, hyper in enumerate(self.settings.groups):
+            params = [self.params[i] for i in sorted(self.params) if self.pieces[i].group == index]
+            groups.append({"params": params, **_hyperparameters(hyper)})
+        groups = [g for g in groups if g["params"]]
+        if not groups:  # a server with no piece of this model (more servers than parameters)
+            groups = [{"params": [torch.zeros(0, requires_grad=True)]}]
+        return cls(groups)
+
+    # -- values -----------------------------------------------------------------------------------------------
+    def dense_values(self) -> dict[str, torch.Tensor]:
+        return {f"p{i}": t.detach() for i, t in self.params.items() if not self.pieces[i].sparse}
+
+    def rows(self, requests: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Values of the requested rows: ``{"r<id>": local row indices}`` -> ``{"p<id>": rows x width}``."""
+        out = {}
+        for key, rows in requests.items():
+            piece = self._piece(key, sparse=True)
+            index = self._row_index(piece, rows)
+            out[f"p{piece.id}"] = self.params[piece.id].detach().index_select(0, index)
+        return out
+
+    def _piece(self, key: str, sparse: bool | None = None) -> Piece:
+        try:
+            piece = self.pieces[int(key[1:])]
+        except (ValueError, KeyError):
+            raise ValueError(f"{key!r} names no piece of model {self.name!r} on this server") from None
+        if sparse is not None and piece.sparse != sparse:
+            raise ValueError(f"{key!r} is {'not ' if sparse else ''}a piece of a sparse table")
+        return piece
+
+    @staticmethod
+    def _row_index(piece: Piece, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dtype != torch.int64 or rows.dim() != 1:
+            raise ValueError(f"row indices of piece {piece.id} must be a 1-D int64 tensor")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= piece.rows):
+            raise ValueError(f"row indices of piece {piece.id} are outside 0..{piece.rows - 1}")
+        return rows
+
+    # -- updates ----------------------------------------------------------------------------------------------
+    def check_gradients(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Validate one worker's pushed gradients (names, shapes, dtypes, row ranges)."""
+        for key, value in tensors.items():
+            piece = self._piece(key)
+            if key[0] == "r":
+                self._row_index(piece, value)
+                continue
+            if key[0] != "g" or not value.is_floating_point():
+                raise ValueError(f"{key!r} is not a floating-point gradient")
+            if piece.sparse:
+                rows = tensors.get(f"r{piece.id}")
+                if rows is None or value.shape != (rows.numel(), piece.width):
+                    raise ValueError(f"sparse gradient {key!r} does not match its row indices")
+            elif value.numel() != piece.numel:
+                raise ValueError(f"gradient {key!r} has {value.numel()} elements, the piece {piece.numel}")
+
+    def apply(self, pushes: list[dict[str, torch.Tensor]]) -> None:
+        """One optimizer step on the sum of ``pushes`` (summed in the order given; one push in async/ssp)."""
+        for pid, param in self.params.items():
+            piece = self.pieces[pid]
+            grads = [p[f"g{pid}"] for p in pushes if f"g{pid}" in p]
+            if piece.sparse:
+                rows = [p[f"r{pid}"] for p in pushes if f"r{pid}" in p]
+                if not rows or not sum(r.numel() for r in rows):
+                    param.grad = None  # no row touched: nothing to update (as for an unused parameter)
+                    continue
+                index = torch.cat(rows).unsqueeze(0)
+                param.grad = torch.sparse_coo_tensor(
+                    index, torch.cat(grads).to(param.dtype), (piece.rows, piece.width)
+                ).coalesce()
+            elif grads:
+                total = grads[0].to(param.dtype).reshape(param.shape).clone()
+                for g in grads[1:]:
+                    total += g.to(param.dtype).reshape(param.shape)
+                param.grad = total
+            else:
+                param.grad = None
+        self.optimizer.step()
+        for param in self.params.values():
+            param.grad = None
+        self.version += 1
+
+    def record_staleness(self, staleness: int) -> None:
+        self.staleness_histogram[staleness] = self.staleness_histogram.get(staleness, 0) + 1
+
+    def stats(self) -> dict[str, Any]:
+        """Version, staleness histogram, clocks and the last granted pulls (for STATS and tests)."""
+        return {
+            "version": self.version,
+            "mode": self.settings.mode,
+            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_histogram.items())},
+            "max_lead": self.clocks.max_lead,
+            "clocks": self.clocks.clocks,
+            "status": self.clocks.status,
+            "grants": self.clocks.grants[-2000:],
+            "values": sum(t.numel() for t in self.params.values()),
+        }
+
+    # -- checkpoint -------------------------------------------------------------------------------------------
+    def save(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {f"piece.{i}": t.detach().contiguous() for i, t in self.params.items()}
+        opt_state = self.optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for idx, state in opt_state["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"opt.{idx}.{key}"] = value.detach().contiguous()
+                else:
+                    scalars.setdefault(str(idx), {})[key] = value
+        weights = f"{self.name}.v{self.version}.safetensors"
+        save_file(tensors, str(directory / (weights + ".tmp")))
+        os.replace(directory / (weights + ".tmp"), directory / weights)
+        meta = {
+            "name": self.name,
+            "version": self.version,
+            "weights": weights,
+            "settings": asdict(self.settings),
+            "pieces": [p.to_json() for p in self.pieces.values()],
+            "param_groups": opt_state["param_groups"],
+            "optimizer_scalars": scalars,
+            "clocks": self.clocks.state_dict(),
+            "staleness_histogram": {str(k): v for k, v in self.staleness_histogram.items()},
+        }
+        target = directory / f"{self.name}.json"
+        (directory / f"{self.name}.json.tmp").write_text(json.dumps(meta, indent=1))
+        os.replace(directory / f"{self.name}.json.tmp", target)
+        for old in directory.glob(f"{self.name}.v*.safetensors"):
+            if old.name != weights:
+                old.unlink(missing_ok=True)
+        return target
+
+    @staticmethod
+    def load(path: Path) -> ModelShard:
+        meta = json.loads(path.read_text())
+        tensors = load_file(str(path.parent / meta["weights"]))
+        pieces = [Piece.from_json(p) for p in meta["pieces"]]
+        values = {p.id: tensors[f"piece.{p.id}"] for p in pieces}
+        shard = ModelShard(meta["name"], ShardSettings(**meta["settings"]), pieces, values)
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith("opt."):
+                _, idx, name = key.split(".", 2)
+                state.setdefault(int(idx), {})[name] = value
+        for idx, entries in meta["optimizer_scalars"].items():
+            state.setdefault(int(idx), {}).update(entries)
+        shard.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        shard.version = int(meta["version"])
+        shard.clocks.load_state_dict(meta["clocks"])
+        shard.staleness_histogram = {int(k): int(v) for k, v in meta["staleness_histogram"].items()}
+        return shard

@@ -1,0 +1,287 @@
+"""Authenticated frames for the parameter-server transport: a small header, JSON metadata, raw tensor bytes, a MAC.
+
+One ZeroMQ message carries one frame::
+
+    header (48 bytes, little-endian)  magic "LMPS" | version u8 | type u8 | flags u16 | epoch u64 | session u64
+                                      | seq u64 | meta_len u32 | n_tensors u32 | payload_len u64
+    meta      (meta_len bytes)        UTF-8 JSON: {"tensors": [[name, dtype, shape], ...], ...message fields}
+    payload   (payload_len bytes)     the tensors' raw bytes, back to back, in the order of meta["tensors"]
+    mac       (32 bytes)              HMAC-SHA256(job secret, header + meta + payload)
+
+No pickle: the only things decoded are a fixed struct, JSON (after the MAC is checked) and raw bytes viewed as
+tensors of a dtype from a fixed table. `decode` checks, in order and before allocating anything: the size of what
+actually arrived, the magic and version, the *declared* lengths against the limits and against the bytes that
+arrived, then the MAC; only then does it parse the JSON and copy the payload (whose size is now known to be the
+real, bounded size). A declared length is never used to allocate.
+
+Replay protection lives one level up (`SessionTable`): every server draws a random 64-bit *epoch* at start; a
+client says hello, learns the epoch, and then numbers its frames within its random 64-bit *session* with a
+strictly increasing sequence number. The MAC covers epoch, session and sequence number, so a captured frame can be
+replayed neither within a session (its number is not new) nor against a restarted server (its epoch is old).
+
+Every dropped frame is counted by reason (`DropCounters`); the server never answers a dropped frame.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "DropCounters",
+    "Frame",
+    "FrameDropped",
+    "HEADER",
+    "MAC_BYTES",
+    "MessageType",
+    "SessionTable",
+    "WireLimits",
+    "decode",
+    "encode",
+    "secret_from_hex",
+]
+
+MAGIC = b"LMPS"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQQQIIQ")
+MAC_BYTES = 32
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class MessageType(IntEnum):
+    HELLO = 1
+    INIT = 2
+    PULL = 3
+    PULL_ROWS = 4
+    PUSH = 5
+    BYE = 6
+    STATS = 7
+    SAVE = 8
+    REPLY = 64
+    ERROR = 65
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Upper bounds a receiver enforces before looking inside a frame."""
+
+    max_payload: int = 256 << 20
+    """Largest tensor payload accepted, in bytes (also ZeroMQ's ``maxmsgsize`` on the server socket)."""
+    max_meta: int = 1 << 20
+    """Largest JSON metadata block, in bytes."""
+    max_tensors: int = 65536
+    """Most tensors in one frame."""
+
+    @property
+    def max_frame(self) -> int:
+        return HEADER.size + self.max_meta + self.max_payload + MAC_BYTES
+
+
+class FrameDropped(Exception):
+    """A frame was rejected; ``reason`` is the counter it goes to."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class Frame:
+    """A decoded, authenticated frame."""
+
+    type: MessageType
+    epoch: int
+    session: int
+    seq: int
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    nbytes: int = 0
+    """Size of the frame on the wire."""
+
+
+def secret_from_hex(text: str) -> bytes:
+    """The job secret as bytes; ``loom run`` hands it out as hex (32 random bytes)."""
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError("LOOM_JOB_SECRET is not hex. HINT: let `loom run` generate it.") from None
+    if len(secret) < 16:
+        raise ValueError(f"the job secret has {len(secret)} bytes; at least 16 are required")
+    return secret
+
+
+def encode(
+    secret: bytes,
+    kind: MessageType,
+    *,
+    epoch: int,
+    session: int,
+    seq: int,
+    meta: dict[str, Any] | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> bytes:
+    """One frame: header, JSON meta (with the tensor descriptors), raw tensor bytes, HMAC."""
+    descriptors, blobs = [], []
+    for name, tensor in (tensors or {}).items():
+        t = tensor.detach().contiguous().cpu()
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which the wire format does not carry")
+        descriptors.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
+        blobs.append(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    body = json.dumps({**(meta or {}), "tensors": descriptors}, separators=(",", ":")).encode()
+    payload = b"".join(blobs)
+    header = HEADER.pack(
+        MAGIC, VERSION, int(kind), 0, epoch, session, seq, len(body), len(blobs), len(payload)
+    )
+    mac = hmac.new(secret, header, hashlib.sha256)
+    mac.update(body)
+    mac.update(payload)
+    return b"".join((header, body, payload, mac.digest()))
+
+
+def decode(secret: bytes, data: bytes | memoryview, limits: WireLimits = WireLimits()) -> Frame:
+    """Check and decode one frame, or raise `FrameDropped` with the reason. See the module docstring."""
+    view = memoryview(data).cast("B")
+    size = len(view)
+    if size > limits.max_frame:
+        raise FrameDropped("oversized", f"{size} bytes arrived")
+    if size < HEADER.size + MAC_BYTES:
+        raise FrameDropped("truncated", f"{size} bytes, shorter than a header")
+    magic, version, kind, _flags, epoch, session, seq, meta_len, n_tensors, payload_len = HEADER.unpack_from(
+        view
+    )
+    if magic != MAGIC:
+        raise FrameDropped("bad_magic")
+    if version != VERSION:
+        raise FrameDropped("bad_version", f"version {version}")
+    if meta_len > limits.max_meta or payload_len > limits.max_payload or n_tensors > limits.max_tensors:
+        raise FrameDropped("oversized", f"declares meta {meta_len} B, payload {payload_len} B")
+    declared = HEADER.size + meta_len + payload_len + MAC_BYTES
+    if declared != size:
+        raise FrameDropped("truncated" if declared > size else "length_mismatch", f"{declared} != {size}")
+    expected = hmac.new(secret, view[: size - MAC_BYTES], hashlib.sha256).digest()
+    if not hmac.compare_digest(expected, bytes(view[size - MAC_BYTES :])):
+        raise FrameDropped("bad_mac")
+    try:
+        kind = MessageType(kind)
+        meta = json.loads(bytes(view[HEADER.size : HEADER.size + meta_len]))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise FrameDropped("malformed", str(error)) from None
+    start = HEADER.size + meta_len
+    tensors = _tensors(meta, n_tensors, view[start : start + payload_len])
+    return Frame(kind, epoch, session, seq, meta, tensors, size)
+
+
+def _tensors(meta: Any, n_tensors: int, payload: memoryview) -> dict[str, torch.Tensor]:
+    """View the payload as the tensors its (authenticated) descriptors announce, after checking they tile it."""
+    descriptors = meta.get("tensors") if isinstance(meta, dict) else None
+    if not isinstance(descriptors, list) or len(descriptors) != n_tensors:
+        raise FrameDropped("malformed", "tensor descriptors do not match the header")
+    layout, offset = [], 0
+    for item in descriptors:
+        if not (
+            isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and _NAME.match(item[0])
+        ):
+            raise FrameDropped("malformed", "bad tensor descriptor")
+        name, dtype_name, shape = item
+        dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None or not isinstance(shape, list) or len(shape) > 8:
+            raise FrameDropped("malformed", f"bad dtype or shape for {name!r}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
+            raise FrameDropped("malformed", f"bad shape for {name!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        if offset + nbytes > len(payload):
+            raise FrameDropped("malformed", "tensors overrun the payload")
+        layout.append((name, dtype, shape, offset, numel))
+        offset += nbytes
+    if offset != len(payload):
+        raise FrameDropped("malformed", "tensors do not fill the payload")
+    owned = bytearray(payload)  # the real, bounded payload size: the only allocation driven by the frame
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, start, numel in layout:
+        if name in out:
+            raise FrameDropped("malformed", f"tensor {name!r} appears twice")
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(owned, dtype=dtype, count=numel, offset=start).view(shape)
+    return out
+
+
+@dataclass
+class DropCounters:
+    """Frames dropped, by reason; plus frames and bytes accepted."""
+
+    dropped: dict[str, int] = field(default_factory=dict)
+    accepted: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "dropped": dict(self.dropped),
+            "accepted": self.accepted,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+        }
+
+
+class SessionTable:
+    """Replay protection on the server: per-session last sequence number, under this server's epoch.
+
+    A HELLO frame carries epoch 0 (the client does not know the epoch yet) and opens its session; every other
+    frame must carry the current epoch. Each frame's sequence number must exceed the last one accepted in its
+    session. The table keeps the ``capacity`` most recently active sessions (a bound on memory against floods of
+    authenticated hellos, which only holders of the secret can produce); a session evicted and then replayed
+    against could accept an old frame, so ``capacity`` should exceed the number of clients by a wide margin.
+    """
+
+    def __init__(self, epoch: int, capacity: int = 4096) -> None:
+        self.epoch = epoch
+        self.capacity = capacity
+        self._last: OrderedDict[int, int] = OrderedDict()
+
+    def admit(self, frame: Frame) -> None:
+        """Raise `FrameDropped` unless ``frame`` is fresh; record its sequence number."""
+        if frame.type == MessageType.HELLO:
+            if frame.epoch != 0:
+                raise FrameDropped("stale_epoch")
+        elif frame.epoch != self.epoch:
+            raise FrameDropped("stale_epoch")
+        last = self._last.get(frame.session)
+        if last is None and frame.type != MessageType.HELLO:
+            raise FrameDropped("unknown_session")
+        if last is not None and frame.seq <= last:
+            raise FrameDropped("replay")
+        self._last[frame.session] = frame.seq
+        self._last.move_to_end(frame.session)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)

@@ -1,0 +1,343 @@
+"""Data parallelism through sharded parameter servers: workers pull parameters and push gradients.
+
+``loom run -n 4 --servers 2 train.py`` with ``strategy = loom.ParameterServer(mode="ssp", staleness=2)``: the
+parameters live on the servers, cut into size-balanced pieces (`loom.ps.plan`), and the optimizer given to
+`setup` runs *on the servers* over those pieces (its state is sharded with them; the worker's optimizer object
+only supplies its type and hyperparameters and is never stepped). Each step a worker pulls the parameters, computes
+the gradient of its share of the global batch, and pushes it. The consistency model (`loom.ps.clocks`) is the
+server's: ``sync`` equals one process on the whole global batch (gradients weighted ``n_r / N`` and summed), while
+``async`` and ``ssp`` apply each worker's mean gradient as its own update (so one global batch makes W updates;
+lower the learning rate accordingly, as with Downpour SGD).
+
+Sparse tables: the rows of an ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)`` are not pulled
+with the dense parameters; a forward pre-hook pulls just the rows the batch's indices touch, and only those rows'
+gradients are pushed, so traffic grows with touched rows, not with the table (the worker still allocates the table).
+
+Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch); a plain tuple is assumed
+to be one of ``world_size`` equal shares. Learning-rate schedulers on the worker do not reach the servers. Only
+element-wise optimizers are accepted (see `loom.ps.shard`). There is no ``eval_step`` yet: call
+``fetch_parameters()`` and evaluate ``module``. Buffers (BatchNorm statistics) stay local to each worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.observe.metrics import StepMetrics
+from loom.ps.client import PSClient
+from loom.ps.plan import ParamSpec, Piece, plan_shards
+from loom.ps.shard import ShardSettings
+from loom.ps.wire import MessageType, secret_from_hex
+from loom.strategies.data_parallel import _batch_len, _check_setup_arguments, _split_batch
+from loom.topology import Topology, current
+
+__all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig:
+    """How workers and servers agree on the parameters."""
+
+    mode: str = "sync"
+    """``sync`` (equals one process), ``async`` (apply on arrival, never wait) or ``ssp`` (bounded staleness)."""
+    staleness: int = 0
+    """``ssp`` only: a worker may run at most this many clocks ahead of the slowest live worker."""
+    worker_timeout_s: float = 60.0
+    """A worker silent this long is lost: ``ssp`` stops waiting for it, ``sync`` fails the step naming it."""
+    connect_timeout_s: float = 60.0
+    """How long `setup` waits for the servers to answer."""
+    checkpoint_every: int = 0
+    """Servers save their shards every this many updates (0: only on request and at shutdown)."""
+    namespace: str = "default"
+    """Name of the model on the servers (several models can share servers)."""
+    addresses: tuple[str, ...] | None = None
+    """Server ``HOST:PORT`` list; default ``LOOM_PS_ADDRS`` (set by ``loom run --servers K``)."""
+    secret: str | None = field(default=None, repr=False)
+    """Job secret (hex); default ``LOOM_JOB_SECRET``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async", "ssp"):
+            raise ValueError(f"mode={self.mode!r}; use 'sync', 'async' or 'ssp'")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
+        if self.staleness and self.mode != "ssp":
+            raise ValueError(f"staleness={self.staleness} applies to mode='ssp' only, not {self.mode!r}")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s!r}")
+
+
+class ParameterServerMetrics(StepMetrics):
+    """Step records, plus the staleness of this worker's updates and the clocks its pulls were granted at."""
+
+    def __init__(self, rank: int, path: str | None = None) -> None:
+        super().__init__(rank, path)
+        self.staleness: dict[int, int] = {}
+        """Histogram: server version at apply minus the version the gradient was computed on -> updates."""
+        self.clocks: list[tuple[int, int]] = []
+        """Per pull: (this worker's clock, the slowest live worker's clock) when the pull was granted."""
+
+    def summary(self, skip_first: int = 1) -> dict[str, Any]:
+        return {**super().summary(skip_first), "staleness": dict(sorted(self.staleness.items()))}
+
+
+class ParameterServer:
+    """Strategy: parameters on sharded servers; ``ParameterServer(mode="ssp", staleness=2, ...)``."""
+
+    def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
+        self.config = ParameterServerConfig(**config)
+        self.topology = topology
+        self.metrics_path = metrics_path
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn
+    ) -> ParameterServerJob:
+        """Plan the shards, connect, hand the initial parameters and the optimizer to the servers."""
+        topo = self.topology if self.topology is not None else current()
+        _check_setup_arguments(model, optimizer, loss_fn)
+        cfg = self.config
+        addresses = list(cfg.addresses or [a for a in os.environ.get("LOOM_PS_ADDRS", "").split(",") if a])
+        secret_hex = cfg.secret or os.environ.get("LOOM_JOB_SECRET", "")
+        if not addresses or not secret_hex:
+            raise ValueError(
+                "ParameterServer needs server addresses and the job secret (LOOM_PS_ADDRS, LOOM_JOB_SECRET). "
+                "HINT: launch with `loom run -n N --servers K train.py`."
+            )
+        specs, sparse_modules = _param_specs(model, optimizer)
+        plan = plan_shards(specs, len(addresses))
+        client = PSClient(addresses, secret_from_hex(secret_hex))
+        client.hello(cfg.connect_timeout_s)
+        settings = ShardSettings(
+            mode=cfg.mode,
+            staleness=cfg.staleness,
+            num_workers=topo.world_size,
+            timeout_s=cfg.worker_timeout_s,
+            checkpoint_every=cfg.checkpoint_every,
+            optimizer=type(optimizer).__name__,
+            groups=[_json_hyperparameters(g) for g in optimizer.param_groups],
+        )
+        params = dict(model.named_parameters())
+        meta = {"ns": cfg.namespace, "worker": topo.rank, "settings": asdict(settings)}
+        # Each server is told only its own pieces, so a server's --index need not match its place in the list.
+        metas = [
+            {**meta, "pieces": [p.to_json() for p in plan if p.server == s]} for s in range(len(addresses))
+        ]
+        values = [{f"p{p.id}": _piece_view(params[p.name], p) for p in plan if p.server == s}
+                  for s in range(len(addresses))]  # fmt: skip
+        client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
+        metrics = ParameterServerMetrics(topo.rank, self.metrics_path)
+        job = ParameterServerJob(model, optimizer, loss_fn, topo, cfg, client, plan, metrics)
+        for name, module in sparse_modules.items():
+            module.register_forward_pre_hook(job._row_hook(name))
+        job._pull_dense(peek=True)  # start from the servers' values (another worker's INIT may have won)
+        atexit.register(job.close)
+        return job
+
+
+def _param_specs(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[ParamSpec], dict]:
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    sparse_modules = {
+        f"{prefix}.weight" if prefix else "weight": m
+        for prefix, m in model.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    }
+    specs = []
+    for name, p in model.named_parameters():
+        if id(p) not in group_of or not p.requires_grad:
+            continue  # frozen: stays on the worker
+        if name in sparse_modules:
+            specs.append(ParamSpec(name, p.shape[0], p.shape[1], True, group_of[id(p)]))
+        else:
+            specs.append(ParamSpec(name, p.numel(), 1, False, group_of[id(p)]))
+    return specs, {n: m for n, m in sparse_modules.items() if any(s.name == n for s in specs)}
+
+
+def _json_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    def convert(key: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return value.item()
+        if isinstance(value, (list, tuple)):
+            return [convert(key, v) for v in value]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise TypeError(f"optimizer hyperparameter {key}={value!r} cannot be sent to the parameter servers")
+
+    return {k: convert(k, v) for k, v in group.items() if k != "params"}
+
+
+def _piece_view(param: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The values of ``piece`` inside ``param`` (a view, writable)."""
+    if piece.sparse:
+        return param.data[piece.start : piece.stop]
+    return param.data.view(-1)[piece.start : piece.stop]
+
+
+class ParameterServerJob:
+    """A model trained through parameter servers: `train_step`, `fetch_parameters`, `server_stats`, `close`."""
+
+    def __init__(self, module, optimizer, loss_fn, topology, config, client, plan, metrics) -> None:
+        self.module: nn.Module = module
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.topology: Topology = topology
+        self.config: ParameterServerConfig = config
+        self.client: PSClient = client
+        self.plan: list[Piece] = plan
+        self.metrics: ParameterServerMetrics = metrics
+        self.step = 0
+        """This worker's clock: updates pushed so far."""
+        self._params = dict(module.named_parameters())
+        self._versions = [0] * len(client.links)
+        self._closed = False
+
+    @property
+    def _num_servers(self) -> int:
+        return len(self.client.links)
+
+    def _request(self, kind, meta, tensors=None, servers=None, timeout_s=None, per_server=None):
+        servers = list(range(self._num_servers)) if servers is None else servers
+        base = {"ns": self.config.namespace, "worker": self.topology.rank, **meta}
+        metas = [{**base, **(per_server[s] if per_server else {})} for s in servers]
+        timeout = timeout_s if timeout_s is not None else self.config.worker_timeout_s + 30.0
+        return self.client.request(kind, metas, tensors, servers=servers, timeout_s=timeout)
+
+    # -- pulling ----------------------------------------------------------------------------------------------
+    def _pull_dense(self, peek: bool = False) -> None:
+        replies = self._request(MessageType.PULL, {"clock": self.step, "peek": peek})
+        for server, reply in enumerate(replies):
+            self._versions[server] = int(reply.meta["version"])
+        if not peek:
+            self.metrics.clocks.append((self.step, min(int(r.meta["slowest"]) for r in replies)))
+        by_id = {p.id: p for p in self.plan}
+        with torch.no_grad():
+            for reply in replies:
+                for key, value in reply.tensors.items():
+                    piece = by_id[int(key[1:])]
+                    _piece_view(self._params[piece.name], piece).copy_(value.view(-1))
+
+    def _pull_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Pull the given rows of sparse table ``name`` from the servers holding them."""
+        requests: dict[int, dict[str, torch.Tensor]] = {}
+        for piece in (p for p in self.plan if p.name == name):
+            local = rows[(rows >= piece.start) & (rows < piece.stop)] - piece.start
+            if local.numel():
+                requests.setdefault(piece.server, {})[f"r{piece.id}"] = local
+        if not requests:
+            return
+        servers = sorted(requests)
+        replies = self._request(MessageType.PULL_ROWS, {}, [requests[s] for s in servers], servers)
+        by_id = {p.id: p for p in self.plan}
+        weight = self._params[name]
+        with torch.no_grad():
+            for server, reply in zip(servers, replies, strict=True):
+                for key, value in reply.tensors.items():
+                    piece = by_id[int(key[1:])]
+                    weight.data[requests[server][f"r{piece.id}"] + piece.start] = value.to(weight.dtype)
+
+    def _row_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._pull_rows(name, args[0].reshape(-1).unique())
+
+        return hook
+
+    def fetch_parameters(self) -> nn.Module:
+        """Copy the servers' current parameters (sparse tables whole) into `module`, without waiting on clocks."""
+        self._pull_dense(peek=True)
+        for name in {p.name for p in self.plan if p.sparse}:
+            self._pull_rows(name, torch.arange(self._params[name].shape[0]))
+        return self.module
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def train_step(self, batch: Any) -> float:
+        """Pull, compute this share's gradient, push. Returns the global-batch loss in ``sync``, this share's
+        mean loss in ``async``/``ssp`` (there is no global batch there)."""
+        started = time.perf_counter()
+        inputs, targets = _split_batch(batch)
+        local = _batch_len(inputs)
+        total = int(getattr(batch, "global_size", local * self.topology.world_size))
+        sync = self.config.mode == "sync"
+        self._pull_dense()
+        self.module.train()
+        for p in self._params.values():
+            p.grad = None
+        loss_sum = 0.0
+        if local:
+            loss = self.loss_fn(self.module(inputs), targets)
+            (loss * (local / total) if sync else loss).backward()
+            loss_sum = float(loss.detach()) * local
+        replies = self._request(
+            MessageType.PUSH,
+            {"clock": self.step, "loss_sum": loss_sum},
+            self._gradients(),
+            per_server=[{"version": v} for v in self._versions],
+        )
+        for server, reply in enumerate(replies):
+            self._versions[server] = int(reply.meta["version"])
+        stale = max(int(r.meta.get("staleness", 0)) for r in replies)
+        self.metrics.staleness[stale] = self.metrics.staleness.get(stale, 0) + 1
+        self.step += 1
+        loss_value = float(replies[0].meta["loss_sum"]) / total if sync else loss_sum / max(local, 1)
+        self.metrics.record(self.step, time.perf_counter() - started, local, total, loss_value)
+        return loss_value
+
+    def _gradients(self) -> list[dict[str, torch.Tensor]]:
+        """Per server: ``g<id>`` dense gradient slices; for sparse pieces ``r<id>`` rows and ``g<id>`` values."""
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self._num_servers)]
+        sparse_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for piece in self.plan:
+            grad = self._params[piece.name].grad
+            if grad is None:
+                continue
+            target = out[piece.server]
+            if not piece.sparse:
+                target[f"g{piece.id}"] = grad.reshape(-1)[piece.start : piece.stop]
+                continue
+            if piece.name not in sparse_cache:
+                g = (grad if grad.is_sparse else grad.to_sparse(1)).coalesce()
+                sparse_cache[piece.name] = (g.indices()[0], g.values())
+            rows, values = sparse_cache[piece.name]
+            mask = (rows >= piece.start) & (rows < piece.stop)
+            target[f"r{piece.id}"] = rows[mask] - piece.start
+            target[f"g{piece.id}"] = values[mask]
+        return out
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def server_stats(self) -> list[dict[str, Any]]:
+        """Each server's counters: dropped frames by reason, bytes, and per model version, staleness, clocks."""
+        return [
+            f.meta for f in self.client.request(MessageType.STATS, [{}] * self._num_servers, timeout_s=30)
+        ]
+
+    def save_servers(self) -> list[str]:
+        """Ask every server to checkpoint its shards now; returns the files written."""
+        replies = self.client.request(MessageType.SAVE, [{}] * self._num_servers, timeout_s=60)
+        return [path for r in replies for path in r.meta["saved"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model as the servers hold it now and this worker's clock (optimizer state stays on the servers;
+        `save_servers` checkpoints it)."""
+        self.fetch_parameters()
+        return {"model": self.module.state_dict(), "step": self.step, "server_versions": list(self._versions)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.step = int(state["step"])
+
+    def close(self) -> None:
+        """Tell the servers this worker is done (so ``ssp`` peers stop waiting for it) and disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(TimeoutError, RuntimeError):
+            self._request(MessageType.BYE, {}, timeout_s=5.0)
+        self.client.close()

@@ -1,0 +1,155 @@
+"""ParameterServer against live servers: sync equals one process, async converges, ssp bounds the lead, faults.
+
+Two servers are started once for the module; each run uses its own model namespace on them (runs on 1 server
+use server 0 or 1, runs on 2 servers both). Each worker process does several runs one after the other, to keep
+the number of process starts (each imports torch) small on this 2-core machine; the fault-injection runs come
+last, since they kill a worker.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from ps_helpers import parameter_servers, run_ps_workers
+from torch import nn
+from workers.common import reference_run
+
+from loom.ps.client import PSClient
+from loom.ps.wire import MessageType, secret_from_hex
+
+STEPS, GLOBAL_BATCH = 10, 10
+SYNC_RUNS = [
+    {"mode": "sync", "optimizer": opt, "servers": servers, "steps": STEPS, "global_batch": GLOBAL_BATCH}
+    for servers in ([0], [0, 1])
+    for opt in ("sgd", "adam")
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with parameter_servers(2) as servers:
+        yield servers
+
+
+def server_stats(servers, index: int) -> dict:
+    client = PSClient([servers.addresses[index]], secret_from_hex(servers.secret))
+    try:
+        client.hello()
+        return client.request(MessageType.STATS, [{}], timeout_s=30)[0].meta
+    finally:
+        client.close()
+
+
+def lsq_loss(weight: list[float]) -> float:
+    g = torch.Generator().manual_seed(7)  # the problem of workers/ps_train.py
+    x = torch.randn(256, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    y = x @ w + 0.01 * torch.randn(256, 1, generator=g)
+    return nn.functional.mse_loss(x @ torch.tensor(weight).view(8, 1), y).item()
+
+
+def check_sync_runs(outputs: dict, world_size: int) -> None:
+    refs = {opt: reference_run(opt, GLOBAL_BATCH, STEPS) for opt in ("sgd", "adam")}
+    for rank, runs in outputs.items():
+        for run in runs[: len(SYNC_RUNS)]:
+            spec = SYNC_RUNS[run["run"]]
+            label = (
+                f"{world_size} workers, rank {rank}, {spec['optimizer']} on {len(spec['servers'])} servers"
+            )
+            assert run["error"] is None, label
+            ref_losses, ref_params = refs[spec["optimizer"]]
+            assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True)) <= 1e-5, label
+            for name, ref in ref_params.items():
+                got = torch.tensor(run["params"][name]).view_as(ref)
+                assert (got - ref).abs().max().item() <= 1e-5, f"{label}: {name}"
+            assert run["staleness"] == {"0": STEPS}, label  # sync: every gradient applied to its own version
+
+
+@pytest.fixture(scope="module")
+def three_workers(cluster):
+    """Job A, 3 workers: 4 sync runs; async and ssp (one worker slowed) on least squares; then rank 2 kills
+    itself in an async run, and an ssp run follows without it."""
+    runs = [
+        *SYNC_RUNS,
+        {"mode": "async", "problem": "lsq", "steps": 40, "global_batch": 48, "lr": 0.05},
+        {"mode": "ssp", "staleness": 2, "problem": "lsq", "steps": 20, "global_batch": 48, "servers": [1],
+         "slow_rank": 0, "slow_s": 0.05},
+        {"mode": "async", "problem": "lsq", "steps": 30, "global_batch": 48, "kill_rank": 2, "kill_step": 5},
+        # rank 2 is dead from the start of this run: ssp waits for it for timeout_s, then goes on without it
+        {"mode": "ssp", "staleness": 1, "problem": "lsq", "steps": 10, "global_batch": 48, "servers": [1],
+         "timeout_s": 2.0},
+    ]  # fmt: skip
+    config = {"tag": "A", "runs": runs}
+    return run_ps_workers("ps_train.py", 3, config, cluster.env, timeout=80, may_die=frozenset({2}))
+
+
+@pytest.mark.timeout(120)
+def test_sync_three_workers_match_one_process(three_workers):
+    check_sync_runs(three_workers, 3)
+
+
+@pytest.mark.timeout(120)
+def test_async_converges_and_staleness_reflects_workers(cluster, three_workers):
+    runs = [three_workers[r][4] for r in range(3)]
+    assert all(run["error"] is None for run in runs)
+    assert lsq_loss(runs[0]["params"]["weight"]) < 0.02 * lsq_loss([0.0] * 8) + 1e-3
+    histogram: dict[int, int] = {}
+    for run in runs:
+        for stale, count in run["staleness"].items():
+            histogram[int(stale)] = histogram.get(int(stale), 0) + count
+    assert sum(histogram.values()) == 3 * 40  # one staleness per update, all of them recorded
+    mean = sum(s * c for s, c in histogram.items()) / sum(histogram.values())
+    assert 0 < mean <= 2 * (3 - 1), histogram  # others' updates land between a pull and its push
+    server = server_stats(cluster, 0)["models"]["A-4"]
+    assert {int(k): v for k, v in server["staleness_histogram"].items()} == histogram
+    assert server["version"] == 3 * 40
+
+
+@pytest.mark.timeout(120)
+def test_ssp_never_runs_more_than_s_ahead(cluster, three_workers):
+    staleness = 2
+    for rank in range(3):
+        run = three_workers[rank][5]
+        assert run["error"] is None
+        leads = [clock - slowest for clock, slowest in run["clocks"]]
+        assert len(leads) == 20 and max(leads) <= staleness, (rank, run["clocks"])
+    server = server_stats(cluster, 1)["models"]["A-5"]
+    assert all(clock - slowest <= staleness for _, clock, slowest in server["grants"])
+    assert server["max_lead"] == staleness  # the slowed worker made the others reach the bound and wait
+
+
+@pytest.mark.timeout(120)
+def test_sync_two_workers_and_failure_names_the_worker(cluster):
+    failing = {"mode": "sync", "steps": STEPS, "global_batch": GLOBAL_BATCH, "kill_rank": 1, "kill_step": 3,
+               "timeout_s": 2.0}  # fmt: skip
+    config = {"tag": "B", "runs": [*SYNC_RUNS, failing]}
+    outputs = run_ps_workers("ps_train.py", 2, config, cluster.env, timeout=80, may_die=frozenset({1}))
+    check_sync_runs(outputs, 2)
+    last = outputs[0][-1]
+    assert last["run"] == len(SYNC_RUNS) and len(last["losses"]) == 3
+    assert "worker 1" in last["error"], last["error"]
+
+
+def _processes_with(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_does_not_stop_async_or_ssp(cluster, three_workers):
+    assert [r["run"] for r in three_workers[2]] == [0, 1, 2, 3, 4, 5]  # SIGKILLed in run 6
+    for rank in (0, 1):
+        assert [len(r["losses"]) for r in three_workers[rank][6:]] == [30, 10]
+        assert all(r["error"] is None for r in three_workers[rank][6:])
+    assert lsq_loss(three_workers[0][6]["params"]["weight"]) < 0.05 * lsq_loss([0.0] * 8)
+    assert "worker 2 silent" in cluster.log(1) and "no longer waits" in cluster.log(1)
+    assert server_stats(cluster, 0)["models"]["A-6"]["version"] == 2 * 30 + 5  # servers are still up
+    assert _processes_with('"tag": "A"') == []
+    assert all(p.poll() is None for p in cluster.procs)

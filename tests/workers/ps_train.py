@@ -1,0 +1,80 @@
+"""Train with ParameterServer; one JSON line per run (losses, final parameters, staleness, clocks).
+
+The argument is JSON ``{"tag": str, "runs": [run, ...]}``; a run has: mode, staleness, steps, global_batch,
+problem ("mlp" or "lsq"), optimizer, servers (indices into LOOM_PS_ADDRS), slow_rank/slow_s (sleep per step),
+kill_rank/kill_step (SIGKILL itself there), timeout_s (worker timeout), lr (lsq).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from common import make_dataset, make_mlp, make_optimizer
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import loom
+from loom.strategies.parameter_server import ParameterServer
+from loom.topology import Topology
+
+cfg = json.loads(sys.argv[1])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# No process group: the parameter-server strategy talks to the servers only, so a killed peer cannot hang us.
+topo = Topology(rank, world, rank, world, "none")
+
+
+def lsq_problem():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    return TensorDataset(x, x @ w + 0.01 * torch.randn(256, 1, generator=g))
+
+
+job_config = json.loads(sys.argv[1])
+all_addresses = os.environ["LOOM_PS_ADDRS"].split(",")
+for index, cfg in enumerate(job_config["runs"]):
+    optimizer = cfg.get("optimizer", "sgd")
+    addresses = [all_addresses[i] for i in cfg.get("servers", [0])]
+    if cfg.get("problem", "mlp") == "lsq":
+        data = lsq_problem()
+        torch.manual_seed(0)
+        model = nn.Linear(8, 1, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.get("lr", 0.05))
+    else:
+        data = make_dataset()
+        model = make_mlp()
+        opt = make_optimizer(optimizer, model)
+    strategy = ParameterServer(
+        mode=cfg["mode"],
+        staleness=cfg.get("staleness", 0),
+        worker_timeout_s=cfg.get("timeout_s", 30.0),
+        addresses=tuple(addresses),
+        namespace=f"{job_config['tag']}-{index}",
+        topology=topo,
+    )
+    job = strategy.setup(model, opt, nn.functional.mse_loss)
+    loader = loom.data.loader(data, cfg["global_batch"], seed=1, topology=topo)
+    losses, error, started = [], None, time.perf_counter()
+    try:
+        while len(losses) < cfg["steps"]:
+            for batch in loader:
+                if rank == cfg.get("kill_rank") and len(losses) == cfg.get("kill_step"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if rank == cfg.get("slow_rank"):
+                    time.sleep(cfg["slow_s"])
+                losses.append(job.train_step(batch))
+                if len(losses) == cfg["steps"]:
+                    break
+    except RuntimeError as e:
+        error = str(e)
+    out = {"run": index, "namespace": strategy.config.namespace, "losses": losses, "error": error,
+           "elapsed": time.perf_counter() - started, "staleness": job.metrics.staleness,
+           "clocks": job.metrics.clocks}  # fmt: skip
+    if error is None:
+        out["params"] = {k: v.flatten().tolist() for k, v in job.state_dict()["model"].items()}
+        out["traffic"] = job.client.traffic
+    print(json.dumps(out), flush=True)
+    job.close()
