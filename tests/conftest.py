@@ -16,6 +16,10 @@ import pytest
 
 WORKERS = Path(__file__).parent / "workers"
 
+# `auto` all-reduce caches its calibration per host; tests must neither read a stale one nor leave one behind.
+_CACHE = tempfile.TemporaryDirectory(prefix="loom-test-cache-")
+os.environ["LOOM_CACHE_DIR"] = _CACHE.name
+
 
 def free_port() -> int:
     with socket.socket() as s:

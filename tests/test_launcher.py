@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -329,3 +330,58 @@ def test_two_hosts_in_network_namespaces(tmp_path):
         for host in hosts:
             subprocess.run(["ip", "netns", "pids", host], capture_output=True)
             subprocess.run(["ip", "netns", "del", host], capture_output=True)
+
+
+PS_JOB = """
+    import json, torch, loom
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    topo = loom.init()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    data = TensorDataset(x, x @ torch.randn(8, 2, generator=g))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    job = loom.ParameterServer(mode="sync").setup(model, opt, nn.functional.mse_loss)
+    loader = loom.data.loader(data, 16, seed=0)
+    losses = [job.train_step(batch) for epoch in range(2) for batch in loader]
+    print("LOSSES " + json.dumps(losses))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_servers_flag_starts_parameter_servers_and_stops_them(tmp_path):
+    """`loom run --servers 2`: a sync parameter-server job equals one process on the same global batches."""
+    script = write_script(tmp_path, "ps_job.py", PS_JOB)
+    result = run_loom(
+        ["run", "-n", 2, "--servers", 2, "--run-dir", tmp_path / "run", script], tmp_path, timeout=80
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[server0]: " in result.stdout and "[server1]: " in result.stdout
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("[rank0]: LOSSES"))
+    losses = json.loads(line.split("LOSSES ", 1)[1])
+
+    import torch
+    from torch import nn
+
+    from loom.data import GlobalBatchSampler
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = x @ torch.randn(8, 2, generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference = []
+    sampler = GlobalBatchSampler(64, 16, seed=0)
+    for _ in range(2):
+        for batch in sampler:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x[batch.indices]), y[batch.indices])
+            loss.backward()
+            opt.step()
+            reference.append(loss.item())
+    assert losses == pytest.approx(reference, abs=1e-5)
+    assert wait_until_gone(str(script)) == []
+    assert wait_until_gone("loom.ps.server") == []

@@ -1,12 +1,19 @@
-"""What the all-reduce algorithms share: argument checks, group arithmetic and the local reduction."""
+"""What the all-reduce algorithms share: argument checks, group arithmetic, the local reduction, hosts."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from loom.comm.counters import counters
+
 OPS = ("sum", "avg", "max", "min")
-ALGORITHMS = ("native", "ring", "driver")
+ALGORITHMS = ("native", "ring", "driver", "shm", "hierarchical", "auto")
 
 
 def check_op_and_algorithm(op: str, algorithm: str) -> None:
@@ -83,4 +90,29 @@ def exchange(
     if send.numel():
         works.append(dist.isend(send, dst=dst, group=group))
     for work in works:
-        work.wait()
+        if work is not None:  # None only for a process outside ``group``, which group_rank_and_size refuses
+            work.wait()
+
+
+def host_key() -> str:
+    """This host's identity: ``$LOOM_HOST_ID`` if set (tests pretend to be several hosts), else name + boot id."""
+    override = os.environ.get("LOOM_HOST_ID")
+    if override:
+        return override
+    boot = ""
+    with contextlib.suppress(OSError):  # the boot id tells apart machines that share a host name
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{socket.gethostname()}/{boot}"
+
+
+def all_gather_bytes(payload: bytes, length: int, group: dist.ProcessGroup | None, n: int) -> list[bytes]:
+    """Every rank's ``payload`` (zero-padded to ``length``): plain bytes through the backend, no pickle.
+
+    For one-time set-up; its traffic is recorded under ``"setup"`` with the ring estimate.
+    """
+    mine = torch.zeros(length, dtype=torch.uint8)
+    mine[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(out, mine, group=group)
+    counters().record("setup", (n - 1) * length, (n - 1) * length)
+    return [t.numpy().tobytes() for t in out]

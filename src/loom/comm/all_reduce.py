@@ -1,8 +1,10 @@
-"""`all_reduce`: one entry point for the three all-reduce algorithms, with the checks they share.
+"""`all_reduce`: one entry point for every all-reduce algorithm, with the checks they share.
 
-``native`` is the backend's own ``torch.distributed.all_reduce`` (the one to use in production); ``ring``
-(`loom.comm.ring`) and ``driver`` (`loom.comm.driver`) are written over point-to-point messages so that their
-traffic can be counted exactly and compared (see `loom.comm.counters`).
+``native`` is the backend's own ``torch.distributed.all_reduce``; ``ring`` (`loom.comm.ring`) and ``driver``
+(`loom.comm.driver`) are written over point-to-point messages so that their traffic can be counted exactly and
+compared (see `loom.comm.counters`); ``shm`` (`loom.comm.shm`) reduces through shared memory between the
+processes of one host, ``hierarchical`` (`loom.comm.hierarchical`) combines it with a ring across hosts, and
+``auto`` (`loom.comm.auto`, the default) picks one of them per call from a calibration.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import torch
 import torch.distributed as dist
 
 from loom.comm._reduce import check_op_and_algorithm, check_tensor, group_rank_and_size
-from loom.comm.counters import counters
+from loom.comm.auto import choose_algorithm
+from loom.comm.counters import Traffic, counters
 from loom.comm.driver import all_reduce_driver
+from loom.comm.hierarchical import all_reduce_hierarchical
 from loom.comm.ring import all_reduce_ring
+from loom.comm.shm import all_reduce_shm
 
 __all__ = ["all_reduce"]
 
 
-def _all_reduce_native(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> tuple[int, int]:
+def _all_reduce_native(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> Traffic:
     """The backend's all-reduce; returns the ring-equivalent bus bytes as an estimate of its traffic."""
     n = dist.get_world_size(group)
     # gloo has no AVG reduction, so average as sum-then-divide on every backend for identical behaviour.
@@ -29,20 +34,30 @@ def _all_reduce_native(flat: torch.Tensor, op: str, group: dist.ProcessGroup | N
     if op == "avg":
         flat.div_(n)
     estimate = 2 * (n - 1) * flat.nbytes // n
-    return estimate, estimate
+    return Traffic(estimate, estimate)
 
 
-_ALGORITHMS: dict[str, Callable[[torch.Tensor, str, dist.ProcessGroup | None], tuple[int, int]]] = {
+def _all_reduce_ring(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> Traffic:
+    return Traffic(*all_reduce_ring(flat, op, group))
+
+
+def _all_reduce_driver(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> Traffic:
+    return Traffic(*all_reduce_driver(flat, op, group))
+
+
+_ALGORITHMS: dict[str, Callable[[torch.Tensor, str, dist.ProcessGroup | None], Traffic]] = {
     "native": _all_reduce_native,
-    "ring": all_reduce_ring,
-    "driver": all_reduce_driver,
+    "ring": _all_reduce_ring,
+    "driver": _all_reduce_driver,
+    "shm": all_reduce_shm,
+    "hierarchical": all_reduce_hierarchical,
 }
 
 
 def all_reduce(
     tensor: torch.Tensor,
     op: str = "sum",
-    algorithm: str = "native",
+    algorithm: str = "auto",
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` elementwise over the processes of ``group`` (default: all), in place; return it.
@@ -52,12 +67,16 @@ def all_reduce(
             float32, float64, float16, bfloat16 and the integer dtypes are supported; bool and complex are not.
         op: ``"sum"``, ``"avg"`` (sum divided by the group size; floating-point tensors only, integers raise a
             ValueError rather than silently flooring), ``"max"`` or ``"min"``.
-        algorithm: ``"native"`` (the backend's), ``"ring"`` or ``"driver"``; all give the same result up to
+        algorithm: ``"auto"`` (default: the fastest of the others for this topology and size, from a
+            calibration made on the group's first call), ``"native"`` (the backend's), ``"ring"``, ``"driver"``,
+            ``"shm"`` (all processes on one host) or ``"hierarchical"``; all give the same result up to
             floating-point summation order.
         group: a process group from ``torch.distributed.new_group``; this process must belong to it.
 
     With one process, or no process group at all, this is a no-op. Non-contiguous tensors are reduced through
-    a contiguous copy that is copied back. Every call is recorded in `loom.comm.counters()`.
+    a contiguous copy that is copied back. Every call is recorded in `loom.comm.counters()` (``auto`` under
+    ``"auto"``). A group's first ``shm``, ``hierarchical`` or ``auto`` call also sets up (hosts, shared memory,
+    calibration): like every collective, all processes of the group must make it.
     """
     check_op_and_algorithm(op, algorithm)
     check_tensor(tensor, op)
@@ -66,14 +85,20 @@ def all_reduce(
         counters().record(algorithm, 0, 0)
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    chosen = algorithm
     try:
-        sent, received = _ALGORITHMS[algorithm](work.view(-1), op, group)
+        if algorithm == "auto":  # GPU tensors: the backend's (NCCL) all-reduce is the one to use
+            chosen = (
+                choose_algorithm(work.nbytes, group, _ALGORITHMS) if work.device.type == "cpu" else "native"
+            )
+        traffic = _ALGORITHMS[chosen](work.view(-1), op, group)
     except RuntimeError as error:
+        picked = f" (auto chose {chosen!r})" if chosen != algorithm else ""
         raise RuntimeError(
-            f"rank {dist.get_rank()}: all_reduce(op={op!r}, algorithm={algorithm!r}) of a "
+            f"rank {dist.get_rank()}: all_reduce(op={op!r}, algorithm={algorithm!r}){picked} of a "
             f"{tuple(tensor.shape)} {tensor.dtype} tensor over {n} processes failed: {error}"
         ) from error
     if work is not tensor:
         tensor.copy_(work)
-    counters().record(algorithm, sent, received)
+    counters().record(algorithm, *traffic)
     return tensor

@@ -1,0 +1,203 @@
+"""``auto``: pick native, ring, shm or hierarchical for each call, by topology and message size, from measurements.
+
+The idea (as NCCL's tuning model and Open MPI's ``coll/tuned`` decision tables do, but measured instead of
+modelled): which algorithm is fastest depends on where the processes are and on the message size (latency
+dominates small messages, bandwidth large ones), and on the machine. So on a group's first ``auto`` call loom
+times every candidate at a few sizes (`CALIBRATION_SIZES`, the median of `CALIBRATION_REPS` calls after one
+warm-up) and then, for each call, picks the fastest one at the calibrated size nearest on a log scale.
+
+Candidates come from the topology every process learned in `loom.comm.shm.context_for`: one host with several
+processes -> native, ring, shm; several hosts, some with several processes -> native, ring, hierarchical;
+otherwise (or without usable shared memory) native and ring.
+
+Agreement: every rank must pick the same algorithm for the same call, or the job hangs. The timing table is
+the same everywhere: each entry is the slowest rank's time (an all-reduce MAX), and a cached table is read by
+rank 0 and broadcast. The choice is then a deterministic function of that table and the tensor's size, which
+all ranks share.
+
+Cache: a JSON file per host, ``$LOOM_CACHE_DIR`` or ``~/.cache/loom``, ``allreduce-<hostname>.json``, keyed by the
+world size and the processes per host. Delete it to calibrate again (after a hardware or software change).
+
+Limits: a calibration reflects the load of the moment it ran on a shared machine; it adds a fraction of a
+second to the first call; only float32 messages are timed (the choice is by bytes, whatever the dtype).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import socket
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loom.comm._reduce import global_rank
+from loom.comm.counters import Traffic, counters
+from loom.comm.shm import ShmContext, context_for
+
+__all__ = [
+    "CALIBRATION_REPS",
+    "CALIBRATION_SIZES",
+    "Policy",
+    "cache_path",
+    "candidates",
+    "choose_algorithm",
+    "policy_for",
+]
+
+CALIBRATION_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+"""Message sizes (bytes) timed by the calibration."""
+CALIBRATION_REPS = 5
+"""Timed calls per algorithm and size, median kept (after one untimed warm-up, which also sets up shm)."""
+_VERSION = 1
+
+Algorithm = Callable[[torch.Tensor, str, "dist.ProcessGroup | None"], Traffic]
+
+
+def candidates(ctx: ShmContext) -> tuple[str, ...]:
+    """The algorithms worth timing for this topology."""
+    if ctx.unsupported or max(ctx.host_sizes) == 1:
+        return ("native", "ring")
+    return ("native", "ring", "shm" if len(ctx.host_sizes) == 1 else "hierarchical")
+
+
+class Policy:
+    """A calibration table and the choice it implies: the fastest algorithm at the nearest timed size."""
+
+    def __init__(
+        self, algorithms: tuple[str, ...], sizes: tuple[int, ...], seconds: list[list[float]]
+    ) -> None:
+        self.algorithms, self.sizes, self.seconds = algorithms, sizes, seconds
+        """``seconds[a][s]``: slowest rank's time of one call of ``algorithms[a]`` on ``sizes[s]`` bytes."""
+        # Sizes nearer (in log) to sizes[s] than to its neighbours use sizes[s]'s winner.
+        self._bounds = [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:], strict=False)]
+        self._best = []
+        for s in range(len(sizes)):
+            column = [row[s] for row in seconds]
+            self._best.append(algorithms[column.index(min(column))])  # ties: the first, native, wins
+
+    def choose(self, nbytes: int) -> str:
+        return self._best[bisect.bisect_right(self._bounds, nbytes)]
+
+    def __repr__(self) -> str:
+        picks = ", ".join(f"{size} B: {best}" for size, best in zip(self.sizes, self._best, strict=True))
+        return f"Policy({picks})"
+
+
+def cache_path() -> Path:
+    """This host's calibration file."""
+    root = os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom"
+    return Path(root) / f"allreduce-{socket.gethostname()}.json"
+
+
+def _cache_key(ctx: ShmContext) -> str:
+    return f"world={ctx.size},per_host={'+'.join(map(str, ctx.host_sizes))}"
+
+
+def _read_cache(key: str, algorithms: tuple[str, ...]) -> list[list[float]] | None:
+    try:
+        entry = json.loads(cache_path().read_text())["entries"][key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (entry.get("version"), entry.get("algorithms"), entry.get("sizes")) != (
+        _VERSION,
+        list(algorithms),
+        list(CALIBRATION_SIZES),
+    ):
+        return None
+    return entry["seconds"]
+
+
+def _write_cache(key: str, algorithms: tuple[str, ...], seconds: list[list[float]]) -> None:
+    path = cache_path()
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(data.get("entries"), dict):
+            data = {"entries": {}}
+    except (OSError, ValueError):
+        data = {"entries": {}}
+    data["entries"][key] = {
+        "version": _VERSION,
+        "algorithms": list(algorithms),
+        "sizes": list(CALIBRATION_SIZES),
+        "seconds": seconds,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)  # atomic: a concurrent job reads the old or the new file, never half of one
+    except OSError as error:
+        warnings.warn(f"loom: could not write the all-reduce calibration to {path}: {error}", stacklevel=2)
+
+
+def _calibrate(
+    group: dist.ProcessGroup | None, names: tuple[str, ...], algorithms: Mapping[str, Algorithm]
+) -> tuple[torch.Tensor, Traffic]:
+    """Seconds of every timed call, ``[algorithm, size, repetition]``, as this rank saw them."""
+    seconds = torch.zeros(len(names), len(CALIBRATION_SIZES), CALIBRATION_REPS, dtype=torch.float64)
+    traffic = Traffic()
+    for s, size in enumerate(CALIBRATION_SIZES):
+        data = torch.zeros(size // 4, dtype=torch.float32)
+        for a, name in enumerate(names):
+            traffic = traffic.plus(algorithms[name](data, "sum", group))  # warm-up, and set-up
+            for rep in range(CALIBRATION_REPS):
+                dist.barrier(group=group)  # start together: a late rank would be charged to the others
+                started = time.perf_counter()
+                traffic = traffic.plus(algorithms[name](data, "sum", group))
+                seconds[a, s, rep] = time.perf_counter() - started
+    return seconds, traffic
+
+
+def _load_or_calibrate(group: dist.ProcessGroup | None, algorithms: Mapping[str, Algorithm]) -> Policy:
+    ctx = context_for(group)
+    names, key = candidates(ctx), _cache_key(ctx)
+    table = torch.zeros(1 + len(names) * len(CALIBRATION_SIZES), dtype=torch.float64)
+    if ctx.rank == 0:
+        cached = _read_cache(key, names)
+        if cached is not None:
+            table[0] = 1
+            table[1:] = torch.tensor(cached, dtype=torch.float64).flatten()
+    dist.broadcast(table, src=global_rank(group, 0), group=group)
+    counters().record("setup", table.nbytes if ctx.rank == 0 else 0, 0 if ctx.rank == 0 else table.nbytes)
+    if table[0] == 1:
+        seconds = table[1:].view(len(names), -1)
+    else:
+        calls, traffic = _calibrate(group, names, algorithms)
+        # Each call takes as long as its slowest rank; the median call resists a process descheduled once.
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=group)  # the same table on every rank
+        counters().record("setup", *traffic.plus(Traffic(calls.nbytes, calls.nbytes)))
+        seconds = calls.median(dim=2).values
+        if ctx.rank == 0:
+            _write_cache(key, names, seconds.tolist())
+    return Policy(names, CALIBRATION_SIZES, seconds.tolist())
+
+
+_POLICIES: dict[object, Policy] = {}
+
+
+def choose_algorithm(
+    nbytes: int, group: dist.ProcessGroup | None, algorithms: Mapping[str, Algorithm]
+) -> str:
+    """The algorithm ``auto`` uses for an ``nbytes`` message on ``group``; calibrates (collectively) on first use.
+
+    ``algorithms`` maps every candidate name to its low-level function (`loom.comm.all_reduce` passes its own).
+    """
+    key = group if group is not None else dist.group.WORLD
+    policy = _POLICIES.get(key)
+    if policy is None:
+        policy = _POLICIES[key] = _load_or_calibrate(group, algorithms)
+    return policy.choose(nbytes)
+
+
+def policy_for(group: dist.ProcessGroup | None) -> Policy | None:
+    """The policy ``auto`` follows on ``group``, or None before its first ``auto`` call there."""
+    return _POLICIES.get(group if group is not None else dist.group.WORLD)

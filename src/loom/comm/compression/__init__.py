@@ -1,0 +1,44 @@
+"""Gradient compression for data parallelism: send fewer bytes per step, keep what was not sent for later.
+
+    from loom.comm.compression import compression_hook, make_codec
+    hook = compression_hook(make_codec("powersgd:4"))       # or "fp16", "bf16", "topk:0.01"
+    ddp.register_comm_hook(None, hook)                       # None: all processes (or a process group)
+    checkpoint["codec"] = hook.state_dict()                  # residuals and warm starts: tensors, ints, strings
+
+Four codecs, each a small object with its own state (`Codec`):
+
+- ``fp16`` / ``bf16`` (`loom.comm.compression.cast`): all-reduce in 16 bits, half the bytes, stateless;
+- ``topk:<fraction>`` (`loom.comm.compression.topk`): the largest entries with their indices, all-gathered,
+  with error feedback (Lin et al. 2018, Deep Gradient Compression; Stich et al. 2018);
+- ``powersgd:<rank>`` (`loom.comm.compression.powersgd`): a rank-r approximation per gradient matrix, two small
+  all-reduces, error feedback and warm start (Vogels et al. 2019).
+
+A codec describes its communication as a generator of `Collective` steps (`loom.comm.compression.base`);
+`compression_hook` runs them inside DDP's backward, asynchronously, counting bytes in `loom.comm.counters()`;
+`exchange_locally` runs them for N simulated ranks in one process (tests, what-if byte counts).
+
+PyTorch ships ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook``; loom does not use them: DDP
+refuses ``bf16_compress_hook`` without NCCL, ``batched_powerSGD_hook`` crashes on CPU here (issue 3), and none of them
+records its traffic.
+"""
+
+from loom.comm.compression.base import Codec, Collective
+from loom.comm.compression.cast import CastCodec
+from loom.comm.compression.factory import CODEC_FORMS, make_codec
+from loom.comm.compression.hook import CompressionHook, compression_hook
+from loom.comm.compression.local import exchange_locally
+from loom.comm.compression.powersgd import PowerSGDCodec
+from loom.comm.compression.topk import TopKCodec
+
+__all__ = [
+    "CODEC_FORMS",
+    "CastCodec",
+    "Codec",
+    "Collective",
+    "CompressionHook",
+    "PowerSGDCodec",
+    "TopKCodec",
+    "compression_hook",
+    "exchange_locally",
+    "make_codec",
+]

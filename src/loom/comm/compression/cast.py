@@ -1,0 +1,64 @@
+"""``fp16`` and ``bf16``: all-reduce gradients in a 16-bit floating-point format, half the bytes of float32.
+
+The oldest trick of the lot (PyTorch's ``fp16_compress_hook``; mixed-precision training, Micikevicius et al.
+2018, made 16-bit gradients routine). Each rank divides its gradient by the world size *before* casting, so the
+sum cannot overflow where the mean would fit, all-reduces the 16-bit tensor, and casts the result back.
+
+Limits: float16 keeps 11 significant bits but only the range ~6e-8..65504, so tiny gradients flush to zero and
+huge ones become inf; bfloat16 keeps float32's range but only 8 significant bits. The sum over ranks is rounded
+in the 16-bit format at each addition, so the error grows with the number of processes. No error feedback: the
+rounding error is simply lost, which is harmless at these precisions. Gradients that are already 16-bit (or
+narrower) go through unchanged in their own dtype.
+
+On gloo: PyTorch's ``bf16_compress_hook`` is refused by DDP unless NCCL is present (a name check in
+``DistributedDataParallel._check_comm_hook``), but gloo itself all-reduces bfloat16 (checked with torch 2.13),
+so this codec simply all-reduces the bfloat16 tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from loom.comm.compression.base import Collective, Exchange, check_codec_state
+
+__all__ = ["CastCodec"]
+
+_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class CastCodec:
+    """Send gradients as float16 (``"fp16"``) or bfloat16 (``"bf16"``); stateless."""
+
+    def __init__(self, spec: str) -> None:
+        if spec not in _FORMATS:
+            raise ValueError(f"CastCodec spec must be one of {sorted(_FORMATS)}, got {spec!r}")
+        self.spec = spec
+        self.wire_dtype = _FORMATS[spec]
+
+    def compress(self, flat: torch.Tensor, world_size: int) -> torch.Tensor:
+        """This rank's share of the mean, in the wire format (a new tensor)."""
+        if flat.element_size() <= self.wire_dtype.itemsize:
+            return flat / world_size
+        return (flat / world_size).to(self.wire_dtype)
+
+    def decompress(self, wire: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The summed wire tensor back in the gradient's dtype."""
+        return wire.to(like.dtype)
+
+    def exchange(
+        self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
+    ) -> Exchange:
+        summed = yield Collective("sum", self.compress(flat, world_size), final=True)
+        return self.decompress(summed, flat)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.spec}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_codec_state(state, self.spec)
+
+    def __repr__(self) -> str:
+        return f"CastCodec({self.spec!r})"

@@ -1,0 +1,198 @@
+"""`compression_hook`: run a codec's collectives inside DDP's backward, asynchronously, and count their bytes.
+
+    ddp.register_comm_hook(None, compression_hook(make_codec("powersgd:4")))   # None: all processes
+
+DDP calls the hook once per gradient bucket, in bucket order, from the backward pass, and waits for the
+returned futures only at the end of backward. The hook starts each bucket's first collective with
+``async_op=True`` and returns at once, so communication overlaps the rest of backward:
+
+- a codec's *final* collective (`Collective.final`) gets its decoding chained with ``Future.then``: it runs on
+  the backend's thread when the message arrives and completes the bucket's future;
+- a codec with two rounds (PowerSGD: P, then Q) cannot start round 2 until round 1 is reduced, and must not
+  start it from a backend thread: collectives started from callbacks would reach the backend in a different
+  order on different ranks (gloo matches collectives by sequence number) and waiting inside a callback can
+  starve the backend's threads. So bucket b's next round is started by the hook call of bucket b+1, from the
+  backward thread, after bucket b+1's first message is on its way; the last bucket drains what is left.
+
+Byte accounting, in `loom.comm.counters()` with the convention of `loom.comm.counters` (what a
+bandwidth-optimal ring would move, per process, each way):
+
+- ``op="sum"`` is ``torch.distributed.all_reduce``, recorded under ``"native"`` exactly as
+  `loom.comm.all_reduce(algorithm="native")` records it: ``2 (N-1)/N * D`` bytes for a D-byte message;
+- ``op="gather"`` is an all-gather, recorded under ``"all_gather"``: a ring passes every rank's D-byte message
+  to the N-1 others, so each process sends and receives ``(N-1) * D`` bytes.
+
+Bytes are recorded when a collective starts. Totals hence compare directly with an uncompressed run using
+``allreduce_hook("native")``.
+"""
+
+# No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and
+# rejects them unless they are the real `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects.
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loom.comm.compression.base import Codec, Collective, Exchange
+from loom.comm.compression.factory import make_codec
+from loom.comm.counters import counters
+
+__all__ = ["CompressionHook", "compression_hook"]
+
+# `all_gather_into_tensor` is deprecated in newer torch in favour of `all_gather_single` (same semantics).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Flight:
+    """One bucket's exchange in progress: the codec's generator and the collective it waits for."""
+
+    def __init__(self, key: int, exchange: Exchange, buffer: torch.Tensor) -> None:
+        self.key = key
+        self.exchange = exchange
+        self.buffer = buffer
+        self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self.work: Any = None
+        self.result = torch.empty(0)
+        """The current collective's output, valid once ``work`` is done."""
+        self.description = ""
+
+
+class CompressionHook:
+    """A DDP communication hook averaging each bucket with ``codec``; `compression_hook` builds it.
+
+    ``hook.codec`` is the codec, whose `state_dict()` holds the error-feedback residuals and warm starts to
+    checkpoint with the model (`state_dict` / `load_state_dict` here delegate to it).
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        # DDP names the hook in its checks and logs by these attributes, which functions have and objects lack.
+        self.__name__ = "compression_hook"
+        self.__qualname__ = f"compression_hook({codec.spec!r})"
+        self._in_flight: list[_Flight] = []
+
+    def __call__(
+        self, state: dist.ProcessGroup | None, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        group = state
+        n = dist.get_world_size(group)
+        key = bucket.index()
+        if key == 0:
+            self._in_flight = []  # leftovers of a backward that failed half-way; their futures are abandoned
+        buffer = bucket.buffer()
+        shapes = [p.shape for p in bucket.parameters()]
+        flight = _Flight(key, self.codec.exchange(key, buffer, shapes, n), buffer)
+        earlier, self._in_flight = self._in_flight, []
+        self._run(flight, group, n, first=True)
+        for older in earlier:  # their next round, now that this bucket's first message is on its way
+            self._advance(older, group, n)
+        while bucket.is_last() and self._in_flight:
+            pending, self._in_flight = self._in_flight, []
+            for older in pending:
+                self._advance(older, group, n)
+        # Chained rather than returned: an exception set on a Python-made future reaches DDP's C++ side as an
+        # uncastable value ("Unable to cast ... to Tensor"); raised inside a callback it becomes a real error.
+        return flight.future.then(_value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.codec.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.codec.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"compression_hook({self.codec.spec!r})"
+
+    # -- running the codec's schedule ------------------------------------------------------------------------
+    def _run(self, flight: _Flight, group: dist.ProcessGroup | None, n: int, first: bool = False) -> None:
+        """Resume the codec (from the backward thread) and start the collective it asks for next."""
+        try:
+            collective = next(flight.exchange) if first else flight.exchange.send(flight.result)
+        except StopIteration as stop:
+            _complete(flight, stop.value)
+            return
+        self._start(flight, collective, group, n)
+        if not collective.final:
+            self._in_flight.append(flight)
+
+    def _advance(self, flight: _Flight, group: dist.ProcessGroup | None, n: int) -> None:
+        try:
+            flight.work.wait()
+        except RuntimeError as error:
+            raise RuntimeError(f"rank {dist.get_rank()}: {flight.description} failed: {error}") from error
+        self._run(flight, group, n)
+
+    def _start(
+        self, flight: _Flight, collective: Collective, group: dist.ProcessGroup | None, n: int
+    ) -> None:
+        message = collective.tensor.contiguous()
+        flight.description = (
+            f"{self.codec.spec} {collective.op} of a {tuple(message.shape)} {message.dtype} message "
+            f"for bucket {flight.key} over {n} processes"
+        )
+        try:
+            if collective.op == "sum":
+                flight.work = dist.all_reduce(message, group=group, async_op=True)
+                flight.result = message
+                moved = 2 * (n - 1) * message.nbytes // n
+                counters().record("native", moved, moved)
+            else:
+                gathered = torch.empty(n * message.numel(), dtype=message.dtype, device=message.device)
+                flight.work = _all_gather(gathered, message, group=group, async_op=True)
+                flight.result = gathered.view(n, message.numel())
+                moved = (n - 1) * message.nbytes
+                counters().record("all_gather", moved, moved)
+        except RuntimeError as error:
+            raise RuntimeError(f"rank {dist.get_rank()}: {flight.description} failed: {error}") from error
+        if collective.final:
+            flight.work.get_future().then(lambda done: _finish(flight, done))
+
+
+def _finish(flight: _Flight, done: torch.futures.Future) -> None:
+    """Decode on the backend's thread once the final collective arrived; always settle the bucket's future."""
+    # Everything is caught: a future left unsettled would make DDP wait forever at the end of backward.
+    try:
+        done.value()  # raises if the collective failed
+        flight.exchange.send(flight.result)
+    except StopIteration as stop:
+        try:
+            _complete(flight, stop.value)
+        except Exception as error:
+            _fail(flight, error)
+        return
+    except Exception as error:
+        _fail(flight, error)
+        return
+    _fail(flight, RuntimeError("the codec asked for another collective after the one it marked final"))
+
+
+def _fail(flight: _Flight, error: Exception) -> None:
+    failure = RuntimeError(f"rank {dist.get_rank()}: {flight.description} failed: {error!r}")
+    flight.future.set_exception(failure)  # type: ignore[arg-type]  # torch annotates the argument as T
+
+
+def _value(done: torch.futures.Future) -> torch.Tensor:
+    return done.value()
+
+
+def _complete(flight: _Flight, averaged: torch.Tensor) -> None:
+    if averaged is not flight.buffer:
+        flight.buffer.copy_(averaged)
+    flight.future.set_result(flight.buffer)
+
+
+def compression_hook(codec: Codec | str) -> CompressionHook:
+    """A DDP communication hook that averages gradient buckets with ``codec`` (a `Codec` or a spec string).
+
+    ``ddp.register_comm_hook(group_or_None, compression_hook("topk:0.01"))``. Each DDP model needs its own hook
+    and codec (the codec keeps per-bucket state); checkpoint ``hook.state_dict()`` with the model.
+    """
+    if isinstance(codec, str):
+        codec = make_codec(codec)
+    if not isinstance(codec, Codec):
+        raise TypeError(
+            f"compression_hook expects a codec or a spec string, got {type(codec).__name__}. "
+            "HINT: compression_hook(make_codec('fp16'))."
+        )
+    return CompressionHook(codec)

@@ -1,0 +1,124 @@
+"""``topk:<fraction>``: send only the largest gradient entries, and keep the rest for later (error feedback).
+
+The idea (Strom 2015; Aji & Heafield 2017; Lin et al., "Deep Gradient Compression", ICLR 2018; analysed by
+Stich, Cordonnier & Jaggi, "Sparsified SGD with memory", NeurIPS 2018): most of a gradient's mass sits in a
+few coordinates. Each rank adds the *residual* it kept from earlier steps to its fresh gradient, sends the
+``k = ceil(fraction * numel)`` entries of largest magnitude (values and indices) and keeps everything it did not
+send as the new residual. Nothing is thrown away, only delayed, which is why this converges where plain top-k
+does not. The messages of all ranks are gathered (an all-gather: each rank picked different indices, so they
+cannot be summed on the wire), scattered into a dense tensor, added and divided by the world size.
+
+Bytes: each rank's message is ``k`` values plus ``k`` indices (int32 while the bucket has fewer than 2**31
+entries). With N ranks every rank receives N-1 messages, so the traffic grows with N where an all-reduce's does
+not: against a ring all-reduce of float32, top-k moves ``2 (N-1)/N * 4 n`` vs ``(N-1) * 8 k`` bytes, a saving of
+``1 / (N * fraction)`` (50x at fraction 0.01 on 2 ranks, 12.5x on 8).
+
+Limits: the selection is over the whole bucket (one global top-k, not per layer), so a layer with small
+gradients can wait several steps for its turn; the residual costs one gradient's worth of memory; DGC's
+momentum correction, local clipping and warm-up of the fraction are not implemented (plain error feedback works
+here with SGD momentum applied to the averaged sparse gradient). ``torch.topk`` on the whole bucket costs
+O(n log k) per step, noticeable next to a small model's backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from loom.comm.compression.base import (
+    Collective,
+    Exchange,
+    check_codec_state,
+    check_layout,
+    layout_signature,
+)
+
+__all__ = ["TopKCodec"]
+
+
+class TopKCodec:
+    """Top-k sparsification with error feedback; ``fraction`` in (0, 1] of each bucket's entries is sent."""
+
+    def __init__(self, fraction: float) -> None:
+        if not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0):
+            raise ValueError(f"top-k fraction must be in (0, 1], got {fraction!r}")
+        self.fraction = float(fraction)
+        self.spec = f"topk:{self.fraction!r}"
+        self._residuals: dict[int, torch.Tensor] = {}
+        self._layouts: dict[int, str] = {}
+
+    def k(self, numel: int) -> int:
+        """Entries sent for a bucket of ``numel`` entries: at least one."""
+        return max(1, min(numel, math.ceil(self.fraction * numel)))
+
+    def residual(self, key: int) -> torch.Tensor | None:
+        """What bucket ``key`` still owes the other ranks (None before its first step)."""
+        return self._residuals.get(key)
+
+    def compress(
+        self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick the top-k of gradient + residual; return (values, int64 indices) and keep the rest as residual."""
+        check_layout(flat, shapes or [flat.shape])
+        layout = layout_signature(flat, shapes or [flat.shape])
+        residual = self._residuals.get(key)
+        if residual is None or self._layouts.get(key) != layout or residual.shape != flat.shape:
+            residual = torch.zeros_like(flat)
+        accumulated = flat + residual
+        indices = accumulated.abs().topk(self.k(flat.numel()), sorted=False).indices
+        values = accumulated[indices]
+        accumulated[indices] = 0  # what was not sent stays, to be sent when it has grown large enough
+        self._residuals[key] = accumulated
+        self._layouts[key] = layout
+        return values, indices
+
+    def decompress(
+        self, values: torch.Tensor, indices: torch.Tensor, like: torch.Tensor, world_size: int
+    ) -> torch.Tensor:
+        """The dense mean of the messages of ``world_size`` ranks (``values``/``indices`` stacked or 1-D)."""
+        dense = torch.zeros_like(like)
+        dense.index_add_(0, indices.reshape(-1).long(), values.reshape(-1).to(like.dtype))
+        return dense.div_(world_size)
+
+    def exchange(
+        self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
+    ) -> Exchange:
+        values, indices = self.compress(key, flat, shapes)
+        index_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
+        message = _pack(values, indices.to(index_dtype))
+        gathered = yield Collective("gather", message, final=True)
+        all_values, all_indices = _unpack(gathered, len(values), values.dtype, index_dtype)
+        return self.decompress(all_values, all_indices, flat, world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        buckets = {
+            str(key): {"layout": self._layouts[key], "residual": residual.clone()}
+            for key, residual in self._residuals.items()
+        }
+        return {"codec": self.spec, "buckets": buckets}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_codec_state(state, self.spec)
+        self._residuals = {int(k): b["residual"].clone() for k, b in state["buckets"].items()}
+        self._layouts = {int(k): str(b["layout"]) for k, b in state["buckets"].items()}
+
+    def __repr__(self) -> str:
+        return f"TopKCodec({self.fraction!r})"
+
+
+def _pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Values then indices as one byte string: one all-gather instead of two, whatever the two dtypes."""
+    return torch.cat([values.contiguous().view(torch.uint8), indices.contiguous().view(torch.uint8)])
+
+
+def _unpack(
+    gathered: torch.Tensor, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `_pack` messages (one per rank) back to (values, indices), each of shape (ranks, k)."""
+    split = k * value_dtype.itemsize
+    values = gathered[:, :split].contiguous().view(value_dtype)
+    indices = gathered[:, split:].contiguous().view(index_dtype)
+    return values, indices

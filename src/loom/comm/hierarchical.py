@@ -1,0 +1,101 @@
+"""Hierarchical all-reduce: shared memory within each host, a ring across hosts, one leader per host.
+
+The idea (two-level all-reduce as in Horovod's hierarchical all-reduce and NCCL's intra-/inter-node split):
+memory inside a host is far faster than the network between hosts, so cross the network once per host, not
+once per process. For every piece of the tensor (see `loom.comm.shm` for pieces and slots):
+
+1. within each host, the shared-memory reduce-scatter of `loom.comm.shm` leaves every local chunk reduced
+   in the segment; the host's leader (its first process) copies them out, so it holds the host's sum;
+2. the leaders all-reduce those sums with a ring (the algorithm of `loom.comm.ring`, among the leaders only,
+   over point-to-point messages on the group itself: no extra process group to create);
+3. each leader writes the result into the segment, a barrier, and the other local processes copy it out.
+
+Network traffic is that of a ring over H hosts, 2 (H-1)/H * D per leader and none for the other processes,
+instead of 2 (N-1)/N * D for every process of a flat ring. With one host it *is* `shm`; with one process per
+host it is a ring. Hosts may hold different numbers of processes. ``avg`` sums and divides once at the end.
+
+Limits: the three phases run one after another (no overlap of the network phase of one piece with the
+memory phase of the next); leaders do more copying than the others; shared memory carries the limits listed
+in `loom.comm.shm`. Tests pretend to have several hosts on one machine with ``$LOOM_HOST_ID``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from loom.comm._reduce import combine_into, exchange, global_rank
+from loom.comm.counters import Traffic
+from loom.comm.shm import ShmContext, all_reduce_local, context_for, reduce_scatter_piece
+
+__all__ = ["all_reduce_hierarchical"]
+
+
+def _ring_among_leaders(flat: torch.Tensor, op: str, ctx: ShmContext) -> tuple[int, int]:
+    """`loom.comm.ring`'s reduce-scatter + all-gather over the leaders of ``ctx`` only; ``op`` is not avg."""
+    n = len(ctx.leaders)
+    me = ctx.leaders.index(ctx.rank)
+    right = global_rank(ctx.group, ctx.leaders[(me + 1) % n])
+    left = global_rank(ctx.group, ctx.leaders[(me - 1) % n])
+    bounds = [i * flat.numel() // n for i in range(n + 1)]
+    chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
+    scratch = torch.empty(max(c.numel() for c in chunks), dtype=flat.dtype)
+    sent = received = 0
+    for step in range(n - 1):  # reduce-scatter
+        outgoing, target = chunks[(me - step) % n], chunks[(me - step - 1) % n]
+        exchange(outgoing, right, scratch[: target.numel()], left, ctx.group)
+        combine_into(target, scratch[: target.numel()], op)
+        sent, received = sent + outgoing.nbytes, received + target.nbytes
+    for step in range(n - 1):  # all-gather
+        outgoing, target = chunks[(me + 1 - step) % n], chunks[(me - step) % n]
+        exchange(outgoing, right, target, left, ctx.group)
+        sent, received = sent + outgoing.nbytes, received + target.nbytes
+    return sent, received
+
+
+def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:
+    local_op = "sum" if op == "avg" else op
+    size, leader = ctx.local_size, ctx.local_rank == 0
+    m, esize = part.numel(), part.element_size()
+    shm_sent = shm_received = sent = received = 0
+    if size > 1:
+        slots = ctx.slots(part.dtype, m)
+        bounds = [j * m // size for j in range(size + 1)]
+        shm_sent, shm_received = reduce_scatter_piece(ctx, part, local_op, slots, bounds)
+    if leader:
+        if size > 1:
+            for j in ctx.reduce_order:
+                part[bounds[j] : bounds[j + 1]].copy_(slots[j][bounds[j] : bounds[j + 1]])
+            shm_received += (m - bounds[1]) * esize
+        sent, received = _ring_among_leaders(part, local_op, ctx)
+        if op == "avg":
+            part.div_(ctx.size)
+        if size > 1:
+            # Each chunk goes back to the place its owner reduced it in: nobody else touches those bytes
+            # before the next piece's first barrier (see `loom.comm.shm` on why no third barrier is needed).
+            for j in range(size):
+                slots[j][bounds[j] : bounds[j + 1]].copy_(part[bounds[j] : bounds[j + 1]])
+            shm_sent += m * esize
+    if size > 1:
+        ctx.barrier()
+        if not leader:
+            for j in range(size):
+                part[bounds[j] : bounds[j + 1]].copy_(slots[j][bounds[j] : bounds[j + 1]])
+            shm_received += m * esize
+    return Traffic(sent, received, shm_sent, shm_received)
+
+
+def all_reduce_hierarchical(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None = None) -> Traffic:
+    """Hierarchical all-reduce of a contiguous 1-D CPU tensor in place; returns its `Traffic`.
+
+    Low level: arguments are not checked. Use `loom.comm.all_reduce(t, algorithm="hierarchical")`.
+    """
+    ctx = context_for(group)
+    ctx.require_shared_memory("hierarchical", single_host=False, tensor=flat)
+    if len(ctx.leaders) == 1:
+        return all_reduce_local(ctx, flat, op)
+    step = ctx.reserve(flat.nbytes) // flat.element_size()
+    total = Traffic()
+    for start in range(0, flat.numel(), step):
+        total = total.plus(_piece(ctx, flat[start : start + step], op))
+    return total

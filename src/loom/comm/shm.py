@@ -1,0 +1,398 @@
+"""Shared-memory all-reduce for processes on one host: memory copies through a mapped segment, no sockets.
+
+The idea (the intra-node shared-memory transports of MPI implementations and NCCL, and the CPU ``shm``
+all-reduce of DeepSpeed): processes on one host map the same memory, so reducing needs no messages, only
+copies and the reduction itself. With L processes and D bytes the data is split into L chunks; rank r owns
+chunk r, and each process has one *slot* of the segment:
+
+1. publish: rank r copies every chunk of its input *except its own* into its slot;
+2. barrier; rank r reduces chunk r, starting from its own input (private memory, never copied) and adding
+   the L-1 published copies of chunk r, and writes the result into its slot at chunk r's place, which step 1
+   left free;
+3. barrier; rank r copies the L-1 other reduced chunks out of the other slots.
+
+Each process writes D bytes into shared memory and reads 2 (L-1)/L * D bytes from it, as many bytes as a
+ring sends and receives (`loom.comm.counters` counts them as shm bytes), but each byte moves by one memory
+copy instead of passing through two socket buffers and the kernel. No barrier is needed between two calls
+of the same size and element size: the next call's step 1 writes only chunks of a slot that nobody reads in
+step 3, and a result chunk is rewritten only after every process has passed the next call's first barrier,
+hence finished reading it. When the size changes the chunk boundaries move, so a call then starts with a
+barrier (every process sees the same sizes, so all of them take it).
+
+Lifetime. One segment per host and process group, made on the first call and remade larger when a larger
+tensor arrives, up to `MAX_PIECE_BYTES` per slot: bigger tensors go piece by piece (bounded memory, and each
+piece stays in cache). The host's first process creates it under a fresh random name
+(``loom-shm-<pid>-<64 random bits>``, ``O_EXCL``), the name travels to the others in a gloo all-gather of bytes,
+and as soon as every process has mapped it (an all-gather of status codes) the creator unlinks the name. From
+then on the memory exists only in the mappings: the kernel frees it when the last process exits, normally or
+killed, and no later job can open it. A process killed inside the short create-to-unlink window leaves the
+name behind; the next job's creator removes such names once their creator pid is dead and they are older
+than `STALE_AFTER_S`.
+
+Barrier: a sequence counter per process in the segment's header, one cache line each. A waiter looks a few
+times, yielding the CPU, then sleeps in steps growing to 50 us, so 4 processes on 2 cores let each other run
+(on a loaded host long ``sched_yield`` spins gave the CPU to other jobs: 2-4x slower than short sleeps). It
+checks that the peers are alive and gives up after `BARRIER_TIMEOUT_S`, naming the process it waited for.
+
+Limits: Linux (POSIX shared memory under /dev/shm, whose size bounds the segment: docker's default 64 MiB
+fits 4 processes at the default 4 MiB slots) on x86-64 only, because the barrier relies on x86's total store
+order (data written before the counter is visible before it) and Python cannot issue the fences weaker CPUs
+(ARM, POWER) would need; elsewhere a ValueError names the alternatives. CPU tensors, synchronous. Each chunk
+is reduced once, by its owner, in rank order from the owner on, so results are identical on every process
+and can differ from ``native`` in the last bits; float16/bfloat16 round once per add, as the ring does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import platform
+import secrets
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loom.comm._reduce import all_gather_bytes, combine_into, group_rank_and_size, host_key
+from loom.comm.counters import Traffic
+
+__all__ = ["Segment", "ShmContext", "all_reduce_shm", "context_for", "shm_unsupported_reason"]
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "loom-shm-"
+MAX_PIECE_BYTES = 4 << 20
+"""Largest slot per process; larger tensors are reduced in pieces of this many bytes (tests lower it)."""
+MIN_CAPACITY = 64 << 10
+BARRIER_TIMEOUT_S = 300.0
+STALE_AFTER_S = 60.0
+
+_MAGIC = int.from_bytes(b"LOOMSHM1", "little")
+_LINE_WORDS = 8  # 64 bytes: counters of different processes never share a cache line
+_PAGE = 4096
+_SPINS = 3  # sched_yield rounds before sleeping (longer spins lost 2-4x to sleeps on a loaded 2-core host)
+_MAX_PAUSE_S = 5e-5  # longest sleep between two looks at a peer's counter
+
+
+def shm_unsupported_reason() -> str | None:
+    """None when this process can use shared-memory all-reduce, else why it cannot."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"its barrier relies on x86-64 store ordering and this CPU is {platform.machine()}"
+    if not SHM_DIR.is_dir():
+        return f"there is no POSIX shared memory at {SHM_DIR}"
+    return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (dead, not yet reaped by its parent) does not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _header_bytes(size: int) -> int:
+    return -(-(_LINE_WORDS * 8 * (1 + size)) // _PAGE) * _PAGE
+
+
+def _stride(capacity: int) -> int:
+    return -(-capacity // _PAGE) * _PAGE
+
+
+class Segment:
+    """One mapped segment: a header (magic, token, per-process counter and pid), then one slot per process."""
+
+    def __init__(self, name: str, mm: mmap.mmap, size: int, rank: int, capacity: int) -> None:
+        self.name, self.size, self.rank, self.capacity = name, size, rank, capacity
+        self.check_pids = True
+        """Whether waits check that peers are alive (off when their pids are not visible from here)."""
+        header = _header_bytes(size)
+        self._words = memoryview(mm)[:header].cast("q")
+        self.data = torch.frombuffer(mm, dtype=torch.uint8)
+        self._seq = 0
+        self._seq_word = [_LINE_WORDS * (1 + r) for r in range(size)]
+        self._peer_words = [w for r, w in enumerate(self._seq_word) if r != rank]
+        self._words[self._seq_word[rank] + 1] = os.getpid()
+
+    def offset(self, slot: int) -> int:
+        return _header_bytes(self.size) + slot * _stride(self.capacity)
+
+    @classmethod
+    def create(cls, size: int, capacity: int) -> Segment:
+        token = secrets.randbits(63)
+        name = f"{PREFIX}{os.getpid()}-{token:016x}"
+        path = SHM_DIR / name
+        nbytes = _header_bytes(size) + size * _stride(capacity)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS on first touch.
+            os.posix_fallocate(fd, 0, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+        except OSError as error:
+            path.unlink(missing_ok=True)
+            raise OSError(
+                f"cannot reserve {nbytes} bytes of shared memory in {SHM_DIR}: {error.strerror}. HINT: free "
+                "space there or enlarge it (docker run --shm-size=...), or lower loom.comm.shm.MAX_PIECE_BYTES"
+            ) from error
+        finally:
+            os.close(fd)
+        words = memoryview(mm)[:32].cast("q")
+        words[0], words[1], words[2], words[3] = _MAGIC, token, size, capacity
+        words.release()
+        return cls(name, mm, size, 0, capacity)
+
+    @classmethod
+    def attach(cls, name: str, size: int, rank: int, capacity: int) -> Segment:
+        """Map the segment ``name`` that this job's creator announced; refuse anything else under that name."""
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            nbytes = os.fstat(fd).st_size
+            expected = _header_bytes(size) + size * _stride(capacity)
+            if nbytes != expected:
+                raise ValueError(f"segment {name} has {nbytes} bytes, expected {expected}")
+            mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        words = memoryview(mm)[:32].cast("q")
+        found = (words[0], words[1], words[2], words[3])
+        words.release()
+        if found != (_MAGIC, int(name.rsplit("-", 1)[1], 16), size, capacity):
+            mm.close()
+            raise ValueError(f"segment {name} does not carry this job's header (found {found})")
+        return cls(name, mm, size, rank, capacity)
+
+    def unlink(self) -> None:
+        (SHM_DIR / self.name).unlink(missing_ok=True)
+
+    def barrier(self) -> None:
+        """Return once every process of the segment has called `barrier` as many times as this one."""
+        self._seq += 1
+        seq, words = self._seq, self._words
+        words[self._seq_word[self.rank]] = seq
+        for word in self._peer_words:
+            if words[word] < seq:
+                self._wait(word, seq)
+
+    def _wait(self, word: int, seq: int) -> None:
+        words = self._words
+        for _ in range(_SPINS):
+            os.sched_yield()
+            if words[word] >= seq:
+                return
+        start = time.monotonic()
+        check_at, pause = start + 0.05, 1e-5
+        while words[word] < seq:
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_PAUSE_S)
+            now = time.monotonic()
+            if now >= check_at:
+                check_at = now + 0.1
+                peer, pid = self._seq_word.index(word), words[word + 1]
+                if self.check_pids and not _alive(pid):
+                    raise RuntimeError(
+                        f"shared-memory barrier {seq}: local process {peer} (pid {pid}) exited while local "
+                        f"process {self.rank} waited for it. HINT: its own log shows why it stopped."
+                    )
+                if now - start > BARRIER_TIMEOUT_S:
+                    raise RuntimeError(
+                        f"shared-memory barrier {seq}: local process {self.rank} waited {now - start:.0f} s for "
+                        f"local process {peer} (pid {pid}). HINT: every process must call the same collectives."
+                    )
+
+    def peers_visible(self) -> bool:
+        return all(_alive(self._words[w + 1]) for w in self._peer_words)
+
+
+def _sweep_stale() -> None:
+    """Remove names a creator killed between create and unlink left behind (creator dead, name old)."""
+    for path in SHM_DIR.glob(PREFIX + "*"):
+        try:
+            pid = int(path.name[len(PREFIX) :].split("-")[0])
+            age = time.time() - path.stat().st_mtime
+        except (ValueError, OSError):
+            continue
+        if age > STALE_AFTER_S and not _alive(pid):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+class ShmContext:
+    """What shm and hierarchical all-reduce keep per process group: hosts, and this host's segment.
+
+    Made by `context_for` on a group's first shared-memory call: a collective over the group that exchanges
+    a digest of every process's `host_key` (and whether it can use shared memory) once.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank, self.size = group_rank_and_size(group)
+        reason = shm_unsupported_reason()
+        mine = hashlib.sha256(host_key().encode()).digest() + bytes([reason is None])
+        gathered = all_gather_bytes(mine, len(mine), group, self.size)
+        first_of: dict[bytes, int] = {}
+        self.hosts = [first_of.setdefault(g[:-1], len(first_of)) for g in gathered]
+        """Host index of every group rank, numbered in order of first appearance."""
+        self.unsupported = reason or next(
+            (f"rank {r} of the group cannot use it" for r, g in enumerate(gathered) if not g[-1]), None
+        )
+        self.members = [r for r, h in enumerate(self.hosts) if h == self.hosts[self.rank]]
+        self.local_rank, self.local_size = self.members.index(self.rank), len(self.members)
+        self.leaders = [self.hosts.index(h) for h in range(len(first_of))]
+        """Group rank of each host's first process (its leader), in host order."""
+        self.host_sizes = [self.hosts.count(h) for h in range(len(first_of))]
+        self.segment: Segment | None = None
+        self.capacity = 0
+        self.layout: tuple[int, int] | None = None
+        """(element size, elements) of the last piece reduced in the segment: where its results are."""
+        self._views: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        r = self.local_rank
+        self.reduce_order = [(r + k) % self.local_size for k in range(1, self.local_size)]
+
+    def require_shared_memory(self, algorithm: str, single_host: bool, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"algorithm={algorithm!r} reduces CPU tensors only, got one on {tensor.device}. "
+                "HINT: use algorithm='native' (NCCL) for GPU tensors."
+            )
+        if single_host and len(self.host_sizes) > 1:
+            raise ValueError(
+                f"rank {dist.get_rank()}: algorithm={algorithm!r} needs every process of the group on one host; "
+                f"the group's {self.size} processes are on {len(self.host_sizes)} hosts ({self.host_sizes} "
+                "processes each). HINT: use algorithm='hierarchical' or 'auto'."
+            )
+        if self.unsupported and max(self.host_sizes) > 1:
+            raise ValueError(
+                f"rank {dist.get_rank()}: algorithm={algorithm!r} cannot use shared memory here: "
+                f"{self.unsupported}. HINT: use algorithm='ring' or 'native'."
+            )
+
+    def reserve(self, nbytes: int) -> int:
+        """Make slots hold min(nbytes, MAX_PIECE_BYTES) (a collective when it remaps); return the piece size."""
+        want = min(max(nbytes, 1), MAX_PIECE_BYTES)
+        if want > self.capacity:
+            self._remap(min(max(1 << (want - 1).bit_length(), MIN_CAPACITY), MAX_PIECE_BYTES))
+        return self.capacity
+
+    def _remap(self, capacity: int) -> None:
+        if MAX_PIECE_BYTES < 64:
+            raise ValueError(f"loom.comm.shm.MAX_PIECE_BYTES must be at least 64, got {MAX_PIECE_BYTES}")
+        self._views.clear()
+        self.segment = None  # the old mapping goes with its last view; its name was unlinked long ago
+        creator = self.local_rank == 0 and self.local_size > 1
+        segment, error = None, ""
+        if creator:
+            _sweep_stale()
+            try:
+                segment = Segment.create(self.local_size, capacity)
+            except OSError as e:
+                error = str(e)
+        names = all_gather_bytes(segment.name.encode() if segment else b"", 64, self.group, self.size)
+        if self.local_size > 1 and not creator:
+            name = names[self.members[0]].rstrip(b"\0").decode()
+            try:
+                if not name:
+                    raise ValueError("this host's first process could not create the segment")
+                segment = Segment.attach(name, self.local_size, self.local_rank, capacity)
+            except (OSError, ValueError) as e:
+                error = str(e)
+        statuses = all_gather_bytes(b"" if error else b"\1", 1, self.group, self.size)  # all attached
+        if creator and segment is not None:
+            segment.unlink()
+        failed = [r for r, s in enumerate(statuses) if s != b"\1"]
+        if failed:
+            raise RuntimeError(
+                f"shared-memory set-up failed on group ranks {failed}" + (f"; here: {error}" if error else "")
+            )
+        if segment is not None:
+            segment.check_pids = segment.peers_visible()  # pids from another pid namespace are not
+        self.segment, self.capacity, self.layout = segment, capacity, None
+
+    def barrier(self) -> None:
+        if self.segment is not None:  # a process alone on its host has no segment and no one to wait for
+            self.segment.barrier()
+
+    def slots(self, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+        """The first ``numel`` elements of every slot, as ``dtype`` tensors (cached: DDP repeats sizes)."""
+        key = (dtype, numel)
+        views, seg = self._views.get(key), self.segment
+        if views is None:
+            if seg is None:
+                raise RuntimeError("no shared-memory segment: call reserve() first")
+            if len(self._views) >= 32:
+                self._views.clear()
+            nbytes = numel * dtype.itemsize
+            views = [seg.data[seg.offset(j) : seg.offset(j) + nbytes].view(dtype) for j in range(seg.size)]
+            self._views[key] = views
+        return views
+
+
+_CONTEXTS: dict[object, ShmContext] = {}
+
+
+def context_for(group: dist.ProcessGroup | None) -> ShmContext:
+    """The `ShmContext` of ``group`` (the default group for None), made on first use: a collective."""
+    key = group if group is not None else dist.group.WORLD
+    context = _CONTEXTS.get(key)
+    if context is None:
+        context = _CONTEXTS[key] = ShmContext(group)
+    return context
+
+
+def reduce_scatter_piece(
+    ctx: ShmContext, part: torch.Tensor, op: str, slots: list[torch.Tensor], bounds: list[int]
+) -> tuple[int, int]:
+    """Steps 1-2 of the module docstring: leave chunk ``local_rank`` reduced in ``part`` and in this slot.
+
+    ``op="avg"`` divides by the local size. Returns (shm bytes written, shm bytes read).
+    """
+    r = ctx.local_rank
+    lo, hi, m = bounds[r], bounds[r + 1], part.numel()
+    mine = slots[r]
+    if ctx.layout != (part.element_size(), m):
+        ctx.barrier()  # the chunks move: wait until every process has read the previous results
+        ctx.layout = (part.element_size(), m)
+    if lo:
+        mine[:lo].copy_(part[:lo])
+    if hi < m:
+        mine[hi:].copy_(part[hi:])
+    ctx.barrier()
+    own = part[lo:hi]
+    if hi > lo:
+        for j in ctx.reduce_order:
+            combine_into(own, slots[j][lo:hi], op)
+        if op == "avg":
+            own.div_(ctx.local_size)
+        mine[lo:hi].copy_(own)
+    ctx.barrier()
+    return m * part.element_size(), (ctx.local_size - 1) * (hi - lo) * part.element_size()
+
+
+def all_reduce_local(ctx: ShmContext, flat: torch.Tensor, op: str) -> Traffic:
+    """All-reduce over the processes of this host's segment, piece by piece."""
+    step = ctx.reserve(flat.nbytes) // flat.element_size()
+    size, r = ctx.local_size, ctx.local_rank
+    sent = received = 0
+    for start in range(0, flat.numel(), step):
+        part = flat[start : start + step]
+        m = part.numel()
+        slots = ctx.slots(part.dtype, m)
+        bounds = [j * m // size for j in range(size + 1)]
+        wrote, read = reduce_scatter_piece(ctx, part, op, slots, bounds)
+        for j in ctx.reduce_order:  # step 3
+            part[bounds[j] : bounds[j + 1]].copy_(slots[j][bounds[j] : bounds[j + 1]])
+        sent += wrote
+        received += read + (m - bounds[r + 1] + bounds[r]) * part.element_size()
+    return Traffic(shm_sent=sent, shm_received=received)
+
+
+def all_reduce_shm(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None = None) -> Traffic:
+    """Shared-memory all-reduce of a contiguous 1-D CPU tensor in place, every process on one host.
+
+    Low level: arguments are not checked. Use `loom.comm.all_reduce(t, algorithm="shm")` as the entry point.
+    Raises ValueError when the group spans several hosts or shared memory is unusable here.
+    """
+    ctx = context_for(group)
+    ctx.require_shared_memory("shm", single_host=True, tensor=flat)
+    return all_reduce_local(ctx, flat, op)
