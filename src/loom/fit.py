@@ -21,6 +21,11 @@ state differs per rank (sharded ones) need per-rank files, which this loop does 
 is stepped once per optimizer step. RNG states are restored exactly when the world size is unchanged; after
 a resize rank r takes saved rank ``r mod old_world_size``'s state. With ``async_checkpoint=True`` a checkpoint
 is durable only once the next one starts or `fit` returns (it always waits for the last one).
+
+Resizing: a checkpoint written with N workers resumes with M; the loader continues at the same global sample
+(see `loom.fault.resize`, which also describes ``scale_lr_with_world_size``, the linear scaling rule). Under
+``loom run --max-restarts R`` a restarted worker group resumes the same way, losing at most the steps since the
+last checkpoint. ``desync_every`` checks that replicas agree (`loom.fault.desync`) and stops the job if not.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from loom.checkpoint import (
     save_checkpoint,
     save_checkpoint_async,
 )
+from loom.fault.desync import check_replicas_agree
+from loom.fault.resize import resize_factor, scale_learning_rate
 from loom.observe.progress import ProgressBar
 from loom.strategies.data_parallel import DataParallelJob
 from loom.topology import Topology
@@ -172,7 +179,9 @@ class _Checkpointer:
             )
 
 
-def _resume(job, loader, scheduler, directory: Path, topo: Topology) -> tuple[int, dict[str, Any]] | None:
+def _resume(
+    job, loader, scheduler, directory: Path, topo: Topology, scale_lr: bool = False
+) -> tuple[int, dict[str, Any]] | None:
     error: Exception | None = None
     try:
         found = load_checkpoint(directory)
@@ -204,6 +213,10 @@ def _resume(job, loader, scheduler, directory: Path, topo: Topology) -> tuple[in
                 "HINT: resume with the same arguments as the run that wrote it."
             )
         scheduler.load_state_dict(state["scheduler"])
+    if scale_lr:  # the linear scaling rule, relative to the world size that wrote the checkpoint
+        scale_learning_rate(
+            job.optimizer, scheduler, resize_factor(state["fit"].get("world_size"), topo.world_size)
+        )
     ranks = state["rng"]["ranks"]
     restore_rng(ranks[topo.rank % len(ranks)])
     return step, state["fit"]
@@ -295,12 +308,15 @@ class _Loop:
     epochs: int | None
     steps: int | None
     log_every: int | None
+    desync_every: int = 0
 
     def steps_left(self, at: _Position) -> int | None:
         if self.steps is not None:
             return self.steps - at.step
         per_epoch = _len(self.loader)
-        return None if per_epoch is None else max(per_epoch * (self.epochs - at.epoch) - at.epoch_step, 0)
+        if per_epoch is None or self.epochs is None:
+            return None
+        return max(per_epoch * (self.epochs - at.epoch) - at.epoch_step, 0)
 
     def run(self, at: _Position, bar: ProgressBar) -> None:
         empty_passes, started, first = 0, time.perf_counter(), at.step
@@ -316,6 +332,8 @@ class _Loop:
                     self.scheduler.step()
                 at.step, at.epoch_step, taken = at.step + 1, at.epoch_step + 1, taken + 1
                 self._report(at, bar, (at.step - first) / (time.perf_counter() - started))
+                if self._desync_check_due(at.step):  # before a checkpoint can save a desynchronized state
+                    check_replicas_agree(self.job.module, step=at.step)
                 if self.checkpointer is not None and at.step % self.checkpoint_every == 0:
                     self.checkpointer.save(at.step, asdict(at))
                 if self.steps is not None and at.step >= self.steps:
@@ -329,6 +347,9 @@ class _Loop:
                     f"the loader yielded no batch in epochs {at.epoch - 2} and {at.epoch - 1}. "
                     "HINT: check that the dataset is not empty (or smaller than the batch with drop_last)."
                 )
+
+    def _desync_check_due(self, step: int) -> bool:
+        return bool(self.desync_every) and step % self.desync_every == 0 and self.job.topology.is_distributed
 
     def _report(self, at: _Position, bar: ProgressBar, steps_per_s: float) -> None:
         bar.advance(info=f"step {at.step} epoch {at.epoch} loss {at.last_loss:.4f}")
@@ -357,6 +378,8 @@ def fit(
     lr_scheduler: Any = None,
     log_every: int | None = None,
     progress: bool = True,
+    scale_lr_with_world_size: bool = False,
+    desync_every: int = 0,
 ) -> FitResult:
     """Train ``job`` on ``loader`` until the run has taken ``steps`` steps or completed ``epochs`` epochs.
 
@@ -364,20 +387,29 @@ def fit(
     steps and at the end, keeping the newest ``keep``; ``async_checkpoint`` writes them in the background.
     ``lr_scheduler`` is stepped after every optimizer step and checkpointed. ``log_every``: the main process
     prints a line every so many steps. ``progress``: show a progress bar on the main process.
+    ``scale_lr_with_world_size``: on resume at another world size, multiply the learning rates by new / saved
+    world size (for jobs whose global batch grows with the workers). ``desync_every``: every so many steps,
+    check that the replicas' parameters are bitwise equal (0: never; one small all-gather per check).
     Without a checkpoint, counting starts at the job's ``step`` and the loader's ``epoch`` (0 for fresh ones).
     """
     _validate(job, loader, epochs, steps, checkpoint_dir, checkpoint_every, keep, async_checkpoint,
               lr_scheduler, log_every)  # fmt: skip
+    if isinstance(desync_every, bool) or not isinstance(desync_every, int) or desync_every < 0:
+        raise ValueError(f"desync_every must be an int >= 0 (0: never), got {desync_every!r}")
     at = _Position(int(getattr(job, "step", 0)), int(getattr(loader, "epoch", 0)))
     resumed_from, checkpointer = None, None
     if checkpoint_dir is not None:
         checkpointer = _Checkpointer(job, loader, lr_scheduler, Path(checkpoint_dir), keep, async_checkpoint)
-        resumed = _resume(job, loader, lr_scheduler, Path(checkpoint_dir), job.topology)
+        resumed = _resume(
+            job, loader, lr_scheduler, Path(checkpoint_dir), job.topology, scale_lr_with_world_size
+        )
         if resumed is not None:
             resumed_from, saved = resumed
             at = _Position(resumed_from, saved["epoch"], saved["epoch_step"], saved["last_loss"])
         checkpointer.saved_step = resumed_from
-    loop = _Loop(job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every)
+    loop = _Loop(
+        job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every, desync_every
+    )
     first_step, left = at.step, loop.steps_left(at)
     goal = f"step {steps}" if steps is not None else f"epoch {epochs}"
     show = progress and job.topology.is_main and left is not None

@@ -88,12 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
     for epoch in range(args.epochs):
         train_loader.set_epoch(epoch)
         losses = []
-        with ProgressBar(len(train_loader), f"epoch {epoch + 1}/{args.epochs}", enabled=topo.is_main) as bar:
+        title = f"epoch {epoch + 1}/{args.epochs}"
+        with ProgressBar(len(train_loader), title, enabled=topo.is_main, metrics=job.metrics) as bar:
             started = time.perf_counter()
             for batch in train_loader:
                 losses.append(job.train_step(batch))
                 trained += batch.global_size
-                bar.advance(info=f"loss {losses[-1]:.3f}")
+                bar.advance()
             train_time += time.perf_counter() - started
         test_loss, test_acc = evaluate(job, test_loader)
         result = {

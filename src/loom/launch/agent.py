@@ -235,4 +235,20 @@ def launch(spec: LaunchSpec) -> int:
     except SignalException as stop:
         print(f"loom run: stopped by signal {stop.sigval.name}; workers were terminated", file=sys.stderr)
         return 128 + int(stop.sigval)
+    finally:
+        if spec.trace_steps:
+            _merge_traces(spec.run_dir)
     return 0
+
+
+def _merge_traces(run_dir: Path) -> None:
+    """Combine the workers' per-rank traces into ``RUN_DIR/trace.json`` (Perfetto / chrome://tracing)."""
+    from loom.observe.trace import merge_traces
+
+    try:
+        merged = merge_traces(run_dir)
+    except (OSError, ValueError) as error:
+        print(f"loom run: could not merge the trace files: {error}", file=sys.stderr)
+        return
+    if merged is not None:
+        print(f"loom run: timeline written to {merged}", file=sys.stderr)

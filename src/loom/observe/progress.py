@@ -4,6 +4,9 @@ On a terminal it is a live rich progress bar. Under ``loom run`` a worker's outp
 which prefixes every *line* with the rank, so a bar that redraws itself with carriage returns would smear:
 there the bar is printed as a fresh line instead: at most every ``line_interval_s`` seconds, and once at the
 end.
+
+Given the job's `StepMetrics` (``metrics=job.metrics``), the bar shows its `StepMetrics.status`: loss,
+throughput over recent steps and, on rank 0 of a multi-process job, the slowest rank and its slow phase.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import sys
 import time
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+from loom.observe.metrics import StepMetrics
 
 __all__ = ["ProgressBar"]
 
@@ -27,7 +32,9 @@ class ProgressBar:
         enabled: bool = True,
         width: int = 30,
         line_interval_s: float = 2.0,
+        metrics: StepMetrics | None = None,
     ) -> None:
+        self.metrics = metrics
         self.total = max(total, 1)
         self.description = description
         self.enabled = enabled
@@ -57,6 +64,8 @@ class ProgressBar:
         self.done += steps
         if not self.enabled:
             return
+        if self.metrics is not None:
+            info = " | ".join(part for part in (self.metrics.status(), info) if part)
         if self._rich is not None and self._task is not None:
             self._rich.update(self._task, advance=steps, info=info)
             return

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from loom.comm import ALGORITHMS, allreduce_hook
 from loom.fault.watchdog import Watchdog, hang_timeout_s
 from loom.observe.metrics import StepMetrics
+from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
 from loom.strategies.consistency import check_same_model
 from loom.topology import Topology, current
 
@@ -76,16 +77,27 @@ class DataParallel:
     ``DataParallel(accumulate=1, bucket_cap_mb=25.0, ...)`` — see `DataParallelConfig` for the fields.
     """
 
-    def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
+    def __init__(
+        self,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        observe: bool = True,
+        **config: Any,
+    ):
         self.config = DataParallelConfig(**config)
         self.topology = topology
         self.metrics_path = metrics_path
+        self.observe = observe
+        """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DataParallelJob:
         """Broadcast rank 0's parameters, wrap the model for gradient synchronization, return the job."""
         topo = self.topology if self.topology is not None else current()
         _check_setup_arguments(model, optimizer, loss_fn)
         model.to(topo.device)
+        metrics = StepMetrics(topo.rank, self.metrics_path or _default_metrics_path(topo))
+        observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
         if topo.is_distributed:
             check_same_model(model, topo.rank, topo.world_size)
             ddp = DistributedDataParallel(
@@ -95,13 +107,13 @@ class DataParallel:
                 find_unused_parameters=self.config.find_unused_parameters,
                 **_buffer_sync_option(self.config.broadcast_buffers),  # type: ignore[arg-type]
             )
-            if self.config.allreduce != "native":
-                ddp.register_comm_hook(None, allreduce_hook(self.config.allreduce))
+            native = self.config.allreduce == "native"
+            observer.register_comm_hook(ddp, None if native else allreduce_hook(self.config.allreduce))
             wrapped: nn.Module = ddp
         else:
             wrapped = model
-        metrics = StepMetrics(topo.rank, self.metrics_path or _default_metrics_path(topo))
         job = DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
+        job.observer = observer
         if topo.is_distributed:
             job.watchdog = Watchdog.start(topo, self.config.hang_timeout_s)
         return job
@@ -228,6 +240,8 @@ class DataParallelJob:
         self.topology = topology
         self.config = config
         self.metrics = metrics
+        self.observer = StepObserver(metrics, topology.world_size)
+        """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
         self.step = 0
         self.watchdog = Watchdog(topology.rank, topology.world_size, hang_timeout_s(config.hang_timeout_s))
         """Numbers this job's collectives; `DataParallel.setup` starts one that stops a hung job."""
@@ -241,24 +255,30 @@ class DataParallelJob:
             return local
         count = torch.tensor([local], dtype=torch.int64, device=self.topology.device)
         with self.watchdog.collective("sample-count all-reduce"):
+            launched = time.perf_counter()
             dist.all_reduce(count)
+            self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8)
         return int(count.item())
 
     def train_step(self, batch: Any) -> float:
         """One optimizer step on the global batch this share belongs to; returns the global-batch loss."""
-        started = time.perf_counter()
+        self.observer.begin_step(self.step + 1)
         inputs, targets = _split_batch(batch)
         device = self.topology.device
         inputs, targets = _to_device(inputs, device), _to_device(targets, device)
         local = _batch_len(inputs)
+        self.observer.lap(DATA)
         total = self._global_count(batch, local)
+        self.observer.lap(COMM)
         if total == 0:
             raise ValueError("train_step got a global batch of 0 samples (every share is empty)")
         world = self.topology.world_size
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self.observer.lap(OPTIMIZER)
         pieces = [p for p in _micro_batches(inputs, targets, self.config.accumulate) if p[2] > 0]
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        # [loss sum, every rank's phase times]: stragglers ride on this all-reduce (see loom.observe.phases)
+        loss_sum = self.observer.loss_buffer(device)
         if not pieces:  # empty share: join the gradient all-reduce with zero contribution
             with self.watchdog.collective("gradient all-reduce"):
                 _zero_loss(self.wrapped(inputs)).backward()
@@ -268,15 +288,19 @@ class DataParallelJob:
                 loss = self.loss_fn(self.wrapped(x), y)
                 with self.watchdog.collective("gradient all-reduce") if sync_now else nullcontext():
                     (loss * (n * world / total)).backward()
-            loss_sum += loss.detach().double() * n
+            loss_sum[0] += loss.detach().double() * n
+        self.observer.backward_done()
         with self.watchdog.collective("loss all-reduce"):  # overlapped with the optimizer step
+            launched = time.perf_counter()
             pending = dist.all_reduce(loss_sum, async_op=True) if self.topology.is_distributed else None
             self.optimizer.step()
+            self.observer.lap(OPTIMIZER)
             if pending is not None:
                 pending.wait()
-        global_loss = float(loss_sum.item()) / total
+                self.observer.collective("all_reduce loss", launched, time.perf_counter(), loss_sum.nbytes)
+        global_loss = float(loss_sum[0].item()) / total
         self.step += 1
-        self.metrics.record(self.step, time.perf_counter() - started, local, total, global_loss)
+        self.observer.end_step(self.step, local, total, global_loss, loss_sum)
         return global_loss
 
     def _no_sync(self):

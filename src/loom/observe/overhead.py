@@ -1,0 +1,242 @@
+"""Cost of `loom.observe`: step time with metrics on vs off, interleaved in the same run.
+
+``python -m loom.observe.overhead [--nproc 2] [--repetitions 12] [--steps 40] [--out benchmarks/reports]``
+
+Each repetition trains the demo CNN (8x8 digits, global batch 64) with ``DataParallel(observe=True)`` (phase
+timing, the timed DDP hook, bytes, straggler rows in the loss all-reduce, JSON lines written to a file) and with
+``observe=False`` (no records at all, DDP's built-in all-reduce), in alternating order, on the same process group.
+The step time is measured from outside the strategy (wall time around ``train_step``; the median step of each
+repetition, robust to preemption on a shared machine), so whatever the observer costs is in it. The overhead is the median over repetitions of the paired ratio ``on / off - 1``.
+
+Writes ``metrics_overhead.json``, ``metrics_overhead.md`` and ``metrics_overhead.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["measure_overhead"]
+
+
+def _worker(repetitions: int, steps: int, out: Path) -> None:
+    import torch
+    from torch import nn
+
+    import loom
+    from loom.demo.train import digits_cnn, digits_datasets
+
+    topo = loom.init()
+    train_set, _ = digits_datasets()
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    with tempfile.TemporaryDirectory(prefix="loom-overhead-") as tmp:
+        for rep in range(repetitions):
+            for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+                model = digits_cnn()
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                path = f"{tmp}/{mode}{rep}/rank{topo.rank}.jsonl" if mode == "on" else None
+                strategy = loom.DataParallel(observe=mode == "on", metrics_path=path)
+                job = strategy.setup(model, optimizer, nn.functional.cross_entropy)
+                loader = loom.data.loader(train_set, 64, seed=rep)
+                batches = [b for _, b in zip(range(steps + 5), _forever(loader), strict=False)]
+                for batch in batches[:5]:  # warm-up
+                    job.train_step(batch)
+                torch.distributed.barrier()
+                step_times = []
+                for batch in batches[5:]:
+                    started = time.perf_counter()
+                    job.train_step(batch)
+                    step_times.append(time.perf_counter() - started)
+                # the median step, not the mean: robust to the other processes of a busy machine preempting us
+                times[mode].append(statistics.median(step_times))
+                job.metrics.close()
+    if topo.is_main:
+        out.write_text(json.dumps(times))
+
+
+def _forever(loader):
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def direct_cost_us(world_size: int = 2, steps: int = 3000, trials: int = 5) -> float:
+    """The observer's own work per step on rank 0 (clock, records, JSON line, straggler detector), in µs.
+
+    Best of ``trials`` loops over the calls a strategy makes, minus the loop doing only what the strategy does
+    anyway (a one-element loss buffer): CPU work measured without the noise of a 2-process step.
+    """
+    import torch
+
+    from loom.observe.metrics import StepMetrics
+    from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
+    from loom.observe.stragglers import StragglerConfig, StragglerDetector
+
+    cpu = torch.device("cpu")
+    with tempfile.TemporaryDirectory(prefix="loom-overhead-") as tmp:
+        metrics = StepMetrics(0, Path(tmp) / "rank0.jsonl")
+        quiet = StragglerConfig(min_excess_s=1e9)  # never print: printing is not a per-step cost
+        observer = StepObserver(metrics, world_size, stragglers=StragglerDetector(world_size, quiet))
+
+        def observed(i: int) -> None:
+            observer.begin_step(i + 1)
+            observer.lap(DATA)
+            observer.lap(COMM)
+            observer.lap(OPTIMIZER)
+            buffer = observer.loss_buffer(cpu)
+            buffer[0] += 1.0
+            observer.backward_done()
+            observer.lap(OPTIMIZER)
+            observer.end_step(i + 1, 32, 64, 1.0, buffer)
+
+        def bare(i: int) -> None:
+            buffer = torch.zeros(1, dtype=torch.float64)
+            buffer[0] += 1.0
+
+        def best(fn) -> float:
+            runs = []
+            for _ in range(trials):
+                started = time.perf_counter()
+                for i in range(steps):
+                    fn(i)
+                runs.append((time.perf_counter() - started) / steps)
+            return min(runs)
+
+        cost = best(observed) - best(bare)
+        metrics.close()
+    return 1e6 * cost
+
+
+def measure_overhead(nproc: int, repetitions: int, steps: int, out_dir: Path) -> dict:
+    """Run the workers (as ranks of one job, without the launcher) and write the report files."""
+    from loom.launch.agent import free_port
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="loom-overhead-") as tmp:
+        result = Path(tmp) / "times.json"
+        port = free_port()
+        procs = []
+        for rank in range(nproc):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS="1")  # fmt: skip
+            env.pop("LOOM_RUN_DIR", None)
+            cmd = [sys.executable, "-m", "loom.observe.overhead", "--worker", "--repetitions", str(repetitions),
+                   "--steps", str(steps), "--result", str(result)]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, env=env))
+        codes = [p.wait(timeout=1800) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"overhead workers exited with {codes}")
+        times = json.loads(result.read_text())
+    ratios = [on / off - 1 for on, off in zip(times["on"], times["off"], strict=True)]
+    direct = direct_cost_us(nproc)
+    quartiles = statistics.quantiles(ratios, n=4)
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+        "nproc": nproc,
+        "repetitions": repetitions,
+        "steps": steps,
+        "step_ms_on": [1e3 * t for t in times["on"]],
+        "step_ms_off": [1e3 * t for t in times["off"]],
+        "median_step_ms_on": 1e3 * statistics.median(times["on"]),
+        "median_step_ms_off": 1e3 * statistics.median(times["off"]),
+        "overhead_median": statistics.median(ratios),
+        "overhead_per_repetition": ratios,
+        "overhead_quartiles": [quartiles[0], quartiles[2]],
+        "overhead_of_medians": statistics.median(times["on"]) / statistics.median(times["off"]) - 1,
+        "direct_cost_us": direct,
+        "direct_cost_share": direct / (1e6 * statistics.median(times["off"])),
+    }
+    (out_dir / "metrics_overhead.json").write_text(json.dumps(summary, indent=2))
+    _plot(summary, out_dir / "metrics_overhead.png")
+    (out_dir / "metrics_overhead.md").write_text(_markdown(summary))
+    return summary
+
+
+def _plot(s: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), gridspec_kw={"width_ratios": [2, 1]})
+    reps = range(1, s["repetitions"] + 1)
+    left.plot(reps, s["step_ms_off"], "o-", label="metrics off")
+    left.plot(reps, s["step_ms_on"], "s-", label="metrics on")
+    left.set_xlabel("repetition (on/off interleaved)")
+    left.set_ylabel("median step time (ms)")
+    left.set_ylim(bottom=0)
+    left.legend()
+    right.bar(["off", "on"], [s["median_step_ms_off"], s["median_step_ms_on"]], color=["#4c78a8", "#f28e2b"])
+    right.set_title(
+        f"paired median {100 * s['overhead_median']:+.1f} %; direct cost {s['direct_cost_us']:.0f} µs"
+        f" = {100 * s['direct_cost_share']:.1f} %",
+        fontsize=9,
+    )
+    right.set_ylabel("median step time (ms)")
+    fig.suptitle(
+        f"loom.observe overhead: demo CNN, {s['nproc']} processes, {s['steps']} steps per repetition"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _markdown(s: dict) -> str:
+    return (
+        "# Metrics overhead (loom.observe on vs off)\n\n"
+        f"{s['date']}, {s['machine']}; `python -m loom.observe.overhead`; demo CNN on the 8x8 digits, global batch "
+        f"64, {s['nproc']} processes, {s['repetitions']} interleaved repetitions of {s['steps']} steps.\n\n"
+        "| | median step time |\n|---|---|\n"
+        f"| metrics off | {s['median_step_ms_off']:.2f} ms |\n| metrics on | {s['median_step_ms_on']:.2f} ms |\n\n"
+        f"End to end, median of the paired per-repetition overheads: **{100 * s['overhead_median']:+.2f} %** "
+        f"(quartiles {100 * s['overhead_quartiles'][0]:+.1f} % .. {100 * s['overhead_quartiles'][1]:+.1f} %; "
+        f"ratio of the medians {100 * s['overhead_of_medians']:+.2f} %). Per repetition: "
+        + ", ".join(f"{100 * r:+.1f}" for r in s["overhead_per_repetition"])
+        + " %.\n\n"
+        f"Direct cost, the observer's own work per step on rank 0 measured alone (best of 5 x 3000 steps): "
+        f"**{s['direct_cost_us']:.0f} µs = {100 * s['direct_cost_share']:.2f} %** of the median step without "
+        "metrics.\n\n"
+        "Reading: on this shared 2-core machine the spread between repetitions is far wider than the 2 % budget, "
+        "and the end-to-end median has come out above the direct cost in every run so far. The direct cost "
+        "bounds the observer's own Python work; the gap is noise or something it does not capture (the JSON "
+        "file writes, the post-accumulate-gradient hooks in backward, the longer loss all-reduce). The 2 % "
+        "budget is therefore met by the direct measure only; end to end it is not demonstrated here.\n\n"
+        "![step time on vs off](metrics_overhead.png)\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repetitions", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args.repetitions, args.steps, args.result)
+        return 0
+    s = measure_overhead(args.nproc, args.repetitions, args.steps, args.out)
+    print(
+        f"metrics on {s['median_step_ms_on']:.2f} ms/step, off {s['median_step_ms_off']:.2f} ms/step: end to end "
+        f"{100 * s['overhead_median']:+.2f} % (median of {s['repetitions']} paired repetitions); direct cost "
+        f"{s['direct_cost_us']:.0f} µs/step = {100 * s['direct_cost_share']:.2f} %"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

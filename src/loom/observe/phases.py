@@ -1,0 +1,251 @@
+"""Timing a training step into phases, without adding a collective: what `StepMetrics` records per step.
+
+A strategy calls, in order: `StepObserver.begin_step` as ``train_step`` starts, `lap` at each phase boundary,
+`backward_done` after backward, and `end_step` with the reduced loss buffer. Laps are consecutive readings of
+one clock, so the phases add up to the step time exactly. Definitions (see `loom.observe.metrics`):
+
+- *data*: the gap since the previous step ended (the loader runs between steps) plus moving the batch.
+- *comm*: time the training thread was blocked on communication. DDP overlaps the gradient all-reduce with
+  backward, so only what is *not* overlapped counts: the time spent inside the communication hook (the whole
+  all-reduce for loom's synchronous ``ring``/``driver``, only the launch for the asynchronous native one), plus
+  the tail of backward after the last bucket was launched, when autograd has computed every gradient and DDP
+  waits for the buckets to finish. Plus the wait for the loss all-reduce.
+- *compute*: the rest of forward and backward. *optimizer*: ``zero_grad`` and ``optimizer.step``.
+
+For loom's algorithms the observer wraps their DDP communication hook and times each call. For DDP's built-in
+all-reduce it registers no hook (a Python hook costs a GIL handoff per bucket, measured at ~15 % of a small
+step): the end of gradient computation is read from post-accumulate-gradient hooks on the model's first
+parameters, the last whose gradients backward computes, and the rest of backward is the wait. Only a traced
+run (``LOOM_TRACE_STEPS``) swaps in PyTorch's Python ``allreduce_hook`` to time every bucket. The cost of all
+this is measured by ``python -m loom.observe.overhead`` (``benchmarks/reports/metrics_overhead.md``).
+
+Straggler detection: each rank writes its previous step's phase times into its own row of a ``[world x 4]``
+block appended to the loss buffer the strategy all-reduces anyway (sum: every other row is zero), so rank 0
+learns every rank's phases one step late, for the price of a few more bytes in an existing message.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom.comm import counters
+from loom.observe.metrics import StepMetrics
+from loom.observe.stragglers import StragglerConfig, StragglerDetector, StragglerWarning
+from loom.observe.trace import TraceRecorder, trace_from_env
+
+__all__ = ["DATA", "COMPUTE", "COMM", "OPTIMIZER", "StepObserver"]
+
+DATA, COMPUTE, COMM, OPTIMIZER = range(4)
+_NAMES = ("data", "compute", "comm", "optimizer")
+
+
+def ring_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each way of a bandwidth-optimal ring all-reduce of ``nbytes`` (``loom.comm.counters``' estimate)."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+class StepObserver:
+    """One process's clock for the phases of each step; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        metrics: StepMetrics,
+        world_size: int = 1,
+        *,
+        enabled: bool = True,
+        trace: TraceRecorder | None = None,
+        stragglers: StragglerDetector | None = None,
+        warnings_path: str | Path | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.rank = metrics.rank
+        self.world_size = world_size
+        self.enabled = enabled
+        self.trace = trace
+        self.stragglers = stragglers
+        self._warnings_path = Path(warnings_path) if warnings_path is not None else None
+        self._last_end: float | None = None
+        self._laps = [0.0, 0.0, 0.0, 0.0]
+        self._previous = [0.0, 0.0, 0.0, 0.0]
+        self._seq = 0
+        self._step = 0
+        self._tracing = False
+        self._hook_s = 0.0
+        self._last_hook_end: float | None = None
+        self._estimated = 0
+        self._counted = (0, 0)
+        self._grad_bytes = 0
+
+    @classmethod
+    def for_process(cls, metrics: StepMetrics, world_size: int, *, enabled: bool = True) -> StepObserver:
+        """The observer of a worker: trace window from ``LOOM_TRACE_STEPS``, stragglers judged on rank 0."""
+        if not enabled:
+            return cls(metrics, world_size, enabled=False)
+        detector = None
+        warnings_path = None
+        if metrics.rank == 0 and world_size > 1:
+            detector = StragglerDetector(world_size, StragglerConfig.from_env())
+            if metrics.path is not None:
+                warnings_path = metrics.path.parent / "stragglers.jsonl"
+        return cls(metrics, world_size, trace=trace_from_env(metrics.rank), stragglers=detector,
+                   warnings_path=warnings_path)  # fmt: skip
+
+    # -- the clock ---------------------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Start step number ``step``; the time since the previous step ended counts as data."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        self._step = step
+        self._tracing = self.trace is not None and self.trace.active(step)
+        start = self._last_end if self._last_end is not None else now
+        self._laps = [now - start, 0.0, 0.0, 0.0]
+        self._start = start
+        self._mark = now
+        if self._tracing and now > start:
+            self.trace.phase("data", start, now, step)  # type: ignore[union-attr]
+        self._hook_s, self._last_hook_end, self._estimated = 0.0, None, 0
+        snap = counters().snapshot()
+        self._counted = (snap["bytes_sent"], snap["bytes_received"])
+
+    def lap(self, phase: int) -> None:
+        """Charge the time since the previous lap to ``phase`` (DATA, COMPUTE, COMM or OPTIMIZER)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        self._laps[phase] += now - self._mark
+        if self._tracing and now - self._mark > 1e-6:
+            self.trace.phase(_NAMES[phase], self._mark, now, self._step)  # type: ignore[union-attr]
+        self._mark = now
+
+    def backward_done(self) -> None:
+        """Charge forward+backward to compute, minus the time backward was blocked on the gradient all-reduce."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        blocked = self._hook_s
+        if self._last_hook_end is not None:
+            blocked += now - self._last_hook_end
+        blocked = min(blocked, now - self._mark)
+        if self._grad_bytes:  # the built-in all-reduce, unhooked: one ring estimate for all buckets
+            self._estimated += ring_bytes(self._grad_bytes, self.world_size)
+        self._laps[COMPUTE] += now - self._mark - blocked
+        self._laps[COMM] += blocked
+        if self._tracing:
+            self.trace.phase("compute", self._mark, now - blocked, self._step)  # type: ignore[union-attr]
+            if blocked > 1e-6:
+                self.trace.phase("comm", now - blocked, now, self._step)  # type: ignore[union-attr]
+        self._mark = now
+
+    # -- collectives -------------------------------------------------------------------------------------------
+    def collective(self, name: str, start: float, end: float, nbytes: int = 0, estimate: bool = True) -> None:
+        """Note one collective issued by the strategy: its sequence number, bytes (ring estimate), trace."""
+        if not self.enabled:
+            return
+        self._seq += 1
+        if estimate:
+            self._estimated += ring_bytes(nbytes, self.world_size)
+        if self._tracing:
+            self.trace.collective(name, self._seq, start, end, self._step, nbytes)  # type: ignore[union-attr]
+
+    def register_comm_hook(self, ddp: Any, hook: Callable | None) -> None:
+        """Register ``hook`` (None: the native all-reduce) on ``ddp``, wrapped to time each gradient bucket."""
+        if not self.enabled:
+            if hook is not None:
+                ddp.register_comm_hook(None, hook)
+            return
+        if hook is None and self.trace is None:
+            self._watch_gradients(ddp.module)
+            return
+        if hook is None:  # traced: PyTorch's Python twin of DDP's built-in all-reduce, to time each bucket
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            ddp.register_comm_hook(None, self._timed(allreduce_hook, estimate=True))
+        else:  # loom's own algorithms count their bytes in loom.comm.counters
+            ddp.register_comm_hook(None, self._timed(hook, estimate=False))
+
+    def _watch_gradients(self, module: torch.nn.Module, first: int = 4) -> None:
+        """Native all-reduce, untraced: keep DDP's built-in (C++) all-reduce, since a Python hook costs a GIL
+        handoff per bucket (measured: ~15 % of a 5 ms step). The end of gradient computation is taken from
+        post-accumulate hooks on the model's first ``first`` parameters, whose gradients backward computes last
+        (exact for a sequential model); the rest of backward is DDP waiting for its buckets."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in params)
+
+        def ready(_: torch.Tensor) -> None:
+            self._last_hook_end = time.perf_counter()
+
+        for p in params[:first]:
+            p.register_post_accumulate_grad_hook(ready)
+
+    def _timed(self, inner: Callable, estimate: bool) -> Callable:
+        # Unannotated on purpose: DDP rejects string annotations (this module uses postponed evaluation).
+        def timed_hook(state, bucket):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            future = inner(state, bucket)
+            returned = time.perf_counter()
+            self._hook_s += returned - start
+            self._last_hook_end = returned
+            nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+            self._seq += 1
+            seq, step, tracing = self._seq, self._step, self._tracing
+            if estimate:
+                self._estimated += ring_bytes(nbytes, self.world_size)
+
+            if not tracing or self.trace is None:
+                return future
+
+            def done(fut: torch.futures.Future) -> torch.Tensor:
+                self.trace.collective("all_reduce grad bucket", seq, start, time.perf_counter(), step, nbytes)  # type: ignore[union-attr]
+                return fut.value()
+
+            return future.then(done)  # completion time, for the trace only (a callback costs a GIL handoff)
+
+        return timed_hook
+
+    # -- the reduced buffer ------------------------------------------------------------------------------------
+    def loss_buffer(self, device: torch.device) -> torch.Tensor:
+        """``[loss_sum, phase times...]``: slot 0 for the strategy's loss sum, then this rank's previous-step row."""
+        if not self.enabled or self.world_size == 1:
+            return torch.zeros(1, dtype=torch.float64, device=device)
+        values = [0.0] * (1 + 4 * self.world_size)
+        values[1 + 4 * self.rank : 5 + 4 * self.rank] = self._previous
+        return torch.tensor(values, dtype=torch.float64, device=device)
+
+    def end_step(
+        self, step: int, samples: int, global_samples: int, loss: float, reduced: torch.Tensor
+    ) -> None:
+        """Record the step; on rank 0, feed the other ranks' phases (one step late) to the straggler detector."""
+        if not self.enabled:
+            return
+        self.lap(COMM)  # the tail of the loss all-reduce's wait, and reading the reduced loss
+        now = self._last_end = self._mark
+        snap = counters().snapshot()
+        sent = snap["bytes_sent"] - self._counted[0] + self._estimated
+        received = snap["bytes_received"] - self._counted[1] + self._estimated
+        data, compute, comm, optimizer = self._laps
+        self.metrics.record(step, now - self._start, samples, global_samples, loss, data_s=data,
+                            compute_s=compute, comm_s=comm, optimizer_s=optimizer, bytes_sent=sent,
+                            bytes_received=received)  # fmt: skip
+        self._previous = self._laps
+        if self.stragglers is not None and reduced.numel() > 1 and step > 2:  # step 1 is warm-up
+            rows = reduced[1:].view(self.world_size, 4).tolist()
+            for warning in self.stragglers.observe(step - 1, rows):
+                self._report(warning)
+            self.metrics.slowest = self.stragglers.slowest
+        if self.trace is not None and step >= self.trace.last:
+            self.trace.flush()
+
+    def _report(self, warning: StragglerWarning) -> None:
+        print(warning.message(), file=sys.stderr, flush=True)
+        if self._warnings_path is not None:
+            with open(self._warnings_path, "a") as f:
+                f.write(json.dumps(asdict(warning)) + "\n")

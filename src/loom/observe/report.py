@@ -1,0 +1,231 @@
+"""``loom report RUN_DIR``: one self-contained HTML file and PNG figures from a run's per-step records.
+
+Reads ``RUN_DIR/metrics/rank<r>.jsonl`` (written by the strategies, see `loom.observe.metrics`), draws the
+figures of `loom.observe.report_figures` into ``RUN_DIR/report/`` and writes ``RUN_DIR/report/report.html`` with
+the PNGs embedded as base64, so it opens offline, from a mail attachment, with no server.
+
+Summary figures, all excluding the first (warm-up) step:
+
+- *samples/s*: global samples over rank 0's summed step time.
+- *scaling efficiency*: when a one-process run of the same script is in ``RUN_DIR/baseline`` (run it with
+  ``loom run -n 1 --run-dir RUN_DIR/baseline ...``), ``samples/s / (world size x baseline samples/s)``.
+- *time lost waiting*: per rank, the time blocked in communication (``comm_s``), absolute and as a share of
+  the step time. In synchronous training this is mostly one rank waiting for the slowest.
+
+Also merges the per-rank trace files into ``RUN_DIR/trace.json`` if the run was traced and lists the straggler
+warnings rank 0 raised.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from loom.observe.report_figures import FIGURES, draw_figures
+from loom.observe.trace import merge_traces
+
+__all__ = ["load_records", "run_report", "summarize"]
+
+
+def load_records(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """``{rank: [record, ...]}`` from ``RUN_DIR/metrics/rank*.jsonl``, sorted by step (last write of a step wins:
+    a resumed job re-runs steps after its checkpoint)."""
+    runs: dict[int, list[dict[str, Any]]] = {}
+    for path in Path(run_dir).glob("metrics/rank*.jsonl"):
+        by_step: dict[int, dict[str, Any]] = {}
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                by_step[record["step"]] = record
+        if by_step:
+            runs[int(path.stem.removeprefix("rank"))] = [by_step[s] for s in sorted(by_step)]
+    return dict(sorted(runs.items()))
+
+
+def _samples_per_s(records: list[dict[str, Any]]) -> float:
+    recs = records[1:] or records
+    elapsed = sum(r["time_s"] for r in recs)
+    return sum(r["global_samples"] for r in recs) / elapsed if elapsed else 0.0
+
+
+def summarize(
+    runs: dict[int, list[dict[str, Any]]], baseline: dict[int, list[dict[str, Any]]] | None
+) -> dict:
+    """Job-wide figures and one row per rank (see the module docstring for the definitions)."""
+    main = runs[min(runs)]
+    rate = _samples_per_s(main)
+    summary: dict[str, Any] = {
+        "world_size": len(runs),
+        "steps": len(main),
+        "samples_per_s": rate,
+        "final_loss": main[-1]["loss"],
+        "scaling_efficiency": None,
+        "baseline_samples_per_s": None,
+    }
+    if baseline:
+        one = _samples_per_s(baseline[min(baseline)])
+        summary["baseline_samples_per_s"] = one
+        summary["scaling_efficiency"] = rate / (len(runs) * one) if one else None
+    rows = []
+    for rank, recs in runs.items():
+        timed = recs[1:] or recs
+        total = sum(r["time_s"] for r in timed)
+        waiting = sum(r.get("comm_s") or 0.0 for r in timed)
+        rows.append({
+            "rank": rank,
+            "steps": len(recs),
+            "mean_step_ms": 1e3 * total / len(timed),
+            **{f"{p}_ms": 1e3 * sum(r.get(f"{p}_s") or 0.0 for r in timed) / len(timed)
+               for p in ("data", "compute", "comm", "optimizer")},
+            "waiting_s": waiting,
+            "waiting_share": waiting / total if total else 0.0,
+            "mb_sent": sum(r.get("bytes_sent") or 0 for r in recs) / 1e6,
+        })  # fmt: skip
+    summary["ranks"] = rows
+    summary["time_lost_waiting_s"] = sum(r["waiting_s"] for r in rows)
+    return summary
+
+
+def _png_tag(name: str, path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    title = html.escape(FIGURES[name])
+    return (f'<figure><img class="chart" id="chart-{name}" alt="{title}" '
+            f'src="data:image/png;base64,{data}"></figure>')  # fmt: skip
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _summary_table(s: dict[str, Any]) -> str:
+    eff = s["scaling_efficiency"]
+    head = [
+        ("processes", str(s["world_size"])),
+        ("steps", str(s["steps"])),
+        ("samples/s", _fmt(s["samples_per_s"], ",.1f")),
+        ("one-process baseline samples/s", _fmt(s["baseline_samples_per_s"], ",.1f")),
+        ("scaling efficiency", "n/a (no RUN_DIR/baseline)" if eff is None else f"{100 * eff:.1f} %"),
+        ("time lost waiting (all ranks)", f"{s['time_lost_waiting_s']:.2f} s"),
+        ("final loss", f"{s['final_loss']:.4f}"),
+    ]
+    job = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in head)
+    cols = ["rank", "steps", "mean_step_ms", "data_ms", "compute_ms", "comm_ms", "optimizer_ms", "waiting_share",
+            "mb_sent"]  # fmt: skip
+    labels = [
+        "rank",
+        "steps",
+        "step ms",
+        "data ms",
+        "compute ms",
+        "comm ms",
+        "optimizer ms",
+        "waiting",
+        "MB sent",
+    ]
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_cell(c, row[c])}</td>" for c in cols) + "</tr>" for row in s["ranks"]
+    )
+    header = "".join(f"<th>{label}</th>" for label in labels)
+    return (f'<table id="summary">{job}</table><h2>Per rank</h2>'
+            f'<table id="ranks"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>')  # fmt: skip
+
+
+def _cell(column: str, value: Any) -> str:
+    if column == "waiting_share":
+        return f"{100 * value:.1f} %"
+    if isinstance(value, float):
+        return f"{value:,.2f}"
+    return str(value)
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>loom report: {title}</title>
+<script>
+window.addEventListener("error", function (e) {{
+  document.documentElement.setAttribute("data-script-error", String(e.message || e));
+}});
+</script>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 1.5em auto; padding: 0 1.5em; max-width: 1500px; color: #222; }}
+#charts {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(620px, 1fr)); gap: 0 1.5em; }}
+table {{ border-collapse: collapse; margin: .5em 0 1em; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
+th {{ background: #f3f3f3; text-align: left; }}
+figure {{ margin: .5em 0; }} img.chart {{ max-width: 100%; }}
+.warn {{ color: #a33; }} #status {{ color: #777; font-size: 12px; }}
+</style></head><body>
+<h1>loom report</h1><p>Run directory: <code>{title}</code></p>
+<h2>Summary</h2>{table}
+<h2>Straggler warnings</h2>{warnings}
+<h2>Charts</h2><div id="charts">
+{figures}
+</div>
+<p id="status">loading&hellip;</p>
+<script>
+(function () {{
+  var charts = document.querySelectorAll("img.chart");
+  var loaded = 0;
+  charts.forEach(function (img) {{ if (img.complete && img.naturalWidth > 0) loaded += 1; }});
+  var root = document.documentElement;
+  root.setAttribute("data-charts-total", String(charts.length));
+  root.setAttribute("data-charts-loaded", String(loaded));
+  root.setAttribute("data-report-ready", "1");
+  document.getElementById("status").textContent = loaded + " of " + charts.length + " charts loaded";
+}})();
+</script>
+</body></html>
+"""
+
+
+def _warnings_html(run_dir: Path) -> str:
+    path = run_dir / "metrics" / "stragglers.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    if not lines:
+        return "<p>none</p>"
+    items = []
+    for line in lines:
+        w = json.loads(line)
+        items.append(f'<li class="warn">step {w["step"]}: rank {w["rank"]} slow in <b>{html.escape(w["phase"])}</b> '
+                     f'({1e3 * w["rank_s"]:.1f} ms vs median {1e3 * w["median_s"]:.1f} ms)</li>')  # fmt: skip
+    return "<ul>" + "".join(items) + "</ul>"
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Draw the figures and write ``RUN_DIR/report/report.html``; returns its path."""
+    run_dir = Path(run_dir)
+    runs = load_records(run_dir)
+    if not runs:
+        raise FileNotFoundError(
+            f"no step records in {run_dir / 'metrics'}. HINT: pass the --run-dir of a `loom run` job "
+            "whose script trained with a loom strategy"
+        )
+    baseline = load_records(run_dir / "baseline") or None
+    summary = summarize(runs, baseline)
+    out = run_dir / "report"
+    pngs = draw_figures(runs, out)
+    merge_traces(run_dir)
+    page = _PAGE.format(
+        title=html.escape(str(run_dir)),
+        table=_summary_table(summary),
+        warnings=_warnings_html(run_dir),
+        figures="\n".join(_png_tag(name, path) for name, path in pngs.items()),
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    path = out / "report.html"
+    path.write_text(page)
+    return path
+
+
+def run_report(run_dir: Path) -> int:
+    """Entry point of ``loom report RUN_DIR``: 0 on success, 2 with a message when there is nothing to report."""
+    try:
+        path = write_report(run_dir)
+    except FileNotFoundError as error:
+        print(f"loom report: {error}", file=sys.stderr)
+        return 2
+    print(f"loom report: wrote {path} and {len(FIGURES)} figures in {path.parent}")
+    return 0

@@ -1,0 +1,120 @@
+"""Step records, straggler warnings and traces: logic on synthetic tables, then one real 2-process run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_workers
+
+from loom.observe.stragglers import StragglerConfig, StragglerDetector
+from loom.observe.trace import merge_traces, parse_steps
+
+STEPS = 16
+TRACE = (5, 8)
+
+
+def _feed(detector: StragglerDetector, rows, steps: int = 10):
+    found = []
+    for step in range(1, steps + 1):
+        found += detector.observe(step, rows)
+    return found
+
+
+@pytest.mark.timeout(10)
+def test_detector_names_the_slow_rank_and_phase_not_the_waiting_one():
+    fast, waiting = (0.001, 0.010, 0.001, 0.001), (0.001, 0.010, 0.031, 0.001)
+    slow_data = (0.031, 0.010, 0.001, 0.001)
+    found = _feed(StragglerDetector(3, StragglerConfig(window=5)), [waiting, slow_data, waiting])
+    assert [(w.rank, w.phase) for w in found] == [(1, "data")]  # once per episode, not every step
+    slow_compute = (0.001, 0.040, 0.001, 0.001)
+    found = _feed(StragglerDetector(2, StragglerConfig(window=5)), [waiting, slow_compute])
+    assert [(w.rank, w.phase) for w in found] == [(1, "compute")]
+    assert _feed(StragglerDetector(2, StragglerConfig(window=5)), [fast, fast]) == []
+
+
+@pytest.mark.timeout(10)
+def test_detector_rearms_after_recovery_and_names_slow_communication():
+    detector = StragglerDetector(3, StragglerConfig(window=2))
+    normal, slow = (0.001, 0.010, 0.001, 0.001), (0.001, 0.010, 0.001, 0.001)
+    # rank 2's own push/pull is slow, and its busy time is not below the median
+    slow_link = (0.001, 0.010, 0.020, 0.001)
+    assert [(w.rank, w.phase) for w in _feed(detector, [normal, slow, slow_link], 3)] == [(2, "comm")]
+    assert _feed(detector, [normal, normal, normal], 3) == []
+    assert [w.rank for w in _feed(detector, [normal, slow, slow_link], 3)] == [2]
+
+
+@pytest.mark.timeout(10)
+def test_configuration_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="window"):
+        StragglerConfig(window=0)
+    monkeypatch.setenv("LOOM_STRAGGLER_MARGIN", "0.5")
+    monkeypatch.setenv("LOOM_STRAGGLER_WINDOW", "7")
+    assert StragglerConfig.from_env() == StragglerConfig(margin=0.5, window=7)
+    assert parse_steps("10:20") == (10, 20)
+    with pytest.raises(ValueError, match="FIRST:LAST"):
+        parse_steps("ten")
+
+
+@pytest.fixture(scope="module")
+def observed_run(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """One 2-process job: a plain traced run, then rank 1 slowed in data, then in compute."""
+    out = tmp_path_factory.mktemp("observe")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOOM_RUN_DIR", str(out / "run"))
+        mp.setenv("LOOM_TRACE_STEPS", f"{TRACE[0]}:{TRACE[1]}")
+        mp.setenv("LOOM_STRAGGLER_WINDOW", "5")
+        outs = run_workers("observe_run.py", 2, str(out), str(STEPS), "plain", "data", "compute", timeout=100)
+    results = {r["mode"]: r for r in map(json.loads, outs[0].splitlines())}
+    return out, results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["data", "compute"])
+def test_warning_names_the_slowed_rank_and_phase(observed_run, phase):
+    out, results = observed_run
+    named = {(w["rank"], w["phase"]) for w in results[phase]["warnings"]}
+    assert (1, phase) in named, results[phase]
+    assert all(rank == 1 for rank, _ in named), results[phase]
+    assert f"slowest rank 1 ({phase}" in results[phase]["status"]
+    written = (out / phase / "metrics" / "stragglers.jsonl").read_text()
+    assert f'"phase": "{phase}"' in written
+
+
+@pytest.mark.timeout(120)
+def test_every_step_of_every_rank_is_recorded_with_phases_summing_to_the_step(observed_run):
+    out, _ = observed_run
+    # "run" is traced (DDP runs a timed Python hook), "data" and "compute" are not (DDP's built-in all-reduce)
+    for run, rank in [(run, rank) for run in ("run", "data", "compute") for rank in (0, 1)]:
+        records = [
+            json.loads(line)
+            for line in (out / run / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
+        ]
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        for r in records:
+            phases = r["data_s"] + r["compute_s"] + r["comm_s"] + r["optimizer_s"]
+            assert phases == pytest.approx(r["time_s"], rel=0.05), r
+            assert min(r["data_s"], r["compute_s"], r["comm_s"], r["optimizer_s"]) >= 0
+            assert r["bytes_sent"] > 0 and r["bytes_received"] > 0
+            assert r["samples"] > 0 and r["global_samples"] in (8, 37 % 8)  # 37 samples: a short last batch
+
+
+@pytest.mark.timeout(120)
+def test_trace_is_chrome_json_with_every_rank_and_collective_in_the_window(observed_run):
+    out, _ = observed_run
+    events = json.loads(merge_traces(out / "run").read_text())["traceEvents"]
+    for e in events:
+        assert {"name", "ph", "pid"} <= e.keys()
+        if e["ph"] == "X":
+            assert isinstance(e["ts"], float | int) and e["dur"] >= 0 and "tid" in e
+    seqs = {}
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank and e["ph"] == "X"]
+        assert {e["args"]["step"] for e in mine} == set(range(TRACE[0], TRACE[1] + 1))
+        assert {"data", "compute", "comm", "optimizer"} <= {e["name"] for e in mine if e["cat"] == "phase"}
+        collectives = [e for e in mine if e["cat"] == "collective"]
+        seqs[rank] = sorted(e["args"]["seq"] for e in collectives)
+        # per step: one gradient bucket (a small model) and the loss all-reduce
+        assert len(collectives) == 2 * (TRACE[1] - TRACE[0] + 1)
+    assert seqs[0] == seqs[1]  # the same collectives, numbered alike on both ranks

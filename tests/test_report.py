@@ -1,0 +1,74 @@
+"""``loom report`` on a real 2-process run directory; the HTML opened in headless Chromium when installed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_workers
+
+from loom.observe.report import run_report
+from loom.observe.report_figures import FIGURES
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("report") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOOM_RUN_DIR", str(run_dir))
+        mp.delenv("LOOM_TRACE_STEPS", raising=False)
+        run_workers("observe_run.py", 2, str(run_dir.parent), "12", "plain", timeout=100)
+    # Stand-in for `loom run -n 1 --run-dir RUN_DIR/baseline`: rank 0's records as a one-process baseline.
+    (run_dir / "baseline/metrics").mkdir(parents=True)
+    shutil.copy(run_dir / "metrics/rank0.jsonl", run_dir / "baseline/metrics/rank0.jsonl")
+    assert run_report(run_dir) == 0
+    return run_dir / "report"
+
+
+@pytest.mark.timeout(120)
+def test_report_writes_html_with_every_chart_embedded_and_pngs(report_dir):
+    page = (report_dir / "report.html").read_text()
+    for name in FIGURES:
+        assert (report_dir / f"{name}.png").stat().st_size > 1000
+        assert f'id="chart-{name}"' in page
+    assert page.count('src="data:image/png;base64,') == len(FIGURES)
+    assert 'src="http' not in page and "<link" not in page  # self-contained
+    summary = json.loads((report_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 12
+    assert summary["scaling_efficiency"] == pytest.approx(0.5, rel=1e-6)  # same records: 1/N by definition
+    assert [row["rank"] for row in summary["ranks"]] == [0, 1]
+
+
+@pytest.mark.timeout(10)
+def test_report_of_a_directory_without_records_says_what_to_pass(tmp_path, capsys):
+    assert run_report(tmp_path) == 2
+    assert "HINT" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_report_loads_in_headless_chromium_without_script_errors(report_dir, tmp_path):
+    if not CHROMIUM.exists():
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    url = (report_dir / "report.html").resolve().as_uri()
+    flags = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+             f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=60).stdout
+    root = re.search(r"<html[^>]*>", dom)
+    assert root is not None, dom[:500]
+    root_tag = root.group(0)  # the report's script writes its checks as attributes of <html>
+    assert 'data-report-ready="1"' in root_tag, root_tag
+    assert "data-script-error" not in root_tag, root_tag
+    assert (
+        f'data-charts-loaded="{len(FIGURES)}"' in root_tag
+        and f'data-charts-total="{len(FIGURES)}"' in root_tag
+    )
+    shot = report_dir / "screenshot.png"
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1100,1400", url], capture_output=True,
+                   timeout=60, check=True)  # fmt: skip
+    assert shot.stat().st_size > 10_000

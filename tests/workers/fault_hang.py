@@ -1,0 +1,35 @@
+"""One rank skips an all-reduce: the others must be stopped by loom's watchdog with a report naming it.
+
+``fault_hang.py TIMEOUT_S SKIP_RANK STAMP_FILE``: a few DataParallel steps, each followed by a user-level
+metric all-reduce counted by the watchdog; at step 3 rank SKIP_RANK skips that all-reduce and goes on to
+something long that is not a collective. Rank 0 writes the time it entered the doomed all-reduce to STAMP_FILE.
+"""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from common import make_dataset, make_mlp
+from torch import nn
+
+import loom
+from loom.fault import watchdog
+
+timeout_s, skip_rank, stamp = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+topo = loom.init()
+model = make_mlp()
+job = loom.DataParallel(hang_timeout_s=timeout_s).setup(
+    model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss
+)
+for step, batch in enumerate(loom.data.loader(make_dataset(), 9, seed=0), start=1):
+    metric = torch.tensor([job.train_step(batch)])
+    if step == 3 and topo.rank == skip_rank:
+        print(f"rank {topo.rank} skips the metric all-reduce of step {step}", flush=True)
+        time.sleep(120)  # busy elsewhere, never joins
+    if step == 3 and topo.rank == 0:
+        with open(stamp, "w") as f:
+            f.write(str(time.time()))
+    with watchdog.collective("metric all-reduce"):
+        dist.all_reduce(metric)
+print(f"rank {topo.rank} finished: the hang went unnoticed", flush=True)
