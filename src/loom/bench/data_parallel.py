@@ -56,6 +56,7 @@ def run_benchmark(repetitions: int, steps: int, out_dir: Path, nproc: int = 2) -
             return 1
         m, s = json.loads(multi.read_text()), json.loads(single.read_text())
     loom_tp, ddp_tp, one_tp = (statistics.median(v) for v in (m["loom"], m["ddp"], s["ddp"]))
+    quiet_tp = statistics.median(m["loom_unobserved"])
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -63,10 +64,25 @@ def run_benchmark(repetitions: int, steps: int, out_dir: Path, nproc: int = 2) -
         "workers": nproc,
         "repetitions": repetitions,
         "steps_per_repetition": steps,
-        "samples_per_s": {"loom": m["loom"], "ddp": m["ddp"], "one_process": s["ddp"]},
-        "median_samples_per_s": {"loom": loom_tp, "ddp": ddp_tp, "one_process": one_tp},
+        "samples_per_s": {
+            "loom": m["loom"],
+            "loom_unobserved": m["loom_unobserved"],
+            "ddp": m["ddp"],
+            "one_process": s["ddp"],
+        },
+        "median_samples_per_s": {
+            "loom": loom_tp,
+            "loom_unobserved": quiet_tp,
+            "ddp": ddp_tp,
+            "one_process": one_tp,
+        },
         "loom_over_ddp": loom_tp / ddp_tp,
-        "scaling_efficiency": {"loom": loom_tp / (nproc * one_tp), "ddp": ddp_tp / (nproc * one_tp)},
+        "loom_unobserved_over_ddp": quiet_tp / ddp_tp,
+        "scaling_efficiency": {
+            "loom": loom_tp / (nproc * one_tp),
+            "loom_unobserved": quiet_tp / (nproc * one_tp),
+            "ddp": ddp_tp / (nproc * one_tp),
+        },
     }
     (out_dir / "dp_vs_ddp.json").write_text(json.dumps(summary, indent=2))
     (out_dir / "dp_vs_ddp.md").write_text(_markdown(summary))
@@ -84,11 +100,13 @@ def _markdown(r: dict) -> str:
             f"Command: `loom bench dp --repetitions {r['repetitions']} --steps {r['steps_per_repetition']}` "
             f"({r['date']}; {r['machine']}).",
             f"Model: {r['model']}. {r['workers']} workers on one host (gloo), medians of {r['repetitions']} "
-            "repetitions; loom and DDP alternate within each repetition.",
+            "repetitions; the order of loom, loom without metrics and DDP rotates between repetitions.",
             "",
             "| | samples/s (median) | vs raw DDP | scaling efficiency |",
             "|---|---:|---:|---:|",
             f"| loom DataParallel | {med['loom']:.0f} | {r['loom_over_ddp']:.3f} | {eff['loom']:.2f} |",
+            f"| loom DataParallel, `observe=False` | {med['loom_unobserved']:.0f} | "
+            f"{r['loom_unobserved_over_ddp']:.3f} | {eff['loom_unobserved']:.2f} |",
             f"| raw DDP | {med['ddp']:.0f} | 1.000 | {eff['ddp']:.2f} |",
             f"| one process | {med['one_process']:.0f} | | 1.00 (baseline) |",
             "",

@@ -34,11 +34,10 @@ def synthetic_data(global_batch: int, steps: int) -> TensorDataset:
     return TensorDataset(torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-def time_loom(topo, data: TensorDataset, global_batch: int, warmup: int) -> float:
+def time_loom(topo, data: TensorDataset, global_batch: int, warmup: int, observe: bool = True) -> float:
     model = bench_model()
-    job = loom.DataParallel().setup(
-        model, torch.optim.SGD(model.parameters(), lr=0.01), nn.functional.cross_entropy
-    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    job = loom.DataParallel(observe=observe).setup(model, optimizer, nn.functional.cross_entropy)
     batches = list(loom.data.loader(data, global_batch, shuffle=False))
     for batch in batches[:warmup]:
         job.train_step(batch)
@@ -81,10 +80,19 @@ def main() -> None:
     torch.set_num_threads(1)
     topo = loom.init()
     data = synthetic_data(args.global_batch, args.steps + args.warmup)
-    results: dict[str, list[float]] = {"loom": [], "ddp": []}
-    runners = {"loom": time_loom, "ddp": time_raw_ddp} if topo.is_distributed else {"ddp": time_raw_ddp}
+    results: dict[str, list[float]] = {"loom": [], "loom_unobserved": [], "ddp": []}
+    runners = {
+        "loom": time_loom,
+        "loom_unobserved": lambda *a: time_loom(*a, observe=False),
+        "ddp": time_raw_ddp,
+    }
+    if not topo.is_distributed:
+        runners = {"ddp": time_raw_ddp}
     for rep in range(args.repetitions):
-        order = list(runners) if rep % 2 == 0 else list(reversed(runners))
+        names = list(runners)
+        order = (
+            names[rep % len(names) :] + names[: rep % len(names)]
+        )  # each runs first as often as the others
         for name in order:
             results[name].append(runners[name](topo, data, args.global_batch, args.warmup))
         if topo.is_main:

@@ -66,6 +66,10 @@ class ShardedLoader:
 
     def _fetch(self, indices: torch.Tensor) -> tuple:
         if isinstance(self.dataset, TensorDataset):
+            if not self.sampler.shuffle and indices.numel():
+                # Without shuffling a share is a contiguous range: a view, no copy.
+                lo = int(indices[0])
+                return tuple(t[lo : lo + indices.numel()] for t in self.dataset.tensors)
             return tuple(t[indices] for t in self.dataset.tensors)
         if indices.numel() == 0:
             return self._empty_batch()
