@@ -120,3 +120,28 @@ def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(workers):
         assert "rank 0 vs rank 2" in out
         assert "'0.weight'" in out and "[16, 8]" in out and "[17, 8]" in out
         assert "ranks that differ from rank 0: [2]" in out
+
+
+@pytest.mark.timeout(120)
+def test_compression_plugs_into_data_parallel(workers):
+    outputs = workers("dp_compress.py", 2, timeout=100)
+    runs = {r["spec"]: r for r in (json.loads(ln) for ln in outputs[0].splitlines() if ln.startswith("{"))}
+    ref_losses, ref_params = reference_run("sgd", 10, 10)
+    exact = runs[None]
+    assert max(abs(a - b) for a, b in zip(exact["losses"], ref_losses, strict=True)) <= 1e-5
+    fp16 = runs["fp16"]  # fp16 rounding of the averaged gradient only: close to exact
+    for name, ref in ref_params.items():
+        assert (torch.tensor(fp16["params"][name]).view_as(ref) - ref).abs().max().item() <= 1e-2, name
+    for spec in ("powersgd:2", "topk:0.1"):
+        run = runs[spec]
+        assert run["has_state"], f"{spec} keeps error-feedback state per rank"
+        float32_bytes = 2 * runs["fp16"]["bytes_sent"]  # what an uncompressed all-reduce sends
+        assert run["bytes_sent"] < float32_bytes, spec
+        assert run["losses"][-1] < run["losses"][0], f"{spec} does not train"
+
+
+def test_bad_compression_spec_is_refused():
+    with pytest.raises(ValueError, match="topk:2"):
+        loom.DataParallel(compression="topk:2")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        loom.DataParallel(compression="fp16", allreduce="ring")

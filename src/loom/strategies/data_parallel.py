@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from loom.comm import ALGORITHMS, allreduce_hook
+from loom.comm.compression import CompressionHook, compression_hook, make_codec
 from loom.fault.watchdog import Watchdog, hang_timeout_s
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
@@ -56,6 +57,9 @@ class DataParallelConfig:
     allreduce: str = "native"
     """Gradient all-reduce algorithm (see `loom.comm`): ``native`` is DDP's own, asynchronous, overlapped with
     backward; ``ring`` and ``driver`` are loom's, counted byte by byte."""
+    compression: str | None = None
+    """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``topk:<fraction>`` or
+    ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
     hang_timeout_s: float | None = None
     """Seconds a collective may wait before the job stops with a report of who did not arrive
     (`loom.fault.watchdog`); None: ``LOOM_HANG_TIMEOUT_S``, else 180."""
@@ -63,6 +67,13 @@ class DataParallelConfig:
     def __post_init__(self) -> None:
         if self.allreduce not in ALGORITHMS:
             raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
+        if self.compression is not None:
+            make_codec(self.compression)  # refuses a malformed spec now, naming the valid forms
+            if self.allreduce != "native":
+                raise ValueError(
+                    f"compression={self.compression!r} runs its own collectives; it cannot be combined with "
+                    f"allreduce={self.allreduce!r}. HINT: leave allreduce='native' when compressing."
+                )
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
         if not self.bucket_cap_mb > 0:
@@ -107,16 +118,26 @@ class DataParallel:
                 find_unused_parameters=self.config.find_unused_parameters,
                 **_buffer_sync_option(self.config.broadcast_buffers),  # type: ignore[arg-type]
             )
-            native = self.config.allreduce == "native"
-            observer.register_comm_hook(ddp, None if native else allreduce_hook(self.config.allreduce))
+            hook = _gradient_hook(self.config)
+            observer.register_comm_hook(ddp, hook)
             wrapped: nn.Module = ddp
         else:
-            wrapped = model
+            hook, wrapped = None, model
         job = DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
         job.observer = observer
+        job.compression = hook if isinstance(hook, CompressionHook) else None
         if topo.is_distributed:
             job.watchdog = Watchdog.start(topo, self.config.hang_timeout_s)
         return job
+
+
+def _gradient_hook(config: DataParallelConfig) -> Callable | None:
+    """The DDP communication hook for ``config``; None keeps DDP's built-in (C++) all-reduce."""
+    if config.compression is not None:
+        return compression_hook(make_codec(config.compression))
+    if config.allreduce == "native":
+        return None
+    return allreduce_hook(config.allreduce)
 
 
 def _default_metrics_path(topo: Topology) -> str | None:
@@ -244,6 +265,8 @@ class DataParallelJob:
         """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
         self.step = 0
         self.watchdog = Watchdog(topology.rank, topology.world_size, hang_timeout_s(config.hang_timeout_s))
+        self.compression: CompressionHook | None = None
+        """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
         """Numbers this job's collectives; `DataParallel.setup` starts one that stops a hung job."""
 
     # -- training --------------------------------------------------------------------------------------------
@@ -347,3 +370,12 @@ class DataParallelJob:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """State that differs between processes: the compression codec's error-feedback residuals and warm
+        starts. Not part of `state_dict()` (which is the same on every rank and saved once by rank 0)."""
+        return {"compression": self.compression.state_dict() if self.compression is not None else None}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("compression") is not None and self.compression is not None:
+            self.compression.load_state_dict(state["compression"])
