@@ -20,10 +20,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --ignore-missing-imports src/loom
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --ignore-missing-imports src/loom
 	$(VENV)/bin/pytest
 
 bench: $(STAMP)

@@ -8,8 +8,10 @@ plain model, the baseline for scaling efficiency. Rank 0 writes the per-repetiti
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from torch.utils.data import TensorDataset
 
 import loom
 from loom.data import share_bounds
+from loom.topology import Topology
 
 
 def bench_model() -> nn.Module:
@@ -81,9 +84,9 @@ def main() -> None:
     topo = loom.init()
     data = synthetic_data(args.global_batch, args.steps + args.warmup)
     results: dict[str, list[float]] = {"loom": [], "loom_unobserved": [], "ddp": []}
-    runners = {
+    runners: dict[str, Callable[[Topology, TensorDataset, int, int], float]] = {
         "loom": time_loom,
-        "loom_unobserved": lambda *a: time_loom(*a, observe=False),
+        "loom_unobserved": functools.partial(time_loom, observe=False),
         "ddp": time_raw_ddp,
     }
     if not topo.is_distributed:

@@ -37,12 +37,22 @@ def all_reduce_driver(flat: torch.Tensor, op: str, group: dist.ProcessGroup | No
 
     peers = [global_rank(group, r) for r in range(1, n)]
     incoming = [torch.empty_like(flat) for _ in peers]
-    for work in [dist.irecv(buf, src=peer, group=group) for buf, peer in zip(incoming, peers, strict=True)]:
-        work.wait()
+    _wait_all(
+        [dist.irecv(buf, src=peer, group=group) for buf, peer in zip(incoming, peers, strict=True)], "irecv"
+    )
     for buf in incoming:
         combine_into(flat, buf, op)
     if op == "avg":
         flat.div_(n)
-    for work in [dist.isend(flat, dst=peer, group=group) for peer in peers]:
-        work.wait()
+    _wait_all([dist.isend(flat, dst=peer, group=group) for peer in peers], "isend")
     return (n - 1) * flat.nbytes, (n - 1) * flat.nbytes
+
+
+def _wait_all(works: list[dist.Work | None], op: str) -> None:
+    """Wait for every posted operation; ``None`` (torch's answer when this rank is not in the group) is a bug."""
+    for work in works:
+        if work is None:
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: driver all-reduce {op} returned no handle (this rank is not in the group)"
+            )
+        work.wait()

@@ -40,6 +40,27 @@ def _problem(d: int = 64, n: int = 4096):
     return x, x @ torch.randn(d, 1, generator=g) + 0.01 * torch.randn(n, 1, generator=g)
 
 
+def _updates_worker(cfg: dict, rank: int) -> None:
+    """One worker of the server-updates case: async pushes with no simulated compute; prints its step count."""
+    import torch
+    from torch import nn
+
+    from loom.strategies.parameter_server import ParameterServer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 512))
+    x, y = torch.randn(8, 512), torch.randn(8, 512)
+    job = ParameterServer(mode="async", namespace=cfg["ns"]).setup(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), nn.functional.mse_loss
+    )
+    end, steps = time.monotonic() + cfg["budget"], 0
+    while time.monotonic() < end:
+        job.train_step((x, y))
+        steps += 1
+    print(json.dumps({"rank": rank, "steps": steps}), flush=True)
+    job.close()
+
+
 def _worker(cfg: dict) -> None:
     """One worker of one benchmark case; prints a JSON line with its samples and rank 0's loss curve."""
     import torch
@@ -47,23 +68,13 @@ def _worker(cfg: dict) -> None:
     from torch.utils.data import TensorDataset
 
     import loom
-    from loom.strategies.parameter_server import ParameterServer
+    from loom.strategies.data_parallel import DataParallelJob
+    from loom.strategies.parameter_server import ParameterServer, ParameterServerJob
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     if cfg["kind"] == "updates":
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 512))
-        x, y = torch.randn(8, 512), torch.randn(8, 512)
-        job = ParameterServer(mode="async", namespace=cfg["ns"]).setup(
-            model, torch.optim.SGD(model.parameters(), lr=1e-3), nn.functional.mse_loss
-        )
-        end, steps = time.monotonic() + cfg["budget"], 0
-        while time.monotonic() < end:
-            job.train_step((x, y))
-            steps += 1
-        print(json.dumps({"rank": rank, "steps": steps}), flush=True)
-        job.close()
+        _updates_worker(cfg, rank)
         return
     topo = loom.init() if cfg["mode"] == "dp" else None
     if topo is None:
@@ -76,6 +87,7 @@ def _worker(cfg: dict) -> None:
     model = nn.Linear(x.shape[1], 1, bias=False)
     lr = 0.05 if cfg["mode"] in ("sync", "dp") else 0.05 / topo.world_size
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    job: DataParallelJob | ParameterServerJob
     if cfg["mode"] == "dp":
         job = loom.DataParallel(topology=topo).setup(model, opt, nn.functional.mse_loss)
     else:
@@ -101,7 +113,7 @@ def _worker(cfg: dict) -> None:
                 break
     print(json.dumps({"rank": rank, "samples": samples, "elapsed": time.monotonic() - started,
                       "curve": curve}), flush=True)  # fmt: skip
-    if cfg["mode"] != "dp":
+    if isinstance(job, ParameterServerJob):  # DataParallel has nothing to close
         job.close()
 
 

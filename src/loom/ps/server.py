@@ -211,6 +211,8 @@ class ParameterServerProcess:
             raise RuntimeError(self.failed[name])
         shard = self.models[name]
         worker = frame.meta.get("worker")
+        if not isinstance(worker, int):
+            raise ValueError(f"worker {worker!r} is outside 0..{shard.clocks.num_workers - 1}")
         shard.clocks.check_worker(worker)
         if shard.clocks.seen(worker, time.monotonic()):
             self.log(f"model {name!r}: worker {worker} is back")

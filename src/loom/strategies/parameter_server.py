@@ -132,7 +132,7 @@ class ParameterServer:
         metas = [
             {**meta, "pieces": [p.to_json() for p in plan if p.server == s]} for s in range(len(addresses))
         ]
-        values = [{f"p{p.id}": _piece_view(params[p.name], p) for p in plan if p.server == s}
+        values: list[dict[str, torch.Tensor] | None] = [{f"p{p.id}": _piece_view(params[p.name], p) for p in plan if p.server == s}
                   for s in range(len(addresses))]  # fmt: skip
         client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
         metrics = ParameterServerMetrics(topo.rank, self.metrics_path)

@@ -92,6 +92,16 @@ def _floats(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point()]
 
 
+def _peer(rank: int | None, ins: Instruction, stage: int) -> int:
+    """The rank of the neighbouring stage ``ins`` talks to (``None``: past the first or last stage)."""
+    if rank is None:
+        raise RuntimeError(
+            f"stage {stage}: instruction {ins!r} talks to a neighbouring stage, but there is none on that side "
+            "(a bug in the pipeline schedule)"
+        )
+    return rank
+
+
 def run_instructions(
     stream: list[Instruction],
     stage: PipelineStage,
@@ -119,7 +129,7 @@ def run_instructions(
     for ins in stream:
         j = ins.microbatch
         if ins.op is Op.RECV_ACTIVATION:
-            received[j] = recv_tensors(prev, device)
+            received[j] = recv_tensors(_peer(prev, ins, stage.index), device)
             if train:
                 for t in _floats(received[j]):
                     t.requires_grad_(True)
@@ -152,13 +162,13 @@ def run_instructions(
             if not train:
                 saved_bytes.pop(j)
         elif ins.op is Op.SEND_ACTIVATION:
-            pending += send_tensors(outputs[j] if train else outputs.pop(j), next_)
+            pending += send_tensors(outputs[j] if train else outputs.pop(j), _peer(next_, ins, stage.index))
         elif ins.op is Op.RECV_GRADIENT:
-            gradients[j] = recv_gradients(_floats(outputs[j]), next_)
+            gradients[j] = recv_gradients(_floats(outputs[j]), _peer(next_, ins, stage.index))
         elif ins.op is Op.BACKWARD:
             t0 = time.perf_counter()
             outs = _floats(outputs.pop(j))
-            grads = gradients.pop(j, None) or [None] * len(outs)
+            grads: Sequence[torch.Tensor | None] = gradients.pop(j, []) or [None] * len(outs)
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
             if pairs:
                 torch.autograd.backward(
@@ -169,7 +179,9 @@ def run_instructions(
         elif ins.op is Op.SEND_GRADIENT:
             xs = _floats(received.pop(j))
             pending += send_tensors(
-                [t.grad if t.grad is not None else torch.zeros_like(t) for t in xs], prev, with_header=False
+                [t.grad if t.grad is not None else torch.zeros_like(t) for t in xs],
+                _peer(prev, ins, stage.index),
+                with_header=False,
             )
     stats.span_s = time.perf_counter() - started
     for handle, _ in pending:

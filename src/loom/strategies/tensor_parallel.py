@@ -125,11 +125,20 @@ def _split_attention(name: str, module: nn.Module, comm: TensorParallelComm, dim
             f"tensor parallelism of size {comm.size} cannot split the {heads} attention heads of {name!r}. "
             f"HINT: choose a tensor-parallel size that divides {heads}."
         )
+    projections: dict[str, nn.Linear] = {}
+    for proj in (*_Q_K_V, "out_proj"):
+        linear = getattr(module, proj, None)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(
+                f"module {name!r} planned as 'attention' needs an nn.Linear {proj!r}, "
+                f"got {type(linear).__name__}. HINT: see the 'attention' pattern in the tensor_parallel docstring."
+            )
+        projections[proj] = linear
     for proj in _Q_K_V:
-        layer = ColumnParallelLinear(getattr(module, proj), comm, f"{name}.{proj} (heads={heads})")
+        layer = ColumnParallelLinear(projections[proj], comm, f"{name}.{proj} (heads={heads})")
         setattr(module, proj, layer)
         dims.update(layer.shard_dims)
-    out = RowParallelLinear(module.out_proj, comm, f"{name}.out_proj in_features (heads={heads})")
+    out = RowParallelLinear(projections["out_proj"], comm, f"{name}.out_proj in_features (heads={heads})")
     module.out_proj = out
     dims.update(out.shard_dims)
     setattr(module, attr, heads // comm.size)

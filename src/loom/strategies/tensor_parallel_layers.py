@@ -91,7 +91,7 @@ def reduce_from_parallel(x: torch.Tensor, comm: TensorParallelComm) -> torch.Ten
     return _ReduceFromParallel.apply(x, comm)
 
 
-def _shard_(param: nn.Parameter, dim: int, comm: TensorParallelComm, what: str) -> None:
+def _shard_(param: torch.Tensor, dim: int, comm: TensorParallelComm, what: str) -> None:
     size = param.shape[dim]
     if size % comm.size:
         raise ValueError(
