@@ -6,13 +6,15 @@ import pytest
 
 from loom.strategies.pipeline_schedule import bubble_fraction
 
-SLEEP_S = 0.03
+# Long enough that the real cost of each activation/gradient message (~0.4 ms on loopback gloo, which the
+# theory leaves out) stays well inside the 10% tolerance: at 30 ms it used up 11% for GPipe p=2 m=8.
+SLEEP_S = 0.06
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(170)
 @pytest.mark.parametrize("stages", [2, 4])
 def test_measured_bubble_matches_theory(workers, stages):
-    outputs = workers("pp_bubble.py", stages, str(SLEEP_S), timeout=85)
+    outputs = workers("pp_bubble.py", stages, str(SLEEP_S), timeout=160)
     for rank, out in enumerate(outputs):
         for line in out.splitlines():
             run = json.loads(line)
