@@ -3,7 +3,8 @@
 Every configuration trains the benchmark MLP of `loom.bench.dp_worker` (784-1024-1024-10, SGD, synthetic data)
 for the same steps; within each repetition the configurations run one after the other, in an order rotated
 per repetition, so drift on a shared machine hits all of them alike. A configuration's time is the slowest
-rank's. With one process (no launcher) it times the plain model instead: the scaling baseline.
+rank's. The scaling baseline, ``one_process``, is timed in the same rotation: rank 0 alone trains the plain model
+on whole global batches while the others wait. Run without the launcher, it times only that.
 Rank 0 writes ``{"world_size", "samples_per_s": {config: [per repetition]}, "auto_policy"}`` as JSON.
 """
 
@@ -47,8 +48,27 @@ def _no_communication(state, bucket):  # unannotated: DDP rejects string annotat
     return done
 
 
+def time_one_process(topo, data, global_batch: int, warmup: int) -> float:
+    """The scaling baseline, inside the job: rank 0 trains the plain model on whole global batches while the
+    other ranks wait in a broadcast (blocked, not spinning), so it is timed in the same minute as the others."""
+    speed = torch.zeros(1, dtype=torch.float64)
+    if topo.rank == 0:
+        speed[0] = time_config("one_process", _Alone(), data, global_batch, warmup)
+    if topo.is_distributed:
+        dist.broadcast(speed, src=0)
+    return speed.item()
+
+
+class _Alone:
+    """What `time_config` reads of a topology, for one process."""
+
+    is_distributed, rank, world_size = False, 0, 1
+
+
 def time_config(name: str, topo, data, global_batch: int, warmup: int) -> float:
     """Samples per second of one configuration: the slowest rank's wall time over the timed steps."""
+    if name == "one_process" and topo.is_distributed:
+        return time_one_process(topo, data, global_batch, warmup)
     model = bench_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     wrapped: nn.Module = model
@@ -97,7 +117,7 @@ def main() -> None:
     torch.set_num_threads(1)
     topo = loom.init()
     data = synthetic_data(args.global_batch, args.steps + args.warmup)
-    names = args.configs.split(",") if topo.is_distributed else ["one_process"]
+    names = [*args.configs.split(","), "one_process"] if topo.is_distributed else ["one_process"]
     unknown = [n for n in names if n not in CONFIGS and n != "one_process"]
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; known: {sorted(CONFIGS)}")

@@ -1,0 +1,165 @@
+"""`overlapped_allreduce_hook`: loom's all-reduce algorithms inside DDP's backward, overlapped like DDP's own.
+
+    ddp.register_comm_hook(None, overlapped_allreduce_hook("shm"))      # None: all processes
+
+The idea (DDP's own design, Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3): a gradient bucket is
+ready long before backward ends, so its all-reduce should run *while* the remaining layers compute their
+gradients, and backward should wait only at its end. The backend's ``async_op=True`` collectives do that for
+``native``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are plain Python calls that block, and the
+synchronous `loom.comm.allreduce_hook` therefore stalls backward for the whole of every bucket's reduction.
+
+Here each process owns one background *communication thread* that runs the buckets' all-reduces, one after the
+other, in the order the hook submitted them. The hook queues a job that divides the bucket by the group size
+(as PyTorch's ``allreduce_hook`` does, so float16 does not overflow) and all-reduces it, and returns a
+``torch.futures.Future`` that the thread completes; DDP waits for the futures at the end of backward.
+
+Why this is safe:
+
+- *Same order on every rank.* Every algorithm is a collective matched by call order (gloo by sequence number,
+  shm by its barrier counters). DDP calls the hook for buckets in the same order on every rank, and one FIFO
+  thread per process keeps that order. Two threads would not.
+- *One thread uses shm at a time.* `loom.comm.shm` keeps per-process state (barrier sequence, chunk layout)
+  without a lock. While buckets are in flight the main thread is inside backward, which issues no collective,
+  and DDP's wait at the end of backward drains the queue before the caller can issue any (loss averaging,
+  `loom.comm.all_reduce`, the optimizer's...). So exactly one thread touches shm and the backend at a time.
+  A caller that issues collectives from autograd hooks *during* backward would break this; don't.
+- *First calls are collectives too* (shm's segment set-up, ``auto``'s calibration): they run on the same thread,
+  in the same order, on every rank.
+
+Errors: an all-reduce that raises settles its bucket's future with a RuntimeError naming the rank, the
+algorithm, the bucket and its size, so DDP's backward raises it instead of waiting forever. Later buckets are
+still attempted (their peers may be waiting for them); the first error is the one reported.
+
+Lifetime: the thread is a daemon started on first use, one per process (made again in a forked child, which
+does not inherit threads), and stopped at interpreter exit (`shutdown_comm_thread`, registered with `atexit`).
+
+Limits: overlap needs spare CPU. The communication thread shares the process's cores with backward: on a host
+with as many busy processes as cores, reductions that are memory copies (shm) or socket copies (ring) compete
+with the compute they overlap, and the gain is what waiting (barriers, sockets) left idle. Python-level
+algorithms also hold the GIL between their torch calls, which delays the backward thread's own Python work
+(hooks) slightly. Whatever the algorithm, the result matches DDP without a hook up to floating-point summation
+order.
+"""
+
+# No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and
+# rejects them unless they are the real `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects.
+
+import atexit
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from loom.comm._reduce import check_algorithm, group_rank_and_size
+from loom.comm.all_reduce import all_reduce
+
+__all__ = ["CommThread", "comm_thread", "overlapped_allreduce_hook", "shutdown_comm_thread"]
+
+CommHook = Callable[[dist.ProcessGroup | None, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+_STOP = object()
+
+
+class CommThread:
+    """One daemon thread running submitted jobs in FIFO order, each settling a `torch.futures.Future`."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="loom-comm", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, job: Callable[[], torch.Tensor], describe: Callable[[], str]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Queue ``job``; its future gets the job's result, or a RuntimeError starting with ``describe()``."""
+        if not self._thread.is_alive():
+            raise RuntimeError(f"{describe()}: the communication thread has stopped (interpreter exiting?)")
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._jobs.put((job, describe, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            job, describe, future = item
+            # Everything is caught: an unsettled future would leave DDP waiting forever at the end of backward.
+            try:
+                result = job()
+            except BaseException as error:  # noqa: BLE001 - reported through the future, never lost
+                failure = RuntimeError(f"{describe()} failed: {error!r}")
+                future.set_exception(failure)  # type: ignore[arg-type]  # torch annotates the argument as T
+            else:
+                future.set_result(result)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Let queued jobs finish, then end the thread (waits at most ``timeout`` seconds)."""
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+_THREAD: CommThread | None = None
+_THREAD_LOCK = threading.Lock()
+
+
+def comm_thread() -> CommThread:
+    """This process's communication thread, started on first use (and again in a forked child)."""
+    global _THREAD
+    with _THREAD_LOCK:
+        if _THREAD is None or _THREAD.pid != os.getpid() or not _THREAD.is_alive():
+            _THREAD = CommThread()
+        return _THREAD
+
+
+def shutdown_comm_thread() -> None:
+    """Stop this process's communication thread after its queued jobs; called at interpreter exit."""
+    global _THREAD
+    with _THREAD_LOCK:
+        thread, _THREAD = _THREAD, None
+    if thread is not None and thread.pid == os.getpid():
+        thread.stop()
+
+
+atexit.register(shutdown_comm_thread)
+
+
+def overlapped_allreduce_hook(algorithm: str = "auto") -> CommHook:
+    """A DDP communication hook averaging each bucket with `loom.comm.all_reduce` on the communication thread.
+
+    Use as ``ddp_model.register_comm_hook(group_or_None, overlapped_allreduce_hook("shm"))``. The result matches
+    DDP without a hook up to floating-point summation order; traffic is counted in `loom.comm.counters()`.
+    """
+    check_algorithm(algorithm)
+
+    def hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer, index = bucket.buffer(), bucket.index()
+        _, n = group_rank_and_size(state)
+
+        def reduce() -> torch.Tensor:
+            buffer.div_(n)  # here, not in the hook: one pass over the bucket less on the backward thread
+            return all_reduce(buffer, op="sum", algorithm=algorithm, group=state)
+
+        def describe() -> str:
+            return (
+                f"rank {dist.get_rank()}: overlapped all_reduce(algorithm={algorithm!r}) of DDP bucket {index} "
+                f"({buffer.numel()} {buffer.dtype} elements) over {n} processes"
+            )
+
+        # Chained rather than returned: an exception set on a Python-made future reaches DDP's C++ side as an
+        # uncastable value; raised inside a callback it becomes a real error (see loom.comm.compression.hook).
+        return comm_thread().submit(reduce, describe).then(_value)
+
+    hook.__qualname__ = f"overlapped_allreduce_hook({algorithm!r})"
+    return hook
+
+
+def _value(done: torch.futures.Future) -> torch.Tensor:
+    return done.value()
