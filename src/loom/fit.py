@@ -49,6 +49,7 @@ from loom.checkpoint import (
     save_checkpoint,
     save_checkpoint_async,
 )
+from loom.comm._reduce import all_gather_sized_bytes
 from loom.fault.desync import check_replicas_agree
 from loom.fault.resize import resize_factor, scale_learning_rate
 from loom.observe.progress import ProgressBar
@@ -88,17 +89,6 @@ def _all_gather_int(value: int, topo: Topology) -> list[int]:
     return [int(t.item()) for t in gathered]
 
 
-def _all_gather_bytes(payload: bytes, topo: Topology) -> list[bytes]:
-    lengths = _all_gather_int(len(payload), topo)
-    if not _collective(topo):
-        return [payload]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=topo.device)
-    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(topo.device)
-    gathered = [torch.zeros_like(padded) for _ in lengths]
-    dist.all_gather(gathered, padded)
-    return [bytes(g[:n].cpu().tolist()) for g, n in zip(gathered, lengths, strict=True)]
-
-
 def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
     """Every rank's RNG state (as `capture_rng` gives it), in rank order; JSON on the wire, never pickle."""
     mine = capture_rng()
@@ -109,7 +99,9 @@ def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
         torch=mine["torch"].tolist(),
         cuda=None if mine["cuda"] is None else [t.tolist() for t in mine["cuda"]],
     )
-    states = [json.loads(raw) for raw in _all_gather_bytes(json.dumps(wire).encode(), topo)]
+    states = [
+        json.loads(raw) for raw in all_gather_sized_bytes(json.dumps(wire).encode(), device=topo.device)
+    ]
     for state in states:
         state["torch"] = torch.tensor(state["torch"], dtype=torch.uint8)
         if state["cuda"] is not None:

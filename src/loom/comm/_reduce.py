@@ -105,14 +105,35 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def all_gather_bytes(payload: bytes, length: int, group: dist.ProcessGroup | None, n: int) -> list[bytes]:
+def all_gather_bytes(
+    payload: bytes,
+    length: int,
+    group: dist.ProcessGroup | None,
+    n: int,
+    device: torch.device | None = None,
+) -> list[bytes]:
     """Every rank's ``payload`` (zero-padded to ``length``): plain bytes through the backend, no pickle.
 
-    For one-time set-up; its traffic is recorded under ``"setup"`` with the ring estimate.
+    For one-time set-up and control messages; its traffic is recorded under ``"setup"`` with the ring estimate.
+    ``device`` is where the backend wants its tensors (a GPU under NCCL).
     """
     mine = torch.zeros(length, dtype=torch.uint8)
     mine[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
+    mine = mine.to(device) if device is not None else mine
     out = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(out, mine, group=group)
     counters().record("setup", (n - 1) * length, (n - 1) * length)
-    return [t.numpy().tobytes() for t in out]
+    return [t.cpu().numpy().tobytes() for t in out]
+
+
+def all_gather_sized_bytes(
+    payload: bytes, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> list[bytes]:
+    """Every rank's ``payload`` whatever its length: the lengths first, then `all_gather_bytes`."""
+    n = dist.get_world_size(group)
+    mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(mine) for _ in range(n)]
+    dist.all_gather(lengths, mine, group=group)
+    sizes = [int(t.item()) for t in lengths]
+    padded = all_gather_bytes(payload, max(sizes), group, n, device)
+    return [raw[:size] for raw, size in zip(padded, sizes, strict=True)]

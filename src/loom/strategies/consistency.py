@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.comm._reduce import all_gather_sized_bytes
+
 __all__ = ["model_signature", "check_same_model", "ModelMismatchError"]
 
 
@@ -31,20 +33,6 @@ def model_signature(model: nn.Module) -> list[list[str]]:
 def _digest(signature: list[list[str]]) -> int:
     raw = hashlib.sha256(json.dumps(signature).encode()).digest()
     return int.from_bytes(raw[:8], "little", signed=True)
-
-
-def _all_gather_bytes(payload: bytes, world_size: int, group=None) -> list[bytes]:
-    length = torch.tensor([len(payload)], dtype=torch.int64)
-    lengths = [torch.zeros_like(length) for _ in range(world_size)]
-    dist.all_gather(lengths, length, group=group)
-    longest = int(max(t.item() for t in lengths))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: len(payload)] = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else padded[:0]
-    )
-    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(gathered, padded, group=group)
-    return [bytes(g[: int(n.item())].tolist()) for g, n in zip(gathered, lengths, strict=True)]
 
 
 def _first_difference(reference: list[list[str]], other: list[list[str]]) -> str:
@@ -69,7 +57,7 @@ def check_same_model(model: nn.Module, rank: int, world_size: int, group=None) -
     dist.all_gather(digests, mine, group=group)
     if all(int(d.item()) == int(digests[0].item()) for d in digests):
         return
-    described = _all_gather_bytes(json.dumps(signature).encode(), world_size, group)
+    described = all_gather_sized_bytes(json.dumps(signature).encode(), group)
     signatures = [json.loads(b) for b in described]
     differing = [r for r in range(world_size) if signatures[r] != signatures[0]]
     first = differing[0]
