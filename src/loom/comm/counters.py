@@ -93,6 +93,13 @@ class CommCounters:
                 "ops": dict(self.ops),
             }
 
+    def totals(self) -> tuple[int, int]:
+        """``(bytes sent, bytes received)`` over both transports: `snapshot()`'s sums, without copying ``ops``."""
+        return (
+            self.socket_bytes_sent + self.shm_bytes_sent,
+            self.socket_bytes_received + self.shm_bytes_received,
+        )
+
     def by_transport(self) -> dict[str, dict[str, int]]:
         """``{"socket": {"bytes_sent", "bytes_received"}, "shm": {...}}``: the totals of `snapshot()`, split."""
         with self._lock:

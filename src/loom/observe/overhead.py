@@ -2,11 +2,15 @@
 
 ``python -m loom.observe.overhead [--nproc 2] [--repetitions 12] [--steps 40] [--out benchmarks/reports]``
 
-Each repetition trains the demo CNN (8x8 digits, global batch 64) with ``DataParallel(observe=True)`` (phase
-timing, the timed DDP hook, bytes, straggler rows in the loss all-reduce, JSON lines written to a file) and with
-``observe=False`` (no records at all, DDP's built-in all-reduce), in alternating order, on the same process group.
-The step time is measured from outside the strategy (wall time around ``train_step``; the median step of each
-repetition, robust to preemption on a shared machine), so whatever the observer costs is in it. The overhead is the median over repetitions of the paired ratio ``on / off - 1``.
+Two jobs train the demo CNN (8x8 digits, global batch 64) side by side on the same process group, one with
+``DataParallel(observe=True)`` (phase timing, the timed DDP hook, bytes, straggler rows in the loss all-reduce,
+JSON lines written to a file) and one with ``observe=False`` (no records at all, the same all-reduce algorithm).
+Their steps alternate one by one (which goes first alternates too), so both modes see the same machine: on
+a shared 2-core box the speed drifts by tens of percent over a fraction of a second, which drowned the effect
+when whole blocks of steps (or whole repetitions with a fresh model and DDP) ran in one mode at a time.
+The step time is measured from outside the strategy (wall time around ``train_step``; the median step of
+each repetition, robust to preemption on a shared machine), so whatever the observer costs is in it. The
+overhead is the median over repetitions of the paired ratio ``on / off - 1``.
 
 Writes ``metrics_overhead.json``, ``metrics_overhead.md`` and ``metrics_overhead.png`` into ``--out``.
 """
@@ -38,26 +42,32 @@ def _worker(repetitions: int, steps: int, out: Path) -> None:
     train_set, _ = digits_datasets()
     times: dict[str, list[float]] = {"on": [], "off": []}
     with tempfile.TemporaryDirectory(prefix="loom-overhead-") as tmp:
+        jobs = {}
+        for mode in ("on", "off"):  # both jobs live for the whole run: repetitions differ only in the mode
+            torch.manual_seed(0)
+            model = digits_cnn()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            path = f"{tmp}/rank{topo.rank}.jsonl" if mode == "on" else None
+            strategy = loom.DataParallel(observe=mode == "on", metrics_path=path)
+            jobs[mode] = strategy.setup(model, optimizer, nn.functional.cross_entropy)
+        loader = loom.data.loader(train_set, 64, seed=0)
+        batches = [b for _, b in zip(range(steps + 2), _forever(loader), strict=False)]
+        for job in jobs.values():
+            for batch in batches[:2]:  # warm-up
+                job.train_step(batch)
+        torch.distributed.barrier()
         for rep in range(repetitions):
-            for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
-                model = digits_cnn()
-                optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-                path = f"{tmp}/{mode}{rep}/rank{topo.rank}.jsonl" if mode == "on" else None
-                strategy = loom.DataParallel(observe=mode == "on", metrics_path=path)
-                job = strategy.setup(model, optimizer, nn.functional.cross_entropy)
-                loader = loom.data.loader(train_set, 64, seed=rep)
-                batches = [b for _, b in zip(range(steps + 5), _forever(loader), strict=False)]
-                for batch in batches[:5]:  # warm-up
-                    job.train_step(batch)
-                torch.distributed.barrier()
-                step_times = []
-                for batch in batches[5:]:
+            step_times: dict[str, list[float]] = {"on": [], "off": []}
+            for i, batch in enumerate(batches[2:]):
+                # the modes alternate step by step (who goes first alternates too): both see the same machine
+                for mode in ("on", "off") if (rep + i) % 2 == 0 else ("off", "on"):
                     started = time.perf_counter()
-                    job.train_step(batch)
-                    step_times.append(time.perf_counter() - started)
+                    jobs[mode].train_step(batch)
+                    step_times[mode].append(time.perf_counter() - started)
+            for mode, values in step_times.items():
                 # the median step, not the mean: robust to the other processes of a busy machine preempting us
-                times[mode].append(statistics.median(step_times))
-                job.metrics.close()
+                times[mode].append(statistics.median(values))
+        jobs["on"].metrics.close()
     if topo.is_main:
         out.write_text(json.dumps(times))
 

@@ -46,6 +46,7 @@ class ProgressBar:
         self.line_interval_s = line_interval_s
         self._started = time.perf_counter()
         self._last_line = self._started
+        self._last_info = -1.0
 
     def __enter__(self) -> ProgressBar:
         if self._live:
@@ -64,19 +65,27 @@ class ProgressBar:
         self.done += steps
         if not self.enabled:
             return
-        if self.metrics is not None:
-            info = " | ".join(part for part in (self.metrics.status(), info) if part)
-        if self._rich is not None and self._task is not None:
-            self._rich.update(self._task, advance=steps, info=info)
-            return
         now = time.perf_counter()
+        if self._rich is not None and self._task is not None:
+            if now - self._last_info < 0.25 and self.done < self.total:  # rich redraws ~10x/s; status costs
+                self._rich.update(self._task, advance=steps)
+                return
+            self._last_info = now
+            self._rich.update(self._task, advance=steps, info=self._info(info))
+            return
         if now - self._last_line >= self.line_interval_s or self.done >= self.total:
             self._last_line = now
+            info = self._info(info)
             fraction = min(self.done / self.total, 1.0)
             filled = int(round(fraction * self.width))
             eta = (now - self._started) / fraction * (1 - fraction) if fraction > 0 else 0.0
             bar = "#" * filled + "." * (self.width - filled)
             print(f"{self.description} [{bar}] {self.done}/{self.total} eta {eta:4.1f}s {info}", flush=True)
+
+    def _info(self, info: str) -> str:
+        if self.metrics is None:
+            return info
+        return " | ".join(part for part in (self.metrics.status(), info) if part)
 
     def __exit__(self, *exc: object) -> None:
         if self._rich is not None:

@@ -92,24 +92,29 @@ class StragglerDetector:
     def __init__(self, world_size: int, config: StragglerConfig | None = None) -> None:
         self.world_size = world_size
         self.config = config if config is not None else StragglerConfig()
+        self.every = max(1, (self.config.window + 1) // 2)
+        """Judge every this many steps (half a window): a step only appends its row, keeping rank 0's per-step
+        cost to a few microseconds; a warning comes at most ``every - 1`` steps later than a per-step check."""
         self._window: deque[Sequence[Sequence[float]]] = deque(maxlen=self.config.window)
-        self._sums = [[0.0] * 4 for _ in range(world_size)]
+        self._seen = 0
         self._flagged: set[tuple[int, str]] = set()
         self.warnings: list[StragglerWarning] = []
         """Every warning raised so far."""
         self.slowest: tuple[int, str, float] | None = None
-        """(rank, phase, seconds over the median busy time) over the current window, for a progress bar."""
+        """(rank, phase, seconds over the median busy time) over the window at the last judgement."""
 
     def observe(self, step: int, times: Sequence[Sequence[float]]) -> list[StragglerWarning]:
         """Add the phase times of ``step`` (row r: rank r's data, compute, comm, optimizer seconds)."""
         if len(times) != self.world_size:
             raise ValueError(f"expected phase times of {self.world_size} ranks, got {len(times)}")
-        if len(self._window) == self._window.maxlen:  # running sums: O(world) per step, not O(world x window)
-            self._add(self._window[0], -1.0)
         self._window.append(times)
-        self._add(times, 1.0)
+        self._seen += 1
         n = len(self._window)
-        means = [[s / n for s in row] for row in self._sums]
+        if (self._seen - min(self._seen, self.config.window)) % self.every:
+            return []
+        means = [
+            [sum(col) / n for col in zip(*rows, strict=True)] for rows in zip(*self._window, strict=True)
+        ]
         medians = [_median([m[p] for m in means]) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]
         median_busy = _median(busy)
@@ -127,11 +132,6 @@ class StragglerDetector:
                 self._flagged = {f for f in self._flagged if f[0] != rank}
         self.warnings.extend(new)
         return new
-
-    def _add(self, times: Sequence[Sequence[float]], sign: float) -> None:
-        for sums, row in zip(self._sums, times, strict=True):
-            for p in range(4):
-                sums[p] += sign * row[p]
 
     def _suspects(
         self,
@@ -152,7 +152,7 @@ class StragglerDetector:
 
 
 def _median(values: list[float]) -> float:
-    """The median (statistics.median is 5x slower, and this runs on rank 0 every step)."""
+    """The median (statistics.median is 5x slower)."""
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
