@@ -7,11 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_workers
 from torch import nn
 from workers.common import make_dataset
 
 import loom
-from loom.checkpoint import list_checkpoints, load_checkpoint
+from loom.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    local_state_file,
+    pack_state,
+    read_local_state,
+    save_checkpoint,
+)
 from loom.fit import FitResult, fit
 from loom.topology import Topology
 
@@ -193,29 +201,122 @@ def test_bad_job_or_loader_is_refused(tmp_path):
         fit(job, [(torch.zeros(2, 8), torch.zeros(2, 4))], steps=1, checkpoint_dir=tmp_path)
 
 
+def launch_fit_workers(run, root: Path, *runs: str, compression: str | None = None) -> dict[str, list[dict]]:
+    """Run ``fit_resume.py`` on 2 workers (``run``: `run_workers`); its JSON lines by run (``DIR:STEPS``, DIR
+    relative to ``root``), each a list in rank order."""
+    args = [f"--compression={compression}"] if compression else []
+    outputs = run("fit_resume.py", 2, *args, *(f"{root / spec}" for spec in runs), timeout=100)
+    results: dict[str, list[dict]] = {}
+    for out in outputs:
+        for line in out.splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                results.setdefault(record["run"], []).append(record)
+    assert all([r["rank"] for r in rs] == [0, 1] for rs in results.values()), results.keys()
+    return results
+
+
+def largest_difference(got: dict, ref: dict) -> float:
+    """The largest absolute difference between two ranks' printed results (loss and every parameter)."""
+    diffs = [abs(got["loss"] - ref["loss"])]
+    for name, values in ref["params"].items():
+        diffs.append((torch.tensor(got["params"][name]) - torch.tensor(values)).abs().max().item())
+    return max(diffs)
+
+
 @pytest.mark.timeout(150)
 def test_two_workers_resume_equals_an_uninterrupted_run(tmp_path, workers):
-    def launch(*runs: str) -> dict[str, list[dict]]:
-        args = [f"{tmp_path / run}" for run in runs]
-        outputs = workers("fit_resume.py", 2, *args, timeout=100)
-        results: dict[str, list[dict]] = {}
-        for out in outputs:
-            for line in out.splitlines():
-                if line.startswith("{"):
-                    record = json.loads(line)
-                    results.setdefault(Path(record["dir"]).name, []).append(record)
-        assert all([r["rank"] for r in rs] == [0, 1] for rs in results.values()), results.keys()
-        return results
-
     # First launch: the uninterrupted reference, and a run stopped at step 6. Second launch: fresh processes
     # resume that run and finish it.
-    first = launch("straight:12", "interrupted:6")
-    assert [(r["steps"], r["resumed_from"]) for r in first["interrupted"]] == [(6, None), (6, None)]
-    resumed = launch("interrupted:12")["interrupted"]
+    first = launch_fit_workers(workers, tmp_path, "straight:12", "interrupted:6")
+    assert [(r["steps"], r["resumed_from"]) for r in first["interrupted:6"]] == [(6, None), (6, None)]
+    resumed = launch_fit_workers(workers, tmp_path, "interrupted:12")["interrupted:12"]
     assert [(r["steps"], r["resumed_from"], r["steps_run"]) for r in resumed] == [(12, 6, 6), (12, 6, 6)]
-    for got, ref in zip(resumed, first["straight"], strict=True):
-        assert abs(got["loss"] - ref["loss"]) <= 1e-6
-        for name, values in ref["params"].items():
-            diff = (torch.tensor(got["params"][name]) - torch.tensor(values)).abs().max().item()
-            assert diff <= 1e-6, f"rank {got['rank']} {name}: {diff}"
+    for got, ref in zip(resumed, first["straight:12"], strict=True):
+        assert largest_difference(got, ref) <= 1e-6, f"rank {got['rank']}"
     assert list(list_checkpoints(tmp_path / "interrupted")) == [10, 12]
+
+
+COMPRESSION = "topk:0.1"
+
+
+@pytest.fixture(scope="module")
+def compressed_runs(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """2 workers with top-k compression. First launch: uninterrupted to step 12, and stopped at 6. Second launch,
+    fresh processes: resume the stopped run without taking a step (to see the state as restored), the same
+    ignoring the per-rank state (a control), then resume it to step 12."""
+    root = tmp_path_factory.mktemp("compressed")
+    first = launch_fit_workers(run_workers, root, "straight:12", "interrupted:6", compression=COMPRESSION)
+    second = launch_fit_workers(
+        run_workers,
+        root,
+        "interrupted:6",
+        "interrupted:6:forget-local",
+        "interrupted:12",
+        compression=COMPRESSION,
+    )
+    return root, first, second
+
+
+@pytest.mark.timeout(200)  # the first test pays for the module fixture's two launches
+def test_two_workers_compressed_resume_restores_each_ranks_error_feedback(compressed_runs):
+    root, first, second = compressed_runs
+    checkpoint = list_checkpoints(root / "interrupted")[12]  # step 6's was retired by the resumed run
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert {local_state_file(0), local_state_file(1)} <= set(manifest["files"])  # under the checksums
+    for rank in (0, 1):
+        saved = read_local_state(checkpoint, rank)["compression"]
+        assert saved["codec"] == COMPRESSION and saved["buckets"], rank
+        assert all(b["residual"].abs().sum() > 0 for b in saved["buckets"].values()), rank
+    at_stop = [r["local_sha"] for r in first["interrupted:6"]]
+    assert at_stop[0] != at_stop[1]  # each rank kept its own residual
+    restored = second["interrupted:6"]
+    assert [(r["resumed_from"], r["steps_run"]) for r in restored] == [(6, 0), (6, 0)]
+    assert [r["local_sha"] for r in restored] == at_stop  # bitwise, each rank its own
+    assert all(r["local_sha"] not in at_stop for r in second["interrupted:6:forget-local"])  # the control
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.xfail(
+    strict=True,
+    reason="a fresh DDP's first step buckets the gradients in model order and rebuilds its buckets in "
+    "gradient-ready order after it; the codecs key error feedback by (bucket index, layout) and drop state "
+    "saved for another layout, so the first step after a resume runs without the restored residual. Needs "
+    "loom.comm.compression to key its state by parameter.",
+)
+def test_two_workers_compressed_resume_equals_an_uninterrupted_run(compressed_runs):
+    _, first, second = compressed_runs
+    resumed = second["interrupted:12"]
+    assert [(r["steps"], r["resumed_from"], r["steps_run"]) for r in resumed] == [(12, 6, 6), (12, 6, 6)]
+    for got, ref in zip(resumed, first["straight:12"], strict=True):
+        assert largest_difference(got, ref) <= 1e-6, f"rank {got['rank']}"
+
+
+@pytest.mark.timeout(60)
+def test_local_state_is_restored_at_the_same_world_size_and_dropped_at_another(tmp_path, capsys):
+    job, loader, _ = make_run()
+    fit(job, loader, steps=4, checkpoint_dir=tmp_path, progress=False)
+    checkpoint = tmp_path / "step-00000004"
+    assert read_local_state(checkpoint, 0) == {"compression": None}  # DataParallel's, uncompressed
+
+    def resume() -> list:
+        job, loader, _ = make_run()
+        loaded: list = []
+        job.load_local_state_dict = loaded.append
+        assert fit(job, loader, steps=4, checkpoint_dir=tmp_path, progress=False).resumed_from == 4
+        return loaded
+
+    assert resume() == [{"compression": None}]
+    assert "dropped" not in capsys.readouterr().err
+
+    # The same checkpoint as if two processes had written it: rank 0 of a one-process run must not take it.
+    step, state = load_checkpoint(tmp_path)
+    state["fit"]["world_size"] = 2
+    residuals = [pack_state({"residual": torch.full((3,), float(r))}) for r in range(2)]
+    save_checkpoint(tmp_path, step, state, local_states=residuals)
+    assert resume() == []
+    assert "written by 2 processes, this run has 1" in capsys.readouterr().err
+    # Local state without tensors (DataParallel without compression) is dropped without a word.
+    save_checkpoint(tmp_path, step, state, local_states=[pack_state({"compression": None})] * 2)
+    assert resume() == []
+    assert "dropped" not in capsys.readouterr().err

@@ -11,16 +11,17 @@ optimizer, step), the loader's position in global samples, the LR scheduler, eve
 loop's own counters are restored, so the resumed run takes the same steps on the same samples as an
 uninterrupted one. ``steps`` and ``epochs`` are totals for the whole run, not for this call.
 
-Who writes: the state of a replicated job (`DataParallel`) is the same on every rank, so rank 0 alone writes
-it, after gathering every rank's RNG state; at each checkpoint the ranks then agree (one small all-gather) that
-it succeeded, so a failed write stops every rank with the same error instead of leaving some waiting. Every
-rank loads the checkpoint itself and the ranks check they found the same step.
+Rank 0 writes each checkpoint, with every rank's RNG state and its local state (gradient compression's error
+feedback, restored when the world size is unchanged); the ranks agree that the write succeeded. See
+`loom.fit_checkpoint` for who writes what, how ranks resume, and why restored error feedback does not yet reach
+`DataParallel`'s first step after a resume.
 
-Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). Strategies whose
-state differs per rank (sharded ones) need per-rank files, which this loop does not write yet. The LR scheduler
-is stepped once per optimizer step. RNG states are restored exactly when the world size is unchanged; after
-a resize rank r takes saved rank ``r mod old_world_size``'s state. With ``async_checkpoint=True`` a checkpoint
-is durable only once the next one starts or `fit` returns (it always waits for the last one).
+Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). Jobs whose main
+state differs per rank (sharded ones: pipeline, tensor parallel) are refused, since only rank 0's
+``state_dict()`` is written. The LR scheduler is stepped once per optimizer step. RNG states are restored
+exactly when the world size is unchanged; after a resize rank r takes saved rank ``r mod old_world_size``'s
+state. With ``async_checkpoint=True`` a checkpoint is durable only once the next one starts or `fit` returns (it
+always waits for the last one).
 
 Resizing: a checkpoint written with N workers resumes with M; the loader continues at the same global sample
 (see `loom.fault.resize`, which also describes ``scale_lr_with_world_size``, the linear scaling rule). Under
@@ -30,28 +31,13 @@ last checkpoint. ``desync_every`` checks that replicas agree (`loom.fault.desync
 
 from __future__ import annotations
 
-import json
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from loom.checkpoint import (
-    AsyncCheckpoint,
-    CheckpointError,
-    capture_rng,
-    load_checkpoint,
-    restore_rng,
-    save_checkpoint,
-    save_checkpoint_async,
-)
-from loom.comm._reduce import all_gather_sized_bytes
 from loom.fault.desync import check_replicas_agree
-from loom.fault.resize import resize_factor, scale_learning_rate
+from loom.fit_checkpoint import FitCheckpointer, resume_fit
 from loom.observe.progress import ProgressBar
 from loom.strategies.data_parallel import DataParallelJob
 from loom.topology import Topology
@@ -73,145 +59,6 @@ class FitResult:
     """Step of the checkpoint this call resumed from, or None if it started fresh."""
     steps_run: int
     """Steps taken by this call."""
-
-
-# -- collectives (no-ops in a single process) -------------------------------------------------------------------
-def _collective(topo: Topology) -> bool:
-    return topo.is_distributed and dist.is_available() and dist.is_initialized()
-
-
-def _all_gather_int(value: int, topo: Topology) -> list[int]:
-    if not _collective(topo):
-        return [value]
-    mine = torch.tensor([value], dtype=torch.int64, device=topo.device)
-    gathered = [torch.zeros_like(mine) for _ in range(topo.world_size)]
-    dist.all_gather(gathered, mine)
-    return [int(t.item()) for t in gathered]
-
-
-def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
-    """Every rank's RNG state (as `capture_rng` gives it), in rank order; JSON on the wire, never pickle."""
-    mine = capture_rng()
-    if not _collective(topo):
-        return [mine]
-    wire = dict(
-        mine,
-        torch=mine["torch"].tolist(),
-        cuda=None if mine["cuda"] is None else [t.tolist() for t in mine["cuda"]],
-    )
-    states = [
-        json.loads(raw) for raw in all_gather_sized_bytes(json.dumps(wire).encode(), device=topo.device)
-    ]
-    for state in states:
-        state["torch"] = torch.tensor(state["torch"], dtype=torch.uint8)
-        if state["cuda"] is not None:
-            state["cuda"] = [torch.tensor(t, dtype=torch.uint8) for t in state["cuda"]]
-    return states
-
-
-# -- checkpoints -------------------------------------------------------------------------------------------------
-class _Checkpointer:
-    """Writes the loop's checkpoints from rank 0 and makes every rank agree that the write succeeded."""
-
-    def __init__(self, job, loader, scheduler, directory: Path, keep: int, use_async: bool) -> None:
-        self.job, self.loader, self.scheduler = job, loader, scheduler
-        self.directory, self.keep, self.use_async = directory, keep, use_async
-        self.topo: Topology = job.topology
-        self.pending: AsyncCheckpoint | None = None
-        self.saved_step: int | None = None
-
-    def save(self, step: int, loop_state: dict[str, Any]) -> None:
-        rng = _gather_rng(self.topo)  # every rank takes part
-        failure = ""
-        if self.topo.is_main:
-            state = {
-                "job": self.job.state_dict(),
-                "loader": self.loader.state_dict(),
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "rng": {"ranks": rng},
-                "fit": dict(loop_state, world_size=self.topo.world_size),
-            }
-            try:
-                if self.use_async:
-                    self.pending = save_checkpoint_async(self.directory, step, state, keep=self.keep)
-                else:
-                    save_checkpoint(self.directory, step, state, keep=self.keep)
-            except Exception as err:  # reported on every rank below
-                failure = repr(err)
-        self._agree(failure, f"saving the checkpoint of step {step}")
-        self.saved_step = step
-
-    def finish(self) -> None:
-        failure = ""
-        if self.pending is not None:
-            try:
-                self.pending.wait()
-            except CheckpointError as err:
-                failure = repr(err)
-            self.pending = None
-        self._agree(failure, "finishing the last checkpoint")
-
-    def abandon(self) -> None:
-        """After an error elsewhere: let a pending write finish, without collectives or masking that error."""
-        if self.pending is not None:
-            try:
-                self.pending.wait()
-            except CheckpointError as err:
-                warnings.warn(f"the last asynchronous checkpoint also failed: {err}", stacklevel=3)
-            self.pending = None
-
-    def _agree(self, failure: str, operation: str) -> None:
-        flags = _all_gather_int(1 if failure else 0, self.topo)
-        if any(flags) and not failure:
-            failure = f"rank {flags.index(1)} failed"
-        if failure:
-            raise CheckpointError(
-                f"{operation} in {self.directory} failed (seen on rank {self.topo.rank}): {failure}. "
-                "HINT: check that the directory is writable and has free space."
-            )
-
-
-def _resume(
-    job, loader, scheduler, directory: Path, topo: Topology, scale_lr: bool = False
-) -> tuple[int, dict[str, Any]] | None:
-    error: Exception | None = None
-    try:
-        found = load_checkpoint(directory)
-    except CheckpointError as err:  # raised on every rank after the steps are compared, so nobody hangs
-        found, error = None, err
-    steps = _all_gather_int(-2 if error else -1 if found is None else found[0], topo)
-    if error is not None:
-        raise error
-    if len(set(steps)) > 1:
-        described = ", ".join(f"rank {r}: {'none' if s < 0 else s}" for r, s in enumerate(steps))
-        raise CheckpointError(
-            f"ranks found different checkpoints in {directory} ({described}). HINT: checkpoint_dir must be "
-            "storage every rank sees (a shared filesystem), used by one job at a time."
-        )
-    if found is None:
-        return None
-    step, state = found
-    if not isinstance(state.get("fit"), dict):
-        raise ValueError(
-            f"the checkpoint of step {step} in {directory} was not written by loom.fit (no 'fit' entry). "
-            "HINT: pass a checkpoint_dir of its own to fit()."
-        )
-    job.load_state_dict(state["job"])
-    loader.load_state_dict(state["loader"])
-    if scheduler is not None:
-        if state.get("scheduler") is None:
-            raise ValueError(
-                f"fit() got an lr_scheduler but the checkpoint of step {step} in {directory} holds none. "
-                "HINT: resume with the same arguments as the run that wrote it."
-            )
-        scheduler.load_state_dict(state["scheduler"])
-    if scale_lr:  # the linear scaling rule, relative to the world size that wrote the checkpoint
-        scale_learning_rate(
-            job.optimizer, scheduler, resize_factor(state["fit"].get("world_size"), topo.world_size)
-        )
-    ranks = state["rng"]["ranks"]
-    restore_rng(ranks[topo.rank % len(ranks)])
-    return step, state["fit"]
 
 
 # -- the loop ----------------------------------------------------------------------------------------------------
@@ -295,7 +142,7 @@ class _Loop:
     job: Any
     loader: Any
     scheduler: Any
-    checkpointer: _Checkpointer | None
+    checkpointer: FitCheckpointer | None
     checkpoint_every: int
     epochs: int | None
     steps: int | None
@@ -391,8 +238,10 @@ def fit(
     at = _Position(int(getattr(job, "step", 0)), int(getattr(loader, "epoch", 0)))
     resumed_from, checkpointer = None, None
     if checkpoint_dir is not None:
-        checkpointer = _Checkpointer(job, loader, lr_scheduler, Path(checkpoint_dir), keep, async_checkpoint)
-        resumed = _resume(
+        checkpointer = FitCheckpointer(
+            job, loader, lr_scheduler, Path(checkpoint_dir), keep, async_checkpoint
+        )
+        resumed = resume_fit(
             job, loader, lr_scheduler, Path(checkpoint_dir), job.topology, scale_lr_with_world_size
         )
         if resumed is not None:

@@ -1,7 +1,8 @@
 """Stages that sleep a fixed time per micro-batch (forward and backward): print the measured pipeline bubble.
 
-One JSON line per (schedule, m): the measured idle fraction of the whole pipeline (best of 2..5 steps) and this
-stage's peak micro-batches and bytes of activations alive.
+One JSON line per (schedule, m): the measured idle fraction of the whole pipeline (best of 2..5 steps), this
+stage's peak micro-batches and bytes of activations alive, and per step the pipeline's idle fraction with this
+stage's busy time and the idle seconds its step record reports (``bubble_s``).
 """
 
 import json
@@ -63,7 +64,14 @@ for schedule in ("gpipe", "1f1b"):
         while len(job.bubble) < 2 or (len(job.bubble) < 5 and min(job.bubble) > 1.05 * theory):
             job.train_step((x, y))
         stats = job.stage_stats[-1]
+        measured = len(job.bubble)  # the steps after the warm-up, each with its step record and stage stats
+        per_step = [
+            {"bubble": b, "bubble_s": r.bubble_s, "busy_s": s.busy_s, "time_s": r.time_s}
+            for b, r, s in zip(
+                job.bubble, job.metrics.records[-measured:], job.stage_stats[-measured:], strict=True
+            )
+        ]
         record = {"schedule": schedule, "m": m, "bubble": min(job.bubble), "steps": len(job.bubble),
                   "busy_s": stats.busy_s, "span_s": stats.span_s, "peak_live": stats.peak_live_microbatches,
-                  "peak_bytes": stats.peak_activation_bytes}  # fmt: skip
+                  "peak_bytes": stats.peak_activation_bytes, "per_step": per_step}  # fmt: skip
         print(json.dumps(record), flush=True)

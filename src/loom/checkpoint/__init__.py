@@ -8,8 +8,9 @@ found = load_checkpoint("ckpt")          # (step, state) of the newest intact ch
 ```
 
 A checkpoint becomes visible only once all of it is on disk (`loom.checkpoint.store` has the protocol);
-`save_checkpoint_async` takes the snapshot immediately and writes it in the background. `loom.fit` builds
-resume on these.
+`save_checkpoint_async` takes the snapshot immediately and writes it in the background. State that differs per
+process travels to the writer packed (`pack_state`) and is stored one file per rank in the same checkpoint
+(``local_states=``, read back with `read_local_state`). `loom.fit` builds resume on these.
 """
 
 from loom.checkpoint.background import AsyncCheckpoint, save_checkpoint_async
@@ -22,9 +23,12 @@ from loom.checkpoint.store import (
     checkpoint_name,
     list_checkpoints,
     load_checkpoint,
+    local_state_file,
     read_checkpoint,
+    read_local_state,
     save_checkpoint,
 )
+from loom.checkpoint.tree import pack_state, unpack_state
 
 __all__ = [
     "AsyncCheckpoint",
@@ -36,8 +40,12 @@ __all__ = [
     "checkpoint_name",
     "list_checkpoints",
     "load_checkpoint",
+    "local_state_file",
+    "pack_state",
     "read_checkpoint",
+    "read_local_state",
     "restore_rng",
     "save_checkpoint",
     "save_checkpoint_async",
+    "unpack_state",
 ]

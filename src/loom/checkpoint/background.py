@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,9 @@ class AsyncCheckpoint:
         self._finished = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _write(self, skeleton: Any, tensors: dict, keep: int | None) -> None:
+    def _write(self, skeleton: Any, tensors: dict, keep: int | None, local_states: Sequence[bytes]) -> None:
         try:
-            self.path = write_checkpoint(self.directory, self.step, skeleton, tensors, keep)
+            self.path = write_checkpoint(self.directory, self.step, skeleton, tensors, keep, local_states)
         except BaseException as err:  # kept for wait(), which re-raises it in the caller's thread
             self._error = err
         finally:
@@ -73,15 +74,22 @@ class AsyncCheckpoint:
 
 
 def save_checkpoint_async(
-    directory: str | os.PathLike, step: int, state: dict[str, Any], keep: int | None = 3
+    directory: str | os.PathLike,
+    step: int,
+    state: dict[str, Any],
+    keep: int | None = 3,
+    *,
+    local_states: Sequence[bytes] = (),
 ) -> AsyncCheckpoint:
     """Snapshot ``state`` now and write it as `save_checkpoint` would, in the background; return the handle.
+
+    ``local_states`` (each rank's packed state, see `save_checkpoint`) are bytes, already a snapshot.
 
     Waits first for this process's previous asynchronous save, raising `CheckpointError` if that one failed
     and its own `wait()` has not reported it yet.
     """
     global _in_flight
-    validate_save_arguments(step, state, keep)
+    validate_save_arguments(step, state, keep, local_states)
     with _slot_lock:
         previous, _in_flight = _in_flight, None
         if previous is not None:
@@ -91,7 +99,10 @@ def save_checkpoint_async(
         skeleton, tensors = flatten_state(state, clone=True)
         handle = AsyncCheckpoint(Path(directory), step)
         handle._thread = threading.Thread(
-            target=handle._write, args=(skeleton, tensors, keep), name=f"loom-checkpoint-{step}", daemon=False
+            target=handle._write,
+            args=(skeleton, tensors, keep, tuple(local_states)),
+            name=f"loom-checkpoint-{step}",
+            daemon=False,
         )
         handle._thread.start()
         _in_flight = handle

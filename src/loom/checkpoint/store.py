@@ -4,10 +4,11 @@ Layout of a checkpoint directory::
 
     directory/
       step-00000012/
-        state.json            the state's tree, tensors replaced by placeholders (see `loom.checkpoint.tree`)
-        tensors.safetensors   every tensor, keyed by its path in the tree
-        manifest.json         step, format version, size and sha256 of the two files above
-      latest                  "step-00000012": the newest checkpoint known to be complete and durable
+        state.json              the state's tree, tensors replaced by placeholders (see `loom.checkpoint.tree`)
+        tensors.safetensors     every tensor, keyed by its path in the tree
+        rank-00000.safetensors  optional, one per rank: state that differs between processes (`pack_state`)
+        manifest.json           step, format version, size and sha256 of every file above
+      latest                    "step-00000012": the newest checkpoint known to be complete and durable
 
 The commit protocol, so that a crash at any instant leaves ``latest`` naming a whole checkpoint:
 
@@ -23,11 +24,16 @@ The commit protocol, so that a crash at any instant leaves ``latest`` naming a w
 against the tensor file. If the checkpoint ``latest`` names is damaged it warns, naming the bad file, and falls
 back to the previous checkpoint by step.
 
+Per-rank files let one writer (the main process) commit state that every process holds a different piece of
+(e.g. gradient compression's error feedback) in the same atomic step as the rest: each process packs its own
+state (`loom.checkpoint.tree.pack_state`) and sends the bytes to the writer; `read_local_state` reads one back.
+
 Limits: one writer per directory (temporary directories of crashed writers are removed by the next save, so
 two processes saving into one directory would disturb each other). Every file is read whole into memory to be
-checksummed, and saving holds a serialized copy of the tensors in memory while it writes. Re-saving the step
-that ``latest`` names has a short window in which a crash leaves ``latest`` naming nothing; loading then falls
-back to the previous checkpoint.
+checksummed (every rank's file included, so each process loading a checkpoint reads all of them), and saving
+holds a serialized copy of the tensors in memory while it writes. Re-saving the step that ``latest`` names has
+a short window in which a crash leaves ``latest`` naming nothing; loading then falls back to the previous
+checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +54,7 @@ import safetensors.torch
 import torch
 
 from loom.checkpoint.durable import fsync_directory, replace_durable, unique_name, write_durable
-from loom.checkpoint.tree import flatten_state, unflatten_state
+from loom.checkpoint.tree import flatten_state, unflatten_state, unpack_state
 
 __all__ = [
     "CheckpointError",
@@ -57,7 +64,9 @@ __all__ = [
     "checkpoint_name",
     "list_checkpoints",
     "load_checkpoint",
+    "local_state_file",
     "read_checkpoint",
+    "read_local_state",
     "save_checkpoint",
 ]
 
@@ -68,6 +77,7 @@ TENSOR_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 POINTER_FILE = "latest"
 _NAME = re.compile(r"step-(\d{8,})")
+_LOCAL_NAME = re.compile(r"rank-(\d{5,})\.safetensors")
 
 # One write at a time per process: an asynchronous save's background thread and a synchronous save must not
 # interleave, since each removes the temporary directories it does not know to be in use.
@@ -100,6 +110,11 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def local_state_file(rank: int) -> str:
+    """The file name of rank ``rank``'s own state inside a checkpoint: ``rank-00003.safetensors``."""
+    return f"rank-{rank:05d}.safetensors"
+
+
 def list_checkpoints(directory: str | os.PathLike) -> dict[int, Path]:
     """The ``step-*`` directories in ``directory``, by step, oldest first (not verified)."""
     root = Path(directory)
@@ -113,32 +128,50 @@ def list_checkpoints(directory: str | os.PathLike) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def validate_save_arguments(step: Any, state: Any, keep: Any) -> None:
-    """Refuse a bad step, state or keep before anything is written (shared with the asynchronous save)."""
+def validate_save_arguments(step: Any, state: Any, keep: Any, local_states: Any = ()) -> None:
+    """Refuse a bad step, state, keep or local states before anything is written (shared with the
+    asynchronous save)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 (or None to keep every checkpoint), got {keep!r}")
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    if not isinstance(local_states, Sequence) or not all(isinstance(b, bytes) for b in local_states):
+        kinds = sorted({type(b).__name__ for b in local_states}) if isinstance(local_states, Sequence) else []
+        raise TypeError(
+            f"local_states must be a sequence of bytes, one per rank, got {type(local_states).__name__} "
+            f"of {kinds}. HINT: each rank packs its state with loom.checkpoint.pack_state(state)."
+        )
 
 
 def save_checkpoint(
-    directory: str | os.PathLike, step: int, state: dict[str, Any], keep: int | None = 3
+    directory: str | os.PathLike,
+    step: int,
+    state: dict[str, Any],
+    keep: int | None = 3,
+    *,
+    local_states: Sequence[bytes] = (),
 ) -> Path:
     """Write ``state`` as the checkpoint of ``step``, durably, and return its path.
 
     ``state`` is a nested dict of tensors, None, bools, ints, floats, strings, lists, tuples and dicts, e.g.
-    ``{"job": job.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()}``. Only the newest
+    ``{"job": job.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()}``. ``local_states[r]`` is
+    rank r's own state packed with `pack_state`, written to `local_state_file` ``(r)``. Only the newest
     ``keep`` checkpoints (by step) are kept. When this returns, the checkpoint is on disk and ``latest`` names it.
     """
-    validate_save_arguments(step, state, keep)
+    validate_save_arguments(step, state, keep, local_states)
     skeleton, tensors = flatten_state(state)
-    return write_checkpoint(Path(directory), step, skeleton, tensors, keep)
+    return write_checkpoint(Path(directory), step, skeleton, tensors, keep, local_states)
 
 
 def write_checkpoint(
-    directory: Path, step: int, skeleton: Any, tensors: dict[str, torch.Tensor], keep: int | None
+    directory: Path,
+    step: int,
+    skeleton: Any,
+    tensors: dict[str, torch.Tensor],
+    keep: int | None,
+    local_states: Sequence[bytes] = (),
 ) -> Path:
     """The commit protocol of the module docstring, for a state already flattened (see `flatten_state`)."""
     state_bytes = json.dumps({"step": step, "state": skeleton}, allow_nan=False).encode()
@@ -152,12 +185,11 @@ def write_checkpoint(
         final, replaced = directory / name, None
         try:
             manifest = {"format": FORMAT, "version": VERSION, "step": step, "created_unix": time.time()}
-            manifest["files"] = {
-                STATE_FILE: _describe(state_bytes),
-                TENSOR_FILE: _describe(tensor_bytes),
-            }
-            write_durable(staging / STATE_FILE, state_bytes)
-            write_durable(staging / TENSOR_FILE, tensor_bytes)
+            files = {STATE_FILE: state_bytes, TENSOR_FILE: tensor_bytes}
+            files.update((local_state_file(r), data) for r, data in enumerate(local_states))
+            manifest["files"] = {file: _describe(data) for file, data in files.items()}
+            for file, data in files.items():
+                write_durable(staging / file, data)
             write_durable(staging / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
             fsync_directory(staging)
             if final.exists():  # re-saving a step (a resumed run catching up): retire the old copy first
@@ -235,8 +267,14 @@ def _read_manifest(checkpoint: Path) -> dict[str, Any]:
     if manifest.get("version") != VERSION:
         raise CorruptCheckpointError(path, f"format version {manifest.get('version')!r}, expected {VERSION}")
     files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != {STATE_FILE, TENSOR_FILE}:
-        raise CorruptCheckpointError(path, f"lists files {files!r}, expected {STATE_FILE} and {TENSOR_FILE}")
+    ranks = len(files) - 2 if isinstance(files, dict) else 0
+    expected = {STATE_FILE, TENSOR_FILE, *(local_state_file(r) for r in range(ranks))}
+    if not isinstance(files, dict) or set(files) != expected:
+        raise CorruptCheckpointError(
+            path,
+            f"lists files {files!r}, expected {STATE_FILE}, {TENSOR_FILE} and "
+            f"{local_state_file(0)}... for ranks 0 to n-1 if any",
+        )
     if not all(isinstance(v, dict) for v in files.values()):
         raise CorruptCheckpointError(path, "file entries must be objects with size and sha256")
     return manifest
@@ -254,6 +292,9 @@ def read_checkpoint(checkpoint: str | os.PathLike) -> tuple[int, dict[str, Any]]
         )
     state_bytes = _read_verified(checkpoint / STATE_FILE, manifest["files"][STATE_FILE])
     tensor_bytes = _read_verified(checkpoint / TENSOR_FILE, manifest["files"][TENSOR_FILE])
+    for name, expected in manifest["files"].items():  # every rank's file, so damage anywhere falls back
+        if _LOCAL_NAME.fullmatch(name):
+            _read_verified(checkpoint / name, expected)
     try:
         document = json.loads(state_bytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -273,6 +314,24 @@ def read_checkpoint(checkpoint: str | os.PathLike) -> tuple[int, dict[str, Any]]
             checkpoint / STATE_FILE, f"does not match the tensor file: {err}"
         ) from None
     return step, state
+
+
+def read_local_state(checkpoint: str | os.PathLike, rank: int) -> Any:
+    """Rank ``rank``'s own state in one checkpoint directory (see `save_checkpoint`'s ``local_states``),
+    verified against the manifest. Raises `CheckpointError` when the checkpoint holds none for that rank."""
+    checkpoint = Path(checkpoint)
+    files = _read_manifest(checkpoint)["files"]
+    name = local_state_file(rank)
+    if name not in files:
+        raise CheckpointError(
+            f"{checkpoint} holds per-rank state for {len(files) - 2} rank(s), none for rank {rank}. "
+            "HINT: per-rank state is only meaningful at the world size that wrote it."
+        )
+    data = _read_verified(checkpoint / name, files[name])
+    try:
+        return unpack_state(data)
+    except ValueError as err:
+        raise CorruptCheckpointError(checkpoint / name, str(err)) from None
 
 
 def _read_pointer(directory: Path) -> str | None:

@@ -18,6 +18,9 @@ JSON alone would lose what PyTorch's state_dicts rely on, so a few shapes are ta
 
 Finite floats are written with ``repr``, which round-trips every double exactly.
 
+`pack_state` puts both parts in one self-contained safetensors file (the skeleton in the header's metadata):
+the form a per-rank state travels in to the process that writes the checkpoint, and is stored in.
+
 Limits: tensors come back contiguous, on the CPU, without ``requires_grad``, each with its own memory (two
 entries that shared a tensor become two tensors). Subclasses of the leaf types come back as the base type
 (``numpy.float32`` as ``float``, ``numpy.int64`` as ``int``); any other type is refused with its path.
@@ -25,15 +28,17 @@ entries that shared a tensor become two tensors). Subclasses of the leaf types c
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+import safetensors.torch
 import torch
 
-__all__ = ["TAG", "flatten_state", "unflatten_state"]
+__all__ = ["TAG", "flatten_state", "pack_state", "unflatten_state", "unpack_state"]
 
 TAG = "__loom__"
 """The key that marks a JSON object as an encoded tuple, dict, float or tensor placeholder."""
@@ -174,3 +179,25 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             f"{sorted(unused)[0]!r}"
         )
     return state
+
+
+def pack_state(state: Any) -> bytes:
+    """``state`` as the bytes of one safetensors file: its tensors, and its skeleton as JSON in the metadata.
+
+    The bytes are a snapshot: later in-place updates of ``state``'s tensors do not reach them.
+    """
+    skeleton, tensors = flatten_state(state)
+    return safetensors.torch.save(tensors, metadata={TAG: json.dumps(skeleton, allow_nan=False)})
+
+
+def unpack_state(data: bytes) -> Any:
+    """Inverse of `pack_state`. Raises ``ValueError`` naming what is wrong with bytes it did not make."""
+    try:
+        # The safetensors layout: an 8-byte little-endian header length, then the JSON header.
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + length])
+        skeleton = json.loads(header["__metadata__"][TAG])
+        tensors = safetensors.torch.load(data)
+    except Exception as err:  # safetensors raises its own error types for a malformed file
+        raise ValueError(f"not a state made by pack_state ({type(err).__name__}: {err})") from None
+    return unflatten_state(skeleton, tensors)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,8 @@ from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.fault.watchdog import Watchdog, hang_timeout_s
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
+from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
+from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
 from loom.topology import Topology, current
 
@@ -108,7 +110,7 @@ class DataParallel:
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DataParallelJob:
         """Broadcast rank 0's parameters, wrap the model for gradient synchronization, return the job."""
         topo = self.topology if self.topology is not None else current()
-        _check_setup_arguments(model, optimizer, loss_fn)
+        check_setup_arguments(model, optimizer, loss_fn)
         model.to(topo.device)
         metrics = StepMetrics(topo.rank, self.metrics_path or _default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
@@ -157,52 +159,6 @@ def _buffer_sync_option(enabled: bool) -> dict[str, bool]:
     return {"broadcast_buffers": enabled}
 
 
-def _check_setup_arguments(model: Any, optimizer: Any, loss_fn: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"setup() expects an nn.Module as model, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"setup() expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"setup() expects a callable loss_fn(outputs, targets), got {type(loss_fn).__name__}")
-    owned = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in owned:
-                raise ValueError(
-                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the model. "
-                    "HINT: build the optimizer from model.parameters() of the model passed to setup()."
-                )
-
-
-def _split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
-    if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)) or len(batch) < 2:
-        raise TypeError(
-            f"a batch must be a tuple (inputs, targets), got {type(batch).__name__}. "
-            "HINT: iterate a loom.data.loader(...) or pass (inputs, targets)."
-        )
-    return batch[0], batch[1]
-
-
-def _batch_len(inputs: Any) -> int:
-    if isinstance(inputs, torch.Tensor):
-        return int(inputs.shape[0]) if inputs.dim() else 1
-    if isinstance(inputs, (list, tuple)) and inputs:
-        return _batch_len(inputs[0])
-    if isinstance(inputs, dict) and inputs:
-        return _batch_len(next(iter(inputs.values())))
-    raise TypeError(f"cannot tell the batch size of inputs of type {type(inputs).__name__}")
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
-
-
 def _zero_loss(outputs: Any) -> torch.Tensor:
     """A loss of exactly zero that still reaches every parameter the forward used (for empty shares)."""
     tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(_flatten(outputs))
@@ -224,24 +180,14 @@ def _flatten(value: Any):
 
 
 def _micro_batches(inputs: Any, targets: torch.Tensor, pieces: int) -> list[tuple[Any, torch.Tensor, int]]:
-    n = _batch_len(inputs)
+    n = batch_len(inputs)
     if pieces == 1:
         return [(inputs, targets, n)]
     bounds = torch.arange(pieces + 1) * n // pieces
     out = []
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        out.append((_slice(inputs, lo, hi), targets[lo:hi], hi - lo))
+        out.append((slice_batch(inputs, lo, hi), targets[lo:hi], hi - lo))
     return out
-
-
-def _slice(value: Any, lo: int, hi: int) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value[lo:hi]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_slice(v, lo, hi) for v in value)
-    if isinstance(value, dict):
-        return {k: _slice(v, lo, hi) for k, v in value.items()}
-    return value
 
 
 class DataParallelJob:
@@ -290,10 +236,10 @@ class DataParallelJob:
     def train_step(self, batch: Any) -> float:
         """One optimizer step on the global batch this share belongs to; returns the global-batch loss."""
         self.observer.begin_step(self.step + 1)
-        inputs, targets = _split_batch(batch)
+        inputs, targets = split_batch(batch)
         device = self.topology.device
-        inputs, targets = _to_device(inputs, device), _to_device(targets, device)
-        local = _batch_len(inputs)
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        local = batch_len(inputs)
         self.observer.lap(DATA)
         total = self._global_count(batch, local)
         self.observer.lap(COMM)
@@ -338,11 +284,11 @@ class DataParallelJob:
         self, batch: Any, metrics: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
     ) -> dict[str, float]:
         """Global-batch loss, and any extra mean-reduced ``metrics`` (e.g. accuracy), in eval mode."""
-        inputs, targets = _split_batch(batch)
+        inputs, targets = split_batch(batch)
         device = self.topology.device
-        inputs, targets = _to_device(inputs, device), _to_device(targets, device)
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
         fns: dict[str, Callable] = {"loss": self.loss_fn, **(metrics or {})}
-        local = _batch_len(inputs)
+        local = batch_len(inputs)
         sums = torch.zeros(len(fns) + 1, dtype=torch.float64, device=device)
         sums[-1] = local
         was_training = self.module.training

@@ -37,7 +37,8 @@ from loom.ps.client import PSClient
 from loom.ps.plan import ParamSpec, Piece, plan_shards
 from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
-from loom.strategies.data_parallel import _batch_len, _check_setup_arguments, _split_batch
+from loom.strategies._batch import batch_len, split_batch
+from loom.strategies._setup import check_setup_arguments
 from loom.topology import Topology, current
 
 __all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
@@ -104,7 +105,7 @@ class ParameterServer:
     ) -> ParameterServerJob:
         """Plan the shards, connect, hand the initial parameters and the optimizer to the servers."""
         topo = self.topology if self.topology is not None else current()
-        _check_setup_arguments(model, optimizer, loss_fn)
+        check_setup_arguments(model, optimizer, loss_fn)
         cfg = self.config
         addresses = list(cfg.addresses or [a for a in os.environ.get("LOOM_PS_ADDRS", "").split(",") if a])
         secret_hex = cfg.secret or os.environ.get("LOOM_JOB_SECRET", "")
@@ -262,8 +263,8 @@ class ParameterServerJob:
         """Pull, compute this share's gradient, push. Returns the global-batch loss in ``sync``, this share's
         mean loss in ``async``/``ssp`` (there is no global batch there)."""
         started = time.perf_counter()
-        inputs, targets = _split_batch(batch)
-        local = _batch_len(inputs)
+        inputs, targets = split_batch(batch)
+        local = batch_len(inputs)
         total = int(getattr(batch, "global_size", local * self.topology.world_size))
         sync = self.config.mode == "sync"
         self._pull_dense()

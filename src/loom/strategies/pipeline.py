@@ -15,7 +15,8 @@ most one (correct thanks to the weighting); a batch of fewer than ``m`` samples 
 The runtime is loom's own (blocking receives, non-blocking sends, one message stream per direction), not
 ``torch.distributed.pipelining``: it supports any chain whose stages pass tensors or tuples of tensors, uneven
 micro-batches, and it instruments what the schedules promise: per-stage busy time and span (the bubble) and the
-micro-batches and bytes of activations alive (`StageStats`).
+micro-batches and bytes of activations alive (`StageStats`). Each step's record (`loom.observe.metrics`) carries
+the seconds this stage sat idle in the bubble as ``bubble_s``.
 
 Limits: the loss must be mean-reduced over the batch; parameters shared between stages (tied embeddings across
 stages) are refused; the optimizer keeps every parameter of the full model, but those of other stages are emptied
@@ -36,14 +37,9 @@ from torch import nn
 
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.strategies.data_parallel import (
-    LossFn,
-    _batch_len,
-    _check_setup_arguments,
-    _slice,
-    _split_batch,
-    _to_device,
-)
+from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
+from loom.strategies._setup import check_setup_arguments
+from loom.strategies.data_parallel import LossFn
 from loom.strategies.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.strategies.pipeline_schedule import SCHEDULES, stage_instructions
 from loom.strategies.pipeline_split import balanced_cuts, chain_layers, cuts_from_names, stage_ranges
@@ -121,7 +117,7 @@ class Pipeline:
 
         ``stage_transform`` lets `Hybrid` shard the stage (tensor parallelism) before training starts.
         """
-        _check_setup_arguments(model, optimizer, loss_fn)
+        check_setup_arguments(model, optimizer, loss_fn)
         topo = self.topology if self.topology is not None else current()
         mesh = self.mesh if self.mesh is not None else Mesh(pp=self.config.stages, topology=topo)
         if mesh.size("pp") != self.config.stages:
@@ -227,8 +223,8 @@ def _micro_split(inputs: Any, targets: Any, n: int, m: int) -> _Micro:
     bounds = (torch.arange(pieces + 1) * n // pieces).tolist()
     out = _Micro()
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        out.inputs.append(_slice(inputs, lo, hi))
-        out.targets.append(_slice(targets, lo, hi))
+        out.inputs.append(slice_batch(inputs, lo, hi))
+        out.targets.append(slice_batch(targets, lo, hi))
         out.sizes.append(hi - lo)
     return out
 
@@ -257,7 +253,8 @@ class PipelineJob:
         self.stage_stats: list[StageStats] = []
         """One `StageStats` per step: this stage's busy time, span, idle fraction, activations alive."""
         self.bubble: list[float] = []
-        """Per step, the measured idle fraction of the whole pipeline, ``1 - Σ busy / (p · max span)``."""
+        """Per step, the measured idle fraction of the whole pipeline, ``1 - Σ busy / (p · max span)``; each
+        stage's share of it, in seconds, is `StageStats.bubble_s`, also in its step record (``bubble_s``)."""
         self.stage_keys = stage_keys
         self.layer_names = layer_names
         self.step = 0
@@ -286,10 +283,10 @@ class PipelineJob:
         return int(count.item())
 
     def _run(self, batch: Any, train: bool) -> tuple[float, int, int, StageStats]:
-        inputs, targets = _split_batch(batch)
+        inputs, targets = split_batch(batch)
         device = self.mesh.topology.device
-        inputs, targets = _to_device(inputs, device), _to_device(targets, device)
-        local = _batch_len(inputs)
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        local = batch_len(inputs)
         total = self._global_count(batch, local)
         if total == 0:
             raise ValueError("the global batch has 0 samples (every share is empty)")
@@ -321,6 +318,7 @@ class PipelineJob:
             dist.all_reduce(loss, group=self.mesh.group("dp"))
         span = float(table[:, 2].max())
         self.bubble.append(1.0 - float(table[:, 1].sum()) / (self.config.stages * span) if span > 0 else 0.0)
+        stats.bubble_s = max(span - stats.busy_s, 0.0)  # so Σ bubble_s / (p · span) is the fraction above
         return float(loss.item()) / total, local, total, stats
 
     def train_step(self, batch: Any) -> float:
@@ -333,7 +331,9 @@ class PipelineJob:
         self.optimizer.step()
         self.step += 1
         self.stage_stats.append(stats)
-        self.metrics.record(self.step, time.perf_counter() - started, local, total, loss)
+        self.metrics.record(
+            self.step, time.perf_counter() - started, local, total, loss, bubble_s=stats.bubble_s
+        )
         return loss
 
     def _all_reduce_gradients(self) -> None:

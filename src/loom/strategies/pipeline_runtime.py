@@ -75,9 +75,15 @@ class StageStats:
     peak_activation_bytes: int = 0
     """Most bytes autograd had saved for backward at once (summed over the live micro-batches)."""
     microbatches: int = 0
+    bubble_s: float = 0.0
+    """Time this stage sat idle in the step: the pipeline's span (the longest of its stages') minus
+    ``busy_s``. Waits for neighbours count, and so does the time after this stage's last instruction while
+    another stage still works. Set by the strategy once the stages' spans are gathered; summed over the
+    stages and divided by ``p`` times the pipeline's span it is the step's measured bubble fraction."""
 
     @property
     def idle_fraction(self) -> float:
+        """Idle share of this stage's own span (leaves out the time after its last instruction)."""
         return 1.0 - self.busy_s / self.span_s if self.span_s > 0 else 0.0
 
 
