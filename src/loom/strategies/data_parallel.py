@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from loom.comm import ALGORITHMS
 from loom.comm.compression import CompressionHook, compression_hook, make_codec
 from loom.comm.ddp_async import overlapped_allreduce_hook
+from loom.comm.ddp_hooks import allreduce_hook
 from loom.fault.watchdog import Watchdog, hang_timeout_s
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
@@ -59,9 +60,15 @@ class DataParallelConfig:
     """Copy rank 0's buffers (e.g. BatchNorm statistics) to every replica at each forward."""
     allreduce: str = "auto"
     """Gradient all-reduce algorithm (see `loom.comm`). ``native`` is DDP's own (C++, gloo/NCCL). The others are
-    loom's, run on a communication thread that overlaps backward (`loom.comm.ddp_async`): ``shm`` through shared
+    loom's, overlapped with backward or not (see `overlap`): ``shm`` through shared
     memory on one host, ``ring``/``driver`` over sockets, ``hierarchical`` both; ``auto`` picks from a
     calibration cached per host (on GPUs it is ``native``)."""
+    overlap: bool | None = None
+    """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or inside the
+    DDP hook, blocking backward (False). None: overlap only when this host has a core to spare for the thread
+    (usable cores > local processes x torch threads each). With every core busy computing, the thread only
+    competes with backward: synchronous shm measured 1.44x raw DDP against 1.36x overlapped on 2 processes x 1
+    thread on 2 cores (``benchmarks/reports/dp_allreduce.md``)."""
     compression: str | None = None
     """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``topk:<fraction>`` or
     ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
@@ -143,7 +150,17 @@ def _gradient_hook(config: DataParallelConfig, topo: Topology) -> Callable | Non
         return compression_hook(make_codec(config.compression))
     if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
         return None
-    return overlapped_allreduce_hook(config.allreduce)
+    overlap = config.overlap if config.overlap is not None else has_spare_core(topo.local_world_size)
+    return overlapped_allreduce_hook(config.allreduce) if overlap else allreduce_hook(config.allreduce)
+
+
+def has_spare_core(local_processes: int) -> bool:
+    """Whether this host has more usable cores than ``local_processes`` processes running torch's threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores > local_processes * torch.get_num_threads()
 
 
 def _default_metrics_path(topo: Topology) -> str | None:
