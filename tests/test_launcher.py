@@ -136,11 +136,20 @@ def test_restart_after_a_failure_works_every_time(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
-def test_signals_to_the_launcher_leave_no_worker_behind(tmp_path, how):
+@pytest.mark.parametrize(
+    ("how", "on_failure"),
+    [
+        ("SIGTERM", "stop"),
+        ("SIGINT", "stop"),
+        ("SIGKILL", "stop"),
+        ("SIGTERM", "continue"),
+        ("SIGKILL", "continue"),
+    ],
+)
+def test_signals_to_the_launcher_leave_no_worker_behind(tmp_path, how, on_failure):
     script = write_script(
         tmp_path,
-        f"sleepy_job_{how}.py",
+        f"sleepy_job_{how}_{on_failure}.py",
         """
         import time, loom
         topo = loom.init()
@@ -149,7 +158,17 @@ def test_signals_to_the_launcher_leave_no_worker_behind(tmp_path, how):
     """,
     )
     proc = subprocess.Popen(
-        [*LOOM, "run", "-n", "2", "--run-dir", str(tmp_path / "run"), str(script)],
+        [
+            *LOOM,
+            "run",
+            "-n",
+            "2",
+            "--on-worker-failure",
+            on_failure,
+            "--run-dir",
+            str(tmp_path / "run"),
+            str(script),
+        ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -183,6 +202,8 @@ def test_signals_to_the_launcher_leave_no_worker_behind(tmp_path, how):
         (["run", "-n", "two", "x.py"], "expected a positive integer, got 'two'"),
         (["run", "--bogus", "x.py"], "unrecognized arguments: --bogus"),
         (["run", "--nnodes", "2", "--node-rank", "0", "x.py"], "--master ADDR:PORT"),
+        (["run", "--on-worker-failure", "continue", "--max-restarts", "1", "x.py"], "without restarts"),
+        (["run", "--on-worker-failure", "ignore", "x.py"], "invalid choice: 'ignore'"),
         (["launch", "x.py"], "invalid choice: 'launch'"),
     ],
 )

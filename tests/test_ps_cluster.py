@@ -13,7 +13,7 @@ import pytest
 import torch
 from ps_helpers import parameter_servers, run_ps_workers
 from torch import nn
-from workers.common import reference_run
+from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
 
 from loom.ps.client import PSClient
 from loom.ps.wire import MessageType, secret_from_hex
@@ -104,6 +104,11 @@ def test_async_converges_and_staleness_reflects_workers(cluster, three_workers):
     server = server_stats(cluster, 0)["models"]["A-4"]
     assert {int(k): v for k, v in server["staleness_histogram"].items()} == histogram
     assert server["version"] == 3 * 40
+    # Each step's record carries the staleness of its update: the histogram, step by step.
+    records = [s for run in runs for s in run["record_staleness"]]
+    assert len(records) == 3 * 40 and all(s is not None for s in records)
+    assert sorted(records) == sorted(float(s) for s, c in histogram.items() for _ in range(c))
+    assert 0 < sum(records) / len(records) <= 2 * (3 - 1)
 
 
 @pytest.mark.timeout(120)
@@ -119,16 +124,73 @@ def test_ssp_never_runs_more_than_s_ahead(cluster, three_workers):
     assert server["max_lead"] == staleness  # the slowed worker made the others reach the bound and wait
 
 
-@pytest.mark.timeout(120)
-def test_sync_two_workers_and_failure_names_the_worker(cluster):
+SCHEDULED_RUNS = [
+    {"mode": "sync", "optimizer": "sgd", "servers": [0, 1], "steps": 7, "global_batch": GLOBAL_BATCH,
+     "scheduler": scheduler}
+    for scheduler in ("step", "lambda")
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_workers(cluster):
+    """Job B, 2 workers: the sync runs, two runs with a learning-rate scheduler, then rank 1 kills itself in a
+    sync run."""
     failing = {"mode": "sync", "steps": STEPS, "global_batch": GLOBAL_BATCH, "kill_rank": 1, "kill_step": 3,
                "timeout_s": 2.0}  # fmt: skip
-    config = {"tag": "B", "runs": [*SYNC_RUNS, failing]}
-    outputs = run_ps_workers("ps_train.py", 2, config, cluster.env, timeout=80, may_die=frozenset({1}))
-    check_sync_runs(outputs, 2)
-    last = outputs[0][-1]
-    assert last["run"] == len(SYNC_RUNS) and len(last["losses"]) == 3
+    config = {"tag": "B", "runs": [*SYNC_RUNS, *SCHEDULED_RUNS, failing]}
+    return run_ps_workers("ps_train.py", 2, config, cluster.env, timeout=80, may_die=frozenset({1}))
+
+
+@pytest.mark.timeout(120)
+def test_sync_two_workers_and_failure_names_the_worker(two_workers):
+    check_sync_runs(two_workers, 2)
+    last = two_workers[0][-1]
+    assert last["run"] == len(SYNC_RUNS) + len(SCHEDULED_RUNS) and len(last["losses"]) == 3
     assert "worker 1" in last["error"], last["error"]
+
+
+def scheduled_reference(scheduler: str, steps: int):
+    """One process, whole global batches, the scheduler stepped after every optimizer step."""
+    from loom.data import GlobalBatchSampler
+
+    data, model = make_dataset(), make_mlp()
+    opt = make_optimizer("sgd", model)
+    if scheduler == "step":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, seed=1)
+    losses: list[float] = []
+    while len(losses) < steps:
+        for batch in sampler:
+            x, y = data[batch.indices]
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            if len(losses) == steps:
+                break
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_worker_lr_scheduler_drives_the_servers(two_workers):
+    """A StepLR / LambdaLR stepped on each worker's optimizer gives one process's parameters (sync, 2 servers)."""
+    for index, spec in enumerate(SCHEDULED_RUNS, start=len(SYNC_RUNS)):
+        ref_losses, ref_params = scheduled_reference(spec["scheduler"], spec["steps"])
+        _, constant_params = reference_run("sgd", GLOBAL_BATCH, spec["steps"])
+        for rank in (0, 1):
+            run = two_workers[rank][index]
+            label = f"{spec['scheduler']}, rank {rank}"
+            assert run["run"] == index and run["error"] is None, label
+            assert run["losses"] == pytest.approx(ref_losses, abs=1e-5), label
+            for name, ref in ref_params.items():
+                got = torch.tensor(run["params"][name]).view_as(ref)
+                assert (got - ref).abs().max().item() <= 1e-5, f"{label}: {name}"
+        # the schedule matters: without it the parameters differ by far more than the tolerance
+        assert max((constant_params[n] - ref_params[n]).abs().max().item() for n in ref_params) > 1e-3
 
 
 def _processes_with(text: str) -> list[int]:

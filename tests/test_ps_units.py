@@ -172,3 +172,35 @@ def test_shard_checkpoint_round_trip_with_adam_state(tmp_path):
     assert torch.equal(again.params[0], shard.params[0])  # same Adam moments after the restore
     with pytest.raises(ValueError, match="cannot run sharded"):
         ModelShard("x", ShardSettings("sync", 0, 1, 1.0, 0, "LBFGS", [{}]), pieces[:1], {0: torch.ones(6)})
+
+
+@pytest.mark.timeout(30)
+def test_pushed_learning_rates_reach_the_right_param_groups():
+    from loom.ps.plan import Piece
+
+    # Three param groups; this server holds pieces of groups 0 and 2 only, so its optimizer has two groups.
+    pieces = [Piece(0, "a", 0, 2, 1, False, 0, 0), Piece(1, "c", 0, 2, 1, False, 2, 0)]
+    groups = [{"lr": 0.1}, {"lr": 0.2}, {"lr": 0.3}]
+    settings = ShardSettings("async", 0, 1, 10.0, 0, "SGD", groups)
+    shard = ModelShard("m", settings, pieces, {0: torch.zeros(2), 1: torch.zeros(2)})
+    shard.apply([{"g0": torch.ones(2), "g1": torch.ones(2)}], lrs=[1.0, 2.0, 3.0])
+    assert torch.equal(shard.params[0].detach(), torch.full((2,), -1.0))
+    assert torch.equal(shard.params[1].detach(), torch.full((2,), -3.0))
+    shard.apply([{"g0": torch.ones(2), "g1": torch.ones(2)}])  # no lrs: the last ones stay
+    assert torch.equal(shard.params[1].detach(), torch.full((2,), -6.0))
+    for bad, message in [([1.0, 2.0], "one learning rate per param group"), ([1.0, float("nan"), 1.0], "nan"),
+                         ([1.0, -1.0, 1.0], "-1.0"), ([1.0, True, 1.0], "True"), ("0.1", "per param group")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            shard.check_learning_rates(bad)
+    assert shard.version == 2  # nothing applied by the rejected ones
+
+
+@pytest.mark.timeout(30)
+def test_a_rejoining_worker_is_active_again_at_its_clock():
+    table = ClockTable(2, "ssp", staleness=0, timeout_s=1.0)
+    table.pushed(0, 0)
+    table.pushed(0, 1)
+    assert table.expire(time_after_timeout := table.last_seen[0] + 2.0) == [0, 1]
+    assert table.rejoin(0, time_after_timeout) == 2 and table.status == ["active", "lost"]
+    table.finish(1)
+    assert table.rejoin(1, time_after_timeout) == 0 and table.active() == [0, 1]

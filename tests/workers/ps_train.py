@@ -2,7 +2,8 @@
 
 The argument is JSON ``{"tag": str, "runs": [run, ...]}``; a run has: mode, staleness, steps, global_batch,
 problem ("mlp" or "lsq"), optimizer, servers (indices into LOOM_PS_ADDRS), slow_rank/slow_s (sleep per step),
-kill_rank/kill_step (SIGKILL itself there), timeout_s (worker timeout), lr (lsq).
+kill_rank/kill_step (SIGKILL itself there), timeout_s (worker timeout), lr (lsq), scheduler ("step": StepLR(2, 0.5),
+"lambda": LambdaLR(1 / (1 + step)); stepped after every train_step).
 """
 
 import json
@@ -33,6 +34,14 @@ def lsq_problem():
     return TensorDataset(x, x @ w + 0.01 * torch.randn(256, 1, generator=g))
 
 
+def make_scheduler(name, opt):
+    if name == "step":
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    if name == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    return None
+
+
 job_config = json.loads(sys.argv[1])
 all_addresses = os.environ["LOOM_PS_ADDRS"].split(",")
 for index, cfg in enumerate(job_config["runs"]):
@@ -56,6 +65,7 @@ for index, cfg in enumerate(job_config["runs"]):
         topology=topo,
     )
     job = strategy.setup(model, opt, nn.functional.mse_loss)
+    scheduler = make_scheduler(cfg.get("scheduler"), opt)
     loader = loom.data.loader(data, cfg["global_batch"], seed=1, topology=topo)
     losses, error, started = [], None, time.perf_counter()
     try:
@@ -66,13 +76,15 @@ for index, cfg in enumerate(job_config["runs"]):
                 if rank == cfg.get("slow_rank"):
                     time.sleep(cfg["slow_s"])
                 losses.append(job.train_step(batch))
+                if scheduler is not None:
+                    scheduler.step()
                 if len(losses) == cfg["steps"]:
                     break
     except RuntimeError as e:
         error = str(e)
     out = {"run": index, "namespace": strategy.config.namespace, "losses": losses, "error": error,
            "elapsed": time.perf_counter() - started, "staleness": job.metrics.staleness,
-           "clocks": job.metrics.clocks}  # fmt: skip
+           "clocks": job.metrics.clocks, "record_staleness": [r.staleness for r in job.metrics.records]}  # fmt: skip
     if error is None:
         out["params"] = {k: v.flatten().tolist() for k, v in job.state_dict()["model"].items()}
         out["traffic"] = job.client.traffic

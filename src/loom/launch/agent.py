@@ -10,6 +10,9 @@ fails, and restarts the whole group up to ``max_restarts`` times. loom adds:
 - a one-line failure message naming the failing rank and its error, instead of the agent's table.
 
 Workers run `loom.launch.worker`, which runs the user's script and records its exception for the agent.
+
+With ``on_worker_failure="continue"`` the agent is not used: `loom.launch.supervise` starts the workers itself and
+lets the others finish when one dies (asynchronous parameter-server training); see that module for the exit status.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class LaunchSpec:
     """Address the parameter servers listen on (loopback unless asked)."""
     trace_steps: str | None = None
     """``A:B``: workers write a Chrome-trace timeline of steps A..B (handed over as ``LOOM_TRACE_STEPS``)."""
+    on_worker_failure: str = "stop"
+    """``stop``: a dead worker stops the group (restarted up to ``max_restarts`` times); ``continue``: the
+    others go on (one node, no restarts; for ``ParameterServer(mode="async"|"ssp")``)."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes"):
@@ -78,6 +84,13 @@ class LaunchSpec:
         if self.servers and self.nnodes > 1:
             raise ValueError(
                 "--servers is supported on one-node jobs only (parameter servers start on this host)"
+            )
+        if self.on_worker_failure not in ("stop", "continue"):
+            raise ValueError(f"--on-worker-failure {self.on_worker_failure!r}; use 'stop' or 'continue'")
+        if self.on_worker_failure == "continue" and (self.max_restarts or self.nnodes > 1):
+            raise ValueError(
+                "--on-worker-failure continue runs one node without restarts; "
+                f"got --max-restarts {self.max_restarts}, --nnodes {self.nnodes}. HINT: drop one of them"
             )
         if not self.module and not Path(self.target).is_file():
             raise FileNotFoundError(f"loom run: script {self.target!r} does not exist")
@@ -227,6 +240,16 @@ def launch(spec: LaunchSpec) -> int:
         with server_processes(spec.servers, spec.server_bind) as server_addresses:
             if server_addresses:
                 os.environ["LOOM_PS_ADDRS"] = ",".join(server_addresses)
+            if spec.on_worker_failure == "continue":
+                from loom.launch.supervise import supervise_workers
+
+                logs = spec.run_dir / "logs"
+                status = supervise_workers(
+                    spec.nproc, worker_args, config.run_id, logs, spec.shutdown_timeout_s
+                )
+                if status:
+                    print(f"loom run: worker logs are in {logs}", file=sys.stderr)
+                return status
             launch_agent(config, sys.executable, worker_args)
     except ChildFailedError as error:
         print(_describe_failures(error), file=sys.stderr)

@@ -63,6 +63,12 @@ class ClockTable:
             return True
         return False
 
+    def rejoin(self, worker: int, now: float) -> int:
+        """A worker (re)initializes the model: it is active again; returns the clock it continues from."""
+        self.last_seen[worker] = now
+        self.status[worker] = "active"
+        return self.clocks[worker]
+
     def finish(self, worker: int) -> None:
         self.status[worker] = "finished"
 

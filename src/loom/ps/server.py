@@ -227,6 +227,9 @@ class ParameterServerProcess:
         name = frame.meta.get("ns")
         if not isinstance(name, str) or not _NAMESPACE.match(name):
             raise ValueError(f"model name {name!r} must be 1-64 letters, digits, '_' or '-'")
+        worker = frame.meta.get("worker")
+        if isinstance(worker, bool) or not isinstance(worker, int):
+            raise ValueError(f"INIT names worker {worker!r}; expected the worker's rank")
         mine = [Piece.from_json(p) for p in frame.meta["pieces"]]
         settings = ShardSettings(**frame.meta["settings"])
         if name in self.models:
@@ -235,12 +238,19 @@ class ParameterServerProcess:
                 raise ValueError(
                     f"model {name!r} exists here with a different plan. HINT: use another namespace"
                 )
+            self.models[name].clocks.check_worker(worker)
+            # A worker (re)joining: a restarted job starts over from here, so a failed sync step is forgotten.
+            if self.failed.pop(name, None) is not None:
+                self.log(f"model {name!r}: worker {worker} rejoined; the failed step is cleared")
         else:
             values = {p.id: frame.tensors[f"p{p.id}"] for p in mine}
             self.models[name] = ModelShard(name, settings, mine, values)
             self.log(f"model {name!r}: {len(mine)} pieces, {sum(p.numel for p in mine)} values, "
                      f"{settings.optimizer}, mode {settings.mode}")  # fmt: skip
-        self._reply(identity, frame, {"version": self.models[name].version})
+        shard = self.models[name]
+        shard.clocks.check_worker(worker)
+        clock = shard.clocks.rejoin(worker, time.monotonic())
+        self._reply(identity, frame, {"version": shard.version, "clock": clock})
 
     def _pull(self, identity: bytes, frame: Frame) -> None:
         name, shard, worker = self._model(frame)
@@ -264,6 +274,8 @@ class ParameterServerProcess:
     def _push(self, identity: bytes, frame: Frame) -> None:
         name, shard, worker = self._model(frame)
         shard.check_gradients(frame.tensors)
+        if "lrs" in frame.meta:
+            shard.check_learning_rates(frame.meta["lrs"])
         clock = int(frame.meta["clock"])
         if clock < shard.clocks.clocks[worker]:  # a resent push that was applied already
             self._reply(identity, frame, {"version": shard.version, "staleness": 0, "duplicate": True})
@@ -274,7 +286,7 @@ class ParameterServerProcess:
             self._complete_sync(name, shard)
             return
         staleness = shard.version - int(frame.meta["version"])
-        shard.apply([frame.tensors])
+        shard.apply([frame.tensors], frame.meta.get("lrs"))
         shard.clocks.pushed(worker, clock)
         shard.record_staleness(staleness)
         self._after_update(shard)
@@ -289,7 +301,7 @@ class ParameterServerProcess:
                 return
             order = sorted(waiting)
             staleness = [shard.version - int(waiting[w].frame.meta["version"]) for w in order]
-            shard.apply([waiting[w].frame.tensors for w in order])
+            shard.apply([waiting[w].frame.tensors for w in order], waiting[order[0]].frame.meta.get("lrs"))
             loss_sum = sum(float(waiting[w].frame.meta.get("loss_sum", 0.0)) for w in order)
             for w, stale in zip(order, staleness, strict=True):
                 shard.clocks.pushed(w, clock)

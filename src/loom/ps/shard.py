@@ -89,13 +89,32 @@ class ModelShard:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         cls = getattr(torch.optim, self.settings.optimizer)
         groups = []
+        self._group_index: list[int] = []
+        """The user's param-group index of each group of the server's optimizer (groups without pieces here are
+        left out)."""
         for index, hyper in enumerate(self.settings.groups):
             params = [self.params[i] for i in sorted(self.params) if self.pieces[i].group == index]
-            groups.append({"params": params, **_hyperparameters(hyper)})
-        groups = [g for g in groups if g["params"]]
+            if params:
+                groups.append({"params": params, **_hyperparameters(hyper)})
+                self._group_index.append(index)
         if not groups:  # a server with no piece of this model (more servers than parameters)
             groups = [{"params": [torch.zeros(0, requires_grad=True)]}]
         return cls(groups)
+
+    def set_learning_rates(self, lrs: Any) -> None:
+        """Set each param group's ``lr`` from a push: ``lrs[g]`` for the user's group ``g`` (a scheduler ran)."""
+        self.check_learning_rates(lrs)
+        for group, index in zip(self.optimizer.param_groups, self._group_index, strict=False):
+            group["lr"] = float(lrs[index])
+
+    def check_learning_rates(self, lrs: Any) -> None:
+        """Validate a push's ``lrs``: one finite number >= 0 per param group."""
+        n = len(self.settings.groups)
+        if not isinstance(lrs, list) or len(lrs) != n:
+            raise ValueError(f"'lrs' must list one learning rate per param group ({n}), got {lrs!r}")
+        for lr in lrs:
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
+                raise ValueError(f"learning rate {lr!r} is not a finite number >= 0")
 
     # -- values -----------------------------------------------------------------------------------------------
     def dense_values(self) -> dict[str, torch.Tensor]:
@@ -144,8 +163,11 @@ class ModelShard:
             elif value.numel() != piece.numel:
                 raise ValueError(f"gradient {key!r} has {value.numel()} elements, the piece {piece.numel}")
 
-    def apply(self, pushes: list[dict[str, torch.Tensor]]) -> None:
-        """One optimizer step on the sum of ``pushes`` (summed in the order given; one push in async/ssp)."""
+    def apply(self, pushes: list[dict[str, torch.Tensor]], lrs: list[float] | None = None) -> None:
+        """One optimizer step on the sum of ``pushes`` (summed in the order given; one push in async/ssp), at the
+        learning rates ``lrs`` (one per param group) when given."""
+        if lrs is not None:
+            self.set_learning_rates(lrs)
         for pid, param in self.params.items():
             piece = self.pieces[pid]
             grads = [p[f"g{pid}"] for p in pushes if f"g{pid}" in p]

@@ -13,10 +13,21 @@ Sparse tables: the rows of an ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(
 with the dense parameters; a forward pre-hook pulls just the rows the batch's indices touch, and only those rows'
 gradients are pushed, so traffic grows with touched rows, not with the table (the worker still allocates the table).
 
+Learning-rate schedules: every push carries the learning rate of each param group of the worker's optimizer, and
+the server sets it before applying that push, so a ``torch.optim.lr_scheduler`` stepped on the worker's optimizer
+after each `train_step` drives the servers' optimizer (in ``sync`` the lowest rank's rates are used for a step;
+all ranks run the same schedule). Only ``lr`` travels: schedules of other hyperparameters (``OneCycleLR``'s
+momentum cycling) do not reach the servers.
+
+Each step's `StepRecord` carries its ``staleness``: how many updates reached the server between the pull the
+gradient was computed on and its own application (the largest over servers); ``metrics.staleness`` is the same
+as a histogram. A worker that joins a model the servers already hold (a restarted worker) continues from its
+clock there, so its pushes are not mistaken for resent ones.
+
 Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch); a plain tuple is assumed
-to be one of ``world_size`` equal shares. Learning-rate schedulers on the worker do not reach the servers. Only
-element-wise optimizers are accepted (see `loom.ps.shard`). There is no ``eval_step`` yet: call
-``fetch_parameters()`` and evaluate ``module``. Buffers (BatchNorm statistics) stay local to each worker.
+to be one of ``world_size`` equal shares. Only element-wise optimizers are accepted (see `loom.ps.shard`).
+`eval_step` sums over the process group, so every worker must call it (``loom.init()`` joins the group).
+Buffers (BatchNorm statistics) stay local to each worker.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from loom.observe.metrics import StepMetrics
@@ -135,9 +147,11 @@ class ParameterServer:
         ]
         values: list[dict[str, torch.Tensor] | None] = [{f"p{p.id}": _piece_view(params[p.name], p) for p in plan if p.server == s}
                   for s in range(len(addresses))]  # fmt: skip
-        client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
+        replies = client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
         metrics = ParameterServerMetrics(topo.rank, self.metrics_path)
         job = ParameterServerJob(model, optimizer, loss_fn, topo, cfg, client, plan, metrics)
+        # A restarted worker rejoins at its clock on the servers (a lagging restored server catches up).
+        job.step = max(int(r.meta.get("clock", 0)) for r in replies)
         for name, module in sparse_modules.items():
             module.register_forward_pre_hook(job._row_hook(name))
         job._pull_dense(peek=True)  # start from the servers' values (another worker's INIT may have won)
@@ -184,7 +198,8 @@ def _piece_view(param: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 class ParameterServerJob:
-    """A model trained through parameter servers: `train_step`, `fetch_parameters`, `server_stats`, `close`."""
+    """A model trained through parameter servers: `train_step`, `eval_step`, `fetch_parameters`, `server_stats`,
+    `close`."""
 
     def __init__(self, module, optimizer, loss_fn, topology, config, client, plan, metrics) -> None:
         self.module: nn.Module = module
@@ -278,7 +293,7 @@ class ParameterServerJob:
             loss_sum = float(loss.detach()) * local
         replies = self._request(
             MessageType.PUSH,
-            {"clock": self.step, "loss_sum": loss_sum},
+            {"clock": self.step, "loss_sum": loss_sum, "lrs": self._learning_rates()},
             self._gradients(),
             per_server=[{"version": v} for v in self._versions],
         )
@@ -286,10 +301,55 @@ class ParameterServerJob:
             self._versions[server] = int(reply.meta["version"])
         stale = max(int(r.meta.get("staleness", 0)) for r in replies)
         self.metrics.staleness[stale] = self.metrics.staleness.get(stale, 0) + 1
+        # The optimizer step ran on the servers; a scheduler on the local optimizer checks this flag (which the
+        # local step would have set) and would otherwise warn that it is stepped before the optimizer.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         self.step += 1
         loss_value = float(replies[0].meta["loss_sum"]) / total if sync else loss_sum / max(local, 1)
-        self.metrics.record(self.step, time.perf_counter() - started, local, total, loss_value)
+        elapsed = time.perf_counter() - started
+        self.metrics.record(self.step, elapsed, local, total, loss_value, staleness=float(stale))
         return loss_value
+
+    def _learning_rates(self) -> list[float]:
+        """The current ``lr`` of each param group of the local optimizer (where a scheduler changes it)."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def eval_step(
+        self, batch: Any, metrics: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
+    ) -> dict[str, float]:
+        """Global-batch loss, and any extra mean-reduced ``metrics`` (e.g. accuracy), in eval mode, without
+        gradients, on the servers' current parameters (pulled first, outside the consistency model).
+
+        As `DataParallelJob.eval_step`: ``batch`` is this worker's share; the sums are all-reduced over the
+        process group, so every worker calls it, and the result is the same everywhere."""
+        inputs, targets = split_batch(batch)
+        if self.topology.is_distributed and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"eval_step on rank {self.topology.rank} of {self.topology.world_size} needs the process group "
+                "to add up the workers' shares, and this process has not joined it. HINT: call loom.init() at "
+                "the start of the script (or evaluate locally: fetch_parameters() and run module)."
+            )
+        fns: dict[str, Callable] = {"loss": self.loss_fn, **(metrics or {})}
+        local = batch_len(inputs)
+        sums = torch.zeros(len(fns) + 1, dtype=torch.float64)
+        sums[-1] = local
+        self._pull_dense(peek=True)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                if local:
+                    outputs = self.module(inputs)
+                    for i, fn in enumerate(fns.values()):
+                        sums[i] = float(fn(outputs, targets)) * local
+        finally:
+            self.module.train(was_training)
+        if self.topology.is_distributed:
+            dist.all_reduce(sums)
+        count = float(sums[-1].item())
+        if count == 0:
+            raise ValueError("eval_step got a global batch of 0 samples (every share is empty)")
+        return {name: float(sums[i].item()) / count for i, name in enumerate(fns)}
 
     def _gradients(self) -> list[dict[str, torch.Tensor]]:
         """Per server: ``g<id>`` dense gradient slices; for sparse pieces ``r<id>`` rows and ``g<id>`` values."""

@@ -1,0 +1,211 @@
+"""Run a one-node job's workers as plain child processes, so that a dead worker does not stop the others.
+
+``loom run --on-worker-failure continue``. PyTorch's elastic agent (`loom.launch.agent`) treats the worker group
+as one unit: when one worker dies it stops all of them (and restarts the group if asked). That is right for
+synchronous training, where the others cannot go on anyway, but wrong for asynchronous parameter-server training
+(``ParameterServer(mode="async"|"ssp")``), where the servers hold the model and the surviving workers can finish
+the job. Here the launcher itself supervises the workers:
+
+- each worker runs `loom.launch.worker` (which dies with the launcher, PDEATHSIG) with the environment the agent
+  would give it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/MASTER_PORT, the TORCHELASTIC_*
+  variables, LOOM_RUN_DIR and LOOM_JOB_SECRET;
+- the rendezvous store that ``loom.init()`` joins is hosted by the launcher, not by worker 0
+  (``TORCHELASTIC_USE_AGENT_STORE=True``), so any worker may die, rank 0 included, once every worker has joined;
+- when a worker dies, one line names its rank and its signal (or exception), and the others go on;
+- when every worker has ended, the servers are stopped.
+
+Exit status: 0 when every worker either succeeded or was killed by a signal (SIGKILL, the OOM killer...), at
+least one succeeded, and a warning names the lost ranks; 1 when a worker raised or exited non-zero (a bug is not
+a lost worker), or none succeeded; ``128 + signal`` when the launcher itself was stopped.
+
+Limits: one node, no restarts (``--max-restarts`` must stay 0). A worker that dies *before* every worker has
+joined the process group leaves the others waiting in ``loom.init()`` until its timeout. What the survivors do
+about a dead peer is the strategy's business: a parameter-server job goes on in ``async``/``ssp`` and fails the
+step naming the worker in ``sync``; a collective (``DataParallel``) fails with gloo's "connection closed" error.
+At exit the survivors' barrier in `loom.shutdown` fails at once on the dead peer and says so on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+__all__ = ["supervise_workers"]
+
+
+class _LauncherStopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class _Worker:
+    rank: int
+    proc: subprocess.Popen
+    error_file: Path
+    readers: list[threading.Thread]
+    reported: bool = False
+
+
+def _pump(stream: IO[str], prefix: str, out: IO[str], log_path: Path) -> None:
+    """Copy a worker's stream to ours, each line prefixed with its rank, and to its log file."""
+    with open(log_path, "w") as log:
+        for line in iter(stream.readline, ""):
+            out.write(prefix + line)
+            out.flush()
+            log.write(line)
+
+
+def _env(rank: int, nproc: int, store_port: int, run_id: str, error_file: Path) -> dict[str, str]:
+    """What the elastic agent would set for this worker (one node, attempt 0), on top of this environment."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        ROLE_NAME="default",
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_WORLD_SIZE="1",
+        ROLE_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RUN_ID=run_id,
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_ERROR_FILE=str(error_file),
+    )
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return env
+
+
+def _start(
+    rank: int, nproc: int, worker_args: list[str], store_port: int, run_id: str, logs: Path
+) -> _Worker:
+    error_file = logs / f"rank{rank}.error.json"
+    error_file.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, *worker_args],
+        env=_env(rank, nproc, store_port, run_id, error_file),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    readers = []
+    for stream, out, name in ((proc.stdout, sys.stdout, "stdout"), (proc.stderr, sys.stderr, "stderr")):
+        log = logs / f"rank{rank}.{name}.log"
+        thread = threading.Thread(target=_pump, args=(stream, f"[rank{rank}]: ", out, log), daemon=True)
+        thread.start()
+        readers.append(thread)
+    return _Worker(rank, proc, error_file, readers)
+
+
+def _exception_of(worker: _Worker) -> str | None:
+    """The ``Type: message`` the worker recorded (`loom.launch.worker` writes it on an uncaught exception)."""
+    try:
+        data = json.loads(worker.error_file.read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message")
+    if isinstance(message, dict):
+        message = message.get("message")
+    return str(message).strip().splitlines()[-1] if message else None
+
+
+def _describe(worker: _Worker) -> str:
+    code = worker.proc.returncode
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"worker rank {worker.rank} was killed by {name}"
+    reason = _exception_of(worker) or "exited without a Python exception"
+    return f"worker rank {worker.rank} failed (exit code {code}): {reason}"
+
+
+def _stop(workers: list[_Worker], grace_s: float) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+
+
+def _watch(workers: list[_Worker]) -> None:
+    """Wait for every worker to end, announcing each one that dies while the others go on."""
+    while True:
+        running = 0
+        for w in workers:
+            if w.proc.poll() is None:
+                running += 1
+            elif w.proc.returncode != 0 and not w.reported:
+                w.reported = True
+                left = sum(1 for other in workers if other.proc.poll() is None)
+                print(f"loom run: {_describe(w)}; {left} other worker(s) go on (--on-worker-failure continue)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        if not running:
+            return
+        time.sleep(0.1)
+
+
+def _verdict(workers: list[_Worker]) -> int:
+    failed = [w for w in workers if w.proc.returncode != 0]
+    if not failed:
+        return 0
+    succeeded = len(workers) - len(failed)
+    lost = [w for w in failed if w.proc.returncode < 0]
+    print(f"loom run: warning: {succeeded} of {len(workers)} workers finished; "
+          f"lost: {'; '.join(_describe(w) for w in failed)}", file=sys.stderr)  # fmt: skip
+    return 0 if succeeded and len(lost) == len(failed) else 1
+
+
+def supervise_workers(nproc: int, worker_args: list[str], run_id: str, logs: Path, grace_s: float) -> int:
+    """Start ``nproc`` workers (``python WORKER_ARGS``) on this node and wait for all; see the module docstring.
+
+    The caller has prepared the job's environment (`loom.launch.agent`) and started any servers."""
+    from torch.distributed import TCPStore
+
+    logs.mkdir(parents=True, exist_ok=True)
+    # The store outlives every worker: workers connect as clients (TORCHELASTIC_USE_AGENT_STORE), as under the
+    # elastic agent, so the death of worker 0 does not take the rendezvous down with it.
+    store = TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
+
+    def stop_on(signum: int, _frame) -> None:
+        raise _LauncherStopped(signum)
+
+    previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
+    workers: list[_Worker] = []
+    try:
+        for rank in range(nproc):
+            workers.append(_start(rank, nproc, worker_args, store.port, run_id, logs))
+        _watch(workers)
+    except _LauncherStopped as stop:
+        print(f"loom run: stopped by signal {stop}; workers were terminated", file=sys.stderr)
+        _stop(workers, grace_s)
+        return 128 + stop.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _stop(workers, grace_s)  # nothing left running, whatever happened above
+        for w in workers:
+            for reader in w.readers:
+                reader.join(timeout=5.0)
+        del store
+    return _verdict(workers)

@@ -1,0 +1,61 @@
+"""A parameter-server training script for `loom run --servers K` tests (least squares, as in ps_train.py).
+
+The argument is JSON: mode, staleness, steps, kill_rank/kill_step (SIGKILL itself before that step, on the first attempt
+only when the job restarts), timeout_s (worker
+timeout), slow_s (sleep per step, so that a kill lands mid-training). Before training every worker evaluates the
+first global batch with `eval_step` (all workers hold the initial parameters then); at the end each writes
+``$LOOM_RUN_DIR/result-<rank>.json`` with its losses, that evaluation and its per-step staleness records.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import loom
+
+cfg = json.loads(sys.argv[1])
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+topo = loom.init()
+g = torch.Generator().manual_seed(7)
+x = torch.randn(256, 8, generator=g)
+y = x @ torch.randn(8, 1, generator=g) + 0.01 * torch.randn(256, 1, generator=g)
+torch.manual_seed(0)
+model = nn.Linear(8, 1, bias=False)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+strategy = loom.ParameterServer(
+    mode=cfg["mode"], staleness=cfg.get("staleness", 0), worker_timeout_s=cfg.get("timeout_s", 30.0)
+)
+job = strategy.setup(model, opt, nn.functional.mse_loss)
+loader = loom.data.loader(TensorDataset(x, y), 48, seed=1)
+
+first = next(iter(loader))
+evaluation = job.eval_step(first, {"mae": lambda out, target: (out - target).abs().mean()})
+
+losses: list[float] = []
+while len(losses) < cfg["steps"]:
+    for batch in loader:
+        if topo.rank == cfg.get("kill_rank") and len(losses) == cfg.get("kill_step") and attempt == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(cfg.get("slow_s", 0.0))
+        losses.append(job.train_step(batch))
+        if len(losses) == cfg["steps"]:
+            break
+result = {
+    "rank": topo.rank,
+    "losses": losses,
+    "eval": evaluation,
+    "staleness": [r.staleness for r in job.metrics.records],
+    "weight": job.state_dict()["model"]["weight"].flatten().tolist(),
+    "attempt": attempt,
+    "clock": job.step,
+    "server_version": job.server_stats()[0]["models"]["default"]["version"],
+}
+Path(os.environ["LOOM_RUN_DIR"], f"result-{topo.rank}.json").write_text(json.dumps(result))
+print(f"rank {topo.rank} finished {len(losses)} steps", flush=True)
