@@ -204,3 +204,45 @@ def test_a_rejoining_worker_is_active_again_at_its_clock():
     assert table.rejoin(0, time_after_timeout) == 2 and table.status == ["active", "lost"]
     table.finish(1)
     assert table.rejoin(1, time_after_timeout) == 0 and table.active() == [0, 1]
+
+
+@pytest.mark.timeout(30)
+def test_a_restarted_worker_drops_its_parked_sync_push():
+    """Worker 0's push of step 0 waits for worker 1 when the job restarts. The new worker 0 re-INITs; worker 1's
+    push must then wait for the new worker 0's push instead of completing the step with the dead one's gradient."""
+    from loom.ps.plan import Piece
+    from loom.ps.server import ParameterServerProcess, ServerConfig
+    from loom.ps.wire import Frame
+
+    server = ParameterServerProcess(ServerConfig(), SECRET)
+    replies: list[tuple[bytes, dict]] = []
+    server._reply = lambda identity, frame, meta, tensors=None: replies.append((identity, meta))
+    piece = Piece(0, "w", 0, 2, 1, False, 0, 0)
+    settings = {"mode": "sync", "staleness": 0, "num_workers": 2, "timeout_s": 30.0, "checkpoint_every": 0,
+                "optimizer": "SGD", "groups": [{"lr": 1.0}]}  # fmt: skip
+
+    def message(kind, worker, meta=None, tensors=None):
+        base = {"ns": "m", "worker": worker, "settings": settings, "pieces": [piece.to_json()], "version": 0}
+        return Frame(kind, server.epoch, 1, 1, {**base, **(meta or {})}, tensors or {})
+
+    def push(identity, worker, value):
+        grads = {"g0": torch.full((2,), float(value))}
+        server._push(identity, message(MessageType.PUSH, worker, {"clock": 0, "loss_sum": value}, grads))
+
+    try:
+        for worker in (0, 1):
+            server._init(b"init", message(MessageType.INIT, worker, tensors={"p0": torch.zeros(2)}))
+        push(b"old-0", 0, 100.0)  # the first attempt of worker 0; then the job restarts
+        server._init(b"init", message(MessageType.INIT, 0, tensors={"p0": torch.zeros(2)}))
+        push(b"new-1", 1, 1.0)
+        # The step waits for the new worker 0.
+        assert [identity for identity, _ in replies if identity != b"init"] == []
+        push(b"new-0", 0, 3.0)
+        answered = {identity: meta for identity, meta in replies if identity != b"init"}
+        assert set(answered) == {b"new-0", b"new-1"} and answered[b"new-0"]["loss_sum"] == 4.0
+        # 1 + 3: the workers scale their gradients to the global batch before pushing.
+        assert torch.equal(server.models["m"].params[0].detach(), torch.full((2,), -4.0))
+    finally:
+        server.socket.close()
+        server.monitor.close()
+        server.context.term()

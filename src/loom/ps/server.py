@@ -249,8 +249,16 @@ class ParameterServerProcess:
                      f"{settings.optimizer}, mode {settings.mode}")  # fmt: skip
         shard = self.models[name]
         shard.clocks.check_worker(worker)
+        self._forget_parked(name, worker)
         clock = shard.clocks.rejoin(worker, time.monotonic())
         self._reply(identity, frame, {"version": shard.version, "clock": clock})
+
+    def _forget_parked(self, name: str, worker: int) -> None:
+        """Drop requests parked by an earlier incarnation of ``worker``: a restarted worker resends them, and a
+        stale sync push left behind would otherwise complete its step with the old attempt's gradient."""
+        self.parked_pulls.get(name, {}).pop(worker, None)
+        for waiting in self.parked_pushes.get(name, {}).values():
+            waiting.pop(worker, None)
 
     def _pull(self, identity: bytes, frame: Frame) -> None:
         name, shard, worker = self._model(frame)

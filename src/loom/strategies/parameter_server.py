@@ -305,7 +305,11 @@ class ParameterServerJob:
         # local step would have set) and would otherwise warn that it is stepped before the optimizer.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         self.step += 1
-        loss_value = float(replies[0].meta["loss_sum"]) / total if sync else loss_sum / max(local, 1)
+        # A push the servers had applied already (resent after a restart) comes back without the step's loss.
+        if sync and "loss_sum" in replies[0].meta:
+            loss_value = float(replies[0].meta["loss_sum"]) / total
+        else:
+            loss_value = loss_sum / max(local, 1)
         elapsed = time.perf_counter() - started
         self.metrics.record(self.step, elapsed, local, total, loss_value, staleness=float(stale))
         return loss_value
