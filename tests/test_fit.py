@@ -277,13 +277,6 @@ def test_two_workers_compressed_resume_restores_each_ranks_error_feedback(compre
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.xfail(
-    strict=True,
-    reason="a fresh DDP's first step buckets the gradients in model order and rebuilds its buckets in "
-    "gradient-ready order after it; the codecs key error feedback by (bucket index, layout) and drop state "
-    "saved for another layout, so the first step after a resume runs without the restored residual. Needs "
-    "loom.comm.compression to key its state by parameter.",
-)
 def test_two_workers_compressed_resume_equals_an_uninterrupted_run(compressed_runs):
     _, first, second = compressed_runs
     resumed = second["interrupted:12"]

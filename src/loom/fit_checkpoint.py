@@ -17,12 +17,10 @@ stderr saying so when it holds tensors: residuals belong to the ranks that kept 
 way to share them among a different number of ranks (the codecs start from zero).
 
 Limits: rank 0 holds every rank's local state at once while it writes (for error feedback: one gradient's worth
-per rank), and every rank loading a checkpoint reads (to verify) every rank's file. With `DataParallel` the
-restored residuals do not yet reach the gradients: the codecs key their state by gradient bucket and layout,
-and a fresh DDP's first step buckets the gradients in model order before rebuilding its buckets in the order
-gradients arrive, so the first step after a resume sees another layout and starts from zero residuals. A
-resumed compressed run is therefore not yet bitwise equal to an uninterrupted one (tests/test_fit.py keeps
-that check as a strict xfail); keying the codecs' state by parameter would close the gap.
+per rank), and every rank loading a checkpoint reads (to verify) every rank's file. The codecs key their state
+by parameter (`loom.comm.compression.feedback`), so the restored residuals reach the gradients even though a
+fresh DDP buckets them differently on its first step: a resumed compressed run equals an uninterrupted one
+(tests/test_fit.py), provided the model and DataParallel settings (hence the parameter numbering) are the same.
 """
 
 from __future__ import annotations

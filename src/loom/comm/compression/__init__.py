@@ -15,7 +15,8 @@ Four codecs, each a small object with its own state (`Codec`):
 
 A codec describes its communication as a generator of `Collective` steps (`loom.comm.compression.base`);
 `compression_hook` runs them inside DDP's backward, asynchronously, counting bytes in `loom.comm.counters()`;
-`exchange_locally` runs them for N simulated ranks in one process (tests, what-if byte counts).
+`exchange_locally` runs them for N simulated ranks in one process (tests, what-if byte counts). Codec state is
+kept per parameter (`loom.comm.compression.feedback`), so it survives DDP's bucket rebuilds and a resume.
 
 PyTorch ships ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook``; loom does not use them: DDP
 refuses ``bf16_compress_hook`` without NCCL, ``batched_powerSGD_hook`` crashes on CPU here (issue 3), and none of them

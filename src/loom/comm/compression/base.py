@@ -1,4 +1,4 @@
-"""What every codec shares: the `Codec` protocol, the `Collective` steps it yields, and its bucket bookkeeping.
+"""What every codec shares: the `Codec` protocol, the `Collective` steps it yields, and the checks of its input.
 
 A codec does not call `torch.distributed` itself. Its `Codec.exchange` is a generator that *yields* the
 collectives it needs (`Collective`: sum these numbers over the ranks, or gather this message from every rank),
@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Codec", "Collective", "Exchange", "check_codec_state", "check_layout", "layout_signature"]
+__all__ = ["Codec", "Collective", "Exchange", "check_codec_state", "check_layout"]
 
 
 @dataclass(frozen=True)
@@ -51,20 +51,23 @@ class Codec(Protocol):
     """A gradient compression scheme with its own state (error-feedback residuals, warm starts).
 
     Codecs are built by `loom.comm.compression.make_codec` from a spec string and are independent of one
-    another (no base class to inherit). State is kept per *bucket key* (DDP's bucket index), so one codec
-    object serves one DDP model; give each model its own codec.
+    another (no base class to inherit). State is kept per *parameter*, named by the integers the caller passes
+    (`loom.comm.compression.feedback`), so it does not depend on how DDP groups gradients into buckets; one codec
+    object serves one DDP model (its parameter numbers); give each model its own codec.
     """
 
     spec: str
     """The string `make_codec` parses back into an equal codec, e.g. ``"topk:0.01"``."""
 
     def exchange(
-        self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
+        self, params: Sequence[int], flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
     ) -> Exchange:
         """Average the 1-D gradient ``flat`` over ``world_size`` ranks, compressed.
 
-        ``flat`` is the concatenation of tensors of the given ``shapes`` (a DDP bucket); the codec may
-        overwrite it. The generator's return value has ``flat``'s shape and dtype (it may be ``flat``).
+        ``flat`` is the concatenation, without gaps, of tensors of the given ``shapes`` (a DDP bucket); the
+        codec may overwrite it. ``params`` names each tensor by a number that stays the same at every step and
+        in every bucketing (the key of its state). The generator's return value has ``flat``'s shape and dtype
+        (it may be ``flat``).
         """
         ...
 
@@ -75,25 +78,19 @@ class Codec(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def check_layout(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> None:
-    """Refuse ``shapes`` that do not tile the 1-D gradient ``flat`` exactly (a codec would misplace tensors)."""
+def check_layout(flat: torch.Tensor, shapes: Sequence[torch.Size], params: Sequence[int]) -> None:
+    """Refuse ``shapes`` that do not tile the 1-D ``flat`` exactly, or ``params`` that do not name them once."""
     total = sum(int(torch.Size(s).numel()) for s in shapes)
     if flat.dim() != 1 or total != flat.numel():
         raise ValueError(
             f"tensor shapes {[tuple(s) for s in shapes]} hold {total} elements but the gradient has shape "
             f"{tuple(flat.shape)}. HINT: pass a 1-D gradient and the shapes of its tensors, in order."
         )
-
-
-def layout_signature(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> str:
-    """A string naming a bucket's layout, kept with its state: state saved for another layout is dropped.
-
-    DDP rebuilds its buckets once, after the first step, in the order gradients actually arrived; a bucket
-    index can then name other tensors, and a residual kept for the old layout would be added to the wrong
-    gradients.
-    """
-    dims = ";".join("x".join(str(d) for d in s) or "scalar" for s in shapes)
-    return f"{flat.dtype}:{dims}"
+    if len(params) != len(shapes) or len(set(params)) != len(params):
+        raise ValueError(
+            f"parameter numbers {list(params)} must name the {len(shapes)} tensors of the gradient, each once. "
+            "HINT: pass one distinct integer per tensor, the same for a tensor at every step."
+        )
 
 
 def check_codec_state(state: Any, spec: str) -> None:

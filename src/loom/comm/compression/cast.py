@@ -49,7 +49,7 @@ class CastCodec:
         return wire.to(like.dtype)
 
     def exchange(
-        self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
+        self, params: Sequence[int], flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
     ) -> Exchange:
         summed = yield Collective("sum", self.compress(flat, world_size), final=True)
         return self.decompress(summed, flat)

@@ -24,6 +24,13 @@ bandwidth-optimal ring would move, per process, each way):
 
 Bytes are recorded when a collective starts. Totals hence compare directly with an uncompressed run using
 ``allreduce_hook("native")``.
+
+Parameter numbers: the codec keeps its state per parameter (`loom.comm.compression.feedback`), so the hook
+numbers DDP's parameters 0, 1, 2, ... in the order it first meets them. A fresh DDP's first backward runs its
+initial buckets (by default one bucket, in model order), so a fresh job numbers a model's parameters the same
+way every time, and a codec state saved by one run applies to the same parameters in a resumed one, whatever
+DDP's later bucket rebuilds do. Limit: that holds for the same model and DDP settings (bucket sizes, unused
+parameters), which is what resuming means; a saved parameter whose shape differs is refused.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and
@@ -71,6 +78,9 @@ class CompressionHook:
         self.__name__ = "compression_hook"
         self.__qualname__ = f"compression_hook({codec.spec!r})"
         self._in_flight: list[_Flight] = []
+        self.parameters: list[torch.Tensor] = []
+        """The parameters met so far, in the order they were first met: ``parameters[i]`` is the codec's i."""
+        self._numbers: dict[int, int] = {}  # id(parameter) -> number; `parameters` keeps the ids valid
 
     def __call__(
         self, state: dist.ProcessGroup | None, bucket: dist.GradBucket
@@ -81,8 +91,9 @@ class CompressionHook:
         if key == 0:
             self._in_flight = []  # leftovers of a backward that failed half-way; their futures are abandoned
         buffer = bucket.buffer()
-        shapes = [p.shape for p in bucket.parameters()]
-        flight = _Flight(key, self.codec.exchange(key, buffer, shapes, n), buffer)
+        params = bucket.parameters()  # DDP lays their gradients out in `buffer` in this order, without gaps
+        numbers = [self._number(p) for p in params]
+        flight = _Flight(key, self.codec.exchange(numbers, buffer, [p.shape for p in params], n), buffer)
         earlier, self._in_flight = self._in_flight, []
         self._run(flight, group, n, first=True)
         for older in earlier:  # their next round, now that this bucket's first message is on its way
@@ -94,6 +105,13 @@ class CompressionHook:
         # Chained rather than returned: an exception set on a Python-made future reaches DDP's C++ side as an
         # uncastable value ("Unable to cast ... to Tensor"); raised inside a callback it becomes a real error.
         return flight.future.then(_value)
+
+    def _number(self, param: torch.Tensor) -> int:
+        number = self._numbers.get(id(param))
+        if number is None:
+            number = self._numbers[id(param)] = len(self.parameters)
+            self.parameters.append(param)
+        return number
 
     def state_dict(self) -> dict[str, Any]:
         return self.codec.state_dict()
@@ -186,7 +204,7 @@ def compression_hook(codec: Codec | str) -> CompressionHook:
     """A DDP communication hook that averages gradient buckets with ``codec`` (a `Codec` or a spec string).
 
     ``ddp.register_comm_hook(group_or_None, compression_hook("topk:0.01"))``. Each DDP model needs its own hook
-    and codec (the codec keeps per-bucket state); checkpoint ``hook.state_dict()`` with the model.
+    and codec (the codec keeps per-parameter state); checkpoint ``hook.state_dict()`` with the model.
     """
     if isinstance(codec, str):
         codec = make_codec(codec)

@@ -19,20 +19,22 @@ __all__ = ["exchange_locally"]
 
 def exchange_locally(
     codecs: Sequence[Codec],
-    key: int,
     flats: Sequence[torch.Tensor],
     shapes: Sequence[torch.Size] | None = None,
+    params: Sequence[int] | None = None,
 ) -> tuple[list[torch.Tensor], int]:
     """Average ``flats[r]`` (rank r's 1-D gradient) with ``codecs[r]``; return (each rank's result, bytes sent).
 
     The byte count is per rank and the same for all (every codec here sends equal-size messages): what
-    `compression_hook` would record as ``bytes_sent``. ``shapes`` defaults to one 1-D tensor.
+    `compression_hook` would record as ``bytes_sent``. ``shapes`` defaults to one 1-D tensor; ``params``, the
+    numbers naming the tensors (the keys of the codecs' state, see `Codec.exchange`), to 0, 1, ...
     """
     n = len(codecs)
     if n == 0 or len(flats) != n:
         raise ValueError(f"need one gradient per codec, got {len(codecs)} codecs and {len(flats)} gradients")
     shapes = list(shapes) if shapes is not None else [flats[0].shape]
-    exchanges = [c.exchange(key, f.clone(), shapes, n) for c, f in zip(codecs, flats, strict=True)]
+    params = list(params) if params is not None else list(range(len(shapes)))
+    exchanges = [c.exchange(params, f.clone(), shapes, n) for c, f in zip(codecs, flats, strict=True)]
     requests: list[Collective] = [next(e) for e in exchanges]
     sent = 0
     while True:

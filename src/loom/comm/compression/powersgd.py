@@ -13,9 +13,10 @@ from the previous step. With a matrix ``Q`` (m x r) that every rank holds identi
    all-reduce), as its residual (error feedback), so what the approximation missed is sent later.
 
 *Warm start*: step 3's ``Q`` seeds step 1 of the next step, so the power iteration continues across steps and
-a single iteration per step suffices. The first ``Q`` is drawn from a generator seeded by (seed, bucket,
-tensor), identical on every rank without a broadcast. A ``Q`` that became zero or non-finite is redrawn (zero
-gradients would otherwise keep it zero forever).
+a single iteration per step suffices. The first ``Q`` is drawn from a generator seeded by (seed, parameter
+number), identical on every rank without a broadcast. A ``Q`` that became zero or non-finite is redrawn (zero
+gradients would otherwise keep it zero forever). Residuals and ``Q``'s are kept per parameter
+(`loom.comm.compression.feedback`), so both carry over when DDP regroups its buckets.
 
 Bytes: ``(n + m) r`` numbers per matrix instead of ``n m``, in two all-reduces (P, then Q). Tensors that do not
 gain from it -- 1-D tensors (biases, norms) and matrices where ``(n + m) r >= n m`` -- are all-reduced exactly,
@@ -37,13 +38,8 @@ from typing import Any
 
 import torch
 
-from loom.comm.compression.base import (
-    Collective,
-    Exchange,
-    check_codec_state,
-    check_layout,
-    layout_signature,
-)
+from loom.comm.compression.base import Collective, Exchange, check_codec_state, check_layout
+from loom.comm.compression.feedback import ErrorFeedback
 
 __all__ = ["PowerSGDCodec"]
 
@@ -72,9 +68,9 @@ class PowerSGDCodec:
         self.rank = rank
         self.seed = int(seed)
         self.spec = f"powersgd:{rank}"
-        self._residuals: dict[int, torch.Tensor] = {}
-        self._qs: dict[int, list[torch.Tensor]] = {}
-        self._layouts: dict[int, str] = {}
+        self._feedback = ErrorFeedback()
+        self._qs: dict[int, torch.Tensor] = {}
+        """Warm start per compressed parameter: its last averaged Q (cols x rank)."""
 
     def plan(self, shapes: Sequence[torch.Size]) -> list[_Segment]:
         """Which tensors are compressed, and as which matrices (public for tests and byte estimates)."""
@@ -96,20 +92,18 @@ class PowerSGDCodec:
         return sum((s.rows + s.cols) * s.rank if s.compressed else s.numel for s in self.plan(shapes))
 
     def exchange(
-        self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
+        self, params: Sequence[int], flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
     ) -> Exchange:
-        check_layout(flat, shapes)
+        check_layout(flat, shapes, params)
+        self._feedback.bind(params, shapes)
         segments = self.plan(shapes)
         work_dtype = flat.dtype if flat.element_size() >= 4 else torch.float32
-        self._forget_if_layout_changed(key, flat, shapes)
         accumulated = flat.to(work_dtype, copy=True)
-        if key in self._residuals:
-            accumulated += self._residuals[key]
+        self._feedback.add_to(accumulated, params, shapes)
         plain = [s for s in segments if not s.compressed]
-        packed = [s for s in segments if s.compressed]
-        matrices = [accumulated[s.offset : s.offset + s.numel].view(s.rows, s.cols) for s in packed]
-        qs = self._qs.get(key) or [self._initial_q(key, i, s) for i, s in enumerate(packed)]
-        qs = [q.to(work_dtype) for q in qs]
+        packed = [(p, s) for p, s in zip(params, segments, strict=True) if s.compressed]
+        matrices = [accumulated[s.offset : s.offset + s.numel].view(s.rows, s.cols) for _, s in packed]
+        qs = [self._warm_start(p, s).to(work_dtype) for p, s in packed]
 
         ps = [m @ q for m, q in zip(matrices, qs, strict=True)]
         first = [accumulated[s.offset : s.offset + s.numel] for s in plain] + [p.reshape(-1) for p in ps]
@@ -123,7 +117,7 @@ class PowerSGDCodec:
         if not packed:
             return out.to(flat.dtype)
         orthonormal = []
-        for s in packed:
+        for _, s in packed:
             p = summed[cursor : cursor + s.rows * s.rank].view(s.rows, s.rank)
             orthonormal.append(_orthonormalize(p))
             cursor += s.rows * s.rank
@@ -134,55 +128,46 @@ class PowerSGDCodec:
         # powerSGD_hook does) would also keep each rank's deviation from the mean: it cancels in the average but
         # adds up, step after step, in every residual.
         residual = torch.zeros_like(accumulated)
-        for s, m, p, q in zip(packed, matrices, orthonormal, new_qs, strict=True):
+        for (_, s), m, p, q in zip(packed, matrices, orthonormal, new_qs, strict=True):
             residual[s.offset : s.offset + s.numel] = (m - p @ q.T).reshape(-1)
         summed = yield Collective("sum", torch.cat([q.reshape(-1) for q in new_qs]), final=True)
 
-        cursor, kept = 0, []
-        for s, p in zip(packed, orthonormal, strict=True):
+        cursor = 0
+        for (param, s), p in zip(packed, orthonormal, strict=True):
             q = summed[cursor : cursor + s.cols * s.rank].view(s.cols, s.rank) / world_size
             cursor += s.cols * s.rank
             out[s.offset : s.offset + s.numel] = (p @ q.T).reshape(-1)
-            kept.append(q.clone() if bool(torch.isfinite(q).all()) and q.abs().sum() > 0 else None)
-        self._residuals[key] = residual
-        self._qs[key] = [
-            q if q is not None else self._initial_q(key, i, packed[i]) for i, q in enumerate(kept)
-        ]
+            if bool(torch.isfinite(q).all()) and q.abs().sum() > 0:
+                self._qs[param] = q.clone()
+            else:
+                self._qs.pop(param, None)  # redrawn next step
+        self._feedback.keep(residual, params, shapes)
         return out.to(flat.dtype)
 
-    def _initial_q(self, key: int, index: int, segment: _Segment) -> torch.Tensor:
-        """The same random m x r matrix on every rank: seeded by (seed, bucket key, compressed tensor index)."""
-        generator = torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + key * 10_007 + index) % (2**63 - 1)
-        )
+    def _warm_start(self, param: int, segment: _Segment) -> torch.Tensor:
+        """Parameter ``param``'s last Q, or the same random m x r matrix on every rank, seeded by (seed, param)."""
+        q = self._qs.get(param)
+        if q is not None and q.shape == (segment.cols, segment.rank):
+            return q
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + param) % (2**63 - 1))
         q = torch.randn(segment.cols, segment.rank, generator=generator)
         return q / math.sqrt(segment.cols)
 
-    def _forget_if_layout_changed(self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> None:
-        layout = layout_signature(flat, shapes)
-        if self._layouts.get(key) != layout:
-            self._residuals.pop(key, None)
-            self._qs.pop(key, None)
-            self._layouts[key] = layout
-
     def state_dict(self) -> dict[str, Any]:
-        buckets = {}
-        for key, layout in self._layouts.items():
-            bucket: dict[str, Any] = {"layout": layout}
-            if key in self._residuals:
-                bucket["residual"] = self._residuals[key].clone()
-            if key in self._qs:
-                bucket["q"] = [q.clone() for q in self._qs[key]]
-            buckets[str(key)] = bucket
+        """Per bucket last exchanged (`ErrorFeedback.state_dict`), plus ``"q"``: ``{param: Q}`` of its matrices."""
+        buckets = self._feedback.state_dict()
+        for bucket in buckets.values():
+            qs = {str(p): self._qs[p].clone() for p in bucket["params"] if p in self._qs}
+            if qs:
+                bucket["q"] = qs
         return {"codec": self.spec, "seed": self.seed, "buckets": buckets}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_codec_state(state, self.spec)
         self.seed = int(state.get("seed", self.seed))
         buckets = state["buckets"]
-        self._layouts = {int(k): str(b["layout"]) for k, b in buckets.items()}
-        self._residuals = {int(k): b["residual"].clone() for k, b in buckets.items() if "residual" in b}
-        self._qs = {int(k): [q.clone() for q in b["q"]] for k, b in buckets.items() if "q" in b}
+        self._feedback.load_state_dict(buckets)
+        self._qs = {int(p): q.clone() for b in buckets.values() for p, q in b.get("q", {}).items()}
 
     def __repr__(self) -> str:
         return f"PowerSGDCodec(rank={self.rank})"
