@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import loom
 from loom import comm
+from loom.comm.ring import ring_schedule, run_ring
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
 # Error bound relative to sum(|x_r|): summing N terms in another order moves the result by a few roundings.
@@ -111,6 +112,26 @@ def check_group(members: list[int]) -> dict:
     return {"group_rank": me, "size": len(members), "bytes": measure_bytes(group)}
 
 
+def check_segmented_ring() -> None:
+    """The pipelined ring over real gloo messages with tiny segments: many transfers per chunk and several in
+    flight on one pair at once (the default segments are MiB, too large for the sizes above)."""
+    for case, (numel, segment_bytes, window, op) in enumerate(
+        itertools.product((1001, 3000), (200, 2000), (1, 3), ("avg", "max")), start=20_000
+    ):
+        inputs = [make_input(case, r, torch.float64, (numel,)) for r in range(n)]
+        want, scale = reference(inputs, op)
+        flat = inputs[rank].clone()
+        transfers, w = ring_schedule(flat, rank, n, segment_bytes=segment_bytes, window=window)
+        local_op, divide_by = ("sum", n) if op == "avg" else (op, 1)
+        sent, received = run_ring(transfers, w, local_op, (rank + 1) % n, (rank - 1) % n, None, divide_by)
+        label = f"rank {rank} segmented ring {op} numel={numel} segment_bytes={segment_bytes} window={window}"
+        if not close(flat, want, scale, 1e-12):
+            failures.append(f"{label}: differs from the reference by {(flat - want).abs().max()}")
+        exact = 2 * (n - 1) * flat.nbytes // n
+        if numel % n == 0 and (sent, received) != (exact, exact):
+            failures.append(f"{label}: sent {sent} received {received} bytes")
+
+
 cases = itertools.product(DTYPES, sorted({0, 1, n - 1, 1000, 1001}), comm.OPS)
 for case, (dtype, size, op) in enumerate(cases):
     if op == "avg" and not dtype.is_floating_point:
@@ -119,5 +140,6 @@ for case, (dtype, size, op) in enumerate(cases):
 for case, dtype in enumerate(DTYPES, start=5_000):
     check_case(case, dtype, (3, 5), "sum", transpose=True)
 check_integer_avg_refused()
+check_segmented_ring()
 group = check_group(list(range(1, n))) if n >= 3 else {}
 print(json.dumps({"failures": failures, "bytes": measure_bytes(), "group": group}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 from pathlib import Path
 
 import torch
@@ -74,6 +75,26 @@ def combine_into(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
         torch.maximum(acc, incoming, out=acc)
     else:
         torch.minimum(acc, incoming, out=acc)
+
+
+_SCRATCH = threading.local()
+
+
+def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``numel`` elements of a buffer kept per (thread, dtype, device) and reused from call to call.
+
+    Why: a fresh multi-MiB ``torch.empty`` is a fresh ``mmap`` whose pages fault in (and are zeroed by the
+    kernel) on first touch, every call; at 64 MiB that cost the ring ~25% of its time here. The buffer grows to
+    the largest request and is kept for the thread's lifetime (at most a few segments, see `loom.comm.ring`).
+    Per thread, so a communication thread (`loom.comm.ddp_async`) never shares one with the main thread; a
+    caller must be done with it before it asks again (nothing in `loom.comm` nests ring calls).
+    """
+    cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = _SCRATCH.__dict__.setdefault("buffers", {})
+    key = (dtype, device)
+    buffer = cache.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
 
 
 def exchange(

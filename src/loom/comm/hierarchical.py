@@ -6,8 +6,8 @@ once per process. For every piece of the tensor (see `loom.comm.shm` for pieces 
 
 1. within each host, the shared-memory reduce-scatter of `loom.comm.shm` leaves every local chunk reduced
    in the segment; the host's leader (its first process) copies them out, so it holds the host's sum;
-2. the leaders all-reduce those sums with a ring (the algorithm of `loom.comm.ring`, among the leaders only,
-   over point-to-point messages on the group itself: no extra process group to create);
+2. the leaders all-reduce those sums with a ring (`loom.comm.ring`'s pipelined schedule, among the leaders
+   only, over point-to-point messages on the group itself: no extra process group to create);
 3. each leader writes the result into the segment, a barrier, and the other local processes copy it out.
 
 Network traffic is that of a ring over H hosts, 2 (H-1)/H * D per leader and none for the other processes,
@@ -24,33 +24,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import combine_into, exchange, global_rank
+from loom.comm._reduce import global_rank, scratch_buffer
 from loom.comm.counters import Traffic
+from loom.comm.ring import ring_schedule, run_ring, scratch_size
 from loom.comm.shm import ShmContext, all_reduce_local, context_for, reduce_scatter_piece
 
 __all__ = ["all_reduce_hierarchical"]
 
 
-def _ring_among_leaders(flat: torch.Tensor, op: str, ctx: ShmContext) -> tuple[int, int]:
-    """`loom.comm.ring`'s reduce-scatter + all-gather over the leaders of ``ctx`` only; ``op`` is not avg."""
+def _ring_among_leaders(flat: torch.Tensor, op: str, ctx: ShmContext, divide_by: int) -> tuple[int, int]:
+    """`loom.comm.ring`'s pipelined ring over the leaders of ``ctx`` only; ``op`` is not avg (for avg: sum, and
+    ``divide_by`` the number of processes, which the ring applies to each segment once, after its last add)."""
     n = len(ctx.leaders)
     me = ctx.leaders.index(ctx.rank)
     right = global_rank(ctx.group, ctx.leaders[(me + 1) % n])
     left = global_rank(ctx.group, ctx.leaders[(me - 1) % n])
-    bounds = [i * flat.numel() // n for i in range(n + 1)]
-    chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
-    scratch = torch.empty(max(c.numel() for c in chunks), dtype=flat.dtype)
-    sent = received = 0
-    for step in range(n - 1):  # reduce-scatter
-        outgoing, target = chunks[(me - step) % n], chunks[(me - step - 1) % n]
-        exchange(outgoing, right, scratch[: target.numel()], left, ctx.group)
-        combine_into(target, scratch[: target.numel()], op)
-        sent, received = sent + outgoing.nbytes, received + target.nbytes
-    for step in range(n - 1):  # all-gather
-        outgoing, target = chunks[(me + 1 - step) % n], chunks[(me - step) % n]
-        exchange(outgoing, right, target, left, ctx.group)
-        sent, received = sent + outgoing.nbytes, received + target.nbytes
-    return sent, received
+    scratch = scratch_buffer(scratch_size(flat, n), flat.dtype, flat.device)
+    transfers, window = ring_schedule(flat, me, n, scratch)
+    return run_ring(transfers, window, op, right, left, ctx.group, divide_by)
 
 
 def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:
@@ -67,9 +58,7 @@ def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:
             for j in ctx.reduce_order:
                 part[bounds[j] : bounds[j + 1]].copy_(slots[j][bounds[j] : bounds[j + 1]])
             shm_received += (m - bounds[1]) * esize
-        sent, received = _ring_among_leaders(part, local_op, ctx)
-        if op == "avg":
-            part.div_(ctx.size)
+        sent, received = _ring_among_leaders(part, local_op, ctx, ctx.size if op == "avg" else 1)
         if size > 1:
             # Each chunk goes back to the place its owner reduced it in: nobody else touches those bytes
             # before the next piece's first barrier (see `loom.comm.shm` on why no third barrier is needed).

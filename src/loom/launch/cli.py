@@ -112,6 +112,10 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         from loom.bench.allreduce import run_allreduce_benchmark
 
         return run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick)
+    if ns.which == "links":
+        from loom.bench.links import run_links_benchmark
+
+        return run_links_benchmark(out_dir=ns.out, reps=ns.repetitions, quick=ns.quick)
     from loom.bench.checkpoint_overhead import run_checkpoint_benchmark
 
     return run_checkpoint_benchmark(out_dir=ns.out)
@@ -148,10 +152,12 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against named baselines, measured in the same run")
     bench.add_argument(
         "which",
-        choices=["dp", "allreduce", "checkpoint"],
-        help="dp: DataParallel vs raw DDP; allreduce: algorithms vs native; checkpoint: save overhead",
+        choices=["dp", "allreduce", "checkpoint", "links"],
+        help="dp: DataParallel vs raw DDP; allreduce: algorithms vs native; checkpoint: save overhead; "
+        "links: all-reduce and compressed DataParallel between network-namespace hosts on tc-limited links "
+        "(needs root)",
     )
-    bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (allreduce)")
+    bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (allreduce, links)")
     bench.add_argument("--repetitions", type=_positive_int, default=5, help="repetitions (median reported)")
     bench.add_argument("--steps", type=_positive_int, default=30, help="timed steps per repetition")
     bench.add_argument("--out", type=Path, default=Path("benchmarks/reports"), help="report directory")

@@ -1,0 +1,87 @@
+"""loom.comm.ring's pipelined schedule, checked without processes: a lockstep simulation of every rank, and the
+window's safety (nothing in flight is written while it is being sent or received)."""
+
+import itertools
+
+import pytest
+import torch
+
+from loom.comm.ring import Transfer, ring_schedule
+
+CASES = list(itertools.product([2, 3, 4], [0, 1, 3, 1000, 1001], [16, 64, 1 << 20], [1, 2, 3]))
+
+
+def _simulate(inputs: list[torch.Tensor], op: str, segment_bytes: int, window: int) -> list[torch.Tensor]:
+    """Run every rank's transfers in lockstep: transfer k of rank r delivers into transfer k of rank r+1."""
+    n = len(inputs)
+    flats = [t.clone() for t in inputs]
+    schedules = [
+        ring_schedule(flats[r], r, n, segment_bytes=segment_bytes, window=window)[0] for r in range(n)
+    ]
+    assert len({len(s) for s in schedules}) == 1
+    for k in range(len(schedules[0])):
+        payloads = [schedules[r][k].send.clone() for r in range(n)]
+        for r in range(n):
+            incoming = schedules[(r + 1) % n][k].recv
+            assert incoming.numel() == payloads[r].numel(), (r, k)
+            incoming.copy_(payloads[r])
+        for r in range(n):
+            t = schedules[r][k]
+            if t.reduce_into is not None:
+                t.reduce_into.add_(t.recv) if op == "sum" else torch.maximum(
+                    t.reduce_into, t.recv, out=t.reduce_into
+                )
+    return flats
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("n", "numel", "segment_bytes", "window"), CASES)
+def test_lockstep_ring_reduces_everywhere(n, numel, segment_bytes, window):
+    inputs = [
+        torch.randn(numel, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(n)
+    ]
+    for op, want in (("sum", torch.stack(inputs).sum(0)), ("max", torch.stack(inputs).amax(0))):
+        for got in _simulate(inputs, op, segment_bytes, window):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_bytes_are_two_n_minus_one_over_n(n):
+    flat = torch.zeros(1200, dtype=torch.float32)  # divisible by 2, 3, 4; 64-byte segments: many per chunk
+    transfers, _ = ring_schedule(flat, 0, n, segment_bytes=64)
+    assert sum(t.send.nbytes for t in transfers) == 2 * (n - 1) * flat.nbytes // n
+    assert sum(t.recv.nbytes for t in transfers) == 2 * (n - 1) * flat.nbytes // n
+    assert len(transfers) > 2 * (n - 1)  # really segmented
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.nbytes
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
+
+
+def _written(t: Transfer) -> list[torch.Tensor]:
+    return [t.recv] + ([t.reduce_into] if t.reduce_into is not None else [])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("n", "numel", "segment_bytes", "window"), CASES)
+def test_window_never_touches_buffers_in_flight(n, numel, segment_bytes, window):
+    """`run_ring` posts transfer j once every transfer before j - window + 1 is finished. So while j is in
+    flight, transfers j - window + 1 .. j + window - 1 may be too: none of them may write what another reads."""
+    for rank in range(n):
+        flat = torch.zeros(numel, dtype=torch.float32)
+        transfers, w = ring_schedule(flat, rank, n, segment_bytes=segment_bytes, window=window)
+        for j, later in enumerate(transfers):
+            for i in range(max(0, j - w + 1), j):
+                earlier = transfers[i]
+                for written in _written(later):  # j is posted while i may be unfinished
+                    assert not _overlap(written, earlier.send), (rank, i, j)
+                    assert not _overlap(written, earlier.recv), (rank, i, j)
+                for written in _written(earlier):  # i is reduced while j is in flight
+                    assert not _overlap(written, later.send), (rank, i, j)
