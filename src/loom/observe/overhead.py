@@ -1,8 +1,10 @@
 """Cost of `loom.observe`: step time with metrics on vs off, interleaved in the same run.
 
-``python -m loom.observe.overhead [--nproc 2] [--repetitions 12] [--steps 40] [--out benchmarks/reports]``
+``python -m loom.observe.overhead [--model cnn|mlp] [--nproc 2] [--repetitions 12] [--steps 40] [--out DIR]``
 
-Two jobs train the demo CNN (8x8 digits, global batch 64) side by side on the same process group, one with
+Two jobs train the same model side by side: ``cnn``, the demo CNN on the 8x8 digits (global batch 64, a step of a
+few ms: the worst case for a fixed per-step cost), or ``mlp``, the benchmark MLP of `loom bench dp`
+(784-1024-1024-10, synthetic data, global batch 256, a step of ~20-40 ms here). The two jobs train on the same process group, one with
 ``DataParallel(observe=True)`` (phase timing, the timed DDP hook, bytes, straggler rows in the loss all-reduce,
 JSON lines written to a file) and one with ``observe=False`` (no records at all, the same all-reduce algorithm).
 Their steps alternate one by one (which goes first alternates too), so both modes see the same machine: on
@@ -12,7 +14,7 @@ The step time is measured from outside the strategy (wall time around ``train_st
 each repetition, robust to preemption on a shared machine), so whatever the observer costs is in it. The
 overhead is the median over repetitions of the paired ratio ``on / off - 1``.
 
-Writes ``metrics_overhead.json``, ``metrics_overhead.md`` and ``metrics_overhead.png`` into ``--out``.
+Writes ``metrics_overhead.json``, ``.md`` and ``.png`` into ``--out`` (``metrics_overhead_mlp.*`` for the MLP).
 """
 
 from __future__ import annotations
@@ -34,26 +36,40 @@ MODES = ("on", "off", "control")
 """``control`` is a second job with metrics off: its difference from ``off`` is what noise alone gives."""
 
 
-def _worker(repetitions: int, steps: int, out: Path) -> None:
+MODELS = {
+    "cnn": "demo CNN on the 8x8 digits, global batch 64",
+    "mlp": "MLP 784-1024-1024-10, synthetic data, global batch 256",
+}
+
+
+def _model_and_data(model: str):
+    """(model, training set, global batch) of ``model``."""
+    if model == "mlp":
+        from loom.bench.dp_worker import bench_model, synthetic_data
+
+        return bench_model(), synthetic_data(256, 8), 256
+    from loom.demo.train import digits_cnn, digits_datasets
+
+    return digits_cnn(), digits_datasets()[0], 64
+
+
+def _worker(model_name: str, repetitions: int, steps: int, out: Path) -> None:
     import torch
     from torch import nn
 
     import loom
-    from loom.demo.train import digits_cnn, digits_datasets
 
     topo = loom.init()
-    train_set, _ = digits_datasets()
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="loom-overhead-") as tmp:
         jobs = {}
         for mode in MODES:  # every job lives for the whole run: repetitions differ only in the mode
-            torch.manual_seed(0)
-            model = digits_cnn()
+            model, train_set, global_batch = _model_and_data(model_name)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
             path = f"{tmp}/rank{topo.rank}.jsonl" if mode == "on" else None
             strategy = loom.DataParallel(observe=mode == "on", metrics_path=path)
             jobs[mode] = strategy.setup(model, optimizer, nn.functional.cross_entropy)
-        loader = loom.data.loader(train_set, 64, seed=0)
+        loader = loom.data.loader(train_set, global_batch, seed=0)
         batches = [b for _, b in zip(range(steps + 2), _forever(loader), strict=False)]
         for job in jobs.values():
             for batch in batches[:2]:  # warm-up
@@ -131,7 +147,7 @@ def direct_cost_us(world_size: int = 2, steps: int = 3000, trials: int = 5) -> f
     return 1e6 * cost
 
 
-def measure_overhead(nproc: int, repetitions: int, steps: int, out_dir: Path) -> dict:
+def measure_overhead(nproc: int, repetitions: int, steps: int, out_dir: Path, model: str = "cnn") -> dict:
     """Run the workers (as ranks of one job, without the launcher) and write the report files."""
     from loom.launch.agent import free_port
 
@@ -146,7 +162,7 @@ def measure_overhead(nproc: int, repetitions: int, steps: int, out_dir: Path) ->
                        OMP_NUM_THREADS="1")  # fmt: skip
             env.pop("LOOM_RUN_DIR", None)
             cmd = [sys.executable, "-m", "loom.observe.overhead", "--worker", "--repetitions", str(repetitions),
-                   "--steps", str(steps), "--result", str(result)]  # fmt: skip
+                   "--steps", str(steps), "--model", model, "--result", str(result)]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env))
         codes = [p.wait(timeout=1800) for p in procs]
         if any(codes):
@@ -159,6 +175,8 @@ def measure_overhead(nproc: int, repetitions: int, steps: int, out_dir: Path) ->
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+        "model": MODELS[model],
+        "command": f"python -m loom.observe.overhead --model {model} --repetitions {repetitions} --steps {steps}",
         "nproc": nproc,
         "repetitions": repetitions,
         "steps": steps,
@@ -176,9 +194,10 @@ def measure_overhead(nproc: int, repetitions: int, steps: int, out_dir: Path) ->
         "direct_cost_us": direct,
         "direct_cost_share": direct / (1e6 * statistics.median(times["off"])),
     }
-    (out_dir / "metrics_overhead.json").write_text(json.dumps(summary, indent=2))
-    _plot(summary, out_dir / "metrics_overhead.png")
-    (out_dir / "metrics_overhead.md").write_text(_markdown(summary))
+    stem = "metrics_overhead" if model == "cnn" else f"metrics_overhead_{model}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2))
+    _plot(summary, out_dir / f"{stem}.png")
+    (out_dir / f"{stem}.md").write_text(_markdown(summary, stem))
     return summary
 
 
@@ -205,18 +224,18 @@ def _plot(s: dict, path: Path) -> None:
     )
     right.set_ylabel("median step time (ms)")
     fig.suptitle(
-        f"loom.observe overhead: demo CNN, {s['nproc']} processes, {s['steps']} steps per repetition"
+        f"loom.observe overhead: {s['model'].split(',')[0]}, {s['nproc']} processes, {s['steps']} steps per repetition"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _markdown(s: dict) -> str:
+def _markdown(s: dict, stem: str) -> str:
     return (
         "# Metrics overhead (loom.observe on vs off)\n\n"
-        f"{s['date']}, {s['machine']}; `python -m loom.observe.overhead`; demo CNN on the 8x8 digits, global batch "
-        f"64, {s['nproc']} processes, {s['repetitions']} interleaved repetitions of {s['steps']} steps.\n\n"
+        f"{s['date']}, {s['machine']}; `{s['command']}`; {s['model']}, one thread per process, "
+        f"{s['nproc']} processes, {s['repetitions']} interleaved repetitions of {s['steps']} steps.\n\n"
         "| | median step time |\n|---|---|\n"
         f"| metrics off | {s['median_step_ms_off']:.2f} ms |\n| metrics on | {s['median_step_ms_on']:.2f} ms |\n\n"
         f"End to end, median of the paired per-repetition overheads: **{100 * s['overhead_median']:+.2f} %** "
@@ -235,12 +254,13 @@ def _markdown(s: dict) -> str:
         "Direct cost is measured in a tight loop, where Python's caches are warm; between two training steps the "
         "same calls took 2-4x longer (instrumented in a real run), so the end-to-end figure is the one to judge "
         "the 2 % budget by.\n\n"
-        "![step time on vs off](metrics_overhead.png)\n"
+        f"![step time on vs off]({stem}.png)\n"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="cnn")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repetitions", type=int, default=12)
     parser.add_argument("--steps", type=int, default=40)
@@ -249,9 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.repetitions, args.steps, args.result)
+        _worker(args.model, args.repetitions, args.steps, args.result)
         return 0
-    s = measure_overhead(args.nproc, args.repetitions, args.steps, args.out)
+    s = measure_overhead(args.nproc, args.repetitions, args.steps, args.out, args.model)
     print(
         f"metrics on {s['median_step_ms_on']:.2f} ms/step, off {s['median_step_ms_off']:.2f} ms/step: end to end "
         f"{100 * s['overhead_median']:+.2f} % (median of {s['repetitions']} paired repetitions; control job "
