@@ -233,8 +233,10 @@ class DataParallelJob:
         """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
         self.step = 0
         self.watchdog = Watchdog(topology.rank, topology.world_size, hang_timeout_s(config.hang_timeout_s))
-        self._loss_algorithm = config.allreduce if topology.device.type == "cpu" else "native"
-        """The loss all-reduce's algorithm: the job's own on CPU (see `_step_and_reduce_loss`)."""
+        shared_memory = config.allreduce in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
+        self._loss_algorithm = config.allreduce if shared_memory else "native"
+        """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared
+        memory on CPU; else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
         self.compression: CompressionHook | None = None
         """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
         """Numbers this job's collectives; `DataParallel.setup` starts one that stops a hung job."""
@@ -292,10 +294,10 @@ class DataParallelJob:
     def _step_and_reduce_loss(self, loss_sum: torch.Tensor) -> None:
         """``optimizer.step()`` and the all-reduce of ``[loss sum, straggler rows]``.
 
-        With loom's algorithms on CPU the buffer goes through the job's algorithm (shared memory on one host):
-        gloo's own all-reduce of the 9 values that carry 2 ranks' phase times took ~550 µs here against ~300 µs
-        for the loss alone (it switches from one exchange to a ring), ~10 % of a small step; shared memory took
-        ~250 µs for either. The native algorithm overlaps gloo's all-reduce with the optimizer step instead.
+        With loom's shared-memory algorithms on CPU the buffer goes through the job's algorithm:
+        gloo's own all-reduce of the 9 values that carry 2 ranks' phase times took ~550 µs on the 2-core
+        development host against ~300 µs for the loss alone, ~10 % of the demo's step; shared memory took ~250 µs
+        for either. Otherwise gloo's all-reduce is launched asynchronously and overlaps the optimizer step.
         """
         if not self.topology.is_distributed:
             self.optimizer.step()
