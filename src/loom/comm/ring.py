@@ -145,25 +145,36 @@ def run_ring(
 ) -> tuple[int, int]:
     """Run a `ring_schedule` with up to ``window`` transfers in flight; return (bytes sent, bytes received).
 
-    Transfer k+window is posted only once transfer k is done (received, reduced, sent), so a scratch slot is
-    free when it is reused and a segment is reduced before it is sent on. Empty buffers are skipped on both
-    ends. ``right``/``left`` are global ranks, as point-to-point calls need.
+    Sends: transfer k+window is sent only once transfer k is done (received, reduced, sent), so a segment is
+    reduced before it is sent on. Receives run ahead, in transfer order (gloo matches one pair's messages in
+    posting order): a reduce-scatter receive lands in scratch, so it waits for the same window (its slot must
+    be free); an all-gather receive lands in the result and is posted as soon as every earlier receive is.
+    That is safe: all-gather data for a segment can only arrive once the segment is fully reduced, which needs
+    this rank's contribution, sent after its last touch of the segment. A receive already posted when the
+    message arrives saves a round of gloo's matching: on the 2-core host, two dependent 2 KiB exchanges took
+    ~0.56 ms with the second receive posted up front against ~1.06 ms without. Empty buffers are skipped on
+    both ends. ``right``/``left`` are global ranks, as point-to-point calls need.
     """
-    pending: list[list[dist.Work]] = []
+    count = len(transfers)
+    receiving: list[dist.Work | None] = [None] * count
+    sending: list[dist.Work | None] = [None] * count
+    next_recv = next_send = 0
     sent = received = 0
     for k, transfer in enumerate(transfers):
-        while len(pending) < min(len(transfers), k + window):
-            send, recv, _, _ = transfers[len(pending)]
-            works = []
-            if recv.numel():
-                works.append(dist.irecv(recv, src=left, group=group))
+        while next_recv < count and (transfers[next_recv].reduce_into is None or next_recv < k + window):
+            recv = transfers[next_recv].recv
+            if recv.numel():  # a None work happens only outside ``group``, which the entry point refuses
+                receiving[next_recv] = dist.irecv(recv, src=left, group=group)
+            next_recv += 1
+        while next_send < min(count, k + window):
+            send = transfers[next_send].send
             if send.numel():
-                works.append(dist.isend(send, dst=right, group=group))
-            # A None work happens only for a process outside ``group``, which the entry point refuses.
-            pending.append([w for w in works if w is not None])
-        for work in pending[k]:
-            work.wait()
-        pending[k] = []
+                sending[next_send] = dist.isend(send, dst=right, group=group)
+            next_send += 1
+        for work in (receiving[k], sending[k]):
+            if work is not None:
+                work.wait()
+        receiving[k] = sending[k] = None
         if transfer.reduce_into is not None and transfer.recv.numel():
             combine_into(transfer.reduce_into, transfer.recv, op)
             if transfer.divide and divide_by != 1:
