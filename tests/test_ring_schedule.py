@@ -1,5 +1,6 @@
-"""loom.comm.ring's pipelined schedule, checked without processes: a lockstep simulation of every rank, and the
-window's safety (nothing in flight is written while it is being sent or received)."""
+"""loom.comm.ring's pipelined schedule, checked without processes: a lockstep simulation of every rank, the
+window's safety (nothing in flight is written while it is being sent or received), and the condition that lets
+all-gather receives be posted ahead of the window."""
 
 import itertools
 
@@ -72,8 +73,9 @@ def _written(t: Transfer) -> list[torch.Tensor]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("n", "numel", "segment_bytes", "window"), CASES)
 def test_window_never_touches_buffers_in_flight(n, numel, segment_bytes, window):
-    """`run_ring` posts transfer j once every transfer before j - window + 1 is finished. So while j is in
-    flight, transfers j - window + 1 .. j + window - 1 may be too: none of them may write what another reads."""
+    """`run_ring` posts transfer j once every transfer before j - window + 1 is finished (all-gather receives
+    go earlier: see the next test). So while j is in flight, transfers j - window + 1 .. j + window - 1 may be
+    too: none of them may write what another reads."""
     for rank in range(n):
         flat = torch.zeros(numel, dtype=torch.float32)
         transfers, w = ring_schedule(flat, rank, n, segment_bytes=segment_bytes, window=window)
@@ -85,3 +87,28 @@ def test_window_never_touches_buffers_in_flight(n, numel, segment_bytes, window)
                     assert not _overlap(written, earlier.recv), (rank, i, j)
                 for written in _written(earlier):  # i is reduced while j is in flight
                     assert not _overlap(written, later.send), (rank, i, j)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("n", "numel", "segment_bytes", "window"), CASES)
+def test_all_gather_receives_can_be_posted_ahead(n, numel, segment_bytes, window):
+    """`run_ring` posts an all-gather receive long before its turn. Safe because the data for it only exists
+    once the segment is fully reduced, which takes this rank's contribution: so this rank's last use of the
+    region before the receive must be *sending* it (after every reduction into it), and no earlier transfer
+    may still reduce into it or receive into it afterwards."""
+    for rank in range(n):
+        flat = torch.zeros(numel, dtype=torch.float32)
+        transfers, _ = ring_schedule(flat, rank, n, segment_bytes=segment_bytes, window=window)
+        for j, gather in enumerate(transfers):
+            if gather.reduce_into is not None or gather.recv.numel() == 0:
+                continue
+            touching = [
+                i
+                for i in range(j)
+                if _overlap(transfers[i].send, gather.recv)
+                or any(_overlap(w, gather.recv) for w in _written(transfers[i]))
+            ]
+            assert touching, (rank, j)  # every all-gathered segment was first sent by this rank
+            last = transfers[touching[-1]]
+            assert _overlap(last.send, gather.recv), (rank, j)
+            assert not any(_overlap(w, gather.recv) for w in _written(last)), (rank, j)
