@@ -2,12 +2,13 @@
 
 ``python -m loom.observe.overhead [--model cnn|mlp] [--nproc 2] [--repetitions 12] [--steps 40] [--out DIR]``
 
-Two jobs train the same model side by side: ``cnn``, the demo CNN on the 8x8 digits (global batch 64, a step of a
+Jobs train the same model side by side: ``cnn``, the demo CNN on the 8x8 digits (global batch 64, a step of a
 few ms: the worst case for a fixed per-step cost), or ``mlp``, the benchmark MLP of `loom bench dp`
-(784-1024-1024-10, synthetic data, global batch 256, a step of ~20-40 ms here). The two jobs train on the same process group, one with
-``DataParallel(observe=True)`` (phase timing, the timed DDP hook, bytes, straggler rows in the loss all-reduce,
-JSON lines written to a file) and one with ``observe=False`` (no records at all, the same all-reduce algorithm).
-Their steps alternate one by one (which goes first alternates too), so both modes see the same machine: on
+(784-1024-1024-10, synthetic data, global batch 256, a step of ~20-40 ms here). They share one process group:
+one with ``DataParallel(observe=True)`` (phase timing, the timed DDP hook, bytes, straggler rows in the loss
+all-reduce, JSON lines written to a file) and two with ``observe=False`` (no records at all, the same all-reduce
+algorithm; the second is the `MODES` control). Their steps alternate one by one (which goes first rotates too),
+so all modes see the same machine: on
 a shared 2-core box the speed drifts by tens of percent over a fraction of a second, which drowned the effect
 when whole blocks of steps (or whole repetitions with a fresh model and DDP) ran in one mode at a time.
 The step time is measured from outside the strategy (wall time around ``train_step``; the median step of

@@ -304,19 +304,19 @@ class DataParallelJob:
             self.observer.lap(OPTIMIZER)
             return
         with self.watchdog.collective("loss all-reduce"):
-            if self._loss_algorithm == "native":  # overlapped with the optimizer step
-                launched = time.perf_counter()
-                pending = dist.all_reduce(loss_sum, async_op=True)
-                self.optimizer.step()
-                self.observer.lap(OPTIMIZER)
+            native = self._loss_algorithm == "native"
+            launched = time.perf_counter()
+            pending = dist.all_reduce(loss_sum, async_op=True) if native else None  # overlaps the step
+            self.optimizer.step()
+            self.observer.lap(OPTIMIZER)
+            if pending is not None:
                 pending.wait()
-                self.observer.collective("all_reduce loss", launched, time.perf_counter(), loss_sum.nbytes)
             else:
-                self.optimizer.step()
-                self.observer.lap(OPTIMIZER)
                 launched = time.perf_counter()
-                comm_all_reduce(loss_sum, op="sum", algorithm=self._loss_algorithm)
-                self.observer.collective("all_reduce loss", launched, time.perf_counter(), estimate=False)
+                comm_all_reduce(loss_sum, op="sum", algorithm=self._loss_algorithm)  # counts its own bytes
+            self.observer.collective(
+                "all_reduce loss", launched, time.perf_counter(), loss_sum.nbytes, estimate=native
+            )
 
     def _no_sync(self):
         return self.wrapped.no_sync() if isinstance(self.wrapped, DistributedDataParallel) else nullcontext()
