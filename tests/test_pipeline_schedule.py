@@ -43,6 +43,25 @@ def test_simulated_bubble_is_theoretical(schedule, stages, microbatches, forward
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
+def test_message_time_adds_the_critical_path_messages(microbatches):
+    """GPipe pays for the 2(p - 1) messages of its ramp up and down, whatever m is; 1F1B with p = 2 pays for
+    max(2, m): its steady state alternates forwards and backwards with no slack, so its messages add up."""
+    c = 0.01
+    for stages in (2, 3, 4):
+        free = simulate("gpipe", stages, microbatches).makespan
+        assert simulate("gpipe", stages, microbatches, message_time=c).makespan == pytest.approx(
+            free + 2 * (stages - 1) * c
+        )
+    free = simulate("1f1b", 2, microbatches).makespan
+    paid = simulate("1f1b", 2, microbatches, message_time=c)
+    assert paid.makespan == pytest.approx(free + max(2, microbatches) * c)
+    assert paid.bubble > bubble_fraction(2, microbatches)
+    with pytest.raises(ValueError, match="message_time"):
+        simulate("1f1b", 2, microbatches, message_time=-c)
+
+
+@pytest.mark.timeout(10)
 @pytest.mark.parametrize(("stages", "microbatches"), CONFIGS)
 def test_liveness_gpipe_keeps_m_1f1b_at_most_p(stages, microbatches):
     for s in range(stages):

@@ -146,13 +146,23 @@ class SimulationResult:
 
 
 def simulate(
-    schedule: str, stages: int, microbatches: int, forward_time: float = 1.0, backward_time: float = 1.0
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    forward_time: float = 1.0,
+    backward_time: float = 1.0,
+    message_time: float = 0.0,
 ) -> SimulationResult:
-    """Replay every stage's instruction stream with fixed op durations and free communication.
+    """Replay every stage's instruction stream with fixed op durations and a fixed cost per message.
 
-    A receive waits for the matching op on the neighbouring stage; sends never block (as in the runtime). Raises
-    `RuntimeError` if no stage can make progress (a schedule that would deadlock).
+    A receive waits for the matching op on the neighbouring stage plus ``message_time`` (the message's one-way
+    latency; 0 gives the free communication of the textbook bubble); sends never block (as in the runtime).
+    Messages on the critical path add to the makespan: two per step for GPipe with p = 2, about two per
+    micro-batch for 1F1B, whose steady state leaves no slack. Raises `RuntimeError` if no stage can make
+    progress (a schedule that would deadlock).
     """
+    if message_time < 0:
+        raise ValueError(f"message_time must be >= 0, got {message_time}")
     streams = [stage_instructions(schedule, s, stages, microbatches) for s in range(stages)]
     pos = [0] * stages
     clock = [0.0] * stages
@@ -171,6 +181,8 @@ def simulate(
                     ready = clock[s]
                 if ready is None:
                     break
+                if ins.op in (Op.RECV_ACTIVATION, Op.RECV_GRADIENT):
+                    ready += message_time
                 clock[s] = max(clock[s], ready)
                 if ins.op in (Op.FORWARD, Op.BACKWARD):
                     duration = forward_time if ins.op is Op.FORWARD else backward_time
