@@ -23,9 +23,14 @@ SINGLE = Topology(0, 1, 0, 1, "none")
         (4, 3, "native"),
         (3, 10, "ring"),
         (3, 10, "driver"),
+        (2, 10, "shm"),
+        (4, 3, "auto"),
+        (3, 10, "hierarchical"),
     ],
 )
 def test_matches_one_process(workers, world_size, global_batch, allreduce):
+    """Shared-memory algorithms on one CPU host without a spare core average the gradients in shared memory
+    (`loom.strategies.shared_gradients`), the others through DDP; both equal one process."""
     steps = 10
     outputs = workers("dp_exact.py", world_size, str(global_batch), str(steps), allreduce, timeout=150)
     refs = {opt: reference_run(opt, global_batch, steps) for opt in ("sgd", "adam")}
@@ -35,6 +40,7 @@ def test_matches_one_process(workers, world_size, global_batch, allreduce):
         for run in runs:
             ref_losses, ref_params = refs[run["optimizer"]]
             label = f"rank {rank} {run['optimizer']} accumulate={run['accumulate']}"
+            assert run["shared_gradients"] == (allreduce in ("shm", "auto", "hierarchical")), label
             assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True)) <= 1e-5, label
             for name, ref in ref_params.items():
                 got = torch.tensor(run["params"][name]).view_as(ref)

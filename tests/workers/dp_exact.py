@@ -15,7 +15,9 @@ data = make_dataset()
 for optimizer in ("sgd", "adam"):
     for accumulate in (1, 3):
         model = make_mlp()
-        job = loom.DataParallel(accumulate=accumulate, allreduce=allreduce).setup(
+        # overlap=False: shared-memory gradients on any host (the default overlaps where a core is spare)
+        overlap = False if allreduce in ("shm", "auto", "hierarchical") else None
+        job = loom.DataParallel(accumulate=accumulate, allreduce=allreduce, overlap=overlap).setup(
             model, make_optimizer(optimizer, model), nn.functional.mse_loss
         )
         loader = loom.data.loader(data, global_batch, seed=1)
@@ -27,5 +29,13 @@ for optimizer in ("sgd", "adam"):
                     break
         params = {k: v.flatten().tolist() for k, v in job.module.state_dict().items()}
         print(
-            json.dumps({"optimizer": optimizer, "accumulate": accumulate, "losses": losses, "params": params})
+            json.dumps(
+                {
+                    "optimizer": optimizer,
+                    "accumulate": accumulate,
+                    "losses": losses,
+                    "params": params,
+                    "shared_gradients": job.shared_gradients is not None,
+                }
+            )  # fmt: skip
         )

@@ -275,6 +275,11 @@ class ShmContext:
             self._remap(min(max(1 << (want - 1).bit_length(), MIN_CAPACITY), MAX_PIECE_BYTES))
         return self.capacity
 
+    def map_slots(self, nbytes: int) -> None:
+        """Give every slot room for exactly ``nbytes`` (no piece limit), for a buffer that lives in the segment
+        (`loom.strategies.shared_gradients`). A collective; /dev/shm must hold one slot per local process."""
+        self._remap(max(nbytes, 64))
+
     def _remap(self, capacity: int) -> None:
         if MAX_PIECE_BYTES < 64:
             raise ValueError(f"loom.comm.shm.MAX_PIECE_BYTES must be at least 64, got {MAX_PIECE_BYTES}")

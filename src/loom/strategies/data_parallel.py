@@ -1,7 +1,11 @@
 """Synchronous data parallelism with global-batch semantics, built on PyTorch's DistributedDataParallel.
 
 Every worker holds the whole model and trains on its share of each global batch; gradients are all-reduced
-during backward (DDP's buckets overlap communication with the rest of backward). What loom adds is exactness
+during backward (DDP's buckets overlap communication with the rest of backward). One exception: with loom's
+shared-memory algorithms on a single CPU host whose cores are all computing (no overlap to gain), the model is
+not wrapped in DDP and the gradients are averaged in place in shared memory right after backward
+(`loom.strategies.shared_gradients`: no bucket copies, two barriers). The gradient is the same either way,
+and every process starts from rank 0's parameters and buffers as with DDP. What loom adds is exactness
 under uneven shares: DDP averages gradients over *processes*, which is the global-batch gradient only when every
 share has the same size. loom scales each replica's mean loss by ``n_r * W / N`` (``n_r`` its samples, ``W`` the
 world size, ``N`` the global batch) before backward, so DDP's average becomes ``sum_r n_r/N * grad_r``: the
@@ -18,6 +22,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -39,6 +44,7 @@ from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
 from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
+from loom.strategies.shared_gradients import SharedGradients, shared_gradients_unusable
 from loom.topology import Topology, current
 
 __all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
@@ -65,11 +71,13 @@ class DataParallelConfig:
     memory on one host, ``ring``/``driver`` over sockets, ``hierarchical`` both; ``auto`` picks from a
     calibration cached per host (on GPUs it is ``native``)."""
     overlap: bool | None = None
-    """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or inside the
-    DDP hook, blocking backward (False). None: overlap only when this host has a core to spare for the thread
+    """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or after (or
+    inside) backward, blocking it (False). None: overlap only when this host has a core to spare for the thread
     (usable cores > local processes x torch threads each). With every core busy computing, the thread only
     competes with backward: synchronous shm measured 1.44x raw DDP against 1.36x overlapped on 2 processes x 1
-    thread on 2 cores (``benchmarks/reports/dp_allreduce.md``)."""
+    thread on 2 cores (``benchmarks/reports/dp_allreduce.md``). Without overlap, ``auto``/``shm``/
+    ``hierarchical`` on one CPU host average the gradients in shared memory after backward, without DDP, unless
+    the model has buffers to broadcast or parameters of several dtypes."""
     compression: str | None = None
     """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``topk:<fraction>`` or
     ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
@@ -122,8 +130,13 @@ class DataParallel:
         model.to(topo.device)
         metrics = StepMetrics(topo.rank, self.metrics_path or _default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
+        shared: SharedGradients | None = None
+        hook: Callable | None = None
         if topo.is_distributed:
             check_same_model(model, topo.rank, topo.world_size)
+            shared = _shared_gradients(self.config, topo, model)
+        wrapped: nn.Module = model
+        if topo.is_distributed and shared is None:
             ddp = DistributedDataParallel(
                 model,
                 device_ids=[topo.local_rank] if topo.device.type == "cuda" else None,
@@ -134,15 +147,48 @@ class DataParallel:
             )
             hook = _gradient_hook(self.config, topo)
             observer.register_comm_hook(ddp, hook)
-            wrapped: nn.Module = ddp
-        else:
-            hook, wrapped = None, model
+            wrapped = ddp
         job = DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
         job.observer = observer
+        job.shared_gradients = shared
         job.compression = hook if isinstance(hook, CompressionHook) else None
         if topo.is_distributed:
             job.watchdog = Watchdog.start(topo, self.config.hang_timeout_s)
         return job
+
+
+def _shared_gradients(config: DataParallelConfig, topo: Topology, model: nn.Module) -> SharedGradients | None:
+    """`SharedGradients` for ``model`` when its gradients can be averaged in shared memory, else None (DDP).
+
+    That is: loom's shared-memory algorithms (``auto``, ``shm``, ``hierarchical``) on CPU, every process on
+    one host, no compression and no overlap wanted; every input of this decision is the same on all ranks. Like
+    DDP, it starts every process from rank 0's parameters and buffers.
+    """
+    if topo.device.type != "cpu":
+        return None
+    wanted = (
+        config.allreduce in ("auto", "shm", "hierarchical")
+        and config.compression is None
+        and topo.world_size == topo.local_world_size
+        and not _overlap(config, topo)
+        and shared_gradients_unusable(model, config.broadcast_buffers) is None
+    )
+    everyone = torch.tensor([int(wanted)])
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)  # e.g. thread counts may differ: all take the same path
+    if not everyone.item():
+        return None
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+    try:
+        return SharedGradients(model)
+    except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
+        warnings.warn(f"rank {topo.rank}: gradients go through DDP: {error}", stacklevel=3)
+        return None
+
+
+def _overlap(config: DataParallelConfig, topo: Topology) -> bool:
+    return config.overlap if config.overlap is not None else has_spare_core(topo.local_world_size)
 
 
 def _gradient_hook(config: DataParallelConfig, topo: Topology) -> Callable | None:
@@ -151,8 +197,11 @@ def _gradient_hook(config: DataParallelConfig, topo: Topology) -> Callable | Non
         return compression_hook(make_codec(config.compression))
     if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
         return None
-    overlap = config.overlap if config.overlap is not None else has_spare_core(topo.local_world_size)
-    return overlapped_allreduce_hook(config.allreduce) if overlap else allreduce_hook(config.allreduce)
+    return (
+        overlapped_allreduce_hook(config.allreduce)
+        if _overlap(config, topo)
+        else allreduce_hook(config.allreduce)
+    )
 
 
 def has_spare_core(local_processes: int) -> bool:
@@ -233,13 +282,16 @@ class DataParallelJob:
         """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
         self.step = 0
         self.watchdog = Watchdog(topology.rank, topology.world_size, hang_timeout_s(config.hang_timeout_s))
+        """Numbers this job's collectives; `DataParallel.setup` starts one that stops a hung job."""
         shared_memory = config.allreduce in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
         self._loss_algorithm = config.allreduce if shared_memory else "native"
         """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared
         memory on CPU; else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
         self.compression: CompressionHook | None = None
         """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
-        """Numbers this job's collectives; `DataParallel.setup` starts one that stops a hung job."""
+        self.shared_gradients: SharedGradients | None = None
+        """Set when gradients are averaged in shared memory after backward instead of by DDP (see
+        `loom.strategies.shared_gradients`); then `wrapped` is the model itself."""
 
     # -- training --------------------------------------------------------------------------------------------
     def _global_count(self, batch: Any, local: int) -> int:
@@ -274,17 +326,31 @@ class DataParallelJob:
         pieces = [p for p in _micro_batches(inputs, targets, self.config.accumulate) if p[2] > 0]
         # [loss sum, every rank's phase times]: stragglers ride on this all-reduce (see loom.observe.phases)
         loss_sum = self.observer.loss_buffer(device)
-        if not pieces:  # empty share: join the gradient all-reduce with zero contribution
+        ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
+        if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
             with self.watchdog.collective("gradient all-reduce"):
                 _zero_loss(self.wrapped(inputs)).backward()
         for i, (x, y, n) in enumerate(pieces):
             sync_now = i == len(pieces) - 1
             with self._no_sync() if not sync_now else nullcontext():
                 loss = self.loss_fn(self.wrapped(x), y)
-                with self.watchdog.collective("gradient all-reduce") if sync_now else nullcontext():
+                with (
+                    self.watchdog.collective("gradient all-reduce")
+                    if sync_now and ddp_syncs
+                    else nullcontext()
+                ):
                     (loss * (n * world / total)).backward()
             loss_sum[0] += loss.detach().double() * n
         self.observer.backward_done()
+        if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
+            with self.watchdog.collective("gradient all-reduce"):
+                launched = time.perf_counter()
+                self.shared_gradients.average()
+                self.observer.lap(COMM)
+                nbytes = self.shared_gradients.nbytes
+                self.observer.collective(
+                    "all_reduce gradients", launched, time.perf_counter(), nbytes, estimate=False
+                )
         self._step_and_reduce_loss(loss_sum)
         global_loss = float(loss_sum[0].item()) / total
         self.step += 1

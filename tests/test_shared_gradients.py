@@ -1,0 +1,38 @@
+"""Gradients averaged in shared memory (`loom.strategies.shared_gradients`): values, views, bytes, when used."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from loom.comm.shm import shm_unsupported_reason
+from loom.strategies.shared_gradients import shared_gradients_unusable
+
+pytestmark = pytest.mark.skipif(shm_unsupported_reason() is not None, reason=str(shm_unsupported_reason()))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_average_equals_the_mean_of_every_ranks_gradient(workers, world_size):
+    for rank, out in enumerate(workers("shared_grads.py", world_size, timeout=100)):
+        got = json.loads(out.splitlines()[-1])
+        assert got["worst"] <= 1e-6, (rank, got)
+        assert got["views"], f"rank {rank}: a .grad is not a view of its shared slot"
+        # the owner writes its averaged chunk into the L - 1 other slots
+        assert got["sent_per_step"] == (world_size - 1) * got["chunk_bytes"] > 0, (rank, got)
+        assert not got["buffers_shared"], (
+            f"rank {rank}: a model with buffers to broadcast must go through DDP"
+        )
+
+
+@pytest.mark.timeout(10)
+def test_models_it_cannot_serve_are_named():
+    assert "dtype" in shared_gradients_unusable(
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), True
+    )
+    assert "buffers" in shared_gradients_unusable(nn.BatchNorm1d(3), True)
+    assert shared_gradients_unusable(nn.BatchNorm1d(3), False) is None
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    assert "no trainable" in shared_gradients_unusable(frozen, True)
+    assert shared_gradients_unusable(nn.Linear(2, 2).to(torch.float16), True) is None

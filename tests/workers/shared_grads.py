@@ -1,0 +1,59 @@
+"""SharedGradients against the plain average of every rank's gradients; DataParallel's choice of path.
+
+Prints one JSON line: the largest difference to the gathered average over a few steps (one parameter unused in
+the forward, so its gradient is None on every rank), whether each .grad is a view of this process's slot, the
+shm bytes counted per step, and which path DataParallel took for a model with a BatchNorm buffer.
+"""
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import loom
+from loom.comm import counters
+from loom.strategies.shared_gradients import SharedGradients
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+topo = loom.init()
+torch.manual_seed(0)
+model = WithUnused()
+shared = SharedGradients(model)
+worst = 0.0
+for step in range(3):
+    for p in model.parameters():
+        p.grad = None
+    g = torch.Generator().manual_seed(100 * step + topo.rank)
+    model(torch.randn(4 + topo.rank, 5, generator=g)).pow(2).mean().backward()
+    local = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    before = counters().shm_bytes_sent
+    shared.average()
+    sent = counters().shm_bytes_sent - before
+    for p, mine in zip(model.parameters(), local, strict=True):
+        every = [torch.empty_like(mine) for _ in range(topo.world_size)]
+        dist.all_gather(every, mine)
+        mean = torch.stack(every).sum(0) / topo.world_size
+        worst = max(worst, (p.grad - mean).abs().max().item())
+slot = shared.slots[shared.context.local_rank]
+views = all(
+    p.grad.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr() for p in model.parameters()
+)
+lo, hi = shared.chunk
+normed = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+with_buffers = loom.DataParallel(allreduce="shm", overlap=False).setup(
+    normed, torch.optim.SGD(normed.parameters(), lr=0.1), nn.functional.mse_loss
+)
+with_buffers.train_step((torch.randn(4, 4), torch.randn(4, 4)))
+print(json.dumps({"worst": worst, "views": views, "sent_per_step": sent, "chunk_bytes": (hi - lo) * 4,
+                  "buffers_shared": with_buffers.shared_gradients is not None}))  # fmt: skip
