@@ -29,7 +29,7 @@ import torch
 
 __all__ = ["run_dp_allreduce_benchmark"]
 
-DEFAULT_CONFIGS = "ddp,overlap_shm,overlap_auto,sync_shm"
+DEFAULT_CONFIGS = "ddp,overlap_shm,overlap_auto,sync_shm,shared_shm"
 DESCRIPTIONS = {
     "ddp": "raw DDP (gloo all-reduce, DDP's own overlap)",
     "ddp_view": "raw DDP, gradient_as_bucket_view",
@@ -40,6 +40,7 @@ DESCRIPTIONS = {
     "overlap_shm_b2": "DDP + overlapped shm, 2 MB buckets, bucket view",
     "sync_shm": "DDP + allreduce_hook('shm') (synchronous)",
     "no_comm": "DDP, hook without communication (compute-only ceiling)",
+    "shared_shm": "no DDP: gradients averaged in shared memory after backward (DataParallel's default here)",
 }
 
 

@@ -26,6 +26,7 @@ from loom.comm import allreduce_hook
 from loom.comm.auto import policy_for
 from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.data import share_bounds
+from loom.strategies.shared_gradients import SharedGradients
 
 CONFIGS = {
     # name: (hook: None | "sync" | "overlap", algorithm, bucket_cap_mb, gradient_as_bucket_view)
@@ -38,6 +39,7 @@ CONFIGS = {
     "overlap_auto_view": ("overlap", "auto", 25.0, True),
     "ddp_view": (None, "native", 25.0, True),
     "no_comm": ("none", "native", 25.0, True),  # the compute-only ceiling: a hook that does not communicate
+    "shared_shm": ("shared", "shm", 0.0, False),  # no DDP: SharedGradients after backward (DataParallel's path)
 }
 
 
@@ -72,7 +74,10 @@ def time_config(name: str, topo, data, global_batch: int, warmup: int) -> float:
     model = bench_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     wrapped: nn.Module = model
-    if topo.is_distributed:
+    shared: SharedGradients | None = None
+    if topo.is_distributed and CONFIGS[name][0] == "shared":
+        shared = SharedGradients(model)
+    elif topo.is_distributed:
         hook, algorithm, cap, view = CONFIGS[name]
         ddp = DistributedDataParallel(model, bucket_cap_mb=cap, gradient_as_bucket_view=view)
         if hook == "sync":
@@ -90,6 +95,8 @@ def time_config(name: str, topo, data, global_batch: int, warmup: int) -> float:
         base = i * global_batch
         optimizer.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(wrapped(x[base + lo : base + hi]), y[base + lo : base + hi]).backward()
+        if shared is not None:
+            shared.average()
         optimizer.step()
 
     for i in range(warmup):
