@@ -39,7 +39,12 @@ CONFIGS = {
     "overlap_auto_view": ("overlap", "auto", 25.0, True),
     "ddp_view": (None, "native", 25.0, True),
     "no_comm": ("none", "native", 25.0, True),  # the compute-only ceiling: a hook that does not communicate
-    "shared_shm": ("shared", "shm", 0.0, False),  # no DDP: SharedGradients after backward (DataParallel's path)
+    "shared_shm": (
+        "shared",
+        "shm",
+        0.0,
+        False,
+    ),  # no DDP: SharedGradients after backward (DataParallel's path)
 }
 
 
