@@ -109,8 +109,9 @@ def test_a_rank_that_skips_an_all_reduce_stops_the_job_with_a_report(tmp_path):
     assert result.returncode != 0
     assert "rank 1 skips the metric all-reduce" in result.stdout
     assert "HangError: loom watchdog:" in result.stderr
-    assert "collective 'metric all-reduce' #9; ranks [1] did not arrive" in result.stderr
-    assert "rank 1: last completed 'loss all-reduce' #8; not in a collective" in result.stderr
+    # two collectives per step: the gradients (which carry the loss) and the metric
+    assert "collective 'metric all-reduce' #6; ranks [1] did not arrive" in result.stderr
+    assert "rank 1: last completed 'gradient all-reduce' #5; not in a collective" in result.stderr
     assert "finished: the hang went unnoticed" not in result.stdout
     assert stopped_after < timeout_s + 5
     assert wait_until_gone(str(script)) == []

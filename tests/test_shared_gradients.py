@@ -18,6 +18,8 @@ def test_average_equals_the_mean_of_every_ranks_gradient(workers, world_size):
     for rank, out in enumerate(workers("shared_grads.py", world_size, timeout=100)):
         got = json.loads(out.splitlines()[-1])
         assert got["worst"] <= 1e-6, (rank, got)
+        assert got["worst_extra"] == 0.0, (rank, got)  # float64 sums of exactly representable values
+        assert "1-D float64 tensor of at most 3 values" in got["refused"], (rank, got)
         assert got["views"], f"rank {rank}: a .grad is not a view of its shared slot"
         # the owner writes its averaged chunk into the L - 1 other slots
         assert got["sent_per_step"] == (world_size - 1) * got["chunk_bytes"] > 0, (rank, got)

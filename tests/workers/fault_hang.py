@@ -19,7 +19,8 @@ from loom.fault import watchdog
 timeout_s, skip_rank, stamp = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 topo = loom.init()
 model = make_mlp()
-job = loom.DataParallel(hang_timeout_s=timeout_s).setup(
+# overlap=False: gradients averaged in shared memory on any host, so the collectives are numbered alike everywhere
+job = loom.DataParallel(hang_timeout_s=timeout_s, overlap=False).setup(
     model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss
 )
 for step, batch in enumerate(loom.data.loader(make_dataset(), 9, seed=0), start=1):

@@ -1,8 +1,9 @@
 """SharedGradients against the plain average of every rank's gradients; DataParallel's choice of path.
 
 Prints one JSON line: the largest difference to the gathered average over a few steps (one parameter unused in
-the forward, so its gradient is None on every rank), whether each .grad is a view of this process's slot, the
-shm bytes counted per step, and which path DataParallel took for a model with a BatchNorm buffer.
+the forward, so its gradient is None on every rank) and to the sum of the float64 values carried along, the
+refusal of a bad one, whether each .grad is a view of this process's slot, the shm bytes counted per step, and
+which path DataParallel took for a model with a BatchNorm buffer.
 """
 
 import json
@@ -29,7 +30,7 @@ class WithUnused(nn.Module):
 topo = loom.init()
 torch.manual_seed(0)
 model = WithUnused()
-shared = SharedGradients(model)
+shared = SharedGradients(model, extra_values=3)
 worst = 0.0
 for step in range(3):
     for p in model.parameters():
@@ -38,8 +39,13 @@ for step in range(3):
     model(torch.randn(4 + topo.rank, 5, generator=g)).pow(2).mean().backward()
     local = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     before = counters().shm_bytes_sent
-    shared.average()
-    sent = counters().shm_bytes_sent - before
+    extra = torch.tensor([topo.rank + 0.25, step * 10.0**topo.rank], dtype=torch.float64)
+    shared.average(extra)
+    sent = counters().shm_bytes_sent - before - extra.nbytes
+    worst_extra = max(
+        abs(extra[0].item() - sum(r + 0.25 for r in range(topo.world_size))),
+        abs(extra[1].item() - sum(step * 10.0**r for r in range(topo.world_size))),
+    )
     for p, mine in zip(model.parameters(), local, strict=True):
         every = [torch.empty_like(mine) for _ in range(topo.world_size)]
         dist.all_gather(every, mine)
@@ -49,6 +55,11 @@ slot = shared.slots[shared.context.local_rank]
 views = all(
     p.grad.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr() for p in model.parameters()
 )
+try:
+    shared.average(torch.zeros(2))  # float32: refused before any process waits for the others
+    refused = ""
+except ValueError as error:
+    refused = str(error)
 lo, hi = shared.chunk
 normed = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
 with_buffers = loom.DataParallel(allreduce="shm", overlap=False).setup(
@@ -56,4 +67,5 @@ with_buffers = loom.DataParallel(allreduce="shm", overlap=False).setup(
 )
 with_buffers.train_step((torch.randn(4, 4), torch.randn(4, 4)))
 print(json.dumps({"worst": worst, "views": views, "sent_per_step": sent, "chunk_bytes": (hi - lo) * 4,
-                  "buffers_shared": with_buffers.shared_gradients is not None}))  # fmt: skip
+                  "buffers_shared": with_buffers.shared_gradients is not None, "worst_extra": worst_extra,
+                  "refused": refused}))  # fmt: skip

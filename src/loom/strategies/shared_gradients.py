@@ -1,23 +1,24 @@
 """Gradients averaged in place in shared memory: DataParallel's path when every process is on one CPU host.
 
-With DDP and a loom all-reduce, a gradient crosses memory four times after backward: DDP copies it into its
-bucket, the shared-memory all-reduce copies the bucket into the segment, reduces, and copies the result back.
-Here the segment *is* the gradient buffer. Each process has one slot holding all its trainable parameters'
-gradients, flat, in parameter order:
+With DDP and a loom all-reduce, a gradient crosses memory several times after backward: DDP copies it into its
+bucket, the shared-memory all-reduce publishes the bucket in the segment, reduces, and copies the result back.
+Here the segment holds the gradients themselves. Each process has one slot for all its trainable parameters'
+gradients, flat, in parameter order, and owns one chunk of that flat range (L processes, L chunks, cache-line
+aligned):
 
-1. after backward, each process copies its gradients into its slot (the one copy DDP also makes) and waits at
-   the segment's barrier;
-2. process r owns chunk r of the flat buffer (cache-line aligned): it sums chunk r over every slot, in rank
-   order from its own, divides by the number of processes, and writes the average into chunk r of *every*
-   slot; barrier;
-3. every parameter's ``.grad`` is now a view of this process's slot, which holds the averaged gradient: the
-   optimizer reads it where it lies, nothing is copied back.
+1. after backward, each process copies its gradients *outside its own chunk* into its slot, and waits at the
+   segment's barrier;
+2. process r sums chunk r: its own gradient (still in private memory, never copied) plus the other slots'
+   copies, in rank order from its own, divides by L, and writes the average into chunk r of *every* slot;
+   barrier;
+3. every parameter's ``.grad`` becomes a view of this process's slot, which now holds the averaged gradient:
+   the optimizer reads it where it lies, nothing is copied back.
 
-Two barriers and 2 (L - 1)/L of the gradient read and written per process (L processes), against roughly
-twice that with DDP's bucket in between: measured on the 2-core development host, 7.4 MB averaged in ~1.0 ms
-against ~2.6 ms for ``loom.comm.all_reduce(algorithm="shm")`` on a private buffer. Slots are reused from step
-to step without more barriers: a process writes its slot for step k+1 only after passing step k's second
-barrier, and the others write into it (step 2 of k+1) only after it reaches step k+1's first barrier.
+Per process that is (L - 1)/L of the gradient written in step 1, and read and written L - 1 times over in step
+2, with two barriers: for 2 processes, about 6 half-gradients of memory traffic against about 13 with DDP's
+bucket and `loom.comm.all_reduce(algorithm="shm")`. Slots are reused from step to step without more barriers:
+a process writes its slot for step k+1 only after passing step k's second barrier, and the others write into
+it (step 2 of k+1) only after it reaches step k+1's first barrier, i.e. after its optimizer step k.
 
 Limits: every process on one host, CPU tensors, one floating-point dtype for all trainable parameters; the
 averaged gradients live in memory the other processes write during the next step's reduction (read or copy
@@ -60,7 +61,9 @@ class SharedGradients:
     Construction is a collective over ``group`` (every process of it must construct one, for the same model).
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, group: dist.ProcessGroup | None = None, extra_values: int = 0
+    ) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.context = ShmContext(group)  # its own segment: the all-reduce's cached one holds pieces of 4 MiB
         ctx = self.context
@@ -71,39 +74,88 @@ class SharedGradients:
         dtype = self.params[0].dtype
         numel = sum(p.numel() for p in self.params)
         self.nbytes = numel * dtype.itemsize
-        ctx.map_slots(self.nbytes)
+        extras_at = -(-self.nbytes // _ALIGN) * _ALIGN
+        ctx.map_slots(extras_at + 8 * extra_values)
         self.slots = ctx.slots(dtype, numel)
-        mine = self.slots[ctx.local_rank]
-        self.views: list[torch.Tensor] = []
-        offset = 0
+        segment = ctx.segment
+        assert segment is not None  # one host, several processes: the segment exists
+        self.extras = [
+            segment.data[segment.offset(j) + extras_at :][: 8 * extra_values].view(torch.float64)
+            for j in range(ctx.local_size)
+        ]
+        """Each slot's ``extra_values`` float64 after the gradients: small sums that ride along (the loss)."""
+        self.spans: list[tuple[int, int]] = []
+        """Each parameter's [start, end) in the flat buffer."""
         for p in self.params:
-            self.views.append(mine[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+            start = self.spans[-1][1] if self.spans else 0
+            self.spans.append((start, start + p.numel()))
+        mine = self.slots[ctx.local_rank]
+        self.views = [mine[a:b].view_as(p) for p, (a, b) in zip(self.params, self.spans, strict=True)]
         size, align = ctx.local_size, max(1, _ALIGN // dtype.itemsize)
         bounds = [min(numel, -(-(j * numel // size) // align) * align) for j in range(size)] + [numel]
-        self.chunk = (bounds[ctx.local_rank], bounds[ctx.local_rank + 1])
+        lo, hi = self.chunk = (bounds[ctx.local_rank], bounds[ctx.local_rank + 1])
         self.others = ctx.reduce_order
         """The other processes' local ranks, in the order their copies of this process's chunk are added."""
+        self.own_pieces = [
+            (i, max(a, lo), min(b, hi)) for i, (a, b) in enumerate(self.spans) if max(a, lo) < min(b, hi)
+        ]
+        """(parameter index, start, end) of the parts of this process's chunk, each within one parameter."""
 
-    def average(self) -> None:
-        """Steps 1-3 of the module docstring: leave every parameter's ``.grad`` the average over processes."""
+    def average(self, extra: torch.Tensor | None = None) -> None:
+        """Steps 1-3 of the module docstring: leave every parameter's ``.grad`` the average over processes.
+
+        ``extra``, a float64 tensor of at most ``extra_values`` elements, is summed over the processes on the way
+        (in place, in rank order, so equal everywhere): written with step 1, read between the two barriers,
+        when every process has written it and none can overwrite it yet. DataParallel sends its loss this way
+        instead of in a collective of its own, which would be one more point where processes wait for each other.
+        """
         ctx, (lo, hi) = self.context, self.chunk
-        for p, view in zip(self.params, self.views, strict=True):
-            grad = p.grad
-            if grad is None:  # unused in this forward: contributes zeros, as DDP's buckets do
-                view.zero_()
-            elif grad is not view:
-                view.copy_(grad.to_dense() if grad.is_sparse else grad)
+        mine = self.slots[ctx.local_rank]
+        if extra is not None:
+            if extra.dtype != torch.float64 or extra.dim() != 1 or extra.numel() > self.extras[0].numel():
+                raise ValueError(
+                    f"extra must be a 1-D float64 tensor of at most {self.extras[0].numel()} values, got a "
+                    f"{tuple(extra.shape)} {extra.dtype} one"
+                )
+            self.extras[ctx.local_rank][: extra.numel()].copy_(extra)
+        grads = [_flat_grad(p) for p in self.params]
+        for grad, (start, end) in zip(grads, self.spans, strict=True):
+            for a, b in ((start, min(end, lo)), (max(start, hi), end)):  # the parts outside this chunk
+                if a < b:
+                    if grad is None:  # unused in this forward: contributes zeros, as DDP's buckets do
+                        mine[a:b].zero_()
+                    else:
+                        mine[a:b].copy_(grad[a - start : b - start])
         ctx.barrier()
-        if hi > lo:
-            own = self.slots[ctx.local_rank][lo:hi]
+        if (
+            extra is not None
+        ):  # every process wrote its values before the barrier; none rewrites them before the next
+            extra.copy_(self.extras[0][: extra.numel()])
+            for j in range(1, ctx.local_size):
+                extra.add_(self.extras[j][: extra.numel()])
+        for i, a, b in self.own_pieces:
+            grad, result = grads[i], mine[a:b]
+            first, *rest = self.others
+            if grad is None:
+                result.copy_(self.slots[first][a:b])
+            else:
+                start = self.spans[i][0]
+                torch.add(grad[a - start : b - start], self.slots[first][a:b], out=result)
+            for j in rest:
+                result.add_(self.slots[j][a:b])
+            result.div_(ctx.local_size)
             for j in self.others:
-                own.add_(self.slots[j][lo:hi])
-            own.div_(ctx.local_size)
-            for j in self.others:
-                self.slots[j][lo:hi].copy_(own)
+                self.slots[j][a:b].copy_(result)
         ctx.barrier()
         for p, view in zip(self.params, self.views, strict=True):
             p.grad = view
-        others = len(self.others) * (hi - lo) * self.slots[0].element_size()
-        counters().record("shm", 0, 0, shm_sent=others, shm_received=others)
+        sent = len(self.others) * (hi - lo) * mine.element_size()
+        small = extra.nbytes if extra is not None else 0
+        counters().record("shm", 0, 0, shm_sent=sent + small, shm_received=sent + len(self.others) * small)
+
+
+def _flat_grad(p: torch.Tensor) -> torch.Tensor | None:
+    grad = p.grad
+    if grad is None:
+        return None
+    return (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
