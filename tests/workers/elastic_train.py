@@ -7,6 +7,7 @@ first attempt noticed or was stopped), ``resumed`` (the restarted group is about
 Prints a JSON line per rank with the result and the final parameters.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -25,9 +26,9 @@ attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def note(event: str, text: str = "") -> None:
-    path = times / event
-    if not path.exists():
-        path.write_text(f"{time.time()} {text}")
+    """The first process to note ``event`` writes its time (both ranks may try at once: "x" lets one win)."""
+    with contextlib.suppress(FileExistsError), open(times / event, "x") as f:
+        f.write(f"{time.time()} {text}")
 
 
 def stopped(signum, frame):
