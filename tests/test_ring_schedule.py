@@ -1,13 +1,13 @@
 """loom.comm.ring's pipelined schedule, checked without processes: a lockstep simulation of every rank, the
 window's safety (nothing in flight is written while it is being sent or received), and the condition that lets
-all-gather receives be posted ahead of the window."""
+all-gather receives be posted ahead of the window; the two-process exchange."""
 
 import itertools
 
 import pytest
 import torch
 
-from loom.comm.ring import Transfer, ring_schedule
+from loom.comm.ring import Transfer, exchange_schedule, ring_schedule
 
 CASES = list(itertools.product([2, 3, 4], [0, 1, 3, 1000, 1001], [16, 64, 1 << 20], [1, 2, 3]))
 
@@ -112,3 +112,24 @@ def test_all_gather_receives_can_be_posted_ahead(n, numel, segment_bytes, window
             last = transfers[touching[-1]]
             assert _overlap(last.send, gather.recv), (rank, j)
             assert not any(_overlap(w, gather.recv) for w in _written(last)), (rank, j)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("numel", [0, 1, 1000, 1001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_two_process_exchange_gives_both_the_same_bits(numel, dtype):
+    """One transfer each way of the whole tensor (the ring's D bytes per process for N = 2), then each process
+    combines the other's tensor into its own: a + b on one, b + a on the other, equal to the last bit."""
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(2)]
+    flats = [t.clone() for t in inputs]
+    schedules = [exchange_schedule(flat)[0] for flat in flats]
+    assert [len(s) for s in schedules] == [1, 1]
+    (a,), (b,) = schedules
+    assert a.send.nbytes == a.recv.nbytes == inputs[0].nbytes and a.divide
+    payloads = [a.send.clone(), b.send.clone()]
+    a.recv.copy_(payloads[1])
+    b.recv.copy_(payloads[0])
+    for t in (a, b):
+        t.reduce_into.add_(t.recv)
+    assert torch.equal(flats[0], flats[1])
+    torch.testing.assert_close(flats[0], inputs[0] + inputs[1])
