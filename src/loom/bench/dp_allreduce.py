@@ -111,7 +111,7 @@ def _markdown(r: dict) -> str:
     ]
     return "\n".join(
         [
-            "# DDP gradient all-reduce: loom's hooks vs raw DDP",
+            "# Gradient averaging in data-parallel training: loom's paths vs raw DDP",
             "",
             f"Command: `python -m loom.bench.dp_allreduce --repetitions {r['repetitions']} --steps "
             f"{r['steps_per_repetition']}` ({r['date']}; {r['machine']}).",
