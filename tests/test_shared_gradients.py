@@ -26,6 +26,11 @@ def test_average_equals_the_mean_of_every_ranks_gradient(workers, world_size):
         assert not got["buffers_shared"], (
             f"rank {rank}: a model with buffers to broadcast must go through DDP"
         )
+        # no room in /dev/shm: every rank falls back to DDP, says why (the creator, rank 0, names the cause), trains
+        assert not got["fallback_shared"] and got["fallback_loss"] > 0, (rank, got)
+        why = "/dev/shm full" if rank == 0 else "first process could not create the segment"
+        warned = got["fallback_warnings"]
+        assert any("gradients go through DDP" in w and why in w for w in warned), (rank, warned)
 
 
 @pytest.mark.timeout(10)

@@ -3,16 +3,18 @@
 Prints one JSON line: the largest difference to the gathered average over a few steps (one parameter unused in
 the forward, so its gradient is None on every rank) and to the sum of the float64 values carried along, the
 refusal of a bad one, whether each .grad is a view of this process's slot, the shm bytes counted per step, and
-which path DataParallel took for a model with a BatchNorm buffer.
+which path DataParallel took for a model with a BatchNorm buffer and when no segment can be created.
 """
 
 import json
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import loom
+import loom.comm.shm as shm
 from loom.comm import counters
 from loom.strategies.shared_gradients import SharedGradients
 
@@ -66,6 +68,23 @@ with_buffers = loom.DataParallel(allreduce="shm", overlap=False).setup(
     normed, torch.optim.SGD(normed.parameters(), lr=0.1), nn.functional.mse_loss
 )
 with_buffers.train_step((torch.randn(4, 4), torch.randn(4, 4)))
+
+
+def no_room(*args, **kwargs):
+    raise OSError("cannot reserve shared memory (simulated: /dev/shm full)")
+
+
+# /dev/shm too small for the gradients (the host's first process cannot create the segment): every process
+# falls back to DDP with a warning naming the cause, and trains
+shm.Segment.create = no_room  # type: ignore[method-assign]
+small = nn.Linear(4, 2)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fallback = loom.DataParallel(allreduce="shm", overlap=False).setup(
+        small, torch.optim.SGD(small.parameters(), lr=0.1), nn.functional.mse_loss
+    )
+fallback_loss = fallback.train_step((torch.ones(4, 4), torch.zeros(4, 2)))
 print(json.dumps({"worst": worst, "views": views, "sent_per_step": sent, "chunk_bytes": (hi - lo) * 4,
                   "buffers_shared": with_buffers.shared_gradients is not None, "worst_extra": worst_extra,
-                  "refused": refused}))  # fmt: skip
+                  "refused": refused, "fallback_shared": fallback.shared_gradients is not None,
+                  "fallback_warnings": [str(w.message) for w in caught], "fallback_loss": fallback_loss}))  # fmt: skip
