@@ -156,17 +156,18 @@ def test_bad_compression_spec_is_refused():
 @pytest.mark.timeout(10)
 def test_overlap_follows_the_config_and_by_default_the_spare_cores(monkeypatch):
     from loom.strategies import data_parallel as dp
+    from loom.strategies import data_parallel_sync as sync
 
     topo = Topology(0, 2, 0, 2, "gloo")
 
     def kind(**config) -> str:
-        return dp._gradient_hook(dp.DataParallelConfig(allreduce="shm", **config), topo).__qualname__
+        return sync.gradient_hook(dp.DataParallelConfig(allreduce="shm", **config), topo).__qualname__
 
     assert kind(overlap=True).startswith("overlapped_allreduce_hook")
     assert kind(overlap=False).startswith("allreduce_hook")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(dp.os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(sync.os, "sched_getaffinity", lambda _: {0, 1})
     assert kind().startswith("allreduce_hook")  # 2 processes x 1 thread on 2 cores: nothing to spare
-    monkeypatch.setattr(dp.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    monkeypatch.setattr(sync.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
     assert kind().startswith("overlapped_allreduce_hook")
-    assert dp._gradient_hook(dp.DataParallelConfig(allreduce="native"), topo) is None
+    assert sync.gradient_hook(dp.DataParallelConfig(allreduce="native"), topo) is None

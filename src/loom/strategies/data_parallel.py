@@ -19,10 +19,8 @@ use ``drop_last=True`` or a global batch of at least the world size). Losses mus
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
-import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,16 +33,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
-from loom.comm.compression import CompressionHook, compression_hook, make_codec
-from loom.comm.ddp_async import overlapped_allreduce_hook
-from loom.comm.ddp_hooks import allreduce_hook
+from loom.comm.compression import CompressionHook, make_codec
 from loom.fault.watchdog import Watchdog, hang_timeout_s
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
 from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
-from loom.strategies.shared_gradients import SharedGradients, shared_gradients_unusable
+from loom.strategies.data_parallel_sync import buffer_sync_option, gradient_hook, shared_gradients_for
+from loom.strategies.shared_gradients import SharedGradients
 from loom.topology import Topology, current
 
 __all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
@@ -134,7 +131,7 @@ class DataParallel:
         hook: Callable | None = None
         if topo.is_distributed:
             check_same_model(model, topo.rank, topo.world_size)
-            shared = _shared_gradients(self.config, topo, model)
+            shared = shared_gradients_for(self.config, topo, model)
         wrapped: nn.Module = model
         if topo.is_distributed and shared is None:
             ddp = DistributedDataParallel(
@@ -143,9 +140,9 @@ class DataParallel:
                 bucket_cap_mb=self.config.bucket_cap_mb,
                 find_unused_parameters=self.config.find_unused_parameters,
                 gradient_as_bucket_view=True,  # no copy between gradients and buckets (2-14% faster here)
-                **_buffer_sync_option(self.config.broadcast_buffers),  # type: ignore[arg-type]
+                **buffer_sync_option(self.config.broadcast_buffers),  # type: ignore[arg-type]
             )
-            hook = _gradient_hook(self.config, topo)
+            hook = gradient_hook(self.config, topo)
             observer.register_comm_hook(ddp, hook)
             wrapped = ddp
         job = DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
@@ -157,75 +154,10 @@ class DataParallel:
         return job
 
 
-def _shared_gradients(config: DataParallelConfig, topo: Topology, model: nn.Module) -> SharedGradients | None:
-    """`SharedGradients` for ``model`` when its gradients can be averaged in shared memory, else None (DDP).
-
-    That is: loom's shared-memory algorithms (``auto``, ``shm``, ``hierarchical``) on CPU, every process on
-    one host, no compression and no overlap wanted; every input of this decision is the same on all ranks. Like
-    DDP, it starts every process from rank 0's parameters and buffers.
-    """
-    if topo.device.type != "cpu":
-        return None
-    wanted = (
-        config.allreduce in ("auto", "shm", "hierarchical")
-        and config.compression is None
-        and topo.world_size == topo.local_world_size
-        and not _overlap(config, topo)
-        and shared_gradients_unusable(model, config.broadcast_buffers) is None
-    )
-    everyone = torch.tensor([int(wanted)])
-    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)  # e.g. thread counts may differ: all take the same path
-    if not everyone.item():
-        return None
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
-    try:
-        return SharedGradients(
-            model, extra_values=1 + 4 * topo.world_size
-        )  # + the loss buffer (observe.phases)
-    except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
-        warnings.warn(f"rank {topo.rank}: gradients go through DDP: {error}", stacklevel=3)
-        return None
-
-
-def _overlap(config: DataParallelConfig, topo: Topology) -> bool:
-    return config.overlap if config.overlap is not None else has_spare_core(topo.local_world_size)
-
-
-def _gradient_hook(config: DataParallelConfig, topo: Topology) -> Callable | None:
-    """The DDP communication hook for ``config``; None keeps DDP's built-in (C++) all-reduce."""
-    if config.compression is not None:
-        return compression_hook(make_codec(config.compression))
-    if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
-        return None
-    return (
-        overlapped_allreduce_hook(config.allreduce)
-        if _overlap(config, topo)
-        else allreduce_hook(config.allreduce)
-    )
-
-
-def has_spare_core(local_processes: int) -> bool:
-    """Whether this host has more usable cores than ``local_processes`` processes running torch's threads."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return cores > local_processes * torch.get_num_threads()
-
-
 def _default_metrics_path(topo: Topology) -> str | None:
     """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl``."""
     run_dir = os.environ.get("LOOM_RUN_DIR")
     return f"{run_dir}/metrics/rank{topo.rank}.jsonl" if run_dir else None
-
-
-def _buffer_sync_option(enabled: bool) -> dict[str, bool]:
-    """DDP renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (torch 2.13); pass whichever it knows."""
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": enabled}
-    return {"broadcast_buffers": enabled}
 
 
 def _zero_loss(outputs: Any) -> torch.Tensor:

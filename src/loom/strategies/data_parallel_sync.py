@@ -1,0 +1,97 @@
+"""How `DataParallel` averages gradients: DistributedDataParallel, with or without a loom all-reduce hook
+(overlapped with backward or not), or `loom.strategies.shared_gradients` without DDP; and the choice between them.
+
+Every input of the choice is the same on all ranks (the configuration, the topology, the model), and the
+shared-memory path is taken only if every rank agrees, so all processes of a job run the same collectives.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from loom.comm.compression import compression_hook, make_codec
+from loom.comm.ddp_async import overlapped_allreduce_hook
+from loom.comm.ddp_hooks import allreduce_hook
+from loom.strategies.shared_gradients import SharedGradients, shared_gradients_unusable
+from loom.topology import Topology
+
+if TYPE_CHECKING:
+    from loom.strategies.data_parallel import DataParallelConfig
+
+__all__ = ["buffer_sync_option", "gradient_hook", "has_spare_core", "overlap_wanted", "shared_gradients_for"]
+
+
+def shared_gradients_for(
+    config: DataParallelConfig, topo: Topology, model: nn.Module
+) -> SharedGradients | None:
+    """`SharedGradients` for ``model`` when its gradients can be averaged in shared memory, else None (DDP).
+
+    That is: loom's shared-memory algorithms (``auto``, ``shm``, ``hierarchical``) on CPU, every process on
+    one host, no compression and no overlap wanted; every input of this decision is the same on all ranks. Like
+    DDP, it starts every process from rank 0's parameters and buffers.
+    """
+    if topo.device.type != "cpu":
+        return None
+    wanted = (
+        config.allreduce in ("auto", "shm", "hierarchical")
+        and config.compression is None
+        and topo.world_size == topo.local_world_size
+        and not overlap_wanted(config, topo)
+        and shared_gradients_unusable(model, config.broadcast_buffers) is None
+    )
+    everyone = torch.tensor([int(wanted)])
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)  # e.g. thread counts may differ: all take the same path
+    if not everyone.item():
+        return None
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+    loss_buffer = 1 + 4 * topo.world_size  # the loss and straggler rows ride along (loom.observe.phases)
+    try:
+        return SharedGradients(model, extra_values=loss_buffer)
+    except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
+        warnings.warn(f"rank {topo.rank}: gradients go through DDP: {error}", stacklevel=3)
+        return None
+
+
+def overlap_wanted(config: DataParallelConfig, topo: Topology) -> bool:
+    """``config.overlap``, or when None whether this host has a core to spare for a communication thread."""
+    return config.overlap if config.overlap is not None else has_spare_core(topo.local_world_size)
+
+
+def gradient_hook(config: DataParallelConfig, topo: Topology) -> Callable | None:
+    """The DDP communication hook for ``config``; None keeps DDP's built-in (C++) all-reduce."""
+    if config.compression is not None:
+        return compression_hook(make_codec(config.compression))
+    if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
+        return None
+    return (
+        overlapped_allreduce_hook(config.allreduce)
+        if overlap_wanted(config, topo)
+        else allreduce_hook(config.allreduce)
+    )
+
+
+def has_spare_core(local_processes: int) -> bool:
+    """Whether this host has more usable cores than ``local_processes`` processes running torch's threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores > local_processes * torch.get_num_threads()
+
+
+def buffer_sync_option(enabled: bool) -> dict[str, bool]:
+    """DDP renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (torch 2.13); pass whichever it knows."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}
