@@ -127,15 +127,14 @@ class SharedGradients:
                     else:
                         mine[a:b].copy_(grad[a - start : b - start])
         ctx.barrier()
-        if (
-            extra is not None
-        ):  # every process wrote its values before the barrier; none rewrites them before the next
+        # every process wrote its extra values before the barrier; none rewrites them before the next one
+        if extra is not None:
             extra.copy_(self.extras[0][: extra.numel()])
             for j in range(1, ctx.local_size):
                 extra.add_(self.extras[j][: extra.numel()])
+        first, *rest = self.others
         for i, a, b in self.own_pieces:
             grad, result = grads[i], mine[a:b]
-            first, *rest = self.others
             if grad is None:
                 result.copy_(self.slots[first][a:b])
             else:
