@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -39,7 +40,7 @@ def run_workers(script: str, world_size: int, *args: str, timeout: float = 90.0)
     Each process gets its own session; when one fails or time runs out, all are killed with whatever they
     started, and the error names the rank and shows its stderr.
     """
-    port = free_port()
+    port, secret = free_port(), secrets.token_hex(32)
     logs = tempfile.TemporaryDirectory(prefix="loom-test-")
     procs, outs, errs = [], [], []
     for rank in range(world_size):
@@ -53,6 +54,7 @@ def run_workers(script: str, world_size: int, *args: str, timeout: float = 90.0)
             MASTER_PORT=str(port),
             GLOO_SOCKET_IFNAME="lo",
             OMP_NUM_THREADS="1",
+            LOOM_JOB_SECRET=secret,  # as `loom run` hands out: loom's own sockets authenticate with it
         )
         out = open(Path(logs.name) / f"{rank}.out", "w+")  # noqa: SIM115 - closed in finally
         err = open(Path(logs.name) / f"{rank}.err", "w+")  # noqa: SIM115

@@ -40,6 +40,14 @@ def test_bytes_ring_and_driver_exact(check_run):
 
 
 @pytest.mark.timeout(60)
+def test_ring_runs_over_loom_links(check_run):
+    """With the job secret (the harness hands one out, as `loom run` does) both directions of every process
+    have an authenticated socket, and nobody else connected."""
+    _, results = check_run
+    assert [r["ring_sockets"] for r in results] == [{"out": True, "in": True, "rejected": 0}] * len(results)
+
+
+@pytest.mark.timeout(60)
 def test_group_uses_group_ranks(check_run):
     n, results = check_run
     if n < 3:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 import loom
 from loom import comm
+from loom.comm import ring
+from loom.comm.links import ring_link
 from loom.comm.ring import ring_schedule, run_ring
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
@@ -72,6 +74,12 @@ def check_case(case: int, dtype: torch.dtype, shape: tuple[int, ...], op: str, t
             failures.append(f"{label}: differs from native by {(out.double() - native.double()).abs().max()}")
         elif not close(out, want, scale, tol):
             failures.append(f"{label}: differs from the reference by {(out.double() - want).abs().max()}")
+        if algorithm == "ring":  # the same schedule over gloo's point-to-point calls: the same bits
+            ring.TRANSPORT = "gloo"
+            over_gloo = comm.all_reduce(inputs[rank].clone(), op, "ring")
+            ring.TRANSPORT = "links"
+            if not torch.equal(over_gloo, out.contiguous()):
+                failures.append(f"{label}: differs between loom's links and gloo's point-to-point calls")
 
 
 def check_integer_avg_refused() -> None:
@@ -120,16 +128,18 @@ def check_segmented_ring() -> None:
     ):
         inputs = [make_input(case, r, torch.float64, (numel,)) for r in range(n)]
         want, scale = reference(inputs, op)
-        flat = inputs[rank].clone()
-        transfers, w = ring_schedule(flat, rank, n, segment_bytes=segment_bytes, window=window)
         local_op, divide_by = ("sum", n) if op == "avg" else (op, 1)
-        sent, received = run_ring(transfers, w, local_op, (rank + 1) % n, (rank - 1) % n, None, divide_by)
-        label = f"rank {rank} segmented ring {op} numel={numel} segment_bytes={segment_bytes} window={window}"
-        if not close(flat, want, scale, 1e-12):
-            failures.append(f"{label}: differs from the reference by {(flat - want).abs().max()}")
-        exact = 2 * (n - 1) * flat.nbytes // n
-        if numel % n == 0 and (sent, received) != (exact, exact):
-            failures.append(f"{label}: sent {sent} received {received} bytes")
+        for transport, link in (("gloo", None), ("links", ring_link(None, (rank + 1) % n, (rank - 1) % n))):
+            flat = inputs[rank].clone()
+            transfers, w = ring_schedule(flat, rank, n, segment_bytes=segment_bytes, window=window)
+            right, left = (rank + 1) % n, (rank - 1) % n
+            sent, received = run_ring(transfers, w, local_op, right, left, None, divide_by, link)
+            label = f"rank {rank} segmented ring over {transport} {op} numel={numel} segment_bytes={segment_bytes} window={window}"
+            if not close(flat, want, scale, 1e-12):
+                failures.append(f"{label}: differs from the reference by {(flat - want).abs().max()}")
+            exact = 2 * (n - 1) * flat.nbytes // n
+            if numel % n == 0 and (sent, received) != (exact, exact):
+                failures.append(f"{label}: sent {sent} received {received} bytes")
 
 
 cases = itertools.product(DTYPES, sorted({0, 1, n - 1, 1000, 1001}), comm.OPS)
@@ -142,4 +152,6 @@ for case, dtype in enumerate(DTYPES, start=5_000):
 check_integer_avg_refused()
 check_segmented_ring()
 group = check_group(list(range(1, n))) if n >= 3 else {}
-print(json.dumps({"failures": failures, "bytes": measure_bytes(), "group": group}))
+link = ring_link(None, (rank + 1) % n, (rank - 1) % n)
+sockets = {"out": link.out is not None, "in": link.inn is not None, "rejected": link.rejected}
+print(json.dumps({"failures": failures, "bytes": measure_bytes(), "group": group, "ring_sockets": sockets}))

@@ -132,6 +132,7 @@ class Hosts:
 def _run_job(hosts: Hosts, worker: str, worker_args: list[str], tmp: Path) -> None:
     """Run module ``worker`` as a `loom run` job, one node per namespace; kill them all on failure or timeout."""
     port = 29500 + secrets.randbelow(2000)
+    secret = secrets.token_hex(32)  # one job secret for all nodes, as a multi-node job needs
     procs = []
     try:
         nnodes, master = str(len(hosts.namespaces)), f"{hosts.addresses[0]}:{port}"
@@ -140,7 +141,7 @@ def _run_job(hosts: Hosts, worker: str, worker_args: list[str], tmp: Path) -> No
                    "--nnodes", nnodes, "--node-rank", str(i), "--master", master,
                    "--local-addr", hosts.addresses[i], "--run-dir", str(tmp / f"run{i}"),
                    "-m", worker, *worker_args]  # fmt: skip
-            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env = dict(os.environ, OMP_NUM_THREADS="1", LOOM_JOB_SECRET=secret)
             env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher picks the veth holding --local-addr
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         deadline = time.monotonic() + TIMEOUT_S

@@ -6,8 +6,8 @@ once per process. For every piece of the tensor (see `loom.comm.shm` for pieces 
 
 1. within each host, the shared-memory reduce-scatter of `loom.comm.shm` leaves every local chunk reduced
    in the segment; the host's leader (its first process) copies them out, so it holds the host's sum;
-2. the leaders all-reduce those sums with a ring (`loom.comm.ring`'s pipelined schedule, among the leaders
-   only, over point-to-point messages on the group itself: no extra process group to create);
+2. the leaders all-reduce those sums with a ring (`loom.comm.ring`'s schedule among the leaders only, over
+   loom's links between them or gloo's point-to-point messages: no extra process group to create);
 3. each leader writes the result into the segment, a barrier, and the other local processes copy it out.
 
 Network traffic is that of a ring over H hosts, 2 (H-1)/H * D per leader and none for the other processes,
@@ -24,24 +24,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import global_rank, scratch_buffer
+from loom.comm._reduce import global_rank
 from loom.comm.counters import Traffic
-from loom.comm.ring import ring_schedule, run_ring, scratch_size
+from loom.comm.ring import links_for, plan, run_ring
 from loom.comm.shm import ShmContext, all_reduce_local, context_for, reduce_scatter_piece
 
 __all__ = ["all_reduce_hierarchical"]
 
 
 def _ring_among_leaders(flat: torch.Tensor, op: str, ctx: ShmContext, divide_by: int) -> tuple[int, int]:
-    """`loom.comm.ring`'s pipelined ring over the leaders of ``ctx`` only; ``op`` is not avg (for avg: sum, and
+    """`loom.comm.ring`'s ring over the leaders of ``ctx`` only; ``op`` is not avg (for avg: sum, and
     ``divide_by`` the number of processes, which the ring applies to each segment once, after its last add)."""
     n = len(ctx.leaders)
     me = ctx.leaders.index(ctx.rank)
     right = global_rank(ctx.group, ctx.leaders[(me + 1) % n])
     left = global_rank(ctx.group, ctx.leaders[(me - 1) % n])
-    scratch = scratch_buffer(scratch_size(flat, n), flat.dtype, flat.device)
-    transfers, window = ring_schedule(flat, me, n, scratch)
-    return run_ring(transfers, window, op, right, left, ctx.group, divide_by)
+    link = links_for(ctx.group, right, left)
+    transfers, window = plan(flat, me, n, link)
+    return run_ring(transfers, window, op, right, left, ctx.group, divide_by, link)
 
 
 def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:

@@ -46,14 +46,19 @@ import torch
 import torch.distributed as dist
 
 from loom.comm._reduce import combine_into, global_rank, group_rank_and_size, scratch_buffer
+from loom.comm.links import RingLink, ring_link
 
 __all__ = [
     "EXCHANGE_BELOW_BYTES",
+    "LINK_SEGMENT_BYTES",
     "SEGMENT_BYTES",
+    "TRANSPORT",
     "WINDOW",
     "Transfer",
     "all_reduce_ring",
     "exchange_schedule",
+    "links_for",
+    "plan",
     "ring_schedule",
     "run_ring",
     "scratch_size",
@@ -67,6 +72,13 @@ protocol, thread wake-ups on a busy host): of 1, 2, 4 and 8 MiB, 4 MiB was best 
 against native on the 2-core development machine (N = 2, same-run ratios)."""
 WINDOW = 2
 """Transfers in flight at once: the one being reduced and the next one arriving."""
+TRANSPORT = "links"
+"""How ring messages travel: ``"links"``, loom's authenticated TCP links between neighbours where they can be
+made (`loom.comm.links`; gloo for a direction where not), or ``"gloo"``, gloo's point-to-point calls only
+(the benchmark times both)."""
+LINK_SEGMENT_BYTES = 1 << 20
+"""`SEGMENT_BYTES` over loom's links, where a message costs little: smaller segments let the reduction of one
+overlap the arrival of the next (of 0.25, 1, 2 and 4 MiB, 1 MiB was fastest at 16 and 64 MiB, N = 2)."""
 EXCHANGE_BELOW_BYTES = 1 << 20
 """With two processes, tensors smaller than this are reduced by one exchange (`exchange_schedule`)."""
 
@@ -167,8 +179,13 @@ def run_ring(
     left: int,
     group: dist.ProcessGroup | None,
     divide_by: int = 1,
+    link: RingLink | None = None,
 ) -> tuple[int, int]:
     """Run a `ring_schedule` with up to ``window`` transfers in flight; return (bytes sent, bytes received).
+
+    With a ``link`` (`loom.comm.links`) the transfers run one after the other through its sockets, the
+    window unused: while a segment is reduced the next one keeps arriving into the kernel's socket buffer.
+    Without one, through gloo's point-to-point calls:
 
     Sends: transfer k+window is sent only once transfer k is done (received, reduced, sent), so a segment is
     reduced before it is sent on. Receives run ahead, in transfer order (gloo matches one pair's messages in
@@ -180,6 +197,8 @@ def run_ring(
     ~0.56 ms with the second receive posted up front against ~1.06 ms without. Empty buffers are skipped on
     both ends. ``right``/``left`` are global ranks, as point-to-point calls need.
     """
+    if link is not None:
+        return _run_on_link(transfers, op, link, divide_by)
     count = len(transfers)
     receiving: list[dist.Work | None] = [None] * count
     sending: list[dist.Work | None] = [None] * count
@@ -200,13 +219,27 @@ def run_ring(
             if work is not None:
                 work.wait()
         receiving[k] = sending[k] = None
-        if transfer.reduce_into is not None and transfer.recv.numel():
-            combine_into(transfer.reduce_into, transfer.recv, op)
-            if transfer.divide and divide_by != 1:
-                transfer.reduce_into.div_(divide_by)
+        _reduce_received(transfer, op, divide_by)
         sent += transfer.send.nbytes
         received += transfer.recv.nbytes
     return sent, received
+
+
+def _run_on_link(transfers: list[Transfer], op: str, link: RingLink, divide_by: int) -> tuple[int, int]:
+    sent = received = 0
+    for transfer in transfers:
+        link.exchange(transfer.send, transfer.recv)
+        _reduce_received(transfer, op, divide_by)
+        sent += transfer.send.nbytes
+        received += transfer.recv.nbytes
+    return sent, received
+
+
+def _reduce_received(transfer: Transfer, op: str, divide_by: int) -> None:
+    if transfer.reduce_into is not None and transfer.recv.numel():
+        combine_into(transfer.reduce_into, transfer.recv, op)
+        if transfer.divide and divide_by != 1:
+            transfer.reduce_into.div_(divide_by)
 
 
 def all_reduce_ring(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -216,12 +249,28 @@ def all_reduce_ring(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None
     """
     rank, n = group_rank_and_size(group)
     right, left = global_rank(group, (rank + 1) % n), global_rank(group, (rank - 1) % n)
-    if n == 2 and flat.nbytes < EXCHANGE_BELOW_BYTES:
-        scratch = scratch_buffer(flat.numel(), flat.dtype, flat.device)
-        transfers, window = exchange_schedule(flat, scratch)
-    else:
-        scratch = scratch_buffer(scratch_size(flat, n), flat.dtype, flat.device)
-        transfers, window = ring_schedule(flat, rank, n, scratch)
+    link = links_for(group, right, left)
+    transfers, window = plan(flat, rank, n, link)
     # avg: each segment is divided once, by its owner after its last reduction, before it is copied everywhere
     local_op, divide_by = ("sum", n) if op == "avg" else (op, 1)
-    return run_ring(transfers, window, local_op, right, left, group, divide_by)
+    return run_ring(transfers, window, local_op, right, left, group, divide_by, link)
+
+
+def plan(flat: torch.Tensor, position: int, size: int, link: RingLink | None) -> tuple[list[Transfer], int]:
+    """The transfers (and window) of ring member ``position`` of ``size`` for ``flat``, in this thread's
+    scratch buffer: one exchange for two members and a small tensor, else the pipelined ring, in segments
+    sized for the transport."""
+    if size == 2 and flat.nbytes < EXCHANGE_BELOW_BYTES:
+        return exchange_schedule(flat, scratch_buffer(flat.numel(), flat.dtype, flat.device))
+    segment_bytes = LINK_SEGMENT_BYTES if link else SEGMENT_BYTES
+    scratch = scratch_buffer(scratch_size(flat, size, segment_bytes), flat.dtype, flat.device)
+    return ring_schedule(flat, position, size, scratch, segment_bytes)
+
+
+def links_for(group: dist.ProcessGroup | None, right: int, left: int) -> RingLink | None:
+    """The `RingLink` a ring should use (made on first use: a collective of the ring), or None for gloo's
+    windowed point-to-point path (`TRANSPORT` is ``"gloo"``, or no direction could have a link)."""
+    if TRANSPORT != "links":
+        return None
+    link = ring_link(group, right, left)
+    return link if link.carries else None

@@ -1,0 +1,140 @@
+"""loom's TCP links for the ring: the handshake admits only a neighbour holding the job secret, bad peers are
+refused without stopping the listener, a job without a secret falls back to gloo, a neighbour that exits is
+named at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+from conftest import run_workers
+
+from loom.comm import links
+
+SECRET = bytes(range(32))
+
+
+def _listener() -> tuple[socket.socket, int]:
+    server = socket.create_server(("127.0.0.1", 0))
+    return server, server.getsockname()[1]
+
+
+def _accept_in_thread(server: socket.socket, secret: bytes = SECRET, seconds: float = 10.0):
+    """Run the accepting side (rank 1 waiting for rank 0) in a thread; returns (thread, result dict)."""
+    result: dict = {"rejected": [0]}
+
+    def run() -> None:
+        try:
+            deadline = time.monotonic() + seconds
+            result["sock"] = links._accept(server, secret, 0, 1, deadline, result["rejected"])
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            result["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _raw_client(port: int, payload: bytes) -> bytes:
+    """Connect, send ``payload``, return whatever comes back before the listener closes or 2 s pass."""
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+        sock.sendall(payload)
+        received = b""
+        try:
+            while chunk := sock.recv(4096):
+                received += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return received
+
+
+@pytest.mark.timeout(30)
+def test_handshake_admits_the_neighbour_with_the_secret():
+    server, port = _listener()
+    thread, result = _accept_in_thread(server)
+    dialed = links._dial("127.0.0.1", port, SECRET, 0, 1, time.monotonic() + 10)
+    thread.join(10)
+    accepted = result["sock"]
+    dialed.sendall(b"payload")
+    assert accepted.recv(7) == b"payload" and result["rejected"] == [0]
+    for sock in (dialed, accepted, server):
+        sock.close()
+
+
+@pytest.mark.timeout(30)
+def test_wrong_secret_replay_and_garbage_are_refused_and_the_neighbour_still_admitted():
+    server, port = _listener()
+    thread, result = _accept_in_thread(server)
+    with pytest.raises(RuntimeError, match="rank 0: ring link to rank 1 .* did not prove|refused"):
+        links._dial("127.0.0.1", port, b"x" * 32, 0, 1, time.monotonic() + 5)  # wrong secret
+    hello = links._HELLO + os.urandom(16) + (0).to_bytes(4, "big") + (1).to_bytes(4, "big")
+    # a replayed connector proof: valid for another nonce of the listener, so wrong for this one
+    old_nonce = os.urandom(16)
+    replayed = links._mac(SECRET, b"loom ring connect", old_nonce, hello[8:24], hello[24:])
+    assert not _raw_client(port, hello + replayed).endswith(b"\1")
+    _raw_client(port, os.urandom(64))  # random bytes
+    _raw_client(port, links._HELLO[:5])  # truncated, then closed
+    wrong_pair = links._HELLO + os.urandom(16) + (2).to_bytes(4, "big") + (1).to_bytes(4, "big")
+    assert _raw_client(port, wrong_pair) == b""  # a hello from a rank that is not the neighbour: no reply
+    assert thread.is_alive()  # still waiting for rank 0
+    dialed = links._dial("127.0.0.1", port, SECRET, 0, 1, time.monotonic() + 10)
+    thread.join(10)
+    assert "sock" in result and result["rejected"][0] == 5, result
+    for sock in (dialed, result["sock"], server):
+        sock.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_listener_without_the_secret_is_not_trusted():
+    server, port = _listener()
+    thread, result = _accept_in_thread(server, secret=b"y" * 32, seconds=3)
+    with pytest.raises(RuntimeError, match="rank 0: ring link to rank 1 .*(did not prove|refused)"):
+        links._dial("127.0.0.1", port, SECRET, 0, 1, time.monotonic() + 5)
+    thread.join(10)
+    assert "did not connect and prove the job secret" in str(result["error"])
+    server.close()
+
+
+def test_listens_on_loopback_unless_an_interface_is_named(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert links._listen_address() == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert links._listen_address() == "127.0.0.1"
+
+
+@pytest.mark.timeout(60)
+def test_without_a_job_secret_the_ring_uses_gloo():
+    results = [
+        json.loads(out.strip().splitlines()[-1]) for out in run_workers("ring_links.py", 3, "nosecret")
+    ]
+    assert results == [{"correct": True, "sockets": [False, False], "rejected": 0, "warnings": []}] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_process_with_another_secret_talks_through_gloo():
+    outputs = run_workers("ring_links.py", 3, "other_secret")
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    # ranks 0 -> 1 -> 2 -> 0: the links into and out of rank 0 fall back; 1 -> 2 keeps its socket
+    assert [r["sockets"] for r in results] == [[False, False], [True, False], [False, True]]
+    assert all(r["correct"] and r["rejected"] == 0 for r in results)
+    assert "rank 0: ring messages to rank 1 go through gloo" in " ".join(results[0]["warnings"])
+    assert "rank 2: ring messages to rank 0 go through gloo" in " ".join(results[2]["warnings"])
+    assert "LOOM_JOB_SECRET" in results[0]["warnings"][0] and not results[1]["warnings"]
+
+
+@pytest.mark.timeout(60)
+def test_a_neighbour_that_exits_is_named_at_once():
+    results = [
+        json.loads(out.strip().splitlines()[-1]) for out in run_workers("ring_links.py", 3, "peer_exits")
+    ]
+    assert results[2] == {"correct": True, "sockets": [True, True], "rejected": 0, "warnings": []}
+    for rank in (0, 1):
+        assert results[rank]["correct"] and results[rank]["seconds"] < 10, results[rank]
+        assert f"rank {rank}: ring all-reduce" in results[rank]["error"]
+    # rank 0 receives from rank 2; rank 1 sends to it, or first hears that rank 0 stopped on its error
+    assert "from rank 2 failed" in results[0]["error"]
+    assert "rank 2 failed" in results[1]["error"] or "from rank 0 failed" in results[1]["error"]

@@ -1,0 +1,53 @@
+"""Ring all-reduce over loom's links in one situation, given as argv[1]; prints one JSON line per rank.
+
+- ``nosecret``: no LOOM_JOB_SECRET (a job not started by `loom run`): the ring still reduces correctly, over
+  gloo's point-to-point calls, with no socket of its own.
+- ``other_secret``: rank 0 holds another secret: its two directions go through gloo (with a warning), the
+  others keep their link; the reduction is still correct.
+- ``peer_exits``: after one ring all-reduce, the last rank exits; the others' next ring all-reduce must fail
+  at once with an error that names the rank that left (printed, with the seconds it took).
+"""
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+mode = sys.argv[1]
+if mode == "nosecret":
+    os.environ.pop("LOOM_JOB_SECRET")
+if mode == "other_secret" and os.environ["RANK"] == "0":
+    os.environ["LOOM_JOB_SECRET"] = "ab" * 32
+
+import loom  # noqa: E402 - after the environment is set
+from loom import comm  # noqa: E402
+from loom.comm.links import ring_link  # noqa: E402
+
+topo = loom.init()
+rank, n = topo.rank, topo.world_size
+data = torch.arange(1000, dtype=torch.float64) * (rank + 1)
+with warnings.catch_warnings(record=True) as caught:
+    out = comm.all_reduce(data, "sum", "ring")
+result: dict = {
+    "correct": bool(torch.equal(out, torch.arange(1000, dtype=torch.float64) * (n * (n + 1) // 2)))
+}
+link = ring_link(None, (rank + 1) % n, (rank - 1) % n)
+result["sockets"] = [link.out is not None, link.inn is not None]
+result["rejected"] = link.rejected
+result["warnings"] = [str(w.message) for w in caught]
+if mode == "peer_exits":
+    if rank == n - 1:
+        print(json.dumps(result), flush=True)
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        comm.all_reduce(data, "sum", "ring")
+        result["error"] = None
+    except RuntimeError as error:
+        result["error"] = str(error)
+    result["seconds"] = time.monotonic() - started
+print(json.dumps(result), flush=True)
+os._exit(0)  # the process group cannot be torn down cleanly with a member gone
