@@ -23,11 +23,16 @@ The schedule is data (`ring_schedule`, a list of transfers, checked without proc
 transfers earlier, so a window of at most S transfers never sends a segment before it is reduced. Incoming
 segments of the reduce-scatter land in a small per-thread scratch buffer (`WINDOW` segments, reused across
 calls, see `loom.comm._reduce.scratch_buffer`) and are added in place; the all-gather receives straight into
-the result. Segments are large (MiB, not KiB) because each message has a fixed cost: on the 2-core development
-host an exchange of 4 bytes over gloo takes 0.5-1.4 ms and 0.2-0.4 ms of CPU per process (thread wake-ups and
-gloo's protocol). With one segment per chunk (chunks under half of `SEGMENT_BYTES`) this is the plain ring.
-With two processes and a tensor under `EXCHANGE_BELOW_BYTES` the two steps collapse into one exchange of the
+the result. With one segment per chunk (chunks under half of the segment size) this is the plain ring. With
+two processes and a tensor under `EXCHANGE_BELOW_BYTES` the two steps collapse into one exchange of the
 whole tensor, the same bytes in one round of messages (`exchange_schedule`).
+
+*Transport* (`TRANSPORT`): messages go over loom's own TCP links between neighbours (`loom.comm.links`:
+authenticated with the job secret, the calling thread moving the bytes), transfer after transfer, in
+segments of `LINK_SEGMENT_BYTES`; where a link cannot be made, over gloo's point-to-point calls with the
+window above, in segments of `SEGMENT_BYTES`. Those are large (MiB, not KiB) because each gloo message has a
+fixed cost: on the 2-core development host an exchange of 4 bytes over gloo takes 0.5-1.4 ms and 0.2-0.4 ms
+of CPU per process (thread wake-ups and gloo's protocol), against ~0.1 ms over a link.
 
 Limits: 2 (N-1) latency-bound steps, so small tensors are faster with a tree or the backend's own algorithm;
 chunks are balanced to within one element, so when D is not divisible by N ranks send slightly different amounts
