@@ -97,14 +97,17 @@ class RingLink:
     def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """Send ``send`` right while receiving ``recv`` from the left (contiguous tensors; sizes known to both
         ends); return when both are done."""
-        if self.out is None or self.inn is None:  # a direction without a link: gloo, posted first
-            exchange(
-                send if self.out is None else send[:0], self.right,
-                recv if self.inn is None else recv[:0], self.left, self.group,
-            )  # fmt: skip
+        works = []  # a direction without a link goes through gloo, posted first and waited for last
+        if self.inn is None and recv.numel():
+            works.append(dist.irecv(recv, src=self.left, group=self.group))
+        if self.out is None and send.numel():
+            works.append(dist.isend(send, dst=self.right, group=self.group))
         self._move(
             _bytes(send) if self.out is not None else b"", _bytes(recv) if self.inn is not None else None
         )
+        for work in works:
+            if work is not None:  # None only for a process outside the group, which the entry point refuses
+                work.wait()
 
     def _move(self, out: memoryview | bytes, into: memoryview | None) -> None:
         sent, got = 0, 0
@@ -207,7 +210,10 @@ def _connect(group: dist.ProcessGroup | None, right: int, left: int) -> RingLink
     digest = hashlib.sha256(host_key().encode()).digest()[:16]
     listener = None
     if secret is not None:
-        listener = socket.create_server((_listen_address(), 0), backlog=8)
+        try:
+            listener = socket.create_server((_listen_address(), 0), backlog=8)
+        except OSError as error:  # the offer then says so, and the left neighbour uses gloo
+            warnings.warn(f"rank {me}: ring messages from rank {left} go through gloo: {error}", stacklevel=4)
     address, port = listener.getsockname()[:2] if listener else ("0.0.0.0", 0)
     check = hashlib.sha256(b"loom ring key check" + secret).digest()[:8] if secret else bytes(8)
     offer = (
