@@ -42,7 +42,14 @@ from loom.strategies._setup import check_setup_arguments
 from loom.strategies.data_parallel import LossFn
 from loom.strategies.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.strategies.pipeline_schedule import SCHEDULES, stage_instructions
-from loom.strategies.pipeline_split import balanced_cuts, chain_layers, cuts_from_names, stage_ranges
+from loom.strategies.pipeline_split import (
+    balanced_cuts,
+    chain_layers,
+    cuts_from_names,
+    layer_times,
+    refuse_shared_parameters,
+    stage_ranges,
+)
 from loom.topology import Topology, current
 
 __all__ = ["Pipeline", "PipelineConfig", "PipelineJob"]
@@ -126,7 +133,7 @@ class Pipeline:
         layers = [("", model)] if self.config.stages == 1 else chain_layers(model)
         cuts = self._cuts(layers, topo)
         ranges = stage_ranges(cuts, len(layers))
-        _refuse_shared_parameters(layers, ranges)
+        refuse_shared_parameters(layers, ranges)
         if topo.is_distributed:  # every process starts from rank 0's weights, as DDP does
             _broadcast_module(model)
         stage_index = mesh.index("pp")
@@ -155,47 +162,11 @@ class Pipeline:
             weights = [float(sum(p.numel() for p in m.parameters())) or 1.0 for _, m in layers]
             return balanced_cuts(weights, cfg.stages)
         cuts = torch.tensor(
-            balanced_cuts(_layer_times(layers, self.sample_input), cfg.stages), dtype=torch.int64
+            balanced_cuts(layer_times(layers, self.sample_input), cfg.stages), dtype=torch.int64
         )
         if topo.is_distributed:  # timings differ between processes; rank 0's cut is everyone's
             dist.broadcast(cuts, src=0)
         return cuts.tolist()
-
-
-def _layer_times(layers: list[tuple[str, nn.Module]], sample: Any, repeats: int = 3) -> list[float]:
-    """Forward+backward time of each layer on the activations ``sample`` produces (best of ``repeats``)."""
-    times, x = [], sample
-    for _, layer in layers:
-        best = float("inf")
-        for _ in range(repeats):
-            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _as_tuple(x))
-            started = time.perf_counter()
-            out = layer(*inputs)
-            floats = [t for t in _as_tuple(out) if t.is_floating_point() and t.requires_grad]
-            if floats:
-                torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
-            best = min(best, time.perf_counter() - started)
-        layer.zero_grad(set_to_none=True)
-        times.append(best)
-        x = tuple(t.detach() for t in _as_tuple(out))
-        x = x[0] if len(x) == 1 else x
-    return times
-
-
-def _as_tuple(x: Any) -> tuple:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _refuse_shared_parameters(layers: list[tuple[str, nn.Module]], ranges: list[tuple[int, int]]) -> None:
-    owner: dict[int, int] = {}
-    for s, (a, b) in enumerate(ranges):
-        for name, layer in layers[a:b]:
-            for pname, p in layer.named_parameters():
-                if owner.setdefault(id(p), s) != s:
-                    raise ValueError(
-                        f"parameter {name}.{pname} is shared by stages {owner[id(p)]} and {s}. "
-                        "HINT: untie the weights, or choose split points that keep the sharing layers together."
-                    )
 
 
 def _broadcast_module(model: nn.Module) -> None:

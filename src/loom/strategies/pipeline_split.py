@@ -9,16 +9,28 @@ must be written as a chain — e.g. an encoder–decoder as ``embed → encoder 
 passes a tuple of tensors on.
 
 Cut points are either given as names (each the first layer of a new stage) or chosen by `balanced_cuts`:
-contiguous stages minimising the heaviest stage's weight, with weights = parameter counts or measured times.
+contiguous stages minimising the heaviest stage's weight, with weights = parameter counts or measured times
+(`layer_times`: each layer's forward + backward on the activations a sample input produces). A cut that would
+separate layers sharing a parameter (tied weights) is refused (`refuse_shared_parameters`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["balanced_cuts", "chain_layers", "cuts_from_names", "stage_ranges"]
+__all__ = [
+    "balanced_cuts",
+    "chain_layers",
+    "cuts_from_names",
+    "layer_times",
+    "refuse_shared_parameters",
+    "stage_ranges",
+]
 
 
 def chain_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -99,3 +111,40 @@ def stage_ranges(cuts: Sequence[int], n_layers: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` of each stage's layers from the cut points."""
     bounds = [0, *cuts, n_layers]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def layer_times(layers: list[tuple[str, nn.Module]], sample: Any, repeats: int = 3) -> list[float]:
+    """Forward+backward time of each layer on the activations ``sample`` produces (best of ``repeats``)."""
+    times, x = [], sample
+    for _, layer in layers:
+        best = float("inf")
+        for _ in range(repeats):
+            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _as_tuple(x))
+            started = time.perf_counter()
+            out = layer(*inputs)
+            floats = [t for t in _as_tuple(out) if t.is_floating_point() and t.requires_grad]
+            if floats:
+                torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
+            best = min(best, time.perf_counter() - started)
+        layer.zero_grad(set_to_none=True)
+        times.append(best)
+        x = tuple(t.detach() for t in _as_tuple(out))
+        x = x[0] if len(x) == 1 else x
+    return times
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def refuse_shared_parameters(layers: list[tuple[str, nn.Module]], ranges: list[tuple[int, int]]) -> None:
+    """Raise when one parameter belongs to layers of two stages (``ranges``: each stage's layer range)."""
+    owner: dict[int, int] = {}
+    for s, (a, b) in enumerate(ranges):
+        for name, layer in layers[a:b]:
+            for pname, p in layer.named_parameters():
+                if owner.setdefault(id(p), s) != s:
+                    raise ValueError(
+                        f"parameter {name}.{pname} is shared by stages {owner[id(p)]} and {s}. "
+                        "HINT: untie the weights, or choose split points that keep the sharing layers together."
+                    )
