@@ -41,10 +41,10 @@ def test_bytes_ring_and_driver_exact(check_run):
 
 @pytest.mark.timeout(60)
 def test_ring_runs_over_loom_links(check_run):
-    """With the job secret (the harness hands one out, as `loom run` does) both directions of every process
-    have an authenticated socket, and nobody else connected."""
+    """With the job secret (the harness hands one out, as `loom run` does) every process has its two
+    authenticated sockets, and nobody else connected."""
     _, results = check_run
-    assert [r["ring_sockets"] for r in results] == [{"out": True, "in": True, "rejected": 0}] * len(results)
+    assert [r["ring_sockets"] for r in results] == [{"linked": True, "rejected": 0}] * len(results)
 
 
 @pytest.mark.timeout(60)

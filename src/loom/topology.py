@@ -145,5 +145,8 @@ def shutdown(barrier_timeout_s: float = 60.0) -> None:
                     dist.barrier()
             except RuntimeError as error:
                 print(f"loom: rank {dist.get_rank()}: exit barrier failed: {error}", file=sys.stderr)
+        from loom.comm.links import close_links  # here: loom.comm imports this module
+
+        close_links()  # the ring's sockets go with the group they were made for
         dist.destroy_process_group()
     _current = None

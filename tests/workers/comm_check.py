@@ -76,8 +76,10 @@ def check_case(case: int, dtype: torch.dtype, shape: tuple[int, ...], op: str, t
             failures.append(f"{label}: differs from the reference by {(out.double() - want).abs().max()}")
         if algorithm == "ring":  # the same schedule over gloo's point-to-point calls: the same bits
             ring.TRANSPORT = "gloo"
-            over_gloo = comm.all_reduce(inputs[rank].clone(), op, "ring")
-            ring.TRANSPORT = "links"
+            try:
+                over_gloo = comm.all_reduce(inputs[rank].clone(), op, "ring")
+            finally:
+                ring.TRANSPORT = "links"
             if not torch.equal(over_gloo, out.contiguous()):
                 failures.append(f"{label}: differs between loom's links and gloo's point-to-point calls")
 
@@ -129,7 +131,8 @@ def check_segmented_ring() -> None:
         inputs = [make_input(case, r, torch.float64, (numel,)) for r in range(n)]
         want, scale = reference(inputs, op)
         local_op, divide_by = ("sum", n) if op == "avg" else (op, 1)
-        for transport, link in (("gloo", None), ("links", ring_link(None, (rank + 1) % n, (rank - 1) % n))):
+        links = ring_link(None, tuple(range(n)), rank, inputs[rank])
+        for transport, link in (("gloo", None), ("links", links)):
             flat = inputs[rank].clone()
             transfers, w = ring_schedule(flat, rank, n, segment_bytes=segment_bytes, window=window)
             right, left = (rank + 1) % n, (rank - 1) % n
@@ -152,6 +155,6 @@ for case, dtype in enumerate(DTYPES, start=5_000):
 check_integer_avg_refused()
 check_segmented_ring()
 group = check_group(list(range(1, n))) if n >= 3 else {}
-link = ring_link(None, (rank + 1) % n, (rank - 1) % n)
-sockets = {"out": link.out is not None, "in": link.inn is not None, "rejected": link.rejected}
+link = ring_link(None, tuple(range(n)), rank, torch.zeros(1))
+sockets = {"linked": link is not None, "rejected": link.rejected if link else None}
 print(json.dumps({"failures": failures, "bytes": measure_bytes(), "group": group, "ring_sockets": sockets}))

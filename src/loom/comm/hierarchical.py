@@ -39,7 +39,7 @@ def _ring_among_leaders(flat: torch.Tensor, op: str, ctx: ShmContext, divide_by:
     me = ctx.leaders.index(ctx.rank)
     right = global_rank(ctx.group, ctx.leaders[(me + 1) % n])
     left = global_rank(ctx.group, ctx.leaders[(me - 1) % n])
-    link = links_for(ctx.group, right, left)
+    link = links_for(ctx.group, tuple(global_rank(ctx.group, r) for r in ctx.leaders), me, flat)
     transfers, window = plan(flat, me, n, link)
     return run_ring(transfers, window, op, right, left, ctx.group, divide_by, link)
 

@@ -10,29 +10,32 @@ other never deadlock on full socket buffers), and no per-message protocol, since
 every message from the schedule. It is the same kernel TCP path gloo uses, so `ring` against `native` still
 compares algorithms over the same transport.
 
-Set-up (`ring_link`, on the first ring call for a group and pair of neighbours; only the ring's members
-take part): every process listens on one ephemeral port on the address of the interface gloo uses
+Set-up (`ring_link`, on the first ring call for a group and ordered list of ring members; only those
+members take part): every process listens on one ephemeral port on the address of the interface gloo uses
 (``GLOO_SOCKET_IFNAME``, which `loom run` sets to the interface holding the node's address; loopback when
 unset), tells its left neighbour where (a gloo point-to-point message), connects to its right neighbour
 while accepting one connection from its left one, then closes the listener. Before any data moves, both
 ends of every connection prove they hold the job secret (``LOOM_JOB_SECRET``, from `loom run`):
-challenge-response with fresh random nonces from both sides and HMAC-SHA256 under a different label per
-direction, so a recorded handshake cannot be replayed. The listener reads only fixed-size fields before the
-proof; a connection that fails it is closed and counted, and the listener keeps waiting for its neighbour
-until `HANDSHAKE_TIMEOUT_S`.
+challenge-response with fresh random nonces from both sides (so a recorded handshake cannot be replayed)
+and HMAC-SHA256 under a different label per direction (so one side's proof cannot be reflected back as the
+other's). The listener reads only fixed-size fields before the proof, gives each connection at most
+`CONNECTION_TIMEOUT_S` in all, closes and counts one that fails, and goes on waiting for its neighbour until
+`HANDSHAKE_TIMEOUT_S`.
 
-A direction that cannot have a link uses gloo's point-to-point calls; both of its ends decide alike, from
-the listener's offer: no job secret (a job not started by `loom run`), a neighbour on another host while
-this process listens on loopback only, or two different secrets (nodes of a multi-node job each started
-without a common ``LOOM_JOB_SECRET``: a warning says so; the offer carries a 64-bit hash of the secret to
-tell, never the secret).
+The whole ring uses its links or none of them: when a member cannot link to its right neighbour (no job
+secret, as in a job not started by `loom run`; a neighbour on another host while this process listens on
+loopback only; two different secrets, as when the nodes of a multi-node job were started without a common
+``LOOM_JOB_SECRET``, which a warning names: the offer carries a 64-bit hash of the secret to tell, never the
+secret), a flag passed round the ring tells every member, and the ring uses gloo's point-to-point calls, so
+that all members cut the data into the same segments.
 
 Failures: a neighbour that exits closes its sockets, so the next exchange raises an error naming this rank,
 the neighbour and the operation at once instead of waiting; one that stops without exiting is given up after
 `LINK_TIMEOUT_S` without progress.
 
-Limits: IPv4; data after the handshake is not authenticated message by message (whoever can inject into an
-established TCP connection could corrupt a reduction, as with gloo's own connections); synchronous.
+Limits: IPv4; CPU tensors under the gloo backend; data after the handshake is not authenticated message by
+message (whoever can inject into an established TCP connection could corrupt a reduction, as with gloo's own
+connections); synchronous, and not for two threads at once.
 """
 
 from __future__ import annotations
@@ -53,12 +56,21 @@ import torch.distributed as dist
 
 from loom.comm._reduce import exchange, host_key
 
-__all__ = ["HANDSHAKE_TIMEOUT_S", "LINK_TIMEOUT_S", "RingLink", "ring_link"]
+__all__ = [
+    "CONNECTION_TIMEOUT_S",
+    "HANDSHAKE_TIMEOUT_S",
+    "LINK_TIMEOUT_S",
+    "RingLink",
+    "close_links",
+    "ring_link",
+]
 
 LINK_TIMEOUT_S = 300.0
 """An exchange that moves no byte for this long fails, naming the neighbour it waited for."""
 HANDSHAKE_TIMEOUT_S = 60.0
 """How long set-up waits for the neighbours to connect and prove the secret."""
+CONNECTION_TIMEOUT_S = 5.0
+"""Longest a listener spends on one connection's handshake (a silent or slow client is dropped)."""
 
 _HELLO = b"LOOMRNG1"
 _NONCE = 16
@@ -67,65 +79,38 @@ _SIOCGIFADDR = 0x8915
 
 
 class RingLink:
-    """One process's two directions on a ring: ``out`` to the right neighbour and ``inn`` from the left one,
-    each a connected socket or None (that direction goes through gloo). ``right``/``left`` are global ranks."""
+    """One process's two connected sockets on a ring: ``out`` to the right neighbour, ``inn`` from the left
+    one (``right``/``left`` are global ranks)."""
 
     def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        right: int,
-        left: int,
-        out: socket.socket | None,
-        inn: socket.socket | None,
-        rejected: int = 0,
+        self, right: int, left: int, out: socket.socket, inn: socket.socket, rejected: int = 0
     ) -> None:
-        self.group, self.right, self.left, self.out, self.inn = group, right, left, out, inn
+        self.right, self.left, self.out, self.inn = right, left, out, inn
         self.rejected = rejected
         """Connections the listener closed because they did not prove the job secret."""
-        self._poll = select.poll()
-        for sock, events in ((out, select.POLLOUT), (inn, select.POLLIN)):
-            if sock is not None:
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._poll.register(sock, events)
-
-    @property
-    def carries(self) -> bool:
-        """Whether at least one direction has a socket (else gloo's windowed path is the better one)."""
-        return self.out is not None or self.inn is not None
+        for sock in (out, inn):
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """Send ``send`` right while receiving ``recv`` from the left (contiguous tensors; sizes known to both
-        ends); return when both are done."""
-        works = []  # a direction without a link goes through gloo, posted first and waited for last
-        if self.inn is None and recv.numel():
-            works.append(dist.irecv(recv, src=self.left, group=self.group))
-        if self.out is None and send.numel():
-            works.append(dist.isend(send, dst=self.right, group=self.group))
-        self._move(
-            _bytes(send) if self.out is not None else b"", _bytes(recv) if self.inn is not None else None
-        )
-        for work in works:
-            if work is not None:  # None only for a process outside the group, which the entry point refuses
-                work.wait()
-
-    def _move(self, out: memoryview | bytes, into: memoryview | None) -> None:
+        """Send ``send`` right while receiving ``recv`` from the left (contiguous CPU tensors whose sizes both
+        ends know); return when both are done."""
+        out, into = _bytes(send), _bytes(recv)
         sent, got = 0, 0
-        to_send, to_get = len(out), len(into) if into is not None else 0
         idle_since = time.monotonic()
-        while sent < to_send or got < to_get:
+        while sent < len(out) or got < len(into):
             moved = False
-            if sent < to_send:
+            if sent < len(out):
                 try:
-                    sent += self.out.send(out[sent:])  # type: ignore[union-attr]
+                    sent += self.out.send(out[sent:])
                     moved = True
                 except BlockingIOError:
                     pass
                 except OSError as error:
                     raise self._failed("send to", self.right, error.strerror or str(error)) from None
-            if got < to_get:
+            if got < len(into):
                 try:
-                    count = self.inn.recv_into(into[got:])  # type: ignore[union-attr,index]
+                    count = self.inn.recv_into(into[got:])
                 except BlockingIOError:
                     count = -1
                 except OSError as error:
@@ -138,13 +123,15 @@ class RingLink:
             if moved:
                 idle_since = time.monotonic()
                 continue
-            if self.out is not None:
-                self._poll.modify(self.out, select.POLLOUT if sent < to_send else 0)
-            if self.inn is not None:
-                self._poll.modify(self.inn, select.POLLIN if got < to_get else 0)
-            self._poll.poll(1000)
+            # Wait only on the directions still under way: a finished one may report a hang-up forever.
+            poller = select.poll()
+            if sent < len(out):
+                poller.register(self.out, select.POLLOUT)
+            if got < len(into):
+                poller.register(self.inn, select.POLLIN)
+            poller.poll(1000)
             if time.monotonic() - idle_since > LINK_TIMEOUT_S:
-                peer = self.left if got < to_get else self.right
+                peer = self.left if got < len(into) else self.right
                 raise self._failed("exchange with", peer, f"no byte moved for {LINK_TIMEOUT_S:.0f} s")
 
     def _failed(self, what: str, peer: int, why: str) -> RuntimeError:
@@ -154,35 +141,55 @@ class RingLink:
         )
 
     def close(self) -> None:
-        for sock in (self.out, self.inn):
-            if sock is not None:
-                sock.close()
+        self.out.close()
+        self.inn.close()
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
     return t.detach().view(torch.uint8).numpy().data
 
 
-_LINKS: dict[tuple[object, int, int], RingLink] = {}
+_LINKS: dict[tuple[object, tuple[int, ...], int], RingLink | None] = {}
 
 
-def ring_link(group: dist.ProcessGroup | None, right: int, left: int) -> RingLink:
-    """The `RingLink` of this process towards ``right`` and from ``left`` (global ranks) on ``group``, made on
-    first use: every member of that ring must call it, in the same order of rings."""
-    key = (group if group is not None else dist.group.WORLD, right, left)
-    link = _LINKS.get(key)
-    if link is None:
-        link = _LINKS[key] = _connect(group, right, left)
-    return link
+def ring_link(
+    group: dist.ProcessGroup | None, members: tuple[int, ...], position: int, tensor: torch.Tensor
+) -> RingLink | None:
+    """This process's `RingLink` on the ring of ``members`` (global ranks in ring order; this process is
+    ``members[position]``), made on first use, or None: the ring goes through gloo (see the module docstring;
+    the same answer on every member). Every member must call it for its first ring over ``members``."""
+    if tensor.device.type != "cpu" or dist.get_backend(group) != "gloo":
+        return None
+    key = (group if group is not None else dist.group.WORLD, members, position)
+    if key not in _LINKS:
+        _LINKS[key] = _connect(group, members, position)
+    return _LINKS[key]
 
 
-def _job_secret() -> bytes | None:
+def close_links() -> None:
+    """Close every link (`loom.topology.shutdown` calls it with the process group's end)."""
+    for link in _LINKS.values():
+        if link is not None:
+            link.close()
+    _LINKS.clear()
+
+
+def _job_secret(me: int) -> bytes | None:
     text = os.environ.get("LOOM_JOB_SECRET", "")
+    if not text:
+        return None
     try:
         secret = bytes.fromhex(text.strip())
     except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        warnings.warn(
+            f"rank {me}: LOOM_JOB_SECRET is not at least 32 hex digits, so the ring goes through gloo. "
+            "HINT: let `loom run` generate it, or set 64 hex digits (openssl rand -hex 32) on every node",
+            stacklevel=5,
+        )
         return None
-    return secret if len(secret) >= 16 else None
+    return secret
 
 
 def _listen_address() -> str:
@@ -205,32 +212,55 @@ def _swap(payload: bytes, to: int, frm: int, group: dist.ProcessGroup | None) ->
     return incoming.numpy().tobytes()
 
 
-def _connect(group: dist.ProcessGroup | None, right: int, left: int) -> RingLink:
-    me, secret = dist.get_rank(), _job_secret()
+def _agree(ok: bool, size: int, right: int, left: int, group: dist.ProcessGroup | None) -> bool:
+    """Whether every member of the ring is ``ok``: the flag goes round the ring, ``size - 1`` hops."""
+    for _ in range(size - 1):
+        ok = _swap(bytes([ok]), to=right, frm=left, group=group)[0] == 1 and ok
+    return ok
+
+
+def _connect(group: dist.ProcessGroup | None, members: tuple[int, ...], position: int) -> RingLink | None:
+    size = len(members)
+    right, left = members[(position + 1) % size], members[(position - 1) % size]
+    me, secret = dist.get_rank(), _job_secret(dist.get_rank())
     digest = hashlib.sha256(host_key().encode()).digest()[:16]
-    listener = None
+    listener, reason = None, ""
     if secret is not None:
         try:
             listener = socket.create_server((_listen_address(), 0), backlog=8)
-        except OSError as error:  # the offer then says so, and the left neighbour uses gloo
-            warnings.warn(f"rank {me}: ring messages from rank {left} go through gloo: {error}", stacklevel=4)
-    address, port = listener.getsockname()[:2] if listener else ("0.0.0.0", 0)
-    check = hashlib.sha256(b"loom ring key check" + secret).digest()[:8] if secret else bytes(8)
-    offer = (
-        bytes([listener is not None]) + digest + check + socket.inet_aton(address) + port.to_bytes(2, "big")
-    )
-    theirs = _swap(offer, to=left, frm=right, group=group)  # the right neighbour's listener
-    their_address, their_port = socket.inet_ntoa(theirs[25:29]), int.from_bytes(theirs[29:31], "big")
-    dial = listener is not None and theirs[0] == 1
-    if dial and theirs[17:25] != check:
-        dial = False
-        warnings.warn(
-            f"rank {me}: ring messages to rank {right} go through gloo: the two processes hold different job "
-            "secrets. HINT: give every node of a multi-node job the same LOOM_JOB_SECRET (64 hex digits)",
-            stacklevel=4,
-        )
-    dial = dial and (theirs[1:17] == digest or not their_address.startswith("127."))
-    accept = _swap(bytes([dial]), to=right, frm=left, group=group)[0] == 1
+        except OSError as error:
+            reason = f"cannot listen: {error}"
+    try:
+        address, port = listener.getsockname()[:2] if listener else ("0.0.0.0", 0)
+        check = hashlib.sha256(b"loom ring key check" + secret).digest()[:8] if secret else bytes(8)
+        offer = bytes([listener is not None]) + digest + check + socket.inet_aton(address)
+        theirs = _swap(offer + port.to_bytes(2, "big"), to=left, frm=right, group=group)
+        their_address, their_port = socket.inet_ntoa(theirs[25:29]), int.from_bytes(theirs[29:31], "big")
+        if listener is not None and theirs[0] == 1 and theirs[17:25] != check:
+            reason = f"rank {right} holds another job secret"
+        elif listener is not None and theirs[1:17] != digest and their_address.startswith("127."):
+            reason = f"rank {right} is on another host and listens on loopback only"
+        ok = listener is not None and theirs[0] == 1 and not reason
+        if reason:
+            warnings.warn(
+                f"rank {me}: ring all-reduce goes through gloo: {reason}. HINT: give every node of a multi-node "
+                "job the same LOOM_JOB_SECRET (64 hex digits) and start it with `loom run`",
+                stacklevel=5,
+            )
+        if not _agree(ok, size, right, left, group):
+            return None
+        assert listener is not None and secret is not None
+        return _link_up(listener, secret, me, right, left, their_address, their_port)
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+def _link_up(
+    listener: socket.socket, secret: bytes, me: int, right: int, left: int, address: str, port: int
+) -> RingLink:
+    """Dial the right neighbour while a thread accepts the left one (each waits on a neighbour doing the
+    other, so one thread doing both in turn could wait round the ring forever)."""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     accepted: list[socket.socket] = []
     errors: list[BaseException] = []
@@ -238,36 +268,37 @@ def _connect(group: dist.ProcessGroup | None, right: int, left: int) -> RingLink
 
     def take_left() -> None:
         try:
-            accepted.append(_accept(listener, secret, left, me, deadline, rejected))  # type: ignore[arg-type]
-        except BaseException as error:  # reported by the caller's thread
+            accepted.append(_accept(listener, secret, left, me, deadline, rejected))
+        except BaseException as error:  # handed to the calling thread
             errors.append(error)
 
-    thread = threading.Thread(target=take_left, daemon=True) if accept else None
+    thread = threading.Thread(target=take_left, daemon=True)
+    thread.start()
     out = None
     try:
-        if thread is not None:
-            thread.start()
-        if dial:
-            out = _dial(their_address, their_port, secret, me, right, deadline)  # type: ignore[arg-type]
+        out = _dial(address, port, secret, me, right, deadline)
     finally:
-        if thread is not None:
-            thread.join()
-        if listener is not None:
-            listener.close()
+        thread.join()
+        if out is None or errors:
+            for sock in (out, *accepted):
+                if sock is not None:
+                    sock.close()
     if errors:
-        if out is not None:
-            out.close()
         raise errors[0]
-    return RingLink(group, right, left, out, accepted[0] if accepted else None, rejected[0])
+    return RingLink(right, left, out, accepted[0], rejected[0])
 
 
 def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     data = bytearray()
     while len(data) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the handshake took too long")
+        sock.settimeout(remaining)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise ConnectionError("the peer closed the connection during the handshake")
@@ -286,21 +317,23 @@ def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: 
         ranks = me.to_bytes(4, "big") + peer.to_bytes(4, "big")
         mine = os.urandom(_NONCE)
         sock.sendall(_HELLO + mine + ranks)
-        reply = _read_exact(sock, _NONCE + _MAC)
+        reply = _read_exact(sock, _NONCE + _MAC, deadline)
         theirs = reply[:_NONCE]
         if not hmac.compare_digest(reply[_NONCE:], _mac(secret, b"loom ring accept", mine, theirs, ranks)):
             raise RuntimeError(f"{where}: the listener did not prove it holds the job secret")
         sock.sendall(_mac(secret, b"loom ring connect", theirs, mine, ranks))
-        if _read_exact(sock, 1) != b"\1":
+        if _read_exact(sock, 1, deadline) != b"\1":
             raise RuntimeError(f"{where}: the listener refused the handshake")
-    except (OSError, RuntimeError) as error:
+        sock.settimeout(None)
+        return sock
+    except RuntimeError:
         sock.close()
-        if isinstance(error, RuntimeError):
-            raise
+        raise
+    except OSError as error:
+        sock.close()
         raise RuntimeError(
             f"{where}: handshake failed: {error}. HINT: every process needs the same LOOM_JOB_SECRET"
         ) from None
-    return sock
 
 
 def _accept(
@@ -321,14 +354,16 @@ def _accept(
             sock, _ = listener.accept()
         except TimeoutError:
             continue
-        sock.settimeout(min(remaining, 10.0))
+        except OSError as error:
+            raise RuntimeError(f"rank {me}: ring link: accepting rank {peer} failed: {error}") from None
+        until = min(deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
         try:
-            hello = _read_exact(sock, len(_HELLO) + _NONCE + 8)
+            hello = _read_exact(sock, len(_HELLO) + _NONCE + 8, until)
             if hello[: len(_HELLO)] != _HELLO or hello[-8:] != ranks:
                 raise ConnectionError("not a ring hello from the expected neighbour")
             theirs, mine = hello[len(_HELLO) : len(_HELLO) + _NONCE], os.urandom(_NONCE)
             sock.sendall(mine + _mac(secret, b"loom ring accept", theirs, mine, ranks))
-            proof = _read_exact(sock, _MAC)
+            proof = _read_exact(sock, _MAC, until)
             if not hmac.compare_digest(proof, _mac(secret, b"loom ring connect", mine, theirs, ranks)):
                 raise ConnectionError("wrong proof of the job secret")
             sock.sendall(b"\1")

@@ -254,7 +254,7 @@ def all_reduce_ring(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None
     """
     rank, n = group_rank_and_size(group)
     right, left = global_rank(group, (rank + 1) % n), global_rank(group, (rank - 1) % n)
-    link = links_for(group, right, left)
+    link = links_for(group, tuple(global_rank(group, i) for i in range(n)), rank, flat)
     transfers, window = plan(flat, rank, n, link)
     # avg: each segment is divided once, by its owner after its last reduction, before it is copied everywhere
     local_op, divide_by = ("sum", n) if op == "avg" else (op, 1)
@@ -272,10 +272,10 @@ def plan(flat: torch.Tensor, position: int, size: int, link: RingLink | None) ->
     return ring_schedule(flat, position, size, scratch, segment_bytes)
 
 
-def links_for(group: dist.ProcessGroup | None, right: int, left: int) -> RingLink | None:
-    """The `RingLink` a ring should use (made on first use: a collective of the ring), or None for gloo's
-    windowed point-to-point path (`TRANSPORT` is ``"gloo"``, or no direction could have a link)."""
-    if TRANSPORT != "links":
-        return None
-    link = ring_link(group, right, left)
-    return link if link.carries else None
+def links_for(
+    group: dist.ProcessGroup | None, members: tuple[int, ...], position: int, flat: torch.Tensor
+) -> RingLink | None:
+    """The `RingLink` of ring member ``position`` of ``members`` (global ranks; made on first use, a collective
+    of the ring), or None for gloo's windowed point-to-point path: `TRANSPORT` is ``"gloo"``, or the ring
+    cannot have links (the same answer on every member, so all cut the same segments)."""
+    return ring_link(group, members, position, flat) if TRANSPORT == "links" else None
