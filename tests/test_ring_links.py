@@ -43,13 +43,13 @@ def _raw_client(port: int, payload: bytes) -> bytes:
     """Connect, send ``payload`` and end the sending side, return whatever comes back until the listener
     closes the connection."""
     with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
         received = b""
         try:
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
             while chunk := sock.recv(4096):
                 received += chunk
-        except ConnectionResetError:  # closed with our bytes unread
+        except OSError:  # the listener closed first, with some of our bytes unread (a reset)
             pass
         return received
 
