@@ -32,11 +32,11 @@ def reduce_once(data: torch.Tensor, algorithm: str) -> None:
     if algorithm != RING_OVER_GLOO:
         comm.all_reduce(data, "sum", algorithm)
         return
-    ring.TRANSPORT = "gloo"
+    chosen, ring.TRANSPORT = ring.TRANSPORT, "gloo"
     try:
         comm.all_reduce(data, "sum", "ring")
     finally:
-        ring.TRANSPORT = "links"
+        ring.TRANSPORT = chosen
 
 
 def time_per_call(data: torch.Tensor, algorithm: str, calls: int) -> float:

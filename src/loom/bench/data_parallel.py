@@ -88,7 +88,7 @@ def summarize(m: dict, s: dict, nproc: int, repetitions: int, steps: int) -> dic
         },
         "loom_over_ddp": loom_tp / ddp_tp,
         "loom_unobserved_over_ddp": quiet_tp / ddp_tp,
-        "paired_over_ddp": {  # each repetition's ratio, loom and DDP timed minutes apart at most
+        "paired_over_ddp": {  # the median of each repetition's own ratio (loom and DDP timed seconds apart)
             name: statistics.median(a / b for a, b in zip(m[name], m["ddp"], strict=True))
             for name in ("loom", "loom_unobserved")
         },

@@ -19,8 +19,8 @@ Why this is safe:
   shm by its barrier counters). DDP calls the hook for buckets in the same order on every rank, and one FIFO
   thread per process keeps that order. Two threads would not.
 - *One thread uses shm at a time.* `loom.comm.shm` keeps per-process state (barrier sequence, chunk layout)
-  without a lock, and the ring's links (`loom.comm.links`) are sockets no two threads may share. While buckets are in flight the main thread is inside backward, which issues no collective,
-  and DDP's wait at the end of backward drains the queue before the caller can issue any (loss averaging,
+  without a lock, and the ring's links (`loom.comm.links`) are sockets no two threads may share. While
+  buckets are in flight the main thread is inside backward, which issues no collective, and DDP's wait at the end of backward drains the queue before the caller can issue any (loss averaging,
   `loom.comm.all_reduce`, the optimizer's...). So exactly one thread touches shm and the backend at a time.
   A caller that issues collectives from autograd hooks *during* backward would break this; don't.
 - *First calls are collectives too* (shm's segment set-up, ``auto``'s calibration): they run on the same thread,

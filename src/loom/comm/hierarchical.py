@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from loom.comm._reduce import global_rank
 from loom.comm.counters import Traffic
-from loom.comm.ring import links_for, plan, run_ring
+from loom.comm.ring import reduce_around
 from loom.comm.shm import ShmContext, all_reduce_local, context_for, reduce_scatter_piece
 
 __all__ = ["all_reduce_hierarchical"]
@@ -35,13 +35,8 @@ __all__ = ["all_reduce_hierarchical"]
 def _ring_among_leaders(flat: torch.Tensor, op: str, ctx: ShmContext, divide_by: int) -> tuple[int, int]:
     """`loom.comm.ring`'s ring over the leaders of ``ctx`` only; ``op`` is not avg (for avg: sum, and
     ``divide_by`` the number of processes, which the ring applies to each segment once, after its last add)."""
-    n = len(ctx.leaders)
-    me = ctx.leaders.index(ctx.rank)
-    right = global_rank(ctx.group, ctx.leaders[(me + 1) % n])
-    left = global_rank(ctx.group, ctx.leaders[(me - 1) % n])
-    link = links_for(ctx.group, tuple(global_rank(ctx.group, r) for r in ctx.leaders), me, flat)
-    transfers, window = plan(flat, me, n, link)
-    return run_ring(transfers, window, op, right, left, ctx.group, divide_by, link)
+    members = tuple(global_rank(ctx.group, r) for r in ctx.leaders)
+    return reduce_around(flat, op, members, ctx.leaders.index(ctx.rank), ctx.group, divide_by)
 
 
 def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:

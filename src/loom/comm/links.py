@@ -158,11 +158,11 @@ def ring_link(
     """This process's `RingLink` on the ring of ``members`` (global ranks in ring order; this process is
     ``members[position]``), made on first use, or None: the ring goes through gloo (see the module docstring;
     the same answer on every member). Every member must call it for its first ring over ``members``."""
-    if tensor.device.type != "cpu" or dist.get_backend(group) != "gloo":
+    if tensor.device.type != "cpu":
         return None
     key = (group if group is not None else dist.group.WORLD, members, position)
     if key not in _LINKS:
-        _LINKS[key] = _connect(group, members, position)
+        _LINKS[key] = _connect(group, members, position) if dist.get_backend(group) == "gloo" else None
     return _LINKS[key]
 
 

@@ -62,8 +62,8 @@ __all__ = [
     "Transfer",
     "all_reduce_ring",
     "exchange_schedule",
-    "links_for",
     "plan",
+    "reduce_around",
     "ring_schedule",
     "run_ring",
     "scratch_size",
@@ -78,9 +78,9 @@ against native on the 2-core development machine (N = 2, same-run ratios)."""
 WINDOW = 2
 """Transfers in flight at once: the one being reduced and the next one arriving."""
 TRANSPORT = "links"
-"""How ring messages travel: ``"links"``, loom's authenticated TCP links between neighbours where they can be
-made (`loom.comm.links`; gloo for a direction where not), or ``"gloo"``, gloo's point-to-point calls only
-(the benchmark times both)."""
+"""How ring messages travel: ``"links"``, loom's authenticated TCP links between neighbours when the whole ring
+can have them (`loom.comm.links`; else gloo), or ``"gloo"``, gloo's point-to-point calls only (the benchmark
+times both)."""
 LINK_SEGMENT_BYTES = 1 << 20
 """`SEGMENT_BYTES` over loom's links, where a message costs little: smaller segments let the reduction of one
 overlap the arrival of the next (of 0.25, 1, 2 and 4 MiB, 1 MiB was fastest at 16 and 64 MiB, N = 2)."""
@@ -253,29 +253,37 @@ def all_reduce_ring(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None
     Low level: arguments are not checked. Use `loom.comm.all_reduce(t, algorithm="ring")` as the entry point.
     """
     rank, n = group_rank_and_size(group)
-    right, left = global_rank(group, (rank + 1) % n), global_rank(group, (rank - 1) % n)
-    link = links_for(group, tuple(global_rank(group, i) for i in range(n)), rank, flat)
-    transfers, window = plan(flat, rank, n, link)
     # avg: each segment is divided once, by its owner after its last reduction, before it is copied everywhere
     local_op, divide_by = ("sum", n) if op == "avg" else (op, 1)
-    return run_ring(transfers, window, local_op, right, left, group, divide_by, link)
+    return reduce_around(
+        flat, local_op, tuple(global_rank(group, i) for i in range(n)), rank, group, divide_by
+    )
+
+
+def reduce_around(
+    flat: torch.Tensor,
+    op: str,
+    members: tuple[int, ...],
+    position: int,
+    group: dist.ProcessGroup | None,
+    divide_by: int = 1,
+) -> tuple[int, int]:
+    """`run_ring` for ring member ``position`` of ``members`` (global ranks of ``group``, in ring order):
+    over loom's links when `TRANSPORT` allows and the ring can have them (made on first use, a collective of
+    the ring), else over gloo; ``op`` is not avg. Returns (bytes sent, bytes received)."""
+    size = len(members)
+    link = ring_link(group, members, position, flat) if TRANSPORT == "links" else None
+    transfers, window = plan(flat, position, size, link)
+    right, left = members[(position + 1) % size], members[(position - 1) % size]
+    return run_ring(transfers, window, op, right, left, group, divide_by, link)
 
 
 def plan(flat: torch.Tensor, position: int, size: int, link: RingLink | None) -> tuple[list[Transfer], int]:
     """The transfers (and window) of ring member ``position`` of ``size`` for ``flat``, in this thread's
     scratch buffer: one exchange for two members and a small tensor, else the pipelined ring, in segments
-    sized for the transport."""
+    sized for the transport (the same on every member: the ring has links everywhere or nowhere)."""
     if size == 2 and flat.nbytes < EXCHANGE_BELOW_BYTES:
         return exchange_schedule(flat, scratch_buffer(flat.numel(), flat.dtype, flat.device))
     segment_bytes = LINK_SEGMENT_BYTES if link else SEGMENT_BYTES
     scratch = scratch_buffer(scratch_size(flat, size, segment_bytes), flat.dtype, flat.device)
     return ring_schedule(flat, position, size, scratch, segment_bytes)
-
-
-def links_for(
-    group: dist.ProcessGroup | None, members: tuple[int, ...], position: int, flat: torch.Tensor
-) -> RingLink | None:
-    """The `RingLink` of ring member ``position`` of ``members`` (global ranks; made on first use, a collective
-    of the ring), or None for gloo's windowed point-to-point path: `TRANSPORT` is ``"gloo"``, or the ring
-    cannot have links (the same answer on every member, so all cut the same segments)."""
-    return ring_link(group, members, position, flat) if TRANSPORT == "links" else None
