@@ -41,10 +41,15 @@ from loom.observe.metrics import StepMetrics
 from loom.observe.stragglers import StragglerConfig, StragglerDetector, StragglerWarning
 from loom.observe.trace import TraceRecorder, trace_from_env
 
-__all__ = ["DATA", "COMPUTE", "COMM", "OPTIMIZER", "StepObserver"]
+__all__ = ["DATA", "COMPUTE", "COMM", "OPTIMIZER", "StepObserver", "loss_buffer_size"]
 
 DATA, COMPUTE, COMM, OPTIMIZER = range(4)
 _NAMES = ("data", "compute", "comm", "optimizer")
+
+
+def loss_buffer_size(world_size: int) -> int:
+    """Values in `StepObserver.loss_buffer`: the loss sum, then 4 phase times per rank."""
+    return 1 + 4 * world_size
 
 
 def ring_bytes(nbytes: int, world_size: int) -> int:
@@ -218,13 +223,13 @@ class StepObserver:
         if not self.enabled or self.world_size == 1:
             return torch.zeros(1, dtype=torch.float64, device=device)
         if device.type != "cpu":
-            values = [0.0] * (1 + 4 * self.world_size)
+            values = [0.0] * loss_buffer_size(self.world_size)
             values[1 + 4 * self.rank : 5 + 4 * self.rank] = self._previous
             return torch.tensor(values, dtype=torch.float64, device=device)
         # On CPU one buffer is reused, written through its numpy view: building a tensor from a list each step
         # cost ~20 µs. Safe because the strategy waits for the all-reduce and reads the result before the next step.
         if self._buffer is None:
-            self._buffer = torch.zeros(1 + 4 * self.world_size, dtype=torch.float64)
+            self._buffer = torch.zeros(loss_buffer_size(self.world_size), dtype=torch.float64)
             self._buffer_view = self._buffer.numpy()
         view = self._buffer_view
         view.fill(0.0)

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from loom.comm.compression import compression_hook, make_codec
 from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.comm.ddp_hooks import allreduce_hook
+from loom.observe.phases import loss_buffer_size
 from loom.strategies.shared_gradients import SharedGradients, shared_gradients_unusable
 from loom.topology import Topology
 
@@ -55,9 +56,8 @@ def shared_gradients_for(
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, src=0)
-    loss_buffer = 1 + 4 * topo.world_size  # the loss and straggler rows ride along (loom.observe.phases)
-    try:
-        return SharedGradients(model, extra_values=loss_buffer)
+    try:  # the loss and the straggler rows ride along with the gradients
+        return SharedGradients(model, extra_values=loss_buffer_size(topo.world_size))
     except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
         warnings.warn(f"rank {topo.rank}: gradients go through DDP: {error}", stacklevel=3)
         return None
