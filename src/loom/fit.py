@@ -1,8 +1,8 @@
 """`fit`: the training loop, with checkpoints, automatic resume, progress and an LR schedule.
 
 ```python
-job = loom.DataParallel().setup(model, optimizer, loss_fn)
-loader = loom.data.loader(dataset, global_batch_size=256, seed=0)
+job = loom.DataParallel().setup(model, optimizer, loss_fn)   # or any strategy
+loader = job.loader(dataset, global_batch_size=256, seed=0)
 result = loom.fit(job, loader, steps=10_000, checkpoint_dir="ckpt", checkpoint_every=500)
 ```
 
@@ -16,9 +16,11 @@ feedback, restored when the world size is unchanged); the ranks agree that the w
 `loom.fit_checkpoint` for who writes what, how ranks resume, and why restored error feedback does not yet reach
 `DataParallel`'s first step after a resume.
 
-Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). Jobs whose main
-state differs per rank (sharded ones: pipeline, tensor parallel) are refused, since only rank 0's
-``state_dict()`` is written. The LR scheduler is stepped once per optimizer step. RNG states are restored
+Every strategy's job runs here: `fit` uses only the `loom.job.Job` contract. Jobs whose state differs per rank
+(pipeline stages, tensor shards) have every rank's part written into the same checkpoint and resume at the
+world size and mesh that wrote them.
+
+Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). The LR scheduler is stepped once per optimizer step. RNG states are restored
 exactly when the world size is unchanged; after a resize rank r takes saved rank ``r mod old_world_size``'s
 state. With ``async_checkpoint=True`` a checkpoint is durable only once the next one starts or `fit` returns (it
 always waits for the last one).
@@ -39,8 +41,7 @@ from typing import Any
 from loom.fault.desync import check_replicas_agree
 from loom.fit_checkpoint import FitCheckpointer, resume_fit
 from loom.observe.progress import ProgressBar
-from loom.strategies.data_parallel import DataParallelJob
-from loom.topology import Topology
+from loom.job import Job
 
 __all__ = ["FitResult", "fit"]
 
@@ -82,13 +83,10 @@ def _validate(
     _positive_int("checkpoint_every", checkpoint_every)
     _positive_int("keep", keep)
     _positive_int("log_every", log_every, optional=True)
-    missing = [
-        m for m in ("train_step", "state_dict", "load_state_dict") if not callable(getattr(job, m, None))
-    ]
-    if missing or not isinstance(getattr(job, "topology", None), Topology):
+    if not isinstance(job, Job):
         raise TypeError(
-            f"fit() expects a job from a strategy's setup() (train_step, state_dict, load_state_dict, topology); "
-            f"{type(job).__name__} lacks {missing or ['topology']}. HINT: job = loom.DataParallel().setup(...)."
+            f"fit() expects a job from a strategy's setup() (a loom.job.Job), got {type(job).__name__}. "
+            "HINT: job = loom.DataParallel().setup(model, optimizer, loss_fn)."
         )
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
@@ -110,12 +108,6 @@ def _validate(
         raise TypeError(
             f"checkpointing needs a loader with state_dict()/load_state_dict() to resume its position; "
             f"{type(loader).__name__} has none. HINT: use loom.data.loader(dataset, global_batch_size)."
-        )
-    replicated = getattr(job, "replicated_state", isinstance(job, DataParallelJob))
-    if job.topology.is_distributed and not replicated:
-        raise ValueError(
-            f"fit() checkpoints only jobs whose state is the same on every rank (DataParallel); "
-            f"{type(job).__name__} is not. HINT: run without checkpoint_dir, or save per-rank state yourself."
         )
 
 
@@ -172,7 +164,7 @@ class _Loop:
                 at.step, at.epoch_step, taken = at.step + 1, at.epoch_step + 1, taken + 1
                 self._report(at, bar, (at.step - first) / (time.perf_counter() - started))
                 if self._desync_check_due(at.step):  # before a checkpoint can save a desynchronized state
-                    check_replicas_agree(self.job.module, step=at.step)
+                    check_replicas_agree(self.job.module, self.job.mesh.group("dp"), step=at.step)
                 if self.checkpointer is not None and at.step % self.checkpoint_every == 0:
                     self.checkpointer.save(at.step, asdict(at))
                 if self.steps is not None and at.step >= self.steps:
@@ -188,7 +180,8 @@ class _Loop:
                 )
 
     def _desync_check_due(self, step: int) -> bool:
-        return bool(self.desync_every) and step % self.desync_every == 0 and self.job.topology.is_distributed
+        due = bool(self.desync_every) and step % self.desync_every == 0
+        return due and self.job.replicas_agree and self.job.mesh.group("dp") is not None
 
     def _report(self, at: _Position, bar: ProgressBar, steps_per_s: float) -> None:
         bar.advance(info=f"step {at.step} epoch {at.epoch} loss {at.last_loss:.4f}")

@@ -49,6 +49,7 @@ from loom.checkpoint import (
 from loom.checkpoint.tree import flatten_state
 from loom.comm._reduce import all_gather_sized_bytes
 from loom.fault.resize import resize_factor, scale_learning_rate
+from loom.job import Job
 from loom.topology import Topology
 
 __all__ = ["FitCheckpointer", "resume_fit"]
@@ -88,24 +89,28 @@ def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
     return states
 
 
-def _gather_local_states(job: Any, topo: Topology) -> list[bytes] | None:
-    """Every rank's packed ``job.local_state_dict()`` on rank 0, in rank order (None elsewhere, and for jobs
-    without local state). The lengths are all-gathered first (-1: this rank could not pack its state, and every
-    rank raises), then the bytes are gathered to rank 0 alone, zero-padded to the longest."""
-    local_state_dict = getattr(job, "local_state_dict", None)
-    if not callable(local_state_dict):
-        return None
+def _rank_state(job: Job) -> dict[str, Any]:
+    """What this rank writes into its own file: its local state, and its part of the job when not replicated."""
+    if job.replicated_state:
+        return job.local_state_dict()
+    return {"job": job.state_dict(), "local": job.local_state_dict()}
+
+
+def _gather_rank_states(job: Job, topo: Topology) -> list[bytes] | None:
+    """Every rank's packed `_rank_state` on rank 0, in rank order (None elsewhere). The lengths are
+    all-gathered first (-1: this rank could not pack its state, and every rank raises), then the bytes are
+    gathered to rank 0 alone, zero-padded to the longest."""
     payload, error = b"", None
     try:
-        payload = pack_state(local_state_dict())
+        payload = pack_state(_rank_state(job))
     except Exception as err:  # reported on every rank below, so no rank is left waiting in the gather
         error = err
     sizes = _all_gather_int(-1 if error else len(payload), topo)
     if error is not None or min(sizes) < 0:
         failed = [r for r, n in enumerate(sizes) if n < 0]
         raise CheckpointError(
-            f"rank(s) {failed} could not pack their local_state_dict() for the checkpoint (seen on rank "
-            f"{topo.rank}){f': {error!r}' if error else ''}. HINT: local state must hold only tensors, None, "
+            f"rank(s) {failed} could not pack their state for the checkpoint (seen on rank "
+            f"{topo.rank}){f': {error!r}' if error else ''}. HINT: state must hold only tensors, None, "
             "bools, ints, floats, strings, lists, tuples and dicts."
         ) from error
     if not _collective(topo):
@@ -124,7 +129,7 @@ def _gather_local_states(job: Any, topo: Topology) -> list[bytes] | None:
 class FitCheckpointer:
     """Writes the loop's checkpoints from rank 0 and makes every rank agree that the write succeeded."""
 
-    def __init__(self, job, loader, scheduler, directory: Path, keep: int, use_async: bool) -> None:
+    def __init__(self, job: Job, loader, scheduler, directory: Path, keep: int, use_async: bool) -> None:
         self.job, self.loader, self.scheduler = job, loader, scheduler
         self.directory, self.keep, self.use_async = directory, keep, use_async
         self.topo: Topology = job.topology
@@ -133,12 +138,18 @@ class FitCheckpointer:
 
     def save(self, step: int, loop_state: dict[str, Any]) -> None:
         rng = _gather_rng(self.topo)  # every rank takes part
-        local = _gather_local_states(self.job, self.topo)
+        local = _gather_rank_states(self.job, self.topo)
         failure = ""
         if self.topo.is_main:
-            fit_state = dict(loop_state, world_size=self.topo.world_size, local_states=local is not None)
+            fit_state = dict(
+                loop_state,
+                world_size=self.topo.world_size,
+                local_states=True,
+                sharded=not self.job.replicated_state,
+                mesh=self.job.mesh.shape.describe(),
+            )
             state = {
-                "job": self.job.state_dict(),
+                "job": self.job.state_dict() if self.job.replicated_state else None,
                 "loader": self.loader.state_dict(),
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
                 "rng": {"ranks": rng},
@@ -189,7 +200,7 @@ class FitCheckpointer:
 
 # -- resuming ---------------------------------------------------------------------------------------------------
 def resume_fit(
-    job, loader, scheduler, directory: Path, topo: Topology, scale_lr: bool = False
+    job: Job, loader, scheduler, directory: Path, topo: Topology, scale_lr: bool = False
 ) -> tuple[int, dict[str, Any]] | None:
     """Load the newest intact checkpoint of ``directory`` into the loop's objects; return its step and the
     loop's saved counters, or None when there is no checkpoint. Collective: every rank calls it."""
@@ -215,8 +226,12 @@ def resume_fit(
             f"the checkpoint of step {step} in {directory} was not written by loom.fit (no 'fit' entry). "
             "HINT: pass a checkpoint_dir of its own to fit()."
         )
-    job.load_state_dict(state["job"])
-    _restore_local_state(job, state["fit"], directory / checkpoint_name(step), step, topo)
+    checkpoint = directory / checkpoint_name(step)
+    if state["fit"].get("sharded") or not job.replicated_state:
+        _restore_sharded_state(job, state["fit"], checkpoint, step, topo)
+    else:
+        job.load_state_dict(state["job"])
+        _restore_local_state(job, state["fit"], checkpoint, step, topo)
     loader.load_state_dict(state["loader"])
     if scheduler is not None:
         if state.get("scheduler") is None:
@@ -234,12 +249,26 @@ def resume_fit(
     return step, state["fit"]
 
 
+def _restore_sharded_state(job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology) -> None:
+    """Load this rank's part of a job whose state differs per rank; only the layout that wrote it fits."""
+    mesh = job.mesh.shape.describe()
+    if job.replicated_state or saved.get("world_size") != topo.world_size or saved.get("mesh") != mesh:
+        raise CheckpointError(
+            f"the checkpoint of step {step} in {checkpoint.parent} holds a job sharded over "
+            f"{saved.get('world_size')} processes (mesh {saved.get('mesh')}); this job is "
+            f"{'replicated' if job.replicated_state else 'sharded'} over {topo.world_size} (mesh {mesh}). "
+            "HINT: resume with the strategy, world size and mesh degrees that wrote it."
+        )
+    mine = read_local_state(checkpoint, topo.rank)
+    job.load_state_dict(mine["job"])
+    job.load_local_state_dict(mine["local"])
+
+
 def _restore_local_state(
-    job: Any, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology
+    job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology
 ) -> None:
     """Load this rank's own saved state into ``job`` when the world size is the one that wrote it."""
-    load_local_state_dict = getattr(job, "load_local_state_dict", None)
-    if not saved.get("local_states") or not callable(load_local_state_dict):
+    if not saved.get("local_states"):
         return
     written_by = saved.get("world_size")
     if written_by != topo.world_size:
@@ -253,4 +282,4 @@ def _restore_local_state(
                 flush=True,
             )
         return
-    load_local_state_dict(read_local_state(checkpoint, topo.rank))
+    job.load_local_state_dict(read_local_state(checkpoint, topo.rank))

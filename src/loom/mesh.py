@@ -27,10 +27,12 @@ import torch.distributed as dist
 
 from loom.topology import Topology, current
 
-__all__ = ["AXES", "Mesh", "MeshShape"]
+__all__ = ["AXES", "REPLICA", "Mesh", "MeshShape"]
 
 AXES = ("dp", "pp", "tp")
 """Axis names, outermost first."""
+REPLICA = "replica"
+"""Not an axis: the group of the ranks of one model replica (all ``pp`` × ``tp`` coordinates of a ``dp`` index)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,13 @@ class MeshShape:
         return [self.rank_at(**{**coords, _check_axis(axis): i}) for i in range(self.size(axis))]
 
     def groups(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis``: the whole world partitioned, in a deterministic order."""
+        """Every group along ``axis``: the whole world partitioned, in a deterministic order.
+
+        ``axis`` may also be ``"replica"``: the ranks of one model replica (every ``pp`` and ``tp`` coordinate
+        of one ``dp`` index), which must see the same samples."""
+        if axis == REPLICA:
+            per_replica = self.pp * self.tp
+            return [list(range(d * per_replica, (d + 1) * per_replica)) for d in range(self.dp)]
         others = [a for a in AXES if a != _check_axis(axis)]
         out = []
         for fixed in itertools.product(*(range(self.size(a)) for a in others)):
@@ -121,11 +129,12 @@ class Mesh:
         self.coordinates = self.shape.coordinates(self.rank)
         self._groups: dict[str, Any] = {}
         if self.topology.is_distributed:
-            for axis in AXES:
-                if self.shape.size(axis) == 1:
-                    continue
+            for axis in (*AXES, REPLICA):
                 for ranks in self.shape.groups(axis):
-                    group = dist.new_group(ranks)
+                    if len(ranks) == 1:
+                        break  # an axis of size 1 has no group
+                    # An axis spanning the world is the default group: no second set of connections.
+                    group = dist.group.WORLD if len(ranks) == self.shape.world_size else dist.new_group(ranks)
                     if self.rank in ranks:
                         self._groups[axis] = group
 
@@ -140,11 +149,14 @@ class Mesh:
         return self.coordinates[_check_axis(axis)]
 
     def group(self, axis: str) -> Any:
-        """The process group along ``axis`` this process belongs to, or ``None`` when the axis has size 1."""
-        return self._groups.get(_check_axis(axis))
+        """The process group along ``axis`` (or ``"replica"``) this process belongs to, or ``None`` when it
+        holds this process alone."""
+        return self._groups.get(axis if axis == REPLICA else _check_axis(axis))
 
     def ranks(self, axis: str) -> list[int]:
-        """Global ranks of this process's group along ``axis``."""
+        """Global ranks of this process's group along ``axis`` (or ``"replica"``)."""
+        if axis == REPLICA:
+            return next(g for g in self.shape.groups(REPLICA) if self.rank in g)
         return self.shape.ranks_along(axis, self.rank)
 
     def peer(self, axis: str, index: int) -> int:

@@ -104,9 +104,7 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Topology:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        if os.environ.get("LOOM_RUN_DIR"):
-            # torch prefixes tracebacks with the rank; `loom run` already prefixes every line with it.
-            sys.excepthook = _note_uncaught_exception
+    _watch_uncaught_exceptions()
     _current = Topology(rank, world_size, local_rank, local_world_size, chosen)
     atexit.register(shutdown)
     return _current
@@ -120,12 +118,29 @@ def current() -> Topology:
 def _note_uncaught_exception(kind, value, tb) -> None:
     global _failed
     _failed = True
-    _previous_excepthook(kind, value, tb)
+    (_previous_excepthook or sys.__excepthook__)(kind, value, tb)
 
 
 _failed = False
-_previous_excepthook = sys.excepthook
-sys.excepthook = _note_uncaught_exception
+_previous_excepthook = None
+
+
+def _watch_uncaught_exceptions() -> None:
+    """Note an uncaught exception so `shutdown` skips its exit barrier (the failing rank must exit at once).
+
+    Installed by `init()` for a distributed job, never at import, and undone by `shutdown()`.
+    """
+    global _previous_excepthook
+    if _previous_excepthook is None:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _note_uncaught_exception
+
+
+def _restore_excepthook() -> None:
+    global _previous_excepthook
+    if _previous_excepthook is not None and sys.excepthook is _note_uncaught_exception:
+        sys.excepthook = _previous_excepthook
+    _previous_excepthook = None
 
 
 def shutdown(barrier_timeout_s: float = 60.0) -> None:
@@ -149,4 +164,5 @@ def shutdown(barrier_timeout_s: float = 60.0) -> None:
 
         close_links()  # the ring's sockets go with the group they were made for
         dist.destroy_process_group()
+    _restore_excepthook()
     _current = None

@@ -1,12 +1,16 @@
 """`loader()`: this process's share of every global batch, as ready-to-use tensors.
 
 Each yielded batch is a `ShardBatch`, a tuple ``(inputs, targets)`` that also knows the size of the whole global
-batch. Strategies read that to weight gradients by sample count without an extra collective; a plain tuple
-works too (the strategy then counts samples with an all-reduce).
+batch, the replica it was cut for (``shard_index`` of ``shard_count``) and a fingerprint of its samples' dataset
+indices. Strategies read the size to weight gradients by sample count without an extra collective, the layout
+to refuse a batch cut for another data axis (`loom.job.check_batch_layout`), and the fingerprint to check that
+the ranks of one model replica hold the same samples. A plain tuple works too (the strategy then counts samples
+with an all-reduce and fingerprints the tensors themselves).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,12 +30,30 @@ class ShardBatch(tuple):
     """Samples in the whole global batch (all replicas)."""
     epoch: int
     step: int
+    shard_index: int | None
+    """The replica this share was cut for (None: unknown)."""
+    shard_count: int | None
+    """The number of replicas the global batch was cut into (None: unknown)."""
+    fingerprint: int | None
+    """CRC-32 of the share's dataset indices (None: unknown): equal on ranks that hold the same samples."""
 
-    def __new__(cls, items: tuple, global_size: int, epoch: int, step: int) -> ShardBatch:
+    def __new__(
+        cls,
+        items: tuple,
+        global_size: int,
+        epoch: int,
+        step: int,
+        shard_index: int | None = None,
+        shard_count: int | None = None,
+        fingerprint: int | None = None,
+    ) -> ShardBatch:
         batch = super().__new__(cls, items)
         batch.global_size = global_size
         batch.epoch = epoch
         batch.step = step
+        batch.shard_index = shard_index
+        batch.shard_count = shard_count
+        batch.fingerprint = fingerprint
         return batch
 
 
@@ -60,9 +82,14 @@ class ShardedLoader:
         self.sampler.load_state_dict(state)
 
     def __iter__(self) -> Iterator[ShardBatch]:
-        for batch in self.sampler:
+        sampler = self.sampler
+        for batch in sampler:
             items = self._fetch(batch.share)
-            yield ShardBatch(tuple(items), batch.global_size, batch.epoch, batch.step)
+            fingerprint = zlib.crc32(batch.share.to(torch.int64).numpy().tobytes())
+            yield ShardBatch(
+                tuple(items), batch.global_size, batch.epoch, batch.step,
+                sampler.rank, sampler.world_size, fingerprint,
+            )  # fmt: skip
 
     def _fetch(self, indices: torch.Tensor) -> tuple:
         if isinstance(self.dataset, TensorDataset):

@@ -35,6 +35,8 @@ from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import CompressionHook, make_codec
 from loom.fault.watchdog import Watchdog, hang_timeout_s
+from loom.job import Job, MetricFn, check_batch_layout
+from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
 from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
@@ -145,7 +147,8 @@ class DataParallel:
             hook = gradient_hook(self.config, topo)
             observer.register_comm_hook(ddp, hook)
             wrapped = ddp
-        job = DataParallelJob(model, wrapped, optimizer, loss_fn, topo, self.config, metrics)
+        mesh = Mesh(dp=topo.world_size, topology=topo)
+        job = DataParallelJob(model, wrapped, optimizer, loss_fn, mesh, self.config, metrics)
         job.observer = observer
         job.shared_gradients = shared
         job.compression = hook if isinstance(hook, CompressionHook) else None
@@ -191,8 +194,10 @@ def _micro_batches(inputs: Any, targets: torch.Tensor, pieces: int) -> list[tupl
     return out
 
 
-class DataParallelJob:
-    """A model set up for data-parallel training: `train_step`, `eval_step`, and its state."""
+class DataParallelJob(Job):
+    """A model set up for data-parallel training (the `loom.job.Job` contract; its state is replicated)."""
+
+    replicated_state = True
 
     def __init__(
         self,
@@ -200,16 +205,18 @@ class DataParallelJob:
         wrapped: nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
-        topology: Topology,
+        mesh: Mesh,
         config: DataParallelConfig,
         metrics: StepMetrics,
     ) -> None:
+        topology = mesh.topology
         self.module = module
         """The user's model (unwrapped): read or export its parameters here."""
         self.wrapped = wrapped
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.topology = topology
+        self.mesh = mesh
         self.config = config
         self.metrics = metrics
         self.observer = StepObserver(metrics, topology.world_size)
@@ -243,6 +250,7 @@ class DataParallelJob:
 
     def train_step(self, batch: Any) -> float:
         """One optimizer step on the global batch this share belongs to; returns the global-batch loss."""
+        check_batch_layout(batch, self)
         self.observer.begin_step(self.step + 1)
         inputs, targets = split_batch(batch)
         device = self.topology.device
@@ -323,10 +331,9 @@ class DataParallelJob:
         return self.wrapped.no_sync() if isinstance(self.wrapped, DistributedDataParallel) else nullcontext()
 
     @torch.no_grad()
-    def eval_step(
-        self, batch: Any, metrics: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
-    ) -> dict[str, float]:
+    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
         """Global-batch loss, and any extra mean-reduced ``metrics`` (e.g. accuracy), in eval mode."""
+        check_batch_layout(batch, self)
         inputs, targets = split_batch(batch)
         device = self.topology.device
         inputs, targets = to_device(inputs, device), to_device(targets, device)

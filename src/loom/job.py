@@ -1,0 +1,137 @@
+"""The job contract: what every strategy's ``setup()`` returns, and all that `loom.fit` relies on.
+
+```python
+job = strategy.setup(model, optimizer, loss_fn)        # any strategy
+loader = job.loader(dataset, global_batch_size=256)    # this process's share, over the job's data axis
+for batch in loader:
+    loss = job.train_step(batch)                       # global-batch mean loss, the same on every rank
+```
+
+Everything around training (`loom.fit`, its checkpoints and restarts, desync checks, step records, reports)
+uses only what `Job` declares here, never a strategy's class. A new strategy subclasses `Job`, sets the
+attributes in its ``__init__`` and implements the four abstract methods.
+
+The data axis: every job has a `Mesh`, and the global batch is sharded over its ``dp`` axis only. The processes
+of one model replica (pipeline stages, tensor-parallel shards: the other axes) must see the same samples, so
+`loader` shards over `data_topology`, not over the world. A batch sharded for another layout (the plain
+``loom.data.loader(dataset, ...)`` of a model-parallel job) is refused by `check_batch_layout` before it is
+trained on, naming the fix; model-parallel jobs also compare a fingerprint of the samples across the ranks of a
+replica at every step (see `loom.strategies.pipeline`).
+
+State: `state_dict` is this rank's part of one consistent checkpoint. When ``replicated_state`` is True it is
+the same on every rank and `loom.fit` writes rank 0's; when False (sharded jobs: pipeline stages, tensor shards,
+parameter-server workers with their own clocks) every rank's part is written, and a checkpoint resumes only at
+the world size and mesh that wrote it. `local_state_dict` is per-rank state that replicated jobs keep beside
+the shared state (gradient compression's error feedback), restored when the world size is unchanged.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from loom.mesh import Mesh
+from loom.topology import Topology
+
+__all__ = ["Job", "MetricFn", "check_batch_layout"]
+
+MetricFn = Callable[[Any, torch.Tensor], torch.Tensor]
+"""``fn(outputs, targets)``: a metric averaged over the batch (e.g. accuracy), as `Job.eval_step` takes it."""
+
+
+class Job(abc.ABC):
+    """A model set up by a strategy for this process: train, evaluate, load data, save and restore.
+
+    Attributes every job sets: ``topology`` (this process in the whole job), ``mesh`` (its axes: ``dp``, and
+    ``pp``/``tp`` for model-parallel jobs), ``module`` (the model as this process holds it: the whole model, a
+    stage, or tensor shards), ``optimizer``, ``step`` (optimizer steps taken) and ``replicated_state``.
+    """
+
+    topology: Topology
+    mesh: Mesh
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int
+    replicated_state: bool
+    """True when `state_dict` is the same on every rank (rank 0 saves it once); False when each rank's differs."""
+
+    data_axis = "dp"
+    """The mesh axis the global batch is sharded over."""
+    replicas_agree = True
+    """True when the replicas along the data axis hold bitwise-equal parameters after every step (synchronous
+    strategies); `loom.fit`'s ``desync_every`` checks it. Strategies whose replicas drift apart set False."""
+
+    # -- the four methods a strategy implements ---------------------------------------------------------------
+    @abc.abstractmethod
+    def train_step(self, batch: Any) -> float:
+        """One optimizer step on the global batch ``batch`` is this process's share of; returns the global-batch
+        mean loss, the same on every rank."""
+
+    @abc.abstractmethod
+    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
+        """The global-batch mean loss (``"loss"``) and any extra ``metrics``, in eval mode, without a step.
+        Collective: every rank calls it."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of one consistent checkpoint (tensors, numbers, strings, lists and dicts)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (on the same rank, for jobs whose state is not replicated)."""
+
+    # -- shared by every job ----------------------------------------------------------------------------------
+    @property
+    def data_topology(self) -> Topology:
+        """The replicas of the data axis as a `Topology`: what `loader` shards over."""
+        return self.mesh.data_topology()
+
+    def loader(
+        self,
+        dataset: Dataset,
+        global_batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        **options: Any,
+    ) -> Any:
+        """This process's share of each global batch of ``dataset``, sharded over the job's data axis (see
+        `loom.data.loader` for the order, the shares and the state; ``options`` are passed on to it)."""
+        from loom.data.loader import loader as make_loader  # here: loom.data imports loom.topology only
+
+        return make_loader(
+            dataset, global_batch_size, shuffle, seed, drop_last, topology=self.data_topology, **options
+        )
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """Per-rank state kept beside a replicated `state_dict` (restored at the same world size); none here."""
+        return {}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `local_state_dict` returned on this rank."""
+
+
+def check_batch_layout(batch: Any, job: Job) -> None:
+    """Refuse a `loom.data.loader` batch sharded for a data layout other than ``job``'s data axis.
+
+    A batch that carries its layout (``shard_index``, ``shard_count``: the replica it was cut for and the number
+    of replicas) must have been cut for this process's replica; plain tuples carry none and are checked by the
+    strategies that can (model-parallel jobs compare sample fingerprints across a replica).
+    """
+    count = getattr(batch, "shard_count", None)
+    if count is None:
+        return
+    data = job.data_topology
+    index = getattr(batch, "shard_index", None)
+    if (index, count) != (data.rank, data.world_size):
+        raise ValueError(
+            f"rank {job.topology.rank}: this batch is share {index} of {count}, but the job shards data over its "
+            f"'{job.data_axis}' axis of {data.world_size} replica(s) and this process belongs to replica "
+            f"{data.rank} (mesh {job.mesh.shape.describe()}): the ranks of one model replica would train on "
+            "different samples. HINT: build the loader with job.loader(dataset, global_batch_size, ...)."
+        )
