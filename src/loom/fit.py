@@ -40,8 +40,8 @@ from typing import Any
 
 from loom.fault.desync import check_replicas_agree
 from loom.fit_checkpoint import FitCheckpointer, resume_fit
-from loom.observe.progress import ProgressBar
 from loom.job import Job
+from loom.observe.progress import ProgressBar
 
 __all__ = ["FitResult", "fit"]
 

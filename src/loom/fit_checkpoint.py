@@ -249,7 +249,9 @@ def resume_fit(
     return step, state["fit"]
 
 
-def _restore_sharded_state(job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology) -> None:
+def _restore_sharded_state(
+    job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology
+) -> None:
     """Load this rank's part of a job whose state differs per rank; only the layout that wrote it fits."""
     mesh = job.mesh.shape.describe()
     if job.replicated_state or saved.get("world_size") != topo.world_size or saved.get("mesh") != mesh:

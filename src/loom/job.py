@@ -114,6 +114,7 @@ class Job(abc.ABC):
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `local_state_dict` returned on this rank."""
+        del state  # nothing kept here; jobs with local state override both methods
 
 
 def check_batch_layout(batch: Any, job: Job) -> None:
