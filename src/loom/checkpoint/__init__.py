@@ -7,13 +7,16 @@ save_checkpoint("ckpt", step, {"job": job.state_dict(), "loader": loader.state_d
 found = load_checkpoint("ckpt")          # (step, state) of the newest intact checkpoint, or None
 ```
 
-A checkpoint becomes visible only once all of it is on disk (`loom.checkpoint.store` has the protocol);
+A checkpoint becomes visible only once all of it is on disk (`loom.checkpoint.store` has the protocol), and
+loading one reads within stated bounds and falls back past anything damaged or crafted (`loom.checkpoint.load`);
 `save_checkpoint_async` takes the snapshot immediately and writes it in the background. State that differs per
 process travels to the writer packed (`pack_state`) and is stored one file per rank in the same checkpoint
 (``local_states=``, read back with `read_local_state`). `loom.fit` builds resume on these.
 """
 
 from loom.checkpoint.background import AsyncCheckpoint, save_checkpoint_async
+from loom.checkpoint.limits import ReadLimits
+from loom.checkpoint.load import load_checkpoint, read_checkpoint, read_local_state
 from loom.checkpoint.rng import capture_rng, restore_rng
 from loom.checkpoint.store import (
     CheckpointError,
@@ -22,10 +25,7 @@ from loom.checkpoint.store import (
     NoValidCheckpointError,
     checkpoint_name,
     list_checkpoints,
-    load_checkpoint,
     local_state_file,
-    read_checkpoint,
-    read_local_state,
     save_checkpoint,
 )
 from loom.checkpoint.tree import pack_state, unpack_state
@@ -36,6 +36,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CorruptCheckpointWarning",
     "NoValidCheckpointError",
+    "ReadLimits",
     "capture_rng",
     "checkpoint_name",
     "list_checkpoints",

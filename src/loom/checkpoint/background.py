@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loom.checkpoint.store import CheckpointError, validate_save_arguments, write_checkpoint
+from loom.checkpoint.store import CheckpointError, encode_state, validate_save_arguments, write_checkpoint
 from loom.checkpoint.tree import flatten_state
 
 __all__ = ["AsyncCheckpoint", "save_checkpoint_async"]
@@ -43,9 +43,11 @@ class AsyncCheckpoint:
         self._finished = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _write(self, skeleton: Any, tensors: dict, keep: int | None, local_states: Sequence[bytes]) -> None:
+    def _write(
+        self, state_bytes: bytes, tensors: dict, keep: int | None, local_states: Sequence[bytes]
+    ) -> None:
         try:
-            self.path = write_checkpoint(self.directory, self.step, skeleton, tensors, keep, local_states)
+            self.path = write_checkpoint(self.directory, self.step, state_bytes, tensors, keep, local_states)
         except BaseException as err:  # kept for wait(), which re-raises it in the caller's thread
             self._error = err
         finally:
@@ -97,10 +99,11 @@ def save_checkpoint_async(
             if not previous._reported:  # a failure nobody has seen yet stops this save
                 previous.wait()
         skeleton, tensors = flatten_state(state, clone=True)
+        state_bytes = encode_state(step, skeleton)  # here, so a state too big to load back is refused now
         handle = AsyncCheckpoint(Path(directory), step)
         handle._thread = threading.Thread(
             target=handle._write,
-            args=(skeleton, tensors, keep, tuple(local_states)),
+            args=(state_bytes, tensors, keep, tuple(local_states)),
             name=f"loom-checkpoint-{step}",
             daemon=False,
         )

@@ -28,6 +28,7 @@ entries that shared a tensor become two tensors). Subclasses of the leaf types c
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import numbers
@@ -38,7 +39,11 @@ from typing import Any
 import safetensors.torch
 import torch
 
-__all__ = ["TAG", "flatten_state", "pack_state", "unflatten_state", "unpack_state"]
+from loom.checkpoint.bounded_json import json_shape_problem, parse_json
+from loom.checkpoint.limits import DEFAULT_LIMITS, ReadLimits
+from loom.checkpoint.tensor_file import read_tensor_file
+
+__all__ = ["TAG", "flatten_state", "pack_state", "unflatten_state", "unpack_state", "unpack_tensor_file"]
 
 TAG = "__loom__"
 """The key that marks a JSON object as an encoded tuple, dict, float or tensor placeholder."""
@@ -184,20 +189,37 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 def pack_state(state: Any) -> bytes:
     """``state`` as the bytes of one safetensors file: its tensors, and its skeleton as JSON in the metadata.
 
-    The bytes are a snapshot: later in-place updates of ``state``'s tensors do not reach them.
+    The bytes are a snapshot: later in-place updates of ``state``'s tensors do not reach them. Raises
+    ``ValueError`` when the skeleton's JSON breaks the default `ReadLimits` (`unpack_state` would refuse it).
     """
     skeleton, tensors = flatten_state(state)
-    return safetensors.torch.save(tensors, metadata={TAG: json.dumps(skeleton, allow_nan=False)})
+    text = json.dumps(skeleton, allow_nan=False)
+    problem = json_shape_problem(text.encode(), DEFAULT_LIMITS, "max_state_bytes")
+    if problem is not None:
+        raise ValueError(
+            f"the packed state's JSON holds {problem}, so unpacking it would be refused. HINT: keep bulky "
+            "data in tensors rather than in lists and dicts."
+        )
+    return safetensors.torch.save(tensors, metadata={TAG: text})
 
 
-def unpack_state(data: bytes) -> Any:
-    """Inverse of `pack_state`. Raises ``ValueError`` naming what is wrong with bytes it did not make."""
+def unpack_tensor_file(metadata: dict[str, str], tensors: dict[str, torch.Tensor], limits: ReadLimits) -> Any:
+    """The state a `pack_state` file holds, from its metadata and tensors (as `read_tensor_file` returns
+    them); ``ValueError`` naming what is wrong with a file `pack_state` did not make."""
+    if TAG not in metadata:
+        raise ValueError(f"not a state made by pack_state (its metadata has no {TAG!r} entry)")
     try:
-        # The safetensors layout: an 8-byte little-endian header length, then the JSON header.
-        length = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + length])
-        skeleton = json.loads(header["__metadata__"][TAG])
-        tensors = safetensors.torch.load(data)
-    except Exception as err:  # safetensors raises its own error types for a malformed file
-        raise ValueError(f"not a state made by pack_state ({type(err).__name__}: {err})") from None
-    return unflatten_state(skeleton, tensors)
+        skeleton = parse_json(metadata[TAG].encode(), limits, "max_state_bytes")
+        return unflatten_state(skeleton, tensors)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"not a state made by pack_state ({type(err).__name__}: {err!s:.300})") from None
+
+
+def unpack_state(data: bytes, limits: ReadLimits = DEFAULT_LIMITS) -> Any:
+    """Inverse of `pack_state`. Raises ``ValueError`` naming what is wrong with bytes it did not make; reads
+    within ``limits`` (see `loom.checkpoint.tensor_file`), whatever the bytes claim."""
+    try:
+        metadata, tensors, _ = read_tensor_file(io.BytesIO(data), len(data), limits)
+    except ValueError as err:
+        raise ValueError(f"not a state made by pack_state ({err})") from None
+    return unpack_tensor_file(metadata, tensors, limits)

@@ -1,0 +1,97 @@
+"""Parse JSON from a checkpoint only after checking, without recursion, that parsing it is cheap and safe.
+
+Python's `json.loads` recurses once per nesting level (a few thousand ``[`` raise `RecursionError`), raises
+`ValueError` on an integer longer than ``sys.int_max_str_digits`` (and converts long ones in quadratic
+time), and builds ~70 bytes of objects per value. `parse_json` measures all three on the raw bytes first,
+with linear passes in C (regular expressions, `bytes.count`) and numpy:
+
+1. remove every backslash escape (in valid JSON they occur only inside strings), then every string; what is
+   left holds only brackets, commas, colons, numbers and literals, so
+2. the longest run of digits is the longest number, commas plus ``[`` plus ``{`` count the values, and
+3. the running sum of +1 per ``[``/``{`` and -1 per ``]``/``}`` is the nesting depth (in chunks, so the
+   scan needs a bounded amount of memory).
+
+On JSON that is not valid the scan may over- or under-count, but only in text `json.loads` then rejects
+before it nests any deeper than the scan saw.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from loom.checkpoint.limits import ReadLimits
+
+__all__ = ["JSONLimitError", "json_shape_problem", "parse_json"]
+
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_STRING = re.compile(rb'"[^"]*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_OPENING = np.zeros(256, dtype=np.int8)
+_OPENING[list(b"[{")] = 1
+_CHUNK = 1 << 22
+
+
+def _max_depth(brackets: bytes) -> int:
+    """The deepest nesting in a string of brackets alone, scanned in chunks of bounded size."""
+    depth = deepest = 0
+    for start in range(0, len(brackets), _CHUNK):
+        chunk = np.frombuffer(
+            brackets, dtype=np.uint8, count=min(_CHUNK, len(brackets) - start), offset=start
+        )
+        running = np.cumsum(_OPENING[chunk].astype(np.int32) * 2 - 1, dtype=np.int64) + depth
+        deepest = max(deepest, int(running.max()))
+        depth = int(running[-1])
+    return deepest
+
+
+class JSONLimitError(ValueError):
+    """JSON that breaks one of the `ReadLimits`; ``field`` names it, so a message can say what to raise."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def json_shape_problem(data: bytes, limits: ReadLimits, size_field: str) -> JSONLimitError | None:
+    """Why parsing ``data`` would break ``limits`` (None if it would not), found without parsing it.
+    ``size_field`` names the `ReadLimits` field that bounds this document's size."""
+    max_bytes = getattr(limits, size_field)
+    if len(data) > max_bytes:
+        return JSONLimitError(f"{len(data)} bytes of JSON, more than the limit of {max_bytes}", size_field)
+    skeleton = _STRING.sub(b"", _ESCAPE.sub(b"", data))
+    digits = re.search(rb"[0-9]{%d}" % (limits.max_number_digits + 1), skeleton)
+    if digits is not None:
+        return JSONLimitError(
+            f"a number of more than {limits.max_number_digits} digits (no checkpoint value needs one)",
+            "max_number_digits",
+        )
+    values = skeleton.count(b",") + skeleton.count(b"[") + skeleton.count(b"{") + 1
+    if values > limits.max_json_values:
+        return JSONLimitError(
+            f"about {values} JSON values, more than the limit of {limits.max_json_values}", "max_json_values"
+        )
+    depth = _max_depth(skeleton.translate(None, _NOT_BRACKETS))
+    if depth > limits.max_json_depth:
+        return JSONLimitError(
+            f"JSON nested {depth} levels deep, deeper than the limit of {limits.max_json_depth}",
+            "max_json_depth",
+        )
+    return None
+
+
+def parse_json(data: bytes, limits: ReadLimits, size_field: str) -> Any:
+    """``json.loads(data)`` once `json_shape_problem` finds nothing; raises `JSONLimitError` over a limit and
+    ``ValueError`` for text that is not UTF-8 JSON, never `RecursionError` or a conversion error."""
+    problem = json_shape_problem(data, limits, size_field)
+    if problem is not None:
+        raise problem
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not UTF-8 ({err})") from None
+    except ValueError as err:  # JSONDecodeError, or a number Python's own digit limit refuses
+        raise ValueError(f"not valid JSON ({err})") from None

@@ -1,0 +1,125 @@
+"""Open a checkpoint's files only where they are: regular files in a real directory inside the checkpoint
+directory, never through a symbolic link, and read them within a stated size.
+
+A ``step-*`` entry or a file in it that is a symbolic link could make loading read anything the process can
+read (another run's checkpoint, a device, a FIFO that blocks forever), so links are refused, not followed.
+The step directory is opened with ``O_NOFOLLOW`` and its files relative to that descriptor (``dir_fd``), also
+with ``O_NOFOLLOW``, so nothing can be swapped for a link between the check and the open. Files are opened
+non-blocking (a FIFO cannot hang the open) and `fstat` must say "regular file" before a byte is read; sizes
+come from that same `fstat`, so they are known before anything is allocated.
+
+Limits: POSIX only (``O_NOFOLLOW``, ``dir_fd``). The directory given by the caller may itself be reached
+through links; only what is inside it is confined. A hard link is a regular file and is read like one.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["ConfinedDirectory", "read_exact", "read_limited", "sha256_of"]
+
+_LINK_HINT = "HINT: copy the checkpoint into the directory instead of linking to it."
+_CHUNK = 1 << 20
+
+
+def _link_reason(path: Path) -> str:
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return (
+        f"is a symbolic link (to {target}); step directories and their files must be regular entries inside "
+        f"the checkpoint directory, so links are refused. {_LINK_HINT}"
+    )
+
+
+class ConfinedDirectory:
+    """A directory opened without following a link at its last component; files opened inside it only.
+
+    `open` and `open_file` return either what they opened or a sentence saying why not (missing, a link, not
+    a regular file), which the caller raises as its own error naming the path.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    @classmethod
+    def open(cls, path: Path, *, follow: bool = False) -> ConfinedDirectory | str:
+        """Open directory ``path``; with ``follow=False`` a link at ``path`` is refused."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | (0 if follow else os.O_NOFOLLOW)
+        try:
+            return cls(path, os.open(path, flags))
+        except OSError as err:
+            return _open_failure(path, err, "directory")
+
+    def open_file(self, name: str) -> tuple[BinaryIO, int] | str:
+        """``(file, size)`` for the regular file ``name`` in this directory, or why it cannot be read."""
+        path = self.path / name
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self._fd)
+        except OSError as err:
+            return _open_failure(path, err, "file")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            return f"is not a regular file (mode {stat.filemode(info.st_mode)}); refusing to read it"
+        os.set_blocking(fd, True)
+        return io.FileIO(fd, "rb", closefd=True), info.st_size
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> ConfinedDirectory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_failure(path: Path, err: OSError, kind: str) -> str:
+    if err.errno == errno.ELOOP or (err.errno == errno.ENOTDIR and path.is_symlink()):
+        return _link_reason(path)
+    if err.errno == errno.ENOENT:
+        return f"the {kind} is missing"
+    if err.errno == errno.ENOTDIR:
+        return "is not a directory"
+    return f"cannot be opened ({err.strerror or err})"
+
+
+def read_exact(file: BinaryIO, count: int) -> bytes:
+    """Exactly ``count`` bytes from ``file``; ``ValueError`` if it ends first (it shrank while read)."""
+    data = file.read(count)
+    if len(data) != count:
+        raise ValueError(f"ended after {len(data)} of {count} bytes (changed while being read)")
+    return data
+
+
+def read_limited(file: BinaryIO, size: int, limit: int) -> bytes:
+    """The ``size`` bytes of ``file`` (its `fstat` size), refused with ``ValueError`` beyond ``limit`` before
+    any is read."""
+    if size > limit:
+        raise ValueError(f"{size} bytes, more than the limit of {limit}")
+    data = read_exact(file, size)
+    if file.read(1):
+        raise ValueError(f"grew beyond {size} bytes while being read")
+    return data
+
+
+def sha256_of(file: BinaryIO, size: int) -> str:
+    """The sha256 of ``file``'s ``size`` bytes, read in 1 MiB pieces (memory independent of ``size``)."""
+    digest = hashlib.sha256()
+    left = size
+    while left:
+        piece = file.read(min(left, _CHUNK))
+        if not piece:
+            raise ValueError(f"ended {left} bytes early (changed while being read)")
+        digest.update(piece)
+        left -= len(piece)
+    return digest.hexdigest()

@@ -1,0 +1,70 @@
+"""How much reading one checkpoint may cost: the bounds `loom.checkpoint.load` checks before it allocates.
+
+A checkpoint directory is input like any other: a bad disk, a half-copied backup or a hostile user can put
+anything in it. Every size read from it (a file's length, a safetensors header length, a tensor's offsets) is
+checked against these bounds and against the file itself *before* memory is allocated for it, and JSON is
+checked for size, nesting depth and number length before it is parsed, so reading a crafted checkpoint costs a
+bounded amount of memory and time and ends in `CorruptCheckpointError`, which makes loading fall back to the
+previous checkpoint.
+
+The defaults admit every checkpoint `loom.fit` writes up to a few thousand ranks (its ``state.json`` holds
+every rank's RNG state, about 15 KB and 1,300 values per rank) and refuse what a parser would choke on; JSON
+costs Python up to ~25 bytes of memory per input byte, which is why the JSON bounds are far below the tensor
+bound. `save_checkpoint` refuses a state whose JSON would break the same bounds, so nothing written by loom
+is unreadable with the limits it was saved under.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["DEFAULT_LIMITS", "ReadLimits", "physical_memory"]
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say): no tensor file can load beyond it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """Upper bounds on what reading a checkpoint may allocate; exceeding one makes the checkpoint corrupt."""
+
+    max_manifest_bytes: int = 4 << 20
+    """Size of ``manifest.json``: about 100 bytes per listed file, so room for ~40,000 rank files."""
+    max_state_bytes: int = 64 << 20
+    """Size of ``state.json`` (the state's tree without its tensors) and of a packed state's JSON."""
+    max_json_values: int = 4_000_000
+    """JSON values in one document, counted as commas plus opening brackets plus one (about one Python
+    object each, so this bounds the ~70 bytes per value a parsed document costs beyond its text)."""
+    max_json_depth: int = 100
+    """How deeply JSON arrays and objects may nest: far below Python's recursion limit, which the parser and
+    `unflatten_state` would otherwise hit."""
+    max_number_digits: int = 4300
+    """Digits in one JSON number. Python refuses to convert longer integers (``sys.int_max_str_digits``
+    defaults to 4300) and converting them takes quadratic time; a float never needs more than 17."""
+    max_header_bytes: int = 100_000_000
+    """A safetensors header's length, the bound safetensors itself enforces."""
+    max_tensor_bytes: int | None = field(default_factory=physical_memory)
+    """Size of one tensor file (``tensors.safetensors`` or a rank file). The default is this machine's
+    physical memory, since every byte of it becomes a tensor in memory; None for no bound."""
+    max_pointer_bytes: int = 256
+    """Size of the ``latest`` pointer, which holds one checkpoint name."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value is None and name == "max_tensor_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"ReadLimits.{name} must be an int >= 1, got {value!r}. HINT: the defaults fit every "
+                    "checkpoint loom.fit writes up to a few thousand ranks; raise only the bound a message named."
+                )
+
+
+DEFAULT_LIMITS = ReadLimits()
+"""The bounds `load_checkpoint`, `read_checkpoint` and `read_local_state` use unless given others."""

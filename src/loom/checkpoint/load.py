@@ -1,0 +1,331 @@
+"""Reading checkpoints back: verify everything, bound every allocation, fall back past whatever is damaged.
+
+`load_checkpoint` starts from the checkpoint ``latest`` names and walks back by step; `read_checkpoint` reads
+one and raises `CorruptCheckpointError` naming the first file found wrong and how. "Wrong" covers damage
+(missing, truncated, a sha256 that differs from the manifest, JSON that does not parse or does not match the
+tensor file) and input crafted to exhaust the reader:
+
+- a ``step-*`` directory or a file in it that is a symbolic link, or not a regular file (`loom.checkpoint
+  .confined`): refused, never followed;
+- a file larger than the manifest says, or than its `ReadLimits` bound: refused from its `fstat` size before
+  a byte is read;
+- JSON too large, too deeply nested, with too many values or a number too long (`loom.checkpoint
+  .bounded_json`): refused before it is parsed;
+- a safetensors header whose lengths, offsets, dtypes or shapes do not fit the file (`loom.checkpoint
+  .tensor_file`): refused before any tensor is allocated; tensors are read one by one into their own memory.
+
+Every file is read once: the sha256 is computed on the same pass that fills the tensors, and rank files are
+only hashed (1 MiB at a time) unless `read_local_state` asks for one. The ``latest`` pointer is read with the
+same care (no link, at most `ReadLimits.max_pointer_bytes`); when it is unusable, loading warns and starts
+from the newest checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from loom.checkpoint.bounded_json import JSONLimitError, parse_json
+from loom.checkpoint.confined import ConfinedDirectory, read_limited, sha256_of
+from loom.checkpoint.limits import DEFAULT_LIMITS, ReadLimits
+from loom.checkpoint.store import (
+    FORMAT,
+    MANIFEST_FILE,
+    POINTER_FILE,
+    STATE_FILE,
+    STEP_NAME,
+    TENSOR_FILE,
+    VERSION,
+    CheckpointError,
+    CorruptCheckpointError,
+    CorruptCheckpointWarning,
+    NoValidCheckpointError,
+    list_checkpoints,
+    local_state_file,
+)
+from loom.checkpoint.tensor_file import read_tensor_file
+from loom.checkpoint.tree import unflatten_state, unpack_tensor_file
+
+__all__ = ["load_checkpoint", "parse_manifest", "parse_state", "read_checkpoint", "read_local_state"]
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_LOCAL_NAME = re.compile(r"rank-(\d{5,})\.safetensors")
+
+
+def _limit_hint(field: str) -> str:
+    """What to do about a bound that a genuine checkpoint broke."""
+    return (
+        f" HINT: if this checkpoint is genuine, load it with limits=loom.checkpoint.ReadLimits({field}=...)."
+    )
+
+
+def _explained(err: ValueError) -> str:
+    return f"{err}.{_limit_hint(err.field)}" if isinstance(err, JSONLimitError) else str(err)
+
+
+def parse_manifest(data: bytes, path: Path, limits: ReadLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """The manifest ``data`` (the bytes of ``path``), checked: format, version, a step, and for every file
+    a size and a sha256. Raises `CorruptCheckpointError` (and nothing else) for anything else."""
+    try:
+        manifest = parse_json(data, limits, "max_manifest_bytes")
+    except ValueError as err:
+        raise CorruptCheckpointError(path, _explained(err)) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CorruptCheckpointError(path, f"not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise CorruptCheckpointError(
+            path, f"format version {manifest.get('version')!r:.40}, expected {VERSION}"
+        )
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CorruptCheckpointError(path, f"step {step!r:.40} is not an int >= 0")
+    files = manifest.get("files")
+    ranks = len(files) - 2 if isinstance(files, dict) else 0
+    expected = {STATE_FILE, TENSOR_FILE, *(local_state_file(r) for r in range(ranks))}
+    if not isinstance(files, dict) or set(files) != expected:
+        raise CorruptCheckpointError(
+            path,
+            f"lists files {files!r:.200}, expected {STATE_FILE}, {TENSOR_FILE} and "
+            f"{local_state_file(0)}... for ranks 0 to n-1 if any",
+        )
+    for name, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(digest, str):
+            raise CorruptCheckpointError(path, f"the entry of {name} must be an object with size and sha256")
+        if not _SHA256.fullmatch(digest):
+            raise CorruptCheckpointError(path, f"the sha256 of {name} is not 64 hex digits")
+    return manifest
+
+
+def parse_state(
+    data: bytes, tensors: dict[str, torch.Tensor], step: int, path: Path, limits: ReadLimits = DEFAULT_LIMITS
+) -> dict[str, Any]:
+    """The state ``state.json`` ``data`` (the bytes of ``path``) describes, its tensors put back in place.
+    Raises `CorruptCheckpointError` (and nothing else) when it is not the state of ``step`` or does not
+    match ``tensors``."""
+    try:
+        document = parse_json(data, limits, "max_state_bytes")
+    except ValueError as err:
+        raise CorruptCheckpointError(path, _explained(err)) from None
+    if not isinstance(document, dict) or document.get("step") != step or "state" not in document:
+        raise CorruptCheckpointError(path, "not a checkpoint state of this step")
+    try:
+        state = unflatten_state(document["state"], tensors)
+    except (ValueError, KeyError, TypeError) as err:
+        raise CorruptCheckpointError(path, f"does not match the tensor file: {err!s:.300}") from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(path, f"the state is a {type(state).__name__}, not a dict")
+    return state
+
+
+def _open(
+    folder: ConfinedDirectory, name: str, entry: dict[str, Any], limit: int | None, field: str
+) -> tuple[BinaryIO, int]:
+    """``(file, size)`` of ``name``, once its size matches the manifest's ``entry`` and is within ``limit``."""
+    path = folder.path / name
+    opened = folder.open_file(name)
+    if isinstance(opened, str):
+        raise CorruptCheckpointError(path, opened)
+    file, size = opened
+    if size != entry["size"]:
+        file.close()
+        raise CorruptCheckpointError(
+            path, f"{size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+        )
+    if limit is not None and size > limit:
+        file.close()
+        raise CorruptCheckpointError(
+            path, f"{size} bytes, more than the limit of {limit}.{_limit_hint(field)}"
+        )
+    return file, size
+
+
+def _check_digest(path: Path, digest: str, entry: dict[str, Any]) -> None:
+    if digest != entry["sha256"]:
+        raise CorruptCheckpointError(path, "sha256 differs from the manifest (the content was damaged)")
+
+
+def _read_small(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limit: int, field: str) -> bytes:
+    """The bytes of ``name`` (a JSON file), read whole once its size is known to be within ``limit``."""
+    file, size = _open(folder, name, entry, limit, field)
+    with file:
+        try:
+            data = read_limited(file, size, limit)
+        except ValueError as err:
+            raise CorruptCheckpointError(folder.path / name, str(err)) from None
+    _check_digest(folder.path / name, hashlib.sha256(data).hexdigest(), entry)
+    return data
+
+
+def _read_tensors(
+    folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits: ReadLimits
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors of safetensors file ``name``, read and hashed in one bounded pass."""
+    file, size = _open(folder, name, entry, limits.max_tensor_bytes, "max_tensor_bytes")
+    with file:
+        try:
+            metadata, tensors, digest = read_tensor_file(file, size, limits)
+        except ValueError as err:
+            raise CorruptCheckpointError(
+                folder.path / name, f"not a readable safetensors file ({err})"
+            ) from None
+    _check_digest(folder.path / name, digest, entry)
+    return metadata, tensors
+
+
+def _verify(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits: ReadLimits) -> None:
+    """Check ``name``'s size and sha256 against the manifest, hashing it in pieces (nothing kept)."""
+    file, size = _open(folder, name, entry, limits.max_tensor_bytes, "max_tensor_bytes")
+    with file:
+        try:
+            digest = sha256_of(file, size)
+        except ValueError as err:
+            raise CorruptCheckpointError(folder.path / name, str(err)) from None
+    _check_digest(folder.path / name, digest, entry)
+
+
+def _open_checkpoint(checkpoint: Path, limits: ReadLimits) -> tuple[ConfinedDirectory, dict[str, Any]]:
+    """The step directory, opened confined, and its parsed manifest (read within its bound)."""
+    folder = ConfinedDirectory.open(checkpoint)
+    if isinstance(folder, str):
+        raise CorruptCheckpointError(checkpoint, folder)
+    path = checkpoint / MANIFEST_FILE
+    try:
+        opened = folder.open_file(MANIFEST_FILE)
+        if isinstance(opened, str):
+            raise CorruptCheckpointError(path, opened)
+        file, size = opened
+        with file:
+            try:
+                data = read_limited(file, size, limits.max_manifest_bytes)
+            except ValueError as err:
+                raise CorruptCheckpointError(path, f"{err}.{_limit_hint('max_manifest_bytes')}") from None
+        return folder, parse_manifest(data, path, limits)
+    except BaseException:
+        folder.close()
+        raise
+
+
+def read_checkpoint(
+    checkpoint: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
+) -> tuple[int, dict[str, Any]]:
+    """Verify and read one checkpoint directory; raise `CorruptCheckpointError` naming the first bad file."""
+    checkpoint = Path(checkpoint)
+    folder, manifest = _open_checkpoint(checkpoint, limits)
+    with folder:
+        step, files = manifest["step"], manifest["files"]
+        match = STEP_NAME.fullmatch(checkpoint.name)
+        if match is not None and int(match.group(1)) != step:
+            raise CorruptCheckpointError(
+                checkpoint / MANIFEST_FILE, f"step {step} does not match the directory"
+            )
+        state_bytes = _read_small(
+            folder, STATE_FILE, files[STATE_FILE], limits.max_state_bytes, "max_state_bytes"
+        )
+        _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
+        for name, entry in files.items():  # every rank's file, so damage anywhere falls back
+            if _LOCAL_NAME.fullmatch(name):
+                _verify(folder, name, entry, limits)
+    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits)
+
+
+def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLimits = DEFAULT_LIMITS) -> Any:
+    """Rank ``rank``'s own state in one checkpoint directory (see `save_checkpoint`'s ``local_states``),
+    verified against the manifest. Raises `CheckpointError` when the checkpoint holds none for that rank."""
+    checkpoint = Path(checkpoint)
+    folder, manifest = _open_checkpoint(checkpoint, limits)
+    files, name = manifest["files"], local_state_file(rank)
+    with folder:
+        if name not in files:
+            raise CheckpointError(
+                f"{checkpoint} holds per-rank state for {len(files) - 2} rank(s), none for rank {rank}. "
+                "HINT: per-rank state is only meaningful at the world size that wrote it."
+            )
+        metadata, tensors = _read_tensors(folder, name, files[name], limits)
+    try:
+        return unpack_tensor_file(metadata, tensors, limits)
+    except ValueError as err:
+        raise CorruptCheckpointError(checkpoint / name, str(err)) from None
+
+
+def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, str | None]:
+    """``(name, None)`` for a usable ``latest``, ``(None, None)`` for none, ``(None, why)`` for a bad one."""
+    root = ConfinedDirectory.open(directory, follow=True)
+    if isinstance(root, str):
+        return None, None
+    with root:
+        opened = root.open_file(POINTER_FILE)
+    if isinstance(opened, str):
+        return None, None if opened == "the file is missing" else opened
+    file, size = opened
+    with file:
+        try:
+            name = read_limited(file, size, limits.max_pointer_bytes).decode().strip()
+        except (ValueError, UnicodeDecodeError) as err:
+            return None, f"is unreadable ({err})"
+    if not STEP_NAME.fullmatch(name):
+        return None, f"holds {name[:40]!r}, not a checkpoint name"
+    return name, None
+
+
+def _read_pointer(directory: Path, limits: ReadLimits) -> str | None:
+    """The checkpoint name ``latest`` holds; None (warning if it exists but is unusable) otherwise."""
+    name, problem = _pointer_problem(directory, limits)
+    if problem is not None:
+        warnings.warn(
+            f"{directory / POINTER_FILE} {problem}; using the newest intact checkpoint",
+            CorruptCheckpointWarning,
+            stacklevel=3,
+        )
+    return name
+
+
+def load_checkpoint(
+    directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
+) -> tuple[int, dict[str, Any]] | None:
+    """The newest intact checkpoint in ``directory`` as ``(step, state)``, or None if there is none.
+
+    Starts from the checkpoint ``latest`` names (the newest if there is no pointer yet) and walks back by
+    step past damaged ones, warning with `CorruptCheckpointWarning` for each, naming the file and the reason.
+    Raises `NoValidCheckpointError` when checkpoints exist but none is intact: starting over silently would
+    throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`).
+    """
+    directory = Path(directory)
+    checkpoints = list_checkpoints(directory)
+    pointer = _read_pointer(directory, limits)
+    problems: list[str] = []
+    candidates = list(checkpoints)
+    if pointer is not None:
+        newest = int(STEP_NAME.fullmatch(pointer).group(1))  # type: ignore[union-attr]
+        if newest not in checkpoints:
+            problems.append(f"{directory / POINTER_FILE} names {pointer}, which does not exist")
+            warnings.warn(
+                problems[-1] + "; falling back to an earlier checkpoint",
+                CorruptCheckpointWarning,
+                stacklevel=2,
+            )
+        candidates = [s for s in checkpoints if s <= newest]
+    for step in reversed(candidates):
+        try:
+            return read_checkpoint(checkpoints[step], limits=limits)
+        except CorruptCheckpointError as err:
+            problems.append(str(err))
+            warnings.warn(
+                f"checkpoint {checkpoints[step].name} is damaged: {err}; falling back to an earlier checkpoint",
+                CorruptCheckpointWarning,
+                stacklevel=2,
+            )
+    if not problems:
+        return None
+    raise NoValidCheckpointError(
+        f"no intact checkpoint in {directory}: "
+        + "; ".join(problems)
+        + ". HINT: restore the files from a backup, or move the directory away to start from scratch."
+    )
