@@ -71,6 +71,11 @@ class ServerConfig:
             raise ValueError(f"--bind must be HOST:PORT, got {self.bind!r}")
 
 
+def _plan_key(pieces) -> list[tuple[int, str, int, int]]:
+    """What two plans must share for one model's pieces to be interchangeable."""
+    return sorted((p.id, p.name, p.start, p.stop) for p in pieces)
+
+
 @dataclass
 class _Parked:
     identity: bytes
@@ -92,6 +97,8 @@ class ParameterServerProcess:
         self.failed: dict[str, str] = {}
         self.parked_pulls: dict[str, dict[int, _Parked]] = {}
         self.parked_pushes: dict[str, dict[int, dict[int, _Parked]]] = {}
+        self.restore_tokens: dict[str, list[str]] = {}
+        """Per model, the tokens of the last RESTOREs applied (a repeat is answered, not applied again)."""
         self._stopping = False
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -190,6 +197,8 @@ class ParameterServerProcess:
             MessageType.BYE: self._bye,
             MessageType.STATS: self._stats,
             MessageType.SAVE: self._save,
+            MessageType.STATE: self._state,
+            MessageType.RESTORE: self._restore_model,
         }
 
     def _reply(self, identity: bytes, frame: Frame, meta: dict[str, Any], tensors=None) -> None:
@@ -233,8 +242,7 @@ class ParameterServerProcess:
         mine = [Piece.from_json(p) for p in frame.meta["pieces"]]
         settings = ShardSettings(**frame.meta["settings"])
         if name in self.models:
-            held = sorted((p.id, p.name, p.start, p.stop) for p in self.models[name].pieces.values())
-            if held != sorted((p.id, p.name, p.start, p.stop) for p in mine):
+            if _plan_key(self.models[name].pieces.values()) != _plan_key(mine):
                 raise ValueError(
                     f"model {name!r} exists here with a different plan. HINT: use another namespace"
                 )
@@ -346,6 +354,59 @@ class ParameterServerProcess:
 
     def _save(self, identity: bytes, frame: Frame) -> None:
         self._reply(identity, frame, {"saved": self.checkpoint()})
+
+    def _state(self, identity: bytes, frame: Frame) -> None:
+        """The model's whole state (`ModelShard.state`), for a `loom.fit` checkpoint."""
+        _, shard, _ = self._model(frame)
+        meta, tensors = shard.state()
+        self._reply(identity, frame, {"state": meta}, tensors)
+
+    def _restore_model(self, identity: bytes, frame: Frame) -> None:
+        """Replace the model by the state a STATE reply gave (values, optimizer state, version, every worker's
+        clock): a `loom.fit` resume, into fresh servers or into servers that went on past the checkpoint.
+
+        The checkpoint wins over whatever the server holds: requests parked by the model's earlier trajectory
+        are answered with an error, a failed sync step is forgotten, every worker is active again. A restore is
+        applied once per ``token`` (the client resends a request that seems lost, and a late copy must not undo
+        the steps taken since)."""
+        name, token = frame.meta.get("ns"), frame.meta.get("token")
+        if not isinstance(name, str) or name not in self.models:
+            raise ValueError(f"model {name!r} was not initialized on this server. HINT: call setup() first")
+        if not isinstance(token, str) or not 0 < len(token) <= 64:
+            raise ValueError("RESTORE needs a 'token' string of 1-64 characters")
+        held = self.models[name]
+        held.clocks.check_worker(frame.meta.get("worker", -1))
+        applied = self.restore_tokens.setdefault(name, [])
+        if token not in applied:
+            state = frame.meta.get("state")
+            if not isinstance(state, dict):
+                raise ValueError("RESTORE carries no 'state' object")
+            shard = ModelShard.from_state({**state, "name": name}, frame.tensors, held.settings)
+            if _plan_key(shard.pieces.values()) != _plan_key(held.pieces.values()):
+                raise ValueError(
+                    f"the state to restore cuts model {name!r} differently from this server's plan"
+                )
+            now = time.monotonic()
+            shard.clocks.status = ["active"] * shard.clocks.num_workers
+            shard.clocks.last_seen = [now] * shard.clocks.num_workers
+            self._answer_waiting(
+                name, f"model {name!r} was restored from a checkpoint while this request waited"
+            )
+            self.failed.pop(name, None)
+            self.models[name] = shard
+            applied[:] = [*applied[-63:], token]
+            self.log(f"model {name!r}: restored at version {shard.version}, clocks {shard.clocks.clocks} "
+                     f"(was version {held.version})")  # fmt: skip
+        shard = self.models[name]
+        self._reply(identity, frame, {"version": shard.version, "clocks": shard.clocks.clocks})
+
+    def _answer_waiting(self, name: str, message: str) -> None:
+        """Answer every request of model ``name`` still parked with an error (nobody is left waiting)."""
+        for parked in self.parked_pulls.pop(name, {}).values():
+            self._error(parked.identity, parked.frame, message)
+        for waiting in self.parked_pushes.pop(name, {}).values():
+            for parked in waiting.values():
+                self._error(parked.identity, parked.frame, message)
 
     # -- time -------------------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:

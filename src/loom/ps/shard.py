@@ -209,8 +209,10 @@ class ModelShard:
         }
 
     # -- checkpoint -------------------------------------------------------------------------------------------
-    def save(self, directory: Path) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Everything needed to continue exactly: JSON (plan, version, clocks, optimizer hyperparameters and
+        scalars) and tensors (``piece.<id>`` values, ``opt.<idx>.<name>`` optimizer state). Used for the files
+        of `save` and, over the wire, for the checkpoints of `loom.fit` (STATE / RESTORE)."""
         tensors = {f"piece.{i}": t.detach().contiguous() for i, t in self.params.items()}
         opt_state = self.optimizer.state_dict()
         scalars: dict[str, dict[str, Any]] = {}
@@ -220,13 +222,9 @@ class ModelShard:
                     tensors[f"opt.{idx}.{key}"] = value.detach().contiguous()
                 else:
                     scalars.setdefault(str(idx), {})[key] = value
-        weights = f"{self.name}.v{self.version}.safetensors"
-        save_file(tensors, str(directory / (weights + ".tmp")))
-        os.replace(directory / (weights + ".tmp"), directory / weights)
         meta = {
             "name": self.name,
             "version": self.version,
-            "weights": weights,
             "settings": asdict(self.settings),
             "pieces": [p.to_json() for p in self.pieces.values()],
             "param_groups": opt_state["param_groups"],
@@ -234,8 +232,57 @@ class ModelShard:
             "clocks": self.clocks.state_dict(),
             "staleness_histogram": {str(k): v for k, v in self.staleness_histogram.items()},
         }
+        return meta, tensors
+
+    @staticmethod
+    def from_state(
+        meta: dict[str, Any], tensors: dict[str, torch.Tensor], settings: ShardSettings | None = None
+    ) -> ModelShard:
+        """The shard `state` described, named ``meta["name"]``, under ``settings`` (default: the saved ones).
+
+        Raises `ValueError` for a state that does not fit together (missing or misshapen tensors, another
+        optimizer or number of workers than ``settings``)."""
+        try:
+            saved = ShardSettings(**meta["settings"])
+            settings = settings or saved
+            if (saved.optimizer, saved.num_workers, len(saved.groups)) != (
+                settings.optimizer,
+                settings.num_workers,
+                len(settings.groups),
+            ):
+                raise ValueError(
+                    f"the saved state is for {saved.optimizer} with {len(saved.groups)} param group(s) and "
+                    f"{saved.num_workers} workers, this model has {settings.optimizer} with "
+                    f"{len(settings.groups)} and {settings.num_workers}"
+                )
+            pieces = [Piece.from_json(p) for p in meta["pieces"]]
+            values = {p.id: tensors[f"piece.{p.id}"] for p in pieces}
+            shard = ModelShard(str(meta["name"]), settings, pieces, values)
+            state: dict[int, dict[str, Any]] = {}
+            for key, value in tensors.items():
+                if key.startswith("opt."):
+                    _, idx, name = key.split(".", 2)
+                    state.setdefault(int(idx), {})[name] = value.clone()
+            for idx, entries in meta["optimizer_scalars"].items():
+                state.setdefault(int(idx), {}).update(entries)
+            shard.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            shard.version = int(meta["version"])
+            shard.clocks.load_state_dict(meta["clocks"])
+            shard.staleness_histogram = {int(k): int(v) for k, v in meta["staleness_histogram"].items()}
+        except (KeyError, IndexError, TypeError, AttributeError) as error:  # a state that is not a shard's
+            raise ValueError(
+                f"not a parameter-server shard state ({type(error).__name__}: {error})"
+            ) from None
+        return shard
+
+    def save(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        meta, tensors = self.state()
+        weights = f"{self.name}.v{self.version}.safetensors"
+        save_file(tensors, str(directory / (weights + ".tmp")))
+        os.replace(directory / (weights + ".tmp"), directory / weights)
         target = directory / f"{self.name}.json"
-        (directory / f"{self.name}.json.tmp").write_text(json.dumps(meta, indent=1))
+        (directory / f"{self.name}.json.tmp").write_text(json.dumps({**meta, "weights": weights}, indent=1))
         os.replace(directory / f"{self.name}.json.tmp", target)
         for old in directory.glob(f"{self.name}.v*.safetensors"):
             if old.name != weights:
@@ -245,19 +292,4 @@ class ModelShard:
     @staticmethod
     def load(path: Path) -> ModelShard:
         meta = json.loads(path.read_text())
-        tensors = load_file(str(path.parent / meta["weights"]))
-        pieces = [Piece.from_json(p) for p in meta["pieces"]]
-        values = {p.id: tensors[f"piece.{p.id}"] for p in pieces}
-        shard = ModelShard(meta["name"], ShardSettings(**meta["settings"]), pieces, values)
-        state: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            if key.startswith("opt."):
-                _, idx, name = key.split(".", 2)
-                state.setdefault(int(idx), {})[name] = value
-        for idx, entries in meta["optimizer_scalars"].items():
-            state.setdefault(int(idx), {}).update(entries)
-        shard.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        shard.version = int(meta["version"])
-        shard.clocks.load_state_dict(meta["clocks"])
-        shard.staleness_histogram = {int(k): int(v) for k, v in meta["staleness_histogram"].items()}
-        return shard
+        return ModelShard.from_state(meta, load_file(str(path.parent / meta["weights"])))

@@ -79,6 +79,8 @@ class MessageType(IntEnum):
     BYE = 6
     STATS = 7
     SAVE = 8
+    STATE = 9
+    RESTORE = 10
     REPLY = 64
     ERROR = 65
 

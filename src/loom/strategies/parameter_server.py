@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.job import Job, MetricFn, check_batch_layout
+from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.ps.client import PSClient
 from loom.ps.plan import ParamSpec, Piece, plan_shards
@@ -149,7 +151,10 @@ class ParameterServer:
                   for s in range(len(addresses))]  # fmt: skip
         replies = client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
         metrics = ParameterServerMetrics(topo.rank, self.metrics_path)
-        job = ParameterServerJob(model, optimizer, loss_fn, topo, cfg, client, plan, metrics)
+        mesh = Mesh(
+            dp=topo.world_size, topology=topo
+        )  # the workers; the servers are not in the process group
+        job = ParameterServerJob(model, optimizer, loss_fn, mesh, cfg, client, plan, metrics)
         # A restarted worker rejoins at its clock on the servers (a lagging restored server catches up).
         job.step = max(int(r.meta.get("clock", 0)) for r in replies)
         for name, module in sparse_modules.items():
@@ -197,19 +202,29 @@ def _piece_view(param: torch.Tensor, piece: Piece) -> torch.Tensor:
     return param.data.view(-1)[piece.start : piece.stop]
 
 
-class ParameterServerJob:
-    """A model trained through parameter servers: `train_step`, `eval_step`, `fetch_parameters`, `server_stats`,
-    `close`."""
+class ParameterServerJob(Job):
+    """A model trained through parameter servers (a `loom.job.Job`): `train_step`, `eval_step`, `state_dict`,
+    plus `fetch_parameters`, `server_stats`, `close`.
 
-    def __init__(self, module, optimizer, loss_fn, topology, config, client, plan, metrics) -> None:
+    ``mesh`` is ``dp = world size`` over the workers. Each worker has its own clock, so the state is not
+    replicated (`loom.fit` writes every worker's part). ``replicas_agree`` holds in ``sync`` without sparse
+    tables: after a step every worker holds the parameters it pulled for that step, the same version everywhere
+    (in ``async``/``ssp`` workers pull different versions, and sparse rows are pulled only where a batch
+    touches them)."""
+
+    replicated_state = False
+
+    def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, client, plan, metrics) -> None:
         self.module: nn.Module = module
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.topology: Topology = topology
+        self.mesh = mesh
+        self.topology: Topology = mesh.topology
         self.config: ParameterServerConfig = config
         self.client: PSClient = client
         self.plan: list[Piece] = plan
         self.metrics: ParameterServerMetrics = metrics
+        self.replicas_agree = config.mode == "sync" and not any(p.sparse for p in plan)
         self.step = 0
         """This worker's clock: updates pushed so far."""
         self._params = dict(module.named_parameters())
@@ -234,12 +249,17 @@ class ParameterServerJob:
             self._versions[server] = int(reply.meta["version"])
         if not peek:
             self.metrics.clocks.append((self.step, min(int(r.meta["slowest"]) for r in replies)))
+        for reply in replies:
+            self._set_pieces({int(key[1:]): value for key, value in reply.tensors.items()})
+
+    def _set_pieces(self, values: dict[int, torch.Tensor]) -> None:
+        """Write piece values (by piece id, as the servers hold them) into `module`."""
         by_id = {p.id: p for p in self.plan}
         with torch.no_grad():
-            for reply in replies:
-                for key, value in reply.tensors.items():
-                    piece = by_id[int(key[1:])]
-                    _piece_view(self._params[piece.name], piece).copy_(value.view(-1))
+            for pid, value in values.items():
+                piece = by_id[pid]
+                view = _piece_view(self._params[piece.name], piece)
+                view.copy_(value.view_as(view))
 
     def _pull_rows(self, name: str, rows: torch.Tensor) -> None:
         """Pull the given rows of sparse table ``name`` from the servers holding them."""
@@ -277,6 +297,7 @@ class ParameterServerJob:
     def train_step(self, batch: Any) -> float:
         """Pull, compute this share's gradient, push. Returns the global-batch loss in ``sync``, this share's
         mean loss in ``async``/``ssp`` (there is no global batch there)."""
+        check_batch_layout(batch, self)
         started = time.perf_counter()
         inputs, targets = split_batch(batch)
         local = batch_len(inputs)
@@ -318,14 +339,13 @@ class ParameterServerJob:
         """The current ``lr`` of each param group of the local optimizer (where a scheduler changes it)."""
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def eval_step(
-        self, batch: Any, metrics: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
-    ) -> dict[str, float]:
+    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
         """Global-batch loss, and any extra mean-reduced ``metrics`` (e.g. accuracy), in eval mode, without
         gradients, on the servers' current parameters (pulled first, outside the consistency model).
 
         As `DataParallelJob.eval_step`: ``batch`` is this worker's share; the sums are all-reduced over the
         process group, so every worker calls it, and the result is the same everywhere."""
+        check_batch_layout(batch, self)
         inputs, targets = split_batch(batch)
         if self.topology.is_distributed and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -389,14 +409,79 @@ class ParameterServerJob:
         return [path for r in replies for path in r.meta["saved"]]
 
     def state_dict(self) -> dict[str, Any]:
-        """The model as the servers hold it now and this worker's clock (optimizer state stays on the servers;
-        `save_servers` checkpoints it)."""
-        self.fetch_parameters()
-        return {"model": self.module.state_dict(), "step": self.step, "server_versions": list(self._versions)}
+        """This worker's part of a checkpoint: its clock (``step``), the server versions it last saw, its
+        module (the servers' current parameters, its own buffers) and its optimizer's param groups (the learning
+        rates its pushes carry); on rank 0 also ``servers``, every server's
+        whole state (`loom.ps.shard.ModelShard.state`: parameters, optimizer state, version, every worker's
+        clock), read with STATE. Tensors and JSON only.
+
+        The servers' state is a consistent snapshot when no worker is inside a step, as at `loom.fit`'s
+        checkpoints (every worker enters them after its step and leaves after the write)."""
+        servers = None
+        if self.topology.rank == 0:
+            replies = self._request(MessageType.STATE, {})
+            servers = [{"meta": r.meta["state"], "tensors": dict(r.tensors)} for r in replies]
+            for index, server in enumerate(servers):
+                self._versions[index] = int(server["meta"]["version"])
+                pieces = {k: v for k, v in server["tensors"].items() if k.startswith("piece.")}
+                self._set_pieces({int(k.split(".")[1]): v for k, v in pieces.items()})
+        else:
+            self.fetch_parameters()
+        return {
+            "model": self.module.state_dict(),
+            # Never stepped, but its param groups hold the learning rates a scheduler set, which every push sends.
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "server_versions": list(self._versions),
+            "servers": servers,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.step = int(state["step"])
+        """Restore this worker's part of a checkpoint; the part holding ``servers`` (rank 0's) also puts every
+        server back to its saved state (RESTORE). The checkpoint wins over what the servers hold: fresh servers
+        (a new job) or servers that went on past it (workers restarted under ``loom run --max-restarts``) end up
+        at the saved parameters, optimizer state, version and every worker's clock. Each worker sets its own
+        clock; then the workers agree that the restore succeeded (which is also a barrier, so none pulls before
+        it) and pull the restored parameters.
+
+        Collective when there is a process group: every worker calls it, as `loom.fit`'s resume does. Without
+        one, no worker may train before every worker's call has returned."""
+        failure: Exception | None = None
+        try:
+            if state.get("servers") is not None:
+                self._restore_servers(state["servers"])
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+        except Exception as error:  # reported on every worker below, so none is left waiting
+            failure = error
+        if self.topology.is_distributed and dist.is_available() and dist.is_initialized():
+            failed = torch.tensor(
+                [0 if failure is None else self.topology.rank + 1], device=self.topology.device
+            )
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.mesh.group("dp"))
+            if failure is None and int(failed.item()):
+                raise RuntimeError(
+                    f"rank {self.topology.rank}: worker rank {int(failed.item()) - 1} could not restore its part "
+                    "of the parameter-server checkpoint (its error says why)"
+                )
+        if failure is not None:
+            raise failure
+        self._pull_dense(peek=True)
+
+    def _restore_servers(self, servers: list[dict[str, Any]]) -> None:
+        if len(servers) != self._num_servers:
+            raise ValueError(
+                f"the checkpoint holds the state of {len(servers)} parameter server(s), this job has "
+                f"{self._num_servers}. HINT: resume with the same number of servers (loom run --servers)."
+            )
+        # One token for every send of this restore: a resent copy arriving late is not applied again.
+        self._request(
+            MessageType.RESTORE,
+            {"token": os.urandom(16).hex()},
+            [dict(s["tensors"]) for s in servers],
+            per_server=[{"state": s["meta"]} for s in servers],
+        )
 
     def close(self) -> None:
         """Tell the servers this worker is done (so ``ssp`` peers stop waiting for it) and disconnect."""
