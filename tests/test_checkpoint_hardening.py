@@ -1,0 +1,281 @@
+"""Crafted checkpoints cost bounded memory and fall back to the previous intact checkpoint, naming the file.
+
+Each case damages the newest checkpoint the way an adversary would: the manifest is rewritten to match the
+crafted file (size and sha256), so only the new bounds and confinement stand between it and the loader.
+Huge files are sparse (they take no disk), and reading them would still cost their full size in memory.
+
+Run as a script (``python tests/test_checkpoint_hardening.py``) it prints the peak RSS of loading each
+oversized case, measured in a fresh process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.checkpoint import (
+    CorruptCheckpointError,
+    CorruptCheckpointWarning,
+    ReadLimits,
+    load_checkpoint,
+    pack_state,
+    read_local_state,
+    save_checkpoint,
+    unpack_state,
+)
+from loom.checkpoint.limits import physical_memory
+
+STEP = "step-00000002"
+HUGE_TENSOR_FILE = max(64 << 30, 2 * (physical_memory() or 0))  # more than this machine could allocate
+
+
+def two_checkpoints(directory: Path, local_states: bool = False) -> Path:
+    """Steps 1 and 2 saved intact; returns step 2's directory, the one each case then damages."""
+    for step in (1, 2):
+        packed = [pack_state({"r": torch.full((4,), float(step))})] if local_states else []
+        save_checkpoint(
+            directory, step, {"w": torch.full((8,), float(step)), "step": step}, local_states=packed
+        )
+    return directory / STEP
+
+
+def forge(checkpoint: Path, name: str, data: bytes | None = None, *, size: int | None = None) -> None:
+    """Replace ``name`` with ``data`` (or a sparse file of ``size`` bytes) and make the manifest agree."""
+    path = checkpoint / name
+    path.unlink()
+    if data is not None:
+        path.write_bytes(data)
+        entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    else:
+        with open(path, "wb") as file:
+            file.truncate(size)
+        entry = {"size": size, "sha256": "0" * 64}  # hashing a huge file is what the bound prevents
+    if name != "manifest.json":
+        manifest_path = checkpoint / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        manifest["files"][name] = entry
+        manifest_path.write_text(json.dumps(manifest))
+
+
+def safetensors_bytes(header: dict | bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return (len(raw) if length is None else length).to_bytes(8, "little") + raw + data
+
+
+def deep(levels: int) -> bytes:
+    return b"[" * levels + b"]" * levels
+
+
+def link_outside(checkpoint: Path, name: str, outside: Path) -> None:
+    """Move ``name`` (a file or, for "", the step directory itself) out of the checkpoint directory and leave
+    a symbolic link in its place: the content is genuine, only its place is wrong."""
+    source = checkpoint / name if name else checkpoint
+    target = outside / (name or checkpoint.name)
+    os.rename(source, target)
+    os.symlink(target, source)
+
+
+CRAFTED = {
+    "deeply nested state.json": (
+        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"w": ' + deep(200_000) + b"}}"),
+        r"state\.json: JSON nested 200002 levels deep",
+    ),
+    "deeply nested manifest.json": (
+        lambda c: forge(c, "manifest.json", deep(200_000)),
+        r"manifest\.json: JSON nested 200000 levels deep",
+    ),
+    "5,000-digit integer in state.json": (
+        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"n": ' + b"7" * 5000 + b"}}"),
+        r"state\.json: a number of more than 4300 digits",
+    ),
+    "5,000-digit step in manifest.json": (
+        lambda c: forge(
+            c, "manifest.json", b'{"format": "loom-checkpoint", "version": 1, "step": 1' + b"0" * 4999 + b"}"
+        ),
+        r"manifest\.json: a number of more than 4300 digits",
+    ),
+    "600 MB state.json": (
+        lambda c: forge(c, "state.json", size=600 << 20),
+        r"state\.json: 629145600 bytes, more than the limit of 67108864\. HINT: .*max_state_bytes",
+    ),
+    "600 MB manifest.json": (
+        lambda c: forge(c, "manifest.json", size=600 << 20),
+        r"manifest\.json: 629145600 bytes, more than the limit of 4194304",
+    ),
+    "huge sparse tensors.safetensors, manifest not updated": (
+        lambda c: os.truncate(c / "tensors.safetensors", HUGE_TENSOR_FILE),
+        rf"tensors\.safetensors: {HUGE_TENSOR_FILE} bytes, the manifest says \d+ \(truncated",
+    ),
+    "huge sparse tensors.safetensors, manifest updated": (
+        lambda c: forge(c, "tensors.safetensors", size=HUGE_TENSOR_FILE),
+        rf"tensors\.safetensors: {HUGE_TENSOR_FILE} bytes, more than the limit of \d+\. HINT: .*max_tensor_bytes",
+    ),
+    "safetensors header length beyond the file": (
+        lambda c: forge(c, "tensors.safetensors", safetensors_bytes(b"{}", length=1 << 62)),
+        r"tensors\.safetensors: not a readable safetensors file \(the header claims 4611686018427387904 bytes",
+    ),
+    "safetensors header claiming 64 GB of tensor data": (
+        lambda c: forge(
+            c,
+            "tensors.safetensors",
+            safetensors_bytes(
+                {"w": {"dtype": "F64", "shape": [1 << 33], "data_offsets": [0, 1 << 36]}}, b"\0" * 64
+            ),
+        ),
+        r"tensors\.safetensors: .*the tensors cover 68719476736 bytes of data, but the file holds 64",
+    ),
+    "safetensors shape that does not match its offsets": (
+        lambda c: forge(
+            c,
+            "tensors.safetensors",
+            safetensors_bytes(
+                {"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 32]}}, b"\0" * 32
+            ),
+        ),
+        r"tensors\.safetensors: .*'w': F32 \[1099511627776\] is 4398046511104 bytes but its offsets",
+    ),
+    "safetensors with an unknown dtype": (
+        lambda c: forge(
+            c,
+            "tensors.safetensors",
+            safetensors_bytes({"w": {"dtype": "F128", "shape": [2], "data_offsets": [0, 32]}}, b"\0" * 32),
+        ),
+        r"tensors\.safetensors: .*unknown dtype 'F128'",
+    ),
+    "state.json that is a FIFO": (
+        lambda c: ((c / "state.json").unlink(), os.mkfifo(c / "state.json")),
+        r"state\.json: is not a regular file",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_crafted_checkpoint_falls_back_naming_the_file(tmp_path, case):
+    craft, message = CRAFTED[case]
+    craft(two_checkpoints(tmp_path))
+    with pytest.warns(CorruptCheckpointWarning, match=rf"checkpoint {STEP} is damaged: .*{STEP}/{message}"):
+        step, state = load_checkpoint(tmp_path)
+    assert step == 1 and state["step"] == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "name", ["", "manifest.json", "state.json", "tensors.safetensors", "rank-00000.safetensors"]
+)
+def test_links_out_of_the_checkpoint_directory_are_refused(tmp_path, name):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    directory = tmp_path / "checkpoints"
+    link_outside(two_checkpoints(directory, local_states=True), name, outside)
+    where = f"{STEP}/{name}" if name else STEP
+    with pytest.warns(
+        CorruptCheckpointWarning,
+        match=rf"{re.escape(where)}: is a symbolic link \(to {re.escape(str(outside))}",
+    ):
+        step, state = load_checkpoint(directory)
+    assert step == 1 and state["step"] == 1
+    if name == "rank-00000.safetensors":  # asked for directly, the per-rank file is refused as well
+        with pytest.raises(CorruptCheckpointError, match="is a symbolic link"):
+            read_local_state(directory / STEP, 0)
+
+
+POINTERS = {
+    "oversized": (
+        lambda p: os.truncate(p, 1 << 30),
+        "is unreadable (1073741824 bytes, more than the limit of 256)",
+    ),
+    "a link": (lambda p: (p.unlink(), os.symlink("/etc/hostname", p)), "is a symbolic link"),
+    "a FIFO": (lambda p: (p.unlink(), os.mkfifo(p)), "is not a regular file"),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", list(POINTERS))
+def test_unusable_latest_pointer_falls_back_to_the_newest_intact_checkpoint(tmp_path, kind):
+    two_checkpoints(tmp_path)
+    (tmp_path / "latest").write_text("step-00000001\n")  # pointer says 1; once refused, the newest (2) wins
+    craft, message = POINTERS[kind]
+    craft(tmp_path / "latest")
+    with pytest.warns(CorruptCheckpointWarning, match=rf"latest {re.escape(message)}.*newest intact"):
+        step, _ = load_checkpoint(tmp_path)
+    assert step == 2
+
+
+@pytest.mark.timeout(30)
+def test_limits_are_configurable_and_save_refuses_what_it_could_not_read():
+    nested: list = []
+    for _ in range(150):
+        nested = [nested]
+    with pytest.raises(ValueError, match="nested 15[0-9] levels deep, deeper than the limit of 100"):
+        save_checkpoint(tempfile.mkdtemp(), 1, {"deep": nested})
+    with pytest.raises(ValueError, match="packed state's JSON holds JSON nested"):
+        pack_state({"deep": nested})
+    packed = pack_state({"w": torch.ones(3), "ints": list(range(50))})
+    with pytest.raises(ValueError, match="about 5[0-9] JSON values, more than the limit of 10"):
+        unpack_state(packed, ReadLimits(max_json_values=10))
+    with pytest.raises(ValueError, match="max_json_depth must be an int >= 1, got 0"):
+        ReadLimits(max_json_depth=0)
+
+
+# -- peak memory ------------------------------------------------------------------------------------------------
+OVERSIZED = [
+    "600 MB state.json",
+    "600 MB manifest.json",
+    "huge sparse tensors.safetensors, manifest updated",
+    "safetensors header claiming 64 GB of tensor data",
+]
+
+
+def _peak_kib() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def measure_peaks(root: Path) -> dict[str, dict[str, int]]:
+    """Peak RSS (KiB) of loading each oversized case, and of a 60 MB state.json of real brackets (under the
+    size limit, so the depth scan reads it), each from a clean high-water mark (``/proc/self/clear_refs``)."""
+    cases = {name: CRAFTED[name][0] for name in OVERSIZED}
+    cases["60 MB of nesting in state.json"] = lambda c: forge(
+        c, "state.json", b'{"step": 2, "state": ' + deep(30 << 20) + b"}"
+    )
+    cases["oversized latest"] = lambda c: os.truncate(c.parent / "latest", 1 << 30)
+    peaks = {}
+    for index, (name, craft) in enumerate(cases.items()):
+        directory = root / str(index)
+        craft(two_checkpoints(directory))
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        before = _peak_kib()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CorruptCheckpointWarning)
+            assert load_checkpoint(directory)[0] in (1, 2)
+        peaks[name] = {"rss_before_kib": before, "peak_kib": _peak_kib()}
+    return peaks
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_loading_oversized_cases_keeps_memory_bounded(tmp_path):
+    out = subprocess.run(
+        [sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=110, check=True
+    ).stdout
+    peaks = json.loads(out.splitlines()[-1])
+    for name, peak in peaks.items():
+        grown_mib = (peak["peak_kib"] - peak["rss_before_kib"]) / 1024
+        # Refused from fstat: nothing read. The 60 MB of nesting is read and scanned: a few copies of it.
+        budget = 400 if name.startswith("60 MB") else 32
+        assert grown_mib < budget, f"{name}: peak grew by {grown_mib:.0f} MiB"
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="loom-peaks-"))
+    print(json.dumps(measure_peaks(root)))
