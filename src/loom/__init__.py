@@ -2,13 +2,14 @@
 
 import loom
 topo = loom.init()
-job = loom.DataParallel().setup(model, optimizer, loss_fn)
-for batch in loom.data.loader(dataset, global_batch_size=256):
+job = loom.DataParallel().setup(model, optimizer, loss_fn)   # any strategy: a loom.Job
+for batch in job.loader(dataset, global_batch_size=256):
     loss = job.train_step(batch)
 """
 
 from loom import checkpoint, comm, data
 from loom.fit import FitResult, fit
+from loom.job import Job
 from loom.mesh import Mesh
 from loom.strategies import (
     DataParallel,
@@ -30,6 +31,7 @@ __all__ = [
     "FitResult",
     "Hybrid",
     "HybridConfig",
+    "Job",
     "Mesh",
     "ParameterServer",
     "ParameterServerConfig",

@@ -2,8 +2,9 @@
 
 from loom.strategies.data_parallel import DataParallel, DataParallelConfig, DataParallelJob
 from loom.strategies.hybrid import Hybrid, HybridConfig
+from loom.strategies.model_parallel import ModelParallelJob
 from loom.strategies.parameter_server import ParameterServer, ParameterServerConfig, ParameterServerJob
-from loom.strategies.pipeline import Pipeline, PipelineConfig, PipelineJob
+from loom.strategies.pipeline import Pipeline, PipelineConfig
 from loom.strategies.tensor_parallel import TensorParallel, TensorParallelConfig
 
 __all__ = [
@@ -12,12 +13,12 @@ __all__ = [
     "DataParallelJob",
     "Hybrid",
     "HybridConfig",
+    "ModelParallelJob",
     "ParameterServer",
     "ParameterServerConfig",
     "ParameterServerJob",
     "Pipeline",
     "PipelineConfig",
-    "PipelineJob",
     "TensorParallel",
     "TensorParallelConfig",
 ]

@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -102,6 +102,10 @@ class DataParallelConfig:
             hang_timeout_s(self.hang_timeout_s)
 
 
+DATA_FIELDS = frozenset(f.name for f in fields(DataParallelConfig))
+"""The options of a data axis: what model-parallel strategies accept besides their own (`loom.Hybrid`)."""
+
+
 class DataParallel:
     """Strategy: replicate the model, shard the data, all-reduce gradients every step.
 
@@ -127,7 +131,7 @@ class DataParallel:
         topo = self.topology if self.topology is not None else current()
         check_setup_arguments(model, optimizer, loss_fn)
         model.to(topo.device)
-        metrics = StepMetrics(topo.rank, self.metrics_path or _default_metrics_path(topo))
+        metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
         shared: SharedGradients | None = None
         hook: Callable | None = None
@@ -157,7 +161,7 @@ class DataParallel:
         return job
 
 
-def _default_metrics_path(topo: Topology) -> str | None:
+def default_metrics_path(topo: Topology) -> str | None:
     """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl``."""
     run_dir = os.environ.get("LOOM_RUN_DIR")
     return f"{run_dir}/metrics/rank{topo.rank}.jsonl" if run_dir else None

@@ -11,14 +11,17 @@ import inspect
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import compression_hook, make_codec
+from loom.comm.compression.base import Exchange
+from loom.comm.counters import counters
 from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.comm.ddp_hooks import allreduce_hook
 from loom.observe.phases import loss_buffer_size
@@ -28,7 +31,14 @@ from loom.topology import Topology
 if TYPE_CHECKING:
     from loom.strategies.data_parallel import DataParallelConfig
 
-__all__ = ["buffer_sync_option", "gradient_hook", "has_spare_core", "overlap_wanted", "shared_gradients_for"]
+__all__ = [
+    "GradientAveraging",
+    "buffer_sync_option",
+    "gradient_hook",
+    "has_spare_core",
+    "overlap_wanted",
+    "shared_gradients_for",
+]
 
 
 def shared_gradients_for(
@@ -95,3 +105,67 @@ def buffer_sync_option(enabled: bool) -> dict[str, bool]:
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": enabled}
     return {"broadcast_buffers": enabled}
+
+
+class GradientAveraging:
+    """`DataParallel`'s gradient averaging for a data axis whose gradients are computed outside DDP.
+
+    Model-parallel jobs (`loom.strategies.model_parallel`) run their own schedule, so their data axis cannot wrap
+    the stage in DDP; after the schedule, this sums each gradient over the data axis's group with the algorithm
+    and compression of the job's `DataParallelConfig`, exactly as `DataParallel` would: ``allreduce`` picks the
+    `loom.comm.all_reduce` algorithm, ``compression`` a codec whose collectives run here, one after another,
+    on the whole flattened gradient (one "bucket", parameters numbered in order, so its error-feedback state is
+    the same at every step and in a resumed run). Gradients arrive already weighted by each replica's share of
+    the global batch, so the exact paths *sum*; codecs *average*, so their result is scaled back by the
+    number of replicas.
+    """
+
+    def __init__(self, config: DataParallelConfig, group: dist.ProcessGroup | None) -> None:
+        self.config = config
+        self.group = group
+        self.codec = make_codec(config.compression) if config.compression is not None else None
+
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Replace each parameter's gradient by its sum over the group (a missing gradient counts as zeros)."""
+        if self.group is None or not params:
+            return
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        if self.codec is None:
+            comm_all_reduce(flat, op="sum", algorithm=self.config.allreduce, group=self.group)
+        else:
+            n = dist.get_world_size(self.group)
+            exchange = self.codec.exchange(list(range(len(params))), flat, [p.shape for p in params], n)
+            flat = _run_exchange(exchange, self.group, n).mul_(n)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"compression": self.codec.state_dict() if self.codec is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("compression") is not None and self.codec is not None:
+            self.codec.load_state_dict(state["compression"])
+
+
+def _run_exchange(exchange: Exchange, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    """Run a codec's collectives (`loom.comm.compression.base`) synchronously, in order; return its average."""
+    result: torch.Tensor | None = None
+    while True:
+        try:
+            collective = next(exchange) if result is None else exchange.send(result)
+        except StopIteration as stop:
+            return stop.value
+        message = collective.tensor.contiguous()
+        if collective.op == "sum":  # bytes counted as `loom.comm.compression.hook` counts them
+            dist.all_reduce(message, group=group)
+            result = message
+            counters().record("native", 2 * (n - 1) * message.nbytes // n, 2 * (n - 1) * message.nbytes // n)
+        else:
+            gathered = [torch.empty_like(message) for _ in range(n)]
+            dist.all_gather(gathered, message, group=group)
+            result = torch.stack(gathered)
+            counters().record("all_gather", (n - 1) * message.nbytes, (n - 1) * message.nbytes)

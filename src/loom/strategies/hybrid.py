@@ -1,21 +1,16 @@
 """Hybrid parallelism: data × pipeline × tensor parallel on one named mesh.
 
-``Hybrid(dp=a, pp=b, tp=c, microbatches=m, schedule=..., split=..., tp_plan=...)`` builds one `Mesh` (validated
-once: ``a · b · c`` must equal the world size, the error names the degrees and the world size) and composes the
-strategies in this order, as torchtitan and Megatron-LM do:
+``Hybrid(dp=a, pp=b, tp=c, microbatches=m, schedule=..., split=..., tp_plan=..., allreduce=..., compression=...)``
+builds one `Mesh` (validated once: ``a · b · c`` must equal the world size, the error names the degrees and the
+world size) and composes the transforms of `loom.strategies.compose` on it, in its documented order: pipeline
+stages, tensor shards inside each stage, then the data axis, which is `DataParallel`'s gradient averaging with
+the `DataParallelConfig` fields given here (``allreduce``, ``compression``, ...).
 
-1. **pipeline** (``pp``): the model's chain is cut into ``b`` stages; this process keeps stage ``pp_index``
-   (with ``pp=1`` the whole model is the stage, and need not be a chain);
-2. **tensor parallel** (``tp``): the stage's MLP, attention and embedding blocks are split over its ``c``
-   processes (Megatron-style, one all-reduce forward and one backward per block);
-3. **data parallel** (``dp``): after the schedule, each stage's gradients (each tp shard's) are summed over the
-   ``a`` replicas, already weighted by their share of the global batch.
-
-Data is sharded across ``dp`` only: load with ``loom.data.loader(..., topology=job.data_topology)`` so every
-stage and tensor shard of a replica sees the same share. Each axis has its own process group. ``train_step``
-returns the global-batch loss on every process; ``state_dict()`` is this process's shard with its mesh
-coordinates, stage layers and tensor-parallel shard dims; ``full_state_dict()`` (called on every process)
-returns the whole model on rank 0.
+Data is sharded across ``dp`` only: load with ``job.loader(dataset, global_batch_size)`` so every stage and
+tensor shard of a replica sees the same share (a batch cut otherwise is refused). ``train_step`` returns the
+global-batch loss on every process; ``state_dict()`` is this process's shard with its mesh coordinates, stage
+layers and tensor-parallel shard dims; ``full_state_dict()`` (called on every process) returns the whole model
+on rank 0.
 """
 
 from __future__ import annotations
@@ -27,13 +22,11 @@ import torch
 from torch import nn
 
 from loom.mesh import Mesh
-from loom.strategies.data_parallel import LossFn
-from loom.strategies.pipeline import Pipeline, PipelineJob
-from loom.strategies.tensor_parallel import (
-    TensorParallelConfig,
-    attach_tensor_parallel,
-    tensor_parallel_transform,
-)
+from loom.strategies.compose import compose
+from loom.strategies.data_parallel import DATA_FIELDS, DataParallelConfig, LossFn
+from loom.strategies.model_parallel import ModelParallelJob
+from loom.strategies.pipeline import PipelineConfig
+from loom.strategies.tensor_parallel import TensorParallelConfig
 from loom.topology import Topology, current
 
 __all__ = ["Hybrid", "HybridConfig"]
@@ -59,35 +52,35 @@ class HybridConfig:
     """Tensor-parallel plan: ``"auto"`` or ``{module name: "mlp" | "attention" | "embedding"}``."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.split, list):
+            object.__setattr__(self, "split", tuple(self.split))
         TensorParallelConfig(size=self.tp, plan=self.tp_plan)  # validates tp and the plan
+        self.pipeline()  # validates pp, microbatches, schedule and split
+
+    def pipeline(self) -> PipelineConfig:
+        return PipelineConfig(
+            stages=self.pp, microbatches=self.microbatches, schedule=self.schedule, split=self.split
+        )
 
 
 class Hybrid:
-    """Strategy: pipeline, then tensor parallel, then data parallel on a ``dp × pp × tp`` mesh."""
+    """Strategy: pipeline, then tensor parallel, then data parallel on a ``dp × pp × tp`` mesh.
+
+    The fields of `HybridConfig` and of `DataParallelConfig` (for the data axis) are keyword arguments.
+    """
 
     def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
+        data = {k: config.pop(k) for k in list(config) if k in DATA_FIELDS}
         self.config = HybridConfig(**config)
+        self.data = DataParallelConfig(**data)
         self.topology = topology
         self.metrics_path = metrics_path
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> PipelineJob:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
         cfg = self.config
         topo = self.topology if self.topology is not None else current()
         mesh = Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, topology=topo)
-        pipeline = Pipeline(
-            stages=cfg.pp,
-            microbatches=cfg.microbatches,
-            schedule=cfg.schedule,
-            split=cfg.split,
-            mesh=mesh,
+        return compose(
+            model, optimizer, loss_fn, mesh, pipeline=cfg.pipeline(), tp_plan=cfg.tp_plan, data=self.data,
             metrics_path=self.metrics_path,
-        )
-        if cfg.tp == 1:
-            return pipeline.setup(model, optimizer, loss_fn)
-        comm, transform = tensor_parallel_transform(mesh, cfg.tp_plan)
-        dims: dict[int, int] = {}
-        job = pipeline.setup(
-            model, optimizer, loss_fn, stage_transform=lambda stage: dims.update(transform(stage))
-        )
-        attach_tensor_parallel(job, comm, dims)
-        return job
+        )  # fmt: skip

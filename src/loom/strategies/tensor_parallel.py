@@ -23,17 +23,15 @@ embedding supports neither ``padding_idx`` nor ``max_norm``; an output head tied
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from loom.mesh import Mesh
-from loom.strategies.data_parallel import LossFn
-from loom.strategies.pipeline import Pipeline, PipelineJob
+from loom.strategies.data_parallel import DATA_FIELDS, DataParallelConfig, LossFn
 from loom.strategies.pipeline_runtime import PipelineStage
 from loom.strategies.tensor_parallel_layers import (
     ColumnParallelLinear,
@@ -44,7 +42,18 @@ from loom.strategies.tensor_parallel_layers import (
 )
 from loom.topology import Topology, current
 
-__all__ = ["TensorParallel", "TensorParallelConfig", "apply_tensor_parallel", "auto_plan", "gather_shards"]
+if TYPE_CHECKING:
+    from loom.strategies.model_parallel import ModelParallelJob
+
+__all__ = [
+    "TensorParallel",
+    "TensorParallelConfig",
+    "TensorShards",
+    "apply_tensor_parallel",
+    "auto_plan",
+    "gather_shards",
+    "shard_stage",
+]
 
 KINDS = ("mlp", "attention", "embedding")
 _Q_K_V = ("q_proj", "k_proj", "v_proj")
@@ -79,12 +88,56 @@ def _linear_children(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
 
 
-def _is_mlp(module: nn.Module) -> bool:
+_ELEMENTWISE = (
+    nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardtanh, nn.Softplus,
+    nn.Identity, nn.Dropout,
+)  # fmt: skip
+"""Modules that act on each hidden unit alone, so they may sit between a column- and a row-parallel linear."""
+
+
+def _is_chain(module: nn.Module) -> bool:
+    """Modules whose children run in their order: ``nn.Sequential``, and the layers of a pipeline stage."""
+    return isinstance(module, (nn.Sequential, nn.ModuleList))
+
+
+def _chain_pairs(module: nn.Module) -> list[tuple[str, str]]:
+    """The ``(first, second)`` children of a chain that form ``Linear → [elementwise] → Linear`` with matching
+    sizes, left to right, each child in at most one pair."""
+    children = list(module.named_children())
+    pairs, i = [], 0
+    while i < len(children):
+        name, first = children[i]
+        for gap in (1, 2):
+            if i + gap >= len(children) or not isinstance(first, nn.Linear):
+                continue
+            between = [c for _, c in children[i + 1 : i + gap]]
+            second_name, second = children[i + gap]
+            if (
+                isinstance(second, nn.Linear)
+                and all(isinstance(c, _ELEMENTWISE) for c in between)
+                and first.out_features == second.in_features
+            ):
+                pairs.append((name, second_name))
+                i += gap
+                break
+        i += 1
+    return pairs
+
+
+def _mlp_pairs(module: nn.Module) -> list[tuple[str, str]]:
+    """The Linear pairs of an MLP block: consecutive pairs of a chain, or a block's two Linear children
+    (``fc1``, ``fc2``, the activation applied in its ``forward``)."""
+    if _is_chain(module):
+        return _chain_pairs(module)
     linears = _linear_children(module)
     if len(linears) != 2 or len(list(module.children())) > 4:
-        return False
-    (_, first), (_, second) = linears
-    return first.out_features == second.in_features
+        return []
+    (first_name, first), (second_name, second) = linears
+    return [(first_name, second_name)] if first.out_features == second.in_features else []
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    return bool(_mlp_pairs(module))
 
 
 def auto_plan(model: nn.Module, allow_empty: bool = False) -> dict[str, str]:
@@ -146,17 +199,22 @@ def _split_attention(name: str, module: nn.Module, comm: TensorParallelComm, dim
 
 
 def _split_mlp(name: str, module: nn.Module, comm: TensorParallelComm, dims: dict[int, int]) -> None:
-    linears = _linear_children(module)
-    if len(linears) != 2:
-        raise ValueError(f"module {name!r} planned as 'mlp' has {len(linears)} Linear children, not 2")
-    (first_name, first), (second_name, second) = linears
-    col = ColumnParallelLinear(first, comm, f"the hidden size of {name!r} ({first_name}.out_features)")
-    row = RowParallelLinear(second, comm, f"the hidden size of {name!r} ({second_name}.in_features)")
-    setattr(module, first_name, col)
-    setattr(module, second_name, row)
-    dims.update(col.shard_dims)
-    dims.update(row.shard_dims)
-    _enter_block(module, comm)
+    pairs = _mlp_pairs(module)
+    if not pairs:
+        raise ValueError(
+            f"module {name!r} planned as 'mlp' has no Linear pair to split: it needs two Linear children (fc1, "
+            "fc2) or, in an nn.Sequential, Linear -> activation -> Linear with matching sizes"
+        )
+    for first_name, second_name in pairs:
+        first, second = getattr(module, first_name), getattr(module, second_name)
+        col = ColumnParallelLinear(first, comm, f"the hidden size of {name!r} ({first_name}.out_features)")
+        row = RowParallelLinear(second, comm, f"the hidden size of {name!r} ({second_name}.in_features)")
+        setattr(module, first_name, col)
+        setattr(module, second_name, row)
+        dims.update(col.shard_dims)
+        dims.update(row.shard_dims)
+        # ``f`` at the pair's input: the block's input for a block, the first linear's inside a chain.
+        _enter_block(col if _is_chain(module) else module, comm)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Any, comm: TensorParallelComm) -> dict[int, int]:
@@ -215,52 +273,64 @@ def _stage_plan(stage: PipelineStage, plan: Any) -> Any:
     return renamed
 
 
-def tensor_parallel_transform(mesh: Mesh, plan: Any) -> tuple[TensorParallelComm, Callable]:
-    """The comm of this process's tp group and a ``stage_transform`` for `Pipeline.setup`."""
+@dataclass
+class TensorShards:
+    """What tensor parallelism did to a stage: its tp group and the shard dim of each split parameter."""
+
+    comm: TensorParallelComm
+    dims: dict[int, int]
+    """``{id(parameter): dim}`` of the parameters split across the tp group."""
+
+    def gather(self, stage: PipelineStage) -> dict[str, torch.Tensor]:
+        """The stage's whole tensors, under the full model's names; collective over the tp group."""
+        return gather_shards(stage.named_state(keep_vars=True), self.dims, self.comm)
+
+    def layout(self, stage: PipelineStage) -> dict[str, Any]:
+        """The shard layout recorded with the stage's state: tp size and rank, shard dim by name."""
+        named = stage.named_state(keep_vars=True)
+        return {
+            "size": self.comm.size,
+            "rank": self.comm.rank,
+            "shard_dims": {key: self.dims[id(v)] for key, v in named.items() if id(v) in self.dims},
+        }
+
+
+def shard_stage(stage: PipelineStage, mesh: Mesh, plan: Any) -> TensorShards | None:
+    """Split the planned blocks of ``stage`` over the mesh's ``tp`` axis in place (None when tp = 1)."""
+    if mesh.size("tp") == 1:
+        return None
     comm = TensorParallelComm(mesh.group("tp"), mesh.index("tp"), mesh.size("tp"))
-    return comm, lambda stage: apply_tensor_parallel(stage, _stage_plan(stage, plan), comm)
-
-
-def attach_tensor_parallel(job: PipelineJob, comm: TensorParallelComm, dims: dict[int, int]) -> None:
-    """Let the job's ``full_state_dict`` reassemble the shards, and expose the comm's counts."""
-    job.tensor_parallel = comm  # type: ignore[attr-defined]
-    job.gather_shards = lambda named: gather_shards(job.module.named_state(keep_vars=True), dims, comm)
-    named = job.module.named_state(keep_vars=True)
-    job.shard_metadata["tensor_parallel"] = {
-        "size": comm.size,
-        "rank": comm.rank,
-        "shard_dims": {key: dims[id(value)] for key, value in named.items() if id(value) in dims},
-    }
+    return TensorShards(comm, apply_tensor_parallel(stage, _stage_plan(stage, plan), comm))
 
 
 class TensorParallel:
-    """Strategy: split MLP, attention and embedding layers over ``size`` processes (see the module docstring)."""
+    """Strategy: split MLP, attention and embedding layers over ``size`` processes (see the module docstring).
+
+    ``TensorParallel(size=t, plan=..., **data)``: a `loom.strategies.compose` of one stage split over the mesh's
+    ``tp`` axis; with ``size`` < the world size the remaining factor is the data axis, configured by the
+    `DataParallelConfig` fields in ``data`` (``allreduce``, ``compression``, ...).
+    """
 
     def __init__(
-        self,
-        *,
-        topology: Topology | None = None,
-        mesh: Mesh | None = None,
-        metrics_path: str | None = None,
-        **config,
+        self, *, topology: Topology | None = None, metrics_path: str | None = None, **config
     ) -> None:
+        data = {k: config.pop(k) for k in list(config) if k in DATA_FIELDS}
         self.config = TensorParallelConfig(**config)
+        self.data = DataParallelConfig(**data)
         self.topology = topology
-        self.mesh = mesh
         self.metrics_path = metrics_path
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> PipelineJob:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
+        from loom.strategies.compose import compose  # here: compose imports this module's transform
+
         topo = self.topology if self.topology is not None else current()
-        mesh = self.mesh if self.mesh is not None else Mesh(tp=self.config.size, topology=topo)
-        if mesh.size("tp") != self.config.size or mesh.size("pp") != 1:
+        if topo.world_size % self.config.size:
             raise ValueError(
-                f"TensorParallel(size={self.config.size}) on a mesh with tp={mesh.size('tp')}, "
-                f"pp={mesh.size('pp')}. HINT: combine with a pipeline through Hybrid(pp=..., tp=...)."
+                f"TensorParallel(size={self.config.size}) does not divide the world size {topo.world_size}. "
+                "HINT: choose a size that divides the number of processes (the rest is the data axis)."
             )
-        comm, transform = tensor_parallel_transform(mesh, self.config.plan)
-        dims: dict[int, int] = {}
-        job = Pipeline(stages=1, mesh=mesh, metrics_path=self.metrics_path).setup(
-            model, optimizer, loss_fn, stage_transform=lambda stage: dims.update(transform(stage))
-        )
-        attach_tensor_parallel(job, comm, dims)
-        return job
+        mesh = Mesh(dp=topo.world_size // self.config.size, tp=self.config.size, topology=topo)
+        return compose(
+            model, optimizer, loss_fn, mesh, tp_plan=self.config.plan, data=self.data,
+            metrics_path=self.metrics_path,
+        )  # fmt: skip

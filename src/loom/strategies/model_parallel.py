@@ -1,0 +1,298 @@
+"""The job of every model-parallel strategy: one stage of the model, maybe tensor-sharded, on a data axis.
+
+`loom.strategies.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike (the transforms, in
+order: pipeline stages, tensor shards, then the data axis). Each `train_step`:
+
+1. checks that the ranks of this model replica (its stages and tensor shards: the mesh's ``replica`` group) hold
+   the same samples: one small all-gather of the batch's fingerprint and size before any work, so a loader
+   sharded over the wrong axis raises on every rank of the replica, naming the ranks and the fix, instead of
+   training on mismatched inputs and targets;
+2. splits the share into micro-batches and runs the schedule's instructions for this stage (`pipeline_runtime`);
+   micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` (``N`` the global batch) to backward,
+   so gradients are those of the global-batch mean loss;
+3. sums the gradients over the data axis with `DataParallel`'s algorithms and compression
+   (`data_parallel_sync.GradientAveraging`), then steps the optimizer.
+
+The loss (non-zero on the last stage only) and every stage's busy time and span ride on one all-gather over the
+pipeline; the loss is then summed over the data axis. State is sharded: `state_dict` is this process's stage and
+shards with their layout, `full_state_dict` gathers the whole model on rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loom.job import Job, MetricFn, check_batch_layout
+from loom.mesh import REPLICA, Mesh
+from loom.observe.metrics import StepMetrics
+from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
+from loom.strategies.data_parallel_sync import GradientAveraging
+from loom.strategies.pipeline_communications import recv_tensors, send_tensors
+from loom.strategies.pipeline_runtime import PipelineStage, StageStats, run_instructions
+from loom.strategies.pipeline_schedule import stage_instructions
+from loom.strategies.tensor_parallel import TensorShards
+
+__all__ = ["ModelParallelJob", "Schedule", "batch_fingerprint"]
+
+_FINGERPRINT_BYTES = 1 << 20
+"""Of a plain (fingerprint-less) batch, at most this many leading bytes of each tensor are hashed."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a step runs through the stages: ``stages`` on the ``pp`` axis, ``microbatches``, ``name``."""
+
+    stages: int = 1
+    microbatches: int = 1
+    name: str = "1f1b"
+
+
+@dataclass
+class _Micro:
+    inputs: list[Any] = field(default_factory=list)
+    targets: list[Any] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+
+def _micro_split(inputs: Any, targets: Any, n: int, m: int) -> _Micro:
+    """At most ``m`` micro-batches whose sizes differ by at most one (fewer when ``n < m``)."""
+    pieces = min(m, n)
+    bounds = (torch.arange(pieces + 1) * n // pieces).tolist()
+    out = _Micro()
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        out.inputs.append(slice_batch(inputs, lo, hi))
+        out.targets.append(slice_batch(targets, lo, hi))
+        out.sizes.append(hi - lo)
+    return out
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def batch_fingerprint(batch: Any) -> int:
+    """A 32-bit fingerprint of the samples in ``batch``: the loader's, from the dataset indices, when it has
+    one; otherwise a CRC-32 of the leading bytes of its tensors (CPU tensors only; others count by shape)."""
+    known = getattr(batch, "fingerprint", None)
+    if known is not None:
+        return int(known)
+    crc = 0
+    for t in _tensors(batch):
+        crc = zlib.crc32(repr((tuple(t.shape), str(t.dtype))).encode(), crc)
+        if t.device.type == "cpu" and t.numel():
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)[:_FINGERPRINT_BYTES]
+            crc = zlib.crc32(raw.numpy().tobytes(), crc)
+    return crc
+
+
+class ModelParallelJob(Job):
+    """This process's stage (and tensor shards) of a model split over a ``dp × pp × tp`` mesh."""
+
+    replicated_state = False
+    module: PipelineStage
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Any,
+        mesh: Mesh,
+        schedule: Schedule,
+        shards: TensorShards | None,
+        data_axis: GradientAveraging,
+        metrics: StepMetrics,
+        stage_keys: list[list[str]],
+        layer_names: list[str],
+    ) -> None:
+        self.module = stage
+        """This process's stage (its layers, keeping the full model's names in `state_dict`)."""
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.mesh = mesh
+        self.topology = mesh.topology
+        self.schedule = schedule
+        self.shards = shards
+        """The tensor-parallel layout of the stage (None without a ``tp`` axis)."""
+        self.gradient_averaging = data_axis
+        self.metrics = metrics
+        self.stage_keys = stage_keys
+        self.layer_names = layer_names
+        self.step = 0
+        self.stage_stats: list[StageStats] = []
+        """One `StageStats` per step: this stage's busy time, span, idle fraction, activations alive."""
+        self.bubble: list[float] = []
+        """Per step, the measured idle fraction of the whole pipeline, ``1 - Σ busy / (p · max span)``; each
+        stage's share of it, in seconds, is `StageStats.bubble_s`, also in its step record (``bubble_s``)."""
+        pp = mesh.index("pp")
+        self._prev = mesh.peer("pp", pp - 1) if pp > 0 else None
+        self._next = mesh.peer("pp", pp + 1) if pp < schedule.stages - 1 else None
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def _check_replica_samples(self, batch: Any, local: int) -> None:
+        """Raise on every rank of this model replica unless all of its ranks hold the same samples."""
+        group = self.mesh.group(REPLICA)
+        if group is None:
+            return
+        mine = torch.tensor([batch_fingerprint(batch), local], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in self.mesh.ranks(REPLICA)]
+        dist.all_gather(rows, mine, group=group)
+        seen = [tuple(r.tolist()) for r in rows]
+        if len(set(seen)) == 1:
+            return
+        ranks = self.mesh.ranks(REPLICA)
+        held = ", ".join(
+            f"rank {r}: {n} samples, fingerprint {f:08x}" for r, (f, n) in zip(ranks, seen, strict=True)
+        )
+        raise ValueError(
+            f"rank {self.topology.rank}: the ranks {ranks} of one model replica (its pipeline stages and tensor "
+            f"shards) hold different samples at step {self.step + 1} ({held}); they would train on mismatched "
+            "inputs and targets. HINT: shard the data over the job's data axis: "
+            "loader = job.loader(dataset, global_batch_size, ...)."
+        )
+
+    def _global_count(self, batch: Any, local: int) -> int:
+        known = getattr(batch, "global_size", None)
+        if known is not None:
+            return int(known)
+        group = self.mesh.group("dp")
+        if group is None:
+            return local
+        count = torch.tensor([local], dtype=torch.int64)
+        dist.all_reduce(count, group=group)
+        return int(count.item())
+
+    def _run(self, batch: Any, train: bool) -> tuple[float, int, int, StageStats]:
+        check_batch_layout(batch, self)
+        inputs, targets = split_batch(batch)
+        local = batch_len(inputs)
+        self._check_replica_samples(batch, local)
+        device = self.topology.device
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        total = self._global_count(batch, local)
+        if total == 0:
+            raise ValueError("the global batch has 0 samples (every share is empty)")
+        sched = self.schedule
+        micro = _micro_split(inputs, targets, local, sched.microbatches) if local else _Micro()
+        stream = (
+            stage_instructions(
+                sched.name, self.mesh.index("pp"), sched.stages, len(micro.sizes), forward_only=not train
+            )
+            if micro.sizes
+            else []
+        )
+        loss_sum, stats = run_instructions(
+            stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
+            prev=self._prev, next_=self._next, train=train, device=device,
+        )  # fmt: skip
+        # One gather gives the loss (non-zero on the last stage only) and every stage's busy time and span.
+        row = torch.tensor([loss_sum, stats.busy_s, stats.span_s], dtype=torch.float64)
+        rows = [row]
+        if self.mesh.group("pp") is not None:
+            rows = [torch.zeros_like(row) for _ in range(sched.stages)]
+            dist.all_gather(rows, row, group=self.mesh.group("pp"))
+        table = torch.stack(rows)
+        loss = table[:, 0].sum().reshape(1)
+        if self.mesh.group("dp") is not None:
+            dist.all_reduce(loss, group=self.mesh.group("dp"))
+        span = float(table[:, 2].max())
+        self.bubble.append(1.0 - float(table[:, 1].sum()) / (sched.stages * span) if span > 0 else 0.0)
+        stats.bubble_s = max(span - stats.busy_s, 0.0)  # so Σ bubble_s / (p · span) is the fraction above
+        return float(loss.item()) / total, local, total, stats
+
+    def train_step(self, batch: Any) -> float:
+        """One optimizer step on the global batch; returns its loss (the same on every process)."""
+        started = time.perf_counter()
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, local, total, stats = self._run(batch, train=True)
+        self.gradient_averaging.sum_gradients([p for p in self.module.parameters() if p.requires_grad])
+        self.optimizer.step()
+        self.step += 1
+        self.stage_stats.append(stats)
+        self.metrics.record(
+            self.step, time.perf_counter() - started, local, total, loss, bubble_s=stats.bubble_s
+        )
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
+        """Global-batch loss in eval mode, through the pipeline (forwards only). Extra ``metrics`` need the
+        model's outputs, which only the last stage holds: refused (evaluate ``full_state_dict()`` instead)."""
+        if metrics:
+            raise ValueError(
+                f"eval_step(metrics={sorted(metrics)}) is not supported by model-parallel jobs: the outputs "
+                "exist on the last stage only. HINT: evaluate the loss here, or load job.full_state_dict() "
+                "into an unsplit model on rank 0 for other metrics."
+            )
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            loss, _, _, _ = self._run(batch, train=False)
+        finally:
+            self.module.train(was_training)
+        return {"loss": loss}
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This process's shard: its stage's tensors (under the full model's names), optimizer, step, layout."""
+        layout: dict[str, Any] = {
+            "strategy": "model_parallel",
+            "stage": self.mesh.index("pp"),
+            "stages": self.schedule.stages,
+            "layers": self.module.layer_names,
+            "all_layers": self.layer_names,
+            "mesh": {a: self.mesh.size(a) for a in ("dp", "pp", "tp")},
+            "coordinates": dict(self.mesh.coordinates),
+        }
+        if self.shards is not None:
+            layout["tensor_parallel"] = self.shards.layout(self.module)
+        return {
+            "model": self.module.named_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "data_axis": self.gradient_averaging.state_dict(),
+            "shard": layout,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shard = state.get("shard", {})
+        here = dict(self.mesh.coordinates)
+        if shard.get("coordinates", here) != here:
+            raise ValueError(
+                f"rank {self.topology.rank}: state of mesh coordinates {shard['coordinates']} loaded into "
+                f"{here}. HINT: load each rank's own state_dict()."
+            )
+        self.module.load_named_state(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.gradient_averaging.load_state_dict(state.get("data_axis", {}))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state on global rank 0 (``None`` elsewhere). Collective: call it on every process."""
+        mine = self.module.named_state() if self.shards is None else self.shards.gather(self.module)
+        if self.mesh.index("dp") != 0 or self.mesh.index("tp") != 0:
+            return None
+        stage = self.mesh.index("pp")
+        if stage != 0:
+            for key in self.stage_keys[stage]:  # one message per tensor: shapes travel in the header
+                for handle, _ in send_tensors([mine[key]], self.mesh.peer("pp", 0)):
+                    handle.wait()
+            return None
+        full = dict(mine)
+        for s in range(1, self.schedule.stages):
+            for key in self.stage_keys[s]:
+                (full[key],) = recv_tensors(self.mesh.peer("pp", s), self.topology.device)
+        return full
