@@ -78,3 +78,23 @@ def test_single_shard_is_the_identity():
     expected = block(x)
     apply_tensor_parallel(block, "auto", _comm(1))
     torch.testing.assert_close(block(x), expected, atol=0, rtol=0)
+
+
+@pytest.mark.timeout(10)
+def test_auto_plan_splits_linear_activation_linear_pairs_of_a_sequential():
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Softmax(-1),
+        nn.Linear(16, 4),
+    )
+    assert auto_plan(model) == {"": "mlp"}
+    dims = apply_tensor_parallel(model, "auto", _comm())
+    kinds = [type(m).__name__ for m in model]
+    # (0, 2) is a pair; 4 and 6 are not (softmax mixes the hidden units), so they stay whole.
+    assert kinds[:3] == ["ColumnParallelLinear", "Tanh", "RowParallelLinear"]
+    assert kinds[4:] == ["Linear", "Softmax", "Linear"]
+    assert model[0].weight.shape == (8, 8) and len(dims) == 3  # weight, bias of fc1; weight of fc2

@@ -1,4 +1,4 @@
-"""Hybrid meshes on 4 processes against one process: 5 steps of the char GPT (and the deep MLP on dp × pp).
+"""Hybrid meshes on 4 processes against one process: 5 steps of the char GPT and of the deep MLP.
 
 Each rank also runs the single-process reference itself (same seed, whole global batches) and prints, per mesh,
 the largest loss and parameter differences (parameters from ``full_state_dict`` on rank 0).
@@ -44,7 +44,7 @@ def train(make, data, loss_fn, strategy=None):
             if len(losses) == STEPS:
                 return losses, model.state_dict()
     job = strategy.setup(model, optimizer, loss_fn)
-    loader = loom.data.loader(data, GLOBAL_BATCH, seed=3, topology=job.data_topology)
+    loader = job.loader(data, GLOBAL_BATCH, seed=3)
     losses = []
     for batch in loader:
         losses.append(job.train_step(batch))
@@ -57,6 +57,11 @@ cases = [
     ("gpt", dict(dp=2, tp=2)),
     ("mlp", dict(dp=2, pp=2, microbatches=4, schedule="gpipe")),
     ("gpt", dict(pp=2, tp=2, microbatches=2)),
+    # The data axis is DataParallel's: its all-reduce algorithms are exact, its compression is not.
+    ("mlp", dict(dp=2, pp=2, microbatches=2, allreduce="ring")),
+    ("mlp", dict(dp=2, pp=2, microbatches=2, compression="fp16")),
+    # plan="auto" splits the Linear-Tanh-Linear pairs of a plain nn.Sequential.
+    ("mlp", dict(dp=2, tp=2)),
 ]
 for model_name, mesh in cases:
     make, data, loss_fn = models()[model_name]
