@@ -94,11 +94,16 @@ def _open_failure(path: Path, err: OSError, kind: str) -> str:
 
 
 def read_exact(file: BinaryIO, count: int) -> bytes:
-    """Exactly ``count`` bytes from ``file``; ``ValueError`` if it ends first (it shrank while read)."""
-    data = file.read(count)
-    if len(data) != count:
-        raise ValueError(f"ended after {len(data)} of {count} bytes (changed while being read)")
-    return data
+    """Exactly ``count`` bytes from ``file``; ``ValueError`` if it ends first (it shrank while read). Loops,
+    since one ``read`` of a raw file returns at most ~2 GiB on Linux."""
+    pieces, left = [], count
+    while left:
+        piece = file.read(min(left, 1 << 30))
+        if not piece:
+            raise ValueError(f"ended after {count - left} of {count} bytes (changed while being read)")
+        pieces.append(piece)
+        left -= len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def read_limited(file: BinaryIO, size: int, limit: int) -> bytes:

@@ -18,6 +18,11 @@ Every file is read once: the sha256 is computed on the same pass that fills the 
 only hashed (1 MiB at a time) unless `read_local_state` asks for one. The ``latest`` pointer is read with the
 same care (no link, at most `ReadLimits.max_pointer_bytes`); when it is unusable, loading warns and starts
 from the newest checkpoint instead.
+
+Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
+before its sha256 can be compared (hashing first would read every genuine checkpoint twice), so the bound on
+what a crafted tensor file costs is that limit, by default the machine's memory. A process loading a
+checkpoint hashes every rank's file, not only its own.
 """
 
 from __future__ import annotations

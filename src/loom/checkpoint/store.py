@@ -31,9 +31,8 @@ state (`loom.checkpoint.tree.pack_state`) and sends the bytes to the writer; `re
 
 Limits: one writer per directory (temporary directories of crashed writers are removed by the next save, so
 two processes saving into one directory would disturb each other). Saving holds a serialized copy of the
-tensors in memory while it writes. Re-saving the step that ``latest`` names has
-a short window in which a crash leaves ``latest`` naming nothing; loading then falls back to the previous
-checkpoint.
+tensors in memory while it writes. Re-saving the step that ``latest`` names has a short window in which a
+crash leaves ``latest`` naming nothing; loading then falls back to the previous checkpoint.
 """
 
 from __future__ import annotations
