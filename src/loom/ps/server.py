@@ -11,6 +11,10 @@ checkpoint. It listens on loopback unless ``--bind`` names another interface. Wi
 (``--checkpoint-dir``, else ``$LOOM_PS_CHECKPOINT_DIR``, else ``$LOOM_RUN_DIR/ps``) it saves every
 ``checkpoint_every`` updates, on request, and on SIGTERM, and a restarted server resumes from the last save
 (updates since then are lost; Li et al. 2014 replicate shards on neighbouring servers to avoid that, loom does not).
+
+`loom.fit`'s checkpoints do not use those files: a worker reads a model's whole state with STATE (tensors and
+JSON, as in the files) and puts it back with RESTORE, which replaces the model outright, answers the requests it
+leaves waiting with an error, and is applied once per request token.
 """
 
 from __future__ import annotations

@@ -71,6 +71,9 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class MessageType(IntEnum):
+    """Requests a worker sends (HELLO .. RESTORE) and the two answers a server gives. STATE reads a model's whole
+    state (values, optimizer state, version, clocks) and RESTORE replaces it: `loom.fit`'s checkpoints."""
+
     HELLO = 1
     INIT = 2
     PULL = 3

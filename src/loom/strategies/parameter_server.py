@@ -24,6 +24,14 @@ gradient was computed on and its own application (the largest over servers); ``m
 as a histogram. A worker that joins a model the servers already hold (a restarted worker) continues from its
 clock there, so its pushes are not mistaken for resent ones.
 
+Checkpoints (`loom.fit`): the job is a `loom.job.Job` whose state is not replicated (each worker has its own
+clock), so every worker's `state_dict` goes into its own file of the checkpoint. Rank 0's also holds every
+server's whole model (parameters, optimizer state, version, every worker's clock), read with a STATE request
+while all workers wait in the checkpoint; on resume rank 0 sends it back with RESTORE, which replaces whatever
+the servers hold (fresh servers of a new job, or servers that went on past the checkpoint while the workers were
+restarted), and the workers agree before anyone pulls. In ``sync``, 10 steps + resume + 10 steps equals 20
+steps bitwise (tests/test_ps_fit.py). A resume needs the same number of workers and servers.
+
 Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch); a plain tuple is assumed
 to be one of ``world_size`` equal shares. Only element-wise optimizers are accepted (see `loom.ps.shard`).
 `eval_step` sums over the process group, so every worker must call it (``loom.init()`` joins the group).
@@ -416,7 +424,9 @@ class ParameterServerJob(Job):
         clock), read with STATE. Tensors and JSON only.
 
         The servers' state is a consistent snapshot when no worker is inside a step, as at `loom.fit`'s
-        checkpoints (every worker enters them after its step and leaves after the write)."""
+        checkpoints (every worker enters them after its step and leaves after the write). Each server's state
+        travels in one frame, so it must fit the wire's payload limit (256 MiB by default: about 21 million
+        float32 parameters per server with Adam's two moments)."""
         servers = None
         if self.topology.rank == 0:
             replies = self._request(MessageType.STATE, {})
