@@ -64,16 +64,19 @@ def one_process_reference() -> dict:
 @pytest.mark.parametrize("workers", [2, 4])
 def test_resume_into_new_workers_and_servers_equals_straight(tmp_path, workers, one_process_reference):
     """20 steps straight == 10 steps, then a new `loom run` (new workers, new server) resuming to 20: bitwise.
-    The same launch checks sync PS under fit against one process (1e-5)."""
+    The same launches check sync PS under fit against one process (1e-5) and resume an async job's clocks."""
     ckpt = str(tmp_path / "ckpt")
+    async_ckpt = str(tmp_path / "async")
     first = launch(tmp_path, "first", workers, [
-        {"ns": "plain", "dir": None, "steps": STEPS},
+        {"ns": "plain", "dir": None, "steps": STEPS, "desync": 1},  # sync workers agree after every step
         {"ns": "straight", "dir": None, "steps": STEPS, "dropout": True},
         {"ns": "resumed", "dir": ckpt, "steps": STEPS // 2, "dropout": True},
+        {"ns": "async", "dir": async_ckpt, "steps": STEPS // 2, "mode": "async", "desync": 1},
     ])  # fmt: skip
-    second = launch(
-        tmp_path, "second", workers, [{"ns": "resumed", "dir": ckpt, "steps": STEPS, "dropout": True}]
-    )
+    second = launch(tmp_path, "second", workers, [
+        {"ns": "resumed", "dir": ckpt, "steps": STEPS, "dropout": True},
+        {"ns": "async", "dir": async_ckpt, "steps": STEPS, "mode": "async", "desync": 1},
+    ])  # fmt: skip
     resumed, straight = by_run(second, "resumed"), by_run(first, "straight")
     assert [(r["resumed_from"], r["steps_run"]) for r in resumed] == [(STEPS // 2, STEPS // 2)] * workers
     assert any(f"model 'resumed': restored at version {STEPS // 2}, clocks {[STEPS // 2] * workers} (was version 0)"
@@ -87,6 +90,13 @@ def test_resume_into_new_workers_and_servers_equals_straight(tmp_path, workers, 
     for name, values in plain[0]["params"].items():
         assert values == pytest.approx(reference[name], abs=1e-5), name
     assert plain[0]["loss"] == pytest.approx(one_process_reference["loss"], abs=1e-5)
+
+    # async (replicas_agree False: fit's desync check skips it) resumes its clocks: each worker's pushes count.
+    async_run = by_run(second, "async")
+    assert [(r["resumed_from"], r["clock"]) for r in async_run] == [(STEPS // 2, STEPS)] * workers
+    assert async_run[0]["version"] == [STEPS * workers] and async_run[0]["clocks"] == [[STEPS] * workers]
+    restored = f"model 'async': restored at version {STEPS // 2 * workers}"
+    assert any(restored in line for line in async_run[0]["log"]), async_run[0]["log"]
 
 
 @pytest.mark.timeout(300)

@@ -1,8 +1,9 @@
-"""ParameterServer (sync, Adam, StepLR) under loom.fit; one JSON line per run and rank.
+"""ParameterServer (Adam, StepLR) under loom.fit; one JSON line per run and rank.
 
 The argument is JSON ``{"runs": [run, ...]}``, the runs taken in order in one launch (starting processes is the
 slow part). A run has: ``ns`` (the model's namespace on the servers), ``dir`` (fit's checkpoint_dir, or null),
-``steps`` (fit's total), ``every`` (checkpoint_every, default 5), ``dropout`` (a Dropout layer, so each rank's RNG
+``steps`` (fit's total), ``every`` (checkpoint_every, default 5), ``mode`` (default sync), ``desync`` (fit's
+desync_every, default 0), ``dropout`` (a Dropout layer, so each rank's RNG
 state matters: every rank seeds differently after setup), ``strategy`` ("ps", or "dp" for a DataParallel
 reference), ``kill_at`` (on the first attempt under ``--max-restarts``, rank 1 SIGKILLs itself just before that
 step) and ``attempt`` (run it only on that attempt).
@@ -53,9 +54,8 @@ for run in config["runs"]:
     if run.get("strategy", "ps") == "dp":
         job = loom.DataParallel().setup(model, optimizer, nn.functional.mse_loss)
     else:
-        job = loom.ParameterServer(mode="sync", namespace=run["ns"]).setup(
-            model, optimizer, nn.functional.mse_loss
-        )
+        strategy = loom.ParameterServer(mode=run.get("mode", "sync"), namespace=run["ns"])
+        job = strategy.setup(model, optimizer, nn.functional.mse_loss)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     if run.get("kill_at") and attempt == 0 and topo.rank == 1:
         train_step = job.train_step
@@ -75,6 +75,7 @@ for run in config["runs"]:
         checkpoint_every=run.get("every", 5),
         keep=2,
         lr_scheduler=scheduler,
+        desync_every=run.get("desync", 0),
         progress=False,
     )
     record = {
