@@ -15,9 +15,9 @@ one clock, so the phases add up to the step time exactly. Definitions (see `loom
 For loom's algorithms the observer wraps their DDP communication hook and times each call. For DDP's built-in
 all-reduce it registers no hook (a Python hook costs a GIL handoff per bucket, measured at ~15 % of a small
 step): the end of gradient computation is read from post-accumulate-gradient hooks on the model's first
-parameters, the last whose gradients backward computes, and the rest of backward is the wait. Only a traced
-run (``LOOM_TRACE_STEPS``) swaps in PyTorch's Python ``allreduce_hook`` to time every bucket. The cost of all
-this is measured by ``python -m loom.observe.overhead`` (``benchmarks/reports/metrics_overhead.md``).
+parameters, the last whose gradients backward computes, and the rest of backward is the wait; a traced run
+(``LOOM_TRACE_STEPS``) shows that wait as one collective event, since timing every bucket would need a Python
+hook, i.e. another path than the one traced. The cost of all this is measured by ``python -m loom.observe.overhead`` (``benchmarks/reports/metrics_overhead.md``).
 
 Straggler detection: each rank writes its previous step's phase times into its own row of a ``[world x 4]``
 block appended to the loss buffer the strategy all-reduces anyway (sum: every other row is zero), so rank 0
@@ -143,6 +143,12 @@ class StepObserver:
         blocked = min(blocked, now - self._mark)
         if self._grad_bytes:  # the built-in all-reduce, unhooked: one ring estimate for all buckets
             self._estimated += ring_bytes(self._grad_bytes, self.world_size)
+            if self._tracing and self._last_hook_end is not None:  # its buckets, as one event: the wait
+                self._seq += 1
+                self.trace.collective(  # type: ignore[union-attr]
+                    "all_reduce gradients (DDP's own)", self._seq, self._last_hook_end, now, self._step,
+                    self._grad_bytes,
+                )  # fmt: skip
         self._laps[COMPUTE] += now - self._mark - blocked
         self._laps[COMM] += blocked
         if self._tracing:
@@ -168,15 +174,10 @@ class StepObserver:
             if hook is not None:
                 ddp.register_comm_hook(None, hook)
             return
-        if hook is None and self.trace is None:
+        if hook is None:  # traced or not: observing never changes the path it observes
             self._watch_gradients(ddp.module)
             return
-        if hook is None:  # traced: PyTorch's Python twin of DDP's built-in all-reduce, to time each bucket
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            ddp.register_comm_hook(None, self._timed(allreduce_hook, estimate=True))
-        else:  # loom's own algorithms count their bytes in loom.comm.counters
-            ddp.register_comm_hook(None, self._timed(hook, estimate=False))
+        ddp.register_comm_hook(None, self._timed(hook, estimate=False))  # loom's count their own bytes
 
     def _watch_gradients(self, module: torch.nn.Module, first: int = 4) -> None:
         """Native all-reduce, untraced: keep DDP's built-in (C++) all-reduce, since a Python hook costs a GIL

@@ -4,7 +4,9 @@ Every worker holds the whole model and trains on its share of each global batch;
 during backward (DDP's buckets overlap communication with the rest of backward). One exception: with loom's
 shared-memory algorithms on a single CPU host whose cores are all computing (no overlap to gain), the model is
 not wrapped in DDP and the gradients are averaged in place in shared memory right after backward
-(`loom.strategies.shared_gradients`: no bucket copies, two barriers). The gradient is the same either way,
+(`loom.strategies.shared_gradients`: no bucket copies, two barriers). Which path a job takes is decided in one
+place, `data_parallel_sync.choose_gradient_path` (its docstring is the table), and printed by rank 0 at setup.
+The gradient is the same either way,
 and every process starts from rank 0's parameters and buffers as with DDP. What loom adds is exactness
 under uneven shares: DDP averages gradients over *processes*, which is the global-batch gradient only when every
 share has the same size. loom scales each replica's mean loss by ``n_r * W / N`` (``n_r`` its samples, ``W`` the
@@ -20,6 +22,7 @@ use ``drop_last=True`` or a global batch of at least the world size). Losses mus
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -42,7 +45,7 @@ from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
 from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
-from loom.strategies.data_parallel_sync import buffer_sync_option, gradient_hook, shared_gradients_for
+from loom.strategies.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.strategies.shared_gradients import SharedGradients
 from loom.topology import Topology, current
 
@@ -72,9 +75,8 @@ class DataParallelConfig:
     overlap: bool | None = None
     """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or after (or
     inside) backward, blocking it (False). None: overlap only when this host has a core to spare for the thread
-    (usable cores > local processes x torch threads each). With every core busy computing, the thread only
-    competes with backward: synchronous shm measured 1.44x raw DDP against 1.36x overlapped on 2 processes x 1
-    thread on 2 cores (``benchmarks/reports/dp_allreduce.md``). Without overlap, ``auto``/``shm``/
+    (usable cores > local processes x torch threads each): with every core busy computing, the thread only
+    competes with backward (``benchmarks/reports/dp_allreduce.md``). Without overlap, ``auto``/``shm``/
     ``hierarchical`` on one CPU host average the gradients in shared memory after backward, without DDP, unless
     the model has buffers to broadcast or parameters of several dtypes."""
     compression: str | None = None
@@ -133,13 +135,14 @@ class DataParallel:
         model.to(topo.device)
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
-        shared: SharedGradients | None = None
-        hook: Callable | None = None
+        path: GradientPath | None = None
         if topo.is_distributed:
             check_same_model(model, topo.rank, topo.world_size)
-            shared = shared_gradients_for(self.config, topo, model)
+            path = choose_gradient_path(self.config, topo, model)
+            if topo.is_main:
+                print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)
         wrapped: nn.Module = model
-        if topo.is_distributed and shared is None:
+        if path is not None and path.shared is None:
             ddp = DistributedDataParallel(
                 model,
                 device_ids=[topo.local_rank] if topo.device.type == "cuda" else None,
@@ -148,14 +151,14 @@ class DataParallel:
                 gradient_as_bucket_view=True,  # no copy between gradients and buckets (2-14% faster here)
                 **buffer_sync_option(self.config.broadcast_buffers),  # type: ignore[arg-type]
             )
-            hook = gradient_hook(self.config, topo)
-            observer.register_comm_hook(ddp, hook)
+            observer.register_comm_hook(ddp, path.hook)
             wrapped = ddp
         mesh = Mesh(dp=topo.world_size, topology=topo)
         job = DataParallelJob(model, wrapped, optimizer, loss_fn, mesh, self.config, metrics)
         job.observer = observer
-        job.shared_gradients = shared
-        job.compression = hook if isinstance(hook, CompressionHook) else None
+        job.gradient_path = path
+        job.shared_gradients = path.shared if path is not None else None
+        job.compression = path.hook if path is not None and isinstance(path.hook, CompressionHook) else None
         if topo.is_distributed:
             job.watchdog = Watchdog.start(topo, self.config.hang_timeout_s)
         return job
@@ -234,6 +237,8 @@ class DataParallelJob(Job):
         memory on CPU; else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
         self.compression: CompressionHook | None = None
         """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
+        self.gradient_path: GradientPath | None = None
+        """How gradients are averaged (None in one process): `data_parallel_sync.choose_gradient_path`."""
         self.shared_gradients: SharedGradients | None = None
         """Set when gradients are averaged in shared memory after backward instead of by DDP (see
         `loom.strategies.shared_gradients`); then `wrapped` is the model itself."""
@@ -307,10 +312,10 @@ class DataParallelJob(Job):
         """``optimizer.step()`` and the all-reduce of ``[loss sum, straggler rows]``.
 
         With shared-memory gradients the buffer was already summed with them (`SharedGradients.average`).
-        Otherwise, with loom's shared-memory algorithms on CPU the buffer goes through the job's algorithm:
-        gloo's own all-reduce of the 9 values that carry 2 ranks' phase times took ~550 µs on the 2-core
-        development host against ~300 µs for the loss alone, ~10 % of the demo's step; shared memory took ~250 µs
-        for either. Otherwise gloo's all-reduce is launched asynchronously and overlaps the optimizer step.
+        Otherwise, with loom's shared-memory algorithms on CPU the buffer goes through the job's algorithm
+        (gloo's all-reduce of a few values costs about twice a shared-memory one on one host,
+        ``benchmarks/reports/metrics_overhead.md``). Otherwise gloo's all-reduce is launched asynchronously and
+        overlaps the optimizer step.
         """
         if not self.topology.is_distributed or self.shared_gradients is not None:
             self.optimizer.step()

@@ -1,8 +1,11 @@
-"""How `DataParallel` averages gradients: DistributedDataParallel, with or without a loom all-reduce hook
-(overlapped with backward or not), or `loom.strategies.shared_gradients` without DDP; and the choice between them.
+"""How `DataParallel` averages gradients, all in this file: the paths, and `choose_gradient_path`, which picks one.
 
-Every input of the choice is the same on all ranks (the configuration, the topology, the model), and the
-shared-memory path is taken only if every rank agrees, so all processes of a job run the same collectives.
+A gradient takes one of five paths (the table is `choose_gradient_path`'s docstring): DistributedDataParallel
+with its own all-reduce, with a compression hook, or with a loom all-reduce hook (synchronous or on a
+communication thread), or `loom.strategies.shared_gradients` without DDP. Every input of the choice is the same
+on all ranks (the configuration, the topology, the model), and the shared-memory path is taken only if every
+rank agrees, so all processes of a job run the same collectives. Observing (metrics, tracing) never changes the
+path. `GradientAveraging` is the same averaging for a data axis outside DDP (model-parallel jobs).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,12 +37,85 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GradientAveraging",
+    "GradientPath",
+    "choose_gradient_path",
     "buffer_sync_option",
     "gradient_hook",
     "has_spare_core",
     "overlap_wanted",
     "shared_gradients_for",
 ]
+
+
+@dataclass(frozen=True)
+class GradientPath:
+    """The way `DataParallel`'s gradients go, and why (logged by rank 0 at setup)."""
+
+    name: str
+    reason: str
+    hook: Callable | None = None
+    """DDP's communication hook (None: DDP's built-in all-reduce, or no DDP)."""
+    shared: SharedGradients | None = None
+    """Set for the shared-memory path: the model is not wrapped in DDP."""
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.reason}"
+
+
+def choose_gradient_path(config: DataParallelConfig, topo: Topology, model: nn.Module) -> GradientPath:
+    """The gradient path of a distributed `DataParallel` job: the first row whose condition holds.
+
+    ========================================================  ===============================  ====================
+    condition                                                 path                             why
+    ========================================================  ===============================  ====================
+    ``compression`` set                                       DDP + compression hook           the codec's rounds
+                                                                                               overlap backward
+    ``allreduce="native"``, or ``"auto"`` on GPUs             DDP's built-in all-reduce        C++ buckets overlap
+                                                                                               backward; NCCL
+    CPU, one host, ``auto``/``shm``/``hierarchical``, no      shared-memory gradients, no DDP  no bucket copies, two
+    core to spare (or ``overlap=False``), no buffers to                                        barriers: the fastest
+    broadcast, one dtype, every rank agreeing                                                  on a full host
+    a core to spare for a communication thread (or            DDP + loom all-reduce on a       overlaps backward
+    ``overlap=True``)                                         communication thread
+    otherwise (``ring``/``driver``; models the shared path    DDP + loom all-reduce inside     loom's algorithm,
+    cannot take)                                              the hook (synchronous)           no thread competing
+    ========================================================  ===============================  ====================
+
+    Each loom path pays for itself against DDP's own all-reduce where it is chosen: see
+    ``benchmarks/reports/dp_allreduce.md`` (measured on a 2-core host, 2 processes) for the figures. A collective
+    (the agreement on the shared path) runs only when the rows above it do not hold, on every rank alike.
+    """
+    if config.compression is not None:
+        return GradientPath("DDP + compression hook", f"compression={config.compression!r}",
+                            hook=gradient_hook(config, topo))  # fmt: skip
+    if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
+        where = "allreduce='native'" if config.allreduce == "native" else "allreduce='auto' on GPUs"
+        return GradientPath("DDP's built-in all-reduce", where)
+    shared = shared_gradients_for(config, topo, model)
+    if shared is not None:
+        return GradientPath(
+            "shared-memory gradients (no DDP)",
+            f"allreduce={config.allreduce!r}, one CPU host, no core to spare for overlap, every rank agreed",
+            shared=shared,
+        )
+    if overlap_wanted(config, topo):
+        why = "overlap=True" if config.overlap else "a core to spare for a communication thread"
+        return GradientPath(f"DDP + loom {config.allreduce!r} all-reduce, overlapped", why,
+                            hook=gradient_hook(config, topo))  # fmt: skip
+    return GradientPath(
+        f"DDP + loom {config.allreduce!r} all-reduce, synchronous",
+        _why_not_shared(config, topo, model),
+        hook=gradient_hook(config, topo),
+    )
+
+
+def _why_not_shared(config: DataParallelConfig, topo: Topology, model: nn.Module) -> str:
+    if config.allreduce not in ("auto", "shm", "hierarchical"):
+        return f"allreduce={config.allreduce!r} runs over sockets"
+    if topo.device.type != "cpu" or topo.world_size != topo.local_world_size:
+        return "the processes span hosts or devices, so gradients cannot meet in one shared segment"
+    unusable = shared_gradients_unusable(model, config.broadcast_buffers)
+    return unusable or "shared memory was refused on some rank (see its warning)"
 
 
 def shared_gradients_for(
