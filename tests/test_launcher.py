@@ -197,7 +197,7 @@ def test_signals_to_the_launcher_leave_no_worker_behind(tmp_path, how, on_failur
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["run", "-n", "2", "no_such_script.py"], "script 'no_such_script.py' does not exist"),
+        (["run", "-n", "2", "no_such_script.py"], "loom run: script 'no_such_script.py' does not exist"),
         (["run", "-n", "0", "x.py"], "expected a positive integer, got 0"),
         (["run", "-n", "two", "x.py"], "expected a positive integer, got 'two'"),
         (["run", "--bogus", "x.py"], "unrecognized arguments: --bogus"),
@@ -217,6 +217,7 @@ def test_bad_command_lines_get_a_clear_error(tmp_path, args, message):
 
 @pytest.mark.timeout(90)
 def test_two_nodes_on_loopback_form_one_job(tmp_path):
+    env = dict(os.environ, LOOM_JOB_SECRET=os.urandom(32).hex())  # the same on both nodes
     script = write_script(
         tmp_path,
         "two_node_job.py",
@@ -253,6 +254,7 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path):
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            env=env,
         )
         for node in range(2)
     ]
@@ -278,6 +280,7 @@ def _can_make_namespaces() -> bool:
 @pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and iproute2 for network namespaces")
 def test_two_hosts_in_network_namespaces(tmp_path):
     """Two "hosts" joined by a veth pair: each runs `loom run` with the multi-node flags, nothing on loopback."""
+    env = dict(os.environ, LOOM_JOB_SECRET=os.urandom(32).hex())
     tag = f"{os.getpid() % 100000}"
     hosts = [f"loomh{tag}a", f"loomh{tag}b"]
     links = [f"lv{tag}a", f"lv{tag}b"]
@@ -333,6 +336,7 @@ def test_two_hosts_in_network_namespaces(tmp_path):
                 stderr=subprocess.STDOUT,
                 text=True,
                 start_new_session=True,
+                env=env,
             )
             for node, host in enumerate(hosts)
         ]

@@ -1,7 +1,10 @@
 """Where this process stands in the job: rank, world size, local rank, backend.
 
 `init()` reads the environment a launcher leaves (`loom run` and `torchrun` both set RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT), joins the default process group and returns a `Topology`. Outside any
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT), joins the default process group and returns a `Topology`. Under
+`loom run` (``LOOM_STORE_PREFIX`` set) the process group meets in loom's authenticated store at
+MASTER_ADDR:MASTER_PORT (`loom.launch.store`: proves ``LOOM_JOB_SECRET``, bounded calls); under ``torchrun`` it
+uses ``env://`` as torch does. Outside any
 launcher the job is one process and no process group is created, so `python train.py` runs unchanged.
 
 The topology is an ordinary object handed to strategies explicitly. `current()` returns the one `init()` made,
@@ -97,17 +100,35 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Topology:
     if chosen == "nccl":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=chosen,
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "LOOM_STORE_PREFIX" in os.environ:
+            store = _job_store(rank, timeout_s)
+            dist.init_process_group(
+                backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        else:
+            dist.init_process_group(
+                backend=chosen, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+            )
     _watch_uncaught_exceptions()
     _current = Topology(rank, world_size, local_rank, local_world_size, chosen)
     atexit.register(shutdown)
     return _current
+
+
+def _job_store(rank: int, timeout_s: float):
+    """A client of the store `loom run` hosts (every call bounded by ``timeout_s``)."""
+    from loom.launch.store import (
+        LoomStore,
+        job_secret,
+    )  # the launcher's store; imported only under `loom run`
+
+    addr, port = os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT", 0)
+    bound = min(60.0, timeout_s)
+    return LoomStore(
+        addr, port, job_secret(), prefix=os.environ["LOOM_STORE_PREFIX"],
+        timeout=datetime.timedelta(seconds=timeout_s), connect_timeout_s=bound, io_timeout_s=bound,
+    )  # fmt: skip
 
 
 def current() -> Topology:

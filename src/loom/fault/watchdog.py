@@ -4,8 +4,10 @@ The idea is the one behind NCCL's flight recorder and torchft's timeouts: a coll
 every rank has entered it, so each rank counts the collectives it issues (one sequence number for all of
 them, in issue order, which is the same on every rank of a correct program) and remembers its last completed
 ``(op, seq)`` and the one it is in now. A background thread publishes that record to a side channel that does
-not depend on the stuck collective -- a client of the job's c10d TCP store (``MASTER_ADDR:MASTER_PORT``),
-under ``loom/watchdog/rank<r>`` -- and checks the clock. When this rank has waited in one collective longer than
+not depend on the stuck collective -- a client of the job's store (``MASTER_ADDR:MASTER_PORT``: loom's
+authenticated store under `loom run`, a ``TCPStore`` under ``torchrun``), under ``loom/watchdog/rank<r>`` -- and
+checks the clock. Every store call is bounded (`STORE_CALL_S`) and a store that fails is left alone for
+`STORE_BACKOFF_S`, so a partitioned node (the store's host unreachable) still detects its hang on time. When this rank has waited in one collective longer than
 the timeout, the thread reads every rank's record, prints a report naming
 
 - the operation and sequence number this rank waits at,
@@ -53,6 +55,10 @@ __all__ = ["DEFAULT_TIMEOUT_S", "HangError", "Watchdog", "active", "collective",
 
 DEFAULT_TIMEOUT_S = 180.0
 """Below the process group's own 300 s timeout, so loom's report comes before gloo's bare error."""
+STORE_CALL_S = 3.0
+"""Longest one store call of the watchdog may take (connecting included)."""
+STORE_BACKOFF_S = 5.0
+"""After a failed store call, the watchdog does not touch the store for this long."""
 # Keys per restart attempt: a store shared across attempts (torchrun's) still holds the previous attempt's.
 _PREFIX = "loom/watchdog/attempt{}/"
 
@@ -93,6 +99,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._published: Any = None
         self._prefix = _PREFIX.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._store_failed_at = -float("inf")
 
     @classmethod
     def start(cls, topology: Topology, timeout_s: float | None = None) -> Watchdog:
@@ -108,7 +115,8 @@ class Watchdog:
         store = _side_channel() if topology.is_distributed else None
         wd = cls(topology.rank, topology.world_size, timeout, store)
         if store is not None:
-            wd._publish()
+            with contextlib.suppress(Exception):  # bounded; the thread retries
+                wd._publish()
             wd._thread = threading.Thread(target=wd._watch, name=f"loom-watchdog-{wd.rank}", daemon=True)
             wd._thread.start()
             # Registered after `loom.init`'s shutdown, so it runs before it: the thread and the store client
@@ -163,8 +171,14 @@ class Watchdog:
             current = self.current
             if current is not None and time.monotonic() - current[2] > self.timeout_s:
                 self._report_and_exit(current)
-            with contextlib.suppress(Exception):  # the store's host (rank 0) may be gone; keep timing anyway
-                self._publish()
+            if self._store_usable():
+                try:
+                    self._publish()
+                except Exception:  # noqa: BLE001 - the store's host may be gone or cut off; keep timing anyway
+                    self._store_failed_at = time.monotonic()
+
+    def _store_usable(self) -> bool:
+        return self.store is not None and time.monotonic() - self._store_failed_at > STORE_BACKOFF_S
 
     def _read_records(self) -> dict[int, dict | None]:
         """Every rank's published record (None where it could not be read)."""
@@ -174,9 +188,12 @@ class Watchdog:
                 key = f"{self._prefix}rank{r}"
                 if r == self.rank:
                     records[r] = self.record()
+                elif not self._store_usable():
+                    records[r] = None
                 else:  # check first: get() waits for a key that does not exist yet
                     records[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
             except Exception:  # noqa: BLE001 - report what can be read
+                self._store_failed_at = time.monotonic()
                 records[r] = None
         return records
 
@@ -184,8 +201,11 @@ class Watchdog:
         """The first rank to time out prints the full report; the others one line (the same facts)."""
         op, seq, waited = current[0], current[1], time.monotonic() - current[2]
         try:
+            if not self._store_usable():
+                raise ConnectionError("the store failed a moment ago")
             first = self.store.add(f"{self._prefix}reported", 1) == 1
-        except Exception:  # noqa: BLE001 - rank 0 hosts the store: it has reported and exited, or died
+        except Exception:  # noqa: BLE001 - the store's host has reported and exited, died, or is cut off
+            self._store_failed_at = time.monotonic()
             first = None
         if first:
             text = hang_report(self.rank, op, seq, waited, self._read_records())
@@ -209,13 +229,22 @@ def _side_channel() -> Any:
     """A client of the job's TCP store of its own (not shared with the main thread, which may be blocked in
     it), else the process group's store, else None (the watchdog then only counts, with a warning)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if addr and port.isdigit():
+    if addr and port.isdigit() and "LOOM_STORE_PREFIX" in os.environ:
+        from loom.launch.store import LoomStore, job_secret  # `loom run`'s store (authenticated)
+
+        with contextlib.suppress(Exception):
+            return LoomStore(
+                addr, int(port), job_secret(), prefix=os.environ["LOOM_STORE_PREFIX"],
+                timeout=datetime.timedelta(seconds=STORE_CALL_S), connect_timeout_s=STORE_CALL_S,
+                io_timeout_s=STORE_CALL_S,
+            )  # fmt: skip
+    elif addr and port.isdigit():
         with contextlib.suppress(Exception):
             return dist.TCPStore(
                 addr,
                 int(port),
                 is_master=False,
-                timeout=datetime.timedelta(seconds=10),  # bounds a read of a record never published
+                timeout=datetime.timedelta(seconds=STORE_CALL_S),  # bounds every call
                 wait_for_workers=False,
             )
     with contextlib.suppress(Exception):

@@ -1,13 +1,17 @@
 """Start the worker processes of a job on PyTorch's elastic agent (the engine behind ``torchrun``).
 
-The agent runs the rendezvous, starts ``nproc`` workers on this node, watches them, stops all of them when one
-fails, and restarts the whole group up to ``max_restarts`` times. loom adds:
+The agent starts ``nproc`` workers on this node, watches them, stops all of them when one fails, and restarts the
+whole group up to ``max_restarts`` times. loom adds:
 
-- a fresh rendezvous TCP store per attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): reusing the agent's store
-  across restarts made gloo restarts hang or fail intermittently on this machine;
+- its own rendezvous (`loom.launch.rendezvous`) in its own store (`loom.launch.store`) instead of the agent's
+  ``c10d`` one: every peer proves the job secret before it reads or writes a key, nothing is unpickled, every
+  call is bounded, and each attempt is a fresh round of keys;
 - loopback addresses for one-node jobs, so nothing listens beyond this host unless multi-node flags ask for it;
+  a multi-node job's store listens on the master address only, and needs ``LOOM_JOB_SECRET`` (the same on every
+  node) unless ``insecure_no_secret`` says otherwise;
 - each output line prefixed with its rank, and the workers' logs kept under the run directory;
-- a one-line failure message naming the failing rank and its error, instead of the agent's table.
+- a one-line failure message naming the failing rank and its error, instead of the agent's table, and a line
+  naming a node this one lost contact with.
 
 Workers run `loom.launch.worker`, which runs the user's script and records its exception for the agent.
 
@@ -17,6 +21,7 @@ lets the others finish when one dies (asynchronous parameter-server training); s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -63,6 +68,11 @@ class LaunchSpec:
     on_worker_failure: str = "stop"
     """``stop``: a dead worker stops the group (restarted up to ``max_restarts`` times); ``continue``: the
     others go on (one node, no restarts; for ``ParameterServer(mode="async"|"ssp")``)."""
+    join_timeout_s: float = 120.0
+    """How long a node waits for the master to answer and for every node to join (each attempt)."""
+    insecure_no_secret: bool = False
+    """Let a multi-node job run without ``LOOM_JOB_SECRET`` (a fixed, public key: anyone who can reach the
+    master can join or disturb the job; nothing is unpickled either way)."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes"):
@@ -76,9 +86,9 @@ class LaunchSpec:
         if self.nnodes > 1 and not self.master:
             raise ValueError("a multi-node job needs --master ADDR:PORT (node 0's address and a free port)")
         if self.master is not None:
-            host, _, port = self.master.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--master must be ADDR:PORT, got {self.master!r}")
+            master_host_port(self.master)
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"--join-timeout must be > 0 seconds, got {self.join_timeout_s}")
         if self.servers < 0:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
         if self.servers and self.nnodes > 1:
@@ -93,7 +103,25 @@ class LaunchSpec:
                 f"got --max-restarts {self.max_restarts}, --nnodes {self.nnodes}. HINT: drop one of them"
             )
         if not self.module and not Path(self.target).is_file():
-            raise FileNotFoundError(f"loom run: script {self.target!r} does not exist")
+            raise FileNotFoundError(f"script {self.target!r} does not exist")
+
+
+def master_host_port(master: str) -> tuple[str, int]:
+    """``ADDR:PORT`` checked: a port in 1..65535 and a host that resolves to an IPv4 address (returned)."""
+    host, sep, port = master.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--master must be ADDR:PORT (node 0's address and a free port), got {master!r}")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"--master port must be in 1..65535, got {port} in {master!r}")
+    try:
+        infos = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
+        raise ValueError(
+            f"--master host {host!r} does not resolve to an IPv4 address ({reason}). "
+            "HINT: give node 0's IP address or a name this host can resolve"
+        ) from None
+    return str(infos[0][4][0]), int(port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -110,16 +138,42 @@ def route_address(host: str) -> str:
         return s.getsockname()[0]
 
 
-def _endpoint_and_addr(spec: LaunchSpec) -> tuple[str, str]:
-    """The rendezvous endpoint, and the address this node's workers are reached at by the others.
-
-    Whichever node the rendezvous makes rank 0 hosts the workers' store at its address, so every node needs an
-    address the others can reach: by default, its own address on the route to the master.
-    """
+def _endpoint_and_addr(spec: LaunchSpec) -> tuple[str, int, str]:
+    """The store's host and port (port 0: node 0 of a one-node job lets the OS pick), and the address this
+    node's workers are reached at by the others: by default, its own address on the route to the master."""
     if spec.master is None:
-        return f"127.0.0.1:{free_port()}", spec.local_addr or "127.0.0.1"
-    master_host = spec.master.rpartition(":")[0]
-    return spec.master, spec.local_addr or route_address(master_host)
+        return "127.0.0.1", 0, spec.local_addr or "127.0.0.1"
+    host, port = master_host_port(spec.master)
+    try:
+        return host, port, spec.local_addr or route_address(host)
+    except OSError as error:
+        raise ValueError(
+            f"no route from this host to the master {spec.master}: {error.strerror or error}"
+        ) from None
+
+
+def _secret(spec: LaunchSpec) -> bytes:
+    """The job secret, put in ``LOOM_JOB_SECRET`` for the workers: the user's (multi-node: required, the same on
+    every node), else a fresh one (one node), else a public one (``insecure_no_secret``)."""
+    from loom.launch.store import job_secret
+
+    if os.environ.get("LOOM_JOB_SECRET"):
+        return job_secret()
+    if spec.nnodes > 1:
+        if not spec.insecure_no_secret:
+            raise ValueError(
+                "a multi-node job needs LOOM_JOB_SECRET, the same on every node: it authenticates every "
+                "connection to the job's store. HINT: export LOOM_JOB_SECRET=$(openssl rand -hex 32) and pass "
+                "it to every node, or --insecure-no-secret on a network you trust"
+            )
+        print("loom run: warning: --insecure-no-secret: anyone who can reach the master can join this job",
+              file=sys.stderr)  # fmt: skip
+        os.environ["LOOM_JOB_SECRET"] = hashlib.sha256(
+            b"loom insecure " + str(spec.master).encode()
+        ).hexdigest()
+    else:
+        os.environ["LOOM_JOB_SECRET"] = secrets.token_hex(32)
+    return job_secret()
 
 
 def interface_of(address: str) -> str | None:
@@ -154,15 +208,11 @@ def _worker_env(spec: LaunchSpec, local_addr: str) -> None:
 
     gloo binds to the interface named by GLOO_SOCKET_IFNAME; unless the user chose one, it is the interface
     that holds this node's address (loopback for one-node jobs), so nothing listens on other networks."""
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N workers sharing the cores; as torchrun does
     os.environ["LOOM_RUN_DIR"] = str(spec.run_dir.resolve())
     os.environ["PYTHONUNBUFFERED"] = "1"
     if spec.trace_steps:
         os.environ["LOOM_TRACE_STEPS"] = spec.trace_steps
-    # The job secret authenticates loom's own sockets (parameter servers, ...); every node must share it, so a
-    # multi-node job takes it from the environment the user gives all nodes.
-    os.environ.setdefault("LOOM_JOB_SECRET", secrets.token_hex(32))
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         interface = interface_of(local_addr) if sys.platform.startswith("linux") else None
         if interface is not None:
@@ -211,20 +261,47 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
+    from loom.fault.watchdog import hang_timeout_s
+    from loom.launch.rendezvous import LoomRendezvous, PeerLost, register
     from loom.launch.servers import server_processes
+    from loom.launch.store import StoreTimeout, StoreUnreachable
 
+    try:
+        secret = _secret(spec)
+        host, port, local_addr = _endpoint_and_addr(spec)
+        lost_after_s = hang_timeout_s()
+    except ValueError as error:
+        print(f"loom run: {error}", file=sys.stderr)
+        return 2
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    endpoint, local_addr = _endpoint_and_addr(spec)
     _worker_env(spec, local_addr)
     _quiet_agent_logs()
+    run_id = _run_id(spec)
+    if spec.on_worker_failure == "continue":
+        return _supervised(spec, run_id)
+    try:
+        rendezvous = LoomRendezvous(
+            spec.node_rank,
+            spec.nnodes,
+            host,
+            port,
+            secret,
+            run_id,
+            local_addr,
+            spec.join_timeout_s,
+            lost_after_s,
+        )
+    except OSError as error:
+        print(f"loom run: node 0 cannot listen on the master address {host}:{port}: {error.strerror or error}. "
+              "HINT: run node 0 on the host --master names, with a port nothing else uses", file=sys.stderr)  # fmt: skip
+        return 2
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc,
-        run_id=_run_id(spec),
-        rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        rdzv_configs={"is_host": spec.node_rank == 0, "join_timeout": 300},
+        run_id=run_id,
+        rdzv_backend=register(rendezvous),
+        rdzv_endpoint=rendezvous.master,
         max_restarts=spec.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -233,35 +310,54 @@ def launch(spec: LaunchSpec) -> int:
         local_addr=local_addr,
         shutdown_timeout=spec.shutdown_timeout_s,
     )
-    worker_args = ["-u", "-m", "loom.launch.worker"]
-    worker_args += ["-m", spec.target] if spec.module else [str(Path(spec.target).resolve())]
-    worker_args += list(spec.args)
     try:
         with server_processes(spec.servers, spec.server_bind) as server_addresses:
             if server_addresses:
                 os.environ["LOOM_PS_ADDRS"] = ",".join(server_addresses)
-            if spec.on_worker_failure == "continue":
-                from loom.launch.supervise import supervise_workers
-
-                logs = spec.run_dir / "logs"
-                status = supervise_workers(
-                    spec.nproc, worker_args, config.run_id, logs, spec.shutdown_timeout_s
-                )
-                if status:
-                    print(f"loom run: worker logs are in {logs}", file=sys.stderr)
-                return status
-            launch_agent(config, sys.executable, worker_args)
+            launch_agent(config, sys.executable, _worker_args(spec))
     except ChildFailedError as error:
         print(_describe_failures(error), file=sys.stderr)
+        lost = rendezvous.silent_peers()
+        if lost:
+            print(f"loom run: {lost}", file=sys.stderr)
         print(f"loom run: worker logs are in {spec.run_dir / 'logs'}", file=sys.stderr)
+        return 1
+    except (PeerLost, StoreUnreachable, StoreTimeout) as error:
+        print(f"loom run: {error}", file=sys.stderr)
         return 1
     except SignalException as stop:
         print(f"loom run: stopped by signal {stop.sigval.name}; workers were terminated", file=sys.stderr)
         return 128 + int(stop.sigval)
     finally:
+        rendezvous.shutdown()  # idempotent; the agent calls it too, but not if it failed before starting
         if spec.trace_steps:
             _merge_traces(spec.run_dir)
     return 0
+
+
+def _worker_args(spec: LaunchSpec) -> list[str]:
+    args = ["-u", "-m", "loom.launch.worker"]
+    args += ["-m", spec.target] if spec.module else [str(Path(spec.target).resolve())]
+    return args + list(spec.args)
+
+
+def _supervised(spec: LaunchSpec, run_id: str) -> int:
+    """``--on-worker-failure continue``: `loom.launch.supervise` runs the workers, not the agent."""
+    from loom.launch.servers import server_processes
+    from loom.launch.supervise import supervise_workers
+
+    logs = spec.run_dir / "logs"
+    try:
+        with server_processes(spec.servers, spec.server_bind) as server_addresses:
+            if server_addresses:
+                os.environ["LOOM_PS_ADDRS"] = ",".join(server_addresses)
+            status = supervise_workers(spec.nproc, _worker_args(spec), run_id, logs, spec.shutdown_timeout_s)
+    finally:
+        if spec.trace_steps:
+            _merge_traces(spec.run_dir)
+    if status:
+        print(f"loom run: worker logs are in {logs}", file=sys.stderr)
+    return status
 
 
 def _merge_traces(run_dir: Path) -> None:

@@ -30,6 +30,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
 def _default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
@@ -56,6 +66,18 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this node's rank, 0..nnodes-1")
     p.add_argument("--master", default=None, metavar="ADDR:PORT", help="node 0's rendezvous address")
     p.add_argument("--local-addr", default=None, help="the address other nodes reach this node at")
+    p.add_argument(
+        "--join-timeout",
+        type=_positive_float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long a node waits for the master and for every node to join (default 120)",
+    )
+    p.add_argument(
+        "--insecure-no-secret",
+        action="store_true",
+        help="let a multi-node job run without LOOM_JOB_SECRET (anyone who reaches the master can join it)",
+    )
     p.add_argument("--run-dir", type=Path, default=None, help="logs and metrics (default: runs/<timestamp>)")
     p.add_argument("--servers", type=_non_negative_int, default=0, help="parameter-server processes to start")
     p.add_argument("--server-bind", default="127.0.0.1", help="address the parameter servers listen on")
@@ -90,6 +112,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             servers=ns.servers,
             trace_steps=ns.trace_steps,
             server_bind=ns.server_bind,
+            join_timeout_s=ns.join_timeout,
+            insecure_no_secret=ns.insecure_no_secret,
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"loom run: {error}", file=sys.stderr)

@@ -9,8 +9,9 @@ the job. Here the launcher itself supervises the workers:
 - each worker runs `loom.launch.worker` (which dies with the launcher, PDEATHSIG) with the environment the agent
   would give it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/MASTER_PORT, the TORCHELASTIC_*
   variables, LOOM_RUN_DIR and LOOM_JOB_SECRET;
-- the rendezvous store that ``loom.init()`` joins is hosted by the launcher, not by worker 0
-  (``TORCHELASTIC_USE_AGENT_STORE=True``), so any worker may die, rank 0 included, once every worker has joined;
+- the store that ``loom.init()`` joins is hosted by the launcher, not by worker 0: loom's authenticated
+  `loom.launch.store` on loopback (``LOOM_STORE_PREFIX``), so any worker may die, rank 0 included, once every
+  worker has joined;
 - when a worker dies, one line names its rank and its signal (or exception), and the others go on;
 - when every worker has ended, the servers are stopped.
 
@@ -85,6 +86,7 @@ def _env(rank: int, nproc: int, store_port: int, run_id: str, error_file: Path) 
         TORCHELASTIC_RUN_ID=run_id,
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_ERROR_FILE=str(error_file),
+        LOOM_STORE_PREFIX=f"loom/{run_id}/job/",
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     return env
@@ -180,12 +182,12 @@ def supervise_workers(nproc: int, worker_args: list[str], run_id: str, logs: Pat
     """Start ``nproc`` workers (``python WORKER_ARGS``) on this node and wait for all; see the module docstring.
 
     The caller has prepared the job's environment (`loom.launch.agent`) and started any servers."""
-    from torch.distributed import TCPStore
+    from loom.launch.store import StoreServer, job_secret
 
     logs.mkdir(parents=True, exist_ok=True)
-    # The store outlives every worker: workers connect as clients (TORCHELASTIC_USE_AGENT_STORE), as under the
-    # elastic agent, so the death of worker 0 does not take the rendezvous down with it.
-    store = TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
+    # The store outlives every worker: workers connect as clients, as under the elastic agent, so the death of
+    # worker 0 does not take the rendezvous down with it.
+    store = StoreServer("127.0.0.1", 0, job_secret())
 
     def stop_on(signum: int, _frame) -> None:
         raise _LauncherStopped(signum)
@@ -207,5 +209,5 @@ def supervise_workers(nproc: int, worker_args: list[str], run_id: str, logs: Pat
         for w in workers:
             for reader in w.readers:
                 reader.join(timeout=5.0)
-        del store
+        store.close()
     return _verdict(workers)

@@ -1,0 +1,248 @@
+"""loom's rendezvous for the elastic agent: a fixed set of nodes meeting in loom's authenticated store.
+
+Why not the agent's ``c10d`` rendezvous: it keeps its state as a pickle in a ``TCPStore`` that accepts anyone
+and unpickles it (remote code execution in every launcher, issue 13), and its store calls are unbounded in
+practice (a partitioned node waited 939 s, then died with a raw traceback). Nor ``static``: it is the same
+``TCPStore``. loom's jobs have a fixed size (``--nnodes``, ``--nproc``), so a static rendezvous is enough, held
+in `loom.launch.store` instead: node 0's launcher hosts a `StoreServer` on the master address (loopback for a
+one-node job), every launcher and worker proves the job secret before it reads or writes a key, nothing is
+unpickled, and every call is bounded.
+
+Rounds: each ``next_rendezvous`` (the first start, and each restart of the worker group) is a new round with
+its own key prefix, so a restart never reads the previous attempt's keys; the workers' keys for the round go
+under ``LOOM_STORE_PREFIX``, which `loom.init` reads. A node counts itself into the round and waits for all
+``nnodes`` until ``join_timeout_s``, then names the nodes missing. A node that restarts joins the next round
+first; the others see it waiting (`num_nodes_waiting`) and restart their workers too, as with ``c10d``.
+
+Liveness: from the first round on, every node other than 0 bumps a heartbeat key in node 0's store each
+`BEAT_S`, and node 0 watches those keys. A node that has not heard its peer for ``lost_after_s`` (the hang
+timeout: a partitioned collective is stopped by the workers' watchdog at the same time) is *lost*: the next
+call the agent makes (`num_nodes_waiting`, polled every monitor interval, or `next_rendezvous`) raises
+`PeerLost` naming it, and `loom run` stops its workers and says so in one line. A node whose store connection is
+refused after it joined knows node 0's launcher has ended, and stops at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import threading
+import time
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+
+from loom.launch.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable
+
+__all__ = ["BEAT_S", "LoomRendezvous", "PeerLost", "register"]
+
+BEAT_S = 1.0
+"""Seconds between heartbeats of a node to node 0's store."""
+
+
+class PeerLost(RuntimeError):
+    """This node cannot reach a node of its job (or the job's store), or a node did not join in time."""
+
+
+class LoomRendezvous(RendezvousHandler):
+    """The rendezvous of node ``node_rank`` of ``nnodes`` at ``host:port`` (node 0 hosts the store there).
+
+    Node 0 makes the `StoreServer` in the constructor, so a bad address fails before anything starts."""
+
+    def __init__(
+        self,
+        node_rank: int,
+        nnodes: int,
+        host: str,
+        port: int,
+        secret: bytes,
+        run_id: str,
+        local_addr: str,
+        join_timeout_s: float,
+        lost_after_s: float,
+    ) -> None:
+        self.node_rank, self.nnodes, self.run_id, self.local_addr = node_rank, nnodes, run_id, local_addr
+        self.join_timeout_s, self.lost_after_s = join_timeout_s, lost_after_s
+        self.server = StoreServer(host, port, secret) if node_rank == 0 else None
+        self.host, self.port = host, (self.server.port if self.server else port)
+        self.master = f"{self.host}:{self.port}"
+        timeout = datetime.timedelta(seconds=join_timeout_s)
+        self.store = LoomStore(
+            host, self.port, secret, prefix=f"loom/{run_id}/", timeout=timeout,
+            connect_timeout_s=join_timeout_s, io_timeout_s=min(10.0, lost_after_s), server=self.server,
+        )  # fmt: skip
+        self._beat_store = self.store.with_prefix("")  # a connection of its own, with short timeouts
+        self._beat_store.connect_timeout_s = self._beat_store.io_timeout_s = 2.0
+        self._beats: dict[int, bytes] = {}
+        self._round = 0
+        self._waiting = 0
+        self._lost: str | None = None
+        self._peers: dict[int, str] = {}
+        self._heard: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    # -- the RendezvousHandler interface ---------------------------------------------------------------
+    def get_backend(self) -> str:
+        return "loom"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the workers join the launchers' store (node 0 hosts it): a dead worker 0 takes nothing
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        if self._lost:
+            raise PeerLost(self._lost)
+        return self._waiting
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._lost:
+            raise PeerLost(self._lost)
+        r = self._round
+        self._round, self._waiting = r + 1, 0
+        store = self.store.with_prefix(f"round{r}/")
+        try:
+            store.add("joined", 1)
+            store.set(f"node{self.node_rank}", self.local_addr)
+            self._wait_for_all(store)
+            addrs = store.multi_get([f"node{i}" for i in range(self.nnodes)])
+        except StoreUnreachable as error:
+            raise PeerLost(self._unreachable_text(error)) from None
+        self._peers = {i: a.decode(errors="replace") for i, a in enumerate(addrs)}
+        if self._monitor is None and self.nnodes > 1:
+            now = time.monotonic()
+            self._heard = {i: now for i in range(self.nnodes)}
+            self._monitor = threading.Thread(target=self._watch, name="loom-rdzv-heartbeat", daemon=True)
+            self._monitor.start()
+        # Read by the workers' `loom.init` (the agent copies this environment into each worker it starts).
+        os.environ["LOOM_STORE_PREFIX"] = f"loom/{self.run_id}/round{r}/job/"
+        return RendezvousInfo(store, self.node_rank, self.nnodes, RendezvousStoreInfo(self.host, self.port))
+
+    def shutdown(self) -> bool:
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        if self.server is None:
+            with contextlib.suppress(StoreUnreachable, StoreTimeout):
+                self._beat_store.set(f"alive/left{self.node_rank}", "1")
+        for store in (self.store, self._beat_store):
+            store.close()
+        if self.server is not None:
+            self.server.close()
+        return True
+
+    # -- joining, liveness -----------------------------------------------------------------------------
+    def _wait_for_all(self, store: LoomStore) -> None:
+        keys = [f"node{i}" for i in range(self.nnodes)]
+        start = time.monotonic()
+        told = False
+        while True:
+            if self._lost:
+                raise PeerLost(self._lost)
+            try:
+                store.wait(keys, datetime.timedelta(seconds=1))
+                return
+            except StoreTimeout:
+                pass
+            waited = time.monotonic() - start
+            if waited >= self.join_timeout_s:
+                missing = [i for i, k in enumerate(keys) if not store.check([k])]
+                raise PeerLost(
+                    f"node(s) {missing} did not join the job at {self.master} within {self.join_timeout_s:g} s. "
+                    f"HINT: start `loom run --nnodes {self.nnodes} --node-rank N --master {self.master} ...` on "
+                    "every node, with the same LOOM_JOB_SECRET; raise --join-timeout if they start later"
+                )
+            if waited >= 10 and not told:
+                told = True
+                print(f"loom run: node {self.node_rank} waiting for the other nodes at {self.master} (up to "
+                      f"{self.join_timeout_s:g} s, --join-timeout)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _unreachable_text(self, error: Exception) -> str:
+        return (
+            f"node {self.node_rank} cannot reach node 0 (the master at {self.master}): {error}. HINT: start node 0 "
+            "first with the same --master, check the address and firewall, and give every node the same "
+            "LOOM_JOB_SECRET; --join-timeout sets how long to wait"
+        )
+
+    def _name(self, node: int) -> str:
+        addr = self._peers.get(node, "?")
+        return f"node 0 (the master at {self.master})" if node == 0 else f"node {node} ({addr})"
+
+    def silent_peers(self, min_s: float = 3 * BEAT_S) -> str | None:
+        """Which peers this node has not heard from for ``min_s`` seconds, in words, or None."""
+        if self._lost:
+            return self._lost
+        now = time.monotonic()
+        silent = [(n, now - t) for n, t in self._heard.items() if n != self.node_rank and now - t >= min_s]
+        if not silent:
+            return None
+        return "; ".join(f"no contact with {self._name(n)} for {s:.0f} s" for n, s in silent)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            now = time.monotonic()
+            if self.server is not None:
+                self._watch_nodes(now)
+            else:
+                self._beat(now)
+
+    def _watch_nodes(self, now: float) -> None:
+        """Node 0: note every node whose heartbeat moved; a silent one is lost after ``lost_after_s``."""
+        table = self.server.table.data if self.server else {}  # one dict read at a time: no lock needed
+        prefix = f"loom/{self.run_id}/alive/".encode()
+        for node in range(1, self.nnodes):
+            if table.get(prefix + f"left{node}".encode()) is not None:
+                self._heard[node] = now
+                continue
+            beat = table.get(prefix + f"node{node}".encode())
+            if beat is not None and beat != self._beats.get(node):
+                self._beats[node] = beat
+                self._heard[node] = now
+            elif now - self._heard[node] > self.lost_after_s and not self._lost:
+                self._lost = f"lost {self._name(node)}: no heartbeat for {now - self._heard[node]:.0f} s"
+        joined = table.get(f"loom/{self.run_id}/round{self._round}/joined".encode())
+        self._waiting = int(joined) if joined else 0
+
+    def _beat(self, now: float) -> None:
+        """Another node: bump this node's heartbeat and read how many nodes wait in the next round."""
+        try:
+            self._beat_store.add(f"alive/node{self.node_rank}", 1)
+            self._waiting = self._beat_store.add(f"round{self._round}/joined", 0)
+            self._heard[0] = now
+        except StoreUnreachable as error:
+            silent = now - self._heard[0]
+            if "connection refused" in str(error) and not self._lost:
+                self._lost = f"lost {self._name(0)}: its launcher has ended (connection refused)"
+            elif silent > self.lost_after_s and not self._lost:
+                self._lost = f"lost {self._name(0)}: no answer for {silent:.0f} s"
+
+
+_PENDING: dict[str, LoomRendezvous] = {}
+
+
+def _from_registry(params: RendezvousParameters) -> RendezvousHandler:
+    return _PENDING.pop(params.run_id)
+
+
+def register(handler: LoomRendezvous) -> str:
+    """Make ``handler`` the one the elastic agent gets for backend ``"loom"`` and its run id; returns the name."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register("loom", _from_registry)
+    _PENDING[handler.run_id] = handler
+    return "loom"

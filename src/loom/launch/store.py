@@ -1,0 +1,442 @@
+"""loom's key-value store for a job: authenticated, no pickle, every call bounded in time.
+
+Why not PyTorch's ``TCPStore``: it accepts any client that connects, and the elastic agent's c10d rendezvous
+keeps its state there as a *pickle* under a predictable key, which it unpickles -- whoever reaches the port
+runs code in every launcher (issue 13; the Horovod CVEs were this hole). ``TCPStore`` has no authentication
+option, and a proxy in front of it would leave the store itself listening unauthenticated on loopback, open to
+every local user. So loom hosts its own store: `StoreServer` in node 0's launcher, and `LoomStore`, a
+``torch.distributed.Store`` (so the elastic agent, ``init_process_group(store=...)``, gloo's connection set-up
+and ``new_group`` use it as they would a ``TCPStore``), in every process that needs it.
+
+Authentication: before anything else on a connection both sides prove they hold the job secret
+(``LOOM_JOB_SECRET``): the same challenge-response as `loom.comm.links` -- fresh random nonces from both
+sides, HMAC-SHA256 under a different label per direction -- so a recorded handshake cannot be replayed nor one
+side's proof reflected. Before the proof the server reads exactly one fixed-size hello, gives the connection
+`HANDSHAKE_TIMEOUT_S` in all, and closes it on any mismatch: an unauthenticated peer can neither read nor write
+a key. Values are opaque bytes; nothing is decoded but lengths and decimal integers (``add``).
+
+Wire format after the handshake: a request is ``op`` (1 byte), ``n`` (4 bytes) and ``n`` fields, each a 4-byte
+big-endian length and its bytes; a reply is a status byte (0 ok, 1 timed out, 2 error) and fields the same way.
+
+Bounded: a client gives up connecting after ``connect_timeout_s`` (retrying refused connections until then: the
+server may not be up yet), and waits for any reply at most the operation's own wait plus ``io_timeout_s``; it
+then raises `StoreUnreachable` naming the address, and reconnects on its next call. The server answers a wait
+when its keys appear or its timeout passes, never later.
+
+Limits: IPv4 and IPv6 by address; traffic after the handshake is authenticated by the TCP connection only (like
+gloo's own connections), not message by message; one server thread per connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+__all__ = ["HANDSHAKE_TIMEOUT_S", "LoomStore", "StoreServer", "StoreUnreachable", "job_secret"]
+
+HANDSHAKE_TIMEOUT_S = 5.0
+"""Longest the server spends on one connection before it has proved the secret (a silent peer is dropped)."""
+
+_HELLO = b"LOOMKV01"
+_NONCE = 16
+_MAC = 32
+_MAX_FIELD = 256 << 20
+_MAX_FIELDS = 1 << 20
+_OK, _TIMEOUT, _ERROR = 0, 1, 2
+(_SET, _GET, _ADD, _CHECK, _WAIT, _MULTI_GET, _MULTI_SET, _DELETE, _NUM_KEYS, _COMPARE_SET, _APPEND,
+ _PING) = range(1, 13)  # fmt: skip
+
+
+class StoreUnreachable(RuntimeError):
+    """The store did not answer in time, refused the job secret, or closed the connection."""
+
+
+class StoreTimeout(RuntimeError):
+    """A wait for keys ran past its timeout (the store answered; the keys did not appear)."""
+
+
+def job_secret(text: str | None = None) -> bytes:
+    """The job secret from ``text`` or ``LOOM_JOB_SECRET``: hex, at least 32 digits (64 recommended)."""
+    raw = (os.environ.get("LOOM_JOB_SECRET", "") if text is None else text).strip()
+    try:
+        secret = bytes.fromhex(raw)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        raise ValueError(
+            "LOOM_JOB_SECRET must be at least 32 hex digits (64 recommended), "
+            f"got {len(raw)} characters{'' if secret or not raw else ' that are not hex'}. "
+            "HINT: export LOOM_JOB_SECRET=$(openssl rand -hex 32) on every node, or let `loom run` make one "
+            "for a one-node job"
+        )
+    return secret
+
+
+def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(remaining)
+        chunk = sock.recv(min(n - len(data), 1 << 20))
+        if not chunk:
+            raise ConnectionError("the connection closed")
+        data += chunk
+    return bytes(data)
+
+
+def _pack(head: int, fields: Sequence[bytes]) -> bytes:
+    parts = [struct.pack(">BI", head, len(fields))]
+    for f in fields:
+        parts += [struct.pack(">I", len(f)), f]
+    return b"".join(parts)
+
+
+def _read_message(sock: socket.socket, deadline: float | None) -> tuple[int, list[bytes]]:
+    head, count = struct.unpack(">BI", _recv_exact(sock, 5, deadline))
+    if count > _MAX_FIELDS:
+        raise ConnectionError(f"{count} fields in one message")
+    fields = []
+    for _ in range(count):
+        (size,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+        if size > _MAX_FIELD:
+            raise ConnectionError(f"a field of {size} bytes")
+        fields.append(_recv_exact(sock, size, deadline))
+    return head, fields
+
+
+class _Table:
+    """The keys and values, and the condition that wakes waiters when a key appears."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.changed = threading.Condition()
+
+    def wait(self, keys: Sequence[bytes], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while not all(k in self.data for k in keys):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self.changed.wait(min(remaining, 1.0))
+            return True
+
+    def apply(self, op: int, f: list[bytes]) -> tuple[int, list[bytes]]:
+        """Run one request; waits happen outside the lock except inside `wait`."""
+        if op in (_GET, _WAIT, _MULTI_GET):
+            timeout_s = int(f[0]) / 1000.0
+            keys = f[1:]
+            if not self.wait(keys, timeout_s):
+                missing = [k for k in keys if k not in self.data]
+                return _TIMEOUT, missing[:1]
+            with self.changed:
+                return _OK, [] if op == _WAIT else [self.data[k] for k in keys]
+        with self.changed:
+            if op == _SET:
+                self.data[f[0]] = f[1]
+            elif op == _MULTI_SET:
+                self.data.update(zip(f[0::2], f[1::2], strict=True))
+            elif op == _ADD:
+                value = int(self.data.get(f[0], b"0")) + int(f[1])
+                self.data[f[0]] = str(value).encode()
+                self.changed.notify_all()
+                return _OK, [self.data[f[0]]]
+            elif op == _APPEND:
+                self.data[f[0]] = self.data.get(f[0], b"") + f[1]
+            elif op == _COMPARE_SET:
+                key, expected, desired = f
+                current = self.data.get(key)
+                if (current is None and expected == b"") or current == expected:
+                    self.data[key] = desired
+                    self.changed.notify_all()
+                    return _OK, [desired]
+                return _OK, [expected if current is None else current]
+            elif op == _CHECK:
+                return _OK, [b"1" if all(k in self.data for k in f) else b"0"]
+            elif op == _DELETE:
+                return _OK, [b"1" if self.data.pop(f[0], None) is not None else b"0"]
+            elif op == _NUM_KEYS:
+                return _OK, [str(len(self.data)).encode()]
+            elif op != _PING:
+                return _ERROR, [f"unknown operation {op}".encode()]
+            self.changed.notify_all()
+            return _OK, []
+
+
+class StoreServer:
+    """The job's store, served on ``host:port`` (port 0: the OS picks one) to clients proving ``secret``."""
+
+    def __init__(self, host: str, port: int, secret: bytes) -> None:
+        self.secret = secret
+        self.table = _Table()
+        self.rejected = 0
+        """Connections closed because they did not prove the secret (or spoke something else)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=64)
+        self.host, self.port = host, self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, name="loom-store-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop listening and drop every connection (idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._lock:
+            conns = list(self._connections)
+        for sock in (self._listener, *conns):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                time.sleep(0.05)  # e.g. EMFILE: do not spin
+                continue
+            threading.Thread(target=self._serve, args=(sock,), name="loom-store-conn", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket) -> bool:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        try:
+            hello = _recv_exact(sock, len(_HELLO) + _NONCE, deadline)
+            if hello[: len(_HELLO)] != _HELLO:
+                return False
+            theirs, mine = hello[len(_HELLO) :], os.urandom(_NONCE)
+            sock.sendall(mine + _mac(self.secret, b"loom store accept", theirs, mine))
+            proof = _recv_exact(sock, _MAC, deadline)
+            if not hmac.compare_digest(proof, _mac(self.secret, b"loom store connect", mine, theirs)):
+                return False
+            sock.sendall(b"\1")
+            sock.settimeout(None)
+            return True
+        except OSError:
+            return False
+
+    def _serve(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._connections.add(sock)
+        try:
+            if not self._handshake(sock):
+                self.rejected += 1
+                return
+            while not self._closed.is_set():
+                op, fields = _read_message(sock, None)
+                try:
+                    status, reply = self.table.apply(op, fields)
+                except (ValueError, IndexError) as error:
+                    status, reply = _ERROR, [f"bad request: {error}".encode()]
+                sock.sendall(_pack(status, reply))
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._connections.discard(sock)
+            sock.close()
+
+
+class LoomStore(dist.Store):
+    """A ``torch.distributed.Store`` backed by a `StoreServer`: over an authenticated connection to
+    ``host:port``, or in this process when given ``server=`` (node 0's launcher).
+
+    ``prefix`` is prepended to every key (one store, many rounds: each rendezvous round and each restart
+    attempt of a job uses its own prefix). ``timeout`` is the default wait for ``get``/``wait``; see the module
+    docstring for ``connect_timeout_s`` and ``io_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        host: str = "",
+        port: int = 0,
+        secret: bytes = b"",
+        *,
+        prefix: str = "",
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        connect_timeout_s: float = 30.0,
+        io_timeout_s: float = 30.0,
+        server: StoreServer | None = None,
+    ) -> None:
+        super().__init__()
+        self.set_timeout(timeout)
+        self.host, self.port, self.secret, self.prefix = host, port, secret, prefix
+        self.connect_timeout_s, self.io_timeout_s = connect_timeout_s, io_timeout_s
+        self._server = server
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return self._server.address if self._server else f"{self.host}:{self.port}"
+
+    def with_prefix(self, prefix: str) -> LoomStore:
+        """A store on the same server whose keys all start with ``prefix`` (a connection of its own)."""
+        return LoomStore(
+            self.host, self.port, self.secret, prefix=self.prefix + prefix, timeout=self.timeout,
+            connect_timeout_s=self.connect_timeout_s, io_timeout_s=self.io_timeout_s, server=self._server,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    # -- transport ---------------------------------------------------------------------------------------
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + self.connect_timeout_s
+        where = f"the loom store at {self.address}"
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=max(0.1, min(remaining, 5.0)))
+                break
+            except OSError as error:
+                retry = isinstance(error, (ConnectionRefusedError, TimeoutError)) or error.errno in (
+                    errno.ECONNREFUSED, errno.ETIMEDOUT, errno.ECONNRESET, errno.EAGAIN,
+                )  # fmt: skip
+                if not retry or time.monotonic() + 0.2 >= deadline:
+                    why = "connection refused" if isinstance(error, ConnectionRefusedError) else str(error)
+                    raise StoreUnreachable(
+                        f"cannot connect to {where} within {self.connect_timeout_s:g} s: {why}"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            deadline = time.monotonic() + max(HANDSHAKE_TIMEOUT_S, self.io_timeout_s)
+            mine = os.urandom(_NONCE)
+            sock.sendall(_HELLO + mine)
+            reply = _recv_exact(sock, _NONCE + _MAC, deadline)
+            theirs = reply[:_NONCE]
+            if not hmac.compare_digest(reply[_NONCE:], _mac(self.secret, b"loom store accept", mine, theirs)):
+                raise StoreUnreachable(f"{where} does not hold this job's secret (LOOM_JOB_SECRET differs)")
+            sock.sendall(_mac(self.secret, b"loom store connect", theirs, mine))
+            _recv_exact(sock, 1, deadline)
+        except StoreUnreachable:
+            sock.close()
+            raise
+        except OSError as error:
+            sock.close()
+            raise StoreUnreachable(
+                f"{where} refused this process's job secret or closed the connection ({error}). "
+                "HINT: every node needs the same LOOM_JOB_SECRET"
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _call(self, op: int, fields: list[bytes], wait_s: float = 0.0) -> list[bytes]:
+        if self._server is not None:
+            status, reply = self._server.table.apply(op, fields)
+        else:
+            with self._lock:
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect()
+                    self._sock.sendall(_pack(op, fields))
+                    status, reply = _read_message(self._sock, time.monotonic() + wait_s + self.io_timeout_s)
+                except OSError as error:
+                    if self._sock is not None:
+                        self._sock.close()
+                        self._sock = None
+                    why = (
+                        "no answer" if isinstance(error, TimeoutError) else str(error) or type(error).__name__
+                    )
+                    raise StoreUnreachable(
+                        f"the loom store at {self.address} failed: {why} "
+                        f"(waited up to {wait_s + self.io_timeout_s:g} s)"
+                    ) from None
+        if status == _TIMEOUT:
+            missing = reply[0].decode(errors="replace") if reply else "?"
+            raise StoreTimeout(f"timed out after {wait_s:g} s waiting for key {missing!r} in {self.address}")
+        if status != _OK:
+            raise RuntimeError(
+                f"the loom store at {self.address}: {b''.join(reply).decode(errors='replace')}"
+            )
+        return reply
+
+    def _key(self, key: str | bytes) -> bytes:
+        return (self.prefix + (key.decode() if isinstance(key, bytes) else key)).encode()
+
+    def _wait_s(self, timeout: datetime.timedelta | None) -> float:
+        return (timeout if timeout is not None else self.timeout).total_seconds()
+
+    # -- the c10d Store interface ------------------------------------------------------------------------
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self._timeout
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout
+        super().set_timeout(timeout)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call(_SET, [self._key(key), value.encode() if isinstance(value, str) else bytes(value)])
+
+    def get(self, key: str) -> bytes:
+        wait_s = self._wait_s(None)
+        return self._call(_GET, [str(int(wait_s * 1000)).encode(), self._key(key)], wait_s)[0]
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._call(_ADD, [self._key(key), str(int(value)).encode()])[0])
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(_CHECK, [self._key(k) for k in keys])[0] == b"1"
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        wait_s = self._wait_s(timeout)
+        self._call(_WAIT, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        wait_s = self._wait_s(None)
+        return self._call(
+            _MULTI_GET, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s
+        )
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        fields: list[bytes] = []
+        for k, v in zip(keys, values, strict=True):
+            fields += [self._key(k), v.encode() if isinstance(v, str) else bytes(v)]
+        self._call(_MULTI_SET, fields)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        enc = [x.encode() if isinstance(x, str) else bytes(x) for x in (expected, desired)]
+        return self._call(_COMPARE_SET, [self._key(key), *enc])[0]
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._call(_APPEND, [self._key(key), value.encode() if isinstance(value, str) else bytes(value)])
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(_DELETE, [self._key(key)])[0] == b"1"
+
+    def num_keys(self) -> int:
+        return int(self._call(_NUM_KEYS, [])[0])
+
+    def ping(self) -> None:
+        """One round trip (raises `StoreUnreachable` if the server does not answer within ``io_timeout_s``)."""
+        self._call(_PING, [])
