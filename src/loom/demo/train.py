@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -22,6 +21,13 @@ from loom.observe.progress import ProgressBar
 
 def digits_datasets(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """Train/test split of the 1,797 digits, images scaled to [0, 1], fixed by ``seed``."""
+    try:  # scikit-learn is an optional extra: it only supplies the demo's bundled data
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise ImportError(
+            f"the demo trains on scikit-learn's bundled digits, and scikit-learn is not installed ({error}). "
+            "HINT: pip install 'loom[demo]'"
+        ) from error
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(digits.target, dtype=torch.int64)
@@ -74,8 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = digits_cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     job = loom.DataParallel().setup(model, optimizer, nn.functional.cross_entropy)
-    train_loader = loom.data.loader(train_set, args.global_batch, seed=0)
-    test_loader = loom.data.loader(test_set, 512, shuffle=False)
+    train_loader = job.loader(train_set, args.global_batch, seed=0)
+    test_loader = job.loader(test_set, 512, shuffle=False)
 
     if topo.is_main:
         print(

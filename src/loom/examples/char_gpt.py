@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     strategy = Hybrid(dp=args.dp, pp=args.pp, tp=args.tp, microbatches=args.microbatches)
     job = strategy.setup(model, optimizer, lm_loss)
-    loader = loom.data.loader(char_dataset(), args.batch, seed=0, topology=job.data_topology)
+    loader = job.loader(char_dataset(), args.batch, seed=0)  # sharded over the data axis only
     step = 0
     while step < args.steps:
         for batch in loader:

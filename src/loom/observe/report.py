@@ -25,8 +25,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loom.observe.report_figures import FIGURES, draw_figures
 from loom.observe.trace import merge_traces
+
+FIGURE_TITLES = {
+    "loss": "Loss per step",
+    "throughput": "Throughput over time",
+    "heatmap": "Step time per rank (stragglers)",
+    "phases": "Where the time goes, per rank",
+    "bytes": "Bytes moved per step",
+}
+"""Figure id -> title (drawn by `loom.observe.report_figures`); the HTML shows them in this order."""
 
 __all__ = ["load_records", "run_report", "summarize"]
 
@@ -92,7 +100,7 @@ def summarize(
 
 def _png_tag(name: str, path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    title = html.escape(FIGURES[name])
+    title = html.escape(FIGURE_TITLES[name])
     return (f'<figure><img class="chart" id="chart-{name}" alt="{title}" '
             f'src="data:image/png;base64,{data}"></figure>')  # fmt: skip
 
@@ -206,6 +214,13 @@ def write_report(run_dir: str | Path) -> Path:
     baseline = load_records(run_dir / "baseline") or None
     summary = summarize(runs, baseline)
     out = run_dir / "report"
+    try:  # matplotlib is an optional extra: the library trains without it
+        from loom.observe.report_figures import draw_figures
+    except ImportError as error:
+        raise ImportError(
+            f"loom report draws its figures with matplotlib, which is not installed ({error}). "
+            "HINT: pip install 'loom[plot]'"
+        ) from error
     pngs = draw_figures(runs, out)
     merge_traces(run_dir)
     page = _PAGE.format(
@@ -227,5 +242,5 @@ def run_report(run_dir: Path) -> int:
     except FileNotFoundError as error:
         print(f"loom report: {error}", file=sys.stderr)
         return 2
-    print(f"loom report: wrote {path} and {len(FIGURES)} figures in {path.parent}")
+    print(f"loom report: wrote {path} and {len(FIGURE_TITLES)} figures in {path.parent}")
     return 0

@@ -12,14 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 __all__ = ["FIGURES", "draw_figures"]
 
-FIGURES = {
-    "loss": "Loss per step",
-    "throughput": "Throughput over time",
-    "heatmap": "Step time per rank (stragglers)",
-    "phases": "Where the time goes, per rank",
-    "bytes": "Bytes moved per step",
-}
-"""Figure id -> title; the HTML shows them in this order."""
+from loom.observe.report import FIGURE_TITLES as FIGURES  # noqa: E402
 
 _PHASE_COLORS = {"data": "#4c78a8", "compute": "#59a14f", "comm": "#e15759", "optimizer": "#f28e2b"}
 

@@ -1,0 +1,64 @@
+"""Importing loom has no side effects, needs neither plotting nor the demo's data set, and loads no benchmark."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.timeout(90)
+def test_importing_loom_changes_no_global_state_and_loads_no_benchmark():
+    result = run_python(
+        """
+        import sys, signal
+        hook, handlers = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        import loom, loom.fit, loom.observe.report, loom.examples.char_gpt
+        assert sys.excepthook is hook, sys.excepthook
+        assert {s: signal.getsignal(s) for s in handlers} == handlers
+        benchmarks = sorted(m for m in sys.modules if m.startswith("loom.bench"))
+        assert not benchmarks, benchmarks
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.timeout(90)
+def test_loom_trains_without_the_optional_extras_and_names_them_where_needed(tmp_path):
+    result = run_python(
+        f"""
+        import sys
+        sys.modules["matplotlib"] = None  # as if not installed: importing it raises ImportError
+        sys.modules["sklearn"] = None
+        import torch, loom
+        from torch import nn
+        model = nn.Linear(4, 2)
+        records = "{tmp_path}/metrics/rank0.jsonl"  # what `loom report` reads
+        strategy = loom.DataParallel(metrics_path=records)
+        job = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss)
+        data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
+        assert loom.fit(job, job.loader(data, 4), steps=2, progress=False).steps == 2
+        job.metrics.close()
+        for call, extra in [
+            ("__import__('loom.demo.train', fromlist=['x']).digits_datasets()", "loom[demo]"),
+            ("__import__('loom.observe.report', fromlist=['x']).write_report({str(tmp_path)!r})", "loom[plot]"),
+        ]:
+            try:
+                eval(call)
+            except ImportError as error:
+                assert extra in str(error), error
+            else:
+                raise AssertionError(call)
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
