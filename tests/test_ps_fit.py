@@ -79,9 +79,9 @@ def test_resume_into_new_workers_and_servers_equals_straight(tmp_path, workers, 
     ])  # fmt: skip
     resumed, straight = by_run(second, "resumed"), by_run(first, "straight")
     assert [(r["resumed_from"], r["steps_run"]) for r in resumed] == [(STEPS // 2, STEPS // 2)] * workers
+    assert_same_run(resumed, straight, workers)
     assert any(f"model 'resumed': restored at version {STEPS // 2}, clocks {[STEPS // 2] * workers} (was version 0)"
                in line for line in resumed[0]["log"]), resumed[0]["log"]  # fmt: skip
-    assert_same_run(resumed, straight, workers)
     assert resumed[0]["params"] != by_run(first, "resumed")[0]["params"]  # it did train on
 
     plain = by_run(first, "plain")
@@ -111,6 +111,6 @@ def test_sigkilled_worker_resumes_from_the_fit_checkpoint_into_servers_that_went
     assert not [r for r in found if r["attempt"] == 0], "the first attempt should not have finished"
     killed = by_run(found, "killed", attempt=1)
     assert [(r["resumed_from"], r["steps_run"]) for r in killed] == [(6, STEPS - 6)] * 2
+    assert_same_run(killed, by_run(found, "straight", attempt=1), 2)
     assert any("model 'killed': restored at version 6, clocks [6, 6] (was version 7)" in line
                for line in killed[0]["log"]), killed[0]["log"]  # fmt: skip
-    assert_same_run(killed, by_run(found, "straight", attempt=1), 2)
