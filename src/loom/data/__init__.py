@@ -1,6 +1,17 @@
 """Exact global-batch data sharding: `loader()` and the `GlobalBatchSampler` behind it."""
 
-from loom.data.loader import ShardBatch, ShardedLoader, loader
+from loom.data.loader import CollateFn, ShardBatch, ShardDict, ShardedLoader, loader
+from loom.data.same_data import check_same_data
 from loom.data.sampler import GlobalBatch, GlobalBatchSampler, share_bounds
 
-__all__ = ["GlobalBatch", "GlobalBatchSampler", "ShardBatch", "ShardedLoader", "loader", "share_bounds"]
+__all__ = [
+    "CollateFn",
+    "GlobalBatch",
+    "GlobalBatchSampler",
+    "ShardBatch",
+    "ShardDict",
+    "ShardedLoader",
+    "check_same_data",
+    "loader",
+    "share_bounds",
+]

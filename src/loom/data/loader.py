@@ -1,31 +1,56 @@
-"""`loader()`: this process's share of every global batch, as ready-to-use tensors.
+"""`loader()`: this process's share of every global batch, collated as PyTorch's `DataLoader` does.
 
-Each yielded batch is a `ShardBatch`, a tuple ``(inputs, targets)`` that also knows the size of the whole global
-batch, the replica it was cut for (``shard_index`` of ``shard_count``) and a fingerprint of its samples' dataset
-indices. Strategies read the size to weight gradients by sample count without an extra collective, the layout
-to refuse a batch cut for another data axis (`loom.job.check_batch_layout`), and the fingerprint to check that
-the ranks of one model replica hold the same samples. A plain tuple works too (the strategy then counts samples
-with an all-reduce and fingerprints the tensors themselves).
+Samples are collated by ``collate_fn`` (default: `torch.utils.data.default_collate`, exactly what a
+`DataLoader` does): a dataset returning one tensor per sample yields one stacked tensor, tuples yield a sequence
+of stacked fields, dicts a dict of stacked values, nested structures stay nested. A `TensorDataset` with the
+default collation skips the per-sample calls and indexes its tensors directly (a view when not shuffling).
+
+Every batch also carries the global batch it was cut from: ``global_size`` (samples in the whole global batch),
+``epoch``, ``step``, ``shard_index`` of ``shard_count`` (the replica it was cut for) and ``fingerprint`` (CRC-32
+of its samples' dataset indices). Strategies read the size to weight gradients by sample count without an extra
+collective, the layout to refuse a batch cut for another data axis (`loom.job.check_batch_layout`), and the
+fingerprint to check that the ranks of one model replica hold the same samples. Which type carries them
+depends on what the collation returns:
+
+- a tuple or list (``(inputs, targets)``, what strategies train on): a `ShardBatch`, a tuple. `DataLoader`
+  returns a list here; a tuple reads the same (index, unpack, ``len``) but cannot be changed in place;
+- a namedtuple: a subclass of that namedtuple with the attributes (fields and ``isinstance`` kept), unless a
+  field is named like one of them, then the plain namedtuple;
+- a dict: a `ShardDict`, a dict;
+- anything else (a tensor, when each sample is one tensor; a custom object from ``collate_fn``): returned as is,
+  **without** the attributes. A strategy given such a batch counts the global batch with a collective and
+  fingerprints the tensor content instead of the indices; `job.train_step` needs an ``(inputs, targets)`` pair,
+  so build one in the dataset or in ``collate_fn``.
+
+Before the first batch, a loader built in a distributed job checks that every process holds the same dataset
+(`loom.data.same_data`); ``same_data_check=False`` turns that off.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from loom.data.same_data import check_same_data
 from loom.data.sampler import GlobalBatchSampler
 from loom.topology import Topology, current
 
-__all__ = ["ShardBatch", "ShardedLoader", "loader"]
+__all__ = ["CollateFn", "ShardBatch", "ShardDict", "ShardedLoader", "loader"]
+
+CollateFn = Callable[[list[Any]], Any]
+"""``collate_fn(samples)``: one batch from a list of ``dataset[i]``, as `DataLoader`'s ``collate_fn``."""
+
+_LAYOUT = ("global_size", "epoch", "step", "shard_index", "shard_count", "fingerprint")
 
 
-class ShardBatch(tuple):
-    """A tuple ``(inputs, targets, ...)`` plus the global batch it was cut from."""
+class _ShardLayout:
+    """The attributes a loader batch carries about the global batch it was cut from."""
 
+    __slots__ = ()
     global_size: int
     """Samples in the whole global batch (all replicas)."""
     epoch: int
@@ -36,6 +61,16 @@ class ShardBatch(tuple):
     """The number of replicas the global batch was cut into (None: unknown)."""
     fingerprint: int | None
     """CRC-32 of the share's dataset indices (None: unknown): equal on ranks that hold the same samples."""
+
+
+def _stamp(batch: Any, layout: tuple) -> Any:
+    for name, value in zip(_LAYOUT, layout, strict=True):
+        setattr(batch, name, value)
+    return batch
+
+
+class ShardBatch(_ShardLayout, tuple):
+    """A tuple ``(inputs, targets, ...)`` plus the global batch it was cut from."""
 
     def __new__(
         cls,
@@ -48,22 +83,83 @@ class ShardBatch(tuple):
         fingerprint: int | None = None,
     ) -> ShardBatch:
         batch = super().__new__(cls, items)
-        batch.global_size = global_size
-        batch.epoch = epoch
-        batch.step = step
-        batch.shard_index = shard_index
-        batch.shard_count = shard_count
-        batch.fingerprint = fingerprint
-        return batch
+        return _stamp(batch, (global_size, epoch, step, shard_index, shard_count, fingerprint))
+
+
+class ShardDict(_ShardLayout, dict):
+    """A dict batch (samples that are dicts) plus the global batch it was cut from."""
+
+    def __init__(
+        self,
+        items: dict,
+        global_size: int,
+        epoch: int,
+        step: int,
+        shard_index: int | None = None,
+        shard_count: int | None = None,
+        fingerprint: int | None = None,
+    ) -> None:
+        super().__init__(items)
+        _stamp(self, (global_size, epoch, step, shard_index, shard_count, fingerprint))
+
+
+_NAMEDTUPLE_SHARDS: dict[type, type] = {}
+
+
+def _namedtuple_shard(kind: type) -> type | None:
+    """A subclass of namedtuple ``kind`` that carries the layout, or None when a field would shadow it."""
+    if kind not in _NAMEDTUPLE_SHARDS:
+        clash = set(kind._fields) & set(_LAYOUT)  # type: ignore[attr-defined]
+        shard = None if clash else type(kind.__name__, (_ShardLayout, kind), {"__module__": kind.__module__})
+        _NAMEDTUPLE_SHARDS[kind] = shard  # type: ignore[assignment]
+    return _NAMEDTUPLE_SHARDS[kind]
+
+
+def _with_layout(batch: Any, *layout: Any) -> Any:
+    """``batch`` as a type that carries ``layout`` (see the module docstring); a tensor or other object as is."""
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        shard = _namedtuple_shard(type(batch))
+        return batch if shard is None else _stamp(shard(*batch), layout)
+    if isinstance(batch, (tuple, list)):
+        return ShardBatch(tuple(batch), *layout)
+    if type(batch) is dict:
+        return ShardDict(batch, *layout)
+    return batch
+
+
+def _strings(value: Any) -> bool:
+    return bool(value) and all(isinstance(v, (str, bytes)) for v in value)
+
+
+def _zero_samples(batch: Any) -> Any:
+    """``batch`` cut to zero samples, keeping its nesting, shapes, dtypes and devices.
+
+    Tensors keep their trailing dimensions; a sequence of strings (how `default_collate` batches them) becomes
+    empty; other leaves are kept.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_zero_samples(v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)() if _strings(batch) else type(batch)(_zero_samples(v) for v in batch)
+    if isinstance(batch, dict):
+        return {k: _zero_samples(v) for k, v in batch.items()}
+    return batch
 
 
 class ShardedLoader:
     """Iterable over this replica's shares for one epoch; see `loader()`."""
 
-    def __init__(self, dataset: Dataset, sampler: GlobalBatchSampler) -> None:
+    def __init__(
+        self, dataset: Dataset, sampler: GlobalBatchSampler, collate_fn: CollateFn | None = None
+    ) -> None:
         self.dataset = dataset
         self.sampler = sampler
-        self._empty: tuple | None = None
+        self.collate_fn: CollateFn = collate_fn if collate_fn is not None else default_collate
+        self._empty: Any = None
+        self._sliced = isinstance(dataset, TensorDataset) and self.collate_fn is default_collate
+        """A TensorDataset collated by default: index its tensors, no per-sample calls (same result)."""
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -81,32 +177,32 @@ class ShardedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
 
-    def __iter__(self) -> Iterator[ShardBatch]:
+    def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
         for batch in sampler:
-            items = self._fetch(batch.share)
             fingerprint = zlib.crc32(batch.share.to(torch.int64).numpy().tobytes())
-            yield ShardBatch(
-                tuple(items), batch.global_size, batch.epoch, batch.step,
+            yield _with_layout(
+                self.fetch(batch.share), batch.global_size, batch.epoch, batch.step,
                 sampler.rank, sampler.world_size, fingerprint,
             )  # fmt: skip
 
-    def _fetch(self, indices: torch.Tensor) -> tuple:
-        if isinstance(self.dataset, TensorDataset):
+    def fetch(self, indices: torch.Tensor) -> Any:
+        """The samples at dataset ``indices``, collated (without the layout attributes)."""
+        if self._sliced:
+            tensors = self.dataset.tensors  # type: ignore[attr-defined]
             if not self.sampler.shuffle and indices.numel():
                 # Without shuffling a share is a contiguous range: a view, no copy.
                 lo = int(indices[0])
-                return tuple(t[lo : lo + indices.numel()] for t in self.dataset.tensors)
-            return tuple(t[indices] for t in self.dataset.tensors)
+                return [t[lo : lo + indices.numel()] for t in tensors]
+            return [t[indices] for t in tensors]
         if indices.numel() == 0:
             return self._empty_batch()
-        return tuple(default_collate([self.dataset[int(i)] for i in indices]))
+        return self.collate_fn([self.dataset[int(i)] for i in indices])
 
-    def _empty_batch(self) -> tuple:
-        """A batch of zero samples with the right shapes and dtypes (for an empty share)."""
+    def _empty_batch(self) -> Any:
+        """A batch of zero samples with the right structure, shapes and dtypes (for an empty share)."""
         if self._empty is None:
-            one = default_collate([self.dataset[0]])
-            self._empty = tuple(t[:0] if isinstance(t, torch.Tensor) else t for t in one)
+            self._empty = _zero_samples(self.collate_fn([self.dataset[0]]))
         return self._empty
 
 
@@ -128,13 +224,25 @@ def loader(
     drop_last: bool = False,
     *,
     topology: Topology | None = None,
+    collate_fn: CollateFn | None = None,
+    same_data_check: bool = True,
 ) -> ShardedLoader:
     """This process's share of each global batch of ``dataset``.
 
     Every step consumes the next ``global_batch_size`` samples of one global order fixed by ``(seed, epoch)``;
     replica r takes a contiguous share (sizes differ by at most one; a share may be empty on a ragged last
-    batch). ``set_epoch(e)`` selects the epoch; ``state_dict()`` records the position in global samples, so a
-    job resumed with a different number of workers continues at exactly the same sample.
+    batch, and is then a zero-sample batch of the usual structure). ``set_epoch(e)`` selects the epoch;
+    ``state_dict()`` records the position in global samples, so a job resumed with a different number of
+    workers continues at exactly the same sample.
+
+    ``collate_fn`` turns a list of samples into a batch, as `DataLoader`'s does (default `default_collate`).
+    ``topology`` is what the data is sharded over (default: the whole job; `job.loader` passes its data axis).
+
+    ``same_data_check``: when the default process group has more than one process (and ``topology`` is not a
+    single-process ``backend="none"`` one), every process must build this loader at the same point: they
+    compare the dataset's length and a fingerprint of a few samples (`loom.data.same_data.check_same_data`) and
+    all raise if any differs. Pass False when the processes hold different data on purpose, or when only some
+    processes build this loader (the comparison would wait for the others).
     """
     topo = topology if topology is not None else current()
     sampler = GlobalBatchSampler(
@@ -146,4 +254,7 @@ def loader(
         seed=seed,
         drop_last=drop_last,
     )
-    return ShardedLoader(dataset, sampler)
+    shards = ShardedLoader(dataset, sampler, collate_fn)
+    if same_data_check and topo.backend != "none":
+        check_same_data(dataset, shards.fetch)
+    return shards
