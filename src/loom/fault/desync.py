@@ -16,11 +16,23 @@ no false alarm.
 Limits: two different tensors can share a fingerprint (a 2**-64 chance per tensor for unrelated changes); the
 check compares parameters only (buffers such as BatchNorm statistics may legitimately differ between ranks when
 buffers are not broadcast); it is meant for replicated strategies, not sharded ones.
+
+Non-finite steps are the other silent fault: one NaN sample on one rank makes the averaged gradient NaN on every
+rank, and from then on every replica holds NaN weights while training "succeeds". `NonFiniteGuard` is the
+policy strategies apply before the optimizer step: each rank flags a non-finite local loss (or, where gradients
+are still local, non-finite gradients) in a slot of the buffer it reduces anyway, and checks the *averaged*
+gradient, which is bitwise the same on every rank; so every rank reaches the same verdict without a collective
+of its own. ``"skip"`` drops the update on every rank (counted, and stopped after ``limit`` in a row);
+``"stop"`` raises `NonFiniteStepError` at once, naming the ranks and the step.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +41,15 @@ from torch import nn
 
 from loom.fault import watchdog
 
-__all__ = ["ReplicaDesyncError", "check_replicas_agree", "fingerprints"]
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NonFiniteGuard",
+    "NonFiniteStepError",
+    "ReplicaDesyncError",
+    "check_replicas_agree",
+    "fingerprints",
+    "gradients_finite",
+]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64: spreads position weights over 64 bits
@@ -98,3 +118,115 @@ def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | No
 
 def _global_rank(group_rank: int, group: Any) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+# -- non-finite steps -------------------------------------------------------------------------------------------
+NONFINITE_POLICIES = ("skip", "stop")
+"""What a strategy does with a step whose loss or gradient is NaN or infinite on some rank."""
+
+LOSS_FLAG, GRADIENT_FLAG = 1, 2
+"""Bits of a rank's flag in the reduced buffer: its local loss, its local (not yet averaged) gradient."""
+
+
+class NonFiniteStepError(FloatingPointError):
+    """A step's loss or gradient was non-finite, under policy ``"stop"`` or too many steps in a row."""
+
+
+def gradients_finite(grads: Sequence[torch.Tensor | None], flat: torch.Tensor | None = None) -> bool:
+    """Whether every gradient is finite: one reduction, not one check per element on the host.
+
+    A plain sum propagates every NaN and infinity (``inf - inf`` is NaN); it is taken in float32 at least, so
+    that a half-precision gradient whose finite values merely add up past 65504 is not flagged. ``flat``, when
+    the gradients already lie in one buffer, is summed in one call instead.
+    """
+    if flat is not None:
+        parts = [flat]
+    else:
+        parts = [g for g in grads if g is not None]
+        if not parts:
+            return True
+    sums = [g.sum(dtype=torch.float32) if g.element_size() < 4 else g.sum() for g in parts]
+    total = sums[0] if len(sums) == 1 else torch.stack([s.to(torch.float64) for s in sums]).sum()
+    return bool(torch.isfinite(total))
+
+
+def local_flag(loss: float | torch.Tensor, grads: Sequence[torch.Tensor | None] = ()) -> float:
+    """This rank's flag (`LOSS_FLAG` | `GRADIENT_FLAG` bits) for its local loss and local gradients."""
+    value = float(loss) if isinstance(loss, torch.Tensor) else loss
+    flag = 0 if math.isfinite(value) else LOSS_FLAG
+    if grads and not gradients_finite(grads):
+        flag |= GRADIENT_FLAG
+    return float(flag)
+
+
+@dataclass
+class NonFiniteGuard:
+    """The policy for non-finite steps of one job: decides, counts, and names the ranks."""
+
+    policy: str = "skip"
+    """``"skip"``: no update on any rank, counted; ``"stop"``: raise `NonFiniteStepError` at once."""
+    limit: int = 5
+    """Non-finite steps in a row after which ``"skip"`` stops the job too (the data or the model is broken)."""
+    rank: int = 0
+    skipped: int = 0
+    """Steps skipped so far by this job (in this process's lifetime)."""
+    in_a_row: int = 0
+    history: list[int] = field(default_factory=list)
+    """The step numbers of the skipped steps."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={self.policy!r} is not one of {list(NONFINITE_POLICIES)}")
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
+            raise ValueError(f"nonfinite_limit must be an int >= 1, got {self.limit!r}")
+
+    def judge(
+        self, step: int, flags: Sequence[float], ranks: Sequence[int], averaged_gradient_finite: bool = True
+    ) -> bool:
+        """True when step ``step`` must not be applied (on every rank alike: the inputs are the same on every
+        rank). ``flags[i]`` is rank ``ranks[i]``'s flag from the reduced buffer; ``averaged_gradient_finite``
+        the check of a gradient already averaged (so the same everywhere). Raises `NonFiniteStepError` under
+        ``"stop"``, or when ``limit`` steps in a row were non-finite."""
+        bad = {r: int(f) for r, f in zip(ranks, flags, strict=True) if f}
+        if not bad and averaged_gradient_finite:
+            self.in_a_row = 0
+            return False
+        what = describe_nonfinite(bad, averaged_gradient_finite)
+        self.skipped += 1
+        self.in_a_row += 1
+        self.history.append(step)
+        if self.policy == "stop":
+            raise NonFiniteStepError(
+                f"step {step} is non-finite: {what} (seen on rank {self.rank}); nonfinite='stop' stops the job "
+                "before the update is applied. HINT: look for NaN/Inf in that rank's inputs or targets, lower "
+                "the learning rate, or pass nonfinite='skip' to drop such steps."
+            )
+        if self.in_a_row >= self.limit:
+            raise NonFiniteStepError(
+                f"{self.in_a_row} steps in a row (steps {step - self.in_a_row + 1} to {step}) were non-finite, "
+                f"the last: {what} (seen on rank {self.rank}); none was applied. HINT: the data or the model "
+                "is broken from here on: look for NaN/Inf in those ranks' inputs, or lower the learning rate; "
+                "nonfinite_limit sets how many non-finite steps in a row are tolerated."
+            )
+        if self.rank == 0:
+            print(
+                f"loom: step {step} skipped on every rank: {what} ({self.in_a_row} in a row, "
+                f"{self.skipped} in all; the job stops after {self.limit} in a row)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return True
+
+
+def describe_nonfinite(bad: dict[int, int], averaged_gradient_finite: bool = True) -> str:
+    """``"loss on rank(s) [1]; gradient on rank(s) [0, 1]"``, from the flags of the ranks that set one."""
+    parts = []
+    losses = [r for r, f in bad.items() if f & LOSS_FLAG]
+    grads = [r for r, f in bad.items() if f & GRADIENT_FLAG]
+    if losses:
+        parts.append(f"non-finite loss on rank(s) {losses}")
+    if grads:
+        parts.append(f"non-finite gradient on rank(s) {grads}")
+    if not averaged_gradient_finite:
+        parts.append("non-finite averaged gradient (on every rank)")
+    return "; ".join(parts)

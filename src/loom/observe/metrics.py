@@ -64,6 +64,9 @@ class StepRecord:
     """Parameter servers: versions between the parameters a gradient was computed on and those it updates."""
     bubble_s: float | None = None
     """Pipelines: time this stage sat idle in the schedule's bubble."""
+    skipped: bool | None = None
+    """True when the step's update was not applied (a non-finite loss or gradient on some rank: see
+    `loom.fault.desync.NonFiniteGuard`); absent otherwise."""
 
 
 class StepMetrics:
@@ -140,13 +143,15 @@ class StepMetrics:
         self._file.flush()
 
     def summary(self, skip_first: int = 1) -> dict[str, float]:
-        """Throughput of the global batch as seen by this process, skipping warm-up steps."""
+        """Throughput of the global batch as seen by this process, skipping warm-up steps; and the number of
+        steps whose update was skipped (non-finite)."""
         recs = self.records[skip_first:] or self.records
         if not recs:
-            return {"steps": 0, "samples_per_s": 0.0, "mean_step_s": 0.0}
+            return {"steps": 0, "samples_per_s": 0.0, "mean_step_s": 0.0, "skipped_steps": 0}
         total_time = sum(r.time_s for r in recs)
         return {
             "steps": len(self.records),
+            "skipped_steps": sum(1 for r in self.records if r.skipped),
             "samples_per_s": sum(r.global_samples for r in recs) / total_time if total_time else 0.0,
             "mean_step_s": total_time / len(recs),
         }

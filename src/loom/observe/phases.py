@@ -22,6 +22,10 @@ hook, i.e. another path than the one traced. The cost of all this is measured by
 Straggler detection: each rank writes its previous step's phase times into its own row of a ``[world x 4]``
 block appended to the loss buffer the strategy all-reduces anyway (sum: every other row is zero), so rank 0
 learns every rank's phases one step late, for the price of a few more bytes in an existing message.
+
+The buffer's layout: ``[loss sum, one non-finite flag per rank, phase rows per rank]``. The flags (set by the
+strategy, see `loom.fault.desync.NonFiniteGuard`) are there even when observing is off: they are not an
+observation but part of the step's decision.
 """
 
 from __future__ import annotations
@@ -41,15 +45,23 @@ from loom.observe.metrics import StepMetrics
 from loom.observe.stragglers import StragglerConfig, StragglerDetector, StragglerWarning
 from loom.observe.trace import TraceRecorder, trace_from_env
 
-__all__ = ["DATA", "COMPUTE", "COMM", "OPTIMIZER", "StepObserver", "loss_buffer_size"]
+__all__ = ["DATA", "COMPUTE", "COMM", "OPTIMIZER", "FLAGS_AT", "StepObserver", "loss_buffer_size"]
 
 DATA, COMPUTE, COMM, OPTIMIZER = range(4)
 _NAMES = ("data", "compute", "comm", "optimizer")
 
 
 def loss_buffer_size(world_size: int) -> int:
-    """Values in `StepObserver.loss_buffer`: the loss sum, then 4 phase times per rank."""
-    return 1 + 4 * world_size
+    """Values in `StepObserver.loss_buffer` at most: the loss sum, a flag per rank, then 4 phase times per rank."""
+    return 1 + 5 * world_size
+
+
+FLAGS_AT = 1
+"""Where the per-rank non-finite flags start in the loss buffer (rank r's is at ``FLAGS_AT + r``)."""
+
+
+def _rows_at(world_size: int) -> int:
+    return FLAGS_AT + world_size
 
 
 def ring_bytes(nbytes: int, world_size: int) -> int:
@@ -220,12 +232,14 @@ class StepObserver:
 
     # -- the reduced buffer ------------------------------------------------------------------------------------
     def loss_buffer(self, device: torch.device) -> torch.Tensor:
-        """``[loss_sum, phase times...]``: slot 0 for the strategy's loss sum, then this rank's previous-step row."""
+        """``[loss_sum, flags..., phase times...]``: slot 0 for the strategy's loss sum, a zero flag per rank (the
+        strategy sets its own, ``FLAGS_AT + rank``), then this rank's previous-step row (when observing)."""
         if not self.enabled or self.world_size == 1:
-            return torch.zeros(1, dtype=torch.float64, device=device)
+            return torch.zeros(FLAGS_AT + self.world_size, dtype=torch.float64, device=device)
+        row = _rows_at(self.world_size) + 4 * self.rank
         if device.type != "cpu":
             values = [0.0] * loss_buffer_size(self.world_size)
-            values[1 + 4 * self.rank : 5 + 4 * self.rank] = self._previous
+            values[row : row + 4] = self._previous
             return torch.tensor(values, dtype=torch.float64, device=device)
         # On CPU one buffer is reused, written through its numpy view: building a tensor from a list each step
         # cost ~20 µs. Safe because the strategy waits for the all-reduce and reads the result before the next step.
@@ -234,13 +248,20 @@ class StepObserver:
             self._buffer_view = self._buffer.numpy()
         view = self._buffer_view
         view.fill(0.0)
-        view[1 + 4 * self.rank : 5 + 4 * self.rank] = self._previous
+        view[row : row + 4] = self._previous
         return self._buffer
 
     def end_step(
-        self, step: int, samples: int, global_samples: int, loss: float, reduced: torch.Tensor
+        self,
+        step: int,
+        samples: int,
+        global_samples: int,
+        loss: float,
+        reduced: torch.Tensor,
+        skipped: bool = False,
     ) -> None:
-        """Record the step; on rank 0, feed the other ranks' phases (one step late) to the straggler detector."""
+        """Record the step (``skipped``: its update was not applied, see `loom.fault.desync.NonFiniteGuard`);
+        on rank 0, feed the other ranks' phases (one step late) to the straggler detector."""
         if not self.enabled:
             return
         self.lap(COMM)  # the tail of the loss all-reduce's wait, and reading the reduced loss
@@ -251,11 +272,12 @@ class StepObserver:
         data, compute, comm, optimizer = self._laps
         self.metrics.record(step, now - self._start, samples, global_samples, loss, data_s=data,
                             compute_s=compute, comm_s=comm, optimizer_s=optimizer, bytes_sent=sent,
-                            bytes_received=received)  # fmt: skip
+                            bytes_received=received, **({"skipped": True} if skipped else {}))  # fmt: skip
         self._previous = self._laps
-        if self.stragglers is not None and reduced.numel() > 1 and step > 2:  # step 1 is warm-up
+        at = _rows_at(self.world_size)
+        if self.stragglers is not None and reduced.numel() > at and step > 2:  # step 1 is warm-up
             flat = reduced.tolist()  # one conversion; slicing the tensor first costs more than the list
-            rows = [flat[1 + 4 * r : 5 + 4 * r] for r in range(self.world_size)]
+            rows = [flat[at + 4 * r : at + 4 + 4 * r] for r in range(self.world_size)]
             for warning in self.stragglers.observe(step - 1, rows):
                 self._report(warning)
             self.metrics.slowest = self.stragglers.slowest

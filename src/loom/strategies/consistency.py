@@ -1,15 +1,29 @@
-"""Refuse a model that differs across processes before any gradient is exchanged.
+"""Refuse a model or optimizer that differs across processes before any gradient is exchanged.
 
-Each rank describes its model as a list of ``(kind, name, shape, dtype)`` entries and all-gathers a 64-bit digest
-of it. Only when digests differ are the full descriptions exchanged (as JSON bytes in a uint8 tensor, never
-pickle) so the error can name the first difference and the ranks involved. Every rank raises the same error, so
-no rank is left waiting in a collective.
+Each rank describes its model and optimizer as a list of ``[kind, name, description]`` entries and all-gathers a
+64-bit digest of it. The description covers what replicas must share to stay replicas:
+
+- every parameter and buffer: shape and dtype;
+- every module: its type and hyperparameters, as its ``repr`` shows them without children or tensors
+  (``Linear(in_features=8, out_features=16, bias=True)``, ``Dropout(p=0.1, inplace=False)``, ``Tanh()`` vs
+  ``ReLU()``): models with equal shapes but a different activation or dropout compute different things;
+- the optimizer: its type, and every param group's hyperparameters (``lr``, ``momentum``, ``betas``,
+  ``weight_decay``...) and size: SGD on one rank and Adam on another apply different updates to the same gradient.
+
+Only when digests differ are the full descriptions exchanged (as JSON bytes in a uint8 tensor, never pickle) so
+the error can name the first difference and the ranks involved. Every rank raises the same error, so no rank is
+left waiting in a collective.
+
+Limits: hyperparameters that a module keeps outside its ``extra_repr`` (plain attributes of a custom module) and
+the ``forward`` code itself are not compared; the periodic parameter check of `loom.fit`
+(`loom.fault.desync`) catches what they change.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,17 +31,44 @@ from torch import nn
 
 from loom.comm._reduce import all_gather_sized_bytes
 
-__all__ = ["model_signature", "check_same_model", "ModelMismatchError"]
+__all__ = ["model_signature", "optimizer_signature", "check_same_model", "ModelMismatchError"]
 
 
 class ModelMismatchError(ValueError):
-    """The model is not the same on every process."""
+    """The model or optimizer is not the same on every process."""
 
 
 def model_signature(model: nn.Module) -> list[list[str]]:
-    entries = [["parameter", n, str(list(p.shape)), str(p.dtype)] for n, p in model.named_parameters()]
-    entries += [["buffer", n, str(list(b.shape)), str(b.dtype)] for n, b in model.named_buffers()]
+    """``[kind, name, description]`` of every parameter and buffer (shape, dtype), then of every module."""
+    entries = [
+        ["parameter", n, f"shape {list(p.shape)} dtype {p.dtype}"] for n, p in model.named_parameters()
+    ]
+    entries += [["buffer", n, f"shape {list(b.shape)} dtype {b.dtype}"] for n, b in model.named_buffers()]
+    entries += [["module", n or "(the model)", _module_description(m)] for n, m in model.named_modules()]
     return entries
+
+
+def _module_description(module: nn.Module) -> str:
+    """``Type(hyperparameters)``: the module's own line of its ``repr``, without its children."""
+    return f"{type(module).__qualname__}({module.extra_repr()})"
+
+
+def optimizer_signature(optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """``[kind, name, description]`` of the optimizer's type and of every param group's hyperparameters."""
+    entries = [["optimizer", "type", type(optimizer).__qualname__]]
+    for i, group in enumerate(optimizer.param_groups):
+        entries.append(["optimizer", f"param_groups[{i}] parameters", str(len(group["params"]))])
+        for key in sorted(k for k in group if k != "params"):
+            entries.append(["optimizer", f"param_groups[{i}].{key}", _value(group[key])])
+    return entries
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):  # a tensor lr (capturable optimizers)
+        value = value.tolist()
+    if isinstance(value, tuple):
+        value = list(value)
+    return repr(value)
 
 
 def _digest(signature: list[list[str]]) -> int:
@@ -35,23 +76,33 @@ def _digest(signature: list[list[str]]) -> int:
     return int.from_bytes(raw[:8], "little", signed=True)
 
 
-def _first_difference(reference: list[list[str]], other: list[list[str]]) -> str:
+def _first_difference(reference: list[list[str]], other: list[list[str]], rank: int) -> str:
     for ref_entry, entry in zip(reference, other, strict=False):
         if ref_entry != entry:
-            kind, name, shape, dtype = ref_entry
-            o_kind, o_name, o_shape, o_dtype = entry
+            kind, name, described = ref_entry
+            o_kind, o_name, o_described = entry
             if (kind, name) != (o_kind, o_name):
-                return f"{kind} {name!r} vs {o_kind} {o_name!r} at the same position"
-            return f"{kind} {name!r}: shape {shape} dtype {dtype} vs shape {o_shape} dtype {o_dtype}"
+                return f"{kind} {name!r} on rank 0 vs {o_kind} {o_name!r} on rank {rank} at the same position"
+            return f"{kind} {name!r}: {described} on rank 0 vs {o_described} on rank {rank}"
     if len(reference) != len(other):
         extra = reference[len(other)] if len(reference) > len(other) else other[len(reference)]
-        return f"{len(reference)} vs {len(other)} tensors; first unmatched: {extra[0]} {extra[1]!r}"
+        return f"{len(reference)} vs {len(other)} entries; first unmatched: {extra[0]} {extra[1]!r}"
     return "unknown difference"
 
 
-def check_same_model(model: nn.Module, rank: int, world_size: int, group=None) -> None:
-    """Raise `ModelMismatchError` on every rank if any rank's model differs from rank 0's."""
+def check_same_model(
+    model: nn.Module,
+    rank: int,
+    world_size: int,
+    group: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Raise `ModelMismatchError` on every rank if any rank's model (or ``optimizer``) differs from rank 0's.
+
+    One all-gather of an 8-byte digest when all agree; a second one, of the descriptions, when not."""
     signature = model_signature(model)
+    if optimizer is not None:
+        signature += optimizer_signature(optimizer)
     mine = torch.tensor([_digest(signature)], dtype=torch.int64)
     digests = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(digests, mine, group=group)
@@ -61,8 +112,18 @@ def check_same_model(model: nn.Module, rank: int, world_size: int, group=None) -
     signatures = [json.loads(b) for b in described]
     differing = [r for r in range(world_size) if signatures[r] != signatures[0]]
     first = differing[0]
+    what = "optimizer" if _only_optimizer(signatures[0], signatures[first]) else "model"
     raise ModelMismatchError(
-        f"the model differs across processes (seen on rank {rank}): rank 0 vs rank {first}: "
-        f"{_first_difference(signatures[0], signatures[first])}; ranks that differ from rank 0: {differing}. "
-        "HINT: build the same model on every process (same constructor arguments, independent of rank)."
+        f"the {what} differs across processes (seen on rank {rank}): rank 0 vs rank {first}: "
+        f"{_first_difference(signatures[0], signatures[first], first)}; ranks that differ from rank 0: "
+        f"{differing}. HINT: build the same model and optimizer on every process (same constructor arguments "
+        "and hyperparameters, independent of rank)."
     )
+
+
+def _only_optimizer(reference: list[list[str]], other: list[list[str]]) -> bool:
+    """Whether the first difference is in the optimizer's entries."""
+    for a, b in zip(reference, other, strict=False):
+        if a != b:
+            return a[0] == "optimizer" and b[0] == "optimizer"
+    return False

@@ -14,9 +14,16 @@ world size, ``N`` the global batch) before backward, so DDP's average becomes ``
 gradient of the global-batch mean loss, i.e. what one process computes on the whole batch. An empty share still
 joins the all-reduce with a zero-weighted forward.
 
-Limits: the model must accept a zero-size batch when a share is empty (BatchNorm in training mode does not;
-use ``drop_last=True`` or a global batch of at least the world size). Losses must be mean-reduced over the batch
-(PyTorch's default), since that is what the scaling undoes.
+Guards, all on every rank alike so none is left waiting: at setup the replicas must hold the same model (shapes,
+module types and their hyperparameters) and optimizer (type, every param group's hyperparameters), see
+`loom.strategies.consistency`; at each step a non-finite loss or gradient on any rank is never applied
+(``nonfinite``, see `loom.fault.desync.NonFiniteGuard`: each rank's loss flag rides in the loss buffer, and the
+averaged gradient, the same on every rank, is checked where it lies); and a share too small for BatchNorm in
+training mode (fewer than 2 samples per forward, an empty share included) is refused naming the fix.
+
+Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
+(PyTorch's default), since that is what the scaling undoes. With DDP the loss buffer is waited for before the
+optimizer step (the verdict on a non-finite loss needs every rank's flag); the gradient check overlaps it.
 """
 
 from __future__ import annotations
@@ -37,11 +44,13 @@ from torch.nn.parallel import DistributedDataParallel
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import CompressionHook, make_codec
+from loom.data.sampler import share_bounds
+from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard, gradients_finite
 from loom.fault.watchdog import Watchdog, hang_timeout_s
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
+from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
@@ -85,6 +94,12 @@ class DataParallelConfig:
     hang_timeout_s: float | None = None
     """Seconds a collective may wait before the job stops with a report of who did not arrive
     (`loom.fault.watchdog`); None: ``LOOM_HANG_TIMEOUT_S``, else 180."""
+    nonfinite: str = "skip"
+    """A step whose loss or gradient is NaN or infinite on any rank: ``"skip"`` applies no update on any rank
+    (counted in ``job.skipped_steps`` and marked ``skipped`` in the step record); ``"stop"`` raises
+    `loom.fault.desync.NonFiniteStepError` naming the ranks and the step. Never applied either way."""
+    nonfinite_limit: int = 5
+    """Under ``"skip"``, this many non-finite steps in a row stop the job (naming the ranks) all the same."""
 
     def __post_init__(self) -> None:
         if self.allreduce not in ALGORITHMS:
@@ -102,6 +117,14 @@ class DataParallelConfig:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if self.hang_timeout_s is not None:
             hang_timeout_s(self.hang_timeout_s)
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite={self.nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
+                "non-finite step on every rank, 'stop' raises."
+            )
+        limit = self.nonfinite_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"nonfinite_limit must be an int >= 1, got {limit!r}")
 
 
 DATA_FIELDS = frozenset(f.name for f in fields(DataParallelConfig))
@@ -137,7 +160,7 @@ class DataParallel:
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
         path: GradientPath | None = None
         if topo.is_distributed:
-            check_same_model(model, topo.rank, topo.world_size)
+            check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
             path = choose_gradient_path(self.config, topo, model)
             if topo.is_main:
                 print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)
@@ -168,6 +191,16 @@ def default_metrics_path(topo: Topology) -> str | None:
     """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl``."""
     run_dir = os.environ.get("LOOM_RUN_DIR")
     return f"{run_dir}/metrics/rank{topo.rank}.jsonl" if run_dir else None
+
+
+def _batchnorm_layers(module: nn.Module) -> list[str]:
+    """Names of the BatchNorm layers that compute statistics over this process's batch alone (not SyncBatchNorm,
+    whose statistics span the processes)."""
+    return [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    ]
 
 
 def _zero_loss(outputs: Any) -> torch.Tensor:
@@ -242,20 +275,57 @@ class DataParallelJob(Job):
         self.shared_gradients: SharedGradients | None = None
         """Set when gradients are averaged in shared memory after backward instead of by DDP (see
         `loom.strategies.shared_gradients`); then `wrapped` is the model itself."""
+        self.nonfinite = NonFiniteGuard(config.nonfinite, config.nonfinite_limit, topology.rank)
+        """Decides what happens to a step whose loss or gradient is non-finite (``config.nonfinite``)."""
+        self.last_step_skipped = False
+        """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
+        self._trainable = [p for p in module.parameters() if p.requires_grad]
+        self._batchnorm = _batchnorm_layers(module)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was not applied because their loss or gradient was non-finite on some rank."""
+        return self.nonfinite.skipped
 
     # -- training --------------------------------------------------------------------------------------------
-    def _global_count(self, batch: Any, local: int) -> int:
+    def _global_count(self, batch: Any, local: int) -> tuple[int, dict[int, int]]:
+        """The global batch size, and the shares (rank: samples) too small for the model's BatchNorm layers.
+
+        A loader batch carries its global size, and its shares follow `share_bounds`, so every rank computes
+        every share; a plain batch's sizes travel in the sample-count all-reduce (one slot per rank)."""
+        world, accumulate = self.topology.world_size, self.config.accumulate
         known = getattr(batch, "global_size", None)
         if known is not None:
-            return int(known)
-        if not self.topology.is_distributed:
-            return local
-        count = torch.tensor([local], dtype=torch.int64, device=self.topology.device)
-        with self.watchdog.collective("sample-count all-reduce"):
-            launched = time.perf_counter()
-            dist.all_reduce(count)
-            self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8)
-        return int(count.item())
+            total = int(known)
+            if not self._batchnorm:
+                return total, {}
+            shares = [hi - lo for lo, hi in (share_bounds(total, r, world) for r in range(world))]
+        elif not self.topology.is_distributed:
+            total, shares = local, [local]
+        else:
+            counts = torch.zeros(world, dtype=torch.int64, device=self.topology.device)
+            counts[self.topology.rank] = local
+            with self.watchdog.collective("sample-count all-reduce"):
+                launched = time.perf_counter()
+                dist.all_reduce(counts)
+                self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8 * world)
+            shares = counts.tolist()
+            total = sum(shares)
+        small = {r: n for r, n in enumerate(shares) if n < 2 * accumulate} if self._batchnorm else {}
+        return total, small
+
+    def _refuse_small_batchnorm_shares(self, small: dict[int, int], total: int) -> None:
+        world, accumulate = self.topology.world_size, self.config.accumulate
+        pieces = f" in {accumulate} micro-batches (accumulate)" if accumulate > 1 else ""
+        need = f"2 x {world} replicas" + (f" x {accumulate} micro-batches" if accumulate > 1 else "")
+        described = ", ".join(f"rank {r}: {n}" for r, n in small.items())
+        raise ValueError(
+            f"rank {self.topology.rank}: at step {self.step + 1} the global batch of {total} sample(s) gives "
+            f"shares too small for BatchNorm in training mode ({described}{pieces}); BatchNorm needs at least "
+            f"2 samples per forward ({self._batchnorm[0]} ...), and an empty share would put NaN in its running "
+            f"statistics. HINT: pass drop_last=True to job.loader(...) so the ragged last batch is dropped, and "
+            f"use a global batch of at least {need} = {2 * world * accumulate} samples."
+        )
 
     def train_step(self, batch: Any) -> float:
         """One optimizer step on the global batch this share belongs to; returns the global-batch loss."""
@@ -266,10 +336,12 @@ class DataParallelJob(Job):
         inputs, targets = to_device(inputs, device), to_device(targets, device)
         local = batch_len(inputs)
         self.observer.lap(DATA)
-        total = self._global_count(batch, local)
+        total, small = self._global_count(batch, local)
         self.observer.lap(COMM)
         if total == 0:
             raise ValueError("train_step got a global batch of 0 samples (every share is empty)")
+        if small:
+            self._refuse_small_batchnorm_shares(small, total)
         world = self.topology.world_size
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -293,6 +365,8 @@ class DataParallelJob(Job):
                     (loss * (n * world / total)).backward()
             loss_sum[0] += loss.detach().double() * n
         self.observer.backward_done()
+        # this rank's flag rides in the buffer (no host sync here): its local loss is NaN or infinite
+        loss_sum[FLAGS_AT + self.topology.rank] = (~torch.isfinite(loss_sum[0])).double()
         if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
             with self.watchdog.collective("gradient all-reduce"):
                 launched = time.perf_counter()
@@ -302,30 +376,30 @@ class DataParallelJob(Job):
                 self.observer.collective(
                     "all_reduce gradients and loss", launched, time.perf_counter(), nbytes, estimate=False
                 )
-        self._step_and_reduce_loss(loss_sum)
+        skipped = self._step_and_reduce_loss(loss_sum)
         global_loss = float(loss_sum[0].item()) / total
         self.step += 1
-        self.observer.end_step(self.step, local, total, global_loss, loss_sum)
+        self.last_step_skipped = skipped
+        self.observer.end_step(self.step, local, total, global_loss, loss_sum, skipped=skipped)
         return global_loss
 
-    def _step_and_reduce_loss(self, loss_sum: torch.Tensor) -> None:
-        """``optimizer.step()`` and the all-reduce of ``[loss sum, straggler rows]``.
+    def _step_and_reduce_loss(self, loss_sum: torch.Tensor) -> bool:
+        """The all-reduce of ``[loss sum, flags, straggler rows]``, then ``optimizer.step()`` unless the step is
+        non-finite on some rank; returns whether it was skipped.
 
         With shared-memory gradients the buffer was already summed with them (`SharedGradients.average`).
         Otherwise, with loom's shared-memory algorithms on CPU the buffer goes through the job's algorithm
         (gloo's all-reduce of a few values costs about twice a shared-memory one on one host,
         ``benchmarks/reports/metrics_overhead.md``). Otherwise gloo's all-reduce is launched asynchronously and
-        overlaps the optimizer step.
+        overlaps the check of the averaged gradient. Either way every rank has every flag before it steps.
         """
         if not self.topology.is_distributed or self.shared_gradients is not None:
-            self.optimizer.step()
-            self.observer.lap(OPTIMIZER)
-            return
+            return self._apply_unless_nonfinite(loss_sum, self._gradients_finite())
         with self.watchdog.collective("loss all-reduce"):
             native = self._loss_algorithm == "native"
             launched = time.perf_counter()
-            pending = dist.all_reduce(loss_sum, async_op=True) if native else None  # overlaps the step
-            self.optimizer.step()
+            pending = dist.all_reduce(loss_sum, async_op=True) if native else None  # overlaps the check
+            finite = self._gradients_finite()
             self.observer.lap(OPTIMIZER)
             if pending is not None:
                 pending.wait()
@@ -335,6 +409,25 @@ class DataParallelJob(Job):
             self.observer.collective(
                 "all_reduce loss", launched, time.perf_counter(), loss_sum.nbytes, estimate=native
             )
+            self.observer.lap(COMM)
+        return self._apply_unless_nonfinite(loss_sum, finite)
+
+    def _gradients_finite(self) -> bool:
+        """Whether the averaged gradient is finite: bitwise the same on every rank, so the same verdict."""
+        if self.shared_gradients is not None:
+            return gradients_finite((), flat=self.shared_gradients.flat)
+        return gradients_finite([p.grad for p in self._trainable])
+
+    def _apply_unless_nonfinite(self, reduced: torch.Tensor, gradient_finite: bool) -> bool:
+        world = self.topology.world_size
+        flags = reduced[FLAGS_AT : FLAGS_AT + world].tolist()
+        skip = self.nonfinite.judge(self.step + 1, flags, range(world), gradient_finite)
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.observer.lap(OPTIMIZER)
+        return skip
 
     def _no_sync(self):
         return self.wrapped.no_sync() if isinstance(self.wrapped, DistributedDataParallel) else nullcontext()

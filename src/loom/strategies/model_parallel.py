@@ -14,7 +14,13 @@ order: pipeline stages, tensor shards, then the data axis). Each `train_step`:
    (`data_parallel_sync.GradientAveraging`), then steps the optimizer.
 
 The loss (non-zero on the last stage only) and every stage's busy time and span ride on one all-gather over the
-pipeline; the loss is then summed over the data axis. State is sharded: `state_dict` is this process's stage and
+pipeline; the loss is then summed over the data axis. Each rank's non-finite flag (its local loss, its stage's
+gradients before the data axis sums them) rides on the same two collectives, so every rank knows every flag
+before step 3 and all reach the same verdict (`loom.fault.desync.NonFiniteGuard`, policy ``nonfinite`` of the
+data axis's `DataParallelConfig`): a skipped step runs neither the data axis's sum nor the optimizer. With a
+``dp`` or ``tp`` axis the loss and flags are reduced over the whole job (one slot per replica's loss, one flag
+per rank) rather than over ``dp`` alone, so the tensor shards of a stage, which share no group along which the
+loss travels, reach the verdict too. State is sharded: `state_dict` is this process's stage and
 shards with their layout, `full_state_dict` gathers the whole model on rank 0.
 """
 
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loom.fault.desync import NonFiniteGuard, local_flag
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import REPLICA, Mesh
 from loom.observe.metrics import StepMetrics
@@ -131,6 +138,12 @@ class ModelParallelJob(Job):
         self.stage_keys = stage_keys
         self.layer_names = layer_names
         self.step = 0
+        self.nonfinite = NonFiniteGuard(
+            data_axis.config.nonfinite, data_axis.config.nonfinite_limit, self.topology.rank
+        )
+        """Decides what happens to a step whose loss or gradient is non-finite on some rank."""
+        self.last_step_skipped = False
+        """Whether the last `train_step` applied no update (non-finite on some rank)."""
         self.stage_stats: list[StageStats] = []
         """One `StageStats` per step: this stage's busy time, span, idle fraction, activations alive."""
         self.bubble: list[float] = []
@@ -174,7 +187,12 @@ class ModelParallelJob(Job):
         dist.all_reduce(count, group=group)
         return int(count.item())
 
-    def _run(self, batch: Any, train: bool) -> tuple[float, int, int, StageStats]:
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was not applied because their loss or gradient was non-finite on some rank."""
+        return self.nonfinite.skipped
+
+    def _run(self, batch: Any, train: bool) -> tuple[float, int, int, StageStats, list[float], list[int]]:
         check_batch_layout(batch, self)
         inputs, targets = split_batch(batch)
         local = batch_len(inputs)
@@ -197,33 +215,57 @@ class ModelParallelJob(Job):
             stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
             prev=self._prev, next_=self._next, train=train, device=device,
         )  # fmt: skip
-        # One gather gives the loss (non-zero on the last stage only) and every stage's busy time and span.
-        row = torch.tensor([loss_sum, stats.busy_s, stats.span_s], dtype=torch.float64)
+        grads = [p.grad for p in self.module.parameters() if p.requires_grad] if train else []
+        flag = local_flag(loss_sum, grads)
+        # One gather gives the loss (non-zero on the last stage only), every stage's busy time and span, and flag.
+        row = torch.tensor([loss_sum, stats.busy_s, stats.span_s, flag], dtype=torch.float64)
         rows = [row]
         if self.mesh.group("pp") is not None:
             rows = [torch.zeros_like(row) for _ in range(sched.stages)]
             dist.all_gather(rows, row, group=self.mesh.group("pp"))
         table = torch.stack(rows)
-        loss = table[:, 0].sum().reshape(1)
-        if self.mesh.group("dp") is not None:
-            dist.all_reduce(loss, group=self.mesh.group("dp"))
+        loss, flags, ranks = self._reduce_loss_and_flags(table, flag)
         span = float(table[:, 2].max())
         self.bubble.append(1.0 - float(table[:, 1].sum()) / (sched.stages * span) if span > 0 else 0.0)
         stats.bubble_s = max(span - stats.busy_s, 0.0)  # so Σ bubble_s / (p · span) is the fraction above
-        return float(loss.item()) / total, local, total, stats
+        return loss / total, local, total, stats, flags, ranks
+
+    def _reduce_loss_and_flags(
+        self, table: torch.Tensor, flag: float
+    ) -> tuple[float, list[float], list[int]]:
+        """The global loss sum, and every rank's flag with its global rank (see the module docstring)."""
+        mesh, rank = self.mesh, self.topology.rank
+        replica_loss = table[:, 0].sum()
+        if not self.topology.is_distributed:
+            return float(replica_loss), [flag], [rank]
+        if mesh.size("dp") == 1 and mesh.size("tp") == 1:  # the pipeline is the job: its gather said it all
+            return float(replica_loss), table[:, 3].tolist(), mesh.ranks("pp")
+        dp, world = mesh.size("dp"), self.topology.world_size
+        buffer = torch.zeros(dp + world, dtype=torch.float64)
+        if mesh.index("pp") == 0 and mesh.index("tp") == 0:  # one writer per replica: its loss counted once
+            buffer[mesh.index("dp")] = replica_loss
+        buffer[dp + rank] = flag
+        dist.all_reduce(buffer)
+        return float(buffer[:dp].sum()), buffer[dp:].tolist(), list(range(world))
 
     def train_step(self, batch: Any) -> float:
         """One optimizer step on the global batch; returns its loss (the same on every process)."""
         started = time.perf_counter()
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, local, total, stats = self._run(batch, train=True)
-        self.gradient_averaging.sum_gradients([p for p in self.module.parameters() if p.requires_grad])
-        self.optimizer.step()
+        loss, local, total, stats, flags, ranks = self._run(batch, train=True)
+        skipped = self.nonfinite.judge(self.step + 1, flags, ranks)  # the same inputs, the same verdict
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.gradient_averaging.sum_gradients([p for p in self.module.parameters() if p.requires_grad])
+            self.optimizer.step()
         self.step += 1
+        self.last_step_skipped = skipped
         self.stage_stats.append(stats)
+        extra = {"skipped": True} if skipped else {}
         self.metrics.record(
-            self.step, time.perf_counter() - started, local, total, loss, bubble_s=stats.bubble_s
+            self.step, time.perf_counter() - started, local, total, loss, bubble_s=stats.bubble_s, **extra
         )
         return loss
 
@@ -240,7 +282,7 @@ class ModelParallelJob(Job):
         was_training = self.module.training
         self.module.eval()
         try:
-            loss, _, _, _ = self._run(batch, train=False)
+            loss, *_ = self._run(batch, train=False)
         finally:
             self.module.train(was_training)
         return {"loss": loss}

@@ -101,6 +101,12 @@ class SharedGradients:
         ]
         """(parameter index, start, end) of the parts of this process's chunk, each within one parameter."""
 
+    @property
+    def flat(self) -> torch.Tensor:
+        """This process's slot: after `average`, every trainable parameter's averaged gradient, flat, in order
+        (bitwise the same in every process, so a check of it reaches the same verdict everywhere)."""
+        return self.slots[self.context.local_rank]
+
     def average(self, extra: torch.Tensor | None = None) -> None:
         """Steps 1-3 of the module docstring: leave every parameter's ``.grad`` the average over processes.
 
