@@ -102,10 +102,13 @@ def test_resume_into_new_workers_and_servers_equals_straight(tmp_path, workers, 
 @pytest.mark.timeout(300)
 def test_sigkilled_worker_resumes_from_the_fit_checkpoint_into_servers_that_went_on(tmp_path):
     """Rank 1 SIGKILLs itself before step 8 (checkpoints every 3: the last is step 6). The server keeps running
-    and holds version 7 when the group restarts; rank 0's restore puts it back to the checkpoint (version 6, both
-    clocks 6), and the job finishes equal, bitwise, to an uninterrupted run taken on the restarted attempt."""
+    and holds version 7 when the group restarts, its step 7 taken at 10x the learning rate (so the servers' later
+    state is not what the resumed job computes again, and the workers' clocks alone cannot hide it); rank 0's
+    restore puts it back to the checkpoint (version 6, both clocks 6), and the job finishes equal, bitwise, to an
+    uninterrupted run taken on the restarted attempt."""
     found = launch(tmp_path, "run", 2, [
-        {"ns": "killed", "dir": str(tmp_path / "ckpt"), "steps": STEPS, "every": 3, "dropout": True, "kill_at": 8},
+        {"ns": "killed", "dir": str(tmp_path / "ckpt"), "steps": STEPS, "every": 3, "dropout": True, "kill_at": 8,
+         "diverge_at": 7},
         {"ns": "straight", "dir": None, "steps": STEPS, "dropout": True, "attempt": 1},
     ], "--max-restarts", 1, timeout=250)  # fmt: skip
     assert not [r for r in found if r["attempt"] == 0], "the first attempt should not have finished"

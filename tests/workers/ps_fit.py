@@ -6,7 +6,8 @@ slow part). A run has: ``ns`` (the model's namespace on the servers), ``dir`` (f
 desync_every, default 0), ``dropout`` (a Dropout layer, so each rank's RNG
 state matters: every rank seeds differently after setup), ``strategy`` ("ps", or "dp" for a DataParallel
 reference), ``kill_at`` (on the first attempt under ``--max-restarts``, rank 1 SIGKILLs itself just before that
-step) and ``attempt`` (run it only on that attempt).
+step), ``diverge_at`` (on that attempt, from that step on, the learning rate is 10x: the steps the restart loses
+differ from those it takes again) and ``attempt`` (run it only on that attempt).
 
 Each line: the run, the rank, the attempt, fit's result, this rank's clock and final parameters (the servers'
 values), and on rank 0 the servers' state as it stands (version, clocks) with a SHA-256 of all of it (parameters,
@@ -57,15 +58,20 @@ for run in config["runs"]:
         strategy = loom.ParameterServer(mode=run.get("mode", "sync"), namespace=run["ns"])
         job = strategy.setup(model, optimizer, nn.functional.mse_loss)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
-    if run.get("kill_at") and attempt == 0 and topo.rank == 1:
+    if run.get("kill_at") and attempt == 0:
         train_step = job.train_step
 
-        def killed_before(batch, kill_at=run["kill_at"], job=job, train_step=train_step):
-            if job.step + 1 == kill_at:
+        def first_attempt(batch, run=run, job=job, train_step=train_step):
+            if job.step + 1 == run["kill_at"] and topo.rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if job.step + 1 == run.get(
+                "diverge_at"
+            ):  # the steps to be lost go elsewhere than the redone ones
+                for group in job.optimizer.param_groups:
+                    group["lr"] *= 10
             return train_step(batch)
 
-        job.train_step = killed_before
+        job.train_step = first_attempt
     torch.manual_seed(100 + topo.rank)
     result = loom.fit(
         job,
