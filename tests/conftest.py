@@ -34,8 +34,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_workers(script: str, world_size: int, *args: str, timeout: float = 90.0) -> list[str]:
-    """Run tests/workers/<script> as ranks 0..world_size-1 of one job; return each rank's stdout.
+def run_workers(
+    script: str | Path, world_size: int, *args: str, timeout: float = 90.0, cwd: Path | None = None
+) -> list[str]:
+    """Run tests/workers/<script> (or the script at an absolute path) as ranks 0..world_size-1 of one job, in
+    ``cwd``; return each rank's stdout.
 
     Each process gets its own session; when one fails or time runs out, all are killed with whatever they
     started, and the error names the rank and shows its stderr.
@@ -61,7 +64,7 @@ def run_workers(script: str, world_size: int, *args: str, timeout: float = 90.0)
         outs.append(out)
         errs.append(err)
         cmd = [sys.executable, str(WORKERS / script), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True, cwd=cwd))
 
     def text(files, rank: int) -> str:
         files[rank].flush()
