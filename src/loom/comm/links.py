@@ -3,8 +3,8 @@
 Why: a ring step is a send to the right neighbour during a receive from the left one. Through gloo's
 point-to-point calls each message crosses thread hand-offs in both processes (the caller queues it, gloo's
 I/O thread moves it, a condition variable wakes the caller) and a rendezvous (the sender waits for the
-receiver's "ready" note before sending). On the 2-core development host that cost 0.4-2 ms per exchange,
-more than moving the data itself below a few MiB. Here the calling thread moves the bytes: non-blocking
+receiver's "ready" note before sending), which can cost more than moving the data itself below a few MiB
+(the ``ring_gloo`` column of ``benchmarks/reports/allreduce.md``). Here the calling thread moves the bytes: non-blocking
 sockets and one poll loop that sends and receives at once (so two neighbours sending large buffers to each
 other never deadlock on full socket buffers), and no per-message protocol, since both ends know the size of
 every message from the schedule. It is the same kernel TCP path gloo uses, so `ring` against `native` still

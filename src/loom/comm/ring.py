@@ -31,8 +31,8 @@ whole tensor, the same bytes in one round of messages (`exchange_schedule`).
 authenticated with the job secret, the calling thread moving the bytes), transfer after transfer, in
 segments of `LINK_SEGMENT_BYTES`; where a link cannot be made, over gloo's point-to-point calls with the
 window above, in segments of `SEGMENT_BYTES`. Those are large (MiB, not KiB) because each gloo message has a
-fixed cost: on the 2-core development host an exchange of 4 bytes over gloo takes 0.5-1.4 ms and 0.2-0.4 ms
-of CPU per process (thread wake-ups and gloo's protocol), against ~0.1 ms over a link.
+fixed cost in time and CPU (thread wake-ups and gloo's protocol) well above a link's
+(``benchmarks/reports/allreduce.md``).
 
 Limits: 2 (N-1) latency-bound steps, so small tensors are faster with a tree or the backend's own algorithm;
 chunks are balanced to within one element, so when D is not divisible by N ranks send slightly different amounts
@@ -149,9 +149,8 @@ def exchange_schedule(flat: torch.Tensor, scratch: torch.Tensor | None = None) -
     With two processes the ring's reduce-scatter and all-gather each send one half: the same bytes as one
     exchange of the whole tensor, which needs one round of messages instead of two dependent ones; each process
     then reduces the whole tensor instead of half of it, which costs little next to a message for a small
-    tensor. Measured on the 2-core development host (N = 2, medians): 4-256 KiB took 0.4-0.7 ms against
-    0.7-3.5 ms for the two-step ring and 0.6-0.7 ms for gloo's all-reduce; from 1 MiB on the pipelined ring
-    was faster than an exchange in segments, hence `EXCHANGE_BELOW_BYTES`. Both processes combine the same
+    tensor; from about 1 MiB on, the pipelined ring is faster than an exchange in segments, hence
+    `EXCHANGE_BELOW_BYTES` (``benchmarks/reports/allreduce.md``). Both processes combine the same
     two values, in opposite orders, so the results are identical (IEEE addition, max and min are commutative);
     `run_ring` waits for the send before combining into the tensor it sent.
     """

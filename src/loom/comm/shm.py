@@ -31,7 +31,7 @@ than `STALE_AFTER_S`.
 
 Barrier: a sequence counter per process in the segment's header, one cache line each. A waiter looks a few
 times, yielding the CPU, then sleeps in steps growing to 50 us, so 4 processes on 2 cores let each other run
-(on a loaded host long ``sched_yield`` spins gave the CPU to other jobs: 2-4x slower than short sleeps). It
+(on a loaded host long ``sched_yield`` spins give the CPU to other jobs, and were slower than short sleeps). It
 checks that the peers are alive and gives up after `BARRIER_TIMEOUT_S`, naming the process it waited for.
 
 Limits: Linux (POSIX shared memory under /dev/shm, whose size bounds the segment: docker's default 64 MiB
@@ -72,7 +72,7 @@ STALE_AFTER_S = 60.0
 _MAGIC = int.from_bytes(b"LOOMSHM1", "little")
 _LINE_WORDS = 8  # 64 bytes: counters of different processes never share a cache line
 _PAGE = 4096
-_SPINS = 3  # sched_yield rounds before sleeping (longer spins lost 2-4x to sleeps on a loaded 2-core host)
+_SPINS = 3  # sched_yield rounds before sleeping (longer spins lost to short sleeps on a loaded host)
 _MAX_PAUSE_S = 5e-5  # longest sleep between two looks at a peer's counter
 
 
