@@ -28,7 +28,13 @@ always waits for the last one).
 Resizing: a checkpoint written with N workers resumes with M; the loader continues at the same global sample
 (see `loom.fault.resize`, which also describes ``scale_lr_with_world_size``, the linear scaling rule). Under
 ``loom run --max-restarts R`` a restarted worker group resumes the same way, losing at most the steps since the
-last checkpoint. ``desync_every`` checks that replicas agree (`loom.fault.desync`) and stops the job if not.
+last checkpoint. ``desync_every`` checks that replicas agree (`loom.fault.desync`) and stops the job if not:
+by default every `DESYNC_EVERY` steps and before every checkpoint, for jobs whose replicas must agree
+(``replicas_agree``) over a data axis of more than one replica.
+
+Non-finite steps: strategies do not apply a step whose loss or gradient is NaN or infinite on some rank (see
+`loom.fault.desync.NonFiniteGuard`; `FitResult.skipped_steps` counts them), and no checkpoint with non-finite
+values is written (`loom.fit_checkpoint`), so the kept checkpoints are all finite.
 """
 
 from __future__ import annotations
@@ -43,7 +49,13 @@ from loom.fit_checkpoint import FitCheckpointer, resume_fit
 from loom.job import Job
 from loom.observe.progress import ProgressBar
 
-__all__ = ["FitResult", "fit"]
+__all__ = ["DESYNC_EVERY", "FitResult", "fit"]
+
+DESYNC_EVERY = 100
+"""Default interval, in steps, of the parameter check across replicas. One check costs about one step of a small
+model (a pass over the parameters and an all-gather of 8 bytes per tensor; about 0.07 of a step of the demo's
+CNN, measured with 2 processes on the development host), so every 100 steps it stays well under 1 % of the
+training time; it also runs before every checkpoint, so a desynchronized state is never saved."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,8 @@ class FitResult:
     """Step of the checkpoint this call resumed from, or None if it started fresh."""
     steps_run: int
     """Steps taken by this call."""
+    skipped_steps: int = 0
+    """Steps of this call whose update the job did not apply (a non-finite loss or gradient on some rank)."""
 
 
 # -- the loop ----------------------------------------------------------------------------------------------------
@@ -140,6 +154,7 @@ class _Loop:
     steps: int | None
     log_every: int | None
     desync_every: int = 0
+    skipped: int = 0
 
     def steps_left(self, at: _Position) -> int | None:
         if self.steps is not None:
@@ -163,10 +178,17 @@ class _Loop:
                     self.scheduler.step()
                 at.step, at.epoch_step, taken = at.step + 1, at.epoch_step + 1, taken + 1
                 self._report(at, bar, (at.step - first) / (time.perf_counter() - started))
-                if self._desync_check_due(at.step):  # before a checkpoint can save a desynchronized state
+                # Jobs with a non-finite guard (DataParallel, model-parallel) set it; others never skip a step.
+                # TODO: declare ``last_step_skipped`` on the loom.job.Job contract instead of reading it here.
+                if getattr(self.job, "last_step_skipped", False):
+                    self.skipped += 1
+                saving = self.checkpointer is not None and at.step % self.checkpoint_every == 0
+                if self._desync_check_due(
+                    at.step, saving
+                ):  # before a checkpoint can save a desynchronized state
                     check_replicas_agree(self.job.module, self.job.mesh.group("dp"), step=at.step)
-                if self.checkpointer is not None and at.step % self.checkpoint_every == 0:
-                    self.checkpointer.save(at.step, asdict(at))
+                if saving:
+                    self.checkpointer.save(at.step, asdict(at))  # type: ignore[union-attr]
                 if self.steps is not None and at.step >= self.steps:
                     break
             else:
@@ -179,8 +201,8 @@ class _Loop:
                     "HINT: check that the dataset is not empty (or smaller than the batch with drop_last)."
                 )
 
-    def _desync_check_due(self, step: int) -> bool:
-        due = bool(self.desync_every) and step % self.desync_every == 0
+    def _desync_check_due(self, step: int, saving: bool = False) -> bool:
+        due = bool(self.desync_every) and (step % self.desync_every == 0 or saving)
         return due and self.job.replicas_agree and self.job.mesh.group("dp") is not None
 
     def _report(self, at: _Position, bar: ProgressBar, steps_per_s: float) -> None:
@@ -211,7 +233,7 @@ def fit(
     log_every: int | None = None,
     progress: bool = True,
     scale_lr_with_world_size: bool = False,
-    desync_every: int = 0,
+    desync_every: int = DESYNC_EVERY,
 ) -> FitResult:
     """Train ``job`` on ``loader`` until the run has taken ``steps`` steps or completed ``epochs`` epochs.
 
@@ -221,7 +243,8 @@ def fit(
     prints a line every so many steps. ``progress``: show a progress bar on the main process.
     ``scale_lr_with_world_size``: on resume at another world size, multiply the learning rates by new / saved
     world size (for jobs whose global batch grows with the workers). ``desync_every``: every so many steps,
-    check that the replicas' parameters are bitwise equal (0: never; one small all-gather per check).
+    and before each checkpoint, check that the replicas' parameters are bitwise equal (0: never; one small
+    all-gather per check; skipped for jobs whose ``replicas_agree`` is False).
     Without a checkpoint, counting starts at the job's ``step`` and the loader's ``epoch`` (0 for fresh ones).
     """
     _validate(job, loader, epochs, steps, checkpoint_dir, checkpoint_every, keep, async_checkpoint,
@@ -252,10 +275,14 @@ def fit(
             loop.run(at, bar)
         if checkpointer is not None:
             if at.step != checkpointer.saved_step and at.step > first_step:
+                if loop._desync_check_due(at.step, saving=True):
+                    check_replicas_agree(job.module, job.mesh.group("dp"), step=at.step)
                 checkpointer.save(at.step, asdict(at))
             checkpointer.finish()
     except BaseException:
         if checkpointer is not None:
             checkpointer.abandon()
         raise
-    return FitResult(at.step, loop.completed_epochs(at), at.last_loss, resumed_from, at.step - first_step)
+    return FitResult(
+        at.step, loop.completed_epochs(at), at.last_loss, resumed_from, at.step - first_step, loop.skipped
+    )

@@ -16,6 +16,13 @@ same world size rank r loads file r, bitwise. At another world size the local st
 stderr saying so when it holds tensors: residuals belong to the ranks that kept them, and there is no meaningful
 way to share them among a different number of ranks (the codecs start from zero).
 
+Non-finite state is never written: before a checkpoint every rank that writes state checks it (rank 0 the
+replicated job state; every rank its own local state, or its part of a sharded job) for NaN and infinite
+values, and the ranks agree on the verdict with the collectives the write already takes (the size gather, the
+success agreement). A non-finite state stops the job on every rank with `NonFiniteStateError`, naming the
+ranks, the tensors and the newest checkpoint, which is kept: the checkpoints on disk are all finite, so rotation
+(``keep``) never removes the last good one in favour of a bad one.
+
 Limits: rank 0 holds every rank's local state at once while it writes (for error feedback: one gradient's worth
 per rank), and every rank loading a checkpoint reads (to verify) every rank's file. The codecs key their state
 by parameter (`loom.comm.compression.feedback`), so the restored residuals reach the gradients even though a
@@ -52,7 +59,28 @@ from loom.fault.resize import resize_factor, scale_learning_rate
 from loom.job import Job
 from loom.topology import Topology
 
-__all__ = ["FitCheckpointer", "resume_fit"]
+__all__ = ["FitCheckpointer", "NonFiniteStateError", "nonfinite_tensors", "resume_fit"]
+
+_WRITE_FAILED, _NONFINITE = 1, 2
+"""Codes of a rank's verdict in the agreement after a checkpoint."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """The state to checkpoint holds NaN or infinite values: it is not written (the previous checkpoint stays)."""
+
+
+def nonfinite_tensors(state: Any) -> list[str]:
+    """The keys (as `flatten_state` names them) of the floating-point tensors of ``state`` that are not finite."""
+    _, tensors = flatten_state(state)
+    return [
+        key
+        for key, t in tensors.items()
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
+    ]
+
+
+def _shown(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 # -- collectives (no-ops in a single process) -------------------------------------------------------------------
@@ -96,16 +124,28 @@ def _rank_state(job: Job) -> dict[str, Any]:
     return {"job": job.state_dict(), "local": job.local_state_dict()}
 
 
-def _gather_rank_states(job: Job, topo: Topology) -> list[bytes] | None:
+def _gather_rank_states(job: Job, topo: Topology, refused: str) -> list[bytes] | None:
     """Every rank's packed `_rank_state` on rank 0, in rank order (None elsewhere). The lengths are
-    all-gathered first (-1: this rank could not pack its state, and every rank raises), then the bytes are
-    gathered to rank 0 alone, zero-padded to the longest."""
+    all-gathered first (-1: this rank could not pack its state, -2: it holds non-finite values; every rank
+    raises, ``refused`` saying what is kept), then the bytes are gathered to rank 0 alone, zero-padded to the
+    longest."""
     payload, error = b"", None
+    nonfinite: list[str] = []
     try:
-        payload = pack_state(_rank_state(job))
+        state = _rank_state(job)
+        nonfinite = nonfinite_tensors(state)
+        payload = pack_state(state) if not nonfinite else b""
     except Exception as err:  # reported on every rank below, so no rank is left waiting in the gather
         error = err
-    sizes = _all_gather_int(-1 if error else len(payload), topo)
+    sizes = _all_gather_int(-1 if error else -2 if nonfinite else len(payload), topo)
+    if -2 in sizes and -1 not in sizes:
+        ranks = [r for r, n in enumerate(sizes) if n == -2]
+        here = f" (here: {_shown(nonfinite)})" if nonfinite else ""
+        raise NonFiniteStateError(
+            f"the state of rank(s) {ranks} holds NaN or infinite values{here}, seen on rank {topo.rank}: "
+            f"{refused} HINT: training diverged before this checkpoint; resume from the kept one with a lower "
+            "learning rate, or look for non-finite inputs (DataParallel(nonfinite='skip') drops such steps)."
+        )
     if error is not None or min(sizes) < 0:
         failed = [r for r, n in enumerate(sizes) if n < 0]
         raise CheckpointError(
@@ -136,10 +176,18 @@ class FitCheckpointer:
         self.pending: AsyncCheckpoint | None = None
         self.saved_step: int | None = None
 
+    def _refused(self, step: int) -> str:
+        kept = (
+            f"the newest checkpoint, of step {self.saved_step}, is kept"
+            if self.saved_step is not None
+            else "no checkpoint was written before it"
+        )
+        return f"the checkpoint of step {step} is not written to {self.directory}; {kept}."
+
     def save(self, step: int, loop_state: dict[str, Any]) -> None:
         rng = _gather_rng(self.topo)  # every rank takes part
-        local = _gather_rank_states(self.job, self.topo)
-        failure = ""
+        local = _gather_rank_states(self.job, self.topo, self._refused(step))
+        failure, code = "", _WRITE_FAILED
         if self.topo.is_main:
             fit_state = dict(
                 loop_state,
@@ -148,8 +196,10 @@ class FitCheckpointer:
                 sharded=not self.job.replicated_state,
                 mesh=self.job.mesh.shape.describe(),
             )
+            job_state = self.job.state_dict() if self.job.replicated_state else None
+            nonfinite = nonfinite_tensors(job_state) if job_state is not None else []
             state = {
-                "job": self.job.state_dict() if self.job.replicated_state else None,
+                "job": job_state,
                 "loader": self.loader.state_dict(),
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
                 "rng": {"ranks": rng},
@@ -157,7 +207,9 @@ class FitCheckpointer:
             }
             try:
                 files = local or ()
-                if self.use_async:
+                if nonfinite:
+                    failure, code = f"NaN or infinite values in {_shown(nonfinite)}", _NONFINITE
+                elif self.use_async:
                     self.pending = save_checkpoint_async(
                         self.directory, step, state, keep=self.keep, local_states=files
                     )
@@ -165,7 +217,7 @@ class FitCheckpointer:
                     save_checkpoint(self.directory, step, state, keep=self.keep, local_states=files)
             except Exception as err:  # reported on every rank below
                 failure = repr(err)
-        self._agree(failure, f"saving the checkpoint of step {step}")
+        self._agree(failure, f"saving the checkpoint of step {step}", code, self._refused(step))
         self.saved_step = step
 
     def finish(self) -> None:
@@ -187,10 +239,18 @@ class FitCheckpointer:
                 warnings.warn(f"the last asynchronous checkpoint also failed: {err}", stacklevel=3)
             self.pending = None
 
-    def _agree(self, failure: str, operation: str) -> None:
-        flags = _all_gather_int(1 if failure else 0, self.topo)
+    def _agree(self, failure: str, operation: str, code: int = _WRITE_FAILED, refused: str = "") -> None:
+        flags = _all_gather_int(code if failure else 0, self.topo)
+        if _NONFINITE in flags:
+            rank = flags.index(_NONFINITE)
+            raise NonFiniteStateError(
+                f"{operation}: rank {rank}'s state holds {failure or 'NaN or infinite values'} (seen on rank "
+                f"{self.topo.rank}): {refused} HINT: training diverged before this checkpoint; resume from "
+                "the kept one with a lower learning rate, or look for non-finite inputs "
+                "(DataParallel(nonfinite='skip') drops such steps)."
+            )
         if any(flags) and not failure:
-            failure = f"rank {flags.index(1)} failed"
+            failure = f"rank {next(r for r, f in enumerate(flags) if f)} failed"
         if failure:
             raise CheckpointError(
                 f"{operation} in {self.directory} failed (seen on rank {self.topo.rank}): {failure}. "
