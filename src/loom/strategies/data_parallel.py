@@ -319,11 +319,14 @@ class DataParallelJob(Job):
         pieces = f" in {accumulate} micro-batches (accumulate)" if accumulate > 1 else ""
         need = f"2 x {world} replicas" + (f" x {accumulate} micro-batches" if accumulate > 1 else "")
         described = ", ".join(f"rank {r}: {n}" for r, n in small.items())
+        layers = ", ".join(repr(n) for n in self._batchnorm[:3]) + (
+            " ..." if len(self._batchnorm) > 3 else ""
+        )
         raise ValueError(
             f"rank {self.topology.rank}: at step {self.step + 1} the global batch of {total} sample(s) gives "
-            f"shares too small for BatchNorm in training mode ({described}{pieces}); BatchNorm needs at least "
-            f"2 samples per forward ({self._batchnorm[0]} ...), and an empty share would put NaN in its running "
-            f"statistics. HINT: pass drop_last=True to job.loader(...) so the ragged last batch is dropped, and "
+            f"shares too small for BatchNorm in training mode ({described}{pieces}); BatchNorm layers "
+            f"({layers}) need at least 2 samples per forward, and an empty share would put NaN in their "
+            f"running statistics. HINT: pass drop_last=True to job.loader(...) so the ragged last batch is dropped, and "
             f"use a global batch of at least {need} = {2 * world * accumulate} samples."
         )
 
