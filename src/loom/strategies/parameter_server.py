@@ -159,9 +159,8 @@ class ParameterServer:
                   for s in range(len(addresses))]  # fmt: skip
         replies = client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
         metrics = ParameterServerMetrics(topo.rank, self.metrics_path)
-        mesh = Mesh(
-            dp=topo.world_size, topology=topo
-        )  # the workers; the servers are not in the process group
+        # The workers' mesh: the servers are not in the torch process group.
+        mesh = Mesh(dp=topo.world_size, topology=topo)
         job = ParameterServerJob(model, optimizer, loss_fn, mesh, cfg, client, plan, metrics)
         # A restarted worker rejoins at its clock on the servers (a lagging restored server catches up).
         job.step = max(int(r.meta.get("clock", 0)) for r in replies)
@@ -419,9 +418,9 @@ class ParameterServerJob(Job):
     def state_dict(self) -> dict[str, Any]:
         """This worker's part of a checkpoint: its clock (``step``), the server versions it last saw, its
         module (the servers' current parameters, its own buffers) and its optimizer's param groups (the learning
-        rates its pushes carry); on rank 0 also ``servers``, every server's
-        whole state (`loom.ps.shard.ModelShard.state`: parameters, optimizer state, version, every worker's
-        clock), read with STATE. Tensors and JSON only.
+        rates its pushes carry); on rank 0 also ``servers``, every server's whole state
+        (`loom.ps.shard.ModelShard.state`: parameters, optimizer state, version, every worker's clock), read
+        with STATE. Tensors and JSON only.
 
         The servers' state is a consistent snapshot when no worker is inside a step, as at `loom.fit`'s
         checkpoints (every worker enters them after its step and leaves after the write). Each server's state
