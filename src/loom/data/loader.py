@@ -69,6 +69,10 @@ def _stamp(batch: Any, layout: tuple) -> Any:
     return batch
 
 
+def _layout(batch: Any) -> tuple:
+    return tuple(getattr(batch, name) for name in _LAYOUT)
+
+
 class ShardBatch(_ShardLayout, tuple):
     """A tuple ``(inputs, targets, ...)`` plus the global batch it was cut from."""
 
@@ -84,6 +88,10 @@ class ShardBatch(_ShardLayout, tuple):
     ) -> ShardBatch:
         batch = super().__new__(cls, items)
         return _stamp(batch, (global_size, epoch, step, shard_index, shard_count, fingerprint))
+
+    def __reduce__(self) -> tuple:
+        # tuple's default passes only the items to __new__: copy, deepcopy and pickle would fail.
+        return type(self), (tuple(self), *_layout(self))
 
 
 class ShardDict(_ShardLayout, dict):
@@ -110,9 +118,21 @@ def _namedtuple_shard(kind: type) -> type | None:
     """A subclass of namedtuple ``kind`` that carries the layout, or None when a field would shadow it."""
     if kind not in _NAMEDTUPLE_SHARDS:
         clash = set(kind._fields) & set(_LAYOUT)  # type: ignore[attr-defined]
-        shard = None if clash else type(kind.__name__, (_ShardLayout, kind), {"__module__": kind.__module__})
+        shard = None
+        if not clash:
+            shard = type(kind.__name__, (_ShardLayout, kind), {"__module__": kind.__module__})
+            shard.__reduce__ = _reduce_namedtuple_shard  # type: ignore[method-assign,assignment]
         _NAMEDTUPLE_SHARDS[kind] = shard  # type: ignore[assignment]
     return _NAMEDTUPLE_SHARDS[kind]
+
+
+def _reduce_namedtuple_shard(batch: Any) -> tuple:
+    # The subclass is made at run time, so pickle cannot find it by name: rebuild it from the namedtuple.
+    return _rebuild_namedtuple_shard, (type(batch).__mro__[2], tuple(batch), _layout(batch))
+
+
+def _rebuild_namedtuple_shard(kind: type, items: tuple, layout: tuple) -> Any:
+    return _with_layout(kind(*items), *layout)
 
 
 def _with_layout(batch: Any, *layout: Any) -> Any:
