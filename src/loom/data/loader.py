@@ -22,7 +22,7 @@ depends on what the collation returns:
   fingerprints the tensor content instead of the indices; `job.train_step` needs an ``(inputs, targets)`` pair,
   so build one in the dataset or in ``collate_fn``.
 
-Before the first batch, a loader built in a distributed job checks that every process holds the same dataset
+When a loader is built in a distributed job, it checks that every process holds the same dataset
 (`loom.data.same_data`); ``same_data_check=False`` turns that off.
 """
 
