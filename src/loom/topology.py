@@ -102,9 +102,12 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Topology:
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if "LOOM_STORE_PREFIX" in os.environ:
-            store = _job_store(rank, timeout_s)
+            global _store
+            # Kept here while the group lives: torch holds only the C++ side of a Python store, and a call to
+            # a store whose Python object was collected fails ("Not implemented"), e.g. in every new_group.
+            _store = _job_store(rank, timeout_s)
             dist.init_process_group(
-                backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout
+                backend=chosen, store=_store, rank=rank, world_size=world_size, timeout=timeout
             )
         else:
             dist.init_process_group(
@@ -114,6 +117,10 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Topology:
     _current = Topology(rank, world_size, local_rank, local_world_size, chosen)
     atexit.register(shutdown)
     return _current
+
+
+_store = None
+"""The `loom.launch.store.LoomStore` the process group meets in under ``loom run`` (see `init`)."""
 
 
 def _job_store(rank: int, timeout_s: float):
@@ -185,5 +192,7 @@ def shutdown(barrier_timeout_s: float = 60.0) -> None:
 
         close_links()  # the ring's sockets go with the group they were made for
         dist.destroy_process_group()
+    global _store
+    _store = None
     _restore_excepthook()
     _current = None

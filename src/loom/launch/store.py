@@ -291,6 +291,7 @@ class LoomStore(dist.Store):
         self._server = server
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._clones: list[LoomStore] = []
 
     @property
     def address(self) -> str:
@@ -302,6 +303,13 @@ class LoomStore(dist.Store):
             self.host, self.port, self.secret, prefix=self.prefix + prefix, timeout=self.timeout,
             connect_timeout_s=self.connect_timeout_s, io_timeout_s=self.io_timeout_s, server=self._server,
         )  # fmt: skip
+
+    def clone(self) -> LoomStore:
+        """Another client of the same server and prefix, with a connection of its own. Kept alive by this one:
+        torch holds only the C++ side of a Python store."""
+        copy = self.with_prefix("")
+        self._clones.append(copy)
+        return copy
 
     def close(self) -> None:
         with self._lock:
