@@ -2,7 +2,7 @@
 
 import pytest
 
-from loom.bench.data_parallel import _markdown, summarize
+from loom_bench.data_parallel import _markdown, summarize
 
 
 def test_summary_pairs_each_repetition_with_its_own_ddp_run():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from loom.bench import links
 from loom.launch.cli import _build_parser
+from loom_bench import links
 
 
 def _summary() -> dict:

@@ -129,18 +129,18 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
     if ns.which == "dp":
-        from loom.bench.data_parallel import run_benchmark
+        from loom_bench.data_parallel import run_benchmark
 
         return run_benchmark(repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out)
     if ns.which == "allreduce":
-        from loom.bench.allreduce import run_allreduce_benchmark
+        from loom_bench.allreduce import run_allreduce_benchmark
 
         return run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick)
     if ns.which == "links":
-        from loom.bench.links import run_links_benchmark
+        from loom_bench.links import run_links_benchmark
 
         return run_links_benchmark(out_dir=ns.out, reps=ns.repetitions, quick=ns.quick)
-    from loom.bench.checkpoint_overhead import run_checkpoint_benchmark
+    from loom_bench.checkpoint_overhead import run_checkpoint_benchmark
 
     return run_checkpoint_benchmark(out_dir=ns.out)
 

@@ -1,7 +1,7 @@
 """Observability: what each process records per step, straggler warnings, traces and ``loom report``.
 
 `loom.observe.metrics` (the records), `loom.observe.phases` (how a step is timed), `loom.observe.stragglers`,
-`loom.observe.trace` (Chrome-trace timeline), `loom.observe.report` (HTML + PNG report), `loom.observe.overhead`
+`loom.observe.trace` (Chrome-trace timeline), `loom.observe.report` (HTML + PNG report), `loom_bench.metrics_overhead`
 (what all of it costs).
 """
 

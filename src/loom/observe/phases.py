@@ -17,7 +17,7 @@ all-reduce it registers no hook (a Python hook costs a GIL handoff per bucket, m
 step): the end of gradient computation is read from post-accumulate-gradient hooks on the model's first
 parameters, the last whose gradients backward computes, and the rest of backward is the wait; a traced run
 (``LOOM_TRACE_STEPS``) shows that wait as one collective event, since timing every bucket would need a Python
-hook, i.e. another path than the one traced. The cost of all this is measured by ``python -m loom.observe.overhead`` (``benchmarks/reports/metrics_overhead.md``).
+hook, i.e. another path than the one traced. The cost of all this is measured by ``python -m loom_bench.metrics_overhead`` (``benchmarks/reports/metrics_overhead.md``).
 
 Straggler detection: each rank writes its previous step's phase times into its own row of a ``[world x 4]``
 block appended to the loss buffer the strategy all-reduces anyway (sum: every other row is zero), so rank 0

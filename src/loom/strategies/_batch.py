@@ -8,7 +8,7 @@ tensor in a batch must share it: these helpers do not check that the others agre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,9 +19,12 @@ __all__ = ["batch_len", "slice_batch", "split_batch", "to_device"]
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
     """``(inputs, targets)`` of ``batch``; a clear error for anything that is not such a pair."""
     if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)) or len(batch) < 2:
+        got = type(batch).__name__ + (f" with keys {list(batch)[:8]}" if isinstance(batch, Mapping) else "")
         raise TypeError(
-            f"a batch must be a tuple (inputs, targets), got {type(batch).__name__}. "
-            "HINT: iterate a loom.data.loader(...) or pass (inputs, targets)."
+            f"a batch must be a pair (inputs, targets), got {got}. loom.data.loader collates samples as "
+            "DataLoader does: a dataset returning a dict gives a dict, one tensor per sample gives a tensor. "
+            "HINT: return (inputs, target) from the dataset's __getitem__, or pass a collate_fn=... that builds "
+            "(inputs, targets) to job.loader / loom.data.loader."
         )
     return batch[0], batch[1]
 

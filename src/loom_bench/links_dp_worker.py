@@ -1,6 +1,6 @@
-"""Worker of `loom.bench.links`: `loom.DataParallel` step time, uncompressed and with compression codecs.
+"""Worker of `loom_bench.links`: `loom.DataParallel` step time, uncompressed and with compression codecs.
 
-Trains the benchmark MLP (`loom.bench.dp_worker.bench_model`, 784-1024-1024-10: 1.9 M parameters, 7.5 MB of
+Trains the benchmark MLP (`loom_bench.dp_worker.bench_model`, 784-1024-1024-10: 1.9 M parameters, 7.5 MB of
 float32 gradients) on synthetic global batches of 256 with SGD, once per configuration, in the same processes:
 ``DataParallel(allreduce="native")`` (DDP's own gloo all-reduce, the fastest uncompressed algorithm on these
 links) and ``DataParallel(compression=codec)`` for each ``--codecs`` entry. Each configuration gets fresh model
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import loom
-from loom.bench.dp_worker import bench_model, synthetic_data
+from loom_bench.dp_worker import bench_model, synthetic_data
 
 __all__ = ["step_seconds"]
 

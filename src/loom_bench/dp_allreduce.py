@@ -1,10 +1,10 @@
 """DDP with loom's gradient all-reduce hooks vs raw DDP, 2 workers on this host, plus a one-process baseline.
 
-    python -m loom.bench.dp_allreduce [--repetitions 5] [--steps 30] [--configs ddp,overlap_shm,...]
+    python -m loom_bench.dp_allreduce [--repetitions 5] [--steps 30] [--configs ddp,overlap_shm,...]
 
 The question (issue 3): does all-reducing gradients with loom's shared-memory algorithm, overlapped with
 backward on a communication thread (`loom.comm.ddp_async`), beat DDP's own gloo all-reduce on one host? The
-worker (`loom.bench.dp_allreduce_worker`) times each configuration in the same two processes, rotating their
+worker (`loom_bench.dp_allreduce_worker`) times each configuration in the same two processes, rotating their
 order per repetition, and in the same rotation one process alone (rank 0, the other waiting): the baseline. Figures are medians over repetitions:
 throughput, ratio to raw DDP, scaling efficiency (throughput on N workers / (N x one process)).
 
@@ -46,7 +46,7 @@ DESCRIPTIONS = {
 
 def _run_worker(args: list[str], nproc: int, run_dir: Path) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    worker = ["-m", "loom.bench.dp_allreduce_worker", *args]
+    worker = ["-m", "loom_bench.dp_allreduce_worker", *args]
     if nproc == 1:
         return subprocess.call([sys.executable, *worker], env=env)
     launch = [sys.executable, "-m", "loom.launch.cli", "run", "-n", str(nproc), "--run-dir", str(run_dir)]
@@ -113,7 +113,7 @@ def _markdown(r: dict) -> str:
         [
             "# Gradient averaging in data-parallel training: loom's paths vs raw DDP",
             "",
-            f"Command: `python -m loom.bench.dp_allreduce --repetitions {r['repetitions']} --steps "
+            f"Command: `python -m loom_bench.dp_allreduce --repetitions {r['repetitions']} --steps "
             f"{r['steps_per_repetition']}` ({r['date']}; {r['machine']}).",
             f"Model: {r['model']}. {r['workers']} workers on one host, launched by `loom run`; medians of "
             f"{r['repetitions']} repetitions, configurations rotated within each; the one-process baseline is timed "
@@ -140,7 +140,7 @@ def _markdown(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loom.bench.dp_allreduce", description=__doc__.split("\n")[0]
+        prog="python -m loom_bench.dp_allreduce", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)

@@ -1,6 +1,6 @@
 """``loom bench allreduce``: every all-reduce algorithm against native and against the memory-copy ceiling.
 
-For N = 2 and 4 processes on this host (each a ``loom run`` job of `loom.bench.allreduce_worker`) and message
+For N = 2 and 4 processes on this host (each a ``loom run`` job of `loom_bench.allreduce_worker`) and message
 sizes from 4 KiB to 64 MiB (float32), it reports the median time per call over repetitions, the bus bandwidth
 ``2 (N-1)/N * bytes / time`` (NCCL's convention: what each process's link must carry for a ring), the ratio to
 ``native`` measured in the same job, and, as the physical ceiling, the bandwidth of one ``torch`` copy of the
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from loom.bench.allreduce_worker import RING_OVER_GLOO
 from loom.comm import ALGORITHMS
+from loom_bench.allreduce_worker import RING_OVER_GLOO
 
 __all__ = ["run_allreduce_benchmark"]
 
@@ -62,7 +62,7 @@ def _run_job(n: int, sizes: list[int], repetitions: int, tmp: Path) -> dict:
     out = tmp / f"n{n}.json"
     cmd = [
         sys.executable, "-m", "loom.launch.cli", "run", "-n", str(n), "--run-dir", str(tmp / f"run{n}"),
-        "-m", "loom.bench.allreduce_worker", "--sizes", *map(str, sizes), "--algorithms", *COLUMNS,
+        "-m", "loom_bench.allreduce_worker", "--sizes", *map(str, sizes), "--algorithms", *COLUMNS,
         "--repetitions", str(repetitions), "--out", str(out),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", LOOM_CACHE_DIR=str(tmp / "cache"))

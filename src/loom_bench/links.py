@@ -1,15 +1,15 @@
 """All-reduce on real (virtual) links: hosts in network namespaces, joined by veth pairs, limited by ``tc tbf``.
 
-    sudo loom bench links [--quick] [--out benchmarks/reports]     (or: python -m loom.bench.links)
+    sudo loom bench links [--quick] [--out benchmarks/reports]     (or: python -m loom_bench.links)
 
 Each "host" is a network namespace; two are joined by a veth pair, three by veth pairs to a bridge in a
 namespace of its own; every veth end is shaped with a token bucket filter (``tc ... root tbf rate R``: this
 kernel has no ``netem``, so bandwidth is limited but no delay added). In each namespace
 ``loom run -n 1 --nnodes K --node-rank i --master 10.77.0.1:PORT`` starts one worker of
-`loom.bench.links_worker`, which times native, ring and driver all-reduce; the launcher binds gloo to the veth
+`loom_bench.links_worker`, which times native, ring and driver all-reduce; the launcher binds gloo to the veth
 holding the node's address. The figure of merit is the achieved bus bandwidth (``2 (N-1)/N * D``
 bytes each way per call, see `loom.comm.counters`) as a fraction of the link rate: a bandwidth-optimal ring
-should come close to 1 on a full-duplex link. Then a second job (`loom.bench.links_dp_worker`) times
+should come close to 1 on a full-duplex link. Then a second job (`loom_bench.links_dp_worker`) times
 `loom.DataParallel` steps of the benchmark MLP uncompressed and with ``powersgd:4`` and ``topk:0.01``
 compression, on 2 and on 3 hosts at each rate: what compression buys on a slow link.
 
@@ -188,14 +188,14 @@ def run_links_benchmark(
                         f"loom bench links: {k} hosts, {rate}, {SIZES[rate] >> 20} MiB all-reduce", flush=True
                     )
                     args = ["--bytes", str(SIZES[rate]), "--reps", str(reps), "--out", str(job / "ar.json")]
-                    _run_job(hosts, "loom.bench.links_worker", args, job / "ar")
+                    _run_job(hosts, "loom_bench.links_worker", args, job / "ar")
                     found = json.loads((job / "ar.json").read_text())
                     for r in found["results"].values():
                         r["fraction_of_link"] = r["bus_bits_per_s"] / bits
                     print(f"loom bench links: {k} hosts, {rate}, DataParallel steps", flush=True)
                     args = ["--codecs", CODECS, "--steps", str(dp_steps), "--repetitions", str(dp_reps),
                             "--out", str(job / "dp.json")]  # fmt: skip
-                    _run_job(hosts, "loom.bench.links_dp_worker", args, job / "dp")
+                    _run_job(hosts, "loom_bench.links_dp_worker", args, job / "dp")
                     dp = json.loads((job / "dp.json").read_text())
                     runs.append({"hosts": k, "rate": rate, **found, **dp})
             except RuntimeError as error:
@@ -293,7 +293,7 @@ def _plot(s: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loom.bench.links", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loom_bench.links", description=__doc__.split("\n")[0])
     parser.add_argument("--out", "--out-dir", type=Path, default=Path("benchmarks/reports"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true")

@@ -1,10 +1,10 @@
-"""Worker of `loom.bench.links`: time native, ring and driver all-reduce of one size across the job's hosts.
+"""Worker of `loom_bench.links`: time native, ring and driver all-reduce of one size across the job's hosts.
 
 Each algorithm gets one warm-up call, then ``--reps`` timed calls, each started after a barrier; a call's time
 is the slowest rank's, the median is kept. Achieved bandwidth uses the bus-bytes convention of
 `loom.comm.counters` (a bandwidth-optimal ring moves ``2 (N-1)/N * D`` bytes each way per process), so it
 compares directly with the link rate. With ``--dp-steps S`` it then times S DistributedDataParallel steps of the
-benchmark MLP (`loom.bench.dp_worker`, global batch 256) without a hook and with each ``--codecs`` compression
+benchmark MLP (`loom_bench.dp_worker`, global batch 256) without a hook and with each ``--codecs`` compression
 hook (`loom.comm.compression`), after 2 warm-up steps, each config's time the slowest rank's.
 Rank 0 writes ``{"results": {algorithm: {"seconds", "bus_bits_per_s"}}, "dp_step_s": {config: s}}`` as JSON.
 """
@@ -24,9 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import loom
 from loom import comm
-from loom.bench.dp_worker import bench_model, synthetic_data
 from loom.comm.compression import compression_hook
 from loom.data import share_bounds
+from loom_bench.dp_worker import bench_model, synthetic_data
 
 
 def dp_step_seconds(topo, codec: str | None, steps: int, warmup: int = 2, global_batch: int = 256) -> float:

@@ -1,6 +1,6 @@
-"""Worker of `loom.bench.dp_allreduce`: DDP's gradient all-reduce, with and without loom's hooks, same processes.
+"""Worker of `loom_bench.dp_allreduce`: DDP's gradient all-reduce, with and without loom's hooks, same processes.
 
-Every configuration trains the benchmark MLP of `loom.bench.dp_worker` (784-1024-1024-10, SGD, synthetic data)
+Every configuration trains the benchmark MLP of `loom_bench.dp_worker` (784-1024-1024-10, SGD, synthetic data)
 for the same steps; within each repetition the configurations run one after the other, in an order rotated
 per repetition, so drift on a shared machine hits all of them alike. A configuration's time is the slowest
 rank's. The scaling baseline, ``one_process``, is timed in the same rotation: rank 0 alone trains the plain model
@@ -21,12 +21,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import loom
-from loom.bench.dp_worker import bench_model, synthetic_data
 from loom.comm import allreduce_hook
 from loom.comm.auto import policy_for
 from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.data import share_bounds
 from loom.strategies.shared_gradients import SharedGradients
+from loom_bench.dp_worker import bench_model, synthetic_data
 
 CONFIGS = {
     # name: (hook: None | "sync" | "overlap", algorithm, bucket_cap_mb, gradient_as_bucket_view)

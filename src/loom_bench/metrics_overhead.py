@@ -1,6 +1,6 @@
 """Cost of `loom.observe`: step time with metrics on vs off, interleaved in the same run.
 
-``python -m loom.observe.overhead [--model cnn|mlp] [--nproc 2] [--repetitions 12] [--steps 40] [--out DIR]``
+``python -m loom_bench.metrics_overhead [--model cnn|mlp] [--nproc 2] [--repetitions 12] [--steps 40] [--out DIR]``
 
 Jobs train the same model side by side: ``cnn``, the demo CNN on the 8x8 digits (global batch 64, a step of a
 few ms: the worst case for a fixed per-step cost), or ``mlp``, the benchmark MLP of `loom bench dp`
@@ -46,7 +46,7 @@ MODELS = {
 def _model_and_data(model: str):
     """(model, training set, global batch) of ``model``."""
     if model == "mlp":
-        from loom.bench.dp_worker import bench_model, synthetic_data
+        from loom_bench.dp_worker import bench_model, synthetic_data
 
         return bench_model(), synthetic_data(256, 8), 256
     from loom.demo.train import digits_cnn, digits_datasets
@@ -162,7 +162,7 @@ def measure_overhead(nproc: int, repetitions: int, steps: int, out_dir: Path, mo
                        LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS="1")  # fmt: skip
             env.pop("LOOM_RUN_DIR", None)
-            cmd = [sys.executable, "-m", "loom.observe.overhead", "--worker", "--repetitions", str(repetitions),
+            cmd = [sys.executable, "-m", "loom_bench.metrics_overhead", "--worker", "--repetitions", str(repetitions),
                    "--steps", str(steps), "--model", model, "--result", str(result)]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env))
         codes = [p.wait(timeout=1800) for p in procs]
@@ -177,7 +177,7 @@ def measure_overhead(nproc: int, repetitions: int, steps: int, out_dir: Path, mo
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
         "model": MODELS[model],
-        "command": f"python -m loom.observe.overhead --model {model} --repetitions {repetitions} --steps {steps}",
+        "command": f"python -m loom_bench.metrics_overhead --model {model} --repetitions {repetitions} --steps {steps}",
         "nproc": nproc,
         "repetitions": repetitions,
         "steps": steps,

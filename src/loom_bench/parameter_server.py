@@ -1,6 +1,6 @@
 """Benchmark: parameter-server modes against DataParallel with one slow worker, and server update rates.
 
-``python -m loom.ps.bench [--out benchmarks/reports] [--budget 4]`` runs, in one invocation on this machine:
+``python -m loom_bench.parameter_server [--out benchmarks/reports] [--budget 4]`` runs, in one invocation on this machine:
 
 1. 4 workers on least squares (d=64); each step "computes" for ``base_s`` (a sleep, so that the 3x slowdown is
    exact and the 2 cores are not the bottleneck) and worker 3 for ``3 * base_s``. For ``sync``, ``ssp`` (s=2),
@@ -124,7 +124,7 @@ def _run_workers(n: int, cfg: dict, env: dict[str, str]) -> list[dict]:
         child = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
                      LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                      GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **env)  # fmt: skip
-        cmd = [sys.executable, "-m", "loom.ps.bench", "--worker", json.dumps(cfg)]
+        cmd = [sys.executable, "-m", "loom_bench.parameter_server", "--worker", json.dumps(cfg)]
         procs.append(subprocess.Popen(cmd, env=child, stdout=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=cfg["budget"] + 120)[0] for p in procs]
@@ -215,7 +215,9 @@ def _markdown(r: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m loom.ps.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m loom_bench.parameter_server", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
     p.add_argument("--budget", type=float, default=4.0, help="wall seconds per mode")

@@ -25,7 +25,7 @@ __all__ = ["run_benchmark", "summarize"]
 def _worker(args: list[str], nproc: int, run_dir: Path) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if nproc == 1:
-        cmd = [sys.executable, "-m", "loom.bench.dp_worker", *args]
+        cmd = [sys.executable, "-m", "loom_bench.dp_worker", *args]
     else:
         cmd = [
             sys.executable,
@@ -37,7 +37,7 @@ def _worker(args: list[str], nproc: int, run_dir: Path) -> int:
             "--run-dir",
             str(run_dir),
             "-m",
-            "loom.bench.dp_worker",
+            "loom_bench.dp_worker",
             *args,
         ]
     return subprocess.call(cmd, env=env)
