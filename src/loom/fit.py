@@ -52,10 +52,10 @@ from loom.observe.progress import ProgressBar
 __all__ = ["DESYNC_EVERY", "FitResult", "fit"]
 
 DESYNC_EVERY = 100
-"""Default interval, in steps, of the parameter check across replicas. One check costs about one step of a small
-model (a pass over the parameters and an all-gather of 8 bytes per tensor; about 0.07 of a step of the demo's
-CNN, measured with 2 processes on the development host), so every 100 steps it stays well under 1 % of the
-training time; it also runs before every checkpoint, so a desynchronized state is never saved."""
+"""Default interval, in steps, of the parameter check across replicas. One check is a pass over the parameters
+and an all-gather of 8 bytes per tensor: for a small model a fraction of one step, so every 100 steps it stays
+well under 1 % of the training time (measured with ``tests/workers/nonfinite_cost.py``). It also runs before
+every checkpoint, so a desynchronized state is never saved."""
 
 
 @dataclass(frozen=True)
