@@ -169,18 +169,21 @@ def test_fit_counts_skipped_steps_in_one_process(tmp_path):
 
 
 # -- two processes ---------------------------------------------------------------------------------------------
-def _run(workers, tmp_path, strategy: str, policy: str) -> list[dict]:
-    outputs = workers("nonfinite_fit.py", 2, strategy, policy, str(tmp_path / "ckpt"), timeout=100)
+def _run(workers, tmp_path, strategy: str, policy: str, world_size: int = 2) -> list[dict]:
+    outputs = workers("nonfinite_fit.py", world_size, strategy, policy, str(tmp_path / "ckpt"), timeout=100)
     return [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith("{")]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["dp", "pipeline"])
+@pytest.mark.parametrize(
+    "strategy, world_size",
+    [("dp", 2), ("pipeline", 2), ("tp", 2), ("pipeline", 4)],  # pipeline at 4: dp=2 x pp=2
+)
 def test_a_nan_on_one_rank_is_skipped_everywhere_and_every_kept_checkpoint_is_good(
-    workers, tmp_path, strategy
+    workers, tmp_path, strategy, world_size
 ):
-    ranks = _run(workers, tmp_path, strategy, "skip")
-    assert len(ranks) == 2
+    ranks = _run(workers, tmp_path, strategy, "skip", world_size)
+    assert len(ranks) == world_size
     for r in ranks:
         assert r["error"] == "" and r["steps"] == 20
         assert r["params_finite"], r

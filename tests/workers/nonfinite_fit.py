@@ -1,7 +1,7 @@
 """A NaN input on one rank at step NAN_AT under loom.fit with checkpoints (tests/test_nonfinite.py).
 
-``nonfinite_fit.py STRATEGY POLICY DIR [NAN_AT]``: STRATEGY is ``dp`` (DataParallel) or ``pipeline``
-(Pipeline(stages=2)); POLICY is ``skip`` or ``stop``. One sample's input is set to NaN on BAD_RANK at step
+``nonfinite_fit.py STRATEGY POLICY DIR [NAN_AT]``: STRATEGY is ``dp`` (DataParallel), ``pipeline``
+(Pipeline(stages=2)) or ``tp`` (TensorParallel(size=2)); POLICY is ``skip`` or ``stop``. One sample's input is set to NaN on BAD_RANK at step
 NAN_AT (for the pipeline, rank 0: the first stage is the one that reads inputs). Trains 20 steps with
 checkpoint_every=5, keep=3, and prints one JSON line per rank: whether its parameters are finite, the skipped
 steps as its step records show them, the job's and fit's counts, the error raised (if any), and for every kept
@@ -27,7 +27,9 @@ model = make_deep_mlp()
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 if strategy_name == "dp":
     strategy, bad_rank = loom.DataParallel(nonfinite=policy), 1
-else:
+elif strategy_name == "tp":  # the tensor shards of a stage share no group the loss travels on
+    strategy, bad_rank = loom.TensorParallel(size=2, nonfinite=policy), 1
+else:  # with 4 processes: dp=2 x pp=2
     strategy, bad_rank = loom.Pipeline(stages=2, microbatches=2, nonfinite=policy), 0
 job = strategy.setup(model, optimizer, nn.functional.mse_loss)
 train_step = job.train_step

@@ -19,7 +19,9 @@ module types and their hyperparameters) and optimizer (type, every param group's
 `loom.strategies.consistency`; at each step a non-finite loss or gradient on any rank is never applied
 (``nonfinite``, see `loom.fault.desync.NonFiniteGuard`: each rank's loss flag rides in the loss buffer, and the
 averaged gradient, the same on every rank, is checked where it lies); and a share too small for BatchNorm in
-training mode (fewer than 2 samples per forward, an empty share included) is refused naming the fix.
+training mode (1 sample in a forward, where PyTorch would raise on one rank only) is refused on every rank,
+naming the fix. An empty share is accepted: BatchNorm passes a zero-size batch through without touching its
+running statistics.
 
 Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
 (PyTorch's default), since that is what the scaling undoes. With DDP the loss buffer is waited for before the
@@ -312,7 +314,7 @@ class DataParallelJob(Job):
                 self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8 * world)
             shares = counts.tolist()
             total = sum(shares)
-        small = {r: n for r, n in enumerate(shares) if n < 2 * accumulate} if self._batchnorm else {}
+        small = {r: n for r, n in enumerate(shares) if 0 < n < 2 * accumulate} if self._batchnorm else {}
         return total, small
 
     def _refuse_small_batchnorm_shares(self, small: dict[int, int], total: int) -> None:
@@ -326,9 +328,9 @@ class DataParallelJob(Job):
         raise ValueError(
             f"rank {self.topology.rank}: at step {self.step + 1} the global batch of {total} sample(s) gives "
             f"shares too small for BatchNorm in training mode ({described}{pieces}); BatchNorm layers "
-            f"({layers}) need at least 2 samples per forward, and an empty share would put NaN in their "
-            f"running statistics. HINT: pass drop_last=True to job.loader(...) so the ragged last batch is dropped, and "
-            f"use a global batch of at least {need} = {2 * world * accumulate} samples."
+            f"({layers}) need at least 2 samples per forward to compute batch statistics. HINT: pass "
+            "drop_last=True to job.loader(...) so the ragged last batch is dropped, and use a global batch of "
+            f"at least {need} = {2 * world * accumulate} samples."
         )
 
     def train_step(self, batch: Any) -> float:
