@@ -114,7 +114,7 @@ def test_bad_setup_arguments_are_refused():
     with pytest.raises(ValueError, match="not in the model"):
         strategy.setup(model, stranger, nn.functional.mse_loss)
     job = strategy.setup(model, make_optimizer("sgd", model), nn.functional.mse_loss)
-    with pytest.raises(TypeError, match=r"tuple \(inputs, targets\)"):
+    with pytest.raises(TypeError, match=r"a pair \(inputs, targets\), got Tensor"):
         job.train_step(torch.zeros(3, 8))
 
 
