@@ -178,9 +178,7 @@ class _Loop:
                     self.scheduler.step()
                 at.step, at.epoch_step, taken = at.step + 1, at.epoch_step + 1, taken + 1
                 self._report(at, bar, (at.step - first) / (time.perf_counter() - started))
-                # Jobs with a non-finite guard (DataParallel, model-parallel) set it; others never skip a step.
-                # TODO: declare ``last_step_skipped`` on the loom.job.Job contract instead of reading it here.
-                if getattr(self.job, "last_step_skipped", False):
+                if self.job.last_step_skipped:  # a non-finite step: no update was applied
                     self.skipped += 1
                 saving = self.checkpointer is not None and at.step % self.checkpoint_every == 0
                 if self._desync_check_due(

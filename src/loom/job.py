@@ -62,6 +62,9 @@ class Job(abc.ABC):
 
     data_axis = "dp"
     """The mesh axis the global batch is sharded over."""
+    last_step_skipped = False
+    """True when the last `train_step` applied no update (a non-finite loss or gradient on some rank, the same
+    verdict on every rank); strategies with such a guard set it at every step, `loom.fit` counts it."""
     replicas_agree = True
     """True when the replicas along the data axis hold bitwise-equal parameters after every step (synchronous
     strategies); `loom.fit`'s ``desync_every`` checks it. Strategies whose replicas drift apart set False."""
