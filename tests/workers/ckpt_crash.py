@@ -3,6 +3,8 @@
 For each directory read from stdin it forks a child that resumes from that directory (as a restarted job
 would) and saves checkpoints in a loop until the test SIGKILLs it; the zygote prints the child's pid, waits for
 it and prints its wait status. A child that fails on its own exits with status 1 after printing the error.
+
+Run by tests/test_checkpoint.py.
 """
 
 import os

@@ -3,6 +3,8 @@
 Run as N ranks. Inputs are seeded by (case, rank), so each rank can rebuild every rank's input and reduce them
 locally: that is the reference. Output: {"failures": [...], "bytes": {algorithm: snapshot},
 "group": {...} (N >= 3 only)}.
+
+Run by tests/test_comm.py, tests/test_comm_shm.py.
 """
 
 import itertools

@@ -2,6 +2,8 @@
 
 Each rank also computes the single-process reference: the mean of every rank's local gradient (each rank's
 data is seeded by its rank, so any process can rebuild all of it).
+
+Run by tests/test_comm.py.
 """
 
 import copy

@@ -10,6 +10,8 @@ Run as N ranks, with $LOOM_CACHE_DIR pointing at a test directory. Three groups,
   shm must refuse the group.
 
 Output: {"failures", "bytes": {...}, "segments": [names], "linked": [names still in /dev/shm], "policies"}.
+
+Run by tests/test_comm_shm.py.
 """
 
 import itertools

@@ -1,5 +1,7 @@
 """One shm all-reduce, this job's segment name written to DIR/<rank>.name, then rank 0 (the segment's
 creator) kills itself with SIGKILL while the others keep reducing. Usage: comm_shm_lifecycle.py DIR.
+
+Run by tests/test_comm_shm.py.
 """
 
 import os

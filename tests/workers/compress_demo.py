@@ -4,6 +4,8 @@ Usage: compress_demo.py EPOCHS BUCKET_CAP_MB CODEC... ("none" is loom's native a
 whose bytes are counted the same way). Every run starts from the same weights and sees the same batches.
 Output per codec: test accuracy, this rank's gradient bytes sent/received (loom.comm.counters), a checksum
 of the final parameters (replicas must agree), the codec's state_dict keys, and the wall time.
+
+Run by tests/test_compression.py.
 """
 
 import json

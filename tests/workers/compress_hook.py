@@ -10,6 +10,8 @@ bucket buffers and in every parameter's ``.grad`` (so the buffer's offsets are c
 ``gradient_as_bucket_view`` alternately on and off), bytes counted by the hook and by the reference, buckets
 per step, and whether the hook codec's state_dict equals this rank's reference codec's.
 Last, a codec that fails while decoding must make backward raise (not hang), naming the rank and the codec.
+
+Run by tests/test_compression.py.
 """
 
 import json

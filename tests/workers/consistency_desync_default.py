@@ -3,6 +3,8 @@
 ``consistency_desync_default.py DIR``: 12 steps, checkpoint_every=6 and no ``desync_every`` argument. Prints one
 JSON line per rank: the step at which ReplicaDesyncError was raised (None if never), its message, the checkpoints
 written.
+
+Run by tests/test_consistency.py.
 """
 
 import json

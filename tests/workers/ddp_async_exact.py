@@ -2,6 +2,8 @@
 
 Prints one JSON line: per configuration, the gradients of two consecutive iterations (DDP rebuilds its buckets
 after the first), the ops counted, and, last, what backward raised when the all-reduce was made to fail.
+
+Run by tests/test_ddp_async.py.
 """
 
 import copy

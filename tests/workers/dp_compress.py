@@ -1,4 +1,7 @@
-"""DataParallel(compression=...) on the shared MLP: one JSON line per codec with losses, params and bytes."""
+"""DataParallel(compression=...) on the shared MLP: one JSON line per codec with losses, params and bytes.
+
+Run by tests/test_data_parallel.py.
+"""
 
 import json
 

@@ -1,4 +1,7 @@
-"""Train the shared MLP with DataParallel; print one JSON line per (optimizer, accumulate) with losses+params."""
+"""Train the shared MLP with DataParallel; print one JSON line per (optimizer, accumulate) with losses+params.
+
+Run by tests/test_data_parallel.py.
+"""
 
 import json
 import sys

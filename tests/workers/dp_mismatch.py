@@ -1,4 +1,7 @@
-"""Rank 2 builds a wider hidden layer: every rank must get the same clear error, none may hang."""
+"""Rank 2 builds a wider hidden layer: every rank must get the same clear error, none may hang.
+
+Run by tests/test_data_parallel.py.
+"""
 
 import torch
 from torch import nn

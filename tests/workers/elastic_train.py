@@ -5,6 +5,8 @@ kills itself with SIGKILL just before taking step KILL_AT (KILL_AT 0: never). Th
 measures are written as files in TIMES_DIR: ``killed`` (with the step), ``survivor_stopped`` (rank 0 of the
 first attempt noticed or was stopped), ``resumed`` (the restarted group is about to take its first step).
 Prints a JSON line per rank with the result and the final parameters.
+
+Run by tests/test_elastic.py.
 """
 
 import contextlib

@@ -2,6 +2,8 @@
 
 ``fault_desync.py CHECK_EVERY PERTURB_AT BAD_RANK``: prints one JSON line per rank with the step the error
 was raised at (None if never) and its message.
+
+Run by tests/test_fault.py.
 """
 
 import json

@@ -3,6 +3,8 @@
 ``fault_hang.py TIMEOUT_S SKIP_RANK STAMP_FILE``: a few DataParallel steps, each followed by a user-level
 metric all-reduce counted by the watchdog; at step 3 rank SKIP_RANK skips that all-reduce and goes on to
 something long that is not a collective. Rank 0 writes the time it entered the doomed all-reduce to STAMP_FILE.
+
+Run by tests/test_fault.py.
 """
 
 import sys

@@ -6,6 +6,8 @@ launch because starting processes is the slow part). Each rank seeds its RNG dif
 masks differ per rank and resuming must restore every rank's own RNG state, not just rank 0's.
 ``--compression`` trains with ``DataParallel(compression=SPEC)``; ``forget-local`` makes that run ignore the
 per-rank state it resumes from (the error feedback), as loom.fit did before it saved it: a negative control.
+
+Run by tests/test_fit.py.
 """
 
 import hashlib

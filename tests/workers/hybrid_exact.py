@@ -2,6 +2,8 @@
 
 Each rank also runs the single-process reference itself (same seed, whole global batches) and prints, per mesh,
 the largest loss and parameter differences (parameters from ``full_state_dict`` on rank 0).
+
+Run by tests/test_hybrid.py.
 """
 
 import json

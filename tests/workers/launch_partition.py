@@ -1,5 +1,8 @@
 """Train until the link between the hosts is cut: DataParallel steps on a tiny model, each step's collectives
-counted by loom's watchdog (``LOOM_HANG_TIMEOUT_S`` from the test). Prints ``step N`` after each step."""
+counted by loom's watchdog (``LOOM_HANG_TIMEOUT_S`` from the test). Prints ``step N`` after each step.
+
+Run by tests/test_launch_partition.py.
+"""
 
 import time
 

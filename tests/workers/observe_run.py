@@ -3,6 +3,8 @@
 Modes: ``plain`` (records into ``LOOM_RUN_DIR`` as under ``loom run``, traced if ``LOOM_TRACE_STEPS`` is set),
 ``data`` (rank 1 sleeps 30 ms before each step: a slow loader), ``compute`` (rank 1's forward sleeps 30 ms).
 Rank 0 prints one JSON line per mode: the straggler warnings it raised.
+
+Run by tests/test_observe.py, tests/test_report.py.
 """
 
 import json

@@ -4,6 +4,8 @@ One JSON line per (schedule, m): the measured idle fraction of the whole pipelin
 one-way message time measured just before (``message_s``), this stage's peak micro-batches and bytes of
 activations alive, and per step the pipeline's idle fraction with this stage's busy time and the idle seconds
 its step record reports (``bubble_s``).
+
+Run by tests/test_pipeline_bubble.py.
 """
 
 import json

@@ -7,6 +7,8 @@ configuration. Imported by the test (as ``workers.pp_encdec``) for the models an
 The encoder–decoder is a chain ``encoder → decoder → head``; the encoder returns the tuple ``(memory, src_mask,
 dec_in)`` — a float tensor with a gradient, a bool mask, and the decoder's input data, which has no gradient on
 the encoder's stage — and the decoder takes the three as positional arguments (`PipelineStage` unpacks tuples).
+
+Run by tests/test_pipeline_encdec.py.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Prints one JSON line per configuration: this rank's losses, its peak activations alive, and (rank 0) the full
 parameters after training. One launch covers all configurations; the mesh (and its groups) is built once.
+
+Run by tests/test_pipeline.py.
 """
 
 import json

@@ -12,6 +12,8 @@ differ from those it takes again) and ``attempt`` (run it only on that attempt).
 Each line: the run, the rank, the attempt, fit's result, this rank's clock and final parameters (the servers'
 values), and on rank 0 the servers' state as it stands (version, clocks) with a SHA-256 of all of it (parameters,
 optimizer state, hyperparameters, clocks): what an exact resume must reproduce bitwise.
+
+Run by tests/test_ps_fit.py.
 """
 
 import hashlib

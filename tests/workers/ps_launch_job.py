@@ -5,6 +5,8 @@ only when the job restarts), timeout_s (worker
 timeout), slow_s (sleep per step, so that a kill lands mid-training). Before training every worker evaluates the
 first global batch with `eval_step` (all workers hold the initial parameters then); at the end each writes
 ``$LOOM_RUN_DIR/result-<rank>.json`` with its losses, that evaluation and its per-step staleness records.
+
+Run by tests/test_ps_launch.py.
 """
 
 import json

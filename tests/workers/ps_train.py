@@ -4,6 +4,8 @@ The argument is JSON ``{"tag": str, "runs": [run, ...]}``; a run has: mode, stal
 problem ("mlp" or "lsq"), optimizer, servers (indices into LOOM_PS_ADDRS), slow_rank/slow_s (sleep per step),
 kill_rank/kill_step (SIGKILL itself there), timeout_s (worker timeout), lr (lsq), scheduler ("step": StepLR(2, 0.5),
 "lambda": LambdaLR(1 / (1 + step)); stepped after every train_step).
+
+Run by tests/test_ps_cluster.py.
 """
 
 import json

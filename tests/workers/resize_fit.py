@@ -3,6 +3,8 @@
 ``resize_fit.py DIR:STEPS[:scale] ...``: one run per argument, from freshly built objects as a restarted script
 builds them; ``scale`` resumes with ``scale_lr_with_world_size=True``. No dropout, so the result does not depend
 on per-rank RNG streams (which cannot carry over to another world size). Prints a JSON line per run.
+
+Run by tests/test_resize.py.
 """
 
 import json

@@ -6,6 +6,8 @@
   different secret warn); the reduction is still correct, every member cutting the same segments.
 - ``peer_exits``: after one ring all-reduce, the last rank exits; the others' next ring all-reduce must fail
   at once with an error that names the rank that left (printed, with the seconds it took).
+
+Run by tests/test_ring_links.py.
 """
 
 import json

@@ -4,6 +4,8 @@ Prints one JSON line: the largest difference to the gathered average over a few 
 the forward, so its gradient is None on every rank) and to the sum of the float64 values carried along, the
 refusal of a bad one, whether each .grad is a view of this process's slot, the shm bytes counted per step, and
 which path DataParallel took for a model with a BatchNorm buffer and when no segment can be created.
+
+Run by tests/test_shared_gradients.py.
 """
 
 import json

@@ -2,6 +2,8 @@
 
 Prints one JSON line per block: max |Δ| of outputs, input gradients and parameter gradients (each shard against
 its slice of the full gradient), and the all-reduces counted in forward and backward.
+
+Run by tests/test_tensor_parallel.py.
 """
 
 import copy

@@ -1,6 +1,6 @@
-"""What the non-finite guard and the default desync check cost on the demo's model (not run by the tests).
+"""What the non-finite guard and the default desync check cost on the demo's model.
 
-``nonfinite_cost.py ALLREDUCE STEPS``: 2 processes train `loom.demo.train`'s digits CNN with DataParallel
+``loom run -n 2 -m loom_bench.nonfinite_cost ALLREDUCE STEPS``: 2 processes train `loom.demo.train`'s digits CNN with DataParallel
 (global batch 64, SGD with momentum, one thread each) for STEPS timed steps after 10 warm-up steps, then time
 50 calls of `check_replicas_agree` (what `loom.fit` runs every ``desync_every`` steps). Prints one JSON line per
 rank: median and mean step time, median check time, and the check's cost as a fraction of training time at
