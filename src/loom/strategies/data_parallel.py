@@ -47,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import CompressionHook, make_codec
+from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
 from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard, gradients_finite
 from loom.fault.watchdog import Watchdog, hang_timeout_s
@@ -235,6 +236,10 @@ def _micro_batches(inputs: Any, targets: torch.Tensor, pieces: int) -> list[tupl
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
         out.append((slice_batch(inputs, lo, hi), targets[lo:hi], hi - lo))
     return out
+
+
+document_options(DataParallelConfig, DataParallelConfig)
+document_options(DataParallel, DataParallelConfig)
 
 
 class DataParallelJob(Job):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.config_docs import document_options
 from loom.mesh import Mesh
 from loom.strategies.compose import compose
 from loom.strategies.data_parallel import DATA_FIELDS, DataParallelConfig, LossFn
@@ -84,3 +85,7 @@ class Hybrid:
             model, optimizer, loss_fn, mesh, pipeline=cfg.pipeline(), tp_plan=cfg.tp_plan, data=self.data,
             metrics_path=self.metrics_path,
         )  # fmt: skip
+
+
+document_options(HybridConfig, HybridConfig)
+document_options(Hybrid, HybridConfig, DataParallelConfig)

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.config_docs import document_options
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
@@ -169,6 +170,10 @@ class ParameterServer:
         job._pull_dense(peek=True)  # start from the servers' values (another worker's INIT may have won)
         atexit.register(job.close)
         return job
+
+
+document_options(ParameterServerConfig, ParameterServerConfig)
+document_options(ParameterServer, ParameterServerConfig)
 
 
 def _param_specs(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[ParamSpec], dict]:

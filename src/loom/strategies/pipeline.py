@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.config_docs import document_options
 from loom.mesh import Mesh
 from loom.strategies.data_parallel import DATA_FIELDS, DataParallelConfig, LossFn
 from loom.strategies.pipeline_runtime import PipelineStage
@@ -135,6 +136,10 @@ class Pipeline:
             model, optimizer, loss_fn, mesh, pipeline=self.config, sample_input=self.sample_input,
             data=self.data, metrics_path=self.metrics_path,
         )  # fmt: skip
+
+
+document_options(PipelineConfig, PipelineConfig)
+document_options(Pipeline, PipelineConfig, DataParallelConfig)
 
 
 @dataclass(frozen=True)

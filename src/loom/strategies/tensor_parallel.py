@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.config_docs import document_options
 from loom.mesh import Mesh
 from loom.strategies.data_parallel import DATA_FIELDS, DataParallelConfig, LossFn
 from loom.strategies.pipeline_runtime import PipelineStage
@@ -334,3 +335,7 @@ class TensorParallel:
             model, optimizer, loss_fn, mesh, tp_plan=self.config.plan, data=self.data,
             metrics_path=self.metrics_path,
         )  # fmt: skip
+
+
+document_options(TensorParallelConfig, TensorParallelConfig)
+document_options(TensorParallel, TensorParallelConfig, DataParallelConfig)

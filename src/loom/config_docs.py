@@ -1,0 +1,50 @@
+"""Configuration documented where users look: each field's docstring shown by ``help()``.
+
+Config dataclasses document each field with an attribute docstring (a string right below the field), which
+Python keeps nowhere at run time, so ``help(loom.DataParallel)`` showed none of them. `document_options` reads
+them from the class's source once, at import, and appends ``name = default: meaning`` lines to the docstrings
+of the config class and of the strategies that take its fields as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+
+__all__ = ["document_options", "field_docs"]
+
+
+def field_docs(config: type) -> dict[str, str]:
+    """``{field: its attribute docstring}`` of a dataclass (empty where the source cannot be read)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(config)))
+    except (OSError, TypeError):  # no source (a frozen application): the fields stay undocumented
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, following in zip(body, body[1:], strict=False):
+        doc = following.value if isinstance(following, ast.Expr) else None
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(doc, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(doc.value).split())
+    return docs
+
+
+def _options(config: type) -> str:
+    docs = field_docs(config)
+    lines = []
+    for f in dataclasses.fields(config):
+        default = repr(f.default) if f.default is not dataclasses.MISSING else "(required)"
+        lines.append(f"    {f.name} = {default}: {docs.get(f.name, '')}".rstrip(": "))
+    return f"Options ({config.__name__}):\n" + "\n".join(lines)
+
+
+def document_options(target: type, *configs: type) -> None:
+    """Append the options of ``configs`` (their fields, defaults and meanings) to ``target.__doc__``."""
+    sections = "\n\n".join(_options(c) for c in configs)
+    target.__doc__ = f"{inspect.cleandoc(target.__doc__ or '')}\n\n{sections}\n"
