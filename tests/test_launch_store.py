@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.launch.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable
+from loom.launch.store import HANDSHAKE_TIMEOUT_S, LoomStore, StoreServer, StoreTimeout, StoreUnreachable
 
 LOOM = [sys.executable, "-m", "loom.launch.cli"]
 SECRET = bytes(range(32))
@@ -49,7 +49,9 @@ def test_a_wrong_secret_or_a_raw_client_reads_and_writes_nothing():
         wrong = LoomStore("127.0.0.1", server.port, bytes(32), connect_timeout_s=2, io_timeout_s=2)
         with pytest.raises(StoreUnreachable, match="secret"):
             wrong.get("key")
-        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+        # Waits past the server's handshake deadline: the server, not this client's timeout, must end it (with
+        # timeout=5 both clocks ran 5 s and the client often gave up first, before the rejection was counted).
+        with socket.create_connection(("127.0.0.1", server.port), timeout=HANDSHAKE_TIMEOUT_S + 10) as raw:
             raw.sendall(
                 b"\x01\x00\x00\x00\x02\x00\x00\x00\x03key\x00\x00\x00\x01x"
             )  # a SET without a handshake
