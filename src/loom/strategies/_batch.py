@@ -8,12 +8,12 @@ tensor in a batch must share it: these helpers do not check that the others agre
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["batch_len", "slice_batch", "split_batch", "to_device"]
+__all__ = ["batch_len", "slice_batch", "split_batch", "tensors_in", "to_device"]
 
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -60,3 +60,15 @@ def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
     return value
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` (a tensor, or any nesting of lists, tuples and dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v)

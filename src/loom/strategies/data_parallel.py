@@ -55,7 +55,7 @@ from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
-from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
+from loom.strategies._batch import batch_len, slice_batch, split_batch, tensors_in, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
@@ -209,22 +209,10 @@ def _batchnorm_layers(module: nn.Module) -> list[str]:
 
 def _zero_loss(outputs: Any) -> torch.Tensor:
     """A loss of exactly zero that still reaches every parameter the forward used (for empty shares)."""
-    tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(_flatten(outputs))
-    floating = [t for t in tensors if t.is_floating_point()]
+    floating = [t for t in tensors_in(outputs) if t.is_floating_point()]
     if not floating:
         raise TypeError("the model's outputs hold no floating-point tensor to build a zero loss from")
     return torch.stack([t.sum() for t in floating]).sum() * 0.0
-
-
-def _flatten(value: Any):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flatten(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _flatten(v)
 
 
 def _micro_batches(inputs: Any, targets: torch.Tensor, pieces: int) -> list[tuple[Any, torch.Tensor, int]]:

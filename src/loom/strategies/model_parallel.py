@@ -38,7 +38,7 @@ from loom.fault.desync import NonFiniteGuard, local_flag
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import REPLICA, Mesh
 from loom.observe.metrics import StepMetrics
-from loom.strategies._batch import batch_len, slice_batch, split_batch, to_device
+from loom.strategies._batch import batch_len, slice_batch, split_batch, tensors_in, to_device
 from loom.strategies.data_parallel_sync import GradientAveraging
 from loom.strategies.pipeline_communications import recv_tensors, send_tensors
 from loom.strategies.pipeline_runtime import PipelineStage, StageStats, run_instructions
@@ -79,17 +79,6 @@ def _micro_split(inputs: Any, targets: Any, n: int, m: int) -> _Micro:
     return out
 
 
-def _tensors(value: Any):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-
-
 def batch_fingerprint(batch: Any) -> int:
     """A 32-bit fingerprint of the samples in ``batch``: the loader's, from the dataset indices, when it has
     one; otherwise a CRC-32 of the leading bytes of its tensors (CPU tensors only; others count by shape)."""
@@ -97,7 +86,7 @@ def batch_fingerprint(batch: Any) -> int:
     if known is not None:
         return int(known)
     crc = 0
-    for t in _tensors(batch):
+    for t in tensors_in(batch):
         crc = zlib.crc32(repr((tuple(t.shape), str(t.dtype))).encode(), crc)
         if t.device.type == "cpu" and t.numel():
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)[:_FINGERPRINT_BYTES]
