@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,21 @@ def _add_run_parser(sub) -> None:
         metavar="A:B",
         help="write a Chrome-trace timeline of steps A to B into the run directory",
     )
+    p.add_argument(
+        "--cluster",
+        default=os.environ.get("LOOM_CLUSTER") or None,
+        metavar="SPEC",
+        help="a JSON cluster spec (hosts, roles, nproc, server ports; default $LOOM_CLUSTER, a path or the JSON): "
+        "every host runs the same command; replaces -n, --nnodes, --node-rank, --master, --local-addr, --servers",
+    )
+    p.add_argument(
+        "--host-index",
+        type=_non_negative_int,
+        default=None,
+        metavar="K",
+        help="this host's position in the spec's hosts (default $LOOM_HOST_INDEX, else the host whose address "
+        "is on this machine)",
+    )
     p.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -95,6 +111,9 @@ def _add_run_parser(sub) -> None:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     from loom.launch.agent import LaunchSpec, launch
+
+    if ns.cluster is not None or ns.host_index is not None:
+        return _cmd_run_cluster(ns)
 
     try:
         spec = LaunchSpec(
@@ -119,6 +138,31 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         print(f"loom run: {error}", file=sys.stderr)
         return 2
     return launch(spec)
+
+
+def _cmd_run_cluster(ns: argparse.Namespace) -> int:
+    """``--cluster``: the spec sets the hosts, nodes and servers (`loom.launch.cluster`)."""
+    from loom.launch.cluster import ClusterSpecError, load_cluster, pick_host, run_host
+
+    given = [flag for flag, value, default in (("-n", ns.nproc, 1), ("--nnodes", ns.nnodes, 1),
+             ("--node-rank", ns.node_rank, 0), ("--master", ns.master, None), ("--local-addr", ns.local_addr, None),
+             ("--servers", ns.servers, 0)) if value != default]  # fmt: skip
+    try:
+        if ns.cluster is None:
+            raise ClusterSpecError("--host-index needs a cluster spec: --cluster SPEC or LOOM_CLUSTER")
+        if given:
+            raise ClusterSpecError(f"{', '.join(given)} cannot be combined with --cluster, whose spec sets them. "
+                                   "HINT: drop them, or edit the spec")  # fmt: skip
+        spec = load_cluster(ns.cluster)
+        index = pick_host(spec, ns.host_index)
+    except ClusterSpecError as error:
+        print(f"loom run: {error}", file=sys.stderr)
+        return 2
+    options = dict(target=ns.script, args=tuple(ns.args), module=ns.module, max_restarts=ns.max_restarts,
+                   on_worker_failure=ns.on_worker_failure, run_dir=ns.run_dir or _default_run_dir(),
+                   trace_steps=ns.trace_steps, join_timeout_s=ns.join_timeout,
+                   insecure_no_secret=ns.insecure_no_secret)  # fmt: skip
+    return run_host(spec, index, options)
 
 
 def _cmd_demo(ns: argparse.Namespace) -> int:

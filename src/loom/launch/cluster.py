@@ -1,0 +1,310 @@
+"""A cluster spec for plain hosts: one JSON file lists the hosts and their roles; every host runs the same command.
+
+```json
+{"master_port": 29400,
+ "hosts": [{"address": "10.0.0.1", "role": "worker", "nproc": 4},
+           {"address": "10.0.0.2", "role": "worker", "nproc": 4},
+           {"address": "10.0.0.3", "role": "server", "ports": [29500]}]}
+```
+``loom run --cluster cluster.json [--host-index K] train.py`` on every host (or ``LOOM_CLUSTER``, a path or the
+JSON itself, as TensorFlow's ``TF_CONFIG`` is). The spec is one description of the job and each process is told
+its place in it, the convention ``TF_CONFIG`` set; the host index is ``--host-index``, else ``LOOM_HOST_INDEX``,
+else the one host whose address is held by an interface of this machine.
+
+Nothing new is launched: the spec maps onto the multi-node launcher (`loom.launch.agent`). Worker hosts, in the
+order listed, are nodes ``0..W-1`` of ``--nnodes W`` with their own ``--nproc``; node 0 (the first worker host)
+hosts the rendezvous store on ``address:master_port``; each node's ``--local-addr`` is its address. A server
+host starts one ``loom.ps.server`` per port, bound to its address, numbered across server hosts in listed order;
+the workers learn them from ``LOOM_PS_ADDRS``. A server host is not a node of the rendezvous: it proves the job
+secret to node 0's store (so it waits for the job to start, at most ``--join-timeout``) and stops its servers
+(SIGTERM: they checkpoint) once that store has gone, which is when node 0's launcher has ended. Its exit status
+is 0 then; it cannot tell whether the workers succeeded (their hosts' exit statuses say so).
+
+A spec with more than one host needs ``LOOM_JOB_SECRET``, the same on every host. A malformed spec fails before
+anything starts, naming the field (``hosts[2].nproc``) and the fix; the file is read up to `MAX_SPEC_BYTES`, and
+no name is resolved while checking it, so start-up never waits on DNS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MAX_SPEC_BYTES", "ClusterSpec", "Host", "load_cluster", "pick_host", "run_host"]
+
+MAX_SPEC_BYTES = 1 << 20
+"""Largest spec read; a longer file (or ``LOOM_CLUSTER`` value) is refused unread past this."""
+ROLES = ("worker", "server")
+_FIELDS = {"worker": {"address", "role", "nproc"}, "server": {"address", "role", "ports"}}
+_STORE_POLL_S = 1.0
+"""How often a server host checks that node 0's store is still there."""
+
+
+class ClusterSpecError(ValueError):
+    """A malformed cluster spec; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of the spec."""
+
+    address: str
+    """The IPv4 address (or name) the other hosts reach this one at; its processes listen there."""
+    role: str
+    """``worker`` (training processes) or ``server`` (parameter-server processes)."""
+    nproc: int = 0
+    """Worker processes on this host (workers only)."""
+    ports: tuple[int, ...] = ()
+    """One parameter-server process per port (servers only)."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The job's hosts, validated: at least one worker host, addresses unique, ports in 1..65535."""
+
+    hosts: tuple[Host, ...]
+    master_port: int
+    """Port of node 0's rendezvous store, on the first worker host's address."""
+    source: str = "cluster spec"
+    """Where the spec came from (a path or ``LOOM_CLUSTER``), for messages."""
+
+    @property
+    def workers(self) -> list[Host]:
+        return [h for h in self.hosts if h.role == "worker"]
+
+    @property
+    def master(self) -> str:
+        return f"{self.workers[0].address}:{self.master_port}"
+
+    @property
+    def server_addresses(self) -> list[str]:
+        return [f"{h.address}:{port}" for h in self.hosts if h.role == "server" for port in h.ports]
+
+
+def _fail(source: str, field: str, problem: str, fix: str) -> ClusterSpecError:
+    return ClusterSpecError(f"{source}: {field} {problem}. HINT: {fix}")
+
+
+def _port(value: Any, source: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise _fail(
+            source, field, f"is {value!r}, not a port", "give an integer in 1..65535 that nothing else uses"
+        )
+    return value
+
+
+def _host(entry: Any, index: int, source: str) -> Host:
+    where = f"hosts[{index}]"
+    if not isinstance(entry, dict):
+        raise _fail(
+            source, where, f"is {type(entry).__name__}, not an object", 'write {"address": ..., "role": ...}'
+        )
+    for name in ("address", "role"):
+        if name not in entry:
+            raise _fail(source, f"{where}.{name}", "is missing", f"every host needs {name!r}")
+    address, role = entry["address"], entry["role"]
+    if not isinstance(address, str) or not address.strip() or any(c.isspace() for c in address):
+        raise _fail(
+            source, f"{where}.address", f"is {address!r}", "give the IPv4 address other hosts reach it at"
+        )
+    if role not in ROLES:
+        raise _fail(
+            source, f"{where}.role", f"is {role!r}, an unknown role", f"use one of {', '.join(ROLES)}"
+        )
+    unknown = sorted(set(entry) - _FIELDS[role])
+    if unknown:
+        raise _fail(source, f"{where}.{unknown[0]}", f"is not a field of a {role} host",
+                    f"a {role} host has {', '.join(sorted(_FIELDS[role]))}")  # fmt: skip
+    if role == "worker":
+        if "nproc" not in entry:
+            raise _fail(
+                source, f"{where}.nproc", "is missing", "say how many worker processes this host runs"
+            )
+        nproc = entry["nproc"]
+        if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+            raise _fail(source, f"{where}.nproc", f"is {nproc!r}", "give an integer >= 1")
+        return Host(address, role, nproc=nproc)
+    if "ports" not in entry:
+        raise _fail(source, f"{where}.ports", "is missing", "list one port per parameter-server process")
+    ports = entry["ports"]
+    if not isinstance(ports, list) or not ports:
+        raise _fail(source, f"{where}.ports", f"is {ports!r}", "list one port per parameter-server process")
+    checked = tuple(_port(p, source, f"{where}.ports[{i}]") for i, p in enumerate(ports))
+    if len(set(checked)) != len(checked):
+        raise _fail(
+            source, f"{where}.ports", f"repeats a port in {list(checked)}", "give each server its own port"
+        )
+    return Host(address, role, ports=checked)
+
+
+def parse_cluster(text: str, source: str = "cluster spec") -> ClusterSpec:
+    """The spec in ``text`` (JSON), checked; `ClusterSpecError` names the first bad field."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _fail(source, "the file", f"is not JSON ({error.msg} at line {error.lineno}, column {error.colno})",
+                    "write one JSON object with 'master_port' and 'hosts'") from None  # fmt: skip
+    if not isinstance(raw, dict):
+        raise _fail(source, "the top level", f"is {type(raw).__name__}", "write one JSON object")
+    unknown = sorted(set(raw) - {"hosts", "master_port"})
+    if unknown:
+        raise _fail(
+            source, unknown[0], "is not a field of a cluster spec", "the top level has master_port, hosts"
+        )
+    for name in ("master_port", "hosts"):
+        if name not in raw:
+            raise _fail(source, name, "is missing", "the top level has master_port and hosts")
+    master_port = _port(raw["master_port"], source, "master_port")
+    if not isinstance(raw["hosts"], list) or not raw["hosts"]:
+        raise _fail(source, "hosts", f"is {raw['hosts']!r}", "list the hosts, each with address and role")
+    hosts = tuple(_host(entry, i, source) for i, entry in enumerate(raw["hosts"]))
+    seen: dict[str, int] = {}
+    for i, host in enumerate(hosts):
+        if host.address in seen:
+            raise _fail(source, f"hosts[{i}].address", f"{host.address!r} is a duplicate host (also hosts[{seen[host.address]}])",
+                        "list each host once; a host runs one role")  # fmt: skip
+        seen[host.address] = i
+    if not any(h.role == "worker" for h in hosts):
+        raise _fail(source, "hosts", "has no worker host", 'add a host with "role": "worker" and "nproc"')
+    return ClusterSpec(hosts, master_port, source)
+
+
+def load_cluster(where: str) -> ClusterSpec:
+    """The spec from a file path, or from JSON text itself (a ``LOOM_CLUSTER`` value starting with ``{``);
+    at most `MAX_SPEC_BYTES` are read."""
+    if where.lstrip().startswith("{"):
+        if len(where.encode()) > MAX_SPEC_BYTES:
+            raise _fail("LOOM_CLUSTER", "the value", f"is over {MAX_SPEC_BYTES} bytes", "point it at a file")
+        return parse_cluster(where, "LOOM_CLUSTER")
+    try:
+        with open(where, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as error:
+        raise ClusterSpecError(f"cannot read the cluster spec {where!r}: {error.strerror or error}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise _fail(
+            where, "the file", f"is over {MAX_SPEC_BYTES} bytes", "a cluster spec lists hosts; check the path"
+        )
+    try:
+        return parse_cluster(data.decode("utf-8"), where)
+    except UnicodeDecodeError:
+        raise _fail(where, "the file", "is not UTF-8 text", "write the spec as JSON text") from None
+
+
+def pick_host(spec: ClusterSpec, index: int | None) -> int:
+    """This host's index: ``index`` checked, else ``LOOM_HOST_INDEX``, else the one spec host whose address an
+    interface of this machine holds."""
+    if index is None and os.environ.get("LOOM_HOST_INDEX", "").strip():
+        raw = os.environ["LOOM_HOST_INDEX"].strip()
+        if not raw.isdigit():
+            raise ClusterSpecError(f"LOOM_HOST_INDEX={raw!r} is not an integer >= 0")
+        index = int(raw)
+    last = len(spec.hosts) - 1
+    if index is not None:
+        if not 0 <= index <= last:
+            raise ClusterSpecError(f"--host-index {index} is out of range: {spec.source} lists hosts 0..{last}. "
+                                   "HINT: give this host's position in 'hosts'")  # fmt: skip
+        return index
+    from loom.launch.agent import interface_of
+
+    mine = [i for i, h in enumerate(spec.hosts) if interface_of(h.address) is not None]
+    if len(mine) != 1:
+        found = "none" if not mine else f"hosts {mine}"
+        raise ClusterSpecError(f"cannot tell which host of {spec.source} this is: {found} of its addresses is on "
+                               "this machine. HINT: pass --host-index K (or LOOM_HOST_INDEX)")  # fmt: skip
+    return mine[0]
+
+
+def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
+    """Run host ``index`` of ``spec``: the launcher for a worker host, the parameter servers for a server host.
+    ``options`` are the other `loom.launch.agent.LaunchSpec` fields (target, args, run_dir, ...)."""
+    host = spec.hosts[index]
+    insecure_ok = options.get("insecure_no_secret") and not spec.server_addresses
+    if len(spec.hosts) > 1 and not os.environ.get("LOOM_JOB_SECRET") and not insecure_ok:
+        print("loom run: a cluster of several hosts needs LOOM_JOB_SECRET, the same on every host: it "
+              "authenticates the store, the rendezvous and the parameter servers. HINT: export "
+              "LOOM_JOB_SECRET=$(openssl rand -hex 32) on every host", file=sys.stderr)  # fmt: skip
+        return 2
+    if host.role == "server":
+        return _serve(spec, index, options.get("join_timeout_s", 120.0), options["run_dir"])
+    from loom.launch.agent import LaunchSpec, launch
+
+    workers = spec.workers
+    try:
+        launch_spec = LaunchSpec(
+            nproc=host.nproc,
+            nnodes=len(workers),
+            node_rank=workers.index(host),
+            master=spec.master,
+            local_addr=host.address,
+            **options,
+        )
+    except (ValueError, FileNotFoundError) as error:
+        print(f"loom run: {error}", file=sys.stderr)
+        return 2
+    if spec.server_addresses:
+        os.environ["LOOM_PS_ADDRS"] = ",".join(spec.server_addresses)
+    return launch(launch_spec)
+
+
+def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) -> int:
+    """A server host: its servers run until node 0's store, once reached, is gone."""
+    from loom.launch.agent import master_host_port
+    from loom.launch.servers import _prefix_lines, _stop
+    from loom.launch.store import LoomStore, StoreUnreachable, job_secret
+
+    try:
+        master_host, master_port = master_host_port(spec.master)
+    except ValueError as error:
+        print(f"loom run: {error}", file=sys.stderr)
+        return 2
+    addresses = spec.server_addresses
+    mine = [(i, a) for i, a in enumerate(addresses) if a.rpartition(":")[0] == spec.hosts[index].address]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, LOOM_RUN_DIR=str(run_dir.resolve()), PYTHONUNBUFFERED="1")
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, address in mine:
+            cmd = [sys.executable, "-u", "-m", "loom.launch.worker", "-m", "loom.ps.server",
+                   "--index", str(i), "--num-servers", str(len(addresses)), "--bind", address]  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            procs.append(proc)
+            threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{i}]: "), daemon=True).start()
+        secret = job_secret()
+        first = LoomStore(
+            master_host, master_port, secret, connect_timeout_s=join_timeout_s, io_timeout_s=10.0
+        )
+        try:
+            first.ping()
+        except StoreUnreachable as error:
+            print(f"loom run: this server host could not join the job: {error} (--join-timeout "
+                  f"{join_timeout_s:g} s). HINT: start the first worker host too, with the same LOOM_JOB_SECRET",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        finally:
+            first.close()
+        print(f"loom run: servers {[a for _, a in mine]} joined the job at {spec.master}", file=sys.stderr)
+        watch = LoomStore(master_host, master_port, secret, connect_timeout_s=2.0, io_timeout_s=5.0)
+        while True:
+            time.sleep(_STORE_POLL_S)
+            dead = [(i, p.returncode) for (i, _), p in zip(mine, procs, strict=True) if p.poll() is not None]
+            if dead:
+                print(f"loom run: parameter server {dead[0][0]} exited with status {dead[0][1]} while the job ran; "
+                      "see its lines above", file=sys.stderr)  # fmt: skip
+                return 1
+            try:
+                watch.ping()
+            except StoreUnreachable:
+                print(
+                    "loom run: node 0's launcher has ended; stopping the parameter servers", file=sys.stderr
+                )
+                return 0
+    finally:
+        _stop(procs)
