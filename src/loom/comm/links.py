@@ -50,6 +50,7 @@ import struct
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,8 +61,11 @@ __all__ = [
     "CONNECTION_TIMEOUT_S",
     "HANDSHAKE_TIMEOUT_S",
     "LINK_TIMEOUT_S",
+    "HandshakeRefused",
     "RingLink",
+    "answer_handshake",
     "close_links",
+    "dial_handshake",
     "ring_link",
 ]
 
@@ -306,6 +310,60 @@ def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(data)
 
 
+class HandshakeRefused(RuntimeError):
+    """The other side of a handshake did not prove the job secret, or refused ours."""
+
+
+def dial_handshake(
+    sock: socket.socket,
+    secret: bytes,
+    ids: bytes,
+    deadline: float,
+    hello: bytes = _HELLO,
+    label: bytes = b"ring",
+) -> None:
+    """The connecting side of the challenge-response on the connected ``sock``: send ``hello``, a fresh nonce
+    and ``ids`` (who dials whom, covered by both proofs), check the listener's proof, send ours, wait for the
+    listener's verdict. Each protocol has its own ``hello`` and ``label``, so a proof made for one is worth
+    nothing in another. Raises `HandshakeRefused`, or OSError when the connection fails or ``deadline`` passes."""
+    mine = os.urandom(_NONCE)
+    sock.sendall(hello + mine + ids)
+    reply = _read_exact(sock, _NONCE + _MAC, deadline)
+    theirs = reply[:_NONCE]
+    if not hmac.compare_digest(
+        reply[_NONCE:], _mac(secret, b"loom " + label + b" accept", mine, theirs, ids)
+    ):
+        raise HandshakeRefused("the listener did not prove it holds the job secret")
+    sock.sendall(_mac(secret, b"loom " + label + b" connect", theirs, mine, ids))
+    if _read_exact(sock, 1, deadline) != b"\1":
+        raise HandshakeRefused("the listener refused the handshake")
+
+
+def answer_handshake(
+    sock: socket.socket,
+    secret: bytes,
+    id_size: int,
+    expected: Callable[[bytes], bool],
+    until: float,
+    hello: bytes = _HELLO,
+    label: bytes = b"ring",
+) -> bytes:
+    """The listening side of `dial_handshake` on an accepted ``sock``: read exactly one fixed-size hello (nothing
+    else is read before the proof), refuse it unless ``expected(ids)``, prove the secret, check the dialer's
+    proof, say yes. Returns the dialer's ``ids``; raises OSError (ConnectionError, timeouts) on any failure."""
+    first = _read_exact(sock, len(hello) + _NONCE + id_size, until)
+    ids = first[len(hello) + _NONCE :]
+    if first[: len(hello)] != hello or not expected(ids):
+        raise ConnectionError("not a hello from an expected peer")
+    theirs, mine = first[len(hello) : len(hello) + _NONCE], os.urandom(_NONCE)
+    sock.sendall(mine + _mac(secret, b"loom " + label + b" accept", theirs, mine, ids))
+    proof = _read_exact(sock, _MAC, until)
+    if not hmac.compare_digest(proof, _mac(secret, b"loom " + label + b" connect", mine, theirs, ids)):
+        raise ConnectionError("wrong proof of the job secret")
+    sock.sendall(b"\1")
+    return ids
+
+
 def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: float) -> socket.socket:
     """Connect to ``peer``'s listener and run the connecting side of the handshake."""
     where = f"rank {me}: ring link to rank {peer} at {address}:{port}"
@@ -314,21 +372,12 @@ def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: 
     except OSError as error:
         raise RuntimeError(f"{where}: cannot connect: {error}") from None
     try:
-        ranks = me.to_bytes(4, "big") + peer.to_bytes(4, "big")
-        mine = os.urandom(_NONCE)
-        sock.sendall(_HELLO + mine + ranks)
-        reply = _read_exact(sock, _NONCE + _MAC, deadline)
-        theirs = reply[:_NONCE]
-        if not hmac.compare_digest(reply[_NONCE:], _mac(secret, b"loom ring accept", mine, theirs, ranks)):
-            raise RuntimeError(f"{where}: the listener did not prove it holds the job secret")
-        sock.sendall(_mac(secret, b"loom ring connect", theirs, mine, ranks))
-        if _read_exact(sock, 1, deadline) != b"\1":
-            raise RuntimeError(f"{where}: the listener refused the handshake")
+        dial_handshake(sock, secret, me.to_bytes(4, "big") + peer.to_bytes(4, "big"), deadline)
         sock.settimeout(None)
         return sock
-    except RuntimeError:
+    except HandshakeRefused as refused:
         sock.close()
-        raise
+        raise RuntimeError(f"{where}: {refused}") from None
     except OSError as error:
         sock.close()
         raise RuntimeError(
@@ -358,15 +407,7 @@ def _accept(
             raise RuntimeError(f"rank {me}: ring link: accepting rank {peer} failed: {error}") from None
         until = min(deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
         try:
-            hello = _read_exact(sock, len(_HELLO) + _NONCE + 8, until)
-            if hello[: len(_HELLO)] != _HELLO or hello[-8:] != ranks:
-                raise ConnectionError("not a ring hello from the expected neighbour")
-            theirs, mine = hello[len(_HELLO) : len(_HELLO) + _NONCE], os.urandom(_NONCE)
-            sock.sendall(mine + _mac(secret, b"loom ring accept", theirs, mine, ranks))
-            proof = _read_exact(sock, _MAC, until)
-            if not hmac.compare_digest(proof, _mac(secret, b"loom ring connect", mine, theirs, ranks)):
-                raise ConnectionError("wrong proof of the job secret")
-            sock.sendall(b"\1")
+            answer_handshake(sock, secret, len(ranks), ranks.__eq__, until)
             sock.settimeout(None)
             return sock
         except OSError:  # ConnectionError and timeouts included
