@@ -1,7 +1,9 @@
 """Strategies: how the work of training is divided among processes."""
 
 from loom.strategies.data_parallel import DataParallel, DataParallelConfig, DataParallelJob
+from loom.strategies.diloco import DiLoCo, DiLoCoConfig
 from loom.strategies.hybrid import Hybrid, HybridConfig
+from loom.strategies.local_sgd import LocalSGD, LocalSGDConfig
 from loom.strategies.model_parallel import ModelParallelJob
 from loom.strategies.parameter_server import ParameterServer, ParameterServerConfig, ParameterServerJob
 from loom.strategies.pipeline import Pipeline, PipelineConfig
@@ -11,8 +13,12 @@ __all__ = [
     "DataParallel",
     "DataParallelConfig",
     "DataParallelJob",
+    "DiLoCo",
+    "DiLoCoConfig",
     "Hybrid",
     "HybridConfig",
+    "LocalSGD",
+    "LocalSGDConfig",
     "ModelParallelJob",
     "ParameterServer",
     "ParameterServerConfig",

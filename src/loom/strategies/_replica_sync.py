@@ -1,0 +1,323 @@
+"""What `LocalSGD` and `DiLoCo` share: replicas that step on their own and meet every few steps.
+
+Both keep a whole model per process and train it on the process's share of each global batch with the user's
+optimizer, without synchronizing gradients (the *inner* steps). `ReplicaJob` is that inner loop, written once:
+
+- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, phase times, sample
+  count]`` (the loss buffer of `loom.observe.phases` plus one slot), so `train_step` returns the global-batch
+  mean loss on every rank, a non-finite loss or gradient on any rank skips the step on every rank
+  (`loom.fault.desync.NonFiniteGuard`), and every rank knows how many samples the whole job trained on;
+- each rank counts the samples it trained on since each synchronization, so replicas are averaged weighted by
+  ``n_r / N`` (its samples over the job's): with uneven shares (the ragged last batch, empty shares) this is
+  what makes ``LocalSGD(sync_every=1)`` with plain SGD equal synchronous data parallelism, whose gradient is
+  ``sum_r n_r/N * grad_r``;
+- after each step the strategy's `ReplicaJob._after_step` decides whether to synchronize.
+
+A rank whose share is empty runs no forward and no optimizer step (its parameters stay where they were, with
+weight 0 at the next average). State is per rank (``replicated_state = False``): between synchronizations the
+replicas differ, so `loom.fit` writes every rank's part, and a checkpoint resumes at the world size that wrote
+it. Replicas do not agree bitwise between synchronizations, so ``replicas_agree`` is False and fit's desync check
+is skipped.
+
+Limits: the loss must be mean-reduced over the batch; the model must run the same code on every rank (checked
+at setup as for `DataParallel`: `loom.strategies.consistency`); BatchNorm statistics are local between
+synchronizations and averaged with the parameters (a 1-sample share in training mode raises on that rank only,
+which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.comm import all_reduce as comm_all_reduce
+from loom.comm import counters
+from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard, gradients_finite
+from loom.fault.watchdog import Watchdog, hang_timeout_s
+from loom.job import Job, MetricFn, check_batch_layout
+from loom.mesh import Mesh
+from loom.observe.metrics import StepMetrics
+from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
+from loom.strategies._batch import batch_len, split_batch, to_device
+from loom.strategies._setup import check_setup_arguments
+from loom.strategies.consistency import check_same_model
+from loom.strategies.data_parallel import default_metrics_path
+from loom.strategies.pipeline import broadcast_module
+from loom.topology import Topology, current
+
+__all__ = [
+    "INT8_CHUNK",
+    "ReplicaJob",
+    "check_common_options",
+    "dequantize_int8",
+    "exchange",
+    "flatten",
+    "positive_int",
+    "prepare_replicas",
+    "quantize_int8",
+    "synced_tensors",
+    "unflatten_into",
+]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+INT8_CHUNK = 1024
+"""Values per int8 scale (`quantize_int8`): the scales add 4 bytes per chunk (0.4 % of the codes)."""
+
+
+def positive_int(name: str, value: Any, hint: str = "") -> None:
+    """Refuse anything but an int >= 1 (bools included), naming the option and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.{' HINT: ' + hint if hint else ''}")
+
+
+def check_common_options(nonfinite: str, nonfinite_limit: int, hang_timeout: float | None) -> None:
+    """The options both strategies share with `DataParallel`, checked the same way."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"nonfinite={nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
+            "non-finite step on every rank, 'stop' raises."
+        )
+    positive_int("nonfinite_limit", nonfinite_limit)
+    if hang_timeout is not None:
+        hang_timeout_s(hang_timeout)
+
+
+def synced_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors replicas average: every parameter, and the floating-point buffers (BatchNorm's running
+    statistics). Integer buffers (``num_batches_tracked``) stay each replica's own."""
+    params: list[torch.Tensor] = list(module.parameters())
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    return params, buffers
+
+
+def flatten(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    """One new 1-D tensor of ``tensors`` times ``scale``, in their promoted dtype (one collective for all)."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+    return flat.mul_(scale) if scale != 1.0 else flat
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``tensors`` (the inverse of `flatten`)."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def exchange(flat: torch.Tensor, compression: str | None, algorithm: str, group: Any) -> torch.Tensor:
+    """The sum over the replicas of ``flat`` (each rank's weighted share), through ``compression``: None and
+    ``fp16`` all-reduce with ``algorithm``, ``int8`` all-gathers codes and scales (see `loom.strategies.diloco`)."""
+    if compression is None:
+        return comm_all_reduce(flat, op="sum", algorithm=algorithm, group=group)
+    if compression == "fp16":
+        wire = flat if flat.element_size() <= 2 else flat.to(torch.float16)
+        return comm_all_reduce(wire, op="sum", algorithm=algorithm, group=group).to(flat.dtype)
+    codes, scales = quantize_int8(flat)
+    payload = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    messages = [payload]
+    if world > 1:
+        messages = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(messages, payload, group=group)
+        counters().record("int8 all_gather", (world - 1) * payload.nbytes, (world - 1) * payload.nbytes)
+    total = torch.zeros(codes.numel(), dtype=torch.float32, device=flat.device)
+    for message in messages:  # in rank order: the same sum, bitwise, on every rank
+        got_codes = message[: codes.numel()].view(torch.int8)
+        got_scales = message[codes.numel() :].view(torch.float32)
+        total += dequantize_int8(got_codes, got_scales)
+    return total[: flat.numel()].to(flat.dtype)
+
+
+def quantize_int8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of ``flat`` (zero-padded to whole chunks) and one float32 scale per chunk."""
+    padded = torch.zeros(-(-flat.numel() // INT8_CHUNK) * INT8_CHUNK, dtype=torch.float32, device=flat.device)
+    padded[: flat.numel()] = flat
+    chunks = padded.view(-1, INT8_CHUNK)
+    scales = chunks.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(chunks / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(-1), scales
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 values of `quantize_int8`'s codes (padding included)."""
+    return (codes.view(-1, INT8_CHUNK).to(torch.float32) * scales[:, None]).view(-1)
+
+
+def prepare_replicas(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    topology: Topology | None,
+) -> Topology:
+    """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
+    (model or optimizer, `loom.strategies.consistency`) and start every replica from rank 0's parameters and
+    buffers (as DDP does)."""
+    topo = topology if topology is not None else current()
+    check_setup_arguments(model, optimizer, loss_fn)
+    model.to(topo.device)
+    if topo.is_distributed:
+        check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
+        broadcast_module(model)
+    return topo
+
+
+class ReplicaJob(Job):
+    """Inner steps on this rank's share, one loss reduction per step; subclasses synchronize the replicas."""
+
+    replicated_state = False
+    replicas_agree = False
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        topology: Topology,
+        *,
+        nonfinite: str,
+        nonfinite_limit: int,
+        hang_timeout: float | None,
+        metrics_path: str | None,
+        observe: bool,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.topology = topology
+        self.mesh = Mesh(dp=topology.world_size, topology=topology)
+        self.step = 0
+        self.metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
+        self.observer = StepObserver.for_process(self.metrics, topology.world_size, enabled=observe)
+        """Times each step's phases and counts its bytes (synchronizations included) into `metrics`."""
+        self.nonfinite = NonFiniteGuard(nonfinite, nonfinite_limit, topology.rank)
+        self.last_step_skipped = False
+        self.watchdog = (
+            Watchdog.start(topology, hang_timeout)
+            if topology.is_distributed
+            else Watchdog(topology.rank, topology.world_size, hang_timeout_s(hang_timeout))
+        )
+        self._group = self.mesh.group("dp")
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was not applied because their loss or gradient was non-finite on some rank."""
+        return self.nonfinite.skipped
+
+    # -- what a strategy adds ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _count_samples(self, local: int, total: int) -> None:
+        """Note that this rank trained on ``local`` of the ``total`` samples of an applied step."""
+
+    @abc.abstractmethod
+    def _after_step(self) -> None:
+        """Called on every rank after each step (``self.step`` already counts it): synchronize when due."""
+
+    # -- the inner step ------------------------------------------------------------------------------------------
+    def train_step(self, batch: Any) -> float:
+        """One step of this replica's optimizer on its share; returns the global-batch mean loss."""
+        check_batch_layout(batch, self)
+        self.observer.begin_step(self.step + 1)
+        inputs, targets = split_batch(batch)
+        device = self.topology.device
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        local = batch_len(inputs)
+        self.observer.lap(DATA)
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, flag = 0.0, 0.0
+        if local:
+            loss = self.loss_fn(self.module(inputs), targets)
+            loss.backward()
+            loss_sum = float(loss.detach().double()) * local
+            params = [p.grad for p in self.module.parameters() if p.grad is not None]
+            flag = 0.0 if math.isfinite(loss_sum) and gradients_finite(params) else 1.0
+        self.observer.backward_done()
+        reduced = self._reduce_step(loss_sum, flag, local)
+        total = int(reduced[-1].item())
+        if total == 0:
+            raise ValueError(f"rank {self.topology.rank}: train_step got a global batch of 0 samples")
+        world = self.topology.world_size
+        flags = reduced[FLAGS_AT : FLAGS_AT + world].tolist()
+        skipped = self.nonfinite.judge(self.step + 1, flags, range(world))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            if local:
+                self.optimizer.step()
+            self._count_samples(local, total)
+        self.observer.lap(OPTIMIZER)
+        global_loss = float(reduced[0].item()) / total
+        self.step += 1
+        self.last_step_skipped = skipped
+        self._after_step()
+        self.observer.lap(COMM)
+        self.observer.end_step(self.step, local, total, global_loss, reduced[:-1], skipped=skipped)
+        return global_loss
+
+    def _reduce_step(self, loss_sum: float, flag: float, local: int) -> torch.Tensor:
+        """``[loss sum, flags, phase rows, samples]`` summed over the replicas (one small all-reduce)."""
+        base = self.observer.loss_buffer(self.topology.device)
+        buffer = torch.cat([base, torch.zeros(1, dtype=base.dtype, device=base.device)])
+        buffer[0], buffer[FLAGS_AT + self.topology.rank], buffer[-1] = loss_sum, flag, float(local)
+        self.observer.lap(COMM)
+        if self.topology.is_distributed:
+            with self.watchdog.collective("loss and sample-count all-reduce"):
+                launched = time.perf_counter()
+                dist.all_reduce(buffer, group=self._group)
+                self.observer.collective("all_reduce loss", launched, time.perf_counter(), buffer.nbytes)
+        self.observer.lap(COMM)
+        return buffer
+
+    @torch.no_grad()
+    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
+        """The global-batch loss and any extra mean-reduced ``metrics``, in eval mode: each replica evaluates
+        its own parameters on its share (between synchronizations they differ; call `synchronize` first to
+        evaluate one model)."""
+        check_batch_layout(batch, self)
+        inputs, targets = split_batch(batch)
+        device = self.topology.device
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        fns: dict[str, Callable] = {"loss": self.loss_fn, **(metrics or {})}
+        local = batch_len(inputs)
+        sums = torch.zeros(len(fns) + 1, dtype=torch.float64, device=device)
+        sums[-1] = local
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            if local:
+                outputs = self.module(inputs)
+                for i, fn in enumerate(fns.values()):
+                    sums[i] = float(fn(outputs, targets)) * local
+        finally:
+            self.module.train(was_training)
+        if self.topology.is_distributed:
+            with self.watchdog.collective("evaluation all-reduce"):
+                dist.all_reduce(sums, group=self._group)
+        count = float(sums[-1].item())
+        if count == 0:
+            raise ValueError(f"rank {self.topology.rank}: eval_step got a global batch of 0 samples")
+        return {name: float(sums[i].item()) / count for i, name in enumerate(fns)}
+
+    def _inner_state(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
+
+    def _load_inner_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
