@@ -55,6 +55,7 @@ from loom.topology import Topology, current
 __all__ = [
     "INT8_CHUNK",
     "ReplicaJob",
+    "ReplicaStrategy",
     "check_common_options",
     "dequantize_int8",
     "exchange",
@@ -153,6 +154,26 @@ def quantize_int8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 values of `quantize_int8`'s codes (padding included)."""
     return (codes.view(-1, INT8_CHUNK).to(torch.float32) * scales[:, None]).view(-1)
+
+
+class ReplicaStrategy:
+    """The constructor both strategies share: options into the config dataclass ``config_type``, checked now."""
+
+    config_type: Any
+
+    def __init__(
+        self,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        observe: bool = True,
+        **config: Any,
+    ) -> None:
+        self.config = self.config_type(**config)
+        self.topology = topology
+        self.metrics_path = metrics_path
+        self.observe = observe
+        """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
 
 
 def prepare_replicas(

@@ -55,6 +55,7 @@ from loom.strategies._replica_sync import (
     INT8_CHUNK,
     LossFn,
     ReplicaJob,
+    ReplicaStrategy,
     check_common_options,
     exchange,
     flatten,
@@ -148,24 +149,13 @@ class DiLoCoConfig:
         return self.overlap_steps
 
 
-class DiLoCo:
+class DiLoCo(ReplicaStrategy):
     """Strategy: inner steps on each replica, an outer optimizer on the averaged pseudo-gradient every H steps.
 
     ``DiLoCo(sync_every=500, fragments=1, compression=None, outer_optimizer=None, ...)`` — see `DiLoCoConfig`.
     """
 
-    def __init__(
-        self,
-        *,
-        topology: Topology | None = None,
-        metrics_path: str | None = None,
-        observe: bool = True,
-        **config: Any,
-    ) -> None:
-        self.config = DiLoCoConfig(**config)
-        self.topology = topology
-        self.metrics_path = metrics_path
-        self.observe = observe
+    config_type = DiLoCoConfig
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DiLoCoJob:
         """Check the replicas agree (model, inner and outer optimizer), start them from rank 0's parameters."""

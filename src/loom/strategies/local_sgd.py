@@ -34,6 +34,7 @@ from loom.config_docs import document_options
 from loom.strategies._replica_sync import (
     LossFn,
     ReplicaJob,
+    ReplicaStrategy,
     check_common_options,
     flatten,
     positive_int,
@@ -71,24 +72,13 @@ class LocalSGDConfig:
         check_common_options(self.nonfinite, self.nonfinite_limit, self.hang_timeout_s)
 
 
-class LocalSGD:
+class LocalSGD(ReplicaStrategy):
     """Strategy: replicas step on their own shares and average their parameters every ``sync_every`` steps.
 
     ``LocalSGD(sync_every=8, allreduce="auto", ...)`` — see `LocalSGDConfig` for the fields.
     """
 
-    def __init__(
-        self,
-        *,
-        topology: Topology | None = None,
-        metrics_path: str | None = None,
-        observe: bool = True,
-        **config: Any,
-    ) -> None:
-        self.config = LocalSGDConfig(**config)
-        self.topology = topology
-        self.metrics_path = metrics_path
-        self.observe = observe
+    config_type = LocalSGDConfig
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> LocalSGDJob:
         """Check that the replicas hold the same model and optimizer, start them from rank 0's parameters."""
