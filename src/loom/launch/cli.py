@@ -104,6 +104,20 @@ def _add_run_parser(sub) -> None:
         help="this host's position in the spec's hosts (default $LOOM_HOST_INDEX, else the host whose address "
         "is on this machine)",
     )
+    p.add_argument(
+        "--backend",
+        choices=["local", "ray"],
+        default="local",
+        help="local (default): this host's processes (PyTorch's elastic agent); ray: one Ray actor per worker "
+        "in a placement group (pip install loom[ray]; see loom.ray)",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="--backend ray: the Ray cluster (auto, or the GCS HOST:PORT); default: a local Ray instance for the "
+        "job, stopped after it",
+    )
     p.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -112,6 +126,13 @@ def _add_run_parser(sub) -> None:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from loom.launch.agent import LaunchSpec, launch
 
+    if ns.backend == "ray":
+        from loom.ray import run_from_cli  # here: ray is an optional extra, imported only on this path
+
+        return run_from_cli(ns, ns.run_dir or _default_run_dir())
+    if ns.address is not None:
+        print("loom run: --address is the Ray cluster's address. HINT: add --backend ray", file=sys.stderr)
+        return 2
     if ns.cluster is not None or ns.host_index is not None:
         return _cmd_run_cluster(ns)
 

@@ -1,0 +1,353 @@
+"""The driver of a loom job on Ray: place the workers, hand each loom's environment, watch, replace, collect.
+
+One attempt of the job:
+
+1. Ray places ``num_workers`` `loom.ray.rank_host.RankHost` actors in the job's placement group (one bundle of
+   ``resources_per_worker`` each, reserved once for the whole job, so a replaced group lands where the lost one
+   was or wherever Ray has room). Ranks follow the nodes: the ranks on one node are consecutive, so LOCAL_RANK
+   and LOCAL_WORLD_SIZE mean what they mean under `loom run`.
+2. Each actor starts its rank's process with what `loom run` gives a worker (RANK, WORLD_SIZE, LOCAL_RANK,
+   LOCAL_WORLD_SIZE, the TORCHELASTIC_* variables, MASTER_ADDR/MASTER_PORT, LOOM_JOB_SECRET, LOOM_RUN_DIR,
+   GLOO_SOCKET_IFNAME: the interface that holds the node's Ray address). ``loom.init()`` then joins loom's
+   authenticated store (`loom.launch.store`), hosted here in the driver for the whole job and reached at the
+   driver's Ray address, under a fresh key prefix per attempt.
+3. The driver polls every actor, prints each output line prefixed with its rank, writes the copied files into
+   the run directory, and stops at the first failure: a process that exits non-zero or is killed, or an actor
+   that dies (Ray reports it at the next poll).
+
+After a failure the whole group is stopped and, up to ``max_failures`` times, replaced by new actors; the
+script's ``loom.fit(..., checkpoint_dir=...)`` resumes from its latest checkpoint, as under
+``loom run --max-restarts``. The synchronous strategies cannot go on without a rank (a collective in flight
+fails on every rank), so replacing one worker means restarting all of them. Parameter servers are actors too,
+started once before the first attempt and kept across restarts, as `loom run --servers` keeps its processes.
+
+The run directory has `loom run`'s layout: ``metrics/rank<r>.jsonl`` (so ``loom report`` reads it),
+``logs/attempt_<n>/rank<r>.stdout.log`` and ``.stderr.log``, ``logs/server<i>.*.log``, and ``trace.json``.
+
+Limits: the script, its working directory and any ``checkpoint_dir`` must be at the same path on every node
+(a shared filesystem), as `loom.fit` requires of checkpoints anyway; a lost parameter server fails the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.ray import RayJobFailed
+
+__all__ = ["WorkerSpec", "run_job"]
+
+_FORWARDED = ("LOOM_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "PYTHONPATH")
+"""The driver's variables every process gets, as `loom run`'s workers inherit the launcher's environment."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank runs: ``python ARGV`` (through `loom.launch.worker`), fed ``payload`` on stdin."""
+
+    argv: list[str]
+    payload: bytes | None = None
+
+
+@dataclass
+class _Rank:
+    name: str
+    actor: Any
+    where: dict[str, Any]
+    local_rank: int = 0
+    local_size: int = 1
+    node_index: int = 0
+    done: bool = False
+    result: bytes | None = None
+
+
+@dataclass
+class _Attempt:
+    failure: str | None = None
+    results: dict[int, bytes | None] = field(default_factory=dict)
+
+
+def _prefix_print(name: str, lines: list[tuple[str, str]], dropped: int) -> None:
+    for stream, text in lines:
+        out = sys.stderr if stream == "stderr" else sys.stdout
+        out.write(f"[{name}]: {text}\n")
+    if dropped:
+        sys.stderr.write(f"[{name}]: ({dropped} lines not shown; they are in its log)\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _write_chunk(run_dir: Path, rel: str, offset: int, data: bytes) -> None:
+    """Write a copied file's bytes at ``run_dir/rel``; refuse paths that leave the run directory."""
+    parts = Path(rel).parts
+    if not parts or Path(rel).is_absolute() or ".." in parts:
+        raise ValueError(f"a rank sent a file outside the run directory: {rel!r}")
+    path = run_dir.joinpath(*parts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "r+b" if path.exists() and offset else "wb") as f:
+        f.seek(offset)
+        f.write(data)
+        f.truncate()
+
+
+def _describe(name: str, report: dict[str, Any]) -> str:
+    code = report["exit"]
+    if code < 0:
+        try:
+            return f"{name} was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"{name} was killed by signal {-code}"
+    return f"{name} failed (exit code {code}): {report['error'] or 'exited without a Python exception'}"
+
+
+class _Job:
+    def __init__(self, config, work: WorkerSpec) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from loom.launch.store import StoreServer, job_secret
+
+        self.ray, self.config, self.work = ray, config, work
+        self.run_dir = Path(config.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = os.environ.get("LOOM_RUN_ID") or uuid.uuid4().hex[:12]
+        self.secret = os.environ.get("LOOM_JOB_SECRET") or secrets.token_hex(32)
+        self.address = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.store = StoreServer(self.address, 0, job_secret(self.secret))
+        self.host_class = ray.remote(max_restarts=0)(_rank_host_class())
+        self.servers: list[_Rank] = []
+        self.server_addresses: list[str] = []
+        bundles = [dict(config.resources_per_worker) for _ in range(config.num_workers)]
+        self.group = placement_group(bundles, strategy=config.placement_strategy)
+
+    # -- placement --------------------------------------------------------------------------------------------
+    def _wait_placed(self) -> None:
+        ready, _ = self.ray.wait([self.group.ready()], timeout=self.config.start_timeout_s)
+        if not ready:
+            raise RayJobFailed(
+                f"Ray could not place {self.config.num_workers} workers with {self.config.resources_per_worker} "
+                f"each within {self.config.start_timeout_s:g} s; the cluster has "
+                f"{self.ray.available_resources()} free. HINT: lower num_workers or resources_per_worker, or "
+                "add nodes"
+            )
+
+    def _actor_options(self, resources: dict[str, float]) -> dict[str, Any]:
+        left = dict(resources)
+        options: dict[str, Any] = {"num_cpus": left.pop("CPU", 0), "num_gpus": left.pop("GPU", 0)}
+        if "memory" in left:
+            options["memory"] = left.pop("memory")
+        if left:
+            options["resources"] = left
+        return options
+
+    def _place_workers(self) -> list[_Rank]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actors = []
+        for bundle in range(self.config.num_workers):
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
+            options = self._actor_options(self.config.resources_per_worker)
+            actors.append(
+                self.host_class.options(scheduling_strategy=strategy, **options).remote(f"w{bundle}")
+            )
+        wheres = self.ray.get([a.where.remote() for a in actors], timeout=self.config.start_timeout_s)
+        nodes: list[str] = []
+        for where in wheres:
+            if where["node_id"] not in nodes:
+                nodes.append(where["node_id"])
+        order = sorted(range(len(actors)), key=lambda b: (nodes.index(wheres[b]["node_id"]), b))
+        ranks = [_Rank(f"rank{r}", actors[b], wheres[b]) for r, b in enumerate(order)]
+        for rank in ranks:
+            same = [r for r in ranks if r.where["node_id"] == rank.where["node_id"]]
+            rank.local_rank, rank.local_size = same.index(rank), len(same)
+            rank.node_index = nodes.index(rank.where["node_id"])
+        return ranks
+
+    # -- environment ------------------------------------------------------------------------------------------
+    def _base_env(self, where: dict[str, Any]) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}
+        env.update(LOOM_JOB_SECRET=self.secret, PYTHONUNBUFFERED="1", TORCHELASTIC_RUN_ID=self.run_id)
+        env.setdefault("OMP_NUM_THREADS", "1")  # N workers sharing the cores; as torchrun does
+        if "GLOO_SOCKET_IFNAME" not in os.environ and where.get("interface"):
+            env["GLOO_SOCKET_IFNAME"] = where["interface"]
+        if self.config.trace_steps:
+            env["LOOM_TRACE_STEPS"] = self.config.trace_steps
+        return env
+
+    def _rank_env(self, rank: int, r: _Rank, attempt: int, nodes: int) -> dict[str, str]:
+        env = self._base_env(r.where)
+        size = str(self.config.num_workers)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=size, LOCAL_RANK=str(r.local_rank), LOCAL_WORLD_SIZE=str(r.local_size),
+            GROUP_RANK=str(r.node_index), GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=size,
+            ROLE_NAME="default", MASTER_ADDR=self.address, MASTER_PORT=str(self.store.port),
+            LOOM_STORE_PREFIX=f"loom/{self.run_id}/attempt{attempt}/job/",
+            TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(self.config.max_failures),
+        )  # fmt: skip
+        if self.server_addresses:
+            env["LOOM_PS_ADDRS"] = ",".join(self.server_addresses)
+        return env
+
+    def _writes_directly(self, where: dict[str, Any]) -> bool:
+        if self.config.copy_run_dir is None:
+            return where["node_id"] == self.node_id
+        return not self.config.copy_run_dir
+
+    def _start(self, r: _Rank, argv: list[str], env: dict[str, str], log_name: str, payload) -> Any:
+        run_dir = str(self.run_dir) if self._writes_directly(r.where) else None
+        cwd = self.config.working_dir or os.getcwd()
+        return r.actor.start.remote(argv, env, cwd, run_dir, log_name, payload)
+
+    # -- parameter servers ------------------------------------------------------------------------------------
+    def start_servers(self) -> None:
+        count = self.config.servers
+        if not count:
+            return
+        options = self._actor_options(self.config.resources_per_server)
+        actors = [self.host_class.options(**options).remote(f"server{i}") for i in range(count)]
+        wheres = self.ray.get([a.where.remote() for a in actors], timeout=self.config.start_timeout_s)
+        ports = self.ray.get([a.free_port.remote() for a in actors], timeout=self.config.start_timeout_s)
+        self.server_addresses = [f"{w['address']}:{p}" for w, p in zip(wheres, ports, strict=True)]
+        starts = []
+        for i, (actor, where) in enumerate(zip(actors, wheres, strict=True)):
+            server = _Rank(f"server{i}", actor, where)
+            argv = ["-u", "-m", "loom.launch.worker", "-m", "loom.ps.server", "--index", str(i),
+                    "--num-servers", str(count), "--bind", self.server_addresses[i]]  # fmt: skip
+            starts.append(self._start(server, argv, self._base_env(where), f"server{i}", None))
+            self.servers.append(server)
+        self.ray.get(starts, timeout=self.config.start_timeout_s)
+
+    # -- one attempt ------------------------------------------------------------------------------------------
+    def attempt(self, attempt: int) -> _Attempt:
+        self._wait_placed()
+        ranks = self._place_workers()
+        nodes = len({r.where["node_id"] for r in ranks})
+        outcome = _Attempt()
+        try:
+            starts = [
+                self._start(r, self.work.argv, self._rank_env(i, r, attempt, nodes),
+                            f"attempt_{attempt}/rank{i}", self.work.payload)
+                for i, r in enumerate(ranks)
+            ]  # fmt: skip
+            self.ray.get(starts, timeout=self.config.start_timeout_s)
+            outcome.failure = self._watch(ranks)
+            outcome.results = {i: r.result for i, r in enumerate(ranks)}
+        finally:
+            self._stop(ranks)
+        return outcome
+
+    def _poll(self, procs: list[_Rank]) -> str | None:
+        """One poll of every process not done yet; returns the first failure seen (deaths before errors)."""
+        from ray.exceptions import RayActorError
+
+        live = [p for p in procs if not p.done]
+        refs = [p.actor.poll.remote() for p in live]
+        failures: list[tuple[int, str]] = []
+        for proc, ref in zip(live, refs, strict=True):
+            try:
+                report = self.ray.get(ref, timeout=self.config.start_timeout_s)
+            except RayActorError as error:
+                proc.done = True
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                failures.append((0, f"{proc.name}: its Ray actor on {proc.where['host']} died ({reason})"))
+                continue
+            _prefix_print(proc.name, report["lines"], report["dropped"])
+            for rel, offset, data in report["files"]:
+                _write_chunk(self.run_dir, rel, offset, data)
+            if report["exit"] not in (None, 0):
+                failures.append((1 if report["exit"] < 0 else 2, _describe(proc.name, report)))
+            if report["done"]:
+                proc.done, proc.result = True, report.get("result")
+        return min(failures)[1] if failures else None
+
+    def _watch(self, ranks: list[_Rank]) -> str | None:
+        while not all(r.done for r in ranks):
+            failure = self._poll(ranks + [s for s in self.servers if not s.done])
+            if failure is not None:
+                return failure
+            time.sleep(self.config.poll_interval_s)
+        return None
+
+    def _stop(self, procs: list[_Rank]) -> None:
+        """Stop the processes, copy their last output and files, and end their actors."""
+        self._settle([p.actor.stop.remote(self.config.grace_s) for p in procs if not p.done])
+        deadline = time.monotonic() + self.config.grace_s
+        while any(not p.done for p in procs) and time.monotonic() < deadline:
+            self._poll(procs)  # failures while stopping are the stop itself
+        self._settle([p.actor.cleanup.remote() for p in procs])
+        for p in procs:
+            self.ray.kill(p.actor, no_restart=True)
+
+    def _settle(self, refs: list[Any]) -> None:
+        """Wait for calls made while stopping; a dead actor's error is expected (its process died with it)."""
+        from ray.exceptions import RayError
+
+        if not refs:
+            return
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.config.grace_s + 10)
+        for ref in ready:
+            with contextlib.suppress(RayError):
+                self.ray.get(ref)
+
+    def close(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self._stop(self.servers)
+        finally:
+            remove_placement_group(self.group)
+            self.store.close()
+            if self.config.trace_steps:
+                from loom.observe.trace import merge_traces
+
+                merge_traces(self.run_dir)
+
+
+def _rank_host_class():
+    from loom.ray.rank_host import RankHost
+
+    return RankHost
+
+
+def run_job(config, work: WorkerSpec) -> dict[int, bytes | None]:
+    """Run ``work`` on ``config.num_workers`` ranks until it succeeds or fails ``max_failures + 1`` times;
+    returns each rank's pickled result (None for scripts). Raises `RayJobFailed` naming the failed rank."""
+    from loom.ray.local import connect, disconnect
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise RayJobFailed("the Ray backend needs Ray. HINT: pip install 'loom[ray]'") from None
+    connection = connect(config.address, config.num_cpus)
+    try:
+        job = _Job(config, work)
+        try:
+            job.start_servers()
+            attempt = 0
+            while True:
+                outcome = job.attempt(attempt)
+                if outcome.failure is None:
+                    return outcome.results
+                if attempt >= config.max_failures:
+                    raise RayJobFailed(
+                        f"loom: {outcome.failure}; "
+                        + (f"no restart left (max_failures={config.max_failures}). " if config.max_failures
+                           else "")
+                        + f"Logs are in {job.run_dir / 'logs'}"
+                    )  # fmt: skip
+                attempt += 1
+                print(f"loom: {outcome.failure}; replacing the worker group (restart {attempt} of "
+                      f"{config.max_failures}), resuming from the latest checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        finally:
+            job.close()
+    finally:
+        disconnect(connection)

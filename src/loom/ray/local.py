@@ -1,0 +1,164 @@
+"""Connect to Ray for one loom job: an existing cluster, or a local instance started locked down.
+
+A local instance (no ``address``) is started the way an unattended job should: no dashboard
+(``include_dashboard=False``), every Ray process bound to loopback, and Ray's token authentication on with a
+fresh random token for this instance alone (kept in this process's environment while the instance lives, never
+written to disk or printed), so another local user cannot submit work to it either.
+
+What Ray listens on then (checked with ``ss -ltnp`` on Ray 2.60): the GCS server, the raylet (two ports), the
+driver's and every worker's core-worker gRPC server, all on 127.0.0.1 and all behind the token; the runtime-env
+agent's HTTP port on 127.0.0.1. Ray binds these to the node address, which it otherwise resolves to the host's
+outward address even when asked for 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, which Ray reads to choose
+between the two, is set to 0 while the instance starts). Its object store and raylet sockets are Unix sockets
+under the session directory.
+
+`disconnect` stops what `connect` started: ``ray.shutdown()``, then a SIGKILL for any process still running
+whose command line names this instance's session directory (Ray's shutdown leaves stragglers now and then),
+never a process found by name. A cluster given by ``address`` keeps its own security settings (its token, its
+dashboard) and is only disconnected from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["RayConnection", "connect", "disconnect", "session_processes"]
+
+_LOCAL_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+
+
+@dataclass
+class RayConnection:
+    """How this process is attached to Ray for the job, and what `disconnect` must undo."""
+
+    connected_here: bool
+    """True when `connect` called ``ray.init`` (False: the caller had connected already and stays connected)."""
+    started_local: bool
+    """True when `connect` started a local instance (stopped by `disconnect`)."""
+    session_dir: str | None
+    """The Ray session directory of a local instance this process started."""
+    saved_env: dict[str, str | None] = field(default_factory=dict)
+
+
+def connect(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None) -> RayConnection:
+    """Attach to Ray: reuse this process's connection, join the cluster at ``address`` (``"auto"``: the one
+    this node belongs to), or start a local instance with ``num_cpus`` CPUs (see the module docstring)."""
+    import ray
+
+    if address is not None and address.startswith("ray://"):
+        raise ValueError(
+            f"--address {address!r}: Ray Client addresses are not supported (the workers must reach the driver "
+            "to join the job's store). HINT: run the driver on a node of the cluster (e.g. `ray job submit`) "
+            "with --address auto or the GCS address HOST:6379"
+        )
+    if ray.is_initialized():
+        return RayConnection(False, False, None)
+    if address is not None:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        return RayConnection(True, False, None)
+    return _start_local(num_cpus, temp_dir)
+
+
+def _start_local(num_cpus: int | None, temp_dir: str | None) -> RayConnection:
+    import ray
+    from ray._private import ray_constants
+
+    saved = {name: os.environ.get(name) for name in _LOCAL_ENV}
+    if os.environ.get("RAY_AUTH_MODE", "token") == "token" and not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    _forget_cached_token()  # a previous instance's token, cached by Ray in this process
+    _reread_ray_config()  # Ray read RAY_AUTH_MODE when it was imported
+    # Ray read the variable when it was imported; its node-address lookup reads this module attribute.
+    cluster_flag = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            _temp_dir=temp_dir,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+    except BaseException:
+        _restore(saved)
+        raise
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_flag
+    session = ray._private.worker._global_node.get_session_dir_path()  # type: ignore[attr-defined,union-attr]
+    return RayConnection(True, True, session, saved)
+
+
+def _reread_ray_config() -> None:
+    try:
+        from ray._raylet import Config  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    Config.initialize("")
+
+
+def _forget_cached_token() -> None:
+    try:
+        from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
+    except ImportError:  # a Ray without token authentication
+        return
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def session_processes(session_dir: str) -> list[int]:
+    """Live processes of this user whose command line names ``session_dir`` (the Ray instance's processes)."""
+    found, needle = [], session_dir.encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes() and _state(entry) != b"Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _state(entry: Path) -> bytes:
+    return (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+
+
+def disconnect(connection: RayConnection, grace_s: float = 5.0) -> list[int]:
+    """Undo `connect`; returns the pids of a local instance's stragglers that had to be killed."""
+    import ray
+
+    if not connection.connected_here:
+        return []
+    ray.shutdown()
+    killed: list[int] = []
+    if connection.session_dir is not None:
+        deadline = time.monotonic() + grace_s
+        while session_processes(connection.session_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in session_processes(connection.session_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    _restore(connection.saved_env)
+    if connection.started_local:
+        _forget_cached_token()
+        _reread_ray_config()
+    return killed

@@ -1,0 +1,153 @@
+"""loom on Ray: `loom run --backend ray`, `loom.ray.run_script` and `loom.ray.run` on a local Ray instance.
+
+One instance for the module (``num_cpus=2``), started by `loom.ray.local` as the backend starts its own (no
+dashboard, loopback, token authentication) and stopped at the end, when the last test checks that no process
+of Ray or of the jobs is left. Every process the jobs start carries ``LOOM_TEST_TAG`` (the backend hands the
+driver's LOOM_* variables to every rank and server), so a leftover rank or server would be found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+import loom.ray  # noqa: E402
+from loom.launch.cli import main as loom_main  # noqa: E402
+from loom.ray.local import connect, disconnect, session_processes  # noqa: E402
+
+WORKERS = Path(__file__).parent / "workers"
+sys.path.insert(0, str(WORKERS))  # ray_jobs (its train pickled by reference) and common
+from ray_jobs import reference_params, train  # noqa: E402
+
+TAG = uuid.uuid4().hex
+STATE: dict = {}
+
+
+def tagged_processes() -> list[int]:
+    """Live processes whose environment holds this module's tag (any rank or server of its jobs)."""
+    needle, found = f"LOOM_TEST_TAG={TAG}".encode(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+                if state != b"Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    saved = {k: os.environ.get(k) for k in ("LOOM_TEST_TAG", "PYTHONPATH")}
+    os.environ["LOOM_TEST_TAG"] = TAG
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKERS), saved["PYTHONPATH"]) if p)
+    connection = connect(None, num_cpus=2)
+    STATE["connection"] = connection
+    try:
+        yield connection
+    finally:
+        if STATE.get("connection") is not None:
+            disconnect(connection)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def assert_params_equal(params: dict, reference: dict) -> None:
+    assert sorted(params) == sorted(reference)
+    for name, values in params.items():
+        torch.testing.assert_close(torch.tensor(values), reference[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.timeout(90)
+def test_data_parallel_on_two_ray_workers_equals_one_process(ray_instance, tmp_path):
+    """Copied run directory (as from other nodes): step records for `loom report`, logs and the results."""
+    cfg = {"strategy": "dp", "steps": 4, "global_batch": 10}
+    run_dir = tmp_path / "run"
+    config = loom.ray.RayConfig(num_workers=2, run_dir=run_dir, copy_run_dir=True, working_dir=str(tmp_path))
+    loom.ray.run_script(str(WORKERS / "ray_jobs.py"), [json.dumps(cfg)], config=config)
+    reference = reference_params(cfg)
+    for rank in range(2):
+        result = json.loads((run_dir / f"result-{rank}.json").read_text())
+        assert result["rank"] == rank and result["steps"] == 4
+        assert_params_equal(result["params"], reference)
+        assert (
+            f"rank {rank} finished 4 steps" in (run_dir / f"logs/attempt_0/rank{rank}.stdout.log").read_text()
+        )
+    from loom.observe.report import load_records
+
+    records = load_records(run_dir)
+    assert sorted(records) == [0, 1] and [r["step"] for r in records[0]] == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(90)
+def test_parameter_server_sync_on_ray_equals_one_process(ray_instance, tmp_path, capsys):
+    """``loom run --backend ray -n 2 --servers 1``: the server is an actor too; its log is collected."""
+    cfg = {"strategy": "ps", "steps": 4, "global_batch": 10}
+    run_dir = tmp_path / "run"
+    argv = ["run", "--backend", "ray", "-n", "2", "--servers", "1", "--run-dir", str(run_dir)]
+    status = loom_main([*argv, str(WORKERS / "ray_jobs.py"), json.dumps(cfg)])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    assert "[rank0]: rank 0 finished 4 steps" in out and "[rank1]: rank 1 finished 4 steps" in out
+    reference = reference_params(cfg)
+    for rank in range(2):
+        assert_params_equal(json.loads((run_dir / f"result-{rank}.json").read_text())["params"], reference)
+    assert (run_dir / "logs" / "server0.stderr.log").exists()
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_instance, tmp_path, capsys):
+    """Rank 1's actor process is SIGKILLed after step 5 of 8 (checkpoints every 2): a new group resumes from
+    step 4 and ends where one process resumed from a copy of that checkpoint ends."""
+    ckpt = tmp_path / "ckpt"
+    cfg = {"strategy": "dp", "steps": 8, "global_batch": 10, "checkpoint_dir": str(ckpt), "every": 2,
+           "kill_step": 5}  # fmt: skip
+    results = loom.ray.run(train, 2, args=(cfg,), max_failures=1, run_dir=tmp_path / "run")
+    err = capsys.readouterr().err
+    assert "rank1: its Ray actor" in err and "died" in err, err[-3000:]
+    assert "replacing the worker group (restart 1 of 1)" in err
+    assert [(r["rank"], r["attempt"], r["resumed_from"], r["steps"]) for r in results] == [
+        (0, 1, 4, 8),
+        (1, 1, 4, 8),
+    ]
+    assert (tmp_path / "run/logs/attempt_1/rank1.stdout.log").exists()
+    # The reference: one process resumed from a copy of the step-4 checkpoint, run to step 8 without a fault.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copytree(ckpt / "step-00000004", alone / "step-00000004")
+    (alone / "latest").write_text("step-00000004")
+    try:
+        reference = train(dict(cfg, checkpoint_dir=str(alone), kill_step=None))
+    finally:
+        loom.shutdown()
+    assert reference["resumed_from"] == 4 and reference["steps"] == 8
+    straight = reference_params(cfg)  # and all of it equals one process run straight through
+    for result in results:
+        assert_params_equal(result["params"], {k: torch.tensor(v) for k, v in reference["params"].items()})
+        assert_params_equal(result["params"], straight)
+
+
+@pytest.mark.timeout(60)
+def test_nothing_is_left_after_ray_shuts_down(ray_instance):
+    """Last in the module: stop the instance; no Ray process and no rank or server of the jobs remain."""
+    connection = STATE.pop("connection")
+    session = connection.session_dir
+    assert session is not None and session_processes(session), "the instance should be running until now"
+    disconnect(connection)
+    assert session_processes(session) == []
+    assert tagged_processes() == []
