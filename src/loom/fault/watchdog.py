@@ -7,8 +7,17 @@ them, in issue order, which is the same on every rank of a correct program) and 
 not depend on the stuck collective -- a client of the job's store (``MASTER_ADDR:MASTER_PORT``: loom's
 authenticated store under `loom run`, a ``TCPStore`` under ``torchrun``), under ``loom/watchdog/rank<r>`` -- and
 checks the clock. Every store call is bounded (`STORE_CALL_S`) and a store that fails is left alone for
-`STORE_BACKOFF_S`, so a partitioned node (the store's host unreachable) still detects its hang on time. When this rank has waited in one collective longer than
-the timeout, the thread reads every rank's record, prints a report naming
+`STORE_BACKOFF_S`, so a partitioned node (the store's host unreachable) still detects its hang on time.
+
+Uneven work between collectives is ordinary: rank 0 evaluating or writing a checkpoint alone while the others
+wait in the next collective is not a hang. So the hang timeout (``timeout_s``, default `DEFAULT_TIMEOUT_S`)
+counts only the time during which *every* rank is inside a collective (the same one, stuck, or different ones:
+they disagree on the order and will never meet) or cannot be heard from (its record unreadable, or not refreshed:
+every rank's thread re-publishes its record each poll, so a live rank's record is never older than a few polls).
+A rank outside any collective and alive is doing its own work; the others wait for it up to ``work_timeout_s``
+(default `DEFAULT_WORK_TIMEOUT_S`, the 30 minutes PyTorch's gloo and ``torchrun`` wait by default), and only then
+stop the job with a report naming it. When a rank has waited past the timeout and the check says hung, the
+thread reads every rank's record, prints a report naming
 
 - the operation and sequence number this rank waits at,
 - the ranks that did not arrive there (their current sequence number is lower, or they are inside another
@@ -26,8 +35,11 @@ with wd.collective("loss all-reduce"):
 ```
 
 Limits: only collectives wrapped in `collective` are counted (DataParallel wraps its gradient, loss,
-sample-count and evaluation reductions, and `loom.fault.desync` its check; DDP's own start-up broadcast and
-buffer broadcasts are not). The published records lag by the poll interval (a tenth of the timeout, at most
+sample-count and evaluation reductions, `loom.strategies.own_loop` the gradient all-reduce of a backward, and
+`loom.fault.desync` its check; DDP's own start-up broadcast and buffer broadcasts are not); a rank blocked in a
+collective that is not counted looks like a rank doing its own work, so it is waited for up to the work timeout.
+The process group's own timeout (``loom.init(timeout_s=...)``) must be at least the work timeout, or gloo gives
+up first with its bare error. The published records lag by the poll interval (a tenth of the timeout, at most
 1 s), so a rank killed with SIGKILL shows its state from up to that long before it died. The store is hosted
 by rank 0; if rank 0 itself died the report says that the other ranks' records could not be read. Detection
 takes between the timeout and the timeout plus one poll interval.
@@ -51,10 +63,25 @@ import torch.distributed as dist
 
 from loom.topology import Topology
 
-__all__ = ["DEFAULT_TIMEOUT_S", "HangError", "Watchdog", "active", "collective", "hang_timeout_s"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_WORK_TIMEOUT_S",
+    "HangError",
+    "Watchdog",
+    "active",
+    "collective",
+    "hang_timeout_s",
+    "work_timeout_s",
+]
 
 DEFAULT_TIMEOUT_S = 180.0
-"""Below the process group's own 300 s timeout, so loom's report comes before gloo's bare error."""
+"""How long every rank may sit inside collectives without one completing. No rank is doing its own work then,
+so nothing can still arrive: minutes are a hang on any network (and below the process group's timeout, so loom's
+report comes before gloo's bare error). The launcher also takes it as the time after which a silent node is
+lost."""
+DEFAULT_WORK_TIMEOUT_S = 1800.0
+"""How long ranks wait in a collective for a rank that is alive and doing its own work outside collectives
+(rank-0-only evaluation, checkpoint writing): PyTorch's default process-group timeout for gloo (30 minutes)."""
 STORE_CALL_S = 3.0
 """Longest one store call of the watchdog may take (connecting included)."""
 STORE_BACKOFF_S = 5.0
@@ -69,14 +96,24 @@ class HangError(RuntimeError):
 
 def hang_timeout_s(requested: float | None = None) -> float:
     """The timeout to use: ``requested``, else ``LOOM_HANG_TIMEOUT_S``, else `DEFAULT_TIMEOUT_S`."""
+    return _seconds(requested, "LOOM_HANG_TIMEOUT_S", DEFAULT_TIMEOUT_S, "hang timeout")
+
+
+def work_timeout_s(requested: float | None = None) -> float:
+    """The wait for a rank doing its own work: ``requested``, else ``LOOM_WORK_TIMEOUT_S``, else
+    `DEFAULT_WORK_TIMEOUT_S`."""
+    return _seconds(requested, "LOOM_WORK_TIMEOUT_S", DEFAULT_WORK_TIMEOUT_S, "work timeout")
+
+
+def _seconds(requested: float | None, variable: str, default: float, what: str) -> float:
     if requested is None:
-        raw = os.environ.get("LOOM_HANG_TIMEOUT_S", "")
+        raw = os.environ.get(variable, "")
         try:
-            requested = float(raw) if raw else DEFAULT_TIMEOUT_S
+            requested = float(raw) if raw else default
         except ValueError:
-            raise ValueError(f"LOOM_HANG_TIMEOUT_S={raw!r} is not a number of seconds") from None
+            raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
     if isinstance(requested, bool) or not float(requested) > 0:
-        raise ValueError(f"the hang timeout must be a positive number of seconds, got {requested!r}")
+        raise ValueError(f"the {what} must be a positive number of seconds, got {requested!r}")
     return float(requested)
 
 
@@ -86,10 +123,20 @@ class Watchdog:
     Use `Watchdog.start` (it needs a store); a watchdog built without one only counts (single process, tests).
     """
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, store: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        store: Any = None,
+        work_timeout: float | None = None,
+    ) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, hang_timeout_s(timeout_s)
+        self.work_timeout_s = max(work_timeout_s(work_timeout), self.timeout_s)
+        """How long to wait for a rank doing its own work outside collectives (never below ``timeout_s``)."""
         self.store = store
         self.poll_s = min(1.0, self.timeout_s / 10)
+        self._next_check = 0.0
         self.seq = 0
         """Sequence number of the last collective this rank entered (0: none yet)."""
         self.current: tuple[str, int, float] | None = None
@@ -97,12 +144,13 @@ class Watchdog:
         self.last_done: tuple[str, int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._published: Any = None
         self._prefix = _PREFIX.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._store_failed_at = -float("inf")
 
     @classmethod
-    def start(cls, topology: Topology, timeout_s: float | None = None) -> Watchdog:
+    def start(
+        cls, topology: Topology, timeout_s: float | None = None, work_timeout: float | None = None
+    ) -> Watchdog:
         """A watchdog for this process, publishing through a new client of the job's TCP store.
 
         Without a process group (one process) the watchdog only counts: there is nobody to wait for.
@@ -111,9 +159,10 @@ class Watchdog:
         reuse = _active
         if reuse is not None and (reuse.rank, reuse.world_size) == (topology.rank, topology.world_size):
             reuse.timeout_s, reuse.poll_s = timeout, min(1.0, timeout / 10)  # a second setup() in one process
+            reuse.work_timeout_s = max(work_timeout_s(work_timeout), timeout)
             return reuse
         store = _side_channel() if topology.is_distributed else None
-        wd = cls(topology.rank, topology.world_size, timeout, store)
+        wd = cls(topology.rank, topology.world_size, timeout, store, work_timeout)
         if store is not None:
             with contextlib.suppress(Exception):  # bounded; the thread retries
                 wd._publish()
@@ -137,14 +186,25 @@ class Watchdog:
     @contextlib.contextmanager
     def collective(self, op: str) -> Iterator[int]:
         """Count the collective(s) issued inside this block as one operation ``op``; yields its number."""
-        self.seq += 1
-        seq = self.seq
-        self.current = (op, seq, time.monotonic())
+        seq = self.enter(op)
         try:
             yield seq
         finally:
-            self.last_done = (op, seq)
-            self.current = None
+            self.leave()
+
+    def enter(self, op: str) -> int:
+        """Enter operation ``op`` (for code whose collective does not fit a ``with`` block); returns its number.
+        Every `enter` is followed by one `leave`."""
+        self.seq += 1
+        self.current = (op, self.seq, time.monotonic())
+        return self.seq
+
+    def leave(self) -> None:
+        """Leave the operation `enter` entered."""
+        current = self.current
+        if current is not None:
+            self.last_done = (current[0], current[1])
+        self.current = None
 
     def record(self) -> dict[str, Any]:
         """What this rank publishes: its current and last completed operation."""
@@ -160,17 +220,15 @@ class Watchdog:
 
     # -- the watchdog thread ---------------------------------------------------------------------------------
     def _publish(self) -> None:
-        current, done = self.current, self.last_done
-        state = (None if current is None else current[:2], done)
-        if state != self._published or current is not None:  # while waiting, refresh waiting_s
-            self.store.set(f"{self._prefix}rank{self.rank}", json.dumps(self.record()))
-            self._published = state
+        # Every poll, changed or not: the refreshed time tells the others this rank is alive (doing its own work
+        # when it is outside a collective), and while it waits, refreshes waiting_s.
+        self.store.set(f"{self._prefix}rank{self.rank}", json.dumps(self.record()))
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             current = self.current
-            if current is not None and time.monotonic() - current[2] > self.timeout_s:
-                self._report_and_exit(current)
+            if current is not None:
+                self._judge(current)
             if self._store_usable():
                 try:
                     self._publish()
@@ -179,6 +237,25 @@ class Watchdog:
 
     def _store_usable(self) -> bool:
         return self.store is not None and time.monotonic() - self._store_failed_at > STORE_BACKOFF_S
+
+    def _judge(self, current: tuple[str, int, float]) -> None:
+        """Stop the process if the wait in ``current`` is a hang (see the module docstring)."""
+        now = time.monotonic()
+        waited = now - current[2]
+        if waited > self.work_timeout_s:
+            records = self._read_records() if self._store_usable() else {}
+            working = [r for r, rec in records.items() if rec is not None and rec.get("current") is None]
+            self._report_and_exit(
+                current, f"ranks {working} were outside collectives longer than the work timeout "
+                f"({self.work_timeout_s:.0f} s, LOOM_WORK_TIMEOUT_S)", records or None,
+            )  # fmt: skip
+        if waited <= self.timeout_s or now < self._next_check:
+            return
+        records = self._read_records()
+        if all_inside_s(records, self.rank, waited) > self.timeout_s:
+            self._report_and_exit(current, None, records)
+        # some rank is alive outside any collective: its own work; look again in a while (one read per rank)
+        self._next_check = now + max(self.poll_s, min(10.0, self.timeout_s / 10))
 
     def _read_records(self) -> dict[int, dict | None]:
         """Every rank's published record (None where it could not be read)."""
@@ -197,7 +274,9 @@ class Watchdog:
                 records[r] = None
         return records
 
-    def _report_and_exit(self, current: tuple[str, int, float]) -> None:
+    def _report_and_exit(
+        self, current: tuple[str, int, float], why: str | None = None, records: dict | None = None
+    ) -> None:
         """The first rank to time out prints the full report; the others one line (the same facts)."""
         op, seq, waited = current[0], current[1], time.monotonic() - current[2]
         try:
@@ -208,7 +287,9 @@ class Watchdog:
             self._store_failed_at = time.monotonic()
             first = None
         if first:
-            text = hang_report(self.rank, op, seq, waited, self._read_records())
+            text = hang_report(
+                self.rank, op, seq, waited, records if records is not None else self._read_records(), why
+            )
         else:
             why = "another rank reported the ranks involved" if first is False else "the store is unreachable"
             text = (
@@ -253,7 +334,29 @@ def _side_channel() -> Any:
     return None
 
 
-def hang_report(rank: int, op: str, seq: int, waited_s: float, records: dict[int, dict | None]) -> str:
+def all_inside_s(records: dict[int, dict | None], rank: int, waited_s: float) -> float:
+    """How long every rank has been inside a collective or silent, as far as ``records`` tell (see the module
+    docstring): the minimum over ranks of a rank's time in its collective, or of the time since it was last heard
+    from when it is outside one (a live rank's is under a few polls). A record that could not be read counts as
+    forever (the rank cannot be shown to be working); this rank's own wait is ``waited_s``."""
+    now, inside = time.time(), waited_s
+    for r, rec in records.items():
+        if r == rank or rec is None:
+            continue
+        age = max(0.0, now - float(rec.get("time", now)))
+        waiting = rec.get("waiting_s") if rec.get("current") is not None else 0.0
+        inside = min(inside, float(waiting or 0.0) + age)
+    return inside
+
+
+def hang_report(
+    rank: int,
+    op: str,
+    seq: int,
+    waited_s: float,
+    records: dict[int, dict | None],
+    why: str | None = None,
+) -> str:
     """The report: first line a summary (what the launcher shows), then one line per rank.
 
     A rank did not arrive at ``(op, seq)`` if it has not entered collective ``seq`` yet, or is inside a
@@ -270,6 +373,8 @@ def hang_report(rank: int, op: str, seq: int, waited_s: float, records: dict[int
     who = f"ranks {missing} did not arrive" if missing else "every rank that published arrived (a slow op?)"
     if unknown:
         who += f"; ranks {unknown} could not be read"
+    if why:
+        who += f"; {why}"
     lines = [
         f"loom watchdog: rank {rank} waited {waited_s:.1f} s in collective '{op}' #{seq}; {who}. "
         "HINT: every rank must issue the same collectives in the same order; raise LOOM_HANG_TIMEOUT_S "

@@ -48,7 +48,10 @@ def compose(
     metrics_path: str | None = None,
 ) -> ModelParallelJob:
     """Apply the transforms of the module docstring to ``model`` for this process's place on ``mesh``."""
-    check_setup_arguments(model, optimizer, loss_fn)
+    call = check_setup_arguments(
+        model, optimizer, loss_fn, strategy="a model-parallel job (Pipeline, TensorParallel, Hybrid)"
+    )  # the plain convention only: the loss is called on the last stage, the model with one inputs argument
+    loss_fn = call.fn if call.fn is not None else loss_fn
     pipeline = pipeline if pipeline is not None else PipelineConfig(stages=mesh.size("pp"))
     if pipeline.stages != mesh.size("pp"):
         raise ValueError(f"a pipeline of {pipeline.stages} stages on a mesh with pp={mesh.size('pp')}")

@@ -23,6 +23,11 @@ training mode (1 sample in a forward, where PyTorch would raise on one rank only
 naming the fix. An empty share is accepted: BatchNorm passes a zero-size batch through without touching its
 running statistics.
 
+Calling conventions: every `loom.LossCall` one (``model(*inputs)``, ``loss_fn(outputs, batch)``, a model that
+returns its own loss with ``loss_fn=None``), one function for all strategies
+(`loom.strategies._batch.forward_loss`). Scripts that keep their own loop take the model, optimizer and loader
+from `DataParallelJob.own_loop` (`loom.strategies.own_loop`), with the same weighting.
+
 Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
 (PyTorch's default), since that is what the scaling undoes. With DDP the loss buffer is waited for before the
 optimizer step (the verdict on a non-finite loss needs every rank's flag); the gradient check overlaps it.
@@ -50,12 +55,12 @@ from loom.comm.compression import CompressionHook, make_codec
 from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
 from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard, gradients_finite
-from loom.fault.watchdog import Watchdog, hang_timeout_s
+from loom.fault.watchdog import Watchdog, hang_timeout_s, work_timeout_s
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
-from loom.strategies._batch import batch_len, slice_batch, split_batch, tensors_in, to_device
+from loom.strategies._batch import LossCall, batch_len, forward_loss, slice_batch, tensors_in, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
@@ -96,8 +101,13 @@ class DataParallelConfig:
     """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``topk:<fraction>`` or
     ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
     hang_timeout_s: float | None = None
-    """Seconds a collective may wait before the job stops with a report of who did not arrive
-    (`loom.fault.watchdog`); None: ``LOOM_HANG_TIMEOUT_S``, else 180."""
+    """Seconds every rank may spend inside collectives without one completing (the same one stuck, or ranks in
+    different ones) before the job stops with a report of who did not arrive (`loom.fault.watchdog`); None:
+    ``LOOM_HANG_TIMEOUT_S``, else 180. A rank doing its own work outside collectives does not count."""
+    work_timeout_s: float | None = None
+    """Seconds the others wait in a collective for a rank doing its own work outside collectives (rank-0-only
+    evaluation, checkpoint writing) before the job stops, naming it; None: ``LOOM_WORK_TIMEOUT_S``, else 1800
+    (PyTorch's gloo default)."""
     nonfinite: str = "skip"
     """A step whose loss or gradient is NaN or infinite on any rank: ``"skip"`` applies no update on any rank
     (counted in ``job.skipped_steps`` and marked ``skipped`` in the step record); ``"stop"`` raises
@@ -121,6 +131,8 @@ class DataParallelConfig:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if self.hang_timeout_s is not None:
             hang_timeout_s(self.hang_timeout_s)
+        if self.work_timeout_s is not None:
+            work_timeout_s(self.work_timeout_s)
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"nonfinite={self.nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
@@ -155,10 +167,15 @@ class DataParallel:
         self.observe = observe
         """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DataParallelJob:
-        """Broadcast rank 0's parameters, wrap the model for gradient synchronization, return the job."""
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | LossCall | None = None
+    ) -> DataParallelJob:
+        """Broadcast rank 0's parameters, wrap the model for gradient synchronization, return the job.
+
+        ``loss_fn``: ``fn(outputs, targets)``, None when the model returns its own loss, or a `loom.LossCall`
+        (the conventions are `LossCall`'s table)."""
         topo = self.topology if self.topology is not None else current()
-        check_setup_arguments(model, optimizer, loss_fn)
+        call = check_setup_arguments(model, optimizer, loss_fn, strategy="DataParallel", conventions=True)
         model.to(topo.device)
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
@@ -181,13 +198,13 @@ class DataParallel:
             observer.register_comm_hook(ddp, path.hook)
             wrapped = ddp
         mesh = Mesh(dp=topo.world_size, topology=topo)
-        job = DataParallelJob(model, wrapped, optimizer, loss_fn, mesh, self.config, metrics)
+        job = DataParallelJob(model, wrapped, optimizer, call, mesh, self.config, metrics)
         job.observer = observer
         job.gradient_path = path
         job.shared_gradients = path.shared if path is not None else None
         job.compression = path.hook if path is not None and isinstance(path.hook, CompressionHook) else None
         if topo.is_distributed:
-            job.watchdog = Watchdog.start(topo, self.config.hang_timeout_s)
+            job.watchdog = Watchdog.start(topo, self.config.hang_timeout_s, self.config.work_timeout_s)
         return job
 
 
@@ -208,22 +225,27 @@ def _batchnorm_layers(module: nn.Module) -> list[str]:
 
 
 def _zero_loss(outputs: Any) -> torch.Tensor:
-    """A loss of exactly zero that still reaches every parameter the forward used (for empty shares)."""
+    """A loss of exactly zero that still reaches every parameter the forward used (for empty shares).
+
+    Built from the batch-shaped outputs (empty: their sums are 0); a scalar output (a model's own loss, NaN as
+    the mean of nothing) is used only when there is none, through `nan_to_num`, whose gradient is 0 there."""
     floating = [t for t in tensors_in(outputs) if t.is_floating_point()]
     if not floating:
         raise TypeError("the model's outputs hold no floating-point tensor to build a zero loss from")
-    return torch.stack([t.sum() for t in floating]).sum() * 0.0
+    shaped = [t.sum() for t in floating if t.dim() > 0]
+    terms = shaped or [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in floating]
+    return torch.stack(terms).sum() * 0.0
 
 
-def _micro_batches(inputs: Any, targets: torch.Tensor, pieces: int) -> list[tuple[Any, torch.Tensor, int]]:
-    n = batch_len(inputs)
+def _micro_batches(batch: Any, n: int, pieces: int) -> list[tuple[Any, int]]:
+    """``pieces`` slices of the whole ``batch`` of ``n`` samples, with their sizes."""
     if pieces == 1:
-        return [(inputs, targets, n)]
+        return [(batch, n)]
     bounds = torch.arange(pieces + 1) * n // pieces
-    out = []
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        out.append((slice_batch(inputs, lo, hi), targets[lo:hi], hi - lo))
-    return out
+    return [
+        (slice_batch(batch, lo, hi), hi - lo)
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+    ]
 
 
 document_options(DataParallelConfig, DataParallelConfig)
@@ -240,7 +262,7 @@ class DataParallelJob(Job):
         module: nn.Module,
         wrapped: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
+        loss_fn: LossFn | LossCall | None,
         mesh: Mesh,
         config: DataParallelConfig,
         metrics: StepMetrics,
@@ -250,7 +272,11 @@ class DataParallelJob(Job):
         """The user's model (unwrapped): read or export its parameters here."""
         self.wrapped = wrapped
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        """How the model and the loss are called on a batch (`loom.LossCall`)."""
+        self.loss_fn = self.loss_call.fn
+        self.own_loop_started = False
+        """Set by `own_loop`: the model's outputs then weight their gradients, so `train_step` is refused."""
         self.topology = topology
         self.mesh = mesh
         self.config = config
@@ -326,14 +352,27 @@ class DataParallelJob(Job):
             f"at least {need} = {2 * world * accumulate} samples."
         )
 
+    def own_loop(self, loader: Any = None) -> Any:
+        """``model, optimizer, loader`` for a script that keeps its own loop (forward, ``loss.backward()``,
+        clipping, ``optimizer.step()``): see `loom.strategies.own_loop.OwnLoop`. Call it on every rank."""
+        from loom.strategies.own_loop import OwnLoop  # here: own_loop builds on this module's job
+
+        return OwnLoop.start(self, loader)
+
     def train_step(self, batch: Any) -> float:
         """One optimizer step on the global batch this share belongs to; returns the global-batch loss."""
+        if self.own_loop_started:
+            raise RuntimeError(
+                f"rank {self.topology.rank}: job.train_step after job.own_loop(): the model from own_loop weights "
+                "its gradients for your loop's backward, and train_step would weight them twice. HINT: train "
+                "with the loop's model and optimizer, or call train_step on a job that own_loop was not called on."
+            )
         check_batch_layout(batch, self)
         self.observer.begin_step(self.step + 1)
-        inputs, targets = split_batch(batch)
+        call = self.loss_call
         device = self.topology.device
-        inputs, targets = to_device(inputs, device), to_device(targets, device)
-        local = batch_len(inputs)
+        batch_here = to_device(batch, device)
+        local = batch_len(call.inputs_of(batch_here))
         self.observer.lap(DATA)
         total, small = self._global_count(batch, local)
         self.observer.lap(COMM)
@@ -345,17 +384,17 @@ class DataParallelJob(Job):
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.observer.lap(OPTIMIZER)
-        pieces = [p for p in _micro_batches(inputs, targets, self.config.accumulate) if p[2] > 0]
+        pieces = [p for p in _micro_batches(batch_here, local, self.config.accumulate) if p[1] > 0]
         # [loss sum, every rank's phase times]: stragglers ride on this all-reduce (see loom.observe.phases)
         loss_sum = self.observer.loss_buffer(device)
         ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
         if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
             with self.watchdog.collective("gradient all-reduce"):
-                _zero_loss(self.wrapped(inputs)).backward()
-        for i, (x, y, n) in enumerate(pieces):
+                _zero_loss(forward_loss(call, self.wrapped, batch_here)[1]).backward()
+        for i, (piece, n) in enumerate(pieces):
             sync_now = i == len(pieces) - 1
             with self._no_sync() if not sync_now else nullcontext():
-                loss = self.loss_fn(self.wrapped(x), y)
+                loss = forward_loss(call, self.wrapped, piece)[0]
                 with (
                     self.watchdog.collective("gradient all-reduce")
                     if sync_now and ddp_syncs
@@ -444,20 +483,20 @@ class DataParallelJob(Job):
     def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
         """Global-batch loss, and any extra mean-reduced ``metrics`` (e.g. accuracy), in eval mode."""
         check_batch_layout(batch, self)
-        inputs, targets = split_batch(batch)
-        device = self.topology.device
-        inputs, targets = to_device(inputs, device), to_device(targets, device)
-        fns: dict[str, Callable] = {"loss": self.loss_fn, **(metrics or {})}
-        local = batch_len(inputs)
-        sums = torch.zeros(len(fns) + 1, dtype=torch.float64, device=device)
+        call, device = self.loss_call, self.topology.device
+        batch_here = to_device(batch, device)
+        local = batch_len(call.inputs_of(batch_here))
+        sums = torch.zeros(len(metrics or {}) + 2, dtype=torch.float64, device=device)
         sums[-1] = local
         was_training = self.module.training
         self.module.eval()
         try:
             if local:
-                outputs = self.module(inputs)
-                for i, fn in enumerate(fns.values()):
-                    sums[i] = float(fn(outputs, targets)) * local
+                loss, outputs = forward_loss(call, self.module, batch_here)
+                second = call.second_argument(batch_here)
+                values = [loss, *(fn(outputs, second) for fn in (metrics or {}).values())]
+                for i, value in enumerate(values):
+                    sums[i] = float(value) * local
         finally:
             self.module.train(was_training)
         if self.topology.is_distributed:
@@ -466,7 +505,7 @@ class DataParallelJob(Job):
         count = float(sums[-1].item())
         if count == 0:
             raise ValueError("eval_step got a global batch of 0 samples (every share is empty)")
-        return {name: float(sums[i].item()) / count for i, name in enumerate(fns)}
+        return {name: float(sums[i].item()) / count for i, name in enumerate(["loss", *(metrics or {})])}
 
     # -- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

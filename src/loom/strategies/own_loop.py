@@ -1,0 +1,318 @@
+"""Your own training loop with loom's semantics: keep forward, ``loss.backward()``, clipping and the step.
+
+```python
+job = loom.DataParallel().setup(model, optimizer)            # no loss_fn needed: the loop computes its loss
+model, optimizer, loader = job.own_loop(job.loader(dataset, global_batch_size=64))
+for x, y in loader:                                           # this rank's share of each global batch
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)                       # or: logits, loss = model(x, y)
+    scaler.scale(loss).backward()                             # gradients arrive averaged and weighted
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees the averaged gradient
+    scaler.step(optimizer); scaler.update()
+```
+
+The idea is Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``: the script's loop stays, the model
+and optimizer come back wrapped. What loom adds is global-batch semantics under uneven shares. The model's
+training forward weights the *gradient* flowing back into each of its outputs by ``w = n * W / N`` (``n`` the
+samples of this call, ``W`` the replicas, ``N`` the global batch: the loader's batches carry it, see
+`loom.data.loader`), an identity in the forward pass. The gradient all-reduce (DDP's, or the shared-memory
+average of `loom.strategies.shared_gradients`, run at the end of backward) averages over replicas, so every
+gradient is ``sum_r n_r / N * grad_r``: the gradient of the global-batch mean loss, what one process computes on
+the whole batch, before the loop's ``clip_grad_norm_`` reads it. Weighting the outputs rather than the loss keeps
+the user's ``loss`` (and ``GradScaler``'s scaling of it) untouched, and leaves terms that do not come from the
+outputs (a penalty on the weights) averaged, which is their global value. ``torch.autocast`` needs nothing: the
+weight multiplies whatever dtype the gradient has. ``GradScaler`` needs nothing either: averaged gradients are
+equal on every rank, so its inf check and skipped steps agree everywhere.
+
+One forward per loader batch (``n`` must be this rank's share of the last batch the loader gave; a mismatch is
+refused, naming the sizes). Gradient accumulation over several loader batches, as nanoGPT does, is exact: each
+batch is a global batch of its own, weighted by its own ``N``; skip the all-reduce on all but the last with
+``model.no_sync()`` or ``model.require_backward_grad_sync = False`` as with DDP. Calls under ``torch.no_grad()``
+(evaluation, on any subset of ranks) go straight to the model: no weight, no collective.
+
+The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient like `train_step` does
+(``nonfinite`` in `DataParallelConfig`; with ``GradScaler`` such steps never reach it). Not here: step records
+and straggler detection (they ride on `train_step`'s loss all-reduce, and an own loop's loss is its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
+
+from loom.data.sampler import share_bounds
+from loom.fault.desync import gradients_finite
+from loom.strategies._batch import batch_len, tensors_in
+
+if TYPE_CHECKING:
+    from loom.strategies.data_parallel import DataParallelJob
+
+__all__ = ["OwnLoop", "OwnLoopModel", "OwnLoopOptimizer"]
+
+
+class _WeightGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``weight`` and tells the loop a backward began."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, weight: float, loop: OwnLoop) -> torch.Tensor:
+        ctx.weight, ctx.loop = weight, loop
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.loop._backward_began()
+        return grad * ctx.weight, None, None
+
+
+def _weighted(value: Any, weight: float, loop: OwnLoop) -> Any:
+    """``value`` (any nesting of tuples, lists and dicts) with each tensor that needs a gradient weighted.
+
+    Every output tensor is weighted or the gradient would mix weighted and unweighted parts, so an output that
+    may hide tensors elsewhere (an object of another type) is refused."""
+    if isinstance(value, torch.Tensor):
+        return _WeightGradient.apply(value, weight, loop) if value.requires_grad else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_weighted(v, weight, loop) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_weighted(v, weight, loop) for v in value)
+    if type(value) is dict:
+        return {k: _weighted(v, weight, loop) for k, v in value.items()}
+    if isinstance(value, dict):  # a subclass (Hugging Face's ModelOutput keeps attributes in step with items)
+        for k in list(value):
+            value[k] = _weighted(value[k], weight, loop)
+        return value
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    raise TypeError(
+        f"the model returned a {type(value).__name__}: loom weights the gradient of every output tensor by this "
+        "rank's share of the global batch, and cannot see inside that type. HINT: return tensors, or tuples, "
+        "lists or dicts of them (as most models do)."
+    )
+
+
+class OwnLoopModel(nn.Module):
+    """The model for an own loop: call it as the model; ``module`` is the model itself (as with DDP)."""
+
+    def __init__(self, loop: OwnLoop) -> None:
+        super().__init__()
+        self.module = loop.job.module
+        self._loop = [loop]  # in a list: not a submodule, not in state_dict
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        loop = self._loop[0]
+        if not torch.is_grad_enabled():  # evaluation: no gradient to average, no collective
+            return self.module(*args, **kwargs)
+        weight = loop.weight(args, kwargs)
+        outputs = loop.job.wrapped(*args, **kwargs)
+        return outputs if weight == 1.0 else _weighted(outputs, weight, loop)
+
+    def train(self, mode: bool = True) -> OwnLoopModel:
+        super().train(mode)
+        self._loop[0].job.wrapped.train(mode)
+        return self
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch: False lets gradients accumulate locally (no all-reduce) until it is True again."""
+        return self._loop[0].sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        loop = self._loop[0]
+        loop.sync = bool(value)
+        if isinstance(loop.job.wrapped, DistributedDataParallel):
+            loop.job.wrapped.require_backward_grad_sync = bool(value)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, as DDP's ``no_sync``."""
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+
+class OwnLoopOptimizer(torch.optim.Optimizer):
+    """The job's optimizer for an own loop: the same state and param groups; ``step`` counts ``job.step`` and
+    refuses a non-finite averaged gradient. A `torch.optim.Optimizer`, so LR schedulers and ``GradScaler``
+    take it (like Accelerate's ``AcceleratedOptimizer``, it holds the wrapped optimizer instead of copying it)."""
+
+    _step_supports_amp_scaling = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loop: OwnLoop) -> None:  # no super(): see the class
+        self.optimizer = optimizer
+        self._loop = loop
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loop = self._loop
+        if closure is None and loop.skip_step():
+            return None
+        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        loop.job.step += 1
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "add_param_group on an own loop's optimizer: loom synchronizes the parameters the job was set up "
+            "with. HINT: add the group before strategy.setup(model, optimizer)."
+        )
+
+    def __repr__(self) -> str:
+        return f"OwnLoopOptimizer({self.optimizer!r})"
+
+
+class _AnnouncingLoader:
+    """The loader, unchanged, except that each batch's global size is handed to the loop before it is used."""
+
+    def __init__(self, loader: Any, loop: OwnLoop) -> None:
+        self._inner, self._loop = loader, loop
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._inner:
+            self._loop.global_size = getattr(batch, "global_size", None)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, sampler, epoch, ...
+        return getattr(self._inner, name)
+
+
+class OwnLoop:
+    """``model, optimizer, loader = job.own_loop(loader)``: see the module docstring. Unpacks to those three."""
+
+    def __init__(self, job: DataParallelJob) -> None:
+        self.job = job
+        self.sync = True
+        """False between ``no_sync`` passes: gradients accumulate locally (DDP's ``require_backward_grad_sync``)."""
+        self.global_size: int | None = None
+        """Samples in the global batch the loader gave last (None: a batch without it; counted by collective)."""
+        self.in_backward = False
+        self.model = OwnLoopModel(self)
+        self.optimizer = OwnLoopOptimizer(job.optimizer, self)
+        self.loader: Any = None
+
+    @classmethod
+    def start(cls, job: DataParallelJob, loader: Any = None) -> OwnLoop:
+        loop = cls(job)
+        loop.loader = _AnnouncingLoader(loader, loop) if loader is not None else None
+        job.own_loop_started = True
+        job.module.train()
+        return loop
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self.optimizer, self.loader))
+
+    # -- the forward's weight ---------------------------------------------------------------------------------
+    def weight(self, args: tuple, kwargs: dict[str, Any]) -> float:
+        """``n * W / N`` for a training forward on ``args`` (see the module docstring)."""
+        topo = self.job.topology
+        if not topo.is_distributed:
+            return 1.0
+        n = _samples(args, kwargs)
+        world, total = topo.world_size, self.global_size
+        if total is not None:
+            lo, hi = share_bounds(total, topo.rank, world)
+            if n != hi - lo:
+                raise ValueError(
+                    f"rank {topo.rank}: the model was called on {n} samples, but this rank's share of the last "
+                    f"global batch of {total} from the loader is {hi - lo}: loom weights each call by its share. "
+                    "HINT: call the model once per loader batch on the whole batch (accumulate over loader "
+                    "batches, under model.no_sync()), or pass job.own_loop() no loader to count every call."
+                )
+        else:
+            counts = torch.tensor([n], dtype=torch.int64, device=topo.device)
+            with self.job.watchdog.collective("sample-count all-reduce"):
+                dist.all_reduce(counts)
+            total = int(counts.item())
+        if total == 0:
+            raise ValueError(f"rank {topo.rank}: a training forward on a global batch of 0 samples")
+        return n * world / total
+
+    # -- backward: the watchdog's count and the shared-memory average -----------------------------------------
+    def _backward_began(self) -> None:
+        """Called from the first weighted output's backward: count the all-reduce, queue what ends it."""
+        if self.in_backward or not self.sync or not self.job.topology.is_distributed:
+            return
+        self.in_backward = True
+        self.job.watchdog.enter("gradient all-reduce")
+        Variable._execution_engine.queue_callback(self._gradients_done)
+
+    def _gradients_done(self) -> None:
+        """Runs when backward has computed every gradient: average in shared memory (no DDP), or let DDP's own
+        end-of-backward callback, queued after this one, wait for its buckets before the count ends."""
+        if self.job.shared_gradients is not None:
+            self.job.shared_gradients.average()
+            self._finished()
+        else:
+            Variable._execution_engine.queue_callback(self._finished)
+
+    def _finished(self) -> None:
+        self.in_backward = False
+        self.job.watchdog.leave()
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def skip_step(self) -> bool:
+        """Whether the averaged gradient is non-finite (the same verdict on every rank; see `NonFiniteGuard`)."""
+        job = self.job
+        grads = [p.grad for p in job.module.parameters() if p.requires_grad]
+        finite = gradients_finite(grads)
+        skip = job.nonfinite.judge(job.step + 1, [], [], finite)
+        job.last_step_skipped = skip
+        if skip:
+            job.optimizer.zero_grad(set_to_none=True)
+            job.step += 1
+        return skip
+
+
+def _samples(args: tuple, kwargs: dict[str, Any]) -> int:
+    """Samples in a forward's arguments: the first dimension of the first tensor."""
+    for tensor in tensors_in([*args, *kwargs.values()]):
+        return batch_len(tensor)
+    raise TypeError(
+        "the model was called without a tensor argument: loom cannot tell how many samples it saw"
+    )
