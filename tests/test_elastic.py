@@ -66,6 +66,14 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_
     )
     assert 0 <= steps_lost < 3
     assert stopped_at - killed_at < 10
+    # The launcher says what it did: the restart (who, how, which attempt), the resume, and a summary at the end.
+    restart = [line for line in result.stderr.splitlines() if "restarting the worker group" in line]
+    assert len(restart) == 1, result.stderr[-3000:]
+    assert "worker rank 1 failed (killed by SIGKILL)" in restart[0]
+    assert "attempt 2 of 3 (--max-restarts 2)" in restart[0]
+    assert "loom.fit: resumed from the checkpoint of step 6" in result.stdout + result.stderr
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("loom run: finished in ") and "2 worker(s), 1 restart(s), 12 steps" in summary
 
     # The reference: fresh workers, no failure, resumed from a copy of the same checkpoint (step 6).
     reference_dir = tmp_path / "reference"

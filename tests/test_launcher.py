@@ -111,11 +111,11 @@ def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
 
 
 RESTART_SCRIPT = """
-    import os, torch, torch.distributed as dist, loom
+    import os, sys, torch, torch.distributed as dist, loom
     topo = loom.init()
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    if attempt == 0 and topo.rank == 1:
-        raise RuntimeError("fail on the first attempt only")
+    attempt, failing = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(sys.argv[1])
+    if attempt < failing and topo.rank == attempt % 2:
+        raise RuntimeError(f"fail on attempt {attempt} on purpose")
     x = torch.ones(1)
     dist.all_reduce(x)
     print(f"attempt {attempt} rank {topo.rank} sum {x.item():g}")
@@ -124,14 +124,21 @@ RESTART_SCRIPT = """
 
 @pytest.mark.timeout(300)
 def test_restart_after_a_failure_works_every_time(tmp_path):
+    """Nine restarts over three launches (each rank failing in turn): every one forms the group again."""
     script = write_script(tmp_path, "restart_job.py", RESTART_SCRIPT)
-    for trial in range(10):
+    for trial in range(3):
         result = run_loom(
-            ["run", "-n", 2, "--max-restarts", 1, "--run-dir", tmp_path / f"r{trial}", script], tmp_path
+            ["run", "-n", 2, "--max-restarts", 3, "--run-dir", tmp_path / f"r{trial}", script, 3], tmp_path
         )
         assert result.returncode == 0, f"trial {trial}: {result.stderr[-2000:]}"
-        assert "[rank0]: attempt 1 rank 0 sum 2" in result.stdout, f"trial {trial}"
-        assert "[rank1]: attempt 1 rank 1 sum 2" in result.stdout, f"trial {trial}"
+        assert "[rank0]: attempt 3 rank 0 sum 2" in result.stdout, f"trial {trial}"
+        assert "[rank1]: attempt 3 rank 1 sum 2" in result.stdout, f"trial {trial}"
+        restarts = [line for line in result.stderr.splitlines() if "restarting the worker group" in line]
+        assert [line.split(";")[0] for line in restarts] == [
+            f"loom run: worker rank {attempt % 2} failed (RuntimeError: fail on attempt {attempt} on purpose)"
+            for attempt in range(3)
+        ], result.stderr[-2000:]
+        assert "3 restart(s)" in result.stderr.strip().splitlines()[-1]
     assert wait_until_gone(str(script)) == []
 
 

@@ -39,6 +39,7 @@ values is written (`loom.fit_checkpoint`), so the kept checkpoints are all finit
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -261,6 +262,9 @@ def fit(
         if resumed is not None:
             resumed_from, saved = resumed
             at = _Position(resumed_from, saved["epoch"], saved["epoch_step"], saved["last_loss"])
+            if job.topology.is_main:
+                print(f"loom.fit: resumed from the checkpoint of step {resumed_from} in {checkpoint_dir}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         checkpointer.saved_step = resumed_from
     loop = _Loop(
         job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every, desync_every

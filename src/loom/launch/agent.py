@@ -27,6 +27,7 @@ import os
 import secrets
 import socket
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,29 +226,14 @@ def _quiet_agent_logs() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _failure_text(failure) -> str:
-    message = failure.message
-    if isinstance(message, dict):  # an error file written by the worker: {"message": "...", "extraInfo": ...}
-        message = message.get("message", "")
-    message = str(message or "").strip()
-    if failure.exitcode is not None and failure.exitcode < 0:
-        return message or f"killed by signal {-failure.exitcode}"
-    return message.splitlines()[-1] if message else "exited without a Python exception"
-
-
 def _describe_failures(error) -> str:
-    """One line for the root cause: the worker that raised, else one not stopped by the agent's SIGTERM."""
+    """One line for the root cause (`root_failure`), one for the workers stopped because of it."""
+    from loom.launch.elastic import failure_text, root_failure
+
     failures = error.failures
-
-    def blame(rank: int) -> tuple[int, int, int]:
-        f = failures[rank]
-        raised = isinstance(f.message, dict) or f.error_file_data.get("message") is not None
-        stopped_by_agent = f.exitcode == -15
-        return (0 if raised else 1, 1 if stopped_by_agent else 0, f.timestamp)
-
-    root = min(failures, key=blame)
+    root = root_failure(failures)
     failure = failures[root]
-    lines = [f"loom run: worker rank {root} failed (exit code {failure.exitcode}): {_failure_text(failure)}"]
+    lines = [f"loom run: worker rank {root} failed (exit code {failure.exitcode}): {failure_text(failure)}"]
     others = sorted(r for r in failures if r != root)
     if others:
         lines.append(f"loom run: stopped the other workers (ranks {others})")
@@ -259,10 +245,10 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     from loom.fault.watchdog import hang_timeout_s
-    from loom.launch.rendezvous import LoomRendezvous, PeerLost, register
+    from loom.launch.elastic import AgentOptions, run_agent
+    from loom.launch.rendezvous import LoomRendezvous, PeerLost
     from loom.launch.servers import server_processes
     from loom.launch.store import StoreTimeout, StoreUnreachable
 
@@ -295,26 +281,19 @@ def launch(spec: LaunchSpec) -> int:
         print(f"loom run: node 0 cannot listen on the master address {host}:{port}: {error.strerror or error}. "
               "HINT: run node 0 on the host --master names, with a port nothing else uses", file=sys.stderr)  # fmt: skip
         return 2
-    config = LaunchConfig(
-        min_nodes=spec.nnodes,
-        max_nodes=spec.nnodes,
-        nproc_per_node=spec.nproc,
-        run_id=run_id,
-        rdzv_backend=register(rendezvous),
-        rdzv_endpoint=rendezvous.master,
+    options = AgentOptions(
+        nproc=spec.nproc,
         max_restarts=spec.max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(spec.run_dir / "logs"), tee=Std.ALL),
-        log_line_prefix_template="[rank${rank}]: ",
         local_addr=local_addr,
-        shutdown_timeout=spec.shutdown_timeout_s,
+        shutdown_timeout_s=spec.shutdown_timeout_s,
     )
+    started = time.monotonic()
     try:
         with server_processes(spec.servers, spec.server_bind) as server_addresses:
             if server_addresses:
                 os.environ["LOOM_PS_ADDRS"] = ",".join(server_addresses)
-            launch_agent(config, sys.executable, _worker_args(spec))
+            _, restarts = run_agent(options, rendezvous, sys.executable, _worker_args(spec))
     except ChildFailedError as error:
         print(_describe_failures(error), file=sys.stderr)
         lost = rendezvous.silent_peers()
@@ -332,7 +311,39 @@ def launch(spec: LaunchSpec) -> int:
         rendezvous.shutdown()  # idempotent; the agent calls it too, but not if it failed before starting
         if spec.trace_steps:
             _merge_traces(spec.run_dir)
+    print(summary_line(spec, time.monotonic() - started, restarts), file=sys.stderr)
     return 0
+
+
+def summary_line(spec: LaunchSpec, seconds: float, restarts: int) -> str:
+    """The job's last line: time, workers, restarts and, when rank 0 kept step records, its last step."""
+    workers = f"{spec.nproc} worker(s)" + (f" on each of {spec.nnodes} nodes" if spec.nnodes > 1 else "")
+    last = last_recorded_step(spec.run_dir / "metrics" / "rank0.jsonl")
+    steps = f", {last} steps" if last is not None and spec.node_rank == 0 else ""
+    return (
+        f"loom run: finished in {seconds:.1f} s: {workers}, {restarts} restart(s){steps}; "
+        f"logs and metrics in {spec.run_dir}"
+    )
+
+
+def last_recorded_step(path: Path, tail_bytes: int = 65536) -> int | None:
+    """The ``step`` of the last complete record in a step-record file (its last ``tail_bytes`` read), or None."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
 
 
 def _worker_args(spec: LaunchSpec) -> list[str]:

@@ -34,13 +34,12 @@ import time
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
     RendezvousStoreInfo,
 )
 
 from loom.launch.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable
 
-__all__ = ["BEAT_S", "LoomRendezvous", "PeerLost", "register"]
+__all__ = ["BEAT_S", "LoomRendezvous", "PeerLost"]
 
 BEAT_S = 1.0
 """Seconds between heartbeats of a node to node 0's store."""
@@ -230,19 +229,3 @@ class LoomRendezvous(RendezvousHandler):
                 self._lost = f"lost {self._name(0)}: its launcher has ended (connection refused)"
             elif silent > self.lost_after_s and not self._lost:
                 self._lost = f"lost {self._name(0)}: no answer for {silent:.0f} s"
-
-
-_PENDING: dict[str, LoomRendezvous] = {}
-
-
-def _from_registry(params: RendezvousParameters) -> RendezvousHandler:
-    return _PENDING.pop(params.run_id)
-
-
-def register(handler: LoomRendezvous) -> str:
-    """Make ``handler`` the one the elastic agent gets for backend ``"loom"`` and its run id; returns the name."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register("loom", _from_registry)
-    _PENDING[handler.run_id] = handler
-    return "loom"
