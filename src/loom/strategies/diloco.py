@@ -314,13 +314,17 @@ class DiLoCoJob(ReplicaJob):
         self.sync_log.append((entry.fragment, entry.launched, self.step))
 
     def synchronize(self) -> None:
-        """Apply every exchange in flight now, then one blocking outer step on every fragment: afterwards every
-        replica holds the global copy. Collective; meant for the end of training (it is an extra outer step)."""
+        """Apply every exchange in flight now, then a blocking outer step on every fragment trained since it was
+        last sent: afterwards every replica holds the global copy. Collective; meant for the end of training
+        (it applies exchanges early and adds outer steps, so a run that calls it is not an uninterrupted one)."""
         for entry in list(self._in_flight):
             self._apply(entry)
         for k in range(len(self.fragments)):
-            self._send(k, 0)
-            self._apply(self._in_flight[-1])
+            if self._global_samples[
+                k
+            ]:  # the same on every rank; a fragment just synchronized has no progress
+                self._send(k, 0)
+                self._apply(self._in_flight[-1])
 
     def close(self) -> None:
         """Wait for the exchanges in flight and stop the communication thread."""

@@ -126,15 +126,13 @@ class LocalSGDJob(ReplicaJob):
 
     def synchronize(self) -> None:
         """Average the replicas now, weighted by their samples since the last average (collective: every rank
-        calls it). Afterwards every replica holds the same parameters and floating-point buffers."""
+        calls it; nothing to do when no step was applied since). Afterwards every replica holds the same
+        parameters and floating-point buffers."""
         params, buffers = synced_tensors(self.module)
         tensors = params + buffers
-        if not tensors:
+        if not tensors or not self.global_samples:  # no step applied since the last average: still equal
             return
-        world = self.topology.world_size
-        # No applied step since the last average (all skipped): the replicas are still equal; plain mean.
-        weight = self.samples / self.global_samples if self.global_samples else 1.0 / world
-        flat = flatten(tensors, weight)
+        flat = flatten(tensors, self.samples / self.global_samples)
         with self.watchdog.collective("replica average all-reduce"):
             comm_all_reduce(flat, op="sum", algorithm=self.config.allreduce, group=self._group)
         unflatten_into(flat, tensors)
