@@ -1,0 +1,472 @@
+"""Authenticated point-to-point requests between any two workers, each answered at the receiver's own pace.
+
+Gossip (`loom.strategies.gossip`) needs what the ring links of `loom.comm.links` do not give: any worker may ask
+any other at any time, and the one asked answers when it gets round to it, or never when it is dead, without a
+collective or a barrier anywhere. `PeerNode` is one process's end:
+
+- a listener on the address of the interface gloo uses (``GLOO_SOCKET_IFNAME``, as `loom.comm.links`; loopback
+  when unset). A thread accepts connections and runs the listening half of the job-secret handshake of
+  `loom.comm.links` (`answer_handshake`, with this protocol's own hello and label, so a proof made for a ring link
+  is worth nothing here), one short-lived thread per connection, at most `MAX_HANDSHAKES` at once, each given
+  `CONNECTION_TIMEOUT_S`. Nothing is read from a connection before it proved the secret but the fixed-size hello.
+- requests go out on a connection this node dials (one per peer, kept open) and their answers come back on it;
+  requests from others arrive on the connections they dialed. Sockets are non-blocking and `pump` moves whatever
+  can move on every connection at once, so two workers answering each other with large frames never deadlock on
+  full socket buffers, and a node waiting for its own answer keeps answering others.
+
+Frames: a fixed header, `HEADER` (36 bytes, big-endian): magic ``LMGP`` | version u8 | kind u8 | flags u16 |
+sender u32 | seq u64 | layout u64 | length u64, then ``length`` raw bytes. Nothing else is decoded: a payload is
+the raw bytes of the values, whose size both ends know from the set-up (``payload_bytes``), so a header with any
+other length, another ``layout`` (a different model), a kind that does not belong on that connection or an answer
+to no outstanding request closes the connection before anything is allocated (counted as ``dropped``).
+
+Requests: ``EXCHANGE`` carries the sender's values and is answered with ``REPLY`` (the receiver's values) or
+``BUSY``; ``COPY`` carries nothing and is answered with the receiver's values. Symmetry: when two nodes each have
+an ``EXCHANGE`` outstanding to the other, the one with the lower rank answers ``BUSY`` and the other serves, so
+exactly one of the two exchanges happens (both serving would make each average with the other's stale values).
+
+Late answers: `request` waits at most its deadline, then returns ``"late"`` and leaves the request outstanding:
+an answer that arrives later is still handed to its callback (so both ends of an exchange apply it, or neither).
+The next request to that peer abandons it (closes the connection). A dead peer's connection reports end of file,
+so requests to it fail at once rather than at the deadline.
+
+Limits: IPv4; data after the handshake is authenticated by the TCP connection only, as gloo's and the ring's;
+`pump` and `request` must not run in two threads at once (the caller serializes them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from loom.comm.links import (
+    CONNECTION_TIMEOUT_S,
+    HandshakeRefused,
+    _listen_address,
+    answer_handshake,
+    dial_handshake,
+)
+
+__all__ = ["BUSY", "COPY", "EXCHANGE", "HEADER", "MAX_HANDSHAKES", "REPLY", "PeerNode", "PeerStats"]
+
+HEADER = struct.Struct(">4sBBHIQQQ")
+MAGIC, VERSION = b"LMGP", 1
+EXCHANGE, COPY, REPLY, BUSY = 1, 2, 3, 4
+MAX_HANDSHAKES = 16
+"""Connections whose handshake may run at once; more are closed unanswered (and counted as ``rejected``)."""
+
+_HELLO, _LABEL = b"LOOMGSP1", b"gossip"
+_DIALER_SENDS, _DIALER_GETS = len(_HELLO) + 16 + 8 + 32, 16 + 32 + 1
+"""Handshake bytes, counted with the traffic: hello, nonce, ids and proof out; nonce, proof and verdict in."""
+_REQUESTS = {EXCHANGE, COPY}
+
+Serve = Callable[[int, int, "torch.Tensor | None"], "torch.Tensor | None"]
+"""``serve(kind, peer, values)``: the values (uint8, ``payload_bytes``) to answer a request with, None for BUSY."""
+AddressOf = Callable[[int, bool], "str | None"]
+"""``address_of(peer, refresh)``: ``HOST:PORT`` of a peer's listener (``refresh``: it was unreachable there)."""
+
+
+@dataclass
+class PeerStats:
+    """What one node did, counted since it started (numbers only)."""
+
+    bytes_sent: int = 0
+    """Bytes this node wrote to its peer connections: frames and handshakes."""
+    bytes_received: int = 0
+    """Bytes it read from them."""
+    requests: int = 0
+    """Requests sent."""
+    replies: int = 0
+    """Requests answered with values within their deadline."""
+    busy: int = 0
+    """Requests answered BUSY (the peer was exchanging with this node the other way)."""
+    late: int = 0
+    """Requests whose answer missed the deadline (training went on without it)."""
+    late_applied: int = 0
+    """Late answers that arrived afterwards and were applied."""
+    abandoned: int = 0
+    """Late requests given up (their connection closed) before an answer came."""
+    dialed: int = 0
+    """Connections this node opened to peers (each a handshake of 64 bytes out, 49 in)."""
+    accepted: int = 0
+    """Connections from peers that proved the job secret (49 bytes out, 64 in)."""
+    unreachable: int = 0
+    """Requests that could not be made or lost their connection: no address, refused, closed, bad handshake."""
+    served: int = 0
+    """Requests from peers this node answered with its values."""
+    refused: int = 0
+    """Requests from peers this node answered BUSY."""
+    rejected: int = 0
+    """Incoming connections closed because they did not prove the job secret (or too many at once)."""
+    dropped: int = 0
+    """Authenticated connections closed for a malformed frame (wrong length, layout, kind or sequence)."""
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class _Request:
+    seq: int
+    on_reply: Callable[[torch.Tensor], None]
+    late: bool = False
+    outcome: str | None = None
+    """None while outstanding; then ``done``, ``busy`` or ``lost``."""
+
+
+class _Conn:
+    """One authenticated connection: the frame being read, the bytes waiting to go out, the request in flight."""
+
+    def __init__(self, sock: socket.socket, peer: int) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.peer = sock, peer
+        self.head, self.got = bytearray(HEADER.size), 0
+        self.frame: tuple[int, int, int] | None = None
+        """(kind, seq, length) of the frame whose payload is being read."""
+        self.payload: torch.Tensor | None = None
+        self.out: deque[memoryview] = deque()
+        self.request: _Request | None = None
+        self.seq = 0
+        self.closed = False
+
+
+class PeerNode:
+    """This process's end of the gossip transport (see the module docstring). ``serve`` answers requests,
+    ``address_of`` finds peers; both run in whichever thread calls `pump` or `request`."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        secret: bytes,
+        payload_bytes: int,
+        layout: int,
+        serve: Serve,
+        address_of: AddressOf,
+        host: str | None = None,
+    ) -> None:
+        self.rank, self.world_size, self.secret = rank, world_size, secret
+        self.payload_bytes, self.layout = payload_bytes, layout & (2**64 - 1)
+        self._serve, self._address_of = serve, address_of
+        self.stats = PeerStats()
+        self.errors: dict[int, str] = {}
+        """The last failure with each peer, for messages and `loom report`."""
+        self._lock = threading.Lock()  # the counters the handshake threads update
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._arrived: deque[tuple[int, socket.socket]] = deque()
+        self._incoming: list[_Conn] = []
+        self._outgoing: dict[int, _Conn] = {}
+        self._stale: set[int] = set()
+        self._closed = False
+        self.listener = socket.create_server((host or _listen_address(), 0), backlog=64)
+        self.listener.settimeout(0.5)
+        self.address = "{}:{}".format(*self.listener.getsockname()[:2])
+        """``HOST:PORT`` peers dial."""
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        threading.Thread(target=self._accept_loop, name=f"loom-gossip-accept-{rank}", daemon=True).start()
+
+    # -- accepting ------------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # the listener was closed
+            if not self._slots.acquire(blocking=False):
+                sock.close()
+                self._count_rejected()
+                continue
+            threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
+
+    def _expected(self, ids: bytes) -> bool:
+        dialer, listener = int.from_bytes(ids[:4], "big"), int.from_bytes(ids[4:], "big")
+        return listener == self.rank and 0 <= dialer < self.world_size and dialer != self.rank
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            until = time.monotonic() + CONNECTION_TIMEOUT_S
+            ids = answer_handshake(sock, self.secret, 8, self._expected, until, _HELLO, _LABEL)
+            self._arrived.append((int.from_bytes(ids[:4], "big"), sock))
+            self.wake()
+        except OSError:  # ConnectionError and timeouts included: nothing of it was decoded
+            self._count_rejected()
+            sock.close()
+        finally:
+            self._slots.release()
+
+    def _count_rejected(self) -> None:
+        with self._lock:
+            self.stats.rejected += 1
+
+    def wake(self) -> None:
+        """Make a `pump` waiting in another thread return now."""
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
+            self._wake_w.send(b"\0")
+
+    # -- moving bytes ---------------------------------------------------------------------------------------
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """Move every byte that can move, answer complete requests, hand complete answers to their callbacks;
+        wait up to ``timeout_s`` for something to happen (`wake` ends the wait early)."""
+        while self._arrived:
+            peer, sock = self._arrived.popleft()
+            if self._closed:
+                sock.close()
+                continue
+            self._incoming.append(_Conn(sock, peer))
+            self.stats.accepted += 1  # counted here, in the thread that counts every other byte
+            self.stats.bytes_sent += _DIALER_GETS
+            self.stats.bytes_received += _DIALER_SENDS
+        conns = {c.sock.fileno(): c for c in [*self._incoming, *self._outgoing.values()]}
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        for fd, conn in conns.items():
+            poller.register(fd, select.POLLIN | (select.POLLOUT if conn.out else 0))
+        for fd, events in poller.poll(math.ceil(max(timeout_s, 0.0) * 1000)):
+            if fd == self._wake_r.fileno():
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+                continue
+            conn = conns[fd]
+            if events & select.POLLOUT and not conn.closed:
+                self._flush(conn)
+            if events & (select.POLLIN | select.POLLHUP | select.POLLERR) and not conn.closed:
+                self._receive(conn)
+
+    def _receive(self, conn: _Conn) -> None:
+        while not conn.closed:
+            if conn.frame is None:
+                need, target = HEADER.size, memoryview(conn.head)
+            else:
+                assert conn.payload is not None
+                need, target = conn.frame[2], _bytes(conn.payload)
+            try:
+                count = conn.sock.recv_into(target[conn.got : need])
+            except BlockingIOError:
+                return
+            except OSError as error:
+                self._lose(conn, f"receive failed: {error.strerror or error}")
+                return
+            if count == 0:
+                self._lose(conn, "the connection closed (did it exit?)")
+                return
+            self.stats.bytes_received += count
+            conn.got += count
+            if conn.got < need:
+                continue
+            conn.got = 0
+            if conn.frame is None:
+                if not self._parse(conn):
+                    return
+                if conn.frame is not None and conn.frame[2] > 0:
+                    continue  # now read its payload
+            frame, payload = conn.frame, conn.payload
+            conn.frame, conn.payload = None, None
+            assert frame is not None
+            self._dispatch(conn, frame[0], frame[1], payload)
+
+    def _parse(self, conn: _Conn) -> bool:
+        """Check a complete header; start reading its payload. False (and the connection closed) when invalid."""
+        magic, version, kind, _, sender, seq, layout, length = HEADER.unpack(conn.head)
+        outgoing = self._outgoing.get(conn.peer) is conn
+        allowed = {REPLY, BUSY} if outgoing else _REQUESTS
+        expected_length = self.payload_bytes if kind in (EXCHANGE, REPLY) else 0
+        why = ""
+        if magic != MAGIC or version != VERSION:
+            why = "not a gossip frame"
+        elif kind not in allowed or sender != conn.peer:
+            why = f"frame kind {kind} from rank {sender} does not belong on this connection"
+        elif layout != self.layout:
+            why = "its model differs from this one (another parameter layout)"
+        elif length != expected_length:
+            why = f"a frame of {length} bytes where {expected_length} were expected"
+        elif outgoing and (conn.request is None or conn.request.seq != seq):
+            why = f"an answer to request {seq}, which is not outstanding"
+        if why:
+            self.stats.dropped += 1
+            self._lose(conn, f"dropped: {why}")
+            return False
+        conn.frame = (kind, seq, length)
+        conn.payload = torch.empty(length, dtype=torch.uint8) if length else None
+        return True
+
+    def _dispatch(self, conn: _Conn, kind: int, seq: int, payload: torch.Tensor | None) -> None:
+        if kind in _REQUESTS:
+            mine = self._outgoing.get(conn.peer)
+            crossing = kind == EXCHANGE and mine is not None and mine.request is not None
+            values = None if crossing and self.rank < conn.peer else self._serve(kind, conn.peer, payload)
+            if values is None:
+                self.stats.refused += 1
+                self._send(conn, BUSY, seq, None)
+            else:
+                if values.dtype != torch.uint8 or values.numel() != self.payload_bytes:
+                    raise ValueError(
+                        f"rank {self.rank}: gossip serve() answered {values.numel()} {values.dtype} values, "
+                        f"{self.payload_bytes} uint8 expected"
+                    )
+                self.stats.served += 1
+                self._send(conn, REPLY, seq, values)
+            return
+        request = conn.request
+        assert request is not None
+        conn.request = None
+        if kind == BUSY:
+            request.outcome = "busy"
+            self.stats.busy += 1
+            return
+        assert payload is not None
+        request.on_reply(payload)
+        request.outcome = "done"
+        if request.late:
+            self.stats.late_applied += 1
+        else:
+            self.stats.replies += 1
+
+    def _send(self, conn: _Conn, kind: int, seq: int, values: torch.Tensor | None) -> None:
+        length = 0 if values is None else values.numel()
+        conn.out.append(memoryview(HEADER.pack(MAGIC, VERSION, kind, 0, self.rank, seq, self.layout, length)))
+        if values is not None:
+            conn.out.append(_bytes(values.contiguous()))
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out and not conn.closed:
+            try:
+                sent = conn.sock.send(conn.out[0])
+            except BlockingIOError:
+                return
+            except OSError as error:
+                self._lose(conn, f"send failed: {error.strerror or error}")
+                return
+            self.stats.bytes_sent += sent
+            if sent < len(conn.out[0]):
+                conn.out[0] = conn.out[0][sent:]
+                return
+            conn.out.popleft()
+
+    def _lose(self, conn: _Conn, why: str) -> None:
+        conn.closed = True
+        conn.sock.close()
+        self.errors[conn.peer] = why
+        if self._outgoing.get(conn.peer) is conn:
+            del self._outgoing[conn.peer]
+            self._stale.add(conn.peer)
+        elif conn in self._incoming:
+            self._incoming.remove(conn)
+        if conn.request is not None:
+            conn.request.outcome = "lost"
+            if conn.request.late:
+                self.stats.abandoned += 1
+
+    # -- requesting -----------------------------------------------------------------------------------------
+    def request(
+        self,
+        peer: int,
+        kind: int,
+        values: torch.Tensor | None,
+        deadline_s: float,
+        on_reply: Callable[[torch.Tensor], None],
+    ) -> str:
+        """Send ``peer`` one request (``EXCHANGE`` with ``values``, or ``COPY``) and wait for its answer, serving
+        others meanwhile, at most ``deadline_s``. Returns ``done`` (``on_reply`` got the peer's values), ``busy``,
+        ``late`` (no answer yet: ``on_reply`` runs in a later `pump` if it comes) or ``unreachable``."""
+        deadline = time.monotonic() + deadline_s
+        self.pump(0.0)  # a peer that exited since the last request shows up as a closed connection now
+        conn = self._outgoing.get(peer)
+        if conn is not None and conn.request is not None:  # an earlier answer is still late: give it up
+            self._lose(conn, f"no answer within {deadline_s} s and until the next request")
+            return "late"
+        if conn is None:
+            conn = self._dial(peer, deadline)
+            if conn is None:
+                self.stats.unreachable += 1
+                return "unreachable"
+        conn.seq += 1
+        request = _Request(conn.seq, on_reply)
+        conn.request = request
+        self.stats.requests += 1
+        self._send(conn, kind, conn.seq, values)
+        while request.outcome is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                request.late = True
+                self.stats.late += 1
+                self.errors[peer] = f"no answer within {deadline_s} s"
+                return "late"
+            self.pump(left)
+        if request.outcome == "lost":
+            self.stats.unreachable += 1
+            return "unreachable"
+        return request.outcome
+
+    def _dial(self, peer: int, deadline: float) -> _Conn | None:
+        address = self._address_of(peer, peer in self._stale)
+        if address is None:
+            self.errors[peer] = "no address known"
+            return None
+        host, port = address.rsplit(":", 1)
+        sock = None
+        try:
+            sock = socket.create_connection(
+                (host, int(port)), timeout=max(deadline - time.monotonic(), 0.001)
+            )
+            ids = self.rank.to_bytes(4, "big") + peer.to_bytes(4, "big")
+            dial_handshake(sock, self.secret, ids, deadline, _HELLO, _LABEL)
+        except (OSError, HandshakeRefused, ValueError) as error:
+            if sock is not None:
+                sock.close()
+            self.errors[peer] = f"cannot link to {address}: {error}"
+            self._stale.add(peer)
+            return None
+        self.stats.dialed += 1
+        self.stats.bytes_sent += _DIALER_SENDS
+        self.stats.bytes_received += _DIALER_GETS
+        self._stale.discard(peer)
+        conn = _Conn(sock, peer)
+        self._outgoing[peer] = conn
+        return conn
+
+    def outstanding(self) -> list[int]:
+        """Peers with a request of this node still unanswered."""
+        return [p for p, c in self._outgoing.items() if c.request is not None]
+
+    def close(self, drain_s: float = 0.0) -> None:
+        """Stop accepting; for up to ``drain_s`` keep pumping until this node's outstanding requests are
+        answered and its queued answers are sent (so an exchange a peer applied is applied here too); close."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        end = time.monotonic() + drain_s
+        while time.monotonic() < end and (
+            self.outstanding() or any(c.out for c in [*self._incoming, *self._outgoing.values()])
+        ):
+            self.pump(min(0.05, max(end - time.monotonic(), 0.0)))
+        for conn in [*self._incoming, *self._outgoing.values()]:
+            conn.sock.close()
+        self._incoming.clear()
+        self._outgoing.clear()
+        while self._arrived:
+            self._arrived.popleft()[1].close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return t.detach().view(torch.uint8).numpy().data.cast("B")
