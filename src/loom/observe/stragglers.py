@@ -2,8 +2,11 @@
 
 In synchronous training every rank's *step* time is the same: the fast ranks wait for the slow one inside the
 gradient all-reduce. So the slow rank is found by its *busy* time, ``data + compute + optimizer`` (the step
-without the time blocked in communication), compared with the median over ranks, averaged over a window of steps
-so one hiccup does not raise an alarm. The phase named is the one whose time exceeds that phase's median by the
+without the time blocked in communication), compared with the median over ranks. Each rank's phase times are
+taken as their median over a window of steps, not their mean, so a rank counts as slow only when it is slow in
+most steps of the window: work outside steps, such as rank 0 evaluating or writing a checkpoint alone (which
+lands in its *data* phase, the gap since its previous step, and in the others' *comm* phase of the next step),
+is one step in a window and raises no alarm however long it takes. The phase named is the one whose time exceeds that phase's median by the
 most. Communication is named when a rank's own communication time stands out while its busy time is not below
 the median (a rank that merely waits for a slower peer shows a long communication time too, but a short busy
 time) — this is what a slow link looks like for point-to-point traffic (push/pull to parameter servers).
@@ -71,7 +74,8 @@ class StragglerWarning:
     phase: str
     """``data``, ``compute``, ``comm`` or ``optimizer``."""
     rank_s: float
-    """The rank's mean time per step (busy time, or communication time when ``phase`` is ``comm``)."""
+    """The rank's typical time per step, the median over the window (busy time, or communication time when
+    ``phase`` is ``comm``)."""
     median_s: float
     """The median over ranks of the same quantity."""
     window: int
@@ -112,8 +116,10 @@ class StragglerDetector:
         n = len(self._window)
         if (self._seen - min(self._seen, self.config.window)) % self.every:
             return []
+        # per rank, per phase: the median over the window (robust to one long step; see the module docstring)
         means = [
-            [sum(col) / n for col in zip(*rows, strict=True)] for rows in zip(*self._window, strict=True)
+            [_median(list(col)) for col in zip(*rows, strict=True)]
+            for rows in zip(*self._window, strict=True)
         ]
         medians = [_median([m[p] for m in means]) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]

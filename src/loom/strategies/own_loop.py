@@ -112,7 +112,9 @@ class OwnLoopModel(nn.Module):
             return self.module(*args, **kwargs)
         weight = loop.weight(args, kwargs)
         outputs = loop.job.wrapped(*args, **kwargs)
-        return outputs if weight == 1.0 else _weighted(outputs, weight, loop)
+        # even at weight 1 (equal shares) the backward must pass through the weighting: it starts the count of
+        # the all-reduce and, without DDP, the shared-memory average; one process has neither
+        return _weighted(outputs, weight, loop) if loop.job.topology.is_distributed else outputs
 
     def train(self, mode: bool = True) -> OwnLoopModel:
         super().train(mode)
