@@ -8,6 +8,8 @@ driver's LOOM_* variables to every rank and server), so a leftover rank or serve
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -73,41 +75,49 @@ def assert_params_equal(params: dict, reference: dict) -> None:
         torch.testing.assert_close(torch.tensor(values), reference[name], atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.timeout(90)
-def test_data_parallel_on_two_ray_workers_equals_one_process(ray_instance, tmp_path):
-    """Copied run directory (as from other nodes): step records for `loom report`, logs and the results."""
-    cfg = {"strategy": "dp", "steps": 4, "global_batch": 10}
-    run_dir = tmp_path / "run"
-    config = loom.ray.RayConfig(num_workers=2, run_dir=run_dir, copy_run_dir=True, working_dir=str(tmp_path))
-    loom.ray.run_script(str(WORKERS / "ray_jobs.py"), [json.dumps(cfg)], config=config)
-    reference = reference_params(cfg)
+RUNS = [
+    {"strategy": "dp", "steps": 4, "global_batch": 10},
+    {"strategy": "ps", "steps": 4, "global_batch": 10},
+]
+
+
+@pytest.fixture(scope="module")
+def script_job(ray_instance, tmp_path_factory):
+    """``loom run --backend ray -n 2 --servers 1 ray_jobs.py`` once: a DataParallel run, then a sync
+    ParameterServer run in the same processes (starting them is the slow part)."""
+    run_dir = tmp_path_factory.mktemp("script") / "run"
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["run", "--backend", "ray", "-n", "2", "--servers", "1", "--run-dir", str(run_dir)]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = loom_main([*argv, str(WORKERS / "ray_jobs.py"), json.dumps(RUNS)])
+    assert status == 0, err.getvalue()[-3000:]
+    return run_dir, out.getvalue()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("run", RUNS, ids=[r["strategy"] for r in RUNS])
+def test_two_ray_workers_equal_one_process(script_job, run):
+    """DataParallel, and ParameterServer(mode="sync") with its one server an actor too."""
+    run_dir, out = script_job
+    reference = reference_params(run)
     for rank in range(2):
-        result = json.loads((run_dir / f"result-{rank}.json").read_text())
+        assert f"[rank{rank}]: rank {rank} finished 4 {run['strategy']} steps" in out
+        result = json.loads((run_dir / f"result-{run['strategy']}-{rank}.json").read_text())
         assert result["rank"] == rank and result["steps"] == 4
         assert_params_equal(result["params"], reference)
-        assert (
-            f"rank {rank} finished 4 steps" in (run_dir / f"logs/attempt_0/rank{rank}.stdout.log").read_text()
-        )
+
+
+@pytest.mark.timeout(120)
+def test_the_run_directory_has_loom_runs_layout(script_job):
+    """Step records that `loom report` reads, and every process's log (the server's included)."""
     from loom.observe.report import load_records
 
+    run_dir, _ = script_job
     records = load_records(run_dir)
     assert sorted(records) == [0, 1] and [r["step"] for r in records[0]] == [1, 2, 3, 4]
-
-
-@pytest.mark.timeout(90)
-def test_parameter_server_sync_on_ray_equals_one_process(ray_instance, tmp_path, capsys):
-    """``loom run --backend ray -n 2 --servers 1``: the server is an actor too; its log is collected."""
-    cfg = {"strategy": "ps", "steps": 4, "global_batch": 10}
-    run_dir = tmp_path / "run"
-    argv = ["run", "--backend", "ray", "-n", "2", "--servers", "1", "--run-dir", str(run_dir)]
-    status = loom_main([*argv, str(WORKERS / "ray_jobs.py"), json.dumps(cfg)])
-    out, err = capsys.readouterr()
-    assert status == 0, err[-3000:]
-    assert "[rank0]: rank 0 finished 4 steps" in out and "[rank1]: rank 1 finished 4 steps" in out
-    reference = reference_params(cfg)
     for rank in range(2):
-        assert_params_equal(json.loads((run_dir / f"result-{rank}.json").read_text())["params"], reference)
-    assert (run_dir / "logs" / "server0.stderr.log").exists()
+        assert "finished 4 ps steps" in (run_dir / f"logs/attempt_0/rank{rank}.stdout.log").read_text()
+    assert (run_dir / "logs/server0.stderr.log").exists()
 
 
 @pytest.mark.timeout(120)
@@ -117,7 +127,8 @@ def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_
     ckpt = tmp_path / "ckpt"
     cfg = {"strategy": "dp", "steps": 8, "global_batch": 10, "checkpoint_dir": str(ckpt), "every": 2,
            "kill_step": 5}  # fmt: skip
-    results = loom.ray.run(train, 2, args=(cfg,), max_failures=1, run_dir=tmp_path / "run")
+    run_dir = tmp_path / "run"  # copied from the ranks, as from other nodes
+    results = loom.ray.run(train, 2, args=(cfg,), max_failures=1, run_dir=run_dir, copy_run_dir=True)
     err = capsys.readouterr().err
     assert "rank1: its Ray actor" in err and "died" in err, err[-3000:]
     assert "replacing the worker group (restart 1 of 1)" in err
@@ -125,7 +136,12 @@ def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_
         (0, 1, 4, 8),
         (1, 1, 4, 8),
     ]
-    assert (tmp_path / "run/logs/attempt_1/rank1.stdout.log").exists()
+    assert (run_dir / "logs/attempt_1/rank1.stderr.log").exists()
+    from loom.observe.report import load_records
+
+    records = load_records(run_dir)  # a killed rank's unflushed records are lost, as under `loom run`
+    assert all({5, 6, 7, 8} <= {r["step"] for r in records[rank]} for rank in (0, 1)), records
+    assert (run_dir / "logs/attempt_0/rank1.stdout.log").exists()
     # The reference: one process resumed from a copy of the step-4 checkpoint, run to step 8 without a fault.
     alone = tmp_path / "alone"
     alone.mkdir()
@@ -151,3 +167,23 @@ def test_nothing_is_left_after_ray_shuts_down(ray_instance):
     disconnect(connection)
     assert session_processes(session) == []
     assert tagged_processes() == []
+
+
+@pytest.mark.timeout(10)
+def test_copied_records_of_a_replaced_rank_follow_those_of_the_lost_one(tmp_path):
+    """What the driver writes for files copied from other nodes: step records and logs are continued by the
+    next incarnation of a rank, other files replaced; nothing lands outside the run directory."""
+    from loom.ray.backend import _write_chunk
+
+    first: dict[str, int] = {}
+    _write_chunk(tmp_path, first, "metrics/rank1.jsonl", 0, b'{"step": 1}\n')
+    _write_chunk(tmp_path, first, "metrics/rank1.jsonl", 12, b'{"step": 2}\n')
+    _write_chunk(tmp_path, first, "result.json", 0, b"old result")
+    second: dict[str, int] = {}  # the replacement rank's copies start at offset 0 again
+    _write_chunk(tmp_path, second, "metrics/rank1.jsonl", 0, b'{"step": 3}\n')
+    _write_chunk(tmp_path, second, "result.json", 0, b"new")
+    assert (tmp_path / "metrics/rank1.jsonl").read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    assert (tmp_path / "result.json").read_bytes() == b"new"
+    for bad in ("../escape.log", "/etc/passwd", ""):
+        with pytest.raises(ValueError, match="outside the run directory"):
+            _write_chunk(tmp_path / "run", {}, bad, 0, b"x")

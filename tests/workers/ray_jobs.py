@@ -5,7 +5,8 @@
 ``global_batch``, ``checkpoint_dir`` (None: no checkpoints), ``every`` (checkpoint_every), ``kill_step`` (on the
 first attempt, rank 1 SIGKILLs the process that holds it -- its Ray actor -- right after that step, before any
 checkpoint of that step). It returns this rank's final parameters (lists), fit's ``resumed_from`` and steps, the
-attempt and the rank. As a script (``python ray_jobs.py JSON``) it writes that to ``$LOOM_RUN_DIR/result-<rank>.json``.
+attempt and the rank. As a script, ``python ray_jobs.py JSON`` takes a list of such dicts, runs them in turn and
+writes each result to ``$LOOM_RUN_DIR/result-<strategy>-<rank>.json``.
 
 Run by tests/test_ray.py.
 """
@@ -85,6 +86,8 @@ def reference_params(cfg: dict) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    out = train(json.loads(sys.argv[1]))
-    Path(os.environ["LOOM_RUN_DIR"], f"result-{out['rank']}.json").write_text(json.dumps(out))
-    print(f"rank {out['rank']} finished {out['steps']} steps", flush=True)
+    for run in json.loads(sys.argv[1]):  # several runs in one launch: starting the processes is the slow part
+        out = train(run)
+        name = f"result-{run['strategy']}-{out['rank']}.json"
+        Path(os.environ["LOOM_RUN_DIR"], name).write_text(json.dumps(out))
+        print(f"rank {out['rank']} finished {out['steps']} {run['strategy']} steps", flush=True)

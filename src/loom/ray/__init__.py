@@ -143,7 +143,7 @@ def run(
         **options,
     )
     payload = cloudpickle.dumps((train_fn, tuple(args), dict(kwargs or {})))
-    argv = ["-u", "-m", "loom.launch.worker", "-m", "loom.ray.function"]
+    argv = ["-u", "-m", "loom.ray.rank_main", "-m", "loom.ray.function"]
     results = run_job(config, WorkerSpec(argv, payload))
     missing = [rank for rank in sorted(results) if results[rank] is None]
     if missing:
@@ -158,7 +158,7 @@ def run_script(target: str, args: Sequence[str] = (), *, module: bool = False, c
     if not module and not Path(target).is_file():
         raise FileNotFoundError(f"script {target!r} does not exist")
     entry = ["-m", target] if module else [str(Path(target).resolve())]
-    run_job(config, WorkerSpec(["-u", "-m", "loom.launch.worker", *entry, *args]))
+    run_job(config, WorkerSpec(["-u", "-m", "loom.ray.rank_main", *entry, *args]))
 
 
 _LOCAL_ONLY = {

@@ -8,7 +8,7 @@ One attempt of the job:
    and LOCAL_WORLD_SIZE mean what they mean under `loom run`.
 2. Each actor starts its rank's process with what `loom run` gives a worker (RANK, WORLD_SIZE, LOCAL_RANK,
    LOCAL_WORLD_SIZE, the TORCHELASTIC_* variables, MASTER_ADDR/MASTER_PORT, LOOM_JOB_SECRET, LOOM_RUN_DIR,
-   GLOO_SOCKET_IFNAME: the interface that holds the node's Ray address). ``loom.init()`` then joins loom's
+   GLOO_SOCKET_IFNAME: the interface that holds the node's Ray address, see `loom.ray.rank_main`). ``loom.init()`` then joins loom's
    authenticated store (`loom.launch.store`), hosted here in the driver for the whole job and reached at the
    driver's Ray address, under a fresh key prefix per attempt.
 3. The driver polls every actor, prints each output line prefixed with its rank, writes the copied files into
@@ -51,7 +51,7 @@ _FORWARDED = ("LOOM_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "PYTHONPATH")
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every rank runs: ``python ARGV`` (through `loom.launch.worker`), fed ``payload`` on stdin."""
+    """What every rank runs: ``python ARGV`` (`loom.ray.rank_main`, then the target), ``payload`` on stdin."""
 
     argv: list[str]
     payload: bytes | None = None
@@ -67,6 +67,8 @@ class _Rank:
     node_index: int = 0
     done: bool = False
     result: bytes | None = None
+    bases: dict[str, int] = field(default_factory=dict)
+    """Where this process's copied files start in the run directory's (see `_write_chunk`)."""
 
 
 @dataclass
@@ -85,15 +87,24 @@ def _prefix_print(name: str, lines: list[tuple[str, str]], dropped: int) -> None
     sys.stderr.flush()
 
 
-def _write_chunk(run_dir: Path, rel: str, offset: int, data: bytes) -> None:
-    """Write a copied file's bytes at ``run_dir/rel``; refuse paths that leave the run directory."""
+_APPENDED = (".jsonl", ".log")
+"""Copied files that continue the run directory's copy (step records, logs) rather than replace it: the records
+of a replaced rank follow those of the one it replaces, as in a directory both write into."""
+
+
+def _write_chunk(run_dir: Path, bases: dict[str, int], rel: str, offset: int, data: bytes) -> None:
+    """Write a copied file's bytes into ``run_dir/rel`` (refusing paths that leave it); ``bases``: where this
+    process's copy of each appended file starts in the run directory's."""
     parts = Path(rel).parts
     if not parts or Path(rel).is_absolute() or ".." in parts:
         raise ValueError(f"a rank sent a file outside the run directory: {rel!r}")
     path = run_dir.joinpath(*parts)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "r+b" if path.exists() and offset else "wb") as f:
-        f.seek(offset)
+    if rel not in bases:
+        bases[rel] = path.stat().st_size if rel.endswith(_APPENDED) and path.exists() else 0
+    start = bases[rel] + offset
+    with open(path, "r+b" if path.exists() and start else "wb") as f:
+        f.seek(start)
         f.write(data)
         f.truncate()
 
@@ -177,8 +188,7 @@ class _Job:
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}
         env.update(LOOM_JOB_SECRET=self.secret, PYTHONUNBUFFERED="1", TORCHELASTIC_RUN_ID=self.run_id)
         env.setdefault("OMP_NUM_THREADS", "1")  # N workers sharing the cores; as torchrun does
-        if "GLOO_SOCKET_IFNAME" not in os.environ and where.get("interface"):
-            env["GLOO_SOCKET_IFNAME"] = where["interface"]
+        env["LOOM_RAY_NODE_ADDRESS"] = where["address"]  # GLOO_SOCKET_IFNAME: see loom.ray.rank_main
         if self.config.trace_steps:
             env["LOOM_TRACE_STEPS"] = self.config.trace_steps
         return env
@@ -220,7 +230,7 @@ class _Job:
         starts = []
         for i, (actor, where) in enumerate(zip(actors, wheres, strict=True)):
             server = _Rank(f"server{i}", actor, where)
-            argv = ["-u", "-m", "loom.launch.worker", "-m", "loom.ps.server", "--index", str(i),
+            argv = ["-u", "-m", "loom.ray.rank_main", "-m", "loom.ps.server", "--index", str(i),
                     "--num-servers", str(count), "--bind", self.server_addresses[i]]  # fmt: skip
             starts.append(self._start(server, argv, self._base_env(where), f"server{i}", None))
             self.servers.append(server)
@@ -262,7 +272,7 @@ class _Job:
                 continue
             _prefix_print(proc.name, report["lines"], report["dropped"])
             for rel, offset, data in report["files"]:
-                _write_chunk(self.run_dir, rel, offset, data)
+                _write_chunk(self.run_dir, proc.bases, rel, offset, data)
             if report["exit"] not in (None, 0):
                 failures.append((1 if report["exit"] < 0 else 2, _describe(proc.name, report)))
             if report["done"]:
@@ -313,8 +323,9 @@ class _Job:
 
 
 def _rank_host_class():
-    from loom.ray.rank_host import RankHost
+    from loom.ray.rank_host import RankHost, ship_by_value
 
+    ship_by_value()
     return RankHost
 
 

@@ -1,4 +1,4 @@
-"""Run one rank of a `loom.ray.run` function: ``python -m loom.launch.worker -m loom.ray.function``.
+"""Run one rank of a `loom.ray.run` function: ``python -m loom.ray.rank_main -m loom.ray.function``.
 
 The function, its arguments and keyword arguments arrive on stdin, pickled by cloudpickle (Ray's own
 serializer: Ray already sent them to the rank's actor this way, inside Ray's authenticated channel; the actor

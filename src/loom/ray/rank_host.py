@@ -1,7 +1,7 @@
 """`RankHost`: the Ray actor that holds one process of a loom job (a worker rank or a parameter server).
 
 Ray places the actor (in the job's placement group for workers); the actor starts the process the way `loom run`
-does, ``python -u -m loom.launch.worker [-m] TARGET ARGS`` with the environment the driver hands it, and answers
+does, ``python -u -m loom.ray.rank_main [-m] TARGET ARGS`` (which ends in `loom.launch.worker`) with the environment the driver hands it, and answers
 the driver's polls with what happened since the last one: the exit status, the recorded exception, new output
 lines, and new bytes of the files the process wrote under its run directory.
 
@@ -10,6 +10,9 @@ Why a process beside the actor rather than the user's code inside it: the proces
 every attempt), the actor stays free to answer polls while the rank trains, and the process dies with the
 actor: `loom.launch.worker` asks the kernel for SIGKILL when its parent dies (PDEATHSIG), so killing the actor
 (a lost node, ``ray.kill``, a SIGKILL of its process) never leaves a rank training on its own.
+
+The actor imports nothing of loom (nor torch): the driver sends this module by value (`ship_by_value`), and the
+process completes its environment itself (`loom.ray.rank_main`).
 
 Files: a process on the driver's node writes into the job's run directory itself; elsewhere (or when the driver
 asks for copies) it writes into a private directory on its node, and `poll` returns what was appended since the
@@ -31,7 +34,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["FILE_BYTES_PER_POLL", "LINE_CHARS", "RankHost"]
+__all__ = ["FILE_BYTES_PER_POLL", "LINE_CHARS", "RankHost", "ship_by_value"]
 
 FILE_BYTES_PER_POLL = 8 << 20
 """Most file bytes one poll returns (the rest comes with the next polls)."""
@@ -39,6 +42,14 @@ LINE_CHARS = 16 << 10
 """Longest output line passed on; longer ones are cut (the log file keeps them whole)."""
 _PENDING_LINES = 20_000
 """Output lines kept between two polls; older ones are dropped (and counted) when a rank prints faster."""
+
+
+def ship_by_value() -> None:
+    """Have Ray send this module's code to the actors instead of a reference to it, which they would import
+    with the whole of loom and torch (seconds and hundreds of MB per actor)."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class RankHost:
@@ -58,17 +69,12 @@ class RankHost:
 
     # -- where the actor runs -------------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
-        """This node's Ray id and address, the network interface holding the address, and the actor's pid."""
+        """This node's Ray id and address, and the actor's pid and host name."""
         import ray
 
-        from loom.launch.agent import interface_of
-
-        address = ray.util.get_node_ip_address()
-        interface = interface_of(address) if sys.platform.startswith("linux") else None
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
-            "address": address,
-            "interface": interface,
+            "address": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
@@ -77,9 +83,9 @@ class RankHost:
         """A TCP port free on this node's address now (for a parameter server to listen on)."""
         import ray
 
-        from loom.launch.agent import free_port
-
-        return free_port(ray.util.get_node_ip_address())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return s.getsockname()[1]
 
     # -- the process ------------------------------------------------------------------------------------------
     def start(
@@ -212,8 +218,8 @@ class RankHost:
             offset = self.sent.get(rel, 0)
             if size < offset:  # rewritten since: send it again from the start
                 offset = 0
-            if size == offset or budget <= 0:
-                continue
+            if (size == offset and rel in self.sent) or budget <= 0:
+                continue  # nothing new (an empty file is sent once, so that it exists there too)
             with open(path, "rb") as f:
                 f.seek(offset)
                 data = f.read(min(size - offset, budget))
