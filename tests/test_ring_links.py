@@ -91,16 +91,23 @@ def test_wrong_secret_replay_and_garbage_are_refused_and_the_neighbour_still_adm
 
 
 @pytest.mark.timeout(60)
-def test_a_silent_client_is_dropped_and_the_neighbour_admitted(monkeypatch):
-    monkeypatch.setattr(links, "CONNECTION_TIMEOUT_S", 0.5)
+def test_silent_clients_do_not_hold_the_neighbour_back_and_are_dropped(monkeypatch):
+    monkeypatch.setattr(links, "CONNECTION_TIMEOUT_S", 6.0)
     server, port = _listener()
     thread, result = _accept_in_thread(server)
-    silent = socket.create_connection(("127.0.0.1", port))  # connects first, then says nothing
-    time.sleep(0.1)
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(13)]  # connect, then say nothing
+    time.sleep(0.2)
     dialed = links._dial("127.0.0.1", port, SECRET, 0, 1, time.monotonic() + 20)
     thread.join(20)
-    assert "sock" in result and result["rejected"] == [1], result
-    for sock in (silent, dialed, result["sock"], server):
+    assert "sock" in result, result
+    # Served one after another, the neighbour would wait for 13 x 6 s of silence (longer than its 20 s); side
+    # by side, it is admitted before any silent client has even been dropped.
+    assert result["rejected"] == [0], result
+    for sock in silent:  # each was dropped at its own deadline
+        sock.settimeout(10)
+        assert sock.recv(1) == b""
+    assert result["rejected"] == [13], result
+    for sock in (*silent, dialed, result["sock"], server):
         sock.close()
 
 

@@ -19,8 +19,8 @@ ends of every connection prove they hold the job secret (``LOOM_JOB_SECRET``, fr
 challenge-response with fresh random nonces from both sides (so a recorded handshake cannot be replayed)
 and HMAC-SHA256 under a different label per direction (so one side's proof cannot be reflected back as the
 other's). The listener reads only fixed-size fields before the proof, gives each connection at most
-`CONNECTION_TIMEOUT_S` in all, closes and counts one that fails, and goes on waiting for its neighbour until
-`HANDSHAKE_TIMEOUT_S`.
+`CONNECTION_TIMEOUT_S` in all (each on its own thread, so silent clients cannot queue the neighbour behind
+them), closes and counts one that fails, and goes on waiting for its neighbour until `HANDSHAKE_TIMEOUT_S`.
 
 The whole ring uses its links or none of them: when a member cannot link to its right neighbour (no job
 secret, as in a job not started by `loom run`; a neighbour on another host while this process listens on
@@ -44,6 +44,7 @@ import fcntl
 import hashlib
 import hmac
 import os
+import queue
 import select
 import socket
 import struct
@@ -61,6 +62,7 @@ __all__ = [
     "CONNECTION_TIMEOUT_S",
     "HANDSHAKE_TIMEOUT_S",
     "LINK_TIMEOUT_S",
+    "MAX_PENDING_HANDSHAKES",
     "HandshakeRefused",
     "RingLink",
     "answer_handshake",
@@ -75,6 +77,8 @@ HANDSHAKE_TIMEOUT_S = 60.0
 """How long set-up waits for the neighbours to connect and prove the secret."""
 CONNECTION_TIMEOUT_S = 5.0
 """Longest a listener spends on one connection's handshake (a silent or slow client is dropped)."""
+MAX_PENDING_HANDSHAKES = 64
+"""Handshakes a listener runs at once; connections beyond them are closed at once."""
 
 _HELLO = b"LOOMRNG1"
 _NONCE = 16
@@ -388,9 +392,32 @@ def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: 
 def _accept(
     listener: socket.socket, secret: bytes, peer: int, me: int, deadline: float, rejected: list[int]
 ) -> socket.socket:
-    """Accept connections until one is ``peer`` proving the job secret; close and count the others."""
+    """Accept connections until one is ``peer`` proving the job secret; close and count the others.
+
+    Each accepted connection's handshake runs on its own thread with its own `CONNECTION_TIMEOUT_S`, so clients
+    that connect and say nothing cannot hold the neighbour back one after another; at most
+    `MAX_PENDING_HANDSHAKES` run at once (more are closed at once and counted)."""
     ranks = peer.to_bytes(4, "big") + me.to_bytes(4, "big")
-    while True:
+    admitted: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+    lock = threading.Lock()
+    pending = [0]
+
+    def handshake(sock: socket.socket) -> None:
+        try:
+            answer_handshake(
+                sock, secret, len(ranks), ranks.__eq__, min(deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
+            )
+            sock.settimeout(None)
+            admitted.put(sock)
+        except OSError:  # ConnectionError and timeouts included
+            sock.close()
+            with lock:
+                rejected[0] += 1
+        finally:
+            with lock:
+                pending[0] -= 1
+
+    while admitted.empty():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise RuntimeError(
@@ -398,18 +425,19 @@ def _accept(
                 f"{HANDSHAKE_TIMEOUT_S:.0f} s ({rejected[0]} other connections refused). HINT: every process "
                 f"needs the same LOOM_JOB_SECRET, and rank {peer} must reach this address"
             )
-        listener.settimeout(remaining)
+        listener.settimeout(min(remaining, 0.05))  # also how often a finished handshake is looked for
         try:
             sock, _ = listener.accept()
         except TimeoutError:
             continue
         except OSError as error:
             raise RuntimeError(f"rank {me}: ring link: accepting rank {peer} failed: {error}") from None
-        until = min(deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
-        try:
-            answer_handshake(sock, secret, len(ranks), ranks.__eq__, until)
-            sock.settimeout(None)
-            return sock
-        except OSError:  # ConnectionError and timeouts included
+        with lock:
+            full = pending[0] >= MAX_PENDING_HANDSHAKES
+            pending[0] += 0 if full else 1
+            rejected[0] += 1 if full else 0
+        if full:
             sock.close()
-            rejected[0] += 1
+            continue
+        threading.Thread(target=handshake, args=(sock,), daemon=True, name="loom-ring-handshake").start()
+    return admitted.get()
