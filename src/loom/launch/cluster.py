@@ -226,6 +226,11 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
     """Run host ``index`` of ``spec``: the launcher for a worker host, the parameter servers for a server host.
     ``options`` are the other `loom.launch.agent.LaunchSpec` fields (target, args, run_dir, ...)."""
     host = spec.hosts[index]
+    if options.get("on_worker_failure") == "continue" and spec.server_addresses:
+        print("loom run: --on-worker-failure continue runs one node with its parameter servers beside it; a cluster "
+              "spec with server hosts runs with 'stop'. HINT: drop --on-worker-failure, or use loom run -n N "
+              "--servers K --on-worker-failure continue on one host", file=sys.stderr)  # fmt: skip
+        return 2
     insecure_ok = options.get("insecure_no_secret") and not spec.server_addresses
     if len(spec.hosts) > 1 and not os.environ.get("LOOM_JOB_SECRET") and not insecure_ok:
         print("loom run: a cluster of several hosts needs LOOM_JOB_SECRET, the same on every host: it "
