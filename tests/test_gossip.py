@@ -26,8 +26,10 @@ from conftest import WORKERS
 from torch import nn
 
 from loom.comm.links import dial_handshake
-from loom.comm.peer import EXCHANGE, HEADER, MAGIC, VERSION, PeerNode
-from loom.strategies.gossip import GossipConfig, ParameterLayout, PeerChoice
+from loom.comm.peer import PeerNode
+from loom.comm.peer_wire import EXCHANGE, HEADER, MAGIC, VERSION
+from loom.strategies.gossip import GossipConfig
+from loom.strategies.gossip_exchange import ParameterLayout, PeerChoice
 
 SECRET = b"s" * 32
 HEADER_BYTES = HEADER.size
@@ -185,12 +187,14 @@ def _results(outputs: list[str]) -> list[dict]:
 
 
 def _frames_match_counters(stats: dict, payload: int) -> None:
-    """Every byte a node counted is a handshake or a frame it can name: no other traffic."""
-    frame, busy = HEADER_BYTES + payload, HEADER_BYTES
+    """Every byte a node counted is a handshake or a frame it can name: no other traffic. Requests and values
+    are frames of ``payload`` bytes after the header; BUSY is a bare header."""
+    frame, bare = HEADER_BYTES + payload, HEADER_BYTES
+    incoming = stats["served"] + stats["refused"]
     sent = 64 * stats["dialed"] + 49 * stats["accepted"] + frame * (stats["requests"] + stats["served"])
-    received = 49 * stats["dialed"] + 64 * stats["accepted"] + frame * (stats["replies"] + stats["served"])
-    assert stats["bytes_sent"] == sent + busy * stats["refused"], stats
-    assert stats["bytes_received"] == received + busy * (stats["busy"] + stats["refused"]), stats
+    received = 49 * stats["dialed"] + 64 * stats["accepted"] + frame * (stats["replies"] + incoming)
+    assert stats["bytes_sent"] == sent + bare * stats["refused"], stats
+    assert stats["bytes_received"] == received + bare * stats["busy"], stats
 
 
 @pytest.mark.timeout(120)

@@ -23,7 +23,7 @@ from torch import nn
 import loom
 from loom.comm import counters
 from loom.comm.links import HandshakeRefused, dial_handshake
-from loom.comm.peer import EXCHANGE, HEADER, MAGIC, VERSION
+from loom.comm.peer_wire import EXCHANGE, header
 from loom.strategies.gossip import Gossip
 
 
@@ -63,7 +63,7 @@ if topo.rank == 1:
             intruder["handshake"] = str(refused)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         hello = b"LOOMGSP1" + os.urandom(16) + (1).to_bytes(4, "big") + (0).to_bytes(4, "big")
-        frame = HEADER.pack(MAGIC, VERSION, EXCHANGE, 0, 1, 1, job.layout.fingerprint, job.layout.nbytes)
+        frame = header(EXCHANGE, 1, 1, job.layout.fingerprint, job.layout.nbytes)
         sock.sendall(hello + b"p" * 32 + frame + bytes(job.layout.nbytes))
         sock.settimeout(10)
         received, closed = b"", "eof"

@@ -14,21 +14,18 @@ collective or a barrier anywhere. `PeerNode` is one process's end:
   can move on every connection at once, so two workers answering each other with large frames never deadlock on
   full socket buffers, and a node waiting for its own answer keeps answering others.
 
-Frames: a fixed header, `HEADER` (36 bytes, big-endian): magic ``LMGP`` | version u8 | kind u8 | flags u16 |
-sender u32 | seq u64 | layout u64 | length u64, then ``length`` raw bytes. Nothing else is decoded: a payload is
-the raw bytes of the values, whose size both ends know from the set-up (``payload_bytes``), so a header with any
-other length, another ``layout`` (a different model), a kind that does not belong on that connection or an answer
-to no outstanding request closes the connection before anything is allocated (counted as ``dropped``).
+Frames (`loom.comm.peer_wire`): a fixed header and raw bytes, the values' size known to both ends, every
+header checked before anything is allocated; a refused one closes its connection (counted as ``dropped``).
 
-Requests: ``EXCHANGE`` carries the sender's values and is answered with ``REPLY`` (the receiver's values) or
-``BUSY``; ``COPY`` carries nothing and is answered with the receiver's values. Symmetry: when two nodes each have
-an ``EXCHANGE`` outstanding to the other, the one with the lower rank answers ``BUSY`` and the other serves, so
-exactly one of the two exchanges happens (both serving would make each average with the other's stale values).
+Symmetry: when two nodes each have an ``EXCHANGE`` outstanding to the other, the one with the lower rank answers
+``BUSY`` and the other serves, so exactly one of the two exchanges happens (both serving would make each average
+with the other's stale values).
 
 Late answers: `request` waits at most its deadline, then returns ``"late"`` and leaves the request outstanding:
-an answer that arrives later is still handed to its callback (so both ends of an exchange apply it, or neither).
-The next request to that peer abandons it (closes the connection). A dead peer's connection reports end of file,
-so requests to it fail at once rather than at the deadline.
+an answer that arrives later is still handed to its callback, so an exchange the peer applied is applied here
+too, unless the next request to that peer comes first and abandons it (closes the connection; the peer's half
+then stays alone, counted as ``abandoned``). A dead peer's connection reports end of file, so requests to it fail
+at once rather than at the deadline.
 
 Limits: IPv4; data after the handshake is authenticated by the TCP connection only, as gloo's and the ring's;
 `pump` and `request` must not run in two threads at once (the caller serializes them).
@@ -40,15 +37,15 @@ import contextlib
 import math
 import select
 import socket
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
+from loom.comm import peer_wire as wire
 from loom.comm.links import (
     CONNECTION_TIMEOUT_S,
     HandshakeRefused,
@@ -57,62 +54,19 @@ from loom.comm.links import (
     dial_handshake,
 )
 
-__all__ = ["BUSY", "COPY", "EXCHANGE", "HEADER", "MAX_HANDSHAKES", "REPLY", "PeerNode", "PeerStats"]
+__all__ = ["MAX_HANDSHAKES", "PeerNode"]
 
-HEADER = struct.Struct(">4sBBHIQQQ")
-MAGIC, VERSION = b"LMGP", 1
-EXCHANGE, COPY, REPLY, BUSY = 1, 2, 3, 4
 MAX_HANDSHAKES = 16
 """Connections whose handshake may run at once; more are closed unanswered (and counted as ``rejected``)."""
 
 _HELLO, _LABEL = b"LOOMGSP1", b"gossip"
 _DIALER_SENDS, _DIALER_GETS = len(_HELLO) + 16 + 8 + 32, 16 + 32 + 1
 """Handshake bytes, counted with the traffic: hello, nonce, ids and proof out; nonce, proof and verdict in."""
-_REQUESTS = {EXCHANGE, COPY}
 
 Serve = Callable[[int, int, "torch.Tensor | None"], "torch.Tensor | None"]
 """``serve(kind, peer, values)``: the values (uint8, ``payload_bytes``) to answer a request with, None for BUSY."""
 AddressOf = Callable[[int, bool], "str | None"]
 """``address_of(peer, refresh)``: ``HOST:PORT`` of a peer's listener (``refresh``: it was unreachable there)."""
-
-
-@dataclass
-class PeerStats:
-    """What one node did, counted since it started (numbers only)."""
-
-    bytes_sent: int = 0
-    """Bytes this node wrote to its peer connections: frames and handshakes."""
-    bytes_received: int = 0
-    """Bytes it read from them."""
-    requests: int = 0
-    """Requests sent."""
-    replies: int = 0
-    """Requests answered with values within their deadline."""
-    busy: int = 0
-    """Requests answered BUSY (the peer was exchanging with this node the other way)."""
-    late: int = 0
-    """Requests whose answer missed the deadline (training went on without it)."""
-    late_applied: int = 0
-    """Late answers that arrived afterwards and were applied."""
-    abandoned: int = 0
-    """Late requests given up (their connection closed) before an answer came."""
-    dialed: int = 0
-    """Connections this node opened to peers (each a handshake of 64 bytes out, 49 in)."""
-    accepted: int = 0
-    """Connections from peers that proved the job secret (49 bytes out, 64 in)."""
-    unreachable: int = 0
-    """Requests that could not be made or lost their connection: no address, refused, closed, bad handshake."""
-    served: int = 0
-    """Requests from peers this node answered with its values."""
-    refused: int = 0
-    """Requests from peers this node answered BUSY."""
-    rejected: int = 0
-    """Incoming connections closed because they did not prove the job secret (or too many at once)."""
-    dropped: int = 0
-    """Authenticated connections closed for a malformed frame (wrong length, layout, kind or sequence)."""
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass
@@ -131,7 +85,7 @@ class _Conn:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self.peer = sock, peer
-        self.head, self.got = bytearray(HEADER.size), 0
+        self.head, self.got = bytearray(wire.HEADER.size), 0
         self.frame: tuple[int, int, int] | None = None
         """(kind, seq, length) of the frame whose payload is being read."""
         self.payload: torch.Tensor | None = None
@@ -145,21 +99,12 @@ class PeerNode:
     """This process's end of the gossip transport (see the module docstring). ``serve`` answers requests,
     ``address_of`` finds peers; both run in whichever thread calls `pump` or `request`."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        secret: bytes,
-        payload_bytes: int,
-        layout: int,
-        serve: Serve,
-        address_of: AddressOf,
-        host: str | None = None,
-    ) -> None:
+    def __init__(self, rank: int, world_size: int, secret: bytes, payload_bytes: int, layout: int,
+                 serve: Serve, address_of: AddressOf, host: str | None = None) -> None:  # fmt: skip
         self.rank, self.world_size, self.secret = rank, world_size, secret
         self.payload_bytes, self.layout = payload_bytes, layout & (2**64 - 1)
         self._serve, self._address_of = serve, address_of
-        self.stats = PeerStats()
+        self.stats = wire.PeerStats()
         self.errors: dict[int, str] = {}
         """The last failure with each peer, for messages and `loom report`."""
         self._lock = threading.Lock()  # the counters the handshake threads update
@@ -250,7 +195,7 @@ class PeerNode:
     def _receive(self, conn: _Conn) -> None:
         while not conn.closed:
             if conn.frame is None:
-                need, target = HEADER.size, memoryview(conn.head)
+                need, target = wire.HEADER.size, memoryview(conn.head)
             else:
                 assert conn.payload is not None
                 need, target = conn.frame[2], _bytes(conn.payload)
@@ -280,38 +225,29 @@ class PeerNode:
             self._dispatch(conn, frame[0], frame[1], payload)
 
     def _parse(self, conn: _Conn) -> bool:
-        """Check a complete header; start reading its payload. False (and the connection closed) when invalid."""
-        magic, version, kind, _, sender, seq, layout, length = HEADER.unpack(conn.head)
-        outgoing = self._outgoing.get(conn.peer) is conn
-        allowed = {REPLY, BUSY} if outgoing else _REQUESTS
-        expected_length = self.payload_bytes if kind in (EXCHANGE, REPLY) else 0
-        why = ""
-        if magic != MAGIC or version != VERSION:
-            why = "not a gossip frame"
-        elif kind not in allowed or sender != conn.peer:
-            why = f"frame kind {kind} from rank {sender} does not belong on this connection"
-        elif layout != self.layout:
-            why = "its model differs from this one (another parameter layout)"
-        elif length != expected_length:
-            why = f"a frame of {length} bytes where {expected_length} were expected"
-        elif outgoing and (conn.request is None or conn.request.seq != seq):
-            why = f"an answer to request {seq}, which is not outstanding"
-        if why:
+        """Check a complete header; start reading its payload. False (and the connection closed) if refused."""
+        answers = self._outgoing.get(conn.peer) is conn
+        try:
+            conn.frame = wire.read_header(
+                bytes(conn.head), peer=conn.peer, answers=answers, layout=self.layout,
+                payload_bytes=self.payload_bytes, outstanding=conn.request.seq if conn.request else None,
+            )  # fmt: skip
+        except wire.FrameRefused as refused:
             self.stats.dropped += 1
-            self._lose(conn, f"dropped: {why}")
+            self._lose(conn, f"dropped: {refused}")
             return False
-        conn.frame = (kind, seq, length)
+        length = conn.frame[2]
         conn.payload = torch.empty(length, dtype=torch.uint8) if length else None
         return True
 
     def _dispatch(self, conn: _Conn, kind: int, seq: int, payload: torch.Tensor | None) -> None:
-        if kind in _REQUESTS:
+        if kind in wire.REQUESTS:
             mine = self._outgoing.get(conn.peer)
-            crossing = kind == EXCHANGE and mine is not None and mine.request is not None
+            crossing = kind == wire.EXCHANGE and mine is not None and mine.request is not None
             values = None if crossing and self.rank < conn.peer else self._serve(kind, conn.peer, payload)
             if values is None:
                 self.stats.refused += 1
-                self._send(conn, BUSY, seq, None)
+                self._send(conn, wire.BUSY, seq, None)
             else:
                 if values.dtype != torch.uint8 or values.numel() != self.payload_bytes:
                     raise ValueError(
@@ -319,12 +255,12 @@ class PeerNode:
                         f"{self.payload_bytes} uint8 expected"
                     )
                 self.stats.served += 1
-                self._send(conn, REPLY, seq, values)
+                self._send(conn, wire.REPLY, seq, values)
             return
         request = conn.request
         assert request is not None
         conn.request = None
-        if kind == BUSY:
+        if kind == wire.BUSY:
             request.outcome = "busy"
             self.stats.busy += 1
             return
@@ -338,7 +274,7 @@ class PeerNode:
 
     def _send(self, conn: _Conn, kind: int, seq: int, values: torch.Tensor | None) -> None:
         length = 0 if values is None else values.numel()
-        conn.out.append(memoryview(HEADER.pack(MAGIC, VERSION, kind, 0, self.rank, seq, self.layout, length)))
+        conn.out.append(memoryview(wire.header(kind, self.rank, seq, self.layout, length)))
         if values is not None:
             conn.out.append(_bytes(values.contiguous()))
         self._flush(conn)
@@ -373,14 +309,8 @@ class PeerNode:
                 self.stats.abandoned += 1
 
     # -- requesting -----------------------------------------------------------------------------------------
-    def request(
-        self,
-        peer: int,
-        kind: int,
-        values: torch.Tensor | None,
-        deadline_s: float,
-        on_reply: Callable[[torch.Tensor], None],
-    ) -> str:
+    def request(self, peer: int, kind: int, values: torch.Tensor | None, deadline_s: float,
+                on_reply: Callable[[torch.Tensor], None]) -> str:  # fmt: skip
         """Send ``peer`` one request (``EXCHANGE`` with ``values``, or ``COPY``) and wait for its answer, serving
         others meanwhile, at most ``deadline_s``. Returns ``done`` (``on_reply`` got the peer's values), ``busy``,
         ``late`` (no answer yet: ``on_reply`` runs in a later `pump` if it comes) or ``unreachable``."""

@@ -3,42 +3,39 @@
 ``Gossip(peers="ring", every=1, deadline_s=10.0)``: every worker trains its own replica on its share of each
 global batch (``job.loader``, sharded over the data axis like every strategy) with its own optimizer, and every
 ``every`` steps averages its parameters with ONE peer, at its own pace: no all-reduce, no barrier, no collective
-over the group anywhere in the training loop, and no node everyone waits for (gossip SGD; the pairwise averaging
-of Boyd et al., "Randomized gossip algorithms", 2006; the exponential graph of Assran et al., "Stochastic Gradient
-Push", 2019, and AD-PSGD, Lian et al. 2018, for the asynchronous pairing).
+in the training loop, no node everyone waits for (randomized gossip, Boyd et al. 2006; the exponential graph of
+SGP, Assran et al. 2019; asynchronous pairs as in AD-PSGD, Lian et al. 2018).
 
-The exchange is symmetric and exact: the worker sends its parameters ``a`` to the peer (`loom.comm.peer`), the peer
-answers with its own ``b`` and sets its parameters to ``m = (a + b) / 2``; on the answer the worker sets its own to
-``m + (x - a)``, where ``x`` is what it holds by then. When nothing else touched ``x`` (``x == a``) both sides end
-with the same bits (``a + b`` is commutative in floating point and the halving is exact); when the worker answered
-other peers while it waited, ``x - a`` keeps their share, so the sum of the replicas' parameters is conserved by
-every exchange, interleaved or not, and with learning stopped (lr 0) the replicas converge to the mean of their
-initial parameters. Why a pair exchange rather than push-sum weights: the replicas hold plain parameters at every
-step (no de-biasing by a weight before a forward, nothing that drifts when a peer dies with its weight), and a
-pair's result is testable bit for bit. Two workers asking each other at once: the lower rank answers BUSY, so
-exactly one of the two exchanges happens. Non-finite parameters are never sent nor accepted (BUSY).
+The exchange is symmetric: the worker sends its parameters ``a`` (`loom.comm.peer`), the peer answers with its
+own ``b`` and takes ``m = (a + b) / 2``; on the answer the worker takes ``m + (x - a)``, ``x`` being what it holds
+by then. When nothing else touched ``x`` (``x == a``) both sides end with the same bits (``a + b`` commutes in
+floating point, halving is exact barring underflow); when the worker answered other peers while it waited,
+``x - a`` keeps their share. So every exchange, interleaved or not, conserves the sum of the replicas'
+parameters, and with learning stopped the replicas converge to the mean of their initial parameters. A pair
+exchange rather than push-sum weights: the replicas hold plain parameters at every step (no de-biasing before a
+forward, no weight lost with a dead peer), and a pair's result is testable bit for bit. Two workers asking each
+other at once: the lower rank answers BUSY, so exactly one exchange happens. Non-finite values are never sent
+nor taken (BUSY).
 
-Peers: ``ring`` alternates the right and left neighbours (rank ± 1), ``exponential`` cycles through rank + 2^k for
-k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly among the others (seeded by ``seed`` and the rank). A peer that is
-dead (its connection closes or refuses) is skipped at once, a slow one after ``deadline_s``; either is passed over
-for the next ``retry_after`` exchanges, and training goes on. A late answer is still applied when it comes (both
-ends of an exchange apply it, or neither). A peer that joins a running job (the same rank set up again under the
-same store: a restarted worker) copies a live neighbour's parameters before its first step.
+Peers: ``ring`` alternates the right and left neighbours, ``exponential`` cycles through rank + 2^k for
+k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly among the others (seeded by ``seed`` and the rank). A dead peer
+(its connection closes or refuses) is skipped at once, a slow one after ``deadline_s``; either is passed over for
+the next ``retry_after`` exchanges and training goes on. A late answer is still applied when it comes (unless the
+next request to that peer abandons it, see `loom.comm.peer`). A worker that joins a running job (its rank set up
+again under the same store: a restarted worker) copies a live neighbour's parameters before its first step.
 
 Between steps a worker answers its peers from a service thread, so ``job.module``'s parameters may change between
 two `train_step` calls; `paused` holds them still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`
-gives the bytes (only this transport's point-to-point traffic; also added to ``loom.comm.counters()`` under
-``gossip``), the exchanges by outcome, and the spread: the largest parameter distance ``|a - b|`` (L2, over all
-averaged parameters) to each peer at this worker's last exchange with it, measured on the values exchanged, at
-no extra cost.
+gives this transport's bytes (point-to-point only; also added to ``loom.comm.counters()`` under ``gossip``), the
+exchanges by outcome, and ``spread``: the largest L2 distance between this replica's parameters and a peer's,
+taken at the last exchange with each peer still reachable, on the values exchanged (no extra traffic).
 
-Set-up is the only collective part: each worker publishes its listener's address in the job's store and waits for
-the others'; with ``same_start`` rank 0's parameters are broadcast. `train_step` returns THIS replica's mean loss on
-its share (there is no global loss without a collective); `eval_step` is collective, each replica evaluating its
-share with its own parameters. Checkpoints (`loom.fit`): the state is per rank (model, optimizer, step, peer
-choice); a checkpoint is each replica at its own moment (an exchange may straddle it), and `loom.fit`'s saving
-is collective, so it needs every worker alive. Limits: parameters are averaged, buffers (BatchNorm statistics)
-and optimizer state stay local; floating-point parameters only; CPU tensors (the transport sends host memory).
+Set-up is the only collective part: each worker publishes its listener's address in the job's store and waits
+for the others'; with ``same_start`` rank 0's parameters are broadcast. `train_step` returns THIS replica's mean
+loss on its share (no global loss without a collective); `eval_step` is collective. Checkpoints (`loom.fit`): the
+state is per rank (model, optimizer, step, peer choice), each replica at its own moment (an exchange may straddle
+a checkpoint); `loom.fit`'s saving is collective, so it needs every worker alive. Limits: parameters are
+averaged, buffers (BatchNorm statistics) and optimizer state stay local; floating-point parameters on the CPU.
 """
 
 from __future__ import annotations
@@ -46,12 +43,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import hashlib
 import math
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +56,8 @@ from torch import nn
 
 from loom.comm.counters import counters
 from loom.comm.links import _job_secret
-from loom.comm.peer import COPY, EXCHANGE, PeerNode
+from loom.comm.peer import PeerNode
+from loom.comm.peer_wire import COPY, EXCHANGE, PeerStats
 from loom.config_docs import document_options
 from loom.fault.desync import gradients_finite
 from loom.job import Job, MetricFn, check_batch_layout
@@ -70,9 +66,10 @@ from loom.observe.metrics import StepMetrics
 from loom.strategies._batch import batch_len, split_batch
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.data_parallel import default_metrics_path
+from loom.strategies.gossip_exchange import IdleServer, ParameterLayout, PeerChoice, average_into
 from loom.topology import Topology, current
 
-__all__ = ["Gossip", "GossipConfig", "GossipJob", "PeerChoice", "ParameterLayout"]
+__all__ = ["Gossip", "GossipConfig", "GossipJob"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 PEERS = ("ring", "exponential", "random")
@@ -97,7 +94,8 @@ class GossipConfig:
     seed: int = 0
     """Seeds the ``random`` peer choice (with the rank)."""
     namespace: str = "default"
-    """Name of this gossip group in the job's store (two groups in one job need two names)."""
+    """Name of this gossip group in the job's store. A rank set up twice under one name is a worker rejoining
+    (it copies a neighbour); two groups in one job need two names."""
     setup_timeout_s: float = 300.0
     """How long set-up waits for every worker to publish its address."""
 
@@ -114,68 +112,6 @@ class GossipConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if not self.namespace or "/" in self.namespace:
             raise ValueError(f"namespace must be a non-empty name without '/', got {self.namespace!r}")
-
-
-class PeerChoice:
-    """The sequence of peers one worker asks (see `GossipConfig.peers`); its position is checkpointed."""
-
-    def __init__(self, kind: str, rank: int, world_size: int, seed: int = 0) -> None:
-        self.kind, self.rank, self.world_size = kind, rank, world_size
-        self.count = 0
-        """Peers chosen so far."""
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-
-    def next(self) -> int:
-        k, world = self.count, self.world_size
-        self.count += 1
-        if self.kind == "ring":
-            return (self.rank + (1 if k % 2 == 0 else -1)) % world
-        if self.kind == "exponential":
-            return (self.rank + 2 ** (k % (world - 1).bit_length())) % world
-        other = int(torch.randint(world - 1, (1,), generator=self.generator))
-        return other if other < self.rank else other + 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count = int(state["count"])
-        self.generator.set_state(state["generator"])
-
-
-class ParameterLayout:
-    """The floating-point parameters of a model packed back to back (each at a multiple of 8 bytes) in one
-    uint8 tensor: what an exchange sends. ``fingerprint`` hashes names, dtypes and shapes (peers must match)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.params: list[torch.Tensor] = []
-        self.slots: list[tuple[int, int]] = []
-        described, offset = [], 0
-        for name, p in model.named_parameters():
-            if not p.is_floating_point():
-                continue
-            size = p.numel() * p.element_size()
-            self.params.append(p)
-            self.slots.append((offset, size))
-            described.append(f"{name}|{p.dtype}|{tuple(p.shape)}")
-            offset += -(-size // 8) * 8
-        self.nbytes = offset
-        digest = hashlib.sha256(";".join(described).encode()).digest()
-        self.fingerprint = int.from_bytes(digest[:8], "big")
-
-    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        offset, size = self.slots[i]
-        p = self.params[i]
-        return flat[offset : offset + size].view(p.dtype).view(p.shape)
-
-    def pack(self) -> torch.Tensor:
-        flat = torch.zeros(self.nbytes, dtype=torch.uint8)  # zeros: padding must not carry stale memory
-        for i, p in enumerate(self.params):
-            self.view(flat, i).copy_(p.detach())
-        return flat
-
-    def finite(self, flat: torch.Tensor) -> bool:
-        return gradients_finite([self.view(flat, i) for i in range(len(self.params))])
 
 
 class Gossip:
@@ -244,11 +180,8 @@ class GossipJob(Job):
         self._passed_over: dict[int, int] = {}
         self._addresses: dict[int, str] = {}
         self._store: Any = None
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._stopping = False
-        self._failure: BaseException | None = None
-        self._service: threading.Thread | None = None
+        self._server: IdleServer | None = None
+        self._closed = False
         self._recorded = (0, 0)
 
     # -- set-up ------------------------------------------------------------------------------------------------
@@ -285,9 +218,7 @@ class GossipJob(Job):
                         dist.broadcast(p.data, src=0)
         else:
             self._join()
-        self._idle.set()
-        self._service = threading.Thread(target=self._serve_between_steps, daemon=True)
-        self._service.start()
+        self._server = IdleServer(self.node, topo.rank)
 
     def _address_of(self, peer: int, refresh: bool) -> str | None:
         if refresh or peer not in self._addresses:
@@ -324,20 +255,8 @@ class GossipJob(Job):
             return None
         if kind == EXCHANGE:
             assert theirs is not None
-            self._average(peer, theirs, mine, serving=True)
+            self.distance[peer] = average_into(self.layout, theirs, mine, serving=True)
         return mine
-
-    def _average(self, peer: int, theirs: torch.Tensor, sent: torch.Tensor, serving: bool) -> None:
-        """Set the parameters to ``(theirs + sent) / 2``, plus what changed here since ``sent`` was packed
-        (nothing on the serving side, which packed it just now), and note the pair's distance."""
-        squares = 0.0
-        with torch.no_grad():
-            for i, p in enumerate(self.layout.params):
-                a, b = self.layout.view(sent, i), self.layout.view(theirs, i)
-                mean = (b + a) / 2
-                p.copy_(mean if serving else mean + (p - a))
-                squares += float((a.double() - b.double()).square().sum())
-        self.distance[peer] = math.sqrt(squares)
 
     def _gossip(self) -> None:
         assert self.node is not None
@@ -355,37 +274,17 @@ class GossipJob(Job):
             return  # a diverged replica keeps its values to itself
 
         def merge(theirs: torch.Tensor) -> None:  # now, or later if the answer is late
-            self._average(peer, theirs, sent, serving=False)
+            self.distance[peer] = average_into(self.layout, theirs, sent, serving=False)
 
         outcome = self.node.request(peer, EXCHANGE, sent, self.config.deadline_s, merge)
         if outcome in ("late", "unreachable"):
             self._passed_over[peer] = self.attempts + self.config.retry_after
+            if outcome == "unreachable":
+                self.distance.pop(peer, None)  # a dead peer's last distance says nothing about the replicas
 
-    # -- service thread ----------------------------------------------------------------------------------------
-    def _serve_between_steps(self) -> None:
-        while not self._stopping:
-            if not self._idle.wait(0.5):
-                continue
-            with self._lock:
-                if self._stopping or not self._idle.is_set() or self.node is None:
-                    continue
-                try:
-                    self.node.pump(0.25)
-                except BaseException as error:  # handed to the training thread at its next step
-                    self._failure = error
-                    return
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No peer changes the parameters inside this block (the service thread waits)."""
-        self._idle.clear()
-        if self.node is not None:
-            self.node.wake()
-        with self._lock:
-            try:
-                yield
-            finally:
-                self._idle.set()
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """No peer changes the parameters inside this block (answers wait until it ends)."""
+        return self._server.paused() if self._server is not None else contextlib.nullcontext()
 
     # -- the job contract --------------------------------------------------------------------------------------
     def train_step(self, batch: Any) -> float:
@@ -393,8 +292,8 @@ class GossipJob(Job):
         THIS replica's mean loss on its share (0.0 for an empty share), not a global-batch loss: there is no
         collective to reduce it. A non-finite loss or gradient is not applied (``last_step_skipped``)."""
         check_batch_layout(batch, self)
-        if self._failure is not None:
-            raise RuntimeError(f"rank {self.topology.rank}: gossip service thread failed") from self._failure
+        if self._server is not None:
+            self._server.check(self.topology.rank)
         started = time.perf_counter()
         inputs, targets = split_batch(batch)
         local = batch_len(inputs)
@@ -488,9 +387,9 @@ class GossipJob(Job):
 
     def comm_stats(self) -> dict[str, float]:
         """Numbers for step records and reports: this transport's bytes and exchanges by outcome (see
-        `loom.comm.peer.PeerStats`), ``spread`` (the largest distance to a peer at the last exchange with it),
-        ``last_peer`` / ``joined_from`` (-1: none) and ``step``."""
-        stats: dict[str, float] = dict(self.node.stats.as_dict()) if self.node is not None else {}
+        `loom.comm.peer_wire.PeerStats`), ``spread`` (see the module docstring), ``joined_from`` (the peer
+        copied when this worker joined a running job, -1: none) and ``step``."""
+        stats: dict[str, float] = dict((self.node.stats if self.node else PeerStats()).as_dict())
         stats["spread"] = max(self.distance.values(), default=0.0)
         stats["joined_from"] = -1 if self.joined_from is None else self.joined_from
         stats["step"] = self.step
@@ -498,16 +397,11 @@ class GossipJob(Job):
 
     def close(self) -> None:
         """Stop serving; wait (at most ``deadline_s``) for this worker's late answers; close the sockets."""
-        if self._stopping:
+        if self._closed:
             return
-        self._stopping = True
-        self._idle.set()
-        if self.node is not None:
-            self.node.wake()
-        if self._service is not None:
-            self._service.join(timeout=5.0)
-        with self._lock:
-            if self.node is not None:
-                self.node.close(drain_s=self.config.deadline_s)
-                self._record_traffic()
+        self._closed = True
+        if self._server is not None and self.node is not None:
+            self._server.stop()
+            self.node.close(drain_s=self.config.deadline_s)
+            self._record_traffic()
         self.metrics.close()

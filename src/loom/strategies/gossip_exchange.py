@@ -1,0 +1,152 @@
+"""What one gossip exchange sends and how it is merged, and whom each worker asks (`loom.strategies.gossip`).
+
+`ParameterLayout` packs a model's floating-point parameters into the raw bytes `loom.comm.peer` carries;
+`average_into` is the pair exchange's arithmetic (its symmetry and conservation are argued in
+`loom.strategies.gossip`); `PeerChoice` is the sequence of peers, ring, exponential graph or uniform random;
+`IdleServer` answers peers from a thread while the training thread is elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.comm.peer import PeerNode
+from loom.fault.desync import gradients_finite
+
+__all__ = ["IdleServer", "ParameterLayout", "PeerChoice", "average_into"]
+
+
+class PeerChoice:
+    """The sequence of peers one worker asks (see `GossipConfig.peers`); its position is checkpointed."""
+
+    def __init__(self, kind: str, rank: int, world_size: int, seed: int = 0) -> None:
+        self.kind, self.rank, self.world_size = kind, rank, world_size
+        self.count = 0
+        """Peers chosen so far."""
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+
+    def next(self) -> int:
+        k, world = self.count, self.world_size
+        self.count += 1
+        if self.kind == "ring":
+            return (self.rank + (1 if k % 2 == 0 else -1)) % world
+        if self.kind == "exponential":
+            return (self.rank + 2 ** (k % (world - 1).bit_length())) % world
+        other = int(torch.randint(world - 1, (1,), generator=self.generator))
+        return other if other < self.rank else other + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+        self.generator.set_state(state["generator"])
+
+
+class ParameterLayout:
+    """The floating-point parameters of a model packed back to back (each at a multiple of 8 bytes) in one
+    uint8 tensor: what an exchange sends. ``fingerprint`` hashes names, dtypes and shapes (peers must match)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params: list[torch.Tensor] = []
+        self.slots: list[tuple[int, int]] = []
+        described, offset = [], 0
+        for name, p in model.named_parameters():
+            if not p.is_floating_point():
+                continue
+            size = p.numel() * p.element_size()
+            self.params.append(p)
+            self.slots.append((offset, size))
+            described.append(f"{name}|{p.dtype}|{tuple(p.shape)}")
+            offset += -(-size // 8) * 8
+        self.nbytes = offset
+        digest = hashlib.sha256(";".join(described).encode()).digest()
+        self.fingerprint = int.from_bytes(digest[:8], "big")
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        offset, size = self.slots[i]
+        p = self.params[i]
+        return flat[offset : offset + size].view(p.dtype).view(p.shape)
+
+    def pack(self) -> torch.Tensor:
+        flat = torch.zeros(self.nbytes, dtype=torch.uint8)  # zeros: padding must not carry stale memory
+        for i, p in enumerate(self.params):
+            self.view(flat, i).copy_(p.detach())
+        return flat
+
+    def finite(self, flat: torch.Tensor) -> bool:
+        return gradients_finite([self.view(flat, i) for i in range(len(self.params))])
+
+
+def average_into(layout: ParameterLayout, theirs: torch.Tensor, sent: torch.Tensor, serving: bool) -> float:
+    """Set ``layout``'s parameters to ``(theirs + sent) / 2`` plus what changed since ``sent`` was packed
+    (nothing on the serving side, which packed it just now); return the L2 distance between the two sides'
+    values (the exchange's contribution to the spread)."""
+    squares = 0.0
+    with torch.no_grad():
+        for i, p in enumerate(layout.params):
+            a, b = layout.view(sent, i), layout.view(theirs, i)
+            mean = (b + a) / 2
+            p.copy_(mean if serving else mean + (p - a))
+            squares += float((a.double() - b.double()).square().sum())
+    return math.sqrt(squares)
+
+
+class IdleServer:
+    """Pumps a `PeerNode` from a thread whenever the training thread is not inside `paused` (between steps,
+    in the loader, in a checkpoint's collectives, after the last step), so peers are answered without waiting
+    for this worker's next step. `paused` wakes the thread and takes the node over; both never pump at once."""
+
+    def __init__(self, node: PeerNode, rank: int) -> None:
+        self.node = node
+        self.failure: BaseException | None = None
+        """What stopped the thread, handed to the training thread (`check`)."""
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"loom-gossip-serve-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self._idle.wait(0.5):
+                continue
+            with self._lock:
+                if self._stopping or not self._idle.is_set():
+                    continue
+                try:
+                    self.node.pump(0.25)
+                except BaseException as error:  # handed to the training thread at its next step
+                    self.failure = error
+                    return
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The calling thread owns the node (and the parameters) inside the block."""
+        self._idle.clear()
+        self.node.wake()
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._idle.set()
+
+    def check(self, rank: int) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"rank {rank}: gossip's serving thread failed") from self.failure
+
+    def stop(self) -> None:
+        """End the thread; the node is the caller's again (close it under `paused`)."""
+        self._stopping = True
+        self._idle.set()
+        self.node.wake()
+        self._thread.join(timeout=5.0)
