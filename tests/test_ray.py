@@ -24,7 +24,7 @@ pytest.importorskip("ray")
 
 import loom.ray  # noqa: E402
 from loom.launch.cli import main as loom_main  # noqa: E402
-from loom.ray.local import connect, disconnect, session_processes  # noqa: E402
+from loom.ray.local import connect, disconnect, session_processes, tagged_processes  # noqa: E402
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))  # ray_jobs (its train pickled by reference) and common
@@ -32,22 +32,6 @@ from ray_jobs import reference_params, train  # noqa: E402
 
 TAG = uuid.uuid4().hex
 STATE: dict = {}
-
-
-def tagged_processes() -> list[int]:
-    """Live processes whose environment holds this module's tag (any rank or server of its jobs)."""
-    needle, found = f"LOOM_TEST_TAG={TAG}".encode(), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                state = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-                if state != b"Z":
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +150,7 @@ def test_nothing_is_left_after_ray_shuts_down(ray_instance):
     assert session is not None and session_processes(session), "the instance should be running until now"
     disconnect(connection)
     assert session_processes(session) == []
-    assert tagged_processes() == []
+    assert tagged_processes("LOOM_TEST_TAG", TAG) == []
 
 
 @pytest.mark.timeout(10)

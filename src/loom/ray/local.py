@@ -25,10 +25,11 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RayConnection", "connect", "disconnect", "session_processes"]
+__all__ = ["RayConnection", "connect", "disconnect", "session_processes", "tagged_processes"]
 
 _LOCAL_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
@@ -47,20 +48,22 @@ class RayConnection:
 
 
 def connect(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None) -> RayConnection:
-    """Attach to Ray: reuse this process's connection, join the cluster at ``address`` (``"auto"``: the one
-    this node belongs to), or start a local instance with ``num_cpus`` CPUs (see the module docstring)."""
+    """Attach to Ray: reuse this process's connection, join the cluster at ``address`` or ``RAY_ADDRESS``
+    (``"auto"``: the one this node belongs to), or start a local instance with ``num_cpus`` CPUs (see the module
+    docstring) -- a new one, never a ``ray start`` instance found on this machine."""
     import ray
 
-    if address is not None and address.startswith("ray://"):
+    given = address or os.environ.get("RAY_ADDRESS") or None
+    if given is not None and given.startswith("ray://"):
         raise ValueError(
-            f"--address {address!r}: Ray Client addresses are not supported (the workers must reach the driver "
+            f"Ray address {given!r}: Ray Client addresses are not supported (the workers must reach the driver "
             "to join the job's store). HINT: run the driver on a node of the cluster (e.g. `ray job submit`) "
-            "with --address auto or the GCS address HOST:6379"
+            "with --address auto or the GCS address HOST:PORT"
         )
     if ray.is_initialized():
         return RayConnection(False, False, None)
-    if address is not None:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    if given is not None:
+        ray.init(address=given, log_to_driver=False, logging_level=logging.WARNING)
         return RayConnection(True, False, None)
     return _start_local(num_cpus, temp_dir)
 
@@ -81,6 +84,7 @@ def _start_local(num_cpus: int | None, temp_dir: str | None) -> RayConnection:
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(
+            address="local",  # a new instance, even where `ray start` left one running on this machine
             num_cpus=num_cpus,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
@@ -122,21 +126,28 @@ def _restore(saved: dict[str, str | None]) -> None:
 
 
 def session_processes(session_dir: str) -> list[int]:
-    """Live processes of this user whose command line names ``session_dir`` (the Ray instance's processes)."""
-    found, needle = [], session_dir.encode()
+    """Live processes whose command line names ``session_dir`` (the Ray instance's processes)."""
+    needle = session_dir.encode()
+    return _live_processes(lambda entry: needle in (entry / "cmdline").read_bytes())
+
+
+def tagged_processes(name: str, value: str) -> list[int]:
+    """Live processes whose environment holds ``name=value`` (for checks that a job left nothing behind)."""
+    needle = f"{name}={value}".encode()
+    return _live_processes(lambda entry: needle in (entry / "environ").read_bytes().split(b"\0"))
+
+
+def _live_processes(match: Callable[[Path], bool]) -> list[int]:
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "cmdline").read_bytes() and _state(entry) != b"Z":
+            if match(entry) and (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
                 found.append(int(entry.name))
-        except OSError:
+        except OSError:  # gone meanwhile, or another user's
             continue
     return found
-
-
-def _state(entry: Path) -> bytes:
-    return (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
 
 
 def disconnect(connection: RayConnection, grace_s: float = 5.0) -> list[int]:
