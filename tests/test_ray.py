@@ -171,3 +171,19 @@ def test_copied_records_of_a_replaced_rank_follow_those_of_the_lost_one(tmp_path
     for bad in ("../escape.log", "/etc/passwd", ""):
         with pytest.raises(ValueError, match="outside the run directory"):
             _write_chunk(tmp_path / "run", {}, bad, 0, b"x")
+
+
+@pytest.mark.timeout(10)
+def test_local_launcher_options_are_refused_with_the_ray_backend(tmp_path, capsys):
+    script = tmp_path / "job.py"
+    script.write_text("print('never runs')\n")
+    assert (
+        loom_main(["run", "--backend", "ray", "--nnodes", "2", "--master", "127.0.0.1:1", str(script)]) == 2
+    )
+    assert "--nnodes, --master do not apply to --backend ray" in capsys.readouterr().err
+    assert loom_main(["run", "--address", "127.0.0.1:6379", str(script)]) == 2
+    assert "HINT: add --backend ray" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="resources_per_worker needs a positive amount"):
+        loom.ray.RayConfig(resources_per_worker={"CPU": 0})
+    with pytest.raises(ValueError, match="Ray Client addresses are not supported"):
+        connect("ray://head:10001")

@@ -193,4 +193,7 @@ def run_from_cli(ns: argparse.Namespace, run_dir: Path) -> int:
     except RuntimeError as error:  # RayJobFailed, and Ray's own errors reaching the cluster
         print(f"loom run: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("loom run: interrupted; the job's processes were stopped", file=sys.stderr)
+        return 130
     return 0

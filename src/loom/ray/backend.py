@@ -255,9 +255,10 @@ class _Job:
             self._stop(ranks)
         return outcome
 
-    def _poll(self, procs: list[_Rank]) -> str | None:
-        """One poll of every process not done yet; returns the first failure seen (deaths before errors)."""
-        from ray.exceptions import RayActorError
+    def _poll(self, procs: list[_Rank], stopping: bool = False) -> str | None:
+        """One poll of every process not done yet; returns the first failure seen (deaths before errors). A lost
+        parameter server ends the job (unless ``stopping``: then ends are expected)."""
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         live = [p for p in procs if not p.done]
         refs = [p.actor.poll.remote() for p in live]
@@ -265,10 +266,11 @@ class _Job:
         for proc, ref in zip(live, refs, strict=True):
             try:
                 report = self.ray.get(ref, timeout=self.config.start_timeout_s)
-            except RayActorError as error:
+            except (RayActorError, GetTimeoutError) as error:
                 proc.done = True
+                what = "did not answer in time" if isinstance(error, GetTimeoutError) else "died"
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                failures.append((0, f"{proc.name}: its Ray actor on {proc.where['host']} died ({reason})"))
+                failures.append((0, f"{proc.name}: its Ray actor on {proc.where['host']} {what} ({reason})"))
                 continue
             _prefix_print(proc.name, report["lines"], report["dropped"])
             for rel, offset, data in report["files"]:
@@ -277,6 +279,9 @@ class _Job:
                 failures.append((1 if report["exit"] < 0 else 2, _describe(proc.name, report)))
             if report["done"]:
                 proc.done, proc.result = True, report.get("result")
+        if not stopping and any(f[1].startswith("server") for f in failures):
+            lost = min(f for f in failures if f[1].startswith("server"))[1]
+            raise RayJobFailed(f"loom: {lost}; the model's shards it held are gone, so the job stops")
         return min(failures)[1] if failures else None
 
     def _watch(self, ranks: list[_Rank]) -> str | None:
@@ -292,7 +297,7 @@ class _Job:
         self._settle([p.actor.stop.remote(self.config.grace_s) for p in procs if not p.done])
         deadline = time.monotonic() + self.config.grace_s
         while any(not p.done for p in procs) and time.monotonic() < deadline:
-            self._poll(procs)  # failures while stopping are the stop itself
+            self._poll(procs, stopping=True)  # failures while stopping are the stop itself
         self._settle([p.actor.cleanup.remote() for p in procs])
         for p in procs:
             self.ray.kill(p.actor, no_restart=True)
