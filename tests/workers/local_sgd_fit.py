@@ -25,8 +25,9 @@ STRATEGIES = {
     # checkpoints every 5 steps: 10 is mid-interval for every one of these
     "local": lambda: loom.LocalSGD(sync_every=4, allreduce="native"),
     "diloco": lambda: loom.DiLoCo(sync_every=3, compression="int8"),
-    # fragment 1 is sent after step 10 and applied after step 11: in flight at the checkpoint of step 10
-    "streaming": lambda: loom.DiLoCo(sync_every=4, fragments=2, compression="fp16", allreduce="native"),
+    # fragment 1 is sent after step 10 and applied after step 11: in flight at the checkpoint of step 10;
+    # loom's ring all-reduce on the communication thread while the training thread reduces its loss
+    "streaming": lambda: loom.DiLoCo(sync_every=4, fragments=2, compression="fp16", allreduce="ring"),
 }
 
 for run in sys.argv[1:]:
