@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import abc
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -54,6 +57,7 @@ from loom.topology import Topology, current
 
 __all__ = [
     "INT8_CHUNK",
+    "CommThread",
     "ReplicaJob",
     "ReplicaStrategy",
     "check_common_options",
@@ -154,6 +158,37 @@ def quantize_int8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 values of `quantize_int8`'s codes (padding included)."""
     return (codes.view(-1, INT8_CHUNK).to(torch.float32) * scales[:, None]).view(-1)
+
+
+class CommThread:
+    """One daemon thread that runs submitted calls in order (the collectives of one process group, so every
+    rank issues them in the same order). A daemon, unlike `concurrent.futures.ThreadPoolExecutor`'s threads:
+    when a peer has died and the training thread raises, a collective left waiting here must not keep the
+    process alive at exit."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` after the calls submitted before; its result or exception comes in the future."""
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # handed to whoever waits for the result
+                future.set_exception(error)
+
+    def stop(self) -> None:
+        """Finish the calls submitted so far, then end the thread."""
+        self._calls.put(None)
+        self._thread.join()
 
 
 class ReplicaStrategy:

@@ -53,6 +53,7 @@ from loom.comm import ALGORITHMS
 from loom.config_docs import document_options
 from loom.strategies._replica_sync import (
     INT8_CHUNK,
+    CommThread,
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
@@ -240,10 +241,10 @@ class DiLoCoJob(ReplicaJob):
         self.sync_log: list[tuple[int, int, int]] = []
         """``(fragment, step sent, step applied)`` of every exchange applied by this job object."""
         self._sync_group: Any = None
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: CommThread | None = None
         if topology.is_distributed:  # its own group: the training thread's collectives may run meanwhile
             self._sync_group = dist.new_group(ranks=list(range(topology.world_size)))
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loom-diloco")
+            self._thread = CommThread(f"loom-diloco-{topology.rank}")
 
     def _count_samples(self, local: int, total: int) -> None:
         for k in range(len(self.fragments)):
@@ -331,7 +332,7 @@ class DiLoCoJob(ReplicaJob):
         for entry in self._in_flight:
             self._wait(entry)
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.stop()
             self._thread = None
 
     # -- state -----------------------------------------------------------------------------------------------
