@@ -241,30 +241,32 @@ class ReplicaJob(Job):
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
         topology: Topology,
-        *,
-        nonfinite: str,
-        nonfinite_limit: int,
-        hang_timeout: float | None,
-        metrics_path: str | None,
-        observe: bool,
+        config: Any,
+        metrics_path: str | None = None,
+        observe: bool = True,
     ) -> None:
+        """``config``: the strategy's config dataclass (``nonfinite``, ``nonfinite_limit``, ``hang_timeout_s``
+        and its own options); the strategy's state is set up by `_start`."""
         self.module = module
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.topology = topology
+        self.config = config
         self.mesh = Mesh(dp=topology.world_size, topology=topology)
         self.step = 0
         self.metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
         self.observer = StepObserver.for_process(self.metrics, topology.world_size, enabled=observe)
         """Times each step's phases and counts its bytes (synchronizations included) into `metrics`."""
-        self.nonfinite = NonFiniteGuard(nonfinite, nonfinite_limit, topology.rank)
+        self.nonfinite = NonFiniteGuard(config.nonfinite, config.nonfinite_limit, topology.rank)
         self.last_step_skipped = False
+        hang = config.hang_timeout_s
         self.watchdog = (
-            Watchdog.start(topology, hang_timeout)
+            Watchdog.start(topology, hang)
             if topology.is_distributed
-            else Watchdog(topology.rank, topology.world_size, hang_timeout_s(hang_timeout))
+            else Watchdog(topology.rank, topology.world_size, hang_timeout_s(hang))
         )
         self._group = self.mesh.group("dp")
+        self._start()
 
     @property
     def skipped_steps(self) -> int:
@@ -272,6 +274,10 @@ class ReplicaJob(Job):
         return self.nonfinite.skipped
 
     # -- what a strategy adds ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _start(self) -> None:
+        """Set up the strategy's own state (called once, at the end of ``__init__``)."""
+
     @abc.abstractmethod
     def _count_samples(self, local: int, total: int) -> None:
         """Note that this rank trained on ``local`` of the ``total`` samples of an applied step."""

@@ -65,7 +65,6 @@ from loom.strategies._replica_sync import (
     synced_tensors,
 )
 from loom.strategies.consistency import check_same_model
-from loom.topology import Topology
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "DiLoCoJob", "INT8_CHUNK", "split_fragments"]
 
@@ -207,22 +206,10 @@ class _Exchange:
 class DiLoCoJob(ReplicaJob):
     """A model set up for DiLoCo (the `loom.job.Job` contract; its state is per rank)."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        topology: Topology,
-        config: DiLoCoConfig,
-        metrics_path: str | None = None,
-        observe: bool = True,
-    ) -> None:
-        super().__init__(
-            module, optimizer, loss_fn, topology, nonfinite=config.nonfinite,
-            nonfinite_limit=config.nonfinite_limit, hang_timeout=config.hang_timeout_s,
-            metrics_path=metrics_path, observe=observe,
-        )  # fmt: skip
-        self.config = config
+    config: DiLoCoConfig
+
+    def _start(self) -> None:
+        module, config, topology = self.module, self.config, self.topology
         self._params, self._buffers = synced_tensors(module)
         self.global_params = [p.detach().clone() for p in self._params]
         """The global copy: what the outer optimizer steps, the same on every rank."""

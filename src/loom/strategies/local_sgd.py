@@ -42,7 +42,6 @@ from loom.strategies._replica_sync import (
     synced_tensors,
     unflatten_into,
 )
-from loom.topology import Topology
 
 __all__ = ["LocalSGD", "LocalSGDConfig", "LocalSGDJob"]
 
@@ -93,22 +92,9 @@ document_options(LocalSGD, LocalSGDConfig)
 class LocalSGDJob(ReplicaJob):
     """A model set up for local SGD (the `loom.job.Job` contract; its state is per rank)."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        topology: Topology,
-        config: LocalSGDConfig,
-        metrics_path: str | None = None,
-        observe: bool = True,
-    ) -> None:
-        super().__init__(
-            module, optimizer, loss_fn, topology, nonfinite=config.nonfinite,
-            nonfinite_limit=config.nonfinite_limit, hang_timeout=config.hang_timeout_s,
-            metrics_path=metrics_path, observe=observe,
-        )  # fmt: skip
-        self.config = config
+    config: LocalSGDConfig
+
+    def _start(self) -> None:
         self.samples = 0
         """Samples this replica trained on since the last average."""
         self.global_samples = 0
