@@ -187,3 +187,24 @@ def test_local_launcher_options_are_refused_with_the_ray_backend(tmp_path, capsy
         loom.ray.RayConfig(resources_per_worker={"CPU": 0})
     with pytest.raises(ValueError, match="Ray Client addresses are not supported"):
         connect("ray://head:10001")
+
+
+@pytest.mark.timeout(10)
+def test_rank_layout_keeps_a_nodes_ranks_together_and_shares_its_gpus():
+    from loom.ray.backend import rank_layout
+
+    wheres = [{"node_id": "a", "gpus": ["3"]}, {"node_id": "b", "gpus": ["0"]}, {"node_id": "a", "gpus": ["1"]},
+              {"node_id": "b", "gpus": ["1"]}, {"node_id": "a", "gpus": ["0"]}]  # fmt: skip
+    layout = rank_layout(wheres)
+    assert [(p["bundle"], p["node_index"], p["local_rank"], p["local_size"]) for p in layout] == [
+        (4, 0, 0, 3), (2, 0, 1, 3), (0, 0, 2, 3), (1, 1, 0, 2), (3, 1, 1, 2),
+    ]  # fmt: skip
+    assert [p["visible_gpus"] for p in layout] == ["0,1,3"] * 3 + ["0,1"] * 2
+    # rank r's own GPU is cuda:LOCAL_RANK among the visible ones
+    for p in layout:
+        assert p["visible_gpus"].split(",")[p["local_rank"]] == wheres[p["bundle"]]["gpus"][0]
+    cpu_only = rank_layout([{"node_id": "a"}, {"node_id": "a"}])
+    assert [(p["bundle"], p["local_rank"], p["visible_gpus"]) for p in cpu_only] == [
+        (0, 0, None),
+        (1, 1, None),
+    ]

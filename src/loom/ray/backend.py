@@ -43,7 +43,7 @@ from typing import Any
 
 from loom.ray import RayJobFailed
 
-__all__ = ["WorkerSpec", "run_job"]
+__all__ = ["WorkerSpec", "rank_layout", "run_job"]
 
 _FORWARDED = ("LOOM_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "PYTHONPATH")
 """The driver's variables every process gets, as `loom run`'s workers inherit the launcher's environment."""
@@ -67,6 +67,8 @@ class _Rank:
     node_index: int = 0
     done: bool = False
     result: bytes | None = None
+    visible_gpus: str | None = None
+    """CUDA_VISIBLE_DEVICES for the rank: every GPU Ray gave the workers of its node (see `rank_layout`)."""
     bases: dict[str, int] = field(default_factory=dict)
     """Where this process's copied files start in the run directory's (see `_write_chunk`)."""
 
@@ -75,6 +77,37 @@ class _Rank:
 class _Attempt:
     failure: str | None = None
     results: dict[int, bytes | None] = field(default_factory=dict)
+
+
+def _gpu_key(gpu: str) -> tuple[int, str]:
+    return (int(gpu), "") if gpu.isdigit() else (1 << 30, gpu)
+
+
+def rank_layout(wheres: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ranks for the actors whose `RankHost.where` reports are ``wheres`` (by bundle), in rank order.
+
+    The ranks of one node are consecutive (nodes in the order their first bundle comes), so LOCAL_RANK and
+    LOCAL_WORLD_SIZE mean what they mean under `loom run`. With GPUs, Ray shows each actor only its own
+    (CUDA_VISIBLE_DEVICES), but ``loom.init()`` picks ``cuda:LOCAL_RANK``: so every rank of a node sees all the
+    node's workers' GPUs, in id order, and the local ranks follow that order too -- with one GPU per worker,
+    rank ``cuda:LOCAL_RANK`` is the GPU Ray reserved for it (Ray Train shares them the same way)."""
+    nodes: list[str] = []
+    for where in wheres:
+        if where["node_id"] not in nodes:
+            nodes.append(where["node_id"])
+
+    def order(bundle: int) -> tuple:
+        gpus = sorted(map(str, wheres[bundle].get("gpus") or []), key=_gpu_key)
+        return (nodes.index(wheres[bundle]["node_id"]), _gpu_key(gpus[0]) if gpus else (0, ""), bundle)
+
+    layout = []
+    for bundle in sorted(range(len(wheres)), key=order):
+        node = wheres[bundle]["node_id"]
+        same = [b for b in sorted(range(len(wheres)), key=order) if wheres[b]["node_id"] == node]
+        gpus = sorted({str(g) for b in same for g in wheres[b].get("gpus") or []}, key=_gpu_key)
+        layout.append({"bundle": bundle, "local_rank": same.index(bundle), "local_size": len(same),
+                       "node_index": nodes.index(node), "visible_gpus": ",".join(gpus) or None})  # fmt: skip
+    return layout
 
 
 def _prefix_print(name: str, lines: list[tuple[str, str]], dropped: int) -> None:
@@ -171,16 +204,12 @@ class _Job:
                 self.host_class.options(scheduling_strategy=strategy, **options).remote(f"w{bundle}")
             )
         wheres = self.ray.get([a.where.remote() for a in actors], timeout=self.config.start_timeout_s)
-        nodes: list[str] = []
-        for where in wheres:
-            if where["node_id"] not in nodes:
-                nodes.append(where["node_id"])
-        order = sorted(range(len(actors)), key=lambda b: (nodes.index(wheres[b]["node_id"]), b))
-        ranks = [_Rank(f"rank{r}", actors[b], wheres[b]) for r, b in enumerate(order)]
-        for rank in ranks:
-            same = [r for r in ranks if r.where["node_id"] == rank.where["node_id"]]
-            rank.local_rank, rank.local_size = same.index(rank), len(same)
-            rank.node_index = nodes.index(rank.where["node_id"])
+        ranks = []
+        for r, place in enumerate(rank_layout(wheres)):
+            rank = _Rank(f"rank{r}", actors[place["bundle"]], wheres[place["bundle"]])
+            rank.local_rank, rank.local_size = place["local_rank"], place["local_size"]
+            rank.node_index, rank.visible_gpus = place["node_index"], place["visible_gpus"]
+            ranks.append(rank)
         return ranks
 
     # -- environment ------------------------------------------------------------------------------------------
@@ -205,6 +234,8 @@ class _Job:
         )  # fmt: skip
         if self.server_addresses:
             env["LOOM_PS_ADDRS"] = ",".join(self.server_addresses)
+        if r.visible_gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = r.visible_gpus
         return env
 
     def _writes_directly(self, where: dict[str, Any]) -> bool:

@@ -69,12 +69,13 @@ class RankHost:
 
     # -- where the actor runs -------------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
-        """This node's Ray id and address, and the actor's pid and host name."""
+        """This node's Ray id and address, the GPUs Ray gave this actor, its pid and host name."""
         import ray
 
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
             "address": ray.util.get_node_ip_address(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
