@@ -79,7 +79,8 @@ def run(
 
     ``local_mode``: True runs the ranks on the driver (`loom run`); False, one per task of a Spark barrier
     stage on ``spark`` (default: the active session). ``run_dir``: ``LOOM_RUN_DIR`` of every rank (logs,
-    step records; a path every executor can write for ``local_mode=False``).
+    step records; a path every executor can write for ``local_mode=False``); default: none for barrier tasks,
+    a temporary folder removed afterwards for ``local_mode=True``.
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
@@ -113,7 +114,11 @@ def _run_on_driver(train, args, kwargs, num_processes: int, run_dir) -> Any:
             call.write_bytes(cloudpickle.dumps((train, args, kwargs)))
             cmd += ["-m", "loom.spark", "--call", str(call), "--result", str(result)]
         _stream(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), "", "loom run"
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+            ),
+            "",
+            "loom run",
         )
         if isinstance(train, str):
             return None
@@ -230,8 +235,9 @@ def _run_worker(rank: int, payload: bytes | None, script, env: dict[str, str], s
         else:
             cmd += ["--script", script[0], *script[1]]
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            errors="replace", env=env,
+        )  # fmt: skip
         assert proc.stdin is not None
         try:
             proc.stdin.write(secret + "\n")
