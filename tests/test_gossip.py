@@ -29,7 +29,7 @@ from loom.comm.links import dial_handshake
 from loom.comm.peer import PeerNode
 from loom.comm.peer_wire import EXCHANGE, HEADER, MAGIC, VERSION
 from loom.strategies.gossip import GossipConfig
-from loom.strategies.gossip_exchange import ParameterLayout, PeerChoice
+from loom.strategies.gossip_exchange import ParameterLayout, PeerChoice, average_into
 
 SECRET = b"s" * 32
 HEADER_BYTES = HEADER.size
@@ -78,6 +78,40 @@ def test_layout_packs_floating_parameters_aligned_with_zero_padding():
     assert flat[36:40].eq(0).all() and flat[52:56].eq(0).all()
     other = ParameterLayout(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2, bias=False)))
     assert other.fingerprint != layout.fingerprint
+
+
+@pytest.mark.timeout(10)
+def test_the_pair_arithmetic_is_symmetric_and_conserves_the_sum_when_exchanges_interleave():
+    def replica(seed):
+        torch.manual_seed(seed)
+        return ParameterLayout(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)))
+
+    a, b, c = replica(1), replica(2), replica(3)
+
+    def total():
+        return sum(torch.cat([p.detach().double().reshape(-1) for p in r.params]) for r in (a, b, c))
+
+    # One exchange alone: both sides end with exactly (a + b) / 2, the distance is |a - b|.
+    before_a = [p.detach().clone() for p in a.params]
+    before_b = [p.detach().clone() for p in b.params]
+    sent, theirs = a.pack(), b.pack()
+    distance = average_into(b, sent, theirs, serving=True)
+    assert average_into(a, theirs, sent, serving=False) == distance
+    gap = torch.cat([(x.double() - y.double()).reshape(-1) for x, y in zip(before_a, before_b, strict=True)])
+    assert distance == pytest.approx(float(gap.norm()), rel=1e-12)
+    for pa, pb, xa, xb in zip(a.params, b.params, before_a, before_b, strict=True):
+        reference = (xa + xb) / 2
+        assert torch.equal(pa, reference) and torch.equal(pb, reference)
+    # Interleaved: a waits for b's answer and meanwhile serves c; the sum over the three is conserved.
+    before = total()
+    sent = a.pack()
+    mine, asked = a.pack(), c.pack()
+    average_into(a, asked, mine, serving=True)  # a answers c
+    average_into(c, mine, asked, serving=False)
+    theirs = b.pack()
+    average_into(b, sent, theirs, serving=True)  # b answers a's earlier request
+    average_into(a, theirs, sent, serving=False)
+    assert (total() - before).abs().max() < 1e-6
 
 
 class Peer:
@@ -163,10 +197,10 @@ def test_malformed_frames_close_the_connection_before_anything_is_allocated(peer
     a, _, _ = peers
     host, port = a.node.address.rsplit(":", 1)
     bad_headers = [
-        HEADER.pack(MAGIC, VERSION, EXCHANGE, 0, 1, 1, 99, 1 << 40),  # a 1 TiB payload declared
-        HEADER.pack(MAGIC, VERSION, EXCHANGE, 0, 1, 1, 98, 64),  # another model
-        HEADER.pack(MAGIC, VERSION, EXCHANGE, 0, 2, 1, 99, 64),  # claims to be another rank
-        HEADER.pack(b"XXXX", VERSION, EXCHANGE, 0, 1, 1, 99, 64),
+        HEADER.pack(MAGIC, VERSION, EXCHANGE, 0, 1, 1, 0, 99, 1 << 40),  # a 1 TiB payload declared
+        HEADER.pack(MAGIC, VERSION, EXCHANGE, 0, 1, 1, 0, 98, 64),  # another model
+        HEADER.pack(MAGIC, VERSION, EXCHANGE, 0, 2, 1, 0, 99, 64),  # claims to be another rank
+        HEADER.pack(b"XXXX", VERSION, EXCHANGE, 0, 1, 1, 0, 99, 64),
     ]
     for count, header in enumerate(bad_headers, start=1):
         with socket.create_connection((host, int(port)), timeout=5) as sock:

@@ -1,11 +1,10 @@
 """Gossip under `loom.fit` with checkpoints and resume: each rank's own state is saved and restored.
 
-Two workers learn (SGD with momentum, an exchange every 4 steps) from the same start on their own shares for
-6 steps with a checkpoint
-every 3; then, in the same processes, a fresh job (another gossip ``namespace``, fresh model) resumes from that
-directory: `fit(steps=6)` restores without stepping, and each rank must hold exactly its own saved parameters,
-momentum, step and peer choice; `fit(steps=9)` then continues for 3 steps. The argument is the checkpoint
-directory. Prints one JSON line per rank. Run by tests/test_gossip.py.
+Two workers learn (SGD with momentum, an exchange every 4 steps) from the same start on their own shares for 6
+steps with a checkpoint every 3; then, in the same processes, a fresh job (another gossip ``namespace``, fresh
+model) resumes from that directory: `fit(steps=6)` restores without stepping, and each rank must hold exactly its
+own saved parameters, momentum, step and peer choice; `fit(steps=9)` then continues for 3 steps. The argument is
+the checkpoint directory. Prints one JSON line per rank. Run by tests/test_gossip.py.
 """
 
 import json

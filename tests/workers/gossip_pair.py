@@ -53,7 +53,7 @@ stats_pair = job.comm_stats()
 # -- 2. an intruder with the wrong secret ----------------------------------------------------------------------
 intruder = {}
 if topo.rank == 1:
-    host, port = job._address_of(0, False).rsplit(":", 1)
+    host, port = job.directory.address_of(0, False).rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         try:
             dial_handshake(sock, b"w" * 32, (1).to_bytes(4, "big") + (0).to_bytes(4, "big"),

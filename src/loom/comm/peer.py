@@ -17,9 +17,12 @@ collective or a barrier anywhere. `PeerNode` is one process's end:
 Frames (`loom.comm.peer_wire`): a fixed header and raw bytes, the values' size known to both ends, every
 header checked before anything is allocated; a refused one closes its connection (counted as ``dropped``).
 
-Symmetry: when two nodes each have an ``EXCHANGE`` outstanding to the other, the one with the lower rank answers
-``BUSY`` and the other serves, so exactly one of the two exchanges happens (both serving would make each average
-with the other's stale values).
+Symmetry: two ``EXCHANGE`` requests cross when each was sent before its sender saw the other's (a request carries
+the seq of the receiver's last request its sender had answered, so the receiver can tell). The lower rank answers
+the crossing one ``BUSY`` and the higher one serves, so exactly one of the two happens (both serving would make
+each average with the other's stale values). A request whose sender had answered ours already waits until that
+answer, still on its way on the other connection, is applied. So two workers end a pair exchange with the same
+bits however their requests interleave.
 
 Late answers: `request` waits at most its deadline, then returns ``"late"`` and leaves the request outstanding:
 an answer that arrives later is still handed to its callback, so an exchange the peer applied is applied here
@@ -86,8 +89,8 @@ class _Conn:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self.peer = sock, peer
         self.head, self.got = bytearray(wire.HEADER.size), 0
-        self.frame: tuple[int, int, int] | None = None
-        """(kind, seq, length) of the frame whose payload is being read."""
+        self.frame: tuple[int, int, int, int] | None = None
+        """(kind, seq, length, answered) of the frame whose payload is being read."""
         self.payload: torch.Tensor | None = None
         self.out: deque[memoryview] = deque()
         self.request: _Request | None = None
@@ -113,6 +116,10 @@ class PeerNode:
         self._incoming: list[_Conn] = []
         self._outgoing: dict[int, _Conn] = {}
         self._stale: set[int] = set()
+        self._answered: dict[int, int] = {}
+        """Per peer: seq of its last request this node answered (on its newest connection)."""
+        self._deferred: dict[int, tuple] = {}
+        """Per peer: its request held until this node's own request to it is settled."""
         self._closed = False
         self.listener = socket.create_server((host or _listen_address(), 0), backlog=64)
         self.listener.settimeout(0.5)
@@ -173,6 +180,7 @@ class PeerNode:
                 sock.close()
                 continue
             self._incoming.append(_Conn(sock, peer))
+            self._answered[peer] = 0  # its seqs start again on a new connection
             self.stats.accepted += 1  # counted here, in the thread that counts every other byte
             self.stats.bytes_sent += _DIALER_GETS
             self.stats.bytes_received += _DIALER_SENDS
@@ -181,7 +189,9 @@ class PeerNode:
         poller.register(self._wake_r, select.POLLIN)
         for fd, conn in conns.items():
             poller.register(fd, select.POLLIN | (select.POLLOUT if conn.out else 0))
-        for fd, events in poller.poll(math.ceil(max(timeout_s, 0.0) * 1000)):
+        ready = poller.poll(math.ceil(max(timeout_s, 0.0) * 1000))
+        # Answers before requests: a reply already here changes this node's values before it serves anyone.
+        for fd, events in sorted(ready, key=lambda e: e[0] not in conns or conns[e[0]].request is None):
             if fd == self._wake_r.fileno():
                 with contextlib.suppress(OSError):
                     self._wake_r.recv(4096)
@@ -222,7 +232,7 @@ class PeerNode:
             frame, payload = conn.frame, conn.payload
             conn.frame, conn.payload = None, None
             assert frame is not None
-            self._dispatch(conn, frame[0], frame[1], payload)
+            self._dispatch(conn, frame, payload)
 
     def _parse(self, conn: _Conn) -> bool:
         """Check a complete header; start reading its payload. False (and the connection closed) if refused."""
@@ -240,22 +250,18 @@ class PeerNode:
         conn.payload = torch.empty(length, dtype=torch.uint8) if length else None
         return True
 
-    def _dispatch(self, conn: _Conn, kind: int, seq: int, payload: torch.Tensor | None) -> None:
+    def _dispatch(self, conn: _Conn, frame: tuple[int, int, int, int], payload: torch.Tensor | None) -> None:
+        kind, seq, _, answered = frame
         if kind in wire.REQUESTS:
             mine = self._outgoing.get(conn.peer)
-            crossing = kind == wire.EXCHANGE and mine is not None and mine.request is not None
-            values = None if crossing and self.rank < conn.peer else self._serve(kind, conn.peer, payload)
-            if values is None:
-                self.stats.refused += 1
-                self._send(conn, wire.BUSY, seq, None)
-            else:
-                if values.dtype != torch.uint8 or values.numel() != self.payload_bytes:
-                    raise ValueError(
-                        f"rank {self.rank}: gossip serve() answered {values.numel()} {values.dtype} values, "
-                        f"{self.payload_bytes} uint8 expected"
-                    )
-                self.stats.served += 1
-                self._send(conn, wire.REPLY, seq, values)
+            if mine is not None and kind == wire.EXCHANGE:
+                if answered < mine.seq and self.rank < conn.peer:  # it crossed our latest: the higher rank
+                    self._answer(conn, seq, None)  # serves that one, so this one is refused
+                    return
+                if answered >= mine.seq and mine.request is not None:  # it answered ours, the answer is on
+                    self._deferred[conn.peer] = (conn, frame, payload)  # its way: apply that first
+                    return
+            self._answer(conn, seq, self._serve(kind, conn.peer, payload))
             return
         request = conn.request
         assert request is not None
@@ -263,18 +269,40 @@ class PeerNode:
         if kind == wire.BUSY:
             request.outcome = "busy"
             self.stats.busy += 1
-            return
-        assert payload is not None
-        request.on_reply(payload)
-        request.outcome = "done"
-        if request.late:
-            self.stats.late_applied += 1
         else:
-            self.stats.replies += 1
+            assert payload is not None
+            request.on_reply(payload)
+            request.outcome = "done"
+            if request.late:
+                self.stats.late_applied += 1
+            else:
+                self.stats.replies += 1
+        self._undefer(conn.peer)
+
+    def _undefer(self, peer: int) -> None:
+        """Serve the request of ``peer`` held back until this node's own request to it was settled."""
+        held = self._deferred.pop(peer, None)
+        if held is not None and not held[0].closed:
+            self._dispatch(*held)
+
+    def _answer(self, conn: _Conn, seq: int, values: torch.Tensor | None) -> None:
+        self._answered[conn.peer] = seq
+        if values is None:
+            self.stats.refused += 1
+            self._send(conn, wire.BUSY, seq, None)
+            return
+        if values.dtype != torch.uint8 or values.numel() != self.payload_bytes:
+            raise ValueError(
+                f"rank {self.rank}: gossip serve() answered {values.numel()} {values.dtype} values, "
+                f"{self.payload_bytes} uint8 expected"
+            )
+        self.stats.served += 1
+        self._send(conn, wire.REPLY, seq, values)
 
     def _send(self, conn: _Conn, kind: int, seq: int, values: torch.Tensor | None) -> None:
         length = 0 if values is None else values.numel()
-        conn.out.append(memoryview(wire.header(kind, self.rank, seq, self.layout, length)))
+        answered = self._answered.get(conn.peer, 0) if kind in wire.REQUESTS else 0
+        conn.out.append(memoryview(wire.header(kind, self.rank, seq, self.layout, length, answered)))
         if values is not None:
             conn.out.append(_bytes(values.contiguous()))
         self._flush(conn)
@@ -298,25 +326,32 @@ class PeerNode:
         conn.closed = True
         conn.sock.close()
         self.errors[conn.peer] = why
-        if self._outgoing.get(conn.peer) is conn:
-            del self._outgoing[conn.peer]
-            self._stale.add(conn.peer)
-        elif conn in self._incoming:
-            self._incoming.remove(conn)
         if conn.request is not None:
             conn.request.outcome = "lost"
             if conn.request.late:
                 self.stats.abandoned += 1
+            conn.request = None
+        if self._outgoing.get(conn.peer) is conn:
+            del self._outgoing[conn.peer]
+            self._stale.add(conn.peer)
+            self._undefer(conn.peer)  # no answer will come now: the held request is served as any other
+        elif conn in self._incoming:
+            self._incoming.remove(conn)
 
     # -- requesting -----------------------------------------------------------------------------------------
     def request(self, peer: int, kind: int, values: torch.Tensor | None, deadline_s: float,
                 on_reply: Callable[[torch.Tensor], None]) -> str:  # fmt: skip
         """Send ``peer`` one request (``EXCHANGE`` with ``values``, or ``COPY``) and wait for its answer, serving
-        others meanwhile, at most ``deadline_s``. Returns ``done`` (``on_reply`` got the peer's values), ``busy``,
+        others meanwhile, at most ``deadline_s``. Nothing is served before the request is sent, so ``values``
+        are still this node's when they leave. Returns ``done`` (``on_reply`` got the peer's values), ``busy``,
         ``late`` (no answer yet: ``on_reply`` runs in a later `pump` if it comes) or ``unreachable``."""
         deadline = time.monotonic() + deadline_s
-        self.pump(0.0)  # a peer that exited since the last request shows up as a closed connection now
         conn = self._outgoing.get(peer)
+        if conn is not None and conn.request is None and not _open(conn.sock):
+            self._lose(
+                conn, "the connection closed (did it exit?)"
+            )  # a peer that exited since the last request
+            conn = None
         if conn is not None and conn.request is not None:  # an earlier answer is still late: give it up
             self._lose(conn, f"no answer within {deadline_s} s and until the next request")
             return "late"
@@ -396,6 +431,16 @@ class PeerNode:
             self._arrived.popleft()[1].close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the peer has not closed ``sock`` (looked at without reading anything)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

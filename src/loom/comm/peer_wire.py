@@ -1,8 +1,8 @@
 """The frames of `loom.comm.peer`: a fixed header and raw bytes, checked before anything is allocated.
 
-Every frame is a `HEADER` (36 bytes, big-endian)::
+Every frame is a `HEADER` (44 bytes, big-endian)::
 
-    magic "LMGP" | version u8 | kind u8 | flags u16 | sender u32 | seq u64 | layout u64 | length u64
+    magic "LMGP" | version u8 | kind u8 | flags u16 | sender u32 | seq u64 | answered u64 | layout u64 | length u64
 
 followed by ``length`` raw bytes. Nothing else is decoded: a payload is the raw bytes of the values, whose size
 both ends know from the set-up (``payload_bytes``), so `read_header` refuses any other length, another
@@ -12,7 +12,10 @@ than the peer the connection authenticated, or an answer to no outstanding reque
 connection; the declared length is never used to allocate anything.
 
 Kinds: ``EXCHANGE`` carries the sender's values and is answered with ``REPLY`` (the receiver's values) or
-``BUSY`` (a bare header); ``COPY`` carries nothing and is answered with ``REPLY``.
+``BUSY`` (a bare header); ``COPY`` carries nothing and is answered with ``REPLY``. A request's ``answered`` is the
+seq of the last request of the receiver's that the sender had answered when it sent it: it tells the receiver
+whether its own outstanding request crossed this one or was answered already (the answer is on its way on the
+other connection), see `loom.comm.peer`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, fields
 __all__ = ["BUSY", "COPY", "EXCHANGE", "HEADER", "MAGIC", "REPLY", "VERSION", "FrameRefused", "PeerStats",
            "header", "read_header"]  # fmt: skip
 
-HEADER = struct.Struct(">4sBBHIQQQ")
+HEADER = struct.Struct(">4sBBHIQQQQ")
 MAGIC, VERSION = b"LMGP", 1
 EXCHANGE, COPY, REPLY, BUSY = 1, 2, 3, 4
 REQUESTS, ANSWERS = frozenset({EXCHANGE, COPY}), frozenset({REPLY, BUSY})
@@ -33,17 +36,17 @@ class FrameRefused(ValueError):
     """A header that does not belong on its connection (the message says why)."""
 
 
-def header(kind: int, sender: int, seq: int, layout: int, length: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, 0, sender, seq, layout, length)
+def header(kind: int, sender: int, seq: int, layout: int, length: int, answered: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, 0, sender, seq, answered, layout, length)
 
 
 def read_header(
     head: bytes, *, peer: int, answers: bool, layout: int, payload_bytes: int, outstanding: int | None
-) -> tuple[int, int, int]:
-    """``(kind, seq, length)`` of a complete header received from ``peer`` on a connection that carries
+) -> tuple[int, int, int, int]:
+    """``(kind, seq, length, answered)`` of a complete header received from ``peer`` on a connection that carries
     answers (``answers``: this side dialed it, ``outstanding`` is the seq of its request in flight, or None) or
     requests; raises `FrameRefused` naming what is wrong."""
-    magic, version, kind, _, sender, seq, their_layout, length = HEADER.unpack(head)
+    magic, version, kind, _, sender, seq, answered, their_layout, length = HEADER.unpack(head)
     expected = payload_bytes if kind in (EXCHANGE, REPLY) else 0
     if magic != MAGIC or version != VERSION:
         raise FrameRefused("not a gossip frame")
@@ -55,7 +58,7 @@ def read_header(
         raise FrameRefused(f"a frame of {length} bytes where {expected} were expected")
     if answers and outstanding != seq:
         raise FrameRefused(f"an answer to request {seq}, which is not outstanding")
-    return kind, seq, length
+    return kind, seq, length, answered
 
 
 @dataclass

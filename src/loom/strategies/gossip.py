@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import math
 import time
 import warnings
@@ -66,7 +65,13 @@ from loom.observe.metrics import StepMetrics
 from loom.strategies._batch import batch_len, split_batch
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.data_parallel import default_metrics_path
-from loom.strategies.gossip_exchange import IdleServer, ParameterLayout, PeerChoice, average_into
+from loom.strategies.gossip_exchange import (
+    IdleServer,
+    ParameterLayout,
+    PeerChoice,
+    PeerDirectory,
+    average_into,
+)
 from loom.topology import Topology, current
 
 __all__ = ["Gossip", "GossipConfig", "GossipJob"]
@@ -168,8 +173,7 @@ class GossipJob(Job):
         self.metrics: StepMetrics = metrics
         self.step = 0
         """Optimizer steps this replica took."""
-        rank, world = self.topology.rank, self.topology.world_size
-        self.choice = PeerChoice(config.peers, rank, world, config.seed)
+        self.choice = PeerChoice(config.peers, self.topology.rank, self.topology.world_size, config.seed)
         self.attempts = 0
         """Exchanges this worker was due to make."""
         self.joined_from: int | None = None
@@ -177,17 +181,13 @@ class GossipJob(Job):
         self.distance: dict[int, float] = {}
         """L2 distance between this replica's and each peer's parameters at their last exchange."""
         self.node: PeerNode | None = None
+        self.directory: PeerDirectory | None = None
         self._passed_over: dict[int, int] = {}
-        self._addresses: dict[int, str] = {}
-        self._store: Any = None
         self._server: IdleServer | None = None
         self._closed = False
         self._recorded = (0, 0)
 
     # -- set-up ------------------------------------------------------------------------------------------------
-    def _key(self, what: str, rank: int) -> str:
-        return f"loom/gossip/{self.config.namespace}/{what}/{rank}"
-
     def _connect(self) -> None:
         topo, cfg = self.topology, self.config
         if not (dist.is_available() and dist.is_initialized()):
@@ -202,16 +202,15 @@ class GossipJob(Job):
                 "shorter than 32 hex digits. HINT: start the job with `loom run` (it generates one), or set the "
                 "same 64 hex digits (openssl rand -hex 32) on every node."
             )
-        self._store = dist.distributed_c10d._get_default_store()
-        joins = self._store.add(self._key("joins", topo.rank), 1)
+        self.directory = PeerDirectory(dist.distributed_c10d._get_default_store(), cfg.namespace, topo)
+        joins = self.directory.count_join()
         self.node = PeerNode(
             topo.rank, topo.world_size, secret, self.layout.nbytes, self.layout.fingerprint,
-            self._serve, self._address_of,
+            self._serve, self.directory.address_of,
         )  # fmt: skip
-        self._store.set(self._key("addr", topo.rank), self.node.address)
+        self.directory.publish(self.node.address)
         if joins == 1:
-            keys = [self._key("addr", r) for r in range(topo.world_size)]
-            self._store.wait(keys, datetime.timedelta(seconds=cfg.setup_timeout_s))
+            self.directory.wait_for_all(cfg.setup_timeout_s)
             if cfg.same_start:
                 with torch.no_grad():
                     for p in self.layout.params:
@@ -219,13 +218,6 @@ class GossipJob(Job):
         else:
             self._join()
         self._server = IdleServer(self.node, topo.rank)
-
-    def _address_of(self, peer: int, refresh: bool) -> str | None:
-        if refresh or peer not in self._addresses:
-            # A restarted peer listens on a new port; a store that is gone leaves the last address known.
-            with contextlib.suppress(RuntimeError, OSError, ValueError):
-                self._addresses[peer] = bytes(self._store.get(self._key("addr", peer))).decode()
-        return self._addresses.get(peer)
 
     def _join(self) -> None:
         """Copy the parameters of the first live peer in this worker's order of asking."""
@@ -368,10 +360,11 @@ class GossipJob(Job):
         return {name: float(sums[i] / sums[-1]) for i, name in enumerate(fns)}
 
     def state_dict(self) -> dict[str, Any]:
-        """This replica's model, optimizer, step and peer choice (tensors and numbers)."""
+        """This replica's model, optimizer, step and peer choice (tensors and numbers). The parameters are
+        copied: a peer's exchange may change them in place as soon as this returns."""
         with self.paused():
             return {
-                "model": self.module.state_dict(),
+                "model": {k: v.clone() for k, v in self.module.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(),
                 "step": self.step,
                 "gossip": {**self.choice.state_dict(), "attempts": self.attempts},

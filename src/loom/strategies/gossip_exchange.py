@@ -3,12 +3,14 @@
 `ParameterLayout` packs a model's floating-point parameters into the raw bytes `loom.comm.peer` carries;
 `average_into` is the pair exchange's arithmetic (its symmetry and conservation are argued in
 `loom.strategies.gossip`); `PeerChoice` is the sequence of peers, ring, exponential graph or uniform random;
-`IdleServer` answers peers from a thread while the training thread is elsewhere.
+`IdleServer` answers peers from a thread while the training thread is elsewhere; `PeerDirectory` finds the
+peers' listeners through the job's store.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import math
 import threading
@@ -20,8 +22,9 @@ from torch import nn
 
 from loom.comm.peer import PeerNode
 from loom.fault.desync import gradients_finite
+from loom.topology import Topology
 
-__all__ = ["IdleServer", "ParameterLayout", "PeerChoice", "average_into"]
+__all__ = ["IdleServer", "ParameterLayout", "PeerChoice", "PeerDirectory", "average_into"]
 
 
 class PeerChoice:
@@ -150,3 +153,45 @@ class IdleServer:
         self._idle.set()
         self.node.wake()
         self._thread.join(timeout=5.0)
+
+
+class PeerDirectory:
+    """Where each worker's listener is, kept in the job's store (the c10d store the process group met in):
+    published once at set-up, read again for a peer that became unreachable, since a restarted worker listens
+    on a new port. A count of set-ups per rank tells a worker that joins a running job from a fresh start."""
+
+    def __init__(self, store: Any, namespace: str, topology: Topology) -> None:
+        self.store, self.topology = store, topology
+        self.prefix = f"loom/gossip/{namespace}/"
+        self.addresses: dict[int, str] = {}
+
+    def count_join(self) -> int:
+        """1 the first time this rank sets up under this name, 2 and more when it rejoins."""
+        return int(self.store.add(f"{self.prefix}joins/{self.topology.rank}", 1))
+
+    def publish(self, address: str) -> None:
+        self.store.set(f"{self.prefix}addr/{self.topology.rank}", address)
+
+    def wait_for_all(self, timeout_s: float) -> None:
+        """Wait until every rank has published (set-up only); the error names the ranks missing."""
+        keys = [f"{self.prefix}addr/{r}" for r in range(self.topology.world_size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except (
+            RuntimeError,
+            OSError,
+        ) as error:  # torch's DistStoreError and loom's StoreUnreachable included
+            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            raise RuntimeError(
+                f"rank {self.topology.rank}: gossip set-up: rank(s) {missing} did not publish their address within "
+                f"{timeout_s} s. HINT: every worker must call Gossip(...).setup(); the log of those ranks says "
+                "why they did not (raise setup_timeout_s if they are only slow)."
+            ) from error
+
+    def address_of(self, peer: int, refresh: bool) -> str | None:
+        """``HOST:PORT`` of ``peer``'s listener; ``refresh`` reads it again (a store that is gone leaves the
+        last address known)."""
+        if refresh or peer not in self.addresses:
+            with contextlib.suppress(RuntimeError, OSError, ValueError):
+                self.addresses[peer] = bytes(self.store.get(f"{self.prefix}addr/{peer}")).decode()
+        return self.addresses.get(peer)
