@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -112,10 +113,12 @@ def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_
     cfg = {"strategy": "dp", "steps": 8, "global_batch": 10, "checkpoint_dir": str(ckpt), "every": 2,
            "kill_step": 5}  # fmt: skip
     run_dir = tmp_path / "run"  # copied from the ranks, as from other nodes
+    private = set(Path(tempfile.gettempdir()).glob("loom-ray-rank*"))
     results = loom.ray.run(train, 2, args=(cfg,), max_failures=1, run_dir=run_dir, copy_run_dir=True)
     err = capsys.readouterr().err
     assert "rank1: its Ray actor" in err and "died" in err, err[-3000:]
     assert "replacing the worker group (restart 1 of 1)" in err
+    assert set(Path(tempfile.gettempdir()).glob("loom-ray-rank*")) == private  # the dead actor's one too
     assert [(r["rank"], r["attempt"], r["resumed_from"], r["steps"]) for r in results] == [
         (0, 1, 4, 8),
         (1, 1, 4, 8),
@@ -157,20 +160,20 @@ def test_nothing_is_left_after_ray_shuts_down(ray_instance):
 def test_copied_records_of_a_replaced_rank_follow_those_of_the_lost_one(tmp_path):
     """What the driver writes for files copied from other nodes: step records and logs are continued by the
     next incarnation of a rank, other files replaced; nothing lands outside the run directory."""
-    from loom.ray.backend import _write_chunk
+    from loom.ray.output import write_chunk
 
     first: dict[str, int] = {}
-    _write_chunk(tmp_path, first, "metrics/rank1.jsonl", 0, b'{"step": 1}\n')
-    _write_chunk(tmp_path, first, "metrics/rank1.jsonl", 12, b'{"step": 2}\n')
-    _write_chunk(tmp_path, first, "result.json", 0, b"old result")
+    write_chunk(tmp_path, first, "metrics/rank1.jsonl", 0, b'{"step": 1}\n')
+    write_chunk(tmp_path, first, "metrics/rank1.jsonl", 12, b'{"step": 2}\n')
+    write_chunk(tmp_path, first, "result.json", 0, b"old result")
     second: dict[str, int] = {}  # the replacement rank's copies start at offset 0 again
-    _write_chunk(tmp_path, second, "metrics/rank1.jsonl", 0, b'{"step": 3}\n')
-    _write_chunk(tmp_path, second, "result.json", 0, b"new")
+    write_chunk(tmp_path, second, "metrics/rank1.jsonl", 0, b'{"step": 3}\n')
+    write_chunk(tmp_path, second, "result.json", 0, b"new")
     assert (tmp_path / "metrics/rank1.jsonl").read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 3}\n'
     assert (tmp_path / "result.json").read_bytes() == b"new"
     for bad in ("../escape.log", "/etc/passwd", ""):
         with pytest.raises(ValueError, match="outside the run directory"):
-            _write_chunk(tmp_path / "run", {}, bad, 0, b"x")
+            write_chunk(tmp_path / "run", {}, bad, 0, b"x")
 
 
 @pytest.mark.timeout(10)
@@ -191,7 +194,7 @@ def test_local_launcher_options_are_refused_with_the_ray_backend(tmp_path, capsy
 
 @pytest.mark.timeout(10)
 def test_rank_layout_keeps_a_nodes_ranks_together_and_shares_its_gpus():
-    from loom.ray.backend import rank_layout
+    from loom.ray.layout import rank_layout
 
     wheres = [{"node_id": "a", "gpus": ["3"]}, {"node_id": "b", "gpus": ["0"]}, {"node_id": "a", "gpus": ["1"]},
               {"node_id": "b", "gpus": ["1"]}, {"node_id": "a", "gpus": ["0"]}]  # fmt: skip

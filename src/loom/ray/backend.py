@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
 import sys
 import time
 import uuid
@@ -42,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from loom.ray import RayJobFailed
+from loom.ray.layout import rank_layout
+from loom.ray.output import describe_exit, prefix_print, write_chunk
 
-__all__ = ["WorkerSpec", "rank_layout", "run_job"]
+__all__ = ["WorkerSpec", "run_job"]
 
 _FORWARDED = ("LOOM_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "PYTHONPATH")
 """The driver's variables every process gets, as `loom run`'s workers inherit the launcher's environment."""
@@ -70,86 +71,13 @@ class _Rank:
     visible_gpus: str | None = None
     """CUDA_VISIBLE_DEVICES for the rank: every GPU Ray gave the workers of its node (see `rank_layout`)."""
     bases: dict[str, int] = field(default_factory=dict)
-    """Where this process's copied files start in the run directory's (see `_write_chunk`)."""
+    """Where this process's copied files start in the run directory's (see `loom.ray.output.write_chunk`)."""
 
 
 @dataclass
 class _Attempt:
     failure: str | None = None
     results: dict[int, bytes | None] = field(default_factory=dict)
-
-
-def _gpu_key(gpu: str) -> tuple[int, str]:
-    return (int(gpu), "") if gpu.isdigit() else (1 << 30, gpu)
-
-
-def rank_layout(wheres: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ranks for the actors whose `RankHost.where` reports are ``wheres`` (by bundle), in rank order.
-
-    The ranks of one node are consecutive (nodes in the order their first bundle comes), so LOCAL_RANK and
-    LOCAL_WORLD_SIZE mean what they mean under `loom run`. With GPUs, Ray shows each actor only its own
-    (CUDA_VISIBLE_DEVICES), but ``loom.init()`` picks ``cuda:LOCAL_RANK``: so every rank of a node sees all the
-    node's workers' GPUs, in id order, and the local ranks follow that order too -- with one GPU per worker,
-    rank ``cuda:LOCAL_RANK`` is the GPU Ray reserved for it (Ray Train shares them the same way)."""
-    nodes: list[str] = []
-    for where in wheres:
-        if where["node_id"] not in nodes:
-            nodes.append(where["node_id"])
-
-    def order(bundle: int) -> tuple:
-        gpus = sorted(map(str, wheres[bundle].get("gpus") or []), key=_gpu_key)
-        return (nodes.index(wheres[bundle]["node_id"]), _gpu_key(gpus[0]) if gpus else (0, ""), bundle)
-
-    layout = []
-    for bundle in sorted(range(len(wheres)), key=order):
-        node = wheres[bundle]["node_id"]
-        same = [b for b in sorted(range(len(wheres)), key=order) if wheres[b]["node_id"] == node]
-        gpus = sorted({str(g) for b in same for g in wheres[b].get("gpus") or []}, key=_gpu_key)
-        layout.append({"bundle": bundle, "local_rank": same.index(bundle), "local_size": len(same),
-                       "node_index": nodes.index(node), "visible_gpus": ",".join(gpus) or None})  # fmt: skip
-    return layout
-
-
-def _prefix_print(name: str, lines: list[tuple[str, str]], dropped: int) -> None:
-    for stream, text in lines:
-        out = sys.stderr if stream == "stderr" else sys.stdout
-        out.write(f"[{name}]: {text}\n")
-    if dropped:
-        sys.stderr.write(f"[{name}]: ({dropped} lines not shown; they are in its log)\n")
-    sys.stdout.flush()
-    sys.stderr.flush()
-
-
-_APPENDED = (".jsonl", ".log")
-"""Copied files that continue the run directory's copy (step records, logs) rather than replace it: the records
-of a replaced rank follow those of the one it replaces, as in a directory both write into."""
-
-
-def _write_chunk(run_dir: Path, bases: dict[str, int], rel: str, offset: int, data: bytes) -> None:
-    """Write a copied file's bytes into ``run_dir/rel`` (refusing paths that leave it); ``bases``: where this
-    process's copy of each appended file starts in the run directory's."""
-    parts = Path(rel).parts
-    if not parts or Path(rel).is_absolute() or ".." in parts:
-        raise ValueError(f"a rank sent a file outside the run directory: {rel!r}")
-    path = run_dir.joinpath(*parts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if rel not in bases:
-        bases[rel] = path.stat().st_size if rel.endswith(_APPENDED) and path.exists() else 0
-    start = bases[rel] + offset
-    with open(path, "r+b" if path.exists() and start else "wb") as f:
-        f.seek(start)
-        f.write(data)
-        f.truncate()
-
-
-def _describe(name: str, report: dict[str, Any]) -> str:
-    code = report["exit"]
-    if code < 0:
-        try:
-            return f"{name} was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"{name} was killed by signal {-code}"
-    return f"{name} failed (exit code {code}): {report['error'] or 'exited without a Python exception'}"
 
 
 class _Job:
@@ -170,6 +98,8 @@ class _Job:
         self.host_class = ray.remote(max_restarts=0)(_rank_host_class())
         self.servers: list[_Rank] = []
         self.server_addresses: list[str] = []
+        self.staged: list[tuple[str, str]] = []
+        """(node, private directory) of every process that wrote into one (removed at the end: see `close`)."""
         bundles = [dict(config.resources_per_worker) for _ in range(config.num_workers)]
         self.group = placement_group(bundles, strategy=config.placement_strategy)
 
@@ -248,6 +178,10 @@ class _Job:
         cwd = self.config.working_dir or os.getcwd()
         return r.actor.start.remote(argv, env, cwd, run_dir, log_name, payload)
 
+    def _started(self, procs: list[_Rank], starts: list[Any]) -> None:
+        staged = self.ray.get(starts, timeout=self.config.start_timeout_s)
+        self.staged += [(p.where["node_id"], d) for p, d in zip(procs, staged, strict=True) if d is not None]
+
     # -- parameter servers ------------------------------------------------------------------------------------
     def start_servers(self) -> None:
         count = self.config.servers
@@ -265,7 +199,7 @@ class _Job:
                     "--num-servers", str(count), "--bind", self.server_addresses[i]]  # fmt: skip
             starts.append(self._start(server, argv, self._base_env(where), f"server{i}", None))
             self.servers.append(server)
-        self.ray.get(starts, timeout=self.config.start_timeout_s)
+        self._started(self.servers, starts)
 
     # -- one attempt ------------------------------------------------------------------------------------------
     def attempt(self, attempt: int) -> _Attempt:
@@ -279,7 +213,7 @@ class _Job:
                             f"attempt_{attempt}/rank{i}", self.work.payload)
                 for i, r in enumerate(ranks)
             ]  # fmt: skip
-            self.ray.get(starts, timeout=self.config.start_timeout_s)
+            self._started(ranks, starts)
             outcome.failure = self._watch(ranks)
             outcome.results = {i: r.result for i, r in enumerate(ranks)}
         finally:
@@ -303,11 +237,11 @@ class _Job:
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 failures.append((0, f"{proc.name}: its Ray actor on {proc.where['host']} {what} ({reason})"))
                 continue
-            _prefix_print(proc.name, report["lines"], report["dropped"])
+            prefix_print(proc.name, report["lines"], report["dropped"])
             for rel, offset, data in report["files"]:
-                _write_chunk(self.run_dir, proc.bases, rel, offset, data)
+                write_chunk(self.run_dir, proc.bases, rel, offset, data)
             if report["exit"] not in (None, 0):
-                failures.append((1 if report["exit"] < 0 else 2, _describe(proc.name, report)))
+                failures.append((1 if report["exit"] < 0 else 2, describe_exit(proc.name, report)))
             if report["done"]:
                 proc.done, proc.result = True, report.get("result")
         if not stopping and any(f[1].startswith("server") for f in failures):
@@ -352,10 +286,35 @@ class _Job:
         finally:
             remove_placement_group(self.group)
             self.store.close()
+            self._remove_private_directories()
             if self.config.trace_steps:
                 from loom.observe.trace import merge_traces
 
                 merge_traces(self.run_dir)
+
+    def _remove_private_directories(self) -> None:
+        """A process's actor removes its private directory once copied; one whose actor died cannot, so a task
+        on each node removes what is left there (a node that is gone took its directories with it)."""
+        from ray.exceptions import RayError
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from loom.ray.rank_host import remove_directories
+
+        by_node: dict[str, list[str]] = {}
+        for node, path in self.staged:
+            by_node.setdefault(node, []).append(path)
+        if by_node.pop(self.node_id, None) is not None:
+            remove_directories([path for node, path in self.staged if node == self.node_id])
+        task = self.ray.remote(num_cpus=0, max_retries=0)(remove_directories)
+        refs = [
+            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(paths)
+            for node, paths in by_node.items()
+        ]
+        if refs:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.config.grace_s + 10)
+            for ref in ready:
+                with contextlib.suppress(RayError):
+                    self.ray.get(ref)
 
 
 def _rank_host_class():

@@ -34,7 +34,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["FILE_BYTES_PER_POLL", "LINE_CHARS", "RankHost", "ship_by_value"]
+__all__ = ["FILE_BYTES_PER_POLL", "LINE_CHARS", "RankHost", "remove_directories", "ship_by_value"]
 
 FILE_BYTES_PER_POLL = 8 << 20
 """Most file bytes one poll returns (the rest comes with the next polls)."""
@@ -50,6 +50,12 @@ def ship_by_value() -> None:
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def remove_directories(paths: list[str]) -> None:
+    """Remove the private directories of processes whose actors died (a Ray task on their node)."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class RankHost:
@@ -97,15 +103,16 @@ class RankHost:
         run_dir: str | None,
         log_name: str,
         payload: bytes | None = None,
-    ) -> int:
+    ) -> str | None:
         """Start ``python ARGV`` in ``cwd`` with ``env`` added to this actor's environment; returns its pid.
 
         ``run_dir``: the job's run directory, when this node writes into it directly; None: write into a private
-        directory here, which `poll` copies out. ``log_name``: the output goes to ``logs/LOG_NAME.stdout.log``
+        directory here (in the temporary directory), which `poll` copies out. ``log_name``: the output goes to ``logs/LOG_NAME.stdout.log``
         and ``.stderr.log`` there. ``payload`` (a function to run, see `loom.ray.function`) is written to the
-        process's stdin."""
+        process's stdin. Returns the private directory, if any (the driver removes it should this actor die)."""
         if self.proc is not None:
             raise RuntimeError(f"{self.name}: a process was started already (pid {self.proc.pid})")
+        self.name = Path(log_name).name  # the rank (or server) it now is
         if not Path(cwd).is_dir():
             raise FileNotFoundError(
                 f"{self.name}: the working directory {cwd!r} does not exist on node {socket.gethostname()}. "
@@ -142,7 +149,7 @@ class RankHost:
             self.result = bytearray()
             self._thread(self._feed, self.proc.stdin, payload)
             self._thread(self._collect_result, result_r)
-        return self.proc.pid
+        return str(self.sync_root) if self.sync_root is not None else None
 
     def _thread(self, target, *args) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)
