@@ -63,9 +63,7 @@ class Server:
         return self.process.models["m"]
 
     def close(self) -> None:
-        self.process.socket.close()
-        self.process.monitor.close()
-        self.process.context.term()
+        self.process.close()
 
 
 class _Part:

@@ -4,11 +4,13 @@ Two servers (payload limit 1 MiB, a checkpoint directory) serve the whole module
 test process (one worker), so only the servers are separate processes.
 """
 
+import contextlib
 import hashlib
 import hmac
 import itertools
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
 
 import loom
 from loom.ps.client import PSClient
+from loom.ps.gate import secure_client
 from loom.ps.wire import HEADER, MessageType, decode, encode, secret_from_hex
 from loom.strategies.parameter_server import ParameterServer
 from loom.topology import Topology
@@ -45,9 +48,12 @@ def stats(servers, index: int = 0) -> dict:
         client.close()
 
 
-def dealer(address: str) -> zmq.Socket:
+def dealer(address: str, secret: bytes | None) -> zmq.Socket:
+    """A raw ZeroMQ client; it presents the connection token of ``secret`` (None: it presents none)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if secret is not None:
+        secure_client(sock, secret)
     sock.connect(f"tcp://{address}")
     return sock
 
@@ -61,13 +67,16 @@ def test_attacks_are_dropped_counted_and_survived(servers):
     secret = secret_from_hex(servers.secret)
     address = servers.addresses[0]
     stats(servers)  # the server is up
-    # 1. a client without the secret gets no answer at all
+    # 1. a client without the secret gets no answer at all: its connection is refused at the handshake
     stranger = PSClient([address], os.urandom(32))
     with pytest.raises(TimeoutError, match="did not answer HELLO"):
         stranger.hello(timeout_s=1.0)
     stranger.close()
+    # ... and a client with the connection token but frames signed with another key is dropped frame by frame
+    sock = dealer(address, secret)
+    sock.send(encode(os.urandom(32), MessageType.HELLO, epoch=0, session=98, seq=1))
+    assert answered(sock) is None
     # 2. replays: a valid frame sent twice, and again on a new connection, is answered once
-    sock = dealer(address)
     sock.send(encode(secret, MessageType.HELLO, epoch=0, session=99, seq=1))
     epoch = decode(secret, answered(sock, 10_000)).epoch
     request = encode(secret, MessageType.STATS, epoch=epoch, session=99, seq=2)
@@ -75,7 +84,7 @@ def test_attacks_are_dropped_counted_and_survived(servers):
     assert answered(sock, 10_000) is not None
     sock.send(request)
     assert answered(sock) is None
-    other = dealer(address)
+    other = dealer(address, secret)
     other.send(request)
     other.send(encode(secret, MessageType.STATS, epoch=epoch + 1, session=99, seq=3))  # wrong epoch
     assert answered(other) is None
@@ -85,7 +94,7 @@ def test_attacks_are_dropped_counted_and_survived(servers):
     sock.send(HEADER.pack(*fields) + request[HEADER.size :])
     fields[-1] = 1000
     sock.send(HEADER.pack(*fields) + request[HEADER.size :])
-    big = dealer(address)
+    big = dealer(address, secret)
     big.send(b"\0" * (3 << 20))  # over ZeroMQ's maxmsgsize: the connection is dropped before a byte is kept
     # 4. random bytes, as ZeroMQ messages and as raw TCP
     for n in (0, 7, 200, 5000):
@@ -98,6 +107,7 @@ def test_attacks_are_dropped_counted_and_survived(servers):
     # the server is alive, answers a real client, counted every reason, and allocated nothing large
     dropped = stats(servers)["wire"]["dropped"]
     for reason, least in (
+        ("bad_handshake", 1),
         ("bad_mac", 1),
         ("replay", 2),
         ("stale_epoch", 1),
@@ -211,3 +221,46 @@ def test_restarted_server_resumes_from_its_checkpoint(servers):
 def test_hmac_is_what_the_wire_says():
     data = encode(b"k" * 32, MessageType.BYE, epoch=1, session=2, seq=3)
     assert data[-32:] == hmac.new(b"k" * 32, data[:-32], hashlib.sha256).digest()
+
+
+def _rss_kb(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line for line in status if line.startswith("VmRSS")).split()[1])
+
+
+def _flood(port: int, mechanism: bytes, megabytes: int) -> None:
+    """A ZeroMQ greeting (NULL or PLAIN, no valid token), then a frame declaring ``megabytes`` MiB, all sent."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        raw.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + b"\0" * 32)
+        if mechanism == b"NULL":  # NULL needs only a READY command to get past its handshake
+            body = b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+            raw.sendall(bytes([0x04, len(body)]) + body)
+        raw.sendall(b"\x02" + (megabytes << 20).to_bytes(8, "big"))
+        chunk = b"\0" * (1 << 20)
+        for _ in range(megabytes):
+            raw.sendall(chunk)
+
+
+@pytest.mark.timeout(120)
+def test_partial_frames_from_clients_without_the_token_are_not_buffered(servers):
+    """20 connections, each sending a 200 MiB frame after a NULL or PLAIN greeting: before connections were
+    authenticated, ZeroMQ buffered each frame whole (2.2 GB for 20 such frames, measured on a bare ROUTER)."""
+    pid, port = servers.procs[0].pid, int(servers.addresses[0].rsplit(":", 1)[1])
+    stats(servers)
+    idle = _rss_kb(pid)
+    threads = [
+        threading.Thread(target=_flood, args=(port, b"NULL" if i % 2 else b"PLAIN", 200), daemon=True)
+        for i in range(20)
+    ]
+    for t in threads:
+        t.start()
+    peak = idle
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, _rss_kb(pid))
+        time.sleep(0.02)
+    peak = max(peak, _rss_kb(pid))
+    print(
+        f"server RSS idle {idle / 1024:.0f} MiB, peak under 20 x 200 MiB partial frames {peak / 1024:.0f} MiB"
+    )
+    assert peak < 2 * idle, (idle, peak)
+    assert stats(servers)["wire"]["dropped"].get("bad_handshake", 0) >= 1  # still serving, refusals counted

@@ -243,6 +243,4 @@ def test_a_restarted_worker_drops_its_parked_sync_push():
         # 1 + 3: the workers scale their gradients to the global batch before pushing.
         assert torch.equal(server.models["m"].params[0].detach(), torch.full((2,), -4.0))
     finally:
-        server.socket.close()
-        server.monitor.close()
-        server.context.term()
+        server.close()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import zmq
 
+from loom.ps.gate import join_parts, secure_client, split_frame
 from loom.ps.wire import Frame, FrameDropped, MessageType, WireLimits, decode, encode
 
 __all__ = ["ServerLink", "PSClient"]
@@ -34,7 +35,7 @@ class ServerLink:
         self.limits = limits
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, limits.max_frame)
+        secure_client(self.socket, secret)
         self.socket.connect(f"tcp://{address}")
         self.session = int.from_bytes(os.urandom(8), "little") | 1
         self.seq = 0
@@ -49,7 +50,10 @@ class ServerLink:
         data = encode(
             self.secret, kind, epoch=epoch, session=self.session, seq=self.seq, meta=meta, tensors=tensors
         )
-        self.socket.send(data, copy=False)
+        try:  # a connection refused at its handshake (a wrong job secret) has no pipe: sending would block
+            self.socket.send_multipart(split_frame(data), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return self.seq  # not sent: the request is resent after its attempt window, then given up on
         self.bytes_sent += len(data)
         return self.seq
 
@@ -57,12 +61,16 @@ class ServerLink:
         """A reply to one of the requests ``seqs`` (sends of one request) if waiting; others are dropped."""
         while True:
             try:
-                data = self.socket.recv(zmq.NOBLOCK, copy=False)
+                parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
-            self.bytes_received += len(data.buffer)
+            data = join_parts(parts, self.limits.max_frame)
+            if data is None:
+                self.dropped += 1
+                continue
+            self.bytes_received += data.nbytes
             try:
-                frame = decode(self.secret, data.buffer, self.limits)
+                frame = decode(self.secret, data, self.limits)
             except FrameDropped:
                 self.dropped += 1
                 continue

@@ -33,6 +33,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from loom.ps.gate import join_parts, secure_server, split_frame
 from loom.ps.plan import Piece
 from loom.ps.shard import ModelShard, ShardSettings
 from loom.ps.wire import (
@@ -107,9 +108,11 @@ class ParameterServerProcess:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, config.limits.max_frame)
+        self.gate = secure_server(self.context, self.socket, secret)
         self.monitor = self.socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
         self.socket.bind(f"tcp://{config.bind}")
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
@@ -162,17 +165,23 @@ class ParameterServerProcess:
         finally:
             if self.models:
                 self.checkpoint()
-            self.socket.disable_monitor()
-            self.monitor.close(0)
-            self.socket.close(0)
-            self.context.term()
+            self.close()
+
+    def close(self) -> None:
+        """Close the sockets, stop the connection gate's thread and end the ZeroMQ context."""
+        self.socket.disable_monitor()
+        self.monitor.close(0)
+        self.socket.close(0)
+        self.gate.stop()
+        self.context.term()
 
     # -- one message ------------------------------------------------------------------------------------------
     def handle(self, parts: list) -> None:
-        if len(parts) != 2:
+        data = join_parts(parts[1:], self.config.limits.max_frame) if len(parts) >= 2 else None
+        if data is None:
             self.counters.drop("malformed")
             return
-        identity, data = parts[0].bytes, parts[1].buffer
+        identity = parts[0].bytes
         try:
             frame = decode(self.secret, data, self.config.limits)
             self.sessions.admit(frame)
@@ -209,12 +218,12 @@ class ParameterServerProcess:
         data = encode(self.secret, MessageType.REPLY, epoch=self.epoch, session=frame.session, seq=frame.seq,
                       meta=meta, tensors=tensors)  # fmt: skip
         self.counters.bytes_out += len(data)
-        self.socket.send_multipart([identity, data], copy=False)
+        self.socket.send_multipart([identity, *split_frame(data)], copy=False)
 
     def _error(self, identity: bytes, frame: Frame, message: str) -> None:
         data = encode(self.secret, MessageType.ERROR, epoch=self.epoch, session=frame.session, seq=frame.seq,
                       meta={"error": f"parameter server {self.config.index}: {message}"})  # fmt: skip
-        self.socket.send_multipart([identity, data], copy=False)
+        self.socket.send_multipart([identity, *split_frame(data)], copy=False)
 
     def _model(self, frame: Frame) -> tuple[str, ModelShard, int]:
         name = frame.meta.get("ns")
