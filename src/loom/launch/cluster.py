@@ -17,8 +17,9 @@ hosts the rendezvous store on ``address:master_port``; each node's ``--local-add
 host starts one ``loom.ps.server`` per port, bound to its address, numbered across server hosts in listed order;
 the workers learn them from ``LOOM_PS_ADDRS``. A server host is not a node of the rendezvous: it proves the job
 secret to node 0's store (so it waits for the job to start, at most ``--join-timeout``) and stops its servers
-(SIGTERM: they checkpoint) once that store has gone, which is when node 0's launcher has ended. Its exit status
-is 0 then; it cannot tell whether the workers succeeded (their hosts' exit statuses say so).
+(SIGTERM: they checkpoint) once that store has gone (it closes or refuses the connection; one that is only slow
+gets 30 s to answer), which is when node 0's launcher has ended. Its exit status is 0 then; it cannot tell
+whether the workers succeeded (their hosts' exit statuses say so).
 
 A spec with more than one host needs ``LOOM_JOB_SECRET``, the same on every host. A malformed spec fails before
 anything starts, naming the field (``hosts[2].nproc``) and the fix; the file is read up to `MAX_SPEC_BYTES`, and
@@ -284,7 +285,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) 
             threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{i}]: "), daemon=True).start()
         secret = job_secret()
         first = LoomStore(
-            master_host, master_port, secret, connect_timeout_s=join_timeout_s, io_timeout_s=10.0
+            master_host, master_port, secret, connect_timeout_s=join_timeout_s, io_timeout_s=30.0
         )
         try:
             first.ping()
@@ -296,7 +297,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) 
         finally:
             first.close()
         print(f"loom run: servers {[a for _, a in mine]} joined the job at {spec.master}", file=sys.stderr)
-        watch = LoomStore(master_host, master_port, secret, connect_timeout_s=2.0, io_timeout_s=5.0)
+        watch = LoomStore(master_host, master_port, secret, connect_timeout_s=2.0, io_timeout_s=30.0)
         while True:
             time.sleep(_STORE_POLL_S)
             dead = [(i, p.returncode) for (i, _), p in zip(mine, procs, strict=True) if p.poll() is not None]
