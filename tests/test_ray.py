@@ -94,12 +94,13 @@ def test_two_ray_workers_equal_one_process(script_job, run):
 
 @pytest.mark.timeout(120)
 def test_the_run_directory_has_loom_runs_layout(script_job):
-    """Step records that `loom report` reads, and every process's log (the server's included)."""
-    from loom.observe.report import load_records
+    """Step records that `loom report` reads (it does), and every process's log (the server's included)."""
+    from loom.observe.report import load_records, write_report
 
     run_dir, _ = script_job
     records = load_records(run_dir)
     assert sorted(records) == [0, 1] and [r["step"] for r in records[0]] == [1, 2, 3, 4]
+    assert write_report(run_dir).is_file()  # what `loom report RUN_DIR` writes
     for rank in range(2):
         assert "finished 4 ps steps" in (run_dir / f"logs/attempt_0/rank{rank}.stdout.log").read_text()
     assert (run_dir / "logs/server0.stderr.log").exists()
@@ -118,6 +119,7 @@ def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_
     err = capsys.readouterr().err
     assert "rank1: its Ray actor" in err and "died" in err, err[-3000:]
     assert "replacing the worker group (restart 1 of 1)" in err
+    assert "finished on Ray in" in err and "2 worker(s), 1 restart(s)" in err
     assert set(Path(tempfile.gettempdir()).glob("loom-ray-rank*")) == private  # the dead actor's one too
     assert [(r["rank"], r["attempt"], r["resumed_from"], r["steps"]) for r in results] == [
         (0, 1, 4, 8),

@@ -8,7 +8,8 @@ One attempt of the job:
    and LOCAL_WORLD_SIZE mean what they mean under `loom run`.
 2. Each actor starts its rank's process with what `loom run` gives a worker (RANK, WORLD_SIZE, LOCAL_RANK,
    LOCAL_WORLD_SIZE, the TORCHELASTIC_* variables, MASTER_ADDR/MASTER_PORT, LOOM_JOB_SECRET, LOOM_RUN_DIR,
-   GLOO_SOCKET_IFNAME: the interface that holds the node's Ray address, see `loom.ray.rank_main`). ``loom.init()`` then joins loom's
+   GLOO_SOCKET_IFNAME: the interface that holds the node's Ray address, set in `loom.ray.rank_main`), and the
+   driver's LOOM_*, GLOO_*, NCCL_*, TORCH_*, OMP_*, MKL_* and PYTHONPATH. ``loom.init()`` then joins loom's
    authenticated store (`loom.launch.store`), hosted here in the driver for the whole job and reached at the
    driver's Ray address, under a fresh key prefix per attempt.
 3. The driver polls every actor, prints each output line prefixed with its rank, writes the copied files into
@@ -290,7 +291,13 @@ class _Job:
             if self.config.trace_steps:
                 from loom.observe.trace import merge_traces
 
-                merge_traces(self.run_dir)
+                try:
+                    merged = merge_traces(self.run_dir)
+                except (OSError, ValueError) as error:
+                    print(f"loom: could not merge the trace files: {error}", file=sys.stderr)
+                else:
+                    if merged is not None:
+                        print(f"loom: timeline written to {merged}", file=sys.stderr)
 
     def _remove_private_directories(self) -> None:
         """A process's actor removes its private directory once copied; one whose actor died cannot, so a task
@@ -333,6 +340,7 @@ def run_job(config, work: WorkerSpec) -> dict[int, bytes | None]:
         import ray  # noqa: F401
     except ImportError:
         raise RayJobFailed("the Ray backend needs Ray. HINT: pip install 'loom[ray]'") from None
+    started = time.monotonic()
     connection = connect(config.address, config.num_cpus)
     try:
         job = _Job(config, work)
@@ -342,6 +350,8 @@ def run_job(config, work: WorkerSpec) -> dict[int, bytes | None]:
             while True:
                 outcome = job.attempt(attempt)
                 if outcome.failure is None:
+                    print(f"loom: finished on Ray in {time.monotonic() - started:.1f} s: {config.num_workers} "
+                          f"worker(s), {attempt} restart(s); logs and metrics in {job.run_dir}", file=sys.stderr)  # fmt: skip
                     return outcome.results
                 if attempt >= config.max_failures:
                     raise RayJobFailed(
