@@ -268,7 +268,8 @@ def test_with_learning_stopped_replicas_converge_to_their_initial_mean_over_poin
     assert (final - mean).norm(dim=1).max() < 1e-4 * start  # spread shrank to float32 rounding
     for r in results:
         spreads = r["spreads"]
-        assert max(spreads[-5:]) < 1e-3 * max(spreads[:3]), (r["rank"], spreads)
+        # The estimate (distance at the last exchange with each peer) lags the truth, but it must fall too.
+        assert max(spreads[-3:]) < 0.1 * max(spreads[:3]), (r["rank"], spreads)
         stats = r["stats"]
         assert stats["late"] == stats["unreachable"] == stats["dropped"] == 0
         assert stats["requests"] == 30  # one exchange per step, every=1

@@ -4,11 +4,8 @@ Gossip (`loom.strategies.gossip`) needs what the ring links of `loom.comm.links`
 any other at any time, and the one asked answers when it gets round to it, or never when it is dead, without a
 collective or a barrier anywhere. `PeerNode` is one process's end:
 
-- a listener on the address of the interface gloo uses (``GLOO_SOCKET_IFNAME``, as `loom.comm.links`; loopback
-  when unset). A thread accepts connections and runs the listening half of the job-secret handshake of
-  `loom.comm.links` (`answer_handshake`, with this protocol's own hello and label, so a proof made for a ring link
-  is worth nothing here), one short-lived thread per connection, at most `MAX_HANDSHAKES` at once, each given
-  `CONNECTION_TIMEOUT_S`. Nothing is read from a connection before it proved the secret but the fixed-size hello.
+- a listener (`loom.comm.peer_links`) admits peers that prove the job secret (the handshake of
+  `loom.comm.links`, with this protocol's own hello and label);
 - requests go out on a connection this node dials (one per peer, kept open) and their answers come back on it;
   requests from others arrive on the connections they dialed. Sockets are non-blocking and `pump` moves whatever
   can move on every connection at once, so two workers answering each other with large frames never deadlock on
@@ -40,7 +37,6 @@ import contextlib
 import math
 import select
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -49,22 +45,10 @@ from dataclasses import dataclass
 import torch
 
 from loom.comm import peer_wire as wire
-from loom.comm.links import (
-    CONNECTION_TIMEOUT_S,
-    HandshakeRefused,
-    _listen_address,
-    answer_handshake,
-    dial_handshake,
-)
+from loom.comm.links import HandshakeRefused
+from loom.comm.peer_links import DIALER_GETS, DIALER_SENDS, PeerListener, dial
 
-__all__ = ["MAX_HANDSHAKES", "PeerNode"]
-
-MAX_HANDSHAKES = 16
-"""Connections whose handshake may run at once; more are closed unanswered (and counted as ``rejected``)."""
-
-_HELLO, _LABEL = b"LOOMGSP1", b"gossip"
-_DIALER_SENDS, _DIALER_GETS = len(_HELLO) + 16 + 8 + 32, 16 + 32 + 1
-"""Handshake bytes, counted with the traffic: hello, nonce, ids and proof out; nonce, proof and verdict in."""
+__all__ = ["PeerNode"]
 
 Serve = Callable[[int, int, "torch.Tensor | None"], "torch.Tensor | None"]
 """``serve(kind, peer, values)``: the values (uint8, ``payload_bytes``) to answer a request with, None for BUSY."""
@@ -107,12 +91,9 @@ class PeerNode:
         self.rank, self.world_size, self.secret = rank, world_size, secret
         self.payload_bytes, self.layout = payload_bytes, layout & (2**64 - 1)
         self._serve, self._address_of = serve, address_of
-        self.stats = wire.PeerStats()
+        self._stats = wire.PeerStats()
         self.errors: dict[int, str] = {}
         """The last failure with each peer, for messages and `loom report`."""
-        self._lock = threading.Lock()  # the counters the handshake threads update
-        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
-        self._arrived: deque[tuple[int, socket.socket]] = deque()
         self._incoming: list[_Conn] = []
         self._outgoing: dict[int, _Conn] = {}
         self._stale: set[int] = set()
@@ -121,49 +102,18 @@ class PeerNode:
         self._deferred: dict[int, tuple] = {}
         """Per peer: its request held until this node's own request to it is settled."""
         self._closed = False
-        self.listener = socket.create_server((host or _listen_address(), 0), backlog=64)
-        self.listener.settimeout(0.5)
-        self.address = "{}:{}".format(*self.listener.getsockname()[:2])
-        """``HOST:PORT`` peers dial."""
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        threading.Thread(target=self._accept_loop, name=f"loom-gossip-accept-{rank}", daemon=True).start()
+        self.listener = PeerListener(rank, world_size, secret, self.wake, host)
+        self.address = self.listener.address
+        """``HOST:PORT`` peers dial."""
 
-    # -- accepting ------------------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # the listener was closed
-            if not self._slots.acquire(blocking=False):
-                sock.close()
-                self._count_rejected()
-                continue
-            threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
-
-    def _expected(self, ids: bytes) -> bool:
-        dialer, listener = int.from_bytes(ids[:4], "big"), int.from_bytes(ids[4:], "big")
-        return listener == self.rank and 0 <= dialer < self.world_size and dialer != self.rank
-
-    def _handshake(self, sock: socket.socket) -> None:
-        try:
-            until = time.monotonic() + CONNECTION_TIMEOUT_S
-            ids = answer_handshake(sock, self.secret, 8, self._expected, until, _HELLO, _LABEL)
-            self._arrived.append((int.from_bytes(ids[:4], "big"), sock))
-            self.wake()
-        except OSError:  # ConnectionError and timeouts included: nothing of it was decoded
-            self._count_rejected()
-            sock.close()
-        finally:
-            self._slots.release()
-
-    def _count_rejected(self) -> None:
-        with self._lock:
-            self.stats.rejected += 1
+    @property
+    def stats(self) -> wire.PeerStats:
+        """What this node did (`loom.comm.peer_wire.PeerStats`), counted since it started."""
+        self._stats.rejected = self.listener.rejected  # counted by the listener's handshake threads
+        return self._stats
 
     def wake(self) -> None:
         """Make a `pump` waiting in another thread return now."""
@@ -174,16 +124,16 @@ class PeerNode:
     def pump(self, timeout_s: float = 0.0) -> None:
         """Move every byte that can move, answer complete requests, hand complete answers to their callbacks;
         wait up to ``timeout_s`` for something to happen (`wake` ends the wait early)."""
-        while self._arrived:
-            peer, sock = self._arrived.popleft()
+        while self.listener.arrived:
+            peer, sock = self.listener.arrived.popleft()
             if self._closed:
                 sock.close()
                 continue
             self._incoming.append(_Conn(sock, peer))
             self._answered[peer] = 0  # its seqs start again on a new connection
-            self.stats.accepted += 1  # counted here, in the thread that counts every other byte
-            self.stats.bytes_sent += _DIALER_GETS
-            self.stats.bytes_received += _DIALER_SENDS
+            self._stats.accepted += 1  # counted here, in the thread that counts every other byte
+            self._stats.bytes_sent += DIALER_GETS
+            self._stats.bytes_received += DIALER_SENDS
         conns = {c.sock.fileno(): c for c in [*self._incoming, *self._outgoing.values()]}
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
@@ -219,7 +169,7 @@ class PeerNode:
             if count == 0:
                 self._lose(conn, "the connection closed (did it exit?)")
                 return
-            self.stats.bytes_received += count
+            self._stats.bytes_received += count
             conn.got += count
             if conn.got < need:
                 continue
@@ -243,7 +193,7 @@ class PeerNode:
                 payload_bytes=self.payload_bytes, outstanding=conn.request.seq if conn.request else None,
             )  # fmt: skip
         except wire.FrameRefused as refused:
-            self.stats.dropped += 1
+            self._stats.dropped += 1
             self._lose(conn, f"dropped: {refused}")
             return False
         length = conn.frame[2]
@@ -268,15 +218,15 @@ class PeerNode:
         conn.request = None
         if kind == wire.BUSY:
             request.outcome = "busy"
-            self.stats.busy += 1
+            self._stats.busy += 1
         else:
             assert payload is not None
             request.on_reply(payload)
             request.outcome = "done"
             if request.late:
-                self.stats.late_applied += 1
+                self._stats.late_applied += 1
             else:
-                self.stats.replies += 1
+                self._stats.replies += 1
         self._undefer(conn.peer)
 
     def _undefer(self, peer: int) -> None:
@@ -288,7 +238,7 @@ class PeerNode:
     def _answer(self, conn: _Conn, seq: int, values: torch.Tensor | None) -> None:
         self._answered[conn.peer] = seq
         if values is None:
-            self.stats.refused += 1
+            self._stats.refused += 1
             self._send(conn, wire.BUSY, seq, None)
             return
         if values.dtype != torch.uint8 or values.numel() != self.payload_bytes:
@@ -296,7 +246,7 @@ class PeerNode:
                 f"rank {self.rank}: gossip serve() answered {values.numel()} {values.dtype} values, "
                 f"{self.payload_bytes} uint8 expected"
             )
-        self.stats.served += 1
+        self._stats.served += 1
         self._send(conn, wire.REPLY, seq, values)
 
     def _send(self, conn: _Conn, kind: int, seq: int, values: torch.Tensor | None) -> None:
@@ -316,7 +266,7 @@ class PeerNode:
             except OSError as error:
                 self._lose(conn, f"send failed: {error.strerror or error}")
                 return
-            self.stats.bytes_sent += sent
+            self._stats.bytes_sent += sent
             if sent < len(conn.out[0]):
                 conn.out[0] = conn.out[0][sent:]
                 return
@@ -329,7 +279,7 @@ class PeerNode:
         if conn.request is not None:
             conn.request.outcome = "lost"
             if conn.request.late:
-                self.stats.abandoned += 1
+                self._stats.abandoned += 1
             conn.request = None
         if self._outgoing.get(conn.peer) is conn:
             del self._outgoing[conn.peer]
@@ -358,23 +308,23 @@ class PeerNode:
         if conn is None:
             conn = self._dial(peer, deadline)
             if conn is None:
-                self.stats.unreachable += 1
+                self._stats.unreachable += 1
                 return "unreachable"
         conn.seq += 1
         request = _Request(conn.seq, on_reply)
         conn.request = request
-        self.stats.requests += 1
+        self._stats.requests += 1
         self._send(conn, kind, conn.seq, values)
         while request.outcome is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 request.late = True
-                self.stats.late += 1
+                self._stats.late += 1
                 self.errors[peer] = f"no answer within {deadline_s} s"
                 return "late"
             self.pump(left)
         if request.outcome == "lost":
-            self.stats.unreachable += 1
+            self._stats.unreachable += 1
             return "unreachable"
         return request.outcome
 
@@ -383,23 +333,15 @@ class PeerNode:
         if address is None:
             self.errors[peer] = "no address known"
             return None
-        host, port = address.rsplit(":", 1)
-        sock = None
         try:
-            sock = socket.create_connection(
-                (host, int(port)), timeout=max(deadline - time.monotonic(), 0.001)
-            )
-            ids = self.rank.to_bytes(4, "big") + peer.to_bytes(4, "big")
-            dial_handshake(sock, self.secret, ids, deadline, _HELLO, _LABEL)
-        except (OSError, HandshakeRefused, ValueError) as error:
-            if sock is not None:
-                sock.close()
+            sock = dial(address, self.rank, peer, self.secret, deadline)
+        except (OSError, HandshakeRefused) as error:
             self.errors[peer] = f"cannot link to {address}: {error}"
             self._stale.add(peer)
             return None
-        self.stats.dialed += 1
-        self.stats.bytes_sent += _DIALER_SENDS
-        self.stats.bytes_received += _DIALER_GETS
+        self._stats.dialed += 1
+        self._stats.bytes_sent += DIALER_SENDS
+        self._stats.bytes_received += DIALER_GETS
         self._stale.discard(peer)
         conn = _Conn(sock, peer)
         self._outgoing[peer] = conn
@@ -415,8 +357,6 @@ class PeerNode:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         end = time.monotonic() + drain_s
         while time.monotonic() < end and (
@@ -427,8 +367,6 @@ class PeerNode:
             conn.sock.close()
         self._incoming.clear()
         self._outgoing.clear()
-        while self._arrived:
-            self._arrived.popleft()[1].close()
         self._wake_r.close()
         self._wake_w.close()
 
