@@ -135,6 +135,9 @@ def test_cluster_flags_do_not_mix_with_the_multi_node_flags(tmp_path, capsys, mo
     assert "a cluster spec with server hosts runs with 'stop'" in capsys.readouterr().err
     assert cli.main(["run", "--cluster", str(path), "--host-index", "2", str(WORKER)]) == 2
     assert "a cluster of several hosts needs LOOM_JOB_SECRET" in capsys.readouterr().err
+    monkeypatch.setenv("LOOM_JOB_SECRET", "not hex")
+    assert cli.main(["run", "--cluster", str(path), "--host-index", "2", str(WORKER)]) == 2
+    assert "LOOM_JOB_SECRET must be at least 32 hex digits" in capsys.readouterr().err
 
 
 # -- three hosts in network namespaces ----------------------------------------------------------------------

@@ -268,6 +268,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) 
 
     try:
         master_host, master_port = master_host_port(spec.master)
+        secret = job_secret()
     except ValueError as error:
         print(f"loom run: {error}", file=sys.stderr)
         return 2
@@ -283,7 +284,6 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) 
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(proc)
             threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{i}]: "), daemon=True).start()
-        secret = job_secret()
         first = LoomStore(
             master_host, master_port, secret, connect_timeout_s=join_timeout_s, io_timeout_s=30.0
         )
