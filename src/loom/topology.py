@@ -79,8 +79,12 @@ def _pick_backend(requested: str | None) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init(backend: str | None = None, timeout_s: float = 300.0) -> Topology:
+def init(backend: str | None = None, timeout_s: float = 1800.0) -> Topology:
     """Join the job this process belongs to and return its topology.
+
+    ``timeout_s`` bounds each collective in the backend (PyTorch's gloo default, 30 minutes), so that work one
+    rank does alone between collectives (rank-0-only evaluation, a checkpoint) is ordinary; a true hang is
+    stopped much earlier by loom's watchdog (`loom.fault.watchdog`, its hang timeout).
 
     Idempotent: a second call returns the same topology. Registers `shutdown()` to run at exit.
     """

@@ -66,7 +66,8 @@ PREFIX = "loom-shm-"
 MAX_PIECE_BYTES = 4 << 20
 """Largest slot per process; larger tensors are reduced in pieces of this many bytes (tests lower it)."""
 MIN_CAPACITY = 64 << 10
-BARRIER_TIMEOUT_S = 300.0
+BARRIER_TIMEOUT_S = 1800.0
+"""As the backend's own timeout (`loom.init`): a peer doing its own work is waited for; the watchdog stops hangs."""
 STALE_AFTER_S = 60.0
 
 _MAGIC = int.from_bytes(b"LOOMSHM1", "little")

@@ -1,5 +1,6 @@
 """Strategies: how the work of training is divided among processes."""
 
+from loom.strategies._batch import LossCall
 from loom.strategies.data_parallel import DataParallel, DataParallelConfig, DataParallelJob
 from loom.strategies.diloco import DiLoCo, DiLoCoConfig
 from loom.strategies.hybrid import Hybrid, HybridConfig
@@ -19,6 +20,7 @@ __all__ = [
     "HybridConfig",
     "LocalSGD",
     "LocalSGDConfig",
+    "LossCall",
     "ModelParallelJob",
     "ParameterServer",
     "ParameterServerConfig",
