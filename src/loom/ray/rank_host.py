@@ -104,12 +104,13 @@ class RankHost:
         log_name: str,
         payload: bytes | None = None,
     ) -> str | None:
-        """Start ``python ARGV`` in ``cwd`` with ``env`` added to this actor's environment; returns its pid.
+        """Start ``python ARGV`` in ``cwd`` with ``env`` added to this actor's environment (less Ray's token).
 
         ``run_dir``: the job's run directory, when this node writes into it directly; None: write into a private
-        directory here (in the temporary directory), which `poll` copies out. ``log_name``: the output goes to ``logs/LOG_NAME.stdout.log``
-        and ``.stderr.log`` there. ``payload`` (a function to run, see `loom.ray.function`) is written to the
-        process's stdin. Returns the private directory, if any (the driver removes it should this actor die)."""
+        directory here (in the temporary directory), which `poll` copies out. ``log_name``: the output goes to
+        ``logs/LOG_NAME.stdout.log`` and ``.stderr.log`` there. ``payload`` (a function to run, see
+        `loom.ray.function`) is written to the process's stdin. Returns the private directory, if any (the
+        driver removes it should this actor die)."""
         if self.proc is not None:
             raise RuntimeError(f"{self.name}: a process was started already (pid {self.proc.pid})")
         self.name = Path(log_name).name  # the rank (or server) it now is
