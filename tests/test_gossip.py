@@ -98,7 +98,7 @@ def test_the_pair_arithmetic_is_symmetric_and_conserves_the_sum_when_exchanges_i
     distance = average_into(b, sent, theirs, serving=True)
     assert average_into(a, theirs, sent, serving=False) == distance
     gap = torch.cat([(x.double() - y.double()).reshape(-1) for x, y in zip(before_a, before_b, strict=True)])
-    assert distance == pytest.approx(float(gap.norm()), rel=1e-12)
+    assert distance == pytest.approx(float(gap.norm()), rel=1e-5)
     for pa, pb, xa, xb in zip(a.params, b.params, before_a, before_b, strict=True):
         reference = (xa + xb) / 2
         assert torch.equal(pa, reference) and torch.equal(pb, reference)

@@ -92,14 +92,20 @@ class ParameterLayout:
 def average_into(layout: ParameterLayout, theirs: torch.Tensor, sent: torch.Tensor, serving: bool) -> float:
     """Set ``layout``'s parameters to ``(theirs + sent) / 2`` plus what changed since ``sent`` was packed
     (nothing on the serving side, which packed it just now); return the L2 distance between the two sides'
-    values (the exchange's contribution to the spread)."""
+    values (the exchange's contribution to the spread).
+
+    In place and in few passes, as the symmetry allows: both sides compute ``theirs + sent`` (commutative) and
+    halve it, so they hold the same bits; the requester then adds its own change ``p - sent`` (zero when
+    nothing else touched it, and ``0 + m == m``)."""
     squares = 0.0
     with torch.no_grad():
         for i, p in enumerate(layout.params):
             a, b = layout.view(sent, i), layout.view(theirs, i)
-            mean = (b + a) / 2
-            p.copy_(mean if serving else mean + (p - a))
-            squares += float((a.double() - b.double()).square().sum())
+            squares += float(torch.dist(a, b).double() ** 2)
+            if serving:
+                torch.add(b, a, out=p).div_(2)
+            else:
+                p.sub_(a).add_(torch.add(b, a).div_(2))
     return math.sqrt(squares)
 
 
