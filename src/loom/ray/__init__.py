@@ -35,7 +35,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,9 @@ class RayConfig:
 
     num_workers: int = 1
     """Worker processes (ranks) of the job, each held by one Ray actor."""
-    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
-    """Ray resources each worker reserves in the job's placement group, e.g. ``{"CPU": 4, "GPU": 1}``."""
+    resources_per_worker: dict[str, float] | None = None
+    """Ray resources each worker reserves in the job's placement group, e.g. ``{"CPU": 4, "GPU": 1}``
+    (None: ``{"CPU": 1}``)."""
     placement_strategy: str = "PACK"
     """How the placement group spreads the workers over nodes: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
     max_failures: int = 0
@@ -61,15 +62,17 @@ class RayConfig:
     from ``loom.fit``'s latest checkpoint (the script's ``checkpoint_dir``)."""
     servers: int = 0
     """Parameter servers for ``ParameterServer`` (``LOOM_PS_ADDRS``): one actor each, kept across restarts."""
-    resources_per_server: dict[str, float] = field(default_factory=lambda: {"CPU": 0.0})
-    """Ray resources each parameter-server actor reserves (outside the workers' placement group)."""
+    resources_per_server: dict[str, float] | None = None
+    """Ray resources each parameter-server actor reserves, outside the workers' placement group (None:
+    ``{"CPU": 0}``, no reservation)."""
     address: str | None = None
     """The Ray cluster (``auto``, ``HOST:PORT``). None: a local instance started for the job and stopped after
     it (or the cluster this process is connected to already)."""
     num_cpus: int | None = None
     """CPUs of a local instance (None: all of this machine's)."""
-    run_dir: Path = field(default_factory=lambda: Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    """Where logs, step records and traces are collected (`loom run`'s layout; ``loom report`` reads it)."""
+    run_dir: Path | None = None
+    """Where logs, step records and traces are collected (`loom run`'s layout; ``loom report`` reads it);
+    None: ``runs/<timestamp>``."""
     working_dir: str | None = None
     """Working directory of every rank (None: the driver's); it must exist at this path on every node."""
     copy_run_dir: bool | None = None
@@ -85,6 +88,14 @@ class RayConfig:
     """Pause between two polls of the ranks (output, files, exit status)."""
 
     def __post_init__(self) -> None:
+        defaults = {
+            "resources_per_worker": {"CPU": 1.0},
+            "resources_per_server": {"CPU": 0.0},
+            "run_dir": Path("runs") / time.strftime("%Y%m%d-%H%M%S"),
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         for name in ("num_workers",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -97,10 +108,12 @@ class RayConfig:
             raise ValueError(f"placement_strategy {self.placement_strategy!r}; use one of {_STRATEGIES}")
         for name in ("resources_per_worker", "resources_per_server"):
             resources = getattr(self, name)
-            bad = {k: v for k, v in resources.items() if not isinstance(v, int | float) or v < 0}
-            if not isinstance(resources, dict) or bad:
+            if not isinstance(resources, dict) or any(
+                not isinstance(v, int | float) or isinstance(v, bool) or v < 0 for v in resources.values()
+            ):
                 raise ValueError(f"{name} must map resource names to amounts >= 0, got {resources!r}")
-        if not any(v > 0 for v in self.resources_per_worker.values()):
+        worker = self.resources_per_worker or {}
+        if not any(v > 0 for v in worker.values()):
             raise ValueError(
                 f"resources_per_worker needs a positive amount (a placement-group bundle cannot be empty), got "
                 f"{self.resources_per_worker!r}. HINT: {{'CPU': 1}}"
