@@ -135,12 +135,11 @@ class Gossip:
         topo = self.topology if self.topology is not None else current()
         check_setup_arguments(model, optimizer, loss_fn)
         layout = ParameterLayout(model)
-        if layout.nbytes == 0:
-            raise ValueError("Gossip averages floating-point parameters, and this model has none")
-        if any(p.device.type != "cpu" for p in layout.params):
+        devices = sorted({str(p.device) for p in layout.params})
+        if layout.nbytes == 0 or devices != ["cpu"]:
             raise ValueError(
-                "Gossip exchanges parameters from host memory; this model has parameters on "
-                f"{sorted({str(p.device) for p in layout.params})}. HINT: keep the model on the CPU."
+                f"Gossip exchanges floating-point parameters from host memory; this model has {layout.nbytes} "
+                f"bytes of them, on {devices}. HINT: keep the model on the CPU, with floating-point parameters."
             )
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         mesh = Mesh(dp=topo.world_size, topology=topo)
@@ -171,23 +170,18 @@ class GossipJob(Job):
         self.config: GossipConfig = config
         self.layout: ParameterLayout = layout
         self.metrics: StepMetrics = metrics
-        self.step = 0
-        """Optimizer steps this replica took."""
+        self.step = 0  # optimizer steps this replica took
         self.choice = PeerChoice(config.peers, self.topology.rank, self.topology.world_size, config.seed)
-        self.attempts = 0
-        """Exchanges this worker was due to make."""
-        self.joined_from: int | None = None
-        """The peer whose parameters this worker copied when it joined a running job."""
-        self.distance: dict[int, float] = {}
-        """L2 distance between this replica's and each peer's parameters at their last exchange."""
+        self.attempts = 0  # exchanges this worker was due to make
+        self.joined_from: int | None = None  # the peer copied when this worker joined a running job
+        self.distance: dict[int, float] = {}  # per peer: L2 distance at the last exchange with it
         self.node: PeerNode | None = None
         self.directory: PeerDirectory | None = None
         self._passed_over: dict[int, int] = {}
         self._server: IdleServer | None = None
-        self._closed = False
+        self._closed = self._joining = False
         self._recorded = (0, 0)
 
-    # -- set-up ------------------------------------------------------------------------------------------------
     def _connect(self) -> None:
         topo, cfg = self.topology, self.config
         if not (dist.is_available() and dist.is_initialized()):
@@ -216,11 +210,16 @@ class GossipJob(Job):
                     for p in self.layout.params:
                         dist.broadcast(p.data, src=0)
         else:
-            self._join()
+            self._joining = True
+            try:
+                self._join()
+            finally:
+                self._joining = False
         self._server = IdleServer(self.node, topo.rank)
 
     def _join(self) -> None:
-        """Copy the parameters of the first live peer in this worker's order of asking."""
+        """Copy the parameters of the first live peer in this worker's order of asking (meanwhile, requests
+        from peers are refused: this replica's values are stale or arbitrary until then)."""
         assert self.node is not None
         rank, world = self.topology.rank, self.topology.world_size
         nearest = [(rank + 1) % world, (rank - 1) % world, *((rank + d) % world for d in range(2, world))]
@@ -239,9 +238,10 @@ class GossipJob(Job):
             stacklevel=4,
         )
 
-    # -- the exchange ------------------------------------------------------------------------------------------
     def _serve(self, kind: int, peer: int, theirs: torch.Tensor | None) -> torch.Tensor | None:
         """Answer a peer (in the thread that pumps): our values; for EXCHANGE also take the pair's mean."""
+        if self._joining:
+            return None  # its own values are not the job's yet: never spread them
         mine = self.layout.pack()
         if not self.layout.finite(mine) or (theirs is not None and not self.layout.finite(theirs)):
             return None
