@@ -10,6 +10,7 @@ peer under ``loom run --on-worker-failure continue``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ from torch import nn
 from loom.comm.links import dial_handshake
 from loom.comm.peer import PeerNode
 from loom.comm.peer_wire import EXCHANGE, HEADER, MAGIC, VERSION
-from loom.strategies.gossip import GossipConfig
+from loom.strategies.gossip import Gossip, GossipConfig
 from loom.strategies.gossip_exchange import ParameterLayout, PeerChoice, average_into
 
 SECRET = b"s" * 32
@@ -45,6 +46,8 @@ HEADER_BYTES = HEADER.size
 def test_config_refuses_bad_values_naming_them(options, named):
     with pytest.raises(ValueError, match=named):
         GossipConfig(**options)
+    for field in dataclasses.fields(GossipConfig):  # help(Gossip) shows every option with its meaning
+        assert f"    {field.name} = {field.default!r}: " in (Gossip.__doc__ or "")
 
 
 @pytest.mark.timeout(10)
