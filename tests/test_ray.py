@@ -117,7 +117,7 @@ def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_
     private = set(Path(tempfile.gettempdir()).glob("loom-ray-rank*"))
     results = loom.ray.run(train, 2, args=(cfg,), max_failures=1, run_dir=run_dir, copy_run_dir=True)
     err = capsys.readouterr().err
-    assert "rank1: its Ray actor" in err and "died" in err, err[-3000:]
+    assert "worker rank 1: its Ray actor" in err and "died" in err, err[-3000:]
     assert "replacing the worker group (restart 1 of 1)" in err
     assert "finished on Ray in" in err and "2 worker(s), 1 restart(s)" in err
     assert set(Path(tempfile.gettempdir()).glob("loom-ray-rank*")) == private  # the dead actor's one too
@@ -213,3 +213,16 @@ def test_rank_layout_keeps_a_nodes_ranks_together_and_shares_its_gpus():
         (0, 0, None),
         (1, 1, None),
     ]
+
+
+@pytest.mark.timeout(10)
+def test_the_failure_blamed_is_the_cause_not_its_echo():
+    from loom.ray.output import blame
+
+    echo = (2, 100.5, "worker rank 0 failed (exit code 1): RuntimeError: Connection closed by peer")
+    cause = (2, 100.2, "worker rank 1 failed (exit code 1): ValueError: bad value on purpose")
+    assert blame([echo, cause]) == cause[2]  # the earlier of two exceptions
+    killed = (1, 100.9, "worker rank 1 was killed by SIGKILL")
+    assert blame([echo, killed]) == killed[2]  # a signal before an exception that followed it
+    lost = (0, 101.0, "worker rank 2: its Ray actor on host died")
+    assert blame([echo, killed, lost]) == lost[2]

@@ -43,7 +43,7 @@ from typing import Any
 
 from loom.ray import RayJobFailed
 from loom.ray.layout import rank_layout
-from loom.ray.output import describe_exit, prefix_print, write_chunk
+from loom.ray.output import blame, describe_exit, prefix_print, write_chunk
 
 __all__ = ["WorkerSpec", "run_job"]
 
@@ -72,6 +72,14 @@ class _Rank:
     visible_gpus: str | None = None
     """CUDA_VISIBLE_DEVICES for the rank: every GPU Ray gave the workers of its node (see `rank_layout`)."""
     bases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def title(self) -> str:
+        """How messages name it: ``worker rank 3``, ``parameter server 0``."""
+        if self.name.startswith("server"):
+            return f"parameter server {self.name.removeprefix('server')}"
+        return f"worker rank {self.name.removeprefix('rank')}"
+
     """Where this process's copied files start in the run directory's (see `loom.ray.output.write_chunk`)."""
 
 
@@ -222,13 +230,13 @@ class _Job:
         return outcome
 
     def _poll(self, procs: list[_Rank], stopping: bool = False) -> str | None:
-        """One poll of every process not done yet; returns the first failure seen (deaths before errors). A lost
-        parameter server ends the job (unless ``stopping``: then ends are expected)."""
+        """One poll of every process not done yet; returns the failure to `blame`, if any. A lost parameter
+        server ends the job (unless ``stopping``: then ends are expected)."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
         live = [p for p in procs if not p.done]
         refs = [p.actor.poll.remote() for p in live]
-        failures: list[tuple[int, str]] = []
+        failures: list[tuple[int, float, str]] = []  # (kind, when, what): see `blame`
         for proc, ref in zip(live, refs, strict=True):
             try:
                 report = self.ray.get(ref, timeout=self.config.start_timeout_s)
@@ -236,19 +244,21 @@ class _Job:
                 proc.done = True
                 what = "did not answer in time" if isinstance(error, GetTimeoutError) else "died"
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                failures.append((0, f"{proc.name}: its Ray actor on {proc.where['host']} {what} ({reason})"))
+                text = f"{proc.title}: its Ray actor on {proc.where['host']} {what} ({reason})"
+                failures.append((0, time.time(), text))
                 continue
             prefix_print(proc.name, report["lines"], report["dropped"])
             for rel, offset, data in report["files"]:
                 write_chunk(self.run_dir, proc.bases, rel, offset, data)
             if report["exit"] not in (None, 0):
-                failures.append((1 if report["exit"] < 0 else 2, describe_exit(proc.name, report)))
+                kind = 1 if report["exit"] < 0 else 2  # killed by a signal, else raised or exited non-zero
+                failures.append((kind, report["ended_at"] or time.time(), describe_exit(proc.title, report)))
             if report["done"]:
                 proc.done, proc.result = True, report.get("result")
-        if not stopping and any(f[1].startswith("server") for f in failures):
-            lost = min(f for f in failures if f[1].startswith("server"))[1]
-            raise RayJobFailed(f"loom: {lost}; the model's shards it held are gone, so the job stops")
-        return min(failures)[1] if failures else None
+        servers = [f for f in failures if f[2].startswith("parameter server")]
+        if servers and not stopping:
+            raise RayJobFailed(f"{blame(servers)}; the model's shards it held are gone, so the job stops")
+        return blame(failures) if failures else None
 
     def _watch(self, ranks: list[_Rank]) -> str | None:
         while not all(r.done for r in ranks):
@@ -355,7 +365,7 @@ def run_job(config, work: WorkerSpec) -> dict[int, bytes | None]:
                     return outcome.results
                 if attempt >= config.max_failures:
                     raise RayJobFailed(
-                        f"loom: {outcome.failure}; "
+                        f"{outcome.failure}; "
                         + (f"no restart left (max_failures={config.max_failures}). " if config.max_failures
                            else "")
                         + f"Logs are in {job.run_dir / 'logs'}"

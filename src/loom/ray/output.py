@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["describe_exit", "prefix_print", "write_chunk"]
+__all__ = ["blame", "describe_exit", "prefix_print", "write_chunk"]
 
 
 def prefix_print(name: str, lines: list[tuple[str, str]], dropped: int) -> None:
@@ -50,3 +50,10 @@ def describe_exit(name: str, report: dict[str, Any]) -> str:
         except ValueError:
             return f"{name} was killed by signal {-code}"
     return f"{name} failed (exit code {code}): {report['error'] or 'exited without a Python exception'}"
+
+
+def blame(failures: list[tuple[int, float, str]]) -> str:
+    """Which of the failures seen at once caused the others: ``(kind, when, what)`` with kind 0 for a lost actor,
+    1 for a process killed by a signal, 2 for one that raised or exited non-zero. A lost actor or a killed
+    process first (the others fail because of it, e.g. with gloo's "connection closed"), else the earliest."""
+    return min(failures)[2]

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import IO, Any
@@ -72,6 +73,8 @@ class RankHost:
         self.sent: dict[str, int] = {}
         self.error_file: Path | None = None
         self.result: bytearray | None = None
+        self.ended_at: float | None = None
+        """Wall-clock time the process ended (which of several failed ranks failed first)."""
 
     # -- where the actor runs -------------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
@@ -142,6 +145,7 @@ class RankHost:
             stderr=subprocess.PIPE,
             pass_fds=(result_w,) if result_w is not None else (),
         )
+        self._thread(self._note_end, self.proc)
         for stream, kind in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
             path = log_base.with_name(f"{log_base.name}.{kind}.log")
             self._thread(self._pump, stream, kind, path)
@@ -156,6 +160,10 @@ class RankHost:
         thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
         self.readers.append(thread)
+
+    def _note_end(self, proc: subprocess.Popen) -> None:
+        proc.wait()
+        self.ended_at = time.time()
 
     def _pump(self, stream: IO[bytes], kind: str, path: Path) -> None:
         with open(path, "ab") as log:
@@ -198,6 +206,7 @@ class RankHost:
         done = drained and not files
         return {
             "exit": code,
+            "ended_at": self.ended_at,
             "error": self._recorded_error() if code else None,
             "lines": lines,
             "dropped": dropped,
