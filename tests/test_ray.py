@@ -1,8 +1,8 @@
 """loom on Ray: `loom run --backend ray`, `loom.ray.run_script` and `loom.ray.run` on a local Ray instance.
 
-One instance for the module (``num_cpus=2``), started by `loom.ray.local` as the backend starts its own (no
-dashboard, loopback, token authentication) and stopped at the end, when the last test checks that no process
-of Ray or of the jobs is left. Every process the jobs start carries ``LOOM_TEST_TAG`` (the backend hands the
+One instance for the module, started by `loom.ray.local` as the backend starts its own (no dashboard, loopback,
+token authentication) with 1 CPU, joined by a second node (raylet) with the other CPU, so every 2-worker job
+spans two nodes; stopped at the end, when the last test checks that no process of Ray or of the jobs is left. Every process the jobs start carries ``LOOM_TEST_TAG`` (the backend hands the
 driver's LOOM_* variables to every rank and server), so a leftover rank or server would be found.
 """
 
@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -35,16 +36,39 @@ TAG = uuid.uuid4().hex
 STATE: dict = {}
 
 
+def add_second_node():
+    """A second Ray node (raylet) joining the instance on this machine, with the other CPU: every 2-worker job
+    of the module then spans two nodes, one rank each (as ``ray.cluster_utils.Cluster`` adds nodes)."""
+    import ray
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    params = RayParams(
+        gcs_address=ray.get_runtime_context().gcs_address, node_ip_address="127.0.0.1", num_cpus=1, num_gpus=0,
+        object_store_memory=150 << 20, min_worker_port=0, max_worker_port=0, include_log_monitor=False,
+        node_manager_port=0, dashboard_agent_listen_port=None,
+    )  # fmt: skip
+    node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+    deadline = time.monotonic() + 60
+    while sum(n["Alive"] for n in ray.nodes()) < 2:
+        assert time.monotonic() < deadline, "the second Ray node did not join within 60 s"
+        time.sleep(0.2)
+    return node
+
+
 @pytest.fixture(scope="module")
 def ray_instance():
     saved = {k: os.environ.get(k) for k in ("LOOM_TEST_TAG", "PYTHONPATH")}
     os.environ["LOOM_TEST_TAG"] = TAG
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKERS), saved["PYTHONPATH"]) if p)
-    connection = connect(None, num_cpus=2)
+    connection = connect(None, num_cpus=1)
     STATE["connection"] = connection
     try:
+        STATE["second_node"] = add_second_node()
         yield connection
     finally:
+        if STATE.get("second_node") is not None:
+            STATE.pop("second_node").kill_all_processes(check_alive=False, allow_graceful=True)
         if STATE.get("connection") is not None:
             disconnect(connection)
         for name, value in saved.items():
@@ -94,10 +118,16 @@ def test_two_ray_workers_equal_one_process(script_job, run):
 
 @pytest.mark.timeout(120)
 def test_the_run_directory_has_loom_runs_layout(script_job):
-    """Step records that `loom report` reads (it does), and every process's log (the server's included)."""
+    """Two nodes, one rank each: the ranks' places; step records that `loom report` reads (it does); every
+    process's log (the server's included)."""
     from loom.observe.report import load_records, write_report
 
     run_dir, _ = script_job
+    placed = [json.loads((run_dir / f"result-dp-{rank}.json").read_text())["placed"] for rank in range(2)]
+    assert [(p["GROUP_RANK"], p["LOCAL_RANK"], p["LOCAL_WORLD_SIZE"]) for p in placed] == [("0", "0", "1"),
+                                                                                          ("1", "0", "1")]  # fmt: skip
+    # one rank on the driver's node wrote here itself, the other on its node, copied here by the driver
+    assert sorted(p["LOOM_RUN_DIR"] == str(run_dir.resolve()) for p in placed) == [False, True]
     records = load_records(run_dir)
     assert sorted(records) == [0, 1] and [r["step"] for r in records[0]] == [1, 2, 3, 4]
     assert write_report(run_dir).is_file()  # what `loom report RUN_DIR` writes
@@ -153,6 +183,7 @@ def test_nothing_is_left_after_ray_shuts_down(ray_instance):
     connection = STATE.pop("connection")
     session = connection.session_dir
     assert session is not None and session_processes(session), "the instance should be running until now"
+    STATE.pop("second_node").kill_all_processes(check_alive=False, allow_graceful=True)
     disconnect(connection)
     assert session_processes(session) == []
     assert tagged_processes("LOOM_TEST_TAG", TAG) == []

@@ -5,7 +5,7 @@
 ``global_batch``, ``checkpoint_dir`` (None: no checkpoints), ``every`` (checkpoint_every), ``kill_step`` (on the
 first attempt, rank 1 SIGKILLs the process that holds it -- its Ray actor -- right after that step, before any
 checkpoint of that step). It returns this rank's final parameters (lists), fit's ``resumed_from`` and steps, the
-attempt and the rank. As a script, ``python ray_jobs.py JSON`` takes a list of such dicts, runs them in turn and
+attempt, the rank and where it was placed (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, LOOM_RUN_DIR). As a script, ``python ray_jobs.py JSON`` takes a list of such dicts, runs them in turn and
 writes each result to ``$LOOM_RUN_DIR/result-<strategy>-<rank>.json``.
 
 Run by tests/test_ray.py.
@@ -74,6 +74,9 @@ def train(cfg: dict) -> dict:
         "resumed_from": result.resumed_from,
         "steps": result.steps,
         "params": {k: v.detach().flatten().tolist() for k, v in state.items()},
+        "placed": {
+            k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOOM_RUN_DIR")
+        },
     }
 
 
