@@ -337,3 +337,10 @@ def test_a_sigkilled_peer_is_skipped_and_the_others_train_to_the_end(tmp_path):
         # 30 paced steps take 0.6 s; even one deadline per exchange with the dead peer would add 75 s.
         assert r["elapsed"] < 30 * config["slow_s"] + 2 * config["deadline_s"] + 10, r["elapsed"]
         assert r["losses"][-1] < r["losses"][0]
+    # The step records carry the spread between replicas, and `loom report` shows its last value per rank.
+    from loom.observe.report import load_records, summarize
+
+    records = load_records(tmp_path / "run")
+    assert all(r.get("spread") is not None for rank in (0, 2) for r in records[rank])
+    spreads = {row["rank"]: row["last_spread"] for row in summarize(records, None)["ranks"]}
+    assert spreads[0] == records[0][-1]["spread"] and spreads[0] >= 0.0

@@ -68,7 +68,8 @@ class FitResult:
     epochs: int
     """Epochs completed in the whole run."""
     last_loss: float | None
-    """Global-batch loss of the last step (None if the run has taken no step)."""
+    """The loss the job's train_step returned at the last step: the global-batch loss, or this replica's own for
+    jobs without one (Gossip) (None if the run has taken no step)."""
     resumed_from: int | None
     """Step of the checkpoint this call resumed from, or None if it started fresh."""
     steps_run: int

@@ -64,6 +64,9 @@ class StepRecord:
     """Parameter servers: versions between the parameters a gradient was computed on and those it updates."""
     bubble_s: float | None = None
     """Pipelines: time this stage sat idle in the schedule's bubble."""
+    spread: float | None = None
+    """Gossip: the largest L2 distance between this replica's parameters and a peer's, at the last exchange with
+    each peer (how far the replicas have drifted apart)."""
     skipped: bool | None = None
     """True when the step's update was not applied (a non-finite loss or gradient on some rank: see
     `loom.fault.desync.NonFiniteGuard`); absent otherwise."""

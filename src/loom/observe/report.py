@@ -92,6 +92,7 @@ def summarize(
             "waiting_s": waiting,
             "waiting_share": waiting / total if total else 0.0,
             "mb_sent": sum(r.get("bytes_sent") or 0 for r in recs) / 1e6,
+            "last_spread": next((r["spread"] for r in reversed(recs) if r.get("spread") is not None), None),
         })  # fmt: skip
     summary["ranks"] = rows
     summary["time_lost_waiting_s"] = sum(r["waiting_s"] for r in rows)
@@ -134,6 +135,8 @@ def _summary_table(s: dict[str, Any]) -> str:
         "waiting",
         "MB sent",
     ]
+    if any(row.get("last_spread") is not None for row in s["ranks"]):  # gossip: how far replicas drifted
+        cols, labels = [*cols, "last_spread"], [*labels, "spread (last)"]
     body = "".join(
         "<tr>" + "".join(f"<td>{_cell(c, row[c])}</td>" for c in cols) + "</tr>" for row in s["ranks"]
     )
@@ -143,8 +146,12 @@ def _summary_table(s: dict[str, Any]) -> str:
 
 
 def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "n/a"
     if column == "waiting_share":
         return f"{100 * value:.1f} %"
+    if column == "last_spread":
+        return f"{value:.3g}"
     if isinstance(value, float):
         return f"{value:,.2f}"
     return str(value)

@@ -3,6 +3,7 @@
 from loom.strategies._batch import LossCall
 from loom.strategies.data_parallel import DataParallel, DataParallelConfig, DataParallelJob
 from loom.strategies.diloco import DiLoCo, DiLoCoConfig
+from loom.strategies.gossip import Gossip, GossipConfig, GossipJob
 from loom.strategies.hybrid import Hybrid, HybridConfig
 from loom.strategies.local_sgd import LocalSGD, LocalSGDConfig
 from loom.strategies.model_parallel import ModelParallelJob
@@ -16,6 +17,9 @@ __all__ = [
     "DataParallelJob",
     "DiLoCo",
     "DiLoCoConfig",
+    "Gossip",
+    "GossipConfig",
+    "GossipJob",
     "Hybrid",
     "HybridConfig",
     "LocalSGD",

@@ -303,6 +303,7 @@ class GossipJob(Job):
         self.metrics.record(
             self.step, time.perf_counter() - started, local, total, loss_value, comm_s=comm_s,
             bytes_sent=sent, bytes_received=received, skipped=True if self.last_step_skipped else None,
+            spread=max(self.distance.values(), default=0.0),
         )  # fmt: skip
         return loss_value
 
