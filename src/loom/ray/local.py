@@ -5,9 +5,10 @@ A local instance (no ``address``) is started the way an unattended job should: n
 fresh random token for this instance alone (kept in this process's environment while the instance lives, never
 written to disk or printed), so another local user cannot submit work to it either.
 
-What Ray listens on then (checked with ``ss -ltnp`` on Ray 2.60): the GCS server, the raylet (two ports), the
-driver's and every worker's core-worker gRPC server, all on 127.0.0.1 and all behind the token; the runtime-env
-agent's HTTP port on 127.0.0.1. Ray binds these to the node address, which it otherwise resolves to the host's
+What Ray listens on then (checked with ``ss -ltnp`` during a job, Ray 2.60): the GCS server, the raylet (two
+ports), the driver's and every worker's core-worker gRPC server, and the runtime-env agent's HTTP port, all on
+127.0.0.1 (no dashboard, no dashboard agent, no client server). Ray's token covers its gRPC services; checked
+for the GCS: a driver without the token is refused (``AuthenticationError``). Ray binds these to the node address, which it otherwise resolves to the host's
 outward address even when asked for 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, which Ray reads to choose
 between the two, is set to 0 while the instance starts). Its object store and raylet sockets are Unix sockets
 under the session directory.
