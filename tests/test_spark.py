@@ -101,15 +101,6 @@ def test_local_mode_runs_the_function_under_loom_run_on_the_driver(spark):
     _check_against_one_process(loom.spark.run(train, "dp", STEPS, num_processes=2))
 
 
-README_SNIPPET = """
-from pyspark.ml.torch.distributor import TorchDistributor
-
-# train.py above, unchanged: TorchDistributor starts it with torchrun, whose environment loom.init() reads
-TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run("train.py", "dp")
-"""
-"""The README's Spark example (tested here on the README's own train.py; keep the two identical)."""
-
-
 @pytest.mark.timeout(120)
 def test_the_readme_script_under_torch_distributor_equals_one_process(spark, tmp_path, monkeypatch, capsys):
     from test_readme import losses, readme_example
@@ -126,7 +117,7 @@ def test_the_readme_script_under_torch_distributor_equals_one_process(spark, tmp
         loom.shutdown()
     alone = losses(capsys.readouterr().out)["dp"]
     monkeypatch.chdir(tmp_path / "spark")
-    exec(README_SNIPPET, {})
+    exec(readme_example("spark"), {})  # the README's Spark example, as written
     under_spark = losses(capsys.readouterr().out)["dp"]
     assert under_spark[0] == alone[0] > 0
     assert under_spark[1] == pytest.approx(alone[1], abs=1e-5)
