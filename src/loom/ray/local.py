@@ -13,9 +13,13 @@ outward address even when asked for 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 between the two, is set to 0 while the instance starts). Its object store and raylet sockets are Unix sockets
 under the session directory.
 
+Ray's usage statistics are off for it (``RAY_USAGE_STATS_ENABLED=0``): nothing about the job leaves the machine.
+
 `disconnect` stops what `connect` started: ``ray.shutdown()``, then a SIGKILL for any process still running
 whose command line names this instance's session directory (Ray's shutdown leaves stragglers now and then),
-never a process found by name. A cluster given by ``address`` keeps its own security settings (its token, its
+never a process found by name; and it gives back what ``ray.init`` changed in this process and its shutdown
+leaves (Ray's environment variables, the SIGTERM handler, ``sys.excepthook``), so a notebook or a test suite
+goes on as before. A cluster given by ``address`` keeps its own security settings (its token, its
 dashboard) and is only disconnected from.
 """
 
@@ -25,14 +29,15 @@ import logging
 import os
 import secrets
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["RayConnection", "connect", "disconnect", "session_processes", "tagged_processes"]
-
-_LOCAL_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
 
 @dataclass
@@ -45,7 +50,36 @@ class RayConnection:
     """True when `connect` started a local instance (stopped by `disconnect`)."""
     session_dir: str | None
     """The Ray session directory of a local instance this process started."""
-    saved_env: dict[str, str | None] = field(default_factory=dict)
+    saved: _ProcessState | None = None
+    """What ``ray.init`` changes in this process (restored by `disconnect`)."""
+
+
+_RAY_SETS = ("RAY_", "PYTHONBREAKPOINT")
+"""Environment variables ``ray.init`` (and `connect`) set in the driver's process and ``ray.shutdown`` leaves."""
+
+
+@dataclass
+class _ProcessState:
+    """The driver's state ``ray.init`` changes and ``ray.shutdown`` leaves changed: Ray's environment variables,
+    the SIGINT/SIGTERM handlers and ``sys.excepthook`` (a notebook or a test suite goes on after the job)."""
+
+    env: dict[str, str]
+    handlers: dict[int, Any]
+    excepthook: Any
+
+    @classmethod
+    def capture(cls) -> _ProcessState:
+        env = {k: v for k, v in os.environ.items() if k.startswith(_RAY_SETS)}
+        return cls(env, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, sys.excepthook)
+
+    def restore(self) -> None:
+        for name in [k for k in os.environ if k.startswith(_RAY_SETS) and k not in self.env]:
+            del os.environ[name]
+        os.environ.update(self.env)
+        if threading.current_thread() is threading.main_thread():  # signal handlers: main thread only
+            for signum, handler in self.handlers.items():
+                signal.signal(signum, handler)
+        sys.excepthook = self.excepthook
 
 
 def connect(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None) -> RayConnection:
@@ -63,17 +97,22 @@ def connect(address: str | None, num_cpus: int | None = None, temp_dir: str | No
         )
     if ray.is_initialized():
         return RayConnection(False, False, None)
+    saved = _ProcessState.capture()
     if given is not None:
-        ray.init(address=given, log_to_driver=False, logging_level=logging.WARNING)
-        return RayConnection(True, False, None)
-    return _start_local(num_cpus, temp_dir)
+        try:
+            ray.init(address=given, log_to_driver=False, logging_level=logging.WARNING)
+        except BaseException:
+            saved.restore()
+            raise
+        return RayConnection(True, False, None, saved)
+    return _start_local(num_cpus, temp_dir, saved)
 
 
-def _start_local(num_cpus: int | None, temp_dir: str | None) -> RayConnection:
+def _start_local(num_cpus: int | None, temp_dir: str | None, saved: _ProcessState) -> RayConnection:
     import ray
     from ray._private import ray_constants
 
-    saved = {name: os.environ.get(name) for name in _LOCAL_ENV}
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # nothing about the job leaves the machine
     if os.environ.get("RAY_AUTH_MODE", "token") == "token" and not os.environ.get("RAY_AUTH_TOKEN"):
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -94,7 +133,7 @@ def _start_local(num_cpus: int | None, temp_dir: str | None) -> RayConnection:
             logging_level=logging.WARNING,
         )
     except BaseException:
-        _restore(saved)
+        saved.restore()
         raise
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_flag
@@ -116,14 +155,6 @@ def _forget_cached_token() -> None:
     except ImportError:  # a Ray without token authentication
         return
     AuthenticationTokenLoader.instance().reset_cache()
-
-
-def _restore(saved: dict[str, str | None]) -> None:
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def session_processes(session_dir: str) -> list[int]:
@@ -169,7 +200,8 @@ def disconnect(connection: RayConnection, grace_s: float = 5.0) -> list[int]:
                 killed.append(pid)
             except ProcessLookupError:
                 pass
-    _restore(connection.saved_env)
+    if connection.saved is not None:
+        connection.saved.restore()
     if connection.started_local:
         _forget_cached_token()
         _reread_ray_config()
