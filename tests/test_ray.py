@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -61,6 +62,7 @@ def ray_instance():
     saved = {k: os.environ.get(k) for k in ("LOOM_TEST_TAG", "PYTHONPATH")}
     os.environ["LOOM_TEST_TAG"] = TAG
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKERS), saved["PYTHONPATH"]) if p)
+    STATE["sigterm"] = signal.getsignal(signal.SIGTERM)
     connection = connect(None, num_cpus=1)
     STATE["connection"] = connection
     try:
@@ -179,7 +181,8 @@ def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_
 
 @pytest.mark.timeout(60)
 def test_nothing_is_left_after_ray_shuts_down(ray_instance):
-    """Last in the module: stop the instance; no Ray process and no rank or server of the jobs remain."""
+    """Last in the module: stop the instance; no Ray process and no rank or server of the jobs remain, and the
+    driver's SIGTERM handler is its own again."""
     connection = STATE.pop("connection")
     session = connection.session_dir
     assert session is not None and session_processes(session), "the instance should be running until now"
@@ -187,6 +190,7 @@ def test_nothing_is_left_after_ray_shuts_down(ray_instance):
     disconnect(connection)
     assert session_processes(session) == []
     assert tagged_processes("LOOM_TEST_TAG", TAG) == []
+    assert signal.getsignal(signal.SIGTERM) is STATE["sigterm"]  # ray.init's handler is gone with it
 
 
 @pytest.mark.timeout(10)
