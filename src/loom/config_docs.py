@@ -39,7 +39,12 @@ def _options(config: type) -> str:
     docs = field_docs(config)
     lines = []
     for f in dataclasses.fields(config):
-        default = repr(f.default) if f.default is not dataclasses.MISSING else "(required)"
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "(required)"
         lines.append(f"    {f.name} = {default}: {docs.get(f.name, '')}".rstrip(": "))
     return f"Options ({config.__name__}):\n" + "\n".join(lines)
 
