@@ -20,7 +20,8 @@ challenge-response with fresh random nonces from both sides (so a recorded hands
 and HMAC-SHA256 under a different label per direction (so one side's proof cannot be reflected back as the
 other's). The listener reads only fixed-size fields before the proof, gives each connection at most
 `CONNECTION_TIMEOUT_S` in all (each on its own thread, so silent clients cannot queue the neighbour behind
-them), closes and counts one that fails, and goes on waiting for its neighbour until `HANDSHAKE_TIMEOUT_S`.
+them; past `MAX_PENDING_HANDSHAKES` the oldest is dropped, and the dialer retries a reset handshake), closes and
+counts one that fails, and goes on waiting for its neighbour until `HANDSHAKE_TIMEOUT_S`.
 
 The whole ring uses its links or none of them: when a member cannot link to its right neighbour (no job
 secret, as in a job not started by `loom run`; a neighbour on another host while this process listens on
@@ -40,6 +41,8 @@ connections); synchronous, and not for two threads at once.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import fcntl
 import hashlib
 import hmac
@@ -63,6 +66,7 @@ __all__ = [
     "HANDSHAKE_TIMEOUT_S",
     "LINK_TIMEOUT_S",
     "MAX_PENDING_HANDSHAKES",
+    "PendingHandshakes",
     "HandshakeRefused",
     "RingLink",
     "answer_handshake",
@@ -78,7 +82,7 @@ HANDSHAKE_TIMEOUT_S = 60.0
 CONNECTION_TIMEOUT_S = 5.0
 """Longest a listener spends on one connection's handshake (a silent or slow client is dropped)."""
 MAX_PENDING_HANDSHAKES = 64
-"""Handshakes a listener runs at once; connections beyond them are closed at once."""
+"""Handshakes a listener runs at once; one more evicts the oldest (`PendingHandshakes`)."""
 
 _HELLO = b"LOOMRNG1"
 _NONCE = 16
@@ -369,24 +373,57 @@ def answer_handshake(
 
 
 def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: float) -> socket.socket:
-    """Connect to ``peer``'s listener and run the connecting side of the handshake."""
+    """Connect to ``peer``'s listener and run the connecting side of the handshake.
+
+    A connection reset or closed during the handshake is tried again until ``deadline`` (a listener crowded by
+    other connections drops its oldest pending one); a listener that fails to prove the secret is not."""
     where = f"rank {me}: ring link to rank {peer} at {address}:{port}"
-    try:
-        sock = socket.create_connection((address, port), timeout=max(deadline - time.monotonic(), 1.0))
-    except OSError as error:
-        raise RuntimeError(f"{where}: cannot connect: {error}") from None
-    try:
-        dial_handshake(sock, secret, me.to_bytes(4, "big") + peer.to_bytes(4, "big"), deadline)
-        sock.settimeout(None)
-        return sock
-    except HandshakeRefused as refused:
-        sock.close()
-        raise RuntimeError(f"{where}: {refused}") from None
-    except OSError as error:
-        sock.close()
-        raise RuntimeError(
-            f"{where}: handshake failed: {error}. HINT: every process needs the same LOOM_JOB_SECRET"
-        ) from None
+    pause, last = 0.05, "no attempt"
+    while True:
+        try:
+            sock = socket.create_connection((address, port), timeout=max(deadline - time.monotonic(), 1.0))
+        except OSError as error:
+            raise RuntimeError(f"{where}: cannot connect: {error}") from None
+        try:
+            dial_handshake(sock, secret, me.to_bytes(4, "big") + peer.to_bytes(4, "big"), deadline)
+            sock.settimeout(None)
+            return sock
+        except HandshakeRefused as refused:
+            sock.close()
+            raise RuntimeError(f"{where}: {refused}") from None
+        except OSError as error:
+            sock.close()
+            last = str(error)
+        if time.monotonic() + pause >= deadline:
+            raise RuntimeError(
+                f"{where}: handshake failed until the deadline, last: {last}. HINT: the listener closed every "
+                "attempt: it was crowded by other connections, or the processes hold different LOOM_JOB_SECRETs"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
+
+
+class PendingHandshakes:
+    """The connections whose handshake is running on a listener, at most ``limit``: one more evicts the oldest
+    (its socket is shut down, so its handshake fails and is counted), so connections that say nothing can delay
+    a peer by one eviction at most, never lock it out; dialers retry a reset handshake."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._pending: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def admit(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._pending) >= self.limit:
+                oldest, _ = self._pending.popitem(last=False)
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self._pending[sock] = None
+
+    def done(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._pending.pop(sock, None)
 
 
 def _accept(
@@ -399,23 +436,21 @@ def _accept(
     `MAX_PENDING_HANDSHAKES` run at once (more are closed at once and counted)."""
     ranks = peer.to_bytes(4, "big") + me.to_bytes(4, "big")
     admitted: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+    pending = PendingHandshakes(MAX_PENDING_HANDSHAKES)
     lock = threading.Lock()
-    pending = [0]
 
     def handshake(sock: socket.socket) -> None:
+        until = min(deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
         try:
-            answer_handshake(
-                sock, secret, len(ranks), ranks.__eq__, min(deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
-            )
+            answer_handshake(sock, secret, len(ranks), ranks.__eq__, until)
             sock.settimeout(None)
             admitted.put(sock)
-        except OSError:  # ConnectionError and timeouts included
+        except OSError:  # ConnectionError, timeouts and evictions included
             sock.close()
             with lock:
                 rejected[0] += 1
         finally:
-            with lock:
-                pending[0] -= 1
+            pending.done(sock)
 
     while admitted.empty():
         remaining = deadline - time.monotonic()
@@ -432,12 +467,6 @@ def _accept(
             continue
         except OSError as error:
             raise RuntimeError(f"rank {me}: ring link: accepting rank {peer} failed: {error}") from None
-        with lock:
-            full = pending[0] >= MAX_PENDING_HANDSHAKES
-            pending[0] += 0 if full else 1
-            rejected[0] += 1 if full else 0
-        if full:
-            sock.close()
-            continue
+        pending.admit(sock)
         threading.Thread(target=handshake, args=(sock,), daemon=True, name="loom-ring-handshake").start()
     return admitted.get()

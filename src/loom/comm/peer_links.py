@@ -20,6 +20,7 @@ from collections.abc import Callable
 from loom.comm.links import (
     CONNECTION_TIMEOUT_S,
     HandshakeRefused,
+    PendingHandshakes,
     _listen_address,
     answer_handshake,
     dial_handshake,
@@ -28,7 +29,7 @@ from loom.comm.links import (
 __all__ = ["DIALER_GETS", "DIALER_SENDS", "MAX_HANDSHAKES", "PeerListener", "dial"]
 
 MAX_HANDSHAKES = 16
-"""Connections whose handshake may run at once; more are closed unanswered (and counted as rejected)."""
+"""Connections whose handshake may run at once; one more evicts the oldest (`loom.comm.links.PendingHandshakes`)."""
 _HELLO, _LABEL = b"LOOMGSP1", b"gossip"
 DIALER_SENDS, DIALER_GETS = len(_HELLO) + 16 + 8 + 32, 16 + 32 + 1
 """Handshake bytes, counted with the traffic: hello, nonce, ids and proof out; nonce, proof and verdict in."""
@@ -66,7 +67,7 @@ class PeerListener:
         self.rejected = 0
         """Connections closed because they did not prove the job secret (or too many at once)."""
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._pending = PendingHandshakes(MAX_HANDSHAKES)
         self._closed = False
         self.sock = socket.create_server((host or _listen_address(), 0), backlog=64)
         self.sock.settimeout(0.5)
@@ -82,10 +83,7 @@ class PeerListener:
                 continue
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                sock.close()
-                self._count_rejected()
-                continue
+            self._pending.admit(sock)
             threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
 
     def _expected(self, ids: bytes) -> bool:
@@ -104,7 +102,7 @@ class PeerListener:
             self._count_rejected()
             sock.close()
         finally:
-            self._slots.release()
+            self._pending.done(sock)
 
     def _count_rejected(self) -> None:
         with self._lock:
