@@ -150,3 +150,34 @@ def test_one_process_matches_an_outer_step_written_out():
 def test_bad_options_are_named(options, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(")):
         loom.DiLoCo(**options)
+
+
+@pytest.mark.timeout(30)
+def test_int8_keeps_buffers_out_of_the_pseudo_gradients_chunks():
+    """Fragment 0 carries the buffers as values (a BatchNorm running variance of ~900 here); under int8 they must
+    not share a chunk, and so a scale, with the small pseudo-gradients, which would round those to 0."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(30 * torch.randn(64, 6), torch.randn(64, 1))
+
+    def outer_step(compression):
+        """The global copy's move in the first outer step, and the buffers sent with it."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 9), nn.BatchNorm1d(9), nn.Linear(9, 1))  # 91 values: one chunk
+        job = loom.DiLoCo(sync_every=2, compression=compression, topology=SINGLE, observe=False).setup(
+            model, torch.optim.SGD(model.parameters(), lr=1e-4), nn.functional.mse_loss
+        )
+        start = [g.detach().clone() for g in job.global_params]
+        for step, batch in enumerate(job.loader(data, 16, seed=0), start=1):
+            job.train_step(batch)
+            if step == 2:
+                break
+        moves = torch.cat([(g.detach() - s).flatten() for g, s in zip(job.global_params, start, strict=True)])
+        return moves, dict(model.named_buffers())
+
+    exact, buffers = outer_step(None)
+    assert buffers["1.running_var"].max() > 50  # large values travel beside the pseudo-gradients
+    quantized, _ = outer_step("int8")
+    assert exact.abs().max() > 0
+    # The pseudo-gradients' chunk has its own scale: each move within half a step of it (outer lr 0.7 and
+    # Nesterov's 1.9 included in the move), not rounded to 0 by the buffers' scale.
+    assert (quantized - exact).abs().max() <= exact.abs().max() / 127 * 1.01

@@ -254,11 +254,21 @@ class DiLoCoJob(ReplicaJob):
         held = [self.global_params[i] for i in self.fragments[k]]
         return (local + self._buffers, held) if k == 0 else (local, held)
 
+    def _pad_before_buffers(self, k: int) -> int:
+        """Zeros between fragment ``k``'s pseudo-gradients and the buffers it carries, so that under int8 no chunk
+        (one scale) holds both: a buffer's values (a running variance near 1) would set the scale of small
+        pseudo-gradients sharing its chunk and round them to 0."""
+        if self.config.compression != "int8" or k != 0 or not self._buffers:
+            return 0
+        return -sum(self._params[i].numel() for i in self.fragments[k]) % INT8_CHUNK
+
     def _send(self, k: int, overlap: int) -> None:
         local, held = self._fragment_tensors(k)
         world = self.topology.world_size
         weight = self._samples[k] / self._global_samples[k] if self._global_samples[k] else 1.0 / world
-        pieces = [g - p.detach() for g, p in zip(held, local, strict=False)] + local[len(held) :]
+        pieces = [g - p.detach() for g, p in zip(held, local, strict=False)]
+        pad = self._pad_before_buffers(k)
+        pieces += ([torch.zeros(pad, dtype=torch.float32)] if pad else []) + local[len(held) :]
         flat = flatten(pieces, weight)
         sent_from = [t.detach().clone() for t in local] if overlap else []
         args = (flat, self.config.compression, self.config.allreduce, self._sync_group)
@@ -285,7 +295,13 @@ class DiLoCoJob(ReplicaJob):
         """The outer step on the fragment's global copy, then the local values from it."""
         averaged = self._wait(entry)
         local, held = self._fragment_tensors(entry.fragment)
-        views = list(averaged.split([t.numel() for t in local]))
+        sizes = [t.numel() for t in local]
+        pad = self._pad_before_buffers(entry.fragment)
+        if pad:
+            sizes.insert(len(held), pad)
+        views = list(averaged.split(sizes))
+        if pad:
+            del views[len(held)]
         self.outer_optimizer.zero_grad(set_to_none=True)
         for g, piece in zip(held, views, strict=False):
             g.grad = piece.view_as(g).to(g.dtype)
