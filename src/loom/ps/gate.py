@@ -14,6 +14,11 @@ from 303 MB to 1.5 GB). Two ZeroMQ mechanisms close that:
 - **Small parts.** Frames travel as multipart messages of at most `PART_BYTES` each, and every socket refuses a
   part larger than that (``MAXMSGSIZE``), so what an unauthenticated connection can make a server buffer
   before it is dropped is one part, not one frame.
+
+Limit: ZeroMQ keeps every part of a multipart message until its last part arrives and bounds only the size of
+each part, not their number, so a peer that passed the handshake (a worker, or whoever sniffed the token on the
+job's network) can still make a server buffer without bound by never ending a message. Closing that needs each
+part sent as a message of its own and reassembled under a byte budget per peer (not done yet).
 """
 
 from __future__ import annotations
