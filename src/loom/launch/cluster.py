@@ -45,6 +45,8 @@ MAX_SPEC_BYTES = 1 << 20
 ROLES = ("worker", "server")
 _FIELDS = {"worker": {"address", "role", "nproc"}, "server": {"address", "role", "ports"}}
 _STORE_POLL_S = 1.0
+_MISSED_PINGS = 3
+"""Pings of node 0's store in a row that must fail before a server host decides the job has ended."""
 """How often a server host checks that node 0's store is still there."""
 
 
@@ -298,6 +300,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) 
             first.close()
         print(f"loom run: servers {[a for _, a in mine]} joined the job at {spec.master}", file=sys.stderr)
         watch = LoomStore(master_host, master_port, secret, connect_timeout_s=2.0, io_timeout_s=30.0)
+        missed = 0
         while True:
             time.sleep(_STORE_POLL_S)
             dead = [(i, p.returncode) for (i, _), p in zip(mine, procs, strict=True) if p.poll() is not None]
@@ -307,10 +310,15 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) 
                 return 1
             try:
                 watch.ping()
+                missed = 0
             except StoreUnreachable:
+                missed += 1  # one lost ping is a blip of the network, not the end of the job
+                if missed < _MISSED_PINGS:
+                    continue
                 print(
-                    "loom run: node 0's launcher has ended; stopping the parameter servers", file=sys.stderr
-                )
+                    f"loom run: node 0's launcher has not answered {missed} pings in a row: it has ended; "
+                    "stopping the parameter servers", file=sys.stderr,
+                )  # fmt: skip
                 return 0
     finally:
         _stop(procs)

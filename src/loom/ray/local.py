@@ -158,9 +158,17 @@ def _forget_cached_token() -> None:
 
 
 def session_processes(session_dir: str) -> list[int]:
-    """Live processes whose command line names ``session_dir`` (the Ray instance's processes)."""
-    needle = session_dir.encode()
-    return _live_processes(lambda entry: needle in (entry / "cmdline").read_bytes())
+    """Live processes of this user that are Ray's (a program or script of Ray's own comes first in the command
+    line) and name ``session_dir`` (this instance): not, say, a ``tail -f`` of one of its logs."""
+    needle, uid = session_dir.encode(), os.getuid()
+
+    def ours(entry: Path) -> bool:
+        if entry.stat().st_uid != uid:
+            return False
+        args = (entry / "cmdline").read_bytes().split(b"\0")
+        return any(b"ray" in arg for arg in args[:2]) and any(needle in arg for arg in args)
+
+    return _live_processes(ours)
 
 
 def tagged_processes(name: str, value: str) -> list[int]:
@@ -198,7 +206,7 @@ def disconnect(connection: RayConnection, grace_s: float = 5.0) -> list[int]:
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):  # gone meanwhile, or not ours after all
                 pass
     if connection.saved is not None:
         connection.saved.restore()
