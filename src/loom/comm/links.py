@@ -446,9 +446,9 @@ def _accept(
             sock.settimeout(None)
             admitted.put(sock)
         except OSError:  # ConnectionError, timeouts and evictions included
-            sock.close()
             with lock:
-                rejected[0] += 1
+                rejected[0] += 1  # counted before the client can see its connection closed
+            sock.close()
         finally:
             pending.done(sock)
 

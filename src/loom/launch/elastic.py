@@ -40,22 +40,24 @@ class AgentOptions:
 
 
 def failure_text(failure: Any) -> str:
-    """What a worker's failure was: the last line of the exception it raised, else the signal that killed it."""
+    """What a worker's failure was: the signal that killed it (from outside the agent), else the last line of
+    the exception it raised, else how it exited."""
     import signal
 
-    message = failure.message
-    if isinstance(message, dict):  # an error file written by the worker: {"message": "...", "extraInfo": ...}
-        message = message.get("message", "")
-    message = str(message or "").strip()
     code = failure.exitcode
-    if message and not message.startswith("Signal "):
-        return message.splitlines()[-1]
-    if code is not None and code < 0:
+    lines = [
+        line
+        for line in _message(failure).splitlines()
+        if line.strip() and not line.startswith("To enable traceback")
+    ]
+    if code is not None and code < 0 and (code != -15 or not lines):
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    return "exited without a Python exception"
+    if lines and not lines[-1].startswith("Signal "):
+        return lines[-1].strip()
+    return f"exited with code {code} without a Python exception"
 
 
 _CONSEQUENCES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "connection to rank")
@@ -63,18 +65,27 @@ _CONSEQUENCES = ("Connection reset by peer", "Connection closed by peer", "Broke
 
 
 def root_failure(failures: dict[int, Any]) -> int:
-    """The rank whose failure caused the others: one that raised an error not about a lost peer, else one not
-    stopped by the agent's SIGTERM, else the earliest, else the lowest rank."""
+    """The rank whose failure caused the others: one killed by a signal from outside (not the agent's SIGTERM:
+    SIGKILL, the kernel's OOM killer, a crash), else one that raised an error not about a lost peer, else one
+    that raised, else the earliest, else the lowest rank. A rank that lost a killed peer raises too, so a
+    signal ranks before an exception."""
 
-    def blame(rank: int) -> tuple[int, int, int, float, int]:
+    def blame(rank: int) -> tuple[int, int, float, int]:
         f = failures[rank]
-        message = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message or "")
+        signalled = f.exitcode is not None and f.exitcode < 0 and f.exitcode != -15
         raised = isinstance(f.message, dict) or f.error_file_data.get("message") is not None
-        consequence = any(text in message for text in _CONSEQUENCES)
-        stopped_by_agent = f.exitcode == -15
-        return (0 if raised else 1, int(consequence), int(stopped_by_agent), f.timestamp, rank)
+        consequence = any(text in _message(f) for text in _CONSEQUENCES)
+        order = 0 if signalled else 1 if raised and not consequence else 2 if raised else 3
+        return (order, int(f.exitcode == -15), f.timestamp, rank)
 
     return min(failures, key=blame)
+
+
+def _message(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):  # an error file written by the worker: {"message": "...", "extraInfo": ...}
+        message = message.get("message", "")
+    return str(message or "").strip()
 
 
 def restart_line(failures: dict[int, Any], attempt: int, max_restarts: int) -> str:
