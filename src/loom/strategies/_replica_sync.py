@@ -48,7 +48,7 @@ from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
-from loom.strategies._batch import batch_len, split_batch, to_device
+from loom.strategies._batch import batch_len, share_means, share_sums, split_batch, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel import default_metrics_path
@@ -351,26 +351,11 @@ class ReplicaJob(Job):
         inputs, targets = split_batch(batch)
         device = self.topology.device
         inputs, targets = to_device(inputs, device), to_device(targets, device)
-        fns: dict[str, Callable] = {"loss": self.loss_fn, **(metrics or {})}
-        local = batch_len(inputs)
-        sums = torch.zeros(len(fns) + 1, dtype=torch.float64, device=device)
-        sums[-1] = local
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            if local:
-                outputs = self.module(inputs)
-                for i, fn in enumerate(fns.values()):
-                    sums[i] = float(fn(outputs, targets)) * local
-        finally:
-            self.module.train(was_training)
+        names, sums = share_sums(self.module, self.loss_fn, metrics, inputs, targets, device)
         if self.topology.is_distributed:
             with self.watchdog.collective("evaluation all-reduce"):
                 dist.all_reduce(sums, group=self._group)
-        count = float(sums[-1].item())
-        if count == 0:
-            raise ValueError(f"rank {self.topology.rank}: eval_step got a global batch of 0 samples")
-        return {name: float(sums[i].item()) / count for i, name in enumerate(fns)}
+        return share_means(names, sums, self.topology.rank)
 
     def _inner_state(self) -> dict[str, Any]:
         return {

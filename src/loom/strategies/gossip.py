@@ -62,7 +62,7 @@ from loom.fault.desync import gradients_finite
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.strategies._batch import batch_len, split_batch
+from loom.strategies._batch import batch_len, share_means, share_sums, split_batch
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.data_parallel import default_metrics_path
 from loom.strategies.gossip_exchange import (
@@ -340,25 +340,11 @@ class GossipJob(Job):
         the same on every rank. Collective (an all-reduce of a few numbers): every worker calls it."""
         check_batch_layout(batch, self)
         inputs, targets = split_batch(batch)
-        fns: dict[str, Callable] = {"loss": self.loss_fn, **(metrics or {})}
-        local = batch_len(inputs)
-        sums = torch.zeros(len(fns) + 1, dtype=torch.float64)
-        sums[-1] = local
-        with self.paused(), torch.no_grad():
-            was_training = self.module.training
-            self.module.eval()
-            try:
-                if local:
-                    outputs = self.module(inputs)
-                    for i, fn in enumerate(fns.values()):
-                        sums[i] = float(fn(outputs, targets)) * local
-            finally:
-                self.module.train(was_training)
+        with self.paused():
+            names, sums = share_sums(self.module, self.loss_fn, metrics, inputs, targets)
         if self.topology.is_distributed:
             dist.all_reduce(sums)
-        if sums[-1] == 0:
-            raise ValueError("eval_step got a global batch of 0 samples (every share is empty)")
-        return {name: float(sums[i] / sums[-1]) for i, name in enumerate(fns)}
+        return share_means(names, sums, self.topology.rank)
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's model, optimizer, step and peer choice (tensors and numbers). The parameters are

@@ -60,7 +60,7 @@ from loom.ps.client import PSClient
 from loom.ps.plan import ParamSpec, Piece, plan_shards
 from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
-from loom.strategies._batch import batch_len, split_batch
+from loom.strategies._batch import batch_len, share_means, share_sums, split_batch
 from loom.strategies._setup import check_setup_arguments
 from loom.topology import Topology, current
 
@@ -365,27 +365,11 @@ class ParameterServerJob(Job):
                 "to add up the workers' shares, and this process has not joined it. HINT: call loom.init() at "
                 "the start of the script (or evaluate locally: fetch_parameters() and run module)."
             )
-        fns: dict[str, Callable] = {"loss": self.loss_fn, **(metrics or {})}
-        local = batch_len(inputs)
-        sums = torch.zeros(len(fns) + 1, dtype=torch.float64)
-        sums[-1] = local
         self._pull_dense(peek=True)
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with torch.no_grad():
-                if local:
-                    outputs = self.module(inputs)
-                    for i, fn in enumerate(fns.values()):
-                        sums[i] = float(fn(outputs, targets)) * local
-        finally:
-            self.module.train(was_training)
+        names, sums = share_sums(self.module, self.loss_fn, metrics, inputs, targets)
         if self.topology.is_distributed:
             dist.all_reduce(sums)
-        count = float(sums[-1].item())
-        if count == 0:
-            raise ValueError("eval_step got a global batch of 0 samples (every share is empty)")
-        return {name: float(sums[i].item()) / count for i, name in enumerate(fns)}
+        return share_means(names, sums, self.topology.rank)
 
     def _gradients(self) -> list[dict[str, torch.Tensor]]:
         """Per server: ``g<id>`` dense gradient slices; for sparse pieces ``r<id>`` rows and ``g<id>`` values."""
