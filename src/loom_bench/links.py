@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["run_links_benchmark"]
+__all__ = ["Hosts", "run_job", "run_links_benchmark", "skip_reason"]
 
 RATES = {"1gbit": 1e9, "100mbit": 1e8}
 SIZES = {"1gbit": 16 << 20, "100mbit": 4 << 20}
@@ -129,8 +129,11 @@ class Hosts:
         self._made = []
 
 
-def _run_job(hosts: Hosts, worker: str, worker_args: list[str], tmp: Path) -> None:
-    """Run module ``worker`` as a `loom run` job, one node per namespace; kill them all on failure or timeout."""
+def run_job(
+    hosts: Hosts, worker: str, worker_args: list[str], tmp: Path, timeout_s: float = TIMEOUT_S
+) -> None:
+    """Run module ``worker`` as a `loom run` job, one node per namespace; kill them all on failure or after
+    ``timeout_s``."""
     port = 29500 + secrets.randbelow(2000)
     secret = secrets.token_hex(32)  # one job secret for all nodes, as a multi-node job needs
     procs = []
@@ -144,7 +147,7 @@ def _run_job(hosts: Hosts, worker: str, worker_args: list[str], tmp: Path) -> No
             env = dict(os.environ, OMP_NUM_THREADS="1", LOOM_JOB_SECRET=secret)
             env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher picks the veth holding --local-addr
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed or time.monotonic() > deadline:
@@ -188,14 +191,14 @@ def run_links_benchmark(
                         f"loom bench links: {k} hosts, {rate}, {SIZES[rate] >> 20} MiB all-reduce", flush=True
                     )
                     args = ["--bytes", str(SIZES[rate]), "--reps", str(reps), "--out", str(job / "ar.json")]
-                    _run_job(hosts, "loom_bench.links_worker", args, job / "ar")
+                    run_job(hosts, "loom_bench.links_worker", args, job / "ar")
                     found = json.loads((job / "ar.json").read_text())
                     for r in found["results"].values():
                         r["fraction_of_link"] = r["bus_bits_per_s"] / bits
                     print(f"loom bench links: {k} hosts, {rate}, DataParallel steps", flush=True)
                     args = ["--codecs", CODECS, "--steps", str(dp_steps), "--repetitions", str(dp_reps),
                             "--out", str(job / "dp.json")]  # fmt: skip
-                    _run_job(hosts, "loom_bench.links_dp_worker", args, job / "dp")
+                    run_job(hosts, "loom_bench.links_dp_worker", args, job / "dp")
                     dp = json.loads((job / "dp.json").read_text())
                     runs.append({"hosts": k, "rate": rate, **found, **dp})
             except RuntimeError as error:
