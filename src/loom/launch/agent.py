@@ -62,6 +62,9 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     servers: int = 0
     """Parameter-server processes to start beside the workers (one-node jobs only)."""
+    max_server_restarts: int = 3
+    """Times each parameter server that dies while the job runs is restarted from its checkpoint; once more
+    stops the job (`loom.launch.servers`)."""
     server_bind: str = "127.0.0.1"
     """Address the parameter servers listen on (loopback unless asked)."""
     trace_steps: str | None = None
@@ -92,6 +95,8 @@ class LaunchSpec:
             raise ValueError(f"--join-timeout must be > 0 seconds, got {self.join_timeout_s}")
         if self.servers < 0:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
+        if self.max_server_restarts < 0:
+            raise ValueError(f"--max-server-restarts must be >= 0, got {self.max_server_restarts}")
         if self.servers and self.nnodes > 1:
             raise ValueError(
                 "--servers is supported on one-node jobs only (parameter servers start on this host)"
@@ -289,10 +294,13 @@ def launch(spec: LaunchSpec) -> int:
         shutdown_timeout_s=spec.shutdown_timeout_s,
     )
     started = time.monotonic()
+    servers = None
     try:
-        with server_processes(spec.servers, spec.server_bind) as server_addresses:
-            if server_addresses:
-                os.environ["LOOM_PS_ADDRS"] = ",".join(server_addresses)
+        with server_processes(
+            spec.servers, spec.server_bind, spec.max_server_restarts, spec.run_dir.resolve()
+        ) as servers:
+            if servers.addresses:
+                os.environ["LOOM_PS_ADDRS"] = ",".join(servers.addresses)
             _, restarts = run_agent(options, rendezvous, sys.executable, _worker_args(spec))
     except ChildFailedError as error:
         print(_describe_failures(error), file=sys.stderr)
@@ -305,6 +313,9 @@ def launch(spec: LaunchSpec) -> int:
         print(f"loom run: {error}", file=sys.stderr)
         return 1
     except SignalException as stop:
+        if servers is not None and servers.failure is not None:  # the server watcher stopped the job
+            print(f"loom run: workers were terminated; logs are in {spec.run_dir / 'logs'}", file=sys.stderr)
+            return 1
         print(f"loom run: stopped by signal {stop.sigval.name}; workers were terminated", file=sys.stderr)
         return 128 + int(stop.sigval)
     finally:
@@ -359,10 +370,14 @@ def _supervised(spec: LaunchSpec, run_id: str) -> int:
 
     logs = spec.run_dir / "logs"
     try:
-        with server_processes(spec.servers, spec.server_bind) as server_addresses:
-            if server_addresses:
-                os.environ["LOOM_PS_ADDRS"] = ",".join(server_addresses)
-            status = supervise_workers(spec.nproc, _worker_args(spec), run_id, logs, spec.shutdown_timeout_s)
+        with server_processes(
+            spec.servers, spec.server_bind, spec.max_server_restarts, spec.run_dir.resolve(), lambda: None
+        ) as servers:
+            if servers.addresses:
+                os.environ["LOOM_PS_ADDRS"] = ",".join(servers.addresses)
+            status = supervise_workers(
+                spec.nproc, _worker_args(spec), run_id, logs, spec.shutdown_timeout_s, lambda: servers.failure
+            )
     finally:
         if spec.trace_steps:
             _merge_traces(spec.run_dir)

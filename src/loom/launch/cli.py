@@ -83,6 +83,14 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--servers", type=_non_negative_int, default=0, help="parameter-server processes to start")
     p.add_argument("--server-bind", default="127.0.0.1", help="address the parameter servers listen on")
     p.add_argument(
+        "--max-server-restarts",
+        type=_non_negative_int,
+        default=3,
+        metavar="N",
+        help="restarts of each parameter server that dies while the job runs, on its address and from its "
+        "checkpoint (default 3); one more death stops the job, naming the server and its signal",
+    )
+    p.add_argument(
         "--trace-steps",
         type=_trace_window,
         default=None,
@@ -150,6 +158,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             local_addr=ns.local_addr,
             run_dir=ns.run_dir or _default_run_dir(),
             servers=ns.servers,
+            max_server_restarts=ns.max_server_restarts,
             trace_steps=ns.trace_steps,
             server_bind=ns.server_bind,
             join_timeout_s=ns.join_timeout,

@@ -1,24 +1,36 @@
-"""Parameter-server processes started beside the workers by ``loom run --servers K``.
+"""Parameter-server processes started beside the workers by ``loom run --servers K``, watched and restarted.
 
 The servers are not part of the elastic worker group: they start before it, survive worker restarts, and are
 stopped (SIGTERM, then SIGKILL) once the workers are done. Each runs ``python -m loom.ps.server --index i
 --num-servers K --bind ADDR:PORT`` through `loom.launch.worker`, so it dies with the launcher too. Workers learn
 the addresses from ``LOOM_PS_ADDRS``; every process gets the job secret in ``LOOM_JOB_SECRET``.
+
+A server that exits while the job runs is restarted with the same command, so on the same address (the workers
+know only that), and resumes from its checkpoint in ``$LOOM_RUN_DIR/ps`` (`loom.ps.server`); one line says so. A
+server may die ``max_restarts`` times; once more and the job is stopped (`ServerGroup.failure` says why) - a
+server that keeps dying is a bug or a broken host, not bad luck. Every death (server, exit status or signal, time)
+goes into ``$LOOM_RUN_DIR/ps-servers.json`` (`loom.ps.deaths`), which a worker whose request times out reads to
+name the cause. Exits after the job has begun stopping the servers are not deaths.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from loom.launch.agent import free_port
+from loom.ps.deaths import describe_exit, write_record
 
-__all__ = ["server_processes"]
+__all__ = ["ServerGroup", "server_processes"]
 
 
 def _prefix_lines(stream, prefix: str) -> None:
@@ -40,25 +52,135 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             proc.wait()
 
 
-@contextmanager
-def server_processes(count: int, bind_host: str) -> Iterator[list[str]]:
-    """Start ``count`` servers listening on ``bind_host``; yields their ``ADDR:PORT`` list."""
-    if count == 0:
-        yield []
-        return
-    addresses = [f"{bind_host}:{free_port(bind_host)}" for _ in range(count)]
-    procs: list[subprocess.Popen] = []
-    try:
-        for index, address in enumerate(addresses):
-            cmd = [sys.executable, "-u", "-m", "loom.launch.worker", "-m", "loom.ps.server",
-                   "--index", str(index), "--num-servers", str(count), "--bind", address]  # fmt: skip
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ)
+def _stop_this_launcher() -> None:
+    """SIGTERM to this process: the launcher's own handler stops the workers (`loom.launch.agent`)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@dataclass
+class _Server:
+    index: int
+    address: str
+    proc: subprocess.Popen
+    restarts: int = 0
+    state: str = "running"
+    deaths: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ServerGroup:
+    """The job's servers: started, watched by a thread, restarted up to ``max_restarts`` times each."""
+
+    def __init__(
+        self,
+        count: int,
+        bind_host: str,
+        max_restarts: int,
+        run_dir: Path | None,
+        on_failure: Callable[[], None] = _stop_this_launcher,
+        poll_s: float = 0.1,
+    ) -> None:
+        self.count = count
+        self.addresses = [f"{bind_host}:{free_port(bind_host)}" for _ in range(count)]
+        self.max_restarts = max_restarts
+        self.run_dir = run_dir
+        self.on_failure = on_failure
+        self.poll_s = poll_s
+        self.failure: str | None = None
+        """Why the job was stopped (a server died more than ``max_restarts`` times); None while it was not."""
+        self.servers: list[_Server] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="loom-server-watch", daemon=True)
+
+    def start(self) -> None:
+        for index, address in enumerate(self.addresses):
+            self.servers.append(_Server(index, address, self._spawn(index, address)))
+        self._write()
+        self._watcher.start()
+
+    def _spawn(self, index: int, address: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-u", "-m", "loom.launch.worker", "-m", "loom.ps.server",
+               "--index", str(index), "--num-servers", str(self.count), "--bind", address]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ)
+        )
+        threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{index}]: "), daemon=True).start()
+        return proc
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            for server in self.servers:
+                if server.state != "running" or server.proc.poll() is None:
+                    continue
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    self._died(server, server.proc.returncode)
+
+    def _died(self, server: _Server, status: int) -> None:
+        cause = describe_exit(status)
+        restart = server.restarts < self.max_restarts
+        server.deaths.append({"time": time.time(), "status": status, "cause": cause, "restarted": restart})
+        if restart:
+            server.restarts += 1
+            print(f"loom run: parameter server {server.index} died ({cause}); restarting it from its checkpoint "
+                  f"(restart {server.restarts} of {self.max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
+            server.proc = self._spawn(server.index, server.address)
+            self._write()
+            return
+        server.state = "dead"
+        self.failure = (f"parameter server {server.index} at {server.address} died ({cause}) after "
+                        f"{server.restarts} restart(s), more than --max-server-restarts {self.max_restarts} "
+                        "allows; stopping the job. HINT: its lines above (prefixed [server"
+                        f"{server.index}]) show why it died")  # fmt: skip
+        print(f"loom run: {self.failure}", file=sys.stderr, flush=True)
+        self._write()
+        self._stopping.set()
+        self.on_failure()
+
+    def _write(self) -> None:
+        if self.run_dir is None:
+            return
+        record = [{"index": s.index, "address": s.address, "pid": s.proc.pid, "state": s.state,
+                   "restarts": s.restarts, "max_restarts": self.max_restarts, "deaths": s.deaths}
+                  for s in self.servers]  # fmt: skip
+        try:
+            write_record(self.run_dir, record)
+        except OSError as error:  # the record helps explain; it must not take the job down
+            print(
+                f"loom run: could not write the servers' record into {self.run_dir}: {error}", file=sys.stderr
             )
-            procs.append(proc)
-            threading.Thread(
-                target=_prefix_lines, args=(proc.stdout, f"[server{index}]: "), daemon=True
-            ).start()
-        yield addresses
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop watching, then stop every server (their exits now are not deaths)."""
+        self._stopping.set()
+        with self._lock:
+            procs = [s.proc for s in self.servers]
+            for server in self.servers:
+                if server.state == "running":
+                    server.state = "stopped"
+        if self._watcher.is_alive() and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5.0)
+        _stop(procs, grace_s)
+        self._write()
+
+
+@contextmanager
+def server_processes(
+    count: int,
+    bind_host: str,
+    max_restarts: int = 3,
+    run_dir: Path | None = None,
+    on_failure: Callable[[], None] = _stop_this_launcher,
+) -> Iterator[ServerGroup]:
+    """Start ``count`` servers listening on ``bind_host``, watched (see the module docstring); yields the
+    group (``addresses``, ``failure``). With ``count == 0``, an empty group that starts nothing. ``on_failure``
+    is called (from the watching thread) when a server died once too often: by default it sends this process
+    SIGTERM, which stops the elastic agent's workers."""
+    group = ServerGroup(count, bind_host, max_restarts, run_dir, on_failure)
+    try:
+        if count:
+            group.start()
+        yield group
     finally:
-        _stop(procs)
+        group.stop()

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -150,9 +151,16 @@ def _stop(workers: list[_Worker], grace_s: float) -> None:
             w.proc.wait()
 
 
-def _watch(workers: list[_Worker]) -> None:
-    """Wait for every worker to end, announcing each one that dies while the others go on."""
+class _JobFailed(Exception):
+    """The job cannot go on (a parameter server died once too often): stop the workers, exit 1."""
+
+
+def _watch(workers: list[_Worker], failure: Callable[[], str | None]) -> None:
+    """Wait for every worker to end, announcing each one that dies while the others go on; raises `_JobFailed`
+    when ``failure()`` says the job cannot go on."""
     while True:
+        if failure() is not None:
+            raise _JobFailed(failure())
         running = 0
         for w in workers:
             if w.proc.poll() is None:
@@ -178,10 +186,19 @@ def _verdict(workers: list[_Worker]) -> int:
     return 0 if succeeded and len(lost) == len(failed) else 1
 
 
-def supervise_workers(nproc: int, worker_args: list[str], run_id: str, logs: Path, grace_s: float) -> int:
+def supervise_workers(
+    nproc: int,
+    worker_args: list[str],
+    run_id: str,
+    logs: Path,
+    grace_s: float,
+    failure: Callable[[], str | None] = lambda: None,
+) -> int:
     """Start ``nproc`` workers (``python WORKER_ARGS``) on this node and wait for all; see the module docstring.
 
-    The caller has prepared the job's environment (`loom.launch.agent`) and started any servers."""
+    The caller has prepared the job's environment (`loom.launch.agent`) and started any servers; ``failure()``
+    returns why the job must stop (a parameter server died once too often, already reported), else None: the
+    workers are then stopped and the status is 1."""
     from loom.launch.store import StoreServer, job_secret
 
     logs.mkdir(parents=True, exist_ok=True)
@@ -197,7 +214,10 @@ def supervise_workers(nproc: int, worker_args: list[str], run_id: str, logs: Pat
     try:
         for rank in range(nproc):
             workers.append(_start(rank, nproc, worker_args, store.port, run_id, logs))
-        _watch(workers)
+        _watch(workers, failure)
+    except _JobFailed:
+        _stop(workers, grace_s)
+        return 1
     except _LauncherStopped as stop:
         print(f"loom run: stopped by signal {stop}; workers were terminated", file=sys.stderr)
         _stop(workers, grace_s)

@@ -5,20 +5,28 @@ like requests (the MAC proves the server holds the job secret) and must answer t
 session, the sequence number of one of the sends of the request; anything else is dropped and counted.
 
 Retries: a server that does not answer within an attempt window (2 s, doubling to 10 s) is greeted again (a
-restarted server has a new epoch, and frames of the old epoch are dropped by design) and the request is resent
-under a new sequence number. Resending is safe because the server recognises pushes it has applied by the
-worker's clock. A request that gets no answer before its deadline raises `TimeoutError` naming the server.
+restarted server has a new epoch, and frames of the old epoch are dropped by design) and, once it answers, the
+request is resent under a new sequence number. Resending is safe because the server recognises pushes it has applied by the
+worker's clock. The greeting is repeated every half second while it waits, so a server restarted by the launcher
+is found as soon as it listens. A greeting that finds a new epoch records a restart (`PSClient.restarts`, with the
+version each model was resumed at), which `loom.strategies.parameter_server` turns into a count of lost updates.
+
+A request that gets no answer before its deadline raises `TimeoutError` naming the server, its address, the
+operation and the worker, and why: the launcher's record says the server died (with its signal) and was or was not
+restarted (`loom.ps.deaths`), or nothing listens at its address, or something listens but does not answer.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
 import torch
 import zmq
 
+from loom.ps.deaths import death_of
 from loom.ps.gate import join_parts, secure_client, split_frame
 from loom.ps.wire import Frame, FrameDropped, MessageType, WireLimits, decode, encode
 
@@ -94,6 +102,10 @@ class PSClient:
         self.links = [ServerLink(self.context, i, a, secret, self.limits) for i, a in enumerate(addresses)]
         self.traffic: dict[str, list[int]] = {}
         """Bytes sent and received per request type: ``{"PUSH": [sent, received], ...}``."""
+        self.restarts: list[dict[str, Any]] = []
+        """Servers found restarted (a new epoch) and not yet taken by `take_restarts`: ``{"server", "address",
+        "time" (Unix seconds of its first answer), "resumed": {model: version resumed at}, "models": {model:
+        version when greeted}}``."""
 
     def hello(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Greet every server (waiting for servers still starting); returns their answers."""
@@ -139,15 +151,18 @@ class PSClient:
                 del pending[i]
             now = time.monotonic()
             if pending and now > deadline:
-                late = [f"{servers[i]} at {self.links[servers[i]].address}" for i in pending]
-                raise TimeoutError(
-                    f"parameter server {', '.join(late)} did not answer {kind.name} within {timeout_s:.0f} s. "
-                    "HINT: check the server log; is it running and started with the same LOOM_JOB_SECRET?"
+                late = [servers[i] for i in pending]
+                raise self._timeout(
+                    kind, late, metas[0].get("worker"), timeout_s, time.time() - (now - start)
                 )
             for i in list(pending):
                 if now >= retry_at[i]:  # maybe restarted: learn its epoch again, then resend
-                    if kind != MessageType.HELLO:
-                        self._rehello(servers[i], min(attempt[i], deadline - now))
+                    greeted = kind == MessageType.HELLO or self._rehello(
+                        servers[i], min(attempt[i], deadline - now)
+                    )
+                    if not greeted:  # down (or restarting): greet again at once, resend once it answers
+                        retry_at[i] = time.monotonic()
+                        continue
                     pending[i].add(self._send(servers[i], kind, metas[i], tensors[i]))
                     attempt[i] = min(10.0, attempt[i] * 2)
                     retry_at[i] = time.monotonic() + attempt[i]
@@ -160,16 +175,47 @@ class PSClient:
         self._count(kind, link.bytes_sent - before, 0)
         return seq
 
-    def _rehello(self, server: int, timeout_s: float) -> None:
+    def _rehello(self, server: int, timeout_s: float) -> bool:
+        """Greet ``server`` again (every 0.5 s until it answers or ``timeout_s`` passes): learn its epoch, and
+        record a restart when the epoch changed. Returns whether it answered."""
         link = self.links[server]
-        seq = self._send(server, MessageType.HELLO, {}, None)
+        seqs: set[int] = set()
         end = time.monotonic() + max(0.1, timeout_s)
-        while time.monotonic() < end:
-            if link.socket.poll(int(max(1, (end - time.monotonic()) * 1000))):
-                frame = link.receive({seq})
+        resend_at = 0.0
+        while (now := time.monotonic()) < end:
+            if now >= resend_at:  # a server that is down gets nothing; greet again once it may be back
+                seqs.add(self._send(server, MessageType.HELLO, {}, None))
+                resend_at = now + 0.5
+            if link.socket.poll(int(max(1, (min(end, resend_at) - now) * 1000))):
+                frame = link.receive(seqs)
                 if frame is not None:
+                    if link.epoch and frame.epoch != link.epoch:
+                        resumed, models = frame.meta.get("resumed"), frame.meta.get("models")
+                        self.restarts.append({"server": server, "address": link.address, "time": time.time(),
+                                              "resumed": resumed if isinstance(resumed, dict) else {},
+                                              "models": models if isinstance(models, dict) else {}})  # fmt: skip
                     link.epoch = frame.epoch
-                    return
+                    return True
+        return False
+
+    def take_restarts(self) -> list[dict[str, Any]]:
+        """The restarts found since the last call (see `restarts`)."""
+        taken, self.restarts = self.restarts, []
+        return taken
+
+    def _timeout(
+        self, kind: MessageType, late: list[int], worker: Any, timeout_s: float, since: float
+    ) -> TimeoutError:
+        """The error for servers ``late`` that did not answer the request sent at ``since`` (Unix seconds): each
+        named with its address and the likely cause."""
+        who = f"worker rank {worker}" if isinstance(worker, int) else f"rank {os.environ.get('RANK', '?')}"
+        causes = [f"parameter server {i} at {self.links[i].address} did not answer {kind.name} within "
+                  f"{timeout_s:.0f} s: it {_why_silent(i, self.links[i].address, since)}" for i in late]  # fmt: skip
+        return TimeoutError(
+            f"{who}: {'; '.join(causes)}. HINT: see the server's lines in the launcher's output (prefixed "
+            "[serverK]); a server that loom run did not start must be restarted on the same address, with the "
+            "same checkpoint folder"
+        )
 
     def _count(self, kind: MessageType, sent: int, received: int) -> None:
         entry = self.traffic.setdefault(kind.name, [0, 0])
@@ -183,3 +229,25 @@ class PSClient:
         for link in self.links:
             link.close()
         self.context.term()
+
+
+def _why_silent(index: int, address: str, since: float) -> str:
+    """Why server ``index`` does not answer: its death (since ``since``, or for good) in the launcher's record,
+    else what a TCP connection to its address finds (nothing listening; or a listener that does not answer:
+    hung, or another job secret)."""
+    death = death_of(index, since)
+    if death is not None:
+        return death
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            pass
+    except (OSError, ValueError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        return (
+            f"is unreachable: nothing accepts connections there ({reason}); the server process is not running"
+        )
+    return (
+        "accepts connections but did not answer: it is hung or overloaded, or it was started with "
+        "another LOOM_JOB_SECRET than this worker"
+    )

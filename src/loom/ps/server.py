@@ -7,10 +7,19 @@ until every worker has pushed that step, an ``ssp`` pull until the slowest worke
 the address to answer and answered later, so one slow worker never blocks the loop.
 
 The server holds any number of models ("namespaces"), each a `ModelShard` with its own plan, optimizer, clocks and
-checkpoint. It listens on loopback unless ``--bind`` names another interface. With a checkpoint directory
-(``--checkpoint-dir``, else ``$LOOM_PS_CHECKPOINT_DIR``, else ``$LOOM_RUN_DIR/ps``) it saves every
-``checkpoint_every`` updates, on request, and on SIGTERM, and a restarted server resumes from the last save
-(updates since then are lost; Li et al. 2014 replicate shards on neighbouring servers to avoid that, loom does not).
+checkpoint. It listens on loopback unless ``--bind`` names another interface.
+
+Checkpoints, so that a server can die: with a checkpoint directory (``--checkpoint-dir``, else
+``$LOOM_PS_CHECKPOINT_DIR``, else ``$LOOM_RUN_DIR/ps``, which ``loom run`` sets) a model is saved when it is created
+(INIT) or restored (RESTORE), on request (SAVE), on SIGTERM, and on the schedule its workers chose
+(`loom.strategies.parameter_server.ParameterServerConfig`): after ``checkpoint_every`` updates, or once the oldest
+unsaved update is ``checkpoint_interval_s`` old (and at least 20 times as long as the last save took, so that saving
+a large model never takes more than about 5% of the server's time). A sync step is saved *before* its replies go out
+(write-ahead): a restarted server is never behind what a worker has seen, so only the step in flight is repeated
+(its workers resend their pushes). A server restarted by the launcher (`loom.launch.servers`) resumes from the last
+save; in async/ssp the updates since then are lost, and the workers see its version go back (HELLO answers with
+the version each model was resumed at). Li et al. 2014 replicate shards on neighbouring servers to lose nothing;
+loom does not.
 
 `loom.fit`'s checkpoints do not use those files: a worker reads a model's whole state with STATE (tensors and
 JSON, as in the files) and puts it back with RESTORE, which replaces the model outright, answers the requests it
@@ -128,6 +137,8 @@ class ParameterServerProcess:
         return None if base is None else base / f"server{self.config.index}"
 
     def _restore(self) -> None:
+        """Load every model saved in `shard_dir` (a restarted server). A file that does not load raises
+        `ValueError` naming it: starting empty would silently throw the model away."""
         if self.shard_dir is None or not self.shard_dir.is_dir():
             return
         for path in sorted(self.shard_dir.glob("*.json")):
@@ -136,9 +147,43 @@ class ParameterServerProcess:
             self.log(f"resumed model {shard.name!r} at version {shard.version} from {path}")
 
     def checkpoint(self) -> list[str]:
+        """Save every model now; returns the files written."""
+        saved = (self._save_shard(shard) for shard in self.models.values())
+        return [str(path) for path in saved if path is not None]
+
+    def _save_shard(self, shard: ModelShard) -> Path | None:
+        """Save one model; a failure (disk full, permissions) is logged, not raised: training goes on without
+        the protection, and the log says so once (and again when saving works again)."""
         if self.shard_dir is None:
-            return []
-        return [str(shard.save(self.shard_dir)) for shard in self.models.values()]
+            return None
+        started = time.monotonic()
+        try:
+            path = shard.save(self.shard_dir)
+        except OSError as error:
+            if shard.save_error is None:
+                self.log(f"model {shard.name!r}: could not save its checkpoint into {self.shard_dir}: {error}; "
+                         "training goes on, but a restart of this server would lose the updates since the "
+                         "last save")  # fmt: skip
+            shard.save_error = str(error)
+            return None
+        if shard.save_error is not None:
+            self.log(f"model {shard.name!r}: saving works again")
+            shard.save_error = None
+        shard.save_seconds = time.monotonic() - started
+        shard.saved_at = time.monotonic()
+        shard.unsaved = 0
+        return path
+
+    def _save_if_due(self, shard: ModelShard, now: float) -> None:
+        """Save ``shard`` if its schedule says so (see the module docstring)."""
+        settings = shard.settings
+        if not shard.unsaved or self.shard_dir is None:
+            return
+        by_count = 0 < settings.checkpoint_every <= shard.unsaved
+        interval = max(settings.checkpoint_interval_s, 20.0 * shard.save_seconds)
+        by_time = settings.checkpoint_interval_s > 0 and now - shard.saved_at >= interval
+        if by_count or by_time:
+            self._save_shard(shard)
 
     def stop(self) -> None:
         self._stopping = True
@@ -242,8 +287,11 @@ class ParameterServerProcess:
 
     # -- handlers ---------------------------------------------------------------------------------------------
     def _hello(self, identity: bytes, frame: Frame) -> None:
+        """The server's index, each model's version and, for models this process loaded from its checkpoint,
+        the version it resumed at (a client greeting a restarted server learns what was lost)."""
         versions = {name: shard.version for name, shard in self.models.items()}
-        self._reply(identity, frame, {"index": self.config.index, "models": versions})
+        resumed = {n: s.resumed_version for n, s in self.models.items() if s.resumed_version is not None}
+        self._reply(identity, frame, {"index": self.config.index, "models": versions, "resumed": resumed})
 
     def _init(self, identity: bytes, frame: Frame) -> None:
         name = frame.meta.get("ns")
@@ -268,6 +316,7 @@ class ParameterServerProcess:
             self.models[name] = ModelShard(name, settings, mine, values)
             self.log(f"model {name!r}: {len(mine)} pieces, {sum(p.numel for p in mine)} values, "
                      f"{settings.optimizer}, mode {settings.mode}")  # fmt: skip
+            self._save_shard(self.models[name])  # a server restarted before its first update still has it
         shard = self.models[name]
         shard.clocks.check_worker(worker)
         self._forget_parked(name, worker)
@@ -342,9 +391,12 @@ class ParameterServerProcess:
             del steps[clock]
 
     def _after_update(self, shard: ModelShard) -> None:
-        every = shard.settings.checkpoint_every
-        if every and shard.version % every == 0 and self.shard_dir is not None:
-            shard.save(self.shard_dir)
+        """Count the update and save if due: called before the update's replies go out (write-ahead)."""
+        now = time.monotonic()
+        if not shard.unsaved:
+            shard.saved_at = now  # the time schedule runs from the first update the checkpoint lacks
+        shard.unsaved += 1
+        self._save_if_due(shard, now)
 
     def _release_pulls(self, name: str, shard: ModelShard) -> None:
         parked = self.parked_pulls.get(name, {})
@@ -407,6 +459,7 @@ class ParameterServerProcess:
             )
             self.failed.pop(name, None)
             self.models[name] = shard
+            self._save_shard(shard)  # a restart must not bring back what the restore replaced
             applied[:] = [*applied[-63:], token]
             self.log(f"model {name!r}: restored at version {shard.version}, clocks {shard.clocks.clocks} "
                      f"(was version {held.version})")  # fmt: skip
@@ -423,6 +476,8 @@ class ParameterServerProcess:
 
     # -- time -------------------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
+        for shard in self.models.values():
+            self._save_if_due(shard, now)  # updates left unsaved when the pushes stopped
         for name, shard in self.models.items():
             if name in self.failed or shard.settings.mode == "async":
                 continue
@@ -484,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_dir=args.checkpoint_dir or _default_checkpoint_dir(),
         limits=WireLimits(max_payload=int(args.max_payload_mb * (1 << 20))),
     )
-    server = ParameterServerProcess(config, _secret_from_hex(secret_hex))
+    try:
+        server = ParameterServerProcess(config, _secret_from_hex(secret_hex))
+    except ValueError as error:  # a checkpoint that does not load
+        print(f"loom.ps.server[{config.index}]: {error}", file=sys.stderr, flush=True)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve()

@@ -8,7 +8,10 @@ are flat vectors.
 
 Checkpoints are safetensors (values and optimizer tensors) plus JSON (plan, version, clocks, optimizer scalars):
 ``DIR/<namespace>.json`` names the safetensors file it belongs to and is replaced last, atomically, so a crash while
-saving leaves the previous checkpoint intact.
+saving leaves the previous checkpoint intact. Each save writes a safetensors file of its own name (version and a
+random tag), never one the current JSON names: two saves at one version (a RESTORE, a save at shutdown) cannot pair
+one save's JSON with the other's tensors. Files are not fsynced: the checkpoint survives the server process (killed,
+crashed, restarted by the launcher), not the loss of the host's page cache (a power cut).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from loom.ps.clocks import ClockTable
@@ -40,6 +44,9 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 """Optimizers whose update of an element depends only on that element: exact on any cut of a parameter."""
 
+_MAX_JSON_BYTES = 64 << 20
+"""Largest checkpoint JSON read (plan, clocks and optimizer scalars; the tensors are in the safetensors file)."""
+
 
 @dataclass(frozen=True)
 class ShardSettings:
@@ -50,9 +57,12 @@ class ShardSettings:
     num_workers: int
     timeout_s: float
     checkpoint_every: int
+    """Save after this many updates since the last save (0: not by count)."""
     optimizer: str
     groups: list[dict[str, Any]]
     """Hyperparameters of each optimizer param group (without ``params``)."""
+    checkpoint_interval_s: float = 0.0
+    """Save when the oldest unsaved update is this old (0: not by time); see `loom.ps.server`."""
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +95,16 @@ class ModelShard:
         self.version = 0
         self.clocks = ClockTable(settings.num_workers, settings.mode, settings.staleness, settings.timeout_s)
         self.staleness_histogram: dict[int, int] = {}
+        self.unsaved = 0
+        """Updates since the last save (the server's checkpoint schedule; not saved)."""
+        self.saved_at = 0.0
+        """``time.monotonic()`` of the last save, or of the first unsaved update after it."""
+        self.save_seconds = 0.0
+        """How long the last save took."""
+        self.save_error: str | None = None
+        """Why the last save failed (None: it did not)."""
+        self.resumed_version: int | None = None
+        """The version this shard was loaded at from its checkpoint file (None: not loaded from one)."""
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         cls = getattr(torch.optim, self.settings.optimizer)
@@ -196,7 +216,8 @@ class ModelShard:
         self.staleness_histogram[staleness] = self.staleness_histogram.get(staleness, 0) + 1
 
     def stats(self) -> dict[str, Any]:
-        """Version, staleness histogram, clocks and the last granted pulls (for STATS and tests)."""
+        """Version, staleness histogram, clocks, the last granted pulls and the version this server process
+        resumed at from its checkpoint (None: it was not restarted), for STATS and tests."""
         return {
             "version": self.version,
             "mode": self.settings.mode,
@@ -206,6 +227,7 @@ class ModelShard:
             "status": self.clocks.status,
             "grants": self.clocks.grants[-2000:],
             "values": sum(t.numel() for t in self.params.values()),
+            "resumed_version": self.resumed_version,
         }
 
     # -- checkpoint -------------------------------------------------------------------------------------------
@@ -276,20 +298,39 @@ class ModelShard:
         return shard
 
     def save(self, directory: Path) -> Path:
+        """Write the checkpoint into ``directory`` (atomically: see the module docstring); returns its JSON."""
         directory.mkdir(parents=True, exist_ok=True)
         meta, tensors = self.state()
-        weights = f"{self.name}.v{self.version}.safetensors"
+        weights = f"{self.name}.v{self.version}.{os.urandom(4).hex()}.safetensors"
         save_file(tensors, str(directory / (weights + ".tmp")))
         os.replace(directory / (weights + ".tmp"), directory / weights)
         target = directory / f"{self.name}.json"
         (directory / f"{self.name}.json.tmp").write_text(json.dumps({**meta, "weights": weights}, indent=1))
         os.replace(directory / f"{self.name}.json.tmp", target)
-        for old in directory.glob(f"{self.name}.v*.safetensors"):
+        # Older tensors, and the temporary file of a save a crash interrupted (one writer per folder).
+        for old in [*directory.glob(f"{self.name}.v*.safetensors"), *directory.glob(f"{self.name}.v*.tmp")]:
             if old.name != weights:
                 old.unlink(missing_ok=True)
         return target
 
     @staticmethod
     def load(path: Path) -> ModelShard:
-        meta = json.loads(path.read_text())
-        return ModelShard.from_state(meta, load_file(str(path.parent / meta["weights"])))
+        """The shard saved at ``path`` (its JSON). Raises `ValueError` naming the file for one that is not a
+        shard checkpoint, or whose tensors file is missing."""
+        try:
+            if path.stat().st_size > _MAX_JSON_BYTES:
+                raise ValueError(
+                    f"it is {path.stat().st_size} bytes, more than a shard's ({_MAX_JSON_BYTES})"
+                )
+            meta = json.loads(path.read_text())
+            weights = meta["weights"] if isinstance(meta, dict) else None
+            if not isinstance(weights, str) or "/" in weights or not weights.endswith(".safetensors"):
+                raise ValueError(f"its 'weights' entry is {weights!r}, not a safetensors file beside it")
+            shard = ModelShard.from_state(meta, load_file(str(path.parent / weights)))
+        except (OSError, ValueError, SafetensorError) as error:
+            raise ValueError(
+                f"{path} is not a loadable parameter-server checkpoint: {error}. HINT: delete the folder "
+                f"{path.parent} to start the server without it"
+            ) from None
+        shard.resumed_version = shard.version
+        return shard

@@ -81,8 +81,17 @@ class ParameterServerConfig:
     """A worker silent this long is lost: ``ssp`` stops waiting for it, ``sync`` fails the step naming it."""
     connect_timeout_s: float = 60.0
     """How long `setup` waits for the servers to answer."""
-    checkpoint_every: int = 0
-    """Servers save their shards every this many updates (0: only on request and at shutdown)."""
+    checkpoint_every: int | None = None
+    """Servers save their shards after this many updates. None (default): every step in ``sync``, saved before
+    the step's replies go out, so a server restarted from it is never behind a worker and only the step in flight
+    is repeated; by time (``checkpoint_interval_s``) in ``async``/``ssp``. 0: not by count."""
+    checkpoint_interval_s: float = 1.0
+    """Servers also save once the oldest unsaved update is this many seconds old (and at least 20 times as long
+    as their last save took: at most ~5% of a server's time goes to saving a large model). In ``async``/``ssp``
+    it bounds what a server's death loses to about this many seconds of updates; time, not a count of updates,
+    because the cost and the loss then do not depend on how many workers push how fast. With
+    ``checkpoint_every=0`` and ``0`` here, servers save only on request and at shutdown (a restarted server then
+    goes back to the start or the last save)."""
     namespace: str = "default"
     """Name of the model on the servers (several models can share servers)."""
     addresses: tuple[str, ...] | None = None
@@ -99,6 +108,19 @@ class ParameterServerConfig:
             raise ValueError(f"staleness={self.staleness} applies to mode='ssp' only, not {self.mode!r}")
         if not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s!r}")
+        every = self.checkpoint_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            raise ValueError(f"checkpoint_every must be None or an int >= 0, got {every!r}")
+        if not 0 <= self.checkpoint_interval_s < float("inf"):
+            raise ValueError(
+                f"checkpoint_interval_s must be a number of seconds >= 0 (0: off), got {self.checkpoint_interval_s!r}"
+            )
+
+    def server_checkpoint_every(self) -> int:
+        """``checkpoint_every`` resolved for this mode: 1 in ``sync`` by default, else 0 (by time only)."""
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return 1 if self.mode == "sync" else 0
 
 
 class ParameterServerMetrics(StepMetrics):
@@ -110,9 +132,14 @@ class ParameterServerMetrics(StepMetrics):
         """Histogram: server version at apply minus the version the gradient was computed on -> updates."""
         self.clocks: list[tuple[int, int]] = []
         """Per pull: (this worker's clock, the slowest live worker's clock) when the pull was granted."""
+        self.server_restarts: list[dict[str, Any]] = []
+        """Per server restart this worker found: ``{"server", "step", "time" (Unix seconds of the restarted
+        server's first answer), "seen_version", "resumed_version", "lost_updates"}`` (updates this worker saw applied that the restarted server no longer has)."""
 
     def summary(self, skip_first: int = 1) -> dict[str, Any]:
-        return {**super().summary(skip_first), "staleness": dict(sorted(self.staleness.items()))}
+        lost = sum(r["lost_updates"] for r in self.server_restarts)
+        return {**super().summary(skip_first), "staleness": dict(sorted(self.staleness.items())),
+                "server_restarts": len(self.server_restarts), "lost_updates": lost}  # fmt: skip
 
 
 class ParameterServer:
@@ -146,7 +173,8 @@ class ParameterServer:
             staleness=cfg.staleness,
             num_workers=topo.world_size,
             timeout_s=cfg.worker_timeout_s,
-            checkpoint_every=cfg.checkpoint_every,
+            checkpoint_every=cfg.server_checkpoint_every(),
+            checkpoint_interval_s=float(cfg.checkpoint_interval_s),
             optimizer=type(optimizer).__name__,
             groups=[_json_hyperparameters(g) for g in optimizer.param_groups],
         )
@@ -252,7 +280,36 @@ class ParameterServerJob(Job):
         base = {"ns": self.config.namespace, "worker": self.topology.rank, **meta}
         metas = [{**base, **(per_server[s] if per_server else {})} for s in servers]
         timeout = timeout_s if timeout_s is not None else self.config.worker_timeout_s + 30.0
-        return self.client.request(kind, metas, tensors, servers=servers, timeout_s=timeout)
+        try:
+            return self.client.request(kind, metas, tensors, servers=servers, timeout_s=timeout)
+        finally:
+            self._note_restarts()
+
+    def _note_restarts(self) -> None:
+        """Account for servers the client found restarted: compare the version each resumed at with the last
+        version this worker saw there; print one ``loom:`` line per restart and record it in
+        ``metrics.server_restarts``. In ``sync`` (write-ahead checkpoints) nothing is lost; in ``async``/``ssp``
+        the updates since the server's last checkpoint are, and this worker counts those it had seen applied
+        (other workers may have seen a few more). A server restarted without the model (no checkpoint) cannot
+        go on: that raises, naming the server."""
+        for event in self.client.take_restarts():
+            server, name = event["server"], self.config.namespace
+            who = f"loom: worker rank {self.topology.rank}: parameter server {server} at {event['address']}"
+            resumed = event["resumed"].get(name)
+            if not isinstance(resumed, int) or isinstance(resumed, bool):
+                raise RuntimeError(
+                    f"{who} was restarted without model {name!r}: it had no checkpoint of it, so its parameters "
+                    "are lost. HINT: keep server checkpoints on (ParameterServer(checkpoint_every=None, "
+                    "checkpoint_interval_s > 0), the defaults) and the checkpoint folder ($LOOM_RUN_DIR/ps)"
+                )
+            seen = self._versions[server]
+            lost = max(0, seen - resumed)
+            self.metrics.server_restarts.append({"server": server, "step": self.step, "time": event["time"],
+                                                 "seen_version": seen, "resumed_version": resumed,
+                                                 "lost_updates": lost})  # fmt: skip
+            outcome = f"{lost} update(s) lost" if lost else "no update lost"
+            print(f"{who} was restarted from its checkpoint at version {resumed} (this worker had seen version "
+                  f"{seen}): {outcome}", flush=True)  # fmt: skip
 
     # -- pulling ----------------------------------------------------------------------------------------------
     def _pull_dense(self, peek: bool = False) -> None:
@@ -465,6 +522,7 @@ class ParameterServerJob(Job):
                 )
         if failure is not None:
             raise failure
+        self._versions = [0] * self._num_servers  # the restore set the versions back on purpose: nothing lost
         self._pull_dense(peek=True)
 
     def _restore_servers(self, servers: list[dict[str, Any]]) -> None:
