@@ -141,7 +141,7 @@ def test_async_job_survives_a_killed_server_and_counts_the_lost_updates(tmp_path
 
 @pytest.mark.timeout(150)
 def test_a_server_that_dies_more_often_than_the_limit_stops_the_job(tmp_path):
-    config = {"mode": "sync", "steps": 30, "slow_s": 0.02, "kill_steps": [3, 6]}
+    config = {"mode": "sync", "steps": 20, "slow_s": 0.02, "kill_steps": [2, 4]}
     args = ["-n", "2", "--servers", "1", "--max-server-restarts", "1"]
     status, out, err, left = run_survive(tmp_path, args, config)
     assert status == 1, err[-3000:]
@@ -166,20 +166,20 @@ def test_a_request_to_a_dead_server_names_the_death_not_the_secret(tmp_path, mon
             client.hello(timeout_s=30)
             servers.kill(0)  # started without the launcher: nobody restarts it
             with pytest.raises(TimeoutError) as caught:
-                client.request(MessageType.STATS, [{"worker": 1}], timeout_s=2.0)
+                client.request(MessageType.STATS, [{"worker": 1}], timeout_s=1.0)
             message = str(caught.value)
             assert message.startswith(f"worker rank 1: parameter server 0 at {servers.addresses[0]} did not "
-                                      "answer STATS within 2 s: it is unreachable: nothing accepts connections")  # fmt: skip
+                                      "answer STATS within 1 s: it is unreachable: nothing accepts connections")  # fmt: skip
             assert "the server process is not running" in message and "SECRET" not in message
             # With the launcher's record (past its restart limit): the death and its signal.
             write_record(tmp_path, [{"index": 0, "address": servers.addresses[0], "pid": 1, "state": "dead",
                                      "restarts": 3, "max_restarts": 3, "deaths": [{"time": time.time(),
                                      "status": -9, "cause": "killed by SIGKILL", "restarted": False}]}])  # fmt: skip
             monkeypatch.setenv("LOOM_RUN_DIR", str(tmp_path))
-            with pytest.raises(TimeoutError, match=r"parameter server 0 at \S+ did not answer PULL within 2 s: it "
+            with pytest.raises(TimeoutError, match=r"parameter server 0 at \S+ did not answer PULL within 1 s: it "
                                r"died at \d\d:\d\d:\d\d \(killed by SIGKILL\) and was not restarted: it died 1 "
                                r"time\(s\), more than the launcher's --max-server-restarts 3"):  # fmt: skip
-                client.request(MessageType.PULL, [{"worker": 0}], timeout_s=2.0)
+                client.request(MessageType.PULL, [{"worker": 0}], timeout_s=1.0)
         finally:
             client.close()
 

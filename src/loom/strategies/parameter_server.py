@@ -32,6 +32,13 @@ the servers hold (fresh servers of a new job, or servers that went on past the c
 restarted), and the workers agree before anyone pulls. In ``sync``, 10 steps + resume + 10 steps equals 20
 steps bitwise (tests/test_ps_fit.py). A resume needs the same number of workers and servers.
 
+A server's death (`loom.ps.server`, `loom.launch.servers`): under ``loom run`` a server that dies is restarted on
+its address from its checkpoint, and the workers' requests are resent once it answers. ``sync`` saves every step
+before answering it, so the job ends where an uninterrupted one would (the step in flight is repeated);
+``async``/``ssp`` lose the updates since the last save (``checkpoint_interval_s``), which each worker counts and
+prints when it finds the server back at an older version (``metrics.server_restarts``). A request that times out
+names the server, its address, the operation, this worker's rank and what the launcher knows of the server's death.
+
 Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch); a plain tuple is assumed
 to be one of ``world_size`` equal shares. Only element-wise optimizers are accepted (see `loom.ps.shard`).
 `eval_step` sums over the process group, so every worker must call it (``loom.init()`` joins the group).
