@@ -305,3 +305,43 @@ def test_a_checkpoint_that_does_not_load_is_named(tmp_path):
         ValueError, match=r"m\.json is not a loadable parameter-server checkpoint.*HINT: delete"
     ):
         ModelShard.load(tmp_path / "m.json")
+
+
+@pytest.mark.timeout(60)
+def test_supervised_workers_are_stopped_when_the_server_watcher_gives_up(tmp_path, monkeypatch, capsys):
+    """--on-worker-failure continue: the launcher's own loop stops the workers and returns 1 once the servers'
+    watcher reports a failure (here after 1 s; the workers would sleep 60 s)."""
+    from loom.launch.supervise import supervise_workers
+
+    monkeypatch.setenv("LOOM_JOB_SECRET", os.urandom(32).hex())
+    started = time.monotonic()
+    status = supervise_workers(
+        2, ["-c", "import time; time.sleep(60)"], "t", tmp_path, 5.0,
+        lambda: "server 0 gone" if time.monotonic() - started > 1.0 else None,
+    )  # fmt: skip
+    assert status == 1 and time.monotonic() - started < 15
+    assert "stopped by signal" not in capsys.readouterr().err
+
+
+def test_an_ssp_server_restarted_behind_its_workers_learns_their_clocks_from_their_pulls(tmp_path):
+    """Saved at clocks (1, 1); the workers went on to clock 4 before the server died. Their pulls at clock 4
+    (staleness 1) must be granted by the restarted server, not held back waiting for pushes lost with it."""
+    first = Server(tmp_path, "ssp", 0, 0.0)
+    first.send(MessageType.INIT, 0, tensors={"p0": torch.zeros(3)})
+    first.send(MessageType.INIT, 1, tensors={"p0": torch.zeros(3)})
+    first.push(0, 0)
+    first.push(1, 0)
+    first.process.checkpoint()
+    first.process.close()
+    restarted = Server(tmp_path, "ssp", 0, 0.0)
+    try:
+        assert restarted.process.models["m"].clocks.clocks == [1, 1]
+        for worker in (0, 1):
+            restarted.send(MessageType.PULL, worker, {"clock": 4})
+        assert len(restarted.on_disk_at_reply) == 4 and not restarted.process.parked_pulls.get(
+            "m"
+        )  # 2 HELLOs, 2 PULLs
+        restarted.push(0, 4)  # and a push at the worker's clock is applied, not taken for a resent one
+        assert restarted.process.models["m"].version == 3
+    finally:
+        restarted.process.close()

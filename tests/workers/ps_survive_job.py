@@ -1,7 +1,7 @@
 """A parameter-server job whose server 0 is SIGKILLed mid-training, for tests/test_ps_survive.py (`loom run`).
 
 The argument is JSON: mode, steps, slow_s (sleep per step), kill_steps (before each of these steps rank 0 kills
-server 0: the pid is the launcher's record, ``$LOOM_RUN_DIR/ps-servers.json``), in_flight (sync: the kill lands
+server 0: the pid is the launcher's record, ``$LOOM_RUN_DIR/ps-servers.json``), staleness, in_flight (sync: the kill lands
 0.4 s into the step, while rank 0's push waits for rank 1, which sleeps 1 s first: the step in flight is lost with
 the server and repeated), checkpoint_interval_s (optional). Each worker writes ``$LOOM_RUN_DIR/result-<rank>.json``
 with its final weight, its losses, the restarts it found, and (rank 0) the kill times.
@@ -31,8 +31,9 @@ torch.manual_seed(0)
 model = nn.Linear(8, 1, bias=False)
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 options = {"mode": cfg["mode"], "worker_timeout_s": 30.0}
-if "checkpoint_interval_s" in cfg:
-    options["checkpoint_interval_s"] = cfg["checkpoint_interval_s"]
+for key in ("checkpoint_interval_s", "staleness"):
+    if key in cfg:
+        options[key] = cfg[key]
 job = loom.ParameterServer(**options).setup(model, opt, nn.functional.mse_loss)
 loader = loom.data.loader(TensorDataset(x, y), 48, seed=1)
 kills: list[float] = []

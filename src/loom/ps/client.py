@@ -151,10 +151,8 @@ class PSClient:
                 del pending[i]
             now = time.monotonic()
             if pending and now > deadline:
-                late = [servers[i] for i in pending]
-                raise self._timeout(
-                    kind, late, metas[0].get("worker"), timeout_s, time.time() - (now - start)
-                )
+                late, began = [servers[i] for i in pending], time.time() - (now - start)
+                raise self._timeout(kind, late, metas[0].get("worker"), timeout_s, began - 30.0)
             for i in list(pending):
                 if now >= retry_at[i]:  # maybe restarted: learn its epoch again, then resend
                     greeted = kind == MessageType.HELLO or self._rehello(
@@ -206,8 +204,8 @@ class PSClient:
     def _timeout(
         self, kind: MessageType, late: list[int], worker: Any, timeout_s: float, since: float
     ) -> TimeoutError:
-        """The error for servers ``late`` that did not answer the request sent at ``since`` (Unix seconds): each
-        named with its address and the likely cause."""
+        """The error for servers ``late`` that did not answer: each named with its address and the likely cause
+        (a death the launcher recorded after ``since``, Unix seconds: shortly before the request, or during it)."""
         who = f"worker rank {worker}" if isinstance(worker, int) else f"rank {os.environ.get('RANK', '?')}"
         causes = [f"parameter server {i} at {self.links[i].address} did not answer {kind.name} within "
                   f"{timeout_s:.0f} s: it {_why_silent(i, self.links[i].address, since)}" for i in late]  # fmt: skip

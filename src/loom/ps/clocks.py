@@ -69,6 +69,15 @@ class ClockTable:
         self.status[worker] = "active"
         return self.clocks[worker]
 
+    def catch_up(self, worker: int, clock: int) -> bool:
+        """A pull at ``clock`` says the worker has pushed ``clock`` updates: a server restarted from an older
+        checkpoint learns the clock from it (else ``ssp`` would hold every pull back, waiting for clocks that
+        only pushes lost with the old server could have advanced). Returns whether the clock moved."""
+        if clock <= self.clocks[worker]:
+            return False
+        self.clocks[worker] = clock
+        return True
+
     def finish(self, worker: int) -> None:
         self.status[worker] = "finished"
 

@@ -335,10 +335,16 @@ class ParameterServerProcess:
         parked = _Parked(identity, frame, worker, int(frame.meta["clock"]))
         if frame.meta.get("peek"):  # a read of the current values, outside the consistency model
             self._reply(identity, frame, {"version": shard.version, "slowest": -1}, shard.dense_values())
-        elif shard.clocks.may_pull(worker, parked.clock):
+            return
+        moved = shard.clocks.catch_up(
+            worker, parked.clock
+        )  # only when this server restarted behind the worker
+        if shard.clocks.may_pull(worker, parked.clock):
             self._grant_pull(shard, parked)
         else:
             self.parked_pulls.setdefault(name, {})[worker] = parked
+        if moved:
+            self._release_pulls(name, shard)
 
     def _grant_pull(self, shard: ModelShard, parked: _Parked) -> None:
         slowest = shard.clocks.grant(parked.worker, parked.clock)
