@@ -322,17 +322,23 @@ def launch(spec: LaunchSpec) -> int:
         rendezvous.shutdown()  # idempotent; the agent calls it too, but not if it failed before starting
         if spec.trace_steps:
             _merge_traces(spec.run_dir)
-    print(summary_line(spec, time.monotonic() - started, restarts), file=sys.stderr)
+    server_restarts = servers.restarts if servers is not None else 0
+    print(summary_line(spec, time.monotonic() - started, restarts, server_restarts), file=sys.stderr)
     return 0
 
 
-def summary_line(spec: LaunchSpec, seconds: float, restarts: int) -> str:
-    """The job's last line: time, workers, restarts and, when rank 0 kept step records, its last step."""
+def summary_line(spec: LaunchSpec, seconds: float, restarts: int, server_restarts: int = 0) -> str:
+    """The job's last line: time, workers, restarts (of parameter servers too, if any) and, when rank 0 kept
+    step records, its last step."""
     workers = f"{spec.nproc} worker(s)" + (f" on each of {spec.nnodes} nodes" if spec.nnodes > 1 else "")
+    if server_restarts:
+        restarts_text = f"{restarts} restart(s), {server_restarts} parameter-server restart(s)"
+    else:
+        restarts_text = f"{restarts} restart(s)"
     last = last_recorded_step(spec.run_dir / "metrics" / "rank0.jsonl")
     steps = f", {last} steps" if last is not None and spec.node_rank == 0 else ""
     return (
-        f"loom run: finished in {seconds:.1f} s: {workers}, {restarts} restart(s){steps}; "
+        f"loom run: finished in {seconds:.1f} s: {workers}, {restarts_text}{steps}; "
         f"logs and metrics in {spec.run_dir}"
     )
 

@@ -92,6 +92,11 @@ class ServerGroup:
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="loom-server-watch", daemon=True)
 
+    @property
+    def restarts(self) -> int:
+        """Restarts of all servers so far."""
+        return sum(s.restarts for s in self.servers)
+
     def start(self) -> None:
         for index, address in enumerate(self.addresses):
             self.servers.append(_Server(index, address, self._spawn(index, address)))

@@ -14,7 +14,7 @@ Checkpoints, so that a server can die: with a checkpoint directory (``--checkpoi
 (INIT) or restored (RESTORE), on request (SAVE), on SIGTERM, and on the schedule its workers chose
 (`loom.strategies.parameter_server.ParameterServerConfig`): after ``checkpoint_every`` updates, or once the oldest
 unsaved update is ``checkpoint_interval_s`` old (and at least 20 times as long as the last save took, so that saving
-a large model never takes more than about 5% of the server's time). A sync step is saved *before* its replies go out
+by time never takes more than about 5% of the server's time, however large the model). A sync step is saved *before* its replies go out
 (write-ahead): a restarted server is never behind what a worker has seen, so only the step in flight is repeated
 (its workers resend their pushes). A server restarted by the launcher (`loom.launch.servers`) resumes from the last
 save; in async/ssp the updates since then are lost, and the workers see its version go back (HELLO answers with
@@ -336,9 +336,8 @@ class ParameterServerProcess:
         if frame.meta.get("peek"):  # a read of the current values, outside the consistency model
             self._reply(identity, frame, {"version": shard.version, "slowest": -1}, shard.dense_values())
             return
-        moved = shard.clocks.catch_up(
-            worker, parked.clock
-        )  # only when this server restarted behind the worker
+        # The worker's clock moves here only when this server restarted from a checkpoint behind the worker.
+        moved = shard.clocks.catch_up(worker, parked.clock)
         if shard.clocks.may_pull(worker, parked.clock):
             self._grant_pull(shard, parked)
         else:
