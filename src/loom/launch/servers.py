@@ -130,14 +130,20 @@ class ServerGroup:
             server.restarts += 1
             print(f"loom run: parameter server {server.index} died ({cause}); restarting it from its checkpoint "
                   f"(restart {server.restarts} of {self.max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
-            server.proc = self._spawn(server.index, server.address)
-            self._write()
-            return
+            try:
+                server.proc = self._spawn(server.index, server.address)
+                self._write()
+                return
+            except OSError as error:  # no process could be started: the job cannot go on either
+                server.deaths[-1]["restarted"] = False
+                self.failure = (f"parameter server {server.index} at {server.address} died ({cause}) and could "
+                                f"not be restarted: {error}; stopping the job")  # fmt: skip
+        else:
+            self.failure = (f"parameter server {server.index} at {server.address} died ({cause}) after "
+                            f"{server.restarts} restart(s), more than --max-server-restarts {self.max_restarts} "
+                            "allows; stopping the job. HINT: its lines above (prefixed [server"
+                            f"{server.index}]) show why it died")  # fmt: skip
         server.state = "dead"
-        self.failure = (f"parameter server {server.index} at {server.address} died ({cause}) after "
-                        f"{server.restarts} restart(s), more than --max-server-restarts {self.max_restarts} "
-                        "allows; stopping the job. HINT: its lines above (prefixed [server"
-                        f"{server.index}]) show why it died")  # fmt: skip
         print(f"loom run: {self.failure}", file=sys.stderr, flush=True)
         self._write()
         self._stopping.set()
