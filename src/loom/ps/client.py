@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from loom.ps.deaths import death_of
-from loom.ps.gate import join_parts, secure_client, split_frame
+from loom.ps.gate import Inbox, InboxLimits, chunk_key, secure_client, send_frame
 from loom.ps.wire import Frame, FrameDropped, MessageType, WireLimits, decode, encode
 
 __all__ = ["ServerLink", "PSClient"]
@@ -45,6 +45,11 @@ class ServerLink:
         self.socket.setsockopt(zmq.LINGER, 0)
         secure_client(self.socket, secret)
         self.socket.connect(f"tcp://{address}")
+        self.chunk_key = chunk_key(secret)
+        self.inbox = Inbox(
+            self.chunk_key, limits, InboxLimits(total_bytes=limits.max_frame), self._drop, self._wanted
+        )
+        self._seqs: set[int] = set()
         self.session = int.from_bytes(os.urandom(8), "little") | 1
         self.seq = 0
         self.epoch = 0
@@ -58,25 +63,27 @@ class ServerLink:
         data = encode(
             self.secret, kind, epoch=epoch, session=self.session, seq=self.seq, meta=meta, tensors=tensors
         )
-        try:  # a connection refused at its handshake (a wrong job secret) has no pipe: sending would block
-            self.socket.send_multipart(split_frame(data), flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return self.seq  # not sent: the request is resent after its attempt window, then given up on
-        self.bytes_sent += len(data)
+        # A connection refused at its handshake (a wrong job secret) has no pipe: sending would block. What is
+        # not sent is resent after the request's attempt window, then given up on.
+        if send_frame(self.socket, self.chunk_key, data):
+            self.bytes_sent += len(data)
         return self.seq
 
     def receive(self, seqs: set[int]) -> Frame | None:
         """A reply to one of the requests ``seqs`` (sends of one request) if waiting; others are dropped."""
+        self._seqs = seqs
         while True:
             try:
-                parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                chunk = self.socket.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
-            data = join_parts(parts, self.limits.max_frame)
-            if data is None:
+            if chunk.more:  # a chunk is one message: the rest of a multipart one is dropped with it
                 self.dropped += 1
                 continue
-            self.bytes_received += data.nbytes
+            data = self.inbox.receive(b"", chunk.buffer, time.monotonic())
+            if data is None:
+                continue
+            self.bytes_received += len(data)
             try:
                 frame = decode(self.secret, data, self.limits)
             except FrameDropped:
@@ -86,6 +93,18 @@ class ServerLink:
                 self.dropped += 1  # a late answer to a request given up on
                 continue
             return frame
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+
+    def _wanted(self, kind: int, epoch: int, session: int, seq: int, size: int) -> None:
+        """Keep only the chunks of an answer to the request being waited for (see `loom.ps.gate.Inbox`)."""
+        if (
+            kind not in (MessageType.REPLY, MessageType.ERROR)
+            or session != self.session
+            or seq not in self._seqs
+        ):
+            raise FrameDropped("late")
 
     def close(self) -> None:
         self.socket.close(0)

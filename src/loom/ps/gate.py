@@ -1,9 +1,7 @@
 """Who may send a parameter server anything, and how much a connection can make it hold.
 
-Every frame is authenticated by its MAC (`loom.ps.wire`), but a MAC is checked only once the whole frame has
-arrived, and ZeroMQ buffers a frame in full before handing it over: a client without the secret could make a
-server hold hundreds of MiB per connection (measured: 6 connections with 200 MiB partial frames took a server
-from 303 MB to 1.5 GB). Two ZeroMQ mechanisms close that:
+Every frame is authenticated by its MAC (`loom.ps.wire`), but that MAC can be checked only once the whole frame
+has arrived. Three mechanisms bound what a peer can make a receiver hold before then:
 
 - **Connection authentication.** Servers speak ZeroMQ's PLAIN mechanism and check it with a ZAP handler (a
   thread in the server): a client must present `connection_token`, derived from the job secret, in its
@@ -11,14 +9,26 @@ from 303 MB to 1.5 GB). Two ZeroMQ mechanisms close that:
   handshake's few hundred bytes. PLAIN sends the token in clear; it is not the job secret (a one-way HMAC of
   it), and frames still need the secret's MAC, so whoever sniffs it can connect but neither forge nor replay a
   request. (ZeroMQ's CURVE would encrypt too, at about a sixth of the throughput here.)
-- **Small parts.** Frames travel as multipart messages of at most `PART_BYTES` each, and every socket refuses a
-  part larger than that (``MAXMSGSIZE``), so what an unauthenticated connection can make a server buffer
-  before it is dropped is one part, not one frame.
+- **Chunks.** A frame travels as a sequence of single-part ZeroMQ messages (`split_frame`), each at most
+  `CHUNK_BYTES` of frame data (every socket refuses larger messages, ``MAXMSGSIZE``) and each socket queues at
+  most `QUEUE_CHUNKS` incoming messages per peer (``RCVHWM``). The first chunk ("open") carries the frame's
+  wire header and a chunk header (a random frame id, the chunk count) under a MAC of their own (`chunk_key`,
+  a key derived from the job secret): a receiver checks that short MAC, the magic, version and declared
+  lengths, the chunk count, and (on a server) the epoch, session and sequence number against its
+  `SessionTable` before it keeps one byte of the frame. Later chunks carry (frame id, index) and must arrive in
+  order with exactly the expected size. The whole-frame MAC is still checked by `wire.decode` at the end.
+- **Budgets.** `Inbox` keeps at most one open frame per peer and per session, reserves its declared size when
+  it opens (so what it buffers never exceeds the reservation), and refuses an open that would take the total
+  reserved over `InboxLimits.total_bytes` (the sender resends after its attempt window). An open frame whose
+  peer stays silent for `InboxLimits.open_timeout_s` is dropped (`Inbox.expire`): a peer that disconnects is
+  silent, so its state goes too. Every drop is counted by reason.
 
-Limit: ZeroMQ keeps every part of a multipart message until its last part arrives and bounds only the size of
-each part, not their number, so a peer that passed the handshake (a worker, or whoever sniffed the token on the
-job's network) can still make a server buffer without bound by never ending a message. Closing that needs each
-part sent as a message of its own and reassembled under a byte budget per peer (not done yet).
+A forged open chunk costs the receiver one short HMAC; its data chunks are dropped unhashed as orphans.
+
+Limit: ZeroMQ itself still keeps every part of a *multipart* ZeroMQ message until its last part arrives (libzmq
+has no option to refuse multipart input), so a peer that passed the handshake and writes raw ZMTP frames with
+the MORE flag set can still make a server buffer without bound, below the level where `Inbox` sees anything.
+Closing that needs a handshake a sniffer cannot replay (CURVE, at its cost) or a transport other than libzmq's.
 """
 
 from __future__ import annotations
@@ -26,22 +36,43 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from loom.ps.wire import HEADER, MAC_BYTES, MAGIC, VERSION, FrameDropped, WireLimits
+
 __all__ = [
-    "PART_BYTES",
+    "CHUNK_BYTES",
+    "HELLO_BYTES",
+    "QUEUE_CHUNKS",
+    "Inbox",
+    "InboxLimits",
+    "chunk_key",
     "connection_token",
-    "join_parts",
     "secure_client",
     "secure_server",
+    "send_frame",
     "split_frame",
 ]
 
-PART_BYTES = 1 << 20
-"""Largest part of a multipart message any parameter-server socket accepts."""
+CHUNK_BYTES = 1 << 20
+"""Frame bytes one chunk carries (all but the last chunk of a frame carry exactly this many)."""
+QUEUE_CHUNKS = 16
+"""Incoming chunks ZeroMQ queues per peer (``RCVHWM``) before it stops reading that connection."""
+HELLO_BYTES = 64 << 10
+"""Largest HELLO frame a server accepts: a hello opens a session, so the replay table cannot vouch for it."""
 _USER = "loom"
+_PREFIX = struct.Struct("<4sQI")  # tag, frame id, chunk count (open) or chunk index (data)
+_OPEN, _DATA = b"LMCo", b"LMCd"
+_TAG = 32  # the open chunk's MAC
+_OPEN_HEAD = _PREFIX.size + _TAG
+_MAX_MESSAGE = _OPEN_HEAD + CHUNK_BYTES
 
 
 def connection_token(secret: bytes) -> str:
@@ -49,38 +80,216 @@ def connection_token(secret: bytes) -> str:
     return hmac.new(secret, b"loom ps connection token v1", hashlib.sha256).hexdigest()
 
 
+def chunk_key(secret: bytes) -> bytes:
+    """The key of open chunks' MACs: an HMAC of the job secret under a label of its own."""
+    return hmac.new(secret, b"loom ps open chunk v1", hashlib.sha256).digest()
+
+
 def secure_server(context: zmq.Context, socket: zmq.Socket, secret: bytes) -> ThreadAuthenticator:
-    """Make ``socket`` (before it binds) admit only clients presenting the token; returns the running ZAP
-    handler, to be stopped with the context."""
+    """Make ``socket`` (before it binds) admit only clients presenting the token, refuse messages larger than a
+    chunk and queue few per peer; returns the running ZAP handler, to be stopped with the context."""
     logging.getLogger("zmq.auth").setLevel(logging.WARNING)  # a refusal is counted, not narrated
     gate = ThreadAuthenticator(context)
     gate.start()
     gate.configure_plain(domain="loom-ps", passwords={_USER: connection_token(secret)})
-    socket.setsockopt(zmq.MAXMSGSIZE, PART_BYTES)
+    socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+    socket.setsockopt(zmq.RCVHWM, QUEUE_CHUNKS)
     socket.plain_server = True
     socket.zap_domain = b"loom-ps"
     return gate
 
 
 def secure_client(socket: zmq.Socket, secret: bytes) -> None:
-    """Make ``socket`` (before it connects) present the token, and refuse oversized parts from its server."""
-    socket.setsockopt(zmq.MAXMSGSIZE, PART_BYTES)
+    """Make ``socket`` (before it connects) present the token, refuse messages larger than a chunk from its
+    server and queue few. Its send queue stays ZeroMQ's default (1000 chunks, more than the largest frame),
+    so that a request fanned out to several servers is handed to ZeroMQ at once rather than server by server."""
+    socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+    socket.setsockopt(zmq.RCVHWM, QUEUE_CHUNKS)
     socket.plain_username = _USER.encode()
     socket.plain_password = connection_token(secret).encode()
 
 
-def split_frame(data: bytes | memoryview) -> list[memoryview]:
-    """``data`` cut into parts of at most `PART_BYTES` (views, no copy)."""
+def split_frame(key: bytes, data: bytes | memoryview) -> list[bytes]:
+    """The chunks that carry the frame ``data`` (see the module docstring); ``key`` is `chunk_key`."""
     view = memoryview(data).cast("B")
-    return [view[i : i + PART_BYTES] for i in range(0, max(len(view), 1), PART_BYTES)]
+    if len(view) < HEADER.size:
+        raise ValueError(f"a frame has at least {HEADER.size} bytes, got {len(view)}")
+    frame_id = int.from_bytes(os.urandom(8), "little")
+    count = max(1, math.ceil(len(view) / CHUNK_BYTES))
+    prefix = _PREFIX.pack(_OPEN, frame_id, count)
+    tag = hmac.new(key, prefix, hashlib.sha256)
+    tag.update(view[: HEADER.size])
+    chunks = [b"".join((prefix, tag.digest(), view[:CHUNK_BYTES]))]
+    for index in range(1, count):
+        piece = view[index * CHUNK_BYTES : (index + 1) * CHUNK_BYTES]
+        chunks.append(b"".join((_PREFIX.pack(_DATA, frame_id, index), piece)))
+    return chunks
 
 
-def join_parts(parts: list, max_bytes: int) -> memoryview | None:
-    """The frame a list of received parts (``zmq.Frame`` or bytes) carries, or None if together they exceed
-    ``max_bytes`` (the caller drops it)."""
-    buffers = [p.buffer if hasattr(p, "buffer") else memoryview(p) for p in parts]
-    if sum(b.nbytes for b in buffers) > max_bytes:
+def send_frame(socket: zmq.Socket, key: bytes, data: bytes, identity: bytes | None = None) -> bool:
+    """Queue ``data``'s chunks on ``socket`` without blocking (a ROUTER socket: to peer ``identity``); False if
+    ZeroMQ refused one (no connection, or its queue full): the receiver drops the incomplete frame."""
+    head = [identity] if identity is not None else []
+    try:
+        for chunk in split_frame(key, data):
+            socket.send_multipart([*head, chunk], flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class InboxLimits:
+    """What a receiver holds for frames still arriving."""
+
+    total_bytes: int = 1 << 30
+    """Bytes reserved for open frames over all peers (each open reserves its declared size). A server uses
+    ``max(this, 2 * max_frame)``; a refused open is resent by its client after the attempt window."""
+    open_timeout_s: float = 10.0
+    """An open frame whose peer sends nothing for this long is dropped."""
+
+
+@dataclass
+class _Open:
+    frame_id: int
+    session: int
+    seq: int
+    count: int
+    size: int
+    """Declared frame size (reserved)."""
+    pieces: list[memoryview]
+    received: int
+    last_s: float
+
+
+class Inbox:
+    """Reassembles chunked frames per peer under budgets; `receive` returns a frame once its last chunk arrives.
+
+    ``check_open(kind, epoch, session, seq, size)`` vets an authenticated open chunk's header (raise
+    `FrameDropped` to drop it); ``drop(reason)`` counts a drop."""
+
+    def __init__(
+        self,
+        key: bytes,
+        limits: WireLimits,
+        budget: InboxLimits,
+        drop: Callable[[str], None],
+        check_open: Callable[[int, int, int, int, int], None] | None = None,
+    ) -> None:
+        if budget.total_bytes < limits.max_frame:
+            raise ValueError(
+                f"InboxLimits.total_bytes={budget.total_bytes} is below the largest frame ({limits.max_frame}"
+                " bytes): such a frame could never be received. HINT: raise it or lower max_payload"
+            )
+        self.key = key
+        self.limits = limits
+        self.budget = budget
+        self._drop = drop
+        self._check_open = check_open
+        self._open: dict[bytes, _Open] = {}
+        self._by_session: dict[int, bytes] = {}
+        self.reserved = 0
+        """Bytes reserved by open frames (never above ``budget.total_bytes``)."""
+        self.buffered = 0
+        """Bytes of open frames received so far (never above ``reserved``)."""
+
+    def receive(self, peer: bytes, chunk: memoryview, now: float) -> bytes | memoryview | None:
+        """Take one chunk from ``peer``; the whole frame if this chunk completed it, else None."""
+        if len(chunk) < _PREFIX.size:
+            self._drop("malformed")
+            return None
+        tag, frame_id, number = _PREFIX.unpack_from(chunk)
+        if tag == _OPEN:
+            return self._opened(peer, chunk, frame_id, number, now)
+        if tag != _DATA:
+            self._drop("malformed")
+            return None
+        held = self._open.get(peer)
+        if held is None:
+            self._drop("orphan_chunk")
+            return None
+        piece = chunk[_PREFIX.size :]
+        expected = min(CHUNK_BYTES, held.size - held.received)
+        if frame_id != held.frame_id or number != len(held.pieces) or len(piece) != expected:
+            self._close(peer)
+            self._drop("chunk_order")
+            return None
+        held.pieces.append(piece)
+        held.received += len(piece)
+        self.buffered += len(piece)
+        held.last_s = now
+        if len(held.pieces) < held.count:
+            return None
+        self._close(peer)
+        return b"".join(held.pieces)
+
+    def _opened(self, peer: bytes, chunk: memoryview, frame_id: int, count: int, now: float):
+        if peer in self._open:  # the peer moved on (a resend under a new sequence number)
+            self._close(peer)
+            self._drop("abandoned")
+        if len(chunk) < _OPEN_HEAD + HEADER.size:
+            self._drop("truncated")
+            return None
+        tag = hmac.new(self.key, chunk[: _PREFIX.size], hashlib.sha256)
+        tag.update(chunk[_OPEN_HEAD : _OPEN_HEAD + HEADER.size])
+        if not hmac.compare_digest(tag.digest(), bytes(chunk[_PREFIX.size : _OPEN_HEAD])):
+            self._drop("bad_mac")
+            return None
+        magic, version, kind, _flags, epoch, session, seq, meta_len, n_tensors, payload_len = (
+            HEADER.unpack_from(chunk, _OPEN_HEAD)
+        )
+        try:
+            self._vet(magic, version, meta_len, n_tensors, payload_len, count)
+            size = HEADER.size + meta_len + payload_len + MAC_BYTES
+            piece = chunk[_OPEN_HEAD:]
+            if len(piece) != min(CHUNK_BYTES, size):
+                reason = "truncated" if len(piece) < min(CHUNK_BYTES, size) else "length_mismatch"
+                raise FrameDropped(reason, f"the open chunk carries {len(piece)} of {size} bytes")
+            if self._check_open is not None:
+                self._check_open(kind, epoch, session, seq, size)
+            rival = self._by_session.get(session)
+            if rival is not None:  # one open frame per session: a replayed open chunk cannot multiply
+                if seq <= self._open[rival].seq:
+                    raise FrameDropped("replay", "an open frame of this session is newer")
+                self._close(rival)
+                self._drop("abandoned")
+            if count > 1 and self.reserved + size > self.budget.total_bytes:
+                raise FrameDropped("budget", f"{self.reserved} + {size} bytes reserved")
+        except FrameDropped as dropped:
+            self._drop(dropped.reason)
+            return None
+        if count == 1:
+            return piece
+        self._open[peer] = _Open(frame_id, session, seq, count, size, [piece], len(piece), now)
+        self._by_session[session] = peer
+        self.reserved += size
+        self.buffered += len(piece)
         return None
-    if len(buffers) == 1:
-        return buffers[0]
-    return memoryview(b"".join(buffers))
+
+    def _vet(self, magic: bytes, version: int, meta_len: int, n_tensors: int, payload_len: int, count: int):
+        if magic != MAGIC:
+            raise FrameDropped("bad_magic")
+        if version != VERSION:
+            raise FrameDropped("bad_version", f"version {version}")
+        limits = self.limits
+        if meta_len > limits.max_meta or payload_len > limits.max_payload or n_tensors > limits.max_tensors:
+            raise FrameDropped("oversized", f"declares meta {meta_len} B, payload {payload_len} B")
+        size = HEADER.size + meta_len + payload_len + MAC_BYTES
+        if count != max(1, math.ceil(size / CHUNK_BYTES)):
+            raise FrameDropped("chunk_count", f"{count} chunks for {size} bytes")
+
+    def _close(self, peer: bytes) -> None:
+        held = self._open.pop(peer)
+        if self._by_session.get(held.session) == peer:
+            del self._by_session[held.session]
+        self.reserved -= held.size
+        self.buffered -= held.received
+
+    def expire(self, now: float) -> None:
+        """Drop the open frames of peers silent for ``open_timeout_s`` (disconnected peers among them)."""
+        for peer in [p for p, held in self._open.items() if now - held.last_s > self.budget.open_timeout_s]:
+            self._close(peer)
+            self._drop("expired")
+
+    def __len__(self) -> int:
+        return len(self._open)

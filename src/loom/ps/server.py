@@ -42,7 +42,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from loom.ps.gate import join_parts, secure_server, split_frame
+from loom.ps.gate import HELLO_BYTES, Inbox, InboxLimits, chunk_key, secure_server, send_frame
 from loom.ps.plan import Piece
 from loom.ps.shard import ModelShard, ShardSettings
 from loom.ps.wire import (
@@ -118,6 +118,9 @@ class ParameterServerProcess:
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.gate = secure_server(self.context, self.socket, secret)
+        self.chunk_key = chunk_key(secret)
+        budget = InboxLimits(total_bytes=max(InboxLimits.total_bytes, 2 * config.limits.max_frame))
+        self.inbox = Inbox(self.chunk_key, config.limits, budget, self.counters.drop, self._fresh)
         self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -199,14 +202,25 @@ class ParameterServerProcess:
                 if self.monitor in events:
                     recv_monitor_message(self.monitor)
                     self.counters.drop("bad_handshake")
+                drained = True
                 if self.socket in events:
-                    for _ in range(64):  # drain a burst before looking at the clocks again
+                    for _ in range(256):  # drain a burst of chunks before looking at the clocks again
                         try:
                             parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self.handle(parts)
-                self._tick(time.monotonic())
+                        if len(parts) != 2:  # a chunk is one message; ROUTER adds the peer's identity
+                            self.counters.drop("malformed")
+                            continue
+                        data = self.inbox.receive(parts[0].bytes, parts[1].buffer, time.monotonic())
+                        if data is not None:
+                            self.handle([parts[0], data])
+                    else:
+                        drained = False
+                now = time.monotonic()
+                if drained:  # only when nothing waits in ZeroMQ's queues is a peer's silence real
+                    self.inbox.expire(now)
+                self._tick(now)
         finally:
             if self.models:
                 self.checkpoint()
@@ -222,11 +236,13 @@ class ParameterServerProcess:
 
     # -- one message ------------------------------------------------------------------------------------------
     def handle(self, parts: list) -> None:
-        data = join_parts(parts[1:], self.config.limits.max_frame) if len(parts) >= 2 else None
-        if data is None:
+        """Decode, admit and answer one whole frame: ``parts`` is [identity, frame] (``zmq.Frame``s or the frame's
+        bytes, as `Inbox` reassembles it)."""
+        if len(parts) != 2:
             self.counters.drop("malformed")
             return
         identity = parts[0].bytes
+        data = parts[1].buffer if hasattr(parts[1], "buffer") else parts[1]
         try:
             frame = decode(self.secret, data, self.config.limits)
             self.sessions.admit(frame)
@@ -244,6 +260,14 @@ class ParameterServerProcess:
         except (ValueError, KeyError, TypeError, RuntimeError) as error:
             self.counters.drop("rejected")
             self._error(identity, frame, f"{type(error).__name__}: {error}")
+
+    def _fresh(self, kind: int, epoch: int, session: int, seq: int, size: int) -> None:
+        """Vet an open chunk's header before its frame's bytes are kept (see `loom.ps.gate.Inbox`)."""
+        if not MessageType.HELLO <= kind < MessageType.REPLY:
+            raise FrameDropped("malformed", f"message type {kind} is not a request")
+        if kind == MessageType.HELLO and size > HELLO_BYTES:
+            raise FrameDropped("oversized", f"a HELLO of {size} bytes")
+        self.sessions.check(kind, epoch, session, seq)
 
     def _handlers(self):
         return {
@@ -263,12 +287,12 @@ class ParameterServerProcess:
         data = encode(self.secret, MessageType.REPLY, epoch=self.epoch, session=frame.session, seq=frame.seq,
                       meta=meta, tensors=tensors)  # fmt: skip
         self.counters.bytes_out += len(data)
-        self.socket.send_multipart([identity, *split_frame(data)], copy=False)
+        send_frame(self.socket, self.chunk_key, data, identity)
 
     def _error(self, identity: bytes, frame: Frame, message: str) -> None:
         data = encode(self.secret, MessageType.ERROR, epoch=self.epoch, session=frame.session, seq=frame.seq,
                       meta={"error": f"parameter server {self.config.index}: {message}"})  # fmt: skip
-        self.socket.send_multipart([identity, *split_frame(data)], copy=False)
+        send_frame(self.socket, self.chunk_key, data, identity)
 
     def _model(self, frame: Frame) -> tuple[str, ModelShard, int]:
         name = frame.meta.get("ns")

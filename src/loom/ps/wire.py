@@ -1,6 +1,6 @@
 """Authenticated frames for the parameter-server transport: a small header, JSON metadata, raw tensor bytes, a MAC.
 
-One ZeroMQ message carries one frame::
+A frame travels as a sequence of chunks, each one ZeroMQ message, reassembled under budgets (`loom.ps.gate`)::
 
     header (48 bytes, little-endian)  magic "LMPS" | version u8 | type u8 | flags u16 | epoch u64 | session u64
                                       | seq u64 | meta_len u32 | n_tensors u32 | payload_len u64
@@ -93,7 +93,7 @@ class WireLimits:
     """Upper bounds a receiver enforces before looking inside a frame."""
 
     max_payload: int = 256 << 20
-    """Largest tensor payload accepted, in bytes (also ZeroMQ's ``maxmsgsize`` on the server socket)."""
+    """Largest tensor payload accepted, in bytes."""
     max_meta: int = 1 << 20
     """Largest JSON metadata block, in bytes."""
     max_tensors: int = 65536
@@ -274,18 +274,23 @@ class SessionTable:
         self.capacity = capacity
         self._last: OrderedDict[int, int] = OrderedDict()
 
+    def check(self, kind: int, epoch: int, session: int, seq: int) -> None:
+        """Raise `FrameDropped` unless a frame with these header fields would be fresh; records nothing (a
+        receiver peeks with it before it keeps a frame's bytes)."""
+        if kind == MessageType.HELLO:
+            if epoch != 0:
+                raise FrameDropped("stale_epoch")
+        elif epoch != self.epoch:
+            raise FrameDropped("stale_epoch")
+        last = self._last.get(session)
+        if last is None and kind != MessageType.HELLO:
+            raise FrameDropped("unknown_session")
+        if last is not None and seq <= last:
+            raise FrameDropped("replay")
+
     def admit(self, frame: Frame) -> None:
         """Raise `FrameDropped` unless ``frame`` is fresh; record its sequence number."""
-        if frame.type == MessageType.HELLO:
-            if frame.epoch != 0:
-                raise FrameDropped("stale_epoch")
-        elif frame.epoch != self.epoch:
-            raise FrameDropped("stale_epoch")
-        last = self._last.get(frame.session)
-        if last is None and frame.type != MessageType.HELLO:
-            raise FrameDropped("unknown_session")
-        if last is not None and frame.seq <= last:
-            raise FrameDropped("replay")
+        self.check(frame.type, frame.epoch, frame.session, frame.seq)
         self._last[frame.session] = frame.seq
         self._last.move_to_end(frame.session)
         while len(self._last) > self.capacity:
