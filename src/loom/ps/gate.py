@@ -63,7 +63,7 @@ __all__ = [
 
 CHUNK_BYTES = 1 << 20
 """Frame bytes one chunk carries (all but the last chunk of a frame carry exactly this many)."""
-QUEUE_CHUNKS = 16
+QUEUE_CHUNKS = 4
 """Incoming chunks ZeroMQ queues per peer (``RCVHWM``) before it stops reading that connection."""
 HELLO_BYTES = 64 << 10
 """Largest HELLO frame a server accepts: a hello opens a session, so the replay table cannot vouch for it."""
