@@ -11,6 +11,7 @@ import hmac
 import itertools
 import os
 import random
+import socket
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,15 @@ from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
 
 import loom
 from loom.ps.client import PSClient
-from loom.ps.gate import CHUNK_BYTES, Inbox, InboxLimits, chunk_key, secure_client, split_frame
+from loom.ps.gate import (
+    CHUNK_BYTES,
+    Inbox,
+    InboxLimits,
+    chunk_key,
+    connection_token,
+    secure_client,
+    split_frame,
+)
 from loom.ps.server import ParameterServerProcess, ServerConfig
 from loom.ps.wire import HEADER, DropCounters, MessageType, WireLimits, decode, encode, secret_from_hex
 from loom.strategies.parameter_server import ParameterServer
@@ -227,7 +236,7 @@ def _token_holder(context: zmq.Context, address: str, secret: bytes) -> zmq.Sock
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 4)
-    secure_client(sock, secret)  # the connection token only: the attacker sniffed it
+    secure_client(sock, secret, address)  # the connection token only: sniffed on this host
     sock.connect(f"tcp://{address}")
     return sock
 
@@ -335,3 +344,64 @@ def test_frames_with_bad_macs_cost_no_payload_hashing(server):
     print(f"per train step: {timings}; drops {grew}")
     assert grew["bad_mac"] == 20 and grew["orphan_chunk"] == 20 * (len(chunks) - 1), grew
     job.close()
+
+
+def _zmtp_command(raw: socket.socket) -> bytes:
+    """The body of the next ZMTP command from ``raw`` (b"" if the connection closed or sent something else)."""
+    head = raw.recv(2, socket.MSG_WAITALL)
+    if len(head) < 2 or head[0] not in (0x04, 0x06):
+        return b""
+    size = head[1] if head[0] == 0x04 else int.from_bytes(head[1:] + raw.recv(7, socket.MSG_WAITALL), "big")
+    return raw.recv(size, socket.MSG_WAITALL)
+
+
+def _multipart_flood(address: str, token: str, megabytes: int) -> bool:
+    """Raw ZMTP 3.0: a PLAIN handshake presenting ``token``, then one message of ``megabytes`` 1 MiB parts with
+    the MORE flag, never ended (pyzmq itself sends nothing of a message before its last part). Returns whether
+    the handshake was accepted (nothing is sent otherwise)."""
+    host, port = address.rsplit(":", 1)
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"PLAIN".ljust(20, b"\0") + b"\0" * 32)
+        raw.recv(64, socket.MSG_WAITALL)  # the server's greeting
+        hello = b"\x05HELLO" + bytes([4]) + b"loom" + bytes([len(token)]) + token.encode()
+        raw.sendall(bytes([0x04, len(hello)]) + hello)
+        if not _zmtp_command(raw).startswith(b"\x07WELCOME"):
+            return False
+        initiate = b"\x08INITIATE" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+        raw.sendall(bytes([0x04, len(initiate)]) + initiate)
+        if not _zmtp_command(raw).startswith(b"\x05READY"):
+            return False
+        part = b"\x03" + CHUNK_BYTES.to_bytes(8, "big") + bytes(CHUNK_BYTES)  # MORE | LONG
+        for _ in range(megabytes):
+            raw.sendall(part)
+        time.sleep(1.0)
+        return True
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_token_sniffed_from_another_host_admits_nothing(server):
+    """The connection token is bound to the client's address: the token of a worker at 10.9.8.7, sniffed and
+    presented from here, fails the handshake, so 20 such connections sending never-ended multipart messages of
+    100 MiB leave the server's memory alone. Control: the same flood behind this host's own token (what a
+    worker's own host could do) is buffered by libzmq, so the measurement sees such buffering."""
+    secret = secret_from_hex(server.secret)
+    pid, address = server.procs[0].pid, server.addresses[0]
+    stats(server)
+    idle = _status(pid, "VmRSS")
+    refused_before = stats(server)["dropped"].get("bad_handshake", 0)
+    other_host = connection_token(secret, "10.9.8.7")
+    threads = [threading.Thread(target=_multipart_flood, args=(address, other_host, 100)) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    refused_peak = _status(pid, "VmHWM")
+    refused = stats(server)["dropped"].get("bad_handshake", 0) - refused_before
+    assert _multipart_flood(address, connection_token(secret, "127.0.0.1"), 150)
+    control = _status(pid, "VmHWM")
+    print(f"idle {idle >> 10} MiB; 20 x 100 MiB behind another host's token: peak {refused_peak >> 10} MiB, "
+          f"{refused} handshakes refused; 150 MiB behind this host's token: {control >> 10} MiB")  # fmt: skip
+    assert refused >= 20
+    assert refused_peak < idle + (64 << 10), (idle, refused_peak)  # less than 64 MiB above idle
+    assert control > idle + (100 << 10), (idle, control)

@@ -54,7 +54,7 @@ def dealer(address: str, secret: bytes | None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if secret is not None:
-        secure_client(sock, secret)
+        secure_client(sock, secret, address)
     sock.connect(f"tcp://{address}")
     return sock
 

@@ -43,7 +43,7 @@ class ServerLink:
         self.limits = limits
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        secure_client(self.socket, secret)
+        secure_client(self.socket, secret, address)
         self.socket.connect(f"tcp://{address}")
         self.chunk_key = chunk_key(secret)
         self.inbox = Inbox(

@@ -4,11 +4,13 @@ Every frame is authenticated by its MAC (`loom.ps.wire`), but that MAC can be ch
 has arrived. Three mechanisms bound what a peer can make a receiver hold before then:
 
 - **Connection authentication.** Servers speak ZeroMQ's PLAIN mechanism and check it with a ZAP handler (a
-  thread in the server): a client must present `connection_token`, derived from the job secret, in its
-  handshake, before the connection may deliver one message. A client without it is disconnected after the
-  handshake's few hundred bytes. PLAIN sends the token in clear; it is not the job secret (a one-way HMAC of
-  it), and frames still need the secret's MAC, so whoever sniffs it can connect but neither forge nor replay a
-  request. (ZeroMQ's CURVE would encrypt too, at about a sixth of the throughput here.)
+  thread in the server): a client must present `connection_token`, derived from the job secret *and the
+  client's IP address as the server sees it*, in its handshake, before the connection may deliver one message.
+  A client without it is disconnected after the handshake's few hundred bytes. PLAIN sends the token in clear;
+  it is not the job secret (a one-way HMAC of it), frames still need the secret's MAC, and the token admits
+  only connections from the address it was made for: whoever sniffs it on the job's network can use it only
+  from that worker's own host. (ZeroMQ's CURVE would encrypt too, at about a sixth of the throughput here.)
+  A client reaches its servers only without address translation between them (no NAT).
 - **Chunks.** A frame travels as a sequence of single-part ZeroMQ messages (`split_frame`), each at most
   `CHUNK_BYTES` of frame data (every socket refuses larger messages, ``MAXMSGSIZE``) and each socket queues at
   most `QUEUE_CHUNKS` incoming messages per peer (``RCVHWM``). The first chunk ("open") carries the frame's
@@ -25,10 +27,12 @@ has arrived. Three mechanisms bound what a peer can make a receiver hold before 
 
 A forged open chunk costs the receiver one short HMAC; its data chunks are dropped unhashed as orphans.
 
-Limit: ZeroMQ itself still keeps every part of a *multipart* ZeroMQ message until its last part arrives (libzmq
-has no option to refuse multipart input), so a peer that passed the handshake and writes raw ZMTP frames with
-the MORE flag set can still make a server buffer without bound, below the level where `Inbox` sees anything.
-Closing that needs a handshake a sniffer cannot replay (CURVE, at its cost) or a transport other than libzmq's.
+Limit: ZeroMQ itself keeps every part of a *multipart* ZeroMQ message until its last part arrives (libzmq has no
+option to refuse multipart input), so a peer that passed the handshake and writes raw ZMTP frames with the MORE
+flag set can make a server buffer without bound, below the level where `Inbox` sees anything. Binding the token
+to the client's address leaves that to a process on a worker's own host that can read that host's traffic
+(root there, who can read the job secret anyway); closing it entirely needs CURVE (at its cost) or a transport
+other than libzmq's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import hmac
 import logging
 import math
 import os
+import socket as _socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +63,7 @@ __all__ = [
     "secure_client",
     "secure_server",
     "send_frame",
+    "source_ip",
     "split_frame",
 ]
 
@@ -75,9 +81,42 @@ _OPEN_HEAD = _PREFIX.size + _TAG
 _MAX_MESSAGE = _OPEN_HEAD + CHUNK_BYTES
 
 
-def connection_token(secret: bytes) -> str:
-    """The handshake's password: an HMAC of the job secret under a label of its own (hex)."""
-    return hmac.new(secret, b"loom ps connection token v1", hashlib.sha256).hexdigest()
+def connection_token(secret: bytes, client_ip: str) -> str:
+    """The handshake's password for a client connecting from ``client_ip`` (as the server sees it): an HMAC
+    of the job secret under a label of its own and the address (hex)."""
+    message = b"loom ps connection token v2\0" + client_ip.encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def source_ip(address: str) -> str:
+    """The local IP address this host sends from to ``address`` (``HOST:PORT``): what a server there sees as
+    the client's address (barring NAT). A UDP socket's connect sends nothing; it only picks the route."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
+    with _socket.socket(family, _socket.SOCK_DGRAM) as probe:
+        probe.connect((host, int(port)))
+        return str(probe.getsockname()[0])
+
+
+class _AddressBoundGate(ThreadAuthenticator):
+    """A ZAP handler admitting PLAIN clients whose password is `connection_token` for the address the
+    connection comes from (ZAP hands the handler that address with each request)."""
+
+    def __init__(self, context: zmq.Context, secret: bytes) -> None:
+        super().__init__(context)
+        self._secret = secret
+        self._address = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._address = msg[3].decode("ascii", "replace") if len(msg) > 3 else ""
+        await super().handle_zap_message(msg)
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        expected = connection_token(self._secret, self._address)
+        if username == _USER and hmac.compare_digest(password.encode(), expected.encode()):
+            return True, b"OK"
+        return False, b"Invalid credentials"
 
 
 def chunk_key(secret: bytes) -> bytes:
@@ -89,9 +128,8 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, secret: bytes) -> Th
     """Make ``socket`` (before it binds) admit only clients presenting the token, refuse messages larger than a
     chunk and queue few per peer; returns the running ZAP handler, to be stopped with the context."""
     logging.getLogger("zmq.auth").setLevel(logging.WARNING)  # a refusal is counted, not narrated
-    gate = ThreadAuthenticator(context)
+    gate = _AddressBoundGate(context, secret)
     gate.start()
-    gate.configure_plain(domain="loom-ps", passwords={_USER: connection_token(secret)})
     socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
     socket.setsockopt(zmq.RCVHWM, QUEUE_CHUNKS)
     socket.plain_server = True
@@ -99,14 +137,14 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, secret: bytes) -> Th
     return gate
 
 
-def secure_client(socket: zmq.Socket, secret: bytes) -> None:
-    """Make ``socket`` (before it connects) present the token, refuse messages larger than a chunk from its
-    server and queue few. Its send queue stays ZeroMQ's default (1000 chunks, more than the largest frame),
+def secure_client(socket: zmq.Socket, secret: bytes, address: str) -> None:
+    """Make ``socket`` (before it connects to ``address``, ``HOST:PORT``) present the token for the address it
+    connects from, refuse messages larger than a chunk from its server and queue few. Its send queue stays ZeroMQ's default (1000 chunks, more than the largest frame),
     so that a request fanned out to several servers is handed to ZeroMQ at once rather than server by server."""
     socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
     socket.setsockopt(zmq.RCVHWM, QUEUE_CHUNKS)
     socket.plain_username = _USER.encode()
-    socket.plain_password = connection_token(secret).encode()
+    socket.plain_password = connection_token(secret, source_ip(address)).encode()
 
 
 def split_frame(key: bytes, data: bytes | memoryview) -> list[bytes]:
