@@ -149,3 +149,11 @@ def test_an_unreachable_master_is_named_at_once(tmp_path, script):
     finally:
         subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("where", [["--backend", "ray"], ["--cluster", '{"hosts": []}']])
+def test_server_restarts_are_refused_where_servers_are_not_restarted(tmp_path, script, where):
+    proc, _ = run([*where, "--max-server-restarts", "2", str(script)], tmp_path)
+    assert_one_clear_line(proc, "--max-server-restarts", "not restarted yet")
+    assert proc.returncode == 2 and "ran" not in proc.stdout

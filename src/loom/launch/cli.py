@@ -85,7 +85,7 @@ def _add_run_parser(sub) -> None:
     p.add_argument(
         "--max-server-restarts",
         type=_non_negative_int,
-        default=3,
+        default=None,
         metavar="N",
         help="restarts of each parameter server that dies while the job runs, on its address and from its "
         "checkpoint (default 3); one more death stops the job, naming the server and its signal",
@@ -134,6 +134,13 @@ def _add_run_parser(sub) -> None:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from loom.launch.agent import LaunchSpec, launch
 
+    if ns.max_server_restarts is not None and (
+        ns.backend == "ray" or ns.cluster or ns.host_index is not None
+    ):
+        print("loom run: --max-server-restarts applies to the parameter servers of a one-node `loom run "
+              "--servers K`; the servers of --backend ray and of --cluster hosts are not restarted yet. HINT: "
+              "drop the option", file=sys.stderr)  # fmt: skip
+        return 2
     if ns.backend == "ray":
         from loom.ray import run_from_cli  # here: ray is an optional extra, imported only on this path
 
@@ -158,7 +165,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             local_addr=ns.local_addr,
             run_dir=ns.run_dir or _default_run_dir(),
             servers=ns.servers,
-            max_server_restarts=ns.max_server_restarts,
+            max_server_restarts=3 if ns.max_server_restarts is None else ns.max_server_restarts,
             trace_steps=ns.trace_steps,
             server_bind=ns.server_bind,
             join_timeout_s=ns.join_timeout,
