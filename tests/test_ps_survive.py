@@ -267,6 +267,33 @@ def test_async_saves_by_time_and_not_on_every_update(tmp_path):
         server.process.close()
 
 
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), "safetensors"])
+def test_a_save_that_fails_is_logged_and_training_goes_on(tmp_path, monkeypatch, capsys, error):
+    """A full disk (safetensors reports it as its own SafetensorError, not OSError) must not end the server."""
+    import safetensors
+
+    from loom.ps import shard as shard_module
+
+    def failing_save(*args, **kwargs):
+        raise error if isinstance(error, OSError) else safetensors.SafetensorError("No space left on device")
+
+    server = Server(tmp_path, "sync", 1, 0.0)
+    try:
+        monkeypatch.setattr(shard_module, "save_file", failing_save)
+        server.send(MessageType.INIT, 0, tensors={"p0": torch.zeros(3)})
+        server.push(0, 0)
+        server.push(1, 0)
+        assert server.process.models["m"].version == 1  # the step was applied and answered
+        assert "could not save its checkpoint" in capsys.readouterr().out
+        monkeypatch.undo()
+        server.push(0, 1)
+        server.push(1, 1)
+        assert ModelShard.load(server.folder / "m.json").version == 2
+        assert "saving works again" in capsys.readouterr().out
+    finally:
+        server.process.close()
+
+
 def make_shard(value: float, version: int) -> ModelShard:
     shard = ModelShard("m", ShardSettings(**settings("sync", 1, 0.0)), PIECES, {0: torch.full((3,), value)})
     shard.version = version

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import zmq
+from safetensors import SafetensorError
 from zmq.utils.monitor import recv_monitor_message
 
 from loom.ps.gate import HELLO_BYTES, Inbox, InboxLimits, chunk_key, secure_server, send_frame
@@ -162,7 +163,7 @@ class ParameterServerProcess:
         started = time.monotonic()
         try:
             path = shard.save(self.shard_dir)
-        except OSError as error:
+        except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
             if shard.save_error is None:
                 self.log(f"model {shard.name!r}: could not save its checkpoint into {self.shard_dir}: {error}; "
                          "training goes on, but a restart of this server would lose the updates since the "
@@ -392,7 +393,7 @@ class ParameterServerProcess:
             self.parked_pushes.setdefault(name, {}).setdefault(clock, {})[worker] = parked
             self._complete_sync(name, shard)
             return
-        staleness = shard.version - int(frame.meta["version"])
+        staleness = max(0, shard.version - int(frame.meta["version"]))  # < 0 after a restart behind it
         shard.apply([frame.tensors], frame.meta.get("lrs"))
         shard.clocks.pushed(worker, clock)
         shard.record_staleness(staleness)
@@ -407,7 +408,7 @@ class ParameterServerProcess:
             if not set(shard.clocks.active()) <= set(waiting):
                 return
             order = sorted(waiting)
-            staleness = [shard.version - int(waiting[w].frame.meta["version"]) for w in order]
+            staleness = [max(0, shard.version - int(waiting[w].frame.meta["version"])) for w in order]
             shard.apply([waiting[w].frame.tensors for w in order], waiting[order[0]].frame.meta.get("lrs"))
             loss_sum = sum(float(waiting[w].frame.meta.get("loss_sum", 0.0)) for w in order)
             for w, stale in zip(order, staleness, strict=True):
