@@ -32,6 +32,7 @@ from loom.ps.gate import (
     chunk_key,
     connection_token,
     secure_client,
+    secure_server,
     split_frame,
 )
 from loom.ps.server import ParameterServerProcess, ServerConfig
@@ -412,3 +413,81 @@ def test_a_token_sniffed_from_another_host_admits_nothing(server):
     assert refused >= 20
     assert refused_peak < idle + (64 << 10), (idle, refused_peak)  # less than 64 MiB above idle
     assert control > idle + (100 << 10), (idle, control)
+
+
+class _SlowAnswers:
+    """A fake server whose first PULL answer (8 MiB, 9 chunks) comes slowly: ``trickle`` sends a chunk every
+    0.4 s (a long transfer), ``stall`` sends 5 chunks, then the rest only once the client greets it again."""
+
+    def __init__(self, secret: bytes, mode: str) -> None:
+        self.secret, self.mode, self.key = secret, mode, chunk_key(secret)
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.gate = secure_server(self.context, self.sock, secret)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.inbox = Inbox(self.key, WireLimits(), InboxLimits(), lambda reason: None)
+        self.seen: list[str] = []
+        self.stop = threading.Event()
+        self.held: list = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _answer(self, ident: bytes, request, tensors=None) -> list[bytes]:
+        meta = {"version": 1} if tensors else {"index": 0, "models": {}, "resumed": {}}
+        data = encode(self.secret, MessageType.REPLY, epoch=7, session=request.session, seq=request.seq,
+                      meta=meta, tensors=tensors)  # fmt: skip
+        return split_frame(self.key, data)
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, chunk = self.sock.recv_multipart()
+            data = self.inbox.receive(ident, memoryview(chunk), time.monotonic())
+            if data is None:
+                continue
+            request = decode(self.secret, data)
+            self.seen.append(request.type.name)
+            if request.type == MessageType.PULL:
+                chunks = self._answer(ident, request, {"p": torch.zeros(2 << 20)})
+                if self.mode == "stall":
+                    for c in chunks[:5]:
+                        self.sock.send_multipart([ident, c])
+                    self.held = [ident, chunks[5:]]
+                else:
+                    for c in chunks:
+                        self.sock.send_multipart([ident, c])
+                        time.sleep(0.4)
+                continue
+            if self.held:  # a HELLO: the stalled answer first (same pipe, in order)
+                for c in self.held[1]:
+                    self.sock.send_multipart([self.held[0], c])
+                self.held = []
+            for c in self._answer(ident, request):
+                self.sock.send_multipart([ident, c])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.sock.close(0)
+        self.gate.stop()
+        self.context.term()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["trickle", "stall"])
+def test_an_answer_still_arriving_or_completing_during_a_greeting_is_kept(mode):
+    """A long answer (3.6 s, past the 2 s attempt window) is waited for, not re-requested; an answer that
+    completes while the client greets the server again is taken, not dropped and re-requested (both were)."""
+    secret = os.urandom(32)
+    server = _SlowAnswers(secret, mode)
+    client = PSClient([f"127.0.0.1:{server.port}"], secret)
+    try:
+        client.hello(timeout_s=10)
+        frame = client.request(MessageType.PULL, [{"worker": 0, "clock": 0}], timeout_s=30)[0]
+        assert frame.tensors["p"].numel() == 2 << 20
+        assert server.seen.count("PULL") == 1, server.seen
+        assert client.links[0].dropped == 0
+    finally:
+        client.close()
+        server.close()

@@ -4,7 +4,8 @@ A request goes to several servers at once and the replies are gathered as they c
 like requests (the MAC proves the server holds the job secret) and must answer the exact request sent: same
 session, the sequence number of one of the sends of the request; anything else is dropped and counted.
 
-Retries: a server that does not answer within an attempt window (2 s, doubling to 10 s) is greeted again (a
+Retries: a server that does not answer within an attempt window (2 s, doubling to 10 s; an answer still arriving
+chunk by chunk is waited for) is greeted again (a
 restarted server has a new epoch, and frames of the old epoch are dropped by design) and, once it answers, the
 request is resent under a new sequence number. Resending is safe because the server recognises pushes it has applied by the
 worker's clock. The greeting is repeated every half second while it waits, so a server restarted by the launcher
@@ -31,6 +32,9 @@ from loom.ps.gate import Inbox, InboxLimits, chunk_key, secure_client, send_fram
 from loom.ps.wire import Frame, FrameDropped, MessageType, WireLimits, decode, encode
 
 __all__ = ["ServerLink", "PSClient"]
+
+ARRIVING_S = 1.0
+"""A request whose answer got a chunk this recently is not retried yet (a long transfer is not a silent server)."""
 
 
 class ServerLink:
@@ -173,10 +177,20 @@ class PSClient:
                 late, began = [servers[i] for i in pending], time.time() - (now - start)
                 raise self._timeout(kind, late, metas[0].get("worker"), timeout_s, began - 30.0)
             for i in list(pending):
+                if now >= retry_at[i] and self.links[servers[i]].inbox.arriving(b"", now, ARRIVING_S):
+                    retry_at[i] = now + ARRIVING_S  # its answer is coming in: greeting now would drop it
+                    continue
                 if now >= retry_at[i]:  # maybe restarted: learn its epoch again, then resend
                     greeted = kind == MessageType.HELLO or self._rehello(
-                        servers[i], min(attempt[i], deadline - now)
+                        servers[i], min(attempt[i], deadline - now), pending[i]
                     )
+                    if isinstance(greeted, Frame):  # the answer came in while greeting
+                        self._count(kind, 0, greeted.nbytes)
+                        if greeted.type == MessageType.ERROR:
+                            raise RuntimeError(str(greeted.meta.get("error", "parameter server error")))
+                        replies[i] = greeted
+                        del pending[i]
+                        continue
                     if not greeted:  # down (or restarting): greet again at once, resend once it answers
                         retry_at[i] = time.monotonic()
                         continue
@@ -192,9 +206,10 @@ class PSClient:
         self._count(kind, link.bytes_sent - before, 0)
         return seq
 
-    def _rehello(self, server: int, timeout_s: float) -> bool:
+    def _rehello(self, server: int, timeout_s: float, waiting: set[int] | None = None) -> bool | Frame:
         """Greet ``server`` again (every 0.5 s until it answers or ``timeout_s`` passes): learn its epoch, and
-        record a restart when the epoch changed. Returns whether it answered."""
+        record a restart when the epoch changed. Returns whether it answered, or the answer to one of the
+        requests ``waiting`` (sequence numbers) if that comes in first (it was late, not lost)."""
         link = self.links[server]
         seqs: set[int] = set()
         end = time.monotonic() + max(0.1, timeout_s)
@@ -204,7 +219,9 @@ class PSClient:
                 seqs.add(self._send(server, MessageType.HELLO, {}, None))
                 resend_at = now + 0.5
             if link.socket.poll(int(max(1, (min(end, resend_at) - now) * 1000))):
-                frame = link.receive(seqs)
+                frame = link.receive(seqs | (waiting or set()))
+                if frame is not None and frame.seq in (waiting or ()):
+                    return frame
                 if frame is not None:
                     if link.epoch and frame.epoch != link.epoch:
                         resumed, models = frame.meta.get("resumed"), frame.meta.get("models")

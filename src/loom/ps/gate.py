@@ -329,5 +329,11 @@ class Inbox:
             self._close(peer)
             self._drop("expired")
 
+    def arriving(self, peer: bytes, now: float, within_s: float) -> bool:
+        """Whether a frame from ``peer`` is open and got a chunk in the last ``within_s`` seconds (it is still
+        coming: a sender waiting for it should not give up on it)."""
+        held = self._open.get(peer)
+        return held is not None and now - held.last_s <= within_s
+
     def __len__(self) -> int:
         return len(self._open)
