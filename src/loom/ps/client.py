@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from loom.ps.deaths import death_of
-from loom.ps.gate import Inbox, InboxLimits, chunk_key, secure_client, send_frame
+from loom.ps.gate import Inbox, InboxLimits, chunk_key, secure_client, send_frame, source_ip
 from loom.ps.wire import Frame, FrameDropped, MessageType, WireLimits, decode, encode
 
 __all__ = ["ServerLink", "PSClient"]
@@ -47,7 +47,11 @@ class ServerLink:
         self.limits = limits
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        secure_client(self.socket, secret, address)
+        try:
+            secure_client(self.socket, secret, address)
+        except ConnectionError:
+            self.socket.close(0)  # an unreachable address: a socket left open would block the context's end
+            raise
         self.socket.connect(f"tcp://{address}")
         self.chunk_key = chunk_key(secret)
         self.inbox = Inbox(
@@ -122,7 +126,13 @@ class PSClient:
             raise ValueError("no parameter-server addresses. HINT: start the job with `loom run --servers K`")
         self.context = zmq.Context()
         self.limits = limits or WireLimits()
-        self.links = [ServerLink(self.context, i, a, secret, self.limits) for i, a in enumerate(addresses)]
+        self.links: list[ServerLink] = []
+        try:
+            for i, address in enumerate(addresses):
+                self.links.append(ServerLink(self.context, i, address, secret, self.limits))
+        except BaseException:  # an address that cannot be reached: leave no socket behind
+            self.close()
+            raise
         self.traffic: dict[str, list[int]] = {}
         """Bytes sent and received per request type: ``{"PUSH": [sent, received], ...}``."""
         self.restarts: list[dict[str, Any]] = []
@@ -281,7 +291,12 @@ def _why_silent(index: int, address: str, since: float) -> str:
         return (
             f"is unreachable: nothing accepts connections there ({reason}); the server process is not running"
         )
+    try:
+        source = source_ip(address)
+    except ConnectionError:
+        source = "unknown"
     return (
-        "accepts connections but did not answer: it is hung or overloaded, or it was started with "
-        "another LOOM_JOB_SECRET than this worker"
+        "accepts connections but did not answer: it is hung or overloaded, or it refused this worker's "
+        "connection: started with another LOOM_JOB_SECRET, or it sees this worker at another address than "
+        f"{source} (the connection token is bound to the worker's address: a NAT or proxy between them changes it)"
     )

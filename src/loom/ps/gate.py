@@ -30,9 +30,12 @@ A forged open chunk costs the receiver one short HMAC; its data chunks are dropp
 Limit: ZeroMQ itself keeps every part of a *multipart* ZeroMQ message until its last part arrives (libzmq has no
 option to refuse multipart input), so a peer that passed the handshake and writes raw ZMTP frames with the MORE
 flag set can make a server buffer without bound, below the level where `Inbox` sees anything. Binding the token
-to the client's address leaves that to a process on a worker's own host that can read that host's traffic
-(root there, who can read the job secret anyway); closing it entirely needs CURVE (at its cost) or a transport
-other than libzmq's.
+to the client's address leaves that to a process on a worker's own host that learns that host's token: by
+reading its traffic (root), or - any local user - by listening on a server's port while the server is not (at
+start-up, or during the seconds of a restart) and taking the token from a worker's handshake, since a client
+does not authenticate its server before PLAIN sends the token. The same process can make a worker buffer a
+never-ended message. Closing it needs the client to authenticate the server first (CURVE with keys derived from
+the secret, at its cost) or a transport other than libzmq's.
 """
 
 from __future__ import annotations
@@ -94,9 +97,15 @@ def source_ip(address: str) -> str:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
-    with _socket.socket(family, _socket.SOCK_DGRAM) as probe:
-        probe.connect((host, int(port)))
-        return str(probe.getsockname()[0])
+    try:
+        with _socket.socket(family, _socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))
+            return str(probe.getsockname()[0])
+    except (OSError, ValueError) as error:
+        raise ConnectionError(
+            f"parameter server address {address!r} cannot be reached from this host ({error}). HINT: check the "
+            "server addresses (LOOM_PS_ADDRS, or the cluster spec's hosts) and that this host resolves the name"
+        ) from None
 
 
 class _AddressBoundGate(ThreadAuthenticator):
@@ -180,9 +189,11 @@ def send_frame(socket: zmq.Socket, key: bytes, data: bytes, identity: bytes | No
 class InboxLimits:
     """What a receiver holds for frames still arriving."""
 
-    total_bytes: int = 1 << 30
+    total_bytes: int = 4 << 30
     """Bytes reserved for open frames over all peers (each open reserves its declared size). A server uses
-    ``max(this, 2 * max_frame)``; a refused open is resent by its client after the attempt window."""
+    ``max(this, 2 * max_frame)``. A safety net more than a quota: only holders of the job secret can open a
+    frame, and a replayed open chunk holds at most one frame per session. 4 GiB lets 16 workers push 256 MiB
+    frames at once; past it a refused open is resent by its client after the attempt window (2 s)."""
     open_timeout_s: float = 10.0
     """An open frame whose peer sends nothing for this long is dropped."""
 
