@@ -373,3 +373,34 @@ def test_an_ssp_server_restarted_behind_its_workers_learns_their_clocks_from_the
         assert restarted.process.models["m"].version == 3
     finally:
         restarted.process.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_servers_port_stays_taken_until_its_restart_answers(tmp_path, monkeypatch):
+    """The launcher holds each server's listening socket: while a killed server is being restarted no other
+    process can listen on its port (and take a worker's connection token from its handshake), and the
+    restarted server answers on it."""
+    import socket
+
+    from loom.launch.servers import ServerGroup
+
+    secret = os.urandom(32)
+    monkeypatch.setenv("LOOM_JOB_SECRET", secret.hex())
+    monkeypatch.setenv("LOOM_RUN_DIR", str(tmp_path))
+    group = ServerGroup(1, "127.0.0.1", 1, tmp_path, on_failure=lambda: None)
+    group.start()
+    client = PSClient(group.addresses, secret)
+    try:
+        client.hello(timeout_s=60)
+        port = int(group.addresses[0].rsplit(":", 1)[1])
+        group.servers[0].proc.kill()
+        for _ in range(20):  # the seconds before the restarted server listens
+            with socket.socket() as squatter, pytest.raises(OSError, match="in use"):
+                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old connections
+                squatter.bind(("127.0.0.1", port))
+            time.sleep(0.05)
+        answer = client.request(MessageType.STATS, [{}], timeout_s=60)[0]
+        assert answer.meta["index"] == 0 and group.restarts == 1
+    finally:
+        client.close()
+        group.stop()

@@ -5,6 +5,11 @@ stopped (SIGTERM, then SIGKILL) once the workers are done. Each runs ``python -m
 --num-servers K --bind ADDR:PORT`` through `loom.launch.worker`, so it dies with the launcher too. Workers learn
 the addresses from ``LOOM_PS_ADDRS``; every process gets the job secret in ``LOOM_JOB_SECRET``.
 
+The launcher binds each server's listening socket itself and hands it to the server (``--listen-fd``), keeping
+its own copy: the port is never free, neither between choosing it and the server's start nor while a dead server
+is being restarted, so no other local process can listen there and take a worker's connection token from its
+handshake; connections made meanwhile wait in the socket's backlog for the next server.
+
 A server that exits while the job runs is restarted with the same command, so on the same address (the workers
 know only that), and resumes from its checkpoint in ``$LOOM_RUN_DIR/ps`` (`loom.ps.server`); one line says so. A
 server may die ``max_restarts`` times; once more and the job is stopped (`ServerGroup.failure` says why) - a
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loom.launch.agent import free_port
 from loom.ps.deaths import describe_exit, write_record
 
 __all__ = ["ServerGroup", "server_processes"]
@@ -50,6 +55,17 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _listen(host: str) -> socket.socket:
+    """A TCP socket listening on a free port of ``host``, inheritable by the server processes."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(128)
+    listener.set_inheritable(True)
+    return listener
 
 
 def _stop_this_launcher() -> None:
@@ -80,7 +96,9 @@ class ServerGroup:
         poll_s: float = 0.1,
     ) -> None:
         self.count = count
-        self.addresses = [f"{bind_host}:{free_port(bind_host)}" for _ in range(count)]
+        self.listeners = [_listen(bind_host) for _ in range(count)]
+        """Each server's listening socket, held by the launcher (see the module docstring)."""
+        self.addresses = [f"{bind_host}:{s.getsockname()[1]}" for s in self.listeners]
         self.max_restarts = max_restarts
         self.run_dir = run_dir
         self.on_failure = on_failure
@@ -106,8 +124,14 @@ class ServerGroup:
     def _spawn(self, index: int, address: str) -> subprocess.Popen:
         cmd = [sys.executable, "-u", "-m", "loom.launch.worker", "-m", "loom.ps.server",
                "--index", str(index), "--num-servers", str(self.count), "--bind", address]  # fmt: skip
+        fd = self.listeners[index].fileno()
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ)
+            [*cmd, "--listen-fd", str(fd)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ),
+            pass_fds=(fd,),
         )
         threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{index}]: "), daemon=True).start()
         return proc
@@ -173,6 +197,8 @@ class ServerGroup:
         if self._watcher.is_alive() and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
         _stop(procs, grace_s)
+        for listener in self.listeners:
+            listener.close()
         self._write()
 
 

@@ -31,11 +31,14 @@ Limit: ZeroMQ itself keeps every part of a *multipart* ZeroMQ message until its 
 option to refuse multipart input), so a peer that passed the handshake and writes raw ZMTP frames with the MORE
 flag set can make a server buffer without bound, below the level where `Inbox` sees anything. Binding the token
 to the client's address leaves that to a process on a worker's own host that learns that host's token: by
-reading its traffic (root), or - any local user - by listening on a server's port while the server is not (at
-start-up, or during the seconds of a restart) and taking the token from a worker's handshake, since a client
-does not authenticate its server before PLAIN sends the token. The same process can make a worker buffer a
-never-ended message. Closing it needs the client to authenticate the server first (CURVE with keys derived from
-the secret, at its cost) or a transport other than libzmq's.
+reading its traffic (root), or by listening on a server's port while the server is not and taking the token
+from a worker's handshake, since a client does not authenticate its server before PLAIN sends the token. Under
+``loom run --servers`` the launcher holds every server's port from the start and across restarts
+(`loom.launch.servers`), which closes the second way there; servers of ``--cluster`` hosts, of the Ray backend
+and those started by hand bind their own ports, so a local user who takes such a port first (or while the server
+is down) can. The same process can make a worker buffer a never-ended message. Closing it entirely needs the
+client to authenticate the server first (CURVE with keys derived from the secret, at its cost) or a transport
+other than libzmq's.
 """
 
 from __future__ import annotations

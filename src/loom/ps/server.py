@@ -75,6 +75,9 @@ class ServerConfig:
     checkpoint_dir: Path | None = None
     """Where this server's shards are saved (a ``server<index>`` folder inside it); None: no checkpoints."""
     limits: WireLimits = field(default_factory=WireLimits)
+    listen_fd: int | None = None
+    """A listening TCP socket's file descriptor, already bound to ``bind``, to accept on instead of binding: the
+    launcher keeps the port across a restart of this server, so no other process can take it meanwhile."""
     poll_ms: int = 50
     """How often parked requests and worker timeouts are re-examined when no message arrives."""
 
@@ -127,6 +130,8 @@ class ParameterServerProcess:
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
+        if config.listen_fd is not None:
+            self.socket.setsockopt(zmq.USE_FD, config.listen_fd)
         self.socket.bind(f"tcp://{config.bind}")
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
         self._restore()
@@ -542,6 +547,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-servers", type=int, default=1)
     p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (default: loopback, a free port)")
     p.add_argument("--checkpoint-dir", type=Path, default=None)
+    p.add_argument(
+        "--listen-fd", type=int, default=None, help="a listening socket bound to --bind (loom run's)"
+    )
     p.add_argument("--max-payload-mb", type=float, default=256.0, help="largest tensor payload accepted")
     return p.parse_args(argv)
 
@@ -566,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         index=args.index,
         num_servers=args.num_servers,
         bind=args.bind,
+        listen_fd=args.listen_fd,
         checkpoint_dir=args.checkpoint_dir or _default_checkpoint_dir(),
         limits=WireLimits(max_payload=int(args.max_payload_mb * (1 << 20))),
     )
