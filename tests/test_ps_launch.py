@@ -40,10 +40,12 @@ def session_members(sid: int) -> list[int]:
     return found
 
 
-def run_job(tmp_path: Path, args: list[str], config: dict, timeout: float) -> tuple[int, str, str, list[int]]:
-    """`loom run ARGS ps_launch_job.py CONFIG` in its own session; returns (status, stdout, stderr, processes of
-    the session still alive once the launcher has exited)."""
-    command = [*LOOM, "run", *args, "--run-dir", str(tmp_path / "run"), str(JOB), json.dumps(config)]
+def run_job(
+    tmp_path: Path, args: list[str], config: dict, timeout: float, job: Path = JOB
+) -> tuple[int, str, str, list[int]]:
+    """`loom run ARGS JOB CONFIG` (``ps_launch_job.py`` unless told) in its own session; returns (status,
+    stdout, stderr, processes of the session still alive once the launcher has exited)."""
+    command = [*LOOM, "run", *args, "--run-dir", str(tmp_path / "run"), str(job), json.dumps(config)]
     proc = subprocess.Popen(
         command,
         cwd=tmp_path,

@@ -13,15 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from ps_helpers import parameter_servers
-from test_ps_launch import LOOM, session_members
+from test_ps_launch import results, run_job
 from torch import nn
 
 from loom.ps.client import PSClient
@@ -41,26 +39,7 @@ RESTART_LINE = re.compile(
 
 def run_survive(tmp_path: Path, args: list[str], config: dict, timeout: float = 120):
     """`loom run ARGS ps_survive_job.py CONFIG` in its own session: (status, stdout, stderr, processes left)."""
-    command = [*LOOM, "run", *args, "--run-dir", str(tmp_path / "run"), str(JOB), json.dumps(config)]
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err, session_members(proc.pid)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"loom run {args} did not finish within {timeout} s") from None
-    finally:
-        for pid in session_members(proc.pid):  # whatever happened, leave nothing behind
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-
-
-def results(tmp_path: Path) -> dict[int, dict]:
-    return {
-        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (tmp_path / "run").glob("result-*.json")
-    }
+    return run_job(tmp_path, args, config, timeout, JOB)
 
 
 def one_process_reference(steps: int) -> torch.Tensor:
