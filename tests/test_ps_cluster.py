@@ -13,7 +13,7 @@ import pytest
 import torch
 from ps_helpers import parameter_servers, run_ps_workers
 from torch import nn
-from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
+from workers.common import least_squares, make_dataset, make_mlp, make_optimizer, reference_run
 
 from loom.ps.client import PSClient
 from loom.ps.wire import MessageType, secret_from_hex
@@ -42,10 +42,7 @@ def server_stats(servers, index: int) -> dict:
 
 
 def lsq_loss(weight: list[float]) -> float:
-    g = torch.Generator().manual_seed(7)  # the problem of workers/ps_train.py
-    x = torch.randn(256, 8, generator=g)
-    w = torch.randn(8, 1, generator=g)
-    y = x @ w + 0.01 * torch.randn(256, 1, generator=g)
+    x, y = least_squares().tensors  # the problem of workers/ps_train.py
     return nn.functional.mse_loss(x @ torch.tensor(weight).view(8, 1), y).item()
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import WORKERS
 from torch import nn
+from workers.common import least_squares
 
 LOOM = [sys.executable, "-m", "loom.launch.cli"]
 JOB = WORKERS / "ps_launch_job.py"
@@ -77,9 +78,7 @@ def first_batch_reference() -> dict[str, float]:
     """Loss and mean absolute error of the initial model on global batch 0, in one process."""
     from loom.data import GlobalBatchSampler
 
-    g = torch.Generator().manual_seed(7)  # the problem of workers/ps_launch_job.py
-    x = torch.randn(256, 8, generator=g)
-    y = x @ torch.randn(8, 1, generator=g) + 0.01 * torch.randn(256, 1, generator=g)
+    x, y = least_squares().tensors  # the problem of workers/ps_launch_job.py
     torch.manual_seed(0)
     model = nn.Linear(8, 1, bias=False)
     indices = next(iter(GlobalBatchSampler(256, 48, seed=1))).indices

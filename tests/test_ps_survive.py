@@ -21,6 +21,7 @@ import torch
 from ps_helpers import parameter_servers
 from test_ps_launch import results, run_job
 from torch import nn
+from workers.common import least_squares
 
 from loom.ps.client import PSClient
 from loom.ps.deaths import RECORD_NAME, write_record
@@ -46,9 +47,7 @@ def one_process_reference(steps: int) -> torch.Tensor:
     """The job's model after ``steps`` sync steps, in one process on the whole global batches (what sync equals)."""
     from loom.data import GlobalBatchSampler
 
-    g = torch.Generator().manual_seed(7)  # the problem of workers/ps_survive_job.py
-    x = torch.randn(256, 8, generator=g)
-    y = x @ torch.randn(8, 1, generator=g) + 0.01 * torch.randn(256, 1, generator=g)
+    x, y = least_squares().tensors  # the problem of workers/ps_survive_job.py
     torch.manual_seed(0)
     model = nn.Linear(8, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

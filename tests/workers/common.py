@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -16,6 +18,28 @@ def make_dataset(n: int = N_SAMPLES) -> TensorDataset:
     x = torch.randn(n, 8, generator=g)
     y = torch.randn(n, 4, generator=g)
     return TensorDataset(x, y)
+
+
+def least_squares(n: int = 256) -> TensorDataset:
+    """The parameter-server tests' problem: ``y = x w + noise`` with 8 features, seeded (the same everywhere)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    return TensorDataset(x, x @ w + 0.01 * torch.randn(n, 1, generator=g))
+
+
+def train_steps(job, loader, steps: int, before_step: Callable[[int], None] | None = None) -> list[float]:
+    """``steps`` calls of ``job.train_step`` over ``loader`` (epochs repeated), ``before_step(step)`` before each
+    (a test's kill or sleep); the losses."""
+    losses: list[float] = []
+    while len(losses) < steps:
+        for batch in loader:
+            if before_step is not None:
+                before_step(len(losses))
+            losses.append(job.train_step(batch))
+            if len(losses) == steps:
+                break
+    return losses
 
 
 def make_mlp() -> nn.Module:

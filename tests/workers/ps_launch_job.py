@@ -17,17 +17,14 @@ import time
 from pathlib import Path
 
 import torch
+from common import least_squares, train_steps
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import loom
 
 cfg = json.loads(sys.argv[1])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 topo = loom.init()
-g = torch.Generator().manual_seed(7)
-x = torch.randn(256, 8, generator=g)
-y = x @ torch.randn(8, 1, generator=g) + 0.01 * torch.randn(256, 1, generator=g)
 torch.manual_seed(0)
 model = nn.Linear(8, 1, bias=False)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -35,20 +32,19 @@ strategy = loom.ParameterServer(
     mode=cfg["mode"], staleness=cfg.get("staleness", 0), worker_timeout_s=cfg.get("timeout_s", 30.0)
 )
 job = strategy.setup(model, opt, nn.functional.mse_loss)
-loader = loom.data.loader(TensorDataset(x, y), 48, seed=1)
+loader = loom.data.loader(least_squares(), 48, seed=1)
 
 first = next(iter(loader))
 evaluation = job.eval_step(first, {"mae": lambda out, target: (out - target).abs().mean()})
 
-losses: list[float] = []
-while len(losses) < cfg["steps"]:
-    for batch in loader:
-        if topo.rank == cfg.get("kill_rank") and len(losses) == cfg.get("kill_step") and attempt == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(cfg.get("slow_s", 0.0))
-        losses.append(job.train_step(batch))
-        if len(losses) == cfg["steps"]:
-            break
+
+def before_step(step: int) -> None:
+    if topo.rank == cfg.get("kill_rank") and step == cfg.get("kill_step") and attempt == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(cfg.get("slow_s", 0.0))
+
+
+losses = train_steps(job, loader, cfg["steps"], before_step)
 result = {
     "rank": topo.rank,
     "losses": losses,

@@ -16,17 +16,14 @@ import time
 from pathlib import Path
 
 import torch
+from common import least_squares, train_steps
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import loom
 
 cfg = json.loads(sys.argv[1])
 run_dir = Path(os.environ["LOOM_RUN_DIR"])
 topo = loom.init()
-g = torch.Generator().manual_seed(7)
-x = torch.randn(256, 8, generator=g)
-y = x @ torch.randn(8, 1, generator=g) + 0.01 * torch.randn(256, 1, generator=g)
 torch.manual_seed(0)
 model = nn.Linear(8, 1, bias=False)
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -35,7 +32,7 @@ for key in ("checkpoint_interval_s", "staleness"):
     if key in cfg:
         options[key] = cfg[key]
 job = loom.ParameterServer(**options).setup(model, opt, nn.functional.mse_loss)
-loader = loom.data.loader(TensorDataset(x, y), 48, seed=1)
+loader = loom.data.loader(least_squares(), 48, seed=1)
 kills: list[float] = []
 
 
@@ -45,22 +42,19 @@ def kill_server() -> None:
     os.kill(record["servers"][0]["pid"], signal.SIGKILL)
 
 
-losses: list[float] = []
-while len(losses) < cfg["steps"]:
-    for batch in loader:
-        step = len(losses)
-        if step in cfg.get("kill_steps", []):
-            if cfg.get("in_flight"):
-                if topo.rank == 0:
-                    threading.Timer(0.4, kill_server).start()
-                else:
-                    time.sleep(1.0)
-            elif topo.rank == 0:
-                kill_server()
-        time.sleep(cfg.get("slow_s", 0.0))
-        losses.append(job.train_step(batch))
-        if len(losses) == cfg["steps"]:
-            break
+def before_step(step: int) -> None:
+    if step in cfg.get("kill_steps", []):
+        if cfg.get("in_flight"):
+            if topo.rank == 0:
+                threading.Timer(0.4, kill_server).start()
+            else:
+                time.sleep(1.0)
+        elif topo.rank == 0:
+            kill_server()
+    time.sleep(cfg.get("slow_s", 0.0))
+
+
+losses = train_steps(job, loader, cfg["steps"], before_step)
 result = {
     "rank": topo.rank,
     "losses": losses,

@@ -15,9 +15,8 @@ import sys
 import time
 
 import torch
-from common import make_dataset, make_mlp, make_optimizer
+from common import least_squares, make_dataset, make_mlp, make_optimizer
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import loom
 from loom.strategies.parameter_server import ParameterServer
@@ -27,13 +26,6 @@ cfg = json.loads(sys.argv[1])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 # No process group: the parameter-server strategy talks to the servers only, so a killed peer cannot hang us.
 topo = Topology(rank, world, rank, world, "none")
-
-
-def lsq_problem():
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(256, 8, generator=g)
-    w = torch.randn(8, 1, generator=g)
-    return TensorDataset(x, x @ w + 0.01 * torch.randn(256, 1, generator=g))
 
 
 def make_scheduler(name, opt):
@@ -50,7 +42,7 @@ for index, cfg in enumerate(job_config["runs"]):
     optimizer = cfg.get("optimizer", "sgd")
     addresses = [all_addresses[i] for i in cfg.get("servers", [0])]
     if cfg.get("problem", "mlp") == "lsq":
-        data = lsq_problem()
+        data = least_squares()
         torch.manual_seed(0)
         model = nn.Linear(8, 1, bias=False)
         opt = torch.optim.SGD(model.parameters(), lr=cfg.get("lr", 0.05))
