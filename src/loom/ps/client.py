@@ -5,10 +5,10 @@ like requests (the MAC proves the server holds the job secret) and must answer t
 session, the sequence number of one of the sends of the request; anything else is dropped and counted.
 
 Retries: a server that does not answer within an attempt window (2 s, doubling to 10 s; an answer still arriving
-chunk by chunk is waited for) is greeted again (a
-restarted server has a new epoch, and frames of the old epoch are dropped by design) and, once it answers, the
-request is resent under a new sequence number. Resending is safe because the server recognises pushes it has applied by the
-worker's clock. The greeting is repeated every half second while it waits, so a server restarted by the launcher
+chunk by chunk is waited for) is greeted again (a restarted server has a new epoch, and frames of the old epoch
+are dropped by design) and, once it answers, the request is resent under a new sequence number; an answer to the
+request that completes during the greeting is taken. Resending is safe because the server recognises pushes it
+has applied by the worker's clock. The greeting is repeated every half second while it waits, so a server restarted by the launcher
 is found as soon as it listens. A greeting that finds a new epoch records a restart (`PSClient.restarts`, with the
 version each model was resumed at), which `loom.strategies.parameter_server` turns into a count of lost updates.
 

@@ -151,8 +151,9 @@ def secure_server(context: zmq.Context, socket: zmq.Socket, secret: bytes) -> Th
 
 def secure_client(socket: zmq.Socket, secret: bytes, address: str) -> None:
     """Make ``socket`` (before it connects to ``address``, ``HOST:PORT``) present the token for the address it
-    connects from, refuse messages larger than a chunk from its server and queue few. Its send queue stays ZeroMQ's default (1000 chunks, more than the largest frame),
-    so that a request fanned out to several servers is handed to ZeroMQ at once rather than server by server."""
+    connects from, refuse messages larger than a chunk from its server and queue few. Its send queue stays
+    ZeroMQ's default (1000 chunks, more than the largest frame), so that a request fanned out to several servers
+    is handed to ZeroMQ at once rather than server by server."""
     socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
     socket.setsockopt(zmq.RCVHWM, QUEUE_CHUNKS)
     socket.plain_username = _USER.encode()

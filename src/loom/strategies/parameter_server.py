@@ -141,7 +141,8 @@ class ParameterServerMetrics(StepMetrics):
         """Per pull: (this worker's clock, the slowest live worker's clock) when the pull was granted."""
         self.server_restarts: list[dict[str, Any]] = []
         """Per server restart this worker found: ``{"server", "step", "time" (Unix seconds of the restarted
-        server's first answer), "seen_version", "resumed_version", "lost_updates"}`` (updates this worker saw applied that the restarted server no longer has)."""
+        server's first answer), "seen_version", "resumed_version", "lost_updates"}`` (``lost_updates``: updates
+        this worker saw applied that the restarted server no longer has)."""
 
     def summary(self, skip_first: int = 1) -> dict[str, Any]:
         lost = sum(r["lost_updates"] for r in self.server_restarts)
