@@ -380,17 +380,21 @@ def _multipart_flood(address: str, token: str, megabytes: int) -> bool:
     return False
 
 
-def _peak_rss_during(pid: int, floods: list[tuple[str, str, int]]) -> int:
+def _peak_rss_during(pid: int, floods: list[tuple[str, str, int]]) -> tuple[int, list[bool]]:
     """The server's largest RSS (KiB) sampled while the ``_multipart_flood`` calls run (VmHWM would include
-    earlier tests' peaks on this module's server)."""
-    threads = [threading.Thread(target=_multipart_flood, args=args, daemon=True) for args in floods]
+    earlier tests' peaks on this module's server), and whether each flood's handshake was accepted."""
+    accepted: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda a=args: accepted.append(_multipart_flood(*a)), daemon=True)
+        for args in floods
+    ]
     for t in threads:
         t.start()
     peak = _status(pid, "VmRSS")
     while any(t.is_alive() for t in threads):
         peak = max(peak, _status(pid, "VmRSS"))
         time.sleep(0.02)
-    return peak
+    return peak, accepted
 
 
 @pytest.mark.timeout(60)
@@ -405,14 +409,20 @@ def test_a_token_sniffed_from_another_host_admits_nothing(server):
     idle = _status(pid, "VmRSS")
     refused_before = stats(server)["dropped"].get("bad_handshake", 0)
     other_host = connection_token(secret, "10.9.8.7")
-    refused_peak = _peak_rss_during(pid, [(address, other_host, 100)] * 20)
+    refused_peak, refused_accepted = _peak_rss_during(pid, [(address, other_host, 100)] * 20)
     refused = stats(server)["dropped"].get("bad_handshake", 0) - refused_before
-    control = _peak_rss_during(pid, [(address, connection_token(secret, "127.0.0.1"), 150)])
+    for _ in range(3):  # the control's handshake can time out on a loaded machine: try it again
+        control, control_accepted = _peak_rss_during(
+            pid, [(address, connection_token(secret, "127.0.0.1"), 150)]
+        )
+        if control_accepted == [True]:
+            break
     print(f"idle {idle >> 10} MiB; 20 x 100 MiB behind another host's token: peak {refused_peak >> 10} MiB, "
           f"{refused} handshakes refused; 150 MiB behind this host's token: {control >> 10} MiB")  # fmt: skip
-    assert refused >= 20
+    assert refused >= 20 and not any(refused_accepted)
+    assert control_accepted == [True]
     assert refused_peak < idle + (64 << 10), (idle, refused_peak)  # less than 64 MiB above idle
-    assert control > idle + (100 << 10), (idle, control)
+    assert control > idle + (64 << 10), (idle, control)  # the same line the refused floods stay under
 
 
 class _SlowAnswers:
