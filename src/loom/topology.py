@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from loom.launcher_env import join_env_store, read_launcher_env
+
 __all__ = ["Topology", "init", "current", "shutdown"]
 
 
@@ -91,12 +93,7 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> Topology:
     global _current
     if _current is not None:
         return _current
-    world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"inconsistent launcher environment: RANK={rank}, WORLD_SIZE={world_size}")
+    world_size, rank, local_rank, local_world_size = read_launcher_env()  # each variable checked, named
     if world_size == 1:
         _current = Topology(0, 1, 0, 1, "none")
         return _current
@@ -113,9 +110,14 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> Topology:
             dist.init_process_group(
                 backend=chosen, store=_store, rank=rank, world_size=world_size, timeout=timeout
             )
-        else:
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun: its agent bounds the join
             dist.init_process_group(
                 backend=chosen, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+            )
+        else:  # no agent (plain `python` with the variables set): a join bounded by LOOM_JOIN_TIMEOUT_S
+            store = join_env_store(rank, world_size, timeout_s)
+            dist.init_process_group(
+                backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout
             )
     _watch_uncaught_exceptions()
     _current = Topology(rank, world_size, local_rank, local_world_size, chosen)

@@ -32,6 +32,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.launch.bounds import check_nproc
+
 __all__ = ["LaunchSpec", "launch", "free_port"]
 
 
@@ -77,12 +79,17 @@ class LaunchSpec:
     insecure_no_secret: bool = False
     """Let a multi-node job run without ``LOOM_JOB_SECRET`` (a fixed, public key: anyone who can reach the
     master can join or disturb the job; nothing is unpickled either way)."""
+    max_nproc: int | None = None
+    """Most worker processes this node may start (None: `loom.launch.bounds.default_max_nproc`, 8 per core)."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_nproc(self.nproc, self.max_nproc)
+        if self.servers > 0:
+            check_nproc(self.servers, self.max_nproc, "--servers")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -107,6 +114,10 @@ class LaunchSpec:
             raise ValueError(
                 "--on-worker-failure continue runs one node without restarts; "
                 f"got --max-restarts {self.max_restarts}, --nnodes {self.nnodes}. HINT: drop one of them"
+            )
+        if not self.module and Path(self.target).is_dir():
+            raise FileNotFoundError(
+                f"script {self.target!r} is a directory. HINT: give the training script's path"
             )
         if not self.module and not Path(self.target).is_file():
             raise FileNotFoundError(f"script {self.target!r} does not exist")

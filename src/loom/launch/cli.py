@@ -53,6 +53,14 @@ def _add_run_parser(sub) -> None:
         "its rank. Multi-node: run the same command on every node with --nnodes, --node-rank and --master.",
     )
     p.add_argument("-n", "--nproc", type=_positive_int, default=1, help="worker processes on this node")
+    p.add_argument(
+        "--max-nproc",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="most worker processes a host may start (default: 8 per core of the host); -n above it (or a "
+        "cluster spec's nproc) is refused before anything starts",
+    )
     p.add_argument("--max-restarts", type=_non_negative_int, default=0, help="restarts of the worker group")
     p.add_argument(
         "--on-worker-failure",
@@ -170,6 +178,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             server_bind=ns.server_bind,
             join_timeout_s=ns.join_timeout,
             insecure_no_secret=ns.insecure_no_secret,
+            max_nproc=ns.max_nproc,
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"loom run: {error}", file=sys.stderr)
@@ -198,7 +207,7 @@ def _cmd_run_cluster(ns: argparse.Namespace) -> int:
     options = dict(target=ns.script, args=tuple(ns.args), module=ns.module, max_restarts=ns.max_restarts,
                    on_worker_failure=ns.on_worker_failure, run_dir=ns.run_dir or _default_run_dir(),
                    trace_steps=ns.trace_steps, join_timeout_s=ns.join_timeout,
-                   insecure_no_secret=ns.insecure_no_secret)  # fmt: skip
+                   insecure_no_secret=ns.insecure_no_secret, max_nproc=ns.max_nproc)  # fmt: skip
     return run_host(spec, index, options)
 
 

@@ -22,8 +22,13 @@ gets 30 s to answer), which is when node 0's launcher has ended. Its exit status
 whether the workers succeeded (their hosts' exit statuses say so).
 
 A spec with more than one host needs ``LOOM_JOB_SECRET``, the same on every host. A malformed spec fails before
-anything starts, naming the field (``hosts[2].nproc``) and the fix; the file is read up to `MAX_SPEC_BYTES`, and
-no name is resolved while checking it, so start-up never waits on DNS.
+anything starts, naming the field (``hosts[2].nproc``) and the fix; no name is resolved while checking it, so
+start-up never waits on DNS. The spec is bounded before it is used (`loom.launch.bounds`): a regular file only (a
+FIFO is refused, never read), at most `MAX_SPEC_BYTES`, JSON nested at most `MAX_SPEC_NESTING` deep, at most
+`MAX_SERVER_PORTS` parameter servers in all (counted before any process or argument list is made; their addresses
+travel in one environment variable); each host's own processes (``nproc``, a server host's ports) are bounded by
+its cores like ``loom run -n``. A worker host waits at most ``--join-timeout`` for every parameter server of the
+spec to accept a connection before it starts its workers, and names the ones that did not.
 """
 
 from __future__ import annotations
@@ -38,10 +43,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_SPEC_BYTES", "ClusterSpec", "Host", "load_cluster", "pick_host", "run_host"]
+from loom.launch.bounds import MAX_SPEC_NESTING, check_nproc, json_nesting_depth, read_regular_file
+
+__all__ = [
+    "MAX_SERVER_PORTS",
+    "MAX_SPEC_BYTES",
+    "ClusterSpec",
+    "Host",
+    "load_cluster",
+    "pick_host",
+    "run_host",
+]
 
 MAX_SPEC_BYTES = 1 << 20
 """Largest spec read; a longer file (or ``LOOM_CLUSTER`` value) is refused unread past this."""
+MAX_SERVER_PORTS = 1024
+"""Most parameter servers (ports over all server hosts) a spec may list; ``LOOM_PS_ADDRS`` stays under 32 KiB."""
 ROLES = ("worker", "server")
 _FIELDS = {"worker": {"address", "role", "nproc"}, "server": {"address", "role", "ports"}}
 _STORE_POLL_S = 1.0
@@ -95,10 +112,19 @@ def _fail(source: str, field: str, problem: str, fix: str) -> ClusterSpecError:
     return ClusterSpecError(f"{source}: {field} {problem}. HINT: {fix}")
 
 
+def _short(value: Any, width: int = 60) -> str:
+    """``repr(value)``, cut to ``width`` characters: a message stays one readable line whatever the spec holds."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _port(value: Any, source: str, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
         raise _fail(
-            source, field, f"is {value!r}, not a port", "give an integer in 1..65535 that nothing else uses"
+            source,
+            field,
+            f"is {_short(value)}, not a port",
+            "give an integer in 1..65535 that nothing else uses",
         )
     return value
 
@@ -115,11 +141,14 @@ def _host(entry: Any, index: int, source: str) -> Host:
     address, role = entry["address"], entry["role"]
     if not isinstance(address, str) or not address.strip() or any(c.isspace() for c in address):
         raise _fail(
-            source, f"{where}.address", f"is {address!r}", "give the IPv4 address other hosts reach it at"
+            source,
+            f"{where}.address",
+            f"is {_short(address)}",
+            "give the IPv4 address other hosts reach it at",
         )
     if role not in ROLES:
         raise _fail(
-            source, f"{where}.role", f"is {role!r}, an unknown role", f"use one of {', '.join(ROLES)}"
+            source, f"{where}.role", f"is {_short(role)}, an unknown role", f"use one of {', '.join(ROLES)}"
         )
     unknown = sorted(set(entry) - _FIELDS[role])
     if unknown:
@@ -132,23 +161,32 @@ def _host(entry: Any, index: int, source: str) -> Host:
             )
         nproc = entry["nproc"]
         if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-            raise _fail(source, f"{where}.nproc", f"is {nproc!r}", "give an integer >= 1")
+            raise _fail(source, f"{where}.nproc", f"is {_short(nproc)}", "give an integer >= 1")
         return Host(address, role, nproc=nproc)
     if "ports" not in entry:
         raise _fail(source, f"{where}.ports", "is missing", "list one port per parameter-server process")
     ports = entry["ports"]
     if not isinstance(ports, list) or not ports:
-        raise _fail(source, f"{where}.ports", f"is {ports!r}", "list one port per parameter-server process")
+        raise _fail(
+            source, f"{where}.ports", f"is {_short(ports)}", "list one port per parameter-server process"
+        )
     checked = tuple(_port(p, source, f"{where}.ports[{i}]") for i, p in enumerate(ports))
     if len(set(checked)) != len(checked):
         raise _fail(
-            source, f"{where}.ports", f"repeats a port in {list(checked)}", "give each server its own port"
+            source,
+            f"{where}.ports",
+            f"repeats a port in {_short(list(checked))}",
+            "give each server its own port",
         )
     return Host(address, role, ports=checked)
 
 
 def parse_cluster(text: str, source: str = "cluster spec") -> ClusterSpec:
     """The spec in ``text`` (JSON), checked; `ClusterSpecError` names the first bad field."""
+    depth = json_nesting_depth(text)
+    if depth > MAX_SPEC_NESTING:
+        raise _fail(source, "the JSON", f"is nested {depth} brackets deep (at most {MAX_SPEC_NESTING})",
+                    "a cluster spec is an object with a list of host objects; check the file")  # fmt: skip
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as error:
@@ -166,7 +204,15 @@ def parse_cluster(text: str, source: str = "cluster spec") -> ClusterSpec:
             raise _fail(source, name, "is missing", "the top level has master_port and hosts")
     master_port = _port(raw["master_port"], source, "master_port")
     if not isinstance(raw["hosts"], list) or not raw["hosts"]:
-        raise _fail(source, "hosts", f"is {raw['hosts']!r}", "list the hosts, each with address and role")
+        raise _fail(
+            source, "hosts", f"is {_short(raw['hosts'])}", "list the hosts, each with address and role"
+        )
+    ports = sum(
+        len(h["ports"]) for h in raw["hosts"] if isinstance(h, dict) and isinstance(h.get("ports"), list)
+    )
+    if ports > MAX_SERVER_PORTS:
+        raise _fail(source, "hosts", f"list {ports} parameter-server ports in all (at most {MAX_SERVER_PORTS})",
+                    "one port is one server process; list fewer")  # fmt: skip
     hosts = tuple(_host(entry, i, source) for i, entry in enumerate(raw["hosts"]))
     seen: dict[str, int] = {}
     for i, host in enumerate(hosts):
@@ -187,8 +233,11 @@ def load_cluster(where: str) -> ClusterSpec:
             raise _fail("LOOM_CLUSTER", "the value", f"is over {MAX_SPEC_BYTES} bytes", "point it at a file")
         return parse_cluster(where, "LOOM_CLUSTER")
     try:
-        with open(where, "rb") as f:
-            data = f.read(MAX_SPEC_BYTES + 1)
+        data = read_regular_file(where, MAX_SPEC_BYTES)
+    except ValueError as error:
+        raise ClusterSpecError(
+            f"cannot read the cluster spec: {error}. HINT: give the path of a JSON file"
+        ) from None
     except OSError as error:
         raise ClusterSpecError(f"cannot read the cluster spec {where!r}: {error.strerror or error}") from None
     if len(data) > MAX_SPEC_BYTES:
@@ -241,11 +290,14 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
               "LOOM_JOB_SECRET=$(openssl rand -hex 32) on every host", file=sys.stderr)  # fmt: skip
         return 2
     if host.role == "server":
-        return _serve(spec, index, options.get("join_timeout_s", 120.0), options["run_dir"])
+        return _serve(
+            spec, index, options.get("join_timeout_s", 120.0), options["run_dir"], options.get("max_nproc")
+        )
     from loom.launch.agent import LaunchSpec, launch
 
     workers = spec.workers
     try:
+        check_nproc(host.nproc, options.get("max_nproc"), f"{spec.source}: hosts[{index}].nproc")
         launch_spec = LaunchSpec(
             nproc=host.nproc,
             nnodes=len(workers),
@@ -258,11 +310,38 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
         print(f"loom run: {error}", file=sys.stderr)
         return 2
     if spec.server_addresses:
+        missing = wait_for_servers(spec.server_addresses, launch_spec.join_timeout_s)
+        if missing:
+            print(f"loom run: parameter server(s) {', '.join(missing)} of {spec.source} did not accept a connection "
+                  f"within --join-timeout {launch_spec.join_timeout_s:g} s; the workers were not started. HINT: "
+                  "run the same loom run --cluster command on every server host", file=sys.stderr)  # fmt: skip
+            return 1
         os.environ["LOOM_PS_ADDRS"] = ",".join(spec.server_addresses)
     return launch(launch_spec)
 
 
-def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) -> int:
+def wait_for_servers(addresses: list[str], timeout_s: float, poll_s: float = 0.5) -> list[str]:
+    """The ``ADDR:PORT`` of ``addresses`` that did not accept a TCP connection within ``timeout_s`` (none: all
+    are up). A connection that is closed before ZeroMQ's greeting is dropped by the server unread."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    waiting = list(addresses)
+    while waiting:
+        for address in list(waiting):
+            host, _, port = address.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=min(2.0, timeout_s)).close()
+                waiting.remove(address)
+            except OSError:
+                pass
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+    return waiting
+
+
+def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, max_nproc: int | None) -> int:
     """A server host: its servers run until node 0's store, once reached, is gone."""
     from loom.launch.agent import master_host_port
     from loom.launch.servers import _prefix_lines, _stop
@@ -276,6 +355,11 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) 
         return 2
     addresses = spec.server_addresses
     mine = [(i, a) for i, a in enumerate(addresses) if a.rpartition(":")[0] == spec.hosts[index].address]
+    try:
+        check_nproc(len(mine), max_nproc, f"{spec.source}: hosts[{index}].ports lists")
+    except ValueError as error:
+        print(f"loom run: {error}", file=sys.stderr)
+        return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, LOOM_RUN_DIR=str(run_dir.resolve()), PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []

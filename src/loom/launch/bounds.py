@@ -1,0 +1,101 @@
+"""Bounds on what `loom run` accepts, checked before anything is created.
+
+A launcher that trusts its input can be made to do unbounded work by one typo: ``loom run -n 1000000`` once grew
+the launcher to 2.2 GB and made about 90,000 log directories before failing silently, a spec with 100,000 nested
+brackets ended in a `RecursionError` traceback, and a FIFO given as the spec hung the launcher. Every bound here is
+checked before a directory, a socket or a process exists, and a refusal is one line naming the value and the fix.
+
+- Worker processes per host: at most `MAX_NPROC_PER_CORE` times the host's cores (``os.cpu_count()``); more is a
+  typo or a fork bomb, never a training job. ``--max-nproc N`` raises the bound explicitly (a host with a few
+  GPUs and many small workers, a test of the launcher itself).
+- A spec file: a regular file (stat before opening, opened with ``O_NONBLOCK`` and checked again on the open
+  descriptor, so a FIFO or a device is refused without a read that could block), at most ``limit`` bytes, and
+  JSON nested at most `MAX_SPEC_NESTING` deep, counted before the JSON parser (which recurses) sees it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+__all__ = [
+    "MAX_NPROC_PER_CORE",
+    "MAX_SPEC_NESTING",
+    "default_max_nproc",
+    "check_nproc",
+    "json_nesting_depth",
+    "read_regular_file",
+]
+
+MAX_NPROC_PER_CORE = 8
+"""Worker processes allowed per core of the host by default (``--max-nproc`` overrides)."""
+MAX_SPEC_NESTING = 32
+"""Deepest nesting of brackets a cluster spec may have (a valid spec needs 4)."""
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def default_max_nproc() -> int:
+    """`MAX_NPROC_PER_CORE` times this host's cores (1 core when Python cannot tell)."""
+    return MAX_NPROC_PER_CORE * (os.cpu_count() or 1)
+
+
+def check_nproc(nproc: int, max_nproc: int | None, what: str = "-n/--nproc") -> None:
+    """Refuse ``nproc`` above ``max_nproc`` (None: `default_max_nproc`), naming the bound and the override."""
+    bound = default_max_nproc() if max_nproc is None else max_nproc
+    if nproc > bound:
+        origin = (
+            f"{MAX_NPROC_PER_CORE} per core on this host's {os.cpu_count() or 1} core(s)"
+            if max_nproc is None
+            else "--max-nproc"
+        )
+        raise ValueError(
+            f"{what} {nproc} is more worker processes than the bound of {bound} ({origin}). HINT: check the "
+            "number; to run more processes than that on this host, pass --max-nproc N explicitly"
+        )
+
+
+def json_nesting_depth(text: str) -> int:
+    """The deepest nesting of ``[]``/``{}`` in JSON ``text``, strings skipped; no recursion, linear time."""
+    depth = deepest = 0
+    for bracket in _BRACKET.findall(_STRING.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def read_regular_file(path: str, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of the regular file at ``path`` (the caller refuses a longer one).
+
+    Raises `ValueError` naming the path when it is not a regular file (a directory, a FIFO, a device, a
+    socket), and `OSError` when it cannot be opened. Never blocks on a FIFO: the file type is checked with
+    ``os.stat`` first and again with ``os.fstat`` on a descriptor opened with ``O_NONBLOCK`` (the path may change
+    between the two)."""
+    _require_regular(path, os.stat(path).st_mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _require_regular(path, os.fstat(fd).st_mode)
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _require_regular(path: str, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}  # fmt: skip
+    kind = next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+    raise ValueError(f"{path!r} is {kind}, not a regular file")
