@@ -19,10 +19,15 @@ Exit status: 0 when every worker either succeeded or was killed by a signal (SIG
 least one succeeded, and a warning names the lost ranks; 1 when a worker raised or exited non-zero (a bug is not
 a lost worker), or none succeeded; ``128 + signal`` when the launcher itself was stopped.
 
+Each worker is told the policy (``LOOM_ON_WORKER_FAILURE=continue``), and a strategy whose ranks cannot go on
+without a lost one (every synchronous strategy, DiLoCo, LocalSGD, a ``sync`` parameter server) refuses to start
+under it (`loom.strategies._setup.check_failure_policy`), naming the alternatives; Gossip and ``async``/``ssp``
+parameter servers accept it.
+
 Limits: one node, no restarts (``--max-restarts`` must stay 0). A worker that dies *before* every worker has
 joined the process group leaves the others waiting in ``loom.init()`` until its timeout. What the survivors do
-about a dead peer is the strategy's business: a parameter-server job goes on in ``async``/``ssp`` and fails the
-step naming the worker in ``sync``; a collective (``DataParallel``) fails with gloo's "connection closed" error.
+about a dead peer is the strategy's business: a parameter-server job goes on in ``async``/``ssp``, a gossip job
+goes on with its other neighbours; a script that uses no loom strategy is not checked.
 At exit the survivors' barrier in `loom.shutdown` fails at once on the dead peer and says so on stderr.
 """
 
@@ -88,6 +93,7 @@ def _env(rank: int, nproc: int, store_port: int, run_id: str, error_file: Path) 
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_ERROR_FILE=str(error_file),
         LOOM_STORE_PREFIX=f"loom/{run_id}/job/",
+        LOOM_ON_WORKER_FAILURE="continue",  # a strategy that cannot go on without a lost rank refuses to start
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     return env

@@ -216,12 +216,13 @@ def prepare_replicas(
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
     topology: Topology | None,
+    strategy: str = "this strategy",
 ) -> Topology:
     """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
     (model or optimizer, `loom.strategies.consistency`) and start every replica from rank 0's parameters and
     buffers (as DDP does)."""
     topo = topology if topology is not None else current()
-    check_setup_arguments(model, optimizer, loss_fn)
+    check_setup_arguments(model, optimizer, loss_fn, strategy=strategy)  # averaging needs every replica
     model.to(topo.device)
     if topo.is_distributed:
         check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)

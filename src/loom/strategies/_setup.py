@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -9,19 +10,46 @@ from torch import nn
 
 from loom.strategies._batch import LossCall
 
-__all__ = ["check_setup_arguments"]
+__all__ = ["SURVIVE_LOST_WORKER", "check_failure_policy", "check_setup_arguments"]
+
+SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(mode='ssp')"
+"""The strategies whose surviving ranks finish the job when one dies (``--on-worker-failure continue``)."""
+
+
+def check_failure_policy(strategy: str, survives_lost_worker: bool) -> None:
+    """Refuse to start ``strategy`` under ``loom run --on-worker-failure continue`` (``LOOM_ON_WORKER_FAILURE``)
+    unless ``survives_lost_worker``: the policy promises that the other workers go on, and a strategy whose ranks
+    meet in collectives (or, like DiLoCo, average with every replica) cannot keep that promise: its survivors
+    crash at their next exchange ('Connection reset by peer') with nothing finished. Checked before any
+    collective, the same on every rank."""
+    if os.environ.get("LOOM_ON_WORKER_FAILURE", "stop") != "continue" or survives_lost_worker:
+        return
+    raise ValueError(
+        f"--on-worker-failure continue: {strategy} cannot go on without a lost worker (every rank takes part in "
+        "its exchanges, so the survivors would fail at the next one). HINT: use --on-worker-failure stop (the "
+        f"default) with --max-restarts N to restart the group after a failure, or a strategy whose survivors "
+        f"finish: {SURVIVE_LOST_WORKER}"
+    )
 
 
 def check_setup_arguments(
-    model: Any, optimizer: Any, loss_fn: Any, *, strategy: str = "this strategy", conventions: bool = False
+    model: Any,
+    optimizer: Any,
+    loss_fn: Any,
+    *,
+    strategy: str = "this strategy",
+    conventions: bool = False,
+    survives_lost_worker: bool = False,
 ) -> LossCall:
     """Refuse arguments of the wrong type, and an optimizer holding parameters that are not the model's
     (it would step tensors the strategy never synchronizes); return the loss convention (`LossCall`).
+    Refuse ``--on-worker-failure continue`` unless ``survives_lost_worker`` (`check_failure_policy`).
 
     ``conventions``: whether ``strategy`` runs every `LossCall` convention (one call to
     `loom.strategies._batch.forward_loss` on the whole model); strategies that call the loss elsewhere (a
     pipeline's last stage) take the plain ``loss_fn(model(inputs), targets)`` only and refuse the others here.
     """
+    check_failure_policy(strategy, survives_lost_worker)
     if not isinstance(model, nn.Module):
         raise TypeError(f"setup() expects an nn.Module as model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -159,7 +159,7 @@ class DiLoCo(ReplicaStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DiLoCoJob:
         """Check the replicas agree (model, inner and outer optimizer), start them from rank 0's parameters."""
-        topo = prepare_replicas(model, optimizer, loss_fn, self.topology)
+        topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "DiLoCo")
         job = DiLoCoJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
         if topo.is_distributed:
             check_same_model(model, topo.rank, topo.world_size, optimizer=job.outer_optimizer)

@@ -133,7 +133,7 @@ class Gossip:
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> GossipJob:
         """Listen, publish the address, meet the others in the store; a restarted worker copies a neighbour."""
         topo = self.topology if self.topology is not None else current()
-        check_setup_arguments(model, optimizer, loss_fn)
+        check_setup_arguments(model, optimizer, loss_fn, strategy="Gossip", survives_lost_worker=True)
         layout = ParameterLayout(model)
         devices = sorted({str(p.device) for p in layout.params})
         if layout.nbytes == 0 or devices != ["cpu"]:

@@ -81,7 +81,7 @@ class LocalSGD(ReplicaStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> LocalSGDJob:
         """Check that the replicas hold the same model and optimizer, start them from rank 0's parameters."""
-        topo = prepare_replicas(model, optimizer, loss_fn, self.topology)
+        topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "LocalSGD")
         return LocalSGDJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
 
 

@@ -163,8 +163,9 @@ class ParameterServer:
     ) -> ParameterServerJob:
         """Plan the shards, connect, hand the initial parameters and the optimizer to the servers."""
         topo = self.topology if self.topology is not None else current()
-        check_setup_arguments(model, optimizer, loss_fn)
         cfg = self.config
+        check_setup_arguments(model, optimizer, loss_fn, strategy=f"ParameterServer(mode={cfg.mode!r})",
+                              survives_lost_worker=cfg.mode != "sync")  # sync waits for every worker's push  # fmt: skip
         addresses = list(cfg.addresses or [a for a in os.environ.get("LOOM_PS_ADDRS", "").split(",") if a])
         secret_hex = cfg.secret or os.environ.get("LOOM_JOB_SECRET", "")
         if not addresses or not secret_hex:
