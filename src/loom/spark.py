@@ -19,7 +19,10 @@ partition), ``WORLD_SIZE``, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (among the tasks
 ``MASTER_ADDR``/``MASTER_PORT`` (task 0's host, from the barrier context's task infos, and the port of the job's
 store), ``GLOO_SOCKET_IFNAME`` (the interface holding the task's address) and ``LOOM_STORE_PREFIX``, so
 `loom.init` meets the others in loom's authenticated store (`loom.launch.store`), which task 0 hosts for the
-stage's lifetime on its own address, not torch's unauthenticated ``TCPStore``. The data is read by the function
+stage's lifetime on its own address, not torch's unauthenticated ``TCPStore``. When every task runs on one host
+(a ``local[N]`` master, or one executor host) the store, ``MASTER_ADDR`` and gloo (``GLOO_SOCKET_IFNAME``) use
+127.0.0.1 and its interface instead, as ``loom run`` does on one node, so nothing of loom's listens beyond the host
+(Spark's own driver listens where ``spark.driver.bindAddress`` says: 127.0.0.1 is the setting for one host). The data is read by the function
 itself (a dataset on shared storage): loom's loader shards one global order over the ranks, so no rank is tied
 to a Spark partition.
 
@@ -184,11 +187,14 @@ def _barrier_task(payload: bytes | None, script, num_processes: int, run_dir: st
         if len(hosts) != num_processes:
             raise RuntimeError(f"loom.spark: rank {rank}: the barrier stage has {len(hosts)} tasks, "
                                f"expected {num_processes}")  # fmt: skip
+        # One host (Spark's local mode, or a cluster that placed every task on one executor host): everything
+        # listens on loopback, as under `loom run`, never on the address Spark's driver advertises.
+        addresses = ["127.0.0.1"] * len(hosts) if len(set(hosts)) == 1 else hosts
         server = None
         note = ""
         if rank == 0:
             secret = secrets.token_hex(32)
-            server = StoreServer(hosts[0], 0, bytes.fromhex(secret))
+            server = StoreServer(addresses[0], 0, bytes.fromhex(secret))
             note = json.dumps(
                 {"port": server.port, "secret": secret, "prefix": f"loom-spark-{uuid.uuid4().hex}/"}
             )
@@ -200,14 +206,14 @@ def _barrier_task(payload: bytes | None, script, num_processes: int, run_dir: st
                 WORLD_SIZE=str(num_processes),
                 LOCAL_RANK=str(hosts[:rank].count(hosts[rank])),
                 LOCAL_WORLD_SIZE=str(hosts.count(hosts[rank])),
-                MASTER_ADDR=hosts[0],
+                MASTER_ADDR=addresses[0],
                 MASTER_PORT=str(shared["port"]),
                 LOOM_STORE_PREFIX=shared["prefix"],
                 PYTHONUNBUFFERED="1",
             )
             env.setdefault("OMP_NUM_THREADS", "1")
             env.pop("LOOM_JOB_SECRET", None)
-            interface = interface_of(hosts[rank]) if sys.platform.startswith("linux") else None
+            interface = interface_of(addresses[rank]) if sys.platform.startswith("linux") else None
             if interface is not None:
                 env["GLOO_SOCKET_IFNAME"] = interface
             if run_dir is not None:
