@@ -308,7 +308,9 @@ def _session_members(sid: int) -> list[int]:
 
 @pytest.mark.timeout(180)
 def test_a_sigkilled_peer_is_skipped_and_the_others_train_to_the_end(tmp_path):
-    config = {"steps": 30, "kill_rank": 1, "kill_step": 5, "slow_s": 0.02, "deadline_s": 5.0}
+    # deadline_s 60: were the dead peer waited for rather than found unreachable, the test would time out; a live
+    # peer's answer never takes that long, so "late" stays 0 whatever the load.
+    config = {"steps": 30, "kill_rank": 1, "kill_step": 5, "slow_s": 0.02, "deadline_s": 60.0}
     command = [sys.executable, "-m", "loom.launch.cli", "run", "-n", "3", "--on-worker-failure", "continue",
                "--run-dir", str(tmp_path / "run"), str(WORKERS / "gossip_kill.py"), json.dumps(config)]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -333,10 +335,14 @@ def test_a_sigkilled_peer_is_skipped_and_the_others_train_to_the_end(tmp_path):
         assert stats["unreachable"] >= 1 and stats["late"] == 0, (
             stats
         )  # found dead at once, not at the deadline
-        assert stats["replies"] >= 10, stats  # the survivors kept averaging with each other
-        # 30 paced steps take 0.6 s; even one deadline per exchange with the dead peer would add 75 s.
-        assert r["elapsed"] < 30 * config["slow_s"] + 2 * config["deadline_s"] + 10, r["elapsed"]
+        # The schedule, not the speeds: 30 exchanges, the ring alternating the two neighbours (a passed-over dead
+        # peer hands its turn to the other), so at least 15 go to the other survivor, which answers every one
+        # (it serves until both have finished; late is 0) with its values or, when both asked at once, BUSY.
+        assert stats["replies"] + stats["busy"] >= 15, stats
+        print(f"rank {rank}: {stats['replies']} replies, {stats['busy']} busy, {r['elapsed']:.1f} s")
         assert r["losses"][-1] < r["losses"][0]
+    # Of two requests that cross, exactly one is served: at least one exchange per two of those attempts.
+    assert sum(r["stats"]["replies"] for r in done.values()) >= 15, [r["stats"] for r in done.values()]
     # The step records carry the spread between replicas, and `loom report` shows its last value per rank.
     from loom.observe.report import load_records, summarize
 

@@ -2,7 +2,8 @@
 
 The argument is JSON: steps, kill_rank, kill_step, slow_s (sleep per batch, so the kill lands mid-training) and
 deadline_s. Every worker trains through `loom.fit` (no checkpoint: fit's loop itself takes no collective) from
-the same start; the survivors must skip the dead peer and finish every step. Each writes
+the same start; the survivors must skip the dead peer and finish every step, then wait (serving) until every
+survivor has finished. Each writes
 ``$LOOM_RUN_DIR/gossip-<rank>.json`` with its steps, training time, losses and `comm_stats()`.
 Run by tests/test_gossip.py.
 """
@@ -51,6 +52,14 @@ class Paced:
 started = time.monotonic()
 result = loom.fit(job, Paced(loader), steps=cfg["steps"], progress=False)
 elapsed = time.monotonic() - started
+# Each survivor keeps serving (it has not closed) until every survivor has finished: the other's exchanges with
+# it are then answered whatever the speeds, which makes the test's counts follow from the schedule alone.
+run_dir = Path(os.environ["LOOM_RUN_DIR"])
+(run_dir / f"finished-{topo.rank}").touch()
+survivors = [r for r in range(topo.world_size) if r != cfg["kill_rank"]]
+until = time.monotonic() + 120
+while not all((run_dir / f"finished-{r}").exists() for r in survivors) and time.monotonic() < until:
+    time.sleep(0.05)
 stats = job.comm_stats()
 job.close()
 record = {"rank": topo.rank, "steps": result.steps, "elapsed": elapsed, "stats": stats,
