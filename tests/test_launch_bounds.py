@@ -193,3 +193,13 @@ def test_a_lone_process_says_which_ranks_never_came(tmp_path):
     assert "joined" not in result.stdout
     assert "rank 0: rank(s) [1] of WORLD_SIZE=2 did not join at MASTER_ADDR:MASTER_PORT" in result.stderr
     assert "within 3 s (LOOM_JOIN_TIMEOUT_S)" in result.stderr
+
+
+@pytest.mark.timeout(10)
+def test_the_demo_is_bounded_too(capsys):
+    assert cli.main(["demo", "-n", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("loom demo: -n/--nproc 1000000 is more worker processes than the bound")
+        and "HINT" in err
+    )

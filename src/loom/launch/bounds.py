@@ -42,7 +42,12 @@ def default_max_nproc() -> int:
     return MAX_NPROC_PER_CORE * (os.cpu_count() or 1)
 
 
-def check_nproc(nproc: int, max_nproc: int | None, what: str = "-n/--nproc") -> None:
+def check_nproc(
+    nproc: int,
+    max_nproc: int | None,
+    what: str = "-n/--nproc",
+    override: str = "to run more processes than that on this host, pass --max-nproc N explicitly",
+) -> None:
     """Refuse ``nproc`` above ``max_nproc`` (None: `default_max_nproc`), naming the bound and the override."""
     bound = default_max_nproc() if max_nproc is None else max_nproc
     if nproc > bound:
@@ -53,7 +58,7 @@ def check_nproc(nproc: int, max_nproc: int | None, what: str = "-n/--nproc") -> 
         )
         raise ValueError(
             f"{what} {nproc} is more worker processes than the bound of {bound} ({origin}). HINT: check the "
-            "number; to run more processes than that on this host, pass --max-nproc N explicitly"
+            f"number; {override}"
         )
 
 

@@ -213,6 +213,13 @@ def _cmd_run_cluster(ns: argparse.Namespace) -> int:
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
     from loom.demo.main import run_demo
+    from loom.launch.bounds import check_nproc
+
+    try:
+        check_nproc(ns.nproc, None, override="the demo runs on this host only")
+    except ValueError as error:
+        print(f"loom demo: {error}", file=sys.stderr)
+        return 2
 
     return run_demo(nproc=ns.nproc, epochs=ns.epochs, run_dir=ns.run_dir or _default_run_dir())
 
