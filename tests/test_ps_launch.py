@@ -132,8 +132,9 @@ def test_continue_is_refused_at_start_up_for_a_sync_job(tmp_path):
     assert status == 1, err[-3000:]
     assert left == []
     assert "SIGKILL" not in err  # refused before the step that would have killed rank 1
-    assert ("worker rank 0 failed (exit code 1): ValueError: --on-worker-failure continue: "
+    assert ("failed (exit code 1): StartRefused: --on-worker-failure continue: "
             "ParameterServer(mode='sync') cannot go on without a lost worker") in err, err[-3000:]  # fmt: skip
+    assert "every worker failed the same way (ranks [0, 1])" in err
     assert results(tmp_path) == {}
 
 

@@ -164,6 +164,7 @@ class _JobFailed(Exception):
 def _watch(workers: list[_Worker], failure: Callable[[], str | None]) -> None:
     """Wait for every worker to end, announcing each one that dies while the others go on; raises `_JobFailed`
     when ``failure()`` says the job cannot go on."""
+    said: set[str] = set()
     while True:
         if failure() is not None:
             raise _JobFailed(failure())
@@ -174,7 +175,12 @@ def _watch(workers: list[_Worker], failure: Callable[[], str | None]) -> None:
             elif w.proc.returncode != 0 and not w.reported:
                 w.reported = True
                 left = sum(1 for other in workers if other.proc.poll() is None)
-                print(f"loom run: {_describe(w)}; {left} other worker(s) go on (--on-worker-failure continue)",
+                what = _describe(w)
+                reason = what.partition(": ")[2]
+                if reason and reason in said:  # every rank refusing the same setting: said once
+                    what = f"worker rank {w.rank} failed the same way"
+                said.add(reason)
+                print(f"loom run: {what}; {left} other worker(s) go on (--on-worker-failure continue)",
                       file=sys.stderr, flush=True)  # fmt: skip
         if not running:
             return
@@ -187,6 +193,12 @@ def _verdict(workers: list[_Worker]) -> int:
         return 0
     succeeded = len(workers) - len(failed)
     lost = [w for w in failed if w.proc.returncode < 0]
+    reasons = {_describe(w).partition(": ")[2] for w in failed}
+    if not succeeded and len(reasons) == 1 and not lost:
+        print(
+            f"loom run: every worker failed the same way (ranks {[w.rank for w in failed]})", file=sys.stderr
+        )
+        return 1
     print(f"loom run: warning: {succeeded} of {len(workers)} workers finished; "
           f"lost: {'; '.join(_describe(w) for w in failed)}", file=sys.stderr)  # fmt: skip
     return 0 if succeeded and len(lost) == len(failed) else 1

@@ -1,7 +1,8 @@
 """Entry point of every worker process `loom run` starts: ``python -m loom.launch.worker [-m] TARGET ARGS``.
 
 Runs the user's script as ``__main__`` and, if it raises, records the exception in the file the elastic agent
-reads (so the launcher can name the failing rank and its error). The worker also asks the kernel to kill it if
+reads (so the launcher can name the failing rank and its error). An exception marked ``loom_start_refusal``
+(`loom.strategies._setup.StartRefused`: a job that refuses the launcher's settings) is printed as one line. The worker also asks the kernel to kill it if
 the launcher dies, so no worker outlives its job even when the launcher is killed with SIGKILL.
 """
 
@@ -46,7 +47,17 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     _die_with_parent()
-    record(_run)(sys.argv[1:])
+    try:
+        record(_run)(sys.argv[1:])  # records an exception for the launcher, then raises it again
+    except Exception as error:
+        if not getattr(error, "loom_start_refusal", False):
+            raise
+        # A refusal at start-up (the same on every rank) is a message, not a bug: one line, no traceback, and
+        # no exit barrier with peers that refuse too.
+        print(f"loom: rank {os.environ.get('RANK', '?')}: {error}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

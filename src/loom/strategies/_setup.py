@@ -10,7 +10,15 @@ from torch import nn
 
 from loom.strategies._batch import LossCall
 
-__all__ = ["SURVIVE_LOST_WORKER", "check_failure_policy", "check_setup_arguments"]
+__all__ = ["SURVIVE_LOST_WORKER", "StartRefused", "check_failure_policy", "check_setup_arguments"]
+
+
+class StartRefused(ValueError):
+    """A job refused to start under the launcher's settings, the same on every rank. `loom.launch.worker` prints
+    it as one line, without a traceback (``loom_start_refusal``), and the launcher names it once."""
+
+    loom_start_refusal = True
+
 
 SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(mode='ssp')"
 """The strategies whose surviving ranks finish the job when one dies (``--on-worker-failure continue``)."""
@@ -24,7 +32,7 @@ def check_failure_policy(strategy: str, survives_lost_worker: bool) -> None:
     collective, the same on every rank."""
     if os.environ.get("LOOM_ON_WORKER_FAILURE", "stop") != "continue" or survives_lost_worker:
         return
-    raise ValueError(
+    raise StartRefused(
         f"--on-worker-failure continue: {strategy} cannot go on without a lost worker (every rank takes part in "
         "its exchanges, so the survivors would fail at the next one). HINT: use --on-worker-failure stop (the "
         f"default) with --max-restarts N to restart the group after a failure, or a strategy whose survivors "
