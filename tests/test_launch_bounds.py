@@ -203,3 +203,13 @@ def test_the_demo_is_bounded_too(capsys):
         err.startswith("loom demo: -n/--nproc 1000000 is more worker processes than the bound")
         and "HINT" in err
     )
+
+
+@pytest.mark.timeout(30)
+def test_a_local_ray_instance_is_bounded_like_loom_run(tmp_path, script, capsys, monkeypatch):
+    """--backend ray without --address starts every worker on this host; with --address the cluster places them."""
+    pytest.importorskip("ray")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["run", "--backend", "ray", "-n", "1000000", str(script)]) == 2
+    one_line(capsys.readouterr().err, "-n/--nproc 1000000 is more worker processes than the bound")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py"]
