@@ -310,6 +310,8 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
         print(f"loom run: {error}", file=sys.stderr)
         return 2
     if spec.server_addresses:
+        from loom.launch.servers import wait_for_servers
+
         missing = wait_for_servers(spec.server_addresses, launch_spec.join_timeout_s)
         if missing:
             print(f"loom run: parameter server(s) {', '.join(missing)} of {spec.source} did not accept a connection "
@@ -318,27 +320,6 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
             return 1
         os.environ["LOOM_PS_ADDRS"] = ",".join(spec.server_addresses)
     return launch(launch_spec)
-
-
-def wait_for_servers(addresses: list[str], timeout_s: float, poll_s: float = 0.5) -> list[str]:
-    """The ``ADDR:PORT`` of ``addresses`` that did not accept a TCP connection within ``timeout_s`` (none: all
-    are up). A connection that is closed before ZeroMQ's greeting is dropped by the server unread."""
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    waiting = list(addresses)
-    while waiting:
-        for address in list(waiting):
-            host, _, port = address.rpartition(":")
-            try:
-                socket.create_connection((host, int(port)), timeout=min(2.0, timeout_s)).close()
-                waiting.remove(address)
-            except OSError:
-                pass
-        if not waiting or time.monotonic() >= deadline:
-            break
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
-    return waiting
 
 
 def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, max_nproc: int | None) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 from loom.ps.deaths import describe_exit, write_record
 
-__all__ = ["ServerGroup", "server_processes"]
+__all__ = ["ServerGroup", "server_processes", "wait_for_servers"]
 
 
 def _prefix_lines(stream, prefix: str) -> None:
@@ -221,3 +221,22 @@ def server_processes(
         yield group
     finally:
         group.stop()
+
+
+def wait_for_servers(addresses: list[str], timeout_s: float, poll_s: float = 0.5) -> list[str]:
+    """The ``ADDR:PORT`` of ``addresses`` that did not accept a TCP connection within ``timeout_s`` (none: all
+    are up). A connection that is closed before ZeroMQ's greeting is dropped by the server unread."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(addresses)
+    while waiting:
+        for address in list(waiting):
+            host, _, port = address.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=min(2.0, timeout_s)).close()
+                waiting.remove(address)
+            except OSError:
+                pass
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+    return waiting
