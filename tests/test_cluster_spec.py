@@ -72,27 +72,28 @@ CLI_TIMED = """
 import sys, time
 started = time.monotonic()
 import loom.launch.cli
-print(f"IMPORT {time.monotonic() - started}", file=sys.stderr)
-sys.exit(loom.launch.cli.main(sys.argv[1:]))
+imported = time.monotonic()
+status = loom.launch.cli.main(sys.argv[1:])
+print(f"IMPORT {imported - started:.2f} s, CHECK {time.monotonic() - imported:.2f} s", file=sys.stderr)
+sys.exit(status)
 """
 
 
 @pytest.mark.timeout(60)
-def test_the_command_line_refuses_a_bad_spec_within_five_seconds(tmp_path):
-    """The same check in a fresh `loom run` process; LOOM_CLUSTER holds the JSON. Importing loom (torch) is most
-    of its time, so on a loaded machine the bound is that import, timed in the process, plus 2 s."""
+def test_the_command_line_refuses_a_bad_spec_before_starting_anything(tmp_path):
+    """The same check in a fresh `loom run` process; LOOM_CLUSTER holds the JSON. Nothing is created (the
+    directory stays empty); the import and the check are timed in the process and printed, not asserted: on the
+    loaded 2-core development host the import alone took 5-12 s (issue 25: no timing in tests)."""
     env = dict(os.environ, LOOM_CLUSTER=json.dumps(_with(h1__role="ps")))
-    started = time.monotonic()
     result = subprocess.run([sys.executable, "-c", CLI_TIMED, "run", "--host-index", "0", str(WORKER)], env=env,
-                            capture_output=True, text=True, timeout=50)  # fmt: skip
-    elapsed = time.monotonic() - started
+                            capture_output=True, text=True, timeout=50, cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert (
         "LOOM_CLUSTER: hosts[1].role is 'ps', an unknown role. HINT: use one of worker, server"
         in result.stderr
     )
-    import_s = float(result.stderr.split("IMPORT ", 1)[1].split()[0])
-    assert elapsed < max(5.0, import_s + 2.0), f"took {elapsed:.1f} s (importing loom: {import_s:.1f} s)"
+    assert list(tmp_path.iterdir()) == []
+    print(result.stderr.splitlines()[-1])
 
 
 @pytest.mark.timeout(10)
