@@ -177,3 +177,53 @@ def test_current_alone_starts_no_group_and_shutdown_survives_a_destroyed_group()
         if dist.is_initialized():
             dist.destroy_process_group()
         loom.shutdown()
+
+
+# -- the own-loop model: the model's attributes, evaluation without no_grad -----------------------------------
+@pytest.mark.timeout(120)
+def test_own_loop_model_forwards_attributes_and_evaluates_without_no_grad(workers, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "params.safetensors"
+    outputs = workers("idioms_own_loop.py", 2, str(out), timeout=110)
+    spec = importlib.util.spec_from_file_location(
+        "idioms_own_loop", Path(__file__).parent / "workers" / "idioms_own_loop.py"
+    )
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)  # type: ignore[union-attr]
+    reference, lines = worker.main()  # one process: raw_model is the OwnLoopModel itself
+    for rank in (0, 1):
+        printed = outputs[rank].splitlines()
+        assert printed[0] == lines[0] == "mfu 134.0 module True"
+        assert "backward through an evaluation call: refused, naming no_grad True" in printed
+        for mine, theirs in zip(printed[1:3], lines[1:3], strict=True):  # the test losses, equal
+            assert abs(float(mine.split()[-1]) - float(theirs.split()[-1])) < 1e-4, (mine, theirs)
+    distributed = load_file(out)
+    assert max((distributed[k] - reference[k]).abs().max().item() for k in reference) < 1e-6
+
+
+# -- loom.ray and loom.spark are reachable from `import loom`, lazily -------------------------------------------
+@pytest.mark.timeout(90)
+def test_loom_ray_and_loom_spark_are_reachable_without_importing_ray_or_spark():
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import loom
+heavy = lambda: sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "pyspark") or m in ("loom.ray", "loom.spark"))
+assert heavy() == [], heavy()
+assert "ray" in dir(loom) and "spark" in dir(loom)
+assert callable(loom.ray.run) and callable(loom.spark.run)   # the README's loom.ray.run(...), as written
+assert sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "pyspark")) == [], heavy()
+try:
+    loom.no_such_thing
+except AttributeError as error:
+    assert "no_such_thing" in str(error)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=80)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
