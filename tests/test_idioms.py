@@ -227,3 +227,154 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=80)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+# -- Pipeline refuses at setup() a model that is not a chain ----------------------------------------------------
+class TutorialTransformer(torch.nn.Module):
+    """PyTorch's pipelining tutorial's ``Transformer`` (small): layers in a ModuleDict, each called ``layer(h, h)``
+    (``dict_=False``: a ModuleList; ``dropout``: the decoder layers', 0 for an exact comparison)."""
+
+    def __init__(self, dim=16, n_layers=2, n_heads=2, vocab_size=32, dict_=True, dropout=0.1) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(vocab_size, dim)
+        layers = [torch.nn.TransformerDecoderLayer(dim, n_heads, dropout=dropout) for _ in range(n_layers)]
+        if dict_:
+            self.layers = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
+        else:
+            self.layers = torch.nn.ModuleList(layers)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.output = torch.nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings else tokens
+        for layer in self.layers.values() if isinstance(self.layers, torch.nn.ModuleDict) else self.layers:
+            h = layer(h, h)
+        h = self.norm(h) if self.norm else h
+        return self.output(h).float() if self.output else h
+
+
+@pytest.mark.parametrize(
+    ("module_dict", "named"),
+    [(True, "'layers' (ModuleDict) has no forward"), (False, "'layers.0' (TransformerDecoderLayer) needs 2")],
+)
+def test_pipeline_refuses_the_tutorial_transformer_at_setup_naming_the_module(module_dict, named):
+    model = TutorialTransformer(dict_=module_dict)
+    strategy = loom.Pipeline(stages=2, topology=Topology(0, 2, 0, 2, "gloo"))  # refused before any collective
+    with pytest.raises(ValueError) as refused:
+        strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy)
+    message = str(refused.value)
+    assert "Pipeline cannot cut TutorialTransformer" in message and named in message, message
+    assert "nn.Sequential" in message and "HINT" in message
+
+
+def test_a_chain_is_still_accepted():
+    from loom.strategies.pipeline_split import chain_layers
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert [n for n, _ in chain_layers(model)] == ["0", "1", "2"]
+    encoder = torch.nn.TransformerEncoderLayer(4, 2)  # one required argument after an Embedding: a chain
+    assert len(chain_layers(torch.nn.Sequential(torch.nn.Embedding(8, 4), encoder))) == 2
+
+
+@pytest.mark.timeout(150)
+def test_the_tutorial_transformer_pipeline_refused_at_setup_tensor_parallel_trains_it(workers):
+    outputs = workers("idioms_pipeline.py", 2, timeout=140)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "workers"))
+    try:
+        import idioms_pipeline
+    finally:
+        sys.path.pop(0)
+    model, data = idioms_pipeline.model_and_data()
+    x, y = data.tensors
+    reference = float(idioms_pipeline.loss_fn(model(x), y))
+    for out in outputs:
+        lines = out.splitlines()
+        assert lines[0].startswith("pipeline: refused at setup: Pipeline cannot cut TutorialTransformer"), out
+        assert "'layers' (ModuleDict)" in lines[0]
+        assert abs(float(lines[1].split()[-1]) - reference) < 1e-5, (lines[1], reference)
+
+
+# -- a nanoGPT-style port that keeps get_batch ------------------------------------------------------------------
+def _script_lines(name: str) -> list[str]:
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "workers" / name).read_text()
+    return text.split("# --- nanoGPT train.py ---\n", 1)[1].splitlines()
+
+
+def test_the_nanogpt_port_touches_a_handful_of_lines():
+    import difflib
+
+    diff = [
+        d
+        for d in difflib.unified_diff(_script_lines("nanogpt_ddp.py"), _script_lines("nanogpt_port.py"), n=0)
+        if d[:3] not in ("---", "+++") and d[:2] != "@@"
+    ]
+    added, removed = sum(d.startswith("+") for d in diff), sum(d.startswith("-") for d in diff)
+    print(f"nanoGPT-style port: +{added}/-{removed}\n" + "\n".join(diff))
+    assert (added, removed) == (3, 2), diff
+
+
+def _run(args: list[str], env_extra: dict | None = None, timeout: float = 100) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env.update(env_extra or {}, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_nanogpt_port_equals_one_process_on_the_same_draws_and_nanogpts_own_ddp(workers, tmp_path):
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    scripts = Path(__file__).parent / "workers"
+    port, ported = tmp_path / "port.safetensors", {}
+    outputs = workers("nanogpt_port.py", 2, str(port), timeout=140)
+    assert "mfu" in outputs[0] and "step 2: train loss" in outputs[0] and "step 0" not in outputs[1]
+    draws = [json.loads(Path(f"{port}.rank{r}.json").read_text()) for r in (0, 1)]
+    ported = load_file(port)
+    # One process, the unmodified script, on the ranks' draws: per optimizer step, 4 micro-batches of 3
+    # (rank 0's 2, then rank 1's 2) where the 2 ranks had 2 micro-batches of 3 each.
+    merged = [draws[r][i * 2 + m] for i in range(5) for r in (0, 1) for m in range(2)] + [draws[0][10]]
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps(merged))
+    one = tmp_path / "one.safetensors"
+    _run([str(scripts / "nanogpt_ddp.py"), str(one), str(replay)])
+    reference = load_file(one)
+    worst = max((ported[k] - reference[k]).abs().max().item() for k in reference)
+    print(f"port at 2 processes vs one process on the same draws: max |diff| = {worst:.3g}")
+    assert worst < 1e-5
+    # nanoGPT's own DDP (torchrun, DDP(model)) at 2 processes: the same draws (same seeds), the same result
+    ddp = tmp_path / "ddp.safetensors"
+    _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", str(scripts / "nanogpt_ddp.py"), str(ddp)])
+    assert json.loads(Path(f"{ddp}.rank1.json").read_text()) == draws[1]
+    own_ddp = load_file(ddp)
+    worst_ddp = max((ported[k] - own_ddp[k]).abs().max().item() for k in reference)
+    print(f"port at 2 processes vs nanoGPT's DDP at 2: max |diff| = {worst_ddp:.3g}")
+    assert worst_ddp < 1e-5
+
+
+@pytest.mark.timeout(200)
+def test_the_nanogpt_port_at_one_launched_process_is_bitwise_the_plain_script(workers, tmp_path):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    port, plain = tmp_path / "port.safetensors", tmp_path / "plain.safetensors"
+    outputs = workers("nanogpt_port.py", 1, str(port), timeout=100)  # RANK set: ddp, loom's group of one
+    assert "mfu" in outputs[0]  # raw_model = model.module: estimate_mfu reached on one process
+    _run([str(Path(__file__).parent / "workers" / "nanogpt_ddp.py"), str(plain)])  # no RANK: no ddp
+    ported, reference = load_file(port), load_file(plain)
+    assert all(torch.equal(ported[k], reference[k]) for k in reference)
