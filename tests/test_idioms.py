@@ -378,3 +378,18 @@ def test_the_nanogpt_port_at_one_launched_process_is_bitwise_the_plain_script(wo
     _run([str(Path(__file__).parent / "workers" / "nanogpt_ddp.py"), str(plain)])  # no RANK: no ddp
     ported, reference = load_file(port), load_file(plain)
     assert all(torch.equal(ported[k], reference[k]) for k in reference)
+
+
+@pytest.mark.timeout(120)
+def test_the_idioms_page_code_blocks_run():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "idioms.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) == 3
+    for block in blocks:  # each in a fresh process, as a script would run it
+        result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=100)
+        assert result.returncode == 0, block + result.stderr[-2000:]

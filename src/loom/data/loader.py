@@ -22,6 +22,11 @@ depends on what the collation returns:
   fingerprints the tensor content instead of the indices; `job.train_step` needs an ``(inputs, targets)`` pair,
   so build one in the dataset or in ``collate_fn``.
 
+Iteration is `DataLoader`'s: every ``iter(loader)`` starts the current epoch from its beginning (a probe
+``next(iter(loader))`` costs the epoch nothing); after ``load_state_dict`` the first iteration starts at the
+restored position, once, as torchdata's ``StatefulDataLoader`` does. ``len(loader)`` is the number of batches
+per epoch; ``len(loader.sampler)`` this rank's samples per epoch, as with ``DistributedSampler``.
+
 When a loader is built in a distributed job, it checks that every process holds the same dataset
 (`loom.data.same_data`); ``same_data_check=False`` turns that off.
 """

@@ -35,6 +35,14 @@ batch is a global batch of its own, weighted by its own ``N``; skip the all-redu
 ``model.no_sync()`` or ``model.require_backward_grad_sync = False`` as with DDP. Calls under ``torch.no_grad()``
 (evaluation, on any subset of ranks) go straight to the model: no weight, no collective.
 
+A loop that draws its own batches (nanoGPT's ``get_batch``) passes no loader: ``model, optimizer, _ =
+job.own_loop()``. Then each rank's batch is its share, as under DDP: a training call's global batch is the sum
+of the samples the ranks pass to that call, counted by one all-reduce of an integer per training forward, and
+each rank's gradient is weighted by its share (equal draws: DDP's mean, so nanoGPT's DDP script ported this way
+trains bitwise as it does under DDP). The global batch then grows with the world size unless the script divides
+its accumulation steps by it, as nanoGPT does; a loader (`job.loader`) instead fixes one global batch for every
+world size.
+
 The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient like `train_step` does
 (``nonfinite`` in `DataParallelConfig`; with ``GradScaler`` such steps never reach it). Not here: step records
 and straggler detection (they ride on `train_step`'s loss all-reduce, and an own loop's loss is its own).
