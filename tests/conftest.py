@@ -96,3 +96,15 @@ def run_workers(
 @pytest.fixture
 def workers():
     return run_workers
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that calls ``loom.init()`` in this process (a worker script imported as the one-process reference)
+    starts a process group of one, as every one-process job does; it ends with the test, so the next test finds
+    torch.distributed as a fresh process would."""
+    yield
+    from loom import topology
+
+    if topology._current is not None:
+        topology.shutdown()

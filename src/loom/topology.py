@@ -4,8 +4,14 @@
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT), joins the default process group and returns a `Topology`. Under
 `loom run` (``LOOM_STORE_PREFIX`` set) the process group meets in loom's authenticated store at
 MASTER_ADDR:MASTER_PORT (`loom.launch.store`: proves ``LOOM_JOB_SECRET``, bounded calls); under ``torchrun`` it
-uses ``env://`` as torch does. Outside any
-launcher the job is one process and no process group is created, so `python train.py` runs unchanged.
+uses ``env://`` as torch does.
+
+A job of one process (``loom run -n 1``, ``torchrun --nproc_per_node 1`` or plain ``python train.py``) gets what
+``torchrun --nproc_per_node 1`` gives a script that calls ``init_process_group``: a default process group of one
+(gloo, over an in-memory store, its socket on loopback), so the script's own ``torch.distributed`` calls
+(``get_rank()``, ``barrier()``, an unconditional ``destroy_process_group()``) work as under torchrun. loom itself
+runs no collective in it (``Topology.backend`` stays ``"none"``). Only an explicit `init()` starts that group;
+`current()` alone (a strategy built without `init()`, as tests do) leaves torch's global state untouched.
 
 The topology is an ordinary object handed to strategies explicitly. `current()` returns the one `init()` made,
 for scripts that do not want to carry it around; strategies accept `topology=` to override it (tests do).
@@ -16,6 +22,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -88,8 +95,37 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> Topology:
     rank does alone between collectives (rank-0-only evaluation, a checkpoint) is ordinary; a true hang is
     stopped much earlier by loom's watchdog (`loom.fault.watchdog`, its hang timeout).
 
-    Idempotent: a second call returns the same topology. Registers `shutdown()` to run at exit.
+    One process: a process group of one for the script's own ``torch.distributed`` calls (see the module
+    docstring). Idempotent: a second call returns the same topology. Registers `shutdown()` to run at exit.
     """
+    topo = _join(backend, timeout_s)
+    if topo.world_size == 1 and dist.is_available() and not dist.is_initialized():
+        _start_group_of_one(timeout_s)
+    return topo
+
+
+def _start_group_of_one(timeout_s: float) -> None:
+    """The default process group torchrun's one process would have: gloo, one rank, an in-memory store.
+
+    Nobody connects to a group of one, so gloo's listening socket goes on loopback (``GLOO_SOCKET_IFNAME``, set
+    for this call only, unless the user set it)."""
+    loopback = next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
+    unset = "GLOO_SOCKET_IFNAME" not in os.environ
+    if unset and loopback is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    try:
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )  # fmt: skip
+    finally:
+        if unset:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    atexit.register(shutdown)
+
+
+def _join(backend: str | None, timeout_s: float) -> Topology:
+    """The topology from the launcher's environment; joins the default process group when there are peers."""
     global _current
     if _current is not None:
         return _current
@@ -145,8 +181,8 @@ def _job_store(rank: int, timeout_s: float):
 
 
 def current() -> Topology:
-    """The topology `init()` made; calls `init()` first if nobody has."""
-    return _current if _current is not None else init()
+    """The topology `init()` made; joins the job first if nobody has (without `init()`'s group of one)."""
+    return _current if _current is not None else _join(None, 1800.0)
 
 
 def _note_uncaught_exception(kind, value, tb) -> None:
@@ -178,7 +214,8 @@ def _restore_excepthook() -> None:
 
 
 def shutdown(barrier_timeout_s: float = 60.0) -> None:
-    """Leave the process group (safe to call twice, or without `init()`).
+    """Leave the process group (safe to call twice, without `init()`, or after the script's own
+    ``destroy_process_group()``).
 
     On a normal exit the ranks first meet at a barrier, so none tears its connections down while a peer still
     uses them (tearing down unsynchronized aborted about 2 processes in 100 here). After an uncaught exception

@@ -137,7 +137,7 @@ class Trainer:
         self.optimizer.step()
 
     def _run_epoch(self, epoch):
-        b_sz = self.train_data.sampler.global_batch_size
+        b_sz = len(next(iter(self.train_data))[0])
         print(f"[GPU{self.gpu_id}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}")
         self.train_data.sampler.set_epoch(epoch)
         for source, targets in self.train_data:

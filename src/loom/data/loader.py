@@ -22,6 +22,11 @@ depends on what the collation returns:
   fingerprints the tensor content instead of the indices; `job.train_step` needs an ``(inputs, targets)`` pair,
   so build one in the dataset or in ``collate_fn``.
 
+Iteration is `DataLoader`'s: every ``iter(loader)`` starts the current epoch from its beginning (a probe
+``next(iter(loader))`` costs the epoch nothing); after ``load_state_dict`` the first iteration starts at the
+restored position, once, as torchdata's ``StatefulDataLoader`` does. ``len(loader)`` is the number of batches
+per epoch; ``len(loader.sampler)`` this rank's samples per epoch, as with ``DistributedSampler``.
+
 When a loader is built in a distributed job, it checks that every process holds the same dataset
 (`loom.data.same_data`); ``same_data_check=False`` turns that off.
 """
@@ -36,7 +41,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from loom.data.same_data import check_same_data
-from loom.data.sampler import GlobalBatchSampler
+from loom.data.sampler import GlobalBatch, GlobalBatchSampler
 from loom.topology import Topology, current
 
 __all__ = ["CollateFn", "ShardBatch", "ShardDict", "ShardedLoader", "loader"]
@@ -182,7 +187,8 @@ class ShardedLoader:
         """A TensorDataset collated by default: index its tensors, no per-sample calls (same result)."""
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        """Batches (steps) per epoch, as ``len(DataLoader)``."""
+        return self.sampler.steps_per_epoch()
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -198,8 +204,12 @@ class ShardedLoader:
         self.sampler.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Any]:
+        """This epoch's shares from its beginning (from the restored position after `load_state_dict`, once)."""
+        return self._shares(iter(self.sampler))  # the start is fixed now, at iter(), as DataLoader's is
+
+    def _shares(self, batches: Iterator[GlobalBatch]) -> Iterator[Any]:
         sampler = self.sampler
-        for batch in sampler:
+        for batch in batches:
             fingerprint = zlib.crc32(batch.share.to(torch.int64).numpy().tobytes())
             yield _with_layout(
                 self.fetch(batch.share), batch.global_size, batch.epoch, batch.step,

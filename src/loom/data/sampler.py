@@ -8,10 +8,19 @@ dropped to pad shards, unlike ``DistributedSampler``.
 
 The position (epoch, samples consumed) is the sampler's state. Because it is counted in *global* samples, a
 position saved at one world size resumes at another exactly where it stopped.
+
+Iteration follows `DataLoader`: every ``iter()`` starts the current epoch from its beginning, so a probe such as
+``next(iter(loader))`` (PyTorch's DDP tutorial reads the batch size that way) costs the epoch nothing. The one
+exception is a restored position: after `load_state_dict`, the *first* iteration starts at the saved sample, and
+the ones after it at the beginning of their epoch again. An iteration run to the end moves to the next epoch.
+
+``len(sampler)`` is what `DistributedSampler`'s is: the samples this replica gets per epoch;
+`steps_per_epoch` is the number of global batches (``len(loader)``, as with `DataLoader`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +66,10 @@ def _check_positive_int(name: str, value: Any) -> int:
 class GlobalBatchSampler:
     """Yields a `GlobalBatch` per step of the current epoch, for one replica of ``world_size``.
 
-    Iterating continues from the saved position; finishing an epoch moves the position to the start of the next
-    epoch, so a loop that never calls `set_epoch` still sees a fresh order every epoch.
+    Each ``iter()`` starts the current epoch from its beginning, except the first one after `load_state_dict`,
+    which starts at the restored position; finishing an epoch moves the position to the start of the next epoch,
+    so a loop that never calls `set_epoch` still sees a fresh order every epoch. ``len()`` counts this replica's
+    samples per epoch (as `DistributedSampler`'s does); `steps_per_epoch` counts the steps.
     """
 
     def __init__(
@@ -86,6 +97,8 @@ class GlobalBatchSampler:
         self.epoch = 0
         self.consumed = 0
         """Samples of the current epoch already handed out (a multiple of the global batch size, or the end)."""
+        self._resume_at: int | None = None
+        """Set by `load_state_dict`: where the next iteration starts (once); None: at the epoch's beginning."""
 
     # -- the order -------------------------------------------------------------------------------------------
     def epoch_samples(self) -> int:
@@ -94,9 +107,17 @@ class GlobalBatchSampler:
             return self.dataset_size - self.dataset_size % self.global_batch_size
         return self.dataset_size
 
-    def __len__(self) -> int:
-        """Steps per epoch."""
+    def steps_per_epoch(self) -> int:
+        """Global batches (steps) per epoch, the last one possibly short; ``len(loader)``."""
         return -(-self.epoch_samples() // self.global_batch_size)
+
+    def __len__(self) -> int:
+        """Samples this replica gets per epoch, as ``len(DistributedSampler)`` (here without padding: replicas
+        may differ by up to one sample per step). The number of steps is `steps_per_epoch`."""
+        full, tail = divmod(self.epoch_samples(), self.global_batch_size)
+        lo, hi = share_bounds(self.global_batch_size, self.rank, self.world_size)
+        tail_lo, tail_hi = share_bounds(tail, self.rank, self.world_size)
+        return full * (hi - lo) + (tail_hi - tail_lo)
 
     def order(self, epoch: int) -> torch.Tensor:
         """The global order of ``epoch``: a permutation of the dataset indices (identity without shuffle)."""
@@ -114,21 +135,30 @@ class GlobalBatchSampler:
         if epoch != self.epoch:
             self.epoch = epoch
             self.consumed = 0
+            self._resume_at = None
 
-    def __iter__(self):
-        order = self.order(self.epoch)
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        # The start is decided here, at iter(), not at the first next(): what DataLoader's iterators do.
+        start, self._resume_at = (self._resume_at or 0), None
+        self.consumed = start
+        return self._batches(self.epoch, start)
+
+    def _batches(self, epoch: int, start: int) -> Iterator[GlobalBatch]:
+        order = self.order(epoch)
         end = self.epoch_samples()
-        while self.consumed < end:
-            start = self.consumed
+        while start < end:
             indices = order[start : min(start + self.global_batch_size, end)]
             lo, hi = share_bounds(indices.numel(), self.rank, self.world_size)
             step = start // self.global_batch_size
             # Advance before yielding: a state_dict taken while the caller works on this batch counts it as
-            # consumed, which is what a checkpoint written after the step must record.
-            self.consumed = start + indices.numel()
-            yield GlobalBatch(self.epoch, step, start, indices, indices[lo:hi])
-        self.epoch += 1
-        self.consumed = 0
+            # consumed, which is what a checkpoint written after the step must record. An iterator left behind
+            # by set_epoch (or by a newer one's finishing the epoch) no longer moves the position.
+            if self.epoch == epoch:
+                self.consumed = start + indices.numel()
+            yield GlobalBatch(epoch, step, start, indices, indices[lo:hi])
+            start += indices.numel()
+        if self.epoch == epoch:  # not moved meanwhile by set_epoch or a newer iterator's finish
+            self.epoch, self.consumed = epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -157,3 +187,4 @@ class GlobalBatchSampler:
             )
         self.epoch = int(state["epoch"])
         self.consumed = consumed
+        self._resume_at = consumed

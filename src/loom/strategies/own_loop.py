@@ -25,11 +25,23 @@ outputs (a penalty on the weights) averaged, which is their global value. ``torc
 weight multiplies whatever dtype the gradient has. ``GradScaler`` needs nothing either: averaged gradients are
 equal on every rank, so its inf check and skipped steps agree everywhere.
 
-One forward per loader batch (``n`` must be this rank's share of the last batch the loader gave; a mismatch is
-refused, naming the sizes). Gradient accumulation over several loader batches, as nanoGPT does, is exact: each
+One forward per loader batch (``n`` must be this rank's share of the last batch the loader gave). A call of
+another size with gradients on is not a training call: evaluation without ``torch.no_grad()`` (Horovod's MNIST
+example calls ``model.eval()`` and no more) runs on the model itself, unweighted, and only a backward through
+it is refused, naming the sizes. Without a loader every training call counts its global batch by a collective,
+so then evaluation on a subset of ranks needs ``torch.no_grad()``. The model's own attributes are reachable on
+the wrapper (``model.estimate_mfu(...)``) and ``model.module`` is the model on every world size. Gradient accumulation over several loader batches, as nanoGPT does, is exact: each
 batch is a global batch of its own, weighted by its own ``N``; skip the all-reduce on all but the last with
 ``model.no_sync()`` or ``model.require_backward_grad_sync = False`` as with DDP. Calls under ``torch.no_grad()``
 (evaluation, on any subset of ranks) go straight to the model: no weight, no collective.
+
+A loop that draws its own batches (nanoGPT's ``get_batch``) passes no loader: ``model, optimizer, _ =
+job.own_loop()``. Then each rank's batch is its share, as under DDP: a training call's global batch is the sum
+of the samples the ranks pass to that call, counted by one all-reduce of an integer per training forward, and
+each rank's gradient is weighted by its share (equal draws: DDP's mean, so nanoGPT's DDP script ported this way
+trains bitwise as it does under DDP). The global batch then grows with the world size unless the script divides
+its accumulation steps by it, as nanoGPT does; a loader (`job.loader`) instead fixes one global batch for every
+world size.
 
 The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient like `train_step` does
 (``nonfinite`` in `DataParallelConfig`; with ``GradScaler`` such steps never reach it). Not here: step records
@@ -77,19 +89,24 @@ def _weighted(value: Any, weight: float, loop: OwnLoop) -> Any:
 
     Every output tensor is weighted or the gradient would mix weighted and unweighted parts, so an output that
     may hide tensors elsewhere (an object of another type) is refused."""
+    return _map_outputs(value, lambda tensor: _WeightGradient.apply(tensor, weight, loop), strict=True)
+
+
+def _map_outputs(value: Any, fn: Any, strict: bool) -> Any:
+    """``value`` with ``fn`` applied to each tensor that needs a gradient; ``strict``: refuse other types."""
     if isinstance(value, torch.Tensor):
-        return _WeightGradient.apply(value, weight, loop) if value.requires_grad else value
+        return fn(value) if value.requires_grad else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_weighted(v, weight, loop) for v in value))
+        return type(value)(*(_map_outputs(v, fn, strict) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_weighted(v, weight, loop) for v in value)
+        return type(value)(_map_outputs(v, fn, strict) for v in value)
     if type(value) is dict:
-        return {k: _weighted(v, weight, loop) for k, v in value.items()}
+        return {k: _map_outputs(v, fn, strict) for k, v in value.items()}
     if isinstance(value, dict):  # a subclass (Hugging Face's ModelOutput keeps attributes in step with items)
         for k in list(value):
-            value[k] = _weighted(value[k], weight, loop)
+            value[k] = _map_outputs(value[k], fn, strict)
         return value
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    if not strict or value is None or isinstance(value, (bool, int, float, str, bytes)):
         return value
     raise TypeError(
         f"the model returned a {type(value).__name__}: loom weights the gradient of every output tensor by this "
@@ -98,18 +115,51 @@ def _weighted(value: Any, weight: float, loop: OwnLoop) -> Any:
     )
 
 
+class _RefuseBackward(torch.autograd.Function):
+    """Identity forward; a backward through it raises ``error`` (a call loom could not weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, error: str) -> torch.Tensor:
+        ctx.error = error
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        raise ValueError(ctx.error)
+
+
+def _refusing_backward(value: Any, error: str) -> Any:
+    """``value`` with every tensor that needs a gradient routed through `_RefuseBackward`."""
+    return _map_outputs(value, lambda tensor: _RefuseBackward.apply(tensor, error), strict=False)
+
+
 class OwnLoopModel(nn.Module):
-    """The model for an own loop: call it as the model; ``module`` is the model itself (as with DDP)."""
+    """The model for an own loop: call it as the model; ``module`` is the model itself, on every world size (as
+    with DDP). Attributes it does not have are the model's (``model.estimate_mfu(...)``, ``model.config``), so
+    nanoGPT's ``raw_model = model.module if ddp else model`` works either way."""
 
     def __init__(self, loop: OwnLoop) -> None:
         super().__init__()
         self.module = loop.job.module
         self._loop = [loop]  # in a list: not a submodule, not in state_dict
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules: ``module`` itself
+        except AttributeError:
+            if name == "module" or "module" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self._modules["module"], name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         loop = self._loop[0]
         if not torch.is_grad_enabled():  # evaluation: no gradient to average, no collective
             return self.module(*args, **kwargs)
+        mismatch = loop.mismatch(args, kwargs)
+        if mismatch is not None:
+            # Not a training call on the loader's batch: evaluation without torch.no_grad() (Horovod's MNIST
+            # example) is one. It runs on the model itself; only a backward through it is refused.
+            return _refusing_backward(self.module(*args, **kwargs), mismatch)
         weight = loop.weight(args, kwargs)
         outputs = loop.job.wrapped(*args, **kwargs)
         # even at weight 1 (equal shares) the backward must pass through the weighting: it starts the count of
@@ -250,23 +300,32 @@ class OwnLoop:
         return iter((self.model, self.optimizer, self.loader))
 
     # -- the forward's weight ---------------------------------------------------------------------------------
+    def mismatch(self, args: tuple, kwargs: dict[str, Any]) -> str | None:
+        """Why a forward on ``args`` cannot be weighted (its size is not this rank's share of the last loader
+        batch), or None. Such a call is allowed (evaluation with gradients on); its backward raises this."""
+        topo, total = self.job.topology, self.global_size
+        if not topo.is_distributed or total is None:
+            return None
+        n = _samples(args, kwargs)
+        lo, hi = share_bounds(total, topo.rank, topo.world_size)
+        if n == hi - lo:
+            return None
+        return (
+            f"rank {topo.rank}: backward through a model call on {n} samples, but this rank's share of the last "
+            f"global batch of {total} from the loader is {hi - lo}: loom weights each training call by its "
+            "share. HINT: for training, call the model once per loader batch on the whole batch (accumulate "
+            "over loader batches, under model.no_sync()), or pass job.own_loop() no loader to count every call; "
+            "evaluation needs no backward (wrap it in torch.no_grad() to save the graph's memory)."
+        )
+
     def weight(self, args: tuple, kwargs: dict[str, Any]) -> float:
-        """``n * W / N`` for a training forward on ``args`` (see the module docstring)."""
+        """``n * W / N`` for a training forward on ``args`` (see the module docstring; `mismatch` is None)."""
         topo = self.job.topology
         if not topo.is_distributed:
             return 1.0
         n = _samples(args, kwargs)
         world, total = topo.world_size, self.global_size
-        if total is not None:
-            lo, hi = share_bounds(total, topo.rank, world)
-            if n != hi - lo:
-                raise ValueError(
-                    f"rank {topo.rank}: the model was called on {n} samples, but this rank's share of the last "
-                    f"global batch of {total} from the loader is {hi - lo}: loom weights each call by its share. "
-                    "HINT: call the model once per loader batch on the whole batch (accumulate over loader "
-                    "batches, under model.no_sync()), or pass job.own_loop() no loader to count every call."
-                )
-        else:
+        if total is None:
             counts = torch.tensor([n], dtype=torch.int64, device=topo.device)
             with self.job.watchdog.collective("sample-count all-reduce"):
                 dist.all_reduce(counts)

@@ -120,6 +120,8 @@ class Pipeline:
         """Keep this process's stage of ``model`` (the other stages' parameters are emptied), return the job."""
         from loom.strategies.compose import compose  # here: compose imports this module's transform
 
+        if self.config.stages > 1:
+            chain_layers(model)  # a model that is not a chain is refused here, before any collective
         topo = self.topology if self.topology is not None else current()
         mesh = self.mesh
         if mesh is None:

@@ -16,6 +16,7 @@ separate layers sharing a parameter (tied weights) is refused (`refuse_shared_pa
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +35,13 @@ __all__ = [
 
 
 def chain_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's chain of ``(qualified name, module)``; see the module docstring for what counts as a chain."""
+    """The model's chain of ``(qualified name, module)``; see the module docstring for what counts as a chain.
+
+    Refuses (ValueError, naming the layer) what cannot be a link of a chain, so that `Pipeline.setup` fails and
+    not the first step: a layer without a ``forward`` of its own (an ``nn.ModuleDict``, a container inside an
+    ``nn.Sequential``: the model's forward calls its elements in a way loom cannot see), and a layer whose
+    ``forward`` needs several arguments right after a ``torch.nn`` layer that returns one tensor (PyTorch's
+    pipelining tutorial calls each decoder layer as ``layer(h, h)``)."""
     layers: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.Sequential, nn.ModuleList)) and not isinstance(model, nn.Sequential):
@@ -43,7 +50,58 @@ def chain_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             layers.append((name, child))
     if not layers:
         raise ValueError(f"{type(model).__name__} has no child modules to split into pipeline stages")
+    for i, (name, layer) in enumerate(layers):
+        if type(layer).forward is nn.Module.forward:
+            _refuse(model, f"its layer {name!r} ({type(layer).__name__}) has no forward of its own")
+        needed = _required_arguments(layer)
+        if i and needed > 1 and _returns_one_tensor(layers[i - 1][1]):
+            _refuse(
+                model,
+                f"its layer {name!r} ({type(layer).__name__}) needs {needed} arguments, but the layer before it, "
+                f"{layers[i - 1][0]!r} ({type(layers[i - 1][1]).__name__}), returns one tensor",
+            )
     return layers
+
+
+SUPPORTED_SHAPES = (
+    "an nn.Sequential, or a module whose children (nn.Sequential and nn.ModuleList expanded into their "
+    "elements) are called in registration order, each on the whole output of the one before (a tuple output "
+    "is the next layer's arguments)"
+)
+
+
+def _refuse(model: nn.Module, why: str) -> None:
+    raise ValueError(
+        f"Pipeline cannot cut {type(model).__name__} into stages: {why}. loom cuts a chain: {SUPPORTED_SHAPES}. "
+        "A forward that does more (loops over an nn.ModuleDict, calls a layer as layer(h, h), adds a residual "
+        "around children) is not seen. HINT: rewrite the model as such a chain (e.g. nn.Sequential(embedding, "
+        "*blocks, norm, head), each block taking the previous output), or train it with a strategy that runs "
+        "the model's own forward: DataParallel, ShardedDataParallel or TensorParallel."
+    )
+
+
+def _required_arguments(layer: nn.Module) -> int:
+    """Positional parameters of ``layer.forward`` without a default (0 when it takes ``*args``)."""
+    try:
+        params = inspect.signature(layer.forward).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 0
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is p.empty for p in params)
+
+
+_TUPLE_RETURNING = (nn.RNNBase, nn.MultiheadAttention, nn.Transformer)
+
+
+def _returns_one_tensor(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a ``torch.nn`` layer known to return a single tensor (not a container, not a
+    recurrent or attention layer, which return tuples); user modules may return anything."""
+    if not type(layer).__module__.startswith("torch.nn.modules."):
+        return False
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    return not isinstance(layer, (*containers, *_TUPLE_RETURNING))
 
 
 def _check_stage_count(stages: int, n_layers: int) -> None:
