@@ -88,13 +88,13 @@ def test_a_nan_is_skipped_by_the_replica_that_had_it_when_replicas_judge_alone(t
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", ["dp", "pipeline", "tp", "hybrid", "local_sgd", "diloco", "ps"])
 def test_a_frozen_rank_stops_the_job_naming_it(tmp_path, strategy):
-    status, output, elapsed = _run(tmp_path, strategy, "freeze", timeout=120)
+    status, output, _ = _run(tmp_path, strategy, "freeze", timeout=120)
     frozen = tmp_path / "out" / "frozen-at"
     assert frozen.exists(), output[-3000:]
     bad = 0 if strategy == "pipeline" else 1
     assert status != 0, output[-3000:]
-    assert "hang" in output.lower() and f"rank {bad}" in output, output[-3000:]
-    print(f"{strategy}: the job ended {elapsed:.1f} s after launch")
+    assert f"ranks [{bad}] did not arrive" in output, output[-3000:]
+    print(f"{strategy}: the job ended {time.time() - float(frozen.read_text()):.1f} s after rank {bad} froze")
 
 
 # -- options: refused by name, or taken as a config object --------------------------------------------------------
