@@ -7,7 +7,7 @@ for batch in job.loader(dataset, global_batch_size=256):
     loss = job.train_step(batch)
 """
 
-from loom import checkpoint, comm, data
+from loom import checkpoint, comm, data, errors
 from loom.fit import FitResult, fit
 from loom.job import Job
 from loom.mesh import Mesh
@@ -58,6 +58,7 @@ __all__ = [
     "comm",
     "current",
     "data",
+    "errors",
     "fit",
     "init",
     "shutdown",

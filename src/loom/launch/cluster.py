@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.errors import ClusterSpecError  # noqa: F401 - raised here, defined there
+
 __all__ = ["MAX_SPEC_BYTES", "ClusterSpec", "Host", "load_cluster", "pick_host", "run_host"]
 
 MAX_SPEC_BYTES = 1 << 20
@@ -48,10 +50,6 @@ _STORE_POLL_S = 1.0
 _MISSED_PINGS = 3
 """Pings of node 0's store in a row that must fail before a server host decides the job has ended."""
 """How often a server host checks that node 0's store is still there."""
-
-
-class ClusterSpecError(ValueError):
-    """A malformed cluster spec; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
