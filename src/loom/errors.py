@@ -21,6 +21,7 @@ __all__ = [
     "NoValidCheckpointError",
     "NonFiniteStateError",
     "NonFiniteStepError",
+    "RayJobFailed",
     "ReplicaDesyncError",
 ]
 
@@ -68,6 +69,10 @@ class NoValidCheckpointError(CheckpointError):
 
 class NonFiniteStateError(CheckpointError):
     """The state to checkpoint holds NaN or infinite values: it is not written (the previous checkpoint stays)."""
+
+
+class RayJobFailed(LoomError, RuntimeError):
+    """A job on Ray failed after its replacements; the message names the rank and what happened to it."""
 
 
 class JSONLimitError(LoomError, ValueError):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.errors import NonFiniteStepError, ReplicaDesyncError  # noqa: F401 - raised here, defined there
-from loom.fault import watchdog
+from loom.fault.watchdog import collective
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -92,7 +92,7 @@ def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | No
     names, mine = fingerprints(module)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    with watchdog.collective("desync check"):
+    with collective("desync check"):
         dist.all_gather(gathered, mine, group=group)
     rows = [tuple(t.tolist()) for t in gathered]
     if len(set(rows)) == 1:

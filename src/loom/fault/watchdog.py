@@ -308,7 +308,7 @@ def _side_channel() -> Any:
     it), else the process group's store, else None (the watchdog then only counts, with a warning)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if addr and port.isdigit() and "LOOM_STORE_PREFIX" in os.environ:
-        from loom.launch.store import LoomStore, job_secret  # `loom run`'s store (authenticated)
+        from loom.net.store import LoomStore, job_secret  # `loom run`'s store (authenticated)
 
         with contextlib.suppress(Exception):
             return LoomStore(

@@ -213,7 +213,7 @@ def pick_host(spec: ClusterSpec, index: int | None) -> int:
             raise ClusterSpecError(f"--host-index {index} is out of range: {spec.source} lists hosts 0..{last}. "
                                    "HINT: give this host's position in 'hosts'")  # fmt: skip
         return index
-    from loom.launch.agent import interface_of
+    from loom.net.interfaces import interface_of
 
     mine = [i for i, h in enumerate(spec.hosts) if interface_of(h.address) is not None]
     if len(mine) != 1:
@@ -264,7 +264,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path) 
     """A server host: its servers run until node 0's store, once reached, is gone."""
     from loom.launch.agent import master_host_port
     from loom.launch.servers import _prefix_lines, _stop
-    from loom.launch.store import LoomStore, StoreUnreachable, job_secret
+    from loom.net.store import LoomStore, StoreUnreachable, job_secret
 
     try:
         master_host, master_port = master_host_port(spec.master)
