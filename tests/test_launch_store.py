@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.launch.store import HANDSHAKE_TIMEOUT_S, LoomStore, StoreServer, StoreTimeout, StoreUnreachable
+from loom.net.store import HANDSHAKE_TIMEOUT_S, LoomStore, StoreServer, StoreTimeout, StoreUnreachable
 
 LOOM = [sys.executable, "-m", "loom.launch.cli"]
 SECRET = bytes(range(32))

@@ -10,7 +10,7 @@ for batch in job.loader(dataset, global_batch_size=256):
 imports neither them nor Ray or Spark.
 """
 
-from loom import checkpoint, comm, data
+from loom import checkpoint, comm, data, errors
 from loom.fit import FitResult, fit
 from loom.job import Job
 from loom.mesh import Mesh
@@ -61,6 +61,7 @@ __all__ = [
     "comm",
     "current",
     "data",
+    "errors",
     "fit",
     "init",
     "shutdown",

@@ -17,7 +17,16 @@ __all__ = ["document_options", "field_docs"]
 
 
 def field_docs(config: type) -> dict[str, str]:
-    """``{field: its attribute docstring}`` of a dataclass (empty where the source cannot be read)."""
+    """``{field: its attribute docstring}`` of a dataclass and its dataclass bases (empty where the source cannot
+    be read)."""
+    docs: dict[str, str] = {}
+    for cls in reversed(config.__mro__):
+        if dataclasses.is_dataclass(cls):
+            docs.update(_own_field_docs(cls))
+    return docs
+
+
+def _own_field_docs(config: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(config)))
     except (OSError, TypeError):  # no source (a frozen application): the fields stay undocumented

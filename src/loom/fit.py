@@ -76,6 +76,9 @@ class FitResult:
     """Steps taken by this call."""
     skipped_steps: int = 0
     """Steps of this call whose update the job did not apply (a non-finite loss or gradient on some rank)."""
+    loss_scope: str = "global"
+    """What ``last_loss`` is: the global batch's (``"global"``) or this replica's own (``"replica"``), as the
+    job's `loom.job.Job.loss_scope` says."""
 
 
 # -- the loop ----------------------------------------------------------------------------------------------------
@@ -205,11 +208,16 @@ class _Loop:
         due = bool(self.desync_every) and (step % self.desync_every == 0 or saving)
         return due and self.job.replicas_agree and self.job.mesh.group("dp") is not None
 
+    @property
+    def _loss_label(self) -> str:
+        """``loss``, or ``replica loss`` for a job whose `train_step` returns its replica's own."""
+        return "loss" if self.job.loss_scope == "global" else "replica loss"
+
     def _report(self, at: _Position, bar: ProgressBar, steps_per_s: float) -> None:
-        bar.advance(info=f"step {at.step} epoch {at.epoch} loss {at.last_loss:.4f}")
+        bar.advance(info=f"step {at.step} epoch {at.epoch} {self._loss_label} {at.last_loss:.4f}")
         if self.log_every is not None and self.job.topology.is_main and at.step % self.log_every == 0:
             print(
-                f"step {at.step} epoch {at.epoch} loss {at.last_loss:.6g} ({steps_per_s:.2f} steps/s)",
+                f"step {at.step} epoch {at.epoch} {self._loss_label} {at.last_loss:.6g} ({steps_per_s:.2f} steps/s)",
                 flush=True,
             )
 
@@ -287,5 +295,6 @@ def fit(
             checkpointer.abandon()
         raise
     return FitResult(
-        at.step, loop.completed_epochs(at), at.last_loss, resumed_from, at.step - first_step, loop.skipped
-    )
+        at.step, loop.completed_epochs(at), at.last_loss, resumed_from, at.step - first_step, loop.skipped,
+        job.loss_scope,
+    )  # fmt: skip

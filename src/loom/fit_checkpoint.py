@@ -55,6 +55,7 @@ from loom.checkpoint import (
 )
 from loom.checkpoint.tree import flatten_state
 from loom.comm._reduce import all_gather_sized_bytes
+from loom.errors import NonFiniteStateError  # noqa: F401 - raised here, defined there
 from loom.fault.resize import resize_factor, scale_learning_rate
 from loom.job import Job
 from loom.topology import Topology
@@ -63,10 +64,6 @@ __all__ = ["FitCheckpointer", "NonFiniteStateError", "nonfinite_tensors", "resum
 
 _WRITE_FAILED, _NONFINITE = 1, 2
 """Codes of a rank's verdict in the agreement after a checkpoint."""
-
-
-class NonFiniteStateError(CheckpointError):
-    """The state to checkpoint holds NaN or infinite values: it is not written (the previous checkpoint stays)."""
 
 
 def nonfinite_tensors(state: Any) -> list[str]:

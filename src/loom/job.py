@@ -65,6 +65,11 @@ class Job(abc.ABC):
     last_step_skipped = False
     """True when the last `train_step` applied no update (a non-finite loss or gradient on some rank, the same
     verdict on every rank); strategies with such a guard set it at every step, `loom.fit` counts it."""
+    loss_scope = "global"
+    """What `train_step` returns. ``"global"``: the global-batch mean loss, the same on every rank (synchronous
+    strategies). ``"replica"``: this replica's own mean loss on its share, which differs between ranks (Gossip and
+    asynchronous parameter servers, whose replicas hold different models and never reduce a loss per step);
+    `loom.fit`'s result and progress line say which."""
     replicas_agree = True
     """True when the replicas along the data axis hold bitwise-equal parameters after every step (synchronous
     strategies); `loom.fit`'s ``desync_every`` checks it. Strategies whose replicas drift apart set False."""
@@ -73,7 +78,7 @@ class Job(abc.ABC):
     @abc.abstractmethod
     def train_step(self, batch: Any) -> float:
         """One optimizer step on the global batch ``batch`` is this process's share of; returns the global-batch
-        mean loss, the same on every rank."""
+        mean loss, the same on every rank (or, where ``loss_scope`` is ``"replica"``, this replica's own)."""
 
     @abc.abstractmethod
     def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:

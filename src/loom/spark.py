@@ -18,7 +18,7 @@ failed task fails the stage). Each task starts one worker process with loom's en
 partition), ``WORLD_SIZE``, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (among the tasks on its host),
 ``MASTER_ADDR``/``MASTER_PORT`` (task 0's host, from the barrier context's task infos, and the port of the job's
 store), ``GLOO_SOCKET_IFNAME`` (the interface holding the task's address) and ``LOOM_STORE_PREFIX``, so
-`loom.init` meets the others in loom's authenticated store (`loom.launch.store`), which task 0 hosts for the
+`loom.init` meets the others in loom's authenticated store (`loom.net.store`), which task 0 hosts for the
 stage's lifetime on its own address, not torch's unauthenticated ``TCPStore``. When every task runs on one host
 (a ``local[N]`` master, or one executor host) the store, ``MASTER_ADDR`` and gloo (``GLOO_SOCKET_IFNAME``) use
 127.0.0.1 and its interface instead, as ``loom run`` does on one node, so nothing of loom's listens beyond the host
@@ -178,8 +178,8 @@ def _barrier_task(payload: bytes | None, script, num_processes: int, run_dir: st
     def task(_: Iterator[int]) -> Iterator[bytes]:
         from pyspark import BarrierTaskContext
 
-        from loom.launch.agent import interface_of
-        from loom.launch.store import StoreServer
+        from loom.net.interfaces import interface_of
+        from loom.net.store import StoreServer
 
         context = BarrierTaskContext.get()
         rank = context.partitionId()
@@ -265,7 +265,7 @@ def _worker_main(argv: list[str]) -> None:
     parser.add_argument("--script")
     ns, rest = parser.parse_known_args(argv)
     if ns.secret_on_stdin:
-        from loom.launch.store import job_secret
+        from loom.net.store import job_secret
 
         line = sys.stdin.readline(1024).strip()
         job_secret(line)  # raises, without echoing it, unless it is a proper secret

@@ -3,7 +3,7 @@
 `init()` reads the environment a launcher leaves (`loom run` and `torchrun` both set RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT), joins the default process group and returns a `Topology`. Under
 `loom run` (``LOOM_STORE_PREFIX`` set) the process group meets in loom's authenticated store at
-MASTER_ADDR:MASTER_PORT (`loom.launch.store`: proves ``LOOM_JOB_SECRET``, bounded calls); under ``torchrun`` it
+MASTER_ADDR:MASTER_PORT (`loom.net.store`: proves ``LOOM_JOB_SECRET``, bounded calls); under ``torchrun`` it
 uses ``env://`` as torch does.
 
 A job of one process (``loom run -n 1``, ``torchrun --nproc_per_node 1`` or plain ``python train.py``) gets what
@@ -162,12 +162,12 @@ def _join(backend: str | None, timeout_s: float) -> Topology:
 
 
 _store = None
-"""The `loom.launch.store.LoomStore` the process group meets in under ``loom run`` (see `init`)."""
+"""The `loom.net.store.LoomStore` the process group meets in under ``loom run`` (see `init`)."""
 
 
 def _job_store(rank: int, timeout_s: float):
     """A client of the store `loom run` hosts (every call bounded by ``timeout_s``)."""
-    from loom.launch.store import (
+    from loom.net.store import (
         LoomStore,
         job_secret,
     )  # the launcher's store; imported only under `loom run`

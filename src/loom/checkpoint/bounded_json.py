@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from loom.checkpoint.limits import ReadLimits
+from loom.errors import JSONLimitError  # noqa: F401 - raised here, defined there
 
 __all__ = ["JSONLimitError", "json_shape_problem", "parse_json"]
 
@@ -46,14 +47,6 @@ def _max_depth(brackets: bytes) -> int:
         deepest = max(deepest, int(running.max()))
         depth = int(running[-1])
     return deepest
-
-
-class JSONLimitError(ValueError):
-    """JSON that breaks one of the `ReadLimits`; ``field`` names it, so a message can say what to raise."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def json_shape_problem(data: bytes, limits: ReadLimits, size_field: str) -> JSONLimitError | None:

@@ -55,6 +55,7 @@ from loom.checkpoint.bounded_json import json_shape_problem
 from loom.checkpoint.durable import fsync_directory, replace_durable, unique_name, write_durable
 from loom.checkpoint.limits import DEFAULT_LIMITS
 from loom.checkpoint.tree import flatten_state
+from loom.errors import CheckpointError, CorruptCheckpointError, NoValidCheckpointError  # noqa: F401 - raised here, defined there
 
 __all__ = [
     "CheckpointError",
@@ -80,23 +81,6 @@ STEP_NAME = re.compile(r"step-(\d{8,})")
 # One write at a time per process: an asynchronous save's background thread and a synchronous save must not
 # interleave, since each removes the temporary directories it does not know to be in use.
 _write_lock = threading.Lock()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """One checkpoint is damaged; ``path`` is the file (or directory) found wrong, ``reason`` says how."""
-
-    def __init__(self, path: Path, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
-
-
-class NoValidCheckpointError(CheckpointError):
-    """Checkpoints exist in the directory, but none of them is intact."""
 
 
 class CorruptCheckpointWarning(UserWarning):

@@ -9,7 +9,8 @@
 `all_reduce` is the entry point; `loom.comm.ring` and `loom.comm.driver` explain the two hand-written
 message-passing algorithms, `loom.comm.shm` the shared-memory one for processes of one host,
 `loom.comm.hierarchical` how the two combine across hosts and `loom.comm.auto` how one is chosen;
-`loom.comm.counters` says how traffic is counted; `overlapped_allreduce_hook` plugs an algorithm into
+`loom.comm.shards` has `reduce_scatter` and `all_gather`, the two halves of an all-reduce that sharded training
+uses apart; `loom.comm.counters` says how traffic is counted; `overlapped_allreduce_hook` plugs an algorithm into
 DistributedDataParallel on a communication thread that overlaps backward (`allreduce_hook` runs it inline).
 """
 
@@ -18,14 +19,18 @@ from loom.comm.all_reduce import all_reduce
 from loom.comm.counters import CommCounters, Traffic, counters
 from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.comm.ddp_hooks import allreduce_hook
+from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
 
 __all__ = [
     "ALGORITHMS",
     "OPS",
     "CommCounters",
     "Traffic",
+    "all_gather",
     "all_reduce",
     "allreduce_hook",
     "counters",
     "overlapped_allreduce_hook",
+    "piece_bounds",
+    "reduce_scatter",
 ]

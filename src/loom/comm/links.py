@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from loom.comm._reduce import exchange, host_key
+from loom.net.auth import job_secret, mac
 
 __all__ = [
     "CONNECTION_TIMEOUT_S",
@@ -187,21 +188,18 @@ def close_links() -> None:
 
 
 def _job_secret(me: int) -> bytes | None:
-    text = os.environ.get("LOOM_JOB_SECRET", "")
-    if not text:
+    """The job secret, or None (with a warning) when it is unset or malformed: the ring then goes through gloo."""
+    if not os.environ.get("LOOM_JOB_SECRET", ""):
         return None
     try:
-        secret = bytes.fromhex(text.strip())
+        return job_secret()
     except ValueError:
-        secret = b""
-    if len(secret) < 16:
         warnings.warn(
             f"rank {me}: LOOM_JOB_SECRET is not at least 32 hex digits, so the ring goes through gloo. "
             "HINT: let `loom run` generate it, or set 64 hex digits (openssl rand -hex 32) on every node",
             stacklevel=5,
         )
         return None
-    return secret
 
 
 def _listen_address() -> str:
@@ -300,10 +298,6 @@ def _link_up(
     return RingLink(right, left, out, accepted[0], rejected[0])
 
 
-def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
-
-
 def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     data = bytearray()
     while len(data) < n:
@@ -338,11 +332,9 @@ def dial_handshake(
     sock.sendall(hello + mine + ids)
     reply = _read_exact(sock, _NONCE + _MAC, deadline)
     theirs = reply[:_NONCE]
-    if not hmac.compare_digest(
-        reply[_NONCE:], _mac(secret, b"loom " + label + b" accept", mine, theirs, ids)
-    ):
+    if not hmac.compare_digest(reply[_NONCE:], mac(secret, b"loom " + label + b" accept", mine, theirs, ids)):
         raise HandshakeRefused("the listener did not prove it holds the job secret")
-    sock.sendall(_mac(secret, b"loom " + label + b" connect", theirs, mine, ids))
+    sock.sendall(mac(secret, b"loom " + label + b" connect", theirs, mine, ids))
     if _read_exact(sock, 1, deadline) != b"\1":
         raise HandshakeRefused("the listener refused the handshake")
 
@@ -364,9 +356,9 @@ def answer_handshake(
     if first[: len(hello)] != hello or not expected(ids):
         raise ConnectionError("not a hello from an expected peer")
     theirs, mine = first[len(hello) : len(hello) + _NONCE], os.urandom(_NONCE)
-    sock.sendall(mine + _mac(secret, b"loom " + label + b" accept", theirs, mine, ids))
+    sock.sendall(mine + mac(secret, b"loom " + label + b" accept", theirs, mine, ids))
     proof = _read_exact(sock, _MAC, until)
-    if not hmac.compare_digest(proof, _mac(secret, b"loom " + label + b" connect", mine, theirs, ids)):
+    if not hmac.compare_digest(proof, mac(secret, b"loom " + label + b" connect", mine, theirs, ids)):
         raise ConnectionError("wrong proof of the job secret")
     sock.sendall(b"\1")
     return ids

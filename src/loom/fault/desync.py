@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.fault import watchdog
+from loom.errors import NonFiniteStepError, ReplicaDesyncError  # noqa: F401 - raised here, defined there
+from loom.fault.watchdog import collective
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -53,10 +54,6 @@ __all__ = [
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64: spreads position weights over 64 bits
-
-
-class ReplicaDesyncError(RuntimeError):
-    """Replicas that should be identical hold different parameters."""
 
 
 def _fingerprint(tensor: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
@@ -95,7 +92,7 @@ def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | No
     names, mine = fingerprints(module)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    with watchdog.collective("desync check"):
+    with collective("desync check"):
         dist.all_gather(gathered, mine, group=group)
     rows = [tuple(t.tolist()) for t in gathered]
     if len(set(rows)) == 1:
@@ -126,10 +123,6 @@ NONFINITE_POLICIES = ("skip", "stop")
 
 LOSS_FLAG, GRADIENT_FLAG = 1, 2
 """Bits of a rank's flag in the reduced buffer: its local loss, its local (not yet averaged) gradient."""
-
-
-class NonFiniteStepError(FloatingPointError):
-    """A step's loss or gradient was non-finite, under policy ``"stop"`` or too many steps in a row."""
 
 
 def gradients_finite(grads: Sequence[torch.Tensor | None], flat: torch.Tensor | None = None) -> bool:

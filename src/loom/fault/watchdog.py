@@ -61,6 +61,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from loom.errors import HangError  # noqa: F401 - raised here, defined there
 from loom.topology import Topology
 
 __all__ = [
@@ -88,10 +89,6 @@ STORE_BACKOFF_S = 5.0
 """After a failed store call, the watchdog does not touch the store for this long."""
 # Keys per restart attempt: a store shared across attempts (torchrun's) still holds the previous attempt's.
 _PREFIX = "loom/watchdog/attempt{}/"
-
-
-class HangError(RuntimeError):
-    """A collective waited longer than the hang timeout (recorded for the launcher; never raised)."""
 
 
 def hang_timeout_s(requested: float | None = None) -> float:
@@ -311,7 +308,7 @@ def _side_channel() -> Any:
     it), else the process group's store, else None (the watchdog then only counts, with a warning)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if addr and port.isdigit() and "LOOM_STORE_PREFIX" in os.environ:
-        from loom.launch.store import LoomStore, job_secret  # `loom run`'s store (authenticated)
+        from loom.net.store import LoomStore, job_secret  # `loom run`'s store (authenticated)
 
         with contextlib.suppress(Exception):
             return LoomStore(

@@ -3,7 +3,7 @@
 The agent starts ``nproc`` workers on this node, watches them, stops all of them when one fails, and restarts the
 whole group up to ``max_restarts`` times. loom adds:
 
-- its own rendezvous (`loom.launch.rendezvous`) in its own store (`loom.launch.store`) instead of the agent's
+- its own rendezvous (`loom.launch.rendezvous`) in its own store (`loom.net.store`) instead of the agent's
   ``c10d`` one: every peer proves the job secret before it reads or writes a key, nothing is unpickled, every
   call is bounded, and each attempt is a fresh round of keys;
 - loopback addresses for one-node jobs, so nothing listens beyond this host unless multi-node flags ask for it;
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loom.launch.bounds import check_nproc
+from loom.net.interfaces import interface_of
 
 __all__ = ["LaunchSpec", "launch", "free_port"]
 
@@ -172,7 +173,7 @@ def _endpoint_and_addr(spec: LaunchSpec) -> tuple[str, int, str]:
 def _secret(spec: LaunchSpec) -> bytes:
     """The job secret, put in ``LOOM_JOB_SECRET`` for the workers: the user's (multi-node: required, the same on
     every node), else a fresh one (one node), else a public one (``insecure_no_secret``)."""
-    from loom.launch.store import job_secret
+    from loom.net.store import job_secret
 
     if os.environ.get("LOOM_JOB_SECRET"):
         return job_secret()
@@ -191,23 +192,6 @@ def _secret(spec: LaunchSpec) -> bytes:
     else:
         os.environ["LOOM_JOB_SECRET"] = secrets.token_hex(32)
     return job_secret()
-
-
-def interface_of(address: str) -> str | None:
-    """The network interface that holds IPv4 ``address`` on this host (Linux), or None."""
-    import fcntl
-    import struct
-
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
-    return None
 
 
 def _run_id(spec: LaunchSpec) -> str:
@@ -266,7 +250,7 @@ def launch(spec: LaunchSpec) -> int:
     from loom.launch.elastic import AgentOptions, run_agent
     from loom.launch.rendezvous import LoomRendezvous, PeerLost
     from loom.launch.servers import server_processes
-    from loom.launch.store import StoreTimeout, StoreUnreachable
+    from loom.net.store import StoreTimeout, StoreUnreachable
 
     try:
         secret = _secret(spec)

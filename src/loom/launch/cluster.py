@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.errors import ClusterSpecError  # noqa: F401 - raised here, defined there
 from loom.launch.bounds import MAX_SPEC_NESTING, check_nproc, json_nesting_depth, read_regular_file
 
 __all__ = [
@@ -65,10 +66,6 @@ _STORE_POLL_S = 1.0
 _MISSED_PINGS = 3
 """Pings of node 0's store in a row that must fail before a server host decides the job has ended."""
 """How often a server host checks that node 0's store is still there."""
-
-
-class ClusterSpecError(ValueError):
-    """A malformed cluster spec; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -264,7 +261,7 @@ def pick_host(spec: ClusterSpec, index: int | None) -> int:
             raise ClusterSpecError(f"--host-index {index} is out of range: {spec.source} lists hosts 0..{last}. "
                                    "HINT: give this host's position in 'hosts'")  # fmt: skip
         return index
-    from loom.launch.agent import interface_of
+    from loom.net.interfaces import interface_of
 
     mine = [i for i, h in enumerate(spec.hosts) if interface_of(h.address) is not None]
     if len(mine) != 1:
@@ -326,7 +323,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
     """A server host: its servers run until node 0's store, once reached, is gone."""
     from loom.launch.agent import master_host_port
     from loom.launch.servers import _prefix_lines, _stop
-    from loom.launch.store import LoomStore, StoreUnreachable, job_secret
+    from loom.net.store import LoomStore, StoreUnreachable, job_secret
 
     try:
         master_host, master_port = master_host_port(spec.master)

@@ -12,6 +12,9 @@ monitoring step reports failures that will be retried.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -110,10 +113,32 @@ class _NarratingAgent(LocalElasticAgent):
     _failures: dict[int, Any] = {}
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._wake_stopped_workers(only_if_one_died=True)
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._failures = dict(result.failures)
         return result
+
+    def _wake_stopped_workers(self, only_if_one_died: bool) -> None:
+        """SIGCONT the workers stopped by SIGSTOP (or a debugger) once the group is going down: a stopped worker
+        holds the SIGTERM that stops the group pending, so torch waited its 30 s grace before the SIGKILL (a frozen
+        rank stopped the job 37 s after it froze). Reads ``/proc/PID/stat`` of each worker: a few reads per poll."""
+        pcontext = self._pcontext
+        if pcontext is None:
+            return
+        states = {pid: _process_state(pid) for pid in pcontext.pids().values()}
+        if only_if_one_died and not any(state in (None, "Z", "X") for state in states.values()):
+            return
+        for pid, state in states.items():
+            if state in ("T", "t"):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGCONT)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        """Stop the group within ``shutdown_timeout`` (torch's agent waits its default 30 s here, whatever it was
+        given), stopped workers woken first (`_wake_stopped_workers`)."""
+        self._wake_stopped_workers(only_if_one_died=False)
+        self._shutdown(timeout=self._shutdown_timeout)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.restarts += 1
@@ -121,6 +146,17 @@ class _NarratingAgent(LocalElasticAgent):
         print(restart_line(self._failures, self.restarts, spec.max_restarts), file=sys.stderr, flush=True)
         self._failures = {}
         super()._restart_workers(worker_group)
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+    except OSError:
+        return None
+    end = stat.rfind(b")")  # the command name, in parentheses, may itself hold spaces and parentheses
+    return stat[end + 2 : end + 3].decode() if end >= 0 else None
 
 
 def run_agent(

@@ -4,7 +4,7 @@ Why not the agent's ``c10d`` rendezvous: it keeps its state as a pickle in a ``T
 and unpickles it (remote code execution in every launcher, issue 13), and its store calls are unbounded in
 practice (a partitioned node waited 939 s, then died with a raw traceback). Nor ``static``: it is the same
 ``TCPStore``. loom's jobs have a fixed size (``--nnodes``, ``--nproc``), so a static rendezvous is enough, held
-in `loom.launch.store` instead: node 0's launcher hosts a `StoreServer` on the master address (loopback for a
+in `loom.net.store` instead: node 0's launcher hosts a `StoreServer` on the master address (loopback for a
 one-node job), every launcher and worker proves the job secret before it reads or writes a key, nothing is
 unpickled, and every call is bounded.
 
@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from loom.launch.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable
+from loom.net.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable
 
 __all__ = ["BEAT_S", "LoomRendezvous", "PeerLost"]
 

@@ -10,7 +10,7 @@ the job. Here the launcher itself supervises the workers:
   would give it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/MASTER_PORT, the TORCHELASTIC_*
   variables, LOOM_RUN_DIR and LOOM_JOB_SECRET;
 - the store that ``loom.init()`` joins is hosted by the launcher, not by worker 0: loom's authenticated
-  `loom.launch.store` on loopback (``LOOM_STORE_PREFIX``), so any worker may die, rank 0 included, once every
+  `loom.net.store` on loopback (``LOOM_STORE_PREFIX``), so any worker may die, rank 0 included, once every
   worker has joined;
 - when a worker dies, one line names its rank and its signal (or exception), and the others go on;
 - when every worker has ended, the servers are stopped.
@@ -217,7 +217,7 @@ def supervise_workers(
     The caller has prepared the job's environment (`loom.launch.agent`) and started any servers; ``failure()``
     returns why the job must stop (a parameter server died once too often, already reported), else None: the
     workers are then stopped and the status is 1."""
-    from loom.launch.store import StoreServer, job_secret
+    from loom.net.store import StoreServer, job_secret
 
     logs.mkdir(parents=True, exist_ok=True)
     # The store outlives every worker: workers connect as clients, as under the elastic agent, so the death of

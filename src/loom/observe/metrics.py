@@ -81,6 +81,8 @@ class StepMetrics:
         self._raw: list[tuple] = []
         self._unwritten: list[StepRecord] = []
         self._flushed = time.perf_counter()
+        self.loss_scope = "global"
+        """The job's `loom.job.Job.loss_scope`: a ``"replica"`` loss is labelled as this rank's own."""
         self.slowest: tuple[int, str, float] | None = None
         """Rank 0 of a job that times phases: (rank, phase, seconds over the median) of the slowest rank."""
         self.path = Path(path) if path is not None else None
@@ -166,7 +168,8 @@ class StepMetrics:
         recent = self.records[-window:]
         elapsed = sum(r.time_s for r in recent)
         rate = sum(r.global_samples for r in recent) / elapsed if elapsed else 0.0
-        text = f"loss {recent[-1].loss:.4f} | {rate:,.0f} samples/s"
+        label = "loss" if self.loss_scope == "global" else f"rank {self.rank}'s replica loss"
+        text = f"{label} {recent[-1].loss:.4f} | {rate:,.0f} samples/s"
         if self.slowest is not None:
             rank, phase, excess = self.slowest
             text += f" | slowest rank {rank} ({phase} +{excess * 1e3:.1f} ms)"

@@ -25,16 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loom.observe.figure_titles import FIGURE_TITLES
 from loom.observe.trace import merge_traces
-
-FIGURE_TITLES = {
-    "loss": "Loss per step",
-    "throughput": "Throughput over time",
-    "heatmap": "Step time per rank (stragglers)",
-    "phases": "Where the time goes, per rank",
-    "bytes": "Bytes moved per step",
-}
-"""Figure id -> title (drawn by `loom.observe.report_figures`); the HTML shows them in this order."""
 
 __all__ = ["load_records", "run_report", "summarize"]
 

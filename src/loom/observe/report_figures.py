@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 __all__ = ["FIGURES", "draw_figures"]
 
-from loom.observe.report import FIGURE_TITLES as FIGURES  # noqa: E402
+from loom.observe.figure_titles import FIGURE_TITLES as FIGURES  # noqa: E402
 
 _PHASE_COLORS = {"data": "#4c78a8", "compute": "#59a14f", "comm": "#e15759", "optimizer": "#f28e2b"}
 

@@ -398,6 +398,13 @@ class ParameterServerProcess:
             self.parked_pushes.setdefault(name, {}).setdefault(clock, {})[worker] = parked
             self._complete_sync(name, shard)
             return
+        if _flag(frame):  # a non-finite loss or gradient: the worker sent its flag, not its update
+            shard.clocks.pushed(worker, clock)
+            self._reply(
+                identity, frame, {"version": shard.version, "staleness": 0, "flags": [[worker, _flag(frame)]]}
+            )
+            self._release_pulls(name, shard)
+            return
         staleness = max(0, shard.version - int(frame.meta["version"]))  # < 0 after a restart behind it
         shard.apply([frame.tensors], frame.meta.get("lrs"))
         shard.clocks.pushed(worker, clock)
@@ -414,14 +421,20 @@ class ParameterServerProcess:
                 return
             order = sorted(waiting)
             staleness = [max(0, shard.version - int(waiting[w].frame.meta["version"])) for w in order]
-            shard.apply([waiting[w].frame.tensors for w in order], waiting[order[0]].frame.meta.get("lrs"))
+            # A step any worker flagged non-finite is applied nowhere: every worker is told whose flag it was.
+            flags = [[w, _flag(waiting[w].frame)] for w in order if _flag(waiting[w].frame)]
+            if not flags:
+                shard.apply(
+                    [waiting[w].frame.tensors for w in order], waiting[order[0]].frame.meta.get("lrs")
+                )
             loss_sum = sum(float(waiting[w].frame.meta.get("loss_sum", 0.0)) for w in order)
             for w, stale in zip(order, staleness, strict=True):
                 shard.clocks.pushed(w, clock)
                 shard.record_staleness(stale)
-            self._after_update(shard)
+            if not flags:
+                self._after_update(shard)
             for w, stale in zip(order, staleness, strict=True):
-                meta = {"version": shard.version, "staleness": stale, "loss_sum": loss_sum}
+                meta = {"version": shard.version, "staleness": stale, "loss_sum": loss_sum, "flags": flags}
                 self._reply(waiting[w].identity, waiting[w].frame, meta)
             del steps[clock]
 
@@ -539,6 +552,12 @@ class ParameterServerProcess:
         for waiting in self.parked_pushes.pop(name, {}).values():
             for parked in waiting.values():
                 self._error(parked.identity, parked.frame, message)
+
+
+def _flag(frame: Frame) -> float:
+    """The non-finite flag a worker's push carries instead of its gradient (0: none, the push is an update)."""
+    value = frame.meta.get("nonfinite", 0)
+    return float(value) if isinstance(value, (int, float)) and value == value and value > 0 else 0.0
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from loom.net.auth import job_secret
+
 __all__ = [
     "DTYPES",
     "DropCounters",
@@ -127,14 +129,8 @@ class Frame:
 
 
 def secret_from_hex(text: str) -> bytes:
-    """The job secret as bytes; ``loom run`` hands it out as hex (32 random bytes)."""
-    try:
-        secret = bytes.fromhex(text.strip())
-    except ValueError:
-        raise ValueError("LOOM_JOB_SECRET is not hex. HINT: let `loom run` generate it.") from None
-    if len(secret) < 16:
-        raise ValueError(f"the job secret has {len(secret)} bytes; at least 16 are required")
-    return secret
+    """The job secret as bytes (`loom.net.auth.job_secret`); ``loom run`` hands it out as hex (32 random bytes)."""
+    return job_secret(text)
 
 
 def encode(

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.config_docs import document_options
+from loom.errors import RayJobFailed  # noqa: F401 - raised by run(), defined there
 
 __all__ = ["RayConfig", "RayJobFailed", "run", "run_script"]
 
@@ -124,10 +125,6 @@ class RayConfig:
 
 
 document_options(RayConfig, RayConfig)
-
-
-class RayJobFailed(RuntimeError):
-    """A job on Ray failed after its replacements; the message names the rank and what happened to it."""
 
 
 def run(

@@ -10,7 +10,7 @@ One attempt of the job:
    LOCAL_WORLD_SIZE, the TORCHELASTIC_* variables, MASTER_ADDR/MASTER_PORT, LOOM_JOB_SECRET, LOOM_RUN_DIR,
    GLOO_SOCKET_IFNAME: the interface that holds the node's Ray address, set in `loom.ray.rank_main`), and the
    driver's LOOM_*, GLOO_*, NCCL_*, TORCH_*, OMP_*, MKL_* and PYTHONPATH. ``loom.init()`` then joins loom's
-   authenticated store (`loom.launch.store`), hosted here in the driver for the whole job and reached at the
+   authenticated store (`loom.net.store`), hosted here in the driver for the whole job and reached at the
    driver's Ray address, under a fresh key prefix per attempt.
 3. The driver polls every actor, prints each output line prefixed with its rank, writes the copied files into
    the run directory, and stops at the first failure: a process that exits non-zero or is killed, or an actor
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loom.ray import RayJobFailed
+from loom.errors import RayJobFailed
 from loom.ray.layout import rank_layout
 from loom.ray.output import blame, describe_exit, prefix_print, write_chunk
 
@@ -94,7 +94,7 @@ class _Job:
         import ray
         from ray.util.placement_group import placement_group
 
-        from loom.launch.store import StoreServer, job_secret
+        from loom.net.store import StoreServer, job_secret
 
         self.ray, self.config, self.work = ray, config, work
         self.run_dir = Path(config.run_dir).resolve()

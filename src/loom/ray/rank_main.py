@@ -17,7 +17,7 @@ import sys
 def main() -> None:
     address = os.environ.pop("LOOM_RAY_NODE_ADDRESS", None)
     if address and "GLOO_SOCKET_IFNAME" not in os.environ and sys.platform.startswith("linux"):
-        from loom.launch.agent import interface_of
+        from loom.net.interfaces import interface_of
 
         interface = interface_of(address)
         if interface is not None:

@@ -42,8 +42,7 @@ from torch import nn
 
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm import counters
-from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard, gradients_finite
-from loom.fault.watchdog import Watchdog, hang_timeout_s
+from loom.fault.desync import gradients_finite
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
@@ -54,13 +53,14 @@ from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel import default_metrics_path
 from loom.strategies.pipeline import broadcast_module
 from loom.topology import Topology, current
+from loom.train.guard import StepGuard
+from loom.train.options import config_from
 
 __all__ = [
     "INT8_CHUNK",
     "CommThread",
     "ReplicaJob",
     "ReplicaStrategy",
-    "check_common_options",
     "dequantize_int8",
     "exchange",
     "flatten",
@@ -80,18 +80,6 @@ def positive_int(name: str, value: Any, hint: str = "") -> None:
     """Refuse anything but an int >= 1 (bools included), naming the option and the value."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}.{' HINT: ' + hint if hint else ''}")
-
-
-def check_common_options(nonfinite: str, nonfinite_limit: int, hang_timeout: float | None) -> None:
-    """The options both strategies share with `DataParallel`, checked the same way."""
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(
-            f"nonfinite={nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
-            "non-finite step on every rank, 'stop' raises."
-        )
-    positive_int("nonfinite_limit", nonfinite_limit)
-    if hang_timeout is not None:
-        hang_timeout_s(hang_timeout)
 
 
 def synced_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -198,13 +186,14 @@ class ReplicaStrategy:
 
     def __init__(
         self,
+        config: Any = None,
         *,
         topology: Topology | None = None,
         metrics_path: str | None = None,
         observe: bool = True,
-        **config: Any,
+        **options: Any,
     ) -> None:
-        self.config = self.config_type(**config)
+        self.config = config_from(self.config_type, config, options, type(self).__name__)
         self.topology = topology
         self.metrics_path = metrics_path
         self.observe = observe
@@ -246,8 +235,8 @@ class ReplicaJob(Job):
         metrics_path: str | None = None,
         observe: bool = True,
     ) -> None:
-        """``config``: the strategy's config dataclass (``nonfinite``, ``nonfinite_limit``, ``hang_timeout_s``
-        and its own options); the strategy's state is set up by `_start`."""
+        """``config``: the strategy's config dataclass (the guard's options, `loom.train.guard.GuardOptions`,
+        and its own); the strategy's state is set up by `_start`."""
         self.module = module
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -258,14 +247,10 @@ class ReplicaJob(Job):
         self.metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
         self.observer = StepObserver.for_process(self.metrics, topology.world_size, enabled=observe)
         """Times each step's phases and counts its bytes (synchronizations included) into `metrics`."""
-        self.nonfinite = NonFiniteGuard(config.nonfinite, config.nonfinite_limit, topology.rank)
+        self.guard = StepGuard.start(topology, config)
+        """The hang watchdog over this job's collectives and the non-finite verdict (`loom.train.guard`)."""
+        self.watchdog, self.nonfinite = self.guard.watchdog, self.guard.nonfinite
         self.last_step_skipped = False
-        hang = config.hang_timeout_s
-        self.watchdog = (
-            Watchdog.start(topology, hang)
-            if topology.is_distributed
-            else Watchdog(topology.rank, topology.world_size, hang_timeout_s(hang))
-        )
         self._group = self.mesh.group("dp")
         self._start()
 
@@ -313,7 +298,7 @@ class ReplicaJob(Job):
             raise ValueError(f"rank {self.topology.rank}: train_step got a global batch of 0 samples")
         world = self.topology.world_size
         flags = reduced[FLAGS_AT : FLAGS_AT + world].tolist()
-        skipped = self.nonfinite.judge(self.step + 1, flags, range(world))
+        skipped = self.guard.judge(self.step + 1, flags, range(world))
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
         else:

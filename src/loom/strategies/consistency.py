@@ -30,12 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.comm._reduce import all_gather_sized_bytes
+from loom.errors import ModelMismatchError  # noqa: F401 - raised here, defined there
 
 __all__ = ["model_signature", "optimizer_signature", "check_same_model", "ModelMismatchError"]
-
-
-class ModelMismatchError(ValueError):
-    """The model or optimizer is not the same on every process."""
 
 
 def model_signature(model: nn.Module) -> list[list[str]]:

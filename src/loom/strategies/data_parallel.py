@@ -54,8 +54,7 @@ from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import CompressionHook, make_codec
 from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
-from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard, gradients_finite
-from loom.fault.watchdog import Watchdog, hang_timeout_s, work_timeout_s
+from loom.fault.desync import gradients_finite
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
@@ -66,6 +65,8 @@ from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.strategies.shared_gradients import SharedGradients
 from loom.topology import Topology, current
+from loom.train.guard import GuardOptions, StepGuard
+from loom.train.options import config_from, refuse_options
 
 __all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
 
@@ -73,8 +74,8 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class DataParallelConfig:
-    """How `DataParallel` synchronizes gradients."""
+class DataParallelConfig(GuardOptions):
+    """How `DataParallel` synchronizes gradients (and the step guard's options, `loom.train.guard`)."""
 
     accumulate: int = 1
     """Micro-batches per step: the local share is split in this many pieces, gradients accumulate locally and
@@ -100,22 +101,9 @@ class DataParallelConfig:
     compression: str | None = None
     """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``topk:<fraction>`` or
     ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
-    hang_timeout_s: float | None = None
-    """Seconds every rank may spend inside collectives without one completing (the same one stuck, or ranks in
-    different ones) before the job stops with a report of who did not arrive (`loom.fault.watchdog`); None:
-    ``LOOM_HANG_TIMEOUT_S``, else 180. A rank doing its own work outside collectives does not count."""
-    work_timeout_s: float | None = None
-    """Seconds the others wait in a collective for a rank doing its own work outside collectives (rank-0-only
-    evaluation, checkpoint writing) before the job stops, naming it; None: ``LOOM_WORK_TIMEOUT_S``, else 1800
-    (PyTorch's gloo default)."""
-    nonfinite: str = "skip"
-    """A step whose loss or gradient is NaN or infinite on any rank: ``"skip"`` applies no update on any rank
-    (counted in ``job.skipped_steps`` and marked ``skipped`` in the step record); ``"stop"`` raises
-    `loom.fault.desync.NonFiniteStepError` naming the ranks and the step. Never applied either way."""
-    nonfinite_limit: int = 5
-    """Under ``"skip"``, this many non-finite steps in a row stop the job (naming the ranks) all the same."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.allreduce not in ALGORITHMS:
             raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
         if self.compression is not None:
@@ -129,22 +117,27 @@ class DataParallelConfig:
             raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
-        if self.hang_timeout_s is not None:
-            hang_timeout_s(self.hang_timeout_s)
-        if self.work_timeout_s is not None:
-            work_timeout_s(self.work_timeout_s)
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite={self.nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
-                "non-finite step on every rank, 'stop' raises."
-            )
-        limit = self.nonfinite_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"nonfinite_limit must be an int >= 1, got {limit!r}")
 
 
 DATA_FIELDS = frozenset(f.name for f in fields(DataParallelConfig))
-"""The options of a data axis: what model-parallel strategies accept besides their own (`loom.Hybrid`)."""
+"""The options of `DataParallelConfig`."""
+
+ONLY_DATA_PARALLEL = {
+    "accumulate": "DataParallel only; a model-parallel job accumulates over its micro-batches (microbatches=)",
+    "bucket_cap_mb": "DDP's buckets, DataParallel only; a model-parallel data axis reduces after the schedule",
+    "find_unused_parameters": "DDP's option, DataParallel only (a model-parallel data axis sums every gradient)",
+    "broadcast_buffers": "DDP's option, DataParallel only; model-parallel stages keep their own buffers",
+    "overlap": "DataParallel only; a model-parallel data axis reduces after the schedule",
+}
+"""The `DataParallelConfig` options a model-parallel data axis cannot honour, with what to do instead."""
+
+
+def data_axis_options(options: dict[str, Any], strategy: str) -> DataParallelConfig:
+    """Take the data axis's options out of a model-parallel strategy's keyword ``options`` (in place): the
+    `DataParallelConfig` of its data axis. The options only `DataParallel` honours are refused, by name."""
+    data = {k: options.pop(k) for k in list(options) if k in DATA_FIELDS}
+    refuse_options(data, ONLY_DATA_PARALLEL, strategy)
+    return DataParallelConfig(**data)
 
 
 class DataParallel:
@@ -155,13 +148,14 @@ class DataParallel:
 
     def __init__(
         self,
+        config: DataParallelConfig | None = None,
         *,
         topology: Topology | None = None,
         metrics_path: str | None = None,
         observe: bool = True,
-        **config: Any,
+        **options: Any,
     ):
-        self.config = DataParallelConfig(**config)
+        self.config = config_from(DataParallelConfig, config, options, "DataParallel")
         self.topology = topology
         self.metrics_path = metrics_path
         self.observe = observe
@@ -203,8 +197,6 @@ class DataParallel:
         job.gradient_path = path
         job.shared_gradients = path.shared if path is not None else None
         job.compression = path.hook if path is not None and isinstance(path.hook, CompressionHook) else None
-        if topo.is_distributed:
-            job.watchdog = Watchdog.start(topo, self.config.hang_timeout_s, self.config.work_timeout_s)
         return job
 
 
@@ -284,8 +276,9 @@ class DataParallelJob(Job):
         self.observer = StepObserver(metrics, topology.world_size)
         """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
         self.step = 0
-        self.watchdog = Watchdog(topology.rank, topology.world_size, hang_timeout_s(config.hang_timeout_s))
-        """Numbers this job's collectives; `DataParallel.setup` starts one that stops a hung job."""
+        self.guard = StepGuard.start(topology, config)
+        """The hang watchdog over this job's collectives and the non-finite verdict (`loom.train.guard`)."""
+        self.watchdog = self.guard.watchdog
         shared_memory = config.allreduce in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
         self._loss_algorithm = config.allreduce if shared_memory else "native"
         """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared
@@ -297,8 +290,7 @@ class DataParallelJob(Job):
         self.shared_gradients: SharedGradients | None = None
         """Set when gradients are averaged in shared memory after backward instead of by DDP (see
         `loom.strategies.shared_gradients`); then `wrapped` is the model itself."""
-        self.nonfinite = NonFiniteGuard(config.nonfinite, config.nonfinite_limit, topology.rank)
-        """Decides what happens to a step whose loss or gradient is non-finite (``config.nonfinite``)."""
+        self.nonfinite = self.guard.nonfinite
         self.last_step_skipped = False
         """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
         self._trainable = [p for p in module.parameters() if p.requires_grad]
@@ -468,7 +460,7 @@ class DataParallelJob(Job):
     def _apply_unless_nonfinite(self, reduced: torch.Tensor, gradient_finite: bool) -> bool:
         world = self.topology.world_size
         flags = reduced[FLAGS_AT : FLAGS_AT + world].tolist()
-        skip = self.nonfinite.judge(self.step + 1, flags, range(world), gradient_finite)
+        skip = self.guard.judge(self.step + 1, flags, range(world), gradient_finite)
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
         else:

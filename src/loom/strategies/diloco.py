@@ -57,7 +57,6 @@ from loom.strategies._replica_sync import (
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
-    check_common_options,
     exchange,
     flatten,
     positive_int,
@@ -65,6 +64,7 @@ from loom.strategies._replica_sync import (
     synced_tensors,
 )
 from loom.strategies.consistency import check_same_model
+from loom.train.guard import GuardOptions
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "DiLoCoJob", "INT8_CHUNK", "split_fragments"]
 
@@ -78,7 +78,7 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
 
 
 @dataclass(frozen=True)
-class DiLoCoConfig:
+class DiLoCoConfig(GuardOptions):
     """How `DiLoCo` synchronizes the replicas."""
 
     sync_every: int = 500
@@ -94,16 +94,9 @@ class DiLoCoConfig:
     ``fragments > 1`` (streaming), else 0. Must be below ``sync_every``."""
     allreduce: str = "auto"
     """The all-reduce algorithm of the outer gradient (`loom.comm.all_reduce`); ``int8`` all-gathers instead."""
-    hang_timeout_s: float | None = None
-    """Seconds a collective may wait before the job stops with a report of who did not arrive; None:
-    ``LOOM_HANG_TIMEOUT_S``, else 180."""
-    nonfinite: str = "skip"
-    """A step whose loss or local gradient is NaN or infinite on any rank: ``"skip"`` applies no update on any
-    rank, ``"stop"`` raises `loom.fault.desync.NonFiniteStepError`."""
-    nonfinite_limit: int = 5
-    """Under ``"skip"``, this many non-finite steps in a row stop the job all the same."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         positive_int("sync_every", self.sync_every, "the paper synchronizes every 500 inner steps.")
         positive_int("fragments", self.fragments, "1 synchronizes the whole model at once.")
         h, f = self.sync_every, self.fragments
@@ -139,7 +132,6 @@ class DiLoCoConfig:
                 f"compression='int8' all-gathers the codes with the backend; it cannot be combined with "
                 f"allreduce={self.allreduce!r}. HINT: leave allreduce at its default with int8."
             )
-        check_common_options(self.nonfinite, self.nonfinite_limit, self.hang_timeout_s)
 
     @property
     def overlap(self) -> Any:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -58,7 +57,7 @@ from loom.comm.links import _job_secret
 from loom.comm.peer import PeerNode
 from loom.comm.peer_wire import COPY, EXCHANGE, PeerStats
 from loom.config_docs import document_options
-from loom.fault.desync import gradients_finite
+from loom.fault.desync import local_flag
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
@@ -73,6 +72,8 @@ from loom.strategies.gossip_exchange import (
     average_into,
 )
 from loom.topology import Topology, current
+from loom.train.guard import GuardOptions, StepGuard
+from loom.train.options import config_from
 
 __all__ = ["Gossip", "GossipConfig", "GossipJob"]
 
@@ -81,8 +82,10 @@ PEERS = ("ring", "exponential", "random")
 
 
 @dataclass(frozen=True)
-class GossipConfig:
-    """How each worker picks its peers and how long it waits for them."""
+class GossipConfig(GuardOptions):
+    """How each worker picks its peers and how long it waits for them (and the step guard's options,
+    `loom.train.guard`: a replica's non-finite step is judged on its own flag; the hang watchdog counts the
+    evaluation all-reduce, the exchanges are bounded by ``deadline_s``)."""
 
     peers: str = "ring"
     """Peer of each exchange: ``ring`` (right and left neighbours in turn), ``exponential`` (rank + 2^k, k
@@ -105,6 +108,7 @@ class GossipConfig:
     """How long set-up waits for every worker to publish its address."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.peers not in PEERS:
             raise ValueError(f"peers={self.peers!r} is not one of {list(PEERS)}")
         for name in ("every", "retry_after"):
@@ -125,8 +129,15 @@ class Gossip:
     ``Gossip(peers="ring", every=1, deadline_s=10.0, ...)`` — see `GossipConfig` for the fields.
     """
 
-    def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
-        self.config = GossipConfig(**config)
+    def __init__(
+        self,
+        config: GossipConfig | None = None,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        **options: Any,
+    ):
+        self.config = config_from(GossipConfig, config, options, "Gossip")
         self.topology = topology
         self.metrics_path = metrics_path
 
@@ -160,6 +171,7 @@ class GossipJob(Job):
 
     replicas_agree = False
     replicated_state = False
+    loss_scope = "replica"
 
     def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, layout, metrics) -> None:
         self.module: nn.Module = module
@@ -170,6 +182,7 @@ class GossipJob(Job):
         self.config: GossipConfig = config
         self.layout: ParameterLayout = layout
         self.metrics: StepMetrics = metrics
+        metrics.loss_scope = self.loss_scope
         self.step = 0  # optimizer steps this replica took
         self.choice = PeerChoice(config.peers, self.topology.rank, self.topology.world_size, config.seed)
         self.attempts = 0  # exchanges this worker was due to make
@@ -181,6 +194,15 @@ class GossipJob(Job):
         self._server: IdleServer | None = None
         self._closed = self._joining = False
         self._recorded = (0, 0)
+        self.guard = StepGuard.start(self.topology, config)
+        """The non-finite verdict on this replica's own flag, and the watchdog (`loom.train.guard`)."""
+        self.nonfinite = self.guard.nonfinite
+        self.last_step_skipped = False
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was not applied because this replica's loss or gradient was non-finite."""
+        return self.nonfinite.skipped
 
     def _connect(self) -> None:
         topo, cfg = self.topology, self.config
@@ -315,13 +337,17 @@ class GossipJob(Job):
             return 0.0
         loss = self.loss_fn(self.module(inputs), targets)
         value = float(loss.detach())
-        if math.isfinite(value):
+        flag = local_flag(value)
+        if not flag:
             loss.backward()
-            if gradients_finite([p.grad for p in self.module.parameters()]):
-                self.optimizer.step()
-                return value
-        self.optimizer.zero_grad(set_to_none=True)
-        self.last_step_skipped = True
+            flag = local_flag(value, [p.grad for p in self.module.parameters()])
+        # Each replica judges its own step: there is no collective to carry flags, and no replica adopts
+        # another's update (a NaN replica's parameters are never sent, as they never change).
+        if self.guard.judge(self.step + 1, [flag], [self.topology.rank]):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.last_step_skipped = True
+            return value
+        self.optimizer.step()
         return value
 
     def _record_traffic(self) -> tuple[int, int]:
@@ -343,7 +369,8 @@ class GossipJob(Job):
         with self.paused():
             names, sums = share_sums(self.module, self.loss_fn, metrics, inputs, targets)
         if self.topology.is_distributed:
-            dist.all_reduce(sums)
+            with self.guard.collective("evaluation all-reduce"):
+                dist.all_reduce(sums)
         return share_means(names, sums, self.topology.rank)
 
     def state_dict(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from torch import nn
 from loom.config_docs import document_options
 from loom.mesh import Mesh
 from loom.strategies.compose import compose
-from loom.strategies.data_parallel import DATA_FIELDS, DataParallelConfig, LossFn
+from loom.strategies.data_parallel import DataParallelConfig, LossFn, data_axis_options
 from loom.strategies.model_parallel import ModelParallelJob
 from loom.strategies.pipeline import PipelineConfig
 from loom.strategies.tensor_parallel import TensorParallelConfig
@@ -71,9 +71,8 @@ class Hybrid:
     """
 
     def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
-        data = {k: config.pop(k) for k in list(config) if k in DATA_FIELDS}
+        self.data = data_axis_options(config, "Hybrid")
         self.config = HybridConfig(**config)
-        self.data = DataParallelConfig(**data)
         self.topology = topology
         self.metrics_path = metrics_path
 

@@ -35,19 +35,19 @@ from loom.strategies._replica_sync import (
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
-    check_common_options,
     flatten,
     positive_int,
     prepare_replicas,
     synced_tensors,
     unflatten_into,
 )
+from loom.train.guard import GuardOptions
 
 __all__ = ["LocalSGD", "LocalSGDConfig", "LocalSGDJob"]
 
 
 @dataclass(frozen=True)
-class LocalSGDConfig:
+class LocalSGDConfig(GuardOptions):
     """How often and how `LocalSGD` averages the replicas."""
 
     sync_every: int = 8
@@ -55,20 +55,12 @@ class LocalSGDConfig:
     allreduce: str = "auto"
     """The all-reduce algorithm of the average (see `loom.comm.all_reduce`): ``native``, ``ring``,
     ``driver``, ``shm``, ``hierarchical`` or ``auto``."""
-    hang_timeout_s: float | None = None
-    """Seconds a collective may wait before the job stops with a report of who did not arrive
-    (`loom.fault.watchdog`); None: ``LOOM_HANG_TIMEOUT_S``, else 180."""
-    nonfinite: str = "skip"
-    """A step whose loss or local gradient is NaN or infinite on any rank: ``"skip"`` applies no update on any
-    rank, ``"stop"`` raises `loom.fault.desync.NonFiniteStepError`."""
-    nonfinite_limit: int = 5
-    """Under ``"skip"``, this many non-finite steps in a row stop the job all the same."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         positive_int("sync_every", self.sync_every, "1 averages after every step, 8 every eighth step.")
         if self.allreduce not in ALGORITHMS:
             raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
-        check_common_options(self.nonfinite, self.nonfinite_limit, self.hang_timeout_s)
 
 
 class LocalSGD(ReplicaStrategy):

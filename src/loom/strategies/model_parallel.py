@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.fault.desync import NonFiniteGuard, local_flag
+from loom.fault.desync import local_flag
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import REPLICA, Mesh
 from loom.observe.metrics import StepMetrics
@@ -44,6 +44,7 @@ from loom.strategies.pipeline_communications import recv_tensors, send_tensors
 from loom.strategies.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.strategies.pipeline_schedule import stage_instructions
 from loom.strategies.tensor_parallel import TensorShards
+from loom.train.guard import StepGuard
 
 __all__ = ["ModelParallelJob", "Schedule", "batch_fingerprint"]
 
@@ -127,10 +128,9 @@ class ModelParallelJob(Job):
         self.stage_keys = stage_keys
         self.layer_names = layer_names
         self.step = 0
-        self.nonfinite = NonFiniteGuard(
-            data_axis.config.nonfinite, data_axis.config.nonfinite_limit, self.topology.rank
-        )
-        """Decides what happens to a step whose loss or gradient is non-finite on some rank."""
+        self.guard = StepGuard.start(self.topology, data_axis.config)
+        """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
+        self.nonfinite = self.guard.nonfinite
         self.last_step_skipped = False
         """Whether the last `train_step` applied no update (non-finite on some rank)."""
         self.stage_stats: list[StageStats] = []
@@ -150,7 +150,8 @@ class ModelParallelJob(Job):
             return
         mine = torch.tensor([batch_fingerprint(batch), local], dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in self.mesh.ranks(REPLICA)]
-        dist.all_gather(rows, mine, group=group)
+        with self.guard.collective("replica sample check all-gather"):
+            dist.all_gather(rows, mine, group=group)
         seen = [tuple(r.tolist()) for r in rows]
         if len(set(seen)) == 1:
             return
@@ -173,7 +174,8 @@ class ModelParallelJob(Job):
         if group is None:
             return local
         count = torch.tensor([local], dtype=torch.int64)
-        dist.all_reduce(count, group=group)
+        with self.guard.collective("sample-count all-reduce"):
+            dist.all_reduce(count, group=group)
         return int(count.item())
 
     @property
@@ -200,10 +202,11 @@ class ModelParallelJob(Job):
             if micro.sizes
             else []
         )
-        loss_sum, stats = run_instructions(
-            stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
-            prev=self._prev, next_=self._next, train=train, device=device,
-        )  # fmt: skip
+        with self.guard.collective("pipeline schedule (sends and receives between stages)"):
+            loss_sum, stats = run_instructions(
+                stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
+                prev=self._prev, next_=self._next, train=train, device=device,
+            )  # fmt: skip
         grads = [p.grad for p in self.module.parameters() if p.requires_grad] if train else []
         flag = local_flag(loss_sum, grads)
         # One gather gives the loss (non-zero on the last stage only), every stage's busy time and span, and flag.
@@ -211,7 +214,8 @@ class ModelParallelJob(Job):
         rows = [row]
         if self.mesh.group("pp") is not None:
             rows = [torch.zeros_like(row) for _ in range(sched.stages)]
-            dist.all_gather(rows, row, group=self.mesh.group("pp"))
+            with self.guard.collective("loss all-gather over the pipeline"):
+                dist.all_gather(rows, row, group=self.mesh.group("pp"))
         table = torch.stack(rows)
         loss, flags, ranks = self._reduce_loss_and_flags(table, flag)
         span = float(table[:, 2].max())
@@ -234,7 +238,8 @@ class ModelParallelJob(Job):
         if mesh.index("pp") == 0 and mesh.index("tp") == 0:  # one writer per replica: its loss counted once
             buffer[mesh.index("dp")] = replica_loss
         buffer[dp + rank] = flag
-        dist.all_reduce(buffer)
+        with self.guard.collective("loss and flag all-reduce"):
+            dist.all_reduce(buffer)
         return float(buffer[:dp].sum()), buffer[dp:].tolist(), list(range(world))
 
     def train_step(self, batch: Any) -> float:
@@ -243,11 +248,14 @@ class ModelParallelJob(Job):
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss, local, total, stats, flags, ranks = self._run(batch, train=True)
-        skipped = self.nonfinite.judge(self.step + 1, flags, ranks)  # the same inputs, the same verdict
+        skipped = self.guard.judge(self.step + 1, flags, ranks)  # the same inputs, the same verdict
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
         else:
-            self.gradient_averaging.sum_gradients([p for p in self.module.parameters() if p.requires_grad])
+            with self.guard.collective("gradient all-reduce over the data axis"):
+                self.gradient_averaging.sum_gradients(
+                    [p for p in self.module.parameters() if p.requires_grad]
+                )
             self.optimizer.step()
         self.step += 1
         self.last_step_skipped = skipped

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config_docs import document_options
+from loom.fault.desync import local_flag
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
@@ -70,6 +71,8 @@ from loom.ps.wire import MessageType, secret_from_hex
 from loom.strategies._batch import batch_len, share_means, share_sums, split_batch
 from loom.strategies._setup import check_setup_arguments
 from loom.topology import Topology, current
+from loom.train.guard import GuardOptions, StepGuard
+from loom.train.options import config_from
 
 __all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
 
@@ -77,8 +80,10 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class ParameterServerConfig:
-    """How workers and servers agree on the parameters."""
+class ParameterServerConfig(GuardOptions):
+    """How workers and servers agree on the parameters (and the step guard's options, `loom.train.guard`: the
+    hang watchdog counts each step's pull and push as collectives of the workers, and a non-finite loss or
+    gradient is never pushed)."""
 
     mode: str = "sync"
     """``sync`` (equals one process), ``async`` (apply on arrival, never wait) or ``ssp`` (bounded staleness)."""
@@ -107,6 +112,7 @@ class ParameterServerConfig:
     """Job secret (hex); default ``LOOM_JOB_SECRET``."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.mode not in ("sync", "async", "ssp"):
             raise ValueError(f"mode={self.mode!r}; use 'sync', 'async' or 'ssp'")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
@@ -153,8 +159,15 @@ class ParameterServerMetrics(StepMetrics):
 class ParameterServer:
     """Strategy: parameters on sharded servers; ``ParameterServer(mode="ssp", staleness=2, ...)``."""
 
-    def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
-        self.config = ParameterServerConfig(**config)
+    def __init__(
+        self,
+        config: ParameterServerConfig | None = None,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        **options: Any,
+    ):
+        self.config = config_from(ParameterServerConfig, config, options, "ParameterServer")
         self.topology = topology
         self.metrics_path = metrics_path
 
@@ -274,11 +287,25 @@ class ParameterServerJob(Job):
         self.plan: list[Piece] = plan
         self.metrics: ParameterServerMetrics = metrics
         self.replicas_agree = config.mode == "sync" and not any(p.sparse for p in plan)
+        self.loss_scope = "global" if config.mode == "sync" else "replica"
+        metrics.loss_scope = self.loss_scope
         self.step = 0
         """This worker's clock: updates pushed so far."""
         self._params = dict(module.named_parameters())
         self._versions = [0] * len(client.links)
         self._closed = False
+        self.guard = StepGuard.start(self.topology, config)
+        """The hang watchdog over this worker's pulls and pushes and the non-finite verdict (`loom.train.guard`):
+        a worker whose loss or gradient is non-finite pushes only its flag; in ``sync`` the server then applies
+        nothing for the step and tells every worker whose flag it was (the same verdict everywhere), in
+        ``async``/``ssp`` that worker's update alone is dropped."""
+        self.nonfinite = self.guard.nonfinite
+        self.last_step_skipped = False
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was not applied because a loss or gradient was non-finite (see `guard`)."""
+        return self.nonfinite.skipped
 
     @property
     def _num_servers(self) -> int:
@@ -381,7 +408,8 @@ class ParameterServerJob(Job):
         local = batch_len(inputs)
         total = int(getattr(batch, "global_size", local * self.topology.world_size))
         sync = self.config.mode == "sync"
-        self._pull_dense()
+        with self.guard.collective("pull from the parameter servers"):
+            self._pull_dense()
         self.module.train()
         for p in self._params.values():
             p.grad = None
@@ -390,12 +418,17 @@ class ParameterServerJob(Job):
             loss = self.loss_fn(self.module(inputs), targets)
             (loss * (local / total) if sync else loss).backward()
             loss_sum = float(loss.detach()) * local
-        replies = self._request(
-            MessageType.PUSH,
-            {"clock": self.step, "loss_sum": loss_sum, "lrs": self._learning_rates()},
-            self._gradients(),
-            per_server=[{"version": v} for v in self._versions],
-        )
+        flag = local_flag(loss_sum, [p.grad for p in self._params.values()]) if local else 0.0
+        meta = {"clock": self.step, "loss_sum": loss_sum, "lrs": self._learning_rates()}
+        if flag:
+            meta["nonfinite"] = flag  # the flag travels, the gradient never does
+        with self.guard.collective("push to the parameter servers"):
+            replies = self._request(
+                MessageType.PUSH,
+                meta,
+                self._gradients() if not flag else [{} for _ in range(self._num_servers)],
+                per_server=[{"version": v} for v in self._versions],
+            )
         for server, reply in enumerate(replies):
             self._versions[server] = int(reply.meta["version"])
         stale = max(int(r.meta.get("staleness", 0)) for r in replies)
@@ -403,15 +436,31 @@ class ParameterServerJob(Job):
         # The optimizer step ran on the servers; a scheduler on the local optimizer checks this flag (which the
         # local step would have set) and would otherwise warn that it is stepped before the optimizer.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        skipped = self._judge(replies, flag)
         self.step += 1
+        self.last_step_skipped = skipped
         # A push the servers had applied already (resent after a restart) comes back without the step's loss.
         if sync and "loss_sum" in replies[0].meta:
             loss_value = float(replies[0].meta["loss_sum"]) / total
         else:
             loss_value = loss_sum / max(local, 1)
         elapsed = time.perf_counter() - started
-        self.metrics.record(self.step, elapsed, local, total, loss_value, staleness=float(stale))
+        extra = {"skipped": True} if skipped else {}
+        self.metrics.record(self.step, elapsed, local, total, loss_value, staleness=float(stale), **extra)
         return loss_value
+
+    def _judge(self, replies: list[Any], flag: float) -> bool:
+        """The guard's verdict on this step: in ``sync`` on every worker's flag as the servers collected them
+        (``[[worker, flag], ...]`` in each reply, the same for every worker), else on this worker's own."""
+        world = self.topology.world_size
+        if self.config.mode != "sync":
+            return self.guard.judge(self.step + 1, [flag], [self.topology.rank])
+        flags = [0.0] * world
+        for reply in replies:
+            for worker, value in reply.meta.get("flags", []):
+                if 0 <= int(worker) < world:
+                    flags[int(worker)] = max(flags[int(worker)], float(value))
+        return self.guard.judge(self.step + 1, flags, range(world))
 
     def _learning_rates(self) -> list[float]:
         """The current ``lr`` of each param group of the local optimizer (where a scheduler changes it)."""

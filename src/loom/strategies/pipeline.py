@@ -36,7 +36,7 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.strategies.data_parallel import DATA_FIELDS, DataParallelConfig, LossFn
+from loom.strategies.data_parallel import DataParallelConfig, LossFn, data_axis_options
 from loom.strategies.pipeline_runtime import PipelineStage
 from loom.strategies.pipeline_schedule import SCHEDULES
 from loom.strategies.pipeline_split import (
@@ -104,11 +104,10 @@ class Pipeline:
         metrics_path: str | None = None,
         **config: Any,
     ) -> None:
-        data = {k: config.pop(k) for k in list(config) if k in DATA_FIELDS}
         if "split" in config and isinstance(config["split"], list):
             config["split"] = tuple(config["split"])
+        self.data = data_axis_options(config, "Pipeline")
         self.config = PipelineConfig(**config)
-        self.data = DataParallelConfig(**data)
         self.topology = topology
         self.mesh = mesh
         self.sample_input = sample_input

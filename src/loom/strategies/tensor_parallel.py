@@ -32,7 +32,7 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.strategies.data_parallel import DATA_FIELDS, DataParallelConfig, LossFn
+from loom.strategies.data_parallel import DataParallelConfig, LossFn, data_axis_options
 from loom.strategies.pipeline_runtime import PipelineStage
 from loom.strategies.tensor_parallel_layers import (
     ColumnParallelLinear,
@@ -315,9 +315,8 @@ class TensorParallel:
     def __init__(
         self, *, topology: Topology | None = None, metrics_path: str | None = None, **config
     ) -> None:
-        data = {k: config.pop(k) for k in list(config) if k in DATA_FIELDS}
+        self.data = data_axis_options(config, "TensorParallel")
         self.config = TensorParallelConfig(**config)
-        self.data = DataParallelConfig(**data)
         self.topology = topology
         self.metrics_path = metrics_path
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import hashlib
 import hmac
 import os
 import socket
@@ -42,6 +41,8 @@ import time
 from collections.abc import Sequence
 
 import torch.distributed as dist
+
+from loom.net.auth import job_secret, mac  # noqa: F401 - job_secret: the store's callers take it from here
 
 __all__ = ["HANDSHAKE_TIMEOUT_S", "LoomStore", "StoreServer", "StoreUnreachable", "job_secret"]
 
@@ -64,27 +65,6 @@ class StoreUnreachable(RuntimeError):
 
 class StoreTimeout(RuntimeError):
     """A wait for keys ran past its timeout (the store answered; the keys did not appear)."""
-
-
-def job_secret(text: str | None = None) -> bytes:
-    """The job secret from ``text`` or ``LOOM_JOB_SECRET``: hex, at least 32 digits (64 recommended)."""
-    raw = (os.environ.get("LOOM_JOB_SECRET", "") if text is None else text).strip()
-    try:
-        secret = bytes.fromhex(raw)
-    except ValueError:
-        secret = b""
-    if len(secret) < 16:
-        raise ValueError(
-            "LOOM_JOB_SECRET must be at least 32 hex digits (64 recommended), "
-            f"got {len(raw)} characters{'' if secret or not raw else ' that are not hex'}. "
-            "HINT: export LOOM_JOB_SECRET=$(openssl rand -hex 32) on every node, or let `loom run` make one "
-            "for a one-node job"
-        )
-    return secret
-
-
-def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
@@ -231,9 +211,9 @@ class StoreServer:
             if hello[: len(_HELLO)] != _HELLO:
                 return False
             theirs, mine = hello[len(_HELLO) :], os.urandom(_NONCE)
-            sock.sendall(mine + _mac(self.secret, b"loom store accept", theirs, mine))
+            sock.sendall(mine + mac(self.secret, b"loom store accept", theirs, mine))
             proof = _recv_exact(sock, _MAC, deadline)
-            if not hmac.compare_digest(proof, _mac(self.secret, b"loom store connect", mine, theirs)):
+            if not hmac.compare_digest(proof, mac(self.secret, b"loom store connect", mine, theirs)):
                 return False
             sock.sendall(b"\1")
             sock.settimeout(None)
@@ -342,9 +322,9 @@ class LoomStore(dist.Store):
             sock.sendall(_HELLO + mine)
             reply = _recv_exact(sock, _NONCE + _MAC, deadline)
             theirs = reply[:_NONCE]
-            if not hmac.compare_digest(reply[_NONCE:], _mac(self.secret, b"loom store accept", mine, theirs)):
+            if not hmac.compare_digest(reply[_NONCE:], mac(self.secret, b"loom store accept", mine, theirs)):
                 raise StoreUnreachable(f"{where} does not hold this job's secret (LOOM_JOB_SECRET differs)")
-            sock.sendall(_mac(self.secret, b"loom store connect", theirs, mine))
+            sock.sendall(mac(self.secret, b"loom store connect", theirs, mine))
             _recv_exact(sock, 1, deadline)
         except StoreUnreachable:
             sock.close()

@@ -1,0 +1,106 @@
+"""The guard of a training step: one object, built the same way for every strategy's job.
+
+Before this module each strategy wired its own guarantees by hand, and they drifted: the hang watchdog ran in two
+of five step loops, the non-finite check in four (one NaN made every parameter of a parameter-server job NaN).
+Here they are written once:
+
+- `GuardOptions`: the options every strategy's config dataclass inherits (``hang_timeout_s``,
+  ``work_timeout_s``, ``nonfinite``, ``nonfinite_limit``), validated in one place;
+- `StepGuard`: what a job's step asks. `StepGuard.collective` counts a collective for the hang watchdog
+  (`loom.fault.watchdog`: a job whose ranks all wait in collectives past ``hang_timeout_s`` stops, naming who
+  did not arrive; a rank doing its own work is waited for up to ``work_timeout_s``); `StepGuard.judge` turns
+  every rank's non-finite flag into one verdict (`loom.fault.desync.NonFiniteGuard`: ``"skip"`` applies no
+  update anywhere, ``"stop"`` raises), the same on every rank because every rank judges the same flags;
+- `loom.train.options.refuse_options`: an option a strategy cannot honour is refused at construction, naming
+  what to use instead, never silently ignored.
+
+The guard is started by every job's construction (`StepGuard.start`), so a new strategy gets it by building its
+job on it. Where the flags travel is the strategy's business (they ride on a collective the step runs anyway:
+the loss all-reduce of data parallelism, the pipeline's loss gather, a parameter server's reply), so guarding a
+step costs no extra collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard
+from loom.fault.watchdog import Watchdog, hang_timeout_s, work_timeout_s
+from loom.topology import Topology
+
+__all__ = ["GuardOptions", "StepGuard"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardOptions:
+    """The step guard's options, shared by every strategy's config (keyword-only)."""
+
+    hang_timeout_s: float | None = None
+    """Seconds every rank may spend inside collectives without one completing (the same one stuck, or ranks in
+    different ones) before the job stops with a report of who did not arrive (`loom.fault.watchdog`); None:
+    ``LOOM_HANG_TIMEOUT_S``, else 180. A rank doing its own work outside collectives does not count."""
+    work_timeout_s: float | None = None
+    """Seconds the others wait in a collective for a rank doing its own work outside collectives (rank-0-only
+    evaluation, checkpoint writing) before the job stops, naming it; None: ``LOOM_WORK_TIMEOUT_S``, else 1800
+    (PyTorch's gloo default)."""
+    nonfinite: str = "skip"
+    """A step whose loss or gradient is NaN or infinite on any rank: ``"skip"`` applies no update on any rank
+    (counted in ``job.skipped_steps`` and marked ``skipped`` in the step record); ``"stop"`` raises
+    `loom.fault.desync.NonFiniteStepError` naming the ranks and the step. Never applied either way."""
+    nonfinite_limit: int = 5
+    """Under ``"skip"``, this many non-finite steps in a row stop the job (naming the ranks) all the same."""
+
+    def __post_init__(self) -> None:
+        if self.hang_timeout_s is not None:
+            hang_timeout_s(self.hang_timeout_s)
+        if self.work_timeout_s is not None:
+            work_timeout_s(self.work_timeout_s)
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite={self.nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
+                "non-finite step on every rank, 'stop' raises."
+            )
+        limit = self.nonfinite_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"nonfinite_limit must be an int >= 1, got {limit!r}")
+
+
+class StepGuard:
+    """The hang watchdog and the non-finite verdict of one job (see the module docstring)."""
+
+    def __init__(self, watchdog: Watchdog, nonfinite: NonFiniteGuard) -> None:
+        self.watchdog = watchdog
+        self.nonfinite = nonfinite
+
+    @classmethod
+    def start(cls, topology: Topology, options: GuardOptions) -> StepGuard:
+        """The guard of a job on ``topology``: a watchdog thread when there are peers to wait for (one process
+        only counts), and the non-finite policy of ``options``."""
+        if topology.is_distributed:
+            watchdog = Watchdog.start(topology, options.hang_timeout_s, options.work_timeout_s)
+        else:
+            watchdog = Watchdog(
+                topology.rank, topology.world_size, hang_timeout_s(options.hang_timeout_s), None,
+                options.work_timeout_s,
+            )  # fmt: skip
+        return cls(watchdog, NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank))
+
+    @contextlib.contextmanager
+    def collective(self, op: str) -> Iterator[int]:
+        """Count the collective(s) issued inside this block as one operation ``op`` for the hang watchdog."""
+        with self.watchdog.collective(op) as seq:
+            yield seq
+
+    def judge(
+        self, step: int, flags: Sequence[float], ranks: Sequence[int], averaged_gradient_finite: bool = True
+    ) -> bool:
+        """True when step ``step`` must not be applied (every rank judges the same flags: the same verdict);
+        raises `loom.fault.desync.NonFiniteStepError` under ``"stop"`` or past the limit."""
+        return self.nonfinite.judge(step, flags, ranks, averaged_gradient_finite)
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped so far because they were non-finite on some rank."""
+        return self.nonfinite.skipped

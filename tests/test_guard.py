@@ -1,0 +1,154 @@
+"""The step guard holds for every strategy (issue 21, item 2): one place, `loom.train.guard`, reaches them all.
+
+For each strategy: a NaN input on one rank is never applied (synchronous strategies skip the step on every
+rank; replicas that judge alone, Gossip and asynchronous parameter servers, skip it on that rank), a rank frozen
+with SIGSTOP stops the job with a report naming it, an option the strategy cannot honour is refused, and the
+strategy takes its config object as well as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import WORKERS
+from test_ps_launch import session_members
+
+import loom
+from loom.strategies.data_parallel import ONLY_DATA_PARALLEL
+from loom.topology import Topology
+
+SINGLE = Topology(0, 1, 0, 1, "none")
+WORLD = {"dp": 2, "pipeline": 2, "tp": 2, "hybrid": 2, "local_sgd": 2, "diloco": 2, "gossip": 2, "ps": 2,
+         "ps_async": 2}  # fmt: skip
+SERVERS = {"ps": 1, "ps_async": 1}
+
+
+def _run(tmp_path: Path, strategy: str, fault: str, timeout: float) -> tuple[int, str, float]:
+    """`loom run` the guard job; returns (exit status, stderr + stdout, seconds from launch to exit)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    servers = ["--servers", str(SERVERS[strategy])] if strategy in SERVERS else []
+    command = [sys.executable, "-m", "loom.launch.cli", "run", "-n", str(WORLD[strategy]), *servers,
+               "--run-dir", str(tmp_path / "run"), str(WORKERS / "guard_job.py"), strategy, fault, str(out)]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"loom run {strategy} {fault} did not end within {timeout} s") from None
+    finally:
+        for pid in session_members(
+            proc.pid
+        ):  # whatever happened, leave nothing behind (a stopped worker too)
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, stderr + stdout, time.monotonic() - started
+
+
+def _results(tmp_path: Path) -> dict[int, dict]:
+    return {
+        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (tmp_path / "out").glob("result-*.json")
+    }
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["dp", "pipeline", "tp", "hybrid", "local_sgd", "diloco", "ps"])
+def test_a_nan_on_one_rank_is_skipped_on_every_rank_of_a_synchronous_strategy(tmp_path, strategy):
+    status, output, _ = _run(tmp_path, strategy, "nan", timeout=120)
+    assert status == 0, output[-3000:]
+    ranks = _results(tmp_path)
+    assert sorted(ranks) == list(range(WORLD[strategy])), output[-3000:]
+    for r in ranks.values():
+        assert r["params_finite"], r
+        assert r["skipped_steps"] == 1 and r["skipped_in_records"] == [3], r
+        assert r["loss_scope"] == "global"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["gossip", "ps_async"])
+def test_a_nan_is_skipped_by_the_replica_that_had_it_when_replicas_judge_alone(tmp_path, strategy):
+    status, output, _ = _run(tmp_path, strategy, "nan", timeout=120)
+    assert status == 0, output[-3000:]
+    ranks = _results(tmp_path)
+    assert sorted(ranks) == [0, 1], output[-3000:]
+    for rank, r in ranks.items():
+        assert r["params_finite"], r
+        assert r["skipped_steps"] == (1 if rank == 1 else 0) and r["loss_scope"] == "replica", r
+        assert r["skipped_in_records"] == ([3] if rank == 1 else []), r
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["dp", "pipeline", "tp", "hybrid", "local_sgd", "diloco", "ps"])
+def test_a_frozen_rank_stops_the_job_naming_it(tmp_path, strategy):
+    status, output, _ = _run(tmp_path, strategy, "freeze", timeout=120)
+    frozen = tmp_path / "out" / "frozen-at"
+    assert frozen.exists(), output[-3000:]
+    bad = 0 if strategy == "pipeline" else 1
+    assert status != 0, output[-3000:]
+    assert f"ranks [{bad}] did not arrive" in output, output[-3000:]
+    print(f"{strategy}: the job ended {time.time() - float(frozen.read_text()):.1f} s after rank {bad} froze")
+
+
+# -- options: refused by name, or taken as a config object --------------------------------------------------------
+@pytest.mark.parametrize("option", sorted(ONLY_DATA_PARALLEL))
+@pytest.mark.parametrize("strategy", ["Pipeline", "TensorParallel", "Hybrid"])
+def test_model_parallel_strategies_refuse_the_options_only_data_parallel_honours(strategy, option):
+    sizes = {"Pipeline": {"stages": 1}, "TensorParallel": {"size": 1}, "Hybrid": {}}[strategy]
+    value = {"accumulate": 4, "bucket_cap_mb": 5.0, "overlap": True}.get(option, True)
+    with pytest.raises(ValueError, match=rf"{strategy} does not take {option} \(.*DataParallel only"):
+        getattr(loom, strategy)(**sizes, **{option: value})
+
+
+def test_the_data_axis_options_a_model_parallel_job_honours_are_accepted():
+    strategy = loom.Pipeline(
+        stages=1, hang_timeout_s=5, work_timeout_s=60, nonfinite="stop", allreduce="ring"
+    )
+    assert strategy.data.hang_timeout_s == 5 and strategy.data.nonfinite == "stop"
+
+
+@pytest.mark.parametrize(
+    "strategy, config",
+    [
+        (loom.DataParallel, loom.DataParallelConfig(accumulate=2, hang_timeout_s=7)),
+        (loom.LocalSGD, loom.LocalSGDConfig(sync_every=3, hang_timeout_s=7)),
+        (loom.DiLoCo, loom.DiLoCoConfig(sync_every=4, hang_timeout_s=7)),
+        (loom.Gossip, loom.GossipConfig(every=2, hang_timeout_s=7)),
+        (loom.ParameterServer, loom.ParameterServerConfig(mode="async", hang_timeout_s=7)),
+    ],
+)
+def test_every_strategy_takes_its_config_object(strategy, config):
+    assert strategy(config).config == config
+    with pytest.raises(ValueError, match="and the options"):
+        strategy(config, hang_timeout_s=3)
+    with pytest.raises(TypeError, match=f"takes a {type(config).__name__}"):
+        strategy(object())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **o: loom.DataParallel(**o),
+        lambda **o: loom.LocalSGD(**o),
+        lambda **o: loom.DiLoCo(**o),
+        lambda **o: loom.Gossip(**o),
+        lambda **o: loom.ParameterServer(**o),
+        lambda **o: loom.Pipeline(stages=1, **o),
+        lambda **o: loom.TensorParallel(size=1, **o),
+        lambda **o: loom.Hybrid(**o),
+    ],
+)
+def test_every_strategy_validates_the_guard_options_alike(make):
+    with pytest.raises(ValueError, match="nonfinite='maybe'"):
+        make(nonfinite="maybe")
+    with pytest.raises(ValueError, match="nonfinite_limit"):
+        make(nonfinite_limit=0)
+    with pytest.raises(ValueError, match="LOOM_HANG_TIMEOUT_S|hang"):
+        make(hang_timeout_s=-1)
