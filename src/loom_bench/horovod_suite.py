@@ -83,7 +83,8 @@ class Recorder:
         if report.when == "call" or report.outcome != "passed":
             reason = ""
             if report.outcome == "failed":
-                reason = str(report.longrepr.reprcrash.message if hasattr(report.longrepr, "reprcrash") and report.longrepr.reprcrash else report.longrepr)[-600:]
+                crash = getattr(report.longrepr, "reprcrash", None)
+                reason = str(crash.message if crash else report.longrepr)[:600]
             elif report.outcome == "skipped":
                 reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
             out.write(json.dumps({"event": report.outcome, "when": report.when, "test": report.nodeid,
@@ -152,7 +153,10 @@ def run_suite(checkout: Path, nproc: int, keyword: str | None, stall_s: float, b
         cmd = [sys.executable, "-m", "loom.launch.cli", "run", "-n", str(nproc), "--run-dir", str(work / "run"),
                str(driver), str(test_file), *(["-k", keyword] if keyword else [])]  # fmt: skip
         for test in deselect:
-            cmd += ["--deselect", test.replace("test/parallel/", str(checkout / "test" / "parallel") + "/", 1)]
+            cmd += [
+                "--deselect",
+                test.replace("test/parallel/", str(checkout / "test" / "parallel") + "/", 1),
+            ]
         proc = subprocess.Popen(cmd, env=env, cwd=checkout / "test", stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         last_size, last_change, killed = -1, time.monotonic(), None
@@ -187,7 +191,9 @@ def _short(test: str) -> str:
 
 def write_report(result: dict, out_dir: Path, checkout: Path, commit: str, nproc: int) -> None:
     outcomes = result["outcomes"]
-    counts = {k: sum(1 for v in outcomes.values() if v["outcome"] == k) for k in ("passed", "failed", "skipped")}
+    counts = {
+        k: sum(1 for v in outcomes.values() if v["outcome"] == k) for k in ("passed", "failed", "skipped")
+    }
     data = {"horovod_commit": commit, "nproc": nproc, "counts": counts, "total": len(outcomes),
             "seconds": result["seconds"], "attempts": result["attempts"],
             "tests": {_short(k): v for k, v in sorted(outcomes.items())},
@@ -231,13 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkout", type=Path, help="root of a horovod/horovod checkout (with test/parallel)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (a subset)")
-    parser.add_argument("--stall", type=float, default=120.0, help="seconds without progress that mean a hang")
+    parser.add_argument(
+        "--stall", type=float, default=120.0, help="seconds without progress that mean a hang"
+    )
     parser.add_argument("--budget", type=float, default=1800.0, help="seconds for the whole suite")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
     parser.add_argument("--commit", default="unknown", help="the checkout's commit, for the report")
     ns = parser.parse_args(argv)
     result = run_suite(ns.checkout.resolve(), ns.nproc, ns.keyword, ns.stall, ns.budget)
-    counts = {k: sum(1 for v in result["outcomes"].values() if v["outcome"] == k) for k in ("passed", "failed", "skipped")}
+    counts = {
+        k: sum(1 for v in result["outcomes"].values() if v["outcome"] == k)
+        for k in ("passed", "failed", "skipped")
+    }
     print(json.dumps(counts))
     if ns.keyword is None:
         write_report(result, ns.out, ns.checkout, ns.commit, ns.nproc)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -49,10 +49,11 @@ def _enc(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
         items.sort(key=lambda x: json.dumps(x, sort_keys=True))  # the same bytes whatever the hash order
         return {"$": type(obj).__name__, "v": items}
     if isinstance(obj, dict) and type(obj) is dict:
-        if all(type(k) is str for k in obj):
-            if "$" not in obj:
-                return {k: _enc(v, tensors, f"{path}[{k!r}]") for k, v in obj.items()}
-        pairs = [[_enc(k, tensors, f"{path}.key"), _enc(v, tensors, f"{path}[{k!r}]")] for k, v in obj.items()]
+        if all(type(k) is str for k in obj) and "$" not in obj:
+            return {k: _enc(v, tensors, f"{path}[{k!r}]") for k, v in obj.items()}
+        pairs = [
+            [_enc(k, tensors, f"{path}.key"), _enc(v, tensors, f"{path}[{k!r}]")] for k, v in obj.items()
+        ]
         return {"$": "dict", "v": pairs}
     if isinstance(obj, torch.dtype):
         return {"$": "dtype", "v": str(obj).removeprefix("torch.")}
@@ -84,7 +85,7 @@ def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
     tag = tree.get("$")
     if tag is None:
         return {k: decode(v, tensors) for k, v in tree.items()}
-    v = tree.get("v")
+    v: Any = tree.get("v")
     if tag == "float":
         return float(v)
     if tag == "complex":

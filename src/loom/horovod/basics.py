@@ -115,7 +115,9 @@ def check_process_set(process_set) -> None:
 
 
 def add_process_set(process_set):
-    raise refuse("add_process_set (process sets)", "run the subgroups as separate jobs or use torch.distributed")
+    raise refuse(
+        "add_process_set (process sets)", "run the subgroups as separate jobs or use torch.distributed"
+    )
 
 
 def remove_process_set(process_set):
@@ -142,7 +144,9 @@ def init(comm=None, process_sets=None) -> None:
         raise refuse("init(process_sets=...)")
     timeline = os.environ.get("HOROVOD_TIMELINE", "")
     if timeline and timeline.upper() != "DYNAMIC":
-        raise refuse(f"the timeline (HOROVOD_TIMELINE={timeline})", "unset HOROVOD_TIMELINE; see `loom report`")
+        raise refuse(
+            f"the timeline (HOROVOD_TIMELINE={timeline})", "unset HOROVOD_TIMELINE; see `loom report`"
+        )
     with _lock:
         if _engine_now is not None:
             return

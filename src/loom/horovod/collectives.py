@@ -109,14 +109,21 @@ def _reduce_op(average, op, kind: str = "allreduce") -> int:
 
 
 def _reduce_args(op: int, prescale_factor, postscale_factor, grouped=False) -> dict:
-    return {"op": op, "prescale": float(prescale_factor), "postscale": float(postscale_factor), "grouped": grouped}
+    return {
+        "op": op,
+        "prescale": float(prescale_factor),
+        "postscale": float(postscale_factor),
+        "grouped": grouped,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- allreduce
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=basics.global_process_set) -> int:  # fmt: skip
     op = _reduce_op(average, op)
-    return _submit("allreduce", [tensor], _reduce_args(op, prescale_factor, postscale_factor), name, process_set)
+    return _submit(
+        "allreduce", [tensor], _reduce_args(op, prescale_factor, postscale_factor), name, process_set
+    )
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -130,7 +137,9 @@ class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
-        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+        return synchronize(
+            allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+        )
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -151,7 +160,9 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=basics.global_process_set):  # fmt: skip
     """`allreduce` into ``tensor`` itself; returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -195,7 +206,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=basics.global_process_set):  # fmt: skip
-    handle = grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
     return synchronize(handle)
 
 
@@ -206,7 +219,9 @@ def sparse_allreduce_async(tensor, name, op, process_set=basics.global_process_s
     if op not in (AVERAGE, SUM):
         raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op}")
     t = tensor.coalesce()
-    indices_handle = allgather_async(t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    indices_handle = allgather_async(
+        t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set
+    )
     values_handle = allgather_async(t.values(), name=f"{name}.values", process_set=process_set)
 
     def handle():
@@ -313,7 +328,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=basics.global_pro
     rows = tensor.shape[0] if tensor.dim() else 1
     if splits is None:
         if rows % n:
-            raise ValueError(f"alltoall: the first dimension ({rows}) is not a multiple of the size ({n}); pass splits")
+            raise ValueError(
+                f"alltoall: the first dimension ({rows}) is not a multiple of the size ({n}); pass splits"
+            )
         counts = [rows // n] * n
     else:
         if isinstance(splits, torch.Tensor):
@@ -367,14 +384,18 @@ def _check_scatterable(tensors) -> None:
 def reducescatter_async(tensor, name=None, op=AVERAGE, process_set=basics.global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> int:  # fmt: skip
     _check_scatterable([tensor])
-    return _submit("reducescatter", [tensor], _scatter_args(op, prescale_factor, postscale_factor), name, process_set)
+    return _submit(
+        "reducescatter", [tensor], _scatter_args(op, prescale_factor, postscale_factor), name, process_set
+    )
 
 
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+        return synchronize(
+            reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+        )
 
     @staticmethod
     def backward(ctx, grad_output):

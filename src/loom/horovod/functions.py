@@ -22,7 +22,9 @@ def broadcast_parameters(params, root_rank: int, process_set=basics.global_proce
     elif isinstance(params, collections.abc.Iterable):
         items = list(params)
     else:
-        raise ValueError(f"invalid params of type {type(params).__name__}: pass a dict or (name, tensor) pairs")
+        raise ValueError(
+            f"invalid params of type {type(params).__name__}: pass a dict or (name, tensor) pairs"
+        )
     handles = []
     for name, p in items:
         if isinstance(p, torch.Tensor):
@@ -62,7 +64,11 @@ def broadcast_object(obj, root_rank: int = 0, name=None, process_set=basics.glob
         length = torch.zeros(1, dtype=torch.int64)
     broadcast_(length, root_rank, name=f"{name}.len", process_set=process_set)
     if basics.rank() == root_rank:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(0, dtype=torch.uint8)
+        )
     else:
         buf = torch.empty(int(length.item()), dtype=torch.uint8)
     broadcast_(buf, root_rank, name=f"{name}.data", process_set=process_set)

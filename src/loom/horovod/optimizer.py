@@ -30,7 +30,7 @@ __all__ = ["DistributedOptimizer"]
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, sparse_as_dense, process_set) -> None:  # fmt: skip
-        super(self.__class__, self).__init__(params)  # the wrapped optimizer's class, as Horovod does
+        super(self.__class__, self).__init__(params)  # type: ignore[call-arg]  # the wrapped optimizer's class, as Horovod does
         self._compression = compression
         all_params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
@@ -86,12 +86,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] = passes
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p in self._handles and self._handles[p][0] is not None:
-            if self._allreduce_delay[p] <= 0:
-                raise AssertionError(
-                    "Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally."
-                )
+        if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call to step(). "
+                "Increase backward_passes_per_step to accumulate gradients locally."
+            )
         self._allreduce_delay[p] -= 1
         handle, ctx = None, None
         if self._allreduce_delay[p] == 0:
@@ -112,7 +111,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pre, post = 1.0, 1.0
         if self.op == AVERAGE:  # the engine divides the postscale by the size for Average
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post)
+        handle = allreduce_async_(
+            compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post
+        )
         return handle, ctx
 
     def synchronize(self) -> None:
@@ -122,7 +123,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         for p in self._requires_update - set(self._handles):
             self._handles[p] = self._allreduce_grad_async(p)
-        for p, (handle, ctx) in list(self._handles.items()):
+        for p, (handle, _ctx) in list(self._handles.items()):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, ctx) in self._handles.items():
@@ -130,8 +131,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if ctx == "sparse":
                 p.grad = handle()
                 continue
-            output = synchronize(handle)
-            p.grad.set_(self._compression.decompress(output, ctx).to(p.grad.dtype))
+            output = self._compression.decompress(synchronize(handle), ctx).to(p.grad.dtype)
+            if (
+                p.grad.is_sparse
+            ):  # sparse_as_dense: reduced dense, handed back in the layout the optimizer expects
+                p.grad = output.to_sparse()
+            else:
+                p.grad.set_(output)
         self._handles.clear()
         self._synchronized = True
 
