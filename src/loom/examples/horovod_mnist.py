@@ -93,6 +93,9 @@ def main(args):
             with optimizer.skip_synchronize():
                 scaler.step(optimizer)
             scaler.update()
+            if batch_idx % args.log_interval == 0:
+                print(f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_sampler)}]\tLoss: {loss.item():.6f}"
+                      f"\tLoss Scale: {scaler.get_scale()}")  # fmt: skip
 
     def train_epoch(epoch):
         model.train()
