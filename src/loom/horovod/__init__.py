@@ -56,8 +56,6 @@ from loom.horovod.collectives import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
-    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
@@ -69,12 +67,8 @@ from loom.horovod.collectives import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
     join,
     poll,
-    reducescatter,
-    reducescatter_async,
     sparse_allreduce_async,
     synchronize,
 )
@@ -86,6 +80,14 @@ from loom.horovod.functions import (
     broadcast_parameters,
 )
 from loom.horovod.optimizer import DistributedOptimizer
+from loom.horovod.scatter import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 
 
 class SyncBatchNorm:

@@ -13,6 +13,7 @@ for ``Average``) after it; integer tensors are scaled in float64 and truncated b
 
 from __future__ import annotations
 
+import math
 import os
 from math import prod
 
@@ -21,10 +22,67 @@ import torch.distributed as dist
 
 from loom.horovod._engine import HorovodInternalError, Request
 
-__all__ = ["check", "run", "scale"]
+__all__ = ["check", "run", "run_ready", "scale"]
 
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = range(6)
 _BACKEND_OPS = {SUM: "SUM", AVERAGE: "SUM", MIN: "MIN", MAX: "MAX", PRODUCT: "PRODUCT"}
+
+
+_FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(64 * 1024 * 1024)))
+
+
+def run_ready(engine, ready: list[tuple[str, dict[int, dict], Request | None]]) -> None:
+    """Run the operations of one cycle in order; consecutive allreduces with the same op and scaling (every
+    rank present, checks passed) are fused into one reduction per dtype, up to ``HOROVOD_FUSION_THRESHOLD``
+    bytes (64 MiB), as Horovod's tensor fusion does. Every rank forms the same batches: they depend only on
+    the metadata, which all ranks share."""
+    batch: list[tuple[str, dict[int, dict], Request | None]] = []
+    batch_bytes = 0
+    for item in ready:
+        name, metas, local = item
+        ref = next(iter(metas.values()))
+        fusable = (
+            ref["kind"] == "allreduce" and len(metas) == engine.size and check(engine, name, metas) is None
+        )
+        key = (ref.get("op"), ref.get("prescale"), ref.get("postscale"))
+        size = sum(math.prod(s) * _itemsize(d) for s, d in zip(ref["shapes"], ref["dtypes"], strict=True))
+        if batch and (not fusable or key != _key(batch[0]) or batch_bytes + size > _FUSION_BYTES):
+            _run_fused(engine, batch)
+            batch, batch_bytes = [], 0
+        if fusable:
+            batch.append(item)
+            batch_bytes += size
+        else:
+            run(engine, name, metas, local)
+    if batch:
+        _run_fused(engine, batch)
+
+
+def _key(item) -> tuple:
+    ref = next(iter(item[1].values()))
+    return (ref.get("op"), ref.get("prescale"), ref.get("postscale"))
+
+
+def _itemsize(dtype_name: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype_name.removeprefix("torch."))).element_size()
+
+
+def _run_fused(engine, batch) -> None:
+    if len(batch) == 1:
+        run(engine, *batch[0])
+        return
+    tensors = [t for _, _, local in batch for t in local.tensors]
+    try:
+        results = _allreduce_all(engine, batch[0][1], tensors)
+    except Exception as error:  # noqa: BLE001 - handed to every waiting caller
+        for _, _, local in batch:
+            local.finish(error=error)
+        return
+    offset = 0
+    for _, _, local in batch:
+        n = len(local.tensors)
+        local.finish(_finish(local, results[offset : offset + n]))
+        offset += n
 
 
 def run(engine, name: str, metas: dict[int, dict], local: Request | None) -> None:
