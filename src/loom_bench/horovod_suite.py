@@ -11,6 +11,12 @@ Horovod code is copied into loom). As ``horovodrun --gloo`` does, each worker ge
 A test counts as passed only when it passed on every rank. If the job stops making progress (a hang) or
 dies, the test in progress is recorded as such and the run resumes after it. The tally goes to
 benchmarks/reports/horovod_suite.md and .json.
+
+    python -m loom_bench.horovod_suite --throughput [--rounds 3] [--epochs 5]
+
+measures instead Horovod's MNIST example (src/loom/examples/horovod_mnist.py) under ``loom run`` against the
+same training with plain DistributedDataParallel under ``torchrun`` (horovod_mnist_ddp.py), alternating, and
+adds the figures to the same report.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -232,9 +239,101 @@ def write_report(result: dict, out_dir: Path, checkout: Path, commit: str, nproc
     (out_dir / "horovod_suite.md").write_text("\n".join(lines))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train_seconds(cmd: list[str], env: dict, cwd: Path) -> tuple[float, int, float]:
+    """Run one job; return (training seconds, samples, final accuracy) from rank 0's output."""
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    text = proc.stdout
+    timing = re.findall(r"Training time: ([0-9.]+) s for ([0-9]+) samples", text)
+    accuracy = re.findall(r"Accuracy: ([0-9.]+)%", text)
+    if not timing or not accuracy:
+        raise RuntimeError(f"no timing in the output of {' '.join(cmd)}:\n{text[-2000:]}")
+    return float(timing[-1][0]), int(timing[-1][1]), float(accuracy[-1]) / 100
+
+
+def throughput(nproc: int, rounds: int, epochs: int) -> dict:
+    """`horovod_mnist.py` under ``loom run`` against `horovod_mnist_ddp.py` under ``torchrun``, alternating."""
+    import statistics
+
+    examples = Path(__file__).resolve().parents[1] / "loom" / "examples"
+    src = Path(__file__).resolve().parents[1]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+    )
+    args = ["--epochs", str(epochs), "--lr", "0.1", "--log-interval", "1000"]
+    work = Path(tempfile.mkdtemp(prefix="loom-hvd-throughput-"))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    jobs = {
+        "loom run + loom.horovod": [sys.executable, "-m", "loom.launch.cli", "run", "-n", str(nproc), "--run-dir",
+                                    str(work / "run"), str(examples / "horovod_mnist.py"), *args],
+        "torchrun + DDP": [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", "PORT",
+                           str(examples / "horovod_mnist_ddp.py"), *args[:-2]],
+    }  # fmt: skip
+    samples: dict[str, list[float]] = {k: [] for k in jobs}
+    accuracy: dict[str, list[float]] = {k: [] for k in jobs}
+    for _ in range(rounds):
+        for name, cmd in jobs.items():
+            cmd = [str(_free_port()) if part == "PORT" else part for part in cmd]
+            seconds, n, acc = _train_seconds(cmd, env, work)
+            samples[name].append(n / seconds)
+            accuracy[name].append(acc)
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        name: {"samples_per_s": [round(x, 1) for x in samples[name]],
+               "median_samples_per_s": round(statistics.median(samples[name]), 1),
+               "final_accuracy": accuracy[name]}
+        for name in jobs
+    } | {"nproc": nproc, "rounds": rounds, "epochs": epochs}  # fmt: skip
+
+
+def write_throughput(result: dict, out_dir: Path) -> None:
+    """Add the throughput to horovod_suite.json and append its section to horovod_suite.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "horovod_suite.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data["throughput"] = result
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    md = out_dir / "horovod_suite.md"
+    text = md.read_text().split("\n## Throughput", 1)[0].rstrip() + "\n" if md.exists() else ""
+    loom_key, ddp_key = "loom run + loom.horovod", "torchrun + DDP"
+    ratio = result[loom_key]["median_samples_per_s"] / result[ddp_key]["median_samples_per_s"]
+    text += "\n".join([
+        "", "## Throughput", "",
+        f"`src/loom/examples/horovod_mnist.py` (Horovod's MNIST example on scikit-learn's digits) under `loom run -n "
+        f"{result['nproc']}` against the same model, data and sampler with plain DistributedDataParallel "
+        f"(`horovod_mnist_ddp.py`) under `torchrun`, {result['epochs']} epochs per job, the two alternating, "
+        f"{result['rounds']} rounds, measured {time.strftime('%Y-%m-%d')} on this machine's 2 shared CPU cores "
+        "(gloo); training samples per second from rank 0's own clock (launch and import excluded).",
+        "", f"Command: `python -m loom_bench.horovod_suite --throughput --rounds {result['rounds']} --epochs {result['epochs']}`", "",
+        "| job | samples/s per round | median | final test accuracy |", "|---|---|---|---|",
+        *[f"| {k} | {', '.join(map(str, result[k]['samples_per_s']))} | {result[k]['median_samples_per_s']} | "
+          f"{', '.join(f'{a:.3f}' for a in result[k]['final_accuracy'])} |" for k in (loom_key, ddp_key)],
+        "", f"loom.horovod runs at {ratio:.2f}x DDP's throughput on this model.", "",
+    ])  # fmt: skip
+    md.write_text(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkout", type=Path, help="root of a horovod/horovod checkout (with test/parallel)")
+    parser.add_argument(
+        "checkout", type=Path, nargs="?", help="root of a horovod/horovod checkout (test/parallel)"
+    )
+    parser.add_argument(
+        "--throughput", action="store_true", help="measure the MNIST example against DDP instead"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--throughput: alternating rounds")
+    parser.add_argument("--epochs", type=int, default=5, help="--throughput: epochs per job")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (a subset)")
     parser.add_argument(
@@ -244,6 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
     parser.add_argument("--commit", default="unknown", help="the checkout's commit, for the report")
     ns = parser.parse_args(argv)
+    if ns.throughput:
+        measured = throughput(ns.nproc, ns.rounds, ns.epochs)
+        print(json.dumps(measured, indent=1))
+        write_throughput(measured, ns.out)
+        return 0
+    if ns.checkout is None:
+        parser.error("pass the path of a Horovod checkout (or --throughput)")
     result = run_suite(ns.checkout.resolve(), ns.nproc, ns.keyword, ns.stall, ns.budget)
     counts = {
         k: sum(1 for v in result["outcomes"].values() if v["outcome"] == k)
