@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torch.optim as optim
 import torch.utils.data.distributed
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
 
 from loom.examples.horovod_mnist import Net, digits
 
@@ -35,13 +36,11 @@ def main(args) -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     train_dataset, test_dataset = digits(train=True), digits(train=False)
-    train_sampler = torch.utils.data.distributed.DistributedSampler(
-        train_dataset, num_replicas=size, rank=rank
-    )
+    train_sampler: DistributedSampler = DistributedSampler(train_dataset, num_replicas=size, rank=rank)
     train_loader = torch.utils.data.DataLoader(
         train_dataset, batch_size=args.batch_size, sampler=train_sampler
     )
-    test_sampler = torch.utils.data.distributed.DistributedSampler(test_dataset, num_replicas=size, rank=rank)
+    test_sampler: DistributedSampler = DistributedSampler(test_dataset, num_replicas=size, rank=rank)
     test_loader = torch.utils.data.DataLoader(
         test_dataset, batch_size=args.test_batch_size, sampler=test_sampler
     )
