@@ -86,6 +86,9 @@ class Recorder:
     def pytest_runtest_logstart(self, nodeid, location):
         out.write(json.dumps({"event": "start", "test": nodeid}) + "\\n")
 
+    def pytest_runtest_logfinish(self, nodeid, location):
+        out.write(json.dumps({"event": "finish", "test": nodeid}) + "\n")
+
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
             reason = ""
@@ -114,15 +117,15 @@ def _events(results: Path, nproc: int) -> list[list[dict]]:
 
 
 def _verdicts(per_rank: list[list[dict]]) -> tuple[dict[str, dict], str | None]:
-    """Per test: outcome over all ranks (failed beats skipped beats passed) and reasons; plus the last test
-    some rank started but never finished."""
+    """Per test: outcome over all ranks (failed beats skipped beats passed) and reasons; plus the test some
+    rank started but never finished (setup, call and teardown: a hang in teardown counts)."""
     outcomes: dict[str, dict] = {}
     unfinished = None
     for events in per_rank:
         started = None
         for e in events:
-            if e["event"] == "start":
-                started = e["test"]
+            if e["event"] in ("start", "finish"):
+                started = e["test"] if e["event"] == "start" else None
                 continue
             entry = outcomes.setdefault(e["test"], {"outcome": "passed", "reasons": []})
             rank_outcome = e["event"]
@@ -130,9 +133,7 @@ def _verdicts(per_rank: list[list[dict]]) -> tuple[dict[str, dict], str | None]:
                 entry["outcome"] = rank_outcome
             if e.get("reason"):
                 entry["reasons"].append(e["reason"])
-            if e["when"] in ("call", "teardown") or rank_outcome != "passed":
-                started = None if e["when"] != "setup" or rank_outcome != "passed" else started
-        if started is not None and started not in outcomes:
+        if started is not None:
             unfinished = started
     return outcomes, unfinished
 
@@ -187,7 +188,7 @@ def run_suite(checkout: Path, nproc: int, keyword: str | None, stall_s: float, b
         deselect = sorted(set(outcomes) | set(extra))
         if time.monotonic() - started_at > budget_s:
             break
-    outcomes.update({k: v for k, v in extra.items() if k not in outcomes})
+    outcomes.update(extra)  # a test stopped by a hang or crash failed, whatever its call did
     shutil.rmtree(work, ignore_errors=True)
     return {"outcomes": outcomes, "attempts": attempts, "seconds": round(time.monotonic() - started_at, 1)}
 
@@ -206,6 +207,8 @@ def write_report(result: dict, out_dir: Path, checkout: Path, commit: str, nproc
             "tests": {_short(k): v for k, v in sorted(outcomes.items())},
             "command": f"python -m loom_bench.horovod_suite PATH_TO_HOROVOD_CHECKOUT --nproc {nproc}"}  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
+    previous = out_dir / "horovod_suite.json"
+    kept = json.loads(previous.read_text()).get("throughput") if previous.exists() else None
     (out_dir / "horovod_suite.json").write_text(json.dumps(data, indent=1) + "\n")
     lines = [
         "# Horovod's test suite against loom.horovod",
@@ -237,6 +240,8 @@ def write_report(result: dict, out_dir: Path, checkout: Path, commit: str, nproc
     lines += ["", "## Passed", "", ", ".join(f"`{_short(n)}`" for n, v in sorted(outcomes.items())
                                              if v["outcome"] == "passed"), ""]  # fmt: skip
     (out_dir / "horovod_suite.md").write_text("\n".join(lines))
+    if kept is not None:  # the last --throughput measurement stays in the report
+        write_throughput(kept, out_dir)
 
 
 def _free_port() -> int:
