@@ -87,7 +87,7 @@ class Recorder:
         out.write(json.dumps({"event": "start", "test": nodeid}) + "\\n")
 
     def pytest_runtest_logfinish(self, nodeid, location):
-        out.write(json.dumps({"event": "finish", "test": nodeid}) + "\n")
+        out.write(json.dumps({"event": "finish", "test": nodeid}) + "\\n")
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
@@ -363,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.checkout is None:
         parser.error("pass the path of a Horovod checkout (or --throughput)")
     result = run_suite(ns.checkout.resolve(), ns.nproc, ns.keyword, ns.stall, ns.budget)
+    if not result["outcomes"]:
+        raise SystemExit(
+            "no test ran: the suite's workers failed before pytest reported anything (see loom run's logs)"
+        )
     counts = {
         k: sum(1 for v in result["outcomes"].values() if v["outcome"] == k)
         for k in ("passed", "failed", "skipped")
