@@ -1,0 +1,263 @@
+"""Horovod's process queries and constants on loom's topology: `init`, `rank`, `size`, `Average`, ...
+
+`init()` joins the job through `loom.init()` (so ``loom run -n N train.py`` and plain ``python train.py`` both
+work), then starts the negotiation engine (`loom.horovod._engine`) on a gloo process group of its own, so that
+a script's own ``torch.distributed`` calls never interleave with Horovod's. `shutdown()` stops the engine but
+keeps loom's process group, so ``init -> shutdown -> init`` works as it does with Horovod's gloo controller; the
+group itself is left by `loom.shutdown` at exit.
+
+Features loom does not have are refused by name with `NotImplementedError` (never a silent difference):
+process sets other than the global one, Adasum, the timeline, MPI/NCCL/CCL/DDL controllers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+
+import torch.distributed as dist
+
+import loom
+from loom.horovod import _engine
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "add_process_set",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_initialized",
+    "is_homogeneous",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "refuse",
+    "remove_process_set",
+    "rank",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+]
+
+# Reduction operations, with Horovod's values (scripts compare and pass them around as ints).
+Average = 0
+Sum = 1
+Adasum = 2
+Min = 3
+Max = 4
+Product = 5
+
+HorovodInternalError = _engine.HorovodInternalError
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
+    """Horovod raises this when hosts join or leave an elastic job; under loom a changed job is a restart."""
+
+
+def refuse(feature: str, hint: str = "") -> NotImplementedError:
+    """The error for a Horovod feature loom does not implement (`NotImplementedError` is a `RuntimeError`)."""
+    text = f"loom.horovod: {feature} is not supported by loom's Horovod API"
+    return NotImplementedError(text + (f". HINT: {hint}" if hint else ""))
+
+
+class ProcessSet:
+    """Horovod's process set; only the global one (all ranks) exists in loom."""
+
+    def __init__(self, ranks=None) -> None:
+        self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
+        self.process_set_id = 0 if ranks is None else None
+
+    def _is_global(self) -> bool:
+        return self.ranks is None or self.ranks == list(range(size()))
+
+    def size(self) -> int:
+        return size() if self._is_global() else len(self.ranks or [])
+
+    def rank(self) -> int:
+        return rank()
+
+    def included(self) -> bool:
+        return self._is_global() or rank() in (self.ranks or [])
+
+    def __repr__(self) -> str:
+        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet(ranks={self.ranks})"
+
+
+global_process_set = ProcessSet()
+
+
+def check_process_set(process_set) -> None:
+    if process_set is None or process_set is global_process_set:
+        return
+    if isinstance(process_set, ProcessSet) and process_set._is_global():
+        return
+    raise refuse(f"process set {process_set!r}", "use the global process set (the default)")
+
+
+def add_process_set(process_set):
+    raise refuse(
+        "add_process_set (process sets)", "run the subgroups as separate jobs or use torch.distributed"
+    )
+
+
+def remove_process_set(process_set):
+    raise refuse("remove_process_set (process sets)")
+
+
+_lock = threading.Lock()
+_engine_now: _engine.Engine | None = None
+_group = None  # the engine's gloo group, made once per process (a collective) and kept across re-inits
+_atexit_registered = False
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Join the job (`loom.init`) and start the engine; idempotent, and callable again after `shutdown`.
+
+    ``comm`` (an MPI communicator) and ``process_sets`` are refused: loom has one global process set.
+    ``HOROVOD_TIMELINE`` naming a file is refused (``DYNAMIC`` is accepted: it records nothing until
+    `start_timeline`, which is refused).
+    """
+    global _engine_now, _group, _atexit_registered
+    if comm is not None:
+        raise refuse("init(comm=...) (MPI communicators)", "launch with `loom run -n N`")
+    if process_sets not in (None, [], "dynamic"):
+        raise refuse("init(process_sets=...)")
+    timeline = os.environ.get("HOROVOD_TIMELINE", "")
+    if timeline and timeline.upper() != "DYNAMIC":
+        raise refuse(
+            f"the timeline (HOROVOD_TIMELINE={timeline})", "unset HOROVOD_TIMELINE; see `loom report`"
+        )
+    with _lock:
+        if _engine_now is not None:
+            return
+        topo = loom.init()
+        if topo.is_distributed and _group is None:
+            _group = dist.new_group(backend="gloo")
+        _engine_now = _engine.Engine(topo.rank, topo.world_size, _group)
+        if not _atexit_registered:
+            atexit.register(shutdown)  # after loom.init's: runs before loom leaves the process group
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stop the engine (every rank must call it; outstanding operations fail). Safe to call twice."""
+    global _engine_now
+    with _lock:
+        engine, _engine_now = _engine_now, None
+    if engine is not None:
+        engine.stop()
+
+
+def is_initialized() -> bool:
+    return _engine_now is not None
+
+
+def engine() -> _engine.Engine:
+    """The running engine; the error Horovod gives when `init` was not called."""
+    if _engine_now is None:
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+    return _engine_now
+
+
+def _topo():
+    engine()
+    return loom.current()
+
+
+def size() -> int:
+    return _topo().world_size
+
+
+def rank() -> int:
+    return _topo().rank
+
+
+def local_size() -> int:
+    return _topo().local_world_size
+
+
+def local_rank() -> int:
+    return _topo().local_rank
+
+
+def cross_size() -> int:
+    """Number of hosts (loom runs the same number of workers on every host)."""
+    topo = _topo()
+    return topo.world_size // topo.local_world_size
+
+
+def cross_rank() -> int:
+    topo = _topo()
+    return topo.rank // topo.local_world_size
+
+
+def is_homogeneous() -> bool:
+    return True
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return True
+
+
+def gloo_built() -> bool:
+    return True
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def start_timeline(file_path, mark_cycles=False) -> None:
+    raise refuse("the timeline (start_timeline)", "loom's step traces: `loom run --trace-steps A:B`")
+
+
+def stop_timeline() -> None:
+    raise refuse("the timeline (stop_timeline)")

@@ -1,0 +1,328 @@
+"""Horovod's tensor collectives: allreduce, allgather, broadcast, alltoall, reducescatter, their grouped,
+in-place (``_``) and ``_async`` forms, `poll`, `synchronize`, `join`, `barrier`, `sparse_allreduce_async`
+(alltoall and reducescatter are in `loom.horovod.scatter`).
+
+Signatures and semantics follow ``horovod.torch``: an ``_async`` call returns an integer handle at once (the
+work runs on the engine thread); `synchronize` waits and returns the result; the plain forms are
+``synchronize(<form>_async(...))`` and, where a tensor requires grad, are differentiable with Horovod's
+gradients (allreduce: the same allreduce of the gradient; allgather: the averaged gradient's own rows;
+broadcast: the averaged gradient on the root, zeros elsewhere; alltoall: the gradient sent back;
+reducescatter: the gathered gradient, times the size for ``Sum``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from loom.horovod import basics
+from loom.horovod._engine import Request
+from loom.horovod._ops import ADASUM, AVERAGE, SUM
+from loom.horovod.compression import Compression
+
+__all__ = [
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "join",
+    "poll",
+    "sparse_allreduce_async",
+    "synchronize",
+]
+
+_handles: dict[int, Request] = {}
+_handles_lock = threading.Lock()
+_next_handle = [0]
+
+
+def _submit(kind: str, tensors, args: dict, name, process_set, outputs=None) -> int:
+    basics.check_process_set(process_set)
+    engine = basics.engine()
+    request = engine.submit(Request(kind, list(tensors), args, outputs), name)
+    with _handles_lock:
+        handle = _next_handle[0]
+        _next_handle[0] += 1
+        _handles[handle] = request
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """True when the operation behind ``handle`` has finished (`synchronize` will not block)."""
+    return _request(handle).done.is_set()
+
+
+def synchronize(handle: int):
+    """Wait for the operation behind ``handle``; return its result or raise its error. A handle is used once."""
+    request = _request(handle)
+    try:
+        return basics.engine().wait(request) if basics.is_initialized() else _wait_stopped(request)
+    finally:
+        with _handles_lock:
+            _handles.pop(handle, None)
+
+
+def _wait_stopped(request: Request):
+    request.done.wait()
+    if request.error is not None:
+        raise request.error
+    return request.result
+
+
+def _request(handle: int) -> Request:
+    with _handles_lock:
+        request = _handles.get(handle)
+    if request is None:
+        raise ValueError(f"handle {handle!r} is unknown (already synchronized, or from before hvd.init())")
+    return request
+
+
+def _reduce_op(average, op, kind: str = "allreduce") -> int:
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average; pass only one of them.")
+    if op is None:
+        op = AVERAGE if average is None or average else SUM
+    if op == ADASUM:
+        raise basics.refuse(f"Adasum ({kind} op=hvd.Adasum)", "use op=hvd.Average")
+    if op not in range(6):
+        raise ValueError(f"op={op!r} is not a Horovod reduction (Average, Sum, Min, Max, Product)")
+    return int(op)
+
+
+def _reduce_args(op: int, prescale_factor, postscale_factor, grouped=False) -> dict:
+    return {
+        "op": op,
+        "prescale": float(prescale_factor),
+        "postscale": float(postscale_factor),
+        "grouped": grouped,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- allreduce
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=basics.global_process_set) -> int:  # fmt: skip
+    op = _reduce_op(average, op)
+    return _submit(
+        "allreduce", [tensor], _reduce_args(op, prescale_factor, postscale_factor), name, process_set
+    )
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=basics.global_process_set) -> int:  # fmt: skip
+    op = _reduce_op(average, op)
+    args = _reduce_args(op, prescale_factor, postscale_factor)
+    return _submit("allreduce", [tensor], args, name, process_set, outputs=[tensor])
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
+        return synchronize(
+            allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        average, op, pre, post, process_set = ctx.args
+        grad = allreduce(grad_output, average=average, op=op, prescale_factor=pre, postscale_factor=post,
+                         process_set=process_set)  # fmt: skip
+        return grad, None, None, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=basics.global_process_set):  # fmt: skip
+    """Reduce ``tensor`` over all ranks (default: average); a new tensor, differentiable."""
+    compressed, ctx = compression.compress(tensor)
+    summed = _AllreduceFn.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(summed, ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=basics.global_process_set):  # fmt: skip
+    """`allreduce` into ``tensor`` itself; returns it."""
+    return synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=basics.global_process_set) -> int:  # fmt: skip
+    op = _reduce_op(average, op)
+    args = _reduce_args(op, prescale_factor, postscale_factor, grouped=True)
+    return _submit("allreduce", tensors, args, name, process_set)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=basics.global_process_set) -> int:  # fmt: skip
+    op = _reduce_op(average, op)
+    args = _reduce_args(op, prescale_factor, postscale_factor, grouped=True)
+    return _submit("allreduce", tensors, args, name, process_set, outputs=list(tensors))
+
+
+class _GroupedAllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
+        handle = grouped_allreduce_async(list(tensors), average, name, op, prescale_factor, postscale_factor,
+                                         process_set)  # fmt: skip
+        return tuple(synchronize(handle))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        average, op, pre, post, process_set = ctx.args
+        grads = grouped_allreduce(list(grad_output), average=average, op=op, prescale_factor=pre,
+                                  postscale_factor=post, process_set=process_set)  # fmt: skip
+        return (None, None, None, None, None, None, *grads)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=basics.global_process_set):  # fmt: skip
+    """`allreduce` of a list of tensors in one operation; a list of new tensors."""
+    pairs = [compression.compress(t) for t in tensors]
+    reduced = _GroupedAllreduceFn.apply(average, name, op, prescale_factor, postscale_factor, process_set,
+                                        *[c for c, _ in pairs])  # fmt: skip
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs, strict=True)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=basics.global_process_set):  # fmt: skip
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return synchronize(handle)
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=basics.global_process_set):
+    """Reduce a sparse tensor by gathering every rank's indices and values (Horovod's method); returns a
+    callable that waits and gives the coalesced sparse result (averaged for ``op=Average``)."""
+    op = _reduce_op(None, op, "sparse_allreduce")
+    if op not in (AVERAGE, SUM):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op}")
+    t = tensor.coalesce()
+    indices_handle = allgather_async(
+        t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set
+    )
+    values_handle = allgather_async(t.values(), name=f"{name}.values", process_set=process_set)
+
+    def handle():
+        values = synchronize(values_handle)
+        indices = synchronize(indices_handle)
+        if op == AVERAGE:
+            values = values / basics.size()
+        return torch.sparse_coo_tensor(indices.t(), values, size=tensor.size()).coalesce()
+
+    return handle
+
+
+# ----------------------------------------------------------------------------------------------- allgather
+def allgather_async(tensor, name=None, process_set=basics.global_process_set) -> int:
+    return _submit("allgather", [tensor], {}, name, process_set)
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.dim, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output, average=True, process_set=ctx.process_set)
+        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64), process_set=ctx.process_set).tolist()
+        start = sum(dims[: basics.rank()])
+        return grad.narrow(0, start, ctx.dim), None, None
+
+
+def allgather(tensor, name=None, process_set=basics.global_process_set):
+    """Concatenate every rank's ``tensor`` along the first dimension (which may differ); differentiable."""
+    return _AllgatherFn.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=basics.global_process_set) -> int:
+    return _submit("allgather", tensors, {"grouped": True}, name, process_set)
+
+
+class _GroupedAllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        grads = grouped_allreduce(list(grad_output), average=True, process_set=ctx.process_set)
+        dims = allgather(torch.tensor([ctx.dims], dtype=torch.int64), process_set=ctx.process_set)
+        starts = dims[: basics.rank()].sum(0).tolist() if basics.rank() else [0] * len(ctx.dims)
+        out = [g.narrow(0, s, d) for g, s, d in zip(grads, starts, ctx.dims, strict=True)]
+        return (None, None, *out)
+
+
+def grouped_allgather(tensors, name=None, process_set=basics.global_process_set):
+    return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
+
+
+# ----------------------------------------------------------------------------------------------- broadcast
+def _root(root_rank) -> int:
+    root = int(root_rank)
+    if not 0 <= root < basics.size():
+        raise ValueError(f"root_rank={root_rank} is out of range for a job of {basics.size()} processes")
+    return root
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=basics.global_process_set) -> int:
+    return _submit("broadcast", [tensor], {"root": _root(root_rank)}, name, process_set)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=basics.global_process_set) -> int:
+    return _submit("broadcast", [tensor], {"root": _root(root_rank)}, name, process_set, outputs=[tensor])
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output, average=True, process_set=ctx.process_set)
+        if basics.rank() != ctx.root_rank:
+            grad = grad * 0
+        return grad, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=basics.global_process_set):
+    """The root's ``tensor`` on every rank, as a new tensor (``tensor`` is not modified); differentiable."""
+    return _BroadcastFn.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=basics.global_process_set):
+    """`broadcast` into ``tensor`` itself; returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ----------------------------------------------------------------------------------------------- join, barrier
+def join(device=-1) -> int:
+    """This rank has no more batches: it adds zeros to the others' allreduces until every rank has joined.
+    Returns the rank that joined last (the same on every rank)."""
+    return basics.engine().join()
+
+
+def barrier(process_set=basics.global_process_set) -> None:
+    """Return when every rank has reached the barrier (and everything submitted before it was announced)."""
+    synchronize(_submit("barrier", [], {}, None, process_set))

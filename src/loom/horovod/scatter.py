@@ -1,0 +1,150 @@
+"""Horovod's alltoall and reducescatter (with ``_async`` and grouped forms), on the engine of
+`loom.horovod.collectives`.
+
+``alltoall`` moves rows: ``splits[i]`` consecutive rows go to rank i (equal splits by default); it returns
+``(output, received_splits)`` when ``splits`` is given, else ``output``. ``reducescatter`` reduces over all
+ranks (``Average`` or ``Sum``, with Horovod's pre/post scaling) and keeps this rank's rows of the first
+dimension, the first ``rows % size`` ranks one row more. On gloo it runs as an all-reduce and a slice (gloo's
+reduce-scatter needs equal pieces): correct for any shape, at twice the traffic of a true reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.horovod import basics
+from loom.horovod._ops import ADASUM, AVERAGE, SUM
+from loom.horovod.collectives import _reduce_args, _submit, allgather, grouped_allgather, synchronize
+from loom.horovod.compression import Compression
+
+__all__ = [
+    "alltoall",
+    "alltoall_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "reducescatter",
+    "reducescatter_async",
+]
+
+
+# ----------------------------------------------------------------------------------------------- alltoall
+def alltoall_async(tensor, splits=None, name=None, process_set=basics.global_process_set) -> int:
+    """Send rows ``splits[i]`` of ``tensor`` (consecutive, in rank order) to rank i; equal splits by default."""
+    n = basics.size()
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if splits is None:
+        if rows % n:
+            raise ValueError(
+                f"alltoall: the first dimension ({rows}) is not a multiple of the size ({n}); pass splits"
+            )
+        counts = [rows // n] * n
+    else:
+        if isinstance(splits, torch.Tensor):
+            if splits.dtype != torch.int32:
+                raise ValueError(f"alltoall: splits must be an int32 tensor, got {splits.dtype}")
+            counts = [int(x) for x in splits.reshape(-1).tolist()]
+        else:
+            counts = [int(x) for x in splits]
+        if len(counts) != n or any(c < 0 for c in counts):
+            raise ValueError(f"alltoall: splits={counts} must hold {n} non-negative counts")
+        if sum(counts) > rows:
+            raise ValueError(f"alltoall: splits={counts} add up to more than the first dimension ({rows})")
+    return _submit("alltoall", [tensor], {"splits": counts}, name, process_set)
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, *_):
+        grad, _ = alltoall(grad_output, splits=ctx.received, process_set=ctx.process_set)
+        return grad, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=basics.global_process_set):
+    """Horovod's alltoall: ``(output, received_splits)`` when ``splits`` is given, else ``output``."""
+    output, received = _AlltoallFn.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+# ----------------------------------------------------------------------------------------------- reducescatter
+def _scatter_args(op, prescale_factor, postscale_factor, grouped=False) -> dict:
+    if op == ADASUM:
+        raise basics.refuse("Adasum (reducescatter op=hvd.Adasum)", "use op=hvd.Average or hvd.Sum")
+    if op not in (AVERAGE, SUM):
+        raise ValueError(f"reducescatter supports op=hvd.Average or hvd.Sum, got {op!r}")
+    return _reduce_args(op, prescale_factor, postscale_factor, grouped)
+
+
+def _check_scatterable(tensors) -> None:
+    for t in tensors:
+        if t.dim() == 0:
+            raise ValueError("reducescatter needs tensors of at least one dimension, got a scalar")
+
+
+def reducescatter_async(tensor, name=None, op=AVERAGE, process_set=basics.global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> int:  # fmt: skip
+    _check_scatterable([tensor])
+    return _submit(
+        "reducescatter", [tensor], _scatter_args(op, prescale_factor, postscale_factor), name, process_set
+    )
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return synchronize(
+            reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, pre, post, process_set = ctx.args
+        grad = grad_output * (basics.size() if op == SUM else 1) * pre * post
+        return allgather(grad, process_set=process_set), None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=AVERAGE,
+                  process_set=basics.global_process_set, prescale_factor=1.0, postscale_factor=1.0):  # fmt: skip
+    """Reduce over all ranks, then keep this rank's rows of the first dimension (the first ranks get one
+    more row when it does not divide evenly); differentiable."""
+    compressed, ctx = compression.compress(tensor)
+    out = _ReducescatterFn.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=AVERAGE, process_set=basics.global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:  # fmt: skip
+    _check_scatterable(tensors)
+    args = _scatter_args(op, prescale_factor, postscale_factor, grouped=True)
+    return _submit("reducescatter", tensors, args, name, process_set)
+
+
+class _GroupedReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        handle = grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
+                                             postscale_factor)  # fmt: skip
+        return tuple(synchronize(handle))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        op, pre, post, process_set = ctx.args
+        factor = (basics.size() if op == SUM else 1) * pre * post
+        grads = grouped_allgather([g * factor for g in grad_output], process_set=process_set)
+        return (None, None, None, None, None, *grads)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=AVERAGE,
+                          process_set=basics.global_process_set, prescale_factor=1.0, postscale_factor=1.0):  # fmt: skip
+    pairs = [compression.compress(t) for t in tensors]
+    out = _GroupedReducescatterFn.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                        *[c for c, _ in pairs])  # fmt: skip
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs, strict=True)]
