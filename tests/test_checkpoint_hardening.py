@@ -37,6 +37,8 @@ from loom.checkpoint.limits import physical_memory
 
 STEP = "step-00000002"
 HUGE_TENSOR_FILE = max(64 << 30, 2 * (physical_memory() or 0))  # more than this machine could allocate
+ANY = 1 << 40
+"""A read budget (``entries``) an adversary who rewrites the manifest too can claim: the absolute limits hold."""
 
 
 def two_checkpoints(directory: Path, local_states: bool = False) -> Path:
@@ -49,8 +51,16 @@ def two_checkpoints(directory: Path, local_states: bool = False) -> Path:
     return directory / STEP
 
 
-def forge(checkpoint: Path, name: str, data: bytes | None = None, *, size: int | None = None) -> None:
-    """Replace ``name`` with ``data`` (or a sparse file of ``size`` bytes) and make the manifest agree."""
+def forge(
+    checkpoint: Path,
+    name: str,
+    data: bytes | None = None,
+    *,
+    size: int | None = None,
+    entries: int | None = None,
+) -> None:
+    """Replace ``name`` with ``data`` (or a sparse file of ``size`` bytes) and make the manifest's size and
+    sha256 agree (the read budget it lists, ``entries``, is kept unless ``entries`` is given)."""
     path = checkpoint / name
     path.unlink()
     if data is not None:
@@ -63,7 +73,7 @@ def forge(checkpoint: Path, name: str, data: bytes | None = None, *, size: int |
     if name != "manifest.json":
         manifest_path = checkpoint / "manifest.json"
         manifest = json.loads(manifest_path.read_text())
-        manifest["files"][name] = entry
+        manifest["files"][name].update(entry, **({} if entries is None else {"entries": entries}))
         manifest_path.write_text(json.dumps(manifest))
 
 
@@ -87,7 +97,7 @@ def link_outside(checkpoint: Path, name: str, outside: Path) -> None:
 
 CRAFTED = {
     "deeply nested state.json": (
-        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"w": ' + deep(200_000) + b"}}"),
+        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"w": ' + deep(200_000) + b"}}", entries=ANY),
         r"state\.json: JSON nested 200002 levels deep",
     ),
     "deeply nested manifest.json": (
@@ -95,7 +105,7 @@ CRAFTED = {
         r"manifest\.json: JSON nested 200000 levels deep",
     ),
     "5,000-digit integer in state.json": (
-        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"n": ' + b"7" * 5000 + b"}}"),
+        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"n": ' + b"7" * 5000 + b"}}", entries=ANY),
         r"state\.json: a number of more than 4300 digits",
     ),
     "5,000-digit step in manifest.json": (
@@ -105,7 +115,7 @@ CRAFTED = {
         r"manifest\.json: a number of more than 4300 digits",
     ),
     "600 MB state.json": (
-        lambda c: forge(c, "state.json", size=600 << 20),
+        lambda c: forge(c, "state.json", size=600 << 20, entries=ANY),
         r"state\.json: 629145600 bytes, more than the limit of 67108864\. HINT: .*max_state_bytes",
     ),
     "600 MB manifest.json": (

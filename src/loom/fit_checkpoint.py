@@ -38,21 +38,25 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 
 from loom.checkpoint import (
     AsyncCheckpoint,
     CheckpointError,
+    CorruptCheckpointError,
+    CorruptCheckpointWarning,
     capture_rng,
     checkpoint_name,
-    load_checkpoint,
+    local_state_file,
     pack_state,
-    read_local_state,
+    read_checkpoint_part,
     restore_rng,
-    save_checkpoint,
-    save_checkpoint_async,
 )
+from loom.checkpoint.background import publish_async, wait_for_pending
+from loom.checkpoint.load import checkpoint_candidates, no_valid_checkpoint
+from loom.checkpoint.store import abandon_staging, encode_state, open_staging, publish, write_rank_file
 from loom.checkpoint.tree import flatten_state
 from loom.comm._reduce import all_gather_sized_bytes
 from loom.fault.resize import resize_factor, scale_learning_rate
@@ -88,13 +92,18 @@ def _collective(topo: Topology) -> bool:
     return topo.is_distributed and dist.is_available() and dist.is_initialized()
 
 
-def _all_gather_int(value: int, topo: Topology) -> list[int]:
+def _all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
+    """Every rank's short list of ints (the same length on every rank), in rank order."""
     if not _collective(topo):
-        return [value]
-    mine = torch.tensor([value], dtype=torch.int64, device=topo.device)
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64, device=topo.device)
     gathered = [torch.zeros_like(mine) for _ in range(topo.world_size)]
     dist.all_gather(gathered, mine)
-    return [int(t.item()) for t in gathered]
+    return [[int(v) for v in t.tolist()] for t in gathered]
+
+
+def _all_gather_int(value: int, topo: Topology) -> list[int]:
+    return [values[0] for values in _all_gather_ints([value], topo)]
 
 
 def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
@@ -124,45 +133,55 @@ def _rank_state(job: Job) -> dict[str, Any]:
     return {"job": job.state_dict(), "local": job.local_state_dict()}
 
 
-def _gather_rank_states(job: Job, topo: Topology, refused: str) -> list[bytes] | None:
-    """Every rank's packed `_rank_state` on rank 0, in rank order (None elsewhere). The lengths are
-    all-gathered first (-1: this rank could not pack its state, -2: it holds non-finite values; every rank
-    raises, ``refused`` saying what is kept), then the bytes are gathered to rank 0 alone, zero-padded to the
-    longest."""
-    payload, error = b"", None
-    nonfinite: list[str] = []
+def _pack_rank_state(job: Job) -> tuple[bytes, str, str]:
+    """``(packed, status, detail)`` of this rank's `_rank_state`: status ``ok``, ``nonfinite`` (detail: the
+    tensors) or ``failed`` (detail: the error); never raises, so that no rank is left waiting."""
     try:
         state = _rank_state(job)
         nonfinite = nonfinite_tensors(state)
-        payload = pack_state(state) if not nonfinite else b""
-    except Exception as err:  # reported on every rank below, so no rank is left waiting in the gather
-        error = err
-    sizes = _all_gather_int(-1 if error else -2 if nonfinite else len(payload), topo)
-    if -2 in sizes and -1 not in sizes:
-        ranks = [r for r, n in enumerate(sizes) if n == -2]
-        here = f" (here: {_shown(nonfinite)})" if nonfinite else ""
-        raise NonFiniteStateError(
-            f"the state of rank(s) {ranks} holds NaN or infinite values{here}, seen on rank {topo.rank}: "
-            f"{refused} HINT: training diverged before this checkpoint; resume from the kept one with a lower "
-            "learning rate, or look for non-finite inputs (DataParallel(nonfinite='skip') drops such steps)."
-        )
-    if error is not None or min(sizes) < 0:
-        failed = [r for r, n in enumerate(sizes) if n < 0]
-        raise CheckpointError(
-            f"rank(s) {failed} could not pack their state for the checkpoint (seen on rank "
-            f"{topo.rank}){f': {error!r}' if error else ''}. HINT: state must hold only tensors, None, "
-            "bools, ints, floats, strings, lists, tuples and dicts."
-        ) from error
+        if nonfinite:
+            return b"", "nonfinite", _shown(nonfinite)
+        return pack_state(state), "ok", ""
+    except Exception as err:  # reported on every rank by the caller
+        return b"", "failed", repr(err)
+
+
+def _all_gather_json(value: dict[str, Any], topo: Topology) -> list[dict[str, Any]]:
+    """Every rank's small JSON ``value`` (a status, a file name, a hash), in rank order: never model state."""
     if not _collective(topo):
-        return [payload]
-    mine = torch.zeros(max(sizes), dtype=torch.uint8)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    mine = mine.to(topo.device)
-    gathered = [torch.empty_like(mine) for _ in sizes] if topo.is_main else None
-    dist.gather(mine, gathered, dst=0)
-    if gathered is None:
-        return None
-    return [t.cpu().numpy().tobytes()[:n] for t, n in zip(gathered, sizes, strict=True)]
+        return [value]
+    raw = all_gather_sized_bytes(json.dumps(value).encode(), device=topo.device)
+    return [json.loads(item) for item in raw]
+
+
+def _check_packed(verdicts: list[dict[str, Any]], topo: Topology, refused: str) -> None:
+    """Raise on every rank when a rank could not pack its state or holds non-finite values."""
+    nonfinite = [r for r, v in enumerate(verdicts) if v["status"] == "nonfinite"]
+    failed = [r for r, v in enumerate(verdicts) if v["status"] == "failed"]
+    if nonfinite and not failed:
+        detail = verdicts[nonfinite[0]]["detail"]
+        raise NonFiniteStateError(
+            f"the state of rank(s) {nonfinite} holds NaN or infinite values (rank {nonfinite[0]}: {detail}), "
+            f"seen on rank {topo.rank}: {refused} HINT: training diverged before this checkpoint; resume from "
+            "the kept one with a lower learning rate, or look for non-finite inputs "
+            "(DataParallel(nonfinite='skip') drops such steps)."
+        )
+    if failed:
+        raise CheckpointError(
+            f"rank(s) {failed} could not pack their state for the checkpoint (seen on rank {topo.rank}): "
+            f"{verdicts[failed[0]]['detail']}. HINT: state must hold only tensors, None, bools, ints, floats, "
+            "strings, lists, tuples and dicts."
+        )
+
+
+def _write_own_file(staging: str, payload: bytes, topo: Topology) -> dict[str, Any]:
+    """Write this rank's packed state into the shared staging directory and fsync it; its manifest entry,
+    or ``{"error": ...}``."""
+    try:
+        return write_rank_file(Path(staging), topo.rank, payload)
+    except Exception as err:  # reported on every rank by the caller
+        where = "" if Path(staging).is_dir() else " (the staging directory is not there: not shared storage?)"
+        return {"error": f"rank {topo.rank} could not write its file into {staging}: {err!r}{where}"}
 
 
 # -- saving -----------------------------------------------------------------------------------------------------
@@ -185,40 +204,88 @@ class FitCheckpointer:
         return f"the checkpoint of step {step} is not written to {self.directory}; {kept}."
 
     def save(self, step: int, loop_state: dict[str, Any]) -> None:
+        """Save the checkpoint of ``step``; collective. Each rank writes its own file into rank 0's staging
+        directory, fsyncs it and sends rank 0 its name, size and sha256 (a few bytes); rank 0 then writes the
+        shared files and publishes the manifest (the protocol of `loom.checkpoint.store`). No rank receives
+        another's state."""
         rng = _gather_rng(self.topo)  # every rank takes part
-        local = _gather_rank_states(self.job, self.topo, self._refused(step))
-        failure, code = "", _WRITE_FAILED
+        refused = self._refused(step)
+        payload, status, detail = _pack_rank_state(self.job)
+        staging, failure = "", ""
         if self.topo.is_main:
-            fit_state = dict(
-                loop_state,
-                world_size=self.topo.world_size,
-                local_states=True,
-                sharded=not self.job.replicated_state,
-                mesh=self.job.mesh.shape.describe(),
-            )
-            job_state = self.job.state_dict() if self.job.replicated_state else None
-            nonfinite = nonfinite_tensors(job_state) if job_state is not None else []
-            state = {
-                "job": job_state,
-                "loader": self.loader.state_dict(),
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "rng": {"ranks": rng},
-                "fit": fit_state,
-            }
             try:
-                files = local or ()
-                if nonfinite:
-                    failure, code = f"NaN or infinite values in {_shown(nonfinite)}", _NONFINITE
-                elif self.use_async:
-                    self.pending = save_checkpoint_async(
-                        self.directory, step, state, keep=self.keep, local_states=files
-                    )
-                else:
-                    save_checkpoint(self.directory, step, state, keep=self.keep, local_states=files)
+                wait_for_pending()  # the previous asynchronous save must be done before a new staging opens
+                staging = str(open_staging(self.directory, step))
             except Exception as err:  # reported on every rank below
                 failure = repr(err)
-        self._agree(failure, f"saving the checkpoint of step {step}", code, self._refused(step))
+        verdicts = _all_gather_json({"status": status, "detail": detail, "staging": staging}, self.topo)
+        staging = verdicts[0]["staging"]
+        if not staging:
+            raise CheckpointError(
+                f"opening the checkpoint of step {step} in {self.directory} failed on rank 0 (seen on rank "
+                f"{self.topo.rank}){f': {failure}' if failure else ''}. HINT: check that the directory is "
+                "writable and has free space."
+            )
+        try:
+            _check_packed(verdicts, self.topo, refused)
+        except CheckpointError:
+            if self.topo.is_main:
+                abandon_staging(Path(staging))
+            raise
+        entries = _all_gather_json(_write_own_file(staging, payload, self.topo), self.topo)
+        del payload
+        failure, code = "", _WRITE_FAILED
+        if self.topo.is_main:
+            failure, code = self._publish(step, loop_state, rng, Path(staging), entries)
+        self._agree(failure, f"saving the checkpoint of step {step}", code, refused)
         self.saved_step = step
+
+    def _publish(
+        self, step: int, loop_state: dict[str, Any], rng: list, staging: Path, entries: list[dict[str, Any]]
+    ) -> tuple[str, int]:
+        """Rank 0: the shared state (the replicated job, loader, scheduler, every RNG) and the manifest, once
+        every rank's file is durable; ``(failure, code)`` for `_agree` (``""`` when it succeeded)."""
+        errors = [entry["error"] for entry in entries if "error" in entry]
+        job_state = self.job.state_dict() if self.job.replicated_state and not errors else None
+        nonfinite = nonfinite_tensors(job_state) if job_state is not None else []
+        if errors or nonfinite:
+            abandon_staging(staging)
+            if errors:
+                return "; ".join(errors), _WRITE_FAILED
+            return f"NaN or infinite values in {_shown(nonfinite)}", _NONFINITE
+        fit_state = dict(
+            loop_state,
+            world_size=self.topo.world_size,
+            local_states=True,
+            sharded=not self.job.replicated_state,
+            mesh=self.job.mesh.shape.describe(),
+        )
+        state = {
+            "job": job_state,
+            "loader": self.loader.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": {"ranks": rng},
+            "fit": fit_state,
+        }
+        try:
+            if self.use_async:
+                self.pending = publish_async(self.directory, staging, step, state, self.keep, entries)
+            else:
+                skeleton, tensors = flatten_state(state)
+                tensor_bytes = safetensors.torch.save(tensors)
+                publish(
+                    self.directory,
+                    staging,
+                    step,
+                    encode_state(step, skeleton),
+                    tensor_bytes,
+                    self.keep,
+                    entries,
+                )
+        except Exception as err:  # reported on every rank by `_agree`
+            abandon_staging(staging)
+            return repr(err), _WRITE_FAILED
+        return "", _WRITE_FAILED
 
     def finish(self) -> None:
         failure = ""
@@ -259,28 +326,65 @@ class FitCheckpointer:
 
 
 # -- resuming ---------------------------------------------------------------------------------------------------
+def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], Any] | None:
+    """The newest checkpoint every rank finds intact: ``(step, shared state, this rank's own part)``, or None.
+
+    Each rank reads the shared files and its own file only (`read_checkpoint_part`); after each candidate the
+    ranks all-gather ``(step, verdict)``, so that a checkpoint damaged in any rank's file makes every rank fall
+    back to the previous one together, as one process reading every file would. Collective."""
+    candidates, problems = checkpoint_candidates(directory)
+    index = 0
+    while True:
+        found, verdict = None, 0
+        error: CheckpointError | None = None
+        checkpoint = candidates[index] if index < len(candidates) else None
+        step = int(checkpoint.name.split("-")[1]) if checkpoint is not None else -1
+        if checkpoint is not None:
+            try:
+                found = read_checkpoint_part(checkpoint, topo.rank)
+            except CorruptCheckpointError as err:
+                verdict, error = 1, err
+            except CheckpointError as err:  # raised on every rank below, so nobody hangs
+                verdict, error = 2, err
+        gathered = _all_gather_ints([step, verdict], topo)
+        steps = [s for s, _ in gathered]
+        if any(v == 2 for _, v in gathered):
+            if isinstance(error, CheckpointError) and verdict == 2:
+                raise error
+            rank = next(r for r, (_, v) in enumerate(gathered) if v == 2)
+            raise CheckpointError(f"rank {rank} could not read the checkpoint of step {step} in {directory}")
+        if len(set(steps)) > 1:
+            described = ", ".join(f"rank {r}: {'none' if s < 0 else s}" for r, s in enumerate(steps))
+            raise CheckpointError(
+                f"ranks found different checkpoints in {directory} ({described}). HINT: checkpoint_dir must be "
+                "storage every rank sees (a shared filesystem), used by one job at a time."
+            )
+        if step < 0:
+            if problems:
+                raise no_valid_checkpoint(directory, problems)
+            return None
+        damaged = [r for r, (_, v) in enumerate(gathered) if v == 1]
+        if not damaged:
+            return found
+        reason = str(error) if error is not None else f"rank(s) {damaged} found a file damaged"
+        problems.append(reason)
+        warnings.warn(
+            f"checkpoint {candidates[index].name} is damaged: {reason}; falling back to an earlier checkpoint",
+            CorruptCheckpointWarning,
+            stacklevel=3,
+        )
+        index += 1
+
+
 def resume_fit(
     job: Job, loader, scheduler, directory: Path, topo: Topology, scale_lr: bool = False
 ) -> tuple[int, dict[str, Any]] | None:
     """Load the newest intact checkpoint of ``directory`` into the loop's objects; return its step and the
     loop's saved counters, or None when there is no checkpoint. Collective: every rank calls it."""
-    error: Exception | None = None
-    try:
-        found = load_checkpoint(directory)
-    except CheckpointError as err:  # raised on every rank after the steps are compared, so nobody hangs
-        found, error = None, err
-    steps = _all_gather_int(-2 if error else -1 if found is None else found[0], topo)
-    if error is not None:
-        raise error
-    if len(set(steps)) > 1:
-        described = ", ".join(f"rank {r}: {'none' if s < 0 else s}" for r, s in enumerate(steps))
-        raise CheckpointError(
-            f"ranks found different checkpoints in {directory} ({described}). HINT: checkpoint_dir must be "
-            "storage every rank sees (a shared filesystem), used by one job at a time."
-        )
+    found = _load_agreed(directory, topo)
     if found is None:
         return None
-    step, state = found
+    step, state, own = found
     if not isinstance(state.get("fit"), dict):
         raise ValueError(
             f"the checkpoint of step {step} in {directory} was not written by loom.fit (no 'fit' entry). "
@@ -288,10 +392,10 @@ def resume_fit(
         )
     checkpoint = directory / checkpoint_name(step)
     if state["fit"].get("sharded") or not job.replicated_state:
-        _restore_sharded_state(job, state["fit"], checkpoint, step, topo)
+        _restore_sharded_state(job, state["fit"], checkpoint, step, topo, own)
     else:
         job.load_state_dict(state["job"])
-        _restore_local_state(job, state["fit"], checkpoint, step, topo)
+        _restore_local_state(job, state["fit"], step, topo, own)
     loader.load_state_dict(state["loader"])
     if scheduler is not None:
         if state.get("scheduler") is None:
@@ -310,7 +414,7 @@ def resume_fit(
 
 
 def _restore_sharded_state(
-    job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology
+    job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology, own: Any
 ) -> None:
     """Load this rank's part of a job whose state differs per rank; only the layout that wrote it fits."""
     mesh = job.mesh.shape.describe()
@@ -321,21 +425,20 @@ def _restore_sharded_state(
             f"{'replicated' if job.replicated_state else 'sharded'} over {topo.world_size} (mesh {mesh}). "
             "HINT: resume with the strategy, world size and mesh degrees that wrote it."
         )
-    mine = read_local_state(checkpoint, topo.rank)
-    job.load_state_dict(mine["job"])
-    job.load_local_state_dict(mine["local"])
+    if not isinstance(own, dict) or set(own) != {"job", "local"}:
+        raise CorruptCheckpointError(checkpoint / local_state_file(topo.rank), "not a sharded job's part")
+    job.load_state_dict(own["job"])
+    job.load_local_state_dict(own["local"])
 
 
-def _restore_local_state(
-    job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology
-) -> None:
+def _restore_local_state(job: Job, saved: dict[str, Any], step: int, topo: Topology, own: Any) -> None:
     """Load this rank's own saved state into ``job`` when the world size is the one that wrote it."""
     if not saved.get("local_states"):
         return
     written_by = saved.get("world_size")
     if written_by != topo.world_size:
         # Said only when something is lost: local state without tensors (no compression) is nothing to miss.
-        if topo.is_main and flatten_state(read_local_state(checkpoint, 0))[1]:
+        if topo.is_main and own is not None and flatten_state(own)[1]:
             print(
                 f"loom.fit: the checkpoint of step {step} was written by {written_by} processes, this run has "
                 f"{topo.world_size}: each rank's local state (gradient compression's error feedback and warm "
@@ -344,4 +447,4 @@ def _restore_local_state(
                 flush=True,
             )
         return
-    job.load_local_state_dict(read_local_state(checkpoint, topo.rank))
+    job.load_local_state_dict(own)

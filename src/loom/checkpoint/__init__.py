@@ -16,7 +16,7 @@ process travels to the writer packed (`pack_state`) and is stored one file per r
 
 from loom.checkpoint.background import AsyncCheckpoint, save_checkpoint_async
 from loom.checkpoint.limits import ReadLimits
-from loom.checkpoint.load import load_checkpoint, read_checkpoint, read_local_state
+from loom.checkpoint.load import load_checkpoint, read_checkpoint, read_checkpoint_part, read_local_state
 from loom.checkpoint.rng import capture_rng, restore_rng
 from loom.checkpoint.store import (
     CheckpointError,
@@ -29,6 +29,7 @@ from loom.checkpoint.store import (
     save_checkpoint,
 )
 from loom.checkpoint.tree import pack_state, unpack_state
+from loom.checkpoint.upgrade import upgrade_checkpoint
 
 __all__ = [
     "AsyncCheckpoint",
@@ -44,9 +45,11 @@ __all__ = [
     "local_state_file",
     "pack_state",
     "read_checkpoint",
+    "read_checkpoint_part",
     "read_local_state",
     "restore_rng",
     "save_checkpoint",
     "save_checkpoint_async",
     "unpack_state",
+    "upgrade_checkpoint",
 ]

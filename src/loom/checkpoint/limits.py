@@ -17,9 +17,14 @@ is unreadable with the limits it was saved under.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-__all__ = ["DEFAULT_LIMITS", "ReadLimits", "physical_memory"]
+__all__ = ["BYTES_PER_ENTRY", "DEFAULT_LIMITS", "ReadLimits", "physical_memory"]
+
+BYTES_PER_ENTRY = 64
+"""JSON bytes allowed per entry of a file's read budget (its manifest's ``entries``). What loom writes takes
+10-20 bytes per JSON value (a tensor's header entry, an RNG word, an optimizer setting); a file's budget is its
+values, or its bytes / 64 where long strings make that more, so a genuine file always fits its own budget."""
 
 
 def physical_memory() -> int | None:
@@ -64,6 +69,18 @@ class ReadLimits:
                     f"ReadLimits.{name} must be an int >= 1, got {value!r}. HINT: the defaults fit every "
                     "checkpoint loom.fit writes up to a few thousand ranks; raise only the bound a message named."
                 )
+
+    def budgeted(self, entries: int) -> ReadLimits:
+        """These limits tightened to one file's budget of ``entries`` (from its manifest entry): at most
+        ``entries`` JSON values and ``entries * BYTES_PER_ENTRY`` bytes of JSON (``state.json``, a safetensors
+        header, a packed state's skeleton), never more than these absolute limits."""
+        size = entries * BYTES_PER_ENTRY
+        return replace(
+            self,
+            max_state_bytes=min(self.max_state_bytes, size),
+            max_header_bytes=min(self.max_header_bytes, size),
+            max_json_values=min(self.max_json_values, entries),
+        )
 
 
 DEFAULT_LIMITS = ReadLimits()

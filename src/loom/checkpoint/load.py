@@ -38,7 +38,7 @@ import torch
 
 from loom.checkpoint.bounded_json import JSONLimitError, parse_json
 from loom.checkpoint.confined import ConfinedDirectory, read_limited, sha256_of
-from loom.checkpoint.limits import DEFAULT_LIMITS, ReadLimits
+from loom.checkpoint.limits import BYTES_PER_ENTRY, DEFAULT_LIMITS, ReadLimits
 from loom.checkpoint.store import (
     FORMAT,
     MANIFEST_FILE,
@@ -57,7 +57,16 @@ from loom.checkpoint.store import (
 from loom.checkpoint.tensor_file import read_tensor_file
 from loom.checkpoint.tree import unflatten_state, unpack_tensor_file
 
-__all__ = ["load_checkpoint", "parse_manifest", "parse_state", "read_checkpoint", "read_local_state"]
+__all__ = [
+    "checkpoint_candidates",
+    "load_checkpoint",
+    "no_valid_checkpoint",
+    "parse_manifest",
+    "parse_state",
+    "read_checkpoint",
+    "read_checkpoint_part",
+    "read_local_state",
+]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _LOCAL_NAME = re.compile(r"rank-(\d{5,})\.safetensors")
@@ -70,8 +79,16 @@ def _limit_hint(field: str) -> str:
     )
 
 
-def _explained(err: ValueError) -> str:
-    return f"{err}.{_limit_hint(err.field)}" if isinstance(err, JSONLimitError) else str(err)
+def _explained(err: ValueError, limits: ReadLimits = DEFAULT_LIMITS, entries: int | None = None) -> str:
+    if not isinstance(err, JSONLimitError):
+        return str(err)
+    if entries is not None and getattr(limits.budgeted(entries), err.field) < getattr(limits, err.field):
+        return (
+            f"{err}: the read budget its manifest entry gives ({entries} entries: at most {entries} JSON values "
+            f"and {entries * BYTES_PER_ENTRY} bytes of JSON), which a file loom wrote always fits (crafted or "
+            "damaged)"
+        )
+    return f"{err}.{_limit_hint(err.field)}"
 
 
 def parse_manifest(data: bytes, path: Path, limits: ReadLimits = DEFAULT_LIMITS) -> dict[str, Any]:
@@ -83,6 +100,13 @@ def parse_manifest(data: bytes, path: Path, limits: ReadLimits = DEFAULT_LIMITS)
         raise CorruptCheckpointError(path, _explained(err)) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(path, f"not a {FORMAT} manifest")
+    if manifest.get("version") == 1:
+        raise CorruptCheckpointError(
+            path,
+            f"format version 1 (written by an older loom, without the read budgets of version {VERSION}); "
+            f"refused, since it could not be read within its own budget. HINT: if it is genuine, convert it "
+            f"once with loom.checkpoint.upgrade_checkpoint({str(path.parent)!r})",
+        )
     if manifest.get("version") != VERSION:
         raise CorruptCheckpointError(
             path, f"format version {manifest.get('version')!r:.40}, expected {VERSION}"
@@ -106,19 +130,31 @@ def parse_manifest(data: bytes, path: Path, limits: ReadLimits = DEFAULT_LIMITS)
             raise CorruptCheckpointError(path, f"the entry of {name} must be an object with size and sha256")
         if not _SHA256.fullmatch(digest):
             raise CorruptCheckpointError(path, f"the sha256 of {name} is not 64 hex digits")
+        entries = entry.get("entries")
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 1:
+            raise CorruptCheckpointError(
+                path, f"the entries of {name} must be an int >= 1, got {entries!r:.40}"
+            )
     return manifest
 
 
 def parse_state(
-    data: bytes, tensors: dict[str, torch.Tensor], step: int, path: Path, limits: ReadLimits = DEFAULT_LIMITS
+    data: bytes,
+    tensors: dict[str, torch.Tensor],
+    step: int,
+    path: Path,
+    limits: ReadLimits = DEFAULT_LIMITS,
+    entries: int | None = None,
 ) -> dict[str, Any]:
-    """The state ``state.json`` ``data`` (the bytes of ``path``) describes, its tensors put back in place.
-    Raises `CorruptCheckpointError` (and nothing else) when it is not the state of ``step`` or does not
-    match ``tensors``."""
+    """The state ``state.json`` ``data`` (the bytes of ``path``) describes, its tensors put back in place,
+    parsed within ``limits`` tightened to the manifest's budget of ``entries`` when given. Raises
+    `CorruptCheckpointError` (and nothing else) when it is not the state of ``step`` or does not match
+    ``tensors``."""
+    budget = limits if entries is None else limits.budgeted(entries)
     try:
-        document = parse_json(data, limits, "max_state_bytes")
+        document = parse_json(data, budget, "max_state_bytes")
     except ValueError as err:
-        raise CorruptCheckpointError(path, _explained(err)) from None
+        raise CorruptCheckpointError(path, _explained(err, limits, entries)) from None
     if not isinstance(document, dict) or document.get("step") != step or "state" not in document:
         raise CorruptCheckpointError(path, "not a checkpoint state of this step")
     try:
@@ -157,9 +193,16 @@ def _check_digest(path: Path, digest: str, entry: dict[str, Any]) -> None:
         raise CorruptCheckpointError(path, "sha256 differs from the manifest (the content was damaged)")
 
 
-def _read_small(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limit: int, field: str) -> bytes:
-    """The bytes of ``name`` (a JSON file), read whole once its size is known to be within ``limit``."""
-    file, size = _open(folder, name, entry, limit, field)
+def _read_small(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits: ReadLimits) -> bytes:
+    """The bytes of ``name`` (``state.json``), read whole once its size is known to be within its budget."""
+    limit, budget = limits.max_state_bytes, limits.budgeted(entry["entries"]).max_state_bytes
+    if entry["size"] > budget < limit:  # the manifest contradicts itself: refused before the file is opened
+        raise CorruptCheckpointError(
+            folder.path / name,
+            f"the manifest lists {entry['size']} bytes, more than its own read budget of {entry['entries']} "
+            f"entries allows ({budget} bytes; crafted or damaged)",
+        )
+    file, size = _open(folder, name, entry, limit, "max_state_bytes")
     with file:
         try:
             data = read_limited(file, size, limit)
@@ -174,12 +217,20 @@ def _read_tensors(
 ) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """The metadata and tensors of safetensors file ``name``, read and hashed in one bounded pass."""
     file, size = _open(folder, name, entry, limits.max_tensor_bytes, "max_tensor_bytes")
+    budget = limits.budgeted(entry["entries"])
     with file:
         try:
-            metadata, tensors, digest = read_tensor_file(file, size, limits)
+            metadata, tensors, digest = read_tensor_file(file, size, budget)
         except ValueError as err:
+            tighter = budget.max_header_bytes < limits.max_header_bytes
+            said = (
+                f"; the read budget of its manifest entry is {entry['entries']} entries: at most "
+                f"{entry['entries']} JSON values and {budget.max_header_bytes} bytes of header"
+                if tighter
+                else ""
+            )
             raise CorruptCheckpointError(
-                folder.path / name, f"not a readable safetensors file ({err})"
+                folder.path / name, f"not a readable safetensors file ({err}{said})"
             ) from None
     _check_digest(folder.path / name, digest, entry)
     return metadata, tensors
@@ -231,14 +282,43 @@ def read_checkpoint(
             raise CorruptCheckpointError(
                 checkpoint / MANIFEST_FILE, f"step {step} does not match the directory"
             )
-        state_bytes = _read_small(
-            folder, STATE_FILE, files[STATE_FILE], limits.max_state_bytes, "max_state_bytes"
-        )
+        state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
         _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
         for name, entry in files.items():  # every rank's file, so damage anywhere falls back
             if _LOCAL_NAME.fullmatch(name):
                 _verify(folder, name, entry, limits)
-    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits)
+    entries = files[STATE_FILE]["entries"]
+    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits, entries)
+
+
+def read_checkpoint_part(
+    checkpoint: str | os.PathLike, rank: int, *, limits: ReadLimits = DEFAULT_LIMITS
+) -> tuple[int, dict[str, Any], Any]:
+    """``(step, state, own)`` of one checkpoint directory as process ``rank`` needs it: the shared state
+    (``state.json``, ``tensors.safetensors``) and its own file unpacked (None when the manifest lists none
+    for ``rank``, e.g. at a larger world size). Other ranks' files are not read: each process verifies its own
+    part, and `loom.fit` makes the ranks agree on the verdict. Raises `CorruptCheckpointError` naming the
+    first bad file."""
+    checkpoint = Path(checkpoint)
+    folder, manifest = _open_checkpoint(checkpoint, limits)
+    with folder:
+        step, files, name = manifest["step"], manifest["files"], local_state_file(rank)
+        match = STEP_NAME.fullmatch(checkpoint.name)
+        if match is not None and int(match.group(1)) != step:
+            raise CorruptCheckpointError(
+                checkpoint / MANIFEST_FILE, f"step {step} does not match the directory"
+            )
+        state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
+        _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
+        own = None
+        if name in files:
+            metadata, own_tensors = _read_tensors(folder, name, files[name], limits)
+            try:
+                own = unpack_tensor_file(metadata, own_tensors, limits.budgeted(files[name]["entries"]))
+            except ValueError as err:
+                raise CorruptCheckpointError(checkpoint / name, str(err)) from None
+    entries = files[STATE_FILE]["entries"]
+    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits, entries), own
 
 
 def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLimits = DEFAULT_LIMITS) -> Any:
@@ -255,7 +335,7 @@ def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLi
             )
         metadata, tensors = _read_tensors(folder, name, files[name], limits)
     try:
-        return unpack_tensor_file(metadata, tensors, limits)
+        return unpack_tensor_file(metadata, tensors, limits.budgeted(files[name]["entries"]))
     except ValueError as err:
         raise CorruptCheckpointError(checkpoint / name, str(err)) from None
 
@@ -292,16 +372,12 @@ def _read_pointer(directory: Path, limits: ReadLimits) -> str | None:
     return name
 
 
-def load_checkpoint(
+def checkpoint_candidates(
     directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
-) -> tuple[int, dict[str, Any]] | None:
-    """The newest intact checkpoint in ``directory`` as ``(step, state)``, or None if there is none.
-
-    Starts from the checkpoint ``latest`` names (the newest if there is no pointer yet) and walks back by
-    step past damaged ones, warning with `CorruptCheckpointWarning` for each, naming the file and the reason.
-    Raises `NoValidCheckpointError` when checkpoints exist but none is intact: starting over silently would
-    throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`).
-    """
+) -> tuple[list[Path], list[str]]:
+    """The checkpoints of ``directory`` to try, newest first: from the one ``latest`` names (the newest if
+    there is no usable pointer) back by step; and the problems found on the way (a pointer naming nothing),
+    each already warned with `CorruptCheckpointWarning`."""
     directory = Path(directory)
     checkpoints = list_checkpoints(directory)
     pointer = _read_pointer(directory, limits)
@@ -314,23 +390,43 @@ def load_checkpoint(
             warnings.warn(
                 problems[-1] + "; falling back to an earlier checkpoint",
                 CorruptCheckpointWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         candidates = [s for s in checkpoints if s <= newest]
-    for step in reversed(candidates):
+    return [checkpoints[s] for s in reversed(candidates)], problems
+
+
+def no_valid_checkpoint(directory: str | os.PathLike, problems: list[str]) -> NoValidCheckpointError:
+    """The error for a directory whose checkpoints all failed, listing ``problems``."""
+    return NoValidCheckpointError(
+        f"no intact checkpoint in {directory}: "
+        + "; ".join(problems)
+        + ". HINT: restore the files from a backup, or move the directory away to start from scratch."
+    )
+
+
+def load_checkpoint(
+    directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
+) -> tuple[int, dict[str, Any]] | None:
+    """The newest intact checkpoint in ``directory`` as ``(step, state)``, or None if there is none.
+
+    Starts from the checkpoint ``latest`` names (the newest if there is no pointer yet) and walks back by
+    step past damaged ones, warning with `CorruptCheckpointWarning` for each, naming the file and the reason.
+    Raises `NoValidCheckpointError` when checkpoints exist but none is intact: starting over silently would
+    throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`). Every rank's file is
+    verified (`read_checkpoint`); `loom.fit` reads only each process's own (`read_checkpoint_part`).
+    """
+    candidates, problems = checkpoint_candidates(directory, limits=limits)
+    for checkpoint in candidates:
         try:
-            return read_checkpoint(checkpoints[step], limits=limits)
+            return read_checkpoint(checkpoint, limits=limits)
         except CorruptCheckpointError as err:
             problems.append(str(err))
             warnings.warn(
-                f"checkpoint {checkpoints[step].name} is damaged: {err}; falling back to an earlier checkpoint",
+                f"checkpoint {checkpoint.name} is damaged: {err}; falling back to an earlier checkpoint",
                 CorruptCheckpointWarning,
                 stacklevel=2,
             )
     if not problems:
         return None
-    raise NoValidCheckpointError(
-        f"no intact checkpoint in {directory}: "
-        + "; ".join(problems)
-        + ". HINT: restore the files from a backup, or move the directory away to start from scratch."
-    )
+    raise no_valid_checkpoint(directory, problems)
