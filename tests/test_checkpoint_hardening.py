@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -95,6 +96,21 @@ def link_outside(checkpoint: Path, name: str, outside: Path) -> None:
     os.symlink(target, source)
 
 
+def many_empty_tensors_header(megabytes: int) -> bytes:
+    """A valid safetensors file whose header lists ~20,000 zero-size tensors per MB (the issue's 26 MB case:
+    each becomes a tensor object, ~1 KB of memory and ~35 us, before the state is found not to match)."""
+    entry = b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}'
+    count = (megabytes << 20) // 60
+    return safetensors_bytes(b"{" + b",".join(entry % i for i in range(count)) + b"}")
+
+
+def many_strings_state(megabytes: int) -> bytes:
+    """A state.json of ~65,000 twelve-letter strings per MB, under the absolute bounds (64 MiB, 4 million
+    values) at 63 MB: ~180 bytes of Python objects each once parsed (the issue's +724 MB)."""
+    count = (megabytes << 20) // 15
+    return b'{"step": 2, "state": {"s": [' + b",".join([b'"abcdefghijkl"'] * count) + b"]}}"
+
+
 CRAFTED = {
     "deeply nested state.json": (
         lambda c: forge(c, "state.json", b'{"step": 2, "state": {"w": ' + deep(200_000) + b"}}", entries=ANY),
@@ -161,6 +177,15 @@ CRAFTED = {
             safetensors_bytes({"w": {"dtype": "F128", "shape": [2], "data_offsets": [0, 32]}}, b"\0" * 32),
         ),
         r"tensors\.safetensors: .*unknown dtype 'F128'",
+    ),
+    "26 MB tensor header under the absolute limit, manifest's budget kept": (
+        lambda c: forge(c, "tensors.safetensors", many_empty_tensors_header(26)),
+        r"tensors\.safetensors: not a readable safetensors file \(the header claims 26243047 bytes, .* the limit "
+        r"is \d+; the read budget of its manifest entry is \d+ entries",
+    ),
+    "63 MB state.json under the absolute limits, manifest's budget kept": (
+        lambda c: forge(c, "state.json", many_strings_state(63)),
+        r"state\.json: the manifest lists 6606\d+ bytes, more than its own read budget of \d+ entries allows",
     ),
     "state.json that is a FIFO": (
         lambda c: ((c / "state.json").unlink(), os.mkfifo(c / "state.json")),
@@ -240,6 +265,8 @@ def test_limits_are_configurable_and_save_refuses_what_it_could_not_read():
 
 # -- peak memory ------------------------------------------------------------------------------------------------
 OVERSIZED = [
+    "26 MB tensor header under the absolute limit, manifest's budget kept",
+    "63 MB state.json under the absolute limits, manifest's budget kept",
     "600 MB state.json",
     "600 MB manifest.json",
     "huge sparse tensors.safetensors, manifest updated",
@@ -256,19 +283,27 @@ def measure_peaks(root: Path) -> dict[str, dict[str, int]]:
     size limit, so the depth scan reads it), each from a clean high-water mark (``/proc/self/clear_refs``)."""
     cases = {name: CRAFTED[name][0] for name in OVERSIZED}
     cases["60 MB of nesting in state.json"] = lambda c: forge(
-        c, "state.json", b'{"step": 2, "state": ' + deep(30 << 20) + b"}"
+        c, "state.json", b'{"step": 2, "state": ' + deep(30 << 20) + b"}", entries=ANY
     )
     cases["oversized latest"] = lambda c: os.truncate(c.parent / "latest", 1 << 30)
+    if os.environ.get("LOOM_PEAKS_FORGED_BUDGET"):  # the residual: the manifest's budgets rewritten as well
+        cases["26 MB tensor header, budget forged too"] = lambda c: forge(
+            c, "tensors.safetensors", many_empty_tensors_header(26), entries=ANY
+        )
+        cases["63 MB state.json, budget forged too"] = lambda c: forge(
+            c, "state.json", many_strings_state(63), entries=ANY
+        )
     peaks = {}
     for index, (name, craft) in enumerate(cases.items()):
         directory = root / str(index)
         craft(two_checkpoints(directory))
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        before = _peak_kib()
+        before, started = _peak_kib(), time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CorruptCheckpointWarning)
             assert load_checkpoint(directory)[0] in (1, 2)
-        peaks[name] = {"rss_before_kib": before, "peak_kib": _peak_kib()}
+        seconds = time.perf_counter() - started  # reported by the script, never asserted on
+        peaks[name] = {"rss_before_kib": before, "peak_kib": _peak_kib(), "seconds": round(seconds, 3)}
     return peaks
 
 
