@@ -3,31 +3,42 @@
 A checkpoint of the loop holds the job (model, optimizer, step), the loader's position, the LR scheduler,
 every rank's RNG state and the loop's counters, in one atomic checkpoint directory (`loom.checkpoint.store`).
 
-Who writes: the state of a replicated job (`DataParallel`) is the same on every rank, so rank 0 alone writes
-it, after gathering every rank's RNG state and *local state*; at each checkpoint the ranks then agree (one small
-all-gather) that it succeeded, so a failed write stops every rank with the same error instead of leaving some
-waiting. Every rank loads the checkpoint itself and the ranks check they found the same step.
+Who writes: every rank writes its own file. Rank 0 opens the staging directory and all-gathers its name with
+each rank's verdict on its own state; each rank then packs (`loom.checkpoint.tree.pack_state`) and writes
+``rank-R.safetensors`` into it and fsyncs it (its part of a sharded job such as `Pipeline` - its stage's model
+and optimizer state - or, for a replicated job, its *local state*), and the ranks all-gather a few bytes each
+(file name, size, sha256, read budget). Rank 0 then writes the shared files (the replicated job's state, which
+is the same on every rank, so written once; the loader, the scheduler, every rank's RNG state, the loop's
+counters) and publishes the manifest; a crash before that leaves the previous checkpoint the newest. No rank
+receives another's model state, so a rank's peak memory during a save is its own state plus its packed copy
+(measured in docs/checkpoints.md). A last all-gather agrees that the checkpoint succeeded, so a failed write
+stops every rank with the same error instead of leaving some waiting.
 
 Local state is what a job's ``local_state_dict()`` returns, when it has one: state that differs between ranks,
 such as gradient compression's error-feedback residuals and PowerSGD's warm starts (`DataParallel` with
-``compression=``). Each rank packs its own (`loom.checkpoint.tree.pack_state`), rank 0 gathers the bytes and
-stores them as one file per rank inside the same checkpoint, under its manifest's checksums. On resume at the
-same world size rank r loads file r, bitwise. At another world size the local state is dropped, with a line on
-stderr saying so when it holds tensors: residuals belong to the ranks that kept them, and there is no meaningful
-way to share them among a different number of ranks (the codecs start from zero).
+``compression=``). On resume at the same world size rank r loads file r, bitwise. At another world size the
+local state is dropped, with a line on stderr saying so when it holds tensors: residuals belong to the ranks
+that kept them, and there is no meaningful way to share them among a different number of ranks (the codecs
+start from zero).
+
+Resuming: each rank reads the shared files and its own file only (`read_checkpoint_part`), and the ranks
+agree on each candidate's verdict (one small all-gather), so damage in any rank's file makes every rank fall
+back to the previous checkpoint together.
 
 Non-finite state is never written: before a checkpoint every rank that writes state checks it (rank 0 the
 replicated job state; every rank its own local state, or its part of a sharded job) for NaN and infinite
-values, and the ranks agree on the verdict with the collectives the write already takes (the size gather, the
-success agreement). A non-finite state stops the job on every rank with `NonFiniteStateError`, naming the
-ranks, the tensors and the newest checkpoint, which is kept: the checkpoints on disk are all finite, so rotation
-(``keep``) never removes the last good one in favour of a bad one.
+values, and the ranks agree on the verdict with the collectives the write already takes. A non-finite state
+stops the job on every rank with `NonFiniteStateError`, naming the ranks, the tensors and the newest
+checkpoint, which is kept: the checkpoints on disk are all finite, so rotation (``keep``) never removes the
+last good one in favour of a bad one.
 
-Limits: rank 0 holds every rank's local state at once while it writes (for error feedback: one gradient's worth
-per rank), and every rank loading a checkpoint reads (to verify) every rank's file. The codecs key their state
-by parameter (`loom.comm.compression.feedback`), so the restored residuals reach the gradients even though a
-fresh DDP buckets them differently on its first step: a resumed compressed run equals an uninterrupted one
-(tests/test_fit.py), provided the model and DataParallel settings (hence the parameter numbering) are the same.
+Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem): a rank that cannot find the
+staging directory fails the save on every rank, saying so. With ``async_checkpoint`` only rank 0's shared
+files are written in the background; each rank's own file is written before `save` returns. The codecs key
+their state by parameter (`loom.comm.compression.feedback`), so the restored residuals reach the gradients
+even though a fresh DDP buckets them differently on its first step: a resumed compressed run equals an
+uninterrupted one (tests/test_fit.py), provided the model and DataParallel settings (hence the parameter
+numbering) are the same.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ every rank's RNG state, about 15 KB and 1,300 values per rank) and refuse what a
 costs Python up to ~25 bytes of memory per input byte, which is why the JSON bounds are far below the tensor
 bound. `save_checkpoint` refuses a state whose JSON would break the same bounds, so nothing written by loom
 is unreadable with the limits it was saved under.
+
+These are absolute bounds. Each file is read within a tighter one, its *read budget*, which its manifest
+lists (``entries``; `ReadLimits.budgeted`): parsing JSON costs Python ~70-180 bytes per value, so a file
+under the absolute bounds could still cost ~700 MiB (issue 25's 26 MB header, 63 MB ``state.json``); within
+its budget it costs at most a small multiple of the genuine file.
 """
 
 from __future__ import annotations

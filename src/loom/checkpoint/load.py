@@ -13,6 +13,12 @@ tensor file) and input crafted to exhaust the reader:
   .bounded_json`): refused before it is parsed;
 - a safetensors header whose lengths, offsets, dtypes or shapes do not fit the file (`loom.checkpoint
   .tensor_file`): refused before any tensor is allocated; tensors are read one by one into their own memory.
+- JSON beyond the file's *read budget*: the manifest lists, for every file, its ``entries`` (its JSON values,
+  or its JSON bytes / `BYTES_PER_ENTRY` where more), and reading tightens the bounds to at most that many
+  values and that many entries of 64 bytes (`ReadLimits.budgeted`), so a file replaced under its manifest
+  entry costs at most a small multiple of the genuine one's, refused from its size before a byte is read
+  (``state.json``) or after 8 bytes (a safetensors header). Manifests of format 1 (no budgets) are refused,
+  naming `loom.checkpoint.upgrade_checkpoint`.
 
 Every file is read once: the sha256 is computed on the same pass that fills the tensors, and rank files are
 only hashed (1 MiB at a time) unless `read_local_state` asks for one. The ``latest`` pointer is read with the
@@ -21,8 +27,10 @@ from the newest checkpoint instead.
 
 Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
 before its sha256 can be compared (hashing first would read every genuine checkpoint twice), so the bound on
-what a crafted tensor file costs is that limit, by default the machine's memory. A process loading a
-checkpoint hashes every rank's file, not only its own.
+what a crafted tensor file costs is that limit, by default the machine's memory. `load_checkpoint` hashes every
+rank's file; `read_checkpoint_part` (what `loom.fit` uses) reads only the caller's. The read budgets come from
+the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone (as
+before format 2: up to ~700 MiB for a 26 MB header, measured in docs/checkpoints.md).
 """
 
 from __future__ import annotations

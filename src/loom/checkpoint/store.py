@@ -6,14 +6,17 @@ Layout of a checkpoint directory::
       step-00000012/
         state.json              the state's tree, tensors replaced by placeholders (see `loom.checkpoint.tree`)
         tensors.safetensors     every tensor, keyed by its path in the tree
-        rank-00000.safetensors  optional, one per rank: state that differs between processes (`pack_state`)
-        manifest.json           step, format version, size and sha256 of every file above
+        rank-00000.safetensors  optional, one per rank: that rank's own state, packed (`pack_state`)
+        manifest.json           step, format version, and for every file above its size, sha256 and read
+                                budget (``entries``, see `file_entries`)
       latest                    "step-00000012": the newest checkpoint known to be complete and durable
 
 The commit protocol, so that a crash at any instant leaves ``latest`` naming a whole checkpoint:
 
-1. write the files into a fresh ``.tmp-*`` directory inside ``directory``, fsync each, then the manifest last,
-   then fsync the temporary directory;
+1. the publishing writer creates a fresh ``.tmp-*`` staging directory inside ``directory`` (`open_staging`);
+   each rank file is written into it and fsynced (`write_rank_file`: by its own rank under `loom.fit`, on
+   shared storage; by the one writer for `save_checkpoint`); once every one is durable, the writer writes the
+   shared files, fsyncs each, then the manifest last, then fsyncs the staging directory (`publish`);
 2. rename it to ``step-NNNNNNNN`` (atomic) and fsync ``directory``;
 3. replace ``latest`` atomically (temporary file, fsync, ``os.replace``, fsync ``directory``);
 4. only then retire older checkpoints beyond ``keep`` (renamed to ``.trash-*`` first, so a half-deleted
@@ -25,12 +28,12 @@ allocation bounded by `loom.checkpoint.limits.ReadLimits`, links refused) and fa
 checkpoints. So that loom never writes what it would then refuse to read, `encode_state` refuses a state whose
 JSON breaks the default bounds.
 
-Per-rank files let one writer (the main process) commit state that every process holds a different piece of
-(e.g. gradient compression's error feedback) in the same atomic step as the rest: each process packs its own
-state (`loom.checkpoint.tree.pack_state`) and sends the bytes to the writer; `read_local_state` reads one back.
+Per-rank files let every process write the piece of the state it alone holds (a pipeline stage, gradient
+compression's error feedback) into the same atomic commit as the rest, without sending it to the writer:
+only its manifest entry travels; `read_local_state` and `load.read_checkpoint_part` read one back.
 
 Limits: one writer per directory (temporary directories of crashed writers are removed by the next save, so
-two processes saving into one directory would disturb each other). Saving holds a serialized copy of the
+two jobs saving into one directory would disturb each other). Saving holds a serialized copy of the
 tensors in memory while it writes. Re-saving the step that ``latest`` names has a short window in which a
 crash leaves ``latest`` naming nothing; loading then falls back to the previous checkpoint.
 """
