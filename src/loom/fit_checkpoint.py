@@ -4,15 +4,16 @@ A checkpoint of the loop holds the job (model, optimizer, step), the loader's po
 every rank's RNG state and the loop's counters, in one atomic checkpoint directory (`loom.checkpoint.store`).
 
 Who writes: every rank writes its own file. Rank 0 opens the staging directory and all-gathers its name with
-each rank's verdict on its own state; each rank then packs (`loom.checkpoint.tree.pack_state`) and writes
-``rank-R.safetensors`` into it and fsyncs it (its part of a sharded job such as `Pipeline` - its stage's model
-and optimizer state - or, for a replicated job, its *local state*), and the ranks all-gather a few bytes each
-(file name, size, sha256, read budget). Rank 0 then writes the shared files (the replicated job's state, which
-is the same on every rank, so written once; the loader, the scheduler, every rank's RNG state, the loop's
-counters) and publishes the manifest; a crash before that leaves the previous checkpoint the newest. No rank
-receives another's model state, so a rank's peak memory during a save is its own state plus its packed copy
-(measured in docs/checkpoints.md). A last all-gather agrees that the checkpoint succeeded, so a failed write
-stops every rank with the same error instead of leaving some waiting.
+each rank's verdict on its own state; each rank then writes ``rank-R.safetensors`` into it, streamed from its
+tensors (`loom.checkpoint.tree.PackedState`, the layout of `pack_state`), and fsyncs it: its part of a sharded
+job such as `Pipeline` (its stage's model and optimizer state), or, for a replicated job, its *local state*.
+The ranks all-gather a few bytes each (file name, size, sha256, read budget). Rank 0 then writes the shared
+files (the replicated job's state, the same on every rank, so written once; the loader, the scheduler, every
+rank's RNG state, the loop's counters) and publishes the manifest; a crash before that leaves the previous
+checkpoint the newest. No rank receives another's model state, and none makes a serialized copy of its own,
+so a save costs a rank little memory beyond its state (measured in docs/checkpoints.md). A last all-gather
+agrees that the checkpoint succeeded, so a failed write stops every rank with the same error instead of
+leaving some waiting.
 
 Local state is what a job's ``local_state_dict()`` returns, when it has one: state that differs between ranks,
 such as gradient compression's error-feedback residuals and PowerSGD's warm starts (`DataParallel` with
@@ -21,9 +22,8 @@ local state is dropped, with a line on stderr saying so when it holds tensors: r
 that kept them, and there is no meaningful way to share them among a different number of ranks (the codecs
 start from zero).
 
-Resuming: each rank reads the shared files and its own file only (`read_checkpoint_part`), and the ranks
-agree on each candidate's verdict (one small all-gather), so damage in any rank's file makes every rank fall
-back to the previous checkpoint together.
+Resuming (`loom.fit_resume`): each rank reads the shared files and its own file only, and the ranks agree on
+each candidate's verdict, so damage in any rank's file makes every rank fall back together.
 
 Non-finite state is never written: before a checkpoint every rank that writes state checks it (rank 0 the
 replicated job state; every rank its own local state, or its part of a sharded job) for NaN and infinite
@@ -44,7 +44,6 @@ numbering) are the same.
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -56,25 +55,16 @@ import torch.distributed as dist
 from loom.checkpoint import (
     AsyncCheckpoint,
     CheckpointError,
-    CorruptCheckpointError,
-    CorruptCheckpointWarning,
     capture_rng,
-    checkpoint_name,
-    local_state_file,
-    pack_state,
-    read_checkpoint_part,
-    restore_rng,
 )
 from loom.checkpoint.background import publish_async, wait_for_pending
-from loom.checkpoint.load import checkpoint_candidates, no_valid_checkpoint
 from loom.checkpoint.store import abandon_staging, encode_state, open_staging, publish, write_rank_file
-from loom.checkpoint.tree import flatten_state
+from loom.checkpoint.tree import PackedState, flatten_state
 from loom.comm._reduce import all_gather_sized_bytes
-from loom.fault.resize import resize_factor, scale_learning_rate
 from loom.job import Job
 from loom.topology import Topology
 
-__all__ = ["FitCheckpointer", "NonFiniteStateError", "nonfinite_tensors", "resume_fit"]
+__all__ = ["FitCheckpointer", "NonFiniteStateError", "all_gather_ints", "nonfinite_tensors"]
 
 _WRITE_FAILED, _NONFINITE = 1, 2
 """Codes of a rank's verdict in the agreement after a checkpoint."""
@@ -103,7 +93,7 @@ def _collective(topo: Topology) -> bool:
     return topo.is_distributed and dist.is_available() and dist.is_initialized()
 
 
-def _all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
+def all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
     """Every rank's short list of ints (the same length on every rank), in rank order."""
     if not _collective(topo):
         return [list(values)]
@@ -114,7 +104,7 @@ def _all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
 
 
 def _all_gather_int(value: int, topo: Topology) -> list[int]:
-    return [values[0] for values in _all_gather_ints([value], topo)]
+    return [values[0] for values in all_gather_ints([value], topo)]
 
 
 def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
@@ -144,17 +134,18 @@ def _rank_state(job: Job) -> dict[str, Any]:
     return {"job": job.state_dict(), "local": job.local_state_dict()}
 
 
-def _pack_rank_state(job: Job) -> tuple[bytes, str, str]:
+def _pack_rank_state(job: Job) -> tuple[PackedState | None, str, str]:
     """``(packed, status, detail)`` of this rank's `_rank_state`: status ``ok``, ``nonfinite`` (detail: the
-    tensors) or ``failed`` (detail: the error); never raises, so that no rank is left waiting."""
+    tensors) or ``failed`` (detail: the error); never raises, so that no rank is left waiting. The packed
+    state refers to the job's tensors (written before the next step changes them), so saving costs no copy."""
     try:
         state = _rank_state(job)
         nonfinite = nonfinite_tensors(state)
         if nonfinite:
-            return b"", "nonfinite", _shown(nonfinite)
-        return pack_state(state), "ok", ""
+            return None, "nonfinite", _shown(nonfinite)
+        return PackedState(state), "ok", ""
     except Exception as err:  # reported on every rank by the caller
-        return b"", "failed", repr(err)
+        return None, "failed", repr(err)
 
 
 def _all_gather_json(value: dict[str, Any], topo: Topology) -> list[dict[str, Any]]:
@@ -185,10 +176,11 @@ def _check_packed(verdicts: list[dict[str, Any]], topo: Topology, refused: str) 
         )
 
 
-def _write_own_file(staging: str, payload: bytes, topo: Topology) -> dict[str, Any]:
+def _write_own_file(staging: str, payload: PackedState | None, topo: Topology) -> dict[str, Any]:
     """Write this rank's packed state into the shared staging directory and fsync it; its manifest entry,
     or ``{"error": ...}``."""
     try:
+        assert payload is not None  # a rank without one raised in `_check_packed`
         return write_rank_file(Path(staging), topo.rank, payload)
     except Exception as err:  # reported on every rank by the caller
         where = "" if Path(staging).is_dir() else " (the staging directory is not there: not shared storage?)"
@@ -334,128 +326,3 @@ class FitCheckpointer:
                 f"{operation} in {self.directory} failed (seen on rank {self.topo.rank}): {failure}. "
                 "HINT: check that the directory is writable and has free space."
             )
-
-
-# -- resuming ---------------------------------------------------------------------------------------------------
-def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], Any] | None:
-    """The newest checkpoint every rank finds intact: ``(step, shared state, this rank's own part)``, or None.
-
-    Each rank reads the shared files and its own file only (`read_checkpoint_part`); after each candidate the
-    ranks all-gather ``(step, verdict)``, so that a checkpoint damaged in any rank's file makes every rank fall
-    back to the previous one together, as one process reading every file would. Collective."""
-    candidates, problems = checkpoint_candidates(directory)
-    index = 0
-    while True:
-        found, verdict = None, 0
-        error: CheckpointError | None = None
-        checkpoint = candidates[index] if index < len(candidates) else None
-        step = int(checkpoint.name.split("-")[1]) if checkpoint is not None else -1
-        if checkpoint is not None:
-            try:
-                found = read_checkpoint_part(checkpoint, topo.rank)
-            except CorruptCheckpointError as err:
-                verdict, error = 1, err
-            except CheckpointError as err:  # raised on every rank below, so nobody hangs
-                verdict, error = 2, err
-        gathered = _all_gather_ints([step, verdict], topo)
-        steps = [s for s, _ in gathered]
-        if any(v == 2 for _, v in gathered):
-            if isinstance(error, CheckpointError) and verdict == 2:
-                raise error
-            rank = next(r for r, (_, v) in enumerate(gathered) if v == 2)
-            raise CheckpointError(f"rank {rank} could not read the checkpoint of step {step} in {directory}")
-        if len(set(steps)) > 1:
-            described = ", ".join(f"rank {r}: {'none' if s < 0 else s}" for r, s in enumerate(steps))
-            raise CheckpointError(
-                f"ranks found different checkpoints in {directory} ({described}). HINT: checkpoint_dir must be "
-                "storage every rank sees (a shared filesystem), used by one job at a time."
-            )
-        if step < 0:
-            if problems:
-                raise no_valid_checkpoint(directory, problems)
-            return None
-        damaged = [r for r, (_, v) in enumerate(gathered) if v == 1]
-        if not damaged:
-            return found
-        reason = str(error) if error is not None else f"rank(s) {damaged} found a file damaged"
-        problems.append(reason)
-        warnings.warn(
-            f"checkpoint {candidates[index].name} is damaged: {reason}; falling back to an earlier checkpoint",
-            CorruptCheckpointWarning,
-            stacklevel=3,
-        )
-        index += 1
-
-
-def resume_fit(
-    job: Job, loader, scheduler, directory: Path, topo: Topology, scale_lr: bool = False
-) -> tuple[int, dict[str, Any]] | None:
-    """Load the newest intact checkpoint of ``directory`` into the loop's objects; return its step and the
-    loop's saved counters, or None when there is no checkpoint. Collective: every rank calls it."""
-    found = _load_agreed(directory, topo)
-    if found is None:
-        return None
-    step, state, own = found
-    if not isinstance(state.get("fit"), dict):
-        raise ValueError(
-            f"the checkpoint of step {step} in {directory} was not written by loom.fit (no 'fit' entry). "
-            "HINT: pass a checkpoint_dir of its own to fit()."
-        )
-    checkpoint = directory / checkpoint_name(step)
-    if state["fit"].get("sharded") or not job.replicated_state:
-        _restore_sharded_state(job, state["fit"], checkpoint, step, topo, own)
-    else:
-        job.load_state_dict(state["job"])
-        _restore_local_state(job, state["fit"], step, topo, own)
-    loader.load_state_dict(state["loader"])
-    if scheduler is not None:
-        if state.get("scheduler") is None:
-            raise ValueError(
-                f"fit() got an lr_scheduler but the checkpoint of step {step} in {directory} holds none. "
-                "HINT: resume with the same arguments as the run that wrote it."
-            )
-        scheduler.load_state_dict(state["scheduler"])
-    if scale_lr:  # the linear scaling rule, relative to the world size that wrote the checkpoint
-        scale_learning_rate(
-            job.optimizer, scheduler, resize_factor(state["fit"].get("world_size"), topo.world_size)
-        )
-    ranks = state["rng"]["ranks"]
-    restore_rng(ranks[topo.rank % len(ranks)])
-    return step, state["fit"]
-
-
-def _restore_sharded_state(
-    job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology, own: Any
-) -> None:
-    """Load this rank's part of a job whose state differs per rank; only the layout that wrote it fits."""
-    mesh = job.mesh.shape.describe()
-    if job.replicated_state or saved.get("world_size") != topo.world_size or saved.get("mesh") != mesh:
-        raise CheckpointError(
-            f"the checkpoint of step {step} in {checkpoint.parent} holds a job sharded over "
-            f"{saved.get('world_size')} processes (mesh {saved.get('mesh')}); this job is "
-            f"{'replicated' if job.replicated_state else 'sharded'} over {topo.world_size} (mesh {mesh}). "
-            "HINT: resume with the strategy, world size and mesh degrees that wrote it."
-        )
-    if not isinstance(own, dict) or set(own) != {"job", "local"}:
-        raise CorruptCheckpointError(checkpoint / local_state_file(topo.rank), "not a sharded job's part")
-    job.load_state_dict(own["job"])
-    job.load_local_state_dict(own["local"])
-
-
-def _restore_local_state(job: Job, saved: dict[str, Any], step: int, topo: Topology, own: Any) -> None:
-    """Load this rank's own saved state into ``job`` when the world size is the one that wrote it."""
-    if not saved.get("local_states"):
-        return
-    written_by = saved.get("world_size")
-    if written_by != topo.world_size:
-        # Said only when something is lost: local state without tensors (no compression) is nothing to miss.
-        if topo.is_main and own is not None and flatten_state(own)[1]:
-            print(
-                f"loom.fit: the checkpoint of step {step} was written by {written_by} processes, this run has "
-                f"{topo.world_size}: each rank's local state (gradient compression's error feedback and warm "
-                "starts) is dropped, since it belongs to the ranks that kept it; it starts again from zero.",
-                file=sys.stderr,
-                flush=True,
-            )
-        return
-    job.load_local_state_dict(own)

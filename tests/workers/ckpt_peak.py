@@ -19,7 +19,8 @@ from torch.utils.data import TensorDataset
 
 import loom
 from loom.checkpoint import pack_state
-from loom.fit_checkpoint import FitCheckpointer, resume_fit
+from loom.fit_checkpoint import FitCheckpointer
+from loom.fit_resume import resume_fit
 
 directory, width = Path(sys.argv[1]), int(sys.argv[2])
 use_async = len(sys.argv) > 3 and sys.argv[3] == "async"

@@ -1,9 +1,9 @@
 """Reading checkpoints back: verify everything, bound every allocation, fall back past whatever is damaged.
 
-`load_checkpoint` starts from the checkpoint ``latest`` names and walks back by step; `read_checkpoint` reads
-one and raises `CorruptCheckpointError` naming the first file found wrong and how. "Wrong" covers damage
-(missing, truncated, a sha256 that differs from the manifest, JSON that does not parse or does not match the
-tensor file) and input crafted to exhaust the reader:
+`read_checkpoint` reads one checkpoint (`read_checkpoint_part`: the shared files and one rank's own) and
+raises `CorruptCheckpointError` naming the first file found wrong and how (`loom.checkpoint.find` walks back
+past it). "Wrong" covers damage (missing, truncated, a sha256 that differs from the manifest, JSON that does
+not parse or does not match the tensor file) and input crafted to exhaust the reader:
 
 - a ``step-*`` directory or a file in it that is a symbolic link, or not a regular file (`loom.checkpoint
   .confined`): refused, never followed;
@@ -21,14 +21,12 @@ tensor file) and input crafted to exhaust the reader:
   naming `loom.checkpoint.upgrade_checkpoint`.
 
 Every file is read once: the sha256 is computed on the same pass that fills the tensors, and rank files are
-only hashed (1 MiB at a time) unless `read_local_state` asks for one. The ``latest`` pointer is read with the
-same care (no link, at most `ReadLimits.max_pointer_bytes`); when it is unusable, loading warns and starts
-from the newest checkpoint instead.
+only hashed (1 MiB at a time) by `read_checkpoint`, read and unpacked by `read_local_state` and
+`read_checkpoint_part` (the caller's own; the others are not opened).
 
 Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
 before its sha256 can be compared (hashing first would read every genuine checkpoint twice), so the bound on
-what a crafted tensor file costs is that limit, by default the machine's memory. `load_checkpoint` hashes every
-rank's file; `read_checkpoint_part` (what `loom.fit` uses) reads only the caller's. The read budgets come from
+what a crafted tensor file costs is that limit, by default the machine's memory. The read budgets come from
 the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone (as
 before format 2: up to ~700 MiB for a 26 MB header, measured in docs/checkpoints.md).
 """
@@ -38,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -50,25 +47,18 @@ from loom.checkpoint.limits import BYTES_PER_ENTRY, DEFAULT_LIMITS, ReadLimits
 from loom.checkpoint.store import (
     FORMAT,
     MANIFEST_FILE,
-    POINTER_FILE,
     STATE_FILE,
     STEP_NAME,
     TENSOR_FILE,
     VERSION,
     CheckpointError,
     CorruptCheckpointError,
-    CorruptCheckpointWarning,
-    NoValidCheckpointError,
-    list_checkpoints,
     local_state_file,
 )
 from loom.checkpoint.tensor_file import read_tensor_file
 from loom.checkpoint.tree import unflatten_state, unpack_tensor_file
 
 __all__ = [
-    "checkpoint_candidates",
-    "load_checkpoint",
-    "no_valid_checkpoint",
     "parse_manifest",
     "parse_state",
     "read_checkpoint",
@@ -346,95 +336,3 @@ def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLi
         return unpack_tensor_file(metadata, tensors, limits.budgeted(files[name]["entries"]))
     except ValueError as err:
         raise CorruptCheckpointError(checkpoint / name, str(err)) from None
-
-
-def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, str | None]:
-    """``(name, None)`` for a usable ``latest``, ``(None, None)`` for none, ``(None, why)`` for a bad one."""
-    root = ConfinedDirectory.open(directory, follow=True)
-    if isinstance(root, str):
-        return None, None
-    with root:
-        opened = root.open_file(POINTER_FILE)
-    if isinstance(opened, str):
-        return None, None if opened == "the file is missing" else opened
-    file, size = opened
-    with file:
-        try:
-            name = read_limited(file, size, limits.max_pointer_bytes).decode().strip()
-        except (ValueError, UnicodeDecodeError) as err:
-            return None, f"is unreadable ({err})"
-    if not STEP_NAME.fullmatch(name):
-        return None, f"holds {name[:40]!r}, not a checkpoint name"
-    return name, None
-
-
-def _read_pointer(directory: Path, limits: ReadLimits) -> str | None:
-    """The checkpoint name ``latest`` holds; None (warning if it exists but is unusable) otherwise."""
-    name, problem = _pointer_problem(directory, limits)
-    if problem is not None:
-        warnings.warn(
-            f"{directory / POINTER_FILE} {problem}; using the newest intact checkpoint",
-            CorruptCheckpointWarning,
-            stacklevel=3,
-        )
-    return name
-
-
-def checkpoint_candidates(
-    directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
-) -> tuple[list[Path], list[str]]:
-    """The checkpoints of ``directory`` to try, newest first: from the one ``latest`` names (the newest if
-    there is no usable pointer) back by step; and the problems found on the way (a pointer naming nothing),
-    each already warned with `CorruptCheckpointWarning`."""
-    directory = Path(directory)
-    checkpoints = list_checkpoints(directory)
-    pointer = _read_pointer(directory, limits)
-    problems: list[str] = []
-    candidates = list(checkpoints)
-    if pointer is not None:
-        newest = int(STEP_NAME.fullmatch(pointer).group(1))  # type: ignore[union-attr]
-        if newest not in checkpoints:
-            problems.append(f"{directory / POINTER_FILE} names {pointer}, which does not exist")
-            warnings.warn(
-                problems[-1] + "; falling back to an earlier checkpoint",
-                CorruptCheckpointWarning,
-                stacklevel=3,
-            )
-        candidates = [s for s in checkpoints if s <= newest]
-    return [checkpoints[s] for s in reversed(candidates)], problems
-
-
-def no_valid_checkpoint(directory: str | os.PathLike, problems: list[str]) -> NoValidCheckpointError:
-    """The error for a directory whose checkpoints all failed, listing ``problems``."""
-    return NoValidCheckpointError(
-        f"no intact checkpoint in {directory}: "
-        + "; ".join(problems)
-        + ". HINT: restore the files from a backup, or move the directory away to start from scratch."
-    )
-
-
-def load_checkpoint(
-    directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
-) -> tuple[int, dict[str, Any]] | None:
-    """The newest intact checkpoint in ``directory`` as ``(step, state)``, or None if there is none.
-
-    Starts from the checkpoint ``latest`` names (the newest if there is no pointer yet) and walks back by
-    step past damaged ones, warning with `CorruptCheckpointWarning` for each, naming the file and the reason.
-    Raises `NoValidCheckpointError` when checkpoints exist but none is intact: starting over silently would
-    throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`). Every rank's file is
-    verified (`read_checkpoint`); `loom.fit` reads only each process's own (`read_checkpoint_part`).
-    """
-    candidates, problems = checkpoint_candidates(directory, limits=limits)
-    for checkpoint in candidates:
-        try:
-            return read_checkpoint(checkpoint, limits=limits)
-        except CorruptCheckpointError as err:
-            problems.append(str(err))
-            warnings.warn(
-                f"checkpoint {checkpoint.name} is damaged: {err}; falling back to an earlier checkpoint",
-                CorruptCheckpointWarning,
-                stacklevel=2,
-            )
-    if not problems:
-        return None
-    raise no_valid_checkpoint(directory, problems)

@@ -57,7 +57,7 @@ import torch
 from loom.checkpoint.bounded_json import count_json_values, json_shape_problem
 from loom.checkpoint.durable import fsync_directory, replace_durable, unique_name, write_durable
 from loom.checkpoint.limits import BYTES_PER_ENTRY, DEFAULT_LIMITS
-from loom.checkpoint.tree import TAG, flatten_state
+from loom.checkpoint.tree import TAG, PackedState, flatten_state
 
 __all__ = [
     "CheckpointError",
@@ -215,12 +215,22 @@ def open_staging(directory: Path, step: int) -> Path:
     return staging
 
 
-def write_rank_file(staging: Path, rank: int, data: bytes) -> dict[str, Any]:
-    """Write rank ``rank``'s packed state durably into ``staging`` (any process may, the staging directory
-    being shared storage); return its manifest entry, which the publishing writer collects."""
+def write_rank_file(staging: Path, rank: int, data: bytes | PackedState) -> dict[str, Any]:
+    """Write rank ``rank``'s packed state (`pack_state` bytes, or a `PackedState` streamed from its tensors)
+    durably into ``staging`` (any process may, the staging directory being shared storage); return its
+    manifest entry, which the publishing writer collects."""
     name = local_state_file(rank)
-    write_durable(staging / name, data)
-    return {"file": name, **describe_file(name, data)}
+    if isinstance(data, bytes):
+        write_durable(staging / name, data)
+        return {"file": name, **describe_file(name, data)}
+    digest = hashlib.sha256()
+    write_durable(staging / name, data.chunks(), digest)
+    return {
+        "file": name,
+        "size": data.size,
+        "sha256": digest.hexdigest(),
+        "entries": file_entries(name, data.header),
+    }
 
 
 def abandon_staging(staging: Path) -> None:
