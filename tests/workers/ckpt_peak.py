@@ -5,6 +5,7 @@ Each stage holds two Linear(WIDTH, WIDTH) trained one step with Adam (parameters
 (``/proc/self/clear_refs``), saves one checkpoint through `FitCheckpointer` (the path `loom.fit` takes), and
 prints one JSON line: its own state's bytes, its resident memory before the save and its peak during it. Then
 every rank loads the checkpoint back (`resume_fit`) into its job and reports whether its part came back bitwise.
+Run by tests/test_checkpoint_shards.py (at WIDTH 1024) and by hand for docs/checkpoints.md's figures.
 """
 
 import hashlib
