@@ -21,7 +21,11 @@ from torch.utils.data import TensorDataset
 import loom
 from loom.checkpoint import pack_state
 from loom.fit_checkpoint import FitCheckpointer
-from loom.fit_resume import resume_fit
+
+try:
+    from loom.fit_resume import resume_fit
+except ImportError:  # loom before per-rank checkpoint files (main at 48d3567), for the "before" figures
+    from loom.fit_checkpoint import resume_fit  # type: ignore[attr-defined,no-redef]
 
 directory, width = Path(sys.argv[1]), int(sys.argv[2])
 use_async = len(sys.argv) > 3 and sys.argv[3] == "async"
