@@ -138,12 +138,13 @@ def test_unsupported_value_is_refused_with_its_path(tmp_path):
 
 
 def _rewrite_json_keeping_manifest(checkpoint: Path, name: str, data: bytes) -> None:
-    """Replace a file with ``data`` and update the manifest, so only the content itself is wrong."""
+    """Replace a file with ``data`` and update the manifest's size and sha256 (its read budget is kept), so
+    only the content itself is wrong."""
     import hashlib
 
     (checkpoint / name).write_bytes(data)
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"][name].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 

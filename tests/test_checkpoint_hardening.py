@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from loom.checkpoint.limits import physical_memory
 
 STEP = "step-00000002"
 HUGE_TENSOR_FILE = max(64 << 30, 2 * (physical_memory() or 0))  # more than this machine could allocate
+ANY = 1 << 40
+"""A read budget (``entries``) an adversary who rewrites the manifest too can claim: the absolute limits hold."""
 
 
 def two_checkpoints(directory: Path, local_states: bool = False) -> Path:
@@ -49,8 +52,16 @@ def two_checkpoints(directory: Path, local_states: bool = False) -> Path:
     return directory / STEP
 
 
-def forge(checkpoint: Path, name: str, data: bytes | None = None, *, size: int | None = None) -> None:
-    """Replace ``name`` with ``data`` (or a sparse file of ``size`` bytes) and make the manifest agree."""
+def forge(
+    checkpoint: Path,
+    name: str,
+    data: bytes | None = None,
+    *,
+    size: int | None = None,
+    entries: int | None = None,
+) -> None:
+    """Replace ``name`` with ``data`` (or a sparse file of ``size`` bytes) and make the manifest's size and
+    sha256 agree (the read budget it lists, ``entries``, is kept unless ``entries`` is given)."""
     path = checkpoint / name
     path.unlink()
     if data is not None:
@@ -63,7 +74,7 @@ def forge(checkpoint: Path, name: str, data: bytes | None = None, *, size: int |
     if name != "manifest.json":
         manifest_path = checkpoint / "manifest.json"
         manifest = json.loads(manifest_path.read_text())
-        manifest["files"][name] = entry
+        manifest["files"][name].update(entry, **({} if entries is None else {"entries": entries}))
         manifest_path.write_text(json.dumps(manifest))
 
 
@@ -85,9 +96,24 @@ def link_outside(checkpoint: Path, name: str, outside: Path) -> None:
     os.symlink(target, source)
 
 
+def many_empty_tensors_header(megabytes: int) -> bytes:
+    """A valid safetensors file whose header lists ~20,000 zero-size tensors per MB (the issue's 26 MB case:
+    each becomes a tensor object, ~1 KB of memory and ~35 us, before the state is found not to match)."""
+    entry = b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}'
+    count = (megabytes << 20) // 60
+    return safetensors_bytes(b"{" + b",".join(entry % i for i in range(count)) + b"}")
+
+
+def many_strings_state(megabytes: int) -> bytes:
+    """A state.json of ~65,000 twelve-letter strings per MB, under the absolute bounds (64 MiB, 4 million
+    values) at 63 MB: ~180 bytes of Python objects each once parsed (the issue's +724 MB)."""
+    count = (megabytes << 20) // 15
+    return b'{"step": 2, "state": {"s": [' + b",".join([b'"abcdefghijkl"'] * count) + b"]}}"
+
+
 CRAFTED = {
     "deeply nested state.json": (
-        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"w": ' + deep(200_000) + b"}}"),
+        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"w": ' + deep(200_000) + b"}}", entries=ANY),
         r"state\.json: JSON nested 200002 levels deep",
     ),
     "deeply nested manifest.json": (
@@ -95,7 +121,7 @@ CRAFTED = {
         r"manifest\.json: JSON nested 200000 levels deep",
     ),
     "5,000-digit integer in state.json": (
-        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"n": ' + b"7" * 5000 + b"}}"),
+        lambda c: forge(c, "state.json", b'{"step": 2, "state": {"n": ' + b"7" * 5000 + b"}}", entries=ANY),
         r"state\.json: a number of more than 4300 digits",
     ),
     "5,000-digit step in manifest.json": (
@@ -105,7 +131,7 @@ CRAFTED = {
         r"manifest\.json: a number of more than 4300 digits",
     ),
     "600 MB state.json": (
-        lambda c: forge(c, "state.json", size=600 << 20),
+        lambda c: forge(c, "state.json", size=600 << 20, entries=ANY),
         r"state\.json: 629145600 bytes, more than the limit of 67108864\. HINT: .*max_state_bytes",
     ),
     "600 MB manifest.json": (
@@ -151,6 +177,15 @@ CRAFTED = {
             safetensors_bytes({"w": {"dtype": "F128", "shape": [2], "data_offsets": [0, 32]}}, b"\0" * 32),
         ),
         r"tensors\.safetensors: .*unknown dtype 'F128'",
+    ),
+    "26 MB tensor header under the absolute limit, manifest's budget kept": (
+        lambda c: forge(c, "tensors.safetensors", many_empty_tensors_header(26)),
+        r"tensors\.safetensors: not a readable safetensors file \(the header claims 26243047 bytes, .* the limit "
+        r"is \d+; the read budget of its manifest entry is \d+ entries",
+    ),
+    "63 MB state.json under the absolute limits, manifest's budget kept": (
+        lambda c: forge(c, "state.json", many_strings_state(63)),
+        r"state\.json: the manifest lists 6606\d+ bytes, more than its own read budget of \d+ entries allows",
     ),
     "state.json that is a FIFO": (
         lambda c: ((c / "state.json").unlink(), os.mkfifo(c / "state.json")),
@@ -230,6 +265,8 @@ def test_limits_are_configurable_and_save_refuses_what_it_could_not_read():
 
 # -- peak memory ------------------------------------------------------------------------------------------------
 OVERSIZED = [
+    "26 MB tensor header under the absolute limit, manifest's budget kept",
+    "63 MB state.json under the absolute limits, manifest's budget kept",
     "600 MB state.json",
     "600 MB manifest.json",
     "huge sparse tensors.safetensors, manifest updated",
@@ -246,19 +283,27 @@ def measure_peaks(root: Path) -> dict[str, dict[str, int]]:
     size limit, so the depth scan reads it), each from a clean high-water mark (``/proc/self/clear_refs``)."""
     cases = {name: CRAFTED[name][0] for name in OVERSIZED}
     cases["60 MB of nesting in state.json"] = lambda c: forge(
-        c, "state.json", b'{"step": 2, "state": ' + deep(30 << 20) + b"}"
+        c, "state.json", b'{"step": 2, "state": ' + deep(30 << 20) + b"}", entries=ANY
     )
     cases["oversized latest"] = lambda c: os.truncate(c.parent / "latest", 1 << 30)
+    if os.environ.get("LOOM_PEAKS_FORGED_BUDGET"):  # the residual: the manifest's budgets rewritten as well
+        cases["26 MB tensor header, budget forged too"] = lambda c: forge(
+            c, "tensors.safetensors", many_empty_tensors_header(26), entries=ANY
+        )
+        cases["63 MB state.json, budget forged too"] = lambda c: forge(
+            c, "state.json", many_strings_state(63), entries=ANY
+        )
     peaks = {}
     for index, (name, craft) in enumerate(cases.items()):
         directory = root / str(index)
         craft(two_checkpoints(directory))
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        before = _peak_kib()
+        before, started = _peak_kib(), time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CorruptCheckpointWarning)
             assert load_checkpoint(directory)[0] in (1, 2)
-        peaks[name] = {"rss_before_kib": before, "peak_kib": _peak_kib()}
+        seconds = time.perf_counter() - started  # reported by the script, never asserted on
+        peaks[name] = {"rss_before_kib": before, "peak_kib": _peak_kib(), "seconds": round(seconds, 3)}
     return peaks
 
 

@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from loom.fault.desync import check_replicas_agree
-from loom.fit_checkpoint import FitCheckpointer, resume_fit
+from loom.fit_checkpoint import FitCheckpointer
+from loom.fit_resume import resume_fit
 from loom.job import Job
 from loom.observe.progress import ProgressBar
 

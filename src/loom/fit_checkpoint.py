@@ -3,41 +3,52 @@
 A checkpoint of the loop holds the job (model, optimizer, step), the loader's position, the LR scheduler,
 every rank's RNG state and the loop's counters, in one atomic checkpoint directory (`loom.checkpoint.store`).
 
-Who writes: the state of a replicated job (`DataParallel`) is the same on every rank, so rank 0 alone writes
-it, after gathering every rank's RNG state and *local state*; at each checkpoint the ranks then agree (one small
-all-gather) that it succeeded, so a failed write stops every rank with the same error instead of leaving some
-waiting. Every rank loads the checkpoint itself and the ranks check they found the same step.
+Who writes: every rank writes its own file. Rank 0 opens the staging directory and all-gathers its name with
+each rank's verdict on its own state; each rank then writes ``rank-R.safetensors`` into it, streamed from its
+tensors (`loom.checkpoint.tree.PackedState`, the layout of `pack_state`), and fsyncs it: its part of a sharded
+job such as `Pipeline` (its stage's model and optimizer state), or, for a replicated job, its *local state*.
+The ranks all-gather a few bytes each (file name, size, sha256, read budget). Rank 0 then writes the shared
+files (the replicated job's state, the same on every rank, so written once; the loader, the scheduler, every
+rank's RNG state, the loop's counters) and publishes the manifest; a crash before that leaves the previous
+checkpoint the newest. No rank receives another's model state, and none makes a serialized copy of its own,
+so a save costs a rank little memory beyond its state (measured in docs/checkpoints.md). A last all-gather
+agrees that the checkpoint succeeded, so a failed write stops every rank with the same error instead of
+leaving some waiting.
 
 Local state is what a job's ``local_state_dict()`` returns, when it has one: state that differs between ranks,
 such as gradient compression's error-feedback residuals and PowerSGD's warm starts (`DataParallel` with
-``compression=``). Each rank packs its own (`loom.checkpoint.tree.pack_state`), rank 0 gathers the bytes and
-stores them as one file per rank inside the same checkpoint, under its manifest's checksums. On resume at the
-same world size rank r loads file r, bitwise. At another world size the local state is dropped, with a line on
-stderr saying so when it holds tensors: residuals belong to the ranks that kept them, and there is no meaningful
-way to share them among a different number of ranks (the codecs start from zero).
+``compression=``). On resume at the same world size rank r loads file r, bitwise. At another world size the
+local state is dropped, with a line on stderr saying so when it holds tensors: residuals belong to the ranks
+that kept them, and there is no meaningful way to share them among a different number of ranks (the codecs
+start from zero).
+
+Resuming (`loom.fit_resume`): each rank reads the shared files and its own file only, and the ranks agree on
+each candidate's verdict, so damage in any rank's file makes every rank fall back together.
 
 Non-finite state is never written: before a checkpoint every rank that writes state checks it (rank 0 the
 replicated job state; every rank its own local state, or its part of a sharded job) for NaN and infinite
-values, and the ranks agree on the verdict with the collectives the write already takes (the size gather, the
-success agreement). A non-finite state stops the job on every rank with `NonFiniteStateError`, naming the
-ranks, the tensors and the newest checkpoint, which is kept: the checkpoints on disk are all finite, so rotation
-(``keep``) never removes the last good one in favour of a bad one.
+values, and the ranks agree on the verdict with the collectives the write already takes. A non-finite state
+stops the job on every rank with `NonFiniteStateError`, naming the ranks, the tensors and the newest
+checkpoint, which is kept: the checkpoints on disk are all finite, so rotation (``keep``) never removes the
+last good one in favour of a bad one.
 
-Limits: rank 0 holds every rank's local state at once while it writes (for error feedback: one gradient's worth
-per rank), and every rank loading a checkpoint reads (to verify) every rank's file. The codecs key their state
-by parameter (`loom.comm.compression.feedback`), so the restored residuals reach the gradients even though a
-fresh DDP buckets them differently on its first step: a resumed compressed run equals an uninterrupted one
-(tests/test_fit.py), provided the model and DataParallel settings (hence the parameter numbering) are the same.
+Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem): a rank that cannot find the
+staging directory fails the save on every rank, saying so. With ``async_checkpoint`` only rank 0's shared
+files are written in the background; each rank's own file is written before `save` returns. The codecs key
+their state by parameter (`loom.comm.compression.feedback`), so the restored residuals reach the gradients
+even though a fresh DDP buckets them differently on its first step: a resumed compressed run equals an
+uninterrupted one (tests/test_fit.py), provided the model and DataParallel settings (hence the parameter
+numbering) are the same.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 
@@ -45,22 +56,16 @@ from loom.checkpoint import (
     AsyncCheckpoint,
     CheckpointError,
     capture_rng,
-    checkpoint_name,
-    load_checkpoint,
-    pack_state,
-    read_local_state,
-    restore_rng,
-    save_checkpoint,
-    save_checkpoint_async,
 )
-from loom.checkpoint.tree import flatten_state
+from loom.checkpoint.background import publish_async, wait_for_pending
+from loom.checkpoint.store import abandon_staging, encode_state, open_staging, publish, write_rank_file
+from loom.checkpoint.tree import PackedState, flatten_state
 from loom.comm._reduce import all_gather_sized_bytes
-from loom.errors import NonFiniteStateError  # noqa: F401 - raised here, defined there
-from loom.fault.resize import resize_factor, scale_learning_rate
+from loom.errors import NonFiniteStateError
 from loom.job import Job
 from loom.topology import Topology
 
-__all__ = ["FitCheckpointer", "NonFiniteStateError", "nonfinite_tensors", "resume_fit"]
+__all__ = ["FitCheckpointer", "NonFiniteStateError", "all_gather_ints", "nonfinite_tensors"]
 
 _WRITE_FAILED, _NONFINITE = 1, 2
 """Codes of a rank's verdict in the agreement after a checkpoint."""
@@ -85,13 +90,18 @@ def _collective(topo: Topology) -> bool:
     return topo.is_distributed and dist.is_available() and dist.is_initialized()
 
 
-def _all_gather_int(value: int, topo: Topology) -> list[int]:
+def all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
+    """Every rank's short list of ints (the same length on every rank), in rank order."""
     if not _collective(topo):
-        return [value]
-    mine = torch.tensor([value], dtype=torch.int64, device=topo.device)
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64, device=topo.device)
     gathered = [torch.zeros_like(mine) for _ in range(topo.world_size)]
     dist.all_gather(gathered, mine)
-    return [int(t.item()) for t in gathered]
+    return [[int(v) for v in t.tolist()] for t in gathered]
+
+
+def _all_gather_int(value: int, topo: Topology) -> list[int]:
+    return [values[0] for values in all_gather_ints([value], topo)]
 
 
 def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
@@ -121,45 +131,57 @@ def _rank_state(job: Job) -> dict[str, Any]:
     return {"job": job.state_dict(), "local": job.local_state_dict()}
 
 
-def _gather_rank_states(job: Job, topo: Topology, refused: str) -> list[bytes] | None:
-    """Every rank's packed `_rank_state` on rank 0, in rank order (None elsewhere). The lengths are
-    all-gathered first (-1: this rank could not pack its state, -2: it holds non-finite values; every rank
-    raises, ``refused`` saying what is kept), then the bytes are gathered to rank 0 alone, zero-padded to the
-    longest."""
-    payload, error = b"", None
-    nonfinite: list[str] = []
+def _pack_rank_state(job: Job) -> tuple[PackedState | None, str, str]:
+    """``(packed, status, detail)`` of this rank's `_rank_state`: status ``ok``, ``nonfinite`` (detail: the
+    tensors) or ``failed`` (detail: the error); never raises, so that no rank is left waiting. The packed
+    state refers to the job's tensors (written before the next step changes them), so saving costs no copy."""
     try:
         state = _rank_state(job)
         nonfinite = nonfinite_tensors(state)
-        payload = pack_state(state) if not nonfinite else b""
-    except Exception as err:  # reported on every rank below, so no rank is left waiting in the gather
-        error = err
-    sizes = _all_gather_int(-1 if error else -2 if nonfinite else len(payload), topo)
-    if -2 in sizes and -1 not in sizes:
-        ranks = [r for r, n in enumerate(sizes) if n == -2]
-        here = f" (here: {_shown(nonfinite)})" if nonfinite else ""
-        raise NonFiniteStateError(
-            f"the state of rank(s) {ranks} holds NaN or infinite values{here}, seen on rank {topo.rank}: "
-            f"{refused} HINT: training diverged before this checkpoint; resume from the kept one with a lower "
-            "learning rate, or look for non-finite inputs (DataParallel(nonfinite='skip') drops such steps)."
-        )
-    if error is not None or min(sizes) < 0:
-        failed = [r for r, n in enumerate(sizes) if n < 0]
-        raise CheckpointError(
-            f"rank(s) {failed} could not pack their state for the checkpoint (seen on rank "
-            f"{topo.rank}){f': {error!r}' if error else ''}. HINT: state must hold only tensors, None, "
-            "bools, ints, floats, strings, lists, tuples and dicts."
-        ) from error
+        if nonfinite:
+            return None, "nonfinite", _shown(nonfinite)
+        return PackedState(state), "ok", ""
+    except Exception as err:  # reported on every rank by the caller
+        return None, "failed", repr(err)
+
+
+def _all_gather_json(value: dict[str, Any], topo: Topology) -> list[dict[str, Any]]:
+    """Every rank's small JSON ``value`` (a status, a file name, a hash), in rank order: never model state."""
     if not _collective(topo):
-        return [payload]
-    mine = torch.zeros(max(sizes), dtype=torch.uint8)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    mine = mine.to(topo.device)
-    gathered = [torch.empty_like(mine) for _ in sizes] if topo.is_main else None
-    dist.gather(mine, gathered, dst=0)
-    if gathered is None:
-        return None
-    return [t.cpu().numpy().tobytes()[:n] for t, n in zip(gathered, sizes, strict=True)]
+        return [value]
+    raw = all_gather_sized_bytes(json.dumps(value).encode(), device=topo.device)
+    return [json.loads(item) for item in raw]
+
+
+def _check_packed(verdicts: list[dict[str, Any]], topo: Topology, refused: str) -> None:
+    """Raise on every rank when a rank could not pack its state or holds non-finite values."""
+    nonfinite = [r for r, v in enumerate(verdicts) if v["status"] == "nonfinite"]
+    failed = [r for r, v in enumerate(verdicts) if v["status"] == "failed"]
+    if nonfinite and not failed:
+        detail = verdicts[nonfinite[0]]["detail"]
+        raise NonFiniteStateError(
+            f"the state of rank(s) {nonfinite} holds NaN or infinite values (rank {nonfinite[0]}: {detail}), "
+            f"seen on rank {topo.rank}: {refused} HINT: training diverged before this checkpoint; resume from "
+            "the kept one with a lower learning rate, or look for non-finite inputs "
+            "(DataParallel(nonfinite='skip') drops such steps)."
+        )
+    if failed:
+        raise CheckpointError(
+            f"rank(s) {failed} could not pack their state for the checkpoint (seen on rank {topo.rank}): "
+            f"{verdicts[failed[0]]['detail']}. HINT: state must hold only tensors, None, bools, ints, floats, "
+            "strings, lists, tuples and dicts."
+        )
+
+
+def _write_own_file(staging: str, payload: PackedState | None, topo: Topology) -> dict[str, Any]:
+    """Write this rank's packed state into the shared staging directory and fsync it; its manifest entry,
+    or ``{"error": ...}``."""
+    try:
+        assert payload is not None  # a rank without one raised in `_check_packed`
+        return write_rank_file(Path(staging), topo.rank, payload)
+    except Exception as err:  # reported on every rank by the caller
+        where = "" if Path(staging).is_dir() else " (the staging directory is not there: not shared storage?)"
+        return {"error": f"rank {topo.rank} could not write its file into {staging}: {err!r}{where}"}
 
 
 # -- saving -----------------------------------------------------------------------------------------------------
@@ -182,40 +204,88 @@ class FitCheckpointer:
         return f"the checkpoint of step {step} is not written to {self.directory}; {kept}."
 
     def save(self, step: int, loop_state: dict[str, Any]) -> None:
+        """Save the checkpoint of ``step``; collective. Each rank writes its own file into rank 0's staging
+        directory, fsyncs it and sends rank 0 its name, size and sha256 (a few bytes); rank 0 then writes the
+        shared files and publishes the manifest (the protocol of `loom.checkpoint.store`). No rank receives
+        another's state."""
         rng = _gather_rng(self.topo)  # every rank takes part
-        local = _gather_rank_states(self.job, self.topo, self._refused(step))
-        failure, code = "", _WRITE_FAILED
+        refused = self._refused(step)
+        payload, status, detail = _pack_rank_state(self.job)
+        staging, failure = "", ""
         if self.topo.is_main:
-            fit_state = dict(
-                loop_state,
-                world_size=self.topo.world_size,
-                local_states=True,
-                sharded=not self.job.replicated_state,
-                mesh=self.job.mesh.shape.describe(),
-            )
-            job_state = self.job.state_dict() if self.job.replicated_state else None
-            nonfinite = nonfinite_tensors(job_state) if job_state is not None else []
-            state = {
-                "job": job_state,
-                "loader": self.loader.state_dict(),
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "rng": {"ranks": rng},
-                "fit": fit_state,
-            }
             try:
-                files = local or ()
-                if nonfinite:
-                    failure, code = f"NaN or infinite values in {_shown(nonfinite)}", _NONFINITE
-                elif self.use_async:
-                    self.pending = save_checkpoint_async(
-                        self.directory, step, state, keep=self.keep, local_states=files
-                    )
-                else:
-                    save_checkpoint(self.directory, step, state, keep=self.keep, local_states=files)
+                wait_for_pending()  # the previous asynchronous save must be done before a new staging opens
+                staging = str(open_staging(self.directory, step))
             except Exception as err:  # reported on every rank below
                 failure = repr(err)
-        self._agree(failure, f"saving the checkpoint of step {step}", code, self._refused(step))
+        verdicts = _all_gather_json({"status": status, "detail": detail, "staging": staging}, self.topo)
+        staging = verdicts[0]["staging"]
+        if not staging:
+            raise CheckpointError(
+                f"opening the checkpoint of step {step} in {self.directory} failed on rank 0 (seen on rank "
+                f"{self.topo.rank}){f': {failure}' if failure else ''}. HINT: check that the directory is "
+                "writable and has free space."
+            )
+        try:
+            _check_packed(verdicts, self.topo, refused)
+        except CheckpointError:
+            if self.topo.is_main:
+                abandon_staging(Path(staging))
+            raise
+        entries = _all_gather_json(_write_own_file(staging, payload, self.topo), self.topo)
+        del payload
+        failure, code = "", _WRITE_FAILED
+        if self.topo.is_main:
+            failure, code = self._publish(step, loop_state, rng, Path(staging), entries)
+        self._agree(failure, f"saving the checkpoint of step {step}", code, refused)
         self.saved_step = step
+
+    def _publish(
+        self, step: int, loop_state: dict[str, Any], rng: list, staging: Path, entries: list[dict[str, Any]]
+    ) -> tuple[str, int]:
+        """Rank 0: the shared state (the replicated job, loader, scheduler, every RNG) and the manifest, once
+        every rank's file is durable; ``(failure, code)`` for `_agree` (``""`` when it succeeded)."""
+        errors = [entry["error"] for entry in entries if "error" in entry]
+        job_state = self.job.state_dict() if self.job.replicated_state and not errors else None
+        nonfinite = nonfinite_tensors(job_state) if job_state is not None else []
+        if errors or nonfinite:
+            abandon_staging(staging)
+            if errors:
+                return "; ".join(errors), _WRITE_FAILED
+            return f"NaN or infinite values in {_shown(nonfinite)}", _NONFINITE
+        fit_state = dict(
+            loop_state,
+            world_size=self.topo.world_size,
+            local_states=True,
+            sharded=not self.job.replicated_state,
+            mesh=self.job.mesh.shape.describe(),
+        )
+        state = {
+            "job": job_state,
+            "loader": self.loader.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": {"ranks": rng},
+            "fit": fit_state,
+        }
+        try:
+            if self.use_async:
+                self.pending = publish_async(self.directory, staging, step, state, self.keep, entries)
+            else:
+                skeleton, tensors = flatten_state(state)
+                tensor_bytes = safetensors.torch.save(tensors)
+                publish(
+                    self.directory,
+                    staging,
+                    step,
+                    encode_state(step, skeleton),
+                    tensor_bytes,
+                    self.keep,
+                    entries,
+                )
+        except Exception as err:  # reported on every rank by `_agree`
+            abandon_staging(staging)
+            return repr(err), _WRITE_FAILED
+        return "", _WRITE_FAILED
 
     def finish(self) -> None:
         failure = ""
@@ -253,92 +323,3 @@ class FitCheckpointer:
                 f"{operation} in {self.directory} failed (seen on rank {self.topo.rank}): {failure}. "
                 "HINT: check that the directory is writable and has free space."
             )
-
-
-# -- resuming ---------------------------------------------------------------------------------------------------
-def resume_fit(
-    job: Job, loader, scheduler, directory: Path, topo: Topology, scale_lr: bool = False
-) -> tuple[int, dict[str, Any]] | None:
-    """Load the newest intact checkpoint of ``directory`` into the loop's objects; return its step and the
-    loop's saved counters, or None when there is no checkpoint. Collective: every rank calls it."""
-    error: Exception | None = None
-    try:
-        found = load_checkpoint(directory)
-    except CheckpointError as err:  # raised on every rank after the steps are compared, so nobody hangs
-        found, error = None, err
-    steps = _all_gather_int(-2 if error else -1 if found is None else found[0], topo)
-    if error is not None:
-        raise error
-    if len(set(steps)) > 1:
-        described = ", ".join(f"rank {r}: {'none' if s < 0 else s}" for r, s in enumerate(steps))
-        raise CheckpointError(
-            f"ranks found different checkpoints in {directory} ({described}). HINT: checkpoint_dir must be "
-            "storage every rank sees (a shared filesystem), used by one job at a time."
-        )
-    if found is None:
-        return None
-    step, state = found
-    if not isinstance(state.get("fit"), dict):
-        raise ValueError(
-            f"the checkpoint of step {step} in {directory} was not written by loom.fit (no 'fit' entry). "
-            "HINT: pass a checkpoint_dir of its own to fit()."
-        )
-    checkpoint = directory / checkpoint_name(step)
-    if state["fit"].get("sharded") or not job.replicated_state:
-        _restore_sharded_state(job, state["fit"], checkpoint, step, topo)
-    else:
-        job.load_state_dict(state["job"])
-        _restore_local_state(job, state["fit"], checkpoint, step, topo)
-    loader.load_state_dict(state["loader"])
-    if scheduler is not None:
-        if state.get("scheduler") is None:
-            raise ValueError(
-                f"fit() got an lr_scheduler but the checkpoint of step {step} in {directory} holds none. "
-                "HINT: resume with the same arguments as the run that wrote it."
-            )
-        scheduler.load_state_dict(state["scheduler"])
-    if scale_lr:  # the linear scaling rule, relative to the world size that wrote the checkpoint
-        scale_learning_rate(
-            job.optimizer, scheduler, resize_factor(state["fit"].get("world_size"), topo.world_size)
-        )
-    ranks = state["rng"]["ranks"]
-    restore_rng(ranks[topo.rank % len(ranks)])
-    return step, state["fit"]
-
-
-def _restore_sharded_state(
-    job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology
-) -> None:
-    """Load this rank's part of a job whose state differs per rank; only the layout that wrote it fits."""
-    mesh = job.mesh.shape.describe()
-    if job.replicated_state or saved.get("world_size") != topo.world_size or saved.get("mesh") != mesh:
-        raise CheckpointError(
-            f"the checkpoint of step {step} in {checkpoint.parent} holds a job sharded over "
-            f"{saved.get('world_size')} processes (mesh {saved.get('mesh')}); this job is "
-            f"{'replicated' if job.replicated_state else 'sharded'} over {topo.world_size} (mesh {mesh}). "
-            "HINT: resume with the strategy, world size and mesh degrees that wrote it."
-        )
-    mine = read_local_state(checkpoint, topo.rank)
-    job.load_state_dict(mine["job"])
-    job.load_local_state_dict(mine["local"])
-
-
-def _restore_local_state(
-    job: Job, saved: dict[str, Any], checkpoint: Path, step: int, topo: Topology
-) -> None:
-    """Load this rank's own saved state into ``job`` when the world size is the one that wrote it."""
-    if not saved.get("local_states"):
-        return
-    written_by = saved.get("world_size")
-    if written_by != topo.world_size:
-        # Said only when something is lost: local state without tensors (no compression) is nothing to miss.
-        if topo.is_main and flatten_state(read_local_state(checkpoint, 0))[1]:
-            print(
-                f"loom.fit: the checkpoint of step {step} was written by {written_by} processes, this run has "
-                f"{topo.world_size}: each rank's local state (gradient compression's error feedback and warm "
-                "starts) is dropped, since it belongs to the ranks that kept it; it starts again from zero.",
-                file=sys.stderr,
-                flush=True,
-            )
-        return
-    job.load_local_state_dict(read_local_state(checkpoint, topo.rank))

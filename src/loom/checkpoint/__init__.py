@@ -8,15 +8,17 @@ found = load_checkpoint("ckpt")          # (step, state) of the newest intact ch
 ```
 
 A checkpoint becomes visible only once all of it is on disk (`loom.checkpoint.store` has the protocol), and
-loading one reads within stated bounds and falls back past anything damaged or crafted (`loom.checkpoint.load`);
-`save_checkpoint_async` takes the snapshot immediately and writes it in the background. State that differs per
-process travels to the writer packed (`pack_state`) and is stored one file per rank in the same checkpoint
-(``local_states=``, read back with `read_local_state`). `loom.fit` builds resume on these.
+loading one reads within stated bounds (`loom.checkpoint.load`) and falls back past anything damaged or crafted
+(`loom.checkpoint.find`); `save_checkpoint_async` takes the snapshot immediately and writes it in the
+background. State that differs per process is stored one file per rank in the same checkpoint: written by
+each process into the staging directory under `loom.fit` (`loom.fit_checkpoint`), or handed to one writer
+packed (``local_states=``, `pack_state`); read back with `read_local_state` or `read_checkpoint_part`.
 """
 
 from loom.checkpoint.background import AsyncCheckpoint, save_checkpoint_async
+from loom.checkpoint.find import load_checkpoint
 from loom.checkpoint.limits import ReadLimits
-from loom.checkpoint.load import load_checkpoint, read_checkpoint, read_local_state
+from loom.checkpoint.load import read_checkpoint, read_checkpoint_part, read_local_state
 from loom.checkpoint.rng import capture_rng, restore_rng
 from loom.checkpoint.store import (
     CheckpointError,
@@ -29,6 +31,7 @@ from loom.checkpoint.store import (
     save_checkpoint,
 )
 from loom.checkpoint.tree import pack_state, unpack_state
+from loom.checkpoint.upgrade import upgrade_checkpoint
 
 __all__ = [
     "AsyncCheckpoint",
@@ -44,9 +47,11 @@ __all__ = [
     "local_state_file",
     "pack_state",
     "read_checkpoint",
+    "read_checkpoint_part",
     "read_local_state",
     "restore_rng",
     "save_checkpoint",
     "save_checkpoint_async",
     "unpack_state",
+    "upgrade_checkpoint",
 ]

@@ -17,14 +17,22 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from loom.checkpoint.store import CheckpointError, encode_state, validate_save_arguments, write_checkpoint
+import safetensors.torch
+
+from loom.checkpoint.store import (
+    CheckpointError,
+    encode_state,
+    publish,
+    validate_save_arguments,
+    write_checkpoint,
+)
 from loom.checkpoint.tree import flatten_state
 
-__all__ = ["AsyncCheckpoint", "save_checkpoint_async"]
+__all__ = ["AsyncCheckpoint", "publish_async", "save_checkpoint_async", "wait_for_pending"]
 
 _slot_lock = threading.Lock()
 _in_flight: AsyncCheckpoint | None = None
@@ -43,11 +51,9 @@ class AsyncCheckpoint:
         self._finished = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _write(
-        self, state_bytes: bytes, tensors: dict, keep: int | None, local_states: Sequence[bytes]
-    ) -> None:
+    def _write(self, write: Callable[[], Path]) -> None:
         try:
-            self.path = write_checkpoint(self.directory, self.step, state_bytes, tensors, keep, local_states)
+            self.path = write()
         except BaseException as err:  # kept for wait(), which re-raises it in the caller's thread
             self._error = err
         finally:
@@ -90,8 +96,51 @@ def save_checkpoint_async(
     Waits first for this process's previous asynchronous save, raising `CheckpointError` if that one failed
     and its own `wait()` has not reported it yet.
     """
-    global _in_flight
     validate_save_arguments(step, state, keep, local_states)
+    local_states = tuple(local_states)
+
+    def write(state_bytes: bytes, tensors: dict) -> Path:
+        return write_checkpoint(Path(directory), step, state_bytes, tensors, keep, local_states)
+
+    return _start(Path(directory), step, state, write)
+
+
+def publish_async(
+    directory: Path,
+    staging: Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int | None,
+    rank_entries: Sequence[dict[str, Any]],
+) -> AsyncCheckpoint:
+    """`publish` in the background: snapshot ``state`` now, then write the shared files and the manifest of
+    a staging directory whose rank files (``rank_entries``) are already durable, and commit it."""
+    validate_save_arguments(step, state, keep)
+    rank_entries = tuple(rank_entries)
+
+    def write(state_bytes: bytes, tensors: dict) -> Path:
+        return publish(
+            directory, staging, step, state_bytes, safetensors.torch.save(tensors), keep, rank_entries
+        )
+
+    return _start(directory, step, state, write)
+
+
+def wait_for_pending() -> None:
+    """Wait for this process's asynchronous save in flight, if any (raising `CheckpointError` if it failed
+    and its own `wait()` has not reported it yet), so that a new staging directory can be opened."""
+    with _slot_lock:
+        previous = _in_flight
+        if previous is not None:
+            previous._finished.wait()
+            if not previous._reported:
+                previous.wait()
+
+
+def _start(
+    directory: Path, step: int, state: dict[str, Any], write: Callable[[bytes, dict], Path]
+) -> AsyncCheckpoint:
+    global _in_flight
     with _slot_lock:
         previous, _in_flight = _in_flight, None
         if previous is not None:
@@ -100,10 +149,10 @@ def save_checkpoint_async(
                 previous.wait()
         skeleton, tensors = flatten_state(state, clone=True)
         state_bytes = encode_state(step, skeleton)  # here, so a state too big to load back is refused now
-        handle = AsyncCheckpoint(Path(directory), step)
+        handle = AsyncCheckpoint(directory, step)
         handle._thread = threading.Thread(
             target=handle._write,
-            args=(state_bytes, tensors, keep, tuple(local_states)),
+            args=(lambda: write(state_bytes, tensors),),
             name=f"loom-checkpoint-{step}",
             daemon=False,
         )

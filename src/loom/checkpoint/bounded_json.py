@@ -26,7 +26,7 @@ import numpy as np
 from loom.checkpoint.limits import ReadLimits
 from loom.errors import JSONLimitError  # noqa: F401 - raised here, defined there
 
-__all__ = ["JSONLimitError", "json_shape_problem", "parse_json"]
+__all__ = ["JSONLimitError", "count_json_values", "json_shape_problem", "parse_json"]
 
 _ESCAPE = re.compile(rb"\\.", re.DOTALL)
 _STRING = re.compile(rb'"[^"]*"')
@@ -49,20 +49,35 @@ def _max_depth(brackets: bytes) -> int:
     return deepest
 
 
+def _skeleton(data: bytes) -> bytes:
+    """``data`` without its escapes and strings: brackets, commas, colons, numbers and literals."""
+    return _STRING.sub(b"", _ESCAPE.sub(b"", data))
+
+
+def _values(skeleton: bytes) -> int:
+    return skeleton.count(b",") + skeleton.count(b"[") + skeleton.count(b"{") + 1
+
+
+def count_json_values(data: bytes) -> int:
+    """How many values `parse_json` counts in ``data`` (commas plus opening brackets plus one), without
+    parsing it: what a checkpoint's manifest records so that reading can be bounded by it."""
+    return _values(_skeleton(data))
+
+
 def json_shape_problem(data: bytes, limits: ReadLimits, size_field: str) -> JSONLimitError | None:
     """Why parsing ``data`` would break ``limits`` (None if it would not), found without parsing it.
     ``size_field`` names the `ReadLimits` field that bounds this document's size."""
     max_bytes = getattr(limits, size_field)
     if len(data) > max_bytes:
         return JSONLimitError(f"{len(data)} bytes of JSON, more than the limit of {max_bytes}", size_field)
-    skeleton = _STRING.sub(b"", _ESCAPE.sub(b"", data))
+    skeleton = _skeleton(data)
     digits = re.search(rb"[0-9]{%d}" % (limits.max_number_digits + 1), skeleton)
     if digits is not None:
         return JSONLimitError(
             f"a number of more than {limits.max_number_digits} digits (no checkpoint value needs one)",
             "max_number_digits",
         )
-    values = skeleton.count(b",") + skeleton.count(b"[") + skeleton.count(b"{") + 1
+    values = _values(skeleton)
     if values > limits.max_json_values:
         return JSONLimitError(
             f"about {values} JSON values, more than the limit of {limits.max_json_values}", "max_json_values"

@@ -15,9 +15,11 @@ import contextlib
 import errno
 import os
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["write_durable", "fsync_directory", "replace_durable", "unique_name"]
+__all__ = ["fsync_directory", "replace_durable", "unique_name", "write_durable"]
 
 
 def unique_name(prefix: str) -> str:
@@ -25,14 +27,18 @@ def unique_name(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """Create ``path`` (it must not exist) holding ``data``, and fsync it before returning."""
+def write_durable(path: Path, data: bytes | Iterable[memoryview], digest: Any = None) -> None:
+    """Create ``path`` (it must not exist) holding ``data`` (bytes, or pieces written in order), and fsync
+    it before returning; each piece also updates ``digest`` (a hashlib object) when given."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+        for piece in [memoryview(data)] if isinstance(data, bytes) else data:
+            if digest is not None:
+                digest.update(piece)
+            view = piece.cast("B")
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -12,14 +12,24 @@ every rank's RNG state, about 15 KB and 1,300 values per rank) and refuse what a
 costs Python up to ~25 bytes of memory per input byte, which is why the JSON bounds are far below the tensor
 bound. `save_checkpoint` refuses a state whose JSON would break the same bounds, so nothing written by loom
 is unreadable with the limits it was saved under.
+
+These are absolute bounds. Each file is read within a tighter one, its *read budget*, which its manifest
+lists (``entries``; `ReadLimits.budgeted`): parsing JSON costs Python ~70-180 bytes per value, so a file
+under the absolute bounds could still cost ~700 MiB (issue 25's 26 MB header, 63 MB ``state.json``); within
+its budget it costs at most a small multiple of the genuine file.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-__all__ = ["DEFAULT_LIMITS", "ReadLimits", "physical_memory"]
+__all__ = ["BYTES_PER_ENTRY", "DEFAULT_LIMITS", "ReadLimits", "physical_memory"]
+
+BYTES_PER_ENTRY = 64
+"""JSON bytes allowed per entry of a file's read budget (its manifest's ``entries``). What loom writes takes
+10-20 bytes per JSON value (a tensor's header entry, an RNG word, an optimizer setting); a file's budget is its
+values, or its bytes / 64 where long strings make that more, so a genuine file always fits its own budget."""
 
 
 def physical_memory() -> int | None:
@@ -64,6 +74,18 @@ class ReadLimits:
                     f"ReadLimits.{name} must be an int >= 1, got {value!r}. HINT: the defaults fit every "
                     "checkpoint loom.fit writes up to a few thousand ranks; raise only the bound a message named."
                 )
+
+    def budgeted(self, entries: int) -> ReadLimits:
+        """These limits tightened to one file's budget of ``entries`` (from its manifest entry): at most
+        ``entries`` JSON values and ``entries * BYTES_PER_ENTRY`` bytes of JSON (``state.json``, a safetensors
+        header, a packed state's skeleton), never more than these absolute limits."""
+        size = entries * BYTES_PER_ENTRY
+        return replace(
+            self,
+            max_state_bytes=min(self.max_state_bytes, size),
+            max_header_bytes=min(self.max_header_bytes, size),
+            max_json_values=min(self.max_json_values, entries),
+        )
 
 
 DEFAULT_LIMITS = ReadLimits()

@@ -1,9 +1,9 @@
 """Reading checkpoints back: verify everything, bound every allocation, fall back past whatever is damaged.
 
-`load_checkpoint` starts from the checkpoint ``latest`` names and walks back by step; `read_checkpoint` reads
-one and raises `CorruptCheckpointError` naming the first file found wrong and how. "Wrong" covers damage
-(missing, truncated, a sha256 that differs from the manifest, JSON that does not parse or does not match the
-tensor file) and input crafted to exhaust the reader:
+`read_checkpoint` reads one checkpoint (`read_checkpoint_part`: the shared files and one rank's own) and
+raises `CorruptCheckpointError` naming the first file found wrong and how (`loom.checkpoint.find` walks back
+past it). "Wrong" covers damage (missing, truncated, a sha256 that differs from the manifest, JSON that does
+not parse or does not match the tensor file) and input crafted to exhaust the reader:
 
 - a ``step-*`` directory or a file in it that is a symbolic link, or not a regular file (`loom.checkpoint
   .confined`): refused, never followed;
@@ -13,16 +13,22 @@ tensor file) and input crafted to exhaust the reader:
   .bounded_json`): refused before it is parsed;
 - a safetensors header whose lengths, offsets, dtypes or shapes do not fit the file (`loom.checkpoint
   .tensor_file`): refused before any tensor is allocated; tensors are read one by one into their own memory.
+- JSON beyond the file's *read budget*: the manifest lists, for every file, its ``entries`` (its JSON values,
+  or its JSON bytes / `BYTES_PER_ENTRY` where more), and reading tightens the bounds to at most that many
+  values and that many entries of 64 bytes (`ReadLimits.budgeted`), so a file replaced under its manifest
+  entry costs at most a small multiple of the genuine one's, refused from its size before a byte is read
+  (``state.json``) or after 8 bytes (a safetensors header). Manifests of format 1 (no budgets) are refused,
+  naming `loom.checkpoint.upgrade_checkpoint`.
 
 Every file is read once: the sha256 is computed on the same pass that fills the tensors, and rank files are
-only hashed (1 MiB at a time) unless `read_local_state` asks for one. The ``latest`` pointer is read with the
-same care (no link, at most `ReadLimits.max_pointer_bytes`); when it is unusable, loading warns and starts
-from the newest checkpoint instead.
+only hashed (1 MiB at a time) by `read_checkpoint`, read and unpacked by `read_local_state` and
+`read_checkpoint_part` (the caller's own; the others are not opened).
 
 Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
 before its sha256 can be compared (hashing first would read every genuine checkpoint twice), so the bound on
-what a crafted tensor file costs is that limit, by default the machine's memory. A process loading a
-checkpoint hashes every rank's file, not only its own.
+what a crafted tensor file costs is that limit, by default the machine's memory. The read budgets come from
+the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone (as
+before format 2: up to ~700 MiB for a 26 MB header, measured in docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -38,26 +43,28 @@ import torch
 
 from loom.checkpoint.bounded_json import JSONLimitError, parse_json
 from loom.checkpoint.confined import ConfinedDirectory, read_limited, sha256_of
-from loom.checkpoint.limits import DEFAULT_LIMITS, ReadLimits
+from loom.checkpoint.limits import BYTES_PER_ENTRY, DEFAULT_LIMITS, ReadLimits
 from loom.checkpoint.store import (
     FORMAT,
     MANIFEST_FILE,
-    POINTER_FILE,
     STATE_FILE,
     STEP_NAME,
     TENSOR_FILE,
     VERSION,
     CheckpointError,
     CorruptCheckpointError,
-    CorruptCheckpointWarning,
-    NoValidCheckpointError,
-    list_checkpoints,
     local_state_file,
 )
 from loom.checkpoint.tensor_file import read_tensor_file
 from loom.checkpoint.tree import unflatten_state, unpack_tensor_file
 
-__all__ = ["load_checkpoint", "parse_manifest", "parse_state", "read_checkpoint", "read_local_state"]
+__all__ = [
+    "parse_manifest",
+    "parse_state",
+    "read_checkpoint",
+    "read_checkpoint_part",
+    "read_local_state",
+]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _LOCAL_NAME = re.compile(r"rank-(\d{5,})\.safetensors")
@@ -70,8 +77,16 @@ def _limit_hint(field: str) -> str:
     )
 
 
-def _explained(err: ValueError) -> str:
-    return f"{err}.{_limit_hint(err.field)}" if isinstance(err, JSONLimitError) else str(err)
+def _explained(err: ValueError, limits: ReadLimits = DEFAULT_LIMITS, entries: int | None = None) -> str:
+    if not isinstance(err, JSONLimitError):
+        return str(err)
+    if entries is not None and getattr(limits.budgeted(entries), err.field) < getattr(limits, err.field):
+        return (
+            f"{err}: the read budget its manifest entry gives ({entries} entries: at most {entries} JSON values "
+            f"and {entries * BYTES_PER_ENTRY} bytes of JSON), which a file loom wrote always fits (crafted or "
+            "damaged)"
+        )
+    return f"{err}.{_limit_hint(err.field)}"
 
 
 def parse_manifest(data: bytes, path: Path, limits: ReadLimits = DEFAULT_LIMITS) -> dict[str, Any]:
@@ -83,6 +98,13 @@ def parse_manifest(data: bytes, path: Path, limits: ReadLimits = DEFAULT_LIMITS)
         raise CorruptCheckpointError(path, _explained(err)) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(path, f"not a {FORMAT} manifest")
+    if manifest.get("version") == 1:
+        raise CorruptCheckpointError(
+            path,
+            f"format version 1 (written by an older loom, without the read budgets of version {VERSION}); "
+            f"refused, since it could not be read within its own budget. HINT: if it is genuine, convert it "
+            f"once with loom.checkpoint.upgrade_checkpoint({str(path.parent)!r})",
+        )
     if manifest.get("version") != VERSION:
         raise CorruptCheckpointError(
             path, f"format version {manifest.get('version')!r:.40}, expected {VERSION}"
@@ -106,19 +128,31 @@ def parse_manifest(data: bytes, path: Path, limits: ReadLimits = DEFAULT_LIMITS)
             raise CorruptCheckpointError(path, f"the entry of {name} must be an object with size and sha256")
         if not _SHA256.fullmatch(digest):
             raise CorruptCheckpointError(path, f"the sha256 of {name} is not 64 hex digits")
+        entries = entry.get("entries")
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 1:
+            raise CorruptCheckpointError(
+                path, f"the entries of {name} must be an int >= 1, got {entries!r:.40}"
+            )
     return manifest
 
 
 def parse_state(
-    data: bytes, tensors: dict[str, torch.Tensor], step: int, path: Path, limits: ReadLimits = DEFAULT_LIMITS
+    data: bytes,
+    tensors: dict[str, torch.Tensor],
+    step: int,
+    path: Path,
+    limits: ReadLimits = DEFAULT_LIMITS,
+    entries: int | None = None,
 ) -> dict[str, Any]:
-    """The state ``state.json`` ``data`` (the bytes of ``path``) describes, its tensors put back in place.
-    Raises `CorruptCheckpointError` (and nothing else) when it is not the state of ``step`` or does not
-    match ``tensors``."""
+    """The state ``state.json`` ``data`` (the bytes of ``path``) describes, its tensors put back in place,
+    parsed within ``limits`` tightened to the manifest's budget of ``entries`` when given. Raises
+    `CorruptCheckpointError` (and nothing else) when it is not the state of ``step`` or does not match
+    ``tensors``."""
+    budget = limits if entries is None else limits.budgeted(entries)
     try:
-        document = parse_json(data, limits, "max_state_bytes")
+        document = parse_json(data, budget, "max_state_bytes")
     except ValueError as err:
-        raise CorruptCheckpointError(path, _explained(err)) from None
+        raise CorruptCheckpointError(path, _explained(err, limits, entries)) from None
     if not isinstance(document, dict) or document.get("step") != step or "state" not in document:
         raise CorruptCheckpointError(path, "not a checkpoint state of this step")
     try:
@@ -157,9 +191,16 @@ def _check_digest(path: Path, digest: str, entry: dict[str, Any]) -> None:
         raise CorruptCheckpointError(path, "sha256 differs from the manifest (the content was damaged)")
 
 
-def _read_small(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limit: int, field: str) -> bytes:
-    """The bytes of ``name`` (a JSON file), read whole once its size is known to be within ``limit``."""
-    file, size = _open(folder, name, entry, limit, field)
+def _read_small(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits: ReadLimits) -> bytes:
+    """The bytes of ``name`` (``state.json``), read whole once its size is known to be within its budget."""
+    limit, budget = limits.max_state_bytes, limits.budgeted(entry["entries"]).max_state_bytes
+    if entry["size"] > budget < limit:  # the manifest contradicts itself: refused before the file is opened
+        raise CorruptCheckpointError(
+            folder.path / name,
+            f"the manifest lists {entry['size']} bytes, more than its own read budget of {entry['entries']} "
+            f"entries allows ({budget} bytes; crafted or damaged)",
+        )
+    file, size = _open(folder, name, entry, limit, "max_state_bytes")
     with file:
         try:
             data = read_limited(file, size, limit)
@@ -174,12 +215,20 @@ def _read_tensors(
 ) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """The metadata and tensors of safetensors file ``name``, read and hashed in one bounded pass."""
     file, size = _open(folder, name, entry, limits.max_tensor_bytes, "max_tensor_bytes")
+    budget = limits.budgeted(entry["entries"])
     with file:
         try:
-            metadata, tensors, digest = read_tensor_file(file, size, limits)
+            metadata, tensors, digest = read_tensor_file(file, size, budget)
         except ValueError as err:
+            tighter = budget.max_header_bytes < limits.max_header_bytes
+            said = (
+                f"; the read budget of its manifest entry is {entry['entries']} entries: at most "
+                f"{entry['entries']} JSON values and {budget.max_header_bytes} bytes of header"
+                if tighter
+                else ""
+            )
             raise CorruptCheckpointError(
-                folder.path / name, f"not a readable safetensors file ({err})"
+                folder.path / name, f"not a readable safetensors file ({err}{said})"
             ) from None
     _check_digest(folder.path / name, digest, entry)
     return metadata, tensors
@@ -231,14 +280,43 @@ def read_checkpoint(
             raise CorruptCheckpointError(
                 checkpoint / MANIFEST_FILE, f"step {step} does not match the directory"
             )
-        state_bytes = _read_small(
-            folder, STATE_FILE, files[STATE_FILE], limits.max_state_bytes, "max_state_bytes"
-        )
+        state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
         _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
         for name, entry in files.items():  # every rank's file, so damage anywhere falls back
             if _LOCAL_NAME.fullmatch(name):
                 _verify(folder, name, entry, limits)
-    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits)
+    entries = files[STATE_FILE]["entries"]
+    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits, entries)
+
+
+def read_checkpoint_part(
+    checkpoint: str | os.PathLike, rank: int, *, limits: ReadLimits = DEFAULT_LIMITS
+) -> tuple[int, dict[str, Any], Any]:
+    """``(step, state, own)`` of one checkpoint directory as process ``rank`` needs it: the shared state
+    (``state.json``, ``tensors.safetensors``) and its own file unpacked (None when the manifest lists none
+    for ``rank``, e.g. at a larger world size). Other ranks' files are not read: each process verifies its own
+    part, and `loom.fit` makes the ranks agree on the verdict. Raises `CorruptCheckpointError` naming the
+    first bad file."""
+    checkpoint = Path(checkpoint)
+    folder, manifest = _open_checkpoint(checkpoint, limits)
+    with folder:
+        step, files, name = manifest["step"], manifest["files"], local_state_file(rank)
+        match = STEP_NAME.fullmatch(checkpoint.name)
+        if match is not None and int(match.group(1)) != step:
+            raise CorruptCheckpointError(
+                checkpoint / MANIFEST_FILE, f"step {step} does not match the directory"
+            )
+        state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
+        _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
+        own = None
+        if name in files:
+            metadata, own_tensors = _read_tensors(folder, name, files[name], limits)
+            try:
+                own = unpack_tensor_file(metadata, own_tensors, limits.budgeted(files[name]["entries"]))
+            except ValueError as err:
+                raise CorruptCheckpointError(checkpoint / name, str(err)) from None
+    entries = files[STATE_FILE]["entries"]
+    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits, entries), own
 
 
 def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLimits = DEFAULT_LIMITS) -> Any:
@@ -255,82 +333,6 @@ def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLi
             )
         metadata, tensors = _read_tensors(folder, name, files[name], limits)
     try:
-        return unpack_tensor_file(metadata, tensors, limits)
+        return unpack_tensor_file(metadata, tensors, limits.budgeted(files[name]["entries"]))
     except ValueError as err:
         raise CorruptCheckpointError(checkpoint / name, str(err)) from None
-
-
-def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, str | None]:
-    """``(name, None)`` for a usable ``latest``, ``(None, None)`` for none, ``(None, why)`` for a bad one."""
-    root = ConfinedDirectory.open(directory, follow=True)
-    if isinstance(root, str):
-        return None, None
-    with root:
-        opened = root.open_file(POINTER_FILE)
-    if isinstance(opened, str):
-        return None, None if opened == "the file is missing" else opened
-    file, size = opened
-    with file:
-        try:
-            name = read_limited(file, size, limits.max_pointer_bytes).decode().strip()
-        except (ValueError, UnicodeDecodeError) as err:
-            return None, f"is unreadable ({err})"
-    if not STEP_NAME.fullmatch(name):
-        return None, f"holds {name[:40]!r}, not a checkpoint name"
-    return name, None
-
-
-def _read_pointer(directory: Path, limits: ReadLimits) -> str | None:
-    """The checkpoint name ``latest`` holds; None (warning if it exists but is unusable) otherwise."""
-    name, problem = _pointer_problem(directory, limits)
-    if problem is not None:
-        warnings.warn(
-            f"{directory / POINTER_FILE} {problem}; using the newest intact checkpoint",
-            CorruptCheckpointWarning,
-            stacklevel=3,
-        )
-    return name
-
-
-def load_checkpoint(
-    directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
-) -> tuple[int, dict[str, Any]] | None:
-    """The newest intact checkpoint in ``directory`` as ``(step, state)``, or None if there is none.
-
-    Starts from the checkpoint ``latest`` names (the newest if there is no pointer yet) and walks back by
-    step past damaged ones, warning with `CorruptCheckpointWarning` for each, naming the file and the reason.
-    Raises `NoValidCheckpointError` when checkpoints exist but none is intact: starting over silently would
-    throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`).
-    """
-    directory = Path(directory)
-    checkpoints = list_checkpoints(directory)
-    pointer = _read_pointer(directory, limits)
-    problems: list[str] = []
-    candidates = list(checkpoints)
-    if pointer is not None:
-        newest = int(STEP_NAME.fullmatch(pointer).group(1))  # type: ignore[union-attr]
-        if newest not in checkpoints:
-            problems.append(f"{directory / POINTER_FILE} names {pointer}, which does not exist")
-            warnings.warn(
-                problems[-1] + "; falling back to an earlier checkpoint",
-                CorruptCheckpointWarning,
-                stacklevel=2,
-            )
-        candidates = [s for s in checkpoints if s <= newest]
-    for step in reversed(candidates):
-        try:
-            return read_checkpoint(checkpoints[step], limits=limits)
-        except CorruptCheckpointError as err:
-            problems.append(str(err))
-            warnings.warn(
-                f"checkpoint {checkpoints[step].name} is damaged: {err}; falling back to an earlier checkpoint",
-                CorruptCheckpointWarning,
-                stacklevel=2,
-            )
-    if not problems:
-        return None
-    raise NoValidCheckpointError(
-        f"no intact checkpoint in {directory}: "
-        + "; ".join(problems)
-        + ". HINT: restore the files from a backup, or move the directory away to start from scratch."
-    )

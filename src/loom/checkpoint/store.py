@@ -6,14 +6,17 @@ Layout of a checkpoint directory::
       step-00000012/
         state.json              the state's tree, tensors replaced by placeholders (see `loom.checkpoint.tree`)
         tensors.safetensors     every tensor, keyed by its path in the tree
-        rank-00000.safetensors  optional, one per rank: state that differs between processes (`pack_state`)
-        manifest.json           step, format version, size and sha256 of every file above
+        rank-00000.safetensors  optional, one per rank: that rank's own state, packed (`pack_state`)
+        manifest.json           step, format version, and for every file above its size, sha256 and read
+                                budget (``entries``, see `file_entries`)
       latest                    "step-00000012": the newest checkpoint known to be complete and durable
 
 The commit protocol, so that a crash at any instant leaves ``latest`` naming a whole checkpoint:
 
-1. write the files into a fresh ``.tmp-*`` directory inside ``directory``, fsync each, then the manifest last,
-   then fsync the temporary directory;
+1. the publishing writer creates a fresh ``.tmp-*`` staging directory inside ``directory`` (`open_staging`);
+   each rank file is written into it and fsynced (`write_rank_file`: by its own rank under `loom.fit`, on
+   shared storage; by the one writer for `save_checkpoint`); once every one is durable, the writer writes the
+   shared files, fsyncs each, then the manifest last, then fsyncs the staging directory (`publish`);
 2. rename it to ``step-NNNNNNNN`` (atomic) and fsync ``directory``;
 3. replace ``latest`` atomically (temporary file, fsync, ``os.replace``, fsync ``directory``);
 4. only then retire older checkpoints beyond ``keep`` (renamed to ``.trash-*`` first, so a half-deleted
@@ -25,12 +28,12 @@ allocation bounded by `loom.checkpoint.limits.ReadLimits`, links refused) and fa
 checkpoints. So that loom never writes what it would then refuse to read, `encode_state` refuses a state whose
 JSON breaks the default bounds.
 
-Per-rank files let one writer (the main process) commit state that every process holds a different piece of
-(e.g. gradient compression's error feedback) in the same atomic step as the rest: each process packs its own
-state (`loom.checkpoint.tree.pack_state`) and sends the bytes to the writer; `read_local_state` reads one back.
+Per-rank files let every process write the piece of the state it alone holds (a pipeline stage, gradient
+compression's error feedback) into the same atomic commit as the rest, without sending it to the writer:
+only its manifest entry travels; `read_local_state` and `load.read_checkpoint_part` read one back.
 
 Limits: one writer per directory (temporary directories of crashed writers are removed by the next save, so
-two processes saving into one directory would disturb each other). Saving holds a serialized copy of the
+two jobs saving into one directory would disturb each other). Saving holds a serialized copy of the
 tensors in memory while it writes. Re-saving the step that ``latest`` names has a short window in which a
 crash leaves ``latest`` naming nothing; loading then falls back to the previous checkpoint.
 """
@@ -51,10 +54,10 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from loom.checkpoint.bounded_json import json_shape_problem
+from loom.checkpoint.bounded_json import count_json_values, json_shape_problem
 from loom.checkpoint.durable import fsync_directory, replace_durable, unique_name, write_durable
-from loom.checkpoint.limits import DEFAULT_LIMITS
-from loom.checkpoint.tree import flatten_state
+from loom.checkpoint.limits import BYTES_PER_ENTRY, DEFAULT_LIMITS
+from loom.checkpoint.tree import TAG, PackedState, flatten_state
 from loom.errors import CheckpointError, CorruptCheckpointError, NoValidCheckpointError  # noqa: F401 - raised here, defined there
 
 __all__ = [
@@ -70,7 +73,8 @@ __all__ = [
 ]
 
 FORMAT = "loom-checkpoint"
-VERSION = 1
+VERSION = 2
+"""2: every file's manifest entry holds its read budget (``entries``); 1 (before): size and sha256 only."""
 STATE_FILE = "state.json"
 TENSOR_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -80,7 +84,9 @@ STEP_NAME = re.compile(r"step-(\d{8,})")
 
 # One write at a time per process: an asynchronous save's background thread and a synchronous save must not
 # interleave, since each removes the temporary directories it does not know to be in use.
-_write_lock = threading.Lock()
+_write_lock = threading.RLock()
+_staging_in_use: set[Path] = set()
+"""Staging directories opened by `open_staging` and not yet published or abandoned: never leftovers."""
 
 
 class CorruptCheckpointWarning(UserWarning):
@@ -168,20 +174,82 @@ def write_checkpoint(
     keep: int | None,
     local_states: Sequence[bytes] = (),
 ) -> Path:
-    """The commit protocol of the module docstring, for a state already encoded (see `encode_state`)."""
+    """The commit protocol of the module docstring, for a state already encoded (see `encode_state`), with
+    every rank's file written by this process."""
     tensor_bytes = safetensors.torch.save(tensors)
+    with _write_lock:  # held throughout, so that no other save of this process interleaves
+        staging = open_staging(directory, step)
+        try:
+            entries = [write_rank_file(staging, r, data) for r, data in enumerate(local_states)]
+        except BaseException:
+            abandon_staging(staging)
+            raise
+        return publish(directory, staging, step, state_bytes, tensor_bytes, keep, entries)
+
+
+def open_staging(directory: Path, step: int) -> Path:
+    """Create the staging directory of the checkpoint of ``step`` (step 1 of the protocol), after removing
+    what crashed writers left; the writer that publishes calls it, and hands its path to every rank."""
     with _write_lock:
         directory.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(directory)
-        name = checkpoint_name(step)
-        staging = directory / unique_name(f".tmp-{name}")
+        staging = directory / unique_name(f".tmp-{checkpoint_name(step)}")
         staging.mkdir()
+        _staging_in_use.add(staging)
+    return staging
+
+
+def write_rank_file(staging: Path, rank: int, data: bytes | PackedState) -> dict[str, Any]:
+    """Write rank ``rank``'s packed state (`pack_state` bytes, or a `PackedState` streamed from its tensors)
+    durably into ``staging`` (any process may, the staging directory being shared storage); return its
+    manifest entry, which the publishing writer collects."""
+    name = local_state_file(rank)
+    if isinstance(data, bytes):
+        write_durable(staging / name, data)
+        return {"file": name, **describe_file(name, data)}
+    digest = hashlib.sha256()
+    write_durable(staging / name, data.chunks(), digest)
+    return {
+        "file": name,
+        "size": data.size,
+        "sha256": digest.hexdigest(),
+        "entries": file_entries(name, data.header),
+    }
+
+
+def abandon_staging(staging: Path) -> None:
+    """Remove a staging directory that will not be published (a rank failed); the newest checkpoint stays."""
+    _staging_in_use.discard(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(
+    directory: Path,
+    staging: Path,
+    step: int,
+    state_bytes: bytes,
+    tensor_bytes: bytes,
+    keep: int | None,
+    rank_entries: Sequence[dict[str, Any]] = (),
+) -> Path:
+    """Steps 1 (the shared files and the manifest) to 4 of the protocol, once every rank's file listed in
+    ``rank_entries`` (as `write_rank_file` returned them, in rank order) is durable in ``staging``."""
+    with _write_lock:
+        name = checkpoint_name(step)
         final, replaced = directory / name, None
         try:
-            manifest = {"format": FORMAT, "version": VERSION, "step": step, "created_unix": time.time()}
+            expected = [local_state_file(r) for r in range(len(rank_entries))]
+            if [entry.get("file") for entry in rank_entries] != expected:
+                raise CheckpointError(
+                    f"rank files {[e.get('file') for e in rank_entries]}, expected {expected}"
+                )
+            manifest: dict[str, Any] = {
+                "format": FORMAT, "version": VERSION, "step": step, "created_unix": time.time()
+            }  # fmt: skip
             files = {STATE_FILE: state_bytes, TENSOR_FILE: tensor_bytes}
-            files.update((local_state_file(r), data) for r, data in enumerate(local_states))
-            manifest["files"] = {file: _describe(data) for file, data in files.items()}
+            manifest["files"] = {file: describe_file(file, data) for file, data in files.items()}
+            for entry in rank_entries:
+                manifest["files"][entry["file"]] = {k: v for k, v in entry.items() if k != "file"}
             for file, data in files.items():
                 write_durable(staging / file, data)
             write_durable(staging / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
@@ -195,6 +263,8 @@ def write_checkpoint(
             if replaced is not None and not final.exists():
                 os.rename(replaced, final)  # put the old copy back rather than lose it
             raise
+        finally:
+            _staging_in_use.discard(staging)
         fsync_directory(directory)
         replace_durable(directory / POINTER_FILE, (name + "\n").encode())
         _retire(directory, step, keep)
@@ -203,13 +273,38 @@ def write_checkpoint(
     return final
 
 
-def _describe(data: bytes) -> dict[str, Any]:
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def file_entries(name: str, data: bytes) -> int:
+    """The read budget of checkpoint file ``name`` holding ``data``, in entries: the JSON values of its JSON
+    (``state.json``; a safetensors file's header and, for a packed state, the skeleton inside it), or its JSON
+    bytes divided by `BYTES_PER_ENTRY` where that is more (long strings). Reading allows no more values than
+    this and no more JSON bytes than this many entries of `BYTES_PER_ENTRY`."""
+    if name == STATE_FILE:
+        text = data
+        values = count_json_values(text)
+    else:
+        length = int.from_bytes(data[:8], "little")
+        text = data[8 : 8 + length]
+        values = count_json_values(text)
+        skeleton = json.loads(text).get("__metadata__", {}).get(TAG)
+        if isinstance(skeleton, str):
+            values += count_json_values(skeleton.encode())
+    return max(values, -(-len(text) // BYTES_PER_ENTRY), 1)
+
+
+def describe_file(name: str, data: bytes) -> dict[str, Any]:
+    """The manifest entry of file ``name``: its size, sha256 and read budget (`file_entries`)."""
+    return {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "entries": file_entries(name, data),
+    }
 
 
 def _remove_leftovers(directory: Path) -> None:
     """Remove what crashed writers left: staging and trash directories, temporary pointer files."""
     for entry in directory.iterdir():
+        if entry in _staging_in_use:  # a staging directory this process has handed to the ranks
+            continue
         if entry.name.startswith((".tmp-", ".trash-")) and entry.is_symlink():  # a retired linked step-*
             entry.unlink(missing_ok=True)
         elif entry.name.startswith((".tmp-", ".trash-")) and entry.is_dir():

@@ -25,7 +25,7 @@ from loom.checkpoint.bounded_json import parse_json
 from loom.checkpoint.confined import read_exact
 from loom.checkpoint.limits import ReadLimits
 
-__all__ = ["read_tensor_file"]
+__all__ = ["DTYPE_CODES", "read_tensor_file"]
 
 _DTYPE_NAMES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "C64": "complex64",
@@ -37,6 +37,8 @@ _DTYPE_NAMES = {
 _DTYPES: dict[str, torch.dtype] = {
     code: getattr(torch, name) for code, name in _DTYPE_NAMES.items() if hasattr(torch, name)
 }
+DTYPE_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in _DTYPES.items()}
+"""The safetensors code of each dtype it can hold (what `tree.PackedState` writes)."""
 _MAX_DIM = 2**63 - 1
 _MAX_RANK = 64
 

@@ -33,7 +33,7 @@ import json
 import math
 import numbers
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import safetensors.torch
@@ -41,9 +41,17 @@ import torch
 
 from loom.checkpoint.bounded_json import json_shape_problem, parse_json
 from loom.checkpoint.limits import DEFAULT_LIMITS, ReadLimits
-from loom.checkpoint.tensor_file import read_tensor_file
+from loom.checkpoint.tensor_file import DTYPE_CODES, read_tensor_file
 
-__all__ = ["TAG", "flatten_state", "pack_state", "unflatten_state", "unpack_state", "unpack_tensor_file"]
+__all__ = [
+    "TAG",
+    "PackedState",
+    "flatten_state",
+    "pack_state",
+    "unflatten_state",
+    "unpack_state",
+    "unpack_tensor_file",
+]
 
 TAG = "__loom__"
 """The key that marks a JSON object as an encoded tuple, dict, float or tensor placeholder."""
@@ -201,6 +209,57 @@ def pack_state(state: Any) -> bytes:
             "data in tensors rather than in lists and dicts."
         )
     return safetensors.torch.save(tensors, metadata={TAG: text})
+
+
+class PackedState:
+    """``state`` as `pack_state` lays it out, without the bytes: the safetensors header built now, the tensors
+    kept by reference and streamed by `chunks`. What each rank writes its own checkpoint file from, so the file
+    costs the header's memory only, not a serialized copy of the state (safetensors' ``save`` builds one,
+    and transiently a second).
+
+    The tensors are *not* a snapshot: the caller writes before anything updates them (`loom.fit` saves
+    between steps). Raises like `pack_state` for a state it could not unpack."""
+
+    def __init__(self, state: Any) -> None:
+        skeleton, tensors = flatten_state(state)
+        text = json.dumps(skeleton, allow_nan=False)
+        problem = json_shape_problem(text.encode(), DEFAULT_LIMITS, "max_state_bytes")
+        if problem is not None:
+            raise ValueError(
+                f"the packed state's JSON holds {problem}, so unpacking it would be refused. HINT: keep bulky "
+                "data in tensors rather than in lists and dicts."
+            )
+        unknown = sorted({str(t.dtype) for t in tensors.values() if t.dtype not in DTYPE_CODES})
+        if unknown:
+            raise TypeError(f"cannot checkpoint tensors of dtype {', '.join(unknown)}")
+        header: dict[str, Any] = {"__metadata__": {TAG: text}}
+        self._order = sorted(tensors)
+        offset = 0
+        for key in self._order:
+            t = tensors[key]
+            nbytes = t.numel() * t.element_size()
+            entry = {
+                "dtype": DTYPE_CODES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            header[key] = entry
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes with spaces
+        self.header = len(raw).to_bytes(8, "little") + raw
+        """The file's first bytes: the header's length and the header."""
+        self.size = len(self.header) + offset
+        """The file's size in bytes."""
+        self._tensors = tensors
+
+    def chunks(self) -> Iterator[memoryview]:
+        """The file's bytes in order: the header, then each tensor's memory (no copy)."""
+        yield memoryview(self.header)
+        for key in self._order:
+            t = self._tensors[key]
+            if t.numel():
+                yield t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def unpack_tensor_file(metadata: dict[str, str], tensors: dict[str, torch.Tensor], limits: ReadLimits) -> Any:

@@ -1,0 +1,121 @@
+"""Find the checkpoint to load: the one ``latest`` names, then back by step past damaged ones.
+
+`load_checkpoint` is the one-process entry point: it verifies each candidate whole (`loom.checkpoint.load
+.read_checkpoint`). `loom.fit` walks the same `checkpoint_candidates` with every rank reading only its own
+part and the ranks agreeing on each verdict (`loom.fit_checkpoint`). The ``latest`` pointer is read with the
+same care as the files (no link, at most `ReadLimits.max_pointer_bytes`); when it is unusable, loading warns
+and starts from the newest checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from loom.checkpoint.confined import ConfinedDirectory, read_limited
+from loom.checkpoint.limits import DEFAULT_LIMITS, ReadLimits
+from loom.checkpoint.load import read_checkpoint
+from loom.checkpoint.store import (
+    POINTER_FILE,
+    STEP_NAME,
+    CorruptCheckpointError,
+    CorruptCheckpointWarning,
+    NoValidCheckpointError,
+    list_checkpoints,
+)
+
+__all__ = ["checkpoint_candidates", "load_checkpoint", "no_valid_checkpoint"]
+
+
+def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, str | None]:
+    """``(name, None)`` for a usable ``latest``, ``(None, None)`` for none, ``(None, why)`` for a bad one."""
+    root = ConfinedDirectory.open(directory, follow=True)
+    if isinstance(root, str):
+        return None, None
+    with root:
+        opened = root.open_file(POINTER_FILE)
+    if isinstance(opened, str):
+        return None, None if opened == "the file is missing" else opened
+    file, size = opened
+    with file:
+        try:
+            name = read_limited(file, size, limits.max_pointer_bytes).decode().strip()
+        except (ValueError, UnicodeDecodeError) as err:
+            return None, f"is unreadable ({err})"
+    if not STEP_NAME.fullmatch(name):
+        return None, f"holds {name[:40]!r}, not a checkpoint name"
+    return name, None
+
+
+def _read_pointer(directory: Path, limits: ReadLimits) -> str | None:
+    """The checkpoint name ``latest`` holds; None (warning if it exists but is unusable) otherwise."""
+    name, problem = _pointer_problem(directory, limits)
+    if problem is not None:
+        warnings.warn(
+            f"{directory / POINTER_FILE} {problem}; using the newest intact checkpoint",
+            CorruptCheckpointWarning,
+            stacklevel=3,
+        )
+    return name
+
+
+def checkpoint_candidates(
+    directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
+) -> tuple[list[Path], list[str]]:
+    """The checkpoints of ``directory`` to try, newest first: from the one ``latest`` names (the newest if
+    there is no usable pointer) back by step; and the problems found on the way (a pointer naming nothing),
+    each already warned with `CorruptCheckpointWarning`."""
+    directory = Path(directory)
+    checkpoints = list_checkpoints(directory)
+    pointer = _read_pointer(directory, limits)
+    problems: list[str] = []
+    candidates = list(checkpoints)
+    if pointer is not None:
+        newest = int(STEP_NAME.fullmatch(pointer).group(1))  # type: ignore[union-attr]
+        if newest not in checkpoints:
+            problems.append(f"{directory / POINTER_FILE} names {pointer}, which does not exist")
+            warnings.warn(
+                problems[-1] + "; falling back to an earlier checkpoint",
+                CorruptCheckpointWarning,
+                stacklevel=3,
+            )
+        candidates = [s for s in checkpoints if s <= newest]
+    return [checkpoints[s] for s in reversed(candidates)], problems
+
+
+def no_valid_checkpoint(directory: str | os.PathLike, problems: list[str]) -> NoValidCheckpointError:
+    """The error for a directory whose checkpoints all failed, listing ``problems``."""
+    return NoValidCheckpointError(
+        f"no intact checkpoint in {directory}: "
+        + "; ".join(problems)
+        + ". HINT: restore the files from a backup, or move the directory away to start from scratch."
+    )
+
+
+def load_checkpoint(
+    directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
+) -> tuple[int, dict[str, Any]] | None:
+    """The newest intact checkpoint in ``directory`` as ``(step, state)``, or None if there is none.
+
+    Starts from the checkpoint ``latest`` names (the newest if there is no pointer yet) and walks back by
+    step past damaged ones, warning with `CorruptCheckpointWarning` for each, naming the file and the reason.
+    Raises `NoValidCheckpointError` when checkpoints exist but none is intact: starting over silently would
+    throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`). Every rank's file is
+    verified (`read_checkpoint`); `loom.fit` reads only each process's own (`read_checkpoint_part`).
+    """
+    candidates, problems = checkpoint_candidates(directory, limits=limits)
+    for checkpoint in candidates:
+        try:
+            return read_checkpoint(checkpoint, limits=limits)
+        except CorruptCheckpointError as err:
+            problems.append(str(err))
+            warnings.warn(
+                f"checkpoint {checkpoint.name} is damaged: {err}; falling back to an earlier checkpoint",
+                CorruptCheckpointWarning,
+                stacklevel=2,
+            )
+    if not problems:
+        return None
+    raise no_valid_checkpoint(directory, problems)
