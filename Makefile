@@ -33,13 +33,13 @@ lint: $(TEST_STAMP)
 
 # The documentation site, strict: a broken link, reference or docstring cross-reference fails the build.
 docs: $(TEST_STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --ignore-missing-imports src/loom
-	$(VENV)/bin/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 	$(VENV)/bin/pytest
 
 bench: $(TEST_STAMP)
