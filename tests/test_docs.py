@@ -35,7 +35,8 @@ EXAMPLES = {
     "spark": "tests/test_spark.py (under TorchDistributor)",
 }
 FENCE = re.compile(
-    r"(?:<!--\s*(?P<marker>[a-z]+):\s*(?P<arg>.*?)\s*-->\s*\n)?```(?P<lang>[\w-]*)\n(?P<code>.*?)```", re.S
+    r"(?:<!--\s*(?P<marker>[a-z]+):\s*(?P<arg>[^\n]*?)\s*-->\s*\n)?```(?P<lang>[\w-]*)\n(?P<code>.*?)```",
+    re.S,
 )
 
 
@@ -65,6 +66,23 @@ def blocks(page: Path) -> list[Block]:
 
 
 ALL = [b for page in PAGES for b in blocks(page)]
+
+
+def test_markers_attach_to_the_block_right_below_them_only(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- run: loom run -n 2 -->\n```python\na = 1\n```\n\n<!-- note: not a marker of what follows -->\n"
+        "text\n\n```python\nb = 2\n```\n<!-- skip: shown, not run -->\n\n```python\nc = 3\n```\n```bash\nls\n```\n"
+    )
+    found = [(b.line, b.lang, b.marker, b.arg, b.code) for b in blocks(page)]
+    assert found == [
+        (2, "python", "run", "loom run -n 2", "a = 1\n"),
+        (9, "python", None, "", "b = 2\n"),
+        (14, "python", "skip", "shown, not run", "c = 3\n"),
+        (17, "bash", None, "", "ls\n"),
+    ]
+
+
 PYTHON = [b for b in ALL if b.lang == "python"]
 SCRIPTS = [b for b in PYTHON if b.marker == "run"]
 PAGES_WITH_BLOCKS = sorted({b.page for b in PYTHON if b.marker is None}, key=str)
