@@ -1,34 +1,54 @@
-# Two entry points on a fresh machine: `make demo` and `make test`. Each creates .venv and installs first.
+# Two entry points on a fresh machine: `make demo` (loom and the demo's extra only) and `make test` (adds the
+# test, Ray, Spark and documentation dependencies). Each creates .venv and installs what it lacks first: one
+# stamp per layer, so `make test` after `make demo` installs only the rest.
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+# The demo's layer skips pip's byte-compilation of every installed module (torch alone has thousands; it was
+# the largest part of the install's CPU time): Python compiles what the demo imports as it runs. The test layer
+# compiles everything, since the tests start hundreds of processes that import torch.
+SITE = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+DEMO_STAMP := $(VENV)/.installed-demo
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint docs bench install clean
 
-$(STAMP): pyproject.toml requirements.lock
+# torch first, by its exact version: the CPU build on this machine's disk (a range would let pip take a CUDA build).
+$(DEMO_STAMP): pyproject.toml requirements/demo.lock
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
-	touch $(STAMP)
+	$(PIP) --no-compile torch==2.13.0
+	$(PIP) --no-compile -r requirements/demo.lock
+	$(PIP) --no-deps -e .
+	touch $(DEMO_STAMP)
 
-install: $(STAMP)
+$(TEST_STAMP): $(DEMO_STAMP) requirements/test.lock
+	$(PIP) -r requirements/test.lock
+	@# .pyc files only speed imports up: a file that does not compile is one pip's own compilation skips too.
+	$(PY) -m compileall -q -j 0 $(SITE) > /dev/null || true
+	touch $(TEST_STAMP)
 
-demo: $(STAMP)
+install: $(TEST_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/loom demo
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --ignore-missing-imports src/loom
 
-test: $(STAMP)
+# The documentation site, strict: a broken link, reference or docstring cross-reference fails the build.
+docs: $(TEST_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --ignore-missing-imports src/loom
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 	$(VENV)/bin/pytest
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(VENV)/bin/loom bench dp
 
 clean:

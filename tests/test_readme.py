@@ -1,4 +1,6 @@
-"""The README's training script, run as written: every strategy trains to the same loss as the others."""
+"""The README's training script, run as written: every strategy trains to the same loss as the others.
+
+The other blocks of the README and the documentation are run by tests/test_docs.py."""
 
 from __future__ import annotations
 
@@ -9,15 +11,18 @@ import pytest
 from conftest import run_workers
 from test_launcher import run_loom
 
-README = Path(__file__).parent.parent / "README.md"
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
 
 
 def readme_example(marker: str) -> str:
-    """The first ```python block after ``<!-- example: marker -->`` in the README."""
-    text = README.read_text()
-    found = re.search(rf"<!-- example: {marker} -->\s*```python\n(.*?)```", text, re.S)
-    assert found, f"README.md has no python block after <!-- example: {marker} -->"
-    return found.group(1)
+    """The first ```python block after ``<!-- example: marker -->`` in the README or, failing that, in the
+    documentation pages (docs/**/*.md): the scripts the tests run as written."""
+    for page in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        found = re.search(rf"<!-- example: {marker} -->\s*```python\n(.*?)```", page.read_text(), re.S)
+        if found:
+            return found.group(1)
+    raise AssertionError(f"no python block after <!-- example: {marker} --> in README.md or docs/")
 
 
 def losses(stdout: str) -> dict[str, tuple[int, float]]:
