@@ -2,7 +2,7 @@
 
 import pytest
 
-from loom.launch.cli import _build_parser
+from loom.cli import _build_parser
 from loom_bench import links
 
 

@@ -15,10 +15,10 @@ import torch
 from netns import bridged_hosts, can_make_namespaces
 from workers.common import reference_run
 
-from loom.launch import cli
+from loom import cli
 from loom.launch.cluster import MAX_SPEC_BYTES, ClusterSpecError, load_cluster, parse_cluster
 
-LOOM = [sys.executable, "-m", "loom.launch.cli"]
+LOOM = [sys.executable, "-m", "loom.cli"]
 WORKER = Path(__file__).parent / "workers" / "cluster_train.py"
 GOOD = {
     "master_port": 29400,
@@ -71,9 +71,9 @@ def test_a_malformed_spec_fails_at_start_up_naming_the_field(case, tmp_path, cap
 CLI_TIMED = """
 import sys, time
 started = time.monotonic()
-import loom.launch.cli
+import loom.cli
 imported = time.monotonic()
-status = loom.launch.cli.main(sys.argv[1:])
+status = loom.cli.main(sys.argv[1:])
 print(f"IMPORT {imported - started:.2f} s, CHECK {time.monotonic() - imported:.2f} s", file=sys.stderr)
 sys.exit(status)
 """

@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.timeout(180)
 def test_demo_trains_and_matches_one_process(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", "demo", "--epochs", "6", "--run-dir", str(tmp_path)],
+        [sys.executable, "-m", "loom.cli", "demo", "--epochs", "6", "--run-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=170,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

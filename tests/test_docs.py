@@ -150,7 +150,7 @@ def test_a_script_block_runs_as_the_job_its_marker_names(block, tmp_path):
 
 
 def test_every_loom_command_line_of_the_pages_parses():
-    from loom.launch.cli import _build_parser
+    from loom.cli import _build_parser
 
     parser = _build_parser()
     commands = [

@@ -81,7 +81,7 @@ def test_diloco_under_continue_is_refused_at_start_up_through_loom_run(tmp_path:
     script.write_text(DILOCO)
     env = dict(os.environ, LOOM_JOB_SECRET=os.urandom(32).hex())
     result = subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", "run", "-n", "2", "--on-worker-failure", "continue",
+        [sys.executable, "-m", "loom.cli", "run", "-n", "2", "--on-worker-failure", "continue",
          "--run-dir", str(tmp_path / "run"), str(script)],
         env=env, capture_output=True, text=True, timeout=100, cwd=tmp_path,
     )  # fmt: skip

@@ -311,7 +311,7 @@ def test_a_sigkilled_peer_is_skipped_and_the_others_train_to_the_end(tmp_path):
     # deadline_s 60: were the dead peer waited for rather than found unreachable, the test would time out; a live
     # peer's answer never takes that long, so "late" stays 0 whatever the load.
     config = {"steps": 30, "kill_rank": 1, "kill_step": 5, "slow_s": 0.02, "deadline_s": 60.0}
-    command = [sys.executable, "-m", "loom.launch.cli", "run", "-n", "3", "--on-worker-failure", "continue",
+    command = [sys.executable, "-m", "loom.cli", "run", "-n", "3", "--on-worker-failure", "continue",
                "--run-dir", str(tmp_path / "run"), str(WORKERS / "gossip_kill.py"), json.dumps(config)]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip

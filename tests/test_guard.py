@@ -33,7 +33,7 @@ def _run(tmp_path: Path, strategy: str, fault: str, timeout: float) -> tuple[int
     out = tmp_path / "out"
     out.mkdir()
     servers = ["--servers", str(SERVERS[strategy])] if strategy in SERVERS else []
-    command = [sys.executable, "-m", "loom.launch.cli", "run", "-n", str(WORLD[strategy]), *servers,
+    command = [sys.executable, "-m", "loom.cli", "run", "-n", str(WORLD[strategy]), *servers,
                "--run-dir", str(tmp_path / "run"), str(WORKERS / "guard_job.py"), strategy, fault, str(out)]  # fmt: skip
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

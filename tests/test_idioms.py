@@ -141,7 +141,7 @@ def _run_script(tmp_path, prefix: list[str]) -> tuple[dict, str]:
 
 @pytest.mark.timeout(240)
 def test_loom_run_n1_gives_the_group_and_environment_torchrun_n1_gives(tmp_path):
-    loom_env, loom_out = _run_script(tmp_path, ["-m", "loom.launch.cli", "run", "-n", "1"])
+    loom_env, loom_out = _run_script(tmp_path, ["-m", "loom.cli", "run", "-n", "1"])
     torch_env, torch_out = _run_script(tmp_path, ["-m", "torch.distributed.run", "--nproc_per_node", "1"])
     for out in (loom_out, torch_out):
         assert "GROUP 1 0 gloo [1.0, 1.0] none" in out, out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.launch import cli
+from loom import cli
 from loom.launch.agent import LaunchSpec
 from loom.launch.bounds import MAX_NPROC_PER_CORE, default_max_nproc, json_nesting_depth
 from loom.launcher_env import read_launcher_env
@@ -21,9 +21,9 @@ from loom.launcher_env import read_launcher_env
 CLI_TIMED = """
 import sys, time
 started = time.monotonic()
-import loom.launch.cli
+import loom.cli
 imported = time.monotonic()
-status = loom.launch.cli.main(sys.argv[1:])
+status = loom.cli.main(sys.argv[1:])
 print(f"IMPORT {imported - started:.2f} CHECK {time.monotonic() - imported:.2f}", file=sys.stderr)
 sys.exit(status)
 """

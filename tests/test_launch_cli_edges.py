@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-LOOM = [sys.executable, "-m", "loom.launch.cli"]
+LOOM = [sys.executable, "-m", "loom.cli"]
 QUICK_S = 20.0
 """A failure "within seconds": the join timeouts here are 3-4 s; starting Python and torch takes 5-10 s more
 on the 2 shared cores of the development host."""

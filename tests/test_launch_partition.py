@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-LOOM = [sys.executable, "-m", "loom.launch.cli"]
+LOOM = [sys.executable, "-m", "loom.cli"]
 WORKER = Path(__file__).parent / "workers" / "launch_partition.py"
 HANG_S = 10
 

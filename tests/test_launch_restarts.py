@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-LOOM = [sys.executable, "-m", "loom.launch.cli"]
+LOOM = [sys.executable, "-m", "loom.cli"]
 
 SCRIPT = """
     import os, torch, torch.distributed as dist, loom

@@ -19,7 +19,7 @@ import pytest
 
 from loom.net.store import HANDSHAKE_TIMEOUT_S, LoomStore, StoreServer, StoreTimeout, StoreUnreachable
 
-LOOM = [sys.executable, "-m", "loom.launch.cli"]
+LOOM = [sys.executable, "-m", "loom.cli"]
 SECRET = bytes(range(32))
 
 

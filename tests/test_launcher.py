@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-LOOM = [sys.executable, "-m", "loom.launch.cli"]
+LOOM = [sys.executable, "-m", "loom.cli"]
 
 
 def processes_mentioning(marker: str) -> list[int]:

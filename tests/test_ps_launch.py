@@ -22,7 +22,7 @@ from conftest import WORKERS
 from torch import nn
 from workers.common import least_squares
 
-LOOM = [sys.executable, "-m", "loom.launch.cli"]
+LOOM = [sys.executable, "-m", "loom.cli"]
 JOB = WORKERS / "ps_launch_job.py"
 
 

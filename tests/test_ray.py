@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("ray")
 
 import loom.ray  # noqa: E402
-from loom.launch.cli import main as loom_main  # noqa: E402
+from loom.cli import main as loom_main  # noqa: E402
 from loom.ray.local import connect, disconnect, session_processes, tagged_processes  # noqa: E402
 
 WORKERS = Path(__file__).parent / "workers"

@@ -108,7 +108,7 @@ def _run_on_driver(train, args, kwargs, num_processes: int, run_dir) -> Any:
 
     with tempfile.TemporaryDirectory(prefix="loom-spark-") as private:
         run_dir = Path(run_dir) if run_dir is not None else Path(private, "run")
-        cmd = [sys.executable, "-u", "-m", "loom.launch.cli", "run", "-n", str(num_processes),
+        cmd = [sys.executable, "-u", "-m", "loom.cli", "run", "-n", str(num_processes),
                "--run-dir", str(run_dir)]  # fmt: skip
         if isinstance(train, str):
             cmd += [train, *map(str, args)]

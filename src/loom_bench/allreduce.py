@@ -61,7 +61,7 @@ def copy_ceiling(size: int, repetitions: int) -> float:
 def _run_job(n: int, sizes: list[int], repetitions: int, tmp: Path) -> dict:
     out = tmp / f"n{n}.json"
     cmd = [
-        sys.executable, "-m", "loom.launch.cli", "run", "-n", str(n), "--run-dir", str(tmp / f"run{n}"),
+        sys.executable, "-m", "loom.cli", "run", "-n", str(n), "--run-dir", str(tmp / f"run{n}"),
         "-m", "loom_bench.allreduce_worker", "--sizes", *map(str, sizes), "--algorithms", *COLUMNS,
         "--repetitions", str(repetitions), "--out", str(out),
     ]  # fmt: skip

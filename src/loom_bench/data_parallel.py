@@ -30,7 +30,7 @@ def _worker(args: list[str], nproc: int, run_dir: Path) -> int:
         cmd = [
             sys.executable,
             "-m",
-            "loom.launch.cli",
+            "loom.cli",
             "run",
             "-n",
             str(nproc),

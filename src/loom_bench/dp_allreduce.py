@@ -49,7 +49,7 @@ def _run_worker(args: list[str], nproc: int, run_dir: Path) -> int:
     worker = ["-m", "loom_bench.dp_allreduce_worker", *args]
     if nproc == 1:
         return subprocess.call([sys.executable, *worker], env=env)
-    launch = [sys.executable, "-m", "loom.launch.cli", "run", "-n", str(nproc), "--run-dir", str(run_dir)]
+    launch = [sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(run_dir)]
     return subprocess.call([*launch, *worker], env=env)
 
 

@@ -158,7 +158,7 @@ def run_suite(checkout: Path, nproc: int, keyword: str | None, stall_s: float, b
     attempts = 0
     while True:
         attempts += 1
-        cmd = [sys.executable, "-m", "loom.launch.cli", "run", "-n", str(nproc), "--run-dir", str(work / "run"),
+        cmd = [sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(work / "run"),
                str(driver), str(test_file), *(["-k", keyword] if keyword else [])]  # fmt: skip
         for test in deselect:
             cmd += [
@@ -280,7 +280,7 @@ def throughput(nproc: int, rounds: int, epochs: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="loom-hvd-throughput-"))
     torchrun = Path(sys.executable).with_name("torchrun")
     jobs = {
-        "loom run + loom.horovod": [sys.executable, "-m", "loom.launch.cli", "run", "-n", str(nproc), "--run-dir",
+        "loom run + loom.horovod": [sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir",
                                     str(work / "run"), str(examples / "horovod_mnist.py"), *args],
         "torchrun + DDP": [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", "PORT",
                            str(examples / "horovod_mnist_ddp.py"), *args[:-2]],

@@ -140,7 +140,7 @@ def run_job(
     try:
         nnodes, master = str(len(hosts.namespaces)), f"{hosts.addresses[0]}:{port}"
         for i, ns in enumerate(hosts.namespaces):
-            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "loom.launch.cli", "run", "-n", "1",
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "loom.cli", "run", "-n", "1",
                    "--nnodes", nnodes, "--node-rank", str(i), "--master", master,
                    "--local-addr", hosts.addresses[i], "--run-dir", str(tmp / f"run{i}"),
                    "-m", worker, *worker_args]  # fmt: skip

@@ -65,7 +65,7 @@ def _time_one(args: list[str], scratch: Path, env: dict[str, str]) -> float:
     from loom.ray.local import tagged_processes
 
     tag = uuid.uuid4().hex
-    command = [sys.executable, "-m", "loom.launch.cli", "run", *args, "-n", "2",
+    command = [sys.executable, "-m", "loom.cli", "run", *args, "-n", "2",
                "--run-dir", str(scratch / f"run-{tag}"), str(scratch / "job.py")]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(

@@ -21,7 +21,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> int:
 
 def run_demo(nproc: int, epochs: int, run_dir: Path) -> int:
     console = Console()
-    loom_cmd = [sys.executable, "-m", "loom.launch.cli"]
+    loom_cmd = [sys.executable, "-m", "loom.cli"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     distributed = run_dir / "distributed" / "summary.json"
     single = run_dir / "single" / "summary.json"

@@ -26,46 +26,16 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from loom.horovod import _ops  # the data movement, kept apart from the negotiation
+from loom.horovod._request import HorovodInternalError, Request
+
 __all__ = ["Engine", "HorovodInternalError", "Request"]
 
 _BUFFER = 4096  # bytes per rank in the common one-round exchange
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed inside the engine (Horovod's name, a RuntimeError as there)."""
-
-
-@dataclass
-class Request:
-    """One submitted collective: its inputs, where results go, and its completion."""
-
-    kind: str
-    tensors: list[torch.Tensor]
-    args: dict[str, Any]
-    outputs: list[torch.Tensor] | None = None
-    name: str = ""
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
-
-    def meta(self) -> dict[str, Any]:
-        """What every rank must agree on (or know about the others), as JSON-able values."""
-        return {
-            "kind": self.kind,
-            "dtypes": [str(t.dtype) for t in self.tensors],
-            "shapes": [list(t.shape) for t in self.tensors],
-            **{k: v for k, v in self.args.items() if k != "compute"},
-        }
-
-    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        self.result, self.error = result, error
-        self.done.set()
 
 
 class Engine:
@@ -190,8 +160,6 @@ class Engine:
         ready = [n for n in self._order if working and working <= self._table[n].keys()]
         if ready:
             active = True
-            from loom.horovod import _ops  # the data movement, kept apart from the negotiation
-
             batch = []
             for name in ready:
                 self._order.remove(name)

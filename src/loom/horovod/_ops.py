@@ -1,6 +1,6 @@
 """The data movement of each collective, run by the engine once every rank has announced it.
 
-Every function here receives the metadata of *all* ranks (`loom.horovod._engine.Request.meta`), so the checks
+Every function here receives the metadata of *all* ranks (`loom.horovod._request.Request.meta`), so the checks
 (`check`) give the same verdict on every rank, and variable sizes (allgather's first dimensions, alltoall's
 splits) are known without another exchange. Data that is only moved (allgather, broadcast, alltoall) travels
 as raw bytes, so every dtype works the same way; reductions run in the tensor's dtype on gloo (int16, which
@@ -20,7 +20,7 @@ from math import prod
 import torch
 import torch.distributed as dist
 
-from loom.horovod._engine import HorovodInternalError, Request
+from loom.horovod._request import HorovodInternalError, Request
 
 __all__ = ["check", "run", "run_ready", "scale"]
 

@@ -17,8 +17,8 @@ import threading
 import torch
 
 from loom.horovod import basics
-from loom.horovod._engine import Request
 from loom.horovod._ops import ADASUM, AVERAGE, SUM
+from loom.horovod._request import Request
 from loom.horovod.compression import Compression
 
 __all__ = [

@@ -51,7 +51,7 @@ from loom.strategies._batch import batch_len, share_means, share_sums, split_bat
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel import default_metrics_path
-from loom.strategies.pipeline import broadcast_module
+from loom.strategies.pipeline_stages import broadcast_module
 from loom.topology import Topology, current
 from loom.train.guard import StepGuard
 from loom.train.options import config_from

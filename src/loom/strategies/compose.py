@@ -29,8 +29,8 @@ from loom.strategies._setup import check_setup_arguments
 from loom.strategies.data_parallel import DataParallelConfig, LossFn, default_metrics_path
 from loom.strategies.data_parallel_sync import GradientAveraging
 from loom.strategies.model_parallel import ModelParallelJob, Schedule
-from loom.strategies.pipeline import PipelineConfig, broadcast_module, split_into_stages
-from loom.strategies.tensor_parallel import shard_stage
+from loom.strategies.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
+from loom.strategies.tensor_parallel_shard import shard_stage
 
 __all__ = ["compose"]
 

@@ -26,8 +26,8 @@ from loom.mesh import Mesh
 from loom.strategies.compose import compose
 from loom.strategies.data_parallel import DataParallelConfig, LossFn, data_axis_options
 from loom.strategies.model_parallel import ModelParallelJob
-from loom.strategies.pipeline import PipelineConfig
-from loom.strategies.tensor_parallel import TensorParallelConfig
+from loom.strategies.pipeline_stages import PipelineConfig
+from loom.strategies.tensor_parallel_shard import TensorParallelConfig
 from loom.topology import Topology, current
 
 __all__ = ["Hybrid", "HybridConfig"]

@@ -43,7 +43,7 @@ from loom.strategies.data_parallel_sync import GradientAveraging
 from loom.strategies.pipeline_communications import recv_tensors, send_tensors
 from loom.strategies.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.strategies.pipeline_schedule import stage_instructions
-from loom.strategies.tensor_parallel import TensorShards
+from loom.strategies.tensor_parallel_shard import TensorShards
 from loom.train.guard import StepGuard
 
 __all__ = ["ModelParallelJob", "Schedule", "batch_fingerprint"]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -226,20 +228,28 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
     if ns.which == "dp":
-        from loom_bench.data_parallel import run_benchmark
-
-        return run_benchmark(repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out)
+        return _benchmark("data_parallel").run_benchmark(
+            repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out
+        )
     if ns.which == "allreduce":
-        from loom_bench.allreduce import run_allreduce_benchmark
-
-        return run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick)
+        return _benchmark("allreduce").run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick)
     if ns.which == "links":
-        from loom_bench.links import run_links_benchmark
+        return _benchmark("links").run_links_benchmark(out_dir=ns.out, reps=ns.repetitions, quick=ns.quick)
+    return _benchmark("checkpoint_overhead").run_checkpoint_benchmark(out_dir=ns.out)
 
-        return run_links_benchmark(out_dir=ns.out, reps=ns.repetitions, quick=ns.quick)
-    from loom_bench.checkpoint_overhead import run_checkpoint_benchmark
 
-    return run_checkpoint_benchmark(out_dir=ns.out)
+def _benchmark(name: str) -> Any:
+    """The benchmark module ``loom_bench.<name>``, looked up when ``loom bench`` runs: the benchmarks live beside
+    the library in its repository (``src/loom_bench``), not in its wheel, and the library imports none of them."""
+    try:
+        return importlib.import_module(f"loom_bench.{name}")
+    except ModuleNotFoundError as error:
+        if error.name not in ("loom_bench", f"loom_bench.{name}"):
+            raise
+        raise SystemExit(
+            "loom bench: the benchmarks (loom_bench) are not installed: they ship with loom's repository, not its "
+            "wheel. HINT: run from a checkout (pip install -e .), or python -m loom_bench.<name> there."
+        ) from None
 
 
 def _cmd_report(ns: argparse.Namespace) -> int:
