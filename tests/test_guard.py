@@ -23,25 +23,26 @@ from loom.strategies.data_parallel import ONLY_DATA_PARALLEL
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")
-WORLD = {"dp": 2, "pipeline": 2, "tp": 2, "hybrid": 2, "local_sgd": 2, "diloco": 2, "gossip": 2, "ps": 2,
-         "ps_async": 2}  # fmt: skip
-SERVERS = {"ps": 1, "ps_async": 1}
+SYNCHRONOUS = ["dp", "pipeline", "tp", "hybrid", "local_sgd", "diloco", "ps"]
+ALONE = ["ps_async", "gossip"]
+"""Strategies whose replicas judge a non-finite step alone (no collective carries the flags)."""
 
 
-def _run(tmp_path: Path, strategy: str, fault: str, timeout: float) -> tuple[int, str, float]:
-    """`loom run` the guard job; returns (exit status, stderr + stdout, seconds from launch to exit)."""
+def _run(tmp_path: Path, strategies: list[str], fault: str, timeout: float) -> tuple[int, str, float]:
+    """`loom run -n 2` the guard job over ``strategies`` (one after the other in the same processes, with a
+    parameter server when one of them needs it); returns (exit status, stderr + stdout, seconds to exit)."""
     out = tmp_path / "out"
     out.mkdir()
-    servers = ["--servers", str(SERVERS[strategy])] if strategy in SERVERS else []
-    command = [sys.executable, "-m", "loom.cli", "run", "-n", str(WORLD[strategy]), *servers,
-               "--run-dir", str(tmp_path / "run"), str(WORKERS / "guard_job.py"), strategy, fault, str(out)]  # fmt: skip
+    servers = ["--servers", "1"] if any(s.startswith("ps") for s in strategies) else []
+    command = [sys.executable, "-m", "loom.cli", "run", "-n", "2", *servers, "--run-dir", str(tmp_path / "run"),
+               str(WORKERS / "guard_job.py"), ",".join(strategies), fault, str(out)]  # fmt: skip
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"loom run {strategy} {fault} did not end within {timeout} s") from None
+        raise AssertionError(f"loom run {strategies} {fault} did not end within {timeout} s") from None
     finally:
         for pid in session_members(
             proc.pid
@@ -53,31 +54,38 @@ def _run(tmp_path: Path, strategy: str, fault: str, timeout: float) -> tuple[int
     return proc.returncode, stderr + stdout, time.monotonic() - started
 
 
-def _results(tmp_path: Path) -> dict[int, dict]:
-    return {
-        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (tmp_path / "out").glob("result-*.json")
-    }
+def _results(tmp_path: Path, strategy: str) -> dict[int, dict]:
+    found = (tmp_path / "out").glob(f"result-{strategy}-*.json")
+    return {int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text()) for p in found}
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["dp", "pipeline", "tp", "hybrid", "local_sgd", "diloco", "ps"])
-def test_a_nan_on_one_rank_is_skipped_on_every_rank_of_a_synchronous_strategy(tmp_path, strategy):
-    status, output, _ = _run(tmp_path, strategy, "nan", timeout=120)
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory) -> tuple[Path, int, str]:
+    """Every strategy with a NaN input on one rank at step 3, one after the other in one `loom run -n 2`."""
+    tmp_path = tmp_path_factory.mktemp("nan")
+    status, output, _ = _run(tmp_path, SYNCHRONOUS + ALONE, "nan", timeout=280)
+    return tmp_path, status, output
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", SYNCHRONOUS)
+def test_a_nan_on_one_rank_is_skipped_on_every_rank_of_a_synchronous_strategy(nan_run, strategy):
+    tmp_path, status, output = nan_run
     assert status == 0, output[-3000:]
-    ranks = _results(tmp_path)
-    assert sorted(ranks) == list(range(WORLD[strategy])), output[-3000:]
+    ranks = _results(tmp_path, strategy)
+    assert sorted(ranks) == [0, 1], output[-3000:]
     for r in ranks.values():
         assert r["params_finite"], r
         assert r["skipped_steps"] == 1 and r["skipped_in_records"] == [3], r
         assert r["loss_scope"] == "global"
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["gossip", "ps_async"])
-def test_a_nan_is_skipped_by_the_replica_that_had_it_when_replicas_judge_alone(tmp_path, strategy):
-    status, output, _ = _run(tmp_path, strategy, "nan", timeout=120)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ALONE)
+def test_a_nan_is_skipped_by_the_replica_that_had_it_when_replicas_judge_alone(nan_run, strategy):
+    tmp_path, status, output = nan_run
     assert status == 0, output[-3000:]
-    ranks = _results(tmp_path)
+    ranks = _results(tmp_path, strategy)
     assert sorted(ranks) == [0, 1], output[-3000:]
     for rank, r in ranks.items():
         assert r["params_finite"], r
@@ -86,9 +94,9 @@ def test_a_nan_is_skipped_by_the_replica_that_had_it_when_replicas_judge_alone(t
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["dp", "pipeline", "tp", "hybrid", "local_sgd", "diloco", "ps"])
+@pytest.mark.parametrize("strategy", SYNCHRONOUS)
 def test_a_frozen_rank_stops_the_job_naming_it(tmp_path, strategy):
-    status, output, _ = _run(tmp_path, strategy, "freeze", timeout=120)
+    status, output, _ = _run(tmp_path, [strategy], "freeze", timeout=120)
     frozen = tmp_path / "out" / "frozen-at"
     assert frozen.exists(), output[-3000:]
     bad = 0 if strategy == "pipeline" else 1

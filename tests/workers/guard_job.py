@@ -1,10 +1,11 @@
 """One small job per strategy with a fault on one rank (tests/test_guard.py): the step guard must hold for all.
 
-``guard_job.py STRATEGY FAULT OUT_DIR``: STRATEGY is one of `STRATEGIES`; FAULT is ``nan`` (one sample's input
-set to NaN on the rank that reads inputs, at step `FAULT_AT`) or ``freeze`` (that rank stops itself with
-SIGSTOP before step `FAULT_AT`, after writing the time to OUT_DIR/frozen-at). Trains `STEPS` steps of
-`make_deep_mlp` with ``hang_timeout_s=5`` and writes OUT_DIR/result-RANK.json: whether its parameters are finite,
-the steps the job skipped and its step records marked skipped, and the losses it returned.
+``guard_job.py STRATEGIES FAULT OUT_DIR``: STRATEGIES is a comma-separated list of names of `STRATEGIES`, set up
+and trained one after the other in the same processes; FAULT is ``nan`` (one sample's input set to NaN on the
+rank that reads inputs, at step `FAULT_AT`) or ``freeze`` (that rank stops itself with SIGSTOP before step
+`FAULT_AT`, after writing the time to OUT_DIR/frozen-at). Trains `STEPS` steps of `make_deep_mlp` with
+``hang_timeout_s=5`` and writes OUT_DIR/result-NAME-RANK.json: whether its parameters are finite, the steps the
+job skipped and its step records marked skipped, and the losses it returned.
 """
 
 import json
@@ -30,35 +31,44 @@ STRATEGIES = {  # name: (strategy, the rank whose input is poisoned or that free
     "local_sgd": (lambda: loom.LocalSGD(sync_every=2, hang_timeout_s=HANG_S), 1),
     "diloco": (lambda: loom.DiLoCo(sync_every=2, hang_timeout_s=HANG_S), 1),
     "gossip": (lambda: loom.Gossip(hang_timeout_s=HANG_S, deadline_s=2.0), 1),
-    "ps": (lambda: loom.ParameterServer(mode="sync", hang_timeout_s=HANG_S, worker_timeout_s=60.0), 1),
-    "ps_async": (lambda: loom.ParameterServer(mode="async", hang_timeout_s=HANG_S), 1),
+    "ps": (lambda: loom.ParameterServer(mode="sync", hang_timeout_s=HANG_S, namespace="sync"), 1),
+    "ps_async": (lambda: loom.ParameterServer(mode="async", hang_timeout_s=HANG_S, namespace="async"), 1),
 }
 
-name, fault, out_dir = sys.argv[1:4]
+names, fault, out_dir = sys.argv[1:4]
 topo = loom.init()
-make_strategy, bad_rank = STRATEGIES[name]
-model = make_deep_mlp()
-job = make_strategy().setup(model, torch.optim.SGD(model.parameters(), lr=0.05), nn.functional.mse_loss)
-losses = []
-for step, batch in enumerate(job.loader(make_dataset(), 8, seed=0), start=1):
-    if step > STEPS:
-        break
-    if step == FAULT_AT and topo.rank == bad_rank:
-        if fault == "nan" and len(batch[0]):
-            batch[0][0, 0] = float("nan")  # in place: the batch keeps its layout (global size, fingerprint)
-        elif fault == "freeze":
-            with open(os.path.join(out_dir, "frozen-at"), "w") as f:
-                f.write(str(time.time()))
-            os.kill(os.getpid(), signal.SIGSTOP)
-    losses.append(job.train_step(batch))
-module = job.fetch_parameters() if hasattr(job, "fetch_parameters") else job.module
-result = {
-    "rank": topo.rank,
-    "params_finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
-    "skipped_steps": job.skipped_steps,
-    "skipped_in_records": [r.step for r in job.metrics.records if r.skipped],
-    "losses": [loss if math.isfinite(loss) else str(loss) for loss in losses],
-    "loss_scope": job.loss_scope,
-}
-with open(os.path.join(out_dir, f"result-{topo.rank}.json"), "w") as f:
-    json.dump(result, f)
+
+
+def train(name: str) -> dict:
+    make_strategy, bad_rank = STRATEGIES[name]
+    model = make_deep_mlp()
+    job = make_strategy().setup(model, torch.optim.SGD(model.parameters(), lr=0.05), nn.functional.mse_loss)
+    losses = []
+    for step, batch in enumerate(job.loader(make_dataset(), 8, seed=0), start=1):
+        if step > STEPS:
+            break
+        if step == FAULT_AT and topo.rank == bad_rank:
+            if fault == "nan" and len(batch[0]):
+                batch[0][0, 0] = float(
+                    "nan"
+                )  # in place: the batch keeps its layout (global size, fingerprint)
+            elif fault == "freeze":
+                with open(os.path.join(out_dir, "frozen-at"), "w") as f:
+                    f.write(str(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+        losses.append(job.train_step(batch))
+    module = job.fetch_parameters() if hasattr(job, "fetch_parameters") else job.module
+    return {
+        "rank": topo.rank,
+        "params_finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
+        "skipped_steps": job.skipped_steps,
+        "skipped_in_records": [r.step for r in job.metrics.records if r.skipped],
+        "losses": [loss if math.isfinite(loss) else str(loss) for loss in losses],
+        "loss_scope": job.loss_scope,
+    }
+
+
+for name in names.split(","):
+    result = train(name)
+    with open(os.path.join(out_dir, f"result-{name}-{topo.rank}.json"), "w") as f:
+        json.dump(result, f)
