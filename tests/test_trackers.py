@@ -4,6 +4,7 @@ readers; a resumed fit continues the same run with every step once; only rank 0 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,26 @@ def test_two_ranks_only_rank_0_logs_and_trackers_add_no_collective(tmp_path):
     logged = mlflow_history(tmp_path / "mlruns", run.info.run_id, "loss")
     assert logged == [(i + 1, loss) for i, loss in enumerate(lines[0]["losses"])]
     assert [s for s, _ in tensorboard_scalars(tmp_path / "tb", "loss")] == list(range(1, 7))
+
+
+def test_a_replica_loss_is_logged_under_its_own_name(tmp_path):
+    job, loader, _ = make_run()
+    job.loss_scope = "replica"  # as Gossip's and asynchronous parameter servers' jobs say
+    fit(job, loader, steps=2, progress=False, trackers=[loom.TensorBoardTracker(tmp_path)])
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert "replica_loss" in events.Tags()["scalars"] and "loss" not in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize(
+    ("module", "tracker", "extra"),
+    [
+        ("torch.utils.tensorboard", loom.TensorBoardTracker, "tensorboard"),
+        ("mlflow.tracking", loom.MLflowTracker, "mlflow"),
+    ],
+)
+def test_a_missing_library_names_the_extra(monkeypatch, tmp_path, module, tracker, extra):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    job, loader, _ = make_run()
+    with pytest.raises(ImportError, match=rf"pip install 'loom\[{extra}\]'"):
+        fit(job, loader, steps=1, progress=False, trackers=[tracker(tmp_path / "t")])

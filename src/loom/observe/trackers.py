@@ -223,8 +223,7 @@ def step_metrics(job: Any, loss: float | None, epoch: int, step: int) -> dict[st
     groups = getattr(job.optimizer, "param_groups", None)
     if groups:
         values["lr"] = float(groups[0]["lr"])
-    metrics = getattr(job, "metrics", None)
-    records = metrics.records if metrics is not None else []
+    records = job.metrics.records
     if records and records[-1].step == step and records[-1].time_s > 0:
         values["step_time_s"] = records[-1].time_s
         values["samples_per_s"] = records[-1].global_samples / records[-1].time_s
