@@ -14,6 +14,7 @@ from loom import checkpoint, comm, data, errors
 from loom.fit import FitResult, fit
 from loom.job import Job
 from loom.mesh import Mesh
+from loom.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
 from loom.strategies import (
     DataParallel,
     DataParallelConfig,
@@ -49,14 +50,17 @@ __all__ = [
     "LocalSGD",
     "LocalSGDConfig",
     "LossCall",
+    "MLflowTracker",
     "Mesh",
     "ParameterServer",
     "ParameterServerConfig",
     "Pipeline",
     "PipelineConfig",
+    "TensorBoardTracker",
     "TensorParallel",
     "TensorParallelConfig",
     "Topology",
+    "Tracker",
     "checkpoint",
     "comm",
     "current",

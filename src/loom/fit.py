@@ -41,15 +41,21 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loom.fault.desync import check_replicas_agree
 from loom.fit_checkpoint import FitCheckpointer
 from loom.fit_resume import resume_fit
 from loom.job import Job
 from loom.observe.progress import ProgressBar
+from loom.observe.trackers import FitTrackers
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from loom.observe.trackers import Tracker
 
 __all__ = ["DESYNC_EVERY", "FitResult", "fit"]
 
@@ -161,6 +167,11 @@ class _Loop:
     log_every: int | None
     desync_every: int = 0
     skipped: int = 0
+    trackers: FitTrackers = field(default_factory=lambda: FitTrackers(None, False))
+
+    def loop_state(self, at: _Position) -> dict[str, Any]:
+        """What a checkpoint keeps of the loop: its position, and the trackers' runs when there are any."""
+        return dict(asdict(at), trackers=self.trackers.states()) if self.trackers else asdict(at)
 
     def steps_left(self, at: _Position) -> int | None:
         if self.steps is not None:
@@ -184,6 +195,7 @@ class _Loop:
                     self.scheduler.step()
                 at.step, at.epoch_step, taken = at.step + 1, at.epoch_step + 1, taken + 1
                 self._report(at, bar, (at.step - first) / (time.perf_counter() - started))
+                self.trackers.log(self.job, at.last_loss, at.epoch, at.step)
                 if self.job.last_step_skipped:  # a non-finite step: no update was applied
                     self.skipped += 1
                 saving = self.checkpointer is not None and at.step % self.checkpoint_every == 0
@@ -192,7 +204,7 @@ class _Loop:
                 ):  # before a checkpoint can save a desynchronized state
                     check_replicas_agree(self.job.module, self.job.mesh.group("dp"), step=at.step)
                 if saving:
-                    self.checkpointer.save(at.step, asdict(at))  # type: ignore[union-attr]
+                    self.checkpointer.save(at.step, self.loop_state(at))  # type: ignore[union-attr]
                 if self.steps is not None and at.step >= self.steps:
                     break
             else:
@@ -243,6 +255,7 @@ def fit(
     progress: bool = True,
     scale_lr_with_world_size: bool = False,
     desync_every: int = DESYNC_EVERY,
+    trackers: Sequence[Tracker] | None = None,
 ) -> FitResult:
     """Train ``job`` on ``loader`` until the run has taken ``steps`` steps or completed ``epochs`` epochs.
 
@@ -253,15 +266,19 @@ def fit(
     ``scale_lr_with_world_size``: on resume at another world size, multiply the learning rates by new / saved
     world size (for jobs whose global batch grows with the workers). ``desync_every``: every so many steps,
     and before each checkpoint, check that the replicas' parameters are bitwise equal (0: never; one small
-    all-gather per check; skipped for jobs whose ``replicas_agree`` is False).
+    all-gather per check; skipped for jobs whose ``replicas_agree`` is False). ``trackers``: experiment
+    trackers (`loom.observe.trackers`: TensorBoard, MLflow) the main process logs each step's loss, learning
+    rate and throughput to, without any added collective; their runs are kept in the checkpoints, so a resumed
+    fit continues the same runs, each step logged once.
     Without a checkpoint, counting starts at the job's ``step`` and the loader's ``epoch`` (0 for fresh ones).
     """
     _validate(job, loader, epochs, steps, checkpoint_dir, checkpoint_every, keep, async_checkpoint,
               lr_scheduler, log_every)  # fmt: skip
     if isinstance(desync_every, bool) or not isinstance(desync_every, int) or desync_every < 0:
         raise ValueError(f"desync_every must be an int >= 0 (0: never), got {desync_every!r}")
+    tracking = FitTrackers(trackers, job.topology.is_main)
     at = _Position(int(getattr(job, "step", 0)), int(getattr(loader, "epoch", 0)))
-    resumed_from, checkpointer = None, None
+    resumed_from, checkpointer, saved_trackers = None, None, None
     if checkpoint_dir is not None:
         checkpointer = FitCheckpointer(
             job, loader, lr_scheduler, Path(checkpoint_dir), keep, async_checkpoint
@@ -272,29 +289,34 @@ def fit(
         if resumed is not None:
             resumed_from, saved = resumed
             at = _Position(resumed_from, saved["epoch"], saved["epoch_step"], saved["last_loss"])
+            saved_trackers = saved.get("trackers")
             if job.topology.is_main:
                 print(f"loom.fit: resumed from the checkpoint of step {resumed_from} in {checkpoint_dir}",
                       file=sys.stderr, flush=True)  # fmt: skip
         checkpointer.saved_step = resumed_from
     loop = _Loop(
-        job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every, desync_every
-    )
+        job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every, desync_every,
+        trackers=tracking,
+    )  # fmt: skip
     first_step, left = at.step, loop.steps_left(at)
     goal = f"step {steps}" if steps is not None else f"epoch {epochs}"
     show = progress and job.topology.is_main and left is not None
     try:
+        tracking.open(saved_trackers, at.step)
         with ProgressBar(left or 0, f"fit to {goal}", enabled=show) as bar:
             loop.run(at, bar)
         if checkpointer is not None:
             if at.step != checkpointer.saved_step and at.step > first_step:
                 if loop._desync_check_due(at.step, saving=True):
                     check_replicas_agree(job.module, job.mesh.group("dp"), step=at.step)
-                checkpointer.save(at.step, asdict(at))
+                checkpointer.save(at.step, loop.loop_state(at))
             checkpointer.finish()
     except BaseException:
         if checkpointer is not None:
             checkpointer.abandon()
+        tracking.close(failed=True)
         raise
+    tracking.close()
     return FitResult(
         at.step, loop.completed_epochs(at), at.last_loss, resumed_from, at.step - first_step, loop.skipped,
         job.loss_scope,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from torch.utils.data import Dataset
 
 from loom.mesh import Mesh
 from loom.topology import Topology
+
+if TYPE_CHECKING:
+    from loom.observe.metrics import StepMetrics
 
 __all__ = ["Job", "MetricFn", "check_batch_layout"]
 
@@ -49,7 +52,8 @@ class Job(abc.ABC):
 
     Attributes every job sets: ``topology`` (this process in the whole job), ``mesh`` (its axes: ``dp``, and
     ``pp``/``tp`` for model-parallel jobs), ``module`` (the model as this process holds it: the whole model, a
-    stage, or tensor shards), ``optimizer``, ``step`` (optimizer steps taken) and ``replicated_state``.
+    stage, or tensor shards), ``optimizer``, ``step`` (optimizer steps taken), ``metrics`` (step records) and
+    ``replicated_state``.
     """
 
     topology: Topology
@@ -65,6 +69,9 @@ class Job(abc.ABC):
     last_step_skipped = False
     """True when the last `train_step` applied no update (a non-finite loss or gradient on some rank, the same
     verdict on every rank); strategies with such a guard set it at every step, `loom.fit` counts it."""
+    metrics: StepMetrics
+    """This process's step records (`loom.observe.metrics`: step time, samples, phases); `loom.fit`'s trackers
+    read the step's throughput from them."""
     loss_scope = "global"
     """What `train_step` returns. ``"global"``: the global-batch mean loss, the same on every rank (synchronous
     strategies). ``"replica"``: this replica's own mean loss on its share, which differs between ranks (Gossip and
