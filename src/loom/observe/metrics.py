@@ -13,8 +13,8 @@ The phases of a step, as strategies that time them define them (see `loom.observ
   un-overlapped tail, the loss all-reduce's wait. Communication that overlaps computation is not counted.
 - ``optimizer_s``: ``zero_grad`` and ``optimizer.step``.
 
-The four add up to ``time_s`` by construction (they are consecutive laps of one clock). When TensorBoard is
-installed and the process is rank 0 with a run directory, loss and step time are also written as scalars.
+The four add up to ``time_s`` by construction (they are consecutive laps of one clock). Experiment trackers
+(TensorBoard, MLflow) are explicit: ``loom.fit(..., trackers=[...])`` (`loom.observe.trackers`).
 """
 
 from __future__ import annotations
@@ -88,26 +88,23 @@ class StepMetrics:
         self.path = Path(path) if path is not None else None
         """The JSON-lines file the records go to, if any."""
         self._file = None
-        self._tensorboard: Any = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a")  # noqa: SIM115 - kept open for the job's lifetime
             atexit.register(self.close)  # scripts that never call close() still get every record
-            if rank == 0:
-                self._tensorboard = _tensorboard_writer(Path(path).parent.parent / "tensorboard")
 
     def record(
         self, step: int, time_s: float, samples: int, global_samples: int, loss: float, **extra: Any
     ) -> None:
         """Add one step; ``extra`` fills the optional fields of `StepRecord` (phases, bytes, staleness...).
 
-        Cheap on purpose: the values are kept as they come, and turned into `StepRecord` objects, JSON lines
-        and TensorBoard scalars in batches (when `records` is read, and every `FLUSH_INTERVAL_S`). Between two
+        Cheap on purpose: the values are kept as they come, and turned into `StepRecord` objects and JSON lines
+        in batches (when `records` is read, and every `FLUSH_INTERVAL_S`). Between two
         training steps, with the model's work having evicted Python's caches, building the record and its
         JSON line took ~100 µs; in a tight loop over a second's worth of records it takes a fraction of that.
         """
         self._raw.append((step, time_s, samples, global_samples, loss, time.time(), extra))
-        if self._file is not None or self._tensorboard is not None:
+        if self._file is not None:
             now = time.perf_counter()
             if now - self._flushed >= FLUSH_INTERVAL_S:
                 self.flush()
@@ -129,12 +126,6 @@ class StepMetrics:
         self._records.extend(new)
         if self._file is not None:
             self._unwritten.extend(new)
-        if self._tensorboard is not None:
-            for rec in new:
-                self._tensorboard.add_scalar("loss", rec.loss, rec.step)
-                self._tensorboard.add_scalar("step_time_s", rec.time_s, rec.step)
-                rate = rec.global_samples / rec.time_s if rec.time_s else 0.0
-                self._tensorboard.add_scalar("samples_per_s", rate, rec.step)
 
     def flush(self) -> None:
         """Write every record not yet in the file (done every `FLUSH_INTERVAL_S` and at `close`)."""
@@ -180,15 +171,3 @@ class StepMetrics:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
-
-
-def _tensorboard_writer(log_dir: Path) -> Any:
-    """A TensorBoard ``SummaryWriter`` when the ``tensorboard`` package is installed, else None (optional)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
