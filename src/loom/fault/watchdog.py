@@ -134,6 +134,10 @@ class Watchdog:
         self.store = store
         self.poll_s = min(1.0, self.timeout_s / 10)
         self._next_check = 0.0
+        self._stacks_asked = False
+        """Whether this rank asked the ranks outside collectives for their stacks (once per process)."""
+        self._stack_dumped = False
+        """Whether this rank printed its own stack because another asked (once per process)."""
         self.seq = 0
         """Sequence number of the last collective this rank entered (0: none yet)."""
         self.current: tuple[str, int, float] | None = None
@@ -229,6 +233,8 @@ class Watchdog:
             if self._store_usable():
                 try:
                     self._publish()
+                    if not self._stack_dumped and self.store.check([f"{self._prefix}stack{self.rank}"]):
+                        self._dump_stack()
                 except Exception:  # noqa: BLE001 - the store's host may be gone or cut off; keep timing anyway
                     self._store_failed_at = time.monotonic()
 
@@ -251,8 +257,46 @@ class Watchdog:
         records = self._read_records()
         if all_inside_s(records, self.rank, waited) > self.timeout_s:
             self._report_and_exit(current, None, records)
-        # some rank is alive outside any collective: its own work; look again in a while (one read per rank)
+        # some rank is alive outside any collective: its own work; say where it is, once, and look again in a
+        # while (one read per rank)
+        if not self._stacks_asked:
+            self._ask_for_stacks(current, waited, records)
         self._next_check = now + max(self.poll_s, min(10.0, self.timeout_s / 10))
+
+    def _ask_for_stacks(self, current: tuple[str, int, float], waited: float, records: dict) -> None:
+        """Past the hang timeout with some rank alive outside any collective: ask those ranks (a key each in the
+        store, read by their watchdog threads) to print their Python stacks, and say so once for the job."""
+        self._stacks_asked = True
+        working = [r for r, rec in records.items() if rec is not None and rec.get("current") is None]
+        if not working:
+            return
+        for r in working:
+            self.store.set(f"{self._prefix}stack{r}", "1")
+        if self.store.add(f"{self._prefix}stacks-announced", 1) != 1:
+            return  # another waiting rank said it already
+        print(
+            f"loom watchdog: rank {self.rank} has waited {waited:.0f} s in collective '{current[0]}' #{current[1]} "
+            f"(past the hang timeout, {self.timeout_s:.0f} s, LOOM_HANG_TIMEOUT_S) while rank(s) {working} are "
+            "outside any collective: their own work (evaluation, a checkpoint) or stuck in it. Their Python "
+            f"stacks follow on their output; the others wait for them up to the work timeout "
+            f"({self.work_timeout_s:.0f} s, LOOM_WORK_TIMEOUT_S).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _dump_stack(self) -> None:
+        """Print every thread's Python stack to stderr (the launcher's output), once: another rank asked."""
+        import faulthandler
+
+        self._stack_dumped = True
+        print(
+            f"loom watchdog: rank {self.rank} is outside any collective while other ranks wait for it; its Python "
+            "stack (every thread, most recent call first):",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
 
     def _read_records(self) -> dict[int, dict | None]:
         """Every rank's published record (None where it could not be read)."""
