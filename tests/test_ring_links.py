@@ -14,6 +14,7 @@ import pytest
 from conftest import run_workers
 
 from loom.comm import links
+from loom.net.auth import mac
 
 SECRET = bytes(range(32))
 
@@ -76,7 +77,7 @@ def test_wrong_secret_replay_and_garbage_are_refused_and_the_neighbour_still_adm
     hello = links._HELLO + os.urandom(16) + (0).to_bytes(4, "big") + (1).to_bytes(4, "big")
     # a replayed connector proof: valid for another nonce of the listener, so wrong for this one
     old_nonce = os.urandom(16)
-    replayed = links._mac(SECRET, b"loom ring connect", old_nonce, hello[8:24], hello[24:])
+    replayed = mac(SECRET, b"loom ring connect", old_nonce, hello[8:24], hello[24:])
     assert len(_raw_client(port, hello + replayed)) == 16 + 32  # its nonce and proof, then no "accepted" byte
     _raw_client(port, os.urandom(64))  # random bytes
     _raw_client(port, links._HELLO[:5])  # truncated, then closed

@@ -1,6 +1,7 @@
 """A nanoGPT-style ``train.py`` as published, DDP structure kept (karpathy/nanoGPT), shrunk to run on CPU in
 seconds: the unmodified script that `nanogpt_port.py` ports to loom. Runs under ``torchrun`` (DDP) or plain
-python. ``nanogpt_ddp.py OUT.safetensors [REPLAY.json]`` (see `nanogpt_port.py` for the test hooks).
+python. ``nanogpt_ddp.py OUT.safetensors [REPLAY.json]`` (see `nanogpt_port.py` for the test hooks). Run by
+tests/test_idioms.py.
 """
 
 # ruff: noqa
