@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).parent
-SHARED = {"common.py", "pp_common.py", "nanogpt_model.py"}  # helpers imported by workers and tests, not run on their own
+SHARED = {
+    "common.py",
+    "pp_common.py",
+    "nanogpt_model.py",
+}  # helpers imported by workers and tests, not run on their own
 
 
 @pytest.mark.timeout(10)
