@@ -38,6 +38,8 @@ def test_rank0_alone_past_the_timeout_is_ordinary_and_a_true_hang_still_stops(wo
 class _Store:
     def __init__(self, records: dict[int, str]) -> None:
         self.records = records
+        self.asked: list[str] = []
+        self.counts: dict[str, int] = {}
 
     def check(self, keys):
         return all(
@@ -46,6 +48,13 @@ class _Store:
 
     def get(self, key):
         return self.records[int(key.rsplit("rank", 1)[1])].encode()
+
+    def set(self, key, value):
+        self.asked.append(key.rsplit("/", 1)[1])
+
+    def add(self, key, amount):
+        self.counts[key] = self.counts.get(key, 0) + amount
+        return self.counts[key]
 
 
 @pytest.mark.timeout(10)
@@ -72,6 +81,7 @@ def test_work_timeout_stops_a_wait_for_a_rank_that_never_comes_back(monkeypatch)
     wd.current = ("metric all-reduce", 2, start - 1.5)  # waited 1.5 s: past the timeout, rank 1 is working
     wd._judge(wd.current)
     assert stops == []
+    assert wd.store.asked == ["stack1"]  # rank 1, working past the hang timeout, is asked for its stack, once
     wd.current = ("metric all-reduce", 2, start - 2.5)  # past the work timeout
     wd._judge(wd.current)
     assert stops and "ranks [1] were outside collectives longer than the work timeout (2 s" in stops[0]

@@ -260,7 +260,10 @@ class Watchdog:
         # some rank is alive outside any collective: its own work; say where it is, once, and look again in a
         # while (one read per rank)
         if not self._stacks_asked:
-            self._ask_for_stacks(current, waited, records)
+            try:
+                self._ask_for_stacks(current, waited, records)
+            except Exception:  # noqa: BLE001 - a failed ask must not stop the timing; the store is left alone a while
+                self._store_failed_at = time.monotonic()
         self._next_check = now + max(self.poll_s, min(10.0, self.timeout_s / 10))
 
     def _ask_for_stacks(self, current: tuple[str, int, float], waited: float, records: dict) -> None:
