@@ -267,6 +267,13 @@ def _open_checkpoint(checkpoint: Path, limits: ReadLimits) -> tuple[ConfinedDire
         raise
 
 
+def _check_step(checkpoint: Path, step: int) -> None:
+    """Refuse a manifest whose step differs from the one its directory's name says."""
+    match = STEP_NAME.fullmatch(checkpoint.name)
+    if match is not None and int(match.group(1)) != step:
+        raise CorruptCheckpointError(checkpoint / MANIFEST_FILE, f"step {step} does not match the directory")
+
+
 def read_checkpoint(
     checkpoint: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
 ) -> tuple[int, dict[str, Any]]:
@@ -275,11 +282,7 @@ def read_checkpoint(
     folder, manifest = _open_checkpoint(checkpoint, limits)
     with folder:
         step, files = manifest["step"], manifest["files"]
-        match = STEP_NAME.fullmatch(checkpoint.name)
-        if match is not None and int(match.group(1)) != step:
-            raise CorruptCheckpointError(
-                checkpoint / MANIFEST_FILE, f"step {step} does not match the directory"
-            )
+        _check_step(checkpoint, step)
         state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
         _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
         for name, entry in files.items():  # every rank's file, so damage anywhere falls back
@@ -301,11 +304,7 @@ def read_checkpoint_part(
     folder, manifest = _open_checkpoint(checkpoint, limits)
     with folder:
         step, files, name = manifest["step"], manifest["files"], local_state_file(rank)
-        match = STEP_NAME.fullmatch(checkpoint.name)
-        if match is not None and int(match.group(1)) != step:
-            raise CorruptCheckpointError(
-                checkpoint / MANIFEST_FILE, f"step {step} does not match the directory"
-            )
+        _check_step(checkpoint, step)
         state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
         _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
         own = None
