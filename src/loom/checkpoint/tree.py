@@ -200,6 +200,13 @@ def pack_state(state: Any) -> bytes:
     The bytes are a snapshot: later in-place updates of ``state``'s tensors do not reach them. Raises
     ``ValueError`` when the skeleton's JSON breaks the default `ReadLimits` (`unpack_state` would refuse it).
     """
+    text, tensors = _skeleton_json(state)
+    return safetensors.torch.save(tensors, metadata={TAG: text})
+
+
+def _skeleton_json(state: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    """``state``'s skeleton as JSON and its tensors by key; ``ValueError`` when the JSON breaks the default
+    `ReadLimits` (unpacking it would be refused)."""
     skeleton, tensors = flatten_state(state)
     text = json.dumps(skeleton, allow_nan=False)
     problem = json_shape_problem(text.encode(), DEFAULT_LIMITS, "max_state_bytes")
@@ -208,7 +215,7 @@ def pack_state(state: Any) -> bytes:
             f"the packed state's JSON holds {problem}, so unpacking it would be refused. HINT: keep bulky "
             "data in tensors rather than in lists and dicts."
         )
-    return safetensors.torch.save(tensors, metadata={TAG: text})
+    return text, tensors
 
 
 class PackedState:
@@ -221,14 +228,7 @@ class PackedState:
     between steps). Raises like `pack_state` for a state it could not unpack."""
 
     def __init__(self, state: Any) -> None:
-        skeleton, tensors = flatten_state(state)
-        text = json.dumps(skeleton, allow_nan=False)
-        problem = json_shape_problem(text.encode(), DEFAULT_LIMITS, "max_state_bytes")
-        if problem is not None:
-            raise ValueError(
-                f"the packed state's JSON holds {problem}, so unpacking it would be refused. HINT: keep bulky "
-                "data in tensors rather than in lists and dicts."
-            )
+        text, tensors = _skeleton_json(state)
         unknown = sorted({str(t.dtype) for t in tensors.values() if t.dtype not in DTYPE_CODES})
         if unknown:
             raise TypeError(f"cannot checkpoint tensors of dtype {', '.join(unknown)}")
