@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 import loom
 from loom.data import GlobalBatchSampler, ShardBatch, ShardDict
 from loom.data.same_data import probe_indices, sample_fingerprint
-from loom.strategies._batch import split_batch
 from loom.topology import Topology
+from loom.train.batch import split_batch
 
 SIZE = 11
 Pair = namedtuple("Pair", ["image", "label"])

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import loom
-from loom.strategies._batch import LossCall, forward_loss, model_loss
+from loom.train.batch import LossCall, forward_loss, model_loss
 
 WORKERS = Path(__file__).parent / "workers"
 MAX_CHANGED = 8

@@ -1,6 +1,5 @@
 """Strategies: how the work of training is divided among processes."""
 
-from loom.strategies._batch import LossCall
 from loom.strategies.data_parallel import DataParallel, DataParallelConfig, DataParallelJob
 from loom.strategies.diloco import DiLoCo, DiLoCoConfig
 from loom.strategies.gossip import Gossip, GossipConfig, GossipJob
@@ -10,6 +9,7 @@ from loom.strategies.model_parallel import ModelParallelJob
 from loom.strategies.parameter_server import ParameterServer, ParameterServerConfig, ParameterServerJob
 from loom.strategies.pipeline import Pipeline, PipelineConfig
 from loom.strategies.tensor_parallel import TensorParallel, TensorParallelConfig
+from loom.train.batch import LossCall
 
 __all__ = [
     "DataParallel",

@@ -11,7 +11,7 @@ optimizer, without synchronizing gradients (the *inner* steps). `ReplicaJob` is 
   ``n_r / N`` (its samples over the job's): with uneven shares (the ragged last batch, empty shares) this is
   what makes ``LocalSGD(sync_every=1)`` with plain SGD equal synchronous data parallelism, whose gradient is
   ``sum_r n_r/N * grad_r``;
-- after each step the strategy's `ReplicaJob._after_step` decides whether to synchronize.
+- after each step the strategy's `ReplicaJob._exchange` decides whether to synchronize.
 
 A rank whose share is empty runs no forward and no optimizer step (its parameters stay where they were, with
 weight 0 at the next average). State is per rank (``replicated_state = False``): between synchronizations the
@@ -43,16 +43,17 @@ from torch import nn
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm import counters
 from loom.fault.desync import gradients_finite
-from loom.job import Job, MetricFn, check_batch_layout
+from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
-from loom.strategies._batch import batch_len, share_means, share_sums, split_batch, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel import default_metrics_path
 from loom.strategies.pipeline_stages import broadcast_module
 from loom.topology import Topology, current
+from loom.train.batch import batch_len, share_sums, split_batch, to_device
+from loom.train.engine import Engine, StepState
 from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
@@ -219,7 +220,7 @@ def prepare_replicas(
     return topo
 
 
-class ReplicaJob(Job):
+class ReplicaJob(Engine):
     """Inner steps on this rank's share, one loss reduction per step; subclasses synchronize the replicas."""
 
     replicated_state = False
@@ -254,11 +255,6 @@ class ReplicaJob(Job):
         self._group = self.mesh.group("dp")
         self._start()
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps whose update was not applied because their loss or gradient was non-finite on some rank."""
-        return self.nonfinite.skipped
-
     # -- what a strategy adds ------------------------------------------------------------------------------------
     @abc.abstractmethod
     def _start(self) -> None:
@@ -269,50 +265,59 @@ class ReplicaJob(Job):
         """Note that this rank trained on ``local`` of the ``total`` samples of an applied step."""
 
     @abc.abstractmethod
-    def _after_step(self) -> None:
+    def _exchange(self) -> None:
         """Called on every rank after each step (``self.step`` already counts it): synchronize when due."""
 
-    # -- the inner step ------------------------------------------------------------------------------------------
-    def train_step(self, batch: Any) -> float:
-        """One step of this replica's optimizer on its share; returns the global-batch mean loss."""
-        check_batch_layout(batch, self)
-        self.observer.begin_step(self.step + 1)
-        inputs, targets = split_batch(batch)
+    # -- the inner step: the engine's hooks (`loom.train.engine`) ----------------------------------------------
+    def _prepare(self, state: StepState) -> None:
+        self.observer.begin_step(state.number)
+        inputs, targets = split_batch(state.batch)
         device = self.topology.device
-        inputs, targets = to_device(inputs, device), to_device(targets, device)
-        local = batch_len(inputs)
+        state.work["pair"] = to_device(inputs, device), to_device(targets, device)
+        state.local = batch_len(inputs)
         self.observer.lap(DATA)
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, flag = 0.0, 0.0
-        if local:
+
+    def _forward_backward(self, state: StepState) -> None:
+        if state.local:
+            inputs, targets = state.work["pair"]
             loss = self.loss_fn(self.module(inputs), targets)
             loss.backward()
-            loss_sum = float(loss.detach().double()) * local
+            state.loss_sum = float(loss.detach().double()) * state.local
             params = [p.grad for p in self.module.parameters() if p.grad is not None]
-            flag = 0.0 if math.isfinite(loss_sum) and gradients_finite(params) else 1.0
+            state.flag = 0.0 if math.isfinite(state.loss_sum) and gradients_finite(params) else 1.0
         self.observer.backward_done()
-        reduced = self._reduce_step(loss_sum, flag, local)
-        total = int(reduced[-1].item())
-        if total == 0:
-            raise ValueError(f"rank {self.topology.rank}: train_step got a global batch of 0 samples")
+
+    def _synchronize(self, state: StepState) -> None:
+        """One small all-reduce: the loss, every flag, the phase rows and the global count (the inner step of
+        a replica averages no gradient: each replica steps on its own share)."""
+        reduced = self._reduce_step(state.loss_sum, state.flag, state.local)
+        state.work["reduced"] = reduced
+        state.total = int(reduced[-1].item())
         world = self.topology.world_size
-        flags = reduced[FLAGS_AT : FLAGS_AT + world].tolist()
-        skipped = self.guard.judge(self.step + 1, flags, range(world))
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            if local:
-                self.optimizer.step()
-            self._count_samples(local, total)
+        state.flags, state.ranks = reduced[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
+        state.loss = float(reduced[0].item()) / state.total if state.total else 0.0
+
+    def _apply(self, state: StepState) -> None:
+        if state.local:
+            self.optimizer.step()
+        assert state.total is not None
+        self._count_samples(state.local, state.total)
+
+    def _after_step(self, state: StepState) -> None:
         self.observer.lap(OPTIMIZER)
-        global_loss = float(reduced[0].item()) / total
-        self.step += 1
-        self.last_step_skipped = skipped
-        self._after_step()
+        self._exchange()
         self.observer.lap(COMM)
-        self.observer.end_step(self.step, local, total, global_loss, reduced[:-1], skipped=skipped)
-        return global_loss
+
+    def _record(self, state: StepState) -> None:
+        assert state.total is not None
+        self.observer.end_step(
+            state.number,
+            state.local,
+            state.total,
+            state.loss,
+            state.work["reduced"][:-1],
+            skipped=state.skipped,
+        )
 
     def _reduce_step(self, loss_sum: float, flag: float, local: int) -> torch.Tensor:
         """``[loss sum, flags, phase rows, samples]`` summed over the replicas (one small all-reduce)."""
@@ -328,20 +333,13 @@ class ReplicaJob(Job):
         self.observer.lap(COMM)
         return buffer
 
-    @torch.no_grad()
-    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
-        """The global-batch loss and any extra mean-reduced ``metrics``, in eval mode: each replica evaluates
-        its own parameters on its share (between synchronizations they differ; call `synchronize` first to
-        evaluate one model)."""
-        check_batch_layout(batch, self)
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """Each replica evaluates its own parameters on its share (between synchronizations they differ; call
+        `synchronize` first to evaluate one model)."""
         inputs, targets = split_batch(batch)
         device = self.topology.device
         inputs, targets = to_device(inputs, device), to_device(targets, device)
-        names, sums = share_sums(self.module, self.loss_fn, metrics, inputs, targets, device)
-        if self.topology.is_distributed:
-            with self.watchdog.collective("evaluation all-reduce"):
-                dist.all_reduce(sums, group=self._group)
-        return share_means(names, sums, self.topology.rank)
+        return share_sums(self.module, self.loss_fn, metrics, inputs, targets, device)
 
     def _inner_state(self) -> dict[str, Any]:
         return {

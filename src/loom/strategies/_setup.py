@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.strategies._batch import LossCall
+from loom.train.batch import LossCall
 
 __all__ = ["SURVIVE_LOST_WORKER", "StartRefused", "check_failure_policy", "check_setup_arguments"]
 
@@ -54,7 +54,7 @@ def check_setup_arguments(
     Refuse ``--on-worker-failure continue`` unless ``survives_lost_worker`` (`check_failure_policy`).
 
     ``conventions``: whether ``strategy`` runs every `LossCall` convention (one call to
-    `loom.strategies._batch.forward_loss` on the whole model); strategies that call the loss elsewhere (a
+    `loom.train.batch.forward_loss` on the whole model); strategies that call the loss elsewhere (a
     pipeline's last stage) take the plain ``loss_fn(model(inputs), targets)`` only and refuse the others here.
     """
     check_failure_policy(strategy, survives_lost_worker)

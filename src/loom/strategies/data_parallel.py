@@ -25,7 +25,7 @@ running statistics.
 
 Calling conventions: every `loom.LossCall` one (``model(*inputs)``, ``loss_fn(outputs, batch)``, a model that
 returns its own loss with ``loss_fn=None``), one function for all strategies
-(`loom.strategies._batch.forward_loss`). Scripts that keep their own loop take the model, optimizer and loader
+(`loom.train.batch.forward_loss`). Scripts that keep their own loop take the model, optimizer and loader
 from `DataParallelJob.own_loop` (`loom.strategies.own_loop`), with the same weighting.
 
 Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
@@ -55,16 +55,17 @@ from loom.comm.compression import CompressionHook, make_codec
 from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
-from loom.job import Job, MetricFn, check_batch_layout
+from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
-from loom.strategies._batch import LossCall, batch_len, forward_loss, slice_batch, tensors_in, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.strategies.shared_gradients import SharedGradients
 from loom.topology import Topology, current
+from loom.train.batch import LossCall, batch_len, forward_loss, slice_batch, tensors_in, to_device
+from loom.train.engine import Engine, StepState
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.options import config_from, refuse_options
 
@@ -244,7 +245,7 @@ document_options(DataParallelConfig, DataParallelConfig)
 document_options(DataParallel, DataParallelConfig)
 
 
-class DataParallelJob(Job):
+class DataParallelJob(Engine):
     """A model set up for data-parallel training (the `loom.job.Job` contract; its state is replicated)."""
 
     replicated_state = True
@@ -296,11 +297,6 @@ class DataParallelJob(Job):
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         self._batchnorm = _batchnorm_layers(module)
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps whose update was not applied because their loss or gradient was non-finite on some rank."""
-        return self.nonfinite.skipped
-
     # -- training --------------------------------------------------------------------------------------------
     def _global_count(self, batch: Any, local: int) -> tuple[int, dict[int, int]]:
         """The global batch size, and the shares (rank: samples) too small for the model's BatchNorm layers.
@@ -351,34 +347,37 @@ class DataParallelJob(Job):
 
         return OwnLoop.start(self, loader)
 
-    def train_step(self, batch: Any) -> float:
-        """One optimizer step on the global batch this share belongs to; returns the global-batch loss."""
+    # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
+    def _check_can_train(self) -> None:
         if self.own_loop_started:
             raise RuntimeError(
                 f"rank {self.topology.rank}: job.train_step after job.own_loop(): the model from own_loop weights "
                 "its gradients for your loop's backward, and train_step would weight them twice. HINT: train "
                 "with the loop's model and optimizer, or call train_step on a job that own_loop was not called on."
             )
-        check_batch_layout(batch, self)
-        self.observer.begin_step(self.step + 1)
-        call = self.loss_call
-        device = self.topology.device
-        batch_here = to_device(batch, device)
-        local = batch_len(call.inputs_of(batch_here))
+
+    def _prepare(self, state: StepState) -> None:
+        """The share on the device and the global count (one all-reduce unless the loader batch carries it)."""
+        self.observer.begin_step(state.number)
+        batch_here = to_device(state.batch, self.topology.device)
+        state.local = batch_len(self.loss_call.inputs_of(batch_here))
+        state.work["batch"] = batch_here
         self.observer.lap(DATA)
-        total, small = self._global_count(batch, local)
+        state.total, small = self._global_count(state.batch, state.local)
         self.observer.lap(COMM)
-        if total == 0:
-            raise ValueError("train_step got a global batch of 0 samples (every share is empty)")
-        if small:
-            self._refuse_small_batchnorm_shares(small, total)
-        world = self.topology.world_size
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        if small and state.total:
+            self._refuse_small_batchnorm_shares(small, state.total)
+
+    def _forward_backward(self, state: StepState) -> None:
+        """``accumulate`` micro-batches, each loss weighted by ``n * W / N`` (the module docstring); DDP
+        all-reduces inside the last backward. The loss sum and this rank's flag go into the loss buffer."""
         self.observer.lap(OPTIMIZER)
-        pieces = [p for p in _micro_batches(batch_here, local, self.config.accumulate) if p[1] > 0]
+        call, batch_here, total = self.loss_call, state.work["batch"], state.total
+        assert total is not None
+        world = self.topology.world_size
+        pieces = [p for p in _micro_batches(batch_here, state.local, self.config.accumulate) if p[1] > 0]
         # [loss sum, every rank's phase times]: stragglers ride on this all-reduce (see loom.observe.phases)
-        loss_sum = self.observer.loss_buffer(device)
+        loss_sum = self.observer.loss_buffer(self.topology.device)
         ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
         if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
             with self.watchdog.collective("gradient all-reduce"):
@@ -396,6 +395,11 @@ class DataParallelJob(Job):
             loss_sum[0] += loss.detach().double() * n
         self.observer.backward_done()
         self._flag_local_loss(loss_sum)
+        state.work["buffer"] = loss_sum
+
+    def _synchronize(self, state: StepState) -> None:
+        """Shared-memory gradients (the loss buffer rides along), then the loss buffer's all-reduce."""
+        loss_sum = state.work["buffer"]
         if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
             with self.watchdog.collective("gradient all-reduce"):
                 launched = time.perf_counter()
@@ -405,25 +409,36 @@ class DataParallelJob(Job):
                 self.observer.collective(
                     "all_reduce gradients and loss", launched, time.perf_counter(), nbytes, estimate=False
                 )
-        skipped = self._step_and_reduce_loss(loss_sum)
-        global_loss = float(loss_sum[0].item()) / total
-        self.step += 1
-        self.last_step_skipped = skipped
-        self.observer.end_step(self.step, local, total, global_loss, loss_sum, skipped=skipped)
-        return global_loss
+        state.gradient_finite = self._reduce_loss(loss_sum)
+        world = self.topology.world_size
+        state.flags, state.ranks = loss_sum[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
+        assert state.total is not None
+        state.loss = float(loss_sum[0].item()) / state.total
 
-    def _step_and_reduce_loss(self, loss_sum: torch.Tensor) -> bool:
-        """The all-reduce of ``[loss sum, flags, straggler rows]``, then ``optimizer.step()`` unless the step is
-        non-finite on some rank; returns whether it was skipped.
+    def _apply(self, state: StepState) -> None:
+        self.optimizer.step()
+        self.observer.lap(OPTIMIZER)
+
+    def _record(self, state: StepState) -> None:
+        if state.skipped:
+            self.observer.lap(OPTIMIZER)
+        assert state.total is not None
+        self.observer.end_step(
+            state.number, state.local, state.total, state.loss, state.work["buffer"], skipped=state.skipped
+        )
+
+    def _reduce_loss(self, loss_sum: torch.Tensor) -> bool:
+        """The all-reduce of ``[loss sum, flags, straggler rows]``; returns whether the averaged gradient is
+        finite (checked while the all-reduce runs where it can be).
 
         With shared-memory gradients the buffer was already summed with them (`SharedGradients.average`).
         Otherwise, with loom's shared-memory algorithms on CPU the buffer goes through the job's algorithm
         (gloo's all-reduce of a few values costs about twice a shared-memory one on one host,
         ``benchmarks/reports/metrics_overhead.md``). Otherwise gloo's all-reduce is launched asynchronously and
-        overlaps the check of the averaged gradient. Either way every rank has every flag before it steps.
+        overlaps the check of the averaged gradient. Either way every rank has every flag before the verdict.
         """
         if not self.topology.is_distributed or self.shared_gradients is not None:
-            return self._apply_unless_nonfinite(loss_sum, self._gradients_finite())
+            return self._gradients_finite()
         with self.watchdog.collective("loss all-reduce"):
             native = self._loss_algorithm == "native"
             launched = time.perf_counter()
@@ -439,7 +454,7 @@ class DataParallelJob(Job):
                 "all_reduce loss", launched, time.perf_counter(), loss_sum.nbytes, estimate=native
             )
             self.observer.lap(COMM)
-        return self._apply_unless_nonfinite(loss_sum, finite)
+        return finite
 
     def _flag_local_loss(self, loss_sum: torch.Tensor) -> None:
         """Set this rank's flag in the buffer when its local loss is NaN or infinite (it rides to every rank).
@@ -457,24 +472,12 @@ class DataParallelJob(Job):
             return gradients_finite((), flat=self.shared_gradients.flat)
         return gradients_finite([p.grad for p in self._trainable])
 
-    def _apply_unless_nonfinite(self, reduced: torch.Tensor, gradient_finite: bool) -> bool:
-        world = self.topology.world_size
-        flags = reduced[FLAGS_AT : FLAGS_AT + world].tolist()
-        skip = self.guard.judge(self.step + 1, flags, range(world), gradient_finite)
-        if skip:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-        self.observer.lap(OPTIMIZER)
-        return skip
-
     def _no_sync(self):
         return self.wrapped.no_sync() if isinstance(self.wrapped, DistributedDataParallel) else nullcontext()
 
     @torch.no_grad()
-    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
-        """Global-batch loss, and any extra mean-reduced ``metrics`` (e.g. accuracy), in eval mode."""
-        check_batch_layout(batch, self)
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """This share's loss and ``metrics`` sums under the job's `LossCall`, in eval mode."""
         call, device = self.loss_call, self.topology.device
         batch_here = to_device(batch, device)
         local = batch_len(call.inputs_of(batch_here))
@@ -491,13 +494,7 @@ class DataParallelJob(Job):
                     sums[i] = float(value) * local
         finally:
             self.module.train(was_training)
-        if self.topology.is_distributed:
-            with self.watchdog.collective("evaluation all-reduce"):
-                dist.all_reduce(sums)
-        count = float(sums[-1].item())
-        if count == 0:
-            raise ValueError("eval_step got a global batch of 0 samples (every share is empty)")
-        return {name: float(sums[i].item()) / count for i, name in enumerate(["loss", *(metrics or {})])}
+        return ["loss", *(metrics or {})], sums
 
     # -- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

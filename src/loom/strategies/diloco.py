@@ -234,11 +234,11 @@ class DiLoCoJob(ReplicaJob):
         h, f = self.config.sync_every, self.config.fragments
         return [k for k in range(f) if step % h == k * (h // f)]
 
-    def _after_step(self) -> None:
+    def _exchange(self) -> None:
         for k in self._due(self.step):
             self._send(k, self.config.overlap)
         for entry in [e for e in self._in_flight if e.apply_at == self.step]:
-            self._apply(entry)
+            self._apply_exchange(entry)
 
     def _fragment_tensors(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Local and global tensors of fragment ``k`` (fragment 0 adds the buffers, averaged as they are)."""
@@ -283,7 +283,7 @@ class DiLoCoJob(ReplicaJob):
             entry.pending = None
         return entry.result
 
-    def _apply(self, entry: _Exchange) -> None:
+    def _apply_exchange(self, entry: _Exchange) -> None:
         """The outer step on the fragment's global copy, then the local values from it."""
         averaged = self._wait(entry)
         local, held = self._fragment_tensors(entry.fragment)
@@ -314,13 +314,13 @@ class DiLoCoJob(ReplicaJob):
         last sent: afterwards every replica holds the global copy. Collective; meant for the end of training
         (it applies exchanges early and adds outer steps, so a run that calls it is not an uninterrupted one)."""
         for entry in list(self._in_flight):
-            self._apply(entry)
+            self._apply_exchange(entry)
         for k in range(len(self.fragments)):
             if self._global_samples[
                 k
             ]:  # the same on every rank; a fragment just synchronized has no progress
                 self._send(k, 0)
-                self._apply(self._in_flight[-1])
+                self._apply_exchange(self._in_flight[-1])
 
     def close(self) -> None:
         """Wait for the exchanges in flight and stop the communication thread."""

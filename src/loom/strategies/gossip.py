@@ -58,10 +58,9 @@ from loom.comm.peer import PeerNode
 from loom.comm.peer_wire import COPY, EXCHANGE, PeerStats
 from loom.config_docs import document_options
 from loom.fault.desync import local_flag
-from loom.job import Job, MetricFn, check_batch_layout
+from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.strategies._batch import batch_len, share_means, share_sums, split_batch
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.data_parallel import default_metrics_path
 from loom.strategies.gossip_exchange import (
@@ -72,6 +71,8 @@ from loom.strategies.gossip_exchange import (
     average_into,
 )
 from loom.topology import Topology, current
+from loom.train.batch import batch_len, share_sums, split_batch
+from loom.train.engine import Engine, StepState
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.options import config_from
 
@@ -165,7 +166,7 @@ document_options(GossipConfig, GossipConfig)
 document_options(Gossip, GossipConfig)
 
 
-class GossipJob(Job):
+class GossipJob(Engine):
     """A replica trained by gossip (a `loom.job.Job`): `train_step`, `eval_step`, `state_dict`, plus
     `comm_stats`, `paused` and `close`. ``replicas_agree`` and ``replicated_state`` are False."""
 
@@ -198,11 +199,6 @@ class GossipJob(Job):
         """The non-finite verdict on this replica's own flag, and the watchdog (`loom.train.guard`)."""
         self.nonfinite = self.guard.nonfinite
         self.last_step_skipped = False
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps whose update was not applied because this replica's loss or gradient was non-finite."""
-        return self.nonfinite.skipped
 
     def _connect(self) -> None:
         topo, cfg = self.topology, self.config
@@ -300,55 +296,59 @@ class GossipJob(Job):
         """No peer changes the parameters inside this block (answers wait until it ends)."""
         return self._server.paused() if self._server is not None else contextlib.nullcontext()
 
-    # -- the job contract --------------------------------------------------------------------------------------
-    def train_step(self, batch: Any) -> float:
-        """One local optimizer step on this worker's share, then (every ``every`` steps) one exchange. Returns
-        THIS replica's mean loss on its share (0.0 for an empty share), not a global-batch loss: there is no
-        collective to reduce it. A non-finite loss or gradient is not applied (``last_step_skipped``)."""
-        check_batch_layout(batch, self)
+    # -- the engine's hooks (`loom.train.engine`) ---------------------------------------------------------------
+    def _check_can_train(self) -> None:
         if self._server is not None:
             self._server.check(self.topology.rank)
-        started = time.perf_counter()
-        inputs, targets = split_batch(batch)
-        local = batch_len(inputs)
-        with self.paused():
-            if self.node is not None:
-                self.node.pump(0.0)
-            loss_value = self._local_step(inputs, targets, local)
-            self.step += 1
-            exchanged = time.perf_counter()
-            if self.node is not None and self.step % self.config.every == 0:
-                self._gossip()
-            comm_s = time.perf_counter() - exchanged
-            sent, received = self._record_traffic()
-        total = int(getattr(batch, "global_size", local * self.topology.world_size))
-        self.metrics.record(
-            self.step, time.perf_counter() - started, local, total, loss_value, comm_s=comm_s,
-            bytes_sent=sent, bytes_received=received, skipped=True if self.last_step_skipped else None,
-            spread=max(self.distance.values(), default=0.0),
-        )  # fmt: skip
-        return loss_value
 
-    def _local_step(self, inputs: Any, targets: torch.Tensor, local: int) -> float:
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.last_step_skipped = False
-        if not local:
-            return 0.0
+    def _step_context(self) -> contextlib.AbstractContextManager[None]:
+        return self.paused()
+
+    def _prepare(self, state: StepState) -> None:
+        if self.node is not None:
+            self.node.pump(0.0)
+        state.work["pair"] = split_batch(state.batch)
+        state.local = batch_len(state.work["pair"][0])
+        state.total = int(getattr(state.batch, "global_size", state.local * self.topology.world_size))
+
+    def _forward_backward(self, state: StepState) -> None:
+        """This replica's loss on its share; no backward once the loss is non-finite."""
+        if not state.local:
+            return
+        inputs, targets = state.work["pair"]
         loss = self.loss_fn(self.module(inputs), targets)
-        value = float(loss.detach())
-        flag = local_flag(value)
-        if not flag:
+        state.loss = value = float(loss.detach())
+        state.loss_sum = value * state.local
+        state.flag = local_flag(value)
+        if not state.flag:
             loss.backward()
-            flag = local_flag(value, [p.grad for p in self.module.parameters()])
-        # Each replica judges its own step: there is no collective to carry flags, and no replica adopts
-        # another's update (a NaN replica's parameters are never sent, as they never change).
-        if self.guard.judge(self.step + 1, [flag], [self.topology.rank]):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.last_step_skipped = True
-            return value
-        self.optimizer.step()
-        return value
+            state.flag = local_flag(value, [p.grad for p in self.module.parameters()])
+
+    def _synchronize(self, state: StepState) -> None:
+        """Nothing to reduce: each replica judges its own step (there is no collective to carry flags, and no
+        replica adopts another's update: a NaN replica's parameters are never sent, as they never change).
+        ``state.loss`` is this replica's mean loss on its share (``loss_scope="replica"``; 0.0 when empty)."""
+        state.flags, state.ranks = [state.flag], [self.topology.rank]
+
+    def _apply(self, state: StepState) -> None:
+        if state.local:
+            self.optimizer.step()
+
+    def _after_step(self, state: StepState) -> None:
+        """One exchange every ``every`` steps, timed for the step record."""
+        exchanged = time.perf_counter()
+        if self.node is not None and state.number % self.config.every == 0:
+            self._gossip()
+        state.work["comm_s"] = time.perf_counter() - exchanged
+        state.work["traffic"] = self._record_traffic()
+
+    def _record(self, state: StepState) -> None:
+        sent, received = state.work["traffic"]
+        self.metrics.record(
+            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
+            comm_s=state.work["comm_s"], bytes_sent=sent, bytes_received=received,
+            skipped=True if state.skipped else None, spread=max(self.distance.values(), default=0.0),
+        )  # fmt: skip
 
     def _record_traffic(self) -> tuple[int, int]:
         """Bytes moved since the last call (service thread included), added to ``loom.comm.counters()``."""
@@ -361,17 +361,12 @@ class GossipJob(Job):
             counters().record("gossip", sent, received)
         return sent, received
 
-    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
-        """The loss (and ``metrics``) of each replica's own parameters on its share, summed over the shares:
-        the same on every rank. Collective (an all-reduce of a few numbers): every worker calls it."""
-        check_batch_layout(batch, self)
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """Each replica's own parameters on its share (no peer changes them meanwhile); the engine sums the
+        shares, so the result is the same on every rank."""
         inputs, targets = split_batch(batch)
         with self.paused():
-            names, sums = share_sums(self.module, self.loss_fn, metrics, inputs, targets)
-        if self.topology.is_distributed:
-            with self.guard.collective("evaluation all-reduce"):
-                dist.all_reduce(sums)
-        return share_means(names, sums, self.topology.rank)
+            return share_sums(self.module, self.loss_fn, metrics, inputs, targets)
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's model, optimizer, step and peer choice (tensors and numbers). The parameters are

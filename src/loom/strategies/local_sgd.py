@@ -98,7 +98,7 @@ class LocalSGDJob(ReplicaJob):
         self.samples += local
         self.global_samples += total
 
-    def _after_step(self) -> None:
+    def _exchange(self) -> None:
         if self.step % self.config.sync_every == 0:
             self.synchronize()
 

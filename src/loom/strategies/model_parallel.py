@@ -35,15 +35,16 @@ import torch
 import torch.distributed as dist
 
 from loom.fault.desync import local_flag
-from loom.job import Job, MetricFn, check_batch_layout
+from loom.job import MetricFn
 from loom.mesh import REPLICA, Mesh
 from loom.observe.metrics import StepMetrics
-from loom.strategies._batch import batch_len, slice_batch, split_batch, tensors_in, to_device
 from loom.strategies.data_parallel_sync import GradientAveraging
 from loom.strategies.pipeline_communications import recv_tensors, send_tensors
 from loom.strategies.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.strategies.pipeline_schedule import stage_instructions
 from loom.strategies.tensor_parallel_shard import TensorShards
+from loom.train.batch import batch_len, slice_batch, split_batch, tensors_in, to_device
+from loom.train.engine import Engine, StepState
 from loom.train.guard import StepGuard
 
 __all__ = ["ModelParallelJob", "Schedule", "batch_fingerprint"]
@@ -95,7 +96,7 @@ def batch_fingerprint(batch: Any) -> int:
     return crc
 
 
-class ModelParallelJob(Job):
+class ModelParallelJob(Engine):
     """This process's stage (and tensor shards) of a model split over a ``dp × pp × tp`` mesh."""
 
     replicated_state = False
@@ -178,23 +179,23 @@ class ModelParallelJob(Job):
             dist.all_reduce(count, group=group)
         return int(count.item())
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps whose update was not applied because their loss or gradient was non-finite on some rank."""
-        return self.nonfinite.skipped
-
-    def _run(self, batch: Any, train: bool) -> tuple[float, int, int, StageStats, list[float], list[int]]:
-        check_batch_layout(batch, self)
-        inputs, targets = split_batch(batch)
-        local = batch_len(inputs)
-        self._check_replica_samples(batch, local)
+    # -- the engine's hooks (`loom.train.engine`) ----------------------------------------------------------------
+    def _prepare(self, state: StepState) -> None:
+        """Check that the replica's ranks hold the same samples, split them into micro-batches, count them."""
+        inputs, targets = split_batch(state.batch)
+        state.local = local = batch_len(inputs)
+        self._check_replica_samples(state.batch, local)
         device = self.topology.device
         inputs, targets = to_device(inputs, device), to_device(targets, device)
-        total = self._global_count(batch, local)
-        if total == 0:
-            raise ValueError("the global batch has 0 samples (every share is empty)")
-        sched = self.schedule
-        micro = _micro_split(inputs, targets, local, sched.microbatches) if local else _Micro()
+        state.total = self._global_count(state.batch, local)
+        state.work["micro"] = (
+            _micro_split(inputs, targets, local, self.schedule.microbatches) if local else _Micro()
+        )
+
+    def _forward_backward(self, state: StepState, train: bool = True) -> None:
+        """The pipeline's instruction stream for this stage (forwards only in evaluation)."""
+        sched, micro, total = self.schedule, state.work["micro"], state.total
+        assert total is not None
         stream = (
             stage_instructions(
                 sched.name, self.mesh.index("pp"), sched.stages, len(micro.sizes), forward_only=not train
@@ -203,25 +204,47 @@ class ModelParallelJob(Job):
             else []
         )
         with self.guard.collective("pipeline schedule (sends and receives between stages)"):
-            loss_sum, stats = run_instructions(
+            state.loss_sum, stats = run_instructions(
                 stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
-                prev=self._prev, next_=self._next, train=train, device=device,
+                prev=self._prev, next_=self._next, train=train, device=self.topology.device,
             )  # fmt: skip
         grads = [p.grad for p in self.module.parameters() if p.requires_grad] if train else []
-        flag = local_flag(loss_sum, grads)
-        # One gather gives the loss (non-zero on the last stage only), every stage's busy time and span, and flag.
-        row = torch.tensor([loss_sum, stats.busy_s, stats.span_s, flag], dtype=torch.float64)
+        state.flag = local_flag(state.loss_sum, grads)
+        state.work["stats"] = stats
+
+    def _synchronize(self, state: StepState) -> None:
+        """One gather over the pipeline gives the loss (non-zero on the last stage only), every stage's busy time
+        and span, and its flag; then the data axis adds up the replicas' losses and flags. The gradients are
+        summed over the data axis in `_apply`, once the step is judged."""
+        stats, sched = state.work["stats"], self.schedule
+        row = torch.tensor([state.loss_sum, stats.busy_s, stats.span_s, state.flag], dtype=torch.float64)
         rows = [row]
         if self.mesh.group("pp") is not None:
             rows = [torch.zeros_like(row) for _ in range(sched.stages)]
             with self.guard.collective("loss all-gather over the pipeline"):
                 dist.all_gather(rows, row, group=self.mesh.group("pp"))
         table = torch.stack(rows)
-        loss, flags, ranks = self._reduce_loss_and_flags(table, flag)
+        loss, state.flags, state.ranks = self._reduce_loss_and_flags(table, state.flag)
         span = float(table[:, 2].max())
         self.bubble.append(1.0 - float(table[:, 1].sum()) / (sched.stages * span) if span > 0 else 0.0)
         stats.bubble_s = max(span - stats.busy_s, 0.0)  # so Σ bubble_s / (p · span) is the fraction above
-        return loss / total, local, total, stats, flags, ranks
+        assert state.total is not None
+        state.work["loss_sum"] = loss
+        state.loss = loss / state.total
+
+    def _apply(self, state: StepState) -> None:
+        with self.guard.collective("gradient all-reduce over the data axis"):
+            self.gradient_averaging.sum_gradients([p for p in self.module.parameters() if p.requires_grad])
+        self.optimizer.step()
+
+    def _record(self, state: StepState) -> None:
+        stats = state.work["stats"]
+        self.stage_stats.append(stats)
+        extra = {"skipped": True} if state.skipped else {}
+        self.metrics.record(
+            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
+            bubble_s=stats.bubble_s, **extra,
+        )  # fmt: skip
 
     def _reduce_loss_and_flags(
         self, table: torch.Tensor, flag: float
@@ -242,47 +265,31 @@ class ModelParallelJob(Job):
             dist.all_reduce(buffer)
         return float(buffer[:dp].sum()), buffer[dp:].tolist(), list(range(world))
 
-    def train_step(self, batch: Any) -> float:
-        """One optimizer step on the global batch; returns its loss (the same on every process)."""
-        started = time.perf_counter()
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss, local, total, stats, flags, ranks = self._run(batch, train=True)
-        skipped = self.guard.judge(self.step + 1, flags, ranks)  # the same inputs, the same verdict
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            with self.guard.collective("gradient all-reduce over the data axis"):
-                self.gradient_averaging.sum_gradients(
-                    [p for p in self.module.parameters() if p.requires_grad]
-                )
-            self.optimizer.step()
-        self.step += 1
-        self.last_step_skipped = skipped
-        self.stage_stats.append(stats)
-        extra = {"skipped": True} if skipped else {}
-        self.metrics.record(
-            self.step, time.perf_counter() - started, local, total, loss, bubble_s=stats.bubble_s, **extra
-        )
-        return loss
-
     @torch.no_grad()
-    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
-        """Global-batch loss in eval mode, through the pipeline (forwards only). Extra ``metrics`` need the
-        model's outputs, which only the last stage holds: refused (evaluate ``full_state_dict()`` instead)."""
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """The global loss through the pipeline (forwards only), in eval mode; already reduced (see
+        `_eval_group`). Extra ``metrics`` need the model's outputs, which only the last stage holds: refused
+        (evaluate ``full_state_dict()`` instead)."""
         if metrics:
             raise ValueError(
                 f"eval_step(metrics={sorted(metrics)}) is not supported by model-parallel jobs: the outputs "
                 "exist on the last stage only. HINT: evaluate the loss here, or load job.full_state_dict() "
                 "into an unsplit model on rank 0 for other metrics."
             )
+        state = StepState(self.step + 1, batch)
         was_training = self.module.training
         self.module.eval()
         try:
-            loss, *_ = self._run(batch, train=False)
+            self._prepare(state)
+            self._refuse_empty(state)
+            self._forward_backward(state, train=False)
+            self._synchronize(state)
         finally:
             self.module.train(was_training)
-        return {"loss": loss}
+        return ["loss"], torch.tensor([state.work["loss_sum"], float(state.total or 0)], dtype=torch.float64)
+
+    def _eval_group(self) -> Any:
+        return None  # `_synchronize` reduced the loss over the pipeline and the data axis
 
     # -- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

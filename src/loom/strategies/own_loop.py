@@ -62,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
-from loom.strategies._batch import batch_len, tensors_in
+from loom.train.batch import batch_len, tensors_in
 
 if TYPE_CHECKING:
     from loom.strategies.data_parallel import DataParallelJob

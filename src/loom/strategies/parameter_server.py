@@ -51,7 +51,7 @@ import atexit
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -61,16 +61,17 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.fault.desync import local_flag
-from loom.job import Job, MetricFn, check_batch_layout
+from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.ps.client import PSClient
 from loom.ps.plan import ParamSpec, Piece, plan_shards
 from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
-from loom.strategies._batch import batch_len, share_means, share_sums, split_batch
 from loom.strategies._setup import check_setup_arguments
 from loom.topology import Topology, current
+from loom.train.batch import batch_len, share_sums, split_batch
+from loom.train.engine import Engine, StepState
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.options import config_from
 
@@ -264,7 +265,7 @@ def _piece_view(param: torch.Tensor, piece: Piece) -> torch.Tensor:
     return param.data.view(-1)[piece.start : piece.stop]
 
 
-class ParameterServerJob(Job):
+class ParameterServerJob(Engine):
     """A model trained through parameter servers (a `loom.job.Job`): `train_step`, `eval_step`, `state_dict`,
     plus `fetch_parameters`, `server_stats`, `close`.
 
@@ -301,11 +302,6 @@ class ParameterServerJob(Job):
         ``async``/``ssp`` that worker's update alone is dropped."""
         self.nonfinite = self.guard.nonfinite
         self.last_step_skipped = False
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps whose update was not applied because a loss or gradient was non-finite (see `guard`)."""
-        return self.nonfinite.skipped
 
     @property
     def _num_servers(self) -> int:
@@ -398,81 +394,89 @@ class ParameterServerJob(Job):
             self._pull_rows(name, torch.arange(self._params[name].shape[0]))
         return self.module
 
-    # -- training ---------------------------------------------------------------------------------------------
-    def train_step(self, batch: Any) -> float:
-        """Pull, compute this share's gradient, push. Returns the global-batch loss in ``sync``, this share's
-        mean loss in ``async``/``ssp`` (there is no global batch there)."""
-        check_batch_layout(batch, self)
-        started = time.perf_counter()
-        inputs, targets = split_batch(batch)
-        local = batch_len(inputs)
-        total = int(getattr(batch, "global_size", local * self.topology.world_size))
-        sync = self.config.mode == "sync"
+    # -- training: the engine's hooks (`loom.train.engine`) -----------------------------------------------------
+    def _prepare(self, state: StepState) -> None:
+        """Pull the parameters for this step (in ``ssp``, waiting for the slowest clock within the bound)."""
+        state.work["pair"] = split_batch(state.batch)
+        state.local = batch_len(state.work["pair"][0])
+        state.total = int(getattr(state.batch, "global_size", state.local * self.topology.world_size))
         with self.guard.collective("pull from the parameter servers"):
             self._pull_dense()
-        self.module.train()
+
+    def _forward_backward(self, state: StepState) -> None:
+        """This share's gradient, weighted by its share of the global batch in ``sync`` (the servers sum)."""
         for p in self._params.values():
             p.grad = None
-        loss_sum = 0.0
-        if local:
-            loss = self.loss_fn(self.module(inputs), targets)
-            (loss * (local / total) if sync else loss).backward()
-            loss_sum = float(loss.detach()) * local
-        flag = local_flag(loss_sum, [p.grad for p in self._params.values()]) if local else 0.0
-        meta = {"clock": self.step, "loss_sum": loss_sum, "lrs": self._learning_rates()}
-        if flag:
-            meta["nonfinite"] = flag  # the flag travels, the gradient never does
+        if not state.local:
+            return
+        inputs, targets = state.work["pair"]
+        assert state.total is not None
+        loss = self.loss_fn(self.module(inputs), targets)
+        (loss * (state.local / state.total) if self.config.mode == "sync" else loss).backward()
+        state.loss_sum = float(loss.detach()) * state.local
+        state.flag = local_flag(state.loss_sum, [p.grad for p in self._params.values()])
+
+    def _synchronize(self, state: StepState) -> None:
+        """Push the gradient (or, when it is non-finite, only the flag: the gradient never travels). The
+        servers apply it (in ``sync``, once every worker pushed, unless some worker's flag is set) and reply
+        with the versions, the staleness and, in ``sync``, every worker's flag and the step's loss sum."""
+        sync = self.config.mode == "sync"
+        meta = {"clock": self.step, "loss_sum": state.loss_sum, "lrs": self._learning_rates()}
+        if state.flag:
+            meta["nonfinite"] = state.flag
         with self.guard.collective("push to the parameter servers"):
             replies = self._request(
                 MessageType.PUSH,
                 meta,
-                self._gradients() if not flag else [{} for _ in range(self._num_servers)],
+                self._gradients() if not state.flag else [{} for _ in range(self._num_servers)],
                 per_server=[{"version": v} for v in self._versions],
             )
         for server, reply in enumerate(replies):
             self._versions[server] = int(reply.meta["version"])
         stale = max(int(r.meta.get("staleness", 0)) for r in replies)
         self.metrics.staleness[stale] = self.metrics.staleness.get(stale, 0) + 1
+        state.work["staleness"] = stale
         # The optimizer step ran on the servers; a scheduler on the local optimizer checks this flag (which the
         # local step would have set) and would otherwise warn that it is stepped before the optimizer.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        skipped = self._judge(replies, flag)
-        self.step += 1
-        self.last_step_skipped = skipped
+        state.flags, state.ranks = self._flags(replies, state.flag)
+        assert state.total is not None
         # A push the servers had applied already (resent after a restart) comes back without the step's loss.
         if sync and "loss_sum" in replies[0].meta:
-            loss_value = float(replies[0].meta["loss_sum"]) / total
+            state.loss = float(replies[0].meta["loss_sum"]) / state.total
         else:
-            loss_value = loss_sum / max(local, 1)
-        elapsed = time.perf_counter() - started
-        extra = {"skipped": True} if skipped else {}
-        self.metrics.record(self.step, elapsed, local, total, loss_value, staleness=float(stale), **extra)
-        return loss_value
+            state.loss = state.loss_sum / max(state.local, 1)
 
-    def _judge(self, replies: list[Any], flag: float) -> bool:
-        """The guard's verdict on this step: in ``sync`` on every worker's flag as the servers collected them
-        (``[[worker, flag], ...]`` in each reply, the same for every worker), else on this worker's own."""
+    def _apply(self, state: StepState) -> None:
+        """Nothing here: the servers applied the update (or, for a flagged step, did not)."""
+
+    def _record(self, state: StepState) -> None:
+        extra = {"skipped": True} if state.skipped else {}
+        self.metrics.record(
+            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
+            staleness=float(state.work["staleness"]), **extra,
+        )  # fmt: skip
+
+    def _flags(self, replies: list[Any], flag: float) -> tuple[list[float], Sequence[int]]:
+        """The flags the guard judges: in ``sync`` every worker's as the servers collected them
+        (``[[worker, flag], ...]`` in each reply, the same for every worker), else this worker's own."""
         world = self.topology.world_size
         if self.config.mode != "sync":
-            return self.guard.judge(self.step + 1, [flag], [self.topology.rank])
+            return [flag], [self.topology.rank]
         flags = [0.0] * world
         for reply in replies:
             for worker, value in reply.meta.get("flags", []):
                 if 0 <= int(worker) < world:
                     flags[int(worker)] = max(flags[int(worker)], float(value))
-        return self.guard.judge(self.step + 1, flags, range(world))
+        return flags, range(world)
 
     def _learning_rates(self) -> list[float]:
         """The current ``lr`` of each param group of the local optimizer (where a scheduler changes it)."""
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
-        """Global-batch loss, and any extra mean-reduced ``metrics`` (e.g. accuracy), in eval mode, without
-        gradients, on the servers' current parameters (pulled first, outside the consistency model).
-
-        As `DataParallelJob.eval_step`: ``batch`` is this worker's share; the sums are all-reduced over the
-        process group, so every worker calls it, and the result is the same everywhere."""
-        check_batch_layout(batch, self)
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """On the servers' current parameters (pulled first, outside the consistency model); the engine adds up
+        the workers' shares over the process group, so every worker calls it."""
         inputs, targets = split_batch(batch)
         if self.topology.is_distributed and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -481,10 +485,7 @@ class ParameterServerJob(Job):
                 "the start of the script (or evaluate locally: fetch_parameters() and run module)."
             )
         self._pull_dense(peek=True)
-        names, sums = share_sums(self.module, self.loss_fn, metrics, inputs, targets)
-        if self.topology.is_distributed:
-            dist.all_reduce(sums)
-        return share_means(names, sums, self.topology.rank)
+        return share_sums(self.module, self.loss_fn, metrics, inputs, targets)
 
     def _gradients(self) -> list[dict[str, torch.Tensor]]:
         """Per server: ``g<id>`` dense gradient slices; for sparse pieces ``r<id>`` rows and ``g<id>`` values."""
