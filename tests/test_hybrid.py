@@ -31,3 +31,13 @@ def test_config_validates_tp_and_plan():
         HybridConfig(tp=0)
     with pytest.raises(ValueError, match="plan must map module names"):
         HybridConfig(tp=2, tp_plan={"blocks.0.mlp": "rowwise"})
+
+
+@pytest.mark.timeout(120)
+def test_data_axis_of_hybrid_is_data_parallels_bitwise(workers):
+    """One data axis: Hybrid(dp=3) and DataParallel() take the same averaging and end bitwise equal."""
+    outputs = workers("hybrid_vs_dp.py", 3, timeout=110)
+    for rank, out in enumerate(outputs):
+        (record,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert record["dp_path"].startswith("shared-memory") and record["hybrid_shared"], record
+        assert record["bitwise"], f"rank {rank}: parameters differ by up to {record['worst']}: {record}"

@@ -61,7 +61,9 @@ def compose(
     stages = split_into_stages(model, mesh, pipeline, sample_input)
     model.to(topo.device)
     shards = shard_stage(stages.stage, mesh, tp_plan)
-    averaging = GradientAveraging(data if data is not None else DataParallelConfig(), mesh.group("dp"))
+    averaging = GradientAveraging.for_stage(
+        data if data is not None else DataParallelConfig(), mesh.group("dp"), stages.stage, topo
+    )
     metrics = StepMetrics(topo.rank, metrics_path or default_metrics_path(topo))
     schedule = Schedule(pipeline.stages, pipeline.microbatches, pipeline.schedule)
     return ModelParallelJob(

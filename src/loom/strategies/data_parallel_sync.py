@@ -188,33 +188,75 @@ class GradientAveraging:
     """`DataParallel`'s gradient averaging for a data axis whose gradients are computed outside DDP.
 
     Model-parallel jobs (`loom.strategies.model_parallel`) run their own schedule, so their data axis cannot wrap
-    the stage in DDP; after the schedule, this sums each gradient over the data axis's group with the algorithm
-    and compression of the job's `DataParallelConfig`, exactly as `DataParallel` would: ``allreduce`` picks the
-    `loom.comm.all_reduce` algorithm, ``compression`` a codec whose collectives run here, one after another,
-    on the whole flattened gradient (one "bucket", parameters numbered in order, so its error-feedback state is
-    the same at every step and in a resumed run). Gradients arrive already weighted by each replica's share of
-    the global batch, so the exact paths *sum*; codecs *average*, so their result is scaled back by the
-    number of replicas.
+    the stage in DDP; after the schedule, this averages each gradient over the data axis's group as `DataParallel`
+    does without DDP. Gradients arrive weighted as `DataParallel` weights them (``n_r * W / N`` for a share of
+    ``n_r`` of ``N`` samples on ``W`` replicas, `loom.strategies.pipeline_runtime.run_instructions`), so every
+    path *averages*:
+
+    - on one CPU host with loom's shared-memory algorithms, `SharedGradients`: the very class `DataParallel`'s
+      shared-memory path uses, so a ``Hybrid(dp=N)`` and a ``DataParallel()`` that both take it end bitwise equal;
+    - with ``compression``, the codec's collectives, one after another, on the whole flattened gradient (one
+      "bucket", parameters numbered in order, so its error-feedback state is the same at every step and in a
+      resumed run);
+    - otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce` (a sum), divided by the group's size.
     """
 
-    def __init__(self, config: DataParallelConfig, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        config: DataParallelConfig,
+        group: dist.ProcessGroup | None,
+        shared: SharedGradients | None = None,
+    ) -> None:
         self.config = config
         self.group = group
+        self.shared = shared
         self.codec = make_codec(config.compression) if config.compression is not None else None
 
-    def sum_gradients(self, params: list[torch.Tensor]) -> None:
-        """Replace each parameter's gradient by its sum over the group (a missing gradient counts as zeros)."""
+    @classmethod
+    def for_stage(
+        cls, config: DataParallelConfig, group: dist.ProcessGroup | None, module: nn.Module, topo: Topology
+    ) -> GradientAveraging:
+        """The averaging of ``module``'s gradients over ``group``. Collective over every process of the job
+        (each rank says whether shared memory suits it; all take the same kind of path)."""
+        if group is None or not topo.is_distributed:
+            return cls(config, None)
+        wanted = (
+            topo.device.type == "cpu"
+            and config.allreduce in ("auto", "shm", "hierarchical")
+            and config.compression is None
+            and topo.world_size == topo.local_world_size
+            and shared_gradients_unusable(module, broadcast_buffers=False) is None
+        )
+        everyone = torch.tensor([int(wanted)])
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        if not everyone.item():
+            return cls(config, group)
+        try:
+            return cls(config, group, SharedGradients(module, group=group))
+        except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
+            warnings.warn(
+                f"rank {topo.rank}: the data axis averages through all_reduce: {error}", stacklevel=2
+            )
+            return cls(config, group)
+
+    def average(self, params: list[torch.Tensor]) -> None:
+        """Replace each parameter's gradient by its average over the group (a missing gradient counts as
+        zeros). Collective over the group."""
         if self.group is None or not params:
+            return
+        if self.shared is not None:
+            self.shared.average()
             return
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
         )
+        n = dist.get_world_size(self.group)
         if self.codec is None:
             comm_all_reduce(flat, op="sum", algorithm=self.config.allreduce, group=self.group)
+            flat.div_(n)
         else:
-            n = dist.get_world_size(self.group)
             exchange = self.codec.exchange(list(range(len(params))), flat, [p.shape for p in params], n)
-            flat = _run_exchange(exchange, self.group, n).mul_(n)
+            flat = _run_exchange(exchange, self.group, n)
         offset = 0
         for p in params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()

@@ -207,6 +207,7 @@ class ModelParallelJob(Engine):
             state.loss_sum, stats = run_instructions(
                 stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
                 prev=self._prev, next_=self._next, train=train, device=self.topology.device,
+                replicas=self.mesh.size("dp"),
             )  # fmt: skip
         grads = [p.grad for p in self.module.parameters() if p.requires_grad] if train else []
         state.flag = local_flag(state.loss_sum, grads)
@@ -234,7 +235,7 @@ class ModelParallelJob(Engine):
 
     def _apply(self, state: StepState) -> None:
         with self.guard.collective("gradient all-reduce over the data axis"):
-            self.gradient_averaging.sum_gradients([p for p in self.module.parameters() if p.requires_grad])
+            self.gradient_averaging.average([p for p in self.module.parameters() if p.requires_grad])
         self.optimizer.step()
 
     def _record(self, state: StepState) -> None:

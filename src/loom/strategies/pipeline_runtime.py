@@ -121,8 +121,13 @@ def run_instructions(
     next_: int | None,
     train: bool,
     device: torch.device,
+    replicas: int = 1,
 ) -> tuple[float, StageStats]:
-    """Execute ``stream``; return the sum over micro-batches of ``loss_j * n_j`` (last stage; 0 elsewhere)."""
+    """Execute ``stream``; return the sum over micro-batches of ``loss_j * n_j`` (last stage; 0 elsewhere).
+
+    Each micro-batch's loss is weighted by ``n_j * replicas / total`` before backward, as `DataParallel`
+    weights a share (``replicas``: the data axis's size), so that the data axis *averages* the gradients
+    exactly as `DataParallel` does (`loom.strategies.data_parallel_sync.GradientAveraging`)."""
     stats = StageStats(stage.index, microbatches=len(sizes))
     received: dict[int, list[torch.Tensor]] = {}
     outputs: dict[int, list[torch.Tensor]] = {}
@@ -156,7 +161,7 @@ def run_instructions(
                 if next_ is None:
                     loss = loss_fn(out, targets[j])
                     loss_sum += float(loss.detach().double()) * sizes[j]
-                    out = loss * (sizes[j] / total)
+                    out = loss * (sizes[j] * replicas / total)
             outputs[j] = _tensors(out)
             if not train:  # nothing to keep for a backward
                 received.pop(j, None)
