@@ -28,7 +28,6 @@ which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
 from __future__ import annotations
 
 import abc
-import math
 import queue
 import threading
 import time
@@ -42,8 +41,6 @@ from torch import nn
 
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm import counters
-from loom.fault.desync import gradients_finite
-from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
@@ -52,7 +49,7 @@ from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel import default_metrics_path
 from loom.strategies.pipeline_stages import broadcast_module
 from loom.topology import Topology, current
-from loom.train.batch import batch_len, share_sums, split_batch, to_device
+from loom.train.batch import LossCall, batch_len, to_device
 from loom.train.engine import Engine, StepState
 from loom.train.guard import StepGuard
 from loom.train.options import config_from
@@ -212,7 +209,7 @@ def prepare_replicas(
     (model or optimizer, `loom.strategies.consistency`) and start every replica from rank 0's parameters and
     buffers (as DDP does)."""
     topo = topology if topology is not None else current()
-    check_setup_arguments(model, optimizer, loss_fn, strategy=strategy)  # averaging needs every replica
+    check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True)
     model.to(topo.device)
     if topo.is_distributed:
         check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
@@ -240,7 +237,8 @@ class ReplicaJob(Engine):
         and its own); the strategy's state is set up by `_start`."""
         self.module = module
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_fn = self.loss_call.fn
         self.topology = topology
         self.config = config
         self.mesh = Mesh(dp=topology.world_size, topology=topology)
@@ -271,20 +269,12 @@ class ReplicaJob(Engine):
     # -- the inner step: the engine's hooks (`loom.train.engine`) ----------------------------------------------
     def _prepare(self, state: StepState) -> None:
         self.observer.begin_step(state.number)
-        inputs, targets = split_batch(state.batch)
-        device = self.topology.device
-        state.work["pair"] = to_device(inputs, device), to_device(targets, device)
-        state.local = batch_len(inputs)
+        state.work["batch"] = to_device(state.batch, self.topology.device)
+        state.local = batch_len(self.loss_call.inputs_of(state.work["batch"]))
         self.observer.lap(DATA)
 
     def _forward_backward(self, state: StepState) -> None:
-        if state.local:
-            inputs, targets = state.work["pair"]
-            loss = self.loss_fn(self.module(inputs), targets)
-            loss.backward()
-            state.loss_sum = float(loss.detach().double()) * state.local
-            params = [p.grad for p in self.module.parameters() if p.grad is not None]
-            state.flag = 0.0 if math.isfinite(state.loss_sum) and gradients_finite(params) else 1.0
+        self._backward_share(state, self.config.accumulate, weight_of_total=False)
         self.observer.backward_done()
 
     def _synchronize(self, state: StepState) -> None:
@@ -332,14 +322,6 @@ class ReplicaJob(Engine):
                 self.observer.collective("all_reduce loss", launched, time.perf_counter(), buffer.nbytes)
         self.observer.lap(COMM)
         return buffer
-
-    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
-        """Each replica evaluates its own parameters on its share (between synchronizations they differ; call
-        `synchronize` first to evaluate one model)."""
-        inputs, targets = split_batch(batch)
-        device = self.topology.device
-        inputs, targets = to_device(inputs, device), to_device(targets, device)
-        return share_sums(self.module, self.loss_fn, metrics, inputs, targets, device)
 
     def _inner_state(self) -> dict[str, Any]:
         return {

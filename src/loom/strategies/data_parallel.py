@@ -55,7 +55,6 @@ from loom.comm.compression import CompressionHook, make_codec
 from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
-from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
@@ -64,7 +63,7 @@ from loom.strategies.consistency import check_same_model
 from loom.strategies.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.strategies.shared_gradients import SharedGradients
 from loom.topology import Topology, current
-from loom.train.batch import LossCall, batch_len, forward_loss, slice_batch, tensors_in, to_device
+from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, tensors_in, to_device
 from loom.train.engine import Engine, StepState
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.options import config_from, refuse_options
@@ -230,17 +229,6 @@ def _zero_loss(outputs: Any) -> torch.Tensor:
     return torch.stack(terms).sum() * 0.0
 
 
-def _micro_batches(batch: Any, n: int, pieces: int) -> list[tuple[Any, int]]:
-    """``pieces`` slices of the whole ``batch`` of ``n`` samples, with their sizes."""
-    if pieces == 1:
-        return [(batch, n)]
-    bounds = torch.arange(pieces + 1) * n // pieces
-    return [
-        (slice_batch(batch, lo, hi), hi - lo)
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
-    ]
-
-
 document_options(DataParallelConfig, DataParallelConfig)
 document_options(DataParallel, DataParallelConfig)
 
@@ -375,7 +363,7 @@ class DataParallelJob(Engine):
         call, batch_here, total = self.loss_call, state.work["batch"], state.total
         assert total is not None
         world = self.topology.world_size
-        pieces = [p for p in _micro_batches(batch_here, state.local, self.config.accumulate) if p[1] > 0]
+        pieces = [p for p in micro_batches(batch_here, state.local, self.config.accumulate) if p[1] > 0]
         # [loss sum, every rank's phase times]: stragglers ride on this all-reduce (see loom.observe.phases)
         loss_sum = self.observer.loss_buffer(self.topology.device)
         ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
@@ -474,27 +462,6 @@ class DataParallelJob(Engine):
 
     def _no_sync(self):
         return self.wrapped.no_sync() if isinstance(self.wrapped, DistributedDataParallel) else nullcontext()
-
-    @torch.no_grad()
-    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
-        """This share's loss and ``metrics`` sums under the job's `LossCall`, in eval mode."""
-        call, device = self.loss_call, self.topology.device
-        batch_here = to_device(batch, device)
-        local = batch_len(call.inputs_of(batch_here))
-        sums = torch.zeros(len(metrics or {}) + 2, dtype=torch.float64, device=device)
-        sums[-1] = local
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            if local:
-                loss, outputs = forward_loss(call, self.module, batch_here)
-                second = call.second_argument(batch_here)
-                values = [loss, *(fn(outputs, second) for fn in (metrics or {}).values())]
-                for i, value in enumerate(values):
-                    sums[i] = float(value) * local
-        finally:
-            self.module.train(was_training)
-        return ["loss", *(metrics or {})], sums
 
     # -- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -64,7 +64,7 @@ from loom.strategies._replica_sync import (
     synced_tensors,
 )
 from loom.strategies.consistency import check_same_model
-from loom.train.guard import GuardOptions
+from loom.train.engine import ShareOptions
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "DiLoCoJob", "INT8_CHUNK", "split_fragments"]
 
@@ -78,7 +78,7 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
 
 
 @dataclass(frozen=True)
-class DiLoCoConfig(GuardOptions):
+class DiLoCoConfig(ShareOptions):
     """How `DiLoCo` synchronizes the replicas."""
 
     sync_every: int = 500

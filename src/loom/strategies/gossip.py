@@ -57,7 +57,6 @@ from loom.comm.links import _job_secret
 from loom.comm.peer import PeerNode
 from loom.comm.peer_wire import COPY, EXCHANGE, PeerStats
 from loom.config_docs import document_options
-from loom.fault.desync import local_flag
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
@@ -71,9 +70,9 @@ from loom.strategies.gossip_exchange import (
     average_into,
 )
 from loom.topology import Topology, current
-from loom.train.batch import batch_len, share_sums, split_batch
-from loom.train.engine import Engine, StepState
-from loom.train.guard import GuardOptions, StepGuard
+from loom.train.batch import LossCall, batch_len
+from loom.train.engine import Engine, ShareOptions, StepState
+from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
 __all__ = ["Gossip", "GossipConfig", "GossipJob"]
@@ -83,7 +82,7 @@ PEERS = ("ring", "exponential", "random")
 
 
 @dataclass(frozen=True)
-class GossipConfig(GuardOptions):
+class GossipConfig(ShareOptions):
     """How each worker picks its peers and how long it waits for them (and the step guard's options,
     `loom.train.guard`: a replica's non-finite step is judged on its own flag; the hang watchdog counts the
     evaluation all-reduce, the exchanges are bounded by ``deadline_s``)."""
@@ -145,7 +144,9 @@ class Gossip:
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> GossipJob:
         """Listen, publish the address, meet the others in the store; a restarted worker copies a neighbour."""
         topo = self.topology if self.topology is not None else current()
-        check_setup_arguments(model, optimizer, loss_fn, strategy="Gossip", survives_lost_worker=True)
+        check_setup_arguments(
+            model, optimizer, loss_fn, strategy="Gossip", survives_lost_worker=True, conventions=True
+        )
         layout = ParameterLayout(model)
         devices = sorted({str(p.device) for p in layout.params})
         if layout.nbytes == 0 or devices != ["cpu"]:
@@ -177,7 +178,8 @@ class GossipJob(Engine):
     def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, layout, metrics) -> None:
         self.module: nn.Module = module
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_fn = self.loss_call.fn
         self.mesh = mesh
         self.topology: Topology = mesh.topology
         self.config: GossipConfig = config
@@ -307,22 +309,13 @@ class GossipJob(Engine):
     def _prepare(self, state: StepState) -> None:
         if self.node is not None:
             self.node.pump(0.0)
-        state.work["pair"] = split_batch(state.batch)
-        state.local = batch_len(state.work["pair"][0])
+        state.local = batch_len(self.loss_call.inputs_of(state.batch))
         state.total = int(getattr(state.batch, "global_size", state.local * self.topology.world_size))
 
     def _forward_backward(self, state: StepState) -> None:
-        """This replica's loss on its share; no backward once the loss is non-finite."""
-        if not state.local:
-            return
-        inputs, targets = state.work["pair"]
-        loss = self.loss_fn(self.module(inputs), targets)
-        state.loss = value = float(loss.detach())
-        state.loss_sum = value * state.local
-        state.flag = local_flag(value)
-        if not state.flag:
-            loss.backward()
-            state.flag = local_flag(value, [p.grad for p in self.module.parameters()])
+        """This replica's loss on its share; no backward once a loss is non-finite."""
+        self._backward_share(state, self.config.accumulate, weight_of_total=False, stop_on_nonfinite=True)
+        state.loss = state.work.get("share_mean", 0.0)
 
     def _synchronize(self, state: StepState) -> None:
         """Nothing to reduce: each replica judges its own step (there is no collective to carry flags, and no
@@ -364,9 +357,8 @@ class GossipJob(Engine):
     def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
         """Each replica's own parameters on its share (no peer changes them meanwhile); the engine sums the
         shares, so the result is the same on every rank."""
-        inputs, targets = split_batch(batch)
         with self.paused():
-            return share_sums(self.module, self.loss_fn, metrics, inputs, targets)
+            return super()._evaluate(batch, metrics)
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's model, optimizer, step and peer choice (tensors and numbers). The parameters are

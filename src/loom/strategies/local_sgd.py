@@ -41,13 +41,13 @@ from loom.strategies._replica_sync import (
     synced_tensors,
     unflatten_into,
 )
-from loom.train.guard import GuardOptions
+from loom.train.engine import ShareOptions
 
 __all__ = ["LocalSGD", "LocalSGDConfig", "LocalSGDJob"]
 
 
 @dataclass(frozen=True)
-class LocalSGDConfig(GuardOptions):
+class LocalSGDConfig(ShareOptions):
     """How often and how `LocalSGD` averages the replicas."""
 
     sync_every: int = 8

@@ -60,7 +60,6 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config_docs import document_options
-from loom.fault.desync import local_flag
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
@@ -70,9 +69,9 @@ from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
 from loom.strategies._setup import check_setup_arguments
 from loom.topology import Topology, current
-from loom.train.batch import batch_len, share_sums, split_batch
-from loom.train.engine import Engine, StepState
-from loom.train.guard import GuardOptions, StepGuard
+from loom.train.batch import LossCall, batch_len
+from loom.train.engine import Engine, ShareOptions, StepState
+from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
 __all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
@@ -81,7 +80,7 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class ParameterServerConfig(GuardOptions):
+class ParameterServerConfig(ShareOptions):
     """How workers and servers agree on the parameters (and the step guard's options, `loom.train.guard`: the
     hang watchdog counts each step's pull and push as collectives of the workers, and a non-finite loss or
     gradient is never pushed)."""
@@ -178,7 +177,7 @@ class ParameterServer:
         """Plan the shards, connect, hand the initial parameters and the optimizer to the servers."""
         topo = self.topology if self.topology is not None else current()
         cfg = self.config
-        check_setup_arguments(model, optimizer, loss_fn, strategy=f"ParameterServer(mode={cfg.mode!r})",
+        check_setup_arguments(model, optimizer, loss_fn, strategy=f"ParameterServer(mode={cfg.mode!r})", conventions=True,
                               survives_lost_worker=cfg.mode != "sync")  # sync waits for every worker's push  # fmt: skip
         addresses = list(cfg.addresses or [a for a in os.environ.get("LOOM_PS_ADDRS", "").split(",") if a])
         secret_hex = cfg.secret or os.environ.get("LOOM_JOB_SECRET", "")
@@ -280,7 +279,8 @@ class ParameterServerJob(Engine):
     def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, client, plan, metrics) -> None:
         self.module: nn.Module = module
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_fn = self.loss_call.fn
         self.mesh = mesh
         self.topology: Topology = mesh.topology
         self.config: ParameterServerConfig = config
@@ -397,8 +397,7 @@ class ParameterServerJob(Engine):
     # -- training: the engine's hooks (`loom.train.engine`) -----------------------------------------------------
     def _prepare(self, state: StepState) -> None:
         """Pull the parameters for this step (in ``ssp``, waiting for the slowest clock within the bound)."""
-        state.work["pair"] = split_batch(state.batch)
-        state.local = batch_len(state.work["pair"][0])
+        state.local = batch_len(self.loss_call.inputs_of(state.batch))
         state.total = int(getattr(state.batch, "global_size", state.local * self.topology.world_size))
         with self.guard.collective("pull from the parameter servers"):
             self._pull_dense()
@@ -407,14 +406,7 @@ class ParameterServerJob(Engine):
         """This share's gradient, weighted by its share of the global batch in ``sync`` (the servers sum)."""
         for p in self._params.values():
             p.grad = None
-        if not state.local:
-            return
-        inputs, targets = state.work["pair"]
-        assert state.total is not None
-        loss = self.loss_fn(self.module(inputs), targets)
-        (loss * (state.local / state.total) if self.config.mode == "sync" else loss).backward()
-        state.loss_sum = float(loss.detach()) * state.local
-        state.flag = local_flag(state.loss_sum, [p.grad for p in self._params.values()])
+        self._backward_share(state, self.config.accumulate, weight_of_total=self.config.mode == "sync")
 
     def _synchronize(self, state: StepState) -> None:
         """Push the gradient (or, when it is non-finite, only the flag: the gradient never travels). The
@@ -477,7 +469,6 @@ class ParameterServerJob(Engine):
     def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
         """On the servers' current parameters (pulled first, outside the consistency model); the engine adds up
         the workers' shares over the process group, so every worker calls it."""
-        inputs, targets = split_batch(batch)
         if self.topology.is_distributed and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 f"eval_step on rank {self.topology.rank} of {self.topology.world_size} needs the process group "
@@ -485,7 +476,7 @@ class ParameterServerJob(Engine):
                 "the start of the script (or evaluate locally: fetch_parameters() and run module)."
             )
         self._pull_dense(peek=True)
-        return share_sums(self.module, self.loss_fn, metrics, inputs, targets)
+        return super()._evaluate(batch, metrics)
 
     def _gradients(self) -> list[dict[str, torch.Tensor]]:
         """Per server: ``g<id>`` dense gradient slices; for sparse pieces ``r<id>`` rows and ``g<id>`` values."""

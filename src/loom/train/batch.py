@@ -20,6 +20,7 @@ __all__ = [
     "LossCall",
     "batch_len",
     "forward_loss",
+    "micro_batches",
     "model_loss",
     "share_means",
     "share_sums",
@@ -240,3 +241,14 @@ def share_means(names: list[str], sums: torch.Tensor, rank: int) -> dict[str, fl
     if count == 0:
         raise ValueError(f"rank {rank}: eval_step got a global batch of 0 samples (every share is empty)")
     return {name: float(sums[i].item()) / count for i, name in enumerate(names)}
+
+
+def micro_batches(batch: Any, n: int, pieces: int) -> list[tuple[Any, int]]:
+    """``pieces`` slices of the whole ``batch`` of ``n`` samples, with their sizes."""
+    if pieces == 1:
+        return [(batch, n)]
+    bounds = torch.arange(pieces + 1) * n // pieces
+    return [
+        (slice_batch(batch, lo, hi), hi - lo)
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+    ]

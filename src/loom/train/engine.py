@@ -45,13 +45,34 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from loom.fault.desync import local_flag
 from loom.job import Job, MetricFn, check_batch_layout
-from loom.train.batch import share_means
+from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, share_means, to_device
+from loom.train.guard import GuardOptions
 
 if TYPE_CHECKING:
     from loom.train.guard import StepGuard
 
-__all__ = ["Engine", "StepState"]
+__all__ = ["Engine", "ShareOptions", "StepState"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShareOptions(GuardOptions):
+    """The guard's options and ``accumulate``: the config base of the strategies whose replicas each step on
+    their own share (LocalSGD, DiLoCo, Gossip, ParameterServer); `DataParallelConfig` has its own field."""
+
+    accumulate: int = 1
+    """Micro-batches per step: the local share is split in this many pieces, each weighted by its share of the
+    samples, and their gradients accumulate before the step (the same gradient as one piece, in less memory)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_accumulate(self.accumulate)
+
+
+def check_accumulate(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"accumulate must be an int >= 1, got {value!r}")
 
 
 @dataclass
@@ -91,6 +112,8 @@ class Engine(Job):
     A strategy's job subclasses it, sets ``guard`` (a `loom.train.guard.StepGuard`) and implements the hooks."""
 
     guard: StepGuard
+    loss_call: LossCall
+    """How the model and the loss are called on a batch (`loom.LossCall`)."""
 
     @property
     def skipped_steps(self) -> int:
@@ -168,6 +191,36 @@ class Engine(Job):
             **extra,
         )
 
+    def _backward_share(
+        self, state: StepState, accumulate: int, weight_of_total: bool, stop_on_nonfinite: bool = False
+    ) -> None:
+        """Forward and backward on this rank's share in ``accumulate`` micro-batches,
+        each loss weighted by its samples over the share's (or, ``weight_of_total``, over the global batch's:
+        ``state.total``); set ``state.loss_sum`` and ``state.flag``. ``stop_on_nonfinite``: no backward once a
+        loss is non-finite (the step is skipped anyway)."""
+        if not state.local:
+            return
+        batch = state.work.get("batch", state.batch)
+        whole = state.total if weight_of_total else state.local
+        assert whole
+        pieces = [p for p in micro_batches(batch, state.local, accumulate) if p[1]]
+        loss_sum, values = 0.0, []
+        for piece, n in pieces:
+            loss = forward_loss(self.loss_call, self.module, piece)[0]
+            value = float(loss.detach().double())
+            values.append(value)
+            loss_sum += value * n
+            if stop_on_nonfinite and local_flag(value):
+                state.loss_sum, state.flag = loss_sum, 1.0
+                break
+            (loss * (n / whole)).backward()
+        state.work["share_mean"] = values[0] if len(values) == 1 else loss_sum / state.local
+        """The share's mean loss (one micro-batch: the loss itself, not ``loss_sum / local`` rounded twice)."""
+        if state.flag:
+            return
+        state.loss_sum = loss_sum
+        state.flag = local_flag(loss_sum, [p.grad for p in self.module.parameters() if p.grad is not None])
+
     # -- evaluation ----------------------------------------------------------------------------------------------
     def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
         """The global-batch mean loss and any extra mean-reduced ``metrics``, in eval mode, without gradients.
@@ -180,9 +233,27 @@ class Engine(Job):
                 dist.all_reduce(sums, group=group)
         return share_means(names, sums, self.topology.rank)
 
-    @abc.abstractmethod
+    @torch.no_grad()
     def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
-        """``names`` and this rank's ``[sum per name..., samples]`` in eval mode (see `share_sums`)."""
+        """``names`` and this rank's ``[sum per name..., samples]`` (see `share_sums`): the share's loss and
+        ``metrics`` under the job's `LossCall`, in eval mode (the model's mode restored after)."""
+        call, device = self.loss_call, self.topology.device
+        batch_here = to_device(batch, device)
+        local = batch_len(call.inputs_of(batch_here))
+        sums = torch.zeros(len(metrics or {}) + 2, dtype=torch.float64, device=device)
+        sums[-1] = local
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            if local:
+                loss, outputs = forward_loss(call, self.module, batch_here)
+                second = call.second_argument(batch_here)
+                values = [loss, *(fn(outputs, second) for fn in (metrics or {}).values())]
+                for i, value in enumerate(values):
+                    sums[i] = float(value) * local
+        finally:
+            self.module.train(was_training)
+        return ["loss", *(metrics or {})], sums
 
     def _eval_group(self) -> Any:
         """The group the evaluation sums are added up over; None: they are global already (one process, or a
