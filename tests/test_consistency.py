@@ -11,7 +11,7 @@ from torch import nn
 
 import loom
 from loom.fit import DESYNC_EVERY
-from loom.strategies.consistency import model_signature, optimizer_signature
+from loom.parallel.consistency import model_signature, optimizer_signature
 
 
 def _mlp(activation=nn.Tanh) -> nn.Module:

@@ -30,7 +30,7 @@ SINGLE = Topology(0, 1, 0, 1, "none")
 )
 def test_matches_one_process(workers, world_size, global_batch, allreduce):
     """Shared-memory algorithms on one CPU host without a spare core average the gradients in shared memory
-    (`loom.strategies.shared_gradients`), the others through DDP; both equal one process."""
+    (`loom.comm.shared_gradients`), the others through DDP; both equal one process."""
     steps = 10
     outputs = workers("dp_exact.py", world_size, str(global_batch), str(steps), allreduce, timeout=150)
     refs = {opt: reference_run(opt, global_batch, steps) for opt in ("sgd", "adam")}
@@ -155,8 +155,8 @@ def test_bad_compression_spec_is_refused():
 
 @pytest.mark.timeout(10)
 def test_overlap_follows_the_config_and_by_default_the_spare_cores(monkeypatch):
-    from loom.strategies import data_parallel as dp
-    from loom.strategies import data_parallel_sync as sync
+    from loom.parallel.data import data_parallel as dp
+    from loom.parallel.data import data_parallel_sync as sync
 
     topo = Topology(0, 2, 0, 2, "gloo")
 

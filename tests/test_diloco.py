@@ -16,8 +16,8 @@ from torch import nn
 from workers.common import make_dataset, make_mlp
 
 import loom
-from loom.strategies._replica_sync import INT8_CHUNK, dequantize_int8, quantize_int8
-from loom.strategies.diloco import split_fragments
+from loom.parallel.replica._replica_sync import INT8_CHUNK, dequantize_int8, quantize_int8
+from loom.parallel.replica.diloco import split_fragments
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import loom
-from loom.strategies._setup import check_failure_policy
+from loom.parallel._setup import check_failure_policy
 from loom.topology import Topology
 
 ONE = Topology(0, 1, 0, 1, "none")

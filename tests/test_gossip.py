@@ -1,4 +1,4 @@
-"""Gossip: decentralized asynchronous averaging with one peer at a time (`loom.strategies.gossip`) over loom's
+"""Gossip: decentralized asynchronous averaging with one peer at a time (`loom.parallel.gossip.gossip`) over loom's
 authenticated point-to-point transport (`loom.comm.peer`).
 
 In-process: the config, the peer sequences, the parameter layout, and the transport's deadlines, late answers,
@@ -29,8 +29,8 @@ from torch import nn
 from loom.comm.links import dial_handshake
 from loom.comm.peer import PeerNode
 from loom.comm.peer_wire import EXCHANGE, HEADER, MAGIC, VERSION
-from loom.strategies.gossip import Gossip, GossipConfig
-from loom.strategies.gossip_exchange import ParameterLayout, PeerChoice, average_into
+from loom.parallel.gossip.gossip import Gossip, GossipConfig
+from loom.parallel.gossip.gossip_exchange import ParameterLayout, PeerChoice, average_into
 
 SECRET = b"s" * 32
 HEADER_BYTES = HEADER.size

@@ -19,7 +19,7 @@ from conftest import WORKERS
 from test_ps_launch import session_members
 
 import loom
-from loom.strategies.data_parallel import ONLY_DATA_PARALLEL
+from loom.parallel.data.data_parallel import ONLY_DATA_PARALLEL
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from loom.strategies.hybrid import HybridConfig
+from loom.parallel.model.hybrid import HybridConfig
 
 
 @pytest.mark.timeout(90)

@@ -268,7 +268,7 @@ def test_pipeline_refuses_the_tutorial_transformer_at_setup_naming_the_module(mo
 
 
 def test_a_chain_is_still_accepted():
-    from loom.strategies.pipeline_split import chain_layers
+    from loom.parallel.pipeline.pipeline_split import chain_layers
 
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     assert [n for n, _ in chain_layers(model)] == ["0", "1", "2"]

@@ -9,7 +9,7 @@ from workers.common import make_dataset, make_optimizer
 from workers.pp_common import deep_reference, make_deep_mlp
 
 import loom
-from loom.strategies.pipeline import Pipeline
+from loom.parallel.pipeline.pipeline import Pipeline
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")

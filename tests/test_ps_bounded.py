@@ -24,6 +24,7 @@ from torch import nn
 from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
 
 import loom
+from loom.parallel.ps.parameter_server import ParameterServer
 from loom.ps.client import PSClient
 from loom.ps.gate import (
     CHUNK_BYTES,
@@ -37,7 +38,6 @@ from loom.ps.gate import (
 )
 from loom.ps.server import ParameterServerProcess, ServerConfig
 from loom.ps.wire import HEADER, DropCounters, MessageType, WireLimits, decode, encode, secret_from_hex
-from loom.strategies.parameter_server import ParameterServer
 from loom.topology import Topology
 
 SECRET = bytes(range(32))

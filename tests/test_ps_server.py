@@ -23,10 +23,10 @@ from torch import nn
 from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
 
 import loom
+from loom.parallel.ps.parameter_server import ParameterServer
 from loom.ps.client import PSClient
 from loom.ps.gate import chunk_key, secure_client, split_frame
 from loom.ps.wire import HEADER, MessageType, decode, encode, secret_from_hex
-from loom.strategies.parameter_server import ParameterServer
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")

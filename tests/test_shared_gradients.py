@@ -1,4 +1,4 @@
-"""Gradients averaged in shared memory (`loom.strategies.shared_gradients`): values, views, bytes, when used."""
+"""Gradients averaged in shared memory (`loom.comm.shared_gradients`): values, views, bytes, when used."""
 
 import json
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from loom.comm.shared_gradients import shared_gradients_unusable
 from loom.comm.shm import shm_unsupported_reason
-from loom.strategies.shared_gradients import shared_gradients_unusable
 
 pytestmark = pytest.mark.skipif(shm_unsupported_reason() is not None, reason=str(shm_unsupported_reason()))
 

@@ -18,7 +18,7 @@ of one model replica (pipeline stages, tensor-parallel shards: the other axes) m
 `loader` shards over `data_topology`, not over the world. A batch sharded for another layout (the plain
 ``loom.data.loader(dataset, ...)`` of a model-parallel job) is refused by `check_batch_layout` before it is
 trained on, naming the fix; model-parallel jobs also compare a fingerprint of the samples across the ranks of a
-replica at every step (see `loom.strategies.pipeline`).
+replica at every step (see `loom.parallel.pipeline.pipeline`).
 
 State: `state_dict` is this rank's part of one consistent checkpoint. When ``replicated_state`` is True it is
 the same on every rank and `loom.fit` writes rank 0's; when False (sharded jobs: pipeline stages, tensor shards,

@@ -19,7 +19,7 @@ from gossip_common import build, dataset
 from torch import nn
 
 import loom
-from loom.strategies.gossip import Gossip
+from loom.parallel.gossip.gossip import Gossip
 
 cfg = json.loads(sys.argv[1])
 topo = loom.init()

@@ -15,7 +15,7 @@ from torch import nn
 import loom
 from loom.data import GlobalBatchSampler
 from loom.examples.char_gpt import CharGPT, char_dataset, lm_loss
-from loom.strategies.hybrid import Hybrid
+from loom.parallel.model.hybrid import Hybrid
 
 STEPS, GLOBAL_BATCH = 5, 10
 topo = loom.init()

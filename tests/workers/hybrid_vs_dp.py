@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import loom
-from loom.strategies.hybrid import Hybrid
+from loom.parallel.model.hybrid import Hybrid
 
 STEPS, GLOBAL_BATCH = 4, 10
 topo = loom.init()

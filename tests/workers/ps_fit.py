@@ -96,7 +96,7 @@ for run in config["runs"]:
         "loss": result.last_loss,
         "clock": job.step,
     }
-    if isinstance(job, loom.strategies.ParameterServerJob):
+    if isinstance(job, loom.parallel.ParameterServerJob):
         state = job.state_dict()  # every rank: the servers' current parameters; rank 0: the servers' state
         if state["servers"] is not None:
             record["version"] = [s["meta"]["version"] for s in state["servers"]]

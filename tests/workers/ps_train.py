@@ -19,7 +19,7 @@ from common import least_squares, make_dataset, make_mlp, make_optimizer
 from torch import nn
 
 import loom
-from loom.strategies.parameter_server import ParameterServer
+from loom.parallel.ps.parameter_server import ParameterServer
 from loom.topology import Topology
 
 cfg = json.loads(sys.argv[1])

@@ -35,7 +35,7 @@ with wd.collective("loss all-reduce"):
 ```
 
 Limits: only collectives wrapped in `collective` are counted (DataParallel wraps its gradient, loss,
-sample-count and evaluation reductions, `loom.strategies.own_loop` the gradient all-reduce of a backward, and
+sample-count and evaluation reductions, `loom.parallel.data.own_loop` the gradient all-reduce of a backward, and
 `loom.fault.desync` its check; DDP's own start-up broadcast and buffer broadcasts are not); a rank blocked in a
 collective that is not counted looks like a rank doing its own work, so it is waited for up to the work timeout.
 The process group's own timeout (``loom.init(timeout_s=...)``) must be at least the work timeout, or gloo gives

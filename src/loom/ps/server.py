@@ -12,7 +12,7 @@ checkpoint. It listens on loopback unless ``--bind`` names another interface.
 Checkpoints, so that a server can die: with a checkpoint directory (``--checkpoint-dir``, else
 ``$LOOM_PS_CHECKPOINT_DIR``, else ``$LOOM_RUN_DIR/ps``, which ``loom run`` sets) a model is saved when it is created
 (INIT) or restored (RESTORE), on request (SAVE), on SIGTERM, and on the schedule its workers chose
-(`loom.strategies.parameter_server.ParameterServerConfig`): after ``checkpoint_every`` updates, or once the oldest
+(`loom.parallel.ps.parameter_server.ParameterServerConfig`): after ``checkpoint_every`` updates, or once the oldest
 unsaved update is ``checkpoint_interval_s`` old (and at least 20 times as long as the last save took, so that saving
 by time never takes more than about 5% of the server's time, however large the model). A sync step is saved
 *before* its replies go out (write-ahead): a restarted server is never behind what a worker has seen, so only

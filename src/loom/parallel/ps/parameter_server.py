@@ -63,11 +63,11 @@ from loom.config_docs import document_options
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
+from loom.parallel._setup import check_setup_arguments
 from loom.ps.client import PSClient
 from loom.ps.plan import ParamSpec, Piece, plan_shards
 from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
-from loom.strategies._setup import check_setup_arguments
 from loom.topology import Topology, current
 from loom.train.batch import LossCall, batch_len
 from loom.train.engine import Engine, ShareOptions, StepState

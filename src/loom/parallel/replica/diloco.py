@@ -18,7 +18,7 @@ job.synchronize()            # one outer step on every fragment now: every repli
 Here: fragment ``k`` (a contiguous run of parameters, balanced by size; the floating-point buffers travel with
 fragment 0 and are averaged, not stepped) is sent after the steps ``t`` with ``t % H == k * H / F``, so every
 parameter is synchronized once every ``H`` steps. The pseudo-gradients are averaged weighted by the samples each
-replica trained on since the fragment's previous exchange (`loom.strategies._replica_sync`), so with ``H = 1``,
+replica trained on since the fragment's previous exchange (`loom.parallel.replica._replica_sync`), so with ``H = 1``,
 inner SGD and an outer SGD of lr 1, DiLoCo is synchronous data parallelism. The exchange runs on a communication
 thread over a process group of its own (the training thread keeps the job's group for its per-step loss), while
 the next ``overlap_steps`` inner steps run; its result is applied after step ``t + overlap_steps`` exactly, a
@@ -51,7 +51,8 @@ from torch import nn
 
 from loom.comm import ALGORITHMS
 from loom.config_docs import document_options
-from loom.strategies._replica_sync import (
+from loom.parallel.consistency import check_same_model
+from loom.parallel.replica._replica_sync import (
     INT8_CHUNK,
     CommThread,
     LossFn,
@@ -63,7 +64,6 @@ from loom.strategies._replica_sync import (
     prepare_replicas,
     synced_tensors,
 )
-from loom.strategies.consistency import check_same_model
 from loom.train.engine import ShareOptions
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "DiLoCoJob", "INT8_CHUNK", "split_fragments"]

@@ -14,7 +14,7 @@ job.synchronize()            # average now, before evaluating or exporting the m
 ```
 
 The average is weighted by the samples each replica trained on since the last one (see
-`loom.strategies._replica_sync`), over the parameters and the floating-point buffers, with any of loom's
+`loom.parallel.replica._replica_sync`), over the parameters and the floating-point buffers, with any of loom's
 all-reduce algorithms (``allreduce``, `loom.comm.all_reduce`), whose bytes `loom.comm.counters` counts and the
 step records carry. The optimizer's state (momentum, Adam's moments) stays each replica's own, as in torchft's
 ``LocalSGD``: with momentum, ``H = 1`` is close to but not the same as synchronous SGD when shares are uneven.
@@ -31,7 +31,7 @@ from torch import nn
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.config_docs import document_options
-from loom.strategies._replica_sync import (
+from loom.parallel.replica._replica_sync import (
     LossFn,
     ReplicaJob,
     ReplicaStrategy,

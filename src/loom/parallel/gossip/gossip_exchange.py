@@ -1,8 +1,8 @@
-"""What one gossip exchange sends and how it is merged, and whom each worker asks (`loom.strategies.gossip`).
+"""What one gossip exchange sends and how it is merged, and whom each worker asks (`loom.parallel.gossip.gossip`).
 
 `ParameterLayout` packs a model's floating-point parameters into the raw bytes `loom.comm.peer` carries;
 `average_into` is the pair exchange's arithmetic (its symmetry and conservation are argued in
-`loom.strategies.gossip`); `PeerChoice` is the sequence of peers, ring, exponential graph or uniform random;
+`loom.parallel.gossip.gossip`); `PeerChoice` is the sequence of peers, ring, exponential graph or uniform random;
 `IdleServer` answers peers from a thread while the training thread is elsewhere; `PeerDirectory` finds the
 peers' listeners through the job's store.
 """

@@ -1,6 +1,6 @@
 """The job of every model-parallel strategy: one stage of the model, maybe tensor-sharded, on a data axis.
 
-`loom.strategies.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike (the transforms, in
+`loom.parallel.model.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike (the transforms, in
 order: pipeline stages, tensor shards, then the data axis). Each `train_step`:
 
 1. checks that the ranks of this model replica (its stages and tensor shards: the mesh's ``replica`` group) hold
@@ -38,11 +38,11 @@ from loom.fault.desync import local_flag
 from loom.job import MetricFn
 from loom.mesh import REPLICA, Mesh
 from loom.observe.metrics import StepMetrics
-from loom.strategies.data_parallel_sync import GradientAveraging
-from loom.strategies.pipeline_communications import recv_tensors, send_tensors
-from loom.strategies.pipeline_runtime import PipelineStage, StageStats, run_instructions
-from loom.strategies.pipeline_schedule import stage_instructions
-from loom.strategies.tensor_parallel_shard import TensorShards
+from loom.parallel.data.data_parallel_sync import GradientAveraging
+from loom.parallel.pipeline.pipeline_communications import recv_tensors, send_tensors
+from loom.parallel.pipeline.pipeline_runtime import PipelineStage, StageStats, run_instructions
+from loom.parallel.pipeline.pipeline_schedule import stage_instructions
+from loom.parallel.tensor.tensor_parallel_shard import TensorShards
 from loom.train.batch import batch_len, slice_batch, split_batch, tensors_in, to_device
 from loom.train.engine import Engine, StepState
 from loom.train.guard import StepGuard

@@ -2,7 +2,7 @@
 
 A gradient takes one of five paths (the table is `choose_gradient_path`'s docstring): DistributedDataParallel
 with its own all-reduce, with a compression hook, or with a loom all-reduce hook (synchronous or on a
-communication thread), or `loom.strategies.shared_gradients` without DDP. Every input of the choice is the same
+communication thread), or `loom.comm.shared_gradients` without DDP. Every input of the choice is the same
 on all ranks (the configuration, the topology, the model), and the shared-memory path is taken only if every
 rank agrees, so all processes of a job run the same collectives. Observing (metrics, tracing) never changes the
 path. `GradientAveraging` is the same averaging for a data axis outside DDP (model-parallel jobs).
@@ -28,12 +28,12 @@ from loom.comm.compression.base import Exchange
 from loom.comm.counters import counters
 from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.comm.ddp_hooks import allreduce_hook
+from loom.comm.shared_gradients import SharedGradients, shared_gradients_unusable
 from loom.observe.phases import loss_buffer_size
-from loom.strategies.shared_gradients import SharedGradients, shared_gradients_unusable
 from loom.topology import Topology
 
 if TYPE_CHECKING:
-    from loom.strategies.data_parallel import DataParallelConfig
+    from loom.parallel.data.data_parallel import DataParallelConfig
 
 __all__ = [
     "GradientAveraging",
@@ -187,10 +187,10 @@ def buffer_sync_option(enabled: bool) -> dict[str, bool]:
 class GradientAveraging:
     """`DataParallel`'s gradient averaging for a data axis whose gradients are computed outside DDP.
 
-    Model-parallel jobs (`loom.strategies.model_parallel`) run their own schedule, so their data axis cannot wrap
+    Model-parallel jobs (`loom.parallel.model.model_parallel`) run their own schedule, so their data axis cannot wrap
     the stage in DDP; after the schedule, this averages each gradient over the data axis's group as `DataParallel`
     does without DDP. Gradients arrive weighted as `DataParallel` weights them (``n_r * W / N`` for a share of
-    ``n_r`` of ``N`` samples on ``W`` replicas, `loom.strategies.pipeline_runtime.run_instructions`), so every
+    ``n_r`` of ``N`` samples on ``W`` replicas, `loom.parallel.pipeline.pipeline_runtime.run_instructions`), so every
     path *averages*:
 
     - on one CPU host with loom's shared-memory algorithms, `SharedGradients`: the very class `DataParallel`'s

@@ -4,7 +4,7 @@ Every worker holds the whole model and trains on its share of each global batch;
 during backward (DDP's buckets overlap communication with the rest of backward). One exception: with loom's
 shared-memory algorithms on a single CPU host whose cores are all computing (no overlap to gain), the model is
 not wrapped in DDP and the gradients are averaged in place in shared memory right after backward
-(`loom.strategies.shared_gradients`: no bucket copies, two barriers). Which path a job takes is decided in one
+(`loom.comm.shared_gradients`: no bucket copies, two barriers). Which path a job takes is decided in one
 place, `data_parallel_sync.choose_gradient_path` (its docstring is the table), and printed by rank 0 at setup.
 The gradient is the same either way,
 and every process starts from rank 0's parameters and buffers as with DDP. What loom adds is exactness
@@ -16,7 +16,7 @@ joins the all-reduce with a zero-weighted forward.
 
 Guards, all on every rank alike so none is left waiting: at setup the replicas must hold the same model (shapes,
 module types and their hyperparameters) and optimizer (type, every param group's hyperparameters), see
-`loom.strategies.consistency`; at each step a non-finite loss or gradient on any rank is never applied
+`loom.parallel.consistency`; at each step a non-finite loss or gradient on any rank is never applied
 (``nonfinite``, see `loom.fault.desync.NonFiniteGuard`: each rank's loss flag rides in the loss buffer, and the
 averaged gradient, the same on every rank, is checked where it lies); and a share too small for BatchNorm in
 training mode (1 sample in a forward, where PyTorch would raise on one rank only) is refused on every rank,
@@ -26,7 +26,7 @@ running statistics.
 Calling conventions: every `loom.LossCall` one (``model(*inputs)``, ``loss_fn(outputs, batch)``, a model that
 returns its own loss with ``loss_fn=None``), one function for all strategies
 (`loom.train.batch.forward_loss`). Scripts that keep their own loop take the model, optimizer and loader
-from `DataParallelJob.own_loop` (`loom.strategies.own_loop`), with the same weighting.
+from `DataParallelJob.own_loop` (`loom.parallel.data.own_loop`), with the same weighting.
 
 Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
 (PyTorch's default), since that is what the scaling undoes. With DDP the loss buffer is waited for before the
@@ -52,16 +52,16 @@ from torch.nn.parallel import DistributedDataParallel
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import CompressionHook, make_codec
+from loom.comm.shared_gradients import SharedGradients
 from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
-from loom.strategies._setup import check_setup_arguments
-from loom.strategies.consistency import check_same_model
-from loom.strategies.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
-from loom.strategies.shared_gradients import SharedGradients
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.topology import Topology, current
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, tensors_in, to_device
 from loom.train.engine import Engine, StepState
@@ -278,7 +278,7 @@ class DataParallelJob(Engine):
         """How gradients are averaged (None in one process): `data_parallel_sync.choose_gradient_path`."""
         self.shared_gradients: SharedGradients | None = None
         """Set when gradients are averaged in shared memory after backward instead of by DDP (see
-        `loom.strategies.shared_gradients`); then `wrapped` is the model itself."""
+        `loom.comm.shared_gradients`); then `wrapped` is the model itself."""
         self.nonfinite = self.guard.nonfinite
         self.last_step_skipped = False
         """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
@@ -330,8 +330,8 @@ class DataParallelJob(Engine):
 
     def own_loop(self, loader: Any = None) -> Any:
         """``model, optimizer, loader`` for a script that keeps its own loop (forward, ``loss.backward()``,
-        clipping, ``optimizer.step()``): see `loom.strategies.own_loop.OwnLoop`. Call it on every rank."""
-        from loom.strategies.own_loop import OwnLoop  # here: own_loop builds on this module's job
+        clipping, ``optimizer.step()``): see `loom.parallel.data.own_loop.OwnLoop`. Call it on every rank."""
+        from loom.parallel.data.own_loop import OwnLoop  # here: own_loop builds on this module's job
 
         return OwnLoop.start(self, loader)
 

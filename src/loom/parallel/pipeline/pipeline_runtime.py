@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.strategies.pipeline_communications import recv_gradients, recv_tensors, send_tensors
-from loom.strategies.pipeline_schedule import Instruction, Op
+from loom.parallel.pipeline.pipeline_communications import recv_gradients, recv_tensors, send_tensors
+from loom.parallel.pipeline.pipeline_schedule import Instruction, Op
 
 __all__ = ["PipelineStage", "StageStats", "run_instructions"]
 
@@ -127,7 +127,7 @@ def run_instructions(
 
     Each micro-batch's loss is weighted by ``n_j * replicas / total`` before backward, as `DataParallel`
     weights a share (``replicas``: the data axis's size), so that the data axis *averages* the gradients
-    exactly as `DataParallel` does (`loom.strategies.data_parallel_sync.GradientAveraging`)."""
+    exactly as `DataParallel` does (`loom.parallel.data.data_parallel_sync.GradientAveraging`)."""
     stats = StageStats(stage.index, microbatches=len(sizes))
     received: dict[int, list[torch.Tensor]] = {}
     outputs: dict[int, list[torch.Tensor]] = {}

@@ -1,9 +1,9 @@
 """The tensor-parallel transform: `TensorParallelConfig`, the plan (`auto_plan`) and the stage's layers split over
 the ``tp`` group (`shard_stage`, `apply_tensor_parallel`), with `TensorShards` to gather them back.
 
-`loom.strategies.compose` applies it for `TensorParallel` and `Hybrid` (the strategies); the layers themselves
+`loom.parallel.model.compose` applies it for `TensorParallel` and `Hybrid` (the strategies); the layers themselves
 (column- and row-parallel linears, the vocabulary-parallel embedding, ``f``/``g``) are
-`loom.strategies.tensor_parallel_layers`. See `loom.strategies.tensor_parallel` for the patterns and the limits.
+`loom.parallel.tensor.tensor_parallel_layers`. See `loom.parallel.tensor.tensor_parallel` for the patterns and the limits.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.strategies.pipeline_runtime import PipelineStage
-from loom.strategies.tensor_parallel_layers import (
+from loom.parallel.pipeline.pipeline_runtime import PipelineStage
+from loom.parallel.tensor.tensor_parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelComm,

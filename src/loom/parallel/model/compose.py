@@ -25,12 +25,12 @@ from torch import nn
 
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.strategies._setup import check_setup_arguments
-from loom.strategies.data_parallel import DataParallelConfig, LossFn, default_metrics_path
-from loom.strategies.data_parallel_sync import GradientAveraging
-from loom.strategies.model_parallel import ModelParallelJob, Schedule
-from loom.strategies.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
-from loom.strategies.tensor_parallel_shard import shard_stage
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, default_metrics_path
+from loom.parallel.data.data_parallel_sync import GradientAveraging
+from loom.parallel.model.model_parallel import ModelParallelJob, Schedule
+from loom.parallel.pipeline.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
+from loom.parallel.tensor.tensor_parallel_shard import shard_stage
 
 __all__ = ["compose"]
 

@@ -60,9 +60,9 @@ from loom.config_docs import document_options
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.strategies._setup import check_setup_arguments
-from loom.strategies.data_parallel import default_metrics_path
-from loom.strategies.gossip_exchange import (
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.data.data_parallel import default_metrics_path
+from loom.parallel.gossip.gossip_exchange import (
     IdleServer,
     ParameterLayout,
     PeerChoice,

@@ -1,7 +1,7 @@
 """The pipeline transform: `PipelineConfig`, and the model's chain cut into stages (`split_into_stages`).
 
-`loom.strategies.compose` applies it for `Pipeline` and `Hybrid` (the strategies, `loom.strategies.pipeline` and
-`loom.strategies.hybrid`); how a chain is found and where it is cut is `loom.strategies.pipeline_split`; the
+`loom.parallel.model.compose` applies it for `Pipeline` and `Hybrid` (the strategies, `loom.parallel.pipeline.pipeline` and
+`loom.parallel.model.hybrid`); how a chain is found and where it is cut is `loom.parallel.pipeline.pipeline_split`; the
 runtime and the schedules are `pipeline_runtime` and `pipeline_schedule`. Every process starts from rank 0's
 weights (`broadcast_module`, as DDP does) before the cut.
 """
@@ -17,9 +17,9 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.strategies.pipeline_runtime import PipelineStage
-from loom.strategies.pipeline_schedule import SCHEDULES
-from loom.strategies.pipeline_split import (
+from loom.parallel.pipeline.pipeline_runtime import PipelineStage
+from loom.parallel.pipeline.pipeline_schedule import SCHEDULES
+from loom.parallel.pipeline.pipeline_split import (
     balanced_cuts,
     chain_layers,
     cuts_from_names,

@@ -28,10 +28,10 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.strategies.compose import compose
-from loom.strategies.data_parallel import DataParallelConfig, LossFn, data_axis_options
-from loom.strategies.model_parallel import ModelParallelJob
-from loom.strategies.tensor_parallel_shard import (
+from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.model.compose import compose
+from loom.parallel.model.model_parallel import ModelParallelJob
+from loom.parallel.tensor.tensor_parallel_shard import (
     TensorParallelConfig,
     TensorShards,
     apply_tensor_parallel,
@@ -55,7 +55,7 @@ __all__ = [
 class TensorParallel:
     """Strategy: split MLP, attention and embedding layers over ``size`` processes (see the module docstring).
 
-    ``TensorParallel(size=t, plan=..., **data)``: a `loom.strategies.compose` of one stage split over the mesh's
+    ``TensorParallel(size=t, plan=..., **data)``: a `loom.parallel.model.compose` of one stage split over the mesh's
     ``tp`` axis; with ``size`` < the world size the remaining factor is the data axis, configured by the
     `DataParallelConfig` fields in ``data`` (``allreduce``, ``compression``, ...).
     """

@@ -17,7 +17,7 @@ and optimizer come back wrapped. What loom adds is global-batch semantics under 
 training forward weights the *gradient* flowing back into each of its outputs by ``w = n * W / N`` (``n`` the
 samples of this call, ``W`` the replicas, ``N`` the global batch: the loader's batches carry it, see
 `loom.data.loader`), an identity in the forward pass. The gradient all-reduce (DDP's, or the shared-memory
-average of `loom.strategies.shared_gradients`, run at the end of backward) averages over replicas, so every
+average of `loom.comm.shared_gradients`, run at the end of backward) averages over replicas, so every
 gradient is ``sum_r n_r / N * grad_r``: the gradient of the global-batch mean loss, what one process computes on
 the whole batch, before the loop's ``clip_grad_norm_`` reads it. Weighting the outputs rather than the loss keeps
 the user's ``loss`` (and ``GradScaler``'s scaling of it) untouched, and leaves terms that do not come from the
@@ -65,7 +65,7 @@ from loom.fault.desync import gradients_finite
 from loom.train.batch import batch_len, tensors_in
 
 if TYPE_CHECKING:
-    from loom.strategies.data_parallel import DataParallelJob
+    from loom.parallel.data.data_parallel import DataParallelJob
 
 __all__ = ["OwnLoop", "OwnLoopModel", "OwnLoopOptimizer"]
 

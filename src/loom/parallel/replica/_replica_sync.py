@@ -20,7 +20,7 @@ it. Replicas do not agree bitwise between synchronizations, so ``replicas_agree`
 is skipped.
 
 Limits: the loss must be mean-reduced over the batch; the model must run the same code on every rank (checked
-at setup as for `DataParallel`: `loom.strategies.consistency`); BatchNorm statistics are local between
+at setup as for `DataParallel`: `loom.parallel.consistency`); BatchNorm statistics are local between
 synchronizations and averaged with the parameters (a 1-sample share in training mode raises on that rank only,
 which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
 """
@@ -44,10 +44,10 @@ from loom.comm import counters
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
-from loom.strategies._setup import check_setup_arguments
-from loom.strategies.consistency import check_same_model
-from loom.strategies.data_parallel import default_metrics_path
-from loom.strategies.pipeline_stages import broadcast_module
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_parallel import default_metrics_path
+from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.topology import Topology, current
 from loom.train.batch import LossCall, batch_len, to_device
 from loom.train.engine import Engine, StepState
@@ -108,7 +108,7 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 def exchange(flat: torch.Tensor, compression: str | None, algorithm: str, group: Any) -> torch.Tensor:
     """The sum over the replicas of ``flat`` (each rank's weighted share), through ``compression``: None and
-    ``fp16`` all-reduce with ``algorithm``, ``int8`` all-gathers codes and scales (see `loom.strategies.diloco`)."""
+    ``fp16`` all-reduce with ``algorithm``, ``int8`` all-gathers codes and scales (see `loom.parallel.replica.diloco`)."""
     if compression is None:
         return comm_all_reduce(flat, op="sum", algorithm=algorithm, group=group)
     if compression == "fp16":
@@ -206,7 +206,7 @@ def prepare_replicas(
     strategy: str = "this strategy",
 ) -> Topology:
     """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
-    (model or optimizer, `loom.strategies.consistency`) and start every replica from rank 0's parameters and
+    (model or optimizer, `loom.parallel.consistency`) and start every replica from rank 0's parameters and
     buffers (as DDP does)."""
     topo = topology if topology is not None else current()
     check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True)

@@ -22,7 +22,7 @@ Limits: the loss must be mean-reduced over the batch; parameters shared between 
 stages) are refused; the optimizer keeps every parameter of the full model, but those of other stages are emptied
 (size 0) and never get a gradient, so optimizers skip them. With a data axis (fewer stages than processes, or
 `Hybrid`) each stage's gradients are summed across its replicas after the schedule, by `DataParallel`'s
-algorithms (`loom.strategies.compose`). The job is a `loom.strategies.model_parallel.ModelParallelJob`.
+algorithms (`loom.parallel.model.compose`). The job is a `loom.parallel.model.model_parallel.ModelParallelJob`.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.strategies.compose import compose
-from loom.strategies.data_parallel import DataParallelConfig, LossFn, data_axis_options
-from loom.strategies.model_parallel import ModelParallelJob
-from loom.strategies.pipeline_split import chain_layers
-from loom.strategies.pipeline_stages import PipelineConfig, Stages, broadcast_module, split_into_stages
+from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.model.compose import compose
+from loom.parallel.model.model_parallel import ModelParallelJob
+from loom.parallel.pipeline.pipeline_split import chain_layers
+from loom.parallel.pipeline.pipeline_stages import PipelineConfig, Stages, broadcast_module, split_into_stages
 from loom.topology import Topology, current
 
 __all__ = ["Pipeline", "PipelineConfig", "Stages", "broadcast_module", "split_into_stages"]

@@ -2,7 +2,7 @@
 
 ``Hybrid(dp=a, pp=b, tp=c, microbatches=m, schedule=..., split=..., tp_plan=..., allreduce=..., compression=...)``
 builds one `Mesh` (validated once: ``a · b · c`` must equal the world size, the error names the degrees and the
-world size) and composes the transforms of `loom.strategies.compose` on it, in its documented order: pipeline
+world size) and composes the transforms of `loom.parallel.model.compose` on it, in its documented order: pipeline
 stages, tensor shards inside each stage, then the data axis, which is `DataParallel`'s gradient averaging with
 the `DataParallelConfig` fields given here (``allreduce``, ``compression``, ...).
 
@@ -23,11 +23,11 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.strategies.compose import compose
-from loom.strategies.data_parallel import DataParallelConfig, LossFn, data_axis_options
-from loom.strategies.model_parallel import ModelParallelJob
-from loom.strategies.pipeline_stages import PipelineConfig
-from loom.strategies.tensor_parallel_shard import TensorParallelConfig
+from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.model.compose import compose
+from loom.parallel.model.model_parallel import ModelParallelJob
+from loom.parallel.pipeline.pipeline_stages import PipelineConfig
+from loom.parallel.tensor.tensor_parallel_shard import TensorParallelConfig
 from loom.topology import Topology, current
 
 __all__ = ["Hybrid", "HybridConfig"]
