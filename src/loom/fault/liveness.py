@@ -61,7 +61,10 @@ def seconds_setting(requested: float | None, variable: str, default: float, what
         except ValueError:
             raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
     if isinstance(requested, bool) or not float(requested) > 0:
-        raise ValueError(f"the {what} must be a positive number of seconds, got {requested!r}")
+        raise ValueError(
+            f"the {what} must be a positive number of seconds, got {requested!r}. HINT: pass seconds, or leave it "
+            f"None to use {variable} (default {default:g} s)"
+        )
     return float(requested)
 
 
@@ -134,6 +137,10 @@ class Heartbeat:
     def leave(self, store: Any) -> None:
         """Mark this rank's silence from now on as intended (its watchdog stops; the process ends)."""
         store.set(self.key(self.rank), "-1")
+
+    def forget(self) -> None:
+        """Stop judging the watched peer, and the store's silence so far (after a verdict the job goes on from)."""
+        self.left, self.failed_at, self.answered_at = True, None, self.clock()
 
     def verdict(self) -> str | None:
         """Why the job has lost a host, in words naming it, or None while every heartbeat is on time."""

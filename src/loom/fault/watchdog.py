@@ -251,11 +251,17 @@ class Watchdog:
                     self.heartbeat.store_failed(error)
             lost = self.heartbeat.verdict()
             if lost is not None:
-                where = doing(self.current)
-                self._stop_process(
-                    f"loom watchdog: rank {self.rank} ({self.heartbeat.host or host_description()}) {lost} ({where})",
-                    PeerLostError,
-                )
+                self._lost(lost)
+
+    def _lost(self, lost: str) -> None:
+        """A host is lost: stop the process (the launcher stops the rest), unless the job's policy is to go on
+        without a lost worker (``--on-worker-failure continue``): then say so once and stop judging that peer."""
+        text = f"loom watchdog: rank {self.rank} ({self.heartbeat.host or host_description()}) {lost}"
+        if os.environ.get("LOOM_ON_WORKER_FAILURE") == "continue":
+            print(f"{text}; going on without it (--on-worker-failure continue)", file=sys.stderr, flush=True)
+            self.heartbeat.forget()
+            return
+        self._stop_process(f"{text} ({doing(self.current)})", PeerLostError)
 
     def _store_usable(self) -> bool:
         backoff = min(STORE_BACKOFF_S, self.heartbeat.timeout_s / 4)
