@@ -26,7 +26,9 @@ the elastic agent's error file so ``loom run`` prints it, ``os._exit``: the main
 Detection takes between the timeout and the timeout plus one store call (``STORE_CALL_S``) and one poll.
 
 A peer that has not beaten yet (still loading data, or before its ``setup()``) is not judged, and a rank whose
-watchdog stops (the process ending normally) writes ``-1`` so its silence is not taken for a loss.
+watchdog stops (the process ending normally) writes ``-1`` so its silence is not taken for a loss. Under
+``--on-worker-failure continue`` (asynchronous training, where survivors finish without the lost) a lost peer is
+named once and the process goes on.
 
 Limits: liveness is judged through the store, so a link broken between two hosts that both still reach the
 store's host is not seen here (the collective between them is a hang: the hang timeout). A process frozen for
