@@ -20,6 +20,8 @@ from loom.strategies._replica_sync import INT8_CHUNK, dequantize_int8, quantize_
 from loom.strategies.diloco import split_fragments
 from loom.topology import Topology
 
+pytestmark = pytest.mark.unit
+
 SINGLE = Topology(0, 1, 0, 1, "none")
 
 

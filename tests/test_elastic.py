@@ -11,6 +11,8 @@ from test_launcher import run_loom, wait_until_gone
 
 from loom.checkpoint import checkpoint_name, list_checkpoints
 
+pytestmark = pytest.mark.system
+
 SCRIPT = Path(__file__).parent / "workers" / "elastic_train.py"
 
 

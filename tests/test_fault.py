@@ -19,6 +19,7 @@ from loom.fault.watchdog import hang_report, hang_timeout_s
 WORKERS = Path(__file__).parent / "workers"
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_collectives_are_numbered_in_issue_order():
     wd = Watchdog(rank=0, world_size=1, timeout_s=5)
@@ -30,6 +31,7 @@ def test_collectives_are_numbered_in_issue_order():
     assert wd.record()["done"] == ["b", 2]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_hang_report_names_the_ranks_that_did_not_arrive():
     now = time.time()
@@ -52,6 +54,7 @@ def test_hang_report_names_the_ranks_that_did_not_arrive():
     assert "rank 1: last completed 'gradient all-reduce' #7; not in a collective" in text
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_hang_timeout_comes_from_the_argument_or_the_environment(monkeypatch):
     monkeypatch.setenv("LOOM_HANG_TIMEOUT_S", "7.5")
@@ -63,6 +66,7 @@ def test_hang_timeout_comes_from_the_argument_or_the_environment(monkeypatch):
         hang_timeout_s(0)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_fingerprints_see_one_changed_element_and_a_swap():
     model = make_mlp()
@@ -79,6 +83,7 @@ def test_fingerprints_see_one_changed_element_and_a_swap():
     assert _fingerprint(large, chunk=7) == _fingerprint(large)  # chunking bounds memory, not the result
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_linear_scaling_rule_rescales_optimizer_and_scheduler():
     model = nn.Linear(2, 2)
@@ -95,6 +100,7 @@ def test_linear_scaling_rule_rescales_optimizer_and_scheduler():
         scale_learning_rate(optimizer, one_cycle, 2.0)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_a_rank_that_skips_an_all_reduce_stops_the_job_with_a_report(tmp_path):
     timeout_s = 3.0
@@ -122,6 +128,7 @@ def test_a_rank_that_skips_an_all_reduce_stops_the_job_with_a_report(tmp_path):
     assert wait_until_gone(str(script)) == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_perturbed_replica_is_caught_at_the_next_check(workers):
     outputs = workers(
@@ -137,6 +144,7 @@ def test_perturbed_replica_is_caught_at_the_next_check(workers):
         assert "rank 1 differs in 0.bias" in record["message"]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_fit_refuses_a_bad_desync_interval():
     from test_fit import make_run

@@ -16,6 +16,8 @@ from conftest import run_workers
 
 from loom.checkpoint import checkpoint_name
 
+pytestmark = pytest.mark.multiprocess
+
 STRATEGIES = ("dp", "pipeline", "tp", "hybrid")
 
 

@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file
 from test_launcher import run_loom, wait_until_gone
 
+pytestmark = pytest.mark.unit
+
 WORKER = Path(__file__).parent / "workers" / "horovod_elastic.py"
 
 

@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(

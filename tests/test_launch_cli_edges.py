@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 LOOM = [sys.executable, "-m", "loom.cli"]
 QUICK_S = 20.0
 """A failure "within seconds": the join timeouts here are 3-4 s; starting Python and torch takes 5-10 s more

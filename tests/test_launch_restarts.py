@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 LOOM = [sys.executable, "-m", "loom.cli"]
 
 SCRIPT = """

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 TESTS = Path(__file__).parent
 SHARED = {
     "common.py",

@@ -11,6 +11,8 @@ import pytest
 from conftest import run_workers
 from test_launcher import run_loom
 
+pytestmark = pytest.mark.multiprocess
+
 ROOT = Path(__file__).parent.parent
 README = ROOT / "README.md"
 
