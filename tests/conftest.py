@@ -131,7 +131,8 @@ def _unit_tests_start_no_process(request, monkeypatch):
     import _posixsubprocess
 
     refuse = _refuse_processes(request.node.nodeid)
-    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)  # subprocess and multiprocessing's spawn
+    monkeypatch.setattr(subprocess, "_fork_exec", refuse)  # subprocess's own reference to fork_exec
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)  # multiprocessing's spawn
     monkeypatch.setattr(os, "fork", refuse)
     monkeypatch.setattr(os, "posix_spawn", refuse)
     monkeypatch.setattr(os, "posix_spawnp", refuse)

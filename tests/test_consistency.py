@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 
 import pytest
 import torch
@@ -84,8 +85,25 @@ def test_a_one_sample_batchnorm_share_is_refused_on_every_rank_naming_the_fix(se
 
 
 @pytest.mark.unit
-def test_fit_checks_replicas_by_default():
+def test_fit_checks_replicas_by_default(tmp_path, monkeypatch):
+    """With fit's defaults the replicas are compared every `DESYNC_EVERY` steps and before every checkpoint
+    (one process has no data group, so the job is given one to compare over and the check is recorded)."""
     assert inspect.signature(loom.fit).parameters["desync_every"].default == DESYNC_EVERY > 0
+    fit_module = sys.modules["loom.fit"]  # `loom.fit` the attribute is the function
+    checked: list[int] = []
+    monkeypatch.setattr(fit_module, "check_replicas_agree", lambda module, group, step: checked.append(step))
+    loom.init()
+    model = nn.Linear(4, 2)
+    job = loom.DataParallel().setup(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), nn.functional.mse_loss
+    )
+    monkeypatch.setattr(job.mesh, "group", lambda axis: object() if axis == "dp" else None)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
+    steps, every = 2 * DESYNC_EVERY + 1, DESYNC_EVERY + DESYNC_EVERY // 2
+    loom.fit(
+        job, job.loader(data, 4), steps=steps, checkpoint_dir=tmp_path, checkpoint_every=every, progress=False
+    )
+    assert checked == sorted({DESYNC_EVERY, 2 * DESYNC_EVERY, every, steps})  # the last one: the final save
 
 
 @pytest.mark.multiprocess

@@ -11,8 +11,6 @@ import torch
 from safetensors.torch import load_file
 from test_launcher import run_loom, wait_until_gone
 
-pytestmark = pytest.mark.unit
-
 WORKER = Path(__file__).parent / "workers" / "horovod_elastic.py"
 
 
@@ -32,6 +30,7 @@ def reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_killed_worker_resumes_from_the_last_commit(tmp_path):
     out = tmp_path / "params.safetensors"

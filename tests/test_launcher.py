@@ -47,10 +47,14 @@ def write_script(tmp_path: Path, name: str, body: str) -> Path:
     return path
 
 
-def run_loom(args: list, cwd: Path, timeout: float = 60.0) -> subprocess.CompletedProcess:
+def run_loom(
+    args: list, cwd: Path, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``loom ARGS`` in ``cwd`` with ``env`` added to this environment; killed with its group past ``timeout``."""
     proc = subprocess.Popen(
         [*LOOM, *map(str, args)],
         cwd=cwd,
+        env=None if env is None else {**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

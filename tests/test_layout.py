@@ -12,6 +12,7 @@ pytestmark = pytest.mark.unit
 TESTS = Path(__file__).parent
 SHARED = {
     "common.py",
+    "faults.py",
     "pp_common.py",
     "nanogpt_model.py",
 }  # helpers imported by workers and tests, not run on their own

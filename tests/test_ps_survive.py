@@ -63,7 +63,7 @@ def one_process_reference(steps: int) -> torch.Tensor:
     return model.weight.detach().flatten()
 
 
-@pytest.mark.unit
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_sync_job_survives_a_killed_server_and_ends_where_an_uninterrupted_run_does(tmp_path):
     """The kill lands while rank 0's push of step 5 waits for rank 1's: that step is lost with the server and
@@ -93,7 +93,7 @@ def test_sync_job_survives_a_killed_server_and_ends_where_an_uninterrupted_run_d
     print(f"sync: server down {downtime:.1f} s (kill to its first answer), 1 step repeated, 0 lost")
 
 
-@pytest.mark.unit
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_async_job_survives_a_killed_server_and_counts_the_lost_updates(tmp_path):
     """No save by time within the run (interval 60 s): the restarted server is back at INIT's version 0, so every
@@ -120,7 +120,7 @@ def test_async_job_survives_a_killed_server_and_counts_the_lost_updates(tmp_path
     print(f"async: server down {downtime:.1f} s, {lost} updates lost (no save since INIT)")
 
 
-@pytest.mark.unit
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_a_server_that_dies_more_often_than_the_limit_stops_the_job(tmp_path):
     config = {"mode": "sync", "steps": 20, "slow_s": 0.02, "kill_steps": [2, 4]}
@@ -322,7 +322,7 @@ def test_a_checkpoint_that_does_not_load_is_named(tmp_path):
         ModelShard.load(tmp_path / "m.json")
 
 
-@pytest.mark.unit
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_supervised_workers_are_stopped_when_the_server_watcher_gives_up(tmp_path, monkeypatch, capsys):
     """--on-worker-failure continue: the launcher's own loop stops the workers and returns 1 once the servers'
@@ -335,7 +335,8 @@ def test_supervised_workers_are_stopped_when_the_server_watcher_gives_up(tmp_pat
         2, ["-c", "import time; time.sleep(60)"], "t", tmp_path, 5.0,
         lambda: "server 0 gone" if time.monotonic() - started > 1.0 else None,
     )  # fmt: skip
-    assert status == 1 and time.monotonic() - started < 15
+    # Stopped, not waited for: the workers would sleep 60 s (a bound far from what load can stretch 1 s to).
+    assert status == 1 and time.monotonic() - started < 50
     assert "stopped by signal" not in capsys.readouterr().err
 
 
@@ -364,7 +365,7 @@ def test_an_ssp_server_restarted_behind_its_workers_learns_their_clocks_from_the
         restarted.process.close()
 
 
-@pytest.mark.unit
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_a_dead_servers_port_stays_taken_until_its_restart_answers(tmp_path, monkeypatch):
     """The launcher holds each server's listening socket: while a killed server is being restarted no other
