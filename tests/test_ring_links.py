@@ -164,13 +164,14 @@ def test_a_process_with_another_secret_sends_the_whole_ring_through_gloo():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_a_neighbour_that_exits_is_named_at_once():
     outputs = run_workers("ring_links.py", 3, "peer_exits")
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert results[2] == {"correct": True, "linked": True, "rejected": 0, "warnings": []}
     for rank in (0, 1):
-        assert results[rank]["correct"] and results[rank]["seconds"] < 10, results[rank]
+        # "At once": not after the link's 300 s idle timeout (LINK_TIMEOUT_S); a bound no load reaches.
+        assert results[rank]["correct"] and results[rank]["seconds"] < 100, results[rank]
         assert f"rank {rank}: ring all-reduce" in results[rank]["error"]
     # rank 0 receives from rank 2; rank 1 sends to it, or first hears that rank 0 stopped on its error
     assert "from rank 2 failed" in results[0]["error"]
