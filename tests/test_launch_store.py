@@ -124,7 +124,7 @@ def _children(pid: int) -> list[int]:
     return kids + [g for k in kids for g in _children(k)]
 
 
-@pytest.mark.multiprocess
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_a_running_job_listens_on_loopback_only_and_refuses_a_planted_pickle(tmp_path):
     script = tmp_path / "waiting_job.py"

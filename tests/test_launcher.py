@@ -69,7 +69,7 @@ def run_loom(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.mark.multiprocess
+@pytest.mark.system
 @pytest.mark.timeout(60)
 def test_output_is_prefixed_with_the_rank_and_collectives_work(tmp_path):
     script = write_script(
@@ -91,7 +91,7 @@ def test_output_is_prefixed_with_the_rank_and_collectives_work(tmp_path):
     assert wait_until_gone(str(script)) == []
 
 
-@pytest.mark.multiprocess
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
     script = write_script(
@@ -151,7 +151,7 @@ def test_restart_after_a_failure_works_every_time(tmp_path):
     assert wait_until_gone(str(script)) == []
 
 
-@pytest.mark.multiprocess
+@pytest.mark.system
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("how", "on_failure"),
@@ -233,7 +233,7 @@ def test_bad_command_lines_get_a_clear_error(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.multiprocess
+@pytest.mark.system
 @pytest.mark.timeout(90)
 def test_two_nodes_on_loopback_form_one_job(tmp_path):
     env = dict(os.environ, LOOM_JOB_SECRET=os.urandom(32).hex())  # the same on both nodes
