@@ -37,6 +37,7 @@ def ring_bytes(nbytes: int, n: int) -> int:
 
 
 # -- make_codec ------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("spec", "kind"),
@@ -49,6 +50,7 @@ def test_make_codec_parses_every_form(spec, kind):
     assert make_codec(codec.spec).spec == spec
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     "spec",
@@ -63,6 +65,7 @@ def test_make_codec_rejects_bad_specs(spec):
         assert form in str(error.value)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_make_codec_and_hook_reject_non_strings():
     with pytest.raises(TypeError):
@@ -73,6 +76,7 @@ def test_make_codec_and_hook_reject_non_strings():
     assert hook.__name__ == "compression_hook" and hook.codec.spec == "topk:0.01"
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_collective_checks_its_arguments():
     with pytest.raises(ValueError, match="op"):
@@ -82,6 +86,7 @@ def test_collective_checks_its_arguments():
 
 
 # -- fp16 / bf16 -----------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("spec", "tolerance"), [("fp16", 1e-3), ("bf16", 8e-3)])
 def test_cast_round_trip_error_and_bytes(spec, tolerance):
@@ -94,6 +99,7 @@ def test_cast_round_trip_error_and_bytes(spec, tolerance):
     assert sent == ring_bytes(2 * NUMEL, 3)  # 16-bit on the wire: half of float32's ring bytes
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_fp16_divides_before_the_sum_so_large_means_do_not_overflow():
     flats = [torch.full((8,), 60000.0), torch.full((8,), 50000.0)]  # the fp16 sum would be inf
@@ -103,6 +109,7 @@ def test_fp16_divides_before_the_sum_so_large_means_do_not_overflow():
 
 
 # -- top-k -----------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_topk_sends_exactly_the_k_largest_and_keeps_the_rest():
     codec = TopKCodec(0.1)
@@ -118,6 +125,7 @@ def test_topk_sends_exactly_the_k_largest_and_keeps_the_rest():
     assert float(residual.abs().max()) <= float(values.abs().min())  # what stayed is smaller than what went
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_topk_bytes_are_values_and_indices_from_every_other_rank():
     for n in (2, 3):
@@ -127,6 +135,7 @@ def test_topk_bytes_are_values_and_indices_from_every_other_rank():
     assert ring_bytes(4 * NUMEL, 2) / ((2 - 1) * k * 8) >= 10
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("spec", ["topk:0.05", "powersgd:2"])
 def test_error_feedback_delays_but_never_loses_gradient(spec):
@@ -146,6 +155,7 @@ def test_error_feedback_delays_but_never_loses_gradient(spec):
 
 
 # -- PowerSGD --------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("codec_rank", [3, 5])
 def test_powersgd_is_exact_for_a_low_rank_mean(codec_rank):
@@ -168,6 +178,7 @@ def test_powersgd_is_exact_for_a_low_rank_mean(codec_rank):
     assert sent == ring_bytes(4 * (64 + (64 + 512) * r), 2)  # bias exactly, then P (64 x r), then Q (512 x r)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_powersgd_sends_small_tensors_exactly_and_saves_10x_on_the_demo_cnn():
     codec = PowerSGDCodec(4)
@@ -179,6 +190,7 @@ def test_powersgd_sends_small_tensors_exactly_and_saves_10x_on_the_demo_cnn():
     assert full / codec.compressed_numel(shapes) >= 10
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_powersgd_warm_start_improves_a_fixed_gradient():
     """The same full-rank gradient every step: the power iteration converges, so the error shrinks."""
@@ -199,6 +211,7 @@ def test_powersgd_warm_start_improves_a_fixed_gradient():
     assert errors[-1] < errors[0]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_codecs_keep_the_gradient_dtype(dtype):
@@ -212,6 +225,7 @@ def test_codecs_keep_the_gradient_dtype(dtype):
             assert float((results[0].double() - mean).abs().max()) < 0.05, spec
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("spec", SPECS[2:])
 def test_shapes_that_do_not_tile_the_gradient_are_refused(spec):
@@ -220,6 +234,7 @@ def test_shapes_that_do_not_tile_the_gradient_are_refused(spec):
 
 
 # -- state -----------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("spec", SPECS)
 def test_state_dict_round_trips_through_a_checkpoint(spec, tmp_path):
@@ -242,6 +257,7 @@ def test_state_dict_round_trips_through_a_checkpoint(spec, tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_load_state_dict_refuses_another_codecs_state():
     with pytest.raises(ValueError, match=r"topk:0\.1.*HINT"):
@@ -282,6 +298,7 @@ def residual_in_parameter_order(codec) -> torch.Tensor:
     return torch.cat(out)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("spec", ["topk:0.05", "powersgd:2"])
 def test_error_feedback_carries_over_when_the_buckets_change(spec):
@@ -297,6 +314,7 @@ def test_error_feedback_carries_over_when_the_buckets_change(spec):
     assert float(left.abs().sum()) > 0
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("spec", "resumed_layout"), [("topk:0.1", FIRST_STEP), ("powersgd:2", SPLIT)])
 def test_state_saved_in_one_bucket_layout_resumes_in_another(spec, resumed_layout):
@@ -317,6 +335,7 @@ def test_state_saved_in_one_bucket_layout_resumes_in_another(spec, resumed_layou
     assert not torch.equal(without_state, want)  # the state is what made them equal
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("spec", ["topk:0.1", "powersgd:2"])
 def test_state_for_a_parameter_of_another_shape_or_unnamed_tensors_are_refused(spec):
@@ -331,6 +350,7 @@ def test_state_for_a_parameter_of_another_shape_or_unnamed_tensors_are_refused(s
 
 
 # -- in DDP, over processes ------------------------------------------------------------------------------------
+@pytest.mark.multiprocess
 @pytest.mark.timeout(100)  # ~12 s alone; generous because the 2 cores are shared
 def test_hook_in_ddp_matches_simulated_ranks():
     """2 processes, small buckets (pipelined rounds, bucket rebuild), 3 steps: hook == exchange_locally, in the
@@ -370,6 +390,7 @@ def demo_runs() -> dict:
     return results[0]["runs"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)  # the first test pays for the module fixture: ~25 s alone, more on a busy machine
 @pytest.mark.parametrize("spec", SPECS)
 def test_demo_accuracy_within_one_point_of_uncompressed(demo_runs, spec):
@@ -384,6 +405,7 @@ def test_demo_accuracy_within_one_point_of_uncompressed(demo_runs, spec):
     )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("spec", "at_least"), [("fp16", 2), ("bf16", 2), ("topk:0.01", 10), ("powersgd:4", 10)]

@@ -11,6 +11,7 @@ import torch
 from loom.comm.ddp_async import CommThread, overlapped_allreduce_hook
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_comm_thread_runs_jobs_in_order_off_the_caller_thread():
     thread, seen = CommThread(), []
@@ -27,6 +28,7 @@ def test_comm_thread_runs_jobs_in_order_off_the_caller_thread():
     assert not thread.is_alive()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_comm_thread_reports_failures_with_their_description():
     thread = CommThread()
@@ -43,11 +45,13 @@ def test_comm_thread_reports_failures_with_their_description():
         thread.stop()
 
 
+@pytest.mark.unit
 def test_unknown_algorithm_is_refused():
     with pytest.raises(ValueError, match="unknown all-reduce algorithm"):
         overlapped_allreduce_hook("carrier-pigeon")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(40)
 def test_overlapped_hook_matches_ddp_on_two_processes(workers):
     outs = [json.loads(out.strip().splitlines()[-1]) for out in workers("ddp_async_exact.py", 2, timeout=35)]

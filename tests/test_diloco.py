@@ -23,6 +23,7 @@ from loom.topology import Topology
 SINGLE = Topology(0, 1, 0, 1, "none")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sync_every_step_with_outer_sgd_lr_1_equals_data_parallel_and_one_process(world_size):
@@ -39,6 +40,7 @@ def test_sync_every_step_with_outer_sgd_lr_1_equals_data_parallel_and_one_proces
                 assert_close(record, reference, 1e-7, "")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fragments_synchronize_every_parameter_once_per_interval(world_size):
@@ -56,6 +58,7 @@ def test_fragments_synchronize_every_parameter_once_per_interval(world_size):
         assert {s % h for _, s, _ in log} == {0, 2}  # staggered: fragment k at step % 4 == k * 4 / 2
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_compressed_exchanges_send_fewer_bytes():
     world = 2
@@ -69,6 +72,7 @@ def test_compressed_exchanges_send_fewer_bytes():
     assert int8["sent"] < none["sent"] / 3
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", ["diloco", "streaming"])
 def test_resumed_mid_interval_in_new_processes_equals_a_straight_run_bitwise(name):
@@ -78,6 +82,7 @@ def test_resumed_mid_interval_in_new_processes_equals_a_straight_run_bitwise(nam
         assert [r["in_flight"] for r in first["streaming=streaming-half:10"]] == [1, 1]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_int8_codes_round_trip_within_half_a_step_per_chunk():
     values = torch.randn(3 * INT8_CHUNK + 5, generator=torch.Generator().manual_seed(0))
@@ -89,6 +94,7 @@ def test_int8_codes_round_trip_within_half_a_step_per_chunk():
     assert codes.dtype == torch.int8 and scales.numel() == 4
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_fragments_are_contiguous_balanced_and_never_empty():
     assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
@@ -98,6 +104,7 @@ def test_fragments_are_contiguous_balanced_and_never_empty():
         split_fragments([1, 2, 3], 4)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_one_process_matches_an_outer_step_written_out():
     """One replica, H=2: after every second Adam step the outer Nesterov SGD moves the global copy by the
@@ -130,6 +137,7 @@ def test_one_process_matches_an_outer_step_written_out():
         assert torch.equal(a, g)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("options", "error", "message"),
@@ -152,6 +160,7 @@ def test_bad_options_are_named(options, error, message):
         loom.DiLoCo(**options)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_int8_keeps_buffers_out_of_the_pseudo_gradients_chunks():
     """Fragment 0 carries the buffers as values (a BatchNorm running variance of ~900 here); under int8 they must

@@ -8,6 +8,7 @@ import pytest
 from loom.parallel.model.hybrid import HybridConfig
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_meshes_match_one_process(workers):
     outputs = workers("hybrid_exact.py", 4, timeout=85)
@@ -25,6 +26,7 @@ def test_meshes_match_one_process(workers):
                 assert "params" not in r, label  # full_state_dict is for rank 0 only
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_config_validates_tp_and_plan():
     with pytest.raises(ValueError, match="size must be an int >= 1, got 0"):

@@ -17,6 +17,8 @@ from loom.parallel.pipeline.pipeline_schedule import (
 from loom.parallel.pipeline.pipeline_split import balanced_cuts, chain_layers, cuts_from_names
 from loom.topology import Topology
 
+pytestmark = pytest.mark.unit
+
 CONFIGS = [(p, m) for p in (1, 2, 4) for m in (1, 2, 4, 8)]
 
 

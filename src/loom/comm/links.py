@@ -57,7 +57,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import exchange, host_key
+from loom.comm._reduce import backend_name, exchange, group_rank_and_size, host_key
 from loom.net.auth import job_secret
 from loom.net.handshake import HandshakeRefused, answer_handshake, dial_handshake
 
@@ -165,14 +165,14 @@ _LINKS: dict[tuple[object, tuple[int, ...], int], RingLink | None] = {}
 def ring_link(
     group: dist.ProcessGroup | None, members: tuple[int, ...], position: int, tensor: torch.Tensor
 ) -> RingLink | None:
-    """This process's `RingLink` on the ring of ``members`` (global ranks in ring order; this process is
+    """This process's `RingLink` on the ring of ``members`` (ranks in ``group``, in ring order; this process is
     ``members[position]``), made on first use, or None: the ring goes through gloo (see the module docstring;
     the same answer on every member). Every member must call it for its first ring over ``members``."""
     if tensor.device.type != "cpu":
         return None
     key = (group if group is not None else dist.group.WORLD, members, position)
     if key not in _LINKS:
-        _LINKS[key] = _connect(group, members, position) if dist.get_backend(group) == "gloo" else None
+        _LINKS[key] = _connect(group, members, position) if backend_name(group) == "gloo" else None
     return _LINKS[key]
 
 
@@ -229,7 +229,8 @@ def _agree(ok: bool, size: int, right: int, left: int, group: dist.ProcessGroup 
 def _connect(group: dist.ProcessGroup | None, members: tuple[int, ...], position: int) -> RingLink | None:
     size = len(members)
     right, left = members[(position + 1) % size], members[(position - 1) % size]
-    me, secret = dist.get_rank(), _job_secret(dist.get_rank())
+    me = group_rank_and_size(group)[0]
+    secret = _job_secret(me)
     digest = hashlib.sha256(host_key().encode()).digest()[:16]
     listener, reason = None, ""
     if secret is not None:
