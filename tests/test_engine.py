@@ -90,6 +90,7 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -102,6 +103,7 @@ def test_accumulate_and_conventions_equal_a_plain_loop(name, accumulate, convent
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_parameter_server_accumulates_and_takes_the_conventions(mode):
@@ -119,6 +121,7 @@ def test_parameter_server_accumulates_and_takes_the_conventions(mode):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("strategy", [loom.LocalSGD, loom.DiLoCo, loom.Gossip, loom.ParameterServer])
 def test_a_misspelt_option_is_refused_naming_it_and_the_options(strategy):

@@ -35,6 +35,7 @@ def test_config_validates_tp_and_plan():
         HybridConfig(tp=2, tp_plan={"blocks.0.mlp": "rowwise"})
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_data_axis_of_hybrid_is_data_parallels_bitwise(workers):
     """One data axis: Hybrid(dp=3) and DataParallel() take the same averaging and end bitwise equal."""

@@ -83,6 +83,7 @@ def _tick(store: _Store, beats: list[Heartbeat], clock: _Clock, seconds: float =
             hb.store_failed(error)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_a_silent_peer_is_lost_after_the_liveness_timeout_and_named_with_its_host():
     store, clock = _Store(), _Clock()
@@ -103,6 +104,7 @@ def test_a_silent_peer_is_lost_after_the_liveness_timeout_and_named_with_its_hos
     assert beats[2].verdict() is None  # rank 2 watches rank 0, alive
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_a_peer_that_never_beat_or_left_on_purpose_is_not_judged():
     store, clock = _Store(), _Clock()
@@ -117,6 +119,7 @@ def test_a_peer_that_never_beat_or_left_on_purpose_is_not_judged():
     assert beats[0].verdict() is None
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_the_side_cut_off_from_the_store_names_the_store_and_the_peer_it_watched():
     store, clock = _Store(), _Clock()
@@ -138,6 +141,7 @@ def test_the_side_cut_off_from_the_store_names_the_store_and_the_peer_it_watched
     assert "rank 0 (node 0, 10.0.0.1)" in lost and "ConnectionError: no answer" in lost
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(20)
 def test_the_watchdog_thread_stops_the_process_on_a_lost_peer(monkeypatch):
     store = _Store()
@@ -164,6 +168,7 @@ def test_the_watchdog_thread_stops_the_process_on_a_lost_peer(monkeypatch):
     assert "in collective 'gradient all-reduce' #1" in text
 
 
+@pytest.mark.unit
 def test_under_on_worker_failure_continue_a_lost_peer_is_named_and_the_rank_goes_on(monkeypatch, capsys):
     monkeypatch.setenv("LOOM_ON_WORKER_FAILURE", "continue")  # asynchronous training: survivors finish
     wd = Watchdog(0, 2, timeout_s=300, store=_Store(), liveness_timeout=5)
@@ -176,6 +181,7 @@ def test_under_on_worker_failure_continue_a_lost_peer_is_named_and_the_rank_goes
     assert wd.heartbeat.verdict() is None  # said once
 
 
+@pytest.mark.unit
 def test_the_liveness_timeout_comes_from_the_option_or_the_environment(monkeypatch):
     monkeypatch.delenv("LOOM_LIVENESS_TIMEOUT_S", raising=False)
     assert 15 <= liveness_timeout_s() <= 30
@@ -214,6 +220,7 @@ class _Output:
         return "".join(self.lines)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not can_make_namespaces(), reason="needs root and iproute2 for network namespaces")
 def test_a_cut_link_stops_both_hosts_within_the_liveness_timeout_each_naming_the_other(tmp_path):
