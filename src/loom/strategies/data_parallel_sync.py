@@ -33,7 +33,7 @@ from loom.strategies.shared_gradients import SharedGradients, shared_gradients_u
 from loom.topology import Topology
 
 if TYPE_CHECKING:
-    from loom.strategies.data_parallel import DataParallelConfig
+    from loom.strategies.data_parallel_config import DataParallelConfig
 
 __all__ = [
     "GradientAveraging",
