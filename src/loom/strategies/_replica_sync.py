@@ -28,11 +28,8 @@ which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
 from __future__ import annotations
 
 import abc
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -41,6 +38,7 @@ from torch import nn
 
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm import counters
+from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
@@ -56,7 +54,6 @@ from loom.train.options import config_from
 
 __all__ = [
     "INT8_CHUNK",
-    "CommThread",
     "ReplicaJob",
     "ReplicaStrategy",
     "dequantize_int8",
@@ -144,37 +141,6 @@ def quantize_int8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 values of `quantize_int8`'s codes (padding included)."""
     return (codes.view(-1, INT8_CHUNK).to(torch.float32) * scales[:, None]).view(-1)
-
-
-class CommThread:
-    """One daemon thread that runs submitted calls in order (the collectives of one process group, so every
-    rank issues them in the same order). A daemon, unlike `concurrent.futures.ThreadPoolExecutor`'s threads:
-    when a peer has died and the training thread raises, a collective left waiting here must not keep the
-    process alive at exit."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` after the calls submitted before; its result or exception comes in the future."""
-        future: Future = Future()
-        self._calls.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args = call
-            try:
-                future.set_result(fn(*args))
-            except BaseException as error:  # handed to whoever waits for the result
-                future.set_exception(error)
-
-    def stop(self) -> None:
-        """Finish the calls submitted so far, then end the thread."""
-        self._calls.put(None)
-        self._thread.join()
 
 
 class ReplicaStrategy:

@@ -50,10 +50,10 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.comm import ALGORITHMS
+from loom.comm.thread import CommThread
 from loom.config_docs import document_options
 from loom.strategies._replica_sync import (
     INT8_CHUNK,
-    CommThread,
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
