@@ -51,7 +51,7 @@ class DataParallelConfig(GuardOptions):
     ``hierarchical`` on one CPU host average the gradients in shared memory after backward, without DDP, unless
     the model has buffers to broadcast or parameters of several dtypes."""
     compression: str | None = None
-    """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``topk:<fraction>`` or
+    """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``int8``, ``topk:<fraction>`` or
     ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
 
     def __post_init__(self) -> None:
