@@ -14,15 +14,20 @@ from loom.comm.compression import (
     CastCodec,
     Codec,
     Collective,
+    Int8Codec,
     PowerSGDCodec,
     TopKCodec,
+    accept_compression,
     compression_hook,
     exchange_locally,
     make_codec,
+    parse_compression,
 )
 from loom.demo.train import digits_cnn
 
 SPECS = ["fp16", "bf16", "topk:0.01", "powersgd:4"]
+ALL_SPECS = [*SPECS, "int8"]
+"""SPECS are the demo's codecs (trained for 20 epochs each); int8 joins the unit and DDP-hook tests."""
 # A bucket shaped like a small CNN's: conv weight, bias, linear weight, bias.
 SHAPES = [torch.Size([16, 1, 3, 3]), torch.Size([16]), torch.Size([64, 512]), torch.Size([64])]
 NUMEL = sum(s.numel() for s in SHAPES)
@@ -41,8 +46,9 @@ def ring_bytes(nbytes: int, n: int) -> int:
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("spec", "kind"),
-    [("fp16", CastCodec), ("bf16", CastCodec), ("topk:0.01", TopKCodec), ("powersgd:4", PowerSGDCodec)],
-)
+    [("fp16", CastCodec), ("bf16", CastCodec), ("topk:0.01", TopKCodec), ("powersgd:4", PowerSGDCodec),
+     ("int8", Int8Codec)],
+)  # fmt: skip
 def test_make_codec_parses_every_form(spec, kind):
     codec = make_codec(spec)
     assert isinstance(codec, kind) and isinstance(codec, Codec)
@@ -55,7 +61,7 @@ def test_make_codec_parses_every_form(spec, kind):
 @pytest.mark.parametrize(
     "spec",
     ["topk:1.5", "topk:0", "topk:-0.1", "topk:", "topk:nan", "topk", "powersgd:0", "powersgd:2.5", "powersgd:x",
-     "powersgd", "fp16:2", "fp32", "", "none"],
+     "powersgd", "fp16:2", "int8:2", "int4", "fp32", "", "none"],
 )  # fmt: skip
 def test_make_codec_rejects_bad_specs(spec):
     with pytest.raises(ValueError) as error:
@@ -63,6 +69,58 @@ def test_make_codec_rejects_bad_specs(spec):
     assert repr(spec) in str(error.value)
     for form in CODEC_FORMS:
         assert form in str(error.value)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_parse_compression_gives_the_kind_and_the_canonical_spec():
+    assert parse_compression(" BF16 ") == ("bf16", "bf16")
+    assert parse_compression("Int8") == ("int8", "int8")
+    assert parse_compression("TopK:0.5") == ("topk", "topk:0.5")
+    assert parse_compression("powersgd:2") == ("powersgd", "powersgd:2")
+    with pytest.raises(TypeError):
+        parse_compression(8)  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_accept_compression_refuses_by_name_with_the_reason_and_the_ones_taken():
+    takes, why = ("fp16", "int8"), {"powersgd": "it keeps state"}
+    assert accept_compression(None, "X", takes, why) is None
+    assert accept_compression("FP16", "X", takes, why) == "fp16"
+    with pytest.raises(
+        ValueError, match=r"^X cannot use powersgd:3 \(it keeps state\); it takes fp16, int8$"
+    ):
+        accept_compression("powersgd:3", "X", takes, why)
+    with pytest.raises(
+        ValueError, match=r"^X cannot use bf16 \(not implemented for it\); it takes fp16, int8$"
+    ):
+        accept_compression("bf16", "X", takes, why)
+    with pytest.raises(ValueError, match="valid forms are"):  # malformed: the whole vocabulary is named
+        accept_compression("powersgd:0", "X", takes, why)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_int8_codec_against_a_hand_computation():
+    """2 ranks, 4 values (one chunk, zero-padded to 1024): each rank sends its share of the mean, flat / 2, as
+    codes of scale max|share| / 127, rounded half to even; the result is the sum of the dequantized shares."""
+    flats = [torch.tensor([254.0, -127.0, 0.0, 2.0]), torch.tensor([2.0, 4.0, 6.0, -254.0])]
+    # rank 0: share [127, -63.5, 0, 1], scale 1 -> codes [127, -64, 0, 1] (-63.5 rounds to even)
+    # rank 1: share [1, 2, 3, -127], scale 1 -> codes [1, 2, 3, -127]
+    results, sent = exchange_locally(
+        [Int8Codec(), Int8Codec()], [f.clone() for f in flats], [torch.Size([4])]
+    )
+    for result in results:
+        assert torch.equal(result, torch.tensor([128.0, -62.0, 3.0, -126.0]))  # the exact mean: -61.5 second
+    assert sent == 1024 + 4  # one chunk of codes and its float32 scale, to the other rank
+    # Each chunk has its own scale: chunk 0's is 1 (exact), chunk 1's is 1 / 127, so its 0.5 comes back as
+    # 64 / 127 (half a step off), where chunk 0's scale would have rounded it to 0.
+    values = torch.full((1026,), 127.0)
+    values[1024:] = torch.tensor([1.0, 0.5])
+    (alone,), _ = exchange_locally([Int8Codec()], [values.clone()], [torch.Size([1026])])
+    assert torch.equal(alone[:1025], values[:1025])
+    assert abs(float(alone[1025]) - 64 / 127) < 1e-6
 
 
 @pytest.mark.unit
@@ -217,7 +275,7 @@ def test_powersgd_warm_start_improves_a_fixed_gradient():
 def test_codecs_keep_the_gradient_dtype(dtype):
     flats = [f.to(dtype) for f in gradients(0)]
     mean = (flats[0].double() + flats[1].double()) / 2
-    for spec in SPECS:
+    for spec in ALL_SPECS:
         results, _ = exchange_locally([make_codec(spec) for _ in range(2)], flats, SHAPES)
         assert results[0].dtype == dtype, spec
         assert torch.isfinite(results[0]).all(), spec
@@ -236,7 +294,7 @@ def test_shapes_that_do_not_tile_the_gradient_are_refused(spec):
 # -- state -----------------------------------------------------------------------------------------------------
 @pytest.mark.unit
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", ALL_SPECS)
 def test_state_dict_round_trips_through_a_checkpoint(spec, tmp_path):
     """Save after 3 steps (safetensors + JSON, no pickle), resume in new codecs: step 4 is bit-identical."""
     codecs = [make_codec(spec) for _ in range(2)]
@@ -355,8 +413,14 @@ def test_state_for_a_parameter_of_another_shape_or_unnamed_tensors_are_refused(s
 def test_hook_in_ddp_matches_simulated_ranks():
     """2 processes, small buckets (pipelined rounds, bucket rebuild), 3 steps: hook == exchange_locally, in the
     bucket buffers and in every parameter's gradient."""
-    outputs = run_workers("compress_hook.py", 2, "3", "0.05", *SPECS, timeout=90)
-    tolerance = {"fp16": 2e-3, "bf16": 1.6e-2, "topk:0.01": 1e-6, "powersgd:4": 1e-5}  # 16-bit sums: order
+    outputs = run_workers("compress_hook.py", 2, "3", "0.05", *ALL_SPECS, timeout=90)
+    tolerance = {
+        "fp16": 2e-3,
+        "bf16": 1.6e-2,
+        "topk:0.01": 1e-6,
+        "powersgd:4": 1e-5,
+        "int8": 1e-6,
+    }  # 16-bit: order
     for out in outputs:
         result = json.loads(out.strip().splitlines()[-1])
         for spec, run in result["runs"].items():

@@ -146,6 +146,13 @@ def test_compression_plugs_into_data_parallel(workers):
     fp16 = runs["fp16"]  # fp16 rounding of the averaged gradient only: close to exact
     for name, ref in ref_params.items():
         assert (torch.tensor(fp16["params"][name]).view_as(ref) - ref).abs().max().item() <= 1e-2, name
+    int8 = runs[
+        "int8"
+    ]  # int8 rounding (half a step of each chunk's scale) of each rank's share: close to exact
+    off = max(
+        (torch.tensor(int8["params"][n]).view_as(r) - r).abs().max().item() for n, r in ref_params.items()
+    )
+    assert 0 < off <= 5e-2, off  # not 0: the codec really ran
     for spec in ("powersgd:2", "topk:0.1"):
         run = runs[spec]
         assert run["has_state"], f"{spec} keeps error-feedback state per rank"
@@ -156,7 +163,7 @@ def test_compression_plugs_into_data_parallel(workers):
 
 @pytest.mark.unit
 def test_bad_compression_spec_is_refused():
-    with pytest.raises(ValueError, match="topk:2"):
+    with pytest.raises(ValueError, match="topk:2.*valid forms are fp16, bf16, int8, topk"):
         loom.DataParallel(compression="topk:2")
     with pytest.raises(ValueError, match="cannot be combined"):
         loom.DataParallel(compression="fp16", allreduce="ring")

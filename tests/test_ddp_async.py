@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from loom.comm.ddp_async import CommThread, overlapped_allreduce_hook
+from loom.comm.ddp_async import overlapped_allreduce_hook
+from loom.comm.thread import CommThread, comm_thread, torch_future
 
 
 @pytest.mark.unit
@@ -17,15 +18,17 @@ def test_comm_thread_runs_jobs_in_order_off_the_caller_thread():
     thread, seen = CommThread(), []
     try:
         futures = [
-            thread.submit(lambda i=i: (seen.append((i, threading.get_ident())), torch.tensor(i))[1], str)
+            thread.submit(lambda i=i: (seen.append((i, threading.get_ident())), torch.tensor(i))[1])
             for i in range(20)
         ]
-        assert [int(f.wait()) for f in futures] == list(range(20))
+        assert [int(f.result()) for f in futures] == list(range(20))
         assert [i for i, _ in seen] == list(range(20))
         assert {ident for _, ident in seen} != {threading.get_ident()}
     finally:
         thread.stop()
     assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="has stopped"):  # nothing would ever run it
+        thread.submit(lambda: None)
 
 
 @pytest.mark.unit
@@ -37,12 +40,22 @@ def test_comm_thread_reports_failures_with_their_description():
         def fail() -> torch.Tensor:
             raise ValueError("boom")
 
-        failed = thread.submit(fail, lambda: "rank 3: bucket 7")
+        with pytest.raises(ValueError, match="boom"):  # the call's own exception, in its future
+            thread.submit(fail).result()
+        failed = torch_future(thread.submit(fail), lambda: "rank 3: bucket 7")  # what a DDP hook returns
         with pytest.raises(RuntimeError, match="rank 3: bucket 7 failed: ValueError"):
             failed.wait()
-        assert int(thread.submit(lambda: torch.tensor(5), str).wait()) == 5  # the thread survived
+        assert (
+            int(torch_future(thread.submit(lambda: torch.tensor(5)), str).wait()) == 5
+        )  # the thread survived
     finally:
         thread.stop()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_the_process_has_one_shared_comm_thread():
+    assert comm_thread() is comm_thread() and comm_thread().is_alive()
 
 
 @pytest.mark.unit

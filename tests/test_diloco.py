@@ -33,7 +33,7 @@ def test_sync_every_step_with_outer_sgd_lr_1_equals_data_parallel_and_one_proces
         assert_close(record, reference, 1e-5, f"DiLoCo rank {record['rank']} vs one process")
         assert_close(record, dp, 1e-5, f"DiLoCo rank {record['rank']} vs DataParallel")
     # compressed outer gradients: close to exact, but not exact (the codec really ran)
-    for compression, tol in (("fp16", 1e-3), ("int8", 1e-2)):
+    for compression, tol in (("fp16", 1e-3), ("bf16", 1e-2), ("int8", 1e-2)):
         for record in runs[f"diloco_{compression}"]:
             assert_close(record, reference, tol, f"DiLoCo {compression} rank {record['rank']}")
             with pytest.raises(AssertionError):
@@ -62,11 +62,11 @@ def test_fragments_synchronize_every_parameter_once_per_interval(world_size):
 @pytest.mark.timeout(150)
 def test_compressed_exchanges_send_fewer_bytes():
     world = 2
-    (none,), (fp16,), (int8,) = ([r for r in exact_runs(world)[f"bytes_{c}"] if r["rank"] == 0]
-                                 for c in ("None", "fp16", "int8"))  # fmt: skip
+    (none,), (fp16,), (bf16,), (int8,) = ([r for r in exact_runs(world)[f"bytes_{c}"] if r["rank"] == 0]
+                                          for c in ("None", "fp16", "bf16", "int8"))  # fmt: skip
     numel = none["numel"]
     assert none["sent"] == 2 * (world - 1) * 4 * numel // world  # the native all-reduce's ring estimate
-    assert fp16["sent"] == 2 * (world - 1) * 2 * numel // world
+    assert fp16["sent"] == bf16["sent"] == 2 * (world - 1) * 2 * numel // world
     chunks = -(-numel // INT8_CHUNK)
     assert int8["sent"] == (world - 1) * (chunks * INT8_CHUNK + 4 * chunks)
     assert int8["sent"] < none["sent"] / 3
@@ -145,7 +145,23 @@ def test_one_process_matches_an_outer_step_written_out():
         ({"sync_every": 0}, ValueError, "sync_every must be an int >= 1, got 0"),
         ({"sync_every": 10, "fragments": 4}, ValueError, "sync_every=10 is not a multiple of fragments=4"),
         ({"fragments": 0}, ValueError, "fragments must be an int >= 1, got 0"),
-        ({"compression": "int4"}, ValueError, "compression='int4' is not one of"),
+        (
+            {"compression": "int4"},
+            ValueError,
+            "unknown or invalid gradient codec spec 'int4'; valid forms are fp16",
+        ),
+        (
+            {"compression": "powersgd:2"},
+            ValueError,
+            "DiLoCo cannot use powersgd:2 (its error feedback and warm start keep state across steps; the outer "
+            "exchange has none); it takes fp16, bf16, int8",
+        ),
+        (
+            {"compression": "TopK:0.1"},
+            ValueError,
+            "DiLoCo cannot use topk:0.1 (its error feedback keeps a residual per gradient across steps; the outer "
+            "exchange has none); it takes fp16, bf16, int8",
+        ),
         ({"sync_every": 4, "overlap_steps": 4}, ValueError, "overlap_steps=4 must be an int from 0 to"),
         ({"compression": "int8", "allreduce": "ring"}, ValueError, "compression='int8' all-gathers"),
         (
@@ -156,8 +172,15 @@ def test_one_process_matches_an_outer_step_written_out():
     ],
 )
 def test_bad_options_are_named(options, error, message):
-    with pytest.raises(error, match=message.replace("(", r"\(")):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         loom.DiLoCo(**options)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_compression_takes_the_one_vocabulary_in_its_canonical_form():
+    for spec, canonical in (("fp16", "fp16"), (" BF16 ", "bf16"), ("Int8", "int8"), (None, None)):
+        assert loom.DiLoCo(compression=spec).config.compression == canonical
 
 
 @pytest.mark.unit

@@ -1,5 +1,5 @@
 """Hybrid dp × pp and dp × tp (and pp × tp) on 4 processes equal one process after 5 steps, with the data axis's
-all-reduce algorithms too (ring); compressed (fp16) it stays close."""
+all-reduce algorithms too (ring); compressed (fp16, int8) it stays close."""
 
 import json
 
@@ -14,11 +14,11 @@ def test_meshes_match_one_process(workers):
     outputs = workers("hybrid_exact.py", 4, timeout=85)
     for rank, out in enumerate(outputs):
         records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert len(records) == 7, f"rank {rank} printed {len(records)} records"
+        assert len(records) == 8, f"rank {rank} printed {len(records)} records"
         for r in records:
             label = f"rank {rank} {r['model']} {r['mesh']}"
-            # fp16 gradients on the data axis: close to one process, not equal (the codec rounds them)
-            tolerance = 2e-3 if r["mesh"].get("compression") else 1e-5
+            # fp16 / int8 gradients on the data axis: close to one process, not equal (the codec rounds them)
+            tolerance = {"fp16": 2e-3, "int8": 5e-2}.get(r["mesh"].get("compression"), 1e-5)
             assert r["loss"] <= tolerance, label
             if rank == 0:
                 assert r["params"] <= tolerance, f"{label}: {r['worst']}"

@@ -62,6 +62,7 @@ cases = [
     # The data axis is DataParallel's: its all-reduce algorithms are exact, its compression is not.
     ("mlp", dict(dp=2, pp=2, microbatches=2, allreduce="ring")),
     ("mlp", dict(dp=2, pp=2, microbatches=2, compression="fp16")),
+    ("mlp", dict(dp=2, pp=2, microbatches=2, compression="int8")),
     # plan="auto" splits the Linear-Tanh-Linear pairs of a plain nn.Sequential.
     ("mlp", dict(dp=2, tp=2)),
 ]

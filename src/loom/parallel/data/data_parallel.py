@@ -31,17 +31,19 @@ from `DataParallelJob.own_loop` (`loom.parallel.data.own_loop`), with the same w
 Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
 (PyTorch's default), since that is what the scaling undoes. With DDP the loss buffer is waited for before the
 optimizer step (the verdict on a non-finite loss needs every rank's flag); the gradient check overlaps it.
+
+Beside this module: its options (`loom.parallel.data.data_parallel_config`), how gradients travel
+(`loom.parallel.data.data_parallel_sync`) and what uneven shares ask of BatchNorm and empty shares
+(`loom.parallel.data.data_parallel_shares`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -49,9 +51,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
-from loom.comm.compression import CompressionHook, make_codec
+from loom.comm.compression import CompressionHook
 from loom.comm.shared_gradients import SharedGradients
 from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
@@ -61,83 +62,20 @@ from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.parallel._setup import check_setup_arguments
 from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_parallel_config import ONLY_DATA_PARALLEL as ONLY_DATA_PARALLEL  # re-exported
+from loom.parallel.data.data_parallel_config import DataParallelConfig, default_metrics_path
+from loom.parallel.data.data_parallel_config import data_axis_options as data_axis_options  # re-exported
+from loom.parallel.data.data_parallel_shares import batchnorm_layers, refuse_small_batchnorm_shares, zero_loss
 from loom.parallel.data.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.topology import Topology, current
-from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, tensors_in, to_device
+from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, to_device
 from loom.train.engine import Engine, StepState
-from loom.train.guard import GuardOptions, StepGuard
-from loom.train.options import config_from, refuse_options
+from loom.train.guard import StepGuard
+from loom.train.options import config_from
 
 __all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DataParallelConfig(GuardOptions):
-    """How `DataParallel` synchronizes gradients (and the step guard's options, `loom.train.guard`)."""
-
-    accumulate: int = 1
-    """Micro-batches per step: the local share is split in this many pieces, gradients accumulate locally and
-    are all-reduced once, on the last piece."""
-    bucket_cap_mb: float = 25.0
-    """Size of DDP's gradient buckets; smaller buckets start communicating earlier in backward."""
-    find_unused_parameters: bool = False
-    """Set when some parameters do not take part in every forward (costs a graph traversal per step)."""
-    broadcast_buffers: bool = True
-    """Copy rank 0's buffers (e.g. BatchNorm statistics) to every replica at each forward."""
-    allreduce: str = "auto"
-    """Gradient all-reduce algorithm (see `loom.comm`). ``native`` is DDP's own (C++, gloo/NCCL). The others are
-    loom's, overlapped with backward or not (see `overlap`): ``shm`` through shared
-    memory on one host, ``ring``/``driver`` over sockets, ``hierarchical`` both; ``auto`` picks from a
-    calibration cached per host (on GPUs it is ``native``)."""
-    overlap: bool | None = None
-    """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or after (or
-    inside) backward, blocking it (False). None: overlap only when this host has a core to spare for the thread
-    (usable cores > local processes x torch threads each): with every core busy computing, the thread only
-    competes with backward (``benchmarks/reports/dp_allreduce.md``). Without overlap, ``auto``/``shm``/
-    ``hierarchical`` on one CPU host average the gradients in shared memory after backward, without DDP, unless
-    the model has buffers to broadcast or parameters of several dtypes."""
-    compression: str | None = None
-    """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``topk:<fraction>`` or
-    ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.allreduce not in ALGORITHMS:
-            raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
-        if self.compression is not None:
-            make_codec(self.compression)  # refuses a malformed spec now, naming the valid forms
-            if self.allreduce not in ("native", "auto"):
-                raise ValueError(
-                    f"compression={self.compression!r} runs its own collectives; it cannot be combined with "
-                    f"allreduce={self.allreduce!r}. HINT: leave allreduce at its default when compressing."
-                )
-        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
-            raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
-
-
-DATA_FIELDS = frozenset(f.name for f in fields(DataParallelConfig))
-"""The options of `DataParallelConfig`."""
-
-ONLY_DATA_PARALLEL = {
-    "accumulate": "DataParallel only; a model-parallel job accumulates over its micro-batches (microbatches=)",
-    "bucket_cap_mb": "DDP's buckets, DataParallel only; a model-parallel data axis reduces after the schedule",
-    "find_unused_parameters": "DDP's option, DataParallel only (a model-parallel data axis sums every gradient)",
-    "broadcast_buffers": "DDP's option, DataParallel only; model-parallel stages keep their own buffers",
-    "overlap": "DataParallel only; a model-parallel data axis reduces after the schedule",
-}
-"""The `DataParallelConfig` options a model-parallel data axis cannot honour, with what to do instead."""
-
-
-def data_axis_options(options: dict[str, Any], strategy: str) -> DataParallelConfig:
-    """Take the data axis's options out of a model-parallel strategy's keyword ``options`` (in place): the
-    `DataParallelConfig` of its data axis. The options only `DataParallel` honours are refused, by name."""
-    data = {k: options.pop(k) for k in list(options) if k in DATA_FIELDS}
-    refuse_options(data, ONLY_DATA_PARALLEL, strategy)
-    return DataParallelConfig(**data)
 
 
 class DataParallel:
@@ -200,36 +138,6 @@ class DataParallel:
         return job
 
 
-def default_metrics_path(topo: Topology) -> str | None:
-    """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl``."""
-    run_dir = os.environ.get("LOOM_RUN_DIR")
-    return f"{run_dir}/metrics/rank{topo.rank}.jsonl" if run_dir else None
-
-
-def _batchnorm_layers(module: nn.Module) -> list[str]:
-    """Names of the BatchNorm layers that compute statistics over this process's batch alone (not SyncBatchNorm,
-    whose statistics span the processes)."""
-    return [
-        name or type(m).__name__
-        for name, m in module.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-    ]
-
-
-def _zero_loss(outputs: Any) -> torch.Tensor:
-    """A loss of exactly zero that still reaches every parameter the forward used (for empty shares).
-
-    Built from the batch-shaped outputs (empty: their sums are 0); a scalar output (a model's own loss, NaN as
-    the mean of nothing) is used only when there is none, through `nan_to_num`, whose gradient is 0 there."""
-    floating = [t for t in tensors_in(outputs) if t.is_floating_point()]
-    if not floating:
-        raise TypeError("the model's outputs hold no floating-point tensor to build a zero loss from")
-    shaped = [t.sum() for t in floating if t.dim() > 0]
-    terms = shaped or [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in floating]
-    return torch.stack(terms).sum() * 0.0
-
-
-document_options(DataParallelConfig, DataParallelConfig)
 document_options(DataParallel, DataParallelConfig)
 
 
@@ -283,7 +191,7 @@ class DataParallelJob(Engine):
         self.last_step_skipped = False
         """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
         self._trainable = [p for p in module.parameters() if p.requires_grad]
-        self._batchnorm = _batchnorm_layers(module)
+        self._batchnorm = batchnorm_layers(module)
 
     # -- training --------------------------------------------------------------------------------------------
     def _global_count(self, batch: Any, local: int) -> tuple[int, dict[int, int]]:
@@ -312,22 +220,6 @@ class DataParallelJob(Engine):
         small = {r: n for r, n in enumerate(shares) if 0 < n < 2 * accumulate} if self._batchnorm else {}
         return total, small
 
-    def _refuse_small_batchnorm_shares(self, small: dict[int, int], total: int) -> None:
-        world, accumulate = self.topology.world_size, self.config.accumulate
-        pieces = f" in {accumulate} micro-batches (accumulate)" if accumulate > 1 else ""
-        need = f"2 x {world} replicas" + (f" x {accumulate} micro-batches" if accumulate > 1 else "")
-        described = ", ".join(f"rank {r}: {n}" for r, n in small.items())
-        layers = ", ".join(repr(n) for n in self._batchnorm[:3]) + (
-            " ..." if len(self._batchnorm) > 3 else ""
-        )
-        raise ValueError(
-            f"rank {self.topology.rank}: at step {self.step + 1} the global batch of {total} sample(s) gives "
-            f"shares too small for BatchNorm in training mode ({described}{pieces}); BatchNorm layers "
-            f"({layers}) need at least 2 samples per forward to compute batch statistics. HINT: pass "
-            "drop_last=True to job.loader(...) so the ragged last batch is dropped, and use a global batch of "
-            f"at least {need} = {2 * world * accumulate} samples."
-        )
-
     def own_loop(self, loader: Any = None) -> Any:
         """``model, optimizer, loader`` for a script that keeps its own loop (forward, ``loss.backward()``,
         clipping, ``optimizer.step()``): see `loom.parallel.data.own_loop.OwnLoop`. Call it on every rank."""
@@ -354,7 +246,10 @@ class DataParallelJob(Engine):
         state.total, small = self._global_count(state.batch, state.local)
         self.observer.lap(COMM)
         if small and state.total:
-            self._refuse_small_batchnorm_shares(small, state.total)
+            refuse_small_batchnorm_shares(
+                self.topology.rank, state.number, self.topology.world_size, self.config.accumulate,
+                self._batchnorm, small, state.total,
+            )  # fmt: skip
 
     def _forward_backward(self, state: StepState) -> None:
         """``accumulate`` micro-batches, each loss weighted by ``n * W / N`` (the module docstring); DDP
@@ -369,7 +264,7 @@ class DataParallelJob(Engine):
         ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
         if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
             with self.watchdog.collective("gradient all-reduce"):
-                _zero_loss(forward_loss(call, self.wrapped, batch_here)[1]).backward()
+                zero_loss(forward_loss(call, self.wrapped, batch_here)[1]).backward()
         for i, (piece, n) in enumerate(pieces):
             sync_now = i == len(pieces) - 1
             with self._no_sync() if not sync_now else nullcontext():

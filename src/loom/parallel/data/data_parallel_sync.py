@@ -33,7 +33,7 @@ from loom.observe.phases import loss_buffer_size
 from loom.topology import Topology
 
 if TYPE_CHECKING:
-    from loom.parallel.data.data_parallel import DataParallelConfig
+    from loom.parallel.data.data_parallel_config import DataParallelConfig
 
 __all__ = [
     "GradientAveraging",

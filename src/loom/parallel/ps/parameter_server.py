@@ -24,13 +24,10 @@ gradient was computed on and its own application (the largest over servers); ``m
 as a histogram. A worker that joins a model the servers already hold (a restarted worker) continues from its
 clock there, so its pushes are not mistaken for resent ones.
 
-Checkpoints (`loom.fit`): the job is a `loom.job.Job` whose state is not replicated (each worker has its own
-clock), so every worker's `state_dict` goes into its own file of the checkpoint. Rank 0's also holds every
-server's whole model (parameters, optimizer state, version, every worker's clock), read with a STATE request
-while all workers wait in the checkpoint; on resume rank 0 sends it back with RESTORE, which replaces whatever
-the servers hold (fresh servers of a new job, or servers that went on past the checkpoint while the workers were
-restarted), and the workers agree before anyone pulls. In ``sync``, 10 steps + resume + 10 steps equals 20
-steps bitwise (tests/test_ps_fit.py). A resume needs the same number of workers and servers.
+Checkpoints (`loom.fit`): every worker's `state_dict` goes into its own file; rank 0's also holds every server's
+whole model, put back on resume (`loom.parallel.ps.parameter_server_state`). The options: `ParameterServerConfig`
+(`loom.parallel.ps.parameter_server_config`); how parameters map onto the servers' pieces:
+`loom.parallel.ps.parameter_server_pieces`.
 
 A server's death (`loom.ps.server`, `loom.launch.servers`): under ``loom run`` a server that dies is restarted on
 its address from its checkpoint, and the workers' requests are resent once it answers. ``sync`` saves every step
@@ -52,7 +49,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -62,98 +59,29 @@ from torch import nn
 from loom.config_docs import document_options
 from loom.job import MetricFn
 from loom.mesh import Mesh
-from loom.observe.metrics import StepMetrics
 from loom.parallel._setup import check_setup_arguments
+from loom.parallel.ps.parameter_server_config import ParameterServerConfig, ParameterServerMetrics
+from loom.parallel.ps.parameter_server_pieces import (
+    json_hyperparameters,
+    param_specs,
+    piece_gradients,
+    piece_view,
+    set_pieces,
+)
+from loom.parallel.ps.parameter_server_state import load_worker_state, worker_state
 from loom.ps.client import PSClient
-from loom.ps.plan import ParamSpec, Piece, plan_shards
+from loom.ps.plan import Piece, plan_shards
 from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
 from loom.topology import Topology, current
 from loom.train.batch import LossCall, batch_len
-from loom.train.engine import Engine, ShareOptions, StepState
+from loom.train.engine import Engine, StepState
 from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
 __all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ParameterServerConfig(ShareOptions):
-    """How workers and servers agree on the parameters (and the step guard's options, `loom.train.guard`: the
-    hang watchdog counts each step's pull and push as collectives of the workers, and a non-finite loss or
-    gradient is never pushed)."""
-
-    mode: str = "sync"
-    """``sync`` (equals one process), ``async`` (apply on arrival, never wait) or ``ssp`` (bounded staleness)."""
-    staleness: int = 0
-    """``ssp`` only: a worker may run at most this many clocks ahead of the slowest live worker."""
-    worker_timeout_s: float = 60.0
-    """A worker silent this long is lost: ``ssp`` stops waiting for it, ``sync`` fails the step naming it."""
-    connect_timeout_s: float = 60.0
-    """How long `setup` waits for the servers to answer."""
-    checkpoint_every: int | None = None
-    """Servers save their shards after this many updates. None (default): every step in ``sync``, saved before
-    the step's replies go out, so a server restarted from it is never behind a worker and only the step in flight
-    is repeated; by time (``checkpoint_interval_s``) in ``async``/``ssp``. 0: not by count."""
-    checkpoint_interval_s: float = 1.0
-    """Servers also save once the oldest unsaved update is this many seconds old (and at least 20 times as long
-    as their last save took: at most ~5% of a server's time goes to saving a large model). In ``async``/``ssp``
-    it bounds what a server's death loses to about this many seconds of updates; time, not a count of updates,
-    because the cost and the loss then do not depend on how many workers push how fast. With
-    ``checkpoint_every=0`` and ``0`` here, servers save only on request and at shutdown (a restarted server then
-    goes back to the start or the last save)."""
-    namespace: str = "default"
-    """Name of the model on the servers (several models can share servers)."""
-    addresses: tuple[str, ...] | None = None
-    """Server ``HOST:PORT`` list; default ``LOOM_PS_ADDRS`` (set by ``loom run --servers K``)."""
-    secret: str | None = field(default=None, repr=False)
-    """Job secret (hex); default ``LOOM_JOB_SECRET``."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.mode not in ("sync", "async", "ssp"):
-            raise ValueError(f"mode={self.mode!r}; use 'sync', 'async' or 'ssp'")
-        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
-            raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
-        if self.staleness and self.mode != "ssp":
-            raise ValueError(f"staleness={self.staleness} applies to mode='ssp' only, not {self.mode!r}")
-        if not self.worker_timeout_s > 0:
-            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s!r}")
-        every = self.checkpoint_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-            raise ValueError(f"checkpoint_every must be None or an int >= 0, got {every!r}")
-        if not 0 <= self.checkpoint_interval_s < float("inf"):
-            raise ValueError(
-                f"checkpoint_interval_s must be a number of seconds >= 0 (0: off), got {self.checkpoint_interval_s!r}"
-            )
-
-    def server_checkpoint_every(self) -> int:
-        """``checkpoint_every`` resolved for this mode: 1 in ``sync`` by default, else 0 (by time only)."""
-        if self.checkpoint_every is not None:
-            return self.checkpoint_every
-        return 1 if self.mode == "sync" else 0
-
-
-class ParameterServerMetrics(StepMetrics):
-    """Step records, plus the staleness of this worker's updates and the clocks its pulls were granted at."""
-
-    def __init__(self, rank: int, path: str | None = None) -> None:
-        super().__init__(rank, path)
-        self.staleness: dict[int, int] = {}
-        """Histogram: server version at apply minus the version the gradient was computed on -> updates."""
-        self.clocks: list[tuple[int, int]] = []
-        """Per pull: (this worker's clock, the slowest live worker's clock) when the pull was granted."""
-        self.server_restarts: list[dict[str, Any]] = []
-        """Per server restart this worker found: ``{"server", "step", "time" (Unix seconds of the restarted
-        server's first answer), "seen_version", "resumed_version", "lost_updates"}`` (``lost_updates``: updates
-        this worker saw applied that the restarted server no longer has)."""
-
-    def summary(self, skip_first: int = 1) -> dict[str, Any]:
-        lost = sum(r["lost_updates"] for r in self.server_restarts)
-        return {**super().summary(skip_first), "staleness": dict(sorted(self.staleness.items())),
-                "server_restarts": len(self.server_restarts), "lost_updates": lost}  # fmt: skip
 
 
 class ParameterServer:
@@ -186,7 +114,7 @@ class ParameterServer:
                 "ParameterServer needs server addresses and the job secret (LOOM_PS_ADDRS, LOOM_JOB_SECRET). "
                 "HINT: launch with `loom run -n N --servers K train.py`."
             )
-        specs, sparse_modules = _param_specs(model, optimizer)
+        specs, sparse_modules = param_specs(model, optimizer)
         plan = plan_shards(specs, len(addresses))
         client = PSClient(addresses, secret_from_hex(secret_hex))
         client.hello(cfg.connect_timeout_s)
@@ -198,7 +126,7 @@ class ParameterServer:
             checkpoint_every=cfg.server_checkpoint_every(),
             checkpoint_interval_s=float(cfg.checkpoint_interval_s),
             optimizer=type(optimizer).__name__,
-            groups=[_json_hyperparameters(g) for g in optimizer.param_groups],
+            groups=[json_hyperparameters(g) for g in optimizer.param_groups],
         )
         params = dict(model.named_parameters())
         meta = {"ns": cfg.namespace, "worker": topo.rank, "settings": asdict(settings)}
@@ -206,7 +134,7 @@ class ParameterServer:
         metas = [
             {**meta, "pieces": [p.to_json() for p in plan if p.server == s]} for s in range(len(addresses))
         ]
-        values: list[dict[str, torch.Tensor] | None] = [{f"p{p.id}": _piece_view(params[p.name], p) for p in plan if p.server == s}
+        values: list[dict[str, torch.Tensor] | None] = [{f"p{p.id}": piece_view(params[p.name], p) for p in plan if p.server == s}
                   for s in range(len(addresses))]  # fmt: skip
         replies = client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
         metrics = ParameterServerMetrics(topo.rank, self.metrics_path)
@@ -222,46 +150,7 @@ class ParameterServer:
         return job
 
 
-document_options(ParameterServerConfig, ParameterServerConfig)
 document_options(ParameterServer, ParameterServerConfig)
-
-
-def _param_specs(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[ParamSpec], dict]:
-    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    sparse_modules = {
-        f"{prefix}.weight" if prefix else "weight": m
-        for prefix, m in model.named_modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-    }
-    specs = []
-    for name, p in model.named_parameters():
-        if id(p) not in group_of or not p.requires_grad:
-            continue  # frozen: stays on the worker
-        if name in sparse_modules:
-            specs.append(ParamSpec(name, p.shape[0], p.shape[1], True, group_of[id(p)]))
-        else:
-            specs.append(ParamSpec(name, p.numel(), 1, False, group_of[id(p)]))
-    return specs, {n: m for n, m in sparse_modules.items() if any(s.name == n for s in specs)}
-
-
-def _json_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    def convert(key: str, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            return value.item()
-        if isinstance(value, (list, tuple)):
-            return [convert(key, v) for v in value]
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        raise TypeError(f"optimizer hyperparameter {key}={value!r} cannot be sent to the parameter servers")
-
-    return {k: convert(k, v) for k, v in group.items() if k != "params"}
-
-
-def _piece_view(param: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """The values of ``piece`` inside ``param`` (a view, writable)."""
-    if piece.sparse:
-        return param.data[piece.start : piece.stop]
-    return param.data.view(-1)[piece.start : piece.stop]
 
 
 class ParameterServerJob(Engine):
@@ -351,16 +240,7 @@ class ParameterServerJob(Engine):
         if not peek:
             self.metrics.clocks.append((self.step, min(int(r.meta["slowest"]) for r in replies)))
         for reply in replies:
-            self._set_pieces({int(key[1:]): value for key, value in reply.tensors.items()})
-
-    def _set_pieces(self, values: dict[int, torch.Tensor]) -> None:
-        """Write piece values (by piece id, as the servers hold them) into `module`."""
-        by_id = {p.id: p for p in self.plan}
-        with torch.no_grad():
-            for pid, value in values.items():
-                piece = by_id[pid]
-                view = _piece_view(self._params[piece.name], piece)
-                view.copy_(value.view_as(view))
+            set_pieces(self._params, self.plan, {int(key[1:]): value for key, value in reply.tensors.items()})
 
     def _pull_rows(self, name: str, rows: torch.Tensor) -> None:
         """Pull the given rows of sparse table ``name`` from the servers holding them."""
@@ -420,7 +300,9 @@ class ParameterServerJob(Engine):
             replies = self._request(
                 MessageType.PUSH,
                 meta,
-                self._gradients() if not state.flag else [{} for _ in range(self._num_servers)],
+                piece_gradients(self._params, self.plan, self._num_servers)
+                if not state.flag
+                else [{} for _ in range(self._num_servers)],
                 per_server=[{"version": v} for v in self._versions],
             )
         for server, reply in enumerate(replies):
@@ -478,27 +360,6 @@ class ParameterServerJob(Engine):
         self._pull_dense(peek=True)
         return super()._evaluate(batch, metrics)
 
-    def _gradients(self) -> list[dict[str, torch.Tensor]]:
-        """Per server: ``g<id>`` dense gradient slices; for sparse pieces ``r<id>`` rows and ``g<id>`` values."""
-        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self._num_servers)]
-        sparse_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for piece in self.plan:
-            grad = self._params[piece.name].grad
-            if grad is None:
-                continue
-            target = out[piece.server]
-            if not piece.sparse:
-                target[f"g{piece.id}"] = grad.reshape(-1)[piece.start : piece.stop]
-                continue
-            if piece.name not in sparse_cache:
-                g = (grad if grad.is_sparse else grad.to_sparse(1)).coalesce()
-                sparse_cache[piece.name] = (g.indices()[0], g.values())
-            rows, values = sparse_cache[piece.name]
-            mask = (rows >= piece.start) & (rows < piece.stop)
-            target[f"r{piece.id}"] = rows[mask] - piece.start
-            target[f"g{piece.id}"] = values[mask]
-        return out
-
     # -- state ------------------------------------------------------------------------------------------------
     def server_stats(self) -> list[dict[str, Any]]:
         """Each server's counters: dropped frames by reason, bytes, and per model version, staleness, clocks."""
@@ -512,82 +373,13 @@ class ParameterServerJob(Engine):
         return [path for r in replies for path in r.meta["saved"]]
 
     def state_dict(self) -> dict[str, Any]:
-        """This worker's part of a checkpoint: its clock (``step``), the server versions it last saw, its
-        module (the servers' current parameters, its own buffers) and its optimizer's param groups (the learning
-        rates its pushes carry); on rank 0 also ``servers``, every server's whole state
-        (`loom.ps.shard.ModelShard.state`: parameters, optimizer state, version, every worker's clock), read
-        with STATE. Tensors and JSON only.
-
-        The servers' state is a consistent snapshot when no worker is inside a step, as at `loom.fit`'s
-        checkpoints (every worker enters them after its step and leaves after the write). Each server's state
-        travels in one frame, so it must fit the wire's payload limit (256 MiB by default: about 21 million
-        float32 parameters per server with Adam's two moments)."""
-        servers = None
-        if self.topology.rank == 0:
-            replies = self._request(MessageType.STATE, {})
-            servers = [{"meta": r.meta["state"], "tensors": dict(r.tensors)} for r in replies]
-            for index, server in enumerate(servers):
-                self._versions[index] = int(server["meta"]["version"])
-                pieces = {k: v for k, v in server["tensors"].items() if k.startswith("piece.")}
-                self._set_pieces({int(k.split(".")[1]): v for k, v in pieces.items()})
-        else:
-            self.fetch_parameters()
-        return {
-            "model": self.module.state_dict(),
-            # Never stepped, but its param groups hold the learning rates a scheduler set, which every push sends.
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step,
-            "server_versions": list(self._versions),
-            "servers": servers,
-        }
+        """This worker's part of a checkpoint (`loom.parallel.ps.parameter_server_state.worker_state`)."""
+        return worker_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this worker's part of a checkpoint; the part holding ``servers`` (rank 0's) also puts every
-        server back to its saved state (RESTORE). The checkpoint wins over what the servers hold: fresh servers
-        (a new job) or servers that went on past it (workers restarted under ``loom run --max-restarts``) end up
-        at the saved parameters, optimizer state, version and every worker's clock. Each worker sets its own
-        clock; then the workers agree that the restore succeeded (which is also a barrier, so none pulls before
-        it) and pull the restored parameters.
-
-        Collective when there is a process group: every worker calls it, as `loom.fit`'s resume does. Without
-        one, no worker may train before every worker's call has returned."""
-        failure: Exception | None = None
-        try:
-            if state.get("servers") is not None:
-                self._restore_servers(state["servers"])
-            self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.step = int(state["step"])
-        except Exception as error:  # reported on every worker below, so none is left waiting
-            failure = error
-        if self.topology.is_distributed and dist.is_available() and dist.is_initialized():
-            failed = torch.tensor(
-                [0 if failure is None else self.topology.rank + 1], device=self.topology.device
-            )
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.mesh.group("dp"))
-            if failure is None and int(failed.item()):
-                raise RuntimeError(
-                    f"rank {self.topology.rank}: worker rank {int(failed.item()) - 1} could not restore its part "
-                    "of the parameter-server checkpoint (its error says why)"
-                )
-        if failure is not None:
-            raise failure
-        self._versions = [0] * self._num_servers  # the restore set the versions back on purpose: nothing lost
-        self._pull_dense(peek=True)
-
-    def _restore_servers(self, servers: list[dict[str, Any]]) -> None:
-        if len(servers) != self._num_servers:
-            raise ValueError(
-                f"the checkpoint holds the state of {len(servers)} parameter server(s), this job has "
-                f"{self._num_servers}. HINT: resume with the same number of servers (loom run --servers)."
-            )
-        # One token for every send of this restore: a resent copy arriving late is not applied again.
-        self._request(
-            MessageType.RESTORE,
-            {"token": os.urandom(16).hex()},
-            [dict(s["tensors"]) for s in servers],
-            per_server=[{"state": s["meta"]} for s in servers],
-        )
+        """Put this worker's part back; rank 0's also restores every server
+        (`loom.parallel.ps.parameter_server_state.load_worker_state`). Collective with a process group."""
+        load_worker_state(self, state)
 
     def close(self) -> None:
         """Tell the servers this worker is done (so ``ssp`` peers stop waiting for it) and disconnect."""

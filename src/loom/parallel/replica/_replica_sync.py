@@ -28,19 +28,18 @@ which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
 from __future__ import annotations
 
 import abc
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.comm import all_reduce as comm_all_reduce
-from loom.comm import counters
+from loom.comm.compression.int8 import INT8_CHUNK as INT8_CHUNK  # re-exported (its home: comm.compression)
+from loom.comm.compression.int8 import dequantize_int8 as dequantize_int8  # re-exported
+from loom.comm.compression.int8 import quantize_int8 as quantize_int8  # re-exported
+from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
@@ -55,23 +54,16 @@ from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
 __all__ = [
-    "INT8_CHUNK",
-    "CommThread",
     "ReplicaJob",
     "ReplicaStrategy",
-    "dequantize_int8",
-    "exchange",
     "flatten",
     "positive_int",
     "prepare_replicas",
-    "quantize_int8",
     "synced_tensors",
     "unflatten_into",
 ]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-INT8_CHUNK = 1024
-"""Values per int8 scale (`quantize_int8`): the scales add 4 bytes per chunk (0.4 % of the codes)."""
 
 
 def positive_int(name: str, value: Any, hint: str = "") -> None:
@@ -104,77 +96,6 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-def exchange(flat: torch.Tensor, compression: str | None, algorithm: str, group: Any) -> torch.Tensor:
-    """The sum over the replicas of ``flat`` (each rank's weighted share), through ``compression``: None and
-    ``fp16`` all-reduce with ``algorithm``, ``int8`` all-gathers codes and scales (see `loom.parallel.replica.diloco`)."""
-    if compression is None:
-        return comm_all_reduce(flat, op="sum", algorithm=algorithm, group=group)
-    if compression == "fp16":
-        wire = flat if flat.element_size() <= 2 else flat.to(torch.float16)
-        return comm_all_reduce(wire, op="sum", algorithm=algorithm, group=group).to(flat.dtype)
-    codes, scales = quantize_int8(flat)
-    payload = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    messages = [payload]
-    if world > 1:
-        messages = [torch.empty_like(payload) for _ in range(world)]
-        dist.all_gather(messages, payload, group=group)
-        counters().record("int8 all_gather", (world - 1) * payload.nbytes, (world - 1) * payload.nbytes)
-    total = torch.zeros(codes.numel(), dtype=torch.float32, device=flat.device)
-    for message in messages:  # in rank order: the same sum, bitwise, on every rank
-        got_codes = message[: codes.numel()].view(torch.int8)
-        got_scales = message[codes.numel() :].view(torch.float32)
-        total += dequantize_int8(got_codes, got_scales)
-    return total[: flat.numel()].to(flat.dtype)
-
-
-def quantize_int8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes of ``flat`` (zero-padded to whole chunks) and one float32 scale per chunk."""
-    padded = torch.zeros(-(-flat.numel() // INT8_CHUNK) * INT8_CHUNK, dtype=torch.float32, device=flat.device)
-    padded[: flat.numel()] = flat
-    chunks = padded.view(-1, INT8_CHUNK)
-    scales = chunks.abs().amax(dim=1) / 127
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(chunks / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(-1), scales
-
-
-def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 values of `quantize_int8`'s codes (padding included)."""
-    return (codes.view(-1, INT8_CHUNK).to(torch.float32) * scales[:, None]).view(-1)
-
-
-class CommThread:
-    """One daemon thread that runs submitted calls in order (the collectives of one process group, so every
-    rank issues them in the same order). A daemon, unlike `concurrent.futures.ThreadPoolExecutor`'s threads:
-    when a peer has died and the training thread raises, a collective left waiting here must not keep the
-    process alive at exit."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` after the calls submitted before; its result or exception comes in the future."""
-        future: Future = Future()
-        self._calls.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args = call
-            try:
-                future.set_result(fn(*args))
-            except BaseException as error:  # handed to whoever waits for the result
-                future.set_exception(error)
-
-    def stop(self) -> None:
-        """Finish the calls submitted so far, then end the thread."""
-        self._calls.put(None)
-        self._thread.join()
 
 
 class ReplicaStrategy:

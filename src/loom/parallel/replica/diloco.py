@@ -26,12 +26,14 @@ deterministic step, so a run is reproducible. Applying it keeps what the replica
 becomes the new global copy plus the replica's own progress since the exchange was sent (with no overlap: the
 global copy itself).
 
-Compression of the averaged pseudo-gradient: ``fp16`` all-reduces it in float16 (each rank's weighted share is
-cast, so the sum cannot overflow where the mean fits); ``int8`` quantizes each rank's weighted share in chunks
-of `INT8_CHUNK` values with a float32 scale each (symmetric, round to nearest) and all-gathers the codes, and
-every rank dequantizes and sums them in rank order: bitwise the same result everywhere, with ``(W - 1)`` messages
-of a quarter of the float32 size sent per rank (a ring all-reduce of float32 sends ``2 (W - 1) / W`` full ones),
-so for ``W <= 8`` it sends fewer bytes than a float32 all-reduce. No error feedback: the rounding error is lost.
+Compression of the averaged pseudo-gradient (`loom.comm.compression.replicas`, the specs of
+`loom.comm.compression` that keep no state across exchanges): ``fp16`` / ``bf16`` all-reduce it in 16 bits (each
+rank's weighted share is cast, so the sum cannot overflow where the mean fits); ``int8`` quantizes each rank's
+weighted share in chunks of `INT8_CHUNK` values with a float32 scale each (symmetric, round to nearest) and
+all-gathers the codes, and every rank dequantizes and sums them in rank order: bitwise the same result everywhere,
+with ``(W - 1)`` messages of a quarter of the float32 size sent per rank (a ring all-reduce of float32 sends
+``2 (W - 1) / W`` full ones), so for ``W <= 8`` it sends fewer bytes than a float32 all-reduce. No error feedback:
+the rounding error is lost.
 
 Checkpoints hold the global copy, the outer optimizer's state, the sample counts, and every exchange in flight
 (waited for, with its result and the step it is due), so a resumed run applies it at the same step: resume is
@@ -50,15 +52,15 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.comm import ALGORITHMS
+from loom.comm.compression import INT8_CHUNK, accept_compression
+from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
+from loom.comm.thread import CommThread
 from loom.config_docs import document_options
 from loom.parallel.consistency import check_same_model
 from loom.parallel.replica._replica_sync import (
-    INT8_CHUNK,
-    CommThread,
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
-    exchange,
     flatten,
     positive_int,
     prepare_replicas,
@@ -68,7 +70,13 @@ from loom.train.engine import ShareOptions
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "DiLoCoJob", "INT8_CHUNK", "split_fragments"]
 
-COMPRESSIONS = (None, "fp16", "int8")
+COMPRESSIONS = (None, *SUM_SPECS)
+"""The ``compression=`` specs DiLoCo takes (`loom.comm.compression.factory` is the whole vocabulary)."""
+WHY_NOT = {
+    "topk": "its error feedback keeps a residual per gradient across steps; the outer exchange has none",
+    "powersgd": "its error feedback and warm start keep state across steps; the outer exchange has none",
+}
+"""Why DiLoCo refuses the specs of the vocabulary it does not take."""
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
@@ -86,7 +94,8 @@ class DiLoCoConfig(ShareOptions):
     fragments: int = 1
     """Pieces of the model synchronized at staggered steps (``F``, streaming DiLoCo); must divide ``sync_every``."""
     compression: str | None = None
-    """The outer gradient on the wire: None (the parameters' dtype), ``"fp16"`` or ``"int8"`` (chunked scales)."""
+    """The outer gradient on the wire: None (the parameters' dtype), ``"fp16"``, ``"bf16"`` or ``"int8"``
+    (chunked scales); the specs of `loom.comm.compression` that keep no state across exchanges."""
     outer_optimizer: OuterFactory | None = None
     """``fn(params) -> torch.optim.Optimizer`` over the global copy; None: SGD, lr 0.7, Nesterov momentum 0.9."""
     overlap_steps: int | None = None
@@ -106,11 +115,11 @@ class DiLoCoConfig(ShareOptions):
                 f"where step % {h} == k * {h} / {f}. HINT: use sync_every={-(-h // f) * f} or a number of "
                 f"fragments that divides {h}."
             )
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(
-                f"compression={self.compression!r} is not one of {list(COMPRESSIONS)}. HINT: 'fp16' halves "
-                "the outer gradient's bytes, 'int8' quarters them."
-            )
+        # The canonical spec (case and spaces ignored); a spec of the vocabulary DiLoCo cannot use is refused by
+        # name, with the reason and the ones it takes.
+        object.__setattr__(
+            self, "compression", accept_compression(self.compression, "DiLoCo", SUM_SPECS, WHY_NOT)
+        )
         if self.outer_optimizer is not None and (
             isinstance(self.outer_optimizer, torch.optim.Optimizer) or not callable(self.outer_optimizer)
         ):
@@ -265,10 +274,10 @@ class DiLoCoJob(ReplicaJob):
         sent_from = [t.detach().clone() for t in local] if overlap else []
         args = (flat, self.config.compression, self.config.allreduce, self._sync_group)
         if self._thread is not None:
-            pending = self._thread.submit(exchange, *args)
+            pending = self._thread.submit(compressed_sum, *args)
         else:
             pending = concurrent.futures.Future()
-            pending.set_result(exchange(*args))
+            pending.set_result(compressed_sum(*args))
         self._in_flight.append(_Exchange(k, self.step, self.step + overlap, sent_from, pending))
         self._samples[k] = self._global_samples[k] = 0
 
