@@ -100,6 +100,7 @@ class Heartbeat:
         """When the store last answered a heartbeat round."""
         self.failed_at: float | None = None
         self.error = ""
+        self.beat_at = -float("inf")
         self.host: str | None = None
         """This rank's host in words (`announce`), worked out once: a cut may take the route it was read from."""
 
@@ -113,8 +114,14 @@ class Heartbeat:
         store.set(self.key(self.rank, "host"), host)
         store.add(self.key(self.rank), 1)
 
+    def due(self) -> bool:
+        """Whether a beat is due: one a second (a fifth of the timeout if shorter), however often the caller
+        polls (a short hang timeout polls the watchdog more often)."""
+        return self.clock() - self.beat_at >= min(1.0, self.timeout_s / 5) * 0.9
+
     def beat(self, store: Any) -> None:
         """One interval: bump this rank's counter and read the watched peer's (raises if the store fails)."""
+        self.beat_at = self.clock()
         store.add(self.key(self.rank), 1)
         if self.world_size < 2:
             return

@@ -242,7 +242,8 @@ class Watchdog:
             if self._store_usable():
                 try:
                     self._publish()
-                    self.heartbeat.beat(self.store)
+                    if self.heartbeat.due():
+                        self.heartbeat.beat(self.store)
                     if not self._stack_dumped and self.store.check([f"{self._prefix}stack{self.rank}"]):
                         self._stack_dumped = True  # once: another rank asked
                         print_stacks(self.rank)

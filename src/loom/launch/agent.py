@@ -247,6 +247,7 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from loom.fault.liveness import liveness_timeout_s
+    from loom.fault.watchdog import hang_timeout_s
     from loom.launch.elastic import AgentOptions, run_agent
     from loom.launch.rendezvous import LOST_AFTER_GRACE_S, LoomRendezvous, PeerLost
     from loom.launch.servers import server_processes
@@ -255,7 +256,7 @@ def launch(spec: LaunchSpec) -> int:
     try:
         secret = _secret(spec)
         host, port, local_addr = _endpoint_and_addr(spec)
-        lost_after_s = liveness_timeout_s() + LOST_AFTER_GRACE_S
+        lost_after_s = min(liveness_timeout_s() + LOST_AFTER_GRACE_S, hang_timeout_s())
     except ValueError as error:
         print(f"loom run: {error}", file=sys.stderr)
         return 2

@@ -18,7 +18,9 @@ Liveness: from the first round on, every node other than 0 bumps a heartbeat key
 `BEAT_S`, and node 0 watches those keys. A node that has not heard its peer for ``lost_after_s`` (the liveness
 timeout, ``LOOM_LIVENESS_TIMEOUT_S``, plus `LOST_AFTER_GRACE_S`: the workers' own heartbeats,
 `loom.fault.liveness`, stop them at the liveness timeout with a report naming ranks, and this is the backstop
-for a worker that has no watchdog running) is *lost*: the next
+for a worker that has no watchdog running, or one blocked in a collective the watchdog does not count; or the
+hang timeout, if shorter: a job that gives a collective 10 s is not kept waiting longer for a silent node) is
+*lost*: the next
 call the agent makes (`num_nodes_waiting`, polled every monitor interval, or `next_rendezvous`) raises
 `PeerLost` naming it, and `loom run` stops its workers and says so in one line. A node whose store connection is
 refused after it joined knows node 0's launcher has ended, and stops at once.
@@ -50,7 +52,7 @@ LOST_AFTER_GRACE_S = 5.0
 report (which names ranks and what they were doing) comes first when they can give one."""
 
 
-_SETTING = f" (LOOM_LIVENESS_TIMEOUT_S + {LOST_AFTER_GRACE_S:g} s)"
+_SETTING = f" (LOOM_LIVENESS_TIMEOUT_S + {LOST_AFTER_GRACE_S:g} s, or LOOM_HANG_TIMEOUT_S if shorter)"
 
 
 class PeerLost(RuntimeError):
