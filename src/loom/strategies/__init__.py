@@ -9,6 +9,7 @@ from loom.strategies.local_sgd import LocalSGD, LocalSGDConfig
 from loom.strategies.model_parallel import ModelParallelJob
 from loom.strategies.parameter_server import ParameterServer, ParameterServerConfig, ParameterServerJob
 from loom.strategies.pipeline import Pipeline, PipelineConfig
+from loom.strategies.sharded import ShardedDataParallel, ShardedDataParallelConfig, ShardedDataParallelJob
 from loom.strategies.tensor_parallel import TensorParallel, TensorParallelConfig
 
 __all__ = [
@@ -31,6 +32,9 @@ __all__ = [
     "ParameterServerJob",
     "Pipeline",
     "PipelineConfig",
+    "ShardedDataParallel",
+    "ShardedDataParallelConfig",
+    "ShardedDataParallelJob",
     "TensorParallel",
     "TensorParallelConfig",
 ]
