@@ -44,11 +44,12 @@ def _assert_params(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], l
 def test_stages_match_one_process(workers, world_size, global_batch):
     """Uneven shares (5 over 2, 7 over 3), accumulate=3 with fewer samples than micro-batches on some ranks, an
     empty share (the last batch of 2 samples over 3 ranks), SGD with momentum and Adam: every stage equals one
-    process on the same global batches, losses and parameters within 1e-5."""
+    process on the same global batches, losses and parameters within 1e-5 (stage 1 both with its all-reduce
+    and with its reduce-scatter, "1rs")."""
     steps = 8
-    outputs = workers("sharded_exact.py", world_size, str(global_batch), str(steps), "1,2,3", timeout=380)
+    outputs = workers("sharded_exact.py", world_size, str(global_batch), str(steps), "1,1rs,2,3", timeout=380)
     by_rank = [_runs(out) for out in outputs]
-    assert all(len(runs) == 9 for runs in by_rank), [len(r) for r in by_rank]
+    assert all(len(runs) == 12 for runs in by_rank), [len(r) for r in by_rank]
     refs = {opt: reference_run(opt, global_batch, steps) for opt in ("sgd", "adam")}
     x, y = __import__("workers.common", fromlist=["make_dataset"]).make_dataset().tensors
     for i, run in enumerate(by_rank[0]):

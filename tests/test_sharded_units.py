@@ -126,3 +126,27 @@ def test_memory_in_one_process_is_the_whole_state():
     assert memory["state"] <= 1.10 * zero_share(3, 1) * 16 * n
     assert zero_share(1, 4) == pytest.approx((4 + 4 + 2) / 16)
     assert zero_share(2, 4) == pytest.approx((4 + 3) / 16)
+
+
+def test_tied_parameters_export_under_both_names():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 4, bias=False)
+            self.head = nn.Linear(4, 4, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("scale", torch.tensor([2.0]))
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.embed(x))) * self.scale
+
+    torch.manual_seed(0)
+    model = Tied()
+    job = loom.ShardedDataParallel(topology=SINGLE).setup(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss
+    )
+    job.train_step((torch.randn(6, 4), torch.randn(6, 4)))
+    full = full_state_dict([job.state_dict()])
+    fresh = Tied()
+    fresh.load_state_dict(full, strict=True)
+    torch.testing.assert_close(fresh.state_dict(), model.state_dict(), atol=0, rtol=0)

@@ -236,6 +236,10 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         return _benchmark("allreduce").run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick)
     if ns.which == "links":
         return _benchmark("links").run_links_benchmark(out_dir=ns.out, reps=ns.repetitions, quick=ns.quick)
+    if ns.which == "sharded":
+        return _benchmark("sharded").run_sharded_benchmark(
+            repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out
+        )
     return _benchmark("checkpoint_overhead").run_checkpoint_benchmark(out_dir=ns.out)
 
 
@@ -297,10 +301,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against named baselines, measured in the same run")
     bench.add_argument(
         "which",
-        choices=["dp", "allreduce", "checkpoint", "links"],
+        choices=["dp", "allreduce", "checkpoint", "links", "sharded"],
         help="dp: DataParallel vs raw DDP; allreduce: algorithms vs native; checkpoint: save overhead; "
         "links: all-reduce and compressed DataParallel between network-namespace hosts on tc-limited links "
-        "(needs root)",
+        "(needs root); sharded: ZeRO memory per rank and throughput vs raw FSDP2 and DataParallel",
     )
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (allreduce, links)")
     bench.add_argument("--repetitions", type=_positive_int, default=5, help="repetitions (median reported)")

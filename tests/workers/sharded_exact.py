@@ -12,15 +12,17 @@ from torch import nn
 import loom
 
 global_batch, steps = int(sys.argv[1]), int(sys.argv[2])
-stages = [int(s) for s in (sys.argv[3] if len(sys.argv) > 3 else "1,2,3").split(",")]
+stages = (sys.argv[3] if len(sys.argv) > 3 else "1,2,3").split(",")  # "1rs": stage 1 with reduce_scatter
 topo = loom.init()
 data = make_dataset()
 for stage in stages:
     for optimizer, accumulate in (("sgd", 1), ("adam", 1), ("adam", 3)):
         model = make_mlp()
-        job = loom.ShardedDataParallel(stage=stage, accumulate=accumulate).setup(
-            model, make_optimizer(optimizer, model), nn.functional.mse_loss
+        reduce = "reduce_scatter" if stage.endswith("rs") else "auto"
+        strategy = loom.ShardedDataParallel(
+            stage=int(stage[0]), accumulate=accumulate, gradient_reduce=reduce
         )
+        job = strategy.setup(model, make_optimizer(optimizer, model), nn.functional.mse_loss)
         loader = job.loader(data, global_batch, seed=1)
         losses = []
         while len(losses) < steps:
@@ -29,11 +31,6 @@ for stage in stages:
                 if len(losses) == steps:
                     break
         evaluated = job.eval_step(data.tensors)["loss"]
-        full = (
-            {k: v.flatten().tolist() for k, v in job.full_state_dict().items()}
-            if hasattr(job, "full_state_dict")
-            else None
-        )
         parts = job.state_dict()["params"]
         params = {k: {"lo": v["lo"], "hi": v["hi"], "value": v["value"].tolist()} for k, v in parts.items()}
         line = {

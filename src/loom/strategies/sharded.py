@@ -88,6 +88,10 @@ class ShardedDataParallelConfig(DataParallelConfig):
     wrap: Any = None
     """FSDP2's units (stages 2 and 3): None picks them (children of a Sequential, modules in ModuleLists),
     or module classes, or ``fn(model) -> [modules]``."""
+    gradient_reduce: str = "auto"
+    """Stage 1's gradient average: ``reduce_scatter`` (`loom.comm.reduce_scatter`), ``all_reduce`` (loom's
+    all-reduce with the ``allreduce`` algorithm, then this rank's slice), or ``auto``: all_reduce on CPU (gloo's
+    reduce-scatter is an all-reduce per rank), reduce_scatter on GPUs."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,6 +105,10 @@ class ShardedDataParallelConfig(DataParallelConfig):
         for name, set_ in given.items():
             if set_:
                 raise ValueError(f"ShardedDataParallel does not take {name}=: {_REFUSED[name]}")
+        if self.gradient_reduce not in ("auto", "reduce_scatter", "all_reduce"):
+            raise ValueError(
+                f"gradient_reduce must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.gradient_reduce!r}"
+            )
         if self.allreduce not in ("auto", "native"):
             raise ValueError(
                 f"ShardedDataParallel does not take allreduce={self.allreduce!r}: its gradients are "
@@ -148,7 +156,12 @@ class ShardedDataParallel:
             with torch.no_grad():
                 for tensor in [*model.parameters(), *model.buffers()]:
                     dist.broadcast(tensor, src=0)
-            run_self_test(topo.rank, world, topo.backend, topo.device, fsdp=fsdp)
+        reduce = self.config.gradient_reduce
+        if reduce == "auto":
+            reduce = "all_reduce" if topo.device.type == "cpu" else "reduce_scatter"
+        collective = "reduce_scatter" if reduce == "reduce_scatter" else self.config.allreduce
+        if topo.is_distributed:
+            run_self_test(topo.rank, world, topo.backend, topo.device, fsdp=fsdp, collective=collective)
         layout: ShardLayout
         flat: FlatShards | None = None
         if fsdp:
@@ -156,8 +169,8 @@ class ShardedDataParallel:
             layout = FsdpLayout(root, optimizer, stage)
             how = f"FSDP2 over {units + 1} unit(s), reshard_after_forward={stage == 3}"
         else:
-            flat = layout = FlatShards(model, optimizer, topo.rank, world)
-            how = "loom's flat optimizer shards (reduce-scatter, all-gather)"
+            flat = layout = FlatShards(model, optimizer, topo.rank, world, collective=collective)
+            how = f"loom's flat optimizer shards ({reduce} of the gradient, all-gather of the parameters)"
         if topo.is_main and topo.is_distributed:
             print(f"loom: ShardedDataParallel stage {stage}: {how}", file=sys.stderr, flush=True)
         job = ShardedDataParallelJob(

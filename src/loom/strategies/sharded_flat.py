@@ -3,9 +3,14 @@ one contiguous piece of all parameters, flattened and concatenated (Rajbhandari 
 Optimizations Toward Training Trillion Parameter Models", 2020, P_os).
 
 After backward (`FlatShards.average`, called by the step where `DataParallel` averages shared-memory
-gradients): the gradients are flattened into one vector and reduce-scattered, averaged, with
-`loom.comm.reduce_scatter`, so each rank receives the averaged gradient of its piece only; the full gradients
-are then freed. The optimizer holds, in place of the model's parameters, flat *views* of this rank's piece of
+gradients): the gradients are flattened into one vector and averaged, and each rank keeps the averaged
+gradient of its piece only; the full gradients are then freed. Two ways (``collective``): ``reduce_scatter``
+(`loom.comm.reduce_scatter`, the bandwidth-optimal collective where the backend has it natively, as NCCL does)
+or an all-reduce with one of `loom.comm.all_reduce`'s algorithms, then a slice. On CPU the all-reduce is
+chosen: gloo's reduce-scatter is one all-reduce per rank underneath, and loom's ``auto`` all-reduce goes
+through shared memory on one host (``benchmarks/reports/sharded.md`` has both measured). The parameters are then all-gathered the same way: an
+all-reduce of the flat vector holding this rank's piece and zeros elsewhere, which is exact (``x + 0 = x``)
+and on one host goes through shared memory, where gloo's all-gather does not. The optimizer holds, in place of the model's parameters, flat *views* of this rank's piece of
 each parameter (``nn.Parameter`` over the parameter's own storage), so its step updates the model in place and
 its state (momentum, Adam's moments) exists for this rank's piece only. After the step
 (`FlatShards.gather_parameters`) the updated pieces are all-gathered into every rank's model.
@@ -22,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.comm import all_reduce
 from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
 from loom.strategies.sharded_state import Piece
 
@@ -67,8 +73,11 @@ class FlatShards:
         rank: int,
         world_size: int,
         group: dist.ProcessGroup | None = None,
+        collective: str = "reduce_scatter",
     ) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.collective = collective
+        """``reduce_scatter``, or the `loom.comm.all_reduce` algorithm that averages the whole gradient."""
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         named = [(n, p) for n, p in module.named_parameters() if id(p) in in_optimizer]
         for name, p in named:
@@ -128,7 +137,14 @@ class FlatShards:
         )
         for p in self.params:
             p.grad = None
-        piece = reduce_scatter(flat, op="avg", group=self.group) if self._distributed() else flat
+        if not self._distributed():
+            piece = flat
+        elif self.collective == "reduce_scatter":
+            piece = reduce_scatter(flat, op="avg", group=self.group)
+        else:  # a copy of the slice, so that the whole flat gradient is freed
+            piece = all_reduce(flat, op="avg", algorithm=self.collective, group=self.group)[
+                self.lo : self.hi
+            ].clone()
         del flat
         offset = 0
         for view_piece in self.pieces:
@@ -153,6 +169,11 @@ class FlatShards:
         mine = torch.cat([p.param.detach().reshape(-1) for p in self.pieces]) if self.pieces else None
         if mine is None:
             mine = torch.zeros(0, dtype=self.params[0].dtype if self.params else torch.float32)
-        full = all_gather(mine, self.numel, group=self.group)
+        if self.collective == "reduce_scatter":
+            full = all_gather(mine, self.numel, group=self.group)
+        else:  # every other rank contributes zeros there: the sum is each piece, bitwise
+            full = torch.zeros(self.numel, dtype=mine.dtype, device=mine.device)
+            full[self.lo : self.hi] = mine
+            all_reduce(full, op="sum", algorithm=self.collective, group=self.group)
         for p, (start, end) in zip(self.params, self.spans, strict=True):
             p.data.view(-1).copy_(full[start:end])

@@ -4,8 +4,8 @@ all-gather, checked against the values they must give.
 Why: an averaged reduce-scatter that silently sums instead (PyTorch issue 162338, gloo) trains with gradients
 N times too large and nothing fails; Accelerate #3979 and its kin are the same class of bug. Each rank
 contributes ``base + 1000 * (rank + 1)``, so the mean over N ranks is ``base + 500 * (N + 1)`` and a sum is
-told apart from it (and from a copy of one rank's values). Checked: `loom.comm.reduce_scatter` with
-``op="avg"`` and `loom.comm.all_gather` (stage 1), and for FSDP2 (stages 2 and 3) the gradient of a tiny
+told apart from it (and from a copy of one rank's values). Checked: stage 1's average (`loom.comm.reduce_scatter` with
+``op="avg"``, or `loom.comm.all_reduce`'s, whichever the job uses) and `loom.comm.all_gather`, and for FSDP2 (stages 2 and 3) the gradient of a tiny
 ``fully_shard``-ed linear layer, which goes through FSDP2's own reduce-scatter and divide factors. The
 verdicts are combined over the ranks, so every rank refuses together, naming the backend and the collective.
 """
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.comm import all_reduce
 from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
 
 __all__ = ["BackendSelfTestError", "check_collectives", "run_self_test"]
@@ -76,15 +77,25 @@ def _fsdp_gradient_problem(rank: int, world_size: int, device: torch.device) -> 
     return "FSDP2's averaged reduce-scatter of gradients returned " + _describe(grad, mean, mean * world_size)
 
 
-def run_self_test(rank: int, world_size: int, backend: str, device: torch.device, fsdp: bool) -> None:
+def run_self_test(
+    rank: int,
+    world_size: int,
+    backend: str,
+    device: torch.device,
+    fsdp: bool,
+    collective: str = "reduce_scatter",
+) -> None:
     """Check the collectives this job will use (collective); raise `BackendSelfTestError` on every rank when
-    any rank found a problem."""
-    problems = check_collectives(
-        rank,
-        world_size,
-        lambda t: reduce_scatter(t.to(device), op="avg").cpu(),
-        lambda t, n: all_gather(t.to(device), n).cpu(),
-    )
+    any rank found a problem. ``collective``: stage 1's, ``reduce_scatter`` or a `loom.comm.all_reduce`
+    algorithm (then the reduce-scatter is that averaged all-reduce and a slice, as `FlatShards` does it)."""
+
+    def averaged(t: torch.Tensor) -> torch.Tensor:
+        if collective == "reduce_scatter":
+            return reduce_scatter(t.to(device), op="avg").cpu()
+        lo, hi = piece_bounds(t.numel(), rank, world_size)
+        return all_reduce(t.to(device), op="avg", algorithm=collective)[lo:hi].cpu()
+
+    problems = check_collectives(rank, world_size, averaged, lambda t, n: all_gather(t.to(device), n).cpu())
     if fsdp:
         found = _fsdp_gradient_problem(rank, world_size, device)
         if found:

@@ -12,7 +12,8 @@ flattened tensor. Each rank writes, under the original parameter names (``model.
  "optimizer": {"groups": [{hyperparameters..., "names": [...]}],
                "sharded": {name: {key: piece}},     # state shaped like the parameter (momentum, Adam's moments)
                "whole": {name: {key: value}}},      # state of another shape (Adam's step counter)
- "buffers":   {name: tensor}}                       # replicated, written by every rank
+ "buffers":   {name: tensor},                       # replicated, written by every rank
+ "aliases":   {name: name}}                         # tied parameters: a second name of a saved one
 ```
 
 Reading is the same at any world size (`load_pieces`): for each piece this rank holds now, copy the
@@ -114,8 +115,12 @@ def rank_state(
     for group in optimizer.param_groups:
         names = [by_param[id(p)].name for p in group["params"] if id(p) in by_param]
         groups.append(dict(_hyperparameters(group), names=names))
-    parameters = {n for n, _ in module.named_parameters()}
-    buffers = {k: v.detach() for k, v in module.state_dict().items() if k not in parameters}
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    entries = module.state_dict(keep_vars=True)
+    aliases = {
+        k: canonical[id(v)] for k, v in entries.items() if id(v) in canonical and canonical[id(v)] != k
+    }
+    buffers = {k: v.detach() for k, v in entries.items() if id(v) not in canonical}
     return {
         "format": FORMAT,
         "stage": stage,
@@ -125,6 +130,7 @@ def rank_state(
         "params": params,
         "optimizer": {"groups": groups, "sharded": sharded, "whole": whole},
         "buffers": buffers,
+        "aliases": aliases,
     }
 
 
@@ -230,9 +236,11 @@ def full_state_dict(parts: Iterable[Any]) -> dict[str, torch.Tensor]:
     shapes: dict[str, tuple[int, ...]] = {}
     covered: dict[str, int] = {}
     buffers: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
     for index, raw in enumerate(parts):
         part = _check_part(raw, f"checkpoint part {index}")
         buffers = buffers or dict(part["buffers"])
+        aliases = aliases or dict(part.get("aliases", {}))
         for name, saved in part["params"].items():
             if name not in flat:
                 shapes[name] = tuple(saved["shape"])
@@ -250,4 +258,5 @@ def full_state_dict(parts: Iterable[Any]) -> dict[str, torch.Tensor]:
             )
     result = {name: tensor.view(shapes[name]) for name, tensor in flat.items()}
     result.update(buffers)
+    result.update({alias: result[name] for alias, name in aliases.items() if name in result})
     return result
