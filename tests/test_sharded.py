@@ -7,6 +7,7 @@ is slow, and every launch pays for interpreters and process groups.
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -118,3 +119,37 @@ def test_checkpoint_reshards_and_exports(workers, tmp_path):
     outputs = workers("sharded_checks.py", 1, "fit", root, "25", timeout=200)
     for i, run in enumerate(_runs(outputs[0])):
         _assert_params(_assemble([run["params"]]), expected[25], f"stage {i + 1} resumed at 1 process")
+
+
+@pytest.mark.timeout(400)
+def test_sigkilled_worker_restarts_and_resumes(tmp_path):
+    """Under ``loom run --max-restarts 2`` a rank SIGKILLs itself before step 8, once in stage 1 and once in
+    stage 3: each group restarts, resumes from the checkpoint of step 5, and ends equal to 12 steps of one
+    process (SGD + momentum, 1e-5)."""
+    from test_launcher import run_loom, wait_until_gone
+
+    script = Path(__file__).parent / "workers" / "sharded_checks.py"
+    args = [
+        "run",
+        "-n",
+        2,
+        "--max-restarts",
+        2,
+        "--run-dir",
+        tmp_path / "run",
+        script,
+        "elastic",
+        tmp_path / "ckpt",
+    ]
+    result = run_loom([*args, 12, 8], tmp_path, timeout=380)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert wait_until_gone(str(script)) == []
+    records = [json.loads(line[line.index("{") :]) for line in result.stdout.splitlines() if "{" in line]
+    expected = reference_run("sgd", 7, 12)[1]
+    for stage, resumed in ((1, 12), (3, 5)):  # stage 1 finished in attempt 1; stage 3 resumed in attempt 2
+        final = [r for r in records if r["stage"] == stage and r["attempt"] == 2]
+        assert sorted(r["rank"] for r in final) == [0, 1] and all(r["step"] == 12 for r in final), final
+        assert all(r["resumed_from"] == resumed for r in final), [r["resumed_from"] for r in final]
+        _assert_params(_assemble([r["params"] for r in final]), expected, f"stage {stage} after restarts")
+    restarted = [r for r in records if r["stage"] == 1 and r["attempt"] == 1]
+    assert all(r["resumed_from"] == 5 for r in restarted), restarted

@@ -5,9 +5,14 @@ argv[1] = "guards": for each stage, a NaN step skipped on every rank (parameters
 a larger model with Adam (`job.memory()`); one JSON line per check.
 argv[1] = "fit" CKPT_ROOT STEPS: for each stage, `loom.fit` with SGD + momentum to STEPS steps in
 CKPT_ROOT/stage<S> (resuming, and resharding, from what is there); the final parameters' pieces as JSON.
+argv[1] = "elastic" CKPT_ROOT STEPS KILL_AT, under ``loom run --max-restarts 2``: stages 1 then 3, checkpoints
+every 5 steps; on attempt i (TORCHELASTIC_RESTART_COUNT) the last rank kills itself with SIGKILL just before step
+KILL_AT of the i-th stage, so each is restarted once and resumes from its last checkpoint.
 """
 
 import json
+import os
+import signal
 import sys
 
 import torch
@@ -91,3 +96,26 @@ elif mode == "fit":
             progress=False,
         )
         print(json.dumps({"stage": stage, "step": job.step, "params": pieces(job)}), flush=True)
+elif mode == "elastic":
+    root, steps, kill_at = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for index, stage in enumerate((1, 3)):
+        model = make_mlp()
+        job = loom.ShardedDataParallel(stage=stage).setup(
+            model, make_optimizer("sgd", model), nn.functional.mse_loss
+        )
+        train_step = job.train_step
+
+        def step_or_die(batch, job=job, train_step=train_step, index=index):
+            if attempt == index and topo.rank == topo.world_size - 1 and job.step + 1 == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return train_step(batch)
+
+        job.train_step = step_or_die
+        result = loom.fit(
+            job, job.loader(make_dataset(), 7, seed=1), steps=steps, checkpoint_dir=f"{root}/stage{stage}",
+            checkpoint_every=5, progress=False,
+        )  # fmt: skip
+        record = {"stage": stage, "attempt": attempt, "rank": topo.rank, "step": job.step,
+                  "resumed_from": result.resumed_from, "params": pieces(job)}  # fmt: skip
+        print(json.dumps(record), flush=True)

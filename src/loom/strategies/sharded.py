@@ -23,7 +23,8 @@ The job is a `DataParallelJob`: the same step (global-batch weighting of uneven 
 needs: stage 1 averages the gradients after backward where `DataParallel` averages shared-memory gradients
 (the loss buffer rides with it) and all-gathers the parameters after the optimizer step; stages 2 and 3 let
 FSDP2 reduce inside backward, as DDP does, with `FsdpLayout.no_sync` for accumulation. The non-finite verdict
-is reduced over the ranks (each holds a different piece of the gradient). In one process every stage is the
+is reduced over the ranks (each holds a different piece of the gradient): it rides on the collective the step
+already makes (stage 1's loss all-reduce after the gradient's; with FSDP2, each rank's flag in the loss buffer). In one process every stage is the
 plain model with the stage-1 layout (nothing to shard), so its checkpoints reshard like the others.
 
 At setup: rank 0's parameters and buffers are broadcast (as DDP does), the replicas are checked to hold the
@@ -51,10 +52,11 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config_docs import document_options
+from loom.fault.desync import GRADIENT_FLAG
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.observe.phases import StepObserver
+from loom.observe.phases import FLAGS_AT, StepObserver
 from loom.strategies._batch import LossCall, batch_len, forward_loss, to_device
 from loom.strategies._setup import check_setup_arguments
 from loom.strategies.consistency import check_same_model
@@ -216,12 +218,20 @@ class ShardedDataParallelJob(DataParallelJob):
         fsdp = self._fsdp
         return fsdp.no_sync() if fsdp is not None else nullcontext()
 
-    def _gradients_finite(self) -> bool:
+    def _flag_local_loss(self, loss_sum: torch.Tensor) -> None:
+        """This rank's flag: its loss, and with FSDP2 its shards of the averaged gradient (``GRADIENT_FLAG``),
+        so that the verdict rides on the loss all-reduce instead of a collective of its own."""
+        super()._flag_local_loss(loss_sum)
         fsdp = self._fsdp
-        if fsdp is not None:
-            with self.watchdog.collective("non-finite flag all-reduce"):
-                return fsdp.gradients_finite()
-        return isinstance(self.layout, FlatShards) and self.layout.finite
+        if fsdp is not None and not fsdp.local_gradients_finite():
+            slot = FLAGS_AT + self.topology.rank
+            loss_sum[slot] = float(int(loss_sum[slot].item()) | GRADIENT_FLAG)
+
+    def _gradients_finite(self) -> bool:
+        """Stage 1: the verdict `FlatShards.average` reduced; FSDP2: True here, the ranks' flags carry it."""
+        if isinstance(self.layout, FlatShards):
+            return self.layout.finite
+        return True
 
     def _apply_unless_nonfinite(self, reduced: torch.Tensor, gradient_finite: bool) -> bool:
         skipped = super()._apply_unless_nonfinite(reduced, gradient_finite)

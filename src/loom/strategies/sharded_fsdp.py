@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -136,10 +134,9 @@ class FsdpLayout:
             if self.stage == 3:
                 root.set_reshard_after_forward(True)
 
-    def gradients_finite(self, group: Any = None) -> bool:
-        """Whether every rank's shards of the averaged gradient are finite: the same verdict on every rank."""
+    def local_gradients_finite(self) -> bool:
+        """Whether this rank's shards of the averaged gradient are finite (after backward: FSDP2 reduced them).
+        Ranks hold different shards, so the verdict must travel: `ShardedDataParallelJob` sets it in this
+        rank's flag of the step's loss buffer, whose all-reduce every rank reads."""
         grads = [p.param.grad for p in self.pieces]
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        flag = torch.tensor([0.0 if gradients_finite(local) else 1.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return flag.item() == 0.0
+        return gradients_finite([g.to_local() if isinstance(g, DTensor) else g for g in grads])
