@@ -74,23 +74,31 @@ def markdown(summary: dict) -> str:
         "training), counted over every live tensor, each storage once; predicted: the ZeRO share of the "
         "one-process state (16 bytes per parameter with Adam in fp32). DataParallel's prediction is the whole.",
         "",
+        "Throughput: the median samples/s over the repetitions, and against raw FSDP2 at the same stage and "
+        "against DataParallel the median of each repetition's own ratio (paired: the runners of one repetition "
+        "run seconds apart, so a slow minute hits them alike).",
+        "",
         "| N | runner | predicted MiB | measured MiB | measured / predicted | samples/s (median) | "
-        "vs raw FSDP2 | vs DataParallel |",
+        "vs raw FSDP2 (paired) | vs DataParallel (paired) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     mib = 1 << 20
     for n, r in summary["results"].items():
         whole = 16 * r["params"]
-        median = {k: statistics.median(v) for k, v in r["rates"].items()}
-        for name, rate in median.items():
+        rates = r["rates"]
+
+        def paired(a: str, b: str, rates=rates) -> float:
+            return statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=True))
+
+        for name, values in rates.items():
             stage = _stage(name)
             predicted = whole * (zero_share(stage, int(n)) if stage else 1.0)
             measured = r["memory"][name]["state"]
-            raw = median.get(f"raw FSDP2 stage {stage}") if stage in (2, 3) else None
-            vs_raw = f"{rate / raw:.2f}" if raw and name.startswith("loom") else ""
+            raw = f"raw FSDP2 stage {stage}"
+            vs_raw = f"{paired(name, raw):.2f}" if raw in rates and name.startswith("loom") else ""
             lines.append(
                 f"| {n} | {name} | {predicted / mib:.1f} | {measured / mib:.1f} | {measured / predicted:.2f} | "
-                f"{rate:.0f} | {vs_raw} | {rate / median['loom DataParallel']:.2f} |"
+                f"{statistics.median(values):.0f} | {vs_raw} | {paired(name, 'loom DataParallel'):.2f} |"
             )
     lines += [
         "",

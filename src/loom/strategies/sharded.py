@@ -83,7 +83,9 @@ _REFUSED = {
 @dataclass(frozen=True)
 class ShardedDataParallelConfig(DataParallelConfig):
     """`ShardedDataParallel`'s options: the stage, the units, and `DataParallelConfig`'s step options
-    (``accumulate``, the guard's); the options that only DataParallel's gradient paths have are refused."""
+    (``accumulate``, the guard's); the options that only DataParallel's gradient paths have are refused
+    (``compression``, ``find_unused_parameters``, ``overlap``, ``allreduce`` other than auto/native), and
+    ``bucket_cap_mb`` and ``broadcast_buffers`` do not apply (buffers are broadcast from rank 0 at setup only)."""
 
     stage: int = 3
     """ZeRO stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (see the table)."""
@@ -235,10 +237,21 @@ class ShardedDataParallelJob(DataParallelJob):
 
     def _apply_unless_nonfinite(self, reduced: torch.Tensor, gradient_finite: bool) -> bool:
         skipped = super()._apply_unless_nonfinite(reduced, gradient_finite)
-        if not skipped and isinstance(self.layout, FlatShards):
+        if not skipped:
+            self._gather_after_step()
+        return skipped
+
+    def _apply(self, state: Any) -> None:
+        """The step engine's name for the optimizer step (`loom.train.engine.Engine._apply`, called only for an
+        applied step); kept beside `_apply_unless_nonfinite` so that this job runs on either base."""
+        super()._apply(state)  # type: ignore[misc]
+        self._gather_after_step()
+
+    def _gather_after_step(self) -> None:
+        """Stage 1: every rank's updated piece into every rank's whole parameters (FSDP2 needs nothing)."""
+        if isinstance(self.layout, FlatShards):
             with self.watchdog.collective("parameter all-gather"):
                 self.layout.gather_parameters()
-        return skipped
 
     def own_loop(self, loader: Any = None) -> Any:
         raise NotImplementedError(
