@@ -28,7 +28,10 @@ __all__ = ["run_sharded_benchmark"]
 
 
 def _job(nproc: int, args: list[str], run_dir: Path) -> int:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # A fixed mmap threshold: glibc then maps every allocation above 128 KiB on its own and unmaps it when freed,
+    # so the resident set follows the live tensors and a step's peak shows in VmHWM (its default threshold grows
+    # with the allocations and keeps freed memory resident). The same for every runner.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     cmd = [sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(run_dir)]
     return subprocess.call([*cmd, "-m", "loom_bench.sharded_worker", *args], env=env)
 
@@ -78,9 +81,13 @@ def markdown(summary: dict) -> str:
         "against DataParallel the median of each repetition's own ratio (paired: the runners of one repetition "
         "run seconds apart, so a slow minute hits them alike).",
         "",
-        "| N | runner | predicted MiB | measured MiB | measured / predicted | samples/s (median) | "
+        "Step peak: how far the process's resident memory rose above its level at the start of one step, at "
+        "its highest during the step (Linux ``VmHWM`` reset through ``/proc/self/clear_refs``; rank 0, the "
+        "last repetition): gathered parameters, full gradients, activations, communication buffers.",
+        "",
+        "| N | runner | predicted MiB | measured MiB | measured / predicted | step peak MiB | samples/s (median) | "
         "vs raw FSDP2 (paired) | vs DataParallel (paired) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     mib = 1 << 20
     for n, r in summary["results"].items():
@@ -98,7 +105,7 @@ def markdown(summary: dict) -> str:
             vs_raw = f"{paired(name, raw):.2f}" if raw in rates and name.startswith("loom") else ""
             lines.append(
                 f"| {n} | {name} | {predicted / mib:.1f} | {measured / mib:.1f} | {measured / predicted:.2f} | "
-                f"{statistics.median(values):.0f} | {vs_raw} | {paired(name, 'loom DataParallel'):.2f} |"
+                f"{r['memory'][name].get('step_peak', 0) / mib:.1f} | {statistics.median(values):.0f} | {vs_raw} | {paired(name, 'loom DataParallel'):.2f} |"
             )
     lines += [
         "",

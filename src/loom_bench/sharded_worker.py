@@ -1,6 +1,9 @@
 """Worker of ``loom bench sharded``: times loom ShardedDataParallel (stages 1-3), raw FSDP2 (``fully_shard``
 with the same units, a plain loop) and loom DataParallel in the same processes, alternating, and measures each
-one's persistent training state per rank by walking the live tensors (`loom.strategies.sharded_memory`).
+one's persistent training state per rank by walking the live tensors (`loom.strategies.sharded_memory`), and the
+peak of one step: the process's resident memory at its highest during the step (``VmHWM``, reset just before it
+through ``/proc/self/clear_refs``) minus what was resident when it began (Linux only; a benchmark measurement,
+which is why it lives here and not in ``job.memory()``).
 
 Every runner trains the same MLP with Adam on the same synthetic global batches; the order rotates between
 repetitions so drift on a shared machine hits all alike. Rank 0 writes the samples/s and bytes as JSON.
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,11 +62,29 @@ def _timed(step: Callable[[Any], None], batches: list, warmup: int, global_batch
     return (len(batches) - warmup) * global_batch / (time.perf_counter() - started)
 
 
+def _resident_kib() -> dict[str, int]:
+    text = Path("/proc/self/status").read_text()
+    return {k: int(v) for k, v in re.findall(r"(VmHWM|VmRSS):\s+(\d+) kB", text)}
+
+
+def step_peak_bytes(step: Callable[[Any], None], batch: Any) -> int:
+    """Bytes by which the resident set rose at its highest during one ``step(batch)`` (0 where /proc lacks it)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    except OSError:
+        return 0
+    before = _resident_kib()["VmRSS"]
+    step(batch)
+    return max(0, _resident_kib()["VmHWM"] - before) * 1024
+
+
 def run_loom(strategy: Any, topo, batches: list, warmup: int) -> tuple[float, dict[str, int]]:
     model = bench_model()
     job = strategy.setup(model, torch.optim.Adam(model.parameters()), nn.functional.cross_entropy)
     rate = _timed(lambda b: job.train_step(_share(b, topo)), batches, warmup, len(batches[0][0]))
-    return rate, live_tensor_bytes(job.module, job.optimizer)
+    memory = live_tensor_bytes(job.module, job.optimizer)
+    memory["step_peak"] = step_peak_bytes(lambda b: job.train_step(_share(b, topo)), batches[0])
+    return rate, memory
 
 
 def run_raw_fsdp2(stage: int, topo, batches: list, warmup: int) -> tuple[float, dict[str, int]]:
@@ -80,7 +102,9 @@ def run_raw_fsdp2(stage: int, topo, batches: list, warmup: int) -> tuple[float, 
         optimizer.step()
 
     rate = _timed(step, batches, warmup, len(batches[0][0]))
-    return rate, live_tensor_bytes(model, optimizer)
+    memory = live_tensor_bytes(model, optimizer)
+    memory["step_peak"] = step_peak_bytes(step, batches[0])
+    return rate, memory
 
 
 def main() -> None:
