@@ -40,6 +40,7 @@ def _assert_params(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], l
         assert diff <= TOL, f"{label}: {name} differs by {diff}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("world_size", "global_batch"), [(2, 5), (3, 7)])
 def test_stages_match_one_process(workers, world_size, global_batch):
@@ -67,6 +68,7 @@ def test_stages_match_one_process(workers, world_size, global_batch):
             assert abs(run["eval"] - nn.functional.mse_loss(model(x), y).item()) <= TOL, label
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_nonfinite_step_skipped_and_memory_within_zero_share(workers):
     """A NaN on one rank's share: the step is skipped on every rank at every stage, nothing changes. Memory:
@@ -91,6 +93,7 @@ def test_nonfinite_step_skipped_and_memory_within_zero_share(workers):
             assert r["memory"]["optimizer"] <= 1.10 * 8 * r["params"] / 2  # Adam's moments: sharded
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_checkpoint_reshards_and_exports(workers, tmp_path):
     """loom.fit with SGD + momentum: 10 steps at 2 processes, resumed to 20 at 3, then to 25 at 1, each equal to
@@ -121,6 +124,7 @@ def test_checkpoint_reshards_and_exports(workers, tmp_path):
         _assert_params(_assemble([run["params"]]), expected[25], f"stage {i + 1} resumed at 1 process")
 
 
+@pytest.mark.system
 @pytest.mark.timeout(400)
 def test_sigkilled_worker_restarts_and_resumes(tmp_path):
     """Under ``loom run --max-restarts 2`` a rank SIGKILLs itself before step 8, once in stage 1 and once in

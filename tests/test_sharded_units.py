@@ -12,6 +12,8 @@ from loom.strategies.sharded_selftest import check_collectives
 from loom.strategies.sharded_state import full_state_dict
 from loom.topology import Topology
 
+pytestmark = pytest.mark.unit  # the lane (main's conftest refuses a test without one)
+
 SINGLE = Topology(0, 1, 0, 1, "none")
 
 
