@@ -22,6 +22,7 @@ pytestmark = pytest.mark.unit
         (loom.Pipeline, [loom.PipelineConfig, loom.DataParallelConfig]),
         (loom.TensorParallel, [loom.TensorParallelConfig, loom.DataParallelConfig]),
         (loom.Hybrid, [loom.HybridConfig, loom.DataParallelConfig]),
+        (loom.ShardedDataParallel, [loom.ShardedDataParallelConfig]),
     ],
 )
 def test_help_shows_every_option_with_its_default_and_meaning(strategy, configs):

@@ -31,6 +31,8 @@ from loom.parallel import (
     ParameterServerConfig,
     Pipeline,
     PipelineConfig,
+    ShardedDataParallel,
+    ShardedDataParallelConfig,
     TensorParallel,
     TensorParallelConfig,
 )
@@ -56,6 +58,8 @@ __all__ = [
     "ParameterServerConfig",
     "Pipeline",
     "PipelineConfig",
+    "ShardedDataParallel",
+    "ShardedDataParallelConfig",
     "TensorBoardTracker",
     "TensorParallel",
     "TensorParallelConfig",

@@ -1,4 +1,5 @@
-"""The ``loom`` command: ``run`` (launch a job), ``demo`` (the built-in example), ``bench`` (measurements)."""
+"""The ``loom`` command: ``run`` (launch a job), ``demo`` (the built-in example), ``bench`` (measurements),
+``report`` (a run's report), ``export`` (a checkpoint's whole model as safetensors)."""
 
 from __future__ import annotations
 
@@ -235,6 +236,10 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         return _benchmark("allreduce").run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick)
     if ns.which == "links":
         return _benchmark("links").run_links_benchmark(out_dir=ns.out, reps=ns.repetitions, quick=ns.quick)
+    if ns.which == "sharded":
+        return _benchmark("sharded").run_sharded_benchmark(
+            repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out
+        )
     return _benchmark("checkpoint_overhead").run_checkpoint_benchmark(out_dir=ns.out)
 
 
@@ -261,6 +266,19 @@ def _cmd_report(ns: argparse.Namespace) -> int:
     return run_report(ns.run_dir)
 
 
+def _cmd_export(ns: argparse.Namespace) -> int:
+    from loom.checkpoint import CheckpointError
+    from loom.checkpoint.export import export_model
+
+    try:
+        step, count = export_model(ns.checkpoint, ns.out)
+    except (CheckpointError, OSError, ValueError) as err:
+        print(f"loom export: {err}", file=sys.stderr)
+        return 2
+    print(f"loom export: step {step}, {count} tensors -> {ns.out}")
+    return 0
+
+
 def _trace_window(text: str) -> str:
     start, sep, end = text.partition(":")
     if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
@@ -283,10 +301,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against named baselines, measured in the same run")
     bench.add_argument(
         "which",
-        choices=["dp", "allreduce", "checkpoint", "links"],
+        choices=["dp", "allreduce", "checkpoint", "links", "sharded"],
         help="dp: DataParallel vs raw DDP; allreduce: algorithms vs native; checkpoint: save overhead; "
         "links: all-reduce and compressed DataParallel between network-namespace hosts on tc-limited links "
-        "(needs root)",
+        "(needs root); sharded: ZeRO memory per rank and throughput vs raw FSDP2 and DataParallel",
     )
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (allreduce, links)")
     bench.add_argument("--repetitions", type=_positive_int, default=5, help="repetitions (median reported)")
@@ -295,12 +313,22 @@ def _build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="an HTML report with plots from a run directory")
     report.add_argument("run_dir", type=Path, help="the --run-dir of a finished (or running) job")
+
+    export = sub.add_parser("export", help="the whole model of a checkpoint (sharded or not) as safetensors")
+    export.add_argument("checkpoint", type=Path, help="a loom.fit checkpoint_dir (its newest) or one step-N")
+    export.add_argument("out", type=Path, help="the .safetensors file to write")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = _build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "demo": _cmd_demo, "bench": _cmd_bench, "report": _cmd_report}
+    handlers = {
+        "run": _cmd_run,
+        "demo": _cmd_demo,
+        "bench": _cmd_bench,
+        "report": _cmd_report,
+        "export": _cmd_export,
+    }
     return handlers[ns.command](ns)
 
 

@@ -20,6 +20,7 @@ from loom.checkpoint import (
     checkpoint_name,
     local_state_file,
     read_checkpoint_part,
+    read_local_state,
     restore_rng,
 )
 from loom.checkpoint.find import checkpoint_candidates, no_valid_checkpoint
@@ -125,7 +126,23 @@ def _restore_sharded_state(
 ) -> None:
     """Load this rank's part of a job whose state differs per rank; only the layout that wrote it fits."""
     mesh = job.mesh.shape.describe()
-    if job.replicated_state or saved.get("world_size") != topo.world_size or saved.get("mesh") != mesh:
+    written_by = saved.get("world_size")
+    if (
+        not job.replicated_state
+        and job.reshards
+        and isinstance(written_by, int)
+        and written_by != topo.world_size
+    ):
+        if topo.is_main:
+            print(
+                f"loom.fit: resharding the checkpoint of step {step}, written by {written_by} processes, over "
+                f"{topo.world_size}",
+                file=sys.stderr,
+                flush=True,
+            )
+        job.load_resharded(lambda r: _sharded_part(checkpoint, r), written_by)
+        return
+    if job.replicated_state or written_by != topo.world_size or saved.get("mesh") != mesh:
         raise CheckpointError(
             f"the checkpoint of step {step} in {checkpoint.parent} holds a job sharded over "
             f"{saved.get('world_size')} processes (mesh {saved.get('mesh')}); this job is "
@@ -136,6 +153,14 @@ def _restore_sharded_state(
         raise CorruptCheckpointError(checkpoint / local_state_file(topo.rank), "not a sharded job's part")
     job.load_state_dict(own["job"])
     job.load_local_state_dict(own["local"])
+
+
+def _sharded_part(checkpoint: Path, rank: int) -> Any:
+    """Rank ``rank``'s saved part of a sharded job (its file's ``job`` entry), for resharding."""
+    part = read_local_state(checkpoint, rank)
+    if not isinstance(part, dict) or "job" not in part:
+        raise CorruptCheckpointError(checkpoint / local_state_file(rank), "not a sharded job's part")
+    return part["job"]
 
 
 def _restore_local_state(job: Job, saved: dict[str, Any], step: int, topo: Topology, own: Any) -> None:

@@ -79,6 +79,9 @@ class Job(abc.ABC):
     strategies). ``"replica"``: this replica's own mean loss on its share, which differs between ranks (Gossip and
     asynchronous parameter servers, whose replicas hold different models and never reduce a loss per step);
     `loom.fit`'s result and progress line say which."""
+    reshards = False
+    """True when a job whose state is not replicated resumes at another world size: `loom.fit` then hands
+    `load_resharded` every rank's saved part (`ShardedDataParallel`); False refuses another world size."""
     replicas_agree = True
     """True when the replicas along the data axis hold bitwise-equal parameters after every step (synchronous
     strategies); `loom.fit`'s ``desync_every`` checks it. Strategies whose replicas drift apart set False."""
@@ -123,6 +126,14 @@ class Job(abc.ABC):
 
         return make_loader(
             dataset, global_batch_size, shuffle, seed, drop_last, topology=self.data_topology, **options
+        )
+
+    def load_resharded(self, read_part: Callable[[int], Any], written_by: int) -> None:
+        """Restore a sharded checkpoint written by ``written_by`` ranks into this rank's share of the job, with
+        ``read_part(r)`` the saved `state_dict` of rank ``r``; only jobs with ``reshards`` implement it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot resume a checkpoint written at another world size ({written_by} "
+            "processes). HINT: resume with the world size that wrote it."
         )
 
     def local_state_dict(self) -> dict[str, Any]:

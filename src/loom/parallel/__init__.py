@@ -6,6 +6,7 @@ DiLoCo), ``gossip/``, ``ps/`` (the parameter-server worker side; the servers are
 subclasses the one step engine, `loom.train.engine.Engine`; collectives live in `loom.comm`."""
 
 from loom.parallel.data.data_parallel import DataParallel, DataParallelConfig, DataParallelJob
+from loom.parallel.data.sharded import ShardedDataParallel, ShardedDataParallelConfig, ShardedDataParallelJob
 from loom.parallel.gossip.gossip import Gossip, GossipConfig, GossipJob
 from loom.parallel.model.hybrid import Hybrid, HybridConfig
 from loom.parallel.model.model_parallel import ModelParallelJob
@@ -36,6 +37,9 @@ __all__ = [
     "ParameterServerJob",
     "Pipeline",
     "PipelineConfig",
+    "ShardedDataParallel",
+    "ShardedDataParallelConfig",
+    "ShardedDataParallelJob",
     "TensorParallel",
     "TensorParallelConfig",
 ]

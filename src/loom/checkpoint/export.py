@@ -1,0 +1,76 @@
+"""``loom export CHECKPOINT OUT.safetensors``: the whole model's state dict, under its original names, from any
+loom checkpoint, in one process, without a process group.
+
+A replicated job's checkpoint (`DataParallel` and the others whose state is the same on every rank) holds the
+model in its shared state (``job.model``); a `ShardedDataParallel` checkpoint holds it in pieces, one file per
+rank, each piece with its bounds (`loom.parallel.data.sharded_state`), reassembled here one rank's file at a time.
+Other sharded jobs (pipeline stages, tensor shards) keep their parts in layouts of their own and are refused,
+naming the fix. ``CHECKPOINT`` is a checkpoint directory of `loom.fit` (its newest intact checkpoint is
+exported) or one ``step-N`` directory in it. The output is a plain safetensors file of contiguous tensors:
+``model.load_state_dict(safetensors.torch.load_file(OUT))`` restores the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from loom.checkpoint.find import checkpoint_candidates, no_valid_checkpoint
+from loom.checkpoint.load import read_checkpoint, read_local_state
+from loom.checkpoint.store import MANIFEST_FILE, CheckpointError, CorruptCheckpointError, list_checkpoints
+
+__all__ = ["export_model", "model_state_dict"]
+
+
+def _newest(directory: Path) -> tuple[Path, int, dict[str, Any]]:
+    if (directory / MANIFEST_FILE).is_file() or not list_checkpoints(directory):
+        step, state = read_checkpoint(directory)
+        return directory, step, state
+    candidates, problems = checkpoint_candidates(directory)
+    for candidate in candidates:
+        try:
+            step, state = read_checkpoint(candidate)
+        except CorruptCheckpointError as err:
+            problems.append(str(err))
+            continue
+        return candidate, step, state
+    raise no_valid_checkpoint(directory, problems)
+
+
+def model_state_dict(checkpoint: str | os.PathLike) -> tuple[int, dict[str, torch.Tensor]]:
+    """``(step, state dict)`` of the whole model in ``checkpoint`` (a `loom.fit` directory or one checkpoint)."""
+    from loom.parallel.data.sharded_state import full_state_dict, is_sharded_part  # the format of its parts
+
+    path, step, state = _newest(Path(checkpoint))
+    job = state.get("job")
+    if isinstance(job, dict) and isinstance(job.get("model"), dict):
+        return step, dict(job["model"])
+    saved = state.get("fit")
+    fit: dict[str, Any] = saved if isinstance(saved, dict) else {}
+    world = fit.get("world_size")
+    if not fit.get("sharded") or not isinstance(world, int):
+        raise CheckpointError(
+            f"{path} holds no model state (no 'job.model' entry, not a sharded job's parts)"
+        )
+    own = read_local_state(path, 0)
+    first = own.get("job") if isinstance(own, dict) else None
+    if not is_sharded_part(first):
+        raise CheckpointError(
+            f"{path} was written by a sharded job whose parts are not ShardedDataParallel's (mesh "
+            f"{fit.get('mesh')}): export supports replicated jobs and ShardedDataParallel. HINT: load it into "
+            "the strategy that wrote it and save job.module.state_dict() from each part."
+        )
+    parts = (first if r == 0 else read_local_state(path, r)["job"] for r in range(world))
+    return step, full_state_dict(parts)
+
+
+def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike) -> tuple[int, int]:
+    """Write the whole model of ``checkpoint`` to the safetensors file ``out``; ``(step, tensors written)``."""
+    step, state = model_state_dict(checkpoint)
+    tensors = {name: t.detach().contiguous().clone() for name, t in state.items()}
+    safetensors.torch.save_file(tensors, str(out), metadata={"loom_step": str(step)})
+    return step, len(tensors)

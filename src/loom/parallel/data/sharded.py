@@ -1,0 +1,304 @@
+"""Sharded data parallelism: ZeRO stages 1, 2 and 3 (Rajbhandari et al., 2020), the training state divided
+among the replicas instead of copied into each.
+
+```python
+job = loom.ShardedDataParallel(stage=3).setup(model, optimizer, loss_fn)
+loom.fit(job, job.loader(dataset, global_batch_size=256), epochs=10, checkpoint_dir="ckpt")
+print(job.memory())       # this rank's bytes: parameters, gradients, optimizer state, other
+```
+
+=====  ==========================================  ==============================  ============================
+stage  per rank, between steps                     built on                        why
+=====  ==========================================  ==============================  ============================
+1      whole parameters and gradients, 1/N of the  loom: `FlatShards` over         FSDP2 cannot shard the
+       optimizer state                             ``loom.comm.reduce_scatter``    optimizer state alone
+2      1/N of all three (parameters gathered from  FSDP2, ``reshard_after_         its bucketed reduce-scatter
+       forward to the end of backward)             forward=False``                 overlaps backward
+3      1/N of all three (parameters gathered       FSDP2, ``reshard_after_         the same
+       around each unit's forward and backward)    forward=True``
+=====  ==========================================  ==============================  ============================
+
+The job is a `DataParallelJob`: the same step (global-batch weighting of uneven and empty shares,
+``accumulate``, the non-finite guard, the hang watchdog, step records) with the narrow hooks a sharded layout
+needs: stage 1 averages the gradients after backward where `DataParallel` averages shared-memory gradients
+(the loss buffer rides with it) and all-gathers the parameters after the optimizer step; stages 2 and 3 let
+FSDP2 reduce inside backward, as DDP does, with `FsdpLayout.no_sync` for accumulation. The non-finite verdict
+is reduced over the ranks (each holds a different piece of the gradient): it rides on the collective the step
+already makes (stage 1's loss all-reduce after the gradient's; with FSDP2, each rank's flag in the loss buffer). In one process every stage is the
+plain model with the stage-1 layout (nothing to shard), so its checkpoints reshard like the others.
+
+At setup: rank 0's parameters and buffers are broadcast (as DDP does), the replicas are checked to hold the
+same model and optimizer, and the backend passes a self-test of the collectives (`sharded_selftest`).
+
+State: each rank's part holds its pieces under the original parameter names with their bounds
+(`loom.parallel.data.sharded_state`), so a checkpoint resumes at any world size (``reshards``: `loom.fit` hands
+`load_resharded` every rank's part), and ``loom export`` writes the whole model from it without processes.
+
+Limits: parameters must be contiguous; the optimizer elementwise (stage 1 steps pieces; stages 2 and 3 step
+first-dimension shards); no gradient compression, no ``own_loop``; buffers are broadcast at setup only (each
+rank's BatchNorm statistics then follow its own data, as DDP's with ``broadcast_buffers=False``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.config_docs import document_options
+from loom.fault.desync import GRADIENT_FLAG
+from loom.job import MetricFn
+from loom.mesh import Mesh
+from loom.observe.metrics import StepMetrics
+from loom.observe.phases import FLAGS_AT, StepObserver
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_parallel import DataParallelConfig, DataParallelJob, default_metrics_path
+from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
+from loom.parallel.data.sharded_fsdp import FsdpLayout, shard_model
+from loom.parallel.data.sharded_memory import live_tensor_bytes
+from loom.parallel.data.sharded_selftest import run_self_test
+from loom.parallel.data.sharded_state import ShardLayout, load_pieces, rank_state
+from loom.topology import Topology, current
+from loom.train.batch import LossCall, batch_len, forward_loss, to_device
+from loom.train.options import config_from
+
+__all__ = ["ShardedDataParallel", "ShardedDataParallelConfig", "ShardedDataParallelJob"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+_REFUSED = {
+    "compression": "gradient compression is DataParallel's (its codecs need the whole gradient on every rank)",
+    "find_unused_parameters": "DDP's option; FSDP2 and stage 1 reduce every parameter's gradient",
+    "overlap": "DataParallel's communication thread; FSDP2 overlaps its own reduce-scatter",
+}
+
+
+@dataclass(frozen=True)
+class ShardedDataParallelConfig(DataParallelConfig):
+    """`ShardedDataParallel`'s options: the stage, the units, and `DataParallelConfig`'s step options
+    (``accumulate``, the guard's); the options that only DataParallel's gradient paths have are refused
+    (``compression``, ``find_unused_parameters``, ``overlap``, ``allreduce`` other than auto/native), and
+    ``bucket_cap_mb`` and ``broadcast_buffers`` do not apply (buffers are broadcast from rank 0 at setup only)."""
+
+    stage: int = 3
+    """ZeRO stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (see the table)."""
+    wrap: Any = None
+    """FSDP2's units (stages 2 and 3): None picks them (children of a Sequential, modules in ModuleLists),
+    or module classes, or ``fn(model) -> [modules]``."""
+    gradient_reduce: str = "auto"
+    """Stage 1's gradient average: ``reduce_scatter`` (`loom.comm.reduce_scatter`), ``all_reduce`` (loom's
+    all-reduce with the ``allreduce`` algorithm, then this rank's slice), or ``auto``: all_reduce on CPU (gloo's
+    reduce-scatter is an all-reduce per rank), reduce_scatter on GPUs."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        given = {
+            "compression": self.compression is not None,
+            "find_unused_parameters": self.find_unused_parameters,
+            "overlap": self.overlap is not None,
+        }
+        for name, set_ in given.items():
+            if set_:
+                raise ValueError(f"ShardedDataParallel does not take {name}=: {_REFUSED[name]}")
+        if self.gradient_reduce not in ("auto", "reduce_scatter", "all_reduce"):
+            raise ValueError(
+                f"gradient_reduce must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.gradient_reduce!r}"
+            )
+        if self.allreduce not in ("auto", "native"):
+            raise ValueError(
+                f"ShardedDataParallel does not take allreduce={self.allreduce!r}: its gradients are "
+                "reduce-scattered, not all-reduced. HINT: leave allreduce at its default."
+            )
+
+
+class ShardedDataParallel:
+    """Strategy: shard the data and the training state (ZeRO ``stage`` 1, 2 or 3) over the replicas.
+
+    ``ShardedDataParallel(stage=3, accumulate=1, wrap=None, ...)`` — see `ShardedDataParallelConfig`.
+    """
+
+    def __init__(
+        self,
+        config: ShardedDataParallelConfig | None = None,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        observe: bool = True,
+        **options: Any,
+    ):
+        self.config = config_from(ShardedDataParallelConfig, config, options, "ShardedDataParallel")
+        self.topology = topology
+        self.metrics_path = metrics_path
+        self.observe = observe
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | LossCall | None = None
+    ) -> ShardedDataParallelJob:
+        """Broadcast rank 0's model, self-test the backend, shard; the optimizer is rebound in place to the
+        pieces (keep using the same object, and schedulers built on it)."""
+        topo = self.topology if self.topology is not None else current()
+        call = check_setup_arguments(
+            model, optimizer, loss_fn, strategy="ShardedDataParallel", conventions=True
+        )
+        check_elementwise(optimizer)
+        stage, world = self.config.stage, topo.world_size
+        model.to(topo.device)
+        metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
+        observer = StepObserver.for_process(metrics, world, enabled=self.observe)
+        fsdp = topo.is_distributed and stage >= 2
+        if topo.is_distributed:
+            check_same_model(model, topo.rank, world, optimizer=optimizer)
+            with torch.no_grad():
+                for tensor in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(tensor, src=0)
+        reduce = self.config.gradient_reduce
+        if reduce == "auto":
+            reduce = "all_reduce" if topo.device.type == "cpu" else "reduce_scatter"
+        collective = "reduce_scatter" if reduce == "reduce_scatter" else self.config.allreduce
+        if topo.is_distributed:
+            run_self_test(topo.rank, world, topo.backend, topo.device, fsdp=fsdp, collective=collective)
+        layout: ShardLayout
+        flat: FlatShards | None = None
+        if fsdp:
+            root, _, units = shard_model(model, optimizer, stage, world, self.config.wrap)
+            layout = FsdpLayout(root, optimizer, stage)
+            how = f"FSDP2 over {units + 1} unit(s), reshard_after_forward={stage == 3}"
+        else:
+            flat = layout = FlatShards(model, optimizer, topo.rank, world, collective=collective)
+            how = f"loom's flat optimizer shards ({reduce} of the gradient, all-gather of the parameters)"
+        if topo.is_main and topo.is_distributed:
+            print(f"loom: ShardedDataParallel stage {stage}: {how}", file=sys.stderr, flush=True)
+        job = ShardedDataParallelJob(
+            model, optimizer, call, Mesh(dp=world, topology=topo), self.config, metrics
+        )
+        job.observer = observer
+        job.layout = layout
+        job.shared_gradients = flat  # type: ignore[assignment]  # averaged after backward, as DataParallel's shm
+        job.replicas_agree = not fsdp  # FSDP2's replicas hold different shards: no bitwise desync check
+        return job
+
+
+document_options(ShardedDataParallelConfig, ShardedDataParallelConfig)
+document_options(ShardedDataParallel, ShardedDataParallelConfig)
+
+
+class ShardedDataParallelJob(DataParallelJob):
+    """A model set up for sharded data-parallel training; each rank's `state_dict` is its own part."""
+
+    replicated_state = False
+    reshards = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn | LossCall | None,
+        mesh: Mesh,
+        config: ShardedDataParallelConfig,
+        metrics: StepMetrics,
+    ) -> None:
+        super().__init__(module, module, optimizer, loss_fn, mesh, config, metrics)
+        self.stage = config.stage
+        self._loss_algorithm = "native"  # the loss buffer goes through the backend (FSDP2's path)
+        self.layout: ShardLayout = None  # type: ignore[assignment]  # set by ShardedDataParallel.setup
+
+    @property
+    def _fsdp(self) -> FsdpLayout | None:
+        return self.layout if isinstance(self.layout, FsdpLayout) else None
+
+    # -- the step's hooks -------------------------------------------------------------------------------------
+    def _no_sync(self):
+        fsdp = self._fsdp
+        return fsdp.no_sync() if fsdp is not None else nullcontext()
+
+    def _flag_local_loss(self, loss_sum: torch.Tensor) -> None:
+        """This rank's flag: its loss, and with FSDP2 its shards of the averaged gradient (``GRADIENT_FLAG``),
+        so that the verdict rides on the loss all-reduce instead of a collective of its own."""
+        super()._flag_local_loss(loss_sum)
+        fsdp = self._fsdp
+        if fsdp is not None and not fsdp.local_gradients_finite():
+            slot = FLAGS_AT + self.topology.rank
+            loss_sum[slot] = float(int(loss_sum[slot].item()) | GRADIENT_FLAG)
+
+    def _gradients_finite(self) -> bool:
+        """Stage 1: the verdict `FlatShards.average` reduced; FSDP2: True here, the ranks' flags carry it."""
+        if isinstance(self.layout, FlatShards):
+            return self.layout.finite
+        return True
+
+    def _apply(self, state: Any) -> None:
+        """The optimizer step (`loom.train.engine.Engine._apply`, called only for an applied step), then stage
+        1's all-gather of the updated pieces."""
+        super()._apply(state)
+        self._gather_after_step()
+
+    def _gather_after_step(self) -> None:
+        """Stage 1: every rank's updated piece into every rank's whole parameters (FSDP2 needs nothing)."""
+        if isinstance(self.layout, FlatShards):
+            with self.watchdog.collective("parameter all-gather"):
+                self.layout.gather_parameters()
+
+    def own_loop(self, loader: Any = None) -> Any:
+        raise NotImplementedError(
+            "ShardedDataParallel has no own_loop yet: its gradients are reduce-scattered by the step. HINT: "
+            "use job.train_step, or loom.DataParallel(...).setup(...).own_loop()."
+        )
+
+    @torch.no_grad()
+    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
+        """As `DataParallelJob.eval_step`; with FSDP2 a rank with an empty share still runs the forward (a
+        zero-size batch), since the forward gathers parameters with every other rank."""
+        if self._fsdp is not None:
+            batch_here = to_device(batch, self.topology.device)
+            if batch_len(self.loss_call.inputs_of(batch_here)) == 0:
+                was_training = self.module.training
+                self.module.eval()
+                try:
+                    forward_loss(self.loss_call, self.module, batch_here)
+                finally:
+                    self.module.train(was_training)
+        return super().eval_step(batch, metrics)
+
+    # -- memory -----------------------------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """This rank's bytes by category, counted over every live tensor (`sharded_memory.live_tensor_bytes`):
+        ``parameters``, ``gradients``, ``optimizer``, ``other``, ``state`` (the first three) and ``total``."""
+        return live_tensor_bytes(self.module, self.optimizer)
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part: its pieces with their bounds (`loom.parallel.data.sharded_state`)."""
+        topo = self.topology
+        return rank_state(
+            self.layout,
+            self.module,
+            self.optimizer,
+            stage=self.stage,
+            world_size=topo.world_size,
+            rank=topo.rank,
+            step=self.step,
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this rank's own part, written at this world size (another: `load_resharded`)."""
+        self._load_parts([state])
+
+    def load_resharded(self, read_part: Callable[[int], Any], written_by: int) -> None:
+        """Load a checkpoint written by ``written_by`` ranks: every part is read in turn (one at a time in
+        memory) and the overlapping ranges of each are copied into this rank's pieces."""
+        self._load_parts(read_part(r) for r in range(written_by))
+
+    def _load_parts(self, parts: Any) -> None:
+        self.step = load_pieces(parts, self.layout, self.module, self.optimizer, self.topology.rank)
+        if isinstance(self.layout, FlatShards):  # the whole parameters from every rank's loaded piece
+            with self.watchdog.collective("parameter all-gather"):
+                self.layout.gather_parameters()

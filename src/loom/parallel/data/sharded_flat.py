@@ -1,0 +1,179 @@
+"""ZeRO stage 1, loom's own: every rank keeps the whole model and its gradients, and steps the optimizer over
+one contiguous piece of all parameters, flattened and concatenated (Rajbhandari et al., "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", 2020, P_os).
+
+After backward (`FlatShards.average`, called by the step where `DataParallel` averages shared-memory
+gradients): the gradients are flattened into one vector and averaged, and each rank keeps the averaged
+gradient of its piece only; the full gradients are then freed. Two ways (``collective``): ``reduce_scatter``
+(`loom.comm.reduce_scatter`, the bandwidth-optimal collective where the backend has it natively, as NCCL does)
+or an all-reduce with one of `loom.comm.all_reduce`'s algorithms, then a slice. On CPU the all-reduce is
+chosen: gloo's reduce-scatter is one all-reduce per rank underneath, and loom's ``auto`` all-reduce goes
+through shared memory on one host (``benchmarks/reports/sharded.md`` has both measured). The parameters are then all-gathered the same way: an
+all-reduce of the flat vector holding this rank's piece and zeros elsewhere, which is exact (``x + 0 = x``)
+and on one host goes through shared memory, where gloo's all-gather does not. The optimizer holds, in place of the model's parameters, flat *views* of this rank's piece of
+each parameter (``nn.Parameter`` over the parameter's own storage), so its step updates the model in place and
+its state (momentum, Adam's moments) exists for this rank's piece only. After the step
+(`FlatShards.gather_parameters`) the updated pieces are all-gathered into every rank's model.
+
+Why not FSDP2 here: FSDP2 cannot shard the optimizer state alone (its smallest sharding is the parameters').
+The optimizer must be elementwise (its update of an element depends on that element's gradient and state
+only: SGD, Adam, AdamW, Adagrad, RMSprop, ...); one that reads whole tensors (LAMB's trust ratio, Adafactor's
+factored moments) would see pieces, so such optimizers are refused at setup (`ELEMENTWISE`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.comm import all_reduce
+from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
+from loom.parallel.data.sharded_state import Piece
+
+__all__ = ["ELEMENTWISE", "FlatShards", "check_elementwise"]
+
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.Adadelta,
+)
+"""Optimizers whose update is elementwise, so that stepping pieces equals stepping whole tensors."""
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that is not known to be elementwise (its pieces would not step as the whole)."""
+    if type(optimizer) not in ELEMENTWISE:
+        names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
+        raise ValueError(
+            f"ShardedDataParallel steps the optimizer over pieces of the parameters, which equals stepping whole "
+            f"tensors only for elementwise optimizers; got {type(optimizer).__name__}. HINT: use one of {names}, "
+            "or loom.DataParallel."
+        )
+
+
+class FlatShards:
+    """This rank's piece of every trainable parameter, flattened and concatenated; the optimizer steps it.
+
+    Built at setup, it rebinds ``optimizer``'s parameter groups, in place, to flat views of this rank's piece
+    of each parameter (so a scheduler built on the optimizer keeps working); a parameter with no element in
+    this rank's piece leaves the groups. One process: the piece is everything (the layout stays, so its
+    checkpoints reshard to any world size).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+        collective: str = "reduce_scatter",
+    ) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.collective = collective
+        """``reduce_scatter``, or the `loom.comm.all_reduce` algorithm that averages the whole gradient."""
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        named = [(n, p) for n, p in module.named_parameters() if id(p) in in_optimizer]
+        for name, p in named:
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"parameter {name!r} is not contiguous. HINT: call .contiguous() on it at build"
+                )
+        self.params = [p for _, p in named]
+        self.spans: list[tuple[int, int]] = []
+        offset = 0
+        for p in self.params:
+            self.spans.append((offset, offset + p.numel()))
+            offset += p.numel()
+        self.numel = offset
+        self.lo, self.hi = piece_bounds(self.numel, rank, world_size)
+        self.pieces: list[Piece] = []
+        view_of: dict[int, nn.Parameter] = {}
+        for (name, p), (start, end) in zip(named, self.spans, strict=True):
+            a, b = max(start, self.lo), min(end, self.hi)
+            if a < b:
+                view = nn.Parameter(p.data.view(-1)[a - start : b - start])
+                view_of[id(p)] = view
+                self.pieces.append(Piece(name, tuple(p.shape), a - start, b - start, view))
+        for g in optimizer.param_groups:
+            g["params"] = [view_of[id(p)] for p in g["params"] if id(p) in view_of]
+        self.finite = True
+        """The verdict of the last `average`: every rank's piece of the averaged gradient is finite."""
+        self.nbytes = self.numel * (self.params[0].element_size() if self.params else 4)
+        """Bytes of the whole flat gradient (what the step records count for this collective)."""
+
+    # -- ShardLayout ------------------------------------------------------------------------------------------
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view(-1)
+
+    def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def _distributed(self) -> bool:
+        return self.world_size > 1
+
+    @torch.no_grad()
+    def average(self, loss_sum: torch.Tensor) -> None:
+        """Reduce-scatter the averaged gradient to the pieces' ``.grad`` and free the full gradients; sum
+        ``loss_sum`` (the step's float64 loss buffer) over the ranks with a non-finite flag for the pieces,
+        whose verdict (any rank's piece non-finite) is left in `finite`. Collective."""
+        dtype = self.params[0].dtype if self.params else torch.float32
+        flat = (
+            torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+                    for p in self.params
+                ]
+            )
+            if self.params
+            else torch.zeros(0)
+        )
+        for p in self.params:
+            p.grad = None
+        if not self._distributed():
+            piece = flat
+        elif self.collective == "reduce_scatter":
+            piece = reduce_scatter(flat, op="avg", group=self.group)
+        else:  # a copy of the slice, so that the whole flat gradient is freed
+            piece = all_reduce(flat, op="avg", algorithm=self.collective, group=self.group)[
+                self.lo : self.hi
+            ].clone()
+        del flat
+        offset = 0
+        for view_piece in self.pieces:
+            n = view_piece.hi - view_piece.lo
+            view_piece.param.grad = piece[offset : offset + n]
+            offset += n
+        nonfinite = 0.0 if bool(torch.isfinite(piece).all()) else 1.0
+        if self._distributed():
+            buffer = torch.cat(
+                [loss_sum, torch.tensor([nonfinite], dtype=torch.float64, device=loss_sum.device)]
+            )
+            dist.all_reduce(buffer, group=self.group)
+            loss_sum.copy_(buffer[:-1])
+            nonfinite = float(buffer[-1].item())
+        self.finite = nonfinite == 0.0
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """All-gather every rank's updated piece into every rank's whole parameters. Collective."""
+        if not self._distributed():
+            return
+        mine = torch.cat([p.param.detach().reshape(-1) for p in self.pieces]) if self.pieces else None
+        if mine is None:
+            mine = torch.zeros(0, dtype=self.params[0].dtype if self.params else torch.float32)
+        if self.collective == "reduce_scatter":
+            full = all_gather(mine, self.numel, group=self.group)
+        else:  # every other rank contributes zeros there: the sum is each piece, bitwise
+            full = torch.zeros(self.numel, dtype=mine.dtype, device=mine.device)
+            full[self.lo : self.hi] = mine
+            all_reduce(full, op="sum", algorithm=self.collective, group=self.group)
+        for p, (start, end) in zip(self.params, self.spans, strict=True):
+            p.data.view(-1).copy_(full[start:end])
