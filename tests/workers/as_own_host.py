@@ -1,0 +1,10 @@
+"""Run the worker script given as argv[1] pretending that this rank is alone on its host (LOOM_HOST_ID=rank<r>)."""
+
+import os
+import runpy
+import sys
+
+os.environ["LOOM_HOST_ID"] = f"pretend-host-{os.environ['RANK']}"
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
