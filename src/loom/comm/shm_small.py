@@ -71,14 +71,17 @@ class SmallAllReduce:
             self._views[key] = views
         return views
 
-    def all_reduce(self, flat: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce the contiguous CPU tensor ``flat`` (at most `MAX_BYTES`) over the group, in place."""
+    def _publish(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Steps 1-2: this process's input into its slot, the barrier; every process's input, as tensors."""
         seg = self.segment
         parity = (seg.sequence + 1) & 1  # the barrier below is call number sequence + 1
-        nbytes = flat.nbytes
-        ctypes.memmove(self._base + seg.offset(seg.rank) + parity * MAX_BYTES, flat.data_ptr(), nbytes)
+        ctypes.memmove(self._base + seg.offset(seg.rank) + parity * MAX_BYTES, flat.data_ptr(), flat.nbytes)
         seg.barrier()
-        slots = self._slots(flat.dtype, flat.numel(), parity)
+        return self._slots(flat.dtype, flat.numel(), parity)
+
+    def all_reduce(self, flat: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce the contiguous CPU tensor ``flat`` (at most `MAX_BYTES`) over the group, in place."""
+        slots = self._publish(flat)
         view = flat.view(-1)
         view.copy_(slots[0])
         for j in range(1, len(slots)):
@@ -86,3 +89,12 @@ class SmallAllReduce:
         if op == "avg":
             view.div_(len(slots))
         return flat
+
+    def reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of the contiguous CPU tensor ``x`` (at most `MAX_BYTES`), as a new tensor;
+        ``x`` is left as it is (what an autograd function needs, without the copy an in-place one would cost)."""
+        slots = self._publish(x)
+        out = torch.add(slots[0], slots[1])
+        for j in range(2, len(slots)):
+            out.add_(slots[j])
+        return out.view(x.shape)

@@ -60,21 +60,33 @@ class TensorParallelComm:
     all-reduce (which decides, collectively)."""
 
     def all_reduce(self, tensor: torch.Tensor, phase: str) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place; return it."""
         self.counts[phase] += 1
-        if self.group is None:
-            return tensor
-        if tensor.device.type != "cpu" or dist.get_backend(self.group) != "gloo":
-            dist.all_reduce(tensor, group=self.group)
-            return tensor
-        if self._local is False:
-            self._local = shm_small.SmallAllReduce.for_group(self.group)
-        if self._local is None:
-            dist.all_reduce(tensor, group=self.group)
+        local = self._local_for(tensor)
+        if local is None:
+            if self.group is not None:
+                dist.all_reduce(tensor, group=self.group)
         elif tensor.nbytes <= shm_small.MAX_BYTES and tensor.is_contiguous():
-            self._local.all_reduce(tensor)
+            local.all_reduce(tensor)
         else:
             loom_all_reduce(tensor, "sum", "shm", self.group)
         return tensor
+
+    def reduced(self, tensor: torch.Tensor, phase: str) -> torch.Tensor:
+        """The sum of ``tensor`` over the group as a new tensor; ``tensor`` is left as it is."""
+        local = self._local_for(tensor)
+        if local is not None and tensor.nbytes <= shm_small.MAX_BYTES:
+            self.counts[phase] += 1
+            return local.reduced(tensor.contiguous())
+        return self.all_reduce(tensor.contiguous().clone(), phase)
+
+    def _local_for(self, tensor: torch.Tensor) -> shm_small.SmallAllReduce | None:
+        """The group's shared-memory all-reduce if ``tensor`` can take it (decided on the first call)."""
+        if self.group is None or tensor.device.type != "cpu" or dist.get_backend(self.group) != "gloo":
+            return None
+        if self._local is False:
+            self._local = shm_small.SmallAllReduce.for_group(self.group)
+        return self._local
 
     def reset_counts(self) -> None:
         self.counts = {"forward": 0, "backward": 0}
@@ -90,7 +102,7 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.contiguous().clone(), "backward"), None
+        return ctx.comm.reduced(grad, "backward"), None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
@@ -98,7 +110,7 @@ class _ReduceFromParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm):
-        return comm.all_reduce(x.contiguous().clone(), "forward")
+        return comm.reduced(x, "forward")
 
     @staticmethod
     def backward(ctx, grad):
