@@ -31,7 +31,7 @@ import torch.distributed as dist
 from loom.comm._reduce import host_key
 from loom.comm.shm import shm_unsupported_reason
 from loom.comm.shm_ring import Ring
-from loom.comm.shm_wait import wait_until
+from loom.comm.shm_wait import process_alive, wait_until
 
 __all__ = ["CAPACITY", "DTYPES", "ShmReceiver", "ShmSender", "channel_from", "channel_to", "progress"]
 
@@ -70,6 +70,7 @@ class ShmSender:
 
     def __init__(self, ring: Ring, rank: int, peer: int) -> None:
         self.ring, self.rank, self.peer = ring, rank, peer
+        self.check_pid = process_alive(ring.reader_pid())  # not when the peer's pids are not visible from here
         self._queue: deque[list[Any]] = deque()  # [address, bytes left, object keeping the memory alive]
         self.sent = 0
 
@@ -106,6 +107,7 @@ class ShmSender:
         if not self.flush():
             wait_until(
                 self.flush, me=f"rank {self.rank}", peer=f"rank {self.peer}", pid=self.ring.reader_pid, progress=progress,
+                check_pid=self.check_pid,
                 what=f"shared-memory send of message {self.sent} to rank {self.peer} (its receiver reads no more)",
             )  # fmt: skip
 
@@ -123,6 +125,7 @@ class ShmReceiver:
 
     def __init__(self, ring: Ring, rank: int, peer: int) -> None:
         self.ring, self.rank, self.peer = ring, rank, peer
+        self.check_pid = process_alive(ring.writer_pid())
         self._scratch = ctypes.create_string_buffer(8 * _MAX_WORDS)
         self._scratch_addr = ctypes.addressof(self._scratch)
         self.received = 0
@@ -133,6 +136,7 @@ class ShmReceiver:
         while done < n:
             wait_until(
                 ring.readable, me=f"rank {self.rank}", peer=f"rank {self.peer}", pid=ring.writer_pid, progress=progress,
+                check_pid=self.check_pid,
                 what=f"shared-memory receive of {what} from rank {self.peer}",
             )  # fmt: skip
             done += ring.get(addr + done, n - done)
