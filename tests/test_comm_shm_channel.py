@@ -41,42 +41,60 @@ def test_pretended_hosts_keep_the_backend_and_stay_exact():
         assert not r["small"] and not r["tp_local"], r
 
 
-def _pair(capacity: int = 4096) -> tuple[Ring, int]:
-    ring = Ring.create(capacity)
-    pid = os.fork()
-    if pid == 0:  # the peer: map the ring (which records its pid and removes the name), then die
-        Ring.attach(ring.name, capacity)
-        os._exit(0)
-    os.waitpid(pid, 0)
-    return ring, pid
+class _Peer:
+    """A forked process that maps ``ring`` as its reader (``attach``) or stays as its writer, then waits until
+    `die` is called: so the ends are made while the peer lives (they check that its pid is visible)."""
+
+    def __init__(self, ring: Ring, attach: bool) -> None:
+        ready_r, ready_w = os.pipe()
+        self._die_r, self._die_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            if attach:
+                Ring.attach(ring.name, ring.capacity)
+            os.write(ready_w, b"1")
+            os.read(self._die_r, 1)
+            os._exit(0)
+        os.read(ready_r, 1)
+        for fd in (ready_r, ready_w, self._die_r):
+            os.close(fd)
+
+    def die(self) -> None:
+        os.write(self._die_w, b"1")
+        os.close(self._die_w)
+        os.waitpid(self.pid, 0)
 
 
 @pytest.mark.timeout(10)
 def test_a_sender_blocked_on_a_dead_reader_names_it():
-    ring, pid = _pair()
+    ring = Ring.create(4096)
+    peer = _Peer(ring, attach=True)
     assert not (shm.SHM_DIR / ring.name).exists()  # the reader removed the name when it mapped the ring
     sender = ShmSender(ring, 0, 1)
+    peer.die()
     ((handle, _),) = sender.send([torch.zeros(5000)])  # 20 kB through a 4 kB ring nobody reads
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=f"rank 0: shared-memory send .* rank 1 \\(pid {pid}\\) exited"):
+    with pytest.raises(
+        RuntimeError, match=f"rank 0: shared-memory send .* rank 1 \\(pid {peer.pid}\\) exited"
+    ):
         handle.wait()
     assert time.monotonic() - started < 2.0
 
 
 @pytest.mark.timeout(10)
 def test_a_receiver_waiting_for_a_dead_writer_names_it():
-    capacity = 4096
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-    ring = Ring.create(capacity)
-    ring.words[3] = pid  # as if that (now dead) process had created it
+    ring = Ring.create(4096)
     ring.unlink()
+    peer = _Peer(ring, attach=False)
+    ring.words[3] = peer.pid  # as if that process had created the ring
+    receiver = ShmReceiver(ring, 1, 0)
+    peer.die()
+    started = time.monotonic()
     with pytest.raises(
-        RuntimeError, match=f"rank 1: shared-memory receive of an activation .* rank 0 \\(pid {pid}\\)"
+        RuntimeError, match=f"rank 1: shared-memory receive of an activation .* \\(pid {peer.pid}\\)"
     ):
-        ShmReceiver(ring, 1, 0).recv(what="an activation message")
+        receiver.recv(what="an activation message")
+    assert time.monotonic() - started < 2.0
 
 
 @pytest.mark.timeout(10)
