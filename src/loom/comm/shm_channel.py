@@ -177,6 +177,7 @@ def progress() -> None:
 
 
 def _usable() -> bool:
+    """Whether this job's messages may take shared memory: a gloo job (CPU tensors; NCCL keeps its own)."""
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
 
 
@@ -187,8 +188,11 @@ def channel_to(dst: int) -> ShmSender | None:
     key = (dist.group.WORLD, dst)
     if key in _SENDERS:
         return _SENDERS[key]
+    if not _usable():  # both ends see the same backend: neither makes the handshake
+        _SENDERS[key] = None
+        return None
     rank, ring = dist.get_rank(), None
-    usable = _usable() and shm_unsupported_reason() is None
+    usable = shm_unsupported_reason() is None
     hello = torch.zeros(_HELLO_BYTES, dtype=torch.uint8)
     try:
         if usable:
@@ -211,11 +215,14 @@ def channel_from(src: int) -> ShmReceiver | None:
     key = (dist.group.WORLD, src)
     if key in _RECEIVERS:
         return _RECEIVERS[key]
+    if not _usable():
+        _RECEIVERS[key] = None
+        return None
     hello = torch.zeros(_HELLO_BYTES, dtype=torch.uint8)
     dist.recv(hello, src, tag=_HELLO_TAG)
     raw = bytes(hello.tolist())
     receiver = None
-    if raw[32] == 1 and raw[:32] == _host_digest() and _usable() and shm_unsupported_reason() is None:
+    if raw[32] == 1 and raw[:32] == _host_digest() and shm_unsupported_reason() is None:
         try:
             ring = Ring.attach(raw[40:].rstrip(b"\0").decode(), CAPACITY)
             receiver = ShmReceiver(ring, dist.get_rank(), src)
