@@ -7,7 +7,8 @@ Times, in the same 2 processes, rounds alternating between the paths:
   tensor-parallel layers use;
 - a ``--bytes`` message from rank 0 to rank 1 and one back (a ping-pong; one "send/recv pair" is half a round
   trip): gloo's ``send``/``recv`` of the bare tensor, the pipeline's messages over gloo (header + tensor, the
-  path before shared memory), and the pipeline's messages over `loom.comm.shm_channel`.
+  path before shared memory), and the pipeline's messages over `loom.comm.shm_channel`;
+- the shared-memory paths once more with the waits of before the futex (spin, ``sched_yield``, short sleeps).
 
 Every call is timed alone (``perf_counter`` around it); a round's figure is the median of its calls, and rank 0
 writes every round's figure per path as JSON. ``--spin-us``/``--yield-us`` set `loom.comm.shm_wait`'s budget.
@@ -82,13 +83,28 @@ def main() -> None:
         with pc.backend_messages():
             fn()
 
+    def yielding(fn):  # the waits without a futex: spin 30 us, sched_yield 300 us, then short sleeps
+        def run():
+            saved = shm_wait.USE_FUTEX, shm_wait.SPIN_S, shm_wait.YIELD_S
+            shm_wait.USE_FUTEX, shm_wait.SPIN_S, shm_wait.YIELD_S = False, 30e-6, 300e-6
+            try:
+                fn()
+            finally:
+                shm_wait.USE_FUTEX, shm_wait.SPIN_S, shm_wait.YIELD_S = saved
+
+        return run
+
     paths = {
         "all_reduce gloo": lambda: dist.all_reduce(data),
         "all_reduce loom shm (3 barriers)": lambda: comm.all_reduce(data, "sum", "shm"),
         "all_reduce loom shm_small (1 barrier)": lambda: small.all_reduce(data),
+        "all_reduce loom shm_small, spin+yield waits": yielding(lambda: small.all_reduce(data)),
         "send/recv gloo (bare tensor)": lambda: _gloo_pair(data, rank),
         "send/recv loom pipeline over gloo": lambda: gloo_only(lambda: _pipeline_pair(data, rank, cpu)),
         "send/recv loom pipeline over shm": lambda: _pipeline_pair(data, rank, cpu),
+        "send/recv loom pipeline over shm, spin+yield waits": yielding(
+            lambda: _pipeline_pair(data, rank, cpu)
+        ),
     }
     per_round: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)

@@ -29,9 +29,10 @@ killed, and no later job can open it. A process killed inside the short create-t
 name behind; the next job's creator removes such names once their creator pid is dead and they are older
 than `STALE_AFTER_S`.
 
-Barrier: a sequence counter per process in the segment's header, one cache line each. A waiter spins a few
-microseconds, yields the CPU a while, then sleeps in steps growing to 50 us (`loom.comm.shm_wait.wait_until`),
-so 4 processes on 2 cores let each other run. It checks that the peers are alive and gives up after
+Barrier: a sequence counter per process in the segment's header, one cache line each (with the process's pid
+and an "asleep, waiting for process k" flag). A waiter spins a few microseconds, then sleeps on a futex on the
+counter it waits for, which the peer wakes after raising it (`loom.comm.shm_wait.wait_until`), so 4 processes on
+2 cores let each other run. It checks that the peers are alive and gives up after
 `loom.comm.shm_wait.TIMEOUT_S`, naming the process it waited for.
 
 Limits: Linux (POSIX shared memory under /dev/shm, whose size bounds the segment: docker's default 64 MiB
@@ -58,8 +59,8 @@ import torch.distributed as dist
 
 from loom.comm._reduce import all_gather_bytes, combine_into, group_rank_and_size, host_key
 from loom.comm.counters import Traffic
+from loom.comm.shm_wait import futex_wake, wait_until
 from loom.comm.shm_wait import process_alive as _alive
-from loom.comm.shm_wait import wait_until
 
 __all__ = ["Segment", "ShmContext", "all_reduce_shm", "context_for", "shm_unsupported_reason"]
 
@@ -166,16 +167,24 @@ class Segment:
         """Return once every process of the segment has called `barrier` as many times as this one."""
         self._seq += 1
         seq, words = self._seq, self._words
-        words[self._seq_word[self.rank]] = seq
+        mine = self._seq_word[self.rank]
+        words[mine] = seq
+        if any(words[w + 2] == self.rank + 1 for w in self._peer_words):  # a peer sleeps until this changes
+            futex_wake(self.data.data_ptr() + 8 * mine)
         for word in self._peer_words:
             if words[word] < seq:
                 self._wait(word, seq)
 
     def _wait(self, word: int, seq: int) -> None:
-        words, peer = self._words, self._seq_word.index(word)
+        words, peer, flag = self._words, self._seq_word.index(word), self._seq_word[self.rank] + 2
+
+        def asleep(on: int) -> None:  # tells the peer, when it raises its counter, to wake this process
+            words[flag] = peer + 1 if on else 0
+
         wait_until(
             lambda: words[word] >= seq, me=f"local process {self.rank}", peer=f"local process {peer}",
             pid=lambda: words[word + 1], what=f"shared-memory barrier {seq}", check_pid=self.check_pids,
+            futex=(self.data.data_ptr() + 8 * word, lambda: words[word], asleep),
         )  # fmt: skip
 
     def peers_visible(self) -> bool:

@@ -13,8 +13,9 @@ pipeline's schedules always receive before they send back, so they never wait on
 A message is a header (int64 words: how many words follow, the tensor count, then each tensor's dtype code, rank
 and shape), then each tensor's bytes. Sends never block: what does not fit in the ring is queued, and pushed by
 every later call of this process that waits for anything (`progress`), and by the handle's ``wait()``; a
-receive copies straight into the tensor it returns. Waits are `loom.comm.shm_wait.wait_until`: spin, yield,
-sleep, and raise naming both ranks and the operation when the peer dies or the time-out passes.
+receive copies straight into the tensor it returns. Waits are `loom.comm.shm_wait.wait_until`: spin, then sleep
+on a futex until the peer wakes it, and raise naming both ranks and the operation when the peer dies or the
+time-out passes.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class ShmSender:
 
     def __init__(self, ring: Ring, rank: int, peer: int) -> None:
         self.ring, self.rank, self.peer = ring, rank, peer
-        self.check_pid = process_alive(ring.reader_pid())  # not when the peer's pids are not visible from here
+        self.check_pid = process_alive(
+            ring.reader_pid()
+        )  # not when the peer's pids are not visible from here
         self._queue: deque[list[Any]] = deque()  # [address, bytes left, object keeping the memory alive]
         self.sent = 0
 
@@ -93,21 +96,24 @@ class ShmSender:
     def flush(self) -> bool:
         """Push queued bytes while they fit; whether the queue is empty."""
         queue, ring = self._queue, self.ring
-        while queue:
-            item = queue[0]
-            k = ring.put(item[0], item[1])
-            if k < item[1]:
-                item[0] += k
-                item[1] -= k
-                return False
-            queue.popleft()
-        return True
+        try:
+            while queue:
+                item = queue[0]
+                k = ring.put(item[0], item[1])
+                if k < item[1]:
+                    item[0] += k
+                    item[1] -= k
+                    return False
+                queue.popleft()
+            return True
+        finally:
+            ring.publish()  # once per flush: a whole small message wakes the reader once
 
     def wait(self) -> None:
         if not self.flush():
             wait_until(
                 self.flush, me=f"rank {self.rank}", peer=f"rank {self.peer}", pid=self.ring.reader_pid, progress=progress,
-                check_pid=self.check_pid,
+                check_pid=self.check_pid, futex=self.ring.writer_futex, busy=lambda: len(_BACKLOG) > 1,
                 what=f"shared-memory send of message {self.sent} to rank {self.peer} (its receiver reads no more)",
             )  # fmt: skip
 
@@ -136,7 +142,7 @@ class ShmReceiver:
         while done < n:
             wait_until(
                 ring.readable, me=f"rank {self.rank}", peer=f"rank {self.peer}", pid=ring.writer_pid, progress=progress,
-                check_pid=self.check_pid,
+                check_pid=self.check_pid, futex=ring.reader_futex, busy=lambda: bool(_BACKLOG),
                 what=f"shared-memory receive of {what} from rank {self.peer}",
             )  # fmt: skip
             done += ring.get(addr + done, n - done)

@@ -1,8 +1,8 @@
 """A one-way byte stream between two processes of one host: a ring buffer in a shared-memory segment.
 
 One process writes, one reads (single producer, single consumer). The segment holds a header page (magic, token,
-capacity, the writer's and the reader's pids, and two counters: bytes written and bytes read since the start,
-each on its own cache line) and then the ring of `capacity` bytes. The writer copies into the free part and
+capacity, the writer's and the reader's pids, two counters: bytes written and bytes read since the start, and
+two "asleep" flags by which a waiting end asks to be woken (`loom.comm.shm_wait`), each on its own cache line) and then the ring of `capacity` bytes. The writer copies into the free part and
 then advances its counter; the reader copies out of the filled part and then advances its own. Each counter has
 one writer, so no lock is needed; the order "data, then counter" is what x86-64's total store order keeps (the
 reason `loom.comm.shm.shm_unsupported_reason` refuses other CPUs). Copies are ``memmove`` between raw addresses:
@@ -23,6 +23,7 @@ import os
 import secrets
 
 from loom.comm.shm import PREFIX, SHM_DIR, _sweep_stale
+from loom.comm.shm_wait import futex_wake
 
 __all__ = ["Ring"]
 
@@ -31,6 +32,8 @@ _HEADER = 4096
 _MAGIC_W, _TOKEN_W, _CAPACITY_W, _WRITER_PID_W, _READER_PID_W = 0, 1, 2, 3, 4
 _WRITTEN_W = 8  # own 64-byte cache line
 _READ_W = 16  # own 64-byte cache line
+_READER_ASLEEP_W = 24  # set by a reader sleeping until _WRITTEN_W changes (`loom.comm.shm_wait`)
+_WRITER_ASLEEP_W = 32  # set by a writer sleeping until _READ_W changes
 
 
 class Ring:
@@ -42,6 +45,12 @@ class Ring:
         self.words = memoryview(mm)[:_HEADER].cast("q")
         self._anchor = ctypes.c_char.from_buffer(mm)  # keeps the mapping's address valid for memmove
         self.base = ctypes.addressof(self._anchor) + _HEADER
+        start = ctypes.addressof(self._anchor)
+        words = self.words
+        self.reader_futex = (start + 8 * _WRITTEN_W, lambda: words[_WRITTEN_W], self._reader_asleep)
+        """What a reader waiting for data sleeps on (`loom.comm.shm_wait.wait_until`'s ``futex``)."""
+        self.writer_futex = (start + 8 * _READ_W, lambda: words[_READ_W], self._writer_asleep)
+        """What a writer waiting for room sleeps on."""
         self._written = self.words[_WRITTEN_W]
         self._read = self.words[_READ_W]
 
@@ -93,6 +102,12 @@ class Ring:
         words[_READER_PID_W] = os.getpid()
         return ring
 
+    def _reader_asleep(self, flag: int) -> None:
+        self.words[_READER_ASLEEP_W] = flag
+
+    def _writer_asleep(self, flag: int) -> None:
+        self.words[_WRITER_ASLEEP_W] = flag
+
     def unlink(self) -> None:
         (SHM_DIR / self.name).unlink(missing_ok=True)
 
@@ -103,7 +118,8 @@ class Ring:
         return self.words[_READER_PID_W]
 
     def put(self, addr: int, n: int) -> int:
-        """Copy up to ``n`` bytes from address ``addr`` into the ring; return how many fitted (writer only)."""
+        """Copy up to ``n`` bytes from address ``addr`` into the ring; return how many fitted (writer only).
+        The reader sees them after the next `publish`."""
         written, cap = self._written, self.capacity
         k = min(n, cap - (written - self.words[_READ_W]))
         if k <= 0:
@@ -114,8 +130,14 @@ class Ring:
         if k > first:
             ctypes.memmove(self.base, addr + first, k - first)
         self._written = written + k
-        self.words[_WRITTEN_W] = self._written  # after the data: what the reader sees is complete
         return k
+
+    def publish(self) -> None:
+        """Let the reader see everything `put` so far (one counter store, one wake-up if it sleeps)."""
+        if self.words[_WRITTEN_W] != self._written:
+            self.words[_WRITTEN_W] = self._written  # after the data: what the reader sees is complete
+            if self.words[_READER_ASLEEP_W]:
+                futex_wake(self.reader_futex[0])
 
     def get(self, addr: int, n: int) -> int:
         """Copy up to ``n`` bytes out of the ring to address ``addr``; return how many there were (reader only)."""
@@ -130,6 +152,8 @@ class Ring:
             ctypes.memmove(addr + first, self.base, k - first)
         self._read = read + k
         self.words[_READ_W] = self._read  # after the copy: the writer may now reuse these bytes
+        if self.words[_WRITER_ASLEEP_W]:
+            futex_wake(self.writer_futex[0])
         return k
 
     def readable(self) -> bool:
