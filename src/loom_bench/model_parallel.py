@@ -66,7 +66,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="training steps per path and round")
     parser.add_argument("--parts", nargs="+", default=["micro", "pipeline", "tensor"])
     parser.add_argument("--out", type=Path, default=REPORTS)
+    parser.add_argument("--render", type=Path, default=None, help="only rewrite the markdown from this JSON")
     args = parser.parse_args()
+    if args.render is not None:
+        (args.out / "model_parallel.md").write_text(markdown(json.loads(args.render.read_text())))
+        return
     report: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -106,8 +110,7 @@ def _ms(values: list[float]) -> str:
 def _row(world: int, result: dict) -> str:
     s = result["seconds"]
     loom, peer, before = s["loom"], s["torch"], s["loom_backend"]
-    paired = statistics.median(a / b for a, b in zip(loom, peer, strict=True))
-    ratio = statistics.median(loom) / statistics.median(peer)
+    ratio, paired = _ratios(result)
     speedup = statistics.median(before) / statistics.median(loom)
     first = result["first_loss"]
     agree = abs(first["loom"] - first["torch"]) <= 1e-4 * max(1.0, abs(first["torch"]))
@@ -116,6 +119,38 @@ def _row(world: int, result: dict) -> str:
         f"| {result['config']} | {world} | {_ms(loom)} | {_ms(peer)} | {ratio:.2f} | {paired:.2f} | {verdict} | "
         f"{_ms(before)} ({speedup:.2f}x) | {_ms(s['one_process'])} | {'yes' if agree else '**no**'} |"
     )
+
+
+def _targets(parts: dict, tables: list) -> list[str]:
+    """The issue's targets, each with the figure that decides it."""
+    out = ["## Targets", ""]
+    if "micro" in parts:
+        us = {k: statistics.median(v) for k, v in parts["micro"]["us"].items()}
+        small, pair = us["all_reduce loom shm_small (1 barrier)"], us["send/recv loom pipeline over shm"] / 2
+        best = min(parts["micro"]["us"]["all_reduce loom shm_small (1 barrier)"])
+        out.append(
+            f"- 4 KiB all-reduce ≤ 20 µs median: {small:.0f} µs ({'met' if small <= 20 else '**not met**'}; "
+            f"fastest round {best:.0f} µs). 4 KiB send/recv ≤ 20 µs: {pair:.0f} µs per message "
+            f"({'met' if pair <= 20 else '**not met**'})."
+        )
+    for kind, label, peer in (("pipeline", "loom.Pipeline", "torch.distributed.pipelining"),
+                              ("tensor", "loom.TensorParallel", "DTensor")):  # fmt: skip
+        rows = [r for k, part in tables if k.startswith(kind) for r in part["results"]]
+        if not rows:
+            continue
+        ok = [r for r in rows if _ratios(r)[0] <= 1.0 and _ratios(r)[1] <= 1.0]
+        worst = max(rows, key=lambda r: _ratios(r)[0])
+        out.append(
+            f"- {label} at or below {peer}: {len(ok)} of {len(rows)} configurations by both ratios "
+            f"(worst: {worst['config']} at {_ratios(worst)[0]:.2f} of the medians, {_ratios(worst)[1]:.2f} paired)."
+        )
+    return [*out, ""]
+
+
+def _ratios(result: dict) -> tuple[float, float]:
+    s = result["seconds"]
+    paired = statistics.median(a / b for a, b in zip(s["loom"], s["torch"], strict=True))
+    return statistics.median(s["loom"]) / statistics.median(s["torch"]), paired
 
 
 def markdown(report: dict) -> str:
@@ -147,6 +182,7 @@ def markdown(report: dict) -> str:
             )
         lines.append("")
     tables = [(k, v) for k, v in parts.items() if k != "micro"]
+    lines += _targets(parts, tables)
     if tables:
         lines += [
             "## Training steps: loom vs PyTorch (ms per step, medians)",
