@@ -11,7 +11,7 @@ SITE = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test lint docs bench install clean
+.PHONY: demo test test-fast lint docs bench install clean
 
 # torch first, by its exact version: the CPU build on this machine's disk (a range would let pip take a CUDA build).
 $(DEMO_STAMP): pyproject.toml requirements/demo.lock
@@ -47,6 +47,11 @@ test: $(TEST_STAMP)
 	$(VENV)/bin/mypy --ignore-missing-imports src/loom
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 	$(VENV)/bin/pytest
+
+# The fast lane: the tests marked `unit` (one process, no subprocess; ranks as threads on explicit gloo groups,
+# tests/threads.py), under 3 minutes on the 2-core host. `make test` above, the CI gate, runs every lane.
+test-fast: $(TEST_STAMP)
+	$(VENV)/bin/pytest -m unit -q
 
 bench: $(TEST_STAMP)
 	$(VENV)/bin/loom bench dp

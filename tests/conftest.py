@@ -93,6 +93,52 @@ def run_workers(
         logs.cleanup()
 
 
+LANES = ("unit", "multiprocess", "system")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Refuse the collection when a test has no lane marker, or more than one: `-m unit` (the fast lane) and
+    `make test` rely on every test saying which lane it belongs to (pyproject.toml lists them)."""
+    wrong = []
+    for item in items:
+        lanes = sorted({m.name for m in item.iter_markers() if m.name in LANES})
+        if len(lanes) != 1:
+            wrong.append(f"{item.nodeid}: {lanes or 'no lane marker'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"{len(wrong)} test(s) need exactly one of @pytest.mark.{', @pytest.mark.'.join(LANES)} "
+            "(a module-level `pytestmark = pytest.mark.unit` marks a whole file):\n  " + "\n  ".join(wrong)
+        )
+
+
+def _refuse_processes(lane_test: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"{lane_test} is marked `unit` but started a process. HINT: mark it `multiprocess` or `system`."
+        )
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """A `unit` test runs in this process alone: starting a subprocess, forking or spawning fails it, so the
+    fast lane's marker is checked each time the lane runs, not trusted."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import _posixsubprocess
+
+    refuse = _refuse_processes(request.node.nodeid)
+    monkeypatch.setattr(subprocess, "_fork_exec", refuse)  # subprocess's own reference to fork_exec
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)  # multiprocessing's spawn
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
+    monkeypatch.setattr(os, "posix_spawnp", refuse)
+    yield
+
+
 @pytest.fixture
 def workers():
     return run_workers

@@ -4,6 +4,8 @@ import pytest
 
 from loom_bench.data_parallel import _markdown, summarize
 
+pytestmark = pytest.mark.unit
+
 
 def test_summary_pairs_each_repetition_with_its_own_ddp_run():
     multi = {"loom": [2.0, 4.0, 6.0], "loom_unobserved": [3.0, 3.0, 3.0], "ddp": [1.0, 4.0, 3.0]}

@@ -5,6 +5,8 @@ import pytest
 from loom.cli import _build_parser
 from loom_bench import links
 
+pytestmark = pytest.mark.unit
+
 
 def _summary() -> dict:
     def run(hosts: int, rate: str) -> dict:

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from loom.checkpoint import CorruptCheckpointError, pack_state, unpack_state
 from loom.checkpoint.load import parse_manifest, parse_state
 
+pytestmark = pytest.mark.unit
+
 FUZZ = settings(max_examples=150, deadline=2000, database=None, suppress_health_check=[HealthCheck.too_slow])
 WHERE = Path("/ckpt/step-00000002")
 TENSORS = {"w": torch.ones(2), "b/0": torch.zeros(3, dtype=torch.int64)}

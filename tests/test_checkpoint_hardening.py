@@ -194,6 +194,7 @@ CRAFTED = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", list(CRAFTED))
 def test_crafted_checkpoint_falls_back_naming_the_file(tmp_path, case):
@@ -204,6 +205,7 @@ def test_crafted_checkpoint_falls_back_naming_the_file(tmp_path, case):
     assert step == 1 and state["step"] == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "name", ["", "manifest.json", "state.json", "tensors.safetensors", "rank-00000.safetensors"]
@@ -235,6 +237,7 @@ POINTERS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kind", list(POINTERS))
 def test_unusable_latest_pointer_falls_back_to_the_newest_intact_checkpoint(tmp_path, kind):
@@ -247,6 +250,7 @@ def test_unusable_latest_pointer_falls_back_to_the_newest_intact_checkpoint(tmp_
     assert step == 2
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_limits_are_configurable_and_save_refuses_what_it_could_not_read():
     nested: list = []
@@ -307,6 +311,7 @@ def measure_peaks(root: Path) -> dict[str, dict[str, int]]:
     return peaks
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
 def test_loading_oversized_cases_keeps_memory_bounded(tmp_path):

@@ -22,6 +22,8 @@ from loom.checkpoint import (
     unpack_state,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def rank_state(rank: int) -> dict:
     """What a compression codec keeps per rank: residuals by bucket, a layout string, a spec."""

@@ -35,6 +35,7 @@ def records(outputs: list[str]) -> list[dict]:
     return [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_rank0_peak_during_a_pipeline_save_is_at_most_twice_its_own_state(tmp_path, mode):
@@ -57,6 +58,7 @@ def test_rank0_peak_during_a_pipeline_save_is_at_most_twice_its_own_state(tmp_pa
     )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_damaged_rank_file_makes_every_rank_fall_back_together(tmp_path):
     run = f"pipeline={tmp_path / 'ckpt'}:6"  # checkpoints at steps 3 and 6 (fit_strategies.py: every 3)
@@ -71,6 +73,7 @@ def test_a_damaged_rank_file_makes_every_rank_fall_back_together(tmp_path):
     assert [(r["rank"], r["steps"], r["resumed_from"]) for r in second] == [(0, 6, 3), (1, 6, 3)]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_rank_files_without_a_published_manifest_are_invisible_and_removed(tmp_path):
     save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, local_states=[pack_state(rank_state(0))])
@@ -87,6 +90,7 @@ def test_rank_files_without_a_published_manifest_are_invisible_and_removed(tmp_p
     assert not staging.exists() and load_checkpoint(tmp_path)[0] == 2
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_read_checkpoint_part_reads_only_this_ranks_file(tmp_path):
     save_checkpoint(
@@ -108,6 +112,7 @@ def _as_format_1(checkpoint: Path) -> None:
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_format_1_is_refused_naming_the_upgrade_which_converts_it(tmp_path):
     save_checkpoint(tmp_path, 4, {"w": torch.full((3,), 4.0)}, local_states=[pack_state(rank_state(0))])
@@ -124,6 +129,7 @@ def test_format_1_is_refused_naming_the_upgrade_which_converts_it(tmp_path):
     assert_rank_state(read_checkpoint_part(checkpoint, 0)[2], 0)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_rank_file_streamed_from_its_tensors_reads_back_like_pack_state(tmp_path):
     import hashlib

@@ -46,6 +46,7 @@ MALFORMED = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", [*MALFORMED, "host index out of range"])
 def test_a_malformed_spec_fails_at_start_up_naming_the_field(case, tmp_path, capsys):
@@ -64,7 +65,9 @@ def test_a_malformed_spec_fails_at_start_up_naming_the_field(case, tmp_path, cap
     started = time.monotonic()
     status = cli.main(["run", "--cluster", str(path), "--host-index", index, str(script)])
     elapsed = time.monotonic() - started
-    assert status == 2 and elapsed < 5.0
+    print(f"refused in {elapsed:.2f} s")
+    # Refused before anything starts (the bug was a launcher growing for a minute); a bound load cannot reach.
+    assert status == 2 and elapsed < 20.0
     assert message in capsys.readouterr().err
 
 
@@ -79,6 +82,7 @@ sys.exit(status)
 """
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 def test_the_command_line_refuses_a_bad_spec_before_starting_anything(tmp_path):
     """The same check in a fresh `loom run` process; LOOM_CLUSTER holds the JSON. Nothing is created (the
@@ -96,6 +100,7 @@ def test_the_command_line_refuses_a_bad_spec_before_starting_anything(tmp_path):
     print(result.stderr.splitlines()[-1])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(10)
 def test_spec_checks_name_the_field(tmp_path):
     with pytest.raises(ClusterSpecError, match=r"master_port is missing"):
@@ -122,6 +127,7 @@ def test_spec_checks_name_the_field(tmp_path):
     assert [h.nproc for h in spec.workers] == [2, 1]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_cluster_flags_do_not_mix_with_the_multi_node_flags(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("LOOM_JOB_SECRET", raising=False)
@@ -192,6 +198,7 @@ def _job_env() -> dict:
     return env
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_parameter_server_on_its_own_host_equals_one_process(three_hosts, tmp_path):
     """Two worker hosts and a server host, each given --host-index: sync ParameterServer equals one process."""
@@ -216,6 +223,7 @@ def test_parameter_server_on_its_own_host_equals_one_process(three_hosts, tmp_pa
     _check_against_one_process(tmp_path)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_data_parallel_on_three_hosts_equals_one_process(three_hosts, tmp_path):
     """Three worker hosts run the same command: the spec in LOOM_CLUSTER, each host found by its address."""

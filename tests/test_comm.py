@@ -17,6 +17,7 @@ def check_run(request) -> tuple[int, list[dict]]:
     return n, [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_algorithms_match_native_and_reference(check_run):
     _, results = check_run
@@ -24,6 +25,7 @@ def test_algorithms_match_native_and_reference(check_run):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_bytes_ring_and_driver_exact(check_run):
     n, results = check_run
@@ -39,6 +41,7 @@ def test_bytes_ring_and_driver_exact(check_run):
         )
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 def test_ring_runs_over_loom_links(check_run):
     """With the job secret (the harness hands one out, as `loom run` does) every process has its two
@@ -47,6 +50,7 @@ def test_ring_runs_over_loom_links(check_run):
     assert [r["ring_sockets"] for r in results] == [{"linked": True, "rejected": 0}] * len(results)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_group_uses_group_ranks(check_run):
     n, results = check_run
@@ -63,6 +67,7 @@ def test_group_uses_group_ranks(check_run):
         assert group["bytes"]["driver"]["bytes_sent"] == driver
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_ddp_hook_matches_native_gradients(workers):
     (result, *_) = [json.loads(out.strip().splitlines()[-1]) for out in workers("comm_ddp.py", 2, timeout=50)]
@@ -77,6 +82,7 @@ def test_ddp_hook_matches_native_gradients(workers):
     assert result["runs"]["ring"]["counters"]["bytes_sent"] == result["param_bytes"]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("algorithm", ["native", "ring", "driver"])
 def test_one_process_is_a_no_op(algorithm):
@@ -90,6 +96,7 @@ def test_one_process_is_a_no_op(algorithm):
     assert comm.counters().snapshot() == {"bytes_sent": 0, "bytes_received": 0, "ops": {}}
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("kwargs", "error", "names"),
@@ -109,6 +116,7 @@ def test_bad_arguments_are_named(kwargs, error, names):
         assert name in str(raised.value)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_hook_rejects_unknown_algorithm():
     with pytest.raises(ValueError, match="'tree'"):

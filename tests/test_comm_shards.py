@@ -6,6 +6,7 @@ import torch
 from loom.comm import all_gather, piece_bounds, reduce_scatter
 
 
+@pytest.mark.unit
 def test_pieces_cover_the_tensor_once_and_differ_by_at_most_one():
     for numel in (0, 1, 5, 8, 1001):
         for size in (1, 2, 3, 4):
@@ -15,6 +16,7 @@ def test_pieces_cover_the_tensor_once_and_differ_by_at_most_one():
             assert max(hi - lo for lo, hi in bounds) - min(hi - lo for lo, hi in bounds) <= 1
 
 
+@pytest.mark.unit
 def test_one_process_keeps_the_whole_tensor_and_refuses_bad_input():
     flat = torch.arange(5.0)
     assert torch.equal(reduce_scatter(flat), flat) and torch.equal(all_gather(flat, 5), flat)
@@ -26,6 +28,7 @@ def test_one_process_keeps_the_whole_tensor_and_refuses_bad_input():
         all_gather(torch.zeros(3), 5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_reduce_scatter_and_all_gather_equal_all_reduce(workers, world_size):

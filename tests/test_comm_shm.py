@@ -35,6 +35,7 @@ def check_run(request, cache_dir) -> tuple[int, list[dict]]:
     return n, [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_results_match_native_across_pieces_and_fake_hosts(check_run):
     _, results = check_run
@@ -42,6 +43,7 @@ def test_results_match_native_across_pieces_and_fake_hosts(check_run):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_shm_bytes_exact(check_run):
     n, results = check_run
@@ -70,6 +72,7 @@ def test_shm_bytes_exact(check_run):
             )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_hierarchical_bytes_on_two_hosts(check_run):
     n, results = check_run
@@ -97,6 +100,7 @@ def test_hierarchical_bytes_on_two_hosts(check_run):
 _NAMES_OF_EARLIER_JOBS: list[set[str]] = []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_segments_unlinked_while_in_use_and_never_shared_between_jobs(check_run):
     n, results = check_run
@@ -112,6 +116,7 @@ def test_segments_unlinked_while_in_use_and_never_shared_between_jobs(check_run)
     _NAMES_OF_EARLIER_JOBS.append(names)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_auto_agrees_and_is_cached_per_topology(check_run, cache_dir):
     n, results = check_run
@@ -132,6 +137,7 @@ def _loom_names() -> set[str]:
     return {path.name for path in shm.SHM_DIR.glob(shm.PREFIX + "*")}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_sigkilled_creator_leaves_no_segment(tmp_path):
     with pytest.raises(AssertionError, match="exited -9"):
@@ -141,6 +147,7 @@ def test_sigkilled_creator_leaves_no_segment(tmp_path):
     assert not names & _loom_names()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(10)
 def test_stale_names_are_swept_only_when_old_and_orphaned():
     """What a creator killed between create and unlink leaves behind; the next job's creator sweeps it."""
@@ -160,6 +167,7 @@ def test_stale_names_are_swept_only_when_old_and_orphaned():
             path.unlink(missing_ok=True)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_attach_refuses_a_foreign_segment():
     segment = shm.Segment.create(2, 4096)
@@ -175,6 +183,7 @@ def test_attach_refuses_a_foreign_segment():
         segment.unlink()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(10)
 def test_barrier_names_a_dead_peer():
     segment = shm.Segment.create(2, 4096)
@@ -192,6 +201,7 @@ def test_barrier_names_a_dead_peer():
         segment.unlink()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("algorithm", ["shm", "hierarchical", "auto"])
 def test_one_process_is_a_no_op(algorithm):
@@ -201,6 +211,7 @@ def test_one_process_is_a_no_op(algorithm):
     assert comm.counters().snapshot() == {"bytes_sent": 0, "bytes_received": 0, "ops": {algorithm: 1}}
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_policy_picks_the_fastest_at_the_nearest_size():
     policy = auto.Policy(("native", "shm"), (1024, 1 << 20), [[1.0, 1.0], [2.0, 0.5]])
@@ -213,6 +224,7 @@ def test_policy_picks_the_fastest_at_the_nearest_size():
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_calibration_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))

@@ -14,15 +14,20 @@ from loom.comm.compression import (
     CastCodec,
     Codec,
     Collective,
+    Int8Codec,
     PowerSGDCodec,
     TopKCodec,
+    accept_compression,
     compression_hook,
     exchange_locally,
     make_codec,
+    parse_compression,
 )
 from loom.demo.train import digits_cnn
 
 SPECS = ["fp16", "bf16", "topk:0.01", "powersgd:4"]
+ALL_SPECS = [*SPECS, "int8"]
+"""SPECS are the demo's codecs (trained for 20 epochs each); int8 joins the unit and DDP-hook tests."""
 # A bucket shaped like a small CNN's: conv weight, bias, linear weight, bias.
 SHAPES = [torch.Size([16, 1, 3, 3]), torch.Size([16]), torch.Size([64, 512]), torch.Size([64])]
 NUMEL = sum(s.numel() for s in SHAPES)
@@ -37,11 +42,13 @@ def ring_bytes(nbytes: int, n: int) -> int:
 
 
 # -- make_codec ------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("spec", "kind"),
-    [("fp16", CastCodec), ("bf16", CastCodec), ("topk:0.01", TopKCodec), ("powersgd:4", PowerSGDCodec)],
-)
+    [("fp16", CastCodec), ("bf16", CastCodec), ("topk:0.01", TopKCodec), ("powersgd:4", PowerSGDCodec),
+     ("int8", Int8Codec)],
+)  # fmt: skip
 def test_make_codec_parses_every_form(spec, kind):
     codec = make_codec(spec)
     assert isinstance(codec, kind) and isinstance(codec, Codec)
@@ -49,11 +56,12 @@ def test_make_codec_parses_every_form(spec, kind):
     assert make_codec(codec.spec).spec == spec
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     "spec",
     ["topk:1.5", "topk:0", "topk:-0.1", "topk:", "topk:nan", "topk", "powersgd:0", "powersgd:2.5", "powersgd:x",
-     "powersgd", "fp16:2", "fp32", "", "none"],
+     "powersgd", "fp16:2", "int8:2", "int4", "fp32", "", "none"],
 )  # fmt: skip
 def test_make_codec_rejects_bad_specs(spec):
     with pytest.raises(ValueError) as error:
@@ -63,6 +71,59 @@ def test_make_codec_rejects_bad_specs(spec):
         assert form in str(error.value)
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_parse_compression_gives_the_kind_and_the_canonical_spec():
+    assert parse_compression(" BF16 ") == ("bf16", "bf16")
+    assert parse_compression("Int8") == ("int8", "int8")
+    assert parse_compression("TopK:0.5") == ("topk", "topk:0.5")
+    assert parse_compression("powersgd:2") == ("powersgd", "powersgd:2")
+    with pytest.raises(TypeError):
+        parse_compression(8)  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_accept_compression_refuses_by_name_with_the_reason_and_the_ones_taken():
+    takes, why = ("fp16", "int8"), {"powersgd": "it keeps state"}
+    assert accept_compression(None, "X", takes, why) is None
+    assert accept_compression("FP16", "X", takes, why) == "fp16"
+    with pytest.raises(
+        ValueError, match=r"^X cannot use powersgd:3 \(it keeps state\); it takes fp16, int8$"
+    ):
+        accept_compression("powersgd:3", "X", takes, why)
+    with pytest.raises(
+        ValueError, match=r"^X cannot use bf16 \(not implemented for it\); it takes fp16, int8$"
+    ):
+        accept_compression("bf16", "X", takes, why)
+    with pytest.raises(ValueError, match="valid forms are"):  # malformed: the whole vocabulary is named
+        accept_compression("powersgd:0", "X", takes, why)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_int8_codec_against_a_hand_computation():
+    """2 ranks, 4 values (one chunk, zero-padded to 1024): each rank sends its share of the mean, flat / 2, as
+    codes of scale max|share| / 127, rounded half to even; the result is the sum of the dequantized shares."""
+    flats = [torch.tensor([254.0, -127.0, 0.0, 2.0]), torch.tensor([2.0, 4.0, 6.0, -254.0])]
+    # rank 0: share [127, -63.5, 0, 1], scale 1 -> codes [127, -64, 0, 1] (-63.5 rounds to even)
+    # rank 1: share [1, 2, 3, -127], scale 1 -> codes [1, 2, 3, -127]
+    results, sent = exchange_locally(
+        [Int8Codec(), Int8Codec()], [f.clone() for f in flats], [torch.Size([4])]
+    )
+    for result in results:
+        assert torch.equal(result, torch.tensor([128.0, -62.0, 3.0, -126.0]))  # the exact mean: -61.5 second
+    assert sent == 1024 + 4  # one chunk of codes and its float32 scale, to the other rank
+    # Each chunk has its own scale: chunk 0's is 1 (exact), chunk 1's is 1 / 127, so its 0.5 comes back as
+    # 64 / 127 (half a step off), where chunk 0's scale would have rounded it to 0.
+    values = torch.full((1026,), 127.0)
+    values[1024:] = torch.tensor([1.0, 0.5])
+    (alone,), _ = exchange_locally([Int8Codec()], [values.clone()], [torch.Size([1026])])
+    assert torch.equal(alone[:1025], values[:1025])
+    assert abs(float(alone[1025]) - 64 / 127) < 1e-6
+
+
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_make_codec_and_hook_reject_non_strings():
     with pytest.raises(TypeError):
@@ -73,6 +134,7 @@ def test_make_codec_and_hook_reject_non_strings():
     assert hook.__name__ == "compression_hook" and hook.codec.spec == "topk:0.01"
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_collective_checks_its_arguments():
     with pytest.raises(ValueError, match="op"):
@@ -82,6 +144,7 @@ def test_collective_checks_its_arguments():
 
 
 # -- fp16 / bf16 -----------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("spec", "tolerance"), [("fp16", 1e-3), ("bf16", 8e-3)])
 def test_cast_round_trip_error_and_bytes(spec, tolerance):
@@ -94,6 +157,7 @@ def test_cast_round_trip_error_and_bytes(spec, tolerance):
     assert sent == ring_bytes(2 * NUMEL, 3)  # 16-bit on the wire: half of float32's ring bytes
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_fp16_divides_before_the_sum_so_large_means_do_not_overflow():
     flats = [torch.full((8,), 60000.0), torch.full((8,), 50000.0)]  # the fp16 sum would be inf
@@ -103,6 +167,7 @@ def test_fp16_divides_before_the_sum_so_large_means_do_not_overflow():
 
 
 # -- top-k -----------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_topk_sends_exactly_the_k_largest_and_keeps_the_rest():
     codec = TopKCodec(0.1)
@@ -118,6 +183,7 @@ def test_topk_sends_exactly_the_k_largest_and_keeps_the_rest():
     assert float(residual.abs().max()) <= float(values.abs().min())  # what stayed is smaller than what went
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_topk_bytes_are_values_and_indices_from_every_other_rank():
     for n in (2, 3):
@@ -127,6 +193,7 @@ def test_topk_bytes_are_values_and_indices_from_every_other_rank():
     assert ring_bytes(4 * NUMEL, 2) / ((2 - 1) * k * 8) >= 10
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("spec", ["topk:0.05", "powersgd:2"])
 def test_error_feedback_delays_but_never_loses_gradient(spec):
@@ -146,6 +213,7 @@ def test_error_feedback_delays_but_never_loses_gradient(spec):
 
 
 # -- PowerSGD --------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("codec_rank", [3, 5])
 def test_powersgd_is_exact_for_a_low_rank_mean(codec_rank):
@@ -168,6 +236,7 @@ def test_powersgd_is_exact_for_a_low_rank_mean(codec_rank):
     assert sent == ring_bytes(4 * (64 + (64 + 512) * r), 2)  # bias exactly, then P (64 x r), then Q (512 x r)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_powersgd_sends_small_tensors_exactly_and_saves_10x_on_the_demo_cnn():
     codec = PowerSGDCodec(4)
@@ -179,6 +248,7 @@ def test_powersgd_sends_small_tensors_exactly_and_saves_10x_on_the_demo_cnn():
     assert full / codec.compressed_numel(shapes) >= 10
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_powersgd_warm_start_improves_a_fixed_gradient():
     """The same full-rank gradient every step: the power iteration converges, so the error shrinks."""
@@ -199,12 +269,13 @@ def test_powersgd_warm_start_improves_a_fixed_gradient():
     assert errors[-1] < errors[0]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_codecs_keep_the_gradient_dtype(dtype):
     flats = [f.to(dtype) for f in gradients(0)]
     mean = (flats[0].double() + flats[1].double()) / 2
-    for spec in SPECS:
+    for spec in ALL_SPECS:
         results, _ = exchange_locally([make_codec(spec) for _ in range(2)], flats, SHAPES)
         assert results[0].dtype == dtype, spec
         assert torch.isfinite(results[0]).all(), spec
@@ -212,6 +283,7 @@ def test_codecs_keep_the_gradient_dtype(dtype):
             assert float((results[0].double() - mean).abs().max()) < 0.05, spec
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("spec", SPECS[2:])
 def test_shapes_that_do_not_tile_the_gradient_are_refused(spec):
@@ -220,8 +292,9 @@ def test_shapes_that_do_not_tile_the_gradient_are_refused(spec):
 
 
 # -- state -----------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", ALL_SPECS)
 def test_state_dict_round_trips_through_a_checkpoint(spec, tmp_path):
     """Save after 3 steps (safetensors + JSON, no pickle), resume in new codecs: step 4 is bit-identical."""
     codecs = [make_codec(spec) for _ in range(2)]
@@ -242,6 +315,7 @@ def test_state_dict_round_trips_through_a_checkpoint(spec, tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_load_state_dict_refuses_another_codecs_state():
     with pytest.raises(ValueError, match=r"topk:0\.1.*HINT"):
@@ -282,6 +356,7 @@ def residual_in_parameter_order(codec) -> torch.Tensor:
     return torch.cat(out)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("spec", ["topk:0.05", "powersgd:2"])
 def test_error_feedback_carries_over_when_the_buckets_change(spec):
@@ -297,6 +372,7 @@ def test_error_feedback_carries_over_when_the_buckets_change(spec):
     assert float(left.abs().sum()) > 0
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("spec", "resumed_layout"), [("topk:0.1", FIRST_STEP), ("powersgd:2", SPLIT)])
 def test_state_saved_in_one_bucket_layout_resumes_in_another(spec, resumed_layout):
@@ -317,6 +393,7 @@ def test_state_saved_in_one_bucket_layout_resumes_in_another(spec, resumed_layou
     assert not torch.equal(without_state, want)  # the state is what made them equal
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("spec", ["topk:0.1", "powersgd:2"])
 def test_state_for_a_parameter_of_another_shape_or_unnamed_tensors_are_refused(spec):
@@ -331,12 +408,19 @@ def test_state_for_a_parameter_of_another_shape_or_unnamed_tensors_are_refused(s
 
 
 # -- in DDP, over processes ------------------------------------------------------------------------------------
+@pytest.mark.multiprocess
 @pytest.mark.timeout(100)  # ~12 s alone; generous because the 2 cores are shared
 def test_hook_in_ddp_matches_simulated_ranks():
     """2 processes, small buckets (pipelined rounds, bucket rebuild), 3 steps: hook == exchange_locally, in the
     bucket buffers and in every parameter's gradient."""
-    outputs = run_workers("compress_hook.py", 2, "3", "0.05", *SPECS, timeout=90)
-    tolerance = {"fp16": 2e-3, "bf16": 1.6e-2, "topk:0.01": 1e-6, "powersgd:4": 1e-5}  # 16-bit sums: order
+    outputs = run_workers("compress_hook.py", 2, "3", "0.05", *ALL_SPECS, timeout=90)
+    tolerance = {
+        "fp16": 2e-3,
+        "bf16": 1.6e-2,
+        "topk:0.01": 1e-6,
+        "powersgd:4": 1e-5,
+        "int8": 1e-6,
+    }  # 16-bit: order
     for out in outputs:
         result = json.loads(out.strip().splitlines()[-1])
         for spec, run in result["runs"].items():
@@ -370,6 +454,7 @@ def demo_runs() -> dict:
     return results[0]["runs"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)  # the first test pays for the module fixture: ~25 s alone, more on a busy machine
 @pytest.mark.parametrize("spec", SPECS)
 def test_demo_accuracy_within_one_point_of_uncompressed(demo_runs, spec):
@@ -384,6 +469,7 @@ def test_demo_accuracy_within_one_point_of_uncompressed(demo_runs, spec):
     )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("spec", "at_least"), [("fp16", 2), ("bf16", 2), ("topk:0.01", 10), ("powersgd:4", 10)]

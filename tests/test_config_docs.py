@@ -10,6 +10,8 @@ import pytest
 import loom
 from loom.config_docs import field_docs
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(

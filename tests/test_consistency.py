@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 import loom
 from loom.fit import DESYNC_EVERY
-from loom.strategies.consistency import model_signature, optimizer_signature
+from loom.parallel.consistency import model_signature, optimizer_signature
 
 
 def _mlp(activation=nn.Tanh) -> nn.Module:
@@ -19,6 +20,7 @@ def _mlp(activation=nn.Tanh) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), activation(), nn.Dropout(0.1), nn.Linear(16, 4))
 
 
+@pytest.mark.unit
 def test_signatures_see_types_and_hyperparameters_not_only_shapes():
     tanh, relu = model_signature(_mlp()), model_signature(_mlp(nn.ReLU))
     assert [e for e in tanh if e[0] != "module"] == [e for e in relu if e[0] != "module"]  # same shapes
@@ -46,6 +48,7 @@ def setup_cases(workers):
     return _CASES
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "case, difference",
@@ -65,11 +68,13 @@ def test_replicas_that_differ_are_refused_on_every_rank_naming_the_difference(se
         assert f"seen on rank {rank}" in row["message"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_equal_replicas_are_accepted(setup_cases):
     assert not setup_cases[("same", 0)]["refused"] and not setup_cases[("same", 1)]["refused"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_one_sample_batchnorm_share_is_refused_on_every_rank_naming_the_fix(setup_cases):
     for rank in (0, 1):
@@ -79,10 +84,29 @@ def test_a_one_sample_batchnorm_share_is_refused_on_every_rank_naming_the_fix(se
         assert "drop_last=True" in message and "at least 2 x 2 replicas = 4 samples" in message
 
 
-def test_fit_checks_replicas_by_default():
+@pytest.mark.unit
+def test_fit_checks_replicas_by_default(tmp_path, monkeypatch):
+    """With fit's defaults the replicas are compared every `DESYNC_EVERY` steps and before every checkpoint
+    (one process has no data group, so the job is given one to compare over and the check is recorded)."""
     assert inspect.signature(loom.fit).parameters["desync_every"].default == DESYNC_EVERY > 0
+    fit_module = sys.modules["loom.fit"]  # `loom.fit` the attribute is the function
+    checked: list[int] = []
+    monkeypatch.setattr(fit_module, "check_replicas_agree", lambda module, group, step: checked.append(step))
+    loom.init()
+    model = nn.Linear(4, 2)
+    job = loom.DataParallel().setup(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), nn.functional.mse_loss
+    )
+    monkeypatch.setattr(job.mesh, "group", lambda axis: object() if axis == "dp" else None)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
+    steps, every = 2 * DESYNC_EVERY + 1, DESYNC_EVERY + DESYNC_EVERY // 2
+    loom.fit(
+        job, job.loader(data, 4), steps=steps, checkpoint_dir=tmp_path, checkpoint_every=every, progress=False
+    )
+    assert checked == sorted({DESYNC_EVERY, 2 * DESYNC_EVERY, every, steps})  # the last one: the final save
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_the_default_desync_check_stops_a_drifting_replica_before_a_checkpoint(workers, tmp_path):
     outputs = workers("consistency_desync_default.py", 2, str(tmp_path / "ckpt"), timeout=100)

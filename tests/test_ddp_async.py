@@ -8,25 +8,30 @@ import threading
 import pytest
 import torch
 
-from loom.comm.ddp_async import CommThread, overlapped_allreduce_hook
+from loom.comm.ddp_async import overlapped_allreduce_hook
+from loom.comm.thread import CommThread, comm_thread, torch_future
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_comm_thread_runs_jobs_in_order_off_the_caller_thread():
     thread, seen = CommThread(), []
     try:
         futures = [
-            thread.submit(lambda i=i: (seen.append((i, threading.get_ident())), torch.tensor(i))[1], str)
+            thread.submit(lambda i=i: (seen.append((i, threading.get_ident())), torch.tensor(i))[1])
             for i in range(20)
         ]
-        assert [int(f.wait()) for f in futures] == list(range(20))
+        assert [int(f.result()) for f in futures] == list(range(20))
         assert [i for i, _ in seen] == list(range(20))
         assert {ident for _, ident in seen} != {threading.get_ident()}
     finally:
         thread.stop()
     assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="has stopped"):  # nothing would ever run it
+        thread.submit(lambda: None)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_comm_thread_reports_failures_with_their_description():
     thread = CommThread()
@@ -35,19 +40,31 @@ def test_comm_thread_reports_failures_with_their_description():
         def fail() -> torch.Tensor:
             raise ValueError("boom")
 
-        failed = thread.submit(fail, lambda: "rank 3: bucket 7")
+        with pytest.raises(ValueError, match="boom"):  # the call's own exception, in its future
+            thread.submit(fail).result()
+        failed = torch_future(thread.submit(fail), lambda: "rank 3: bucket 7")  # what a DDP hook returns
         with pytest.raises(RuntimeError, match="rank 3: bucket 7 failed: ValueError"):
             failed.wait()
-        assert int(thread.submit(lambda: torch.tensor(5), str).wait()) == 5  # the thread survived
+        assert (
+            int(torch_future(thread.submit(lambda: torch.tensor(5)), str).wait()) == 5
+        )  # the thread survived
     finally:
         thread.stop()
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_the_process_has_one_shared_comm_thread():
+    assert comm_thread() is comm_thread() and comm_thread().is_alive()
+
+
+@pytest.mark.unit
 def test_unknown_algorithm_is_refused():
     with pytest.raises(ValueError, match="unknown all-reduce algorithm"):
         overlapped_allreduce_hook("carrier-pigeon")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(40)
 def test_overlapped_hook_matches_ddp_on_two_processes(workers):
     outs = [json.loads(out.strip().splitlines()[-1]) for out in workers("ddp_async_exact.py", 2, timeout=35)]

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 
 @pytest.mark.timeout(180)
 def test_demo_trains_and_matches_one_process(tmp_path):

@@ -16,13 +16,14 @@ from torch import nn
 from workers.common import make_dataset, make_mlp
 
 import loom
-from loom.strategies._replica_sync import INT8_CHUNK, dequantize_int8, quantize_int8
-from loom.strategies.diloco import split_fragments
+from loom.parallel.replica._replica_sync import INT8_CHUNK, dequantize_int8, quantize_int8
+from loom.parallel.replica.diloco import split_fragments
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sync_every_step_with_outer_sgd_lr_1_equals_data_parallel_and_one_process(world_size):
@@ -32,13 +33,14 @@ def test_sync_every_step_with_outer_sgd_lr_1_equals_data_parallel_and_one_proces
         assert_close(record, reference, 1e-5, f"DiLoCo rank {record['rank']} vs one process")
         assert_close(record, dp, 1e-5, f"DiLoCo rank {record['rank']} vs DataParallel")
     # compressed outer gradients: close to exact, but not exact (the codec really ran)
-    for compression, tol in (("fp16", 1e-3), ("int8", 1e-2)):
+    for compression, tol in (("fp16", 1e-3), ("bf16", 1e-2), ("int8", 1e-2)):
         for record in runs[f"diloco_{compression}"]:
             assert_close(record, reference, tol, f"DiLoCo {compression} rank {record['rank']}")
             with pytest.raises(AssertionError):
                 assert_close(record, reference, 1e-7, "")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fragments_synchronize_every_parameter_once_per_interval(world_size):
@@ -56,19 +58,21 @@ def test_fragments_synchronize_every_parameter_once_per_interval(world_size):
         assert {s % h for _, s, _ in log} == {0, 2}  # staggered: fragment k at step % 4 == k * 4 / 2
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_compressed_exchanges_send_fewer_bytes():
     world = 2
-    (none,), (fp16,), (int8,) = ([r for r in exact_runs(world)[f"bytes_{c}"] if r["rank"] == 0]
-                                 for c in ("None", "fp16", "int8"))  # fmt: skip
+    (none,), (fp16,), (bf16,), (int8,) = ([r for r in exact_runs(world)[f"bytes_{c}"] if r["rank"] == 0]
+                                          for c in ("None", "fp16", "bf16", "int8"))  # fmt: skip
     numel = none["numel"]
     assert none["sent"] == 2 * (world - 1) * 4 * numel // world  # the native all-reduce's ring estimate
-    assert fp16["sent"] == 2 * (world - 1) * 2 * numel // world
+    assert fp16["sent"] == bf16["sent"] == 2 * (world - 1) * 2 * numel // world
     chunks = -(-numel // INT8_CHUNK)
     assert int8["sent"] == (world - 1) * (chunks * INT8_CHUNK + 4 * chunks)
     assert int8["sent"] < none["sent"] / 3
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", ["diloco", "streaming"])
 def test_resumed_mid_interval_in_new_processes_equals_a_straight_run_bitwise(name):
@@ -78,6 +82,7 @@ def test_resumed_mid_interval_in_new_processes_equals_a_straight_run_bitwise(nam
         assert [r["in_flight"] for r in first["streaming=streaming-half:10"]] == [1, 1]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_int8_codes_round_trip_within_half_a_step_per_chunk():
     values = torch.randn(3 * INT8_CHUNK + 5, generator=torch.Generator().manual_seed(0))
@@ -89,6 +94,7 @@ def test_int8_codes_round_trip_within_half_a_step_per_chunk():
     assert codes.dtype == torch.int8 and scales.numel() == 4
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_fragments_are_contiguous_balanced_and_never_empty():
     assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
@@ -98,6 +104,7 @@ def test_fragments_are_contiguous_balanced_and_never_empty():
         split_fragments([1, 2, 3], 4)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_one_process_matches_an_outer_step_written_out():
     """One replica, H=2: after every second Adam step the outer Nesterov SGD moves the global copy by the
@@ -130,6 +137,7 @@ def test_one_process_matches_an_outer_step_written_out():
         assert torch.equal(a, g)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("options", "error", "message"),
@@ -137,7 +145,23 @@ def test_one_process_matches_an_outer_step_written_out():
         ({"sync_every": 0}, ValueError, "sync_every must be an int >= 1, got 0"),
         ({"sync_every": 10, "fragments": 4}, ValueError, "sync_every=10 is not a multiple of fragments=4"),
         ({"fragments": 0}, ValueError, "fragments must be an int >= 1, got 0"),
-        ({"compression": "int4"}, ValueError, "compression='int4' is not one of"),
+        (
+            {"compression": "int4"},
+            ValueError,
+            "unknown or invalid gradient codec spec 'int4'; valid forms are fp16",
+        ),
+        (
+            {"compression": "powersgd:2"},
+            ValueError,
+            "DiLoCo cannot use powersgd:2 (its error feedback and warm start keep state across steps; the outer "
+            "exchange has none); it takes fp16, bf16, int8",
+        ),
+        (
+            {"compression": "TopK:0.1"},
+            ValueError,
+            "DiLoCo cannot use topk:0.1 (its error feedback keeps a residual per gradient across steps; the outer "
+            "exchange has none); it takes fp16, bf16, int8",
+        ),
         ({"sync_every": 4, "overlap_steps": 4}, ValueError, "overlap_steps=4 must be an int from 0 to"),
         ({"compression": "int8", "allreduce": "ring"}, ValueError, "compression='int8' all-gathers"),
         (
@@ -148,10 +172,18 @@ def test_one_process_matches_an_outer_step_written_out():
     ],
 )
 def test_bad_options_are_named(options, error, message):
-    with pytest.raises(error, match=message.replace("(", r"\(")):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         loom.DiLoCo(**options)
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_compression_takes_the_one_vocabulary_in_its_canonical_form():
+    for spec, canonical in (("fp16", "fp16"), (" BF16 ", "bf16"), ("Int8", "int8"), (None, None)):
+        assert loom.DiLoCo(compression=spec).config.compression == canonical
+
+
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_int8_keeps_buffers_out_of_the_pseudo_gradients_chunks():
     """Fragment 0 carries the buffers as values (a BatchNorm running variance of ~900 here); under int8 they must

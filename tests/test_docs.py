@@ -68,6 +68,7 @@ def blocks(page: Path) -> list[Block]:
 ALL = [b for page in PAGES for b in blocks(page)]
 
 
+@pytest.mark.unit
 def test_markers_attach_to_the_block_right_below_them_only(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
@@ -88,6 +89,7 @@ SCRIPTS = [b for b in PYTHON if b.marker == "run"]
 PAGES_WITH_BLOCKS = sorted({b.page for b in PYTHON if b.marker is None}, key=str)
 
 
+@pytest.mark.unit
 def test_every_fence_is_marked_with_its_language_and_every_marker_is_known():
     for b in ALL:
         assert b.lang, f"{b.where}: a code block without a language; fence it as python, bash, json or text"
@@ -112,6 +114,7 @@ for path, where in zip(sys.argv[1::2], sys.argv[2::2]):
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("page", PAGES_WITH_BLOCKS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_python_blocks_of_a_page_run_in_order_in_one_process(page, tmp_path):
@@ -136,6 +139,7 @@ def _loom_run_args(b: Block) -> tuple[list[str], list[str]]:
     return options.split(), args.split()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("block", SCRIPTS, ids=lambda b: b.where)
 def test_a_script_block_runs_as_the_job_its_marker_names(block, tmp_path):
@@ -149,6 +153,7 @@ def test_a_script_block_runs_as_the_job_its_marker_names(block, tmp_path):
     assert done.returncode == 0, f"{block.where}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 
+@pytest.mark.unit
 def test_every_loom_command_line_of_the_pages_parses():
     from loom.cli import _build_parser
 

@@ -11,6 +11,8 @@ from test_launcher import run_loom, wait_until_gone
 
 from loom.checkpoint import checkpoint_name, list_checkpoints
 
+pytestmark = pytest.mark.system
+
 SCRIPT = Path(__file__).parent / "workers" / "elastic_train.py"
 
 
@@ -65,7 +67,9 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_
         f"steps lost {steps_lost} (checkpoint every 3)"
     )
     assert 0 <= steps_lost < 3
-    assert stopped_at - killed_at < 10
+    # Stopped by the launcher when its peer died, not by the watchdog: that would take the default hang timeout
+    # (180 s). Half of it as the bound: no load stretches the ~1-2 s this takes here that far.
+    assert stopped_at - killed_at < 90, stopped_at - killed_at
     # The launcher says what it did: the restart (who, how, which attempt), the resume, and a summary at the end.
     restart = [line for line in result.stderr.splitlines() if "restarting the worker group" in line]
     assert len(restart) == 1, result.stderr[-3000:]

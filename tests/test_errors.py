@@ -2,11 +2,15 @@
 
 import inspect
 
+import pytest
+
 import loom
 from loom import errors
 from loom.checkpoint import store
 from loom.fault import desync, watchdog
-from loom.strategies import consistency
+from loom.parallel import consistency
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_error_class_is_a_loom_error_and_keeps_its_builtin_base():

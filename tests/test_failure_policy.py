@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import loom
-from loom.strategies._setup import check_failure_policy
+from loom.parallel._setup import check_failure_policy
 from loom.topology import Topology
 
 ONE = Topology(0, 1, 0, 1, "none")
@@ -34,6 +34,7 @@ def _model():
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_strategies_that_need_every_rank_refuse_continue_naming_the_alternatives(name, monkeypatch):
@@ -47,6 +48,7 @@ def test_strategies_that_need_every_rank_refuse_continue_naming_the_alternatives
         assert alternative in message
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_the_policy_is_checked_only_under_continue(monkeypatch):
     model, optimizer = _model()
@@ -74,6 +76,7 @@ print("set up")
 """
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_diloco_under_continue_is_refused_at_start_up_through_loom_run(tmp_path: Path):
     """The reproduction: ``loom run -n 2 --on-worker-failure continue`` of a DiLoCo script."""

@@ -63,6 +63,7 @@ def crash_at(job, step: int):
     job.train_step = failing
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("async_checkpoint", [False, True])
 def test_resume_in_one_process_is_bitwise_equal(tmp_path, async_checkpoint):
@@ -104,6 +105,7 @@ def test_resume_in_one_process_is_bitwise_equal(tmp_path, async_checkpoint):
     assert list(list_checkpoints(tmp_path)) == [16, 20]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_crash_then_resume_from_the_last_checkpoint(tmp_path):
     straight, loader, scheduler = make_run()
@@ -137,6 +139,7 @@ def test_crash_then_resume_from_the_last_checkpoint(tmp_path):
     assert_same_training_state(straight, job)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_epochs_resume_at_an_epoch_boundary(tmp_path, capsys):
     straight, loader, _ = make_run()
@@ -156,6 +159,7 @@ def test_epochs_resume_at_an_epoch_boundary(tmp_path, capsys):
     assert (again.steps, again.epochs, again.steps_run) == (12, 3, 0)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_plain_batches_without_checkpoints():
     job, _, _ = make_run()
@@ -169,6 +173,7 @@ def test_plain_batches_without_checkpoints():
         fit(make_run()[0], [], steps=3, progress=False)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
@@ -190,6 +195,7 @@ def test_bad_arguments_are_refused(kwargs, error, message):
         fit(job, loader, **kwargs)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_bad_job_or_loader_is_refused(tmp_path):
     job, loader, _ = make_run()
@@ -224,6 +230,7 @@ def largest_difference(got: dict, ref: dict) -> float:
     return max(diffs)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_two_workers_resume_equals_an_uninterrupted_run(tmp_path, workers):
     # First launch: the uninterrupted reference, and a run stopped at step 6. Second launch: fresh processes
@@ -258,6 +265,7 @@ def compressed_runs(tmp_path_factory) -> tuple[Path, dict, dict]:
     return root, first, second
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)  # the first test pays for the module fixture's two launches
 def test_two_workers_compressed_resume_restores_each_ranks_error_feedback(compressed_runs):
     root, first, second = compressed_runs
@@ -276,6 +284,7 @@ def test_two_workers_compressed_resume_restores_each_ranks_error_feedback(compre
     assert all(r["local_sha"] not in at_stop for r in second["interrupted:6:forget-local"])  # the control
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_two_workers_compressed_resume_equals_an_uninterrupted_run(compressed_runs):
     _, first, second = compressed_runs
@@ -285,6 +294,7 @@ def test_two_workers_compressed_resume_equals_an_uninterrupted_run(compressed_ru
         assert largest_difference(got, ref) <= 1e-6, f"rank {got['rank']}"
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_local_state_is_restored_at_the_same_world_size_and_dropped_at_another(tmp_path, capsys):
     job, loader, _ = make_run()

@@ -32,6 +32,7 @@ def launch(world_size: int, root: Path, *runs: str) -> dict[str, list[dict]]:
     return results
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_strategy_resumed_in_new_processes_equals_a_straight_run_bitwise(tmp_path, world_size):
@@ -56,6 +57,7 @@ def test_every_strategy_resumed_in_new_processes_equals_a_straight_run_bitwise(t
     assert {r["job"] for s in STRATEGIES[1:] for r in first[f"{s}={s}-straight:20"]} == {"ModelParallelJob"}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_model_parallel_jobs_refuse_data_sharded_over_the_wrong_axis():
     records = [json.loads(line) for out in run_workers("wrong_data.py", 2, timeout=100) for line in out.splitlines()
@@ -78,6 +80,7 @@ def json_records(stdout: str) -> list[dict]:
     return [json.loads(line[line.index("{") :]) for line in stdout.splitlines() if "{" in line]
 
 
+@pytest.mark.system
 @pytest.mark.timeout(300)
 def test_model_parallel_workers_sigkilled_under_loom_run_restart_and_resume_from_the_last_checkpoint(
     tmp_path,

@@ -1,4 +1,4 @@
-"""Gossip: decentralized asynchronous averaging with one peer at a time (`loom.strategies.gossip`) over loom's
+"""Gossip: decentralized asynchronous averaging with one peer at a time (`loom.parallel.gossip.gossip`) over loom's
 authenticated point-to-point transport (`loom.comm.peer`).
 
 In-process: the config, the peer sequences, the parameter layout, and the transport's deadlines, late answers,
@@ -29,14 +29,15 @@ from torch import nn
 from loom.comm.links import dial_handshake
 from loom.comm.peer import PeerNode
 from loom.comm.peer_wire import EXCHANGE, HEADER, MAGIC, VERSION
-from loom.strategies.gossip import Gossip, GossipConfig
-from loom.strategies.gossip_exchange import ParameterLayout, PeerChoice, average_into
+from loom.parallel.gossip.gossip import Gossip, GossipConfig
+from loom.parallel.gossip.gossip_exchange import ParameterLayout, PeerChoice, average_into
 
 SECRET = b"s" * 32
 HEADER_BYTES = HEADER.size
 
 
 # -- in-process ---------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("options", "named"),
@@ -50,6 +51,7 @@ def test_config_refuses_bad_values_naming_them(options, named):
         assert f"    {field.name} = {field.default!r}: " in (Gossip.__doc__ or "")
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_peer_sequences():
     ring = PeerChoice("ring", 1, 4)
@@ -69,6 +71,7 @@ def test_peer_sequences():
     assert [resumed.next() for _ in range(300)] == drawn[100:] and resumed.count == 400
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_layout_packs_floating_parameters_aligned_with_zero_padding():
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1, bias=False).to(torch.float64))
@@ -83,6 +86,7 @@ def test_layout_packs_floating_parameters_aligned_with_zero_padding():
     assert other.fingerprint != layout.fingerprint
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_the_pair_arithmetic_is_symmetric_and_conserves_the_sum_when_exchanges_interleave():
     def replica(seed):
@@ -155,13 +159,15 @@ def peers():
         peer.node.close()
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_a_busy_peer_is_skipped_at_the_deadline_and_its_late_answer_still_applied(peers):
     a, b, _ = peers
     got = []
     started = time.monotonic()
     assert a.node.request(1, EXCHANGE, a.values, 0.3, got.append) == "late"  # b is not pumping: a long step
-    assert 0.3 <= time.monotonic() - started < 2.0
+    # At the deadline, not before; the upper bound only rules out waiting for the peer (it never answers here).
+    assert 0.3 <= time.monotonic() - started < 30
     assert got == [] and a.node.stats.late == 1
     b.node.pump(1.0)  # b's next step boundary: it answers (and would take the average)
     until = time.monotonic() + 5
@@ -178,7 +184,8 @@ def test_a_busy_peer_is_skipped_at_the_deadline_and_its_late_answer_still_applie
     assert (a.node.stats.bytes_sent, a.node.stats.bytes_received) == (64 + 2 * frame, 49 + 2 * frame)
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.unit
+@pytest.mark.timeout(120)
 def test_a_dead_peer_is_unreachable_at_once_not_at_the_deadline(peers):
     a, b, c = peers
     server = serving(b, 1)
@@ -186,15 +193,19 @@ def test_a_dead_peer_is_unreachable_at_once_not_at_the_deadline(peers):
     server.join()
     b.node.close()  # as when its process dies: the kernel closes its sockets
     c.node.close()
+    deadline_s = 40.0  # "at once" is told apart from "at the deadline" by a margin no load closes
     started = time.monotonic()
     assert (
-        a.node.request(1, EXCHANGE, a.values, 5.0, lambda v: None) == "unreachable"
+        a.node.request(1, EXCHANGE, a.values, deadline_s, lambda v: None) == "unreachable"
     )  # open connection, closed
-    assert a.node.request(2, EXCHANGE, a.values, 5.0, lambda v: None) == "unreachable"  # nobody listening
-    assert time.monotonic() - started < 1.0
+    assert (
+        a.node.request(2, EXCHANGE, a.values, deadline_s, lambda v: None) == "unreachable"
+    )  # nobody listening
+    assert time.monotonic() - started < deadline_s
     assert a.node.stats.unreachable == 2 and set(a.node.errors) == {1, 2}
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(20)
 def test_malformed_frames_close_the_connection_before_anything_is_allocated(peers):
     a, _, _ = peers
@@ -234,6 +245,7 @@ def _frames_match_counters(stats: dict, payload: int) -> None:
     assert stats["bytes_received"] == received + bare * stats["busy"], stats
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_pair_averages_exactly_refuses_an_intruder_and_a_rejoining_peer_copies(workers):
     r0, r1 = _results(workers("gossip_pair.py", 2, timeout=110))
@@ -260,6 +272,7 @@ def test_pair_averages_exactly_refuses_an_intruder_and_a_rejoining_peer_copies(w
         assert len(r["losses"]) == 8
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_with_learning_stopped_replicas_converge_to_their_initial_mean_over_point_to_point_only(workers):
     results = _results(workers("gossip_spread.py", 4, "ring", "60", timeout=110))
@@ -284,6 +297,7 @@ def test_with_learning_stopped_replicas_converge_to_their_initial_mean_over_poin
     )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_fit_checkpoints_and_resumes_each_ranks_own_state(workers, tmp_path):
     results = _results(workers("gossip_fit.py", 2, str(tmp_path / "ckpt"), timeout=110))
@@ -306,6 +320,7 @@ def _session_members(sid: int) -> list[int]:
     return found
 
 
+@pytest.mark.system
 @pytest.mark.timeout(180)
 def test_a_sigkilled_peer_is_skipped_and_the_others_train_to_the_end(tmp_path):
     # deadline_s 60: were the dead peer waited for rather than found unreachable, the test would time out; a live

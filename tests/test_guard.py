@@ -19,7 +19,7 @@ from conftest import WORKERS
 from test_ps_launch import session_members
 
 import loom
-from loom.strategies.data_parallel import ONLY_DATA_PARALLEL
+from loom.parallel.data.data_parallel import ONLY_DATA_PARALLEL
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")
@@ -67,6 +67,7 @@ def nan_run(tmp_path_factory) -> tuple[Path, int, str]:
     return tmp_path, status, output
 
 
+@pytest.mark.system
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", SYNCHRONOUS)
 def test_a_nan_on_one_rank_is_skipped_on_every_rank_of_a_synchronous_strategy(nan_run, strategy):
@@ -80,6 +81,7 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank_of_a_synchronous_strategy(na
         assert r["loss_scope"] == "global"
 
 
+@pytest.mark.system
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ALONE)
 def test_a_nan_is_skipped_by_the_replica_that_had_it_when_replicas_judge_alone(nan_run, strategy):
@@ -93,6 +95,7 @@ def test_a_nan_is_skipped_by_the_replica_that_had_it_when_replicas_judge_alone(n
         assert r["skipped_in_records"] == ([3] if rank == 1 else []), r
 
 
+@pytest.mark.system
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", SYNCHRONOUS)
 def test_a_frozen_rank_stops_the_job_naming_it(tmp_path, strategy):
@@ -106,6 +109,7 @@ def test_a_frozen_rank_stops_the_job_naming_it(tmp_path, strategy):
 
 
 # -- options: refused by name, or taken as a config object --------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("option", sorted(ONLY_DATA_PARALLEL))
 @pytest.mark.parametrize("strategy", ["Pipeline", "TensorParallel", "Hybrid"])
 def test_model_parallel_strategies_refuse_the_options_only_data_parallel_honours(strategy, option):
@@ -115,6 +119,7 @@ def test_model_parallel_strategies_refuse_the_options_only_data_parallel_honours
         getattr(loom, strategy)(**sizes, **{option: value})
 
 
+@pytest.mark.unit
 def test_the_data_axis_options_a_model_parallel_job_honours_are_accepted():
     strategy = loom.Pipeline(
         stages=1, hang_timeout_s=5, work_timeout_s=60, nonfinite="stop", allreduce="ring"
@@ -122,6 +127,7 @@ def test_the_data_axis_options_a_model_parallel_job_honours_are_accepted():
     assert strategy.data.hang_timeout_s == 5 and strategy.data.nonfinite == "stop"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "strategy, config",
     [
@@ -140,6 +146,7 @@ def test_every_strategy_takes_its_config_object(strategy, config):
         strategy(object())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "make",
     [

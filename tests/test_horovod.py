@@ -19,6 +19,7 @@ WORKERS = Path(__file__).parent / "workers"
 SRC = Path(__file__).parents[1] / "src"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_every_collective_matches_torch_distributed_on_two_processes(workers):
     outs = workers("horovod_collectives.py", 2, timeout=110)
@@ -53,6 +54,7 @@ def worst_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_distributed_optimizer_with_two_backward_passes_equals_one_process(workers, tmp_path):
     out = tmp_path / "params.safetensors"
@@ -65,6 +67,7 @@ def test_distributed_optimizer_with_two_backward_passes_equals_one_process(worke
     assert worst_difference(reference, start) > 1e-2  # it trained
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_fp16_compression_trains_close_to_one_process(workers, tmp_path):
     out = tmp_path / "params.safetensors"
@@ -74,6 +77,7 @@ def test_fp16_compression_trains_close_to_one_process(workers, tmp_path):
     assert 0 < worst < 5e-3  # float16 gradients: close, and not bit-equal
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_one_process_without_a_launcher(tmp_path):
     """Plain ``python train.py``: hvd.init() makes a job of one, and the optimizer equals plain torch."""
@@ -84,6 +88,7 @@ def test_one_process_without_a_launcher(tmp_path):
     assert worst_difference(load_file(out), reference_parameters()) < 1e-6
 
 
+@pytest.mark.unit
 def test_objects_round_trip_and_refusals():
     obj = {"lr": 0.1, "betas": (0.9, 0.999), 3: [None, True, {1, 2}], "t": torch.arange(6.0).view(2, 3),
            "nan": float("nan"), "dtype": torch.float16, "$": "not a tag"}  # fmt: skip

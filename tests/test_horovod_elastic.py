@@ -30,6 +30,7 @@ def reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_killed_worker_resumes_from_the_last_commit(tmp_path):
     out = tmp_path / "params.safetensors"

@@ -22,12 +22,14 @@ def accuracies(stdout: str) -> list[float]:
     return [float(x) / 100 for x in re.findall(r"Accuracy: ([0-9.]+)%", stdout)]
 
 
+@pytest.mark.unit
 def test_only_the_import_line_names_loom():
     code = EXAMPLE.read_text().split('"""', 2)[2]  # after the module docstring
     assert [line for line in code.splitlines() if "loom" in line] == ["import loom.horovod as hvd"]
     assert "hvd.DistributedOptimizer(" in code and "hvd.broadcast_parameters(" in code
 
 
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_two_processes_reach_the_accuracy_of_one(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -3,7 +3,11 @@ and never finished is the one a hang or crash stopped."""
 
 from __future__ import annotations
 
+import pytest
+
 from loom_bench.horovod_suite import _verdicts
+
+pytestmark = pytest.mark.unit
 
 
 def events(*items: tuple[str, str, str]) -> list[dict]:

@@ -31,6 +31,7 @@ def _tutorial_epochs(train_data, epochs: int) -> list[list[int]]:
     return seen
 
 
+@pytest.mark.unit
 def test_the_batch_size_probe_does_not_eat_the_first_batch_as_with_dataloader():
     dataset = _dataset()
     # DataLoader's behaviour, the reference: every epoch trains on every sample.
@@ -45,6 +46,7 @@ def test_the_batch_size_probe_does_not_eat_the_first_batch_as_with_dataloader():
     assert epochs[1] == loader.sampler.order(1).tolist()
 
 
+@pytest.mark.unit
 def test_every_iter_restarts_the_epoch_and_two_iterators_are_independent():
     loader = loom.data.loader(_dataset(20), global_batch_size=5, seed=3, topology=ONE)
     a, b = iter(loader), iter(loader)
@@ -55,6 +57,7 @@ def test_every_iter_restarts_the_epoch_and_two_iterators_are_independent():
     assert len(list(loader)) == 4 and loader.epoch == 1  # a finished pass moves on, as before
 
 
+@pytest.mark.unit
 def test_a_restored_position_is_taken_by_the_first_iteration_only():
     loader = loom.data.loader(_dataset(), global_batch_size=8, seed=1, topology=ONE)
     it = iter(loader)
@@ -72,6 +75,7 @@ def test_a_restored_position_is_taken_by_the_first_iteration_only():
 
 
 # -- len(sampler) is DistributedSampler's -----------------------------------------------------------------------
+@pytest.mark.unit
 def test_len_of_the_sampler_counts_this_ranks_samples_like_distributed_sampler():
     size, world = 40, 4
     for rank in range(world):
@@ -139,6 +143,7 @@ def _run_script(tmp_path, prefix: list[str]) -> tuple[dict, str]:
     return json.loads(env_line.split("ENV ", 1)[1]), out
 
 
+@pytest.mark.system
 @pytest.mark.timeout(240)
 def test_loom_run_n1_gives_the_group_and_environment_torchrun_n1_gives(tmp_path):
     loom_env, loom_out = _run_script(tmp_path, ["-m", "loom.cli", "run", "-n", "1"])
@@ -154,12 +159,14 @@ def test_loom_run_n1_gives_the_group_and_environment_torchrun_n1_gives(tmp_path)
     assert {k: loom_env[k] for k in same} == {k: torch_env[k] for k in same}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_plain_python_gets_a_group_of_one_too(tmp_path):
     env, out = _run_script(tmp_path, [])
     assert env == {} and "GROUP 1 0 gloo [1.0, 1.0] none" in out
 
 
+@pytest.mark.unit
 def test_current_alone_starts_no_group_and_shutdown_survives_a_destroyed_group():
     import torch.distributed as dist
 
@@ -180,6 +187,7 @@ def test_current_alone_starts_no_group_and_shutdown_survives_a_destroyed_group()
 
 
 # -- the own-loop model: the model's attributes, evaluation without no_grad -----------------------------------
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_own_loop_model_forwards_attributes_and_evaluates_without_no_grad(workers, tmp_path):
     import importlib.util
@@ -206,6 +214,7 @@ def test_own_loop_model_forwards_attributes_and_evaluates_without_no_grad(worker
 
 
 # -- loom.ray and loom.spark are reachable from `import loom`, lazily -------------------------------------------
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_loom_ray_and_loom_spark_are_reachable_without_importing_ray_or_spark():
     import subprocess
@@ -253,6 +262,7 @@ class TutorialTransformer(torch.nn.Module):
         return self.output(h).float() if self.output else h
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("module_dict", "named"),
     [(True, "'layers' (ModuleDict) has no forward"), (False, "'layers.0' (TransformerDecoderLayer) needs 2")],
@@ -267,8 +277,9 @@ def test_pipeline_refuses_the_tutorial_transformer_at_setup_naming_the_module(mo
     assert "nn.Sequential" in message and "HINT" in message
 
 
+@pytest.mark.unit
 def test_a_chain_is_still_accepted():
-    from loom.strategies.pipeline_split import chain_layers
+    from loom.parallel.pipeline.pipeline_split import chain_layers
 
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     assert [n for n, _ in chain_layers(model)] == ["0", "1", "2"]
@@ -276,6 +287,7 @@ def test_a_chain_is_still_accepted():
     assert len(chain_layers(torch.nn.Sequential(torch.nn.Embedding(8, 4), encoder))) == 2
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_the_tutorial_transformer_pipeline_refused_at_setup_tensor_parallel_trains_it(workers):
     outputs = workers("idioms_pipeline.py", 2, timeout=140)
@@ -305,6 +317,7 @@ def _script_lines(name: str) -> list[str]:
     return text.split("# --- nanoGPT train.py ---\n", 1)[1].splitlines()
 
 
+@pytest.mark.unit
 def test_the_nanogpt_port_touches_a_handful_of_lines():
     import difflib
 
@@ -332,6 +345,7 @@ def _run(args: list[str], env_extra: dict | None = None, timeout: float = 100) -
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_the_nanogpt_port_equals_one_process_on_the_same_draws_and_nanogpts_own_ddp(workers, tmp_path):
     import json
@@ -366,6 +380,7 @@ def test_the_nanogpt_port_equals_one_process_on_the_same_draws_and_nanogpts_own_
     assert worst_ddp < 1e-5
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_the_nanogpt_port_at_one_launched_process_is_bitwise_the_plain_script(workers, tmp_path):
     from pathlib import Path
@@ -380,6 +395,7 @@ def test_the_nanogpt_port_at_one_launched_process_is_bitwise_the_plain_script(wo
     assert all(torch.equal(ported[k], reference[k]) for k in reference)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_the_idioms_page_code_blocks_run():
     import re

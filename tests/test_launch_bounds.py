@@ -51,6 +51,7 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 def test_a_million_workers_are_refused_before_anything_is_created(tmp_path, script):
     """The old launcher made ~90,000 log directories in 60 s here. Now: exit 2, one line, the directory
@@ -71,6 +72,7 @@ def test_a_million_workers_are_refused_before_anything_is_created(tmp_path, scri
     print(result.stderr.splitlines()[-1])
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_the_bound_is_the_cores_times_a_factor_and_max_nproc_overrides_it(script):
     bound = default_max_nproc()
@@ -83,6 +85,7 @@ def test_the_bound_is_the_cores_times_a_factor_and_max_nproc_overrides_it(script
         LaunchSpec(target=str(script), servers=5, max_nproc=4)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_a_directory_as_the_script_is_called_a_directory(tmp_path, capsys):
     assert cli.main(["run", str(tmp_path)]) == 2
@@ -96,6 +99,7 @@ def _spec(nproc: int = 1, ports: list[int] | None = None) -> dict:
     return {"master_port": free_port(), "hosts": hosts}
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", ["nesting", "fifo", "directory", "ports", "nproc", "server host ports"])
 def test_each_cluster_spec_edge_case_is_one_line_and_exit_2(case, tmp_path, script, capsys, monkeypatch):
@@ -129,12 +133,14 @@ def test_each_cluster_spec_edge_case_is_one_line_and_exit_2(case, tmp_path, scri
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_nesting_depth_skips_strings():
     assert json_nesting_depth('{"a": [1, {"b": "[[[[{{{"}]}') == 3
     assert json_nesting_depth('"\\"[[[" ') == 0
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_server_host_that_never_comes_is_named_within_the_join_timeout(
     tmp_path, script, capsys, monkeypatch
@@ -155,6 +161,7 @@ def test_a_server_host_that_never_comes_is_named_within_the_join_timeout(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("env", "needle"),
@@ -180,6 +187,7 @@ def test_the_launcher_environment_is_checked_naming_the_variable(monkeypatch, en
     assert needle in str(error.value)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_a_lone_process_says_which_ranks_never_came(tmp_path):
     """``python script.py`` with ``WORLD_SIZE=2 RANK=0`` and no peer was silent for 75+ s (torch's store waits
@@ -195,6 +203,7 @@ def test_a_lone_process_says_which_ranks_never_came(tmp_path):
     assert "within 3 s (LOOM_JOIN_TIMEOUT_S)" in result.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_the_demo_is_bounded_too(capsys):
     assert cli.main(["demo", "-n", "1000000"]) == 2
@@ -205,6 +214,7 @@ def test_the_demo_is_bounded_too(capsys):
     )
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_local_ray_instance_is_bounded_like_loom_run(tmp_path, script, capsys, monkeypatch):
     """--backend ray without --address starts every worker on this host; with --address the cluster places them."""

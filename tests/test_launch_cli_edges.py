@@ -13,10 +13,14 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 LOOM = [sys.executable, "-m", "loom.cli"]
-QUICK_S = 20.0
-"""A failure "within seconds": the join timeouts here are 3-4 s; starting Python and torch takes 5-10 s more
-on the 2 shared cores of the development host."""
+QUICK_S = 60.0
+"""A failure "without waiting out a default": the join timeouts here are 3-4 s and starting Python and torch takes
+5-10 s on the 2 shared cores of the development host (several times that under load), while the case this guards
+against waits the default join timeout, 120 s (`loom.launch.agent`). Half of that: a bound load cannot reach, a
+wait for the default still fails. The time taken is printed."""
 
 
 def free_port() -> int:
@@ -25,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(args: list[str], cwd: Path, prefix: list[str] = (), secret: bool = True, timeout: float = 30.0):
+def run(args: list[str], cwd: Path, prefix: list[str] = (), secret: bool = True, timeout: float = 90.0):
     env = dict(os.environ)
     env.pop("LOOM_JOB_SECRET", None)
     if secret:
@@ -34,7 +38,9 @@ def run(args: list[str], cwd: Path, prefix: list[str] = (), secret: bool = True,
     proc = subprocess.run(
         [*prefix, *LOOM, "run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
-    return proc, time.monotonic() - start
+    took = time.monotonic() - start
+    print(f"loom run {' '.join(args)}: {took:.1f} s")
+    return proc, took
 
 
 def assert_one_clear_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -55,14 +61,14 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_a_missing_script_has_one_prefix(tmp_path):
     proc, took = run(["no_such_script.py"], tmp_path)
     assert_one_clear_line(proc, "script 'no_such_script.py' does not exist")
     assert took < QUICK_S
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("master", "needle"),
     [
@@ -80,7 +86,7 @@ def test_a_bad_master_is_refused_at_once(tmp_path, script, master, needle):
     assert took < QUICK_S
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_a_multi_node_job_without_a_secret_is_refused(tmp_path, script):
     master = f"127.0.0.1:{free_port()}"
     proc, _ = run(
@@ -90,7 +96,7 @@ def test_a_multi_node_job_without_a_secret_is_refused(tmp_path, script):
     assert proc.returncode == 2
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_a_master_that_never_comes_is_given_up_naming_it(tmp_path, script):
     master = f"127.0.0.1:{free_port()}"  # nothing listens there
     args = ["--nnodes", "2", "--node-rank", "1", "--master", master, "--join-timeout", "3", str(script)]
@@ -99,7 +105,7 @@ def test_a_master_that_never_comes_is_given_up_naming_it(tmp_path, script):
     assert took < QUICK_S, took
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_node_0_gives_up_on_a_node_that_never_joins(tmp_path, script):
     master = f"127.0.0.1:{free_port()}"
     args = ["--nnodes", "2", "--node-rank", "0", "--master", master, "--join-timeout", "3", str(script)]
@@ -108,7 +114,7 @@ def test_node_0_gives_up_on_a_node_that_never_joins(tmp_path, script):
     assert took < QUICK_S, took
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_a_node_with_another_secret_is_refused_naming_the_secret(tmp_path, script):
     """Node 0 waits; node 1 brings a different LOOM_JOB_SECRET: it is told so, and does not join."""
     master = f"127.0.0.1:{free_port()}"
@@ -122,7 +128,7 @@ def test_a_node_with_another_secret_is_refused_naming_the_secret(tmp_path, scrip
         proc, took = run(["--node-rank", "1", *args], tmp_path)
         assert_one_clear_line(proc, "LOOM_JOB_SECRET")
         assert took < QUICK_S
-        _, err0 = node0.communicate(timeout=20)
+        _, err0 = node0.communicate(timeout=60)
         assert node0.returncode != 0 and "node(s) [1] did not join" in err0, err0
     finally:
         if node0.poll() is None:
@@ -134,7 +140,7 @@ def _netns_usable() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 @pytest.mark.skipif(not _netns_usable(), reason="needs root and iproute2 for network namespaces")
 def test_an_unreachable_master_is_named_at_once(tmp_path, script):
     """A host with no route to the master (a namespace with loopback only): one line, at once."""
@@ -151,7 +157,7 @@ def test_an_unreachable_master_is_named_at_once(tmp_path, script):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", [["--backend", "ray"], ["--cluster", '{"hosts": []}']])
 def test_server_restarts_are_refused_where_servers_are_not_restarted(tmp_path, script, where):
     proc, _ = run([*where, "--max-server-restarts", "2", str(script)], tmp_path)

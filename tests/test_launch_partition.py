@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 LOOM = [sys.executable, "-m", "loom.cli"]
 WORKER = Path(__file__).parent / "workers" / "launch_partition.py"
 HANG_S = 10

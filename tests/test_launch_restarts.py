@@ -25,6 +25,7 @@ SCRIPT = """
 """
 
 
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_two_nodes_restart_together_after_a_failure_on_one(tmp_path):
     script = tmp_path / "restart_two_nodes.py"

@@ -23,6 +23,7 @@ LOOM = [sys.executable, "-m", "loom.cli"]
 SECRET = bytes(range(32))
 
 
+@pytest.mark.unit
 def test_the_store_serves_clients_that_prove_the_secret():
     server = StoreServer("127.0.0.1", 0, SECRET)
     try:
@@ -43,6 +44,7 @@ def test_the_store_serves_clients_that_prove_the_secret():
         server.close()
 
 
+@pytest.mark.unit
 def test_a_wrong_secret_or_a_raw_client_reads_and_writes_nothing():
     server = StoreServer("127.0.0.1", 0, SECRET)
     try:
@@ -122,6 +124,7 @@ def _children(pid: int) -> list[int]:
     return kids + [g for k in kids for g in _children(k)]
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_a_running_job_listens_on_loopback_only_and_refuses_a_planted_pickle(tmp_path):
     script = tmp_path / "waiting_job.py"

@@ -47,10 +47,14 @@ def write_script(tmp_path: Path, name: str, body: str) -> Path:
     return path
 
 
-def run_loom(args: list, cwd: Path, timeout: float = 60.0) -> subprocess.CompletedProcess:
+def run_loom(
+    args: list, cwd: Path, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``loom ARGS`` in ``cwd`` with ``env`` added to this environment; killed with its group past ``timeout``."""
     proc = subprocess.Popen(
         [*LOOM, *map(str, args)],
         cwd=cwd,
+        env=None if env is None else {**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -65,6 +69,7 @@ def run_loom(args: list, cwd: Path, timeout: float = 60.0) -> subprocess.Complet
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 def test_output_is_prefixed_with_the_rank_and_collectives_work(tmp_path):
     script = write_script(
@@ -86,7 +91,8 @@ def test_output_is_prefixed_with_the_rank_and_collectives_work(tmp_path):
     assert wait_until_gone(str(script)) == []
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.system
+@pytest.mark.timeout(150)
 def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
     script = write_script(
         tmp_path,
@@ -101,12 +107,14 @@ def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
     """,
     )
     stamp = tmp_path / "raised_at"
-    result = run_loom(["run", "-n", 2, "--run-dir", tmp_path / "run", script, stamp], tmp_path)
+    result = run_loom(["run", "-n", 2, "--run-dir", tmp_path / "run", script, stamp], tmp_path, timeout=140)
     finished = time.time()
+    print(f"the job ended {finished - float(stamp.read_text()):.1f} s after rank 1 raised")
     assert result.returncode != 0
     assert "worker rank 1 failed" in result.stderr
     assert "ValueError: bad value on purpose" in result.stderr
-    assert finished - float(stamp.read_text()) < 10.0
+    # Stopped, not waited for: rank 0 sleeps 120 s; half of that is a bound load does not reach.
+    assert finished - float(stamp.read_text()) < 60.0
     assert wait_until_gone(str(script)) == []
 
 
@@ -122,6 +130,7 @@ RESTART_SCRIPT = """
 """
 
 
+@pytest.mark.system
 @pytest.mark.timeout(300)
 def test_restart_after_a_failure_works_every_time(tmp_path):
     """Nine restarts over three launches (each rank failing in turn): every one forms the group again."""
@@ -142,6 +151,7 @@ def test_restart_after_a_failure_works_every_time(tmp_path):
     assert wait_until_gone(str(script)) == []
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("how", "on_failure"),
@@ -200,6 +210,7 @@ def test_signals_to_the_launcher_leave_no_worker_behind(tmp_path, how, on_failur
         proc.communicate()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -222,6 +233,7 @@ def test_bad_command_lines_get_a_clear_error(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.system
 @pytest.mark.timeout(90)
 def test_two_nodes_on_loopback_form_one_job(tmp_path):
     env = dict(os.environ, LOOM_JOB_SECRET=os.urandom(32).hex())  # the same on both nodes
@@ -283,6 +295,7 @@ def _can_make_namespaces() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and iproute2 for network namespaces")
 def test_two_hosts_in_network_namespaces(tmp_path):
@@ -382,6 +395,7 @@ PS_JOB = """
 """
 
 
+@pytest.mark.system
 @pytest.mark.timeout(90)
 def test_servers_flag_starts_parameter_servers_and_stops_them(tmp_path):
     """`loom run --servers 2`: a sync parameter-server job equals one process on the same global batches."""

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 TESTS = Path(__file__).parent
 SHARED = {
     "common.py",
+    "faults.py",
     "pp_common.py",
     "nanogpt_model.py",
 }  # helpers imported by workers and tests, not run on their own

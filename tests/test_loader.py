@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 import loom
 from loom.data import GlobalBatchSampler, ShardBatch, ShardDict
 from loom.data.same_data import probe_indices, sample_fingerprint
-from loom.strategies._batch import split_batch
 from loom.topology import Topology
+from loom.train.batch import split_batch
 
 SIZE = 11
 Pair = namedtuple("Pair", ["image", "label"])
@@ -92,6 +92,7 @@ def batches_and_reference(dataset, batch, world, rank, collate_fn=None, **kw):
 CASES = [("tensor", None), ("tuple", None), ("dict", None), ("namedtuple", None), ("nested", None)]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("kind", "collate_fn"), [*CASES, ("ragged", pad_collate)])
 @pytest.mark.parametrize(("world", "shuffle"), [(1, True), (3, True), (3, False)])
@@ -104,6 +105,7 @@ def test_batches_equal_dataloader_default_collate_on_the_same_indices(kind, coll
             assert_same(got, want)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_one_tensor_per_sample_is_one_stacked_tensor():
     (x, *_), _, _ = batches_and_reference(Samples("tensor"), 4, 1, 0, shuffle=False)
@@ -111,6 +113,7 @@ def test_one_tensor_per_sample_is_one_stacked_tensor():
     assert x[:, 0, 0].tolist() == [0, 1, 2, 3]  # indexing like a tensor works (it raised TypeError before)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_layout_reaches_tuple_dict_and_namedtuple_batches_not_tensor_batches():
     topo = Topology(1, 2, 1, 2, "gloo")
@@ -127,6 +130,7 @@ def test_layout_reaches_tuple_dict_and_namedtuple_batches_not_tensor_batches():
     assert type(tensor_batch) is torch.Tensor and not hasattr(tensor_batch, "global_size")
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_strategies_refuse_a_batch_that_is_not_an_inputs_targets_pair_clearly():
     single = Topology(0, 1, 0, 1, "none")
@@ -138,6 +142,7 @@ def test_strategies_refuse_a_batch_that_is_not_an_inputs_targets_pair_clearly():
     assert inputs.shape == (4, 2, 3) and targets.shape == (4,)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("kind", "collate_fn"), [*CASES, ("ragged", pad_collate), ("tensordataset", None)])
 def test_an_empty_share_is_a_zero_sample_batch_of_the_same_structure(kind, collate_fn):
@@ -173,6 +178,7 @@ def test_an_empty_share_is_a_zero_sample_batch_of_the_same_structure(kind, colla
             assert empty.global_size == 2 and empty.shard_index == 3
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_tensordataset_fast_path_is_a_view_without_shuffle_and_equals_dataloader():
     dataset = TensorDataset(torch.randn(SIZE, 3), torch.arange(SIZE))
@@ -192,6 +198,7 @@ def test_tensordataset_fast_path_is_a_view_without_shuffle_and_equals_dataloader
         assert_same(got, want)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_job_loader_forwards_collate_fn():
     single = Topology(0, 1, 0, 1, "none")
@@ -213,6 +220,7 @@ def test_job_loader_forwards_collate_fn():
     assert calls == [4, 4, 3] and len(losses) == 3
 
 
+@pytest.mark.unit
 def test_probe_indices_and_sample_fingerprint():
     assert probe_indices(0) == []
     assert probe_indices(1) == [0]
@@ -236,6 +244,7 @@ def run_same_data(workers, *cases: str) -> dict[str, list[dict]]:
     return records
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_processes_with_different_datasets_are_refused_on_every_rank_unless_intended(workers):
     cases = ("same", "seed", "length", "optout", "augment", "job_dp", "job_pipeline")
@@ -257,6 +266,7 @@ def test_processes_with_different_datasets_are_refused_on_every_rank_unless_inte
         assert "dataset length 20 on rank(s) [0], 21 on rank(s) [1]" in r["raised"], r["raised"]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_batches_survive_copy_and_pickle_with_their_layout():
     import copy

@@ -88,6 +88,7 @@ def assert_close(got: dict, want: dict, tol: float, label: str) -> None:
     assert loss_diff <= tol, f"{label}: losses differ by {loss_diff}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sync_every_step_equals_data_parallel_and_one_process(world_size):
@@ -103,11 +104,13 @@ def test_sync_every_step_equals_data_parallel_and_one_process(world_size):
     assert len({json.dumps(r["losses"]) for r in runs["local_sgd"]}) == 1
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_resumed_mid_interval_in_new_processes_equals_a_straight_run_bitwise():
     assert_resumed_bitwise("local", 2)  # sync_every=4, checkpoint at step 10
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_one_process_with_averaging_every_few_steps_is_plain_training():
     """With one replica the average is the replica itself: any sync_every equals a plain loop."""
@@ -129,6 +132,7 @@ def test_one_process_with_averaging_every_few_steps_is_plain_training():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("options", "message"),

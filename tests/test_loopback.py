@@ -21,6 +21,8 @@ WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
 from listening import loopback_job  # noqa: E402
 
+pytestmark = pytest.mark.system
+
 
 def external_address() -> str | None:
     """A non-loopback IPv4 address of this host (the one Spark's driver would advertise), or None."""

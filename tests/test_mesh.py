@@ -5,6 +5,8 @@ import pytest
 from loom.mesh import Mesh, MeshShape
 from loom.topology import Topology
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.timeout(10)
 def test_product_must_equal_world_size_and_the_error_names_everything():

@@ -34,6 +34,7 @@ def _batch(poison: bool = False):
 
 
 # -- the pieces --------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_gradients_finite_sees_nan_and_inf_and_not_large_half_precision_sums():
     assert gradients_finite([torch.ones(3), None])
     assert not gradients_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
@@ -45,6 +46,7 @@ def test_gradients_finite_sees_nan_and_inf_and_not_large_half_precision_sums():
     assert local_flag(torch.tensor(float("inf")), [torch.tensor([float("nan")])]) == 3
 
 
+@pytest.mark.unit
 def test_guard_skips_counts_stops_and_names_ranks():
     guard = NonFiniteGuard("skip", limit=3, rank=1)
     assert not guard.judge(1, [0, 0], [0, 1])
@@ -61,6 +63,7 @@ def test_guard_skips_counts_stops_and_names_ranks():
         NonFiniteGuard("maybe")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "config, message",
     [({"nonfinite": "ignore"}, "nonfinite='ignore'"), ({"nonfinite_limit": 0}, "nonfinite_limit")],
@@ -71,6 +74,7 @@ def test_data_parallel_refuses_a_bad_policy(config, message):
 
 
 # -- one process ---------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_nan_step_is_skipped_and_recorded_in_one_process(capsys):
     job = _job()
     job.train_step(_batch())
@@ -89,6 +93,7 @@ def test_a_nan_step_is_skipped_and_recorded_in_one_process(capsys):
     assert math.isfinite(job.train_step(_batch())) and not job.last_step_skipped
 
 
+@pytest.mark.unit
 def test_policy_stop_raises_naming_rank_and_step():
     job = _job(nonfinite="stop")
     job.train_step(_batch())
@@ -97,6 +102,7 @@ def test_policy_stop_raises_naming_rank_and_step():
     assert all(bool(torch.isfinite(p).all()) for p in job.module.parameters())
 
 
+@pytest.mark.unit
 def test_too_many_nonfinite_steps_in_a_row_stop_the_job():
     job = _job(nonfinite_limit=2)
     job.train_step(_batch(poison=True))
@@ -104,6 +110,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_job():
         job.train_step(_batch(poison=True))
 
 
+@pytest.mark.unit
 def test_an_infinite_gradient_with_a_finite_loss_is_skipped():
     job = _job()
     job.module[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")))
@@ -111,6 +118,7 @@ def test_an_infinite_gradient_with_a_finite_loss_is_skipped():
     assert job.last_step_skipped and all(bool(torch.isfinite(p).all()) for p in job.module.parameters())
 
 
+@pytest.mark.unit
 def test_a_batchnorm_share_of_one_sample_is_refused_naming_the_fix():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
@@ -124,12 +132,14 @@ def test_a_batchnorm_share_of_one_sample_is_refused_naming_the_fix():
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_nonfinite_tensors_names_the_bad_ones():
     state = {"model": {"w": torch.tensor([1.0, float("nan")]), "n": torch.tensor([3])}, "step": 4}
     assert nonfinite_tensors(state) == ["model/w"]
     assert nonfinite_tensors({"a": torch.ones(2)}) == []
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_fit_never_writes_a_nonfinite_checkpoint_and_keeps_the_last_good_one(tmp_path):
     job = _job()
@@ -151,6 +161,7 @@ def test_fit_never_writes_a_nonfinite_checkpoint_and_keeps_the_last_good_one(tmp
     assert step == 10 and nonfinite_tensors(state) == []
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_fit_counts_skipped_steps_in_one_process(tmp_path):
     job = _job()
@@ -174,6 +185,7 @@ def _run(workers, tmp_path, strategy: str, policy: str, world_size: int = 2) -> 
     return [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "strategy, world_size",
@@ -191,6 +203,7 @@ def test_a_nan_on_one_rank_is_skipped_everywhere_and_every_kept_checkpoint_is_go
         assert r["checkpoints"] == {"10": True, "15": True, "20": True}  # the newest three, all finite
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy, bad", [("dp", 1), ("pipeline", 1)])
 def test_policy_stop_raises_on_every_rank_naming_the_rank_and_step(workers, tmp_path, strategy, bad):

@@ -22,6 +22,7 @@ def _feed(detector: StragglerDetector, rows, steps: int = 10):
     return found
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_detector_names_the_slow_rank_and_phase_not_the_waiting_one():
     fast, waiting = (0.001, 0.010, 0.001, 0.001), (0.001, 0.010, 0.031, 0.001)
@@ -34,6 +35,7 @@ def test_detector_names_the_slow_rank_and_phase_not_the_waiting_one():
     assert _feed(StragglerDetector(2, StragglerConfig(window=5)), [fast, fast]) == []
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_detector_rearms_after_recovery_and_names_slow_communication():
     detector = StragglerDetector(3, StragglerConfig(window=2))
@@ -45,6 +47,7 @@ def test_detector_rearms_after_recovery_and_names_slow_communication():
     assert [w.rank for w in _feed(detector, [normal, slow, slow_link], 3)] == [2]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_configuration_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="window"):
@@ -70,6 +73,7 @@ def observed_run(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     return out, results
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("phase", ["data", "compute"])
 def test_warning_names_the_slowed_rank_and_phase(observed_run, phase):
@@ -82,6 +86,7 @@ def test_warning_names_the_slowed_rank_and_phase(observed_run, phase):
     assert f'"phase": "{phase}"' in written
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_every_step_of_every_rank_is_recorded_with_phases_summing_to_the_step(observed_run):
     out, _ = observed_run
@@ -100,6 +105,7 @@ def test_every_step_of_every_rank_is_recorded_with_phases_summing_to_the_step(ob
             assert r["samples"] > 0 and r["global_samples"] in (8, 37 % 8)  # 37 samples: a short last batch
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_trace_is_chrome_json_with_every_rank_and_collective_in_the_window(observed_run):
     out, _ = observed_run

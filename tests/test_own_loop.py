@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import loom
-from loom.strategies._batch import LossCall, forward_loss, model_loss
+from loom.train.batch import LossCall, forward_loss, model_loss
 
 WORKERS = Path(__file__).parent / "workers"
 MAX_CHANGED = 8
@@ -60,6 +60,7 @@ def assert_close(
         assert max((reference[k] - start[k]).abs().max().item() for k in reference) > 1e-3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("worker", ["own_loop_gpt.py", "own_loop_torchrun.py", "own_loop_horovod.py"])
 @pytest.mark.timeout(10)
 def test_ports_change_at_most_8_lines_of_the_loop(worker):
@@ -68,6 +69,7 @@ def test_ports_change_at_most_8_lines_of_the_loop(worker):
     assert 0 < added + removed <= MAX_CHANGED, diff
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_nanogpt_loop_with_bf16_autocast_clipping_and_grad_scaler(workers, tmp_path):
     out = tmp_path / "gpt.safetensors"
@@ -80,6 +82,7 @@ def test_nanogpt_loop_with_bf16_autocast_clipping_and_grad_scaler(workers, tmp_p
     assert_close(load_file(out), gpt.train(), start)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_torchrun_tutorial_trainer_with_snapshots_resumes_at_another_size(workers, tmp_path, monkeypatch):
     snap, out = tmp_path / "snapshot", tmp_path / "final.safetensors"
@@ -96,6 +99,7 @@ def test_torchrun_tutorial_trainer_with_snapshots_resumes_at_another_size(worker
     assert_close(load_file(out), tutorial.main(str(ref_snap), 3))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_horovod_mnist_loop(workers, tmp_path):
     out = tmp_path / "mnist.safetensors"
@@ -119,6 +123,7 @@ class _OwnLoss(nn.Module):
         return out, nn.functional.mse_loss(out, y)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(20)
 def test_every_convention_trains_the_same_step():
     x, y = torch.randn(5, 3), torch.randn(5, 2)
@@ -142,6 +147,7 @@ def test_every_convention_trains_the_same_step():
     assert all(torch.equal(w, weights[0]) for w in weights), weights
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_model_loss_is_found_or_refused_by_name():
     scalar = torch.tensor(2.0)
@@ -155,6 +161,7 @@ def test_model_loss_is_found_or_refused_by_name():
     assert float(loss) == 3.0  # a dict batch goes to model(**batch)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(20)
 def test_model_parallel_strategies_refuse_conventions_they_cannot_run():
     model = nn.Sequential(nn.Linear(3, 2))

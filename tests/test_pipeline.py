@@ -9,13 +9,14 @@ from workers.common import make_dataset, make_optimizer
 from workers.pp_common import deep_reference, make_deep_mlp
 
 import loom
-from loom.strategies.pipeline import Pipeline
+from loom.parallel.pipeline.pipeline import Pipeline
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")
 STEPS = 3
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stages", [2, 4])
 def test_matches_one_process(workers, stages):
@@ -47,6 +48,7 @@ def test_matches_one_process(workers, stages):
                 assert run["eval"] == pytest.approx(expected_eval, abs=1e-5), label
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_single_stage_matches_reference_with_uneven_microbatches(schedule):

@@ -13,7 +13,9 @@ import json
 
 import pytest
 
-from loom.strategies.pipeline_schedule import bubble_fraction, simulate
+from loom.parallel.pipeline.pipeline_schedule import bubble_fraction, simulate
+
+pytestmark = pytest.mark.multiprocess
 
 # Long enough that the stage time dominates a message's cost; the check below refuses a machine so loaded that
 # a message costs a tenth of a stage's time, where the comparison would say little.

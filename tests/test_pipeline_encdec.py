@@ -12,6 +12,8 @@ from torch import nn
 from workers.pp_common import deep_reference
 from workers.pp_encdec import encdec_reference, make_encdec, make_seq_data
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 5
 TOL = 1e-5
 _OUTPUTS: dict[str, list[list[dict]]] = {}

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from loom.strategies.pipeline import Pipeline, PipelineConfig
-from loom.strategies.pipeline_schedule import (
+from loom.parallel.pipeline.pipeline import Pipeline, PipelineConfig
+from loom.parallel.pipeline.pipeline_schedule import (
     Instruction,
     Op,
     bubble_fraction,
@@ -14,8 +14,10 @@ from loom.strategies.pipeline_schedule import (
     simulate,
     stage_instructions,
 )
-from loom.strategies.pipeline_split import balanced_cuts, chain_layers, cuts_from_names
+from loom.parallel.pipeline.pipeline_split import balanced_cuts, chain_layers, cuts_from_names
 from loom.topology import Topology
+
+pytestmark = pytest.mark.unit
 
 CONFIGS = [(p, m) for p in (1, 2, 4) for m in (1, 2, 4, 8)]
 

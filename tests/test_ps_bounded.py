@@ -24,6 +24,7 @@ from torch import nn
 from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
 
 import loom
+from loom.parallel.ps.parameter_server import ParameterServer
 from loom.ps.client import PSClient
 from loom.ps.gate import (
     CHUNK_BYTES,
@@ -37,7 +38,6 @@ from loom.ps.gate import (
 )
 from loom.ps.server import ParameterServerProcess, ServerConfig
 from loom.ps.wire import HEADER, DropCounters, MessageType, WireLimits, decode, encode, secret_from_hex
-from loom.strategies.parameter_server import ParameterServer
 from loom.topology import Topology
 
 SECRET = bytes(range(32))
@@ -73,6 +73,7 @@ class Recorder:
         return [bytes(o) for o in out if o is not None]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("nbytes", [0, 1000, 3 * CHUNK_BYTES + 5, 2 * CHUNK_BYTES - 200])
 def test_round_trip(nbytes):
@@ -85,6 +86,7 @@ def test_round_trip(nbytes):
     assert box.inbox.reserved == box.inbox.buffered == len(box.inbox) == 0 and box.counters.dropped == {}
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_bad_open_chunks_are_dropped_by_reason_before_anything_is_kept():
     big = frame(2 * CHUNK_BYTES)
@@ -114,6 +116,7 @@ def test_bad_open_chunks_are_dropped_by_reason_before_anything_is_kept():
         assert box.counters.dropped["orphan_chunk"] == 1
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_data_chunks_must_follow_their_open_chunk_in_order():
     data = frame(3 * CHUNK_BYTES)
@@ -139,6 +142,7 @@ def test_data_chunks_must_follow_their_open_chunk_in_order():
     assert out == [data, frame(3 * CHUNK_BYTES, session=2)] and box.counters.dropped == {}
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_budgets_one_frame_per_peer_and_session_total_bytes_and_silence():
     size = len(frame(3 * CHUNK_BYTES))
@@ -168,6 +172,7 @@ def test_budgets_one_frame_per_peer_and_session_total_bytes_and_silence():
         Inbox(KEY, LIMITS, InboxLimits(total_bytes=LIMITS.max_frame - 1), print)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_buffered_bytes_never_exceed_the_budget_under_random_chunks():
     rng = random.Random(0)
@@ -183,6 +188,7 @@ def test_buffered_bytes_never_exceed_the_budget_under_random_chunks():
     assert box.counters.dropped, done
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_server_checks_an_open_chunk_against_its_sessions_before_keeping_it():
     process = ParameterServerProcess(ServerConfig(limits=LIMITS), SECRET)
@@ -262,6 +268,7 @@ def _job(server, namespace: str):
     return job, itertools.chain.from_iterable(loader for _ in itertools.count())  # epoch after epoch
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_partial_frames_from_token_holders_are_not_buffered_and_training_goes_on(server):
     """The issue's acceptance test: 20 connections with the token but not the secret each send 200 MiB of data
@@ -311,6 +318,7 @@ def test_partial_frames_from_token_holders_are_not_buffered_and_training_goes_on
     job.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_frames_with_bad_macs_cost_no_payload_hashing(server):
     """20 forged 32 MiB frames sent while a client pushes: each costs one short MAC, its data chunks are
@@ -397,6 +405,7 @@ def _peak_rss_during(pid: int, floods: list[tuple[str, str, int]]) -> tuple[int,
     return peak, accepted
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_token_sniffed_from_another_host_admits_nothing(server):
     """The connection token is bound to the client's address: the token of a worker at 10.9.8.7, sniffed and
@@ -484,6 +493,7 @@ class _SlowAnswers:
         self.context.term()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["trickle", "stall"])
 def test_an_answer_still_arriving_or_completing_during_a_greeting_is_kept(mode):
@@ -503,6 +513,7 @@ def test_an_answer_still_arriving_or_completing_during_a_greeting_is_kept(mode):
         server.close()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_a_server_name_that_does_not_resolve_is_named():
     with pytest.raises(ConnectionError, match=r"'ps-0.invalid:29500' cannot be reached from this host"):

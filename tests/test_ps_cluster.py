@@ -18,6 +18,8 @@ from workers.common import least_squares, make_dataset, make_mlp, make_optimizer
 from loom.ps.client import PSClient
 from loom.ps.wire import MessageType, secret_from_hex
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS, GLOBAL_BATCH = 10, 10
 SYNC_RUNS = [
     {"mode": "sync", "optimizer": opt, "servers": servers, "steps": STEPS, "global_batch": GLOBAL_BATCH}

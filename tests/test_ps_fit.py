@@ -15,6 +15,8 @@ from conftest import WORKERS, run_workers
 from test_elastic import records
 from test_launcher import run_loom, wait_until_gone
 
+pytestmark = pytest.mark.system
+
 SCRIPT = WORKERS / "ps_fit.py"
 STEPS = 20
 

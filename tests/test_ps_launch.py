@@ -22,6 +22,8 @@ from conftest import WORKERS
 from torch import nn
 from workers.common import least_squares
 
+pytestmark = pytest.mark.system
+
 LOOM = [sys.executable, "-m", "loom.cli"]
 JOB = WORKERS / "ps_launch_job.py"
 

@@ -10,6 +10,8 @@ from loom.ps.plan import Piece
 from loom.ps.server import ParameterServerProcess, ServerConfig
 from loom.ps.wire import MessageType, decode, encode
 
+pytestmark = pytest.mark.unit
+
 SECRET = bytes(range(32))
 PIECES = [Piece(0, "w", 0, 3, 1, False, 0, 0), Piece(1, "b", 0, 2, 1, False, 0, 0)]
 SETTINGS = {"mode": "sync", "staleness": 0, "num_workers": 2, "timeout_s": 30.0, "checkpoint_every": 0,

@@ -23,10 +23,10 @@ from torch import nn
 from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
 
 import loom
+from loom.parallel.ps.parameter_server import ParameterServer
 from loom.ps.client import PSClient
 from loom.ps.gate import chunk_key, secure_client, split_frame
 from loom.ps.wire import HEADER, MessageType, decode, encode, secret_from_hex
-from loom.strategies.parameter_server import ParameterServer
 from loom.topology import Topology
 
 SINGLE = Topology(0, 1, 0, 1, "none")
@@ -76,6 +76,7 @@ def answered(sock: zmq.Socket, timeout_ms: int = 250) -> bytes | None:
     return None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_attacks_are_dropped_counted_and_survived(servers):
     secret = secret_from_hex(servers.secret)
@@ -138,6 +139,7 @@ def test_attacks_are_dropped_counted_and_survived(servers):
         s.close(0)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(30)
 def test_servers_listen_on_loopback_only(servers):
     inodes = set()
@@ -170,6 +172,7 @@ def sparse_batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randn(5, 1, generator=g)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_sparse_rows_move_bytes_in_touched_rows_not_table_size(servers):
     per_step = {}
@@ -203,6 +206,7 @@ def test_sparse_rows_move_bytes_in_touched_rows_not_table_size(servers):
     assert per_step[20_000] < 0.05 * 20_000 * 8 * 4, per_step  # a small fraction of the table's bytes
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_restarted_server_resumes_from_its_checkpoint(servers):
     data = make_dataset()
@@ -235,6 +239,7 @@ def test_restarted_server_resumes_from_its_checkpoint(servers):
     job.close()
 
 
+@pytest.mark.unit
 def test_hmac_is_what_the_wire_says():
     data = encode(b"k" * 32, MessageType.BYE, epoch=1, session=2, seq=3)
     assert data[-32:] == hmac.new(b"k" * 32, data[:-32], hashlib.sha256).digest()
@@ -258,6 +263,7 @@ def _flood(port: int, mechanism: bytes, megabytes: int) -> None:
             raw.sendall(chunk)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_partial_frames_from_clients_without_the_token_are_not_buffered(servers):
     """20 connections, each sending a 200 MiB frame after a NULL or PLAIN greeting: before connections were

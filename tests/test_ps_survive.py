@@ -63,6 +63,7 @@ def one_process_reference(steps: int) -> torch.Tensor:
     return model.weight.detach().flatten()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_sync_job_survives_a_killed_server_and_ends_where_an_uninterrupted_run_does(tmp_path):
     """The kill lands while rank 0's push of step 5 waits for rank 1's: that step is lost with the server and
@@ -92,6 +93,7 @@ def test_sync_job_survives_a_killed_server_and_ends_where_an_uninterrupted_run_d
     print(f"sync: server down {downtime:.1f} s (kill to its first answer), 1 step repeated, 0 lost")
 
 
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_async_job_survives_a_killed_server_and_counts_the_lost_updates(tmp_path):
     """No save by time within the run (interval 60 s): the restarted server is back at INIT's version 0, so every
@@ -118,6 +120,7 @@ def test_async_job_survives_a_killed_server_and_counts_the_lost_updates(tmp_path
     print(f"async: server down {downtime:.1f} s, {lost} updates lost (no save since INIT)")
 
 
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_a_server_that_dies_more_often_than_the_limit_stops_the_job(tmp_path):
     config = {"mode": "sync", "steps": 20, "slow_s": 0.02, "kill_steps": [2, 4]}
@@ -136,6 +139,7 @@ def test_a_server_that_dies_more_often_than_the_limit_stops_the_job(tmp_path):
     assert record["state"] == "dead" and [d["restarted"] for d in record["deaths"]] == [True, False]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_request_to_a_dead_server_names_the_death_not_the_secret(tmp_path, monkeypatch):
     monkeypatch.delenv("LOOM_RUN_DIR", raising=False)
@@ -214,6 +218,7 @@ class Server:
         self.send(MessageType.PUSH, worker, {"clock": clock, "version": 0}, {"g0": torch.ones(3)})
 
 
+@pytest.mark.unit
 def test_a_sync_step_is_on_disk_before_its_replies_go_out(tmp_path):
     server = Server(tmp_path, "sync", 1, 0.0)
     try:
@@ -229,6 +234,7 @@ def test_a_sync_step_is_on_disk_before_its_replies_go_out(tmp_path):
         server.process.close()
 
 
+@pytest.mark.unit
 def test_async_saves_by_time_and_not_on_every_update(tmp_path):
     server = Server(tmp_path, "async", 0, 0.2)
     try:
@@ -245,6 +251,7 @@ def test_async_saves_by_time_and_not_on_every_update(tmp_path):
         server.process.close()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"), "safetensors"])
 def test_a_save_that_fails_is_logged_and_training_goes_on(tmp_path, monkeypatch, capsys, error):
     """A full disk (safetensors reports it as its own SafetensorError, not OSError) must not end the server."""
@@ -278,6 +285,7 @@ def make_shard(value: float, version: int) -> ModelShard:
     return shard
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("crash_at", [1, 2])
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, crash_at):
     """Crash at the tensors' rename (1) or at the JSON's (2), saving the same version with other values (as a
@@ -303,6 +311,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir())[0] == "m.json" and len(list(tmp_path.iterdir())) == 2
 
 
+@pytest.mark.unit
 def test_a_checkpoint_that_does_not_load_is_named(tmp_path):
     make_shard(1.0, 2).save(tmp_path)
     meta = json.loads((tmp_path / "m.json").read_text())
@@ -313,6 +322,7 @@ def test_a_checkpoint_that_does_not_load_is_named(tmp_path):
         ModelShard.load(tmp_path / "m.json")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_supervised_workers_are_stopped_when_the_server_watcher_gives_up(tmp_path, monkeypatch, capsys):
     """--on-worker-failure continue: the launcher's own loop stops the workers and returns 1 once the servers'
@@ -325,10 +335,12 @@ def test_supervised_workers_are_stopped_when_the_server_watcher_gives_up(tmp_pat
         2, ["-c", "import time; time.sleep(60)"], "t", tmp_path, 5.0,
         lambda: "server 0 gone" if time.monotonic() - started > 1.0 else None,
     )  # fmt: skip
-    assert status == 1 and time.monotonic() - started < 15
+    # Stopped, not waited for: the workers would sleep 60 s (a bound far from what load can stretch 1 s to).
+    assert status == 1 and time.monotonic() - started < 50
     assert "stopped by signal" not in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_an_ssp_server_restarted_behind_its_workers_learns_their_clocks_from_their_pulls(tmp_path):
     """Saved at clocks (1, 1); the workers went on to clock 4 before the server died. Their pulls at clock 4
     (staleness 1) must be granted by the restarted server, not held back waiting for pushes lost with it."""
@@ -353,6 +365,7 @@ def test_an_ssp_server_restarted_behind_its_workers_learns_their_clocks_from_the
         restarted.process.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_a_dead_servers_port_stays_taken_until_its_restart_answers(tmp_path, monkeypatch):
     """The launcher holds each server's listening socket: while a killed server is being restarted no other

@@ -21,6 +21,8 @@ from loom.ps.wire import (
     encode,
 )
 
+pytestmark = pytest.mark.unit
+
 SECRET = bytes(range(32))
 
 

@@ -105,6 +105,7 @@ def script_job(ray_instance, tmp_path_factory):
     return run_dir, out.getvalue()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("run", RUNS, ids=[r["strategy"] for r in RUNS])
 def test_two_ray_workers_equal_one_process(script_job, run):
@@ -118,6 +119,7 @@ def test_two_ray_workers_equal_one_process(script_job, run):
         assert_params_equal(result["params"], reference)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_the_run_directory_has_loom_runs_layout(script_job):
     """Two nodes, one rank each: the ranks' places; step records that `loom report` reads (it does); every
@@ -138,6 +140,7 @@ def test_the_run_directory_has_loom_runs_layout(script_job):
     assert (run_dir / "logs/server0.stderr.log").exists()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_instance, tmp_path, capsys):
     """Rank 1's actor process is SIGKILLed after step 5 of 8 (checkpoints every 2): a new group resumes from
@@ -179,6 +182,7 @@ def test_sigkilled_worker_actor_is_replaced_and_resumes_from_the_checkpoint(ray_
         assert_params_equal(result["params"], straight)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 def test_nothing_is_left_after_ray_shuts_down(ray_instance):
     """Last in the module: stop the instance; no Ray process and no rank or server of the jobs remain, and the
@@ -193,6 +197,7 @@ def test_nothing_is_left_after_ray_shuts_down(ray_instance):
     assert signal.getsignal(signal.SIGTERM) is STATE["sigterm"]  # ray.init's handler is gone with it
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_copied_records_of_a_replaced_rank_follow_those_of_the_lost_one(tmp_path):
     """What the driver writes for files copied from other nodes: step records and logs are continued by the
@@ -213,6 +218,7 @@ def test_copied_records_of_a_replaced_rank_follow_those_of_the_lost_one(tmp_path
             write_chunk(tmp_path / "run", {}, bad, 0, b"x")
 
 
+@pytest.mark.system
 @pytest.mark.timeout(10)
 def test_local_launcher_options_are_refused_with_the_ray_backend(tmp_path, capsys):
     script = tmp_path / "job.py"
@@ -229,6 +235,7 @@ def test_local_launcher_options_are_refused_with_the_ray_backend(tmp_path, capsy
         connect("ray://head:10001")
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_rank_layout_keeps_a_nodes_ranks_together_and_shares_its_gpus():
     from loom.ray.layout import rank_layout
@@ -250,6 +257,7 @@ def test_rank_layout_keeps_a_nodes_ranks_together_and_shares_its_gpus():
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_the_failure_blamed_is_the_cause_not_its_echo():
     from loom.ray.output import blame

@@ -31,6 +31,7 @@ def losses(stdout: str) -> dict[str, tuple[int, float]]:
     return {name: (int(steps), float(loss)) for name, steps, loss in found}
 
 
+@pytest.mark.system
 @pytest.mark.timeout(300)
 def test_every_strategy_of_the_readme_script_trains_to_the_same_loss(tmp_path):
     script = tmp_path / "train.py"

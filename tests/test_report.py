@@ -31,6 +31,7 @@ def report_dir(tmp_path_factory) -> Path:
     return run_dir / "report"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_report_writes_html_with_every_chart_embedded_and_pngs(report_dir):
     page = (report_dir / "report.html").read_text()
@@ -45,12 +46,14 @@ def test_report_writes_html_with_every_chart_embedded_and_pngs(report_dir):
     assert [row["rank"] for row in summary["ranks"]] == [0, 1]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_report_of_a_directory_without_records_says_what_to_pass(tmp_path, capsys):
     assert run_report(tmp_path) == 2
     assert "HINT" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_report_loads_in_headless_chromium_without_script_errors(report_dir, tmp_path):
     if not CHROMIUM.exists():

@@ -8,6 +8,8 @@ import shutil
 import pytest
 import torch
 
+pytestmark = pytest.mark.multiprocess
+
 
 def launch(workers, world_size: int, *runs: str) -> dict[str, list[dict]]:
     """Run tests/workers/resize_fit.py with one argument per run; the JSON records by run directory name."""

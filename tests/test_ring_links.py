@@ -55,6 +55,7 @@ def _raw_client(port: int, payload: bytes) -> bytes:
         return received
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(30)
 def test_handshake_admits_the_neighbour_with_the_secret():
     server, port = _listener()
@@ -68,6 +69,7 @@ def test_handshake_admits_the_neighbour_with_the_secret():
         sock.close()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_wrong_secret_replay_and_garbage_are_refused_and_the_neighbour_still_admitted():
     server, port = _listener()
@@ -91,6 +93,7 @@ def test_wrong_secret_replay_and_garbage_are_refused_and_the_neighbour_still_adm
         sock.close()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_silent_clients_do_not_hold_the_neighbour_back_and_are_dropped(monkeypatch):
     monkeypatch.setattr(links, "CONNECTION_TIMEOUT_S", 6.0)
@@ -114,6 +117,7 @@ def test_silent_clients_do_not_hold_the_neighbour_back_and_are_dropped(monkeypat
         sock.close()
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_a_listener_without_the_secret_is_not_trusted():
     server, port = _listener()
@@ -125,6 +129,7 @@ def test_a_listener_without_the_secret_is_not_trusted():
     server.close()
 
 
+@pytest.mark.unit
 def test_listens_on_loopback_unless_an_interface_is_named(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     assert links._listen_address() == "127.0.0.1"
@@ -132,6 +137,7 @@ def test_listens_on_loopback_unless_an_interface_is_named(monkeypatch):
     assert links._listen_address() == "127.0.0.1"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_without_a_job_secret_the_ring_uses_gloo():
     outputs = run_workers("ring_links.py", 3, "nosecret")
@@ -139,6 +145,7 @@ def test_without_a_job_secret_the_ring_uses_gloo():
     assert results == [{"correct": True, "linked": False, "rejected": None, "warnings": []}] * 3
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_process_with_another_secret_sends_the_whole_ring_through_gloo():
     outputs = run_workers("ring_links.py", 3, "other_secret")
@@ -156,13 +163,15 @@ def test_a_process_with_another_secret_sends_the_whole_ring_through_gloo():
     assert "LOOM_JOB_SECRET" in results[0]["warnings"][0] and not results[1]["warnings"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
 def test_a_neighbour_that_exits_is_named_at_once():
     outputs = run_workers("ring_links.py", 3, "peer_exits")
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert results[2] == {"correct": True, "linked": True, "rejected": 0, "warnings": []}
     for rank in (0, 1):
-        assert results[rank]["correct"] and results[rank]["seconds"] < 10, results[rank]
+        # "At once": not after the link's 300 s idle timeout (LINK_TIMEOUT_S); a bound no load reaches.
+        assert results[rank]["correct"] and results[rank]["seconds"] < 100, results[rank]
         assert f"rank {rank}: ring all-reduce" in results[rank]["error"]
     # rank 0 receives from rank 2; rank 1 sends to it, or first hears that rank 0 stopped on its error
     assert "from rank 2 failed" in results[0]["error"]

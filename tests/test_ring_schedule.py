@@ -9,6 +9,8 @@ import torch
 
 from loom.comm.ring import Transfer, exchange_schedule, ring_schedule
 
+pytestmark = pytest.mark.unit
+
 CASES = list(itertools.product([2, 3, 4], [0, 1, 3, 1000, 1001], [16, 64, 1 << 20], [1, 2, 3]))
 
 

@@ -8,6 +8,8 @@ import loom
 from loom.data import GlobalBatchSampler, share_bounds
 from loom.topology import Topology
 
+pytestmark = pytest.mark.unit
+
 
 def shares(dataset_size, batch, world, epoch=0, **kw):
     """Per step, the list of each rank's share (as python lists)."""

@@ -1,4 +1,4 @@
-"""Gradients averaged in shared memory (`loom.strategies.shared_gradients`): values, views, bytes, when used."""
+"""Gradients averaged in shared memory (`loom.comm.shared_gradients`): values, views, bytes, when used."""
 
 import json
 
@@ -6,12 +6,13 @@ import pytest
 import torch
 from torch import nn
 
+from loom.comm.shared_gradients import shared_gradients_unusable
 from loom.comm.shm import shm_unsupported_reason
-from loom.strategies.shared_gradients import shared_gradients_unusable
 
 pytestmark = pytest.mark.skipif(shm_unsupported_reason() is not None, reason=str(shm_unsupported_reason()))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_average_equals_the_mean_of_every_ranks_gradient(workers, world_size):
@@ -33,6 +34,7 @@ def test_average_equals_the_mean_of_every_ranks_gradient(workers, world_size):
         assert any("gradients go through DDP" in w and why in w for w in warned), (rank, warned)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_models_it_cannot_serve_are_named():
     assert "dtype" in shared_gradients_unusable(

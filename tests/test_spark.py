@@ -24,6 +24,8 @@ from common import reference_run  # noqa: E402
 from spark_train import train  # noqa: E402
 from test_launcher import wait_until_gone  # noqa: E402
 
+pytestmark = pytest.mark.system
+
 STEPS = 5
 
 

@@ -11,6 +11,10 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 SRC = Path(__file__).resolve().parent.parent / "src" / "loom"
 
 LAUNCHERS = {"loom.cli", "loom.launch", "loom.ray", "loom.spark"}

@@ -15,6 +15,8 @@ import pytest
 from conftest import WORKERS
 from test_ps_launch import session_members
 
+pytestmark = pytest.mark.system
+
 
 @pytest.mark.timeout(150)
 def test_a_rank_stuck_in_its_own_code_shows_its_stack_then_the_work_timeout_stops_the_job(tmp_path):

@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from loom.examples.char_gpt import Block, CharGPT
-from loom.strategies.tensor_parallel import TensorParallelConfig, apply_tensor_parallel, auto_plan
-from loom.strategies.tensor_parallel_layers import TensorParallelComm
+from loom.parallel.tensor.tensor_parallel import TensorParallelConfig, apply_tensor_parallel, auto_plan
+from loom.parallel.tensor.tensor_parallel_layers import TensorParallelComm
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_blocks_match_unsplit_and_count_collectives(workers):
     outputs = workers("tp_exact.py", 2, timeout=55)
@@ -29,6 +30,7 @@ def _comm(size: int = 2) -> TensorParallelComm:
     return TensorParallelComm(None, 0, size)  # no group: layout and errors only, no collectives
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_auto_plan_recognises_gpt_blocks():
     plan = auto_plan(CharGPT(layers=2))
@@ -44,6 +46,7 @@ def test_auto_plan_recognises_gpt_blocks():
         auto_plan(nn.Sequential(nn.Linear(2, 2)))
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_shards_keep_parameter_identity_and_halve_the_heads():
     block = Block(16, 4)
@@ -55,6 +58,7 @@ def test_shards_keep_parameter_identity_and_halve_the_heads():
     assert block.mlp[0].weight.shape == (32, 16) and block.mlp[2].weight.shape == (16, 32)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_bad_sizes_name_the_values():
     with pytest.raises(ValueError, match="cannot split the 3 attention heads of 'attn'"):
@@ -70,6 +74,7 @@ def test_bad_sizes_name_the_values():
         apply_tensor_parallel(nn.Sequential(nn.Embedding(7, 4)), "auto", _comm())
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_single_shard_is_the_identity():
     torch.manual_seed(0)
@@ -80,6 +85,7 @@ def test_single_shard_is_the_identity():
     torch.testing.assert_close(block(x), expected, atol=0, rtol=0)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_auto_plan_splits_linear_activation_linear_pairs_of_a_sequential():
     model = nn.Sequential(

@@ -57,6 +57,7 @@ def reference_losses(steps: int) -> tuple[list[float], torch.nn.Module]:
     return losses, job.module
 
 
+@pytest.mark.unit
 def test_fit_logs_the_step_losses_to_tensorboard_and_mlflow(tmp_path):
     ref, ref_module = reference_losses(7)
     job, loader, scheduler = make_run()
@@ -85,6 +86,7 @@ def test_fit_logs_the_step_losses_to_tensorboard_and_mlflow(tmp_path):
     assert steps == list(range(1, 8))
 
 
+@pytest.mark.unit
 def test_a_resumed_fit_continues_the_same_runs_with_each_step_once(tmp_path):
     ckpt, tb, ml = tmp_path / "ckpt", tmp_path / "tb", tmp_path / "mlruns"
     for total in (5, 10):  # the second call resumes from the first's last checkpoint (step 5)
@@ -103,6 +105,7 @@ def test_a_resumed_fit_continues_the_same_runs_with_each_step_once(tmp_path):
     assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
 
 
+@pytest.mark.unit
 def test_steps_logged_after_the_checkpoint_before_a_crash_appear_once_after_resuming(tmp_path):
     ckpt, tb, ml = tmp_path / "ckpt", tmp_path / "tb", tmp_path / "mlruns"
     job, loader, scheduler = make_run()
@@ -127,6 +130,7 @@ def test_steps_logged_after_the_checkpoint_before_a_crash_appear_once_after_resu
     assert [v for _, v in mlflow_history(ml, run.info.run_id, "loss")] == ref
 
 
+@pytest.mark.unit
 def test_a_tracker_from_an_own_loop(tmp_path):
     job, loader, _ = make_run()
     with loom.MLflowTracker(tmp_path / "mlruns") as tracker:
@@ -139,12 +143,14 @@ def test_a_tracker_from_an_own_loop(tmp_path):
     )
 
 
+@pytest.mark.unit
 def test_what_is_not_a_tracker_is_refused():
     job, loader, _ = make_run()
     with pytest.raises(TypeError, match=r"trackers\[0\] is a str.*TensorBoardTracker"):
         fit(job, loader, steps=1, trackers=["tb"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_two_ranks_only_rank_0_logs_and_trackers_add_no_collective(tmp_path):
     outs = run_workers("trackers_fit.py", 2, str(tmp_path), timeout=140)
@@ -159,6 +165,7 @@ def test_two_ranks_only_rank_0_logs_and_trackers_add_no_collective(tmp_path):
     assert [s for s, _ in tensorboard_scalars(tmp_path / "tb", "loss")] == list(range(1, 7))
 
 
+@pytest.mark.unit
 def test_a_replica_loss_is_logged_under_its_own_name(tmp_path):
     job, loader, _ = make_run()
     job.loss_scope = "replica"  # as Gossip's and asynchronous parameter servers' jobs say
@@ -168,6 +175,7 @@ def test_a_replica_loss_is_logged_under_its_own_name(tmp_path):
     assert "replica_loss" in events.Tags()["scalars"] and "loss" not in events.Tags()["scalars"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("module", "tracker", "extra"),
     [

@@ -48,7 +48,7 @@ class SleepStage(nn.Module):
 def worker() -> None:
     import loom
     from loom.mesh import Mesh
-    from loom.strategies.pipeline import Pipeline
+    from loom.parallel.pipeline.pipeline import Pipeline
 
     topo = loom.init()
     mesh = Mesh(pp=2)
@@ -97,7 +97,7 @@ def launch() -> list[str]:
 
 
 def report(lines: list[str]) -> str:
-    from loom.strategies.pipeline_schedule import bubble_fraction
+    from loom.parallel.pipeline.pipeline_schedule import bubble_fraction
 
     rows = [json.loads(line) for line in lines]
     bubble = [r for r in rows if r["kind"] == "bubble"]

@@ -15,7 +15,7 @@ from loom.fit import FitResult, fit
 from loom.job import Job
 from loom.mesh import Mesh
 from loom.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
-from loom.strategies import (
+from loom.parallel import (
     DataParallel,
     DataParallelConfig,
     DiLoCo,

@@ -21,6 +21,7 @@ __all__ = [
     "NoValidCheckpointError",
     "NonFiniteStateError",
     "NonFiniteStepError",
+    "PeerLostError",
     "RayJobFailed",
     "ReplicaDesyncError",
 ]
@@ -32,6 +33,11 @@ class LoomError(Exception):
 
 class HangError(LoomError, RuntimeError):
     """A collective waited longer than the hang timeout (recorded for the launcher; never raised)."""
+
+
+class PeerLostError(LoomError, RuntimeError):
+    """A host of the job stopped answering for longer than the liveness timeout (recorded for the launcher; never
+    raised)."""
 
 
 class ReplicaDesyncError(LoomError, RuntimeError):

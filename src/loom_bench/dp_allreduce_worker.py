@@ -24,8 +24,8 @@ import loom
 from loom.comm import allreduce_hook
 from loom.comm.auto import policy_for
 from loom.comm.ddp_async import overlapped_allreduce_hook
+from loom.comm.shared_gradients import SharedGradients
 from loom.data import share_bounds
-from loom.strategies.shared_gradients import SharedGradients
 from loom_bench.dp_worker import bench_model, synthetic_data
 
 CONFIGS = {

@@ -45,7 +45,7 @@ def _updates_worker(cfg: dict, rank: int) -> None:
     import torch
     from torch import nn
 
-    from loom.strategies.parameter_server import ParameterServer
+    from loom.parallel.ps.parameter_server import ParameterServer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 512))
@@ -68,8 +68,8 @@ def _worker(cfg: dict) -> None:
     from torch.utils.data import TensorDataset
 
     import loom
-    from loom.strategies.data_parallel import DataParallelJob
-    from loom.strategies.parameter_server import ParameterServer, ParameterServerJob
+    from loom.parallel.data.data_parallel import DataParallelJob
+    from loom.parallel.ps.parameter_server import ParameterServer, ParameterServerJob
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])

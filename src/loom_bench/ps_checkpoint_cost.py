@@ -49,7 +49,7 @@ def _time_steps(build, mode: str, on: bool, steps: int, address: str, secret: st
     import torch
     from torch import nn
 
-    from loom.strategies.parameter_server import ParameterServer
+    from loom.parallel.ps.parameter_server import ParameterServer
     from loom.topology import Topology
 
     model, batch = build()

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import loom
-from loom.strategies.consistency import ModelMismatchError
+from loom.parallel.consistency import ModelMismatchError
 
 topo = loom.init()
 odd = topo.rank == 1

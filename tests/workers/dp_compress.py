@@ -13,7 +13,7 @@ from loom import comm
 
 topo = loom.init()
 data = make_dataset()
-for spec in (None, "fp16", "powersgd:2", "topk:0.1"):
+for spec in (None, "fp16", "int8", "powersgd:2", "topk:0.1"):
     model = make_mlp()
     job = loom.DataParallel(compression=spec, bucket_cap_mb=0.001).setup(
         model, make_optimizer("sgd", model), nn.functional.mse_loss

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import loom
-from loom.strategies.consistency import ModelMismatchError
+from loom.parallel.consistency import ModelMismatchError
 
 topo = loom.init()
 hidden = 17 if topo.rank == 2 else 16

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from common import make_dataset, make_mlp
+from faults import Fault, Injector
 from torch import nn
 
 import loom
@@ -47,12 +48,18 @@ job = loom.DataParallel().setup(model, optimizer, nn.functional.mse_loss)
 train_step = job.train_step
 
 
+faults = Injector(
+    topo.rank,
+    [Fault("kill", 1, kill_at, attempt=0)] if kill_at else [],
+    attempt,
+    lambda _: note("killed", str(job.step)),
+)
+
+
 def instrumented_step(batch):
     if attempt > 0:
         note("resumed", str(job.step))
-    if attempt == 0 and topo.rank == 1 and job.step + 1 == kill_at:
-        note("killed", str(job.step))
-        os.kill(os.getpid(), signal.SIGKILL)
+    faults.before_step(job.step + 1)
     return train_step(batch)
 
 

@@ -10,12 +10,12 @@ checkpoint and take no step. Prints one JSON line per rank and strategy, with th
 import hashlib
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
 import torch
 from common import make_dataset
+from faults import Fault, Injector
 from pp_common import make_deep_mlp
 from torch import nn
 
@@ -35,10 +35,13 @@ for index, (name, make) in enumerate(STRATEGIES.items()):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     job = make().setup(model, optimizer, nn.functional.mse_loss)
     train_step = job.train_step
+    # the last rank dies before step KILL_AT of the strategy whose index is the restart attempt
+    faults = Injector(
+        topo.rank, [Fault("kill", topo.world_size - 1, kill_at, attempt=index)] if kill_at else [], attempt
+    )
 
-    def step_or_die(batch, job=job, train_step=train_step, index=index):
-        if kill_at and attempt == index and topo.rank == topo.world_size - 1 and job.step + 1 == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def step_or_die(batch, job=job, train_step=train_step, faults=faults):
+        faults.before_step(job.step + 1)
         return train_step(batch)
 
     job.train_step = step_or_die  # type: ignore[method-assign]

@@ -15,7 +15,7 @@ from gossip_common import build, dataset, flat
 from torch import nn
 
 import loom
-from loom.strategies.gossip import Gossip
+from loom.parallel.gossip.gossip import Gossip
 
 directory = sys.argv[1]
 topo = loom.init()

@@ -10,19 +10,20 @@ Run by tests/test_gossip.py.
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
+from faults import Fault, Injector
 from gossip_common import build, dataset
 from torch import nn
 
 import loom
-from loom.strategies.gossip import Gossip
+from loom.parallel.gossip.gossip import Gossip
 
 cfg = json.loads(sys.argv[1])
 topo = loom.init()
+faults = Injector(topo.rank, [Fault("kill", cfg["kill_rank"], cfg["kill_step"] + 1)])
 model, opt = build(0, lr=0.05)
 job = Gossip(peers="ring", deadline_s=cfg["deadline_s"]).setup(model, opt, nn.functional.mse_loss)
 loader = job.loader(dataset(), global_batch_size=12, seed=3)
@@ -42,8 +43,7 @@ class Paced:
 
     def __iter__(self):
         for batch in self.inner:
-            if topo.rank == cfg["kill_rank"] and self.taken == cfg["kill_step"]:
-                os.kill(os.getpid(), signal.SIGKILL)
+            faults.before_step(self.taken + 1)
             time.sleep(cfg["slow_s"])
             self.taken += 1
             yield batch

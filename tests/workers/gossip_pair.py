@@ -24,7 +24,7 @@ import loom
 from loom.comm import counters
 from loom.comm.links import HandshakeRefused, dial_handshake
 from loom.comm.peer_wire import EXCHANGE, header
-from loom.strategies.gossip import Gossip
+from loom.parallel.gossip.gossip import Gossip
 
 
 def train(job, steps, data):

@@ -16,7 +16,7 @@ from torch import nn
 
 import loom
 from loom.comm import counters
-from loom.strategies.gossip import Gossip
+from loom.parallel.gossip.gossip import Gossip
 
 peers, steps = sys.argv[1], int(sys.argv[2])
 topo = loom.init()

@@ -11,12 +11,12 @@ job skipped and its step records marked skipped, and the losses it returned.
 import json
 import math
 import os
-import signal
 import sys
 import time
 
 import torch
 from common import make_dataset
+from faults import Fault, Injector
 from pp_common import make_deep_mlp
 from torch import nn
 
@@ -39,23 +39,24 @@ names, fault, out_dir = sys.argv[1:4]
 topo = loom.init()
 
 
+def frozen(fault: Fault) -> None:
+    if fault.kind == "freeze":
+        with open(os.path.join(out_dir, "frozen-at"), "w") as f:
+            f.write(str(time.time()))
+
+
 def train(name: str) -> dict:
     make_strategy, bad_rank = STRATEGIES[name]
+    faults = Injector(topo.rank, [Fault(fault, bad_rank, FAULT_AT)], on_fire=frozen)
     model = make_deep_mlp()
     job = make_strategy().setup(model, torch.optim.SGD(model.parameters(), lr=0.05), nn.functional.mse_loss)
     losses = []
     for step, batch in enumerate(job.loader(make_dataset(), 8, seed=0), start=1):
         if step > STEPS:
             break
-        if step == FAULT_AT and topo.rank == bad_rank:
-            if fault == "nan" and len(batch[0]):
-                batch[0][0, 0] = float(
-                    "nan"
-                )  # in place: the batch keeps its layout (global size, fingerprint)
-            elif fault == "freeze":
-                with open(os.path.join(out_dir, "frozen-at"), "w") as f:
-                    f.write(str(time.time()))
-                os.kill(os.getpid(), signal.SIGSTOP)
+        faults.before_step(
+            step, batch
+        )  # the NaN in place: the batch keeps its layout (global size, fingerprint)
         losses.append(job.train_step(batch))
     module = job.fetch_parameters() if hasattr(job, "fetch_parameters") else job.module
     return {

@@ -15,7 +15,7 @@ from torch import nn
 import loom
 from loom.data import GlobalBatchSampler
 from loom.examples.char_gpt import CharGPT, char_dataset, lm_loss
-from loom.strategies.hybrid import Hybrid
+from loom.parallel.model.hybrid import Hybrid
 
 STEPS, GLOBAL_BATCH = 5, 10
 topo = loom.init()
@@ -62,6 +62,7 @@ cases = [
     # The data axis is DataParallel's: its all-reduce algorithms are exact, its compression is not.
     ("mlp", dict(dp=2, pp=2, microbatches=2, allreduce="ring")),
     ("mlp", dict(dp=2, pp=2, microbatches=2, compression="fp16")),
+    ("mlp", dict(dp=2, pp=2, microbatches=2, compression="int8")),
     # plan="auto" splits the Linear-Tanh-Linear pairs of a plain nn.Sequential.
     ("mlp", dict(dp=2, tp=2)),
 ]

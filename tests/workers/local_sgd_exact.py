@@ -74,7 +74,7 @@ runs = {
         f"diloco_{c}": loom.DiLoCo(
             sync_every=1, compression=c, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0)
         )
-        for c in ("fp16", "int8")
+        for c in ("fp16", "bf16", "int8")
     },
 }
 for case, strategy in runs.items():
@@ -89,7 +89,7 @@ emit(
 job.close()
 
 # Bytes of one outer exchange of the whole model (one step, then synchronize) with each compression.
-for compression in (None, "fp16", "int8"):
+for compression in (None, "fp16", "bf16", "int8"):
     strategy = loom.DiLoCo(sync_every=2, compression=compression, allreduce="native")
     job, _ = train(strategy, 1, lambda: nn.Sequential(nn.Linear(8, 512), nn.Linear(512, 4)))
     before = counters().snapshot()

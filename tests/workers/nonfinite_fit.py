@@ -13,6 +13,7 @@ import sys
 
 import torch
 from common import make_dataset
+from faults import Fault, Injector
 from pp_common import make_deep_mlp
 from torch import nn
 
@@ -35,9 +36,11 @@ job = strategy.setup(model, optimizer, nn.functional.mse_loss)
 train_step = job.train_step
 
 
+faults = Injector(topo.rank, [Fault("nan", bad_rank, nan_at)])
+
+
 def poisoned_step(batch):
-    if job.step + 1 == nan_at and topo.rank == bad_rank and len(batch[0]):
-        batch[0][0, 0] = float("nan")  # in place: the batch keeps its layout (global size, fingerprint)
+    faults.before_step(job.step + 1, batch)  # in place: the batch keeps its layout (global size, fingerprint)
     return train_step(batch)
 
 

@@ -19,9 +19,9 @@ from torch import nn
 
 import loom
 from loom.mesh import Mesh
-from loom.strategies.pipeline import Pipeline
-from loom.strategies.pipeline_communications import recv_gradients, recv_tensors, send_tensors
-from loom.strategies.pipeline_schedule import simulate
+from loom.parallel.pipeline.pipeline import Pipeline
+from loom.parallel.pipeline.pipeline_communications import recv_gradients, recv_tensors, send_tensors
+from loom.parallel.pipeline.pipeline_schedule import simulate
 
 
 class _Sleep(torch.autograd.Function):

@@ -176,7 +176,7 @@ def _record(job, kind: str, schedule: str, m: int, losses: list[float], **extra)
 def main(steps: int) -> None:
     import loom
     from loom.mesh import Mesh
-    from loom.strategies.pipeline import Pipeline
+    from loom.parallel.pipeline.pipeline import Pipeline
 
     topo = loom.init()
     assert topo.world_size == 2, "pp_encdec.py runs on 2 processes"

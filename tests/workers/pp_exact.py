@@ -15,7 +15,7 @@ from torch import nn
 
 import loom
 from loom.mesh import Mesh
-from loom.strategies.pipeline import Pipeline
+from loom.parallel.pipeline.pipeline import Pipeline
 
 steps = int(sys.argv[1])
 topo = loom.init()

@@ -19,11 +19,11 @@ Run by tests/test_ps_fit.py.
 import hashlib
 import json
 import os
-import signal
 import sys
 
 import torch
 from common import make_dataset
+from faults import Fault, Injector
 from torch import nn
 
 import loom
@@ -62,10 +62,10 @@ for run in config["runs"]:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     if run.get("kill_at") and attempt == 0:
         train_step = job.train_step
+        faults = Injector(topo.rank, [Fault("kill", 1, run["kill_at"], attempt=0)], attempt)
 
-        def first_attempt(batch, run=run, job=job, train_step=train_step):
-            if job.step + 1 == run["kill_at"] and topo.rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+        def first_attempt(batch, run=run, job=job, train_step=train_step, faults=faults):
+            faults.before_step(job.step + 1)
             if job.step + 1 == run.get(
                 "diverge_at"
             ):  # the steps to be lost go elsewhere than the redone ones
@@ -96,7 +96,7 @@ for run in config["runs"]:
         "loss": result.last_loss,
         "clock": job.step,
     }
-    if isinstance(job, loom.strategies.ParameterServerJob):
+    if isinstance(job, loom.parallel.ParameterServerJob):
         state = job.state_dict()  # every rank: the servers' current parameters; rank 0: the servers' state
         if state["servers"] is not None:
             record["version"] = [s["meta"]["version"] for s in state["servers"]]

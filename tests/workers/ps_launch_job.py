@@ -11,13 +11,13 @@ Run by tests/test_ps_launch.py.
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
 from common import least_squares, train_steps
+from faults import Fault, Injector
 from torch import nn
 
 import loom
@@ -38,9 +38,12 @@ first = next(iter(loader))
 evaluation = job.eval_step(first, {"mae": lambda out, target: (out - target).abs().mean()})
 
 
-def before_step(step: int) -> None:
-    if topo.rank == cfg.get("kill_rank") and step == cfg.get("kill_step") and attempt == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+kill = [Fault("kill", cfg["kill_rank"], cfg["kill_step"] + 1, attempt=0)] if "kill_rank" in cfg else []
+faults = Injector(topo.rank, kill, attempt)
+
+
+def before_step(step: int) -> None:  # ``step`` counts from 0 here, from 1 for the injector
+    faults.before_step(step + 1)
     time.sleep(cfg.get("slow_s", 0.0))
 
 

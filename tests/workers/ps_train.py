@@ -10,16 +10,16 @@ Run by tests/test_ps_cluster.py.
 
 import json
 import os
-import signal
 import sys
 import time
 
 import torch
 from common import least_squares, make_dataset, make_mlp, make_optimizer
+from faults import Fault, Injector
 from torch import nn
 
 import loom
-from loom.strategies.parameter_server import ParameterServer
+from loom.parallel.ps.parameter_server import ParameterServer
 from loom.topology import Topology
 
 cfg = json.loads(sys.argv[1])
@@ -61,12 +61,13 @@ for index, cfg in enumerate(job_config["runs"]):
     job = strategy.setup(model, opt, nn.functional.mse_loss)
     scheduler = make_scheduler(cfg.get("scheduler"), opt)
     loader = loom.data.loader(data, cfg["global_batch"], seed=1, topology=topo)
+    kill = [Fault("kill", cfg["kill_rank"], cfg["kill_step"] + 1)] if "kill_rank" in cfg else []
+    faults = Injector(rank, kill)
     losses, error, started = [], None, time.perf_counter()
     try:
         while len(losses) < cfg["steps"]:
             for batch in loader:
-                if rank == cfg.get("kill_rank") and len(losses) == cfg.get("kill_step"):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                faults.before_step(len(losses) + 1)
                 if rank == cfg.get("slow_rank"):
                     time.sleep(cfg["slow_s"])
                 losses.append(job.train_step(batch))

@@ -18,7 +18,7 @@ from torch import nn
 import loom
 import loom.comm.shm as shm
 from loom.comm import counters
-from loom.strategies.shared_gradients import SharedGradients
+from loom.comm.shared_gradients import SharedGradients
 
 
 class WithUnused(nn.Module):

@@ -46,25 +46,42 @@ def check_tensor(tensor: object, op: str) -> None:
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group's size; (0, 1) when there is no process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
+    """This process's rank in ``group`` and the group's size; (0, 1) when there is no process group.
+
+    An explicit group answers for itself (``group.rank()``, ``group.size()``), so a group built directly on a
+    store (``torch.distributed.ProcessGroup`` with a gloo backend, as the tests' thread harness does: one group
+    per thread, no default group) works as well as one from ``new_group``."""
+    if group is not None and group is not dist.GroupMember.WORLD:
+        if not isinstance(group, dist.ProcessGroup):  # new_group's answer to a non-member: NON_GROUP_MEMBER
             raise ValueError(
-                "all_reduce got group= but no process group is initialized. HINT: call loom.init() first."
+                f"rank {dist.get_rank()} called a collective on a group it is not a member of. "
+                "HINT: call collectives on a group only from its members."
             )
+        return group.rank(), group.size()
+    if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(
-            f"rank {dist.get_rank()} called all_reduce on a group it is not a member of. "
-            "HINT: call collectives on a group only from its members."
-        )
-    return rank, dist.get_world_size(group)
+    return dist.get_rank(), dist.get_world_size()
 
 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    """The global rank point-to-point calls need for the process at ``group_rank`` in ``group``."""
+    """The global rank of the process at ``group_rank`` in a group made by ``new_group`` (kept for callers that
+    name processes globally; loom's own point-to-point calls address group ranks, see `exchange`)."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def rank_for_messages(group: dist.ProcessGroup | None) -> int:
+    """The rank an error should name: the global one where there is a default group, else the rank in ``group``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return group_rank_and_size(group)[0]
+
+
+def backend_name(group: dist.ProcessGroup | None) -> str:
+    """``"gloo"``, ``"nccl"``, ...: the backend of ``group`` (the default group's for None), whether or not
+    ``group`` was registered with torch.distributed."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return str(dist.get_backend())
+    return str(group.name())
 
 
 def combine_into(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
@@ -102,14 +119,16 @@ def exchange(
 ) -> None:
     """Send ``send`` to ``dst`` while receiving ``recv`` from ``src``; return when both are done.
 
-    Posting both before waiting on either is what keeps a ring from deadlocking: every process sends and
-    receives at once. Empty buffers are skipped; both ends know the sizes, so they skip the same messages.
+    ``dst`` and ``src`` are ranks *in* ``group`` (global ranks when it is None), so an explicit group needs no
+    default group behind it. Posting both before waiting on either is what keeps a ring from deadlocking: every
+    process sends and receives at once. Empty buffers are skipped; both ends know the sizes, so they skip the
+    same messages.
     """
     works = []
     if recv.numel():
-        works.append(dist.irecv(recv, src=src, group=group))
+        works.append(dist.irecv(recv, group=group, group_src=src))
     if send.numel():
-        works.append(dist.isend(send, dst=dst, group=group))
+        works.append(dist.isend(send, group=group, group_dst=dst))
     for work in works:
         if work is not None:  # None only for a process outside ``group``, which group_rank_and_size refuses
             work.wait()

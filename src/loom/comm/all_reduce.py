@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import check_op_and_algorithm, check_tensor, group_rank_and_size
+from loom.comm._reduce import check_op_and_algorithm, check_tensor, group_rank_and_size, rank_for_messages
 from loom.comm.auto import choose_algorithm
 from loom.comm.counters import Traffic, counters
 from loom.comm.driver import all_reduce_driver
@@ -95,7 +95,7 @@ def all_reduce(
     except RuntimeError as error:
         picked = f" (auto chose {chosen!r})" if chosen != algorithm else ""
         raise RuntimeError(
-            f"rank {dist.get_rank()}: all_reduce(op={op!r}, algorithm={algorithm!r}){picked} of a "
+            f"rank {rank_for_messages(group)}: all_reduce(op={op!r}, algorithm={algorithm!r}){picked} of a "
             f"{tuple(tensor.shape)} {tensor.dtype} tensor over {n} processes failed: {error}"
         ) from error
     if work is not tensor:

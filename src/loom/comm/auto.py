@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import global_rank
 from loom.comm.counters import Traffic, counters
 from loom.comm.shm import ShmContext, context_for
 
@@ -166,7 +165,7 @@ def _load_or_calibrate(group: dist.ProcessGroup | None, algorithms: Mapping[str,
         if cached is not None:
             table[0] = 1
             table[1:] = torch.tensor(cached, dtype=torch.float64).flatten()
-    dist.broadcast(table, src=global_rank(group, 0), group=group)
+    dist.broadcast(table, group=group, group_src=0)
     counters().record("setup", table.nbytes if ctx.rank == 0 else 0, 0 if ctx.rank == 0 else table.nbytes)
     if table[0] == 1:
         seconds = table[1:].view(len(names), -1)

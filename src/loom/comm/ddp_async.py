@@ -8,7 +8,7 @@ gradients, and backward should wait only at its end. The backend's ``async_op=Tr
 ``native``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are plain Python calls that block, and the
 synchronous `loom.comm.allreduce_hook` therefore stalls backward for the whole of every bucket's reduction.
 
-Here each process owns one background *communication thread* that runs the buckets' all-reduces, one after the
+Here each process owns one background *communication thread* (`loom.comm.thread`) that runs the buckets' all-reduces, one after the
 other, in the order the hook submitted them. The hook queues a job that divides the bucket by the group size
 (as PyTorch's ``allreduce_hook`` does, so float16 does not overflow) and all-reduces it, and returns a
 ``torch.futures.Future`` that the thread completes; DDP waits for the futures at the end of backward.
@@ -31,7 +31,7 @@ algorithm, the bucket and its size, so DDP's backward raises it instead of waiti
 still attempted (their peers may be waiting for them); the first error is the one reported.
 
 Lifetime: the thread is a daemon started on first use, one per process (made again in a forked child, which
-does not inherit threads), and stopped at interpreter exit (`shutdown_comm_thread`, registered with `atexit`).
+does not inherit threads), and stopped at interpreter exit (`loom.comm.thread.shutdown_comm_thread`).
 
 Limits: overlap needs spare CPU. The communication thread shares the process's cores with backward: on a host
 with as many busy processes as cores, reductions that are memory copies (shm) or socket copies (ring) compete
@@ -44,10 +44,6 @@ order.
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and
 # rejects them unless they are the real `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects.
 
-import atexit
-import os
-import queue
-import threading
 from collections.abc import Callable
 
 import torch
@@ -55,80 +51,11 @@ import torch.distributed as dist
 
 from loom.comm._reduce import check_algorithm, group_rank_and_size
 from loom.comm.all_reduce import all_reduce
+from loom.comm.thread import CommThread, comm_thread, shutdown_comm_thread, torch_future
 
 __all__ = ["CommThread", "comm_thread", "overlapped_allreduce_hook", "shutdown_comm_thread"]
 
 CommHook = Callable[[dist.ProcessGroup | None, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-_STOP = object()
-
-
-class CommThread:
-    """One daemon thread running submitted jobs in FIFO order, each settling a `torch.futures.Future`."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="loom-comm", daemon=True)
-        self._thread.start()
-
-    def submit(
-        self, job: Callable[[], torch.Tensor], describe: Callable[[], str]
-    ) -> torch.futures.Future[torch.Tensor]:
-        """Queue ``job``; its future gets the job's result, or a RuntimeError starting with ``describe()``."""
-        if not self._thread.is_alive():
-            raise RuntimeError(f"{describe()}: the communication thread has stopped (interpreter exiting?)")
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._jobs.put((job, describe, future))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is _STOP:
-                return
-            job, describe, future = item
-            # Everything is caught: an unsettled future would leave DDP waiting forever at the end of backward.
-            try:
-                result = job()
-            except BaseException as error:  # noqa: BLE001 - reported through the future, never lost
-                failure = RuntimeError(f"{describe()} failed: {error!r}")
-                future.set_exception(failure)  # type: ignore[arg-type]  # torch annotates the argument as T
-            else:
-                future.set_result(result)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Let queued jobs finish, then end the thread (waits at most ``timeout`` seconds)."""
-        if self._thread.is_alive():
-            self._jobs.put(_STOP)
-            self._thread.join(timeout)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-
-_THREAD: CommThread | None = None
-_THREAD_LOCK = threading.Lock()
-
-
-def comm_thread() -> CommThread:
-    """This process's communication thread, started on first use (and again in a forked child)."""
-    global _THREAD
-    with _THREAD_LOCK:
-        if _THREAD is None or _THREAD.pid != os.getpid() or not _THREAD.is_alive():
-            _THREAD = CommThread()
-        return _THREAD
-
-
-def shutdown_comm_thread() -> None:
-    """Stop this process's communication thread after its queued jobs; called at interpreter exit."""
-    global _THREAD
-    with _THREAD_LOCK:
-        thread, _THREAD = _THREAD, None
-    if thread is not None and thread.pid == os.getpid():
-        thread.stop()
-
-
-atexit.register(shutdown_comm_thread)
 
 
 def overlapped_allreduce_hook(algorithm: str = "auto") -> CommHook:
@@ -155,7 +82,10 @@ def overlapped_allreduce_hook(algorithm: str = "auto") -> CommHook:
 
         # Chained rather than returned: an exception set on a Python-made future reaches DDP's C++ side as an
         # uncastable value; raised inside a callback it becomes a real error (see loom.comm.compression.hook).
-        return comm_thread().submit(reduce, describe).then(_value)
+        thread = comm_thread()
+        if not thread.is_alive():
+            raise RuntimeError(f"{describe()}: the communication thread has stopped (interpreter exiting?)")
+        return torch_future(thread.submit(reduce), describe).then(_value)
 
     hook.__qualname__ = f"overlapped_allreduce_hook({algorithm!r})"
     return hook

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import combine_into, global_rank, group_rank_and_size
+from loom.comm._reduce import combine_into, group_rank_and_size, rank_for_messages
 
 __all__ = ["all_reduce_driver"]
 
@@ -29,30 +29,32 @@ def all_reduce_driver(flat: torch.Tensor, op: str, group: dist.ProcessGroup | No
     rank, n = group_rank_and_size(group)
     if flat.numel() == 0:
         return 0, 0
-    root = global_rank(group, 0)
-    if rank != 0:
-        dist.send(flat, dst=root, group=group)
-        dist.recv(flat, src=root, group=group)
+    if rank != 0:  # ranks in ``group`` throughout, so an explicit group needs no default group behind it
+        _wait_all([dist.isend(flat, group=group, group_dst=0)], "send", group)
+        _wait_all([dist.irecv(flat, group=group, group_src=0)], "recv", group)
         return flat.nbytes, flat.nbytes
 
-    peers = [global_rank(group, r) for r in range(1, n)]
+    peers = range(1, n)
     incoming = [torch.empty_like(flat) for _ in peers]
     _wait_all(
-        [dist.irecv(buf, src=peer, group=group) for buf, peer in zip(incoming, peers, strict=True)], "irecv"
+        [dist.irecv(buf, group=group, group_src=peer) for buf, peer in zip(incoming, peers, strict=True)],
+        "irecv",
+        group,
     )
     for buf in incoming:
         combine_into(flat, buf, op)
     if op == "avg":
         flat.div_(n)
-    _wait_all([dist.isend(flat, dst=peer, group=group) for peer in peers], "isend")
+    _wait_all([dist.isend(flat, group=group, group_dst=peer) for peer in peers], "isend", group)
     return (n - 1) * flat.nbytes, (n - 1) * flat.nbytes
 
 
-def _wait_all(works: list[dist.Work | None], op: str) -> None:
+def _wait_all(works: list[dist.Work | None], op: str, group: dist.ProcessGroup | None) -> None:
     """Wait for every posted operation; ``None`` (torch's answer when this rank is not in the group) is a bug."""
     for work in works:
         if work is None:
             raise RuntimeError(
-                f"rank {dist.get_rank()}: driver all-reduce {op} returned no handle (this rank is not in the group)"
+                f"rank {rank_for_messages(group)}: driver all-reduce {op} returned no handle "
+                "(this rank is not in the group)"
             )
         work.wait()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import global_rank
 from loom.comm.counters import Traffic
 from loom.comm.ring import reduce_around
 from loom.comm.shm import ShmContext, all_reduce_local, context_for, reduce_scatter_piece
@@ -35,8 +34,7 @@ __all__ = ["all_reduce_hierarchical"]
 def _ring_among_leaders(flat: torch.Tensor, op: str, ctx: ShmContext, divide_by: int) -> tuple[int, int]:
     """`loom.comm.ring`'s ring over the leaders of ``ctx`` only; ``op`` is not avg (for avg: sum, and
     ``divide_by`` the number of processes, which the ring applies to each segment once, after its last add)."""
-    members = tuple(global_rank(ctx.group, r) for r in ctx.leaders)
-    return reduce_around(flat, op, members, ctx.leaders.index(ctx.rank), ctx.group, divide_by)
+    return reduce_around(flat, op, tuple(ctx.leaders), ctx.leaders.index(ctx.rank), ctx.group, divide_by)
 
 
 def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:

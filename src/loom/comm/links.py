@@ -45,7 +45,6 @@ import collections
 import contextlib
 import fcntl
 import hashlib
-import hmac
 import os
 import queue
 import select
@@ -54,13 +53,13 @@ import struct
 import threading
 import time
 import warnings
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import exchange, host_key
-from loom.net.auth import job_secret, mac
+from loom.comm._reduce import backend_name, exchange, group_rank_and_size, host_key
+from loom.net.auth import job_secret
+from loom.net.handshake import HandshakeRefused, answer_handshake, dial_handshake
 
 __all__ = [
     "CONNECTION_TIMEOUT_S",
@@ -86,8 +85,6 @@ MAX_PENDING_HANDSHAKES = 64
 """Handshakes a listener runs at once; one more evicts the oldest (`PendingHandshakes`)."""
 
 _HELLO = b"LOOMRNG1"
-_NONCE = 16
-_MAC = 32
 _SIOCGIFADDR = 0x8915
 
 
@@ -168,14 +165,14 @@ _LINKS: dict[tuple[object, tuple[int, ...], int], RingLink | None] = {}
 def ring_link(
     group: dist.ProcessGroup | None, members: tuple[int, ...], position: int, tensor: torch.Tensor
 ) -> RingLink | None:
-    """This process's `RingLink` on the ring of ``members`` (global ranks in ring order; this process is
+    """This process's `RingLink` on the ring of ``members`` (ranks in ``group``, in ring order; this process is
     ``members[position]``), made on first use, or None: the ring goes through gloo (see the module docstring;
     the same answer on every member). Every member must call it for its first ring over ``members``."""
     if tensor.device.type != "cpu":
         return None
     key = (group if group is not None else dist.group.WORLD, members, position)
     if key not in _LINKS:
-        _LINKS[key] = _connect(group, members, position) if dist.get_backend(group) == "gloo" else None
+        _LINKS[key] = _connect(group, members, position) if backend_name(group) == "gloo" else None
     return _LINKS[key]
 
 
@@ -232,7 +229,8 @@ def _agree(ok: bool, size: int, right: int, left: int, group: dist.ProcessGroup 
 def _connect(group: dist.ProcessGroup | None, members: tuple[int, ...], position: int) -> RingLink | None:
     size = len(members)
     right, left = members[(position + 1) % size], members[(position - 1) % size]
-    me, secret = dist.get_rank(), _job_secret(dist.get_rank())
+    me = group_rank_and_size(group)[0]
+    secret = _job_secret(me)
     digest = hashlib.sha256(host_key().encode()).digest()[:16]
     listener, reason = None, ""
     if secret is not None:
@@ -298,72 +296,6 @@ def _link_up(
     return RingLink(right, left, out, accepted[0], rejected[0])
 
 
-def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the handshake took too long")
-        sock.settimeout(remaining)
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection during the handshake")
-        data += chunk
-    return bytes(data)
-
-
-class HandshakeRefused(RuntimeError):
-    """The other side of a handshake did not prove the job secret, or refused ours."""
-
-
-def dial_handshake(
-    sock: socket.socket,
-    secret: bytes,
-    ids: bytes,
-    deadline: float,
-    hello: bytes = _HELLO,
-    label: bytes = b"ring",
-) -> None:
-    """The connecting side of the challenge-response on the connected ``sock``: send ``hello``, a fresh nonce
-    and ``ids`` (who dials whom, covered by both proofs), check the listener's proof, send ours, wait for the
-    listener's verdict. Each protocol has its own ``hello`` and ``label``, so a proof made for one is worth
-    nothing in another. Raises `HandshakeRefused`, or OSError when the connection fails or ``deadline`` passes."""
-    mine = os.urandom(_NONCE)
-    sock.sendall(hello + mine + ids)
-    reply = _read_exact(sock, _NONCE + _MAC, deadline)
-    theirs = reply[:_NONCE]
-    if not hmac.compare_digest(reply[_NONCE:], mac(secret, b"loom " + label + b" accept", mine, theirs, ids)):
-        raise HandshakeRefused("the listener did not prove it holds the job secret")
-    sock.sendall(mac(secret, b"loom " + label + b" connect", theirs, mine, ids))
-    if _read_exact(sock, 1, deadline) != b"\1":
-        raise HandshakeRefused("the listener refused the handshake")
-
-
-def answer_handshake(
-    sock: socket.socket,
-    secret: bytes,
-    id_size: int,
-    expected: Callable[[bytes], bool],
-    until: float,
-    hello: bytes = _HELLO,
-    label: bytes = b"ring",
-) -> bytes:
-    """The listening side of `dial_handshake` on an accepted ``sock``: read exactly one fixed-size hello (nothing
-    else is read before the proof), refuse it unless ``expected(ids)``, prove the secret, check the dialer's
-    proof, say yes. Returns the dialer's ``ids``; raises OSError (ConnectionError, timeouts) on any failure."""
-    first = _read_exact(sock, len(hello) + _NONCE + id_size, until)
-    ids = first[len(hello) + _NONCE :]
-    if first[: len(hello)] != hello or not expected(ids):
-        raise ConnectionError("not a hello from an expected peer")
-    theirs, mine = first[len(hello) : len(hello) + _NONCE], os.urandom(_NONCE)
-    sock.sendall(mine + mac(secret, b"loom " + label + b" accept", theirs, mine, ids))
-    proof = _read_exact(sock, _MAC, until)
-    if not hmac.compare_digest(proof, mac(secret, b"loom " + label + b" connect", mine, theirs, ids)):
-        raise ConnectionError("wrong proof of the job secret")
-    sock.sendall(b"\1")
-    return ids
-
-
 def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: float) -> socket.socket:
     """Connect to ``peer``'s listener and run the connecting side of the handshake.
 
@@ -377,7 +309,9 @@ def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: 
         except OSError as error:
             raise RuntimeError(f"{where}: cannot connect: {error}") from None
         try:
-            dial_handshake(sock, secret, me.to_bytes(4, "big") + peer.to_bytes(4, "big"), deadline)
+            dial_handshake(
+                sock, secret, me.to_bytes(4, "big") + peer.to_bytes(4, "big"), deadline, _HELLO, b"ring"
+            )
             sock.settimeout(None)
             return sock
         except HandshakeRefused as refused:
@@ -434,7 +368,7 @@ def _accept(
     def handshake(sock: socket.socket) -> None:
         until = min(deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
         try:
-            answer_handshake(sock, secret, len(ranks), ranks.__eq__, until)
+            answer_handshake(sock, secret, len(ranks), ranks.__eq__, until, _HELLO, b"ring")
             sock.settimeout(None)
             admitted.put(sock)
         except OSError:  # ConnectionError, timeouts and evictions included

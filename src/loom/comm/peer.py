@@ -1,6 +1,6 @@
 """Authenticated point-to-point requests between any two workers, each answered at the receiver's own pace.
 
-Gossip (`loom.strategies.gossip`) needs what the ring links of `loom.comm.links` do not give: any worker may ask
+Gossip (`loom.parallel.gossip.gossip`) needs what the ring links of `loom.comm.links` do not give: any worker may ask
 any other at any time, and the one asked answers when it gets round to it, or never when it is dead, without a
 collective or a barrier anywhere. `PeerNode` is one process's end:
 

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import combine_into, global_rank, group_rank_and_size, scratch_buffer
+from loom.comm._reduce import combine_into, group_rank_and_size, scratch_buffer
 from loom.comm.links import RingLink, ring_link
 
 __all__ = [
@@ -199,7 +199,7 @@ def run_ring(
     this rank's contribution, sent after its last touch of the segment. A receive already posted when the
     message arrives saves a round of gloo's matching: on the 2-core host, two dependent 2 KiB exchanges took
     ~0.56 ms with the second receive posted up front against ~1.06 ms without. Empty buffers are skipped on
-    both ends. ``right``/``left`` are global ranks, as point-to-point calls need.
+    both ends. ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
     """
     if link is not None:
         return _run_on_link(transfers, op, link, divide_by)
@@ -212,12 +212,12 @@ def run_ring(
         while next_recv < count and (transfers[next_recv].reduce_into is None or next_recv < k + window):
             recv = transfers[next_recv].recv
             if recv.numel():  # a None work happens only outside ``group``, which the entry point refuses
-                receiving[next_recv] = dist.irecv(recv, src=left, group=group)
+                receiving[next_recv] = dist.irecv(recv, group=group, group_src=left)
             next_recv += 1
         while next_send < min(count, k + window):
             send = transfers[next_send].send
             if send.numel():
-                sending[next_send] = dist.isend(send, dst=right, group=group)
+                sending[next_send] = dist.isend(send, group=group, group_dst=right)
             next_send += 1
         for work in (receiving[k], sending[k]):
             if work is not None:
@@ -254,9 +254,7 @@ def all_reduce_ring(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None
     rank, n = group_rank_and_size(group)
     # avg: each segment is divided once, by its owner after its last reduction, before it is copied everywhere
     local_op, divide_by = ("sum", n) if op == "avg" else (op, 1)
-    return reduce_around(
-        flat, local_op, tuple(global_rank(group, i) for i in range(n)), rank, group, divide_by
-    )
+    return reduce_around(flat, local_op, tuple(range(n)), rank, group, divide_by)
 
 
 def reduce_around(
@@ -267,7 +265,7 @@ def reduce_around(
     group: dist.ProcessGroup | None,
     divide_by: int = 1,
 ) -> tuple[int, int]:
-    """`run_ring` for ring member ``position`` of ``members`` (global ranks of ``group``, in ring order):
+    """`run_ring` for ring member ``position`` of ``members`` (ranks in ``group``, in ring order):
     over loom's links when `TRANSPORT` allows and the ring can have them (made on first use, a collective of
     the ring), else over gloo; ``op`` is not avg. Returns (bytes sent, bytes received)."""
     size = len(members)

@@ -263,7 +263,7 @@ class ShmContext:
 
     def map_slots(self, nbytes: int) -> None:
         """Give every slot room for exactly ``nbytes`` (no piece limit), for a buffer that lives in the segment
-        (`loom.strategies.shared_gradients`). A collective; /dev/shm must hold one slot per local process."""
+        (`loom.comm.shared_gradients`). A collective; /dev/shm must hold one slot per local process."""
         self._remap(max(nbytes, 64))
 
     def _remap(self, capacity: int) -> None:

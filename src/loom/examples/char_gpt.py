@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import loom
-from loom.strategies.hybrid import Hybrid
+from loom.parallel.model.hybrid import Hybrid
 
 __all__ = ["Block", "CausalSelfAttention", "CharGPT", "Embed", "Head", "char_dataset", "lm_loss"]
 

@@ -84,10 +84,11 @@ def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | No
     """Raise `ReplicaDesyncError` on every rank of ``group`` unless all replicas of ``module`` are bitwise equal.
 
     A collective: every rank of ``group`` (default: the whole job) must call it at the same point. A no-op
-    without a process group. The ranks that differ from the majority are named (on a tie, the side holding the
+    without a process group. Ranks are named globally where there is a default group, else by their rank in
+    ``group`` (a group built directly on a store, as the tests' thread harness does). The ranks that differ from the majority are named (on a tie, the side holding the
     lowest rank counts as the majority); ``step`` only goes into the message.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if group is None and not (dist.is_available() and dist.is_initialized()):
         return
     names, mine = fingerprints(module)
     world = dist.get_world_size(group)
@@ -114,7 +115,9 @@ def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | No
 
 
 def _global_rank(group_rank: int, group: Any) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+    if group is None or not dist.is_initialized():  # no default group: the group's own ranks are the names
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
 
 
 # -- non-finite steps -------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ thread reads every rank's record, prints a report naming
 
 records it in the elastic agent's error file (so ``loom run`` names it), and ends the process with exit code
 1 (``os._exit`` after flushing: the main thread is blocked inside C++ and cannot be interrupted). The launcher
-then stops the other workers, so the job never hangs silently.
+then stops the other workers, so the job never hangs silently. The same thread sends and hears heartbeats on
+the same channel (`loom.fault.liveness`): a host that stops answering is lost after the liveness timeout
+(``liveness_timeout``, 20 s), however long a collective may legitimately take, and stops the process the same way.
 
 ```python
 wd = Watchdog.start(topology, timeout_s=120)
@@ -35,12 +37,13 @@ with wd.collective("loss all-reduce"):
 ```
 
 Limits: only collectives wrapped in `collective` are counted (DataParallel wraps its gradient, loss,
-sample-count and evaluation reductions, `loom.strategies.own_loop` the gradient all-reduce of a backward, and
+sample-count and evaluation reductions, `loom.parallel.data.own_loop` the gradient all-reduce of a backward, and
 `loom.fault.desync` its check; DDP's own start-up broadcast and buffer broadcasts are not); a rank blocked in a
 collective that is not counted looks like a rank doing its own work, so it is waited for up to the work timeout.
 The process group's own timeout (``loom.init(timeout_s=...)``) must be at least the work timeout, or gloo gives
-up first with its bare error. The published records lag by the poll interval (a tenth of the timeout, at most
-1 s), so a rank killed with SIGKILL shows its state from up to that long before it died. The store is hosted
+up first with its bare error. The published records lag by the poll interval (at most 1 s, a tenth of the
+hang timeout and a fifth of the liveness timeout), so a rank killed with SIGKILL shows its state from up to that
+long before it died. The store is hosted
 by rank 0; if rank 0 itself died the report says that the other ranks' records could not be read. Detection
 takes between the timeout and the timeout plus one poll interval.
 """
@@ -49,19 +52,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import json
 import os
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch.distributed as dist
-
-from loom.errors import HangError  # noqa: F401 - raised here, defined there
+from loom.errors import HangError, PeerLostError
+from loom.fault.hang_report import all_inside_s, doing, hang_report, print_stacks
+from loom.fault.liveness import Heartbeat, liveness_timeout_s, seconds_setting
+from loom.fault.side_channel import host_description, open_side_channel
 from loom.topology import Topology
 
 __all__ = [
@@ -70,48 +72,38 @@ __all__ = [
     "HangError",
     "Watchdog",
     "active",
+    "all_inside_s",
     "collective",
+    "hang_report",
     "hang_timeout_s",
+    "liveness_timeout_s",
     "work_timeout_s",
 ]
 
 DEFAULT_TIMEOUT_S = 180.0
 """How long every rank may sit inside collectives without one completing. No rank is doing its own work then,
 so nothing can still arrive: minutes are a hang on any network (and below the process group's timeout, so loom's
-report comes before gloo's bare error). The launcher also takes it as the time after which a silent node is
-lost."""
+report comes before gloo's bare error). A host that stops answering is another matter: the liveness timeout
+(`loom.fault.liveness`)."""
 DEFAULT_WORK_TIMEOUT_S = 1800.0
 """How long ranks wait in a collective for a rank that is alive and doing its own work outside collectives
 (rank-0-only evaluation, checkpoint writing): PyTorch's default process-group timeout for gloo (30 minutes)."""
-STORE_CALL_S = 3.0
-"""Longest one store call of the watchdog may take (connecting included)."""
 STORE_BACKOFF_S = 5.0
-"""After a failed store call, the watchdog does not touch the store for this long."""
+"""After a failed store call, the watchdog does not touch the store for this long (at most a quarter of the
+liveness timeout: the side cut off from the store must try again within it to tell a blip from a cut)."""
 # Keys per restart attempt: a store shared across attempts (torchrun's) still holds the previous attempt's.
 _PREFIX = "loom/watchdog/attempt{}/"
 
 
 def hang_timeout_s(requested: float | None = None) -> float:
     """The timeout to use: ``requested``, else ``LOOM_HANG_TIMEOUT_S``, else `DEFAULT_TIMEOUT_S`."""
-    return _seconds(requested, "LOOM_HANG_TIMEOUT_S", DEFAULT_TIMEOUT_S, "hang timeout")
+    return seconds_setting(requested, "LOOM_HANG_TIMEOUT_S", DEFAULT_TIMEOUT_S, "hang timeout")
 
 
 def work_timeout_s(requested: float | None = None) -> float:
     """The wait for a rank doing its own work: ``requested``, else ``LOOM_WORK_TIMEOUT_S``, else
     `DEFAULT_WORK_TIMEOUT_S`."""
-    return _seconds(requested, "LOOM_WORK_TIMEOUT_S", DEFAULT_WORK_TIMEOUT_S, "work timeout")
-
-
-def _seconds(requested: float | None, variable: str, default: float, what: str) -> float:
-    if requested is None:
-        raw = os.environ.get(variable, "")
-        try:
-            requested = float(raw) if raw else default
-        except ValueError:
-            raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
-    if isinstance(requested, bool) or not float(requested) > 0:
-        raise ValueError(f"the {what} must be a positive number of seconds, got {requested!r}")
-    return float(requested)
+    return seconds_setting(requested, "LOOM_WORK_TIMEOUT_S", DEFAULT_WORK_TIMEOUT_S, "work timeout")
 
 
 class Watchdog:
@@ -127,12 +119,15 @@ class Watchdog:
         timeout_s: float,
         store: Any = None,
         work_timeout: float | None = None,
+        liveness_timeout: float | None = None,
     ) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, hang_timeout_s(timeout_s)
         self.work_timeout_s = max(work_timeout_s(work_timeout), self.timeout_s)
         """How long to wait for a rank doing its own work outside collectives (never below ``timeout_s``)."""
         self.store = store
-        self.poll_s = min(1.0, self.timeout_s / 10)
+        self._prefix = _PREFIX.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.heartbeat = Heartbeat(rank, world_size, liveness_timeout_s(liveness_timeout), self._prefix)
+        self.poll_s = self._poll_s()
         self._next_check = 0.0
         self._stacks_asked = False
         """Whether this rank asked the ranks outside collectives for their stacks (once per process)."""
@@ -145,12 +140,19 @@ class Watchdog:
         self.last_done: tuple[str, int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._prefix = _PREFIX.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._store_failed_at = -float("inf")
+
+    def _poll_s(self) -> float:
+        """The watchdog thread's interval: at most 1 s, a tenth of the hang timeout, a fifth of the liveness one."""
+        return min(1.0, self.timeout_s / 10, self.heartbeat.timeout_s / 5)
 
     @classmethod
     def start(
-        cls, topology: Topology, timeout_s: float | None = None, work_timeout: float | None = None
+        cls,
+        topology: Topology,
+        timeout_s: float | None = None,
+        work_timeout: float | None = None,
+        liveness_timeout: float | None = None,
     ) -> Watchdog:
         """A watchdog for this process, publishing through a new client of the job's TCP store.
 
@@ -159,13 +161,16 @@ class Watchdog:
         timeout = hang_timeout_s(timeout_s)
         reuse = _active
         if reuse is not None and (reuse.rank, reuse.world_size) == (topology.rank, topology.world_size):
-            reuse.timeout_s, reuse.poll_s = timeout, min(1.0, timeout / 10)  # a second setup() in one process
+            reuse.timeout_s = timeout  # a second setup() in one process
             reuse.work_timeout_s = max(work_timeout_s(work_timeout), timeout)
+            reuse.heartbeat.timeout_s = liveness_timeout_s(liveness_timeout)
+            reuse.poll_s = reuse._poll_s()
             return reuse
-        store = _side_channel() if topology.is_distributed else None
-        wd = cls(topology.rank, topology.world_size, timeout, store, work_timeout)
+        store = open_side_channel() if topology.is_distributed else None
+        wd = cls(topology.rank, topology.world_size, timeout, store, work_timeout, liveness_timeout)
         if store is not None:
             with contextlib.suppress(Exception):  # bounded; the thread retries
+                wd.heartbeat.announce(store, host_description())
                 wd._publish()
             wd._thread = threading.Thread(target=wd._watch, name=f"loom-watchdog-{wd.rank}", daemon=True)
             wd._thread.start()
@@ -177,10 +182,14 @@ class Watchdog:
         return wd
 
     def stop(self) -> None:
-        """Stop the thread and close the store client (idempotent)."""
+        """Stop the thread, mark this rank's heartbeat as ended on purpose, close the store client (idempotent)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        thread_ended = self._thread is not None and not self._thread.is_alive()
+        if thread_ended and self._store_usable():  # never two threads on one store client
+            with contextlib.suppress(Exception):
+                self.heartbeat.leave(self.store)
         self.store = None
 
     # -- the main thread's side: two attribute writes per collective, no I/O ---------------------------------
@@ -233,13 +242,31 @@ class Watchdog:
             if self._store_usable():
                 try:
                     self._publish()
+                    if self.heartbeat.due():
+                        self.heartbeat.beat(self.store)
                     if not self._stack_dumped and self.store.check([f"{self._prefix}stack{self.rank}"]):
-                        self._dump_stack()
-                except Exception:  # noqa: BLE001 - the store's host may be gone or cut off; keep timing anyway
+                        self._stack_dumped = True  # once: another rank asked
+                        print_stacks(self.rank)
+                except Exception as error:  # noqa: BLE001 - the store's host may be gone or cut off; keep timing
                     self._store_failed_at = time.monotonic()
+                    self.heartbeat.store_failed(error)
+            lost = self.heartbeat.verdict()
+            if lost is not None:
+                self._lost(lost)
+
+    def _lost(self, lost: str) -> None:
+        """A host is lost: stop the process (the launcher stops the rest), unless the job's policy is to go on
+        without a lost worker (``--on-worker-failure continue``): then say so once and stop judging that peer."""
+        text = f"loom watchdog: rank {self.rank} ({self.heartbeat.host or host_description()}) {lost}"
+        if os.environ.get("LOOM_ON_WORKER_FAILURE") == "continue":
+            print(f"{text}; going on without it (--on-worker-failure continue)", file=sys.stderr, flush=True)
+            self.heartbeat.forget()
+            return
+        self._stop_process(f"{text} ({doing(self.current)})", PeerLostError)
 
     def _store_usable(self) -> bool:
-        return self.store is not None and time.monotonic() - self._store_failed_at > STORE_BACKOFF_S
+        backoff = min(STORE_BACKOFF_S, self.heartbeat.timeout_s / 4)
+        return self.store is not None and time.monotonic() - self._store_failed_at > backoff
 
     def _judge(self, current: tuple[str, int, float]) -> None:
         """Stop the process if the wait in ``current`` is a hang (see the module docstring)."""
@@ -287,20 +314,6 @@ class Watchdog:
             flush=True,
         )
 
-    def _dump_stack(self) -> None:
-        """Print every thread's Python stack to stderr (the launcher's output), once: another rank asked."""
-        import faulthandler
-
-        self._stack_dumped = True
-        print(
-            f"loom watchdog: rank {self.rank} is outside any collective while other ranks wait for it; its Python "
-            "stack (every thread, most recent call first):",
-            file=sys.stderr,
-            flush=True,
-        )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-
     def _read_records(self) -> dict[int, dict | None]:
         """Every rank's published record (None where it could not be read)."""
         records: dict[int, dict | None] = {}
@@ -339,101 +352,20 @@ class Watchdog:
             text = (
                 f"loom watchdog: rank {self.rank} waited {waited:.1f} s in collective '{op}' #{seq} ({why})"
             )
+        self._stop_process(text, HangError)
+
+    def _stop_process(self, text: str, error: type[Exception]) -> None:
+        """Print ``text``, record its first line as ``error`` for the launcher (``loom run`` prints it), end the
+        process with exit code 1: the main thread may be blocked inside C++ and cannot be interrupted."""
         print(text, file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-            ErrorHandler().record_exception(HangError(text.splitlines()[0]))
+            ErrorHandler().record_exception(error(text.splitlines()[0]))
         sys.stdout.flush()
         if self.rank == 0:  # rank 0 hosts the store: give the others a moment to read it before it goes
             time.sleep(self.poll_s)
         os._exit(1)
-
-
-def _side_channel() -> Any:
-    """A client of the job's TCP store of its own (not shared with the main thread, which may be blocked in
-    it), else the process group's store, else None (the watchdog then only counts, with a warning)."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if addr and port.isdigit() and "LOOM_STORE_PREFIX" in os.environ:
-        from loom.net.store import LoomStore, job_secret  # `loom run`'s store (authenticated)
-
-        with contextlib.suppress(Exception):
-            return LoomStore(
-                addr, int(port), job_secret(), prefix=os.environ["LOOM_STORE_PREFIX"],
-                timeout=datetime.timedelta(seconds=STORE_CALL_S), connect_timeout_s=STORE_CALL_S,
-                io_timeout_s=STORE_CALL_S,
-            )  # fmt: skip
-    elif addr and port.isdigit():
-        with contextlib.suppress(Exception):
-            return dist.TCPStore(
-                addr,
-                int(port),
-                is_master=False,
-                timeout=datetime.timedelta(seconds=STORE_CALL_S),  # bounds every call
-                wait_for_workers=False,
-            )
-    with contextlib.suppress(Exception):
-        return dist.distributed_c10d._get_default_store()
-    warnings.warn("loom watchdog: no store to publish progress to; hangs will not be diagnosed", stacklevel=3)
-    return None
-
-
-def all_inside_s(records: dict[int, dict | None], rank: int, waited_s: float) -> float:
-    """How long every rank has been inside a collective or silent, as far as ``records`` tell (see the module
-    docstring): the minimum over ranks of a rank's time in its collective, or of the time since it was last heard
-    from when it is outside one (a live rank's is under a few polls). A record that could not be read counts as
-    forever (the rank cannot be shown to be working); this rank's own wait is ``waited_s``."""
-    now, inside = time.time(), waited_s
-    for r, rec in records.items():
-        if r == rank or rec is None:
-            continue
-        age = max(0.0, now - float(rec.get("time", now)))
-        waiting = rec.get("waiting_s") if rec.get("current") is not None else 0.0
-        inside = min(inside, float(waiting or 0.0) + age)
-    return inside
-
-
-def hang_report(
-    rank: int,
-    op: str,
-    seq: int,
-    waited_s: float,
-    records: dict[int, dict | None],
-    why: str | None = None,
-) -> str:
-    """The report: first line a summary (what the launcher shows), then one line per rank.
-
-    A rank did not arrive at ``(op, seq)`` if it has not entered collective ``seq`` yet, or is inside a
-    different operation under that number (the ranks disagree on the order of collectives).
-    """
-    missing, unknown = [], [r for r, rec in sorted(records.items()) if rec is None]
-    for r, rec in sorted(records.items()):
-        if rec is None:
-            continue
-        cur, done = rec.get("current"), rec.get("done")
-        entered = cur[1] if cur else (done[1] if done else 0)
-        if entered < seq or (cur is not None and cur[1] == seq and cur[0] != op):
-            missing.append(r)
-    who = f"ranks {missing} did not arrive" if missing else "every rank that published arrived (a slow op?)"
-    if unknown:
-        who += f"; ranks {unknown} could not be read"
-    if why:
-        who += f"; {why}"
-    lines = [
-        f"loom watchdog: rank {rank} waited {waited_s:.1f} s in collective '{op}' #{seq}; {who}. "
-        "HINT: every rank must issue the same collectives in the same order; raise LOOM_HANG_TIMEOUT_S "
-        "if the operation is just slow."
-    ]
-    for r, rec in sorted(records.items()):
-        if rec is None:
-            lines.append(f"  rank {r}: no record (not started, or the store is unreachable)")
-            continue
-        cur, done = rec.get("current"), rec.get("done")
-        now = f"in '{cur[0]}' #{cur[1]} for {rec.get('waiting_s')} s" if cur else "not in a collective"
-        last = f"'{done[0]}' #{done[1]}" if done else "none"
-        age = time.time() - float(rec.get("time", time.time()))
-        lines.append(f"  rank {r}: last completed {last}; {now} (published {age:.1f} s ago)")
-    return "\n".join(lines)
 
 
 _active: Watchdog | None = None

@@ -246,16 +246,17 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from loom.fault.liveness import liveness_timeout_s
     from loom.fault.watchdog import hang_timeout_s
     from loom.launch.elastic import AgentOptions, run_agent
-    from loom.launch.rendezvous import LoomRendezvous, PeerLost
+    from loom.launch.rendezvous import LOST_AFTER_GRACE_S, LoomRendezvous, PeerLost
     from loom.launch.servers import server_processes
     from loom.net.store import StoreTimeout, StoreUnreachable
 
     try:
         secret = _secret(spec)
         host, port, local_addr = _endpoint_and_addr(spec)
-        lost_after_s = hang_timeout_s()
+        lost_after_s = min(liveness_timeout_s() + LOST_AFTER_GRACE_S, hang_timeout_s())
     except ValueError as error:
         print(f"loom run: {error}", file=sys.stderr)
         return 2

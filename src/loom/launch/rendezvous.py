@@ -15,8 +15,12 @@ under ``LOOM_STORE_PREFIX``, which `loom.init` reads. A node counts itself into 
 first; the others see it waiting (`num_nodes_waiting`) and restart their workers too, as with ``c10d``.
 
 Liveness: from the first round on, every node other than 0 bumps a heartbeat key in node 0's store each
-`BEAT_S`, and node 0 watches those keys. A node that has not heard its peer for ``lost_after_s`` (the hang
-timeout: a partitioned collective is stopped by the workers' watchdog at the same time) is *lost*: the next
+`BEAT_S`, and node 0 watches those keys. A node that has not heard its peer for ``lost_after_s`` (the liveness
+timeout, ``LOOM_LIVENESS_TIMEOUT_S``, plus `LOST_AFTER_GRACE_S`: the workers' own heartbeats,
+`loom.fault.liveness`, stop them at the liveness timeout with a report naming ranks, and this is the backstop
+for a worker that has no watchdog running, or one blocked in a collective the watchdog does not count; or the
+hang timeout, if shorter: a job that gives a collective 10 s is not kept waiting longer for a silent node) is
+*lost*: the next
 call the agent makes (`num_nodes_waiting`, polled every monitor interval, or `next_rendezvous`) raises
 `PeerLost` naming it, and `loom run` stops its workers and says so in one line. A node whose store connection is
 refused after it joined knows node 0's launcher has ended, and stops at once.
@@ -39,10 +43,16 @@ from torch.distributed.elastic.rendezvous import (
 
 from loom.net.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable
 
-__all__ = ["BEAT_S", "LoomRendezvous", "PeerLost"]
+__all__ = ["BEAT_S", "LOST_AFTER_GRACE_S", "LoomRendezvous", "PeerLost"]
 
 BEAT_S = 1.0
 """Seconds between heartbeats of a node to node 0's store."""
+LOST_AFTER_GRACE_S = 5.0
+"""A node's launcher declares a silent peer lost this long after the liveness timeout, so that the workers'
+report (which names ranks and what they were doing) comes first when they can give one."""
+
+
+_SETTING = f" (LOOM_LIVENESS_TIMEOUT_S + {LOST_AFTER_GRACE_S:g} s, or LOOM_HANG_TIMEOUT_S if shorter)"
 
 
 class PeerLost(RuntimeError):
@@ -213,7 +223,9 @@ class LoomRendezvous(RendezvousHandler):
                 self._beats[node] = beat
                 self._heard[node] = now
             elif now - self._heard[node] > self.lost_after_s and not self._lost:
-                self._lost = f"lost {self._name(node)}: no heartbeat for {now - self._heard[node]:.0f} s"
+                self._lost = (
+                    f"lost {self._name(node)}: no heartbeat for {now - self._heard[node]:.0f} s{_SETTING}"
+                )
         joined = table.get(f"loom/{self.run_id}/round{self._round}/joined".encode())
         self._waiting = int(joined) if joined else 0
 
@@ -228,4 +240,4 @@ class LoomRendezvous(RendezvousHandler):
             if "connection refused" in str(error) and not self._lost:
                 self._lost = f"lost {self._name(0)}: its launcher has ended (connection refused)"
             elif silent > self.lost_after_s and not self._lost:
-                self._lost = f"lost {self._name(0)}: no answer for {silent:.0f} s"
+                self._lost = f"lost {self._name(0)}: no answer for {silent:.0f} s{_SETTING}"

@@ -21,7 +21,7 @@ a lost worker), or none succeeded; ``128 + signal`` when the launcher itself was
 
 Each worker is told the policy (``LOOM_ON_WORKER_FAILURE=continue``), and a strategy whose ranks cannot go on
 without a lost one (every synchronous strategy, DiLoCo, LocalSGD, a ``sync`` parameter server) refuses to start
-under it (`loom.strategies._setup.check_failure_policy`), naming the alternatives; Gossip and ``async``/``ssp``
+under it (`loom.parallel._setup.check_failure_policy`), naming the alternatives; Gossip and ``async``/``ssp``
 parameter servers accept it.
 
 Limits: one node, no restarts (``--max-restarts`` must stay 0). A worker that dies *before* every worker has

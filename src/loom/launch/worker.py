@@ -2,7 +2,7 @@
 
 Runs the user's script as ``__main__`` and, if it raises, records the exception in the file the elastic agent
 reads (so the launcher can name the failing rank and its error). An exception marked ``loom_start_refusal``
-(`loom.strategies._setup.StartRefused`: a job that refuses the launcher's settings) is printed as one line. The worker also asks the kernel to kill it if
+(`loom.parallel._setup.StartRefused`: a job that refuses the launcher's settings) is printed as one line. The worker also asks the kernel to kill it if
 the launcher dies, so no worker outlives its job even when the launcher is killed with SIGKILL.
 """
 

@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import os
 
-__all__ = ["MIN_SECRET_BYTES", "job_secret", "mac"]
+__all__ = ["MIN_SECRET_BYTES", "job_secret", "mac", "mac_stream", "same_proof"]
 
 MIN_SECRET_BYTES = 16
 """The shortest secret accepted (32 hex digits); ``loom run`` makes 32 bytes."""
@@ -36,5 +36,17 @@ def job_secret(text: str | None = None) -> bytes:
 
 
 def mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
-    """HMAC-SHA256 of ``label`` followed by ``parts`` under ``secret``."""
+    """HMAC-SHA256 of ``label`` followed by ``parts`` under ``secret``: proofs, and the keys and tokens derived
+    from the job secret (each under a label of its own)."""
     return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def mac_stream(secret: bytes, first: bytes | memoryview = b"") -> hmac.HMAC:
+    """The same HMAC-SHA256 as `mac`, to be fed with ``update`` part by part: for frames whose parts are large
+    or scattered (a parameter server's tensors), which `mac` would copy into one buffer first."""
+    return hmac.new(secret, first, hashlib.sha256)
+
+
+def same_proof(expected: bytes, got: bytes) -> bool:
+    """Whether a received proof is the expected one, in constant time (no timing side channel)."""
+    return hmac.compare_digest(expected, got)

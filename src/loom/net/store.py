@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import hmac
-import os
 import socket
 import struct
 import threading
@@ -42,7 +40,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from loom.net.auth import job_secret, mac  # noqa: F401 - job_secret: the store's callers take it from here
+from loom.net.auth import job_secret  # noqa: F401 - the store's callers take it from here
+from loom.net.handshake import HandshakeRefused, answer_handshake, dial_handshake
 
 __all__ = ["HANDSHAKE_TIMEOUT_S", "LoomStore", "StoreServer", "StoreUnreachable", "job_secret"]
 
@@ -50,8 +49,6 @@ HANDSHAKE_TIMEOUT_S = 5.0
 """Longest the server spends on one connection before it has proved the secret (a silent peer is dropped)."""
 
 _HELLO = b"LOOMKV01"
-_NONCE = 16
-_MAC = 32
 _MAX_FIELD = 256 << 20
 _MAX_FIELDS = 1 << 20
 _OK, _TIMEOUT, _ERROR = 0, 1, 2
@@ -207,15 +204,7 @@ class StoreServer:
     def _handshake(self, sock: socket.socket) -> bool:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
-            hello = _recv_exact(sock, len(_HELLO) + _NONCE, deadline)
-            if hello[: len(_HELLO)] != _HELLO:
-                return False
-            theirs, mine = hello[len(_HELLO) :], os.urandom(_NONCE)
-            sock.sendall(mine + mac(self.secret, b"loom store accept", theirs, mine))
-            proof = _recv_exact(sock, _MAC, deadline)
-            if not hmac.compare_digest(proof, mac(self.secret, b"loom store connect", mine, theirs)):
-                return False
-            sock.sendall(b"\1")
+            answer_handshake(sock, self.secret, 0, lambda ids: True, deadline, _HELLO, b"store")
             sock.settimeout(None)
             return True
         except OSError:
@@ -318,17 +307,12 @@ class LoomStore(dist.Store):
                 time.sleep(0.2)
         try:
             deadline = time.monotonic() + max(HANDSHAKE_TIMEOUT_S, self.io_timeout_s)
-            mine = os.urandom(_NONCE)
-            sock.sendall(_HELLO + mine)
-            reply = _recv_exact(sock, _NONCE + _MAC, deadline)
-            theirs = reply[:_NONCE]
-            if not hmac.compare_digest(reply[_NONCE:], mac(self.secret, b"loom store accept", mine, theirs)):
-                raise StoreUnreachable(f"{where} does not hold this job's secret (LOOM_JOB_SECRET differs)")
-            sock.sendall(mac(self.secret, b"loom store connect", theirs, mine))
-            _recv_exact(sock, 1, deadline)
-        except StoreUnreachable:
+            dial_handshake(sock, self.secret, b"", deadline, _HELLO, b"store")
+        except HandshakeRefused:
             sock.close()
-            raise
+            raise StoreUnreachable(
+                f"{where} does not hold this job's secret (LOOM_JOB_SECRET differs)"
+            ) from None
         except OSError as error:
             sock.close()
             raise StoreUnreachable(

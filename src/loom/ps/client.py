@@ -10,7 +10,7 @@ are dropped by design) and, once it answers, the request is resent under a new s
 request that completes during the greeting is taken. Resending is safe because the server recognises pushes it
 has applied by the worker's clock. The greeting is repeated every half second while it waits, so a server restarted by the launcher
 is found as soon as it listens. A greeting that finds a new epoch records a restart (`PSClient.restarts`, with the
-version each model was resumed at), which `loom.strategies.parameter_server` turns into a count of lost updates.
+version each model was resumed at), which `loom.parallel.ps.parameter_server` turns into a count of lost updates.
 
 A request that gets no answer before its deadline raises `TimeoutError` naming the server, its address, the
 operation and the worker, and why: the launcher's record says the server died (with its signal) and was or was not

@@ -43,8 +43,6 @@ other than libzmq's.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import math
 import os
@@ -56,6 +54,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from loom.net.auth import mac, mac_stream, same_proof
 from loom.ps.wire import HEADER, MAC_BYTES, MAGIC, VERSION, FrameDropped, WireLimits
 
 __all__ = [
@@ -90,8 +89,7 @@ _MAX_MESSAGE = _OPEN_HEAD + CHUNK_BYTES
 def connection_token(secret: bytes, client_ip: str) -> str:
     """The handshake's password for a client connecting from ``client_ip`` (as the server sees it): an HMAC
     of the job secret under a label of its own and the address (hex)."""
-    message = b"loom ps connection token v2\0" + client_ip.encode()
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return mac(secret, b"loom ps connection token v2\0", client_ip.encode()).hex()
 
 
 def source_ip(address: str) -> str:
@@ -126,14 +124,14 @@ class _AddressBoundGate(ThreadAuthenticator):
 
     def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
         expected = connection_token(self._secret, self._address)
-        if username == _USER and hmac.compare_digest(password.encode(), expected.encode()):
+        if username == _USER and same_proof(expected.encode(), password.encode()):
             return True, b"OK"
         return False, b"Invalid credentials"
 
 
 def chunk_key(secret: bytes) -> bytes:
     """The key of open chunks' MACs: an HMAC of the job secret under a label of its own."""
-    return hmac.new(secret, b"loom ps open chunk v1", hashlib.sha256).digest()
+    return mac(secret, b"loom ps open chunk v1")
 
 
 def secure_server(context: zmq.Context, socket: zmq.Socket, secret: bytes) -> ThreadAuthenticator:
@@ -168,7 +166,7 @@ def split_frame(key: bytes, data: bytes | memoryview) -> list[bytes]:
     frame_id = int.from_bytes(os.urandom(8), "little")
     count = max(1, math.ceil(len(view) / CHUNK_BYTES))
     prefix = _PREFIX.pack(_OPEN, frame_id, count)
-    tag = hmac.new(key, prefix, hashlib.sha256)
+    tag = mac_stream(key, prefix)
     tag.update(view[: HEADER.size])
     chunks = [b"".join((prefix, tag.digest(), view[:CHUNK_BYTES]))]
     for index in range(1, count):
@@ -283,9 +281,9 @@ class Inbox:
         if len(chunk) < _OPEN_HEAD + HEADER.size:
             self._drop("truncated")
             return None
-        tag = hmac.new(self.key, chunk[: _PREFIX.size], hashlib.sha256)
+        tag = mac_stream(self.key, chunk[: _PREFIX.size])
         tag.update(chunk[_OPEN_HEAD : _OPEN_HEAD + HEADER.size])
-        if not hmac.compare_digest(tag.digest(), bytes(chunk[_PREFIX.size : _OPEN_HEAD])):
+        if not same_proof(tag.digest(), bytes(chunk[_PREFIX.size : _OPEN_HEAD])):
             self._drop("bad_mac")
             return None
         magic, version, kind, _flags, epoch, session, seq, meta_len, n_tensors, payload_len = (

@@ -24,8 +24,6 @@ Every dropped frame is counted by reason (`DropCounters`); the server never answ
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import re
 import struct
@@ -36,7 +34,7 @@ from typing import Any
 
 import torch
 
-from loom.net.auth import job_secret
+from loom.net.auth import job_secret, mac_stream, same_proof
 
 __all__ = [
     "DTYPES",
@@ -156,10 +154,10 @@ def encode(
     header = HEADER.pack(
         MAGIC, VERSION, int(kind), 0, epoch, session, seq, len(body), len(blobs), len(payload)
     )
-    mac = hmac.new(secret, header, hashlib.sha256)
-    mac.update(body)
-    mac.update(payload)
-    return b"".join((header, body, payload, mac.digest()))
+    proof = mac_stream(secret, header)
+    proof.update(body)
+    proof.update(payload)
+    return b"".join((header, body, payload, proof.digest()))
 
 
 def decode(secret: bytes, data: bytes | memoryview, limits: WireLimits = WireLimits()) -> Frame:
@@ -182,8 +180,8 @@ def decode(secret: bytes, data: bytes | memoryview, limits: WireLimits = WireLim
     declared = HEADER.size + meta_len + payload_len + MAC_BYTES
     if declared != size:
         raise FrameDropped("truncated" if declared > size else "length_mismatch", f"{declared} != {size}")
-    expected = hmac.new(secret, view[: size - MAC_BYTES], hashlib.sha256).digest()
-    if not hmac.compare_digest(expected, bytes(view[size - MAC_BYTES :])):
+    expected = mac_stream(secret, view[: size - MAC_BYTES]).digest()
+    if not same_proof(expected, bytes(view[size - MAC_BYTES :])):
         raise FrameDropped("bad_mac")
     try:
         kind = MessageType(kind)

@@ -5,10 +5,11 @@ of five step loops, the non-finite check in four (one NaN made every parameter o
 Here they are written once:
 
 - `GuardOptions`: the options every strategy's config dataclass inherits (``hang_timeout_s``,
-  ``work_timeout_s``, ``nonfinite``, ``nonfinite_limit``), validated in one place;
+  ``work_timeout_s``, ``liveness_timeout_s``, ``nonfinite``, ``nonfinite_limit``), validated in one place;
 - `StepGuard`: what a job's step asks. `StepGuard.collective` counts a collective for the hang watchdog
   (`loom.fault.watchdog`: a job whose ranks all wait in collectives past ``hang_timeout_s`` stops, naming who
-  did not arrive; a rank doing its own work is waited for up to ``work_timeout_s``); `StepGuard.judge` turns
+  did not arrive; a rank doing its own work is waited for up to ``work_timeout_s``; a host whose heartbeats stop
+  is lost after ``liveness_timeout_s``, `loom.fault.liveness`); `StepGuard.judge` turns
   every rank's non-finite flag into one verdict (`loom.fault.desync.NonFiniteGuard`: ``"skip"`` applies no
   update anywhere, ``"stop"`` raises), the same on every rank because every rank judges the same flags;
 - `loom.train.options.refuse_options`: an option a strategy cannot honour is refused at construction, naming
@@ -27,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard
-from loom.fault.watchdog import Watchdog, hang_timeout_s, work_timeout_s
+from loom.fault.watchdog import Watchdog, hang_timeout_s, liveness_timeout_s, work_timeout_s
 from loom.topology import Topology
 
 __all__ = ["GuardOptions", "StepGuard"]
@@ -45,6 +46,11 @@ class GuardOptions:
     """Seconds the others wait in a collective for a rank doing its own work outside collectives (rank-0-only
     evaluation, checkpoint writing) before the job stops, naming it; None: ``LOOM_WORK_TIMEOUT_S``, else 1800
     (PyTorch's gloo default)."""
+    liveness_timeout_s: float | None = None
+    """Seconds a host of the job may stop answering (no heartbeat through the job's store: a dead link, a
+    partition, a dead machine) before the ranks on both sides stop, naming the other side
+    (`loom.fault.liveness`); None: ``LOOM_LIVENESS_TIMEOUT_S``, else 20. Independent of how long a collective
+    takes (that is ``hang_timeout_s``)."""
     nonfinite: str = "skip"
     """A step whose loss or gradient is NaN or infinite on any rank: ``"skip"`` applies no update on any rank
     (counted in ``job.skipped_steps`` and marked ``skipped`` in the step record); ``"stop"`` raises
@@ -57,6 +63,8 @@ class GuardOptions:
             hang_timeout_s(self.hang_timeout_s)
         if self.work_timeout_s is not None:
             work_timeout_s(self.work_timeout_s)
+        if self.liveness_timeout_s is not None:
+            liveness_timeout_s(self.liveness_timeout_s)
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"nonfinite={self.nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
@@ -79,11 +87,13 @@ class StepGuard:
         """The guard of a job on ``topology``: a watchdog thread when there are peers to wait for (one process
         only counts), and the non-finite policy of ``options``."""
         if topology.is_distributed:
-            watchdog = Watchdog.start(topology, options.hang_timeout_s, options.work_timeout_s)
+            watchdog = Watchdog.start(
+                topology, options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s
+            )
         else:
             watchdog = Watchdog(
                 topology.rank, topology.world_size, hang_timeout_s(options.hang_timeout_s), None,
-                options.work_timeout_s,
+                options.work_timeout_s, options.liveness_timeout_s,
             )  # fmt: skip
         return cls(watchdog, NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -14,6 +15,13 @@ def config_from(config_type: type[C], config: C | None, options: Mapping[str, An
     """The strategy's config: ``config`` (an instance of ``config_type``) or one built from keyword
     ``options``; both at once, or a config of another type, is refused (it would leave one of them unread)."""
     if config is None:
+        known = {f.name for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"{strategy} does not take {', '.join(map(repr, unknown))}. Its options: {', '.join(sorted(known))} "
+                f"(see {config_type.__name__}). HINT: check the spelling, or use a strategy that takes it."
+            )
         return config_type(**options)
     if not isinstance(config, config_type):
         raise TypeError(

@@ -1,13 +1,16 @@
 """Gradient compression for data parallelism: send fewer bytes per step, keep what was not sent for later.
 
     from loom.comm.compression import compression_hook, make_codec
-    hook = compression_hook(make_codec("powersgd:4"))       # or "fp16", "bf16", "topk:0.01"
+    hook = compression_hook(make_codec("powersgd:4"))       # or "fp16", "bf16", "int8", "topk:0.01"
     ddp.register_comm_hook(None, hook)                       # None: all processes (or a process group)
     checkpoint["codec"] = hook.state_dict()                  # residuals and warm starts: tensors, ints, strings
 
-Four codecs, each a small object with its own state (`Codec`):
+Five codecs, each a small object with its own state (`Codec`), named by one vocabulary of specs that every
+strategy that compresses reads (`loom.comm.compression.factory`: `parse_compression`, `accept_compression`):
 
 - ``fp16`` / ``bf16`` (`loom.comm.compression.cast`): all-reduce in 16 bits, half the bytes, stateless;
+- ``int8`` (`loom.comm.compression.int8`): int8 codes with a float32 scale per chunk, all-gathered and summed in
+  rank order, a quarter of the bytes per message, stateless;
 - ``topk:<fraction>`` (`loom.comm.compression.topk`): the largest entries with their indices, all-gathered,
   with error feedback (Lin et al. 2018, Deep Gradient Compression; Stich et al. 2018);
 - ``powersgd:<rank>`` (`loom.comm.compression.powersgd`): a rank-r approximation per gradient matrix, two small
@@ -25,21 +28,28 @@ records its traffic.
 
 from loom.comm.compression.base import Codec, Collective
 from loom.comm.compression.cast import CastCodec
-from loom.comm.compression.factory import CODEC_FORMS, make_codec
+from loom.comm.compression.factory import CODEC_FORMS, accept_compression, make_codec, parse_compression
 from loom.comm.compression.hook import CompressionHook, compression_hook
+from loom.comm.compression.int8 import INT8_CHUNK, Int8Codec, dequantize_int8, quantize_int8
 from loom.comm.compression.local import exchange_locally
 from loom.comm.compression.powersgd import PowerSGDCodec
 from loom.comm.compression.topk import TopKCodec
 
 __all__ = [
     "CODEC_FORMS",
+    "INT8_CHUNK",
     "CastCodec",
     "Codec",
     "Collective",
     "CompressionHook",
+    "Int8Codec",
     "PowerSGDCodec",
     "TopKCodec",
+    "accept_compression",
     "compression_hook",
+    "dequantize_int8",
     "exchange_locally",
     "make_codec",
+    "parse_compression",
+    "quantize_int8",
 ]

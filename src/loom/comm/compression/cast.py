@@ -24,19 +24,20 @@ import torch
 
 from loom.comm.compression.base import Collective, Exchange, check_codec_state
 
-__all__ = ["CastCodec"]
+__all__ = ["CAST_DTYPES", "CastCodec"]
 
-_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""The wire dtype of each cast spec."""
 
 
 class CastCodec:
     """Send gradients as float16 (``"fp16"``) or bfloat16 (``"bf16"``); stateless."""
 
     def __init__(self, spec: str) -> None:
-        if spec not in _FORMATS:
-            raise ValueError(f"CastCodec spec must be one of {sorted(_FORMATS)}, got {spec!r}")
+        if spec not in CAST_DTYPES:
+            raise ValueError(f"CastCodec spec must be one of {sorted(CAST_DTYPES)}, got {spec!r}")
         self.spec = spec
-        self.wire_dtype = _FORMATS[spec]
+        self.wire_dtype = CAST_DTYPES[spec]
 
     def compress(self, flat: torch.Tensor, world_size: int) -> torch.Tensor:
         """This rank's share of the mean, in the wire format (a new tensor)."""

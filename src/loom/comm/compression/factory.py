@@ -1,46 +1,96 @@
-"""`make_codec`: a codec from its spec string, the form configs and command lines use."""
+"""The one ``compression=`` vocabulary: `parse_compression` reads a spec, `make_codec` builds its gradient codec,
+`accept_compression` is how a strategy takes a spec or refuses it by name.
+
+Every strategy that compresses (DataParallel and a model-parallel job's data axis, DiLoCo) reads the same specs:
+
+==================  =================================================  =====================================
+ spec                what travels                                        codec
+==================  =================================================  =====================================
+ ``fp16``/``bf16``   each rank's share in 16 bits, all-reduced          `loom.comm.compression.cast`
+ ``int8``            int8 codes + a float32 scale per chunk, gathered   `loom.comm.compression.int8`
+ ``topk:<f>``        the fraction ``f`` largest entries, gathered       `loom.comm.compression.topk`
+ ``powersgd:<r>``    a rank-``r`` approximation per gradient matrix     `loom.comm.compression.powersgd`
+==================  =================================================  =====================================
+
+A strategy that cannot use one of them refuses it by name, with the reason and the ones it takes
+(`accept_compression`), instead of a generic "unknown spec".
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from loom.comm.compression.base import Codec
 from loom.comm.compression.cast import CastCodec
+from loom.comm.compression.int8 import Int8Codec
 from loom.comm.compression.powersgd import PowerSGDCodec
 from loom.comm.compression.topk import TopKCodec
 
-__all__ = ["CODEC_FORMS", "make_codec"]
+__all__ = ["CODEC_FORMS", "accept_compression", "make_codec", "parse_compression"]
 
 T = TypeVar("T")
 
-CODEC_FORMS = ("fp16", "bf16", "topk:<fraction in (0, 1]>", "powersgd:<rank >= 1>")
-"""The spec forms `make_codec` accepts, for help texts and error messages."""
+CODEC_FORMS = ("fp16", "bf16", "int8", "topk:<fraction in (0, 1]>", "powersgd:<rank >= 1>")
+"""The spec forms `parse_compression` accepts, for help texts and error messages."""
 
 
-def make_codec(spec: str) -> Codec:
-    """``"fp16"``, ``"bf16"``, ``"topk:0.01"`` or ``"powersgd:4"`` -> a new codec with empty state.
+def parse_compression(spec: str) -> tuple[str, str]:
+    """``spec`` as ``(kind, canonical spec)``: ``"fp16"``, ``"bf16"``, ``"int8"``, ``"topk:<fraction>"`` or
+    ``"powersgd:<rank>"`` (spaces and case ignored), e.g. ``" TopK:0.01"`` -> ``("topk", "topk:0.01")``.
 
-    Raises ValueError naming the bad spec and the valid forms.
-    """
+    Raises TypeError for a non-string, ValueError naming the bad spec and the valid forms."""
     if not isinstance(spec, str):
         raise TypeError(f"a codec spec must be a string such as 'topk:0.01', got {type(spec).__name__}")
-    name, _, argument = spec.strip().lower().partition(":")
-    if name in ("fp16", "bf16") and not argument:
-        return CastCodec(name)
+    canonical = spec.strip().lower()
+    name, _, argument = canonical.partition(":")
+    if name in ("fp16", "bf16", "int8") and not argument:
+        return name, name
     if name == "topk" and argument:
         fraction = _parse(argument, float)
         if fraction is not None and math.isfinite(fraction) and 0.0 < fraction <= 1.0:
-            return TopKCodec(fraction)
+            return name, canonical
     if name == "powersgd" and argument:
         rank = _parse(argument, int)
         if rank is not None and rank >= 1:
-            return PowerSGDCodec(rank)
+            return name, canonical
     raise ValueError(
         f"unknown or invalid gradient codec spec {spec!r}; valid forms are {', '.join(CODEC_FORMS)} "
         "(e.g. 'fp16', 'topk:0.01', 'powersgd:4')"
     )
+
+
+def make_codec(spec: str) -> Codec:
+    """``"fp16"``, ``"bf16"``, ``"int8"``, ``"topk:0.01"`` or ``"powersgd:4"`` -> a new codec with empty state.
+
+    Raises ValueError naming the bad spec and the valid forms (`parse_compression`).
+    """
+    kind, canonical = parse_compression(spec)
+    _, _, argument = canonical.partition(":")
+    if kind in ("fp16", "bf16"):
+        return CastCodec(kind)
+    if kind == "int8":
+        return Int8Codec()
+    if kind == "topk":
+        return TopKCodec(float(argument))
+    return PowerSGDCodec(int(argument))
+
+
+def accept_compression(
+    spec: str | None, strategy: str, takes: Sequence[str], why_not: Mapping[str, str]
+) -> str | None:
+    """``spec`` in its canonical form when ``strategy`` can use it (its kind is in ``takes``; None passes).
+
+    Refuses a malformed spec as `parse_compression` does, and a well-formed one the strategy cannot use with
+    ``"<strategy> cannot use <spec> (<why_not[kind]>); it takes <takes>"``."""
+    if spec is None:
+        return None
+    kind, canonical = parse_compression(spec)
+    if kind not in takes:
+        reason = why_not.get(kind, "not implemented for it")
+        raise ValueError(f"{strategy} cannot use {canonical} ({reason}); it takes {', '.join(takes)}")
+    return canonical
 
 
 def _parse(text: str, kind: Callable[[str], T]) -> T | None:

@@ -1,0 +1,92 @@
+"""The hang watchdog's judgement and reports, apart from its thread (`loom.fault.watchdog`): functions of the
+records every rank publishes (``current``, ``waiting_s``, ``done``, ``time``), tested without processes, and the
+stack dump a waiting rank asks of one outside any collective."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+__all__ = ["all_inside_s", "doing", "hang_report", "print_stacks"]
+
+
+def all_inside_s(records: dict[int, dict | None], rank: int, waited_s: float) -> float:
+    """How long every rank has been inside a collective or silent, as far as ``records`` tell (see the module
+    docstring): the minimum over ranks of a rank's time in its collective, or of the time since it was last heard
+    from when it is outside one (a live rank's is under a few polls). A record that could not be read counts as
+    forever (the rank cannot be shown to be working); this rank's own wait is ``waited_s``."""
+    now, inside = time.time(), waited_s
+    for r, rec in records.items():
+        if r == rank or rec is None:
+            continue
+        age = max(0.0, now - float(rec.get("time", now)))
+        waiting = rec.get("waiting_s") if rec.get("current") is not None else 0.0
+        inside = min(inside, float(waiting or 0.0) + age)
+    return inside
+
+
+def hang_report(
+    rank: int,
+    op: str,
+    seq: int,
+    waited_s: float,
+    records: dict[int, dict | None],
+    why: str | None = None,
+) -> str:
+    """The report: first line a summary (what the launcher shows), then one line per rank.
+
+    A rank did not arrive at ``(op, seq)`` if it has not entered collective ``seq`` yet, or is inside a
+    different operation under that number (the ranks disagree on the order of collectives).
+    """
+    missing, unknown = [], [r for r, rec in sorted(records.items()) if rec is None]
+    for r, rec in sorted(records.items()):
+        if rec is None:
+            continue
+        cur, done = rec.get("current"), rec.get("done")
+        entered = cur[1] if cur else (done[1] if done else 0)
+        if entered < seq or (cur is not None and cur[1] == seq and cur[0] != op):
+            missing.append(r)
+    who = f"ranks {missing} did not arrive" if missing else "every rank that published arrived (a slow op?)"
+    if unknown:
+        who += f"; ranks {unknown} could not be read"
+    if why:
+        who += f"; {why}"
+    lines = [
+        f"loom watchdog: rank {rank} waited {waited_s:.1f} s in collective '{op}' #{seq}; {who}. "
+        "HINT: every rank must issue the same collectives in the same order; raise LOOM_HANG_TIMEOUT_S "
+        "if the operation is just slow."
+    ]
+    for r, rec in sorted(records.items()):
+        if rec is None:
+            lines.append(f"  rank {r}: no record (not started, or the store is unreachable)")
+            continue
+        cur, done = rec.get("current"), rec.get("done")
+        now = f"in '{cur[0]}' #{cur[1]} for {rec.get('waiting_s')} s" if cur else "not in a collective"
+        last = f"'{done[0]}' #{done[1]}" if done else "none"
+        age = time.time() - float(rec.get("time", time.time()))
+        lines.append(f"  rank {r}: last completed {last}; {now} (published {age:.1f} s ago)")
+    return "\n".join(lines)
+
+
+def doing(current: tuple[str, int, float] | None) -> str:
+    """What a rank is doing, from its watchdog's ``current`` (``(op, seq, monotonic start)`` or None)."""
+    if current is None:
+        return "this rank was outside any collective"
+    return (
+        f"this rank waited {time.monotonic() - current[2]:.0f} s in collective '{current[0]}' #{current[1]}"
+    )
+
+
+def print_stacks(rank: int) -> None:
+    """Print every thread's Python stack of this process to stderr (the launcher's output): other ranks wait for
+    this one while it is outside any collective, and asked where it is."""
+    import faulthandler
+
+    print(
+        f"loom watchdog: rank {rank} is outside any collective while other ranks wait for it; its Python "
+        "stack (every thread, most recent call first):",
+        file=sys.stderr,
+        flush=True,
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()

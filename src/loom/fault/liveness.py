@@ -1,0 +1,181 @@
+"""Liveness apart from slowness: heartbeats on the watchdog's side channel, and a peer lost when they stop.
+
+A collective may legitimately take minutes, and the hang timeout (`loom.fault.watchdog`, default 180 s) leaves it
+that long. A host that stops answering (a dead link, a partition, a dead machine) is another matter: nothing will
+ever arrive from it, and waiting minutes for it only hides the cause. So the watchdog thread of every rank, each
+poll, sends a heartbeat and listens for one, on the side channel it already has (a client of the job's store, the
+authenticated one under ``loom run``):
+
+- it bumps a counter of its own (``beat<r>``: one small write), and
+- reads the counter of one peer, the next rank on a ring (``(r + 1) % world_size``: one small read),
+
+noting, on its own monotonic clock, when that counter last moved. Two store calls per rank per interval whatever
+the world size, and nothing new listens. A peer is *lost* when its counter has not moved for the liveness
+timeout (``liveness_timeout_s``, default `DEFAULT_LIVENESS_TIMEOUT_S`), which knows nothing of collectives.
+
+The store lives on one host (node 0's launcher under ``loom run``, the agent's ``TCPStore`` under ``torchrun``), so
+a cut has two sides with different evidence:
+
+- *the side that keeps the store* reads on: some rank there watches a rank across the cut (the ring crosses any
+  cut), sees its counter stop, and names it and its host;
+- *the side cut off from the store* cannot read anyone's heartbeat. Its own store calls failing, none answered,
+  for longer than the liveness timeout is its evidence: it names the store's host and the peer it watched.
+
+Either side then ends its process the way a hang does (`Watchdog`: report on stderr, the message recorded in
+the elastic agent's error file so ``loom run`` prints it, ``os._exit``: the main thread may be blocked in gloo).
+Detection takes between the timeout and the timeout plus one store call (``STORE_CALL_S``) and one poll.
+
+A peer that has not beaten yet (still loading data, or before its ``setup()``) is not judged, and a rank whose
+watchdog stops (the process ending normally) writes ``-1`` so its silence is not taken for a loss. Under
+``--on-worker-failure continue`` (asynchronous training, where survivors finish without the lost) a lost peer is
+named once and the process goes on.
+
+Limits: liveness is judged through the store, so a link broken between two hosts that both still reach the
+store's host is not seen here (the collective between them is a hang: the hang timeout). A process frozen for
+longer than the timeout (swapping, SIGSTOP, a debugger, an extension holding the GIL) is lost to the job and is
+reported so; raise ``LOOM_LIVENESS_TIMEOUT_S`` for such runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+__all__ = [
+    "DEFAULT_LIVENESS_TIMEOUT_S",
+    "Heartbeat",
+    "liveness_timeout_s",
+    "seconds_setting",
+]
+
+DEFAULT_LIVENESS_TIMEOUT_S = 20.0
+"""How long a peer's heartbeat may stay still before it is lost: many polls (one a second) of slack for a busy
+host, far below any hang timeout worth having, so a cut stops a job in under a minute."""
+
+
+def seconds_setting(requested: float | None, variable: str, default: float, what: str) -> float:
+    """``requested``, else the environment ``variable``, else ``default``: a positive number of seconds."""
+    if requested is None:
+        raw = os.environ.get(variable, "")
+        try:
+            requested = float(raw) if raw else default
+        except ValueError:
+            raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
+    if isinstance(requested, bool) or not float(requested) > 0:
+        raise ValueError(
+            f"the {what} must be a positive number of seconds, got {requested!r}. HINT: pass seconds, or leave it "
+            f"None to use {variable} (default {default:g} s)"
+        )
+    return float(requested)
+
+
+def liveness_timeout_s(requested: float | None = None) -> float:
+    """The liveness timeout: ``requested``, else ``LOOM_LIVENESS_TIMEOUT_S``, else `DEFAULT_LIVENESS_TIMEOUT_S`."""
+    return seconds_setting(
+        requested, "LOOM_LIVENESS_TIMEOUT_S", DEFAULT_LIVENESS_TIMEOUT_S, "liveness timeout"
+    )
+
+
+class Heartbeat:
+    """One rank's heartbeat bookkeeping: `beat` each interval, `verdict` after it (see the module docstring).
+
+    ``store`` calls go through the caller (the watchdog thread), which tells `store_failed` when one raised;
+    ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, prefix: str, clock: Any = None) -> None:
+        self.rank, self.world_size, self.timeout_s, self.prefix = rank, world_size, timeout_s, prefix
+        self.store_address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        self.clock = clock or time.monotonic
+        self.watched = (rank + 1) % world_size
+        """The peer this rank listens to: the next rank on the ring."""
+        self.watched_host: str | None = None
+        self.last_count: int | None = None
+        self.heard_at: float | None = None
+        """When the watched peer's counter last moved (None: it has not beaten yet)."""
+        self.left = False
+        """The watched peer stopped its watchdog on purpose (its process ended)."""
+        self.answered_at = self.clock()
+        """When the store last answered a heartbeat round."""
+        self.failed_at: float | None = None
+        self.error = ""
+        self.beat_at = -float("inf")
+        self.host: str | None = None
+        """This rank's host in words (`announce`), worked out once: a cut may take the route it was read from."""
+
+    def key(self, rank: int, what: str = "beat") -> str:
+        return f"{self.prefix}{what}{rank}"
+
+    def announce(self, store: Any, host: str) -> None:
+        """Publish this rank's host, for the reports of whoever watches it, and a first beat: the peer that
+        watches this rank judges it from the first beat it reads, and a cut may come before the first poll."""
+        self.host = host
+        store.set(self.key(self.rank, "host"), host)
+        store.add(self.key(self.rank), 1)
+
+    def due(self) -> bool:
+        """Whether a beat is due: one a second (a fifth of the timeout if shorter), however often the caller
+        polls (a short hang timeout polls the watchdog more often)."""
+        return self.clock() - self.beat_at >= min(1.0, self.timeout_s / 5) * 0.9
+
+    def beat(self, store: Any) -> None:
+        """One interval: bump this rank's counter and read the watched peer's (raises if the store fails)."""
+        self.beat_at = self.clock()
+        store.add(self.key(self.rank), 1)
+        if self.world_size < 2:
+            return
+        count = int(store.add(self.key(self.watched), 0))  # add 0: a read that never waits for a missing key
+        now = self.clock()
+        self.answered_at = now
+        if count != self.last_count:
+            self.last_count = count
+            if count < 0:
+                self.left = True
+            elif count > 0:
+                self.left, self.heard_at = False, now
+        if self.heard_at is not None and self.watched_host is None:
+            key = self.key(self.watched, "host")
+            if store.check([key]):
+                self.watched_host = store.get(key).decode(errors="replace")
+
+    def store_failed(self, error: BaseException) -> None:
+        self.failed_at = self.clock()
+        self.error = f"{type(error).__name__}: {error}".strip()
+
+    def leave(self, store: Any) -> None:
+        """Mark this rank's silence from now on as intended (its watchdog stops; the process ends)."""
+        store.set(self.key(self.rank), "-1")
+
+    def forget(self) -> None:
+        """Stop judging the watched peer, and the store's silence so far (after a verdict the job goes on from)."""
+        self.left, self.failed_at, self.answered_at = True, None, self.clock()
+
+    def verdict(self) -> str | None:
+        """Why the job has lost a host, in words naming it, or None while every heartbeat is on time."""
+        now = self.clock()
+        setting = f"(liveness_timeout_s={self.timeout_s:g}, LOOM_LIVENESS_TIMEOUT_S)"
+        peer = f"rank {self.watched}" + (f" ({self.watched_host})" if self.watched_host else "")
+        silent_store = now - self.answered_at
+        if (
+            self.failed_at is not None
+            and self.failed_at >= self.answered_at
+            and silent_store > self.timeout_s
+        ):
+            return (
+                f"lost the job's store at {self.store_address} (the host of rank 0 and its launcher) and every "
+                f"rank it reaches: no heartbeat for {silent_store:.0f} s {setting}, none of its calls answered "
+                f"(last: {self.error or 'no answer'}); {peer} and the ranks on that side are out of sight. HINT: "
+                "check the network between this host and the store's; this side stops, and the other side stops "
+                "when it misses this side's heartbeats"
+            )
+        if self.left or self.heard_at is None or self.world_size < 2:
+            return None
+        silent_peer = now - self.heard_at
+        if silent_peer > self.timeout_s and now - self.answered_at < self.timeout_s:
+            return (
+                f"lost {peer}: no heartbeat for {silent_peer:.0f} s {setting} while the job's store at "
+                f"{self.store_address} answers: that host is down, or cut off from the store's. HINT: check that "
+                "host and the network to it; raise LOOM_LIVENESS_TIMEOUT_S if its processes pause that long"
+            )
+        return None

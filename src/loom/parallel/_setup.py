@@ -1,0 +1,93 @@
+"""The check every strategy's ``setup(model, optimizer, loss_fn)`` makes before it touches the model."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.train.batch import LossCall
+
+__all__ = ["SURVIVE_LOST_WORKER", "StartRefused", "check_failure_policy", "check_setup_arguments"]
+
+
+class StartRefused(ValueError):
+    """A job refused to start under the launcher's settings, the same on every rank. `loom.launch.worker` prints
+    it as one line, without a traceback (``loom_start_refusal``), and the launcher names it once."""
+
+    loom_start_refusal = True
+
+
+SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(mode='ssp')"
+"""The strategies whose surviving ranks finish the job when one dies (``--on-worker-failure continue``)."""
+
+
+def check_failure_policy(strategy: str, survives_lost_worker: bool) -> None:
+    """Refuse to start ``strategy`` under ``loom run --on-worker-failure continue`` (``LOOM_ON_WORKER_FAILURE``)
+    unless ``survives_lost_worker``: the policy promises that the other workers go on, and a strategy whose ranks
+    meet in collectives (or, like DiLoCo, average with every replica) cannot keep that promise: its survivors
+    crash at their next exchange ('Connection reset by peer') with nothing finished. Checked before any
+    collective, the same on every rank."""
+    if os.environ.get("LOOM_ON_WORKER_FAILURE", "stop") != "continue" or survives_lost_worker:
+        return
+    raise StartRefused(
+        f"--on-worker-failure continue: {strategy} cannot go on without a lost worker (every rank takes part in "
+        "its exchanges, so the survivors would fail at the next one). HINT: use --on-worker-failure stop (the "
+        f"default) with --max-restarts N to restart the group after a failure, or a strategy whose survivors "
+        f"finish: {SURVIVE_LOST_WORKER}"
+    )
+
+
+def check_setup_arguments(
+    model: Any,
+    optimizer: Any,
+    loss_fn: Any,
+    *,
+    strategy: str = "this strategy",
+    conventions: bool = False,
+    survives_lost_worker: bool = False,
+) -> LossCall:
+    """Refuse arguments of the wrong type, and an optimizer holding parameters that are not the model's
+    (it would step tensors the strategy never synchronizes); return the loss convention (`LossCall`).
+    Refuse ``--on-worker-failure continue`` unless ``survives_lost_worker`` (`check_failure_policy`).
+
+    ``conventions``: whether ``strategy`` runs every `LossCall` convention (one call to
+    `loom.train.batch.forward_loss` on the whole model); strategies that call the loss elsewhere (a
+    pipeline's last stage) take the plain ``loss_fn(model(inputs), targets)`` only and refuse the others here.
+    """
+    check_failure_policy(strategy, survives_lost_worker)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"setup() expects an nn.Module as model, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"setup() expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    call = _loss_call(loss_fn)
+    if not conventions and not call.plain:
+        raise ValueError(
+            f"{strategy} calls the model as model(inputs) and the loss as loss_fn(outputs, targets); it cannot "
+            f"run {call.describe()}. HINT: pass a loss_fn(outputs, targets) (wrap the model so that it takes one "
+            "inputs argument), or use loom.DataParallel, which runs every loom.LossCall convention."
+        )
+    owned = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the model. "
+                    "HINT: build the optimizer from model.parameters() of the model passed to setup()."
+                )
+    return call
+
+
+def _loss_call(loss_fn: Any) -> LossCall:
+    if isinstance(loss_fn, LossCall):
+        return loss_fn
+    if loss_fn is None:
+        return LossCall(None)
+    if not callable(loss_fn):
+        raise TypeError(
+            f"setup() expects a callable loss_fn(outputs, targets), None (the model returns its own loss) or a "
+            f"loom.LossCall, got {type(loss_fn).__name__}"
+        )
+    return LossCall(loss_fn)

@@ -1,0 +1,1 @@
+"""The data family of strategies (see `loom.parallel`)."""

@@ -1,0 +1,101 @@
+"""`DataParallelConfig`: the options of `loom.DataParallel` (and of a model-parallel job's data axis), each
+documented and checked on construction; `data_axis_options` takes them out of a model-parallel strategy's keyword
+arguments, refusing by name those only `DataParallel` honours.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from loom.comm import ALGORITHMS
+from loom.comm.compression import make_codec
+from loom.config_docs import document_options
+from loom.topology import Topology
+from loom.train.guard import GuardOptions
+from loom.train.options import refuse_options
+
+__all__ = [
+    "DATA_FIELDS",
+    "ONLY_DATA_PARALLEL",
+    "DataParallelConfig",
+    "data_axis_options",
+    "default_metrics_path",
+]
+
+
+@dataclass(frozen=True)
+class DataParallelConfig(GuardOptions):
+    """How `DataParallel` synchronizes gradients (and the step guard's options, `loom.train.guard`)."""
+
+    accumulate: int = 1
+    """Micro-batches per step: the local share is split in this many pieces, gradients accumulate locally and
+    are all-reduced once, on the last piece."""
+    bucket_cap_mb: float = 25.0
+    """Size of DDP's gradient buckets; smaller buckets start communicating earlier in backward."""
+    find_unused_parameters: bool = False
+    """Set when some parameters do not take part in every forward (costs a graph traversal per step)."""
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm statistics) to every replica at each forward."""
+    allreduce: str = "auto"
+    """Gradient all-reduce algorithm (see `loom.comm`). ``native`` is DDP's own (C++, gloo/NCCL). The others are
+    loom's, overlapped with backward or not (see `overlap`): ``shm`` through shared
+    memory on one host, ``ring``/``driver`` over sockets, ``hierarchical`` both; ``auto`` picks from a
+    calibration cached per host (on GPUs it is ``native``)."""
+    overlap: bool | None = None
+    """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or after (or
+    inside) backward, blocking it (False). None: overlap only when this host has a core to spare for the thread
+    (usable cores > local processes x torch threads each): with every core busy computing, the thread only
+    competes with backward (``benchmarks/reports/dp_allreduce.md``). Without overlap, ``auto``/``shm``/
+    ``hierarchical`` on one CPU host average the gradients in shared memory after backward, without DDP, unless
+    the model has buffers to broadcast or parameters of several dtypes."""
+    compression: str | None = None
+    """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``int8``, ``topk:<fraction>`` or
+    ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.allreduce not in ALGORITHMS:
+            raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
+        if self.compression is not None:
+            make_codec(self.compression)  # refuses a malformed spec now, naming the valid forms
+            if self.allreduce not in ("native", "auto"):
+                raise ValueError(
+                    f"compression={self.compression!r} runs its own collectives; it cannot be combined with "
+                    f"allreduce={self.allreduce!r}. HINT: leave allreduce at its default when compressing."
+                )
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+
+
+DATA_FIELDS = frozenset(f.name for f in fields(DataParallelConfig))
+"""The options of `DataParallelConfig`."""
+
+ONLY_DATA_PARALLEL = {
+    "accumulate": "DataParallel only; a model-parallel job accumulates over its micro-batches (microbatches=)",
+    "bucket_cap_mb": "DDP's buckets, DataParallel only; a model-parallel data axis reduces after the schedule",
+    "find_unused_parameters": "DDP's option, DataParallel only (a model-parallel data axis sums every gradient)",
+    "broadcast_buffers": "DDP's option, DataParallel only; model-parallel stages keep their own buffers",
+    "overlap": "DataParallel only; a model-parallel data axis reduces after the schedule",
+}
+"""The `DataParallelConfig` options a model-parallel data axis cannot honour, with what to do instead."""
+
+
+def data_axis_options(options: dict[str, Any], strategy: str) -> DataParallelConfig:
+    """Take the data axis's options out of a model-parallel strategy's keyword ``options`` (in place): the
+    `DataParallelConfig` of its data axis. The options only `DataParallel` honours are refused, by name."""
+    data = {k: options.pop(k) for k in list(options) if k in DATA_FIELDS}
+    refuse_options(data, ONLY_DATA_PARALLEL, strategy)
+    return DataParallelConfig(**data)
+
+
+def default_metrics_path(topo: Topology) -> str | None:
+    """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl``."""
+    run_dir = os.environ.get("LOOM_RUN_DIR")
+    return f"{run_dir}/metrics/rank{topo.rank}.jsonl" if run_dir else None
+
+
+document_options(DataParallelConfig, DataParallelConfig)

@@ -1,0 +1,290 @@
+"""How `DataParallel` averages gradients, all in this file: the paths, and `choose_gradient_path`, which picks one.
+
+A gradient takes one of five paths (the table is `choose_gradient_path`'s docstring): DistributedDataParallel
+with its own all-reduce, with a compression hook, or with a loom all-reduce hook (synchronous or on a
+communication thread), or `loom.comm.shared_gradients` without DDP. Every input of the choice is the same
+on all ranks (the configuration, the topology, the model), and the shared-memory path is taken only if every
+rank agrees, so all processes of a job run the same collectives. Observing (metrics, tracing) never changes the
+path. `GradientAveraging` is the same averaging for a data axis outside DDP (model-parallel jobs).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from loom.comm import all_reduce as comm_all_reduce
+from loom.comm.compression import compression_hook, make_codec
+from loom.comm.compression.base import Exchange
+from loom.comm.counters import counters
+from loom.comm.ddp_async import overlapped_allreduce_hook
+from loom.comm.ddp_hooks import allreduce_hook
+from loom.comm.shared_gradients import SharedGradients, shared_gradients_unusable
+from loom.observe.phases import loss_buffer_size
+from loom.topology import Topology
+
+if TYPE_CHECKING:
+    from loom.parallel.data.data_parallel_config import DataParallelConfig
+
+__all__ = [
+    "GradientAveraging",
+    "GradientPath",
+    "choose_gradient_path",
+    "buffer_sync_option",
+    "gradient_hook",
+    "has_spare_core",
+    "overlap_wanted",
+    "shared_gradients_for",
+]
+
+
+@dataclass(frozen=True)
+class GradientPath:
+    """The way `DataParallel`'s gradients go, and why (logged by rank 0 at setup)."""
+
+    name: str
+    reason: str
+    hook: Callable | None = None
+    """DDP's communication hook (None: DDP's built-in all-reduce, or no DDP)."""
+    shared: SharedGradients | None = None
+    """Set for the shared-memory path: the model is not wrapped in DDP."""
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.reason}"
+
+
+def choose_gradient_path(config: DataParallelConfig, topo: Topology, model: nn.Module) -> GradientPath:
+    """The gradient path of a distributed `DataParallel` job: the first row whose condition holds.
+
+    ========================================================  ===============================  ====================
+    condition                                                 path                             why
+    ========================================================  ===============================  ====================
+    ``compression`` set                                       DDP + compression hook           the codec's rounds
+                                                                                               overlap backward
+    ``allreduce="native"``, or ``"auto"`` on GPUs             DDP's built-in all-reduce        C++ buckets overlap
+                                                                                               backward; NCCL
+    CPU, one host, ``auto``/``shm``/``hierarchical``, no      shared-memory gradients, no DDP  no bucket copies, two
+    core to spare (or ``overlap=False``), no buffers to                                        barriers: the fastest
+    broadcast, one dtype, every rank agreeing                                                  on a full host
+    a core to spare for a communication thread (or            DDP + loom all-reduce on a       overlaps backward
+    ``overlap=True``)                                         communication thread
+    otherwise (``ring``/``driver``; models the shared path    DDP + loom all-reduce inside     loom's algorithm,
+    cannot take)                                              the hook (synchronous)           no thread competing
+    ========================================================  ===============================  ====================
+
+    Each loom path pays for itself against DDP's own all-reduce where it is chosen: see
+    ``benchmarks/reports/dp_allreduce.md`` (measured on a 2-core host, 2 processes) for the figures. A collective
+    (the agreement on the shared path) runs only when the rows above it do not hold, on every rank alike.
+    """
+    if config.compression is not None:
+        return GradientPath("DDP + compression hook", f"compression={config.compression!r}",
+                            hook=gradient_hook(config, topo))  # fmt: skip
+    if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
+        where = "allreduce='native'" if config.allreduce == "native" else "allreduce='auto' on GPUs"
+        return GradientPath("DDP's built-in all-reduce", where)
+    shared = shared_gradients_for(config, topo, model)
+    if shared is not None:
+        return GradientPath(
+            "shared-memory gradients (no DDP)",
+            f"allreduce={config.allreduce!r}, one CPU host, no core to spare for overlap, every rank agreed",
+            shared=shared,
+        )
+    if overlap_wanted(config, topo):
+        why = "overlap=True" if config.overlap else "a core to spare for a communication thread"
+        return GradientPath(f"DDP + loom {config.allreduce!r} all-reduce, overlapped", why,
+                            hook=gradient_hook(config, topo))  # fmt: skip
+    return GradientPath(
+        f"DDP + loom {config.allreduce!r} all-reduce, synchronous",
+        _why_not_shared(config, topo, model),
+        hook=gradient_hook(config, topo),
+    )
+
+
+def _why_not_shared(config: DataParallelConfig, topo: Topology, model: nn.Module) -> str:
+    if config.allreduce not in ("auto", "shm", "hierarchical"):
+        return f"allreduce={config.allreduce!r} runs over sockets"
+    if topo.device.type != "cpu" or topo.world_size != topo.local_world_size:
+        return "the processes span hosts or devices, so gradients cannot meet in one shared segment"
+    unusable = shared_gradients_unusable(model, config.broadcast_buffers)
+    return unusable or "shared memory was refused on some rank (see its warning)"
+
+
+def shared_gradients_for(
+    config: DataParallelConfig, topo: Topology, model: nn.Module
+) -> SharedGradients | None:
+    """`SharedGradients` for ``model`` when its gradients can be averaged in shared memory, else None (DDP).
+
+    That is: loom's shared-memory algorithms (``auto``, ``shm``, ``hierarchical``) on CPU, every process on
+    one host, no compression and no overlap wanted; every input of this decision is the same on all ranks. Like
+    DDP, it starts every process from rank 0's parameters and buffers.
+    """
+    if topo.device.type != "cpu":
+        return None
+    wanted = (
+        config.allreduce in ("auto", "shm", "hierarchical")
+        and config.compression is None
+        and topo.world_size == topo.local_world_size
+        and not overlap_wanted(config, topo)
+        and shared_gradients_unusable(model, config.broadcast_buffers) is None
+    )
+    everyone = torch.tensor([int(wanted)])
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)  # e.g. thread counts may differ: all take the same path
+    if not everyone.item():
+        return None
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+    try:  # the loss and the straggler rows ride along with the gradients
+        return SharedGradients(model, extra_values=loss_buffer_size(topo.world_size))
+    except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
+        warnings.warn(f"rank {topo.rank}: gradients go through DDP: {error}", stacklevel=3)
+        return None
+
+
+def overlap_wanted(config: DataParallelConfig, topo: Topology) -> bool:
+    """``config.overlap``, or when None whether this host has a core to spare for a communication thread."""
+    return config.overlap if config.overlap is not None else has_spare_core(topo.local_world_size)
+
+
+def gradient_hook(config: DataParallelConfig, topo: Topology) -> Callable | None:
+    """The DDP communication hook for ``config``; None keeps DDP's built-in (C++) all-reduce."""
+    if config.compression is not None:
+        return compression_hook(make_codec(config.compression))
+    if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
+        return None
+    return (
+        overlapped_allreduce_hook(config.allreduce)
+        if overlap_wanted(config, topo)
+        else allreduce_hook(config.allreduce)
+    )
+
+
+def has_spare_core(local_processes: int) -> bool:
+    """Whether this host has more usable cores than ``local_processes`` processes running torch's threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores > local_processes * torch.get_num_threads()
+
+
+def buffer_sync_option(enabled: bool) -> dict[str, bool]:
+    """DDP renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (torch 2.13); pass whichever it knows."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}
+
+
+class GradientAveraging:
+    """`DataParallel`'s gradient averaging for a data axis whose gradients are computed outside DDP.
+
+    Model-parallel jobs (`loom.parallel.model.model_parallel`) run their own schedule, so their data axis cannot wrap
+    the stage in DDP; after the schedule, this averages each gradient over the data axis's group as `DataParallel`
+    does without DDP. Gradients arrive weighted as `DataParallel` weights them (``n_r * W / N`` for a share of
+    ``n_r`` of ``N`` samples on ``W`` replicas, `loom.parallel.pipeline.pipeline_runtime.run_instructions`), so every
+    path *averages*:
+
+    - on one CPU host with loom's shared-memory algorithms, `SharedGradients`: the very class `DataParallel`'s
+      shared-memory path uses, so a ``Hybrid(dp=N)`` and a ``DataParallel()`` that both take it end bitwise equal;
+    - with ``compression``, the codec's collectives, one after another, on the whole flattened gradient (one
+      "bucket", parameters numbered in order, so its error-feedback state is the same at every step and in a
+      resumed run);
+    - otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce` (a sum), divided by the group's size.
+    """
+
+    def __init__(
+        self,
+        config: DataParallelConfig,
+        group: dist.ProcessGroup | None,
+        shared: SharedGradients | None = None,
+    ) -> None:
+        self.config = config
+        self.group = group
+        self.shared = shared
+        self.codec = make_codec(config.compression) if config.compression is not None else None
+
+    @classmethod
+    def for_stage(
+        cls, config: DataParallelConfig, group: dist.ProcessGroup | None, module: nn.Module, topo: Topology
+    ) -> GradientAveraging:
+        """The averaging of ``module``'s gradients over ``group``. Collective over every process of the job
+        (each rank says whether shared memory suits it; all take the same kind of path)."""
+        if group is None or not topo.is_distributed:
+            return cls(config, None)
+        wanted = (
+            topo.device.type == "cpu"
+            and config.allreduce in ("auto", "shm", "hierarchical")
+            and config.compression is None
+            and topo.world_size == topo.local_world_size
+            and shared_gradients_unusable(module, broadcast_buffers=False) is None
+        )
+        everyone = torch.tensor([int(wanted)])
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        if not everyone.item():
+            return cls(config, group)
+        try:
+            return cls(config, group, SharedGradients(module, group=group))
+        except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
+            warnings.warn(
+                f"rank {topo.rank}: the data axis averages through all_reduce: {error}", stacklevel=2
+            )
+            return cls(config, group)
+
+    def average(self, params: list[torch.Tensor]) -> None:
+        """Replace each parameter's gradient by its average over the group (a missing gradient counts as
+        zeros). Collective over the group."""
+        if self.group is None or not params:
+            return
+        if self.shared is not None:
+            self.shared.average()
+            return
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        n = dist.get_world_size(self.group)
+        if self.codec is None:
+            comm_all_reduce(flat, op="sum", algorithm=self.config.allreduce, group=self.group)
+            flat.div_(n)
+        else:
+            exchange = self.codec.exchange(list(range(len(params))), flat, [p.shape for p in params], n)
+            flat = _run_exchange(exchange, self.group, n)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"compression": self.codec.state_dict() if self.codec is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("compression") is not None and self.codec is not None:
+            self.codec.load_state_dict(state["compression"])
+
+
+def _run_exchange(exchange: Exchange, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    """Run a codec's collectives (`loom.comm.compression.base`) synchronously, in order; return its average."""
+    result: torch.Tensor | None = None
+    while True:
+        try:
+            collective = next(exchange) if result is None else exchange.send(result)
+        except StopIteration as stop:
+            return stop.value
+        message = collective.tensor.contiguous()
+        if collective.op == "sum":  # bytes counted as `loom.comm.compression.hook` counts them
+            dist.all_reduce(message, group=group)
+            result = message
+            counters().record("native", 2 * (n - 1) * message.nbytes // n, 2 * (n - 1) * message.nbytes // n)
+        else:
+            gathered = [torch.empty_like(message) for _ in range(n)]
+            dist.all_gather(gathered, message, group=group)
+            result = torch.stack(gathered)
+            counters().record("all_gather", (n - 1) * message.nbytes, (n - 1) * message.nbytes)

@@ -1,0 +1,379 @@
+"""Your own training loop with loom's semantics: keep forward, ``loss.backward()``, clipping and the step.
+
+```python
+job = loom.DataParallel().setup(model, optimizer)            # no loss_fn needed: the loop computes its loss
+model, optimizer, loader = job.own_loop(job.loader(dataset, global_batch_size=64))
+for x, y in loader:                                           # this rank's share of each global batch
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)                       # or: logits, loss = model(x, y)
+    scaler.scale(loss).backward()                             # gradients arrive averaged and weighted
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees the averaged gradient
+    scaler.step(optimizer); scaler.update()
+```
+
+The idea is Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``: the script's loop stays, the model
+and optimizer come back wrapped. What loom adds is global-batch semantics under uneven shares. The model's
+training forward weights the *gradient* flowing back into each of its outputs by ``w = n * W / N`` (``n`` the
+samples of this call, ``W`` the replicas, ``N`` the global batch: the loader's batches carry it, see
+`loom.data.loader`), an identity in the forward pass. The gradient all-reduce (DDP's, or the shared-memory
+average of `loom.comm.shared_gradients`, run at the end of backward) averages over replicas, so every
+gradient is ``sum_r n_r / N * grad_r``: the gradient of the global-batch mean loss, what one process computes on
+the whole batch, before the loop's ``clip_grad_norm_`` reads it. Weighting the outputs rather than the loss keeps
+the user's ``loss`` (and ``GradScaler``'s scaling of it) untouched, and leaves terms that do not come from the
+outputs (a penalty on the weights) averaged, which is their global value. ``torch.autocast`` needs nothing: the
+weight multiplies whatever dtype the gradient has. ``GradScaler`` needs nothing either: averaged gradients are
+equal on every rank, so its inf check and skipped steps agree everywhere.
+
+One forward per loader batch (``n`` must be this rank's share of the last batch the loader gave). A call of
+another size with gradients on is not a training call: evaluation without ``torch.no_grad()`` (Horovod's MNIST
+example calls ``model.eval()`` and no more) runs on the model itself, unweighted, and only a backward through
+it is refused, naming the sizes. Without a loader every training call counts its global batch by a collective,
+so then evaluation on a subset of ranks needs ``torch.no_grad()``. The model's own attributes are reachable on
+the wrapper (``model.estimate_mfu(...)``) and ``model.module`` is the model on every world size. Gradient accumulation over several loader batches, as nanoGPT does, is exact: each
+batch is a global batch of its own, weighted by its own ``N``; skip the all-reduce on all but the last with
+``model.no_sync()`` or ``model.require_backward_grad_sync = False`` as with DDP. Calls under ``torch.no_grad()``
+(evaluation, on any subset of ranks) go straight to the model: no weight, no collective.
+
+A loop that draws its own batches (nanoGPT's ``get_batch``) passes no loader: ``model, optimizer, _ =
+job.own_loop()``. Then each rank's batch is its share, as under DDP: a training call's global batch is the sum
+of the samples the ranks pass to that call, counted by one all-reduce of an integer per training forward, and
+each rank's gradient is weighted by its share (equal draws: DDP's mean, so nanoGPT's DDP script ported this way
+trains bitwise as it does under DDP). The global batch then grows with the world size unless the script divides
+its accumulation steps by it, as nanoGPT does; a loader (`job.loader`) instead fixes one global batch for every
+world size.
+
+The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient like `train_step` does
+(``nonfinite`` in `DataParallelConfig`; with ``GradScaler`` such steps never reach it). Not here: step records
+and straggler detection (they ride on `train_step`'s loss all-reduce, and an own loop's loss is its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
+
+from loom.data.sampler import share_bounds
+from loom.fault.desync import gradients_finite
+from loom.train.batch import batch_len, tensors_in
+
+if TYPE_CHECKING:
+    from loom.parallel.data.data_parallel import DataParallelJob
+
+__all__ = ["OwnLoop", "OwnLoopModel", "OwnLoopOptimizer"]
+
+
+class _WeightGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``weight`` and tells the loop a backward began."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, weight: float, loop: OwnLoop) -> torch.Tensor:
+        ctx.weight, ctx.loop = weight, loop
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.loop._backward_began()
+        return grad * ctx.weight, None, None
+
+
+def _weighted(value: Any, weight: float, loop: OwnLoop) -> Any:
+    """``value`` (any nesting of tuples, lists and dicts) with each tensor that needs a gradient weighted.
+
+    Every output tensor is weighted or the gradient would mix weighted and unweighted parts, so an output that
+    may hide tensors elsewhere (an object of another type) is refused."""
+    return _map_outputs(value, lambda tensor: _WeightGradient.apply(tensor, weight, loop), strict=True)
+
+
+def _map_outputs(value: Any, fn: Any, strict: bool) -> Any:
+    """``value`` with ``fn`` applied to each tensor that needs a gradient; ``strict``: refuse other types."""
+    if isinstance(value, torch.Tensor):
+        return fn(value) if value.requires_grad else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map_outputs(v, fn, strict) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_outputs(v, fn, strict) for v in value)
+    if type(value) is dict:
+        return {k: _map_outputs(v, fn, strict) for k, v in value.items()}
+    if isinstance(value, dict):  # a subclass (Hugging Face's ModelOutput keeps attributes in step with items)
+        for k in list(value):
+            value[k] = _map_outputs(value[k], fn, strict)
+        return value
+    if not strict or value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    raise TypeError(
+        f"the model returned a {type(value).__name__}: loom weights the gradient of every output tensor by this "
+        "rank's share of the global batch, and cannot see inside that type. HINT: return tensors, or tuples, "
+        "lists or dicts of them (as most models do)."
+    )
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """Identity forward; a backward through it raises ``error`` (a call loom could not weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, error: str) -> torch.Tensor:
+        ctx.error = error
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        raise ValueError(ctx.error)
+
+
+def _refusing_backward(value: Any, error: str) -> Any:
+    """``value`` with every tensor that needs a gradient routed through `_RefuseBackward`."""
+    return _map_outputs(value, lambda tensor: _RefuseBackward.apply(tensor, error), strict=False)
+
+
+class OwnLoopModel(nn.Module):
+    """The model for an own loop: call it as the model; ``module`` is the model itself, on every world size (as
+    with DDP). Attributes it does not have are the model's (``model.estimate_mfu(...)``, ``model.config``), so
+    nanoGPT's ``raw_model = model.module if ddp else model`` works either way."""
+
+    def __init__(self, loop: OwnLoop) -> None:
+        super().__init__()
+        self.module = loop.job.module
+        self._loop = [loop]  # in a list: not a submodule, not in state_dict
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules: ``module`` itself
+        except AttributeError:
+            if name == "module" or "module" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self._modules["module"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        loop = self._loop[0]
+        if not torch.is_grad_enabled():  # evaluation: no gradient to average, no collective
+            return self.module(*args, **kwargs)
+        mismatch = loop.mismatch(args, kwargs)
+        if mismatch is not None:
+            # Not a training call on the loader's batch: evaluation without torch.no_grad() (Horovod's MNIST
+            # example) is one. It runs on the model itself; only a backward through it is refused.
+            return _refusing_backward(self.module(*args, **kwargs), mismatch)
+        weight = loop.weight(args, kwargs)
+        outputs = loop.job.wrapped(*args, **kwargs)
+        # even at weight 1 (equal shares) the backward must pass through the weighting: it starts the count of
+        # the all-reduce and, without DDP, the shared-memory average; one process has neither
+        return _weighted(outputs, weight, loop) if loop.job.topology.is_distributed else outputs
+
+    def train(self, mode: bool = True) -> OwnLoopModel:
+        super().train(mode)
+        self._loop[0].job.wrapped.train(mode)
+        return self
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch: False lets gradients accumulate locally (no all-reduce) until it is True again."""
+        return self._loop[0].sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        loop = self._loop[0]
+        loop.sync = bool(value)
+        if isinstance(loop.job.wrapped, DistributedDataParallel):
+            loop.job.wrapped.require_backward_grad_sync = bool(value)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, as DDP's ``no_sync``."""
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+
+class OwnLoopOptimizer(torch.optim.Optimizer):
+    """The job's optimizer for an own loop: the same state and param groups; ``step`` counts ``job.step`` and
+    refuses a non-finite averaged gradient. A `torch.optim.Optimizer`, so LR schedulers and ``GradScaler``
+    take it (like Accelerate's ``AcceleratedOptimizer``, it holds the wrapped optimizer instead of copying it)."""
+
+    _step_supports_amp_scaling = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loop: OwnLoop) -> None:  # no super(): see the class
+        self.optimizer = optimizer
+        self._loop = loop
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loop = self._loop
+        if closure is None and loop.skip_step():
+            return None
+        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        loop.job.step += 1
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "add_param_group on an own loop's optimizer: loom synchronizes the parameters the job was set up "
+            "with. HINT: add the group before strategy.setup(model, optimizer)."
+        )
+
+    def __repr__(self) -> str:
+        return f"OwnLoopOptimizer({self.optimizer!r})"
+
+
+class _AnnouncingLoader:
+    """The loader, unchanged, except that each batch's global size is handed to the loop before it is used."""
+
+    def __init__(self, loader: Any, loop: OwnLoop) -> None:
+        self._inner, self._loop = loader, loop
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._inner:
+            self._loop.global_size = getattr(batch, "global_size", None)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, sampler, epoch, ...
+        return getattr(self._inner, name)
+
+
+class OwnLoop:
+    """``model, optimizer, loader = job.own_loop(loader)``: see the module docstring. Unpacks to those three."""
+
+    def __init__(self, job: DataParallelJob) -> None:
+        self.job = job
+        self.sync = True
+        """False between ``no_sync`` passes: gradients accumulate locally (DDP's ``require_backward_grad_sync``)."""
+        self.global_size: int | None = None
+        """Samples in the global batch the loader gave last (None: a batch without it; counted by collective)."""
+        self.in_backward = False
+        self.model = OwnLoopModel(self)
+        self.optimizer = OwnLoopOptimizer(job.optimizer, self)
+        self.loader: Any = None
+
+    @classmethod
+    def start(cls, job: DataParallelJob, loader: Any = None) -> OwnLoop:
+        loop = cls(job)
+        loop.loader = _AnnouncingLoader(loader, loop) if loader is not None else None
+        job.own_loop_started = True
+        job.module.train()
+        return loop
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self.optimizer, self.loader))
+
+    # -- the forward's weight ---------------------------------------------------------------------------------
+    def mismatch(self, args: tuple, kwargs: dict[str, Any]) -> str | None:
+        """Why a forward on ``args`` cannot be weighted (its size is not this rank's share of the last loader
+        batch), or None. Such a call is allowed (evaluation with gradients on); its backward raises this."""
+        topo, total = self.job.topology, self.global_size
+        if not topo.is_distributed or total is None:
+            return None
+        n = _samples(args, kwargs)
+        lo, hi = share_bounds(total, topo.rank, topo.world_size)
+        if n == hi - lo:
+            return None
+        return (
+            f"rank {topo.rank}: backward through a model call on {n} samples, but this rank's share of the last "
+            f"global batch of {total} from the loader is {hi - lo}: loom weights each training call by its "
+            "share. HINT: for training, call the model once per loader batch on the whole batch (accumulate "
+            "over loader batches, under model.no_sync()), or pass job.own_loop() no loader to count every call; "
+            "evaluation needs no backward (wrap it in torch.no_grad() to save the graph's memory)."
+        )
+
+    def weight(self, args: tuple, kwargs: dict[str, Any]) -> float:
+        """``n * W / N`` for a training forward on ``args`` (see the module docstring; `mismatch` is None)."""
+        topo = self.job.topology
+        if not topo.is_distributed:
+            return 1.0
+        n = _samples(args, kwargs)
+        world, total = topo.world_size, self.global_size
+        if total is None:
+            counts = torch.tensor([n], dtype=torch.int64, device=topo.device)
+            with self.job.watchdog.collective("sample-count all-reduce"):
+                dist.all_reduce(counts)
+            total = int(counts.item())
+        if total == 0:
+            raise ValueError(f"rank {topo.rank}: a training forward on a global batch of 0 samples")
+        return n * world / total
+
+    # -- backward: the watchdog's count and the shared-memory average -----------------------------------------
+    def _backward_began(self) -> None:
+        """Called from the first weighted output's backward: count the all-reduce, queue what ends it."""
+        if self.in_backward or not self.sync or not self.job.topology.is_distributed:
+            return
+        self.in_backward = True
+        self.job.watchdog.enter("gradient all-reduce")
+        Variable._execution_engine.queue_callback(self._gradients_done)
+
+    def _gradients_done(self) -> None:
+        """Runs when backward has computed every gradient: average in shared memory (no DDP), or let DDP's own
+        end-of-backward callback, queued after this one, wait for its buckets before the count ends."""
+        if self.job.shared_gradients is not None:
+            self.job.shared_gradients.average()
+            self._finished()
+        else:
+            Variable._execution_engine.queue_callback(self._finished)
+
+    def _finished(self) -> None:
+        self.in_backward = False
+        self.job.watchdog.leave()
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def skip_step(self) -> bool:
+        """Whether the averaged gradient is non-finite (the same verdict on every rank; see `NonFiniteGuard`)."""
+        job = self.job
+        grads = [p.grad for p in job.module.parameters() if p.requires_grad]
+        finite = gradients_finite(grads)
+        skip = job.nonfinite.judge(job.step + 1, [], [], finite)
+        job.last_step_skipped = skip
+        if skip:
+            job.optimizer.zero_grad(set_to_none=True)
+            job.step += 1
+        return skip
+
+
+def _samples(args: tuple, kwargs: dict[str, Any]) -> int:
+    """Samples in a forward's arguments: the first dimension of the first tensor."""
+    for tensor in tensors_in([*args, *kwargs.values()]):
+        return batch_len(tensor)
+    raise TypeError(
+        "the model was called without a tensor argument: loom cannot tell how many samples it saw"
+    )

@@ -1,0 +1,1 @@
+"""The gossip family of strategies (see `loom.parallel`)."""

@@ -1,0 +1,357 @@
+"""Decentralized, asynchronous data parallelism: each worker averages its parameters with one peer at a time.
+
+``Gossip(peers="ring", every=1, deadline_s=10.0)``: every worker trains its own replica on its share of each
+global batch (``job.loader``, sharded over the data axis like every strategy) with its own optimizer, and every
+``every`` steps averages its parameters with ONE peer, at its own pace: no all-reduce, no barrier, no collective
+in the training loop, no node everyone waits for (randomized gossip, Boyd et al. 2006; the exponential graph of
+SGP, Assran et al. 2019; asynchronous pairs as in AD-PSGD, Lian et al. 2018).
+
+The exchange is symmetric: the worker sends its parameters ``a`` (`loom.comm.peer`), the peer answers with its
+own ``b`` and takes ``m = (a + b) / 2``; on the answer the worker takes ``m + (x - a)``, ``x`` being what it holds
+by then. When nothing else touched ``x`` (``x == a``) both sides end with the same bits (``a + b`` commutes in
+floating point, halving is exact barring underflow); when the worker answered other peers while it waited,
+``x - a`` keeps their share. So every exchange, interleaved or not, conserves the sum of the replicas'
+parameters, and with learning stopped the replicas converge to the mean of their initial parameters. A pair
+exchange rather than push-sum weights: the replicas hold plain parameters at every step (no de-biasing before a
+forward, no weight lost with a dead peer), and a pair's result is testable bit for bit. Two workers asking each
+other at once: the lower rank answers BUSY, so exactly one exchange happens. Non-finite values are never sent
+nor taken (BUSY).
+
+Peers: ``ring`` alternates the right and left neighbours, ``exponential`` cycles through rank + 2^k for
+k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly among the others (seeded by ``seed`` and the rank). A dead peer
+(its connection closes or refuses) is skipped at once, a slow one after ``deadline_s``; either is passed over for
+the next ``retry_after`` exchanges and training goes on. A late answer is still applied when it comes (unless the
+next request to that peer abandons it, see `loom.comm.peer`). A worker that joins a running job (its rank set up
+again under the same store: a restarted worker) copies a live neighbour's parameters before its first step.
+
+Between steps a worker answers its peers from a service thread, so ``job.module``'s parameters may change between
+two `train_step` calls; `paused` holds them still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`
+gives this transport's bytes (point-to-point only; also added to ``loom.comm.counters()`` under ``gossip``), the
+exchanges by outcome, and ``spread``: the largest L2 distance between this replica's parameters and a peer's,
+taken at the last exchange with each peer still reachable, on the values exchanged (no extra traffic).
+
+Set-up is the only collective part: each worker publishes its listener's address in the job's store and waits
+for the others'; with ``same_start`` rank 0's parameters are broadcast. `train_step` returns THIS replica's mean
+loss on its share (no global loss without a collective); `eval_step` is collective. Checkpoints (`loom.fit`): the
+state is per rank (model, optimizer, step, peer choice), each replica at its own moment (an exchange may straddle
+a checkpoint); `loom.fit`'s saving is collective, so it needs every worker alive. Limits: parameters are
+averaged, buffers (BatchNorm statistics) and optimizer state stay local; floating-point parameters on the CPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.comm.counters import counters
+from loom.comm.links import _job_secret
+from loom.comm.peer import PeerNode
+from loom.comm.peer_wire import COPY, EXCHANGE, PeerStats
+from loom.config_docs import document_options
+from loom.job import MetricFn
+from loom.mesh import Mesh
+from loom.observe.metrics import StepMetrics
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.data.data_parallel import default_metrics_path
+from loom.parallel.gossip.gossip_config import GossipConfig
+from loom.parallel.gossip.gossip_exchange import (
+    IdleServer,
+    ParameterLayout,
+    PeerChoice,
+    PeerDirectory,
+    average_into,
+)
+from loom.topology import Topology, current
+from loom.train.batch import LossCall, batch_len
+from loom.train.engine import Engine, StepState
+from loom.train.guard import StepGuard
+from loom.train.options import config_from
+
+__all__ = ["Gossip", "GossipConfig", "GossipJob"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class Gossip:
+    """Strategy: each worker trains its own replica and averages with one peer at a time, asynchronously.
+
+    ``Gossip(peers="ring", every=1, deadline_s=10.0, ...)`` — see `GossipConfig` for the fields.
+    """
+
+    def __init__(
+        self,
+        config: GossipConfig | None = None,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        **options: Any,
+    ):
+        self.config = config_from(GossipConfig, config, options, "Gossip")
+        self.topology = topology
+        self.metrics_path = metrics_path
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> GossipJob:
+        """Listen, publish the address, meet the others in the store; a restarted worker copies a neighbour."""
+        topo = self.topology if self.topology is not None else current()
+        check_setup_arguments(
+            model, optimizer, loss_fn, strategy="Gossip", survives_lost_worker=True, conventions=True
+        )
+        layout = ParameterLayout(model)
+        devices = sorted({str(p.device) for p in layout.params})
+        if layout.nbytes == 0 or devices != ["cpu"]:
+            raise ValueError(
+                f"Gossip exchanges floating-point parameters from host memory; this model has {layout.nbytes} "
+                f"bytes of them, on {devices}. HINT: keep the model on the CPU, with floating-point parameters."
+            )
+        metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
+        mesh = Mesh(dp=topo.world_size, topology=topo)
+        job = GossipJob(model, optimizer, loss_fn, mesh, self.config, layout, metrics)
+        if topo.is_distributed:
+            job._connect()
+        atexit.register(job.close)
+        return job
+
+
+document_options(Gossip, GossipConfig)
+
+
+class GossipJob(Engine):
+    """A replica trained by gossip (a `loom.job.Job`): `train_step`, `eval_step`, `state_dict`, plus
+    `comm_stats`, `paused` and `close`. ``replicas_agree`` and ``replicated_state`` are False."""
+
+    replicas_agree = False
+    replicated_state = False
+    loss_scope = "replica"
+
+    def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, layout, metrics) -> None:
+        self.module: nn.Module = module
+        self.optimizer = optimizer
+        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_fn = self.loss_call.fn
+        self.mesh = mesh
+        self.topology: Topology = mesh.topology
+        self.config: GossipConfig = config
+        self.layout: ParameterLayout = layout
+        self.metrics: StepMetrics = metrics
+        metrics.loss_scope = self.loss_scope
+        self.step = 0  # optimizer steps this replica took
+        self.choice = PeerChoice(config.peers, self.topology.rank, self.topology.world_size, config.seed)
+        self.attempts = 0  # exchanges this worker was due to make
+        self.joined_from: int | None = None  # the peer copied when this worker joined a running job
+        self.distance: dict[int, float] = {}  # per peer: L2 distance at the last exchange with it
+        self.node: PeerNode | None = None
+        self.directory: PeerDirectory | None = None
+        self._passed_over: dict[int, int] = {}
+        self._server: IdleServer | None = None
+        self._closed = self._joining = False
+        self._recorded = (0, 0)
+        self.guard = StepGuard.start(self.topology, config)
+        """The non-finite verdict on this replica's own flag, and the watchdog (`loom.train.guard`)."""
+        self.nonfinite = self.guard.nonfinite
+        self.last_step_skipped = False
+
+    def _connect(self) -> None:
+        topo, cfg = self.topology, self.config
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"Gossip on rank {topo.rank} of {topo.world_size} needs the job's store to find its peers, and "
+                "this process has not joined the job. HINT: call loom.init() first and start with `loom run`."
+            )
+        secret = _job_secret(topo.rank)
+        if secret is None:
+            raise ValueError(
+                f"rank {topo.rank}: Gossip authenticates its peers with LOOM_JOB_SECRET, which is unset or "
+                "shorter than 32 hex digits. HINT: start the job with `loom run` (it generates one), or set the "
+                "same 64 hex digits (openssl rand -hex 32) on every node."
+            )
+        self.directory = PeerDirectory(dist.distributed_c10d._get_default_store(), cfg.namespace, topo)
+        joins = self.directory.count_join()
+        self.node = PeerNode(
+            topo.rank, topo.world_size, secret, self.layout.nbytes, self.layout.fingerprint,
+            self._serve, self.directory.address_of,
+        )  # fmt: skip
+        self.directory.publish(self.node.address)
+        if joins == 1:
+            self.directory.wait_for_all(cfg.setup_timeout_s)
+            if cfg.same_start:
+                with torch.no_grad():
+                    for p in self.layout.params:
+                        dist.broadcast(p.data, src=0)
+        else:
+            self._joining = True
+            try:
+                self._join()
+            finally:
+                self._joining = False
+        self._server = IdleServer(self.node, topo.rank)
+
+    def _join(self) -> None:
+        """Copy the parameters of the first live peer in this worker's order of asking (meanwhile, requests
+        from peers are refused: this replica's values are stale or arbitrary until then)."""
+        assert self.node is not None
+        rank, world = self.topology.rank, self.topology.world_size
+        nearest = [(rank + 1) % world, (rank - 1) % world, *((rank + d) % world for d in range(2, world))]
+        order = list(dict.fromkeys(nearest))  # right neighbour, left, then the others
+        for peer in order:
+            got: list[torch.Tensor] = []
+            if self.node.request(peer, COPY, None, self.config.deadline_s, got.append) == "done":
+                with torch.no_grad():
+                    for i, p in enumerate(self.layout.params):
+                        p.copy_(self.layout.view(got[0], i))
+                self.joined_from = peer
+                return
+        warnings.warn(
+            f"rank {self.topology.rank}: joining a running gossip job, no peer answered a copy request "
+            f"({self.node.errors}); this replica starts from its own parameters",
+            stacklevel=4,
+        )
+
+    def _serve(self, kind: int, peer: int, theirs: torch.Tensor | None) -> torch.Tensor | None:
+        """Answer a peer (in the thread that pumps): our values; for EXCHANGE also take the pair's mean."""
+        if self._joining:
+            return None  # its own values are not the job's yet: never spread them
+        mine = self.layout.pack()
+        if not self.layout.finite(mine) or (theirs is not None and not self.layout.finite(theirs)):
+            return None
+        if kind == EXCHANGE:
+            assert theirs is not None
+            self.distance[peer] = average_into(self.layout, theirs, mine, serving=True)
+        return mine
+
+    def _gossip(self) -> None:
+        assert self.node is not None
+        self.attempts += 1
+        peer = None
+        for _ in range(self.topology.world_size - 1):
+            candidate = self.choice.next()
+            if self._passed_over.get(candidate, 0) < self.attempts:
+                peer = candidate
+                break
+        if peer is None:
+            return
+        sent = self.layout.pack()
+        if not self.layout.finite(sent):
+            return  # a diverged replica keeps its values to itself
+
+        def merge(theirs: torch.Tensor) -> None:  # now, or later if the answer is late
+            self.distance[peer] = average_into(self.layout, theirs, sent, serving=False)
+
+        outcome = self.node.request(peer, EXCHANGE, sent, self.config.deadline_s, merge)
+        if outcome in ("late", "unreachable"):
+            self._passed_over[peer] = self.attempts + self.config.retry_after
+            if outcome == "unreachable":
+                self.distance.pop(peer, None)  # a dead peer's last distance says nothing about the replicas
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """No peer changes the parameters inside this block (answers wait until it ends)."""
+        return self._server.paused() if self._server is not None else contextlib.nullcontext()
+
+    # -- the engine's hooks (`loom.train.engine`) ---------------------------------------------------------------
+    def _check_can_train(self) -> None:
+        if self._server is not None:
+            self._server.check(self.topology.rank)
+
+    def _step_context(self) -> contextlib.AbstractContextManager[None]:
+        return self.paused()
+
+    def _prepare(self, state: StepState) -> None:
+        if self.node is not None:
+            self.node.pump(0.0)
+        state.local = batch_len(self.loss_call.inputs_of(state.batch))
+        state.total = int(getattr(state.batch, "global_size", state.local * self.topology.world_size))
+
+    def _forward_backward(self, state: StepState) -> None:
+        """This replica's loss on its share; no backward once a loss is non-finite."""
+        self._backward_share(state, self.config.accumulate, weight_of_total=False, stop_on_nonfinite=True)
+        state.loss = state.work.get("share_mean", 0.0)
+
+    def _synchronize(self, state: StepState) -> None:
+        """Nothing to reduce: each replica judges its own step (there is no collective to carry flags, and no
+        replica adopts another's update: a NaN replica's parameters are never sent, as they never change).
+        ``state.loss`` is this replica's mean loss on its share (``loss_scope="replica"``; 0.0 when empty)."""
+        state.flags, state.ranks = [state.flag], [self.topology.rank]
+
+    def _apply(self, state: StepState) -> None:
+        if state.local:
+            self.optimizer.step()
+
+    def _after_step(self, state: StepState) -> None:
+        """One exchange every ``every`` steps, timed for the step record."""
+        exchanged = time.perf_counter()
+        if self.node is not None and state.number % self.config.every == 0:
+            self._gossip()
+        state.work["comm_s"] = time.perf_counter() - exchanged
+        state.work["traffic"] = self._record_traffic()
+
+    def _record(self, state: StepState) -> None:
+        sent, received = state.work["traffic"]
+        self.metrics.record(
+            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
+            comm_s=state.work["comm_s"], bytes_sent=sent, bytes_received=received,
+            skipped=True if state.skipped else None, spread=max(self.distance.values(), default=0.0),
+        )  # fmt: skip
+
+    def _record_traffic(self) -> tuple[int, int]:
+        """Bytes moved since the last call (service thread included), added to ``loom.comm.counters()``."""
+        if self.node is None:
+            return 0, 0
+        now = (self.node.stats.bytes_sent, self.node.stats.bytes_received)
+        sent, received = now[0] - self._recorded[0], now[1] - self._recorded[1]
+        self._recorded = now
+        if sent or received:
+            counters().record("gossip", sent, received)
+        return sent, received
+
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """Each replica's own parameters on its share (no peer changes them meanwhile); the engine sums the
+        shares, so the result is the same on every rank."""
+        with self.paused():
+            return super()._evaluate(batch, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's model, optimizer, step and peer choice (tensors and numbers). The parameters are
+        copied: a peer's exchange may change them in place as soon as this returns."""
+        with self.paused():
+            return {
+                "model": {k: v.clone() for k, v in self.module.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "gossip": {**self.choice.state_dict(), "attempts": self.attempts},
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.paused():
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+            self.choice.load_state_dict(state["gossip"])
+            self.attempts = int(state["gossip"]["attempts"])
+
+    def comm_stats(self) -> dict[str, float]:
+        """Numbers for step records and reports: this transport's bytes and exchanges by outcome (see
+        `loom.comm.peer_wire.PeerStats`), ``spread`` (see the module docstring), ``joined_from`` (the peer
+        copied when this worker joined a running job, -1: none) and ``step``."""
+        stats: dict[str, float] = dict((self.node.stats if self.node else PeerStats()).as_dict())
+        stats["spread"] = max(self.distance.values(), default=0.0)
+        stats["joined_from"] = -1 if self.joined_from is None else self.joined_from
+        stats["step"] = self.step
+        return stats
+
+    def close(self) -> None:
+        """Stop serving; wait (at most ``deadline_s``) for this worker's late answers; close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None and self.node is not None:
+            self._server.stop()
+            self.node.close(drain_s=self.config.deadline_s)
+            self._record_traffic()
+        self.metrics.close()

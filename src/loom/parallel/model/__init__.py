@@ -1,0 +1,1 @@
+"""The model family of strategies (see `loom.parallel`)."""

@@ -1,0 +1,72 @@
+"""Model parallelism by composition: transforms over the named axes of one `Mesh`, in one documented order.
+
+`Pipeline`, `TensorParallel` and `Hybrid` all build their job here, so a ``Hybrid(dp, pp, tp)`` job is exactly
+the composition of the other two with a data axis, and no strategy patches another's job. The order is the one
+of Megatron-LM and torchtitan (innermost first):
+
+1. **pipeline** (``pp``, `pipeline.split_into_stages`): the model's chain is cut into stages; this process keeps
+   its stage (with one stage the whole model is the stage, and need not be a chain);
+2. **tensor parallel** (``tp``, `tensor_parallel.shard_stage`): the stage's MLP, attention and embedding blocks
+   are split over the tp group (the plan is found in the stage, or given in the full model's names);
+3. **data** (``dp``): `DataParallel`'s gradient averaging (`data_parallel_sync.GradientAveraging`) with the
+   job's `DataParallelConfig` (``allreduce``, ``compression``), applied to the stage's gradients after the
+   schedule. Gradients are already weighted by each replica's share, so N replicas equal one process.
+
+Every process starts from rank 0's weights (broadcast before the cut, as DDP does). The data is sharded over
+``dp`` only: `Job.loader` builds the loader for it, and the job refuses a batch cut for another layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.mesh import Mesh
+from loom.observe.metrics import StepMetrics
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, default_metrics_path
+from loom.parallel.data.data_parallel_sync import GradientAveraging
+from loom.parallel.model.model_parallel import ModelParallelJob, Schedule
+from loom.parallel.pipeline.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
+from loom.parallel.tensor.tensor_parallel_shard import shard_stage
+
+__all__ = ["compose"]
+
+
+def compose(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    mesh: Mesh,
+    *,
+    pipeline: PipelineConfig | None = None,
+    tp_plan: Any = "auto",
+    data: DataParallelConfig | None = None,
+    sample_input: Any = None,
+    metrics_path: str | None = None,
+) -> ModelParallelJob:
+    """Apply the transforms of the module docstring to ``model`` for this process's place on ``mesh``."""
+    call = check_setup_arguments(
+        model, optimizer, loss_fn, strategy="a model-parallel job (Pipeline, TensorParallel, Hybrid)"
+    )  # the plain convention only: the loss is called on the last stage, the model with one inputs argument
+    loss_fn = call.fn if call.fn is not None else loss_fn
+    pipeline = pipeline if pipeline is not None else PipelineConfig(stages=mesh.size("pp"))
+    if pipeline.stages != mesh.size("pp"):
+        raise ValueError(f"a pipeline of {pipeline.stages} stages on a mesh with pp={mesh.size('pp')}")
+    topo = mesh.topology
+    if topo.is_distributed:  # every process starts from rank 0's weights, as DDP does
+        broadcast_module(model)
+    stages = split_into_stages(model, mesh, pipeline, sample_input)
+    model.to(topo.device)
+    shards = shard_stage(stages.stage, mesh, tp_plan)
+    averaging = GradientAveraging.for_stage(
+        data if data is not None else DataParallelConfig(), mesh.group("dp"), stages.stage, topo
+    )
+    metrics = StepMetrics(topo.rank, metrics_path or default_metrics_path(topo))
+    schedule = Schedule(pipeline.stages, pipeline.microbatches, pipeline.schedule)
+    return ModelParallelJob(
+        stages.stage, optimizer, loss_fn, mesh, schedule, shards, averaging, metrics, stages.keys,
+        stages.layer_names,
+    )  # fmt: skip

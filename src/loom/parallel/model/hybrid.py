@@ -1,0 +1,90 @@
+"""Hybrid parallelism: data × pipeline × tensor parallel on one named mesh.
+
+``Hybrid(dp=a, pp=b, tp=c, microbatches=m, schedule=..., split=..., tp_plan=..., allreduce=..., compression=...)``
+builds one `Mesh` (validated once: ``a · b · c`` must equal the world size, the error names the degrees and the
+world size) and composes the transforms of `loom.parallel.model.compose` on it, in its documented order: pipeline
+stages, tensor shards inside each stage, then the data axis, which is `DataParallel`'s gradient averaging with
+the `DataParallelConfig` fields given here (``allreduce``, ``compression``, ...).
+
+Data is sharded across ``dp`` only: load with ``job.loader(dataset, global_batch_size)`` so every stage and
+tensor shard of a replica sees the same share (a batch cut otherwise is refused). ``train_step`` returns the
+global-batch loss on every process; ``state_dict()`` is this process's shard with its mesh coordinates, stage
+layers and tensor-parallel shard dims; ``full_state_dict()`` (called on every process) returns the whole model
+on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.config_docs import document_options
+from loom.mesh import Mesh
+from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.model.compose import compose
+from loom.parallel.model.model_parallel import ModelParallelJob
+from loom.parallel.pipeline.pipeline_stages import PipelineConfig
+from loom.parallel.tensor.tensor_parallel_shard import TensorParallelConfig
+from loom.topology import Topology, current
+
+__all__ = ["Hybrid", "HybridConfig"]
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Degrees of the mesh and the settings of the pipeline and tensor-parallel parts."""
+
+    dp: int = 1
+    """Data-parallel replicas (the global batch is sharded across them)."""
+    pp: int = 1
+    """Pipeline stages."""
+    tp: int = 1
+    """Tensor-parallel shards per layer."""
+    microbatches: int = 1
+    """Micro-batches per step of each pipeline (see `PipelineConfig`)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule, ``"gpipe"`` or ``"1f1b"``."""
+    split: Any = "balanced"
+    """Pipeline cut: ``"balanced"`` or the names of the layers where stages 1..pp-1 begin."""
+    tp_plan: Any = "auto"
+    """Tensor-parallel plan: ``"auto"`` or ``{module name: "mlp" | "attention" | "embedding"}``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.split, list):
+            object.__setattr__(self, "split", tuple(self.split))
+        TensorParallelConfig(size=self.tp, plan=self.tp_plan)  # validates tp and the plan
+        self.pipeline()  # validates pp, microbatches, schedule and split
+
+    def pipeline(self) -> PipelineConfig:
+        return PipelineConfig(
+            stages=self.pp, microbatches=self.microbatches, schedule=self.schedule, split=self.split
+        )
+
+
+class Hybrid:
+    """Strategy: pipeline, then tensor parallel, then data parallel on a ``dp × pp × tp`` mesh.
+
+    The fields of `HybridConfig` and of `DataParallelConfig` (for the data axis) are keyword arguments.
+    """
+
+    def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
+        self.data = data_axis_options(config, "Hybrid")
+        self.config = HybridConfig(**config)
+        self.topology = topology
+        self.metrics_path = metrics_path
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
+        cfg = self.config
+        topo = self.topology if self.topology is not None else current()
+        mesh = Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, topology=topo)
+        return compose(
+            model, optimizer, loss_fn, mesh, pipeline=cfg.pipeline(), tp_plan=cfg.tp_plan, data=self.data,
+            metrics_path=self.metrics_path,
+        )  # fmt: skip
+
+
+document_options(HybridConfig, HybridConfig)
+document_options(Hybrid, HybridConfig, DataParallelConfig)

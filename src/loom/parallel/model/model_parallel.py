@@ -1,0 +1,345 @@
+"""The job of every model-parallel strategy: one stage of the model, maybe tensor-sharded, on a data axis.
+
+`loom.parallel.model.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike (the transforms, in
+order: pipeline stages, tensor shards, then the data axis). Each `train_step`:
+
+1. checks that the ranks of this model replica (its stages and tensor shards: the mesh's ``replica`` group) hold
+   the same samples: one small all-gather of the batch's fingerprint and size before any work, so a loader
+   sharded over the wrong axis raises on every rank of the replica, naming the ranks and the fix, instead of
+   training on mismatched inputs and targets;
+2. splits the share into micro-batches and runs the schedule's instructions for this stage (`pipeline_runtime`);
+   micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` (``N`` the global batch) to backward,
+   so gradients are those of the global-batch mean loss;
+3. sums the gradients over the data axis with `DataParallel`'s algorithms and compression
+   (`data_parallel_sync.GradientAveraging`), then steps the optimizer.
+
+The loss (non-zero on the last stage only) and every stage's busy time and span ride on one all-gather over the
+pipeline; the loss is then summed over the data axis. Each rank's non-finite flag (its local loss, its stage's
+gradients before the data axis sums them) rides on the same two collectives, so every rank knows every flag
+before step 3 and all reach the same verdict (`loom.fault.desync.NonFiniteGuard`, policy ``nonfinite`` of the
+data axis's `DataParallelConfig`): a skipped step runs neither the data axis's sum nor the optimizer. With a
+``dp`` or ``tp`` axis the loss and flags are reduced over the whole job (one slot per replica's loss, one flag
+per rank) rather than over ``dp`` alone, so the tensor shards of a stage, which share no group along which the
+loss travels, reach the verdict too. State is sharded: `state_dict` is this process's stage and
+shards with their layout, `full_state_dict` gathers the whole model on rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loom.fault.desync import local_flag
+from loom.job import MetricFn
+from loom.mesh import REPLICA, Mesh
+from loom.observe.metrics import StepMetrics
+from loom.parallel.data.data_parallel_sync import GradientAveraging
+from loom.parallel.pipeline.pipeline_communications import recv_tensors, send_tensors
+from loom.parallel.pipeline.pipeline_runtime import PipelineStage, StageStats, run_instructions
+from loom.parallel.pipeline.pipeline_schedule import stage_instructions
+from loom.parallel.tensor.tensor_parallel_shard import TensorShards
+from loom.train.batch import batch_len, slice_batch, split_batch, tensors_in, to_device
+from loom.train.engine import Engine, StepState
+from loom.train.guard import StepGuard
+
+__all__ = ["ModelParallelJob", "Schedule", "batch_fingerprint"]
+
+_FINGERPRINT_BYTES = 1 << 20
+"""Of a plain (fingerprint-less) batch, at most this many leading bytes of each tensor are hashed."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a step runs through the stages: ``stages`` on the ``pp`` axis, ``microbatches``, ``name``."""
+
+    stages: int = 1
+    microbatches: int = 1
+    name: str = "1f1b"
+
+
+@dataclass
+class _Micro:
+    inputs: list[Any] = field(default_factory=list)
+    targets: list[Any] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+
+def _micro_split(inputs: Any, targets: Any, n: int, m: int) -> _Micro:
+    """At most ``m`` micro-batches whose sizes differ by at most one (fewer when ``n < m``)."""
+    pieces = min(m, n)
+    bounds = (torch.arange(pieces + 1) * n // pieces).tolist()
+    out = _Micro()
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        out.inputs.append(slice_batch(inputs, lo, hi))
+        out.targets.append(slice_batch(targets, lo, hi))
+        out.sizes.append(hi - lo)
+    return out
+
+
+def batch_fingerprint(batch: Any) -> int:
+    """A 32-bit fingerprint of the samples in ``batch``: the loader's, from the dataset indices, when it has
+    one; otherwise a CRC-32 of the leading bytes of its tensors (CPU tensors only; others count by shape)."""
+    known = getattr(batch, "fingerprint", None)
+    if known is not None:
+        return int(known)
+    crc = 0
+    for t in tensors_in(batch):
+        crc = zlib.crc32(repr((tuple(t.shape), str(t.dtype))).encode(), crc)
+        if t.device.type == "cpu" and t.numel():
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)[:_FINGERPRINT_BYTES]
+            crc = zlib.crc32(raw.numpy().tobytes(), crc)
+    return crc
+
+
+class ModelParallelJob(Engine):
+    """This process's stage (and tensor shards) of a model split over a ``dp × pp × tp`` mesh."""
+
+    replicated_state = False
+    module: PipelineStage
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Any,
+        mesh: Mesh,
+        schedule: Schedule,
+        shards: TensorShards | None,
+        data_axis: GradientAveraging,
+        metrics: StepMetrics,
+        stage_keys: list[list[str]],
+        layer_names: list[str],
+    ) -> None:
+        self.module = stage
+        """This process's stage (its layers, keeping the full model's names in `state_dict`)."""
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.mesh = mesh
+        self.topology = mesh.topology
+        self.schedule = schedule
+        self.shards = shards
+        """The tensor-parallel layout of the stage (None without a ``tp`` axis)."""
+        self.gradient_averaging = data_axis
+        self.metrics = metrics
+        self.stage_keys = stage_keys
+        self.layer_names = layer_names
+        self.step = 0
+        self.guard = StepGuard.start(self.topology, data_axis.config)
+        """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
+        self.nonfinite = self.guard.nonfinite
+        self.last_step_skipped = False
+        """Whether the last `train_step` applied no update (non-finite on some rank)."""
+        self.stage_stats: list[StageStats] = []
+        """One `StageStats` per step: this stage's busy time, span, idle fraction, activations alive."""
+        self.bubble: list[float] = []
+        """Per step, the measured idle fraction of the whole pipeline, ``1 - Σ busy / (p · max span)``; each
+        stage's share of it, in seconds, is `StageStats.bubble_s`, also in its step record (``bubble_s``)."""
+        pp = mesh.index("pp")
+        self._prev = mesh.peer("pp", pp - 1) if pp > 0 else None
+        self._next = mesh.peer("pp", pp + 1) if pp < schedule.stages - 1 else None
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def _check_replica_samples(self, batch: Any, local: int) -> None:
+        """Raise on every rank of this model replica unless all of its ranks hold the same samples."""
+        group = self.mesh.group(REPLICA)
+        if group is None:
+            return
+        mine = torch.tensor([batch_fingerprint(batch), local], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in self.mesh.ranks(REPLICA)]
+        with self.guard.collective("replica sample check all-gather"):
+            dist.all_gather(rows, mine, group=group)
+        seen = [tuple(r.tolist()) for r in rows]
+        if len(set(seen)) == 1:
+            return
+        ranks = self.mesh.ranks(REPLICA)
+        held = ", ".join(
+            f"rank {r}: {n} samples, fingerprint {f:08x}" for r, (f, n) in zip(ranks, seen, strict=True)
+        )
+        raise ValueError(
+            f"rank {self.topology.rank}: the ranks {ranks} of one model replica (its pipeline stages and tensor "
+            f"shards) hold different samples at step {self.step + 1} ({held}); they would train on mismatched "
+            "inputs and targets. HINT: shard the data over the job's data axis: "
+            "loader = job.loader(dataset, global_batch_size, ...)."
+        )
+
+    def _global_count(self, batch: Any, local: int) -> int:
+        known = getattr(batch, "global_size", None)
+        if known is not None:
+            return int(known)
+        group = self.mesh.group("dp")
+        if group is None:
+            return local
+        count = torch.tensor([local], dtype=torch.int64)
+        with self.guard.collective("sample-count all-reduce"):
+            dist.all_reduce(count, group=group)
+        return int(count.item())
+
+    # -- the engine's hooks (`loom.train.engine`) ----------------------------------------------------------------
+    def _prepare(self, state: StepState) -> None:
+        """Check that the replica's ranks hold the same samples, split them into micro-batches, count them."""
+        inputs, targets = split_batch(state.batch)
+        state.local = local = batch_len(inputs)
+        self._check_replica_samples(state.batch, local)
+        device = self.topology.device
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        state.total = self._global_count(state.batch, local)
+        state.work["micro"] = (
+            _micro_split(inputs, targets, local, self.schedule.microbatches) if local else _Micro()
+        )
+
+    def _forward_backward(self, state: StepState, train: bool = True) -> None:
+        """The pipeline's instruction stream for this stage (forwards only in evaluation)."""
+        sched, micro, total = self.schedule, state.work["micro"], state.total
+        assert total is not None
+        stream = (
+            stage_instructions(
+                sched.name, self.mesh.index("pp"), sched.stages, len(micro.sizes), forward_only=not train
+            )
+            if micro.sizes
+            else []
+        )
+        with self.guard.collective("pipeline schedule (sends and receives between stages)"):
+            state.loss_sum, stats = run_instructions(
+                stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
+                prev=self._prev, next_=self._next, train=train, device=self.topology.device,
+                replicas=self.mesh.size("dp"),
+            )  # fmt: skip
+        grads = [p.grad for p in self.module.parameters() if p.requires_grad] if train else []
+        state.flag = local_flag(state.loss_sum, grads)
+        state.work["stats"] = stats
+
+    def _synchronize(self, state: StepState) -> None:
+        """One gather over the pipeline gives the loss (non-zero on the last stage only), every stage's busy time
+        and span, and its flag; then the data axis adds up the replicas' losses and flags. The gradients are
+        summed over the data axis in `_apply`, once the step is judged."""
+        stats, sched = state.work["stats"], self.schedule
+        row = torch.tensor([state.loss_sum, stats.busy_s, stats.span_s, state.flag], dtype=torch.float64)
+        rows = [row]
+        if self.mesh.group("pp") is not None:
+            rows = [torch.zeros_like(row) for _ in range(sched.stages)]
+            with self.guard.collective("loss all-gather over the pipeline"):
+                dist.all_gather(rows, row, group=self.mesh.group("pp"))
+        table = torch.stack(rows)
+        loss, state.flags, state.ranks = self._reduce_loss_and_flags(table, state.flag)
+        span = float(table[:, 2].max())
+        self.bubble.append(1.0 - float(table[:, 1].sum()) / (sched.stages * span) if span > 0 else 0.0)
+        stats.bubble_s = max(span - stats.busy_s, 0.0)  # so Σ bubble_s / (p · span) is the fraction above
+        assert state.total is not None
+        state.work["loss_sum"] = loss
+        state.loss = loss / state.total
+
+    def _apply(self, state: StepState) -> None:
+        with self.guard.collective("gradient all-reduce over the data axis"):
+            self.gradient_averaging.average([p for p in self.module.parameters() if p.requires_grad])
+        self.optimizer.step()
+
+    def _record(self, state: StepState) -> None:
+        stats = state.work["stats"]
+        self.stage_stats.append(stats)
+        extra = {"skipped": True} if state.skipped else {}
+        self.metrics.record(
+            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
+            bubble_s=stats.bubble_s, **extra,
+        )  # fmt: skip
+
+    def _reduce_loss_and_flags(
+        self, table: torch.Tensor, flag: float
+    ) -> tuple[float, list[float], list[int]]:
+        """The global loss sum, and every rank's flag with its global rank (see the module docstring)."""
+        mesh, rank = self.mesh, self.topology.rank
+        replica_loss = table[:, 0].sum()
+        if not self.topology.is_distributed:
+            return float(replica_loss), [flag], [rank]
+        if mesh.size("dp") == 1 and mesh.size("tp") == 1:  # the pipeline is the job: its gather said it all
+            return float(replica_loss), table[:, 3].tolist(), mesh.ranks("pp")
+        dp, world = mesh.size("dp"), self.topology.world_size
+        buffer = torch.zeros(dp + world, dtype=torch.float64)
+        if mesh.index("pp") == 0 and mesh.index("tp") == 0:  # one writer per replica: its loss counted once
+            buffer[mesh.index("dp")] = replica_loss
+        buffer[dp + rank] = flag
+        with self.guard.collective("loss and flag all-reduce"):
+            dist.all_reduce(buffer)
+        return float(buffer[:dp].sum()), buffer[dp:].tolist(), list(range(world))
+
+    @torch.no_grad()
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """The global loss through the pipeline (forwards only), in eval mode; already reduced (see
+        `_eval_group`). Extra ``metrics`` need the model's outputs, which only the last stage holds: refused
+        (evaluate ``full_state_dict()`` instead)."""
+        if metrics:
+            raise ValueError(
+                f"eval_step(metrics={sorted(metrics)}) is not supported by model-parallel jobs: the outputs "
+                "exist on the last stage only. HINT: evaluate the loss here, or load job.full_state_dict() "
+                "into an unsplit model on rank 0 for other metrics."
+            )
+        state = StepState(self.step + 1, batch)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            self._prepare(state)
+            self._refuse_empty(state)
+            self._forward_backward(state, train=False)
+            self._synchronize(state)
+        finally:
+            self.module.train(was_training)
+        return ["loss"], torch.tensor([state.work["loss_sum"], float(state.total or 0)], dtype=torch.float64)
+
+    def _eval_group(self) -> Any:
+        return None  # `_synchronize` reduced the loss over the pipeline and the data axis
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This process's shard: its stage's tensors (under the full model's names), optimizer, step, layout."""
+        layout: dict[str, Any] = {
+            "strategy": "model_parallel",
+            "stage": self.mesh.index("pp"),
+            "stages": self.schedule.stages,
+            "layers": self.module.layer_names,
+            "all_layers": self.layer_names,
+            "mesh": {a: self.mesh.size(a) for a in ("dp", "pp", "tp")},
+            "coordinates": dict(self.mesh.coordinates),
+        }
+        if self.shards is not None:
+            layout["tensor_parallel"] = self.shards.layout(self.module)
+        return {
+            "model": self.module.named_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "data_axis": self.gradient_averaging.state_dict(),
+            "shard": layout,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shard = state.get("shard", {})
+        here = dict(self.mesh.coordinates)
+        if shard.get("coordinates", here) != here:
+            raise ValueError(
+                f"rank {self.topology.rank}: state of mesh coordinates {shard['coordinates']} loaded into "
+                f"{here}. HINT: load each rank's own state_dict()."
+            )
+        self.module.load_named_state(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.gradient_averaging.load_state_dict(state.get("data_axis", {}))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state on global rank 0 (``None`` elsewhere). Collective: call it on every process."""
+        mine = self.module.named_state() if self.shards is None else self.shards.gather(self.module)
+        if self.mesh.index("dp") != 0 or self.mesh.index("tp") != 0:
+            return None
+        stage = self.mesh.index("pp")
+        if stage != 0:
+            for key in self.stage_keys[stage]:  # one message per tensor: shapes travel in the header
+                for handle, _ in send_tensors([mine[key]], self.mesh.peer("pp", 0)):
+                    handle.wait()
+            return None
+        full = dict(mine)
+        for s in range(1, self.schedule.stages):
+            for key in self.stage_keys[s]:
+                (full[key],) = recv_tensors(self.mesh.peer("pp", s), self.topology.device)
+        return full

@@ -1,0 +1,1 @@
+"""The pipeline family of strategies (see `loom.parallel`)."""

@@ -1,0 +1,98 @@
+"""Pipeline parallelism: the model's layers split into stages on different processes, fed in micro-batches.
+
+``Pipeline(stages=p, microbatches=m, schedule="1f1b" | "gpipe", split="balanced" | [names])`` cuts the model's
+chain of layers (see `pipeline_split`) into ``p`` stages and keeps stage ``i`` on pipeline rank ``i``. Each
+``train_step`` splits the batch into ``m`` micro-batches, runs the schedule's instruction stream for this stage
+(`pipeline_schedule`): inputs enter the first stage, activations go forward and gradients backward between
+neighbours, targets meet the outputs at the last stage. The returned loss is the global-batch loss, on every
+process. GPipe is Huang et al. 2019, 1F1B is PipeDream-Flush (Narayanan et al. 2021).
+
+Exactness: micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` to the backward (``N`` the global
+batch, ``loss_j`` the mean loss of the micro-batch), so the accumulated gradient is that of the global-batch mean,
+as one process computes it. A batch not divisible by ``m`` is cut into micro-batches whose sizes differ by at
+most one (correct thanks to the weighting); a batch of fewer than ``m`` samples runs ``n`` micro-batches of one.
+
+The runtime is loom's own (blocking receives, non-blocking sends, one message stream per direction), not
+``torch.distributed.pipelining``: it supports any chain whose stages pass tensors or tuples of tensors, uneven
+micro-batches, and it instruments what the schedules promise: per-stage busy time and span (the bubble) and the
+micro-batches and bytes of activations alive (`StageStats`). Each step's record (`loom.observe.metrics`) carries
+the seconds this stage sat idle in the bubble as ``bubble_s``.
+
+Limits: the loss must be mean-reduced over the batch; parameters shared between stages (tied embeddings across
+stages) are refused; the optimizer keeps every parameter of the full model, but those of other stages are emptied
+(size 0) and never get a gradient, so optimizers skip them. With a data axis (fewer stages than processes, or
+`Hybrid`) each stage's gradients are summed across its replicas after the schedule, by `DataParallel`'s
+algorithms (`loom.parallel.model.compose`). The job is a `loom.parallel.model.model_parallel.ModelParallelJob`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.config_docs import document_options
+from loom.mesh import Mesh
+from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.model.compose import compose
+from loom.parallel.model.model_parallel import ModelParallelJob
+from loom.parallel.pipeline.pipeline_split import chain_layers
+from loom.parallel.pipeline.pipeline_stages import PipelineConfig, Stages, broadcast_module, split_into_stages
+from loom.topology import Topology, current
+
+__all__ = ["Pipeline", "PipelineConfig", "Stages", "broadcast_module", "split_into_stages"]
+
+
+class Pipeline:
+    """Strategy: split the layers into stages, run a micro-batch schedule. See `PipelineConfig` for fields.
+
+    ``Pipeline(stages=p, ..., **data)``: by default the stages span the world when ``p`` equals the world size;
+    with fewer stages the remaining factor is the data axis (``dp = world / p``), configured by the
+    `DataParallelConfig` fields in ``data`` (``allreduce``, ``compression``, ...). ``mesh`` places the pipeline
+    on the ``pp`` axis of a mesh of your own instead.
+    """
+
+    def __init__(
+        self,
+        *,
+        topology: Topology | None = None,
+        mesh: Mesh | None = None,
+        sample_input: Any = None,
+        metrics_path: str | None = None,
+        **config: Any,
+    ) -> None:
+        if "split" in config and isinstance(config["split"], list):
+            config["split"] = tuple(config["split"])
+        self.data = data_axis_options(config, "Pipeline")
+        self.config = PipelineConfig(**config)
+        self.topology = topology
+        self.mesh = mesh
+        self.sample_input = sample_input
+        self.metrics_path = metrics_path
+        if self.config.balance_by == "time" and sample_input is None:
+            raise ValueError('balance_by="time" needs sample_input=<a batch of inputs> to time the layers on')
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
+        """Keep this process's stage of ``model`` (the other stages' parameters are emptied), return the job."""
+        if self.config.stages > 1:
+            chain_layers(model)  # a model that is not a chain is refused here, before any collective
+        topo = self.topology if self.topology is not None else current()
+        mesh = self.mesh
+        if mesh is None:
+            if topo.world_size % self.config.stages:
+                raise ValueError(
+                    f"Pipeline(stages={self.config.stages}) does not divide the world size {topo.world_size}. "
+                    "HINT: choose a number of stages that divides the number of processes (the rest is the "
+                    "data axis), or use loom.Hybrid(dp=..., pp=..., tp=...)."
+                )
+            mesh = Mesh(dp=topo.world_size // self.config.stages, pp=self.config.stages, topology=topo)
+        if mesh.size("pp") != self.config.stages:
+            raise ValueError(f"Pipeline(stages={self.config.stages}) on a mesh with pp={mesh.size('pp')}")
+        return compose(
+            model, optimizer, loss_fn, mesh, pipeline=self.config, sample_input=self.sample_input,
+            data=self.data, metrics_path=self.metrics_path,
+        )  # fmt: skip
+
+
+document_options(Pipeline, PipelineConfig, DataParallelConfig)

@@ -1,0 +1,124 @@
+"""The pipeline transform: `PipelineConfig`, and the model's chain cut into stages (`split_into_stages`).
+
+`loom.parallel.model.compose` applies it for `Pipeline` and `Hybrid` (the strategies, `loom.parallel.pipeline.pipeline` and
+`loom.parallel.model.hybrid`); how a chain is found and where it is cut is `loom.parallel.pipeline.pipeline_split`; the
+runtime and the schedules are `pipeline_runtime` and `pipeline_schedule`. Every process starts from rank 0's
+weights (`broadcast_module`, as DDP does) before the cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.config_docs import document_options
+from loom.mesh import Mesh
+from loom.parallel.pipeline.pipeline_runtime import PipelineStage
+from loom.parallel.pipeline.pipeline_schedule import SCHEDULES
+from loom.parallel.pipeline.pipeline_split import (
+    balanced_cuts,
+    chain_layers,
+    cuts_from_names,
+    layer_times,
+    refuse_shared_parameters,
+    stage_ranges,
+)
+from loom.topology import Topology
+
+__all__ = ["PipelineConfig", "Stages", "broadcast_module", "split_into_stages"]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How `Pipeline` splits the model and schedules micro-batches."""
+
+    stages: int
+    """Number of pipeline stages ``p``; stage ``i`` runs on pipeline rank ``i``."""
+    microbatches: int = 1
+    """Micro-batches ``m`` per step; the bubble is ``(p - 1) / (m + p - 1)``."""
+    schedule: str = "1f1b"
+    """``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (at most ``p`` micro-batches alive)."""
+    split: str | tuple[str, ...] = "balanced"
+    """``"balanced"``, or the names of the layers where stages 1..p-1 begin (e.g. ``("4", "decoder")``)."""
+    balance_by: str = "params"
+    """For ``split="balanced"``: weigh layers by ``"params"`` (count) or ``"time"`` (measured forward+backward
+    on ``sample_input``, measured by rank 0 and broadcast so every process cuts alike)."""
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
+        if isinstance(self.split, str) and self.split != "balanced":
+            raise ValueError(f'split must be "balanced" or a list of layer names, got {self.split!r}')
+        if not isinstance(self.split, str):
+            object.__setattr__(self, "split", tuple(self.split))
+        if self.balance_by not in ("params", "time"):
+            raise ValueError(f'balance_by must be "params" or "time", got {self.balance_by!r}')
+
+
+document_options(PipelineConfig, PipelineConfig)
+
+
+@dataclass(frozen=True)
+class Stages:
+    """A model cut into stages: this process's stage, every stage's state keys, and the chain's layer names."""
+
+    stage: PipelineStage
+    keys: list[list[str]]
+    layer_names: list[str]
+
+
+def split_into_stages(
+    model: nn.Module, mesh: Mesh, config: PipelineConfig, sample_input: Any = None
+) -> Stages:
+    """Cut ``model``'s chain of layers into the mesh's ``pp`` stages and keep this process's one (the other
+    stages' parameters are emptied in place, so the optimizer skips them). With one stage the whole model is
+    the stage and need not be a chain."""
+    topo = mesh.topology
+    layers = [("", model)] if config.stages == 1 else chain_layers(model)
+    ranges = stage_ranges(_cuts(layers, topo, config, sample_input), len(layers))
+    refuse_shared_parameters(layers, ranges)
+    stage_index = mesh.index("pp")
+    start, end = ranges[stage_index]
+    stage = PipelineStage(layers[start:end], stage_index, config.stages)
+    keys = [PipelineStage(layers[a:b], s, config.stages).state_keys() for s, (a, b) in enumerate(ranges)]
+    mine = {id(p) for p in stage.parameters()}
+    for p in model.parameters():
+        if id(p) not in mine:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # other stages' weights: not here
+    return Stages(stage, keys, [n for n, _ in layers])
+
+
+def _cuts(
+    layers: list[tuple[str, nn.Module]], topo: Topology, cfg: PipelineConfig, sample_input: Any
+) -> list[int]:
+    if not isinstance(cfg.split, str):
+        return cuts_from_names(layers, cfg.split, cfg.stages)
+    if cfg.balance_by == "params":
+        weights = [float(sum(p.numel() for p in m.parameters())) or 1.0 for _, m in layers]
+        return balanced_cuts(weights, cfg.stages)
+    cuts = torch.tensor(balanced_cuts(layer_times(layers, sample_input), cfg.stages), dtype=torch.int64)
+    if topo.is_distributed:  # timings differ between processes; rank 0's cut is everyone's
+        dist.broadcast(cuts, src=0)
+    return cuts.tolist()
+
+
+def broadcast_module(model: nn.Module) -> None:
+    """Give every process rank 0's parameters and buffers, as DDP does at construction."""
+    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
+    if not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

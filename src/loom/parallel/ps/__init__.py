@@ -1,0 +1,1 @@
+"""The ps family of strategies (see `loom.parallel`)."""

@@ -1,0 +1,391 @@
+"""Data parallelism through sharded parameter servers: workers pull parameters and push gradients.
+
+``loom run -n 4 --servers 2 train.py`` with ``strategy = loom.ParameterServer(mode="ssp", staleness=2)``: the
+parameters live on the servers, cut into size-balanced pieces (`loom.ps.plan`), and the optimizer given to
+`setup` runs *on the servers* over those pieces (its state is sharded with them; the worker's optimizer object
+only supplies its type and hyperparameters and is never stepped). Each step a worker pulls the parameters, computes
+the gradient of its share of the global batch, and pushes it. The consistency model (`loom.ps.clocks`) is the
+server's: ``sync`` equals one process on the whole global batch (gradients weighted ``n_r / N`` and summed), while
+``async`` and ``ssp`` apply each worker's mean gradient as its own update (so one global batch makes W updates;
+lower the learning rate accordingly, as with Downpour SGD).
+
+Sparse tables: the rows of an ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)`` are not pulled
+with the dense parameters; a forward pre-hook pulls just the rows the batch's indices touch, and only those rows'
+gradients are pushed, so traffic grows with touched rows, not with the table (the worker still allocates the table).
+
+Learning-rate schedules: every push carries the learning rate of each param group of the worker's optimizer, and
+the server sets it before applying that push, so a ``torch.optim.lr_scheduler`` stepped on the worker's optimizer
+after each `train_step` drives the servers' optimizer (in ``sync`` the lowest rank's rates are used for a step;
+all ranks run the same schedule). Only ``lr`` travels: schedules of other hyperparameters (``OneCycleLR``'s
+momentum cycling) do not reach the servers.
+
+Each step's `StepRecord` carries its ``staleness``: how many updates reached the server between the pull the
+gradient was computed on and its own application (the largest over servers); ``metrics.staleness`` is the same
+as a histogram. A worker that joins a model the servers already hold (a restarted worker) continues from its
+clock there, so its pushes are not mistaken for resent ones.
+
+Checkpoints (`loom.fit`): every worker's `state_dict` goes into its own file; rank 0's also holds every server's
+whole model, put back on resume (`loom.parallel.ps.parameter_server_state`). The options: `ParameterServerConfig`
+(`loom.parallel.ps.parameter_server_config`); how parameters map onto the servers' pieces:
+`loom.parallel.ps.parameter_server_pieces`.
+
+A server's death (`loom.ps.server`, `loom.launch.servers`): under ``loom run`` a server that dies is restarted on
+its address from its checkpoint, and the workers' requests are resent once it answers. ``sync`` saves every step
+before answering it, so the job ends where an uninterrupted one would (the step in flight is repeated);
+``async``/``ssp`` lose the updates since the last save (``checkpoint_interval_s``), which each worker counts and
+prints when it finds the server back at an older version (``metrics.server_restarts``). A request that times out
+names the server, its address, the operation, this worker's rank and what the launcher knows of the server's death.
+
+Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch); a plain tuple is assumed
+to be one of ``world_size`` equal shares. Only element-wise optimizers are accepted (see `loom.ps.shard`).
+`eval_step` sums over the process group, so every worker must call it (``loom.init()`` joins the group).
+Buffers (BatchNorm statistics) stay local to each worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.config_docs import document_options
+from loom.job import MetricFn
+from loom.mesh import Mesh
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.ps.parameter_server_config import ParameterServerConfig, ParameterServerMetrics
+from loom.parallel.ps.parameter_server_pieces import (
+    json_hyperparameters,
+    param_specs,
+    piece_gradients,
+    piece_view,
+    set_pieces,
+)
+from loom.parallel.ps.parameter_server_state import load_worker_state, worker_state
+from loom.ps.client import PSClient
+from loom.ps.plan import Piece, plan_shards
+from loom.ps.shard import ShardSettings
+from loom.ps.wire import MessageType, secret_from_hex
+from loom.topology import Topology, current
+from loom.train.batch import LossCall, batch_len
+from loom.train.engine import Engine, StepState
+from loom.train.guard import StepGuard
+from loom.train.options import config_from
+
+__all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class ParameterServer:
+    """Strategy: parameters on sharded servers; ``ParameterServer(mode="ssp", staleness=2, ...)``."""
+
+    def __init__(
+        self,
+        config: ParameterServerConfig | None = None,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        **options: Any,
+    ):
+        self.config = config_from(ParameterServerConfig, config, options, "ParameterServer")
+        self.topology = topology
+        self.metrics_path = metrics_path
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn
+    ) -> ParameterServerJob:
+        """Plan the shards, connect, hand the initial parameters and the optimizer to the servers."""
+        topo = self.topology if self.topology is not None else current()
+        cfg = self.config
+        check_setup_arguments(model, optimizer, loss_fn, strategy=f"ParameterServer(mode={cfg.mode!r})", conventions=True,
+                              survives_lost_worker=cfg.mode != "sync")  # sync waits for every worker's push  # fmt: skip
+        addresses = list(cfg.addresses or [a for a in os.environ.get("LOOM_PS_ADDRS", "").split(",") if a])
+        secret_hex = cfg.secret or os.environ.get("LOOM_JOB_SECRET", "")
+        if not addresses or not secret_hex:
+            raise ValueError(
+                "ParameterServer needs server addresses and the job secret (LOOM_PS_ADDRS, LOOM_JOB_SECRET). "
+                "HINT: launch with `loom run -n N --servers K train.py`."
+            )
+        specs, sparse_modules = param_specs(model, optimizer)
+        plan = plan_shards(specs, len(addresses))
+        client = PSClient(addresses, secret_from_hex(secret_hex))
+        client.hello(cfg.connect_timeout_s)
+        settings = ShardSettings(
+            mode=cfg.mode,
+            staleness=cfg.staleness,
+            num_workers=topo.world_size,
+            timeout_s=cfg.worker_timeout_s,
+            checkpoint_every=cfg.server_checkpoint_every(),
+            checkpoint_interval_s=float(cfg.checkpoint_interval_s),
+            optimizer=type(optimizer).__name__,
+            groups=[json_hyperparameters(g) for g in optimizer.param_groups],
+        )
+        params = dict(model.named_parameters())
+        meta = {"ns": cfg.namespace, "worker": topo.rank, "settings": asdict(settings)}
+        # Each server is told only its own pieces, so a server's --index need not match its place in the list.
+        metas = [
+            {**meta, "pieces": [p.to_json() for p in plan if p.server == s]} for s in range(len(addresses))
+        ]
+        values: list[dict[str, torch.Tensor] | None] = [{f"p{p.id}": piece_view(params[p.name], p) for p in plan if p.server == s}
+                  for s in range(len(addresses))]  # fmt: skip
+        replies = client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
+        metrics = ParameterServerMetrics(topo.rank, self.metrics_path)
+        # The workers' mesh: the servers are not in the torch process group.
+        mesh = Mesh(dp=topo.world_size, topology=topo)
+        job = ParameterServerJob(model, optimizer, loss_fn, mesh, cfg, client, plan, metrics)
+        # A restarted worker rejoins at its clock on the servers (a lagging restored server catches up).
+        job.step = max(int(r.meta.get("clock", 0)) for r in replies)
+        for name, module in sparse_modules.items():
+            module.register_forward_pre_hook(job._row_hook(name))
+        job._pull_dense(peek=True)  # start from the servers' values (another worker's INIT may have won)
+        atexit.register(job.close)
+        return job
+
+
+document_options(ParameterServer, ParameterServerConfig)
+
+
+class ParameterServerJob(Engine):
+    """A model trained through parameter servers (a `loom.job.Job`): `train_step`, `eval_step`, `state_dict`,
+    plus `fetch_parameters`, `server_stats`, `close`.
+
+    ``mesh`` is ``dp = world size`` over the workers. Each worker has its own clock, so the state is not
+    replicated (`loom.fit` writes every worker's part). ``replicas_agree`` holds in ``sync`` without sparse
+    tables: after a step every worker holds the parameters it pulled for that step, the same version everywhere
+    (in ``async``/``ssp`` workers pull different versions, and sparse rows are pulled only where a batch
+    touches them)."""
+
+    replicated_state = False
+
+    def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, client, plan, metrics) -> None:
+        self.module: nn.Module = module
+        self.optimizer = optimizer
+        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_fn = self.loss_call.fn
+        self.mesh = mesh
+        self.topology: Topology = mesh.topology
+        self.config: ParameterServerConfig = config
+        self.client: PSClient = client
+        self.plan: list[Piece] = plan
+        self.metrics: ParameterServerMetrics = metrics
+        self.replicas_agree = config.mode == "sync" and not any(p.sparse for p in plan)
+        self.loss_scope = "global" if config.mode == "sync" else "replica"
+        metrics.loss_scope = self.loss_scope
+        self.step = 0
+        """This worker's clock: updates pushed so far."""
+        self._params = dict(module.named_parameters())
+        self._versions = [0] * len(client.links)
+        self._closed = False
+        self.guard = StepGuard.start(self.topology, config)
+        """The hang watchdog over this worker's pulls and pushes and the non-finite verdict (`loom.train.guard`):
+        a worker whose loss or gradient is non-finite pushes only its flag; in ``sync`` the server then applies
+        nothing for the step and tells every worker whose flag it was (the same verdict everywhere), in
+        ``async``/``ssp`` that worker's update alone is dropped."""
+        self.nonfinite = self.guard.nonfinite
+        self.last_step_skipped = False
+
+    @property
+    def _num_servers(self) -> int:
+        return len(self.client.links)
+
+    def _request(self, kind, meta, tensors=None, servers=None, timeout_s=None, per_server=None):
+        servers = list(range(self._num_servers)) if servers is None else servers
+        base = {"ns": self.config.namespace, "worker": self.topology.rank, **meta}
+        metas = [{**base, **(per_server[s] if per_server else {})} for s in servers]
+        timeout = timeout_s if timeout_s is not None else self.config.worker_timeout_s + 30.0
+        try:
+            return self.client.request(kind, metas, tensors, servers=servers, timeout_s=timeout)
+        finally:
+            self._note_restarts()
+
+    def _note_restarts(self) -> None:
+        """Account for servers the client found restarted: compare the version each resumed at with the last
+        version this worker saw there; print one ``loom:`` line per restart and record it in
+        ``metrics.server_restarts``. In ``sync`` (write-ahead checkpoints) nothing is lost; in ``async``/``ssp``
+        the updates since the server's last checkpoint are, and this worker counts those it had seen applied
+        (other workers may have seen a few more). A server restarted without the model (no checkpoint) cannot
+        go on: that raises, naming the server."""
+        for event in self.client.take_restarts():
+            server, name = event["server"], self.config.namespace
+            who = f"loom: worker rank {self.topology.rank}: parameter server {server} at {event['address']}"
+            resumed = event["resumed"].get(name)
+            if not isinstance(resumed, int) or isinstance(resumed, bool):
+                raise RuntimeError(
+                    f"{who} was restarted without model {name!r}: it had no checkpoint of it, so its parameters "
+                    "are lost. HINT: keep server checkpoints on (ParameterServer(checkpoint_every=None, "
+                    "checkpoint_interval_s > 0), the defaults) and the checkpoint folder ($LOOM_RUN_DIR/ps)"
+                )
+            seen = self._versions[server]
+            lost = max(0, seen - resumed)
+            self.metrics.server_restarts.append({"server": server, "step": self.step, "time": event["time"],
+                                                 "seen_version": seen, "resumed_version": resumed,
+                                                 "lost_updates": lost})  # fmt: skip
+            outcome = f"{lost} update(s) lost" if lost else "no update lost"
+            print(f"{who} was restarted from its checkpoint at version {resumed} (this worker had seen version "
+                  f"{seen}): {outcome}", flush=True)  # fmt: skip
+
+    # -- pulling ----------------------------------------------------------------------------------------------
+    def _pull_dense(self, peek: bool = False) -> None:
+        replies = self._request(MessageType.PULL, {"clock": self.step, "peek": peek})
+        for server, reply in enumerate(replies):
+            self._versions[server] = int(reply.meta["version"])
+        if not peek:
+            self.metrics.clocks.append((self.step, min(int(r.meta["slowest"]) for r in replies)))
+        for reply in replies:
+            set_pieces(self._params, self.plan, {int(key[1:]): value for key, value in reply.tensors.items()})
+
+    def _pull_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Pull the given rows of sparse table ``name`` from the servers holding them."""
+        requests: dict[int, dict[str, torch.Tensor]] = {}
+        for piece in (p for p in self.plan if p.name == name):
+            local = rows[(rows >= piece.start) & (rows < piece.stop)] - piece.start
+            if local.numel():
+                requests.setdefault(piece.server, {})[f"r{piece.id}"] = local
+        if not requests:
+            return
+        servers = sorted(requests)
+        replies = self._request(MessageType.PULL_ROWS, {}, [requests[s] for s in servers], servers)
+        by_id = {p.id: p for p in self.plan}
+        weight = self._params[name]
+        with torch.no_grad():
+            for server, reply in zip(servers, replies, strict=True):
+                for key, value in reply.tensors.items():
+                    piece = by_id[int(key[1:])]
+                    weight.data[requests[server][f"r{piece.id}"] + piece.start] = value.to(weight.dtype)
+
+    def _row_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._pull_rows(name, args[0].reshape(-1).unique())
+
+        return hook
+
+    def fetch_parameters(self) -> nn.Module:
+        """Copy the servers' current parameters (sparse tables whole) into `module`, without waiting on clocks."""
+        self._pull_dense(peek=True)
+        for name in {p.name for p in self.plan if p.sparse}:
+            self._pull_rows(name, torch.arange(self._params[name].shape[0]))
+        return self.module
+
+    # -- training: the engine's hooks (`loom.train.engine`) -----------------------------------------------------
+    def _prepare(self, state: StepState) -> None:
+        """Pull the parameters for this step (in ``ssp``, waiting for the slowest clock within the bound)."""
+        state.local = batch_len(self.loss_call.inputs_of(state.batch))
+        state.total = int(getattr(state.batch, "global_size", state.local * self.topology.world_size))
+        with self.guard.collective("pull from the parameter servers"):
+            self._pull_dense()
+
+    def _forward_backward(self, state: StepState) -> None:
+        """This share's gradient, weighted by its share of the global batch in ``sync`` (the servers sum)."""
+        for p in self._params.values():
+            p.grad = None
+        self._backward_share(state, self.config.accumulate, weight_of_total=self.config.mode == "sync")
+
+    def _synchronize(self, state: StepState) -> None:
+        """Push the gradient (or, when it is non-finite, only the flag: the gradient never travels). The
+        servers apply it (in ``sync``, once every worker pushed, unless some worker's flag is set) and reply
+        with the versions, the staleness and, in ``sync``, every worker's flag and the step's loss sum."""
+        sync = self.config.mode == "sync"
+        meta = {"clock": self.step, "loss_sum": state.loss_sum, "lrs": self._learning_rates()}
+        if state.flag:
+            meta["nonfinite"] = state.flag
+        with self.guard.collective("push to the parameter servers"):
+            replies = self._request(
+                MessageType.PUSH,
+                meta,
+                piece_gradients(self._params, self.plan, self._num_servers)
+                if not state.flag
+                else [{} for _ in range(self._num_servers)],
+                per_server=[{"version": v} for v in self._versions],
+            )
+        for server, reply in enumerate(replies):
+            self._versions[server] = int(reply.meta["version"])
+        stale = max(int(r.meta.get("staleness", 0)) for r in replies)
+        self.metrics.staleness[stale] = self.metrics.staleness.get(stale, 0) + 1
+        state.work["staleness"] = stale
+        # The optimizer step ran on the servers; a scheduler on the local optimizer checks this flag (which the
+        # local step would have set) and would otherwise warn that it is stepped before the optimizer.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        state.flags, state.ranks = self._flags(replies, state.flag)
+        assert state.total is not None
+        # A push the servers had applied already (resent after a restart) comes back without the step's loss.
+        if sync and "loss_sum" in replies[0].meta:
+            state.loss = float(replies[0].meta["loss_sum"]) / state.total
+        else:
+            state.loss = state.loss_sum / max(state.local, 1)
+
+    def _apply(self, state: StepState) -> None:
+        """Nothing here: the servers applied the update (or, for a flagged step, did not)."""
+
+    def _record(self, state: StepState) -> None:
+        extra = {"skipped": True} if state.skipped else {}
+        self.metrics.record(
+            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
+            staleness=float(state.work["staleness"]), **extra,
+        )  # fmt: skip
+
+    def _flags(self, replies: list[Any], flag: float) -> tuple[list[float], Sequence[int]]:
+        """The flags the guard judges: in ``sync`` every worker's as the servers collected them
+        (``[[worker, flag], ...]`` in each reply, the same for every worker), else this worker's own."""
+        world = self.topology.world_size
+        if self.config.mode != "sync":
+            return [flag], [self.topology.rank]
+        flags = [0.0] * world
+        for reply in replies:
+            for worker, value in reply.meta.get("flags", []):
+                if 0 <= int(worker) < world:
+                    flags[int(worker)] = max(flags[int(worker)], float(value))
+        return flags, range(world)
+
+    def _learning_rates(self) -> list[float]:
+        """The current ``lr`` of each param group of the local optimizer (where a scheduler changes it)."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """On the servers' current parameters (pulled first, outside the consistency model); the engine adds up
+        the workers' shares over the process group, so every worker calls it."""
+        if self.topology.is_distributed and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"eval_step on rank {self.topology.rank} of {self.topology.world_size} needs the process group "
+                "to add up the workers' shares, and this process has not joined it. HINT: call loom.init() at "
+                "the start of the script (or evaluate locally: fetch_parameters() and run module)."
+            )
+        self._pull_dense(peek=True)
+        return super()._evaluate(batch, metrics)
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def server_stats(self) -> list[dict[str, Any]]:
+        """Each server's counters: dropped frames by reason, bytes, and per model version, staleness, clocks."""
+        return [
+            f.meta for f in self.client.request(MessageType.STATS, [{}] * self._num_servers, timeout_s=30)
+        ]
+
+    def save_servers(self) -> list[str]:
+        """Ask every server to checkpoint its shards now; returns the files written."""
+        replies = self.client.request(MessageType.SAVE, [{}] * self._num_servers, timeout_s=60)
+        return [path for r in replies for path in r.meta["saved"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's part of a checkpoint (`loom.parallel.ps.parameter_server_state.worker_state`)."""
+        return worker_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put this worker's part back; rank 0's also restores every server
+        (`loom.parallel.ps.parameter_server_state.load_worker_state`). Collective with a process group."""
+        load_worker_state(self, state)
+
+    def close(self) -> None:
+        """Tell the servers this worker is done (so ``ssp`` peers stop waiting for it) and disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(TimeoutError, RuntimeError):
+            self._request(MessageType.BYE, {}, timeout_s=5.0)
+        self.client.close()

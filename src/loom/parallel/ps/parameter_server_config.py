@@ -1,0 +1,97 @@
+"""`ParameterServerConfig`: the options of `loom.ParameterServer`, each documented and checked on construction;
+`ParameterServerMetrics`: what its job records besides the step records (staleness, clocks, server restarts).
+
+The strategy and its job are `loom.parallel.ps.parameter_server`; the servers' side of these options (the
+consistency model, the checkpoint schedule) is `loom.ps.clocks` and `loom.ps.server`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom.config_docs import document_options
+from loom.observe.metrics import StepMetrics
+from loom.train.engine import ShareOptions
+
+__all__ = ["ParameterServerConfig", "ParameterServerMetrics"]
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig(ShareOptions):
+    """How workers and servers agree on the parameters (and the step guard's options, `loom.train.guard`: the
+    hang watchdog counts each step's pull and push as collectives of the workers, and a non-finite loss or
+    gradient is never pushed)."""
+
+    mode: str = "sync"
+    """``sync`` (equals one process), ``async`` (apply on arrival, never wait) or ``ssp`` (bounded staleness)."""
+    staleness: int = 0
+    """``ssp`` only: a worker may run at most this many clocks ahead of the slowest live worker."""
+    worker_timeout_s: float = 60.0
+    """A worker silent this long is lost: ``ssp`` stops waiting for it, ``sync`` fails the step naming it."""
+    connect_timeout_s: float = 60.0
+    """How long `setup` waits for the servers to answer."""
+    checkpoint_every: int | None = None
+    """Servers save their shards after this many updates. None (default): every step in ``sync``, saved before
+    the step's replies go out, so a server restarted from it is never behind a worker and only the step in flight
+    is repeated; by time (``checkpoint_interval_s``) in ``async``/``ssp``. 0: not by count."""
+    checkpoint_interval_s: float = 1.0
+    """Servers also save once the oldest unsaved update is this many seconds old (and at least 20 times as long
+    as their last save took: at most ~5% of a server's time goes to saving a large model). In ``async``/``ssp``
+    it bounds what a server's death loses to about this many seconds of updates; time, not a count of updates,
+    because the cost and the loss then do not depend on how many workers push how fast. With
+    ``checkpoint_every=0`` and ``0`` here, servers save only on request and at shutdown (a restarted server then
+    goes back to the start or the last save)."""
+    namespace: str = "default"
+    """Name of the model on the servers (several models can share servers)."""
+    addresses: tuple[str, ...] | None = None
+    """Server ``HOST:PORT`` list; default ``LOOM_PS_ADDRS`` (set by ``loom run --servers K``)."""
+    secret: str | None = field(default=None, repr=False)
+    """Job secret (hex); default ``LOOM_JOB_SECRET``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mode not in ("sync", "async", "ssp"):
+            raise ValueError(f"mode={self.mode!r}; use 'sync', 'async' or 'ssp'")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
+        if self.staleness and self.mode != "ssp":
+            raise ValueError(f"staleness={self.staleness} applies to mode='ssp' only, not {self.mode!r}")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s!r}")
+        every = self.checkpoint_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            raise ValueError(f"checkpoint_every must be None or an int >= 0, got {every!r}")
+        if not 0 <= self.checkpoint_interval_s < float("inf"):
+            raise ValueError(
+                f"checkpoint_interval_s must be a number of seconds >= 0 (0: off), got {self.checkpoint_interval_s!r}"
+            )
+
+    def server_checkpoint_every(self) -> int:
+        """``checkpoint_every`` resolved for this mode: 1 in ``sync`` by default, else 0 (by time only)."""
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return 1 if self.mode == "sync" else 0
+
+
+document_options(ParameterServerConfig, ParameterServerConfig)
+
+
+class ParameterServerMetrics(StepMetrics):
+    """Step records, plus the staleness of this worker's updates and the clocks its pulls were granted at."""
+
+    def __init__(self, rank: int, path: str | None = None) -> None:
+        super().__init__(rank, path)
+        self.staleness: dict[int, int] = {}
+        """Histogram: server version at apply minus the version the gradient was computed on -> updates."""
+        self.clocks: list[tuple[int, int]] = []
+        """Per pull: (this worker's clock, the slowest live worker's clock) when the pull was granted."""
+        self.server_restarts: list[dict[str, Any]] = []
+        """Per server restart this worker found: ``{"server", "step", "time" (Unix seconds of the restarted
+        server's first answer), "seen_version", "resumed_version", "lost_updates"}`` (``lost_updates``: updates
+        this worker saw applied that the restarted server no longer has)."""
+
+    def summary(self, skip_first: int = 1) -> dict[str, Any]:
+        lost = sum(r["lost_updates"] for r in self.server_restarts)
+        return {**super().summary(skip_first), "staleness": dict(sorted(self.staleness.items())),
+                "server_restarts": len(self.server_restarts), "lost_updates": lost}  # fmt: skip

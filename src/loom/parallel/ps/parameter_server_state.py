@@ -1,0 +1,106 @@
+"""A parameter-server worker's part of a `loom.fit` checkpoint, and putting it back.
+
+The job (`loom.parallel.ps.parameter_server.ParameterServerJob`) is a `loom.job.Job` whose state is not
+replicated (each worker has its own clock), so every worker's `state_dict` goes into its own file of the
+checkpoint. Rank 0's also holds every server's whole model (parameters, optimizer state, version, every worker's
+clock), read with a STATE request while all workers wait in the checkpoint; on resume rank 0 sends it back with
+RESTORE, which replaces whatever the servers hold (fresh servers of a new job, or servers that went on past the
+checkpoint while the workers were restarted), and the workers agree before anyone pulls. In ``sync``, 10 steps +
+resume + 10 steps equals 20 steps bitwise (tests/test_ps_fit.py). A resume needs the same number of workers and
+servers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from loom.parallel.ps.parameter_server_pieces import set_pieces
+from loom.ps.wire import MessageType
+
+if TYPE_CHECKING:
+    from loom.parallel.ps.parameter_server import ParameterServerJob
+
+__all__ = ["load_worker_state", "worker_state"]
+
+
+def worker_state(job: ParameterServerJob) -> dict[str, Any]:
+    """This worker's part of a checkpoint: its clock (``step``), the server versions it last saw, its
+    module (the servers' current parameters, its own buffers) and its optimizer's param groups (the learning
+    rates its pushes carry); on rank 0 also ``servers``, every server's whole state
+    (`loom.ps.shard.ModelShard.state`: parameters, optimizer state, version, every worker's clock), read
+    with STATE. Tensors and JSON only.
+
+    The servers' state is a consistent snapshot when no worker is inside a step, as at `loom.fit`'s
+    checkpoints (every worker enters them after its step and leaves after the write). Each server's state
+    travels in one frame, so it must fit the wire's payload limit (256 MiB by default: about 21 million
+    float32 parameters per server with Adam's two moments)."""
+    servers = None
+    if job.topology.rank == 0:
+        replies = job._request(MessageType.STATE, {})
+        servers = [{"meta": r.meta["state"], "tensors": dict(r.tensors)} for r in replies]
+        for index, server in enumerate(servers):
+            job._versions[index] = int(server["meta"]["version"])
+            pieces = {k: v for k, v in server["tensors"].items() if k.startswith("piece.")}
+            set_pieces(job._params, job.plan, {int(k.split(".")[1]): v for k, v in pieces.items()})
+    else:
+        job.fetch_parameters()
+    return {
+        "model": job.module.state_dict(),
+        # Never stepped, but its param groups hold the learning rates a scheduler set, which every push sends.
+        "optimizer": job.optimizer.state_dict(),
+        "step": job.step,
+        "server_versions": list(job._versions),
+        "servers": servers,
+    }
+
+
+def load_worker_state(job: ParameterServerJob, state: dict[str, Any]) -> None:
+    """Restore this worker's part of a checkpoint; the part holding ``servers`` (rank 0's) also puts every
+    server back to its saved state (RESTORE). The checkpoint wins over what the servers hold: fresh servers
+    (a new job) or servers that went on past it (workers restarted under ``loom run --max-restarts``) end up
+    at the saved parameters, optimizer state, version and every worker's clock. Each worker sets its own
+    clock; then the workers agree that the restore succeeded (which is also a barrier, so none pulls before
+    it) and pull the restored parameters.
+
+    Collective when there is a process group: every worker calls it, as `loom.fit`'s resume does. Without
+    one, no worker may train before every worker's call has returned."""
+    failure: Exception | None = None
+    try:
+        if state.get("servers") is not None:
+            _restore_servers(job, state["servers"])
+        job.module.load_state_dict(state["model"])
+        job.optimizer.load_state_dict(state["optimizer"])
+        job.step = int(state["step"])
+    except Exception as error:  # reported on every worker below, so none is left waiting
+        failure = error
+    if job.topology.is_distributed and dist.is_available() and dist.is_initialized():
+        failed = torch.tensor([0 if failure is None else job.topology.rank + 1], device=job.topology.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=job.mesh.group("dp"))
+        if failure is None and int(failed.item()):
+            raise RuntimeError(
+                f"rank {job.topology.rank}: worker rank {int(failed.item()) - 1} could not restore its part "
+                "of the parameter-server checkpoint (its error says why)"
+            )
+    if failure is not None:
+        raise failure
+    job._versions = [0] * job._num_servers  # the restore set the versions back on purpose: nothing lost
+    job._pull_dense(peek=True)
+
+
+def _restore_servers(job: ParameterServerJob, servers: list[dict[str, Any]]) -> None:
+    if len(servers) != job._num_servers:
+        raise ValueError(
+            f"the checkpoint holds the state of {len(servers)} parameter server(s), this job has "
+            f"{job._num_servers}. HINT: resume with the same number of servers (loom run --servers)."
+        )
+    # One token for every send of this restore: a resent copy arriving late is not applied again.
+    job._request(
+        MessageType.RESTORE,
+        {"token": os.urandom(16).hex()},
+        [dict(s["tensors"]) for s in servers],
+        per_server=[{"state": s["meta"]} for s in servers],
+    )

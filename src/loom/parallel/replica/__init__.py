@@ -1,0 +1,1 @@
+"""The replica family of strategies (see `loom.parallel`)."""

@@ -1,0 +1,257 @@
+"""What `LocalSGD` and `DiLoCo` share: replicas that step on their own and meet every few steps.
+
+Both keep a whole model per process and train it on the process's share of each global batch with the user's
+optimizer, without synchronizing gradients (the *inner* steps). `ReplicaJob` is that inner loop, written once:
+
+- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, phase times, sample
+  count]`` (the loss buffer of `loom.observe.phases` plus one slot), so `train_step` returns the global-batch
+  mean loss on every rank, a non-finite loss or gradient on any rank skips the step on every rank
+  (`loom.fault.desync.NonFiniteGuard`), and every rank knows how many samples the whole job trained on;
+- each rank counts the samples it trained on since each synchronization, so replicas are averaged weighted by
+  ``n_r / N`` (its samples over the job's): with uneven shares (the ragged last batch, empty shares) this is
+  what makes ``LocalSGD(sync_every=1)`` with plain SGD equal synchronous data parallelism, whose gradient is
+  ``sum_r n_r/N * grad_r``;
+- after each step the strategy's `ReplicaJob._exchange` decides whether to synchronize.
+
+A rank whose share is empty runs no forward and no optimizer step (its parameters stay where they were, with
+weight 0 at the next average). State is per rank (``replicated_state = False``): between synchronizations the
+replicas differ, so `loom.fit` writes every rank's part, and a checkpoint resumes at the world size that wrote
+it. Replicas do not agree bitwise between synchronizations, so ``replicas_agree`` is False and fit's desync check
+is skipped.
+
+Limits: the loss must be mean-reduced over the batch; the model must run the same code on every rank (checked
+at setup as for `DataParallel`: `loom.parallel.consistency`); BatchNorm statistics are local between
+synchronizations and averaged with the parameters (a 1-sample share in training mode raises on that rank only,
+which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.comm.compression.int8 import INT8_CHUNK as INT8_CHUNK  # re-exported (its home: comm.compression)
+from loom.comm.compression.int8 import dequantize_int8 as dequantize_int8  # re-exported
+from loom.comm.compression.int8 import quantize_int8 as quantize_int8  # re-exported
+from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
+from loom.mesh import Mesh
+from loom.observe.metrics import StepMetrics
+from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
+from loom.parallel._setup import check_setup_arguments
+from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_parallel import default_metrics_path
+from loom.parallel.pipeline.pipeline_stages import broadcast_module
+from loom.topology import Topology, current
+from loom.train.batch import LossCall, batch_len, to_device
+from loom.train.engine import Engine, StepState
+from loom.train.guard import StepGuard
+from loom.train.options import config_from
+
+__all__ = [
+    "ReplicaJob",
+    "ReplicaStrategy",
+    "flatten",
+    "positive_int",
+    "prepare_replicas",
+    "synced_tensors",
+    "unflatten_into",
+]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def positive_int(name: str, value: Any, hint: str = "") -> None:
+    """Refuse anything but an int >= 1 (bools included), naming the option and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.{' HINT: ' + hint if hint else ''}")
+
+
+def synced_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors replicas average: every parameter, and the floating-point buffers (BatchNorm's running
+    statistics). Integer buffers (``num_batches_tracked``) stay each replica's own."""
+    params: list[torch.Tensor] = list(module.parameters())
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    return params, buffers
+
+
+def flatten(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    """One new 1-D tensor of ``tensors`` times ``scale``, in their promoted dtype (one collective for all)."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+    return flat.mul_(scale) if scale != 1.0 else flat
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``tensors`` (the inverse of `flatten`)."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class ReplicaStrategy:
+    """The constructor both strategies share: options into the config dataclass ``config_type``, checked now."""
+
+    config_type: Any
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        observe: bool = True,
+        **options: Any,
+    ) -> None:
+        self.config = config_from(self.config_type, config, options, type(self).__name__)
+        self.topology = topology
+        self.metrics_path = metrics_path
+        self.observe = observe
+        """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
+
+
+def prepare_replicas(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    topology: Topology | None,
+    strategy: str = "this strategy",
+) -> Topology:
+    """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
+    (model or optimizer, `loom.parallel.consistency`) and start every replica from rank 0's parameters and
+    buffers (as DDP does)."""
+    topo = topology if topology is not None else current()
+    check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True)
+    model.to(topo.device)
+    if topo.is_distributed:
+        check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
+        broadcast_module(model)
+    return topo
+
+
+class ReplicaJob(Engine):
+    """Inner steps on this rank's share, one loss reduction per step; subclasses synchronize the replicas."""
+
+    replicated_state = False
+    replicas_agree = False
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        topology: Topology,
+        config: Any,
+        metrics_path: str | None = None,
+        observe: bool = True,
+    ) -> None:
+        """``config``: the strategy's config dataclass (the guard's options, `loom.train.guard.GuardOptions`,
+        and its own); the strategy's state is set up by `_start`."""
+        self.module = module
+        self.optimizer = optimizer
+        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_fn = self.loss_call.fn
+        self.topology = topology
+        self.config = config
+        self.mesh = Mesh(dp=topology.world_size, topology=topology)
+        self.step = 0
+        self.metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
+        self.observer = StepObserver.for_process(self.metrics, topology.world_size, enabled=observe)
+        """Times each step's phases and counts its bytes (synchronizations included) into `metrics`."""
+        self.guard = StepGuard.start(topology, config)
+        """The hang watchdog over this job's collectives and the non-finite verdict (`loom.train.guard`)."""
+        self.watchdog, self.nonfinite = self.guard.watchdog, self.guard.nonfinite
+        self.last_step_skipped = False
+        self._group = self.mesh.group("dp")
+        self._start()
+
+    # -- what a strategy adds ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _start(self) -> None:
+        """Set up the strategy's own state (called once, at the end of ``__init__``)."""
+
+    @abc.abstractmethod
+    def _count_samples(self, local: int, total: int) -> None:
+        """Note that this rank trained on ``local`` of the ``total`` samples of an applied step."""
+
+    @abc.abstractmethod
+    def _exchange(self) -> None:
+        """Called on every rank after each step (``self.step`` already counts it): synchronize when due."""
+
+    # -- the inner step: the engine's hooks (`loom.train.engine`) ----------------------------------------------
+    def _prepare(self, state: StepState) -> None:
+        self.observer.begin_step(state.number)
+        state.work["batch"] = to_device(state.batch, self.topology.device)
+        state.local = batch_len(self.loss_call.inputs_of(state.work["batch"]))
+        self.observer.lap(DATA)
+
+    def _forward_backward(self, state: StepState) -> None:
+        self._backward_share(state, self.config.accumulate, weight_of_total=False)
+        self.observer.backward_done()
+
+    def _synchronize(self, state: StepState) -> None:
+        """One small all-reduce: the loss, every flag, the phase rows and the global count (the inner step of
+        a replica averages no gradient: each replica steps on its own share)."""
+        reduced = self._reduce_step(state.loss_sum, state.flag, state.local)
+        state.work["reduced"] = reduced
+        state.total = int(reduced[-1].item())
+        world = self.topology.world_size
+        state.flags, state.ranks = reduced[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
+        state.loss = float(reduced[0].item()) / state.total if state.total else 0.0
+
+    def _apply(self, state: StepState) -> None:
+        if state.local:
+            self.optimizer.step()
+        assert state.total is not None
+        self._count_samples(state.local, state.total)
+
+    def _after_step(self, state: StepState) -> None:
+        self.observer.lap(OPTIMIZER)
+        self._exchange()
+        self.observer.lap(COMM)
+
+    def _record(self, state: StepState) -> None:
+        assert state.total is not None
+        self.observer.end_step(
+            state.number,
+            state.local,
+            state.total,
+            state.loss,
+            state.work["reduced"][:-1],
+            skipped=state.skipped,
+        )
+
+    def _reduce_step(self, loss_sum: float, flag: float, local: int) -> torch.Tensor:
+        """``[loss sum, flags, phase rows, samples]`` summed over the replicas (one small all-reduce)."""
+        base = self.observer.loss_buffer(self.topology.device)
+        buffer = torch.cat([base, torch.zeros(1, dtype=base.dtype, device=base.device)])
+        buffer[0], buffer[FLAGS_AT + self.topology.rank], buffer[-1] = loss_sum, flag, float(local)
+        self.observer.lap(COMM)
+        if self.topology.is_distributed:
+            with self.watchdog.collective("loss and sample-count all-reduce"):
+                launched = time.perf_counter()
+                dist.all_reduce(buffer, group=self._group)
+                self.observer.collective("all_reduce loss", launched, time.perf_counter(), buffer.nbytes)
+        self.observer.lap(COMM)
+        return buffer
+
+    def _inner_state(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
+
+    def _load_inner_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])

@@ -1,0 +1,380 @@
+"""DiLoCo: replicas train on their own for ``H`` steps, then an outer optimizer applies their averaged progress.
+
+The idea (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023): each
+replica runs ``H`` *inner* steps with its own optimizer (AdamW in the paper). At a synchronization every replica
+computes its *pseudo-gradient*, the global copy of the parameters minus its local ones (how far it moved), the
+replicas average it, and an *outer* optimizer (SGD with Nesterov momentum, lr 0.7, momentum 0.9) applies it to the
+global copy, which every replica then takes as its new local parameters. With ``H = 500`` it matched synchronous
+training with 500x less communication. Streaming DiLoCo (Douillard et al., 2025) cuts the model into ``F``
+*fragments* synchronized at staggered steps, each exchange overlapped with the following inner steps and sent in
+low precision; OpenDiLoCo / INTELLECT-1 (Jaghouar et al., 2024) ran the outer all-reduce in int8 over gloo.
+
+```python
+job = loom.DiLoCo(sync_every=50, fragments=4, compression="int8").setup(model, adamw, loss_fn)
+loom.fit(job, job.loader(dataset, global_batch_size=256), steps=5000, checkpoint_dir="ckpt")
+job.synchronize()            # one outer step on every fragment now: every replica holds the global copy
+```
+
+Here: fragment ``k`` (a contiguous run of parameters, balanced by size; the floating-point buffers travel with
+fragment 0 and are averaged, not stepped) is sent after the steps ``t`` with ``t % H == k * H / F``, so every
+parameter is synchronized once every ``H`` steps. The pseudo-gradients are averaged weighted by the samples each
+replica trained on since the fragment's previous exchange (`loom.parallel.replica._replica_sync`), so with ``H = 1``,
+inner SGD and an outer SGD of lr 1, DiLoCo is synchronous data parallelism. The exchange runs on a communication
+thread over a process group of its own (the training thread keeps the job's group for its per-step loss), while
+the next ``overlap_steps`` inner steps run; its result is applied after step ``t + overlap_steps`` exactly, a
+deterministic step, so a run is reproducible. Applying it keeps what the replica learned meanwhile: the fragment
+becomes the new global copy plus the replica's own progress since the exchange was sent (with no overlap: the
+global copy itself).
+
+Compression of the averaged pseudo-gradient (`loom.comm.compression.replicas`, the specs of
+`loom.comm.compression` that keep no state across exchanges): ``fp16`` / ``bf16`` all-reduce it in 16 bits (each
+rank's weighted share is cast, so the sum cannot overflow where the mean fits); ``int8`` quantizes each rank's
+weighted share in chunks of `INT8_CHUNK` values with a float32 scale each (symmetric, round to nearest) and
+all-gathers the codes, and every rank dequantizes and sums them in rank order: bitwise the same result everywhere,
+with ``(W - 1)`` messages of a quarter of the float32 size sent per rank (a ring all-reduce of float32 sends
+``2 (W - 1) / W`` full ones), so for ``W <= 8`` it sends fewer bytes than a float32 all-reduce. No error feedback:
+the rounding error is lost.
+
+Checkpoints hold the global copy, the outer optimizer's state, the sample counts, and every exchange in flight
+(waited for, with its result and the step it is due), so a resumed run applies it at the same step: resume is
+bitwise. State is per rank (``replicated_state = False``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.comm import ALGORITHMS
+from loom.comm.compression import INT8_CHUNK, accept_compression
+from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
+from loom.comm.thread import CommThread
+from loom.config_docs import document_options
+from loom.parallel.consistency import check_same_model
+from loom.parallel.replica._replica_sync import (
+    LossFn,
+    ReplicaJob,
+    ReplicaStrategy,
+    flatten,
+    positive_int,
+    prepare_replicas,
+    synced_tensors,
+)
+from loom.train.engine import ShareOptions
+
+__all__ = ["DiLoCo", "DiLoCoConfig", "DiLoCoJob", "INT8_CHUNK", "split_fragments"]
+
+COMPRESSIONS = (None, *SUM_SPECS)
+"""The ``compression=`` specs DiLoCo takes (`loom.comm.compression.factory` is the whole vocabulary)."""
+WHY_NOT = {
+    "topk": "its error feedback keeps a residual per gradient across steps; the outer exchange has none",
+    "powersgd": "its error feedback and warm start keep state across steps; the outer exchange has none",
+}
+"""Why DiLoCo refuses the specs of the vocabulary it does not take."""
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The paper's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig(ShareOptions):
+    """How `DiLoCo` synchronizes the replicas."""
+
+    sync_every: int = 500
+    """Inner steps between two synchronizations of each parameter (``H``; 500 in the paper)."""
+    fragments: int = 1
+    """Pieces of the model synchronized at staggered steps (``F``, streaming DiLoCo); must divide ``sync_every``."""
+    compression: str | None = None
+    """The outer gradient on the wire: None (the parameters' dtype), ``"fp16"``, ``"bf16"`` or ``"int8"``
+    (chunked scales); the specs of `loom.comm.compression` that keep no state across exchanges."""
+    outer_optimizer: OuterFactory | None = None
+    """``fn(params) -> torch.optim.Optimizer`` over the global copy; None: SGD, lr 0.7, Nesterov momentum 0.9."""
+    overlap_steps: int | None = None
+    """Inner steps an exchange overlaps before its result is applied (0: at once, blocking); None: 1 when
+    ``fragments > 1`` (streaming), else 0. Must be below ``sync_every``."""
+    allreduce: str = "auto"
+    """The all-reduce algorithm of the outer gradient (`loom.comm.all_reduce`); ``int8`` all-gathers instead."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive_int("sync_every", self.sync_every, "the paper synchronizes every 500 inner steps.")
+        positive_int("fragments", self.fragments, "1 synchronizes the whole model at once.")
+        h, f = self.sync_every, self.fragments
+        if h % f:
+            raise ValueError(
+                f"sync_every={h} is not a multiple of fragments={f}: fragment k is synchronized after the steps "
+                f"where step % {h} == k * {h} / {f}. HINT: use sync_every={-(-h // f) * f} or a number of "
+                f"fragments that divides {h}."
+            )
+        # The canonical spec (case and spaces ignored); a spec of the vocabulary DiLoCo cannot use is refused by
+        # name, with the reason and the ones it takes.
+        object.__setattr__(
+            self, "compression", accept_compression(self.compression, "DiLoCo", SUM_SPECS, WHY_NOT)
+        )
+        if self.outer_optimizer is not None and (
+            isinstance(self.outer_optimizer, torch.optim.Optimizer) or not callable(self.outer_optimizer)
+        ):
+            raise TypeError(
+                f"outer_optimizer must be a function of the global copy's parameters, got "
+                f"{type(self.outer_optimizer).__name__} (the global copy does not exist before setup). HINT: "
+                "outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)."
+            )
+        tau = self.overlap
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < h:
+            raise ValueError(
+                f"overlap_steps={self.overlap_steps!r} must be an int from 0 to sync_every - 1 = {h - 1}: an "
+                f"exchange must be applied before its fragment's next one. HINT: 0 blocks, 1 overlaps one step."
+            )
+        if self.allreduce not in ALGORITHMS:
+            raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
+        if self.compression == "int8" and self.allreduce not in ("auto", "native"):
+            raise ValueError(
+                f"compression='int8' all-gathers the codes with the backend; it cannot be combined with "
+                f"allreduce={self.allreduce!r}. HINT: leave allreduce at its default with int8."
+            )
+
+    @property
+    def overlap(self) -> Any:
+        """``overlap_steps`` with its default resolved."""
+        if self.overlap_steps is None:
+            return 1 if self.fragments > 1 and self.sync_every > 1 else 0
+        return self.overlap_steps
+
+
+class DiLoCo(ReplicaStrategy):
+    """Strategy: inner steps on each replica, an outer optimizer on the averaged pseudo-gradient every H steps.
+
+    ``DiLoCo(sync_every=500, fragments=1, compression=None, outer_optimizer=None, ...)`` — see `DiLoCoConfig`.
+    """
+
+    config_type = DiLoCoConfig
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DiLoCoJob:
+        """Check the replicas agree (model, inner and outer optimizer), start them from rank 0's parameters."""
+        topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "DiLoCo")
+        job = DiLoCoJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
+        if topo.is_distributed:
+            check_same_model(model, topo.rank, topo.world_size, optimizer=job.outer_optimizer)
+        return job
+
+
+document_options(DiLoCoConfig, DiLoCoConfig)
+document_options(DiLoCo, DiLoCoConfig)
+
+
+def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Cut tensors of ``sizes`` elements, in order, into ``fragments`` contiguous non-empty runs of indices
+    whose element counts are as equal as the cuts allow."""
+    if len(sizes) < fragments:
+        raise ValueError(
+            f"fragments={fragments} but the model has only {len(sizes)} parameter tensor(s). HINT: use at most "
+            f"{len(sizes)} fragments."
+        )
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    cuts, start = [], 0
+    for k in range(1, fragments):
+        target = ends[-1] * k / fragments
+        allowed = range(start + 1, len(sizes) - (fragments - k) + 1)  # each run keeps at least one tensor
+        start = min(allowed, key=lambda c: abs(ends[c - 1] - target))
+        cuts.append(start)
+    bounds = [0, *cuts, len(sizes)]
+    return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@dataclass
+class _Exchange:
+    """One fragment's outer gradient on its way: sent after step ``launched``, applied after ``apply_at``."""
+
+    fragment: int
+    launched: int
+    apply_at: int
+    sent_from: list[torch.Tensor]
+    """The fragment's local values when it was sent (empty without overlap): the base of the replica's own
+    progress, which applying the result keeps."""
+    pending: concurrent.futures.Future | None
+    result: torch.Tensor | None = None
+
+
+class DiLoCoJob(ReplicaJob):
+    """A model set up for DiLoCo (the `loom.job.Job` contract; its state is per rank)."""
+
+    config: DiLoCoConfig
+
+    def _start(self) -> None:
+        module, config, topology = self.module, self.config, self.topology
+        self._params, self._buffers = synced_tensors(module)
+        self.global_params = [p.detach().clone() for p in self._params]
+        """The global copy: what the outer optimizer steps, the same on every rank."""
+        self.outer_optimizer = (config.outer_optimizer or default_outer_optimizer)(self.global_params)
+        if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"outer_optimizer returned {type(self.outer_optimizer).__name__}, not an Optimizer"
+            )
+        self.fragments = split_fragments([p.numel() for p in self._params], config.fragments)
+        """Indices into ``module.parameters()`` of each fragment's parameters."""
+        names = [n for n, _ in module.named_parameters()]
+        self.fragment_names = [[names[i] for i in run] for run in self.fragments]
+        count = config.fragments
+        self._samples, self._global_samples = [0] * count, [0] * count
+        self._in_flight: list[_Exchange] = []
+        self.sync_log: list[tuple[int, int, int]] = []
+        """``(fragment, step sent, step applied)`` of every exchange applied by this job object."""
+        self._sync_group: Any = None
+        self._thread: CommThread | None = None
+        if topology.is_distributed:  # its own group: the training thread's collectives may run meanwhile
+            self._sync_group = dist.new_group(ranks=list(range(topology.world_size)))
+            self._thread = CommThread(f"loom-diloco-{topology.rank}")
+
+    def _count_samples(self, local: int, total: int) -> None:
+        for k in range(len(self.fragments)):
+            self._samples[k] += local
+            self._global_samples[k] += total
+
+    def _due(self, step: int) -> list[int]:
+        h, f = self.config.sync_every, self.config.fragments
+        return [k for k in range(f) if step % h == k * (h // f)]
+
+    def _exchange(self) -> None:
+        for k in self._due(self.step):
+            self._send(k, self.config.overlap)
+        for entry in [e for e in self._in_flight if e.apply_at == self.step]:
+            self._apply_exchange(entry)
+
+    def _fragment_tensors(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Local and global tensors of fragment ``k`` (fragment 0 adds the buffers, averaged as they are)."""
+        local = [self._params[i] for i in self.fragments[k]]
+        held = [self.global_params[i] for i in self.fragments[k]]
+        return (local + self._buffers, held) if k == 0 else (local, held)
+
+    def _pad_before_buffers(self, k: int) -> int:
+        """Zeros between fragment ``k``'s pseudo-gradients and the buffers it carries, so that under int8 no chunk
+        (one scale) holds both: a buffer's values (a running variance near 1) would set the scale of small
+        pseudo-gradients sharing its chunk and round them to 0."""
+        if self.config.compression != "int8" or k != 0 or not self._buffers:
+            return 0
+        return -sum(self._params[i].numel() for i in self.fragments[k]) % INT8_CHUNK
+
+    def _send(self, k: int, overlap: int) -> None:
+        local, held = self._fragment_tensors(k)
+        world = self.topology.world_size
+        weight = self._samples[k] / self._global_samples[k] if self._global_samples[k] else 1.0 / world
+        pieces = [g - p.detach() for g, p in zip(held, local, strict=False)]
+        pad = self._pad_before_buffers(k)
+        pieces += ([torch.zeros(pad, dtype=torch.float32)] if pad else []) + local[len(held) :]
+        flat = flatten(pieces, weight)
+        sent_from = [t.detach().clone() for t in local] if overlap else []
+        args = (flat, self.config.compression, self.config.allreduce, self._sync_group)
+        if self._thread is not None:
+            pending = self._thread.submit(compressed_sum, *args)
+        else:
+            pending = concurrent.futures.Future()
+            pending.set_result(compressed_sum(*args))
+        self._in_flight.append(_Exchange(k, self.step, self.step + overlap, sent_from, pending))
+        self._samples[k] = self._global_samples[k] = 0
+
+    def _wait(self, entry: _Exchange) -> torch.Tensor:
+        if entry.result is None:
+            op = f"outer exchange of fragment {entry.fragment} (sent after step {entry.launched})"
+            with self.watchdog.collective(op):
+                try:
+                    entry.result = entry.pending.result()  # type: ignore[union-attr]
+                except Exception as error:
+                    raise RuntimeError(f"rank {self.topology.rank}: {op} failed: {error}") from error
+            entry.pending = None
+        return entry.result
+
+    def _apply_exchange(self, entry: _Exchange) -> None:
+        """The outer step on the fragment's global copy, then the local values from it."""
+        averaged = self._wait(entry)
+        local, held = self._fragment_tensors(entry.fragment)
+        sizes = [t.numel() for t in local]
+        pad = self._pad_before_buffers(entry.fragment)
+        if pad:
+            sizes.insert(len(held), pad)
+        views = list(averaged.split(sizes))
+        if pad:
+            del views[len(held)]
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        for g, piece in zip(held, views, strict=False):
+            g.grad = piece.view_as(g).to(g.dtype)
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        new = held + [v.view_as(b) for v, b in zip(views[len(held) :], local[len(held) :], strict=True)]
+        with torch.no_grad():
+            for i, (target, value) in enumerate(zip(local, new, strict=True)):
+                if entry.sent_from:  # keep this replica's progress since the exchange was sent
+                    target.add_(value.to(target.dtype) - entry.sent_from[i])
+                else:
+                    target.copy_(value)
+        self._in_flight.remove(entry)
+        self.sync_log.append((entry.fragment, entry.launched, self.step))
+
+    def synchronize(self) -> None:
+        """Apply every exchange in flight now, then a blocking outer step on every fragment trained since it was
+        last sent: afterwards every replica holds the global copy. Collective; meant for the end of training
+        (it applies exchanges early and adds outer steps, so a run that calls it is not an uninterrupted one)."""
+        for entry in list(self._in_flight):
+            self._apply_exchange(entry)
+        for k in range(len(self.fragments)):
+            if self._global_samples[
+                k
+            ]:  # the same on every rank; a fragment just synchronized has no progress
+                self._send(k, 0)
+                self._apply_exchange(self._in_flight[-1])
+
+    def close(self) -> None:
+        """Wait for the exchanges in flight and stop the communication thread."""
+        for entry in self._in_flight:
+            self._wait(entry)
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's inner state, the global copy, the outer optimizer, the sample counts and every
+        exchange in flight (its result waited for)."""
+        in_flight = [
+            {"fragment": e.fragment, "launched": e.launched, "apply_at": e.apply_at,
+             "sent_from": e.sent_from, "result": self._wait(e)}
+            for e in self._in_flight
+        ]  # fmt: skip
+        return {
+            **self._inner_state(),
+            "global": list(self.global_params),
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "samples": list(self._samples),
+            "global_samples": list(self._global_samples),
+            "in_flight": in_flight,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_inner_state(state)
+        saved = state["global"]
+        if len(saved) != len(self.global_params):
+            raise ValueError(
+                f"rank {self.topology.rank}: the checkpoint's global copy holds {len(saved)} tensors, this "
+                f"model {len(self.global_params)}. HINT: resume with the model that wrote it."
+            )
+        with torch.no_grad():
+            for g, s in zip(self.global_params, saved, strict=True):
+                g.copy_(s)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self._samples = [int(n) for n in state["samples"]]
+        self._global_samples = [int(n) for n in state["global_samples"]]
+        for e in self._in_flight:
+            self._wait(e)
+        self._in_flight = [
+            _Exchange(int(e["fragment"]), int(e["launched"]), int(e["apply_at"]), list(e["sent_from"]), None,
+                      e["result"])
+            for e in state["in_flight"]
+        ]  # fmt: skip

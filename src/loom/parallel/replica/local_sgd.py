@@ -1,0 +1,127 @@
+"""Local SGD: every replica steps on its own share; every ``sync_every`` steps the replicas are averaged.
+
+The idea (Stich, "Local SGD converges fast and communicates little", ICLR 2019; Lin et al., "Don't use large
+mini-batches, use local SGD", ICLR 2020; torchft's ``LocalSGD``): synchronous data parallelism all-reduces the
+gradient at every step; local SGD lets each replica take ``H`` optimizer steps on its own shares of the global
+batches and then averages the parameters, so it communicates ``H`` times less, at the price of replicas that
+drift apart in between. With ``H = 1`` and plain SGD (no momentum) it *is* synchronous data parallelism: the
+weighted average of ``p - lr * g_r`` is ``p - lr * sum_r n_r/N g_r``.
+
+```python
+job = loom.LocalSGD(sync_every=8).setup(model, optimizer, loss_fn)
+loom.fit(job, job.loader(dataset, global_batch_size=256), steps=1000, checkpoint_dir="ckpt")
+job.synchronize()            # average now, before evaluating or exporting the model
+```
+
+The average is weighted by the samples each replica trained on since the last one (see
+`loom.parallel.replica._replica_sync`), over the parameters and the floating-point buffers, with any of loom's
+all-reduce algorithms (``allreduce``, `loom.comm.all_reduce`), whose bytes `loom.comm.counters` counts and the
+step records carry. The optimizer's state (momentum, Adam's moments) stays each replica's own, as in torchft's
+``LocalSGD``: with momentum, ``H = 1`` is close to but not the same as synchronous SGD when shares are uneven.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.comm import ALGORITHMS
+from loom.comm import all_reduce as comm_all_reduce
+from loom.config_docs import document_options
+from loom.parallel.replica._replica_sync import (
+    LossFn,
+    ReplicaJob,
+    ReplicaStrategy,
+    flatten,
+    positive_int,
+    prepare_replicas,
+    synced_tensors,
+    unflatten_into,
+)
+from loom.train.engine import ShareOptions
+
+__all__ = ["LocalSGD", "LocalSGDConfig", "LocalSGDJob"]
+
+
+@dataclass(frozen=True)
+class LocalSGDConfig(ShareOptions):
+    """How often and how `LocalSGD` averages the replicas."""
+
+    sync_every: int = 8
+    """Optimizer steps between two averages (``H``); 1 averages after every step."""
+    allreduce: str = "auto"
+    """The all-reduce algorithm of the average (see `loom.comm.all_reduce`): ``native``, ``ring``,
+    ``driver``, ``shm``, ``hierarchical`` or ``auto``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive_int("sync_every", self.sync_every, "1 averages after every step, 8 every eighth step.")
+        if self.allreduce not in ALGORITHMS:
+            raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
+
+
+class LocalSGD(ReplicaStrategy):
+    """Strategy: replicas step on their own shares and average their parameters every ``sync_every`` steps.
+
+    ``LocalSGD(sync_every=8, allreduce="auto", ...)`` — see `LocalSGDConfig` for the fields.
+    """
+
+    config_type = LocalSGDConfig
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> LocalSGDJob:
+        """Check that the replicas hold the same model and optimizer, start them from rank 0's parameters."""
+        topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "LocalSGD")
+        return LocalSGDJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
+
+
+document_options(LocalSGDConfig, LocalSGDConfig)
+document_options(LocalSGD, LocalSGDConfig)
+
+
+class LocalSGDJob(ReplicaJob):
+    """A model set up for local SGD (the `loom.job.Job` contract; its state is per rank)."""
+
+    config: LocalSGDConfig
+
+    def _start(self) -> None:
+        self.samples = 0
+        """Samples this replica trained on since the last average."""
+        self.global_samples = 0
+        """Samples the whole job trained on since the last average (the same on every rank)."""
+        self.averages = 0
+        """Averages taken by this job object (a counter for tests and reports; not checkpointed)."""
+
+    def _count_samples(self, local: int, total: int) -> None:
+        self.samples += local
+        self.global_samples += total
+
+    def _exchange(self) -> None:
+        if self.step % self.config.sync_every == 0:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Average the replicas now, weighted by their samples since the last average (collective: every rank
+        calls it; nothing to do when no step was applied since). Afterwards every replica holds the same
+        parameters and floating-point buffers."""
+        params, buffers = synced_tensors(self.module)
+        tensors = params + buffers
+        if not tensors or not self.global_samples:  # no step applied since the last average: still equal
+            return
+        flat = flatten(tensors, self.samples / self.global_samples)
+        with self.watchdog.collective("replica average all-reduce"):
+            comm_all_reduce(flat, op="sum", algorithm=self.config.allreduce, group=self._group)
+        unflatten_into(flat, tensors)
+        self.samples = self.global_samples = 0
+        self.averages += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's model, optimizer, step, and its samples since the last average."""
+        return {**self._inner_state(), "samples": self.samples, "global_samples": self.global_samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_inner_state(state)
+        self.samples = int(state["samples"])
+        self.global_samples = int(state["global_samples"])

@@ -1,0 +1,1 @@
+"""The tensor family of strategies (see `loom.parallel`)."""

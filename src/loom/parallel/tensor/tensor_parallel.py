@@ -1,0 +1,85 @@
+"""Tensor parallelism: single layers split across the ``tp`` processes, Megatron-style (Shoeybi et al. 2019).
+
+``TensorParallel(size=t, plan="auto" | {module name: kind})`` rewrites blocks of the model in place:
+
+- ``"mlp"``: a block with exactly two ``nn.Linear`` children in a row (``fc1 → activation → fc2``, e.g. an
+  ``nn.Sequential``): ``fc1`` column-parallel, ``fc2`` row-parallel, the block's input through ``f``;
+- ``"attention"``: a module with ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linears and a head count
+  attribute (``n_heads``/``num_heads``/``n_head``) that its ``forward`` uses to reshape: split by heads (q, k, v
+  column-parallel, ``out_proj`` row-parallel), the head count set to ``heads / t``;
+- ``"embedding"``: an ``nn.Embedding`` split by vocabulary rows.
+
+``"auto"`` finds these patterns in the module tree (attention first; the MLP pattern is not searched inside an
+attention module). Everything not in the plan stays replicated and gets identical gradients on every tp rank.
+Each process sees the whole batch (data is sharded across ``dp`` only); the loss is the same on every tp rank.
+
+The strategy is a one-stage `Pipeline` whose stage is transformed by `apply_tensor_parallel`, so training,
+evaluation, state and data-parallel composition are shared with it. ``state_dict()`` holds this process's
+shards; ``full_state_dict()`` all-gathers them (every process calls it) and returns the whole model on rank 0.
+
+Limits: fused ``qkv`` projections are not recognised (their rows interleave q, k and v); the vocabulary-parallel
+embedding supports neither ``padding_idx`` nor ``max_norm``; an output head tied to the embedding must be untied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.config_docs import document_options
+from loom.mesh import Mesh
+from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.model.compose import compose
+from loom.parallel.model.model_parallel import ModelParallelJob
+from loom.parallel.tensor.tensor_parallel_shard import (
+    TensorParallelConfig,
+    TensorShards,
+    apply_tensor_parallel,
+    auto_plan,
+    gather_shards,
+    shard_stage,
+)
+from loom.topology import Topology, current
+
+__all__ = [
+    "TensorParallel",
+    "TensorParallelConfig",
+    "TensorShards",
+    "apply_tensor_parallel",
+    "auto_plan",
+    "gather_shards",
+    "shard_stage",
+]
+
+
+class TensorParallel:
+    """Strategy: split MLP, attention and embedding layers over ``size`` processes (see the module docstring).
+
+    ``TensorParallel(size=t, plan=..., **data)``: a `loom.parallel.model.compose` of one stage split over the mesh's
+    ``tp`` axis; with ``size`` < the world size the remaining factor is the data axis, configured by the
+    `DataParallelConfig` fields in ``data`` (``allreduce``, ``compression``, ...).
+    """
+
+    def __init__(
+        self, *, topology: Topology | None = None, metrics_path: str | None = None, **config
+    ) -> None:
+        self.data = data_axis_options(config, "TensorParallel")
+        self.config = TensorParallelConfig(**config)
+        self.topology = topology
+        self.metrics_path = metrics_path
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
+        topo = self.topology if self.topology is not None else current()
+        if topo.world_size % self.config.size:
+            raise ValueError(
+                f"TensorParallel(size={self.config.size}) does not divide the world size {topo.world_size}. "
+                "HINT: choose a size that divides the number of processes (the rest is the data axis)."
+            )
+        mesh = Mesh(dp=topo.world_size // self.config.size, tp=self.config.size, topology=topo)
+        return compose(
+            model, optimizer, loss_fn, mesh, tp_plan=self.config.plan, data=self.data,
+            metrics_path=self.metrics_path,
+        )  # fmt: skip
+
+
+document_options(TensorParallel, TensorParallelConfig, DataParallelConfig)

@@ -1,0 +1,261 @@
+"""The step engine: the one `train_step` and the one `eval_step` of every strategy.
+
+Before this module five jobs had a step loop each, and every guarantee was wired into each by hand (the hang
+watchdog ran in two of them, the non-finite guard in four). Here the order of a step is written once, and a
+strategy supplies only what differs, as the hooks of `Engine`:
+
+=====  ===========================================  ==========================================================
+ #      the engine does                               the strategy's hook says how
+=====  ===========================================  ==========================================================
+ 1      refuse a batch cut for another layout         (`loom.job.check_batch_layout`, for every strategy)
+ 2      prepare: batch to the device, its size,       `_prepare`: e.g. the global count's all-reduce, a parameter
+        the global count where it is known first      server's pull, the replica's sample check
+ 3      train mode, gradients cleared                 (every strategy)
+ 4      forward and backward through the schedule     `_forward_backward`: micro-batches weighted by their share
+                                                      of the global batch, or a pipeline's instruction stream;
+                                                      this rank's loss sum and its non-finite flag
+ 5      synchronize                                   `_synchronize`: gradients averaged (or pushed), the loss,
+                                                      the global count and every rank's flag reduced
+ 6      the verdict: `StepGuard.judge` on every       (one call, here: the same flags give the same verdict on
+        flag (skip, or stop past the limit)           every rank; a skipped step's gradients are cleared)
+ 7      the step, unless skipped                      `_apply`: the optimizer's step (after a data axis's
+                                                      gradient sum), or nothing where a server applied it
+ 8      count the step; the after-step exchange       `_after_step`: LocalSGD, DiLoCo, Gossip
+ 9      the step record                               `_record`: the strategy's own fields (phases, bubble,
+                                                      staleness, bytes)
+=====  ===========================================  ==========================================================
+
+What `train_step` returns is ``StepState.loss`` as `_synchronize` sets it: the global-batch mean loss where
+``loss_scope`` is ``"global"``, this replica's mean loss on its share where it is ``"replica"`` (`loom.job.Job`).
+A global batch of 0 samples is refused on every rank (every rank knows the same total).
+
+`eval_step`: `_evaluate` gives the names and this rank's ``[sum per name..., samples]`` (`share_sums`), the
+engine adds them up over the data axis (`_eval_group`, under the watchdog) and divides (`share_means`).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from loom.fault.desync import local_flag
+from loom.job import Job, MetricFn, check_batch_layout
+from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, share_means, to_device
+from loom.train.guard import GuardOptions
+
+if TYPE_CHECKING:
+    from loom.train.guard import StepGuard
+
+__all__ = ["Engine", "ShareOptions", "StepState"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShareOptions(GuardOptions):
+    """The guard's options and ``accumulate``: the config base of the strategies whose replicas each step on
+    their own share (LocalSGD, DiLoCo, Gossip, ParameterServer); `DataParallelConfig` has its own field."""
+
+    accumulate: int = 1
+    """Micro-batches per step: the local share is split in this many pieces, each weighted by its share of the
+    samples, and their gradients accumulate before the step (the same gradient as one piece, in less memory)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_accumulate(self.accumulate)
+
+
+def check_accumulate(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"accumulate must be an int >= 1, got {value!r}")
+
+
+@dataclass
+class StepState:
+    """What one step knows, filled in by the engine and the hooks in order (see the module docstring)."""
+
+    number: int
+    """The step being taken (``job.step + 1``)."""
+    batch: Any
+    """This rank's share, as `train_step` was given it (the hooks move what they use to the device)."""
+    started: float = field(default_factory=time.perf_counter)
+    local: int = 0
+    """Samples in this rank's share (set by `_prepare`)."""
+    total: int | None = None
+    """Samples in the global batch: set by `_prepare` where it is known before the forward, else by
+    `_synchronize`."""
+    loss_sum: float = 0.0
+    """This rank's loss summed over its samples (set by `_forward_backward`)."""
+    flag: float = 0.0
+    """1.0 when this rank's loss or gradient is NaN or infinite (set by `_forward_backward`)."""
+    flags: Sequence[float] = ()
+    """Every judged rank's flag, in the order of ``ranks`` (set by `_synchronize`)."""
+    ranks: Sequence[int] = ()
+    gradient_finite: bool = True
+    """Whether the synchronized gradient is finite (the same on every rank where it is averaged)."""
+    loss: float = 0.0
+    """What `train_step` returns (set by `_synchronize`, see ``loss_scope``)."""
+    skipped: bool = False
+    """The verdict: the step's update was not applied."""
+    work: dict[str, Any] = field(default_factory=dict)
+    """What a strategy's hooks hand each other within the step (its loss buffer, micro-batches, replies)."""
+
+
+class Engine(Job):
+    """A `loom.job.Job` whose `train_step` and `eval_step` are the engine's (see the module docstring).
+
+    A strategy's job subclasses it, sets ``guard`` (a `loom.train.guard.StepGuard`) and implements the hooks."""
+
+    guard: StepGuard
+    loss_call: LossCall
+    """How the model and the loss are called on a batch (`loom.LossCall`)."""
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was not applied because their loss or gradient was non-finite on some rank."""
+        return self.guard.skipped
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def train_step(self, batch: Any) -> float:
+        """One step on the global batch ``batch`` is this rank's share of; returns ``loss_scope``'s loss."""
+        self._check_can_train()
+        check_batch_layout(batch, self)
+        state = StepState(self.step + 1, batch)
+        with self._step_context():
+            self._prepare(state)
+            self._refuse_empty(state)
+            self.module.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._forward_backward(state)
+            self._synchronize(state)
+            self._refuse_empty(state)
+            state.skipped = self.guard.judge(state.number, state.flags, state.ranks, state.gradient_finite)
+            if state.skipped:
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                self._apply(state)
+            self.step = state.number
+            self.last_step_skipped = state.skipped
+            self._after_step(state)
+            self._record(state)
+        return state.loss
+
+    def _refuse_empty(self, state: StepState) -> None:
+        if state.total == 0:
+            raise ValueError(
+                f"rank {self.topology.rank}: train_step got a global batch of 0 samples (every share is empty) "
+                f"at step {state.number}. HINT: check the dataset's length and global_batch_size."
+            )
+
+    # -- the hooks -----------------------------------------------------------------------------------------------
+    def _check_can_train(self) -> None:
+        """Raise when `train_step` must not run now (e.g. the job's model is driven by the user's own loop)."""
+
+    def _step_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around the whole step (e.g. Gossip: no peer changes the parameters meanwhile)."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def _prepare(self, state: StepState) -> None:
+        """Set ``state.local`` (and ``state.total`` where known now); anything the forward needs first."""
+
+    @abc.abstractmethod
+    def _forward_backward(self, state: StepState) -> None:
+        """Forward and backward on this rank's share; set ``state.loss_sum`` and ``state.flag``."""
+
+    @abc.abstractmethod
+    def _synchronize(self, state: StepState) -> None:
+        """Exchange what the step needs; set ``total``, ``flags``, ``ranks``, ``gradient_finite``, ``loss``."""
+
+    def _apply(self, state: StepState) -> None:
+        """Apply the update (not called for a skipped step)."""
+        self.optimizer.step()
+
+    def _after_step(self, state: StepState) -> None:
+        """Called on every rank after the step is counted (``self.step`` is ``state.number``)."""
+
+    def _record(self, state: StepState) -> None:
+        """Write the step record."""
+        extra = {"skipped": True} if state.skipped else {}
+        self.metrics.record(
+            state.number,
+            time.perf_counter() - state.started,
+            state.local,
+            state.total or 0,
+            state.loss,
+            **extra,
+        )
+
+    def _backward_share(
+        self, state: StepState, accumulate: int, weight_of_total: bool, stop_on_nonfinite: bool = False
+    ) -> None:
+        """Forward and backward on this rank's share in ``accumulate`` micro-batches,
+        each loss weighted by its samples over the share's (or, ``weight_of_total``, over the global batch's:
+        ``state.total``); set ``state.loss_sum`` and ``state.flag``. ``stop_on_nonfinite``: no backward once a
+        loss is non-finite (the step is skipped anyway)."""
+        if not state.local:
+            return
+        batch = state.work.get("batch", state.batch)
+        whole = state.total if weight_of_total else state.local
+        assert whole
+        pieces = [p for p in micro_batches(batch, state.local, accumulate) if p[1]]
+        loss_sum, values = 0.0, []
+        for piece, n in pieces:
+            loss = forward_loss(self.loss_call, self.module, piece)[0]
+            value = float(loss.detach().double())
+            values.append(value)
+            loss_sum += value * n
+            if stop_on_nonfinite and local_flag(value):
+                state.loss_sum, state.flag = loss_sum, 1.0
+                break
+            (loss * (n / whole)).backward()
+        state.work["share_mean"] = values[0] if len(values) == 1 else loss_sum / state.local
+        """The share's mean loss (one micro-batch: the loss itself, not ``loss_sum / local`` rounded twice)."""
+        if state.flag:
+            return
+        state.loss_sum = loss_sum
+        state.flag = local_flag(loss_sum, [p.grad for p in self.module.parameters() if p.grad is not None])
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
+        """The global-batch mean loss and any extra mean-reduced ``metrics``, in eval mode, without gradients.
+        Collective over the data axis: every rank calls it, and the result is the same everywhere."""
+        check_batch_layout(batch, self)
+        names, sums = self._evaluate(batch, metrics)
+        group = self._eval_group()
+        if group is not None:
+            with self.guard.collective("evaluation all-reduce"):
+                dist.all_reduce(sums, group=group)
+        return share_means(names, sums, self.topology.rank)
+
+    @torch.no_grad()
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """``names`` and this rank's ``[sum per name..., samples]`` (see `share_sums`): the share's loss and
+        ``metrics`` under the job's `LossCall`, in eval mode (the model's mode restored after)."""
+        call, device = self.loss_call, self.topology.device
+        batch_here = to_device(batch, device)
+        local = batch_len(call.inputs_of(batch_here))
+        sums = torch.zeros(len(metrics or {}) + 2, dtype=torch.float64, device=device)
+        sums[-1] = local
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            if local:
+                loss, outputs = forward_loss(call, self.module, batch_here)
+                second = call.second_argument(batch_here)
+                values = [loss, *(fn(outputs, second) for fn in (metrics or {}).values())]
+                for i, value in enumerate(values):
+                    sums[i] = float(value) * local
+        finally:
+            self.module.train(was_training)
+        return ["loss", *(metrics or {})], sums
+
+    def _eval_group(self) -> Any:
+        """The group the evaluation sums are added up over; None: they are global already (one process, or a
+        strategy whose `_evaluate` reduced them)."""
+        return self.mesh.group(self.data_axis)

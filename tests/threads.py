@@ -1,0 +1,69 @@
+"""Ranks as threads: one process, one explicit gloo group per thread on a shared in-memory store.
+
+The fast lane's harness (torchft's tests build their process groups the same way): no subprocess, no port, no
+default process group, so a collective that takes an explicit ``group=`` can be checked at world sizes 2-4 in
+milliseconds. Code that reaches for the implicit default group or the module-global topology
+(`loom.topology.current()`) cannot run here; that is the point: it shows which code still does.
+
+    results = run_ranks(3, lambda rank, group: comm.all_reduce(torch.ones(4) * rank, group=group))
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float = 20.0) -> dist.ProcessGroup:
+    """A gloo process group of ``size`` ranks on ``store``, built directly (not registered with
+    torch.distributed, so any number of them live in one process): ``rank``'s member."""
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def run_ranks(world_size: int, fn: Callable[[int, dist.ProcessGroup], T], timeout_s: float = 30.0) -> list[T]:
+    """Run ``fn(rank, group)`` for ranks ``0..world_size-1``, each in its own thread with its own group; return
+    the results in rank order.
+
+    A rank that raises fails the call with its rank named (the first such rank's exception is chained). Groups
+    time out after ``timeout_s``, so a rank waiting in a collective for a peer that died raises rather than
+    hangs; a rank stuck elsewhere is reported after ``timeout_s`` (its thread is a daemon and is left behind)."""
+    store = dist.HashStore()
+    results: list[Any] = [None] * world_size
+    errors: dict[int, BaseException] = {}
+
+    def body(rank: int) -> None:
+        try:
+            group = gloo_group(dist.PrefixStore("run_ranks", store), rank, world_size, timeout_s)
+            results[rank] = fn(rank, group)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, named by rank
+            errors[rank] = error
+
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(world_size)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s + 10)
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    if errors:
+        first = min(errors)
+        raise AssertionError(
+            f"rank {first} of {world_size} raised {type(errors[first]).__name__}: {errors[first]}"
+            + (f" (ranks {sorted(errors)} failed)" if len(errors) > 1 else "")
+        ) from errors[first]
+    if stuck:
+        raise AssertionError(f"ranks {stuck} of {world_size} did not finish within {timeout_s + 10:.0f} s")
+    return results
