@@ -18,6 +18,7 @@ def _names_of(pids: list[int]) -> list[str]:
     return [p.name for p in shm.SHM_DIR.glob(shm.PREFIX + "*") if int(p.name.split("-")[2]) in pids]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [2, 3])
 def test_messages_and_small_all_reduces_are_exact_on_one_host(world):
@@ -29,6 +30,7 @@ def test_messages_and_small_all_reduces_are_exact_on_one_host(world):
     assert _names_of([r["pid"] for r in results]) == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_pretended_hosts_keep_the_backend_and_stay_exact():
     script = os.path.join(os.path.dirname(__file__), "workers", "comm_shm_channel.py")
@@ -65,6 +67,7 @@ class _Peer:
         os.waitpid(self.pid, 0)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(10)
 def test_a_sender_blocked_on_a_dead_reader_names_it():
     ring = Ring.create(4096)
@@ -81,6 +84,7 @@ def test_a_sender_blocked_on_a_dead_reader_names_it():
     assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(10)
 def test_a_receiver_waiting_for_a_dead_writer_names_it():
     ring = Ring.create(4096)
@@ -97,6 +101,7 @@ def test_a_receiver_waiting_for_a_dead_writer_names_it():
     assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_a_wait_gives_up_after_the_time_out(monkeypatch):
     monkeypatch.setattr(shm_wait, "TIMEOUT_S", 0.2)
@@ -104,6 +109,8 @@ def test_a_wait_gives_up_after_the_time_out(monkeypatch):
         shm_wait.wait_until(lambda: False, me="rank 0", peer="rank 1", pid=os.getpid, what="an op")
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(10)
 def test_a_forged_ring_is_refused():
     ring = Ring.create(4096)
     forged = shm.SHM_DIR / f"{shm.PREFIX}{os.getpid()}-{12345:016x}"

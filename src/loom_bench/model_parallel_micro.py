@@ -29,7 +29,7 @@ import loom
 from loom import comm
 from loom.comm import shm_channel, shm_wait
 from loom.comm.shm_small import SmallAllReduce
-from loom.strategies import pipeline_communications as pc
+from loom.parallel.pipeline import pipeline_communications as pc
 
 __all__ = ["main"]
 

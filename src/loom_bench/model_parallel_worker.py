@@ -31,9 +31,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import loom
-from loom.strategies.pipeline_communications import backend_messages
-from loom.strategies.pipeline_split import chain_layers
-from loom.strategies.tensor_parallel_layers import TensorParallelComm
+from loom.parallel.pipeline.pipeline_communications import backend_messages
+from loom.parallel.pipeline.pipeline_split import chain_layers
+from loom.parallel.tensor.tensor_parallel_layers import TensorParallelComm
 
 __all__ = ["main"]
 

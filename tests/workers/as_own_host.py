@@ -1,4 +1,7 @@
-"""Run the worker script given as argv[1] pretending that this rank is alone on its host (LOOM_HOST_ID=rank<r>)."""
+"""Run the worker script given as argv[1] pretending that this rank is alone on its host (its own LOOM_HOST_ID).
+
+Run by tests/test_comm_shm_channel.py.
+"""
 
 import os
 import runpy

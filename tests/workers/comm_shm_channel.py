@@ -14,8 +14,8 @@ import torch.distributed as dist
 import loom
 from loom.comm import shm_channel
 from loom.comm.shm_small import MAX_BYTES, SmallAllReduce
-from loom.strategies.pipeline_communications import recv_gradients, recv_tensors, send_tensors
-from loom.strategies.tensor_parallel_layers import TensorParallelComm
+from loom.parallel.pipeline.pipeline_communications import recv_gradients, recv_tensors, send_tensors
+from loom.parallel.tensor.tensor_parallel_layers import TensorParallelComm
 
 topo = loom.init()
 rank, world = topo.rank, topo.world_size
