@@ -29,10 +29,11 @@ killed, and no later job can open it. A process killed inside the short create-t
 name behind; the next job's creator removes such names once their creator pid is dead and they are older
 than `STALE_AFTER_S`.
 
-Barrier: a sequence counter per process in the segment's header, one cache line each. A waiter looks a few
-times, yielding the CPU, then sleeps in steps growing to 50 us, so 4 processes on 2 cores let each other run
-(on a loaded host long ``sched_yield`` spins give the CPU to other jobs, and were slower than short sleeps). It
-checks that the peers are alive and gives up after `BARRIER_TIMEOUT_S`, naming the process it waited for.
+Barrier: a sequence counter per process in the segment's header, one cache line each (with the process's pid
+and an "asleep, waiting for process k" flag). A waiter spins a few microseconds, then sleeps on a futex on the
+counter it waits for, which the peer wakes after raising it (`loom.comm.shm_wait.wait_until`), so 4 processes on
+2 cores let each other run. It checks that the peers are alive and gives up after
+`loom.comm.shm_wait.TIMEOUT_S`, naming the process it waited for.
 
 Limits: Linux (POSIX shared memory under /dev/shm, whose size bounds the segment: docker's default 64 MiB
 fits 4 processes at the default 4 MiB slots) on x86-64 only, because the barrier relies on x86's total store
@@ -58,6 +59,8 @@ import torch.distributed as dist
 
 from loom.comm._reduce import all_gather_bytes, combine_into, group_rank_and_size, host_key
 from loom.comm.counters import Traffic
+from loom.comm.shm_wait import futex_wake, wait_until
+from loom.comm.shm_wait import process_alive as _alive
 
 __all__ = ["Segment", "ShmContext", "all_reduce_shm", "context_for", "shm_unsupported_reason"]
 
@@ -66,15 +69,11 @@ PREFIX = "loom-shm-"
 MAX_PIECE_BYTES = 4 << 20
 """Largest slot per process; larger tensors are reduced in pieces of this many bytes (tests lower it)."""
 MIN_CAPACITY = 64 << 10
-BARRIER_TIMEOUT_S = 1800.0
-"""As the backend's own timeout (`loom.init`): a peer doing its own work is waited for; the watchdog stops hangs."""
 STALE_AFTER_S = 60.0
 
 _MAGIC = int.from_bytes(b"LOOMSHM1", "little")
 _LINE_WORDS = 8  # 64 bytes: counters of different processes never share a cache line
 _PAGE = 4096
-_SPINS = 3  # sched_yield rounds before sleeping (longer spins lost to short sleeps on a loaded host)
-_MAX_PAUSE_S = 5e-5  # longest sleep between two looks at a peer's counter
 
 
 def shm_unsupported_reason() -> str | None:
@@ -84,14 +83,6 @@ def shm_unsupported_reason() -> str | None:
     if not SHM_DIR.is_dir():
         return f"there is no POSIX shared memory at {SHM_DIR}"
     return None
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs; a zombie (dead, not yet reaped by its parent) does not."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def _header_bytes(size: int) -> int:
@@ -116,6 +107,11 @@ class Segment:
         self._seq_word = [_LINE_WORDS * (1 + r) for r in range(size)]
         self._peer_words = [w for r, w in enumerate(self._seq_word) if r != rank]
         self._words[self._seq_word[rank] + 1] = os.getpid()
+
+    @property
+    def sequence(self) -> int:
+        """How many barriers this process has passed."""
+        return self._seq
 
     def offset(self, slot: int) -> int:
         return _header_bytes(self.size) + slot * _stride(self.capacity)
@@ -171,36 +167,25 @@ class Segment:
         """Return once every process of the segment has called `barrier` as many times as this one."""
         self._seq += 1
         seq, words = self._seq, self._words
-        words[self._seq_word[self.rank]] = seq
+        mine = self._seq_word[self.rank]
+        words[mine] = seq
+        if any(words[w + 2] == self.rank + 1 for w in self._peer_words):  # a peer sleeps until this changes
+            futex_wake(self.data.data_ptr() + 8 * mine)
         for word in self._peer_words:
             if words[word] < seq:
                 self._wait(word, seq)
 
     def _wait(self, word: int, seq: int) -> None:
-        words = self._words
-        for _ in range(_SPINS):
-            os.sched_yield()
-            if words[word] >= seq:
-                return
-        start = time.monotonic()
-        check_at, pause = start + 0.05, 1e-5
-        while words[word] < seq:
-            time.sleep(pause)
-            pause = min(2 * pause, _MAX_PAUSE_S)
-            now = time.monotonic()
-            if now >= check_at:
-                check_at = now + 0.1
-                peer, pid = self._seq_word.index(word), words[word + 1]
-                if self.check_pids and not _alive(pid):
-                    raise RuntimeError(
-                        f"shared-memory barrier {seq}: local process {peer} (pid {pid}) exited while local "
-                        f"process {self.rank} waited for it. HINT: its own log shows why it stopped."
-                    )
-                if now - start > BARRIER_TIMEOUT_S:
-                    raise RuntimeError(
-                        f"shared-memory barrier {seq}: local process {self.rank} waited {now - start:.0f} s for "
-                        f"local process {peer} (pid {pid}). HINT: every process must call the same collectives."
-                    )
+        words, peer, flag = self._words, self._seq_word.index(word), self._seq_word[self.rank] + 2
+
+        def asleep(on: int) -> None:  # tells the peer, when it raises its counter, to wake this process
+            words[flag] = peer + 1 if on else 0
+
+        wait_until(
+            lambda: words[word] >= seq, me=f"local process {self.rank}", peer=f"local process {peer}",
+            pid=lambda: words[word + 1], what=f"shared-memory barrier {seq}", check_pid=self.check_pids,
+            futex=(self.data.data_ptr() + 8 * word, lambda: words[word], asleep),
+        )  # fmt: skip
 
     def peers_visible(self) -> bool:
         return all(_alive(self._words[w + 1]) for w in self._peer_words)

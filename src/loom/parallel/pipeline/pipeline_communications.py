@@ -8,16 +8,27 @@ receiving stage knows the shapes, they are those of the activations it sent.
 Sends are non-blocking (``isend``) so a stage never waits for its neighbour to post the matching receive; the
 runtime keeps the handles and waits for them at the end of the step. Receives block: the stage needs the data.
 Messages between two stages in one direction are matched in the order they were sent.
+
+Two stages on one host exchange their messages through shared memory instead (`loom.comm.shm_channel`: a ring
+per direction, header and tensors copied once each way, no socket), decided per pair by a handshake on the first
+message of each direction; stages on different hosts keep the backend's messages. The shared-memory messages
+always carry the header, so a gradient whose shape differs from the activation it answers is refused by name.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_DIMS", "MAX_TENSORS", "recv_gradients", "recv_tensors", "send_tensors"]
+from loom.comm.shm_channel import ShmReceiver, ShmSender, channel_from, channel_to
+
+__all__ = [
+    "MAX_DIMS", "MAX_TENSORS", "backend_messages", "recv_gradients", "recv_tensors", "send_tensors",
+]  # fmt: skip
 
 MAX_TENSORS = 8
 MAX_DIMS = 6
@@ -35,6 +46,27 @@ _DTYPES = [
 ]
 _CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
 _SLOT = 2 + MAX_DIMS
+_OFF: list[bool] = []
+"""Non-empty inside `backend_messages`."""
+
+
+@contextlib.contextmanager
+def backend_messages() -> Iterator[None]:
+    """Inside this block, messages take the backend even between stages of one host (benchmarks compare the
+    two paths). Both ends of every message must be inside it, or both outside."""
+    _OFF.append(True)
+    try:
+        yield
+    finally:
+        _OFF.pop()
+
+
+def _sender(dst: int) -> ShmSender | None:
+    return None if _OFF or not dist.is_initialized() else channel_to(dst)
+
+
+def _receiver(src: int) -> ShmReceiver | None:
+    return None if _OFF or not dist.is_initialized() else channel_from(src)
 
 
 def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -58,6 +90,9 @@ def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def send_tensors(tensors: list[torch.Tensor], dst: int, *, with_header: bool = True) -> list[Any]:
     """Start sending ``tensors`` to global rank ``dst``; returns the handles to wait for."""
+    sender = _sender(dst)
+    if sender is not None:
+        return sender.send(tensors)
     tensors = [t.detach().contiguous() for t in tensors]
     handles = []
     if with_header:
@@ -70,6 +105,9 @@ def send_tensors(tensors: list[torch.Tensor], dst: int, *, with_header: bool = T
 
 def recv_tensors(src: int, device: torch.device) -> list[torch.Tensor]:
     """Receive one activation message (header, then tensors) from global rank ``src``."""
+    receiver = _receiver(src)
+    if receiver is not None:
+        return receiver.recv(device, "an activation message")
     header = torch.empty(1 + MAX_TENSORS * _SLOT, dtype=torch.int64)
     dist.recv(header, src)
     out = []
@@ -85,6 +123,17 @@ def recv_tensors(src: int, device: torch.device) -> list[torch.Tensor]:
 
 def recv_gradients(like: list[torch.Tensor], src: int) -> list[torch.Tensor]:
     """Receive one gradient per tensor of ``like`` (same shapes and dtypes) from global rank ``src``."""
+    receiver = _receiver(src)
+    if receiver is not None:
+        got = receiver.recv(like[0].device if like else None, "a gradient message")
+        if [(g.shape, g.dtype) for g in got] != [(t.shape, t.dtype) for t in like]:
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: the gradients from rank {src} have shapes "
+                f"{[(tuple(g.shape), g.dtype) for g in got]}, the activations sent to it "
+                f"{[(tuple(t.shape), t.dtype) for t in like]}. HINT: a stage must return one gradient per "
+                "floating-point tensor it received, of its shape (a bug in the pipeline runtime)."
+            )
+        return got
     out = []
     for t in like:
         g = torch.empty_like(t)

@@ -12,6 +12,11 @@ column-parallel, the output projection row-parallel), an embedding by vocabulary
 the ids in its range, zeros elsewhere, and ``g`` sums). Every collective goes through a `TensorParallelComm`,
 which counts them, so the tests can check the 1 + 1 per MLP and 2 + 2 per transformer layer.
 
+These all-reduces are small (a micro-batch's activations: a few KiB to a few hundred) and latency-bound, so when
+every process of the group is on one host (decided once, the same on every process, by the group's first
+all-reduce) they go through shared memory: `loom.comm.shm_small`'s one-barrier all-reduce up to its
+``MAX_BYTES``, `loom.comm.shm`'s chunked one above. Across hosts, and for GPU tensors, the backend's.
+
 Sharding is done *in place*: a split layer keeps the very ``nn.Parameter`` objects of the original (their data
 narrowed to this process's shard), so an optimizer built on the unsplit model keeps working.
 """
@@ -25,6 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+
+from loom.comm import shm_small
+from loom.comm.all_reduce import all_reduce as loom_all_reduce
 
 __all__ = [
     "ColumnParallelLinear",
@@ -47,12 +55,38 @@ class TensorParallelComm:
     size: int
     counts: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
     """All-reduces run in forward and in backward since the last `reset_counts`."""
+    _local: Any = field(default=False, init=False, repr=False, compare=False)
+    """`shm_small.SmallAllReduce` of the group when it is all on one host; None if not; False before the first
+    all-reduce (which decides, collectively)."""
 
     def all_reduce(self, tensor: torch.Tensor, phase: str) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place; return it."""
         self.counts[phase] += 1
-        if self.group is not None:
-            dist.all_reduce(tensor, group=self.group)
+        local = self._local_for(tensor)
+        if local is None:
+            if self.group is not None:
+                dist.all_reduce(tensor, group=self.group)
+        elif tensor.nbytes <= shm_small.MAX_BYTES and tensor.is_contiguous():
+            local.all_reduce(tensor)
+        else:
+            loom_all_reduce(tensor, "sum", "shm", self.group)
         return tensor
+
+    def reduced(self, tensor: torch.Tensor, phase: str) -> torch.Tensor:
+        """The sum of ``tensor`` over the group as a new tensor; ``tensor`` is left as it is."""
+        local = self._local_for(tensor)
+        if local is not None and tensor.nbytes <= shm_small.MAX_BYTES:
+            self.counts[phase] += 1
+            return local.reduced(tensor.contiguous())
+        return self.all_reduce(tensor.contiguous().clone(), phase)
+
+    def _local_for(self, tensor: torch.Tensor) -> shm_small.SmallAllReduce | None:
+        """The group's shared-memory all-reduce if ``tensor`` can take it (decided on the first call)."""
+        if self.group is None or tensor.device.type != "cpu" or dist.get_backend(self.group) != "gloo":
+            return None
+        if self._local is False:
+            self._local = shm_small.SmallAllReduce.for_group(self.group)
+        return self._local
 
     def reset_counts(self) -> None:
         self.counts = {"forward": 0, "backward": 0}
@@ -68,7 +102,7 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.contiguous().clone(), "backward"), None
+        return ctx.comm.reduced(grad, "backward"), None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
@@ -76,7 +110,7 @@ class _ReduceFromParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm):
-        return comm.all_reduce(x.contiguous().clone(), "forward")
+        return comm.reduced(x, "forward")
 
     @staticmethod
     def backward(ctx, grad):

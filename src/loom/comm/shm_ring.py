@@ -1,0 +1,160 @@
+"""A one-way byte stream between two processes of one host: a ring buffer in a shared-memory segment.
+
+One process writes, one reads (single producer, single consumer). The segment holds a header page (magic, token,
+capacity, the writer's and the reader's pids, two counters: bytes written and bytes read since the start, and
+two "asleep" flags by which a waiting end asks to be woken (`loom.comm.shm_wait`), each on its own cache line) and then the ring of `capacity` bytes. The writer copies into the free part and
+then advances its counter; the reader copies out of the filled part and then advances its own. Each counter has
+one writer, so no lock is needed; the order "data, then counter" is what x86-64's total store order keeps (the
+reason `loom.comm.shm.shm_unsupported_reason` refuses other CPUs). Copies are ``memmove`` between raw addresses:
+for a message of a few KiB the per-call cost of a tensor operation would be most of the time.
+
+Lifetime as in `loom.comm.shm`: the writer creates the segment under a fresh random name
+(``loom-shm-<pid>-<64 random bits>``, ``O_EXCL``, mode 0600), the reader maps it and removes the name at once; from
+then on the memory lives only in the two mappings and the kernel frees it when both processes have exited,
+however they exit. A writer killed before the reader mapped it leaves the name behind, which the next creator's
+sweep removes (`loom.comm.shm._sweep_stale`); a writer whose handshake fails removes it itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+
+from loom.comm.shm import PREFIX, SHM_DIR, _sweep_stale
+from loom.comm.shm_wait import futex_wake
+
+__all__ = ["Ring"]
+
+_MAGIC = int.from_bytes(b"LOOMRNG1", "little")
+_HEADER = 4096
+_MAGIC_W, _TOKEN_W, _CAPACITY_W, _WRITER_PID_W, _READER_PID_W = 0, 1, 2, 3, 4
+_WRITTEN_W = 8  # own 64-byte cache line
+_READ_W = 16  # own 64-byte cache line
+_READER_ASLEEP_W = 24  # set by a reader sleeping until _WRITTEN_W changes (`loom.comm.shm_wait`)
+_WRITER_ASLEEP_W = 32  # set by a writer sleeping until _READ_W changes
+
+
+class Ring:
+    """One mapped ring; `put` only from the writer's process, `get` only from the reader's."""
+
+    def __init__(self, name: str, mm: mmap.mmap, capacity: int) -> None:
+        self.name, self.capacity = name, capacity
+        self._mm = mm
+        self.words = memoryview(mm)[:_HEADER].cast("q")
+        self._anchor = ctypes.c_char.from_buffer(mm)  # keeps the mapping's address valid for memmove
+        self.base = ctypes.addressof(self._anchor) + _HEADER
+        start = ctypes.addressof(self._anchor)
+        words = self.words
+        self.reader_futex = (start + 8 * _WRITTEN_W, lambda: words[_WRITTEN_W], self._reader_asleep)
+        """What a reader waiting for data sleeps on (`loom.comm.shm_wait.wait_until`'s ``futex``)."""
+        self.writer_futex = (start + 8 * _READ_W, lambda: words[_READ_W], self._writer_asleep)
+        """What a writer waiting for room sleeps on."""
+        self._written = self.words[_WRITTEN_W]
+        self._read = self.words[_READ_W]
+
+    @classmethod
+    def create(cls, capacity: int) -> Ring:
+        _sweep_stale()
+        token = secrets.randbits(63)
+        name = f"{PREFIX}{os.getpid()}-{token:016x}"
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, _HEADER + capacity)  # a full /dev/shm fails here, not with SIGBUS later
+            mm = mmap.mmap(fd, _HEADER + capacity)
+        except OSError as error:
+            path.unlink(missing_ok=True)
+            raise OSError(
+                f"cannot reserve {_HEADER + capacity} bytes of shared memory in {SHM_DIR}: {error.strerror}. "
+                "HINT: free space there or enlarge it (docker run --shm-size=...)"
+            ) from error
+        finally:
+            os.close(fd)
+        ring = cls(name, mm, capacity)
+        words = ring.words
+        words[_TOKEN_W], words[_CAPACITY_W], words[_WRITER_PID_W] = token, capacity, os.getpid()
+        words[_MAGIC_W] = _MAGIC
+        return ring
+
+    @classmethod
+    def attach(cls, name: str, capacity: int) -> Ring:
+        """Map the ring ``name`` that the writer announced, check its header, and remove its name."""
+        if not name.startswith(PREFIX) or "/" in name:
+            raise ValueError(f"{name!r} is not the name of a loom shared-memory segment")
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_size != _HEADER + capacity:
+                raise ValueError(
+                    f"segment {name} has {os.fstat(fd).st_size} bytes, expected {_HEADER + capacity}"
+                )
+            mm = mmap.mmap(fd, _HEADER + capacity)
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+        ring = cls(name, mm, capacity)
+        words = ring.words
+        found = (words[_MAGIC_W], words[_TOKEN_W], words[_CAPACITY_W])
+        if found != (_MAGIC, int(name.rsplit("-", 1)[1], 16), capacity):
+            raise ValueError(f"segment {name} does not carry this job's header (found {found})")
+        words[_READER_PID_W] = os.getpid()
+        return ring
+
+    def _reader_asleep(self, flag: int) -> None:
+        self.words[_READER_ASLEEP_W] = flag
+
+    def _writer_asleep(self, flag: int) -> None:
+        self.words[_WRITER_ASLEEP_W] = flag
+
+    def unlink(self) -> None:
+        (SHM_DIR / self.name).unlink(missing_ok=True)
+
+    def writer_pid(self) -> int:
+        return self.words[_WRITER_PID_W]
+
+    def reader_pid(self) -> int:
+        return self.words[_READER_PID_W]
+
+    def put(self, addr: int, n: int) -> int:
+        """Copy up to ``n`` bytes from address ``addr`` into the ring; return how many fitted (writer only).
+        The reader sees them after the next `publish`."""
+        written, cap = self._written, self.capacity
+        k = min(n, cap - (written - self.words[_READ_W]))
+        if k <= 0:
+            return 0
+        pos = written % cap
+        first = min(k, cap - pos)
+        ctypes.memmove(self.base + pos, addr, first)
+        if k > first:
+            ctypes.memmove(self.base, addr + first, k - first)
+        self._written = written + k
+        return k
+
+    def publish(self) -> None:
+        """Let the reader see everything `put` so far (one counter store, one wake-up if it sleeps)."""
+        if self.words[_WRITTEN_W] != self._written:
+            self.words[_WRITTEN_W] = self._written  # after the data: what the reader sees is complete
+            if self.words[_READER_ASLEEP_W]:
+                futex_wake(self.reader_futex[0])
+
+    def get(self, addr: int, n: int) -> int:
+        """Copy up to ``n`` bytes out of the ring to address ``addr``; return how many there were (reader only)."""
+        read, cap = self._read, self.capacity
+        k = min(n, self.words[_WRITTEN_W] - read)
+        if k <= 0:
+            return 0
+        pos = read % cap
+        first = min(k, cap - pos)
+        ctypes.memmove(addr, self.base + pos, first)
+        if k > first:
+            ctypes.memmove(addr + first, self.base, k - first)
+        self._read = read + k
+        self.words[_READ_W] = self._read  # after the copy: the writer may now reuse these bytes
+        if self.words[_WRITER_ASLEEP_W]:
+            futex_wake(self.writer_futex[0])
+        return k
+
+    def readable(self) -> bool:
+        return self.words[_WRITTEN_W] > self._read

@@ -1,0 +1,100 @@
+"""Small all-reduces through shared memory in one step: publish, one barrier, every process reduces everything.
+
+`loom.comm.shm`'s all-reduce splits the data into chunks and needs three barriers per call, which is right for
+megabytes (each process reduces only its share) and wasteful for the few KiB of a tensor-parallel layer's
+activations, where each barrier (a wake-up of every peer) costs more than the arithmetic. Here each of the ``L``
+processes of the group copies its whole input into its slot and raises its counter (`Segment.barrier`); once all
+counters are up every process reads all ``L`` slots and reduces them itself, in rank order, so every process
+computes bit for bit the same result. Each process reads ``(L-1) D`` bytes instead of ``2 (L-1)/L D``, which is
+nothing at these sizes.
+
+Two slots per process, used alternately: call ``k`` writes slot ``k mod 2``, and a process raises its counter
+for call ``k+1`` only after it has read everything of call ``k``; so when call ``k+2`` overwrites slot ``k mod 2``,
+everybody has passed call ``k+1``'s barrier and has finished reading it. One barrier per call, no other waits.
+
+`SmallAllReduce.for_group` is a collective (every process of the group calls it at the same point, which the
+first all-reduce of a group is); it decides once, the same on every process, whether the group can use it
+(every process on one host, x86-64, /dev/shm, CPU tensors). The segment lives as `loom.comm.shm`'s: its name is
+removed as soon as all processes have mapped it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.distributed as dist
+
+from loom.comm._reduce import combine_into
+from loom.comm.shm import ShmContext
+
+__all__ = ["MAX_BYTES", "SmallAllReduce"]
+
+MAX_BYTES = 256 << 10
+"""Largest tensor (bytes) reduced this way; larger ones take the backend's or `loom.comm.shm`'s all-reduce."""
+
+_GROUPS: dict[object, SmallAllReduce | None] = {}
+
+
+class SmallAllReduce:
+    """The one-barrier all-reduce of one process group on one host (see the module docstring)."""
+
+    def __init__(self, ctx: ShmContext) -> None:
+        self.ctx = ctx
+        ctx.map_slots(2 * MAX_BYTES)
+        segment = ctx.segment
+        if segment is None:
+            raise RuntimeError("a one-process group has no shared-memory segment")
+        self.segment = segment
+        self._base = segment.data.data_ptr()
+        self._views: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] = {}
+
+    @staticmethod
+    def for_group(group: dist.ProcessGroup | None) -> SmallAllReduce | None:
+        """The group's small all-reduce, or None when it cannot have one. Collective on the first call."""
+        key = group if group is not None else dist.group.WORLD
+        if key not in _GROUPS:
+            ctx = ShmContext(group)  # its own segment: shm's all-reduce keeps its layout in context_for's
+            usable = ctx.unsupported is None and len(ctx.host_sizes) == 1 and ctx.size > 1
+            _GROUPS[key] = SmallAllReduce(ctx) if usable else None
+        return _GROUPS[key]
+
+    def _slots(self, dtype: torch.dtype, numel: int, parity: int) -> list[torch.Tensor]:
+        key = (dtype, numel, parity)
+        views = self._views.get(key)
+        if views is None:
+            seg, nbytes = self.segment, numel * dtype.itemsize
+            starts = [seg.offset(j) + parity * MAX_BYTES for j in range(seg.size)]
+            views = [seg.data[s : s + nbytes].view(dtype) for s in starts]
+            if len(self._views) >= 64:
+                self._views.clear()
+            self._views[key] = views
+        return views
+
+    def _publish(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Steps 1-2: this process's input into its slot, the barrier; every process's input, as tensors."""
+        seg = self.segment
+        parity = (seg.sequence + 1) & 1  # the barrier below is call number sequence + 1
+        ctypes.memmove(self._base + seg.offset(seg.rank) + parity * MAX_BYTES, flat.data_ptr(), flat.nbytes)
+        seg.barrier()
+        return self._slots(flat.dtype, flat.numel(), parity)
+
+    def all_reduce(self, flat: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce the contiguous CPU tensor ``flat`` (at most `MAX_BYTES`) over the group, in place."""
+        slots = self._publish(flat)
+        view = flat.view(-1)
+        view.copy_(slots[0])
+        for j in range(1, len(slots)):
+            combine_into(view, slots[j], op)
+        if op == "avg":
+            view.div_(len(slots))
+        return flat
+
+    def reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of the contiguous CPU tensor ``x`` (at most `MAX_BYTES`), as a new tensor;
+        ``x`` is left as it is (what an autograd function needs, without the copy an in-place one would cost)."""
+        slots = self._publish(x)
+        out = torch.add(slots[0], slots[1])
+        for j in range(2, len(slots)):
+            out.add_(slots[j])
+        return out.view(x.shape)
