@@ -254,9 +254,9 @@ class ShardedDataParallelJob(DataParallelJob):
         )
 
     @torch.no_grad()
-    def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
-        """As `DataParallelJob.eval_step`; with FSDP2 a rank with an empty share still runs the forward (a
-        zero-size batch), since the forward gathers parameters with every other rank."""
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """The engine's evaluation (`loom.train.engine.Engine._evaluate`); with FSDP2 a rank with an empty share
+        still runs the forward (a zero-size batch), since the forward gathers parameters with every other rank."""
         if self._fsdp is not None:
             batch_here = to_device(batch, self.topology.device)
             if batch_len(self.loss_call.inputs_of(batch_here)) == 0:
@@ -266,7 +266,7 @@ class ShardedDataParallelJob(DataParallelJob):
                     forward_loss(self.loss_call, self.module, batch_here)
                 finally:
                     self.module.train(was_training)
-        return super().eval_step(batch, metrics)
+        return super()._evaluate(batch, metrics)
 
     # -- memory -----------------------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
