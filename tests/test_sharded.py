@@ -157,3 +157,18 @@ def test_sigkilled_worker_restarts_and_resumes(tmp_path):
         _assert_params(_assemble([r["params"] for r in final]), expected, f"stage {stage} after restarts")
     restarted = [r for r in records if r["stage"] == 1 and r["attempt"] == 1]
     assert all(r["resumed_from"] == 5 for r in restarted), restarted
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_mixed_precision_stays_close_to_float32_and_keeps_float32_master_weights(workers):
+    """bf16/fp16 compute (FSDP2's cast around each unit), float32 reduction and master weights: close to one
+    float32 process, and not equal to it (the cast really happened)."""
+    outputs = workers("sharded_mixed.py", 2, timeout=230)
+    for rank, out in enumerate(outputs):
+        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(records) == 4, f"rank {rank}: {out[-2000:]}"
+        for r in records:
+            assert r["master"] == ["torch.float32"], r
+            assert r["params"] <= 2e-2 and r["loss"] <= 2e-2, r
+            assert r["params"] > 0 or r["loss"] > 0, f"mixed precision changed nothing: {r}"

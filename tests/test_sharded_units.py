@@ -152,3 +152,17 @@ def test_tied_parameters_export_under_both_names():
     fresh = Tied()
     fresh.load_state_dict(full, strict=True)
     torch.testing.assert_close(fresh.state_dict(), model.state_dict(), atol=0, rtol=0)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_mixed_precision_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="stage=1\\) does not take mixed_precision='bf16'"):
+        loom.ShardedDataParallel(stage=1, mixed_precision="bf16")
+    with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16' or 'fp16', got 'fp8'"):
+        loom.ShardedDataParallel(stage=3, mixed_precision="fp8")
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="needs FSDP2 units sharded over 2 or more processes"):
+        loom.ShardedDataParallel(stage=3, mixed_precision="bf16", topology=SINGLE, observe=False).setup(
+            model, torch.optim.Adam(model.parameters()), nn.functional.mse_loss
+        )

@@ -92,6 +92,11 @@ class ShardedDataParallelConfig(DataParallelConfig):
     wrap: Any = None
     """FSDP2's units (stages 2 and 3): None picks them (children of a Sequential, modules in ModuleLists),
     or module classes, or ``fn(model) -> [modules]``."""
+    mixed_precision: str | None = None
+    """Stages 2 and 3: ``"bf16"`` or ``"fp16"`` parameters for the forward and backward (FSDP2 casts each unit's
+    gathered parameters), gradients reduced and master weights, optimizer state and outputs kept in float32.
+    None: everything in the parameters' own dtype. Stage 1 and one-process jobs refuse it (no FSDP2 unit to
+    cast around)."""
     gradient_reduce: str = "auto"
     """Stage 1's gradient average: ``reduce_scatter`` (`loom.comm.reduce_scatter`), ``all_reduce`` (loom's
     all-reduce with the ``allreduce`` algorithm, then this rank's slice), or ``auto``: all_reduce on CPU (gloo's
@@ -109,6 +114,17 @@ class ShardedDataParallelConfig(DataParallelConfig):
         for name, set_ in given.items():
             if set_:
                 raise ValueError(f"ShardedDataParallel does not take {name}=: {_REFUSED[name]}")
+        if self.mixed_precision not in (None, "bf16", "fp16"):
+            raise ValueError(
+                f"mixed_precision must be None, 'bf16' or 'fp16', got {self.mixed_precision!r}. HINT: 'bf16' "
+                "computes in bfloat16 and reduces and steps in float32."
+            )
+        if self.mixed_precision is not None and self.stage == 1:
+            raise ValueError(
+                f"ShardedDataParallel(stage=1) does not take mixed_precision={self.mixed_precision!r}: stage 1 "
+                "keeps whole parameters in their own dtype and shards only the optimizer state. HINT: stage=2 "
+                "casts each unit's parameters for compute and keeps float32 master weights."
+            )
         if self.gradient_reduce not in ("auto", "reduce_scatter", "all_reduce"):
             raise ValueError(
                 f"gradient_reduce must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.gradient_reduce!r}"
@@ -164,14 +180,24 @@ class ShardedDataParallel:
         if reduce == "auto":
             reduce = "all_reduce" if topo.device.type == "cpu" else "reduce_scatter"
         collective = "reduce_scatter" if reduce == "reduce_scatter" else self.config.allreduce
+        if self.config.mixed_precision is not None and not fsdp:
+            raise ValueError(
+                f"rank {topo.rank}: ShardedDataParallel(mixed_precision={self.config.mixed_precision!r}) needs "
+                "FSDP2 units sharded over 2 or more processes; this job has one. HINT: start it with loom run -n "
+                "2 or more, or train this process without mixed_precision."
+            )
         if topo.is_distributed:
             run_self_test(topo.rank, world, topo.backend, topo.device, fsdp=fsdp, collective=collective)
         layout: ShardLayout
         flat: FlatShards | None = None
         if fsdp:
-            root, _, units = shard_model(model, optimizer, stage, world, self.config.wrap)
+            root, _, units = shard_model(
+                model, optimizer, stage, world, self.config.wrap, self.config.mixed_precision
+            )
             layout = FsdpLayout(root, optimizer, stage)
             how = f"FSDP2 over {units + 1} unit(s), reshard_after_forward={stage == 3}"
+            if self.config.mixed_precision:
+                how += f", {self.config.mixed_precision} compute with float32 reduction and master weights"
         else:
             flat = layout = FlatShards(model, optimizer, topo.rank, world, collective=collective)
             how = f"loom's flat optimizer shards ({reduce} of the gradient, all-gather of the parameters)"

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -70,7 +70,12 @@ def _units(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
 
 
 def shard_model(
-    model: nn.Module, optimizer: torch.optim.Optimizer, stage: int, world_size: int, wrap: WrapPolicy
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: int,
+    world_size: int,
+    wrap: WrapPolicy,
+    mixed_precision: str | None = None,
 ) -> tuple[FSDPModule, DeviceMesh, int]:
     """``fully_shard`` each unit then the root over a CPU/GPU mesh of the whole world, and rebind
     ``optimizer``'s groups, in place, to the sharded parameters (same names); returns the root, the mesh and
@@ -79,10 +84,16 @@ def shard_model(
     mesh = init_device_mesh(device, (world_size,))
     names = {id(p): n for n, p in model.named_parameters()}
     reshard = stage == 3
+    policy = MixedPrecisionPolicy()  # FSDP2's default: no cast
+    if mixed_precision is not None:
+        compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+        policy = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
     units = _units(model, wrap)
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-    root = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    root = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     root.set_reshard_after_forward(
         reshard
     )  # the root too (FSDP2 otherwise special-cases it): same everywhere
