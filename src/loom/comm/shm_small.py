@@ -90,6 +90,11 @@ class SmallAllReduce:
             view.div_(len(slots))
         return flat
 
+    def all_gather(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's contiguous CPU tensor ``flat`` (at most `MAX_BYTES`), in the group's rank order, as new
+        tensors (copied out of the slots, which call ``k + 2`` overwrites)."""
+        return [slot.clone().view(flat.shape) for slot in self._publish(flat)]
+
     def reduced(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group of the contiguous CPU tensor ``x`` (at most `MAX_BYTES`), as a new tensor;
         ``x`` is left as it is (what an autograd function needs, without the copy an in-place one would cost)."""
