@@ -259,8 +259,10 @@ class StepObserver:
         loss: float,
         reduced: torch.Tensor,
         skipped: bool = False,
+        **fields: Any,
     ) -> None:
-        """Record the step (``skipped``: its update was not applied, see `loom.fault.desync.NonFiniteGuard`);
+        """Record the step (``skipped``: its update was not applied, see `loom.fault.desync.NonFiniteGuard`;
+        ``fields``: a strategy's own fields of the record);
         on rank 0, feed the other ranks' phases (one step late) to the straggler detector."""
         if not self.enabled:
             return
@@ -272,7 +274,7 @@ class StepObserver:
         data, compute, comm, optimizer = self._laps
         self.metrics.record(step, now - self._start, samples, global_samples, loss, data_s=data,
                             compute_s=compute, comm_s=comm, optimizer_s=optimizer, bytes_sent=sent,
-                            bytes_received=received, **({"skipped": True} if skipped else {}))  # fmt: skip
+                            bytes_received=received, **fields, **({"skipped": True} if skipped else {}))  # fmt: skip
         self._previous = self._laps
         at = _rows_at(self.world_size)
         if self.stragglers is not None and reduced.numel() > at and step > 2:  # step 1 is warm-up

@@ -62,7 +62,7 @@ def check_setup_arguments(
         raise TypeError(f"setup() expects an nn.Module as model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"setup() expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    call = _loss_call(loss_fn)
+    call = LossCall.of(loss_fn)
     if not conventions and not call.plain:
         raise ValueError(
             f"{strategy} calls the model as model(inputs) and the loss as loss_fn(outputs, targets); it cannot "
@@ -78,16 +78,3 @@ def check_setup_arguments(
                     "HINT: build the optimizer from model.parameters() of the model passed to setup()."
                 )
     return call
-
-
-def _loss_call(loss_fn: Any) -> LossCall:
-    if isinstance(loss_fn, LossCall):
-        return loss_fn
-    if loss_fn is None:
-        return LossCall(None)
-    if not callable(loss_fn):
-        raise TypeError(
-            f"setup() expects a callable loss_fn(outputs, targets), None (the model returns its own loss) or a "
-            f"loom.LossCall, got {type(loss_fn).__name__}"
-        )
-    return LossCall(loss_fn)

@@ -68,6 +68,21 @@ class LossCall:
                 "(model(*batch)); unpack_inputs and whole_batch apply to a loss function. HINT: LossCall(None)."
             )
 
+    @classmethod
+    def of(cls, loss_fn: Any) -> LossCall:
+        """``loss_fn`` as a `LossCall`: a `LossCall` itself, None (the model's own loss) or a plain callable; a
+        clear error for anything else."""
+        if isinstance(loss_fn, LossCall):
+            return loss_fn
+        if loss_fn is None:
+            return cls(None)
+        if not callable(loss_fn):
+            raise TypeError(
+                f"setup() expects a callable loss_fn(outputs, targets), None (the model returns its own loss) or a "
+                f"loom.LossCall, got {type(loss_fn).__name__}"
+            )
+        return cls(loss_fn)
+
     @property
     def plain(self) -> bool:
         """``fn(model(inputs), targets)``: the convention every strategy supports."""

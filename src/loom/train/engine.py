@@ -179,9 +179,9 @@ class Engine(Job):
     def _after_step(self, state: StepState) -> None:
         """Called on every rank after the step is counted (``self.step`` is ``state.number``)."""
 
-    def _record(self, state: StepState) -> None:
-        """Write the step record."""
-        extra = {"skipped": True} if state.skipped else {}
+    def _record(self, state: StepState, **fields: Any) -> None:
+        """Write the step record, with a strategy's own ``fields`` (a subclass passes them through here)."""
+        extra: dict[str, Any] = {**fields, **({"skipped": True} if state.skipped else {})}
         self.metrics.record(
             state.number,
             time.perf_counter() - state.started,

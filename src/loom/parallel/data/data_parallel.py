@@ -161,7 +161,7 @@ class DataParallelJob(Engine):
         """The user's model (unwrapped): read or export its parameters here."""
         self.wrapped = wrapped
         self.optimizer = optimizer
-        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_call = LossCall.of(loss_fn)
         """How the model and the loss are called on a batch (`loom.LossCall`)."""
         self.loss_fn = self.loss_call.fn
         self.own_loop_started = False
@@ -302,12 +302,18 @@ class DataParallelJob(Engine):
         self.optimizer.step()
         self.observer.lap(OPTIMIZER)
 
-    def _record(self, state: StepState) -> None:
+    def _record(self, state: StepState, **fields: Any) -> None:
         if state.skipped:
             self.observer.lap(OPTIMIZER)
         assert state.total is not None
         self.observer.end_step(
-            state.number, state.local, state.total, state.loss, state.work["buffer"], skipped=state.skipped
+            state.number,
+            state.local,
+            state.total,
+            state.loss,
+            state.work["buffer"],
+            skipped=state.skipped,
+            **fields,
         )
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> bool:

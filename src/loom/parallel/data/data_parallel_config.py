@@ -13,6 +13,7 @@ from loom.comm import ALGORITHMS
 from loom.comm.compression import make_codec
 from loom.config_docs import document_options
 from loom.topology import Topology
+from loom.train.engine import check_accumulate
 from loom.train.guard import GuardOptions
 from loom.train.options import refuse_options
 
@@ -65,8 +66,7 @@ class DataParallelConfig(GuardOptions):
                     f"compression={self.compression!r} runs its own collectives; it cannot be combined with "
                     f"allreduce={self.allreduce!r}. HINT: leave allreduce at its default when compressing."
                 )
-        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
-            raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
+        check_accumulate(self.accumulate)
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
 

@@ -134,7 +134,7 @@ class GossipJob(Engine):
     def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, layout, metrics) -> None:
         self.module: nn.Module = module
         self.optimizer = optimizer
-        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_call = LossCall.of(loss_fn)
         self.loss_fn = self.loss_call.fn
         self.mesh = mesh
         self.topology: Topology = mesh.topology
@@ -291,12 +291,11 @@ class GossipJob(Engine):
         state.work["comm_s"] = time.perf_counter() - exchanged
         state.work["traffic"] = self._record_traffic()
 
-    def _record(self, state: StepState) -> None:
+    def _record(self, state: StepState, **fields: Any) -> None:
         sent, received = state.work["traffic"]
-        self.metrics.record(
-            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
-            comm_s=state.work["comm_s"], bytes_sent=sent, bytes_received=received,
-            skipped=True if state.skipped else None, spread=max(self.distance.values(), default=0.0),
+        super()._record(
+            state, comm_s=state.work["comm_s"], bytes_sent=sent, bytes_received=received,
+            spread=max(self.distance.values(), default=0.0), **fields,
         )  # fmt: skip
 
     def _record_traffic(self) -> tuple[int, int]:

@@ -26,7 +26,6 @@ shards with their layout, `full_state_dict` gathers the whole model on rank 0.
 
 from __future__ import annotations
 
-import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,14 +236,10 @@ class ModelParallelJob(Engine):
             self.gradient_averaging.average([p for p in self.module.parameters() if p.requires_grad])
         self.optimizer.step()
 
-    def _record(self, state: StepState) -> None:
+    def _record(self, state: StepState, **fields: Any) -> None:
         stats = state.work["stats"]
         self.stage_stats.append(stats)
-        extra = {"skipped": True} if state.skipped else {}
-        self.metrics.record(
-            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
-            bubble_s=stats.bubble_s, **extra,
-        )  # fmt: skip
+        super()._record(state, bubble_s=stats.bubble_s, **fields)
 
     def _reduce_loss_and_flags(
         self, table: torch.Tensor, flag: float

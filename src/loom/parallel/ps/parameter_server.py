@@ -47,7 +47,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -168,7 +167,7 @@ class ParameterServerJob(Engine):
     def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, client, plan, metrics) -> None:
         self.module: nn.Module = module
         self.optimizer = optimizer
-        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_call = LossCall.of(loss_fn)
         self.loss_fn = self.loss_call.fn
         self.mesh = mesh
         self.topology: Topology = mesh.topology
@@ -324,12 +323,8 @@ class ParameterServerJob(Engine):
     def _apply(self, state: StepState) -> None:
         """Nothing here: the servers applied the update (or, for a flagged step, did not)."""
 
-    def _record(self, state: StepState) -> None:
-        extra = {"skipped": True} if state.skipped else {}
-        self.metrics.record(
-            state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss,
-            staleness=float(state.work["staleness"]), **extra,
-        )  # fmt: skip
+    def _record(self, state: StepState, **fields: Any) -> None:
+        super()._record(state, staleness=float(state.work["staleness"]), **fields)
 
     def _flags(self, replies: list[Any], flag: float) -> tuple[list[float], Sequence[int]]:
         """The flags the guard judges: in ``sync`` every worker's as the servers collected them

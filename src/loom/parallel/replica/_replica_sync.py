@@ -158,7 +158,7 @@ class ReplicaJob(Engine):
         and its own); the strategy's state is set up by `_start`."""
         self.module = module
         self.optimizer = optimizer
-        self.loss_call = loss_fn if isinstance(loss_fn, LossCall) else LossCall(loss_fn)
+        self.loss_call = LossCall.of(loss_fn)
         self.loss_fn = self.loss_call.fn
         self.topology = topology
         self.config = config
@@ -219,7 +219,7 @@ class ReplicaJob(Engine):
         self._exchange()
         self.observer.lap(COMM)
 
-    def _record(self, state: StepState) -> None:
+    def _record(self, state: StepState, **fields: Any) -> None:
         assert state.total is not None
         self.observer.end_step(
             state.number,
@@ -228,6 +228,7 @@ class ReplicaJob(Engine):
             state.loss,
             state.work["reduced"][:-1],
             skipped=state.skipped,
+            **fields,
         )
 
     def _reduce_step(self, loss_sum: float, flag: float, local: int) -> torch.Tensor:
