@@ -1,11 +1,13 @@
-"""``python -m loom_bench.compare_commits OLD NEW``: ``loom bench dp``'s worker under two commits of loom, alternating.
+"""``python -m loom_bench.compare_commits OLD NEW [--strategy S]``: a benchmark worker under two commits, alternating.
 
 Each commit is checked out (``git worktree add --detach``) into a temporary folder; then, for ``--rounds``
-rounds, the DataParallel benchmark worker (`loom_bench.dp_worker`, run from THIS checkout so both commits are
-timed by the same code) runs on 2 processes with each commit's ``src`` first on ``PYTHONPATH``, the order
-alternating from round to round. Raw DDP is timed in the same processes as loom, so ``loom / DDP`` cancels the
-machine's load; the report gives each commit's median ratio and the paired ratio (NEW / OLD) of every round.
-Writes ``compare_<old>_<new>.md`` into ``--out`` (default ``benchmarks/reports``).
+rounds, a benchmark worker (run from THIS checkout so both commits are timed by the same code) runs on 2
+processes with each commit's ``src`` first on ``PYTHONPATH``, the order alternating from round to round: for
+``--strategy dp`` (the default) DataParallel's (`loom_bench.dp_worker`), for ``localsgd``, ``diloco``,
+``gossip``, ``ps-sync`` and ``ps-async`` `loom_bench.strategy_worker` (the parameter-server cases with
+``--servers 2``). Raw DDP is timed in the same processes as loom, so ``loom / DDP`` cancels the machine's load;
+the report gives each commit's median ratio and the paired ratio (NEW / OLD) of every round. Writes
+``compare_<old>_<new>[_<strategy>].md`` into ``--out`` (default ``benchmarks/reports``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -20,8 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from loom_bench.strategy_worker import STRATEGIES
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH_SRC = Path(__file__).resolve().parents[1]
+TITLE = {"dp": "DataParallel", "localsgd": "LocalSGD(sync_every=8)", "diloco": "DiLoCo(sync_every=8)",
+         "gossip": "Gossip(ring, every=1)", "ps-sync": "ParameterServer(sync, 2 servers)",
+         "ps-async": "ParameterServer(async, 2 servers)"}  # fmt: skip
 
 
 def _checkout(commit: str, into: Path) -> Path:
@@ -43,11 +51,21 @@ def _launcher(tree: Path) -> str:
     return "loom.cli" if (tree / "src/loom/cli.py").exists() else "loom.launch.cli"
 
 
-def _one_run(tree: Path, repetitions: int, steps: int, scratch: Path) -> dict:
+def _one_run(tree: Path, strategy: str, repetitions: int, steps: int, scratch: Path) -> dict:
     out = scratch / f"{tree.name}-{time.monotonic_ns()}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{tree / 'src'}{os.pathsep}{BENCH_SRC}")
-    cmd = [sys.executable, "-m", _launcher(tree), "run", "-n", "2", "--run-dir", str(scratch / "run"), "-m",
-           "loom_bench.dp_worker", "--repetitions", str(repetitions), "--steps", str(steps), "--out", str(out)]  # fmt: skip
+    if strategy == "dp":
+        worker = ["loom_bench.dp_worker"]
+    else:
+        worker = ["loom_bench.strategy_worker", "--strategy", strategy]
+    servers = ["--servers", "2"] if strategy.startswith("ps-") else []
+    bench = scratch / "bench"  # this checkout's loom_bench alone, ahead of the commit's own copy of it
+    if not bench.exists():
+        shutil.copytree(
+            BENCH_SRC / "loom_bench", bench / "loom_bench", ignore=shutil.ignore_patterns("__pycache__")
+        )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{bench}{os.pathsep}{tree / 'src'}")
+    cmd = [sys.executable, "-m", _launcher(tree), "run", "-n", "2", *servers, "--run-dir", str(scratch / "run"),
+           "-m", *worker, "--repetitions", str(repetitions), "--steps", str(steps), "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     samples = json.loads(out.read_text())
     return {"loom": statistics.median(samples["loom"]), "ddp": statistics.median(samples["ddp"])}
@@ -57,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old")
     parser.add_argument("new")
+    parser.add_argument("--strategy", default="dp", choices=("dp", *STRATEGIES),
+                        help="dp: loom bench dp's worker; the others: loom_bench.strategy_worker")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -71,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             rounds: list[dict[str, dict]] = []
             for r in range(ns.rounds):
                 order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
-                result = {name: _one_run(trees[name], ns.repetitions, ns.steps, Path(tmp)) for name in order}
+                result = {
+                    name: _one_run(trees[name], ns.strategy, ns.repetitions, ns.steps, Path(tmp))
+                    for name in order
+                }
                 result["load"] = {"1min": os.getloadavg()[0]}
                 rounds.append(result)
                 print(f"round {r + 1}: " + ", ".join(
@@ -84,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     ratio = {n: [x[n]["loom"] / x[n]["ddp"] for x in rounds] for n in ("old", "new")}
     paired = [b / a for a, b in zip(ratio["old"], ratio["new"], strict=True)]
     lines = [
-        f"# DataParallel at {ns.new} vs {ns.old} (loom / raw DDP in the same processes)",
+        f"# {TITLE.get(ns.strategy, ns.strategy)} at {ns.new} vs {ns.old} (loom / raw DDP in the same processes)",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, 2 processes, MLP 784-1024-1024-10, global "
         f"batch 256, {ns.rounds} alternating rounds x {ns.repetitions} repetitions x {ns.steps} steps "
-        f"(`python -m loom_bench.compare_commits {ns.old} {ns.new} --rounds {ns.rounds}`).",
+        f"(`python -m loom_bench.compare_commits {ns.old} {ns.new} --strategy {ns.strategy} --rounds {ns.rounds}"
+        f" --repetitions {ns.repetitions} --steps {ns.steps}`).",
         "",
         "| round | load (1 min) | old loom/DDP | new loom/DDP | new / old |",
         "|---|---|---|---|---|",
@@ -101,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     ns.out.mkdir(parents=True, exist_ok=True)
-    report = ns.out / f"compare_{ns.old[:7]}_{ns.new[:7]}.md"
+    suffix = "" if ns.strategy == "dp" else f"_{ns.strategy}"
+    report = ns.out / f"compare_{ns.old[:7]}_{ns.new[:7]}{suffix}.md"
     report.write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"written: {report}")

@@ -57,7 +57,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from loom.errors import HangError, PeerLostError
@@ -141,6 +141,12 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._store_failed_at = -float("inf")
+        self.extras: dict[str, Callable[[], Any]] = {}
+        """Fields added to this rank's published record, each read by the watchdog thread when it publishes
+        (e.g. `loom.observe.straggler_watch`'s phase times): a job sends its peers news at no cost of its own."""
+        self.poll_hooks: dict[str, Callable[[Watchdog], None]] = {}
+        """Called by the watchdog thread after each publish, by name (a later job's hook replaces an earlier
+        one's); an exception counts as a failed store call."""
 
     def _poll_s(self) -> float:
         """The watchdog thread's interval: at most 1 s, a tenth of the hang timeout, a fifth of the liveness one."""
@@ -226,6 +232,7 @@ class Watchdog:
             "waiting_s": None if current is None else round(time.monotonic() - current[2], 3),
             "done": None if self.last_done is None else list(self.last_done),
             "time": time.time(),
+            **{name: read() for name, read in list(self.extras.items())},
         }
 
     # -- the watchdog thread ---------------------------------------------------------------------------------
@@ -247,6 +254,8 @@ class Watchdog:
                     if not self._stack_dumped and self.store.check([f"{self._prefix}stack{self.rank}"]):
                         self._stack_dumped = True  # once: another rank asked
                         print_stacks(self.rank)
+                    for hook in list(self.poll_hooks.values()):
+                        hook(self)
                 except Exception as error:  # noqa: BLE001 - the store's host may be gone or cut off; keep timing
                     self._store_failed_at = time.monotonic()
                     self.heartbeat.store_failed(error)
@@ -273,7 +282,7 @@ class Watchdog:
         now = time.monotonic()
         waited = now - current[2]
         if waited > self.work_timeout_s:
-            records = self._read_records() if self._store_usable() else {}
+            records = self.read_records() if self._store_usable() else {}
             working = [r for r, rec in records.items() if rec is not None and rec.get("current") is None]
             self._report_and_exit(
                 current, f"ranks {working} were outside collectives longer than the work timeout "
@@ -281,7 +290,7 @@ class Watchdog:
             )  # fmt: skip
         if waited <= self.timeout_s or now < self._next_check:
             return
-        records = self._read_records()
+        records = self.read_records()
         if all_inside_s(records, self.rank, waited) > self.timeout_s:
             self._report_and_exit(current, None, records)
         # some rank is alive outside any collective: its own work; say where it is, once, and look again in a
@@ -314,7 +323,7 @@ class Watchdog:
             flush=True,
         )
 
-    def _read_records(self) -> dict[int, dict | None]:
+    def read_records(self) -> dict[int, dict | None]:
         """Every rank's published record (None where it could not be read)."""
         records: dict[int, dict | None] = {}
         for r in range(self.world_size):
@@ -345,7 +354,7 @@ class Watchdog:
             first = None
         if first:
             text = hang_report(
-                self.rank, op, seq, waited, records if records is not None else self._read_records(), why
+                self.rank, op, seq, waited, records if records is not None else self.read_records(), why
             )
         else:
             why = "another rank reported the ranks involved" if first is False else "the store is unreachable"

@@ -121,12 +121,20 @@ class StragglerDetector:
             [_median(list(col)) for col in zip(*rows, strict=True)]
             for rows in zip(*self._window, strict=True)
         ]
+        return self.judge(step, means, full=n >= self.config.window)
+
+    def judge(self, step: int, means: Sequence[Sequence[float]], full: bool = True) -> list[StragglerWarning]:
+        """Judge one table of every rank's typical phase times (row r: rank r's median data, compute, comm,
+        optimizer seconds over a window); ``full``: the window is complete (before that only ``slowest`` is
+        updated). `observe` calls it every half window; `loom.observe.straggler_watch` with windows that each
+        rank summarized itself."""
+        n = self.config.window
         medians = [_median([m[p] for m in means]) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]
         median_busy = _median(busy)
         slow = max(range(self.world_size), key=lambda r: busy[r])
         self.slowest = (slow, _slowest_phase(means[slow], medians), busy[slow] - median_busy)
-        if n < self.config.window or self.world_size < 2:
+        if not full or self.world_size < 2:
             return []
         new = []
         for rank in range(self.world_size):
@@ -142,7 +150,7 @@ class StragglerDetector:
     def _suspects(
         self,
         rank: int,
-        means: list[list[float]],
+        means: Sequence[Sequence[float]],
         medians: list[float],
         busy: list[float],
         median_busy: float,

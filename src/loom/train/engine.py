@@ -21,9 +21,15 @@ strategy supplies only what differs, as the hooks of `Engine`:
  7      the step, unless skipped                      `_apply`: the optimizer's step (after a data axis's
                                                       gradient sum), or nothing where a server applied it
  8      count the step; the after-step exchange       `_after_step`: LocalSGD, DiLoCo, Gossip
- 9      the step record                               `_record`: the strategy's own fields (phases, bubble,
-                                                      staleness, bytes)
+ 9      the step record, with the phase times          `_record`: the strategy's own fields (phases, bubble,
+        at the hooks' boundaries; this rank's row      staleness, bytes)
+        for the straggler watch
 =====  ===========================================  ==========================================================
+
+Stragglers: a strategy that carries every rank's phase times on its step's own collective says so
+(``observes_own_phases``: DataParallel, LocalSGD, DiLoCo, `loom.observe.phases`); every other strategy's ranks
+hand the engine's phase times to `loom.observe.straggler_watch`, which publishes them on the watchdog's record and
+judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
 
 What `train_step` returns is ``StepState.loss`` as `_synchronize` sets it: the global-batch mean loss where
 ``loss_scope`` is ``"global"``, this replica's mean loss on its share where it is ``"replica"`` (`loom.job.Job`).
@@ -47,6 +53,7 @@ import torch.distributed as dist
 
 from loom.fault.desync import local_flag
 from loom.job import Job, MetricFn, check_batch_layout
+from loom.observe.straggler_watch import StragglerWatch
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, share_means, to_device
 from loom.train.guard import GuardOptions
 
@@ -98,6 +105,9 @@ class StepState:
     ranks: Sequence[int] = ()
     gradient_finite: bool = True
     """Whether the synchronized gradient is finite (the same on every rank where it is averaged)."""
+    phases: tuple[float, float, float, float] | None = None
+    """Seconds of data (the gap since the previous step and `_prepare`), compute (`_forward_backward`), comm
+    (`_synchronize` and `_after_step`) and optimizer (the verdict and `_apply`), set before `_record`."""
     loss: float = 0.0
     """What `train_step` returns (set by `_synchronize`, see ``loss_scope``)."""
     skipped: bool = False
@@ -112,6 +122,11 @@ class Engine(Job):
     A strategy's job subclasses it, sets ``guard`` (a `loom.train.guard.StepGuard`) and implements the hooks."""
 
     guard: StepGuard
+    _watch: StragglerWatch | None
+    observes_own_phases: bool = False
+    """True for a strategy that times its own phases and carries every rank's on its step's collective
+    (`loom.observe.phases`); the others get the engine's phase times (the hooks' boundaries) and stragglers
+    through the watchdog (`loom.observe.straggler_watch`)."""
     loss_call: LossCall
     """How the model and the loss are called on a batch (`loom.LossCall`)."""
 
@@ -126,23 +141,42 @@ class Engine(Job):
         self._check_can_train()
         check_batch_layout(batch, self)
         state = StepState(self.step + 1, batch)
+        clock = time.perf_counter
         with self._step_context():
             self._prepare(state)
             self._refuse_empty(state)
+            prepared = clock()
             self.module.train()
             self.optimizer.zero_grad(set_to_none=True)
             self._forward_backward(state)
+            computed = clock()
             self._synchronize(state)
             self._refuse_empty(state)
+            synchronized = clock()
             state.skipped = self.guard.judge(state.number, state.flags, state.ranks, state.gradient_finite)
             if state.skipped:
                 self.optimizer.zero_grad(set_to_none=True)
             else:
                 self._apply(state)
+            applied = clock()
             self.step = state.number
             self.last_step_skipped = state.skipped
             self._after_step(state)
+            ended = clock()
+            previous_end, self._step_ended = getattr(self, "_step_ended", None), ended
+            data = (
+                prepared - state.started + (state.started - previous_end if previous_end is not None else 0.0)
+            )
+            state.phases = (
+                data,
+                computed - prepared,
+                synchronized - computed + ended - applied,
+                applied - synchronized,
+            )
             self._record(state)
+            watch = self._straggler_watch()
+            if watch is not None:
+                watch.add(*state.phases)
         return state.loss
 
     def _refuse_empty(self, state: StepState) -> None:
@@ -180,8 +214,12 @@ class Engine(Job):
         """Called on every rank after the step is counted (``self.step`` is ``state.number``)."""
 
     def _record(self, state: StepState, **fields: Any) -> None:
-        """Write the step record, with a strategy's own ``fields`` (a subclass passes them through here)."""
-        extra: dict[str, Any] = {**fields, **({"skipped": True} if state.skipped else {})}
+        """Write the step record, with a strategy's own ``fields`` (a subclass passes them through here): the
+        engine's phase times (`StepState.phases`) unless the strategy times its steps itself."""
+        phases: dict[str, float] = {}
+        if not self.observes_own_phases and state.phases is not None:
+            phases = dict(zip(("data_s", "compute_s", "comm_s", "optimizer_s"), state.phases, strict=True))
+        extra: dict[str, Any] = {**phases, **fields, **({"skipped": True} if state.skipped else {})}
         self.metrics.record(
             state.number,
             time.perf_counter() - state.started,
@@ -190,6 +228,24 @@ class Engine(Job):
             state.loss,
             **extra,
         )
+
+    def _straggler_peers(self) -> list[list[int]]:
+        """The groups of ranks that do the same work, compared with each other for stragglers."""
+        return [list(range(self.topology.world_size))]
+
+    def _straggler_watch(self) -> StragglerWatch | None:
+        """The `loom.observe.straggler_watch.StragglerWatch` of a strategy that does not carry phase times on a
+        collective of its own (``observes_own_phases``), made at the first step; None in one process, without a
+        store, or when the job records nothing."""
+        if not hasattr(self, "_watch"):
+            watch: StragglerWatch | None = None
+            watchdog = self.guard.watchdog
+            path = getattr(self.metrics, "path", None)
+            if not self.observes_own_phases and self.topology.is_distributed and watchdog.store is not None:
+                warnings_path = path.parent / "stragglers.jsonl" if path is not None else None
+                watch = StragglerWatch.attach(watchdog, self._straggler_peers(), warnings_path)
+            self._watch = watch
+        return self._watch
 
     def _backward_share(
         self, state: StepState, accumulate: int, weight_of_total: bool, stop_on_nonfinite: bool = False

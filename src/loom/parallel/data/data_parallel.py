@@ -144,6 +144,8 @@ document_options(DataParallel, DataParallelConfig)
 class DataParallelJob(Engine):
     """A model set up for data-parallel training (the `loom.job.Job` contract; its state is replicated)."""
 
+    observes_own_phases = True  # phase rows ride on the loss all-reduce (loom.observe.phases)
+
     replicated_state = True
 
     def __init__(

@@ -236,6 +236,10 @@ class ModelParallelJob(Engine):
             self.gradient_averaging.average([p for p in self.module.parameters() if p.requires_grad])
         self.optimizer.step()
 
+    def _straggler_peers(self) -> list[list[int]]:
+        """The replicas of each stage and tensor shard (stages differ in work by design)."""
+        return self.mesh.shape.groups("dp")
+
     def _record(self, state: StepState, **fields: Any) -> None:
         stats = state.work["stats"]
         self.stage_stats.append(stats)

@@ -141,6 +141,8 @@ def prepare_replicas(
 class ReplicaJob(Engine):
     """Inner steps on this rank's share, one loss reduction per step; subclasses synchronize the replicas."""
 
+    observes_own_phases = True  # phase rows ride on the loss all-reduce (loom.observe.phases)
+
     replicated_state = False
     replicas_agree = False
 
