@@ -126,3 +126,72 @@ def test_one_process_zero_1_trains_as_zero_0_and_refuses_another_cut():
         ValueError, match="written with zero=1 .* this job has zero=0. HINT: resume with zero=1"
     ):
         job0.load_state_dict(job1.state_dict())
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_skipped_step_leaves_no_gradient_behind_with_zero_1():
+    """The optimizer holds slices, so its zero_grad misses the stage's own gradients: the job clears them, and
+    a NaN step skipped under zero=1 ends as under zero=0 (finite, the same parameters)."""
+    x, y = torch.randn(24, 4), torch.randn(24, 2)
+    x[8] = float("nan")  # the second batch of 6 (shuffle=False)
+    data = torch.utils.data.TensorDataset(x, y)
+    ends = {}
+    for zero in (0, 1):
+        model = _model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        job = loom.Hybrid(zero=zero).setup(model, optimizer, nn.functional.mse_loss)
+        for batch in job.loader(data, 6, shuffle=False):
+            job.train_step(batch)
+        assert job.skipped_steps == 1, zero
+        ends[zero] = job.full_state_dict()
+    for key, value in ends[0].items():
+        assert torch.isfinite(ends[1][key]).all() and torch.equal(value, ends[1][key]), key
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("collective", ["reduce_scatter", "native", "ring"])
+def test_the_sharded_axis_over_an_explicit_group_equals_one_model(collective):
+    """ShardedDataAxis over a 2-rank group (ranks as threads): each rank's half of the batch, 3 steps of SGD with
+    momentum, equals one model on the whole batches; each rank's momentum covers its piece only."""
+    from threads import run_ranks
+
+    from loom.parallel.data.sharded_axis import ShardedDataAxis
+    from loom.parallel.data.sharded_flat import FlatShards
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(3)]
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    reference = _model()
+    optimizer = sgd(reference)
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+
+    def rank_fn(rank, group):
+        model = _model()
+        optimizer = sgd(model)
+        axis = ShardedDataAxis(
+            DataAxisConfig(zero=1), FlatShards.over_group(model, optimizer, group, collective), rank
+        )
+        for x, y in batches:  # equal halves: the average of the halves' mean gradients is the whole batch's
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
+            axis.average(list(model.parameters()))
+            optimizer.step()
+            axis.gather_parameters()
+        momentum = sum(s["momentum_buffer"].numel() for s in optimizer.state.values())
+        return model.state_dict(), momentum, axis.layout()
+
+    results = run_ranks(2, rank_fn)
+    total = sum(p.numel() for p in reference.parameters())
+    assert [r[1] for r in results] == [total // 2, total - total // 2]
+    assert [r[2]["lo"] for r in results] == [0, total // 2]
+    for state, _, _ in results:
+        for key, value in reference.state_dict().items():
+            assert (state[key] - value).abs().max() <= 1e-6, key
