@@ -1,6 +1,6 @@
-"""`DataParallelConfig`: the options of `loom.DataParallel` (and of a model-parallel job's data axis), each
-documented and checked on construction; `data_axis_options` takes them out of a model-parallel strategy's keyword
-arguments, refusing by name those only `DataParallel` honours.
+"""`DataParallelConfig`: the options of `loom.DataParallel`, each documented and checked on construction;
+`DataAxisConfig`: those of a model-parallel job's data axis (the same, and ``zero``). `data_axis_options` takes
+them out of a model-parallel strategy's keyword arguments, refusing by name those only `DataParallel` honours.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from loom.train.options import refuse_options
 __all__ = [
     "DATA_FIELDS",
     "ONLY_DATA_PARALLEL",
+    "DataAxisConfig",
     "DataParallelConfig",
     "data_axis_options",
     "default_metrics_path",
@@ -84,12 +85,48 @@ ONLY_DATA_PARALLEL = {
 """The `DataParallelConfig` options a model-parallel data axis cannot honour, with what to do instead."""
 
 
-def data_axis_options(options: dict[str, Any], strategy: str) -> DataParallelConfig:
+@dataclass(frozen=True)
+class DataAxisConfig(DataParallelConfig):
+    """The data axis of a model-parallel job (`Pipeline`, `TensorParallel`, `Hybrid`): the `DataParallelConfig`
+    options it honours (``allreduce``, ``compression``, the guard's), and ``zero``."""
+
+    zero: int = 0
+    """ZeRO stage of the data axis. 0: every replica keeps the whole optimizer state of its stage's (tensor
+    shards') parameters. 1: each of the ``dp`` replicas steps the optimizer over its 1/dp slice of them only
+    (its optimizer state is 1/dp of the unsharded job's), the averaged gradient is kept as that slice alone
+    and the updated slices are gathered back over ``dp`` after the step (`loom.parallel.data.sharded_axis`).
+    The optimizer must be elementwise (SGD, Adam, AdamW, ...); ``compression`` is refused with it. Stages 2
+    and 3 (sharded gradients in backward, sharded parameters) are `ShardedDataParallel`'s only."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.zero, bool) or self.zero not in (0, 1):
+            more = (
+                " Stages 2 and 3 shard the gradients during backward and the parameters, which a "
+                "model-parallel stage's schedule does not support yet. HINT: zero=1 (it already keeps only this "
+                "replica's slice of the averaged gradient), or loom.ShardedDataParallel(stage=2 or 3) for a "
+                "model that needs no pipeline or tensor parallelism."
+                if self.zero in (2, 3) and not isinstance(self.zero, bool)
+                else " HINT: zero=0 (replicated optimizer state) or zero=1 (sharded over dp)."
+            )
+            raise ValueError(f"the data axis takes zero=0 or zero=1, got zero={self.zero!r}.{more}")
+        if self.zero == 1 and self.compression is not None:
+            raise ValueError(
+                f"zero=1 does not take compression={self.compression!r}: the gradient is reduced into each "
+                "replica's slice, and the codecs need the whole gradient on every rank. HINT: drop one of them."
+            )
+
+
+AXIS_FIELDS = frozenset(f.name for f in fields(DataAxisConfig))
+"""The options of `DataAxisConfig`."""
+
+
+def data_axis_options(options: dict[str, Any], strategy: str) -> DataAxisConfig:
     """Take the data axis's options out of a model-parallel strategy's keyword ``options`` (in place): the
-    `DataParallelConfig` of its data axis. The options only `DataParallel` honours are refused, by name."""
-    data = {k: options.pop(k) for k in list(options) if k in DATA_FIELDS}
+    `DataAxisConfig` of its data axis. The options only `DataParallel` honours are refused, by name."""
+    data = {k: options.pop(k) for k in list(options) if k in AXIS_FIELDS}
     refuse_options(data, ONLY_DATA_PARALLEL, strategy)
-    return DataParallelConfig(**data)
+    return DataAxisConfig(**data)
 
 
 def default_metrics_path(topo: Topology) -> str | None:
@@ -99,3 +136,4 @@ def default_metrics_path(topo: Topology) -> str | None:
 
 
 document_options(DataParallelConfig, DataParallelConfig)
+document_options(DataAxisConfig, DataAxisConfig)

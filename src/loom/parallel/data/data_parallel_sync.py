@@ -199,7 +199,12 @@ class GradientAveraging:
       "bucket", parameters numbered in order, so its error-feedback state is the same at every step and in a
       resumed run);
     - otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce` (a sum), divided by the group's size.
+
+    Every replica then steps the whole optimizer state (``zero = 0``); `sharded_axis.ShardedDataAxis` is the
+    same interface with the optimizer state sharded over the axis (``zero=1``).
     """
+
+    zero = 0
 
     def __init__(
         self,
@@ -261,6 +266,9 @@ class GradientAveraging:
         for p in params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+
+    def gather_parameters(self) -> None:
+        """Nothing to gather: every replica stepped its whole parameters."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"compression": self.codec.state_dict() if self.codec is not None else None}

@@ -19,6 +19,10 @@ Why not FSDP2 here: FSDP2 cannot shard the optimizer state alone (its smallest s
 The optimizer must be elementwise (its update of an element depends on that element's gradient and state
 only: SGD, Adam, AdamW, Adagrad, RMSprop, ...); one that reads whole tensors (LAMB's trust ratio, Adafactor's
 factored moments) would see pieces, so such optimizers are refused at setup (`ELEMENTWISE`).
+
+The same class shards the data axis of model-parallel jobs (``Hybrid(..., zero=1)``,
+`loom.parallel.data.sharded_axis`): there ``module`` is this process's pipeline stage with its tensor shards and
+the group is the mesh's ``dp`` axis (`FlatShards.over_group`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.comm import all_reduce
+from loom.comm._reduce import group_rank_and_size
 from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
 from loom.parallel.data.sharded_state import Piece
 
@@ -46,14 +51,19 @@ ELEMENTWISE = (
 """Optimizers whose update is elementwise, so that stepping pieces equals stepping whole tensors."""
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer that is not known to be elementwise (its pieces would not step as the whole)."""
+def check_elementwise(
+    optimizer: torch.optim.Optimizer,
+    strategy: str = "ShardedDataParallel",
+    instead: str = "loom.DataParallel",
+) -> None:
+    """Refuse an optimizer that is not known to be elementwise (its pieces would not step as the whole);
+    the error names ``strategy`` and suggests ``instead``."""
     if type(optimizer) not in ELEMENTWISE:
         names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
         raise ValueError(
-            f"ShardedDataParallel steps the optimizer over pieces of the parameters, which equals stepping whole "
+            f"{strategy} steps the optimizer over pieces of the parameters, which equals stepping whole "
             f"tensors only for elementwise optimizers; got {type(optimizer).__name__}. HINT: use one of {names}, "
-            "or loom.DataParallel."
+            f"or {instead}."
         )
 
 
@@ -64,6 +74,10 @@ class FlatShards:
     of each parameter (so a scheduler built on the optimizer keeps working); a parameter with no element in
     this rank's piece leaves the groups. One process: the piece is everything (the layout stays, so its
     checkpoints reshard to any world size).
+
+    ``module`` is whatever this process trains (a whole model, or a model-parallel job's stage with its tensor
+    shards) and ``group`` the ranks that share its pieces (the whole job, or the ``dp`` axis of a mesh: see
+    `over_group`); parameters of the optimizer that ``module`` does not hold (other pipeline stages') leave it.
     """
 
     def __init__(
@@ -108,6 +122,21 @@ class FlatShards:
         self.nbytes = self.numel * (self.params[0].element_size() if self.params else 4)
         """Bytes of the whole flat gradient (what the step records count for this collective)."""
 
+    @classmethod
+    def over_group(
+        cls,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup | None,
+        collective: str = "reduce_scatter",
+    ) -> FlatShards:
+        """The pieces of ``module``'s parameters over the ranks of ``group`` (None: this process alone; an
+        explicit group answers for itself, so one built directly on a store works too)."""
+        if group is None:
+            return cls(module, optimizer, 0, 1, None, collective)
+        rank, size = group_rank_and_size(group)
+        return cls(module, optimizer, rank, size, group, collective)
+
     # -- ShardLayout ------------------------------------------------------------------------------------------
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.view(-1)
@@ -120,10 +149,12 @@ class FlatShards:
         return self.world_size > 1
 
     @torch.no_grad()
-    def average(self, loss_sum: torch.Tensor) -> None:
+    def average(self, loss_sum: torch.Tensor | None = None) -> None:
         """Reduce-scatter the averaged gradient to the pieces' ``.grad`` and free the full gradients; sum
         ``loss_sum`` (the step's float64 loss buffer) over the ranks with a non-finite flag for the pieces,
-        whose verdict (any rank's piece non-finite) is left in `finite`. Collective."""
+        whose verdict (any rank's piece non-finite) is left in `finite`. Without ``loss_sum`` (a caller that
+        judged the step before averaging, as model-parallel jobs do) there is no second collective and
+        `finite` is this rank's piece's own. Collective."""
         dtype = self.params[0].dtype if self.params else torch.float32
         flat = (
             torch.cat(
@@ -152,7 +183,7 @@ class FlatShards:
             view_piece.param.grad = piece[offset : offset + n]
             offset += n
         nonfinite = 0.0 if bool(torch.isfinite(piece).all()) else 1.0
-        if self._distributed():
+        if self._distributed() and loss_sum is not None:
             buffer = torch.cat(
                 [loss_sum, torch.tensor([nonfinite], dtype=torch.float64, device=loss_sum.device)]
             )

@@ -9,8 +9,11 @@ of Megatron-LM and torchtitan (innermost first):
 2. **tensor parallel** (``tp``, `tensor_parallel.shard_stage`): the stage's MLP, attention and embedding blocks
    are split over the tp group (the plan is found in the stage, or given in the full model's names);
 3. **data** (``dp``): `DataParallel`'s gradient averaging (`data_parallel_sync.GradientAveraging`) with the
-   job's `DataParallelConfig` (``allreduce``, ``compression``), applied to the stage's gradients after the
-   schedule. Gradients are already weighted by each replica's share, so N replicas equal one process.
+   job's `DataAxisConfig` (``allreduce``, ``compression``), applied to the stage's gradients after the
+   schedule. Gradients are already weighted by each replica's share, so N replicas equal one process. With
+   ``zero=1`` the axis is sharded instead (`sharded_axis.ShardedDataAxis`): the optimizer is rebound to this
+   replica's slice of the stage's (tensor-sharded) parameters, the gradients are averaged into that slice and
+   the updated slices gathered back over ``dp``.
 
 Every process starts from rank 0's weights (broadcast before the cut, as DDP does). The data is sharded over
 ``dp`` only: `Job.loader` builds the loader for it, and the job refuses a batch cut for another layout.
@@ -26,8 +29,11 @@ from torch import nn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.parallel._setup import check_setup_arguments
-from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, default_metrics_path
+from loom.parallel.data.data_parallel import LossFn, default_metrics_path
+from loom.parallel.data.data_parallel_config import DataAxisConfig
 from loom.parallel.data.data_parallel_sync import GradientAveraging
+from loom.parallel.data.sharded_axis import ShardedDataAxis
+from loom.parallel.data.sharded_flat import check_elementwise
 from loom.parallel.model.model_parallel import ModelParallelJob, Schedule
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
 from loom.parallel.tensor.tensor_parallel_shard import shard_stage
@@ -43,7 +49,7 @@ def compose(
     *,
     pipeline: PipelineConfig | None = None,
     tp_plan: Any = "auto",
-    data: DataParallelConfig | None = None,
+    data: DataAxisConfig | None = None,
     sample_input: Any = None,
     metrics_path: str | None = None,
 ) -> ModelParallelJob:
@@ -55,15 +61,20 @@ def compose(
     pipeline = pipeline if pipeline is not None else PipelineConfig(stages=mesh.size("pp"))
     if pipeline.stages != mesh.size("pp"):
         raise ValueError(f"a pipeline of {pipeline.stages} stages on a mesh with pp={mesh.size('pp')}")
+    data = data if data is not None else DataAxisConfig()
+    if data.zero == 1:  # refused before any collective, on every rank alike
+        check_elementwise(optimizer, strategy="a data axis with zero=1", instead="zero=0")
     topo = mesh.topology
     if topo.is_distributed:  # every process starts from rank 0's weights, as DDP does
         broadcast_module(model)
     stages = split_into_stages(model, mesh, pipeline, sample_input)
     model.to(topo.device)
     shards = shard_stage(stages.stage, mesh, tp_plan)
-    averaging = GradientAveraging.for_stage(
-        data if data is not None else DataParallelConfig(), mesh.group("dp"), stages.stage, topo
-    )
+    averaging: GradientAveraging | ShardedDataAxis
+    if data.zero == 1:
+        averaging = ShardedDataAxis.for_stage(data, mesh.group("dp"), stages.stage, optimizer, topo)
+    else:
+        averaging = GradientAveraging.for_stage(data, mesh.group("dp"), stages.stage, topo)
     metrics = StepMetrics(topo.rank, metrics_path or default_metrics_path(topo))
     schedule = Schedule(pipeline.stages, pipeline.microbatches, pipeline.schedule)
     return ModelParallelJob(

@@ -4,7 +4,7 @@
 builds one `Mesh` (validated once: ``a · b · c`` must equal the world size, the error names the degrees and the
 world size) and composes the transforms of `loom.parallel.model.compose` on it, in its documented order: pipeline
 stages, tensor shards inside each stage, then the data axis, which is `DataParallel`'s gradient averaging with
-the `DataParallelConfig` fields given here (``allreduce``, ``compression``, ...).
+the `DataAxisConfig` fields given here (``allreduce``, ``compression``, ``zero``, ...).
 
 Data is sharded across ``dp`` only: load with ``job.loader(dataset, global_batch_size)`` so every stage and
 tensor shard of a replica sees the same share (a batch cut otherwise is refused). ``train_step`` returns the
@@ -23,7 +23,8 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.data.data_parallel import LossFn, data_axis_options
+from loom.parallel.data.data_parallel_config import DataAxisConfig
 from loom.parallel.model.compose import compose
 from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig
@@ -67,7 +68,8 @@ class HybridConfig:
 class Hybrid:
     """Strategy: pipeline, then tensor parallel, then data parallel on a ``dp × pp × tp`` mesh.
 
-    The fields of `HybridConfig` and of `DataParallelConfig` (for the data axis) are keyword arguments.
+    The fields of `HybridConfig` and of `DataAxisConfig` (for the data axis: ``zero=1`` shards its optimizer
+    state) are keyword arguments.
     """
 
     def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
@@ -87,4 +89,4 @@ class Hybrid:
 
 
 document_options(HybridConfig, HybridConfig)
-document_options(Hybrid, HybridConfig, DataParallelConfig)
+document_options(Hybrid, HybridConfig, DataAxisConfig)

@@ -11,7 +11,9 @@ order: pipeline stages, tensor shards, then the data axis). Each `train_step`:
    micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` (``N`` the global batch) to backward,
    so gradients are those of the global-batch mean loss;
 3. sums the gradients over the data axis with `DataParallel`'s algorithms and compression
-   (`data_parallel_sync.GradientAveraging`), then steps the optimizer.
+   (`data_parallel_sync.GradientAveraging`), then steps the optimizer; with a sharded data axis (``zero=1``,
+   `sharded_axis.ShardedDataAxis`) averages them into this replica's slice, steps the optimizer over the
+   slice, and gathers the updated slices back over the data axis.
 
 The loss (non-zero on the last stage only) and every stage's busy time and span ride on one all-gather over the
 pipeline; the loss is then summed over the data axis. Each rank's non-finite flag (its local loss, its stage's
@@ -39,6 +41,8 @@ from loom.job import MetricFn
 from loom.mesh import REPLICA, Mesh
 from loom.observe.metrics import StepMetrics
 from loom.parallel.data.data_parallel_sync import GradientAveraging
+from loom.parallel.data.sharded_axis import ShardedDataAxis
+from loom.parallel.data.sharded_memory import live_tensor_bytes
 from loom.parallel.pipeline.pipeline_communications import recv_tensors, send_tensors
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.parallel.pipeline.pipeline_schedule import stage_instructions
@@ -110,7 +114,7 @@ class ModelParallelJob(Engine):
         mesh: Mesh,
         schedule: Schedule,
         shards: TensorShards | None,
-        data_axis: GradientAveraging,
+        data_axis: GradientAveraging | ShardedDataAxis,
         metrics: StepMetrics,
         stage_keys: list[list[str]],
         layer_names: list[str],
@@ -194,6 +198,8 @@ class ModelParallelJob(Engine):
     def _forward_backward(self, state: StepState, train: bool = True) -> None:
         """The pipeline's instruction stream for this stage (forwards only in evaluation)."""
         sched, micro, total = self.schedule, state.work["micro"], state.total
+        if train:  # the optimizer may hold slices of the parameters (zero=1), so its zero_grad misses theirs
+            self.module.zero_grad(set_to_none=True)
         assert total is not None
         stream = (
             stage_instructions(
@@ -232,9 +238,13 @@ class ModelParallelJob(Engine):
         state.loss = loss / state.total
 
     def _apply(self, state: StepState) -> None:
+        data_axis = self.gradient_averaging
         with self.guard.collective("gradient all-reduce over the data axis"):
-            self.gradient_averaging.average([p for p in self.module.parameters() if p.requires_grad])
+            data_axis.average([p for p in self.module.parameters() if p.requires_grad])
         self.optimizer.step()
+        if data_axis.zero:
+            with self.guard.collective("parameter all-gather over the data axis"):
+                data_axis.gather_parameters()
 
     def _straggler_peers(self) -> list[list[int]]:
         """The replicas of each stage and tensor shard (stages differ in work by design)."""
@@ -294,6 +304,11 @@ class ModelParallelJob(Engine):
     def _eval_group(self) -> Any:
         return None  # `_synchronize` reduced the loss over the pipeline and the data axis
 
+    def memory(self) -> dict[str, int]:
+        """This rank's bytes by category, counted over every live tensor (`sharded_memory.live_tensor_bytes`):
+        ``parameters``, ``gradients``, ``optimizer``, ``other``, ``state`` (the first three) and ``total``."""
+        return live_tensor_bytes(self.module, self.optimizer)
+
     # -- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This process's shard: its stage's tensors (under the full model's names), optimizer, step, layout."""
@@ -305,6 +320,7 @@ class ModelParallelJob(Engine):
             "all_layers": self.layer_names,
             "mesh": {a: self.mesh.size(a) for a in ("dp", "pp", "tp")},
             "coordinates": dict(self.mesh.coordinates),
+            "zero": self.gradient_averaging.zero,
         }
         if self.shards is not None:
             layout["tensor_parallel"] = self.shards.layout(self.module)
@@ -324,10 +340,17 @@ class ModelParallelJob(Engine):
                 f"rank {self.topology.rank}: state of mesh coordinates {shard['coordinates']} loaded into "
                 f"{here}. HINT: load each rank's own state_dict()."
             )
+        zero = self.gradient_averaging.zero
+        if shard.get("zero", 0) != zero:
+            raise ValueError(
+                f"rank {self.topology.rank}: the checkpoint was written with zero={shard.get('zero', 0)} on the "
+                f"data axis (optimizer state {'sliced over dp' if shard.get('zero') else 'whole'}), this job has "
+                f"zero={zero}. HINT: resume with zero={shard.get('zero', 0)}."
+            )
+        self.gradient_averaging.load_state_dict(state.get("data_axis", {}))  # refuses another cut, first
         self.module.load_named_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-        self.gradient_averaging.load_state_dict(state.get("data_axis", {}))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state on global rank 0 (``None`` elsewhere). Collective: call it on every process."""

@@ -34,7 +34,8 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.data.data_parallel import LossFn, data_axis_options
+from loom.parallel.data.data_parallel_config import DataAxisConfig
 from loom.parallel.model.compose import compose
 from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.pipeline.pipeline_split import chain_layers
@@ -49,7 +50,7 @@ class Pipeline:
 
     ``Pipeline(stages=p, ..., **data)``: by default the stages span the world when ``p`` equals the world size;
     with fewer stages the remaining factor is the data axis (``dp = world / p``), configured by the
-    `DataParallelConfig` fields in ``data`` (``allreduce``, ``compression``, ...). ``mesh`` places the pipeline
+    `DataAxisConfig` fields in ``data`` (``allreduce``, ``compression``, ``zero``, ...). ``mesh`` places the pipeline
     on the ``pp`` axis of a mesh of your own instead.
     """
 
@@ -95,4 +96,4 @@ class Pipeline:
         )  # fmt: skip
 
 
-document_options(Pipeline, PipelineConfig, DataParallelConfig)
+document_options(Pipeline, PipelineConfig, DataAxisConfig)

@@ -28,7 +28,8 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.parallel.data.data_parallel import DataParallelConfig, LossFn, data_axis_options
+from loom.parallel.data.data_parallel import LossFn, data_axis_options
+from loom.parallel.data.data_parallel_config import DataAxisConfig
 from loom.parallel.model.compose import compose
 from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.tensor.tensor_parallel_shard import (
@@ -57,7 +58,7 @@ class TensorParallel:
 
     ``TensorParallel(size=t, plan=..., **data)``: a `loom.parallel.model.compose` of one stage split over the mesh's
     ``tp`` axis; with ``size`` < the world size the remaining factor is the data axis, configured by the
-    `DataParallelConfig` fields in ``data`` (``allreduce``, ``compression``, ...).
+    `DataAxisConfig` fields in ``data`` (``allreduce``, ``compression``, ``zero``, ...).
     """
 
     def __init__(
@@ -82,4 +83,4 @@ class TensorParallel:
         )  # fmt: skip
 
 
-document_options(TensorParallel, TensorParallelConfig, DataParallelConfig)
+document_options(TensorParallel, TensorParallelConfig, DataAxisConfig)

@@ -1,0 +1,101 @@
+"""ZeRO stage 1 on the data axis of a model-parallel job: ``Hybrid(dp=2, tp=2, zero=1)``, torchtitan's 2-D
+layout with the optimizer state sharded over ``dp`` (Rajbhandari et al., 2020, P_os).
+
+Every process of a `loom.parallel.model.model_parallel.ModelParallelJob` holds one pipeline stage, maybe
+tensor-sharded; the ``dp`` replicas of that stage hold equal parameters. `ShardedDataAxis` takes the place of
+`data_parallel_sync.GradientAveraging` there: the stage's trainable parameters are flattened and cut into one
+piece per ``dp`` replica (`sharded_flat.FlatShards` over the ``dp`` group: the very class of
+`ShardedDataParallel`'s stage 1), and the optimizer is rebound to this replica's piece, so its state
+(momentum, Adam's moments) exists for 1/dp of the stage only. A step:
+
+1. the schedule runs and the step is judged as without sharding (the loss and the non-finite flags are reduced
+   before any gradient is exchanged, `ModelParallelJob._synchronize`);
+2. `average`: the stage's gradients, flattened, are averaged over ``dp`` into this replica's piece (a
+   reduce-scatter on GPUs; on CPU loom's all-reduce with the axis's ``allreduce`` algorithm then a slice, since
+   gloo's reduce-scatter is an all-reduce per rank), and the whole gradients are freed: between steps only
+   the piece of the gradient is kept, as ZeRO-2 keeps it;
+3. the optimizer steps the piece, in place in the stage's parameters;
+4. `gather_parameters`: every replica's updated piece is gathered back into every replica's parameters, exactly
+   (an all-gather, or on CPU an all-reduce of the piece among zeros, ``x + 0 = x``).
+
+The result equals the unsharded data axis up to the order of the gradient's summation (and one process, within
+floating-point rounding). Limits: the optimizer must be elementwise (`sharded_flat.ELEMENTWISE`: stepping
+pieces equals stepping whole tensors); no ``compression`` (the codecs need the whole gradient); checkpoints
+hold each rank's piece of the optimizer state, so they resume at the mesh (and ``dp``) that wrote them, and
+another ``dp`` is refused naming both. Stages 2 and 3 on this axis (gradients reduced during backward,
+parameters sharded) are not built: a pipeline stage's schedule would have to gather parameters per
+micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.parallel.data.data_parallel_config import DataAxisConfig
+from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
+from loom.topology import Topology
+
+__all__ = ["ShardedDataAxis"]
+
+
+class ShardedDataAxis:
+    """A model-parallel job's data axis with ZeRO stage 1: the optimizer steps this replica's piece of the
+    stage (see the module docstring). The interface is `data_parallel_sync.GradientAveraging`'s (``config``,
+    ``zero``, `average`, `gather_parameters`, `state_dict`, `load_state_dict`)."""
+
+    zero = 1
+
+    def __init__(self, config: DataAxisConfig, shards: FlatShards, rank: int) -> None:
+        self.config = config
+        self.shards = shards
+        """This replica's pieces of the stage's parameters (what the optimizer now steps)."""
+        self.rank = rank
+        """This process's global rank (for errors)."""
+
+    @classmethod
+    def for_stage(
+        cls,
+        config: DataAxisConfig,
+        group: dist.ProcessGroup | None,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        topo: Topology,
+    ) -> ShardedDataAxis:
+        """Rebind ``optimizer`` to this replica's piece of ``module``'s parameters over ``group`` (the ``dp``
+        axis; None: one replica, the piece is everything). Refuses an optimizer that is not elementwise."""
+        check_elementwise(optimizer, strategy="a data axis with zero=1", instead="zero=0")
+        collective = config.allreduce if topo.device.type == "cpu" else "reduce_scatter"
+        return cls(config, FlatShards.over_group(module, optimizer, group, collective), topo.rank)
+
+    def average(self, params: list[torch.Tensor]) -> None:
+        """Average the gradients of the stage over ``dp`` into this replica's piece (``params`` are the stage's
+        trainable parameters, which `FlatShards` already holds); free the whole gradients. Collective."""
+        self.shards.average()
+
+    def gather_parameters(self) -> None:
+        """Every replica's updated piece into every replica's parameters. Collective over ``dp``."""
+        self.shards.gather_parameters()
+
+    def layout(self) -> dict[str, Any]:
+        """How the optimizer state is cut: ``dp`` pieces of ``numel`` elements, this rank's ``[lo, hi)``."""
+        s = self.shards
+        return {"zero": 1, "dp": s.world_size, "numel": s.numel, "lo": s.lo, "hi": s.hi}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"compression": None, "sharded": self.layout()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Check that ``state`` was written by the same cut of the optimizer state (else a ValueError naming
+        both: resharding the optimizer's pieces to another ``dp`` is not supported)."""
+        saved, here = state.get("sharded"), self.layout()
+        if saved != here:
+            raise ValueError(
+                f"rank {self.rank}: the checkpoint's data axis holds the optimizer state cut as {saved}, this "
+                f"job's is cut as {here}; zero=1 resumes only at the dp and model layout that wrote it. HINT: "
+                f"resume with dp={saved['dp'] if isinstance(saved, dict) else '<the one that wrote it>'} and the "
+                "same model and mesh."
+            )
