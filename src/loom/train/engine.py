@@ -22,7 +22,8 @@ strategy supplies only what differs, as the hooks of `Engine`:
                                                       gradient sum), or nothing where a server applied it
  8      count the step; the after-step exchange       `_after_step`: LocalSGD, DiLoCo, Gossip
  9      the step record                               `_record`: the strategy's own fields (phases, bubble,
-                                                      staleness, bytes)
+                                                      staleness, bytes); on sampled steps the engine adds
+                                                      memory (``memory_every``, `loom.observe.memory`)
 =====  ===========================================  ==========================================================
 
 What `train_step` returns is ``StepState.loss`` as `_synchronize` sets it: the global-batch mean loss where
@@ -47,6 +48,7 @@ import torch.distributed as dist
 
 from loom.fault.desync import local_flag
 from loom.job import Job, MetricFn, check_batch_layout
+from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, share_means, to_device
 from loom.train.guard import GuardOptions
 
@@ -114,6 +116,9 @@ class Engine(Job):
     guard: StepGuard
     loss_call: LossCall
     """How the model and the loss are called on a batch (`loom.LossCall`)."""
+    memory_every: int = MEMORY_EVERY
+    """Steps 1, 2 and every ``memory_every``-th carry this rank's memory in their record: the training state by
+    category and the step's peak RSS (`loom.observe.memory.StepMemory`, ~0.1 ms a sample); 0: never."""
 
     @property
     def skipped_steps(self) -> int:
@@ -126,6 +131,7 @@ class Engine(Job):
         self._check_can_train()
         check_batch_layout(batch, self)
         state = StepState(self.step + 1, batch)
+        sample = StepMemory.start_step(state.number, self.memory_every)
         with self._step_context():
             self._prepare(state)
             self._refuse_empty(state)
@@ -143,6 +149,8 @@ class Engine(Job):
             self.last_step_skipped = state.skipped
             self._after_step(state)
             self._record(state)
+            if sample is not None:  # after the record: its time and phases do not include the sampling
+                self.metrics.annotate(state.number, **sample.fields(self.module, self.optimizer))
         return state.loss
 
     def _refuse_empty(self, state: StepState) -> None:
