@@ -81,7 +81,9 @@ def test_checkpoint_written_at_n_resumes_at_m(workers, written, tmp_path, m):
     for i, run in enumerate(by_rank[0]):
         n = WORLDS[i // 3]
         label = f"stage {run['stage']}: {n} -> {m} processes"
-        assert run["root"] == str(copies[i // 3]) and run["resumed_from"] == WRITTEN, (label, run["resumed_from"])
+        assert run["root"] == str(copies[i // 3]) and run["resumed_from"] == WRITTEN, (
+            label,
+            run["resumed_from"],
+        )
         assert all(r[i]["step"] == RESUMED for r in by_rank), label
         _assert_params(_assemble([r[i]["params"] for r in by_rank]), expected, label)
-
