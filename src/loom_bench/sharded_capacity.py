@@ -12,7 +12,8 @@ a failure for another reason stops the search instead of reading as "too big").
 For each strategy the MLP's width is grown by 1.4x from a size that fits until one does not, then bisected to
 ``--resolution`` (parameters ~ 8 x width^2: `loom_bench.sharded_capacity_worker`). Every process in the cgroup
 pays the same fixed cost (the interpreter and torch, a few hundred MB each), so the ratio of parameters is the
-ratio of what is left for the training state, which is the quantity ZeRO divides.
+ratio of what is left for the training state and the step's transients (a run at another limit shows how much
+that fixed part moves the ratio).
 
 Writes ``sharded_capacity.md`` and ``.json`` into the report directory. Needs root (to create the cgroup).
 """
@@ -207,8 +208,7 @@ def markdown(summary: dict) -> str:
         "(`loom_bench.sharded_capacity_worker`) with Adam in float32 for 2 steps, global batch 32; "
         "the width is grown by 1.4x until the kernel's OOM killer ends the job, then bisected "
         f"(resolution {summary['resolution']:.0%} of the width). The fixed cost of 5 Python processes with "
-        "torch is inside the limit too, so the ratios understate what a 24 GiB machine gives, where that cost is "
-        "a smaller part.",
+        "torch (about 330 MiB per worker) is inside the limit too.",
         "",
         "| strategy | largest width that trains | parameters (M) | smallest that ran out (M) | vs DataParallel "
         "(largest / largest) | bracket | peak RSS per rank (MiB, largest) | cgroup peak (MiB) |",
