@@ -44,6 +44,12 @@ def test_report_writes_html_with_every_chart_embedded_and_pngs(report_dir):
     assert summary["world_size"] == 2 and summary["steps"] == 12
     assert summary["scaling_efficiency"] == pytest.approx(0.5, rel=1e-6)  # same records: 1/N by definition
     assert [row["rank"] for row in summary["ranks"]] == [0, 1]
+    # memory: steps 1 and 2 of each rank sampled by the job itself (DataParallel's whole model with its optimizer)
+    assert [row["rank"] for row in summary["memory"]] == [0, 1]
+    for row in summary["memory"]:
+        assert row["sampled_steps"] == 2 and row["parameters_mb"] > 0 and row["gradients_mb"] > 0
+        assert row["peak_rss_mb"] >= row["start_rss_mb"] > 0
+    assert '<table id="memory">' in page and "peak RSS in step MiB" in page
 
 
 @pytest.mark.unit

@@ -72,8 +72,9 @@ def test_stages_match_one_process(workers, world_size, global_batch):
 @pytest.mark.timeout(300)
 def test_nonfinite_step_skipped_and_memory_within_zero_share(workers):
     """A NaN on one rank's share: the step is skipped on every rank at every stage, nothing changes. Memory:
-    the persistent state counted over every live tensor is at most 1.10 x the stage's ZeRO share of the
-    one-process Adam state (16 bytes per parameter), at 2 processes."""
+        the persistent state counted over every live tensor is at most 1.10 x the stage's ZeRO share of the
+        one-process Adam state (16 bytes per parameter), at 2 processes; the engine's sample in step 2's record equals
+    it."""
     from loom.parallel.data.sharded_memory import zero_share
 
     outputs = workers("sharded_checks.py", 2, "guards", timeout=280)
@@ -91,6 +92,11 @@ def test_nonfinite_step_skipped_and_memory_within_zero_share(workers):
             assert state <= bound, f"rank {rank} stage {r['stage']}: {state} bytes > {bound:.0f}"
             assert state == sum(r["memory"][c] for c in ("parameters", "gradients", "optimizer"))
             assert r["memory"]["optimizer"] <= 1.10 * 8 * r["params"] / 2  # Adam's moments: sharded
+            sampled = r["record"]  # the step record's cheap count equals the heap walk's, FSDP2's shards too
+            assert {c: sampled["memory"][c] for c in ("parameters", "gradients", "optimizer", "state")} == {
+                c: r["memory"][c] for c in ("parameters", "gradients", "optimizer", "state")
+            }, f"rank {rank} stage {r['stage']}"
+            assert sampled["peak"] >= sampled["rss"] > 0
 
 
 @pytest.mark.multiprocess

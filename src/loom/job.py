@@ -128,6 +128,17 @@ class Job(abc.ABC):
             dataset, global_batch_size, shuffle, seed, drop_last, topology=self.data_topology, **options
         )
 
+    def memory(self) -> dict[str, int]:
+        """This process's tensor bytes by category: ``parameters``, ``gradients``, ``optimizer``, ``other``,
+        ``state`` (the first three) and ``total``, counted over every live tensor (`loom.observe.memory`; ~0.1 s,
+        so call it between steps, not in them). The step records carry the cheap part of it every
+        ``memory_every`` steps, with the step's peak RSS."""
+        from loom.observe.memory import (
+            live_tensor_bytes,  # here: observe imports torch only, like this module
+        )
+
+        return live_tensor_bytes(self.module, getattr(self, "optimizer", None))
+
     def load_resharded(self, read_part: Callable[[int], Any], written_by: int) -> None:
         """Restore a sharded checkpoint written by ``written_by`` ranks into this rank's share of the job, with
         ``read_part(r)`` the saved `state_dict` of rank ``r``; only jobs with ``reshards`` implement it."""

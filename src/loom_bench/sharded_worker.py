@@ -2,8 +2,8 @@
 with the same units, a plain loop) and loom DataParallel in the same processes, alternating, and measures each
 one's persistent training state per rank by walking the live tensors (`loom.parallel.data.sharded_memory`), and the
 peak of one step: the process's resident memory at its highest during the step (``VmHWM``, reset just before it
-through ``/proc/self/clear_refs``) minus what was resident when it began (Linux only; a benchmark measurement,
-which is why it lives here and not in ``job.memory()``).
+through ``/proc/self/clear_refs``) minus what was resident when it began (Linux only; the same measurement the
+jobs' step records carry on their sampled steps, `loom.observe.memory`, taken here for the raw FSDP2 loop too).
 
 Every runner trains the same MLP with Adam on the same synthetic global batches; the order rotates between
 repetitions so drift on a shared machine hits all alike. Rank 0 writes the samples/s and bytes as JSON.

@@ -2,7 +2,8 @@
 tests/test_sharded.py.
 
 argv[1] = "guards": for each stage, a NaN step skipped on every rank (parameters unchanged), then the memory of
-a larger model with Adam (`job.memory()`); one JSON line per check.
+a larger model with Adam (`job.memory()`, and what the engine sampled into step 2's record); one JSON line per
+check.
 argv[1] = "fit" CKPT_ROOT STEPS: for each stage, `loom.fit` with SGD + momentum to STEPS steps in
 CKPT_ROOT/stage<S> (resuming, and resharding, from what is there); the final parameters' pieces as JSON.
 argv[1] = "elastic" CKPT_ROOT STEPS KILL_AT, under ``loom run --max-restarts 2``: stages 1 then 3, checkpoints
@@ -73,10 +74,16 @@ if mode == "guards":
         g = torch.Generator().manual_seed(topo.rank)
         for _ in range(2):
             job.train_step((torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)))
-        print(
-            json.dumps({"check": "memory", "stage": stage, "params": n_params, "memory": job.memory()}),
-            flush=True,
-        )
+        record = job.metrics.records[-1]  # step 2: sampled by the engine (steps 1, 2, every memory_every-th)
+        sampled = {"memory": record.memory, "rss": record.rss_bytes, "peak": record.peak_rss_bytes}
+        line = {
+            "check": "memory",
+            "stage": stage,
+            "params": n_params,
+            "memory": job.memory(),
+            "record": sampled,
+        }
+        print(json.dumps(line), flush=True)
         del job, model
 elif mode == "fit":
     root, steps = sys.argv[2], int(sys.argv[3])

@@ -70,6 +70,13 @@ class StepRecord:
     skipped: bool | None = None
     """True when the step's update was not applied (a non-finite loss or gradient on some rank: see
     `loom.fault.desync.NonFiniteGuard`); absent otherwise."""
+    memory: dict[str, int] | None = None
+    """Sampled steps (a job's ``memory_every``): this rank's training state in bytes after the step, by category
+    (``parameters``, ``gradients``, ``optimizer``, ``state``; `loom.observe.memory.state_bytes`)."""
+    rss_bytes: int | None = None
+    """Sampled steps: this process's resident set size when the step began."""
+    peak_rss_bytes: int | None = None
+    """Sampled steps: this process's RSS high-water mark during the step (`loom.observe.memory`)."""
 
 
 class StepMetrics:
@@ -109,6 +116,30 @@ class StepMetrics:
             if now - self._flushed >= FLUSH_INTERVAL_S:
                 self.flush()
                 self._flushed = now
+
+    def annotate(self, step: int, **fields: Any) -> bool:
+        """Add ``fields`` to the latest record if it is ``step``'s: measurements taken after the step's clock
+        stopped. A record already in the file is written again whole (readers keep the last line of a step, as
+        `loom.observe.report.load_records` does). False, and nothing done, when ``step`` was not the last
+        recorded (a job built with ``observe=False`` records nothing)."""
+        unknown = set(fields) - set(StepRecord.__dataclass_fields__)
+        if unknown:
+            raise TypeError(
+                f"StepRecord has no field(s) {sorted(unknown)}; its fields are the record's columns"
+            )
+        if self._raw:
+            if self._raw[-1][0] != step:
+                return False
+            self._raw[-1][6].update(fields)
+            return True
+        if not self._records or self._records[-1].step != step:
+            return False
+        record = self._records[-1]
+        for name, value in fields.items():
+            setattr(record, name, value)
+        if self._file is not None and not any(r is record for r in self._unwritten):
+            self._unwritten.append(record)
+        return True
 
     @property
     def records(self) -> list[StepRecord]:

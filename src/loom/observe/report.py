@@ -12,6 +12,11 @@ Summary figures, all excluding the first (warm-up) step:
 - *time lost waiting*: per rank, the time blocked in communication (``comm_s``), absolute and as a share of
   the step time. In synchronous training this is mostly one rank waiting for the slowest.
 
+Memory, per rank, from the steps whose records carry it (`loom.observe.memory`: steps 1, 2 and every
+``memory_every``-th): the training state by category after the last sampled step (parameters, gradients,
+optimizer state), and over the sampled steps the highest RSS peak during a step, with the RSS at that step's
+start (their difference is what the step itself added: activations, gathered parameters, buffers).
+
 Also merges the per-rank trace files into ``RUN_DIR/trace.json`` if the run was traced and lists the straggler
 warnings rank 0 raised.
 """
@@ -87,8 +92,53 @@ def summarize(
             "last_spread": next((r["spread"] for r in reversed(recs) if r.get("spread") is not None), None),
         })  # fmt: skip
     summary["ranks"] = rows
+    summary["memory"] = [row for rank, recs in runs.items() if (row := _memory_row(rank, recs)) is not None]
     summary["time_lost_waiting_s"] = sum(r["waiting_s"] for r in rows)
     return summary
+
+
+def _memory_row(rank: int, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Rank ``rank``'s memory: the last sampled state by category, the highest step peak and its step."""
+    sampled = [r for r in records if r.get("memory")]
+    if not sampled:
+        return None
+    row: dict[str, Any] = {"rank": rank, "sampled_steps": len(sampled)}
+    row.update({f"{c}_mb": sampled[-1]["memory"].get(c, 0) / 2**20 for c in _STATE})
+    peaks = [r for r in sampled if r.get("peak_rss_bytes") is not None]
+    top = max(peaks, key=lambda r: r["peak_rss_bytes"]) if peaks else None
+    row["peak_step"] = top["step"] if top else None
+    row["peak_rss_mb"] = top["peak_rss_bytes"] / 2**20 if top else None
+    start = top.get("rss_bytes") if top else None
+    row["start_rss_mb"] = start / 2**20 if start is not None else None
+    row["step_rise_mb"] = (top["peak_rss_bytes"] - start) / 2**20 if top and start is not None else None
+    return row
+
+
+_STATE = ("parameters", "gradients", "optimizer", "state")
+_MEMORY_COLUMNS = [
+    ("rank", "rank"),
+    ("parameters_mb", "parameters MiB"),
+    ("gradients_mb", "gradients MiB"),
+    ("optimizer_mb", "optimizer MiB"),
+    ("state_mb", "training state MiB"),
+    ("peak_step", "peak at step"),
+    ("start_rss_mb", "RSS at step start MiB"),
+    ("peak_rss_mb", "peak RSS in step MiB"),
+    ("step_rise_mb", "step's rise MiB"),
+    ("sampled_steps", "sampled steps"),
+]
+
+
+def _memory_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return (
+            "<p>no memory samples in the records (a job with memory_every=0, or a strategy without them)</p>"
+        )
+    header = "".join(f"<th>{html.escape(label)}</th>" for _, label in _MEMORY_COLUMNS)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_cell(c, row[c])}</td>" for c, _ in _MEMORY_COLUMNS) + "</tr>" for row in rows
+    )
+    return f'<table id="memory"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _png_tag(name: str, path: Path) -> str:
@@ -167,6 +217,7 @@ figure {{ margin: .5em 0; }} img.chart {{ max-width: 100%; }}
 </style></head><body>
 <h1>loom report</h1><p>Run directory: <code>{title}</code></p>
 <h2>Summary</h2>{table}
+<h2>Memory per rank</h2>{memory}
 <h2>Straggler warnings</h2>{warnings}
 <h2>Charts</h2><div id="charts">
 {figures}
@@ -225,6 +276,7 @@ def write_report(run_dir: str | Path) -> Path:
     page = _PAGE.format(
         title=html.escape(str(run_dir)),
         table=_summary_table(summary),
+        memory=_memory_table(summary["memory"]),
         warnings=_warnings_html(run_dir),
         figures="\n".join(_png_tag(name, path) for name, path in pngs.items()),
     )

@@ -22,8 +22,8 @@ strategy supplies only what differs, as the hooks of `Engine`:
                                                       gradient sum), or nothing where a server applied it
  8      count the step; the after-step exchange       `_after_step`: LocalSGD, DiLoCo, Gossip
  9      the step record, with the phase times          `_record`: the strategy's own fields (phases, bubble,
-        at the hooks' boundaries; this rank's row      staleness, bytes)
-        for the straggler watch
+        at the hooks' boundaries; this rank's row      staleness, bytes); on sampled steps the engine adds
+        for the straggler watch                       memory (``memory_every``, `loom.observe.memory`)
 =====  ===========================================  ==========================================================
 
 Stragglers: a strategy that carries every rank's phase times on its step's own collective says so
@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from loom.fault.desync import local_flag
 from loom.job import Job, MetricFn, check_batch_layout
+from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.observe.straggler_watch import StragglerWatch
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, share_means, to_device
 from loom.train.guard import GuardOptions
@@ -129,6 +130,9 @@ class Engine(Job):
     through the watchdog (`loom.observe.straggler_watch`)."""
     loss_call: LossCall
     """How the model and the loss are called on a batch (`loom.LossCall`)."""
+    memory_every: int = MEMORY_EVERY
+    """Steps 1, 2 and every ``memory_every``-th carry this rank's memory in their record: the training state by
+    category and the step's peak RSS (`loom.observe.memory.StepMemory`, ~0.1 ms a sample); 0: never."""
 
     @property
     def skipped_steps(self) -> int:
@@ -141,6 +145,7 @@ class Engine(Job):
         self._check_can_train()
         check_batch_layout(batch, self)
         state = StepState(self.step + 1, batch)
+        sample = StepMemory.start_step(state.number, self.memory_every)
         clock = time.perf_counter
         with self._step_context():
             self._prepare(state)
@@ -177,6 +182,8 @@ class Engine(Job):
             watch = self._straggler_watch()
             if watch is not None:
                 watch.add(*state.phases)
+            if sample is not None:  # after the record: its time and phases do not include the sampling
+                self.metrics.annotate(state.number, **sample.fields(self.module, self.optimizer))
         return state.loss
 
     def _refuse_empty(self, state: StepState) -> None:

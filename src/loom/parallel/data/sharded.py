@@ -4,7 +4,7 @@ among the replicas instead of copied into each.
 ```python
 job = loom.ShardedDataParallel(stage=3).setup(model, optimizer, loss_fn)
 loom.fit(job, job.loader(dataset, global_batch_size=256), epochs=10, checkpoint_dir="ckpt")
-print(job.memory())       # this rank's bytes: parameters, gradients, optimizer state, other
+print(job.memory())       # this rank's bytes: parameters, gradients, optimizer state, other (`loom.job.Job`)
 ```
 
 =====  ==========================================  ==============================  ============================
@@ -62,7 +62,6 @@ from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_parallel import DataParallelConfig, DataParallelJob, default_metrics_path
 from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
 from loom.parallel.data.sharded_fsdp import FsdpLayout, shard_model
-from loom.parallel.data.sharded_memory import live_tensor_bytes
 from loom.parallel.data.sharded_selftest import run_self_test
 from loom.parallel.data.sharded_state import ShardLayout, load_pieces, rank_state
 from loom.topology import Topology, current
@@ -293,12 +292,6 @@ class ShardedDataParallelJob(DataParallelJob):
                 finally:
                     self.module.train(was_training)
         return super()._evaluate(batch, metrics)
-
-    # -- memory -----------------------------------------------------------------------------------------------
-    def memory(self) -> dict[str, int]:
-        """This rank's bytes by category, counted over every live tensor (`sharded_memory.live_tensor_bytes`):
-        ``parameters``, ``gradients``, ``optimizer``, ``other``, ``state`` (the first three) and ``total``."""
-        return live_tensor_bytes(self.module, self.optimizer)
 
     # -- state ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

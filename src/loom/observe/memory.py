@@ -1,0 +1,196 @@
+"""Memory measured, not assumed: this process's bytes by category, and its peak during a step.
+
+Two measurements, for two questions:
+
+**Which bytes are the training state** (`state_bytes`, `live_tensor_bytes`): tensors counted by *storage* (views
+and shards that share memory are counted once; a storage counts whole, padding included) and sorted into the
+first category that claims them: ``parameters`` (the model's parameters, FSDP2's local shards, the optimizer's
+pieces), ``gradients`` (their ``.grad``), ``optimizer`` (the optimizer's state). `state_bytes` counts only those
+three, from the model and the optimizer (well under a millisecond: cheap enough for the step records);
+`live_tensor_bytes` also walks every tensor the Python garbage collector tracks and counts the rest as ``other``
+(data, buffers, activations kept alive): ~0.1 s in a process that imported torch, so it is ``job.memory()``'s,
+never the step's.
+
+**How high the step went** (`StepMemory`): the process's resident set size (RSS) high-water mark, reset at the
+start of a sampled step (Linux: ``5`` written to ``/proc/self/clear_refs`` sets ``VmHWM`` to the current RSS)
+and read at its end (``VmHWM`` in ``/proc/self/status``). Why RSS and not a count of live tensor bytes: it is
+what the kernel charges and what a memory limit kills a process for, and it counts every allocation, the ones
+made in C++ where no Python hook sees them (gloo's buffers, FSDP2's all-gather outputs, autograd's saved
+tensors) included; a ``TorchDispatchMode`` tracker would see only the tensors dispatched through Python, and
+would put an interposer on every operation of the step (observing must not change the observed path). Why
+not ``resource.getrusage``'s ``ru_maxrss``: it is the high-water mark of the process's whole life, which
+cannot be reset, so after the first large step it says nothing about later ones. The cost: two small
+``/proc`` accesses, ~0.1 ms; limits: RSS includes what is not tensors (the interpreter and libraries, a few
+hundred MB with torch) and memory the allocator freed but kept; ranks run as threads of one process share one
+figure. Where ``/proc/self/clear_refs`` is missing (not Linux) the peak is left out of the records.
+
+A sampled step's record carries ``memory`` (the three categories and their sum ``state``, after the step),
+``rss_bytes`` (RSS when the step began) and ``peak_rss_bytes``; `Engine` samples steps 1 and 2 (the first
+allocates the optimizer's state) and every ``memory_every``-th (`MEMORY_EVERY`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CATEGORIES",
+    "MEMORY_EVERY",
+    "StepMemory",
+    "live_tensor_bytes",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+    "rss_bytes",
+    "state_bytes",
+]
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "other")
+MEMORY_EVERY = 50
+"""Steps between two memory samples in the step records (besides steps 1 and 2); a job's ``memory_every``."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    try:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            return t._local_tensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        pass
+    return t
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    t = _local(t)
+    if t.device.type == "meta":
+        return None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+        return None
+    return (str(t.device), storage.data_ptr()) if storage.nbytes() else None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(_local(t).untyped_storage().nbytes())
+
+
+def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[str, int], int]:
+    found = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            key = _storage_key(t)
+            if key is not None:
+                found[key] = _nbytes(t)
+    return found
+
+
+def _claims(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[tuple[str, int], int]]:
+    groups = optimizer.param_groups if optimizer is not None else []
+    params = [*module.parameters(), *(p for g in groups for p in g["params"])]
+    states = optimizer.state.values() if optimizer is not None else []
+    tensors = [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]
+    return [_storages(params), _storages(p.grad for p in params), _storages(tensors)]
+
+
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """The training state's bytes: ``parameters``, ``gradients``, ``optimizer`` and their sum ``state``, each
+    storage counted once, in the first category that claims it (no walk of the heap: cheap)."""
+    counted: dict[str, int] = dict.fromkeys(CATEGORIES[:3], 0)
+    seen: set[tuple[str, int]] = set()
+    for category, claim in zip(CATEGORIES, _claims(module, optimizer), strict=False):
+        for key, nbytes in claim.items():
+            if key not in seen:
+                seen.add(key)
+                counted[category] += nbytes
+    counted["state"] = sum(counted.values())
+    return counted
+
+
+def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """This process's tensor bytes by category (the module docstring), plus ``state`` and ``total``: every
+    tensor the garbage collector tracks, after a collection (~0.1 s: not for every step)."""
+    claims = _claims(module, optimizer)
+    counted: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+    seen: set[tuple[str, int]] = set()
+    gc.collect()
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # type(): a proxy (torch.distributed.reduce_op) warns
+            continue
+        key = _storage_key(obj)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        category = next((c for c, claim in zip(CATEGORIES, claims, strict=False) if key in claim), "other")
+        counted[category] += _nbytes(obj)
+    for category, claim in zip(CATEGORIES, claims, strict=False):  # tensors reachable only from C++
+        for key, nbytes in claim.items():
+            if key not in seen:
+                seen.add(key)
+                counted[category] += nbytes
+    counted["state"] = counted["parameters"] + counted["gradients"] + counted["optimizer"]
+    counted["total"] = counted["state"] + counted["other"]
+    return counted
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size now (``/proc/self/statm``), or None where there is no ``/proc``."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark to the current RSS; False where the kernel does not offer it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """The RSS high-water mark since the last `reset_peak_rss` (``VmHWM``), or None where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class StepMemory:
+    """One sampled step: `start` resets the peak before the step (None when ``step`` is not sampled), `fields`
+    reads what the step's record carries after it."""
+
+    def __init__(self) -> None:
+        self.peak_reset = reset_peak_rss()
+        self.start = rss_bytes()
+
+    @classmethod
+    def start_step(cls, step: int, every: int = MEMORY_EVERY) -> StepMemory | None:
+        """Begin sampling step ``step`` if it is one (steps 1 and 2, and every ``every``-th; ``every`` 0: none)."""
+        if every > 0 and (step <= 2 or step % every == 0):
+            return cls()
+        return None
+
+    def fields(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """``memory`` (the training state by category), ``rss_bytes`` and ``peak_rss_bytes`` where known."""
+        found: dict[str, Any] = {"memory": state_bytes(module, optimizer)}
+        if self.start is not None:
+            found["rss_bytes"] = self.start
+        peak = peak_rss_bytes() if self.peak_reset else None
+        if peak is not None:
+            found["peak_rss_bytes"] = peak
+        return found
