@@ -3,6 +3,7 @@ and Pipeline(stages=2) with dp=2 on 4 processes equal one process (Adam, SGD wit
 rank's optimizer state is half the unsharded job's; a loom.fit checkpoint resumes bitwise; what is not supported
 is refused by name."""
 
+import copy
 import json
 
 import pytest
@@ -173,8 +174,10 @@ def test_the_sharded_axis_over_an_explicit_group_equals_one_model(collective):
         nn.functional.mse_loss(reference(x), y).backward()
         optimizer.step()
 
+    initial = _model()  # built once: the global RNG is shared by the threads, so seeding in each would race
+
     def rank_fn(rank, group):
-        model = _model()
+        model = copy.deepcopy(initial)
         optimizer = sgd(model)
         axis = ShardedDataAxis(
             DataAxisConfig(zero=1), FlatShards.over_group(model, optimizer, group, collective), rank
