@@ -5,7 +5,9 @@ raw FSDP2 (``fully_shard`` with the same units, a plain loop) at stages 2 and 3,
 alternating within every repetition. Memory: each rank's persistent training state (parameters, gradients,
 Adam's state) counted over the live tensors after training, against the ZeRO share of the one-process state
 (16 bytes per parameter: `loom.parallel.data.sharded_memory.zero_share`). Throughput: medians over repetitions.
-Writes ``sharded.md`` and ``sharded.json`` into the report directory.
+Writes ``sharded.md``, ``sharded.json`` and ``sharded.png`` (memory per rank, predicted and measured, and
+throughput against N) into the report directory; ``python -m loom_bench.sharded --figure DIR`` redraws the
+figure from ``DIR/sharded.json`` without running anything.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def run_sharded_benchmark(repetitions: int, steps: int, out_dir: Path, world_siz
         "results": {str(n): r for n, r in results.items()},
     }
     (out_dir / "sharded.json").write_text(json.dumps(summary, indent=1))
-    text = markdown(summary)
+    text = markdown(summary) + "\n![memory per rank and throughput](sharded.png)\n"
     (out_dir / "sharded.md").write_text(text)
+    figure(summary, out_dir / "sharded.png")
     print(text)
     return 0
 
@@ -120,5 +123,46 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def figure(summary: dict, path: Path) -> None:
+    """Left: each runner's persistent state per rank (measured, solid; the ZeRO prediction, dotted) against N;
+    right: its median samples/s against N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = summary["results"]
+    sizes = sorted(results, key=int)
+    names = list(results[sizes[0]]["rates"])
+    fig, (memory, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, name in enumerate(names):
+        color = f"C{i}"
+        stage = _stage(name)
+        measured = [results[n]["memory"][name]["state"] / (1 << 20) for n in sizes]
+        predicted = [
+            16 * results[n]["params"] * (zero_share(stage, int(n)) if stage else 1.0) / (1 << 20)
+            for n in sizes
+        ]
+        memory.plot([int(n) for n in sizes], measured, "o-", color=color, label=name)
+        memory.plot([int(n) for n in sizes], predicted, ":", color=color)
+        speed.plot([int(n) for n in sizes], [statistics.median(results[n]["rates"][name]) for n in sizes], "o-",
+                   color=color, label=name)  # fmt: skip
+    memory.set(xlabel="processes N", ylabel="training state per rank (MiB)",
+               title="memory per rank: measured (solid), ZeRO share (dotted)", xticks=[int(n) for n in sizes])  # fmt: skip
+    speed.set(xlabel="processes N", ylabel="samples/s (median)", title="throughput",
+              xticks=[int(n) for n in sizes])  # fmt: skip
+    for ax in (memory, speed):
+        ax.grid(True, alpha=0.3)
+    speed.legend(fontsize=8)
+    fig.suptitle(f"ShardedDataParallel, {summary['model']} ({summary['date']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--figure"]:
+        folder = Path(sys.argv[2])
+        figure(json.loads((folder / "sharded.json").read_text()), folder / "sharded.png")
+        sys.exit(0)
     sys.exit(run_sharded_benchmark(5, 10, Path("benchmarks/reports")))
