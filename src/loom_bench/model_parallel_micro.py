@@ -62,6 +62,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--spin-us", type=float, default=None)
     parser.add_argument("--yield-us", type=float, default=None)
+    parser.add_argument(
+        "--paths", nargs="+", default=None, help="time only the paths whose name contains one of these words"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.spin_us is not None:
@@ -106,6 +109,8 @@ def main() -> None:
             lambda: _pipeline_pair(data, rank, cpu)
         ),
     }
+    if args.paths:
+        paths = {name: fn for name, fn in paths.items() if any(word in name for word in args.paths)}
     per_round: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for name in names:  # warm-up: segments, calibration, first messages
