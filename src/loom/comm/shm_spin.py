@@ -84,7 +84,7 @@ class SpinBudget:
     def spin(self) -> float:
         """Seconds to spin in the wait about to start."""
         floor = shm_wait.SPIN_S
-        return floor if self.seconds <= floor or cpu_contended() else self.seconds
+        return floor if self.seconds <= floor or cpu_contended() else min(self.seconds, SPIN_MAX_S)
 
     def update(self, waited: float) -> None:
         """Learn from a wait that took ``waited`` seconds."""
