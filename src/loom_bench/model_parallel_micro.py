@@ -129,9 +129,6 @@ def main() -> None:
         "send/recv gloo (bare tensor)": lambda: _gloo_pair(data, rank),
         "send/recv loom pipeline over gloo": lambda: gloo_only(lambda: _pipeline_pair(data, rank, cpu)),
         "send/recv loom pipeline over shm": lambda: _pipeline_pair(data, rank, cpu),
-        "send/recv loom pipeline over shm, fixed 20 us spin": fixed_spin(
-            lambda: _pipeline_pair(data, rank, cpu)
-        ),
         "send/recv loom pipeline over shm, spin+yield waits": yielding(
             lambda: _pipeline_pair(data, rank, cpu)
         ),

@@ -96,7 +96,7 @@ class ShmSender:
         )  # not when the peer's pids are not visible from here
         self._queue: deque[list[Any]] = deque()  # [address, bytes left, object keeping the memory alive]
         self._headers: dict[tuple[tuple[torch.dtype, torch.Size], ...], _Header] = {}
-        self._handle = [(_SendHandle(self), None)]
+        self._handle = _SendHandle(self)
         self._budget = SpinBudget()
         self.sent = 0
 
@@ -127,7 +127,7 @@ class ShmSender:
             for t in parts:
                 ring.put(t.data_ptr(), t.nbytes)
             ring.publish()
-            return self._handle
+            return [(self._handle, None)]
         queue = self._queue
         queue.append([header.addr, header.nbytes, header])
         for t in parts:
@@ -137,7 +137,7 @@ class ShmSender:
         if self not in _BACKLOG:
             _BACKLOG.append(self)
         self.flush()
-        return self._handle
+        return [(self._handle, None)]
 
     def flush(self) -> bool:
         """Push queued bytes while they fit; whether the queue is empty."""

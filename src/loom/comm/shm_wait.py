@@ -25,7 +25,10 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loom.comm.shm_spin import SpinBudget
 
 __all__ = ["SPIN_S", "TIMEOUT_S", "YIELD_S", "futex_wake", "process_alive", "wait_until"]
 
@@ -98,7 +101,7 @@ def wait_until(
     check_pid: bool = True,
     futex: tuple[int, Callable[[], int], Callable[[int], None]] | None = None,
     busy: Callable[[], bool] | None = None,
-    budget: Any = None,
+    budget: SpinBudget | None = None,
 ) -> None:
     """Return once ``ready()`` is true; raise RuntimeError naming ``me``, ``peer`` and ``what`` (``"rank 3"``,
     ``"rank 2"``, ``"receive of ..."``) if ``peer`` (whose process id ``pid()`` reads, 0 while unknown) dies or
