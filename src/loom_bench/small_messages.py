@@ -4,6 +4,8 @@ Each commit is checked out (``git worktree add --detach``) into a temporary fold
 replaced by THIS checkout's, so both commits are timed by the same benchmark code. Then, for ``--rounds``
 rounds, in an order that alternates from round to round, each commit runs on 2 processes:
 
+0. the CPU time of one 4 KiB message's Python work at both ends, in one process (`loom_bench.small_message_cpu`:
+   thread CPU time, which the machine's load inflates far less than it does latencies);
 1. the micro-benchmark's pipeline message paths (`loom_bench.model_parallel_micro` ``--paths "pipeline over
    shm"``: a 4 KiB message there and back through `loom.comm.shm_channel`, the round trip's median);
 2. the pipeline step benchmark (`loom_bench.model_parallel_worker`) on ``--configs`` (default: the MLP chain
@@ -58,12 +60,20 @@ def _job(tree: Path, module: str, args: list[str], scratch: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _cpu(tree: Path) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree / "src"))
+    out = subprocess.run([sys.executable, "-m", "loom_bench.small_message_cpu"], env=env, check=True, cwd=tree,
+                         capture_output=True)  # fmt: skip
+    return float(json.loads(out.stdout.decode().strip().splitlines()[-1])["us"])
+
+
 def _one_round(tree: Path, configs: list[str], steps: int, calls: int, scratch: Path) -> dict:
     micro = _job(tree, "model_parallel_micro", ["--paths", "pipeline over shm", "--rounds", "1", "--calls",
                                                  str(calls)], scratch)  # fmt: skip
     steps_out = _job(tree, "model_parallel_worker", ["--configs", *configs, "--rounds", "1", "--steps", str(steps)],
                      scratch)  # fmt: skip
     return {
+        "cpu_us": _cpu(tree),
         "micro_us": {k: v[0] for k, v in micro["us"].items()},
         "steps": {r["config"]: {k: v[0] for k, v in r["seconds"].items()} for r in steps_out["results"]},
     }
@@ -132,6 +142,13 @@ def markdown(report: dict) -> str:
         "| figure | old | new | new / old, paired (median) |",
         "|---|---|---|---:|",
     ]
+    if "cpu_us" in rounds[0]["old"]:
+        o, n = ([r[k]["cpu_us"] for r in rounds] for k in ("old", "new"))
+        paired = statistics.median(b / a for a, b in zip(o, n, strict=True))
+        lines.append(
+            f"| one 4 KiB message, both ends in one process: CPU µs (`loom_bench.small_message_cpu`) | "
+            f"{_cells(o, 1, '.1f')} | {_cells(n, 1, '.1f')} | {paired:.2f} |"
+        )
     for path in rounds[0]["old"]["micro_us"]:
         o, n = ([r[k]["micro_us"][path] for r in rounds] for k in ("old", "new"))
         paired = statistics.median(b / a for a, b in zip(o, n, strict=True))
