@@ -85,6 +85,8 @@ def test_a_corrupt_header_is_refused_by_name():
 @pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_the_spin_budget_grows_with_quick_answers_and_shrinks_with_slow_ones(monkeypatch):
+    assert shm_spin.SPIN_MAX_S == shm_wait.SPIN_S  # the default: a fixed spin (the module docstring says why)
+    monkeypatch.setattr(shm_spin, "SPIN_MAX_S", 200e-6)
     monkeypatch.setattr(shm_spin, "cpu_contended", lambda: False)
     budget = shm_spin.SpinBudget()
     assert budget.seconds == shm_wait.SPIN_S and budget.spin() == shm_wait.SPIN_S
