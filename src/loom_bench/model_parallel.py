@@ -67,6 +67,11 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["micro", "pipeline", "tensor"])
     parser.add_argument("--out", type=Path, default=REPORTS)
     parser.add_argument("--render", type=Path, default=None, help="only rewrite the markdown from this JSON")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the other parts of the report in --out (each part keeps its own date and command)",
+    )
     args = parser.parse_args()
     if args.render is not None:
         (args.out / "model_parallel.md").write_text(markdown(json.loads(args.render.read_text())))
@@ -96,6 +101,16 @@ def main() -> None:
                     "model_parallel_worker", stages, ["--configs", "tp:mlp", "tp:attention", *common], tmp
                 )
                 report["parts"][f"tensor-{stages}"] = part
+    for part in report["parts"].values():
+        part["date"], part["command"] = report["date"], report["command"]
+    previous = args.out / "model_parallel.json"
+    if args.keep and previous.exists():
+        kept = json.loads(previous.read_text())
+        for part in kept["parts"].values():
+            part.setdefault("date", kept["date"])
+            part.setdefault("command", kept["command"])
+        kept["parts"].update(report["parts"])
+        report = kept
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "model_parallel.json").write_text(json.dumps(report, indent=1))
     text = markdown(report)
@@ -171,7 +186,12 @@ def markdown(report: dict) -> str:
             f"{micro['calls']} calls per path and round, each timed alone; a round's figure is the slower rank's "
             "median; the table gives the median over rounds. A send/recv pair is one message each way (a "
             "ping-pong round trip): one message takes half of it. Load average "
-            f"{micro['load'][0]:.1f} → {micro['load'][1]:.1f}.",
+            f"{micro['load'][0]:.1f} → {micro['load'][1]:.1f}."
+            + (
+                f" This part: `{micro['command']}` ({micro['date']})."
+                if micro.get("command", report["command"]) != report["command"]
+                else ""
+            ),
             "",
             "| path | median µs | per round µs |",
             "|---|---:|---|",

@@ -8,19 +8,24 @@ Times, in the same 2 processes, rounds alternating between the paths:
 - a ``--bytes`` message from rank 0 to rank 1 and one back (a ping-pong; one "send/recv pair" is half a round
   trip): gloo's ``send``/``recv`` of the bare tensor, the pipeline's messages over gloo (header + tensor, the
   path before shared memory), and the pipeline's messages over `loom.comm.shm_channel`;
-- the shared-memory paths once more with the waits of before the futex (spin, ``sched_yield``, short sleeps).
+- the shared-memory paths once more with the waits of before the futex (spin, ``sched_yield``, short sleeps), and
+  the messages with an adaptive spin allowed to grow to 200 us (`loom.comm.shm_spin`; the default is fixed).
 
 Every call is timed alone (``perf_counter`` around it); a round's figure is the median of its calls, and rank 0
-writes every round's figure per path as JSON. ``--spin-us``/``--yield-us`` set `loom.comm.shm_wait`'s budget.
+writes every round's figure per path as JSON. ``--spin-us``/``--yield-us`` set `loom.comm.shm_wait`'s budget,
+``--spin-max-us`` `loom.comm.shm_spin`'s ceiling (the default path's), ``--paths`` picks paths by name.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +37,11 @@ from loom.comm.shm_small import SmallAllReduce
 from loom.parallel.pipeline import pipeline_communications as pc
 
 __all__ = ["main"]
+
+# Absent before the adaptive spin: `loom_bench.small_messages` runs this worker against older commits too.
+shm_spin: Any = (
+    importlib.import_module("loom.comm.shm_spin") if importlib.util.find_spec("loom.comm.shm_spin") else None
+)
 
 
 def _gloo_pair(t: torch.Tensor, rank: int) -> None:
@@ -62,10 +72,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--spin-us", type=float, default=None)
     parser.add_argument("--yield-us", type=float, default=None)
+    parser.add_argument("--spin-max-us", type=float, default=None, help="the adaptive spin's ceiling")
+    parser.add_argument(
+        "--paths", nargs="+", default=None, help="time only the paths whose name contains one of these words"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.spin_us is not None:
         shm_wait.SPIN_S = args.spin_us * 1e-6
+    if args.spin_max_us is not None:
+        shm_spin.SPIN_MAX_S = args.spin_max_us * 1e-6
     if args.yield_us is not None:
         shm_wait.YIELD_S = args.yield_us * 1e-6
     loom.init()
@@ -94,6 +110,17 @@ def main() -> None:
 
         return run
 
+    def adaptive_spin(fn):  # the message waits' spin budget allowed to grow to 200 us (default: fixed SPIN_S)
+        def run():
+            saved = shm_spin.SPIN_MAX_S
+            shm_spin.SPIN_MAX_S = 200e-6
+            try:
+                fn()
+            finally:
+                shm_spin.SPIN_MAX_S = saved
+
+        return run
+
     paths = {
         "all_reduce gloo": lambda: dist.all_reduce(data),
         "all_reduce loom shm (3 barriers)": lambda: comm.all_reduce(data, "sum", "shm"),
@@ -106,6 +133,12 @@ def main() -> None:
             lambda: _pipeline_pair(data, rank, cpu)
         ),
     }
+    if shm_spin is not None:
+        paths["send/recv loom pipeline over shm, adaptive spin to 200 us"] = adaptive_spin(
+            lambda: _pipeline_pair(data, rank, cpu)
+        )
+    if args.paths:
+        paths = {name: fn for name, fn in paths.items() if any(word in name for word in args.paths)}
     per_round: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for name in names:  # warm-up: segments, calibration, first messages

@@ -13,9 +13,14 @@ pipeline's schedules always receive before they send back, so they never wait on
 A message is a header (int64 words: how many words follow, the tensor count, then each tensor's dtype code, rank
 and shape), then each tensor's bytes. Sends never block: what does not fit in the ring is queued, and pushed by
 every later call of this process that waits for anything (`progress`), and by the handle's ``wait()``; a
-receive copies straight into the tensor it returns. Waits are `loom.comm.shm_wait.wait_until`: spin, then sleep
-on a futex until the peer wakes it, and raise naming both ranks and the operation when the peer dies or the
-time-out passes.
+receive copies straight into the tensor it returns. Waits are `loom.comm.shm_wait.wait_until`: spin (for as long
+as `loom.comm.shm_spin.SpinBudget` finds it pays), then sleep on a futex until the peer wakes it, and raise
+naming both ranks and the operation when the peer dies or the time-out passes.
+
+A small message costs a few microseconds of Python at each end, so the common case takes the shortest path:
+both ends keep their headers per signature (dtypes and shapes; a pipeline repeats a handful), a message that fits
+in the ring while nothing is queued is copied in at once (one ``memmove`` per tensor, one publish), and a
+receiver whose whole header has arrived takes it straight from the ring as its cache key.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from loom.comm._reduce import host_key
 from loom.comm.shm import shm_unsupported_reason
 from loom.comm.shm_ring import Ring
+from loom.comm.shm_spin import SpinBudget
 from loom.comm.shm_wait import process_alive, wait_until
 
 __all__ = ["CAPACITY", "DTYPES", "ShmReceiver", "ShmSender", "channel_from", "channel_to", "progress"]
@@ -44,6 +50,9 @@ DTYPES = [
 ]  # fmt: skip
 _CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 _MAX_WORDS = 4096
+_MAX_SIGNATURES = (
+    256  # header caches per end: a pipeline has a handful of signatures, a varying one is bounded
+)
 _HELLO_TAG, _ANSWER_TAG = 0x4C4F4F4D, 0x4C4F4F4E  # "LOOM", "LOON": apart from the data's tag 0
 _HELLO_BYTES = 32 + 1 + 7 + 64  # host digest, usable, padding, ring name
 _DIGEST: bytes | None = None
@@ -66,6 +75,17 @@ def encode_header(tensors: list[torch.Tensor]) -> bytes:
     return struct.pack(f"<{len(words) + 1}q", len(words), *words)
 
 
+class _Header:
+    """One message signature's encoded header, kept with its address (the ring copies from it)."""
+
+    __slots__ = ("buffer", "addr", "nbytes")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        raw = encode_header(tensors)
+        self.buffer = ctypes.create_string_buffer(raw, len(raw))
+        self.addr, self.nbytes = ctypes.addressof(self.buffer), len(raw)
+
+
 class ShmSender:
     """The writing end of one ring: this process to global rank ``peer``."""
 
@@ -75,27 +95,55 @@ class ShmSender:
             ring.reader_pid()
         )  # not when the peer's pids are not visible from here
         self._queue: deque[list[Any]] = deque()  # [address, bytes left, object keeping the memory alive]
+        self._headers: dict[tuple[tuple[torch.dtype, torch.Size], ...], _Header] = {}
+        self._handle = _SendHandle(self)
+        self._budget = SpinBudget()
         self.sent = 0
 
     def send(self, tensors: list[torch.Tensor]) -> list[tuple[Any, Any]]:
-        """Queue one message and push what fits; returns ``[(handle, None)]``, ``handle.wait()`` ends it."""
-        tensors = [t.detach().contiguous().cpu() for t in tensors]
-        header = encode_header(tensors)
-        buffer = ctypes.create_string_buffer(header, len(header))
-        queue = self._queue
-        queue.append([ctypes.addressof(buffer), len(header), buffer])
+        """Queue one message and push what fits; returns ``[(handle, None)]``, ``handle.wait()`` ends it.
+
+        A message that fits in the ring's free room while nothing is queued (every small message of a
+        pipeline whose receiver keeps up) is copied in at once: its header from a cache per signature
+        (dtypes and shapes), each tensor with one ``memmove``, then published once."""
+        signature = tuple([(t.dtype, t.shape) for t in tensors])
+        header = self._headers.get(signature)
+        if header is None:
+            if len(self._headers) >= _MAX_SIGNATURES:
+                self._headers.clear()
+            header = self._headers[signature] = _Header(tensors)
+        parts, total = [], header.nbytes
         for t in tensors:
-            if t.nbytes:
-                queue.append([t.data_ptr(), t.nbytes, t])
+            if not (t.is_cpu and t.is_contiguous()):
+                t = t.detach().contiguous().cpu()
+            n = t.nbytes
+            if n:
+                parts.append(t)
+                total += n
+        self.sent += 1
+        ring = self.ring
+        if not self._queue and ring.room() >= total:
+            ring.put(header.addr, header.nbytes)
+            for t in parts:
+                ring.put(t.data_ptr(), t.nbytes)
+            ring.publish()
+            return [(self._handle, None)]
+        queue = self._queue
+        queue.append([header.addr, header.nbytes, header])
+        for t in parts:
+            queue.append(
+                [t.data_ptr(), t.nbytes, t]
+            )  # the tensor stays alive until its bytes are in the ring
         if self not in _BACKLOG:
             _BACKLOG.append(self)
         self.flush()
-        self.sent += 1
-        return [(_SendHandle(self), None)]
+        return [(self._handle, None)]
 
     def flush(self) -> bool:
         """Push queued bytes while they fit; whether the queue is empty."""
         queue, ring = self._queue, self.ring
+        if not queue:
+            return True
         try:
             while queue:
                 item = queue[0]
@@ -113,7 +161,7 @@ class ShmSender:
         if not self.flush():
             wait_until(
                 self.flush, me=f"rank {self.rank}", peer=f"rank {self.peer}", pid=self.ring.reader_pid, progress=progress,
-                check_pid=self.check_pid, futex=self.ring.writer_futex, busy=lambda: len(_BACKLOG) > 1,
+                check_pid=self.check_pid, futex=self.ring.writer_futex, busy=lambda: len(_BACKLOG) > 1, budget=self._budget,
                 what=f"shared-memory send of message {self.sent} to rank {self.peer} (its receiver reads no more)",
             )  # fmt: skip
 
@@ -123,7 +171,8 @@ class _SendHandle:
         self._sender = sender
 
     def wait(self) -> None:
-        self._sender.wait()
+        if self._sender._queue:
+            self._sender.wait()
 
 
 class ShmReceiver:
@@ -132,41 +181,87 @@ class ShmReceiver:
     def __init__(self, ring: Ring, rank: int, peer: int) -> None:
         self.ring, self.rank, self.peer = ring, rank, peer
         self.check_pid = process_alive(ring.writer_pid())
-        self._scratch = ctypes.create_string_buffer(8 * _MAX_WORDS)
+        self._scratch = ctypes.create_string_buffer(8 * _MAX_WORDS + 8)
         self._scratch_addr = ctypes.addressof(self._scratch)
+        self._count = ctypes.c_int64.from_buffer(self._scratch)
+        self._specs: dict[bytes, list[tuple[tuple[int, ...], torch.dtype, int]]] = {}
+        self._budget = SpinBudget()
         self.received = 0
 
-    def _read(self, addr: int, n: int, what: str) -> None:
+    def _read_rest(self, addr: int, n: int, done: int, what: str) -> None:
+        """Wait for and copy the bytes ``done:n`` of a read that `Ring.get` left short."""
         ring = self.ring
-        done = ring.get(addr, n)
         while done < n:
             wait_until(
                 ring.readable, me=f"rank {self.rank}", peer=f"rank {self.peer}", pid=ring.writer_pid, progress=progress,
-                check_pid=self.check_pid, futex=ring.reader_futex, busy=lambda: bool(_BACKLOG),
-                what=f"shared-memory receive of {what} from rank {self.peer}",
+                check_pid=self.check_pid, futex=ring.reader_futex, busy=lambda: bool(_BACKLOG), budget=self._budget,
+                what=f"shared-memory receive of {what} (message {self.received}) from rank {self.peer}",
             )  # fmt: skip
             done += ring.get(addr + done, n - done)
 
-    def recv(self, device: torch.device | None = None, what: str = "a message") -> list[torch.Tensor]:
-        """The next message's tensors (on ``device``, default CPU)."""
-        self.received += 1
-        what = f"{what} (message {self.received})"
-        self._read(self._scratch_addr, 8, what)
-        (count,) = struct.unpack_from("<q", self._scratch, 0)
+    def _spec(self, raw: bytes) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
+        """The (shape, dtype, bytes) of each tensor of a header (``raw``: all its words, the count first;
+        cached per header, as a pipeline repeats a few)."""
+        spec = self._specs.get(raw)
+        if spec is None:
+            words = struct.unpack(f"<{len(raw) // 8}q", raw)
+            spec, i = [], 2
+            for _ in range(words[1]):
+                if not 0 <= words[i] < len(DTYPES):
+                    raise RuntimeError(
+                        f"rank {self.rank}: corrupt message header from rank {self.peer} (dtype code {words[i]})"
+                    )
+                dtype, dim = DTYPES[words[i]], words[i + 1]
+                shape = tuple(words[i + 2 : i + 2 + dim])
+                numel = 1
+                for size in shape:
+                    numel *= size
+                spec.append((shape, dtype, numel * dtype.itemsize))
+                i += 2 + dim
+            if len(self._specs) >= _MAX_SIGNATURES:
+                self._specs.clear()
+            self._specs[raw] = spec
+        return spec
+
+    def _header(self, what: str) -> bytes:
+        """The next message's header words, the count first: taken straight from the ring when all of it is
+        there (a small message is published whole), else read as it comes."""
+        ring = self.ring
+        head = ring.peek(8)
+        if head is not None:
+            count = int.from_bytes(head, "little", signed=True)
+            raw = ring.peek(8 + 8 * count) if 0 < count < _MAX_WORDS else None
+            if raw is not None:
+                ring.skip(len(raw))
+                return raw
+        scratch = self._scratch_addr
+        done = ring.get(scratch, 8)
+        if done < 8:
+            self._read_rest(scratch, 8, done, what)
+        count = self._count.value
         if not 0 < count < _MAX_WORDS:
             raise RuntimeError(
                 f"rank {self.rank}: corrupt message header from rank {self.peer} ({count} words)"
             )
-        self._read(self._scratch_addr, 8 * count, what)
-        words = struct.unpack_from(f"<{count}q", self._scratch, 0)
-        out, i = [], 1
-        for _ in range(words[0]):
-            dtype, dim = DTYPES[words[i]], words[i + 1]
-            t = torch.empty(words[i + 2 : i + 2 + dim], dtype=dtype)
-            if t.nbytes:
-                self._read(t.data_ptr(), t.nbytes, what)
-            out.append(t if device is None or device.type == "cpu" else t.to(device))
-            i += 2 + dim
+        done = ring.get(scratch + 8, 8 * count)
+        if done < 8 * count:
+            self._read_rest(scratch + 8, 8 * count, done, what)
+        return ctypes.string_at(scratch, 8 + 8 * count)
+
+    def recv(self, device: torch.device | None = None, what: str = "a message") -> list[torch.Tensor]:
+        """The next message's tensors (on ``device``, default CPU)."""
+        self.received += 1
+        ring, out = self.ring, []
+        for shape, dtype, nbytes in self._spec(self._header(what)):
+            t = torch.empty(shape, dtype=dtype)
+            if nbytes:
+                addr = t.data_ptr()
+                done = ring.get(addr, nbytes)
+                if done < nbytes:
+                    self._read_rest(addr, nbytes, done, what)
+            out.append(t)
+        if device is not None and device.type != "cpu":
+            out = [t.to(device) for t in out]
         return out
 
 

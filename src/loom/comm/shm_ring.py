@@ -45,6 +45,7 @@ class Ring:
         self.words = memoryview(mm)[:_HEADER].cast("q")
         self._anchor = ctypes.c_char.from_buffer(mm)  # keeps the mapping's address valid for memmove
         self.base = ctypes.addressof(self._anchor) + _HEADER
+        self._data = memoryview(mm)[_HEADER:]
         start = ctypes.addressof(self._anchor)
         words = self.words
         self.reader_futex = (start + 8 * _WRITTEN_W, lambda: words[_WRITTEN_W], self._reader_asleep)
@@ -117,6 +118,10 @@ class Ring:
     def reader_pid(self) -> int:
         return self.words[_READER_PID_W]
 
+    def room(self) -> int:
+        """Bytes `put` takes now without stopping short (writer only)."""
+        return self.capacity - (self._written - self.words[_READ_W])
+
     def put(self, addr: int, n: int) -> int:
         """Copy up to ``n`` bytes from address ``addr`` into the ring; return how many fitted (writer only).
         The reader sees them after the next `publish`."""
@@ -155,6 +160,23 @@ class Ring:
         if self.words[_WRITER_ASLEEP_W]:
             futex_wake(self.writer_futex[0])
         return k
+
+    def peek(self, n: int) -> bytes | None:
+        """The next ``n`` bytes without taking them, or None while fewer have been published (reader only)."""
+        read = self._read
+        if self.words[_WRITTEN_W] - read < n:
+            return None
+        pos, cap = read % self.capacity, self.capacity
+        if pos + n <= cap:
+            return self._data[pos : pos + n].tobytes()
+        return self._data[pos:].tobytes() + self._data[: pos + n - cap].tobytes()
+
+    def skip(self, n: int) -> None:
+        """Take ``n`` bytes that `peek` returned (reader only)."""
+        self._read += n
+        self.words[_READ_W] = self._read
+        if self.words[_WRITER_ASLEEP_W]:
+            futex_wake(self.writer_futex[0])
 
     def readable(self) -> bool:
         return self.words[_WRITTEN_W] > self._read

@@ -25,11 +25,16 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loom.comm.shm_spin import SpinBudget
 
 __all__ = ["SPIN_S", "TIMEOUT_S", "YIELD_S", "futex_wake", "process_alive", "wait_until"]
 
 SPIN_S = 20e-6
-"""Seconds of busy looking before sleeping (module attribute: the micro-benchmark varies it)."""
+"""Seconds of busy looking before sleeping (module attribute: the micro-benchmark varies it); the least a
+`loom.comm.shm_spin.SpinBudget` spins."""
 YIELD_S = 0.0
 """Seconds of yielding the CPU (``sched_yield``) between spinning and sleeping (0: measured best, see above)."""
 FUTEX_SLEEP_S = 0.01
@@ -96,6 +101,7 @@ def wait_until(
     check_pid: bool = True,
     futex: tuple[int, Callable[[], int], Callable[[int], None]] | None = None,
     busy: Callable[[], bool] | None = None,
+    budget: SpinBudget | None = None,
 ) -> None:
     """Return once ``ready()`` is true; raise RuntimeError naming ``me``, ``peer`` and ``what`` (``"rank 3"``,
     ``"rank 2"``, ``"receive of ..."``) if ``peer`` (whose process id ``pid()`` reads, 0 while unknown) dies or
@@ -103,10 +109,34 @@ def wait_until(
 
     ``futex``: ``(address of the word the peer changes, a function reading it, a function setting this waiter's
     "asleep" flag)``; the peer calls `futex_wake` on that address after changing the word if the flag is set.
-    ``busy()`` true: this process has queued sends, so it sleeps at most `BUSY_SLEEP_S` at a time."""
+    ``busy()`` true: this process has queued sends, so it sleeps at most `BUSY_SLEEP_S` at a time.
+    ``budget``: the waiter's `loom.comm.shm_spin.SpinBudget` (``spin()`` seconds of spinning, ``update(waited)``
+    after the wait); None: spin `SPIN_S`."""
+    start = time.perf_counter()
+    if budget is None:
+        _wait(ready, me, peer, pid, what, progress, check_pid, futex, busy, start, SPIN_S)
+        return
+    try:
+        _wait(ready, me, peer, pid, what, progress, check_pid, futex, busy, start, budget.spin())
+    finally:
+        budget.update(time.perf_counter() - start)
+
+
+def _wait(
+    ready: Callable[[], bool],
+    me: str,
+    peer: str,
+    pid: Callable[[], int],
+    what: str,
+    progress: Callable[[], object] | None,
+    check_pid: bool,
+    futex: tuple[int, Callable[[], int], Callable[[int], None]] | None,
+    busy: Callable[[], bool] | None,
+    start: float,
+    spin: float,
+) -> None:
     clock = time.perf_counter
-    start = clock()
-    until = start + SPIN_S
+    until = start + spin
     while True:
         if progress is not None:
             progress()
@@ -114,7 +144,7 @@ def wait_until(
             return
         if clock() >= until:
             break
-    until = start + SPIN_S + YIELD_S
+    until = start + spin + YIELD_S
     while clock() < until:
         os.sched_yield()
         if progress is not None:
