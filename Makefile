@@ -50,6 +50,9 @@ test: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --ignore-missing-imports src/loom
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+	@# loom's and the tests' own .pyc files, once: where PYTHONDONTWRITEBYTECODE is set, every worker process
+	@# would otherwise compile the loom modules it imports again.
+	$(PY) -m compileall -q -j 0 src tests > /dev/null
 	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not alone"
 	$(VENV)/bin/pytest -p no:xdist -m alone
 
