@@ -41,12 +41,20 @@ lint: $(TEST_STAMP)
 docs: $(TEST_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
+# pytest runs every lane on two xdist workers, a file at a time per worker (tests/conftest.py: a module's
+# shared fixture runs once; Ray and Spark files share a worker): much of a multi-process test is waiting (hang
+# timeouts, heartbeats, sleeping stages), which the other worker fills. Tests marked `alone` compare a time
+# with a bound, so they run afterwards with nothing beside them.
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --ignore-missing-imports src/loom
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
-	$(VENV)/bin/pytest
+	@# loom's and the tests' own .pyc files, once: where PYTHONDONTWRITEBYTECODE is set, every worker process
+	@# would otherwise compile the loom modules it imports again.
+	$(PY) -m compileall -q -j 0 src tests > /dev/null
+	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not alone"
+	$(VENV)/bin/pytest -p no:xdist -m alone
 
 # The fast lane: the tests marked `unit` (one process, no subprocess; ranks as threads on explicit gloo groups,
 # tests/threads.py), under 3 minutes on the 2-core host. `make test` above, the CI gate, runs every lane.

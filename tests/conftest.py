@@ -112,6 +112,28 @@ def pytest_collection_modifyitems(config, items):
         )
 
 
+SHARED_WORKER = {"test_ray.py": "ray-spark", "test_spark.py": "ray-spark", "test_loopback.py": "ray-spark"}
+"""Files whose tests share one xdist worker: each starts a local Ray or Spark instance (test_loopback both),
+so they run one after the other rather than beside each other (memory, and Ray's per-machine session)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``pytest -n N --dist loadfile`` (`make test`): xdist's file scheduling (every test of a file on
+    one worker, in file order, so a module-scoped fixture such as one `loom run` shared by a file's tests
+    runs once), with the files of `SHARED_WORKER` as one unit. Other ``--dist`` modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_WORKER.get(Path(path).name, path)
+
+    return FileScheduling(config, log)
+
+
 def _refuse_processes(lane_test: str):
     def refuse(*args, **kwargs):
         raise AssertionError(

@@ -78,6 +78,8 @@ def test_a_missing_script_has_one_prefix(tmp_path):
         ("127.0.0.1", "must be ADDR:PORT"),
         ("127.0.0.1:http", "must be ADDR:PORT"),
     ],
+    # fixed ids: the random host name would differ between the collections of `make test`'s xdist workers
+    ids=["port-99999", "port-0", "unresolvable-host", "no-port", "port-http"],
 )
 def test_a_bad_master_is_refused_at_once(tmp_path, script, master, needle):
     proc, took = run(["--nnodes", "2", "--node-rank", "1", "--master", master, str(script)], tmp_path)

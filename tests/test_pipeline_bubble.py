@@ -15,7 +15,8 @@ import pytest
 
 from loom.parallel.pipeline.pipeline_schedule import bubble_fraction, simulate
 
-pytestmark = pytest.mark.multiprocess
+# `alone`: a message must cost under a tenth of a stage (below); `make test` runs this after its parallel run.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
 # Long enough that the stage time dominates a message's cost; the check below refuses a machine so loaded that
 # a message costs a tenth of a stage's time, where the comparison would say little.

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from loom.fault.desync import gradients_finite
 from loom.parallel.data.sharded_state import Piece
+
+if TYPE_CHECKING:  # imported where used: FSDP2 and DTensor cost ~0.9 s of CPU at import, in every process
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["FsdpLayout", "WrapPolicy", "default_units", "shard_model"]
 
@@ -80,6 +81,9 @@ def shard_model(
     """``fully_shard`` each unit then the root over a CPU/GPU mesh of the whole world, and rebind
     ``optimizer``'s groups, in place, to the sharded parameters (same names); returns the root, the mesh and
     the number of units below the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     device = "cuda" if next(model.parameters()).is_cuda else "cpu"
     mesh = init_device_mesh(device, (world_size,))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -107,7 +111,10 @@ class FsdpLayout:
     """The pieces of an FSDP2-sharded model (first-dimension shards are contiguous ranges of the flat tensor)."""
 
     def __init__(self, root: FSDPModule, optimizer: torch.optim.Optimizer, stage: int) -> None:
-        self.root, self.stage = root, stage
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        self.root, self.stage, self._dtensor = root, stage, DTensor
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.pieces: list[Piece] = []
         for name, p in root.named_parameters():  # type: ignore[attr-defined]
@@ -123,7 +130,7 @@ class FsdpLayout:
             self.pieces.append(Piece(name, tuple(p.shape), lo, lo + local.numel(), p))
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if isinstance(tensor, self._dtensor) else tensor
         return local.view(-1)
 
     def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
@@ -150,4 +157,4 @@ class FsdpLayout:
         Ranks hold different shards, so the verdict must travel: `ShardedDataParallelJob` sets it in this
         rank's flag of the step's loss buffer, whose all-reduce every rank reads."""
         grads = [p.param.grad for p in self.pieces]
-        return gradients_finite([g.to_local() if isinstance(g, DTensor) else g for g in grads])
+        return gradients_finite([g.to_local() if isinstance(g, self._dtensor) else g for g in grads])
