@@ -41,10 +41,10 @@ lint: $(TEST_STAMP)
 docs: $(TEST_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
-# pytest runs every lane on two xdist workers, a file at a time per worker (tests/conftest.py: a module's
-# shared fixture runs once; Ray and Spark files share a worker): much of a multi-process test is waiting (hang
-# timeouts, heartbeats, sleeping stages), which the other worker fills. Tests marked `alone` compare a time
-# with a bound, so they run afterwards with nothing beside them.
+# pytest runs every lane in one process, serially: on two xdist workers (`pytest -n 2 --dist loadfile`, which
+# tests/conftest.py schedules a file at a time, Ray and Spark files together) the clean-clone CI took 21 min 51 s
+# against 22 min 52 s serially, and two workers choosing free ports at once collided once (EADDRINUSE), so the
+# gate stays serial. Tests marked `alone` compare a time with a bound and run last.
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -53,7 +53,7 @@ test: $(TEST_STAMP)
 	@# loom's and the tests' own .pyc files, once: where PYTHONDONTWRITEBYTECODE is set, every worker process
 	@# would otherwise compile the loom modules it imports again.
 	$(PY) -m compileall -q -j 0 src tests > /dev/null
-	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not alone"
+	$(VENV)/bin/pytest -p no:xdist -m "not alone"
 	$(VENV)/bin/pytest -p no:xdist -m alone
 
 # The fast lane: the tests marked `unit` (one process, no subprocess; ranks as threads on explicit gloo groups,

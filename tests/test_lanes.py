@@ -79,12 +79,12 @@ def test_make_test_schedules_a_file_on_one_worker_and_ray_and_spark_files_togeth
     assert conftest.pytest_xdist_make_scheduler(_XdistConfig("load"), None) is None  # xdist's own
 
 
-def test_make_test_runs_the_tests_that_time_against_a_bound_alone_after_the_parallel_run():
+def test_make_test_runs_the_tests_that_time_against_a_bound_alone_after_the_others():
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()
     recipe = makefile.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
     runs = [line.strip() for line in recipe.splitlines() if "bin/pytest" in line]
     assert runs == [
-        '$(VENV)/bin/pytest -n 2 --dist loadfile -m "not alone"',
+        '$(VENV)/bin/pytest -p no:xdist -m "not alone"',
         "$(VENV)/bin/pytest -p no:xdist -m alone",
     ]
     config = (Path(__file__).parents[1] / "pyproject.toml").read_text()
