@@ -37,10 +37,8 @@ def synthetic_data(global_batch: int, steps: int) -> TensorDataset:
     return TensorDataset(torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-def time_loom(topo, data: TensorDataset, global_batch: int, warmup: int, observe: bool = True) -> float:
-    model = bench_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    job = loom.DataParallel(observe=observe).setup(model, optimizer, nn.functional.cross_entropy)
+def time_job(job, data: TensorDataset, global_batch: int, warmup: int) -> float:
+    """Samples/s of ``job.train_step`` over ``data`` in global batches, after ``warmup`` untimed steps."""
     batches = list(loom.data.loader(data, global_batch, shuffle=False))
     for batch in batches[:warmup]:
         job.train_step(batch)
@@ -48,6 +46,13 @@ def time_loom(topo, data: TensorDataset, global_batch: int, warmup: int, observe
     for batch in batches[warmup:]:
         job.train_step(batch)
     return (len(batches) - warmup) * global_batch / (time.perf_counter() - started)
+
+
+def time_loom(topo, data: TensorDataset, global_batch: int, warmup: int, observe: bool = True) -> float:
+    model = bench_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    job = loom.DataParallel(observe=observe).setup(model, optimizer, nn.functional.cross_entropy)
+    return time_job(job, data, global_batch, warmup)
 
 
 def time_raw_ddp(topo, data: TensorDataset, global_batch: int, warmup: int) -> float:
@@ -72,14 +77,18 @@ def time_raw_ddp(topo, data: TensorDataset, global_batch: int, warmup: int) -> f
     return (steps - warmup) * global_batch / (time.perf_counter() - started)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def timing_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every loom-vs-DDP worker takes (this one, `loom_bench.strategy_worker`)."""
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=256)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = timing_arguments(argparse.ArgumentParser()).parse_args()
     torch.set_num_threads(1)
     topo = loom.init()
     data = synthetic_data(args.global_batch, args.steps + args.warmup)

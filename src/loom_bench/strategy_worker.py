@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import loom
-from loom_bench.dp_worker import bench_model, synthetic_data, time_raw_ddp
+from loom_bench.dp_worker import bench_model, synthetic_data, time_job, time_raw_ddp, timing_arguments
 
 STRATEGIES = ("localsgd", "diloco", "gossip", "ps-sync", "ps-async")
 
@@ -43,14 +41,8 @@ def time_strategy(name: str, rep: int, data, global_batch: int, warmup: int) -> 
     model = bench_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     job = _strategy(name, rep).setup(model, optimizer, nn.functional.cross_entropy)
-    batches = list(loom.data.loader(data, global_batch, shuffle=False))
     try:
-        for batch in batches[:warmup]:
-            job.train_step(batch)
-        started = time.perf_counter()
-        for batch in batches[warmup:]:
-            job.train_step(batch)
-        return (len(batches) - warmup) * global_batch / (time.perf_counter() - started)
+        return time_job(job, data, global_batch, warmup)
     finally:
         close = getattr(job, "close", None)
         if close is not None:
@@ -58,13 +50,8 @@ def time_strategy(name: str, rep: int, data, global_batch: int, warmup: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = timing_arguments(argparse.ArgumentParser())
     parser.add_argument("--strategy", required=True, choices=STRATEGIES)
-    parser.add_argument("--repetitions", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--global-batch", type=int, default=256)
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     topo = loom.init()
