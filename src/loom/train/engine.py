@@ -242,8 +242,8 @@ class Engine(Job):
 
     def _straggler_watch(self) -> StragglerWatch | None:
         """The `loom.observe.straggler_watch.StragglerWatch` of a strategy that does not carry phase times on a
-        collective of its own (``observes_own_phases``), made at the first step; None in one process, without a
-        store, or when the job records nothing."""
+        collective of its own (``observes_own_phases``), made at the first step; None for the others, in one
+        process, or without a store for the watchdog."""
         if not hasattr(self, "_watch"):
             watch: StragglerWatch | None = None
             watchdog = self.guard.watchdog
