@@ -6,7 +6,9 @@ process". The job is `loom_bench.kill_soak_worker` under ``loom run -n 3 --on-wo
 forwarded by the launcher) to know each rank's live process, and then, ``--kills`` times: waits until every rank
 has a process that has trained since the previous kill (the replacement trains), waits a random 0 to
 ``--max-delay-s`` seconds more (so a kill lands in a random phase of a step: data, forward, backward, the exchange,
-the update), and SIGKILLs the process of a random rank. After the last kill the job runs to its end.
+the update), and SIGKILLs the process of a random rank. Once every rank trained again after the last kill, the
+driver names the job's last step (300 steps ahead, `kill_soak_worker`'s ``--stop-file``), and the one-process
+reference then runs as many steps.
 
 Checked at the end: the launcher exited 0; every rank wrote its parameters; they are bitwise equal to each other
 and within ``--tolerance`` (1e-5) of the same script run as one process on the same global batches. Figures: kills,
@@ -37,6 +39,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+_STOP_AHEAD = 300
+"""Steps between the last step seen and the last step of the job, written after the last kill (`kill_soak_worker`'s
+``--stop-file``): far more than the ~10 steps a printed step may lag and the steps run while every rank reads it."""
 _LINE = re.compile(r"soak rank (?P<rank>\d+) pid (?P<pid>\d+) step (?P<step>\d+)")
 
 
@@ -72,7 +77,7 @@ def _launch(out: Path, steps: int, sleep_ms: float, nproc: int, heals: int) -> s
         sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(out / "run"),
         "--on-worker-failure", "heal",
         "--max-heals", str(heals), "-m", "loom_bench.kill_soak_worker", str(out), str(steps),
-        "--sleep-ms", str(sleep_ms),
+        "--sleep-ms", str(sleep_ms), "--stop-file", str(out / "stop_at"),
     ]  # fmt: skip
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -120,7 +125,14 @@ def soak(args: argparse.Namespace, out: Path) -> dict:
             )
             print(f"kill {k + 1}/{args.kills}: rank {rank} (pid {pid}, near step {step})", flush=True)
         if error is None:
-            proc.wait(timeout=args.recover_timeout_s + args.steps * (args.sleep_ms / 1000 + 0.05))
+            error = _wait_all_trained(live, proc, moment, args, len(kills))
+        if error is None:
+            recoveries.append(time.monotonic() - moment)
+            with live.lock:
+                last = max(live.step.values()) + _STOP_AHEAD
+            (out / "stop_at.partial").write_text(str(last))
+            (out / "stop_at.partial").rename(out / "stop_at")
+            proc.wait(timeout=args.recover_timeout_s + _STOP_AHEAD * (args.sleep_ms / 1000 + 0.5))
     except subprocess.TimeoutExpired:
         error = "the job did not end in time after the last kill"
     finally:
@@ -157,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--nproc", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument(
+        "--steps", type=int, default=100000, help="at most (the job ends after the last kill)"
+    )
     parser.add_argument("--sleep-ms", type=float, default=20.0)
     parser.add_argument("--max-delay-s", type=float, default=1.0)
     parser.add_argument("--recover-timeout-s", type=float, default=120.0)
@@ -168,14 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="loom-soak-") as tmp:
         out = Path(tmp)
-        reference = _reference(out, args.steps)
         result = soak(args, out)
         if result["exit"] == 2 and any("heal" in line for line in result["tail"]):
             print("".join(result["tail"]), file=sys.stderr)
             print("kill_soak: loom run refused --on-worker-failure heal", file=sys.stderr)
             return 2
         if result["exit"] == 0 and result["error"] is None:
-            result.update(_compare(out, args.nproc, reference))
+            result["steps_run"] = int((out / "stop_at").read_text())
+            result.update(_compare(out, args.nproc, _reference(out, result["steps_run"])))
     ok = (
         result["exit"] == 0
         and result["error"] is None
@@ -217,6 +231,7 @@ def _write(report_dir: Path, result: dict) -> None:
         f"{statistics.median(rec):.2f} / {max(rec):.2f} |"
         if rec
         else "| kill -> every rank trained again | - |",
+        f"| steps run (the one-process reference ran as many) | {result.get('steps_run', '-')} |",
         f"| wall time s | {result['wall_s']:.1f} |",
         f"| verdict | {'pass' if result['ok'] else 'FAIL'} |",
     ]
