@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -35,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from safetensors.torch import load_file
@@ -55,8 +57,10 @@ class Live:
     seen_at: dict[int, float] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
 
-    def read(self, stream) -> None:
+    def read(self, stream, log: TextIO | None = None) -> None:
         for line in iter(stream.readline, ""):
+            if log is not None:
+                log.write(line)
             with self.lock:
                 self.lines.append(line)
                 if len(self.lines) > 400:
@@ -100,7 +104,8 @@ def soak(args: argparse.Namespace, out: Path) -> dict:
     live = Live()
     started = time.monotonic()
     proc = _launch(out, args.steps, args.sleep_ms, args.nproc, args.kills + 1)
-    reader = threading.Thread(target=live.read, args=(proc.stdout,), daemon=True)
+    log = open(out / "launcher.log", "w")  # noqa: SIM115 (closed after the reader below ends)
+    reader = threading.Thread(target=live.read, args=(proc.stdout, log), daemon=True)
     reader.start()
     recoveries: list[float] = []
     kills: list[dict] = []
@@ -140,6 +145,7 @@ def soak(args: argparse.Namespace, out: Path) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         reader.join(timeout=5)
+        log.close()
     return {"exit": proc.returncode, "error": error, "kills": kills, "recoveries_s": recoveries,
             "wall_s": time.monotonic() - started, "tail": live.lines[-30:]}  # fmt: skip
 
@@ -180,23 +186,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-dir", type=Path, default=Path("benchmarks/reports"))
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="loom-soak-") as tmp:
-        out = Path(tmp)
-        result = soak(args, out)
-        if result["exit"] == 2 and any("heal" in line for line in result["tail"]):
-            print("".join(result["tail"]), file=sys.stderr)
-            print("kill_soak: loom run refused --on-worker-failure heal", file=sys.stderr)
-            return 2
-        if result["exit"] == 0 and result["error"] is None:
-            result["steps_run"] = int((out / "stop_at").read_text())
-            result.update(_compare(out, args.nproc, _reference(out, result["steps_run"])))
-    ok = (
-        result["exit"] == 0
-        and result["error"] is None
-        and result.get("ranks_bitwise_equal") is True
-        and result["max_abs_diff_vs_one_process"] <= args.tolerance
-        and len(result["kills"]) == args.kills
-    )
+    out = Path(tempfile.mkdtemp(prefix="loom-soak-"))
+    result = soak(args, out)
+    if result["exit"] == 2 and any("heal" in line for line in result["tail"]):
+        print("".join(result["tail"]), file=sys.stderr)
+        print("kill_soak: loom run refused --on-worker-failure heal", file=sys.stderr)
+        return 2
+    if result["exit"] == 0 and result["error"] is None:
+        result["steps_run"] = int((out / "stop_at").read_text())
+        result.update(_compare(out, args.nproc, _reference(out, result["steps_run"])))
+    ok = _passed(result, args)
+    if ok:
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        print(f"kill_soak: kept {out} (launcher.log: every line the job printed; run/logs: each rank's)")
     result.update(
         ok=ok, load_before=load, load_after=os.getloadavg()[0], args=vars(args) | {"report_dir": None}
     )
@@ -204,6 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print("".join(result["tail"]), file=sys.stderr)
     return 0 if ok else 1
+
+
+def _passed(result: dict, args: argparse.Namespace) -> bool:
+    return (
+        result["exit"] == 0
+        and result["error"] is None
+        and result.get("ranks_bitwise_equal") is True
+        and result["max_abs_diff_vs_one_process"] <= args.tolerance
+        and len(result["kills"]) == args.kills
+    )
 
 
 def _write(report_dir: Path, result: dict) -> None:
