@@ -1,0 +1,97 @@
+"""One worker of the loom side of `loom_bench.heal_compare`, run by ``loom run -n R --on-worker-failure heal``.
+
+The loom API only: ``loom.init()``, ``loom.DataParallel``, the job's loader, ``job.train_step``. The same MLP and
+batch per replica as the torchft side (`loom_bench.heal_torchft_worker`), as one global batch of ``R * batch``
+samples per step. What it relies on from the healing mode (issue 23), and so what the figures mean:
+
+- a step is committed when ``job.train_step(batch)`` returns: a step dropped by the commit vote is retried inside
+  ``train_step`` (so its line carries ``committed: true`` and the job's step count ``job.step``); if the healing
+  engine instead raises on a dropped step, its exception class is named by ``LOOM_HEAL_DROPPED`` (``module:Class``)
+  and the attempt is written with ``committed: false``. Either way the stall is also measured in healthy steps.
+- a replacement is started by the launcher with the lost rank's ``RANK`` and heals model, optimizer, step and data
+  position inside ``loom.init()``/``setup()``/the loader, so this loop resumes at ``job.step``;
+- the number of members present is read from the job (``job.members``, an int or a sequence) when it has one, else
+  the topology's world size (the report then cannot tell steps taken below full membership).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run as a script: find loom_bench
+
+from loom_bench.heal_records import StepWriter  # noqa: E402  (first: the start line precedes the torch import)
+
+
+def _dropped_error() -> type[BaseException] | None:
+    name = os.environ.get("LOOM_HEAL_DROPPED")
+    if not name:
+        return None
+    module, _, cls = name.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _members(job, world_size: int) -> int:
+    members = getattr(job, "members", None)
+    if members is None:
+        return world_size
+    return members if isinstance(members, int) else len(members)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--records", required=True)
+    parser.add_argument("--steps", type=int, required=True, help="stop after this many committed steps")
+    parser.add_argument("--batch", type=int, default=32, help="samples per replica per step")
+    parser.add_argument("--hidden", type=int, default=1024)
+    args = parser.parse_args(argv)
+    writer = StepWriter(args.records, int(os.environ.get("RANK", "0")))
+
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import loom
+
+    topo = loom.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(784, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+        nn.Linear(args.hidden, 10),
+    )  # fmt: skip
+    job = loom.DataParallel().setup(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), nn.functional.cross_entropy
+    )
+    global_batch = args.batch * topo.world_size
+    g = torch.Generator().manual_seed(0)
+    n = (
+        global_batch * args.steps
+    )  # one epoch is the run (a dropped step that consumed a batch: one more epoch)
+    data = TensorDataset(torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g))
+    loader = job.loader(data, global_batch_size=global_batch, seed=0)
+    dropped = _dropped_error() or ()
+    try:
+        while job.step < args.steps:
+            for batch in loader:
+                try:
+                    job.train_step(batch)
+                except dropped:  # type: ignore[misc]
+                    writer.step(job.step + 1, False, _members(job, topo.world_size))
+                    continue
+                writer.step(job.step, True, _members(job, topo.world_size))
+                if job.step >= args.steps:
+                    break
+            loader.set_epoch(loader.epoch + 1)
+    finally:
+        writer.close()
+    loom.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The per-step records of the healing benchmark (`loom_bench.heal_compare`), and the figures drawn from them.
+
+Both sides of the comparison (torchft's Manager + DDP, loom's ``--on-worker-failure heal``) run workers that
+append one JSON object per line to their own file ``<records>/replica<R>-pid<P>.jsonl``, written and flushed as
+it happens, so a SIGKILL loses nothing already reported:
+
+- ``{"kind": "start", "replica": R, "pid": P, "t": T}``: the first line of the worker script, before torch is
+  imported (so "the replacement's process start" is the same instant on both sides);
+- ``{"kind": "step", "replica": R, "pid": P, "t": T, "step": S, "committed": true|false, "participants": N,
+  "participating": true|false}``: after each attempt at a training step returns. ``S`` counts the job's committed
+  steps including this one when committed (1 for the first step), and the step it tried to reach when not;
+  ``participants`` is the number of replicas whose gradients the step averaged; ``participating`` says whether
+  this replica's own gradients were among them (torchft lets a replica that heals in a step commit it without
+  contributing).
+
+The harness adds its own kill lines, ``{"kind": "kill", "replica": R, "pid": P, "t": T, "step": S, "phase": F}``, to
+``<records>/harness.jsonl`` (``S``: the step the victim had just committed; ``F``: how far into its next step the
+kill was aimed). Times are ``time.time()`` on one host, so lines of different processes compare.
+
+The figures per kill (`event_figures`) are the issue's: (a) from the kill to the survivors' next committed step
+(the last survivor to commit, so the job as a whole moved on), (b) from the replacement's process start to its
+first committed step, in seconds and in steps (its step number less the job's committed steps when it started:
+1 means the very next step), and again to its first step with its own gradients in, (c) steps lost: the survivors' attempts that were not committed between the kill and their next
+commit (the most on one survivor), and the stall in units of a healthy step (which counts a retry inside a step
+that a side does not report). This module imports neither torch nor loom, so any interpreter can parse records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = [
+    "StepWriter",
+    "EventFigures",
+    "read_records",
+    "event_figures",
+    "healthy_step_time",
+    "summarize",
+]
+
+HARNESS_FILE = "harness.jsonl"
+
+
+class StepWriter:
+    """Appends this process's records to ``<directory>/replica<R>-pid<P>.jsonl``, one flushed line each.
+
+    Construct it first thing in a worker script (it writes the ``start`` line), before heavy imports."""
+
+    def __init__(self, directory: str | os.PathLike[str], replica: int) -> None:
+        self.replica, self.pid = replica, os.getpid()
+        path = Path(directory) / f"replica{replica}-pid{self.pid}.jsonl"
+        self._file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the process's life)
+        self._write({"kind": "start"})
+
+    def step(self, step: int, committed: bool, participants: int, participating: bool = True) -> None:
+        self._write(
+            {
+                "kind": "step",
+                "step": step,
+                "committed": committed,
+                "participants": participants,
+                "participating": participating,
+            }
+        )
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _write(self, fields: dict[str, Any]) -> None:
+        record = {**fields, "replica": self.replica, "pid": self.pid, "t": time.time()}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+
+def append_kill(
+    directory: str | os.PathLike[str], replica: int, pid: int, step: int, t: float, phase: float = 0.0
+) -> None:
+    """The harness's line for a SIGKILL it sent (``t`` taken just before ``os.kill``; ``phase``: how far into
+    the victim's next step it was aimed, as a fraction of a step)."""
+    record = {"kind": "kill", "replica": replica, "pid": pid, "step": step, "t": t, "phase": phase}
+    with open(Path(directory) / HARNESS_FILE, "a", encoding="utf-8") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def read_records(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every record under ``directory``, ordered by time. A truncated last line (a process killed mid-write) is
+    skipped; any other malformed line raises, naming the file and line."""
+    records: list[dict[str, Any]] = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        lines = path.read_text(encoding="utf-8").split("\n")
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                if number == len(lines) or (number == len(lines) - 1 and not lines[-1]):
+                    continue  # the last line of a killed process may be cut short
+                raise ValueError(f"{path}:{number}: not a JSON record ({error}): {line[:80]!r}") from None
+    return sorted(records, key=lambda r: r["t"])
+
+
+@dataclass
+class EventFigures:
+    """What one kill cost. ``None`` where the run ended before the thing happened (reported as such)."""
+
+    replica: int
+    killed_pid: int
+    kill_step: int
+    kill_t: float
+    kill_phase: float
+    survivors_next_commit_s: float | None
+    survivor_steps_not_committed: int
+    stall_in_steps: float | None
+    replacement_pid: int | None
+    replacement_first_commit_s: float | None
+    replacement_first_commit_steps: int | None
+    replacement_first_contributing_s: float | None
+    replacement_first_contributing_steps: int | None
+    participants_at_next_commit: int | None
+
+
+def _committed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r["kind"] == "step" and r["committed"]]
+
+
+def healthy_step_time(records: list[dict[str, Any]], replicas: int) -> float | None:
+    """Median time between a replica's consecutive committed steps at full membership (``replicas``
+    participants on both), over all replicas: the step time the stall is measured in."""
+    gaps: list[float] = []
+    by_pid: dict[int, list[dict[str, Any]]] = {}
+    for r in _committed(records):
+        by_pid.setdefault(r["pid"], []).append(r)
+    for steps in by_pid.values():
+        for a, b in zip(steps, steps[1:], strict=False):
+            if a["participants"] == b["participants"] == replicas and b["step"] == a["step"] + 1:
+                gaps.append(b["t"] - a["t"])
+    return statistics.median(gaps) if gaps else None
+
+
+def event_figures(
+    records: list[dict[str, Any]], kill: dict[str, Any], step_time: float | None
+) -> EventFigures:
+    """The figures of one kill line, from the records of the whole run (see the module docstring)."""
+    t0 = kill["t"]
+    pids_alive = {
+        r["pid"] for r in records if r["kind"] == "start" and r["t"] < t0 and r["pid"] != kill["pid"]
+    } - {r["pid"] for r in records if r["kind"] == "kill" and r["t"] < t0}
+    survivors_next: list[dict[str, Any]] = []
+    not_committed = 0
+    for pid in sorted(pids_alive):
+        after = [r for r in records if r["pid"] == pid and r["kind"] == "step" and r["t"] > t0]
+        first = next((r for r in after if r["committed"]), None)
+        if first is None:
+            continue  # this survivor ended (or was killed) before committing again
+        survivors_next.append(first)
+        not_committed = max(
+            not_committed, sum(1 for r in after if r["t"] < first["t"] and not r["committed"])
+        )
+    next_commit = max(survivors_next, key=lambda r: r["t"]) if survivors_next else None
+    next_s = next_commit["t"] - t0 if next_commit else None
+
+    replacement = next(
+        (r for r in records if r["kind"] == "start" and r["replica"] == kill["replica"] and r["t"] > t0), None
+    )
+    first_commit = first_contributing = None
+    if replacement is not None:
+        own = [r for r in _committed(records) if r["pid"] == replacement["pid"]]
+        first_commit = own[0] if own else None
+        first_contributing = next((r for r in own if r["participating"]), None)
+
+    def since_start(record: dict[str, Any] | None) -> tuple[float | None, int | None]:
+        if record is None or replacement is None:
+            return None, None
+        return record["t"] - replacement["t"], record["step"] - _last_step_before(records, replacement["t"])
+
+    commit_s, commit_steps = since_start(first_commit)
+    contributing_s, contributing_steps = since_start(first_contributing)
+    return EventFigures(
+        replica=kill["replica"],
+        killed_pid=kill["pid"],
+        kill_step=kill["step"],
+        kill_t=t0,
+        kill_phase=kill.get("phase", 0.0),
+        survivors_next_commit_s=next_s,
+        survivor_steps_not_committed=not_committed,
+        stall_in_steps=(next_s / step_time if next_s is not None and step_time else None),
+        replacement_pid=replacement["pid"] if replacement else None,
+        replacement_first_commit_s=commit_s,
+        replacement_first_commit_steps=commit_steps,
+        replacement_first_contributing_s=contributing_s,
+        replacement_first_contributing_steps=contributing_steps,
+        participants_at_next_commit=next_commit["participants"] if next_commit else None,
+    )
+
+
+def _last_step_before(records: list[dict[str, Any]], t: float) -> int:
+    """The job's committed step count at time ``t`` (0 before any commit)."""
+    return max((r["step"] for r in _committed(records) if r["t"] <= t), default=0)
+
+
+def summarize(records: list[dict[str, Any]], replicas: int) -> dict[str, Any]:
+    """Every kill's figures and the medians over kills (``None`` figures left out of a median; the count of
+    kills that reached each figure is given beside it)."""
+    step_time = healthy_step_time(records, replicas)
+    kills = [r for r in records if r["kind"] == "kill"]
+    events = [event_figures(records, kill, step_time) for kill in kills]
+    medians: dict[str, Any] = {}
+    for name in (
+        "survivors_next_commit_s",
+        "survivor_steps_not_committed",
+        "stall_in_steps",
+        "replacement_first_commit_s",
+        "replacement_first_commit_steps",
+        "replacement_first_contributing_s",
+        "replacement_first_contributing_steps",
+    ):
+        values = [getattr(e, name) for e in events if getattr(e, name) is not None]
+        medians[name] = {"median": statistics.median(values) if values else None, "n": len(values)}
+    committed = _committed(records)
+    return {
+        "replicas": replicas,
+        "healthy_step_s": step_time,
+        "steps_committed": max((r["step"] for r in committed), default=0),
+        "steps_below_full_membership": len({r["step"] for r in committed if r["participants"] < replicas}),
+        "events": [asdict(e) for e in events],
+        "medians": medians,
+    }
