@@ -19,6 +19,7 @@ from loom_bench.heal_records import (
     event_figures,
     healthy_step_time,
     read_records,
+    stop_step,
     summarize,
 )
 from loom_bench.heal_report import render
@@ -32,8 +33,9 @@ def start(replica: int, pid: int, t: float) -> dict:
 
 def step(replica: int, pid: int, t: float, number: int, committed: bool = True, participants: int = 3,
          participating: bool = True) -> dict:  # fmt: skip
-    return {"kind": "step", "replica": replica, "pid": pid, "t": t, "step": number, "committed": committed,
-            "participants": participants, "participating": participating}  # fmt: skip
+    """An attempt that began 0.05 s before it ended."""
+    return {"kind": "step", "replica": replica, "pid": pid, "t": t, "t_begin": t - 0.05, "step": number,
+            "committed": committed, "participants": participants, "participating": participating}  # fmt: skip
 
 
 def timeline() -> tuple[list[dict], dict]:
@@ -65,6 +67,7 @@ def test_figures_of_one_kill() -> None:
     assert step_time == pytest.approx(0.1)
     e = event_figures(records, kill, step_time)
     assert e.survivors_next_commit_s == pytest.approx(1.502 - 1.05)  # the last survivor to commit (replica 2)
+    assert e.survivors_resumed_s == e.survivors_next_commit_s  # nothing was in flight past its exchange
     assert e.survivor_steps_not_committed == 1
     assert e.stall_in_steps == pytest.approx((1.502 - 1.05) / 0.1)
     assert e.participants_at_next_commit == 2
@@ -73,6 +76,20 @@ def test_figures_of_one_kill() -> None:
     assert e.replacement_first_commit_steps == 3  # the job had committed 10 when it started; it committed 13
     assert e.replacement_first_contributing_s == pytest.approx(1.8 - 1.06)
     assert e.replacement_first_contributing_steps == 4
+
+
+def test_a_step_in_flight_that_commits_after_the_kill_is_not_the_resumption() -> None:
+    """torchft commits per replica group: a survivor may commit the step the victim died in (its exchange was
+    done), at once; (a*) and (c) then measure from the first step begun after the kill."""
+    records, kill = timeline()
+    records += [step(r, 100 + r, 1.06, 11, participants=3) for r in (0, 2)]  # began 1.01, before the kill
+    for r in records:
+        if r["kind"] == "step" and r["pid"] in (100, 102) and r["t"] > 1.07 and r["step"] >= 11:
+            r["step"] += 1  # the timeline's later steps shift by the one committed in flight
+    e = event_figures(sorted(records, key=lambda r: r["t"]), kill, 0.1)
+    assert e.survivors_next_commit_s == pytest.approx(0.01) and e.participants_at_next_commit == 3
+    assert e.survivors_resumed_s == pytest.approx(1.502 - 1.05) and e.participants_at_resumed == 2
+    assert e.survivor_steps_not_committed == 1
 
 
 def test_a_replacement_that_never_commits_has_no_figure_and_stays_out_of_the_median() -> None:
@@ -126,7 +143,7 @@ def test_schedule_parsing() -> None:
     with pytest.raises(SystemExit):
         parse_arguments(["--side", "torchft", "--replicas", "3", "--kills", "3@10"])
     ns = parse_arguments(["--side", "torchft", "--kills", "1@20,2@50"])
-    assert ns.steps == 90 and ns.schedule == [(1, 20), (2, 50)]
+    assert ns.steps == 1050 and ns.schedule == [(1, 20), (2, 50)]  # a cap: the harness ends the run
 
 
 def test_record_tail_returns_only_complete_lines(tmp_path: Path) -> None:
@@ -160,14 +177,16 @@ class FakeSide:
         self.replaced.append(replica)
 
     def finished(self) -> bool:
-        if self.pending:
-            r = self.pending.pop(0)
-            with open(self.directory / f"replica{r['replica']}-pid{r['pid']}.jsonl", "a") as out:
-                out.write(json.dumps(r) + "\n")
-        return not self.pending
+        """Writes the next record; finished once every record was written and read (one more round)."""
+        if not self.pending:
+            return True
+        r = self.pending.pop(0)
+        with open(self.directory / f"replica{r['replica']}-pid{r['pid']}.jsonl", "a") as out:
+            out.write(json.dumps(r) + "\n")
+        return False
 
 
-def test_kill_loop_kills_the_live_pid_once_due_and_waits_for_full_membership(
+def test_kill_loop_kills_the_live_pid_once_due_after_the_last_replacement_is_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     killed: list[tuple[int, int]] = []
@@ -177,9 +196,11 @@ def test_kill_loop_kills_the_live_pid_once_due_and_waits_for_full_membership(
     records += [step(r, 100 + r, 0.1 + r * 0.001, 1) for r in range(3)]
     records += [step(1, 101, 0.2, 2), start(1, 201, 0.3)]  # the kill at step 2 lands here
     records += [step(2, 102, 0.4, 3, participants=2), step(1, 201, 0.5, 3, participants=2)]  # not full yet
-    records += [step(1, 201, 0.6, 4), step(2, 102, 0.61, 4), step(2, 102, 0.7, 5)]
+    records += [step(1, 201, 0.6, 4), step(2, 102, 0.61, 4)]  # 201 is back: the next kill from step 4 + 1
+    records += [step(1, 201, 0.65, 5), step(2, 102, 0.7, 5)]
+    records += [start(1, 301, 0.75), step(1, 301, 0.8, 6, participating=False), step(1, 301, 0.9, 7)]
     side = FakeSide(tmp_path, records)
-    loop = KillLoop(side, tmp_path, 3, [(1, 2), (1, 3)], phase="0")  # type: ignore[arg-type]
+    loop = KillLoop(side, tmp_path, 3, [(1, 2), (1, 3)], phase="0", tail_steps=1)  # type: ignore[arg-type]
     loop.run(deadline_s=30)
     assert [pid for pid, _ in killed] == [
         101,
@@ -187,7 +208,9 @@ def test_kill_loop_kills_the_live_pid_once_due_and_waits_for_full_membership(
     ]  # the second kill: the replacement, at its first full step
     assert side.replaced == [1, 1]
     kills = [r for r in read_records(tmp_path) if r["kind"] == "kill"]
-    assert [(k["pid"], k["step"]) for k in kills] == [(101, 2), (201, 4)]  # not at 3: only 2 were present
+    # not at step 3 (2 present), nor 4 (201 just back): at 201's return + tail_steps
+    assert [(k["pid"], k["step"]) for k in kills] == [(101, 2), (201, 5)]
+    assert stop_step(tmp_path) == 7 + 1  # the last replacement trained with all present at 7: 1 more step
 
 
 def test_report_renders_each_side_and_kill() -> None:
@@ -199,5 +222,5 @@ def test_report_renders_each_side_and_kill() -> None:
                   {"hidden": 1024, "batch": 32, "replicas": 3, "kills": "1@10", "steps": 14, "kill_phase": "random",
                    "seed": 0})  # fmt: skip
     assert "| (a) kill -> survivors' next committed step, s | 0.45 (n=1) |" in text
-    assert "| 1@10, 0.50 | 0.45 | 1 | 4.52 | 2 | 0.64 | 3 | 0.74 | 4 |" in text
+    assert "| 1@10, 0.50 | 0.45 | 2 | 0.45 | 2 | 1 | 4.52 | 0.64 | 3 | 0.74 | 4 |" in text
     assert "1.00; 1.50; 2.00" in text and "heartbeat_timeout_ms=5000" in text

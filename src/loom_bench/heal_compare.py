@@ -4,8 +4,10 @@
 
 Each side trains the same MLP (784-H-H-10, SGD, synthetic batches) on ``--replicas`` processes of this host. The
 harness follows every worker's per-step records (`loom_bench.heal_records`) and, for each ``R@S`` of the schedule,
-SIGKILLs replica R's process once that process has committed step S with every replica present (a kill waits for
-a replacement of an earlier one to be back in). torchft's replacement is started by the harness at once (torchft
+SIGKILLs replica R's process once that process has committed step S with every replica present, and not before
+the previous kill's replacement has trained a step with its own gradients, plus ``--tail-steps`` (so a late
+replacement delays the later kills instead of stacking them; the kill line records the step it came after). Once
+the last replacement is back, the harness asks every worker to stop ``--tail-steps`` later. torchft's replacement is started by the harness at once (torchft
 has no launcher); loom's by ``loom run`` itself. The report (``benchmarks/reports/heal_vs_torchft_<sides>.md``,
 and the same as JSON) gives each kill's figures and their medians: (a) from the kill to the survivors' next
 committed step, (b) from the replacement's process start to its first committed step (seconds, and steps after
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from loom_bench.heal_records import append_kill, summarize
+from loom_bench.heal_records import STOP_FILE, append_kill, summarize
 from loom_bench.heal_report import write_report
 from loom_bench.heal_torchft import SRC, TorchftSettings, TorchftSide
 
@@ -97,6 +99,10 @@ class KillLoop:
     _dead: set[int] = field(default_factory=set)
     _last_commit: dict[int, float] = field(default_factory=dict)  # pid -> time of its latest commit
     _step_time: dict[int, float] = field(default_factory=dict)  # pid -> its latest step's duration
+    tail_steps: int = 10
+    stopped_at: int | None = None
+    _awaiting: int | None = None  # the replica whose replacement is not back yet
+    _settled_from: int = 0  # no kill before this step: the last replacement's return plus tail_steps
 
     def run(self, deadline_s: float) -> None:
         tail, pending, end = RecordTail(self.records), list(self.kills), time.monotonic() + deadline_s
@@ -113,8 +119,15 @@ class KillLoop:
                     if record["pid"] in self._last_commit:
                         self._step_time[record["pid"]] = record["t"] - self._last_commit[record["pid"]]
                     self._last_commit[record["pid"]] = record["t"]
+                if self._awaiting is not None and self._back_in_full(record, self._awaiting):
+                    self._awaiting, self._settled_from = None, record["step"] + self.tail_steps
+                if self._awaiting is not None:
+                    continue
                 if pending and self._due(record, *pending[0]):
-                    self._kill(pending.pop(0)[0], record["step"])
+                    self._awaiting = pending.pop(0)[0]
+                    self._kill(self._awaiting, record["step"])
+                elif not pending and self.stopped_at is None and record["kind"] == "step":
+                    self._stop(max(record["step"], self._settled_from))
             time.sleep(0.005)
         if self.side.failures():
             raise RuntimeError(f"{self.side.name}: " + "; ".join(self.side.failures()))
@@ -126,9 +139,28 @@ class KillLoop:
             record["kind"] == "step"
             and record["committed"]
             and record["pid"] == self._current.get(replica)
-            and record["step"] >= step
+            and record["step"] >= max(step, self._settled_from)
             and record["participants"] in (self.replicas, None)
         )
+
+    def _back_in_full(self, record: dict[str, Any], replica: int) -> bool:
+        """``replica``'s replacement committed a step with its own gradients and every replica present: the
+        next kill may come (``tail_steps`` later, so that each kill meets a settled job), or the run may end."""
+        return (
+            record["kind"] == "step"
+            and record["committed"]
+            and record["pid"] == self._current.get(replica)
+            and record.get("participating", True)
+            and record["participants"] in (self.replicas, None)
+        )
+
+    def _stop(self, step: int) -> None:
+        """Tell every worker the step to stop after (`STOP_FILE`): they run in lockstep, so all stop at the same
+        step, and none waits for a quorum that a finished peer will never join."""
+        temporary = self.records / f"{STOP_FILE}.tmp"
+        temporary.write_text(str(step))
+        os.replace(temporary, self.records / STOP_FILE)
+        self.stopped_at = step
 
     def _kill(self, replica: int, step: int) -> None:
         """SIGKILL ``replica``'s live process, which has just committed ``step`` (the scheduled one, or a later
@@ -233,7 +265,8 @@ def run_side(side_name: str, ns: argparse.Namespace, records: Path) -> dict[str,
         side = TorchftSide(settings=settings, **common)  # type: ignore[arg-type]
     else:
         side = LoomSide(max_heals=len(ns.schedule), **common)  # type: ignore[arg-type]
-    loop = KillLoop(side, records, ns.replicas, ns.schedule, phase=ns.kill_phase, seed=ns.seed)
+    loop = KillLoop(side, records, ns.replicas, ns.schedule, phase=ns.kill_phase, seed=ns.seed,
+                    tail_steps=ns.tail_steps)  # fmt: skip
     load_before = os.getloadavg()[0]
     started = time.time()
     try:
@@ -261,7 +294,17 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=3, help="processes (replica groups of one process)")
     parser.add_argument("--kills", default="1@20,2@60,0@100", help="the schedule, REPLICA@STEP,...")
     parser.add_argument(
-        "--steps", type=int, default=None, help="committed steps in all (default: last kill + 40)"
+        "--steps",
+        type=int,
+        default=None,
+        help="most committed steps (default: last kill + 1000); a run ends "
+        "--tail-steps after the last replacement trains at full membership",
+    )
+    parser.add_argument(
+        "--tail-steps",
+        type=int,
+        default=10,
+        help="steps between a replacement's return and the next kill, or the end",
     )
     parser.add_argument("--batch", type=int, default=32, help="samples per replica per step")
     parser.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden width (784-H-H-10)")
@@ -294,7 +337,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--replicas {ns.replicas}: healing needs at least 2 (a survivor to heal from)")
     if any(r >= ns.replicas for r, _ in ns.schedule):
         parser.error(f"--kills {ns.kills}: replicas are 0..{ns.replicas - 1}")
-    ns.steps = ns.steps or (ns.schedule[-1][1] + 40 if ns.schedule else 40)
+    ns.steps = ns.steps or (ns.schedule[-1][1] + 1000 if ns.schedule else 1000)
     if ns.schedule and ns.steps <= ns.schedule[-1][1]:
         parser.error(f"--steps {ns.steps}: must exceed the last kill's step {ns.schedule[-1][1]}")
     return ns

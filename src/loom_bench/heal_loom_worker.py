@@ -20,12 +20,13 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # run as a script: find loom_bench
 
-from loom_bench.heal_records import StepWriter  # noqa: E402  (first: the start line precedes the torch import)
+from loom_bench.heal_records import StepWriter, stop_step  # noqa: E402  (first: the start line precedes the torch import)
 
 
 def _dropped_error() -> type[BaseException] | None:
@@ -69,22 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     global_batch = args.batch * topo.world_size
     g = torch.Generator().manual_seed(0)
-    n = (
-        global_batch * args.steps
-    )  # one epoch is the run (a dropped step that consumed a batch: one more epoch)
+    n = global_batch * 64  # an epoch of 64 steps; the loop goes on over epochs
     data = TensorDataset(torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g))
     loader = job.loader(data, global_batch_size=global_batch, seed=0)
     dropped = _dropped_error() or ()
+    limit = args.steps
     try:
-        while job.step < args.steps:
+        while job.step < limit:
             for batch in loader:
+                began = time.time()
                 try:
                     job.train_step(batch)
                 except dropped:  # type: ignore[misc]
-                    writer.step(job.step + 1, False, _members(job, topo.world_size))
+                    writer.step(job.step + 1, False, _members(job, topo.world_size), t_begin=began)
                     continue
-                writer.step(job.step, True, _members(job, topo.world_size))
-                if job.step >= args.steps:
+                writer.step(job.step, True, _members(job, topo.world_size), t_begin=began)
+                limit = min(
+                    args.steps, stop_step(args.records) or args.steps
+                )  # the harness's, once it is done
+                if job.step >= limit:
                     break
             loader.set_epoch(loader.epoch + 1)
     finally:

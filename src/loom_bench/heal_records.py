@@ -6,8 +6,9 @@ it happens, so a SIGKILL loses nothing already reported:
 
 - ``{"kind": "start", "replica": R, "pid": P, "t": T}``: the first line of the worker script, before torch is
   imported (so "the replacement's process start" is the same instant on both sides);
-- ``{"kind": "step", "replica": R, "pid": P, "t": T, "step": S, "committed": true|false, "participants": N,
-  "participating": true|false}``: after each attempt at a training step returns. ``S`` counts the job's committed
+- ``{"kind": "step", "replica": R, "pid": P, "t": T, "t_begin": B, "step": S, "committed": true|false,
+  "participants": N, "participating": true|false}``: after each attempt at a training step returns (``B``: when
+  the attempt began, before the quorum or the batch). ``S`` counts the job's committed
   steps including this one when committed (1 for the first step), and the step it tried to reach when not;
   ``participants`` is the number of replicas whose gradients the step averaged; ``participating`` says whether
   this replica's own gradients were among them (torchft lets a replica that heals in a step commit it without
@@ -18,11 +19,13 @@ The harness adds its own kill lines, ``{"kind": "kill", "replica": R, "pid": P, 
 kill was aimed). Times are ``time.time()`` on one host, so lines of different processes compare.
 
 The figures per kill (`event_figures`) are the issue's: (a) from the kill to the survivors' next committed step
-(the last survivor to commit, so the job as a whole moved on), (b) from the replacement's process start to its
+(the last survivor to commit, so the job as a whole moved on); that may be the step in flight, when the kill came
+after its exchange (torchft commits per replica group, so survivors commit a step the victim's gradients are in),
+so (a*) is the same to the survivors' first commit of a step begun after the kill: the stall the kill causes; (b) from the replacement's process start to its
 first committed step, in seconds and in steps (its step number less the job's committed steps when it started:
-1 means the very next step), and again to its first step with its own gradients in, (c) steps lost: the survivors' attempts that were not committed between the kill and their next
-commit (the most on one survivor), and the stall in units of a healthy step (which counts a retry inside a step
-that a side does not report). This module imports neither torch nor loom, so any interpreter can parse records.
+1 means the very next step), and again to its first step with its own gradients in, (c) steps lost: the survivors' attempts that were not committed between the kill and (a*) (the most on one
+survivor), and (a*) in units of a healthy step (which counts a retry inside a step that a side does not
+report). This module imports neither torch nor loom, so any interpreter can parse records.
 """
 
 from __future__ import annotations
@@ -42,9 +45,20 @@ __all__ = [
     "event_figures",
     "healthy_step_time",
     "summarize",
+    "stop_step",
 ]
 
 HARNESS_FILE = "harness.jsonl"
+STOP_FILE = "stop"
+"""The harness writes the step to stop after here, once the schedule is done; workers read it between steps."""
+
+
+def stop_step(directory: str | os.PathLike[str]) -> int | None:
+    """The step the harness asked every worker to stop after, or None while it has not (see `STOP_FILE`)."""
+    try:
+        return int((Path(directory) / STOP_FILE).read_text())
+    except FileNotFoundError:
+        return None
 
 
 class StepWriter:
@@ -58,10 +72,19 @@ class StepWriter:
         self._file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the process's life)
         self._write({"kind": "start"})
 
-    def step(self, step: int, committed: bool, participants: int, participating: bool = True) -> None:
+    def step(
+        self,
+        step: int,
+        committed: bool,
+        participants: int,
+        participating: bool = True,
+        t_begin: float | None = None,
+    ) -> None:
+        """One attempt at a step, written when it returns; ``t_begin``: ``time.time()`` when it began."""
         self._write(
             {
                 "kind": "step",
+                "t_begin": t_begin,
                 "step": step,
                 "committed": committed,
                 "participants": participants,
@@ -116,6 +139,7 @@ class EventFigures:
     kill_t: float
     kill_phase: float
     survivors_next_commit_s: float | None
+    survivors_resumed_s: float | None
     survivor_steps_not_committed: int
     stall_in_steps: float | None
     replacement_pid: int | None
@@ -124,6 +148,7 @@ class EventFigures:
     replacement_first_contributing_s: float | None
     replacement_first_contributing_steps: int | None
     participants_at_next_commit: int | None
+    participants_at_resumed: int | None
 
 
 def _committed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,18 +178,23 @@ def event_figures(
         r["pid"] for r in records if r["kind"] == "start" and r["t"] < t0 and r["pid"] != kill["pid"]
     } - {r["pid"] for r in records if r["kind"] == "kill" and r["t"] < t0}
     survivors_next: list[dict[str, Any]] = []
+    survivors_resumed: list[dict[str, Any]] = []
     not_committed = 0
     for pid in sorted(pids_alive):
         after = [r for r in records if r["pid"] == pid and r["kind"] == "step" and r["t"] > t0]
         first = next((r for r in after if r["committed"]), None)
-        if first is None:
+        resumed = next((r for r in after if r["committed"] and _begin(r) > t0), None)
+        if first is not None:
+            survivors_next.append(first)
+        if resumed is None:
             continue  # this survivor ended (or was killed) before committing again
-        survivors_next.append(first)
-        not_committed = max(
-            not_committed, sum(1 for r in after if r["t"] < first["t"] and not r["committed"])
-        )
+        survivors_resumed.append(resumed)
+        lost = sum(1 for r in after if r["t"] < resumed["t"] and not r["committed"])
+        not_committed = max(not_committed, lost)
     next_commit = max(survivors_next, key=lambda r: r["t"]) if survivors_next else None
     next_s = next_commit["t"] - t0 if next_commit else None
+    resumed_commit = max(survivors_resumed, key=lambda r: r["t"]) if survivors_resumed else None
+    resumed_s = resumed_commit["t"] - t0 if resumed_commit else None
 
     replacement = next(
         (r for r in records if r["kind"] == "start" and r["replica"] == kill["replica"] and r["t"] > t0), None
@@ -189,15 +219,22 @@ def event_figures(
         kill_t=t0,
         kill_phase=kill.get("phase", 0.0),
         survivors_next_commit_s=next_s,
+        survivors_resumed_s=resumed_s,
         survivor_steps_not_committed=not_committed,
-        stall_in_steps=(next_s / step_time if next_s is not None and step_time else None),
+        stall_in_steps=(resumed_s / step_time if resumed_s is not None and step_time else None),
         replacement_pid=replacement["pid"] if replacement else None,
         replacement_first_commit_s=commit_s,
         replacement_first_commit_steps=commit_steps,
         replacement_first_contributing_s=contributing_s,
         replacement_first_contributing_steps=contributing_steps,
         participants_at_next_commit=next_commit["participants"] if next_commit else None,
+        participants_at_resumed=resumed_commit["participants"] if resumed_commit else None,
     )
+
+
+def _begin(record: dict[str, Any]) -> float:
+    """When a step attempt began; a record without ``t_begin`` counts as begun when it ended (the later bound)."""
+    return record["t_begin"] if record.get("t_begin") is not None else record["t"]
 
 
 def _last_step_before(records: list[dict[str, Any]], t: float) -> int:
@@ -214,6 +251,7 @@ def summarize(records: list[dict[str, Any]], replicas: int) -> dict[str, Any]:
     medians: dict[str, Any] = {}
     for name in (
         "survivors_next_commit_s",
+        "survivors_resumed_s",
         "survivor_steps_not_committed",
         "stall_in_steps",
         "replacement_first_commit_s",

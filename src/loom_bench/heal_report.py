@@ -15,8 +15,9 @@ from typing import Any
 
 ROWS = [
     ("survivors_next_commit_s", "(a) kill -> survivors' next committed step, s"),
+    ("survivors_resumed_s", "(a*) kill -> survivors' first commit of a step begun after it, s"),
     ("survivor_steps_not_committed", "(c) survivors' attempts not committed (steps lost)"),
-    ("stall_in_steps", "(c') that stall in healthy steps"),
+    ("stall_in_steps", "(c') (a*) in healthy steps"),
     ("replacement_first_commit_s", "(b) replacement start -> its first committed step, s"),
     ("replacement_first_commit_steps", "(b) ... in steps after its start"),
     ("replacement_first_contributing_s", "(b') replacement start -> first step with its gradients, s"),
@@ -28,11 +29,12 @@ How the figures are taken (`loom_bench.heal_records`): each worker appends a lin
 number, committed or not, participants, whether its own gradients were in, pid, wall time) and a line when its
 script starts (before torch is imported); the harness SIGKILLs replica R's process once it has committed step S
 with every replica present, and writes the kill's time. (a) is the time from the kill to the last survivor's next
-committed step; (b) the time from the replacement's first line to its first committed step, and that step's
+committed step, which can be the step in flight when the kill came after its exchange; (a*) the time to the last
+survivor's first commit of a step begun after the kill (the stall the kill causes); (b) the time from the replacement's first line to its first committed step, and that step's
 number less the job's committed steps when the replacement started (1 = the very next step); (b') the same to its
 first committed step with its own gradients averaged in (torchft lets a replica commit the step it heals in
-without contributing); (c) the most attempts one survivor made between the kill and its next commit that were not
-committed; (c') (a) divided by the median healthy step (consecutive committed steps at full membership), which
+without contributing); (c) the most attempts one survivor made between the kill and (a*) that were not
+committed; (c') (a*) divided by the median healthy step (consecutive committed steps at full membership), which
 also counts a retry that a side does not report. Medians are over the kills that reached the figure (n)."""
 
 
@@ -92,15 +94,16 @@ def render(results: dict[str, dict[str, Any]], command: str, settings: dict[str,
             "",
             f"Settings: {described}.",
             "",
-            "| kill (replica@step, phase) | (a) s | (c) | (c') | participants at (a) | (b) s | (b) steps | (b') s | "
-            "(b') steps |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| kill (replica@step, phase) | (a) s | participants at (a) | (a*) s | participants at (a*) | (c) | (c') "
+            "| (b) s | (b) steps | (b') s | (b') steps |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in result["events"]:
             lines.append(
                 f"| {e['replica']}@{e['kill_step']}, {e['kill_phase']:.2f} | {_fmt(e['survivors_next_commit_s'])} | "
-                f"{e['survivor_steps_not_committed']} | {_fmt(e['stall_in_steps'])} | "
-                f"{_fmt(e['participants_at_next_commit'])} | {_fmt(e['replacement_first_commit_s'])} | "
+                f"{_fmt(e['participants_at_next_commit'])} | {_fmt(e['survivors_resumed_s'])} | "
+                f"{_fmt(e['participants_at_resumed'])} | {e['survivor_steps_not_committed']} | "
+                f"{_fmt(e['stall_in_steps'])} | {_fmt(e['replacement_first_commit_s'])} | "
                 f"{_fmt(e['replacement_first_commit_steps'])} | {_fmt(e['replacement_first_contributing_s'])} | "
                 f"{_fmt(e['replacement_first_contributing_steps'])} |"
             )

@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # run as a script: find loom_bench
 
-from loom_bench.heal_records import StepWriter  # noqa: E402  (first: the start line precedes the torch import)
+from loom_bench.heal_records import StepWriter, stop_step  # noqa: E402  (first: the start line precedes the torch import)
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,7 +38,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--records", required=True, help="directory of the per-step record files")
     parser.add_argument("--replica", type=int, required=True, help="this replica group's index")
     parser.add_argument("--lighthouse", required=True, help="the lighthouse's address, http://127.0.0.1:PORT")
-    parser.add_argument("--steps", type=int, required=True, help="stop after this many committed steps")
+    parser.add_argument(
+        "--steps", type=int, required=True, help="stop after this many committed steps at most"
+    )
     parser.add_argument("--batch", type=int, default=32, help="samples per replica per step")
     parser.add_argument("--hidden", type=int, default=1024, help="width of the MLP's two hidden layers")
     parser.add_argument("--min-replicas", type=int, default=2, help="Manager.min_replica_size")
@@ -123,15 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     ddp = (CompletedDDP if args.ddp_hook == "completed" else DistributedDataParallel)(manager, model)
     optimizer = RecordingOptimizer(manager, torch.optim.SGD(model.parameters(), lr=0.01))
     data = torch.Generator().manual_seed(1000 * args.replica + os.getpid() % 1000)
+    limit = args.steps
     try:
-        while manager.current_step() < args.steps:
+        while manager.current_step() < limit:
+            began = time.time()
             optimizer.zero_grad()
             x = torch.randn(args.batch, 784, generator=data)
             y = torch.randint(0, 10, (args.batch,), generator=data)
             nn.functional.cross_entropy(ddp(x), y).backward()
             optimizer.step()
             step = manager.current_step() if optimizer.committed else manager.current_step() + 1
-            writer.step(step, optimizer.committed, manager.num_participants(), manager.is_participating())
+            writer.step(
+                step, optimizer.committed, manager.num_participants(), manager.is_participating(), began
+            )
+            limit = min(
+                args.steps, stop_step(args.records) or args.steps
+            )  # the harness's, once its schedule is done
     finally:
         writer.close()
         manager.shutdown(wait=False)
