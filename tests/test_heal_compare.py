@@ -194,7 +194,8 @@ def test_kill_loop_kills_the_live_pid_once_due_after_the_last_replacement_is_bac
     monkeypatch.setattr(heal_compare.time, "sleep", lambda s: None)
     records = [start(r, 100 + r, 0.0) for r in range(3)]
     records += [step(r, 100 + r, 0.1 + r * 0.001, 1) for r in range(3)]
-    records += [step(1, 101, 0.2, 2), start(1, 201, 0.3)]  # the kill at step 2 lands here
+    records += [step(1, 101, 0.2, 2)]  # the kill at step 2 lands here
+    records += [step(1, 101, 0.25, 3), start(1, 201, 0.3)]  # the victim's last line, read after the kill
     records += [step(2, 102, 0.4, 3, participants=2), step(1, 201, 0.5, 3, participants=2)]  # not full yet
     records += [step(1, 201, 0.6, 4), step(2, 102, 0.61, 4)]  # 201 is back: the next kill from step 4 + 1
     records += [step(1, 201, 0.65, 5), step(2, 102, 0.7, 5)]

@@ -150,6 +150,7 @@ class KillLoop:
             record["kind"] == "step"
             and record["committed"]
             and record["pid"] == self._current.get(replica)
+            and record["pid"] not in self._dead  # the victim's own last line, read after the kill
             and record.get("participating", True)
             and record["participants"] in (self.replicas, None)
         )
