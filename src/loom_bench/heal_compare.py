@@ -281,7 +281,7 @@ def run_side(side_name: str, ns: argparse.Namespace, records: Path) -> dict[str,
 
     summary = summarize(read_records(records), ns.replicas)
     summary.update(
-        side=side.describe(), wall_s=time.time() - started, records=str(records),
+        side=side.describe(), started=started, wall_s=time.time() - started, records=str(records),
         load={"before": load_before, "at_kills": loop.loads, "after": os.getloadavg()[0]},
     )  # fmt: skip
     return summary

@@ -46,19 +46,39 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def render(results: dict[str, dict[str, Any]], command: str, settings: dict[str, Any]) -> str:
+def _started(results: dict[str, dict[str, Any]]) -> str:
+    starts = [r["started"] for r in results.values() if "started" in r]
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(min(starts) if starts else time.time()))
+
+
+TORCHFT_NOTES = """torchft is driven as its `train_ddp.py` example does on CPU (`loom_bench.heal_torchft_worker`): a lighthouse on
+127.0.0.1, one `Manager` per replica group with `ProcessGroupGloo` (5 s timeout) and the default HTTP checkpoint
+transport, its `DistributedDataParallel` and `OptimizerWrapper`; the harness starts each replacement at once.
+When the lighthouse declares a replica dead is its `heartbeat_timeout_ms`; a quorum that lacks a heart-beating
+replica waits for it up to `join_timeout_ms`; a survivor whose all-reduce failed stops exchanging, so another
+survivor's all-reduce can wait gloo's timeout. torchft 0.2.0's DDP communication hook fails `assert fut._fut` in
+`backward` when gloo's wait raises on a killed peer, which kills the survivors (`--torchft-ddp-hook original`
+shows it); the worker's hook is torchft's with that error path completed (the error is reported to the Manager,
+`should_commit` drops the step), as torchft documents the all-reduce to behave."""
+
+
+def render(
+    results: dict[str, dict[str, Any]], command: str, settings: dict[str, Any], notes: str = ""
+) -> str:
+    """The report; ``notes``: a reading of this run written after it (kept in the JSON, see `main`)."""
     sides = list(results)
     lines = [
         f"# Healing a killed worker: {' vs '.join(sides)}",
         "",
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.node()}, "
-        f"{platform.machine()}, {os.cpu_count()} CPUs; shared machine, see the load averages).",
+        f"Command: `{command}` ({_started(results)}; {platform.node()}, {platform.machine()}, {os.cpu_count()} "
+        "CPUs; shared machine, see the load averages).",
         "",
         f"Model: MLP 784-{settings.get('hidden')}-{settings.get('hidden')}-10, SGD, {settings.get('batch')} "
         f"synthetic samples per replica per step; {settings.get('replicas')} replicas of one process each on "
         f"this host (CPU, gloo); kills `{settings.get('kills')}` (REPLICA@STEP), each landing at phase "
         f"`{settings.get('kill_phase')}` (seed {settings.get('seed')}) of the victim's next step; "
-        f"{settings.get('steps')} steps.",
+        f"each run ends {settings.get('tail_steps')} steps after its last replacement trains with all present "
+        f"(at most {settings.get('steps')} steps).",
         "",
         "| median over kills | " + " | ".join(sides) + " |",
         "|---|" + "---|" * len(sides),
@@ -86,6 +106,10 @@ def render(results: dict[str, dict[str, Any]], command: str, settings: dict[str,
         + " |"
     )
     lines += ["", DEFINITIONS, ""]
+    if "torchft" in results:
+        lines += [TORCHFT_NOTES, ""]
+    if notes:
+        lines += ["## Reading this run (written after it)", "", notes.strip(), ""]
     for side in sides:
         result = results[side]
         described = ", ".join(f"{k}={v}" for k, v in result["side"].items() if k != "side")
@@ -122,3 +146,22 @@ def write_report(
     json_path = out.with_suffix(".json")
     json_path.write_text(json.dumps(raw, indent=1, default=str) + "\n", encoding="utf-8")
     return out, json_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loom_bench.heal_report REPORT.json [OUT.md]``: render a report again from its JSON (after
+    adding a ``"notes"`` string to it, say)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        raise SystemExit("usage: python -m loom_bench.heal_report REPORT.json [OUT.md]")
+    raw = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    out = Path(args[1]) if len(args) > 1 else Path(args[0]).with_suffix(".md")
+    text = render(raw["results"], raw["command"], raw["settings"], raw.get("notes", ""))
+    out.write_text(text + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
