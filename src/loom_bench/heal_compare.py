@@ -127,7 +127,7 @@ class KillLoop:
                     self._awaiting = pending.pop(0)[0]
                     self._kill(self._awaiting, record["step"])
                 elif not pending and self.stopped_at is None and record["kind"] == "step":
-                    self._stop(max(record["step"], self._settled_from))
+                    self._stop(record["step"] + self.tail_steps)  # ahead of every worker: all read it in time
             time.sleep(0.005)
         if self.side.failures():
             raise RuntimeError(f"{self.side.name}: " + "; ".join(self.side.failures()))
@@ -198,18 +198,24 @@ class LoomSide:
     batch: int
     hidden: int
     max_heals: int
+    mode: str = "heal"
+    """``heal``; or ``stop``, loom's default, to check this plumbing without kills before heal exists"""
     name: str = "loom"
     _launcher: subprocess.Popen | None = None
 
+    def _policy(self) -> list[str]:
+        if self.mode == "heal":
+            return ["--on-worker-failure", "heal", "--max-heals", str(self.max_heals)]
+        return ["--on-worker-failure", self.mode]
+
     def describe(self) -> dict[str, object]:
-        return {"side": self.name, "launcher": f"loom run -n {self.replicas} --on-worker-failure heal "
-                f"--max-heals {self.max_heals}"}  # fmt: skip
+        return {"side": self.name, "launcher": f"loom run -n {self.replicas} {' '.join(self._policy())}"}
 
     def start(self) -> None:
-        check_loom_heal()
-        command = [sys.executable, "-m", "loom.cli", "run", "-n", str(self.replicas), "--on-worker-failure", "heal",
-                   "--max-heals", str(self.max_heals), "--run-dir", str(self.records / "run"),
-                   str(SRC / "loom_bench" / "heal_loom_worker.py"), "--records", str(self.records), "--steps",
+        if self.mode == "heal":
+            check_loom_heal()
+        command = [sys.executable, "-m", "loom.cli", "run", "-n", str(self.replicas), *self._policy(),
+                   "--run-dir", str(self.records / "run"), str(SRC / "loom_bench" / "heal_loom_worker.py"), "--records", str(self.records), "--steps",
                    str(self.steps), "--batch", str(self.batch), "--hidden", str(self.hidden)]  # fmt: skip
         log = open(self.records / "loom-run.log", "wb")  # noqa: SIM115 (the child holds it)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
@@ -265,7 +271,7 @@ def run_side(side_name: str, ns: argparse.Namespace, records: Path) -> dict[str,
                                    ddp_hook=ns.torchft_ddp_hook, pg_timeout_s=ns.torchft_pg_timeout)  # fmt: skip
         side = TorchftSide(settings=settings, **common)  # type: ignore[arg-type]
     else:
-        side = LoomSide(max_heals=len(ns.schedule), **common)  # type: ignore[arg-type]
+        side = LoomSide(max_heals=max(1, len(ns.schedule)), mode=ns.loom_mode, **common)  # type: ignore[arg-type]
     loop = KillLoop(side, records, ns.replicas, ns.schedule, phase=ns.kill_phase, seed=ns.seed,
                     tail_steps=ns.tail_steps)  # fmt: skip
     load_before = os.getloadavg()[0]
@@ -323,6 +329,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torchft: gloo's collective timeout, seconds (its train_ddp.py on CPU: 5)")  # fmt: skip
     parser.add_argument("--torchft-ddp-hook", choices=["completed", "original"], default="completed",
                         help="torchft's DDP hook with its error path completed (default), or as released")  # fmt: skip
+    parser.add_argument("--loom-mode", choices=["heal", "stop"], default="heal",
+                        help="loom's --on-worker-failure; 'stop' checks the loom side's plumbing with --kills ''")  # fmt: skip
     parser.add_argument(
         "--work-dir", type=Path, default=None, help="where the records go (default: a temp dir)"
     )
@@ -334,6 +342,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--kill-phase {ns.kill_phase}: a fraction in [0, 1), or 'random'")
     except ValueError as error:
         parser.error(str(error))
+    if ns.loom_mode != "heal" and ns.schedule:
+        parser.error(f"--loom-mode {ns.loom_mode} stops the job at the first kill: give --kills ''")
     if ns.replicas < 2:
         parser.error(f"--replicas {ns.replicas}: healing needs at least 2 (a survivor to heal from)")
     if any(r >= ns.replicas for r, _ in ns.schedule):
@@ -346,7 +356,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_arguments(argv)
-    if "loom" in ns.side:
+    if "loom" in ns.side and ns.loom_mode == "heal":
         check_loom_heal()  # before anything runs, not after the torchft side's minutes
     work = ns.work_dir or Path(tempfile.mkdtemp(prefix="heal_compare_"))
     results = {side: run_side(side, ns, work / side) for side in ns.side}
