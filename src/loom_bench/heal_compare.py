@@ -200,6 +200,8 @@ class LoomSide:
     max_heals: int
     mode: str = "heal"
     """``heal``; or ``stop``, loom's default, to check this plumbing without kills before heal exists"""
+    loom_src: str | None = None
+    """a loom source tree to run instead of this checkout's (e.g. an export of a branch not yet merged)"""
     name: str = "loom"
     _launcher: subprocess.Popen | None = None
 
@@ -213,12 +215,12 @@ class LoomSide:
 
     def start(self) -> None:
         if self.mode == "heal":
-            check_loom_heal()
+            check_loom_heal(self.loom_src)
         command = [sys.executable, "-m", "loom.cli", "run", "-n", str(self.replicas), *self._policy(),
                    "--run-dir", str(self.records / "run"), str(SRC / "loom_bench" / "heal_loom_worker.py"), "--records", str(self.records), "--steps",
                    str(self.steps), "--batch", str(self.batch), "--hidden", str(self.hidden)]  # fmt: skip
         log = open(self.records / "loom-run.log", "wb")  # noqa: SIM115 (the child holds it)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+        env = loom_env(self.loom_src)
         self._launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           start_new_session=True)  # fmt: skip
 
@@ -243,13 +245,19 @@ class LoomSide:
                 self._launcher.wait()
 
 
-def check_loom_heal() -> None:
+def loom_env(loom_src: str | None) -> dict[str, str]:
+    """The environment the loom side runs in: ``loom_src`` (when given) before this checkout's src."""
+    paths = [p for p in (loom_src, str(SRC), os.environ.get("PYTHONPATH")) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def check_loom_heal(loom_src: str | None = None) -> None:
     """Stop with the reason unless this loom's ``loom run`` accepts ``--on-worker-failure heal``.
 
     argparse checks ``heal`` against the choices before it reaches ``--help``: exit 0 means accepted."""
     probe = subprocess.run(
         [sys.executable, "-m", "loom.cli", "run", "--on-worker-failure", "heal", "--max-heals", "1", "--help"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=loom_env(loom_src),
     )  # fmt: skip
     if probe.returncode != 0:
         why = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
@@ -271,7 +279,7 @@ def run_side(side_name: str, ns: argparse.Namespace, records: Path) -> dict[str,
                                    ddp_hook=ns.torchft_ddp_hook, pg_timeout_s=ns.torchft_pg_timeout)  # fmt: skip
         side = TorchftSide(settings=settings, **common)  # type: ignore[arg-type]
     else:
-        side = LoomSide(max_heals=max(1, len(ns.schedule)), mode=ns.loom_mode, **common)  # type: ignore[arg-type]
+        side = LoomSide(max_heals=max(1, len(ns.schedule)), mode=ns.loom_mode, loom_src=ns.loom_src, **common)  # type: ignore[arg-type]
     loop = KillLoop(side, records, ns.replicas, ns.schedule, phase=ns.kill_phase, seed=ns.seed,
                     tail_steps=ns.tail_steps)  # fmt: skip
     load_before = os.getloadavg()[0]
@@ -329,6 +337,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torchft: gloo's collective timeout, seconds (its train_ddp.py on CPU: 5)")  # fmt: skip
     parser.add_argument("--torchft-ddp-hook", choices=["completed", "original"], default="completed",
                         help="torchft's DDP hook with its error path completed (default), or as released")  # fmt: skip
+    parser.add_argument(
+        "--loom-src", default=None, help="run the loom side with this loom source tree (a src/)"
+    )
     parser.add_argument("--loom-mode", choices=["heal", "stop"], default="heal",
                         help="loom's --on-worker-failure; 'stop' checks the loom side's plumbing with --kills ''")  # fmt: skip
     parser.add_argument(
@@ -357,7 +368,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_arguments(argv)
     if "loom" in ns.side and ns.loom_mode == "heal":
-        check_loom_heal()  # before anything runs, not after the torchft side's minutes
+        check_loom_heal(ns.loom_src)  # before anything runs, not after the torchft side's minutes
     work = ns.work_dir or Path(tempfile.mkdtemp(prefix="heal_compare_"))
     results = {side: run_side(side, ns, work / side) for side in ns.side}
     out = ns.out or Path("benchmarks/reports") / f"heal_vs_torchft_{'_'.join(ns.side)}.md"

@@ -10,8 +10,9 @@ samples per step. What it relies on from the healing mode (issue 23), and so wha
   and the attempt is written with ``committed: false``. Either way the stall is also measured in healthy steps.
 - a replacement is started by the launcher with the lost rank's ``RANK`` and heals model, optimizer, step and data
   position inside ``loom.init()``/``setup()``/the loader, so this loop resumes at ``job.step``;
-- the number of members present is read from the job (``job.members``, an int or a sequence) when it has one, else
-  the topology's world size (the report then cannot tell steps taken below full membership).
+- the members that trained a step are read from the job: ``job.trained_by`` (the ranks; branch heal's
+  `loom.parallel.data.healing.HealingJob`), else ``job.members`` (an int or a sequence), else the topology's world
+  size (the report then cannot tell steps taken below full membership).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import importlib
 import os
 import sys
 import time
+from typing import Any
 
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # run as a script: find loom_bench
+# Run as a script: find loom_bench after whatever PYTHONPATH puts first (the harness may put another loom there).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loom_bench.heal_records import StepWriter, stop_step  # noqa: E402  (first: the start line precedes the torch import)
 
@@ -37,11 +38,16 @@ def _dropped_error() -> type[BaseException] | None:
     return getattr(importlib.import_module(module), cls)
 
 
-def _members(job, world_size: int) -> int:
+def _members(job: Any, world_size: int, rank: int) -> tuple[int, bool]:
+    """(members that trained the last committed step, whether this rank was one): the healing job's
+    ``trained_by`` (ranks) when it has one, else ``members``, else the whole world."""
+    trained_by = getattr(job, "trained_by", None)
+    if trained_by:
+        return len(trained_by), rank in trained_by
     members = getattr(job, "members", None)
     if members is None:
-        return world_size
-    return members if isinstance(members, int) else len(members)
+        return world_size, True
+    return (members, True) if isinstance(members, int) else (len(members), rank in members)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     job.train_step(batch)
                 except dropped:  # type: ignore[misc]
-                    writer.step(job.step + 1, False, _members(job, topo.world_size), t_begin=began)
+                    members, mine = _members(job, topo.world_size, topo.rank)
+                    writer.step(job.step + 1, False, members, mine, t_begin=began)
                     continue
-                writer.step(job.step, True, _members(job, topo.world_size), t_begin=began)
+                members, mine = _members(job, topo.world_size, topo.rank)
+                writer.step(job.step, True, members, mine, t_begin=began)
                 limit = min(
                     args.steps, stop_step(args.records) or args.steps
                 )  # the harness's, once it is done

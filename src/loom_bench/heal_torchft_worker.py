@@ -26,9 +26,8 @@ import os
 import sys
 import time
 
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # run as a script: find loom_bench
+# Run as a script: find loom_bench after whatever PYTHONPATH puts first (the harness may put another loom there).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loom_bench.heal_records import StepWriter, stop_step  # noqa: E402  (first: the start line precedes the torch import)
 
