@@ -49,6 +49,7 @@ def timeline() -> tuple[list[dict], dict]:
     kill = {"kind": "kill", "replica": 1, "pid": 101, "step": 10, "t": 1.05, "phase": 0.5}
     records.append(kill)
     records.append(start(1, 201, 1.06))
+    records.append({"kind": "ready", "replica": 1, "pid": 201, "t": 1.65})
     for r in (0, 2):
         records += [
             step(r, 100 + r, 1.1, 11, committed=False, participants=2),
@@ -76,6 +77,9 @@ def test_figures_of_one_kill() -> None:
     assert e.replacement_first_commit_steps == 3  # the job had committed 10 when it started; it committed 13
     assert e.replacement_first_contributing_s == pytest.approx(1.8 - 1.06)
     assert e.replacement_first_contributing_steps == 4
+    assert e.replacement_ready_s == pytest.approx(1.65 - 1.06)
+    assert e.replacement_ready_to_commit_s == pytest.approx(1.8 - 1.65)
+    assert e.replacement_ready_to_commit_steps == 2  # 12 committed when it was ready; its first own step: 14
 
 
 def test_a_step_in_flight_that_commits_after_the_kill_is_not_the_resumption() -> None:

@@ -279,7 +279,8 @@ def run_side(side_name: str, ns: argparse.Namespace, records: Path) -> dict[str,
                                    ddp_hook=ns.torchft_ddp_hook, pg_timeout_s=ns.torchft_pg_timeout)  # fmt: skip
         side = TorchftSide(settings=settings, **common)  # type: ignore[arg-type]
     else:
-        side = LoomSide(max_heals=max(1, len(ns.schedule)), mode=ns.loom_mode, loom_src=ns.loom_src, **common)  # type: ignore[arg-type]
+        heals = ns.loom_max_heals if ns.loom_max_heals is not None else len(ns.schedule) + 3
+        side = LoomSide(max_heals=max(1, heals), mode=ns.loom_mode, loom_src=ns.loom_src, **common)  # type: ignore[arg-type]
     loop = KillLoop(side, records, ns.replicas, ns.schedule, phase=ns.kill_phase, seed=ns.seed,
                     tail_steps=ns.tail_steps)  # fmt: skip
     load_before = os.getloadavg()[0]
@@ -340,6 +341,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--loom-src", default=None, help="run the loom side with this loom source tree (a src/)"
     )
+    parser.add_argument("--loom-max-heals", type=int, default=None,
+                        help="loom run --max-heals (default: the kills + 3, for members the launcher itself drops, "
+                        "e.g. one that did not check in under load; its log names them)")  # fmt: skip
     parser.add_argument("--loom-mode", choices=["heal", "stop"], default="heal",
                         help="loom's --on-worker-failure; 'stop' checks the loom side's plumbing with --kills ''")  # fmt: skip
     parser.add_argument(

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     loader = job.loader(data, global_batch_size=global_batch, seed=0)
     dropped = _dropped_error() or ()
     limit = args.steps
+    writer.ready()
     try:
         while job.step < limit:
             for batch in loader:

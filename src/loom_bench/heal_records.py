@@ -6,6 +6,8 @@ it happens, so a SIGKILL loses nothing already reported:
 
 - ``{"kind": "start", "replica": R, "pid": P, "t": T}``: the first line of the worker script, before torch is
   imported (so "the replacement's process start" is the same instant on both sides);
+- ``{"kind": "ready", ...}``: imports done, the job joined and set up, just before the first step (so a
+  replacement's start-up, which neither side can shorten much, is told apart from its joining);
 - ``{"kind": "step", "replica": R, "pid": P, "t": T, "t_begin": B, "step": S, "committed": true|false,
   "participants": N, "participating": true|false}``: after each attempt at a training step returns (``B``: when
   the attempt began, before the quorum or the batch). ``S`` counts the job's committed
@@ -22,7 +24,7 @@ The figures per kill (`event_figures`) are the issue's: (a) from the kill to the
 (the last survivor to commit, so the job as a whole moved on); that may be the step in flight, when the kill came
 after its exchange (torchft commits per replica group, so survivors commit a step the victim's gradients are in),
 so (a*) is the same to the survivors' first commit of a step begun after the kill: the stall the kill causes; (b) from the replacement's process start to its
-first committed step, in seconds and in steps (its step number less the job's committed steps when it started:
+first committed step (its (b°): from its ``ready`` line to its first step with its own gradients), in seconds and in steps (its step number less the job's committed steps when it started:
 1 means the very next step), and again to its first step with its own gradients in, (c) steps lost: the survivors' attempts that were not committed between the kill and (a*) (the most on one
 survivor), and (a*) in units of a healthy step (which counts a retry inside a step that a side does not
 report). This module imports neither torch nor loom, so any interpreter can parse records.
@@ -92,6 +94,10 @@ class StepWriter:
             }
         )
 
+    def ready(self) -> None:
+        """Imports done, the job joined and set up: the next thing this process does is its first step."""
+        self._write({"kind": "ready"})
+
     def close(self) -> None:
         self._file.close()
 
@@ -147,6 +153,9 @@ class EventFigures:
     replacement_first_commit_steps: int | None
     replacement_first_contributing_s: float | None
     replacement_first_contributing_steps: int | None
+    replacement_ready_s: float | None
+    replacement_ready_to_commit_s: float | None
+    replacement_ready_to_commit_steps: int | None
     participants_at_next_commit: int | None
     participants_at_resumed: int | None
 
@@ -212,6 +221,14 @@ def event_figures(
 
     commit_s, commit_steps = since_start(first_commit)
     contributing_s, contributing_steps = since_start(first_contributing)
+    ready = next(
+        (r for r in records if replacement and r["kind"] == "ready" and r["pid"] == replacement["pid"]), None
+    )
+    ready_s = ready["t"] - replacement["t"] if ready and replacement else None
+    ready_commit_s = ready_commit_steps = None
+    if ready is not None and first_contributing is not None:
+        ready_commit_s = first_contributing["t"] - ready["t"]
+        ready_commit_steps = first_contributing["step"] - _last_step_before(records, ready["t"])
     return EventFigures(
         replica=kill["replica"],
         killed_pid=kill["pid"],
@@ -227,6 +244,9 @@ def event_figures(
         replacement_first_commit_steps=commit_steps,
         replacement_first_contributing_s=contributing_s,
         replacement_first_contributing_steps=contributing_steps,
+        replacement_ready_s=ready_s,
+        replacement_ready_to_commit_s=ready_commit_s,
+        replacement_ready_to_commit_steps=ready_commit_steps,
         participants_at_next_commit=next_commit["participants"] if next_commit else None,
         participants_at_resumed=resumed_commit["participants"] if resumed_commit else None,
     )
@@ -258,6 +278,9 @@ def summarize(records: list[dict[str, Any]], replicas: int) -> dict[str, Any]:
         "replacement_first_commit_steps",
         "replacement_first_contributing_s",
         "replacement_first_contributing_steps",
+        "replacement_ready_s",
+        "replacement_ready_to_commit_s",
+        "replacement_ready_to_commit_steps",
     ):
         values = [getattr(e, name) for e in events if getattr(e, name) is not None]
         medians[name] = {"median": statistics.median(values) if values else None, "n": len(values)}

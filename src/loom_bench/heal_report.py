@@ -22,6 +22,9 @@ ROWS = [
     ("replacement_first_commit_steps", "(b) ... in steps after its start"),
     ("replacement_first_contributing_s", "(b') replacement start -> first step with its gradients, s"),
     ("replacement_first_contributing_steps", "(b') ... in steps after its start"),
+    ("replacement_ready_s", "replacement start -> ready (imports, init, setup), s"),
+    ("replacement_ready_to_commit_s", "(b°) replacement ready -> first step with its gradients, s"),
+    ("replacement_ready_to_commit_steps", "(b°) ... in steps after ready"),
 ]
 
 DEFINITIONS = """\
@@ -33,7 +36,8 @@ committed step, which can be the step in flight when the kill came after its exc
 survivor's first commit of a step begun after the kill (the stall the kill causes); (b) the time from the replacement's first line to its first committed step, and that step's
 number less the job's committed steps when the replacement started (1 = the very next step); (b') the same to its
 first committed step with its own gradients averaged in (torchft lets a replica commit the step it heals in
-without contributing); (c) the most attempts one survivor made between the kill and (a*) that were not
+without contributing); (b°) the same from the replacement's `ready` line (imports, joining the job and the model's
+setup done, just before its first step), so that start-up is told apart from joining; (c) the most attempts one survivor made between the kill and (a*) that were not
 committed; (c') (a*) divided by the median healthy step (consecutive committed steps at full membership), which
 also counts a retry that a side does not report. Medians are over the kills that reached the figure (n)."""
 

@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = RecordingOptimizer(manager, torch.optim.SGD(model.parameters(), lr=0.01))
     data = torch.Generator().manual_seed(1000 * args.replica + os.getpid() % 1000)
     limit = args.steps
+    writer.ready()
     try:
         while manager.current_step() < limit:
             began = time.time()
