@@ -90,7 +90,7 @@ def render(
     for key, title in ROWS:
         cells = []
         for side in sides:
-            median = results[side]["medians"][key]
+            median = results[side]["medians"].get(key, {"median": None, "n": 0})  # older reports lack some
             cells.append(f"{_fmt(median['median'])} (n={median['n']})")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     for label, key in (
