@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard
+from loom.fault.inject import fault_point
+from loom.fault.quorum import Quorum
 from loom.fault.watchdog import Watchdog, hang_timeout_s, liveness_timeout_s, work_timeout_s
 from loom.topology import Topology
 
@@ -81,6 +83,20 @@ class StepGuard:
     def __init__(self, watchdog: Watchdog, nonfinite: NonFiniteGuard) -> None:
         self.watchdog = watchdog
         self.nonfinite = nonfinite
+        self.quorum: Quorum | None = None
+        """Set under ``--on-worker-failure heal`` (`loom.fault.quorum`): the step's commit vote."""
+
+    def commit(self, step: int) -> bool:
+        """The commit vote on step ``step``, after its exchange and its non-finite verdict: True when every
+        member of the quorum finished it (then each applies it, or skips it by the same verdict); False: none
+        does. Without healing there is nothing to vote on (a failed collective raised already)."""
+        if self.quorum is None:
+            return True
+        fault_point(step, "after")
+        verdict = self.quorum.vote(step, ok=True)
+        if verdict:
+            fault_point(step, "commit")
+        return verdict
 
     @classmethod
     def start(cls, topology: Topology, options: GuardOptions) -> StepGuard:
