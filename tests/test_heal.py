@@ -34,11 +34,11 @@ def global_size(step: int) -> int:
 
 
 def run_heal(tmp_path: Path, faults: str, *args: str, steps: int = 10, pause_s: float = 0.0,
-             timeout: float = 90.0) -> tuple[subprocess.CompletedProcess, Path, Path]:  # fmt: skip
+             timeout: float = 90.0, **env_extra: str) -> tuple[subprocess.CompletedProcess, Path, Path]:  # fmt: skip
     out, run_dir = tmp_path / "out", tmp_path / "run"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", HEAL_OUT=str(out),
-               HEAL_STEPS=str(steps), HEAL_PAUSE_S=str(pause_s), LOOM_FAULTS=faults)  # fmt: skip
+               HEAL_STEPS=str(steps), HEAL_PAUSE_S=str(pause_s), LOOM_FAULTS=faults, **env_extra)  # fmt: skip
     cmd = [sys.executable, "-m", "loom.cli", "run", "-n", "3", "--on-worker-failure", "heal", "--run-dir",
            str(run_dir), *args, str(SCRIPT)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -163,6 +163,16 @@ def test_the_peer_a_replacement_heals_from_dies_while_sending(tmp_path):
     # rank 0 (the first member, so the sender) dies as it starts sending its state to rank 1's replacement
     result, out, run_dir = run_heal(tmp_path, "kill@1:3:during,kill@0:1:send", steps=10)
     check_healed_job(result, out, run_dir, 10, {0: 1, 1: 1})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_frozen_member_is_dropped_when_its_heartbeat_stops_and_replaced(tmp_path):
+    result, out, run_dir = run_heal(tmp_path, "freeze@1:3:during", LOOM_HEAL_HEARTBEAT_TIMEOUT_S="2")
+    check_healed_job(result, out, run_dir, 10, {1: 1})
+    assert "worker rank 1 sent no heartbeat for 2 s (LOOM_HEAL_HEARTBEAT_TIMEOUT_S): dropped and killed" in (
+        result.stderr
+    )
 
 
 @pytest.mark.multiprocess

@@ -27,6 +27,7 @@ Every store call is bounded (the store's own timeouts); every wait here has a st
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -88,6 +89,7 @@ class Quorum:
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="loom-heal-heartbeat", daemon=True)
         self._beat.start()
+        atexit.register(self.close)
 
     @classmethod
     def from_env(cls, store: Any) -> Quorum:
@@ -187,5 +189,11 @@ class Quorum:
                 group.abort()
 
     def close(self) -> None:
+        """Leave: the last epoch's group closed, and ``bye/RANK/GEN`` tells the launcher that the heartbeats stop
+        because the process is ending (its exit may take a while), not because it froze. At exit too."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._abandon_group()
+        with contextlib.suppress(Exception):
+            self.store.set(f"bye/{self.rank}/{self.generation}", "1")

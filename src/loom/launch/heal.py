@@ -10,7 +10,7 @@ worker's death takes the quorum down. What it does, every `TICK_S` (the protocol
   the budget the job stops, naming the lost ranks. The dead member's epoch is marked (``q/E/dead``) so that the
   others' commit vote does not wait for it;
 - a worker whose heartbeat stops for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (default 10 s; a frozen process) is
-  killed, and is then a dead worker like any other;
+  killed, and is then a dead worker like any other (one that said ``bye`` at its exit is left to end);
 - epoch 1 is published when every first worker is ready; a replacement that is ready marks ``q/E/pending`` (the
   members re-form after their current step); when a member of E checks in (or one dies), the next epoch is
   published once every live member of E has checked in, or after ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (default 10 s:
@@ -167,6 +167,8 @@ class HealQuorum:
             name = f"hb/{r}/{self.generation[r]}"
             if r in self._finished or not self.alive(r) or not self.store.check([name]):
                 continue
+            if self.store.check([f"bye/{r}/{self.generation[r]}"]):
+                continue  # ending: its heartbeats stopped on purpose
             count = int(self.store.get(name))
             seen = self._beats.get(key)
             if seen is None or seen[0] != count:
