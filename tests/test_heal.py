@@ -138,7 +138,9 @@ def _print_timings(found: dict, run_dir: Path, lost: dict[int, int]) -> None:
             d = found[(r, g)]
             if d["steps"]:
                 print(f"heal timing: rank {r} replacement {g}: process start -> first trained step "
-                      f"{d['steps'][0][1] - d['started']:.3f} s (joined at step {d['joined_at_step']})")  # fmt: skip
+                      f"{d['steps'][0][1] - d['started']:.3f} s (of which import and loom.init "
+                      f"{d['initialized'] - d['started']:.3f} s, joining and receiving the state "
+                      f"{d['joined'] - d['initialized']:.3f} s); joined at step {d['joined_at_step']}")  # fmt: skip
 
 
 @pytest.mark.multiprocess

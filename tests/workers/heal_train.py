@@ -42,13 +42,14 @@ def digest(model: nn.Module) -> str:
 
 def main() -> None:
     loom.init()
+    initialized = time.time()
     global WORLD
     rank, gen = int(os.environ["RANK"]), int(os.environ.get("LOOM_HEAL_GENERATION", "0"))
     WORLD = int(os.environ["WORLD_SIZE"])
     model, optimizer, data = model_and_data()
     job = loom.DataParallel().setup(model, optimizer, nn.MSELoss())
     report = {"rank": rank, "generation": gen, "pid": os.getpid(), "started": STARTED,
-              "joined_at_step": job.step, "joined": time.time(), "steps": []}  # fmt: skip
+              "initialized": initialized, "joined_at_step": job.step, "joined": time.time(), "steps": []}  # fmt: skip
     path = os.path.join(os.environ["HEAL_OUT"], f"rank{rank}.g{gen}.json")
     report["first_hash"] = digest(model)
     loader = job.loader(data, global_batch_size=12, seed=0)

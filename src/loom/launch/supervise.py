@@ -24,6 +24,12 @@ without a lost one (every synchronous strategy, DiLoCo, LocalSGD, a ``sync`` par
 under it (`loom.parallel._setup.check_failure_policy`), naming the alternatives; Gossip and ``async``/``ssp``
 parameter servers accept it.
 
+``--on-worker-failure heal`` runs on the same supervision: each worker is told ``heal`` and its heal generation
+(``LOOM_HEAL_GENERATION``), and instead of letting a lost rank go, the launcher starts its replacement and acts as
+the quorum's authority over the membership epochs (`loom.launch.heal`; the worker's side is
+`loom.fault.quorum`). A healed job's status is 0 when its workers (the replacements included) finished and none
+raised; a lost worker that was replaced is no failure.
+
 Limits: one node, no restarts (``--max-restarts`` must stay 0). A worker that dies *before* every worker has
 joined the process group leaves the others waiting in ``loom.init()`` until its timeout. What the survivors do
 about a dead peer is the strategy's business: a parameter-server job goes on in ``async``/``ssp``, a gossip job

@@ -17,7 +17,8 @@ strategy supplies only what differs, as the hooks of `Engine`:
  5      synchronize                                   `_synchronize`: gradients averaged (or pushed), the loss,
                                                       the global count and every rank's flag reduced
  6      the verdict: `StepGuard.judge` on every       (one call, here: the same flags give the same verdict on
-        flag (skip, or stop past the limit)           every rank; a skipped step's gradients are cleared)
+        flag (skip, or stop past the limit); under    every rank; a skipped step's gradients are cleared)
+        healing the commit vote (`StepGuard.commit`)
  7      the step, unless skipped                      `_apply`: the optimizer's step (after a data axis's
                                                       gradient sum), or nothing where a server applied it
  8      count the step; the after-step exchange       `_after_step`: LocalSGD, DiLoCo, Gossip
@@ -34,6 +35,13 @@ judges them on rank 0 among the ranks that do the same work (`_straggler_peers`)
 What `train_step` returns is ``StepState.loss`` as `_synchronize` sets it: the global-batch mean loss where
 ``loss_scope`` is ``"global"``, this replica's mean loss on its share where it is ``"replica"`` (`loom.job.Job`).
 A global batch of 0 samples is refused on every rank (every rank knows the same total).
+
+Healing (``--on-worker-failure heal``, `loom.fault.quorum`): `train_step` wraps the step above in a retry loop;
+an exception anywhere in it (a lost member's collective, an error on this member) or a commit vote that says
+drop means that no member applied the step: the members re-form (`_heal_reform`, then the strategy's
+`_adopt_epoch` makes the new members equal) and retry the same global batch. Fault injection points
+(`loom.fault.inject.fault_point`) sit at the phase boundaries: ``before``, ``after`` (before the vote) and
+``commit`` (after it); a strategy places ``during`` inside its exchange.
 
 `eval_step`: `_evaluate` gives the names and this rank's ``[sum per name..., samples]`` (`share_sums`), the
 engine adds them up over the data axis (`_eval_group`, under the watchdog) and divides (`share_means`).
@@ -52,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from loom.fault.desync import local_flag
+from loom.fault.desync import NonFiniteStepError, local_flag
 from loom.fault.inject import fault_point
 from loom.fault.quorum import LeftOutOfQuorum, StepDropped
 from loom.job import Job, MetricFn, check_batch_layout
@@ -161,8 +169,8 @@ class Engine(Job):
         while True:
             try:
                 return self._attempt(batch)
-            except LeftOutOfQuorum:
-                raise
+            except (LeftOutOfQuorum, NonFiniteStepError):
+                raise  # left out: this process ends; non-finite under "stop": every member raises the same
             except Exception as error:
                 drops += 1
                 if not isinstance(error, StepDropped):

@@ -12,6 +12,9 @@ Here they are written once:
   is lost after ``liveness_timeout_s``, `loom.fault.liveness`); `StepGuard.judge` turns
   every rank's non-finite flag into one verdict (`loom.fault.desync.NonFiniteGuard`: ``"skip"`` applies no
   update anywhere, ``"stop"`` raises), the same on every rank because every rank judges the same flags;
+- `StepGuard.commit`: under ``--on-worker-failure heal``, the commit vote after the step's exchange and verdict
+  (`loom.fault.quorum.Quorum.vote`): a step is applied on every member or on none; the engine retries a dropped
+  step on the same global batch with the next membership epoch (`loom.train.engine.Engine.train_step`);
 - `loom.train.options.refuse_options`: an option a strategy cannot honour is refused at construction, naming
   what to use instead, never silently ignored.
 
