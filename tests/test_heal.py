@@ -109,9 +109,11 @@ def check_healed_job(result, out: Path, run_dir: Path, steps: int, lost: dict[in
     for r in set(range(3)) - set(lost):
         members = {step: m for step, _t, m, *_ in last[r]["steps"]}
         lines = (run_dir / "metrics" / f"rank{r}.jsonl").read_text().splitlines()
-        records = [json.loads(line) for line in lines]
-        assert [x["step"] for x in records] == list(range(1, steps + 1))
-        for x in records:
+        records = {
+            x["step"]: x for x in map(json.loads, lines)
+        }  # a step's last line counts (StepMetrics.annotate)
+        assert sorted(records) == list(range(1, steps + 1))
+        for x in records.values():
             total, m = global_size(x["step"]), members[x["step"]]
             lo, hi = share_bounds(total, m.index(r), len(m))
             assert (x["global_samples"], x["samples"]) == (total, hi - lo), x

@@ -205,3 +205,15 @@ def test_a_vote_does_not_wait_for_a_member_the_launcher_saw_die():
     store.set("q/1/dead", "2")
     assert vote_of(store, 0, [0, 1, 2], 7, True) is False
     assert vote_of(store, 1, [0, 1, 2], 7, True) is False
+
+
+def test_data_parallel_options_that_heal_cannot_honour_are_refused_by_name():
+    from loom.parallel.data.healing import refuse_heal_options
+
+    refuse_heal_options(loom.DataParallel().config)
+    with pytest.raises(
+        ValueError, match=r"got \{'compression': 'fp16'\}.*HINT: drop compression= under heal"
+    ):
+        refuse_heal_options(loom.DataParallel(compression="fp16").config)
+    with pytest.raises(ValueError, match=r"got \{'allreduce': 'ring'\}.*HINT: drop allreduce= under heal"):
+        refuse_heal_options(loom.DataParallel(allreduce="ring").config)

@@ -59,10 +59,13 @@ def healing_metrics_path() -> str | None:
 
 def refuse_heal_options(config: Any) -> None:
     """Options of DataParallel that the healing path cannot honour, refused by name."""
-    if getattr(config, "compression", None) is not None or getattr(config, "zero", 0) != 0:
+    given = {name: getattr(config, name) for name, default in (("compression", None), ("zero", 0),
+             ("allreduce", "auto")) if getattr(config, name, default) != default}  # fmt: skip
+    if given:
         raise ValueError(
-            "--on-worker-failure heal averages gradients over each membership epoch's group without "
-            "compression or ZeRO. HINT: drop compression= and zero= under heal"
+            f"--on-worker-failure heal averages gradients with gloo over each membership epoch's group, without "
+            f"compression, ZeRO or loom's own all-reduce algorithms; got {given}. HINT: drop "
+            f"{', '.join(f'{k}=' for k in given)} under heal"
         )
 
 
