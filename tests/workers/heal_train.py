@@ -26,6 +26,14 @@ step, so that the replacement joins however slowly the machine starts it (the te
 WORLD = 1
 
 
+def process_start_time() -> float:
+    """When this process started (the kernel's count, so the interpreter's and torch's imports are included)."""
+    with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+        ticks = int(stat.read().rpartition(")")[2].split()[19])
+        now, since_boot = time.time(), float(uptime.read().split()[0])
+    return now - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def model_and_data() -> tuple[nn.Module, torch.optim.Optimizer, torch.utils.data.TensorDataset]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -48,7 +56,7 @@ def main() -> None:
     WORLD = int(os.environ["WORLD_SIZE"])
     model, optimizer, data = model_and_data()
     job = loom.DataParallel().setup(model, optimizer, nn.MSELoss())
-    report = {"rank": rank, "generation": gen, "pid": os.getpid(), "started": STARTED,
+    report = {"rank": rank, "generation": gen, "pid": os.getpid(), "started": process_start_time(), "script_started": STARTED,
               "initialized": initialized, "joined_at_step": job.step, "joined": time.time(), "steps": []}  # fmt: skip
     path = os.path.join(os.environ["HEAL_OUT"], f"rank{rank}.g{gen}.json")
     report["first_hash"] = digest(model)

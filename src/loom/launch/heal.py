@@ -87,6 +87,15 @@ class HealQuorum:
         self.heartbeat_timeout_s = _seconds("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
         self.checkin_timeout_s = _seconds("LOOM_HEAL_CHECKIN_TIMEOUT_S", 10.0)
 
+    @property
+    def ending(self) -> bool:
+        """A worker finished its training: no new epoch is formed (a replacement still waiting is not needed)."""
+        return bool(self._finished)
+
+    def is_member(self, rank: int) -> bool:
+        """Whether rank ``rank``'s current process belongs to the current epoch."""
+        return self.members.get(rank) == self.generation[rank]
+
     # -- events -------------------------------------------------------------------------------------------------
     def finished(self, rank: int) -> None:
         self._finished.add(rank)

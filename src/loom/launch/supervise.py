@@ -255,8 +255,7 @@ def _watch_healing(
             running = [w for w in current.values() if w.proc.poll() is None]
             if not running:
                 return
-            if quorum._finished and all(r not in quorum.members or quorum.members[r] != quorum.generation[r]
-                                        for r in (w.rank for w in running)):  # fmt: skip
+            if quorum.ending and not any(quorum.is_member(w.rank) for w in running):
                 for w in running:  # replacements still waiting to join a job that has finished
                     print(f"loom run: worker rank {w.rank}'s replacement was not needed: the others finished",
                           file=sys.stderr, flush=True)  # fmt: skip
