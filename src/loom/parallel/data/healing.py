@@ -138,6 +138,13 @@ class HealingJob(Engine):
             shards.load_state_dict(state)
         return shards
 
+    def own_loop(self, loader: Any = None) -> Any:
+        raise ValueError(
+            f"rank {self.topology.rank}: job.own_loop() under --on-worker-failure heal: a step of your own loop "
+            "cannot be dropped and retried on every member. HINT: train with job.train_step(batch), or use "
+            "--on-worker-failure stop with --max-restarts N"
+        )
+
     # -- the engine's hooks -------------------------------------------------------------------------------------
     def _prepare(self, state: StepState) -> None:
         whole = to_device(state.batch, self.topology.device)
@@ -165,8 +172,9 @@ class HealingJob(Engine):
         tail[1] = 1.0 if quorum.join_pending() else 0.0
         flat = torch.cat([*grads, tail])
         half = n // 2
-        with self.guard.collective("gradient all-reduce (first half)"):
-            all_reduce_sum(flat[:half], group)
+        if half:  # (a model with one gradient value has no first half)
+            with self.guard.collective("gradient all-reduce (first half)"):
+                all_reduce_sum(flat[:half], group)
         fault_point(state.number, "during")
         with self.guard.collective("gradient all-reduce (second half)"):
             all_reduce_sum(flat[half:], group)
