@@ -124,13 +124,14 @@ def check_healed_job(result, out: Path, run_dir: Path, steps: int, lost: dict[in
 def _print_timings(found: dict, run_dir: Path, lost: dict[int, int]) -> None:
     noted = run_dir / "faults.jsonl"
     kills = [json.loads(line) for line in noted.read_text().splitlines()] if noted.exists() else []
-    for kill in kills:
+    for kill in kills:  # the survivors' first commit that needed the new membership (a send counts sends)
+        first = {"send": 0, "commit": kill["step"] + 1}.get(kill["phase"], kill["step"])
         after = [
             t
             for d in found.values()
             if d["rank"] != kill["rank"]
-            for _s, t, *_ in d["steps"]
-            if t > kill["time"]
+            for s, t, *_ in d["steps"]
+            if t > kill["time"] and s >= first
         ]
         if after:
             print(f"\nheal timing: kill of rank {kill['rank']} at step {kill['step']} ({kill['phase']}) -> "
