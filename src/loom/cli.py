@@ -67,13 +67,19 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--max-restarts", type=_non_negative_int, default=0, help="restarts of the worker group")
     p.add_argument(
         "--on-worker-failure",
-        choices=["stop", "continue"],
+        choices=["stop", "continue", "heal"],
         default="stop",
         help="stop (default): a dead worker stops all workers (the group restarts up to --max-restarts times) "
         "and the job fails naming its rank. continue: the other workers go on (asynchronous parameter-server "
         "training; one node, no restarts); a line names each dead rank and its signal, and the exit status is 0 "
-        "only if every other worker succeeded and the lost ones were killed by a signal",
+        "only if every other worker succeeded and the lost ones were killed by a signal. heal: the others go on "
+        "in the same processes and a replacement for the lost rank copies a live peer's state and joins at a step "
+        "boundary (DataParallel; one node; up to --max-heals replacements)",
     )
+    p.add_argument("--max-heals", type=_non_negative_int, default=3,
+                   help="--on-worker-failure heal: replacements started in all; one more loss stops the job")  # fmt: skip
+    p.add_argument("--min-workers", type=_positive_int, default=1,
+                   help="--on-worker-failure heal: members below which the job stops, naming the lost ranks")  # fmt: skip
     p.add_argument("--nnodes", type=_positive_int, default=1, help="number of nodes in the job")
     p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this node's rank, 0..nnodes-1")
     p.add_argument("--master", default=None, metavar="ADDR:PORT", help="node 0's rendezvous address")
@@ -170,6 +176,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             module=ns.module,
             max_restarts=ns.max_restarts,
             on_worker_failure=ns.on_worker_failure,
+            max_heals=ns.max_heals,
+            min_workers=ns.min_workers,
             nnodes=ns.nnodes,
             node_rank=ns.node_rank,
             master=ns.master,

@@ -136,10 +136,19 @@ def _join(backend: str | None, timeout_s: float) -> Topology:
     chosen = _pick_backend(backend)
     if chosen == "nccl":
         torch.cuda.set_device(local_rank)
+    if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal" and "LOOM_STORE_PREFIX" in os.environ:
+        # Healing: members change between steps, so no group of every rank is ever formed (the default group
+        # cannot shrink); the job's strategy builds each membership epoch's group on the launcher's store
+        # (`loom.fault.quorum`), and torch.distributed gets a group of one for the script's own calls.
+        global _store
+        _store = _job_store(rank, timeout_s)
+        if not dist.is_initialized():
+            _start_group_of_one(timeout_s)
+        _current = Topology(rank, world_size, local_rank, local_world_size, "gloo")
+        return _current
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if "LOOM_STORE_PREFIX" in os.environ:
-            global _store
             # Kept here while the group lives: torch holds only the C++ side of a Python store, and a call to
             # a store whose Python object was collected fails ("Not implemented"), e.g. in every new_group.
             _store = _job_store(rank, timeout_s)
@@ -178,6 +187,12 @@ def _job_store(rank: int, timeout_s: float):
         addr, port, job_secret(), prefix=os.environ["LOOM_STORE_PREFIX"],
         timeout=datetime.timedelta(seconds=timeout_s), connect_timeout_s=bound, io_timeout_s=bound,
     )  # fmt: skip
+
+
+def job_store():
+    """The client of the launcher's store this process joined through (None outside ``loom run``'s supervised
+    modes); a healing job builds its membership epochs on it."""
+    return _store
 
 
 def current() -> Topology:

@@ -23,6 +23,11 @@ Steps count from 1: step k is the k-th step of the job (``job.step + 1`` before 
   layout: global size, fingerprint); an empty share is left as it is.
 - ``skip``: nothing happens by itself; the script asks `Injector.skips` where it leaves out a collective.
 
+Faults *inside* a step (between the engine's collectives: before, during and after the gradient exchange, after
+the commit vote, while sending state to a replacement) cannot be reached from a script's loop: the engine itself
+calls `loom.fault.inject.fault_point` there, planned by ``LOOM_FAULTS=KIND@RANK:STEP:PHASE[#GENERATION]`` (the heal
+generation plays the part of ``#ATTEMPT``), used by tests/test_heal.py.
+
 Used by tests/test_guard.py, tests/test_nonfinite.py and tests/test_elastic.py (and the scripts they run); the
 lanes' own unit tests are in tests/test_faults.py.
 """

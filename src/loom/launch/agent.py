@@ -75,6 +75,10 @@ class LaunchSpec:
     on_worker_failure: str = "stop"
     """``stop``: a dead worker stops the group (restarted up to ``max_restarts`` times); ``continue``: the
     others go on (one node, no restarts; for ``ParameterServer(mode="async"|"ssp")``)."""
+    max_heals: int = 3
+    """``heal``: replacements the job may start in all (`loom.launch.heal`)."""
+    min_workers: int = 1
+    """``heal``: members below which the job stops, naming the lost ranks."""
     join_timeout_s: float = 120.0
     """How long a node waits for the master to answer and for every node to join (each attempt)."""
     insecure_no_secret: bool = False
@@ -109,11 +113,17 @@ class LaunchSpec:
             raise ValueError(
                 "--servers is supported on one-node jobs only (parameter servers start on this host)"
             )
-        if self.on_worker_failure not in ("stop", "continue"):
-            raise ValueError(f"--on-worker-failure {self.on_worker_failure!r}; use 'stop' or 'continue'")
-        if self.on_worker_failure == "continue" and (self.max_restarts or self.nnodes > 1):
+        if self.on_worker_failure not in ("stop", "continue", "heal"):
             raise ValueError(
-                "--on-worker-failure continue runs one node without restarts; "
+                f"--on-worker-failure {self.on_worker_failure!r}; use 'stop', 'continue' or 'heal'"
+            )
+        if self.on_worker_failure == "heal" and not 1 <= self.min_workers <= self.nproc:
+            raise ValueError(f"--min-workers {self.min_workers} must be in 1..{self.nproc} (-n)")
+        if self.max_heals < 0:
+            raise ValueError(f"--max-heals must be >= 0, got {self.max_heals}")
+        if self.on_worker_failure in ("continue", "heal") and (self.max_restarts or self.nnodes > 1):
+            raise ValueError(
+                f"--on-worker-failure {self.on_worker_failure} runs one node without restarts; "
                 f"got --max-restarts {self.max_restarts}, --nnodes {self.nnodes}. HINT: drop one of them"
             )
         if not self.module and Path(self.target).is_dir():
@@ -264,7 +274,7 @@ def launch(spec: LaunchSpec) -> int:
     _worker_env(spec, local_addr)
     _quiet_agent_logs()
     run_id = _run_id(spec)
-    if spec.on_worker_failure == "continue":
+    if spec.on_worker_failure in ("continue", "heal"):
         return _supervised(spec, run_id)
     try:
         rendezvous = LoomRendezvous(
@@ -366,7 +376,7 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
 
 
 def _supervised(spec: LaunchSpec, run_id: str) -> int:
-    """``--on-worker-failure continue``: `loom.launch.supervise` runs the workers, not the agent."""
+    """``--on-worker-failure continue|heal``: `loom.launch.supervise` runs the workers, not the agent."""
     from loom.launch.servers import server_processes
     from loom.launch.supervise import supervise_workers
 
@@ -377,8 +387,19 @@ def _supervised(spec: LaunchSpec, run_id: str) -> int:
         ) as servers:
             if servers.addresses:
                 os.environ["LOOM_PS_ADDRS"] = ",".join(servers.addresses)
+            heal = None
+            if spec.on_worker_failure == "heal":
+                from loom.launch.heal import HealPolicy
+
+                heal = HealPolicy(spec.max_heals, spec.min_workers)
             status = supervise_workers(
-                spec.nproc, _worker_args(spec), run_id, logs, spec.shutdown_timeout_s, lambda: servers.failure
+                spec.nproc,
+                _worker_args(spec),
+                run_id,
+                logs,
+                spec.shutdown_timeout_s,
+                lambda: servers.failure,
+                heal,
             )
     finally:
         if spec.trace_steps:

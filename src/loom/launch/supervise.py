@@ -24,6 +24,12 @@ without a lost one (every synchronous strategy, DiLoCo, LocalSGD, a ``sync`` par
 under it (`loom.parallel._setup.check_failure_policy`), naming the alternatives; Gossip and ``async``/``ssp``
 parameter servers accept it.
 
+``--on-worker-failure heal`` runs on the same supervision: each worker is told ``heal`` and its heal generation
+(``LOOM_HEAL_GENERATION``), and instead of letting a lost rank go, the launcher starts its replacement and acts as
+the quorum's authority over the membership epochs (`loom.launch.heal`; the worker's side is
+`loom.fault.quorum`). A healed job's status is 0 when its workers (the replacements included) finished and none
+raised; a lost worker that was replaced is no failure.
+
 Limits: one node, no restarts (``--max-restarts`` must stay 0). A worker that dies *before* every worker has
 joined the process group leaves the others waiting in ``loom.init()`` until its timeout. What the survivors do
 about a dead peer is the strategy's business: a parameter-server job goes on in ``async``/``ssp``, a gossip job
@@ -43,9 +49,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 __all__ = ["supervise_workers"]
+
+if TYPE_CHECKING:
+    from loom.launch.heal import HealPolicy
+    from loom.net.store import StoreServer
+
+TICK_S = 0.01
 
 
 class _LauncherStopped(Exception):
@@ -72,7 +84,10 @@ def _pump(stream: IO[str], prefix: str, out: IO[str], log_path: Path) -> None:
             log.write(line)
 
 
-def _env(rank: int, nproc: int, store_port: int, run_id: str, error_file: Path) -> dict[str, str]:
+def _env(
+    rank: int, nproc: int, store_port: int, run_id: str, error_file: Path, policy: str = "continue",
+    generation: int = 0,
+) -> dict[str, str]:  # fmt: skip
     """What the elastic agent would set for this worker (one node, attempt 0), on top of this environment."""
     env = dict(os.environ)
     env.update(
@@ -93,27 +108,33 @@ def _env(rank: int, nproc: int, store_port: int, run_id: str, error_file: Path) 
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_ERROR_FILE=str(error_file),
         LOOM_STORE_PREFIX=f"loom/{run_id}/job/",
-        LOOM_ON_WORKER_FAILURE="continue",  # a strategy that cannot go on without a lost rank refuses to start
+        LOOM_ON_WORKER_FAILURE=policy,  # a strategy that cannot go on without a lost rank refuses to start
+        LOOM_HEAL_GENERATION=str(generation),
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     return env
 
 
 def _start(
-    rank: int, nproc: int, worker_args: list[str], store_port: int, run_id: str, logs: Path
-) -> _Worker:
-    error_file = logs / f"rank{rank}.error.json"
+    rank: int, nproc: int, worker_args: list[str], store_port: int, run_id: str, logs: Path,
+    policy: str = "continue", generation: int = 0,
+) -> _Worker:  # fmt: skip
+    name = f"rank{rank}" + (f".heal{generation}" if generation else "")
+    error_file = logs / f"{name}.error.json"
     error_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [sys.executable, *worker_args],
-        env=_env(rank, nproc, store_port, run_id, error_file),
+        env=_env(rank, nproc, store_port, run_id, error_file, policy, generation),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     readers = []
-    for stream, out, name in ((proc.stdout, sys.stdout, "stdout"), (proc.stderr, sys.stderr, "stderr")):
-        log = logs / f"rank{rank}.{name}.log"
+    for stream, out, stream_name in (
+        (proc.stdout, sys.stdout, "stdout"),
+        (proc.stderr, sys.stderr, "stderr"),
+    ):
+        log = logs / f"{name}.{stream_name}.log"
         thread = threading.Thread(target=_pump, args=(stream, f"[rank{rank}]: ", out, log), daemon=True)
         thread.start()
         readers.append(thread)
@@ -204,6 +225,63 @@ def _verdict(workers: list[_Worker]) -> int:
     return 0 if succeeded and len(lost) == len(failed) else 1
 
 
+def _watch_healing(
+    workers: list[_Worker], policy: HealPolicy, store: StoreServer, start: Callable[[int, int], _Worker],
+    run_id: str,
+) -> None:  # fmt: skip
+    """``--on-worker-failure heal``: the quorum's ticks (`loom.launch.heal`) until every worker has ended;
+    raises `_JobFailed` when the job cannot go on healing."""
+    from loom.launch.heal import HealQuorum, JobStops, kill_process
+    from loom.net.store import LoomStore
+
+    current = {w.rank: w for w in workers}
+
+    def restart(rank: int, generation: int) -> None:
+        current[rank] = start(rank, generation)
+        workers.append(current[rank])
+
+    client = LoomStore(prefix=f"loom/{run_id}/job/", server=store)
+    quorum = HealQuorum(len(current), policy, client, restart,
+                        lambda r: current[r].proc.poll() is None, lambda r: kill_process(current[r].proc))  # fmt: skip
+    try:
+        while True:
+            for w in list(current.values()):
+                if w.proc.poll() is not None and not w.reported:
+                    w.reported = True
+                    if w.proc.returncode == 0:
+                        quorum.finished(w.rank)
+                    else:
+                        quorum.died(w.rank, _describe(w))
+            running = [w for w in current.values() if w.proc.poll() is None]
+            if not running:
+                return
+            if quorum.ending and not any(quorum.is_member(w.rank) for w in running):
+                for w in running:  # replacements still waiting to join a job that has finished
+                    print(f"loom run: worker rank {w.rank}'s replacement was not needed: the others finished",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    w.reported = True
+                    w.proc.kill()
+                    w.proc.wait()
+                return
+            quorum.tick()
+            time.sleep(TICK_S)
+    except JobStops as stop:
+        print(f"loom run: {stop}", file=sys.stderr, flush=True)
+        raise _JobFailed(str(stop)) from None
+
+
+def _healed_verdict(workers: list[_Worker]) -> int:
+    """Under healing: 0 when the last process of every rank that trained to the end exited 0 and nothing
+    raised (a lost worker replaced is no failure); 1 otherwise."""
+    last = {w.rank: w for w in workers}
+    failed = [w for w in workers if w.proc.returncode > 0]
+    if failed or not any(w.proc.returncode == 0 for w in last.values()):
+        print(f"loom run: the job failed: {'; '.join(_describe(w) for w in failed) or 'no worker finished'}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
 def supervise_workers(
     nproc: int,
     worker_args: list[str],
@@ -211,6 +289,7 @@ def supervise_workers(
     logs: Path,
     grace_s: float,
     failure: Callable[[], str | None] = lambda: None,
+    heal: HealPolicy | None = None,
 ) -> int:
     """Start ``nproc`` workers (``python WORKER_ARGS``) on this node and wait for all; see the module docstring.
 
@@ -230,9 +309,18 @@ def supervise_workers(
     previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
     workers: list[_Worker] = []
     try:
+        policy = "continue" if heal is None else "heal"
         for rank in range(nproc):
-            workers.append(_start(rank, nproc, worker_args, store.port, run_id, logs))
-        _watch(workers, failure)
+            workers.append(_start(rank, nproc, worker_args, store.port, run_id, logs, policy))
+        if heal is None:
+            _watch(workers, failure)
+        else:
+
+            def start(rank: int, generation: int) -> _Worker:
+                return _start(rank, nproc, worker_args, store.port, run_id, logs, policy, generation)
+
+            _watch_healing(workers, heal, store, start, run_id)
+            return _healed_verdict(workers)
     except _JobFailed:
         _stop(workers, grace_s)
         return 1

@@ -10,7 +10,7 @@ from torch import nn
 
 from loom.train.batch import LossCall
 
-__all__ = ["SURVIVE_LOST_WORKER", "StartRefused", "check_failure_policy", "check_setup_arguments"]
+__all__ = ["HEALS", "SURVIVE_LOST_WORKER", "StartRefused", "check_failure_policy", "check_setup_arguments"]
 
 
 class StartRefused(ValueError):
@@ -24,13 +24,24 @@ SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(
 """The strategies whose surviving ranks finish the job when one dies (``--on-worker-failure continue``)."""
 
 
-def check_failure_policy(strategy: str, survives_lost_worker: bool) -> None:
+HEALS = "DataParallel"
+"""The strategies that heal a lost worker (``--on-worker-failure heal``): a replacement copies a live peer."""
+
+
+def check_failure_policy(strategy: str, survives_lost_worker: bool, heals: bool = False) -> None:
     """Refuse to start ``strategy`` under ``loom run --on-worker-failure continue`` (``LOOM_ON_WORKER_FAILURE``)
     unless ``survives_lost_worker``: the policy promises that the other workers go on, and a strategy whose ranks
     meet in collectives (or, like DiLoCo, average with every replica) cannot keep that promise: its survivors
     crash at their next exchange ('Connection reset by peer') with nothing finished. Checked before any
     collective, the same on every rank."""
-    if os.environ.get("LOOM_ON_WORKER_FAILURE", "stop") != "continue" or survives_lost_worker:
+    policy = os.environ.get("LOOM_ON_WORKER_FAILURE", "stop")
+    if policy == "heal" and not heals:
+        raise StartRefused(
+            f"--on-worker-failure heal: {strategy} cannot heal a lost worker (its replacement would need a "
+            f"membership that changes between steps). HINT: use a strategy that heals: {HEALS}; or "
+            "--on-worker-failure stop with --max-restarts N"
+        )
+    if policy != "continue" or survives_lost_worker:
         return
     raise StartRefused(
         f"--on-worker-failure continue: {strategy} cannot go on without a lost worker (every rank takes part in "
@@ -48,6 +59,7 @@ def check_setup_arguments(
     strategy: str = "this strategy",
     conventions: bool = False,
     survives_lost_worker: bool = False,
+    heals: bool = False,
 ) -> LossCall:
     """Refuse arguments of the wrong type, and an optimizer holding parameters that are not the model's
     (it would step tensors the strategy never synchronizes); return the loss convention (`LossCall`).
@@ -57,7 +69,7 @@ def check_setup_arguments(
     `loom.train.batch.forward_loss` on the whole model); strategies that call the loss elsewhere (a
     pipeline's last stage) take the plain ``loss_fn(model(inputs), targets)`` only and refuse the others here.
     """
-    check_failure_policy(strategy, survives_lost_worker)
+    check_failure_policy(strategy, survives_lost_worker, heals)
     if not isinstance(model, nn.Module):
         raise TypeError(f"setup() expects an nn.Module as model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

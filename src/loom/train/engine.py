@@ -17,7 +17,8 @@ strategy supplies only what differs, as the hooks of `Engine`:
  5      synchronize                                   `_synchronize`: gradients averaged (or pushed), the loss,
                                                       the global count and every rank's flag reduced
  6      the verdict: `StepGuard.judge` on every       (one call, here: the same flags give the same verdict on
-        flag (skip, or stop past the limit)           every rank; a skipped step's gradients are cleared)
+        flag (skip, or stop past the limit); under    every rank; a skipped step's gradients are cleared)
+        healing the commit vote (`StepGuard.commit`)
  7      the step, unless skipped                      `_apply`: the optimizer's step (after a data axis's
                                                       gradient sum), or nothing where a server applied it
  8      count the step; the after-step exchange       `_after_step`: LocalSGD, DiLoCo, Gossip
@@ -35,6 +36,13 @@ What `train_step` returns is ``StepState.loss`` as `_synchronize` sets it: the g
 ``loss_scope`` is ``"global"``, this replica's mean loss on its share where it is ``"replica"`` (`loom.job.Job`).
 A global batch of 0 samples is refused on every rank (every rank knows the same total).
 
+Healing (``--on-worker-failure heal``, `loom.fault.quorum`): `train_step` wraps the step above in a retry loop;
+an exception anywhere in it (a lost member's collective, an error on this member) or a commit vote that says
+drop means that no member applied the step: the members re-form (`_heal_reform`, then the strategy's
+`_adopt_epoch` makes the new members equal) and retry the same global batch. Fault injection points
+(`loom.fault.inject.fault_point`) sit at the phase boundaries: ``before``, ``after`` (before the vote) and
+``commit`` (after it); a strategy places ``during`` inside its exchange.
+
 `eval_step`: `_evaluate` gives the names and this rank's ``[sum per name..., samples]`` (`share_sums`), the
 engine adds them up over the data axis (`_eval_group`, under the watchdog) and divides (`share_means`).
 """
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,7 +60,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from loom.fault.desync import local_flag
+from loom.fault.desync import NonFiniteStepError, local_flag
+from loom.fault.inject import fault_point
+from loom.fault.quorum import LeftOutOfQuorum, StepDropped
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.observe.straggler_watch import StragglerWatch
@@ -61,7 +72,10 @@ from loom.train.guard import GuardOptions
 if TYPE_CHECKING:
     from loom.train.guard import StepGuard
 
-__all__ = ["Engine", "ShareOptions", "StepState"]
+__all__ = ["MAX_DROPS", "Engine", "ShareOptions", "StepState"]
+
+MAX_DROPS = 5
+"""Under healing, a step dropped this many times in a row (each time by a newly formed quorum) raises."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,10 +155,56 @@ class Engine(Job):
 
     # -- the step ------------------------------------------------------------------------------------------------
     def train_step(self, batch: Any) -> float:
-        """One step on the global batch ``batch`` is this rank's share of; returns ``loss_scope``'s loss."""
+        """One step on the global batch ``batch`` is this rank's share of; returns ``loss_scope``'s loss.
+
+        Under healing (the guard holds a `loom.fault.quorum.Quorum`): an error in the step or its collectives on
+        any member drops the step on every member (the guard's commit vote); the members re-form
+        (`_heal_reform`) and retry the same global batch, up to `MAX_DROPS` times in a row."""
         self._check_can_train()
         check_batch_layout(batch, self)
+        quorum = getattr(self.guard, "quorum", None)
+        if quorum is None:
+            return self._attempt(batch)
+        drops = 0
+        while True:
+            try:
+                return self._attempt(batch)
+            except (LeftOutOfQuorum, NonFiniteStepError):
+                raise  # left out: this process ends; non-finite under "stop": every member raises the same
+            except Exception as error:
+                drops += 1
+                if not isinstance(error, StepDropped):
+                    with contextlib.suppress(Exception):  # the others learn of it: a verdict, or our silence
+                        quorum.vote(self.step + 1, ok=False)
+                if drops > MAX_DROPS:
+                    raise
+                print(f"loom: rank {self.topology.rank}: step {self.step + 1} dropped in epoch {quorum.epoch} "
+                      f"({type(error).__name__}: {str(error)[:120]}); "
+                      "re-forming the quorum", file=sys.stderr, flush=True)  # fmt: skip
+                self._heal_reform()
+
+    def _heal_reform(self) -> None:
+        """Check in for the next membership epoch and make its members equal (`_adopt_epoch`); a failure while
+        doing so (a member lost meanwhile, the sending peer included) checks in again."""
+        quorum = self.guard.quorum
+        assert quorum is not None
+        for _ in range(MAX_DROPS + 1):
+            quorum.reform(self.step)
+            try:
+                self._adopt_epoch()
+                return
+            except Exception as error:
+                print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} failed while forming ({error}); "
+                      "re-forming", file=sys.stderr, flush=True)  # fmt: skip
+        raise RuntimeError(f"rank {self.topology.rank}: no membership epoch formed in {MAX_DROPS + 1} tries")
+
+    def _adopt_epoch(self) -> None:
+        """Make a new membership epoch's members equal (a healing job copies a live peer's state)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot heal")
+
+    def _attempt(self, batch: Any) -> float:
         state = StepState(self.step + 1, batch)
+        fault_point(state.number, "before")
         sample = StepMemory.start_step(state.number, self.memory_every)
         clock = time.perf_counter
         with self._step_context():
@@ -159,6 +219,8 @@ class Engine(Job):
             self._refuse_empty(state)
             synchronized = clock()
             state.skipped = self.guard.judge(state.number, state.flags, state.ranks, state.gradient_finite)
+            if not self.guard.commit(state.number):
+                raise StepDropped(f"step {state.number}: a member failed it; no member applied it")
             if state.skipped:
                 self.optimizer.zero_grad(set_to_none=True)
             else:

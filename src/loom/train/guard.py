@@ -12,6 +12,9 @@ Here they are written once:
   is lost after ``liveness_timeout_s``, `loom.fault.liveness`); `StepGuard.judge` turns
   every rank's non-finite flag into one verdict (`loom.fault.desync.NonFiniteGuard`: ``"skip"`` applies no
   update anywhere, ``"stop"`` raises), the same on every rank because every rank judges the same flags;
+- `StepGuard.commit`: under ``--on-worker-failure heal``, the commit vote after the step's exchange and verdict
+  (`loom.fault.quorum.Quorum.vote`): a step is applied on every member or on none; the engine retries a dropped
+  step on the same global batch with the next membership epoch (`loom.train.engine.Engine.train_step`);
 - `loom.train.options.refuse_options`: an option a strategy cannot honour is refused at construction, naming
   what to use instead, never silently ignored.
 
@@ -28,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard
+from loom.fault.inject import fault_point
+from loom.fault.quorum import Quorum
 from loom.fault.watchdog import Watchdog, hang_timeout_s, liveness_timeout_s, work_timeout_s
 from loom.topology import Topology
 
@@ -81,6 +86,20 @@ class StepGuard:
     def __init__(self, watchdog: Watchdog, nonfinite: NonFiniteGuard) -> None:
         self.watchdog = watchdog
         self.nonfinite = nonfinite
+        self.quorum: Quorum | None = None
+        """Set under ``--on-worker-failure heal`` (`loom.fault.quorum`): the step's commit vote."""
+
+    def commit(self, step: int) -> bool:
+        """The commit vote on step ``step``, after its exchange and its non-finite verdict: True when every
+        member of the quorum finished it (then each applies it, or skips it by the same verdict); False: none
+        does. Without healing there is nothing to vote on (a failed collective raised already)."""
+        if self.quorum is None:
+            return True
+        fault_point(step, "after")
+        verdict = self.quorum.vote(step, ok=True)
+        if verdict:
+            fault_point(step, "commit")
+        return verdict
 
     @classmethod
     def start(cls, topology: Topology, options: GuardOptions) -> StepGuard:

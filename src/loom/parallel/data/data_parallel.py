@@ -40,6 +40,7 @@ Beside this module: its options (`loom.parallel.data.data_parallel_config`), how
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -107,7 +108,13 @@ class DataParallel:
         ``loss_fn``: ``fn(outputs, targets)``, None when the model returns its own loss, or a `loom.LossCall`
         (the conventions are `LossCall`'s table)."""
         topo = self.topology if self.topology is not None else current()
-        call = check_setup_arguments(model, optimizer, loss_fn, strategy="DataParallel", conventions=True)
+        call = check_setup_arguments(
+            model, optimizer, loss_fn, strategy="DataParallel", conventions=True, heals=True
+        )
+        if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":
+            from loom.parallel.data.healing import start_healing  # here: only a healing job needs it
+
+            return start_healing(model, optimizer, call, topo, self.config)  # type: ignore[return-value]
         model.to(topo.device)
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)

@@ -1,0 +1,115 @@
+"""Faults injected at the step engine's own boundaries, keyed on (rank, step, phase): off unless asked.
+
+The tests of healing (``loom run --on-worker-failure heal``) must kill a worker *inside* a step, between two
+collectives the engine issues, which a training script cannot reach from its loop (the script-level injector
+``tests/workers/faults.py`` acts before a step only). So the engine calls `fault_point` at its phase boundaries,
+and this module kills (SIGKILL), freezes (SIGSTOP) or raises there when ``LOOM_FAULTS`` names this rank, step and
+phase. With the variable unset `fault_point` returns at once (one dict lookup, done once per process): observing
+never changes what is observed, and a production job runs the same code.
+
+Text form: ``KIND@RANK:STEP:PHASE[#GENERATION]``, several joined by ``,``, e.g. ``"kill@1:3:during"``. Steps count
+from 1 (the step being attempted, ``job.step + 1``). ``#GENERATION`` (default 0) is the heal generation the launcher
+gives each process of a rank (``LOOM_HEAL_GENERATION``: 0 for the first, 1 for its first replacement...), so a
+replacement does not meet its predecessor's fault again: the ``#ATTEMPT`` idea of the script-level injector, keyed
+on healing instead of group restarts. Kinds: ``kill`` (SIGKILL: a crash, nothing flushed), ``freeze``
+(SIGSTOP: a hang that is no crash), ``raise`` (a `InjectedFault` exception in the step: an error, not a death).
+
+Phases (`PHASES`), in the order a data-parallel step meets them:
+
+- ``before``: the step begins, before forward and backward;
+- ``during``: inside the gradient exchange, after its first half was all-reduced and before the second;
+- ``after``: the gradient exchange is complete on this member, before the commit vote;
+- ``commit``: after the commit vote said commit, before the optimizer step;
+- ``send``: a live member is about to send the training state to a replacement (the healing peer's failure);
+  here STEP counts this process's sends to replacements (1: its first), since the step at which a replacement
+  arrives depends on how long it took to start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+
+__all__ = ["ENV", "GENERATION_ENV", "PHASES", "InjectedFault", "fault_point", "parse_faults"]
+
+ENV = "LOOM_FAULTS"
+GENERATION_ENV = "LOOM_HEAL_GENERATION"
+PHASES = ("before", "during", "after", "commit", "send")
+KINDS = ("kill", "freeze", "raise")
+_FORM = re.compile(r"(?P<kind>[a-z]+)@(?P<rank>\d+):(?P<step>\d+):(?P<phase>[a-z]+)(?:#(?P<gen>\d+))?")
+
+
+class InjectedFault(RuntimeError):
+    """The ``raise`` fault: an error inside a step (the step must be dropped on every member)."""
+
+
+@dataclass(frozen=True)
+class PlannedFault:
+    kind: str
+    rank: int
+    step: int
+    phase: str
+    generation: int = 0
+
+
+def parse_faults(text: str) -> list[PlannedFault]:
+    """The faults of a ``LOOM_FAULTS`` value; a malformed item raises a ValueError naming it and the form."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _FORM.fullmatch(item)
+        if match is None or match["kind"] not in KINDS or match["phase"] not in PHASES:
+            raise ValueError(
+                f"{ENV}: {item!r} is not KIND@RANK:STEP:PHASE[#GENERATION] with KIND in {KINDS} and PHASE in "
+                f"{PHASES}, e.g. 'kill@1:3:during'"
+            )
+        gen = match["gen"]
+        faults.append(
+            PlannedFault(match["kind"], int(match["rank"]), int(match["step"]), match["phase"], int(gen or 0))
+        )
+    return faults
+
+
+_mine: list[PlannedFault] | None = None
+
+
+def _faults_here() -> list[PlannedFault]:
+    global _mine
+    if _mine is None:
+        text = os.environ.get(ENV, "")
+        rank, gen = int(os.environ.get("RANK", "0") or 0), int(os.environ.get(GENERATION_ENV, "0") or 0)
+        _mine = [f for f in parse_faults(text) if f.rank == rank and f.generation == gen] if text else []
+    return _mine
+
+
+def fault_point(step: int, phase: str) -> None:
+    """Carry out this process's fault planned at (``step``, ``phase``), if any (see the module docstring)."""
+    faults = _faults_here()
+    if not faults:
+        return
+    for fault in faults:
+        if fault.step == step and fault.phase == phase:
+            if fault.kind == "raise":
+                faults.remove(fault)  # an error is met once: the retried step must go through
+                raise InjectedFault(f"rank {fault.rank}: injected fault at step {step}, phase {phase!r}")
+            _note(fault)
+            os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+
+
+def _note(fault: PlannedFault) -> None:
+    """Append when and where a fault fires to ``RUN_DIR/faults.jsonl``: the time a kill landed, for the tests'
+    measurements of recovery (the process cannot say it afterwards)."""
+    run_dir = os.environ.get("LOOM_RUN_DIR")
+    if run_dir:
+        line = {
+            "rank": fault.rank,
+            "step": fault.step,
+            "phase": fault.phase,
+            "kind": fault.kind,
+            "time": time.time(),
+        }
+        with open(os.path.join(run_dir, "faults.jsonl"), "a") as out:
+            out.write(json.dumps(line) + "\n")

@@ -1,0 +1,199 @@
+"""The worker's side of healing (``loom run --on-worker-failure heal``): membership epochs and the commit vote.
+
+Design (after torchft's Manager: a quorum, a per-step ``should_commit``, recovery from a live peer), with the
+launcher as the quorum's authority (`loom.launch.heal`), since on one host it sees every worker die (its
+children) and hosts the job's authenticated store (`loom.net.store`):
+
+- **Epochs.** The launcher publishes membership epochs in the store: ``q/E/members`` (``"0:0,2:1"``: the ranks of
+  epoch E with the heal generation of each one's process, immutable once written) and ``q/latest``. Each epoch gets a fresh gloo group built directly on a
+  prefix of the store (``ProcessGroupGloo(PrefixStore("q/E/pg/", store), index, n, timeout)``): the default
+  WORLD group cannot shrink, so nothing in a heal-mode step uses it.
+- **Re-forming.** A member that wants a new epoch (its step was dropped, a group failed, a replacement is ready)
+  checks in: ``q/E/in/RANK`` = its committed step. The launcher waits until every live member of E checked in
+  (or ``checkin_timeout_s`` passed: the silent ones are killed and replaced), adds the replacements that are
+  ready, and publishes E+1. A worker left out of E+1 raises `LeftOutOfQuorum` (its process ends, the launcher
+  replaces it). Everyone who checks in for E asks for the same E+1, so every member adopts the same epoch at the
+  same step: there is no read race between members.
+- **The commit vote** (`Quorum.vote`): after a step's exchange each member votes; ``q/E/sS/ok`` counts the yes
+  votes, and the first member to see all of them, or the first to vote no (an error in its step or its
+  collective), or the first to see the launcher's ``q/E/dead`` mark, sets ``q/E/sS/verdict`` with the store's
+  atomic compare-and-set. So one verdict exists per (epoch, step) and every member applies the step or none does.
+  A member waits for the verdict at most ``vote_timeout_s`` and then votes no itself.
+- **Heartbeats.** A thread adds 1 to ``hb/RANK/GEN`` every `HEARTBEAT_S`; the launcher kills a worker whose
+  heartbeat stops for ``heartbeat_timeout_s`` (a frozen process), which the others then see as a lost member.
+
+Every store call is bounded (the store's own timeouts); every wait here has a stated deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["HEARTBEAT_S", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group"]
+
+HEARTBEAT_S = 0.5
+"""Seconds between a worker's heartbeats (the launcher's timeout is ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``)."""
+
+
+class StepDropped(RuntimeError):
+    """The commit vote said drop: no member applied the step; it is retried by the next epoch's members."""
+
+
+class LeftOutOfQuorum(RuntimeError):
+    """This worker was not in the epoch it waited for (too slow to check in): it ends and is replaced."""
+
+
+def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of ``size`` members on ``store`` (not registered with torch.distributed, so any number of
+    epochs' groups can be built in one process), this process's member ``index``."""
+    group = dist.ProcessGroup(store, index, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend = dist.ProcessGroupGloo(store, index, size, datetime.timedelta(seconds=timeout_s))
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value}")
+    return value
+
+
+class Quorum:
+    """This worker's membership in a healing job (see the module docstring)."""
+
+    def __init__(self, store: Any, rank: int, generation: int, group_timeout_s: float | None = None) -> None:
+        self.store, self.rank, self.generation = store, rank, generation
+        self.group_timeout_s = group_timeout_s or _env_float("LOOM_HEAL_GROUP_TIMEOUT_S", 30.0)
+        """Bound on each collective of an epoch's group (a frozen member is killed by the launcher sooner)."""
+        self.vote_timeout_s = _env_float("LOOM_HEAL_VOTE_TIMEOUT_S", 30.0)
+        self.epoch_timeout_s = _env_float("LOOM_HEAL_EPOCH_TIMEOUT_S", 120.0)
+        self.epoch = 0
+        self.members: list[int] = []
+        self.group: dist.ProcessGroup | None = None
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="loom-heal-heartbeat", daemon=True)
+        self._beat.start()
+        atexit.register(self.close)
+
+    @classmethod
+    def from_env(cls, store: Any) -> Quorum:
+        return cls(store, int(os.environ["RANK"]), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0))
+
+    # -- membership ---------------------------------------------------------------------------------------------
+    @property
+    def index(self) -> int:
+        """This worker's place among the epoch's members (its share of each global batch)."""
+        return self.members.index(self.rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def join(self) -> None:
+        """A new worker (first start or replacement): announce it is ready, then wait for an epoch with it."""
+        self.store.set(f"ready/{self.rank}", str(self.generation))
+        latest = int(self.store.get("q/latest")) if self.store.check(["q/latest"]) else 1
+        self._wait_epoch(max(latest, 1), joining=True)  # the latest may have been formed with us already
+
+    def reform(self, committed_step: int) -> None:
+        """Ask for the next epoch (checking in with ``committed_step``) and wait until it is formed."""
+        self._abandon_group()
+        self.store.set(f"q/{self.epoch}/in/{self.rank}", str(committed_step))
+        self._wait_epoch(self.epoch + 1, joining=False)
+
+    def _wait_epoch(self, epoch: int, joining: bool) -> None:
+        deadline = time.monotonic() + self.epoch_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"rank {self.rank}: no membership epoch {epoch} within {self.epoch_timeout_s:.0f} s "
+                    "(LOOM_HEAL_EPOCH_TIMEOUT_S): the launcher's quorum did not answer"
+                )
+            key = f"q/{epoch}/members"
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=min(left, 5.0)))
+            except Exception:  # the store's own timeout: look again until our deadline
+                continue
+            listed = [tuple(map(int, m.split(":"))) for m in self.store.get(key).decode().split(",") if m]
+            members = [r for r, _ in listed]
+            if (self.rank, self.generation) in listed:
+                break
+            if not joining:
+                raise LeftOutOfQuorum(
+                    f"rank {self.rank}: left out of membership epoch {epoch} (members {members}): it did not "
+                    "check in within the launcher's LOOM_HEAL_CHECKIN_TIMEOUT_S"
+                )
+            epoch += 1  # a joiner that came too late for this epoch waits for the next
+        self.epoch, self.members = epoch, members
+        prefix = dist.PrefixStore(f"q/{epoch}/pg/", self.store)
+        self.group = gloo_group(prefix, self.index, self.size, self.group_timeout_s)
+
+    def join_pending(self) -> bool:
+        """Whether the launcher has a replacement ready to join (it marks ``q/E/pending``): the members then
+        re-form after the step they are committing (they agree on it through the step's all-reduce)."""
+        return bool(self.store.check([f"q/{self.epoch}/pending"]))
+
+    # -- the commit vote ----------------------------------------------------------------------------------------
+    def vote(self, step: int, ok: bool) -> bool:
+        """This member's vote on step ``step`` of the current epoch; returns the one verdict (True: commit)."""
+        key = f"q/{self.epoch}/s{step}/"
+        verdict_key = key + "verdict"
+        if ok:
+            if self.store.add(key + "ok", 1) == self.size:
+                return self.store.compare_set(verdict_key, "", "commit") == b"commit"
+        else:
+            return self.store.compare_set(verdict_key, "", "drop") == b"commit"
+        deadline = time.monotonic() + self.vote_timeout_s
+        dead_key = f"q/{self.epoch}/dead"
+        while True:
+            if self.store.check([verdict_key]):
+                return self.store.get(verdict_key) == b"commit"
+            if self.store.check([dead_key]) or time.monotonic() > deadline:
+                return self.store.compare_set(verdict_key, "", "drop") == b"commit"
+            time.sleep(0.002)
+
+    # -- heartbeats ---------------------------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        beat = self.store.clone()  # a connection of its own: a step's long wait never delays a heartbeat
+        key = f"hb/{self.rank}/{self.generation}"
+        while not self._stop.is_set():
+            try:
+                beat.add(key, 1)
+            except Exception:  # the launcher is gone: the worker dies with it (PDEATHSIG)
+                return
+            self._stop.wait(HEARTBEAT_S)
+
+    def _abandon_group(self) -> None:
+        """Abort this epoch's group: its connections close, so a member still waiting in one of its collectives
+        (the others raised, or voted, without it) fails at once instead of at the group's timeout."""
+        group, self.group = self.group, None
+        if group is not None:
+            with contextlib.suppress(Exception):  # already broken: nothing left to close
+                group.abort()
+
+    def close(self) -> None:
+        """Leave: the last epoch's group closed, and ``bye/RANK/GEN`` tells the launcher that the heartbeats stop
+        because the process is ending (its exit may take a while), not because it froze. At exit too."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._abandon_group()
+        with contextlib.suppress(Exception):
+            self.store.set(f"bye/{self.rank}/{self.generation}", "1")

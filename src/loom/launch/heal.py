@@ -1,0 +1,195 @@
+"""The launcher's side of healing (``loom run --on-worker-failure heal``): the quorum's authority and the
+replacements.
+
+On one host the launcher is the natural authority over membership: the workers are its children (it sees a
+death at once, with its signal), and it hosts the job's authenticated store (`loom.launch.supervise`), so no
+worker's death takes the quorum down. What it does, every `TICK_S` (the protocol is `loom.fault.quorum`'s):
+
+- a worker that dies (a signal, or a non-zero exit) is named on one line; while heals remain (``--max-heals``)
+  a replacement starts at once with the same RANK and the next heal generation (``LOOM_HEAL_GENERATION``); past
+  the budget the job stops, naming the lost ranks. The dead member's epoch is marked (``q/E/dead``) so that the
+  others' commit vote does not wait for it;
+- a worker whose heartbeat stops for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (default 10 s; a frozen process) is
+  killed, and is then a dead worker like any other (one that said ``bye`` at its exit is left to end);
+- epoch 1 is published when every first worker is ready; a replacement that is ready marks ``q/E/pending`` (the
+  members re-form after their current step); when a member of E checks in (or one dies), the next epoch is
+  published once every live member of E has checked in, or after ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (default 10 s:
+  the silent ones are killed, never waited for again), with the ready replacements added;
+- fewer members than ``--min-workers`` stops the job, naming the lost ranks.
+
+The job ends when every worker has ended; a replacement still waiting to join when the others have finished is
+stopped (there is nothing left to train).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["HealPolicy", "HealQuorum"]
+
+TICK_S = 0.01
+
+
+@dataclass(frozen=True)
+class HealPolicy:
+    max_heals: int = 3
+    """Replacements the job may start in all; one more lost worker stops the job, naming the ranks."""
+    min_workers: int = 1
+    """Members below which the job stops, naming the lost ranks."""
+
+    def __post_init__(self) -> None:
+        if self.max_heals < 0 or self.min_workers < 1:
+            raise ValueError(f"--max-heals must be >= 0 and --min-workers >= 1, got {self}")
+
+
+def _seconds(name: str, default: float) -> float:
+    value = float(os.environ.get(name, "") or default)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value}")
+    return value
+
+
+class JobStops(Exception):
+    """The job cannot go on healing (past ``--max-heals``, below ``--min-workers``): stop every worker."""
+
+
+@dataclass
+class HealQuorum:
+    """The quorum's state in the launcher. ``store``: a client of the job's store (the workers' prefix);
+    ``restart(rank, generation)``: start a replacement process; ``alive(rank)``: the rank's current process
+    runs; ``kill(rank)``: SIGKILL its current process."""
+
+    nproc: int
+    policy: HealPolicy
+    store: Any
+    restart: Callable[[int, int], None]
+    alive: Callable[[int], bool]
+    kill: Callable[[int], None]
+    generation: dict[int, int] = field(default_factory=dict)
+    epoch: int = 0
+    members: dict[int, int] = field(default_factory=dict)
+    """Rank -> the generation of its process in the current epoch."""
+    heals: int = 0
+    lost: list[str] = field(default_factory=list)
+    _pending: bool = False
+    _reform_deadline: float | None = None
+    _beats: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
+    _finished: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.generation = {r: 0 for r in range(self.nproc)}
+        self.heartbeat_timeout_s = _seconds("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
+        self.checkin_timeout_s = _seconds("LOOM_HEAL_CHECKIN_TIMEOUT_S", 10.0)
+
+    @property
+    def ending(self) -> bool:
+        """A worker finished its training: no new epoch is formed (a replacement still waiting is not needed)."""
+        return bool(self._finished)
+
+    def is_member(self, rank: int) -> bool:
+        """Whether rank ``rank``'s current process belongs to the current epoch."""
+        return self.members.get(rank) == self.generation[rank]
+
+    # -- events -------------------------------------------------------------------------------------------------
+    def finished(self, rank: int) -> None:
+        self._finished.add(rank)
+
+    def died(self, rank: int, what: str) -> None:
+        """Rank ``rank``'s process ended badly (``what`` says how): mark its epoch, replace it or stop."""
+        self.lost.append(what)
+        if self.members.get(rank) == self.generation[rank]:
+            self.store.set(f"q/{self.epoch}/dead", str(rank))
+        if self._finished:
+            print(f"loom run: {what}; the others have finished: no replacement", file=sys.stderr, flush=True)
+            return
+        if self.heals >= self.policy.max_heals:
+            raise JobStops(f"{what}; past --max-heals {self.policy.max_heals}: the job stops (lost: "
+                           f"{'; '.join(self.lost)})")  # fmt: skip
+        self.heals += 1
+        self.generation[rank] += 1
+        print(f"loom run: {what}; starting its replacement (heal {self.heals} of {self.policy.max_heals}, "
+              f"generation {self.generation[rank]}); the others go on", file=sys.stderr, flush=True)  # fmt: skip
+        self.restart(rank, self.generation[rank])
+
+    # -- the tick -----------------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = time.monotonic()
+        self._check_heartbeats(now)
+        ready = self._ready()
+        if self.epoch == 0:
+            if len(ready) == self.nproc:
+                self._publish(sorted(ready))
+            return
+        if self._finished:
+            return  # a member finished: the job is ending, no new epoch (a waiting replacement is stopped)
+        joiners = [r for r in ready if self.members.get(r) != self.generation[r]]
+        if joiners and not self._pending:
+            self._pending = True
+            self.store.set(f"q/{self.epoch}/pending", "1")
+        live = [r for r, g in self.members.items() if g == self.generation[r] and self.alive(r)]
+        checked = [r for r in live if self.store.check([f"q/{self.epoch}/in/{r}"])]
+        lost = len(live) < len(self.members)
+        if not checked and not lost:
+            return
+        if self._reform_deadline is None:
+            self._reform_deadline = now + self.checkin_timeout_s
+        if len(checked) < len(live) and now < self._reform_deadline:
+            return
+        for r in set(live) - set(checked):
+            print(f"loom run: worker rank {r} did not check in within {self.checkin_timeout_s:g} s "
+                  "(LOOM_HEAL_CHECKIN_TIMEOUT_S): dropped and killed", file=sys.stderr, flush=True)  # fmt: skip
+            self.kill(r)
+        new = sorted(set(checked) | set(joiners))
+        if len(new) < self.policy.min_workers:
+            raise JobStops(f"{len(new)} worker(s) left, below --min-workers {self.policy.min_workers} (lost: "
+                           f"{'; '.join(self.lost) or 'none'})")  # fmt: skip
+        if not new:
+            return  # every member lost: the replacements will form the next epoch when ready
+        self._publish(new)
+
+    def _publish(self, ranks: list[int]) -> None:
+        self.epoch += 1
+        self.members = {r: self.generation[r] for r in ranks}
+        self._pending, self._reform_deadline = False, None
+        self.store.set(f"q/{self.epoch}/members", ",".join(f"{r}:{self.generation[r]}" for r in ranks))
+        self.store.set("q/latest", str(self.epoch))
+
+    def _ready(self) -> list[int]:
+        """Ranks whose current process announced it is ready to join (``ready/RANK`` = its generation)."""
+        out = []
+        for r in range(self.nproc):
+            key = f"ready/{r}"
+            fresh = r not in self._finished and self.store.check([key]) and self.alive(r)
+            if fresh and int(self.store.get(key)) == self.generation[r]:
+                out.append(r)
+        return out
+
+    def _check_heartbeats(self, now: float) -> None:
+        for r in range(self.nproc):
+            key = (r, self.generation[r])
+            name = f"hb/{r}/{self.generation[r]}"
+            if r in self._finished or not self.alive(r) or not self.store.check([name]):
+                continue
+            if self.store.check([f"bye/{r}/{self.generation[r]}"]):
+                continue  # ending: its heartbeats stopped on purpose
+            count = int(self.store.get(name))
+            seen = self._beats.get(key)
+            if seen is None or seen[0] != count:
+                self._beats[key] = (count, now)
+            elif now - seen[1] > self.heartbeat_timeout_s:
+                print(f"loom run: worker rank {r} sent no heartbeat for {self.heartbeat_timeout_s:g} s "
+                      "(LOOM_HEAL_HEARTBEAT_TIMEOUT_S): dropped and killed", file=sys.stderr, flush=True)  # fmt: skip
+                self.kill(r)
+                self._beats.pop(key)
+
+
+def kill_process(proc: Any) -> None:
+    """SIGKILL ``proc`` (a stopped process too: SIGKILL needs no SIGCONT)."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)

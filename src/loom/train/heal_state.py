@@ -1,0 +1,125 @@
+"""Copy a live member's training state to the members of a new epoch: tensors over the group, no pickle.
+
+What a replacement needs to train bitwise like the others at its first step: the model's parameters and
+buffers, the optimizer's state (moments, step counters) and hyperparameters, the committed step (which is also
+the data position: the index of the next global batch), and the RNG states. The model's tensors are broadcast in
+place (every member has the same shapes: the same script built them). The optimizer's state may not exist yet
+on a fresh process (Adam makes it at its first step), so the source describes it in a small JSON header
+(each state entry's key, shape and dtype, the plain values, the param groups' hyperparameters), broadcast as
+bytes, and the tensors follow in that order. JSON, not pickle: nothing on the wire is executed.
+
+Who sends: the first member (lowest index) whose committed step is the highest (`source_of`); every member
+takes part in the broadcasts (collectives), and only those behind it, or every member at the job's first
+epoch, load what they received (the others are bitwise equal to it already: every committed step applied the
+same averaged gradient to the same state). If the source dies during the transfer, the broadcast fails on every
+member and the epoch is re-formed without it (`loom.fault.quorum`): another live member sends.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.fault.inject import fault_point
+
+__all__ = ["all_reduce_sum", "broadcast", "share_training_state", "source_of"]
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                               torch.int32, torch.uint8, torch.bool)}  # fmt: skip
+
+
+_sends = 0
+"""Sends of this process's state to a replacement so far."""
+
+
+def broadcast(tensor: torch.Tensor, source: int, group: dist.ProcessGroup) -> None:
+    """Member ``source``'s ``tensor`` to every member, in place (on a group built outside torch's registry)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = source
+    group.broadcast([tensor], options).wait()
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The members' sum of ``tensor``, in place."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+    group.allreduce([tensor], options).wait()
+
+
+def source_of(steps: list[int]) -> int:
+    """The member index that sends: the first holding the highest committed step."""
+    return steps.index(max(steps))
+
+
+def _header(optimizer: torch.optim.Optimizer, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    state = optimizer.state_dict()
+    entries, tensors = [], []
+    for param, values in state["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                entries.append([int(param), key, list(value.shape), str(value.dtype), None])
+                tensors.append(value.detach().contiguous())
+            else:
+                entries.append([int(param), key, None, None, value])
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    rng = torch.get_rng_state()
+    tensors.append(rng)
+    return {"step": step, "entries": entries, "groups": groups, "rng_numel": rng.numel()}, tensors
+
+
+def share_training_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, step: int, source: int, index: int,
+    group: dist.ProcessGroup, load: bool, replacement: bool = False,
+) -> int:  # fmt: skip
+    """Broadcast member ``source``'s model, optimizer, RNG and step to the group; returns the source's step.
+    ``load``: this member takes them (a replacement, or every member at the first epoch). ``replacement``: a
+    member joins a running job; the sender counts these sends, and the injected fault ``send`` is keyed on
+    that count (`loom.fault.inject`: ``kill@0:1:send`` kills rank 0 as it starts its first send to a
+    replacement)."""
+    global _sends
+    sending = index == source
+    if sending and replacement:
+        _sends += 1
+        fault_point(_sends, "send")
+    header, tensors = _header(optimizer, step) if sending else ({}, [])
+    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8) if sending else None
+    size = torch.tensor([raw.numel() if raw is not None else 0], dtype=torch.int64)
+    broadcast(size, source, group)
+    buffer = raw if raw is not None else torch.empty(int(size), dtype=torch.uint8)
+    broadcast(buffer, source, group)
+    header = json.loads(bytes(buffer.tolist()).decode())
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            received = tensor.detach().clone() if not load else tensor.data
+            broadcast(received, source, group)
+    if not sending:
+        tensors = [torch.empty(shape, dtype=_DTYPES[dtype]) for _, _, shape, dtype, _ in header["entries"]
+                   if shape is not None]  # fmt: skip
+        tensors.append(torch.empty(header["rng_numel"], dtype=torch.uint8))
+    for tensor in tensors:
+        broadcast(tensor, source, group)
+    if load and not sending:
+        _load_optimizer(optimizer, header, tensors[:-1])
+        torch.set_rng_state(tensors[-1])
+    return int(header["step"])
+
+
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, header: dict[str, Any], tensors: list[torch.Tensor]
+) -> None:
+    mine = optimizer.state_dict()
+    state: dict[int, dict[str, Any]] = {}
+    received = iter(tensors)
+    for param, key, shape, _dtype, value in header["entries"]:
+        state.setdefault(param, {})[key] = next(received) if shape is not None else value
+    groups = []
+    for local, sent in zip(mine["param_groups"], header["groups"], strict=True):
+        group = dict(local)
+        for key, value in sent.items():
+            group[key] = tuple(value) if isinstance(local.get(key), tuple) else value
+        groups.append(group)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

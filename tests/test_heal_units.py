@@ -1,0 +1,219 @@
+"""The pieces of healing without processes (issue 23): the (rank, step, phase) fault plan, the refusal of
+``heal`` by strategies that cannot heal, the launcher's quorum decisions (`loom.launch.heal.HealQuorum`) and the
+commit vote (`loom.fault.quorum.Quorum.vote`), each on an in-memory store."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import loom
+from loom.fault.inject import parse_faults
+from loom.fault.quorum import Quorum
+from loom.launch.heal import HealPolicy, HealQuorum, JobStops
+from loom.topology import Topology
+
+pytestmark = pytest.mark.unit
+
+ONE = Topology(0, 1, 0, 1, "none")
+
+
+class MemoryStore:
+    """The store calls the quorum makes, in memory (atomic under one lock, as the store server's are)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+    def clone(self) -> MemoryStore:
+        return self
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self.lock:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        with self.lock:
+            return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+    def add(self, key: str, value: int) -> int:
+        with self.lock:
+            n = int(self.data.get(key, b"0")) + value
+            self.data[key] = str(n).encode()
+            return n
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with self.lock:
+            current = self.data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self.data[key] = desired.encode()
+                return desired.encode()
+            return current if current is not None else expected.encode()
+
+
+def test_fault_plans_parse_and_refuse_malformed_items():
+    faults = parse_faults("kill@1:3:during, raise@0:2:before#1")
+    assert [(f.kind, f.rank, f.step, f.phase, f.generation) for f in faults] == [
+        ("kill", 1, 3, "during", 0),
+        ("raise", 0, 2, "before", 1),
+    ]
+    for bad in ("kill@1:3", "kill@1:3:inside", "boom@1:3:before"):
+        with pytest.raises(ValueError, match="KIND@RANK:STEP:PHASE"):
+            parse_faults(bad)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: loom.LocalSGD(topology=ONE),
+        lambda: loom.DiLoCo(topology=ONE),
+        lambda: loom.Gossip(topology=ONE),
+        lambda: loom.ParameterServer(mode="async", topology=ONE),
+    ],
+)
+def test_strategies_that_cannot_heal_refuse_it_naming_the_ones_that_can(make, monkeypatch):
+    monkeypatch.setenv("LOOM_ON_WORKER_FAILURE", "heal")
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"--on-worker-failure heal: .* cannot heal .*HINT: use a strategy that heals: "
+                       r"DataParallel"):  # fmt: skip
+        make().setup(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss)
+
+
+class Launcher:
+    """A `HealQuorum` over a `MemoryStore`, with processes that are flags."""
+
+    def __init__(self, nproc: int = 3, **policy: int) -> None:
+        self.store = MemoryStore()
+        self.running = dict.fromkeys(range(nproc), True)
+        self.started: list[tuple[int, int]] = []
+        self.quorum = HealQuorum(nproc, HealPolicy(**policy), self.store, self.restart,
+                                 lambda r: self.running[r], self.kill)  # fmt: skip
+
+    def restart(self, rank: int, generation: int) -> None:
+        self.started.append((rank, generation))
+        self.running[rank] = True
+
+    def kill(self, rank: int) -> None:
+        self.running[rank] = False
+
+    def ready(self, rank: int, generation: int = 0) -> None:
+        self.store.set(f"ready/{rank}", str(generation))
+
+    def members(self, epoch: int) -> str:
+        return self.store.get(f"q/{epoch}/members").decode()
+
+
+def test_the_launcher_forms_epochs_replaces_the_dead_and_adds_the_ready(monkeypatch):
+    monkeypatch.setenv("LOOM_HEAL_CHECKIN_TIMEOUT_S", "0.05")
+    job = Launcher()
+    for r in range(3):
+        job.quorum.tick()
+        job.ready(r)
+    job.quorum.tick()
+    assert job.members(1) == "0:0,1:0,2:0"
+    job.running[1] = False  # rank 1 dies: its epoch is marked, a replacement starts
+    job.quorum.died(1, "worker rank 1 was killed by SIGKILL")
+    assert job.store.get("q/1/dead") == b"1" and job.started == [(1, 1)]
+    job.store.set("q/1/in/0", "2")
+    job.quorum.tick()
+    assert not job.store.check(["q/2/members"])  # rank 2 has not checked in yet, and is alive
+    job.store.set("q/1/in/2", "2")
+    job.quorum.tick()
+    assert job.members(2) == "0:0,2:0"
+    job.ready(1, generation=1)  # the replacement is ready: the members are told, and re-form after their step
+    job.quorum.tick()
+    assert job.store.check(["q/2/pending"])
+    job.store.set("q/2/in/0", "5")
+    job.quorum.tick()
+    job.store.set("q/2/in/2", "5")
+    job.quorum.tick()
+    assert job.members(3) == "0:0,1:1,2:0"
+
+
+def test_a_member_that_does_not_check_in_is_killed_and_left_out(monkeypatch):
+    monkeypatch.setenv("LOOM_HEAL_CHECKIN_TIMEOUT_S", "0.05")
+    job = Launcher()
+    for r in range(3):
+        job.ready(r)
+    job.quorum.tick()
+    job.store.set("q/1/in/0", "1")
+    job.store.set("q/1/in/1", "1")
+    job.quorum.tick()
+    threading.Event().wait(0.1)
+    job.quorum.tick()
+    assert job.running[2] is False and job.members(2) == "0:0,1:0"
+
+
+def test_the_budgets_stop_the_job_naming_the_lost_ranks(monkeypatch):
+    job = Launcher(max_heals=1)
+    for r in range(3):
+        job.ready(r)
+    job.quorum.tick()
+    job.quorum.died(1, "worker rank 1 was killed by SIGKILL")
+    with pytest.raises(JobStops, match=r"past --max-heals 1: .*lost: worker rank 1 was killed by SIGKILL; "
+                       r"worker rank 2 was killed"):  # fmt: skip
+        job.quorum.died(2, "worker rank 2 was killed by SIGKILL")
+    small = Launcher(min_workers=3)
+    for r in range(3):
+        small.ready(r)
+    small.quorum.tick()
+    small.running[0] = False
+    small.quorum.died(0, "worker rank 0 was killed by SIGKILL")
+    small.store.set("q/1/in/1", "1")
+    small.store.set("q/1/in/2", "1")
+    with pytest.raises(JobStops, match="2 worker.* below --min-workers 3"):
+        small.quorum.tick()
+
+
+def vote_of(store: MemoryStore, rank: int, members: list[int], step: int, ok: bool) -> bool:
+    quorum = Quorum.__new__(Quorum)  # no heartbeat thread: only the vote is under test
+    quorum.store, quorum.rank, quorum.epoch, quorum.members = store, rank, 1, members
+    quorum.vote_timeout_s = 5.0
+    return quorum.vote(step, ok)
+
+
+def test_one_verdict_per_step_commit_only_when_every_member_votes_yes():
+    store = MemoryStore()
+    results: dict[int, bool] = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, vote_of(store, r, [0, 1, 2], 4, True)))
+               for r in range(3)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: True, 1: True, 2: True}
+    store = MemoryStore()
+    results = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, vote_of(store, r, [0, 1, 2], 4, r != 1)))
+               for r in range(3)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: False, 1: False, 2: False}
+
+
+def test_a_vote_does_not_wait_for_a_member_the_launcher_saw_die():
+    store = MemoryStore()
+    store.set("q/1/dead", "2")
+    assert vote_of(store, 0, [0, 1, 2], 7, True) is False
+    assert vote_of(store, 1, [0, 1, 2], 7, True) is False
+
+
+def test_data_parallel_options_that_heal_cannot_honour_are_refused_by_name():
+    from loom.parallel.data.healing import refuse_heal_options
+
+    refuse_heal_options(loom.DataParallel().config)
+    with pytest.raises(
+        ValueError, match=r"got \{'compression': 'fp16'\}.*HINT: drop compression= under heal"
+    ):
+        refuse_heal_options(loom.DataParallel(compression="fp16").config)
+    with pytest.raises(ValueError, match=r"got \{'allreduce': 'ring'\}.*HINT: drop allreduce= under heal"):
+        refuse_heal_options(loom.DataParallel(allreduce="ring").config)
