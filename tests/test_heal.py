@@ -182,8 +182,11 @@ def test_a_frozen_member_is_dropped_when_its_heartbeat_stops_and_replaced(tmp_pa
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_an_error_in_a_step_drops_it_on_every_member_and_it_is_retried(tmp_path):
-    result, out, run_dir = run_heal(tmp_path, "raise@2:3:before", steps=6)
+@pytest.mark.parametrize("phase", ["before", "during"])
+def test_an_error_in_a_step_drops_it_on_every_member_and_it_is_retried(tmp_path, phase):
+    # "during": rank 2 raises between the exchange's two halves, where the others wait for it in the second; they
+    # must fail at once (its group closed), not at the group's timeout, past the launcher's check-in timeout
+    result, out, run_dir = run_heal(tmp_path, f"raise@2:3:{phase}", steps=6)
     check_healed_job(result, out, run_dir, 6, {})
     assert "step 3 dropped in epoch 1 (InjectedFault" in result.stderr
 

@@ -217,3 +217,48 @@ def test_data_parallel_options_that_heal_cannot_honour_are_refused_by_name():
         refuse_heal_options(loom.DataParallel(compression="fp16").config)
     with pytest.raises(ValueError, match=r"got \{'allreduce': 'ring'\}.*HINT: drop allreduce= under heal"):
         refuse_heal_options(loom.DataParallel(allreduce="ring").config)
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_leaves_an_epoch_frees_the_others_waiting_in_its_group():
+    """A member that re-forms while the others wait in a collective of the old epoch's group (it raised before
+    joining that collective) must close the group, or they wait the group's whole timeout (30 s by default, more
+    than the launcher's 10 s check-in timeout: the launcher then kills them). gloo's ``abort()`` closes nothing;
+    `Quorum._abandon_group` lets the group go. Here the timeout is 90 s and the waiting members must fail on a
+    closed connection, not on the timeout."""
+    import torch.distributed as dist
+
+    from loom.fault.quorum import gloo_group
+
+    store = dist.HashStore()
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def build(rank: int) -> None:
+        groups[rank] = gloo_group(dist.PrefixStore("q/1/pg/", store), rank, 3, 90.0)
+
+    builders = [threading.Thread(target=build, args=(r,)) for r in range(3)]
+    for t in builders:
+        t.start()
+    for t in builders:
+        t.join()
+    errors: dict[int, str] = {}
+
+    def wait_in_collective(rank: int) -> None:
+        try:
+            groups[rank].allreduce([torch.ones(8)]).wait()
+            errors[rank] = "completed"
+        except RuntimeError as error:
+            errors[rank] = str(error)
+
+    waiting = [threading.Thread(target=wait_in_collective, args=(r,)) for r in (0, 2)]
+    for t in waiting:
+        t.start()
+    leaving = Quorum.__new__(Quorum)  # only its group: no store, no heartbeat thread
+    leaving.group = groups.pop(1)
+    leaving._abandon_group()
+    for t in waiting:
+        t.join(timeout=100)
+    assert leaving.group is None
+    assert set(errors) == {0, 2}, errors
+    for rank, error in errors.items():
+        assert "Connection" in error and "Timed out" not in error, (rank, error)

@@ -181,7 +181,9 @@ class Engine(Job):
                 print(f"loom: rank {self.topology.rank}: step {self.step + 1} dropped in epoch {quorum.epoch} "
                       f"({type(error).__name__}: {str(error)[:120]}); "
                       "re-forming the quorum", file=sys.stderr, flush=True)  # fmt: skip
-                self._heal_reform()
+            # outside the except block: the error's traceback holds the frames that hold the epoch's group, and
+            # the group closes its connections only once nothing holds it (`Quorum._abandon_group`)
+            self._heal_reform()
 
     def _heal_reform(self) -> None:
         """Check in for the next membership epoch and make its members equal (`_adopt_epoch`); a failure while
