@@ -1,0 +1,90 @@
+"""The warm pool's ranks behave as ``python script.py args`` would: what the script sees (``__name__``, argv,
+``sys.path[0]``, working directory, environment, stdin, its own session), its output, and its exit status
+(a code, an uncaught exception, a signal), each compared with the same script run by `subprocess.Popen`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import WARM_POOL, _kill_group
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, random, sys, atexit
+    import torch
+    how = sys.argv[1]
+    atexit.register(lambda: print("atexit ran", flush=True))
+    print(json.dumps({"name": __name__, "argv": sys.argv[1:], "path0": sys.path[0], "cwd": os.getcwd(),
+                      "env": os.environ.get("WARM_POOL_PROBE"), "stdin": sys.stdin.read(),
+                      "own_session": os.getsid(0) == os.getpid(), "threads": torch.get_num_threads(),
+                      "random": random.random()}))
+    print("to stderr", file=sys.stderr)
+    if how == "code":
+        sys.exit(3)
+    if how == "raise":
+        raise RuntimeError("the script's own error")
+    if how == "signal":
+        os.kill(os.getpid(), 15)
+    """
+)
+
+
+def _run(kind: str, script, tmp_path, how: str) -> tuple[int, str, str]:
+    out, err = open(tmp_path / f"{kind}-{how}.out", "w+"), open(tmp_path / f"{kind}-{how}.err", "w+")  # noqa: SIM115
+    env = dict(os.environ, WARM_POOL_PROBE=how, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, str(script), how]
+    if kind == "pool":
+        assert WARM_POOL.usable(env), "the pool should stand in for this environment"
+        proc = WARM_POOL.spawn(cmd, env=env, stdout=out, stderr=err, cwd=tmp_path)
+    else:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=tmp_path, start_new_session=True,
+                                stdin=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 60
+    try:
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, f"{kind} {how} did not finish"
+            time.sleep(0.02)
+    finally:
+        _kill_group(proc)
+    out.seek(0), err.seek(0)
+    return proc.returncode, out.read(), err.read()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.environ.get("LOOM_WARM_POOL") == "0", reason="LOOM_WARM_POOL=0 turns the pool off")
+@pytest.mark.parametrize("how", ["ok", "code", "raise", "signal"])
+def test_a_pool_rank_sees_and_ends_as_a_fresh_interpreter_would(tmp_path, how):
+    script = tmp_path / "probe" / "script.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(SCRIPT)
+    runs = {kind: _run(kind, script, tmp_path, how) for kind in ("fresh", "pool")}
+    (fresh_code, fresh_out, fresh_err), (pool_code, pool_out, pool_err) = runs["fresh"], runs["pool"]
+    assert pool_code == fresh_code == {"ok": 0, "code": 3, "raise": 1, "signal": -15}[how], runs
+    fresh, pool = json.loads(fresh_out.splitlines()[0]), json.loads(pool_out.splitlines()[0])
+    assert pool.pop("random") != fresh.pop(
+        "random"
+    )  # a fork reseeds `random`, as a fresh interpreter seeds it
+    assert pool == fresh == dict(fresh, name="__main__", argv=[how], path0=str(script.parent), cwd=str(tmp_path),
+                                 env=how, stdin="", own_session=True, threads=1), runs  # fmt: skip
+    assert ("atexit ran" in pool_out) == ("atexit ran" in fresh_out) == (how != "signal"), runs
+    assert pool_err.startswith("to stderr") and fresh_err.startswith("to stderr"), runs
+    if how == "raise":
+        assert "RuntimeError: the script's own error" in pool_err.splitlines()[-1], pool_err
+        assert "RuntimeError: the script's own error" in fresh_err.splitlines()[-1], fresh_err
+
+
+@pytest.mark.unit
+def test_a_different_startup_environment_gets_a_fresh_interpreter():
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    assert not WARM_POOL.usable(dict(env, OMP_NUM_THREADS="2"))
+    assert not WARM_POOL.usable(dict(env, PYTHONHASHSEED="7"))
+    assert WARM_POOL.usable(dict(env, LOOM_HANG_TIMEOUT_S="5", RANK="1")) == (
+        os.environ.get("LOOM_WARM_POOL") != "0"
+    )

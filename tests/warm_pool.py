@@ -1,0 +1,227 @@
+"""A forked warm worker pool: rank processes that start with torch and loom already imported.
+
+Every rank of a multi-process test used to be a fresh interpreter, and `import loom` (torch with it) costs about
+2 s of CPU before the rank does anything; a test that starts four ranks three times spent 24 CPU-seconds
+importing. Here one *zygote* process imports torch and loom once, and each rank is a ``fork()`` of it that runs
+the worker script as ``__main__`` (``runpy``), as ``python script.py args`` would:
+
+- its own session (``setsid``, so ``os.killpg(pid, SIGKILL)`` ends it and whatever it started), its working
+  directory, its environment (``os.environ`` replaced, so C-level ``getenv`` sees it too), ``sys.argv`` and
+  ``sys.path[0]`` (the script's folder), stdin from /dev/null, stdout and stderr into the given files;
+- the normal end of an interpreter (non-daemon threads joined, ``atexit``, buffers flushed); an uncaught
+  exception prints its traceback and exits 1, a signal ends it with ``-signum`` as ``Popen.returncode`` says;
+- ``random`` is reseeded in the child by Python itself (``os.register_at_fork``); numpy's global generator, if
+  the zygote imported it, is reseeded here.
+
+What a fork cannot give is what was decided at interpreter start: ``PYTHON*`` variables, hash randomization
+(every rank of a pool shares the zygote's ``PYTHONHASHSEED``; a fresh interpreter draws its own) and what torch
+and OpenMP read when they load (``OMP_NUM_THREADS``, ...). `WarmPool.spawn` therefore forks only when the
+child's environment agrees with the zygote's on every such variable (`STARTUP_PREFIXES`), and otherwise starts
+a fresh interpreter with `subprocess.Popen`, as before. ``LOOM_WARM_POOL=0`` turns the pool off altogether.
+Only loom's own import is shared: no test state, no process group, no thread of the test process (the zygote is
+its own process, started from a clean interpreter, not a fork of pytest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_", "LD_", "MALLOC_", "HOROVOD_", "CUDA")
+"""Variables read when the interpreter, torch or OpenMP start: a child whose value differs gets a fresh process."""
+
+_ZYGOTE_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+"""What every rank harness sets (run_workers, run_ps_workers): the zygote starts with them so ranks agree."""
+
+
+def _startup_view(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES)}
+
+
+class WarmChild:
+    """The part of `subprocess.Popen` the rank harnesses use (``pid``, ``poll``, ``wait``, ``returncode``) for a
+    child of the zygote, whose exit status the zygote reports."""
+
+    def __init__(self, pool: WarmPool, pid: int) -> None:
+        self._pool, self.pid, self.returncode = pool, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._pool._code(self.pid, block=False)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._pool._code(self.pid, block=True, timeout=timeout)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class WarmPool:
+    """One zygote for the test session (started at the first spawn); `spawn` forks a rank from it."""
+
+    def __init__(self) -> None:
+        self._env = dict(os.environ, **_ZYGOTE_ENV)
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._pids: dict[int, int] = {}  # request id -> pid
+        self._codes: dict[int, int] = {}  # pid -> exit status, as Popen.returncode
+        self._next = 0
+        self._dead = False
+
+    def usable(self, env: dict[str, str]) -> bool:
+        return os.environ.get("LOOM_WARM_POOL", "1") != "0" and _startup_view(env) == _startup_view(self._env)
+
+    def spawn(
+        self, cmd: list[str], *, env: dict[str, str], stdout, stderr, cwd: Path | str | None = None
+    ) -> WarmChild | subprocess.Popen:
+        """Start ``cmd`` (``[sys.executable, script, *args]``) as a new session with stdout and stderr into the
+        given open files (``stderr=subprocess.STDOUT`` shares stdout's); a fresh interpreter where the pool cannot
+        stand in for one (see the module docstring)."""
+        script_run = len(cmd) >= 2 and cmd[0] == sys.executable and not cmd[1].startswith("-")
+        if not (script_run and self.usable(env)) or not self._start():
+            return subprocess.Popen(
+                cmd, env=env, stdout=stdout, stderr=stderr, start_new_session=True, cwd=cwd
+            )
+        out_path = stdout.name
+        err_path = out_path if stderr is subprocess.STDOUT else stderr.name
+        with self._lock:
+            self._next += 1
+            ident = self._next
+            request = {"id": ident, "argv": cmd[1:], "env": env, "cwd": str(cwd) if cwd else None,
+                       "stdout": out_path, "stderr": err_path}  # fmt: skip
+            assert self._proc is not None and self._proc.stdin is not None
+            self._proc.stdin.write((json.dumps(request) + "\n").encode())
+            self._proc.stdin.flush()
+        with self._changed:
+            if not self._changed.wait_for(lambda: ident in self._pids or self._dead, timeout=30):
+                raise AssertionError(f"the warm pool's zygote did not start {cmd[1]} within 30 s")
+            if ident not in self._pids:
+                raise AssertionError(f"the warm pool's zygote died before starting {cmd[1]}")
+            return WarmChild(self, self._pids[ident])
+
+    def _start(self) -> bool:
+        with self._lock:
+            if self._proc is None:
+                self._proc = subprocess.Popen(
+                    [sys.executable, __file__], env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    start_new_session=True,
+                )  # fmt: skip
+                threading.Thread(target=self._read, daemon=True, name="warm-pool-reader").start()
+            return not self._dead
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            kind, first, second = line.decode().split()
+            with self._changed:
+                if kind == "started":
+                    self._pids[int(first)] = int(second)
+                else:
+                    self._codes[int(first)] = int(second)
+                self._changed.notify_all()
+        with self._changed:
+            self._dead = True
+            self._changed.notify_all()
+
+    def _code(self, pid: int, *, block: bool, timeout: float | None = None) -> int | None:
+        with self._changed:
+            if block and not self._changed.wait_for(
+                lambda: pid in self._codes or self._dead, timeout=timeout
+            ):
+                raise subprocess.TimeoutExpired(f"warm pool child {pid}", timeout or 0)
+            if pid not in self._codes and self._dead:
+                raise AssertionError(f"the warm pool's zygote died; the exit status of child {pid} is lost")
+            return self._codes.get(pid)
+
+    def close(self) -> None:
+        """End the zygote (its children are the tests' to kill, and each harness has killed its own)."""
+        if self._proc is not None:
+            with contextlib.suppress(OSError):
+                assert self._proc.stdin is not None
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+# ---- the zygote: this file run as a script ----
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become ``python script args`` and run the script; never returns normally."""
+    import runpy
+
+    os.setsid()
+    if request["cwd"]:
+        os.chdir(request["cwd"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
+    err = (
+        out
+        if request["stderr"] == request["stdout"]
+        else os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
+    )
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in {null, out, err}:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script = request["argv"][0]
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    if "numpy" in sys.modules:
+        sys.modules[
+            "numpy"
+        ].random.seed()  # a fresh interpreter seeds its own; a fork would share the zygote's
+    runpy.run_path(script, run_name="__main__")
+    sys.exit(0)
+
+
+def _zygote() -> None:
+    import select
+
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import loom  # noqa: F401
+
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.02)
+        if readable:
+            data = os.read(0, 1 << 20)
+            if not data:
+                return  # the test session ended
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(request)  # raises SystemExit or the script's exception up through here
+                os.write(1, f"started {request['id']} {pid}\n".encode())
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+if __name__ == "__main__":
+    _zygote()
