@@ -33,7 +33,7 @@ def kill_group(proc) -> None:
 class Servers:
     secret: str
     addresses: list[str]
-    procs: list[subprocess.Popen]
+    procs: list  # subprocess.Popen or warm_pool.WarmChild
     logs: list[Path]
     extra: list[str] = field(default_factory=list)
 
@@ -50,7 +50,7 @@ class Servers:
                "--num-servers", str(len(self.addresses)), "--bind", self.addresses[index], *self.extra]  # fmt: skip
         env = dict(os.environ, LOOM_JOB_SECRET=self.secret, OMP_NUM_THREADS="1")
         out = open(self.logs[index], "a")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = WARM_POOL.spawn(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
         if index < len(self.procs):
             self.procs[index] = proc

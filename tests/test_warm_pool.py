@@ -1,6 +1,7 @@
 """The warm pool's ranks behave as ``python script.py args`` would: what the script sees (``__name__``, argv,
 ``sys.path[0]``, working directory, environment, stdin, its own session), its output, and its exit status
-(a code, an uncaught exception, a signal), each compared with the same script run by `subprocess.Popen`."""
+(a code, an uncaught exception, a signal), each compared with the same script run by `subprocess.Popen`; and
+the same for ``python -m module``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import WARM_POOL, _kill_group
@@ -20,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import torch
     how = sys.argv[1]
     atexit.register(lambda: print("atexit ran", flush=True))
-    print(json.dumps({"name": __name__, "argv": sys.argv[1:], "path0": sys.path[0], "cwd": os.getcwd(),
+    print(json.dumps({"name": __name__, "argv0": sys.argv[0], "argv": sys.argv[1:], "path0": sys.path[0], "cwd": os.getcwd(),
                       "env": os.environ.get("WARM_POOL_PROBE"), "stdin": sys.stdin.read(),
                       "own_session": os.getsid(0) == os.getpid(), "threads": torch.get_num_threads(),
                       "random": random.random()}))
@@ -35,15 +37,16 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(kind: str, script, tmp_path, how: str) -> tuple[int, str, str]:
+def _run(kind: str, script: Path, tmp_path: Path, how: str, as_module: bool) -> tuple[int, str, str]:
     out, err = open(tmp_path / f"{kind}-{how}.out", "w+"), open(tmp_path / f"{kind}-{how}.err", "w+")  # noqa: SIM115
     env = dict(os.environ, WARM_POOL_PROBE=how, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, str(script), how]
+    cmd = [sys.executable, "-m", script.stem, how] if as_module else [sys.executable, str(script), how]
+    cwd = script.parent if as_module else tmp_path
     if kind == "pool":
         assert WARM_POOL.usable(env), "the pool should stand in for this environment"
-        proc = WARM_POOL.spawn(cmd, env=env, stdout=out, stderr=err, cwd=tmp_path)
+        proc = WARM_POOL.spawn(cmd, env=env, stdout=out, stderr=err, cwd=cwd)
     else:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=tmp_path, start_new_session=True,
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=cwd, start_new_session=True,
                                 stdin=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 60
     try:
@@ -59,20 +62,24 @@ def _run(kind: str, script, tmp_path, how: str) -> tuple[int, str, str]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(os.environ.get("LOOM_WARM_POOL") == "0", reason="LOOM_WARM_POOL=0 turns the pool off")
-@pytest.mark.parametrize("how", ["ok", "code", "raise", "signal"])
-def test_a_pool_rank_sees_and_ends_as_a_fresh_interpreter_would(tmp_path, how):
-    script = tmp_path / "probe" / "script.py"
+@pytest.mark.parametrize(
+    ("as_module", "how"),
+    [(False, "ok"), (False, "code"), (False, "raise"), (False, "signal"), (True, "code")],
+    ids=["script-ok", "script-code", "script-raise", "script-signal", "module-code"],
+)
+def test_a_pool_rank_sees_and_ends_as_a_fresh_interpreter_would(tmp_path, how, as_module):
+    script = tmp_path / "probe" / "warm_pool_probe.py"
     script.parent.mkdir(exist_ok=True)
     script.write_text(SCRIPT)
-    runs = {kind: _run(kind, script, tmp_path, how) for kind in ("fresh", "pool")}
+    runs = {kind: _run(kind, script, tmp_path, how, as_module) for kind in ("fresh", "pool")}
     (fresh_code, fresh_out, fresh_err), (pool_code, pool_out, pool_err) = runs["fresh"], runs["pool"]
     assert pool_code == fresh_code == {"ok": 0, "code": 3, "raise": 1, "signal": -15}[how], runs
     fresh, pool = json.loads(fresh_out.splitlines()[0]), json.loads(pool_out.splitlines()[0])
-    assert pool.pop("random") != fresh.pop(
-        "random"
-    )  # a fork reseeds `random`, as a fresh interpreter seeds it
-    assert pool == fresh == dict(fresh, name="__main__", argv=[how], path0=str(script.parent), cwd=str(tmp_path),
-                                 env=how, stdin="", own_session=True, threads=1), runs  # fmt: skip
+    # a fork reseeds `random` (os.register_at_fork), as each fresh interpreter seeds its own
+    assert pool.pop("random") != fresh.pop("random")
+    want = dict(fresh, name="__main__", argv0=str(script), argv=[how], path0=str(script.parent),
+                cwd=str(script.parent if as_module else tmp_path), env=how, stdin="", own_session=True, threads=1)  # fmt: skip
+    assert pool == fresh == want, runs
     assert ("atexit ran" in pool_out) == ("atexit ran" in fresh_out) == (how != "signal"), runs
     assert pool_err.startswith("to stderr") and fresh_err.startswith("to stderr"), runs
     if how == "raise":

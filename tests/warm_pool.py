@@ -81,11 +81,12 @@ class WarmPool:
     def spawn(
         self, cmd: list[str], *, env: dict[str, str], stdout, stderr, cwd: Path | str | None = None
     ) -> WarmChild | subprocess.Popen:
-        """Start ``cmd`` (``[sys.executable, script, *args]``) as a new session with stdout and stderr into the
-        given open files (``stderr=subprocess.STDOUT`` shares stdout's); a fresh interpreter where the pool cannot
-        stand in for one (see the module docstring)."""
+        """Start ``cmd`` (``[sys.executable, script, *args]`` or ``[sys.executable, "-m", module, *args]``) as a
+        new session with stdout and stderr into the given open files (``stderr=subprocess.STDOUT`` shares
+        stdout's); a fresh interpreter where the pool cannot stand in for one (see the module docstring)."""
         script_run = len(cmd) >= 2 and cmd[0] == sys.executable and not cmd[1].startswith("-")
-        if not (script_run and self.usable(env)) or not self._start():
+        module_run = len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m"
+        if not ((script_run or module_run) and self.usable(env)) or not self._start():
             return subprocess.Popen(
                 cmd, env=env, stdout=stdout, stderr=stderr, start_new_session=True, cwd=cwd
             )
@@ -177,14 +178,19 @@ def _child(request: dict) -> None:
         os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
-    if "numpy" in sys.modules:
-        sys.modules[
-            "numpy"
-        ].random.seed()  # a fresh interpreter seeds its own; a fork would share the zygote's
-    runpy.run_path(script, run_name="__main__")
+    if "numpy" in sys.modules:  # a fresh interpreter seeds its own; a fork would share the zygote's
+        sys.modules["numpy"].random.seed()
+    argv = request["argv"]
+    if (
+        argv[0] == "-m"
+    ):  # `python -m module`: the working directory first on the path, argv[0] the module's file
+        sys.argv = ["-m", *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
     sys.exit(0)
 
 
