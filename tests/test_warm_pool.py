@@ -19,12 +19,11 @@ from conftest import WARM_POOL, _kill_group
 SCRIPT = textwrap.dedent(
     """
     import json, os, random, sys, atexit
-    import torch
     how = sys.argv[1]
     atexit.register(lambda: print("atexit ran", flush=True))
     print(json.dumps({"name": __name__, "argv0": sys.argv[0], "argv": sys.argv[1:], "path0": sys.path[0], "cwd": os.getcwd(),
                       "env": os.environ.get("WARM_POOL_PROBE"), "stdin": sys.stdin.read(),
-                      "own_session": os.getsid(0) == os.getpid(), "threads": torch.get_num_threads(),
+                      "own_session": os.getsid(0) == os.getpid(),
                       "random": random.random()}))
     print("to stderr", file=sys.stderr)
     if how == "code":
@@ -78,7 +77,7 @@ def test_a_pool_rank_sees_and_ends_as_a_fresh_interpreter_would(tmp_path, how, a
     # a fork reseeds `random` (os.register_at_fork), as each fresh interpreter seeds its own
     assert pool.pop("random") != fresh.pop("random")
     want = dict(fresh, name="__main__", argv0=str(script), argv=[how], path0=str(script.parent),
-                cwd=str(script.parent if as_module else tmp_path), env=how, stdin="", own_session=True, threads=1)  # fmt: skip
+                cwd=str(script.parent if as_module else tmp_path), env=how, stdin="", own_session=True)  # fmt: skip
     assert pool == fresh == want, runs
     assert ("atexit ran" in pool_out) == ("atexit ran" in fresh_out) == (how != "signal"), runs
     assert pool_err.startswith("to stderr") and fresh_err.startswith("to stderr"), runs

@@ -1,9 +1,10 @@
 """A forked warm worker pool: rank processes that start with torch and loom already imported.
 
-Every rank of a multi-process test used to be a fresh interpreter, and `import loom` (torch with it) costs about
-2 s of CPU before the rank does anything; a test that starts four ranks three times spent 24 CPU-seconds
-importing. Here one *zygote* process imports torch and loom once, and each rank is a ``fork()`` of it that runs
-the worker script as ``__main__`` (``runpy``), as ``python script.py args`` would:
+Every rank of a multi-process test used to be a fresh interpreter: `import loom` (torch with it) costs about 2 s
+of CPU before the rank does anything, and its first optimizer about 1.4 s more (torch.optim imports
+torch._dynamo, and sympy with it), so a test that starts four ranks three times spent some 40 CPU-seconds
+importing. Here one *zygote* process imports them once (`WARM_MODULES`), and each rank is a ``fork()`` of it that
+runs the worker script as ``__main__`` (``runpy``), as ``python script.py args`` would:
 
 - its own session (``setsid``, so ``os.killpg(pid, SIGKILL)`` ends it and whatever it started), its working
   directory, its environment (``os.environ`` replaced, so C-level ``getenv`` sees it too), ``sys.argv`` and
@@ -32,8 +33,17 @@ import sys
 import threading
 from pathlib import Path
 
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_", "LD_", "MALLOC_", "HOROVOD_", "CUDA")
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY_", "TORCH_", "TORCHDYNAMO",
+                    "TORCHINDUCTOR", "LD_", "MALLOC_", "HOROVOD_", "CUDA")  # fmt: skip
 """Variables read when the interpreter, torch or OpenMP start: a child whose value differs gets a fresh process."""
+
+WARM_MODULES = (
+    "torch", "torch.distributed", "loom", "numpy.random",
+    # imported by every rank that builds an optimizer (torch.optim's `_compile` hook imports dynamo, and sympy with
+    # it: about 1.4 s of CPU) or wraps DDP; a fresh rank imports them too, later
+    "torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms.ddp_comm_hooks", "torch.distributed.nn",
+)  # fmt: skip
+"""What the zygote imports once: torch and loom, and what a rank imports on its first step anyway."""
 
 _ZYGOTE_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 """What every rank harness sets (run_workers, run_ps_workers): the zygote starts with them so ranks agree."""
@@ -158,7 +168,8 @@ class WarmPool:
 
 
 def _child(request: dict) -> None:
-    """In the forked child: become ``python script args`` and run the script; never returns normally."""
+    """In the forked child: become ``python script args``, run the script, and end as the interpreter would
+    (`_finish`); never returns."""
     import runpy
 
     os.setsid()
@@ -166,11 +177,8 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
-    err = (
-        out
-        if request["stderr"] == request["stdout"]
-        else os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
-    )
+    same = request["stderr"] == request["stdout"]
+    err = out if same else os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
     os.dup2(null, 0)
     os.dup2(out, 1)
     os.dup2(err, 2)
@@ -181,26 +189,62 @@ def _child(request: dict) -> None:
     if "numpy" in sys.modules:  # a fresh interpreter seeds its own; a fork would share the zygote's
         sys.modules["numpy"].random.seed()
     argv = request["argv"]
-    if (
-        argv[0] == "-m"
-    ):  # `python -m module`: the working directory first on the path, argv[0] the module's file
-        sys.argv = ["-m", *argv[2:]]
-        sys.path[0] = os.getcwd()
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
-    sys.exit(0)
+    code = 0
+    try:
+        if argv[0] == "-m":  # `python -m module`: the working directory first on sys.path, argv[0] its file
+            sys.argv = ["-m", *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except BaseException as error:  # as the interpreter reports an uncaught exception: sys.excepthook (loom's
+        sys.excepthook(type(error), error, error.__traceback__)  # notes it, so shutdown skips its barrier), 1
+        code = 1
+    _finish(code)
+
+
+def _exit_code(code: object) -> int:
+    """``SystemExit.code`` as the interpreter turns it into a status: None 0, an int itself, else printed, 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int) -> None:
+    """What ``Py_FinalizeEx`` does that a program can observe: wait for non-daemon threads, run ``atexit``,
+    flush every open file; then exit without freeing each of the process's objects one by one. That teardown
+    costs about 1.3 s of CPU with torch, torch._dynamo and loom loaded (in a fresh interpreter as well), and
+    loom does its cleanup in ``atexit`` (process groups, watchdogs, metrics, trace files), not in ``__del__``."""
+    import atexit
+    import gc
+    import io
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    writers = {io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom}  # type(), not isinstance: no hook runs
+    for stream in [sys.stdout, sys.stderr, *(o for o in gc.get_objects() if type(o) in writers)]:
+        try:
+            if not stream.closed:
+                stream.flush()
+        except Exception:  # noqa: BLE001 - a file that cannot flush is one the interpreter would skip too
+            pass
+    os._exit(code & 0xFF)
 
 
 def _zygote() -> None:
+    import importlib
     import select
 
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-
-    import loom  # noqa: F401
+    for module in WARM_MODULES:
+        importlib.import_module(module)
 
     pending = b""
     while True:
@@ -217,7 +261,7 @@ def _zygote() -> None:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _child(request)  # raises SystemExit or the script's exception up through here
+                    _child(request)  # never returns
                 os.write(1, f"started {request['id']} {pid}\n".encode())
         while True:
             try:
