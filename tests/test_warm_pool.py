@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import WARM_POOL, _kill_group
+from warm_pool import WarmPool
 
 SCRIPT = textwrap.dedent(
     """
@@ -87,10 +88,16 @@ def test_a_pool_rank_sees_and_ends_as_a_fresh_interpreter_would(tmp_path, how, a
 
 
 @pytest.mark.unit
-def test_a_different_startup_environment_gets_a_fresh_interpreter():
+def test_a_different_startup_environment_gets_a_zygote_of_its_own():
+    """Variables read at interpreter or torch start choose the zygote (made here, not started); others do not."""
+    pool = WarmPool()
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    assert not WARM_POOL.usable(dict(env, OMP_NUM_THREADS="2"))
-    assert not WARM_POOL.usable(dict(env, PYTHONHASHSEED="7"))
-    assert WARM_POOL.usable(dict(env, LOOM_HANG_TIMEOUT_S="5", RANK="1")) == (
-        os.environ.get("LOOM_WARM_POOL") != "0"
-    )
+    first = pool.zygote_for(env)
+    assert pool.zygote_for(dict(env, LOOM_HANG_TIMEOUT_S="5", RANK="1")) is first
+    others = [
+        pool.zygote_for(dict(env, OMP_NUM_THREADS="2")),
+        pool.zygote_for(dict(env, PYTHONUNBUFFERED="x")),
+    ]
+    assert len({id(z) for z in [first, *others]}) == 3
+    pool.zygote_for(dict(env, PYTHONHASHSEED="7"))
+    assert pool.zygote_for(dict(env, PYTHONHASHSEED="8")) is None  # past MAX_ZYGOTES: a fresh interpreter

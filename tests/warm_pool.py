@@ -16,9 +16,9 @@ runs the worker script as ``__main__`` (``runpy``), as ``python script.py args``
 
 What a fork cannot give is what was decided at interpreter start: ``PYTHON*`` variables, hash randomization
 (every rank of a pool shares the zygote's ``PYTHONHASHSEED``; a fresh interpreter draws its own) and what torch
-and OpenMP read when they load (``OMP_NUM_THREADS``, ...). `WarmPool.spawn` therefore forks only when the
-child's environment agrees with the zygote's on every such variable (`STARTUP_PREFIXES`), and otherwise starts
-a fresh interpreter with `subprocess.Popen`, as before. ``LOOM_WARM_POOL=0`` turns the pool off altogether.
+and OpenMP read when they load (``OMP_NUM_THREADS``, ...). `WarmPool` therefore keeps one zygote per value of
+those variables (`STARTUP_PREFIXES`), started with them; past `WarmPool.MAX_ZYGOTES` a rank is a fresh
+interpreter (`subprocess.Popen`), as before. ``LOOM_WARM_POOL=0`` turns the pool off altogether.
 Only loom's own import is shared: no test state, no process group, no thread of the test process (the zygote is
 its own process, started from a clean interpreter, not a fork of pytest).
 """
@@ -45,9 +45,6 @@ WARM_MODULES = (
 )  # fmt: skip
 """What the zygote imports once: torch and loom, and what a rank imports on its first step anyway."""
 
-_ZYGOTE_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-"""What every rank harness sets (run_workers, run_ps_workers): the zygote starts with them so ranks agree."""
-
 
 def _startup_view(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES)}
@@ -57,7 +54,7 @@ class WarmChild:
     """The part of `subprocess.Popen` the rank harnesses use (``pid``, ``poll``, ``wait``, ``returncode``) for a
     child of the zygote, whose exit status the zygote reports."""
 
-    def __init__(self, pool: WarmPool, pid: int) -> None:
+    def __init__(self, pool: _Zygote, pid: int) -> None:
         self._pool, self.pid, self.returncode = pool, pid, None
 
     def poll(self) -> int | None:
@@ -73,20 +70,26 @@ class WarmChild:
 
 
 class WarmPool:
-    """One zygote for the test session (started at the first spawn); `spawn` forks a rank from it."""
+    """The session's zygotes, one per startup environment (`STARTUP_PREFIXES`: a test whose ranks get, say,
+    ``PYTHONUNBUFFERED=1`` or another ``OMP_NUM_THREADS`` gets a zygote started with it, at most `MAX_ZYGOTES`);
+    each is started at its first spawn. `spawn` forks a rank from the zygote of the rank's environment."""
+
+    MAX_ZYGOTES = 4
 
     def __init__(self) -> None:
-        self._env = dict(os.environ, **_ZYGOTE_ENV)
-        self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
-        self._changed = threading.Condition()
-        self._pids: dict[int, int] = {}  # request id -> pid
-        self._codes: dict[int, int] = {}  # pid -> exit status, as Popen.returncode
-        self._next = 0
-        self._dead = False
+        self._zygotes: dict[tuple, _Zygote] = {}
 
     def usable(self, env: dict[str, str]) -> bool:
-        return os.environ.get("LOOM_WARM_POOL", "1") != "0" and _startup_view(env) == _startup_view(self._env)
+        return os.environ.get("LOOM_WARM_POOL", "1") != "0"
+
+    def zygote_for(self, env: dict[str, str]) -> _Zygote | None:
+        """The zygote whose startup environment is ``env``'s (made, not started, if new); None past the cap."""
+        key = tuple(sorted(_startup_view(env).items()))
+        with self._lock:
+            if key not in self._zygotes and len(self._zygotes) < self.MAX_ZYGOTES:
+                self._zygotes[key] = _Zygote(dict(env))
+            return self._zygotes.get(key)
 
     def spawn(
         self, cmd: list[str], *, env: dict[str, str], stdout, stderr, cwd: Path | str | None = None
@@ -96,10 +99,34 @@ class WarmPool:
         stdout's); a fresh interpreter where the pool cannot stand in for one (see the module docstring)."""
         script_run = len(cmd) >= 2 and cmd[0] == sys.executable and not cmd[1].startswith("-")
         module_run = len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m"
-        if not ((script_run or module_run) and self.usable(env)) or not self._start():
+        zygote = self.zygote_for(env) if (script_run or module_run) and self.usable(env) else None
+        if zygote is None or not zygote.start():
             return subprocess.Popen(
                 cmd, env=env, stdout=stdout, stderr=stderr, start_new_session=True, cwd=cwd
             )
+        return zygote.spawn(cmd, env=env, stdout=stdout, stderr=stderr, cwd=cwd)
+
+    def close(self) -> None:
+        for zygote in self._zygotes.values():
+            zygote.close()
+
+
+class _Zygote:
+    """One zygote process (this file run as a script) and the exit statuses of its children."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._env = env
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._pids: dict[int, int] = {}  # request id -> pid
+        self._codes: dict[int, int] = {}  # pid -> exit status, as Popen.returncode
+        self._next = 0
+        self._dead = False
+
+    def spawn(
+        self, cmd: list[str], *, env: dict[str, str], stdout, stderr, cwd: Path | str | None
+    ) -> WarmChild:
         out_path = stdout.name
         err_path = out_path if stderr is subprocess.STDOUT else stderr.name
         with self._lock:
@@ -117,7 +144,7 @@ class WarmPool:
                 raise AssertionError(f"the warm pool's zygote died before starting {cmd[1]}")
             return WarmChild(self, self._pids[ident])
 
-    def _start(self) -> bool:
+    def start(self) -> bool:
         with self._lock:
             if self._proc is None:
                 self._proc = subprocess.Popen(
