@@ -14,12 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+from warm_pool import WarmPool
 
 WORKERS = Path(__file__).parent / "workers"
 
 # `auto` all-reduce caches its calibration per host; tests must neither read a stale one nor leave one behind.
 _CACHE = tempfile.TemporaryDirectory(prefix="loom-test-cache-")
 os.environ["LOOM_CACHE_DIR"] = _CACHE.name
+
+WARM_POOL = WarmPool()
+"""Rank processes forked from one interpreter that has imported torch and loom (tests/warm_pool.py): the ~2 s
+of CPU each fresh interpreter spent importing them, once per session instead of once per rank."""
 
 
 def free_port() -> int:
@@ -28,7 +33,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -64,7 +69,7 @@ def run_workers(
         outs.append(out)
         errs.append(err)
         cmd = [sys.executable, str(WORKERS / script), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True, cwd=cwd))
+        procs.append(WARM_POOL.spawn(cmd, env=env, stdout=out, stderr=err, cwd=cwd))
 
     def text(files, rank: int) -> str:
         files[rank].flush()
@@ -94,6 +99,10 @@ def run_workers(
 
 
 LANES = ("unit", "multiprocess", "system")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    WARM_POOL.close()
 
 
 @pytest.hookimpl(tryfirst=True)

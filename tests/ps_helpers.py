@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import WORKERS, free_port
+from conftest import WARM_POOL, WORKERS, free_port
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -33,7 +33,7 @@ def kill_group(proc: subprocess.Popen) -> None:
 class Servers:
     secret: str
     addresses: list[str]
-    procs: list[subprocess.Popen]
+    procs: list  # subprocess.Popen or warm_pool.WarmChild
     logs: list[Path]
     extra: list[str] = field(default_factory=list)
 
@@ -50,7 +50,7 @@ class Servers:
                "--num-servers", str(len(self.addresses)), "--bind", self.addresses[index], *self.extra]  # fmt: skip
         env = dict(os.environ, LOOM_JOB_SECRET=self.secret, OMP_NUM_THREADS="1")
         out = open(self.logs[index], "a")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = WARM_POOL.spawn(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
         if index < len(self.procs):
             self.procs[index] = proc
@@ -102,9 +102,7 @@ def run_ps_workers(
         out = open(Path(logs.name) / f"{rank}.out", "w+")  # noqa: SIM115 - closed in finally
         outs.append(out)
         cmd = [sys.executable, str(WORKERS / script), json.dumps(config)]
-        procs.append(
-            subprocess.Popen(cmd, env=child_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        )
+        procs.append(WARM_POOL.spawn(cmd, env=child_env, stdout=out, stderr=subprocess.STDOUT))
 
     def text(rank: int) -> str:
         outs[rank].flush()

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.system
 
 @pytest.mark.timeout(150)
 def test_a_rank_stuck_in_its_own_code_shows_its_stack_then_the_work_timeout_stops_the_job(tmp_path):
-    env = dict(os.environ, LOOM_WORK_TIMEOUT_S="25")
+    env = dict(
+        os.environ, LOOM_WORK_TIMEOUT_S="12"
+    )  # the stack comes at the hang timeout (3 s): 9 s to spare
     command = [sys.executable, "-m", "loom.cli", "run", "-n", "2", "--run-dir", str(tmp_path / "run"),
                str(WORKERS / "stuck_rank.py")]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
