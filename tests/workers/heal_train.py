@@ -1,6 +1,8 @@
 """A tiny DataParallel job for the healing tests (``loom run --on-worker-failure heal``): writes, per process,
 its pid, its start time and, per committed step, the time, the members and a hash of the parameters, and at the
-end the final parameters, to ``HEAL_OUT/rank<r>.g<generation>.json``."""
+end the final parameters, to ``HEAL_OUT/rank<r>.g<generation>.json``.
+
+Run by tests/test_heal.py."""
 
 import time
 
