@@ -10,26 +10,22 @@ milliseconds. Code that reaches for the implicit default group or the module-glo
 
 from __future__ import annotations
 
-import datetime
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
+
+from loom.fault.quorum import gloo_group as quorum_gloo_group
 
 T = TypeVar("T")
 
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float = 20.0) -> dist.ProcessGroup:
     """A gloo process group of ``size`` ranks on ``store``, built directly (not registered with
-    torch.distributed, so any number of them live in one process): ``rank``'s member."""
-    group = dist.ProcessGroup(store, rank, size)
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    backend = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
-    backend._set_sequence_number_for_group()
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    return group
+    torch.distributed, so any number of them live in one process): ``rank``'s member. The healing job's own
+    builder (`loom.fault.quorum.gloo_group`), with the tests' default timeout."""
+    return quorum_gloo_group(store, rank, size, timeout_s)
 
 
 def run_ranks(world_size: int, fn: Callable[[int, dist.ProcessGroup], T], timeout_s: float = 30.0) -> list[T]:

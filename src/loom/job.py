@@ -156,6 +156,19 @@ class Job(abc.ABC):
         del state  # nothing kept here; jobs with local state override both methods
 
 
+def replicated_state(job: Job) -> dict[str, Any]:
+    """The state of a job whose ranks hold the whole model and optimizer: the model's and the optimizer's
+    ``state_dict`` and the step (DataParallel, its healing job, LocalSGD and DiLoCo's inner state)."""
+    return {"model": job.module.state_dict(), "optimizer": job.optimizer.state_dict(), "step": job.step}
+
+
+def load_replicated_state(job: Job, state: dict[str, Any]) -> None:
+    """Restore what `replicated_state` returned."""
+    job.module.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    job.step = int(state["step"])
+
+
 def check_batch_layout(batch: Any, job: Job) -> None:
     """Refuse a `loom.data.loader` batch sharded for a data layout other than ``job``'s data axis.
 

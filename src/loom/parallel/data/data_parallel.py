@@ -58,6 +58,7 @@ from loom.comm.shared_gradients import SharedGradients
 from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
+from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
@@ -375,16 +376,10 @@ class DataParallelJob(Engine):
 
     # -- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step,
-        }
+        return replicated_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
+        load_replicated_state(self, state)
 
     def local_state_dict(self) -> dict[str, Any]:
         """State that differs between processes: the compression codec's error-feedback residuals and warm

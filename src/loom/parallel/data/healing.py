@@ -37,6 +37,7 @@ from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum
+from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.topology import Topology
@@ -199,16 +200,10 @@ class HealingJob(Engine):
 
     # -- state --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step,
-        }
+        return replicated_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
+        load_replicated_state(self, state)
 
 
 def start_healing(

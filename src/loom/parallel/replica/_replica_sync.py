@@ -40,6 +40,7 @@ from loom.comm.compression.int8 import INT8_CHUNK as INT8_CHUNK  # re-exported (
 from loom.comm.compression.int8 import dequantize_int8 as dequantize_int8  # re-exported
 from loom.comm.compression.int8 import quantize_int8 as quantize_int8  # re-exported
 from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
+from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
@@ -248,13 +249,7 @@ class ReplicaJob(Engine):
         return buffer
 
     def _inner_state(self) -> dict[str, Any]:
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step,
-        }
+        return replicated_state(self)
 
     def _load_inner_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
+        load_replicated_state(self, state)
