@@ -4,10 +4,12 @@ stack dump a waiting rank asks of one outside any collective."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 
-__all__ = ["all_inside_s", "doing", "hang_report", "print_stacks"]
+__all__ = ["all_inside_s", "doing", "hang_report", "print_stacks", "stacks_asked", "stop_process"]
 
 
 def all_inside_s(records: dict[int, dict | None], rank: int, waited_s: float) -> float:
@@ -90,3 +92,29 @@ def print_stacks(rank: int) -> None:
     )
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
+
+
+def stacks_asked(
+    rank: int, op: str, seq: int, waited: float, working: list[int], timeout_s: float, work_timeout_s: float
+) -> str:
+    """The one line a waiting rank prints for the job when it asks the ranks outside any collective for stacks."""
+    return (
+        f"loom watchdog: rank {rank} has waited {waited:.0f} s in collective '{op}' #{seq} (past the hang "
+        f"timeout, {timeout_s:.0f} s, LOOM_HANG_TIMEOUT_S) while rank(s) {working} are outside any collective: "
+        "their own work (evaluation, a checkpoint) or stuck in it. Their Python stacks follow on their output; "
+        f"the others wait for them up to the work timeout ({work_timeout_s:.0f} s, LOOM_WORK_TIMEOUT_S)."
+    )
+
+
+def stop_process(text: str, error: type[Exception], rank: int, poll_s: float) -> None:
+    """Print ``text``, record its first line as ``error`` for the launcher (``loom run`` prints it), end the
+    process with exit code 1: the main thread may be blocked inside C++ and cannot be interrupted."""
+    print(text, file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error(text.splitlines()[0]))
+    sys.stdout.flush()
+    if rank == 0:  # rank 0 hosts the store: give the others a moment to read it before it goes
+        time.sleep(poll_s)
+    os._exit(1)

@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from loom.errors import HangError, PeerLostError
-from loom.fault.hang_report import all_inside_s, doing, hang_report, print_stacks
+from loom.fault.hang_report import all_inside_s, doing, hang_report, print_stacks, stacks_asked, stop_process
 from loom.fault.liveness import Heartbeat, liveness_timeout_s, seconds_setting
 from loom.fault.side_channel import host_description, open_side_channel
 from loom.topology import Topology
@@ -313,15 +313,8 @@ class Watchdog:
             self.store.set(f"{self._prefix}stack{r}", "1")
         if self.store.add(f"{self._prefix}stacks-announced", 1) != 1:
             return  # another waiting rank said it already
-        print(
-            f"loom watchdog: rank {self.rank} has waited {waited:.0f} s in collective '{current[0]}' #{current[1]} "
-            f"(past the hang timeout, {self.timeout_s:.0f} s, LOOM_HANG_TIMEOUT_S) while rank(s) {working} are "
-            "outside any collective: their own work (evaluation, a checkpoint) or stuck in it. Their Python "
-            f"stacks follow on their output; the others wait for them up to the work timeout "
-            f"({self.work_timeout_s:.0f} s, LOOM_WORK_TIMEOUT_S).",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(stacks_asked(self.rank, current[0], current[1], waited, working, self.timeout_s,
+                           self.work_timeout_s), file=sys.stderr, flush=True)  # fmt: skip
 
     def read_records(self) -> dict[int, dict | None]:
         """Every rank's published record (None where it could not be read)."""
@@ -364,17 +357,7 @@ class Watchdog:
         self._stop_process(text, HangError)
 
     def _stop_process(self, text: str, error: type[Exception]) -> None:
-        """Print ``text``, record its first line as ``error`` for the launcher (``loom run`` prints it), end the
-        process with exit code 1: the main thread may be blocked inside C++ and cannot be interrupted."""
-        print(text, file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-            ErrorHandler().record_exception(error(text.splitlines()[0]))
-        sys.stdout.flush()
-        if self.rank == 0:  # rank 0 hosts the store: give the others a moment to read it before it goes
-            time.sleep(self.poll_s)
-        os._exit(1)
+        stop_process(text, error, self.rank, self.poll_s)
 
 
 _active: Watchdog | None = None
