@@ -199,7 +199,7 @@ class _Job:
         options = self._actor_options(self.config.resources_per_server)
         actors = [self.host_class.options(**options).remote(f"server{i}") for i in range(count)]
         wheres = self.ray.get([a.where.remote() for a in actors], timeout=self.config.start_timeout_s)
-        ports = self.ray.get([a.free_port.remote() for a in actors], timeout=self.config.start_timeout_s)
+        ports = self.ray.get([a.listen.remote() for a in actors], timeout=self.config.start_timeout_s)
         self.server_addresses = [f"{w['address']}:{p}" for w, p in zip(wheres, ports, strict=True)]
         starts = []
         for i, (actor, where) in enumerate(zip(actors, wheres, strict=True)):

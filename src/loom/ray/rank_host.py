@@ -75,6 +75,8 @@ class RankHost:
         self.result: bytearray | None = None
         self.ended_at: float | None = None
         """Wall-clock time the process ended (which of several failed ranks failed first)."""
+        self.listener: socket.socket | None = None
+        """A parameter server's listening socket (`listen`), held from choosing its port to the server's end."""
 
     # -- where the actor runs -------------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
@@ -89,13 +91,23 @@ class RankHost:
             "host": socket.gethostname(),
         }
 
-    def free_port(self) -> int:
-        """A TCP port free on this node's address now (for a parameter server to listen on)."""
+    def listen(self) -> int:
+        """Bind and listen on a free TCP port of this node's address, and return it: the socket is handed to the
+        process `start` starts (``--listen-fd``, as ``loom run --servers`` does), so the port is never free
+        between being chosen and the server's start (a port only probed free could be taken in between)."""
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return s.getsockname()[1]
+        if self.listener is None:
+            address = ray.util.get_node_ip_address()
+            listener = socket.socket(
+                socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM
+            )
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, 0))
+            listener.listen(128)
+            listener.set_inheritable(True)
+            self.listener = listener
+        return int(self.listener.getsockname()[1])
 
     # -- the process ------------------------------------------------------------------------------------------
     def start(
@@ -136,6 +148,10 @@ class RankHost:
         result_r, result_w = os.pipe() if payload is not None else (None, None)
         if result_w is not None:
             full_env["LOOM_RAY_RESULT_FD"] = str(result_w)
+        fds = [result_w] if result_w is not None else []
+        if self.listener is not None:
+            argv = [*argv, "--listen-fd", str(self.listener.fileno())]
+            fds.append(self.listener.fileno())
         self.proc = subprocess.Popen(
             [sys.executable, *argv],
             cwd=cwd,
@@ -143,7 +159,7 @@ class RankHost:
             stdin=subprocess.PIPE if payload is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(result_w,) if result_w is not None else (),
+            pass_fds=tuple(fds),
         )
         self._thread(self._note_end, self.proc)
         for stream, kind in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
@@ -258,6 +274,9 @@ class RankHost:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         return self.proc.returncode
 
     def cleanup(self) -> None:
