@@ -5,7 +5,7 @@ On one host the launcher is the natural authority over membership: the workers a
 death at once, with its signal), and it hosts the job's authenticated store (`loom.launch.supervise`), so no
 worker's death takes the quorum down. What it does, every `TICK_S` (the protocol is `loom.fault.quorum`'s):
 
-- a worker that dies (a signal, or a non-zero exit) is named on one line; while heals remain (``--max-heals``)
+- a worker that dies (a signal, or `LEFT_OUT_STATUS`) is named on one line; while heals remain (``--max-heals``)
   a replacement starts at once with the same RANK and the next heal generation (``LOOM_HEAL_GENERATION``); past
   the budget the job stops, naming the lost ranks. The dead member's epoch is marked (``q/E/dead``) so that the
   others' commit vote does not wait for it;
@@ -15,7 +15,16 @@ worker's death takes the quorum down. What it does, every `TICK_S` (the protocol
   members re-form after their current step); when a member of E checks in (or one dies), the next epoch is
   published once every live member of E has checked in, or after ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (default 10 s:
   the silent ones are killed, never waited for again), with the ready replacements added;
-- fewer members than ``--min-workers`` stops the job, naming the lost ranks.
+- fewer members than ``--min-workers`` stops the job, naming the lost ranks;
+- a worker that exits with any other non-zero status on its own (an uncaught exception in the script: status 1
+  and a traceback) stops the job at once, naming the rank and the status, as ``--on-worker-failure stop`` does.
+
+Where the line is (`exit_kind`): a death by a signal (SIGKILL, the OOM killer, the launcher's own kill of a frozen
+or silent worker) is a lost machine or process, which a replacement fixes; `LEFT_OUT_STATUS` is the status a
+worker sets on purpose when the quorum tells it to leave (`loom.fault.quorum.LeftOutOfQuorum`, via
+`loom.launch.worker`), also healed; every other status is the script's own doing -- a bug, a bad setting, a step
+that failed `MAX_DROPS` times in a row -- which a replacement started from the same state would only repeat,
+spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
 
 The job ends when every worker has ended; a replacement still waiting to join when the others have finished is
 stopped (there is nothing left to train).
@@ -31,7 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HealPolicy", "HealQuorum"]
+from loom.fault.quorum import LEFT_OUT_STATUS
+
+__all__ = ["HealPolicy", "HealQuorum", "exit_kind"]
 
 TICK_S = 0.01
 
@@ -53,6 +64,14 @@ def _seconds(name: str, default: float) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be > 0 seconds, got {value}")
     return value
+
+
+def exit_kind(status: int) -> str:
+    """``finished`` (0), ``lost`` (a signal, or `LEFT_OUT_STATUS`: healed) or ``error`` (any other status: the
+    script's own error, which stops the job); see the module docstring."""
+    if status == 0:
+        return "finished"
+    return "lost" if status < 0 or status == LEFT_OUT_STATUS else "error"
 
 
 class JobStops(Exception):
@@ -99,6 +118,18 @@ class HealQuorum:
     # -- events -------------------------------------------------------------------------------------------------
     def finished(self, rank: int) -> None:
         self._finished.add(rank)
+
+    def ended(self, rank: int, status: int, what: str) -> None:
+        """Rank ``rank``'s current process ended with ``status`` (``what`` says how, as one line): a finished
+        worker, a lost one (replaced) or the script's own error (`JobStops`), as `exit_kind` says."""
+        kind = exit_kind(status)
+        if kind == "finished":
+            self.finished(rank)
+        elif kind == "lost":
+            self.died(rank, what)
+        else:
+            raise JobStops(f"{what}; the script's own error is not healed (a replacement would repeat it): the job "
+                           "stops. HINT: fix the error; a worker killed by a signal is healed")  # fmt: skip
 
     def died(self, rank: int, what: str) -> None:
         """Rank ``rank``'s process ended badly (``what`` says how): mark its epoch, replace it or stop."""

@@ -28,7 +28,8 @@ parameter servers accept it.
 (``LOOM_HEAL_GENERATION``), and instead of letting a lost rank go, the launcher starts its replacement and acts as
 the quorum's authority over the membership epochs (`loom.launch.heal`; the worker's side is
 `loom.fault.quorum`). A healed job's status is 0 when its workers (the replacements included) finished and none
-raised; a lost worker that was replaced is no failure.
+raised; a lost worker that was replaced is no failure. A worker that raises (exits non-zero on its own) stops a
+healed job at once, naming the rank and the status: a replacement would repeat the script's error.
 
 Limits: one node, no restarts (``--max-restarts`` must stay 0). A worker that dies *before* every worker has
 joined the process group leaves the others waiting in ``loom.init()`` until its timeout. What the survivors do
@@ -248,10 +249,7 @@ def _watch_healing(
             for w in list(current.values()):
                 if w.proc.poll() is not None and not w.reported:
                     w.reported = True
-                    if w.proc.returncode == 0:
-                        quorum.finished(w.rank)
-                    else:
-                        quorum.died(w.rank, _describe(w))
+                    quorum.ended(w.rank, w.proc.returncode, _describe(w))
             running = [w for w in current.values() if w.proc.poll() is None]
             if not running:
                 return
@@ -273,8 +271,10 @@ def _watch_healing(
 def _healed_verdict(workers: list[_Worker]) -> int:
     """Under healing: 0 when the last process of every rank that trained to the end exited 0 and nothing
     raised (a lost worker replaced is no failure); 1 otherwise."""
+    from loom.launch.heal import exit_kind
+
     last = {w.rank: w for w in workers}
-    failed = [w for w in workers if w.proc.returncode > 0]
+    failed = [w for w in workers if exit_kind(w.proc.returncode) == "error"]
     if failed or not any(w.proc.returncode == 0 for w in last.values()):
         print(f"loom run: the job failed: {'; '.join(_describe(w) for w in failed) or 'no worker finished'}",
               file=sys.stderr)  # fmt: skip
