@@ -97,6 +97,18 @@ def launch(spec: LaunchSpec) -> int:
     _worker_env(spec, local_addr)
     _quiet_agent_logs()
     run_id = run_id_of(spec)
+    if spec.on_worker_failure == "heal" and spec.nnodes > 1:
+        from loom.launch.heal_nodes import heal_across_nodes
+
+        try:
+            status = heal_across_nodes(spec, run_id, host, port, _worker_args(spec))
+        except OSError as error:
+            print(f"loom run: node 0 cannot listen on the master address {host}:{port}: {error.strerror or error}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if status:
+            print(f"loom run: worker logs are in {spec.run_dir / 'logs'}", file=sys.stderr)
+        return status
     if spec.on_worker_failure in ("continue", "heal"):
         return _supervised(spec, run_id)
     try:

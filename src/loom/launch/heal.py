@@ -100,6 +100,8 @@ class HealQuorum:
     _reform_deadline: float | None = None
     _beats: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     _finished: set[int] = field(default_factory=set)
+    gone: set[int] = field(default_factory=set)
+    """Ranks lost for good, never replaced nor waited for (their node is gone: `drop`)."""
 
     def __post_init__(self) -> None:
         self.generation = {r: 0 for r in range(self.nproc)}
@@ -131,6 +133,18 @@ class HealQuorum:
             raise JobStops(f"{what}; the script's own error is not healed (a replacement would repeat it): the job "
                            "stops. HINT: fix the error; a worker killed by a signal is healed")  # fmt: skip
 
+    def drop(self, rank: int, what: str, grace_s: float = 0.0) -> None:
+        """Rank ``rank`` is lost with no way to replace it (its node is gone, `loom.launch.heal_nodes`): its epoch
+        is marked and it is never waited for again. A member of the epoch gives the others ``grace_s`` more to
+        check in: a survivor in a collective with a partitioned peer learns of it only at its group's timeout
+        (no connection resets across a cut link), and must not be killed for that."""
+        self.lost.append(what)
+        self.gone.add(rank)
+        if self.is_member(rank):
+            self.store.set(f"q/{self.epoch}/dead", str(rank))
+            deadline = time.monotonic() + self.checkin_timeout_s + grace_s
+            self._reform_deadline = max(self._reform_deadline or 0.0, deadline)
+
     def died(self, rank: int, what: str) -> None:
         """Rank ``rank``'s process ended badly (``what`` says how): mark its epoch, replace it or stop."""
         self.lost.append(what)
@@ -154,7 +168,7 @@ class HealQuorum:
         self._check_heartbeats(now)
         ready = self._ready()
         if self.epoch == 0:
-            if len(ready) == self.nproc:
+            if ready and len(ready) == self.nproc - len(self.gone):
                 self._publish(sorted(ready))
             return
         if self._finished:

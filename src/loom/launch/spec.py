@@ -2,7 +2,7 @@
 value and the fix), and the job's identity derived from it on each node: the store's address
 (`endpoint_and_addr`), the job secret (`secret_of`) and the rendezvous key (`run_id_of`).
 
-Kept apart from running the job (`loom.launch.agent`, `loom.launch.supervise`) so the
+Kept apart from running the job (`loom.launch.agent`, `loom.launch.supervise`, `loom.launch.heal_nodes`) so the
 checks can be read, and tested, without the machinery that starts processes.
 """
 
@@ -102,14 +102,21 @@ class LaunchSpec:
             raise ValueError(
                 f"--on-worker-failure {self.on_worker_failure!r}; use 'stop', 'continue' or 'heal'"
             )
-        if self.on_worker_failure == "heal" and not 1 <= self.min_workers <= self.nproc:
+        if self.on_worker_failure == "heal" and self.nnodes == 1 and not 1 <= self.min_workers <= self.nproc:
             raise ValueError(f"--min-workers {self.min_workers} must be in 1..{self.nproc} (-n)")
+        if self.min_workers < 1:  # several nodes: node 0 checks it against the job's workers once all joined
+            raise ValueError(f"--min-workers must be >= 1, got {self.min_workers}")
         if self.max_heals < 0:
             raise ValueError(f"--max-heals must be >= 0, got {self.max_heals}")
-        if self.on_worker_failure in ("continue", "heal") and (self.max_restarts or self.nnodes > 1):
+        if self.on_worker_failure == "continue" and (self.max_restarts or self.nnodes > 1):
             raise ValueError(
-                f"--on-worker-failure {self.on_worker_failure} runs one node without restarts; "
+                f"--on-worker-failure continue runs one node without restarts; "
                 f"got --max-restarts {self.max_restarts}, --nnodes {self.nnodes}. HINT: drop one of them"
+            )
+        if self.on_worker_failure == "heal" and self.max_restarts:
+            raise ValueError(
+                f"--on-worker-failure heal replaces lost workers instead of restarting the group; got "
+                f"--max-restarts {self.max_restarts}. HINT: drop --max-restarts (--max-heals is heal's budget)"
             )
         if not self.module and Path(self.target).is_dir():
             raise FileNotFoundError(

@@ -85,23 +85,37 @@ def _pump(stream: IO[str], prefix: str, out: IO[str], log_path: Path) -> None:
             log.write(line)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this node's workers sit in a job of several nodes (`loom.launch.heal_nodes`): the global rank of
+    its first worker, the job's world size, this node's rank and count, and node 0's store address."""
+
+    first_rank: int
+    world: int
+    node_rank: int
+    nnodes: int
+    master_addr: str
+
+
 def _env(
     rank: int, nproc: int, store_port: int, run_id: str, error_file: Path, policy: str = "continue",
-    generation: int = 0,
+    generation: int = 0, placement: Placement | None = None,
 ) -> dict[str, str]:  # fmt: skip
-    """What the elastic agent would set for this worker (one node, attempt 0), on top of this environment."""
+    """What the elastic agent would set for this worker (attempt 0), on top of this environment: one node unless
+    ``placement`` says otherwise (``rank`` is then the global rank)."""
+    where = placement or Placement(0, nproc, 0, 1, "127.0.0.1")
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        GROUP_RANK="0",
+        LOCAL_RANK=str(rank - where.first_rank),
+        GROUP_RANK=str(where.node_rank),
         ROLE_RANK=str(rank),
         ROLE_NAME="default",
-        WORLD_SIZE=str(nproc),
+        WORLD_SIZE=str(where.world),
         LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_WORLD_SIZE="1",
-        ROLE_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
+        GROUP_WORLD_SIZE=str(where.nnodes),
+        ROLE_WORLD_SIZE=str(where.world),
+        MASTER_ADDR=where.master_addr,
         MASTER_PORT=str(store_port),
         TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
@@ -118,14 +132,14 @@ def _env(
 
 def _start(
     rank: int, nproc: int, worker_args: list[str], store_port: int, run_id: str, logs: Path,
-    policy: str = "continue", generation: int = 0,
+    policy: str = "continue", generation: int = 0, placement: Placement | None = None,
 ) -> _Worker:  # fmt: skip
     name = f"rank{rank}" + (f".heal{generation}" if generation else "")
     error_file = logs / f"{name}.error.json"
     error_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [sys.executable, *worker_args],
-        env=_env(rank, nproc, store_port, run_id, error_file, policy, generation),
+        env=_env(rank, nproc, store_port, run_id, error_file, policy, generation, placement),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,0 +1,118 @@
+"""Healing across hosts (issue 23): ``loom run --nnodes 2 ... --on-worker-failure heal`` on two "hosts" (network
+namespaces on one bridge, tests/netns.py). A worker SIGKILLed on node 1 is replaced on node 1 while every other
+worker keeps its process, and the final parameters equal one process on the same global batches (1e-5); a
+partition of node 1 (its link set down) is dropped after the heartbeat timeout, never waited for: node 0's members
+go on and finish, node 1's agent stops its workers naming the store it lost. Skipped without root."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from netns import bridged_hosts, can_make_namespaces
+from test_heal import reference, reports
+
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.skipif(not can_make_namespaces(), reason="needs root and iproute2 for network namespaces"),
+]
+
+WORKERS = Path(__file__).parent / "workers"
+SCRIPT = WORKERS / "heal_hosts_train.py"
+SRC = Path(__file__).resolve().parent.parent / "src"
+PORT = 29531  # the namespaces are fresh: nothing else listens there
+
+
+def start_nodes(hosts, nproc: int, tmp_path: Path, **env_extra: str) -> list[subprocess.Popen]:
+    env = dict(os.environ, LOOM_JOB_SECRET=os.urandom(32).hex(), HEAL_OUT=str(tmp_path / "out"), **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), str(WORKERS), env.get("PYTHONPATH")]))
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    (tmp_path / "out").mkdir()
+    nodes = []
+    for node, host in enumerate(hosts):
+        cmd = host.command(sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--nnodes", str(len(hosts)),
+                           "--node-rank", str(node), "--master", f"{hosts[0].address}:{PORT}",
+                           "--on-worker-failure", "heal", "--run-dir", str(tmp_path / f"node{node}"), str(SCRIPT))  # fmt: skip
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed with the process
+        nodes.append(
+            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
+    return nodes
+
+
+def wait_all(nodes: list[subprocess.Popen], tmp_path: Path, timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in nodes:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [(tmp_path / f"node{k}.log").read_text() for k in range(len(nodes))]
+
+
+def check_final_equals_one_process(last: dict, steps: int) -> None:
+    want = reference(steps)
+    for d in last.values():
+        got = [torch.tensor(v) for v in d["final"]]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b.to(a.dtype), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_on_node_1_is_replaced_there_and_the_job_equals_one_process(tmp_path):
+    steps = 8
+    with bridged_hosts(2, subnet=81) as hosts:
+        nodes = start_nodes(hosts, 2, tmp_path, HEAL_STEPS=str(steps), LOOM_FAULTS="kill@3:3:during")
+        texts = wait_all(nodes, tmp_path, 90)
+    assert [p.returncode for p in nodes] == [0, 0], texts
+    assert "worker rank 3 was killed by SIGKILL; starting its replacement (heal 1 of 3" in texts[0], texts[0]
+    assert "node 1: starting rank 3's replacement (generation 1)" in texts[1], texts[1]
+    found = reports(tmp_path / "out")
+    assert set(found) == {(0, 0), (1, 0), (2, 0), (3, 0), (3, 1)}, sorted(found)
+    hashes: dict[int, set[str]] = {}
+    for d in found.values():
+        for step, _t, _members, digest, _loss, _size in d["steps"]:
+            hashes.setdefault(step, set()).add(digest)
+    assert sorted(hashes) == list(range(1, steps + 1)) and all(len(h) == 1 for h in hashes.values())
+    for r in range(3):  # the survivors kept their process, which trained every step
+        assert [s[0] for s in found[(r, 0)]["steps"]] == list(range(1, steps + 1))
+    new = found[(3, 1)]  # the replacement ran on node 1 and trained like the others from its first step
+    assert new["joined_at_step"] > 0 and new["steps"][0][0] == new["joined_at_step"] + 1
+    assert (tmp_path / "node1" / "logs" / "rank3.heal1.stdout.log").exists()
+    check_final_equals_one_process({r: found[(r, 0)] for r in range(3)} | {3: new}, steps)
+
+
+@pytest.mark.timeout(120)
+def test_a_partitioned_node_is_dropped_node_0_finishes_and_node_1_stops_naming_the_lost_store(tmp_path):
+    steps = 30
+    with bridged_hosts(2, subnet=82) as hosts:
+        nodes = start_nodes(hosts, 1, tmp_path, HEAL_STEPS=str(steps), HEAL_PAUSE_S="0.2", HEAL_WAIT_S="0",
+                            LOOM_HEAL_HEARTBEAT_TIMEOUT_S="2", LOOM_HEAL_GROUP_TIMEOUT_S="4")  # fmt: skip
+        report = tmp_path / "out" / "rank0.g0.json"
+        deadline = time.monotonic() + 60
+        while not (report.exists() and len(json.loads(report.read_text() or "{}").get("steps", [])) >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes)
+            time.sleep(0.1)
+        subprocess.run(["ip", "-n", hosts[1].name, "link", "set", hosts[1].interface, "down"], check=True)
+        texts = wait_all(nodes, tmp_path, 60)
+    assert nodes[0].returncode == 0, texts[0][-3000:]
+    assert nodes[1].returncode == 1, texts[1][-3000:]
+    assert "loom run: node 1 lost: its agent sent no heartbeat for 2 s" in texts[0], texts[0][-3000:]
+    assert (f"loom run: node 1 lost node 0 (the job's store and quorum at {hosts[0].address}:{PORT})"
+            in texts[1]), texts[1][-3000:]  # fmt: skip
+    assert "starting its replacement" not in texts[0]  # no heal spent on a node that cannot be reached
+    found = reports(tmp_path / "out")
+    survivor = found[(0, 0)]
+    assert [s[0] for s in survivor["steps"]] == list(range(1, steps + 1))
+    assert [s[2] for s in survivor["steps"]][-1] == [0]  # it finished alone
+    check_final_equals_one_process({0: survivor}, steps)
