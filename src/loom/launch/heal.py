@@ -26,6 +26,10 @@ worker sets on purpose when the quorum tells it to leave (`loom.fault.quorum.Lef
 that failed `MAX_DROPS` times in a row -- which a replacement started from the same state would only repeat,
 spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
 
+Across hosts the same `HealQuorum` runs in node 0's agent and acts on the other nodes' workers through their
+agents (`loom.launch.heal_nodes`): ``restart``/``kill`` become orders, a death is an event, and a lost node's
+ranks are dropped (`HealQuorum.drop`) rather than replaced.
+
 The job ends when every worker has ended; a replacement still waiting to join when the others have finished is
 stopped (there is nothing left to train).
 """

@@ -31,7 +31,8 @@ the quorum's authority over the membership epochs (`loom.launch.heal`; the worke
 raised; a lost worker that was replaced is no failure. A worker that raises (exits non-zero on its own) stops a
 healed job at once, naming the rank and the status: a replacement would repeat the script's error.
 
-Limits: one node, no restarts (``--max-restarts`` must stay 0). A worker that dies *before* every worker has
+Limits: one node (healing across nodes is `loom.launch.heal_nodes`, built on this module's workers), no restarts
+(``--max-restarts`` must stay 0). A worker that dies *before* every worker has
 joined the process group leaves the others waiting in ``loom.init()`` until its timeout. What the survivors do
 about a dead peer is the strategy's business: a parameter-server job goes on in ``async``/``ssp``, a gossip job
 goes on with its other neighbours; a script that uses no loom strategy is not checked.
