@@ -98,12 +98,20 @@ def check_final_equals_one_process(last: dict, steps: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_killed_on_node_1_is_replaced_there_and_the_job_equals_one_process(tmp_path):
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_worker_killed_on_node_1_is_replaced_there_and_the_job_equals_one_process(tmp_path, fault):
+    # "freeze": SIGSTOP; its heartbeats stop, node 0's authority orders node 1 to kill it, then it is replaced
     steps = 8
     with bridged_hosts(2, subnet=81) as hosts:
-        nodes = start_nodes(hosts, 2, tmp_path, HEAL_STEPS=str(steps), LOOM_FAULTS="kill@3:3:during")
+        nodes = start_nodes(hosts, 2, tmp_path, HEAL_STEPS=str(steps), LOOM_FAULTS=f"{fault}@3:3:during",
+                            LOOM_HEAL_HEARTBEAT_TIMEOUT_S="2")  # fmt: skip
         texts = wait_all(nodes, tmp_path, 90)
     assert [p.returncode for p in nodes] == [0, 0], texts
+    if fault == "freeze":
+        assert (
+            "worker rank 3 sent no heartbeat for 2 s (LOOM_HEAL_HEARTBEAT_TIMEOUT_S): dropped and killed"
+            in (texts[0])
+        ), texts[0]
     assert "worker rank 3 was killed by SIGKILL; starting its replacement (heal 1 of 3" in texts[0], texts[0]
     assert "node 1: starting rank 3's replacement (generation 1)" in texts[1], texts[1]
     found = reports(tmp_path / "out")

@@ -99,3 +99,19 @@ def test_heal_is_allowed_across_nodes_and_refuses_group_restarts(tmp_path):
         LaunchSpec(str(script), on_worker_failure="heal", max_restarts=1)
     with pytest.raises(ValueError, match="continue runs one node"):
         LaunchSpec(str(script), nnodes=2, master="127.0.0.1:29500", on_worker_failure="continue")
+
+
+def test_a_frozen_worker_on_node_1_is_killed_by_an_order_to_node_1(monkeypatch):
+    authority, agents, job = two_nodes(monkeypatch)
+    monkeypatch.setattr(authority.quorum, "heartbeat_timeout_s", 0.2)
+    for beat in range(1, 4):  # every worker's heartbeat moves but rank 2's; node 1's agent is alive
+        for rank in range(2):
+            job.set(f"hb/{rank}/0", str(beat))
+        job.set("hb/2/0", "1")
+        agents.set("1/hb", str(beat))
+        authority.tick()
+        time.sleep(0.15)
+    assert agents.get("1/order/1") == b"kill 2 0" and not authority.lost_nodes
+    event(agents, 1, "2 0 -9 worker rank 2 was killed by SIGKILL")
+    authority.tick()
+    assert agents.get("1/order/2") == b"start 2 1"
