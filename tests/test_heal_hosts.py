@@ -179,3 +179,17 @@ def test_node_0s_loss_stops_the_job_on_node_1_naming_node_0(tmp_path):
     assert (f"loom run: node 1 lost node 0 (the job's store and quorum at {hosts[0].address}:{PORT}): no answer "
             "for 2 s") in texts[1], texts[1][-3000:]  # fmt: skip
     assert "starting rank" not in texts[1]
+
+
+@pytest.mark.timeout(120)
+def test_a_script_error_on_node_1_stops_the_job_on_every_node(tmp_path):
+    with bridged_hosts(2, subnet=85) as hosts:
+        nodes = start_nodes(hosts, 1, tmp_path, HEAL_STEPS="30", HEAL_SCRIPT_FAULT="1:3:raise")
+        texts = wait_all(nodes, tmp_path, 60)
+    assert [p.returncode for p in nodes] == [1, 1], texts
+    assert ("loom run: worker rank 1 failed (exit code 1): ValueError: the script's own error on rank 1 after step 3; "
+            "the script's own error is not healed") in texts[0], texts[0][-3000:]  # fmt: skip
+    assert "loom run: node 1: node 0 stopped the job: worker rank 1 failed (exit code 1)" in texts[1], texts[
+        1
+    ]
+    assert "starting" not in texts[0] + texts[1]
