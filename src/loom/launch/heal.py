@@ -46,7 +46,7 @@ from typing import Any
 
 from loom.fault.quorum import LEFT_OUT_STATUS
 
-__all__ = ["HealPolicy", "HealQuorum", "exit_kind"]
+__all__ = ["HealPolicy", "HealQuorum", "JobStops", "exit_kind", "seconds_setting"]
 
 TICK_S = 0.01
 
@@ -63,7 +63,7 @@ class HealPolicy:
             raise ValueError(f"--max-heals must be >= 0 and --min-workers >= 1, got {self}")
 
 
-def _seconds(name: str, default: float) -> float:
+def seconds_setting(name: str, default: float) -> float:
     value = float(os.environ.get(name, "") or default)
     if not value > 0:
         raise ValueError(f"{name} must be > 0 seconds, got {value}")
@@ -109,8 +109,8 @@ class HealQuorum:
 
     def __post_init__(self) -> None:
         self.generation = {r: 0 for r in range(self.nproc)}
-        self.heartbeat_timeout_s = _seconds("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
-        self.checkin_timeout_s = _seconds("LOOM_HEAL_CHECKIN_TIMEOUT_S", 10.0)
+        self.heartbeat_timeout_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
+        self.checkin_timeout_s = seconds_setting("LOOM_HEAL_CHECKIN_TIMEOUT_S", 10.0)
 
     @property
     def ending(self) -> bool:

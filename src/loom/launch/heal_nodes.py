@@ -43,11 +43,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loom.launch.heal import HealPolicy, HealQuorum, JobStops, _seconds, exit_kind
+from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, seconds_setting
 from loom.launch.spec import LaunchSpec
-from loom.launch.supervise import Placement, _describe, _LauncherStopped, _start, _stop, _Worker
+from loom.launch.supervise import (
+    LauncherStopped,
+    Placement,
+    Worker,
+    describe_exit,
+    start_worker,
+    stop_workers,
+)
 
-__all__ = ["heal_across_nodes"]
+__all__ = ["Authority", "NodeAgent", "heal_across_nodes"]
 
 TICK_S = 0.02
 AGENT_BEAT_S = 0.25
@@ -85,8 +92,8 @@ class NodeAgent:
     def __init__(self, node: int, first_rank: int, nproc: int, link: _Link, start: Any) -> None:
         self.node, self.link, self._start = node, link, start
         self.generation = {r: 0 for r in range(first_rank, first_rank + nproc)}
-        self.current: dict[int, _Worker] = {}
-        self.all: list[_Worker] = []
+        self.current: dict[int, Worker] = {}
+        self.all: list[Worker] = []
         self.events = self.orders_done = 0
         self._unsent: list[str] = []
         self._beat_at = 0.0
@@ -98,7 +105,7 @@ class NodeAgent:
         self.current[rank] = self._start(rank, generation)
         self.all.append(self.current[rank])
 
-    def running(self) -> list[_Worker]:
+    def running(self) -> list[Worker]:
         return [w for w in self.current.values() if w.proc.poll() is None]
 
     def tick(self) -> None:
@@ -108,7 +115,7 @@ class NodeAgent:
         for w in self.current.values():
             if w.proc.poll() is not None and not w.reported:
                 w.reported = True
-                what = _describe(w) if w.proc.returncode else f"worker rank {w.rank} finished"
+                what = describe_exit(w) if w.proc.returncode else f"worker rank {w.rank} finished"
                 self._unsent.append(f"{w.rank} {self.generation[w.rank]} {w.proc.returncode} {what}")
                 if self.node and w.proc.returncode:
                     print(
@@ -157,7 +164,7 @@ class Authority:
         self.orders = [0] * len(sizes)
         self.beats: dict[int, tuple[int, float]] = {}
         self.quorum = HealQuorum(len(self.node_of), policy, job_store, self._restart, self._alive, self._kill)
-        self.grace_s = _seconds("LOOM_HEAL_GROUP_TIMEOUT_S", 30.0)
+        self.grace_s = seconds_setting("LOOM_HEAL_GROUP_TIMEOUT_S", 30.0)
 
     def _alive(self, rank: int) -> bool:
         return rank not in self.quorum.gone and self.running[rank] == self.quorum.generation[rank]
@@ -244,7 +251,7 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     logs.mkdir(parents=True, exist_ok=True)
     server = StoreServer(host, port, secret) if node == 0 else None
     prefix = f"loom/{run_id}/nodes/"
-    lost_after_s = _seconds("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
+    lost_after_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
     joining = LoomStore(
         host, port, secret, prefix=prefix, server=server, connect_timeout_s=spec.join_timeout_s
     )
@@ -265,11 +272,11 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     first = sum(sizes[:node])
     placement = Placement(first, world, node, spec.nnodes, host)
 
-    def start(rank: int, generation: int) -> _Worker:
-        return _start(rank, spec.nproc, worker_args, port, run_id, logs, "heal", generation, placement)
+    def start(rank: int, generation: int) -> Worker:
+        return start_worker(rank, spec.nproc, worker_args, port, run_id, logs, "heal", generation, placement)
 
     def stop_on(signum: int, _frame: Any) -> None:
-        raise _LauncherStopped(signum)
+        raise LauncherStopped(signum)
 
     previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
     agent: NodeAgent | None = None
@@ -279,14 +286,14 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
             return _follow(agent, link, host, port)
         job = LoomStore(prefix=f"loom/{run_id}/job/", server=server)
         return _lead(agent, Authority(sizes, HealPolicy(spec.max_heals, spec.min_workers), link, job), link)
-    except _LauncherStopped as stop:
+    except LauncherStopped as stop:
         print(f"loom run: node {node} stopped by signal {stop}; its workers were terminated", file=sys.stderr)
         return 128 + stop.signum
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if agent is not None:
-            _stop(agent.all, spec.shutdown_timeout_s)
+            stop_workers(agent.all, spec.shutdown_timeout_s)
             for w in agent.all:
                 for reader in w.readers:
                     reader.join(timeout=5.0)
