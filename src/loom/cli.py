@@ -74,7 +74,7 @@ def _add_run_parser(sub) -> None:
         "training; one node, no restarts); a line names each dead rank and its signal, and the exit status is 0 "
         "only if every other worker succeeded and the lost ones were killed by a signal. heal: the others go on "
         "in the same processes and a replacement for the lost rank copies a live peer's state and joins at a step "
-        "boundary (DataParallel; one node; up to --max-heals replacements)",
+        "boundary (DataParallel; one node or several: --nnodes, --cluster; up to --max-heals replacements in all)",
     )
     p.add_argument("--max-heals", type=_non_negative_int, default=3,
                    help="--on-worker-failure heal: replacements started in all; one more loss stops the job")  # fmt: skip
@@ -218,7 +218,8 @@ def _cmd_run_cluster(ns: argparse.Namespace) -> int:
     options = dict(target=ns.script, args=tuple(ns.args), module=ns.module, max_restarts=ns.max_restarts,
                    on_worker_failure=ns.on_worker_failure, run_dir=ns.run_dir or _default_run_dir(),
                    trace_steps=ns.trace_steps, join_timeout_s=ns.join_timeout,
-                   insecure_no_secret=ns.insecure_no_secret, max_nproc=ns.max_nproc)  # fmt: skip
+                   insecure_no_secret=ns.insecure_no_secret, max_nproc=ns.max_nproc, max_heals=ns.max_heals,
+                   min_workers=ns.min_workers)  # fmt: skip
     return run_host(spec, index, options)
 
 

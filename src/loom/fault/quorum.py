@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_S", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group"]
+__all__ = ["HEARTBEAT_S", "LEFT_OUT_STATUS", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group"]
 
 HEARTBEAT_S = 0.5
 """Seconds between a worker's heartbeats (the launcher's timeout is ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``)."""
@@ -50,8 +50,17 @@ class StepDropped(RuntimeError):
     """The commit vote said drop: no member applied the step; it is retried by the next epoch's members."""
 
 
+LEFT_OUT_STATUS = 75
+"""The exit status of a worker told to leave the quorum (`LeftOutOfQuorum`; 75 is sysexits' EX_TEMPFAIL, "try
+again"): the launcher replaces it as it does a killed worker, while any other non-zero status is the script's own
+error and stops the job (`loom.launch.heal`)."""
+
+
 class LeftOutOfQuorum(RuntimeError):
-    """This worker was not in the epoch it waited for (too slow to check in): it ends and is replaced."""
+    """This worker was not in the epoch it waited for (too slow to check in): it ends and is replaced.
+    `loom.launch.worker` ends the process with `LEFT_OUT_STATUS` (``loom_exit_status``), not as an error."""
+
+    loom_exit_status = LEFT_OUT_STATUS
 
 
 def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> dist.ProcessGroup:

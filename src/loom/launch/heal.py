@@ -5,7 +5,7 @@ On one host the launcher is the natural authority over membership: the workers a
 death at once, with its signal), and it hosts the job's authenticated store (`loom.launch.supervise`), so no
 worker's death takes the quorum down. What it does, every `TICK_S` (the protocol is `loom.fault.quorum`'s):
 
-- a worker that dies (a signal, or a non-zero exit) is named on one line; while heals remain (``--max-heals``)
+- a worker that dies (a signal, or `LEFT_OUT_STATUS`) is named on one line; while heals remain (``--max-heals``)
   a replacement starts at once with the same RANK and the next heal generation (``LOOM_HEAL_GENERATION``); past
   the budget the job stops, naming the lost ranks. The dead member's epoch is marked (``q/E/dead``) so that the
   others' commit vote does not wait for it;
@@ -15,7 +15,20 @@ worker's death takes the quorum down. What it does, every `TICK_S` (the protocol
   members re-form after their current step); when a member of E checks in (or one dies), the next epoch is
   published once every live member of E has checked in, or after ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (default 10 s:
   the silent ones are killed, never waited for again), with the ready replacements added;
-- fewer members than ``--min-workers`` stops the job, naming the lost ranks.
+- fewer members than ``--min-workers`` stops the job, naming the lost ranks;
+- a worker that exits with any other non-zero status on its own (an uncaught exception in the script: status 1
+  and a traceback) stops the job at once, naming the rank and the status, as ``--on-worker-failure stop`` does.
+
+Where the line is (`exit_kind`): a death by a signal (SIGKILL, the OOM killer, the launcher's own kill of a frozen
+or silent worker) is a lost machine or process, which a replacement fixes; `LEFT_OUT_STATUS` is the status a
+worker sets on purpose when the quorum tells it to leave (`loom.fault.quorum.LeftOutOfQuorum`, via
+`loom.launch.worker`), also healed; every other status is the script's own doing -- a bug, a bad setting, a step
+that failed `MAX_DROPS` times in a row -- which a replacement started from the same state would only repeat,
+spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
+
+Across hosts the same `HealQuorum` runs in node 0's agent and acts on the other nodes' workers through their
+agents (`loom.launch.heal_nodes`): ``restart``/``kill`` become orders, a death is an event, and a lost node's
+ranks are dropped (`HealQuorum.drop`) rather than replaced.
 
 The job ends when every worker has ended; a replacement still waiting to join when the others have finished is
 stopped (there is nothing left to train).
@@ -31,7 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HealPolicy", "HealQuorum"]
+from loom.fault.quorum import LEFT_OUT_STATUS
+
+__all__ = ["HealPolicy", "HealQuorum", "JobStops", "exit_kind", "seconds_setting"]
 
 TICK_S = 0.01
 
@@ -48,11 +63,19 @@ class HealPolicy:
             raise ValueError(f"--max-heals must be >= 0 and --min-workers >= 1, got {self}")
 
 
-def _seconds(name: str, default: float) -> float:
+def seconds_setting(name: str, default: float) -> float:
     value = float(os.environ.get(name, "") or default)
     if not value > 0:
         raise ValueError(f"{name} must be > 0 seconds, got {value}")
     return value
+
+
+def exit_kind(status: int) -> str:
+    """``finished`` (0), ``lost`` (a signal, or `LEFT_OUT_STATUS`: healed) or ``error`` (any other status: the
+    script's own error, which stops the job); see the module docstring."""
+    if status == 0:
+        return "finished"
+    return "lost" if status < 0 or status == LEFT_OUT_STATUS else "error"
 
 
 class JobStops(Exception):
@@ -81,11 +104,13 @@ class HealQuorum:
     _reform_deadline: float | None = None
     _beats: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     _finished: set[int] = field(default_factory=set)
+    gone: set[int] = field(default_factory=set)
+    """Ranks lost for good, never replaced nor waited for (their node is gone: `drop`)."""
 
     def __post_init__(self) -> None:
         self.generation = {r: 0 for r in range(self.nproc)}
-        self.heartbeat_timeout_s = _seconds("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
-        self.checkin_timeout_s = _seconds("LOOM_HEAL_CHECKIN_TIMEOUT_S", 10.0)
+        self.heartbeat_timeout_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
+        self.checkin_timeout_s = seconds_setting("LOOM_HEAL_CHECKIN_TIMEOUT_S", 10.0)
 
     @property
     def ending(self) -> bool:
@@ -99,6 +124,30 @@ class HealQuorum:
     # -- events -------------------------------------------------------------------------------------------------
     def finished(self, rank: int) -> None:
         self._finished.add(rank)
+
+    def ended(self, rank: int, status: int, what: str) -> None:
+        """Rank ``rank``'s current process ended with ``status`` (``what`` says how, as one line): a finished
+        worker, a lost one (replaced) or the script's own error (`JobStops`), as `exit_kind` says."""
+        kind = exit_kind(status)
+        if kind == "finished":
+            self.finished(rank)
+        elif kind == "lost":
+            self.died(rank, what)
+        else:
+            raise JobStops(f"{what}; the script's own error is not healed (a replacement would repeat it): the job "
+                           "stops. HINT: fix the error; a worker killed by a signal is healed")  # fmt: skip
+
+    def drop(self, rank: int, what: str, grace_s: float = 0.0) -> None:
+        """Rank ``rank`` is lost with no way to replace it (its node is gone, `loom.launch.heal_nodes`): its epoch
+        is marked and it is never waited for again. A member of the epoch gives the others ``grace_s`` more to
+        check in: a survivor in a collective with a partitioned peer learns of it only at its group's timeout
+        (no connection resets across a cut link), and must not be killed for that."""
+        self.lost.append(what)
+        self.gone.add(rank)
+        if self.is_member(rank):
+            self.store.set(f"q/{self.epoch}/dead", str(rank))
+            deadline = time.monotonic() + self.checkin_timeout_s + grace_s
+            self._reform_deadline = max(self._reform_deadline or 0.0, deadline)
 
     def died(self, rank: int, what: str) -> None:
         """Rank ``rank``'s process ended badly (``what`` says how): mark its epoch, replace it or stop."""
@@ -123,7 +172,7 @@ class HealQuorum:
         self._check_heartbeats(now)
         ready = self._ready()
         if self.epoch == 0:
-            if len(ready) == self.nproc:
+            if ready and len(ready) == self.nproc - len(self.gone):
                 self._publish(sorted(ready))
             return
         if self._finished:

@@ -28,9 +28,11 @@ parameter servers accept it.
 (``LOOM_HEAL_GENERATION``), and instead of letting a lost rank go, the launcher starts its replacement and acts as
 the quorum's authority over the membership epochs (`loom.launch.heal`; the worker's side is
 `loom.fault.quorum`). A healed job's status is 0 when its workers (the replacements included) finished and none
-raised; a lost worker that was replaced is no failure.
+raised; a lost worker that was replaced is no failure. A worker that raises (exits non-zero on its own) stops a
+healed job at once, naming the rank and the status: a replacement would repeat the script's error.
 
-Limits: one node, no restarts (``--max-restarts`` must stay 0). A worker that dies *before* every worker has
+Limits: one node (healing across nodes is `loom.launch.heal_nodes`, built on this module's workers), no restarts
+(``--max-restarts`` must stay 0). A worker that dies *before* every worker has
 joined the process group leaves the others waiting in ``loom.init()`` until its timeout. What the survivors do
 about a dead peer is the strategy's business: a parameter-server job goes on in ``async``/``ssp``, a gossip job
 goes on with its other neighbours; a script that uses no loom strategy is not checked.
@@ -51,7 +53,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-__all__ = ["supervise_workers"]
+__all__ = [
+    "LauncherStopped",
+    "Placement",
+    "Worker",
+    "describe_exit",
+    "start_worker",
+    "stop_workers",
+    "supervise_workers",
+]
 
 if TYPE_CHECKING:
     from loom.launch.heal import HealPolicy
@@ -60,14 +70,14 @@ if TYPE_CHECKING:
 TICK_S = 0.01
 
 
-class _LauncherStopped(Exception):
+class LauncherStopped(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
 @dataclass
-class _Worker:
+class Worker:
     rank: int
     proc: subprocess.Popen
     error_file: Path
@@ -84,23 +94,37 @@ def _pump(stream: IO[str], prefix: str, out: IO[str], log_path: Path) -> None:
             log.write(line)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this node's workers sit in a job of several nodes (`loom.launch.heal_nodes`): the global rank of
+    its first worker, the job's world size, this node's rank and count, and node 0's store address."""
+
+    first_rank: int
+    world: int
+    node_rank: int
+    nnodes: int
+    master_addr: str
+
+
 def _env(
     rank: int, nproc: int, store_port: int, run_id: str, error_file: Path, policy: str = "continue",
-    generation: int = 0,
+    generation: int = 0, placement: Placement | None = None,
 ) -> dict[str, str]:  # fmt: skip
-    """What the elastic agent would set for this worker (one node, attempt 0), on top of this environment."""
+    """What the elastic agent would set for this worker (attempt 0), on top of this environment: one node unless
+    ``placement`` says otherwise (``rank`` is then the global rank)."""
+    where = placement or Placement(0, nproc, 0, 1, "127.0.0.1")
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        GROUP_RANK="0",
+        LOCAL_RANK=str(rank - where.first_rank),
+        GROUP_RANK=str(where.node_rank),
         ROLE_RANK=str(rank),
         ROLE_NAME="default",
-        WORLD_SIZE=str(nproc),
+        WORLD_SIZE=str(where.world),
         LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_WORLD_SIZE="1",
-        ROLE_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
+        GROUP_WORLD_SIZE=str(where.nnodes),
+        ROLE_WORLD_SIZE=str(where.world),
+        MASTER_ADDR=where.master_addr,
         MASTER_PORT=str(store_port),
         TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
@@ -115,16 +139,16 @@ def _env(
     return env
 
 
-def _start(
+def start_worker(
     rank: int, nproc: int, worker_args: list[str], store_port: int, run_id: str, logs: Path,
-    policy: str = "continue", generation: int = 0,
-) -> _Worker:  # fmt: skip
+    policy: str = "continue", generation: int = 0, placement: Placement | None = None,
+) -> Worker:  # fmt: skip
     name = f"rank{rank}" + (f".heal{generation}" if generation else "")
     error_file = logs / f"{name}.error.json"
     error_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [sys.executable, *worker_args],
-        env=_env(rank, nproc, store_port, run_id, error_file, policy, generation),
+        env=_env(rank, nproc, store_port, run_id, error_file, policy, generation, placement),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -138,10 +162,10 @@ def _start(
         thread = threading.Thread(target=_pump, args=(stream, f"[rank{rank}]: ", out, log), daemon=True)
         thread.start()
         readers.append(thread)
-    return _Worker(rank, proc, error_file, readers)
+    return Worker(rank, proc, error_file, readers)
 
 
-def _exception_of(worker: _Worker) -> str | None:
+def _exception_of(worker: Worker) -> str | None:
     """The ``Type: message`` the worker recorded (`loom.launch.worker` writes it on an uncaught exception)."""
     try:
         data = json.loads(worker.error_file.read_text())
@@ -153,7 +177,7 @@ def _exception_of(worker: _Worker) -> str | None:
     return str(message).strip().splitlines()[-1] if message else None
 
 
-def _describe(worker: _Worker) -> str:
+def describe_exit(worker: Worker) -> str:
     code = worker.proc.returncode
     if code < 0:
         try:
@@ -165,7 +189,7 @@ def _describe(worker: _Worker) -> str:
     return f"worker rank {worker.rank} failed (exit code {code}): {reason}"
 
 
-def _stop(workers: list[_Worker], grace_s: float) -> None:
+def stop_workers(workers: list[Worker], grace_s: float) -> None:
     for w in workers:
         if w.proc.poll() is None:
             w.proc.terminate()
@@ -182,7 +206,7 @@ class _JobFailed(Exception):
     """The job cannot go on (a parameter server died once too often): stop the workers, exit 1."""
 
 
-def _watch(workers: list[_Worker], failure: Callable[[], str | None]) -> None:
+def _watch(workers: list[Worker], failure: Callable[[], str | None]) -> None:
     """Wait for every worker to end, announcing each one that dies while the others go on; raises `_JobFailed`
     when ``failure()`` says the job cannot go on."""
     said: set[str] = set()
@@ -196,7 +220,7 @@ def _watch(workers: list[_Worker], failure: Callable[[], str | None]) -> None:
             elif w.proc.returncode != 0 and not w.reported:
                 w.reported = True
                 left = sum(1 for other in workers if other.proc.poll() is None)
-                what = _describe(w)
+                what = describe_exit(w)
                 reason = what.partition(": ")[2]
                 if reason and reason in said:  # every rank refusing the same setting: said once
                     what = f"worker rank {w.rank} failed the same way"
@@ -208,25 +232,25 @@ def _watch(workers: list[_Worker], failure: Callable[[], str | None]) -> None:
         time.sleep(0.1)
 
 
-def _verdict(workers: list[_Worker]) -> int:
+def _verdict(workers: list[Worker]) -> int:
     failed = [w for w in workers if w.proc.returncode != 0]
     if not failed:
         return 0
     succeeded = len(workers) - len(failed)
     lost = [w for w in failed if w.proc.returncode < 0]
-    reasons = {_describe(w).partition(": ")[2] for w in failed}
+    reasons = {describe_exit(w).partition(": ")[2] for w in failed}
     if not succeeded and len(reasons) == 1 and not lost:
         print(
             f"loom run: every worker failed the same way (ranks {[w.rank for w in failed]})", file=sys.stderr
         )
         return 1
     print(f"loom run: warning: {succeeded} of {len(workers)} workers finished; "
-          f"lost: {'; '.join(_describe(w) for w in failed)}", file=sys.stderr)  # fmt: skip
+          f"lost: {'; '.join(describe_exit(w) for w in failed)}", file=sys.stderr)  # fmt: skip
     return 0 if succeeded and len(lost) == len(failed) else 1
 
 
 def _watch_healing(
-    workers: list[_Worker], policy: HealPolicy, store: StoreServer, start: Callable[[int, int], _Worker],
+    workers: list[Worker], policy: HealPolicy, store: StoreServer, start: Callable[[int, int], Worker],
     run_id: str,
 ) -> None:  # fmt: skip
     """``--on-worker-failure heal``: the quorum's ticks (`loom.launch.heal`) until every worker has ended;
@@ -248,10 +272,7 @@ def _watch_healing(
             for w in list(current.values()):
                 if w.proc.poll() is not None and not w.reported:
                     w.reported = True
-                    if w.proc.returncode == 0:
-                        quorum.finished(w.rank)
-                    else:
-                        quorum.died(w.rank, _describe(w))
+                    quorum.ended(w.rank, w.proc.returncode, describe_exit(w))
             running = [w for w in current.values() if w.proc.poll() is None]
             if not running:
                 return
@@ -270,13 +291,15 @@ def _watch_healing(
         raise _JobFailed(str(stop)) from None
 
 
-def _healed_verdict(workers: list[_Worker]) -> int:
+def _healed_verdict(workers: list[Worker]) -> int:
     """Under healing: 0 when the last process of every rank that trained to the end exited 0 and nothing
     raised (a lost worker replaced is no failure); 1 otherwise."""
+    from loom.launch.heal import exit_kind
+
     last = {w.rank: w for w in workers}
-    failed = [w for w in workers if w.proc.returncode > 0]
+    failed = [w for w in workers if exit_kind(w.proc.returncode) == "error"]
     if failed or not any(w.proc.returncode == 0 for w in last.values()):
-        print(f"loom run: the job failed: {'; '.join(_describe(w) for w in failed) or 'no worker finished'}",
+        print(f"loom run: the job failed: {'; '.join(describe_exit(w) for w in failed) or 'no worker finished'}",
               file=sys.stderr)  # fmt: skip
         return 1
     return 0
@@ -304,34 +327,34 @@ def supervise_workers(
     store = StoreServer("127.0.0.1", 0, job_secret())
 
     def stop_on(signum: int, _frame) -> None:
-        raise _LauncherStopped(signum)
+        raise LauncherStopped(signum)
 
     previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
-    workers: list[_Worker] = []
+    workers: list[Worker] = []
     try:
         policy = "continue" if heal is None else "heal"
         for rank in range(nproc):
-            workers.append(_start(rank, nproc, worker_args, store.port, run_id, logs, policy))
+            workers.append(start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy))
         if heal is None:
             _watch(workers, failure)
         else:
 
-            def start(rank: int, generation: int) -> _Worker:
-                return _start(rank, nproc, worker_args, store.port, run_id, logs, policy, generation)
+            def start(rank: int, generation: int) -> Worker:
+                return start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy, generation)
 
             _watch_healing(workers, heal, store, start, run_id)
             return _healed_verdict(workers)
     except _JobFailed:
-        _stop(workers, grace_s)
+        stop_workers(workers, grace_s)
         return 1
-    except _LauncherStopped as stop:
+    except LauncherStopped as stop:
         print(f"loom run: stopped by signal {stop}; workers were terminated", file=sys.stderr)
-        _stop(workers, grace_s)
+        stop_workers(workers, grace_s)
         return 128 + stop.signum
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        _stop(workers, grace_s)  # nothing left running, whatever happened above
+        stop_workers(workers, grace_s)  # nothing left running, whatever happened above
         for w in workers:
             for reader in w.readers:
                 reader.join(timeout=5.0)

@@ -19,7 +19,7 @@ Phases of the injected faults (`loom.fault.inject`): ``before`` and ``after``/``
 exchange calls ``during`` between its two halves (the gradient buffer is all-reduced in two pieces, so a kill
 there lands with half the exchange done).
 
-Limits: one host; every process holds the whole global batch in memory (it is loaded, not trained on, by all);
+Limits: every process holds the whole global batch in memory (it is loaded, not trained on, by all);
 gradient compression, the ring/shared-memory algorithms and bucketing do not apply (refused at setup).
 """
 

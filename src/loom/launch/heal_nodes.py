@@ -1,0 +1,353 @@
+"""Healing across hosts: ``loom run --nnodes K --node-rank R --master ADDR:PORT ... --on-worker-failure heal``
+(and ``--cluster``, whose worker hosts run the same node agents).
+
+Design (the one-host design of `loom.launch.heal`, with the launcher's two roles split between the nodes):
+
+- **Node 0's agent hosts the job's authenticated store** (`loom.net.store`, on the master address: the workers'
+  prefix as on one host, the agents' own under ``loom/RUN/nodes/``) **and the quorum's authority**
+  (`loom.launch.heal.HealQuorum` over every rank of the job, one ``--max-heals`` budget). The authority never
+  touches a process itself: it writes *orders* (``start RANK GEN``, ``kill RANK GEN``) to the node that holds
+  the rank, and reads that node's *events* (``RANK GEN STATUS WHAT``: a process ended) from the store. So node 0 is
+  an agent like the others, and one code path serves a local and a remote rank.
+- **Every node's agent supervises its own children** as the one-host launcher does (`loom.launch.supervise`):
+  it reports each ended process (its status and one line) and carries out the orders for its ranks, so a
+  replacement starts on the node of the rank it replaces. Every store call of an agent is bounded
+  (``io_timeout_s``); a failed call is retried at the next tick, never waited on.
+- **Heartbeats.** Every worker's go to the store as on one host (a frozen worker is killed by its node on the
+  authority's order, then replaced); every agent's own go to ``nodes/K/hb``. A node whose agent is silent for
+  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is **lost**: its ranks are dropped for good (`HealQuorum.drop`; no heal is
+  spent on a node that cannot be reached), the members left go on down to ``--min-workers``. A survivor caught in
+  a collective with a partitioned peer learns of it only at its group's timeout (``LOOM_HEAL_GROUP_TIMEOUT_S``,
+  30 s: no connection resets across a cut link), so the authority waits that much more for its check-in.
+- **A node that loses the store** (no answer for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``) stops its own workers and
+  exits 1 naming node 0: on the other side of a partition it cannot know whether the job goes on, and its
+  workers must not train alone. **Node 0's loss stops the job** on every node that way: the authority and the
+  store live there (a job that must outlive node 0 needs them replicated, which this does not do).
+- The job ends when every rank's last process has ended (a replacement still waiting when the others finished is
+  stopped): node 0 writes ``end`` (or ``stop`` with the reason, when the job cannot go on healing), the agents
+  stop what is left, say ``bye``, and node 0 closes the store once every node it has not lost said it (bounded).
+
+Ranks: nodes register their ``-n`` (``nodes/K/nproc``) and number their workers in node order, so hosts of a
+``--cluster`` spec may run different counts. Exit status: node 0's is 0 when the job trained to the end (lost
+nodes and replaced workers are no failure, and are named), 1 when it stopped; another node's is 0 when node 0
+ended the job, 1 when it stopped it or the node lost the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, seconds_setting
+from loom.launch.spec import LaunchSpec
+from loom.launch.supervise import (
+    LauncherStopped,
+    Placement,
+    Worker,
+    describe_exit,
+    start_worker,
+    stop_workers,
+)
+
+__all__ = ["Authority", "NodeAgent", "heal_across_nodes"]
+
+TICK_S = 0.02
+AGENT_BEAT_S = 0.25
+BYE_WAIT_S = 10.0
+
+
+class _Link:
+    """An agent's bounded calls to the store: a failed call returns None (and is retried by the next tick), and
+    `lost` says when the store has not answered for ``lost_after_s``."""
+
+    def __init__(self, store: Any, lost_after_s: float) -> None:
+        self.store, self.lost_after_s = store, lost_after_s
+        self.failing_since: float | None = None
+
+    def __call__(self, method: str, *args: Any) -> Any:
+        try:
+            result = getattr(self.store, method)(*args)
+        except (
+            Exception
+        ):  # StoreUnreachable, StoreTimeout, a reset connection: the same, a store not answering
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+            return None
+        self.failing_since = None
+        return result if result is not None else True
+
+    @property
+    def lost(self) -> bool:
+        return self.failing_since is not None and time.monotonic() - self.failing_since > self.lost_after_s
+
+
+class NodeAgent:
+    """One node's workers: started, reported when they end, started again or killed on the authority's orders."""
+
+    def __init__(self, node: int, first_rank: int, nproc: int, link: _Link, start: Any) -> None:
+        self.node, self.link, self._start = node, link, start
+        self.generation = {r: 0 for r in range(first_rank, first_rank + nproc)}
+        self.current: dict[int, Worker] = {}
+        self.all: list[Worker] = []
+        self.events = self.orders_done = 0
+        self._unsent: list[str] = []
+        self._beat_at = 0.0
+        for rank in self.generation:
+            self._launch(rank, 0)
+
+    def _launch(self, rank: int, generation: int) -> None:
+        self.generation[rank] = generation
+        self.current[rank] = self._start(rank, generation)
+        self.all.append(self.current[rank])
+
+    def running(self) -> list[Worker]:
+        return [w for w in self.current.values() if w.proc.poll() is None]
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._beat_at and self.link("add", f"{self.node}/hb", 1) is not None:
+            self._beat_at = now + AGENT_BEAT_S
+        for w in self.current.values():
+            if w.proc.poll() is not None and not w.reported:
+                w.reported = True
+                what = describe_exit(w) if w.proc.returncode else f"worker rank {w.rank} finished"
+                self._unsent.append(f"{w.rank} {self.generation[w.rank]} {w.proc.returncode} {what}")
+                if self.node and w.proc.returncode:
+                    print(
+                        f"loom run: node {self.node}: {what} (reported to node 0)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        while self._unsent:  # in order; what could not be sent now goes at the next tick
+            if self.link("set", f"{self.node}/event/{self.events + 1}", self._unsent[0]) is None:
+                break
+            if self.link("set", f"{self.node}/events", str(self.events + 1)) is None:
+                break
+            self.events += 1
+            self._unsent.pop(0)
+        count = (
+            self.link("get", f"{self.node}/orders") if self.link("check", [f"{self.node}/orders"]) else None
+        )
+        for i in range(self.orders_done + 1, int(count or 0) + 1):
+            order = self.link("get", f"{self.node}/order/{i}")
+            if order is None:
+                break
+            self._obey(order.decode())
+            self.orders_done = i
+
+    def _obey(self, order: str) -> None:
+        verb, rank_text, gen_text = order.split()
+        rank, generation = int(rank_text), int(gen_text)
+        if verb == "start":
+            if self.node:
+                print(f"loom run: node {self.node}: starting rank {rank}'s replacement (generation {generation}), "
+                      "as node 0's quorum granted", file=sys.stderr, flush=True)  # fmt: skip
+            self._launch(rank, generation)
+        elif self.generation[rank] == generation and self.current[rank].proc.poll() is None:
+            os.kill(self.current[rank].proc.pid, signal.SIGKILL)  # "kill": a frozen or silent worker
+
+
+class Authority:
+    """Node 0's quorum over every rank of the job, acting through orders and events (module docstring)."""
+
+    def __init__(self, sizes: list[int], policy: HealPolicy, link: _Link, job_store: Any) -> None:
+        self.link, self.sizes = link, sizes
+        self.node_of = [k for k, n in enumerate(sizes) for _ in range(n)]
+        self.running: dict[int, int | None] = dict.fromkeys(range(len(self.node_of)), 0)
+        self.lost_nodes: set[int] = set()
+        self.events_done = [0] * len(sizes)
+        self.orders = [0] * len(sizes)
+        self.beats: dict[int, tuple[int, float]] = {}
+        self.quorum = HealQuorum(len(self.node_of), policy, job_store, self._restart, self._alive, self._kill)
+        self.grace_s = seconds_setting("LOOM_HEAL_GROUP_TIMEOUT_S", 30.0)
+
+    def _alive(self, rank: int) -> bool:
+        return rank not in self.quorum.gone and self.running[rank] == self.quorum.generation[rank]
+
+    def _order(self, node: int, order: str) -> None:
+        self.orders[node] += 1
+        self.link("set", f"{node}/order/{self.orders[node]}", order)
+        self.link("set", f"{node}/orders", str(self.orders[node]))
+
+    def _restart(self, rank: int, generation: int) -> None:
+        self.running[rank] = generation
+        self._order(self.node_of[rank], f"start {rank} {generation}")
+
+    def _kill(self, rank: int) -> None:
+        self._order(self.node_of[rank], f"kill {rank} {self.quorum.generation[rank]}")
+
+    def done(self) -> bool:
+        return not any(self._alive(r) for r in self.running)
+
+    def waiting_only(self) -> bool:
+        """The job is ending and no rank still running is a member: only replacements wait (not needed)."""
+        return self.quorum.ending and not any(
+            self._alive(r) and self.quorum.is_member(r) for r in self.running
+        )
+
+    def tick(self) -> None:
+        for node in range(len(self.sizes)):
+            if node not in self.lost_nodes:
+                self._read_events(node)
+                if node:
+                    self._check_node(node)
+        self.quorum.tick()
+
+    def _read_events(self, node: int) -> None:
+        count = self.link("get", f"{node}/events") if self.link("check", [f"{node}/events"]) else None
+        for i in range(self.events_done[node] + 1, int(count or 0) + 1):
+            event = self.link("get", f"{node}/event/{i}")
+            if event is None:
+                return
+            self.events_done[node] = i
+            rank_text, gen_text, status_text, what = event.decode().split(" ", 3)
+            rank, generation, status = int(rank_text), int(gen_text), int(status_text)
+            if self.running[rank] == generation == self.quorum.generation[rank]:
+                self.running[rank] = None
+                self.quorum.ended(rank, status, what)
+
+    def _check_node(self, node: int) -> None:
+        count = self.link("get", f"{node}/hb") if self.link("check", [f"{node}/hb"]) else b"0"
+        now, seen = time.monotonic(), self.beats.get(node)
+        if seen is None or seen[0] != int(count or 0):
+            self.beats[node] = (int(count or 0), now)
+        elif now - seen[1] > self.quorum.heartbeat_timeout_s:
+            self.lost_nodes.add(node)
+            ranks = [r for r, k in enumerate(self.node_of) if k == node and self._alive(r)]
+            what = f"node {node} lost: its agent sent no heartbeat for {self.quorum.heartbeat_timeout_s:g} s"
+            print(f"loom run: {what} (LOOM_HEAL_HEARTBEAT_TIMEOUT_S); its ranks {ranks} are dropped, not "
+                  "replaced; the others go on", file=sys.stderr, flush=True)  # fmt: skip
+            for r in ranks:  # the next epoch is formed without them (below --min-workers: the job stops)
+                self.quorum.drop(r, f"{what} (rank {r})", self.grace_s)
+
+
+def _register(spec: LaunchSpec, client: Any) -> list[int]:
+    """Every node's ``-n``, in node order, once all have registered (within ``--join-timeout``)."""
+    if client.add(f"{spec.node_rank}/claim", 1) > 1:
+        raise ValueError(
+            f"two nodes run with --node-rank {spec.node_rank}. HINT: give each node its own rank"
+        )
+    client.set(f"{spec.node_rank}/nproc", str(spec.nproc))
+    keys = [f"{k}/nproc" for k in range(spec.nnodes)]
+    try:
+        client.wait(keys, datetime.timedelta(seconds=spec.join_timeout_s))
+    except Exception:
+        missing = [k for k in range(spec.nnodes) if not client.check([f"{k}/nproc"])]
+        raise ValueError(f"node(s) {missing} did not join within --join-timeout {spec.join_timeout_s:g} s. "
+                         "HINT: run the same loom run command on every node") from None  # fmt: skip
+    return [int(client.get(key)) for key in keys]
+
+
+def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worker_args: list[str]) -> int:
+    """Run this node's share of a healing job of ``spec.nnodes`` nodes (module docstring); returns the status."""
+    from loom.net.store import LoomStore, StoreServer, job_secret
+
+    secret, node, logs = job_secret(), spec.node_rank, Path(spec.run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    server = StoreServer(host, port, secret) if node == 0 else None
+    prefix = f"loom/{run_id}/nodes/"
+    lost_after_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
+    joining = LoomStore(
+        host, port, secret, prefix=prefix, server=server, connect_timeout_s=spec.join_timeout_s
+    )
+    try:
+        sizes = _register(spec, joining)
+        world = sum(sizes)
+        if node == 0 and not 1 <= spec.min_workers <= world:
+            raise ValueError(f"--min-workers {spec.min_workers} must be in 1..{world} (the job's workers)")
+    except Exception as error:
+        print(f"loom run: node {node}: {error}", file=sys.stderr, flush=True)
+        if server is not None:
+            server.close()
+        return 2
+    bound_s = min(2.0, lost_after_s)
+    bounded = LoomStore(host, port, secret, prefix=prefix, server=server, connect_timeout_s=bound_s,
+                        io_timeout_s=bound_s)  # fmt: skip
+    link = _Link(bounded, lost_after_s)
+    first = sum(sizes[:node])
+    placement = Placement(first, world, node, spec.nnodes, host)
+
+    def start(rank: int, generation: int) -> Worker:
+        return start_worker(rank, spec.nproc, worker_args, port, run_id, logs, "heal", generation, placement)
+
+    def stop_on(signum: int, _frame: Any) -> None:
+        raise LauncherStopped(signum)
+
+    previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
+    agent: NodeAgent | None = None
+    try:
+        agent = NodeAgent(node, first, spec.nproc, link, start)
+        if server is None:
+            return _follow(agent, link, host, port)
+        job = LoomStore(prefix=f"loom/{run_id}/job/", server=server)
+        return _lead(agent, Authority(sizes, HealPolicy(spec.max_heals, spec.min_workers), link, job), link)
+    except LauncherStopped as stop:
+        print(f"loom run: node {node} stopped by signal {stop}; its workers were terminated", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if agent is not None:
+            stop_workers(agent.all, spec.shutdown_timeout_s)
+            for w in agent.all:
+                for reader in w.readers:
+                    reader.join(timeout=5.0)
+        if server is not None:
+            server.close()
+
+
+def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> int:
+    """Node 0: its agent's ticks and the authority's, until the job ends; then every node is told and awaited."""
+    status = 0
+    try:
+        while not authority.done() and not authority.waiting_only():
+            agent.tick()
+            authority.tick()
+            time.sleep(TICK_S)
+        link("set", "end", "0")
+        quorum = authority.quorum
+        if quorum.lost:
+            print(f"loom run: the job finished after {len(quorum.lost)} loss(es), {quorum.heals} replacement(s) "
+                  f"started: {'; '.join(quorum.lost)}", file=sys.stderr)  # fmt: skip
+    except JobStops as stop:
+        print(f"loom run: {stop}", file=sys.stderr, flush=True)
+        link("set", "stop", str(stop))
+        status = 1
+    deadline = time.monotonic() + BYE_WAIT_S
+    others = [k for k in range(1, len(authority.sizes)) if k not in authority.lost_nodes]
+    while others and time.monotonic() < deadline:
+        others = [k for k in others if not link("check", [f"{k}/bye"])]
+        time.sleep(TICK_S)
+    return status if authority.quorum.ending or status else 1
+
+
+def _follow(agent: NodeAgent, link: _Link, host: str, port: int) -> int:
+    """Node K > 0: its agent's ticks until node 0 ends or stops the job, or the store is lost."""
+    while True:
+        agent.tick()
+        if link.lost:
+            ranks = [w.rank for w in agent.running()]
+            print(f"loom run: node {agent.node} lost node 0 (the job's store and quorum at {host}:{port}): no "
+                  f"answer for {link.lost_after_s:g} s (LOOM_HEAL_HEARTBEAT_TIMEOUT_S); stopping its workers "
+                  f"(ranks {ranks})", file=sys.stderr, flush=True)  # fmt: skip
+            return 1
+        if link("check", ["stop"]):
+            reason = link("get", "stop")
+            print(f"loom run: node {agent.node}: node 0 stopped the job: {reason.decode() if reason else '?'}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            link("set", f"{agent.node}/bye", "1")
+            return 1
+        if link("check", ["end"]):
+            for w in agent.running():
+                print(f"loom run: worker rank {w.rank}'s replacement was not needed: the others finished",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                w.reported = True
+            link("set", f"{agent.node}/bye", "1")
+            failed = [w for w in agent.all if exit_kind(w.proc.poll() or 0) == "error"]
+            return 1 if failed else 0
+        time.sleep(TICK_S)

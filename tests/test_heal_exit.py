@@ -1,0 +1,88 @@
+"""A script's own error stops a healed job (issue 23): under ``--on-worker-failure heal`` a worker that exits
+non-zero on its own (an uncaught exception: status 1 and a traceback) is a bug a replacement would repeat, so the
+job stops at once naming the rank and the status; a worker the quorum told to leave (`LEFT_OUT_STATUS`) and one
+killed by a signal are healed (tests/test_heal.py kills them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import WORKERS, _kill_group
+from test_heal import check_healed_job
+
+from loom.fault.quorum import LEFT_OUT_STATUS
+from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind
+
+SCRIPT = WORKERS / "heal_hosts_train.py"
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+class _Store:
+    """The store calls `HealQuorum.died` makes."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value
+
+
+@pytest.mark.unit
+def test_a_signal_or_the_left_out_status_is_healed_any_other_status_stops_the_job():
+    assert [exit_kind(s) for s in (0, -9, -6, LEFT_OUT_STATUS, 1, 2, 3)] == [
+        "finished", "lost", "lost", "lost", "error", "error", "error"
+    ]  # fmt: skip
+    started: list[tuple[int, int]] = []
+    quorum = HealQuorum(2, HealPolicy(max_heals=5), _Store(), lambda r, g: started.append((r, g)),
+                        lambda r: True, lambda r: None)  # fmt: skip
+    quorum.ended(1, -9, "worker rank 1 was killed by SIGKILL")
+    quorum.ended(1, LEFT_OUT_STATUS, "worker rank 1 failed (exit code 75): LeftOutOfQuorum: told to leave")
+    assert started == [(1, 1), (1, 2)]
+    with pytest.raises(JobStops, match=r"worker rank 0 failed \(exit code 1\): ValueError: boom; the script's own "
+                       r"error is not healed .*the job stops"):  # fmt: skip
+        quorum.ended(0, 1, "worker rank 0 failed (exit code 1): ValueError: boom")
+    assert started == [(1, 1), (1, 2)], "no replacement for a script's own error"
+    quorum.ended(0, 0, "")
+    assert quorum.ending
+
+
+def _run(tmp_path: Path, fault: str, steps: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", HEAL_OUT=str(out),
+               HEAL_STEPS=str(steps), HEAL_SCRIPT_FAULT=fault)  # fmt: skip
+    cmd = [sys.executable, "-m", "loom.cli", "run", "-n", "3", "--on-worker-failure", "heal", "--run-dir",
+           str(run_dir), str(SCRIPT)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:
+        _kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out, run_dir
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_worker_whose_script_raises_stops_the_healed_job_naming_its_rank_and_status(tmp_path):
+    result, _out, _run_dir = _run(tmp_path, "1:3:raise", steps=30)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert ("loom run: worker rank 1 failed (exit code 1): ValueError: the script's own error on rank 1 after "
+            "step 3; the script's own error is not healed") in result.stderr, result.stderr[-3000:]  # fmt: skip
+    assert "Traceback" in result.stderr  # the worker's own traceback reaches the user
+    assert "starting its replacement" not in result.stderr
+    assert not list((tmp_path / "run" / "logs").glob("rank1.heal*")), "no replacement was started"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_worker_told_to_leave_the_quorum_is_replaced_and_the_job_equals_one_process(tmp_path):
+    result, out, run_dir = _run(tmp_path, "1:3:leave", steps=8)
+    check_healed_job(result, out, run_dir, 8, {1: 1})
+    assert (
+        "worker rank 1 failed (exit code 75)" in result.stderr and "starting its replacement" in result.stderr
+    )

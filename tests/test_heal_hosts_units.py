@@ -1,0 +1,117 @@
+"""Healing across hosts without processes (issue 23): node 0's authority (`loom.launch.heal_nodes.Authority`)
+acting through orders and events on an in-memory store, and the launch options that allow it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_heal_units import MemoryStore
+
+from loom.launch.heal import HealPolicy, JobStops
+from loom.launch.heal_nodes import Authority, _Link
+from loom.launch.spec import LaunchSpec
+
+pytestmark = pytest.mark.unit
+
+
+def two_nodes(monkeypatch, **policy: int) -> tuple[Authority, MemoryStore, MemoryStore]:
+    monkeypatch.setenv("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", "0.05")
+    monkeypatch.setenv("LOOM_HEAL_GROUP_TIMEOUT_S", "0.05")
+    agents, job = MemoryStore(), MemoryStore()
+    authority = Authority([1, 2], HealPolicy(**policy), _Link(agents, 1.0), job)
+    for rank in range(3):
+        job.set(f"ready/{rank}", "0")
+    authority.tick()
+    assert job.get("q/1/members") == b"0:0,1:0,2:0"
+    return authority, agents, job
+
+
+def event(agents: MemoryStore, node: int, text: str) -> None:
+    count = int(agents.data.get(f"{node}/events", b"0")) + 1
+    agents.set(f"{node}/event/{count}", text)
+    agents.set(f"{node}/events", str(count))
+
+
+def test_a_death_reported_by_node_1_is_healed_by_an_order_to_node_1(monkeypatch):
+    authority, agents, job = two_nodes(monkeypatch)
+    agents.set("1/hb", "1")
+    event(agents, 1, "2 0 -9 worker rank 2 was killed by SIGKILL")
+    authority.tick()
+    assert job.get("q/1/dead") == b"2"
+    assert (agents.get("1/orders"), agents.get("1/order/1")) == (b"1", b"start 2 1")
+    assert not agents.check(["0/orders"])
+    event(agents, 1, "2 0 -9 the same process again")  # an old generation's event changes nothing
+    authority.tick()
+    assert authority.quorum.heals == 1
+
+
+def test_a_script_error_reported_by_a_node_stops_the_job(monkeypatch):
+    authority, agents, _job = two_nodes(monkeypatch)
+    event(agents, 1, "1 0 1 worker rank 1 failed (exit code 1): ValueError: boom")
+    with pytest.raises(
+        JobStops, match=r"rank 1 failed \(exit code 1\): ValueError: boom; the script's own error"
+    ):
+        authority.tick()
+    assert not agents.check(["1/orders"])
+
+
+def test_a_silent_node_is_lost_its_ranks_dropped_without_a_heal(monkeypatch, capsys):
+    authority, agents, job = two_nodes(monkeypatch)
+    agents.set("1/hb", "1")
+    authority.tick()
+    time.sleep(0.1)
+    authority.tick()
+    assert authority.lost_nodes == {1} and authority.quorum.gone == {1, 2}
+    assert job.get("q/1/dead") in (b"1", b"2") and not agents.check(["1/orders"])
+    assert "node 1 lost: its agent sent no heartbeat for 0.05 s" in capsys.readouterr().err
+    job.set("q/1/in/0", "4")  # the survivor checks in: the next epoch is node 0's alone
+    authority.tick()
+    assert job.get("q/2/members") == b"0:0"
+
+
+def test_a_lost_node_below_min_workers_stops_the_job(monkeypatch):
+    authority, agents, job = two_nodes(monkeypatch, min_workers=2)
+    agents.set("1/hb", "1")
+    authority.tick()
+    time.sleep(0.1)
+    authority.tick()
+    job.set("q/1/in/0", "4")
+    with pytest.raises(JobStops, match="1 worker.* below --min-workers 2"):
+        authority.tick()
+
+
+def test_heal_is_allowed_across_nodes_and_refuses_group_restarts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    LaunchSpec(
+        str(script),
+        nproc=2,
+        nnodes=2,
+        node_rank=1,
+        master="127.0.0.1:29500",
+        on_worker_failure="heal",
+        min_workers=3,
+    )  # fmt: skip  (node 0 checks --min-workers against the job's 4 workers)
+    with pytest.raises(
+        ValueError, match="heal replaces lost workers instead of restarting.*--max-restarts 1"
+    ):
+        LaunchSpec(str(script), on_worker_failure="heal", max_restarts=1)
+    with pytest.raises(ValueError, match="continue runs one node"):
+        LaunchSpec(str(script), nnodes=2, master="127.0.0.1:29500", on_worker_failure="continue")
+
+
+def test_a_frozen_worker_on_node_1_is_killed_by_an_order_to_node_1(monkeypatch):
+    authority, agents, job = two_nodes(monkeypatch)
+    monkeypatch.setattr(authority.quorum, "heartbeat_timeout_s", 0.2)
+    for beat in range(1, 4):  # every worker's heartbeat moves but rank 2's; node 1's agent is alive
+        for rank in range(2):
+            job.set(f"hb/{rank}/0", str(beat))
+        job.set("hb/2/0", "1")
+        agents.set("1/hb", str(beat))
+        authority.tick()
+        time.sleep(0.15)
+    assert agents.get("1/order/1") == b"kill 2 0" and not authority.lost_nodes
+    event(agents, 1, "2 0 -9 worker rank 2 was killed by SIGKILL")
+    authority.tick()
+    assert agents.get("1/order/2") == b"start 2 1"
