@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,30 +29,38 @@ ALONE = ["ps_async", "gossip"]
 """Strategies whose replicas judge a non-finite step alone (no collective carries the flags)."""
 
 
-def _run(tmp_path: Path, strategies: list[str], fault: str, timeout: float) -> tuple[int, str, float]:
+def _start(tmp_path: Path, strategies: list[str], fault: str) -> subprocess.Popen:
     """`loom run -n 2` the guard job over ``strategies`` (one after the other in the same processes, with a
-    parameter server when one of them needs it); returns (exit status, stderr + stdout, seconds to exit)."""
+    parameter server when one of them needs it), started in its own session."""
     out = tmp_path / "out"
     out.mkdir()
     servers = ["--servers", "1"] if any(s.startswith("ps") for s in strategies) else []
     command = [sys.executable, "-m", "loom.cli", "run", "-n", "2", *servers, "--run-dir", str(tmp_path / "run"),
                str(WORKERS / "guard_job.py"), ",".join(strategies), fault, str(out)]  # fmt: skip
-    started = time.monotonic()
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen, what: str, deadline: float) -> tuple[int, str]:
+    """Wait for a `_start`ed job until the monotonic ``deadline``; returns (exit status, stderr + stdout).
+    Whatever happened, nothing of its session is left behind (a stopped worker included)."""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"loom run {strategies} {fault} did not end within {timeout} s") from None
+        raise AssertionError(f"loom run {what} did not end in time") from None
     finally:
-        for pid in session_members(
-            proc.pid
-        ):  # whatever happened, leave nothing behind (a stopped worker too)
+        for pid in session_members(proc.pid):
             subprocess.run(["kill", "-9", str(pid)], check=False)
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    return proc.returncode, stderr + stdout, time.monotonic() - started
+    return proc.returncode, stderr + stdout
+
+
+def _run(tmp_path: Path, strategies: list[str], fault: str, timeout: float) -> tuple[int, str]:
+    """One guard job, waited for up to ``timeout`` seconds."""
+    proc = _start(tmp_path, strategies, fault)
+    return _finish(proc, f"{strategies} {fault}", time.monotonic() + timeout)
 
 
 def _results(tmp_path: Path, strategy: str) -> dict[int, dict]:
@@ -63,7 +72,7 @@ def _results(tmp_path: Path, strategy: str) -> dict[int, dict]:
 def nan_run(tmp_path_factory) -> tuple[Path, int, str]:
     """Every strategy with a NaN input on one rank at step 3, one after the other in one `loom run -n 2`."""
     tmp_path = tmp_path_factory.mktemp("nan")
-    status, output, _ = _run(tmp_path, SYNCHRONOUS + ALONE, "nan", timeout=280)
+    status, output = _run(tmp_path, SYNCHRONOUS + ALONE, "nan", timeout=280)
     return tmp_path, status, output
 
 
@@ -95,17 +104,46 @@ def test_a_nan_is_skipped_by_the_replica_that_had_it_when_replicas_judge_alone(n
         assert r["skipped_in_records"] == ([3] if rank == 1 else []), r
 
 
+@pytest.fixture(scope="module")
+def frozen_runs(tmp_path_factory) -> dict[str, tuple[Path, int, str, float]]:
+    """One `loom run -n 2` per synchronous strategy with rank 1 frozen (SIGSTOP) at step 3, all started at once:
+    each job spends most of its time waiting out its 5 s hang timeout, so running them side by side costs the
+    machine little and the suite about a minute less than one after the other. Each job still has its own
+    processes, store and watchdog; the test of each strategy checks its own job."""
+    roots = {strategy: tmp_path_factory.mktemp(f"frozen-{strategy}") for strategy in SYNCHRONOUS}
+    procs = {strategy: _start(root, [strategy], "freeze") for strategy, root in roots.items()}
+    deadline = time.monotonic() + 240
+    finished: dict[str, tuple[Path, int, str, float]] = {}
+    errors: list[BaseException] = []
+
+    def wait(strategy: str) -> None:  # a thread each: every job's output is read as it comes (no full pipe)
+        try:
+            status, output = _finish(procs[strategy], f"[{strategy}] freeze", deadline)
+            finished[strategy] = (roots[strategy], status, output, time.time())
+        except BaseException as error:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=wait, args=(strategy,)) for strategy in procs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return finished
+
+
 @pytest.mark.system
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", SYNCHRONOUS)
-def test_a_frozen_rank_stops_the_job_naming_it(tmp_path, strategy):
-    status, output, _ = _run(tmp_path, [strategy], "freeze", timeout=120)
+def test_a_frozen_rank_stops_the_job_naming_it(frozen_runs, strategy):
+    tmp_path, status, output, ended = frozen_runs[strategy]
     frozen = tmp_path / "out" / "frozen-at"
     assert frozen.exists(), output[-3000:]
     bad = 0 if strategy == "pipeline" else 1
     assert status != 0, output[-3000:]
     assert f"ranks [{bad}] did not arrive" in output, output[-3000:]
-    print(f"{strategy}: the job ended {time.time() - float(frozen.read_text()):.1f} s after rank {bad} froze")
+    print(f"{strategy}: the job ended {ended - float(frozen.read_text()):.1f} s after rank {bad} froze")
 
 
 # -- options: refused by name, or taken as a config object --------------------------------------------------------
