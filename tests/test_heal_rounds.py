@@ -206,14 +206,17 @@ def test_local_sgd_kill_drops_the_round_and_the_job_equals_the_simulation(tmp_pa
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("faults", ["raise@2:3:during", "raise@1:4:after", "raise@0:5:before"])
+@pytest.mark.parametrize(
+    "faults", ["raise@2:3:during", "raise@1:4:after", "raise@0:5:before", "raise@1:3:commit"]
+)
 def test_local_sgd_error_drops_the_round_on_every_member_and_it_is_redone(tmp_path, faults):
     # raise@1:4:after: rank 1 fails after step 4's all-reduce, the others meet it at step 5's: they redo the
-    # round from different steps and must still meet in the same collectives
+    # round from different steps and must still meet in the same collectives; raise@1:3:commit: the round was
+    # committed, and the call that raised returns without training its batch again
     result, out, run_dir = run_rounds(tmp_path, "localsgd", faults)
     rounds = check_healed_rounds(result, out, run_dir, "localsgd", {})
     assert rounds == [[0, 1, 2]] * (STEPS // H)
-    step = int(faults.split(":")[1])
+    step = int(faults.split(":")[1]) + faults.endswith("commit")  # after a round's vote: the next step drops
     assert "dropped in epoch 1 (InjectedFault" in result.stderr and f"step {step} dropped" in result.stderr
 
 

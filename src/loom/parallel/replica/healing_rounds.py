@@ -137,6 +137,8 @@ class HealingRounds(HealingJob):
         self._snapshot: _Snapshot | None = None
         self._samples = self._global_samples = 0
         self._batch_step, self._batch_loss = 0, 0.0
+        self._join_after = False
+        """The round committed while a replacement was ready: re-form after the round's last step."""
 
     def _round_ends(self, step: int) -> bool:
         return step % self.sync_every == 0
@@ -153,11 +155,17 @@ class HealingRounds(HealingJob):
         if self.step >= self._batch_step:  # committed, then an error after the vote: nothing to redo
             return self._batch_loss
         self._batch_loss = super()._attempt(batch)
+        if self._round_ends(self.step):  # committed and recorded: now a fault, or a replacement, may come in
+            fault_point(self.step, "commit")
+            if self._join_after:
+                self._join_after = False
+                self._heal_reform()
         return self._batch_loss
 
     def _adopt_epoch(self) -> None:
         """Back to the round's start, equal to a live member's round-start state, then the round's earlier
         batches again, divided among the new members (the engine then retries the batch being trained)."""
+        self._join_after = False  # whoever was ready joins this epoch
         if self._snapshot is not None:
             self._restore()
         self._take_live_state()
@@ -243,8 +251,8 @@ class HealingRounds(HealingJob):
             self._end_round(state)
 
     def _end_round(self, state: StepState) -> None:
-        """Synchronize, vote (any error votes drop), and on commit: the new snapshot, the round's records
-        written, and the re-forming a ready replacement asked for."""
+        """Synchronize, vote (any error votes drop), and on commit: the new snapshot and the round's records
+        written; once the step's own record is written, `_attempt` re-forms if a replacement is ready."""
         step = state.number
         try:
             self._synchronize_round(step)
@@ -264,9 +272,7 @@ class HealingRounds(HealingJob):
             self.metrics.record(*held[:5], **held[5])
         self._take_snapshot()
         self._round.clear()
-        fault_point(step, "commit")
-        if state.work.get("pending"):
-            self._heal_reform()
+        self._join_after = bool(state.work.get("pending"))
 
     def _synchronize_round(self, step: int) -> None:
         """LocalSGD: the average of the members' parameters and floating-point buffers, each weighted by its
