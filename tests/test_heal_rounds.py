@@ -1,6 +1,6 @@
 """``loom run --on-worker-failure heal`` for LocalSGD and DiLoCo (issue 23): the unit of commit is the sync round.
 
-A worker killed during an inner step or during the round's synchronization, an error raised there, two failures
+A worker killed or frozen during an inner step or during the round's synchronization, an error raised there, two failures
 in a row, and the death of the peer a replacement heals from: every member drops the whole round, restores its
 round-start state and redoes the round's global batches divided among the members present. Checked: the final
 parameters equal a one-process simulation of the strategy with the same membership per round (plain SGD inner
@@ -29,13 +29,13 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 GLOBAL_BATCH, H, STEPS = 12, 3, 12
 
 
-def run_rounds(tmp_path: Path, strategy: str, faults: str, momentum: float = 0.0,
-               timeout: float = 120.0) -> tuple[subprocess.CompletedProcess, Path, Path]:  # fmt: skip
+def run_rounds(tmp_path: Path, strategy: str, faults: str, momentum: float = 0.0, timeout: float = 120.0,
+               **env_extra: str) -> tuple[subprocess.CompletedProcess, Path, Path]:  # fmt: skip
     out, run_dir = tmp_path / "out", tmp_path / "run"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", HEAL_OUT=str(out),
                HEAL_STEPS=str(STEPS), HEAL_H=str(H), HEAL_STRATEGY=strategy, HEAL_MOMENTUM=str(momentum),
-               LOOM_FAULTS=faults)  # fmt: skip
+               LOOM_FAULTS=faults, **env_extra)  # fmt: skip
     cmd = [sys.executable, "-m", "loom.cli", "run", "-n", "3", "--on-worker-failure", "heal", "--run-dir",
            str(run_dir), str(SCRIPT)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -236,3 +236,15 @@ def test_local_sgd_with_momentum_replacement_takes_a_live_peers_optimizer_state(
     # first member's: the simulation that does exactly this is matched (1e-5)
     result, out, run_dir = run_rounds(tmp_path, "localsgd", "kill@1:2:before", momentum=0.9)
     check_healed_rounds(result, out, run_dir, "localsgd", {1: 1}, momentum=0.9)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_diloco_frozen_member_is_dropped_when_its_heartbeat_stops_and_its_round_redone(tmp_path):
+    result, out, run_dir = run_rounds(
+        tmp_path, "diloco", "freeze@1:5:before", LOOM_HEAL_HEARTBEAT_TIMEOUT_S="2"
+    )
+    check_healed_rounds(result, out, run_dir, "diloco", {1: 1})
+    assert "worker rank 1 sent no heartbeat for 2 s (LOOM_HEAL_HEARTBEAT_TIMEOUT_S): dropped and killed" in (
+        result.stderr
+    )
