@@ -1,12 +1,12 @@
 """``loom run --on-worker-failure heal`` for LocalSGD and DiLoCo (issue 23): the unit of commit is the sync round.
 
-A worker killed or frozen during an inner step or during the round's synchronization, an error raised there, two failures
-in a row, and the death of the peer a replacement heals from: every member drops the whole round, restores its
-round-start state and redoes the round's global batches divided among the members present. Checked: the final
-parameters equal a one-process simulation of the strategy with the same membership per round (plain SGD inner
-steps, so the simulation is exact; 1e-5), the survivors keep their process, the replacement is bitwise equal to
-the others at the round boundary it joins, the members are bitwise equal at every round's end, and the step
-records hold every step once with the share of the round's members."""
+A worker killed or frozen during an inner step or during the round's synchronization, an error raised there, two
+failures in a row, and the death of the peer a replacement heals from: every member drops the whole round, restores
+its round-start state and redoes the round's global batches divided among the members present. Checked: the final
+parameters equal a one-process simulation of the strategy with the same membership per round (plain SGD inner steps,
+so the simulation is exact; 1e-5), the survivors keep their process, the replacement is bitwise equal to the others
+at the round boundary it joins, the members are bitwise equal at every round's end, and the step records hold every
+step once with the share of the round's members."""
 
 from __future__ import annotations
 
