@@ -24,7 +24,7 @@ SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(
 """The strategies whose surviving ranks finish the job when one dies (``--on-worker-failure continue``)."""
 
 
-HEALS = "DataParallel"
+HEALS = "DataParallel, LocalSGD, DiLoCo"
 """The strategies that heal a lost worker (``--on-worker-failure heal``): a replacement copies a live peer."""
 
 

@@ -221,7 +221,7 @@ class Engine(Job):
             self._refuse_empty(state)
             synchronized = clock()
             state.skipped = self.guard.judge(state.number, state.flags, state.ranks, state.gradient_finite)
-            if not self.guard.commit(state.number):
+            if not self._commit(state):
                 raise StepDropped(f"step {state.number}: a member failed it; no member applied it")
             if state.skipped:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -276,6 +276,12 @@ class Engine(Job):
     @abc.abstractmethod
     def _synchronize(self, state: StepState) -> None:
         """Exchange what the step needs; set ``total``, ``flags``, ``ranks``, ``gradient_finite``, ``loss``."""
+
+    def _commit(self, state: StepState) -> bool:
+        """Whether to apply the step: the guard's commit vote (`StepGuard.commit`; always True without
+        healing). A strategy whose unit of commit is larger than a step (`loom.parallel.replica.healing_rounds`:
+        a sync round) votes at the unit's end instead."""
+        return self.guard.commit(state.number)
 
     def _apply(self, state: StepState) -> None:
         """Apply the update (not called for a skipped step)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -46,9 +46,10 @@ from loom.train.engine import Engine, StepState
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
 
-__all__ = ["HealingJob", "healing_metrics_path", "refuse_heal_options"]
+__all__ = ["HealingJob", "healing_metrics_path", "healing_store", "join_first_epoch", "refuse_heal_options"]
 
 _ALONE = Topology(0, 1, 0, 1, "none")
+HealingJobT = TypeVar("HealingJobT", bound="HealingJob")
 
 
 def healing_metrics_path() -> str | None:
@@ -102,6 +103,12 @@ class HealingJob(Engine):
     def _adopt_epoch(self) -> None:
         """Make the new epoch's members equal: every member's committed step, then the state from the first
         member holding the highest (`loom.train.heal_state`); a member behind it loads it."""
+        self._take_live_state()
+
+    def _take_live_state(self) -> None:
+        """The members' committed steps (all-reduced), then the training state of the first member holding the
+        highest, broadcast (`share_training_state`, and `_share_more`): a member behind it, or without state yet
+        (a replacement, every member at the first epoch), loads it."""
         quorum, group = self.quorum, self.quorum.group
         assert group is not None
         steps = torch.zeros(quorum.size, dtype=torch.int64)
@@ -114,12 +121,17 @@ class HealingJob(Engine):
         step = share_training_state(
             self.module, self.optimizer, self.step, source, quorum.index, group, load, replacement
         )
+        self._share_more(source, load)
         if load:
             self.step = step
         self._synced = True
         print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} members {quorum.members} at step {self.step}"
               f"{' (state received from rank ' + str(quorum.members[source]) + ')' if load else ''}",
               file=sys.stderr, flush=True)  # fmt: skip
+
+    def _share_more(self, source: int, load: bool) -> None:
+        """Broadcast member ``source``'s state beyond the model and optimizer (none here; DiLoCo's outer
+        state); ``load``: this member takes it."""
 
     def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
@@ -206,25 +218,35 @@ class HealingJob(Engine):
         load_replicated_state(self, state)
 
 
+def healing_store() -> Any:
+    """The launcher's store, which the quorum and each epoch's group are built on."""
+    from loom.topology import job_store  # the launcher's store, joined by loom.init()
+
+    store = job_store()
+    if store is None:
+        raise RuntimeError("--on-worker-failure heal needs loom.init() under loom run (the launcher's store)")
+    return store
+
+
 def start_healing(
     model: nn.Module, optimizer: torch.optim.Optimizer, call: LossCall, topology: Topology, config: Any
 ) -> HealingJob:
     """`DataParallel.setup` under ``--on-worker-failure heal``: join the quorum (a first start and a replacement
     alike) and take the state of a live member, then return the job."""
-    from loom.topology import job_store  # the launcher's store, joined by loom.init()
-
     refuse_heal_options(config)
-    store = job_store()
-    if store is None:
-        raise RuntimeError("--on-worker-failure heal needs loom.init() under loom run (the launcher's store)")
+    store = healing_store()
     model.to(topology.device)
     quorum = Quorum.from_env(store)
-    job = HealingJob(model, optimizer, call, topology, config, config.accumulate, quorum)
-    quorum.join()
+    return join_first_epoch(HealingJob(model, optimizer, call, topology, config, config.accumulate, quorum))
+
+
+def join_first_epoch(job: HealingJobT) -> HealingJobT:
+    """Join the quorum (a first start and a replacement alike) and take the state of a live member."""
+    job.quorum.join()
     try:
         job._adopt_epoch()
     except Exception as error:
-        print(f"loom: rank {topology.rank}: first epoch failed while forming ({error}); re-forming",
+        print(f"loom: rank {job.topology.rank}: first epoch failed while forming ({error}); re-forming",
               file=sys.stderr, flush=True)  # fmt: skip
         job._heal_reform()
     return job

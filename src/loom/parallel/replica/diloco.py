@@ -43,6 +43,7 @@ bitwise. State is per rank (``replicated_state = False``).
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,11 @@ class DiLoCo(ReplicaStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DiLoCoJob:
         """Check the replicas agree (model, inner and outer optimizer), start them from rank 0's parameters."""
+        if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":  # the rounds are the unit of commit
+            from loom.parallel.replica.healing_rounds import start_healing_rounds
+
+            healing = start_healing_rounds(model, optimizer, loss_fn, self.topology, self.config, "DiLoCo")
+            return healing  # type: ignore[return-value]
         topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "DiLoCo")
         job = DiLoCoJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
         if topo.is_distributed:

@@ -22,6 +22,7 @@ step records carry. The optimizer's state (momentum, Adam's moments) stays each 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,11 @@ class LocalSGD(ReplicaStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> LocalSGDJob:
         """Check that the replicas hold the same model and optimizer, start them from rank 0's parameters."""
+        if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":  # the rounds are the unit of commit
+            from loom.parallel.replica.healing_rounds import start_healing_rounds
+
+            healing = start_healing_rounds(model, optimizer, loss_fn, self.topology, self.config, "LocalSGD")
+            return healing  # type: ignore[return-value]
         topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "LocalSGD")
         return LocalSGDJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
 
