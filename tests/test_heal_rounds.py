@@ -216,8 +216,12 @@ def test_local_sgd_error_drops_the_round_on_every_member_and_it_is_redone(tmp_pa
     result, out, run_dir = run_rounds(tmp_path, "localsgd", faults)
     rounds = check_healed_rounds(result, out, run_dir, "localsgd", {})
     assert rounds == [[0, 1, 2]] * (STEPS // H)
-    step = int(faults.split(":")[1]) + faults.endswith("commit")  # after a round's vote: the next step drops
-    assert "dropped in epoch 1 (InjectedFault" in result.stderr and f"step {step} dropped" in result.stderr
+    step = int(faults.split(":")[1])
+    if faults.endswith("commit"):  # after a round's vote: the member that raised says so, the next step drops
+        assert f"step {step} failed after its commit in epoch 1 (InjectedFault" in result.stderr
+        assert f"step {step + 1} dropped" in result.stderr
+    else:
+        assert "dropped in epoch 1 (InjectedFault" in result.stderr and f"step {step} dropped" in result.stderr
 
 
 @pytest.mark.multiprocess

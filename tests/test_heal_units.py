@@ -173,7 +173,7 @@ def test_the_budgets_stop_the_job_naming_the_lost_ranks(monkeypatch):
 def vote_of(store: MemoryStore, rank: int, members: list[int], step: int, ok: bool) -> bool:
     quorum = Quorum.__new__(Quorum)  # no heartbeat thread: only the vote is under test
     quorum.store, quorum.rank, quorum.epoch, quorum.members = store, rank, 1, members
-    quorum.vote_timeout_s = 5.0
+    quorum.vote_timeout_s, quorum.committed = 5.0, 0
     return quorum.vote(step, ok)
 
 

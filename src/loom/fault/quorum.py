@@ -95,6 +95,8 @@ class Quorum:
         self.vote_timeout_s = _env_float("LOOM_HEAL_VOTE_TIMEOUT_S", 30.0)
         self.epoch_timeout_s = _env_float("LOOM_HEAL_EPOCH_TIMEOUT_S", 120.0)
         self.epoch = 0
+        self.committed = 0
+        """The highest step a vote of this member's committed (an error after it must not retry that step)."""
         self.members: list[int] = []
         self.group: dist.ProcessGroup | None = None
         self._stop = threading.Event()
@@ -164,6 +166,12 @@ class Quorum:
     # -- the commit vote ----------------------------------------------------------------------------------------
     def vote(self, step: int, ok: bool) -> bool:
         """This member's vote on step ``step`` of the current epoch; returns the one verdict (True: commit)."""
+        verdict = self._vote(step, ok)
+        if verdict:
+            self.committed = max(self.committed, step)
+        return verdict
+
+    def _vote(self, step: int, ok: bool) -> bool:
         key = f"q/{self.epoch}/s{step}/"
         verdict_key = key + "verdict"
         if ok:

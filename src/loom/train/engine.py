@@ -147,6 +147,11 @@ class Engine(Job):
     memory_every: int = MEMORY_EVERY
     """Steps 1, 2 and every ``memory_every``-th carry this rank's memory in their record: the training state by
     category and the step's peak RSS (`loom.observe.memory.StepMemory`, ~0.1 ms a sample); 0: never."""
+    _last_synchronized: StepState | None = None
+    """The last step that reached its synchronization (under healing: a step committed before this member failed
+    is not trained again, `train_step`)."""
+    _recorded: int = 0
+    """The number of the last step whose record was written."""
 
     @property
     def skipped_steps(self) -> int:
@@ -165,7 +170,7 @@ class Engine(Job):
         quorum = getattr(self.guard, "quorum", None)
         if quorum is None:
             return self._attempt(batch)
-        drops = 0
+        number, drops = self.step + 1, 0
         while True:
             try:
                 return self._attempt(batch)
@@ -173,17 +178,29 @@ class Engine(Job):
                 raise  # left out: this process ends; non-finite under "stop": every member raises the same
             except Exception as error:
                 drops += 1
-                if not isinstance(error, StepDropped):
+                committed = quorum.committed >= number
+                if not committed and not isinstance(error, StepDropped):
                     with contextlib.suppress(Exception):  # the others learn of it: a verdict, or our silence
-                        quorum.vote(self.step + 1, ok=False)
+                        quorum.vote(number, ok=False)
                 if drops > MAX_DROPS:
                     raise
-                print(f"loom: rank {self.topology.rank}: step {self.step + 1} dropped in epoch {quorum.epoch} "
+                what = "failed after its commit" if committed else "dropped"
+                print(f"loom: rank {self.topology.rank}: step {number} {what} in epoch {quorum.epoch} "
                       f"({type(error).__name__}: {str(error)[:120]}); "
                       "re-forming the quorum", file=sys.stderr, flush=True)  # fmt: skip
             # outside the except block: the error's traceback holds the frames that hold the epoch's group, and
             # the group closes its connections only once nothing holds it (`Quorum._abandon_group`)
             self._heal_reform()
+            synced = self._last_synchronized
+            if self.step >= number and synced is not None and synced.number == number:
+                # the vote had committed the step (every other member applied it) when this member failed:
+                # re-forming made it equal to a member that holds the step, so training the same global batch
+                # again would count it twice; the caller's next batch is the next step. Its share was in the
+                # step: its record is written now if the error came first
+                if self._recorded < number:
+                    self._record(synced)
+                    self._recorded = number
+                return synced.loss
 
     def _heal_reform(self) -> None:
         """Check in for the next membership epoch and make its members equal (`_adopt_epoch`); a failure while
@@ -219,6 +236,7 @@ class Engine(Job):
             computed = clock()
             self._synchronize(state)
             self._refuse_empty(state)
+            self._last_synchronized = state
             synchronized = clock()
             state.skipped = self.guard.judge(state.number, state.flags, state.ranks, state.gradient_finite)
             if not self._commit(state):
@@ -243,6 +261,7 @@ class Engine(Job):
                 applied - synchronized,
             )
             self._record(state)
+            self._recorded = state.number
             watch = self._straggler_watch()
             if watch is not None:
                 watch.add(*state.phases)
