@@ -221,7 +221,9 @@ def test_local_sgd_error_drops_the_round_on_every_member_and_it_is_redone(tmp_pa
         assert f"step {step} failed after its commit in epoch 1 (InjectedFault" in result.stderr
         assert f"step {step + 1} dropped" in result.stderr
     else:
-        assert "dropped in epoch 1 (InjectedFault" in result.stderr and f"step {step} dropped" in result.stderr
+        assert (
+            "dropped in epoch 1 (InjectedFault" in result.stderr and f"step {step} dropped" in result.stderr
+        )
 
 
 @pytest.mark.multiprocess

@@ -150,7 +150,7 @@ class Engine(Job):
     _last_synchronized: StepState | None = None
     """The last step that reached its synchronization (under healing: a step committed before this member failed
     is not trained again, `train_step`)."""
-    _recorded: int = 0
+    _last_recorded_step: int = 0
     """The number of the last step whose record was written."""
 
     @property
@@ -197,9 +197,9 @@ class Engine(Job):
                 # re-forming made it equal to a member that holds the step, so training the same global batch
                 # again would count it twice; the caller's next batch is the next step. Its share was in the
                 # step: its record is written now if the error came first
-                if self._recorded < number:
+                if self._last_recorded_step < number:
                     self._record(synced)
-                    self._recorded = number
+                    self._last_recorded_step = number
                 return synced.loss
 
     def _heal_reform(self) -> None:
@@ -261,7 +261,7 @@ class Engine(Job):
                 applied - synchronized,
             )
             self._record(state)
-            self._recorded = state.number
+            self._last_recorded_step = state.number
             watch = self._straggler_watch()
             if watch is not None:
                 watch.add(*state.phases)
