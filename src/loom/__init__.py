@@ -11,6 +11,9 @@ alone imports no torch, and ``loom.ray`` and ``loom.spark`` (running a job on Ra
 """
 
 import importlib
+import importlib.util
+import sys
+import types
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time each is imported on first use
@@ -127,6 +130,8 @@ def __getattr__(name: str) -> object:
     where = _LAZY.get(name)
     if where is None and name in _LAZY_MODULES:
         where = f"loom.{name}:"
+    if where is None and not name.startswith("_") and importlib.util.find_spec(f"loom.{name}") is not None:
+        where = f"loom.{name}:"  # a subpackage reached as an attribute, as when ``import loom`` imported them
     if where is None:
         raise AttributeError(f"module 'loom' has no attribute {name!r}")
     if where.endswith(":"):
@@ -135,6 +140,20 @@ def __getattr__(name: str) -> object:
         value = getattr(importlib.import_module(where), name)
     globals()[name] = value  # once: later lookups do not come here
     return value
+
+
+class _Package(types.ModuleType):
+    """``loom.fit`` is the function although ``loom/fit.py`` is also a submodule: importing that submodule (which
+    loom's own modules do) sets the package's attribute to the module, and this keeps the function there instead,
+    as importing the function after its module did when ``import loom`` imported everything."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "fit" and isinstance(value, types.ModuleType):
+            value = value.fit
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __dir__() -> list[str]:

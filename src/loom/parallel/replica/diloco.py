@@ -164,7 +164,10 @@ class DiLoCo(ReplicaStrategy):
         if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":  # the rounds are the unit of commit
             from loom.parallel.replica.healing_rounds import start_healing_rounds
 
-            healing = start_healing_rounds(model, optimizer, loss_fn, self.topology, self.config, "DiLoCo")
+            outer = self.config.outer_optimizer or default_outer_optimizer
+            healing = start_healing_rounds(
+                model, optimizer, loss_fn, self.topology, self.config, "DiLoCo", outer
+            )
             return healing  # type: ignore[return-value]
         topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "DiLoCo")
         job = DiLoCoJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)

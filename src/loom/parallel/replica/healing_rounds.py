@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,18 +118,16 @@ class HealingRounds(HealingJob):
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, loss_call: Any, topology: Topology,
-        config: Any, quorum: Quorum, outer: bool,
+        config: Any, quorum: Quorum, outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
     ) -> None:  # fmt: skip
         super().__init__(module, optimizer, loss_call, topology, config, config.accumulate, quorum)
         self.sync_every: int = config.sync_every
         self.global_params: list[torch.Tensor] = []
         """DiLoCo's global copy (what the outer optimizer steps; the same on every member)."""
         self.outer_optimizer: torch.optim.Optimizer | None = None
-        if outer:
-            from loom.parallel.replica.diloco import default_outer_optimizer
-
+        if outer_optimizer is not None:
             self.global_params = [p.detach().clone() for p in module.parameters()]
-            self.outer_optimizer = (config.outer_optimizer or default_outer_optimizer)(self.global_params)
+            self.outer_optimizer = outer_optimizer(self.global_params)
         self.averages = 0
         """Rounds committed by this job object (a counter for tests and reports)."""
         self._round: list[Any] = []
@@ -356,15 +355,16 @@ class HealingRounds(HealingJob):
 
 def start_healing_rounds(
     model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, topology: Topology | None, config: Any,
-    strategy: str,
+    strategy: str, outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
 ) -> HealingRounds:  # fmt: skip
     """`LocalSGD.setup` / `DiLoCo.setup` under ``--on-worker-failure heal``: refuse what a round cannot honour,
-    join the quorum, take a live member's state (every member takes the first member's at the first epoch)."""
+    join the quorum, take a live member's state (every member takes the first member's at the first epoch).
+    ``outer_optimizer``: DiLoCo's (its factory of the outer optimizer over the global copy); None for LocalSGD."""
     call = check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=True)
     refuse_round_options(config, strategy)
     store = healing_store()
     topo = topology if topology is not None else current()
     model.to(topo.device)
     quorum = Quorum.from_env(store)
-    job = HealingRounds(model, optimizer, call, topo, config, quorum, outer=strategy == "DiLoCo")
+    job = HealingRounds(model, optimizer, call, topo, config, quorum, outer_optimizer)
     return join_first_epoch(job)
