@@ -139,6 +139,16 @@ def _print_timings(found: dict, run_dir: Path, lost: dict[int, int]) -> None:
     for r, n in lost.items():
         for g in range(1, n + 1):
             d = found[(r, g)]
+            died = (
+                [k["time"] for k in kills if k["rank"] == r and k["time"] < d["steps"][0][1]]
+                if d["steps"]
+                else []
+            )
+            if (
+                died
+            ):  # with a spare (loom.launch.spare) the process started long before: the kill is the start
+                print(f"heal timing: rank {r} replacement {g}: kill -> its first trained step "
+                      f"{d['steps'][0][1] - max(died):.3f} s")  # fmt: skip
             if d["steps"]:
                 print(f"heal timing: rank {r} replacement {g}: process start -> first trained step "
                       f"{d['steps'][0][1] - d['started']:.3f} s (of which the interpreter, imports and loom.init "

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, seconds_setting
+from loom.launch.spare import Spare
 from loom.launch.spec import LaunchSpec
 from loom.launch.supervise import (
     LauncherStopped,
@@ -52,6 +53,7 @@ from loom.launch.supervise import (
     describe_exit,
     start_worker,
     stop_workers,
+    worker_env,
 )
 
 __all__ = ["Authority", "NodeAgent", "heal_across_nodes"]
@@ -272,8 +274,12 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     first = sum(sizes[:node])
     placement = Placement(first, world, node, spec.nnodes, host)
 
+    spare = Spare(worker_args, worker_env(first, spec.nproc, port, run_id, logs / "spare.error.json", "heal", 0,
+                                          placement))  # fmt: skip
+
     def start(rank: int, generation: int) -> Worker:
-        return start_worker(rank, spec.nproc, worker_args, port, run_id, logs, "heal", generation, placement)
+        return start_worker(rank, spec.nproc, worker_args, port, run_id, logs, "heal", generation, placement,
+                            spare if generation else None)  # fmt: skip
 
     def stop_on(signum: int, _frame: Any) -> None:
         raise LauncherStopped(signum)
@@ -282,6 +288,7 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     agent: NodeAgent | None = None
     try:
         agent = NodeAgent(node, first, spec.nproc, link, start)
+        spare.fill()  # after this node's workers: ready for its first replacement
         if server is None:
             return _follow(agent, link, host, port)
         job = LoomStore(prefix=f"loom/{run_id}/job/", server=server)
@@ -290,6 +297,7 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
         print(f"loom run: node {node} stopped by signal {stop}; its workers were terminated", file=sys.stderr)
         return 128 + stop.signum
     finally:
+        spare.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if agent is not None:

@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from loom.launch.spare import Spare
+
 __all__ = [
     "LauncherStopped",
     "Placement",
@@ -60,6 +62,7 @@ __all__ = [
     "describe_exit",
     "start_worker",
     "stop_workers",
+    "worker_env",
     "supervise_workers",
 ]
 
@@ -106,7 +109,7 @@ class Placement:
     master_addr: str
 
 
-def _env(
+def worker_env(
     rank: int, nproc: int, store_port: int, run_id: str, error_file: Path, policy: str = "continue",
     generation: int = 0, placement: Placement | None = None,
 ) -> dict[str, str]:  # fmt: skip
@@ -141,18 +144,19 @@ def _env(
 
 def start_worker(
     rank: int, nproc: int, worker_args: list[str], store_port: int, run_id: str, logs: Path,
-    policy: str = "continue", generation: int = 0, placement: Placement | None = None,
+    policy: str = "continue", generation: int = 0, placement: Placement | None = None, spare: Spare | None = None,
 ) -> Worker:  # fmt: skip
+    """Start worker ``rank`` (a replacement: ``generation`` > 0), as ``spare``'s ready process if it has one
+    (`loom.launch.spare`), else as a fresh ``python WORKER_ARGS``; its output is prefixed and logged."""
     name = f"rank{rank}" + (f".heal{generation}" if generation else "")
     error_file = logs / f"{name}.error.json"
     error_file.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, *worker_args],
-        env=_env(rank, nproc, store_port, run_id, error_file, policy, generation, placement),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    env = worker_env(rank, nproc, store_port, run_id, error_file, policy, generation, placement)
+    proc = spare.take(env) if spare is not None else None
+    if proc is None:
+        proc = subprocess.Popen(
+            [sys.executable, *worker_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     readers = []
     for stream, out, stream_name in (
         (proc.stdout, sys.stdout, "stdout"),
@@ -338,11 +342,19 @@ def supervise_workers(
         if heal is None:
             _watch(workers, failure)
         else:
+            spare = Spare(
+                worker_args, worker_env(0, nproc, store.port, run_id, logs / "spare.error.json", policy)
+            )
+            spare.fill()
 
             def start(rank: int, generation: int) -> Worker:
-                return start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy, generation)
+                return start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy, generation,
+                                    spare=spare)  # fmt: skip
 
-            _watch_healing(workers, heal, store, start, run_id)
+            try:
+                _watch_healing(workers, heal, store, start, run_id)
+            finally:
+                spare.close()
             return _healed_verdict(workers)
     except _JobFailed:
         stop_workers(workers, grace_s)

@@ -20,7 +20,8 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Ask the kernel to kill this process when its parent (the launcher) dies."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -49,7 +50,7 @@ def _run(argv: list[str]) -> None:
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    _die_with_parent()
+    die_with_parent()
     try:
         record(_run)(sys.argv[1:])  # records an exception for the launcher, then raises it again
     except Exception as error:
