@@ -153,6 +153,9 @@ class EventFigures:
     replacement_first_commit_steps: int | None
     replacement_first_contributing_s: float | None
     replacement_first_contributing_steps: int | None
+    kill_to_contributing_s: float | None
+    """From the kill to the replacement's first committed step with its own gradients (whatever its start)."""
+    kill_to_contributing_steps: int | None
     replacement_ready_s: float | None
     replacement_ready_to_commit_s: float | None
     replacement_ready_to_commit_steps: int | None
@@ -244,6 +247,10 @@ def event_figures(
         replacement_first_commit_steps=commit_steps,
         replacement_first_contributing_s=contributing_s,
         replacement_first_contributing_steps=contributing_steps,
+        kill_to_contributing_s=first_contributing["t"] - t0 if first_contributing else None,
+        kill_to_contributing_steps=(
+            first_contributing["step"] - _last_step_before(records, t0) if first_contributing else None
+        ),
         replacement_ready_s=ready_s,
         replacement_ready_to_commit_s=ready_commit_s,
         replacement_ready_to_commit_steps=ready_commit_steps,
@@ -278,6 +285,8 @@ def summarize(records: list[dict[str, Any]], replicas: int) -> dict[str, Any]:
         "replacement_first_commit_steps",
         "replacement_first_contributing_s",
         "replacement_first_contributing_steps",
+        "kill_to_contributing_s",
+        "kill_to_contributing_steps",
         "replacement_ready_s",
         "replacement_ready_to_commit_s",
         "replacement_ready_to_commit_steps",

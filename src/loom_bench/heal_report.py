@@ -22,6 +22,8 @@ ROWS = [
     ("replacement_first_commit_steps", "(b) ... in steps after its start"),
     ("replacement_first_contributing_s", "(b') replacement start -> first step with its gradients, s"),
     ("replacement_first_contributing_steps", "(b') ... in steps after its start"),
+    ("kill_to_contributing_s", "(d) kill -> the replacement's first step with its gradients, s"),
+    ("kill_to_contributing_steps", "(d) ... in steps after the kill"),
     ("replacement_ready_s", "replacement start -> ready (imports, init, setup), s"),
     ("replacement_ready_to_commit_s", "(b°) replacement ready -> first step with its gradients, s"),
     ("replacement_ready_to_commit_steps", "(b°) ... in steps after ready"),
@@ -30,14 +32,16 @@ ROWS = [
 DEFINITIONS = """\
 How the figures are taken (`loom_bench.heal_records`): each worker appends a line per attempt at a step (step
 number, committed or not, participants, whether its own gradients were in, pid, wall time) and a line when its
-script starts (before torch is imported); the harness SIGKILLs replica R's process once it has committed step S
+script starts (before torch is imported; under loom a replacement may be a spare process that imported torch
+before the kill, `loom.launch.spare`, and its script starts when it takes the rank); the harness SIGKILLs replica R's process once it has committed step S
 with every replica present, and writes the kill's time. (a) is the time from the kill to the last survivor's next
 committed step, which can be the step in flight when the kill came after its exchange; (a*) the time to the last
 survivor's first commit of a step begun after the kill (the stall the kill causes); (b) the time from the replacement's first line to its first committed step, and that step's
 number less the job's committed steps when the replacement started (1 = the very next step); (b') the same to its
 first committed step with its own gradients averaged in (torchft lets a replica commit the step it heals in
 without contributing); (b°) the same from the replacement's `ready` line (imports, joining the job and the model's
-setup done, just before its first step), so that start-up is told apart from joining; (c) the most attempts one survivor made between the kill and (a*) that were not
+setup done, just before its first step), so that start-up is told apart from joining; (d) the time from the kill
+to the replacement's first committed step with its own gradients, whatever its process's start; (c) the most attempts one survivor made between the kill and (a*) that were not
 committed; (c') (a*) divided by the median healthy step (consecutive committed steps at full membership), which
 also counts a retry that a side does not report. Medians are over the kills that reached the figure (n)."""
 

@@ -31,8 +31,7 @@ __all__ = ["MAX_REQUEST", "Spare", "main"]
 
 MAX_REQUEST = 1 << 20
 """The longest request line a spare reads (the environment and arguments of one worker)."""
-WARM = ("torch", "torch.distributed", "loom.parallel", "loom.fit", "loom.launch.worker", "torch._dynamo",
-        "torch.nn.parallel", "torch.distributed.algorithms.ddp_comm_hooks", "torch.distributed.nn")  # fmt: skip
+WARM = ("torch", "torch.distributed", "loom.parallel", "loom.fit", "loom.launch.worker", "torch._dynamo")
 """What a spare imports while it waits: what every worker imports first, and what its first optimizer and step
 import (torch.optim's compile hook imports dynamo, and sympy with it: about a second of CPU)."""
 
