@@ -70,17 +70,19 @@ def test_fault_plans_parse_and_refuse_malformed_items():
 
 
 @pytest.mark.parametrize(
-    "make",
+    "make, why",
     [
-        lambda: loom.Gossip(topology=ONE),
-        lambda: loom.ParameterServer(mode="async", topology=ONE),
+        (lambda: loom.Gossip(topology=ONE), "membership that changes between steps"),
+        (lambda: loom.ParameterServer(mode="async", topology=ONE), "membership that changes between steps"),
+        (lambda: loom.ShardedDataParallel(topology=ONE), "only copy of its shard of the optimizer state"),
+        (lambda: loom.Pipeline(stages=1, topology=ONE), "only copy of its stage or shard of the model"),
     ],
 )
-def test_strategies_that_cannot_heal_refuse_it_naming_the_ones_that_can(make, monkeypatch):
+def test_strategies_that_cannot_heal_refuse_it_naming_the_ones_that_can(make, why, monkeypatch):
     monkeypatch.setenv("LOOM_ON_WORKER_FAILURE", "heal")
     model = nn.Linear(2, 1)
-    with pytest.raises(ValueError, match=r"--on-worker-failure heal: .* cannot heal .*HINT: use a strategy that heals: "
-                       r"DataParallel, LocalSGD, DiLoCo"):  # fmt: skip
+    with pytest.raises(ValueError, match=rf"--on-worker-failure heal: .* cannot heal .*{why}.*HINT: use a strategy "
+                       r"that heals: DataParallel, LocalSGD, DiLoCo"):  # fmt: skip
         make().setup(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss)
 
 

@@ -28,6 +28,18 @@ HEALS = "DataParallel, LocalSGD, DiLoCo"
 """The strategies that heal a lost worker (``--on-worker-failure heal``): a replacement copies a live peer."""
 
 
+def _why_no_heal(strategy: str) -> str:
+    """Why ``strategy`` cannot heal, in the words a user can check against what the strategy keeps where."""
+    if strategy.startswith("ShardedDataParallel"):
+        return ("each rank holds the only copy of its shard of the optimizer state (and, at zero=2 and 3, of the "
+                "gradients and parameters), so a lost rank's shard is nowhere to heal from")  # fmt: skip
+    if strategy.startswith(("Pipeline", "TensorParallel", "Hybrid", "a model-parallel job")):
+        return (
+            "each rank holds the only copy of its stage or shard of the model, so a lost rank's part is lost"
+        )
+    return "its replacement would need a membership that changes between steps"
+
+
 def check_failure_policy(strategy: str, survives_lost_worker: bool, heals: bool = False) -> None:
     """Refuse to start ``strategy`` under ``loom run --on-worker-failure continue`` (``LOOM_ON_WORKER_FAILURE``)
     unless ``survives_lost_worker``: the policy promises that the other workers go on, and a strategy whose ranks
@@ -37,9 +49,8 @@ def check_failure_policy(strategy: str, survives_lost_worker: bool, heals: bool 
     policy = os.environ.get("LOOM_ON_WORKER_FAILURE", "stop")
     if policy == "heal" and not heals:
         raise StartRefused(
-            f"--on-worker-failure heal: {strategy} cannot heal a lost worker (its replacement would need a "
-            f"membership that changes between steps). HINT: use a strategy that heals: {HEALS}; or "
-            "--on-worker-failure stop with --max-restarts N"
+            f"--on-worker-failure heal: {strategy} cannot heal a lost worker ({_why_no_heal(strategy)}). HINT: "
+            f"use a strategy that heals: {HEALS}; or --on-worker-failure stop with --max-restarts N"
         )
     if policy != "continue" or survives_lost_worker:
         return
