@@ -96,6 +96,9 @@ class HealingJob(Engine):
         self.trained_by: list[int] = []
         """The ranks of the members that trained the last committed step (each on its share)."""
         self._synced = False
+        self.joined_running = False
+        """This process is a replacement that took a live member's state (`loom.fit` then resumes no checkpoint:
+        the state it holds is newer)."""
         self._trainable = [p for p in module.parameters() if p.requires_grad]
 
     # -- membership ---------------------------------------------------------------------------------------------
@@ -116,6 +119,7 @@ class HealingJob(Engine):
         )
         if load:
             self.step = step
+            self.joined_running = self.joined_running or replacement
         self._synced = True
         print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} members {quorum.members} at step {self.step}"
               f"{' (state received from rank ' + str(quorum.members[source]) + ')' if load else ''}",
@@ -197,6 +201,18 @@ class HealingJob(Engine):
         self.trained_by = list(state.ranks)
         if state.work.get("pending"):
             self._heal_reform()
+
+    # -- checkpoints (`loom.fit`) ---------------------------------------------------------------------------------
+    checkpoint_topology = _ALONE
+    """A checkpoint is written by one member without collectives (the default group is a group of one under
+    heal, and the members change between steps); every member holds the same replicated state."""
+
+    def writes_checkpoint(self) -> bool:
+        """Whether this member writes the checkpoint of the step just committed: the first member of the epoch
+        that committed it (every member computes the same answer from the same membership, so each checkpoint
+        has one writer; a checkpoint whose writer dies before publishing it is not written, and the previous one
+        stays the newest)."""
+        return (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     # -- state --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""Scripts as users write them, run under ``loom run --on-worker-failure heal`` by tests/test_heal_probe.py.
+
+``heal_probe_train.py MODE OUT``: a float64 MLP, Adam, 256 samples in global batches of 32 (8 steps an epoch),
+``HP_EPOCHS`` epochs. MODE ``fit``: ``loom.fit(job, loader, epochs=..., checkpoint_dir=HP_CKPT,
+checkpoint_every=5)`` (the README's script); ``loop``: an own loop ``for epoch in range(loader.epoch, EPOCHS)``
+over ``job.loader`` with ``job.train_step``, printing on rank 0 only; ``loop0``: the same loop counted from 0,
+which a replacement (it starts at the committed step) runs past the job's end. Each process writes its pid once
+it has trained ``HP_MARK_STEP`` steps (``OUT/pid.RANK.GEN``, for the test's ``kill -9``) and, at the end, its
+step and final parameters (``OUT/final.RANK.GEN.json``). Each training forward rests ``HP_PAUSE_S``. Run alone
+(plain ``python``) it is the one-process reference on the same global batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import loom
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+EPOCHS = int(os.environ.get("HP_EPOCHS", "8"))
+PAUSE_S = float(os.environ.get("HP_PAUSE_S", "0"))
+MARK_STEP = int(os.environ.get("HP_MARK_STEP", "3"))
+
+topo = loom.init()
+rank, gen = topo.rank, int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0)
+g = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(
+    torch.randn(256, 8, generator=g, dtype=torch.float64),
+    torch.randn(256, 4, generator=g, dtype=torch.float64),
+)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+job = loom.DataParallel().setup(model, optimizer, nn.functional.mse_loss)
+
+
+def pace(module: nn.Module, _args: object) -> None:
+    if module.training:
+        if job.step >= MARK_STEP and not (out / f"pid.{rank}.{gen}").exists():
+            (out / f"pid.{rank}.{gen}").write_text(str(os.getpid()))
+        time.sleep(PAUSE_S)
+
+
+model.register_forward_pre_hook(pace)
+loader = job.loader(data, global_batch_size=32, seed=0)
+if mode == "fit":
+    result = loom.fit(job, loader, epochs=EPOCHS, checkpoint_dir=os.environ["HP_CKPT"], checkpoint_every=5,
+                      progress=False)  # fmt: skip
+    print(f"fit: {result.steps} steps, resumed from {result.resumed_from}", flush=True)
+else:
+    loss = float("nan")
+    for epoch in range(loader.epoch if mode == "loop" else 0, EPOCHS):
+        for batch in loader:
+            loss = job.train_step(batch)
+        if rank == 0:
+            print(f"epoch {epoch} loss {loss:.6f} step {job.step}", flush=True)
+final = {"step": job.step, "params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+(out / f"final.{rank}.{gen}.json").write_text(json.dumps(final))
