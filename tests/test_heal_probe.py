@@ -105,3 +105,15 @@ def test_an_own_loop_from_loader_epoch_heals_and_one_counted_from_0_stops_at_onc
     assert wrong.returncode == 1
     assert "JobEnded: rank 0: rank" in wrong.stderr and "range(loader.epoch, EPOCHS)" in wrong.stderr
     assert "waited to train step 41" in wrong.stderr
+
+
+@pytest.mark.system
+def test_a_replacement_that_claims_a_step_far_ahead_stops_the_job_instead_of_being_copied(tmp_path):
+    # Before: the members copied the state of the member with the highest claimed step, so every survivor
+    # loaded the liar's fresh model and jumped to step 1,000,000, and the job went on (exit 0) with garbage.
+    lied = launch(tmp_path / "lie", "loop", "--on-worker-failure", "heal", kill_rank=1, HP_EPOCHS="5",
+                  HP_PAUSE_S="0.05", HP_LIE="1")  # fmt: skip
+    assert lied.returncode == 1, lied.stderr[-3000:]
+    assert "claim different committed steps" in lied.stderr and "rank 1: 1000000" in lied.stderr
+    assert "at step 1000000 (state received" not in lied.stderr
+    assert all(final["step"] < 1_000_000 for final in finals(tmp_path / "lie").values())

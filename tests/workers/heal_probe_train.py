@@ -4,9 +4,11 @@
 ``HP_EPOCHS`` epochs. MODE ``fit``: ``loom.fit(job, loader, epochs=..., checkpoint_dir=HP_CKPT,
 checkpoint_every=5)`` (the README's script); ``loop``: an own loop ``for epoch in range(loader.epoch, EPOCHS)``
 over ``job.loader`` with ``job.train_step``, printing on rank 0 only; ``loop0``: the same loop counted from 0,
-which a replacement (it starts at the committed step) runs past the job's end. Each process writes its pid once
+which a replacement (it starts at the committed step) runs past the job's end. ``HP_LIE=1``: a replacement
+claims the committed step 1,000,000 when it joins. Each process writes its pid once
 it has trained ``HP_MARK_STEP`` steps (``OUT/pid.RANK.GEN``, for the test's ``kill -9``) and, at the end, its
-step and final parameters (``OUT/final.RANK.GEN.json``). Each training forward rests ``HP_PAUSE_S``. Run alone
+step and final parameters (``OUT/final.RANK.GEN.json``). Each training forward rests ``HP_PAUSE_S``, and
+under heal, while a member is missing, waits for its replacement to be ready (so that it joins before the end). Run alone
 (plain ``python``) it is the one-process reference on the same global batches.
 """
 
@@ -38,6 +40,16 @@ data = torch.utils.data.TensorDataset(
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+if os.environ.get("HP_LIE") and gen > 0:  # a replacement that claims a committed step far ahead
+    from loom.parallel.data import healing
+
+    honest = healing.HealingJob._adopt_epoch
+
+    def lying(self: healing.HealingJob) -> None:
+        self._synced, self.step = True, 1_000_000
+        honest(self)
+
+    healing.HealingJob._adopt_epoch = lying  # type: ignore[method-assign]
 job = loom.DataParallel().setup(model, optimizer, nn.functional.mse_loss)
 
 
@@ -46,6 +58,16 @@ def pace(module: nn.Module, _args: object) -> None:
         if job.step >= MARK_STEP and not (out / f"pid.{rank}.{gen}").exists():
             (out / f"pid.{rank}.{gen}").write_text(str(os.getpid()))
         time.sleep(PAUSE_S)
+        quorum = getattr(
+            job, "quorum", None
+        )  # under heal: while a member is missing, wait (60 s at most) for
+        deadline = (
+            time.monotonic() + 60
+        )  # its replacement to be ready, so that it joins however slow its start
+        while quorum is not None and quorum.size < topo.world_size and time.monotonic() < deadline:
+            if quorum.join_pending():
+                break
+            time.sleep(0.05)
 
 
 model.register_forward_pre_hook(pace)

@@ -180,7 +180,7 @@ class Quorum:
             "starts at the job's committed step (its job.loader there), not at step 0. HINT: count an own loop "
             "from the job's position (`for epoch in range(loader.epoch, EPOCHS)`, or `while job.step < STEPS`) "
             "or train with loom.fit(job, loader, epochs=...), which does"
-        )
+        ) from None
 
     def join_pending(self) -> bool:
         """Whether the launcher has a replacement ready to join (it marks ``q/E/pending``): the members then

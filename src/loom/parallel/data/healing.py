@@ -46,9 +46,16 @@ from loom.train.engine import Engine, StepState
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
 
-__all__ = ["HealingJob", "healing_metrics_path", "refuse_heal_options"]
+__all__ = ["HealConflict", "HealingJob", "healing_metrics_path", "refuse_heal_options"]
 
 _ALONE = Topology(0, 1, 0, 1, "none")
+
+
+class HealConflict(RuntimeError):
+    """The members of a new epoch disagree on the committed step: copying the highest would spread whatever the
+    member claiming it holds (`HealingJob._adopt_epoch`). Not retried: the job stops, naming each claim."""
+
+    loom_not_retried = True
 
 
 def healing_metrics_path() -> str | None:
@@ -111,6 +118,16 @@ class HealingJob(Engine):
         steps[quorum.index] = self.step if self._synced else -1
         all_reduce_sum(steps, group)
         listed = steps.tolist()
+        trained = {s for s in listed if s >= 0}
+        if len(trained) > 1:  # every member that trained committed the same steps (one verdict per step)
+            described = ", ".join(
+                f"rank {r}: {s}" for r, s in zip(quorum.members, listed, strict=True) if s >= 0
+            )
+            raise HealConflict(
+                f"rank {self.topology.rank}: the members of epoch {quorum.epoch} claim different committed steps "
+                f"({described}); members that trained all committed the same steps, so one of them is wrong (a "
+                "process that loaded other state, or a lying worker): no state is copied and the job stops"
+            )
         source = source_of(listed)
         load = not self._synced or listed[quorum.index] < listed[source]
         replacement = listed[source] >= 0 and -1 in listed
@@ -240,6 +257,8 @@ def start_healing(
     try:
         job._adopt_epoch()
     except Exception as error:
+        if isinstance(error, HealConflict):
+            raise
         print(f"loom: rank {topology.rank}: first epoch failed while forming ({error}); re-forming",
               file=sys.stderr, flush=True)  # fmt: skip
         job._heal_reform()
