@@ -117,3 +117,25 @@ def test_a_replacement_that_claims_a_step_far_ahead_stops_the_job_instead_of_bei
     assert "claim different committed steps" in lied.stderr and "rank 1: 1000000" in lied.stderr
     assert "at step 1000000 (state received" not in lied.stderr
     assert all(final["step"] < 1_000_000 for final in finals(tmp_path / "lie").values())
+
+
+@pytest.mark.system
+def test_the_checkpoint_writer_killed_inside_its_save_loses_that_checkpoint_only_and_the_job_resumes_under_heal(
+    tmp_path,
+):
+    # Rank 0, the first member and so the writer, is SIGKILLed after writing its file of checkpoint 10 and
+    # before the manifest: the survivors do not wait for it, rank 1 writes the next ones, nothing half-written
+    # is left, and a second healed run resumes from the last one.
+    ckpt = tmp_path / "ckpt"
+    healed = launch(tmp_path / "healed", "fit", "--on-worker-failure", "heal", HP_EPOCHS="4", HP_PAUSE_S="0.05",
+                    HP_CKPT=str(ckpt), HP_KEEP="100", HP_DIE_IN_SAVE="10")  # fmt: skip
+    assert healed.returncode == 0, healed.stderr[-3000:]
+    assert "worker rank 0 was killed by SIGKILL; starting its replacement" in healed.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest"] + [
+        f"step-{s:08d}" for s in (5, 15, 20, 25, 30, 32)
+    ]
+    assert_equal_to(reference(tmp_path, 4), tmp_path / "healed", 32)
+    again = launch(tmp_path / "again", "fit", "--on-worker-failure", "heal", HP_EPOCHS="5", HP_CKPT=str(ckpt))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("fit: 40 steps, resumed from 32") == 3
+    assert_equal_to(reference(tmp_path, 5), tmp_path / "again", 40)

@@ -5,7 +5,8 @@
 checkpoint_every=5)`` (the README's script); ``loop``: an own loop ``for epoch in range(loader.epoch, EPOCHS)``
 over ``job.loader`` with ``job.train_step``, printing on rank 0 only; ``loop0``: the same loop counted from 0,
 which a replacement (it starts at the committed step) runs past the job's end. ``HP_LIE=1``: a replacement
-claims the committed step 1,000,000 when it joins. Each process writes its pid once
+claims the committed step 1,000,000 when it joins. ``HP_DIE_IN_SAVE=S``: a first process that writes the
+checkpoint of step S kills itself (SIGKILL) after writing its file, before publishing the manifest. Each process writes its pid once
 it has trained ``HP_MARK_STEP`` steps (``OUT/pid.RANK.GEN``, for the test's ``kill -9``) and, at the end, its
 step and final parameters (``OUT/final.RANK.GEN.json``). Each training forward rests ``HP_PAUSE_S``, and
 under heal, while a member is missing, waits for its replacement to be ready (so that it joins before the end). Run alone
@@ -71,10 +72,24 @@ def pace(module: nn.Module, _args: object) -> None:
 
 
 model.register_forward_pre_hook(pace)
+DIE_IN_SAVE = int(os.environ.get("HP_DIE_IN_SAVE", "0"))
+if DIE_IN_SAVE and gen == 0:  # the checkpoint's writer SIGKILLed after its file, before the manifest
+    import signal
+
+    from loom import fit_checkpoint
+
+    publish = fit_checkpoint.publish
+
+    def dying_publish(directory: Path, staging: Path, step: int, *args: object, **kwargs: object) -> Path:
+        if step == DIE_IN_SAVE:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return publish(directory, staging, step, *args, **kwargs)  # type: ignore[arg-type]
+
+    fit_checkpoint.publish = dying_publish  # type: ignore[assignment]
 loader = job.loader(data, global_batch_size=32, seed=0)
 if mode == "fit":
     result = loom.fit(job, loader, epochs=EPOCHS, checkpoint_dir=os.environ["HP_CKPT"], checkpoint_every=5,
-                      progress=False)  # fmt: skip
+                      keep=int(os.environ.get("HP_KEEP", "3")), progress=False)  # fmt: skip
     print(f"fit: {result.steps} steps, resumed from {result.resumed_from}", flush=True)
 else:
     loss = float("nan")

@@ -113,12 +113,12 @@ class LaunchSpec:
                 f"--on-worker-failure continue runs one node without restarts; "
                 f"got --max-restarts {self.max_restarts}, --nnodes {self.nnodes}. HINT: drop one of them"
             )
-        _check_heal_options(self)
         if self.on_worker_failure == "heal" and self.max_restarts:
             raise ValueError(
                 f"--on-worker-failure heal replaces lost workers instead of restarting the group; got "
                 f"--max-restarts {self.max_restarts}. HINT: drop --max-restarts (--max-heals is heal's budget)"
             )
+        _check_heal_options(self)
         if not self.module and Path(self.target).is_dir():
             raise FileNotFoundError(
                 f"script {self.target!r} is a directory. HINT: give the training script's path"
