@@ -257,7 +257,7 @@ def start_healing(
     try:
         job._adopt_epoch()
     except Exception as error:
-        if isinstance(error, HealConflict):
+        if getattr(error, "loom_not_retried", False):  # (HealConflict, HealStateRefused)
             raise
         print(f"loom: rank {topology.rank}: first epoch failed while forming ({error}); re-forming",
               file=sys.stderr, flush=True)  # fmt: skip
