@@ -5,6 +5,7 @@ of a healed run are resumed by a plain ``loom run``. Worker: tests/workers/heal_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -98,10 +99,10 @@ def test_an_own_loop_from_loader_epoch_heals_and_one_counted_from_0_stops_at_onc
                     HP_PAUSE_S="0.05")  # fmt: skip
     assert healed.returncode == 0, healed.stderr[-3000:]
     assert_equal_to(reference(tmp_path, 5), tmp_path / "loop", 40)
-    # Counted from 0, rank 0's replacement wants steps past the job's end. Before: it waited its whole epoch
+    # Counted from 0, rank 0's replacement (killed in epoch 1, after step 10) wants steps past the job's end. Before: it waited its whole epoch
     # timeout for an epoch that never forms (120 s; 600 s here, past this test's timeout), then exit 1 unexplained.
     wrong = launch(tmp_path / "loop0", "loop0", "--on-worker-failure", "heal", kill_rank=0, HP_EPOCHS="5",
-                   HP_PAUSE_S="0.05", LOOM_HEAL_EPOCH_TIMEOUT_S="600")  # fmt: skip
+                   HP_PAUSE_S="0.05", LOOM_HEAL_EPOCH_TIMEOUT_S="600", HP_MARK_STEP="10")  # fmt: skip
     assert wrong.returncode == 1
     assert "JobEnded: rank 0: rank" in wrong.stderr and "range(loader.epoch, EPOCHS)" in wrong.stderr
     assert "waited to train step 41" in wrong.stderr
@@ -139,3 +140,60 @@ def test_the_checkpoint_writer_killed_inside_its_save_loses_that_checkpoint_only
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("fit: 40 steps, resumed from 32") == 3
     assert_equal_to(reference(tmp_path, 5), tmp_path / "again", 40)
+
+
+def _attack_the_store(port: int) -> list[str]:
+    """Heal's keys written by a process of the machine without the job's secret, through loom's own client with
+    a wrong secret and as raw bytes: every attempt must be refused (the list of those that got through)."""
+    import datetime
+    import socket
+
+    from loom.net.store import LoomStore
+
+    through = []
+    for key, value in (("q/end", "0"), ("q/2/dead", "0"), ("q/2/members", "0:0"), ("q/latest", "99"),
+                       ("ready/1", "7"), ("0/order/1", "start 1 9"), ("0/orders", "1")):  # fmt: skip
+        for prefix in ("", "loom/"):
+            client = LoomStore("127.0.0.1", port, b"not the job's secret", prefix=prefix,
+                               timeout=datetime.timedelta(seconds=2), connect_timeout_s=2, io_timeout_s=2)  # fmt: skip
+            try:
+                client.set(key, value)
+                through.append(f"set {prefix}{key}")
+            except Exception:  # noqa: BLE001 - refused: what we want
+                pass
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # raw bytes, no handshake: had
+        raw.settimeout(5)  # this set q/end, the members would stop (JobEnded) and the job would fail
+        with contextlib.suppress(OSError):
+            raw.sendall(b"\x02\x00\x00\x00\x02\x00\x00\x00\x05q/end\x00\x00\x00\x010")
+            raw.recv(64)
+    return through
+
+
+@pytest.mark.system
+def test_a_process_without_the_secret_cannot_write_heals_keys_during_a_heal(tmp_path):
+    # While rank 1 is replaced, a local process tries heal's own keys (the end mark, a death mark, an epoch's
+    # members, a heal order) without the secret: each connection is refused at the handshake, and the job
+    # heals and finishes equal to one process.
+    out = tmp_path / "attacked"
+    out.mkdir()
+    attempts: list[str] = []
+
+    import threading
+
+    def attack() -> None:
+        mark = out / "port.0.0"
+        deadline = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        attempts.extend(_attack_the_store(int(mark.read_text())))
+        attempts.append("done")
+
+    thread = threading.Thread(target=attack, daemon=True)
+    thread.start()
+    healed = launch(out, "loop", "--on-worker-failure", "heal", kill_rank=1, HP_EPOCHS="5", HP_PAUSE_S="0.05")
+    thread.join(60)
+    assert attempts and attempts[-1] == "done", attempts
+    assert attempts == ["done"], f"got through without the secret: {attempts}"
+    assert healed.returncode == 0, healed.stderr[-3000:]
+    assert_equal_to(reference(tmp_path, 5), out, 40)

@@ -57,6 +57,7 @@ job = loom.DataParallel().setup(model, optimizer, nn.functional.mse_loss)
 def pace(module: nn.Module, _args: object) -> None:
     if module.training:
         if job.step >= MARK_STEP and not (out / f"pid.{rank}.{gen}").exists():
+            (out / f"port.{rank}.{gen}").write_text(os.environ.get("MASTER_PORT", ""))  # the job's store
             (out / f"pid.{rank}.{gen}").write_text(str(os.getpid()))
         time.sleep(PAUSE_S)
         quorum = getattr(
