@@ -48,11 +48,11 @@ def launch(out: Path, mode: str, *args: str, kill_rank: int | None = None, timeo
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def reference(tmp_path: Path, epochs: int) -> list[float]:
+def reference(tmp_path: Path, epochs: int, mode: str = "loop") -> list[float]:
     """The script as one plain process (no launcher) on the same global batches: its final parameters."""
-    out = tmp_path / f"ref{epochs}"
+    out = tmp_path / f"ref{epochs}{mode}"
     out.mkdir()
-    subprocess.run([sys.executable, str(SCRIPT), "loop", str(out)], env=_env(HP_EPOCHS=str(epochs)), check=True,
+    subprocess.run([sys.executable, str(SCRIPT), mode, str(out)], env=_env(HP_EPOCHS=str(epochs)), check=True,
                    timeout=120, capture_output=True)  # fmt: skip
     return flat(json.loads((out / "final.0.0.json").read_text()))
 
@@ -197,3 +197,25 @@ def test_a_process_without_the_secret_cannot_write_heals_keys_during_a_heal(tmp_
     assert attempts == ["done"], f"got through without the secret: {attempts}"
     assert healed.returncode == 0, healed.stderr[-3000:]
     assert_equal_to(reference(tmp_path, 5), out, 40)
+
+
+@pytest.mark.system
+def test_loaders_that_give_members_different_batches_are_refused_at_the_step_naming_job_loader(tmp_path):
+    # Before: a DistributedSampler's DataLoader under heal trained each step on a third of each member's third
+    # (the job cuts every member's share again) and finished, exit 0, away from one process, with no message.
+    sharded = launch(tmp_path / "sampler", "sampler", "--on-worker-failure", "heal", HP_EPOCHS="2")
+    assert sharded.returncode == 1
+    assert (
+        "DifferentBatches: rank" in sharded.stderr
+        and "step 1: the members were given different" in sharded.stderr
+    )
+    assert "job.loader(dataset, global_batch_size=...)" in sharded.stderr
+    # A plain DataLoader of whole batches is the same in every process: it heals nothing but trains right ...
+    plain = launch(tmp_path / "plain", "dataloader", "--on-worker-failure", "heal", HP_EPOCHS="2")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert_equal_to(reference(tmp_path, 2, "dataloader"), tmp_path / "plain", 16)
+    # ... until a replacement's own DataLoader starts at its epoch's first batch while the others are past it
+    healed = launch(tmp_path / "killed", "dataloader", "--on-worker-failure", "heal", kill_rank=1, HP_EPOCHS="4",
+                    HP_PAUSE_S="0.05", HP_MARK_STEP="10")  # fmt: skip
+    assert healed.returncode == 1
+    assert "DifferentBatches: rank" in healed.stderr and "starts at its epoch's first batch" in healed.stderr

@@ -4,7 +4,9 @@
 ``HP_EPOCHS`` epochs. MODE ``fit``: ``loom.fit(job, loader, epochs=..., checkpoint_dir=HP_CKPT,
 checkpoint_every=5)`` (the README's script); ``loop``: an own loop ``for epoch in range(loader.epoch, EPOCHS)``
 over ``job.loader`` with ``job.train_step``, printing on rank 0 only; ``loop0``: the same loop counted from 0,
-which a replacement (it starts at the committed step) runs past the job's end. ``HP_LIE=1``: a replacement
+which a replacement (it starts at the committed step) runs past the job's end; ``sampler``: the loop from 0
+over a ``DataLoader`` with a ``DistributedSampler`` (each rank's share); ``dataloader``: over a plain
+``DataLoader`` of whole global batches. ``HP_LIE=1``: a replacement
 claims the committed step 1,000,000 when it joins. ``HP_DIE_IN_SAVE=S``: a first process that writes the
 checkpoint of step S kills itself (SIGKILL) after writing its file, before publishing the manifest. Each process writes its pid once
 it has trained ``HP_MARK_STEP`` steps (``OUT/pid.RANK.GEN``, for the test's ``kill -9``) and, at the end, its
@@ -87,14 +89,20 @@ if DIE_IN_SAVE and gen == 0:  # the checkpoint's writer SIGKILLed after its file
         return publish(directory, staging, step, *args, **kwargs)  # type: ignore[arg-type]
 
     fit_checkpoint.publish = dying_publish  # type: ignore[assignment]
-loader = job.loader(data, global_batch_size=32, seed=0)
+if mode == "sampler":  # the DDP tutorial's loader: this rank's share of each batch of 32
+    sampler = torch.utils.data.DistributedSampler(data, topo.world_size, topo.rank, shuffle=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=32 // topo.world_size, sampler=sampler)
+elif mode == "dataloader":  # a DataLoader of whole global batches, the same in every process
+    loader = torch.utils.data.DataLoader(data, batch_size=32)
+else:
+    loader = job.loader(data, global_batch_size=32, seed=0)
 if mode == "fit":
     result = loom.fit(job, loader, epochs=EPOCHS, checkpoint_dir=os.environ["HP_CKPT"], checkpoint_every=5,
                       keep=int(os.environ.get("HP_KEEP", "3")), progress=False)  # fmt: skip
     print(f"fit: {result.steps} steps, resumed from {result.resumed_from}", flush=True)
 else:
     loss = float("nan")
-    for epoch in range(loader.epoch if mode == "loop" else 0, EPOCHS):
+    for epoch in range(loader.epoch if mode == "loop" else 0, EPOCHS):  # (a DataLoader has no epoch)
         for batch in loader:
             loss = job.train_step(batch)
         if rank == 0:

@@ -28,9 +28,11 @@ from __future__ import annotations
 import math
 import os
 import sys
+import zlib
 from typing import Any
 
 import torch
+import torch.utils._pytree
 from torch import nn
 
 from loom.data.sampler import share_bounds
@@ -56,6 +58,25 @@ class HealConflict(RuntimeError):
     member claiming it holds (`HealingJob._adopt_epoch`). Not retried: the job stops, naming each claim."""
 
     loom_not_retried = True
+
+
+class DifferentBatches(ValueError):
+    """The members were given different batches for one step (a loader sharded by rank): not retried."""
+
+    loom_not_retried = True
+
+
+def batch_fingerprint(batch: Any) -> int:
+    """1..251 from the shapes and first 4 KiB of each tensor of ``batch``: equal on members given the same batch;
+    a rank-sharded loader's batches differ from the first sample. Small enough to be exact in any gradient dtype
+    (bfloat16 holds integers up to 256), so it rides in the step's all-reduce at no extra collective."""
+    crc = 0
+    for leaf in torch.utils._pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            head = leaf.detach().reshape(-1)[:4096].cpu().contiguous()
+            crc = zlib.crc32(str((tuple(leaf.shape), str(leaf.dtype))).encode(), crc)
+            crc = zlib.crc32(head.view(torch.uint8).numpy().tobytes(), crc)
+    return crc % 251 + 1
 
 
 def healing_metrics_path() -> str | None:
@@ -175,6 +196,7 @@ class HealingJob(Engine):
         lo, hi = share_bounds(total, self.quorum.index, self.quorum.size)
         state.total, state.local = total, hi - lo
         state.work["batch"] = slice_batch(whole, lo, hi)
+        state.work["fingerprint"] = batch_fingerprint(whole)
 
     def _forward_backward(self, state: StepState) -> None:
         self._backward_share(state, self.accumulate, weight_of_total=True)
@@ -188,9 +210,10 @@ class HealingJob(Engine):
             p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._trainable
         ]
         n = sum(g.numel() for g in grads)
-        tail = torch.zeros(2 + quorum.size, dtype=grads[0].dtype if grads else torch.float32)
+        tail = torch.zeros(2 + 2 * quorum.size, dtype=grads[0].dtype if grads else torch.float32)
         tail[0] = state.loss_sum
         tail[2 + quorum.index] = state.flag
+        tail[2 + quorum.size + quorum.index] = state.work["fingerprint"]
         tail[1] = 1.0 if quorum.join_pending() else 0.0
         flat = torch.cat([*grads, tail])
         half = n // 2
@@ -206,7 +229,19 @@ class HealingJob(Engine):
             p.grad = piece.clone() if p.grad is None else p.grad.copy_(piece)
             offset += p.numel()
         loss_sum, state.work["pending"] = float(flat[n]), float(flat[n + 1]) > 0
-        state.flags, state.ranks = flat[n + 2 :].tolist(), list(quorum.members)
+        state.flags, state.ranks = flat[n + 2 : n + 2 + quorum.size].tolist(), list(quorum.members)
+        prints = flat[n + 2 + quorum.size :].tolist()
+        if len(set(prints)) > 1:  # the same verdict on every member: each holds the same sums
+            raise DifferentBatches(
+                f"rank {self.topology.rank}: step {state.number}: the members were given different global batches "
+                f"(members {quorum.members}, batch fingerprints {[int(f) for f in prints]}). Under "
+                "--on-worker-failure heal every member must load the same whole global batch and the job cuts "
+                "each one's share (by the members present): a loader sharded by rank (a DistributedSampler, a "
+                "share cut by RANK) would train on a fraction of each batch, and a replacement's own DataLoader "
+                "starts at its epoch's first batch, not at the job's committed step. HINT: iterate "
+                "job.loader(dataset, global_batch_size=...), which every member, a replacement too, reads from "
+                "the job's position"
+            )
         assert state.total
         state.loss = loss_sum / state.total
         state.gradient_finite = math.isfinite(loss_sum) and gradients_finite(
