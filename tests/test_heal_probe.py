@@ -74,6 +74,7 @@ def assert_equal_to(reference: list[float], out: Path, step: int) -> None:
 
 
 @pytest.mark.system
+@pytest.mark.timeout(240)
 def test_the_readme_fit_script_survives_rank_0_killed_and_its_checkpoints_resume_without_heal(tmp_path):
     # Before: loom.fit(checkpoint_dir=...) under heal failed at its first call on every rank (its resume
     # all-gathered over torch's default group, a group of one under heal: "invalid output tensor list").
@@ -94,6 +95,7 @@ def test_the_readme_fit_script_survives_rank_0_killed_and_its_checkpoints_resume
 
 
 @pytest.mark.system
+@pytest.mark.timeout(240)
 def test_an_own_loop_from_loader_epoch_heals_and_one_counted_from_0_stops_at_once_naming_the_fix(tmp_path):
     healed = launch(tmp_path / "loop", "loop", "--on-worker-failure", "heal", kill_rank=0, HP_EPOCHS="5",
                     HP_PAUSE_S="0.05")  # fmt: skip
@@ -109,6 +111,7 @@ def test_an_own_loop_from_loader_epoch_heals_and_one_counted_from_0_stops_at_onc
 
 
 @pytest.mark.system
+@pytest.mark.timeout(240)
 def test_a_replacement_that_claims_a_step_far_ahead_stops_the_job_instead_of_being_copied(tmp_path):
     # Before: the members copied the state of the member with the highest claimed step, so every survivor
     # loaded the liar's fresh model and jumped to step 1,000,000, and the job went on (exit 0) with garbage.
@@ -121,6 +124,7 @@ def test_a_replacement_that_claims_a_step_far_ahead_stops_the_job_instead_of_bei
 
 
 @pytest.mark.system
+@pytest.mark.timeout(240)
 def test_the_checkpoint_writer_killed_inside_its_save_loses_that_checkpoint_only_and_the_job_resumes_under_heal(
     tmp_path,
 ):
@@ -170,6 +174,7 @@ def _attack_the_store(port: int) -> list[str]:
 
 
 @pytest.mark.system
+@pytest.mark.timeout(240)
 def test_a_process_without_the_secret_cannot_write_heals_keys_during_a_heal(tmp_path):
     # While rank 1 is replaced, a local process tries heal's own keys (the end mark, a death mark, an epoch's
     # members, a heal order) without the secret: each connection is refused at the handshake, and the job
@@ -200,6 +205,7 @@ def test_a_process_without_the_secret_cannot_write_heals_keys_during_a_heal(tmp_
 
 
 @pytest.mark.system
+@pytest.mark.timeout(240)
 def test_loaders_that_give_members_different_batches_are_refused_at_the_step_naming_job_loader(tmp_path):
     # Before: a DistributedSampler's DataLoader under heal trained each step on a third of each member's third
     # (the job cuts every member's share again) and finished, exit 0, away from one process, with no message.
