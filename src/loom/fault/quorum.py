@@ -103,7 +103,7 @@ class Quorum:
         self.vote_timeout_s = _env_float("LOOM_HEAL_VOTE_TIMEOUT_S", 30.0)
         self.epoch_timeout_s = _env_float("LOOM_HEAL_EPOCH_TIMEOUT_S", 120.0)
         self.epoch = 0
-        self.committed = -1
+        self.checked_in = -1
         """The committed step this member checked in with last (-1: a new worker that has none yet)."""
         self.members: list[int] = []
         self.group: dist.ProcessGroup | None = None
@@ -135,7 +135,7 @@ class Quorum:
     def reform(self, committed_step: int) -> None:
         """Ask for the next epoch (checking in with ``committed_step``) and wait until it is formed."""
         self._abandon_group()
-        self.committed = committed_step
+        self.checked_in = committed_step
         self.store.set(f"q/{self.epoch}/in/{self.rank}", str(committed_step))
         self._wait_epoch(self.epoch + 1, joining=False)
 
@@ -175,7 +175,7 @@ class Quorum:
         finished = self.store.get("q/end").decode()
         raise JobEnded(
             f"rank {self.rank}: rank {finished} finished the job (exited 0) while this process waited to train step "
-            f"{self.committed + 1}: "
+            f"{self.checked_in + 1}: "
             "its loop runs more steps than the other members'. Under --on-worker-failure heal a replacement "
             "starts at the job's committed step (its job.loader there), not at step 0. HINT: count an own loop "
             "from the job's position (`for epoch in range(loader.epoch, EPOCHS)`, or `while job.step < STEPS`) "

@@ -54,8 +54,8 @@ _ALONE = Topology(0, 1, 0, 1, "none")
 
 
 class HealConflict(RuntimeError):
-    """The members of a new epoch disagree on the committed step: copying the highest would spread whatever the
-    member claiming it holds (`HealingJob._adopt_epoch`). Not retried: the job stops, naming each claim."""
+    """The members of a new epoch claim committed steps more than one apart: copying the highest would spread
+    whatever the member claiming it holds (`HealingJob._adopt_epoch`). Not retried: the job stops, naming each claim."""
 
     loom_not_retried = True
 
@@ -139,15 +139,18 @@ class HealingJob(Engine):
         steps[quorum.index] = self.step if self._synced else -1
         all_reduce_sum(steps, group)
         listed = steps.tolist()
-        trained = {s for s in listed if s >= 0}
-        if len(trained) > 1:  # every member that trained committed the same steps (one verdict per step)
+        trained = [s for s in listed if s >= 0]
+        if trained and max(trained) - min(trained) > 1:
+            # members that trained committed the same steps (one verdict per step); one may be a step behind
+            # (it failed after the vote committed a step, before applying it), never more (a joiner claims -1)
             described = ", ".join(
                 f"rank {r}: {s}" for r, s in zip(quorum.members, listed, strict=True) if s >= 0
             )
             raise HealConflict(
-                f"rank {self.topology.rank}: the members of epoch {quorum.epoch} claim different committed steps "
-                f"({described}); members that trained all committed the same steps, so one of them is wrong (a "
-                "process that loaded other state, or a lying worker): no state is copied and the job stops"
+                f"rank {self.topology.rank}: the members of epoch {quorum.epoch} claim committed steps more than "
+                f"one apart ({described}); members that trained all committed the same steps, one step in flight "
+                "at most, so one of them is wrong (a process that loaded other state, or a lying worker): no "
+                "state is copied and the job stops"
             )
         source = source_of(listed)
         load = not self._synced or listed[quorum.index] < listed[source]
