@@ -283,9 +283,11 @@ def fit(
         checkpointer = FitCheckpointer(
             job, loader, lr_scheduler, Path(checkpoint_dir), keep, async_checkpoint
         )
-        resumed = resume_fit(
-            job, loader, lr_scheduler, Path(checkpoint_dir), job.topology, scale_lr_with_world_size
-        )
+        # a healing job's checkpoints are one member's, without collectives (`HealingJob.checkpoint_topology`),
+        # and a replacement that joined a running job holds a live member's state, newer than any checkpoint
+        resumed = None if getattr(job, "joined_running", False) else resume_fit(
+            job, loader, lr_scheduler, Path(checkpoint_dir), checkpointer.topo, scale_lr_with_world_size
+        )  # fmt: skip
         if resumed is not None:
             resumed_from, saved = resumed
             at = _Position(resumed_from, saved["epoch"], saved["epoch_step"], saved["last_loss"])

@@ -191,7 +191,9 @@ class FitCheckpointer:
     def __init__(self, job: Job, loader, scheduler, directory: Path, keep: int, use_async: bool) -> None:
         self.job, self.loader, self.scheduler = job, loader, scheduler
         self.directory, self.keep, self.use_async = directory, keep, use_async
-        self.topo: Topology = job.topology
+        self.topo: Topology = getattr(job, "checkpoint_topology", job.topology)
+        """Whose collectives a save takes: the job's ranks, or one process for a healing job, whose members
+        change between steps (`loom.parallel.data.healing.HealingJob.writes_checkpoint` picks the writer)."""
         self.pending: AsyncCheckpoint | None = None
         self.saved_step: int | None = None
 
@@ -208,6 +210,10 @@ class FitCheckpointer:
         directory, fsyncs it and sends rank 0 its name, size and sha256 (a few bytes); rank 0 then writes the
         shared files and publishes the manifest (the protocol of `loom.checkpoint.store`). No rank receives
         another's state."""
+        writes = getattr(self.job, "writes_checkpoint", None)
+        if writes is not None and not writes():
+            self.saved_step = step  # another member of the healing job writes it
+            return
         rng = _gather_rng(self.topo)  # every rank takes part
         refused = self._refused(step)
         payload, status, detail = _pack_rank_state(self.job)

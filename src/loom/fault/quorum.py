@@ -40,7 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_S", "LEFT_OUT_STATUS", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group"]
+__all__ = [
+    "HEARTBEAT_S", "LEFT_OUT_STATUS", "JobEnded", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group",
+]  # fmt: skip
 
 HEARTBEAT_S = 0.5
 """Seconds between a worker's heartbeats (the launcher's timeout is ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``)."""
@@ -61,6 +63,12 @@ class LeftOutOfQuorum(RuntimeError):
     `loom.launch.worker` ends the process with `LEFT_OUT_STATUS` (``loom_exit_status``), not as an error."""
 
     loom_exit_status = LEFT_OUT_STATUS
+
+
+class JobEnded(RuntimeError):
+    """Another member finished the job (exited 0, the launcher marked ``q/end``) while this one waited for an
+    epoch to train another step: this process's loop runs more steps than theirs (an own loop that counts its
+    epochs from 0 in a replacement, which starts at the committed step). No epoch will form again."""
 
 
 def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> dist.ProcessGroup:
@@ -97,6 +105,8 @@ class Quorum:
         self.epoch = 0
         self.committed = 0
         """The highest step a vote of this member's committed (an error after it must not retry that step)."""
+        self.checked_in = -1
+        """The committed step this member checked in with last (-1: a new worker that has none yet)."""
         self.members: list[int] = []
         self.group: dist.ProcessGroup | None = None
         self._stop = threading.Event()
@@ -127,6 +137,7 @@ class Quorum:
     def reform(self, committed_step: int) -> None:
         """Ask for the next epoch (checking in with ``committed_step``) and wait until it is formed."""
         self._abandon_group()
+        self.checked_in = committed_step
         self.store.set(f"q/{self.epoch}/in/{self.rank}", str(committed_step))
         self._wait_epoch(self.epoch + 1, joining=False)
 
@@ -141,8 +152,12 @@ class Quorum:
                 )
             key = f"q/{epoch}/members"
             try:
-                self.store.wait([key], datetime.timedelta(seconds=min(left, 5.0)))
+                self.store.wait([key], datetime.timedelta(seconds=min(left, 0.5)))
             except Exception:  # the store's own timeout: look again until our deadline
+                if not joining and self.store.check(
+                    ["q/end"]
+                ):  # (a joiner not needed is stopped by the launcher)
+                    self._job_ended()
                 continue
             listed = [tuple(map(int, m.split(":"))) for m in self.store.get(key).decode().split(",") if m]
             members = [r for r, _ in listed]
@@ -157,6 +172,17 @@ class Quorum:
         self.epoch, self.members = epoch, members
         prefix = dist.PrefixStore(f"q/{epoch}/pg/", self.store)
         self.group = gloo_group(prefix, self.index, self.size, self.group_timeout_s)
+
+    def _job_ended(self) -> None:
+        finished = self.store.get("q/end").decode()
+        raise JobEnded(
+            f"rank {self.rank}: rank {finished} finished the job (exited 0) while this process waited to train step "
+            f"{self.checked_in + 1}: "
+            "its loop runs more steps than the other members'. Under --on-worker-failure heal a replacement "
+            "starts at the job's committed step (its job.loader there), not at step 0. HINT: count an own loop "
+            "from the job's position (`for epoch in range(loader.epoch, EPOCHS)`, or `while job.step < STEPS`) "
+            "or train with loom.fit(job, loader, epochs=...), which does"
+        ) from None
 
     def join_pending(self) -> bool:
         """Whether the launcher has a replacement ready to join (it marks ``q/E/pending``): the members then

@@ -123,6 +123,11 @@ class HealQuorum:
 
     # -- events -------------------------------------------------------------------------------------------------
     def finished(self, rank: int) -> None:
+        """Rank ``rank`` finished its training (exited 0): no epoch forms again. ``q/end`` tells a member still
+        waiting for one (its loop wants more steps than this one's) to stop at once (`loom.fault.quorum.JobEnded`)
+        instead of at its epoch timeout (120 s)."""
+        if not self._finished:
+            self.store.set("q/end", str(rank))
         self._finished.add(rank)
 
     def ended(self, rank: int, status: int, what: str) -> None:

@@ -118,12 +118,44 @@ class LaunchSpec:
                 f"--on-worker-failure heal replaces lost workers instead of restarting the group; got "
                 f"--max-restarts {self.max_restarts}. HINT: drop --max-restarts (--max-heals is heal's budget)"
             )
+        _check_heal_options(self)
         if not self.module and Path(self.target).is_dir():
             raise FileNotFoundError(
                 f"script {self.target!r} is a directory. HINT: give the training script's path"
             )
         if not self.module and not Path(self.target).is_file():
             raise FileNotFoundError(f"script {self.target!r} does not exist")
+
+
+def _check_heal_options(spec: LaunchSpec) -> None:
+    """Heal's options that would be ignored or could never work, refused before anything starts: ``heal`` with
+    one worker (a replacement copies a live member's state, and none is left), ``--max-heals``/``--min-workers``
+    without ``heal`` (silently ignored before), and a malformed ``LOOM_FAULTS`` or one naming a rank the job does
+    not have (found before at a worker's first step, or never)."""
+    heal = spec.on_worker_failure == "heal"
+    if heal and spec.nnodes == 1 and spec.nproc == 1:
+        raise ValueError(
+            "--on-worker-failure heal with -n 1: a replacement copies its state from a live worker, and with one "
+            "worker none is left when it dies. HINT: run 2 or more workers (-n 2), or restart a single worker "
+            "from loom.fit's checkpoints with --max-restarts N"
+        )
+    given = [f"{flag} {value}" for flag, value, default in (("--max-heals", spec.max_heals, 3),
+             ("--min-workers", spec.min_workers, 1)) if value != default]  # fmt: skip
+    if given and not heal:
+        raise ValueError(
+            f"{' and '.join(given)}: heal's options, which only --on-worker-failure heal uses (got --on-worker-failure "
+            f"{spec.on_worker_failure}). HINT: add --on-worker-failure heal, or drop them"
+        )
+    faults = os.environ.get("LOOM_FAULTS", "")
+    if faults.strip():
+        from loom.fault.inject import parse_faults  # (no torch)
+
+        outside = sorted({f.rank for f in parse_faults(faults) if spec.nnodes == 1 and f.rank >= spec.nproc})
+        if outside:
+            raise ValueError(
+                f"LOOM_FAULTS={faults!r} names rank(s) {outside}, but the job's ranks are 0..{spec.nproc - 1}: "
+                "those faults would never fire. HINT: name ranks below -n"
+            )
 
 
 def master_host_port(master: str) -> tuple[str, int]:

@@ -177,6 +177,8 @@ class Engine(Job):
             except (LeftOutOfQuorum, NonFiniteStepError):
                 raise  # left out: this process ends; non-finite under "stop": every member raises the same
             except Exception as error:
+                if getattr(error, "loom_not_retried", False):
+                    raise
                 drops += 1
                 committed = quorum.committed >= number
                 if not committed and not isinstance(error, StepDropped):
@@ -213,6 +215,8 @@ class Engine(Job):
                 self._adopt_epoch()
                 return
             except Exception as error:
+                if getattr(error, "loom_not_retried", False):
+                    raise  # (`loom.parallel.data.healing.HealConflict`: re-forming would meet it again)
                 print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} failed while forming ({error}); "
                       "re-forming", file=sys.stderr, flush=True)  # fmt: skip
         raise RuntimeError(f"rank {self.topology.rank}: no membership epoch formed in {MAX_DROPS + 1} tries")

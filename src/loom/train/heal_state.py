@@ -18,6 +18,7 @@ member and the epoch is re-formed without it (`loom.fault.quorum`): another live
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -26,7 +27,26 @@ from torch import nn
 
 from loom.fault.inject import fault_point
 
-__all__ = ["all_reduce_sum", "broadcast", "share_training_state", "source_of"]
+__all__ = [
+    "HealStateRefused",
+    "all_reduce_sum",
+    "broadcast",
+    "check_header",
+    "share_training_state",
+    "source_of",
+]
+
+MAX_HEADER_BYTES = 64 << 20
+"""Bound on the JSON header a member receives (its size is the first thing broadcast): a few hundred bytes per
+optimizer state entry; the bound keeps a wrong or lying size from allocating the machine's memory."""
+
+
+class HealStateRefused(ValueError):
+    """The state a member sent does not fit this process's model and optimizer (a wrong or lying sender): nothing
+    is loaded, and the job stops (not retried: the same sender would send it again)."""
+
+    loom_not_retried = True
+
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.uint8, torch.bool)}  # fmt: skip
@@ -89,9 +109,14 @@ def share_training_state(
     raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8) if sending else None
     size = torch.tensor([raw.numel() if raw is not None else 0], dtype=torch.int64)
     broadcast(size, source, group)
+    if not 0 < int(size) <= MAX_HEADER_BYTES:
+        raise HealStateRefused(f"the member sending the training state (index {source}) announced a header of "
+                               f"{int(size)} bytes (at most {MAX_HEADER_BYTES}): nothing is loaded")  # fmt: skip
     buffer = raw if raw is not None else torch.empty(int(size), dtype=torch.uint8)
     broadcast(buffer, source, group)
     header = json.loads(bytes(buffer.tolist()).decode())
+    if not sending:
+        check_header(header, module, optimizer, source)
     with torch.no_grad():
         for tensor in (*module.parameters(), *module.buffers()):
             received = tensor.detach().clone() if not load else tensor.data
@@ -106,6 +131,56 @@ def share_training_state(
         _load_optimizer(optimizer, header, tensors[:-1])
         torch.set_rng_state(tensors[-1])
     return int(header["step"])
+
+
+def check_header(header: Any, module: nn.Module, optimizer: torch.optim.Optimizer, source: int) -> None:
+    """Refuse (`HealStateRefused`) a header that does not describe this process's optimizer before anything is
+    allocated from it: the step a non-negative int, each entry's parameter one of the optimizer's, its dtype a
+    known one, its shape non-negative ints, the tensors in all at most 16 times the model's parameters (Adam
+    keeps 2) plus 1 MiB, the RNG state the size of this process's, the groups as many as the optimizer's."""
+
+    def refuse(what: str) -> HealStateRefused:
+        return HealStateRefused(f"the training state sent by member index {source} {what}: nothing is loaded. "
+                                "HINT: every process must run the same script (the same model and optimizer)")  # fmt: skip
+
+    if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
+        raise refuse("has no list of entries")
+    step = header.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise refuse(f"claims the step {step!r}")
+    params = sum(len(g["params"]) for g in optimizer.param_groups)
+    budget = 16 * sum(p.numel() * p.element_size() for p in module.parameters()) + (1 << 20)
+    total = 0
+    for entry in header["entries"]:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 5
+            and isinstance(entry[0], int)
+            and 0 <= entry[0] < params
+        ):
+            raise refuse(f"has the entry {str(entry)[:80]} (parameter index outside 0..{params - 1})")
+        shape, dtype = entry[2], entry[3]
+        if shape is None:
+            continue
+        if (
+            dtype not in _DTYPES
+            or not isinstance(shape, list)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        ):
+            raise refuse(f"has the tensor entry {str(entry)[:80]} (shape or dtype not one a tensor has)")
+        total += math.prod(shape) * _DTYPES[dtype].itemsize
+        if total > budget:
+            raise refuse(
+                f"describes more than {budget} bytes of optimizer state (16x the model's parameters)"
+            )
+    if header.get("rng_numel") != torch.get_rng_state().numel():
+        raise refuse(
+            f"has an RNG state of {header.get('rng_numel')!r} bytes, not {torch.get_rng_state().numel()}"
+        )
+    if not isinstance(header.get("groups"), list) or len(header["groups"]) != len(optimizer.param_groups):
+        raise refuse(
+            f"has {len(header.get('groups') or [])} parameter groups, not {len(optimizer.param_groups)}"
+        )
 
 
 def _load_optimizer(

@@ -28,9 +28,11 @@ from __future__ import annotations
 import math
 import os
 import sys
+import zlib
 from typing import Any, TypeVar
 
 import torch
+import torch.utils._pytree
 from torch import nn
 
 from loom.data.sampler import share_bounds
@@ -46,10 +48,43 @@ from loom.train.engine import Engine, StepState
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
 
-__all__ = ["HealingJob", "healing_metrics_path", "healing_store", "join_first_epoch", "refuse_heal_options"]
+__all__ = [
+    "HealConflict",
+    "HealingJob",
+    "healing_metrics_path",
+    "healing_store",
+    "join_first_epoch",
+    "refuse_heal_options",
+]
 
 _ALONE = Topology(0, 1, 0, 1, "none")
 HealingJobT = TypeVar("HealingJobT", bound="HealingJob")
+
+
+class HealConflict(RuntimeError):
+    """The members of a new epoch claim committed steps more than one apart: copying the highest would spread
+    whatever the member claiming it holds (`HealingJob._adopt_epoch`). Not retried: the job stops, naming each claim."""
+
+    loom_not_retried = True
+
+
+class DifferentBatches(ValueError):
+    """The members were given different batches for one step (a loader sharded by rank): not retried."""
+
+    loom_not_retried = True
+
+
+def batch_fingerprint(batch: Any) -> int:
+    """1..251 from the shapes and first 4 KiB of each tensor of ``batch``: equal on members given the same batch;
+    a rank-sharded loader's batches differ from the first sample. Small enough to be exact in any gradient dtype
+    (bfloat16 holds integers up to 256), so it rides in the step's all-reduce at no extra collective."""
+    crc = 0
+    for leaf in torch.utils._pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            head = leaf.detach().reshape(-1)[:4096].cpu().contiguous()
+            crc = zlib.crc32(str((tuple(leaf.shape), str(leaf.dtype))).encode(), crc)
+            crc = zlib.crc32(head.view(torch.uint8).numpy().tobytes(), crc)
+    return crc % 251 + 1
 
 
 def healing_metrics_path() -> str | None:
@@ -97,6 +132,9 @@ class HealingJob(Engine):
         self.trained_by: list[int] = []
         """The ranks of the members that trained the last committed step (each on its share)."""
         self._synced = False
+        self.joined_running = False
+        """This process is a replacement that took a live member's state (`loom.fit` then resumes no checkpoint:
+        the state it holds is newer)."""
         self._trainable = [p for p in module.parameters() if p.requires_grad]
 
     # -- membership ---------------------------------------------------------------------------------------------
@@ -115,6 +153,19 @@ class HealingJob(Engine):
         steps[quorum.index] = self.step if self._synced else -1
         all_reduce_sum(steps, group)
         listed = steps.tolist()
+        trained = [s for s in listed if s >= 0]
+        if trained and max(trained) - min(trained) > 1:
+            # members that trained committed the same steps (one verdict per step); one may be a step behind
+            # (it failed after the vote committed a step, before applying it), never more (a joiner claims -1)
+            described = ", ".join(
+                f"rank {r}: {s}" for r, s in zip(quorum.members, listed, strict=True) if s >= 0
+            )
+            raise HealConflict(
+                f"rank {self.topology.rank}: the members of epoch {quorum.epoch} claim committed steps more than "
+                f"one apart ({described}); members that trained all committed the same steps, one step in flight "
+                "at most, so one of them is wrong (a process that loaded other state, or a lying worker): no "
+                "state is copied and the job stops"
+            )
         source = source_of(listed)
         load = not self._synced or listed[quorum.index] < listed[source]
         replacement = listed[source] >= 0 and -1 in listed
@@ -124,6 +175,7 @@ class HealingJob(Engine):
         self._share_more(source, load)
         if load:
             self.step = step
+            self.joined_running = self.joined_running or replacement
         self._synced = True
         print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} members {quorum.members} at step {self.step}"
               f"{' (state received from rank ' + str(quorum.members[source]) + ')' if load else ''}",
@@ -166,6 +218,7 @@ class HealingJob(Engine):
         lo, hi = share_bounds(total, self.quorum.index, self.quorum.size)
         state.total, state.local = total, hi - lo
         state.work["batch"] = slice_batch(whole, lo, hi)
+        state.work["fingerprint"] = batch_fingerprint(whole)
 
     def _forward_backward(self, state: StepState) -> None:
         self._backward_share(state, self.accumulate, weight_of_total=True)
@@ -179,9 +232,10 @@ class HealingJob(Engine):
             p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._trainable
         ]
         n = sum(g.numel() for g in grads)
-        tail = torch.zeros(2 + quorum.size, dtype=grads[0].dtype if grads else torch.float32)
+        tail = torch.zeros(2 + 2 * quorum.size, dtype=grads[0].dtype if grads else torch.float32)
         tail[0] = state.loss_sum
         tail[2 + quorum.index] = state.flag
+        tail[2 + quorum.size + quorum.index] = state.work["fingerprint"]
         tail[1] = 1.0 if quorum.join_pending() else 0.0
         flat = torch.cat([*grads, tail])
         half = n // 2
@@ -197,7 +251,19 @@ class HealingJob(Engine):
             p.grad = piece.clone() if p.grad is None else p.grad.copy_(piece)
             offset += p.numel()
         loss_sum, state.work["pending"] = float(flat[n]), float(flat[n + 1]) > 0
-        state.flags, state.ranks = flat[n + 2 :].tolist(), list(quorum.members)
+        state.flags, state.ranks = flat[n + 2 : n + 2 + quorum.size].tolist(), list(quorum.members)
+        prints = flat[n + 2 + quorum.size :].tolist()
+        if len(set(prints)) > 1:  # the same verdict on every member: each holds the same sums
+            raise DifferentBatches(
+                f"rank {self.topology.rank}: step {state.number}: the members were given different global batches "
+                f"(members {quorum.members}, batch fingerprints {[int(f) for f in prints]}). Under "
+                "--on-worker-failure heal every member must load the same whole global batch and the job cuts "
+                "each one's share (by the members present): a loader sharded by rank (a DistributedSampler, a "
+                "share cut by RANK) would train on a fraction of each batch, and a replacement's own DataLoader "
+                "starts at its epoch's first batch, not at the job's committed step. HINT: iterate "
+                "job.loader(dataset, global_batch_size=...), which every member, a replacement too, reads from "
+                "the job's position"
+            )
         assert state.total
         state.loss = loss_sum / state.total
         state.gradient_finite = math.isfinite(loss_sum) and gradients_finite(
@@ -209,6 +275,18 @@ class HealingJob(Engine):
         self.trained_by = list(state.ranks)
         if state.work.get("pending"):
             self._heal_reform()
+
+    # -- checkpoints (`loom.fit`) ---------------------------------------------------------------------------------
+    checkpoint_topology = _ALONE
+    """A checkpoint is written by one member without collectives (the default group is a group of one under
+    heal, and the members change between steps); every member holds the same replicated state."""
+
+    def writes_checkpoint(self) -> bool:
+        """Whether this member writes the checkpoint of the step just committed: the first member of the epoch
+        that committed it (every member computes the same answer from the same membership, so each checkpoint
+        has one writer; a checkpoint whose writer dies before publishing it is not written, and the previous one
+        stays the newest)."""
+        return (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     # -- state --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -246,6 +324,8 @@ def join_first_epoch(job: HealingJobT) -> HealingJobT:
     try:
         job._adopt_epoch()
     except Exception as error:
+        if getattr(error, "loom_not_retried", False):  # (HealConflict, HealStateRefused)
+            raise
         print(f"loom: rank {job.topology.rank}: first epoch failed while forming ({error}); re-forming",
               file=sys.stderr, flush=True)  # fmt: skip
         job._heal_reform()
