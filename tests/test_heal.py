@@ -174,6 +174,19 @@ def test_two_failures_in_a_row(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
+def test_a_replacement_that_joins_late_finds_the_others_trained_on_without_it(tmp_path):
+    # rank 1's replacement pauses 3 s before it announces it is ready; the others do not wait for it (HEAL_WAIT_S=0,
+    # a 0.1 s pause a step): they train steps with two members meanwhile, and it joins at a later step
+    result, out, run_dir = run_heal(tmp_path, "kill@1:3:before,slow@1:1:join#1", steps=40, pause_s=0.1,
+                                    HEAL_WAIT_S="0", LOOM_FAULTS_SLOW_S="3")  # fmt: skip
+    found = check_healed_job(result, out, run_dir, 40, {1: 1})
+    late = found[(1, 1)]["joined_at_step"]
+    two = [step for step, _t, members, *_ in found[(0, 0)]["steps"] if len(members) == 2]
+    assert late >= 5 and len(two) >= 2, (late, two)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
 def test_the_peer_a_replacement_heals_from_dies_while_sending(tmp_path):
     # rank 0 (the first member, so the sender) dies as it starts sending its state to rank 1's replacement
     result, out, run_dir = run_heal(tmp_path, "kill@1:3:during,kill@0:1:send", steps=10)

@@ -29,10 +29,26 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 GLOBAL_BATCH, H, STEPS = 12, 3, 12
 
 
+def late_joins(faults: str) -> str:
+    """``faults`` with each killed or frozen process's replacement made to join late (``slow@R:1:join#G+1``):
+    a replacement from a warm spare is ready within ~0.2 s, often before the survivors re-form, and would then
+    redo the dropped round with them, so no round would be trained by fewer members; these tests are about those
+    rounds (test_heal.py covers the prompt join)."""
+    late = []
+    for item in filter(None, faults.split(",")):
+        kind, _, rest = item.partition("@")
+        if kind in ("kill", "freeze"):
+            rank, gen = rest.split(":")[0], int(rest.partition("#")[2] or 0)
+            late.append(f"slow@{rank}:1:join#{gen + 1}")
+    return ",".join([faults, *late])
+
+
 def run_rounds(tmp_path: Path, strategy: str, faults: str, momentum: float = 0.0, timeout: float = 120.0,
                **env_extra: str) -> tuple[subprocess.CompletedProcess, Path, Path]:  # fmt: skip
     out, run_dir = tmp_path / "out", tmp_path / "run"
     out.mkdir()
+    faults = late_joins(faults)
+    env_extra.setdefault("LOOM_FAULTS_SLOW_S", "1.5")
     env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", HEAL_OUT=str(out),
                HEAL_STEPS=str(STEPS), HEAL_H=str(H), HEAL_STRATEGY=strategy, HEAL_MOMENTUM=str(momentum),
                LOOM_FAULTS=faults, **env_extra)  # fmt: skip

@@ -5,6 +5,7 @@ commit vote (`loom.fault.quorum.Quorum.vote`), each on an in-memory store."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -127,6 +128,7 @@ def test_the_launcher_forms_epochs_replaces_the_dead_and_adds_the_ready(monkeypa
     job.store.set("q/1/in/2", "2")
     job.quorum.tick()
     assert job.members(2) == "0:0,2:0"
+    assert job.store.check(["q/2/joining"])  # the replacement is still starting: the members may wait for it
     job.ready(1, generation=1)  # the replacement is ready: the members are told, and re-form after their step
     job.quorum.tick()
     assert job.store.check(["q/2/pending"])
@@ -262,3 +264,28 @@ def test_a_member_that_leaves_an_epoch_frees_the_others_waiting_in_its_group():
     assert set(errors) == {0, 2}, errors
     for rank, error in errors.items():
         assert "Connection" in error and "Timed out" not in error, (rank, error)
+
+
+def joining_quorum(store: MemoryStore, wait_s: float) -> Quorum:
+    quorum = Quorum.__new__(Quorum)  # no heartbeat thread: only the wait is under test
+    quorum.store, quorum.epoch, quorum.join_wait_s = store, 2, wait_s
+    return quorum
+
+
+def test_the_members_wait_for_a_starting_replacement_until_it_is_ready_and_no_longer_than_the_bound():
+    store = MemoryStore()
+    joining_quorum(
+        store, 60.0
+    ).wait_for_joiner()  # nothing starting: no wait (a 60 s bound would time the test out)
+    store.set("q/2/joining", "1")
+    threading.Timer(0.1, lambda: store.set("q/2/pending", "1")).start()
+    joining_quorum(
+        store, 60.0
+    ).wait_for_joiner()  # returns once the replacement is ready, long before the bound
+    assert store.check(["q/2/pending"])
+    late = MemoryStore()
+    late.set("q/2/joining", "1")
+    started = time.monotonic()
+    joining_quorum(late, 0.2).wait_for_joiner()  # never ready: the bound ends the wait
+    assert time.monotonic() - started >= 0.2
+    joining_quorum(late, 0.0).wait_for_joiner()  # LOOM_HEAL_JOIN_WAIT_S=0: never waits

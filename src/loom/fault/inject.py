@@ -12,7 +12,8 @@ from 1 (the step being attempted, ``job.step + 1``). ``#GENERATION`` (default 0)
 gives each process of a rank (``LOOM_HEAL_GENERATION``: 0 for the first, 1 for its first replacement...), so a
 replacement does not meet its predecessor's fault again: the ``#ATTEMPT`` idea of the script-level injector, keyed
 on healing instead of group restarts. Kinds: ``kill`` (SIGKILL: a crash, nothing flushed), ``freeze``
-(SIGSTOP: a hang that is no crash), ``raise`` (a `InjectedFault` exception in the step: an error, not a death).
+(SIGSTOP: a hang that is no crash), ``raise`` (a `InjectedFault` exception in the step: an error, not a death),
+``slow`` (a pause of ``LOOM_FAULTS_SLOW_S`` seconds, default 3: a process that is late, not lost).
 
 Phases (`PHASES`), in the order a data-parallel step meets them:
 
@@ -22,7 +23,9 @@ Phases (`PHASES`), in the order a data-parallel step meets them:
 - ``commit``: after the commit vote said commit, before the optimizer step;
 - ``send``: a live member is about to send the training state to a replacement (the healing peer's failure);
   here STEP counts this process's sends to replacements (1: its first), since the step at which a replacement
-  arrives depends on how long it took to start.
+  arrives depends on how long it took to start;
+- ``join``: a process (a replacement, with ``#GENERATION``) is about to announce that it is ready to join; STEP is
+  1 (a process joins once): ``slow@1:1:join#1`` makes rank 1's first replacement join late.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ __all__ = ["ENV", "GENERATION_ENV", "PHASES", "InjectedFault", "fault_point", "p
 
 ENV = "LOOM_FAULTS"
 GENERATION_ENV = "LOOM_HEAL_GENERATION"
-PHASES = ("before", "during", "after", "commit", "send")
-KINDS = ("kill", "freeze", "raise")
+PHASES = ("before", "during", "after", "commit", "send", "join")
+KINDS = ("kill", "freeze", "raise", "slow")
 _FORM = re.compile(r"(?P<kind>[a-z]+)@(?P<rank>\d+):(?P<step>\d+):(?P<phase>[a-z]+)(?:#(?P<gen>\d+))?")
 
 
@@ -96,6 +99,10 @@ def fault_point(step: int, phase: str) -> None:
                 faults.remove(fault)  # an error is met once: the retried step must go through
                 raise InjectedFault(f"rank {fault.rank}: injected fault at step {step}, phase {phase!r}")
             _note(fault)
+            if fault.kind == "slow":
+                faults.remove(fault)
+                time.sleep(float(os.environ.get("LOOM_FAULTS_SLOW_S", "3")))
+                return
             os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 
 

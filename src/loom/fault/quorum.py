@@ -82,14 +82,14 @@ def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> di
     return group
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float, zero: bool = False) -> float:
     raw = os.environ.get(name, "")
     try:
         value = float(raw) if raw else default
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {value}")
+    if not (value >= 0 if zero else value > 0):
+        raise ValueError(f"{name} must be {'>=' if zero else '>'} 0 seconds, got {value}")
     return value
 
 
@@ -102,6 +102,7 @@ class Quorum:
         """Bound on each collective of an epoch's group (a frozen member is killed by the launcher sooner)."""
         self.vote_timeout_s = _env_float("LOOM_HEAL_VOTE_TIMEOUT_S", 30.0)
         self.epoch_timeout_s = _env_float("LOOM_HEAL_EPOCH_TIMEOUT_S", 120.0)
+        self.join_wait_s = _env_float("LOOM_HEAL_JOIN_WAIT_S", 2.0, zero=True)
         self.epoch = 0
         self.committed = 0
         """The highest step a vote of this member's committed (an error after it must not retry that step)."""
@@ -183,6 +184,21 @@ class Quorum:
             "from the job's position (`for epoch in range(loader.epoch, EPOCHS)`, or `while job.step < STEPS`) "
             "or train with loom.fit(job, loader, epochs=...), which does"
         ) from None
+
+    def wait_for_joiner(self) -> None:
+        """Before a step: while the launcher has a replacement starting (``q/E/joining``) that is not ready yet (no
+        ``q/E/pending``), wait up to ``LOOM_HEAL_JOIN_WAIT_S`` (default 2 s) for it. A replacement from a warm spare
+        (`loom.launch.spare`) is ready ~0.2 s after a kill here, so the members lose that much time and then train
+        with it at full strength from the next step, instead of training several steps short-handed while it
+        starts; a slower one (a fresh interpreter, a loaded host) is waited for no longer than the bound. One store
+        check per step when nothing is starting."""
+        if self.join_wait_s <= 0 or not self.store.check([f"q/{self.epoch}/joining"]):
+            return
+        deadline = time.monotonic() + self.join_wait_s
+        while time.monotonic() < deadline and not self.store.check([f"q/{self.epoch}/pending"]):
+            if self.store.check([f"q/{self.epoch}/dead"]) or self.store.check(["q/end"]):
+                return
+            time.sleep(0.005)
 
     def join_pending(self) -> bool:
         """Whether the launcher has a replacement ready to join (it marks ``q/E/pending``): the members then

@@ -170,6 +170,7 @@ class HealQuorum:
         print(f"loom run: {what}; starting its replacement (heal {self.heals} of {self.policy.max_heals}, "
               f"generation {self.generation[rank]}); the others go on", file=sys.stderr, flush=True)  # fmt: skip
         self.restart(rank, self.generation[rank])
+        self._mark_joining()
 
     # -- the tick -----------------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -213,6 +214,16 @@ class HealQuorum:
         self._pending, self._reform_deadline = False, None
         self.store.set(f"q/{self.epoch}/members", ",".join(f"{r}:{self.generation[r]}" for r in ranks))
         self.store.set("q/latest", str(self.epoch))
+        self._mark_joining()
+
+    def _mark_joining(self) -> None:
+        """``q/E/joining``: a replacement of this epoch's time is starting (alive, not yet a member), so the members
+        may wait a moment for it to be ready before their next step (`loom.fault.quorum.Quorum.wait_for_joiner`)."""
+        if self.epoch and any(
+            self.members.get(r) != g and r not in self.gone and self.alive(r)
+            for r, g in self.generation.items()
+        ):
+            self.store.set(f"q/{self.epoch}/joining", "1")
 
     def _ready(self) -> list[int]:
         """Ranks whose current process announced it is ready to join (``ready/RANK`` = its generation)."""

@@ -122,6 +122,7 @@ class Engine(Job):
         if quorum is None:
             return self._attempt(batch)
         number, drops = self.step + 1, 0
+        self._wait_for_joiner()
         while True:
             try:
                 return self._attempt(batch)
@@ -171,6 +172,12 @@ class Engine(Job):
                 print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} failed while forming ({error}); "
                       "re-forming", file=sys.stderr, flush=True)  # fmt: skip
         raise RuntimeError(f"rank {self.topology.rank}: no membership epoch formed in {MAX_DROPS + 1} tries")
+
+    def _wait_for_joiner(self) -> None:
+        """Under healing, before a step: wait a bounded moment for a replacement that is starting
+        (`loom.fault.quorum.Quorum.wait_for_joiner`); a strategy whose unit of commit is larger waits only
+        before the unit's last step."""
+        self.guard.quorum.wait_for_joiner()  # type: ignore[union-attr]
 
     def _adopt_epoch(self) -> None:
         """Make a new membership epoch's members equal (a healing job copies a live peer's state)."""

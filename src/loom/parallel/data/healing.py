@@ -320,6 +320,7 @@ def start_healing(
 
 def join_first_epoch(job: HealingJobT) -> HealingJobT:
     """Join the quorum (a first start and a replacement alike) and take the state of a live member."""
+    fault_point(1, "join")
     job.quorum.join()
     try:
         job._adopt_epoch()

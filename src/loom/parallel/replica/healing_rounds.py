@@ -142,6 +142,11 @@ class HealingRounds(HealingJob):
     def _round_ends(self, step: int) -> bool:
         return step % self.sync_every == 0
 
+    def _wait_for_joiner(self) -> None:
+        """A replacement joins at a round boundary: wait for one only before the round's last step."""
+        if self._round_ends(self.step + 1):
+            super()._wait_for_joiner()
+
     # -- the step: a round's batches kept, a failure replays them -------------------------------------------------
     def train_step(self, batch: Any) -> float:
         """One inner step on ``batch`` (the whole global batch; this member trains its share); the step that ends
