@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                 )  # the harness's, once it is done
                 if job.step >= limit:
                     break
-            loader.set_epoch(loader.epoch + 1)
+            # (no set_epoch here: job.loader moves to the next epoch by itself after a full pass; this worker
+            # called loader.set_epoch(loader.epoch + 1) until 2026-11-26 and so skipped every other epoch, while a
+            # replacement resumed at the job's own epoch: its batches differed after step 64, which the healing
+            # job's batch fingerprint now refuses, DifferentBatches)
     finally:
         writer.close()
     loom.shutdown()
