@@ -50,13 +50,20 @@ def run_heal(tmp_path: Path, faults: str, *args: str, steps: int = 10, pause_s: 
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out, run_dir
 
 
-def reference(steps: int) -> list[torch.Tensor]:
-    """One process on the same global batches: the parameters after ``steps`` steps."""
+def model_and_data(
+    momentum: float = 0.9,
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.utils.data.Dataset]:
+    """heal_train.py's model, SGD with this ``momentum``, and data."""
     sys.path.insert(0, str(WORKERS))
     try:
-        from heal_train import model_and_data  # type: ignore[import-not-found]
+        import heal_train  # type: ignore[import-not-found]
     finally:
         sys.path.remove(str(WORKERS))
+    return heal_train.model_and_data(momentum)
+
+
+def reference(steps: int) -> list[torch.Tensor]:
+    """One process on the same global batches: the parameters after ``steps`` steps."""
     from loom.data.loader import loader
     from loom.topology import Topology
 

@@ -5,20 +5,14 @@ killed by a signal are healed (tests/test_heal.py kills them)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import WORKERS, _kill_group
-from test_heal import check_healed_job
+from test_heal import check_healed_job, run_heal
 
 from loom.fault.quorum import LEFT_OUT_STATUS
 from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind
-
-SCRIPT = WORKERS / "heal_hosts_train.py"
-SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 class _Store:
@@ -51,19 +45,7 @@ def test_a_signal_or_the_left_out_status_is_healed_any_other_status_stops_the_jo
 
 
 def _run(tmp_path: Path, fault: str, steps: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    out, run_dir = tmp_path / "out", tmp_path / "run"
-    out.mkdir()
-    env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", HEAL_OUT=str(out),
-               HEAL_STEPS=str(steps), HEAL_SCRIPT_FAULT=fault)  # fmt: skip
-    cmd = [sys.executable, "-m", "loom.cli", "run", "-n", "3", "--on-worker-failure", "heal", "--run-dir",
-           str(run_dir), str(SCRIPT)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=150)
-    finally:
-        _kill_group(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out, run_dir
+    return run_heal(tmp_path, "", steps=steps, timeout=150, HEAL_SCRIPT_FAULT=fault)
 
 
 @pytest.mark.multiprocess

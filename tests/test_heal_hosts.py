@@ -25,7 +25,7 @@ pytestmark = [
 ]
 
 WORKERS = Path(__file__).parent / "workers"
-SCRIPT = WORKERS / "heal_hosts_train.py"
+SCRIPT = WORKERS / "heal_train.py"
 SRC = Path(__file__).resolve().parent.parent / "src"
 PORT = 29531  # the namespaces are fresh: nothing else listens there
 
@@ -60,7 +60,7 @@ def start_nodes(hosts, nproc: int, tmp_path: Path, cluster: list[int] | None = N
 
 
 def wait_for_step(path: Path, step: int, nodes: list[subprocess.Popen]) -> None:
-    """Until the worker writing ``path`` (a heal_hosts_train.py report) has committed ``step``."""
+    """Until the worker writing ``path`` (a heal_train.py report) has committed ``step``."""
     deadline = time.monotonic() + 60
     while not (path.exists() and len(json.loads(path.read_text() or "{}").get("steps", [])) >= step):
         assert time.monotonic() < deadline and all(p.poll() is None for p in nodes)

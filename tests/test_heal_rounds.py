@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORKERS, _kill_group
+from test_heal import model_and_data, reports, run_heal
 from torch import nn
 
 from loom.data.sampler import share_bounds
 
-SCRIPT = WORKERS / "heal_rounds_train.py"
-SRC = Path(__file__).resolve().parent.parent / "src"
 GLOBAL_BATCH, H, STEPS = 12, 3, 12
 
 
@@ -45,31 +41,10 @@ def late_joins(faults: str) -> str:
 
 def run_rounds(tmp_path: Path, strategy: str, faults: str, momentum: float = 0.0, timeout: float = 120.0,
                **env_extra: str) -> tuple[subprocess.CompletedProcess, Path, Path]:  # fmt: skip
-    out, run_dir = tmp_path / "out", tmp_path / "run"
-    out.mkdir()
-    faults = late_joins(faults)
+    """test_heal.py's run of heal_train.py with ``strategy`` (localsgd or diloco), each replacement joining late."""
     env_extra.setdefault("LOOM_FAULTS_SLOW_S", "1.5")
-    env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", HEAL_OUT=str(out),
-               HEAL_STEPS=str(STEPS), HEAL_H=str(H), HEAL_STRATEGY=strategy, HEAL_MOMENTUM=str(momentum),
-               LOOM_FAULTS=faults, **env_extra)  # fmt: skip
-    cmd = [sys.executable, "-m", "loom.cli", "run", "-n", "3", "--on-worker-failure", "heal", "--run-dir",
-           str(run_dir), str(SCRIPT)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        _kill_group(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out, run_dir
-
-
-def _worker_module():
-    sys.path.insert(0, str(WORKERS))
-    try:
-        import heal_rounds_train  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(WORKERS))
-    return heal_rounds_train
+    return run_heal(tmp_path, late_joins(faults), steps=STEPS, timeout=timeout, HEAL_H=str(H),
+                    HEAL_STRATEGY=strategy, HEAL_MOMENTUM=str(momentum), **env_extra)  # fmt: skip
 
 
 def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -77,7 +52,7 @@ def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from loom.data.loader import loader
     from loom.topology import Topology
 
-    _model, _opt, data = _worker_module().model_and_data()
+    _model, _opt, data = model_and_data()
     batches = loader(data, GLOBAL_BATCH, seed=0, topology=Topology(0, 1, 0, 1, "none"))
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     while len(found) < steps:
@@ -94,7 +69,7 @@ def simulate(strategy: str, members_per_round: list[list[int]], momentum: float 
     ranks whose replacement joined at its start, which take the state of the round's first other member."""
     from loom.parallel.replica.diloco import default_outer_optimizer
 
-    model, _opt, _data = _worker_module().model_and_data()
+    model, _opt, _data = model_and_data()
     batches = global_batches(len(members_per_round) * H)
     global_copy = [p.detach().clone() for p in model.parameters()]
     outer = default_outer_optimizer(global_copy)
@@ -139,14 +114,14 @@ def check_healed_rounds(result, out: Path, run_dir: Path, strategy: str, lost: d
                         momentum: float = 0.0) -> list[list[int]]:  # fmt: skip
     """The checks every healed run passes; ``lost``: rank -> processes it lost. Returns the members per round."""
     assert result.returncode == 0, result.stderr[-3000:]
-    found = {(d["rank"], d["generation"]): d for d in (json.loads(f.read_text()) for f in out.glob("*.json"))}
+    found = reports(out)
     assert set(found) == {(r, g) for r in range(3) for g in range(lost.get(r, 0) + 1)}, sorted(found)
     last = {r: found[(r, lost.get(r, 0))] for r in range(3)}
     ends = range(H, STEPS + 1, H)
     at_end: dict[int, set[str]] = {s: set() for s in ends}
     members: dict[int, set[tuple[int, ...]]] = {s: set() for s in ends}
     for d in found.values():
-        for step, _t, trained_by, digest, _loss in d["steps"]:
+        for step, _t, trained_by, digest, *_ in d["steps"]:
             if step % H == 0:
                 at_end[step].add(digest)
                 members[step].add(tuple(trained_by))

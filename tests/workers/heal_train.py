@@ -1,8 +1,15 @@
-"""A tiny DataParallel job for the healing tests (``loom run --on-worker-failure heal``): writes, per process,
-its pid, its start time and, per committed step, the time, the members and a hash of the parameters, and at the
-end the final parameters, to ``HEAL_OUT/rank<r>.g<generation>.json``.
+"""The healing tests' job (``loom run --on-worker-failure heal``): a tiny DataParallel, LocalSGD or DiLoCo job
+that writes, per process, its pid, its start time and, per committed step, the time, the members that trained it
+(for a round: the last committed round's), a hash of the parameters, the loss and the global batch's size, and at
+the end the final parameters, to ``HEAL_OUT/rank<r>.g<generation>.json``.
 
-Run by tests/test_heal.py."""
+Environment: ``HEAL_STRATEGY`` (``dp``, the default, ``localsgd`` or ``diloco``), ``HEAL_H`` (sync_every),
+``HEAL_MOMENTUM`` (the SGD's momentum: 0.9 for dp, 0 for the rounds unless set), ``HEAL_STEPS``,
+``HEAL_PAUSE_S`` (seconds each process rests after each step) and ``HEAL_SCRIPT_FAULT=RANK:STEP:KIND``: the first
+process of rank RANK, after its step STEP, ``raise``s a ValueError (the script's own error: the job must stop) or
+``leave``s as a worker the quorum told to leave (`loom.fault.quorum.LeftOutOfQuorum`: healed).
+
+Run by tests/test_heal.py, test_heal_rounds.py, test_heal_exit.py and test_heal_hosts.py."""
 
 import time
 
@@ -16,16 +23,16 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import loom  # noqa: E402
+from loom.fault.quorum import LeftOutOfQuorum  # noqa: E402
 
+STRATEGY = os.environ.get("HEAL_STRATEGY", "dp")
 STEPS = int(os.environ.get("HEAL_STEPS", "10"))
+H = int(os.environ.get("HEAL_H", "3")) if STRATEGY != "dp" else 1
 PAUSE_S = float(os.environ.get("HEAL_PAUSE_S", "0"))
-"""Seconds each process rests after each step."""
 WAIT_S = float(os.environ.get("HEAL_WAIT_S", "60"))
-"""While a member is missing, each process waits (up to this) for its replacement to be ready before the next
-step, so that the replacement joins however slowly the machine starts it (the tests check the joining)."""
-
-
-WORLD = 1
+"""While a member is missing, each process waits (up to this) before the next step (a round's first) for its
+replacement to be ready, so that the replacement joins however slowly the machine starts it (the tests check the
+joining; 0: never wait)."""
 
 
 def process_start_time() -> float:
@@ -36,10 +43,13 @@ def process_start_time() -> float:
     return now - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def model_and_data() -> tuple[nn.Module, torch.optim.Optimizer, torch.utils.data.TensorDataset]:
+def model_and_data(
+    momentum: float = 0.9,
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.utils.data.TensorDataset]:
+    """The model, an SGD of lr 0.1 and this ``momentum``, and 64 samples."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 4, generator=g)
     y = (x.sum(dim=1, keepdim=True) > 0).float()
@@ -50,18 +60,36 @@ def digest(model: nn.Module) -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
 
 
+def script_fault(rank: int, gen: int, step: int) -> None:
+    planned = os.environ.get("HEAL_SCRIPT_FAULT", "")
+    if not planned or gen:
+        return
+    want_rank, want_step, kind = planned.split(":")
+    if (int(want_rank), int(want_step)) != (rank, step):
+        return
+    if kind == "raise":
+        raise ValueError(f"the script's own error on rank {rank} after step {step}")
+    raise LeftOutOfQuorum(f"rank {rank}: told to leave after step {step} (HEAL_SCRIPT_FAULT)")
+
+
+def strategy():  # noqa: ANN201 (a loom strategy)
+    if STRATEGY == "dp":
+        return loom.DataParallel()
+    return loom.DiLoCo(sync_every=H) if STRATEGY == "diloco" else loom.LocalSGD(sync_every=H)
+
+
 def main() -> None:
     loom.init()
     initialized = time.time()
-    global WORLD
     rank, gen = int(os.environ["RANK"]), int(os.environ.get("LOOM_HEAL_GENERATION", "0"))
-    WORLD = int(os.environ["WORLD_SIZE"])
-    model, optimizer, data = model_and_data()
-    job = loom.DataParallel().setup(model, optimizer, nn.MSELoss())
-    report = {"rank": rank, "generation": gen, "pid": os.getpid(), "started": process_start_time(), "script_started": STARTED,
-              "initialized": initialized, "joined_at_step": job.step, "joined": time.time(), "steps": []}  # fmt: skip
+    world = int(os.environ["WORLD_SIZE"])
+    momentum = float(os.environ.get("HEAL_MOMENTUM", "0.9" if STRATEGY == "dp" else "0"))
+    model, optimizer, data = model_and_data(momentum)
+    job = strategy().setup(model, optimizer, nn.MSELoss())
+    report = {"rank": rank, "generation": gen, "pid": os.getpid(), "started": process_start_time(),
+              "script_started": STARTED, "initialized": initialized, "joined_at_step": job.step,
+              "joined": time.time(), "steps": [], "first_hash": digest(model)}  # fmt: skip
     path = os.path.join(os.environ["HEAL_OUT"], f"rank{rank}.g{gen}.json")
-    report["first_hash"] = digest(model)
     loader = job.loader(data, global_batch_size=12, seed=0)
     while job.step < STEPS:
         for batch in loader:
@@ -72,9 +100,11 @@ def main() -> None:
                 json.dump(report, out)
             if job.step >= STEPS:
                 break
+            script_fault(rank, gen, job.step)
             time.sleep(PAUSE_S)
             deadline = time.monotonic() + WAIT_S
-            while job.quorum.size < WORLD and not job.quorum.join_pending() and time.monotonic() < deadline:
+            while (job.step % H == 0 and job.quorum.size < world and not job.quorum.join_pending()
+                   and time.monotonic() < deadline):  # fmt: skip
                 time.sleep(0.05)
     report["final"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     with open(path, "w") as out:

@@ -187,8 +187,8 @@ class Quorum:
 
     def wait_for_joiner(self) -> None:
         """Before a step: while the launcher has a replacement starting (``q/E/joining``) that is not ready yet (no
-        ``q/E/pending``), wait up to ``LOOM_HEAL_JOIN_WAIT_S`` (default 2 s) for it. A replacement from a warm spare
-        (`loom.launch.spare`) is ready ~0.2 s after a kill here, so the members lose that much time and then train
+        ``q/E/pending``), wait up to ``LOOM_HEAL_JOIN_WAIT_S`` (default 2 s) for it. A replacement forked by the launcher's
+        zygote (`loom.launch.zygote`) is ready soon after a kill here, so the members lose that much time and then train
         with it at full strength from the next step, instead of training several steps short-handed while it
         starts; a slower one (a fresh interpreter, a loaded host) is waited for no longer than the bound. One store
         check per step when nothing is starting."""

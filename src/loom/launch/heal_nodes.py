@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, seconds_setting
-from loom.launch.spare import Spare
 from loom.launch.spec import LaunchSpec
 from loom.launch.supervise import (
     LauncherStopped,
@@ -55,6 +54,7 @@ from loom.launch.supervise import (
     stop_workers,
     worker_env,
 )
+from loom.launch.zygote import Zygote
 
 __all__ = ["Authority", "NodeAgent", "heal_across_nodes"]
 
@@ -274,12 +274,12 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     first = sum(sizes[:node])
     placement = Placement(first, world, node, spec.nnodes, host)
 
-    spare = Spare(worker_args, worker_env(first, spec.nproc, port, run_id, logs / "spare.error.json", "heal", 0,
-                                          placement))  # fmt: skip
+    zygote = Zygote(worker_args, worker_env(first, spec.nproc, port, run_id, logs / "zygote.error.json", "heal",
+                                            0, placement))  # fmt: skip
 
     def start(rank: int, generation: int) -> Worker:
         return start_worker(rank, spec.nproc, worker_args, port, run_id, logs, "heal", generation, placement,
-                            spare if generation else None)  # fmt: skip
+                            zygote)  # fmt: skip
 
     def stop_on(signum: int, _frame: Any) -> None:
         raise LauncherStopped(signum)
@@ -287,8 +287,8 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
     agent: NodeAgent | None = None
     try:
+        zygote.start()
         agent = NodeAgent(node, first, spec.nproc, link, start)
-        spare.fill()  # after this node's workers: ready for its first replacement
         if server is None:
             return _follow(agent, link, host, port)
         job = LoomStore(prefix=f"loom/{run_id}/job/", server=server)
@@ -297,14 +297,14 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
         print(f"loom run: node {node} stopped by signal {stop}; its workers were terminated", file=sys.stderr)
         return 128 + stop.signum
     finally:
-        spare.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if agent is not None:
             stop_workers(agent.all, spec.shutdown_timeout_s)
-            for w in agent.all:
-                for reader in w.readers:
-                    reader.join(timeout=5.0)
+        zygote.close()
+        for w in agent.all if agent is not None else []:
+            for reader in w.readers:
+                reader.join(timeout=5.0)
         if server is not None:
             server.close()
 

@@ -51,9 +51,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
-from loom.launch.spare import Spare
+from loom.launch.zygote import Zygote
 
 __all__ = [
     "LauncherStopped",
@@ -144,15 +144,15 @@ def worker_env(
 
 def start_worker(
     rank: int, nproc: int, worker_args: list[str], store_port: int, run_id: str, logs: Path,
-    policy: str = "continue", generation: int = 0, placement: Placement | None = None, spare: Spare | None = None,
+    policy: str = "continue", generation: int = 0, placement: Placement | None = None, zygote: Zygote | None = None,
 ) -> Worker:  # fmt: skip
-    """Start worker ``rank`` (a replacement: ``generation`` > 0), as ``spare``'s ready process if it has one
-    (`loom.launch.spare`), else as a fresh ``python WORKER_ARGS``; its output is prefixed and logged."""
+    """Start worker ``rank`` (a replacement: ``generation`` > 0), forked by ``zygote`` where it can
+    (`loom.launch.zygote`), else as a fresh ``python WORKER_ARGS``; its output is prefixed and logged."""
     name = f"rank{rank}" + (f".heal{generation}" if generation else "")
     error_file = logs / f"{name}.error.json"
     error_file.unlink(missing_ok=True)
     env = worker_env(rank, nproc, store_port, run_id, error_file, policy, generation, placement)
-    proc = spare.take(env) if spare is not None else None
+    proc: Any = zygote.fork(env) if zygote is not None else None
     if proc is None:
         proc = subprocess.Popen(
             [sys.executable, *worker_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -335,26 +335,21 @@ def supervise_workers(
 
     previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
     workers: list[Worker] = []
+    policy = "continue" if heal is None else "heal"
+    zygote = Zygote(worker_args, worker_env(0, nproc, store.port, run_id, logs / "zygote.error.json", policy))
     try:
-        policy = "continue" if heal is None else "heal"
+        zygote.start()
+
+        def start(rank: int, generation: int) -> Worker:
+            return start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy, generation,
+                                zygote=zygote)  # fmt: skip
+
         for rank in range(nproc):
-            workers.append(start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy))
+            workers.append(start(rank, 0))
         if heal is None:
             _watch(workers, failure)
         else:
-            spare = Spare(
-                worker_args, worker_env(0, nproc, store.port, run_id, logs / "spare.error.json", policy)
-            )
-            spare.fill()
-
-            def start(rank: int, generation: int) -> Worker:
-                return start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy, generation,
-                                    spare=spare)  # fmt: skip
-
-            try:
-                _watch_healing(workers, heal, store, start, run_id)
-            finally:
-                spare.close()
+            _watch_healing(workers, heal, store, start, run_id)
             return _healed_verdict(workers)
     except _JobFailed:
         stop_workers(workers, grace_s)
@@ -367,6 +362,7 @@ def supervise_workers(
         for s, handler in previous.items():
             signal.signal(s, handler)
         stop_workers(workers, grace_s)  # nothing left running, whatever happened above
+        zygote.close()
         for w in workers:
             for reader in w.readers:
                 reader.join(timeout=5.0)

@@ -1,0 +1,172 @@
+"""The launcher's zygote (`loom.launch.zygote`): workers forked from one process that imported torch and loom
+behave as fresh ``python -u -m loom.launch.worker`` processes (environment, arguments, output, exit statuses,
+uncaught exceptions, atexit, signals), requests are bounded, and a worker whose startup variables differ, or any
+worker once the zygote is gone, is left to a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from loom.launch.zygote import MAX_REQUEST, Zygote, _read_request
+
+
+def _send(sock: socket.socket, payload: bytes, fds: int) -> None:
+    nulls = [os.open(os.devnull, os.O_RDONLY) for _ in range(fds)]
+    try:
+        if payload:
+            socket.send_fds(sock, [payload[:1]], nulls)
+            sock.sendall(payload[1:])
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:  # the reader refused and closed its end
+        pass
+    finally:
+        for fd in nulls:
+            os.close(fd)
+
+
+def _request(payload: bytes, fds: int = 3) -> tuple | None:
+    ours, theirs = socket.socketpair()
+    sender = threading.Thread(target=_send, args=(ours, payload, fds))  # (a large request fills the buffer)
+    sender.start()
+    try:
+        got = _read_request(theirs)
+    finally:
+        theirs.close()
+        sender.join(timeout=10)
+        ours.close()
+    if got is not None:
+        for fd in got[1]:
+            os.close(fd)
+    return got
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "payload, fds, error",
+    [
+        (b"{" + b"x" * (MAX_REQUEST + 2) + b"\n", 3, "over"),
+        (
+            json.dumps({"env": {"A": 1}, "argv": ["s.py"]}).encode() + b"\n",
+            3,
+            "env must map names to strings",
+        ),
+        (json.dumps({"env": {}, "argv": []}).encode() + b"\n", 3, "argv must be a non-empty list"),
+        (
+            json.dumps({"env": {}, "argv": ["s.py"]}).encode() + b"\n",
+            1,
+            "needs stdin, stdout and stderr; got 1",
+        ),
+        (json.dumps({"env": {}, "argv": ["s.py"]}).encode(), 3, "cut short"),
+    ],
+)
+def test_a_bad_request_is_refused_by_name(payload, fds, error):
+    with pytest.raises(SystemExit, match=error):
+        _request(payload, fds)
+
+
+@pytest.mark.unit
+def test_no_request_means_the_job_ended_and_a_good_one_is_read():
+    assert _request(b"") is None
+    request, fds = _request(json.dumps({"env": {"A": "1"}, "argv": ["s.py", "x"]}).encode() + b"\n")
+    assert request == {"env": {"A": "1"}, "argv": ["s.py", "x"]} and len(fds) == 3
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, os, sys, threading, time
+    import numpy
+    atexit.register(lambda: print("atexit ran", flush=True))
+    def late():
+        time.sleep(0.3)
+        print("thread joined", flush=True)
+    threading.Thread(target=late).start()  # not a daemon: the process waits for it, as an interpreter does
+    print(os.environ["RANK"], os.environ.get("ONLY_HERE"), sys.argv[1:], os.getppid() != os.getpid(),
+          numpy.random.randint(1 << 30), flush=True)
+    what = sys.argv[1]
+    if what == "raise":
+        raise ValueError("boom from the script")
+    if what == "exit":
+        sys.exit(3)
+    if what == "sleep":
+        time.sleep(60)
+    """
+)
+
+
+def _run(zygote: Zygote, env: dict[str, str], what: str) -> tuple[int, str, str, object]:
+    zygote.args = [zygote.args[0], what]
+    proc = zygote.fork(env)
+    assert proc is not None, "the zygote did not fork"
+    if what == "sleep":
+        proc.stdout.readline()
+        proc.terminate()
+    code = proc.wait(timeout=60)
+    return code, proc.stdout.read(), proc.stderr.read(), proc
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_forked_workers_behave_as_fresh_ones(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, RANK="0", PYTHONPATH=os.pathsep.join(sys.path))
+    zygote = Zygote(["-u", "-m", "loom.launch.worker", str(script)], env)
+    zygote.enabled = True
+    zygote.start()
+    try:
+        code, out, err, proc = _run(zygote, dict(env, RANK="5", ONLY_HERE="yes"), "ok")
+        lines = out.splitlines()
+        assert code == 0, err
+        assert lines[0].startswith("5 yes ['ok'] True"), out
+        assert lines[1:] == ["thread joined", "atexit ran"], out
+        assert proc.pid != zygote.proc.pid
+        code, out2, err, _ = _run(zygote, dict(env, RANK="1"), "raise")
+        assert code == 1 and "ValueError: boom from the script" in err and "Traceback" in err, err
+        assert out.split()[-1] != out2.splitlines()[0].split()[-1], (
+            "numpy's global generator was not reseeded"
+        )
+        code, _, err, _ = _run(zygote, dict(env, RANK="2"), "exit")
+        assert code == 3, err
+        code, _, _, _ = _run(zygote, dict(env, RANK="3"), "sleep")
+        assert code == -signal.SIGTERM
+        assert zygote.fork(dict(env, LOOM_ANYTHING="x")) is not None  # not a startup variable
+        assert zygote.fork(dict(env, PYTHONHASHSEED="7")) is None  # the interpreter read it: a fresh one
+    finally:
+        zygote.close()
+    assert zygote.proc.returncode == 0
+    assert zygote.fork(env) is None  # gone: the launcher starts fresh interpreters
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_dead_zygote_forks_nothing_and_its_workers_count_as_killed(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, RANK="0", PYTHONPATH=os.pathsep.join(sys.path))
+    zygote = Zygote(["-u", "-m", "loom.launch.worker", str(script), "sleep"], env)
+    zygote.enabled = True
+    zygote.start()
+    proc = zygote.fork(env)
+    assert proc is not None
+    proc.stdout.readline()
+    zygote.proc.kill()
+    zygote.proc.wait()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert zygote.fork(env) is None
+    zygote.close()
+
+
+@pytest.mark.unit
+def test_off_means_no_process():
+    zygote = Zygote(["-u", "-m", "loom.launch.worker", "x.py"], {})
+    zygote.enabled = False
+    zygote.start()
+    assert zygote.proc is None and zygote.fork({}) is None
