@@ -198,8 +198,10 @@ class _Zygote:
 
 def _child(request: dict) -> None:
     """In the forked child: become ``python script args``, run the script, and end as the interpreter would
-    (`_finish`); never returns."""
+    (`loom.launch.zygote.finish`); never returns."""
     import runpy
+
+    from loom.launch.zygote import exit_code, finish
 
     os.setsid()
     if request["cwd"]:
@@ -229,43 +231,11 @@ def _child(request: dict) -> None:
             sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
-        code = _exit_code(stop.code)
+        code = exit_code(stop.code)
     except BaseException as error:  # as the interpreter reports an uncaught exception: sys.excepthook (loom's
         sys.excepthook(type(error), error, error.__traceback__)  # notes it, so shutdown skips its barrier), 1
         code = 1
-    _finish(code)
-
-
-def _exit_code(code: object) -> int:
-    """``SystemExit.code`` as the interpreter turns it into a status: None 0, an int itself, else printed, 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _finish(code: int) -> None:
-    """What ``Py_FinalizeEx`` does that a program can observe: wait for non-daemon threads, run ``atexit``,
-    flush every open file; then exit without freeing each of the process's objects one by one. That teardown
-    costs about 1.3 s of CPU with torch, torch._dynamo and loom loaded (in a fresh interpreter as well), and
-    loom does its cleanup in ``atexit`` (process groups, watchdogs, metrics, trace files), not in ``__del__``."""
-    import atexit
-    import gc
-    import io
-    import threading
-
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    writers = {io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom}  # type(), not isinstance: no hook runs
-    for stream in [sys.stdout, sys.stderr, *(o for o in gc.get_objects() if type(o) in writers)]:
-        try:
-            if not stream.closed:
-                stream.flush()
-        except Exception:  # noqa: BLE001 - a file that cannot flush is one the interpreter would skip too
-            pass
-    os._exit(code & 0xFF)
+    finish(code)
 
 
 def _zygote() -> None:
