@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from loom import cli
 from loom.launch.agent import LaunchSpec
@@ -27,12 +27,6 @@ status = loom.cli.main(sys.argv[1:])
 print(f"IMPORT {imported - started:.2f} CHECK {time.monotonic() - imported:.2f}", file=sys.stderr)
 sys.exit(status)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_line(err: str, *needles: str) -> str:
@@ -142,6 +136,7 @@ def test_nesting_depth_skips_strings():
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+@pytest.mark.idle
 def test_a_server_host_that_never_comes_is_named_within_the_join_timeout(
     tmp_path, script, capsys, monkeypatch
 ):
@@ -189,6 +184,7 @@ def test_the_launcher_environment_is_checked_naming_the_variable(monkeypatch, en
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
+@pytest.mark.idle
 def test_a_lone_process_says_which_ranks_never_came(tmp_path):
     """``python script.py`` with ``WORLD_SIZE=2 RANK=0`` and no peer was silent for 75+ s (torch's store waits
     30 minutes); now it fails at LOOM_JOIN_TIMEOUT_S naming rank 1 and the timeout."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytestmark = pytest.mark.system
 
@@ -21,12 +21,6 @@ QUICK_S = 60.0
 5-10 s on the 2 shared cores of the development host (several times that under load), while the case this guards
 against waits the default join timeout, 120 s (`loom.launch.agent`). Half of that: a bound load cannot reach, a
 wait for the default still fails. The time taken is printed."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: list[str], cwd: Path, prefix: list[str] = (), secret: bool = True, timeout: float = 90.0):
@@ -99,6 +93,7 @@ def test_a_multi_node_job_without_a_secret_is_refused(tmp_path, script):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.idle
 def test_a_master_that_never_comes_is_given_up_naming_it(tmp_path, script):
     master = f"127.0.0.1:{free_port()}"  # nothing listens there
     args = ["--nnodes", "2", "--node-rank", "1", "--master", master, "--join-timeout", "3", str(script)]
@@ -108,6 +103,7 @@ def test_a_master_that_never_comes_is_given_up_naming_it(tmp_path, script):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.idle
 def test_node_0_gives_up_on_a_node_that_never_joins(tmp_path, script):
     master = f"127.0.0.1:{free_port()}"
     args = ["--nnodes", "2", "--node-rank", "0", "--master", master, "--join-timeout", "3", str(script)]
@@ -117,6 +113,7 @@ def test_node_0_gives_up_on_a_node_that_never_joins(tmp_path, script):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.idle
 def test_a_node_with_another_secret_is_refused_naming_the_secret(tmp_path, script):
     """Node 0 waits; node 1 brings a different LOOM_JOB_SECRET: it is told so, and does not join."""
     master = f"127.0.0.1:{free_port()}"
