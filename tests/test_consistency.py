@@ -85,7 +85,6 @@ def test_a_one_sample_batchnorm_share_is_refused_on_every_rank_naming_the_fix(se
 
 
 @pytest.mark.unit
-@pytest.mark.idle
 def test_fit_checks_replicas_by_default(tmp_path, monkeypatch):
     """With fit's defaults the replicas are compared every `DESYNC_EVERY` steps and before every checkpoint
     (one process has no data group, so the job is given one to compare over and the check is recorded)."""

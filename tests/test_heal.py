@@ -151,9 +151,7 @@ def _print_timings(found: dict, run_dir: Path, lost: dict[int, int]) -> None:
                 if d["steps"]
                 else []
             )
-            if (
-                died
-            ):  # with a spare (loom.launch.spare) the process started long before: the kill is the start
+            if died:  # forked from the zygote (loom.launch.zygote): the kill is its start
                 print(f"heal timing: rank {r} replacement {g}: kill -> its first trained step "
                       f"{d['steps'][0][1] - max(died):.3f} s")  # fmt: skip
             if d["steps"]:

@@ -32,8 +32,9 @@ ROWS = [
 DEFINITIONS = """\
 How the figures are taken (`loom_bench.heal_records`): each worker appends a line per attempt at a step (step
 number, committed or not, participants, whether its own gradients were in, pid, wall time) and a line when its
-script starts (before torch is imported; under loom a replacement may be a spare process that imported torch
-before the kill, `loom.launch.spare`, and its script starts when it takes the rank); the harness SIGKILLs replica R's process once it has committed step S
+script starts (before torch is imported; under loom a replacement is forked from the launcher's zygote, which
+imported torch before the kill, `loom.launch.zygote` (until 2026-11-26 11:30: a spare process, `loom.launch.spare`), so its script starts
+when it takes the rank); the harness SIGKILLs replica R's process once it has committed step S
 with every replica present, and writes the kill's time. (a) is the time from the kill to the last survivor's next
 committed step, which can be the step in flight when the kill came after its exchange; (a*) the time to the last
 survivor's first commit of a step begun after the kill (the stall the kill causes); (b) the time from the replacement's first line to its first committed step, and that step's
