@@ -68,4 +68,4 @@ def test_make_test_runs_the_idle_tests_beside_the_others_and_those_timed_against
     config = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert '    "alone: ' in config and '    "idle: ' in config
     low, high = 26000, 29399  # the idle pytest's ports are not the main one's (conftest's default range)
-    assert conftest._PORTS == range(20000, 26000) and not set(conftest._PORTS) & set(range(low, high + 1))
+    assert range(20000, 26000) == conftest._PORTS and not set(conftest._PORTS) & set(range(low, high + 1))
