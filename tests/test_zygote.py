@@ -170,3 +170,34 @@ def test_off_means_no_process():
     zygote.enabled = False
     zygote.start()
     assert zygote.proc is None and zygote.fork({}) is None
+
+
+PARENT = textwrap.dedent(
+    """
+    import os, sys
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().replace(b"\\0", b" ").decode()
+    print("rank", os.environ["RANK"], "parent", "zygote" if "loom.launch.zygote" in parent else "launcher",
+          "own-session", os.getsid(0) == os.getpid(), flush=True)
+    """
+)
+
+
+@pytest.mark.system
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("policy", ["restart", "continue"])
+@pytest.mark.parametrize("zygote", ["1", "0"])
+def test_loom_run_forks_its_workers_from_the_zygote_unless_turned_off(tmp_path, policy, zygote):
+    from test_launcher import run_loom
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    extra = [] if policy == "restart" else ["--on-worker-failure", "continue"]
+    result = run_loom(["run", "-n", "2", *extra, script], tmp_path, timeout=150, env={"LOOM_ZYGOTE": zygote})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line.split(": ", 1)[1] for line in result.stdout.splitlines() if " parent " in line)
+    parent = "zygote" if zygote == "1" else "launcher"
+    session = (
+        policy == "restart"
+    )  # torch's agent starts each worker in its own session; loom's supervisor does not
+    assert lines == [f"rank {r} parent {parent} own-session {session}" for r in (0, 1)], result.stdout

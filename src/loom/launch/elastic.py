@@ -23,7 +23,10 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+
+from loom.launch.zygote import Zygote
 
 __all__ = ["AgentOptions", "failure_text", "restart_line", "root_failure", "run_agent"]
 
@@ -106,11 +109,45 @@ def restart_line(failures: dict[int, Any], attempt: int, max_restarts: int) -> s
     )
 
 
+class _ForkedHandler(SubprocessHandler):
+    """torch's handler of one worker process, the process forked by loom's zygote (`loom.launch.zygote`, started
+    with the first worker's environment) where it can be: the same command, output files and own session."""
+
+    def __init__(self, zygote: Zygote, **kwargs: Any) -> None:
+        self._zygote = zygote
+        super().__init__(**kwargs)
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+        if list(args) == self._zygote.command():
+            self._zygote.start(env)
+            forked = self._zygote.fork(env, self._stdout, self._stderr, new_session=True)
+            if forked is not None:
+                return forked
+        return super()._popen(args, env)
+
+
 class _NarratingAgent(LocalElasticAgent):
-    """`LocalElasticAgent` that prints `restart_line` before each restart of the worker group."""
+    """`LocalElasticAgent` that prints `restart_line` before each restart of the worker group, and whose workers
+    fork from ``zygote`` (the restarted ones too)."""
 
     restarts = 0
     _failures: dict[int, Any] = {}
+    zygote: Zygote | None = None
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """torch's, with its subprocess handler (`torch.distributed.elastic.multiprocessing.api`'s
+        ``get_subprocess_handler``, which builds each worker's) swapped for `_ForkedHandler` meanwhile; where a
+        torch release has no such function, its own."""
+        from torch.distributed.elastic.multiprocessing import api as procs
+
+        zygote, original = self.zygote, getattr(procs, "get_subprocess_handler", None)
+        if zygote is None or not zygote.enabled or original is None:
+            return super()._start_workers(worker_group)
+        procs.get_subprocess_handler = lambda **kwargs: _ForkedHandler(zygote, **kwargs)  # type: ignore[assignment]
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            procs.get_subprocess_handler = original
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._wake_stopped_workers(only_if_one_died=True)
@@ -184,7 +221,11 @@ def run_agent(
         log_line_prefix_template="[rank${rank}]: ",
         shutdown_timeout=options.shutdown_timeout_s,
     )
-    result = agent.run()
+    agent.zygote = Zygote([*args], {})
+    try:
+        result = agent.run()
+    finally:
+        agent.zygote.close()
     if result.is_failed():
         raise ChildFailedError(name=entrypoint, failures=result.failures)
     return result.return_values, agent.restarts

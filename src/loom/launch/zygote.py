@@ -3,10 +3,12 @@
 A fresh worker interpreter spends ~2 s of CPU importing torch and loom (torch.optim's first optimizer imports
 torch._dynamo, and sympy with it) and ~1 s tearing them down at exit, on every rank: on a 2-core host, four
 workers spend ~12 CPU-seconds in imports before the first step, and a replacement for a lost worker keeps the
-survivors waiting that long. Under ``--on-worker-failure continue|heal`` (`loom.launch.supervise`,
-`loom.launch.heal_nodes`) the launcher instead starts one zygote per node, which imports what every worker
-imports first (`WARM`), and each worker, the replacements included, is a ``fork()`` of it that runs
-`loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS`` would:
+survivors waiting that long. So `loom run` starts one zygote per node, which imports what every worker imports
+first (`WARM`), and each worker, restarted and replacement workers included, is a ``fork()`` of it that runs
+`loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS`` would. Under ``--on-worker-failure
+continue|heal`` the launcher's own supervisor (`loom.launch.supervise`, `loom.launch.heal_nodes`) forks them; under
+PyTorch's elastic agent (``restart``, the default; `loom.launch.elastic`) the agent's handler of each worker
+process asks the zygote for it, in a session of its own as the agent starts them:
 
 - the launcher sends each request (the worker's environment and arguments, one JSON line bounded by
   `MAX_REQUEST`) with the worker's stdin, stdout and stderr as file descriptors (``SCM_RIGHTS``) over a
@@ -22,8 +24,7 @@ What a fork cannot change is what was decided when the interpreter, torch or Ope
 with rank 0's environment, and a worker whose startup variables (`STARTUP_PREFIXES`) differ from it is a fresh
 interpreter, as is every worker when the zygote cannot start or died; ``OMP_NUM_THREADS`` is applied with
 ``torch.set_num_threads``; every worker shares the zygote's hash seed (a fresh interpreter draws its own).
-``LOOM_ZYGOTE=0`` turns it off (every worker a fresh interpreter). The elastic agent's policies (``restart``,
-the default) start fresh interpreters: PyTorch's agent owns those processes.
+``LOOM_ZYGOTE=0`` turns it off (every worker a fresh interpreter).
 """
 
 from __future__ import annotations
@@ -52,6 +53,26 @@ STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY
 """Variables read when the interpreter, torch or OpenMP start: a worker whose values differ from the zygote's is
 a fresh interpreter."""
 _FD_ENV = "LOOM_ZYGOTE_FD"
+ROOM = 4096
+"""Bytes of command line the zygote is started with (a placeholder argument), which each forked worker rewrites
+to its own command (`retitle`), so that ``ps``, ``pgrep -f`` and ``pkill -f train.py`` find it by its script."""
+
+
+def retitle(argv: list[str]) -> None:
+    """Show ``argv`` as this process's command line (``/proc/self/cmdline``), cut to the room the process started
+    with: the kernel reads it from the memory between ``arg_start`` and ``arg_end`` (``/proc/self/stat``), where
+    the interpreter's own copy of its arguments no longer is (``sys.argv`` is separate), as ``setproctitle`` does.
+    Linux only; elsewhere, or if anything fails, the command line stays as it was."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49, counted from the pid's 1
+        text = "\0".join(argv).encode()[: max(0, end - start - 1)]
+        ctypes.memmove(start, text + b"\0" * (end - start - len(text)), end - start)
+    except (OSError, ValueError, IndexError):
+        return
 
 
 def startup_view(env: dict[str, str]) -> dict[str, str]:
@@ -61,7 +82,9 @@ def startup_view(env: dict[str, str]) -> dict[str, str]:
 class Forked:
     """A worker forked by the zygote, as much of `subprocess.Popen` as the launcher uses."""
 
-    def __init__(self, zygote: Zygote, pid: int, args: list[str], stdout: IO[str], stderr: IO[str]) -> None:
+    def __init__(
+        self, zygote: Zygote, pid: int, args: list[str], stdout: IO[str] | None, stderr: IO[str] | None
+    ) -> None:
         self._zygote, self.pid, self.args = zygote, pid, args
         self.stdout, self.stderr, self.stdin = stdout, stderr, None
         self.returncode: int | None = None
@@ -107,13 +130,15 @@ class Zygote:
         self._codes: dict[int, int] = {}
         self._dead = False
 
-    def start(self) -> None:
+    def start(self, env: dict[str, str] | None = None) -> None:
+        """Start the zygote (with ``env``, else the environment given at construction), once."""
         if not self.enabled or self.proc is not None:
             return
+        self.env = env if env is not None else self.env
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, *self.interpreter, "-m", "loom.launch.zygote"],
+                [sys.executable, *self.interpreter, "-m", "loom.launch.zygote", "." * ROOM],
                 env={**self.env, _FD_ENV: str(theirs.fileno())},
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
@@ -121,44 +146,59 @@ class Zygote:
         self._sock = ours
         threading.Thread(target=self._read, daemon=True, name="loom-zygote-reader").start()
 
-    def fork(self, env: dict[str, str]) -> Forked | None:
-        """Worker with ``env``, forked; None when the zygote is off, dead, refuses, or started differently."""
+    def command(self) -> list[str]:
+        """The command a fresh worker runs, which a forked one stands for."""
+        return [sys.executable, *self.interpreter, "-m", "loom.launch.worker", *self.args]
+
+    def fork(self, env: dict[str, str], stdout: IO | None = None, stderr: IO | None = None,
+             new_session: bool = False) -> Forked | None:  # fmt: skip
+        """Worker with ``env``, forked, its output into ``stdout`` and ``stderr`` (open files) or else into pipes
+        (`Forked.stdout`, `Forked.stderr`), in a session of its own if ``new_session`` (as ``Popen(...,
+        start_new_session=True)``); None when the zygote is off, dead, refuses, or started differently."""
         if self._sock is None or self._dead or startup_view(env) != startup_view(self.env):
             return None
-        line = (json.dumps({"env": env, "argv": self.args}) + "\n").encode()
+        request = {"env": env, "argv": self.args, "session": new_session, "title": self.command()}
+        line = (json.dumps(request) + "\n").encode()
         if len(line) > MAX_REQUEST:
             return None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        ours: list[int] = []  # descriptors made here, closed here once sent
+        pipes = []
         try:
             os.fstat(0)
-            stdin, null = (
-                0,
-                None,
-            )  # a fresh worker inherits the launcher's standard input: so does a forked one
+            stdin = 0  # a fresh worker inherits the launcher's standard input: so does a forked one
         except OSError:
-            stdin = null = os.open(os.devnull, os.O_RDONLY)
+            stdin = os.open(os.devnull, os.O_RDONLY)
+            ours.append(stdin)
+        streams = []
+        for given in (stdout, stderr):
+            if given is not None:
+                streams.append(given.fileno())
+            else:
+                read, write = os.pipe()
+                pipes.append(read)
+                ours.append(write)
+                streams.append(write)
+        pid = None
         try:
             with self._changed:  # one request at a time: its reply is the next one
                 self._replies.clear()
-                socket.send_fds(self._sock, [line[:1]], [stdin, out_w, err_w])
+                socket.send_fds(self._sock, [line[:1]], [stdin, *streams])
                 self._sock.sendall(line[1:])
                 self._changed.wait_for(lambda: self._replies or self._dead, timeout=30.0)
-                reply = self._replies.pop() if self._replies else {}
-                pid = reply.get("pid")
+                pid = (self._replies.pop() if self._replies else {}).get("pid")
         except (OSError, ValueError):
-            pid = None
+            pass
         finally:
-            for fd in (out_w, err_w, null):
-                if fd is not None:
-                    os.close(fd)
+            for fd in ours:
+                os.close(fd)
         if not isinstance(pid, int):
-            os.close(out_r)
-            os.close(err_r)
+            for fd in pipes:
+                os.close(fd)
             return None
-        stdout, stderr = open(out_r, errors="replace"), open(err_r, errors="replace")  # noqa: SIM115
-        return Forked(self, pid, [sys.executable, *self.interpreter, "-m", "loom.launch.worker", *self.args],
-                      stdout, stderr)  # fmt: skip
+        opened = iter([open(fd, errors="replace") for fd in pipes])  # noqa: SIM115
+        out = None if stdout is not None else next(opened)
+        err = None if stderr is not None else next(opened)
+        return Forked(self, pid, self.command(), out, err)
 
     def status(self, pid: int, wait: bool = False, timeout: float | None = None) -> int | None:
         """``pid``'s exit status as `subprocess.Popen.returncode` says it; None while it runs. A worker of a
@@ -236,6 +276,8 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> Non
     """In the forked child: become the worker, run it, end as the interpreter would; never returns."""
     code = 1
     try:
+        if request.get("session"):
+            os.setsid()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it
         sock.close()
         for target, fd in enumerate(fds):
@@ -255,6 +297,9 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> Non
         if "numpy.random" in sys.modules:  # a fresh interpreter seeds its own; a fork shares the zygote's
             sys.modules["numpy.random"].seed()
         sys.argv = ["loom.launch.worker", *request["argv"]]
+        title = request.get("title")
+        if isinstance(title, list) and all(isinstance(a, str) for a in title):
+            retitle(title)
         from loom.launch import worker
 
         worker.main()
@@ -318,6 +363,7 @@ def main() -> None:
     from loom.launch.worker import die_with_parent
 
     die_with_parent()
+    retitle([sys.executable, "-m", "loom.launch.zygote"])  # (its placeholder argument is the workers' room)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (it stops the workers)
     sock = socket.socket(fileno=int(os.environ.pop(_FD_ENV)))
     for name in WARM:
