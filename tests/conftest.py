@@ -28,14 +28,22 @@ WARM_POOL = WarmPool()
 of CPU each fresh interpreter spent importing them, once per session instead of once per rank."""
 
 
-_LOW, _HIGH = os.environ.get("LOOM_TEST_PORTS", "20000-25999").split("-")
-_PORTS = range(int(_LOW), int(_HIGH) + 1)
+def worker_ports(worker: str) -> range:
+    """The ports `free_port` draws from in xdist worker ``worker`` (``gw0``, ``gw1``, ...; "" without xdist):
+    3,000 of its own per worker, below the kernel's ephemeral range (32768 on)."""
+    if not worker:
+        return range(20000, 26000)
+    index = int(worker[2:])
+    return range(20000 + 3000 * index, 23000 + 3000 * index)
+
+
+_PORTS = worker_ports(os.environ.get("PYTEST_XDIST_WORKER", ""))
 _HANDED: set[int] = set()
 
 
 def free_port() -> int:
-    """A port free on loopback now, drawn from this pytest's range (``LOOM_TEST_PORTS``, below the kernel's
-    ephemeral range): no ``bind(0)`` anywhere on the machine gets it meanwhile, nor does the other pytest of
+    """A port free on loopback now, drawn from this xdist worker's range (`worker_ports`, below the kernel's
+    ephemeral range): no ``bind(0)`` anywhere on the machine gets it meanwhile, nor does the other worker of
     `make test`, which draws from another range; a port is handed out once per session."""
     draw = random.Random()
     for _ in range(2000):
@@ -49,7 +57,7 @@ def free_port() -> int:
                 continue
         _HANDED.add(port)
         return port
-    raise RuntimeError(f"no free port in {_PORTS} (LOOM_TEST_PORTS)")
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def _kill_group(proc) -> None:
@@ -138,6 +146,28 @@ def pytest_collection_modifyitems(config, items):
             f"{len(wrong)} test(s) need exactly one of @pytest.mark.{', @pytest.mark.'.join(LANES)} "
             "(a module-level `pytestmark = pytest.mark.unit` marks a whole file):\n  " + "\n  ".join(wrong)
         )
+
+
+SHARED_WORKER = {"test_ray.py": "ray-spark", "test_spark.py": "ray-spark", "test_loopback.py": "ray-spark"}
+"""Files whose tests share one xdist worker: each starts a local Ray or Spark instance (test_loopback both),
+so they run one after the other rather than beside each other (memory, and Ray's per-machine session)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``pytest -n N --dist loadfile`` (`make test`): xdist's file scheduling (every test of a file on
+    one worker, in file order, so a module-scoped fixture such as one `loom run` shared by a file's tests
+    runs once), with the files of `SHARED_WORKER` as one unit. Other ``--dist`` modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_WORKER.get(Path(path).name, path)
+
+    return FileScheduling(config, log)
 
 
 def _refuse_processes(lane_test: str):

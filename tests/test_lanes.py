@@ -54,18 +54,44 @@ def test_a_unit_test_cannot_start_a_process():
             start()
 
 
-def test_make_test_runs_the_idle_tests_beside_the_others_and_those_timed_against_a_bound_alone_last():
+class _XdistConfig:
+    def __init__(self, dist: str) -> None:
+        self.values = {"dist": dist, "tx": ["2*popen"]}
+
+    def getvalue(self, name: str):
+        return self.values[name]
+
+
+def test_make_test_schedules_a_file_on_one_worker_and_ray_and_spark_files_together():
+    pytest.importorskip("xdist", reason="pytest-xdist (requirements/test.lock) runs `make test`'s workers")
+    scheduler = conftest.pytest_xdist_make_scheduler(_XdistConfig("loadfile"), None)
+    scope = scheduler._split_scope
+    assert (
+        scope("tests/test_guard.py::test_a[dp]")
+        == scope("tests/test_guard.py::test_b")
+        == "tests/test_guard.py"
+    )
+    assert scope("tests/test_fit.py::test_a") != scope("tests/test_guard.py::test_a")
+    together = {
+        scope(f"tests/{name}::test_x") for name in ("test_ray.py", "test_spark.py", "test_loopback.py")
+    }
+    assert together == {"ray-spark"}
+    assert conftest.pytest_xdist_make_scheduler(_XdistConfig("load"), None) is None  # xdist's own
+
+
+def test_make_test_runs_two_workers_by_file_then_the_tests_timed_against_a_bound_alone():
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()
     recipe = makefile.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
     runs = [line.strip() for line in recipe.splitlines() if "bin/pytest" in line]
     assert runs == [
-        '@LOOM_TEST_PORTS=26000-29399 $(VENV)/bin/pytest -p no:xdist -p no:cacheprovider -m "idle and not alone" \\',
-        '$(VENV)/bin/pytest -p no:xdist -m "not idle and not alone"; main=$$?; \\',
+        '$(VENV)/bin/pytest -n 2 --dist loadfile -m "not alone"',
         "$(VENV)/bin/pytest -p no:xdist -m alone",
     ]
-    assert "> build/test-idle.log 2>&1 & idle=$$!" in recipe and "wait $$idle" in recipe
-    assert "test $$main -eq 0 && test $$idle_status -eq 0" in recipe  # either failing fails `make test`
     config = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert '    "alone: ' in config and '    "idle: ' in config
-    low, high = 26000, 29399  # the idle pytest's ports are not the main one's (conftest's default range)
-    assert range(20000, 26000) == conftest._PORTS and not set(conftest._PORTS) & set(range(low, high + 1))
+    assert '    "alone: ' in config
+
+
+def test_each_xdist_worker_draws_ports_from_its_own_range():
+    ranges = [conftest.worker_ports(name) for name in ("", "gw0", "gw1")]
+    assert ranges[0] == range(20000, 26000)
+    assert not set(ranges[1]) & set(ranges[2]) and all(r.stop <= 32768 for r in ranges)

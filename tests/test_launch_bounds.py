@@ -136,7 +136,6 @@ def test_nesting_depth_skips_strings():
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
-@pytest.mark.idle
 def test_a_server_host_that_never_comes_is_named_within_the_join_timeout(
     tmp_path, script, capsys, monkeypatch
 ):
@@ -184,7 +183,6 @@ def test_the_launcher_environment_is_checked_naming_the_variable(monkeypatch, en
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-@pytest.mark.idle
 def test_a_lone_process_says_which_ranks_never_came(tmp_path):
     """``python script.py`` with ``WORLD_SIZE=2 RANK=0`` and no peer was silent for 75+ s (torch's store waits
     30 minutes); now it fails at LOOM_JOIN_TIMEOUT_S naming rank 1 and the timeout."""

@@ -93,7 +93,6 @@ def test_a_multi_node_job_without_a_secret_is_refused(tmp_path, script):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.idle
 def test_a_master_that_never_comes_is_given_up_naming_it(tmp_path, script):
     master = f"127.0.0.1:{free_port()}"  # nothing listens there
     args = ["--nnodes", "2", "--node-rank", "1", "--master", master, "--join-timeout", "3", str(script)]
@@ -103,7 +102,6 @@ def test_a_master_that_never_comes_is_given_up_naming_it(tmp_path, script):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.idle
 def test_node_0_gives_up_on_a_node_that_never_joins(tmp_path, script):
     master = f"127.0.0.1:{free_port()}"
     args = ["--nnodes", "2", "--node-rank", "0", "--master", master, "--join-timeout", "3", str(script)]
@@ -113,7 +111,6 @@ def test_node_0_gives_up_on_a_node_that_never_joins(tmp_path, script):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.idle
 def test_a_node_with_another_secret_is_refused_naming_the_secret(tmp_path, script):
     """Node 0 waits; node 1 brings a different LOOM_JOB_SECRET: it is told so, and does not join."""
     master = f"127.0.0.1:{free_port()}"

@@ -52,7 +52,6 @@ class _Output:
 
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and iproute2 for network namespaces")
-@pytest.mark.idle
 def test_a_partition_stops_both_nodes_naming_each_other(tmp_path):
     tag = f"{os.getpid() % 100000}"
     hosts, links, addrs = (

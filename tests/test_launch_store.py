@@ -45,7 +45,6 @@ def test_the_store_serves_clients_that_prove_the_secret():
 
 
 @pytest.mark.unit
-@pytest.mark.idle
 def test_a_wrong_secret_or_a_raw_client_reads_and_writes_nothing():
     server = StoreServer("127.0.0.1", 0, SECRET)
     try:
@@ -127,7 +126,6 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.system
 @pytest.mark.timeout(120)
-@pytest.mark.idle
 def test_a_running_job_listens_on_loopback_only_and_refuses_a_planted_pickle(tmp_path):
     script = tmp_path / "waiting_job.py"
     script.write_text(

@@ -224,7 +224,6 @@ class _Output:
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not can_make_namespaces(), reason="needs root and iproute2 for network namespaces")
 @pytest.mark.parametrize("liveness_s, hang_s", [(5, 300), (None, None)], ids=["short-liveness", "defaults"])
-@pytest.mark.idle
 def test_a_cut_link_stops_both_hosts_within_the_liveness_timeout_each_naming_the_other(
     tmp_path, liveness_s, hang_s
 ):

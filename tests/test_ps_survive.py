@@ -141,7 +141,6 @@ def test_a_server_that_dies_more_often_than_the_limit_stops_the_job(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
-@pytest.mark.idle
 def test_a_request_to_a_dead_server_names_the_death_not_the_secret(tmp_path, monkeypatch):
     monkeypatch.delenv("LOOM_RUN_DIR", raising=False)
     with parameter_servers(1) as servers:
@@ -325,7 +324,6 @@ def test_a_checkpoint_that_does_not_load_is_named(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
-@pytest.mark.idle
 def test_supervised_workers_are_stopped_when_the_server_watcher_gives_up(tmp_path, monkeypatch, capsys):
     """--on-worker-failure continue: the launcher's own loop stops the workers and returns 1 once the servers'
     watcher reports a failure (here after 1 s; the workers would sleep 60 s)."""
@@ -369,7 +367,6 @@ def test_an_ssp_server_restarted_behind_its_workers_learns_their_clocks_from_the
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-@pytest.mark.idle
 def test_a_dead_servers_port_stays_taken_until_its_restart_answers(tmp_path, monkeypatch):
     """The launcher holds each server's listening socket: while a killed server is being restarted no other
     process can listen on its port (and take a worker's connection token from its handshake), and the

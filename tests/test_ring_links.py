@@ -95,7 +95,6 @@ def test_wrong_secret_replay_and_garbage_are_refused_and_the_neighbour_still_adm
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
-@pytest.mark.idle
 def test_silent_clients_do_not_hold_the_neighbour_back_and_are_dropped(monkeypatch):
     monkeypatch.setattr(links, "CONNECTION_TIMEOUT_S", 6.0)
     server, port = _listener()
@@ -120,7 +119,6 @@ def test_silent_clients_do_not_hold_the_neighbour_back_and_are_dropped(monkeypat
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
-@pytest.mark.idle
 def test_a_listener_without_the_secret_is_not_trusted():
     server, port = _listener()
     thread, result = _accept_in_thread(server, secret=b"y" * 32, seconds=3)

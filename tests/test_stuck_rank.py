@@ -19,7 +19,6 @@ pytestmark = pytest.mark.system
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.idle
 def test_a_rank_stuck_in_its_own_code_shows_its_stack_then_the_work_timeout_stops_the_job(tmp_path):
     env = dict(
         os.environ, LOOM_WORK_TIMEOUT_S="12"

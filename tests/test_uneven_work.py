@@ -18,7 +18,6 @@ def _stages(path) -> dict[str, float]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
-@pytest.mark.idle
 def test_rank0_alone_past_the_timeout_is_ordinary_and_a_true_hang_still_stops(workers, tmp_path, monkeypatch):
     monkeypatch.setenv("LOOM_STRAGGLER_WINDOW", "4")  # judged every 2 steps: the sleep's step is in 2 windows
     monkeypatch.setenv("LOOM_STRAGGLER_MARGIN", "1.0")  # and only a rank twice as slow as the median,
