@@ -101,6 +101,17 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _started(tmp_path, *args: str) -> tuple[Zygote, dict[str, str]]:
+    """A started zygote for ``SCRIPT`` (with ``args``) and rank 0's environment."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, RANK="0", PYTHONPATH=os.pathsep.join(sys.path))
+    zygote = Zygote(["-u", "-m", "loom.launch.worker", str(script), *args], env)
+    zygote.enabled = True
+    zygote.start()
+    return zygote, env
+
+
 def _run(zygote: Zygote, env: dict[str, str], what: str) -> tuple[int, str, str, object]:
     zygote.args = [zygote.args[0], what]
     proc = zygote.fork(env)
@@ -115,12 +126,7 @@ def _run(zygote: Zygote, env: dict[str, str], what: str) -> tuple[int, str, str,
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_forked_workers_behave_as_fresh_ones(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, RANK="0", PYTHONPATH=os.pathsep.join(sys.path))
-    zygote = Zygote(["-u", "-m", "loom.launch.worker", str(script)], env)
-    zygote.enabled = True
-    zygote.start()
+    zygote, env = _started(tmp_path)
     try:
         code, out, err, proc = _run(zygote, dict(env, RANK="5", ONLY_HERE="yes"), "ok")
         lines = out.splitlines()
@@ -148,12 +154,7 @@ def test_forked_workers_behave_as_fresh_ones(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_dead_zygote_forks_nothing_and_its_workers_count_as_killed(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, RANK="0", PYTHONPATH=os.pathsep.join(sys.path))
-    zygote = Zygote(["-u", "-m", "loom.launch.worker", str(script), "sleep"], env)
-    zygote.enabled = True
-    zygote.start()
+    zygote, env = _started(tmp_path, "sleep")
     proc = zygote.fork(env)
     assert proc is not None
     proc.stdout.readline()

@@ -33,9 +33,12 @@ import sys
 import threading
 from pathlib import Path
 
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY_", "TORCH_", "TORCHDYNAMO",
-                    "TORCHINDUCTOR", "LD_", "MALLOC_", "HOROVOD_", "CUDA")  # fmt: skip
-"""Variables read when the interpreter, torch or OpenMP start: a child whose value differs gets a fresh process."""
+from loom.launch import zygote as launcher_zygote
+
+STARTUP_PREFIXES = (*launcher_zygote.STARTUP_PREFIXES, "HOROVOD_")
+"""Variables read when the interpreter, torch or OpenMP start (the launcher's zygote's list, and loom's Horovod
+shim's, read when it loads): a child whose value differs gets a fresh process (OMP_NUM_THREADS included: unlike
+the launcher's zygote, a rank here does not set torch's threads from it)."""
 
 WARM_MODULES = (
     "torch", "torch.distributed", "loom", "numpy.random",
@@ -201,8 +204,6 @@ def _child(request: dict) -> None:
     (`loom.launch.zygote.finish`); never returns."""
     import runpy
 
-    from loom.launch.zygote import exit_code, finish
-
     os.setsid()
     if request["cwd"]:
         os.chdir(request["cwd"])
@@ -231,11 +232,11 @@ def _child(request: dict) -> None:
             sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
-        code = exit_code(stop.code)
+        code = launcher_zygote.exit_code(stop.code)
     except BaseException as error:  # as the interpreter reports an uncaught exception: sys.excepthook (loom's
         sys.excepthook(type(error), error, error.__traceback__)  # notes it, so shutdown skips its barrier), 1
         code = 1
-    finish(code)
+    launcher_zygote.finish(code)
 
 
 def _zygote() -> None:
@@ -262,14 +263,8 @@ def _zygote() -> None:
                 if pid == 0:
                     _child(request)  # never returns
                 os.write(1, f"started {request['id']} {pid}\n".encode())
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+        for pid, code in launcher_zygote.reaped():
+            os.write(1, f"exited {pid} {code}\n".encode())
 
 
 if __name__ == "__main__":

@@ -37,9 +37,10 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["MAX_REQUEST", "STARTUP_PREFIXES", "WARM", "Forked", "Zygote", "finish", "main"]
+__all__ = ["MAX_REQUEST", "STARTUP_PREFIXES", "WARM", "Forked", "Zygote", "finish", "main", "reaped"]
 
 MAX_REQUEST = 1 << 20
 """The longest request a zygote reads (the environment and arguments of one worker)."""
@@ -343,7 +344,9 @@ def finish(code: int) -> None:
         os._exit(code & 0xFF)
 
 
-def _reap(sock: socket.socket) -> None:
+def reaped() -> Iterator[tuple[int, int]]:
+    """Each child of this process that has ended since the last call, reaped: its pid and its exit status as
+    `subprocess.Popen.returncode` says it (-N for signal N); never blocks."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -351,9 +354,7 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        sock.sendall(
-            (json.dumps({"exited": pid, "status": os.waitstatus_to_exitcode(status)}) + "\n").encode()
-        )
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 def main() -> None:
@@ -371,7 +372,8 @@ def main() -> None:
     alone = threading.active_count() == 1  # a fork copies one thread: only fork a process that has one
     while True:
         readable, _, _ = select.select([sock], [], [], 0.01)
-        _reap(sock)
+        for ended, code in reaped():
+            sock.sendall((json.dumps({"exited": ended, "status": code}) + "\n").encode())
         if not readable:
             continue
         got = _read_request(sock)
