@@ -31,6 +31,9 @@ of CPU each fresh interpreter spent importing them, once per session instead of 
 def worker_ports(worker: str) -> range:
     """The ports `free_port` draws from in xdist worker ``worker`` (``gw0``, ``gw1``, ...; "" without xdist):
     3,000 of its own per worker, below the kernel's ephemeral range (32768 on)."""
+    base = os.environ.get("LOOM_TEST_PORT_BASE")  # several pytest runs on one machine: a range each
+    if base:
+        return range(int(base), int(base) + 3000)
     if not worker:
         return range(20000, 26000)
     index = int(worker[2:])

@@ -282,10 +282,16 @@ def test_with_learning_stopped_replicas_converge_to_their_initial_mean_over_poin
     assert (final.mean(0) - mean).abs().max() < 1e-6  # every exchange conserves the sum
     start = (initial - mean).norm(dim=1).max()
     assert (final - mean).norm(dim=1).max() < 1e-2 * start  # 1e-4 to 1e-7 in most runs; timing decides
+    # Learning is stopped, so every exchange is a pairwise average: each replica stays in the convex hull of
+    # the initial ones, and no distance between two of them can exceed the initial diameter. The estimate (the
+    # distance at the last exchange with each peer) is compared with that diameter, not with the rank's own first
+    # estimates: those depend on which neighbour answered first (a near one makes them small), which is timing.
+    diameter = torch.cdist(initial, initial).max()
     for r in results:
         spreads = r["spreads"]
-        # The estimate (distance at the last exchange with each peer) lags the truth, but it must fall too.
-        assert max(spreads[-3:]) < 0.1 * max(spreads[:3]), (r["rank"], spreads)
+        assert len(spreads) == 60 and max(spreads) <= diameter * (1 + 1e-9), (r["rank"], spreads)
+        # After every rank's 60 exchanges the last one on each edge came after dozens of averaging rounds.
+        assert r["stats"]["spread"] < 0.1 * diameter, (r["rank"], r["stats"]["spread"], float(diameter))
         stats = r["stats"]
         assert stats["late"] == stats["unreachable"] == stats["dropped"] == 0
         assert stats["requests"] == 60  # one exchange per step, every=1
