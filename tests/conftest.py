@@ -144,11 +144,24 @@ def pytest_collection_modifyitems(config, items):
         lanes = sorted({m.name for m in item.iter_markers() if m.name in LANES})
         if len(lanes) != 1:
             wrong.append(f"{item.nodeid}: {lanes or 'no lane marker'}")
+    gpu = [item for item in items if any(m.name == "gpu" for m in item.iter_markers())]
+    if gpu and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (the GPU lane: `make test-gpu` on a GPU machine)")
+        for item in gpu:
+            item.add_marker(skip)
     if wrong:
         raise pytest.UsageError(
             f"{len(wrong)} test(s) need exactly one of @pytest.mark.{', @pytest.mark.'.join(LANES)} "
             "(a module-level `pytestmark = pytest.mark.unit` marks a whole file):\n  " + "\n  ".join(wrong)
         )
+
+
+def _cuda_available() -> bool:
+    """Whether the GPU lane runs: a CUDA device, or its dry run on the CPU (``LOOM_GPU_LANE_DEVICE=cpu``,
+    tests/test_gpu.py)."""
+    import torch
+
+    return torch.cuda.is_available() or os.environ.get("LOOM_GPU_LANE_DEVICE") == "cpu"
 
 
 SHARED_WORKER = {"test_ray.py": "ray-spark", "test_spark.py": "ray-spark", "test_loopback.py": "ray-spark"}

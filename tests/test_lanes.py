@@ -91,7 +91,10 @@ def test_make_test_runs_two_workers_by_file_then_the_tests_timed_against_a_bound
     assert '    "alone: ' in config
 
 
-def test_each_xdist_worker_draws_ports_from_its_own_range():
+def test_each_xdist_worker_draws_ports_from_its_own_range(monkeypatch):
+    monkeypatch.delenv("LOOM_TEST_PORT_BASE", raising=False)
     ranges = [conftest.worker_ports(name) for name in ("", "gw0", "gw1")]
     assert ranges[0] == range(20000, 26000)
     assert not set(ranges[1]) & set(ranges[2]) and all(r.stop <= 32768 for r in ranges)
+    monkeypatch.setenv("LOOM_TEST_PORT_BASE", "5000")  # a run beside another gets the range it was given
+    assert conftest.worker_ports("gw1") == range(5000, 8000)

@@ -15,6 +15,7 @@ SHARED = {
     "faults.py",
     "pp_common.py",
     "nanogpt_model.py",
+    "gpu_common.py",
 }  # helpers imported by workers and tests, not run on their own
 
 

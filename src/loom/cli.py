@@ -143,13 +143,50 @@ def _add_run_parser(sub) -> None:
         help="--backend ray: the Ray cluster (auto, or the GCS HOST:PORT); default: a local Ray instance for the "
         "job, stopped after it",
     )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=os.environ.get("LOOM_DEVICE") or "auto",
+        help="where workers train (default auto: cuda:LOCAL_RANK on a host with GPUs, else the CPU); handed to "
+        "the workers as LOOM_DEVICE; loom.init(device=...) in the script overrides it",
+    )
+    p.add_argument(
+        "--share-gpus",
+        action="store_true",
+        help="let more workers than GPUs share them (local rank r on GPU r mod G, collectives over gloo); "
+        "without it, -n above the host's GPU count is refused",
+    )
     p.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
+def _device_env(ns: argparse.Namespace, nproc: int | None) -> str | None:
+    """Hand ``--device`` and ``--share-gpus`` to the workers (LOOM_DEVICE, LOOM_SHARE_GPUS) and refuse, before
+    anything starts, more workers on this host than its GPUs (`loom.devices.check_gpu_count`); the error line, or
+    None."""
+    from loom.devices import check_gpu_count
+
+    os.environ["LOOM_DEVICE"] = ns.device
+    if ns.share_gpus:
+        os.environ["LOOM_SHARE_GPUS"] = "1"
+    try:
+        if nproc is not None:
+            check_gpu_count(nproc, ns.device)
+    except ValueError as error:
+        return f"loom run: {error}"
+    return None
+
+
 def _cmd_run(ns: argparse.Namespace) -> int:
     from loom.launch.agent import LaunchSpec, launch
+
+    refused = _device_env(
+        ns, None if ns.backend == "ray" or ns.cluster or ns.host_index is not None else ns.nproc
+    )
+    if refused is not None:
+        print(refused, file=sys.stderr)
+        return 2
 
     if ns.max_server_restarts is not None and (
         ns.backend == "ray" or ns.cluster or ns.host_index is not None

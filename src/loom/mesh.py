@@ -170,4 +170,12 @@ class Mesh:
         loads the same share.
         """
         t = self.topology
-        return Topology(self.index("dp"), self.size("dp"), t.local_rank, t.local_world_size, t.backend)
+        return Topology(
+            self.index("dp"),
+            self.size("dp"),
+            t.local_rank,
+            t.local_world_size,
+            t.backend,
+            t.device_name,
+            t.shared_gpu,
+        )

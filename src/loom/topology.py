@@ -25,10 +25,12 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from loom.devices import MIXED_BACKEND, DeviceChoice, choose_device
 from loom.launcher_env import join_env_store, read_launcher_env
 
 __all__ = ["Topology", "init", "current", "shutdown"]
@@ -47,7 +49,13 @@ class Topology:
     local_world_size: int
     """Number of workers on this host."""
     backend: str
-    """Process-group backend: ``gloo`` on CPU, ``nccl`` when every process has a GPU, ``none`` for one process."""
+    """Process-group backend: ``gloo`` on CPU (and on shared GPUs), ``nccl`` on a GPU of its own (the default
+    group is then ``cpu:gloo,cuda:nccl``: loom's CPU control collectives travel beside NCCL), ``none`` for one
+    process."""
+    device_name: str = "cpu"
+    """Where this process trains: ``cpu`` or ``cuda:K`` (`loom.devices`: the device rule)."""
+    shared_gpu: bool = False
+    """Several local ranks on one GPU (``loom run --share-gpus``): collectives over gloo, no point-to-point."""
 
     @property
     def is_distributed(self) -> bool:
@@ -60,9 +68,8 @@ class Topology:
 
     @property
     def device(self) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
+        """The device this process trains on (`device_name`)."""
+        return torch.device(self.device_name)
 
 
 _current: Topology | None = None
@@ -78,18 +85,29 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def _pick_backend(requested: str | None) -> str:
-    if requested is not None:
-        if requested not in ("gloo", "nccl"):
-            raise ValueError(f"backend={requested!r} is not supported; use 'gloo' or 'nccl'")
-        return requested
-    # NCCL only when this process has a GPU; a mixed job would fail inside NCCL, so users with partial GPUs
-    # must ask for gloo explicitly.
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def _pick_backend(requested: str | None, choice: DeviceChoice) -> str:
+    """The default group's backend: the device rule's (`loom.devices`), or the one asked for, checked against
+    the device (NCCL needs a GPU of the process's own)."""
+    if requested is None:
+        return choice.backend
+    if requested not in ("gloo", "nccl"):
+        raise ValueError(f"backend={requested!r} is not supported; use 'gloo' or 'nccl'")
+    if requested == "nccl":
+        if choice.device == "cpu" or choice.shared_gpu:
+            raise ValueError(
+                f"backend='nccl' needs a GPU of this process's own, but it trains on {choice.device}"
+                f"{' (shared with other ranks)' if choice.shared_gpu else ''}. HINT: backend='gloo', or one process "
+                "per GPU"
+            )
+        return MIXED_BACKEND
+    return "gloo"
 
 
-def init(backend: str | None = None, timeout_s: float = 1800.0) -> Topology:
+def init(backend: str | None = None, timeout_s: float = 1800.0, device: str | None = None) -> Topology:
     """Join the job this process belongs to and return its topology.
+
+    ``device``: ``auto`` (the default: ``cuda:LOCAL_RANK`` where there is a GPU, else the CPU), ``cpu`` or
+    ``cuda``; ``LOOM_DEVICE`` (``loom run --device``) when not given. See `loom.devices` for the rule.
 
     ``timeout_s`` bounds each collective in the backend (PyTorch's gloo default, 30 minutes), so that work one
     rank does alone between collectives (rank-0-only evaluation, a checkpoint) is ordinary; a true hang is
@@ -98,7 +116,7 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> Topology:
     One process: a process group of one for the script's own ``torch.distributed`` calls (see the module
     docstring). Idempotent: a second call returns the same topology. Registers `shutdown()` to run at exit.
     """
-    topo = _join(backend, timeout_s)
+    topo = _join(backend, timeout_s, device)
     if topo.world_size == 1 and dist.is_available() and not dist.is_initialized():
         _start_group_of_one(timeout_s)
     return topo
@@ -124,18 +142,21 @@ def _start_group_of_one(timeout_s: float) -> None:
     atexit.register(shutdown)
 
 
-def _join(backend: str | None, timeout_s: float) -> Topology:
+def _join(backend: str | None, timeout_s: float, device: str | None = None) -> Topology:
     """The topology from the launcher's environment; joins the default process group when there are peers."""
     global _current
     if _current is not None:
         return _current
     world_size, rank, local_rank, local_world_size = read_launcher_env()  # each variable checked, named
+    choice = choose_device(device, local_rank, local_world_size)
+    if choice.device != "cpu":
+        torch.cuda.set_device(torch.device(choice.device))
+    where: dict[str, Any] = {"device_name": choice.device, "shared_gpu": choice.shared_gpu}
     if world_size == 1:
-        _current = Topology(0, 1, 0, 1, "none")
+        _current = Topology(0, 1, 0, 1, "none", **where)
         return _current
-    chosen = _pick_backend(backend)
-    if chosen == "nccl":
-        torch.cuda.set_device(local_rank)
+    chosen = _pick_backend(backend, choice)
+    short = "nccl" if chosen == MIXED_BACKEND else chosen
     if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal" and "LOOM_STORE_PREFIX" in os.environ:
         # Healing: members change between steps, so no group of every rank is ever formed (the default group
         # cannot shrink); the job's strategy builds each membership epoch's group on the launcher's store
@@ -144,7 +165,7 @@ def _join(backend: str | None, timeout_s: float) -> Topology:
         _store = _job_store(rank, timeout_s)
         if not dist.is_initialized():
             _start_group_of_one(timeout_s)
-        _current = Topology(rank, world_size, local_rank, local_world_size, "gloo")
+        _current = Topology(rank, world_size, local_rank, local_world_size, "gloo", **where)
         return _current
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -165,7 +186,7 @@ def _join(backend: str | None, timeout_s: float) -> Topology:
                 backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout
             )
     _watch_uncaught_exceptions()
-    _current = Topology(rank, world_size, local_rank, local_world_size, chosen)
+    _current = Topology(rank, world_size, local_rank, local_world_size, short, **where)
     atexit.register(shutdown)
     return _current
 

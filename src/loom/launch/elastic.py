@@ -13,6 +13,7 @@ monitoring step reports failures that will be retried.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import sys
@@ -133,6 +134,7 @@ class _NarratingAgent(LocalElasticAgent):
     restarts = 0
     _failures: dict[int, Any] = {}
     zygote: Zygote | None = None
+    shutdown_timeout_s = 30
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         """torch's, with its subprocess handler (`torch.distributed.elastic.multiprocessing.api`'s
@@ -172,10 +174,21 @@ class _NarratingAgent(LocalElasticAgent):
                     os.kill(pid, signal.SIGCONT)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        """Stop the group within ``shutdown_timeout`` (torch's agent waits its default 30 s here, whatever it was
+        """Stop the group within ``shutdown_timeout_s`` (torch's agent waits its default 30 s here, whatever it was
         given), stopped workers woken first (`_wake_stopped_workers`)."""
         self._wake_stopped_workers(only_if_one_died=False)
-        self._shutdown(timeout=self._shutdown_timeout)
+        self._shutdown(timeout=self.shutdown_timeout_s)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        """torch's, with the grace ``timeout`` on every release: torch 2.11's ``_shutdown`` takes no timeout (its
+        process context waits a fixed 30 s), 2.13's does; the rest of what it stops is released here as there."""
+        if _SHUTDOWN_TAKES_TIMEOUT:
+            super()._shutdown(death_sig, timeout)  # type: ignore[call-arg]
+            return
+        pcontext, self._pcontext = self._pcontext, None
+        super()._shutdown(death_sig)  # its watchdog and health server; no process context left to close
+        if pcontext is not None:
+            pcontext.close(death_sig, timeout=timeout)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.restarts += 1
@@ -183,6 +196,11 @@ class _NarratingAgent(LocalElasticAgent):
         print(restart_line(self._failures, self.restarts, spec.max_restarts), file=sys.stderr, flush=True)
         self._failures = {}
         super()._restart_workers(worker_group)
+
+
+_SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
+"""Whether this torch release's agent stops its workers within a given grace (2.13 does, 2.11 does not): the
+agent's internals are detected, never assumed from one release."""
 
 
 def _process_state(pid: int) -> str | None:
@@ -219,8 +237,8 @@ def run_agent(
         logs_specs=options.logs_specs,
         start_method="spawn",
         log_line_prefix_template="[rank${rank}]: ",
-        shutdown_timeout=options.shutdown_timeout_s,
     )
+    agent.shutdown_timeout_s = options.shutdown_timeout_s  # see `_NarratingAgent._shutdown`
     agent.zygote = Zygote([*args], {})
     try:
         result = agent.run()

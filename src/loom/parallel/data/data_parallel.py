@@ -57,6 +57,7 @@ from loom.comm.compression import CompressionHook
 from loom.comm.shared_gradients import SharedGradients
 from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
+from loom.devices import place_model
 from loom.fault.desync import gradients_finite
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
@@ -116,7 +117,7 @@ class DataParallel:
             from loom.parallel.data.healing import start_healing  # here: only a healing job needs it
 
             return start_healing(model, optimizer, call, topo, self.config)  # type: ignore[return-value]
-        model.to(topo.device)
+        place_model(model, topo.device, optimizer, topo.rank)
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
         path: GradientPath | None = None
@@ -129,7 +130,7 @@ class DataParallel:
         if path is not None and path.shared is None:
             ddp = DistributedDataParallel(
                 model,
-                device_ids=[topo.local_rank] if topo.device.type == "cuda" else None,
+                device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
                 bucket_cap_mb=self.config.bucket_cap_mb,
                 find_unused_parameters=self.config.find_unused_parameters,
                 gradient_as_bucket_view=True,  # no copy between gradients and buckets (2-14% faster here)

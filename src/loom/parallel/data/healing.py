@@ -36,6 +36,7 @@ import torch.utils._pytree
 from torch import nn
 
 from loom.data.sampler import share_bounds
+from loom.devices import place_model
 from loom.fault.desync import gradients_finite
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum
@@ -313,7 +314,7 @@ def start_healing(
     alike) and take the state of a live member, then return the job."""
     refuse_heal_options(config)
     store = healing_store()
-    model.to(topology.device)
+    place_model(model, topology.device, optimizer, topology.rank)
     quorum = Quorum.from_env(store)
     return join_first_epoch(HealingJob(model, optimizer, call, topology, config, config.accumulate, quorum))
 

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config_docs import document_options
+from loom.devices import place_model, refuse_shared_gpu
 from loom.fault.desync import GRADIENT_FLAG
 from loom.job import MetricFn
 from loom.mesh import Mesh
@@ -165,8 +166,9 @@ class ShardedDataParallel:
             model, optimizer, loss_fn, strategy="ShardedDataParallel", conventions=True
         )
         check_elementwise(optimizer)
+        refuse_shared_gpu("ShardedDataParallel", topo, "its shards travel by reduce-scatter and all-gather")
         stage, world = self.config.stage, topo.world_size
-        model.to(topo.device)
+        place_model(model, topo.device, optimizer, topo.rank)
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, world, enabled=self.observe)
         fsdp = topo.is_distributed and stage >= 2

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.devices import place_model, refuse_shared_gpu
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.parallel._setup import check_setup_arguments
@@ -64,11 +65,14 @@ def compose(
     data = data if data is not None else DataAxisConfig()
     if data.zero == 1:  # refused before any collective, on every rank alike
         check_elementwise(optimizer, strategy="a data axis with zero=1", instead="zero=0")
+        refuse_shared_gpu("A data axis with zero=1", mesh.topology, "its shards travel by reduce-scatter")
     topo = mesh.topology
+    if mesh.size("pp") > 1:
+        refuse_shared_gpu("Pipeline", topo)
     if topo.is_distributed:  # every process starts from rank 0's weights, as DDP does
         broadcast_module(model)
     stages = split_into_stages(model, mesh, pipeline, sample_input)
-    model.to(topo.device)
+    place_model(model, topo.device, optimizer, topo.rank)
     shards = shard_stage(stages.stage, mesh, tp_plan)
     averaging: GradientAveraging | ShardedDataAxis
     if data.zero == 1:

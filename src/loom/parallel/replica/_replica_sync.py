@@ -40,6 +40,7 @@ from loom.comm.compression.int8 import INT8_CHUNK as INT8_CHUNK  # re-exported (
 from loom.comm.compression.int8 import dequantize_int8 as dequantize_int8  # re-exported
 from loom.comm.compression.int8 import quantize_int8 as quantize_int8  # re-exported
 from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
+from loom.devices import place_model
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
@@ -132,7 +133,7 @@ def prepare_replicas(
     buffers (as DDP does)."""
     topo = topology if topology is not None else current()
     check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True)
-    model.to(topo.device)
+    place_model(model, topo.device, optimizer, topo.rank)
     if topo.is_distributed:
         check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
         broadcast_module(model)

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.devices import place_model
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum, StepDropped
 from loom.job import replicated_state
@@ -369,7 +370,7 @@ def start_healing_rounds(
     refuse_round_options(config, strategy)
     store = healing_store()
     topo = topology if topology is not None else current()
-    model.to(topo.device)
+    place_model(model, topo.device, optimizer, topo.rank)
     quorum = Quorum.from_env(store)
     job = HealingRounds(model, optimizer, call, topo, config, quorum, outer_optimizer)
     return join_first_epoch(job)
