@@ -11,7 +11,7 @@ SITE = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test test-fast lint docs bench install clean
+.PHONY: demo test test-fast test-gpu lint docs bench install clean
 
 # torch first, by its exact version: the CPU build on this machine's disk (a range would let pip take a CUDA build).
 $(DEMO_STAMP): pyproject.toml requirements/demo.lock
@@ -61,6 +61,11 @@ test: $(TEST_STAMP)
 # tests/threads.py), under 3 minutes on the 2-core host. `make test` above, the CI gate, runs every lane.
 test-fast: $(TEST_STAMP)
 	$(VENV)/bin/pytest -m unit -q
+
+# The GPU lane (tests marked `gpu`; skipped, and reported as skipped, without CUDA): on a GPU machine. A lent
+# machine without this venv runs benchmarks/device/gpu_lane.sh instead (the same tests, the step benchmark).
+test-gpu: $(TEST_STAMP)
+	$(VENV)/bin/pytest -p no:xdist -m gpu -v -rs
 
 bench: $(TEST_STAMP)
 	$(VENV)/bin/loom bench dp

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU lane, in one call on a lent GPU machine (issue 35): torch 2.11+cu130 on Python 3.12 there, no pyzmq,
+# nothing to download. From the repository root here, once per session (the wheel is not committed):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pyzmq==27.3.0
+# then the device tool's run: command "bash benchmarks/device/gpu_lane.sh", carry [".whl"], timeout_s 560.
+# Writes under $OUT: env.txt (device, torch, CUDA, NCCL, cores), gpu_lane.txt (pytest -m gpu, every test's
+# result), gpu_step.md/.json (loom's one-process step vs the plain loop), unit_lane.txt (the unit lane on this
+# torch, GPU hidden: the CPU suite on torch 2.11). Each part has its own time bound, so one hang cannot take the
+# others' results with it.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-lane}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "carry .whl (pyzmq for Python 3.12): see this script's header"; exit 1; }
+export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+{
+    nvidia-smi -L
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+    echo "cores: $(nproc)"; python3 --version; date -u
+} > "$OUT/env.txt" 2>&1
+timeout 300 python3 -m pytest -p no:cacheprovider -m gpu -v -rA --timeout 280 tests/test_gpu.py > "$OUT/gpu_lane.txt" 2>&1
+echo "gpu lane exit $?" >> "$OUT/env.txt"
+timeout 120 python3 -m loom_bench.gpu_step --out "$OUT" --reps 5 --steps 40 > "$OUT/gpu_step.log" 2>&1
+echo "gpu_step exit $?" >> "$OUT/env.txt"
+CUDA_VISIBLE_DEVICES= timeout 120 python3 -m pytest -p no:cacheprovider -m unit -q -n 8 --timeout 100 > "$OUT/unit_lane.txt" 2>&1
+echo "unit lane exit $?" >> "$OUT/env.txt"
+tail -n 3 "$OUT"/gpu_lane.txt "$OUT"/unit_lane.txt; cat "$OUT/gpu_step.md" "$OUT/env.txt" 2>/dev/null
