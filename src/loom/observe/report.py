@@ -269,7 +269,7 @@ def write_report(run_dir: str | Path) -> Path:
     except ImportError as error:
         raise ImportError(
             f"loom report draws its figures with matplotlib, which is not installed ({error}). "
-            "HINT: pip install 'loom[plot]'"
+            "HINT: pip install 'loom-train[plot]'"
         ) from error
     pngs = draw_figures(runs, out)
     merge_traces(run_dir)
