@@ -79,6 +79,8 @@ def run_demo(nproc: int, epochs: int, run_dir: Path) -> int:
     )
     note = caveat(load_distributed.share, load_single.share)
     if note:
-        console.print(note, soft_wrap=True)  # one line, whatever the terminal's width (rich wraps at 80 in a pipe)
+        console.print(
+            note, soft_wrap=True
+        )  # one line, whatever the terminal's width (rich wraps at 80 in a pipe)
     console.print(f"an HTML report of both runs: loom report {run_dir}", soft_wrap=True)
     return 0
