@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.system
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)
 def test_demo_trains_and_matches_one_process(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "loom.cli", "demo", "--epochs", "6", "--run-dir", str(tmp_path)],
@@ -32,3 +32,26 @@ def test_demo_trains_and_matches_one_process(tmp_path):
         # every step recorded on every rank (1,438 samples, global batch 128); a record annotated after it was
         # written is written again whole, and readers keep a step's last line (StepMetrics.annotate)
         assert sorted({json.loads(line)["step"] for line in lines}) == list(range(1, 6 * 12 + 1))
+
+    # the first report opens (issue 36): both runs reported, with and without matplotlib
+    assert f"loom report {tmp_path}" in result.stdout
+    no_plot = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, str(tmp_path)], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+    assert no_plot.returncode == 0 and "Traceback" not in no_plot.stderr, no_plot.stdout + no_plot.stderr
+    assert "holds 2 runs (distributed and single)" in no_plot.stdout
+    assert no_plot.stdout.count("with the tables; for the charts: pip install 'loom-train[plot]'") == 2
+    for run in ("distributed", "single"):
+        assert "<h2>Summary</h2>" in (tmp_path / run / "report" / "report.html").read_text()
+    plotted = subprocess.run([sys.executable, "-m", "loom.cli", "report", str(tmp_path)], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert plotted.returncode == 0 and plotted.stdout.count("figures in") == 2, (
+        plotted.stdout + plotted.stderr
+    )
+
+
+NO_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None  # as if not installed: `import matplotlib` raises ImportError
+from loom.cli import main
+sys.exit(main(["report", sys.argv[1]]))
+"""

@@ -157,6 +157,23 @@ def test_epochs_resume_at_an_epoch_boundary(tmp_path, capsys):
     job, loader, _ = make_run()
     again = fit(job, loader, epochs=3, checkpoint_dir=tmp_path, progress=False)
     assert (again.steps, again.epochs, again.steps_run) == (12, 3, 0)
+    # a finished run, resumed, trains nothing and says so in one line (issue 36: the README's example run twice)
+    said = capsys.readouterr().err
+    assert (
+        f"resumed from the checkpoint of step 12 in {tmp_path}: the run already reached epoch 3, nothing left "
+        f"to train; delete {tmp_path} to start again" in said
+    )
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_a_resumed_unfinished_run_is_not_called_finished(tmp_path, capsys):
+    job, loader, _ = make_run()
+    fit(job, loader, steps=3, checkpoint_dir=tmp_path, progress=False)
+    job, loader, _ = make_run()
+    assert fit(job, loader, steps=5, checkpoint_dir=tmp_path, progress=False).steps_run == 2
+    said = capsys.readouterr().err
+    assert "resumed from the checkpoint of step 3" in said and "nothing left" not in said
 
 
 @pytest.mark.unit

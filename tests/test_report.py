@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,31 @@ def test_report_loads_in_headless_chromium_without_script_errors(report_dir, tmp
     subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1100,1400", url], capture_output=True,
                    timeout=60, check=True)  # fmt: skip
     assert shot.stat().st_size > 10_000
+
+
+NO_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None  # as if not installed: `import matplotlib` raises ImportError
+from loom.cli import main
+sys.exit(main(["report", sys.argv[1]]))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_directory_of_runs_gets_a_report_each_and_tables_without_matplotlib(report_dir, tmp_path):
+    """`loom demo`'s layout (issue 36): RUN_DIR/distributed and RUN_DIR/single, no records of RUN_DIR's own."""
+    demo = tmp_path / "demo"
+    for name in ("distributed", "single"):
+        shutil.copytree(report_dir.parent / "metrics", demo / name / "metrics")
+    bare = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, str(demo)], capture_output=True, text=True,
+                          timeout=100)  # fmt: skip
+    assert bare.returncode == 0 and "Traceback" not in bare.stderr, bare.stdout + bare.stderr
+    lines = bare.stdout.splitlines()
+    assert lines[0].startswith(f"loom report: {demo} holds 2 runs (distributed and single)")
+    assert lines[1:] == [f"loom report: wrote {demo / n / 'report/report.html'} with the tables; for the charts: "
+                         "pip install 'loom-train[plot]'" for n in ("distributed", "single")]  # fmt: skip
+    page = (demo / "single/report/report.html").read_text()
+    assert "<h2>Summary</h2>" in page and "not drawn: matplotlib is not installed" in page
+    assert run_report(demo) == 0  # with matplotlib: the figures
+    assert len(list((demo / "distributed/report").glob("*.png"))) == len(FIGURES)

@@ -186,5 +186,5 @@ def test_a_replica_loss_is_logged_under_its_own_name(tmp_path):
 def test_a_missing_library_names_the_extra(monkeypatch, tmp_path, module, tracker, extra):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     job, loader, _ = make_run()
-    with pytest.raises(ImportError, match=rf"pip install 'loom\[{extra}\]'"):
+    with pytest.raises(ImportError, match=rf"pip install 'loom-train\[{extra}\]'"):
         fit(job, loader, steps=1, progress=False, trackers=[tracker(tmp_path / "t")])

@@ -134,7 +134,7 @@ def _add_run_parser(sub) -> None:
         choices=["local", "ray"],
         default="local",
         help="local (default): this host's processes (PyTorch's elastic agent); ray: one Ray actor per worker "
-        "in a placement group (pip install loom[ray]; see loom.ray)",
+        "in a placement group (pip install 'loom-train[ray]'; see loom.ray)",
     )
     p.add_argument(
         "--address",

@@ -173,6 +173,12 @@ class _Loop:
         """What a checkpoint keeps of the loop: its position, and the trackers' runs when there are any."""
         return dict(asdict(at), trackers=self.trackers.states()) if self.trackers else asdict(at)
 
+    def finished(self, at: _Position) -> bool:
+        """True when ``at`` has reached the goal (``steps`` or ``epochs``): `run` would take no step."""
+        return (self.steps is not None and at.step >= self.steps) or (
+            self.epochs is not None and at.epoch >= self.epochs
+        )
+
     def steps_left(self, at: _Position) -> int | None:
         if self.steps is not None:
             return self.steps - at.step
@@ -183,9 +189,7 @@ class _Loop:
 
     def run(self, at: _Position, bar: ProgressBar) -> None:
         empty_passes, started, first = 0, time.perf_counter(), at.step
-        while (self.steps is None or at.step < self.steps) and (
-            self.epochs is None or at.epoch < self.epochs
-        ):
+        while not self.finished(at):
             if callable(getattr(self.loader, "set_epoch", None)):
                 self.loader.set_epoch(at.epoch)  # a no-op when resuming inside this epoch
             taken = 0
@@ -292,9 +296,6 @@ def fit(
             resumed_from, saved = resumed
             at = _Position(resumed_from, saved["epoch"], saved["epoch_step"], saved["last_loss"])
             saved_trackers = saved.get("trackers")
-            if job.topology.is_main:
-                print(f"loom.fit: resumed from the checkpoint of step {resumed_from} in {checkpoint_dir}",
-                      file=sys.stderr, flush=True)  # fmt: skip
         checkpointer.saved_step = resumed_from
     loop = _Loop(
         job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every, desync_every,
@@ -302,6 +303,13 @@ def fit(
     )  # fmt: skip
     first_step, left = at.step, loop.steps_left(at)
     goal = f"step {steps}" if steps is not None else f"epoch {epochs}"
+    if resumed_from is not None and job.topology.is_main:
+        # a finished run resumed trains nothing: say so plainly (the README's example, run twice, did silently)
+        done = (
+            f": the run already reached {goal}, nothing left to train; delete {checkpoint_dir} to start again"
+        )
+        print(f"loom.fit: resumed from the checkpoint of step {resumed_from} in {checkpoint_dir}"
+              f"{done if loop.finished(at) else ''}", file=sys.stderr, flush=True)  # fmt: skip
     show = progress and job.topology.is_main and left is not None
     try:
         tracking.open(saved_trackers, at.step)

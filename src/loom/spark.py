@@ -44,7 +44,7 @@ Spark task (``PR_SET_PDEATHSIG`` through `loom.launch.worker`). ``TorchDistribut
 scripts: it starts ``torchrun``, whose environment `loom.init` reads (``env://``; no job secret there, so loom's
 own ring links fall back to gloo's).
 
-Needs ``pyspark`` (``pip install loom[spark]``) and the classic (non-Connect) API: ``RDD.barrier``.
+Needs ``pyspark`` (``pip install 'loom-train[spark]'``) and the classic (non-Connect) API: ``RDD.barrier``.
 """
 
 from __future__ import annotations

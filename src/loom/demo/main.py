@@ -12,6 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from loom.demo.other_load import OtherLoad, caveat
+
 __all__ = ["run_demo"]
 
 
@@ -27,33 +29,35 @@ def run_demo(nproc: int, epochs: int, run_dir: Path) -> int:
     single = run_dir / "single" / "summary.json"
     console.rule(f"[bold]loom demo: DataParallel on {nproc} local workers")
     started = time.perf_counter()
-    status = _run(
-        [
-            *loom_cmd,
-            "run",
-            "-n",
-            str(nproc),
-            "--run-dir",
-            str(run_dir / "distributed"),
-            "-m",
-            "loom.demo.train",
-            "--epochs",
-            str(epochs),
-            "--summary",
-            str(distributed),
-        ],
-        env,
-    )
+    with OtherLoad() as load_distributed:
+        status = _run(
+            [
+                *loom_cmd,
+                "run",
+                "-n",
+                str(nproc),
+                "--run-dir",
+                str(run_dir / "distributed"),
+                "-m",
+                "loom.demo.train",
+                "--epochs",
+                str(epochs),
+                "--summary",
+                str(distributed),
+            ],
+            env,
+        )
     if status != 0:
         console.print(f"[red]the distributed run failed (exit status {status})")
         return status
     wall_distributed = time.perf_counter() - started
     console.rule("[bold]the same training as one process, for comparison")
     started = time.perf_counter()
-    status = _run(
-        [sys.executable, "-m", "loom.demo.train", "--epochs", str(epochs), "--summary", str(single)],
-        dict(env, LOOM_RUN_DIR=str(run_dir / "single")),
-    )
+    with OtherLoad() as load_single:
+        status = _run(
+            [sys.executable, "-m", "loom.demo.train", "--epochs", str(epochs), "--summary", str(single)],
+            dict(env, LOOM_RUN_DIR=str(run_dir / "single")),
+        )
     if status != 0:
         console.print(f"[red]the one-process run failed (exit status {status})")
         return status
@@ -73,4 +77,10 @@ def run_demo(nproc: int, epochs: int, run_dir: Path) -> int:
         f"speed-up {speedup:.2f}x on {nproc} workers (scaling efficiency {100 * speedup / nproc:.0f}%); "
         f"logs and per-rank metrics in {run_dir}"
     )
+    note = caveat(load_distributed.share, load_single.share)
+    if note:
+        console.print(
+            note, soft_wrap=True
+        )  # one line, whatever the terminal's width (rich wraps at 80 in a pipe)
+    console.print(f"an HTML report of both runs: loom report {run_dir}", soft_wrap=True)
     return 0

@@ -26,7 +26,7 @@ def digits_datasets(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDa
     except ImportError as error:
         raise ImportError(
             f"the demo trains on scikit-learn's bundled digits, and scikit-learn is not installed ({error}). "
-            "HINT: pip install 'loom[demo]'"
+            "HINT: pip install 'loom-train[demo]'"
         ) from error
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0

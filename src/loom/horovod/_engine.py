@@ -38,6 +38,16 @@ __all__ = ["Engine", "HorovodInternalError", "Request"]
 _BUFFER = 4096  # bytes per rank in the common one-round exchange
 
 
+def stopped_after_failure(rank: int) -> str:
+    """What is true after the engine stopped on its own (a peer was lost: an elastic kill). A new ``hvd.init()``
+    in this process cannot rejoin, since loom restarts the whole worker group instead of re-forming the ring."""
+    return (
+        f"rank {rank}: the Horovod engine stopped after a failure (a peer was lost). Under `loom run "
+        "--max-restarts N` the launcher restarts every worker and hvd.elastic.run resumes from the last "
+        "state.commit(); this process is ended with the group, and calling hvd.init() again here does not rejoin"
+    )
+
+
 class Engine:
     """The background negotiation thread of one `init()` (see the module docstring)."""
 
@@ -63,8 +73,10 @@ class Engine:
     # ----------------------------------------------------------------- submission (any thread)
     def submit(self, request: Request, name: str | None) -> Request:
         with self._lock:
-            if self._stop or self._stopped.is_set():
+            if self._stop:  # hvd.shutdown() was called: a new init() starts a new engine
                 raise ValueError("Horovod has been shut down; call hvd.init() again.")
+            if self._stopped.is_set():
+                raise HorovodInternalError(stopped_after_failure(self.rank))
             if name is None:
                 n = self._counters.get(request.kind, 0)
                 self._counters[request.kind] = n + 1

@@ -31,7 +31,11 @@ from loom.launch.zygote import Zygote
 
 __all__ = ["AgentOptions", "failure_text", "restart_line", "root_failure", "run_agent"]
 
-RESUME_NOTE = "loom.fit resumes from its latest checkpoint"
+RESUME_NOTE = (
+    "a script that checkpoints resumes from its latest checkpoint (loom.fit and hvd.elastic.run do), "
+    "one that does not starts over"
+)
+"""Said of every script, since the launcher cannot tell whether this one uses loom.fit."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ exception that carries ``loom_exit_status`` (`loom.fault.quorum.LeftOutOfQuorum`
 worker to leave) is no error either: one line, and the process ends with that status, which the launcher reads as
 "replace me" (any other non-zero status is the script's own error, `loom.launch.heal`). The worker also asks the
 kernel to kill it if the launcher dies, so no worker outlives its job even when the launcher is killed with SIGKILL.
+Before the script runs, its own ``torch.distributed.init_process_group()`` is routed to the job's store
+(`loom.launch.script_init`), so a script written for torchrun runs unported.
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ def _run(argv: list[str]) -> None:
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from loom.launch.script_init import install
+
     die_with_parent()
+    install()  # the script's own init_process_group() joins loom's store (no-op outside `loom run`)
     try:
         record(_run)(sys.argv[1:])  # records an exception for the launcher, then raises it again
     except Exception as error:

@@ -19,6 +19,10 @@ start (their difference is what the step itself added: activations, gathered par
 
 Also merges the per-rank trace files into ``RUN_DIR/trace.json`` if the run was traced and lists the straggler
 warnings rank 0 raised.
+
+A directory whose runs sit in subdirectories (``loom demo`` writes ``distributed/`` and ``single/``) gets one
+report per run, each named. Without matplotlib (the optional ``plot`` extra) the page holds the tables, and one
+line says how to get the charts: a first report opens after ``make demo`` alone.
 """
 
 from __future__ import annotations
@@ -252,46 +256,77 @@ def _warnings_html(run_dir: Path) -> str:
     return "<ul>" + "".join(items) + "</ul>"
 
 
+PLOT_HINT = "pip install 'loom-train[plot]'"
+"""How to get the charts when matplotlib is missing (the library trains without it)."""
+
+
+def _no_records(run_dir: Path) -> str:
+    return (f"no step records in {run_dir / 'metrics'}. HINT: pass the --run-dir of a `loom run` job "
+            "whose script trained with a loom strategy")  # fmt: skip
+
+
 def write_report(run_dir: str | Path) -> Path:
-    """Draw the figures and write ``RUN_DIR/report/report.html``; returns its path."""
-    run_dir = Path(run_dir)
+    """Draw the figures and write ``RUN_DIR/report/report.html``; returns its path. Without matplotlib (an
+    optional extra) the page has the tables and says how to get the charts."""
+    return _write(Path(run_dir))[0]
+
+
+def _write(run_dir: Path) -> tuple[Path, int]:
+    """`write_report`, and how many figures it drew (0: matplotlib is not installed)."""
     runs = load_records(run_dir)
     if not runs:
-        raise FileNotFoundError(
-            f"no step records in {run_dir / 'metrics'}. HINT: pass the --run-dir of a `loom run` job "
-            "whose script trained with a loom strategy"
-        )
+        raise FileNotFoundError(_no_records(run_dir))
     baseline = load_records(run_dir / "baseline") or None
     summary = summarize(runs, baseline)
     out = run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
     try:  # matplotlib is an optional extra: the library trains without it
         from loom.observe.report_figures import draw_figures
-    except ImportError as error:
-        raise ImportError(
-            f"loom report draws its figures with matplotlib, which is not installed ({error}). "
-            "HINT: pip install 'loom[plot]'"
-        ) from error
-    pngs = draw_figures(runs, out)
+    except ImportError:
+        pngs: dict[str, Path] = {}
+        figures = f"<p>not drawn: matplotlib is not installed. HINT: {html.escape(PLOT_HINT)}</p>"
+    else:
+        pngs = draw_figures(runs, out)
+        figures = "\n".join(_png_tag(name, path) for name, path in pngs.items())
     merge_traces(run_dir)
     page = _PAGE.format(
         title=html.escape(str(run_dir)),
         table=_summary_table(summary),
         memory=_memory_table(summary["memory"]),
         warnings=_warnings_html(run_dir),
-        figures="\n".join(_png_tag(name, path) for name, path in pngs.items()),
+        figures=figures,
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     path = out / "report.html"
     path.write_text(page)
-    return path
+    return path, len(pngs)
+
+
+def _runs_below(run_dir: Path) -> list[Path]:
+    """The subdirectories of ``run_dir`` that hold step records (``loom demo`` writes ``distributed`` and
+    ``single``; a ``baseline`` beside a run belongs to that run)."""
+    if not run_dir.is_dir():
+        return []
+    below = (d for d in sorted(run_dir.iterdir()) if d.is_dir() and d.name != "baseline")
+    return [d for d in below if any(d.glob("metrics/rank*.jsonl"))]
 
 
 def run_report(run_dir: Path) -> int:
-    """Entry point of ``loom report RUN_DIR``: 0 on success, 2 with a message when there is nothing to report."""
-    try:
-        path = write_report(run_dir)
-    except FileNotFoundError as error:
-        print(f"loom report: {error}", file=sys.stderr)
+    """Entry point of ``loom report RUN_DIR``: 0 on success, 2 with a message when there is nothing to report.
+    A directory whose runs are in subdirectories (``loom demo``'s) gets one report per run, each named."""
+    run_dir = Path(run_dir)
+    targets = [run_dir] if load_records(run_dir) else _runs_below(run_dir)
+    if not targets:
+        print(f"loom report: {_no_records(run_dir)}", file=sys.stderr)
         return 2
-    print(f"loom report: wrote {path} and {len(FIGURE_TITLES)} figures in {path.parent}")
+    if targets != [run_dir]:
+        names = " and ".join(d.name for d in targets)
+        print(f"loom report: {run_dir} holds {len(targets)} runs ({names}); a report for each "
+              f"(one alone: loom report {targets[0]})")  # fmt: skip
+    for target in targets:
+        path, drawn = _write(target)
+        if drawn:
+            print(f"loom report: wrote {path} and {drawn} figures in {path.parent}")
+        else:
+            print(f"loom report: wrote {path} with the tables; for the charts: {PLOT_HINT}")
     return 0

@@ -19,7 +19,7 @@ that step on (``purge_step``: the resumed values win); MLflow's metric history c
 run skips the steps the run already holds (the first values win). Either way every step appears once.
 
 Both libraries are imported lazily, when a tracker opens: install them with the ``tensorboard`` and ``mlflow``
-extras (``pip install loom[tensorboard,mlflow]``; ``mlflow-skinny`` suffices). Since MLflow 3.7 its plain
+extras (``pip install 'loom-train[tensorboard,mlflow]'``; ``mlflow-skinny`` suffices). Since MLflow 3.7 its plain
 directory store (``./mlruns``) is refused unless ``MLFLOW_ALLOW_FILE_STORE=true`` is set; a database or
 server URI (``sqlite:///mlflow.db``, ``http://host:5000``) needs no opt-in.
 """
@@ -92,7 +92,7 @@ class TensorBoardTracker(Tracker):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise ImportError(
-                f"TensorBoardTracker needs the tensorboard package ({err}). HINT: pip install 'loom[tensorboard]'"
+                f"TensorBoardTracker needs the tensorboard package ({err}). HINT: pip install 'loom-train[tensorboard]'"
             ) from err
         if state is not None:
             self.log_dir = state["log_dir"]
@@ -156,7 +156,7 @@ class MLflowTracker(Tracker):
             from mlflow.tracking import MlflowClient
         except ImportError as err:
             raise ImportError(
-                f"MLflowTracker needs the mlflow package ({err}). HINT: pip install 'loom[mlflow]' "
+                f"MLflowTracker needs the mlflow package ({err}). HINT: pip install 'loom-train[mlflow]' "
                 "(mlflow-skinny suffices)"
             ) from err
         if state is not None:

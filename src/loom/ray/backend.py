@@ -349,7 +349,7 @@ def run_job(config, work: WorkerSpec) -> dict[int, bytes | None]:
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise RayJobFailed("the Ray backend needs Ray. HINT: pip install 'loom[ray]'") from None
+        raise RayJobFailed("the Ray backend needs Ray. HINT: pip install 'loom-train[ray]'") from None
     started = time.monotonic()
     connection = connect(config.address, config.num_cpus)
     try:
