@@ -35,6 +35,10 @@ bubble comes from replaying the schedule's instruction streams (with equal stage
 Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`` sends ``2 (N-1)/N x D``, a
 reduce-scatter or all-gather ``(N-1)/N x D``.
 
+Every step also pays loom's step engine (the guard, step records, the batch hand-off), which no formula above
+contains: ``E``, measured once per plan as the reference configuration's measured step minus its formula
+(``DataParallel(allreduce="native")``, run by `loom.plan.trial`'s calibration), is added to every configuration.
+
 Not modelled (refused, with the reason): TensorParallel (its collectives inside the layers are not calibrated).
 """
 
@@ -84,22 +88,24 @@ def _ring(n: int, nbytes: float) -> int:
 class _Model:
     """The pieces every formula shares, for one configuration."""
 
-    def __init__(self, config: Configuration, profile: ModelProfile, transport: Transport, global_batch: int):
+    def __init__(self, config: Configuration, profile: ModelProfile, transport: Transport, global_batch: int,
+                 overhead: float = 0.0):  # fmt: skip
         self.c, self.p, self.t = config, profile, transport
         self.n = config.nproc
         self.global_batch = global_batch
         self.share = math.ceil(global_batch / config.dp)
         self.small = transport.time("allreduce:native", 8)
+        self.overhead = overhead
 
     def exposed(self, comm: float, backward: float) -> float:
-        k = max(-1.0, min(1.0, self.t.overlap))
+        k = min(1.0, self.t.overlap)
         return comm - k * min(comm, backward)
 
     def best_allreduce(self, nbytes: float) -> float:
         return min(self.t.time(f"allreduce:{a}", nbytes) for a in self.t.algorithms)
 
     def done(self, at: BatchProfile, comm: float, extra: float, memory: dict, wire: float, bubble=0.0) -> Prediction:
-        step = at.compute_s + comm + extra
+        step = at.compute_s + comm + extra + self.overhead
         return Prediction(self.c, step, self.global_batch / step, memory, int(wire), at.compute_s, comm, bubble)
 
 
@@ -184,7 +190,7 @@ def _pipeline(m: _Model) -> Prediction:
     acts = [sum(x.saved_bytes for x in layers[a:b]) * live[s] for s, (a, b) in enumerate(ranges)]
     f = shares[biggest]
     memory = _memory(p.param_bytes * f, p.grad_bytes * f, p.optimizer_bytes * f, max(acts))
-    step = replay.makespan + p.optimizer_s * f + data_axis + 2 * m.small
+    step = replay.makespan + p.optimizer_s * f + data_axis + 2 * m.small + m.overhead
     wire = 2 * micro * boundary + (_ring(c.dp, p.grad_bytes * f) if c.dp > 1 else 0)
     return Prediction(c, step, m.global_batch / step, memory, int(wire), sum(replay.busy) / c.pp,
                       step - sum(replay.busy) / c.pp, replay.bubble)  # fmt: skip
@@ -197,6 +203,7 @@ def predict(
     global_batch: int,
     codecs: dict[str, CodecCost] | None = None,
     spare_core: bool = False,
+    overhead_s: float = 0.0,
 ) -> Prediction:
     """``config``'s prediction by the module docstring's table; a `Prediction` with ``refused`` set when the
     configuration is not modelled or would need a measurement the plan did not make (never extrapolated)."""
@@ -204,7 +211,7 @@ def predict(
         return Prediction(config, refused="not predicted by this version: the collectives inside tensor-parallel "
                                           "layers are not calibrated yet")  # fmt: skip
     try:
-        m = _Model(config, profile, transport, global_batch)
+        m = _Model(config, profile, transport, global_batch, overhead_s)
         if config.family == "DataParallel":
             return _data_parallel(m, codecs or {}, spare_core)
         if config.family == "ShardedDataParallel":

@@ -58,6 +58,8 @@ class PlanResult:
     profile: ModelProfile
     transport: Transport
     ranked: list[Ranked]
+    overhead_s: float
+    """The step engine's time per step no formula contains (`loom.plan.cost`), measured."""
     seconds: dict[str, float]
     """Wall time of each phase: capture, profile, transport, predict."""
     verifications: list[Verification] = field(default_factory=list)
@@ -125,22 +127,26 @@ def plan(
     chain = len(_layers(captured.model)[0])
     configs = [dataclasses.replace(c, hosts=hosts)
                for c in candidates(world, algorithms, chain, captured.global_batch_size)]  # fmt: skip
+    reference = Configuration("DataParallel", nproc, (("allreduce", "native"),), dp=nproc)  # as calibrated
     t = time.perf_counter()
-    profile = profile_model(captured, batch_sizes(configs, captured.global_batch_size))
+    profile = profile_model(captured, batch_sizes([*configs, reference], captured.global_batch_size))
     codecs = {spec: measure_codec(spec, captured.model, world) for spec in CODECS}
     seconds["profile"] = time.perf_counter() - t
     t = time.perf_counter()
     sizes = _message_sizes(configs, profile, codecs, world)
     measured = _trial("calibrate", script, args, nproc, 0, ["--sizes", ",".join(map(str, sizes))], timeout_s)
-    transport = dataclasses.replace(Transport.from_json(measured), world_size=world, hosts=hosts,
+    local = Transport.from_json(measured)
+    transport = dataclasses.replace(local, world_size=world, hosts=hosts,
                                     link_bytes_per_s=link_bytes_per_s)  # fmt: skip
     if hosts > 1:
         transport.seconds.pop("allreduce:shm", None)
     seconds["transport"] = time.perf_counter() - t
     t = time.perf_counter()
     spare = (os.cpu_count() or 1) > nproc * profile.threads
+    formula = predict(reference, profile, local, captured.global_batch_size, codecs, spare)
+    overhead = max(0.0, float(measured["reference_step_s"]) - formula.step_time_s)
     predictions: list[Prediction] = [
-        predict(c, profile, transport, captured.global_batch_size, codecs, spare) for c in configs
+        predict(c, profile, transport, captured.global_batch_size, codecs, spare, overhead) for c in configs
     ]
     ranked = rank(predictions, memory_limit, last_errors())
     seconds["predict"] = time.perf_counter() - t
@@ -152,7 +158,7 @@ def plan(
             f"{smallest.config.strategy} [{smallest.config.launch}], needs {smallest.memory['total']} bytes per "
             "process. HINT: raise --memory-per-proc, or plan more processes (--nproc)"
         )
-    return PlanResult(script, nproc, hosts, captured.global_batch_size, profile, transport, ranked, seconds)
+    return PlanResult(script, nproc, hosts, captured.global_batch_size, profile, transport, ranked, overhead, seconds)
 
 
 def verify(result: PlanResult, args: tuple[str, ...] = (), top: int = 2, steps: int = 5,

@@ -12,6 +12,10 @@ the gradient's all-reduce alone (``X``, native) and backward with DDP's all-redu
 the median of a few steps on this rank's share of the first global batch; ``k = (Bw + X - Bw_ddp) / min(Bw, X)``
 (1: the all-reduce entirely hidden, 0: none hidden, below 0: running both at once costs more than in sequence).
 
+It also runs the reference configuration, ``DataParallel(allreduce="native")``, a few steps on a copy of the
+model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
+guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
+
 ``verify``: the configuration itself, built from its family and options by name (no ``eval``), a few real steps
 of ``job.train_step``; writes the median step time (each step the slowest rank's) and the training state's
 bytes by category (`Job.memory`, the largest rank) and the peak RSS.
@@ -21,6 +25,8 @@ Rank 0 writes ``--out`` as JSON.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -82,17 +88,27 @@ def _overlap(captured: Any, reps: int = 5) -> dict[str, float]:
     exchange = statistics.median(comm_t.tolist())
     together = _backward_seconds(ddp, call, batch, reps)
     k = (alone + exchange - together) / max(1e-9, min(alone, exchange))
-    return {"overlap": max(-1.0, min(1.0, k)), "backward_s": alone, "allreduce_s": exchange, "ddp_backward_s": together}
+    return {"overlap": min(1.0, k), "backward_s": alone, "allreduce_s": exchange, "ddp_backward_s": together}
+
+
+def _copy(captured: Any) -> Any:
+    """The captured model and a fresh optimizer of the same kind and settings over the copy (the reference
+    configuration trains on it, so the overlap measurement keeps the script's own model untouched)."""
+    model = copy.deepcopy(captured.model)
+    optimizer = type(captured.optimizer)(model.parameters(), **captured.optimizer.defaults)
+    return dataclasses.replace(captured, model=model, optimizer=optimizer)
 
 
 def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     from loom.plan.transport import measure_transport
 
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], reps=ns.reps)
+    reference = _verify_steps(_copy(captured), "DataParallel", {"allreduce": "native"}, ns.steps, ns.warmup)
     overlap = _overlap(captured)
     data = transport.to_json()
     data["overlap"] = overlap["overlap"]
     data["overlap_measurement"] = overlap
+    data["reference_step_s"] = reference["step_time_s"]
     return data
 
 
@@ -107,22 +123,26 @@ def _strategy(family: str, options: dict[str, Any]) -> Any:
 
 
 def _verify(ns: argparse.Namespace, captured: Any) -> dict:
+    return _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, ns.warmup)
+
+
+def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: int, warmup: int) -> dict:
     from loom.observe.memory import peak_rss_bytes
 
-    job = _strategy(ns.family, json.loads(ns.options)).setup(captured.model, captured.optimizer, captured.loss_fn)
+    job = _strategy(family, options).setup(captured.model, captured.optimizer, captured.loss_fn)
     loader = job.loader(captured.dataset, captured.global_batch_size, **captured.loader_options)
     times: list[float] = []
     epoch = 0
-    while len(times) < ns.steps + ns.warmup:
+    while len(times) < count + warmup:
         loader.set_epoch(epoch)
         for batch in loader:
             started = time.perf_counter()
             job.train_step(batch)
             times.append(time.perf_counter() - started)
-            if len(times) >= ns.steps + ns.warmup:
+            if len(times) >= count + warmup:
                 break
         epoch += 1
-    steps = torch.tensor(times[ns.warmup :], dtype=torch.float64)
+    steps = torch.tensor(times[warmup:], dtype=torch.float64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     memory = job.memory()
     keys = ["parameters", "gradients", "optimizer", "state", "total"]
