@@ -68,7 +68,11 @@ class _PlanningJob:
         self._record = record
 
     def loader(self, dataset: Any, global_batch_size: int, *args: Any, **options: Any) -> Any:
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        if (
+            isinstance(global_batch_size, bool)
+            or not isinstance(global_batch_size, int)
+            or global_batch_size < 1
+        ):
             raise ScriptCaptureError(
                 f"{self._record.script}: job.loader(dataset, global_batch_size={global_batch_size!r}): loom plan "
                 "needs a positive integer global batch size. HINT: pass global_batch_size=<int>"
@@ -106,11 +110,11 @@ def _recording_setup(script: str, found: list[CapturedScript]) -> Iterator[None]
 
     try:
         for name in _STRATEGIES:
-            setattr(getattr(strategies, name), "setup", recorder(name))
+            getattr(strategies, name).setup = recorder(name)
         yield
     finally:
         for name, original in saved.items():
-            setattr(getattr(strategies, name), "setup", original)
+            getattr(strategies, name).setup = original
 
 
 def capture_script(script: str | Path, args: tuple[str, ...] = ()) -> CapturedScript:

@@ -52,9 +52,13 @@ def add_plan_parser(sub: Any, positive_int: Any) -> None:
                    help="rule out configurations needing more per process (e.g. 8GiB)")  # fmt: skip
     p.add_argument("--verify", action="store_true", help="run the top configurations a few steps each under "
                    "loom run and print predicted vs measured")  # fmt: skip
-    p.add_argument("--verify-top", type=positive_int, default=2, metavar="K", help="configurations --verify runs")
+    p.add_argument(
+        "--verify-top", type=positive_int, default=2, metavar="K", help="configurations --verify runs"
+    )
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps per --verify run (default 5)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write every configuration, ranked")
+    p.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="write every configuration, ranked"
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -85,7 +89,9 @@ def run_plan(ns: argparse.Namespace) -> int:
         console.print(render(result.ranked, f"loom plan {ns.script}: {ns.nproc * ns.hosts} processes, global batch "
                                             f"{result.global_batch_size}"))  # fmt: skip
         top = result.top.prediction.config
-        print(f"\nchosen: {result.top.reason}\n  strategy = {top.strategy}\n  loom run {top.launch} {ns.script}")
+        print(
+            f"\nchosen: {result.top.reason}\n  strategy = {top.strategy}\n  loom run {top.launch} {ns.script}"
+        )
         verified = verify(result, args, ns.verify_top, ns.steps) if ns.verify else []
     except (ScriptCaptureError, PlanError) as error:
         text = str(error)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["CODECS", "MICROBATCHES", "PERIODS", "Configuration", "batch_sizes", "candidates"]
 
@@ -48,7 +49,7 @@ class Configuration:
     hosts: int = 1
     """Hosts the ``nproc`` processes are spread over (``nproc / hosts`` each)."""
 
-    def option(self, name: str, default: object = None) -> object:
+    def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
 
     @property
@@ -61,7 +62,9 @@ class Configuration:
     def launch(self) -> str:
         """The ``loom run`` arguments, e.g. ``-n 2 --servers 1``."""
         nodes = f" --nnodes {self.hosts}" if self.hosts > 1 else ""
-        return f"-n {self.nproc // self.hosts}{nodes}" + (f" --servers {self.servers}" if self.servers else "")
+        return f"-n {self.nproc // self.hosts}{nodes}" + (
+            f" --servers {self.servers}" if self.servers else ""
+        )
 
     @property
     def name(self) -> str:
@@ -87,7 +90,9 @@ def _pipelines(nproc: int, chain_length: int, global_batch: int) -> list[Configu
     return out
 
 
-def candidates(nproc: int, algorithms: tuple[str, ...], chain_length: int, global_batch: int) -> list[Configuration]:
+def candidates(
+    nproc: int, algorithms: tuple[str, ...], chain_length: int, global_batch: int
+) -> list[Configuration]:
     """Every configuration of the module docstring for ``nproc`` processes (``nproc >= 2``)."""
     n = nproc
     out = [Configuration("DataParallel", n, (("allreduce", a),), dp=n) for a in algorithms]
@@ -107,6 +112,6 @@ def batch_sizes(configs: list[Configuration], global_batch: int) -> list[int]:
     sizes = {global_batch}
     for c in configs:
         share = math.ceil(global_batch / c.dp)
-        m = int(c.option("microbatches", 1) or 1)  # type: ignore[arg-type]
+        m = int(c.option("microbatches", 1) or 1)
         sizes.add(max(1, math.ceil(share / m)))
     return sorted(sizes)

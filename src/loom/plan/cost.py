@@ -73,7 +73,9 @@ class Prediction:
     """Why this configuration was not predicted (not modelled, not applicable, outside the measured range)."""
 
 
-def _memory(params: float, grads: float, optimizer: float, activations: float, other: float = 0) -> dict[str, int]:
+def _memory(
+    params: float, grads: float, optimizer: float, activations: float, other: float = 0
+) -> dict[str, int]:
     parts = {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
              "other": other}  # fmt: skip
     out = {k: int(v) for k, v in parts.items()}
@@ -104,9 +106,13 @@ class _Model:
     def best_allreduce(self, nbytes: float) -> float:
         return min(self.t.time(f"allreduce:{a}", nbytes) for a in self.t.algorithms)
 
-    def done(self, at: BatchProfile, comm: float, extra: float, memory: dict, wire: float, bubble=0.0) -> Prediction:
+    def done(
+        self, at: BatchProfile, comm: float, extra: float, memory: dict, wire: float, bubble=0.0
+    ) -> Prediction:
         step = at.compute_s + comm + extra + self.overhead
-        return Prediction(self.c, step, self.global_batch / step, memory, int(wire), at.compute_s, comm, bubble)
+        return Prediction(
+            self.c, step, self.global_batch / step, memory, int(wire), at.compute_s, comm, bubble
+        )
 
 
 def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) -> Prediction:
@@ -119,7 +125,9 @@ def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) ->
             raise OutsideCalibration(f"codec {codec} was not measured")
         comm = m.t.time("allreduce:native", cost.sum_bytes) + m.t.time("all_gather", m.n * cost.gather_bytes)
         wire = _ring(m.n, cost.sum_bytes) + (m.n - 1) * cost.gather_bytes
-        return m.done(at, m.exposed(comm, at.backward_s), cost.seconds + p.optimizer_s + m.small, memory, wire)
+        return m.done(
+            at, m.exposed(comm, at.backward_s), cost.seconds + p.optimizer_s + m.small, memory, wire
+        )
     algorithm = str(m.c.option("allreduce"))
     comm = m.t.time(f"allreduce:{algorithm}", p.grad_bytes)
     if algorithm == "native" or spare_core:
@@ -135,7 +143,7 @@ def _units(p: ModelProfile, at: BatchProfile) -> list[int]:
 
 def _sharded(m: _Model) -> Prediction:
     p, at, n = m.p, m.p.at(m.share), m.n
-    stage = int(m.c.option("stage"))  # type: ignore[arg-type]
+    stage = int(m.c.option("stage"))
     optimizer = p.optimizer_s / n + m.small
     if stage == 1:
         comm = m.t.time("reduce_scatter", p.grad_bytes) + m.t.time("all_gather", p.param_bytes)
@@ -159,7 +167,7 @@ def _parameter_server(m: _Model) -> Prediction:
 
 def _replicas(m: _Model) -> Prediction:
     p, at, n = m.p, m.p.at(m.share), m.n
-    period = int(m.c.option("sync_every"))  # type: ignore[arg-type]
+    period = int(m.c.option("sync_every"))
     outer = p.optimizer_s if m.c.family == "DiLoCo" else 0.0
     comm = (m.best_allreduce(p.param_bytes) + outer) / period
     other = 2 * p.param_bytes if m.c.family == "DiLoCo" else 0
@@ -171,7 +179,7 @@ def _pipeline(m: _Model) -> Prediction:
     p, c = m.p, m.c
     if not p.chain:
         raise OutsideCalibration(f"not a chain Pipeline can cut: {p.chain_refusal}")
-    micro = int(c.option("microbatches"))  # type: ignore[arg-type]
+    micro = int(c.option("microbatches"))
     schedule = str(c.option("schedule"))
     at = p.at(max(1, math.ceil(m.share / micro)))
     layers = at.layers

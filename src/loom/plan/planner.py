@@ -86,20 +86,46 @@ def _trial(mode: str, script: str, args: tuple[str, ...], nproc: int, servers: i
             tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
             raise PlanError(f"loom plan: the {mode} run failed (exit {done.returncode}): {tail}")
         if out.stat().st_size > 1 << 22:
-            raise PlanError(f"loom plan: the {mode} run wrote {out.stat().st_size} bytes; expected a small JSON")
+            raise PlanError(
+                f"loom plan: the {mode} run wrote {out.stat().st_size} bytes; expected a small JSON"
+            )
         return json.loads(out.read_text())
 
 
-def _message_sizes(configs: list[Configuration], profile: ModelProfile, codecs: dict[str, CodecCost], n: int) -> list[int]:
+def _message_sizes(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) -> list[int]:
+    """The sizes the transport is measured at: exactly the whole-model messages (gradients, parameters, a
+    parameter server's share of every worker's, each codec's), and a grid a factor of 4 apart up to the
+    largest, which the per-layer messages (FSDP units, pipeline activations) are interpolated on."""
     p = profile
-    sizes = {8, 4096, 65536, p.grad_bytes, p.param_bytes, n * p.grad_bytes, n * p.param_bytes}
-    sizes |= {n * p.grad_bytes // 2, n * p.param_bytes // 2}
-    for at in p.batches.values():
-        sizes |= {x.param_bytes for x in at.layers if x.param_bytes}
-        sizes |= {x.output_bytes for x in at.layers if x.output_bytes}
+    exact = {8, p.grad_bytes, p.param_bytes, n * p.grad_bytes, n * p.param_bytes}
+    exact |= {n * p.grad_bytes // 2, n * p.param_bytes // 2}
     for c in codecs.values():
-        sizes |= {c.sum_bytes, n * c.gather_bytes}
-    return sorted(s for s in sizes if s > 0)
+        exact |= {c.sum_bytes, n * c.gather_bytes}
+    layers = [x for at in p.batches.values() for x in at.layers]
+    largest = max([*exact, *(x.output_bytes for x in layers)])
+    return sorted(s for s in exact | _grid(8, largest) | {largest} if s > 0)
+
+
+def check_fits(ranked: list[Ranked], memory_limit: int | None) -> None:
+    """Refuse a memory limit no predicted configuration fits (PlanError naming the smallest and what it needs)."""
+    predicted = [r.prediction for r in ranked if not r.prediction.refused]
+    if memory_limit is None or not predicted or any(r.feasible for r in ranked):
+        return
+    smallest = min(predicted, key=lambda p: p.memory["total"])
+    raise PlanError(
+        f"loom plan: no configuration fits --memory-per-proc {memory_limit} bytes: the smallest, "
+        f"{smallest.config.strategy} [{smallest.config.launch}], needs {smallest.memory['total']} bytes per "
+        "process. HINT: raise --memory-per-proc, or plan more processes (--nproc)"
+    )
+
+
+def _grid(lo: int, hi: int) -> set[int]:
+    """Sizes a factor of 4 apart from ``lo`` to ``hi``: the points the interpolation runs between."""
+    out, size = set(), max(8, lo)
+    while size < hi:
+        out.add(size)
+        size *= 4
+    return out
 
 
 def plan(
@@ -113,7 +139,9 @@ def plan(
 ) -> PlanResult:
     """Plan ``script`` on ``nproc`` processes per host on ``hosts`` hosts (the module docstring)."""
     if nproc * hosts < 2:
-        raise PlanError("loom plan compares ways to divide training: it needs at least 2 processes. HINT: --nproc 2")
+        raise PlanError(
+            "loom plan compares ways to divide training: it needs at least 2 processes. HINT: --nproc 2"
+        )
     if memory_limit is not None and memory_limit <= 0:
         raise PlanError(f"--memory-per-proc must be positive, got {memory_limit}")
     seconds: dict[str, float] = {}
@@ -133,7 +161,7 @@ def plan(
     codecs = {spec: measure_codec(spec, captured.model, world) for spec in CODECS}
     seconds["profile"] = time.perf_counter() - t
     t = time.perf_counter()
-    sizes = _message_sizes(configs, profile, codecs, world)
+    sizes = _message_sizes(profile, codecs, world)
     measured = _trial("calibrate", script, args, nproc, 0, ["--sizes", ",".join(map(str, sizes))], timeout_s)
     local = Transport.from_json(measured)
     transport = dataclasses.replace(local, world_size=world, hosts=hosts,
@@ -150,15 +178,10 @@ def plan(
     ]
     ranked = rank(predictions, memory_limit, last_errors())
     seconds["predict"] = time.perf_counter() - t
-    if memory_limit is not None and not any(r.feasible for r in ranked):
-        smallest = min((r.prediction for r in ranked if not r.prediction.refused),
-                       key=lambda p: p.memory["total"])  # fmt: skip
-        raise PlanError(
-            f"loom plan: no configuration fits --memory-per-proc {memory_limit} bytes: the smallest, "
-            f"{smallest.config.strategy} [{smallest.config.launch}], needs {smallest.memory['total']} bytes per "
-            "process. HINT: raise --memory-per-proc, or plan more processes (--nproc)"
-        )
-    return PlanResult(script, nproc, hosts, captured.global_batch_size, profile, transport, ranked, overhead, seconds)
+    check_fits(ranked, memory_limit)
+    return PlanResult(
+        script, nproc, hosts, captured.global_batch_size, profile, transport, ranked, overhead, seconds
+    )
 
 
 def verify(result: PlanResult, args: tuple[str, ...] = (), top: int = 2, steps: int = 5,
@@ -174,7 +197,9 @@ def verify(result: PlanResult, args: tuple[str, ...] = (), top: int = 2, steps: 
         options = ["--family", c.family, "--options", json.dumps(dict(c.options)), "--steps", str(steps)]
         got = _trial("verify", result.script, args, c.nproc, c.servers, options, timeout_s)
         state = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
-        out.append(Verification(c, p.step_time_s, float(got["step_time_s"]), state, int(got["memory"]["state"]), got))
+        out.append(
+            Verification(c, p.step_time_s, float(got["step_time_s"]), state, int(got["memory"]["state"]), got)
+        )
     record_errors({v.config.family: v.error for v in out if math.isfinite(v.error)})
     result.verifications = out
     return out

@@ -51,10 +51,16 @@ def _why_slower(p: Prediction, top: Prediction) -> str:
     return f"{slower}: {rest * 1e3:.1f} ms of optimizer and step overhead"
 
 
-def rank(predictions: list[Prediction], memory_limit: int | None, errors: dict[str, float] | None = None) -> list[Ranked]:
+def rank(
+    predictions: list[Prediction], memory_limit: int | None, errors: dict[str, float] | None = None
+) -> list[Ranked]:
     """Order and explain ``predictions`` (the module docstring)."""
     errors = errors or {}
-    fits = [p for p in predictions if not p.refused and (memory_limit is None or p.memory["total"] <= memory_limit)]
+    fits = [
+        p
+        for p in predictions
+        if not p.refused and (memory_limit is None or p.memory["total"] <= memory_limit)
+    ]
     fits.sort(key=lambda p: -p.samples_per_s)
     out: list[Ranked] = []
     for i, p in enumerate(fits):

@@ -21,9 +21,11 @@ scenarios are measured (`docs/plan.md`).
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +94,9 @@ class Transport:
             lo, hi = self.sizes[i - 1], self.sizes[i]
             local = table[i - 1] + (table[i] - table[i - 1]) * (nbytes - lo) / (hi - lo)
         if self.hosts > 1 and self.link_bytes_per_s:
-            return max(local, link_bound_seconds(op.split(":")[0], nbytes, self.world_size, self.link_bytes_per_s))
+            return max(
+                local, link_bound_seconds(op.split(":")[0], nbytes, self.world_size, self.link_bytes_per_s)
+            )
         return local
 
     def to_json(self) -> dict:
@@ -107,7 +111,7 @@ class Transport:
         )  # fmt: skip
 
 
-def _timed(fn, reps: int) -> torch.Tensor:  # noqa: ANN001
+def _timed(fn: Callable[[], object], reps: int) -> torch.Tensor:
     fn()  # warm-up, and set-up (shared memory, links)
     out = torch.zeros(reps, dtype=torch.float64)
     for rep in range(reps):
@@ -133,9 +137,25 @@ def _p2p(data: torch.Tensor, rank: int, world: int) -> None:
         dist.send(data, peer)
 
 
+def _operations(
+    size: int, algorithms: tuple[str, ...], rank: int, world: int
+) -> dict[str, Callable[[], object]]:
+    """Each timed operation on a float32 message of ``size`` bytes."""
+    from loom.comm import all_gather, all_reduce, piece_bounds, reduce_scatter
+
+    data = torch.zeros(size // 4, dtype=torch.float32)
+    lo, hi = piece_bounds(data.numel(), rank, world)
+    ops: dict[str, Callable[[], object]] = {}
+    for a in algorithms:
+        ops[f"allreduce:{a}"] = functools.partial(all_reduce, data, "sum", algorithm=a)
+    ops["reduce_scatter"] = lambda: reduce_scatter(data, "sum")
+    ops["all_gather"] = lambda: all_gather(data[lo:hi].clone(), data.numel())
+    ops["p2p"] = lambda: _p2p(data, rank, world)
+    return ops
+
+
 def measure_transport(sizes: list[int], reps: int = 5) -> Transport:
     """Time every operation at every size on the default group (a collective: every rank calls it)."""
-    from loom.comm import all_gather, all_reduce, piece_bounds, reduce_scatter
     from loom.comm.auto import candidates
     from loom.comm.shm import context_for
 
@@ -145,12 +165,6 @@ def measure_transport(sizes: list[int], reps: int = 5) -> Transport:
     seconds: dict[str, list[float]] = {f"allreduce:{a}": [] for a in algorithms}
     seconds.update({"reduce_scatter": [], "all_gather": [], "p2p": []})
     for size in sizes:
-        data = torch.zeros(size // 4, dtype=torch.float32)
-        lo, hi = piece_bounds(data.numel(), rank, world)
-        ops = {f"allreduce:{a}": (lambda a=a: all_reduce(data, "sum", algorithm=a)) for a in algorithms}
-        ops["reduce_scatter"] = lambda: reduce_scatter(data, "sum")
-        ops["all_gather"] = lambda: all_gather(data[lo:hi].clone(), data.numel())
-        ops["p2p"] = lambda: _p2p(data, rank, world)
-        for name, fn in ops.items():
+        for name, fn in _operations(size, algorithms, rank, world).items():
             seconds[name].append(statistics.median(_timed(fn, reps).tolist()))
     return Transport(world, tuple(sizes), {k: tuple(v) for k, v in seconds.items()})

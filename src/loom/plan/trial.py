@@ -150,7 +150,11 @@ def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: in
     largest = torch.tensor([float(memory[k]) for k in keys] + [float(peak)], dtype=torch.float64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     values = dict(zip([*keys, "peak_rss"], (int(v) for v in largest.tolist()), strict=True))
-    return {"step_time_s": statistics.median(steps.tolist()), "step_times_s": steps.tolist(), "memory": values}
+    return {
+        "step_time_s": statistics.median(steps.tolist()),
+        "step_times_s": steps.tolist(),
+        "memory": values,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

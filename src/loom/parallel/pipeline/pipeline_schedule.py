@@ -204,7 +204,9 @@ def simulate(
 
 def _per_stage(duration: float | Sequence[float], stages: int) -> list[float]:
     """One op duration per stage, from one for all or a sequence of ``stages``; durations must be >= 0."""
-    values = [float(duration)] * stages if isinstance(duration, (int, float)) else [float(d) for d in duration]
+    values = (
+        [float(duration)] * stages if isinstance(duration, (int, float)) else [float(d) for d in duration]
+    )
     if len(values) != stages or any(not v >= 0 for v in values):
         raise ValueError(f"expected one duration >= 0 or {stages} of them (one per stage), got {duration!r}")
     return values
