@@ -15,7 +15,7 @@ DataParallel(allreduce=a)           ``C(b) + X + O + e``, ``X = T_a(G)``, expose
                                     (``native``) or a spare core runs loom's thread, else after backward
 DataParallel(compression=c)         ``C(b) + exposed(T_native(s_c) + T_gather(N g_c)) + t_c + O + e``,   as above
                                     ``t_c``, ``s_c``, ``g_c`` the codec's measured time and bytes
-ShardedDataParallel(stage=1)        ``C(b) + T_rs(G) + O/N + T_ag(P) + e``                              ``P + G + S_opt/N + A``
+ShardedDataParallel(stage=1)        ``C(b) + T_rs(G) + O/N + T_ag(P) + e``                              ``P + (G+S_opt)/N + A``
 ShardedDataParallel(stage=2|3)      ``C(b) + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at stage   2: ``P + (G+S_opt)/N``;
                                     3) ``+ T_rs(G_u)) + O/N + e``                                       3: ``(P+G+S_opt)/N``
 ParameterServer(sync), S servers    ``C(b) + (T_p2p(N G/S) + T_p2p(N P/S)) / 2 + O/S + e``              ``P + G + A`` (servers
@@ -32,6 +32,13 @@ Pipeline / Hybrid(dp, pp), m, s     replay of loom's instruction streams (`pipel
 The stage cut is loom's own (`pipeline_split.balanced_cuts` by parameter count, as ``Pipeline``'s default), the
 bubble comes from replaying the schedule's instruction streams (with equal stages and free messages it is
 ``(p - 1) / (m + p - 1)``, GPipe paper §2.3), and the peak of live micro-batches from `peak_live_microbatches`.
+Memory is what a process holds between steps (what ``job.memory()`` counts then), plus the activations of one
+step. Two of loom's implementations differ from the textbook there, and the table follows loom: stage 1
+(`sharded_flat`) frees the full gradient once its piece is averaged, so only ``G/N`` stays (the whole ``G``
+lives during backward); DataParallel's shared-memory path (``allreduce="shm"`` without a spare core,
+`comm.shared_gradients`) makes every ``.grad`` a view of one shared segment holding every local process's slot,
+which ``job.memory()`` counts whole: ``L x G`` for ``L`` processes on the host.
+
 Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`` sends ``2 (N-1)/N x D``, a
 reduce-scatter or all-gather ``(N-1)/N x D``.
 
@@ -132,6 +139,9 @@ def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) ->
     comm = m.t.time(f"allreduce:{algorithm}", p.grad_bytes)
     if algorithm == "native" or spare_core:
         comm = m.exposed(comm, at.backward_s)
+    elif algorithm == "shm":  # the shared segment of every local process's slot (module docstring)
+        local = m.n // m.c.hosts
+        memory = _memory(p.param_bytes, local * p.grad_bytes, p.optimizer_bytes, at.activation_bytes)
     return m.done(at, comm, p.optimizer_s + m.small, memory, _ring(m.n, p.grad_bytes))
 
 
@@ -147,7 +157,7 @@ def _sharded(m: _Model) -> Prediction:
     optimizer = p.optimizer_s / n + m.small
     if stage == 1:
         comm = m.t.time("reduce_scatter", p.grad_bytes) + m.t.time("all_gather", p.param_bytes)
-        memory = _memory(p.param_bytes, p.grad_bytes, p.optimizer_bytes / n, at.activation_bytes)
+        memory = _memory(p.param_bytes, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes)
         return m.done(at, comm, optimizer, memory, (n - 1) / n * (p.grad_bytes + p.param_bytes))
     gathers = 2 if stage == 3 else 1
     units = _units(p, at)
