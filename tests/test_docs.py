@@ -163,7 +163,7 @@ def test_every_loom_command_line_of_the_pages_parses():
         for b in ALL
         if b.lang == "bash"
         for line in b.code.splitlines()
-        if re.match(r"\s*(sudo \S+ )?loom (run|demo|report|bench)\b", line)
+        if re.match(r"\s*(sudo \S+ )?loom (run|demo|report|bench|plan)\b", line)
     ]
     assert len(commands) >= 10, commands
     for where, line in commands:

@@ -1,5 +1,6 @@
 """The ``loom`` command: ``run`` (launch a job), ``demo`` (the built-in example), ``bench`` (measurements),
-``report`` (a run's report), ``export`` (a checkpoint's whole model as safetensors)."""
+``report`` (a run's report), ``export`` (a checkpoint's whole model as safetensors), ``plan`` (which strategy:
+predicted step time and memory, `loom.plan`)."""
 
 from __future__ import annotations
 
@@ -325,6 +326,12 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    from loom.plan.command import run_plan
+
+    return run_plan(ns)
+
+
 def _trace_window(text: str) -> str:
     start, sep, end = text.partition(":")
     if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
@@ -363,6 +370,10 @@ def _build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="the whole model of a checkpoint (sharded or not) as safetensors")
     export.add_argument("checkpoint", type=Path, help="a loom.fit checkpoint_dir (its newest) or one step-N")
     export.add_argument("out", type=Path, help="the .safetensors file to write")
+
+    from loom.plan.command import add_plan_parser  # argparse and re only: no torch at parse time
+
+    add_plan_parser(sub, _positive_int)
     return parser
 
 
@@ -374,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": _cmd_bench,
         "report": _cmd_report,
         "export": _cmd_export,
+        "plan": _cmd_plan,
     }
     return handlers[ns.command](ns)
 

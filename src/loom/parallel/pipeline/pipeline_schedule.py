@@ -22,6 +22,7 @@ instructions follows DeepSpeed's ``pipe/schedule.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -149,11 +150,14 @@ def simulate(
     schedule: str,
     stages: int,
     microbatches: int,
-    forward_time: float = 1.0,
-    backward_time: float = 1.0,
+    forward_time: float | Sequence[float] = 1.0,
+    backward_time: float | Sequence[float] = 1.0,
     message_time: float = 0.0,
 ) -> SimulationResult:
     """Replay every stage's instruction stream with fixed op durations and a fixed cost per message.
+
+    ``forward_time`` and ``backward_time``: one duration for every stage, or one per stage (unequal stages:
+    the planner, `loom.plan.cost`, replays the measured time of each stage).
 
     A receive waits for the matching op on the neighbouring stage plus ``message_time`` (the message's one-way
     latency; 0 gives the free communication of the textbook bubble); sends never block (as in the runtime).
@@ -163,6 +167,7 @@ def simulate(
     """
     if message_time < 0:
         raise ValueError(f"message_time must be >= 0, got {message_time}")
+    forward, backward = _per_stage(forward_time, stages), _per_stage(backward_time, stages)
     streams = [stage_instructions(schedule, s, stages, microbatches) for s in range(stages)]
     pos = [0] * stages
     clock = [0.0] * stages
@@ -185,7 +190,7 @@ def simulate(
                     ready += message_time
                 clock[s] = max(clock[s], ready)
                 if ins.op in (Op.FORWARD, Op.BACKWARD):
-                    duration = forward_time if ins.op is Op.FORWARD else backward_time
+                    duration = forward[s] if ins.op is Op.FORWARD else backward[s]
                     clock[s] += duration
                     busy[s] += duration
                     finish[(s, "F" if ins.op is Op.FORWARD else "B", ins.microbatch)] = clock[s]
@@ -195,3 +200,13 @@ def simulate(
             stuck = {s: streams[s][pos[s]] for s in range(stages) if pos[s] < len(streams[s])}
             raise RuntimeError(f"schedule {schedule!r} deadlocks: stages wait at {stuck}")
     return SimulationResult(max(clock), busy, finish)
+
+
+def _per_stage(duration: float | Sequence[float], stages: int) -> list[float]:
+    """One op duration per stage, from one for all or a sequence of ``stages``; durations must be >= 0."""
+    values = (
+        [float(duration)] * stages if isinstance(duration, (int, float)) else [float(d) for d in duration]
+    )
+    if len(values) != stages or any(not v >= 0 for v in values):
+        raise ValueError(f"expected one duration >= 0 or {stages} of them (one per stage), got {duration!r}")
+    return values

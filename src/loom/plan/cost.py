@@ -1,0 +1,243 @@
+"""The cost model: a configuration's step time, memory per process and bytes on the wire, from measurements.
+
+Notation (all measured, `loom.plan.profile` and `loom.plan.transport`): ``B`` the global batch, ``b`` one data
+replica's share ``ceil(B / dp)``, ``C(b) = F(b) + Bw(b)`` forward plus backward at ``b``, ``O`` one optimizer step
+over all parameters, ``P``, ``G``, ``S_opt`` the parameter, gradient and optimizer-state bytes, ``A(b)`` the
+activations saved for backward, ``T_op(D)`` the measured time of a collective on ``D`` bytes, ``e`` one small
+all-reduce (the loss and the non-finite flags every synchronous step reduces), ``k`` the measured overlap
+coefficient. Communication that overlaps backward costs ``exposed(X) = X - k * min(X, Bw(b))``: ``k = 1`` would be
+perfect overlap, ``0`` none, below 0 interference (on a busy CPU host the two compete for cores).
+
+==================================  ==================================================================  =====================
+configuration                       step time                                                           memory per process
+==================================  ==================================================================  =====================
+DataParallel(allreduce=a)           ``C(b) + X + O + e``, ``X = T_a(G)``, exposed when DDP runs it      ``P + G + S_opt + A(b)``
+                                    (``native``) or a spare core runs loom's thread, else after backward
+DataParallel(compression=c)         ``C(b) + exposed(T_native(s_c) + T_gather(N g_c)) + t_c + O + e``,   as above
+                                    ``t_c``, ``s_c``, ``g_c`` the codec's measured time and bytes
+ShardedDataParallel(stage=1)        ``C(b) + T_rs(G) + O/N + T_ag(P) + e``                              ``P + (G+S_opt)/N + A``
+ShardedDataParallel(stage=2|3)      ``C(b) + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at stage   2: ``P + (G+S_opt)/N``;
+                                    3) ``+ T_rs(G_u)) + O/N + e``                                       3: ``(P+G+S_opt)/N``
+ParameterServer(sync), S servers    ``C(b) + (T_p2p(N G/S) + T_p2p(N P/S)) / 2 + O/S + e``              ``P + G + A`` (servers
+                                    (each server takes every worker's push and answers every pull)      hold ``S_opt/S``)
+LocalSGD(sync_every=H)              ``C(b) + O + e + T_best(P) / H``                                    ``P + G + S_opt + A``
+DiLoCo(sync_every=H)                ``C(b) + O + e + (T_best(P) + O) / H`` (the outer step: ``O``,      ``+ 2P`` (anchor,
+                                    not measured apart)                                                 outer momentum)
+Pipeline / Hybrid(dp, pp), m, s     replay of loom's instruction streams (`pipeline_schedule.simulate`)  the largest stage:
+                                    with each stage's measured ``F``, ``Bw`` at ``b/m``, one-way message  its ``P, G, S_opt`` and
+                                    ``T_p2p(D)/2``; ``+ O_stage + T_best(G_stage)`` (dp > 1) ``+ 2e``    ``A_stage(b/m) x`` peak
+                                                                                                        live micro-batches
+==================================  ==================================================================  =====================
+
+The stage cut is loom's own (`pipeline_split.balanced_cuts` by parameter count, as ``Pipeline``'s default), the
+bubble comes from replaying the schedule's instruction streams (with equal stages and free messages it is
+``(p - 1) / (m + p - 1)``, GPipe paper §2.3), and the peak of live micro-batches from `peak_live_microbatches`.
+Memory is what a process holds between steps (what ``job.memory()`` counts then), plus the activations of one
+step. Two of loom's implementations differ from the textbook there, and the table follows loom: stage 1
+(`sharded_flat`) frees the full gradient once its piece is averaged, so only ``G/N`` stays (the whole ``G``
+lives during backward); DataParallel's shared-memory path (``allreduce="shm"`` without a spare core,
+`comm.shared_gradients`) makes every ``.grad`` a view of one shared segment holding every local process's slot,
+which ``job.memory()`` counts whole: ``L x G`` for ``L`` processes on the host.
+
+Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`` sends ``2 (N-1)/N x D``, a
+reduce-scatter or all-gather ``(N-1)/N x D``.
+
+Every step also pays loom's step engine (the guard, step records, the batch hand-off), which no formula above
+contains: ``E``, measured once per plan as the reference configuration's measured step minus its formula
+(``DataParallel(allreduce="native")``, run by `loom.plan.trial`'s calibration), is added to every configuration.
+
+Not modelled (refused, with the reason): TensorParallel (its collectives inside the layers are not calibrated).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from loom.parallel.pipeline.pipeline_schedule import peak_live_microbatches, simulate, stage_instructions
+from loom.parallel.pipeline.pipeline_split import balanced_cuts, stage_ranges
+from loom.plan.configs import Configuration
+from loom.plan.profile import BatchProfile, CodecCost, ModelProfile, OutsideCalibration
+from loom.plan.transport import Transport
+
+__all__ = ["Prediction", "predict"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    config: Configuration
+    step_time_s: float = math.inf
+    samples_per_s: float = 0.0
+    memory: dict[str, int] = field(default_factory=dict)
+    """Bytes per process (the largest process) by category: parameters, gradients, optimizer, activations,
+    other, and their total."""
+    wire_bytes: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    """Communication on the step's critical path (after overlap)."""
+    bubble: float = 0.0
+    refused: str = ""
+    """Why this configuration was not predicted (not modelled, not applicable, outside the measured range)."""
+
+
+def _memory(
+    params: float, grads: float, optimizer: float, activations: float, other: float = 0
+) -> dict[str, int]:
+    parts = {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
+             "other": other}  # fmt: skip
+    out = {k: int(v) for k, v in parts.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _ring(n: int, nbytes: float) -> int:
+    return int(2 * (n - 1) / n * nbytes)
+
+
+class _Model:
+    """The pieces every formula shares, for one configuration."""
+
+    def __init__(self, config: Configuration, profile: ModelProfile, transport: Transport, global_batch: int,
+                 overhead: float = 0.0):  # fmt: skip
+        self.c, self.p, self.t = config, profile, transport
+        self.n = config.nproc
+        self.global_batch = global_batch
+        self.share = math.ceil(global_batch / config.dp)
+        self.small = transport.time("allreduce:native", 8)
+        self.overhead = overhead
+
+    def exposed(self, comm: float, backward: float) -> float:
+        k = min(1.0, self.t.overlap)
+        return comm - k * min(comm, backward)
+
+    def best_allreduce(self, nbytes: float) -> float:
+        return min(self.t.time(f"allreduce:{a}", nbytes) for a in self.t.algorithms)
+
+    def done(
+        self, at: BatchProfile, comm: float, extra: float, memory: dict, wire: float, bubble=0.0
+    ) -> Prediction:
+        step = at.compute_s + comm + extra + self.overhead
+        return Prediction(
+            self.c, step, self.global_batch / step, memory, int(wire), at.compute_s, comm, bubble
+        )
+
+
+def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) -> Prediction:
+    p, at = m.p, m.p.at(m.share)
+    memory = _memory(p.param_bytes, p.grad_bytes, p.optimizer_bytes, at.activation_bytes)
+    codec = m.c.option("compression")
+    if codec is not None:
+        cost = codecs.get(str(codec))
+        if cost is None:
+            raise OutsideCalibration(f"codec {codec} was not measured")
+        comm = m.t.time("allreduce:native", cost.sum_bytes) + m.t.time("all_gather", m.n * cost.gather_bytes)
+        wire = _ring(m.n, cost.sum_bytes) + (m.n - 1) * cost.gather_bytes
+        return m.done(
+            at, m.exposed(comm, at.backward_s), cost.seconds + p.optimizer_s + m.small, memory, wire
+        )
+    algorithm = str(m.c.option("allreduce"))
+    comm = m.t.time(f"allreduce:{algorithm}", p.grad_bytes)
+    if algorithm == "native" or spare_core:
+        comm = m.exposed(comm, at.backward_s)
+    elif algorithm == "shm":  # the shared segment of every local process's slot (module docstring)
+        local = m.n // m.c.hosts
+        memory = _memory(p.param_bytes, local * p.grad_bytes, p.optimizer_bytes, at.activation_bytes)
+    return m.done(at, comm, p.optimizer_s + m.small, memory, _ring(m.n, p.grad_bytes))
+
+
+def _units(p: ModelProfile, at: BatchProfile) -> list[int]:
+    units = [layer.param_bytes for layer in at.layers if layer.param_bytes]
+    rest = p.param_bytes - sum(units)
+    return units + ([rest] if rest > 0 else [])
+
+
+def _sharded(m: _Model) -> Prediction:
+    p, at, n = m.p, m.p.at(m.share), m.n
+    stage = int(m.c.option("stage"))
+    optimizer = p.optimizer_s / n + m.small
+    if stage == 1:
+        comm = m.t.time("reduce_scatter", p.grad_bytes) + m.t.time("all_gather", p.param_bytes)
+        memory = _memory(p.param_bytes, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes)
+        return m.done(at, comm, optimizer, memory, (n - 1) / n * (p.grad_bytes + p.param_bytes))
+    gathers = 2 if stage == 3 else 1
+    units = _units(p, at)
+    comm = sum(gathers * m.t.time("all_gather", u) + m.t.time("reduce_scatter", u) for u in units)
+    params = p.param_bytes / n if stage == 3 else p.param_bytes
+    memory = _memory(params, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes)
+    wire = (n - 1) / n * (gathers * p.param_bytes + p.grad_bytes)
+    return m.done(at, m.exposed(comm, at.backward_s), optimizer, memory, wire)
+
+
+def _parameter_server(m: _Model) -> Prediction:
+    p, at, n, s = m.p, m.p.at(m.share), m.n, m.c.servers
+    comm = (m.t.time("p2p", n * p.grad_bytes / s) + m.t.time("p2p", n * p.param_bytes / s)) / 2
+    memory = _memory(p.param_bytes, p.grad_bytes, 0, at.activation_bytes)
+    return m.done(at, comm, p.optimizer_s / s + m.small, memory, p.grad_bytes)
+
+
+def _replicas(m: _Model) -> Prediction:
+    p, at, n = m.p, m.p.at(m.share), m.n
+    period = int(m.c.option("sync_every"))
+    outer = p.optimizer_s if m.c.family == "DiLoCo" else 0.0
+    comm = (m.best_allreduce(p.param_bytes) + outer) / period
+    other = 2 * p.param_bytes if m.c.family == "DiLoCo" else 0
+    memory = _memory(p.param_bytes, p.grad_bytes, p.optimizer_bytes, at.activation_bytes, other)
+    return m.done(at, comm, p.optimizer_s + m.small, memory, _ring(n, p.param_bytes) / period)
+
+
+def _pipeline(m: _Model) -> Prediction:
+    p, c = m.p, m.c
+    if not p.chain:
+        raise OutsideCalibration(f"not a chain Pipeline can cut: {p.chain_refusal}")
+    micro = int(c.option("microbatches"))
+    schedule = str(c.option("schedule"))
+    at = p.at(max(1, math.ceil(m.share / micro)))
+    layers = at.layers
+    ranges = stage_ranges(balanced_cuts([float(x.param_count) or 1.0 for x in layers], c.pp), len(layers))
+    fwd = [sum(x.forward_s for x in layers[a:b]) for a, b in ranges]
+    bwd = [sum(x.backward_s for x in layers[a:b]) for a, b in ranges]
+    fwd[-1] += max(0.0, at.forward_s - sum(fwd))  # the loss runs on the last stage
+    bwd[-1] += max(0.0, at.backward_s - sum(bwd))
+    boundary = max((layers[b - 1].output_bytes for _, b in ranges[:-1]), default=0)
+    message = m.t.time("p2p", boundary) / 2 if boundary else 0.0
+    replay = simulate(schedule, c.pp, micro, fwd, bwd, message)
+    shares = [sum(x.param_bytes for x in layers[a:b]) / max(1, p.param_bytes) for a, b in ranges]
+    biggest = max(range(c.pp), key=lambda s: shares[s])
+    data_axis = m.best_allreduce(p.grad_bytes * shares[biggest]) if c.dp > 1 else 0.0
+    live = [peak_live_microbatches(stage_instructions(schedule, s, c.pp, micro)) for s in range(c.pp)]
+    acts = [sum(x.saved_bytes for x in layers[a:b]) * live[s] for s, (a, b) in enumerate(ranges)]
+    f = shares[biggest]
+    memory = _memory(p.param_bytes * f, p.grad_bytes * f, p.optimizer_bytes * f, max(acts))
+    step = replay.makespan + p.optimizer_s * f + data_axis + 2 * m.small + m.overhead
+    wire = 2 * micro * boundary + (_ring(c.dp, p.grad_bytes * f) if c.dp > 1 else 0)
+    return Prediction(c, step, m.global_batch / step, memory, int(wire), sum(replay.busy) / c.pp,
+                      step - sum(replay.busy) / c.pp, replay.bubble)  # fmt: skip
+
+
+def predict(
+    config: Configuration,
+    profile: ModelProfile,
+    transport: Transport,
+    global_batch: int,
+    codecs: dict[str, CodecCost] | None = None,
+    spare_core: bool = False,
+    overhead_s: float = 0.0,
+) -> Prediction:
+    """``config``'s prediction by the module docstring's table; a `Prediction` with ``refused`` set when the
+    configuration is not modelled or would need a measurement the plan did not make (never extrapolated)."""
+    if config.family == "TensorParallel":
+        return Prediction(config, refused="not predicted by this version: the collectives inside tensor-parallel "
+                                          "layers are not calibrated yet")  # fmt: skip
+    try:
+        m = _Model(config, profile, transport, global_batch, overhead_s)
+        if config.family == "DataParallel":
+            return _data_parallel(m, codecs or {}, spare_core)
+        if config.family == "ShardedDataParallel":
+            return _sharded(m)
+        if config.family == "ParameterServer":
+            return _parameter_server(m)
+        if config.family in ("LocalSGD", "DiLoCo"):
+            return _replicas(m)
+        return _pipeline(m)
+    except OutsideCalibration as why:
+        return Prediction(config, refused=f"outside the calibrated range: {why}")

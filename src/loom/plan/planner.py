@@ -1,0 +1,205 @@
+"""`plan`: capture the script, measure, predict every configuration, rank; `verify`: run the top ones.
+
+The order, and what each step costs on a small model: the script runs to its loader (`loom.plan.capture`,
+seconds: the script's own imports and model construction); the model trains a few steps at each batch size the
+configurations need (`loom.plan.profile`); one ``loom run -n N`` job measures the transport at the message sizes
+the configurations need and the overlap coefficient (`loom.plan.trial`, ~10-30 s here, mostly start-up);
+predicting is arithmetic (`loom.plan.cost`, well under a millisecond per configuration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.plan.capture import CapturedScript, capture_script
+from loom.plan.configs import CODECS, Configuration, batch_sizes, candidates
+from loom.plan.cost import Prediction, predict
+from loom.plan.profile import CodecCost, ModelProfile, measure_codec, profile_model
+from loom.plan.recommend import Ranked, last_errors, rank, record_errors
+from loom.plan.transport import Transport
+
+__all__ = ["PlanError", "PlanResult", "Verification", "plan", "verify"]
+
+
+class PlanError(ValueError):
+    """Bad input or a failed measurement: one line, with the fix."""
+
+
+@dataclass
+class Verification:
+    config: Configuration
+    predicted_s: float
+    measured_s: float
+    predicted_state: int
+    measured_state: int
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1
+
+
+@dataclass
+class PlanResult:
+    script: str
+    nproc: int
+    hosts: int
+    global_batch_size: int
+    profile: ModelProfile
+    transport: Transport
+    ranked: list[Ranked]
+    overhead_s: float
+    """The step engine's time per step no formula contains (`loom.plan.cost`), measured."""
+    seconds: dict[str, float]
+    """Wall time of each phase: capture, profile, transport, predict."""
+    verifications: list[Verification] = field(default_factory=list)
+
+    @property
+    def top(self) -> Ranked:
+        return self.ranked[0]
+
+
+def _trial(mode: str, script: str, args: tuple[str, ...], nproc: int, servers: int, options: list[str],
+           timeout_s: float) -> dict:  # fmt: skip
+    """Run `loom.plan.trial` under ``loom run`` and return what rank 0 wrote (PlanError naming the failure)."""
+    with tempfile.TemporaryDirectory(prefix="loom-plan-") as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", f"{tmp}/run"]
+        command += ["--servers", str(servers)] if servers else []
+        command += ["-m", "loom.plan.trial", mode, "--out", str(out), *options, script, *args]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise PlanError(f"loom plan: the {mode} run ({' '.join(options)}) took over {timeout_s:.0f} s and was "
+                            "stopped. HINT: a smaller --steps, or a smaller model") from None  # fmt: skip
+        if done.returncode != 0 or not out.exists():
+            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+            raise PlanError(f"loom plan: the {mode} run failed (exit {done.returncode}): {tail}")
+        if out.stat().st_size > 1 << 22:
+            raise PlanError(
+                f"loom plan: the {mode} run wrote {out.stat().st_size} bytes; expected a small JSON"
+            )
+        return json.loads(out.read_text())
+
+
+def _message_sizes(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) -> list[int]:
+    """The sizes the transport is measured at: exactly the whole-model messages (gradients, parameters, a
+    parameter server's share of every worker's, each codec's), and a grid a factor of 4 apart up to the
+    largest, which the per-layer messages (FSDP units, pipeline activations) are interpolated on."""
+    p = profile
+    exact = {8, p.grad_bytes, p.param_bytes, n * p.grad_bytes, n * p.param_bytes}
+    exact |= {n * p.grad_bytes // 2, n * p.param_bytes // 2}
+    for c in codecs.values():
+        exact |= {c.sum_bytes, n * c.gather_bytes}
+    layers = [x for at in p.batches.values() for x in at.layers]
+    largest = max([*exact, *(x.output_bytes for x in layers)])
+    return sorted(s for s in exact | _grid(8, largest) | {largest} if s > 0)
+
+
+def check_fits(ranked: list[Ranked], memory_limit: int | None) -> None:
+    """Refuse a memory limit no predicted configuration fits (PlanError naming the smallest and what it needs)."""
+    predicted = [r.prediction for r in ranked if not r.prediction.refused]
+    if memory_limit is None or not predicted or any(r.feasible for r in ranked):
+        return
+    smallest = min(predicted, key=lambda p: p.memory["total"])
+    raise PlanError(
+        f"loom plan: no configuration fits --memory-per-proc {memory_limit} bytes: the smallest, "
+        f"{smallest.config.strategy} [{smallest.config.launch}], needs {smallest.memory['total']} bytes per "
+        "process. HINT: raise --memory-per-proc, or plan more processes (--nproc)"
+    )
+
+
+def _grid(lo: int, hi: int) -> set[int]:
+    """Sizes a factor of 4 apart from ``lo`` to ``hi``: the points the interpolation runs between."""
+    out, size = set(), max(8, lo)
+    while size < hi:
+        out.add(size)
+        size *= 4
+    return out
+
+
+def plan(
+    script: str,
+    args: tuple[str, ...] = (),
+    nproc: int = 2,
+    hosts: int = 1,
+    link_bytes_per_s: float | None = None,
+    memory_limit: int | None = None,
+    timeout_s: float = 300.0,
+) -> PlanResult:
+    """Plan ``script`` on ``nproc`` processes per host on ``hosts`` hosts (the module docstring)."""
+    if nproc * hosts < 2:
+        raise PlanError(
+            "loom plan compares ways to divide training: it needs at least 2 processes. HINT: --nproc 2"
+        )
+    if memory_limit is not None and memory_limit <= 0:
+        raise PlanError(f"--memory-per-proc must be positive, got {memory_limit}")
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    captured: CapturedScript = capture_script(script, args)
+    seconds["capture"] = time.perf_counter() - started
+    world = nproc * hosts
+    algorithms = ("native", "ring", "shm") if hosts == 1 else ("native", "ring")
+    from loom.plan.profile import _layers  # the same list the profile times
+
+    chain = len(_layers(captured.model)[0])
+    configs = [dataclasses.replace(c, hosts=hosts)
+               for c in candidates(world, algorithms, chain, captured.global_batch_size)]  # fmt: skip
+    reference = Configuration("DataParallel", nproc, (("allreduce", "native"),), dp=nproc)  # as calibrated
+    t = time.perf_counter()
+    profile = profile_model(captured, batch_sizes([*configs, reference], captured.global_batch_size))
+    codecs = {spec: measure_codec(spec, captured.model, world) for spec in CODECS}
+    seconds["profile"] = time.perf_counter() - t
+    t = time.perf_counter()
+    sizes = _message_sizes(profile, codecs, world)
+    measured = _trial("calibrate", script, args, nproc, 0, ["--sizes", ",".join(map(str, sizes))], timeout_s)
+    local = Transport.from_json(measured)
+    transport = dataclasses.replace(local, world_size=world, hosts=hosts,
+                                    link_bytes_per_s=link_bytes_per_s)  # fmt: skip
+    if hosts > 1:
+        transport.seconds.pop("allreduce:shm", None)
+    seconds["transport"] = time.perf_counter() - t
+    t = time.perf_counter()
+    spare = (os.cpu_count() or 1) > nproc * profile.threads
+    formula = predict(reference, profile, local, captured.global_batch_size, codecs, spare)
+    overhead = max(0.0, float(measured["reference_step_s"]) - formula.step_time_s)
+    predictions: list[Prediction] = [
+        predict(c, profile, transport, captured.global_batch_size, codecs, spare, overhead) for c in configs
+    ]
+    ranked = rank(predictions, memory_limit, last_errors())
+    seconds["predict"] = time.perf_counter() - t
+    check_fits(ranked, memory_limit)
+    return PlanResult(
+        script, nproc, hosts, captured.global_batch_size, profile, transport, ranked, overhead, seconds
+    )
+
+
+def verify(result: PlanResult, args: tuple[str, ...] = (), top: int = 2, steps: int = 5,
+           timeout_s: float = 300.0) -> list[Verification]:  # fmt: skip
+    """Run the ``top`` feasible configurations ``steps`` steps each under ``loom run``; record each family's
+    step-time error as its last verification."""
+    if result.hosts > 1:
+        raise PlanError("loom plan --verify runs on this host only; several hosts are not verified yet. HINT: drop "
+                        "--verify, or plan --hosts 1")  # fmt: skip
+    out = []
+    for r in [r for r in result.ranked if r.feasible][:top]:
+        c, p = r.prediction.config, r.prediction
+        options = ["--family", c.family, "--options", json.dumps(dict(c.options)), "--steps", str(steps)]
+        got = _trial("verify", result.script, args, c.nproc, c.servers, options, timeout_s)
+        state = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
+        out.append(
+            Verification(c, p.step_time_s, float(got["step_time_s"]), state, int(got["memory"]["state"]), got)
+        )
+    record_errors({v.config.family: v.error for v in out if math.isfinite(v.error)})
+    result.verifications = out
+    return out

@@ -1,0 +1,322 @@
+"""A few real training steps of the user's model in this process: time per layer, bytes per category.
+
+What is measured, at each batch size a configuration will run (a data-parallel share, a pipeline micro-batch),
+with the thread count one worker of ``loom run`` gets (``OMP_NUM_THREADS``, 1 unless set):
+
+- the forward and backward time of each layer of the model's chain (`loom.parallel.pipeline.pipeline_split.
+  chain_layers`, else its children). Forward: hooks before and after each layer. Backward: a hook on each
+  layer's output tensor fires when the gradient of that output is ready, which is when the layer's own backward
+  starts; it ends when the gradient of the layer before is ready (or backward returns, for the first layer).
+  This is exact for a chain, whose backward runs the layers in reverse order, one at a time;
+- the whole step (forward, backward, optimizer step): the median of ``repeats`` timed steps after one warm-up;
+- bytes: parameters, gradients and optimizer state after a step (`loom.observe.memory.state_bytes`, the same
+  count `job.memory()` reports), the activations autograd saves for backward per layer (a
+  ``saved_tensors_hooks`` count, storages counted once, parameters excluded; measured on the warm-up step so the
+  timed steps run without it) and each layer's output (what a pipeline stage sends to the next).
+
+The steps are real: the model's parameters change, as the script's first steps would. Nothing is extrapolated:
+a batch size that was not measured is refused (`ModelProfile.at`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.observe.memory import state_bytes
+from loom.plan.capture import CapturedScript
+
+__all__ = ["BatchProfile", "LayerProfile", "ModelProfile", "OutsideCalibration", "profile_model"]
+
+
+class OutsideCalibration(ValueError):
+    """A prediction would need a measurement the plan did not make (a batch size, a message size)."""
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    name: str
+    param_bytes: int
+    param_count: int
+    forward_s: float
+    backward_s: float
+    saved_bytes: int
+    """Activations autograd keeps for this layer's backward, at this batch size."""
+    output_bytes: int
+    """The layer's output, at this batch size (a pipeline stage's message when a stage ends here)."""
+
+
+@dataclass(frozen=True)
+class BatchProfile:
+    """The model at one batch size."""
+
+    batch_size: int
+    forward_s: float
+    backward_s: float
+    step_s: float
+    """Forward, backward and optimizer step together, as measured (median)."""
+    layers: tuple[LayerProfile, ...]
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(layer.saved_bytes for layer in self.layers)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What `profile_model` measured: the state's bytes, the optimizer step, and each batch size's times."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    param_count: int
+    optimizer_s: float
+    """One ``optimizer.step()`` plus ``zero_grad`` over all parameters (median)."""
+    chain: bool
+    """True when the model is a chain loom's `Pipeline` can cut (per-layer times are then per pipeline layer)."""
+    chain_refusal: str
+    threads: int
+    batches: dict[int, BatchProfile]
+
+    def at(self, batch_size: int) -> BatchProfile:
+        """The profile at ``batch_size``; refused when it was not measured (no extrapolation)."""
+        if batch_size not in self.batches:
+            raise OutsideCalibration(
+                f"batch size {batch_size} was not measured (measured: {sorted(self.batches)})"
+            )
+        return self.batches[batch_size]
+
+
+def _layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool, str]:
+    from loom.parallel.pipeline.pipeline_split import chain_layers  # the cut Pipeline itself makes
+
+    try:
+        return chain_layers(model), True, ""
+    except ValueError as why:
+        children = list(model.named_children()) or [("", model)]
+        return children, False, str(why)
+
+
+def _batch_of(captured: CapturedScript, batch_size: int) -> Any:
+    from loom.data.loader import loader
+    from loom.topology import Topology
+
+    options = {k: v for k, v in captured.loader_options.items() if k == "collate_fn"}
+    data = loader(
+        captured.dataset, batch_size, shuffle=False, topology=Topology(0, 1, 0, 1, "none"),
+        same_data_check=False, **options,
+    )  # fmt: skip
+    return next(iter(data))
+
+
+class _LayerClock:
+    """Hooks on each layer: forward start/end, the moment each output's gradient is ready, saved bytes."""
+
+    def __init__(self, layers: list[tuple[str, nn.Module]]) -> None:
+        self.layers = layers
+        self.fwd_start = [0.0] * len(layers)
+        self.fwd_end = [0.0] * len(layers)
+        self.grad_ready: list[float | None] = [None] * len(layers)
+        self.saved = [0] * len(layers)
+        self.output = [0] * len(layers)
+        self.current = len(layers) - 1
+        self.handles: list[Any] = []
+        for i, (_, layer) in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._pre(i)))
+            self.handles.append(layer.register_forward_hook(self._post(i)))
+
+    def _pre(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.current = i
+            self.fwd_start[i] = time.perf_counter()
+
+        return hook
+
+    def _post(self, i: int) -> Any:
+        def mark(grad: torch.Tensor) -> None:
+            self.grad_ready[i] = time.perf_counter()
+
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            self.fwd_end[i] = time.perf_counter()
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(first, torch.Tensor):
+                self.output[i] = sum(t.nbytes for t in (out if isinstance(out, (tuple, list)) else [out])
+                                     if isinstance(t, torch.Tensor))  # fmt: skip
+                if first.requires_grad:
+                    first.register_hook(mark)
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _saved_bytes_hooks(clock: _LayerClock, params: set[int]) -> Any:
+    seen: set[tuple[int, int]] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            return t
+        if key[0] not in params and key not in seen:
+            seen.add(key)
+            clock.saved[clock.current] += key[1]
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _one_step(captured: CapturedScript, call: Any, batch: Any, clock: _LayerClock, count_saved: bool) -> dict:
+    from loom.train.batch import forward_loss
+
+    model, optimizer = captured.model, captured.optimizer
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    clock.grad_ready = [None] * len(clock.layers)
+    clock.saved = [0] * len(clock.layers)
+    t0 = time.perf_counter()
+    if count_saved:
+        with _saved_bytes_hooks(clock, params):
+            loss, _ = forward_loss(call, model, batch)
+    else:
+        loss, _ = forward_loss(call, model, batch)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(
+        set_to_none=False
+    )  # keep the gradients allocated, as a training job between steps does
+    t3 = time.perf_counter()
+    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "start": t1, "end": t2}
+
+
+def _backward_per_layer(clock: _LayerClock, start: float, end: float) -> list[float]:
+    """Layer i's backward: from its output's gradient (the last layer: backward's start) to the previous
+    layer's output gradient (the first layer: backward's end). Layers whose output has no gradient get 0."""
+    n = len(clock.layers)
+    times = [0.0] * n
+    for i in range(n):
+        begin = start if i == n - 1 else clock.grad_ready[i]
+        finish = end if i == 0 else clock.grad_ready[i - 1]
+        if begin is not None and finish is not None:
+            times[i] = max(0.0, finish - begin)
+    return times
+
+
+def _profile_batch(captured: CapturedScript, call: Any, clock: _LayerClock, size: int, repeats: int) -> tuple:
+    batch = _batch_of(captured, size)
+    first = _one_step(captured, call, batch, clock, count_saved=True)  # warm-up; counts saved activations
+    saved, outputs = list(clock.saved), list(clock.output)
+    del first
+    runs = []
+    for _ in range(repeats):
+        step = _one_step(captured, call, batch, clock, count_saved=False)
+        forward = [e - s for s, e in zip(clock.fwd_start, clock.fwd_end, strict=True)]
+        runs.append((step, forward, _backward_per_layer(clock, step["start"], step["end"])))
+    med = statistics.median
+    layers = tuple(
+        LayerProfile(
+            name, sum(p.nbytes for p in layer.parameters()), sum(p.numel() for p in layer.parameters()),
+            med(r[1][i] for r in runs), med(r[2][i] for r in runs), saved[i], outputs[i],
+        )
+        for i, (name, layer) in enumerate(clock.layers)
+    )  # fmt: skip
+    profile = BatchProfile(
+        size, med(r[0]["forward"] for r in runs), med(r[0]["backward"] for r in runs),
+        med(r[0]["forward"] + r[0]["backward"] + r[0]["optimizer"] for r in runs), layers,
+    )  # fmt: skip
+    return profile, med(r[0]["optimizer"] for r in runs)
+
+
+def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int = 3) -> ModelProfile:
+    """Measure ``captured``'s model at each of ``batch_sizes`` (see the module docstring)."""
+    from loom.train.batch import LossCall
+
+    call = LossCall.of(captured.loss_fn)
+    layers, chain, refusal = _layers(captured.model)
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    captured.model.train()
+    clock = _LayerClock(layers)
+    try:
+        batches, optimizer_s = {}, []
+        for size in sorted(set(batch_sizes)):
+            batches[size], opt = _profile_batch(captured, call, clock, size, repeats)
+            optimizer_s.append(opt)
+    finally:
+        clock.close()
+        torch.set_num_threads(before)
+    counted = state_bytes(captured.model, captured.optimizer)
+    return ModelProfile(
+        param_bytes=counted["parameters"], grad_bytes=counted["gradients"], optimizer_bytes=counted["optimizer"],
+        param_count=sum(p.numel() for p in captured.model.parameters()),
+        optimizer_s=statistics.median(optimizer_s), chain=chain, chain_refusal=refusal, threads=threads,
+        batches=batches,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """One gradient exchange through a compression codec, measured in this process with the collectives
+    answered at once (their cost is the transport's): encode/decode seconds and the bytes each rank sends."""
+
+    spec: str
+    seconds: float
+    sum_bytes: int
+    """Bytes each rank contributes to summed collectives (all-reduced)."""
+    gather_bytes: int
+    """Bytes each rank contributes to gathered collectives (each rank receives ``N`` times as much)."""
+
+
+def _drive(codec: Any, shapes: list[torch.Size], flat: torch.Tensor, world: int) -> tuple[int, int]:
+    sums = gathers = 0
+    exchange = codec.exchange(list(range(len(shapes))), flat, shapes, world)
+    try:
+        collective = next(exchange)
+        while True:
+            if collective.op == "sum":
+                sums += collective.tensor.nbytes
+                answer = collective.tensor * world  # every rank sent the same: the sum is N times it
+            else:
+                gathers += collective.tensor.nbytes
+                answer = collective.tensor.unsqueeze(0).expand(world, -1).clone()
+            collective = exchange.send(answer)
+    except StopIteration:
+        return sums, gathers
+
+
+def measure_codec(spec: str, model: nn.Module, world: int, repeats: int = 3) -> CodecCost:
+    """Run ``spec``'s codec (`loom.comm.compression.make_codec`) on a gradient shaped like ``model``'s
+    parameters, as one bucket; the first exchange (state set-up, warm starts) is not timed."""
+    from loom.comm.compression import make_codec
+
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    numel = sum(s.numel() for s in shapes)
+    codec = make_codec(spec)
+    generator = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    try:
+        _drive(codec, shapes, torch.randn(numel, generator=generator), world)
+        times, sizes = [], (0, 0)
+        for _ in range(repeats):
+            flat = torch.randn(numel, generator=generator)
+            started = time.perf_counter()
+            sizes = _drive(codec, shapes, flat, world)
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(before)
+    return CodecCost(spec, statistics.median(times), *sizes)

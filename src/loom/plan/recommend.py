@@ -1,0 +1,154 @@
+"""Rank the predictions, say why, and write them: the table, the JSON file, the strategy line to paste.
+
+Ranked by predicted samples per second among the configurations that fit ``--memory-per-proc``; then those that
+do not fit, then those not predicted. Every configuration carries a reason: the top one why it wins (its
+compute and communication), a slower one what costs it the most (``link-bound`` when communication on the
+critical path exceeds compute, ``bubble`` when a pipeline idles more than a fifth of its step, else the
+communication or optimizer time it adds), a ruled-out one why (``does not fit``, not predicted).
+
+Each family also carries the error of its last ``--verify`` on this host (`last_errors`), kept in
+``$LOOM_CACHE_DIR`` (default ``~/.cache/loom``), ``plan-verified-<host>.json``, beside loom's all-reduce
+calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loom.plan.cost import Prediction
+
+__all__ = ["Ranked", "last_errors", "rank", "record_errors", "render", "to_json"]
+
+
+@dataclass(frozen=True)
+class Ranked:
+    prediction: Prediction
+    feasible: bool
+    reason: str
+    last_error: float | None = None
+    """The relative step-time error of this family's last verification on this host (None: never verified)."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _why_slower(p: Prediction, top: Prediction) -> str:
+    slower = f"{p.step_time_s / top.step_time_s - 1:.0%} slower than the top"
+    if p.bubble > 0.2:
+        return f"{slower}: pipeline bubble {p.bubble:.0%} of the step"
+    if p.comm_s > p.compute_s:
+        return f"{slower}: link-bound (communication {p.comm_s * 1e3:.1f} ms > compute {p.compute_s * 1e3:.1f} ms)"
+    rest = p.step_time_s - p.compute_s - p.comm_s
+    if p.comm_s >= rest:
+        return f"{slower}: {p.comm_s * 1e3:.1f} ms of communication on the critical path"
+    return f"{slower}: {rest * 1e3:.1f} ms of optimizer and step overhead"
+
+
+def rank(
+    predictions: list[Prediction], memory_limit: int | None, errors: dict[str, float] | None = None
+) -> list[Ranked]:
+    """Order and explain ``predictions`` (the module docstring)."""
+    errors = errors or {}
+    fits = [
+        p
+        for p in predictions
+        if not p.refused and (memory_limit is None or p.memory["total"] <= memory_limit)
+    ]
+    fits.sort(key=lambda p: -p.samples_per_s)
+    out: list[Ranked] = []
+    for i, p in enumerate(fits):
+        if i == 0:
+            why = (f"fastest predicted: {p.samples_per_s:.1f} samples/s (compute {p.compute_s * 1e3:.1f} ms, "
+                   f"communication {p.comm_s * 1e3:.1f} ms on the critical path)")  # fmt: skip
+        else:
+            why = _why_slower(p, fits[0])
+        out.append(Ranked(p, True, why, errors.get(p.config.family)))
+    big = [p for p in predictions if not p.refused and p not in fits]
+    for p in sorted(big, key=lambda p: p.memory["total"]):
+        why = f"does not fit: needs {_gib(p.memory['total'])} per process > --memory-per-proc {_gib(memory_limit or 0)}"
+        out.append(Ranked(p, False, why, errors.get(p.config.family)))
+    out += [Ranked(p, False, p.refused) for p in predictions if p.refused]
+    return out
+
+
+def to_json(ranked: list[Ranked], extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` document: every configuration, ranked, with the fields the issue lists."""
+    rows = []
+    for i, r in enumerate(ranked, 1):
+        p = r.prediction
+        predicted = not p.refused
+        rows.append({
+            "rank": i, "family": p.config.family, "strategy": p.config.strategy, "launch": p.config.launch,
+            "step_time_s": p.step_time_s if predicted else None,
+            "samples_per_s": p.samples_per_s if predicted else None,
+            "memory_bytes_per_process": p.memory if predicted else None,
+            "wire_bytes_per_step": p.wire_bytes if predicted else None,
+            "bubble": p.bubble, "feasible": r.feasible, "reason": r.reason,
+            "last_verified_error": r.last_error,
+        })  # fmt: skip
+    return {**extra, "configurations": rows}
+
+
+def render(ranked: list[Ranked], title: str) -> Any:
+    """A rich table of ``ranked``."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("#", "right"), ("strategy", "left"), ("loom run", "left"), ("step ms", "right"),
+                          ("samples/s", "right"), ("memory/proc", "right"), ("wire/step", "right"),
+                          ("last err", "right"), ("why", "left")):  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for i, r in enumerate(ranked, 1):
+        p = r.prediction
+        err = f"{r.last_error:+.0%}" if r.last_error is not None else "-"
+        if p.refused:
+            table.add_row(str(i), p.config.strategy, p.config.launch, "-", "-", "-", "-", err, r.reason)
+            continue
+        table.add_row(
+            str(i), p.config.strategy, p.config.launch, f"{p.step_time_s * 1e3:.1f}", f"{p.samples_per_s:.1f}",
+            _gib(p.memory["total"]), _gib(p.wire_bytes), err, r.reason, style=None if r.feasible else "dim",
+        )  # fmt: skip
+    return table
+
+
+def _errors_path() -> Path:
+    root = os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom"
+    return Path(root) / f"plan-verified-{socket.gethostname()}.json"
+
+
+def last_errors() -> dict[str, float]:
+    """Each family's step-time error at its last verification on this host (bounded read: a small file)."""
+    try:
+        path = _errors_path()
+        if path.stat().st_size > 1 << 20:
+            return {}
+        data = json.loads(path.read_text())
+        return {str(k): float(v["error"]) for k, v in data.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def record_errors(errors: dict[str, float]) -> None:
+    """Keep ``errors`` (family: relative step-time error) as the families' last verification."""
+    path = _errors_path()
+    try:
+        data = json.loads(path.read_text()) if path.exists() and path.stat().st_size < 1 << 20 else {}
+        data = data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        data = {}
+    for family, error in errors.items():
+        data[family] = {"error": error, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a plan without its record is still a plan; the next verification writes it

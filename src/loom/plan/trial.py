@@ -1,0 +1,188 @@
+"""The planner's measurements that need several processes, run as ``loom run -n N -m loom.plan.trial ...``.
+
+    loom run -n N -m loom.plan.trial calibrate --out F --sizes 4096,65536 SCRIPT [ARGS...]
+    loom run -n N [--servers S] -m loom.plan.trial verify --out F --family DataParallel --options '{}' SCRIPT ...
+
+Both run the user's script up to its ``job.loader(...)`` (`loom.plan.capture`) in every worker, so every rank
+holds the same model, optimizer, loss and data as the script would build.
+
+``calibrate``: the transport (`loom.plan.transport.measure_transport`) at the given sizes, and the overlap
+coefficient ``k`` of DDP's all-reduce with backward on this host: backward alone (``Bw``, under ``no_sync``),
+the gradient's all-reduce alone (``X``, native) and backward with DDP's all-reduce inside it (``Bw_ddp``), each
+the median of a few steps on this rank's share of the first global batch; ``k = (Bw + X - Bw_ddp) / min(Bw, X)``
+(1: the all-reduce entirely hidden, 0: none hidden, below 0: running both at once costs more than in sequence).
+
+It also runs the reference configuration, ``DataParallel(allreduce="native")``, a few steps on a copy of the
+model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
+guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
+
+``verify``: the configuration itself, built from its family and options by name (no ``eval``), a few real steps
+of ``job.train_step``; writes the median step time (each step the slowest rank's) and the training state's
+bytes by category (`Job.memory`, the largest rank) and the peak RSS.
+Rank 0 writes ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["main"]
+
+
+def _share(captured: Any, topology: Any) -> Any:
+    from loom.data.loader import loader
+
+    options = {k: v for k, v in captured.loader_options.items() if k == "collate_fn"}
+    data = loader(captured.dataset, captured.global_batch_size, shuffle=False, topology=topology,
+                  same_data_check=False, **options)  # fmt: skip
+    return next(iter(data))
+
+
+def _backward_seconds(model: Any, call: Any, batch: Any, reps: int) -> float:
+    from loom.train.batch import forward_loss
+
+    times = []
+    for _ in range(reps + 1):
+        loss, _ = forward_loss(call, model, batch)
+        dist.barrier()
+        started = time.perf_counter()
+        loss.backward()
+        times.append(time.perf_counter() - started)
+    out = torch.tensor(times[1:], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return statistics.median(out.tolist())
+
+
+def _overlap(captured: Any, reps: int = 5) -> dict[str, float]:
+    """The overlap coefficient of the module docstring, with the times it comes from."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from loom.comm import all_reduce
+    from loom.topology import current
+    from loom.train.batch import LossCall
+
+    call = LossCall.of(captured.loss_fn)
+    batch = _share(captured, current())
+    ddp = DistributedDataParallel(captured.model)
+    with ddp.no_sync():
+        alone = _backward_seconds(ddp, call, batch, reps)
+    grads = torch.zeros(sum(p.numel() for p in captured.model.parameters()), dtype=torch.float32)
+    comm = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        all_reduce(grads, "sum", algorithm="native")
+        comm.append(time.perf_counter() - started)
+    comm_t = torch.tensor(comm[1:], dtype=torch.float64)
+    dist.all_reduce(comm_t, op=dist.ReduceOp.MAX)
+    exchange = statistics.median(comm_t.tolist())
+    together = _backward_seconds(ddp, call, batch, reps)
+    k = (alone + exchange - together) / max(1e-9, min(alone, exchange))
+    return {"overlap": min(1.0, k), "backward_s": alone, "allreduce_s": exchange, "ddp_backward_s": together}
+
+
+def _copy(captured: Any) -> Any:
+    """The captured model and a fresh optimizer of the same kind and settings over the copy (the reference
+    configuration trains on it, so the overlap measurement keeps the script's own model untouched)."""
+    model = copy.deepcopy(captured.model)
+    optimizer = type(captured.optimizer)(model.parameters(), **captured.optimizer.defaults)
+    return dataclasses.replace(captured, model=model, optimizer=optimizer)
+
+
+def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
+    from loom.plan.transport import measure_transport
+
+    transport = measure_transport([int(s) for s in ns.sizes.split(",")], reps=ns.reps)
+    reference = _verify_steps(_copy(captured), "DataParallel", {"allreduce": "native"}, ns.steps, ns.warmup)
+    overlap = _overlap(captured)
+    data = transport.to_json()
+    data["overlap"] = overlap["overlap"]
+    data["overlap_measurement"] = overlap
+    data["reference_step_s"] = reference["step_time_s"]
+    return data
+
+
+def _strategy(family: str, options: dict[str, Any]) -> Any:
+    import loom
+
+    allowed = ("DataParallel", "ShardedDataParallel", "ParameterServer", "LocalSGD", "DiLoCo", "Pipeline",
+               "Hybrid", "TensorParallel")  # fmt: skip
+    if family not in allowed:
+        raise ValueError(f"unknown strategy family {family!r} (one of {', '.join(allowed)})")
+    return getattr(loom, family)(**options)
+
+
+def _verify(ns: argparse.Namespace, captured: Any) -> dict:
+    return _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, ns.warmup)
+
+
+def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: int, warmup: int) -> dict:
+    from loom.observe.memory import peak_rss_bytes
+
+    job = _strategy(family, options).setup(captured.model, captured.optimizer, captured.loss_fn)
+    loader = job.loader(captured.dataset, captured.global_batch_size, **captured.loader_options)
+    times: list[float] = []
+    epoch = 0
+    while len(times) < count + warmup:
+        loader.set_epoch(epoch)
+        for batch in loader:
+            started = time.perf_counter()
+            job.train_step(batch)
+            times.append(time.perf_counter() - started)
+            if len(times) >= count + warmup:
+                break
+        epoch += 1
+    steps = torch.tensor(times[warmup:], dtype=torch.float64)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    memory = job.memory()
+    keys = ["parameters", "gradients", "optimizer", "state", "total"]
+    peak = peak_rss_bytes() or 0
+    largest = torch.tensor([float(memory[k]) for k in keys] + [float(peak)], dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    values = dict(zip([*keys, "peak_rss"], (int(v) for v in largest.tolist()), strict=True))
+    return {
+        "step_time_s": statistics.median(steps.tolist()),
+        "step_times_s": steps.tolist(),
+        "memory": values,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import loom
+    from loom.plan.capture import capture_script
+
+    parser = argparse.ArgumentParser(prog="python -m loom.plan.trial")
+    parser.add_argument("mode", choices=["calibrate", "verify"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sizes", default="4096,65536,1048576")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--family", default="DataParallel")
+    parser.add_argument("--options", default="{}")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    topology = loom.init()
+    captured = capture_script(ns.script, tuple(ns.args))
+    result = _calibrate(ns, captured) if ns.mode == "calibrate" else _verify(ns, captured)
+    if topology.rank == 0:
+        tmp = ns.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(ns.out)
+    loom.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

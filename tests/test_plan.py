@@ -1,0 +1,240 @@
+"""`loom.plan`: the cost model on synthetic profiles (the GPipe bubble, a link-bound all-reduce, ZeRO's shares),
+the script capture, the profile, and bad input. One process, no sockets (the system test is test_plan_system.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from loom.parallel.data.sharded_memory import zero_share
+from loom.plan.capture import ScriptCaptureError, capture_script
+from loom.plan.configs import Configuration, candidates
+from loom.plan.cost import predict
+from loom.plan.planner import PlanError, check_fits
+from loom.plan.profile import (
+    BatchProfile,
+    LayerProfile,
+    ModelProfile,
+    OutsideCalibration,
+    measure_codec,
+    profile_model,
+)
+from loom.plan.recommend import rank, to_json
+from loom.plan.transport import Transport, link_bound_seconds, parse_rate
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+TINY = str(Path(__file__).parent / "workers" / "plan_tiny.py")
+
+
+def _profile(layers: int = 4, fwd: float = 1.0, bwd: float = 2.0, params: int = 1000, sizes=(8, 16, 32, 64)):
+    """Equal layers of ``params`` float32 parameters each, times independent of the batch size."""
+
+    def at(size: int) -> BatchProfile:
+        row = [
+            LayerProfile(f"{i}", 4 * params, params, fwd, bwd, 100 * size, 10 * size) for i in range(layers)
+        ]
+        return BatchProfile(size, fwd * layers, bwd * layers, (fwd + bwd) * layers, tuple(row))
+
+    total = 4 * params * layers
+    return ModelProfile(total, total, 2 * total, params * layers, 0.0, True, "", 1, {s: at(s) for s in sizes})
+
+
+def _transport(seconds: float = 0.0, hosts: int = 1, rate: float | None = None, world: int = 2) -> Transport:
+    sizes = (8, 1 << 30)
+    ops = ["allreduce:native", "allreduce:ring", "all_gather", "reduce_scatter", "p2p"]
+    return Transport(world, sizes, {op: (seconds, seconds) for op in ops}, 0.0, hosts, rate)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 4), (4, 4), (4, 8)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_pipeline_bubble_of_equal_stages_is_gpipes(p, m, schedule):
+    profile = _profile(layers=8, fwd=1.0, bwd=2.0, sizes=(64 // m, 64))
+    config = Configuration(
+        "Pipeline", p, (("stages", p), ("microbatches", m), ("schedule", schedule)), dp=1, pp=p
+    )
+    got = predict(config, profile, _transport(), 64)
+    assert not got.refused
+    assert got.bubble == pytest.approx((p - 1) / (m + p - 1))
+    per_stage = (1.0 + 2.0) * 8 / p  # each micro-batch's forward and backward on one stage
+    assert got.step_time_s == pytest.approx((m + p - 1) * per_stage)
+
+
+def test_1f1b_holds_fewer_microbatches_of_activations_than_gpipe():
+    profile = _profile(layers=4, sizes=(8, 64))
+    kw = dict(dp=1, pp=2)
+    gpipe = predict(Configuration("Pipeline", 2, (("stages", 2), ("microbatches", 8), ("schedule", "gpipe")), **kw),
+                    profile, _transport(), 64)  # fmt: skip
+    one_f = predict(Configuration("Pipeline", 2, (("stages", 2), ("microbatches", 8), ("schedule", "1f1b")), **kw),
+                    profile, _transport(), 64)  # fmt: skip
+    stage_activations = 2 * 100 * 8  # two layers, 100 bytes per sample each, micro-batches of 8
+    assert gpipe.memory["activations"] == 8 * stage_activations
+    assert one_f.memory["activations"] == 2 * stage_activations
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_link_bound_all_reduce_takes_2_n_minus_1_over_n_bytes_over_the_rate(world):
+    rate = parse_rate("100mbit")
+    assert rate == 100e6 / 8
+    transport = _transport(seconds=1e-6, hosts=2, rate=rate, world=world)
+    gradient = 16 << 20
+    expected = 2 * (world - 1) / world * gradient / rate
+    assert transport.time("allreduce:native", gradient) == pytest.approx(expected)
+    assert link_bound_seconds("all_gather", gradient, world, rate) == pytest.approx(expected / 2)
+    profile = _profile(params=(gradient // 4) // 4, sizes=(64 // world, 64))
+    config = Configuration("DataParallel", world, (("allreduce", "native"),), dp=world, hosts=2)
+    got = predict(config, profile, transport, 64)
+    assert got.comm_s == pytest.approx(expected)  # the measured overlap is 0 here
+    assert got.step_time_s == pytest.approx(got.compute_s + expected + 1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_keep_their_share_of_parameters_gradients_and_optimizer_state(stage, world):
+    profile = _profile(sizes=(64 // world, 64))  # Adam in fp32: 4 + 4 + 8 bytes per parameter
+    got = predict(Configuration("ShardedDataParallel", world, (("stage", stage),), dp=world), profile,
+                  _transport(world=world), 64)  # fmt: skip
+    p = profile.param_bytes
+    # Between steps; loom's stage 1 frees the full gradient once its piece is averaged (sharded_flat).
+    share = {1: (1, 1 / world, 1 / world), 2: (1, 1 / world, 1 / world), 3: (1 / world,) * 3}[stage]
+    got_parts = [got.memory[k] for k in ("parameters", "gradients", "optimizer")]
+    assert got_parts == [int(p * share[0]), int(p * share[1]), int(2 * p * share[2])]
+    if stage > 1:  # loom's own statement of ZeRO's shares (its stage 1 counts the full gradient of backward)
+        assert sum(got_parts) / (4 * p) == pytest.approx(zero_share(stage, world))
+
+
+def test_a_message_above_the_largest_measured_size_is_refused_not_extrapolated():
+    transport = Transport(2, (8, 1024), {"allreduce:native": (1e-5, 2e-5)})
+    assert transport.time("allreduce:native", 512) == pytest.approx(1e-5 + 1e-5 * (512 - 8) / (1024 - 8))
+    with pytest.raises(OutsideCalibration, match="above the largest measured size 1024"):
+        transport.time("allreduce:native", 4096)
+    got = predict(Configuration("DataParallel", 2, (("allreduce", "native"),), dp=2), _profile(sizes=(32, 64)),
+                  transport, 64)  # fmt: skip
+    assert got.refused.startswith("outside the calibrated range")
+    unmeasured = predict(Configuration("DataParallel", 2, (("allreduce", "native"),), dp=2), _profile(sizes=(64,)),
+                         _transport(), 64)  # fmt: skip
+    assert "batch size 32 was not measured" in unmeasured.refused
+
+
+def test_every_configuration_is_ranked_with_a_reason_and_the_json_fields():
+    profile = _profile(sizes=(16, 32, 64))
+    configs = candidates(2, ("native", "ring"), 4, 64)
+    preds = [predict(c, profile, _transport(1e-3), 64) for c in configs]
+    ranked = rank(preds, memory_limit=None)
+    assert len(ranked) == len(configs) and all(r.reason for r in ranked)
+    assert ranked[0].reason.startswith("fastest predicted")
+    doc = to_json(ranked, {"script": "x.py"})
+    first = doc["configurations"][0]
+    for key in ("strategy", "launch", "step_time_s", "samples_per_s", "memory_bytes_per_process", "feasible"):
+        assert key in first
+    assert first["strategy"].startswith("loom.") and first["launch"].startswith("-n 2")
+    tp = next(row for row in doc["configurations"] if row["family"] == "TensorParallel")
+    assert tp["feasible"] is False and "not predicted" in tp["reason"]
+    ps = next(row for row in doc["configurations"] if row["family"] == "ParameterServer")
+    assert ps["launch"] in ("-n 2 --servers 1", "-n 2 --servers 2")
+
+
+def test_an_impossible_memory_limit_is_one_clear_error():
+    profile = _profile(sizes=(16, 32, 64))
+    preds = [predict(c, profile, _transport(), 64) for c in candidates(2, ("native",), 4, 64)]
+    ranked = rank(preds, memory_limit=1000)
+    assert not any(r.feasible for r in ranked)
+    assert next(r for r in ranked if r.prediction.config.family == "DataParallel").reason.startswith(
+        "does not fit"
+    )
+    with pytest.raises(PlanError, match=r"no configuration fits --memory-per-proc 1000 bytes.*HINT"):
+        check_fits(ranked, 1000)
+    check_fits(rank(preds, memory_limit=1 << 30), 1 << 30)  # fits: no error
+
+
+@pytest.mark.parametrize("text", ["10furlongs", "fast", "-1gbit", "0mbit", "gbit"])
+def test_an_unknown_link_rate_is_refused_naming_it(text, capsys):
+    with pytest.raises(ValueError, match=f"unknown link rate '{text}'.*HINT"):
+        parse_rate(text)
+    from loom.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--hosts", "2", f"--link={text}", TINY])
+    assert stop.value.code == 2
+    assert "unknown link rate" in capsys.readouterr().err
+
+
+def test_link_without_hosts_and_hosts_without_link_are_refused(capsys):
+    from loom.cli import main
+
+    assert main(["plan", "--link", "1gbit", TINY]) == 2
+    assert "--link is the rate between hosts" in capsys.readouterr().err
+    assert main(["plan", "--hosts", "2", TINY]) == 2
+    assert "--hosts H needs the rate" in capsys.readouterr().err
+
+
+def test_a_script_that_builds_no_model_is_one_clear_line(tmp_path, capsys):
+    with pytest.raises(ScriptCaptureError, match=r"built no model: it never called strategy.setup.*HINT"):
+        capture_script(TINY, ("--strategy", "none"))
+    from loom.cli import main
+
+    assert main(["plan", TINY, "--strategy", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "built no model" in err
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no data here')\n")
+    with pytest.raises(ScriptCaptureError, match="raised RuntimeError: no data here before job.loader"):
+        capture_script(broken)
+    with pytest.raises(ScriptCaptureError, match="no such file"):
+        capture_script(tmp_path / "missing.py")
+
+
+def test_the_capture_sees_through_any_strategy_and_restores_setup():
+    import loom
+
+    before = loom.Pipeline.setup
+    captured = capture_script(TINY, ("--strategy", "pipeline", "--batch", "48"))
+    assert captured.strategy == "Pipeline" and captured.global_batch_size == 48
+    assert len(captured.dataset) == 1024 and sum(p.numel() for p in captured.model.parameters()) > 0
+    assert loom.Pipeline.setup is before
+
+
+def test_the_profile_measures_each_layer_and_the_state_as_job_memory_counts_it():
+    from loom.observe.memory import state_bytes
+
+    captured = capture_script(TINY, ("--depth", "3"))
+    profile = profile_model(captured, [16, 64], repeats=2)
+    assert profile.chain and len(profile.at(64).layers) == 7  # 3 Linear + 3 ReLU + the head
+    assert profile.param_bytes == state_bytes(captured.model, captured.optimizer)["parameters"]
+    steps = 4 * len(list(captured.model.parameters()))  # Adam: two moments, and a float32 step per tensor
+    assert profile.optimizer_bytes == 2 * profile.param_bytes + steps
+    big, small = profile.at(64), profile.at(16)
+    assert big.activation_bytes > small.activation_bytes > 0
+    assert all(x.forward_s > 0 for x in big.layers) and sum(x.backward_s for x in big.layers) > 0
+    assert big.layers[0].output_bytes == 64 * 64 * 4  # Linear(32, 64) on 64 samples, float32
+    with pytest.raises(OutsideCalibration, match="batch size 32 was not measured"):
+        profile.at(32)
+
+
+def test_a_codec_is_measured_by_the_bytes_it_sends():
+    captured = capture_script(TINY, ())
+    grads = sum(p.numel() for p in captured.model.parameters())
+    half = measure_codec("fp16", captured.model, 2, repeats=1)
+    assert half.sum_bytes == 2 * grads and half.gather_bytes == 0 and half.seconds > 0
+
+
+def test_pipeline_simulate_takes_one_time_per_stage():
+    from loom.parallel.pipeline.pipeline_schedule import simulate
+
+    equal = simulate("gpipe", 2, 4, [1.0, 1.0], [2.0, 2.0])
+    assert equal.makespan == simulate("gpipe", 2, 4, 1.0, 2.0).makespan == (4 + 1) * 3.0
+    slow_last = simulate("gpipe", 2, 4, [1.0, 2.0], [2.0, 4.0])
+    assert slow_last.makespan == pytest.approx(1.0 + 4 * 6.0 + 2.0)  # fill, the slow stage's work, drain
+    with pytest.raises(ValueError, match="one per stage"):
+        simulate("gpipe", 2, 4, [1.0], 1.0)
+
+
+def test_parse_bytes_reads_memory_sizes():
+    from loom.plan.command import parse_bytes
+
+    assert parse_bytes("8GiB") == 8 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GB") == 2e9
+    with pytest.raises(argparse.ArgumentTypeError, match="HINT"):
+        parse_bytes("lots")
