@@ -15,21 +15,26 @@ The phases of a step, as strategies that time them define them (see `loom.observ
 
 The four add up to ``time_s`` by construction (they are consecutive laps of one clock). Experiment trackers
 (TensorBoard, MLflow) are explicit: ``loom.fit(..., trackers=[...])`` (`loom.observe.trackers`).
+
+Records survive a crash: each one is one JSON line handed to the kernel by a single unbuffered ``os.write`` on an
+``O_APPEND`` descriptor before `StepMetrics.record` returns, so a rank killed by SIGKILL (or the OOM killer) loses
+only the step it was in, and ``loom report`` of a healed run counts every step a lost rank finished. A file
+buffer would save the syscall (~2 µs) but hold up to a second of records that die with the process. Lines stay
+whole: one ``write`` of a few hundred bytes on an append descriptor is not interleaved or torn by a kill (a
+machine crash can still leave a torn last line, which `loom.observe.report.load_records` skips).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLUSH_INTERVAL_S", "StepRecord", "StepMetrics"]
-
-FLUSH_INTERVAL_S = 1.0
-"""Records reach the file at most this long after their step (and at `StepMetrics.close`, or exit)."""
+__all__ = ["StepRecord", "StepMetrics", "json_line"]
 
 
 @dataclass
@@ -79,50 +84,87 @@ class StepRecord:
     """Sampled steps: this process's RSS high-water mark during the step (`loom.observe.memory`)."""
 
 
+_FIELDS = frozenset(StepRecord.__dataclass_fields__)
+_HEAD = frozenset(("step", "rank", "time_s", "samples", "global_samples", "loss", "wall"))
+_HEAD_LINE = (
+    '{"step": %d, "rank": %d, "time_s": %s, "samples": %d, "global_samples": %d, "loss": %s, "wall": %s'
+)
+
+
+def _number(value: float) -> str:
+    # repr is JSON for a finite float; NaN and infinities take json's spelling (NaN, Infinity), as before
+    return repr(value) if type(value) is float and value - value == 0.0 else json.dumps(value)
+
+
+def json_line(
+    rank: int, step: int, time_s: float, samples: int, global_samples: int, loss: float, wall: float,
+    extra: dict[str, Any],
+) -> bytes:  # fmt: skip
+    """A record as one JSON line, the same as ``json.dumps`` of its non-None fields gives (what
+    `loom.observe.report.load_records` reads), in ~40 % of its time: plain floats and ints are written with
+    ``repr`` (their JSON form), anything else (a flag, the memory table, a non-finite float) by ``json.dumps``."""
+    parts = [
+        _HEAD_LINE % (step, rank, _number(time_s), samples, global_samples, _number(loss), _number(wall))
+    ]
+    for name, value in extra.items():
+        kind = type(value)
+        if kind is int or (kind is float and value - value == 0.0):
+            parts.append(f', "{name}": {value!r}')
+        elif value is not None:
+            parts.append(f', "{name}": {json.dumps(value)}')
+    parts.append("}\n")
+    return "".join(parts).encode()
+
+
 class StepMetrics:
-    """Collects a `StepRecord` per step; optionally appends each as a JSON line to a file."""
+    """Collects a `StepRecord` per step; optionally appends each as a JSON line to a file as it is recorded."""
 
     def __init__(self, rank: int, path: str | Path | None = None) -> None:
         self.rank = rank
         self._records: list[StepRecord] = []
         self._raw: list[tuple] = []
-        self._unwritten: list[StepRecord] = []
-        self._flushed = time.perf_counter()
         self.loss_scope = "global"
         """The job's `loom.job.Job.loss_scope`: a ``"replica"`` loss is labelled as this rank's own."""
         self.slowest: tuple[int, str, float] | None = None
         """Rank 0 of a job that times phases: (rank, phase, seconds over the median) of the slowest rank."""
         self.path = Path(path) if path is not None else None
         """The JSON-lines file the records go to, if any."""
-        self._file = None
+        self._fd: int | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a")  # noqa: SIM115 - kept open for the job's lifetime
-            atexit.register(self.close)  # scripts that never call close() still get every record
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            atexit.register(self.close)  # the descriptor is closed at exit; every record is already written
 
     def record(
         self, step: int, time_s: float, samples: int, global_samples: int, loss: float, **extra: Any
     ) -> None:
         """Add one step; ``extra`` fills the optional fields of `StepRecord` (phases, bytes, staleness...).
 
-        Cheap on purpose: the values are kept as they come, and turned into `StepRecord` objects and JSON lines
-        in batches (when `records` is read, and every `FLUSH_INTERVAL_S`). Between two
-        training steps, with the model's work having evicted Python's caches, building the record and its
-        JSON line took ~100 µs; in a tight loop over a second's worth of records it takes a fraction of that.
-        """
-        self._raw.append((step, time_s, samples, global_samples, loss, time.time(), extra))
-        if self._file is not None:
-            now = time.perf_counter()
-            if now - self._flushed >= FLUSH_INTERVAL_S:
-                self.flush()
-                self._flushed = now
+        The record is in the file when this returns (the module docstring: it survives a kill). Cheap on
+        purpose: one dict, the C JSON encoder and one ``write`` (~10 µs in a tight loop); the `StepRecord`
+        objects are built only when `records` is read."""
+        if not _FIELDS.issuperset(extra):
+            raise TypeError(
+                f"StepRecord has no field(s) {sorted(set(extra) - _FIELDS)}; its fields are the record's columns"
+            )
+        raw = (step, time_s, samples, global_samples, loss, time.time(), extra)
+        self._raw.append(raw)
+        if self._fd is not None:
+            self._write(raw)
+
+    def _write(self, raw: tuple) -> None:
+        assert self._fd is not None
+        data = json_line(self.rank, *raw)
+        written = os.write(self._fd, data)
+        if written < len(data):  # only on a full disk: the rest, or the error that says so
+            os.write(self._fd, data[written:])
 
     def annotate(self, step: int, **fields: Any) -> bool:
         """Add ``fields`` to the latest record if it is ``step``'s: measurements taken after the step's clock
-        stopped. A record already in the file is written again whole (readers keep the last line of a step, as
+        stopped. The record is written again whole (readers keep the last line of a step, as
         `loom.observe.report.load_records` does). False, and nothing done, when ``step`` was not the last
         recorded (a job built with ``observe=False`` records nothing)."""
-        unknown = set(fields) - set(StepRecord.__dataclass_fields__)
+        unknown = set(fields) - _FIELDS
         if unknown:
             raise TypeError(
                 f"StepRecord has no field(s) {sorted(unknown)}; its fields are the record's columns"
@@ -131,43 +173,41 @@ class StepMetrics:
             if self._raw[-1][0] != step:
                 return False
             self._raw[-1][6].update(fields)
+            if self._fd is not None:
+                self._write(self._raw[-1])
             return True
         if not self._records or self._records[-1].step != step:
             return False
         record = self._records[-1]
         for name, value in fields.items():
             setattr(record, name, value)
-        if self._file is not None and not any(r is record for r in self._unwritten):
-            self._unwritten.append(record)
+        if self._fd is not None:
+            wall, extra = record.wall, {k: v for k, v in vars(record).items() if k not in _HEAD}
+            raw = (
+                record.step,
+                record.time_s,
+                record.samples,
+                record.global_samples,
+                record.loss,
+                wall,
+                extra,
+            )
+            self._write(raw)
         return True
 
     @property
     def records(self) -> list[StepRecord]:
         """Every step recorded so far, oldest first."""
         if self._raw:
-            self._materialize()
+            raw, self._raw = self._raw, []
+            self._records.extend(
+                StepRecord(step, self.rank, time_s, samples, global_samples, loss, wall=wall, **extra)
+                for step, time_s, samples, global_samples, loss, wall, extra in raw
+            )
         return self._records
 
-    def _materialize(self) -> None:
-        raw, self._raw = self._raw, []
-        new = [
-            StepRecord(step, self.rank, time_s, samples, global_samples, loss, wall=wall, **extra)
-            for step, time_s, samples, global_samples, loss, wall, extra in raw
-        ]
-        self._records.extend(new)
-        if self._file is not None:
-            self._unwritten.extend(new)
-
     def flush(self) -> None:
-        """Write every record not yet in the file (done every `FLUSH_INTERVAL_S` and at `close`)."""
-        self._materialize()
-        if self._file is None or not self._unwritten:
-            return
-        # vars(), not dataclasses.asdict(): every field is a scalar, and asdict's deep copy is slow
-        lines = [json.dumps({k: v for k, v in vars(rec).items() if v is not None}) for rec in self._unwritten]
-        self._unwritten.clear()
-        self._file.write("\n".join(lines) + "\n")
-        self._file.flush()
+        """Nothing to do: every record is written as it is recorded (kept for callers that flush)."""
 
     def summary(self, skip_first: int = 1) -> dict[str, float]:
         """Throughput of the global batch as seen by this process, skipping warm-up steps; and the number of
@@ -198,7 +238,7 @@ class StepMetrics:
         return text
 
     def close(self) -> None:
-        self.flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the file (every record is in it already); records go on being kept in memory."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,46 @@
+"""Step records survive a kill: a rank SIGKILLed as it begins step K+1 has steps 1..K in its records file (the
+whole step it finished, not the last buffered second: `loom.observe.metrics`), and every line is whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import _kill_group
+
+WORKERS = Path(__file__).parent / "workers"
+SRC = Path(__file__).resolve().parents[1] / "src"
+FINISHED = 5  # steps the killed rank finishes; it is killed as it begins the next
+
+
+@pytest.mark.system
+@pytest.mark.timeout(150)
+def test_a_killed_rank_keeps_the_record_of_every_step_it_finished(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=f"{WORKERS}{os.pathsep}{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               LOOM_FAULTS=f"kill@1:{FINISHED + 1}:before", OMP_NUM_THREADS="1")  # fmt: skip
+    cmd = [sys.executable, "-m", "loom.cli", "run", "-n", "2", "--run-dir", str(run_dir),
+           str(WORKERS / "records_kill.py"), "50"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode != 0, "the job went on although rank 1 was killed"
+    lines = (run_dir / "metrics" / "rank1.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # every line whole
+    steps = sorted({r["step"] for r in records})
+    assert steps[:FINISHED] == list(range(1, FINISHED + 1)), (steps, stderr[-2000:])
+    assert max(steps) == FINISHED  # the step it was killed in was never recorded
+    finished = [r for r in records if r["step"] <= FINISHED]
+    assert all(r["rank"] == 1 and r["time_s"] > 0 and "comm_s" in r for r in finished)
+    # rank 0, stopped by the launcher while waiting for rank 1 in step FINISHED + 1, lost no finished step either
+    survivor = {
+        json.loads(line)["step"] for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()
+    }
+    assert set(range(1, FINISHED + 1)) <= survivor
