@@ -188,18 +188,19 @@ def _plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_allreduce_benchmark(out_dir: Path, quick: bool) -> int:
-    """Run the benchmark (7 repetitions; ``quick``: 4 sizes, 3) and write the report into ``out_dir``."""
+def run_allreduce_benchmark(out_dir: Path, quick: bool, world_sizes: tuple[int, ...] = WORLD_SIZES) -> int:
+    """Run the benchmark (7 repetitions; ``quick``: 4 sizes, 3) at each N of ``world_sizes`` and write the
+    report into ``out_dir``."""
     sizes, repetitions = (QUICK_SIZES, 3) if quick else (SIZES, 7)
     out_dir.mkdir(parents=True, exist_ok=True)
     started, load_before = time.time(), os.getloadavg()[0]
     print(
-        f"loom bench allreduce: copy ceiling, then N = {', '.join(map(str, WORLD_SIZES))} ({len(sizes)} sizes)"
+        f"loom bench allreduce: copy ceiling, then N = {', '.join(map(str, world_sizes))} ({len(sizes)} sizes)"
     )
     ceiling = {size: copy_ceiling(size, 2 * repetitions + 1) for size in sizes}
     results, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="loom-bench-allreduce-") as tmp:
-        for n in WORLD_SIZES:
+        for n in world_sizes:
             try:
                 raw[str(n)] = _run_job(n, sizes, repetitions, Path(tmp))
             except RuntimeError as error:
@@ -207,7 +208,9 @@ def run_allreduce_benchmark(out_dir: Path, quick: bool) -> int:
                 return 1
             results[str(n)] = _summarize(raw[str(n)], ceiling)
     report = {
-        "command": "loom bench allreduce" + (" --quick" if quick else ""),
+        "command": "loom bench allreduce"
+        + (f" -n {world_sizes[0]}" if len(world_sizes) == 1 else "")
+        + (" --quick" if quick else ""),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "load_before": load_before,
