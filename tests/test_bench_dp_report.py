@@ -49,3 +49,17 @@ def test_options_that_do_not_apply_are_refused(capsys):
     assert main(["bench", "dp", "-n", "1"]) == 2  # refused before any process starts
     with pytest.raises(SystemExit):
         main(["bench", "dp", "--model", "7m"])
+
+
+def test_matrix_table_has_a_row_per_cell_sorted_and_lists_skipped_cells():
+    from loom_bench.dp_matrix import matrix_markdown
+
+    cells = []
+    for model, n in (("25m", 2), ("1.9m", 4), ("1.9m", 2)):
+        samples = {"loom": [2.0, 2.0], "loom_unobserved": [2.0, 2.0], "ddp": [1.0, 1.0]}
+        cells.append(summarize(samples, n, 2, 3, model=model))
+    text = matrix_markdown(cells, ["100m at 2 workers: skipped, 10 s left of the budget (cap 40 s)"])
+    rows = [line for line in text.splitlines() if line.startswith("| 1.9m") or line.startswith("| 25m")]
+    assert [row.split(" | ")[:2] for row in rows] == [["| 1.9m", "2"], ["| 1.9m", "4"], ["| 25m", "2"]]
+    assert "**2.000**" in rows[0] and "| - |" in rows[0]  # no one-process baseline: no scaling
+    assert "- 100m at 2 workers: skipped" in text

@@ -170,7 +170,8 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     results = report["results"]
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), sharey=True)
+    fig, grid = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), sharey=True, squeeze=False)
+    axes = grid[0]  # one panel per N, a single N included
     for ax, (n, rows) in zip(axes, results.items(), strict=True):
         sizes = [r["bytes"] for r in rows]
         ax.plot(sizes, [r["copy_GBps"] for r in rows], "k--", label="memory copy, 1 core")
@@ -233,6 +234,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES)), help="e.g. 4,8,16")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
     ns = parser.parse_args()
-    sys.exit(run_allreduce_benchmark(ns.out, ns.quick))
+    sys.exit(run_allreduce_benchmark(ns.out, ns.quick, tuple(int(n) for n in ns.world_sizes.split(","))))

@@ -45,6 +45,27 @@ def command_line(nproc: int, model: str, repetitions: int, steps: int, one_proce
     return f"loom bench dp -n {nproc} --model {model} --repetitions {repetitions} --steps {steps}{extra}"
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loom_bench.data_parallel``: `loom bench dp` with the worker's further options (the many-core
+    matrix, ``benchmarks/device/dp_matrix.sh``, bounds each run's time with ``--max-seconds``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--nproc", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default="1.9m")
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--max-seconds", type=float, default=0.0, help="no repetition begins that would end later"
+    )
+    parser.add_argument("--no-one-process", action="store_true", help="skip the one-process baseline")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
+    ns = parser.parse_args(argv)
+    return run_benchmark(ns.repetitions, ns.steps, ns.out, ns.nproc, ns.model, not ns.no_one_process, ns.warmup,
+                         ns.max_seconds)  # fmt: skip
+
+
 def run_benchmark(
     repetitions: int,
     steps: int,
@@ -53,6 +74,7 @@ def run_benchmark(
     model: str = "1.9m",
     one_process: bool = True,
     warmup: int = 3,
+    max_seconds: float = 0.0,
 ) -> int:
     """Run the job, write the report; 0 on success (the launcher's exit status otherwise)."""
     if nproc < 2:
@@ -69,7 +91,8 @@ def run_benchmark(
     with tempfile.TemporaryDirectory(prefix="loom-bench-") as tmp:
         result = Path(tmp) / "samples.json"
         args = ["--model", model, "--repetitions", str(repetitions), "--steps", str(steps),
-                "--warmup", str(warmup), "--out", str(result), *([] if one_process else ["--no-one-process"])]  # fmt: skip
+                "--warmup", str(warmup), "--max-seconds", str(max_seconds), "--out", str(result),
+                *([] if one_process else ["--no-one-process"])]  # fmt: skip
         cmd = [sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(Path(tmp) / "run"),
                "-m", "loom_bench.dp_worker", *args]  # fmt: skip
         print(
@@ -79,7 +102,9 @@ def run_benchmark(
         if code != 0:
             return code
         samples = json.loads(result.read_text())
-    summary = summarize(samples, nproc, repetitions, steps, model=model, command=command)
+    done = len(samples["loom"])  # fewer than asked when --max-seconds stopped the run
+    summary = summarize(samples, nproc, done, steps, model=model, command=command)
+    summary["repetitions_asked"] = repetitions
     summary["load_before"], summary["load_after"] = load_before, _loadavg()
     stem = f"dp_vs_ddp_{model}_n{nproc}"
     (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2))
@@ -185,3 +210,7 @@ def markdown(r: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

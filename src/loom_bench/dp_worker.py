@@ -163,7 +163,11 @@ def main() -> None:
     parser = timing_arguments(argparse.ArgumentParser())
     parser.add_argument("--model", choices=sorted(MODELS), default="1.9m")
     parser.add_argument("--no-one-process", action="store_true", help="skip the one-process baseline")
+    parser.add_argument(
+        "--max-seconds", type=float, default=0.0, help="no repetition begins that would end later"
+    )
     args = parser.parse_args()
+    started = time.monotonic()  # --max-seconds counts the set-up too
     torch.set_num_threads(1)
     topo = loom.init()
     data = synthetic_data(args.global_batch, args.steps + args.warmup)
@@ -174,14 +178,33 @@ def main() -> None:
     for rep in range(args.repetitions):
         names = list(timers)
         first = rep % len(names)
+        rep_started = time.monotonic()
         for name in names[first:] + names[:first]:  # each runs first as often as the others
             results[name].append(timers[name]())
         if topo.is_main:
             print(f"repetition {rep + 1}/{args.repetitions}: "
                   + ", ".join(f"{k} {v[-1]:.0f}" for k, v in results.items()) + " samples/s", flush=True)  # fmt: skip
-    if topo.is_main:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"world_size": topo.world_size, "model": args.model, **results}))
+            _write(
+                args.out, topo, results
+            )  # after every repetition: a run stopped later keeps what it measured
+        if args.max_seconds and rep + 1 < args.repetitions and _out_of_time(topo, started, rep_started, args):
+            if topo.is_main:
+                print(f"stopping after {rep + 1} repetitions: another would pass --max-seconds", flush=True)
+            break
+
+
+def _out_of_time(topo, started: float, rep_started: float, args: argparse.Namespace) -> bool:
+    """Rank 0's verdict, the same on every rank: would one more repetition end after ``--max-seconds``?"""
+    now = time.monotonic()
+    late = torch.tensor([float(now + 1.2 * (now - rep_started) > started + args.max_seconds)])
+    if topo.is_distributed:
+        dist.broadcast(late, src=0)
+    return bool(late.item())
+
+
+def _write(out: Path, topo, results: dict[str, list[float]]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"world_size": topo.world_size, **results}))
 
 
 if __name__ == "__main__":
