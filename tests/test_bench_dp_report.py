@@ -63,3 +63,22 @@ def test_matrix_table_has_a_row_per_cell_sorted_and_lists_skipped_cells():
     assert [row.split(" | ")[:2] for row in rows] == [["| 1.9m", "2"], ["| 1.9m", "4"], ["| 25m", "2"]]
     assert "**2.000**" in rows[0] and "| - |" in rows[0]  # no one-process baseline: no scaling
     assert "- 100m at 2 workers: skipped" in text
+
+
+def test_phase_table_sets_loom_phases_beside_ddp_laps():
+    samples = {"loom": [2.0], "loom_unobserved": [2.0], "ddp": [1.0]}
+    samples["phases"] = {
+        "loom": {
+            "data_s": 0.001,
+            "compute_s": 0.010,
+            "comm_s": 0.002,
+            "optimizer_s": 0.003,
+            "record_s": 0.016,
+            "wall_s": 0.0161,
+            "outside_s": 0.0001,
+        },  # fmt: skip
+        "ddp": {"forward_s": 0.004, "backward_with_allreduce_s": 0.011, "optimizer_s": 0.003},
+    }
+    text = markdown(summarize(samples, 2, 1, 3))
+    assert "| forward + backward | 10.00 | 15.00 |" in text
+    assert "| exchange, blocked | 2.00 | (in backward) |" in text and "| step | 16.10 | 18.00 |" in text

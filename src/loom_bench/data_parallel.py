@@ -153,12 +153,38 @@ def summarize(
             "loom_unobserved_over_ddp": med["loom_unobserved"] / med["ddp"],
         },  # fmt: skip
     }
+    if samples.get("phases"):
+        summary["phases_s"] = samples["phases"]
     if "one_process" in runs:
         summary["scaling_efficiency_paired"] = {
             name: _paired(runs[name], [nproc * v for v in runs["one_process"]])
             for name in ("loom", "loom_unobserved", "ddp")
         }
     return summary
+
+
+def _phase_lines(phases: dict | None) -> list[str]:
+    """Where rank 0's step goes, loom against DDP: medians over every timed step, in ms."""
+    if not phases or "loom" not in phases or "ddp" not in phases:
+        return []
+    loom, ddp = ({k: 1e3 * v for k, v in phases[kind].items()} for kind in ("loom", "ddp"))
+    outside = loom["outside_s"]
+    ddp_total = sum(ddp.values())
+    return [
+        "Rank 0's step by phase (ms, median over every timed step; loom's from its step records, DDP's from laps "
+        "around its forward, backward and optimizer step: DDP's all-reduce overlaps backward and its un-overlapped "
+        "tail is in backward, loom's is in comm):",
+        "",
+        "| phase | loom (defaults) | raw DDP |",
+        "|---|---:|---:|",
+        f"| data (next batch, to the device) | {loom['data_s']:.2f} | (in forward) |",
+        f"| forward + backward | {loom['compute_s']:.2f} | {ddp['forward_s'] + ddp['backward_with_allreduce_s']:.2f} |",
+        f"| exchange, blocked | {loom['comm_s']:.2f} | (in backward) |",
+        f"| optimizer | {loom['optimizer_s']:.2f} | {ddp['optimizer_s']:.2f} |",
+        f"| outside the record (time between train_step returns - the record's time) | {outside:.2f} | |",
+        f"| step | {loom['wall_s']:.2f} | {ddp_total:.2f} |",
+        "",
+    ]
 
 
 def markdown(r: dict) -> str:
@@ -205,6 +231,7 @@ def markdown(r: dict) -> str:
         f"Observing (step records, phases, stragglers, memory samples) costs **{100 * cost:+.2f} %** of throughput "
         f"(paired median of 1 - loom / `observe=False`).",
         "",
+        *_phase_lines(r.get("phases_s")),
         "Per repetition (samples/s): "
         + "; ".join(f"{k}: {', '.join(f'{v:.0f}' for v in vals)}" for k, vals in r["samples_per_s"].items()),
         "",

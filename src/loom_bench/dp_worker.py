@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,17 +78,27 @@ def time_raw_ddp(topo, data: TensorDataset, global_batch: int, warmup: int) -> f
 
 
 def raw_step(
-    wrapped: nn.Module, optimizer, data: TensorDataset, global_batch: int, topo
+    wrapped: nn.Module, optimizer, data: TensorDataset, global_batch: int, topo, laps: list | None = None
 ) -> Callable[[int], None]:
-    """One step of the plain training loop on global batch ``i``: this rank's share (``topo`` None: all of it)."""
+    """One step of the plain training loop on global batch ``i``: this rank's share (``topo`` None: all of it).
+    ``laps``: each step appends its (forward, backward, optimizer) seconds; DDP's gradient all-reduce runs
+    inside backward, and its un-overlapped tail is part of the backward lap (timing it apart needs a hook,
+    which would change DDP's path)."""
     x, y = data.tensors
     lo, hi = share_bounds(global_batch, topo.rank, topo.world_size) if topo is not None else (0, global_batch)
+    clock = time.perf_counter
 
     def step(i: int) -> None:
         base = i * global_batch
+        started = clock()
         optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(wrapped(x[base + lo : base + hi]), y[base + lo : base + hi]).backward()
+        loss = nn.functional.cross_entropy(wrapped(x[base + lo : base + hi]), y[base + lo : base + hi])
+        forward = clock()
+        loss.backward()
+        backward = clock()
         optimizer.step()
+        if laps is not None:
+            laps.append((forward - started, backward - forward, clock() - backward))
 
     return step
 
@@ -97,6 +108,12 @@ def _timed(step: Callable[[int], None], first: int, end: int, global_batch: int)
     for i in range(first, end):
         step(i)
     return (end - first) * global_batch / (time.perf_counter() - started)
+
+
+PHASES: dict[str, list] = {"loom": [], "ddp": []}
+"""Rank 0's phase times per timed step: loom's from its step records (`loom.observe.metrics`: data, compute,
+comm, optimizer, the record's step time, the wall time between two ``train_step`` returns seen from outside, and
+their difference), DDP's laps."""
 
 
 def runners(
@@ -113,12 +130,13 @@ def runners(
             batches = list(loom.data.loader(data, global_batch, shuffle=False))
             for batch in batches[:warmup]:
                 job.train_step(batch)
-            timed[name] = _job_timer(job, batches[warmup:], global_batch)
+            timed[name] = _job_timer(job, batches[warmup:], global_batch, PHASES["loom"] if observe else None)
         model = bench_model(size)
         ddp_step = raw_step(DistributedDataParallel(model), torch.optim.SGD(model.parameters(), lr=0.01), data,
-                            global_batch, topo)  # fmt: skip
+                            global_batch, topo, PHASES["ddp"])  # fmt: skip
         for i in range(warmup):
             ddp_step(i)
+        PHASES["ddp"].clear()
         timed["ddp"] = lambda: _timed(ddp_step, warmup, steps, global_batch)
     plain = bench_model(size)
     one_step = raw_step(plain, torch.optim.SGD(plain.parameters(), lr=0.01), data, global_batch, None)
@@ -131,14 +149,39 @@ def runners(
     return timed
 
 
-def _job_timer(job, batches: list, global_batch: int) -> Callable[[], float]:
+def _job_timer(job, batches: list, global_batch: int, phases: list | None) -> Callable[[], float]:
     def run() -> float:
+        walls = []
         started = time.perf_counter()
         for batch in batches:
             job.train_step(batch)
-        return len(batches) * global_batch / (time.perf_counter() - started)
+            walls.append(time.perf_counter())
+        elapsed = time.perf_counter() - started
+        if phases is not None:  # after the clock stopped: reading the records is not in the throughput
+            records = job.metrics.records[-len(batches) :]
+            steps = [b - a for a, b in zip([started, *walls], walls, strict=False)]
+            for record, wall in zip(records, steps, strict=True):
+                phases.append((record.data_s, record.compute_s, record.comm_s, record.optimizer_s, record.time_s,
+                               wall, wall - record.time_s))  # fmt: skip
+        return len(batches) * global_batch / elapsed
 
     return run
+
+
+def phase_medians() -> dict[str, dict[str, float]]:
+    """The median of each phase over every timed step, in seconds (rank 0's view)."""
+    names = {
+        "loom": ("data_s", "compute_s", "comm_s", "optimizer_s", "record_s", "wall_s", "outside_s"),
+        "ddp": ("forward_s", "backward_with_allreduce_s", "optimizer_s"),
+    }
+    return {
+        kind: {
+            name: statistics.median(column)
+            for name, column in zip(names[kind], zip(*rows, strict=True), strict=True)
+        }
+        for kind, rows in PHASES.items()
+        if rows
+    }
 
 
 def _alone_on_rank0(topo, timer: Callable[[], float]) -> float:
@@ -204,7 +247,7 @@ def _out_of_time(topo, started: float, rep_started: float, args: argparse.Namesp
 
 def _write(out: Path, topo, results: dict[str, list[float]]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"world_size": topo.world_size, **results}))
+    out.write_text(json.dumps({"world_size": topo.world_size, **results, "phases": phase_medians()}))
 
 
 if __name__ == "__main__":
