@@ -44,3 +44,38 @@ def test_a_killed_rank_keeps_the_record_of_every_step_it_finished(tmp_path):
         json.loads(line)["step"] for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()
     }
     assert set(range(1, FINISHED + 1)) <= survivor
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_record_line_is_the_json_of_its_fields():
+    import math
+
+    from loom.observe.metrics import json_line
+
+    head = (3, 1, 0.012345678901, 32, 64, 0.6931471805599453, 1795811740.0050141)
+    cases = [
+        {"data_s": 1.1294e-05, "compute_s": 0.001107608123, "bytes_sent": 123456789, "bytes_received": 0},
+        {"comm_s": 0.25, "skipped": True},  # a flag: not a number
+        {"memory": {"parameters": 4, "state": 4}, "rss_bytes": 5},
+        {"spread": float("inf"), "data_s": None},
+        {},
+    ]
+    for extra in cases:
+        for loss in (head[5], float("nan")):
+            fields = (*head[:5], loss, head[6])
+            line = json_line(fields[1], fields[0], *fields[2:], extra)
+            assert line.endswith(b"\n") and line.count(b"\n") == 1
+            got = json.loads(line)
+            want = {"step": 3, "rank": 1, "time_s": fields[2], "samples": 32, "global_samples": 64, "loss": loss,
+                    "wall": fields[6], **{k: v for k, v in extra.items() if v is not None}}  # fmt: skip
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                if isinstance(value, float) and math.isfinite(value):
+                    # measured floats to 7 significant digits, the wall clock to the microsecond, the loss exact
+                    tolerance = 0 if key == "loss" else 1e-6 if key == "wall" else 5e-7 * abs(value)
+                    assert abs(got[key] - value) <= tolerance, (key, got[key], value)
+                elif isinstance(value, float):
+                    assert math.isnan(got[key]) if math.isnan(value) else got[key] == value
+                else:
+                    assert got[key] == value and type(got[key]) is type(value)

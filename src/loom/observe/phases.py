@@ -278,8 +278,8 @@ class StepObserver:
         self._previous = self._laps
         at = _rows_at(self.world_size)
         if self.stragglers is not None and reduced.numel() > at and step > 2:  # step 1 is warm-up
-            # a numpy view (the CPU buffer's own memory): slicing the tensor, or a list of rows, costs more
-            flat = reduced.numpy() if reduced.device.type == "cpu" else reduced.cpu().numpy()
+            # the buffer's numpy view, kept since `loss_buffer` made it: .numpy() or .tolist() cost more each step
+            flat = self._buffer_view if reduced is self._buffer else reduced.cpu().numpy()
             rows = flat[at : at + 4 * self.world_size].reshape(self.world_size, 4)
             for warning in self.stragglers.observe(step - 1, rows):
                 self._report(warning)
