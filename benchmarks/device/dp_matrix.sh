@@ -56,13 +56,15 @@ dp_cell() {  # dp_cell MODEL WIDTH REPS STEPS WARMUP CAP_S [--no-one-process]
     local model=$1 n=$2 reps=$3 steps=$4 warmup=$5 cap=$6 extra=${7:-}
     local budget_left; budget_left=$(left)
     local share=$((cap < budget_left - 15 ? cap : budget_left - 15))
-    if [ "$share" -lt $((cap / 2)) ] || [ "$share" -lt 15 ]; then
+    if [ "$share" -lt $((cap / 2)) ] || [ "$share" -lt 25 ]; then
         echo "$model at $n workers: skipped, ${budget_left} s left of the budget (cap ${cap} s)" | tee -a "$WORK/skipped.txt"
         return
     fi
+    # the workers' own bound leaves ~15 s of the share to starting the job and ending it
     echo "== dp $model n=$n: reps $reps x $steps steps, max ${share} s; load $(cut -d' ' -f1-3 /proc/loadavg)"
     timeout -k 10 $((share + 30)) "$PY" -m loom_bench.data_parallel -n "$n" --model "$model" --repetitions "$reps" \
-        --steps "$steps" --warmup "$warmup" --max-seconds "$share" $extra --out "$WORK/reports" >"$WORK/cell.log" 2>&1
+        --steps "$steps" --warmup "$warmup" --max-seconds $((share - 15)) $extra --out "$WORK/reports" \
+        >"$WORK/cell.log" 2>&1
     local code=$?
     grep -v '^\[rank[1-9]' "$WORK/cell.log" | tail -n 20
     if [ $code -ne 0 ]; then
@@ -107,10 +109,14 @@ if [ -n "${DP_MATRIX_DRY:-}" ]; then
     dp_cell 1.9m 2 1 3 1 120
     allreduce_cell 2 120
 else
-    for n in 2 4 8 16; do dp_cell 1.9m "$n" 7 30 3 30; done
-    for n in 2 4 8 16; do dp_cell 25m "$n" 5 6 2 35; done
-    for n in 4 8 16; do allreduce_cell "$n" 35; done
-    for n in 16 8 4 2; do dp_cell 100m "$n" 5 3 1 40 --no-one-process; done
+    # caps (s) sized from 2-core step times scaled to a quiet 16-core host, for >= 5 repetitions each; a
+    # cell's report says how many it got. Re-size them from this run's log before the next.
+    for n in 2 4 8 16; do dp_cell 1.9m "$n" 7 20 3 25; done
+    dp_cell 25m 2 5 3 1 45
+    dp_cell 25m 4 5 3 1 40
+    for n in 8 16; do dp_cell 25m "$n" 5 4 1 35; done
+    for n in 4 8 16; do allreduce_cell "$n" 30; done
+    for n in 16 8 4 2; do dp_cell 100m "$n" 5 2 1 45 --no-one-process; done
 fi
 
 # -- what comes back ------------------------------------------------------------------------------------------------
