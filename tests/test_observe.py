@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_workers
 
+from loom.observe.report import load_records
 from loom.observe.stragglers import StragglerConfig, StragglerDetector
 from loom.observe.trace import merge_traces, parse_steps
 
@@ -92,11 +93,12 @@ def test_every_step_of_every_rank_is_recorded_with_phases_summing_to_the_step(ob
     out, _ = observed_run
     # "run" is traced (DDP runs a timed Python hook), "data" and "compute" are not (DDP's built-in all-reduce)
     for run, rank in [(run, rank) for run in ("run", "data", "compute") for rank in (0, 1)]:
-        records = [
-            json.loads(line)
-            for line in (out / run / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
-        ]
+        lines = (out / run / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
+        # every record is written as its step ends; a memory-sampled step's (1 and 2) again with its memory
+        assert [json.loads(line)["step"] for line in lines] == [1, 1, 2, 2, *range(3, STEPS + 1)]
+        records = load_records(out / run)[rank]
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert all("memory" in r for r in records[:2])
         for r in records:
             phases = r["data_s"] + r["compute_s"] + r["comm_s"] + r["optimizer_s"]
             assert phases == pytest.approx(r["time_s"], rel=0.05), r

@@ -277,10 +277,25 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 def _cmd_bench(ns: argparse.Namespace) -> int:
     if ns.which == "dp":
         return _benchmark("data_parallel").run_benchmark(
-            repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out
+            repetitions=ns.repetitions,
+            steps=ns.steps,
+            out_dir=ns.out,
+            nproc=ns.nproc or 2,
+            model=ns.model or "1.9m",
         )
     if ns.which == "allreduce":
-        return _benchmark("allreduce").run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick)
+        if ns.model is not None:
+            print(
+                "loom bench allreduce: --model applies to `loom bench dp` only. HINT: leave it out",
+                file=sys.stderr,
+            )
+            return 2
+        sizes = {"world_sizes": (ns.nproc,)} if ns.nproc is not None else {}
+        return _benchmark("allreduce").run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick, **sizes)
+    if ns.nproc is not None or ns.model is not None:
+        print(f"loom bench {ns.which}: -n/--nproc and --model apply to `loom bench dp` (and -n to allreduce) only. "
+              "HINT: leave them out", file=sys.stderr)  # fmt: skip
+        return 2
     if ns.which == "links":
         return _benchmark("links").run_links_benchmark(out_dir=ns.out, reps=ns.repetitions, quick=ns.quick)
     if ns.which == "sharded":
@@ -358,6 +373,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="dp: DataParallel vs raw DDP; allreduce: algorithms vs native; checkpoint: save overhead; "
         "links: all-reduce and compressed DataParallel between network-namespace hosts on tc-limited links "
         "(needs root); sharded: ZeRO memory per rank and throughput vs raw FSDP2 and DataParallel",
+    )
+    bench.add_argument(
+        "-n",
+        "--nproc",
+        type=_positive_int,
+        default=None,
+        help="dp: worker processes (default 2); allreduce: this N only (default 2 and 4)",
+    )
+    bench.add_argument(
+        "--model",
+        choices=["1.9m", "25m", "100m"],
+        default=None,
+        help="dp: the MLP's size in parameters (default 1.9m)",
     )
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (allreduce, links)")
     bench.add_argument("--repetitions", type=_positive_int, default=5, help="repetitions (median reported)")

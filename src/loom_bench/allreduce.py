@@ -170,7 +170,8 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     results = report["results"]
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), sharey=True)
+    fig, grid = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), sharey=True, squeeze=False)
+    axes = grid[0]  # one panel per N, a single N included
     for ax, (n, rows) in zip(axes, results.items(), strict=True):
         sizes = [r["bytes"] for r in rows]
         ax.plot(sizes, [r["copy_GBps"] for r in rows], "k--", label="memory copy, 1 core")
@@ -188,18 +189,19 @@ def _plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_allreduce_benchmark(out_dir: Path, quick: bool) -> int:
-    """Run the benchmark (7 repetitions; ``quick``: 4 sizes, 3) and write the report into ``out_dir``."""
+def run_allreduce_benchmark(out_dir: Path, quick: bool, world_sizes: tuple[int, ...] = WORLD_SIZES) -> int:
+    """Run the benchmark (7 repetitions; ``quick``: 4 sizes, 3) at each N of ``world_sizes`` and write the
+    report into ``out_dir``."""
     sizes, repetitions = (QUICK_SIZES, 3) if quick else (SIZES, 7)
     out_dir.mkdir(parents=True, exist_ok=True)
     started, load_before = time.time(), os.getloadavg()[0]
     print(
-        f"loom bench allreduce: copy ceiling, then N = {', '.join(map(str, WORLD_SIZES))} ({len(sizes)} sizes)"
+        f"loom bench allreduce: copy ceiling, then N = {', '.join(map(str, world_sizes))} ({len(sizes)} sizes)"
     )
     ceiling = {size: copy_ceiling(size, 2 * repetitions + 1) for size in sizes}
     results, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="loom-bench-allreduce-") as tmp:
-        for n in WORLD_SIZES:
+        for n in world_sizes:
             try:
                 raw[str(n)] = _run_job(n, sizes, repetitions, Path(tmp))
             except RuntimeError as error:
@@ -207,7 +209,9 @@ def run_allreduce_benchmark(out_dir: Path, quick: bool) -> int:
                 return 1
             results[str(n)] = _summarize(raw[str(n)], ceiling)
     report = {
-        "command": "loom bench allreduce" + (" --quick" if quick else ""),
+        "command": "loom bench allreduce"
+        + (f" -n {world_sizes[0]}" if len(world_sizes) == 1 else "")
+        + (" --quick" if quick else ""),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "load_before": load_before,
@@ -230,6 +234,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES)), help="e.g. 4,8,16")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
     ns = parser.parse_args()
-    sys.exit(run_allreduce_benchmark(ns.out, ns.quick))
+    sys.exit(run_allreduce_benchmark(ns.out, ns.quick, tuple(int(n) for n in ns.world_sizes.split(","))))

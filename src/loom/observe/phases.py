@@ -278,8 +278,9 @@ class StepObserver:
         self._previous = self._laps
         at = _rows_at(self.world_size)
         if self.stragglers is not None and reduced.numel() > at and step > 2:  # step 1 is warm-up
-            flat = reduced.tolist()  # one conversion; slicing the tensor first costs more than the list
-            rows = [flat[at + 4 * r : at + 4 + 4 * r] for r in range(self.world_size)]
+            # the buffer's numpy view, kept since `loss_buffer` made it: .numpy() or .tolist() cost more each step
+            flat = self._buffer_view if reduced is self._buffer else reduced.cpu().numpy()
+            rows = flat[at : at + 4 * self.world_size].reshape(self.world_size, 4)
             for warning in self.stragglers.observe(step - 1, rows):
                 self._report(warning)
             self.metrics.slowest = self.stragglers.slowest

@@ -42,13 +42,17 @@ __all__ = ["load_records", "run_report", "summarize"]
 
 def load_records(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """``{rank: [record, ...]}`` from ``RUN_DIR/metrics/rank*.jsonl``, sorted by step (last write of a step wins:
-    a resumed job re-runs steps after its checkpoint)."""
+    a resumed job re-runs steps after its checkpoint, a sampled step's memory rewrites its record); lines that
+    are not whole records are skipped."""
     runs: dict[int, list[dict[str, Any]]] = {}
     for path in Path(run_dir).glob("metrics/rank*.jsonl"):
         by_step: dict[int, dict[str, Any]] = {}
         for line in path.read_text().splitlines():
-            if line.strip():
+            try:
                 record = json.loads(line)
+            except ValueError:  # a line torn by a machine crash (a killed process leaves none), or blank
+                continue
+            if isinstance(record, dict) and "step" in record:
                 by_step[record["step"]] = record
         if by_step:
             runs[int(path.stem.removeprefix("rank"))] = [by_step[s] for s in sorted(by_step)]
