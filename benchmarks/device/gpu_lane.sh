@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # The GPU lane, in one call on a lent GPU machine (issue 35): torch 2.11+cu130 on Python 3.12 there, no pyzmq,
-# nothing to download. From the repository root here, once per session (the wheel is not committed):
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pyzmq==27.3.0
-# then the device tool's run: command "bash benchmarks/device/gpu_lane.sh", carry [".whl"], timeout_s 560.
+# nothing to download. Here, once per session: `bash benchmarks/device/fetch_wheels.sh` (pyzmq for Python 3.12
+# into .whl/, ignored; keep one pyzmq wheel there), then the device tool's run: command
+# "bash benchmarks/device/gpu_lane.sh", carry [".whl"], timeout_s 560.
 # Writes under $OUT: env.txt (device, torch, CUDA, NCCL, cores), gpu_lane.txt (pytest -m gpu, every test's
 # result), gpu_step.md/.json (loom's one-process step vs the plain loop), unit_lane.txt (the unit lane on this
 # torch, GPU hidden: the CPU suite on torch 2.11). Each part has its own time bound, so one hang cannot take the
