@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from loom.settings import setting
 
 __all__ = ["main"]
 
@@ -116,7 +117,7 @@ def _add_run_parser(sub) -> None:
     )
     p.add_argument(
         "--cluster",
-        default=os.environ.get("LOOM_CLUSTER") or None,
+        default=setting("LOOM_CLUSTER") or None,
         metavar="SPEC",
         help="a JSON cluster spec (hosts, roles, nproc, server ports; default $LOOM_CLUSTER, a path or the JSON): "
         "every host runs the same command; replaces -n, --nnodes, --node-rank, --master, --local-addr, --servers",

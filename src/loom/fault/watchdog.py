@@ -64,6 +64,7 @@ from loom.errors import HangError, PeerLostError
 from loom.fault.hang_report import all_inside_s, doing, hang_report, print_stacks, stacks_asked, stop_process
 from loom.fault.liveness import Heartbeat, liveness_timeout_s, seconds_setting
 from loom.fault.side_channel import host_description, open_side_channel
+from loom.settings import SETTINGS
 from loom.topology import Topology
 
 __all__ = [
@@ -80,12 +81,12 @@ __all__ = [
     "work_timeout_s",
 ]
 
-DEFAULT_TIMEOUT_S = 180.0
+DEFAULT_TIMEOUT_S: float = SETTINGS["LOOM_HANG_TIMEOUT_S"].default
 """How long every rank may sit inside collectives without one completing. No rank is doing its own work then,
 so nothing can still arrive: minutes are a hang on any network (and below the process group's timeout, so loom's
 report comes before gloo's bare error). A host that stops answering is another matter: the liveness timeout
 (`loom.fault.liveness`)."""
-DEFAULT_WORK_TIMEOUT_S = 1800.0
+DEFAULT_WORK_TIMEOUT_S: float = SETTINGS["LOOM_WORK_TIMEOUT_S"].default
 """How long ranks wait in a collective for a rank that is alive and doing its own work outside collectives
 (rank-0-only evaluation, checkpoint writing): PyTorch's default process-group timeout for gloo (30 minutes)."""
 STORE_BACKOFF_S = 5.0

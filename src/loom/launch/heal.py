@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.fault.quorum import LEFT_OUT_STATUS
+from loom.settings import setting
 
 __all__ = ["HealPolicy", "HealQuorum", "JobStops", "exit_kind", "seconds_setting"]
 
@@ -63,11 +64,9 @@ class HealPolicy:
             raise ValueError(f"--max-heals must be >= 0 and --min-workers >= 1, got {self}")
 
 
-def seconds_setting(name: str, default: float) -> float:
-    value = float(os.environ.get(name, "") or default)
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {value}")
-    return value
+def seconds_setting(name: str) -> float:
+    """A timeout of the launcher's, as `loom.settings` declares and checks it."""
+    return float(setting(name))
 
 
 def exit_kind(status: int) -> str:
@@ -109,8 +108,8 @@ class HealQuorum:
 
     def __post_init__(self) -> None:
         self.generation = {r: 0 for r in range(self.nproc)}
-        self.heartbeat_timeout_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
-        self.checkin_timeout_s = seconds_setting("LOOM_HEAL_CHECKIN_TIMEOUT_S", 10.0)
+        self.heartbeat_timeout_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
+        self.checkin_timeout_s = seconds_setting("LOOM_HEAL_CHECKIN_TIMEOUT_S")
 
     @property
     def ending(self) -> bool:

@@ -89,8 +89,10 @@ class Worker:
 
 
 def _pump(stream: IO[str], prefix: str, out: IO[str], log_path: Path) -> None:
-    """Copy a worker's stream to ours, each line prefixed with its rank, and to its log file."""
-    with open(log_path, "w") as log:
+    """Copy a worker's stream to ours, each line prefixed with its rank, and to its log file; close the stream at
+    its end (the launcher keeps each ended worker's record, and an open pipe per stream leaked 2 descriptors per
+    heal)."""
+    with stream, open(log_path, "w") as log:
         for line in iter(stream.readline, ""):
             out.write(prefix + line)
             out.flush()
