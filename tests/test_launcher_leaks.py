@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from loom.launch.supervise import start_worker, worker_env
-from loom.launch.zygote import Zygote
+from loom.launch.zygote import Forked, Zygote
 
 
 def _counts() -> tuple[int, int, int]:
@@ -55,7 +55,7 @@ def test_a_hundred_replacements_leave_descriptors_threads_and_memory_flat(tmp_pa
         after = _counts()
     finally:
         zygote.close()
-    assert all(not w.proc.__class__.__name__ == "Popen" for w in kept), "the zygote did not fork them"
+    assert all(isinstance(w.proc, Forked) for w in kept), "the zygote did not fork them"
     assert after[0] <= before[0], f"descriptors {before[0]} -> {after[0]} over 100 replacements"
     assert after[1] <= before[1], f"threads {before[1]} -> {after[1]} over 100 replacements"
     assert after[2] - before[2] < 16 * 1024, f"resident memory {before[2]} -> {after[2]} KiB over 100"

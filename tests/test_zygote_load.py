@@ -97,7 +97,9 @@ def test_a_zygote_not_ready_in_time_is_stopped_before_it_forks_anything(tmp_path
     zygote, base = _zygote(tmp_path, LOOM_TEST_ZYGOTE_DELAY_S="30")
     try:
         assert zygote.fork(dict(base, WHO="a")) is None  # the launcher starts a fresh interpreter instead
-        assert zygote.proc.wait(timeout=30) == -9, "the zygote was left running: it could serve the request later"
+        assert zygote.proc.wait(timeout=30) == -9, (
+            "the zygote was left running: it could serve the request later"
+        )
         assert zygote.fork(dict(base, WHO="b")) is None
     finally:
         zygote.close()
@@ -133,7 +135,9 @@ def test_loom_run_starts_each_rank_once_however_slow_the_zygote(tmp_path, burner
     env = {"LOOM_TEST_ZYGOTE_DELAY_S": "12", "LOOM_ZYGOTE_READY_S": ready_s}
     result = run_loom(["run", "-n", str(nproc), *extra, script], tmp_path, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = Counter(line.split("RANK ")[1].split()[0] for line in result.stdout.splitlines() if "RANK " in line)
+    ranks = Counter(
+        line.split("RANK ")[1].split()[0] for line in result.stdout.splitlines() if "RANK " in line
+    )
     assert ranks == Counter({str(r): 1 for r in range(nproc)}), result.stdout
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     said = "waiting for the zygote" if ready_s == "120" else "was not ready after 4 s"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loom.settings import setting
+from loom.settings import check_environment, setting
 
 __all__ = ["main"]
 
@@ -152,6 +152,14 @@ def _add_run_parser(sub) -> None:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from loom.launch.agent import LaunchSpec, launch
 
+    errors, warnings = (
+        check_environment()
+    )  # every LOOM_* setting, as the workers will read it (loom.settings)
+    for line in warnings:
+        print(f"loom run: warning: {line}", file=sys.stderr)
+    if errors:
+        print("\n".join(f"loom run: {line}" for line in errors), file=sys.stderr)
+        return 2
     if ns.max_server_restarts is not None and (
         ns.backend == "ray" or ns.cluster or ns.host_index is not None
     ):
