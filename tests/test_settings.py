@@ -24,6 +24,17 @@ def test_every_loom_name_in_the_sources_is_declared():
 
 
 @pytest.mark.unit
+def test_the_settings_page_lists_every_setting_with_its_default():
+    page = (SRC.parent / "docs" / "settings.md").read_text()
+    for declared in SETTINGS.values():
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{declared.name}` |")), None)
+        assert row is not None, f"docs/settings.md does not list {declared.name}"
+        if not declared.internal and isinstance(declared.default, (int, float)):
+            shown = str(int(declared.default)) if isinstance(declared.default, bool) else f"{declared.default:g}"
+            assert f"| {shown} |" in row, f"docs/settings.md gives {declared.name} another default: {row}"
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name, value, expected",
     [
