@@ -30,7 +30,9 @@ def test_the_settings_page_lists_every_setting_with_its_default():
         row = next((line for line in page.splitlines() if line.startswith(f"| `{declared.name}` |")), None)
         assert row is not None, f"docs/settings.md does not list {declared.name}"
         if not declared.internal and isinstance(declared.default, (int, float)):
-            shown = str(int(declared.default)) if isinstance(declared.default, bool) else f"{declared.default:g}"
+            shown = (
+                str(int(declared.default)) if isinstance(declared.default, bool) else f"{declared.default:g}"
+            )
             assert f"| {shown} |" in row, f"docs/settings.md gives {declared.name} another default: {row}"
 
 
@@ -56,7 +58,9 @@ def test_a_bad_value_is_one_line_naming_the_variable_the_value_and_the_fix(name,
     with pytest.raises(SettingError) as caught:
         setting(name, {name: value})
     text = str(caught.value)
-    assert "\n" not in text and text.startswith(f"{name}={value!r}: ") and expected in text and "HINT: " in text
+    assert (
+        "\n" not in text and text.startswith(f"{name}={value!r}: ") and expected in text and "HINT: " in text
+    )
     errors, _ = check_environment({name: value, "PATH": "/bin"})
     assert errors == [text]
 
@@ -112,5 +116,7 @@ def test_loom_run_refuses_a_bad_setting_before_anything_starts(tmp_path, name, v
                       tmp_path, timeout=100, env={name: value})  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"loom run: {name}={value!r}: ") and "HINT" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith(f"loom run: {name}={value!r}: ") and "HINT" in lines[0], (
+        lines
+    )
     assert not (tmp_path / "started").exists() and not (tmp_path / "run").exists()

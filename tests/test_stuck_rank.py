@@ -16,7 +16,6 @@ from conftest import WORKERS
 from test_ps_launch import session_members
 
 
-
 @pytest.mark.system
 @pytest.mark.timeout(150)
 def test_a_rank_stuck_in_its_own_code_shows_its_stack_then_the_work_timeout_stops_the_job(tmp_path):

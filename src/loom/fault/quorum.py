@@ -30,8 +30,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import gc
 import os
+import signal
 import threading
 import time
 import weakref
@@ -43,9 +45,12 @@ import torch.distributed as dist
 from loom.settings import setting
 
 __all__ = [
-    "HEARTBEAT_S", "LEFT_OUT_STATUS", "JobEnded", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group",
+    "HEARTBEAT_S", "LEFT_OUT_STATUS", "STACK_SIGNAL", "JobEnded", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group",
 ]  # fmt: skip
 
+STACK_SIGNAL = signal.SIGUSR1
+"""A healing worker prints every thread's Python stack on this signal (`faulthandler`, which works while the main
+thread is stuck, in C code too)."""
 HEARTBEAT_S = 0.5
 """Seconds between a worker's heartbeats (the launcher's timeout is ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``)."""
 
@@ -108,6 +113,10 @@ class Quorum:
 
     @classmethod
     def from_env(cls, store: Any) -> Quorum:
+        """This worker's membership under ``loom run --on-worker-failure heal``; from here on `STACK_SIGNAL`
+        prints every thread's stack (the launcher sends it before it kills a member that did not check in)."""
+        faulthandler.register(STACK_SIGNAL, all_threads=True)
+        atexit.register(faulthandler.unregister, STACK_SIGNAL)
         return cls(store, int(os.environ["RANK"]), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0))
 
     # -- membership ---------------------------------------------------------------------------------------------
