@@ -349,6 +349,8 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(proc)
             threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{i}]: "), daemon=True).start()
+        print(f"loom run: servers {[a for _, a in mine]} started; waiting up to {join_timeout_s:g} s (--join-timeout) "
+              f"for the job's first worker host at {spec.master}", file=sys.stderr, flush=True)  # fmt: skip
         first = LoomStore(
             master_host, master_port, secret, connect_timeout_s=join_timeout_s, io_timeout_s=30.0
         )
