@@ -76,11 +76,11 @@ def test_bad_device_values_are_named():
 
 def test_bad_device_variables_are_named(monkeypatch):
     monkeypatch.setenv("LOOM_DEVICE", "gpu")
-    with pytest.raises(ValueError, match=r"LOOM_DEVICE='gpu'"):
+    with pytest.raises(ValueError, match=r"LOOM_DEVICE='gpu': expected one of auto, cpu, cuda"):
         choose_device(None, 0, 1)
     monkeypatch.setenv("LOOM_DEVICE", "cpu")
     monkeypatch.setenv("LOOM_SHARE_GPUS", "yes")
-    with pytest.raises(ValueError, match="LOOM_SHARE_GPUS='yes' is not 0 or 1"):
+    with pytest.raises(ValueError, match="LOOM_SHARE_GPUS='yes': expected 0 or 1"):
         check_gpu_count(2, gpus=1)
 
 

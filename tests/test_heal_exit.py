@@ -55,7 +55,8 @@ def test_a_worker_whose_script_raises_stops_the_healed_job_naming_its_rank_and_s
     assert result.returncode == 1, result.stderr[-3000:]
     assert ("loom run: worker rank 1 failed (exit code 1): ValueError: the script's own error on rank 1 after "
             "step 3; the script's own error is not healed") in result.stderr, result.stderr[-3000:]  # fmt: skip
-    assert "Traceback" in result.stderr  # the worker's own traceback reaches the user
+    assert "[rank1]: Traceback" in result.stderr  # the worker's own traceback reaches the user, labelled once
+    assert "[rank1]: [rank0]:" not in result.stderr, "torch's label of the group of one under heal (issue 37)"
     assert "starting its replacement" not in result.stderr
     assert not list((tmp_path / "run" / "logs").glob("rank1.heal*")), "no replacement was started"
 

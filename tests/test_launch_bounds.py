@@ -217,3 +217,19 @@ def test_a_local_ray_instance_is_bounded_like_loom_run(tmp_path, script, capsys,
     assert cli.main(["run", "--backend", "ray", "-n", "1000000", str(script)]) == 2
     one_line(capsys.readouterr().err, "-n/--nproc 1000000 is more worker processes than the bound")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py"]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_max_nproc_cannot_raise_the_bound_past_what_the_host_memory_holds(script):
+    """``--max-nproc 1000000 -n 1000000`` grew the launcher to 2.3 GB and 245,000 directories (issue 37)."""
+    from loom.launch.bounds import MIN_WORKER_BYTES, memory_max_nproc
+
+    held = memory_max_nproc()
+    assert held is not None and held * MIN_WORKER_BYTES <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES"
+    )
+    with pytest.raises(
+        ValueError, match=rf"-n/--nproc {held + 1} is more .* memory can hold \({held}: .*HINT"
+    ):
+        LaunchSpec(target=str(script), nproc=held + 1, max_nproc=10 * held)

@@ -15,9 +15,8 @@ import pytest
 from conftest import WORKERS
 from test_ps_launch import session_members
 
-pytestmark = pytest.mark.system
 
-
+@pytest.mark.system
 @pytest.mark.timeout(150)
 def test_a_rank_stuck_in_its_own_code_shows_its_stack_then_the_work_timeout_stops_the_job(tmp_path):
     env = dict(
@@ -42,3 +41,18 @@ def test_a_rank_stuck_in_its_own_code_shows_its_stack_then_the_work_timeout_stop
     stack = output[output.index("loom watchdog: rank 1 is outside any collective") :]
     assert "stuck_in_its_own_code" in stack and "stuck_rank.py" in stack, output[-3000:]
     assert "longer than the work timeout" in output, output[-3000:]
+    assert "same messages in the same order" not in output, output[-3000:]  # not the shm barrier's raw error
+
+
+@pytest.mark.unit
+def test_the_shared_memory_waits_give_way_to_the_watchdogs_work_timeout(monkeypatch):
+    """Both stopped a stuck rank's job at 1800 s and the shared-memory wait, looking 10 times a second, won with
+    a raw RuntimeError and a wrong HINT: a watchdog now keeps that wait open past its own work timeout."""
+    from loom.comm import shm_wait
+    from loom.fault.watchdog import WORK_REPORT_SLACK_S, Watchdog
+
+    monkeypatch.setattr(shm_wait, "TIMEOUT_S", 1800.0)
+    wd = Watchdog(rank=0, world_size=2, timeout_s=5, work_timeout=1800.0)
+    assert shm_wait.TIMEOUT_S >= wd.work_timeout_s + WORK_REPORT_SLACK_S > wd.work_timeout_s + 10 * wd.poll_s
+    Watchdog(rank=0, world_size=2, timeout_s=5, work_timeout=3.0)
+    assert shm_wait.TIMEOUT_S >= 1800.0 + WORK_REPORT_SLACK_S  # never lowered below a watchdog's

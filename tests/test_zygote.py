@@ -15,7 +15,8 @@ import threading
 
 import pytest
 
-from loom.launch.zygote import MAX_REQUEST, Zygote, _read_request
+from loom.launch.zygote import Zygote
+from loom.launch.zygote_wire import MAX_REQUEST, read_request, send_request
 
 
 def _send(sock: socket.socket, payload: bytes, fds: int) -> None:
@@ -37,7 +38,7 @@ def _request(payload: bytes, fds: int = 3) -> tuple | None:
     sender = threading.Thread(target=_send, args=(ours, payload, fds))  # (a large request fills the buffer)
     sender.start()
     try:
-        got = _read_request(theirs)
+        got = read_request(theirs)
     finally:
         theirs.close()
         sender.join(timeout=10)
@@ -48,23 +49,25 @@ def _request(payload: bytes, fds: int = 3) -> tuple | None:
     return got
 
 
+def _frame(body: bytes, size: int | None = None) -> bytes:
+    return (len(body) if size is None else size).to_bytes(4, "big") + body
+
+
+def _json(value: object) -> bytes:
+    return _frame(json.dumps(value).encode())
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "payload, fds, error",
     [
-        (b"{" + b"x" * (MAX_REQUEST + 2) + b"\n", 3, "over"),
-        (
-            json.dumps({"env": {"A": 1}, "argv": ["s.py"]}).encode() + b"\n",
-            3,
-            "env must map names to strings",
-        ),
-        (json.dumps({"env": {}, "argv": []}).encode() + b"\n", 3, "argv must be a non-empty list"),
-        (
-            json.dumps({"env": {}, "argv": ["s.py"]}).encode() + b"\n",
-            1,
-            "needs stdin, stdout and stderr; got 1",
-        ),
-        (json.dumps({"env": {}, "argv": ["s.py"]}).encode(), 3, "cut short"),
+        (_frame(b"{", MAX_REQUEST + 1), 3, "over"),
+        (_json({"env": {"A": 1}, "argv": ["s.py"]}), 3, "env must map names to strings"),
+        (_json({"env": {}, "argv": []}), 3, "argv must be a non-empty list"),
+        (_json({"env": {}, "argv": ["s.py"]}), 1, "needs stdin, stdout and stderr; got 1"),
+        (_json({"env": {}, "argv": ["s.py"]})[:-1], 3, "cut short"),
+        (_frame(b"{not json"), 3, "not JSON"),
+        (_json(["a list"]), 3, "must be a JSON object"),
     ],
 )
 def test_a_bad_request_is_refused_by_name(payload, fds, error):
@@ -75,8 +78,39 @@ def test_a_bad_request_is_refused_by_name(payload, fds, error):
 @pytest.mark.unit
 def test_no_request_means_the_job_ended_and_a_good_one_is_read():
     assert _request(b"") is None
-    request, fds = _request(json.dumps({"env": {"A": "1"}, "argv": ["s.py", "x"]}).encode() + b"\n")
+    request, fds = _request(_json({"env": {"A": "1"}, "argv": ["s.py", "x"]}))
     assert request == {"env": {"A": "1"}, "argv": ["s.py", "x"]} and len(fds) == 3
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_requests_sent_back_to_back_are_read_one_by_one_each_with_its_own_descriptors(tmp_path):
+    """The crash of issue 37: a request sent while the zygote was still busy was read together with the one
+    before it (a newline-delimited ``recv``) and its descriptors lost. Here 20 framed requests, each with three
+    descriptors of its own file, all sent before the first is read."""
+    ours, theirs = socket.socketpair()
+    files = []
+    try:
+        for i in range(20):
+            path = tmp_path / f"f{i}"
+            path.write_text(str(i))
+            fd = os.open(path, os.O_RDONLY)
+            files.append(fd)
+            assert send_request(ours, {"env": {"I": str(i)}, "argv": ["s.py"] * (1 + i * 50)}, [fd, fd, fd])
+        for i in range(20):
+            request, fds = read_request(theirs)
+            assert request["env"] == {"I": str(i)} and len(request["argv"]) == 1 + i * 50
+            assert len(fds) == 3
+            for fd in fds:
+                assert os.pread(fd, 10, 0) == str(i).encode(), "a descriptor arrived with another request"
+                os.close(fd)
+        ours.shutdown(socket.SHUT_WR)
+        assert read_request(theirs) is None
+    finally:
+        for fd in files:
+            os.close(fd)
+        ours.close()
+        theirs.close()
 
 
 SCRIPT = textwrap.dedent(

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loom.settings import check_environment, setting
+
 __all__ = ["main"]
 
 
@@ -117,7 +119,7 @@ def _add_run_parser(sub) -> None:
     )
     p.add_argument(
         "--cluster",
-        default=os.environ.get("LOOM_CLUSTER") or None,
+        default=setting("LOOM_CLUSTER") or None,
         metavar="SPEC",
         help="a JSON cluster spec (hosts, roles, nproc, server ports; default $LOOM_CLUSTER, a path or the JSON): "
         "every host runs the same command; replaces -n, --nnodes, --node-rank, --master, --local-addr, --servers",
@@ -147,8 +149,8 @@ def _add_run_parser(sub) -> None:
     p.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
-        default=os.environ.get("LOOM_DEVICE") or "auto",
-        help="where workers train (default auto: cuda:LOCAL_RANK on a host with GPUs, else the CPU); handed to "
+        default=None,
+        help="where workers train (default $LOOM_DEVICE, else auto: cuda:LOCAL_RANK on a host with GPUs, else the CPU); handed to "
         "the workers as LOOM_DEVICE; loom.init(device=...) in the script overrides it",
     )
     p.add_argument(
@@ -168,7 +170,8 @@ def _device_env(ns: argparse.Namespace, nproc: int | None) -> str | None:
     None."""
     from loom.devices import check_gpu_count
 
-    os.environ["LOOM_DEVICE"] = ns.device
+    if ns.device is not None:  # else the workers read LOOM_DEVICE as the launcher found it (checked already)
+        os.environ["LOOM_DEVICE"] = ns.device
     if ns.share_gpus:
         os.environ["LOOM_SHARE_GPUS"] = "1"
     try:
@@ -182,13 +185,20 @@ def _device_env(ns: argparse.Namespace, nproc: int | None) -> str | None:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from loom.launch.agent import LaunchSpec, launch
 
+    errors, warnings = (
+        check_environment()
+    )  # every LOOM_* setting, as the workers will read it (loom.settings)
+    for line in warnings:
+        print(f"loom run: warning: {line}", file=sys.stderr)
+    if errors:
+        print("\n".join(f"loom run: {line}" for line in errors), file=sys.stderr)
+        return 2
     refused = _device_env(
         ns, None if ns.backend == "ray" or ns.cluster or ns.host_index is not None else ns.nproc
     )
     if refused is not None:
         print(refused, file=sys.stderr)
         return 2
-
     if ns.max_server_restarts is not None and (
         ns.backend == "ray" or ns.cluster or ns.host_index is not None
     ):

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loom.settings import setting
+
 __all__ = [
     "DeviceChoice",
     "choose_device",
@@ -56,22 +58,19 @@ def requested_device(device: str | None = None) -> str:
     """``device`` (``loom.init(device=...)``), else ``LOOM_DEVICE`` (``loom run --device``), else ``auto``;
     ``cuda:K`` is accepted as ``cuda`` (the rule picks K from the local rank). Raises `ValueError` naming the
     value and the choices."""
-    raw = device if device is not None else os.environ.get("LOOM_DEVICE", "").strip() or "auto"
-    name = str(raw).split(":")[0]
+    if device is None:
+        return str(setting("LOOM_DEVICE"))  # checked where it is declared (loom.settings)
+    name = str(device).split(":")[0]
     if name not in DEVICE_CHOICES:
-        source = "device" if device is not None else "LOOM_DEVICE"
         raise ValueError(
-            f"{source}={raw!r} is not a device loom trains on. HINT: use one of {DEVICE_CHOICES}"
+            f"device={device!r} is not a device loom trains on. HINT: use one of {DEVICE_CHOICES}"
         )
     return name
 
 
 def sharing_gpus() -> bool:
     """``LOOM_SHARE_GPUS`` (``loom run --share-gpus``): ``1`` lets several local ranks share one GPU."""
-    raw = os.environ.get("LOOM_SHARE_GPUS", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"environment variable LOOM_SHARE_GPUS={raw!r} is not 0 or 1")
-    return raw == "1"
+    return bool(setting("LOOM_SHARE_GPUS"))
 
 
 def _too_many(nproc: int, gpus: int) -> str:

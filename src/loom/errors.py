@@ -24,7 +24,31 @@ __all__ = [
     "PeerLostError",
     "RayJobFailed",
     "ReplicaDesyncError",
+    "failure_text",
 ]
+
+
+def failure_text(error: BaseException) -> str:
+    """``Type: message``, with the errno of the first OS error in its chain named where the message does not
+    already (``[ENOSPC, errno 28: No space left on device, on PATH]``): a failure line that reaches the launcher
+    through several wrappers (an asynchronous checkpoint's thread, the ranks' agreement) keeps the cause a user
+    can act on."""
+    import errno as codes
+    import os
+
+    text = f"{type(error).__name__}: {error}"
+    seen: BaseException | None = error
+    for _ in range(10):  # (chains are short; a cycle must not loop)
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno:
+            name = codes.errorcode.get(seen.errno, f"errno {seen.errno}")
+            if name not in text:
+                where = f", on {seen.filename}" if seen.filename else ""
+                text += f" [{name}, errno {seen.errno}: {os.strerror(seen.errno)}{where}]"
+            break
+        seen = seen.__cause__ or seen.__context__
+    return text
 
 
 class LoomError(Exception):

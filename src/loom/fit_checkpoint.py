@@ -61,7 +61,7 @@ from loom.checkpoint.background import publish_async, wait_for_pending
 from loom.checkpoint.store import abandon_staging, encode_state, open_staging, publish, write_rank_file
 from loom.checkpoint.tree import PackedState, flatten_state
 from loom.comm._reduce import all_gather_sized_bytes
-from loom.errors import NonFiniteStateError
+from loom.errors import NonFiniteStateError, failure_text
 from loom.job import Job
 from loom.topology import Topology
 
@@ -223,7 +223,7 @@ class FitCheckpointer:
                 wait_for_pending()  # the previous asynchronous save must be done before a new staging opens
                 staging = str(open_staging(self.directory, step))
             except Exception as err:  # reported on every rank below
-                failure = repr(err)
+                failure = failure_text(err)
         verdicts = _all_gather_json({"status": status, "detail": detail, "staging": staging}, self.topo)
         staging = verdicts[0]["staging"]
         if not staging:
@@ -290,7 +290,7 @@ class FitCheckpointer:
                 )
         except Exception as err:  # reported on every rank by `_agree`
             abandon_staging(staging)
-            return repr(err), _WRITE_FAILED
+            return failure_text(err), _WRITE_FAILED
         return "", _WRITE_FAILED
 
     def finish(self) -> None:
@@ -299,7 +299,7 @@ class FitCheckpointer:
             try:
                 self.pending.wait()
             except CheckpointError as err:
-                failure = repr(err)
+                failure = failure_text(err)
             self.pending = None
         self._agree(failure, "finishing the last checkpoint")
 

@@ -17,11 +17,13 @@ import os
 import sys
 import time
 
+from loom.settings import SETTINGS, setting
+
 __all__ = ["read_launcher_env", "join_timeout_s", "join_env_store"]
 
 NOTICE_AFTER_S = 10.0
 """Seconds a rank waits for its peers before it says whom it waits for."""
-DEFAULT_JOIN_TIMEOUT_S = 120.0
+DEFAULT_JOIN_TIMEOUT_S: float = SETTINGS["LOOM_JOIN_TIMEOUT_S"].default
 _POLL_S = 0.2
 
 
@@ -61,16 +63,7 @@ def read_launcher_env() -> tuple[int, int, int, int]:
 
 def join_timeout_s() -> float:
     """``LOOM_JOIN_TIMEOUT_S`` (seconds > 0), default 120."""
-    raw = os.environ.get("LOOM_JOIN_TIMEOUT_S", "").strip()
-    if not raw:
-        return DEFAULT_JOIN_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"environment variable LOOM_JOIN_TIMEOUT_S={raw!r} is not a number of seconds > 0")
-    return value
+    return float(setting("LOOM_JOIN_TIMEOUT_S"))
 
 
 def join_env_store(rank: int, world_size: int, timeout_s: float):

@@ -131,6 +131,7 @@ def _start_group_of_one(timeout_s: float) -> None:
     unset = "GLOO_SOCKET_IFNAME" not in os.environ
     if unset and loopback is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    hook = sys.excepthook
     try:
         dist.init_process_group(
             "gloo", store=dist.HashStore(), rank=0, world_size=1,
@@ -139,6 +140,9 @@ def _start_group_of_one(timeout_s: float) -> None:
     finally:
         if unset:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        # torch prefixes every traceback line with "[rank0]:", this group's rank, which is not the job's under
+        # healing (the launcher's "[rank1]: [rank0]: ..."); the launcher labels each line itself.
+        sys.excepthook = hook
     atexit.register(shutdown)
 
 

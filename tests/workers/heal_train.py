@@ -7,9 +7,10 @@ Environment: ``HEAL_STRATEGY`` (``dp``, the default, ``localsgd`` or ``diloco``)
 ``HEAL_MOMENTUM`` (the SGD's momentum: 0.9 for dp, 0 for the rounds unless set), ``HEAL_STEPS``,
 ``HEAL_PAUSE_S`` (seconds each process rests after each step) and ``HEAL_SCRIPT_FAULT=RANK:STEP:KIND``: the first
 process of rank RANK, after its step STEP, ``raise``s a ValueError (the script's own error: the job must stop) or
-``leave``s as a worker the quorum told to leave (`loom.fault.quorum.LeftOutOfQuorum`: healed).
+``leave``s as a worker the quorum told to leave (`loom.fault.quorum.LeftOutOfQuorum`: healed); ``stuck``: every
+process of rank RANK, after a step >= STEP, hangs in `stuck_in_its_own_code` (a deterministic hang).
 
-Run by tests/test_heal.py, test_heal_rounds.py, test_heal_exit.py and test_heal_hosts.py."""
+Run by tests/test_heal.py, test_heal_rounds.py, test_heal_exit.py, test_heal_hosts.py and test_heal_stuck.py."""
 
 import time
 
@@ -60,11 +61,19 @@ def digest(model: nn.Module) -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
 
 
+def stuck_in_its_own_code() -> None:
+    time.sleep(600)
+
+
 def script_fault(rank: int, gen: int, step: int) -> None:
     planned = os.environ.get("HEAL_SCRIPT_FAULT", "")
-    if not planned or gen:
+    if not planned:
         return
     want_rank, want_step, kind = planned.split(":")
+    if kind == "stuck" and rank == int(want_rank) and step >= int(want_step):
+        stuck_in_its_own_code()
+    if gen:
+        return
     if (int(want_rank), int(want_step)) != (rank, step):
         return
     if kind == "raise":

@@ -31,6 +31,7 @@ from loom.checkpoint.store import (
     write_checkpoint,
 )
 from loom.checkpoint.tree import flatten_state
+from loom.errors import failure_text
 
 __all__ = ["AsyncCheckpoint", "publish_async", "save_checkpoint_async", "wait_for_pending"]
 
@@ -71,7 +72,8 @@ class AsyncCheckpoint:
         if self._error is not None:
             self._reported = True
             raise CheckpointError(
-                f"writing the checkpoint of step {self.step} to {self.directory} failed: {self._error!r}"
+                f"writing the checkpoint of step {self.step} to {self.directory} failed: "
+                f"{failure_text(self._error)}"
             ) from self._error
         assert self.path is not None  # set whenever there is no error
         return self.path

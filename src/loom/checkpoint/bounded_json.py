@@ -49,9 +49,33 @@ def _max_depth(brackets: bytes) -> int:
     return deepest
 
 
+_SCAN = 1 << 20
+"""Bytes of JSON scanned at a time: ``re.sub`` keeps one object per match until it joins them (~28 bytes of
+memory per input byte for a document of short strings), so the scan's memory is bounded by the piece, not by
+the document (a 64 MB ``state.json`` of short strings cost 1.8 GB before it was refused)."""
+
+
 def _skeleton(data: bytes) -> bytes:
-    """``data`` without its escapes and strings: brackets, commas, colons, numbers and literals."""
-    return _STRING.sub(b"", _ESCAPE.sub(b"", data))
+    """``data`` without its escapes and strings: brackets, commas, colons, numbers and literals; scanned in
+    pieces of about `_SCAN` bytes, each ending where no escape or string is open. Each escape is first replaced
+    by two bytes that are neither quotes nor backslashes, so positions in a piece stay those of ``data``."""
+    parts, start, size = [], 0, len(data)
+    while start < size:
+        end = min(size, start + _SCAN)
+        while True:
+            piece = _ESCAPE.sub(b"__", data[start:end])
+            cut = (
+                len(piece) - 1 if end < size and piece.endswith(b"\\") else len(piece)
+            )  # (escaped byte next)
+            if end < size and piece.count(b'"', 0, cut) % 2:
+                cut = piece.rfind(b'"', 0, cut)  # the string still open at the piece's end starts here
+            if cut > 0 or end == size:
+                end, piece = start + cut, piece[:cut]
+                break
+            end = min(size, start + 2 * (end - start))  # one string longer than the piece: a longer piece
+        parts.append(_STRING.sub(b"", piece))
+        start = end
+    return b"".join(parts)
 
 
 def _values(skeleton: bytes) -> int:

@@ -7,16 +7,17 @@ checked for size, nesting depth and number length before it is parsed, so readin
 bounded amount of memory and time and ends in `CorruptCheckpointError`, which makes loading fall back to the
 previous checkpoint.
 
-The defaults admit every checkpoint `loom.fit` writes up to a few thousand ranks (its ``state.json`` holds
-every rank's RNG state, about 15 KB and 1,300 values per rank) and refuse what a parser would choke on; JSON
-costs Python up to ~25 bytes of memory per input byte, which is why the JSON bounds are far below the tensor
-bound. `save_checkpoint` refuses a state whose JSON would break the same bounds, so nothing written by loom
-is unreadable with the limits it was saved under.
+The defaults are loom's own bound on what a crafted file may cost whatever its manifest says (issue 37: the
+costliest JSON they admit, 50,000 small objects or 8 MiB of strings, costs +17 MiB to read; the old 64 MiB and
+4 million values cost up to +725 MiB). They admit every checkpoint `loom.fit` writes up to about 1,000 ranks
+(its ``state.json`` holds every rank's RNG state, about 7 KB and a dozen values per rank: `loom.checkpoint.rng`
+packs the 32-bit words) and refuse what a parser would choke on. `save_checkpoint` refuses a state whose JSON
+would break the same bounds, so nothing written by loom is unreadable with the limits it was saved under; a
+genuine larger checkpoint is read with larger limits, which the refusal names.
 
 These are absolute bounds. Each file is read within a tighter one, its *read budget*, which its manifest
-lists (``entries``; `ReadLimits.budgeted`): parsing JSON costs Python ~70-180 bytes per value, so a file
-under the absolute bounds could still cost ~700 MiB (issue 25's 26 MB header, 63 MB ``state.json``); within
-its budget it costs at most a small multiple of the genuine file.
+lists (``entries``; `ReadLimits.budgeted`): within its budget a file costs at most a small multiple of the
+genuine one, and a forged budget is capped by the absolute bounds.
 """
 
 from __future__ import annotations
@@ -46,19 +47,22 @@ class ReadLimits:
 
     max_manifest_bytes: int = 4 << 20
     """Size of ``manifest.json``: about 100 bytes per listed file, so room for ~40,000 rank files."""
-    max_state_bytes: int = 64 << 20
-    """Size of ``state.json`` (the state's tree without its tensors) and of a packed state's JSON."""
-    max_json_values: int = 4_000_000
+    max_state_bytes: int = 8 << 20
+    """Size of ``state.json`` (the state's tree without its tensors) and of a packed state's JSON: read whole,
+    and its strings kept, so about twice this in memory."""
+    max_json_values: int = 100_000
     """JSON values in one document, counted as commas plus opening brackets plus one (about one Python
-    object each, so this bounds the ~70 bytes per value a parsed document costs beyond its text)."""
+    object each, so this bounds the ~70-350 bytes per value a parsed and decoded document costs beyond its
+    text, and the time to decode it)."""
     max_json_depth: int = 100
     """How deeply JSON arrays and objects may nest: far below Python's recursion limit, which the parser and
     `unflatten_state` would otherwise hit."""
     max_number_digits: int = 4300
     """Digits in one JSON number. Python refuses to convert longer integers (``sys.int_max_str_digits``
     defaults to 4300) and converting them takes quadratic time; a float never needs more than 17."""
-    max_header_bytes: int = 100_000_000
-    """A safetensors header's length, the bound safetensors itself enforces."""
+    max_header_bytes: int = 8 << 20
+    """A safetensors header's length (about 100 bytes per tensor: room for ~150,000 tensors; safetensors itself
+    allows 100 MB, which cost ~700 MiB to parse)."""
     max_tensor_bytes: int | None = field(default_factory=physical_memory)
     """Size of one tensor file (``tensors.safetensors`` or a rank file). The default is this machine's
     physical memory, since every byte of it becomes a tensor in memory; None for no bound."""

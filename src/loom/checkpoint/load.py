@@ -27,8 +27,9 @@ only hashed (1 MiB at a time) by `read_checkpoint`, read and unpacked by `read_l
 Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
 before its sha256 can be compared (hashing first would read every genuine checkpoint twice), so the bound on
 what a crafted tensor file costs is that limit, by default the machine's memory. The read budgets come from
-the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone (as
-before format 2: up to ~700 MiB for a 26 MB header, measured in docs/checkpoints.md).
+the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone,
+loom's own, which keep the costliest JSON and header they admit under +64 MiB (measured in
+docs/checkpoints.md).
 """
 
 from __future__ import annotations

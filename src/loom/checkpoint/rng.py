@@ -11,7 +11,10 @@ of visible devices matches the saved one.
 
 from __future__ import annotations
 
+import array
+import base64
 import random
+import sys
 import warnings
 from typing import Any
 
@@ -28,12 +31,32 @@ def _numpy():
     return numpy
 
 
+def _words(values: Any) -> str:
+    """32-bit words as one base64 string (little-endian): one JSON value instead of 624, which keeps a
+    checkpoint's ``state.json`` within its read bounds for thousands of ranks (`loom.checkpoint.limits`)."""
+    words = array.array("I", (int(v) for v in values))
+    if sys.byteorder != "little":
+        words.byteswap()
+    return base64.b64encode(words.tobytes()).decode()
+
+
+def _unwords(value: Any) -> list[int]:
+    """The words `_words` packed; a list (what loom wrote before) as it is."""
+    if not isinstance(value, str):
+        return [int(v) for v in value]
+    words = array.array("I")
+    words.frombytes(base64.b64decode(value, validate=True))
+    if sys.byteorder != "little":
+        words.byteswap()
+    return words.tolist()
+
+
 def capture_rng() -> dict[str, Any]:
     """The state of the global generators, as ``{"torch", "python", "numpy", "cuda"}``."""
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),  # a uint8 tensor
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        "python": {"version": version, "internal": _words(internal), "gauss_next": gauss_next},
         "numpy": None,
         "cuda": [t.clone() for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None,
     }
@@ -42,7 +65,7 @@ def capture_rng() -> dict[str, Any]:
         name, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
         state["numpy"] = {
             "bit_generator": str(name),
-            "keys": [int(k) for k in keys],
+            "keys": _words(keys),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
@@ -58,14 +81,14 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
     python = state.get("python")
     if python is not None:
-        random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
+        random.setstate((python["version"], tuple(_unwords(python["internal"])), python["gauss_next"]))
     numpy_state = state.get("numpy")
     numpy = _numpy()
     if numpy_state is not None and numpy is not None:
         numpy.random.set_state(
             (
                 numpy_state["bit_generator"],
-                numpy.asarray(numpy_state["keys"], dtype=numpy.uint32),
+                numpy.asarray(_unwords(numpy_state["keys"]), dtype=numpy.uint32),
                 numpy_state["pos"],
                 numpy_state["has_gauss"],
                 numpy_state["cached_gaussian"],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from loom.comm.counters import counters
+from loom.settings import setting
 
 OPS = ("sum", "avg", "max", "min")
 ALGORITHMS = ("native", "ring", "driver", "shm", "hierarchical", "auto")
@@ -136,7 +136,7 @@ def exchange(
 
 def host_key() -> str:
     """This host's identity: ``$LOOM_HOST_ID`` if set (tests pretend to be several hosts), else name + boot id."""
-    override = os.environ.get("LOOM_HOST_ID")
+    override = setting("LOOM_HOST_ID")
     if override:
         return override
     boot = ""

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from loom.comm.counters import Traffic, counters
 from loom.comm.shm import ShmContext, context_for
+from loom.settings import setting
 
 __all__ = [
     "CALIBRATION_REPS",
@@ -91,7 +92,7 @@ class Policy:
 
 def cache_path() -> Path:
     """This host's calibration file."""
-    root = os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom"
+    root = setting("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom"
     return Path(root) / f"allreduce-{socket.gethostname()}.json"
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from loom.comm.shm_spin import SpinBudget
 
-__all__ = ["SPIN_S", "TIMEOUT_S", "YIELD_S", "futex_wake", "process_alive", "wait_until"]
+__all__ = ["SPIN_S", "TIMEOUT_S", "YIELD_S", "futex_wake", "give_way_to", "process_alive", "wait_until"]
 
 SPIN_S = 20e-6
 """Seconds of busy looking before sleeping (module attribute: the micro-benchmark varies it); the least a
@@ -47,7 +47,17 @@ USE_FUTEX = True
 """False: never sleep on a futex, only ``time.sleep`` (benchmarks compare the two)."""
 CHECK_EVERY_S = 0.1
 TIMEOUT_S = 1800.0
-"""As the backend's own timeout (`loom.init`): a peer doing its own work is waited for; the watchdog stops hangs."""
+"""As the backend's own timeout (`loom.init`): a peer doing its own work is waited for; the watchdog stops hangs,
+and raises this past its own work timeout (`give_way_to`)."""
+
+
+def give_way_to(seconds: float) -> None:
+    """Wait at least ``seconds`` before giving up. The hang watchdog (`loom.fault.watchdog`) calls it with its work
+    timeout and some slack, so that a peer stuck in its own code ends the job with the watchdog's report (the rank,
+    its stack, the variable to change), not with this wait's bare error (both fired at 1800 s, and this one, which
+    looks 10 times a second, won)."""
+    global TIMEOUT_S
+    TIMEOUT_S = max(TIMEOUT_S, float(seconds))
 
 
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 (the only CPU shared memory is used on)
@@ -191,6 +201,7 @@ def _check(me: str, peer: str, peer_pid: int, what: str, check_pid: bool, waited
         )
     if waited > TIMEOUT_S:
         raise RuntimeError(
-            f"{me}: {what}: waited {waited:.0f} s for {peer} (pid {peer_pid}). "
-            "HINT: every rank must send and receive the same messages in the same order."
+            f"{me}: {what}: waited {waited:.0f} s for {peer} (pid {peer_pid}). HINT: {peer} may be stuck in its own "
+            f"code (py-spy dump --pid {peer_pid} shows where), or the ranks did not send and receive the same "
+            "messages in the same order; raise LOOM_WORK_TIMEOUT_S if its own work takes this long"
         )

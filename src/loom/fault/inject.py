@@ -37,6 +37,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from loom.settings import setting
+
 __all__ = ["ENV", "GENERATION_ENV", "PHASES", "InjectedFault", "fault_point", "parse_faults"]
 
 ENV = "LOOM_FAULTS"
@@ -101,7 +103,7 @@ def fault_point(step: int, phase: str) -> None:
             _note(fault)
             if fault.kind == "slow":
                 faults.remove(fault)
-                time.sleep(float(os.environ.get("LOOM_FAULTS_SLOW_S", "3")))
+                time.sleep(setting("LOOM_FAULTS_SLOW_S"))
                 return
             os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 

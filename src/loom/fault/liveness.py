@@ -42,6 +42,8 @@ import os
 import time
 from typing import Any
 
+from loom.settings import SETTINGS, setting
+
 __all__ = [
     "DEFAULT_LIVENESS_TIMEOUT_S",
     "Heartbeat",
@@ -49,7 +51,7 @@ __all__ = [
     "seconds_setting",
 ]
 
-DEFAULT_LIVENESS_TIMEOUT_S = 20.0
+DEFAULT_LIVENESS_TIMEOUT_S: float = SETTINGS["LOOM_LIVENESS_TIMEOUT_S"].default
 """How long a peer's heartbeat may stay still before it is lost: many polls (one a second) of slack for a busy
 host, far below any hang timeout worth having, so a cut stops a job in under a minute."""
 
@@ -57,11 +59,7 @@ host, far below any hang timeout worth having, so a cut stops a job in under a m
 def seconds_setting(requested: float | None, variable: str, default: float, what: str) -> float:
     """``requested``, else the environment ``variable``, else ``default``: a positive number of seconds."""
     if requested is None:
-        raw = os.environ.get(variable, "")
-        try:
-            requested = float(raw) if raw else default
-        except ValueError:
-            raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
+        requested = setting(variable)  # (checked where it is declared, `loom.settings`)
     if isinstance(requested, bool) or not float(requested) > 0:
         raise ValueError(
             f"the {what} must be a positive number of seconds, got {requested!r}. HINT: pass seconds, or leave it "

@@ -30,8 +30,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import gc
 import os
+import signal
 import threading
 import time
 import weakref
@@ -40,10 +42,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loom.settings import setting
+
 __all__ = [
-    "HEARTBEAT_S", "LEFT_OUT_STATUS", "JobEnded", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group",
+    "HEARTBEAT_S", "LEFT_OUT_STATUS", "STACK_SIGNAL", "JobEnded", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group",
 ]  # fmt: skip
 
+STACK_SIGNAL = signal.SIGUSR1
+"""A healing worker prints every thread's Python stack on this signal (`faulthandler`, which works while the main
+thread is stuck, in C code too)."""
 HEARTBEAT_S = 0.5
 """Seconds between a worker's heartbeats (the launcher's timeout is ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``)."""
 
@@ -82,27 +89,16 @@ def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> di
     return group
 
 
-def _env_float(name: str, default: float, zero: bool = False) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not (value >= 0 if zero else value > 0):
-        raise ValueError(f"{name} must be {'>=' if zero else '>'} 0 seconds, got {value}")
-    return value
-
-
 class Quorum:
     """This worker's membership in a healing job (see the module docstring)."""
 
     def __init__(self, store: Any, rank: int, generation: int, group_timeout_s: float | None = None) -> None:
         self.store, self.rank, self.generation = store, rank, generation
-        self.group_timeout_s = group_timeout_s or _env_float("LOOM_HEAL_GROUP_TIMEOUT_S", 30.0)
+        self.group_timeout_s = group_timeout_s or setting("LOOM_HEAL_GROUP_TIMEOUT_S")
         """Bound on each collective of an epoch's group (a frozen member is killed by the launcher sooner)."""
-        self.vote_timeout_s = _env_float("LOOM_HEAL_VOTE_TIMEOUT_S", 30.0)
-        self.epoch_timeout_s = _env_float("LOOM_HEAL_EPOCH_TIMEOUT_S", 120.0)
-        self.join_wait_s = _env_float("LOOM_HEAL_JOIN_WAIT_S", 2.0, zero=True)
+        self.vote_timeout_s = setting("LOOM_HEAL_VOTE_TIMEOUT_S")
+        self.epoch_timeout_s = setting("LOOM_HEAL_EPOCH_TIMEOUT_S")
+        self.join_wait_s = setting("LOOM_HEAL_JOIN_WAIT_S")
         self.epoch = 0
         self.committed = 0
         """The highest step a vote of this member's committed (an error after it must not retry that step)."""
@@ -117,6 +113,10 @@ class Quorum:
 
     @classmethod
     def from_env(cls, store: Any) -> Quorum:
+        """This worker's membership under ``loom run --on-worker-failure heal``; from here on `STACK_SIGNAL`
+        prints every thread's stack (the launcher sends it before it kills a member that did not check in)."""
+        faulthandler.register(STACK_SIGNAL, all_threads=True)
+        atexit.register(faulthandler.unregister, STACK_SIGNAL)
         return cls(store, int(os.environ["RANK"]), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0))
 
     # -- membership ---------------------------------------------------------------------------------------------

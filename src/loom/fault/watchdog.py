@@ -60,10 +60,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from loom.comm.shm_wait import give_way_to
 from loom.errors import HangError, PeerLostError
 from loom.fault.hang_report import all_inside_s, doing, hang_report, print_stacks, stacks_asked, stop_process
 from loom.fault.liveness import Heartbeat, liveness_timeout_s, seconds_setting
 from loom.fault.side_channel import host_description, open_side_channel
+from loom.settings import SETTINGS
 from loom.topology import Topology
 
 __all__ = [
@@ -80,14 +82,17 @@ __all__ = [
     "work_timeout_s",
 ]
 
-DEFAULT_TIMEOUT_S = 180.0
+DEFAULT_TIMEOUT_S: float = SETTINGS["LOOM_HANG_TIMEOUT_S"].default
 """How long every rank may sit inside collectives without one completing. No rank is doing its own work then,
 so nothing can still arrive: minutes are a hang on any network (and below the process group's timeout, so loom's
 report comes before gloo's bare error). A host that stops answering is another matter: the liveness timeout
 (`loom.fault.liveness`)."""
-DEFAULT_WORK_TIMEOUT_S = 1800.0
+DEFAULT_WORK_TIMEOUT_S: float = SETTINGS["LOOM_WORK_TIMEOUT_S"].default
 """How long ranks wait in a collective for a rank that is alive and doing its own work outside collectives
 (rank-0-only evaluation, checkpoint writing): PyTorch's default process-group timeout for gloo (30 minutes)."""
+WORK_REPORT_SLACK_S = 60.0
+"""The shared-memory waits (`loom.comm.shm_wait`) give up this long after the work timeout at the earliest: the
+watchdog's report of a rank stuck in its own code (checked every poll, at most 1 s) always comes first."""
 STORE_BACKOFF_S = 5.0
 """After a failed store call, the watchdog does not touch the store for this long (at most a quarter of the
 liveness timeout: the side cut off from the store must try again within it to tell a blip from a cut)."""
@@ -124,6 +129,7 @@ class Watchdog:
         self.rank, self.world_size, self.timeout_s = rank, world_size, hang_timeout_s(timeout_s)
         self.work_timeout_s = max(work_timeout_s(work_timeout), self.timeout_s)
         """How long to wait for a rank doing its own work outside collectives (never below ``timeout_s``)."""
+        give_way_to(self.work_timeout_s + WORK_REPORT_SLACK_S)
         self.store = store
         self._prefix = _PREFIX.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.heartbeat = Heartbeat(rank, world_size, liveness_timeout_s(liveness_timeout), self._prefix)
@@ -169,6 +175,7 @@ class Watchdog:
         if reuse is not None and (reuse.rank, reuse.world_size) == (topology.rank, topology.world_size):
             reuse.timeout_s = timeout  # a second setup() in one process
             reuse.work_timeout_s = max(work_timeout_s(work_timeout), timeout)
+            give_way_to(reuse.work_timeout_s + WORK_REPORT_SLACK_S)
             reuse.heartbeat.timeout_s = liveness_timeout_s(liveness_timeout)
             reuse.poll_s = reuse._poll_s()
             return reuse
@@ -284,6 +291,10 @@ class Watchdog:
         if waited > self.work_timeout_s:
             records = self.read_records() if self._store_usable() else {}
             working = [r for r, rec in records.items() if rec is not None and rec.get("current") is None]
+            if not self._stacks_asked and records:  # their stacks in the output before the job ends
+                with contextlib.suppress(Exception):
+                    self._ask_for_stacks(current, waited, records)
+                    time.sleep(2 * self.poll_s)  # (their watchdog threads print within a poll)
             self._report_and_exit(
                 current, f"ranks {working} were outside collectives longer than the work timeout "
                 f"({self.work_timeout_s:.0f} s, LOOM_WORK_TIMEOUT_S)", records or None,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from loom.horovod._request import HorovodInternalError, Request
+from loom.settings import setting
 
 __all__ = ["check", "run", "run_ready", "scale"]
 
@@ -159,7 +160,7 @@ def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def _algorithm() -> str:
-    return os.environ.get("LOOM_HOROVOD_ALLREDUCE", "native")
+    return str(setting("LOOM_HOROVOD_ALLREDUCE"))
 
 
 def _reduce(flat: torch.Tensor, op: int, engine) -> torch.Tensor:

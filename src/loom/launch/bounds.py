@@ -7,7 +7,9 @@ checked before a directory, a socket or a process exists, and a refusal is one l
 
 - Worker processes per host: at most `MAX_NPROC_PER_CORE` times the host's cores (``os.cpu_count()``); more is a
   typo or a fork bomb, never a training job. ``--max-nproc N`` raises the bound explicitly (a host with a few
-  GPUs and many small workers, a test of the launcher itself).
+  GPUs and many small workers, a test of the launcher itself), but never past what the host's memory can hold:
+  `MIN_WORKER_BYTES` per worker (``--max-nproc 1000000 -n 1000000`` grew the launcher to 2.3 GB and 245,000
+  directories in 60 s before).
 - A spec file: a regular file (stat before opening, opened with ``O_NONBLOCK`` and checked again on the open
   descriptor, so a FIFO or a device is refused without a read that could block), at most ``limit`` bytes, and
   JSON nested at most `MAX_SPEC_NESTING` deep, counted before the JSON parser (which recurses) sees it.
@@ -22,6 +24,8 @@ import stat
 __all__ = [
     "MAX_NPROC_PER_CORE",
     "MAX_SPEC_NESTING",
+    "MIN_WORKER_BYTES",
+    "memory_max_nproc",
     "default_max_nproc",
     "check_nproc",
     "json_nesting_depth",
@@ -30,6 +34,9 @@ __all__ = [
 
 MAX_NPROC_PER_CORE = 8
 """Worker processes allowed per core of the host by default (``--max-nproc`` overrides)."""
+MIN_WORKER_BYTES = 64 << 20
+"""The least memory a worker process takes (an interpreter with torch imported, forked or not, holds more of
+its own once it trains): a host holds at most its memory divided by this many workers, whatever the flags say."""
 MAX_SPEC_NESTING = 32
 """Deepest nesting of brackets a cluster spec may have (a valid spec needs 4)."""
 
@@ -42,13 +49,24 @@ def default_max_nproc() -> int:
     return MAX_NPROC_PER_CORE * (os.cpu_count() or 1)
 
 
+def memory_max_nproc() -> int | None:
+    """The most workers this host's physical memory can hold (`MIN_WORKER_BYTES` each); None where the OS does
+    not say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return max(1, total // MIN_WORKER_BYTES)
+
+
 def check_nproc(
     nproc: int,
     max_nproc: int | None,
     what: str = "-n/--nproc",
     override: str = "to run more processes than that on this host, pass --max-nproc N explicitly",
 ) -> None:
-    """Refuse ``nproc`` above ``max_nproc`` (None: `default_max_nproc`), naming the bound and the override."""
+    """Refuse ``nproc`` above ``max_nproc`` (None: `default_max_nproc`), naming the bound and the override, and
+    above what the host's memory holds (`memory_max_nproc`), whatever ``max_nproc`` says."""
     bound = default_max_nproc() if max_nproc is None else max_nproc
     if nproc > bound:
         origin = (
@@ -59,6 +77,13 @@ def check_nproc(
         raise ValueError(
             f"{what} {nproc} is more worker processes than the bound of {bound} ({origin}). HINT: check the "
             f"number; {override}"
+        )
+    held = memory_max_nproc()
+    if held is not None and nproc > held:
+        raise ValueError(
+            f"{what} {nproc} is more worker processes than this host's memory can hold ({held}: "
+            f"{held * MIN_WORKER_BYTES >> 30} GiB at {MIN_WORKER_BYTES >> 20} MiB per worker, whatever --max-nproc "
+            "says). HINT: check the number; spread the workers over more hosts"
         )
 
 

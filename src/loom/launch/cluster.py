@@ -45,6 +45,7 @@ from typing import Any
 
 from loom.errors import ClusterSpecError  # noqa: F401 - raised here, defined there
 from loom.launch.bounds import MAX_SPEC_NESTING, check_nproc, json_nesting_depth, read_regular_file
+from loom.settings import SettingError, setting
 
 __all__ = [
     "MAX_SERVER_PORTS",
@@ -250,11 +251,11 @@ def load_cluster(where: str) -> ClusterSpec:
 def pick_host(spec: ClusterSpec, index: int | None) -> int:
     """This host's index: ``index`` checked, else ``LOOM_HOST_INDEX``, else the one spec host whose address an
     interface of this machine holds."""
-    if index is None and os.environ.get("LOOM_HOST_INDEX", "").strip():
-        raw = os.environ["LOOM_HOST_INDEX"].strip()
-        if not raw.isdigit():
-            raise ClusterSpecError(f"LOOM_HOST_INDEX={raw!r} is not an integer >= 0")
-        index = int(raw)
+    if index is None:
+        try:
+            index = setting("LOOM_HOST_INDEX")
+        except SettingError as error:
+            raise ClusterSpecError(str(error)) from None
     last = len(spec.hosts) - 1
     if index is not None:
         if not 0 <= index <= last:
@@ -348,6 +349,8 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(proc)
             threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{i}]: "), daemon=True).start()
+        print(f"loom run: servers {[a for _, a in mine]} started; waiting up to {join_timeout_s:g} s (--join-timeout) "
+              f"for the job's first worker host at {spec.master}", file=sys.stderr, flush=True)  # fmt: skip
         first = LoomStore(
             master_host, master_port, secret, connect_timeout_s=join_timeout_s, io_timeout_s=30.0
         )

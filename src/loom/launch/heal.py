@@ -45,8 +45,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.fault.quorum import LEFT_OUT_STATUS
+from loom.settings import setting
 
-__all__ = ["HealPolicy", "HealQuorum", "JobStops", "exit_kind", "seconds_setting"]
+__all__ = [
+    "HealPolicy",
+    "HealQuorum",
+    "JobStops",
+    "exit_kind",
+    "main_thread_place",
+    "seconds_setting",
+    "stuck_place",
+]
 
 TICK_S = 0.01
 
@@ -63,11 +72,9 @@ class HealPolicy:
             raise ValueError(f"--max-heals must be >= 0 and --min-workers >= 1, got {self}")
 
 
-def seconds_setting(name: str, default: float) -> float:
-    value = float(os.environ.get(name, "") or default)
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {value}")
-    return value
+def seconds_setting(name: str) -> float:
+    """A timeout of the launcher's, as `loom.settings` declares and checks it."""
+    return float(setting(name))
 
 
 def exit_kind(status: int) -> str:
@@ -94,6 +101,9 @@ class HealQuorum:
     restart: Callable[[int, int], None]
     alive: Callable[[int], bool]
     kill: Callable[[int], None]
+    dump: Callable[[int], str | None] = lambda rank: None
+    """Print rank ``rank``'s stacks (the launcher's output shows them) and return where its main thread is (one
+    line), or None where that cannot be had (`stuck_place`)."""
     generation: dict[int, int] = field(default_factory=dict)
     epoch: int = 0
     members: dict[int, int] = field(default_factory=dict)
@@ -106,11 +116,14 @@ class HealQuorum:
     _finished: set[int] = field(default_factory=set)
     gone: set[int] = field(default_factory=set)
     """Ranks lost for good, never replaced nor waited for (their node is gone: `drop`)."""
+    stuck: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(rank, where its main thread was) -> how many of its processes were killed there for not checking in."""
 
     def __post_init__(self) -> None:
         self.generation = {r: 0 for r in range(self.nproc)}
-        self.heartbeat_timeout_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
-        self.checkin_timeout_s = seconds_setting("LOOM_HEAL_CHECKIN_TIMEOUT_S", 10.0)
+        self.heartbeat_timeout_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
+        self.checkin_timeout_s = seconds_setting("LOOM_HEAL_CHECKIN_TIMEOUT_S")
+        self.stuck_repeats = int(setting("LOOM_HEAL_STUCK_REPEATS"))
 
     @property
     def ending(self) -> bool:
@@ -196,10 +209,13 @@ class HealQuorum:
             self._reform_deadline = now + self.checkin_timeout_s
         if len(checked) < len(live) and now < self._reform_deadline:
             return
-        for r in set(live) - set(checked):
+        for r in sorted(set(live) - set(checked)):
+            place = self.dump(r)  # before the kill: a deterministic hang must not be healed without a clue
             print(f"loom run: worker rank {r} did not check in within {self.checkin_timeout_s:g} s "
-                  "(LOOM_HEAL_CHECKIN_TIMEOUT_S): dropped and killed", file=sys.stderr, flush=True)  # fmt: skip
+                  f"(LOOM_HEAL_CHECKIN_TIMEOUT_S){f', stuck at {place}' if place else ''}: dropped and killed",
+                  file=sys.stderr, flush=True)  # fmt: skip
             self.kill(r)
+            self._count_stuck(r, place)
         new = sorted(set(checked) | set(joiners))
         if len(new) < self.policy.min_workers:
             raise JobStops(f"{len(new)} worker(s) left, below --min-workers {self.policy.min_workers} (lost: "
@@ -207,6 +223,17 @@ class HealQuorum:
         if not new:
             return  # every member lost: the replacements will form the next epoch when ready
         self._publish(new)
+
+    def _count_stuck(self, rank: int, place: str | None) -> None:
+        """Stop the job when rank ``rank`` was stuck at ``place`` `stuck_repeats` times: a replacement would stop
+        there again, and healing it would spend the budget with no clue but this."""
+        if place is None:
+            return
+        seen = self.stuck[(rank, place)] = self.stuck.get((rank, place), 0) + 1
+        if seen >= self.stuck_repeats:
+            raise JobStops(f"worker rank {rank} was stuck at the same place {seen} times ({place}; its stacks are "
+                           "above): a replacement would stop there again, so the job stops instead of healing. "
+                           "HINT: fix what hangs there; LOOM_HEAL_STUCK_REPEATS sets how many times a rank may")  # fmt: skip
 
     def _publish(self, ranks: list[int]) -> None:
         self.epoch += 1
@@ -244,6 +271,9 @@ class HealQuorum:
             if self.store.check([f"bye/{r}/{self.generation[r]}"]):
                 continue  # ending: its heartbeats stopped on purpose
             count = int(self.store.get(name))
+            if key not in self._beats:  # a new process of this rank: its predecessors' entries go (no growth)
+                for old in [k for k in self._beats if k[0] == r]:
+                    del self._beats[old]
             seen = self._beats.get(key)
             if seen is None or seen[0] != count:
                 self._beats[key] = (count, now)
@@ -252,6 +282,44 @@ class HealQuorum:
                       "(LOOM_HEAL_HEARTBEAT_TIMEOUT_S): dropped and killed", file=sys.stderr, flush=True)  # fmt: skip
                 self.kill(r)
                 self._beats.pop(key)
+
+
+def stuck_place(pid: int, tail: Any, wait_s: float = 3.0) -> str | None:
+    """Ask process ``pid`` (a healing worker: `loom.fault.quorum.STACK_SIGNAL`) to print its stacks, wait up to
+    ``wait_s`` for them in ``tail`` (its last stderr lines, a deque the launcher's pump fills), and return the
+    innermost frame of its main thread (the one running `loom.launch.worker`): ``File "...", line N in f``.
+    None when the process is gone or printed nothing in time."""
+    from loom.fault.quorum import STACK_SIGNAL
+
+    mark = len(tail)
+    try:
+        os.kill(pid, STACK_SIGNAL)
+    except (ProcessLookupError, PermissionError):
+        return None
+    deadline, quiet_since, seen = time.monotonic() + wait_s, time.monotonic(), -1
+    while time.monotonic() < deadline:  # until its stacks are out and the stream has been quiet a moment
+        lines = list(tail)[mark:] if len(tail) >= mark else list(tail)
+        if len(lines) != seen:
+            seen, quiet_since = len(lines), time.monotonic()
+        elif any("most recent call first" in line for line in lines) and time.monotonic() - quiet_since > 0.3:
+            break
+        time.sleep(0.05)
+    return main_thread_place(list(tail)[mark:])
+
+
+def main_thread_place(lines: list[str]) -> str | None:
+    """The innermost frame of the main thread in `faulthandler`'s dump ``lines`` (the thread whose frames pass
+    through `loom.launch.worker`), or None."""
+    blocks: list[list[str]] = []
+    for line in lines:
+        if "most recent call first" in line:
+            blocks.append([])
+        elif blocks and line.strip().startswith("File "):
+            blocks[-1].append(line.strip())
+    for frames in blocks:
+        if frames and any("loom/launch/worker.py" in frame for frame in frames):
+            return frames[0]
+    return None
 
 
 def kill_process(proc: Any) -> None:

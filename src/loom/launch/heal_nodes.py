@@ -166,7 +166,7 @@ class Authority:
         self.orders = [0] * len(sizes)
         self.beats: dict[int, tuple[int, float]] = {}
         self.quorum = HealQuorum(len(self.node_of), policy, job_store, self._restart, self._alive, self._kill)
-        self.grace_s = seconds_setting("LOOM_HEAL_GROUP_TIMEOUT_S", 30.0)
+        self.grace_s = seconds_setting("LOOM_HEAL_GROUP_TIMEOUT_S")
 
     def _alive(self, rank: int) -> bool:
         return rank not in self.quorum.gone and self.running[rank] == self.quorum.generation[rank]
@@ -253,7 +253,7 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     logs.mkdir(parents=True, exist_ok=True)
     server = StoreServer(host, port, secret) if node == 0 else None
     prefix = f"loom/{run_id}/nodes/"
-    lost_after_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", 10.0)
+    lost_after_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
     joining = LoomStore(
         host, port, secret, prefix=prefix, server=server, connect_timeout_s=spec.join_timeout_s
     )

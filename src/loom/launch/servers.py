@@ -223,12 +223,21 @@ def server_processes(
         group.stop()
 
 
-def wait_for_servers(addresses: list[str], timeout_s: float, poll_s: float = 0.5) -> list[str]:
+def wait_for_servers(
+    addresses: list[str], timeout_s: float, poll_s: float = 0.5, notice_s: float = 10.0
+) -> list[str]:
     """The ``ADDR:PORT`` of ``addresses`` that did not accept a TCP connection within ``timeout_s`` (none: all
-    are up). A connection that is closed before ZeroMQ's greeting is dropped by the server unread."""
-    deadline = time.monotonic() + timeout_s
+    are up), saying every ``notice_s`` which ones it still waits for. A connection that is closed before
+    ZeroMQ's greeting is dropped by the server unread."""
+    began = time.monotonic()
+    deadline, notice = began + timeout_s, began + notice_s
     waiting = list(addresses)
     while waiting:
+        if time.monotonic() >= notice:
+            notice += notice_s
+            print(f"loom run: waiting for parameter server(s) {', '.join(waiting)} to accept a connection "
+                  f"({time.monotonic() - began:.0f} s of --join-timeout {timeout_s:g} s); start their host",
+                  file=sys.stderr, flush=True)  # fmt: skip
         for address in list(waiting):
             host, _, port = address.rpartition(":")
             try:

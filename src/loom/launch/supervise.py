@@ -48,8 +48,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from loom.net.store import StoreServer
 
 TICK_S = 0.01
+TAIL_LINES = 400
 
 
 class LauncherStopped(Exception):
@@ -86,15 +88,21 @@ class Worker:
     error_file: Path
     readers: list[threading.Thread]
     reported: bool = False
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    """The last lines of its stderr (its stacks, when the healing launcher asks for them: `loom.launch.heal`)."""
 
 
-def _pump(stream: IO[str], prefix: str, out: IO[str], log_path: Path) -> None:
-    """Copy a worker's stream to ours, each line prefixed with its rank, and to its log file."""
-    with open(log_path, "w") as log:
+def _pump(stream: IO[str], prefix: str, out: IO[str], log_path: Path, tail: deque[str] | None = None) -> None:
+    """Copy a worker's stream to ours, each line prefixed with its rank, and to its log file; close the stream at
+    its end (the launcher keeps each ended worker's record, and an open pipe per stream leaked 2 descriptors per
+    heal)."""
+    with stream, open(log_path, "w") as log:
         for line in iter(stream.readline, ""):
             out.write(prefix + line)
             out.flush()
             log.write(line)
+            if tail is not None:
+                tail.append(line)
 
 
 @dataclass(frozen=True)
@@ -157,16 +165,17 @@ def start_worker(
         proc = subprocess.Popen(
             [sys.executable, *worker_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-    readers = []
+    worker = Worker(rank, proc, error_file, [])
     for stream, out, stream_name in (
         (proc.stdout, sys.stdout, "stdout"),
         (proc.stderr, sys.stderr, "stderr"),
     ):
         log = logs / f"{name}.{stream_name}.log"
-        thread = threading.Thread(target=_pump, args=(stream, f"[rank{rank}]: ", out, log), daemon=True)
+        tail = worker.tail if stream_name == "stderr" else None
+        thread = threading.Thread(target=_pump, args=(stream, f"[rank{rank}]: ", out, log, tail), daemon=True)
         thread.start()
-        readers.append(thread)
-    return Worker(rank, proc, error_file, readers)
+        worker.readers.append(thread)
+    return worker
 
 
 def _exception_of(worker: Worker) -> str | None:
@@ -259,7 +268,7 @@ def _watch_healing(
 ) -> None:  # fmt: skip
     """``--on-worker-failure heal``: the quorum's ticks (`loom.launch.heal`) until every worker has ended;
     raises `_JobFailed` when the job cannot go on healing."""
-    from loom.launch.heal import HealQuorum, JobStops, kill_process
+    from loom.launch.heal import HealQuorum, JobStops, kill_process, stuck_place
     from loom.net.store import LoomStore
 
     current = {w.rank: w for w in workers}
@@ -270,7 +279,8 @@ def _watch_healing(
 
     client = LoomStore(prefix=f"loom/{run_id}/job/", server=store)
     quorum = HealQuorum(len(current), policy, client, restart,
-                        lambda r: current[r].proc.poll() is None, lambda r: kill_process(current[r].proc))  # fmt: skip
+                        lambda r: current[r].proc.poll() is None, lambda r: kill_process(current[r].proc),
+                        lambda r: stuck_place(current[r].proc.pid, current[r].tail))  # fmt: skip
     try:
         while True:
             for w in list(current.values()):

@@ -168,9 +168,12 @@ class RequestHandlers(abc.ABC):
             self._release_pulls(name, shard)
 
     def _grant_pull(self, shard: ModelShard, parked: _Parked) -> None:
+        """Grant a pull; without the values when the worker holds this version already (its push's reply
+        carried them: ``have``), so pulling after each push costs no second copy."""
         slowest = shard.clocks.grant(parked.worker, parked.clock)
         meta = {"version": shard.version, "slowest": slowest}
-        self._reply(parked.identity, parked.frame, meta, shard.dense_values())
+        held = parked.frame.meta.get("have") == shard.version
+        self._reply(parked.identity, parked.frame, meta, None if held else shard.dense_values())
 
     def _pull_rows(self, identity: bytes, frame: Frame) -> None:
         _, shard, _ = self._model(frame)
@@ -183,7 +186,8 @@ class RequestHandlers(abc.ABC):
             shard.check_learning_rates(frame.meta["lrs"])
         clock = int(frame.meta["clock"])
         if clock < shard.clocks.clocks[worker]:  # a resent push that was applied already
-            self._reply(identity, frame, {"version": shard.version, "staleness": 0, "duplicate": True})
+            self._reply(identity, frame, {"version": shard.version, "staleness": 0, "duplicate": True},
+                        _values_if_asked(frame, shard))  # fmt: skip
             return
         parked = _Parked(identity, frame, worker, clock)
         if shard.settings.mode == "sync":
@@ -192,9 +196,8 @@ class RequestHandlers(abc.ABC):
             return
         if _flag(frame):  # a non-finite loss or gradient: the worker sent its flag, not its update
             shard.clocks.pushed(worker, clock)
-            self._reply(
-                identity, frame, {"version": shard.version, "staleness": 0, "flags": [[worker, _flag(frame)]]}
-            )
+            self._reply(identity, frame, {"version": shard.version, "staleness": 0,
+                                          "flags": [[worker, _flag(frame)]]}, _values_if_asked(frame, shard))  # fmt: skip
             self._release_pulls(name, shard)
             return
         staleness = max(0, shard.version - int(frame.meta["version"]))  # < 0 after a restart behind it
@@ -202,7 +205,8 @@ class RequestHandlers(abc.ABC):
         shard.clocks.pushed(worker, clock)
         shard.record_staleness(staleness)
         self._after_update(shard)
-        self._reply(identity, frame, {"version": shard.version, "staleness": staleness})
+        self._reply(identity, frame, {"version": shard.version, "staleness": staleness},
+                    _values_if_asked(frame, shard))  # fmt: skip
         self._release_pulls(name, shard)
 
     def _complete_sync(self, name: str, shard: ModelShard) -> None:
@@ -227,7 +231,9 @@ class RequestHandlers(abc.ABC):
                 self._after_update(shard)
             for w, stale in zip(order, staleness, strict=True):
                 meta = {"version": shard.version, "staleness": stale, "loss_sum": loss_sum, "flags": flags}
-                self._reply(waiting[w].identity, waiting[w].frame, meta)
+                self._reply(
+                    waiting[w].identity, waiting[w].frame, meta, _values_if_asked(waiting[w].frame, shard)
+                )
             del steps[clock]
 
     def _after_update(self, shard: ModelShard) -> None:
@@ -344,6 +350,12 @@ class RequestHandlers(abc.ABC):
         for waiting in self.parked_pushes.pop(name, {}).values():
             for parked in waiting.values():
                 self._error(parked.identity, parked.frame, message)
+
+
+def _values_if_asked(frame: Frame, shard: ModelShard) -> dict[str, Any] | None:
+    """A push's reply carries the parameters after the update when the worker asks (``pull``): its model then
+    holds them when its step returns, at no extra round trip (`loom.parallel.ps.parameter_server`)."""
+    return shard.dense_values() if frame.meta.get("pull") else None
 
 
 def _flag(frame: Frame) -> float:

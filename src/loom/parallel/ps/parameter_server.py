@@ -182,6 +182,9 @@ class ParameterServerJob(Engine):
         """This worker's clock: updates pushed so far."""
         self._params = dict(module.named_parameters())
         self._versions = [0] * len(client.links)
+        self._held = [-1] * len(client.links)
+        """The version of each server's values the module holds (-1: none known), so a pull skips the values
+        it already has (`_pull_dense`)."""
         self._closed = False
         self.guard = StepGuard.start(self.topology, config)
         """The hang watchdog over this worker's pulls and pushes and the non-finite verdict (`loom.train.guard`):
@@ -223,6 +226,7 @@ class ParameterServerJob(Engine):
                     "checkpoint_interval_s > 0), the defaults) and the checkpoint folder ($LOOM_RUN_DIR/ps)"
                 )
             seen = self._versions[server]
+            self._held[server] = -1  # its values are to be pulled again, not assumed
             lost = max(0, seen - resumed)
             self.metrics.server_restarts.append({"server": server, "step": self.step, "time": event["time"],
                                                  "seen_version": seen, "resumed_version": resumed,
@@ -233,13 +237,19 @@ class ParameterServerJob(Engine):
 
     # -- pulling ----------------------------------------------------------------------------------------------
     def _pull_dense(self, peek: bool = False) -> None:
-        replies = self._request(MessageType.PULL, {"clock": self.step, "peek": peek})
-        for server, reply in enumerate(replies):
-            self._versions[server] = int(reply.meta["version"])
+        have = [{"have": v} for v in self._held]  # a server replies without values this module holds already
+        replies = self._request(MessageType.PULL, {"clock": self.step, "peek": peek}, per_server=have)
         if not peek:
             self.metrics.clocks.append((self.step, min(int(r.meta["slowest"]) for r in replies)))
-        for reply in replies:
-            set_pieces(self._params, self.plan, {int(key[1:]): value for key, value in reply.tensors.items()})
+        self._take_values(replies)
+
+    def _take_values(self, replies: list[Any]) -> None:
+        """Note each server's version, and write the values a reply carries into the module."""
+        for server, reply in enumerate(replies):
+            self._versions[server] = int(reply.meta["version"])
+            if reply.tensors:
+                set_pieces(self._params, self.plan, {int(k[1:]): v for k, v in reply.tensors.items()})
+                self._held[server] = self._versions[server]
 
     def _pull_rows(self, name: str, rows: torch.Tensor) -> None:
         """Pull the given rows of sparse table ``name`` from the servers holding them."""
@@ -292,7 +302,7 @@ class ParameterServerJob(Engine):
         servers apply it (in ``sync``, once every worker pushed, unless some worker's flag is set) and reply
         with the versions, the staleness and, in ``sync``, every worker's flag and the step's loss sum."""
         sync = self.config.mode == "sync"
-        meta = {"clock": self.step, "loss_sum": state.loss_sum, "lrs": self._learning_rates()}
+        meta = {"clock": self.step, "loss_sum": state.loss_sum, "lrs": self._learning_rates(), "pull": True}
         if state.flag:
             meta["nonfinite"] = state.flag
         with self.guard.collective("push to the parameter servers"):
@@ -304,8 +314,9 @@ class ParameterServerJob(Engine):
                 else [{} for _ in range(self._num_servers)],
                 per_server=[{"version": v} for v in self._versions],
             )
-        for server, reply in enumerate(replies):
-            self._versions[server] = int(reply.meta["version"])
+        self._take_values(
+            replies
+        )  # the parameters after this step's update (or unchanged, for a skipped step)
         stale = max(int(r.meta.get("staleness", 0)) for r in replies)
         self.metrics.staleness[stale] = self.metrics.staleness.get(stale, 0) + 1
         state.work["staleness"] = stale

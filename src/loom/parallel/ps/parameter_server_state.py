@@ -44,6 +44,7 @@ def worker_state(job: ParameterServerJob) -> dict[str, Any]:
         servers = [{"meta": r.meta["state"], "tensors": dict(r.tensors)} for r in replies]
         for index, server in enumerate(servers):
             job._versions[index] = int(server["meta"]["version"])
+            job._held[index] = -1  # the module's values come from the checkpoint: pull the servers' again
             pieces = {k: v for k, v in server["tensors"].items() if k.startswith("piece.")}
             set_pieces(job._params, job.plan, {int(k.split(".")[1]): v for k, v in pieces.items()})
     else:
