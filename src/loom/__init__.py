@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time each is imported on first use
     from loom import checkpoint, comm, data, errors
-    from loom.fit import FitResult, fit
     from loom.job import Job
     from loom.mesh import Mesh
     from loom.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
@@ -44,6 +43,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each is imp
         TensorParallelConfig,
     )
     from loom.topology import Topology, current, init, shutdown
+    from loom.train.fit import FitResult, fit
 
 __all__ = [
     "DataParallel",
@@ -88,7 +88,7 @@ _LAZY = {
     "DataParallelConfig": "loom.parallel",
     "DiLoCo": "loom.parallel",
     "DiLoCoConfig": "loom.parallel",
-    "FitResult": "loom.fit",
+    "FitResult": "loom.train.fit",
     "Gossip": "loom.parallel",
     "GossipConfig": "loom.parallel",
     "Hybrid": "loom.parallel",
@@ -115,7 +115,7 @@ _LAZY = {
     "current": "loom.topology",
     "data": "loom.data:",
     "errors": "loom.errors:",
-    "fit": "loom.fit",
+    "fit": "loom.train.fit",
     "init": "loom.topology",
     "shutdown": "loom.topology",
 }

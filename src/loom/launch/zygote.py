@@ -46,7 +46,7 @@ MAX_REQUEST = 1 << 20
 """The longest request a zygote reads (the environment and arguments of one worker)."""
 MAX_REPLY = 4096
 """The longest line the launcher reads from its zygote (a pid or an exit status)."""
-WARM = ("torch", "torch.distributed", "numpy.random", "loom.parallel", "loom.fit", "loom.launch.worker",
+WARM = ("torch", "torch.distributed", "numpy.random", "loom.parallel", "loom.train.fit", "loom.launch.worker",
         "torch._dynamo", "torch.nn.parallel", "torch.distributed.elastic.multiprocessing.errors")  # fmt: skip
 """What the zygote imports: what every worker imports first, and what its first optimizer and step import."""
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY_", "TORCH_", "TORCHDYNAMO",
