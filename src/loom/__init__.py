@@ -12,8 +12,6 @@ alone imports no torch, and ``loom.ray`` and ``loom.spark`` (running a job on Ra
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time each is imported on first use
@@ -140,20 +138,6 @@ def __getattr__(name: str) -> object:
         value = getattr(importlib.import_module(where), name)
     globals()[name] = value  # once: later lookups do not come here
     return value
-
-
-class _Package(types.ModuleType):
-    """``loom.fit`` is the function although ``loom/fit.py`` is also a submodule: importing that submodule (which
-    loom's own modules do) sets the package's attribute to the module, and this keeps the function there instead,
-    as importing the function after its module did when ``import loom`` imported everything."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "fit" and isinstance(value, types.ModuleType):
-            value = value.fit
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __dir__() -> list[str]:
