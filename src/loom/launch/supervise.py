@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from loom.errors import LauncherStopped
 from loom.launch.zygote import Zygote
 
 __all__ = [
@@ -71,12 +72,6 @@ if TYPE_CHECKING:
     from loom.net.store import StoreServer
 
 TICK_S = 0.01
-
-
-class LauncherStopped(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 @dataclass
