@@ -243,7 +243,7 @@ class FrameRefused(LoomError, ValueError):
     retryable = False
 
 
-class FrameDropped(LoomError, ValueError):
+class FrameDropped(LoomError):
     """A parameter-server frame was rejected; ``reason`` is the counter it goes to."""
 
     retryable = False
@@ -260,13 +260,13 @@ class PeerLost(LoomError, RuntimeError):
     retryable = True
 
 
-class JobStops(LoomError, RuntimeError):
+class JobStops(LoomError):
     """The job cannot go on healing (past ``--max-heals``, below ``--min-workers``): stop every worker."""
 
     retryable = False
 
 
-class LauncherStopped(LoomError, RuntimeError):
+class LauncherStopped(LoomError):
     """The launcher received ``signum`` (SIGINT, SIGTERM): it stops its workers and exits."""
 
     retryable = False
