@@ -1,6 +1,6 @@
 """Every checkpoint failure line names its errno (issue 37, item 6): an asynchronous save that hits ENOSPC in its
 thread reports ``ENOSPC`` through `AsyncCheckpoint.wait` and through `failure_text`, which the ranks' agreement
-(`loom.fit_checkpoint`) uses for the line the launcher shows."""
+(`loom.train.fit_checkpoint`) uses for the line the launcher shows."""
 
 from __future__ import annotations
 

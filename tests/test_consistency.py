@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import loom
-from loom.fit import DESYNC_EVERY
 from loom.parallel.consistency import model_signature, optimizer_signature
+from loom.train.fit import DESYNC_EVERY
 
 
 def _mlp(activation=nn.Tanh) -> nn.Module:
@@ -89,7 +89,7 @@ def test_fit_checks_replicas_by_default(tmp_path, monkeypatch):
     """With fit's defaults the replicas are compared every `DESYNC_EVERY` steps and before every checkpoint
     (one process has no data group, so the job is given one to compare over and the check is recorded)."""
     assert inspect.signature(loom.fit).parameters["desync_every"].default == DESYNC_EVERY > 0
-    fit_module = sys.modules["loom.fit"]  # `loom.fit` the attribute is the function
+    fit_module = sys.modules["loom.train.fit"]  # `loom.fit` the attribute is the function
     checked: list[int] = []
     monkeypatch.setattr(fit_module, "check_replicas_agree", lambda module, group, step: checked.append(step))
     loom.init()

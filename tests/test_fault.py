@@ -155,7 +155,7 @@ def test_perturbed_replica_is_caught_at_the_next_check(workers):
 def test_fit_refuses_a_bad_desync_interval():
     from test_fit import make_run
 
-    from loom.fit import fit
+    from loom.train.fit import fit
 
     job, loader, _ = make_run()
     with pytest.raises(ValueError, match="desync_every must be an int >= 0"):

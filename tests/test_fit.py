@@ -20,8 +20,8 @@ from loom.checkpoint import (
     read_local_state,
     save_checkpoint,
 )
-from loom.fit import FitResult, fit
 from loom.topology import Topology
+from loom.train.fit import FitResult, fit
 
 SINGLE = Topology(0, 1, 0, 1, "none")
 

@@ -114,7 +114,7 @@ def test_the_real_header_passes_and_forged_ones_are_refused_naming_what_is_wrong
             match=f"sent by member index 0 .*{__import__('re').escape(words)}.*nothing is loaded",
         ):
             check_header(forged(change), model, fresh, 0)
-    assert HealStateRefused.loom_not_retried  # the job stops instead of re-forming into the same sender
+    assert not HealStateRefused.retryable  # the job stops instead of re-forming into the same sender
 
 
 def torch_fresh_optimizer(model):

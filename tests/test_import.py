@@ -23,7 +23,7 @@ def test_importing_loom_changes_no_global_state_and_loads_no_benchmark():
         """
         import sys, signal
         hook, handlers = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        import loom, loom.fit, loom.observe.report, loom.examples.char_gpt
+        import loom, loom.train.fit, loom.observe.report, loom.examples.char_gpt
         assert sys.excepthook is hook, sys.excepthook
         assert {s: signal.getsignal(s) for s in handlers} == handlers
         def benchmarks():

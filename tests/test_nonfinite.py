@@ -13,8 +13,8 @@ from workers.common import make_dataset, make_mlp
 import loom
 from loom.checkpoint import list_checkpoints
 from loom.fault.desync import NonFiniteGuard, NonFiniteStepError, gradients_finite, local_flag
-from loom.fit_checkpoint import NonFiniteStateError, nonfinite_tensors
 from loom.topology import Topology
+from loom.train.fit_checkpoint import NonFiniteStateError, nonfinite_tensors
 
 SINGLE = Topology(0, 1, 0, 1, "none")
 

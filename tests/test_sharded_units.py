@@ -6,10 +6,10 @@ from torch import nn
 from workers.common import make_dataset, make_mlp, make_optimizer, reference_run
 
 import loom
+from loom.checkpoint.sharded_state import full_state_dict
 from loom.parallel.data.sharded_fsdp import default_units
 from loom.parallel.data.sharded_memory import live_tensor_bytes, zero_share
 from loom.parallel.data.sharded_selftest import check_collectives
-from loom.parallel.data.sharded_state import full_state_dict
 from loom.topology import Topology
 
 pytestmark = pytest.mark.unit  # the lane (main's conftest refuses a test without one)

@@ -13,7 +13,7 @@ from conftest import run_workers
 from test_fit import Crash, crash_at, make_run
 
 import loom
-from loom.fit import fit
+from loom.train.fit import fit
 
 tensorboard = pytest.importorskip("tensorboard", reason="needs the tensorboard extra")
 mlflow = pytest.importorskip("mlflow", reason="needs the mlflow extra")

@@ -43,7 +43,7 @@ the launcher's zygote, a rank here does not set torch's threads from it)."""
 WARM_MODULES = (
     "torch", "torch.distributed", "loom", "numpy.random",
     # `import loom` imports its names on first use: what the names bring, imported here once
-    "loom.parallel", "loom.fit", "loom.checkpoint", "loom.comm", "loom.data", "loom.observe.trackers",
+    "loom.parallel", "loom.train.fit", "loom.checkpoint", "loom.comm", "loom.data", "loom.observe.trackers",
     # imported by every rank that builds an optimizer (torch.optim's `_compile` hook imports dynamo, and sympy with
     # it: about 1.4 s of CPU) or wraps DDP; a fresh rank imports them too, later
     "torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms.ddp_comm_hooks", "torch.distributed.nn",

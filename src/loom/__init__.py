@@ -12,13 +12,10 @@ alone imports no torch, and ``loom.ray`` and ``loom.spark`` (running a job on Ra
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time each is imported on first use
     from loom import checkpoint, comm, data, errors
-    from loom.fit import FitResult, fit
     from loom.job import Job
     from loom.mesh import Mesh
     from loom.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
@@ -44,6 +41,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each is imp
         TensorParallelConfig,
     )
     from loom.topology import Topology, current, init, shutdown
+    from loom.train.fit import FitResult, fit
 
 __all__ = [
     "DataParallel",
@@ -88,7 +86,7 @@ _LAZY = {
     "DataParallelConfig": "loom.parallel",
     "DiLoCo": "loom.parallel",
     "DiLoCoConfig": "loom.parallel",
-    "FitResult": "loom.fit",
+    "FitResult": "loom.train.fit",
     "Gossip": "loom.parallel",
     "GossipConfig": "loom.parallel",
     "Hybrid": "loom.parallel",
@@ -115,7 +113,7 @@ _LAZY = {
     "current": "loom.topology",
     "data": "loom.data:",
     "errors": "loom.errors:",
-    "fit": "loom.fit",
+    "fit": "loom.train.fit",
     "init": "loom.topology",
     "shutdown": "loom.topology",
 }
@@ -140,20 +138,6 @@ def __getattr__(name: str) -> object:
         value = getattr(importlib.import_module(where), name)
     globals()[name] = value  # once: later lookups do not come here
     return value
-
-
-class _Package(types.ModuleType):
-    """``loom.fit`` is the function although ``loom/fit.py`` is also a submodule: importing that submodule (which
-    loom's own modules do) sets the package's attribute to the module, and this keeps the function there instead,
-    as importing the function after its module did when ``import loom`` imported everything."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "fit" and isinstance(value, types.ModuleType):
-            value = value.fit
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __dir__() -> list[str]:

@@ -4,27 +4,58 @@ Each also derives from the built-in exception it was before (``ValueError`` for 
 a failed job), so code that caught those still does. Bad arguments to a function are plain ``ValueError`` /
 ``TypeError`` with a message naming the value and the fix; the classes here are the conditions a caller may want to
 tell apart. This module imports nothing of loom's: every layer may raise these.
+
+Retry-ability is declared, not guessed: every class states ``retryable``. True means the same work can succeed
+when done again once the group has re-formed or restarted (a lost or slow peer, a dropped step); False means doing
+it again would meet the same error (bad input, a refused or conflicting state, a bug), so healing stops the job
+instead of re-forming into it. `is_retryable` is the one place that reads it.
 """
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 __all__ = [
+    "SettingError",
+    "ScriptCaptureError",
+    "PlanError",
+    "OutsideCalibration",
+    "BackendSelfTestError",
     "CheckpointError",
     "ClusterSpecError",
     "CorruptCheckpointError",
+    "DifferentBatches",
+    "FrameDropped",
+    "FrameRefused",
+    "HandshakeRefused",
     "HangError",
+    "HealConflict",
+    "HealStateRefused",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "InjectedFault",
+    "JobEnded",
+    "JobStops",
     "JSONLimitError",
+    "LauncherStopped",
+    "LeftOutOfQuorum",
     "LoomError",
     "ModelMismatchError",
     "NoValidCheckpointError",
     "NonFiniteStateError",
     "NonFiniteStepError",
+    "PeerLost",
     "PeerLostError",
     "RayJobFailed",
     "ReplicaDesyncError",
+    "StartRefused",
+    "StepDropped",
+    "StoreNotForTorch",
+    "StoreTimeout",
+    "StoreUnreachable",
     "failure_text",
+    "is_retryable",
 ]
 
 
@@ -54,38 +85,65 @@ def failure_text(error: BaseException) -> str:
 class LoomError(Exception):
     """The base of every error in this module."""
 
+    retryable: bool = False
+    """Whether the same work can succeed when done again after the group re-forms (see the module docstring);
+    every subclass states its own."""
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Whether healing retries a step (or an epoch's forming) that raised ``error``: loom's own errors say so
+    (``retryable``); any other exception (torch's, gloo's, a socket's) is what a lost peer makes its survivors
+    raise, so it is retried."""
+    return error.retryable if isinstance(error, LoomError) else True
+
 
 class HangError(LoomError, RuntimeError):
     """A collective waited longer than the hang timeout (recorded for the launcher; never raised)."""
+
+    retryable = True
 
 
 class PeerLostError(LoomError, RuntimeError):
     """A host of the job stopped answering for longer than the liveness timeout (recorded for the launcher; never
     raised)."""
 
+    retryable = True
+
 
 class ReplicaDesyncError(LoomError, RuntimeError):
     """Replicas that should be identical hold different parameters."""
+
+    retryable = False
 
 
 class NonFiniteStepError(LoomError, FloatingPointError):
     """A step's loss or gradient was non-finite, under policy ``"stop"`` or too many steps in a row."""
 
+    retryable = False
+
 
 class ModelMismatchError(LoomError, ValueError):
     """The model or optimizer is not the same on every process."""
+
+    retryable = False
 
 
 class ClusterSpecError(LoomError, ValueError):
     """A malformed cluster spec; the message names the field and the fix."""
 
+    retryable = False
+
 
 class CheckpointError(LoomError, RuntimeError):
     """A checkpoint could not be written or read."""
 
+    retryable = False
+
 
 class CorruptCheckpointError(CheckpointError):
     """One checkpoint is damaged; ``path`` is the file (or directory) found wrong, ``reason`` says how."""
+
+    retryable = False
 
     def __init__(self, path: Path, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
@@ -96,19 +154,196 @@ class CorruptCheckpointError(CheckpointError):
 class NoValidCheckpointError(CheckpointError):
     """Checkpoints exist in the directory, but none of them is intact."""
 
+    retryable = False
+
 
 class NonFiniteStateError(CheckpointError):
     """The state to checkpoint holds NaN or infinite values: it is not written (the previous checkpoint stays)."""
 
+    retryable = False
+
 
 class RayJobFailed(LoomError, RuntimeError):
     """A job on Ray failed after its replacements; the message names the rank and what happened to it."""
+
+    retryable = False
 
 
 class JSONLimitError(LoomError, ValueError):
     """JSON that breaks one of the `loom.checkpoint.limits.ReadLimits`; ``field`` names it, so a message can say
     what to raise."""
 
+    retryable = False
+
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+# -- healing (`loom.fault.quorum`, `loom.parallel.data.healing`, `loom.train.heal_state`) -----------------------
+class StepDropped(LoomError, RuntimeError):
+    """The commit vote said drop: no member applied the step; it is retried by the next epoch's members."""
+
+    retryable = True
+
+
+class LeftOutOfQuorum(LoomError, RuntimeError):
+    """This worker was not in the epoch it waited for (too slow to check in): it ends and is replaced.
+    `loom.launch.worker` ends the process with ``exit_status`` (`loom.fault.quorum.LEFT_OUT_STATUS`), not as an
+    error; not retried by this process (it leaves; its replacement joins)."""
+
+    retryable = False
+    exit_status = 75
+    """sysexits' EX_TEMPFAIL, "try again": the launcher replaces the worker as it does a killed one."""
+
+
+class JobEnded(LoomError, RuntimeError):
+    """Another member finished the job (exited 0, the launcher marked ``q/end``) while this one waited for an
+    epoch to train another step: this process's loop runs more steps than theirs (an own loop that counts its
+    epochs from 0 in a replacement, which starts at the committed step). No epoch will form again."""
+
+    retryable = False
+
+
+class HealConflict(LoomError, RuntimeError):
+    """The members of a new epoch claim committed steps more than one apart: copying the highest would spread
+    whatever the member claiming it holds (`HealingJob._adopt_epoch`). Not retried: the job stops, naming each claim."""
+
+    retryable = False
+
+
+class DifferentBatches(LoomError, ValueError):
+    """The members were given different batches for one step (a loader sharded by rank): not retried."""
+
+    retryable = False
+
+
+class HealStateRefused(LoomError, ValueError):
+    """The state a member sent does not fit this process's model and optimizer (a wrong or lying sender): nothing
+    is loaded, and the job stops (not retried: the same sender would send it again)."""
+
+    retryable = False
+
+
+class InjectedFault(LoomError, RuntimeError):
+    """The ``raise`` fault of `loom.fault.inject`: an error inside a step (the step must be dropped on every
+    member, and retried)."""
+
+    retryable = True
+
+
+# -- starting a job (`loom.parallel`) ---------------------------------------------------------------------------
+class StartRefused(LoomError, ValueError):
+    """A job refused to start under the launcher's settings, the same on every rank. `loom.launch.worker` prints
+    it as one line, without a traceback, and the launcher names it once."""
+
+    retryable = False
+
+
+class BackendSelfTestError(LoomError, RuntimeError):
+    """The backend's collectives did not give the values they must; training would be silently wrong."""
+
+    retryable = False
+
+
+# -- the wire (`loom.net`, `loom.comm`, `loom.ps`) --------------------------------------------------------------
+class StoreUnreachable(LoomError, RuntimeError):
+    """The store did not answer in time, refused the job secret, or closed the connection."""
+
+    retryable = True
+
+
+class StoreTimeout(LoomError, RuntimeError):
+    """A wait for keys ran past its timeout (the store answered; the keys did not appear)."""
+
+    retryable = True
+
+
+class HandshakeRefused(LoomError, RuntimeError):
+    """The other side of a handshake did not prove the job secret, or refused ours."""
+
+    retryable = False
+
+
+class FrameRefused(LoomError, ValueError):
+    """A gossip frame header that does not belong on its connection (the message says why)."""
+
+    retryable = False
+
+
+class FrameDropped(LoomError):
+    """A parameter-server frame was rejected; ``reason`` is the counter it goes to."""
+
+    retryable = False
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# -- launching (`loom.launch`) ----------------------------------------------------------------------------------
+class PeerLost(LoomError, RuntimeError):
+    """This node cannot reach a node of its job (or the job's store), or a node did not join in time."""
+
+    retryable = True
+
+
+class JobStops(LoomError):
+    """The job cannot go on healing (past ``--max-heals``, below ``--min-workers``): stop every worker."""
+
+    retryable = False
+
+
+class LauncherStopped(LoomError):
+    """The launcher received ``signum`` (SIGINT, SIGTERM): it stops its workers and exits."""
+
+    retryable = False
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StoreNotForTorch(LoomError, RuntimeError):
+    """A torch ``TCPStore`` (or a ``tcp://`` rendezvous that cannot be served) pointed at loom's store."""
+
+    retryable = False
+
+
+# -- loom.horovod: Horovod's names ------------------------------------------------------------------------------
+class HorovodInternalError(LoomError, RuntimeError):
+    """A collective failed inside the engine (Horovod's name, a RuntimeError as there); retried as Horovod's is:
+    ``hvd.elastic.run`` resumes from the last commit once loom has restarted the group."""
+
+    retryable = True
+
+
+class HostsUpdatedInterrupt(LoomError, RuntimeError):  # noqa: N818 - Horovod's name
+    """Horovod raises this when hosts join or leave an elastic job; under loom a changed job is a restart."""
+
+    retryable = True
+
+
+# -- settings and the planner (`loom.settings`, `loom.plan`) --------------------------------------------------
+class SettingError(LoomError, ValueError):
+    """A ``LOOM_*`` variable whose value loom refuses (one line: the name, the value, the fix)."""
+
+    retryable = False
+
+
+class ScriptCaptureError(LoomError, ValueError):
+    """``loom plan`` could not capture the script: it built no model, or raised before handing it over."""
+
+    retryable = False
+
+
+class OutsideCalibration(LoomError, ValueError):
+    """A prediction would need a measurement the plan did not make (a batch size, a message size)."""
+
+    retryable = False
+
+
+class PlanError(LoomError, ValueError):
+    """``loom plan``: bad input or a failed measurement (one line, with the fix)."""
+
+    retryable = False

@@ -18,14 +18,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from loom.errors import SettingError
+
 __all__ = ["SETTINGS", "Setting", "SettingError", "check_environment", "setting"]
 
 _LONGEST_S = 30 * 86400.0
 """The longest time any setting may name (30 days): longer is a typo, and overflows some waits."""
-
-
-class SettingError(ValueError):
-    """A ``LOOM_*`` variable whose value loom refuses (one line: the name, the value, the fix)."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ for _ in range(50):
     check_replicas_agree(job.module, job.mesh.group("dp"), step=job.step)
     checks.append(time.perf_counter() - started)
 try:
-    from loom.fit import DESYNC_EVERY as every
+    from loom.train.fit import DESYNC_EVERY as every
 except ImportError:
     every = 100
 step_s, check_s = statistics.median(times), statistics.median(checks)

@@ -20,12 +20,12 @@ from torch.utils.data import TensorDataset
 
 import loom
 from loom.checkpoint import pack_state
-from loom.fit_checkpoint import FitCheckpointer
+from loom.train.fit_checkpoint import FitCheckpointer
 
 try:
-    from loom.fit_resume import resume_fit
+    from loom.train.fit_resume import resume_fit
 except ImportError:  # loom before per-rank checkpoint files (main at 48d3567), for the "before" figures
-    from loom.fit_checkpoint import resume_fit  # type: ignore[attr-defined,no-redef]
+    from loom.train.fit_checkpoint import resume_fit  # type: ignore[attr-defined,no-redef]
 
 directory, width = Path(sys.argv[1]), int(sys.argv[2])
 use_async = len(sys.argv) > 3 and sys.argv[3] == "async"

@@ -21,7 +21,7 @@ from torch import nn
 
 import loom
 from loom.checkpoint import pack_state
-from loom.fit import fit
+from loom.train.fit import fit
 
 topo = loom.init()
 args = sys.argv[1:]

@@ -79,7 +79,7 @@ DIE_IN_SAVE = int(os.environ.get("HP_DIE_IN_SAVE", "0"))
 if DIE_IN_SAVE and gen == 0:  # the checkpoint's writer SIGKILLed after its file, before the manifest
     import signal
 
-    from loom import fit_checkpoint
+    from loom.train import fit_checkpoint
 
     publish = fit_checkpoint.publish
 

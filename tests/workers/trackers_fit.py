@@ -18,7 +18,7 @@ from torch import nn
 
 import loom
 from loom.comm.counters import counters
-from loom.fit import fit
+from loom.train.fit import fit
 
 os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow >= 3.7's opt-in for its directory store
 root = Path(sys.argv[1])

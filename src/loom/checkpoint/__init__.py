@@ -11,7 +11,7 @@ A checkpoint becomes visible only once all of it is on disk (`loom.checkpoint.st
 loading one reads within stated bounds (`loom.checkpoint.load`) and falls back past anything damaged or crafted
 (`loom.checkpoint.find`); `save_checkpoint_async` takes the snapshot immediately and writes it in the
 background. State that differs per process is stored one file per rank in the same checkpoint: written by
-each process into the staging directory under `loom.fit` (`loom.fit_checkpoint`), or handed to one writer
+each process into the staging directory under `loom.fit` (`loom.train.fit_checkpoint`), or handed to one writer
 packed (``local_states=``, `pack_state`); read back with `read_local_state` or `read_checkpoint_part`.
 """
 

@@ -3,7 +3,7 @@ loom checkpoint, in one process, without a process group.
 
 A replicated job's checkpoint (`DataParallel` and the others whose state is the same on every rank) holds the
 model in its shared state (``job.model``); a `ShardedDataParallel` checkpoint holds it in pieces, one file per
-rank, each piece with its bounds (`loom.parallel.data.sharded_state`), reassembled here one rank's file at a time.
+rank, each piece with its bounds (`loom.checkpoint.sharded_state`), reassembled here one rank's file at a time.
 Other sharded jobs (pipeline stages, tensor shards) keep their parts in layouts of their own and are refused,
 naming the fix. ``CHECKPOINT`` is a checkpoint directory of `loom.fit` (its newest intact checkpoint is
 exported) or one ``step-N`` directory in it. The output is a plain safetensors file of contiguous tensors:
@@ -43,7 +43,7 @@ def _newest(directory: Path) -> tuple[Path, int, dict[str, Any]]:
 
 def model_state_dict(checkpoint: str | os.PathLike) -> tuple[int, dict[str, torch.Tensor]]:
     """``(step, state dict)`` of the whole model in ``checkpoint`` (a `loom.fit` directory or one checkpoint)."""
-    from loom.parallel.data.sharded_state import full_state_dict, is_sharded_part  # the format of its parts
+    from loom.checkpoint.sharded_state import full_state_dict, is_sharded_part
 
     path, step, state = _newest(Path(checkpoint))
     job = state.get("job")

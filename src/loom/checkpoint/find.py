@@ -2,7 +2,7 @@
 
 `load_checkpoint` is the one-process entry point: it verifies each candidate whole (`loom.checkpoint.load
 .read_checkpoint`). `loom.fit` walks the same `checkpoint_candidates` with every rank reading only its own
-part and the ranks agreeing on each verdict (`loom.fit_checkpoint`). The ``latest`` pointer is read with the
+part and the ranks agreeing on each verdict (`loom.train.fit_checkpoint`). The ``latest`` pointer is read with the
 same care as the files (no link, at most `ReadLimits.max_pointer_bytes`); when it is unusable, loading warns
 and starts from the newest checkpoint instead.
 """

@@ -23,6 +23,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, fields
 
+from loom.errors import FrameRefused
+
 __all__ = ["BUSY", "COPY", "EXCHANGE", "HEADER", "MAGIC", "REPLY", "VERSION", "FrameRefused", "PeerStats",
            "header", "read_header"]  # fmt: skip
 
@@ -30,10 +32,6 @@ HEADER = struct.Struct(">4sBBHIQQQQ")
 MAGIC, VERSION = b"LMGP", 1
 EXCHANGE, COPY, REPLY, BUSY = 1, 2, 3, 4
 REQUESTS, ANSWERS = frozenset({EXCHANGE, COPY}), frozenset({REPLY, BUSY})
-
-
-class FrameRefused(ValueError):
-    """A header that does not belong on its connection (the message says why)."""
 
 
 def header(kind: int, sender: int, seq: int, layout: int, length: int, answered: int = 0) -> bytes:

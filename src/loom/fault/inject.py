@@ -37,6 +37,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from loom.errors import InjectedFault
 from loom.settings import setting
 
 __all__ = ["ENV", "GENERATION_ENV", "PHASES", "InjectedFault", "fault_point", "parse_faults"]
@@ -46,10 +47,6 @@ GENERATION_ENV = "LOOM_HEAL_GENERATION"
 PHASES = ("before", "during", "after", "commit", "send", "join")
 KINDS = ("kill", "freeze", "raise", "slow")
 _FORM = re.compile(r"(?P<kind>[a-z]+)@(?P<rank>\d+):(?P<step>\d+):(?P<phase>[a-z]+)(?:#(?P<gen>\d+))?")
-
-
-class InjectedFault(RuntimeError):
-    """The ``raise`` fault: an error inside a step (the step must be dropped on every member)."""
 
 
 @dataclass(frozen=True)

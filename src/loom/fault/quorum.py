@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loom.errors import JobEnded, LeftOutOfQuorum, StepDropped
 from loom.settings import setting
 
 __all__ = [
@@ -55,27 +56,10 @@ HEARTBEAT_S = 0.5
 """Seconds between a worker's heartbeats (the launcher's timeout is ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``)."""
 
 
-class StepDropped(RuntimeError):
-    """The commit vote said drop: no member applied the step; it is retried by the next epoch's members."""
-
-
-LEFT_OUT_STATUS = 75
+LEFT_OUT_STATUS = LeftOutOfQuorum.exit_status
 """The exit status of a worker told to leave the quorum (`LeftOutOfQuorum`; 75 is sysexits' EX_TEMPFAIL, "try
 again"): the launcher replaces it as it does a killed worker, while any other non-zero status is the script's own
 error and stops the job (`loom.launch.heal`)."""
-
-
-class LeftOutOfQuorum(RuntimeError):
-    """This worker was not in the epoch it waited for (too slow to check in): it ends and is replaced.
-    `loom.launch.worker` ends the process with `LEFT_OUT_STATUS` (``loom_exit_status``), not as an error."""
-
-    loom_exit_status = LEFT_OUT_STATUS
-
-
-class JobEnded(RuntimeError):
-    """Another member finished the job (exited 0, the launcher marked ``q/end``) while this one waited for an
-    epoch to train another step: this process's loop runs more steps than theirs (an own loop that counts its
-    epochs from 0 in a replacement, which starts at the committed step). No epoch will form again."""
 
 
 def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> dist.ProcessGroup:

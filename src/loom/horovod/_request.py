@@ -9,11 +9,9 @@ from typing import Any
 
 import torch
 
+from loom.errors import HorovodInternalError
+
 __all__ = ["HorovodInternalError", "Request"]
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed inside the engine (Horovod's name, a RuntimeError as there)."""
 
 
 @dataclass

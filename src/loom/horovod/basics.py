@@ -19,6 +19,7 @@ import threading
 import torch.distributed as dist
 
 import loom
+from loom.errors import HostsUpdatedInterrupt
 from loom.horovod import _engine
 
 __all__ = [
@@ -68,10 +69,6 @@ Max = 4
 Product = 5
 
 HorovodInternalError = _engine.HorovodInternalError
-
-
-class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
-    """Horovod raises this when hosts join or leave an elastic job; under loom a changed job is a restart."""
 
 
 def refuse(feature: str, hint: str = "") -> NotImplementedError:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.errors import JobStops
 from loom.fault.quorum import LEFT_OUT_STATUS
 from loom.settings import setting
 
@@ -83,10 +84,6 @@ def exit_kind(status: int) -> str:
     if status == 0:
         return "finished"
     return "lost" if status < 0 or status == LEFT_OUT_STATUS else "error"
-
-
-class JobStops(Exception):
-    """The job cannot go on healing (past ``--max-heals``, below ``--min-workers``): stop every worker."""
 
 
 @dataclass

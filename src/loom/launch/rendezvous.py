@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
+from loom.errors import PeerLost
 from loom.net.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable
 
 __all__ = ["BEAT_S", "LOST_AFTER_GRACE_S", "LoomRendezvous", "PeerLost"]
@@ -53,10 +54,6 @@ report (which names ranks and what they were doing) comes first when they can gi
 
 
 _SETTING = f" (LOOM_LIVENESS_TIMEOUT_S + {LOST_AFTER_GRACE_S:g} s, or LOOM_HANG_TIMEOUT_S if shorter)"
-
-
-class PeerLost(RuntimeError):
-    """This node cannot reach a node of its job (or the job's store), or a node did not join in time."""
 
 
 class LoomRendezvous(RendezvousHandler):

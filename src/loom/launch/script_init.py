@@ -34,6 +34,8 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from loom.errors import StoreNotForTorch
+
 # The module, not the function of the same name that torch.distributed exports over it.
 torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
 
@@ -43,10 +45,6 @@ _FIX = (
     "HINT: call torch.distributed.init_process_group() with the default init_method (env://): under `loom run` "
     "it joins loom's authenticated store; or call loom.init(). A TCPStore of your own needs a port of its own"
 )
-
-
-class StoreNotForTorch(RuntimeError):
-    """A torch ``TCPStore`` (or a ``tcp://`` rendezvous that cannot be served) pointed at loom's store."""
 
 
 _installed: dict[str, Any] = {}

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from loom.errors import LauncherStopped
 from loom.launch.zygote import Zygote
 
 __all__ = [
@@ -73,12 +74,6 @@ if TYPE_CHECKING:
 
 TICK_S = 0.01
 TAIL_LINES = 400
-
-
-class LauncherStopped(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 @dataclass

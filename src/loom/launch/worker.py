@@ -1,11 +1,10 @@
 """Entry point of every worker process `loom run` starts: ``python -m loom.launch.worker [-m] TARGET ARGS``.
 
 Runs the user's script as ``__main__`` and, if it raises, records the exception in the file the elastic agent
-reads (so the launcher can name the failing rank and its error). An exception marked ``loom_start_refusal``
-(`loom.parallel._setup.StartRefused`: a job that refuses the launcher's settings) is printed as one line. An
-exception that carries ``loom_exit_status`` (`loom.fault.quorum.LeftOutOfQuorum`: the healing quorum told this
-worker to leave) is no error either: one line, and the process ends with that status, which the launcher reads as
-"replace me" (any other non-zero status is the script's own error, `loom.launch.heal`). The worker also asks the
+reads (so the launcher can name the failing rank and its error). A `loom.errors.StartRefused` (a job that
+refuses the launcher's settings) is printed as one line. A `loom.errors.LeftOutOfQuorum` (the healing quorum told
+this worker to leave) is no error either: one line, and the process ends with its ``exit_status`` (75), which the
+launcher reads as "replace me" (any other non-zero status is the script's own error, `loom.launch.heal`). The worker also asks the
 kernel to kill it if the launcher dies, so no worker outlives its job even when the launcher is killed with SIGKILL.
 Before the script runs, its own ``torch.distributed.init_process_group()`` is routed to the job's store
 (`loom.launch.script_init`), so a script written for torchrun runs unported.
@@ -52,6 +51,7 @@ def _run(argv: list[str]) -> None:
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from loom.errors import LeftOutOfQuorum, StartRefused
     from loom.launch.script_init import install
 
     die_with_parent()
@@ -59,13 +59,12 @@ def main() -> None:
     try:
         record(_run)(sys.argv[1:])  # records an exception for the launcher, then raises it again
     except Exception as error:
-        status = getattr(error, "loom_exit_status", None)
-        if isinstance(status, int):  # told to leave (healing): ended on purpose, not a bug
+        if isinstance(error, LeftOutOfQuorum):  # told to leave (healing): ended on purpose, not a bug
             print(f"loom: rank {os.environ.get('RANK', '?')}: {error}", file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(status)
-        if not getattr(error, "loom_start_refusal", False):
+            os._exit(error.exit_status)
+        if not isinstance(error, StartRefused):
             raise
         # A refusal at start-up (the same on every rank) is a message, not a bug: one line, no traceback, and
         # no exit barrier with peers that refuse too.

@@ -21,7 +21,7 @@ from loom.settings import setting
 
 __all__ = ["PER_RANK", "ROOM", "STARTUP_PREFIXES", "WARM", "exit_code", "finish", "main", "reaped", "retitle"]
 
-WARM = ("torch", "torch.distributed", "numpy.random", "loom.parallel", "loom.fit", "loom.launch.worker",
+WARM = ("torch", "torch.distributed", "numpy.random", "loom.parallel", "loom.train.fit", "loom.launch.worker",
         "torch._dynamo", "torch.nn.parallel", "torch.distributed.elastic.multiprocessing.errors")  # fmt: skip
 """What the zygote imports: what every worker imports first, and what its first optimizer and step import."""
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY_", "TORCH_", "TORCHDYNAMO",

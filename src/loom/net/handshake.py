@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Callable
 
+from loom.errors import HandshakeRefused
 from loom.net.auth import mac, same_proof
 
 __all__ = ["HandshakeRefused", "NONCE_BYTES", "answer_handshake", "dial_handshake", "read_exact"]
@@ -35,10 +36,6 @@ def read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
             raise ConnectionError("the peer closed the connection during the handshake")
         data += chunk
     return bytes(data)
-
-
-class HandshakeRefused(RuntimeError):
-    """The other side of a handshake did not prove the job secret, or refused ours."""
 
 
 def dial_handshake(

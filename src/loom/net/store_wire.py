@@ -9,6 +9,8 @@ import struct
 import time
 from collections.abc import Sequence
 
+from loom.errors import StoreTimeout, StoreUnreachable
+
 __all__ = ["StoreTimeout", "StoreUnreachable"]
 
 _HELLO = b"LOOMKV01"
@@ -17,14 +19,6 @@ _MAX_FIELDS = 1 << 20
 _OK, _TIMEOUT, _ERROR = 0, 1, 2
 (_SET, _GET, _ADD, _CHECK, _WAIT, _MULTI_GET, _MULTI_SET, _DELETE, _NUM_KEYS, _COMPARE_SET, _APPEND,
  _PING) = range(1, 13)  # fmt: skip
-
-
-class StoreUnreachable(RuntimeError):
-    """The store did not answer in time, refused the job secret, or closed the connection."""
-
-
-class StoreTimeout(RuntimeError):
-    """A wait for keys ran past its timeout (the store answered; the keys did not appear)."""
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:

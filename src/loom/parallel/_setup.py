@@ -8,16 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.errors import StartRefused
 from loom.train.batch import LossCall
 
 __all__ = ["HEALS", "SURVIVE_LOST_WORKER", "StartRefused", "check_failure_policy", "check_setup_arguments"]
-
-
-class StartRefused(ValueError):
-    """A job refused to start under the launcher's settings, the same on every rank. `loom.launch.worker` prints
-    it as one line, without a traceback (``loom_start_refusal``), and the launcher names it once."""
-
-    loom_start_refusal = True
 
 
 SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(mode='ssp')"

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.errors import ScriptCaptureError
+
 __all__ = ["CapturedScript", "ScriptCaptureError", "capture_script"]
 
 _STRATEGIES = (
@@ -34,10 +36,6 @@ _STRATEGIES = (
     "LocalSGD", "DiLoCo",
 )  # fmt: skip
 """Every strategy class of `loom.parallel` whose ``setup`` returns a job (`loom.parallel.__all__`)."""
-
-
-class ScriptCaptureError(ValueError):
-    """The script could not be planned: it built no model, or raised before handing it over (one line)."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loom.errors import PlanError
 from loom.plan.capture import CapturedScript, capture_script
 from loom.plan.configs import CODECS, Configuration, batch_sizes, candidates
 from loom.plan.cost import Prediction, predict
@@ -29,10 +30,6 @@ from loom.plan.recommend import Ranked, last_errors, rank, record_errors
 from loom.plan.transport import Transport
 
 __all__ = ["PlanError", "PlanResult", "Verification", "plan", "verify"]
-
-
-class PlanError(ValueError):
-    """Bad input or a failed measurement: one line, with the fix."""
 
 
 @dataclass

@@ -29,14 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.errors import OutsideCalibration
 from loom.observe.memory import state_bytes
 from loom.plan.capture import CapturedScript
 
 __all__ = ["BatchProfile", "LayerProfile", "ModelProfile", "OutsideCalibration", "profile_model"]
-
-
-class OutsideCalibration(ValueError):
-    """A prediction would need a measurement the plan did not make (a batch size, a message size)."""
 
 
 @dataclass(frozen=True)

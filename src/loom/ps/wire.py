@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from loom.errors import FrameDropped
 from loom.net.auth import job_secret, mac_stream, same_proof
 
 __all__ = [
@@ -102,14 +103,6 @@ class WireLimits:
     @property
     def max_frame(self) -> int:
         return HEADER.size + self.max_meta + self.max_payload + MAC_BYTES
-
-
-class FrameDropped(Exception):
-    """A frame was rejected; ``reason`` is the counter it goes to."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 @dataclass

@@ -58,9 +58,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from loom.errors import LeftOutOfQuorum, StepDropped, is_retryable
 from loom.fault.desync import NonFiniteStepError, local_flag
 from loom.fault.inject import fault_point
-from loom.fault.quorum import LeftOutOfQuorum, StepDropped
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.observe.straggler_watch import StragglerWatch
@@ -129,7 +129,9 @@ class Engine(Job):
             except (LeftOutOfQuorum, NonFiniteStepError):
                 raise  # left out: this process ends; non-finite under "stop": every member raises the same
             except Exception as error:
-                if getattr(error, "loom_not_retried", False):
+                if not is_retryable(
+                    error
+                ):  # `loom.errors.LoomError.retryable`: the retry would meet it again
                     raise
                 drops += 1
                 committed = quorum.committed >= number
@@ -167,7 +169,7 @@ class Engine(Job):
                 self._adopt_epoch()
                 return
             except Exception as error:
-                if getattr(error, "loom_not_retried", False):
+                if not is_retryable(error):
                     raise  # (`loom.parallel.data.healing.HealConflict`: re-forming would meet it again)
                 print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} failed while forming ({error}); "
                       "re-forming", file=sys.stderr, flush=True)  # fmt: skip

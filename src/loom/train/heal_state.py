@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.errors import HealStateRefused
 from loom.fault.inject import fault_point
 
 __all__ = [
@@ -39,13 +40,6 @@ __all__ = [
 MAX_HEADER_BYTES = 64 << 20
 """Bound on the JSON header a member receives (its size is the first thing broadcast): a few hundred bytes per
 optimizer state entry; the bound keeps a wrong or lying size from allocating the machine's memory."""
-
-
-class HealStateRefused(ValueError):
-    """The state a member sent does not fit this process's model and optimizer (a wrong or lying sender): nothing
-    is loaded, and the job stops (not retried: the same sender would send it again)."""
-
-    loom_not_retried = True
 
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,

@@ -37,6 +37,7 @@ from torch import nn
 
 from loom.data.sampler import share_bounds
 from loom.devices import place_model
+from loom.errors import DifferentBatches, HealConflict, is_retryable
 from loom.fault.desync import gradients_finite
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum
@@ -60,19 +61,6 @@ __all__ = [
 
 _ALONE = Topology(0, 1, 0, 1, "none")
 HealingJobT = TypeVar("HealingJobT", bound="HealingJob")
-
-
-class HealConflict(RuntimeError):
-    """The members of a new epoch claim committed steps more than one apart: copying the highest would spread
-    whatever the member claiming it holds (`HealingJob._adopt_epoch`). Not retried: the job stops, naming each claim."""
-
-    loom_not_retried = True
-
-
-class DifferentBatches(ValueError):
-    """The members were given different batches for one step (a loader sharded by rank): not retried."""
-
-    loom_not_retried = True
 
 
 def batch_fingerprint(batch: Any) -> int:
@@ -326,7 +314,7 @@ def join_first_epoch(job: HealingJobT) -> HealingJobT:
     try:
         job._adopt_epoch()
     except Exception as error:
-        if getattr(error, "loom_not_retried", False):  # (HealConflict, HealStateRefused)
+        if not is_retryable(error):  # (HealConflict, HealStateRefused)
             raise
         print(f"loom: rank {job.topology.rank}: first epoch failed while forming ({error}); re-forming",
               file=sys.stderr, flush=True)  # fmt: skip

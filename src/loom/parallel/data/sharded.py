@@ -31,7 +31,7 @@ At setup: rank 0's parameters and buffers are broadcast (as DDP does), the repli
 same model and optimizer, and the backend passes a self-test of the collectives (`sharded_selftest`).
 
 State: each rank's part holds its pieces under the original parameter names with their bounds
-(`loom.parallel.data.sharded_state`), so a checkpoint resumes at any world size (``reshards``: `loom.fit` hands
+(`loom.checkpoint.sharded_state`), so a checkpoint resumes at any world size (``reshards``: `loom.fit` hands
 `load_resharded` every rank's part), and ``loom export`` writes the whole model from it without processes.
 
 Limits: parameters must be contiguous; the optimizer elementwise (stage 1 steps pieces; stages 2 and 3 step
@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.checkpoint.sharded_state import ShardLayout, load_pieces, rank_state
 from loom.config_docs import document_options
 from loom.devices import place_model, refuse_shared_gpu
 from loom.fault.desync import GRADIENT_FLAG
@@ -64,7 +65,6 @@ from loom.parallel.data.data_parallel import DataParallelConfig, DataParallelJob
 from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
 from loom.parallel.data.sharded_fsdp import FsdpLayout, shard_model
 from loom.parallel.data.sharded_selftest import run_self_test
-from loom.parallel.data.sharded_state import ShardLayout, load_pieces, rank_state
 from loom.topology import Topology, current
 from loom.train.batch import LossCall, batch_len, forward_loss, to_device
 from loom.train.options import config_from
@@ -297,7 +297,7 @@ class ShardedDataParallelJob(DataParallelJob):
 
     # -- state ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part: its pieces with their bounds (`loom.parallel.data.sharded_state`)."""
+        """This rank's part: its pieces with their bounds (`loom.checkpoint.sharded_state`)."""
         topo = self.topology
         return rank_state(
             self.layout,

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.checkpoint.sharded_state import Piece
 from loom.comm import all_reduce
 from loom.comm._reduce import group_rank_and_size
 from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
-from loom.parallel.data.sharded_state import Piece
 
 __all__ = ["ELEMENTWISE", "FlatShards", "check_elementwise"]
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from loom.checkpoint.sharded_state import Piece
 from loom.fault.desync import gradients_finite
-from loom.parallel.data.sharded_state import Piece
 
 if TYPE_CHECKING:  # imported where used: FSDP2 and DTensor cost ~0.9 s of CPU at import, in every process
     from torch.distributed.device_mesh import DeviceMesh

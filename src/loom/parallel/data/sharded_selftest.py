@@ -20,12 +20,9 @@ from torch import nn
 
 from loom.comm import all_reduce
 from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
+from loom.errors import BackendSelfTestError
 
 __all__ = ["BackendSelfTestError", "check_collectives", "run_self_test"]
-
-
-class BackendSelfTestError(RuntimeError):
-    """The backend's collectives did not give the values they must; training would be silently wrong."""
 
 
 def _describe(got: torch.Tensor, mean: torch.Tensor, total: torch.Tensor) -> str:

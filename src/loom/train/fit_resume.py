@@ -1,4 +1,4 @@
-"""Resuming `loom.fit` from its checkpoints (written by `loom.fit_checkpoint`, which has the format's story).
+"""Resuming `loom.fit` from its checkpoints (written by `loom.train.fit_checkpoint`, which has the format's story).
 
 Each rank reads the shared files and its own file only (`loom.checkpoint.read_checkpoint_part`); after each
 candidate (newest first, `loom.checkpoint.find.checkpoint_candidates`) the ranks all-gather ``(step, verdict)``,
@@ -26,9 +26,9 @@ from loom.checkpoint import (
 from loom.checkpoint.find import checkpoint_candidates, no_valid_checkpoint
 from loom.checkpoint.tree import flatten_state
 from loom.fault.resize import resize_factor, scale_learning_rate
-from loom.fit_checkpoint import all_gather_ints
 from loom.job import Job
 from loom.topology import Topology
+from loom.train.fit_checkpoint import all_gather_ints
 
 __all__ = ["resume_fit"]
 

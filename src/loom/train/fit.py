@@ -13,7 +13,7 @@ uninterrupted one. ``steps`` and ``epochs`` are totals for the whole run, not fo
 
 Rank 0 writes each checkpoint, with every rank's RNG state and its local state (gradient compression's error
 feedback, restored when the world size is unchanged); the ranks agree that the write succeeded. See
-`loom.fit_checkpoint` for who writes what, how ranks resume, and why restored error feedback does not yet reach
+`loom.train.fit_checkpoint` for who writes what, how ranks resume, and why restored error feedback does not yet reach
 `DataParallel`'s first step after a resume.
 
 Every strategy's job runs here: `fit` uses only the `loom.job.Job` contract. Jobs whose state differs per rank
@@ -34,7 +34,7 @@ by default every `DESYNC_EVERY` steps and before every checkpoint, for jobs whos
 
 Non-finite steps: strategies do not apply a step whose loss or gradient is NaN or infinite on some rank (see
 `loom.fault.desync.NonFiniteGuard`; `FitResult.skipped_steps` counts them), and no checkpoint with non-finite
-values is written (`loom.fit_checkpoint`), so the kept checkpoints are all finite.
+values is written (`loom.train.fit_checkpoint`), so the kept checkpoints are all finite.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loom.fault.desync import check_replicas_agree
-from loom.fit_checkpoint import FitCheckpointer
-from loom.fit_resume import resume_fit
 from loom.job import Job
 from loom.observe.progress import ProgressBar
 from loom.observe.trackers import FitTrackers
+from loom.train.fit_checkpoint import FitCheckpointer
+from loom.train.fit_resume import resume_fit
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -22,7 +22,7 @@ local state is dropped, with a line on stderr saying so when it holds tensors: r
 that kept them, and there is no meaningful way to share them among a different number of ranks (the codecs
 start from zero).
 
-Resuming (`loom.fit_resume`): each rank reads the shared files and its own file only, and the ranks agree on
+Resuming (`loom.train.fit_resume`): each rank reads the shared files and its own file only, and the ranks agree on
 each candidate's verdict, so damage in any rank's file makes every rank fall back together.
 
 Non-finite state is never written: before a checkpoint every rank that writes state checks it (rank 0 the

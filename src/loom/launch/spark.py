@@ -1,0 +1,290 @@
+"""Run a loom training function or script on Spark, one process per barrier task, as ``TorchDistributor`` does.
+
+```python
+import loom.spark
+
+def train(steps):
+    import loom
+    loom.init()
+    job = loom.DataParallel().setup(model, optimizer, loss_fn)
+    ...
+    return job.state_dict()["model"]          # rank 0's value comes back
+
+state = loom.spark.run(train, 100, num_processes=4, local_mode=False)   # or run("train.py", "--steps", "100")
+```
+
+``local_mode=False`` starts a Spark barrier stage of ``num_processes`` tasks (all scheduled at once, or none; a
+failed task fails the stage). Each task starts one worker process with loom's environment: ``RANK`` (its
+partition), ``WORLD_SIZE``, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (among the tasks on its host),
+``MASTER_ADDR``/``MASTER_PORT`` (task 0's host, from the barrier context's task infos, and the port of the job's
+store), ``GLOO_SOCKET_IFNAME`` (the interface holding the task's address) and ``LOOM_STORE_PREFIX``, so
+`loom.init` meets the others in loom's authenticated store (`loom.net.store`), which task 0 hosts for the
+stage's lifetime on its own address, not torch's unauthenticated ``TCPStore``. When every task runs on one host
+(a ``local[N]`` master, or one executor host) the store, ``MASTER_ADDR`` and gloo (``GLOO_SOCKET_IFNAME``) use
+127.0.0.1 and its interface instead, as ``loom run`` does on one node, so nothing of loom's listens beyond the host
+(Spark's own driver listens where ``spark.driver.bindAddress`` says: 127.0.0.1 is the setting for one host). The data is read by the function
+itself (a dataset on shared storage): loom's loader shards one global order over the ranks, so no rank is tied
+to a Spark partition.
+
+The job secret (``LOOM_JOB_SECRET``) is made per run by task 0 (``secrets.token_hex(32)``) and handed to the
+other tasks through the barrier's ``allGather``, which travels over Spark's own RPC (authenticated and encrypted
+only when the cluster sets ``spark.authenticate`` and ``spark.network.crypto.enabled``; a warning says so on a
+cluster without them). A task gives it to its worker on the worker's stdin, a pipe only that process reads: never
+in a command line (world-readable in ``/proc``), a file or the Spark worker's own environment (Python workers
+are reused by later tasks); the worker puts it into its own environment for loom's sockets. It is never logged.
+
+``local_mode=True`` (the default, as for ``TorchDistributor``) runs ``loom run -n N`` on the driver, without
+Spark tasks: the launcher makes the secret and hands it to its workers as always.
+
+A function, its arguments and rank 0's return value cross as cloudpickle (how Spark ships Python functions and
+``TorchDistributor`` returns values) through files in a private temporary folder (mode 0700) on the host that
+runs the worker; a script must exist at the same path on every executor. Each worker's output is prefixed
+``[rankK]: ``; a failed worker fails the run with its rank, exit status and last lines. Workers die with their
+Spark task (``PR_SET_PDEATHSIG`` through `loom.launch.worker`). ``TorchDistributor`` itself also runs loom
+scripts: it starts ``torchrun``, whose environment `loom.init` reads (``env://``; no job secret there, so loom's
+own ring links fall back to gloo's).
+
+Needs ``pyspark`` (``pip install 'loom-train[spark]'``) and the classic (non-Connect) API: ``RDD.barrier``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import runpy
+import secrets
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run"]
+
+_TAIL_LINES = 40
+
+
+def run(
+    train: Callable[..., Any] | str,
+    *args: Any,
+    num_processes: int = 1,
+    local_mode: bool = True,
+    spark: Any = None,
+    run_dir: str | Path | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``train(*args, **kwargs)`` (a function) or ``python train *args`` (a script path) as ``num_processes``
+    loom ranks; returns rank 0's return value of a function, None for a script.
+
+    ``local_mode``: True runs the ranks on the driver (`loom run`); False, one per task of a Spark barrier
+    stage on ``spark`` (default: the active session). ``run_dir``: ``LOOM_RUN_DIR`` of every rank (logs,
+    step records; a path every executor can write for ``local_mode=False``); default: none for barrier tasks,
+    a temporary folder removed afterwards for ``local_mode=True``.
+    """
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
+    if isinstance(train, str):
+        if kwargs:
+            raise TypeError(
+                f"a script takes command-line arguments only; got keyword arguments {sorted(kwargs)}"
+            )
+        if not Path(train).is_file():
+            raise FileNotFoundError(f"training script {train!r} does not exist")
+        train = str(Path(train).resolve())
+    elif not callable(train):
+        raise TypeError(f"train must be a function or a script path, got {type(train).__name__}")
+    if local_mode:
+        return _run_on_driver(train, args, kwargs, num_processes, run_dir)
+    return _run_on_barrier_tasks(train, args, kwargs, num_processes, spark, run_dir)
+
+
+# -- local_mode=True: `loom run -n N` on the driver ---------------------------------------------------------
+def _run_on_driver(train, args, kwargs, num_processes: int, run_dir) -> Any:
+    import cloudpickle
+
+    with tempfile.TemporaryDirectory(prefix="loom-spark-") as private:
+        run_dir = Path(run_dir) if run_dir is not None else Path(private, "run")
+        cmd = [sys.executable, "-u", "-m", "loom.cli", "run", "-n", str(num_processes),
+               "--run-dir", str(run_dir)]  # fmt: skip
+        if isinstance(train, str):
+            cmd += [train, *map(str, args)]
+        else:
+            call, result = Path(private, "call.pkl"), Path(private, "result.pkl")
+            call.write_bytes(cloudpickle.dumps((train, args, kwargs)))
+            cmd += ["-m", "loom.launch.spark", "--call", str(call), "--result", str(result)]
+        _stream(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+            ),
+            "",
+            "loom run",
+        )
+        if isinstance(train, str):
+            return None
+        return cloudpickle.loads(result.read_bytes())
+
+
+def _stream(proc: subprocess.Popen, prefix: str, what: str) -> None:
+    """Copy ``proc``'s output to ours (each line after ``prefix``); raise naming ``what`` if it fails."""
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+        status = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if status != 0:
+        raise RuntimeError(
+            f"loom.spark: {what} failed with exit status {status}; its last lines:\n{''.join(tail)}"
+        )
+
+
+# -- local_mode=False: one rank per barrier task ------------------------------------------------------------
+def _run_on_barrier_tasks(train, args, kwargs, num_processes: int, spark, run_dir) -> Any:
+    import cloudpickle
+    from pyspark.sql import SparkSession
+
+    session = spark if spark is not None else SparkSession.getActiveSession()
+    if session is None:
+        raise ValueError("local_mode=False needs a SparkSession: pass spark= or create one first")
+    conf = session.sparkContext.getConf()
+    master = conf.get("spark.master", "")
+    if not master.startswith("local") and conf.get("spark.network.crypto.enabled", "false") != "true":
+        print("loom.spark: warning: spark.network.crypto.enabled is off, so the job secret crosses Spark's RPC "
+              "unencrypted; set spark.authenticate and spark.network.crypto.enabled on a shared network",
+              file=sys.stderr)  # fmt: skip
+    payload = cloudpickle.dumps((train, args, kwargs)) if callable(train) else None
+    script = None if callable(train) else (train, [str(a) for a in args])
+    task = _barrier_task(payload, script, num_processes, None if run_dir is None else str(run_dir))
+    rdd = session.sparkContext.parallelize(range(num_processes), num_processes)
+    results = rdd.barrier().mapPartitions(task).collect()
+    if payload is None:
+        return None
+    return cloudpickle.loads(results[0])
+
+
+def _barrier_task(payload: bytes | None, script, num_processes: int, run_dir: str | None):
+    """The function each barrier task runs (shipped by Spark; everything it needs is in its closure)."""
+
+    def task(_: Iterator[int]) -> Iterator[bytes]:
+        from pyspark import BarrierTaskContext
+
+        from loom.net.interfaces import interface_of
+        from loom.net.store import StoreServer
+
+        context = BarrierTaskContext.get()
+        rank = context.partitionId()
+        hosts = [info.address.rsplit(":", 1)[0] for info in context.getTaskInfos()]
+        if len(hosts) != num_processes:
+            raise RuntimeError(f"loom.spark: rank {rank}: the barrier stage has {len(hosts)} tasks, "
+                               f"expected {num_processes}")  # fmt: skip
+        # One host (Spark's local mode, or a cluster that placed every task on one executor host): everything
+        # listens on loopback, as under `loom run`, never on the address Spark's driver advertises.
+        addresses = ["127.0.0.1"] * len(hosts) if len(set(hosts)) == 1 else hosts
+        server = None
+        note = ""
+        if rank == 0:
+            secret = secrets.token_hex(32)
+            server = StoreServer(addresses[0], 0, bytes.fromhex(secret))
+            note = json.dumps(
+                {"port": server.port, "secret": secret, "prefix": f"loom-spark-{uuid.uuid4().hex}/"}
+            )
+        try:
+            shared = json.loads(context.allGather(note)[0])
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(num_processes),
+                LOCAL_RANK=str(hosts[:rank].count(hosts[rank])),
+                LOCAL_WORLD_SIZE=str(hosts.count(hosts[rank])),
+                MASTER_ADDR=addresses[0],
+                MASTER_PORT=str(shared["port"]),
+                LOOM_STORE_PREFIX=shared["prefix"],
+                PYTHONUNBUFFERED="1",
+            )
+            env.setdefault("OMP_NUM_THREADS", "1")
+            env.pop("LOOM_JOB_SECRET", None)
+            interface = interface_of(addresses[rank]) if sys.platform.startswith("linux") else None
+            if interface is not None:
+                env["GLOO_SOCKET_IFNAME"] = interface
+            if run_dir is not None:
+                env["LOOM_RUN_DIR"] = run_dir
+            result = _run_worker(rank, payload, script, env, shared["secret"])
+            context.barrier()  # task 0 keeps the store until every worker is done with it
+        finally:
+            if server is not None:
+                server.close()
+        if rank == 0 and result is not None:
+            yield result
+
+    return task
+
+
+def _run_worker(rank: int, payload: bytes | None, script, env: dict[str, str], secret: str) -> bytes | None:
+    """Start this task's worker, hand it the secret on stdin, stream its output; rank 0's pickled result."""
+    with tempfile.TemporaryDirectory(prefix="loom-spark-") as private:
+        worker = ["-m", "loom.launch.worker", "-m", "loom.launch.spark", "--secret-on-stdin"]
+        cmd = [sys.executable, "-u", *worker]
+        result = Path(private, "result.pkl")
+        if payload is not None:
+            call = Path(private, "call.pkl")
+            call.write_bytes(payload)
+            cmd += ["--call", str(call), "--result", str(result)]
+        else:
+            cmd += ["--script", script[0], *script[1]]
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            errors="replace", env=env,
+        )  # fmt: skip
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(secret + "\n")
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the worker died at start; _stream reports its status and output
+        _stream(proc, f"[rank{rank}]: ", f"rank {rank}'s worker")
+        return result.read_bytes() if payload is not None and rank == 0 else None
+
+
+# -- the worker process: python -m loom.launch.worker -m loom.launch.spark ... ----------------------------
+def _worker_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m loom.launch.spark", description="a loom.spark worker (internal)"
+    )
+    parser.add_argument("--secret-on-stdin", action="store_true")
+    parser.add_argument("--call", type=Path)
+    parser.add_argument("--result", type=Path)
+    parser.add_argument("--script")
+    ns, rest = parser.parse_known_args(argv)
+    if ns.secret_on_stdin:
+        from loom.net.store import job_secret
+
+        line = sys.stdin.readline(1024).strip()
+        job_secret(line)  # raises, without echoing it, unless it is a proper secret
+        os.environ["LOOM_JOB_SECRET"] = line
+    if ns.script is not None:
+        sys.argv = [ns.script, *rest]
+        sys.path.insert(0, os.path.dirname(ns.script))
+        runpy.run_path(ns.script, run_name="__main__")
+        return
+    import cloudpickle
+
+    function, args, kwargs = cloudpickle.loads(ns.call.read_bytes())
+    value = function(*args, **kwargs)
+    if os.environ.get("RANK", "0") == "0":
+        partial = ns.result.with_suffix(".partial")
+        partial.write_bytes(cloudpickle.dumps(value))
+        partial.replace(ns.result)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])
