@@ -286,10 +286,11 @@ def test_with_learning_stopped_replicas_converge_to_their_initial_mean_over_poin
     # the initial ones, and no distance between two of them can exceed the initial diameter. The estimate (the
     # distance at the last exchange with each peer) is compared with that diameter, not with the rank's own first
     # estimates: those depend on which neighbour answered first (a near one makes them small), which is timing.
-    diameter = torch.cdist(initial, initial).max()
+    diameter = (initial[:, None] - initial[None]).norm(dim=-1).max()
     for r in results:
         spreads = r["spreads"]
-        assert len(spreads) == 60 and max(spreads) <= diameter * (1 + 1e-9), (r["rank"], spreads)
+        # 1e-5: the exchange measures its distance on the float32 parameters, the diameter is float64 here
+        assert len(spreads) == 60 and max(spreads) <= diameter * (1 + 1e-5), (r["rank"], spreads)
         # After every rank's 60 exchanges the last one on each edge came after dozens of averaging rounds.
         assert r["stats"]["spread"] < 0.1 * diameter, (r["rank"], r["stats"]["spread"], float(diameter))
         stats = r["stats"]

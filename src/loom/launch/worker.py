@@ -17,6 +17,8 @@ import os
 import runpy
 import signal
 import sys
+import time
+import traceback
 
 _PR_SET_PDEATHSIG = 1
 
@@ -48,6 +50,30 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def _atomic_error_handler():
+    """torch's error-file writer, writing the file whole or not at all: torch's opens the file (emptying it) and
+    then writes, so a worker stopped meanwhile (the agent's SIGTERM to the group, while it records its own
+    exception) left an empty file, and the agent died reading it (``JSONDecodeError``) instead of restarting."""
+    import json
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    class AtomicErrorHandler(ErrorHandler):
+        def record_exception(self, e: BaseException) -> None:
+            path = self._get_error_file_path()
+            if not path:
+                return super().record_exception(e)  # torch logs it
+            data = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": {
+                "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}  # fmt: skip
+            fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".error-")
+            with os.fdopen(fd, "w") as out:
+                json.dump(data, out)
+            os.replace(temporary, path)
+
+    return AtomicErrorHandler()
+
+
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -57,7 +83,9 @@ def main() -> None:
     die_with_parent()
     install()  # the script's own init_process_group() joins loom's store (no-op outside `loom run`)
     try:
-        record(_run)(sys.argv[1:])  # records an exception for the launcher, then raises it again
+        record(_run, _atomic_error_handler())(
+            sys.argv[1:]
+        )  # records an exception for the launcher, raises it
     except Exception as error:
         if isinstance(error, LeftOutOfQuorum):  # told to leave (healing): ended on purpose, not a bug
             print(f"loom: rank {os.environ.get('RANK', '?')}: {error}", file=sys.stderr)
