@@ -55,6 +55,7 @@ from loom.launch.supervise import (
     worker_env,
 )
 from loom.launch.zygote import Zygote
+from loom.settings import setting
 
 __all__ = ["Authority", "NodeAgent", "heal_across_nodes"]
 
@@ -288,6 +289,12 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     agent: NodeAgent | None = None
     try:
         zygote.start()
+        # This node's agent beats while its zygote imports torch (10 s and more on a loaded host): a fork waits
+        # for that, and node 0 would meanwhile drop this node as lost after LOOM_HEAL_HEARTBEAT_TIMEOUT_S.
+        ready_by = time.monotonic() + float(setting("LOOM_ZYGOTE_READY_S"))
+        while not zygote.settled and time.monotonic() < ready_by:
+            link("add", f"{node}/hb", 1)
+            time.sleep(AGENT_BEAT_S)
         agent = NodeAgent(node, first, spec.nproc, link, start)
         if server is None:
             return _follow(agent, link, host, port)

@@ -158,6 +158,11 @@ class Zygote:
         self._sock = ours
         threading.Thread(target=self._read, daemon=True, name="loom-zygote-reader").start()
 
+    @property
+    def settled(self) -> bool:
+        """Whether a `fork` would not wait for the zygote's imports: it is off, ready, or gone."""
+        return not self.enabled or self.proc is None or self._ready or self._dead
+
     def command(self) -> list[str]:
         """The command a fresh worker runs, which a forked one stands for."""
         return [sys.executable, *self.interpreter, "-m", "loom.launch.worker", *self.args]
