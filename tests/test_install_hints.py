@@ -34,7 +34,7 @@ def _loom_targets(line: str) -> list[str]:
 def test_the_distribution_is_loom_train_and_the_command_loom():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; loom supports 3.10)
     assert re.search(r'^name = "([^"]+)"', text, re.M).group(1) == DISTRIBUTION
-    assert re.search(r'^\[project\.scripts\]\nloom = "loom\.cli:main"$', text, re.M)
+    assert re.search(r'^\[project\.scripts\]\nloom = "loom\.cli:console"$', text, re.M)
 
 
 @pytest.mark.unit

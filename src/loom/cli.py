@@ -428,5 +428,14 @@ def main(argv: list[str] | None = None) -> int:
     return handlers[ns.command](ns)
 
 
+def console() -> None:
+    """The ``loom`` command: `main`, then an exit without freeing torch object by object (~0.7 s of CPU after
+    every ``loom run``); atexit handlers still run and every open file is flushed (`zygote_process.finish`).
+    An exception from `main` takes the interpreter's usual way out."""
+    from loom.launch.zygote_process import finish
+
+    finish(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -200,7 +200,7 @@ def main() -> None:
             continue
         got = read_request(sock)
         if got is None:  # the launcher is done: its workers have ended
-            return
+            finish(0)  # without freeing torch object by object: ~0.7 s of CPU the launcher would wait for
         request, fds = got
         pid = None
         if alone:
