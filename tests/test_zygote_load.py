@@ -121,8 +121,8 @@ ONCE = textwrap.dedent(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "nproc, ready_s, policy",
-    [(1, "120", "restart"), (4, "120", "continue"), (1, "4", "restart"), (4, "4", "restart")],
-    ids=["n1-waited", "n4-waited", "n1-bypassed", "n4-bypassed"],
+    [(1, "120", "restart"), (4, "120", "continue"), (1, "4", "restart")],
+    ids=["n1-waited", "n4-waited", "n1-bypassed"],  # bypassed at -n 1: the issue's case of a rank run twice
 )
 def test_loom_run_starts_each_rank_once_however_slow_the_zygote(tmp_path, burner, nproc, ready_s, policy):
     """The issue's reproduction (a zygote 35 s late ran rank 0 twice), shortened: the zygote is 12 s late; it is
