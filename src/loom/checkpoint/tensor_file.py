@@ -15,6 +15,7 @@ most the header, and a genuine file costs its tensors' memory plus the header, o
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 from typing import Any, BinaryIO
@@ -93,7 +94,23 @@ def read_tensor_file(
     file: BinaryIO, size: int, limits: ReadLimits
 ) -> tuple[dict[str, str], dict[str, torch.Tensor], str]:
     """``(metadata, tensors, sha256)`` of the safetensors file ``file`` of ``size`` bytes (read from its
-    start), or ``ValueError`` saying what is wrong before anything beyond the header is allocated."""
+    start), or ``ValueError`` saying what is wrong before anything beyond the header is allocated.
+
+    The cyclic garbage collector is paused meanwhile: the header's entries and the tensors are acyclic, and a
+    header of ~14,000 entries (the most the limits admit) otherwise triggers collections over every object of
+    the process (0.45 -> 0.30 s here for that header)."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _read_tensor_file(file, size, limits)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _read_tensor_file(
+    file: BinaryIO, size: int, limits: ReadLimits
+) -> tuple[dict[str, str], dict[str, torch.Tensor], str]:
     digest = hashlib.sha256()
     if size < 8:
         raise ValueError(f"{size} bytes, too short for a safetensors header")
@@ -114,17 +131,18 @@ def read_tensor_file(
     metadata, layout = _layout(header, size - 8 - length)
     tensors = {}
     for name, dtype, shape, nbytes in layout:
-        raw = torch.empty(nbytes, dtype=torch.uint8)
-        view = raw.numpy().data
-        filled = 0
-        while filled < nbytes:
-            count = file.readinto(view[filled:])  # type: ignore[attr-defined]
-            if not count:
-                raise ValueError(f"ended inside tensor {name!r} (changed while being read)")
-            filled += count
-        digest.update(view)
-        try:
-            tensors[name] = raw.view(dtype).reshape(shape)
+        try:  # one tensor object each (not bytes, a view and a reshape: ~35 -> ~12 us a tensor; 14k in a header)
+            tensor = torch.empty(shape, dtype=dtype)
         except RuntimeError as err:  # e.g. a shape of zero elements whose strides overflow
             raise ValueError(f"tensor {name!r}: cannot be shaped {shape} ({err})") from None
+        if nbytes:
+            view = tensor.reshape(-1).view(torch.uint8).numpy().data
+            filled = 0
+            while filled < nbytes:
+                count = file.readinto(view[filled:])  # type: ignore[attr-defined]
+                if not count:
+                    raise ValueError(f"ended inside tensor {name!r} (changed while being read)")
+                filled += count
+            digest.update(view)
+        tensors[name] = tensor
     return metadata, tensors, digest.hexdigest()
