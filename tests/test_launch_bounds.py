@@ -14,8 +14,8 @@ import pytest
 from conftest import free_port
 
 from loom import cli
-from loom.launch.agent import LaunchSpec
 from loom.launch.bounds import MAX_NPROC_PER_CORE, default_max_nproc, json_nesting_depth
+from loom.launch.spec import LaunchSpec
 from loom.launcher_env import read_launcher_env
 
 CLI_TIMED = """

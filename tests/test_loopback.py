@@ -26,7 +26,7 @@ pytestmark = pytest.mark.system
 
 def external_address() -> str | None:
     """A non-loopback IPv4 address of this host (the one Spark's driver would advertise), or None."""
-    from loom.launch.agent import interface_of
+    from loom.net.interfaces import interface_of
 
     for _, name in socket.if_nameindex():
         if name == "lo":

@@ -10,7 +10,7 @@ from conftest import run_workers
 
 from loom.observe.report import load_records
 from loom.observe.stragglers import StragglerConfig, StragglerDetector
-from loom.observe.trace import merge_traces, parse_steps
+from loom.observe.trace import merge_traces, merge_traces_and_say, parse_steps
 
 STEPS = 16
 TRACE = (5, 8)
@@ -128,3 +128,19 @@ def test_trace_is_chrome_json_with_every_rank_and_collective_in_the_window(obser
         together = any(e["name"].startswith("all_reduce gradients and loss #") for e in collectives)
         assert len(collectives) == (1 if together else 2) * (TRACE[1] - TRACE[0] + 1)
     assert seqs[0] == seqs[1]  # the same collectives, numbered alike on both ranks
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_the_launchers_say_where_the_merged_timeline_is_or_why_not(tmp_path, capsys):
+    merge_traces_and_say(tmp_path, "loom run")  # no traces: nothing to say
+    assert capsys.readouterr().err == ""
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "rank0.json").write_text(
+        json.dumps({"traceEvents": [{"name": "a", "ph": "i", "pid": 0}]})
+    )
+    merge_traces_and_say(tmp_path, "loom run")
+    assert capsys.readouterr().err == f"loom run: timeline written to {tmp_path / 'trace.json'}\n"
+    (tmp_path / "trace" / "rank1.json").write_text("{not json")
+    merge_traces_and_say(tmp_path, "loom")
+    assert capsys.readouterr().err.startswith("loom: could not merge the trace files: ")

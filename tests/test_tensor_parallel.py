@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from loom.examples.char_gpt import Block, CharGPT
-from loom.parallel.tensor.tensor_parallel import TensorParallelConfig, apply_tensor_parallel, auto_plan
 from loom.parallel.tensor.tensor_parallel_layers import TensorParallelComm
+from loom.parallel.tensor.tensor_parallel_shard import TensorParallelConfig, apply_tensor_parallel, auto_plan
 
 
 @pytest.mark.multiprocess

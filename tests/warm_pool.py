@@ -33,7 +33,7 @@ import sys
 import threading
 from pathlib import Path
 
-from loom.launch import zygote as launcher_zygote
+from loom.launch import zygote_process as launcher_zygote
 
 STARTUP_PREFIXES = (*launcher_zygote.STARTUP_PREFIXES, "HOROVOD_")
 """Variables read when the interpreter, torch or OpenMP start (the launcher's zygote's list, and loom's Horovod
@@ -201,7 +201,7 @@ class _Zygote:
 
 def _child(request: dict) -> None:
     """In the forked child: become ``python script args``, run the script, and end as the interpreter would
-    (`loom.launch.zygote.finish`); never returns."""
+    (`loom.launch.zygote_process.finish`); never returns."""
     import runpy
 
     os.setsid()

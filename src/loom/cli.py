@@ -183,7 +183,8 @@ def _device_env(ns: argparse.Namespace, nproc: int | None) -> str | None:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from loom.launch.agent import LaunchSpec, launch
+    from loom.launch.agent import launch
+    from loom.launch.spec import LaunchSpec
 
     errors, warnings = (
         check_environment()

@@ -173,7 +173,7 @@ def measure_overhead(
     options: list[str] | None = None,
 ) -> dict:
     """Run the workers (as ranks of one job, without the launcher) and write the report files."""
-    from loom.launch.agent import free_port
+    from loom.launch.spec import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()

@@ -15,8 +15,8 @@ from torch import nn
 import loom
 from loom.examples.char_gpt import Block
 from loom.mesh import Mesh
-from loom.parallel.tensor.tensor_parallel import apply_tensor_parallel
 from loom.parallel.tensor.tensor_parallel_layers import TensorParallelComm
+from loom.parallel.tensor.tensor_parallel_shard import apply_tensor_parallel
 
 topo = loom.init()
 mesh = Mesh(tp=topo.world_size)

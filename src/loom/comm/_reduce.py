@@ -63,12 +63,6 @@ def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    """The global rank of the process at ``group_rank`` in a group made by ``new_group`` (kept for callers that
-    name processes globally; loom's own point-to-point calls address group ranks, see `exchange`)."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
 def rank_for_messages(group: dist.ProcessGroup | None) -> int:
     """The rank an error should name: the global one where there is a default group, else the rank in ``group``."""
     if dist.is_available() and dist.is_initialized():

@@ -43,13 +43,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import hashlib
 import os
 import queue
 import select
 import socket
-import struct
 import threading
 import time
 import warnings
@@ -60,6 +58,7 @@ import torch.distributed as dist
 from loom.comm._reduce import backend_name, exchange, group_rank_and_size, host_key
 from loom.net.auth import job_secret
 from loom.net.handshake import HandshakeRefused, answer_handshake, dial_handshake
+from loom.net.interfaces import interface_address
 
 __all__ = [
     "CONNECTION_TIMEOUT_S",
@@ -85,7 +84,6 @@ MAX_PENDING_HANDSHAKES = 64
 """Handshakes a listener runs at once; one more evicts the oldest (`PendingHandshakes`)."""
 
 _HELLO = b"LOOMRNG1"
-_SIOCGIFADDR = 0x8915
 
 
 class RingLink:
@@ -202,14 +200,7 @@ def _job_secret(me: int) -> bytes | None:
 def _listen_address() -> str:
     """IPv4 address of the first interface in GLOO_SOCKET_IFNAME, else loopback."""
     name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
-    if name:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-                return socket.inet_ntoa(raw[20:24])
-            except OSError:
-                pass
-    return "127.0.0.1"
+    return (interface_address(name) if name else None) or "127.0.0.1"
 
 
 def _swap(payload: bytes, to: int, frm: int, group: dist.ProcessGroup | None) -> bytes:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from loom.net.interfaces import route_address
+
 __all__ = ["STORE_CALL_S", "host_description", "open_side_channel"]
 
 STORE_CALL_S = 3.0
@@ -57,10 +59,8 @@ def host_description() -> str:
     address = socket.gethostname()
     master = os.environ.get("MASTER_ADDR")
     if master:
-        # A UDP "connect" sends nothing: it only asks the kernel which local address routes to the master.
-        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((master, 9))
-            local = probe.getsockname()[0]
+        with contextlib.suppress(OSError):
+            local = route_address(master)
             if not local.startswith("127."):
                 address = local
     node = os.environ.get("GROUP_RANK")

@@ -29,12 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-from loom.launch.spec import LaunchSpec, endpoint_and_addr, free_port, master_host_port, run_id_of, secret_of
+from loom.launch.spec import LaunchSpec, endpoint_and_addr, run_id_of, secret_of
 from loom.net.interfaces import interface_of
+from loom.observe.trace import merge_traces_and_say
 
-# LaunchSpec, free_port and master_host_port live in `loom.launch.spec` (the options and their checks); they are
-# re-exported here, where callers have always found them.
-__all__ = ["LaunchSpec", "launch", "free_port", "master_host_port"]
+__all__ = ["launch"]
 
 
 def _worker_env(spec: LaunchSpec, local_addr: str) -> None:
@@ -162,7 +161,7 @@ def launch(spec: LaunchSpec) -> int:
     finally:
         rendezvous.shutdown()  # idempotent; the agent calls it too, but not if it failed before starting
         if spec.trace_steps:
-            _merge_traces(spec.run_dir)
+            merge_traces_and_say(spec.run_dir, "loom run")
     server_restarts = servers.restarts if servers is not None else 0
     print(summary_line(spec, time.monotonic() - started, restarts, server_restarts), file=sys.stderr)
     return 0
@@ -238,20 +237,7 @@ def _supervised(spec: LaunchSpec, run_id: str) -> int:
             )
     finally:
         if spec.trace_steps:
-            _merge_traces(spec.run_dir)
+            merge_traces_and_say(spec.run_dir, "loom run")
     if status:
         print(f"loom run: worker logs are in {logs}", file=sys.stderr)
     return status
-
-
-def _merge_traces(run_dir: Path) -> None:
-    """Combine the workers' per-rank traces into ``RUN_DIR/trace.json`` (Perfetto / chrome://tracing)."""
-    from loom.observe.trace import merge_traces
-
-    try:
-        merged = merge_traces(run_dir)
-    except (OSError, ValueError) as error:
-        print(f"loom run: could not merge the trace files: {error}", file=sys.stderr)
-        return
-    if merged is not None:
-        print(f"loom run: timeline written to {merged}", file=sys.stderr)

@@ -274,7 +274,7 @@ def pick_host(spec: ClusterSpec, index: int | None) -> int:
 
 def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
     """Run host ``index`` of ``spec``: the launcher for a worker host, the parameter servers for a server host.
-    ``options`` are the other `loom.launch.agent.LaunchSpec` fields (target, args, run_dir, ...)."""
+    ``options`` are the other `loom.launch.spec.LaunchSpec` fields (target, args, run_dir, ...)."""
     host = spec.hosts[index]
     if options.get("on_worker_failure") == "continue" and spec.server_addresses:
         print("loom run: --on-worker-failure continue runs one node with its parameter servers beside it; a cluster "
@@ -291,7 +291,8 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
         return _serve(
             spec, index, options.get("join_timeout_s", 120.0), options["run_dir"], options.get("max_nproc")
         )
-    from loom.launch.agent import LaunchSpec, launch
+    from loom.launch.agent import launch
+    from loom.launch.spec import LaunchSpec
 
     workers = spec.workers
     try:
@@ -322,8 +323,8 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
 
 def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, max_nproc: int | None) -> int:
     """A server host: its servers run until node 0's store, once reached, is gone."""
-    from loom.launch.agent import master_host_port
     from loom.launch.servers import _prefix_lines, _stop
+    from loom.launch.spec import master_host_port
     from loom.net.store import LoomStore, StoreUnreachable, job_secret
 
     try:

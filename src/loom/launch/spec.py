@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loom.launch.bounds import check_nproc
+from loom.net.interfaces import route_address
 
-__all__ = ["LaunchSpec", "endpoint_and_addr", "free_port", "master_host_port", "route_address", "run_id_of",
+__all__ = ["LaunchSpec", "endpoint_and_addr", "free_port", "master_host_port", "run_id_of",
            "secret_of"]  # fmt: skip
 
 
@@ -181,13 +182,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def route_address(host: str) -> str:
-    """This host's address on the route to ``host`` (a UDP "connect" sends nothing, it only picks a route)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
 
 
 def endpoint_and_addr(spec: LaunchSpec) -> tuple[str, int, str]:

@@ -43,35 +43,11 @@ import threading
 import time
 from typing import IO, Any
 
-from loom.launch.zygote_process import (  # the zygote's side, re-exported where callers have found it
-    _FD_ENV,
-    _ROOM_ENV,
-    PER_RANK,
-    ROOM,
-    STARTUP_PREFIXES,
-    WARM,
-    exit_code,
-    finish,
-    main,
-    reaped,
-    retitle,
-)
-from loom.launch.zygote_wire import MAX_REPLY, MAX_REQUEST, send_request
+from loom.launch.zygote_process import _FD_ENV, _ROOM_ENV, PER_RANK, ROOM, STARTUP_PREFIXES
+from loom.launch.zygote_wire import MAX_REPLY, send_request
 from loom.settings import setting
 
-__all__ = [
-    "MAX_REQUEST",
-    "PER_RANK",
-    "STARTUP_PREFIXES",
-    "WARM",
-    "Forked",
-    "Zygote",
-    "finish",
-    "main",
-    "reaped",
-    "exit_code",
-    "retitle",
-]
+__all__ = ["Forked", "Zygote"]
 
 NOTICE_S = 10.0
 """The launcher says what it waits for once a wait on the zygote has lasted this long, and again as often."""
@@ -316,7 +292,3 @@ def _load() -> str:
         return f"{os.getloadavg()[0]:.1f}"
     except OSError:
         return "?"
-
-
-if __name__ == "__main__":
-    main()

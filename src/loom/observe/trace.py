@@ -19,11 +19,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TraceRecorder", "merge_traces", "parse_steps", "trace_from_env"]
+__all__ = ["TraceRecorder", "merge_traces", "merge_traces_and_say", "parse_steps", "trace_from_env"]
 
 PHASE_TRACK = 0
 COLLECTIVE_TRACK = 1
@@ -119,3 +120,15 @@ def merge_traces(run_dir: str | Path) -> Path | None:
     out = Path(run_dir) / "trace.json"
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return out
+
+
+def merge_traces_and_say(run_dir: str | Path, who: str) -> None:
+    """`merge_traces`, then one line on stderr from the launcher ``who`` (``"loom run"``): where the timeline
+    is (Perfetto / chrome://tracing), or why it could not be merged (the job's own verdict stands either way)."""
+    try:
+        merged = merge_traces(run_dir)
+    except (OSError, ValueError) as error:
+        print(f"{who}: could not merge the trace files: {error}", file=sys.stderr)
+        return
+    if merged is not None:
+        print(f"{who}: timeline written to {merged}", file=sys.stderr)

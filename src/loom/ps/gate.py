@@ -46,7 +46,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket as _socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from loom.net.auth import mac, mac_stream, same_proof
+from loom.net.interfaces import route_address
 from loom.ps.wire import HEADER, MAC_BYTES, MAGIC, VERSION, FrameDropped, WireLimits
 
 __all__ = [
@@ -96,12 +96,8 @@ def source_ip(address: str) -> str:
     """The local IP address this host sends from to ``address`` (``HOST:PORT``): what a server there sees as
     the client's address (barring NAT). A UDP socket's connect sends nothing; it only picks the route."""
     host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
     try:
-        with _socket.socket(family, _socket.SOCK_DGRAM) as probe:
-            probe.connect((host, int(port)))
-            return str(probe.getsockname()[0])
+        return route_address(host.strip("[]"), int(port))
     except (OSError, ValueError) as error:
         raise ConnectionError(
             f"parameter server address {address!r} cannot be reached from this host ({error}). HINT: check the "

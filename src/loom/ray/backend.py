@@ -279,7 +279,8 @@ class _Job:
             self.ray.kill(p.actor, no_restart=True)
 
     def _settle(self, refs: list[Any]) -> None:
-        """Wait for calls made while stopping; a dead actor's error is expected (its process died with it)."""
+        """Wait for calls made while stopping or cleaning up; a dead actor's error is expected (its process died
+        with it)."""
         from ray.exceptions import RayError
 
         if not refs:
@@ -299,20 +300,13 @@ class _Job:
             self.store.close()
             self._remove_private_directories()
             if self.config.trace_steps:
-                from loom.observe.trace import merge_traces
+                from loom.observe.trace import merge_traces_and_say
 
-                try:
-                    merged = merge_traces(self.run_dir)
-                except (OSError, ValueError) as error:
-                    print(f"loom: could not merge the trace files: {error}", file=sys.stderr)
-                else:
-                    if merged is not None:
-                        print(f"loom: timeline written to {merged}", file=sys.stderr)
+                merge_traces_and_say(self.run_dir, "loom")
 
     def _remove_private_directories(self) -> None:
         """A process's actor removes its private directory once copied; one whose actor died cannot, so a task
         on each node removes what is left there (a node that is gone took its directories with it)."""
-        from ray.exceptions import RayError
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from loom.ray.rank_host import remove_directories
@@ -327,11 +321,7 @@ class _Job:
             task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(paths)
             for node, paths in by_node.items()
         ]
-        if refs:
-            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.config.grace_s + 10)
-            for ref in ready:
-                with contextlib.suppress(RayError):
-                    self.ray.get(ref)
+        self._settle(refs)
 
 
 def _rank_host_class():

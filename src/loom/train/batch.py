@@ -23,7 +23,6 @@ __all__ = [
     "micro_batches",
     "model_loss",
     "share_means",
-    "share_sums",
     "slice_batch",
     "split_batch",
     "tensors_in",
@@ -222,36 +221,8 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(v)
 
 
-def share_sums(
-    module: Callable[..., Any],
-    loss_fn: Callable[..., Any],
-    metrics: Mapping[str, Callable[..., Any]] | None,
-    inputs: Any,
-    targets: Any,
-    device: torch.device | None = None,
-) -> tuple[list[str], torch.Tensor]:
-    """For an `eval_step` that adds up the shares: the names (``"loss"``, then ``metrics``') and a float64 tensor
-    of each one's mean on this share times the share's size, then the size; in eval mode, without gradients,
-    the module's mode restored. An empty share contributes zeros. All-reduce the tensor, then `share_means`."""
-    fns: dict[str, Callable[..., Any]] = {"loss": loss_fn, **(metrics or {})}
-    local = batch_len(inputs)
-    sums = torch.zeros(len(fns) + 1, dtype=torch.float64, device=device)
-    sums[-1] = local
-    was_training = getattr(module, "training", False)
-    module.eval()  # type: ignore[attr-defined]
-    try:
-        with torch.no_grad():
-            if local:
-                outputs = module(inputs)
-                for i, fn in enumerate(fns.values()):
-                    sums[i] = float(fn(outputs, targets)) * local
-    finally:
-        module.train(was_training)  # type: ignore[attr-defined]
-    return list(fns), sums
-
-
 def share_means(names: list[str], sums: torch.Tensor, rank: int) -> dict[str, float]:
-    """The global-batch means from `share_sums` added up over the shares; refuses a global batch of 0."""
+    """The global-batch means from the shares' ``[sum per name..., samples]`` added up; refuses a global batch of 0."""
     count = float(sums[-1].item())
     if count == 0:
         raise ValueError(f"rank {rank}: eval_step got a global batch of 0 samples (every share is empty)")

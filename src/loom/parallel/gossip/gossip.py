@@ -44,7 +44,6 @@ import atexit
 import contextlib
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,7 +59,7 @@ from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.parallel._setup import check_setup_arguments
-from loom.parallel.data.data_parallel import default_metrics_path
+from loom.parallel.data.data_parallel import LossFn, default_metrics_path
 from loom.parallel.gossip.gossip_config import GossipConfig
 from loom.parallel.gossip.gossip_exchange import (
     IdleServer,
@@ -76,8 +75,6 @@ from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
 __all__ = ["Gossip", "GossipConfig", "GossipJob"]
-
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 class Gossip:

@@ -6,7 +6,7 @@ of Megatron-LM and torchtitan (innermost first):
 
 1. **pipeline** (``pp``, `pipeline.split_into_stages`): the model's chain is cut into stages; this process keeps
    its stage (with one stage the whole model is the stage, and need not be a chain);
-2. **tensor parallel** (``tp``, `tensor_parallel.shard_stage`): the stage's MLP, attention and embedding blocks
+2. **tensor parallel** (``tp``, `tensor_parallel_shard.shard_stage`): the stage's MLP, attention and embedding blocks
    are split over the tp group (the plan is found in the stage, or given in the full model's names);
 3. **data** (``dp``): `DataParallel`'s gradient averaging (`data_parallel_sync.GradientAveraging`) with the
    job's `DataAxisConfig` (``allreduce``, ``compression``), applied to the stage's gradients after the

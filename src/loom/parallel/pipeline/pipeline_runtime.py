@@ -81,11 +81,6 @@ class StageStats:
     another stage still works. Set by the strategy once the stages' spans are gathered; summed over the
     stages and divided by ``p`` times the pipeline's span it is the step's measured bubble fraction."""
 
-    @property
-    def idle_fraction(self) -> float:
-        """Idle share of this stage's own span (leaves out the time after its last instruction)."""
-        return 1.0 - self.busy_s / self.span_s if self.span_s > 0 else 0.0
-
 
 def _tensors(x: Any) -> list[torch.Tensor]:
     items = list(x) if isinstance(x, (tuple, list)) else [x]

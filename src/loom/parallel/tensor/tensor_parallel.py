@@ -32,25 +32,10 @@ from loom.parallel.data.data_parallel import LossFn, data_axis_options
 from loom.parallel.data.data_parallel_config import DataAxisConfig
 from loom.parallel.model.compose import compose
 from loom.parallel.model.model_parallel import ModelParallelJob
-from loom.parallel.tensor.tensor_parallel_shard import (
-    TensorParallelConfig,
-    TensorShards,
-    apply_tensor_parallel,
-    auto_plan,
-    gather_shards,
-    shard_stage,
-)
+from loom.parallel.tensor.tensor_parallel_shard import TensorParallelConfig
 from loom.topology import Topology, current
 
-__all__ = [
-    "TensorParallel",
-    "TensorParallelConfig",
-    "TensorShards",
-    "apply_tensor_parallel",
-    "auto_plan",
-    "gather_shards",
-    "shard_stage",
-]
+__all__ = ["TensorParallel", "TensorParallelConfig"]
 
 
 class TensorParallel:
