@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from loom.launch.zygote_wire import read_request, reply
 from loom.settings import setting
@@ -141,7 +141,7 @@ def exit_code(code: object) -> int:
     return 1
 
 
-def finish(code: int) -> None:
+def finish(code: int) -> NoReturn:
     """End a forked process as ``Py_FinalizeEx`` would, as far as a program can observe: non-daemon threads
     joined, ``atexit`` run, every open file flushed; then ``os._exit``, without freeing each object one by one
     (about 1 s of CPU with torch and loom loaded; loom cleans up in ``atexit``, not in ``__del__``)."""
