@@ -59,19 +59,40 @@ from loom.config_docs import document_options
 from loom.data.sampler import share_bounds
 from loom.devices import place_model
 from loom.fault.desync import gradients_finite
+from loom.fault.inject import fault_point
+from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.parallel._setup import check_setup_arguments
 from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_axis import (
+    DataAxis,
+    FixedAxis,
+    batch_fingerprint,
+    check_same_batches,
+    healing_metrics_path,
+    healing_store,
+    join_first_epoch,
+    loader_at_position,
+    refuse_heal_options,
+    refuse_own_loop,
+    take_live_state,
+    whole_batches,
+)
 from loom.parallel.data.data_parallel_config import ONLY_DATA_PARALLEL as ONLY_DATA_PARALLEL  # re-exported
 from loom.parallel.data.data_parallel_config import DataParallelConfig, default_metrics_path
 from loom.parallel.data.data_parallel_config import data_axis_options as data_axis_options  # re-exported
 from loom.parallel.data.data_parallel_shares import batchnorm_layers, refuse_small_batchnorm_shares, zero_loss
-from loom.parallel.data.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
+from loom.parallel.data.data_parallel_sync import (
+    AxisGradients,
+    GradientPath,
+    buffer_sync_option,
+    choose_gradient_path,
+)
 from loom.topology import Topology, current
-from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, to_device
+from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, slice_batch, to_device
 from loom.train.engine import Engine, StepState
 from loom.train.guard import StepGuard
 from loom.train.options import config_from
@@ -114,9 +135,7 @@ class DataParallel:
             model, optimizer, loss_fn, strategy="DataParallel", conventions=True, heals=True
         )
         if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":
-            from loom.parallel.data.healing import start_healing  # here: only a healing job needs it
-
-            return start_healing(model, optimizer, call, topo, self.config)  # type: ignore[return-value]
+            return self._setup_healing(model, optimizer, call, topo)
         place_model(model, topo.device, optimizer, topo.rank)
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
@@ -146,6 +165,25 @@ class DataParallel:
         job.compression = path.hook if path is not None and isinstance(path.hook, CompressionHook) else None
         return job
 
+    def _setup_healing(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, call: LossCall, topo: Topology
+    ) -> DataParallelJob:
+        """Under ``--on-worker-failure heal`` the data axis is the quorum (`loom.parallel.data.data_axis`):
+        refuse what it cannot honour, join it (a first start and a replacement alike), take a live member's state."""
+        refuse_heal_options(self.config)
+        store = healing_store()
+        place_model(model, topo.device, optimizer, topo.rank)
+        quorum = Quorum.from_env(store)
+        path = choose_gradient_path(self.config, topo, model, axis=quorum)
+        metrics = StepMetrics(topo.rank, self.metrics_path or healing_metrics_path())
+        mesh = Mesh(dp=1, topology=whole_batches(topo))  # the loader's view: whole global batches
+        job = DataParallelJob(model, model, optimizer, call, mesh, self.config, metrics, quorum=quorum, topology=topo)
+        job.observer = StepObserver(metrics, enabled=self.observe)  # no straggler rows: the members change
+        job.gradient_path, job.shared_gradients = path, path.shared
+        if topo.is_main:
+            print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)
+        return join_first_epoch(job)
+
 
 document_options(DataParallel, DataParallelConfig)
 
@@ -166,8 +204,11 @@ class DataParallelJob(Engine):
         mesh: Mesh,
         config: DataParallelConfig,
         metrics: StepMetrics,
+        *,
+        quorum: Quorum | None = None,
+        topology: Topology | None = None,
     ) -> None:
-        topology = mesh.topology
+        topology = topology if topology is not None else mesh.topology
         self.module = module
         """The user's model (unwrapped): read or export its parameters here."""
         self.wrapped = wrapped
@@ -184,39 +225,50 @@ class DataParallelJob(Engine):
         self.observer = StepObserver(metrics, topology.world_size)
         """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
         self.step = 0
-        self.guard = StepGuard.start(topology, config)
+        self.quorum = quorum
+        """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
+        self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
+        """Who trains each step's global batch: `loom.parallel.data.data_axis` (the topology, or the quorum)."""
+        self.guard = StepGuard.start(topology, config, quorum)
         """The hang watchdog over this job's collectives and the non-finite verdict (`loom.train.guard`)."""
         self.watchdog = self.guard.watchdog
-        shared_memory = config.allreduce in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
-        self._loss_algorithm = config.allreduce if shared_memory else "native"
+        algorithm = getattr(config, "allreduce", "native")  # (a healing round's config has none)
+        shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
+        self._loss_algorithm = algorithm if shared_memory else "native"
         """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared
         memory on CPU; else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
         self.compression: CompressionHook | None = None
         """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
         self.gradient_path: GradientPath | None = None
         """How gradients are averaged (None in one process): `data_parallel_sync.choose_gradient_path`."""
-        self.shared_gradients: SharedGradients | None = None
-        """Set when gradients are averaged in shared memory after backward instead of by DDP (see
-        `loom.comm.shared_gradients`); then `wrapped` is the model itself."""
+        self.shared_gradients: SharedGradients | AxisGradients | None = None
+        """Set when gradients are averaged after backward instead of by DDP: in shared memory
+        (`loom.comm.shared_gradients`), or over a replaceable axis (`AxisGradients`); then `wrapped` is the model."""
         self.nonfinite = self.guard.nonfinite
         self.last_step_skipped = False
         """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         self._batchnorm = batchnorm_layers(module)
+        self.trained_by: list[int] = []
+        """The ranks of the members that trained the last committed step (each on its share)."""
+        self.joined_running = False
+        """Under heal: this process is a replacement that took a live member's state (`loom.fit` then resumes no
+        checkpoint: the state it holds is newer)."""
+        self._synced = False
 
     # -- training --------------------------------------------------------------------------------------------
-    def _global_count(self, batch: Any, local: int) -> tuple[int, dict[int, int]]:
+    def _global_count(self, known: int | None, local: int) -> tuple[int, dict[int, int]]:
         """The global batch size, and the shares (rank: samples) too small for the model's BatchNorm layers.
 
-        A loader batch carries its global size, and its shares follow `share_bounds`, so every rank computes
-        every share; a plain batch's sizes travel in the sample-count all-reduce (one slot per rank)."""
-        world, accumulate = self.topology.world_size, self.config.accumulate
-        known = getattr(batch, "global_size", None)
+        A loader batch carries its global size (``known``), and its shares follow `share_bounds` over the axis,
+        so every member computes every share; a plain batch's sizes travel in the sample-count all-reduce (one
+        slot per rank; under heal every member holds the whole batch, so its size is known)."""
+        world, accumulate = self.axis.size, self.config.accumulate
         if known is not None:
             total = int(known)
             if not self._batchnorm:
                 return total, {}
-            shares = [hi - lo for lo, hi in (share_bounds(total, r, world) for r in range(world))]
+            shares = [hi - lo for lo, hi in (share_bounds(total, i, world) for i in range(world))]
         elif not self.topology.is_distributed:
             total, shares = local, [local]
         else:
@@ -228,7 +280,8 @@ class DataParallelJob(Engine):
                 self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8 * world)
             shares = counts.tolist()
             total = sum(shares)
-        small = {r: n for r, n in enumerate(shares) if 0 < n < 2 * accumulate} if self._batchnorm else {}
+        members = self.axis.members
+        small = {members[i]: n for i, n in enumerate(shares) if 0 < n < 2 * accumulate} if self._batchnorm else {}
         return total, small
 
     def own_loop(self, loader: Any = None) -> Any:
@@ -236,7 +289,16 @@ class DataParallelJob(Engine):
         clipping, ``optimizer.step()``): see `loom.parallel.data.own_loop.OwnLoop`. Call it on every rank."""
         from loom.parallel.data.own_loop import OwnLoop  # here: own_loop builds on this module's job
 
+        if self.quorum is not None:
+            raise refuse_own_loop(self.topology.rank)
         return OwnLoop.start(self, loader)
+
+    def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
+        """`loom.job.Job.loader`; under heal, whole global batches from the job's position (`loader_at_position`)."""
+        if self.quorum is None:
+            return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
+        return loader_at_position(self, dataset, global_batch_size, shuffle, seed, drop_last, **options)
 
     # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
     def _check_can_train(self) -> None:
@@ -251,14 +313,19 @@ class DataParallelJob(Engine):
         """The share on the device and the global count (one all-reduce unless the loader batch carries it)."""
         self.observer.begin_step(state.number)
         batch_here = to_device(state.batch, self.topology.device)
+        known = getattr(state.batch, "global_size", None)
+        if self.quorum is not None:  # a whole global batch: this member's share by its place among the members
+            known = batch_len(self.loss_call.inputs_of(batch_here)) if known is None else known
+            state.work["fingerprint"] = batch_fingerprint(batch_here)
+            batch_here = slice_batch(batch_here, *share_bounds(int(known), self.axis.index, self.axis.size))
         state.local = batch_len(self.loss_call.inputs_of(batch_here))
         state.work["batch"] = batch_here
         self.observer.lap(DATA)
-        state.total, small = self._global_count(state.batch, state.local)
+        state.total, small = self._global_count(known, state.local)
         self.observer.lap(COMM)
         if small and state.total:
             refuse_small_batchnorm_shares(
-                self.topology.rank, state.number, self.topology.world_size, self.config.accumulate,
+                self.topology.rank, state.number, self.axis.size, self.config.accumulate,
                 self._batchnorm, small, state.total,
             )  # fmt: skip
 
@@ -268,10 +335,15 @@ class DataParallelJob(Engine):
         self.observer.lap(OPTIMIZER)
         call, batch_here, total = self.loss_call, state.work["batch"], state.total
         assert total is not None
-        world = self.topology.world_size
+        world = self.axis.size
         pieces = [p for p in micro_batches(batch_here, state.local, self.config.accumulate) if p[1] > 0]
-        # [loss sum, every rank's phase times]: stragglers ride on this all-reduce (see loom.observe.phases)
-        loss_sum = self.observer.loss_buffer(self.topology.device)
+        # [loss sum, flags, every rank's phase times]: stragglers ride on this all-reduce (loom.observe.phases);
+        # under heal [loss sum, flags, fingerprints, the "replacement waiting" mark] (see `_heal_marks`)
+        loss_sum = (
+            self.observer.loss_buffer(self.topology.device)
+            if self.quorum is None
+            else torch.zeros(FLAGS_AT + 2 * world + 1, dtype=torch.float64)
+        )
         ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
         if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
             with self.watchdog.collective("gradient all-reduce"):
@@ -292,9 +364,13 @@ class DataParallelJob(Engine):
         state.work["buffer"] = loss_sum
 
     def _synchronize(self, state: StepState) -> None:
-        """Shared-memory gradients (the loss buffer rides along), then the loss buffer's all-reduce."""
+        """Gradients averaged after backward (the loss buffer rides along), else the loss buffer's all-reduce.
+        The injected fault ``during`` (`loom.fault.inject`) fires right before the exchange (free when unset)."""
         loss_sum = state.work["buffer"]
+        if self.quorum is not None:
+            self._heal_marks(state, loss_sum)
         if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
+            fault_point(state.number, "during")  # the other members are inside the exchange by now
             with self.watchdog.collective("gradient all-reduce"):
                 launched = time.perf_counter()
                 self.shared_gradients.average(loss_sum)  # the loss rides along: no collective of its own
@@ -304,10 +380,50 @@ class DataParallelJob(Engine):
                     "all_reduce gradients and loss", launched, time.perf_counter(), nbytes, estimate=False
                 )
         state.gradient_finite = self._reduce_loss(loss_sum)
-        world = self.topology.world_size
-        state.flags, state.ranks = loss_sum[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
+        world = self.axis.size
+        state.flags, state.ranks = loss_sum[FLAGS_AT : FLAGS_AT + world].tolist(), self.axis.members
         assert state.total is not None
         state.loss = float(loss_sum[0].item()) / state.total
+        if self.quorum is not None:
+            prints = loss_sum[FLAGS_AT + world : FLAGS_AT + 2 * world].tolist()
+            check_same_batches(self.topology.rank, state.number, self.axis.members, prints)
+            state.work["pending"] = float(loss_sum[-1]) > 0
+
+    def _heal_marks(self, state: StepState, buffer: torch.Tensor) -> None:
+        """Under heal, this member's batch fingerprint (every member must hold the same global batch) and whether
+        a replacement is ready (`loom.fault.quorum.Quorum.join_pending`): in the exchange's buffer, summed."""
+        assert self.quorum is not None
+        buffer[FLAGS_AT + self.axis.size + self.axis.index] = state.work["fingerprint"]
+        buffer[-1] = 1.0 if self.quorum.join_pending() else 0.0
+
+    def _after_step(self, state: StepState) -> None:
+        """Under heal, a replacement is ready: re-form now, at the step boundary every member has reached."""
+        self.trained_by = list(state.ranks)
+        if state.work.get("pending"):
+            self._heal_reform()
+
+    def _adopt_epoch(self) -> None:
+        """Make a new epoch's members equal (`loom.parallel.data.data_axis.take_live_state`)."""
+        take_live_state(self)
+
+    def _share_more(self, source: int, load: bool) -> None:
+        """Broadcast member ``source``'s state beyond the model and optimizer: none here (DiLoCo's outer state)."""
+
+    # -- checkpoints (`loom.fit`) ---------------------------------------------------------------------------------
+    @property
+    def checkpoint_topology(self) -> Topology:
+        """Whose collectives `loom.fit`'s save takes: the job's; under heal one member's, without collectives (the
+        members change between steps and every member holds the same replicated state)."""
+        return self.topology if self.quorum is None else whole_batches(self.topology)
+
+    def writes_checkpoint(self) -> bool:
+        """Whether this process takes part in writing the checkpoint of the step just committed: always, but under
+        heal only the first member of the epoch that committed it (every member computes the same answer from the
+        same membership; a checkpoint whose writer dies before publishing it is not written, and the previous one
+        stays the newest)."""
+        if self.quorum is None:
+            return True
+        return (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     def _apply(self, state: StepState) -> None:
         self.optimizer.step()
@@ -359,7 +475,7 @@ class DataParallelJob(Engine):
     def _flag_local_loss(self, loss_sum: torch.Tensor) -> None:
         """Set this rank's flag in the buffer when its local loss is NaN or infinite (it rides to every rank).
         On the CPU through the buffer's numpy view (a tensor op costs ~10x more); elsewhere without a sync."""
-        slot = FLAGS_AT + self.topology.rank
+        slot = FLAGS_AT + self.axis.index
         if loss_sum.device.type == "cpu":
             values = loss_sum.numpy()
             values[slot] = 0.0 if math.isfinite(values[0]) else 1.0
