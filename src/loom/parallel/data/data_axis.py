@@ -150,7 +150,9 @@ def refuse_heal_options(config: Any) -> None:
             f"(the axis runs {', '.join(HEAL_ALGORITHMS)})"
         )
     if config.overlap:
-        why["overlap=True"] = "the exchange runs after backward: one buffer holds every gradient and the step's marks"
+        why["overlap=True"] = (
+            "the exchange runs after backward: one buffer holds every gradient and the step's marks"
+        )
     if config.bucket_cap_mb != 25.0:
         why[f"bucket_cap_mb={config.bucket_cap_mb}"] = "there are no buckets: one flat buffer per step"
     for name in ("hang_timeout_s", "work_timeout_s", "liveness_timeout_s"):
@@ -223,7 +225,9 @@ def take_live_state(job: Healing) -> None:
     source = source_of(listed)
     load = not job._synced or listed[quorum.index] < listed[source]
     replacement = listed[source] >= 0 and -1 in listed
-    step = share_training_state(job.module, job.optimizer, job.step, source, quorum.index, group, load, replacement)
+    step = share_training_state(
+        job.module, job.optimizer, job.step, source, quorum.index, group, load, replacement
+    )
     job._share_more(source, load)
     if load:
         job.step = step
@@ -261,7 +265,9 @@ def loader_at_position(job: Any, dataset: Any, global_batch_size: int, shuffle: 
     from loom.data.loader import loader as make_loader  # here: loom.data imports loom.topology only
 
     options.setdefault("same_data_check", False)
-    shards = make_loader(dataset, global_batch_size, shuffle, seed, drop_last, topology=job.data_topology, **options)
+    shards = make_loader(
+        dataset, global_batch_size, shuffle, seed, drop_last, topology=job.data_topology, **options
+    )
     per_epoch = len(shards)
     if job.step and per_epoch:
         state = shards.state_dict()

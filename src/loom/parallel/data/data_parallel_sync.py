@@ -164,7 +164,8 @@ class AxisGradients:
         group, size = self.axis.group, self.axis.size
         values = extra if extra is not None else torch.zeros(0, dtype=torch.float64)
         grads = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.dtype) for p in self.params
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.dtype)
+            for p in self.params
         ]
         if self.codec is None:
             flat = torch.cat([*grads, values.to(self.dtype)])
@@ -172,7 +173,9 @@ class AxisGradients:
             flat[: self.numel].div_(size)
             values.copy_(flat[self.numel :])
         else:
-            exchange = self.codec.exchange(list(range(len(grads))), torch.cat(grads), [p.shape for p in self.params], size)
+            exchange = self.codec.exchange(
+                list(range(len(grads))), torch.cat(grads), [p.shape for p in self.params], size
+            )
             flat = _run_exchange(exchange, group, size) if size > 1 else torch.cat(grads)
             if values.numel():
                 comm_all_reduce(values, op="sum", algorithm="native", group=group)

@@ -134,7 +134,9 @@ class HealingRounds(DataParallelJob):
     ) -> None:  # fmt: skip
         metrics = StepMetrics(topology.rank, healing_metrics_path())
         mesh = Mesh(dp=1, topology=whole_batches(topology))  # the loader's view: whole global batches
-        super().__init__(module, module, optimizer, loss_call, mesh, config, metrics, quorum=quorum, topology=topology)
+        super().__init__(
+            module, module, optimizer, loss_call, mesh, config, metrics, quorum=quorum, topology=topology
+        )
         self.observer = StepObserver(metrics, enabled=False)  # a round's records are its own (`_record`)
         self.quorum: Quorum = quorum
         self.accumulate: int = config.accumulate
