@@ -50,16 +50,14 @@ def _collectives_per_step(tmp_path, heal: bool, options: dict) -> dict[int, list
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("options", [{}, {"compression": "int8"}], ids=["default", "int8"])
-def test_a_step_under_heal_makes_as_many_collectives_as_without_heal(tmp_path, options):
-    """Counted per step on every rank: process-group collectives and shared-memory exchanges (heal_train.py's
-    ``count_collectives``). Without heal the default CPU path is the shared-memory one (the loss rides along:
-    one exchange) and int8 is DDP's compression hook (the codec's all-gather) plus the loss all-reduce; under
-    heal the axis's exchange (one all-reduce of everything), and with int8 the codec's all-gather plus the loss
-    all-reduce."""
-    plain = _collectives_per_step(tmp_path, False, options)
-    healing = _collectives_per_step(tmp_path, True, options)
-    print(f"\ncollectives per step {options or 'default'}: without heal {plain}, under heal {healing}")
-    want = 2 if options else 1
-    assert all(counts == [want] * 6 for counts in plain.values()), plain
+def test_a_step_under_heal_makes_as_many_collectives_as_without_heal(tmp_path):
+    """Counted per step on every rank (heal_train.py's ``count_collectives``: process-group collectives called from
+    Python, and shared-memory exchanges). Without heal the default CPU path is the shared-memory one, the loss
+    riding along (one exchange); under heal the axis's exchange, one all-reduce of everything (the exchange split
+    in two for the fault injection, as before issue 39, counts 2). DDP's paths (compression, ``native``) are not
+    compared here: its reducer calls the process group from C++, where this count does not see it."""
+    plain = _collectives_per_step(tmp_path, False, {})
+    healing = _collectives_per_step(tmp_path, True, {})
+    print(f"\ncollectives per step: without heal {plain}, under heal {healing}")
+    assert all(counts == [1] * 6 for counts in plain.values()), plain
     assert healing == plain
