@@ -34,12 +34,15 @@ def global_size(step: int) -> int:
 
 
 def run_heal(tmp_path: Path, faults: str, *args: str, steps: int = 10, pause_s: float = 0.0,
-             timeout: float = 180.0, **env_extra: str) -> tuple[subprocess.CompletedProcess, Path, Path]:  # fmt: skip
+             timeout: float = 180.0, heal: bool = True,
+             **env_extra: str) -> tuple[subprocess.CompletedProcess, Path, Path]:  # fmt: skip
+    """heal_train.py under ``loom run -n 3 --on-worker-failure heal`` (``heal=False``: without it)."""
     out, run_dir = tmp_path / "out", tmp_path / "run"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", HEAL_OUT=str(out),
                HEAL_STEPS=str(steps), HEAL_PAUSE_S=str(pause_s), LOOM_FAULTS=faults, **env_extra)  # fmt: skip
-    cmd = [sys.executable, "-m", "loom.cli", "run", "-n", "3", "--on-worker-failure", "heal", "--run-dir",
+    policy = ["--on-worker-failure", "heal"] if heal else []
+    cmd = [sys.executable, "-m", "loom.cli", "run", "-n", "3", *policy, "--run-dir",
            str(run_dir), *args, str(SCRIPT)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
@@ -85,8 +88,11 @@ def reports(out: Path) -> dict[tuple[int, int], dict]:
     return {(d["rank"], d["generation"]): d for d in (json.loads(f.read_text()) for f in out.glob("*.json"))}
 
 
-def check_healed_job(result, out: Path, run_dir: Path, steps: int, lost: dict[int, int]) -> dict:
-    """The checks every healed job passes; ``lost``: rank -> processes it lost (its replacements' count)."""
+def check_healed_job(
+    result, out: Path, run_dir: Path, steps: int, lost: dict[int, int], atol: float = 1e-5
+) -> dict:
+    """The checks every healed job passes; ``lost``: rank -> processes it lost (its replacements' count);
+    ``atol``: how far from one process on the same global batches the final parameters may be."""
     assert result.returncode == 0, result.stderr[-3000:]
     found = reports(out)
     assert set(found) == {(r, g) for r in range(3) for g in range(lost.get(r, 0) + 1)}, sorted(found)
@@ -111,7 +117,7 @@ def check_healed_job(result, out: Path, run_dir: Path, steps: int, lost: dict[in
     for r in range(3):
         got = [torch.tensor(v) for v in last[r]["final"]]
         for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b.to(a.dtype), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a, b.to(a.dtype), atol=atol, rtol=atol)
     # the step records of a rank that lost no process: every step once, its share of the members present
     for r in set(range(3)) - set(lost):
         members = {step: m for step, _t, m, *_ in last[r]["steps"]}

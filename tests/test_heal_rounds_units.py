@@ -24,6 +24,7 @@ ONE = Topology(0, 1, 0, 1, "none")
         (lambda: loom.DiLoCo(sync_every=4, fragments=2, topology=ONE), "fragments"),
         (lambda: loom.DiLoCo(sync_every=4, overlap_steps=1, topology=ONE), "overlap_steps"),
         (lambda: loom.DiLoCo(compression="int8", topology=ONE), "compression"),
+        (lambda: loom.LocalSGD(liveness_timeout_s=30, topology=ONE), "liveness_timeout_s"),
     ],
 )
 def test_options_a_healing_round_cannot_honour_are_refused_by_name(make, named, monkeypatch):

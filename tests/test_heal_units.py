@@ -210,15 +210,25 @@ def test_a_vote_does_not_wait_for_a_member_the_launcher_saw_die():
 
 
 def test_data_parallel_options_that_heal_cannot_honour_are_refused_by_name():
-    from loom.parallel.data.healing import refuse_heal_options
+    from loom.parallel.data.data_axis import refuse_heal_options
 
-    refuse_heal_options(loom.DataParallel().config)
+    for honoured in ({}, {"allreduce": "ring"}, {"allreduce": "driver"}, {"compression": "int8"},
+                     {"compression": "fp16"}, {"accumulate": 3}, {"overlap": False}):  # fmt: skip
+        refuse_heal_options(loom.DataParallel(**honoured).config)
     with pytest.raises(
-        ValueError, match=r"got \{'compression': 'fp16'\}.*HINT: drop compression= under heal"
+        ValueError, match=r"compression='powersgd:2' \(.*error-feedback.*HINT: drop compression= under heal"
     ):
-        refuse_heal_options(loom.DataParallel(compression="fp16").config)
-    with pytest.raises(ValueError, match=r"got \{'allreduce': 'ring'\}.*HINT: drop allreduce= under heal"):
-        refuse_heal_options(loom.DataParallel(allreduce="ring").config)
+        refuse_heal_options(loom.DataParallel(compression="powersgd:2").config)
+    with pytest.raises(
+        ValueError, match=r"allreduce='shm' \(the shared-memory algorithms.*HINT: drop allreduce= "
+    ):
+        refuse_heal_options(loom.DataParallel(allreduce="shm").config)
+    with pytest.raises(
+        ValueError, match=r"overlap=True .*bucket_cap_mb=5.0 .*HINT: drop overlap=, bucket_cap_mb="
+    ):
+        refuse_heal_options(loom.DataParallel(overlap=True, bucket_cap_mb=5.0).config)
+    with pytest.raises(ValueError, match=r"hang_timeout_s=60.*does not yet follow a membership"):
+        refuse_heal_options(loom.DataParallel(hang_timeout_s=60).config)
 
 
 @pytest.mark.timeout(120)

@@ -180,7 +180,7 @@ class JSONLimitError(LoomError, ValueError):
         self.field = field
 
 
-# -- healing (`loom.fault.quorum`, `loom.parallel.data.healing`, `loom.train.heal_state`) -----------------------
+# -- healing (`loom.fault.quorum`, `loom.parallel.data.data_axis`, `loom.train.heal_state`) ---------------------
 class StepDropped(LoomError, RuntimeError):
     """The commit vote said drop: no member applied the step; it is retried by the next epoch's members."""
 
@@ -207,7 +207,7 @@ class JobEnded(LoomError, RuntimeError):
 
 class HealConflict(LoomError, RuntimeError):
     """The members of a new epoch claim committed steps more than one apart: copying the highest would spread
-    whatever the member claiming it holds (`HealingJob._adopt_epoch`). Not retried: the job stops, naming each claim."""
+    whatever the member claiming it holds (`loom.parallel.data.data_axis.take_live_state`). Not retried: the job stops, naming each claim."""
 
     retryable = False
 

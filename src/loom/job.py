@@ -158,7 +158,7 @@ class Job(abc.ABC):
 
 def replicated_state(job: Job) -> dict[str, Any]:
     """The state of a job whose ranks hold the whole model and optimizer: the model's and the optimizer's
-    ``state_dict`` and the step (DataParallel, its healing job, LocalSGD and DiLoCo's inner state)."""
+    ``state_dict`` and the step (DataParallel, healed or not, LocalSGD and DiLoCo's inner state)."""
     return {"model": job.module.state_dict(), "optimizer": job.optimizer.state_dict(), "step": job.step}
 
 

@@ -10,8 +10,8 @@ samples per step. What it relies on from the healing mode (issue 23), and so wha
   and the attempt is written with ``committed: false``. Either way the stall is also measured in healthy steps.
 - a replacement is started by the launcher with the lost rank's ``RANK`` and heals model, optimizer, step and data
   position inside ``loom.init()``/``setup()``/the loader, so this loop resumes at ``job.step``;
-- the members that trained a step are read from the job: ``job.trained_by`` (the ranks; branch heal's
-  `loom.parallel.data.healing.HealingJob`), else ``job.members`` (an int or a sequence), else the topology's world
+- the members that trained a step are read from the job: ``job.trained_by`` (the ranks;
+  `loom.parallel.data.data_parallel.DataParallelJob`), else ``job.members`` (an int or a sequence), else the topology's world
   size (the report then cannot tell steps taken below full membership).
 """
 

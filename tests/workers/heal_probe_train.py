@@ -44,15 +44,15 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 if os.environ.get("HP_LIE") and gen > 0:  # a replacement that claims a committed step far ahead
-    from loom.parallel.data import healing
+    from loom.parallel.data.data_parallel import DataParallelJob
 
-    honest = healing.HealingJob._adopt_epoch
+    honest = DataParallelJob._adopt_epoch
 
-    def lying(self: healing.HealingJob) -> None:
+    def lying(self: DataParallelJob) -> None:
         self._synced, self.step = True, 1_000_000
         honest(self)
 
-    healing.HealingJob._adopt_epoch = lying  # type: ignore[method-assign]
+    DataParallelJob._adopt_epoch = lying  # type: ignore[method-assign]
 job = loom.DataParallel().setup(model, optimizer, nn.functional.mse_loss)
 
 

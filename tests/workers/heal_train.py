@@ -9,8 +9,12 @@ Environment: ``HEAL_STRATEGY`` (``dp``, the default, ``localsgd`` or ``diloco``)
 process of rank RANK, after its step STEP, ``raise``s a ValueError (the script's own error: the job must stop) or
 ``leave``s as a worker the quorum told to leave (`loom.fault.quorum.LeftOutOfQuorum`: healed); ``stuck``: every
 process of rank RANK, after a step >= STEP, hangs in `stuck_in_its_own_code` (a deterministic hang).
+``HEAL_DP_OPTIONS``: a JSON object of DataParallel's options (e.g. ``{"accumulate": 3}``). ``HEAL_COUNT=1``: count
+the collectives each step issues (`count_collectives`) into the report's ``collectives``; the script also runs
+without ``--on-worker-failure heal``, for the same count on the job without healing.
 
-Run by tests/test_heal.py, test_heal_rounds.py, test_heal_exit.py, test_heal_hosts.py and test_heal_stuck.py."""
+Run by tests/test_heal.py, test_heal_options.py, test_heal_rounds.py, test_heal_exit.py, test_heal_hosts.py and
+test_heal_stuck.py."""
 
 import time
 
@@ -81,9 +85,35 @@ def script_fault(rank: int, gen: int, step: int) -> None:
     raise LeftOutOfQuorum(f"rank {rank}: told to leave after step {step} (HEAL_SCRIPT_FAULT)")
 
 
+def count_collectives() -> list[int]:
+    """A one-element counter of the collectives this process issues from here on: every call of a process
+    group's collective methods (what `torch.distributed`'s functions and loom's gloo calls end in) and every
+    shared-memory gradient exchange (`loom.comm.shared_gradients`, one collective that runs no process group)."""
+    import torch.distributed as dist
+
+    from loom.comm.shared_gradients import SharedGradients
+
+    count = [0]
+
+    def counted(method):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            count[0] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+    for name in ("allreduce", "allreduce_coalesced", "allgather", "allgather_into_tensor_coalesced",
+                 "_allgather_base", "broadcast", "reduce_scatter", "_reduce_scatter_base", "alltoall",
+                 "alltoall_base", "barrier", "send", "recv", "reduce", "gather", "scatter"):  # fmt: skip
+        if hasattr(dist.ProcessGroup, name):
+            setattr(dist.ProcessGroup, name, counted(getattr(dist.ProcessGroup, name)))
+    SharedGradients.average = counted(SharedGradients.average)  # type: ignore[method-assign]
+    return count
+
+
 def strategy():  # noqa: ANN201 (a loom strategy)
     if STRATEGY == "dp":
-        return loom.DataParallel()
+        return loom.DataParallel(**json.loads(os.environ.get("HEAL_DP_OPTIONS", "{}")))
     return loom.DiLoCo(sync_every=H) if STRATEGY == "diloco" else loom.LocalSGD(sync_every=H)
 
 
@@ -94,15 +124,19 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     momentum = float(os.environ.get("HEAL_MOMENTUM", "0.9" if STRATEGY == "dp" else "0"))
     model, optimizer, data = model_and_data(momentum)
+    counter = count_collectives() if os.environ.get("HEAL_COUNT") else None
     job = strategy().setup(model, optimizer, nn.MSELoss())
     report = {"rank": rank, "generation": gen, "pid": os.getpid(), "started": process_start_time(),
               "script_started": STARTED, "initialized": initialized, "joined_at_step": job.step,
-              "joined": time.time(), "steps": [], "first_hash": digest(model)}  # fmt: skip
+              "joined": time.time(), "steps": [], "first_hash": digest(model), "collectives": []}  # fmt: skip
     path = os.path.join(os.environ["HEAL_OUT"], f"rank{rank}.g{gen}.json")
     loader = job.loader(data, global_batch_size=12, seed=0)
     while job.step < STEPS:
         for batch in loader:
+            before = counter[0] if counter is not None else 0
             loss = job.train_step(batch)
+            if counter is not None:
+                report["collectives"].append(counter[0] - before)
             report["steps"].append([job.step, time.time(), job.trained_by, digest(model), loss,
                                     int(batch.global_size)])  # fmt: skip
             with open(path, "w") as out:
@@ -112,7 +146,8 @@ def main() -> None:
             script_fault(rank, gen, job.step)
             time.sleep(PAUSE_S)
             deadline = time.monotonic() + WAIT_S
-            while (job.step % H == 0 and job.quorum.size < world and not job.quorum.join_pending()
+            while (getattr(job, "quorum", None) is not None and job.step % H == 0 and job.quorum.size < world
+                   and not job.quorum.join_pending()
                    and time.monotonic() < deadline):  # fmt: skip
                 time.sleep(0.05)
     report["final"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]

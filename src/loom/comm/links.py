@@ -70,6 +70,7 @@ __all__ = [
     "RingLink",
     "answer_handshake",
     "close_links",
+    "forget_links",
     "dial_handshake",
     "ring_link",
 ]
@@ -172,6 +173,15 @@ def ring_link(
     if key not in _LINKS:
         _LINKS[key] = _connect(group, members, position) if backend_name(group) == "gloo" else None
     return _LINKS[key]
+
+
+def forget_links(group: dist.ProcessGroup) -> None:
+    """Close the links of ``group`` and let go of it (a healing epoch's group ends at every re-form: a link kept
+    here would hold the group alive, and `loom.fault.quorum.Quorum` frees its waiting peers by dropping it)."""
+    for key in [k for k in _LINKS if k[0] is group]:
+        link = _LINKS.pop(key)
+        if link is not None:
+            link.close()
 
 
 def close_links() -> None:

@@ -1,7 +1,7 @@
 """Faults injected at the step engine's own boundaries, keyed on (rank, step, phase): off unless asked.
 
-The tests of healing (``loom run --on-worker-failure heal``) must kill a worker *inside* a step, between two
-collectives the engine issues, which a training script cannot reach from its loop (the script-level injector
+The tests of healing (``loom run --on-worker-failure heal``) must kill a worker *inside* a step, at a collective
+the engine issues, which a training script cannot reach from its loop (the script-level injector
 ``tests/workers/faults.py`` acts before a step only). So the engine calls `fault_point` at its phase boundaries,
 and this module kills (SIGKILL), freezes (SIGSTOP) or raises there when ``LOOM_FAULTS`` names this rank, step and
 phase. With the variable unset `fault_point` returns at once (one dict lookup, done once per process): observing
@@ -18,7 +18,8 @@ on healing instead of group restarts. Kinds: ``kill`` (SIGKILL: a crash, nothing
 Phases (`PHASES`), in the order a data-parallel step meets them:
 
 - ``before``: the step begins, before forward and backward;
-- ``during``: inside the gradient exchange, after its first half was all-reduced and before the second;
+- ``during``: right before the step's one exchange collective (a round's, for LocalSGD and DiLoCo under heal),
+  which the other members have entered by then: a kill here leaves them inside it;
 - ``after``: the gradient exchange is complete on this member, before the commit vote;
 - ``commit``: after the commit vote said commit, before the optimizer step;
 - ``send``: a live member is about to send the training state to a replacement (the healing peer's failure);

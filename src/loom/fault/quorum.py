@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loom.comm.links import forget_links
 from loom.errors import JobEnded, LeftOutOfQuorum, StepDropped
 from loom.settings import setting
 
@@ -233,6 +234,7 @@ class Quorum:
         holds it any more: the caller must not hold it (e.g. in an exception's traceback), and a group still
         alive after our reference is dropped (held by reference cycles) is collected (~0.1 s, so only then)."""
         if self.group is not None:
+            forget_links(self.group)  # a ring's links (``allreduce="ring"`` under heal) hold the group too
             alive = weakref.ref(self.group)
             self.group = None
             if alive() is not None:

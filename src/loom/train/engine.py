@@ -41,7 +41,7 @@ an exception anywhere in it (a lost member's collective, an error on this member
 drop means that no member applied the step: the members re-form (`_heal_reform`, then the strategy's
 `_adopt_epoch` makes the new members equal) and retry the same global batch. Fault injection points
 (`loom.fault.inject.fault_point`) sit at the phase boundaries: ``before``, ``after`` (before the vote) and
-``commit`` (after it); a strategy places ``during`` inside its exchange.
+``commit`` (after it); a strategy places ``during`` right before its exchange (no exchange is split for it).
 
 `eval_step`: `_evaluate` gives the names and this rank's ``[sum per name..., samples]`` (`share_sums`), the
 engine adds them up over the data axis (`_eval_group`, under the watchdog) and divides (`share_means`).
@@ -170,7 +170,7 @@ class Engine(Job):
                 return
             except Exception as error:
                 if not is_retryable(error):
-                    raise  # (`loom.parallel.data.healing.HealConflict`: re-forming would meet it again)
+                    raise  # (`loom.errors.HealConflict`: re-forming would meet it again)
                 print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} failed while forming ({error}); "
                       "re-forming", file=sys.stderr, flush=True)  # fmt: skip
         raise RuntimeError(f"rank {self.topology.rank}: no membership epoch formed in {MAX_DROPS + 1} tries")

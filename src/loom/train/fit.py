@@ -287,7 +287,7 @@ def fit(
         checkpointer = FitCheckpointer(
             job, loader, lr_scheduler, Path(checkpoint_dir), keep, async_checkpoint
         )
-        # a healing job's checkpoints are one member's, without collectives (`HealingJob.checkpoint_topology`),
+        # a healing job's checkpoints are one member's, without collectives (`DataParallelJob.checkpoint_topology`),
         # and a replacement that joined a running job holds a live member's state, newer than any checkpoint
         resumed = None if getattr(job, "joined_running", False) else resume_fit(
             job, loader, lr_scheduler, Path(checkpoint_dir), checkpointer.topo, scale_lr_with_world_size

@@ -193,7 +193,7 @@ class FitCheckpointer:
         self.directory, self.keep, self.use_async = directory, keep, use_async
         self.topo: Topology = getattr(job, "checkpoint_topology", job.topology)
         """Whose collectives a save takes: the job's ranks, or one process for a healing job, whose members
-        change between steps (`loom.parallel.data.healing.HealingJob.writes_checkpoint` picks the writer)."""
+        change between steps (`loom.parallel.data.data_parallel.DataParallelJob.writes_checkpoint` picks the writer)."""
         self.pending: AsyncCheckpoint | None = None
         self.saved_step: int | None = None
 

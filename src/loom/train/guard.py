@@ -102,10 +102,13 @@ class StepGuard:
         return verdict
 
     @classmethod
-    def start(cls, topology: Topology, options: GuardOptions) -> StepGuard:
+    def start(cls, topology: Topology, options: GuardOptions, quorum: Quorum | None = None) -> StepGuard:
         """The guard of a job on ``topology``: a watchdog thread when there are peers to wait for (one process
-        only counts), and the non-finite policy of ``options``."""
-        if topology.is_distributed:
+        only counts), and the non-finite policy of ``options``. With a ``quorum`` (``--on-worker-failure heal``)
+        the guard holds the commit vote, and its watchdog counts without a thread: it waits for every rank of the
+        job, while under heal a lost member is replaced, not waited for (the quorum's heartbeats and each epoch's
+        group timeout bound the waits; the options' timeouts are refused there, `refuse_heal_options`)."""
+        if topology.is_distributed and quorum is None:
             watchdog = Watchdog.start(
                 topology, options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s
             )
@@ -114,7 +117,9 @@ class StepGuard:
                 topology.rank, topology.world_size, hang_timeout_s(options.hang_timeout_s), None,
                 options.work_timeout_s, options.liveness_timeout_s,
             )  # fmt: skip
-        return cls(watchdog, NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank))
+        guard = cls(watchdog, NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank))
+        guard.quorum = quorum
+        return guard
 
     @contextlib.contextmanager
     def collective(self, op: str) -> Iterator[int]:

@@ -1,36 +1,19 @@
 """Synchronous data parallelism with global-batch semantics, built on PyTorch's DistributedDataParallel.
 
 Every worker holds the whole model and trains on its share of each global batch; gradients are all-reduced
-during backward (DDP's buckets overlap communication with the rest of backward). One exception: with loom's
+during backward (DDP's buckets overlap communication with the rest of backward). Two exceptions: with loom's
 shared-memory algorithms on a single CPU host whose cores are all computing (no overlap to gain), the model is
 not wrapped in DDP and the gradients are averaged in place in shared memory right after backward
-(`loom.comm.shared_gradients`: no bucket copies, two barriers). Which path a job takes is decided in one
-place, `data_parallel_sync.choose_gradient_path` (its docstring is the table), and printed by rank 0 at setup.
-The gradient is the same either way,
-and every process starts from rank 0's parameters and buffers as with DDP. What loom adds is exactness
-under uneven shares: DDP averages gradients over *processes*, which is the global-batch gradient only when every
-share has the same size. loom scales each replica's mean loss by ``n_r * W / N`` (``n_r`` its samples, ``W`` the
-world size, ``N`` the global batch) before backward, so DDP's average becomes ``sum_r n_r/N * grad_r``: the
-gradient of the global-batch mean loss, i.e. what one process computes on the whole batch. An empty share still
-joins the all-reduce with a zero-weighted forward.
+(`loom.comm.shared_gradients`: no bucket copies, two barriers); and under ``--on-worker-failure heal`` the data
+axis is the quorum's membership, whose group is replaced at every re-form, so the gradients are averaged after
+backward over it (`loom.parallel.data.data_axis`). Which path a job takes is decided in one place,
+`data_parallel_sync.choose_gradient_path` (its docstring is the table), and printed by rank 0 at setup. The
+gradient is the same either way, and every process starts from rank 0's parameters and buffers as with DDP (under
+heal: from a live member's state). The job and its exactness under uneven shares:
+`loom.parallel.data.data_parallel_job`.
 
-Guards, all on every rank alike so none is left waiting: at setup the replicas must hold the same model (shapes,
-module types and their hyperparameters) and optimizer (type, every param group's hyperparameters), see
-`loom.parallel.consistency`; at each step a non-finite loss or gradient on any rank is never applied
-(``nonfinite``, see `loom.fault.desync.NonFiniteGuard`: each rank's loss flag rides in the loss buffer, and the
-averaged gradient, the same on every rank, is checked where it lies); and a share too small for BatchNorm in
-training mode (1 sample in a forward, where PyTorch would raise on one rank only) is refused on every rank,
-naming the fix. An empty share is accepted: BatchNorm passes a zero-size batch through without touching its
-running statistics.
-
-Calling conventions: every `loom.LossCall` one (``model(*inputs)``, ``loss_fn(outputs, batch)``, a model that
-returns its own loss with ``loss_fn=None``), one function for all strategies
-(`loom.train.batch.forward_loss`). Scripts that keep their own loop take the model, optimizer and loader
-from `DataParallelJob.own_loop` (`loom.parallel.data.own_loop`), with the same weighting.
-
-Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
-(PyTorch's default), since that is what the scaling undoes. With DDP the loss buffer is waited for before the
-optimizer step (the verdict on a non-finite loss needs every rank's flag); the gradient check overlaps it.
+At setup the replicas must hold the same model (shapes, module types and their hyperparameters) and optimizer
+(type, every param group's hyperparameters), see `loom.parallel.consistency`.
 
 Beside this module: its options (`loom.parallel.data.data_parallel_config`), how gradients travel
 (`loom.parallel.data.data_parallel_sync`) and what uneven shares ask of BatchNorm and empty shares
@@ -39,41 +22,38 @@ Beside this module: its options (`loom.parallel.data.data_parallel_config`), how
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import CompressionHook
-from loom.comm.shared_gradients import SharedGradients
 from loom.config_docs import document_options
-from loom.data.sampler import share_bounds
 from loom.devices import place_model
-from loom.fault.desync import gradients_finite
-from loom.job import load_replicated_state, replicated_state
+from loom.fault.quorum import Quorum
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
+from loom.observe.phases import StepObserver
 from loom.parallel._setup import check_setup_arguments
 from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_axis import (
+    healing_metrics_path,
+    healing_store,
+    join_first_epoch,
+    refuse_heal_options,
+    whole_batches,
+)
 from loom.parallel.data.data_parallel_config import ONLY_DATA_PARALLEL as ONLY_DATA_PARALLEL  # re-exported
 from loom.parallel.data.data_parallel_config import DataParallelConfig, default_metrics_path
 from loom.parallel.data.data_parallel_config import data_axis_options as data_axis_options  # re-exported
-from loom.parallel.data.data_parallel_shares import batchnorm_layers, refuse_small_batchnorm_shares, zero_loss
+from loom.parallel.data.data_parallel_job import DataParallelJob
 from loom.parallel.data.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.topology import Topology, current
-from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, to_device
-from loom.train.engine import Engine, StepState
-from loom.train.guard import StepGuard
+from loom.train.batch import LossCall
 from loom.train.options import config_from
 
 __all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
@@ -114,9 +94,7 @@ class DataParallel:
             model, optimizer, loss_fn, strategy="DataParallel", conventions=True, heals=True
         )
         if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":
-            from loom.parallel.data.healing import start_healing  # here: only a healing job needs it
-
-            return start_healing(model, optimizer, call, topo, self.config)  # type: ignore[return-value]
+            return self._setup_healing(model, optimizer, call, topo)
         place_model(model, topo.device, optimizer, topo.rank)
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
@@ -146,247 +124,26 @@ class DataParallel:
         job.compression = path.hook if path is not None and isinstance(path.hook, CompressionHook) else None
         return job
 
+    def _setup_healing(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, call: LossCall, topo: Topology
+    ) -> DataParallelJob:
+        """Under ``--on-worker-failure heal`` the data axis is the quorum (`loom.parallel.data.data_axis`):
+        refuse what it cannot honour, join it (a first start and a replacement alike), take a live member's state."""
+        refuse_heal_options(self.config)
+        store = healing_store()
+        place_model(model, topo.device, optimizer, topo.rank)
+        quorum = Quorum.from_env(store)
+        path = choose_gradient_path(self.config, topo, model, axis=quorum)
+        metrics = StepMetrics(topo.rank, self.metrics_path or healing_metrics_path())
+        mesh = Mesh(dp=1, topology=whole_batches(topo))  # the loader's view: whole global batches
+        job = DataParallelJob(
+            model, model, optimizer, call, mesh, self.config, metrics, quorum=quorum, topology=topo
+        )
+        job.observer = StepObserver(metrics, enabled=self.observe)  # no straggler rows: the members change
+        job.gradient_path, job.shared_gradients = path, path.shared
+        if topo.is_main:
+            print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)
+        return join_first_epoch(job)
+
 
 document_options(DataParallel, DataParallelConfig)
-
-
-class DataParallelJob(Engine):
-    """A model set up for data-parallel training (the `loom.job.Job` contract; its state is replicated)."""
-
-    observes_own_phases = True  # phase rows ride on the loss all-reduce (loom.observe.phases)
-
-    replicated_state = True
-
-    def __init__(
-        self,
-        module: nn.Module,
-        wrapped: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn | LossCall | None,
-        mesh: Mesh,
-        config: DataParallelConfig,
-        metrics: StepMetrics,
-    ) -> None:
-        topology = mesh.topology
-        self.module = module
-        """The user's model (unwrapped): read or export its parameters here."""
-        self.wrapped = wrapped
-        self.optimizer = optimizer
-        self.loss_call = LossCall.of(loss_fn)
-        """How the model and the loss are called on a batch (`loom.LossCall`)."""
-        self.loss_fn = self.loss_call.fn
-        self.own_loop_started = False
-        """Set by `own_loop`: the model's outputs then weight their gradients, so `train_step` is refused."""
-        self.topology = topology
-        self.mesh = mesh
-        self.config = config
-        self.metrics = metrics
-        self.observer = StepObserver(metrics, topology.world_size)
-        """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
-        self.step = 0
-        self.guard = StepGuard.start(topology, config)
-        """The hang watchdog over this job's collectives and the non-finite verdict (`loom.train.guard`)."""
-        self.watchdog = self.guard.watchdog
-        shared_memory = config.allreduce in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
-        self._loss_algorithm = config.allreduce if shared_memory else "native"
-        """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared
-        memory on CPU; else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
-        self.compression: CompressionHook | None = None
-        """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
-        self.gradient_path: GradientPath | None = None
-        """How gradients are averaged (None in one process): `data_parallel_sync.choose_gradient_path`."""
-        self.shared_gradients: SharedGradients | None = None
-        """Set when gradients are averaged in shared memory after backward instead of by DDP (see
-        `loom.comm.shared_gradients`); then `wrapped` is the model itself."""
-        self.nonfinite = self.guard.nonfinite
-        self.last_step_skipped = False
-        """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
-        self._trainable = [p for p in module.parameters() if p.requires_grad]
-        self._batchnorm = batchnorm_layers(module)
-
-    # -- training --------------------------------------------------------------------------------------------
-    def _global_count(self, batch: Any, local: int) -> tuple[int, dict[int, int]]:
-        """The global batch size, and the shares (rank: samples) too small for the model's BatchNorm layers.
-
-        A loader batch carries its global size, and its shares follow `share_bounds`, so every rank computes
-        every share; a plain batch's sizes travel in the sample-count all-reduce (one slot per rank)."""
-        world, accumulate = self.topology.world_size, self.config.accumulate
-        known = getattr(batch, "global_size", None)
-        if known is not None:
-            total = int(known)
-            if not self._batchnorm:
-                return total, {}
-            shares = [hi - lo for lo, hi in (share_bounds(total, r, world) for r in range(world))]
-        elif not self.topology.is_distributed:
-            total, shares = local, [local]
-        else:
-            counts = torch.zeros(world, dtype=torch.int64, device=self.topology.device)
-            counts[self.topology.rank] = local
-            with self.watchdog.collective("sample-count all-reduce"):
-                launched = time.perf_counter()
-                dist.all_reduce(counts)
-                self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8 * world)
-            shares = counts.tolist()
-            total = sum(shares)
-        small = {r: n for r, n in enumerate(shares) if 0 < n < 2 * accumulate} if self._batchnorm else {}
-        return total, small
-
-    def own_loop(self, loader: Any = None) -> Any:
-        """``model, optimizer, loader`` for a script that keeps its own loop (forward, ``loss.backward()``,
-        clipping, ``optimizer.step()``): see `loom.parallel.data.own_loop.OwnLoop`. Call it on every rank."""
-        from loom.parallel.data.own_loop import OwnLoop  # here: own_loop builds on this module's job
-
-        return OwnLoop.start(self, loader)
-
-    # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
-    def _check_can_train(self) -> None:
-        if self.own_loop_started:
-            raise RuntimeError(
-                f"rank {self.topology.rank}: job.train_step after job.own_loop(): the model from own_loop weights "
-                "its gradients for your loop's backward, and train_step would weight them twice. HINT: train "
-                "with the loop's model and optimizer, or call train_step on a job that own_loop was not called on."
-            )
-
-    def _prepare(self, state: StepState) -> None:
-        """The share on the device and the global count (one all-reduce unless the loader batch carries it)."""
-        self.observer.begin_step(state.number)
-        batch_here = to_device(state.batch, self.topology.device)
-        state.local = batch_len(self.loss_call.inputs_of(batch_here))
-        state.work["batch"] = batch_here
-        self.observer.lap(DATA)
-        state.total, small = self._global_count(state.batch, state.local)
-        self.observer.lap(COMM)
-        if small and state.total:
-            refuse_small_batchnorm_shares(
-                self.topology.rank, state.number, self.topology.world_size, self.config.accumulate,
-                self._batchnorm, small, state.total,
-            )  # fmt: skip
-
-    def _forward_backward(self, state: StepState) -> None:
-        """``accumulate`` micro-batches, each loss weighted by ``n * W / N`` (the module docstring); DDP
-        all-reduces inside the last backward. The loss sum and this rank's flag go into the loss buffer."""
-        self.observer.lap(OPTIMIZER)
-        call, batch_here, total = self.loss_call, state.work["batch"], state.total
-        assert total is not None
-        world = self.topology.world_size
-        pieces = [p for p in micro_batches(batch_here, state.local, self.config.accumulate) if p[1] > 0]
-        # [loss sum, every rank's phase times]: stragglers ride on this all-reduce (see loom.observe.phases)
-        loss_sum = self.observer.loss_buffer(self.topology.device)
-        ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
-        if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
-            with self.watchdog.collective("gradient all-reduce"):
-                zero_loss(forward_loss(call, self.wrapped, batch_here)[1]).backward()
-        for i, (piece, n) in enumerate(pieces):
-            sync_now = i == len(pieces) - 1
-            with self._no_sync() if not sync_now else nullcontext():
-                loss = forward_loss(call, self.wrapped, piece)[0]
-                with (
-                    self.watchdog.collective("gradient all-reduce")
-                    if sync_now and ddp_syncs
-                    else nullcontext()
-                ):
-                    (loss * (n * world / total)).backward()
-            loss_sum[0] += loss.detach().double() * n
-        self.observer.backward_done()
-        self._flag_local_loss(loss_sum)
-        state.work["buffer"] = loss_sum
-
-    def _synchronize(self, state: StepState) -> None:
-        """Shared-memory gradients (the loss buffer rides along), then the loss buffer's all-reduce."""
-        loss_sum = state.work["buffer"]
-        if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
-            with self.watchdog.collective("gradient all-reduce"):
-                launched = time.perf_counter()
-                self.shared_gradients.average(loss_sum)  # the loss rides along: no collective of its own
-                self.observer.lap(COMM)
-                nbytes = self.shared_gradients.nbytes
-                self.observer.collective(
-                    "all_reduce gradients and loss", launched, time.perf_counter(), nbytes, estimate=False
-                )
-        state.gradient_finite = self._reduce_loss(loss_sum)
-        world = self.topology.world_size
-        state.flags, state.ranks = loss_sum[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
-        assert state.total is not None
-        state.loss = float(loss_sum[0].item()) / state.total
-
-    def _apply(self, state: StepState) -> None:
-        self.optimizer.step()
-        self.observer.lap(OPTIMIZER)
-
-    def _record(self, state: StepState, **fields: Any) -> None:
-        if state.skipped:
-            self.observer.lap(OPTIMIZER)
-        assert state.total is not None
-        self.observer.end_step(
-            state.number,
-            state.local,
-            state.total,
-            state.loss,
-            state.work["buffer"],
-            skipped=state.skipped,
-            **fields,
-        )
-
-    def _reduce_loss(self, loss_sum: torch.Tensor) -> bool:
-        """The all-reduce of ``[loss sum, flags, straggler rows]``; returns whether the averaged gradient is
-        finite (checked while the all-reduce runs where it can be).
-
-        With shared-memory gradients the buffer was already summed with them (`SharedGradients.average`).
-        Otherwise, with loom's shared-memory algorithms on CPU the buffer goes through the job's algorithm
-        (gloo's all-reduce of a few values costs about twice a shared-memory one on one host,
-        ``benchmarks/reports/metrics_overhead.md``). Otherwise gloo's all-reduce is launched asynchronously and
-        overlaps the check of the averaged gradient. Either way every rank has every flag before the verdict.
-        """
-        if not self.topology.is_distributed or self.shared_gradients is not None:
-            return self._gradients_finite()
-        with self.watchdog.collective("loss all-reduce"):
-            native = self._loss_algorithm == "native"
-            launched = time.perf_counter()
-            pending = dist.all_reduce(loss_sum, async_op=True) if native else None  # overlaps the check
-            finite = self._gradients_finite()
-            self.observer.lap(OPTIMIZER)
-            if pending is not None:
-                pending.wait()
-            else:
-                launched = time.perf_counter()
-                comm_all_reduce(loss_sum, op="sum", algorithm=self._loss_algorithm)  # counts its own bytes
-            self.observer.collective(
-                "all_reduce loss", launched, time.perf_counter(), loss_sum.nbytes, estimate=native
-            )
-            self.observer.lap(COMM)
-        return finite
-
-    def _flag_local_loss(self, loss_sum: torch.Tensor) -> None:
-        """Set this rank's flag in the buffer when its local loss is NaN or infinite (it rides to every rank).
-        On the CPU through the buffer's numpy view (a tensor op costs ~10x more); elsewhere without a sync."""
-        slot = FLAGS_AT + self.topology.rank
-        if loss_sum.device.type == "cpu":
-            values = loss_sum.numpy()
-            values[slot] = 0.0 if math.isfinite(values[0]) else 1.0
-        else:
-            loss_sum[slot] = (~torch.isfinite(loss_sum[0])).double()
-
-    def _gradients_finite(self) -> bool:
-        """Whether the averaged gradient is finite: bitwise the same on every rank, so the same verdict."""
-        if self.shared_gradients is not None:
-            return gradients_finite((), flat=self.shared_gradients.flat)
-        return gradients_finite([p.grad for p in self._trainable])
-
-    def _no_sync(self):
-        return self.wrapped.no_sync() if isinstance(self.wrapped, DistributedDataParallel) else nullcontext()
-
-    # -- state -----------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return replicated_state(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_replicated_state(self, state)
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """State that differs between processes: the compression codec's error-feedback residuals and warm
-        starts. Not part of `state_dict()` (which is the same on every rank and saved once by rank 0)."""
-        return {"compression": self.compression.state_dict() if self.compression is not None else None}
-
-    def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("compression") is not None and self.compression is not None:
-            self.compression.load_state_dict(state["compression"])

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import compression_hook, make_codec
-from loom.comm.compression.base import Exchange
+from loom.comm.compression.base import Codec, Exchange
 from loom.comm.counters import counters
 from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.comm.ddp_hooks import allreduce_hook
@@ -33,9 +33,11 @@ from loom.observe.phases import loss_buffer_size
 from loom.topology import Topology
 
 if TYPE_CHECKING:
+    from loom.parallel.data.data_axis import DataAxis
     from loom.parallel.data.data_parallel_config import DataParallelConfig
 
 __all__ = [
+    "AxisGradients",
     "GradientAveraging",
     "GradientPath",
     "choose_gradient_path",
@@ -55,19 +57,23 @@ class GradientPath:
     reason: str
     hook: Callable | None = None
     """DDP's communication hook (None: DDP's built-in all-reduce, or no DDP)."""
-    shared: SharedGradients | None = None
-    """Set for the shared-memory path: the model is not wrapped in DDP."""
+    shared: SharedGradients | AxisGradients | None = None
+    """Set for the paths that average after backward (shared memory, a replaceable axis): no DDP."""
 
     def describe(self) -> str:
         return f"{self.name}: {self.reason}"
 
 
-def choose_gradient_path(config: DataParallelConfig, topo: Topology, model: nn.Module) -> GradientPath:
+def choose_gradient_path(
+    config: DataParallelConfig, topo: Topology, model: nn.Module, axis: DataAxis | None = None
+) -> GradientPath:
     """The gradient path of a distributed `DataParallel` job: the first row whose condition holds.
 
     ========================================================  ===============================  ====================
     condition                                                 path                             why
     ========================================================  ===============================  ====================
+    a data ``axis`` whose group is replaced (heal)            flat gradients over the axis's   DDP is bound to one
+                                                              group, no DDP (`AxisGradients`)  group for its life
     ``compression`` set                                       DDP + compression hook           the codec's rounds
                                                                                                overlap backward
     ``allreduce="native"``, or ``"auto"`` on GPUs             DDP's built-in all-reduce        C++ buckets overlap
@@ -85,6 +91,8 @@ def choose_gradient_path(config: DataParallelConfig, topo: Topology, model: nn.M
     ``benchmarks/reports/dp_allreduce.md`` (measured on a 2-core host, 2 processes) for the figures. A collective
     (the agreement on the shared path) runs only when the rows above it do not hold, on every rank alike.
     """
+    if axis is not None:
+        return axis_path(config, model, axis)
     if config.compression is not None:
         return GradientPath("DDP + compression hook", f"compression={config.compression!r}",
                             hook=gradient_hook(config, topo))  # fmt: skip
@@ -107,6 +115,75 @@ def choose_gradient_path(config: DataParallelConfig, topo: Topology, model: nn.M
         _why_not_shared(config, topo, model),
         hook=gradient_hook(config, topo),
     )
+
+
+def axis_path(config: DataParallelConfig, model: nn.Module, axis: DataAxis) -> GradientPath:
+    """The path over a replaceable data axis (`loom.parallel.data.data_axis`; options it cannot honour were
+    refused by `refuse_heal_options`): ``allreduce`` over the axis's group (``auto``: gloo's), or a codec."""
+    algorithm = "native" if config.allreduce == "auto" else config.allreduce
+    codec = make_codec(config.compression) if config.compression is not None else None
+    how = f"compression={config.compression!r}" if codec is not None else f"{algorithm!r} all-reduce"
+    return GradientPath(
+        f"flat gradients over the data axis's group, no DDP ({how})",
+        "--on-worker-failure heal: the axis's group is replaced at every re-form (DDP is bound to one group)",
+        shared=AxisGradients(model, axis, algorithm, codec),
+    )
+
+
+class AxisGradients:
+    """The trainable gradients averaged after backward over the data axis's current group, flat, with small sums
+    riding along: `SharedGradients`' interface (``average(extra)``, ``flat``, ``nbytes``) over a group that may
+    change between steps (`loom.parallel.data.data_axis`: the quorum's epoch group under heal).
+
+    Without a codec a step makes one collective: `loom.comm.all_reduce` (``algorithm``) of ``[gradients...,
+    extra...]``, summed, then the gradients divided by the axis's size (each member weighted its loss by ``n *
+    size / N``). With a codec (a stateless one, `refuse_heal_options`): the codec's collectives on the gradients,
+    then the extra values' all-reduce, as DDP with a compression hook pays the codec's rounds and the loss
+    all-reduce. The buffer is float32 at least (float64 stays float64), so the flags, the fingerprints (at most
+    251) and the loss sum ride exactly enough in it."""
+
+    def __init__(self, module: nn.Module, axis: DataAxis, algorithm: str, codec: Codec | None) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.axis, self.algorithm, self.codec = axis, algorithm, codec
+        self.dtype = torch.float32
+        for p in self.params:
+            self.dtype = torch.promote_types(self.dtype, p.dtype)
+        self.numel = sum(p.numel() for p in self.params)
+        self.nbytes = self.numel * self.dtype.itemsize
+        self._flat = torch.zeros(self.numel, dtype=self.dtype)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """Every trainable parameter's averaged gradient, flat, in order, after `average` (the same on every
+        member: a check of it reaches the same verdict everywhere)."""
+        return self._flat[: self.numel]
+
+    def average(self, extra: torch.Tensor | None = None) -> None:
+        """Leave every parameter's ``.grad`` the average over the axis (a missing gradient counts as zeros) and
+        ``extra`` (float64) summed over it. Collective over the axis's group."""
+        group, size = self.axis.group, self.axis.size
+        values = extra if extra is not None else torch.zeros(0, dtype=torch.float64)
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.dtype)
+            for p in self.params
+        ]
+        if self.codec is None:
+            flat = torch.cat([*grads, values.to(self.dtype)])
+            comm_all_reduce(flat, op="sum", algorithm=self.algorithm, group=group)
+            flat[: self.numel].div_(size)
+            values.copy_(flat[self.numel :])
+        else:
+            exchange = self.codec.exchange(
+                list(range(len(grads))), torch.cat(grads), [p.shape for p in self.params], size
+            )
+            flat = _run_exchange(exchange, group, size) if size > 1 else torch.cat(grads)
+            if values.numel():
+                comm_all_reduce(values, op="sum", algorithm="native", group=group)
+        self._flat = flat
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
 
 
 def _why_not_shared(config: DataParallelConfig, topo: Topology, model: nn.Module) -> str:
@@ -278,7 +355,7 @@ class GradientAveraging:
             self.codec.load_state_dict(state["compression"])
 
 
-def _run_exchange(exchange: Exchange, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+def _run_exchange(exchange: Exchange, group: dist.ProcessGroup | None, n: int) -> torch.Tensor:
     """Run a codec's collectives (`loom.comm.compression.base`) synchronously, in order; return its average."""
     result: torch.Tensor | None = None
     while True:

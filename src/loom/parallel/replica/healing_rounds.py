@@ -12,8 +12,9 @@ DiLoCo's global copy and outer optimizer), the members re-form (`loom.fault.quor
 batches, each divided among the members present. Hence the job equals a one-process simulation of the strategy
 with the same membership per round, whatever the failures (tested to 1e-5).
 
-Built on `loom.parallel.data.healing.HealingJob` (its loader of whole global batches, its share of each batch by
-member index, its joining and state transfer) with the engine's hooks; what differs:
+Built on `loom.parallel.data.data_parallel.DataParallelJob` over the quorum's data axis (`loom.parallel.data.data_axis`:
+the loader of whole global batches, the share of each batch by member index, joining and the state transfer) with
+the engine's hooks; what differs:
 
 - **The vote.** The engine's per-step vote becomes a round's (`_commit` lets inner steps through); the round's
   vote is taken after the synchronization, in `_after_step` of the round's last step, so the synchronization
@@ -59,11 +60,23 @@ from loom.devices import place_model
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum, StepDropped
 from loom.job import replicated_state
+from loom.mesh import Mesh
+from loom.observe.metrics import StepMetrics
+from loom.observe.phases import StepObserver
 from loom.parallel._setup import HEALS, StartRefused, check_setup_arguments
-from loom.parallel.data.healing import HealingJob, healing_store, join_first_epoch
+from loom.parallel.data.data_axis import (
+    TIMEOUTS_UNDER_HEAL,
+    healing_metrics_path,
+    healing_store,
+    join_first_epoch,
+    take_live_state,
+    unapplied_timeouts,
+    whole_batches,
+)
+from loom.parallel.data.data_parallel import DataParallelJob
 from loom.parallel.replica._replica_sync import flatten, synced_tensors, unflatten_into
 from loom.topology import Topology, current
-from loom.train.engine import StepState
+from loom.train.engine import Engine, StepState
 from loom.train.heal_state import all_reduce_sum, share_training_state
 
 __all__ = ["HealingRounds", "refuse_round_options", "start_healing_rounds"]
@@ -81,12 +94,14 @@ def refuse_round_options(config: Any, strategy: str) -> None:
             given["overlap_steps"] = config.overlap
         if config.compression is not None:
             given["compression"] = config.compression
+    timeouts = unapplied_timeouts(config)
+    given.update(timeouts)
     if given:
         raise StartRefused(
             f"--on-worker-failure heal: {strategy} heals with one synchronization of the whole model per round, "
-            f"all-reduced with gloo over each membership epoch's group, without overlap or compression; got "
-            f"{given}. HINT: drop {', '.join(f'{k}=' for k in given)} under heal (the strategies that heal: "
-            f"{HEALS})"
+            f"all-reduced with gloo over each membership epoch's group, without overlap or compression"
+            f"{f' ({TIMEOUTS_UNDER_HEAL})' if timeouts else ''}; got {given}. HINT: drop "
+            f"{', '.join(f'{k}=' for k in given)} under heal (the strategies that heal: {HEALS})"
         )
 
 
@@ -110,7 +125,7 @@ def _holder(tensors: list[torch.Tensor]) -> nn.Module:
     return module
 
 
-class HealingRounds(HealingJob):
+class HealingRounds(DataParallelJob):
     """A LocalSGD or DiLoCo job whose members may change between rounds (see the module docstring)."""
 
     replicated_state = False
@@ -121,7 +136,14 @@ class HealingRounds(HealingJob):
         self, module: nn.Module, optimizer: torch.optim.Optimizer, loss_call: Any, topology: Topology,
         config: Any, quorum: Quorum, outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
     ) -> None:  # fmt: skip
-        super().__init__(module, optimizer, loss_call, topology, config, config.accumulate, quorum)
+        metrics = StepMetrics(topology.rank, healing_metrics_path())
+        mesh = Mesh(dp=1, topology=whole_batches(topology))  # the loader's view: whole global batches
+        super().__init__(
+            module, module, optimizer, loss_call, mesh, config, metrics, quorum=quorum, topology=topology
+        )
+        self.observer = StepObserver(metrics, enabled=False)  # a round's records are its own (`_record`)
+        self.quorum: Quorum = quorum
+        self.accumulate: int = config.accumulate
         self.sync_every: int = config.sync_every
         self.global_params: list[torch.Tensor] = []
         """DiLoCo's global copy (what the outer optimizer steps; the same on every member)."""
@@ -173,10 +195,10 @@ class HealingRounds(HealingJob):
         self._join_after = False  # whoever was ready joins this epoch
         if self._snapshot is not None:
             self._restore()
-        self._take_live_state()
+        take_live_state(self)
         self._take_snapshot()
         for batch in self._round[:-1]:
-            HealingJob._attempt(self, batch)
+            Engine._attempt(self, batch)
 
     def _share_more(self, source: int, load: bool) -> None:
         """DiLoCo: the global copy and the outer optimizer's state travel with the model."""
@@ -283,7 +305,7 @@ class HealingRounds(HealingJob):
         """LocalSGD: the average of the members' parameters and floating-point buffers, each weighted by its
         samples in the round over the job's; DiLoCo: the same average of the pseudo-gradients (global copy minus
         local parameters) and buffers, the outer optimizer's step on the global copy, which every member then
-        takes. One flat buffer, all-reduced in two halves (the fault phase ``during`` sits between them).
+        takes. One flat buffer, one all-reduce (the fault phase ``during`` fires right before it).
         Nothing when no step of the round was applied (every member is still at the round's start)."""
         if not self._global_samples:
             return
@@ -293,13 +315,9 @@ class HealingRounds(HealingJob):
         held = self.global_params
         pieces = [g - p.detach() for g, p in zip(held, params, strict=True)] if held else list(params)
         flat = flatten(pieces + buffers, self._samples / self._global_samples)
-        half = flat.numel() // 2
-        if half:
-            with self.guard.collective("round all-reduce (first half)"):
-                all_reduce_sum(flat[:half], group)
-        fault_point(step, "during")
-        with self.guard.collective("round all-reduce (second half)"):
-            all_reduce_sum(flat[half:], group)
+        fault_point(step, "during")  # the other members are inside the all-reduce by now
+        with self.guard.collective("round all-reduce"):
+            all_reduce_sum(flat, group)
         if self.outer_optimizer is None:
             unflatten_into(flat, params + buffers)
             return

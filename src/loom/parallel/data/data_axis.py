@@ -1,0 +1,295 @@
+"""DataParallel's data axis: who the members are, this process's place among them, the group they meet in.
+
+Without healing the axis is the job's topology (`FixedAxis`: every rank, the default group, for the job's life).
+Under ``loom run --on-worker-failure heal`` it is the quorum (`loom.fault.quorum.Quorum`: the members of the
+current membership epoch, this process's index among them, and the epoch's gloo group, replaced at every
+re-form). `loom.parallel.data.data_parallel.DataParallelJob` reads its share of each batch, the loss weighting
+(``n * size / N``), the non-finite flags and the exchange from the axis, so the same job serves both; this module
+holds what only a replaceable axis needs (after torchft's Manager: the quorum replaces the group, the step is
+the ordinary one).
+
+The exchange under heal: DDP's reducer is bound to one process group for its life, while the axis's group is
+replaced at every re-form, so the gradients take the path the shared-memory one takes (averaged after backward,
+flat, no DDP): `loom.parallel.data.data_parallel_sync.AxisGradients`, chosen by ``choose_gradient_path``. One
+collective per step carries the gradients, the loss sum, every member's flag and batch fingerprint and the
+"replacement waiting" mark. The injected fault ``during`` (`loom.fault.inject`) fires right before it, while the
+other members are inside it.
+
+Exact accounting under heal: every process loads the whole global batch (`whole_batches`: a member's share
+depends on the members present, which the loader cannot know), and at each attempt the job takes the share of
+its index among the epoch's members (`loom.data.sampler.share_bounds`). Each member's loss is weighted by
+``n * size / N`` and the gradients averaged, so a committed step is the gradient of the global-batch mean loss
+whatever the membership: the job equals one process on the same global batches. A step that is dropped (an
+error or a lost member anywhere) applied nothing on any member and is retried on the same global batch by the
+next epoch's members. The data position is the committed step (the index of the next global batch): a
+replacement receives it with the model and starts its loader there (`loader_at_position`).
+
+What heal cannot honour is refused at setup, naming why (`refuse_heal_options`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree
+
+from loom.comm.compression import accept_compression
+from loom.errors import DifferentBatches, HealConflict, StartRefused, is_retryable
+from loom.fault.inject import fault_point
+from loom.topology import Topology
+from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
+
+if TYPE_CHECKING:
+    from loom.train.engine import Engine
+
+__all__ = [
+    "DataAxis",
+    "FixedAxis",
+    "HealConflict",
+    "batch_fingerprint",
+    "check_same_batches",
+    "healing_metrics_path",
+    "healing_store",
+    "join_first_epoch",
+    "loader_at_position",
+    "refuse_heal_options",
+    "take_live_state",
+    "unapplied_timeouts",
+    "whole_batches",
+]
+
+HEAL_ALGORITHMS = ("native", "ring", "driver")
+"""The ``allreduce`` algorithms the axis's exchange runs under heal: those of `loom.comm.all_reduce` that take a
+group built on a store (each epoch's). ``auto`` runs ``native`` there (gloo)."""
+HEAL_CODECS = ("fp16", "bf16", "int8")
+"""The codecs the axis's exchange applies under heal: the stateless ones."""
+_STATEFUL = ("keeps error-feedback residuals on each member: a dropped attempt would leave its update in them, and a "
+             "replacement starts without the lost member's")  # fmt: skip
+
+
+class DataAxis(Protocol):
+    """What DataParallel reads from its data axis (`FixedAxis`, or a `loom.fault.quorum.Quorum` under heal)."""
+
+    @property
+    def members(self) -> list[int]: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+
+
+@dataclass(frozen=True)
+class FixedAxis:
+    """The axis without healing: every rank of the job, this process's rank, the default group (None)."""
+
+    index: int
+    size: int
+    members: list[int] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def of(cls, topology: Topology) -> FixedAxis:
+        return cls(topology.rank, topology.world_size, list(range(topology.world_size)))
+
+
+def whole_batches(topology: Topology) -> Topology:
+    """What a member under heal does alone, without collectives: load whole global batches (its loader's and its
+    mesh's data topology: one replica), and write a checkpoint (`loom.fit` with one writer per checkpoint)."""
+    return Topology(0, 1, topology.local_rank, topology.local_world_size, "none", topology.device_name,
+                    topology.shared_gpu)  # fmt: skip
+
+
+def batch_fingerprint(batch: Any) -> int:
+    """1..251 from the shapes and first 4 KiB of each tensor of ``batch``: equal on members given the same batch;
+    a rank-sharded loader's batches differ from the first sample. Small enough to be exact in any gradient dtype
+    (bfloat16 holds integers up to 256), so it rides in the step's exchange at no extra collective."""
+    crc = 0
+    for leaf in torch.utils._pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            head = leaf.detach().reshape(-1)[:4096].cpu().contiguous()
+            crc = zlib.crc32(str((tuple(leaf.shape), str(leaf.dtype))).encode(), crc)
+            crc = zlib.crc32(head.view(torch.uint8).numpy().tobytes(), crc)
+    return crc % 251 + 1
+
+
+def check_same_batches(rank: int, step: int, members: list[int], prints: list[float]) -> None:
+    """Raise `DifferentBatches` when the members' fingerprints differ (every member holds the same sums: the
+    same verdict everywhere)."""
+    if len(set(prints)) > 1:
+        raise DifferentBatches(
+            f"rank {rank}: step {step}: the members were given different global batches (members {members}, "
+            f"batch fingerprints {[int(f) for f in prints]}). Under --on-worker-failure heal every member must "
+            "load the same whole global batch and the job cuts each one's share (by the members present): a "
+            "loader sharded by rank (a DistributedSampler, a share cut by RANK) would train on a fraction of each "
+            "batch, and a replacement's own DataLoader starts at its epoch's first batch, not at the job's "
+            "committed step. HINT: iterate job.loader(dataset, global_batch_size=...), which every member, a "
+            "replacement too, reads from the job's position"
+        )
+
+
+def healing_metrics_path() -> str | None:
+    """``RUN_DIR/metrics/rank<r>.jsonl``, and ``rank<r>.heal<g>.jsonl`` for a rank's g-th replacement."""
+    run_dir, rank = os.environ.get("LOOM_RUN_DIR"), os.environ.get("RANK", "0")
+    gen = int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0)
+    return f"{run_dir}/metrics/rank{rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
+
+
+TIMEOUTS_UNDER_HEAL = (
+    "the hang watchdog does not yet follow a membership that changes; under heal the quorum's heartbeats "
+    "(LOOM_HEAL_HEARTBEAT_TIMEOUT_S) and each epoch's group timeout (LOOM_HEAL_GROUP_TIMEOUT_S) bound every wait"
+)
+"""Why the guard's timeouts are refused under heal (`loom.train.guard.StepGuard.start`)."""
+
+
+def unapplied_timeouts(config: Any) -> dict[str, float]:
+    """The guard's timeouts set on ``config`` (`loom.train.guard.GuardOptions`): not applied under heal yet."""
+    names = ("hang_timeout_s", "work_timeout_s", "liveness_timeout_s")
+    return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
+
+
+def refuse_heal_options(config: Any) -> None:
+    """The options of DataParallel that the axis's exchange cannot honour under heal, refused by name with why."""
+    why: dict[str, str] = {}
+    if config.allreduce not in ("auto", *HEAL_ALGORITHMS):
+        why[f"allreduce={config.allreduce!r}"] = (
+            "the shared-memory algorithms map a segment per group and every membership epoch has a new group "
+            f"(the axis runs {', '.join(HEAL_ALGORITHMS)})"
+        )
+    if config.overlap:
+        why["overlap=True"] = (
+            "the exchange runs after backward: one buffer holds every gradient and the step's marks"
+        )
+    if config.bucket_cap_mb != 25.0:
+        why[f"bucket_cap_mb={config.bucket_cap_mb}"] = "there are no buckets: one flat buffer per step"
+    for name, value in unapplied_timeouts(config).items():
+        why[f"{name}={value}"] = TIMEOUTS_UNDER_HEAL
+    try:
+        accept_compression(config.compression, "the data axis under heal", HEAL_CODECS,
+                           {"topk": _STATEFUL, "powersgd": _STATEFUL})  # fmt: skip
+    except ValueError as error:
+        why[f"compression={config.compression!r}"] = str(error)
+    if why:
+        raise StartRefused(
+            "--on-worker-failure heal: DataParallel cannot honour "
+            + "; ".join(f"{option} ({reason})" for option, reason in why.items())
+            + f". HINT: drop {', '.join(o.partition('=')[0] + '=' for o in why)} under heal"
+        )
+
+
+def healing_store() -> Any:
+    """The launcher's store, which the quorum and each epoch's group are built on."""
+    from loom.topology import job_store  # the launcher's store, joined by loom.init()
+
+    store = job_store()
+    if store is None:
+        raise RuntimeError("--on-worker-failure heal needs loom.init() under loom run (the launcher's store)")
+    return store
+
+
+class Healing(Protocol):
+    """What `take_live_state` and `join_first_epoch` need of a healing job (DataParallel's, a healing round's)."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    topology: Topology
+    step: int
+    quorum: Any
+    joined_running: bool
+    _synced: bool
+
+    def _share_more(self, source: int, load: bool) -> None: ...
+    def _adopt_epoch(self) -> None: ...
+    def _heal_reform(self) -> None: ...
+
+
+def take_live_state(job: Healing) -> None:
+    """Make a new epoch's members equal: every member's committed step (all-reduced), then the training state of
+    the first member holding the highest, broadcast (`share_training_state`, and the job's ``_share_more``): a
+    member behind it, or without state yet (a replacement, every member at the first epoch), loads it."""
+    quorum, group = job.quorum, job.quorum.group
+    assert group is not None
+    steps = torch.zeros(quorum.size, dtype=torch.int64)
+    steps[quorum.index] = job.step if job._synced else -1
+    all_reduce_sum(steps, group)
+    listed = steps.tolist()
+    trained = [s for s in listed if s >= 0]
+    if trained and max(trained) - min(trained) > 1:
+        # members that trained committed the same steps (one verdict per step); one may be a step behind (it
+        # failed after the vote committed a step, before applying it), never more (a joiner claims -1)
+        described = ", ".join(f"rank {r}: {s}" for r, s in zip(quorum.members, listed, strict=True) if s >= 0)
+        raise HealConflict(
+            f"rank {job.topology.rank}: the members of epoch {quorum.epoch} claim committed steps more than one "
+            f"apart ({described}); members that trained all committed the same steps, one step in flight at "
+            "most, so one of them is wrong (a process that loaded other state, or a lying worker): no state is "
+            "copied and the job stops"
+        )
+    source = source_of(listed)
+    load = not job._synced or listed[quorum.index] < listed[source]
+    replacement = listed[source] >= 0 and -1 in listed
+    step = share_training_state(
+        job.module, job.optimizer, job.step, source, quorum.index, group, load, replacement
+    )
+    job._share_more(source, load)
+    if load:
+        job.step = step
+        job.joined_running = job.joined_running or replacement
+    job._synced = True
+    print(f"loom: rank {job.topology.rank}: epoch {quorum.epoch} members {quorum.members} at step {job.step}"
+          f"{' (state received from rank ' + str(quorum.members[source]) + ')' if load else ''}",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+HealingT = TypeVar("HealingT", bound="Engine")
+
+
+def join_first_epoch(job: HealingT) -> HealingT:
+    """Join the quorum (a first start and a replacement alike) and take the state of a live member."""
+    quorum = job.guard.quorum
+    assert quorum is not None
+    fault_point(1, "join")
+    quorum.join()
+    try:
+        job._adopt_epoch()
+    except Exception as error:
+        if not is_retryable(error):  # (HealConflict, HealStateRefused)
+            raise
+        print(f"loom: rank {job.topology.rank}: first epoch failed while forming ({error}); re-forming",
+              file=sys.stderr, flush=True)  # fmt: skip
+        job._heal_reform()
+    return job
+
+
+def loader_at_position(job: Any, dataset: Any, global_batch_size: int, shuffle: bool, seed: int,
+                       drop_last: bool, **options: Any) -> Any:  # fmt: skip
+    """Whole global batches (every member loads each, and takes its epoch's share at the step), from the job's
+    data position: a replacement starts at the global batch after the last committed step."""
+    from loom.data.loader import loader as make_loader  # here: loom.data imports loom.topology only
+
+    options.setdefault("same_data_check", False)
+    shards = make_loader(
+        dataset, global_batch_size, shuffle, seed, drop_last, topology=job.data_topology, **options
+    )
+    per_epoch = len(shards)
+    if job.step and per_epoch:
+        state = shards.state_dict()
+        state["epoch"] = job.step // per_epoch
+        state["consumed"] = min((job.step % per_epoch) * global_batch_size, shards.sampler.epoch_samples())
+        shards.load_state_dict(state)
+    return shards
+
+
+def refuse_own_loop(rank: int) -> ValueError:
+    """The error of `own_loop` under heal."""
+    return ValueError(
+        f"rank {rank}: job.own_loop() under --on-worker-failure heal: a step of your own loop cannot be dropped "
+        "and retried on every member. HINT: train with job.train_step(batch), or use --on-worker-failure stop "
+        "with --max-restarts N"
+    )

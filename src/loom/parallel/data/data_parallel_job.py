@@ -1,0 +1,397 @@
+"""The job of `DataParallel` (`loom.parallel.data.data_parallel`): one step's hooks, over the job's data axis.
+
+The data axis (`loom.parallel.data.data_axis`) is the job's topology, or under ``--on-worker-failure heal`` the
+quorum's membership; the share of each batch, the loss weighting, the flags and the exchange read it, so the same
+job serves both. Exactness under uneven shares: DDP averages gradients over *processes*, which is the global-batch
+gradient only when every share has the same size. loom scales each replica's mean loss by ``n_r * W / N`` (``n_r``
+its samples, ``W`` the axis's size, ``N`` the global batch) before backward, so the average becomes
+``sum_r n_r/N * grad_r``: the gradient of the global-batch mean loss, i.e. what one process computes on the whole
+batch. An empty share still joins the exchange with a zero-weighted forward (DDP) or zero gradients (after
+backward).
+
+Guards, all on every rank alike so none is left waiting: at each step a non-finite loss or gradient on any rank is
+never applied (``nonfinite``, see `loom.fault.desync.NonFiniteGuard`: each rank's loss flag rides in the loss
+buffer, and the averaged gradient, the same on every rank, is checked where it lies); and a share too small for
+BatchNorm in training mode (1 sample in a forward, where PyTorch would raise on one rank only) is refused on every
+rank, naming the fix. An empty share is accepted: BatchNorm passes a zero-size batch through without touching its
+running statistics.
+
+Calling conventions: every `loom.LossCall` one (``model(*inputs)``, ``loss_fn(outputs, batch)``, a model that
+returns its own loss with ``loss_fn=None``), one function for all strategies (`loom.train.batch.forward_loss`).
+Scripts that keep their own loop take the model, optimizer and loader from `DataParallelJob.own_loop`
+(`loom.parallel.data.own_loop`), with the same weighting.
+
+Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
+(PyTorch's default), since that is what the scaling undoes. With DDP the loss buffer is waited for before the
+optimizer step (the verdict on a non-finite loss needs every rank's flag); the gradient check overlaps it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from loom.comm import all_reduce as comm_all_reduce
+from loom.comm.compression import CompressionHook
+from loom.comm.shared_gradients import SharedGradients
+from loom.data.sampler import share_bounds
+from loom.fault.desync import gradients_finite
+from loom.fault.inject import fault_point
+from loom.fault.quorum import Quorum
+from loom.job import load_replicated_state, replicated_state
+from loom.mesh import Mesh
+from loom.observe.metrics import StepMetrics
+from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
+from loom.parallel.data.data_axis import (
+    DataAxis,
+    FixedAxis,
+    batch_fingerprint,
+    check_same_batches,
+    loader_at_position,
+    refuse_own_loop,
+    take_live_state,
+    whole_batches,
+)
+from loom.parallel.data.data_parallel_config import DataParallelConfig
+from loom.parallel.data.data_parallel_shares import batchnorm_layers, refuse_small_batchnorm_shares, zero_loss
+from loom.parallel.data.data_parallel_sync import AxisGradients, GradientPath
+from loom.topology import Topology
+from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, slice_batch, to_device
+from loom.train.engine import Engine, StepState
+from loom.train.guard import StepGuard
+
+__all__ = ["DataParallelJob"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class DataParallelJob(Engine):
+    """A model set up for data-parallel training (the `loom.job.Job` contract; its state is replicated)."""
+
+    observes_own_phases = True  # phase rows ride on the loss all-reduce (loom.observe.phases)
+
+    replicated_state = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        wrapped: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn | LossCall | None,
+        mesh: Mesh,
+        config: DataParallelConfig,
+        metrics: StepMetrics,
+        *,
+        quorum: Quorum | None = None,
+        topology: Topology | None = None,
+    ) -> None:
+        topology = topology if topology is not None else mesh.topology
+        self.module = module
+        """The user's model (unwrapped): read or export its parameters here."""
+        self.wrapped = wrapped
+        self.optimizer = optimizer
+        self.loss_call = LossCall.of(loss_fn)
+        """How the model and the loss are called on a batch (`loom.LossCall`)."""
+        self.loss_fn = self.loss_call.fn
+        self.own_loop_started = False
+        """Set by `own_loop`: the model's outputs then weight their gradients, so `train_step` is refused."""
+        self.topology = topology
+        self.mesh = mesh
+        self.config = config
+        self.metrics = metrics
+        self.observer = StepObserver(metrics, topology.world_size)
+        """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
+        self.step = 0
+        self.quorum = quorum
+        """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
+        self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
+        """Who trains each step's global batch: `loom.parallel.data.data_axis` (the topology, or the quorum)."""
+        self.guard = StepGuard.start(topology, config, quorum)
+        """The hang watchdog over this job's collectives and the non-finite verdict (`loom.train.guard`)."""
+        self.watchdog = self.guard.watchdog
+        algorithm = getattr(config, "allreduce", "native")  # (a healing round's config has none)
+        shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
+        self._loss_algorithm = algorithm if shared_memory else "native"
+        """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared
+        memory on CPU; else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
+        self.compression: CompressionHook | None = None
+        """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
+        self.gradient_path: GradientPath | None = None
+        """How gradients are averaged (None in one process): `data_parallel_sync.choose_gradient_path`."""
+        self.shared_gradients: SharedGradients | AxisGradients | None = None
+        """Set when gradients are averaged after backward instead of by DDP: in shared memory
+        (`loom.comm.shared_gradients`), or over a replaceable axis (`AxisGradients`); then `wrapped` is the model."""
+        self.nonfinite = self.guard.nonfinite
+        self.last_step_skipped = False
+        """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
+        self._trainable = [p for p in module.parameters() if p.requires_grad]
+        self._batchnorm = batchnorm_layers(module)
+        self.trained_by: list[int] = []
+        """The ranks of the members that trained the last committed step (each on its share)."""
+        self.joined_running = False
+        """Under heal: this process is a replacement that took a live member's state (`loom.fit` then resumes no
+        checkpoint: the state it holds is newer)."""
+        self._synced = False
+
+    # -- training --------------------------------------------------------------------------------------------
+    def _global_count(self, known: int | None, local: int) -> tuple[int, dict[int, int]]:
+        """The global batch size, and the shares (rank: samples) too small for the model's BatchNorm layers.
+
+        A loader batch carries its global size (``known``), and its shares follow `share_bounds` over the axis,
+        so every member computes every share; a plain batch's sizes travel in the sample-count all-reduce (one
+        slot per rank; under heal every member holds the whole batch, so its size is known)."""
+        world, accumulate = self.axis.size, self.config.accumulate
+        if known is not None:
+            total = int(known)
+            if not self._batchnorm:
+                return total, {}
+            shares = [hi - lo for lo, hi in (share_bounds(total, i, world) for i in range(world))]
+        elif not self.topology.is_distributed:
+            total, shares = local, [local]
+        else:
+            counts = torch.zeros(world, dtype=torch.int64, device=self.topology.device)
+            counts[self.topology.rank] = local
+            with self.watchdog.collective("sample-count all-reduce"):
+                launched = time.perf_counter()
+                dist.all_reduce(counts)
+                self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8 * world)
+            shares = counts.tolist()
+            total = sum(shares)
+        members = self.axis.members
+        small = (
+            {members[i]: n for i, n in enumerate(shares) if 0 < n < 2 * accumulate} if self._batchnorm else {}
+        )
+        return total, small
+
+    def own_loop(self, loader: Any = None) -> Any:
+        """``model, optimizer, loader`` for a script that keeps its own loop (forward, ``loss.backward()``,
+        clipping, ``optimizer.step()``): see `loom.parallel.data.own_loop.OwnLoop`. Call it on every rank."""
+        from loom.parallel.data.own_loop import OwnLoop  # here: own_loop builds on this module's job
+
+        if self.quorum is not None:
+            raise refuse_own_loop(self.topology.rank)
+        return OwnLoop.start(self, loader)
+
+    def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
+        """`loom.job.Job.loader`; under heal, whole global batches from the job's position (`loader_at_position`)."""
+        if self.quorum is None:
+            return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
+        return loader_at_position(self, dataset, global_batch_size, shuffle, seed, drop_last, **options)
+
+    # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
+    def _check_can_train(self) -> None:
+        if self.own_loop_started:
+            raise RuntimeError(
+                f"rank {self.topology.rank}: job.train_step after job.own_loop(): the model from own_loop weights "
+                "its gradients for your loop's backward, and train_step would weight them twice. HINT: train "
+                "with the loop's model and optimizer, or call train_step on a job that own_loop was not called on."
+            )
+
+    def _prepare(self, state: StepState) -> None:
+        """The share on the device and the global count (one all-reduce unless the loader batch carries it)."""
+        self.observer.begin_step(state.number)
+        batch_here = to_device(state.batch, self.topology.device)
+        known = getattr(state.batch, "global_size", None)
+        if (
+            self.quorum is not None
+        ):  # a whole global batch: this member's share by its place among the members
+            known = batch_len(self.loss_call.inputs_of(batch_here)) if known is None else known
+            state.work["fingerprint"] = batch_fingerprint(batch_here)
+            batch_here = slice_batch(batch_here, *share_bounds(int(known), self.axis.index, self.axis.size))
+        state.local = batch_len(self.loss_call.inputs_of(batch_here))
+        state.work["batch"] = batch_here
+        self.observer.lap(DATA)
+        state.total, small = self._global_count(known, state.local)
+        self.observer.lap(COMM)
+        if small and state.total:
+            refuse_small_batchnorm_shares(
+                self.topology.rank, state.number, self.axis.size, self.config.accumulate,
+                self._batchnorm, small, state.total,
+            )  # fmt: skip
+
+    def _forward_backward(self, state: StepState) -> None:
+        """``accumulate`` micro-batches, each loss weighted by ``n * W / N`` (the module docstring); DDP
+        all-reduces inside the last backward. The loss sum and this rank's flag go into the loss buffer."""
+        self.observer.lap(OPTIMIZER)
+        call, batch_here, total = self.loss_call, state.work["batch"], state.total
+        assert total is not None
+        world = self.axis.size
+        pieces = [p for p in micro_batches(batch_here, state.local, self.config.accumulate) if p[1] > 0]
+        # [loss sum, flags, every rank's phase times]: stragglers ride on this all-reduce (loom.observe.phases);
+        # under heal [loss sum, flags, fingerprints, the "replacement waiting" mark] (see `_heal_marks`)
+        loss_sum = (
+            self.observer.loss_buffer(self.topology.device)
+            if self.quorum is None
+            else torch.zeros(FLAGS_AT + 2 * world + 1, dtype=torch.float64)
+        )
+        ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
+        if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
+            with self.watchdog.collective("gradient all-reduce"):
+                zero_loss(forward_loss(call, self.wrapped, batch_here)[1]).backward()
+        for i, (piece, n) in enumerate(pieces):
+            sync_now = i == len(pieces) - 1
+            with self._no_sync() if not sync_now else nullcontext():
+                loss = forward_loss(call, self.wrapped, piece)[0]
+                with (
+                    self.watchdog.collective("gradient all-reduce")
+                    if sync_now and ddp_syncs
+                    else nullcontext()
+                ):
+                    (loss * (n * world / total)).backward()
+            loss_sum[0] += loss.detach().double() * n
+        self.observer.backward_done()
+        self._flag_local_loss(loss_sum)
+        state.work["buffer"] = loss_sum
+
+    def _synchronize(self, state: StepState) -> None:
+        """Gradients averaged after backward (the loss buffer rides along), else the loss buffer's all-reduce.
+        The injected fault ``during`` (`loom.fault.inject`) fires right before the exchange (free when unset)."""
+        loss_sum = state.work["buffer"]
+        if self.quorum is not None:
+            self._heal_marks(state, loss_sum)
+        if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
+            fault_point(state.number, "during")  # the other members are inside the exchange by now
+            with self.watchdog.collective("gradient all-reduce"):
+                launched = time.perf_counter()
+                self.shared_gradients.average(loss_sum)  # the loss rides along: no collective of its own
+                self.observer.lap(COMM)
+                nbytes = self.shared_gradients.nbytes
+                self.observer.collective(
+                    "all_reduce gradients and loss", launched, time.perf_counter(), nbytes, estimate=False
+                )
+        state.gradient_finite = self._reduce_loss(loss_sum)
+        world = self.axis.size
+        state.flags, state.ranks = loss_sum[FLAGS_AT : FLAGS_AT + world].tolist(), self.axis.members
+        assert state.total is not None
+        state.loss = float(loss_sum[0].item()) / state.total
+        if self.quorum is not None:
+            prints = loss_sum[FLAGS_AT + world : FLAGS_AT + 2 * world].tolist()
+            check_same_batches(self.topology.rank, state.number, self.axis.members, prints)
+            state.work["pending"] = float(loss_sum[-1]) > 0
+
+    def _heal_marks(self, state: StepState, buffer: torch.Tensor) -> None:
+        """Under heal, this member's batch fingerprint (every member must hold the same global batch) and whether
+        a replacement is ready (`loom.fault.quorum.Quorum.join_pending`): in the exchange's buffer, summed."""
+        assert self.quorum is not None
+        buffer[FLAGS_AT + self.axis.size + self.axis.index] = state.work["fingerprint"]
+        buffer[-1] = 1.0 if self.quorum.join_pending() else 0.0
+
+    def _after_step(self, state: StepState) -> None:
+        """Under heal, a replacement is ready: re-form now, at the step boundary every member has reached."""
+        self.trained_by = list(state.ranks)
+        if state.work.get("pending"):
+            self._heal_reform()
+
+    def _adopt_epoch(self) -> None:
+        """Make a new epoch's members equal (`loom.parallel.data.data_axis.take_live_state`)."""
+        take_live_state(self)
+
+    def _share_more(self, source: int, load: bool) -> None:
+        """Broadcast member ``source``'s state beyond the model and optimizer: none here (DiLoCo's outer state)."""
+
+    # -- checkpoints (`loom.fit`) ---------------------------------------------------------------------------------
+    @property
+    def checkpoint_topology(self) -> Topology:
+        """Whose collectives `loom.fit`'s save takes: the job's; under heal one member's, without collectives (the
+        members change between steps and every member holds the same replicated state)."""
+        return self.topology if self.quorum is None else whole_batches(self.topology)
+
+    def writes_checkpoint(self) -> bool:
+        """Whether this process takes part in writing the checkpoint of the step just committed: always, but under
+        heal only the first member of the epoch that committed it (every member computes the same answer from the
+        same membership; a checkpoint whose writer dies before publishing it is not written, and the previous one
+        stays the newest)."""
+        if self.quorum is None:
+            return True
+        return (self.trained_by or self.quorum.members)[0] == self.topology.rank
+
+    def _apply(self, state: StepState) -> None:
+        self.optimizer.step()
+        self.observer.lap(OPTIMIZER)
+
+    def _record(self, state: StepState, **fields: Any) -> None:
+        if state.skipped:
+            self.observer.lap(OPTIMIZER)
+        assert state.total is not None
+        self.observer.end_step(
+            state.number,
+            state.local,
+            state.total,
+            state.loss,
+            state.work["buffer"],
+            skipped=state.skipped,
+            **fields,
+        )
+
+    def _reduce_loss(self, loss_sum: torch.Tensor) -> bool:
+        """The all-reduce of ``[loss sum, flags, straggler rows]``; returns whether the averaged gradient is
+        finite (checked while the all-reduce runs where it can be).
+
+        With shared-memory gradients the buffer was already summed with them (`SharedGradients.average`).
+        Otherwise, with loom's shared-memory algorithms on CPU the buffer goes through the job's algorithm
+        (gloo's all-reduce of a few values costs about twice a shared-memory one on one host,
+        ``benchmarks/reports/metrics_overhead.md``). Otherwise gloo's all-reduce is launched asynchronously and
+        overlaps the check of the averaged gradient. Either way every rank has every flag before the verdict.
+        """
+        if not self.topology.is_distributed or self.shared_gradients is not None:
+            return self._gradients_finite()
+        with self.watchdog.collective("loss all-reduce"):
+            native = self._loss_algorithm == "native"
+            launched = time.perf_counter()
+            pending = dist.all_reduce(loss_sum, async_op=True) if native else None  # overlaps the check
+            finite = self._gradients_finite()
+            self.observer.lap(OPTIMIZER)
+            if pending is not None:
+                pending.wait()
+            else:
+                launched = time.perf_counter()
+                comm_all_reduce(loss_sum, op="sum", algorithm=self._loss_algorithm)  # counts its own bytes
+            self.observer.collective(
+                "all_reduce loss", launched, time.perf_counter(), loss_sum.nbytes, estimate=native
+            )
+            self.observer.lap(COMM)
+        return finite
+
+    def _flag_local_loss(self, loss_sum: torch.Tensor) -> None:
+        """Set this rank's flag in the buffer when its local loss is NaN or infinite (it rides to every rank).
+        On the CPU through the buffer's numpy view (a tensor op costs ~10x more); elsewhere without a sync."""
+        slot = FLAGS_AT + self.axis.index
+        if loss_sum.device.type == "cpu":
+            values = loss_sum.numpy()
+            values[slot] = 0.0 if math.isfinite(values[0]) else 1.0
+        else:
+            loss_sum[slot] = (~torch.isfinite(loss_sum[0])).double()
+
+    def _gradients_finite(self) -> bool:
+        """Whether the averaged gradient is finite: bitwise the same on every rank, so the same verdict."""
+        if self.shared_gradients is not None:
+            return gradients_finite((), flat=self.shared_gradients.flat)
+        return gradients_finite([p.grad for p in self._trainable])
+
+    def _no_sync(self):
+        return self.wrapped.no_sync() if isinstance(self.wrapped, DistributedDataParallel) else nullcontext()
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return replicated_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_replicated_state(self, state)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """State that differs between processes: the compression codec's error-feedback residuals and warm
+        starts. Not part of `state_dict()` (which is the same on every rank and saved once by rank 0)."""
+        return {"compression": self.compression.state_dict() if self.compression is not None else None}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("compression") is not None and self.compression is not None:
+            self.compression.load_state_dict(state["compression"])
