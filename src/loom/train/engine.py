@@ -43,7 +43,7 @@ drop means that no member applied the step: the members re-form (`_heal_reform`,
 (`loom.fault.inject.fault_point`) sit at the phase boundaries: ``before``, ``after`` (before the vote) and
 ``commit`` (after it); a strategy places ``during`` right before its exchange (no exchange is split for it).
 
-`eval_step`: `_evaluate` gives the names and this rank's ``[sum per name..., samples]`` (`share_sums`), the
+`eval_step`: `_evaluate` gives the names and this rank's ``[sum per name..., samples]``, the
 engine adds them up over the data axis (`_eval_group`, under the watchdog) and divides (`share_means`).
 """
 
@@ -351,7 +351,7 @@ class Engine(Job):
 
     @torch.no_grad()
     def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
-        """``names`` and this rank's ``[sum per name..., samples]`` (see `share_sums`): the share's loss and
+        """``names`` and this rank's ``[sum per name..., samples]``: the share's loss and
         ``metrics`` under the job's `LossCall`, in eval mode (the model's mode restored after)."""
         call, device = self.loss_call, self.topology.device
         batch_here = to_device(batch, device)
