@@ -65,10 +65,13 @@ from loom.job import Job, MetricFn, check_batch_layout
 from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.observe.straggler_watch import StragglerWatch
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, share_means, to_device
+from loom.train.guard import GuardOptions, StepGuard
 from loom.train.step_state import ShareOptions, StepState, check_accumulate
 
 if TYPE_CHECKING:
-    from loom.train.guard import StepGuard
+    from loom.fault.quorum import Quorum
+    from loom.mesh import Mesh
+    from loom.topology import Topology
 
 __all__ = [
     "MAX_DROPS",
@@ -85,7 +88,8 @@ MAX_DROPS = 5
 class Engine(Job):
     """A `loom.job.Job` whose `train_step` and `eval_step` are the engine's (see the module docstring).
 
-    A strategy's job subclasses it, sets ``guard`` (a `loom.train.guard.StepGuard`) and implements the hooks."""
+    A strategy's job subclasses it, calls its constructor (the contract's attributes and the guard) and implements
+    the hooks."""
 
     guard: StepGuard
     _watch: StragglerWatch | None
@@ -103,6 +107,32 @@ class Engine(Job):
     is not trained again, `train_step`)."""
     _last_recorded_step: int = 0
     """The number of the last step whose record was written."""
+
+    def __init__(
+        self, module: Any, optimizer: torch.optim.Optimizer, loss_fn: Any, mesh: Mesh, config: GuardOptions,
+        metrics: Any, *, topology: Topology | None = None, quorum: Quorum | None = None,
+    ) -> None:  # fmt: skip
+        """What every strategy's job holds (the `loom.job.Job` contract) and its guard, started here once:
+        ``loss_fn`` as a `LossCall` (``loss_fn`` then its plain callable), ``topology`` the mesh's unless given
+        (a job under heal trains on the quorum's axis, not the mesh's), the guard on ``config``'s options
+        (`loom.train.guard.StepGuard.start`; ``quorum`` under heal). A strategy's job calls it first, then sets
+        what is its own."""
+        self.module = module
+        self.optimizer = optimizer
+        self.loss_call = LossCall.of(loss_fn)
+        self.loss_fn = self.loss_call.fn
+        self.mesh = mesh
+        self.topology = topology if topology is not None else mesh.topology
+        self.config: Any = config
+        """The strategy's config dataclass (the guard's options among its fields)."""
+        self.metrics = metrics
+        self.step = 0
+        """Steps committed (for a parameter-server worker: updates pushed, its clock)."""
+        self.guard = StepGuard.start(self.topology, config, quorum)
+        """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
+        self.watchdog, self.nonfinite = self.guard.watchdog, self.guard.nonfinite
+        self.last_step_skipped = False
+        """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
 
     @property
     def skipped_steps(self) -> int:

@@ -66,7 +66,6 @@ from loom.parallel.data.data_parallel_sync import AxisGradients, GradientPath
 from loom.topology import Topology
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, slice_batch, to_device
 from loom.train.engine import Engine, StepState
-from loom.train.guard import StepGuard
 
 __all__ = ["DataParallelJob"]
 
@@ -93,30 +92,19 @@ class DataParallelJob(Engine):
         quorum: Quorum | None = None,
         topology: Topology | None = None,
     ) -> None:
-        topology = topology if topology is not None else mesh.topology
-        self.module = module
-        """The user's model (unwrapped): read or export its parameters here."""
+        super().__init__(module, optimizer, loss_fn, mesh, config, metrics, topology=topology, quorum=quorum)
+        topology = self.topology
         self.wrapped = wrapped
-        self.optimizer = optimizer
-        self.loss_call = LossCall.of(loss_fn)
-        """How the model and the loss are called on a batch (`loom.LossCall`)."""
-        self.loss_fn = self.loss_call.fn
+        """The model as the exchange wraps it (DDP), or `module` itself; `module` is the user's model."""
         self.own_loop_started = False
         """Set by `own_loop`: the model's outputs then weight their gradients, so `train_step` is refused."""
-        self.topology = topology
-        self.mesh = mesh
-        self.config = config
-        self.metrics = metrics
+        self.config: DataParallelConfig = config
         self.observer = StepObserver(metrics, topology.world_size)
         """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
-        self.step = 0
         self.quorum = quorum
         """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
         self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
         """Who trains each step's global batch: `loom.parallel.data.data_axis` (the topology, or the quorum)."""
-        self.guard = StepGuard.start(topology, config, quorum)
-        """The hang watchdog over this job's collectives and the non-finite verdict (`loom.train.guard`)."""
-        self.watchdog = self.guard.watchdog
         algorithm = getattr(config, "allreduce", "native")  # (a healing round's config has none)
         shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
         self._loss_algorithm = algorithm if shared_memory else "native"
@@ -129,9 +117,6 @@ class DataParallelJob(Engine):
         self.shared_gradients: SharedGradients | AxisGradients | None = None
         """Set when gradients are averaged after backward instead of by DDP: in shared memory
         (`loom.comm.shared_gradients`), or over a replaceable axis (`AxisGradients`); then `wrapped` is the model."""
-        self.nonfinite = self.guard.nonfinite
-        self.last_step_skipped = False
-        """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         self._batchnorm = batchnorm_layers(module)
         self.trained_by: list[int] = []

@@ -69,9 +69,8 @@ from loom.parallel.gossip.gossip_exchange import (
     average_into,
 )
 from loom.topology import Topology, current
-from loom.train.batch import LossCall, batch_len
+from loom.train.batch import batch_len
 from loom.train.engine import Engine, StepState
-from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
 __all__ = ["Gossip", "GossipConfig", "GossipJob"]
@@ -129,17 +128,12 @@ class GossipJob(Engine):
     loss_scope = "replica"
 
     def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, layout, metrics) -> None:
-        self.module: nn.Module = module
-        self.optimizer = optimizer
-        self.loss_call = LossCall.of(loss_fn)
-        self.loss_fn = self.loss_call.fn
-        self.mesh = mesh
-        self.topology: Topology = mesh.topology
+        # the guard judges this replica's own flag; `step` counts the optimizer steps this replica took
+        super().__init__(module, optimizer, loss_fn, mesh, config, metrics)
         self.config: GossipConfig = config
         self.layout: ParameterLayout = layout
         self.metrics: StepMetrics = metrics
         metrics.loss_scope = self.loss_scope
-        self.step = 0  # optimizer steps this replica took
         self.choice = PeerChoice(config.peers, self.topology.rank, self.topology.world_size, config.seed)
         self.attempts = 0  # exchanges this worker was due to make
         self.joined_from: int | None = None  # the peer copied when this worker joined a running job
@@ -150,10 +144,6 @@ class GossipJob(Engine):
         self._server: IdleServer | None = None
         self._closed = self._joining = False
         self._recorded = (0, 0)
-        self.guard = StepGuard.start(self.topology, config)
-        """The non-finite verdict on this replica's own flag, and the watchdog (`loom.train.guard`)."""
-        self.nonfinite = self.guard.nonfinite
-        self.last_step_skipped = False
 
     def _connect(self) -> None:
         topo, cfg = self.topology, self.config

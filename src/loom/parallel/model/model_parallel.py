@@ -49,7 +49,6 @@ from loom.parallel.pipeline.pipeline_schedule import stage_instructions
 from loom.parallel.tensor.tensor_parallel_shard import TensorShards
 from loom.train.batch import batch_len, slice_batch, split_batch, tensors_in, to_device
 from loom.train.engine import Engine, StepState
-from loom.train.guard import StepGuard
 
 __all__ = ["ModelParallelJob", "Schedule", "batch_fingerprint"]
 
@@ -119,25 +118,14 @@ class ModelParallelJob(Engine):
         stage_keys: list[list[str]],
         layer_names: list[str],
     ) -> None:
-        self.module = stage
-        """This process's stage (its layers, keeping the full model's names in `state_dict`)."""
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.mesh = mesh
-        self.topology = mesh.topology
+        # `module`: this process's stage (its layers, keeping the full model's names in `state_dict`)
+        super().__init__(stage, optimizer, loss_fn, mesh, data_axis.config, metrics)
         self.schedule = schedule
         self.shards = shards
         """The tensor-parallel layout of the stage (None without a ``tp`` axis)."""
         self.gradient_averaging = data_axis
-        self.metrics = metrics
         self.stage_keys = stage_keys
         self.layer_names = layer_names
-        self.step = 0
-        self.guard = StepGuard.start(self.topology, data_axis.config)
-        """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
-        self.nonfinite = self.guard.nonfinite
-        self.last_step_skipped = False
-        """Whether the last `train_step` applied no update (non-finite on some rank)."""
         self.stage_stats: list[StageStats] = []
         """One `StageStats` per step: this stage's busy time, span, idle fraction, activations alive."""
         self.bubble: list[float] = []

@@ -73,9 +73,8 @@ from loom.ps.plan import Piece, plan_shards
 from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
 from loom.topology import Topology, current
-from loom.train.batch import LossCall, batch_len
+from loom.train.batch import batch_len
 from loom.train.engine import Engine, StepState
-from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
 __all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
@@ -165,12 +164,11 @@ class ParameterServerJob(Engine):
     replicated_state = False
 
     def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, client, plan, metrics) -> None:
-        self.module: nn.Module = module
-        self.optimizer = optimizer
-        self.loss_call = LossCall.of(loss_fn)
-        self.loss_fn = self.loss_call.fn
-        self.mesh = mesh
-        self.topology: Topology = mesh.topology
+        # The guard watches this worker's pulls and pushes; a worker whose loss or gradient is non-finite pushes
+        # only its flag: in ``sync`` the server then applies nothing for the step and tells every worker whose
+        # flag it was (the same verdict everywhere), in ``async``/``ssp`` that worker's update alone is dropped.
+        # `step` is this worker's clock: updates pushed so far.
+        super().__init__(module, optimizer, loss_fn, mesh, config, metrics)
         self.config: ParameterServerConfig = config
         self.client: PSClient = client
         self.plan: list[Piece] = plan
@@ -178,21 +176,12 @@ class ParameterServerJob(Engine):
         self.replicas_agree = config.mode == "sync" and not any(p.sparse for p in plan)
         self.loss_scope = "global" if config.mode == "sync" else "replica"
         metrics.loss_scope = self.loss_scope
-        self.step = 0
-        """This worker's clock: updates pushed so far."""
         self._params = dict(module.named_parameters())
         self._versions = [0] * len(client.links)
         self._held = [-1] * len(client.links)
         """The version of each server's values the module holds (-1: none known), so a pull skips the values
         it already has (`_pull_dense`)."""
         self._closed = False
-        self.guard = StepGuard.start(self.topology, config)
-        """The hang watchdog over this worker's pulls and pushes and the non-finite verdict (`loom.train.guard`):
-        a worker whose loss or gradient is non-finite pushes only its flag; in ``sync`` the server then applies
-        nothing for the step and tells every worker whose flag it was (the same verdict everywhere), in
-        ``async``/``ssp`` that worker's update alone is dropped."""
-        self.nonfinite = self.guard.nonfinite
-        self.last_step_skipped = False
 
     @property
     def _num_servers(self) -> int:

@@ -50,9 +50,8 @@ from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.topology import Topology, current
-from loom.train.batch import LossCall, batch_len, to_device
+from loom.train.batch import batch_len, to_device
 from loom.train.engine import Engine, StepState
-from loom.train.guard import StepGuard
 from loom.train.options import config_from
 
 __all__ = [
@@ -160,21 +159,12 @@ class ReplicaJob(Engine):
     ) -> None:
         """``config``: the strategy's config dataclass (the guard's options, `loom.train.guard.GuardOptions`,
         and its own); the strategy's state is set up by `_start`."""
-        self.module = module
-        self.optimizer = optimizer
-        self.loss_call = LossCall.of(loss_fn)
-        self.loss_fn = self.loss_call.fn
-        self.topology = topology
-        self.config = config
-        self.mesh = Mesh(dp=topology.world_size, topology=topology)
-        self.step = 0
-        self.metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
+        metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
+        super().__init__(
+            module, optimizer, loss_fn, Mesh(dp=topology.world_size, topology=topology), config, metrics
+        )
         self.observer = StepObserver.for_process(self.metrics, topology.world_size, enabled=observe)
         """Times each step's phases and counts its bytes (synchronizations included) into `metrics`."""
-        self.guard = StepGuard.start(topology, config)
-        """The hang watchdog over this job's collectives and the non-finite verdict (`loom.train.guard`)."""
-        self.watchdog, self.nonfinite = self.guard.watchdog, self.guard.nonfinite
-        self.last_step_skipped = False
         self._group = self.mesh.group("dp")
         self._start()
 
