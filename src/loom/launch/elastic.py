@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
+from loom.launch import tail_lines
 from loom.launch.zygote import Zygote
 
 __all__ = ["AgentOptions", "failure_text", "restart_line", "root_failure", "run_agent"]
@@ -244,6 +245,7 @@ def run_agent(
     )
     agent.shutdown_timeout_s = options.shutdown_timeout_s  # see `_NarratingAgent._shutdown`
     agent.zygote = Zygote([*args], {})
+    tail_lines.install()  # the workers' lines reach our output whole
     try:
         result = agent.run()
     finally:
