@@ -195,7 +195,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         errors += [f"{name} is not applied under --on-worker-failure heal: the hang watchdog does not yet follow "
                    "a changing membership (the quorum's heartbeats and LOOM_HEAL_GROUP_TIMEOUT_S bound every wait "
                    f"there). HINT: unset {name}, or use --on-worker-failure stop"
-                   for name in ("LOOM_HANG_TIMEOUT_S", "LOOM_WORK_TIMEOUT_S") if os.environ.get(name)]  # fmt: skip
+                   for name in ("LOOM_HANG_TIMEOUT_S", "LOOM_WORK_TIMEOUT_S")
+                   if os.environ.get(name) and not any(e.startswith(f"{name}=") for e in errors)]  # fmt: skip
     if errors:
         print("\n".join(f"loom run: {line}" for line in errors), file=sys.stderr)
         return 2
