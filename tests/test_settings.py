@@ -120,20 +120,3 @@ def test_loom_run_refuses_a_bad_setting_before_anything_starts(tmp_path, name, v
         lines
     )
     assert not (tmp_path / "started").exists() and not (tmp_path / "run").exists()
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("name", ["LOOM_HANG_TIMEOUT_S", "LOOM_WORK_TIMEOUT_S"])
-def test_a_watchdog_timeout_under_heal_is_refused_not_ignored(monkeypatch, capsys, tmp_path, name):
-    """Under heal the watchdog does not run yet (DataParallel refuses its options): the variables are refused too,
-    before anything starts, instead of changing nothing."""
-    from loom.cli import main
-
-    monkeypatch.setenv(name, "30")
-    script = tmp_path / "train.py"
-    script.write_text("raise SystemExit('never started')\n")
-    assert main(["run", "-n", "2", "--on-worker-failure", "heal", str(script)]) == 2
-    err = capsys.readouterr().err
-    assert f"{name} is not applied under --on-worker-failure heal" in err and f"HINT: unset {name}" in err, (
-        err
-    )

@@ -186,17 +186,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from loom.launch.agent import launch
     from loom.launch.spec import LaunchSpec
 
-    errors, warnings = (
-        check_environment()
-    )  # every LOOM_* setting, as the workers will read it (loom.settings)
+    # every LOOM_* setting, as the workers will read it (loom.settings)
+    errors, warnings = check_environment()
     for line in warnings:
         print(f"loom run: warning: {line}", file=sys.stderr)
-    if ns.on_worker_failure == "heal":  # read by the workers' watchdog, which does not run under heal yet
-        errors += [f"{name} is not applied under --on-worker-failure heal: the hang watchdog does not yet follow "
-                   "a changing membership (the quorum's heartbeats and LOOM_HEAL_GROUP_TIMEOUT_S bound every wait "
-                   f"there). HINT: unset {name}, or use --on-worker-failure stop"
-                   for name in ("LOOM_HANG_TIMEOUT_S", "LOOM_WORK_TIMEOUT_S")
-                   if os.environ.get(name) and not any(e.startswith(f"{name}=") for e in errors)]  # fmt: skip
     if errors:
         print("\n".join(f"loom run: {line}" for line in errors), file=sys.stderr)
         return 2

@@ -20,7 +20,14 @@ children) and hosts the job's authenticated store (`loom.net.store`):
   atomic compare-and-set. So one verdict exists per (epoch, step) and every member applies the step or none does.
   A member waits for the verdict at most ``vote_timeout_s`` and then votes no itself.
 - **Heartbeats.** A thread adds 1 to ``hb/RANK/GEN`` every `HEARTBEAT_S`; the launcher kills a worker whose
-  heartbeat stops for ``heartbeat_timeout_s`` (a frozen process), which the others then see as a lost member.
+  heartbeat stops for its liveness timeout (a frozen process), which the others then see as a lost member. Under
+  heal this is the one heartbeat: the watchdog's (`loom.fault.liveness`) does not run.
+- **The guard's timeouts** (`Quorum.apply_guard`): a member lost under heal is replaced, not waited for, so each
+  timeout bounds the wait that comes before a replacement: ``hang_timeout_s`` each collective of an epoch's group
+  (past it the step is dropped and the members re-form), ``work_timeout_s`` the launcher's wait for a member's
+  check-in (a member still in its own code: then its stack is printed and it is replaced), ``liveness_timeout_s``
+  its heartbeat. Each one unset keeps heal's own (``LOOM_HEAL_GROUP_TIMEOUT_S``, ``LOOM_HEAL_CHECKIN_TIMEOUT_S``,
+  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``).
 
 Every store call is bounded (the store's own timeouts); every wait here has a stated deadline.
 """
@@ -32,6 +39,8 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import json
+import math
 import os
 import signal
 import threading
@@ -47,20 +56,42 @@ from loom.errors import JobEnded, LeftOutOfQuorum, StepDropped
 from loom.settings import setting
 
 __all__ = [
-    "HEARTBEAT_S", "LEFT_OUT_STATUS", "STACK_SIGNAL", "JobEnded", "LeftOutOfQuorum", "Quorum", "StepDropped", "gloo_group",
+    "GUARD_KEYS", "HEARTBEAT_S", "LEFT_OUT_STATUS", "STACK_SIGNAL", "JobEnded", "LeftOutOfQuorum", "Quorum",
+    "StepDropped", "gloo_group", "read_guard",
 ]  # fmt: skip
 
 STACK_SIGNAL = signal.SIGUSR1
 """A healing worker prints every thread's Python stack on this signal (`faulthandler`, which works while the main
 thread is stuck, in C code too)."""
 HEARTBEAT_S = 0.5
-"""Seconds between a worker's heartbeats (the launcher's timeout is ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``)."""
+"""Seconds between a worker's heartbeats (the launcher's timeout: the liveness timeout, `Quorum.apply_guard`)."""
+MIN_LIVENESS_S = 4 * HEARTBEAT_S
+"""The shortest liveness timeout under heal: a few heartbeats, so that a busy host does not get a live member
+killed."""
+GUARD_KEYS = {
+    "work_s": "work_timeout_s / LOOM_WORK_TIMEOUT_S",
+    "liveness_s": "liveness_timeout_s / LOOM_LIVENESS_TIMEOUT_S",
+}
+"""What a worker tells the launcher in ``guard/RANK/GEN`` (JSON) -> the option each comes from."""
 
 
 LEFT_OUT_STATUS = LeftOutOfQuorum.exit_status
 """The exit status of a worker told to leave the quorum (`LeftOutOfQuorum`; 75 is sysexits' EX_TEMPFAIL, "try
 again"): the launcher replaces it as it does a killed worker, while any other non-zero status is the script's own
 error and stops the job (`loom.launch.heal`)."""
+
+
+def read_guard(raw: bytes) -> dict[str, float]:
+    """A worker's ``guard/RANK/GEN`` (`Quorum.apply_guard`), as the launcher reads it: bounded, and only positive
+    finite seconds under the known keys (anything else is ignored: heal's defaults apply)."""
+    try:
+        told = json.loads(raw[:256])
+    except ValueError:
+        return {}
+    if not isinstance(told, dict):
+        return {}
+    return {k: float(v) for k, v in told.items() if k in GUARD_KEYS and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v) and v > 0}  # fmt: skip
 
 
 def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> dist.ProcessGroup:
@@ -103,6 +134,24 @@ class Quorum:
         faulthandler.register(STACK_SIGNAL, all_threads=True)
         atexit.register(faulthandler.unregister, STACK_SIGNAL)
         return cls(store, int(os.environ["RANK"]), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0))
+
+    def apply_guard(self, hang_s: float | None, work_s: float | None, liveness_s: float | None) -> None:
+        """The guard's timeouts under heal (see the module docstring), each None where the user set none: before
+        `join`, so that every epoch's group is built with ``hang_s`` and the launcher reads the others
+        (``guard/RANK/GEN``) before it judges this process."""
+        if liveness_s is not None and liveness_s < MIN_LIVENESS_S:
+            raise ValueError(
+                f"rank {self.rank}: liveness_timeout_s={liveness_s:g} under --on-worker-failure heal: a member's "
+                f"heartbeat comes every {HEARTBEAT_S:g} s, so a live member could be killed. HINT: use at least "
+                f"{MIN_LIVENESS_S:g} s"
+            )
+        if hang_s is not None:
+            self.group_timeout_s = hang_s
+        told = {
+            key: value for key, value in (("work_s", work_s), ("liveness_s", liveness_s)) if value is not None
+        }
+        if told:
+            self.store.set(f"guard/{self.rank}/{self.generation}", json.dumps(told))
 
     # -- membership ---------------------------------------------------------------------------------------------
     @property

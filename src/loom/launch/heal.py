@@ -9,12 +9,15 @@ worker's death takes the quorum down. What it does, every `TICK_S` (the protocol
   a replacement starts at once with the same RANK and the next heal generation (``LOOM_HEAL_GENERATION``); past
   the budget the job stops, naming the lost ranks. The dead member's epoch is marked (``q/E/dead``) so that the
   others' commit vote does not wait for it;
-- a worker whose heartbeat stops for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (default 10 s; a frozen process) is
-  killed, and is then a dead worker like any other (one that said ``bye`` at its exit is left to end);
+- a worker whose heartbeat stops for its strategy's ``liveness_timeout_s`` (``LOOM_LIVENESS_TIMEOUT_S``), else
+  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (default 10 s; a frozen process) is killed, and is then a dead worker like any
+  other (one that said ``bye`` at its exit is left to end). Each worker tells its timeouts in ``guard/RANK/GEN``
+  (`loom.fault.quorum.Quorum.apply_guard`);
 - epoch 1 is published when every first worker is ready; a replacement that is ready marks ``q/E/pending`` (the
   members re-form after their current step); when a member of E checks in (or one dies), the next epoch is
-  published once every live member of E has checked in, or after ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (default 10 s:
-  the silent ones are killed, never waited for again), with the ready replacements added;
+  published once every live member of E has checked in, or after the members' ``work_timeout_s``
+  (``LOOM_WORK_TIMEOUT_S``), else ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (default 10 s: the silent ones have their stacks
+  printed and are killed, never waited for again), with the ready replacements added;
 - fewer members than ``--min-workers`` stops the job, naming the lost ranks;
 - a worker that exits with any other non-zero status on its own (an uncaught exception in the script: status 1
   and a traceback) stops the job at once, naming the rank and the status, as ``--on-worker-failure stop`` does.
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.errors import JobStops
-from loom.fault.quorum import LEFT_OUT_STATUS
+from loom.fault.quorum import GUARD_KEYS, LEFT_OUT_STATUS, read_guard
 from loom.settings import setting
 
 __all__ = [
@@ -115,6 +118,8 @@ class HealQuorum:
     """Ranks lost for good, never replaced nor waited for (their node is gone: `drop`)."""
     stuck: dict[tuple[int, str], int] = field(default_factory=dict)
     """(rank, where its main thread was) -> how many of its processes were killed there for not checking in."""
+    _guards: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
+    """(rank, generation) -> the timeouts that process told (`read_guard`), once it has."""
 
     def __post_init__(self) -> None:
         self.generation = {r: 0 for r in range(self.nproc)}
@@ -203,14 +208,14 @@ class HealQuorum:
         if not checked and not lost:
             return
         if self._reform_deadline is None:
-            self._reform_deadline = now + self.checkin_timeout_s
+            self._reform_deadline = now + max(self._timeout(r, "work_s")[0] for r in live or [0])
         if len(checked) < len(live) and now < self._reform_deadline:
             return
         for r in sorted(set(live) - set(checked)):
             place = self.dump(r)  # before the kill: a deterministic hang must not be healed without a clue
-            print(f"loom run: worker rank {r} did not check in within {self.checkin_timeout_s:g} s "
-                  f"(LOOM_HEAL_CHECKIN_TIMEOUT_S){f', stuck at {place}' if place else ''}: dropped and killed",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            waited, name = self._timeout(r, "work_s")
+            print(f"loom run: worker rank {r} did not check in within {waited:g} s ({name})"
+                  f"{f', stuck at {place}' if place else ''}: dropped and killed", file=sys.stderr, flush=True)  # fmt: skip
             self.kill(r)
             self._count_stuck(r, place)
         new = sorted(set(checked) | set(joiners))
@@ -272,13 +277,34 @@ class HealQuorum:
                 for old in [k for k in self._beats if k[0] == r]:
                     del self._beats[old]
             seen = self._beats.get(key)
+            limit, name = self._timeout(r, "liveness_s")
             if seen is None or seen[0] != count:
                 self._beats[key] = (count, now)
-            elif now - seen[1] > self.heartbeat_timeout_s:
-                print(f"loom run: worker rank {r} sent no heartbeat for {self.heartbeat_timeout_s:g} s "
-                      "(LOOM_HEAL_HEARTBEAT_TIMEOUT_S): dropped and killed", file=sys.stderr, flush=True)  # fmt: skip
+            elif now - seen[1] > limit:
+                print(f"loom run: worker rank {r} sent no heartbeat for {limit:g} s ({name}): dropped and killed",
+                      file=sys.stderr, flush=True)  # fmt: skip
                 self.kill(r)
                 self._beats.pop(key)
+
+    def _timeout(self, rank: int, which: str) -> tuple[float, str]:
+        """Rank ``rank``'s current process's ``which`` timeout (``work_s``: its check-in, ``liveness_s``: its
+        heartbeat) and the name of where it comes from: what the process told (``guard/RANK/GEN``), else heal's
+        own setting. Read until the process has told it; a predecessor's entry goes (no growth)."""
+        key = (rank, self.generation[rank])
+        if key not in self._guards:
+            name = f"guard/{rank}/{key[1]}"
+            guard = read_guard(self.store.get(name)) if self.store.check([name]) else None
+            # a process tells before it joins: a member that has not told never will
+            if guard is not None or self.members.get(rank) == key[1]:
+                for old in [k for k in self._guards if k[0] == rank]:
+                    del self._guards[old]
+                self._guards[key] = guard or {}
+        told = self._guards.get(key, {}).get(which)
+        if told is not None:
+            return told, GUARD_KEYS[which]
+        if which == "work_s":
+            return self.checkin_timeout_s, "LOOM_HEAL_CHECKIN_TIMEOUT_S"
+        return self.heartbeat_timeout_s, "LOOM_HEAL_HEARTBEAT_TIMEOUT_S"
 
 
 def stuck_place(pid: int, tail: Any, wait_s: float = 3.0) -> str | None:

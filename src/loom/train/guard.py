@@ -27,7 +27,8 @@ step costs no extra collective.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard
@@ -80,6 +81,20 @@ class GuardOptions:
             raise ValueError(f"nonfinite_limit must be an int >= 1, got {limit!r}")
 
 
+def set_timeouts(options: GuardOptions) -> tuple[float | None, float | None, float | None]:
+    """The hang, work and liveness timeouts the user set (the option, else its ``LOOM_*`` variable), each None
+    where neither is set: under heal those keep heal's own defaults."""
+
+    def given(value: float | None, variable: str, resolve: Callable[[float | None], float]) -> float | None:
+        return resolve(value) if value is not None or os.environ.get(variable) else None
+
+    return (
+        given(options.hang_timeout_s, "LOOM_HANG_TIMEOUT_S", hang_timeout_s),
+        given(options.work_timeout_s, "LOOM_WORK_TIMEOUT_S", work_timeout_s),
+        given(options.liveness_timeout_s, "LOOM_LIVENESS_TIMEOUT_S", liveness_timeout_s),
+    )
+
+
 class StepGuard:
     """The hang watchdog and the non-finite verdict of one job (see the module docstring)."""
 
@@ -105,9 +120,9 @@ class StepGuard:
     def start(cls, topology: Topology, options: GuardOptions, quorum: Quorum | None = None) -> StepGuard:
         """The guard of a job on ``topology``: a watchdog thread when there are peers to wait for (one process
         only counts), and the non-finite policy of ``options``. With a ``quorum`` (``--on-worker-failure heal``)
-        the guard holds the commit vote, and its watchdog counts without a thread: it waits for every rank of the
-        job, while under heal a lost member is replaced, not waited for (the quorum's heartbeats and each epoch's
-        group timeout bound the waits; the options' timeouts are refused there, `refuse_heal_options`)."""
+        the guard holds the commit vote, and its watchdog counts without a thread: a lost member is replaced, not
+        waited for, so the timeouts the user set bound the waits before a replacement instead
+        (`loom.fault.quorum.Quorum.apply_guard`: the quorum's heartbeat is the liveness one)."""
         if topology.is_distributed and quorum is None:
             watchdog = Watchdog.start(
                 topology, options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s
@@ -117,6 +132,8 @@ class StepGuard:
                 topology.rank, topology.world_size, hang_timeout_s(options.hang_timeout_s), None,
                 options.work_timeout_s, options.liveness_timeout_s,
             )  # fmt: skip
+        if quorum is not None:
+            quorum.apply_guard(*set_timeouts(options))
         guard = cls(watchdog, NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank))
         guard.quorum = quorum
         return guard

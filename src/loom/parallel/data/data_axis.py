@@ -60,7 +60,6 @@ __all__ = [
     "loader_at_position",
     "refuse_heal_options",
     "take_live_state",
-    "unapplied_timeouts",
     "whole_batches",
 ]
 
@@ -142,19 +141,6 @@ def healing_metrics_path() -> str | None:
     return f"{run_dir}/metrics/rank{rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
 
 
-TIMEOUTS_UNDER_HEAL = (
-    "the hang watchdog does not yet follow a membership that changes; under heal the quorum's heartbeats "
-    "(LOOM_HEAL_HEARTBEAT_TIMEOUT_S) and each epoch's group timeout (LOOM_HEAL_GROUP_TIMEOUT_S) bound every wait"
-)
-"""Why the guard's timeouts are refused under heal (`loom.train.guard.StepGuard.start`)."""
-
-
-def unapplied_timeouts(config: Any) -> dict[str, float]:
-    """The guard's timeouts set on ``config`` (`loom.train.guard.GuardOptions`): not applied under heal yet."""
-    names = ("hang_timeout_s", "work_timeout_s", "liveness_timeout_s")
-    return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
-
-
 def refuse_heal_options(config: Any) -> None:
     """The options of DataParallel that the axis's exchange cannot honour under heal, refused by name with why."""
     why: dict[str, str] = {}
@@ -169,8 +155,6 @@ def refuse_heal_options(config: Any) -> None:
         )
     if config.bucket_cap_mb != 25.0:
         why[f"bucket_cap_mb={config.bucket_cap_mb}"] = "there are no buckets: one flat buffer per step"
-    for name, value in unapplied_timeouts(config).items():
-        why[f"{name}={value}"] = TIMEOUTS_UNDER_HEAL
     try:
         accept_compression(config.compression, "the data axis under heal", HEAL_CODECS,
                            {"topk": _STATEFUL, "powersgd": _STATEFUL})  # fmt: skip

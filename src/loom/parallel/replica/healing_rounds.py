@@ -65,12 +65,10 @@ from loom.observe.metrics import StepMetrics
 from loom.observe.phases import StepObserver
 from loom.parallel._setup import HEALS, StartRefused, check_setup_arguments
 from loom.parallel.data.data_axis import (
-    TIMEOUTS_UNDER_HEAL,
     healing_metrics_path,
     healing_store,
     join_first_epoch,
     take_live_state,
-    unapplied_timeouts,
     whole_batches,
 )
 from loom.parallel.data.data_parallel import DataParallelJob
@@ -94,13 +92,11 @@ def refuse_round_options(config: Any, strategy: str) -> None:
             given["overlap_steps"] = config.overlap
         if config.compression is not None:
             given["compression"] = config.compression
-    timeouts = unapplied_timeouts(config)
-    given.update(timeouts)
     if given:
         raise StartRefused(
             f"--on-worker-failure heal: {strategy} heals with one synchronization of the whole model per round, "
             f"all-reduced with gloo over each membership epoch's group, without overlap or compression"
-            f"{f' ({TIMEOUTS_UNDER_HEAL})' if timeouts else ''}; got {given}. HINT: drop "
+            f"; got {given}. HINT: drop "
             f"{', '.join(f'{k}=' for k in given)} under heal (the strategies that heal: {HEALS})"
         )
 
