@@ -69,6 +69,55 @@ def _kill_group(proc) -> None:
     proc.wait()
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (children of any of its threads), depth first."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                children += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def run_diagnosed(cmd: list[str], timeout: float, **popen) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)``, except that on a timeout every
+    process under it is described (state, kernel wait channel, command) and its Python processes are sent SIGABRT,
+    which ``PYTHONFAULTHANDLER=1`` (set here) turns into every thread's stack in the output, before the
+    `AssertionError` with all of it: a job that does not end says where it is stuck."""
+    env = dict(popen.pop("env", None) or os.environ, PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **popen)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        tree = []
+        for pid in [*_descendants(proc.pid), proc.pid]:  # the launcher last: it forwards the others' stacks
+            with contextlib.suppress(OSError):
+                status, wchan, command = (
+                    Path(f"/proc/{pid}/{name}").read_text() for name in ("status", "wchan", "cmdline")
+                )
+                state = next(line for line in status.splitlines() if line.startswith("State:"))
+                command = command.replace("\0", " ")[:200]
+                tree.append(f"pid {pid} {state.split(':')[1].strip()} wchan={wchan}: {command}")
+                if "python" in command:
+                    if pid == proc.pid:
+                        time.sleep(3)
+                    os.kill(pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = proc.communicate()
+        raise AssertionError(
+            f"{cmd} did not end within {timeout} s; its processes then:\n"
+            + "\n".join(tree)
+            + f"\n--- stdout:\n{out[-3000:]}\n--- stderr (stacks after SIGABRT):\n{err[-12000:]}"
+        ) from None
+    finally:
+        _kill_group(proc)
+
+
 def run_workers(
     script: str | Path, world_size: int, *args: str, timeout: float = 90.0, cwd: Path | None = None
 ) -> list[str]:

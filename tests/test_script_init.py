@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import run_diagnosed
 
 from loom.launch import script_init
 from loom.net.store import LoomStore, StoreServer
@@ -89,8 +90,8 @@ def _launch(launcher: list[str], script: str, args: list[str], cwd: Path, timeou
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
     }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(WORKERS), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, *launcher, str(WORKERS / script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    # (a job that trained and then did not end failed a CI twice: on a timeout, every process's stack is shown)
+    proc = run_diagnosed([sys.executable, *launcher, str(WORKERS / script), *args], timeout, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 
