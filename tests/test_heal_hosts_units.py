@@ -115,3 +115,50 @@ def test_a_frozen_worker_on_node_1_is_killed_by_an_order_to_node_1(monkeypatch):
     event(agents, 1, "2 0 -9 worker rank 2 was killed by SIGKILL")
     authority.tick()
     assert agents.get("1/order/2") == b"start 2 1"
+
+
+def test_a_worker_on_node_1_that_does_not_check_in_is_asked_where_it_is_stuck_before_the_kill(
+    monkeypatch, capsys
+):
+    # issue 37: across hosts too, the stuck member's stacks are printed (on its node) and its place named (here)
+    authority, agents, job = two_nodes(monkeypatch)
+    monkeypatch.setattr(authority.quorum, "checkin_timeout_s", 0.05)
+    agents.set("1/hb", "1")
+    agents.set("1/place/2/0", 'File "train.py", line 12 in stuck')  # node 1's answer to the order below
+    job.set("q/1/in/0", "3")
+    job.set("q/1/in/1", "3")
+    authority.tick()
+    time.sleep(0.1)
+    agents.set("1/hb", "2")  # node 1's agent is alive
+    authority.tick()
+    assert [agents.get(f"1/order/{i}") for i in (1, 2)] == [b"dump 2 0", b"kill 2 0"]
+    assert (
+        'worker rank 2 did not check in within 0.05 s (LOOM_HEAL_CHECKIN_TIMEOUT_S), stuck at File "train.py", '
+        in (capsys.readouterr().err)
+    )
+    assert authority.quorum.stuck == {(2, 'File "train.py", line 12 in stuck'): 1}
+
+
+def test_node_1s_agent_answers_a_dump_order_with_the_place_of_its_worker(monkeypatch):
+    from loom.launch import heal_nodes
+
+    asked: list[int] = []
+    monkeypatch.setattr(
+        heal_nodes, "stuck_place", lambda pid, tail: asked.append(pid) or "File a.py, line 3 in f"
+    )
+
+    class Proc:
+        pid = 4242
+
+        def poll(self):
+            return None
+
+    class Worker:
+        proc, tail = Proc(), None
+
+    agents = MemoryStore()
+    agent = heal_nodes.NodeAgent(1, 2, 1, _Link(agents, 1.0), lambda rank, generation: Worker())
+    agent._obey("dump 2 0")
+    agent._obey("dump 2 7")  # another generation's process: not this one, nothing asked
+    assert asked == [4242]
+    assert agents.get("1/place/2/0") == b"File a.py, line 3 in f" and agents.get("1/place/2/7") == b""

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, seconds_setting
+from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, seconds_setting, stuck_place
 from loom.launch.spec import LaunchSpec
 from loom.launch.supervise import (
     LauncherStopped,
@@ -62,6 +62,9 @@ __all__ = ["Authority", "NodeAgent", "heal_across_nodes"]
 TICK_S = 0.02
 AGENT_BEAT_S = 0.25
 BYE_WAIT_S = 10.0
+DUMP_WAIT_S = 5.0
+"""How long node 0's authority waits for another node to say where a worker that did not check in is stuck (the
+node asks the worker for its stacks and waits up to 3 s for them, `loom.launch.heal.stuck_place`)."""
 
 
 class _Link:
@@ -143,10 +146,20 @@ class NodeAgent:
             self._obey(order.decode())
             self.orders_done = i
 
+    def place_of(self, rank: int, generation: int) -> str | None:
+        """Where rank ``rank``'s process of ``generation`` is stuck: its stacks printed in this node's output, and
+        its main thread's innermost frame returned (`stuck_place`); None if it is gone or printed nothing."""
+        worker = self.current.get(rank)
+        if worker is None or self.generation[rank] != generation or worker.proc.poll() is not None:
+            return None
+        return stuck_place(worker.proc.pid, worker.tail)
+
     def _obey(self, order: str) -> None:
         verb, rank_text, gen_text = order.split()
         rank, generation = int(rank_text), int(gen_text)
-        if verb == "start":
+        if verb == "dump":  # before a kill for not checking in: the stacks here, the place to node 0
+            self.link("set", f"{self.node}/place/{rank}/{generation}", self.place_of(rank, generation) or "")
+        elif verb == "start":
             if self.node:
                 print(f"loom run: node {self.node}: starting rank {rank}'s replacement (generation {generation}), "
                       "as node 0's quorum granted", file=sys.stderr, flush=True)  # fmt: skip
@@ -158,15 +171,25 @@ class NodeAgent:
 class Authority:
     """Node 0's quorum over every rank of the job, acting through orders and events (module docstring)."""
 
-    def __init__(self, sizes: list[int], policy: HealPolicy, link: _Link, job_store: Any) -> None:
-        self.link, self.sizes = link, sizes
+    def __init__(
+        self,
+        sizes: list[int],
+        policy: HealPolicy,
+        link: _Link,
+        job_store: Any,
+        local: NodeAgent | None = None,
+    ) -> None:
+        """``local``: node 0's own agent, which the authority asks directly (its orders wait for its next tick)."""
+        self.link, self.sizes, self.local = link, sizes, local
         self.node_of = [k for k, n in enumerate(sizes) for _ in range(n)]
         self.running: dict[int, int | None] = dict.fromkeys(range(len(self.node_of)), 0)
         self.lost_nodes: set[int] = set()
         self.events_done = [0] * len(sizes)
         self.orders = [0] * len(sizes)
         self.beats: dict[int, tuple[int, float]] = {}
-        self.quorum = HealQuorum(len(self.node_of), policy, job_store, self._restart, self._alive, self._kill)
+        self.quorum = HealQuorum(
+            len(self.node_of), policy, job_store, self._restart, self._alive, self._kill, self._dump
+        )
         self.grace_s = seconds_setting("LOOM_HEAL_GROUP_TIMEOUT_S")
 
     def _alive(self, rank: int) -> bool:
@@ -183,6 +206,21 @@ class Authority:
 
     def _kill(self, rank: int) -> None:
         self._order(self.node_of[rank], f"kill {rank} {self.quorum.generation[rank]}")
+
+    def _dump(self, rank: int) -> str | None:
+        """Where rank ``rank`` is stuck, asked of the node that holds it (a ``dump`` order, its answer in
+        ``K/place/RANK/GEN``, read bounded) within `DUMP_WAIT_S`; None when that node says nothing in time."""
+        node, generation = self.node_of[rank], self.quorum.generation[rank]
+        if node == 0:
+            return self.local.place_of(rank, generation) if self.local is not None else None
+        self._order(node, f"dump {rank} {generation}")
+        key, deadline = f"{node}/place/{rank}/{generation}", time.monotonic() + DUMP_WAIT_S
+        while time.monotonic() < deadline:
+            place = self.link("get", key) if self.link("check", [key]) else None
+            if isinstance(place, bytes):
+                return place[:500].decode(errors="replace") or None
+            time.sleep(TICK_S)
+        return None
 
     def done(self) -> bool:
         return not any(self._alive(r) for r in self.running)
@@ -299,7 +337,8 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
         if server is None:
             return _follow(agent, link, host, port)
         job = LoomStore(prefix=f"loom/{run_id}/job/", server=server)
-        return _lead(agent, Authority(sizes, HealPolicy(spec.max_heals, spec.min_workers), link, job), link)
+        authority = Authority(sizes, HealPolicy(spec.max_heals, spec.min_workers), link, job, local=agent)
+        return _lead(agent, authority, link)
     except LauncherStopped as stop:
         print(f"loom run: node {node} stopped by signal {stop}; its workers were terminated", file=sys.stderr)
         return 128 + stop.signum
