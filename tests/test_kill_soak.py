@@ -25,3 +25,22 @@ def test_live_keeps_each_ranks_newest_process_and_step():
     assert not live.all_trained_since(before, 3)  # rank 2 never said a word
     assert not live.all_trained_since(time.monotonic(), 2)
     assert len(live.lines) == 4
+
+
+@pytest.mark.unit
+def test_the_soak_reads_each_processes_resources_and_flags_growth():
+    import os
+
+    from loom_bench.kill_soak import Usage, Watched, flat
+
+    me = Usage.of(os.getpid(), heals=0)
+    assert me is not None and me.fds > 0 and me.threads >= 1 and me.rss_mib > 1
+    assert Usage.of(2**22 + 7, heals=0) is None  # no such process: nothing, no error
+    watched = Watched()
+    watched.sample(os.getpid(), [os.getpid()], heals=0)
+    watched.sample(os.getpid(), [os.getpid()], heals=5)
+    summary = watched.summary()
+    assert summary["launcher"]["first"]["heals"] == 0 and summary["launcher"]["last"]["heals"] == 5
+    assert flat(summary)
+    summary["launcher"]["last"]["fds"] += 2  # two descriptors more after the heals: a leak
+    assert not flat(summary)

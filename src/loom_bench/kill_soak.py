@@ -14,6 +14,12 @@ Checked at the end: the launcher exited 0; every rank wrote its parameters; they
 and within ``--tolerance`` (1e-5) of the same script run as one process on the same global batches. Figures: kills,
 wall time, the time from each kill until every rank trained again (median and max), steps run.
 
+Resources (issue 37: "no resource grows with heals"): before each kill the driver reads ``/proc`` of the launcher,
+its zygote and every live worker (open descriptors, threads, resident memory; `Usage`), and reports, for the
+launcher, the zygote and the worker process that lived through the most heals, the first and the last reading
+with the heals between them. Descriptors and threads must not grow (``--resources-flat``: a check); memory is
+reported (it moves with the allocator, not only with leaks).
+
 Writes ``kill_soak.md`` and ``.json`` into ``--report-dir`` (default benchmarks/reports). Exit status 1 when a
 check fails, 2 when the launcher refuses ``heal``.
 """
@@ -76,6 +82,70 @@ class Live:
             return all(self.seen_at.get(r, -1.0) > moment for r in range(ranks))
 
 
+@dataclass
+class Usage:
+    """What ``/proc`` says of one process at one moment, and the heals the job had made then."""
+
+    heals: int
+    fds: int
+    threads: int
+    rss_mib: float
+
+    @classmethod
+    def of(cls, pid: int, heals: int) -> Usage | None:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+            fds = len(os.listdir(f"/proc/{pid}/fd"))
+        except (OSError, ValueError):
+            return None  # gone meanwhile
+        return cls(heals, fds, int(fields["Threads"]), int(fields["VmRSS"].split()[0]) / 1024)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+@dataclass
+class Watched:
+    """The first and last `Usage` of each process watched, by role: ``launcher``, ``zygote``, ``worker PID``."""
+
+    first: dict[str, Usage] = field(default_factory=dict)
+    last: dict[str, Usage] = field(default_factory=dict)
+
+    def sample(self, launcher: int, workers: list[int], heals: int) -> None:
+        roles = {"launcher": launcher, **{f"worker {w}": w for w in workers}}
+        zygotes = [
+            c for c in _children(launcher) if c not in workers
+        ]  # (its forked workers are the zygote's)
+        if zygotes:
+            roles["zygote"] = zygotes[0]
+        for role, pid in roles.items():
+            usage = Usage.of(pid, heals)
+            if usage is not None:
+                self.first.setdefault(role, usage)
+                self.last[role] = usage
+
+    def summary(self) -> dict[str, dict]:
+        """The launcher, the zygote and the worker that lived through the most heals: first and last readings."""
+        workers = [r for r in self.last if r.startswith("worker")]
+        oldest = max(workers, key=lambda r: self.last[r].heals - self.first[r].heals, default=None)
+        roles = ["launcher", "zygote"] + ([oldest] if oldest else [])
+        return {
+            r: {"first": vars(self.first[r]), "last": vars(self.last[r])} for r in roles if r in self.last
+        }
+
+
+def flat(summary: dict[str, dict]) -> bool:
+    """Descriptors and threads of every process summarized did not grow between its first and last reading."""
+    return all(s["last"]["fds"] <= s["first"]["fds"] and s["last"]["threads"] <= s["first"]["threads"]
+               for s in summary.values())  # fmt: skip
+
+
 def _launch(out: Path, steps: int, sleep_ms: float, nproc: int, heals: int) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(out / "run"),
@@ -109,6 +179,7 @@ def soak(args: argparse.Namespace, out: Path) -> dict:
     reader.start()
     recoveries: list[float] = []
     kills: list[dict] = []
+    watched = Watched()
     error = None
     try:
         moment = started
@@ -119,9 +190,11 @@ def soak(args: argparse.Namespace, out: Path) -> dict:
             if k:
                 recoveries.append(time.monotonic() - moment)
             time.sleep(rng.uniform(0.0, args.max_delay_s))
-            rank = rng.randrange(args.nproc)
+            rank = rng.choice([r for r in range(args.nproc) if r != args.survivor])
             with live.lock:
                 pid, step = live.pid[rank], live.step[rank]
+                workers = list(live.pid.values())
+            watched.sample(proc.pid, workers, k)
             moment = time.monotonic()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -147,7 +220,8 @@ def soak(args: argparse.Namespace, out: Path) -> dict:
         reader.join(timeout=5)
         log.close()
     return {"exit": proc.returncode, "error": error, "kills": kills, "recoveries_s": recoveries,
-            "wall_s": time.monotonic() - started, "tail": live.lines[-30:]}  # fmt: skip
+            "wall_s": time.monotonic() - started, "tail": live.lines[-30:],
+            "resources": watched.summary()}  # fmt: skip
 
 
 def _wait_all_trained(
@@ -183,8 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recover-timeout-s", type=float, default=120.0)
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--survivor", type=int, default=None,
+                        help="a rank never killed: its one process lives through every heal (resources)")  # fmt: skip
+    parser.add_argument("--resources-flat", action=argparse.BooleanOptionalAction, default=True,
+                        help="fail when a watched process's descriptors or threads grew (default: on)")  # fmt: skip
     parser.add_argument("--report-dir", type=Path, default=Path("benchmarks/reports"))
     args = parser.parse_args(argv)
+    if args.survivor is not None and not (0 <= args.survivor < args.nproc and args.nproc > 1):
+        parser.error(
+            f"--survivor {args.survivor}: a rank of the job (0..{args.nproc - 1}) with another to kill"
+        )
     load = os.getloadavg()[0]
     out = Path(tempfile.mkdtemp(prefix="loom-soak-"))
     result = soak(args, out)
@@ -216,6 +298,7 @@ def _passed(result: dict, args: argparse.Namespace) -> bool:
         and result.get("ranks_bitwise_equal") is True
         and result["max_abs_diff_vs_one_process"] <= args.tolerance
         and len(result["kills"]) == args.kills
+        and (flat(result["resources"]) or not args.resources_flat)
     )
 
 
@@ -229,7 +312,8 @@ def _write(report_dir: Path, result: dict) -> None:
         "# Kill soak: random kills over a DataParallel run that heals, against one process",
         "",
         f"Command: `python -m loom_bench.kill_soak --kills {a['kills']} --nproc {a['nproc']} --steps {a['steps']} "
-        f"--sleep-ms {a['sleep_ms']} --max-delay-s {a['max_delay_s']} --seed {a['seed']}` "
+        f"--sleep-ms {a['sleep_ms']} --max-delay-s {a['max_delay_s']} --seed {a['seed']}"
+        f"{'' if a.get('survivor') is None else ' --survivor ' + str(a['survivor'])}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {result['load_before']:.1f} -> "
         f"{result['load_after']:.1f}).",
         "",
@@ -247,6 +331,18 @@ def _write(report_dir: Path, result: dict) -> None:
         f"| steps run (the one-process reference ran as many) | {result.get('steps_run', '-')} |",
         f"| wall time s | {result['wall_s']:.1f} |",
         f"| verdict | {'pass' if result['ok'] else 'FAIL'} |",
+        "",
+        "Resources before the first and the last kill (`/proc`: descriptors, threads, resident MiB), for the launcher, "
+        "its zygote and the worker process that lived through the most heals:",
+        "",
+        "| process | heals made then | descriptors | threads | resident MiB |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {role} | {u['first']['heals']} -> {u['last']['heals']} | {u['first']['fds']} -> {u['last']['fds']} | "
+            f"{u['first']['threads']} -> {u['last']['threads']} | {u['first']['rss_mib']:.0f} -> "
+            f"{u['last']['rss_mib']:.0f} |"
+            for role, u in result.get("resources", {}).items()
+        ),
     ]
     (report_dir / "kill_soak.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
