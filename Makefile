@@ -42,7 +42,8 @@ docs: $(TEST_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 # pytest runs on two xdist workers, a file at a time (`--dist loadfile`; tests/conftest.py keeps the Ray and Spark
-# files on one worker, and gives each worker its own range of ports): 11 min 46 s against 17 min 43 s serially
+# files on one worker, hands the longest files out first by tests/file_seconds.json, and gives each worker its own
+# range of ports): 11 min 46 s against 17 min 43 s serially
 # (with the 17 waiting tests beside, the run before), now that `loom run`'s workers fork from a zygote and most
 # tests' processes no longer fill both cores importing torch (before the zygote, two workers gained ~4%). Tests
 # marked `alone` compare a time with a bound and run last, with nothing beside them.

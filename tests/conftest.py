@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import secrets
@@ -203,6 +204,34 @@ def pytest_collection_modifyitems(config, items):
             f"{len(wrong)} test(s) need exactly one of @pytest.mark.{', @pytest.mark.'.join(LANES)} "
             "(a module-level `pytestmark = pytest.mark.unit` marks a whole file):\n  " + "\n  ".join(wrong)
         )
+    if hasattr(config, "workerinput"):  # an xdist worker: the order the controller hands units out in
+        items[:] = longest_first(items)
+
+
+FILE_SECONDS = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+"""Each test file's seconds in a full run (setup, call and teardown of its tests: ``pytest --durations=0``; the run
+of 2026-11-28 at load ~8), to hand the longest files to xdist's workers first."""
+
+
+def longest_first(items: list) -> list:
+    """``items`` with the units of `FILE_SECONDS` (a file, or the files of `SHARED_WORKER`) longest first, each
+    unit's tests in their own order. xdist's ``--dist loadfile`` hands units out in collection order (we turn its
+    reordering by test count off): by count, the few-test system files, the longest, came last and one worker ran
+    them alone at the end. A file not listed counts 1 s a test."""
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(_unit(item.nodeid), []).append(item)
+
+    def seconds(unit: str) -> float:
+        files = [f for f, u in SHARED_WORKER.items() if u == unit] or [Path(unit).name]
+        return sum(FILE_SECONDS.get(f, 0.0) for f in files) or float(len(units[unit]))
+
+    return [item for unit in sorted(units, key=lambda u: -seconds(u)) for item in units[unit]]
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SHARED_WORKER.get(Path(path).name, path)
 
 
 def _cuda_available() -> bool:
@@ -229,9 +258,11 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return SHARED_WORKER.get(Path(path).name, path)
+            return _unit(nodeid)
 
+    config.option.loadscopereorder = (
+        False  # the collection's order (`longest_first`), not xdist's by test count
+    )
     return FileScheduling(config, log)
 
 

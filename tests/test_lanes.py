@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import conftest
@@ -57,6 +58,7 @@ def test_a_unit_test_cannot_start_a_process():
 class _XdistConfig:
     def __init__(self, dist: str) -> None:
         self.values = {"dist": dist, "tx": ["2*popen"]}
+        self.option = types.SimpleNamespace(loadscopereorder=True)
 
     def getvalue(self, name: str):
         return self.values[name]
@@ -77,6 +79,21 @@ def test_make_test_schedules_a_file_on_one_worker_and_ray_and_spark_files_togeth
     }
     assert together == {"ray-spark"}
     assert conftest.pytest_xdist_make_scheduler(_XdistConfig("load"), None) is None  # xdist's own
+
+
+def test_the_longest_files_are_handed_out_first_each_kept_whole(monkeypatch):
+    # xdist's loadfile hands out files by test count; the few-test system files, the longest, then came last
+    monkeypatch.setattr(conftest, "FILE_SECONDS", {"test_a.py": 5.0, "test_b.py": 50.0, "test_ray.py": 20.0,
+                                                   "test_spark.py": 40.0})  # fmt: skip
+    config = _XdistConfig("loadfile")
+    conftest.pytest_xdist_make_scheduler(config, None)
+    assert config.option.loadscopereorder is False  # the collection's order is the order handed out
+    names = ["test_a.py::t1", "test_a.py::t2", "test_b.py::t1", "test_ray.py::t1", "test_new.py::t1",
+             "test_spark.py::t1", "test_a.py::t3"]  # fmt: skip
+    items = [types.SimpleNamespace(nodeid=f"tests/{n}") for n in names]
+    order = [i.nodeid.removeprefix("tests/") for i in conftest.longest_first(items)]
+    assert order == ["test_ray.py::t1", "test_spark.py::t1", "test_b.py::t1", "test_a.py::t1", "test_a.py::t2",
+                     "test_a.py::t3", "test_new.py::t1"]  # fmt: skip
 
 
 def test_make_test_runs_two_workers_by_file_then_the_tests_timed_against_a_bound_alone():
