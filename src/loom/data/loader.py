@@ -30,10 +30,8 @@ per epoch; ``len(loader.sampler)`` this rank's samples per epoch, as with ``Dist
 When a loader is built in a distributed job, it checks that every process holds the same dataset
 (`loom.data.same_data`); ``same_data_check=False`` turns that off.
 
-A lazy loader (``ShardedLoader.lazy``: DataParallel's under ``--on-worker-failure heal``) yields a `LazyBatch` per
-step instead: the global batch's dataset indices, not its samples. Who trains a step, and so each one's share, is
-known only at the step; the job then fetches and collates its own share (`LazyBatch.share`), in the main
-process, and fetches again if the step is retried by other members.
+A lazy loader (``ShardedLoader.lazy``: DataParallel's under ``--on-worker-failure heal``, where the replicas are
+known only at the step) yields a `LazyBatch` per step instead: the global batch's indices, nothing loaded.
 """
 
 from __future__ import annotations
