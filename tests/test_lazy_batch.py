@@ -93,11 +93,20 @@ def test_member_share_cuts_a_lazy_batch_and_a_whole_batch_alike():
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
-def test_eval_step_loads_a_lazy_batch_whole():
+def test_a_job_that_does_not_fetch_shares_refuses_a_lazy_batch_and_one_that_does_evaluates_it_whole():
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     job = loom.DataParallel(topology=ONE).setup(
         model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss()
     )
     lazy = lazy_batches(Counted())[0]
+    for call in (job.train_step, job.eval_step):
+        with pytest.raises(
+            TypeError, match=r"rank 0: DataParallelJob was given a LazyBatch .* HINT: iterate"
+        ):
+            call(lazy)
+    assert job.step == 0
+    job.fetches_shares = (
+        True  # as under heal, where its data axis is one replica too: eval loads the batch whole
+    )
     assert job.eval_step(lazy) == job.eval_step(lazy.load())

@@ -105,6 +105,7 @@ class DataParallelJob(Engine):
         self.quorum = quorum
         """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
         self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
+        self.fetches_shares = quorum is not None  # `loader` yields LazyBatches; `_prepare` fetches the share
         """Who trains each step's global batch: `loom.parallel.data.data_axis` (the topology, or the quorum)."""
         algorithm = getattr(config, "allreduce", "native")  # (a healing round's config has none)
         shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
