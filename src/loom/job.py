@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from loom.data.loader import LazyBatch
+from loom.data.loader import loader as make_loader
 from loom.mesh import Mesh
 from loom.topology import Topology
 
@@ -85,6 +87,9 @@ class Job(abc.ABC):
     replicas_agree = True
     """True when the replicas along the data axis hold bitwise-equal parameters after every step (synchronous
     strategies); `loom.fit`'s ``desync_every`` checks it. Strategies whose replicas drift apart set False."""
+    fetches_shares = False
+    """True when the job takes a `loom.data.LazyBatch` (a global batch not loaded, what its `loader` yields) and
+    fetches its own share at the step: DataParallel, LocalSGD and DiLoCo under heal. Others refuse one."""
 
     # -- the four methods a strategy implements ---------------------------------------------------------------
     @abc.abstractmethod
@@ -122,8 +127,6 @@ class Job(abc.ABC):
     ) -> Any:
         """This process's share of each global batch of ``dataset``, sharded over the job's data axis (see
         `loom.data.loader` for the order, the shares and the state; ``options`` are passed on to it)."""
-        from loom.data.loader import loader as make_loader  # here: loom.data imports loom.topology only
-
         return make_loader(
             dataset, global_batch_size, shuffle, seed, drop_last, topology=self.data_topology, **options
         )
@@ -176,6 +179,12 @@ def check_batch_layout(batch: Any, job: Job) -> None:
     of replicas) must have been cut for this process's replica; plain tuples carry none and are checked by the
     strategies that can (model-parallel jobs compare sample fingerprints across a replica).
     """
+    if isinstance(batch, LazyBatch) and not job.fetches_shares:
+        raise TypeError(
+            f"rank {job.topology.rank}: {type(job).__name__} was given a LazyBatch (a global batch not loaded, "
+            "what job.loader yields under --on-worker-failure heal), and it does not fetch shares at the step. "
+            "HINT: iterate this job's own job.loader(dataset, global_batch_size=...), or pass batch.load()."
+        )
     count = getattr(batch, "shard_count", None)
     if count is None:
         return

@@ -11,7 +11,9 @@ process of rank RANK, after its step STEP, ``raise``s a ValueError (the script's
 process of rank RANK, after a step >= STEP, hangs in `stuck_in_its_own_code` (a deterministic hang).
 ``HEAL_DP_OPTIONS``: a JSON object of DataParallel's options (e.g. ``{"accumulate": 3}``). ``HEAL_COUNT=1``: count
 the collectives each step issues (`count_collectives`) into the report's ``collectives``; the script also runs
-without ``--on-worker-failure heal``, for the same count on the job without healing.
+without ``--on-worker-failure heal``, for the same count on the job without healing. ``HEAL_COUNT_SAMPLES=1``: the
+samples are served one ``__getitem__`` at a time (`CountedSamples`) and the report's ``fetched`` holds, per step,
+the dataset indices this process fetched since the last step, one list per collation (a loader's fetch).
 
 Run by tests/test_heal.py, test_heal_options.py, test_heal_rounds.py, test_heal_exit.py, test_heal_hosts.py and
 test_heal_stuck.py."""
@@ -59,6 +61,30 @@ def model_and_data(
     x = torch.randn(64, 4, generator=g)
     y = (x.sum(dim=1, keepdim=True) > 0).float()
     return model, optimizer, torch.utils.data.TensorDataset(x, y)
+
+
+class CountedSamples(torch.utils.data.Dataset):
+    """``data``'s samples, one ``__getitem__`` each, every index served logged; `collate` closes one fetch."""
+
+    def __init__(self, data: torch.utils.data.Dataset) -> None:
+        self.data, self.served, self.fetches = data, [], []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):  # noqa: ANN204
+        self.served.append(index)
+        return self.data[index]
+
+    def collate(self, samples: list):  # noqa: ANN201
+        self.fetches.append(self.served)
+        self.served = []
+        return torch.utils.data.default_collate(samples)
+
+    def take(self) -> list[list[int]]:
+        """The fetches since the last call."""
+        fetches, self.fetches = self.fetches, []
+        return fetches
 
 
 def digest(model: nn.Module) -> str:
@@ -130,13 +156,20 @@ def main() -> None:
               "script_started": STARTED, "initialized": initialized, "joined_at_step": job.step,
               "joined": time.time(), "steps": [], "first_hash": digest(model), "collectives": []}  # fmt: skip
     path = os.path.join(os.environ["HEAL_OUT"], f"rank{rank}.g{gen}.json")
-    loader = job.loader(data, global_batch_size=12, seed=0)
+    counted = CountedSamples(data) if os.environ.get("HEAL_COUNT_SAMPLES") else None
+    if counted is not None:
+        report["fetched"] = []
+        loader = job.loader(counted, global_batch_size=12, seed=0, collate_fn=counted.collate)
+    else:
+        loader = job.loader(data, global_batch_size=12, seed=0)
     while job.step < STEPS:
         for batch in loader:
             before = counter[0] if counter is not None else 0
             loss = job.train_step(batch)
             if counter is not None:
                 report["collectives"].append(counter[0] - before)
+            if counted is not None:
+                report["fetched"].append(counted.take())
             report["steps"].append([job.step, time.time(), job.trained_by, digest(model), loss,
                                     int(batch.global_size)])  # fmt: skip
             with open(path, "w") as out:

@@ -29,6 +29,9 @@ per epoch; ``len(loader.sampler)`` this rank's samples per epoch, as with ``Dist
 
 When a loader is built in a distributed job, it checks that every process holds the same dataset
 (`loom.data.same_data`); ``same_data_check=False`` turns that off.
+
+A lazy loader (``ShardedLoader.lazy``: DataParallel's under ``--on-worker-failure heal``, where the replicas are
+known only at the step) yields a `LazyBatch` per step instead: the global batch's indices, nothing loaded.
 """
 
 from __future__ import annotations
@@ -41,10 +44,10 @@ import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from loom.data.same_data import check_same_data
-from loom.data.sampler import GlobalBatch, GlobalBatchSampler
+from loom.data.sampler import GlobalBatch, GlobalBatchSampler, share_bounds
 from loom.topology import Topology, current
 
-__all__ = ["CollateFn", "ShardBatch", "ShardDict", "ShardedLoader", "loader"]
+__all__ = ["CollateFn", "LazyBatch", "ShardBatch", "ShardDict", "ShardedLoader", "loader"]
 
 CollateFn = Callable[[list[Any]], Any]
 """``collate_fn(samples)``: one batch from a list of ``dataset[i]``, as `DataLoader`'s ``collate_fn``."""
@@ -185,6 +188,9 @@ class ShardedLoader:
         self._empty: Any = None
         self._sliced = isinstance(dataset, TensorDataset) and self.collate_fn is default_collate
         """A TensorDataset collated by default: index its tensors, no per-sample calls (same result)."""
+        self.lazy = False
+        """Yield a `LazyBatch` per step (the indices; the job fetches its share at the step) instead of this
+        replica's share: set by a job whose replicas are known only at the step (DataParallel under heal)."""
 
     def __len__(self) -> int:
         """Batches (steps) per epoch, as ``len(DataLoader)``."""
@@ -210,11 +216,18 @@ class ShardedLoader:
     def _shares(self, batches: Iterator[GlobalBatch]) -> Iterator[Any]:
         sampler = self.sampler
         for batch in batches:
-            fingerprint = zlib.crc32(batch.share.to(torch.int64).numpy().tobytes())
-            yield _with_layout(
-                self.fetch(batch.share), batch.global_size, batch.epoch, batch.step,
-                sampler.rank, sampler.world_size, fingerprint,
-            )  # fmt: skip
+            if self.lazy:
+                yield LazyBatch(self, batch)
+            else:
+                yield self.fetch_share(batch, batch.share, sampler.rank, sampler.world_size)
+
+    def fetch_share(self, batch: GlobalBatch, share: torch.Tensor, index: int, count: int) -> Any:
+        """The samples at ``share`` (replica ``index`` of ``count``'s part of ``batch``), collated, with the
+        layout attributes (the module docstring)."""
+        fingerprint = zlib.crc32(share.to(torch.int64).numpy().tobytes())
+        return _with_layout(
+            self.fetch(share), batch.global_size, batch.epoch, batch.step, index, count, fingerprint
+        )
 
     def fetch(self, indices: torch.Tensor) -> Any:
         """The samples at dataset ``indices``, collated (without the layout attributes)."""
@@ -234,6 +247,37 @@ class ShardedLoader:
         if self._empty is None:
             self._empty = _zero_samples(self.collate_fn([self.dataset[0]]))
         return self._empty
+
+
+class LazyBatch:
+    """A global batch of a lazy loader, not loaded: the dataset ``indices`` of the whole batch (``global_size``
+    of them; ``epoch``, ``step``: where it sits), and `share` to fetch and collate one replica's share of it once
+    the replicas are known (at the step; again, with other replicas, when the step is retried). Holding it costs
+    the indices only.
+
+    ``fingerprint``: CRC-32 of the dataset's type and length and of the batch's indices, equal on processes given
+    the same global batch of the same data, computed without loading a sample."""
+
+    __slots__ = ("_loader", "_batch", "indices", "global_size", "epoch", "step", "fingerprint")
+
+    def __init__(self, loader: ShardedLoader, batch: GlobalBatch) -> None:
+        self._loader, self._batch, self.indices = loader, batch, batch.indices
+        self.global_size, self.epoch, self.step = batch.global_size, batch.epoch, batch.step
+        data = f"{type(loader.dataset).__qualname__}:{loader.sampler.dataset_size}".encode()
+        self.fingerprint = zlib.crc32(batch.indices.to(torch.int64).numpy().tobytes(), zlib.crc32(data))
+
+    def share(self, index: int, count: int) -> Any:
+        """Replica ``index`` of ``count``'s contiguous share (`share_bounds`), fetched and collated, with the
+        layout attributes (``shard_index=index``, ``shard_count=count``)."""
+        lo, hi = share_bounds(self.global_size, index, count)
+        return self._loader.fetch_share(self._batch, self._batch.indices[lo:hi], index, count)
+
+    def load(self) -> Any:
+        """The whole global batch, fetched and collated (a batch of one replica of one)."""
+        return self.share(0, 1)
+
+    def __repr__(self) -> str:
+        return f"LazyBatch(epoch={self.epoch}, step={self.step}, global_size={self.global_size})"
 
 
 def _dataset_size(dataset: Any) -> int:

@@ -15,14 +15,18 @@ collective per step carries the gradients, the loss sum, every member's flag and
 "replacement waiting" mark. The injected fault ``during`` (`loom.fault.inject`) fires right before it, while the
 other members are inside it.
 
-Exact accounting under heal: every process loads the whole global batch (`whole_batches`: a member's share
-depends on the members present, which the loader cannot know), and at each attempt the job takes the share of
-its index among the epoch's members (`loom.data.sampler.share_bounds`). Each member's loss is weighted by
-``n * size / N`` and the gradients averaged, so a committed step is the gradient of the global-batch mean loss
-whatever the membership: the job equals one process on the same global batches. A step that is dropped (an
-error or a lost member anywhere) applied nothing on any member and is retried on the same global batch by the
-next epoch's members. The data position is the committed step (the index of the next global batch): a
-replacement receives it with the model and starts its loader there (`loader_at_position`).
+Exact accounting under heal: a member's share depends on the members present, which the loader cannot know, so
+`job.loader` hands out each global batch unloaded (`loom.data.loader.LazyBatch`: its dataset indices; the
+loader's data topology is one replica, `whole_batches`), and at each attempt of a step the job fetches and
+collates only the share of its index among the epoch's members (`member_share`, by
+`loom.data.sampler.share_bounds`); a retried attempt with other members fetches its new share. Each member's
+loss is weighted by ``n * size / N`` and the gradients averaged, so a committed step is the gradient of the
+global-batch mean loss whatever the membership: the job equals one process on the same global batches. A step
+that is dropped (an error or a lost member anywhere) applied nothing on any member and is retried on the same
+global batch by the next epoch's members. The data position is the committed step (the index of the next global
+batch): a replacement receives it with the model and starts its loader there (`loader_at_position`). A batch of
+the user's own loader (tensors: a `DataLoader` of whole global batches) is accepted as before, each member
+holding it whole and slicing its share: loom cannot defer the loading of a loader it does not drive.
 
 What heal cannot honour is refused at setup, naming why (`refuse_heal_options`).
 """
@@ -40,9 +44,12 @@ import torch.distributed as dist
 import torch.utils._pytree
 
 from loom.comm.compression import accept_compression
+from loom.data.loader import LazyBatch, loader
+from loom.data.sampler import share_bounds
 from loom.errors import DifferentBatches, HealConflict, StartRefused, is_retryable
 from loom.fault.inject import fault_point
 from loom.topology import Topology
+from loom.train.batch import batch_len, slice_batch
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
 
 if TYPE_CHECKING:
@@ -58,6 +65,7 @@ __all__ = [
     "healing_store",
     "join_first_epoch",
     "loader_at_position",
+    "member_share",
     "refuse_heal_options",
     "take_live_state",
     "whole_batches",
@@ -107,9 +115,12 @@ def whole_batches(topology: Topology) -> Topology:
 
 
 def batch_fingerprint(batch: Any) -> int:
-    """1..251 from the shapes and first 4 KiB of each tensor of ``batch``: equal on members given the same batch;
-    a rank-sharded loader's batches differ from the first sample. Small enough to be exact in any gradient dtype
-    (bfloat16 holds integers up to 256), so it rides in the step's exchange at no extra collective."""
+    """1..251, equal on members given the same global batch: for a `LazyBatch`, from its indices and the
+    dataset's length (nothing loaded); else from the shapes and first 4 KiB of each tensor (a rank-sharded
+    loader's batches differ from the first sample). Small enough to be exact in any gradient dtype (bfloat16
+    holds integers up to 256), so it rides in the step's exchange at no extra collective."""
+    if isinstance(batch, LazyBatch):
+        return batch.fingerprint % 251 + 1
     crc = 0
     for leaf in torch.utils._pytree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor):
@@ -119,6 +130,17 @@ def batch_fingerprint(batch: Any) -> int:
     return crc % 251 + 1
 
 
+def member_share(batch: Any, axis: DataAxis, inputs_of: Any) -> tuple[Any, int, int]:
+    """This member's share of the global ``batch`` by its index among the members, the global batch's size and
+    its fingerprint (`batch_fingerprint`). A `LazyBatch` fetches the share's samples only; a whole batch (the
+    user's own loader; ``inputs_of``: the job's `LossCall.inputs_of`, to count it) is sliced."""
+    if isinstance(batch, LazyBatch):
+        return batch.share(axis.index, axis.size), batch.global_size, batch_fingerprint(batch)
+    known = getattr(batch, "global_size", None)
+    total = batch_len(inputs_of(batch)) if known is None else int(known)
+    return slice_batch(batch, *share_bounds(total, axis.index, axis.size)), total, batch_fingerprint(batch)
+
+
 def check_same_batches(rank: int, step: int, members: list[int], prints: list[float]) -> None:
     """Raise `DifferentBatches` when the members' fingerprints differ (every member holds the same sums: the
     same verdict everywhere)."""
@@ -126,7 +148,7 @@ def check_same_batches(rank: int, step: int, members: list[int], prints: list[fl
         raise DifferentBatches(
             f"rank {rank}: step {step}: the members were given different global batches (members {members}, "
             f"batch fingerprints {[int(f) for f in prints]}). Under --on-worker-failure heal every member must "
-            "load the same whole global batch and the job cuts each one's share (by the members present): a "
+            "be given the same global batch and the job cuts each one's share (by the members present): a "
             "loader sharded by rank (a DistributedSampler, a share cut by RANK) would train on a fraction of each "
             "batch, and a replacement's own DataLoader starts at its epoch's first batch, not at the job's "
             "committed step. HINT: iterate job.loader(dataset, global_batch_size=...), which every member, a "
@@ -253,14 +275,13 @@ def join_first_epoch(job: HealingT) -> HealingT:
 
 def loader_at_position(job: Any, dataset: Any, global_batch_size: int, shuffle: bool, seed: int,
                        drop_last: bool, **options: Any) -> Any:  # fmt: skip
-    """Whole global batches (every member loads each, and takes its epoch's share at the step), from the job's
+    """Unloaded global batches (`LazyBatch`: each member fetches its epoch's share at the step), from the job's
     data position: a replacement starts at the global batch after the last committed step."""
-    from loom.data.loader import loader as make_loader  # here: loom.data imports loom.topology only
-
     options.setdefault("same_data_check", False)
-    shards = make_loader(
+    shards = loader(
         dataset, global_batch_size, shuffle, seed, drop_last, topology=job.data_topology, **options
     )
+    shards.lazy = True
     per_epoch = len(shards)
     if job.step and per_epoch:
         state = shards.state_dict()

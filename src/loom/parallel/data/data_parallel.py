@@ -135,7 +135,7 @@ class DataParallel:
         quorum = Quorum.from_env(store)
         path = choose_gradient_path(self.config, topo, model, axis=quorum)
         metrics = StepMetrics(topo.rank, self.metrics_path or healing_metrics_path())
-        mesh = Mesh(dp=1, topology=whole_batches(topo))  # the loader's view: whole global batches
+        mesh = Mesh(dp=1, topology=whole_batches(topo))  # the loader's view: one replica (global batches)
         job = DataParallelJob(
             model, model, optimizer, call, mesh, self.config, metrics, quorum=quorum, topology=topo
         )

@@ -42,20 +42,21 @@ from torch.nn.parallel import DistributedDataParallel
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import CompressionHook
 from loom.comm.shared_gradients import SharedGradients
+from loom.data.loader import LazyBatch
 from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum
-from loom.job import load_replicated_state, replicated_state
+from loom.job import MetricFn, load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.parallel.data.data_axis import (
     DataAxis,
     FixedAxis,
-    batch_fingerprint,
     check_same_batches,
     loader_at_position,
+    member_share,
     refuse_own_loop,
     take_live_state,
     whole_batches,
@@ -64,7 +65,7 @@ from loom.parallel.data.data_parallel_config import DataParallelConfig
 from loom.parallel.data.data_parallel_shares import batchnorm_layers, refuse_small_batchnorm_shares, zero_loss
 from loom.parallel.data.data_parallel_sync import AxisGradients, GradientPath
 from loom.topology import Topology
-from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, slice_batch, to_device
+from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, to_device
 from loom.train.engine import Engine, StepState
 
 __all__ = ["DataParallelJob"]
@@ -104,6 +105,7 @@ class DataParallelJob(Engine):
         self.quorum = quorum
         """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
         self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
+        self.fetches_shares = quorum is not None  # `loader` yields LazyBatches; `_prepare` fetches the share
         """Who trains each step's global batch: `loom.parallel.data.data_axis` (the topology, or the quorum)."""
         algorithm = getattr(config, "allreduce", "native")  # (a healing round's config has none)
         shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
@@ -132,7 +134,7 @@ class DataParallelJob(Engine):
 
         A loader batch carries its global size (``known``), and its shares follow `share_bounds` over the axis,
         so every member computes every share; a plain batch's sizes travel in the sample-count all-reduce (one
-        slot per rank; under heal every member holds the whole batch, so its size is known)."""
+        slot per rank; under heal every member is given the whole batch, so its size is known)."""
         world, accumulate = self.axis.size, self.config.accumulate
         if known is not None:
             total = int(known)
@@ -167,10 +169,16 @@ class DataParallelJob(Engine):
 
     def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
-        """`loom.job.Job.loader`; under heal, whole global batches from the job's position (`loader_at_position`)."""
+        """`loom.job.Job.loader`; under heal, unloaded global batches from the job's position (`loader_at_position`:
+        a `loom.data.loader.LazyBatch` per step, of which each member fetches its share at the step)."""
         if self.quorum is None:
             return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
         return loader_at_position(self, dataset, global_batch_size, shuffle, seed, drop_last, **options)
+
+    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
+        """Under heal each member evaluates the whole global batch alone (its data axis is one replica: no sum
+        over a membership that may change meanwhile), so a `LazyBatch` is loaded whole."""
+        return super()._evaluate(batch.load() if isinstance(batch, LazyBatch) else batch, metrics)
 
     # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
     def _check_can_train(self) -> None:
@@ -184,14 +192,12 @@ class DataParallelJob(Engine):
     def _prepare(self, state: StepState) -> None:
         """The share on the device and the global count (one all-reduce unless the loader batch carries it)."""
         self.observer.begin_step(state.number)
-        batch_here = to_device(state.batch, self.topology.device)
-        known = getattr(state.batch, "global_size", None)
-        if (
-            self.quorum is not None
-        ):  # a whole global batch: this member's share by its place among the members
-            known = batch_len(self.loss_call.inputs_of(batch_here)) if known is None else known
-            state.work["fingerprint"] = batch_fingerprint(batch_here)
-            batch_here = slice_batch(batch_here, *share_bounds(int(known), self.axis.index, self.axis.size))
+        batch_here, known = state.batch, getattr(state.batch, "global_size", None)
+        if self.quorum is not None:  # a global batch: this member's share by its place among the members
+            batch_here, known, state.work["fingerprint"] = member_share(
+                batch_here, self.axis, self.loss_call.inputs_of
+            )
+        batch_here = to_device(batch_here, self.topology.device)
         state.local = batch_len(self.loss_call.inputs_of(batch_here))
         state.work["batch"] = batch_here
         self.observer.lap(DATA)
