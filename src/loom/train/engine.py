@@ -53,6 +53,7 @@ import abc
 import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -130,9 +131,17 @@ class Engine(Job):
         """Steps committed (for a parameter-server worker: updates pushed, its clock)."""
         self.guard = StepGuard.start(self.topology, config, quorum)
         """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
-        self.watchdog, self.nonfinite = self.guard.watchdog, self.guard.nonfinite
+        self.nonfinite = self.guard.nonfinite
         self.last_step_skipped = False
         """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
+
+    @contextlib.contextmanager
+    def collective(self, op: str) -> Iterator[int]:
+        """The one place a job tells the hang watchdog of a collective (or of several issued as one operation
+        ``op``, whose name a hang report gives): every strategy's step and evaluation wrap each exchange in it
+        (`loom.train.guard.StepGuard.collective`, counted by `loom.fault.watchdog`). Yields its number."""
+        with self.guard.collective(op) as seq:
+            yield seq
 
     @property
     def skipped_steps(self) -> int:
@@ -375,7 +384,7 @@ class Engine(Job):
         names, sums = self._evaluate(batch, metrics)
         group = self._eval_group()
         if group is not None:
-            with self.guard.collective("evaluation all-reduce"):
+            with self.collective("evaluation all-reduce"):
                 dist.all_reduce(sums, group=group)
         return share_means(names, sums, self.topology.rank)
 

@@ -146,7 +146,7 @@ class DataParallelJob(Engine):
         else:
             counts = torch.zeros(world, dtype=torch.int64, device=self.topology.device)
             counts[self.topology.rank] = local
-            with self.watchdog.collective("sample-count all-reduce"):
+            with self.collective("sample-count all-reduce"):
                 launched = time.perf_counter()
                 dist.all_reduce(counts)
                 self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8 * world)
@@ -226,17 +226,13 @@ class DataParallelJob(Engine):
         )
         ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
         if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
-            with self.watchdog.collective("gradient all-reduce"):
+            with self.collective("gradient all-reduce"):
                 zero_loss(forward_loss(call, self.wrapped, batch_here)[1]).backward()
         for i, (piece, n) in enumerate(pieces):
             sync_now = i == len(pieces) - 1
             with self._no_sync() if not sync_now else nullcontext():
                 loss = forward_loss(call, self.wrapped, piece)[0]
-                with (
-                    self.watchdog.collective("gradient all-reduce")
-                    if sync_now and ddp_syncs
-                    else nullcontext()
-                ):
+                with self.collective("gradient all-reduce") if sync_now and ddp_syncs else nullcontext():
                     (loss * (n * world / total)).backward()
             loss_sum[0] += loss.detach().double() * n
         self.observer.backward_done()
@@ -251,7 +247,7 @@ class DataParallelJob(Engine):
             self._heal_marks(state, loss_sum)
         if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
             fault_point(state.number, "during")  # the other members are inside the exchange by now
-            with self.watchdog.collective("gradient all-reduce"):
+            with self.collective("gradient all-reduce"):
                 launched = time.perf_counter()
                 self.shared_gradients.average(loss_sum)  # the loss rides along: no collective of its own
                 self.observer.lap(COMM)
@@ -335,7 +331,7 @@ class DataParallelJob(Engine):
         """
         if not self.topology.is_distributed or self.shared_gradients is not None:
             return self._gradients_finite()
-        with self.watchdog.collective("loss all-reduce"):
+        with self.collective("loss all-reduce"):
             native = self._loss_algorithm == "native"
             launched = time.perf_counter()
             pending = dist.all_reduce(loss_sum, async_op=True) if native else None  # overlaps the check

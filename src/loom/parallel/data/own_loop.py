@@ -327,7 +327,7 @@ class OwnLoop:
         world, total = topo.world_size, self.global_size
         if total is None:
             counts = torch.tensor([n], dtype=torch.int64, device=topo.device)
-            with self.job.watchdog.collective("sample-count all-reduce"):
+            with self.job.collective("sample-count all-reduce"):
                 dist.all_reduce(counts)
             total = int(counts.item())
         if total == 0:
@@ -340,7 +340,8 @@ class OwnLoop:
         if self.in_backward or not self.sync or not self.job.topology.is_distributed:
             return
         self.in_backward = True
-        self.job.watchdog.enter("gradient all-reduce")
+        self._counting = self.job.collective("gradient all-reduce")  # entered here, left when backward ends
+        self._counting.__enter__()
         Variable._execution_engine.queue_callback(self._gradients_done)
 
     def _gradients_done(self) -> None:
@@ -354,7 +355,7 @@ class OwnLoop:
 
     def _finished(self) -> None:
         self.in_backward = False
-        self.job.watchdog.leave()
+        self._counting.__exit__(None, None, None)
 
     # -- the step -----------------------------------------------------------------------------------------------
     def skip_step(self) -> bool:

@@ -271,7 +271,7 @@ class ShardedDataParallelJob(DataParallelJob):
     def _gather_after_step(self) -> None:
         """Stage 1: every rank's updated piece into every rank's whole parameters (FSDP2 needs nothing)."""
         if isinstance(self.layout, FlatShards):
-            with self.watchdog.collective("parameter all-gather"):
+            with self.collective("parameter all-gather"):
                 self.layout.gather_parameters()
 
     def own_loop(self, loader: Any = None) -> Any:
@@ -321,5 +321,5 @@ class ShardedDataParallelJob(DataParallelJob):
     def _load_parts(self, parts: Any) -> None:
         self.step = load_pieces(parts, self.layout, self.module, self.optimizer, self.topology.rank)
         if isinstance(self.layout, FlatShards):  # the whole parameters from every rank's loaded piece
-            with self.watchdog.collective("parameter all-gather"):
+            with self.collective("parameter all-gather"):
                 self.layout.gather_parameters()

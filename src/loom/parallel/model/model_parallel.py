@@ -142,7 +142,7 @@ class ModelParallelJob(Engine):
         if group is None:
             return
         mine = torch.tensor([batch_fingerprint(batch), local], dtype=torch.int64)
-        with self.guard.collective("replica sample check all-gather"):
+        with self.collective("replica sample check all-gather"):
             rows = _all_gather(mine, group)
         seen = [tuple(r.tolist()) for r in rows]
         if len(set(seen)) == 1:
@@ -166,7 +166,7 @@ class ModelParallelJob(Engine):
         if group is None:
             return local
         count = torch.tensor([local], dtype=torch.int64)
-        with self.guard.collective("sample-count all-reduce"):
+        with self.collective("sample-count all-reduce"):
             dist.all_reduce(count, group=group)
         return int(count.item())
 
@@ -196,7 +196,7 @@ class ModelParallelJob(Engine):
             if micro.sizes
             else []
         )
-        with self.guard.collective("pipeline schedule (sends and receives between stages)"):
+        with self.collective("pipeline schedule (sends and receives between stages)"):
             state.loss_sum, stats = run_instructions(
                 stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
                 prev=self._prev, next_=self._next, train=train, device=self.topology.device,
@@ -214,7 +214,7 @@ class ModelParallelJob(Engine):
         row = torch.tensor([state.loss_sum, stats.busy_s, stats.span_s, state.flag], dtype=torch.float64)
         rows = [row]
         if self.mesh.group("pp") is not None:
-            with self.guard.collective("loss all-gather over the pipeline"):
+            with self.collective("loss all-gather over the pipeline"):
                 rows = _all_gather(row, self.mesh.group("pp"))
         table = torch.stack(rows)
         loss, state.flags, state.ranks = self._reduce_loss_and_flags(table, state.flag)
@@ -227,11 +227,11 @@ class ModelParallelJob(Engine):
 
     def _apply(self, state: StepState) -> None:
         data_axis = self.gradient_averaging
-        with self.guard.collective("gradient all-reduce over the data axis"):
+        with self.collective("gradient all-reduce over the data axis"):
             data_axis.average([p for p in self.module.parameters() if p.requires_grad])
         self.optimizer.step()
         if data_axis.zero:
-            with self.guard.collective("parameter all-gather over the data axis"):
+            with self.collective("parameter all-gather over the data axis"):
                 data_axis.gather_parameters()
 
     def _straggler_peers(self) -> list[list[int]]:
@@ -258,7 +258,7 @@ class ModelParallelJob(Engine):
         if mesh.index("pp") == 0 and mesh.index("tp") == 0:  # one writer per replica: its loss counted once
             buffer[mesh.index("dp")] = replica_loss
         buffer[dp + rank] = flag
-        with self.guard.collective("loss and flag all-reduce"):
+        with self.collective("loss and flag all-reduce"):
             small = SmallAllReduce.for_group(None)
             if small is not None:
                 small.all_reduce(buffer)

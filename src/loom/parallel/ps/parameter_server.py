@@ -277,7 +277,7 @@ class ParameterServerJob(Engine):
         """Pull the parameters for this step (in ``ssp``, waiting for the slowest clock within the bound)."""
         state.local = batch_len(self.loss_call.inputs_of(state.batch))
         state.total = int(getattr(state.batch, "global_size", state.local * self.topology.world_size))
-        with self.guard.collective("pull from the parameter servers"):
+        with self.collective("pull from the parameter servers"):
             self._pull_dense()
 
     def _forward_backward(self, state: StepState) -> None:
@@ -294,7 +294,7 @@ class ParameterServerJob(Engine):
         meta = {"clock": self.step, "loss_sum": state.loss_sum, "lrs": self._learning_rates(), "pull": True}
         if state.flag:
             meta["nonfinite"] = state.flag
-        with self.guard.collective("push to the parameter servers"):
+        with self.collective("push to the parameter servers"):
             replies = self._request(
                 MessageType.PUSH,
                 meta,

@@ -232,7 +232,7 @@ class ReplicaJob(Engine):
         buffer[0], buffer[FLAGS_AT + self.topology.rank], buffer[-1] = loss_sum, flag, float(local)
         self.observer.lap(COMM)
         if self.topology.is_distributed:
-            with self.watchdog.collective("loss and sample-count all-reduce"):
+            with self.collective("loss and sample-count all-reduce"):
                 launched = time.perf_counter()
                 dist.all_reduce(buffer, group=self._group)
                 self.observer.collective("all_reduce loss", launched, time.perf_counter(), buffer.nbytes)

@@ -293,7 +293,7 @@ class DiLoCoJob(ReplicaJob):
     def _wait(self, entry: _Exchange) -> torch.Tensor:
         if entry.result is None:
             op = f"outer exchange of fragment {entry.fragment} (sent after step {entry.launched})"
-            with self.watchdog.collective(op):
+            with self.collective(op):
                 try:
                     entry.result = entry.pending.result()  # type: ignore[union-attr]
                 except Exception as error:

@@ -250,7 +250,7 @@ class HealingRounds(DataParallelJob):
         buffer[0] = state.loss_sum
         buffer[1] = 1.0 if self._round_ends(state.number) and quorum.join_pending() else 0.0
         buffer[2 + quorum.index] = state.flag
-        with self.guard.collective("loss all-reduce"):
+        with self.collective("loss all-reduce"):
             all_reduce_sum(buffer, group)
         state.loss = float(buffer[0]) / state.total
         state.work["pending"] = float(buffer[1]) > 0
@@ -312,7 +312,7 @@ class HealingRounds(DataParallelJob):
         pieces = [g - p.detach() for g, p in zip(held, params, strict=True)] if held else list(params)
         flat = flatten(pieces + buffers, self._samples / self._global_samples)
         fault_point(step, "during")  # the other members are inside the all-reduce by now
-        with self.guard.collective("round all-reduce"):
+        with self.collective("round all-reduce"):
             all_reduce_sum(flat, group)
         if self.outer_optimizer is None:
             unflatten_into(flat, params + buffers)

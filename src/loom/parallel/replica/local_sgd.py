@@ -117,7 +117,7 @@ class LocalSGDJob(ReplicaJob):
         if not tensors or not self.global_samples:  # no step applied since the last average: still equal
             return
         flat = flatten(tensors, self.samples / self.global_samples)
-        with self.watchdog.collective("replica average all-reduce"):
+        with self.collective("replica average all-reduce"):
             comm_all_reduce(flat, op="sum", algorithm=self.config.allreduce, group=self._group)
         unflatten_into(flat, tensors)
         self.samples = self.global_samples = 0
