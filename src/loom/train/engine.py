@@ -53,7 +53,7 @@ import abc
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -346,6 +346,31 @@ class Engine(Job):
             self._watch = watch
         return self._watch
 
+    def _micro_batches(
+        self,
+        batch: Any,
+        local: int,
+        accumulate: int,
+        model: torch.nn.Module,
+        weight: Callable[[int], float],
+        hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        exchange: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> Iterator[tuple[torch.Tensor, int]]:
+        """The one micro-batch loop, every strategy's forward and backward on its share: ``batch``'s ``local``
+        samples in ``accumulate`` pieces (empty ones left out); for each, the forward of ``model`` under the job's
+        `LossCall`, then its detached loss and samples are yielded (the caller adds them up, or stops before the
+        backward: a non-finite loss), then ``(loss * weight(n)).backward()``. Every piece but the last runs
+        inside ``hold()`` (DataParallel: DDP's ``no_sync``, gradients accumulate locally), the last backward
+        inside ``exchange()`` (DataParallel: DDP all-reduces inside it, counted by the watchdog)."""
+        pieces = [p for p in micro_batches(batch, local, accumulate) if p[1] > 0]
+        for i, (piece, n) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            with hold() if not last else contextlib.nullcontext():
+                loss = forward_loss(self.loss_call, model, piece)[0]
+                yield loss.detach(), n
+                with exchange() if last else contextlib.nullcontext():
+                    (loss * weight(n)).backward()
+
     def _backward_share(
         self, state: StepState, accumulate: int, weight_of_total: bool, stop_on_nonfinite: bool = False
     ) -> None:
@@ -358,17 +383,14 @@ class Engine(Job):
         batch = state.work.get("batch", state.batch)
         whole = state.total if weight_of_total else state.local
         assert whole
-        pieces = [p for p in micro_batches(batch, state.local, accumulate) if p[1]]
         loss_sum, values = 0.0, []
-        for piece, n in pieces:
-            loss = forward_loss(self.loss_call, self.module, piece)[0]
-            value = float(loss.detach().double())
+        for loss, n in self._micro_batches(batch, state.local, accumulate, self.module, lambda n: n / whole):
+            value = float(loss.double())
             values.append(value)
             loss_sum += value * n
             if stop_on_nonfinite and local_flag(value):
                 state.loss_sum, state.flag = loss_sum, 1.0
-                break
-            (loss * (n / whole)).backward()
+                break  # before this piece's backward
         state.work["share_mean"] = values[0] if len(values) == 1 else loss_sum / state.local
         """The share's mean loss (one micro-batch: the loss itself, not ``loss_sum / local`` rounded twice)."""
         if state.flag:

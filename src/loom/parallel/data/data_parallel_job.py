@@ -65,7 +65,7 @@ from loom.parallel.data.data_parallel_config import DataParallelConfig
 from loom.parallel.data.data_parallel_shares import batchnorm_layers, refuse_small_batchnorm_shares, zero_loss
 from loom.parallel.data.data_parallel_sync import AxisGradients, GradientPath
 from loom.topology import Topology
-from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, to_device
+from loom.train.batch import LossCall, batch_len, forward_loss, to_device
 from loom.train.engine import Engine, StepState
 
 __all__ = ["DataParallelJob"]
@@ -216,7 +216,6 @@ class DataParallelJob(Engine):
         call, batch_here, total = self.loss_call, state.work["batch"], state.total
         assert total is not None
         world = self.axis.size
-        pieces = [p for p in micro_batches(batch_here, state.local, self.config.accumulate) if p[1] > 0]
         # [loss sum, flags, every rank's phase times]: stragglers ride on this all-reduce (loom.observe.phases);
         # under heal [loss sum, flags, fingerprints, the "replacement waiting" mark] (see `_heal_marks`)
         loss_sum = (
@@ -225,16 +224,16 @@ class DataParallelJob(Engine):
             else torch.zeros(FLAGS_AT + 2 * world + 1, dtype=torch.float64)
         )
         ddp_syncs = self.shared_gradients is None  # DDP all-reduces inside the last backward
-        if not pieces and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
+        if not state.local and ddp_syncs:  # empty share: join DDP's all-reduce with zero contribution
             with self.collective("gradient all-reduce"):
                 zero_loss(forward_loss(call, self.wrapped, batch_here)[1]).backward()
-        for i, (piece, n) in enumerate(pieces):
-            sync_now = i == len(pieces) - 1
-            with self._no_sync() if not sync_now else nullcontext():
-                loss = forward_loss(call, self.wrapped, piece)[0]
-                with self.collective("gradient all-reduce") if sync_now and ddp_syncs else nullcontext():
-                    (loss * (n * world / total)).backward()
-            loss_sum[0] += loss.detach().double() * n
+        pieces = self._micro_batches(
+            batch_here, state.local, self.config.accumulate, self.wrapped, lambda n: n * world / total,
+            hold=self._no_sync,
+            exchange=(lambda: self.collective("gradient all-reduce")) if ddp_syncs else nullcontext,
+        )  # fmt: skip
+        for loss, n in pieces:
+            loss_sum[0] += loss.double() * n
         self.observer.backward_done()
         self._flag_local_loss(loss_sum)
         state.work["buffer"] = loss_sum
