@@ -292,7 +292,7 @@ class Engine(Job):
 
     def _commit(self, state: StepState) -> bool:
         """Whether to apply the step: the guard's commit vote (`StepGuard.commit`; always True without
-        healing). A strategy whose unit of commit is larger than a step (`loom.parallel.replica.healing_rounds`:
+        healing). A strategy whose unit of commit is larger than a step (`loom.parallel.replica.round_commit`:
         a sync round) votes at the unit's end instead."""
         return self.guard.commit(state.number)
 

@@ -105,7 +105,7 @@ class DataParallelJob(Engine):
         """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
         self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
         """Who trains each step's global batch: `loom.parallel.data.data_axis` (the topology, or the quorum)."""
-        algorithm = getattr(config, "allreduce", "native")  # (a healing round's config has none)
+        algorithm = config.allreduce
         shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
         self._loss_algorithm = algorithm if shared_memory else "native"
         """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared

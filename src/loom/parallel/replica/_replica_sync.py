@@ -23,11 +23,19 @@ Limits: the loss must be mean-reduced over the batch; the model must run the sam
 at setup as for `DataParallel`: `loom.parallel.consistency`); BatchNorm statistics are local between
 synchronizations and averaged with the parameters (a 1-sample share in training mode raises on that rank only,
 which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
+
+Under ``loom run --on-worker-failure heal`` the same job runs over the quorum's data axis
+(`loom.parallel.data.data_axis`): every member loads whole global batches and trains the share of its index among
+the epoch's members, the per-step all-reduce and the strategy's synchronization run over the epoch's group, and
+what heal adds, the sync round as the unit of commit (its snapshot, replay, vote and joining), is
+`loom.parallel.replica.round_commit.RoundCommit`, called from the hooks below.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,17 +48,28 @@ from loom.comm.compression.int8 import INT8_CHUNK as INT8_CHUNK  # re-exported (
 from loom.comm.compression.int8 import dequantize_int8 as dequantize_int8  # re-exported
 from loom.comm.compression.int8 import quantize_int8 as quantize_int8  # re-exported
 from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
+from loom.data.sampler import share_bounds
 from loom.devices import place_model
+from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.parallel._setup import check_setup_arguments
 from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_axis import (
+    DataAxis,
+    FixedAxis,
+    healing_metrics_path,
+    healing_store,
+    loader_at_position,
+    whole_batches,
+)
 from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.pipeline.pipeline_stages import broadcast_module
+from loom.parallel.replica.round_commit import RoundCommit, refuse_round_options
 from loom.topology import Topology, current
-from loom.train.batch import batch_len, to_device
+from loom.train.batch import batch_len, slice_batch, to_device
 from loom.train.engine import Engine, StepState
 from loom.train.options import config_from
 
@@ -121,22 +140,26 @@ class ReplicaStrategy:
 
 
 def prepare_replicas(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    topology: Topology | None,
-    strategy: str = "this strategy",
-) -> Topology:
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, topology: Topology | None, strategy: str,
+    config: Any,
+) -> tuple[Topology, Quorum | None]:  # fmt: skip
     """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
     (model or optimizer, `loom.parallel.consistency`) and start every replica from rank 0's parameters and
-    buffers (as DDP does)."""
+    buffers (as DDP does). Under ``--on-worker-failure heal``: refuse what a round cannot honour and return the
+    quorum to join (the job then takes a live member's state, `join_first_epoch`)."""
     topo = topology if topology is not None else current()
-    check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True)
+    heal = os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal"
+    check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=heal)
+    if heal:
+        refuse_round_options(config, strategy)
+        store = healing_store()
     place_model(model, topo.device, optimizer, topo.rank)
+    if heal:
+        return topo, Quorum.from_env(store)
     if topo.is_distributed:
         check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
         broadcast_module(model)
-    return topo
+    return topo, None
 
 
 class ReplicaJob(Engine):
@@ -148,25 +171,48 @@ class ReplicaJob(Engine):
     replicas_agree = False
 
     def __init__(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        topology: Topology,
-        config: Any,
-        metrics_path: str | None = None,
-        observe: bool = True,
-    ) -> None:
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, topology: Topology, config: Any,
+        metrics_path: str | None = None, observe: bool = True, quorum: Quorum | None = None,
+    ) -> None:  # fmt: skip
         """``config``: the strategy's config dataclass (the guard's options, `loom.train.guard.GuardOptions`,
-        and its own); the strategy's state is set up by `_start`."""
-        metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
-        super().__init__(
-            module, optimizer, loss_fn, Mesh(dp=topology.world_size, topology=topology), config, metrics
+        and its own); the strategy's state is set up by `_start`. ``quorum``: under heal, the data axis."""
+        world = topology.world_size
+        path = (
+            healing_metrics_path() if quorum is not None else metrics_path or default_metrics_path(topology)
         )
-        self.observer = StepObserver.for_process(self.metrics, topology.world_size, enabled=observe)
-        """Times each step's phases and counts its bytes (synchronizations included) into `metrics`."""
-        self._group = self.mesh.group("dp")
+        # under heal the loader's view is one replica of whole global batches (`whole_batches`)
+        mesh = Mesh(dp=world, topology=topology) if quorum is None else Mesh(topology=whole_batches(topology))
+        super().__init__(
+            module,
+            optimizer,
+            loss_fn,
+            mesh,
+            config,
+            StepMetrics(topology.rank, path),
+            topology=topology,
+            quorum=quorum,
+        )
+        self.observer = StepObserver.for_process(self.metrics, world, enabled=observe and quorum is None)
+        """Times each step's phases and counts its bytes (synchronizations included) into `metrics`; under heal
+        off (the members change; a round's records are `RoundCommit.record`'s)."""
+        self.quorum = quorum
+        self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
+        """Who trains each global batch and the group they meet in (`loom.parallel.data.data_axis`)."""
+        self.rounds = RoundCommit(config.sync_every) if quorum is not None else None
+        """Under heal, the sync round as the unit of commit (`loom.parallel.replica.round_commit`)."""
+        self.allreduce = "native" if quorum is not None and config.allreduce == "auto" else config.allreduce
+        """The synchronization's all-reduce algorithm (under heal ``auto`` is gloo's over the epoch's group)."""
+        self.trained_by: list[int] = []
+        """Under heal, the members that trained the last committed round."""
+        self.joined_running = False
+        """Under heal: this process is a replacement that took a live member's state (`loom.fit` resumes none)."""
+        self._synced = False
         self._start()
+
+    @property
+    def _group(self) -> Any:
+        """The data axis's group: the default one, or the quorum's current epoch's (replaced at each re-form)."""
+        return self.axis.group
 
     # -- what a strategy adds ------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -184,8 +230,14 @@ class ReplicaJob(Engine):
     # -- the inner step: the engine's hooks (`loom.train.engine`) ----------------------------------------------
     def _prepare(self, state: StepState) -> None:
         self.observer.begin_step(state.number)
-        state.work["batch"] = to_device(state.batch, self.topology.device)
-        state.local = batch_len(self.loss_call.inputs_of(state.work["batch"]))
+        batch = to_device(state.batch, self.topology.device)
+        if (
+            self.quorum is not None
+        ):  # a whole global batch: this member's share by its place among the members
+            whole = batch_len(self.loss_call.inputs_of(batch))
+            batch = slice_batch(batch, *share_bounds(whole, self.axis.index, self.axis.size))
+        state.work["batch"] = batch
+        state.local = batch_len(self.loss_call.inputs_of(batch))
         self.observer.lap(DATA)
 
     def _forward_backward(self, state: StepState) -> None:
@@ -195,9 +247,10 @@ class ReplicaJob(Engine):
     def _synchronize(self, state: StepState) -> None:
         """One small all-reduce: the loss, every flag, the phase rows and the global count (the inner step of
         a replica averages no gradient: each replica steps on its own share)."""
-        reduced = self._reduce_step(state.loss_sum, state.flag, state.local)
-        state.work["reduced"] = reduced
-        state.total = int(reduced[-1].item())
+        pending = self.rounds is not None and self.rounds.joiner_ready(self.quorum, state.number)
+        reduced = self._reduce_step(state.loss_sum, state.flag, state.local, pending)
+        state.work["reduced"], state.work["pending"] = reduced, bool(reduced[-1] > 0)
+        state.total = int(reduced[-2].item())
         world = self.topology.world_size
         state.flags, state.ranks = reduced[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
         state.loss = float(reduced[0].item()) / state.total if state.total else 0.0
@@ -210,26 +263,34 @@ class ReplicaJob(Engine):
 
     def _after_step(self, state: StepState) -> None:
         self.observer.lap(OPTIMIZER)
-        self._exchange()
+        if self.rounds is None:
+            self._exchange()
+        else:
+            self.rounds.end_step(self, state, self._exchange)
         self.observer.lap(COMM)
 
     def _record(self, state: StepState, **fields: Any) -> None:
         assert state.total is not None
+        if self.rounds is not None:
+            self.rounds.record(self, state, **fields)
+            return
         self.observer.end_step(
             state.number,
             state.local,
             state.total,
             state.loss,
-            state.work["reduced"][:-1],
+            state.work["reduced"][:-2],
             skipped=state.skipped,
             **fields,
         )
 
-    def _reduce_step(self, loss_sum: float, flag: float, local: int) -> torch.Tensor:
-        """``[loss sum, flags, phase rows, samples]`` summed over the replicas (one small all-reduce)."""
+    def _reduce_step(self, loss_sum: float, flag: float, local: int, pending: bool) -> torch.Tensor:
+        """``[loss sum, flags, phase rows, samples, a replacement waiting]`` summed over the data axis (one small
+        all-reduce; the last slot is set under heal only, at a round's last step: `RoundCommit`)."""
         base = self.observer.loss_buffer(self.topology.device)
-        buffer = torch.cat([base, torch.zeros(1, dtype=base.dtype, device=base.device)])
-        buffer[0], buffer[FLAGS_AT + self.topology.rank], buffer[-1] = loss_sum, flag, float(local)
+        buffer = torch.cat([base, torch.zeros(2, dtype=base.dtype, device=base.device)])
+        buffer[0], buffer[FLAGS_AT + self.topology.rank] = loss_sum, flag
+        buffer[-2], buffer[-1] = float(local), float(pending)
         self.observer.lap(COMM)
         if self.topology.is_distributed:
             with self.watchdog.collective("loss and sample-count all-reduce"):
@@ -238,6 +299,54 @@ class ReplicaJob(Engine):
                 self.observer.collective("all_reduce loss", launched, time.perf_counter(), buffer.nbytes)
         self.observer.lap(COMM)
         return buffer
+
+    # -- under heal: the round as the unit of commit (`loom.parallel.replica.round_commit`) ----------------------
+    def train_step(self, batch: Any) -> float:
+        if self.rounds is not None:  # kept for the replay of a dropped round
+            self.rounds.batches.append(batch)
+            self.rounds.batch_step = self.step + 1
+        return super().train_step(batch)
+
+    def _attempt(self, batch: Any) -> float:
+        if self.rounds is None:
+            return super()._attempt(batch)
+        return self.rounds.attempt(self, batch, super()._attempt)
+
+    def _commit(self, state: StepState) -> bool:
+        return super()._commit(state) if self.rounds is None else self.rounds.commit(state)
+
+    def _wait_for_joiner(self) -> None:
+        """A replacement joins at a round boundary: wait for one only before the round's last step."""
+        if self.rounds is not None and self.rounds.ends(self.step + 1):
+            super()._wait_for_joiner()
+
+    def _adopt_epoch(self) -> None:
+        assert self.rounds is not None
+        self.rounds.adopt_epoch(self, functools.partial(Engine._attempt, self))
+
+    def _share_more(self, source: int, load: bool) -> None:
+        """Broadcast member ``source``'s state beyond the model and optimizer (DiLoCo's outer state)."""
+
+    def _state_loaded(self) -> None:
+        """After `load_state_dict`: under heal the loaded state is the round's start."""
+        if self.rounds is not None:
+            self.rounds.take_snapshot(self)
+
+    def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
+        """`loom.job.Job.loader`; under heal, whole global batches from the job's position (`loader_at_position`)."""
+        if self.quorum is None:
+            return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
+        return loader_at_position(self, dataset, global_batch_size, shuffle, seed, drop_last, **options)
+
+    @property
+    def checkpoint_topology(self) -> Topology:
+        """Whose collectives `loom.fit`'s save takes: under heal one member's, without collectives."""
+        return self.topology if self.quorum is None else whole_batches(self.topology)
+
+    def writes_checkpoint(self) -> bool:
+        """Under heal only the first member of the round that committed writes (`DataParallelJob`'s rule)."""
+        return self.quorum is None or (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     def _inner_state(self) -> dict[str, Any]:
         return replicated_state(self)
