@@ -225,3 +225,16 @@ def test_loaders_that_give_members_different_batches_are_refused_at_the_step_nam
                     HP_PAUSE_S="0.05", HP_MARK_STEP="10")  # fmt: skip
     assert healed.returncode == 1
     assert "DifferentBatches: rank" in healed.stderr and "starts at its epoch's first batch" in healed.stderr
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_local_sgd_refuses_members_given_different_batches_as_data_parallel_does(tmp_path):
+    # the replica job under heal checks the members' batch fingerprints on its per-step all-reduce
+    sharded = launch(
+        tmp_path, "sampler", "--on-worker-failure", "heal", HP_EPOCHS="2", HP_STRATEGY="localsgd"
+    )
+    assert sharded.returncode == 1
+    assert "DifferentBatches: rank" in sharded.stderr and "step 1: the members were given different" in (
+        sharded.stderr
+    )

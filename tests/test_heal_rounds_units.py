@@ -23,7 +23,6 @@ ONE = Topology(0, 1, 0, 1, "none")
         (lambda: loom.LocalSGD(allreduce="shm", topology=ONE), "allreduce"),
         (lambda: loom.DiLoCo(sync_every=4, fragments=2, topology=ONE), "fragments"),
         (lambda: loom.DiLoCo(sync_every=4, overlap_steps=1, topology=ONE), "overlap_steps"),
-        (lambda: loom.DiLoCo(compression="int8", topology=ONE), "compression"),
         (lambda: loom.LocalSGD(liveness_timeout_s=30, topology=ONE), "liveness_timeout_s"),
     ],
 )
@@ -42,7 +41,8 @@ def test_options_a_healing_round_cannot_honour_are_refused_by_name(make, named, 
         lambda: loom.LocalSGD(topology=ONE),
         lambda: loom.DiLoCo(topology=ONE),
         lambda: loom.LocalSGD(allreduce="ring", topology=ONE),  # over each epoch's group, as DataParallel's
-        lambda: loom.DiLoCo(allreduce="driver", topology=ONE),
+        lambda: loom.DiLoCo(allreduce="driver", compression="bf16", topology=ONE),
+        lambda: loom.DiLoCo(compression="int8", topology=ONE),
     ],
 )
 def test_local_sgd_and_diloco_accept_heal_and_need_the_launchers_store(make, monkeypatch):

@@ -40,9 +40,11 @@ import torch.distributed as dist
 import torch.utils._pytree
 
 from loom.comm.compression import accept_compression
+from loom.data.sampler import share_bounds
 from loom.errors import DifferentBatches, HealConflict, StartRefused, is_retryable
 from loom.fault.inject import fault_point
 from loom.topology import Topology
+from loom.train.batch import batch_len, slice_batch
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
 
 if TYPE_CHECKING:
@@ -58,6 +60,7 @@ __all__ = [
     "healing_store",
     "join_first_epoch",
     "loader_at_position",
+    "member_share",
     "refuse_heal_options",
     "take_live_state",
     "unapplied_timeouts",
@@ -118,6 +121,14 @@ def batch_fingerprint(batch: Any) -> int:
             crc = zlib.crc32(str((tuple(leaf.shape), str(leaf.dtype))).encode(), crc)
             crc = zlib.crc32(head.view(torch.uint8).numpy().tobytes(), crc)
     return crc % 251 + 1
+
+
+def member_share(batch: Any, axis: DataAxis, inputs_of: Any) -> tuple[Any, int, int]:
+    """This member's share of the whole global ``batch`` by its index among the members, the global batch's size
+    and its fingerprint (`batch_fingerprint`); ``inputs_of``: the job's `LossCall.inputs_of`, to count it."""
+    known = getattr(batch, "global_size", None)
+    total = batch_len(inputs_of(batch)) if known is None else int(known)
+    return slice_batch(batch, *share_bounds(total, axis.index, axis.size)), total, batch_fingerprint(batch)
 
 
 def check_same_batches(rank: int, step: int, members: list[int], prints: list[float]) -> None:

@@ -48,7 +48,6 @@ from loom.comm.compression.int8 import INT8_CHUNK as INT8_CHUNK  # re-exported (
 from loom.comm.compression.int8 import dequantize_int8 as dequantize_int8  # re-exported
 from loom.comm.compression.int8 import quantize_int8 as quantize_int8  # re-exported
 from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
-from loom.data.sampler import share_bounds
 from loom.devices import place_model
 from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
@@ -60,16 +59,18 @@ from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
     DataAxis,
     FixedAxis,
+    check_same_batches,
     healing_metrics_path,
     healing_store,
     loader_at_position,
+    member_share,
     whole_batches,
 )
 from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.parallel.replica.round_commit import RoundCommit, refuse_round_options
 from loom.topology import Topology, current
-from loom.train.batch import batch_len, slice_batch, to_device
+from loom.train.batch import batch_len, to_device
 from loom.train.engine import Engine, StepState
 from loom.train.options import config_from
 
@@ -230,13 +231,10 @@ class ReplicaJob(Engine):
     # -- the inner step: the engine's hooks (`loom.train.engine`) ----------------------------------------------
     def _prepare(self, state: StepState) -> None:
         self.observer.begin_step(state.number)
-        batch = to_device(state.batch, self.topology.device)
-        if (
-            self.quorum is not None
-        ):  # a whole global batch: this member's share by its place among the members
-            whole = batch_len(self.loss_call.inputs_of(batch))
-            batch = slice_batch(batch, *share_bounds(whole, self.axis.index, self.axis.size))
-        state.work["batch"] = batch
+        batch = state.batch
+        if self.quorum is not None:  # a global batch: this member's share by its index among the members
+            batch, _, state.work["fingerprint"] = member_share(batch, self.axis, self.loss_call.inputs_of)
+        state.work["batch"] = batch = to_device(batch, self.topology.device)
         state.local = batch_len(self.loss_call.inputs_of(batch))
         self.observer.lap(DATA)
 
@@ -247,12 +245,15 @@ class ReplicaJob(Engine):
     def _synchronize(self, state: StepState) -> None:
         """One small all-reduce: the loss, every flag, the phase rows and the global count (the inner step of
         a replica averages no gradient: each replica steps on its own share)."""
-        pending = self.rounds is not None and self.rounds.joiner_ready(self.quorum, state.number)
-        reduced = self._reduce_step(state.loss_sum, state.flag, state.local, pending)
+        reduced = self._reduce_step(state)
         state.work["reduced"], state.work["pending"] = reduced, bool(reduced[-1] > 0)
         state.total = int(reduced[-2].item())
         world = self.topology.world_size
         state.flags, state.ranks = reduced[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
+        if self.quorum is not None:  # every member must be given the same global batch (as DataParallel's)
+            prints = reduced[FLAGS_AT + world : FLAGS_AT + 2 * world].tolist()
+            members = self.quorum.members
+            check_same_batches(self.topology.rank, state.number, members, [prints[r] for r in members])
         state.loss = float(reduced[0].item()) / state.total if state.total else 0.0
 
     def _apply(self, state: StepState) -> None:
@@ -284,13 +285,17 @@ class ReplicaJob(Engine):
             **fields,
         )
 
-    def _reduce_step(self, loss_sum: float, flag: float, local: int, pending: bool) -> torch.Tensor:
+    def _reduce_step(self, state: StepState) -> torch.Tensor:
         """``[loss sum, flags, phase rows, samples, a replacement waiting]`` summed over the data axis (one small
-        all-reduce; the last slot is set under heal only, at a round's last step: `RoundCommit`)."""
-        base = self.observer.loss_buffer(self.topology.device)
-        buffer = torch.cat([base, torch.zeros(2, dtype=base.dtype, device=base.device)])
-        buffer[0], buffer[FLAGS_AT + self.topology.rank] = loss_sum, flag
-        buffer[-2], buffer[-1] = float(local), float(pending)
+        all-reduce); under heal (no phase rows) each rank's batch fingerprint after the flags, and the last slot
+        set at a round's last step when a replacement is ready (`RoundCommit.joiner_ready`)."""
+        base, rank = self.observer.loss_buffer(self.topology.device), self.topology.rank
+        prints = self.topology.world_size if self.rounds is not None else 0
+        buffer = torch.cat([base, torch.zeros(prints + 2, dtype=base.dtype, device=base.device)])
+        buffer[0], buffer[FLAGS_AT + rank], buffer[-2] = state.loss_sum, state.flag, float(state.local)
+        if self.rounds is not None:
+            buffer[len(base) + rank] = state.work["fingerprint"]
+            buffer[-1] = float(self.rounds.joiner_ready(self.quorum, state.number))
         self.observer.lap(COMM)
         if self.topology.is_distributed:
             with self.watchdog.collective("loss and sample-count all-reduce"):

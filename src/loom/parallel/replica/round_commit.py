@@ -79,8 +79,6 @@ def refuse_round_options(config: Any, strategy: str) -> None:
         why[f"overlap_steps={config.overlap}"] = (
             "an exchange still in flight at a round's end cannot be voted on"
         )
-    if strategy == "DiLoCo" and config.compression is not None:
-        why[f"compression={config.compression!r}"] = "not run under heal yet"
     for name, value in unapplied_timeouts(config).items():
         why[f"{name}={value}"] = TIMEOUTS_UNDER_HEAL
     if why:
