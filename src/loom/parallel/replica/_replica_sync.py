@@ -38,7 +38,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ from loom.parallel.data.data_axis import (
     check_same_batches,
     healing_metrics_path,
     healing_store,
+    join_first_epoch,
     loader_at_position,
     member_share,
     whole_batches,
@@ -79,12 +80,12 @@ __all__ = [
     "ReplicaStrategy",
     "flatten",
     "positive_int",
-    "prepare_replicas",
     "synced_tensors",
     "unflatten_into",
 ]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+JobT = TypeVar("JobT", bound="ReplicaJob")
 
 
 def positive_int(name: str, value: Any, hint: str = "") -> None:
@@ -139,28 +140,28 @@ class ReplicaStrategy:
         self.observe = observe
         """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
 
-
-def prepare_replicas(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, topology: Topology | None, strategy: str,
-    config: Any,
-) -> tuple[Topology, Quorum | None]:  # fmt: skip
-    """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
-    (model or optimizer, `loom.parallel.consistency`) and start every replica from rank 0's parameters and
-    buffers (as DDP does). Under ``--on-worker-failure heal``: refuse what a round cannot honour and return the
-    quorum to join (the job then takes a live member's state, `join_first_epoch`)."""
-    topo = topology if topology is not None else current()
-    heal = os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal"
-    check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=heal)
-    if heal:
-        refuse_round_options(config, strategy)
-        store = healing_store()
-    place_model(model, topo.device, optimizer, topo.rank)
-    if heal:
-        return topo, Quorum.from_env(store)
-    if topo.is_distributed:
-        check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
-        broadcast_module(model)
-    return topo, None
+    def _setup(
+        self, job_type: type[JobT], model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn
+    ) -> JobT:
+        """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
+        (model or optimizer, `loom.parallel.consistency`) and start every replica from rank 0's parameters and
+        buffers (as DDP does). Under ``--on-worker-failure heal``: refuse what a round cannot honour; the job
+        joins the quorum and takes a live member's state (`join_first_epoch`)."""
+        topo = self.topology if self.topology is not None else current()
+        strategy = self.config_type.__name__.removesuffix("Config")
+        heal = os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal"
+        check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=heal)
+        if heal:
+            refuse_round_options(self.config, strategy)
+            store = healing_store()
+        place_model(model, topo.device, optimizer, topo.rank)
+        args = (model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
+        if heal:
+            return join_first_epoch(job_type(*args, quorum=Quorum.from_env(store)))
+        if topo.is_distributed:
+            check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
+            broadcast_module(model)
+        return job_type(*args)
 
 
 class ReplicaJob(Engine):
@@ -177,31 +178,22 @@ class ReplicaJob(Engine):
     ) -> None:  # fmt: skip
         """``config``: the strategy's config dataclass (the guard's options, `loom.train.guard.GuardOptions`,
         and its own); the strategy's state is set up by `_start`. ``quorum``: under heal, the data axis."""
-        world = topology.world_size
-        path = (
-            healing_metrics_path() if quorum is not None else metrics_path or default_metrics_path(topology)
+        world, heal = topology.world_size, quorum is not None
+        metrics = StepMetrics(
+            topology.rank, healing_metrics_path() if heal else metrics_path or default_metrics_path(topology)
         )
         # under heal the loader's view is one replica of whole global batches (`whole_batches`)
-        mesh = Mesh(dp=world, topology=topology) if quorum is None else Mesh(topology=whole_batches(topology))
-        super().__init__(
-            module,
-            optimizer,
-            loss_fn,
-            mesh,
-            config,
-            StepMetrics(topology.rank, path),
-            topology=topology,
-            quorum=quorum,
-        )
-        self.observer = StepObserver.for_process(self.metrics, world, enabled=observe and quorum is None)
+        mesh = Mesh(topology=whole_batches(topology)) if heal else Mesh(dp=world, topology=topology)
+        super().__init__(module, optimizer, loss_fn, mesh, config, metrics, topology=topology, quorum=quorum)
+        self.observer = StepObserver.for_process(self.metrics, world, enabled=observe and not heal)
         """Times each step's phases and counts its bytes (synchronizations included) into `metrics`; under heal
         off (the members change; a round's records are `RoundCommit.record`'s)."""
         self.quorum = quorum
         self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
         """Who trains each global batch and the group they meet in (`loom.parallel.data.data_axis`)."""
-        self.rounds = RoundCommit(config.sync_every) if quorum is not None else None
+        self.rounds = RoundCommit(config.sync_every) if heal else None
         """Under heal, the sync round as the unit of commit (`loom.parallel.replica.round_commit`)."""
-        self.allreduce = "native" if quorum is not None and config.allreduce == "auto" else config.allreduce
+        self.allreduce = "native" if heal and config.allreduce == "auto" else config.allreduce
         """The synchronization's all-reduce algorithm (under heal ``auto`` is gloo's over the epoch's group)."""
         self.trained_by: list[int] = []
         """Under heal, the members that trained the last committed round."""

@@ -58,14 +58,12 @@ from loom.comm.thread import CommThread
 from loom.config_docs import document_options
 from loom.fault.inject import fault_point
 from loom.parallel.consistency import check_same_model
-from loom.parallel.data.data_axis import join_first_epoch
 from loom.parallel.replica._replica_sync import (
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
     flatten,
     positive_int,
-    prepare_replicas,
     synced_tensors,
 )
 from loom.train.engine import ShareOptions
@@ -163,13 +161,7 @@ class DiLoCo(ReplicaStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DiLoCoJob:
         """Check the replicas agree (model, inner and outer optimizer), start them from rank 0's parameters."""
-        topo, quorum = prepare_replicas(model, optimizer, loss_fn, self.topology, "DiLoCo", self.config)
-        job = DiLoCoJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe, quorum)
-        if quorum is not None:
-            return join_first_epoch(job)
-        if topo.is_distributed:
-            check_same_model(model, topo.rank, topo.world_size, optimizer=job.outer_optimizer)
-        return job
+        return self._setup(DiLoCoJob, model, optimizer, loss_fn)
 
 
 document_options(DiLoCoConfig, DiLoCoConfig)
@@ -238,6 +230,7 @@ class DiLoCoJob(ReplicaJob):
         # its own group: the training thread's collectives may run meanwhile (under heal no exchange overlaps a
         # step: a round's runs over the epoch's group, `_group`)
         if topology.is_distributed and self.quorum is None:
+            check_same_model(module, topology.rank, topology.world_size, optimizer=self.outer_optimizer)
             self._sync_group = dist.new_group(ranks=list(range(topology.world_size)))
             self._thread = CommThread(f"loom-diloco-{topology.rank}")
 

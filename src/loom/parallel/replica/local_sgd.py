@@ -32,14 +32,12 @@ from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.config_docs import document_options
 from loom.fault.inject import fault_point
-from loom.parallel.data.data_axis import join_first_epoch
 from loom.parallel.replica._replica_sync import (
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
     flatten,
     positive_int,
-    prepare_replicas,
     synced_tensors,
     unflatten_into,
 )
@@ -75,11 +73,7 @@ class LocalSGD(ReplicaStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> LocalSGDJob:
         """Check that the replicas hold the same model and optimizer, start them from rank 0's parameters."""
-        topo, quorum = prepare_replicas(model, optimizer, loss_fn, self.topology, "LocalSGD", self.config)
-        job = LocalSGDJob(
-            model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe, quorum
-        )
-        return join_first_epoch(job) if quorum is not None else job
+        return self._setup(LocalSGDJob, model, optimizer, loss_fn)
 
 
 document_options(LocalSGDConfig, LocalSGDConfig)
