@@ -73,6 +73,7 @@ from loom.parallel.replica.round_commit import RoundCommit, refuse_round_options
 from loom.topology import Topology, current
 from loom.train.batch import batch_len, to_device
 from loom.train.engine import Engine, StepState
+from loom.train.heal_state import all_reduce_sum
 from loom.train.options import config_from
 
 __all__ = [
@@ -196,7 +197,7 @@ class ReplicaJob(Engine):
         self.allreduce = "native" if heal and config.allreduce == "auto" else config.allreduce
         """The synchronization's all-reduce algorithm (under heal ``auto`` is gloo's over the epoch's group)."""
         self.trained_by: list[int] = []
-        """Under heal, the members that trained the last committed round."""
+        """The ranks of the members that trained the last step (each on its share)."""
         self.joined_running = False
         """Under heal: this process is a replacement that took a live member's state (`loom.fit` resumes none)."""
         self._synced = False
@@ -255,6 +256,9 @@ class ReplicaJob(Engine):
         self._count_samples(state.local, state.total)
 
     def _after_step(self, state: StepState) -> None:
+        self.trained_by = list(
+            self.axis.members
+        )  # before a replacement joins after a round (`writes_checkpoint`)
         self.observer.lap(OPTIMIZER)
         if self.rounds is None:
             self._exchange()
@@ -290,9 +294,13 @@ class ReplicaJob(Engine):
             buffer[-1] = float(self.rounds.joiner_ready(self.quorum, state.number))
         self.observer.lap(COMM)
         if self.topology.is_distributed:
+            group = self._group if self._group is not None else dist.group.WORLD
+            assert group is not None  # (a distributed job without heal has its default group)
             with self.watchdog.collective("loss and sample-count all-reduce"):
                 launched = time.perf_counter()
-                dist.all_reduce(buffer, group=self._group)
+                # the group's own call: torch's wrapper, given a group built on the quorum's store (not registered),
+                # would replace a lost member's error with "not initialized in the world group map"
+                all_reduce_sum(buffer, group)
                 self.observer.collective("all_reduce loss", launched, time.perf_counter(), buffer.nbytes)
         self.observer.lap(COMM)
         return buffer
@@ -342,7 +350,8 @@ class ReplicaJob(Engine):
         return self.topology if self.quorum is None else whole_batches(self.topology)
 
     def writes_checkpoint(self) -> bool:
-        """Under heal only the first member of the round that committed writes (`DataParallelJob`'s rule)."""
+        """Under heal only the first member that trained the step writes (`DataParallelJob`'s rule): every process
+        that saves it trained it, a replacement that joined at an earlier round boundary too."""
         return self.quorum is None or (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     def _inner_state(self) -> dict[str, Any]:

@@ -167,7 +167,6 @@ class RoundCommit:
         if not committed:
             job.step = step - 1
             raise StepDropped(f"the round ending at step {step}: a member failed it; no member applied it")
-        job.trained_by = list(quorum.members)
         for held in self.held:
             job.metrics.record(*held[:5], **held[5])
         self.take_snapshot(job)
