@@ -225,3 +225,33 @@ def test_loaders_that_give_members_different_batches_are_refused_at_the_step_nam
                     HP_PAUSE_S="0.05", HP_MARK_STEP="10")  # fmt: skip
     assert healed.returncode == 1
     assert "DifferentBatches: rank" in healed.stderr and "starts at its epoch's first batch" in healed.stderr
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_local_sgd_refuses_members_given_different_batches_as_data_parallel_does(tmp_path):
+    # the replica job under heal checks the members' batch fingerprints on its per-step all-reduce
+    sharded = launch(
+        tmp_path, "sampler", "--on-worker-failure", "heal", HP_EPOCHS="2", HP_STRATEGY="localsgd"
+    )
+    assert sharded.returncode == 1
+    assert "DifferentBatches: rank" in sharded.stderr and "step 1: the members were given different" in (
+        sharded.stderr
+    )
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_local_sgd_under_fit_heals_a_kill_and_writes_one_checkpoint_per_save(tmp_path):
+    # the replica job under heal as loom.fit meets it: rank 0 killed mid-run, its replacement trains to the end,
+    # the members equal after the last round (32 steps, sync_every=4), one writer per checkpoint (3 kept)
+    ckpt = tmp_path / "ckpt"
+    healed = launch(tmp_path / "healed", "fit", "--on-worker-failure", "heal", kill_rank=0, HP_EPOCHS="4",
+                    HP_PAUSE_S="0.05", HP_CKPT=str(ckpt), HP_STRATEGY="localsgd")  # fmt: skip
+    assert healed.returncode == 0, healed.stderr[-3000:]
+    assert "worker rank 0 was killed by SIGKILL; starting its replacement" in healed.stderr
+    got = finals(tmp_path / "healed")
+    assert "final.0.1.json" in got and len(got) == 3, sorted(got)
+    assert all(f["step"] == 32 and f["params"] == got["final.0.1.json"]["params"] for f in got.values())
+    steps = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*"))
+    assert steps == [25, 30, 32], steps

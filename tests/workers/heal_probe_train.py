@@ -6,7 +6,8 @@ checkpoint_every=5)`` (the README's script); ``loop``: an own loop ``for epoch i
 over ``job.loader`` with ``job.train_step``, printing on rank 0 only; ``loop0``: the same loop counted from 0,
 which a replacement (it starts at the committed step) runs past the job's end; ``sampler``: the loop from 0
 over a ``DataLoader`` with a ``DistributedSampler`` (each rank's share); ``dataloader``: over a plain
-``DataLoader`` of whole global batches. ``HP_LIE=1``: a replacement
+``DataLoader`` of whole global batches. ``HP_STRATEGY=localsgd``: LocalSGD(sync_every=4), else DataParallel.
+``HP_LIE=1``: a replacement
 claims the committed step 1,000,000 when it joins. ``HP_DIE_IN_SAVE=S``: a first process that writes the
 checkpoint of step S kills itself (SIGKILL) after writing its file, before publishing the manifest. Each process writes its pid once
 it has trained ``HP_MARK_STEP`` steps (``OUT/pid.RANK.GEN``, for the test's ``kill -9``) and, at the end, its
@@ -53,7 +54,8 @@ if os.environ.get("HP_LIE") and gen > 0:  # a replacement that claims a committe
         honest(self)
 
     DataParallelJob._adopt_epoch = lying  # type: ignore[method-assign]
-job = loom.DataParallel().setup(model, optimizer, nn.functional.mse_loss)
+strategy = loom.LocalSGD(sync_every=4) if os.environ.get("HP_STRATEGY") == "localsgd" else loom.DataParallel()
+job = strategy.setup(model, optimizer, nn.functional.mse_loss)
 
 
 def pace(module: nn.Module, _args: object) -> None:

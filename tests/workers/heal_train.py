@@ -9,7 +9,8 @@ Environment: ``HEAL_STRATEGY`` (``dp``, the default, ``localsgd`` or ``diloco``)
 process of rank RANK, after its step STEP, ``raise``s a ValueError (the script's own error: the job must stop) or
 ``leave``s as a worker the quorum told to leave (`loom.fault.quorum.LeftOutOfQuorum`: healed); ``stuck``: every
 process of rank RANK, after a step >= STEP, hangs in `stuck_in_its_own_code` (a deterministic hang).
-``HEAL_DP_OPTIONS``: a JSON object of DataParallel's options (e.g. ``{"accumulate": 3}``). ``HEAL_COUNT=1``: count
+``HEAL_DP_OPTIONS``: a JSON object of DataParallel's options (e.g. ``{"accumulate": 3}``), ``HEAL_ROUND_OPTIONS``
+LocalSGD's or DiLoCo's. ``HEAL_COUNT=1``: count
 the collectives each step issues (`count_collectives`) into the report's ``collectives``; the script also runs
 without ``--on-worker-failure heal``, for the same count on the job without healing. ``HEAL_COUNT_SAMPLES=1``: the
 samples are served one ``__getitem__`` at a time (`CountedSamples`) and the report's ``fetched`` holds, per step,
@@ -140,7 +141,12 @@ def count_collectives() -> list[int]:
 def strategy():  # noqa: ANN201 (a loom strategy)
     if STRATEGY == "dp":
         return loom.DataParallel(**json.loads(os.environ.get("HEAL_DP_OPTIONS", "{}")))
-    return loom.DiLoCo(sync_every=H) if STRATEGY == "diloco" else loom.LocalSGD(sync_every=H)
+    options = json.loads(os.environ.get("HEAL_ROUND_OPTIONS", "{}"))
+    return (
+        loom.DiLoCo(sync_every=H, **options)
+        if STRATEGY == "diloco"
+        else loom.LocalSGD(sync_every=H, **options)
+    )
 
 
 def main() -> None:

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from loom.data.loader import LazyBatch
 from loom.errors import LeftOutOfQuorum, StepDropped, is_retryable
 from loom.fault.desync import NonFiniteStepError, local_flag
 from loom.fault.inject import fault_point
@@ -129,6 +130,8 @@ class Engine(Job):
         self.metrics = metrics
         self.step = 0
         """Steps committed (for a parameter-server worker: updates pushed, its clock)."""
+        self.fetches_shares = quorum is not None
+        """Under heal the job's `loader` yields `LazyBatch`es and each step fetches this member's share."""
         self.guard = StepGuard.start(self.topology, config, quorum)
         """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
         self.nonfinite = self.guard.nonfinite
@@ -301,7 +304,7 @@ class Engine(Job):
 
     def _commit(self, state: StepState) -> bool:
         """Whether to apply the step: the guard's commit vote (`StepGuard.commit`; always True without
-        healing). A strategy whose unit of commit is larger than a step (`loom.parallel.replica.healing_rounds`:
+        healing). A strategy whose unit of commit is larger than a step (`loom.parallel.replica.round_commit`:
         a sync round) votes at the unit's end instead."""
         return self.guard.commit(state.number)
 
@@ -413,9 +416,11 @@ class Engine(Job):
     @torch.no_grad()
     def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
         """``names`` and this rank's ``[sum per name..., samples]``: the share's loss and
-        ``metrics`` under the job's `LossCall`, in eval mode (the model's mode restored after)."""
+        ``metrics`` under the job's `LossCall`, in eval mode (the model's mode restored after). Under heal each
+        member evaluates the whole global batch alone (its data axis for evaluation is one replica: no sum over a
+        membership that may change meanwhile), so a `LazyBatch` is loaded whole."""
         call, device = self.loss_call, self.topology.device
-        batch_here = to_device(batch, device)
+        batch_here = to_device(batch.load() if isinstance(batch, LazyBatch) else batch, device)
         local = batch_len(call.inputs_of(batch_here))
         sums = torch.zeros(len(metrics or {}) + 2, dtype=torch.float64, device=device)
         sums[-1] = local

@@ -201,7 +201,7 @@ def healing_store() -> Any:
 
 
 class Healing(Protocol):
-    """What `take_live_state` and `join_first_epoch` need of a healing job (DataParallel's, a healing round's)."""
+    """What `take_live_state` and `join_first_epoch` need of a healing job (DataParallel's, the replica job's)."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer

@@ -42,12 +42,11 @@ from torch.nn.parallel import DistributedDataParallel
 from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import CompressionHook
 from loom.comm.shared_gradients import SharedGradients
-from loom.data.loader import LazyBatch
 from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum
-from loom.job import MetricFn, load_replicated_state, replicated_state
+from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
@@ -105,9 +104,8 @@ class DataParallelJob(Engine):
         self.quorum = quorum
         """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
         self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
-        self.fetches_shares = quorum is not None  # `loader` yields LazyBatches; `_prepare` fetches the share
         """Who trains each step's global batch: `loom.parallel.data.data_axis` (the topology, or the quorum)."""
-        algorithm = getattr(config, "allreduce", "native")  # (a healing round's config has none)
+        algorithm = config.allreduce
         shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
         self._loss_algorithm = algorithm if shared_memory else "native"
         """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared
@@ -174,11 +172,6 @@ class DataParallelJob(Engine):
         if self.quorum is None:
             return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
         return loader_at_position(self, dataset, global_batch_size, shuffle, seed, drop_last, **options)
-
-    def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
-        """Under heal each member evaluates the whole global batch alone (its data axis is one replica: no sum
-        over a membership that may change meanwhile), so a `LazyBatch` is loaded whole."""
-        return super()._evaluate(batch.load() if isinstance(batch, LazyBatch) else batch, metrics)
 
     # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
     def _check_can_train(self) -> None:

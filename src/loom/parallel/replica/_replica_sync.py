@@ -23,14 +23,22 @@ Limits: the loss must be mean-reduced over the batch; the model must run the sam
 at setup as for `DataParallel`: `loom.parallel.consistency`); BatchNorm statistics are local between
 synchronizations and averaged with the parameters (a 1-sample share in training mode raises on that rank only,
 which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
+
+Under ``loom run --on-worker-failure heal`` the same job runs over the quorum's data axis
+(`loom.parallel.data.data_axis`): every member loads whole global batches and trains the share of its index among
+the epoch's members, the per-step all-reduce and the strategy's synchronization run over the epoch's group, and
+what heal adds, the sync round as the unit of commit (its snapshot, replay, vote and joining), is
+`loom.parallel.replica.round_commit.RoundCommit`, called from the hooks below.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,17 +49,31 @@ from loom.comm.compression.int8 import dequantize_int8 as dequantize_int8  # re-
 from loom.comm.compression.int8 import quantize_int8 as quantize_int8  # re-exported
 from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
 from loom.devices import place_model
+from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.parallel._setup import check_setup_arguments
 from loom.parallel.consistency import check_same_model
+from loom.parallel.data.data_axis import (
+    DataAxis,
+    FixedAxis,
+    check_same_batches,
+    healing_metrics_path,
+    healing_store,
+    join_first_epoch,
+    loader_at_position,
+    member_share,
+    whole_batches,
+)
 from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.pipeline.pipeline_stages import broadcast_module
+from loom.parallel.replica.round_commit import RoundCommit, refuse_round_options
 from loom.topology import Topology, current
 from loom.train.batch import batch_len, to_device
 from loom.train.engine import Engine, StepState
+from loom.train.heal_state import all_reduce_sum
 from loom.train.options import config_from
 
 __all__ = [
@@ -59,12 +81,12 @@ __all__ = [
     "ReplicaStrategy",
     "flatten",
     "positive_int",
-    "prepare_replicas",
     "synced_tensors",
     "unflatten_into",
 ]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+JobT = TypeVar("JobT", bound="ReplicaJob")
 
 
 def positive_int(name: str, value: Any, hint: str = "") -> None:
@@ -119,24 +141,28 @@ class ReplicaStrategy:
         self.observe = observe
         """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
 
-
-def prepare_replicas(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    topology: Topology | None,
-    strategy: str = "this strategy",
-) -> Topology:
-    """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
-    (model or optimizer, `loom.parallel.consistency`) and start every replica from rank 0's parameters and
-    buffers (as DDP does)."""
-    topo = topology if topology is not None else current()
-    check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True)
-    place_model(model, topo.device, optimizer, topo.rank)
-    if topo.is_distributed:
-        check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
-        broadcast_module(model)
-    return topo
+    def _setup(
+        self, job_type: type[JobT], model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn
+    ) -> JobT:
+        """The setup both strategies share: check the arguments, place the model, refuse replicas that differ
+        (model or optimizer, `loom.parallel.consistency`) and start every replica from rank 0's parameters and
+        buffers (as DDP does). Under ``--on-worker-failure heal``: refuse what a round cannot honour; the job
+        joins the quorum and takes a live member's state (`join_first_epoch`)."""
+        topo = self.topology if self.topology is not None else current()
+        strategy = self.config_type.__name__.removesuffix("Config")
+        heal = os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal"
+        check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=heal)
+        if heal:
+            refuse_round_options(self.config, strategy)
+            store = healing_store()
+        place_model(model, topo.device, optimizer, topo.rank)
+        args = (model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
+        if heal:
+            return join_first_epoch(job_type(*args, quorum=Quorum.from_env(store)))
+        if topo.is_distributed:
+            check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
+            broadcast_module(model)
+        return job_type(*args)
 
 
 class ReplicaJob(Engine):
@@ -148,25 +174,39 @@ class ReplicaJob(Engine):
     replicas_agree = False
 
     def __init__(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        topology: Topology,
-        config: Any,
-        metrics_path: str | None = None,
-        observe: bool = True,
-    ) -> None:
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, topology: Topology, config: Any,
+        metrics_path: str | None = None, observe: bool = True, quorum: Quorum | None = None,
+    ) -> None:  # fmt: skip
         """``config``: the strategy's config dataclass (the guard's options, `loom.train.guard.GuardOptions`,
-        and its own); the strategy's state is set up by `_start`."""
-        metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
-        super().__init__(
-            module, optimizer, loss_fn, Mesh(dp=topology.world_size, topology=topology), config, metrics
+        and its own); the strategy's state is set up by `_start`. ``quorum``: under heal, the data axis."""
+        world, heal = topology.world_size, quorum is not None
+        metrics = StepMetrics(
+            topology.rank, healing_metrics_path() if heal else metrics_path or default_metrics_path(topology)
         )
-        self.observer = StepObserver.for_process(self.metrics, topology.world_size, enabled=observe)
-        """Times each step's phases and counts its bytes (synchronizations included) into `metrics`."""
-        self._group = self.mesh.group("dp")
+        # under heal the loader's view is one replica of whole global batches (`whole_batches`)
+        mesh = Mesh(topology=whole_batches(topology)) if heal else Mesh(dp=world, topology=topology)
+        super().__init__(module, optimizer, loss_fn, mesh, config, metrics, topology=topology, quorum=quorum)
+        self.observer = StepObserver.for_process(self.metrics, world, enabled=observe and not heal)
+        """Times each step's phases and counts its bytes (synchronizations included) into `metrics`; under heal
+        off (the members change; a round's records are `RoundCommit.record`'s)."""
+        self.quorum = quorum
+        self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
+        """Who trains each global batch and the group they meet in (`loom.parallel.data.data_axis`)."""
+        self.rounds = RoundCommit(config.sync_every) if heal else None
+        """Under heal, the sync round as the unit of commit (`loom.parallel.replica.round_commit`)."""
+        self.allreduce = "native" if heal and config.allreduce == "auto" else config.allreduce
+        """The synchronization's all-reduce algorithm (under heal ``auto`` is gloo's over the epoch's group)."""
+        self.trained_by: list[int] = []
+        """The ranks of the members that trained the last step (each on its share)."""
+        self.joined_running = False
+        """Under heal: this process is a replacement that took a live member's state (`loom.fit` resumes none)."""
+        self._synced = False
         self._start()
+
+    @property
+    def _group(self) -> Any:
+        """The data axis's group: the default one, or the quorum's current epoch's (replaced at each re-form)."""
+        return self.axis.group
 
     # -- what a strategy adds ------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -184,8 +224,11 @@ class ReplicaJob(Engine):
     # -- the inner step: the engine's hooks (`loom.train.engine`) ----------------------------------------------
     def _prepare(self, state: StepState) -> None:
         self.observer.begin_step(state.number)
-        state.work["batch"] = to_device(state.batch, self.topology.device)
-        state.local = batch_len(self.loss_call.inputs_of(state.work["batch"]))
+        batch = state.batch
+        if self.quorum is not None:  # a global batch: this member's share by its index among the members
+            batch, _, state.work["fingerprint"] = member_share(batch, self.axis, self.loss_call.inputs_of)
+        state.work["batch"] = batch = to_device(batch, self.topology.device)
+        state.local = batch_len(self.loss_call.inputs_of(batch))
         self.observer.lap(DATA)
 
     def _forward_backward(self, state: StepState) -> None:
@@ -195,11 +238,15 @@ class ReplicaJob(Engine):
     def _synchronize(self, state: StepState) -> None:
         """One small all-reduce: the loss, every flag, the phase rows and the global count (the inner step of
         a replica averages no gradient: each replica steps on its own share)."""
-        reduced = self._reduce_step(state.loss_sum, state.flag, state.local)
-        state.work["reduced"] = reduced
-        state.total = int(reduced[-1].item())
+        reduced = self._reduce_step(state)
+        state.work["reduced"], state.work["pending"] = reduced, bool(reduced[-1] > 0)
+        state.total = int(reduced[-2].item())
         world = self.topology.world_size
         state.flags, state.ranks = reduced[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
+        if self.quorum is not None:  # every member must be given the same global batch (as DataParallel's)
+            prints = reduced[FLAGS_AT + world : FLAGS_AT + 2 * world].tolist()
+            members = self.quorum.members
+            check_same_batches(self.topology.rank, state.number, members, [prints[r] for r in members])
         state.loss = float(reduced[0].item()) / state.total if state.total else 0.0
 
     def _apply(self, state: StepState) -> None:
@@ -209,35 +256,103 @@ class ReplicaJob(Engine):
         self._count_samples(state.local, state.total)
 
     def _after_step(self, state: StepState) -> None:
+        self.trained_by = list(
+            self.axis.members
+        )  # before a replacement joins after a round (`writes_checkpoint`)
         self.observer.lap(OPTIMIZER)
-        self._exchange()
+        if self.rounds is None:
+            self._exchange()
+        else:
+            self.rounds.end_step(self, state, self._exchange)
         self.observer.lap(COMM)
 
     def _record(self, state: StepState, **fields: Any) -> None:
         assert state.total is not None
+        if self.rounds is not None:
+            self.rounds.record(self, state, **fields)
+            return
         self.observer.end_step(
             state.number,
             state.local,
             state.total,
             state.loss,
-            state.work["reduced"][:-1],
+            state.work["reduced"][:-2],
             skipped=state.skipped,
             **fields,
         )
 
-    def _reduce_step(self, loss_sum: float, flag: float, local: int) -> torch.Tensor:
-        """``[loss sum, flags, phase rows, samples]`` summed over the replicas (one small all-reduce)."""
-        base = self.observer.loss_buffer(self.topology.device)
-        buffer = torch.cat([base, torch.zeros(1, dtype=base.dtype, device=base.device)])
-        buffer[0], buffer[FLAGS_AT + self.topology.rank], buffer[-1] = loss_sum, flag, float(local)
+    def _reduce_step(self, state: StepState) -> torch.Tensor:
+        """``[loss sum, flags, phase rows, samples, a replacement waiting]`` summed over the data axis (one small
+        all-reduce); under heal (no phase rows) each rank's batch fingerprint after the flags, and the last slot
+        set at a round's last step when a replacement is ready (`RoundCommit.joiner_ready`)."""
+        base, rank = self.observer.loss_buffer(self.topology.device), self.topology.rank
+        prints = self.topology.world_size if self.rounds is not None else 0
+        buffer = torch.cat([base, torch.zeros(prints + 2, dtype=base.dtype, device=base.device)])
+        buffer[0], buffer[FLAGS_AT + rank], buffer[-2] = state.loss_sum, state.flag, float(state.local)
+        if self.rounds is not None:
+            buffer[len(base) + rank] = state.work["fingerprint"]
+            buffer[-1] = float(self.rounds.joiner_ready(self.quorum, state.number))
         self.observer.lap(COMM)
         if self.topology.is_distributed:
+            group = self._group if self._group is not None else dist.group.WORLD
+            assert group is not None  # (a distributed job without heal has its default group)
             with self.collective("loss and sample-count all-reduce"):
                 launched = time.perf_counter()
-                dist.all_reduce(buffer, group=self._group)
+                # the group's own call: torch's wrapper, given a group built on the quorum's store (not registered),
+                # would replace a lost member's error with "not initialized in the world group map"
+                all_reduce_sum(buffer, group)
                 self.observer.collective("all_reduce loss", launched, time.perf_counter(), buffer.nbytes)
         self.observer.lap(COMM)
         return buffer
+
+    # -- under heal: the round as the unit of commit (`loom.parallel.replica.round_commit`) ----------------------
+    def train_step(self, batch: Any) -> float:
+        if self.rounds is not None:  # kept for the replay of a dropped round
+            self.rounds.batches.append(batch)
+            self.rounds.batch_step = self.step + 1
+        return super().train_step(batch)
+
+    def _attempt(self, batch: Any) -> float:
+        if self.rounds is None:
+            return super()._attempt(batch)
+        return self.rounds.attempt(self, batch, super()._attempt)
+
+    def _commit(self, state: StepState) -> bool:
+        return super()._commit(state) if self.rounds is None else self.rounds.commit(state)
+
+    def _wait_for_joiner(self) -> None:
+        """A replacement joins at a round boundary: wait for one only before the round's last step."""
+        if self.rounds is not None and self.rounds.ends(self.step + 1):
+            super()._wait_for_joiner()
+
+    def _adopt_epoch(self) -> None:
+        assert self.rounds is not None
+        self.rounds.adopt_epoch(self, functools.partial(Engine._attempt, self))
+
+    def _share_more(self, source: int, load: bool) -> None:
+        """Broadcast member ``source``'s state beyond the model and optimizer (DiLoCo's outer state)."""
+
+    def _state_loaded(self) -> None:
+        """After `load_state_dict`: under heal the loaded state is the round's start."""
+        if self.rounds is not None:
+            self.rounds.take_snapshot(self)
+
+    def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
+        """`loom.job.Job.loader`; under heal, whole global batches from the job's position (`loader_at_position`)."""
+        if self.quorum is None:
+            return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
+        return loader_at_position(self, dataset, global_batch_size, shuffle, seed, drop_last, **options)
+
+    @property
+    def checkpoint_topology(self) -> Topology:
+        """Whose collectives `loom.fit`'s save takes: under heal one member's, without collectives."""
+        return self.topology if self.quorum is None else whole_batches(self.topology)
+
+    def writes_checkpoint(self) -> bool:
+        """Under heal only the first member that trained the step writes (`DataParallelJob`'s rule): every process
+        that saves it trained it, a replacement that joined at an earlier round boundary too."""
+        return self.quorum is None or (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     def _inner_state(self) -> dict[str, Any]:
         return replicated_state(self)

@@ -43,7 +43,6 @@ bitwise. State is per rank (``replicated_state = False``).
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +56,7 @@ from loom.comm.compression import INT8_CHUNK, accept_compression
 from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
 from loom.comm.thread import CommThread
 from loom.config_docs import document_options
+from loom.fault.inject import fault_point
 from loom.parallel.consistency import check_same_model
 from loom.parallel.replica._replica_sync import (
     LossFn,
@@ -64,10 +64,10 @@ from loom.parallel.replica._replica_sync import (
     ReplicaStrategy,
     flatten,
     positive_int,
-    prepare_replicas,
     synced_tensors,
 )
 from loom.train.engine import ShareOptions
+from loom.train.heal_state import share_training_state
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "DiLoCoJob", "INT8_CHUNK", "split_fragments"]
 
@@ -161,19 +161,7 @@ class DiLoCo(ReplicaStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> DiLoCoJob:
         """Check the replicas agree (model, inner and outer optimizer), start them from rank 0's parameters."""
-        if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":  # the rounds are the unit of commit
-            from loom.parallel.replica.healing_rounds import start_healing_rounds
-
-            outer = self.config.outer_optimizer or default_outer_optimizer
-            healing = start_healing_rounds(
-                model, optimizer, loss_fn, self.topology, self.config, "DiLoCo", outer
-            )
-            return healing  # type: ignore[return-value]
-        topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "DiLoCo")
-        job = DiLoCoJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
-        if topo.is_distributed:
-            check_same_model(model, topo.rank, topo.world_size, optimizer=job.outer_optimizer)
-        return job
+        return self._setup(DiLoCoJob, model, optimizer, loss_fn)
 
 
 document_options(DiLoCoConfig, DiLoCoConfig)
@@ -239,7 +227,10 @@ class DiLoCoJob(ReplicaJob):
         """``(fragment, step sent, step applied)`` of every exchange applied by this job object."""
         self._sync_group: Any = None
         self._thread: CommThread | None = None
-        if topology.is_distributed:  # its own group: the training thread's collectives may run meanwhile
+        # its own group: the training thread's collectives may run meanwhile (under heal no exchange overlaps a
+        # step: a round's runs over the epoch's group, `_group`)
+        if topology.is_distributed and self.quorum is None:
+            check_same_model(module, topology.rank, topology.world_size, optimizer=self.outer_optimizer)
             self._sync_group = dist.new_group(ranks=list(range(topology.world_size)))
             self._thread = CommThread(f"loom-diloco-{topology.rank}")
 
@@ -274,14 +265,17 @@ class DiLoCoJob(ReplicaJob):
 
     def _send(self, k: int, overlap: int) -> None:
         local, held = self._fragment_tensors(k)
-        world = self.topology.world_size
-        weight = self._samples[k] / self._global_samples[k] if self._global_samples[k] else 1.0 / world
+        weight = (
+            self._samples[k] / self._global_samples[k] if self._global_samples[k] else 1.0 / self.axis.size
+        )
         pieces = [g - p.detach() for g, p in zip(held, local, strict=False)]
         pad = self._pad_before_buffers(k)
         pieces += ([torch.zeros(pad, dtype=torch.float32)] if pad else []) + local[len(held) :]
         flat = flatten(pieces, weight)
         sent_from = [t.detach().clone() for t in local] if overlap else []
-        args = (flat, self.config.compression, self.config.allreduce, self._sync_group)
+        group = self._sync_group if self._sync_group is not None else self._group
+        fault_point(self.step, "during")  # the other members are inside the exchange by now
+        args = (flat, self.config.compression, self.allreduce, group)
         if self._thread is not None:
             pending = self._thread.submit(compressed_sum, *args)
         else:
@@ -330,7 +324,10 @@ class DiLoCoJob(ReplicaJob):
     def synchronize(self) -> None:
         """Apply every exchange in flight now, then a blocking outer step on every fragment trained since it was
         last sent: afterwards every replica holds the global copy. Collective; meant for the end of training
-        (it applies exchanges early and adds outer steps, so a run that calls it is not an uninterrupted one)."""
+        (it applies exchanges early and adds outer steps, so a run that calls it is not an uninterrupted one).
+        Under heal: at a round boundary only (`loom.parallel.replica.round_commit.RoundCommit`)."""
+        if self.rounds is not None:
+            self.rounds.refuse_mid_round(self)
         for entry in list(self._in_flight):
             self._apply_exchange(entry)
         for k in range(len(self.fragments)):
@@ -387,3 +384,15 @@ class DiLoCoJob(ReplicaJob):
                       e["result"])
             for e in state["in_flight"]
         ]  # fmt: skip
+        self._state_loaded()
+
+    def _share_more(self, source: int, load: bool) -> None:
+        """Under heal: the global copy and the outer optimizer's state travel with the model."""
+        holder = nn.Module()  # its buffers are the global copy's tensors themselves: broadcast in place
+        for i, tensor in enumerate(self.global_params):
+            holder.register_buffer(f"t{i}", tensor)
+        quorum = self.quorum
+        assert quorum is not None and quorum.group is not None
+        share_training_state(
+            holder, self.outer_optimizer, self.step, source, quorum.index, quorum.group, load
+        )

@@ -22,7 +22,6 @@ step records carry. The optimizer's state (momentum, Adam's moments) stays each 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +31,13 @@ from torch import nn
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.config_docs import document_options
+from loom.fault.inject import fault_point
 from loom.parallel.replica._replica_sync import (
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
     flatten,
     positive_int,
-    prepare_replicas,
     synced_tensors,
     unflatten_into,
 )
@@ -74,13 +73,7 @@ class LocalSGD(ReplicaStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> LocalSGDJob:
         """Check that the replicas hold the same model and optimizer, start them from rank 0's parameters."""
-        if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":  # the rounds are the unit of commit
-            from loom.parallel.replica.healing_rounds import start_healing_rounds
-
-            healing = start_healing_rounds(model, optimizer, loss_fn, self.topology, self.config, "LocalSGD")
-            return healing  # type: ignore[return-value]
-        topo = prepare_replicas(model, optimizer, loss_fn, self.topology, "LocalSGD")
-        return LocalSGDJob(model, optimizer, loss_fn, topo, self.config, self.metrics_path, self.observe)
+        return self._setup(LocalSGDJob, model, optimizer, loss_fn)
 
 
 document_options(LocalSGDConfig, LocalSGDConfig)
@@ -111,14 +104,17 @@ class LocalSGDJob(ReplicaJob):
     def synchronize(self) -> None:
         """Average the replicas now, weighted by their samples since the last average (collective: every rank
         calls it; nothing to do when no step was applied since). Afterwards every replica holds the same
-        parameters and floating-point buffers."""
+        parameters and floating-point buffers. Under heal: at a round boundary only (`RoundCommit`)."""
+        if self.rounds is not None:
+            self.rounds.refuse_mid_round(self)
         params, buffers = synced_tensors(self.module)
         tensors = params + buffers
         if not tensors or not self.global_samples:  # no step applied since the last average: still equal
             return
         flat = flatten(tensors, self.samples / self.global_samples)
+        fault_point(self.step, "during")  # the other members are inside the all-reduce by now
         with self.collective("replica average all-reduce"):
-            comm_all_reduce(flat, op="sum", algorithm=self.config.allreduce, group=self._group)
+            comm_all_reduce(flat, op="sum", algorithm=self.allreduce, group=self._group)
         unflatten_into(flat, tensors)
         self.samples = self.global_samples = 0
         self.averages += 1
@@ -131,3 +127,4 @@ class LocalSGDJob(ReplicaJob):
         self._load_inner_state(state)
         self.samples = int(state["samples"])
         self.global_samples = int(state["global_samples"])
+        self._state_loaded()

@@ -1,0 +1,194 @@
+"""What ``loom run --on-worker-failure heal`` adds to LocalSGD and DiLoCo: the sync round as the unit of commit.
+
+A round is the ``H = sync_every`` inner steps between two synchronizations, and the synchronization that ends it
+(LocalSGD's weighted average of the replicas, DiLoCo's outer step on the averaged pseudo-gradient). Between two
+synchronizations the replicas differ, so a single inner step cannot be committed on its own: a member lost
+mid-round takes its drift with it, and the others' drift, averaged without its part, is not what any membership
+would have trained. So a failure anywhere in a round (a member's death met at one of the round's collectives,
+an error on a member, a drop vote) makes every member drop the whole round: each restores the state it held at
+the round's start (the snapshot taken when the previous round committed: the job's own ``state_dict``, DiLoCo's
+global copy and outer optimizer included, and the RNG), the members re-form (`loom.fault.quorum`), make
+themselves equal (`loom.parallel.data.data_axis.take_live_state`: a replacement takes a live member's round-start
+state) and redo the round's global batches, each divided among the members present. Hence the job equals a
+one-process simulation of the strategy with the same membership per round, whatever the failures (tested to
+1e-5 in ``tests/test_heal_rounds.py``).
+
+The training is the replica job's own (`loom.parallel.replica._replica_sync.ReplicaJob`, with LocalSGD's average
+and DiLoCo's outer step unchanged) over the quorum's data axis (`loom.parallel.data.data_axis`: the members, this
+process's share of each whole global batch, the epoch's group); `RoundCommit` is the part heal adds, which the job
+calls from its hooks:
+
+- **The vote.** The engine's per-step vote becomes a round's (`commit` lets inner steps through); the round's
+  vote is taken after the synchronization (`end_step` of the round's last step), so the synchronization itself is
+  inside what is committed.
+- **The replay.** The round's global batches are kept (the cost: up to ``H`` whole global batches in memory on
+  every member, on top of the snapshot, a second copy of the training state). The engine retries the
+  `train_step` call that met the failure; before, `adopt_epoch` replays the round's earlier batches from the
+  snapshot. So the call that met the failure returns its own step's loss, the round's earlier inner steps being
+  redone inside it. Step records are written once per committed step, when its round commits.
+- **Joining.** A replacement joins at a round boundary: the members see its ``pending`` mark on the last step's
+  all-reduce and re-form once the round has committed, or it joins the epoch that re-forms after a failure, at
+  the dropped round's start. Under LocalSGD with a momentum optimizer the lost replica's own optimizer state (its
+  momentum) is gone: the replacement takes a live peer's.
+
+Member failures at the collectives of members at different inner steps (one raised after a step's all-reduce,
+the others met it at the next step's) need nothing more: each restores the snapshot and replays up to the batch
+its own `train_step` holds, and the replays issue the same collectives, in the same order.
+
+Limits: one host (the launcher's quorum, `loom.launch.heal`); what a round cannot honour is refused at setup,
+naming why (`refuse_round_options`); `synchronize` between round boundaries is refused (end on a multiple of
+``sync_every``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from loom.errors import StartRefused, StepDropped
+from loom.fault.inject import fault_point
+from loom.parallel._setup import HEALS
+from loom.parallel.data.data_axis import HEAL_ALGORITHMS, take_live_state
+from loom.train.engine import StepState
+
+__all__ = ["RoundCommit", "refuse_round_options"]
+
+
+def refuse_round_options(config: Any, strategy: str) -> None:
+    """The options of LocalSGD and DiLoCo that a healing round cannot honour, refused by name with why."""
+    why: dict[str, str] = {}
+    if config.allreduce not in ("auto", *HEAL_ALGORITHMS):
+        why[f"allreduce={config.allreduce!r}"] = (
+            "the shared-memory algorithms map a segment per group and every membership epoch has a new group "
+            f"(a round runs {', '.join(HEAL_ALGORITHMS)})"
+        )
+    if strategy == "DiLoCo" and config.fragments != 1:
+        why[f"fragments={config.fragments}"] = "a round synchronizes the whole model at its end, once"
+    if strategy == "DiLoCo" and config.overlap != 0:
+        why[f"overlap_steps={config.overlap}"] = (
+            "an exchange still in flight at a round's end cannot be voted on"
+        )
+    if why:
+        raise StartRefused(
+            f"--on-worker-failure heal: {strategy} cannot honour "
+            + "; ".join(f"{option} ({reason})" for option, reason in why.items())
+            + f". HINT: drop {', '.join(o.partition('=')[0] + '=' for o in why)} under heal (the strategies that "
+            f"heal: {HEALS})"
+        )
+
+
+@dataclass
+class RoundCommit:
+    """A replica job's round under heal (see the module docstring): its batches, its start, its held records."""
+
+    sync_every: int
+    batches: list[Any] = field(default_factory=list)
+    """The round's global batches so far, the one being trained last."""
+    snapshot: tuple[dict[str, Any], torch.Tensor] | None = None
+    """The job's ``state_dict`` and the RNG state at the round's start (when the previous round committed)."""
+    held: list[tuple[Any, ...]] = field(default_factory=list)
+    """The records of the round's inner steps, written when the round commits."""
+    batch_step: int = 0
+    batch_loss: float = 0.0
+    join_after: bool = False
+    """The round committed while a replacement was ready: re-form after the round's last step is recorded."""
+
+    def ends(self, step: int) -> bool:
+        return step % self.sync_every == 0
+
+    def joiner_ready(self, quorum: Any, step: int) -> bool:
+        """Whether a replacement is ready to join after ``step`` (read at a round's last step only)."""
+        return self.ends(step) and bool(quorum.join_pending())
+
+    def attempt(self, job: Any, batch: Any, attempt: Callable[[Any], float]) -> float:
+        """The engine's attempt at ``batch``; after a round's last step, the fault phase ``commit`` and the
+        re-form for a replacement that was ready."""
+        if job.step >= self.batch_step:  # committed, then an error after the vote: nothing to redo
+            return self.batch_loss
+        self.batch_loss = attempt(batch)
+        if self.ends(job.step):
+            fault_point(job.step, "commit")
+            if self.join_after:
+                self.join_after = False
+                job._heal_reform()
+        return self.batch_loss
+
+    def adopt_epoch(self, job: Any, attempt: Callable[[Any], float]) -> None:
+        """Back to the round's start, equal to a live member's round-start state, then the round's earlier
+        batches again, divided among the new members (the engine then retries the batch being trained)."""
+        self.join_after = False  # whoever was ready joins this epoch
+        if self.snapshot is not None:
+            state, rng = self.snapshot
+            torch.set_rng_state(rng)
+            job.load_state_dict(state)  # which takes the next snapshot (`take_snapshot`): no copy shared
+        take_live_state(job)
+        self.take_snapshot(job)
+        for batch in self.batches[:-1]:
+            attempt(batch)
+
+    def take_snapshot(self, job: Any) -> None:
+        self.snapshot = (copy.deepcopy(job.state_dict()), torch.get_rng_state())
+        self.held.clear()
+
+    def commit(self, state: StepState) -> bool:
+        """The engine's per-step vote: inner steps go through; the round's vote follows its synchronization."""
+        if not self.ends(state.number):
+            fault_point(state.number, "after")
+        return True
+
+    def end_step(self, job: Any, state: StepState, synchronize: Callable[[], None]) -> None:
+        """At a round's last step: ``synchronize`` (the strategy's own exchange), vote (any error votes drop), and
+        on commit write the round's records and take the next snapshot."""
+        if not self.ends(state.number):
+            return
+        step, quorum = state.number, job.quorum
+        try:
+            synchronize()
+            fault_point(step, "after")
+            committed = quorum.vote(step, ok=True)
+        except Exception:
+            job.step = step - 1  # not committed (the engine names the step it drops)
+            with contextlib.suppress(Exception):  # the others learn of it: a verdict, or our silence
+                quorum.vote(step, ok=False)
+            raise
+        if not committed:
+            job.step = step - 1
+            raise StepDropped(f"the round ending at step {step}: a member failed it; no member applied it")
+        for held in self.held:
+            job.metrics.record(*held[:5], **held[5])
+        self.take_snapshot(job)
+        self.batches.clear()
+        self.join_after = bool(state.work.get("pending"))
+
+    def record(self, job: Any, state: StepState, **fields: Any) -> None:
+        """The engine's record with its phase times, held until the round commits for the round's inner steps."""
+        phases = dict(zip(("data_s", "compute_s", "comm_s", "optimizer_s"), state.phases or (), strict=False))
+        extra = {**phases, **fields, **({"skipped": True} if state.skipped else {})}
+        held = (
+            state.number,
+            time.perf_counter() - state.started,
+            state.local,
+            state.total or 0,
+            state.loss,
+            extra,
+        )
+        if self.ends(state.number):
+            job.metrics.record(*held[:5], **extra)
+        else:
+            self.held.append(held)
+
+    def refuse_mid_round(self, job: Any) -> None:
+        """`synchronize` between round boundaries: a synchronization outside a round could not be dropped and
+        redone. At a boundary every member holds the synchronized state already."""
+        if job.step % self.sync_every:
+            raise ValueError(
+                f"rank {job.topology.rank}: synchronize() at step {job.step} under --on-worker-failure heal: "
+                f"a round ends every sync_every={self.sync_every} steps, and only a whole round is committed. "
+                f"HINT: train a multiple of {self.sync_every} steps (the replicas are synchronized then)"
+            )
