@@ -54,6 +54,22 @@ def test_env_and_tcp_rendezvous_at_the_job_address_meet_in_loom_store(under_loom
 
 @pytest.mark.unit
 @pytest.mark.timeout(30)
+def test_a_destroyed_group_is_kept_until_the_process_ends(under_loom_run):
+    # its destructor, run when the script's main() returned, could deadlock on the GIL (a job that never ended)
+    from torch.distributed import destroy_process_group  # as scripts import it, after loom's install
+
+    dist.init_process_group("gloo")  # env:// at the job address: loom's store
+    group = dist.group.WORLD
+    destroy_process_group()
+    assert not dist.is_initialized() and any(kept is group for kept in script_init._kept)
+    script_init.uninstall()
+    assert dist.destroy_process_group is dist.distributed_c10d.destroy_process_group  # put back as it was
+    assert dist.destroy_process_group.__module__ == "torch.distributed.distributed_c10d"
+    script_init._kept.clear()
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
 def test_a_tcpstore_at_the_job_address_is_refused_at_once_and_elsewhere_is_torchs(under_loom_run):
     with pytest.raises(script_init.StoreNotForTorch, match=r"loom's authenticated store.*HINT: call"):
         dist.TCPStore("127.0.0.1", under_loom_run.port, 2, False, timeout=datetime.timedelta(seconds=600))

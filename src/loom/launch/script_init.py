@@ -14,6 +14,8 @@ rendezvous the one `loom.init` makes:
   Any other ``tcp://`` address and ``file://`` are torch's own, as under torchrun.
 - ``torch.distributed.TCPStore`` pointed at MASTER_ADDR:MASTER_PORT is refused at once with the fix, instead
   of retrying silently.
+- ``destroy_process_group()`` keeps the groups it destroys alive until the process ends (`_kept`: a gloo group's
+  destructor could deadlock on the GIL when the script's ``main()`` returned).
 - ``--on-worker-failure heal``: refused at the script's ``init_process_group()``: healing changes members between
   steps, which a default group of every rank cannot follow (loom's ``DataParallel`` heals).
 
@@ -38,6 +40,7 @@ from loom.errors import StoreNotForTorch
 
 # The module, not the function of the same name that torch.distributed exports over it.
 torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+c10d = importlib.import_module("torch.distributed.distributed_c10d")
 
 __all__ = ["install", "uninstall", "loom_store_address", "StoreNotForTorch"]
 
@@ -52,6 +55,14 @@ _installed: dict[str, Any] = {}
 _stores: list[Any] = []
 """Every store handed to torch: torch keeps only the C++ side of a Python store, and a call to one whose Python
 object was collected fails ("Not implemented"), so each lives as long as the process."""
+_kept: list[Any] = []
+"""Every process group the script destroyed, kept until the process ends, which `loom.launch.worker` ends without
+running destructors (`loom.launch.zygote_process.finish`). A group's last reference usually goes when the script's
+``main()`` returns (its DDP model holds it), and a gloo group's destructor waits for a thread of its own that may
+be waiting for the GIL the main thread holds while it runs that destructor (torch's ``destroy_process_group``
+says as much of Python completion hooks): the job trained and never ended. Seen in CI under load, the tutorial DDP
+script at ``-n 2``: rank 0 in ``main()``'s teardown after ``destroy_process_group()``, beside a thread with a
+Python state and no frame, for 200 s."""
 
 
 def loom_store_address() -> tuple[str, int] | None:
@@ -151,6 +162,21 @@ def install() -> None:
     _installed.update(env=handlers["env"], tcp=handlers["tcp"], TCPStore=dist.TCPStore)
     handlers["env"], handlers["tcp"] = _env_handler, _tcp_handler
     dist.TCPStore = _checked_tcp_store(dist.TCPStore)  # type: ignore[misc, assignment]
+    _installed["destroy"] = c10d.destroy_process_group
+    for module in (dist, c10d):
+        setattr(module, "destroy_process_group", _keeping(_installed["destroy"]))  # noqa: B010 (no stub attr)
+
+
+def _keeping(original: Any) -> Any:
+    """torch's ``destroy_process_group``, which first keeps the groups it destroys alive (`_kept`)."""
+
+    def destroy_process_group(group: Any = None) -> None:
+        everything = group is None or group == c10d.GroupMember.WORLD
+        _kept.extend(list(c10d._world.pg_map) if everything else [group])
+        original(group)
+
+    destroy_process_group.__doc__ = original.__doc__
+    return destroy_process_group
 
 
 def uninstall() -> None:
@@ -160,3 +186,6 @@ def uninstall() -> None:
     handlers = torch_rendezvous._rendezvous_handlers
     handlers["env"], handlers["tcp"] = _installed.pop("env"), _installed.pop("tcp")
     dist.TCPStore = _installed.pop("TCPStore")  # type: ignore[misc]
+    original = _installed.pop("destroy")
+    for module in (dist, c10d):
+        setattr(module, "destroy_process_group", original)  # noqa: B010 (mypy sees no such attribute)

@@ -103,4 +103,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from loom.launch.zygote_process import exit_code, finish
+
+    try:
+        main()
+    except SystemExit as stop:
+        finish(exit_code(stop.code))
+    finish(0)  # as a forked worker ends: no destructors (a script's kept process groups: `script_init._kept`)
