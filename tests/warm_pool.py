@@ -201,7 +201,7 @@ class _Zygote:
 
 def _child(request: dict) -> None:
     """In the forked child: become ``python script args``, run the script, and end as the interpreter would
-    (`loom.launch.zygote_process.finish`); never returns."""
+    (`loom.launch.worker.finish`); never returns."""
     import runpy
 
     os.setsid()

@@ -430,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def console() -> None:
     """The ``loom`` command: `main`, then an exit without freeing torch object by object (~0.7 s of CPU after
-    every ``loom run``); atexit handlers still run and every open file is flushed (`zygote_process.finish`).
+    every ``loom run``); atexit handlers still run and every open file is flushed (`loom.launch.worker.finish`).
     An exception from `main` takes the interpreter's usual way out."""
-    from loom.launch.zygote_process import finish
+    from loom.launch.worker import finish
 
     finish(main())
 

@@ -57,7 +57,7 @@ _stores: list[Any] = []
 object was collected fails ("Not implemented"), so each lives as long as the process."""
 _kept: list[Any] = []
 """Every process group the script destroyed, kept until the process ends, which `loom.launch.worker` ends without
-running destructors (`loom.launch.zygote_process.finish`). A group's last reference usually goes when the script's
+running destructors (`loom.launch.worker.finish`). A group's last reference usually goes when the script's
 ``main()`` returns (its DDP model holds it), and a gloo group's destructor waits for a thread of its own that may
 be waiting for the GIL the main thread holds while it runs that destructor (torch's ``destroy_process_group``
 says as much of Python completion hooks): the job trained and never ended. Seen in CI under load, the tutorial DDP

@@ -12,13 +12,16 @@ Before the script runs, its own ``torch.distributed.init_process_group()`` is ro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
 
@@ -74,6 +77,36 @@ def _atomic_error_handler():
     return AtomicErrorHandler()
 
 
+def finish(code: int) -> NoReturn:
+    """End a forked process as ``Py_FinalizeEx`` would, as far as a program can observe: non-daemon threads
+    joined, ``atexit`` run, every open file flushed; then ``os._exit``, without freeing each object one by one
+    (about 1 s of CPU with torch and loom loaded; loom cleans up in ``atexit``, not in ``__del__``)."""
+    import atexit
+    import gc
+    import io
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        writers = {io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom}  # type(), not isinstance: no hook
+        for stream in [sys.stdout, sys.stderr, *(o for o in gc.get_objects() if type(o) in writers)]:
+            with contextlib.suppress(Exception):
+                if not stream.closed:
+                    stream.flush()
+    finally:
+        os._exit(code & 0xFF)
+
+
+def exit_code(code: object) -> int:
+    """``SystemExit.code`` as the interpreter turns it into a status: None 0, an int itself, else printed, 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -103,8 +136,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from loom.launch.zygote_process import exit_code, finish
-
     try:
         main()
     except SystemExit as stop:

@@ -6,7 +6,6 @@ A forked worker becomes the worker (`_become`): its environment, arguments, stan
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -14,8 +13,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any
 
+from loom.launch.worker import exit_code, finish
 from loom.launch.zygote_wire import read_request, reply
 from loom.settings import setting
 
@@ -129,36 +129,6 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, zygote
         code = 1
     finally:
         finish(code)
-
-
-def exit_code(code: object) -> int:
-    """``SystemExit.code`` as the interpreter turns it into a status: None 0, an int itself, else printed, 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-def finish(code: int) -> NoReturn:
-    """End a forked process as ``Py_FinalizeEx`` would, as far as a program can observe: non-daemon threads
-    joined, ``atexit`` run, every open file flushed; then ``os._exit``, without freeing each object one by one
-    (about 1 s of CPU with torch and loom loaded; loom cleans up in ``atexit``, not in ``__del__``)."""
-    import atexit
-    import gc
-    import io
-
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-        writers = {io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom}  # type(), not isinstance: no hook
-        for stream in [sys.stdout, sys.stderr, *(o for o in gc.get_objects() if type(o) in writers)]:
-            with contextlib.suppress(Exception):
-                if not stream.closed:
-                    stream.flush()
-    finally:
-        os._exit(code & 0xFF)
 
 
 def reaped() -> Iterator[tuple[int, int]]:
