@@ -59,6 +59,22 @@ def test_one_process_keeps_a_model_built_on_the_gpu_there_silently_and_matches_t
 
 
 @pytest.mark.unit
+@pytest.mark.timeout(120)
+def test_a_gpu_jobs_loader_hands_out_shares_already_on_the_gpu_equal_to_the_cpus():
+    from loom.data.loader import loader
+
+    job = loom.DataParallel(topology=ONE).setup(*make_model(DEVICE), nn.functional.mse_loss)
+    on_gpu = job.loader(make_data(), global_batch_size=16, seed=0)
+    shares = list(zip(loader(make_data(), 16, seed=0, topology=CPU), on_gpu, strict=True))
+    assert len(shares) == 6 and on_gpu.state_dict()["epoch"] == 1
+    for a, b in shares:
+        assert all(t.device == torch.device(DEVICE) for t in b)
+        assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b, strict=True))
+        assert (a.epoch, a.step, a.fingerprint) == (b.epoch, b.step, b.fingerprint)
+    assert (on_gpu._prefetcher is not None) == (DEVICE != "cpu")  # gathered and copied ahead on a GPU
+
+
+@pytest.mark.unit
 @pytest.mark.timeout(300)
 def test_a_cpu_model_is_moved_to_the_jobs_gpu_with_one_line_its_optimizer_state_too(capsys):
     if DEVICE == "cpu":

@@ -24,7 +24,7 @@ if [[ $PARTS == *" lane "* ]]; then
     echo "gpu lane exit $? at $(date -u +%T)" >> "$OUT/env.txt"
 fi
 if [[ $PARTS == *" step "* ]]; then
-    timeout 120 python3 -m loom_bench.gpu_step --out "$OUT" --reps 5 --steps 40 > "$OUT/gpu_step.log" 2>&1
+    timeout 120 python3 -m loom_bench.gpu_step --out "$OUT" --reps 5 --steps 100 > "$OUT/gpu_step.log" 2>&1
     echo "gpu_step exit $? at $(date -u +%T)" >> "$OUT/env.txt"
 fi
 if [[ $PARTS == *" unit "* ]]; then

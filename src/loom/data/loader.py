@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from loom.data.prefetch import Prefetcher, usable
 from loom.data.same_data import check_same_data
 from loom.data.sampler import GlobalBatch, GlobalBatchSampler, share_bounds
 from loom.topology import Topology, current
@@ -191,43 +192,96 @@ class ShardedLoader:
         self.lazy = False
         """Yield a `LazyBatch` per step (the indices; the job fetches its share at the step) instead of this
         replica's share: set by a job whose replicas are known only at the step (DataParallel under heal)."""
+        self.device: torch.device | None = None
+        """The job's device (set by `loader`): a CUDA one gets each share gathered and copied ahead
+        (`loom.data.prefetch`) when the dataset is a TensorDataset of CPU tensors collated by default."""
+        self._prefetcher: Prefetcher | None = None
+        self._view: tuple[int, int] | None = None
+        """(epoch, consumed) after the share last handed out, while a prefetching iteration has fetched one more
+        than that: the position `state_dict` and `epoch` report (the consumer's, not the prefetcher's)."""
 
     def __len__(self) -> int:
         """Batches (steps) per epoch, as ``len(DataLoader)``."""
         return self.sampler.steps_per_epoch()
 
     def set_epoch(self, epoch: int) -> None:
+        if self._view is not None:
+            if epoch == self._view[0]:
+                return  # the consumer's own epoch: a no-op, as the sampler's (the prefetcher may be past it)
+            self._view = None
         self.sampler.set_epoch(epoch)
 
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch
+        return self.sampler.epoch if self._view is None else self._view[0]
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        state = self.sampler.state_dict()
+        if self._view is not None:
+            state["epoch"], state["consumed"] = self._view
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._view = None
         self.sampler.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Any]:
         """This epoch's shares from its beginning (from the restored position after `load_state_dict`, once)."""
+        self._view = None
         return self._shares(iter(self.sampler))  # the start is fixed now, at iter(), as DataLoader's is
 
     def _shares(self, batches: Iterator[GlobalBatch]) -> Iterator[Any]:
         sampler = self.sampler
+        if not self.lazy and self._prefetching() is not None:
+            yield from self._prefetched(batches)
+            return
         for batch in batches:
             if self.lazy:
                 yield LazyBatch(self, batch)
             else:
                 yield self.fetch_share(batch, batch.share, sampler.rank, sampler.world_size)
 
+    def _prefetching(self) -> Prefetcher | None:
+        tensors = getattr(self.dataset, "tensors", ())
+        if (
+            self._prefetcher is None
+            and self._sliced
+            and self.device is not None
+            and usable(tensors, self.device)
+        ):
+            self._prefetcher = Prefetcher(self.device)
+        return self._prefetcher
+
+    def _prefetched(self, batches: Iterator[GlobalBatch]) -> Iterator[Any]:
+        """`_shares` with share k+1 gathered (and copied to the device) while the consumer trains on share k."""
+        prefetcher, sampler = self._prefetcher, self.sampler
+        assert prefetcher is not None and self._sliced
+        tensors = self.dataset.tensors  # type: ignore[attr-defined]
+
+        def pull() -> Any:
+            batch = next(batches, None)
+            if batch is None:
+                return None
+            return batch, (sampler.epoch, sampler.consumed), prefetcher.start(tensors, batch.share)
+
+        ahead = pull()
+        while ahead is not None:
+            batch, position, future = ahead
+            ahead = pull()  # before this share is handed out, so that the next one loads while it trains
+            shares = prefetcher.take(future.result())
+            self._view = position
+            yield _with_layout(shares, *self._layout_of(batch, batch.share, sampler.rank, sampler.world_size))
+        self._view = None
+
+    @staticmethod
+    def _layout_of(batch: GlobalBatch, share: torch.Tensor, index: int, count: int) -> tuple:
+        fingerprint = zlib.crc32(share.to(torch.int64).numpy().tobytes())
+        return batch.global_size, batch.epoch, batch.step, index, count, fingerprint
+
     def fetch_share(self, batch: GlobalBatch, share: torch.Tensor, index: int, count: int) -> Any:
         """The samples at ``share`` (replica ``index`` of ``count``'s part of ``batch``), collated, with the
         layout attributes (the module docstring)."""
-        fingerprint = zlib.crc32(share.to(torch.int64).numpy().tobytes())
-        return _with_layout(
-            self.fetch(share), batch.global_size, batch.epoch, batch.step, index, count, fingerprint
-        )
+        return _with_layout(self.fetch(share), *self._layout_of(batch, share, index, count))
 
     def fetch(self, indices: torch.Tensor) -> Any:
         """The samples at dataset ``indices``, collated (without the layout attributes)."""
@@ -329,6 +383,7 @@ def loader(
         drop_last=drop_last,
     )
     shards = ShardedLoader(dataset, sampler, collate_fn)
+    shards.device = topo.device
     if same_data_check and topo.backend != "none":
         check_same_data(dataset, shards.fetch)
     return shards
