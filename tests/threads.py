@@ -56,7 +56,9 @@ def _build_groups(world_size: int, timeout_s: float) -> list[dist.ProcessGroup]:
                 f"building the gloo groups of {world_size} ranks failed: "
                 + (f"rank {first}: {errors[first]}" if first is not None else "some ranks did not finish")
             ) from (errors[first] if first is not None else None)
-    raise AssertionError(f"building the gloo groups of {world_size} ranks failed three times in connectFullMesh")
+    raise AssertionError(
+        f"building the gloo groups of {world_size} ranks failed three times in connectFullMesh"
+    )
 
 
 def run_ranks(world_size: int, fn: Callable[[int, dist.ProcessGroup], T], timeout_s: float = 30.0) -> list[T]:
