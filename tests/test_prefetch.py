@@ -96,8 +96,13 @@ def test_only_cpu_tensors_for_a_cuda_device_are_prefetched():
     assert usable(cpu, torch.device("cuda:0")) == torch.cuda.is_available()
 
 
-def test_a_cpu_job_does_not_prefetch():
-    data = TensorDataset(torch.zeros(8, 2), torch.zeros(8))
-    shards = loader(data, 4, topology=loom.Topology(0, 1, 0, 1, "none"))
+def test_a_job_loader_aims_at_its_models_device_and_a_cpu_one_does_not_prefetch():
+    data = TensorDataset(torch.zeros(8, 2), torch.zeros(8, 2))
+    assert loader(data, 4, topology=loom.Topology(0, 1, 0, 1, "none")).device is None  # standalone: none asked
+    model = torch.nn.Linear(2, 2)
+    job = loom.DataParallel(topology=loom.Topology(0, 1, 0, 1, "none")).setup(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss
+    )
+    shards = job.loader(data, 4)
     next(iter(shards))
-    assert shards.device == torch.device("cpu") and shards._prefetcher is None
+    assert shards.device == next(model.parameters()).device and shards._prefetcher is None

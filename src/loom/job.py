@@ -127,9 +127,18 @@ class Job(abc.ABC):
     ) -> Any:
         """This process's share of each global batch of ``dataset``, sharded over the job's data axis (see
         `loom.data.loader` for the order, the shares and the state; ``options`` are passed on to it)."""
+        options.setdefault("device", self._batch_device())
         return make_loader(
             dataset, global_batch_size, shuffle, seed, drop_last, topology=self.data_topology, **options
         )
+
+    def _batch_device(self) -> torch.device | None:
+        """Where this process's part of the model is (its first parameter's device): a CUDA one gets each share
+        copied there ahead of the step (`loom.data.prefetch`). Not the topology's device: a job may keep its
+        model elsewhere (a parameter server's worker keeps the user's CPU model on a GPU host)."""
+        for parameter in self.module.parameters():
+            return parameter.device
+        return None
 
     def memory(self) -> dict[str, int]:
         """This process's tensor bytes by category: ``parameters``, ``gradients``, ``optimizer``, ``other``,

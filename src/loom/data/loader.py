@@ -354,6 +354,7 @@ def loader(
     topology: Topology | None = None,
     collate_fn: CollateFn | None = None,
     same_data_check: bool = True,
+    device: torch.device | None = None,
 ) -> ShardedLoader:
     """This process's share of each global batch of ``dataset``.
 
@@ -365,6 +366,10 @@ def loader(
 
     ``collate_fn`` turns a list of samples into a batch, as `DataLoader`'s does (default `default_collate`).
     ``topology`` is what the data is sharded over (default: the whole job; `job.loader` passes its data axis).
+
+    ``device``: where the shares are trained on (`job.loader` passes the model's device). A CUDA device, with a
+    `TensorDataset` of CPU tensors collated by default, gets each share gathered and copied there while the step
+    before it runs (`loom.data.prefetch`); otherwise shares are yielded where the dataset holds them.
 
     ``same_data_check``: when the default process group has more than one process (and ``topology`` is not a
     single-process ``backend="none"`` one), every process must build this loader at the same point: they
@@ -383,7 +388,7 @@ def loader(
         drop_last=drop_last,
     )
     shards = ShardedLoader(dataset, sampler, collate_fn)
-    shards.device = topo.device
+    shards.device = device
     if same_data_check and topo.backend != "none":
         check_same_data(dataset, shards.fetch)
     return shards
