@@ -215,6 +215,7 @@ def test_two_processes_sharing_one_gpu_match_one_process_on_the_cpu(tmp_path, na
     reference = records[0]["reference"]
     for r in records:
         assert r["device"] == str(torch.device(DEVICE).type + (":0" if DEVICE != "cpu" else ""))
+        assert r["param_devices"] == [torch.device(DEVICE).type]  # the parameter server's worker's model too
         assert _close(r["losses"], reference), (name, r["rank"], r["losses"], reference)
 
 

@@ -17,7 +17,7 @@ export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 {
     nvidia-smi -L
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
-    echo "cores: $(nproc)"; python3 --version; date -u
+    echo "cores: $(nproc --all)"; python3 --version; date -u
 } > "$OUT/env.txt" 2>&1
 if [[ $PARTS == *" lane "* ]]; then
     timeout 300 python3 -m pytest -p no:cacheprovider -m gpu -v -rA --timeout 280 tests/test_gpu.py > "$OUT/gpu_lane.txt" 2>&1

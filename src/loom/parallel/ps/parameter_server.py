@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config_docs import document_options
+from loom.devices import place_model
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.parallel._setup import check_setup_arguments
@@ -105,6 +106,7 @@ class ParameterServer:
         cfg = self.config
         check_setup_arguments(model, optimizer, loss_fn, strategy=f"ParameterServer(mode={cfg.mode!r})", conventions=True,
                               survives_lost_worker=cfg.mode != "sync")  # sync waits for every worker's push  # fmt: skip
+        place_model(model, topo.device, optimizer, topo.rank)  # the device rule; the wire carries CPU copies
         addresses = list(cfg.addresses or [a for a in os.environ.get("LOOM_PS_ADDRS", "").split(",") if a])
         secret_hex = cfg.secret or os.environ.get("LOOM_JOB_SECRET", "")
         if not addresses or not secret_hex:
@@ -257,7 +259,8 @@ class ParameterServerJob(Engine):
             for server, reply in zip(servers, replies, strict=True):
                 for key, value in reply.tensors.items():
                     piece = by_id[int(key[1:])]
-                    weight.data[requests[server][f"r{piece.id}"] + piece.start] = value.to(weight.dtype)
+                    rows = requests[server][f"r{piece.id}"].to(weight.device) + piece.start
+                    weight.data[rows] = value.to(weight.device, weight.dtype)
 
     def _row_hook(self, name: str):
         def hook(module: nn.Module, args: tuple) -> None:
