@@ -98,7 +98,8 @@ def test_only_cpu_tensors_for_a_cuda_device_are_prefetched():
 
 def test_a_job_loader_aims_at_its_models_device_and_a_cpu_one_does_not_prefetch():
     data = TensorDataset(torch.zeros(8, 2), torch.zeros(8, 2))
-    assert loader(data, 4, topology=loom.Topology(0, 1, 0, 1, "none")).device is None  # standalone: none asked
+    standalone = loader(data, 4, topology=loom.Topology(0, 1, 0, 1, "none"))
+    assert standalone.device is None  # no device asked for
     model = torch.nn.Linear(2, 2)
     job = loom.DataParallel(topology=loom.Topology(0, 1, 0, 1, "none")).setup(
         model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss
