@@ -203,20 +203,38 @@ def test_more_workers_than_gpus_is_refused_before_anything_starts(tmp_path):
     assert "--share-gpus" in done.stderr and "--device cpu" in done.stderr
 
 
-@pytest.mark.system
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["dp", "localsgd", "tp", "ps"])
-def test_two_processes_sharing_one_gpu_match_one_process_on_the_cpu(tmp_path, name):
-    servers = ["--servers", "1"] if name == "ps" else []
-    done = _loom_run(tmp_path, "-n", "2", "--share-gpus", *servers, str(WORKERS / "gpu_train.py"), name, "6")
+def _shared_gpu_run(tmp_path: Path, processes: int, name: str, *extra: str) -> None:
+    """``loom run -n PROCESSES --share-gpus EXTRA gpu_train.py NAME 6``: every rank on ``cuda:0`` (its parameters
+    too) with the one-process CPU losses."""
+    done = _loom_run(tmp_path, "-n", str(processes), "--share-gpus", *extra, str(WORKERS / "gpu_train.py"), name,
+                     "6", timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(done.stdout)
-    assert [r["rank"] for r in records] == [0, 1]
+    assert [r["rank"] for r in records] == list(range(processes))
     reference = records[0]["reference"]
     for r in records:
         assert r["device"] == str(torch.device(DEVICE).type + (":0" if DEVICE != "cpu" else ""))
         assert r["param_devices"] == [torch.device(DEVICE).type]  # the parameter server's worker's model too
         assert _close(r["losses"], reference), (name, r["rank"], r["losses"], reference)
+
+
+@pytest.mark.system
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["dp", "localsgd", "tp", "ps"])
+def test_two_processes_sharing_one_gpu_match_one_process_on_the_cpu(tmp_path, name):
+    _shared_gpu_run(tmp_path, 2, name, *(["--servers", "1"] if name == "ps" else []))
+
+
+@pytest.mark.system
+@pytest.mark.timeout(400)
+def test_hybrid_dp2_tp2_on_four_processes_sharing_one_gpu_matches_one_process(tmp_path):
+    _shared_gpu_run(tmp_path, 4, "hybrid")
+
+
+@pytest.mark.system
+@pytest.mark.timeout(400)
+def test_healing_data_parallel_on_a_shared_gpu_matches_one_process(tmp_path):
+    _shared_gpu_run(tmp_path, 2, "dp", "--on-worker-failure", "heal")
 
 
 @pytest.mark.system

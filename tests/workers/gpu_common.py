@@ -30,6 +30,7 @@ STRATEGIES = {
     "localsgd": lambda: loom.LocalSGD(sync_every=1),
     "ps": lambda: loom.ParameterServer(mode="sync"),
     "tp": lambda: loom.TensorParallel(size=2),
+    "hybrid": lambda: loom.Hybrid(dp=2, tp=2),
     "pipeline": lambda: loom.Pipeline(stages=2, microbatches=2),
     "sharded": lambda: loom.ShardedDataParallel(stage=1),
 }
