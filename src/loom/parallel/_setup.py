@@ -11,7 +11,14 @@ from torch import nn
 from loom.errors import StartRefused
 from loom.train.batch import LossCall
 
-__all__ = ["HEALS", "SURVIVE_LOST_WORKER", "StartRefused", "check_failure_policy", "check_setup_arguments"]
+__all__ = [
+    "HEALS",
+    "SURVIVE_LOST_WORKER",
+    "StartRefused",
+    "check_failure_policy",
+    "check_setup_arguments",
+    "joins_healing",
+]
 
 
 SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(mode='ssp')"
@@ -32,6 +39,14 @@ def _why_no_heal(strategy: str) -> str:
             "each rank holds the only copy of its stage or shard of the model, so a lost rank's part is lost"
         )
     return "its replacement would need a membership that changes between steps"
+
+
+def joins_healing(backend: str) -> bool:
+    """Whether a job over a topology of ``backend`` joins the healing quorum: under ``loom run
+    --on-worker-failure heal``, and only over the launched processes. A job given an explicit one-process
+    ``backend="none"`` topology (a reference or evaluation model built inside a healing job) is a plain job:
+    joining would re-enter this process's membership."""
+    return os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal" and backend != "none"
 
 
 def check_failure_policy(strategy: str, survives_lost_worker: bool, heals: bool = False) -> None:

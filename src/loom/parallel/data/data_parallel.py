@@ -22,7 +22,6 @@ Beside this module: its options (`loom.parallel.data.data_parallel_config`), how
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +37,7 @@ from loom.fault.quorum import Quorum
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import StepObserver
-from loom.parallel._setup import check_setup_arguments
+from loom.parallel._setup import check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
     healing_metrics_path,
@@ -93,7 +92,7 @@ class DataParallel:
         call = check_setup_arguments(
             model, optimizer, loss_fn, strategy="DataParallel", conventions=True, heals=True
         )
-        if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":
+        if joins_healing(topo.backend):
             return self._setup_healing(model, optimizer, call, topo)
         place_model(model, topo.device, optimizer, topo.rank)
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import abc
 import functools
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -54,7 +53,7 @@ from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
-from loom.parallel._setup import check_setup_arguments
+from loom.parallel._setup import check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
     DataAxis,
@@ -150,8 +149,8 @@ class ReplicaStrategy:
         joins the quorum and takes a live member's state (`join_first_epoch`)."""
         topo = self.topology if self.topology is not None else current()
         strategy = self.config_type.__name__.removesuffix("Config")
-        heal = os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal"
-        check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=heal)
+        heal = joins_healing(topo.backend)
+        check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=True)
         if heal:
             refuse_round_options(self.config, strategy)
             store = healing_store()
