@@ -188,3 +188,12 @@ def test_overlap_follows_the_config_and_by_default_the_spare_cores(monkeypatch):
     monkeypatch.setattr(sync.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
     assert kind().startswith("overlapped_allreduce_hook")
     assert sync.gradient_hook(dp.DataParallelConfig(allreduce="native"), topo) is None
+    # `auto` with a core to spare on one host: DDP's own all-reduce (loom's threaded one lost to it at 2-4 workers
+    # on a 16-core host); without one, or told overlap=True, or across hosts: loom's
+    assert sync.gradient_hook(dp.DataParallelConfig(), topo) is None
+    assert "core to spare" in sync.native_because(dp.DataParallelConfig(), topo)
+    assert sync.gradient_hook(dp.DataParallelConfig(overlap=True), topo).__qualname__.startswith("overlapped")
+    two_hosts = Topology(0, 4, 0, 2, "gloo")
+    assert sync.native_because(dp.DataParallelConfig(), two_hosts) is None
+    monkeypatch.setattr(sync.os, "sched_getaffinity", lambda _: {0, 1})
+    assert sync.native_because(dp.DataParallelConfig(), topo) is None

@@ -44,7 +44,8 @@ class DataParallelConfig(GuardOptions):
     """Gradient all-reduce algorithm (see `loom.comm`). ``native`` is DDP's own (C++, gloo/NCCL). The others are
     loom's, overlapped with backward or not (see `overlap`): ``shm`` through shared
     memory on one host, ``ring``/``driver`` over sockets, ``hierarchical`` both; ``auto`` picks from a
-    calibration cached per host (on GPUs it is ``native``)."""
+    calibration cached per host (on GPUs, and on one CPU host with a core to spare, it is ``native``:
+    `loom.parallel.data.data_parallel_sync.native_because`)."""
     overlap: bool | None = None
     """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or after (or
     inside) backward, blocking it (False). None: overlap only when this host has a core to spare for the thread

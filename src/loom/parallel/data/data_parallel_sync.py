@@ -76,8 +76,9 @@ def choose_gradient_path(
                                                               group, no DDP (`AxisGradients`)  group for its life
     ``compression`` set                                       DDP + compression hook           the codec's rounds
                                                                                                overlap backward
-    ``allreduce="native"``, or ``"auto"`` on GPUs             DDP's built-in all-reduce        C++ buckets overlap
-                                                                                               backward; NCCL
+    ``allreduce="native"``, or ``"auto"`` on GPUs, or         DDP's built-in all-reduce        C++ buckets overlap
+    ``"auto"`` on one CPU host with a core to spare                                            backward; NCCL
+    (``overlap`` unset)                                                                        (a 16-core host)
     CPU, one host, ``auto``/``shm``/``hierarchical``, no      shared-memory gradients, no DDP  no bucket copies, two
     core to spare (or ``overlap=False``), no buffers to                                        barriers: the fastest
     broadcast, one dtype, every rank agreeing                                                  on a full host
@@ -96,9 +97,9 @@ def choose_gradient_path(
     if config.compression is not None:
         return GradientPath("DDP + compression hook", f"compression={config.compression!r}",
                             hook=gradient_hook(config, topo))  # fmt: skip
-    if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
-        where = "allreduce='native'" if config.allreduce == "native" else "allreduce='auto' on GPUs"
-        return GradientPath("DDP's built-in all-reduce", where)
+    native = native_because(config, topo)
+    if native is not None:
+        return GradientPath("DDP's built-in all-reduce", native)
     shared = shared_gradients_for(config, topo, model)
     if shared is not None:
         return GradientPath(
@@ -232,11 +233,35 @@ def overlap_wanted(config: DataParallelConfig, topo: Topology) -> bool:
     return config.overlap if config.overlap is not None else has_spare_core(topo.local_world_size)
 
 
+def native_because(config: DataParallelConfig, topo: Topology) -> str | None:
+    """Why DDP's built-in all-reduce serves ``config`` on ``topo``, or None when loom's path does.
+
+    ``auto`` on one CPU host with a core to spare: on a 16-core host (torch 2.11, gloo, a 1.9 M-parameter MLP,
+    2026-11-28, ``benchmarks/reports/h200_2026-11-28/``) loom's all-reduce on a communication thread reached
+    0.88x and 0.85x DDP's own at 2 and 4 workers (its exchange 4.2 ms exposed at 2), 0.99x at 8; without a core
+    to spare (16 workers there, any 2-core host) the shared-memory path is the faster one (2.44x at 16)."""
+    if config.compression is not None:
+        return None
+    if config.allreduce == "native":
+        return "allreduce='native'"
+    if config.allreduce != "auto":
+        return None
+    if topo.device.type == "cuda":
+        return "allreduce='auto' on GPUs"
+    if (
+        config.overlap is None
+        and topo.world_size == topo.local_world_size
+        and has_spare_core(topo.local_world_size)
+    ):
+        return "allreduce='auto' on one CPU host with a core to spare: DDP's C++ buckets overlap backward"
+    return None
+
+
 def gradient_hook(config: DataParallelConfig, topo: Topology) -> Callable | None:
     """The DDP communication hook for ``config``; None keeps DDP's built-in (C++) all-reduce."""
     if config.compression is not None:
         return compression_hook(make_codec(config.compression))
-    if config.allreduce == "native" or (config.allreduce == "auto" and topo.device.type == "cuda"):
+    if native_because(config, topo) is not None:
         return None
     return (
         overlapped_allreduce_hook(config.allreduce)
