@@ -12,6 +12,8 @@ import socket
 import sys
 import textwrap
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -131,6 +133,11 @@ SCRIPT = textwrap.dedent(
         sys.exit(3)
     if what == "sleep":
         time.sleep(60)
+    if what == "orphan":  # as if its death signal were lost: only the zygote's own cleanup can end it
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 0)  # PR_SET_PDEATHSIG, none
+        print("orphan ready", flush=True)
+        time.sleep(60)
     """
 )
 
@@ -183,6 +190,30 @@ def test_forked_workers_behave_as_fresh_ones(tmp_path):
         zygote.close()
     assert zygote.proc.returncode == 0
     assert zygote.fork(env) is None  # gone: the launcher starts fresh interpreters
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_worker_still_running_when_the_launcher_ends_the_zygote_is_killed_with_its_session(tmp_path):
+    zygote, env = _started(tmp_path, "orphan")
+    proc = zygote.fork(env, new_session=True)
+    assert proc is not None
+    while "orphan ready" not in proc.stdout.readline():  # (the script's first line comes before)
+        pass
+    zygote.close()  # the launcher's end: the zygote ends what it forked and has not reaped
+    deadline = time.monotonic() + 20
+    while _alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(proc.pid), "a forked worker outlived its zygote"
+    assert zygote.proc.returncode == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 @pytest.mark.multiprocess

@@ -6,6 +6,7 @@ A forked worker becomes the worker (`_become`): its environment, arguments, stan
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -131,6 +132,23 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, zygote
         finish(code)
 
 
+def end_strays(forked: set[int]) -> None:
+    """SIGKILL every forked worker not reaped yet, and its session: the launcher ended the zygote, so it counts
+    every worker as ended. Workers die with the zygote anyway (PDEATHSIG), but a worker of a `test_ps_fit` run was
+    found alive after its launcher had exited, re-parented and waiting on a futex, its cause not found: nothing of
+    a job may outlive its launcher."""
+    for pid in sorted(forked):
+        with contextlib.suppress(OSError):
+            os.killpg(
+                pid, signal.SIGKILL
+            )  # a worker in a session of its own leads its group: what it started too
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if forked:
+        print(f"loom run: the zygote ended {len(forked)} worker(s) still running after the job: "
+              f"{sorted(forked)}", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def reaped() -> Iterator[tuple[int, int]]:
     """Each child of this process that has ended since the last call, reaped: its pid and its exit status as
     `subprocess.Popen.returncode` says it (-N for signal N); never blocks."""
@@ -162,14 +180,17 @@ def main() -> None:
         importlib.import_module(name)
     alone = threading.active_count() == 1  # a fork copies one thread: only fork a process that has one
     reply(sock, {"ready": True})  # the launcher sends no request before this line
+    forked: set[int] = set()
     while True:
         readable, _, _ = select.select([sock], [], [], 0.01)
         for ended, code in reaped():
+            forked.discard(ended)
             reply(sock, {"exited": ended, "status": code})
         if not readable:
             continue
         got = read_request(sock)
         if got is None:  # the launcher is done: its workers have ended
+            end_strays(forked)
             finish(0)  # without freeing torch object by object: ~0.7 s of CPU the launcher would wait for
         request, fds = got
         pid = None
@@ -180,6 +201,7 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 _become(request, fds, sock, zygote)
+            forked.add(pid)
         for fd in fds:
             os.close(fd)
         reply(sock, {"id": request.get("id"), "pid": pid})
