@@ -14,7 +14,8 @@ from loom.topology import Topology
 
 pytestmark = pytest.mark.unit
 
-ONE = Topology(0, 1, 0, 1, "none")
+ONE = Topology(0, 1, 0, 1, "gloo")
+"""A launched job's topology (an explicit ``backend="none"`` one is a plain job under heal: test_heal_reference)."""
 
 
 @pytest.mark.parametrize(

@@ -112,6 +112,19 @@ def _launch(launcher: list[str], script: str, args: list[str], cwd: Path, timeou
     return proc.stdout + proc.stderr
 
 
+def _baseline(n: int, script: str, args: list[str], cwd: Path) -> str:
+    """The reference run under torchrun. torch's own teardown sometimes aborts a rank after the script ended
+    ("terminate called without an active exception", seen once in CI under load, in the torchrun run): that run
+    is torch's, not loom's, so it is started again, up to three tries; any other failure fails the test."""
+    for attempt in range(3):
+        try:
+            return _launch(_torchrun(n), script, args, cwd)
+        except AssertionError as error:
+            if "terminate called without an active exception" not in str(error) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _loom(n: int, *options: str) -> list[str]:
     return ["-m", "loom.cli", "run", "-n", str(n), *options]
 
@@ -136,7 +149,7 @@ def test_the_tutorial_form_ddp_script_under_loom_run_equals_torchrun_at_1_and_2(
         ours, theirs = tmp_path / f"loom{n}.safetensors", tmp_path / f"torchrun{n}.safetensors"
         out = _launch(_loom(n), "torchrun_tutorial.py", ["3", str(ours)], tmp_path)
         assert "epoch 2 done" in out, out[-2000:]
-        _launch(_torchrun(n), "torchrun_tutorial.py", ["3", str(theirs)], tmp_path)
+        _baseline(n, "torchrun_tutorial.py", ["3", str(theirs)], tmp_path)
         assert _bitwise_equal(ours, theirs), f"-n {n}: loom run and torchrun differ"
 
 
@@ -149,7 +162,7 @@ def test_a_restarted_group_rejoins_and_tcp_init_at_the_job_address_works(tmp_pat
     out = _launch(_loom(2, "--max-restarts", "1"), "torchrun_tutorial.py",
                   ["2", str(ours), "--fail-on-first-attempt", "1", "--init", "tcp"], tmp_path)  # fmt: skip
     assert "restarting the worker group, attempt 2 of 2" in out, out[-3000:]
-    _launch(_torchrun(2), "torchrun_tutorial.py", ["2", str(theirs), "--init", "env"], tmp_path)
+    _baseline(2, "torchrun_tutorial.py", ["2", str(theirs), "--init", "env"], tmp_path)
     assert _bitwise_equal(ours, theirs)
 
 
@@ -159,7 +172,7 @@ def test_nanogpts_own_ddp_script_under_loom_run_equals_torchrun(tmp_path):
     ours, theirs = tmp_path / "loom.safetensors", tmp_path / "torchrun.safetensors"
     out = _launch(_loom(2), "nanogpt_ddp.py", [str(ours)], tmp_path)
     assert "iter 4: loss" in out
-    _launch(_torchrun(2), "nanogpt_ddp.py", [str(theirs)], tmp_path)
+    _baseline(2, "nanogpt_ddp.py", [str(theirs)], tmp_path)
     assert _bitwise_equal(ours, theirs)
 
 
@@ -220,5 +233,5 @@ def test_the_tutorial_form_script_on_two_hosts_equals_torchrun_on_one(tmp_path):
                     p.kill()
                     p.wait()
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outputs)
-    _launch(_torchrun(2), "torchrun_tutorial.py", ["2", str(theirs)], tmp_path)
+    _baseline(2, "torchrun_tutorial.py", ["2", str(theirs)], tmp_path)
     assert _bitwise_equal(ours, theirs)
