@@ -238,3 +238,34 @@ def test_parse_bytes_reads_memory_sizes():
     assert parse_bytes("8GiB") == 8 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GB") == 2e9
     with pytest.raises(argparse.ArgumentTypeError, match="HINT"):
         parse_bytes("lots")
+
+
+def test_a_parameter_server_decodes_every_workers_push_and_encodes_every_reply_in_turn():
+    world, frame = 4, 1e-3  # every frame costs 1 ms to encode and 1 ms to decode, whatever its size
+    sizes = (8, 1 << 30)
+    ops = {op: (0.0, 0.0) for op in ["allreduce:native", "all_gather", "reduce_scatter", "p2p"]}
+    ops |= {"ps_encode": (frame, frame), "ps_decode": (frame, frame)}
+    profile = _profile(sizes=(64 // world, 64))
+    config = Configuration("ParameterServer", world, (("mode", "sync"),), servers=1, dp=world)
+    got = predict(config, profile, Transport(world, sizes, ops), 64)
+    assert not got.refused, got.refused
+    # push: one encode, then the server decodes 4 frames; reply: the server encodes 4, the worker decodes one
+    assert got.comm_s == pytest.approx((1 + world) * frame + (world + 1) * frame)
+    rate = parse_rate("100mbit")
+    linked = predict(config, profile, Transport(world, sizes, ops, 0.0, 2, rate), 64)
+    assert linked.comm_s == pytest.approx(world * (profile.grad_bytes + profile.param_bytes) / rate)
+
+
+def test_a_frame_above_the_measured_frame_sizes_is_refused_naming_the_limit():
+    transport = Transport(2, (8, 1024, 4096), {"ps_encode": (1e-5, 2e-5, float("inf"))})
+    assert transport.time("ps_encode", 1024) == pytest.approx(2e-5)
+    with pytest.raises(OutsideCalibration, match="measured up to 1024 bytes, not 2048"):
+        transport.time("ps_encode", 2048)
+
+
+def test_kendall_tau_counts_pairs_in_the_same_order():
+    from loom_bench.plan_accuracy import kendall_tau
+
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)

@@ -7,7 +7,7 @@ and persistent state (parameters, gradients, optimizer state, the largest rank) 
 the load average before and after each run. Writes ``plan_accuracy.md`` and ``plan_accuracy.json`` into
 ``--out`` after every model (a run stopped early keeps what it measured).
 
-    PYTHONPATH=src python -m loom_bench.plan_accuracy [--out benchmarks/reports] [--steps 5]
+    PYTHONPATH=src python -m loom_bench.plan_accuracy [--out benchmarks/reports] [--steps 5] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -42,29 +42,58 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def _rows(result: PlanResult, args: tuple[str, ...], steps: int) -> list[dict[str, Any]]:
+def _rows(result: PlanResult, args: tuple[str, ...], steps: int, repeats: int) -> list[dict[str, Any]]:
+    """Each chosen configuration measured ``repeats`` times, in passes over all of them (so a burst of load
+    lands on one measurement of several configurations, not on every measurement of one); the row's measured
+    step is the median of its measurements."""
     picked: list[Ranked] = []
     for strategy in CHOSEN:
         ranked = [r for r in result.ranked if r.prediction.config.strategy == strategy and r.feasible]
         picked += [r for r in ranked if r.prediction.config.servers in (0, 1)][:1]
-    rows: list[dict[str, Any]] = []
-    for r in picked:
-        before = _load()
-        one = PlanResult(**{**result.__dict__, "ranked": [r], "verifications": []})
-        try:
-            v = verify(one, args, top=1, steps=steps)[0]
-        except Exception as error:  # noqa: BLE001 - a failed run is a row of the report, not the end of it
-            rows.append({"strategy": r.prediction.config.strategy, "launch": r.prediction.config.launch,
-                         "error": str(error)[:300]})  # fmt: skip
-            continue
-        rows.append({
-            "strategy": v.config.strategy, "launch": v.config.launch, "predicted_s": v.predicted_s,
-            "measured_s": v.measured_s, "step_error": v.error, "predicted_state": v.predicted_state,
-            "measured_state": v.measured_state, "load_before": before, "load_after": _load(),
-            "rank_predicted": result.ranked.index(r) + 1,
-        })  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+    rows: list[dict[str, Any]] = [
+        {"strategy": r.prediction.config.strategy, "launch": r.prediction.config.launch,
+         "predicted_s": r.prediction.step_time_s, "measured_all": [], "loads": [],
+         "rank_predicted": result.ranked.index(r) + 1} for r in picked
+    ]  # fmt: skip
+    for _ in range(repeats):
+        for r, row in zip(picked, rows, strict=True):
+            if "error" in row:
+                continue
+            before = _load()
+            one = PlanResult(**{**result.__dict__, "ranked": [r], "verifications": []})
+            try:
+                v = verify(one, args, top=1, steps=steps)[0]
+            except Exception as error:  # noqa: BLE001 - a failed run is a row of the report, not the end of it
+                row["error"] = str(error)[:300]
+                continue
+            row["measured_all"].append(v.measured_s)
+            row["loads"].append([before, _load()])
+            row.update(predicted_state=v.predicted_state, measured_state=v.measured_state)
+            row["measured_s"] = statistics.median(row["measured_all"])
+            row["step_error"] = row["predicted_s"] / row["measured_s"] - 1
+            print(json.dumps(row), flush=True)
     return rows
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau-a of two rankings given as values (1: the same order, -1: reversed)."""
+    pairs = [(i, j) for i in range(len(xs)) for j in range(i + 1, len(xs))]
+    if not pairs:
+        return 1.0
+    signs = [((xs[i] > xs[j]) - (xs[i] < xs[j])) * ((ys[i] > ys[j]) - (ys[i] < ys[j])) for i, j in pairs]
+    return sum(signs) / len(pairs)
+
+
+def _ranking(rows: list[dict[str, Any]]) -> str:
+    """Kendall tau of predicted vs measured step times, and how far the predicted best is from the measured."""
+    done = [r for r in rows if "measured_s" in r and "error" not in r]
+    if len(done) < 2:
+        return ""
+    tau = kendall_tau([r["predicted_s"] for r in done], [r["measured_s"] for r in done])
+    pick = min(done, key=lambda r: r["predicted_s"])
+    best = min(r["measured_s"] for r in done)
+    return (f"Ranking of these configurations by step time: Kendall tau {tau:.2f}; the predicted best, "
+            f"`{pick['strategy']}`, measured {pick['measured_s'] / best - 1:+.0%} from the measured best.")  # fmt: skip
 
 
 def _markdown(report: dict) -> str:
@@ -73,7 +102,9 @@ def _markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}` ({report['date']}, {report['machine']}). Model: the MLP chain of "
         "`tests/workers/plan_tiny.py` (Adam, global batch 64), at three sizes. Step time: the median of "
-        f"{report['steps']} steps (each the slowest rank's) after 2 warm-up steps, under `loom run -n 2`. State: "
+        f"{report['steps']} timed blocks (a sync round for LocalSGD/DiLoCo, else one step; each the slowest "
+        f"rank's) after 2 warm-up steps, under `loom run -n 2`, in each of {report.get('repeats', 1)} runs; the "
+        "median run is the measured step. State: "
         "parameters + gradients + optimizer state of the largest rank, counted by `job.memory()`. Error: "
         "predicted / measured - 1.",
         "",
@@ -84,17 +115,18 @@ def _markdown(report: dict) -> str:
                   f"Plan: {model['plan_seconds']}; measured engine overhead per step {model['overhead_s'] * 1e3:.1f} ms,"
                   f" overlap coefficient {model['overlap']:.2f}. Step-time |error|: median "
                   f"{statistics.median(errs):.0%}, mean {statistics.mean(errs):.0%}, worst {max(errs):.0%} "
-                  f"({len(errs)} configurations)." if errs else "", "",
+                  f"({len(errs)} configurations). " + _ranking(model["rows"]) if errs else "", "",
                   "| configuration | loom run | predicted ms | measured ms | error | state predicted | state measured "
-                  "| load before/after |", "|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+                  "| runs (ms) | load before/after |", "|---|---|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
         for r in model["rows"]:
             if "error" in r:
-                lines.append(f"| `{r['strategy']}` | {r['launch']} | | | failed: {r['error']} | | | |")
+                lines.append(f"| `{r['strategy']}` | {r['launch']} | | | failed: {r['error']} | | | | |")
                 continue
             lines.append(
                 f"| `{r['strategy']}` | {r['launch']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} "
                 f"| {r['step_error']:+.0%} | {r['predicted_state']:,} | {r['measured_state']:,} "
-                f"| {r['load_before']:.1f} / {r['load_after']:.1f} |"
+                f"| {', '.join(f'{x * 1e3:.1f}' for x in r['measured_all'])} "
+                f"| {', '.join(f'{a:.1f}/{b:.1f}' for a, b in r['loads'])} |"
             )
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -105,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/reports"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (median kept)")
     ns = parser.parse_args(argv)
     report: dict = {"command": "PYTHONPATH=src python -m loom_bench.plan_accuracy " + " ".join(argv or []),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": ns.steps,
-                    "machine": f"{os.cpu_count()} cores", "models": {}}  # fmt: skip
+                    "repeats": ns.repeats, "machine": f"{os.cpu_count()} cores", "models": {}}  # fmt: skip
     for name in ns.models.split(","):
         args = MODELS[name]
         result = plan(SCRIPT, args, nproc=2)
@@ -117,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         report["models"][name] = {
             "args": " ".join(args), "params": result.profile.param_count, "plan_seconds": seconds,
             "overhead_s": result.overhead_s, "overlap": result.transport.overlap,
-            "rows": _rows(result, args, ns.steps),
+            "rows": _rows(result, args, ns.steps, ns.repeats),
         }  # fmt: skip
         ns.out.mkdir(parents=True, exist_ok=True)
         (ns.out / "plan_accuracy.json").write_text(json.dumps(report, indent=1))

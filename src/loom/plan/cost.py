@@ -18,8 +18,11 @@ DataParallel(compression=c)         ``C(b) + exposed(T_native(s_c) + T_gather(N 
 ShardedDataParallel(stage=1)        ``C(b) + T_rs(G) + O/N + T_ag(P) + e``                              ``P + (G+S_opt)/N + A``
 ShardedDataParallel(stage=2|3)      ``C(b) + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at stage   2: ``P + (G+S_opt)/N``;
                                     3) ``+ T_rs(G_u)) + O/N + e``                                       3: ``(P+G+S_opt)/N``
-ParameterServer(sync), S servers    ``C(b) + (T_p2p(N G/S) + T_p2p(N P/S)) / 2 + O/S + e``              ``P + G + A`` (servers
-                                    (each server takes every worker's push and answers every pull)      hold ``S_opt/S``)
+ParameterServer(sync), S servers    ``C(b) + enc(G/S) + N dec(G/S) + O/S + N enc(P/S) + dec(P/S) + 2e``  ``P + G + A`` (servers
+                                    (each server decodes every worker's push in turn, steps, encodes    hold ``S_opt/S``)
+                                    a reply to each; ``enc``/``dec`` its measured frames, ``e`` the
+                                    pull request of the step); several hosts: push and reply each at
+                                    least ``N G/S``, ``N P/S`` over the link
 LocalSGD(sync_every=H)              ``C(b) + O + e + T_best(P) / H``                                    ``P + G + S_opt + A``
 DiLoCo(sync_every=H)                ``C(b) + O + e + (T_best(P) + O) / H`` (the outer step: ``O``,      ``+ 2P`` (anchor,
                                     not measured apart)                                                 outer momentum)
@@ -170,9 +173,14 @@ def _sharded(m: _Model) -> Prediction:
 
 def _parameter_server(m: _Model) -> Prediction:
     p, at, n, s = m.p, m.p.at(m.share), m.n, m.c.servers
-    comm = (m.t.time("p2p", n * p.grad_bytes / s) + m.t.time("p2p", n * p.param_bytes / s)) / 2
+    grads, params = p.grad_bytes / s, p.param_bytes / s
+    push = m.t.time("ps_encode", grads) + n * m.t.time("ps_decode", grads)
+    reply = n * m.t.time("ps_encode", params) + m.t.time("ps_decode", params)
+    if m.t.hosts > 1 and m.t.link_bytes_per_s:  # every worker's push and reply cross each server's link
+        push = max(push, n * grads / m.t.link_bytes_per_s)
+        reply = max(reply, n * params / m.t.link_bytes_per_s)
     memory = _memory(p.param_bytes, p.grad_bytes, 0, at.activation_bytes)
-    return m.done(at, comm, p.optimizer_s / s + m.small, memory, p.grad_bytes)
+    return m.done(at, push + reply, p.optimizer_s / s + 2 * m.small, memory, p.grad_bytes)
 
 
 def _replicas(m: _Model) -> Prediction:

@@ -94,8 +94,13 @@ def _message_sizes(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) 
     parameter server's share of every worker's, each codec's), and a grid a factor of 4 apart up to the
     largest, which the per-layer messages (FSDP units, pipeline activations) are interpolated on."""
     p = profile
-    exact = {8, p.grad_bytes, p.param_bytes, n * p.grad_bytes, n * p.param_bytes}
-    exact |= {n * p.grad_bytes // 2, n * p.param_bytes // 2}
+    exact = {
+        8,
+        p.grad_bytes,
+        p.param_bytes,
+        p.grad_bytes // 2,
+        p.param_bytes // 2,
+    }  # 2: a server's frame of 2
     for c in codecs.values():
         exact |= {c.sum_bytes, n * c.gather_bytes}
     layers = [x for at in p.batches.values() for x in at.layers]
@@ -159,7 +164,9 @@ def plan(
     seconds["profile"] = time.perf_counter() - t
     t = time.perf_counter()
     sizes = _message_sizes(profile, codecs, world)
-    measured = _trial("calibrate", script, args, nproc, 0, ["--sizes", ",".join(map(str, sizes))], timeout_s)
+    frames = max(profile.grad_bytes, profile.param_bytes)  # a parameter server's largest frame (one server)
+    options = ["--sizes", ",".join(map(str, sizes)), "--frame-limit", str(frames)]
+    measured = _trial("calibrate", script, args, nproc, 0, options, timeout_s)
     local = Transport.from_json(measured)
     transport = dataclasses.replace(local, world_size=world, hosts=hosts,
                                     link_bytes_per_s=link_bytes_per_s)  # fmt: skip

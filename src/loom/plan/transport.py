@@ -4,7 +4,12 @@ Measured (`measure_transport`, run inside a ``loom run -n N`` job of `loom.plan.
 algorithm `loom.comm.auto` would choose between on this topology (``loom.comm.all_reduce(..., algorithm=a)``:
 the very calls `DataParallel` makes), `loom.comm.reduce_scatter` and `loom.comm.all_gather` (the halves sharded
 training uses) and a point-to-point exchange (``isend``/``recv`` both ways between rank pairs: a pipeline's
-activations and gradients). As `loom.comm.auto` calibrates, each call starts after a barrier, each entry is the
+activations and gradients); and the parameter servers' own transport, one authenticated frame (`loom.ps.wire`,
+`loom.ps.gate`) over a ZeroMQ TCP loopback pair inside each process: ``ps_encode`` (encode, chunk, send, receive
+and reassemble: the sender's work and the transfer) and ``ps_decode`` (check and decode: the receiver's work),
+apart, because a server decodes every worker's frame in turn while the workers encode theirs at once; frames
+are measured only up to ``frame_limit`` bytes (the largest a parameter server exchanges), ``inf`` above, which
+`Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts after a barrier, each entry is the
 slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept. The sizes are the ones the
 plan needs (the model's gradient, parameter and activation bytes), plus a few small ones for the latency.
 
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
+import os
 import re
 import statistics
 import time
@@ -53,7 +60,10 @@ def link_bound_seconds(op: str, nbytes: float, world_size: int, rate_bytes_per_s
     """Bandwidth-bound time of ``op`` on a link of ``rate_bytes_per_s`` (module docstring): a ring all-reduce
     moves ``2 (N-1)/N x D`` bytes over each link, all-gather and reduce-scatter half that, point-to-point ``D``."""
     n = world_size
-    share = {"p2p": 1.0, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(op, 2 * (n - 1) / n)
+    # A parameter server's frames: their link time depends on how many share the server's link, which the cost
+    # model charges (`loom.plan.cost`), not one frame.
+    share = {"p2p": 1.0, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "ps_encode": 0.0,
+             "ps_decode": 0.0}.get(op, 2 * (n - 1) / n)  # fmt: skip
     return share * nbytes / rate_bytes_per_s
 
 
@@ -87,6 +97,10 @@ class Transport:
             raise OutsideCalibration(
                 f"{op} of {int(nbytes)} bytes is above the largest measured size {self.sizes[-1]}"
             )
+        if math.isinf(table[bisect.bisect_left(self.sizes, nbytes)]):
+            raise OutsideCalibration(
+                f"{op} was measured up to {self._finite_up_to(op)} bytes, not {int(nbytes)}"
+            )
         i = bisect.bisect_left(self.sizes, nbytes)
         if i == 0:
             local = table[0]
@@ -98,6 +112,11 @@ class Transport:
                 local, link_bound_seconds(op.split(":")[0], nbytes, self.world_size, self.link_bytes_per_s)
             )
         return local
+
+    def _finite_up_to(self, op: str) -> int:
+        return max(
+            (s for s, t in zip(self.sizes, self.seconds[op], strict=True) if not math.isinf(t)), default=0
+        )
 
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "sizes": list(self.sizes), "seconds": self.seconds,
@@ -137,10 +156,54 @@ def _p2p(data: torch.Tensor, rank: int, world: int) -> None:
         dist.send(data, peer)
 
 
+class _FrameRig:
+    """A ZeroMQ PAIR over TCP loopback inside this process, and the parameter servers' frame code around it."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        from loom.ps.gate import Inbox, InboxLimits, chunk_key
+        from loom.ps.wire import WireLimits
+
+        self.secret = os.urandom(32)
+        self.key = chunk_key(self.secret)
+        self.limits = WireLimits()
+        self.context = zmq.Context()
+        self.send, self.receive = self.context.socket(zmq.PAIR), self.context.socket(zmq.PAIR)
+        port = self.send.bind_to_random_port("tcp://127.0.0.1")
+        self.receive.connect(f"tcp://127.0.0.1:{port}")
+        self.inbox = Inbox(
+            self.key, self.limits, InboxLimits(total_bytes=self.limits.max_frame), lambda _: None
+        )
+        self.seq = 0
+        self.arrived: bytes | memoryview = b""
+
+    def encode(self, data: torch.Tensor) -> None:
+        from loom.ps.gate import split_frame
+        from loom.ps.wire import MessageType, encode
+
+        self.seq += 1
+        frame = encode(self.secret, MessageType.PUSH, epoch=1, session=1, seq=self.seq, tensors={"g0": data})
+        for chunk in split_frame(self.key, frame):
+            self.send.send(chunk, copy=False)
+        whole = None
+        while whole is None:
+            whole = self.inbox.receive(b"", self.receive.recv(copy=False).buffer, time.monotonic())
+        self.arrived = whole
+
+    def decode(self) -> None:
+        from loom.ps.wire import decode
+
+        decode(self.secret, self.arrived, self.limits)
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
 def _operations(
-    size: int, algorithms: tuple[str, ...], rank: int, world: int
+    size: int, algorithms: tuple[str, ...], rank: int, world: int, rig: _FrameRig | None
 ) -> dict[str, Callable[[], object]]:
-    """Each timed operation on a float32 message of ``size`` bytes."""
+    """Each timed operation on a float32 message of ``size`` bytes (frames only with a ``rig``)."""
     from loom.comm import all_gather, all_reduce, piece_bounds, reduce_scatter
 
     data = torch.zeros(size // 4, dtype=torch.float32)
@@ -151,11 +214,15 @@ def _operations(
     ops["reduce_scatter"] = lambda: reduce_scatter(data, "sum")
     ops["all_gather"] = lambda: all_gather(data[lo:hi].clone(), data.numel())
     ops["p2p"] = lambda: _p2p(data, rank, world)
+    if rig is not None:
+        ops["ps_encode"] = lambda: rig.encode(data)
+        ops["ps_decode"] = rig.decode  # the frame ps_encode just delivered (timed right after it)
     return ops
 
 
-def measure_transport(sizes: list[int], reps: int = 5) -> Transport:
-    """Time every operation at every size on the default group (a collective: every rank calls it)."""
+def measure_transport(sizes: list[int], reps: int = 5, frame_limit: int = 0) -> Transport:
+    """Time every operation at every size on the default group (a collective: every rank calls it); the
+    parameter servers' frames up to ``frame_limit`` bytes (``inf`` above; none measured when 0)."""
     from loom.comm.auto import candidates
     from loom.comm.shm import context_for
 
@@ -164,7 +231,18 @@ def measure_transport(sizes: list[int], reps: int = 5) -> Transport:
     algorithms = candidates(context_for(None))
     seconds: dict[str, list[float]] = {f"allreduce:{a}": [] for a in algorithms}
     seconds.update({"reduce_scatter": [], "all_gather": [], "p2p": []})
-    for size in sizes:
-        for name, fn in _operations(size, algorithms, rank, world).items():
-            seconds[name].append(statistics.median(_timed(fn, reps).tolist()))
+    if frame_limit:
+        seconds.update({"ps_encode": [], "ps_decode": []})
+    rig = _FrameRig() if frame_limit else None
+    try:
+        for size in sizes:
+            for name, fn in _operations(
+                size, algorithms, rank, world, rig if size <= frame_limit else None
+            ).items():
+                seconds[name].append(statistics.median(_timed(fn, reps).tolist()))
+            for name in ("ps_encode", "ps_decode") if frame_limit and size > frame_limit else ():
+                seconds[name].append(math.inf)
+    finally:
+        if rig is not None:
+            rig.close()
     return Transport(world, tuple(sizes), {k: tuple(v) for k, v in seconds.items()})

@@ -17,7 +17,8 @@ model (``reference_step_s``): what the cost model's formulas leave out of a real
 guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
 
 ``verify``: the configuration itself, built from its family and options by name (no ``eval``), a few real steps
-of ``job.train_step``; writes the median step time (each step the slowest rank's) and the training state's
+of ``job.train_step``; writes the median step time (of a few timed blocks: a sync round for LocalSGD/DiLoCo,
+one step otherwise; each block the slowest rank's) and the training state's
 bytes by category (`Job.memory`, the largest rank) and the peak RSS.
 Rank 0 writes ``--out`` as JSON.
 """
@@ -102,7 +103,7 @@ def _copy(captured: Any) -> Any:
 def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     from loom.plan.transport import measure_transport
 
-    transport = measure_transport([int(s) for s in ns.sizes.split(",")], reps=ns.reps)
+    transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, ns.frame_limit)
     reference = _verify_steps(_copy(captured), "DataParallel", {"allreduce": "native"}, ns.steps, ns.warmup)
     overlap = _overlap(captured)
     data = transport.to_json()
@@ -126,23 +127,32 @@ def _verify(ns: argparse.Namespace, captured: Any) -> dict:
     return _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, ns.warmup)
 
 
+def _block(family: str, options: dict[str, Any]) -> int:
+    """Steps per timed block: a whole sync round for LocalSGD/DiLoCo (their exchange happens once per
+    ``sync_every`` steps, and the cost model amortizes it over the round: timing single steps would miss or
+    catch it by chance), one step otherwise."""
+    return int(options.get("sync_every", 1)) if family in ("LocalSGD", "DiLoCo") else 1
+
+
 def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: int, warmup: int) -> dict:
+    """``count`` timed blocks after ``warmup`` untimed steps; a block's time is the slowest rank's, from a barrier
+    before its first step to the end of its last, divided by its steps; the result is the median block."""
     from loom.observe.memory import peak_rss_bytes
 
     job = _strategy(family, options).setup(captured.model, captured.optimizer, captured.loss_fn)
     loader = job.loader(captured.dataset, captured.global_batch_size, **captured.loader_options)
+    block = _block(family, options)
+    batches = _endless(loader)
+    for _ in range(warmup):
+        job.train_step(next(batches))
     times: list[float] = []
-    epoch = 0
-    while len(times) < count + warmup:
-        loader.set_epoch(epoch)
-        for batch in loader:
-            started = time.perf_counter()
-            job.train_step(batch)
-            times.append(time.perf_counter() - started)
-            if len(times) >= count + warmup:
-                break
-        epoch += 1
-    steps = torch.tensor(times[warmup:], dtype=torch.float64)
+    for _ in range(count):
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(block):
+            job.train_step(next(batches))
+        times.append((time.perf_counter() - started) / block)
+    steps = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     memory = job.memory()
     keys = ["parameters", "gradients", "optimizer", "state", "total"]
@@ -153,8 +163,18 @@ def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: in
     return {
         "step_time_s": statistics.median(steps.tolist()),
         "step_times_s": steps.tolist(),
+        "steps_per_block": block,
         "memory": values,
     }
+
+
+def _endless(loader: Any) -> Any:
+    """The loader's batches, epoch after epoch."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="4096,65536,1048576")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--frame-limit", type=int, default=0, help="parameter-server frames up to this size")
     parser.add_argument("--family", default="DataParallel")
     parser.add_argument("--options", default="{}")
     parser.add_argument("--steps", type=int, default=5)
