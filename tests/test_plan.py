@@ -269,3 +269,19 @@ def test_kendall_tau_counts_pairs_in_the_same_order():
     assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
     assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
+def test_the_predicted_peak_adds_the_steps_temporaries_and_the_process_runtime():
+    import dataclasses
+
+    profile = dataclasses.replace(_profile(layers=4, sizes=(32, 64)), transient_bytes=1000)
+    dp = predict(Configuration("DataParallel", 2, (("allreduce", "native"),), dp=2), profile, _transport(), 64,
+                 runtime_bytes=10**6)  # fmt: skip
+    assert dp.memory["transient"] == 1000 and dp.memory["runtime"] == 10**6
+    state = sum(dp.memory[k] for k in ("parameters", "gradients", "optimizer", "activations", "other"))
+    assert dp.memory["total"] == state + 1000 + 10**6
+    pipe = predict(Configuration("Pipeline", 2, (("stages", 2), ("microbatches", 2), ("schedule", "gpipe")), dp=1,
+                                 pp=2), profile, _transport(), 64, runtime_bytes=10**6)  # fmt: skip
+    assert (
+        pipe.memory["transient"] == 500
+    )  # a stage's temporaries in proportion to its half of the parameters

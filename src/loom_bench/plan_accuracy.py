@@ -68,7 +68,9 @@ def _rows(result: PlanResult, args: tuple[str, ...], steps: int, repeats: int) -
                 continue
             row["measured_all"].append(v.measured_s)
             row["loads"].append([before, _load()])
-            row.update(predicted_state=v.predicted_state, measured_state=v.measured_state)
+            row.update(predicted_state=v.predicted_state, measured_state=v.measured_state,
+                       predicted_peak=v.predicted_peak)  # fmt: skip
+            row["measured_peak"] = max(row.get("measured_peak", 0), v.measured_peak)
             row["measured_s"] = statistics.median(row["measured_all"])
             row["step_error"] = row["predicted_s"] / row["measured_s"] - 1
             print(json.dumps(row), flush=True)
@@ -82,6 +84,16 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
         return 1.0
     signs = [((xs[i] > xs[j]) - (xs[i] < xs[j])) * ((ys[i] > ys[j]) - (ys[i] < ys[j])) for i, j in pairs]
     return sum(signs) / len(pairs)
+
+
+def _peaks(rows: list[dict[str, Any]]) -> str:
+    """How the predicted peak RSS compares with the measured (the largest process of each run)."""
+    errs = [r["predicted_peak"] / r["measured_peak"] - 1 for r in rows if r.get("measured_peak")]
+    if not errs:
+        return ""
+    under = sum(e < -0.05 for e in errs)
+    return (f" Peak RSS: median |error| {statistics.median(abs(e) for e in errs):.0%}, worst "
+            f"{max(errs, key=abs):+.0%}; under-predicted by more than 5 % in {under} of {len(errs)}.")  # fmt: skip
 
 
 def _ranking(rows: list[dict[str, Any]]) -> str:
@@ -115,16 +127,19 @@ def _markdown(report: dict) -> str:
                   f"Plan: {model['plan_seconds']}; measured engine overhead per step {model['overhead_s'] * 1e3:.1f} ms,"
                   f" overlap coefficient {model['overlap']:.2f}. Step-time |error|: median "
                   f"{statistics.median(errs):.0%}, mean {statistics.mean(errs):.0%}, worst {max(errs):.0%} "
-                  f"({len(errs)} configurations). " + _ranking(model["rows"]) if errs else "", "",
+                  f"({len(errs)} configurations). " + _ranking(model["rows"]) + _peaks(model["rows"]) if errs else "",
+                  "",
                   "| configuration | loom run | predicted ms | measured ms | error | state predicted | state measured "
-                  "| runs (ms) | load before/after |", "|---|---|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
+                  "| peak predicted MiB | peak measured MiB | runs (ms) | load before/after |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
         for r in model["rows"]:
             if "error" in r:
-                lines.append(f"| `{r['strategy']}` | {r['launch']} | | | failed: {r['error']} | | | | |")
+                lines.append(f"| `{r['strategy']}` | {r['launch']} | | | failed: {r['error']} | | | | | | |")
                 continue
             lines.append(
                 f"| `{r['strategy']}` | {r['launch']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} "
                 f"| {r['step_error']:+.0%} | {r['predicted_state']:,} | {r['measured_state']:,} "
+                f"| {r['predicted_peak'] / 2**20:.0f} | {r['measured_peak'] / 2**20:.0f} "
                 f"| {', '.join(f'{x * 1e3:.1f}' for x in r['measured_all'])} "
                 f"| {', '.join(f'{a:.1f}/{b:.1f}' for a, b in r['loads'])} |"
             )

@@ -99,13 +99,15 @@ def run_plan(ns: argparse.Namespace) -> int:
         return 2
     for v in verified:
         print(f"verify {v.config.name}: step {v.predicted_s * 1e3:.1f} ms predicted, {v.measured_s * 1e3:.1f} ms "
-              f"measured ({v.error:+.1%}); state {v.predicted_state} B predicted, {v.measured_state} B measured")  # fmt: skip
+              f"measured ({v.error:+.1%}); state {v.predicted_state} B predicted, {v.measured_state} B measured; "
+              f"peak RSS {v.predicted_peak} B predicted, {v.measured_peak} B measured")  # fmt: skip
     if ns.json is not None:
         extra = {"script": ns.script, "nproc": ns.nproc, "hosts": ns.hosts, "link_bytes_per_s": ns.link,
                  "global_batch_size": result.global_batch_size, "overlap": result.transport.overlap,
                  "seconds": result.seconds,
                  "verified": [{"strategy": v.config.strategy, "launch": v.config.launch, "predicted_s": v.predicted_s,
                                "measured_s": v.measured_s, "error": v.error, "predicted_state_bytes": v.predicted_state,
-                               "measured_state_bytes": v.measured_state} for v in verified]}  # fmt: skip
+                               "measured_state_bytes": v.measured_state, "predicted_peak_bytes": v.predicted_peak,
+                               "measured_peak_bytes": v.measured_peak} for v in verified]}  # fmt: skip
         ns.json.write_text(json.dumps(to_json(result.ranked, extra), indent=1))
     return 0

@@ -35,8 +35,11 @@ Pipeline / Hybrid(dp, pp), m, s     replay of loom's instruction streams (`pipel
 The stage cut is loom's own (`pipeline_split.balanced_cuts` by parameter count, as ``Pipeline``'s default), the
 bubble comes from replaying the schedule's instruction streams (with equal stages and free messages it is
 ``(p - 1) / (m + p - 1)``, GPipe paper §2.3), and the peak of live micro-batches from `peak_live_microbatches`.
-Memory is what a process holds between steps (what ``job.memory()`` counts then), plus the activations of one
-step. Two of loom's implementations differ from the textbook there, and the table follows loom: stage 1
+Memory is the peak of a process: what it holds between steps (what ``job.memory()`` counts then), the
+activations of one step, the step's temporaries (``transient``: autograd's and the optimizer's, measured by the
+profile as the growth of its peak RSS over the first steps, less the state and activations they created) and the
+process's ``runtime`` (torch, loom, the script's data: a worker's RSS after running the script up to its loader,
+less the model's parameters, measured by the calibration job). Two of loom's implementations differ from the textbook there, and the table follows loom: stage 1
 (`sharded_flat`) frees the full gradient once its piece is averaged, so only ``G/N`` stays (the whole ``G``
 lives during backward); DataParallel's shared-memory path (``allreduce="shm"`` without a spare core,
 `comm.shared_gradients`) makes every ``.grad`` a view of one shared segment holding every local process's slot,
@@ -54,6 +57,7 @@ Not modelled (refused, with the reason): TensorParallel (its collectives inside 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -73,7 +77,7 @@ class Prediction:
     samples_per_s: float = 0.0
     memory: dict[str, int] = field(default_factory=dict)
     """Bytes per process (the largest process) by category: parameters, gradients, optimizer, activations,
-    other, and their total."""
+    other, transient, runtime, and their total (the predicted peak RSS)."""
     wire_bytes: int = 0
     compute_s: float = 0.0
     comm_s: float = 0.0
@@ -230,6 +234,7 @@ def predict(
     codecs: dict[str, CodecCost] | None = None,
     spare_core: bool = False,
     overhead_s: float = 0.0,
+    runtime_bytes: int = 0,
 ) -> Prediction:
     """``config``'s prediction by the module docstring's table; a `Prediction` with ``refused`` set when the
     configuration is not modelled or would need a measurement the plan did not make (never extrapolated)."""
@@ -239,13 +244,26 @@ def predict(
     try:
         m = _Model(config, profile, transport, global_batch, overhead_s)
         if config.family == "DataParallel":
-            return _data_parallel(m, codecs or {}, spare_core)
-        if config.family == "ShardedDataParallel":
-            return _sharded(m)
-        if config.family == "ParameterServer":
-            return _parameter_server(m)
-        if config.family in ("LocalSGD", "DiLoCo"):
-            return _replicas(m)
-        return _pipeline(m)
+            got = _data_parallel(m, codecs or {}, spare_core)
+        elif config.family == "ShardedDataParallel":
+            got = _sharded(m)
+        elif config.family == "ParameterServer":
+            got = _parameter_server(m)
+        elif config.family in ("LocalSGD", "DiLoCo"):
+            got = _replicas(m)
+        else:
+            got = _pipeline(m)
     except OutsideCalibration as why:
         return Prediction(config, refused=f"outside the calibrated range: {why}")
+    return _with_process(got, profile, runtime_bytes)
+
+
+def _with_process(got: Prediction, profile: ModelProfile, runtime_bytes: int) -> Prediction:
+    """The peak of the whole process: the step's temporaries (a pipeline stage's in proportion to its
+    parameters) and the process's runtime (module docstring) added to the training state and activations."""
+    memory = dict(got.memory)
+    share = memory["parameters"] / profile.param_bytes if got.config.family == "Pipeline" else 1.0
+    memory["transient"] = int(profile.transient_bytes * share)
+    memory["runtime"] = int(runtime_bytes)
+    memory["total"] = sum(v for k, v in memory.items() if k != "total")
+    return dataclasses.replace(got, memory=memory)

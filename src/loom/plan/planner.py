@@ -40,6 +40,10 @@ class Verification:
     predicted_state: int
     measured_state: int
     measured: dict[str, Any] = field(default_factory=dict)
+    predicted_peak: int = 0
+    """The predicted peak RSS of the largest process (`Prediction.memory`'s total)."""
+    measured_peak: int = 0
+    """The largest process's peak RSS (``VmHWM``) over the run."""
 
     @property
     def error(self) -> float:
@@ -177,8 +181,10 @@ def plan(
     spare = (os.cpu_count() or 1) > nproc * profile.threads
     formula = predict(reference, profile, local, captured.global_batch_size, codecs, spare)
     overhead = max(0.0, float(measured["reference_step_s"]) - formula.step_time_s)
+    runtime = int(measured.get("runtime_bytes", 0))
     predictions: list[Prediction] = [
-        predict(c, profile, transport, captured.global_batch_size, codecs, spare, overhead) for c in configs
+        predict(c, profile, transport, captured.global_batch_size, codecs, spare, overhead, runtime)
+        for c in configs
     ]
     ranked = rank(predictions, memory_limit, last_errors())
     seconds["predict"] = time.perf_counter() - t
@@ -202,7 +208,16 @@ def verify(result: PlanResult, args: tuple[str, ...] = (), top: int = 2, steps: 
         got = _trial("verify", result.script, args, c.nproc, c.servers, options, timeout_s)
         state = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
         out.append(
-            Verification(c, p.step_time_s, float(got["step_time_s"]), state, int(got["memory"]["state"]), got)
+            Verification(
+                c,
+                p.step_time_s,
+                float(got["step_time_s"]),
+                state,
+                int(got["memory"]["state"]),
+                got,
+                p.memory["total"],
+                int(got["memory"]["peak_rss"]),
+            )  # fmt: skip
         )
     record_errors({v.config.family: v.error for v in out if math.isfinite(v.error)})
     result.verifications = out

@@ -9,6 +9,7 @@ with the thread count one worker of ``loom run`` gets (``OMP_NUM_THREADS``, 1 un
   starts; it ends when the gradient of the layer before is ready (or backward returns, for the first layer).
   This is exact for a chain, whose backward runs the layers in reverse order, one at a time;
 - the whole step (forward, backward, optimizer step): the median of ``repeats`` timed steps after one warm-up;
+- the step's transient peak (`ModelProfile.transient_bytes`), from the process's peak RSS (``VmHWM``);
 - bytes: parameters, gradients and optimizer state after a step (`loom.observe.memory.state_bytes`, the same
   count `job.memory()` reports), the activations autograd saves for backward per layer (a
   ``saved_tensors_hooks`` count, storages counted once, parameters excluded; measured on the warm-up step so the
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from loom.errors import OutsideCalibration
-from loom.observe.memory import state_bytes
+from loom.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, state_bytes
 from loom.plan.capture import CapturedScript
 
 __all__ = ["BatchProfile", "LayerProfile", "ModelProfile", "OutsideCalibration", "profile_model"]
@@ -84,6 +85,10 @@ class ModelProfile:
     chain_refusal: str
     threads: int
     batches: dict[int, BatchProfile]
+    transient_bytes: int = 0
+    """What a step holds at its peak beyond the training state and the saved activations (autograd's and the
+    optimizer's temporaries): the growth of this process's peak RSS over the first steps, at the largest batch,
+    less the gradients, optimizer state and activations they created. 0 where the peak RSS cannot be read."""
 
     def at(self, batch_size: int) -> BatchProfile:
         """The profile at ``batch_size``; refused when it was not measured (no extrapolation)."""
@@ -250,18 +255,22 @@ def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int
     clock = _LayerClock(layers)
     try:
         batches, optimizer_s = {}, []
-        for size in sorted(set(batch_sizes)):
+        rss, tracked, grown = rss_bytes() or 0, reset_peak_rss(), 0
+        for size in sorted(set(batch_sizes), reverse=True):  # the first, largest, creates the training state
             batches[size], opt = _profile_batch(captured, call, clock, size, repeats)
             optimizer_s.append(opt)
+            if tracked and size == max(batch_sizes):
+                grown = (peak_rss_bytes() or 0) - rss
     finally:
         clock.close()
         torch.set_num_threads(before)
     counted = state_bytes(captured.model, captured.optimizer)
+    created = counted["gradients"] + counted["optimizer"] + batches[max(batch_sizes)].activation_bytes
     return ModelProfile(
         param_bytes=counted["parameters"], grad_bytes=counted["gradients"], optimizer_bytes=counted["optimizer"],
         param_count=sum(p.numel() for p in captured.model.parameters()),
         optimizer_s=statistics.median(optimizer_s), chain=chain, chain_refusal=refusal, threads=threads,
-        batches=batches,
+        batches=batches, transient_bytes=max(0, grown - created),
     )  # fmt: skip
 
 

@@ -12,7 +12,8 @@ the gradient's all-reduce alone (``X``, native) and backward with DDP's all-redu
 the median of a few steps on this rank's share of the first global batch; ``k = (Bw + X - Bw_ddp) / min(Bw, X)``
 (1: the all-reduce entirely hidden, 0: none hidden, below 0: running both at once costs more than in sequence).
 
-It also runs the reference configuration, ``DataParallel(allreduce="native")``, a few steps on a copy of the
+It measures the process's runtime bytes (its RSS after running the script up to its loader, less the model's
+parameters: torch, loom, the script's data; the largest rank's), and runs the reference configuration, ``DataParallel(allreduce="native")``, a few steps on a copy of the
 model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
 guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
 
@@ -101,8 +102,12 @@ def _copy(captured: Any) -> Any:
 
 
 def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
+    from loom.observe.memory import rss_bytes
     from loom.plan.transport import measure_transport
 
+    params = sum(p.nbytes for p in captured.model.parameters())
+    runtime = torch.tensor([float((rss_bytes() or 0) - params)], dtype=torch.float64)
+    dist.all_reduce(runtime, op=dist.ReduceOp.MAX)
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, ns.frame_limit)
     reference = _verify_steps(_copy(captured), "DataParallel", {"allreduce": "native"}, ns.steps, ns.warmup)
     overlap = _overlap(captured)
@@ -110,6 +115,7 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     data["overlap"] = overlap["overlap"]
     data["overlap_measurement"] = overlap
     data["reference_step_s"] = reference["step_time_s"]
+    data["runtime_bytes"] = max(0, int(runtime.item()))
     return data
 
 
@@ -137,8 +143,9 @@ def _block(family: str, options: dict[str, Any]) -> int:
 def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: int, warmup: int) -> dict:
     """``count`` timed blocks after ``warmup`` untimed steps; a block's time is the slowest rank's, from a barrier
     before its first step to the end of its last, divided by its steps; the result is the median block."""
-    from loom.observe.memory import peak_rss_bytes
+    from loom.observe.memory import peak_rss_bytes, rss_bytes
 
+    before = rss_bytes() or 0  # the script's process with its model and data, before any training state
     job = _strategy(family, options).setup(captured.model, captured.optimizer, captured.loss_fn)
     loader = job.loader(captured.dataset, captured.global_batch_size, **captured.loader_options)
     block = _block(family, options)
@@ -157,9 +164,11 @@ def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: in
     memory = job.memory()
     keys = ["parameters", "gradients", "optimizer", "state", "total"]
     peak = peak_rss_bytes() or 0
-    largest = torch.tensor([float(memory[k]) for k in keys] + [float(peak)], dtype=torch.float64)
+    largest = torch.tensor(
+        [float(memory[k]) for k in keys] + [float(peak), float(before)], dtype=torch.float64
+    )
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    values = dict(zip([*keys, "peak_rss"], (int(v) for v in largest.tolist()), strict=True))
+    values = dict(zip([*keys, "peak_rss", "rss_before"], (int(v) for v in largest.tolist()), strict=True))
     return {
         "step_time_s": statistics.median(steps.tolist()),
         "step_times_s": steps.tolist(),
