@@ -1,13 +1,17 @@
-"""``python -m loom_bench.plan_accuracy``: `loom plan`'s predictions against measured runs, one host.
+"""``python -m loom_bench.plan_accuracy``: `loom plan`'s predictions against measured runs.
 
 For each model size (the MLP chain of ``tests/workers/plan_tiny.py`` at a width and depth), `loom.plan.plan`
 plans 2 processes; then every configuration of `CHOSEN` that the plan predicted runs a few steps under
-``loom run`` (`loom.plan.planner.verify` on that one configuration), and its predicted and measured step time
-and persistent state (parameters, gradients, optimizer state, the largest rank) are written side by side, with
-the load average before and after each run. Writes ``plan_accuracy.md`` and ``plan_accuracy.json`` into
-``--out`` after every model (a run stopped early keeps what it measured).
+``loom run`` (`loom.plan.planner.verify` on that one configuration), and its predicted and measured step time,
+persistent state (parameters, gradients, optimizer state) and peak RSS (the largest rank's) are written side by
+side, with the load average before and after each run. With ``--hosts H --link RATE`` (root) the plan is for H
+hosts, one process each, and each configuration runs on H network namespaces joined by veth pairs shaped by
+``tc tbf`` to RATE (`loom_bench.links`); parameter servers are left out there (that runner starts none).
+Writes ``plan_accuracy[_Hhosts_RATE].md`` and ``.json`` into ``--out`` after every model (a run stopped early
+keeps what it measured).
 
     PYTHONPATH=src python -m loom_bench.plan_accuracy [--out benchmarks/reports] [--steps 5] [--repeats 3]
+        [--models small,medium,large] [--hosts 2 --link 100mbit]
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from loom.plan.planner import PlanResult, plan, verify
+from loom.plan.planner import PlanResult, Verification, plan, verify
 from loom.plan.recommend import Ranked
+from loom.plan.transport import parse_rate
 
 __all__ = ["CHOSEN", "MODELS", "main"]
 
@@ -35,6 +41,7 @@ CHOSEN = (
     "loom.DiLoCo(sync_every=8)", 'loom.Pipeline(stages=2, microbatches=2, schedule="gpipe")',
     'loom.Pipeline(stages=2, microbatches=4, schedule="1f1b")',
 )  # fmt: skip
+HOSTS_TIMEOUT_S = 600.0
 SCRIPT = str(Path(__file__).resolve().parents[2] / "tests" / "workers" / "plan_tiny.py")
 
 
@@ -42,14 +49,34 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def _rows(result: PlanResult, args: tuple[str, ...], steps: int, repeats: int) -> list[dict[str, Any]]:
+def _verify_on_hosts(hosts: Any, r: Ranked, args: tuple[str, ...], steps: int) -> Verification:
+    """``r``'s configuration run on namespace hosts (one process each, `loom_bench.links.run_job`), measured by
+    `loom.plan.trial` as ``loom plan --verify`` measures on one host."""
+    from loom_bench.links import run_job
+
+    c, p = r.prediction.config, r.prediction
+    with tempfile.TemporaryDirectory(prefix="loom-plan-hosts-") as tmp:
+        out = Path(tmp) / "result.json"
+        options = ["verify", "--out", str(out), "--family", c.family, "--options", json.dumps(dict(c.options)),
+                   "--steps", str(steps), SCRIPT, *args]  # fmt: skip
+        run_job(hosts, "loom.plan.trial", options, Path(tmp), HOSTS_TIMEOUT_S)
+        got = json.loads(out.read_text())
+    state = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
+    memory = got["memory"]
+    return Verification(c, p.step_time_s, float(got["step_time_s"]), state, int(memory["state"]), got,
+                        p.memory["total"], int(memory["peak_rss"]))  # fmt: skip
+
+
+def _rows(
+    result: PlanResult, args: tuple[str, ...], steps: int, repeats: int, hosts: Any = None
+) -> list[dict[str, Any]]:
     """Each chosen configuration measured ``repeats`` times, in passes over all of them (so a burst of load
     lands on one measurement of several configurations, not on every measurement of one); the row's measured
     step is the median of its measurements."""
     picked: list[Ranked] = []
     for strategy in CHOSEN:
         ranked = [r for r in result.ranked if r.prediction.config.strategy == strategy and r.feasible]
-        picked += [r for r in ranked if r.prediction.config.servers in (0, 1)][:1]
+        picked += [r for r in ranked if r.prediction.config.servers in ((0,) if hosts else (0, 1))][:1]
     rows: list[dict[str, Any]] = [
         {"strategy": r.prediction.config.strategy, "launch": r.prediction.config.launch,
          "predicted_s": r.prediction.step_time_s, "measured_all": [], "loads": [],
@@ -62,7 +89,11 @@ def _rows(result: PlanResult, args: tuple[str, ...], steps: int, repeats: int) -
             before = _load()
             one = PlanResult(**{**result.__dict__, "ranked": [r], "verifications": []})
             try:
-                v = verify(one, args, top=1, steps=steps)[0]
+                v = (
+                    _verify_on_hosts(hosts, r, args, steps)
+                    if hosts
+                    else verify(one, args, top=1, steps=steps)[0]
+                )
             except Exception as error:  # noqa: BLE001 - a failed run is a row of the report, not the end of it
                 row["error"] = str(error)[:300]
                 continue
@@ -110,12 +141,17 @@ def _ranking(rows: list[dict[str, Any]]) -> str:
 
 def _markdown(report: dict) -> str:
     lines = [
-        "# `loom plan`: predicted vs measured, one host, 2 processes",
+        "# `loom plan`: predicted vs measured, "
+        + (
+            "one host, 2 processes"
+            if report.get("hosts", 1) == 1
+            else f"{report['hosts']} namespace hosts at {report['link']} (veth + tc tbf), one process each"
+        ),
         "",
         f"Command: `{report['command']}` ({report['date']}, {report['machine']}). Model: the MLP chain of "
         "`tests/workers/plan_tiny.py` (Adam, global batch 64), at three sizes. Step time: the median of "
         f"{report['steps']} timed blocks (a sync round for LocalSGD/DiLoCo, else one step; each the slowest "
-        f"rank's) after 2 warm-up steps, under `loom run -n 2`, in each of {report.get('repeats', 1)} runs; the "
+        f"rank's) after 2 warm-up steps, under `loom run`, in each of {report.get('repeats', 1)} runs; the "
         "median run is the measured step. State: "
         "parameters + gradients + optimizer state of the largest rank, counted by `job.memory()`. Error: "
         "predicted / measured - 1.",
@@ -153,23 +189,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (median kept)")
+    parser.add_argument("--hosts", type=int, default=1, help="namespace hosts, one process each (needs root)")
+    parser.add_argument("--link", default=None, help="their link rate, as tc writes it (with --hosts)")
     ns = parser.parse_args(argv)
+    if (ns.hosts > 1) != (ns.link is not None):
+        parser.error("--hosts H (2 or more) and --link RATE go together")
     report: dict = {"command": "PYTHONPATH=src python -m loom_bench.plan_accuracy " + " ".join(argv or []),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": ns.steps,
-                    "repeats": ns.repeats, "machine": f"{os.cpu_count()} cores", "models": {}}  # fmt: skip
-    for name in ns.models.split(","):
-        args = MODELS[name]
-        result = plan(SCRIPT, args, nproc=2)
-        seconds = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
-        print(f"{name}: planned ({seconds})", flush=True)
-        report["models"][name] = {
-            "args": " ".join(args), "params": result.profile.param_count, "plan_seconds": seconds,
-            "overhead_s": result.overhead_s, "overlap": result.transport.overlap,
-            "rows": _rows(result, args, ns.steps, ns.repeats),
-        }  # fmt: skip
-        ns.out.mkdir(parents=True, exist_ok=True)
-        (ns.out / "plan_accuracy.json").write_text(json.dumps(report, indent=1))
-        (ns.out / "plan_accuracy.md").write_text(_markdown(report))
+                    "repeats": ns.repeats, "machine": f"{os.cpu_count()} cores", "hosts": ns.hosts,
+                    "link": ns.link, "models": {}}  # fmt: skip
+    hosts = None
+    if ns.hosts > 1:
+        from loom_bench.links import Hosts, skip_reason
+
+        reason = skip_reason()
+        if reason:
+            print(f"loom_bench.plan_accuracy: skipped: {reason}")
+            return 0
+        hosts = Hosts(ns.hosts)
+    try:
+        if hosts is not None:
+            hosts.limit(ns.link)
+        stem = "plan_accuracy" if hosts is None else f"plan_accuracy_{ns.hosts}hosts_{ns.link}"
+        for name in ns.models.split(","):
+            args = MODELS[name]
+            nproc, rate = (2, None) if hosts is None else (1, parse_rate(ns.link))
+            result = plan(SCRIPT, args, nproc=nproc, hosts=ns.hosts, link_bytes_per_s=rate)
+            seconds = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
+            print(f"{name}: planned ({seconds})", flush=True)
+            report["models"][name] = {
+                "args": " ".join(args), "params": result.profile.param_count, "plan_seconds": seconds,
+                "overhead_s": result.overhead_s, "overlap": result.transport.overlap,
+                "rows": _rows(result, args, ns.steps, ns.repeats, hosts),
+            }  # fmt: skip
+            ns.out.mkdir(parents=True, exist_ok=True)
+            (ns.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+            (ns.out / f"{stem}.md").write_text(_markdown(report))
+    finally:
+        if hosts is not None:
+            hosts.close()
     return 0
 
 

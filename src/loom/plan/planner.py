@@ -161,7 +161,10 @@ def plan(
     chain = len(_layers(captured.model)[0])
     configs = [dataclasses.replace(c, hosts=hosts)
                for c in candidates(world, algorithms, chain, captured.global_batch_size)]  # fmt: skip
-    reference = Configuration("DataParallel", nproc, (("allreduce", "native"),), dp=nproc)  # as calibrated
+    # The calibration job runs on this host: nproc processes, at least 2 (one process per host still needs a
+    # measured floor for its collectives, and the engine overhead of a job that has peers).
+    calibrated = max(2, nproc)
+    reference = Configuration("DataParallel", calibrated, (("allreduce", "native"),), dp=calibrated)
     t = time.perf_counter()
     profile = profile_model(captured, batch_sizes([*configs, reference], captured.global_batch_size))
     codecs = {spec: measure_codec(spec, captured.model, world) for spec in CODECS}
@@ -170,7 +173,7 @@ def plan(
     sizes = _message_sizes(profile, codecs, world)
     frames = max(profile.grad_bytes, profile.param_bytes)  # a parameter server's largest frame (one server)
     options = ["--sizes", ",".join(map(str, sizes)), "--frame-limit", str(frames)]
-    measured = _trial("calibrate", script, args, nproc, 0, options, timeout_s)
+    measured = _trial("calibrate", script, args, calibrated, 0, options, timeout_s)
     local = Transport.from_json(measured)
     transport = dataclasses.replace(local, world_size=world, hosts=hosts,
                                     link_bytes_per_s=link_bytes_per_s)  # fmt: skip
