@@ -285,3 +285,28 @@ def test_the_predicted_peak_adds_the_steps_temporaries_and_the_process_runtime()
     assert (
         pipe.memory["transient"] == 500
     )  # a stage's temporaries in proportion to its half of the parameters
+
+
+def test_tensor_parallel_splits_each_linear_pair_and_all_reduces_its_output_and_input_gradient():
+    import dataclasses
+
+    profile = dataclasses.replace(_profile(layers=4, sizes=(64,)), tp_pairs=((0, 1), (2, 3)), tp_refusal="")
+    config = Configuration("TensorParallel", 2, (("size", 2),), dp=1, tp=2)
+    got = predict(config, profile, _transport(seconds=1e-3), 64)
+    assert not got.refused, got.refused
+    assert got.compute_s == pytest.approx(4 * (1.0 + 2.0) / 2)  # every layer in a pair: half its work
+    # forward: each pair's output; backward: the second pair's input (the first pair's input is the data)
+    assert got.comm_s == pytest.approx(3 * 1e-3)
+    assert got.memory["parameters"] == profile.param_bytes // 2
+    assert (
+        got.wire_bytes == 3 * (2 * (2 - 1) // 2) * 10 * 64
+    )  # each all-reduce: a layer output of 10 B/sample
+    unsplit = predict(config, _profile(layers=4, sizes=(64,)), _transport(), 64)
+    assert unsplit.refused.endswith("not profiled")
+
+
+def test_the_profile_finds_the_linear_pairs_tensor_parallel_splits():
+    captured = capture_script(TINY, ("--width", "16", "--depth", "3"))
+    profile = profile_model(captured, [64], repeats=1)
+    # Linear ReLU Linear ReLU Linear ReLU Linear: (0, 2) and (4, 6), as TensorParallel(plan="auto") splits them
+    assert profile.tp_pairs == ((0, 2), (4, 6))

@@ -39,7 +39,7 @@ CHOSEN = (
     'loom.DataParallel(compression="powersgd:4")', "loom.ShardedDataParallel(stage=1)",
     "loom.ShardedDataParallel(stage=3)", 'loom.ParameterServer(mode="sync")', "loom.LocalSGD(sync_every=8)",
     "loom.DiLoCo(sync_every=8)", 'loom.Pipeline(stages=2, microbatches=2, schedule="gpipe")',
-    'loom.Pipeline(stages=2, microbatches=4, schedule="1f1b")',
+    'loom.Pipeline(stages=2, microbatches=4, schedule="1f1b")', "loom.TensorParallel(size=2)",
 )  # fmt: skip
 HOSTS_TIMEOUT_S = 600.0
 SCRIPT = str(Path(__file__).resolve().parents[2] / "tests" / "workers" / "plan_tiny.py")

@@ -10,8 +10,8 @@
 - `Pipeline` over every ``p`` that divides N (``p > 1``; the rest is the data axis, then written as `Hybrid`),
   with each schedule and each micro-batch count of `MICROBATCHES`, when the model is a chain of at least ``p``
   layers;
-- `TensorParallel` (``tp = N``), listed and refused: this version has no calibrated cost model for its
-  collectives inside the layers.
+- `TensorParallel` (``tp = N``): predicted for a model that is one MLP chain (`loom.plan.cost`), refused with
+  the reason otherwise.
 
 A configuration is data (`Configuration`); the cost model (`loom.plan.cost`) predicts it and the recommender
 (`loom.plan.recommend`) ranks it. ``batch_sizes`` says which batch sizes the profile must measure, so that no

@@ -52,7 +52,9 @@ Every step also pays loom's step engine (the guard, step records, the batch hand
 contains: ``E``, measured once per plan as the reference configuration's measured step minus its formula
 (``DataParallel(allreduce="native")``, run by `loom.plan.trial`'s calibration), is added to every configuration.
 
-Not modelled (refused, with the reason): TensorParallel (its collectives inside the layers are not calibrated).
+TensorParallel (one MLP chain, ``tp = N``): ``sum over layers of C_l / (t if split else 1) + sum over pairs of
+(T_native(out_b) + T_native(in_a)) + O f + e`` (`_tensor_parallel`); other models, or a data axis beside it, are
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -197,6 +199,33 @@ def _replicas(m: _Model) -> Prediction:
     return m.done(at, comm, p.optimizer_s + m.small, memory, _ring(n, p.param_bytes) / period)
 
 
+def _tensor_parallel(m: _Model) -> Prediction:
+    """Megatron's MLP split over ``t`` processes, each with the whole batch: a pair's layers compute a ``1/t``
+    share; its row-parallel output is all-reduced in forward, its input gradient in backward (none for a pair
+    whose input is the data); everything else is replicated."""
+    p, c, t = m.p, m.c, m.c.tp
+    if not p.tp_pairs:
+        raise OutsideCalibration(f"TensorParallel is not predicted for this model: {p.tp_refusal}")
+    if c.dp > 1:
+        raise OutsideCalibration("a data axis beside tensor parallelism is not predicted")
+    at = p.at(m.share)
+    layers = at.layers
+    split = {i for a, b in p.tp_pairs for i in range(a, b + 1)}
+    inside = {i for a, b in p.tp_pairs for i in range(a + 1, b + 1)}  # the first layer saves its whole input
+    compute = sum((x.forward_s + x.backward_s) / (t if i in split else 1) for i, x in enumerate(layers))
+    compute += max(0.0, at.compute_s - sum(x.forward_s + x.backward_s for x in layers))  # the loss
+    reduced = [layers[b].output_bytes for _, b in p.tp_pairs]
+    reduced += [layers[a - 1].output_bytes for a, _ in p.tp_pairs if a > 0]
+    comm = sum(m.t.time("allreduce:native", d) for d in reduced)
+    cut = sum(layers[i].param_bytes for i in split)
+    f = ((p.param_bytes - cut) + cut / t) / max(1, p.param_bytes)
+    acts = sum(x.saved_bytes / (t if i in inside else 1) for i, x in enumerate(layers))
+    memory = _memory(p.param_bytes * f, p.grad_bytes * f, p.optimizer_bytes * f, acts)
+    step = compute + comm + p.optimizer_s * f + m.small + m.overhead
+    wire = sum(_ring(t, d) for d in reduced)
+    return Prediction(c, step, m.global_batch / step, memory, int(wire), compute, comm)
+
+
 def _pipeline(m: _Model) -> Prediction:
     p, c = m.p, m.c
     if not p.chain:
@@ -238,9 +267,6 @@ def predict(
 ) -> Prediction:
     """``config``'s prediction by the module docstring's table; a `Prediction` with ``refused`` set when the
     configuration is not modelled or would need a measurement the plan did not make (never extrapolated)."""
-    if config.family == "TensorParallel":
-        return Prediction(config, refused="not predicted by this version: the collectives inside tensor-parallel "
-                                          "layers are not calibrated yet")  # fmt: skip
     try:
         m = _Model(config, profile, transport, global_batch, overhead_s)
         if config.family == "DataParallel":
@@ -251,6 +277,8 @@ def predict(
             got = _parameter_server(m)
         elif config.family in ("LocalSGD", "DiLoCo"):
             got = _replicas(m)
+        elif config.family == "TensorParallel":
+            got = _tensor_parallel(m)
         else:
             got = _pipeline(m)
     except OutsideCalibration as why:

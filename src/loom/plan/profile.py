@@ -85,6 +85,10 @@ class ModelProfile:
     chain_refusal: str
     threads: int
     batches: dict[int, BatchProfile]
+    tp_pairs: tuple[tuple[int, int], ...] = ()
+    """The layers ``TensorParallel(plan="auto")`` splits, as (column-parallel, row-parallel) layer indices:
+    found when the model is one MLP chain whose Linear pairs are profiled layers."""
+    tp_refusal: str = "not profiled"
     transient_bytes: int = 0
     """What a step holds at its peak beyond the training state and the saved activations (autograd's and the
     optimizer's temporaries): the growth of this process's peak RSS over the first steps, at the largest batch,
@@ -107,6 +111,26 @@ def _layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool, str]:
     except ValueError as why:
         children = list(model.named_children()) or [("", model)]
         return children, False, str(why)
+
+
+def _tp_pairs(
+    model: nn.Module, layers: list[tuple[str, nn.Module]]
+) -> tuple[tuple[tuple[int, int], ...], str]:
+    """`ModelProfile.tp_pairs`, or no pairs and the reason."""
+    from loom.parallel.tensor.tensor_parallel_shard import auto_plan, mlp_pairs
+
+    try:
+        plan = auto_plan(model)
+    except ValueError as why:
+        return (), str(why)
+    if plan != {"": "mlp"}:
+        return (), f"its tensor-parallel plan {plan} is not one MLP chain (only that is predicted)"
+    index = {id(module): i for i, (_, module) in enumerate(layers)}
+    children = dict(model.named_children())
+    pairs = [(index.get(id(children[a])), index.get(id(children[b]))) for a, b in mlp_pairs(model)]
+    if any(a is None or b is None for a, b in pairs):
+        return (), "its Linear pairs are not layers of the profiled chain"
+    return tuple((int(a), int(b)) for a, b in pairs), ""  # type: ignore[arg-type]
 
 
 def _batch_of(captured: CapturedScript, batch_size: int) -> Any:
@@ -248,6 +272,7 @@ def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int
 
     call = LossCall.of(captured.loss_fn)
     layers, chain, refusal = _layers(captured.model)
+    pairs, tp_refusal = _tp_pairs(captured.model, layers)
     threads = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -270,7 +295,7 @@ def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int
         param_bytes=counted["parameters"], grad_bytes=counted["gradients"], optimizer_bytes=counted["optimizer"],
         param_count=sum(p.numel() for p in captured.model.parameters()),
         optimizer_s=statistics.median(optimizer_s), chain=chain, chain_refusal=refusal, threads=threads,
-        batches=batches, transient_bytes=max(0, grown - created),
+        batches=batches, tp_pairs=pairs, tp_refusal=tp_refusal, transient_bytes=max(0, grown - created),
     )  # fmt: skip
 
 

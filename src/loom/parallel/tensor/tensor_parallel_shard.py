@@ -31,6 +31,7 @@ __all__ = [
     "TensorShards",
     "apply_tensor_parallel",
     "auto_plan",
+    "mlp_pairs",
     "gather_shards",
     "shard_stage",
 ]
@@ -104,7 +105,7 @@ def _chain_pairs(module: nn.Module) -> list[tuple[str, str]]:
     return pairs
 
 
-def _mlp_pairs(module: nn.Module) -> list[tuple[str, str]]:
+def mlp_pairs(module: nn.Module) -> list[tuple[str, str]]:
     """The Linear pairs of an MLP block: consecutive pairs of a chain, or a block's two Linear children
     (``fc1``, ``fc2``, the activation applied in its ``forward``)."""
     if _is_chain(module):
@@ -117,7 +118,7 @@ def _mlp_pairs(module: nn.Module) -> list[tuple[str, str]]:
 
 
 def _is_mlp(module: nn.Module) -> bool:
-    return bool(_mlp_pairs(module))
+    return bool(mlp_pairs(module))
 
 
 def auto_plan(model: nn.Module, allow_empty: bool = False) -> dict[str, str]:
@@ -179,7 +180,7 @@ def _split_attention(name: str, module: nn.Module, comm: TensorParallelComm, dim
 
 
 def _split_mlp(name: str, module: nn.Module, comm: TensorParallelComm, dims: dict[int, int]) -> None:
-    pairs = _mlp_pairs(module)
+    pairs = mlp_pairs(module)
     if not pairs:
         raise ValueError(
             f"module {name!r} planned as 'mlp' has no Linear pair to split: it needs two Linear children (fc1, "
