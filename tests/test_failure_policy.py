@@ -20,12 +20,13 @@ from loom.parallel._setup import check_failure_policy
 from loom.topology import Topology
 
 ONE = Topology(0, 1, 0, 1, "none")
+LAUNCHED = Topology(0, 1, 0, 1, "gloo")  # a launched job's: the refusal comes before any collective
 
 REFUSED = {
-    "DataParallel": lambda: loom.DataParallel(topology=ONE),
-    "LocalSGD": lambda: loom.LocalSGD(topology=ONE),
-    "DiLoCo": lambda: loom.DiLoCo(topology=ONE),
-    "ParameterServer(mode='sync')": lambda: loom.ParameterServer(mode="sync", topology=ONE),
+    "DataParallel": lambda topology: loom.DataParallel(topology=topology),
+    "LocalSGD": lambda topology: loom.LocalSGD(topology=topology),
+    "DiLoCo": lambda topology: loom.DiLoCo(topology=topology),
+    "ParameterServer(mode='sync')": lambda topology: loom.ParameterServer(mode="sync", topology=topology),
 }
 
 
@@ -41,7 +42,7 @@ def test_strategies_that_need_every_rank_refuse_continue_naming_the_alternatives
     monkeypatch.setenv("LOOM_ON_WORKER_FAILURE", "continue")
     model, optimizer = _model()
     with pytest.raises(ValueError) as error:
-        REFUSED[name]().setup(model, optimizer, nn.functional.mse_loss)
+        REFUSED[name](LAUNCHED).setup(model, optimizer, nn.functional.mse_loss)
     message = str(error.value)
     assert message.startswith(f"--on-worker-failure continue: {name} cannot go on without a lost worker")
     for alternative in ("--on-worker-failure stop", "--max-restarts N", "Gossip", "mode='async'"):
@@ -55,13 +56,29 @@ def test_the_policy_is_checked_only_under_continue(monkeypatch):
     monkeypatch.setenv("LOOM_ON_WORKER_FAILURE", "stop")
     loom.DiLoCo(topology=ONE).setup(model, optimizer, nn.functional.mse_loss)
     monkeypatch.setenv("LOOM_ON_WORKER_FAILURE", "continue")
-    check_failure_policy("Gossip", survives_lost_worker=True)
+    check_failure_policy("Gossip", survives_lost_worker=True, backend="gloo")
     with pytest.raises(
         ValueError, match="ParameterServer\\(mode='async'\\)"
     ):  # asynchronous passes the check:
-        check_failure_policy("X", survives_lost_worker=False)
+        check_failure_policy("X", survives_lost_worker=False, backend="gloo")
     with pytest.raises(ValueError, match="needs server addresses"):  # ...and fails later, for another reason
         loom.ParameterServer(mode="async", topology=ONE, addresses=[]).setup(model, optimizer, nn.MSELoss())
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["continue", "heal"])
+def test_a_one_process_job_inside_a_launched_job_is_a_plain_job_whatever_the_policy(policy, monkeypatch):
+    """A reference or evaluation model given an explicit backend="none" topology has no peer to lose: the
+    launcher's policy does not apply to it (one rule for continue and heal: `failure_policy`)."""
+    monkeypatch.setenv("LOOM_ON_WORKER_FAILURE", policy)
+    model, optimizer = _model()
+    job = loom.ParameterServer(mode="sync", topology=ONE, addresses=[])
+    with pytest.raises(
+        ValueError, match="needs server addresses"
+    ):  # past the policy: fails for its own reason
+        job.setup(model, optimizer, nn.functional.mse_loss)
+    check_failure_policy("ShardedDataParallel", survives_lost_worker=False, backend="none")
 
 
 DILOCO = """

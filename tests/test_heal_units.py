@@ -19,7 +19,7 @@ from loom.topology import Topology
 
 pytestmark = pytest.mark.unit
 
-ONE = Topology(0, 1, 0, 1, "none")
+LAUNCHED = Topology(0, 1, 0, 1, "gloo")  # a launched job's: the refusal comes before any collective
 
 
 class MemoryStore:
@@ -73,13 +73,20 @@ def test_fault_plans_parse_and_refuse_malformed_items():
 @pytest.mark.parametrize(
     "make, why",
     [
-        (lambda: loom.Gossip(topology=ONE), "membership that changes between steps"),
-        (lambda: loom.ParameterServer(mode="async", topology=ONE), "membership that changes between steps"),
-        (lambda: loom.ShardedDataParallel(topology=ONE), "only copy of its shard of the optimizer state"),
-        (lambda: loom.Pipeline(stages=1, topology=ONE), "only copy of its stage or shard of the model"),
+        (lambda: loom.Gossip(topology=LAUNCHED), "membership that changes between steps"),
+        (
+            lambda: loom.ParameterServer(mode="async", topology=LAUNCHED),
+            "membership that changes between steps",
+        ),
+        (
+            lambda: loom.ShardedDataParallel(topology=LAUNCHED),
+            "only copy of its shard of the optimizer state",
+        ),
+        (lambda: loom.Pipeline(stages=1, topology=LAUNCHED), "only copy of its stage or shard of the model"),
     ],
 )
 def test_strategies_that_cannot_heal_refuse_it_naming_the_ones_that_can(make, why, monkeypatch):
+    """On a launched job's topology (an explicit backend="none" one is a plain job: test_failure_policy)."""
     monkeypatch.setenv("LOOM_ON_WORKER_FAILURE", "heal")
     model = nn.Linear(2, 1)
     with pytest.raises(ValueError, match=rf"--on-worker-failure heal: .* cannot heal .*{why}.*HINT: use a strategy "

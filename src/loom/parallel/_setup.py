@@ -17,6 +17,7 @@ __all__ = [
     "StartRefused",
     "check_failure_policy",
     "check_setup_arguments",
+    "failure_policy",
     "joins_healing",
 ]
 
@@ -41,21 +42,29 @@ def _why_no_heal(strategy: str) -> str:
     return "its replacement would need a membership that changes between steps"
 
 
+def failure_policy(backend: str) -> str:
+    """The launcher's ``--on-worker-failure`` policy (``LOOM_ON_WORKER_FAILURE``: stop, continue or heal) as it
+    applies to a job over a topology of ``backend``. A job given an explicit one-process ``backend="none"``
+    topology (a reference or evaluation model built inside the launched job) has no peer to lose: it is a plain
+    job ("stop") whatever the launcher's policy; under heal, joining the quorum would re-enter this process's
+    own membership."""
+    return "stop" if backend == "none" else os.environ.get("LOOM_ON_WORKER_FAILURE", "stop")
+
+
 def joins_healing(backend: str) -> bool:
-    """Whether a job over a topology of ``backend`` joins the healing quorum: under ``loom run
-    --on-worker-failure heal``, and only over the launched processes. A job given an explicit one-process
-    ``backend="none"`` topology (a reference or evaluation model built inside a healing job) is a plain job:
-    joining would re-enter this process's membership."""
-    return os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal" and backend != "none"
+    """Whether a job over a topology of ``backend`` joins the healing quorum (`failure_policy` is heal)."""
+    return failure_policy(backend) == "heal"
 
 
-def check_failure_policy(strategy: str, survives_lost_worker: bool, heals: bool = False) -> None:
-    """Refuse to start ``strategy`` under ``loom run --on-worker-failure continue`` (``LOOM_ON_WORKER_FAILURE``)
-    unless ``survives_lost_worker``: the policy promises that the other workers go on, and a strategy whose ranks
-    meet in collectives (or, like DiLoCo, average with every replica) cannot keep that promise: its survivors
-    crash at their next exchange ('Connection reset by peer') with nothing finished. Checked before any
-    collective, the same on every rank."""
-    policy = os.environ.get("LOOM_ON_WORKER_FAILURE", "stop")
+def check_failure_policy(
+    strategy: str, survives_lost_worker: bool, heals: bool = False, *, backend: str
+) -> None:
+    """Refuse to start ``strategy`` under the `failure_policy` of its ``backend`` when it cannot keep it: heal
+    unless ``heals``; continue unless ``survives_lost_worker`` (the policy promises that the other workers go on,
+    and a strategy whose ranks meet in collectives (or, like DiLoCo, average with every replica) cannot keep
+    that promise: its survivors crash at their next exchange ('Connection reset by peer') with nothing
+    finished). Checked before any collective, the same on every rank."""
+    policy = failure_policy(backend)
     if policy == "heal" and not heals:
         raise StartRefused(
             f"--on-worker-failure heal: {strategy} cannot heal a lost worker ({_why_no_heal(strategy)}). HINT: "
@@ -80,16 +89,17 @@ def check_setup_arguments(
     conventions: bool = False,
     survives_lost_worker: bool = False,
     heals: bool = False,
+    backend: str,
 ) -> LossCall:
     """Refuse arguments of the wrong type, and an optimizer holding parameters that are not the model's
     (it would step tensors the strategy never synchronizes); return the loss convention (`LossCall`).
-    Refuse ``--on-worker-failure continue`` unless ``survives_lost_worker`` (`check_failure_policy`).
+    Refuse a failure policy the strategy cannot keep over a topology of ``backend`` (`check_failure_policy`).
 
     ``conventions``: whether ``strategy`` runs every `LossCall` convention (one call to
     `loom.train.batch.forward_loss` on the whole model); strategies that call the loss elsewhere (a
     pipeline's last stage) take the plain ``loss_fn(model(inputs), targets)`` only and refuse the others here.
     """
-    check_failure_policy(strategy, survives_lost_worker, heals)
+    check_failure_policy(strategy, survives_lost_worker, heals, backend=backend)
     if not isinstance(model, nn.Module):
         raise TypeError(f"setup() expects an nn.Module as model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

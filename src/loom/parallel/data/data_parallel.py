@@ -90,7 +90,13 @@ class DataParallel:
         (the conventions are `LossCall`'s table)."""
         topo = self.topology if self.topology is not None else current()
         call = check_setup_arguments(
-            model, optimizer, loss_fn, strategy="DataParallel", conventions=True, heals=True
+            model,
+            optimizer,
+            loss_fn,
+            strategy="DataParallel",
+            conventions=True,
+            heals=True,
+            backend=topo.backend,
         )
         if joins_healing(topo.backend):
             return self._setup_healing(model, optimizer, call, topo)

@@ -163,7 +163,7 @@ class ShardedDataParallel:
         pieces (keep using the same object, and schedulers built on it)."""
         topo = self.topology if self.topology is not None else current()
         call = check_setup_arguments(
-            model, optimizer, loss_fn, strategy="ShardedDataParallel", conventions=True
+            model, optimizer, loss_fn, strategy="ShardedDataParallel", conventions=True, backend=topo.backend
         )
         check_elementwise(optimizer)
         refuse_shared_gpu("ShardedDataParallel", topo, "its shards travel by reduce-scatter and all-gather")

@@ -98,7 +98,13 @@ class Gossip:
         """Listen, publish the address, meet the others in the store; a restarted worker copies a neighbour."""
         topo = self.topology if self.topology is not None else current()
         check_setup_arguments(
-            model, optimizer, loss_fn, strategy="Gossip", survives_lost_worker=True, conventions=True
+            model,
+            optimizer,
+            loss_fn,
+            strategy="Gossip",
+            survives_lost_worker=True,
+            conventions=True,
+            backend=topo.backend,
         )
         layout = ParameterLayout(model)
         devices = sorted({str(p.device) for p in layout.params})

@@ -56,7 +56,11 @@ def compose(
 ) -> ModelParallelJob:
     """Apply the transforms of the module docstring to ``model`` for this process's place on ``mesh``."""
     call = check_setup_arguments(
-        model, optimizer, loss_fn, strategy="a model-parallel job (Pipeline, TensorParallel, Hybrid)"
+        model,
+        optimizer,
+        loss_fn,
+        strategy="a model-parallel job (Pipeline, TensorParallel, Hybrid)",
+        backend=mesh.topology.backend,
     )  # the plain convention only: the loss is called on the last stage, the model with one inputs argument
     loss_fn = call.fn if call.fn is not None else loss_fn
     pipeline = pipeline if pipeline is not None else PipelineConfig(stages=mesh.size("pp"))

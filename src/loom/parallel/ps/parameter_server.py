@@ -105,7 +105,7 @@ class ParameterServer:
         topo = self.topology if self.topology is not None else current()
         cfg = self.config
         check_setup_arguments(model, optimizer, loss_fn, strategy=f"ParameterServer(mode={cfg.mode!r})", conventions=True,
-                              survives_lost_worker=cfg.mode != "sync")  # sync waits for every worker's push  # fmt: skip
+                              survives_lost_worker=cfg.mode != "sync", backend=topo.backend)  # sync waits for every worker's push  # fmt: skip
         place_model(model, topo.device, optimizer, topo.rank)  # the device rule; the wire carries CPU copies
         addresses = list(cfg.addresses or [a for a in os.environ.get("LOOM_PS_ADDRS", "").split(",") if a])
         secret_hex = cfg.secret or os.environ.get("LOOM_JOB_SECRET", "")

@@ -150,7 +150,9 @@ class ReplicaStrategy:
         topo = self.topology if self.topology is not None else current()
         strategy = self.config_type.__name__.removesuffix("Config")
         heal = joins_healing(topo.backend)
-        check_setup_arguments(model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=True)
+        check_setup_arguments(
+            model, optimizer, loss_fn, strategy=strategy, conventions=True, heals=True, backend=topo.backend
+        )
         if heal:
             refuse_round_options(self.config, strategy)
             store = healing_store()
