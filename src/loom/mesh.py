@@ -133,8 +133,9 @@ class Mesh:
                 for ranks in self.shape.groups(axis):
                     if len(ranks) == 1:
                         break  # an axis of size 1 has no group
-                    # An axis spanning the world is the default group: no second set of connections.
-                    group = dist.group.WORLD if len(ranks) == self.shape.world_size else dist.new_group(ranks)
+                    # An axis spanning the world is the job's group: no second set of connections.
+                    whole = len(ranks) == self.shape.world_size
+                    group = self.topology.group if whole else dist.new_group(ranks)
                     if self.rank in ranks:
                         self._groups[axis] = group
 
@@ -178,4 +179,5 @@ class Mesh:
             t.backend,
             t.device_name,
             t.shared_gpu,
+            t.process_group,  # the job's group: what a loader's same-data check compares over
         )

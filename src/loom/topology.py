@@ -24,7 +24,7 @@ import datetime
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,9 @@ class Topology:
     """Where this process trains: ``cpu`` or ``cuda:K`` (`loom.devices`: the device rule)."""
     shared_gpu: bool = False
     """Several local ranks on one GPU (``loom run --share-gpus``): collectives over gloo, no point-to-point."""
+    process_group: Any = field(default=None, compare=False, repr=False)
+    """The process group of every process of the job; None: torch's default group (the one `init()` joins).
+    Given, the job runs on it alone (a test's ranks as threads, each with its own group: `tests/threads.py`)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -65,6 +68,14 @@ class Topology:
     def is_main(self) -> bool:
         """True on rank 0, the process that prints and writes job-wide files."""
         return self.rank == 0
+
+    @property
+    def group(self) -> Any:
+        """The group a collective over every process of the job runs on: `process_group`, else torch's default
+        group (``dist.group.WORLD``; None before one is joined)."""
+        if self.process_group is not None:
+            return self.process_group
+        return dist.group.WORLD if dist.is_available() else None
 
     @property
     def device(self) -> torch.device:
@@ -266,9 +277,10 @@ def shutdown(barrier_timeout_s: float = 60.0) -> None:
         if not _failed:
             try:
                 if dist.get_backend() == "gloo":
-                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=barrier_timeout_s))
+                    timeout = datetime.timedelta(seconds=barrier_timeout_s)
+                    dist.monitored_barrier(group=dist.group.WORLD, timeout=timeout)
                 else:
-                    dist.barrier()
+                    dist.barrier(group=dist.group.WORLD)
             except RuntimeError as error:
                 print(f"loom: rank {dist.get_rank()}: exit barrier failed: {error}", file=sys.stderr)
         from loom.comm.links import close_links  # here: loom.comm imports this module

@@ -300,9 +300,9 @@ def channel_to(dst: int) -> ShmSender | None:
             ring = Ring.create(CAPACITY)
             payload = _host_digest() + b"\1" + bytes(7) + ring.name.encode()
             hello[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        dist.send(hello, dst, tag=_HELLO_TAG)
+        dist.send(hello, dst, group=dist.group.WORLD, tag=_HELLO_TAG)
         answer = torch.zeros(1, dtype=torch.uint8)
-        dist.recv(answer, dst, tag=_ANSWER_TAG)
+        dist.recv(answer, dst, group=dist.group.WORLD, tag=_ANSWER_TAG)
     finally:
         if ring is not None:
             ring.unlink()  # the reader removed it already when it mapped it; else nobody will
@@ -320,7 +320,7 @@ def channel_from(src: int) -> ShmReceiver | None:
         _RECEIVERS[key] = None
         return None
     hello = torch.zeros(_HELLO_BYTES, dtype=torch.uint8)
-    dist.recv(hello, src, tag=_HELLO_TAG)
+    dist.recv(hello, src, group=dist.group.WORLD, tag=_HELLO_TAG)
     raw = bytes(hello.tolist())
     receiver = None
     if raw[32] == 1 and raw[:32] == _host_digest() and shm_unsupported_reason() is None:
@@ -329,6 +329,7 @@ def channel_from(src: int) -> ShmReceiver | None:
             receiver = ShmReceiver(ring, dist.get_rank(), src)
         except (OSError, ValueError):
             receiver = None  # the pair keeps the backend's messages; the sender learns it from the answer
-    dist.send(torch.tensor([1 if receiver else 0], dtype=torch.uint8), src, tag=_ANSWER_TAG)
+    answer = torch.tensor([1 if receiver else 0], dtype=torch.uint8)
+    dist.send(answer, src, group=dist.group.WORLD, tag=_ANSWER_TAG)
     _RECEIVERS[key] = receiver
     return receiver

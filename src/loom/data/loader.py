@@ -371,10 +371,10 @@ def loader(
     `TensorDataset` of CPU tensors collated by default, gets each share gathered and copied there while the step
     before it runs (`loom.data.prefetch`); otherwise shares are yielded where the dataset holds them.
 
-    ``same_data_check``: when the default process group has more than one process (and ``topology`` is not a
-    single-process ``backend="none"`` one), every process must build this loader at the same point: they
-    compare the dataset's length and a fingerprint of a few samples (`loom.data.same_data.check_same_data`) and
-    all raise if any differs. Pass False when the processes hold different data on purpose, or when only some
+    ``same_data_check``: when the job's process group (``topology.group``) has more than one process (and
+    ``topology`` is not a single-process ``backend="none"`` one), every process must build this loader at the
+    same point: they compare the dataset's length and a fingerprint of a few samples
+    (`loom.data.same_data.check_same_data`) and all raise if any differs. Pass False when the processes hold different data on purpose, or when only some
     processes build this loader (the comparison would wait for the others).
     """
     topo = topology if topology is not None else current()
@@ -390,5 +390,5 @@ def loader(
     shards = ShardedLoader(dataset, sampler, collate_fn)
     shards.device = device
     if same_data_check and topo.backend != "none":
-        check_same_data(dataset, shards.fetch)
+        check_same_data(dataset, shards.fetch, topo.group)
     return shards

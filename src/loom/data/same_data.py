@@ -6,7 +6,7 @@ filter that depends on the rank would otherwise train silently on mismatched sam
 and targets from another, between the stages of a pipeline). So each process hashes its dataset's length and a
 few samples (the first, the last and `RANDOM_PROBES` indices drawn with a fixed seed, each collated as the
 loader collates it; CRC-32 over each tensor's shape, dtype and bytes) and the processes all-gather these few
-integers over the default process group: one small collective. Any difference is refused on every process,
+integers over the job's process group: one small collective. Any difference is refused on every process,
 naming the ranks and what differs.
 
 Limits: it compares a handful of samples, so two datasets differing elsewhere pass (it catches unseeded or
@@ -124,24 +124,27 @@ def _difference(rows: list[list[int]]) -> str | None:
     return None
 
 
-def check_same_data(dataset: Any, fetch: Callable[[torch.Tensor], Any]) -> None:
+def check_same_data(dataset: Any, fetch: Callable[[torch.Tensor], Any], group: Any = None) -> None:
     """Refuse, on every process of the job, a dataset that differs between them.
 
     ``fetch(indices)`` returns the collated samples at ``indices`` (how the loader batches them). Collective
-    over the default process group (the world: every process that builds the loader, whatever axis it shards
-    over), so every process must call it. A no-op without an initialized process group of two or more.
+    over ``group``, the job's (`loom.topology.Topology.group`; None: torch's default group): every process that
+    builds the loader, whatever axis it shards over, so every process must call it. A no-op without a group of
+    two or more.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if group is None and dist.is_available():
+        group = dist.group.WORLD
+    if group is None or group.size() < 2:
         return
     local = torch.tensor(_summary(dataset, fetch), dtype=torch.int64)
-    if dist.get_backend() == "nccl":
+    if group is dist.group.WORLD and dist.get_backend() == "nccl":
         local = local.to(torch.device("cuda", torch.cuda.current_device()))
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    gathered = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(gathered, local, group=group)
     problem = _difference([row.tolist() for row in gathered])
     if problem is not None:
         raise ValueError(
-            f"rank {dist.get_rank()}: the processes building this loader hold different datasets: {problem}. "
+            f"rank {group.rank()}: the processes building this loader hold different datasets: {problem}. "
             "Each would shard its own data, so replicas would train on mismatched samples. "
             "HINT: build the dataset identically on every process (seed the generator that makes synthetic "
             "data, e.g. torch.Generator().manual_seed(0)); if the difference is intended, pass "

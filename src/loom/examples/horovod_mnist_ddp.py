@@ -62,7 +62,7 @@ def main(args) -> None:
             for data, target in test_loader:
                 correct += (model(data).argmax(1) == target).sum()
         accuracy = correct / len(test_sampler)
-        dist.all_reduce(accuracy)
+        dist.all_reduce(accuracy, group=dist.group.WORLD)
         if rank == 0:
             print(f"Test set: Accuracy: {100.0 * accuracy.item() / size:.2f}%")
     elapsed = time.perf_counter() - start

@@ -33,7 +33,7 @@ the same channel (`loom.fault.liveness`): a host that stops answering is lost af
 ```python
 wd = Watchdog.start(topology, timeout_s=120)
 with wd.collective("loss all-reduce"):
-    dist.all_reduce(loss)
+    dist.all_reduce(loss, group=topology.group)
 ```
 
 Limits: only collectives wrapped in `collective` are counted (DataParallel wraps its gradient, loss,

@@ -184,12 +184,12 @@ class StepObserver:
         """Register ``hook`` (None: the native all-reduce) on ``ddp``, wrapped to time each gradient bucket."""
         if not self.enabled:
             if hook is not None:
-                ddp.register_comm_hook(None, hook)
+                ddp.register_comm_hook(ddp.process_group, hook)
             return
         if hook is None:  # traced or not: observing never changes the path it observes
             self._watch_gradients(ddp.module)
             return
-        ddp.register_comm_hook(None, self._timed(hook, estimate=False))  # loom's count their own bytes
+        ddp.register_comm_hook(ddp.process_group, self._timed(hook, estimate=False))  # they count their bytes
 
     def _watch_gradients(self, module: torch.nn.Module, first: int = 4) -> None:
         """Native all-reduce, untraced: keep DDP's built-in (C++) all-reduce, since a Python hook costs a GIL

@@ -34,6 +34,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,30 +131,30 @@ class Transport:
         )  # fmt: skip
 
 
-def _timed(fn: Callable[[], object], reps: int) -> torch.Tensor:
+def _timed(fn: Callable[[], object], reps: int, group: Any) -> torch.Tensor:
     fn()  # warm-up, and set-up (shared memory, links)
     out = torch.zeros(reps, dtype=torch.float64)
     for rep in range(reps):
-        dist.barrier()  # start together: a late rank would be charged to the others
+        dist.barrier(group=group)  # start together: a late rank would be charged to the others
         started = time.perf_counter()
         fn()
         out[rep] = time.perf_counter() - started
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # each call lasts as long as its slowest rank
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)  # each call lasts as long as its slowest rank
     return out
 
 
-def _p2p(data: torch.Tensor, rank: int, world: int) -> None:
+def _p2p(data: torch.Tensor, rank: int, world: int, group: Any) -> None:
     """Each even rank exchanges one message each way with the odd rank after it (a pipeline boundary)."""
     peer = rank + 1 if rank % 2 == 0 else rank - 1
     if peer >= world:
         return
     recv = torch.empty_like(data)
     if rank % 2 == 0:
-        dist.send(data, peer)
-        dist.recv(recv, peer)
+        dist.send(data, peer, group=group)
+        dist.recv(recv, peer, group=group)
     else:
-        dist.recv(recv, peer)
-        dist.send(data, peer)
+        dist.recv(recv, peer, group=group)
+        dist.send(data, peer, group=group)
 
 
 class _FrameRig:
@@ -201,7 +202,7 @@ class _FrameRig:
 
 
 def _operations(
-    size: int, algorithms: tuple[str, ...], rank: int, world: int, rig: _FrameRig | None
+    size: int, algorithms: tuple[str, ...], rank: int, world: int, group: Any, rig: _FrameRig | None
 ) -> dict[str, Callable[[], object]]:
     """Each timed operation on a float32 message of ``size`` bytes (frames only with a ``rig``)."""
     from loom.comm import all_gather, all_reduce, piece_bounds, reduce_scatter
@@ -210,10 +211,10 @@ def _operations(
     lo, hi = piece_bounds(data.numel(), rank, world)
     ops: dict[str, Callable[[], object]] = {}
     for a in algorithms:
-        ops[f"allreduce:{a}"] = functools.partial(all_reduce, data, "sum", algorithm=a)
-    ops["reduce_scatter"] = lambda: reduce_scatter(data, "sum")
-    ops["all_gather"] = lambda: all_gather(data[lo:hi].clone(), data.numel())
-    ops["p2p"] = lambda: _p2p(data, rank, world)
+        ops[f"allreduce:{a}"] = functools.partial(all_reduce, data, "sum", algorithm=a, group=group)
+    ops["reduce_scatter"] = lambda: reduce_scatter(data, "sum", group=group)
+    ops["all_gather"] = lambda: all_gather(data[lo:hi].clone(), data.numel(), group=group)
+    ops["p2p"] = lambda: _p2p(data, rank, world, group)
     if rig is not None:
         ops["ps_encode"] = lambda: rig.encode(data)
         ops["ps_decode"] = rig.decode  # the frame ps_encode just delivered (timed right after it)
@@ -221,14 +222,16 @@ def _operations(
 
 
 def measure_transport(sizes: list[int], reps: int = 5, frame_limit: int = 0) -> Transport:
-    """Time every operation at every size on the default group (a collective: every rank calls it); the
+    """Time every operation at every size on the job's group (a collective: every rank calls it); the
     parameter servers' frames up to ``frame_limit`` bytes (``inf`` above; none measured when 0)."""
     from loom.comm.auto import candidates
     from loom.comm.shm import context_for
+    from loom.topology import current
 
+    group = current().group
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = sorted({max(4, (int(s) // 4) * 4) for s in sizes})
-    algorithms = candidates(context_for(None))
+    algorithms = candidates(context_for(group))
     seconds: dict[str, list[float]] = {f"allreduce:{a}": [] for a in algorithms}
     seconds.update({"reduce_scatter": [], "all_gather": [], "p2p": []})
     if frame_limit:
@@ -236,10 +239,9 @@ def measure_transport(sizes: list[int], reps: int = 5, frame_limit: int = 0) -> 
     rig = _FrameRig() if frame_limit else None
     try:
         for size in sizes:
-            for name, fn in _operations(
-                size, algorithms, rank, world, rig if size <= frame_limit else None
-            ).items():
-                seconds[name].append(statistics.median(_timed(fn, reps).tolist()))
+            framed = rig if size <= frame_limit else None
+            for name, fn in _operations(size, algorithms, rank, world, group, framed).items():
+                seconds[name].append(statistics.median(_timed(fn, reps, group).tolist()))
             for name in ("ps_encode", "ps_decode") if frame_limit and size > frame_limit else ():
                 seconds[name].append(math.inf)
     finally:

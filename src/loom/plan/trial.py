@@ -50,18 +50,18 @@ def _share(captured: Any, topology: Any) -> Any:
     return next(iter(data))
 
 
-def _backward_seconds(model: Any, call: Any, batch: Any, reps: int) -> float:
+def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) -> float:
     from loom.train.batch import forward_loss
 
     times = []
     for _ in range(reps + 1):
         loss, _ = forward_loss(call, model, batch)
-        dist.barrier()
+        dist.barrier(group=group)
         started = time.perf_counter()
         loss.backward()
         times.append(time.perf_counter() - started)
     out = torch.tensor(times[1:], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(out.tolist())
 
 
@@ -73,22 +73,23 @@ def _overlap(captured: Any, reps: int = 5) -> dict[str, float]:
     from loom.topology import current
     from loom.train.batch import LossCall
 
-    call = LossCall.of(captured.loss_fn)
-    batch = _share(captured, current())
-    ddp = DistributedDataParallel(captured.model)
+    call, topology = LossCall.of(captured.loss_fn), current()
+    group = topology.group
+    batch = _share(captured, topology)
+    ddp = DistributedDataParallel(captured.model, process_group=group)
     with ddp.no_sync():
-        alone = _backward_seconds(ddp, call, batch, reps)
+        alone = _backward_seconds(ddp, call, batch, reps, group)
     grads = torch.zeros(sum(p.numel() for p in captured.model.parameters()), dtype=torch.float32)
     comm = []
     for _ in range(reps + 1):
-        dist.barrier()
+        dist.barrier(group=group)
         started = time.perf_counter()
-        all_reduce(grads, "sum", algorithm="native")
+        all_reduce(grads, "sum", algorithm="native", group=group)
         comm.append(time.perf_counter() - started)
     comm_t = torch.tensor(comm[1:], dtype=torch.float64)
-    dist.all_reduce(comm_t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(comm_t, op=dist.ReduceOp.MAX, group=group)
     exchange = statistics.median(comm_t.tolist())
-    together = _backward_seconds(ddp, call, batch, reps)
+    together = _backward_seconds(ddp, call, batch, reps, group)
     k = (alone + exchange - together) / max(1e-9, min(alone, exchange))
     return {"overlap": min(1.0, k), "backward_s": alone, "allreduce_s": exchange, "ddp_backward_s": together}
 
@@ -104,10 +105,11 @@ def _copy(captured: Any) -> Any:
 def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     from loom.observe.memory import rss_bytes
     from loom.plan.transport import measure_transport
+    from loom.topology import current
 
     params = sum(p.nbytes for p in captured.model.parameters())
     runtime = torch.tensor([float((rss_bytes() or 0) - params)], dtype=torch.float64)
-    dist.all_reduce(runtime, op=dist.ReduceOp.MAX)
+    dist.all_reduce(runtime, op=dist.ReduceOp.MAX, group=current().group)
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, ns.frame_limit)
     # Every prediction carries this step's residual (the engine overhead): timed longer than a verify run
     reference = _verify_steps(
@@ -156,21 +158,22 @@ def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: in
     for _ in range(warmup):
         job.train_step(next(batches))
     times: list[float] = []
+    group = job.topology.group
     for _ in range(count):
-        dist.barrier()
+        dist.barrier(group=group)
         started = time.perf_counter()
         for _ in range(block):
             job.train_step(next(batches))
         times.append((time.perf_counter() - started) / block)
     steps = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
     memory = job.memory()
     keys = ["parameters", "gradients", "optimizer", "state", "total"]
     peak = peak_rss_bytes() or 0
     largest = torch.tensor(
         [float(memory[k]) for k in keys] + [float(peak), float(before)], dtype=torch.float64
     )
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     values = dict(zip([*keys, "peak_rss", "rss_before"], (int(v) for v in largest.tolist()), strict=True))
     return {
         "step_time_s": statistics.median(steps.tolist()),

@@ -87,7 +87,7 @@ def _shown(keys: list[str]) -> str:
 
 # -- collectives (no-ops in a single process) -------------------------------------------------------------------
 def _collective(topo: Topology) -> bool:
-    return topo.is_distributed and dist.is_available() and dist.is_initialized()
+    return topo.is_distributed and topo.group is not None
 
 
 def all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
@@ -96,7 +96,7 @@ def all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
         return [list(values)]
     mine = torch.tensor(values, dtype=torch.int64, device=topo.device)
     gathered = [torch.zeros_like(mine) for _ in range(topo.world_size)]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=topo.group)
     return [[int(v) for v in t.tolist()] for t in gathered]
 
 

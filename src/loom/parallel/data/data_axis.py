@@ -1,6 +1,6 @@
 """DataParallel's data axis: who the members are, this process's place among them, the group they meet in.
 
-Without healing the axis is the job's topology (`FixedAxis`: every rank, the default group, for the job's life).
+Without healing the axis is the job's topology (`FixedAxis`: every rank, the topology's group, for the job's life).
 Under ``loom run --on-worker-failure heal`` it is the quorum (`loom.fault.quorum.Quorum`: the members of the
 current membership epoch, this process's index among them, and the epoch's gloo group, replaced at every
 re-form). `loom.parallel.data.data_parallel.DataParallelJob` reads its share of each batch, the loss weighting
@@ -95,7 +95,7 @@ class DataAxis(Protocol):
 
 @dataclass(frozen=True)
 class FixedAxis:
-    """The axis without healing: every rank of the job, this process's rank, the default group (None)."""
+    """The axis without healing: every rank of the job, this process's rank, the topology's group."""
 
     index: int
     size: int
@@ -104,7 +104,7 @@ class FixedAxis:
 
     @classmethod
     def of(cls, topology: Topology) -> FixedAxis:
-        return cls(topology.rank, topology.world_size, list(range(topology.world_size)))
+        return cls(topology.rank, topology.world_size, list(range(topology.world_size)), topology.group)
 
 
 def whole_batches(topology: Topology) -> Topology:

@@ -146,7 +146,7 @@ class DataParallelJob(Engine):
             counts[self.topology.rank] = local
             with self.collective("sample-count all-reduce"):
                 launched = time.perf_counter()
-                dist.all_reduce(counts)
+                dist.all_reduce(counts, group=self.axis.group)
                 self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8 * world)
             shares = counts.tolist()
             total = sum(shares)
@@ -326,7 +326,8 @@ class DataParallelJob(Engine):
         with self.collective("loss all-reduce"):
             native = self._loss_algorithm == "native"
             launched = time.perf_counter()
-            pending = dist.all_reduce(loss_sum, async_op=True) if native else None  # overlaps the check
+            group = self.axis.group  # launched asynchronously: it overlaps the check
+            pending = dist.all_reduce(loss_sum, group=group, async_op=True) if native else None
             finite = self._gradients_finite()
             self.observer.lap(OPTIMIZER)
             if pending is not None:

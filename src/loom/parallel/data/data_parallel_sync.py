@@ -215,14 +215,14 @@ def shared_gradients_for(
         and shared_gradients_unusable(model, config.broadcast_buffers) is None
     )
     everyone = torch.tensor([int(wanted)])
-    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)  # e.g. thread counts may differ: all take the same path
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=topo.group)  # e.g. thread counts may differ
     if not everyone.item():
         return None
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
+            dist.broadcast(tensor, group=topo.group, group_src=0)
     try:  # the loss and the straggler rows ride along with the gradients
-        return SharedGradients(model, extra_values=loss_buffer_size(topo.world_size))
+        return SharedGradients(model, topo.group, extra_values=loss_buffer_size(topo.world_size))
     except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
         warnings.warn(f"rank {topo.rank}: gradients go through DDP: {error}", stacklevel=3)
         return None
@@ -335,7 +335,7 @@ class GradientAveraging:
             and shared_gradients_unusable(module, broadcast_buffers=False) is None
         )
         everyone = torch.tensor([int(wanted)])
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=topo.group)
         if not everyone.item():
             return cls(config, group)
         try:

@@ -328,7 +328,7 @@ class OwnLoop:
         if total is None:
             counts = torch.tensor([n], dtype=torch.int64, device=topo.device)
             with self.job.collective("sample-count all-reduce"):
-                dist.all_reduce(counts)
+                dist.all_reduce(counts, group=topo.group)
             total = int(counts.item())
         if total == 0:
             raise ValueError(f"rank {topo.rank}: a training forward on a global batch of 0 samples")

@@ -173,10 +173,10 @@ class ShardedDataParallel:
         observer = StepObserver.for_process(metrics, world, enabled=self.observe)
         fsdp = topo.is_distributed and stage >= 2
         if topo.is_distributed:
-            check_same_model(model, topo.rank, world, optimizer=optimizer)
+            check_same_model(model, topo.rank, world, topo.group, optimizer=optimizer)
             with torch.no_grad():
                 for tensor in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(tensor, src=0)
+                    dist.broadcast(tensor, group=topo.group, group_src=0)
         reduce = self.config.gradient_reduce
         if reduce == "auto":
             reduce = "all_reduce" if topo.device.type == "cpu" else "reduce_scatter"
@@ -188,7 +188,7 @@ class ShardedDataParallel:
                 "2 or more, or train this process without mixed_precision."
             )
         if topo.is_distributed:
-            run_self_test(topo.rank, world, topo.backend, topo.device, fsdp=fsdp, collective=collective)
+            run_self_test(topo.rank, world, topo.backend, topo.device, fsdp, topo.group, collective)
         layout: ShardLayout
         flat: FlatShards | None = None
         if fsdp:
@@ -200,7 +200,7 @@ class ShardedDataParallel:
             if self.config.mixed_precision:
                 how += f", {self.config.mixed_precision} compute with float32 reduction and master weights"
         else:
-            flat = layout = FlatShards(model, optimizer, topo.rank, world, collective=collective)
+            flat = layout = FlatShards(model, optimizer, topo.rank, world, topo.group, collective)
             how = f"loom's flat optimizer shards ({reduce} of the gradient, all-gather of the parameters)"
         if topo.is_main and topo.is_distributed:
             print(f"loom: ShardedDataParallel stage {stage}: {how}", file=sys.stderr, flush=True)

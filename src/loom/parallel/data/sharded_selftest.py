@@ -80,25 +80,30 @@ def run_self_test(
     backend: str,
     device: torch.device,
     fsdp: bool,
+    group: dist.ProcessGroup | None,
     collective: str = "reduce_scatter",
 ) -> None:
-    """Check the collectives this job will use (collective); raise `BackendSelfTestError` on every rank when
-    any rank found a problem. ``collective``: stage 1's, ``reduce_scatter`` or a `loom.comm.all_reduce`
-    algorithm (then the reduce-scatter is that averaged all-reduce and a slice, as `FlatShards` does it)."""
+    """Check the collectives this job will use (collective) over ``group`` (the job's); raise
+    `BackendSelfTestError` on every rank when any rank found a problem. ``collective``: stage 1's,
+    ``reduce_scatter`` or a `loom.comm.all_reduce` algorithm (then the reduce-scatter is that averaged
+    all-reduce and a slice, as `FlatShards` does it)."""
 
     def averaged(t: torch.Tensor) -> torch.Tensor:
         if collective == "reduce_scatter":
-            return reduce_scatter(t.to(device), op="avg").cpu()
+            return reduce_scatter(t.to(device), op="avg", group=group).cpu()
         lo, hi = piece_bounds(t.numel(), rank, world_size)
-        return all_reduce(t.to(device), op="avg", algorithm=collective)[lo:hi].cpu()
+        return all_reduce(t.to(device), op="avg", algorithm=collective, group=group)[lo:hi].cpu()
 
-    problems = check_collectives(rank, world_size, averaged, lambda t, n: all_gather(t.to(device), n).cpu())
+    def gathered(t: torch.Tensor, n: int) -> torch.Tensor:
+        return all_gather(t.to(device), n, group=group).cpu()
+
+    problems = check_collectives(rank, world_size, averaged, gathered)
     if fsdp:
         found = _fsdp_gradient_problem(rank, world_size, device)
         if found:
             problems.append(found)
     flag = torch.tensor([float(bool(problems))], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item():
         detail = "; ".join(problems) if problems else "another rank found a problem (see its error)"
         raise BackendSelfTestError(

@@ -177,7 +177,7 @@ class GossipJob(Engine):
             if cfg.same_start:
                 with torch.no_grad():
                     for p in self.layout.params:
-                        dist.broadcast(p.data, src=0)
+                        dist.broadcast(p.data, group=topo.group, group_src=0)
         else:
             self._joining = True
             try:

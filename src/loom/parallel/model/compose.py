@@ -74,7 +74,7 @@ def compose(
     if mesh.size("pp") > 1:
         refuse_shared_gpu("Pipeline", topo)
     if topo.is_distributed:  # every process starts from rank 0's weights, as DDP does
-        broadcast_module(model)
+        broadcast_module(model, topo.group)
     stages = split_into_stages(model, mesh, pipeline, sample_input)
     place_model(model, topo.device, optimizer, topo.rank)
     shards = shard_stage(stages.stage, mesh, tp_plan)

@@ -200,7 +200,7 @@ class ModelParallelJob(Engine):
             state.loss_sum, stats = run_instructions(
                 stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
                 prev=self._prev, next_=self._next, train=train, device=self.topology.device,
-                replicas=self.mesh.size("dp"),
+                replicas=self.mesh.size("dp"), group=self.topology.group,
             )  # fmt: skip
         grads = [p.grad for p in self.module.parameters() if p.requires_grad] if train else []
         state.flag = local_flag(state.loss_sum, grads)
@@ -259,11 +259,11 @@ class ModelParallelJob(Engine):
             buffer[mesh.index("dp")] = replica_loss
         buffer[dp + rank] = flag
         with self.collective("loss and flag all-reduce"):
-            small = SmallAllReduce.for_group(None)
+            small = SmallAllReduce.for_group(self.topology.group)
             if small is not None:
                 small.all_reduce(buffer)
             else:
-                dist.all_reduce(buffer)
+                dist.all_reduce(buffer, group=self.topology.group)
         return float(buffer[:dp].sum()), buffer[dp:].tolist(), list(range(world))
 
     @torch.no_grad()
@@ -345,16 +345,16 @@ class ModelParallelJob(Engine):
         mine = self.module.named_state() if self.shards is None else self.shards.gather(self.module)
         if self.mesh.index("dp") != 0 or self.mesh.index("tp") != 0:
             return None
-        stage = self.mesh.index("pp")
+        stage, group = self.mesh.index("pp"), self.topology.group
         if stage != 0:
             for key in self.stage_keys[stage]:  # one message per tensor: shapes travel in the header
-                for handle, _ in send_tensors([mine[key]], self.mesh.peer("pp", 0)):
+                for handle, _ in send_tensors([mine[key]], self.mesh.peer("pp", 0), group=group):
                     handle.wait()
             return None
         full = dict(mine)
         for s in range(1, self.schedule.stages):
             for key in self.stage_keys[s]:
-                (full[key],) = recv_tensors(self.mesh.peer("pp", s), self.topology.device)
+                (full[key],) = recv_tensors(self.mesh.peer("pp", s), self.topology.device, group)
         return full
 
 

@@ -9,9 +9,11 @@ Sends are non-blocking (``isend``) so a stage never waits for its neighbour to p
 runtime keeps the handles and waits for them at the end of the step. Receives block: the stage needs the data.
 Messages between two stages in one direction are matched in the order they were sent.
 
-Two stages on one host exchange their messages through shared memory instead (`loom.comm.shm_channel`: a ring
-per direction, header and tensors copied once each way, no socket), decided per pair by a handshake on the first
-message of each direction; stages on different hosts keep the backend's messages. The shared-memory messages
+Stages are named by their global ranks, their ranks in the job's group (`loom.topology.Topology.group`, passed as
+``group``; None: torch's default group). Two stages on one host exchange their messages through shared memory
+instead (`loom.comm.shm_channel`: a ring per direction, header and tensors copied once each way, no socket),
+decided per pair by a handshake on the first message of each direction; stages on different hosts keep the
+backend's messages. The shared-memory messages
 always carry the header, so a gradient whose shape differs from the activation it answers is refused by name.
 """
 
@@ -88,40 +90,55 @@ def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
     return header
 
 
-def send_tensors(tensors: list[torch.Tensor], dst: int, *, with_header: bool = True) -> list[Any]:
+def _job_group(group: Any) -> Any:
+    return group if group is not None else dist.group.WORLD
+
+
+def _recv(tensor: torch.Tensor, src: int, group: Any) -> None:
+    """``dist.recv`` from ``src``, through ``irecv``: ``recv`` looks up the sender's global rank to return it,
+    which a group built on a store (ranks as threads) does not know."""
+    work = dist.irecv(tensor, group=group, group_src=src)
+    if work is not None:  # None: this process is not in the group (never the job's)
+        work.wait()
+
+
+def send_tensors(
+    tensors: list[torch.Tensor], dst: int, *, with_header: bool = True, group: Any = None
+) -> list[Any]:
     """Start sending ``tensors`` to global rank ``dst``; returns the handles to wait for."""
     sender = _sender(dst)
     if sender is not None:
         return sender.send(tensors)
     tensors = [t.detach().contiguous() for t in tensors]
-    handles = []
+    group, handles = _job_group(group), []
     if with_header:
         header = _header(tensors)
-        handles.append((dist.isend(header, dst), header))
-    for t in tensors:
-        handles.append((dist.isend(t, dst), t))  # the tensor is kept alive with its handle until waited
+        handles.append((dist.isend(header, group=group, group_dst=dst), header))
+    for t in tensors:  # the tensor is kept alive with its handle until waited
+        handles.append((dist.isend(t, group=group, group_dst=dst), t))
     return handles
 
 
-def recv_tensors(src: int, device: torch.device) -> list[torch.Tensor]:
+def recv_tensors(src: int, device: torch.device, group: Any = None) -> list[torch.Tensor]:
     """Receive one activation message (header, then tensors) from global rank ``src``."""
     receiver = _receiver(src)
     if receiver is not None:
         return receiver.recv(device, "an activation message")
+    group = _job_group(group)
     header = torch.empty(1 + MAX_TENSORS * _SLOT, dtype=torch.int64)
-    dist.recv(header, src)
+    _recv(header, src, group)
     out = []
     for i in range(int(header[0])):
         base = 1 + i * _SLOT
         dtype = _DTYPES[int(header[base])]
         shape = header[base + 2 : base + 2 + int(header[base + 1])].tolist()
         t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src)
+        _recv(t, src, group)
         out.append(t)
     return out
 
 
-def recv_gradients(like: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+def recv_gradients(like: list[torch.Tensor], src: int, group: Any = None) -> list[torch.Tensor]:
     """Receive one gradient per tensor of ``like`` (same shapes and dtypes) from global rank ``src``."""
     receiver = _receiver(src)
     if receiver is not None:
@@ -134,9 +151,9 @@ def recv_gradients(like: list[torch.Tensor], src: int) -> list[torch.Tensor]:
                 "floating-point tensor it received, of its shape (a bug in the pipeline runtime)."
             )
         return got
-    out = []
+    out, group = [], _job_group(group)
     for t in like:
         g = torch.empty_like(t)
-        dist.recv(g, src)
+        _recv(g, src, group)
         out.append(g)
     return out

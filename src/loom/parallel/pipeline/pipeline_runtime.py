@@ -117,12 +117,14 @@ def run_instructions(
     train: bool,
     device: torch.device,
     replicas: int = 1,
+    group: Any = None,
 ) -> tuple[float, StageStats]:
     """Execute ``stream``; return the sum over micro-batches of ``loss_j * n_j`` (last stage; 0 elsewhere).
 
     Each micro-batch's loss is weighted by ``n_j * replicas / total`` before backward, as `DataParallel`
     weights a share (``replicas``: the data axis's size), so that the data axis *averages* the gradients
-    exactly as `DataParallel` does (`loom.parallel.data.data_parallel_sync.GradientAveraging`)."""
+    exactly as `DataParallel` does (`loom.parallel.data.data_parallel_sync.GradientAveraging`). ``prev`` and
+    ``next_`` are global ranks, ``group`` the job's (`loom.parallel.pipeline.pipeline_communications`)."""
     stats = StageStats(stage.index, microbatches=len(sizes))
     received: dict[int, list[torch.Tensor]] = {}
     outputs: dict[int, list[torch.Tensor]] = {}
@@ -135,7 +137,7 @@ def run_instructions(
     for ins in stream:
         j = ins.microbatch
         if ins.op is Op.RECV_ACTIVATION:
-            received[j] = recv_tensors(_peer(prev, ins, stage.index), device)
+            received[j] = recv_tensors(_peer(prev, ins, stage.index), device, group)
             if train:
                 for t in _floats(received[j]):
                     t.requires_grad_(True)
@@ -168,9 +170,10 @@ def run_instructions(
             if not train:
                 saved_bytes.pop(j)
         elif ins.op is Op.SEND_ACTIVATION:
-            pending += send_tensors(outputs[j] if train else outputs.pop(j), _peer(next_, ins, stage.index))
+            sent = outputs[j] if train else outputs.pop(j)
+            pending += send_tensors(sent, _peer(next_, ins, stage.index), group=group)
         elif ins.op is Op.RECV_GRADIENT:
-            gradients[j] = recv_gradients(_floats(outputs[j]), _peer(next_, ins, stage.index))
+            gradients[j] = recv_gradients(_floats(outputs[j]), _peer(next_, ins, stage.index), group)
         elif ins.op is Op.BACKWARD:
             t0 = time.perf_counter()
             outs = _floats(outputs.pop(j))
@@ -188,6 +191,7 @@ def run_instructions(
                 [t.grad if t.grad is not None else torch.zeros_like(t) for t in xs],
                 _peer(prev, ins, stage.index),
                 with_header=False,
+                group=group,
             )
     stats.span_s = time.perf_counter() - started
     for handle, _ in pending:

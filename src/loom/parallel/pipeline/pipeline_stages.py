@@ -106,17 +106,17 @@ def _cuts(
         return balanced_cuts(weights, cfg.stages)
     cuts = torch.tensor(balanced_cuts(layer_times(layers, sample_input), cfg.stages), dtype=torch.int64)
     if topo.is_distributed:  # timings differ between processes; rank 0's cut is everyone's
-        dist.broadcast(cuts, src=0)
+        dist.broadcast(cuts, group=topo.group, group_src=0)
     return cuts.tolist()
 
 
-def broadcast_module(model: nn.Module) -> None:
-    """Give every process rank 0's parameters and buffers, as DDP does at construction."""
+def broadcast_module(model: nn.Module, group: Any) -> None:
+    """Give every process of ``group`` its rank 0's parameters and buffers, as DDP does at construction."""
     tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
     if not tensors:
         return
     flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
-    dist.broadcast(flat, src=0)
+    dist.broadcast(flat, group=group, group_src=0)
     offset = 0
     with torch.no_grad():
         for t in tensors:

@@ -161,8 +161,8 @@ class ReplicaStrategy:
         if heal:
             return join_first_epoch(job_type(*args, quorum=Quorum.from_env(store)))
         if topo.is_distributed:
-            check_same_model(model, topo.rank, topo.world_size, optimizer=optimizer)
-            broadcast_module(model)
+            check_same_model(model, topo.rank, topo.world_size, topo.group, optimizer=optimizer)
+            broadcast_module(model, topo.group)
         return job_type(*args)
 
 

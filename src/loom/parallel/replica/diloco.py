@@ -228,10 +228,19 @@ class DiLoCoJob(ReplicaJob):
         self._sync_group: Any = None
         self._thread: CommThread | None = None
         # its own group: the training thread's collectives may run meanwhile (under heal no exchange overlaps a
-        # step: a round's runs over the epoch's group, `_group`)
+        # step: a round's runs over the epoch's group, `_group`). A topology that brings its own process group
+        # (ranks as threads) has no second one: the exchanges share it, right only with no step beside them.
         if topology.is_distributed and self.quorum is None:
-            check_same_model(module, topology.rank, topology.world_size, optimizer=self.outer_optimizer)
-            self._sync_group = dist.new_group(ranks=list(range(topology.world_size)))
+            own = topology.process_group
+            if own is not None and config.overlap != 0:
+                raise ValueError(
+                    f"DiLoCo(overlap_steps={config.overlap}) overlaps exchanges with steps on a group of their own; "
+                    "this topology has one process group. HINT: overlap_steps=0, or join with loom.init()"
+                )
+            check_same_model(
+                module, topology.rank, topology.world_size, topology.group, optimizer=self.outer_optimizer
+            )
+            self._sync_group = dist.new_group(ranks=list(range(topology.world_size))) if own is None else own
             self._thread = CommThread(f"loom-diloco-{topology.rank}")
 
     def _count_samples(self, local: int, total: int) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loom.comm import shm_small
+from loom.comm._reduce import backend_name
 from loom.comm.all_reduce import all_reduce as loom_all_reduce
 
 __all__ = [
@@ -82,7 +83,7 @@ class TensorParallelComm:
 
     def _local_for(self, tensor: torch.Tensor) -> shm_small.SmallAllReduce | None:
         """The group's shared-memory all-reduce if ``tensor`` can take it (decided on the first call)."""
-        if self.group is None or tensor.device.type != "cpu" or dist.get_backend(self.group) != "gloo":
+        if self.group is None or tensor.device.type != "cpu" or backend_name(self.group) != "gloo":
             return None
         if self._local is False:
             self._local = shm_small.SmallAllReduce.for_group(self.group)
