@@ -246,3 +246,18 @@ def test_a_restarted_worker_drops_its_parked_sync_push():
         assert torch.equal(server.models["m"].params[0].detach(), torch.full((2,), -4.0))
     finally:
         server.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_model_whose_share_on_one_server_exceeds_a_frame_is_refused_naming_the_servers_it_needs():
+    """Each server's pieces travel in one frame (INIT, push, reply); a frame above the wire's payload limit is
+    dropped by its receiver: the workers waited 60 s and were told the server was hung or overloaded."""
+    from loom.ps.plan import check_frames
+
+    limit = WireLimits().max_payload
+    params = {"w": torch.empty(0)}  # float32: 4 bytes per element; nothing of the model's size is allocated
+    specs = [ParamSpec("w", limit // 4 + 1024, 1, False, 0)]
+    with pytest.raises(ValueError, match=r"server 0 of 1 would hold .* HINT: launch with more servers \(loom run "
+                                         r"--servers 2 or more\)"):  # fmt: skip
+        check_frames(plan_shards(specs, 1), params, 1)
+    check_frames(plan_shards(specs, 2), params, 2)  # half each: fits

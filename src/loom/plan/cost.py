@@ -68,6 +68,7 @@ from loom.parallel.pipeline.pipeline_split import balanced_cuts, stage_ranges
 from loom.plan.configs import Configuration
 from loom.plan.profile import BatchProfile, CodecCost, ModelProfile, OutsideCalibration
 from loom.plan.transport import Transport
+from loom.ps.wire import WireLimits
 
 __all__ = ["Prediction", "predict"]
 
@@ -180,6 +181,10 @@ def _sharded(m: _Model) -> Prediction:
 def _parameter_server(m: _Model) -> Prediction:
     p, at, n, s = m.p, m.p.at(m.share), m.n, m.c.servers
     grads, params = p.grad_bytes / s, p.param_bytes / s
+    limit = WireLimits().max_payload
+    if max(grads, params) > limit:
+        return Prediction(m.c, refused=f"does not run: each server's frame of {int(max(grads, params))} bytes is "
+                                       f"above the parameter servers' wire limit of {limit} bytes (more servers)")  # fmt: skip
     push = m.t.time("ps_encode", grads) + n * m.t.time("ps_decode", grads)
     reply = n * m.t.time("ps_encode", params) + m.t.time("ps_decode", params)
     if m.t.hosts > 1 and m.t.link_bytes_per_s:  # every worker's push and reply cross each server's link

@@ -8,7 +8,8 @@ with the thread count one worker of ``loom run`` gets (``OMP_NUM_THREADS``, 1 un
   layer's output tensor fires when the gradient of that output is ready, which is when the layer's own backward
   starts; it ends when the gradient of the layer before is ready (or backward returns, for the first layer).
   This is exact for a chain, whose backward runs the layers in reverse order, one at a time;
-- the whole step (forward, backward, optimizer step): the median of ``repeats`` timed steps after one warm-up;
+- the whole step (forward, backward, optimizer step): the median of ``repeats`` timed steps after one warm-up
+  (fewer when they would take more than `PROFILE_BUDGET_S`, at least one);
 - the step's transient peak (`ModelProfile.transient_bytes`), from the process's peak RSS (``VmHWM``);
 - bytes: parameters, gradients and optimizer state after a step (`loom.observe.memory.state_bytes`, the same
   count `job.memory()` reports), the activations autograd saves for backward per layer (a
@@ -228,6 +229,11 @@ def _one_step(captured: CapturedScript, call: Any, batch: Any, clock: _LayerCloc
     return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "start": t1, "end": t2}
 
 
+PROFILE_BUDGET_S = 2.0
+"""The timed steps at one batch size stop at about this much time (at least one, at most ``repeats``): a model
+whose step takes seconds is timed once per batch size after its warm-up."""
+
+
 def _backward_per_layer(clock: _LayerClock, start: float, end: float) -> list[float]:
     """Layer i's backward: from its output's gradient (the last layer: backward's start) to the previous
     layer's output gradient (the first layer: backward's end). Layers whose output has no gradient get 0."""
@@ -243,11 +249,12 @@ def _backward_per_layer(clock: _LayerClock, start: float, end: float) -> list[fl
 
 def _profile_batch(captured: CapturedScript, call: Any, clock: _LayerClock, size: int, repeats: int) -> tuple:
     batch = _batch_of(captured, size)
-    first = _one_step(captured, call, batch, clock, count_saved=True)  # warm-up; counts saved activations
+    started = time.perf_counter()
+    _one_step(captured, call, batch, clock, count_saved=True)  # warm-up; counts saved activations
+    warm_up = time.perf_counter() - started
     saved, outputs = list(clock.saved), list(clock.output)
-    del first
     runs = []
-    for _ in range(repeats):
+    for _ in range(max(1, min(repeats, int(PROFILE_BUDGET_S / max(warm_up, 1e-9))))):
         step = _one_step(captured, call, batch, clock, count_saved=False)
         forward = [e - s for s, e in zip(clock.fwd_start, clock.fwd_end, strict=True)]
         runs.append((step, forward, _backward_per_layer(clock, step["start"], step["end"])))
@@ -331,7 +338,8 @@ def _drive(codec: Any, shapes: list[torch.Size], flat: torch.Tensor, world: int)
 
 def measure_codec(spec: str, model: nn.Module, world: int, repeats: int = 3) -> CodecCost:
     """Run ``spec``'s codec (`loom.comm.compression.make_codec`) on a gradient shaped like ``model``'s
-    parameters, as one bucket; the first exchange (state set-up, warm starts) is not timed."""
+    parameters, as one bucket; the first exchange (state set-up, warm starts) is not timed, and fewer than
+    ``repeats`` are timed when they would take more than half of `PROFILE_BUDGET_S` (at least one)."""
     from loom.comm.compression import make_codec
 
     shapes = [p.shape for p in model.parameters() if p.requires_grad]
@@ -341,9 +349,11 @@ def measure_codec(spec: str, model: nn.Module, world: int, repeats: int = 3) -> 
     before = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     try:
+        started = time.perf_counter()
         _drive(codec, shapes, torch.randn(numel, generator=generator), world)
+        first = time.perf_counter() - started
         times, sizes = [], (0, 0)
-        for _ in range(repeats):
+        for _ in range(max(1, min(repeats, int(PROFILE_BUDGET_S / 2 / max(first, 1e-9))))):
             flat = torch.randn(numel, generator=generator)
             started = time.perf_counter()
             sizes = _drive(codec, shapes, flat, world)

@@ -10,7 +10,8 @@ and reassemble: the sender's work and the transfer) and ``ps_decode`` (check and
 apart, because a server decodes every worker's frame in turn while the workers encode theirs at once; frames
 are measured only up to ``frame_limit`` bytes (the largest a parameter server exchanges), ``inf`` above, which
 `Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts after a barrier, each entry is the
-slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept. The sizes are the ones the
+slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept (as many as fit in
+`REPS_BUDGET_S` after a warm-up call, at least one, at most ``reps``). The sizes are the ones the
 plan needs (the model's gradient, parameter and activation bytes), plus a few small ones for the latency.
 
 `Transport.seconds` interpolates linearly between measured sizes and refuses a size above the largest measured
@@ -131,8 +132,17 @@ class Transport:
         )  # fmt: skip
 
 
+REPS_BUDGET_S = 0.3
+"""Timed repetitions of one operation stop at about this much time (at least one): a 300 MB all-reduce is
+timed once after its warm-up, a 4 KB one ``reps`` times. Large messages are bandwidth-bound and vary little."""
+
+
 def _timed(fn: Callable[[], object], reps: int, group: Any) -> torch.Tensor:
+    started = time.perf_counter()
     fn()  # warm-up, and set-up (shared memory, links)
+    first = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)  # every rank runs the same number
+    reps = max(1, min(reps, int(REPS_BUDGET_S / max(first.item(), 1e-9))))
     out = torch.zeros(reps, dtype=torch.float64)
     for rep in range(reps):
         dist.barrier(group=group)  # start together: a late rank would be charged to the others
@@ -183,6 +193,8 @@ class _FrameRig:
         from loom.ps.gate import split_frame
         from loom.ps.wire import MessageType, encode
 
+        if data.nbytes > self.limits.max_payload:  # its receiver would drop it: the loop below would not end
+            raise ValueError(f"a frame of {data.nbytes} bytes is above the wire's {self.limits.max_payload}")
         self.seq += 1
         frame = encode(self.secret, MessageType.PUSH, epoch=1, session=1, seq=self.seq, tensors={"g0": data})
         for chunk in split_frame(self.key, frame):
@@ -234,6 +246,9 @@ def measure_transport(sizes: list[int], reps: int = 5, frame_limit: int = 0) -> 
     algorithms = candidates(context_for(group))
     seconds: dict[str, list[float]] = {f"allreduce:{a}": [] for a in algorithms}
     seconds.update({"reduce_scatter": [], "all_gather": [], "p2p": []})
+    from loom.ps.wire import WireLimits
+
+    frame_limit = min(frame_limit, WireLimits().max_payload)  # a larger frame is dropped by its receiver
     if frame_limit:
         seconds.update({"ps_encode": [], "ps_decode": []})
     rig = _FrameRig() if frame_limit else None

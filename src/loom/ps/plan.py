@@ -13,10 +13,16 @@ Cutting a parameter is exact only for optimizers that update each element from i
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["ParamSpec", "Piece", "plan_shards", "server_loads"]
+import torch
+
+from loom.ps.wire import WireLimits
+
+__all__ = ["ParamSpec", "Piece", "check_frames", "plan_shards", "server_loads"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +102,20 @@ def server_loads(pieces: list[Piece], num_servers: int) -> list[int]:
     for piece in pieces:
         loads[piece.server] += piece.numel
     return loads
+
+
+def check_frames(plan: list[Piece], params: Mapping[str, torch.Tensor], servers: int) -> None:
+    """Refuse a model whose share on one server does not fit one frame: each server's pieces travel together
+    (INIT, every push and reply), and a frame above the wire's payload limit is dropped by its receiver, which
+    left the workers waiting for an answer that never came."""
+    limit = WireLimits().max_payload
+    held = [0] * servers
+    for piece in plan:
+        held[piece.server] += piece.numel * params[piece.name].element_size()
+    if max(held) > limit:
+        server = held.index(max(held))
+        raise ValueError(
+            f"ParameterServer: server {server} of {servers} would hold {max(held)} bytes of this model's "
+            f"parameters, above the {limit} bytes one parameter-server frame carries. HINT: launch with more "
+            f"servers (loom run --servers {servers * math.ceil(max(held) / limit)} or more)"
+        )

@@ -70,7 +70,7 @@ from loom.parallel.ps.parameter_server_pieces import (
 )
 from loom.parallel.ps.parameter_server_state import load_worker_state, worker_state
 from loom.ps.client import PSClient
-from loom.ps.plan import Piece, plan_shards
+from loom.ps.plan import Piece, check_frames, plan_shards
 from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
 from loom.topology import Topology, current
@@ -116,6 +116,8 @@ class ParameterServer:
             )
         specs, sparse_modules = param_specs(model, optimizer)
         plan = plan_shards(specs, len(addresses))
+        params = dict(model.named_parameters())
+        check_frames(plan, params, len(addresses))
         client = PSClient(addresses, secret_from_hex(secret_hex))
         client.hello(cfg.connect_timeout_s)
         settings = ShardSettings(
@@ -128,7 +130,6 @@ class ParameterServer:
             optimizer=type(optimizer).__name__,
             groups=[json_hyperparameters(g) for g in optimizer.param_groups],
         )
-        params = dict(model.named_parameters())
         meta = {"ns": cfg.namespace, "worker": topo.rank, "settings": asdict(settings)}
         # Each server is told only its own pieces, so a server's --index need not match its place in the list.
         metas = [
