@@ -50,17 +50,31 @@ def _share(captured: Any, topology: Any) -> Any:
     return next(iter(data))
 
 
+BUDGET_S = 3.0
+"""The calibration's repeated measurements (backward alone and with DDP, the all-reduce, the reference's
+steps) stop at about this much time each, after the first: a model whose step takes a second is timed a few
+times, not a dozen (time to plan)."""
+
+
+def _reps(first_s: float, most: int, group: Any, least: int = 1) -> int:
+    """How many repetitions fit in `BUDGET_S` after a first one of ``first_s`` (between ``least`` and ``most``),
+    the same on every rank (the slowest rank's first decides: the loops it sizes run collectives)."""
+    slowest = torch.tensor([first_s], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return max(least, min(most, int(BUDGET_S / max(slowest.item(), 1e-9))))
+
+
 def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) -> float:
     from loom.train.batch import forward_loss
 
-    times = []
-    for _ in range(reps + 1):
+    def once() -> float:
         loss, _ = forward_loss(call, model, batch)
         dist.barrier(group=group)
         started = time.perf_counter()
         loss.backward()
-        times.append(time.perf_counter() - started)
-    out = torch.tensor(times[1:], dtype=torch.float64)
+        return time.perf_counter() - started
+
+    out = torch.tensor([once() for _ in range(_reps(once(), reps, group))], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(out.tolist())
 
@@ -80,13 +94,15 @@ def _overlap(captured: Any, reps: int = 5) -> dict[str, float]:
     with ddp.no_sync():
         alone = _backward_seconds(ddp, call, batch, reps, group)
     grads = torch.zeros(sum(p.numel() for p in captured.model.parameters()), dtype=torch.float32)
-    comm = []
-    for _ in range(reps + 1):
+
+    def exchange_once() -> float:
         dist.barrier(group=group)
         started = time.perf_counter()
         all_reduce(grads, "sum", algorithm="native", group=group)
-        comm.append(time.perf_counter() - started)
-    comm_t = torch.tensor(comm[1:], dtype=torch.float64)
+        return time.perf_counter() - started
+
+    count = _reps(exchange_once(), reps, group)
+    comm_t = torch.tensor([exchange_once() for _ in range(count)], dtype=torch.float64)
     dist.all_reduce(comm_t, op=dist.ReduceOp.MAX, group=group)
     exchange = statistics.median(comm_t.tolist())
     together = _backward_seconds(ddp, call, batch, reps, group)
@@ -113,7 +129,7 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, ns.frame_limit)
     # Every prediction carries this step's residual (the engine overhead): timed longer than a verify run
     reference = _verify_steps(
-        _copy(captured), "DataParallel", {"allreduce": "native"}, max(ns.steps, 12), ns.warmup
+        _copy(captured), "DataParallel", {"allreduce": "native"}, max(ns.steps, 12), ns.warmup, budget=True
     )
     overlap = _overlap(captured)
     data = transport.to_json()
@@ -145,9 +161,12 @@ def _block(family: str, options: dict[str, Any]) -> int:
     return int(options.get("sync_every", 1)) if family in ("LocalSGD", "DiLoCo") else 1
 
 
-def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: int, warmup: int) -> dict:
+def _verify_steps(
+    captured: Any, family: str, options: dict[str, Any], count: int, warmup: int, budget: bool = False
+) -> dict:
     """``count`` timed blocks after ``warmup`` untimed steps; a block's time is the slowest rank's, from a barrier
-    before its first step to the end of its last, divided by its steps; the result is the median block."""
+    before its first step to the end of its last, divided by its steps; the result is the median block. With
+    ``budget``, fewer blocks (at least 3) when ``count`` of them would take more than `BUDGET_S`."""
     from loom.observe.memory import peak_rss_bytes, rss_bytes
 
     before = rss_bytes() or 0  # the script's process with its model and data, before any training state
@@ -155,10 +174,14 @@ def _verify_steps(captured: Any, family: str, options: dict[str, Any], count: in
     loader = job.loader(captured.dataset, captured.global_batch_size, **captured.loader_options)
     block = _block(family, options)
     batches = _endless(loader)
+    warm = 0.0
     for _ in range(warmup):
+        started = time.perf_counter()
         job.train_step(next(batches))
+        warm = time.perf_counter() - started
     times: list[float] = []
     group = job.topology.group
+    count = _reps(warm * block, count, group, least=3) if budget else count
     for _ in range(count):
         dist.barrier(group=group)
         started = time.perf_counter()
