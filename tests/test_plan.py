@@ -310,3 +310,13 @@ def test_the_profile_finds_the_linear_pairs_tensor_parallel_splits():
     profile = profile_model(captured, [64], repeats=1)
     # Linear ReLU Linear ReLU Linear ReLU Linear: (0, 2) and (4, 6), as TensorParallel(plan="auto") splits them
     assert profile.tp_pairs == ((0, 2), (4, 6))
+
+
+def test_fsdps_measured_cost_per_unit_is_added_once_per_unit():
+    import dataclasses
+
+    profile = _profile(layers=4, sizes=(32, 64))
+    config = Configuration("ShardedDataParallel", 2, (("stage", 3),), dp=2)
+    plain = predict(config, profile, _transport(), 64)
+    charged = predict(config, profile, dataclasses.replace(_transport(), fsdp_unit_s={"stage3": 1e-3}), 64)
+    assert charged.step_time_s - plain.step_time_s == pytest.approx(4 * 1e-3)  # 4 layers with parameters

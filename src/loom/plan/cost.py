@@ -16,8 +16,9 @@ DataParallel(allreduce=a)           ``C(b) + X + O + e``, ``X = T_a(G)``, expose
 DataParallel(compression=c)         ``C(b) + exposed(T_native(s_c) + T_gather(N g_c)) + t_c + O + e``,   as above
                                     ``t_c``, ``s_c``, ``g_c`` the codec's measured time and bytes
 ShardedDataParallel(stage=1)        ``C(b) + T_rs(G) + O/N + T_ag(P) + e``                              ``P + (G+S_opt)/N + A``
-ShardedDataParallel(stage=2|3)      ``C(b) + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at stage   2: ``P + (G+S_opt)/N``;
-                                    3) ``+ T_rs(G_u)) + O/N + e``                                       3: ``(P+G+S_opt)/N``
+ShardedDataParallel(stage=2|3)      ``C(b) + U f_z + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at   2: ``P + (G+S_opt)/N``;
+                                    stage 3) ``+ T_rs(G_u)) + O/N + e``; ``f_z`` FSDP's measured cost   3: ``(P+G+S_opt)/N``
+                                    per unit at stage z beyond its collectives' bytes
 ParameterServer(sync), S servers    ``C(b) + enc(G/S) + N dec(G/S) + O/S + N enc(P/S) + dec(P/S) + 2e``  ``P + G + A`` (servers
                                     (each server decodes every worker's push in turn, steps, encodes    hold ``S_opt/S``)
                                     a reply to each; ``enc``/``dec`` its measured frames, ``e`` the
@@ -175,7 +176,8 @@ def _sharded(m: _Model) -> Prediction:
     params = p.param_bytes / n if stage == 3 else p.param_bytes
     memory = _memory(params, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes)
     wire = (n - 1) / n * (gathers * p.param_bytes + p.grad_bytes)
-    return m.done(at, m.exposed(comm, at.backward_s), optimizer, memory, wire)
+    fixed = len(units) * m.t.fsdp_unit_s.get(f"stage{stage}", 0.0)  # FSDP's own work per unit, measured
+    return m.done(at, m.exposed(comm, at.backward_s), optimizer + fixed, memory, wire)
 
 
 def _parameter_server(m: _Model) -> Prediction:

@@ -83,6 +83,9 @@ class Transport:
     hosts: int = 1
     link_bytes_per_s: float | None = None
     measured: dict[str, str] = field(default_factory=dict)
+    fsdp_unit_s: dict[str, float] = field(default_factory=dict)
+    """loom's FSDP fixed cost per unit beyond its collectives, by ZeRO stage (``stage2``, ``stage3``), measured
+    by `loom.plan.trial`'s calibration."""
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -122,13 +125,15 @@ class Transport:
 
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "sizes": list(self.sizes), "seconds": self.seconds,
-                "overlap": self.overlap, "hosts": self.hosts, "link_bytes_per_s": self.link_bytes_per_s}  # fmt: skip
+                "overlap": self.overlap, "hosts": self.hosts, "link_bytes_per_s": self.link_bytes_per_s,
+                "fsdp_unit_s": self.fsdp_unit_s}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict) -> Transport:
         return cls(
             int(data["world_size"]), tuple(int(s) for s in data["sizes"]),
             {k: tuple(float(x) for x in v) for k, v in data["seconds"].items()}, float(data.get("overlap", 0.0)),
+            fsdp_unit_s={k: float(v) for k, v in data.get("fsdp_unit_s", {}).items()},
         )  # fmt: skip
 
 

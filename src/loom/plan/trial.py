@@ -17,6 +17,9 @@ parameters: torch, loom, the script's data; the largest rank's), and runs the re
 model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
 guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
 
+And loom's FSDP cost per unit at ZeRO stages 2 and 3 (`_fsdp_unit_seconds`: a tiny chain trained with and
+without it), which no collective's time contains.
+
 ``verify``: the configuration itself, built from its family and options by name (no ``eval``), a few real steps
 of ``job.train_step``; writes the median step time (of a few timed blocks: a sync round for LocalSGD/DiLoCo,
 one step otherwise; each block the slowest rank's) and the training state's
@@ -136,8 +139,31 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     data["overlap"] = overlap["overlap"]
     data["overlap_measurement"] = overlap
     data["reference_step_s"] = reference["step_time_s"]
+    data["fsdp_unit_s"] = _fsdp_unit_seconds(captured, max(ns.steps, 10))
     data["runtime_bytes"] = max(0, int(runtime.item()))
     return data
+
+
+FSDP_UNITS = 6
+
+
+def _fsdp_unit_seconds(captured: Any, steps: int) -> dict[str, float]:
+    """loom's ZeRO stages 2 and 3 (FSDP2) cost per unit beyond its collectives' bytes: a chain of `FSDP_UNITS`
+    ``Linear(8, 8)`` trained by ``DataParallel`` and by ``ShardedDataParallel(stage=2, 3)`` through loom's own
+    step (so the engine's overhead cancels); with this little compute and messages of a few hundred bytes, the
+    difference per unit is FSDP's fixed work (its hooks, copies, the tiny collectives' latency)."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
+    seconds = {}
+    for name, family, options in (("dp", "DataParallel", {"allreduce": "native"}),
+                                  ("2", "ShardedDataParallel", {"stage": 2}),
+                                  ("3", "ShardedDataParallel", {"stage": 3})):  # fmt: skip
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(FSDP_UNITS)])
+        tiny = dataclasses.replace(captured, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                   loss_fn=torch.nn.functional.mse_loss, dataset=data, global_batch_size=16,
+                                   loader_options={})  # fmt: skip
+        seconds[name] = _verify_steps(tiny, family, options, steps, 3)["step_time_s"]
+    return {f"stage{z}": max(0.0, (seconds[z] - seconds["dp"]) / FSDP_UNITS) for z in ("2", "3")}
 
 
 def _strategy(family: str, options: dict[str, Any]) -> Any:
