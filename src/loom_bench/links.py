@@ -144,7 +144,9 @@ def run_job(
                    "--nnodes", nnodes, "--node-rank", str(i), "--master", master,
                    "--local-addr", hosts.addresses[i], "--run-dir", str(tmp / f"run{i}"),
                    "-m", worker, *worker_args]  # fmt: skip
-            env = dict(os.environ, OMP_NUM_THREADS="1", LOOM_JOB_SECRET=secret)
+            # Each namespace is a host of its own: without a host id of its own, loom sees one machine (same
+            # host name and boot id) and its shared-memory algorithms would bypass the shaped link.
+            env = dict(os.environ, OMP_NUM_THREADS="1", LOOM_JOB_SECRET=secret, LOOM_HOST_ID=f"netns-{ns}")
             env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher picks the veth holding --local-addr
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         deadline = time.monotonic() + timeout_s
