@@ -32,8 +32,10 @@ class NamespaceHost:
     """The host's veth link, which holds ``address`` (what ``GLOO_SOCKET_IFNAME`` names there)."""
 
     def command(self, *argv: str) -> list[str]:
-        """``argv`` run inside this host's namespace."""
-        return ["ip", "netns", "exec", self.name, *argv]
+        """``argv`` run inside this host's namespace, as a host of its own: ``LOOM_HOST_ID`` set (namespaces of one
+        machine share its host name and boot id, so loom would see one host and let its shared-memory algorithms
+        bypass the network between them)."""
+        return ["ip", "netns", "exec", self.name, "env", f"LOOM_HOST_ID=netns-{self.name}", *argv]
 
 
 def _ip(*args: str) -> None:

@@ -15,7 +15,8 @@ DataParallel(allreduce=a)           ``C(b) + X + O + e``, ``X = T_a(G)``, expose
                                     (``native``) or a spare core runs loom's thread, else after backward
 DataParallel(compression=c)         ``C(b) + exposed(T_native(s_c) + T_gather(N g_c)) + t_c + O + e``,   as above
                                     ``t_c``, ``s_c``, ``g_c`` the codec's measured time and bytes
-ShardedDataParallel(stage=1)        ``C(b) + T_rs(G) + O/N + T_ag(P) + e``                              ``P + (G+S_opt)/N + A``
+ShardedDataParallel(stage=1)        ``C(b) + T_best(G) + O/N + T_best(P) + e`` (loom's CPU path: the    ``P + (G+S_opt)/N + A``
+                                    gradient all-reduced, the parameters gathered by an all-reduce)
 ShardedDataParallel(stage=2|3)      ``C(b) + U f_z + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at   2: ``P + (G+S_opt)/N``;
                                     stage 3) ``+ T_rs(G_u)) + O/N + e``; ``f_z`` FSDP's measured cost   3: ``(P+G+S_opt)/N``
                                     per unit at stage z beyond its collectives' bytes
@@ -166,10 +167,10 @@ def _sharded(m: _Model) -> Prediction:
     p, at, n = m.p, m.p.at(m.share), m.n
     stage = int(m.c.option("stage"))
     optimizer = p.optimizer_s / n + m.small
-    if stage == 1:
-        comm = m.t.time("reduce_scatter", p.grad_bytes) + m.t.time("all_gather", p.param_bytes)
+    if stage == 1:  # loom's CPU path (sharded_flat): an all-reduce of the gradient, one of the parameters
+        comm = m.best_allreduce(p.grad_bytes) + m.best_allreduce(p.param_bytes)
         memory = _memory(p.param_bytes, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes)
-        return m.done(at, comm, optimizer, memory, (n - 1) / n * (p.grad_bytes + p.param_bytes))
+        return m.done(at, comm, optimizer, memory, _ring(n, p.grad_bytes) + _ring(n, p.param_bytes))
     gathers = 2 if stage == 3 else 1
     units = _units(p, at)
     comm = sum(gathers * m.t.time("all_gather", u) + m.t.time("reduce_scatter", u) for u in units)

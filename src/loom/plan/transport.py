@@ -19,7 +19,8 @@ plan needs (the model's gradient, parameter and activation bytes), plus a few sm
 
 Several hosts (``--hosts H --link RATE``): the measured local time is a floor, and the link adds the
 bandwidth-bound time of a ring over it (Patarasuk & Yuan 2009): an all-reduce of D bytes moves
-``2 (N - 1) / N * D`` over each link, an all-gather or reduce-scatter ``(N - 1) / N * D``, a point-to-point
+``2 (N - 1) / N * D`` over each link (a reduce-scatter too: gloo's is an all-reduce underneath), an all-gather
+``(N - 1) / N * D``, a point-to-point
 message ``D``; the time is the larger of the two. This is a model, not a measurement, until the namespace-host
 scenarios are measured (`docs/plan.md`).
 """
@@ -64,8 +65,8 @@ def link_bound_seconds(op: str, nbytes: float, world_size: int, rate_bytes_per_s
     n = world_size
     # A parameter server's frames: their link time depends on how many share the server's link, which the cost
     # model charges (`loom.plan.cost`), not one frame.
-    share = {"p2p": 1.0, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "ps_encode": 0.0,
-             "ps_decode": 0.0}.get(op, 2 * (n - 1) / n)  # fmt: skip
+    # gloo has no reduce-scatter of its own: an all-reduce underneath, whose bytes it moves.
+    share = {"p2p": 1.0, "all_gather": (n - 1) / n, "ps_encode": 0.0, "ps_decode": 0.0}.get(op, 2 * (n - 1) / n)
     return share * nbytes / rate_bytes_per_s
 
 
