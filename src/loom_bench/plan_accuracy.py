@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if (ns.hosts > 1) != (ns.link is not None):
         parser.error("--hosts H (2 or more) and --link RATE go together")
-    report: dict = {"command": "PYTHONPATH=src python -m loom_bench.plan_accuracy " + " ".join(argv or []),
+    given = sys.argv[1:] if argv is None else argv
+    report: dict = {"command": "PYTHONPATH=src python -m loom_bench.plan_accuracy " + " ".join(given),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": ns.steps,
                     "repeats": ns.repeats, "machine": f"{os.cpu_count()} cores", "hosts": ns.hosts,
                     "link": ns.link, "models": {}}  # fmt: skip

@@ -66,7 +66,9 @@ def link_bound_seconds(op: str, nbytes: float, world_size: int, rate_bytes_per_s
     # A parameter server's frames: their link time depends on how many share the server's link, which the cost
     # model charges (`loom.plan.cost`), not one frame.
     # gloo has no reduce-scatter of its own: an all-reduce underneath, whose bytes it moves.
-    share = {"p2p": 1.0, "all_gather": (n - 1) / n, "ps_encode": 0.0, "ps_decode": 0.0}.get(op, 2 * (n - 1) / n)
+    share = {"p2p": 1.0, "all_gather": (n - 1) / n, "ps_encode": 0.0, "ps_decode": 0.0}.get(
+        op, 2 * (n - 1) / n
+    )
     return share * nbytes / rate_bytes_per_s
 
 
