@@ -98,13 +98,7 @@ def _message_sizes(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) 
     parameter server's share of every worker's, each codec's), and a grid a factor of 4 apart up to the
     largest, which the per-layer messages (FSDP units, pipeline activations) are interpolated on."""
     p = profile
-    exact = {
-        8,
-        p.grad_bytes,
-        p.param_bytes,
-        p.grad_bytes // 2,
-        p.param_bytes // 2,
-    }  # 2: a server's frame of 2
+    exact = {8, p.grad_bytes, p.param_bytes, p.grad_bytes // 2, p.param_bytes // 2}  # // 2: one of 2 servers
     for c in codecs.values():
         exact |= {c.sum_bytes, n * c.gather_bytes}
     layers = [x for at in p.batches.values() for x in at.layers]

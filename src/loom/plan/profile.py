@@ -229,6 +229,11 @@ def _one_step(captured: CapturedScript, call: Any, batch: Any, clock: _LayerCloc
     return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "start": t1, "end": t2}
 
 
+def budgeted(first_s: float, most: int, budget_s: float, least: int = 1) -> int:
+    """How many repetitions, between ``least`` and ``most``, fit in ``budget_s`` when one took ``first_s``."""
+    return max(least, min(most, int(budget_s / max(first_s, 1e-9))))
+
+
 PROFILE_BUDGET_S = 2.0
 """The timed steps at one batch size stop at about this much time (at least one, at most ``repeats``): a model
 whose step takes seconds is timed once per batch size after its warm-up."""
@@ -254,7 +259,7 @@ def _profile_batch(captured: CapturedScript, call: Any, clock: _LayerClock, size
     warm_up = time.perf_counter() - started
     saved, outputs = list(clock.saved), list(clock.output)
     runs = []
-    for _ in range(max(1, min(repeats, int(PROFILE_BUDGET_S / max(warm_up, 1e-9))))):
+    for _ in range(budgeted(warm_up, repeats, PROFILE_BUDGET_S)):
         step = _one_step(captured, call, batch, clock, count_saved=False)
         forward = [e - s for s, e in zip(clock.fwd_start, clock.fwd_end, strict=True)]
         runs.append((step, forward, _backward_per_layer(clock, step["start"], step["end"])))
@@ -353,7 +358,7 @@ def measure_codec(spec: str, model: nn.Module, world: int, repeats: int = 3) -> 
         _drive(codec, shapes, torch.randn(numel, generator=generator), world)
         first = time.perf_counter() - started
         times, sizes = [], (0, 0)
-        for _ in range(max(1, min(repeats, int(PROFILE_BUDGET_S / 2 / max(first, 1e-9))))):
+        for _ in range(budgeted(first, repeats, PROFILE_BUDGET_S / 2)):
             flat = torch.randn(numel, generator=generator)
             started = time.perf_counter()
             sizes = _drive(codec, shapes, flat, world)

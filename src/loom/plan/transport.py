@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.plan.profile import OutsideCalibration
+from loom.plan.profile import OutsideCalibration, budgeted
 
-__all__ = ["Transport", "link_bound_seconds", "measure_transport", "parse_rate"]
+__all__ = ["Transport", "agreed_reps", "link_bound_seconds", "measure_transport", "parse_rate", "timed"]
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
@@ -145,12 +145,20 @@ REPS_BUDGET_S = 0.3
 timed once after its warm-up, a 4 KB one ``reps`` times. Large messages are bandwidth-bound and vary little."""
 
 
-def _timed(fn: Callable[[], object], reps: int, group: Any) -> torch.Tensor:
+def agreed_reps(first_s: float, most: int, group: Any, budget_s: float, least: int = 1) -> int:
+    """`loom.plan.profile.budgeted` on the slowest rank's ``first_s``: the same count on every rank (the loops
+    it sizes run collectives)."""
+    slowest = torch.tensor([first_s], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return budgeted(slowest.item(), most, budget_s, least)
+
+
+def timed(fn: Callable[[], object], reps: int, group: Any, budget_s: float = REPS_BUDGET_S) -> torch.Tensor:
+    """Seconds of each of up to ``reps`` calls of the collective ``fn`` after a warm-up call (as many as fit in
+    ``budget_s``), each started after a barrier, each the slowest rank's."""
     started = time.perf_counter()
     fn()  # warm-up, and set-up (shared memory, links)
-    first = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)  # every rank runs the same number
-    reps = max(1, min(reps, int(REPS_BUDGET_S / max(first.item(), 1e-9))))
+    reps = agreed_reps(time.perf_counter() - started, reps, group, budget_s)
     out = torch.zeros(reps, dtype=torch.float64)
     for rep in range(reps):
         dist.barrier(group=group)  # start together: a late rank would be charged to the others
@@ -264,7 +272,7 @@ def measure_transport(sizes: list[int], reps: int = 5, frame_limit: int = 0) -> 
         for size in sizes:
             framed = rig if size <= frame_limit else None
             for name, fn in _operations(size, algorithms, rank, world, group, framed).items():
-                seconds[name].append(statistics.median(_timed(fn, reps, group).tolist()))
+                seconds[name].append(statistics.median(timed(fn, reps, group).tolist()))
             for name in ("ps_encode", "ps_decode") if frame_limit and size > frame_limit else ():
                 seconds[name].append(math.inf)
     finally:

@@ -13,8 +13,8 @@ the median of a few steps on this rank's share of the first global batch; ``k = 
 (1: the all-reduce entirely hidden, 0: none hidden, below 0: running both at once costs more than in sequence).
 
 It measures the process's runtime bytes (its RSS after running the script up to its loader, less the model's
-parameters: torch, loom, the script's data; the largest rank's), and runs the reference configuration, ``DataParallel(allreduce="native")``, a few steps on a copy of the
-model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
+parameters: torch, loom, the script's data; the largest rank's), and runs the reference configuration,
+``DataParallel(allreduce="native")``, a few steps on a copy of the model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
 guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
 
 And loom's FSDP cost per unit at ZeRO stages 2 and 3 (`_fsdp_unit_seconds`: a tiny chain trained with and
@@ -59,15 +59,8 @@ steps) stop at about this much time each, after the first: a model whose step ta
 times, not a dozen (time to plan)."""
 
 
-def _reps(first_s: float, most: int, group: Any, least: int = 1) -> int:
-    """How many repetitions fit in `BUDGET_S` after a first one of ``first_s`` (between ``least`` and ``most``),
-    the same on every rank (the slowest rank's first decides: the loops it sizes run collectives)."""
-    slowest = torch.tensor([first_s], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return max(least, min(most, int(BUDGET_S / max(slowest.item(), 1e-9))))
-
-
 def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) -> float:
+    from loom.plan.transport import agreed_reps
     from loom.train.batch import forward_loss
 
     def once() -> float:
@@ -77,7 +70,9 @@ def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) 
         loss.backward()
         return time.perf_counter() - started
 
-    out = torch.tensor([once() for _ in range(_reps(once(), reps, group))], dtype=torch.float64)
+    out = torch.tensor(
+        [once() for _ in range(agreed_reps(once(), reps, group, BUDGET_S))], dtype=torch.float64
+    )
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(out.tolist())
 
@@ -87,6 +82,7 @@ def _overlap(captured: Any, reps: int = 5) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel
 
     from loom.comm import all_reduce
+    from loom.plan.transport import timed
     from loom.topology import current
     from loom.train.batch import LossCall
 
@@ -97,17 +93,10 @@ def _overlap(captured: Any, reps: int = 5) -> dict[str, float]:
     with ddp.no_sync():
         alone = _backward_seconds(ddp, call, batch, reps, group)
     grads = torch.zeros(sum(p.numel() for p in captured.model.parameters()), dtype=torch.float32)
-
-    def exchange_once() -> float:
-        dist.barrier(group=group)
-        started = time.perf_counter()
-        all_reduce(grads, "sum", algorithm="native", group=group)
-        return time.perf_counter() - started
-
-    count = _reps(exchange_once(), reps, group)
-    comm_t = torch.tensor([exchange_once() for _ in range(count)], dtype=torch.float64)
-    dist.all_reduce(comm_t, op=dist.ReduceOp.MAX, group=group)
-    exchange = statistics.median(comm_t.tolist())
+    exchange_s = timed(
+        lambda: all_reduce(grads, "sum", algorithm="native", group=group), reps, group, BUDGET_S
+    )
+    exchange = statistics.median(exchange_s.tolist())
     together = _backward_seconds(ddp, call, batch, reps, group)
     k = (alone + exchange - together) / max(1e-9, min(alone, exchange))
     return {"overlap": min(1.0, k), "backward_s": alone, "allreduce_s": exchange, "ddp_backward_s": together}
@@ -194,6 +183,7 @@ def _verify_steps(
     before its first step to the end of its last, divided by its steps; the result is the median block. With
     ``budget``, fewer blocks (at least 3) when ``count`` of them would take more than `BUDGET_S`."""
     from loom.observe.memory import peak_rss_bytes, rss_bytes
+    from loom.plan.transport import agreed_reps
 
     before = rss_bytes() or 0  # the script's process with its model and data, before any training state
     job = _strategy(family, options).setup(captured.model, captured.optimizer, captured.loss_fn)
@@ -207,7 +197,7 @@ def _verify_steps(
         warm = time.perf_counter() - started
     times: list[float] = []
     group = job.topology.group
-    count = _reps(warm * block, count, group, least=3) if budget else count
+    count = agreed_reps(warm * block, count, group, BUDGET_S, least=3) if budget else count
     for _ in range(count):
         dist.barrier(group=group)
         started = time.perf_counter()
