@@ -55,17 +55,14 @@ def _verify_on_hosts(hosts: Any, r: Ranked, args: tuple[str, ...], steps: int) -
     `loom.plan.trial` as ``loom plan --verify`` measures on one host."""
     from loom_bench.links import run_job
 
-    c, p = r.prediction.config, r.prediction
+    c = r.prediction.config
     with tempfile.TemporaryDirectory(prefix="loom-plan-hosts-") as tmp:
         out = Path(tmp) / "result.json"
         options = ["verify", "--out", str(out), "--family", c.family, "--options", json.dumps(dict(c.options)),
                    "--steps", str(steps), SCRIPT, *args]  # fmt: skip
         run_job(hosts, "loom.plan.trial", options, Path(tmp), HOSTS_TIMEOUT_S)
         got = json.loads(out.read_text())
-    state = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
-    memory = got["memory"]
-    return Verification(c, p.step_time_s, float(got["step_time_s"]), state, int(memory["state"]), got,
-                        p.memory["total"], int(memory["peak_rss"]))  # fmt: skip
+    return Verification.of(r.prediction, got)
 
 
 def _rows(

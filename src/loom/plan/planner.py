@@ -49,6 +49,14 @@ class Verification:
     def error(self) -> float:
         return self.predicted_s / self.measured_s - 1
 
+    @classmethod
+    def of(cls, prediction: Prediction, got: dict[str, Any]) -> Verification:
+        """``prediction`` beside what a `loom.plan.trial` verify run wrote (``got``)."""
+        p, memory = prediction, got["memory"]
+        state = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
+        return cls(p.config, p.step_time_s, float(got["step_time_s"]), state, int(memory["state"]), got,
+                   p.memory["total"], int(memory["peak_rss"]))  # fmt: skip
+
 
 @dataclass
 class PlanResult:
@@ -203,19 +211,7 @@ def verify(result: PlanResult, args: tuple[str, ...] = (), top: int = 2, steps: 
         c, p = r.prediction.config, r.prediction
         options = ["--family", c.family, "--options", json.dumps(dict(c.options)), "--steps", str(steps)]
         got = _trial("verify", result.script, args, c.nproc, c.servers, options, timeout_s)
-        state = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
-        out.append(
-            Verification(
-                c,
-                p.step_time_s,
-                float(got["step_time_s"]),
-                state,
-                int(got["memory"]["state"]),
-                got,
-                p.memory["total"],
-                int(got["memory"]["peak_rss"]),
-            )  # fmt: skip
-        )
+        out.append(Verification.of(p, got))
     record_errors({v.config.family: v.error for v in out if math.isfinite(v.error)})
     result.verifications = out
     return out
