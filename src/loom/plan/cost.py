@@ -144,6 +144,9 @@ def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) ->
             raise OutsideCalibration(f"codec {codec} was not measured")
         comm = m.t.time("allreduce:native", cost.sum_bytes) + m.t.time("all_gather", m.n * cost.gather_bytes)
         wire = _ring(m.n, cost.sum_bytes) + (m.n - 1) * cost.gather_bytes
+        memory = _memory(
+            p.param_bytes, p.grad_bytes, p.optimizer_bytes, at.activation_bytes, cost.transient_bytes
+        )
         return m.done(
             at, m.exposed(comm, at.backward_s), cost.seconds + p.optimizer_s + m.small, memory, wire
         )

@@ -114,6 +114,19 @@ def _message_sizes(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) 
     return sorted(s for s in exact | _grid(8, largest) | {largest} if s > 0)
 
 
+def _limits(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) -> dict[str, int]:
+    """The largest message the cost model asks of each operation family (`loom.plan.cost`): the transport is
+    measured up to it and no further (an all-gather of a pipeline's activation size is never asked for, a 300 MB
+    point-to-point message neither). All-reduces serve every whole-model message."""
+    p = profile
+    layers = next(iter(p.batches.values())).layers  # the parameters are the same at every batch size
+    unit = max([x.param_bytes for x in layers] + [p.param_bytes - sum(x.param_bytes for x in layers)])
+    outputs = max((x.output_bytes for at in p.batches.values() for x in at.layers), default=8)
+    gathers = max((n * c.gather_bytes for c in codecs.values()), default=0)
+    return {"reduce_scatter": unit, "all_gather": max(unit, gathers), "p2p": outputs,
+            "ps": max(p.grad_bytes, p.param_bytes)}  # fmt: skip
+
+
 def check_fits(ranked: list[Ranked], memory_limit: int | None) -> None:
     """Refuse a memory limit no predicted configuration fits (PlanError naming the smallest and what it needs)."""
     predicted = [r.prediction for r in ranked if not r.prediction.refused]
@@ -172,9 +185,9 @@ def plan(
     codecs = {spec: measure_codec(spec, captured.model, world) for spec in CODECS}
     seconds["profile"] = time.perf_counter() - t
     t = time.perf_counter()
-    sizes = _message_sizes(profile, codecs, world)
-    frames = max(profile.grad_bytes, profile.param_bytes)  # a parameter server's largest frame (one server)
-    options = ["--sizes", ",".join(map(str, sizes)), "--frame-limit", str(frames)]
+    limits = _limits(profile, codecs, world)
+    sizes = sorted(set(_message_sizes(profile, codecs, world)) | {v for v in limits.values() if v > 0})
+    options = ["--sizes", ",".join(map(str, sizes)), "--limits", json.dumps(limits)]
     measured = _trial("calibrate", script, args, calibrated, 0, options, timeout_s)
     local = Transport.from_json(measured)
     transport = dataclasses.replace(local, world_size=world, hosts=hosts,
@@ -186,7 +199,13 @@ def plan(
     spare = (os.cpu_count() or 1) > nproc * profile.threads
     formula = predict(reference, profile, local, captured.global_batch_size, codecs, spare)
     overhead = max(0.0, float(measured["reference_step_s"]) - formula.step_time_s)
+    # The process's memory beyond the formulas' (torch, loom, the script's data, DDP's buckets, the allocator's
+    # slack): the reference's measured peak less its predicted state, activations and temporaries, as the
+    # overhead above is its step time less the formula's; before a reference peak was measured, the RSS after
+    # the script's set-up less its model
     runtime = int(measured.get("runtime_bytes", 0))
+    if measured.get("reference_peak_rss"):
+        runtime = max(0, int(measured["reference_peak_rss"]) - formula.memory["total"])
     predictions: list[Prediction] = [
         predict(c, profile, transport, captured.global_batch_size, codecs, spare, overhead, runtime)
         for c in configs

@@ -8,8 +8,9 @@ activations and gradients); and the parameter servers' own transport, one authen
 `loom.ps.gate`) over a ZeroMQ TCP loopback pair inside each process: ``ps_encode`` (encode, chunk, send, receive
 and reassemble: the sender's work and the transfer) and ``ps_decode`` (check and decode: the receiver's work),
 apart, because a server decodes every worker's frame in turn while the workers encode theirs at once; frames
-are measured only up to ``frame_limit`` bytes (the largest a parameter server exchanges), ``inf`` above, which
-`Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts after a barrier, each entry is the
+are measured only up to the largest frame a parameter server exchanges. Each operation is measured only up to
+the largest message the plan needs of it (``limits``: a pipeline's activations are far smaller than a gradient, a
+sharded unit than the whole model), ``inf`` above, which `Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts after a barrier, each entry is the
 slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept (as many as fit in
 `REPS_BUDGET_S` after a warm-up call, at least one, at most ``reps``). The sizes are the ones the
 plan needs (the model's gradient, parameter and activation bytes), plus a few small ones for the latency.
@@ -249,32 +250,41 @@ def _operations(
     return ops
 
 
-def measure_transport(sizes: list[int], reps: int = 5, frame_limit: int = 0) -> Transport:
-    """Time every operation at every size on the job's group (a collective: every rank calls it); the
-    parameter servers' frames up to ``frame_limit`` bytes (``inf`` above; none measured when 0)."""
+def _words(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole float32 words (the messages are float32), at least one."""
+    return max(4, -(-int(nbytes) // 4) * 4)
+
+
+def measure_transport(sizes: list[int], reps: int = 5, limits: dict[str, int] | None = None) -> Transport:
+    """Time every operation at every size on the job's group (a collective: every rank calls it), each up to
+    its family's limit in ``limits`` (``allreduce``, ``reduce_scatter``, ``all_gather``, ``p2p``, ``ps``: bytes;
+    ``inf`` above; a family not named is measured at every size, except ``ps``: none measured)."""
     from loom.comm.auto import candidates
     from loom.comm.shm import context_for
     from loom.topology import current
 
     group = current().group
     rank, world = dist.get_rank(), dist.get_world_size()
-    sizes = sorted({max(4, (int(s) // 4) * 4) for s in sizes})
+    sizes = sorted({_words(s) for s in sizes})
     algorithms = candidates(context_for(group))
     seconds: dict[str, list[float]] = {f"allreduce:{a}": [] for a in algorithms}
     seconds.update({"reduce_scatter": [], "all_gather": [], "p2p": []})
     from loom.ps.wire import WireLimits
 
-    frame_limit = min(frame_limit, WireLimits().max_payload)  # a larger frame is dropped by its receiver
-    if frame_limit:
+    limits = dict(limits or {})
+    # a larger frame is dropped by its receiver
+    limits["ps"] = min(limits.get("ps", 0), WireLimits().max_payload)
+    if limits["ps"]:
         seconds.update({"ps_encode": [], "ps_decode": []})
-    rig = _FrameRig() if frame_limit else None
+    rig = _FrameRig() if limits["ps"] else None
     try:
         for size in sizes:
-            framed = rig if size <= frame_limit else None
-            for name, fn in _operations(size, algorithms, rank, world, group, framed).items():
-                seconds[name].append(statistics.median(timed(fn, reps, group).tolist()))
-            for name in ("ps_encode", "ps_decode") if frame_limit and size > frame_limit else ():
-                seconds[name].append(math.inf)
+            for name, fn in _operations(size, algorithms, rank, world, group, rig).items():
+                family = "ps" if name.startswith("ps_") else name.split(":")[0]
+                if size > _words(limits.get(family, size)):
+                    seconds[name].append(math.inf)
+                else:
+                    seconds[name].append(statistics.median(timed(fn, reps, group).tolist()))
     finally:
         if rig is not None:
             rig.close()

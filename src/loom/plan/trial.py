@@ -111,23 +111,27 @@ def _copy(captured: Any) -> Any:
 
 
 def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
-    from loom.observe.memory import rss_bytes
+    from loom.observe.memory import reset_peak_rss, rss_bytes
     from loom.plan.transport import measure_transport
     from loom.topology import current
 
     params = sum(p.nbytes for p in captured.model.parameters())
     runtime = torch.tensor([float((rss_bytes() or 0) - params)], dtype=torch.float64)
     dist.all_reduce(runtime, op=dist.ReduceOp.MAX, group=current().group)
-    transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, ns.frame_limit)
-    # Every prediction carries this step's residual (the engine overhead): timed longer than a verify run
+    # Every prediction carries this step's residuals (the engine overhead; the process's memory beyond the
+    # formulas'): timed longer than a verify run, and run first, so that its peak RSS is not the transport's
+    reset_peak_rss()
     reference = _verify_steps(
         _copy(captured), "DataParallel", {"allreduce": "native"}, max(ns.steps, 12), ns.warmup, budget=True
     )
+    transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, json.loads(ns.limits))
     overlap = _overlap(captured)
     data = transport.to_json()
     data["overlap"] = overlap["overlap"]
     data["overlap_measurement"] = overlap
     data["reference_step_s"] = reference["step_time_s"]
+    # the script's own model stays resident beside the copy the reference trains: not the reference's
+    data["reference_peak_rss"] = max(0, reference["memory"]["peak_rss"] - params)
     data["fsdp_unit_s"] = _fsdp_unit_seconds(captured, max(ns.steps, 10))
     data["runtime_bytes"] = max(0, int(runtime.item()))
     return data
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="4096,65536,1048576")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--frame-limit", type=int, default=0, help="parameter-server frames up to this size")
+    parser.add_argument("--limits", default="{}", help="JSON: each operation family's largest size (bytes)")
     parser.add_argument("--family", default="DataParallel")
     parser.add_argument("--options", default="{}")
     parser.add_argument("--steps", type=int, default=5)
