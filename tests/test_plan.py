@@ -247,12 +247,16 @@ def test_a_parameter_server_decodes_every_workers_push_and_encodes_every_reply_i
     ops |= {"ps_encode": (frame, frame), "ps_decode": (frame, frame)}
     profile = _profile(sizes=(64 // world, 64))
     config = Configuration("ParameterServer", world, (("mode", "sync"),), servers=1, dp=world)
-    got = predict(config, profile, Transport(world, sizes, ops), 64)
+    unmeasured = predict(config, profile, Transport(world, sizes, ops), 64)
+    assert "fixed cost per step was not measured" in unmeasured.refused
+    got = predict(config, profile, Transport(world, sizes, ops, ps_fixed_s=0.0), 64)
     assert not got.refused, got.refused
     # push: one encode, then the server decodes 4 frames; reply: the server encodes 4, the worker decodes one
     assert got.comm_s == pytest.approx((1 + world) * frame + (world + 1) * frame)
+    fixed = predict(config, profile, Transport(world, sizes, ops, ps_fixed_s=5e-3), 64)
+    assert fixed.step_time_s - got.step_time_s == pytest.approx(5e-3)  # the measured round trips, once a step
     rate = parse_rate("100mbit")
-    linked = predict(config, profile, Transport(world, sizes, ops, 0.0, 2, rate), 64)
+    linked = predict(config, profile, Transport(world, sizes, ops, 0.0, 2, rate, ps_fixed_s=0.0), 64)
     assert linked.comm_s == pytest.approx(world * (profile.grad_bytes + profile.param_bytes) / rate)
 
 
@@ -320,3 +324,26 @@ def test_fsdps_measured_cost_per_unit_is_added_once_per_unit():
     plain = predict(config, profile, _transport(), 64)
     charged = predict(config, profile, dataclasses.replace(_transport(), fsdp_unit_s={"stage3": 1e-3}), 64)
     assert charged.step_time_s - plain.step_time_s == pytest.approx(4 * 1e-3)  # 4 layers with parameters
+
+
+def test_zero_stage_1_pays_its_measured_flat_copies_once_a_step():
+    import dataclasses
+
+    profile = _profile(layers=4, sizes=(32, 64))
+    config = Configuration("ShardedDataParallel", 2, (("stage", 1),), dp=2)
+    plain = predict(config, profile, _transport(), 64)
+    copied = predict(config, dataclasses.replace(profile, flat_s=2e-3), _transport(), 64)
+    assert copied.step_time_s - plain.step_time_s == pytest.approx(2e-3)
+
+
+def test_the_profile_times_zero_stage_1s_copies_and_leaves_the_model_unchanged():
+    import torch
+    from torch import nn
+
+    from loom.plan.profile import _flat_seconds
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert _flat_seconds(model, 3) > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -172,6 +172,7 @@ def _sharded(m: _Model) -> Prediction:
     optimizer = p.optimizer_s / n + m.small
     if stage == 1:  # loom's CPU path (sharded_flat): an all-reduce of the gradient, one of the parameters
         comm = m.best_allreduce(p.grad_bytes) + m.best_allreduce(p.param_bytes)
+        optimizer += p.flat_s  # and the flat copies around them
         memory = _memory(p.param_bytes, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes)
         return m.done(at, comm, optimizer, memory, _ring(n, p.grad_bytes) + _ring(n, p.param_bytes))
     gathers = 2 if stage == 3 else 1
@@ -191,13 +192,15 @@ def _parameter_server(m: _Model) -> Prediction:
     if max(grads, params) > limit:
         return Prediction(m.c, refused=f"does not run: each server's frame of {int(max(grads, params))} bytes is "
                                        f"above the parameter servers' wire limit of {limit} bytes (more servers)")  # fmt: skip
+    if m.t.ps_fixed_s is None:
+        raise OutsideCalibration("a parameter server's fixed cost per step was not measured")
     push = m.t.time("ps_encode", grads) + n * m.t.time("ps_decode", grads)
     reply = n * m.t.time("ps_encode", params) + m.t.time("ps_decode", params)
     if m.t.hosts > 1 and m.t.link_bytes_per_s:  # every worker's push and reply cross each server's link
         push = max(push, n * grads / m.t.link_bytes_per_s)
         reply = max(reply, n * params / m.t.link_bytes_per_s)
     memory = _memory(p.param_bytes, p.grad_bytes, 0, at.activation_bytes)
-    return m.done(at, push + reply, p.optimizer_s / s + 2 * m.small, memory, p.grad_bytes)
+    return m.done(at, push + reply, p.optimizer_s / s + 2 * m.small + m.t.ps_fixed_s, memory, p.grad_bytes)
 
 
 def _replicas(m: _Model) -> Prediction:

@@ -188,7 +188,8 @@ def plan(
     limits = _limits(profile, codecs, world)
     sizes = sorted(set(_message_sizes(profile, codecs, world)) | {v for v in limits.values() if v > 0})
     options = ["--sizes", ",".join(map(str, sizes)), "--limits", json.dumps(limits)]
-    measured = _trial("calibrate", script, args, calibrated, 0, options, timeout_s)
+    servers = int(any(c.family == "ParameterServer" for c in configs))  # its fixed cost is measured
+    measured = _trial("calibrate", script, args, calibrated, servers, options, timeout_s)
     local = Transport.from_json(measured)
     transport = dataclasses.replace(local, world_size=world, hosts=hosts,
                                     link_bytes_per_s=link_bytes_per_s)  # fmt: skip

@@ -94,6 +94,9 @@ class ModelProfile:
     """What a step holds at its peak beyond the training state and the saved activations (autograd's and the
     optimizer's temporaries): the growth of this process's peak RSS over the first steps, at the largest batch,
     less the gradients, optimizer state and activations they created. 0 where the peak RSS cannot be read."""
+    flat_s: float = 0.0
+    """ZeRO stage 1's own copies on loom's CPU path (`loom.parallel.data.sharded_flat`): the gradients
+    concatenated into one vector, a whole-parameter vector made and copied back into the parameters (median)."""
 
     def at(self, batch_size: int) -> BatchProfile:
         """The profile at ``batch_size``; refused when it was not measured (no extrapolation)."""
@@ -298,6 +301,7 @@ def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int
             optimizer_s.append(opt)
             if tracked and size == max(batch_sizes):
                 grown = (peak_rss_bytes() or 0) - rss
+        flat_s = _flat_seconds(captured.model, repeats)
     finally:
         clock.close()
         torch.set_num_threads(before)
@@ -308,7 +312,30 @@ def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int
         param_count=sum(p.numel() for p in captured.model.parameters()),
         optimizer_s=statistics.median(optimizer_s), chain=chain, chain_refusal=refusal, threads=threads,
         batches=batches, tp_pairs=pairs, tp_refusal=tp_refusal, transient_bytes=max(0, grown - created),
+        flat_s=flat_s,
     )  # fmt: skip
+
+
+@torch.no_grad()
+def _flat_seconds(model: nn.Module, repeats: int) -> float:
+    """`ModelProfile.flat_s`: the copies `sharded_flat` makes around its two all-reduces, on this model's
+    parameters (written back with the values they hold: the model is unchanged)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    grads = [torch.ones_like(p) for p in params]
+    sizes = [p.numel() for p in params]
+
+    def once() -> float:
+        started = time.perf_counter()
+        torch.cat([g.reshape(-1) for g in grads])
+        full = torch.zeros(sum(sizes), dtype=params[0].dtype)
+        full.copy_(torch.cat([p.detach().reshape(-1) for p in params]))  # the all-reduce's result stands in
+        for p, piece in zip(params, full.split(sizes), strict=True):
+            p.data.view(-1).copy_(piece)
+        return time.perf_counter() - started
+
+    return statistics.median(once() for _ in range(budgeted(once(), repeats, PROFILE_BUDGET_S / 4)))
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,9 @@ class Transport:
     fsdp_unit_s: dict[str, float] = field(default_factory=dict)
     """loom's FSDP fixed cost per unit beyond its collectives, by ZeRO stage (``stage2``, ``stage3``), measured
     by `loom.plan.trial`'s calibration."""
+    ps_fixed_s: float | None = None
+    """A synchronous parameter server's fixed cost per step beyond its frames (round trips, the server's own
+    handling), measured by the calibration; None when it ran without a server (parameter servers refused)."""
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -130,7 +133,7 @@ class Transport:
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "sizes": list(self.sizes), "seconds": self.seconds,
                 "overlap": self.overlap, "hosts": self.hosts, "link_bytes_per_s": self.link_bytes_per_s,
-                "fsdp_unit_s": self.fsdp_unit_s}  # fmt: skip
+                "fsdp_unit_s": self.fsdp_unit_s, "ps_fixed_s": self.ps_fixed_s}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict) -> Transport:
@@ -138,6 +141,7 @@ class Transport:
             int(data["world_size"]), tuple(int(s) for s in data["sizes"]),
             {k: tuple(float(x) for x in v) for k, v in data["seconds"].items()}, float(data.get("overlap", 0.0)),
             fsdp_unit_s={k: float(v) for k, v in data.get("fsdp_unit_s", {}).items()},
+            ps_fixed_s=None if data.get("ps_fixed_s") is None else float(data["ps_fixed_s"]),
         )  # fmt: skip
 
 

@@ -17,8 +17,8 @@ parameters: torch, loom, the script's data; the largest rank's), and runs the re
 ``DataParallel(allreduce="native")``, a few steps on a copy of the model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
 guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
 
-And loom's FSDP cost per unit at ZeRO stages 2 and 3 (`_fsdp_unit_seconds`: a tiny chain trained with and
-without it), which no collective's time contains.
+And the fixed costs no message's time contains (`_fixed_costs`: a tiny chain trained by each): FSDP's per unit at
+ZeRO stages 2 and 3, and a synchronous parameter server's per step.
 
 ``verify``: the configuration itself, built from its family and options by name (no ``eval``), a few real steps
 of ``job.train_step``; writes the median step time (of a few timed blocks: a sync round for LocalSGD/DiLoCo,
@@ -33,6 +33,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -132,7 +133,8 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     data["reference_step_s"] = reference["step_time_s"]
     # the script's own model stays resident beside the copy the reference trains: not the reference's
     data["reference_peak_rss"] = max(0, reference["memory"]["peak_rss"] - params)
-    data["fsdp_unit_s"] = _fsdp_unit_seconds(captured, max(ns.steps, 10))
+    # the planner starts the calibration with a parameter server when it plans some
+    data.update(_fixed_costs(captured, max(ns.steps, 10), bool(os.environ.get("LOOM_PS_ADDRS"))))
     data["runtime_bytes"] = max(0, int(runtime.item()))
     return data
 
@@ -140,23 +142,31 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
 FSDP_UNITS = 6
 
 
-def _fsdp_unit_seconds(captured: Any, steps: int) -> dict[str, float]:
-    """loom's ZeRO stages 2 and 3 (FSDP2) cost per unit beyond its collectives' bytes: a chain of `FSDP_UNITS`
-    ``Linear(8, 8)`` trained by ``DataParallel`` and by ``ShardedDataParallel(stage=2, 3)`` through loom's own
-    step (so the engine's overhead cancels); with this little compute and messages of a few hundred bytes, the
-    difference per unit is FSDP's fixed work (its hooks, copies, the tiny collectives' latency)."""
+def _tiny(captured: Any, family: str, options: dict[str, Any], steps: int) -> float:
+    """The step time of a chain of `FSDP_UNITS` ``Linear(8, 8)`` trained by ``family`` through loom's own step:
+    with this little compute and messages of a few hundred bytes, what is left is the strategy's fixed work."""
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
-    seconds = {}
-    for name, family, options in (("dp", "DataParallel", {"allreduce": "native"}),
-                                  ("2", "ShardedDataParallel", {"stage": 2}),
-                                  ("3", "ShardedDataParallel", {"stage": 3})):  # fmt: skip
-        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(FSDP_UNITS)])
-        tiny = dataclasses.replace(captured, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                   loss_fn=torch.nn.functional.mse_loss, dataset=data, global_batch_size=16,
-                                   loader_options={})  # fmt: skip
-        seconds[name] = _verify_steps(tiny, family, options, steps, 3)["step_time_s"]
-    return {f"stage{z}": max(0.0, (seconds[z] - seconds["dp"]) / FSDP_UNITS) for z in ("2", "3")}
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(FSDP_UNITS)])
+    tiny = dataclasses.replace(captured, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                               loss_fn=torch.nn.functional.mse_loss, dataset=data, global_batch_size=16,
+                               loader_options={})  # fmt: skip
+    return float(_verify_steps(tiny, family, options, steps, 3)["step_time_s"])
+
+
+def _fixed_costs(captured: Any, steps: int, servers: bool) -> dict[str, Any]:
+    """What strategies cost per step beyond `DataParallel` and beyond their messages' bytes (`_tiny`; the
+    engine's overhead cancels): FSDP's fixed work per unit at ZeRO stages 2 and 3 (its hooks, copies, the tiny
+    collectives' latency), and with ``servers`` a synchronous parameter server's (its requests' round trips,
+    the server's own handling and wake-ups)."""
+    dp = _tiny(captured, "DataParallel", {"allreduce": "native"}, steps)
+    units = {z: _tiny(captured, "ShardedDataParallel", {"stage": z}, steps) for z in (2, 3)}
+    out: dict[str, Any] = {
+        "fsdp_unit_s": {f"stage{z}": max(0.0, (t - dp) / FSDP_UNITS) for z, t in units.items()}
+    }
+    if servers:
+        out["ps_fixed_s"] = max(0.0, _tiny(captured, "ParameterServer", {"mode": "sync"}, steps) - dp)
+    return out
 
 
 def _strategy(family: str, options: dict[str, Any]) -> Any:

@@ -35,6 +35,7 @@ from loom.checkpoint.sharded_state import Piece
 from loom.comm import all_reduce
 from loom.comm._reduce import group_rank_and_size
 from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
+from loom.fault.desync import gradients_finite
 
 __all__ = ["ELEMENTWISE", "FlatShards", "check_elementwise"]
 
@@ -182,7 +183,7 @@ class FlatShards:
             n = view_piece.hi - view_piece.lo
             view_piece.param.grad = piece[offset : offset + n]
             offset += n
-        nonfinite = 0.0 if bool(torch.isfinite(piece).all()) else 1.0
+        nonfinite = 0.0 if gradients_finite([], flat=piece) else 1.0  # one sum, not a check per element
         if self._distributed() and loss_sum is not None:
             buffer = torch.cat(
                 [loss_sum, torch.tensor([nonfinite], dtype=torch.float64, device=loss_sum.device)]
