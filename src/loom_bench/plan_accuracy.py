@@ -11,7 +11,10 @@ Writes ``plan_accuracy[_Hhosts_RATE].md`` and ``.json`` into ``--out`` after eve
 keeps what it measured).
 
     PYTHONPATH=src python -m loom_bench.plan_accuracy [--out benchmarks/reports] [--steps 5] [--repeats 3]
-        [--models small,medium,large] [--hosts 2 --link 100mbit]
+        [--models small,medium,large] [--hosts 2 --link 100mbit] [--cgroup]
+
+``--cgroup`` (root, one host) runs each configuration once more with every worker in a memory cgroup at its
+predicted peak RSS (`loom_bench.plan_confined`): the column says whether it ran to the end.
 """
 
 from __future__ import annotations
@@ -65,8 +68,38 @@ def _verify_on_hosts(hosts: Any, r: Ranked, args: tuple[str, ...], steps: int) -
     return Verification.of(r.prediction, got)
 
 
+def _confined(r: Ranked, args: tuple[str, ...], steps: int) -> str:
+    """``r``'s configuration run once with every worker in a memory cgroup at its predicted peak RSS
+    (`loom_bench.plan_confined`): "ran", or why it did not."""
+    import subprocess
+
+    from loom_bench.plan_confined import remove_groups
+
+    c, peak = r.prediction.config, r.prediction.memory["total"]
+    with tempfile.TemporaryDirectory(prefix="loom-plan-confined-") as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "loom.cli", "run", "-n", str(c.nproc), "--run-dir", f"{tmp}/run"]
+        command += ["--servers", str(c.servers)] if c.servers else []
+        command += ["-m", "loom_bench.plan_confined", str(peak), "verify", "--out", str(out), "--family", c.family,
+                    "--options", json.dumps(dict(c.options)), "--steps", str(steps), SCRIPT, *args]  # fmt: skip
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=HOSTS_TIMEOUT_S, check=False
+            )
+        finally:
+            remove_groups()
+        if done.returncode == 0 and out.exists():
+            return "ran"
+        return "failed: " + " | ".join(done.stderr.strip().splitlines()[-2:])[:200]
+
+
 def _rows(
-    result: PlanResult, args: tuple[str, ...], steps: int, repeats: int, hosts: Any = None
+    result: PlanResult,
+    args: tuple[str, ...],
+    steps: int,
+    repeats: int,
+    hosts: Any = None,
+    cgroup: bool = False,
 ) -> list[dict[str, Any]]:
     """Each chosen configuration measured ``repeats`` times, in passes over all of them (so a burst of load
     lands on one measurement of several configurations, not on every measurement of one); the row's measured
@@ -103,6 +136,10 @@ def _rows(
             row["measured_s"] = statistics.median(row["measured_all"])
             row["step_error"] = row["predicted_s"] / row["measured_s"] - 1
             print(json.dumps(row), flush=True)
+    for r, row in zip(picked, rows, strict=True):
+        if cgroup and "error" not in row:
+            row["confined"] = _confined(r, args, steps)
+            print(json.dumps({"strategy": row["strategy"], "confined": row["confined"]}), flush=True)
     return rows
 
 
@@ -121,8 +158,11 @@ def _peaks(rows: list[dict[str, Any]]) -> str:
     if not errs:
         return ""
     under = sum(e < -0.05 for e in errs)
+    confined = [r["confined"] for r in rows if "confined" in r]
+    ran = (f" Under a memory cgroup at the predicted peak (`--cgroup`): {confined.count('ran')} of {len(confined)} "
+           "ran to the end." if confined else "")  # fmt: skip
     return (f" Peak RSS: median |error| {statistics.median(abs(e) for e in errs):.0%}, worst "
-            f"{max(errs, key=abs):+.0%}; under-predicted by more than 5 % in {under} of {len(errs)}.")  # fmt: skip
+            f"{max(errs, key=abs):+.0%}; under-predicted by more than 5 % in {under} of {len(errs)}." + ran)  # fmt: skip
 
 
 def _ranking(rows: list[dict[str, Any]]) -> str:
@@ -164,18 +204,21 @@ def _markdown(report: dict) -> str:
                   f"({len(errs)} configurations). " + _ranking(model["rows"]) + _peaks(model["rows"]) if errs else "",
                   "",
                   "| configuration | loom run | predicted ms | measured ms | error | state predicted | state measured "
-                  "| peak predicted MiB | peak measured MiB | runs (ms) | load before/after |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
+                  "| peak predicted MiB | peak measured MiB | runs (ms) | load before/after | under a cgroup at the "
+                  "predicted peak |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]  # fmt: skip
         for r in model["rows"]:
             if "error" in r:
-                lines.append(f"| `{r['strategy']}` | {r['launch']} | | | failed: {r['error']} | | | | | | |")
+                lines.append(
+                    f"| `{r['strategy']}` | {r['launch']} | | | failed: {r['error']} | | | | | | | |"
+                )
                 continue
             lines.append(
                 f"| `{r['strategy']}` | {r['launch']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} "
                 f"| {r['step_error']:+.0%} | {r['predicted_state']:,} | {r['measured_state']:,} "
                 f"| {r['predicted_peak'] / 2**20:.0f} | {r['measured_peak'] / 2**20:.0f} "
                 f"| {', '.join(f'{x * 1e3:.1f}' for x in r['measured_all'])} "
-                f"| {', '.join(f'{a:.1f}/{b:.1f}' for a, b in r['loads'])} |"
+                f"| {', '.join(f'{a:.1f}/{b:.1f}' for a, b in r['loads'])} | {r.get('confined', 'not run')} |"
             )
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -189,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (median kept)")
     parser.add_argument("--hosts", type=int, default=1, help="namespace hosts, one process each (needs root)")
     parser.add_argument("--link", default=None, help="their link rate, as tc writes it (with --hosts)")
+    parser.add_argument("--cgroup", action="store_true",
+                        help="also run each configuration once under a memory cgroup at its predicted peak (root)")  # fmt: skip
     ns = parser.parse_args(argv)
     if (ns.hosts > 1) != (ns.link is not None):
         parser.error("--hosts H (2 or more) and --link RATE go together")
+    if ns.cgroup and ns.hosts > 1:
+        parser.error("--cgroup runs on this host only; drop --hosts, or drop --cgroup")
     given = sys.argv[1:] if argv is None else argv
     report: dict = {"command": "PYTHONPATH=src python -m loom_bench.plan_accuracy " + " ".join(given),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": ns.steps,
@@ -219,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             report["models"][name] = {
                 "args": " ".join(args), "params": result.profile.param_count, "plan_seconds": seconds,
                 "overhead_s": result.overhead_s, "overlap": result.transport.overlap,
-                "rows": _rows(result, args, ns.steps, ns.repeats, hosts),
+                "rows": _rows(result, args, ns.steps, ns.repeats, hosts, ns.cgroup),
             }  # fmt: skip
             ns.out.mkdir(parents=True, exist_ok=True)
             (ns.out / f"{stem}.json").write_text(json.dumps(report, indent=1))

@@ -104,14 +104,15 @@ def _trial(mode: str, script: str, args: tuple[str, ...], nproc: int, servers: i
 def _message_sizes(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) -> list[int]:
     """The sizes the transport is measured at: exactly the whole-model messages (gradients, parameters, a
     parameter server's share of every worker's, each codec's), and a grid a factor of 4 apart up to the
-    largest, which the per-layer messages (FSDP units, pipeline activations) are interpolated on."""
+    largest per-layer message (FSDP units, pipeline activations), which those are interpolated on; above it,
+    between the exact sizes, a message is bandwidth-bound (time to plan: no grid of 100 MB messages)."""
     p = profile
     exact = {8, p.grad_bytes, p.param_bytes, p.grad_bytes // 2, p.param_bytes // 2}  # // 2: one of 2 servers
     for c in codecs.values():
         exact |= {c.sum_bytes, n * c.gather_bytes}
     layers = [x for at in p.batches.values() for x in at.layers]
-    largest = max([*exact, *(x.output_bytes for x in layers)])
-    return sorted(s for s in exact | _grid(8, largest) | {largest} if s > 0)
+    per_layer = max((m for x in layers for m in (x.output_bytes, x.param_bytes)), default=8)
+    return sorted(s for s in exact | _grid(8, per_layer) | {per_layer} if s > 0)
 
 
 def _limits(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) -> dict[str, int]:
