@@ -44,7 +44,9 @@ CHOSEN = (
     "loom.ShardedDataParallel(stage=3)", 'loom.ParameterServer(mode="sync")', "loom.LocalSGD(sync_every=8)",
     "loom.DiLoCo(sync_every=8)", 'loom.Pipeline(stages=2, microbatches=2, schedule="gpipe")',
     'loom.Pipeline(stages=2, microbatches=4, schedule="1f1b")', "loom.TensorParallel(size=2)",
+    'loom.Hybrid(dp=2, pp=2, microbatches=2, schedule="gpipe")', "loom.TensorParallel(size=4)",
 )  # fmt: skip
+"""The configurations measured, where the plan has them (a hybrid and TensorParallel(size=4) with --nproc 4)."""
 HOSTS_TIMEOUT_S = 600.0
 SCRIPT = str(Path(__file__).resolve().parents[2] / "tests" / "workers" / "plan_tiny.py")
 
@@ -181,7 +183,7 @@ def _markdown(report: dict) -> str:
     lines = [
         "# `loom plan`: predicted vs measured, "
         + (
-            "one host, 2 processes"
+            f"one host, {report.get('nproc', 2)} processes"
             if report.get("hosts", 1) == 1
             else f"{report['hosts']} namespace hosts at {report['link']} (veth + tc tbf), one process each"
         ),
@@ -232,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (median kept)")
     parser.add_argument("--hosts", type=int, default=1, help="namespace hosts, one process each (needs root)")
     parser.add_argument("--link", default=None, help="their link rate, as tc writes it (with --hosts)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes planned on this host (one host)")
     parser.add_argument("--cgroup", action="store_true",
                         help="also run each configuration once under a memory cgroup at its predicted peak (root)")  # fmt: skip
     ns = parser.parse_args(argv)
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"command": "PYTHONPATH=src python -m loom_bench.plan_accuracy " + " ".join(given),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": ns.steps,
                     "repeats": ns.repeats, "machine": f"{os.cpu_count()} cores", "hosts": ns.hosts,
-                    "link": ns.link, "models": {}}  # fmt: skip
+                    "link": ns.link, "nproc": ns.nproc, "models": {}}  # fmt: skip
     hosts = None
     if ns.hosts > 1:
         from loom_bench.links import Hosts, skip_reason
@@ -257,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         if hosts is not None:
             hosts.limit(ns.link)
         stem = "plan_accuracy" if hosts is None else f"plan_accuracy_{ns.hosts}hosts_{ns.link}"
+        stem += f"_n{ns.nproc}" if hosts is None and ns.nproc != 2 else ""
         for name in ns.models.split(","):
             args = MODELS[name]
-            nproc, rate = (2, None) if hosts is None else (1, parse_rate(ns.link))
+            nproc, rate = (ns.nproc, None) if hosts is None else (1, parse_rate(ns.link))
             result = plan(SCRIPT, args, nproc=nproc, hosts=ns.hosts, link_bytes_per_s=rate)
             seconds = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
             print(f"{name}: planned ({seconds})", flush=True)
