@@ -5,13 +5,17 @@ member's check-in and ``liveness_timeout_s`` its heartbeat (`loom.fault.quorum.Q
 
 from __future__ import annotations
 
+import json
+import re
 import threading
+import time
 
 import pytest
 from test_heal import check_healed_job, run_heal
 from test_heal_units import Launcher, MemoryStore
 
-from loom.fault.quorum import Quorum, read_guard
+from loom.fault.quorum import Quorum, read_guard, read_place
+from loom.fault.watchdog import Watchdog
 from loom.train.guard import GuardOptions, set_timeouts
 
 
@@ -112,3 +116,145 @@ def test_a_frozen_member_is_dropped_at_the_liveness_timeout_and_replaced(tmp_pat
         "worker rank 1 sent no heartbeat for 2 s (liveness_timeout_s / LOOM_LIVENESS_TIMEOUT_S): dropped and killed"
         in result.stderr
     ), result.stderr[-3000:]
+
+
+# -- who did not arrive, under heal (issue 39) -------------------------------------------------------------------
+
+
+def _counted_quorum(store: MemoryStore, timeout_s: float) -> tuple[Quorum, Watchdog]:
+    """Rank 0's quorum in epoch 3 (members 0, 1 and rank 2's first replacement), its collectives counted by a
+    watchdog without a thread (as the guard's is under heal) that had counted 4 before the epoch."""
+    quorum = Quorum(store, rank=0, generation=0)
+    quorum.close()  # no heartbeat thread: the test calls `place` as the heartbeat does
+    quorum.apply_guard(timeout_s, None, None)
+    watchdog = Watchdog(0, 3, 30.0)
+    quorum.count_with(watchdog)
+    for _ in range(4):
+        with watchdog.collective("gradient all-reduce"):
+            pass
+    quorum._formed(3, [(0, 0), (1, 0), (2, 1)])
+    return quorum, watchdog
+
+
+def _place(epoch: int, gen: int, current: list | None, done: list | None) -> str:
+    return json.dumps({"gen": gen, "epoch": epoch, "time": time.time(), "current": current, "done": done,
+                       "waiting_s": 1.0 if current else None})  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_collective_that_timed_out_names_the_member_that_did_not_arrive(capsys):
+    store = MemoryStore()
+    quorum, watchdog = _counted_quorum(store, 0.2)
+    with watchdog.collective("loss all-reduce"):
+        pass
+    # rank 1 completed the epoch's first collective and is outside; rank 2 waits in the second with rank 0
+    store.set("at/1", _place(3, 0, None, ["loss all-reduce", 1]))
+    store.set("at/2", _place(3, 1, ["gradient all-reduce", 2], ["loss all-reduce", 1]))
+    watchdog.enter("gradient all-reduce")
+    assert quorum.place()["current"] == ["gradient all-reduce", 2]  # numbered within the epoch
+    time.sleep(0.25)  # past the group's timeout, seen inside by the heartbeat
+    assert quorum.place()["waiting_s"] >= 0.2
+    watchdog.leave()  # the collective raised
+    quorum._name_the_absent(step=7)
+    err = capsys.readouterr().err
+    first = err.splitlines()[0]
+    assert first.startswith(
+        "loom: rank 0: step 7 dropped: collective #2 of epoch 3 ('gradient all-reduce') timed out after 0.2 s "
+        "(hang_timeout_s / LOOM_HANG_TIMEOUT_S); member(s) rank 1 did not arrive. HINT: "
+    ), err
+    assert "LOOM_HANG_TIMEOUT_S if its work there is just slow" in first
+    assert "  rank 1: last completed 'loss all-reduce' #1; not in a collective" in err
+    assert "  rank 2: last completed 'loss all-reduce' #1; in 'gradient all-reduce' #2" in err
+
+    # a record of an earlier epoch, or of the rank's previous process, has not arrived at any of this epoch's
+    store.set("at/1", _place(3, 0, ["gradient all-reduce", 2], None))
+    store.set("at/2", _place(3, 0, ["gradient all-reduce", 2], None))  # generation 0: rank 2's lost process
+    watchdog.enter("gradient all-reduce")
+    quorum.place()
+    time.sleep(0.25)
+    quorum.place()
+    watchdog.leave()
+    quorum._name_the_absent(step=8)
+    assert (
+        "step 8 dropped: collective #3 of epoch 3 ('gradient all-reduce') timed out after 0.2 s"
+        in (err := capsys.readouterr().err)
+        and "member(s) rank 1, 2 did not arrive" in err
+    ), err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_collective_that_failed_sooner_than_its_timeout_names_nobody(capsys):
+    store = MemoryStore()
+    quorum, watchdog = _counted_quorum(store, 5.0)
+    store.set("at/1", _place(3, 0, None, None))
+    watchdog.enter("gradient all-reduce")
+    quorum.place()  # seen inside, then it failed at once (a lost member's connection closed)
+    watchdog.leave()
+    quorum._name_the_absent(step=5)
+    quorum._name_the_absent(step=5)  # re-forming for a replacement, nothing failed
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "raw",
+    [b"{", b"[1]", b'{"epoch": 3, "gen": 0}', b'{"time": "now"}', b'{"time": 1' + b" " * 1100 + b"}"],
+)  # fmt: skip
+def test_what_a_member_reads_of_anothers_place_is_bounded_and_checked(raw):
+    assert read_place(raw, 3, 0) is None
+
+
+@pytest.mark.unit
+def test_a_place_whose_fields_are_malformed_reads_as_no_collective():
+    raw = json.dumps({"gen": 0, "epoch": 3, "time": 1.0, "current": ["x" * 500, "2"], "done": ["op", 2.5],
+                      "waiting_s": "long"}).encode()  # fmt: skip
+    assert read_place(raw, 3, 0) == {"current": None, "done": None, "time": 1.0, "waiting_s": None}
+    raw = json.dumps({"gen": 0, "epoch": 3, "time": 1.0, "current": ["x" * 500, 2]}).encode()
+    assert read_place(raw, 3, 0)["current"] == ["x" * 80, 2]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_the_launchers_line_says_where_among_the_collectives_a_member_that_did_not_check_in_was(
+    monkeypatch, capsys
+):
+    monkeypatch.setenv("LOOM_HEAL_CHECKIN_TIMEOUT_S", "0.05")
+    job = Launcher()
+    _started(job)
+    job.store.set("at/1", _place(1, 0, ["gradient all-reduce", 5], ["gradient all-reduce", 4]))
+    job.store.set("at/2", _place(1, 0, None, ["gradient all-reduce", 4]))
+    job.store.set("q/1/in/0", "4")
+    job.quorum.tick()
+    threading.Event().wait(0.1)
+    job.quorum.tick()
+    err = capsys.readouterr().err
+    assert (
+        "worker rank 1 did not check in within 0.05 s (LOOM_HEAL_CHECKIN_TIMEOUT_S), inside collective #5 "
+        "('gradient all-reduce') of epoch 1: dropped and killed" in err
+    ), err
+    assert (
+        "worker rank 2 did not check in within 0.05 s (LOOM_HEAL_CHECKIN_TIMEOUT_S), outside the collectives of "
+        "epoch 1 after #4 ('gradient all-reduce'): dropped and killed" in err
+    ), err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_member_late_for_the_exchange_is_named_by_the_others_at_the_hang_timeout(tmp_path):
+    # rank 1 pauses 7 s right before step 3's exchange (it keeps its heartbeat); the others wait in it for the hang
+    # timeout (3 s), drop the step naming rank 1, and re-form with it when it checks in: nobody is replaced
+    result, out, run_dir = run_heal(
+        tmp_path, "slow@1:3:during", steps=6, LOOM_HANG_TIMEOUT_S="3", LOOM_FAULTS_SLOW_S="7"
+    )
+    check_healed_job(result, out, run_dir, 6, {})
+    named = [line for line in result.stderr.splitlines() if "step 3 dropped: collective #" in line]
+    assert {line.partition(": step")[0].rpartition("rank ")[2] for line in named} == {"0", "2"}, (
+        result.stderr[-4000:]
+    )
+    pattern = (
+        r"step 3 dropped: collective #\d+ of epoch 1 \('gradient all-reduce'\) timed out after 3 s "
+        r"\(hang_timeout_s / LOOM_HANG_TIMEOUT_S\); member\(s\) rank 1 did not arrive\."
+    )
+    assert all(re.search(pattern, line) for line in named), named

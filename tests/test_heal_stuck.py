@@ -4,6 +4,8 @@ spent with no clue where."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_heal import run_heal
 
@@ -68,6 +70,15 @@ def test_a_member_stuck_in_its_own_code_shows_its_stack_and_a_repeat_stops_the_j
         err[-4000:]
     )
     assert all("within 4 s (work_timeout_s / LOOM_WORK_TIMEOUT_S)" in line for line in killed), err[-4000:]
+    # who did not arrive (issue 39): the others name rank 1 at the collective that timed out, and the launcher's
+    # line says where rank 1 was among the epoch's collectives
+    assert all(re.search(r", outside the collectives of epoch \d+ after #\d+ \('gradient all-reduce'\): dropped", line)
+               for line in killed), killed  # fmt: skip
+    assert re.search(
+        r"step \d+ dropped: collective #\d+ of epoch \d+ \('gradient all-reduce'\) timed out after 6 s "
+        r"\(hang_timeout_s / LOOM_HANG_TIMEOUT_S\); member\(s\) rank 1 did not arrive",
+        err,
+    ), err[-4000:]
     assert "[rank1]: " in err and "most recent call first" in err, "rank 1's stacks were not printed"
     assert "worker rank 1 was stuck at the same place 2 times" in err, err[-4000:]
     assert "heal 1 of 5" in err and "heal 2 of 5" not in err, err[-4000:]

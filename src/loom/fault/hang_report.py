@@ -1,6 +1,8 @@
 """The hang watchdog's judgement and reports, apart from its thread (`loom.fault.watchdog`): functions of the
 records every rank publishes (``current``, ``waiting_s``, ``done``, ``time``), tested without processes, and the
-stack dump a waiting rank asks of one outside any collective."""
+stack dump a waiting rank asks of one outside any collective. Under heal the quorum's members publish the same
+records, numbered within their membership epoch (`loom.fault.quorum`), and `dropped_report` names who did not
+arrive at a collective that timed out."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import os
 import sys
 import time
 
-__all__ = ["all_inside_s", "doing", "hang_report", "print_stacks", "stacks_asked", "stop_process"]
+__all__ = [
+    "all_inside_s", "doing", "dropped_report", "hang_report", "not_arrived", "print_stacks", "stacks_asked",
+    "stop_process",
+]  # fmt: skip
 
 
 def all_inside_s(records: dict[int, dict | None], rank: int, waited_s: float) -> float:
@@ -27,18 +32,11 @@ def all_inside_s(records: dict[int, dict | None], rank: int, waited_s: float) ->
     return inside
 
 
-def hang_report(
-    rank: int,
-    op: str,
-    seq: int,
-    waited_s: float,
-    records: dict[int, dict | None],
-    why: str | None = None,
-) -> str:
-    """The report: first line a summary (what the launcher shows), then one line per rank.
+def not_arrived(op: str, seq: int, records: dict[int, dict | None]) -> tuple[list[int], list[int]]:
+    """The ranks that did not arrive at collective ``(op, seq)`` and those whose record could not be read.
 
-    A rank did not arrive at ``(op, seq)`` if it has not entered collective ``seq`` yet, or is inside a
-    different operation under that number (the ranks disagree on the order of collectives).
+    A rank did not arrive if it has not entered collective ``seq`` yet, or is inside a different operation under
+    that number (the ranks disagree on the order of collectives).
     """
     missing, unknown = [], [r for r, rec in sorted(records.items()) if rec is None]
     for r, rec in sorted(records.items()):
@@ -48,6 +46,34 @@ def hang_report(
         entered = cur[1] if cur else (done[1] if done else 0)
         if entered < seq or (cur is not None and cur[1] == seq and cur[0] != op):
             missing.append(r)
+    return missing, unknown
+
+
+def _rank_lines(records: dict[int, dict | None]) -> list[str]:
+    """One line per rank: its last completed operation and the one it is in (`hang_report`, `dropped_report`)."""
+    lines = []
+    for r, rec in sorted(records.items()):
+        if rec is None:
+            lines.append(f"  rank {r}: no record (not started, or the store is unreachable)")
+            continue
+        cur, done = rec.get("current"), rec.get("done")
+        now = f"in '{cur[0]}' #{cur[1]} for {rec.get('waiting_s')} s" if cur else "not in a collective"
+        last = f"'{done[0]}' #{done[1]}" if done else "none"
+        age = time.time() - float(rec.get("time", time.time()))
+        lines.append(f"  rank {r}: last completed {last}; {now} (published {age:.1f} s ago)")
+    return lines
+
+
+def hang_report(
+    rank: int,
+    op: str,
+    seq: int,
+    waited_s: float,
+    records: dict[int, dict | None],
+    why: str | None = None,
+) -> str:
+    """The report: first line a summary (what the launcher shows), then one line per rank (`not_arrived`)."""
+    missing, unknown = not_arrived(op, seq, records)
     who = f"ranks {missing} did not arrive" if missing else "every rank that published arrived (a slow op?)"
     if unknown:
         who += f"; ranks {unknown} could not be read"
@@ -58,16 +84,36 @@ def hang_report(
         "HINT: every rank must issue the same collectives in the same order; raise LOOM_HANG_TIMEOUT_S "
         "if the operation is just slow."
     ]
-    for r, rec in sorted(records.items()):
-        if rec is None:
-            lines.append(f"  rank {r}: no record (not started, or the store is unreachable)")
-            continue
-        cur, done = rec.get("current"), rec.get("done")
-        now = f"in '{cur[0]}' #{cur[1]} for {rec.get('waiting_s')} s" if cur else "not in a collective"
-        last = f"'{done[0]}' #{done[1]}" if done else "none"
-        age = time.time() - float(rec.get("time", time.time()))
-        lines.append(f"  rank {r}: last completed {last}; {now} (published {age:.1f} s ago)")
-    return "\n".join(lines)
+    return "\n".join(lines + _rank_lines(records))
+
+
+def dropped_report(
+    rank: int,
+    step: int,
+    epoch: int,
+    op: str,
+    seq: int,
+    timeout: tuple[float, str],
+    records: dict[int, dict | None],
+) -> str:
+    """Under heal, a step dropped because collective ``(op, seq)`` of membership epoch ``epoch`` timed out
+    (``timeout``: its seconds and where they come from): the members that did not arrive (`not_arrived`, on the
+    members' records numbered within the epoch), then one line per member. The members re-form without waiting
+    further, so this line is what is left of the watchdog's report under heal."""
+    missing, unknown = not_arrived(op, seq, records)
+    who = (
+        f"member(s) rank {', '.join(map(str, missing))} did not arrive"
+        if missing
+        else "every member that published arrived (a slow collective?)"
+    )
+    if unknown:
+        who += f"; rank(s) {unknown} could not be read"
+    lines = [
+        f"loom: rank {rank}: step {step} dropped: collective #{seq} of epoch {epoch} ('{op}') timed out after "
+        f"{timeout[0]:g} s ({timeout[1]}); {who}. HINT: a member late for its step's collectives is re-formed "
+        f"without each time; raise {timeout[1].rpartition(' ')[2]} if its work there is just slow"
+    ]
+    return "\n".join(lines + _rank_lines(records))
 
 
 def doing(current: tuple[str, int, float] | None) -> str:

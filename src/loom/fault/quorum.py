@@ -22,6 +22,11 @@ children) and hosts the job's authenticated store (`loom.net.store`):
 - **Heartbeats.** A thread adds 1 to ``hb/RANK/GEN`` every `HEARTBEAT_S`; the launcher kills a worker whose
   heartbeat stops for its liveness timeout (a frozen process), which the others then see as a lost member. Under
   heal this is the one heartbeat: the watchdog's (`loom.fault.liveness`) does not run.
+- **Who did not arrive.** The same thread publishes, in ``at/RANK``, the member's place among its epoch's
+  collectives as the guard's watchdog counts them (`Quorum.count_with`: the watchdog's record, numbered from the
+  epoch's first collective). When a collective of the epoch times out, the member that waited re-forms and first
+  names the members that had not arrived at it, with the step and the operation (`loom.fault.hang_report.
+  dropped_report`): the watchdog's report, which under heal would come too late (the members re-form instead).
 - **The guard's timeouts** (`Quorum.apply_guard`): a member lost under heal is replaced, not waited for, so each
   timeout bounds the wait that comes before a replacement: ``hang_timeout_s`` each collective of an epoch's group
   (past it the step is dropped and the members re-form), ``work_timeout_s`` the launcher's wait for a member's
@@ -43,6 +48,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -53,11 +59,12 @@ import torch.distributed as dist
 
 from loom.comm.links import forget_links
 from loom.errors import JobEnded, LeftOutOfQuorum, StepDropped
+from loom.fault.hang_report import dropped_report
 from loom.settings import setting
 
 __all__ = [
     "GUARD_KEYS", "HEARTBEAT_S", "LEFT_OUT_STATUS", "STACK_SIGNAL", "JobEnded", "LeftOutOfQuorum", "Quorum",
-    "StepDropped", "gloo_group", "read_guard",
+    "StepDropped", "gloo_group", "read_guard", "read_place",
 ]  # fmt: skip
 
 STACK_SIGNAL = signal.SIGUSR1
@@ -94,6 +101,29 @@ def read_guard(raw: bytes) -> dict[str, float]:
             and not isinstance(v, bool) and math.isfinite(v) and v > 0}  # fmt: skip
 
 
+def read_place(raw: bytes, epoch: int, generation: int) -> dict | None:
+    """A member's ``at/RANK`` (`Quorum.place`) as a watchdog record of ``epoch`` for its process ``generation``:
+    bounded and checked (None: unreadable). A record of another epoch or process says no collective of this one
+    (it has not arrived at any)."""
+    try:
+        told = json.loads(raw[:1024])
+    except ValueError:
+        return None
+    if not isinstance(told, dict) or not isinstance(told.get("time"), (int, float)):
+        return None
+
+    def op(value: Any) -> list | None:
+        ok = isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+        ok = ok and type(value[1]) is int
+        return [value[0][:80], value[1]] if ok else None
+
+    if (told.get("epoch"), told.get("gen")) != (epoch, generation):
+        return {"current": None, "done": None, "time": float(told["time"])}
+    waiting = told.get("waiting_s")
+    return {"current": op(told.get("current")), "done": op(told.get("done")), "time": float(told["time"]),
+            "waiting_s": waiting if isinstance(waiting, (int, float)) else None}  # fmt: skip
+
+
 def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> dist.ProcessGroup:
     """A gloo group of ``size`` members on ``store`` (not registered with torch.distributed, so any number of
     epochs' groups can be built in one process), this process's member ``index``."""
@@ -112,6 +142,7 @@ class Quorum:
         self.store, self.rank, self.generation = store, rank, generation
         self.group_timeout_s = group_timeout_s or setting("LOOM_HEAL_GROUP_TIMEOUT_S")
         """Bound on each collective of an epoch's group (a frozen member is killed by the launcher sooner)."""
+        self.group_timeout_name = "LOOM_HEAL_GROUP_TIMEOUT_S"
         self.vote_timeout_s = setting("LOOM_HEAL_VOTE_TIMEOUT_S")
         self.epoch_timeout_s = setting("LOOM_HEAL_EPOCH_TIMEOUT_S")
         self.join_wait_s = setting("LOOM_HEAL_JOIN_WAIT_S")
@@ -121,7 +152,15 @@ class Quorum:
         self.checked_in = -1
         """The committed step this member checked in with last (-1: a new worker that has none yet)."""
         self.members: list[int] = []
+        self.generations: dict[int, int] = {}
+        """Rank -> the heal generation of its process in the current epoch."""
         self.group: dist.ProcessGroup | None = None
+        self._counter: Any = None
+        """The guard's watchdog, which counts this member's collectives (`count_with`)."""
+        self._base = (0, 0)
+        """(epoch, the counter's number of the collective before the epoch's first): one tuple, read whole."""
+        self._inside: tuple[str, int, float, float] | None = None
+        """The last collective the heartbeat saw this member in: (op, number, start, when seen inside last)."""
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="loom-heal-heartbeat", daemon=True)
         self._beat.start()
@@ -146,7 +185,7 @@ class Quorum:
                 f"{MIN_LIVENESS_S:g} s"
             )
         if hang_s is not None:
-            self.group_timeout_s = hang_s
+            self.group_timeout_s, self.group_timeout_name = hang_s, "hang_timeout_s / LOOM_HANG_TIMEOUT_S"
         told = {
             key: value for key, value in (("work_s", work_s), ("liveness_s", liveness_s)) if value is not None
         }
@@ -170,7 +209,9 @@ class Quorum:
         self._wait_epoch(max(latest, 1), joining=True)  # the latest may have been formed with us already
 
     def reform(self, committed_step: int) -> None:
-        """Ask for the next epoch (checking in with ``committed_step``) and wait until it is formed."""
+        """Ask for the next epoch (checking in with ``committed_step``) and wait until it is formed; first, if
+        the step was dropped because a collective timed out, name who did not arrive (`_name_the_absent`)."""
+        self._name_the_absent(committed_step + 1)
         self._abandon_group()
         self.checked_in = committed_step
         self.store.set(f"q/{self.epoch}/in/{self.rank}", str(committed_step))
@@ -204,9 +245,16 @@ class Quorum:
                     "check in within the launcher's LOOM_HEAL_CHECKIN_TIMEOUT_S"
                 )
             epoch += 1  # a joiner that came too late for this epoch waits for the next
-        self.epoch, self.members = epoch, members
+        self._formed(epoch, listed)
         prefix = dist.PrefixStore(f"q/{epoch}/pg/", self.store)
         self.group = gloo_group(prefix, self.index, self.size, self.group_timeout_s)
+
+    def _formed(self, epoch: int, listed: list[tuple[int, ...]]) -> None:
+        """Epoch ``epoch`` of the members ``listed`` (rank, generation) is this member's; its collectives are
+        numbered from the next one the counter counts (`count_with`)."""
+        self.epoch, self.members = epoch, [r for r, _ in listed]
+        self.generations = {r: g for r, g in listed}
+        self._base, self._inside = (epoch, self._counter.seq if self._counter is not None else 0), None
 
     def _job_ended(self) -> None:
         finished = self.store.get("q/end").decode()
@@ -264,13 +312,63 @@ class Quorum:
                 return self.store.compare_set(verdict_key, "", "drop") == b"commit"
             time.sleep(0.002)
 
-    # -- heartbeats ---------------------------------------------------------------------------------------------
+    # -- heartbeats and who did not arrive -----------------------------------------------------------------------
+    def count_with(self, counter: Any) -> None:
+        """Publish this member's place among its epoch's collectives as ``counter`` counts them (the guard's
+        watchdog: ``seq``, ``current``, ``last_done``; it counts under heal without a thread of its own): from
+        now on each heartbeat carries it, and a collective that times out is reported (`_name_the_absent`)."""
+        self._counter = counter
+        self._base = (self.epoch, counter.seq)
+
+    def place(self) -> dict[str, Any] | None:
+        """This member's watchdog record numbered within its epoch (`loom.fault.hang_report`'s fields, with the
+        epoch and this process's generation), or None before `count_with`. Called by the heartbeat thread,
+        which notes here the collective it sees this member in (for `_name_the_absent`)."""
+        counter = self._counter
+        if counter is None:
+            return None
+        (epoch, base), current, done = self._base, counter.current, counter.last_done
+        if current is not None and current[1] > base:
+            inside = self._inside
+            start = inside[2] if inside is not None and inside[1] == current[1] else current[2]
+            self._inside = (current[0], current[1], start, time.monotonic())
+        return {
+            "gen": self.generation, "epoch": epoch, "time": time.time(),
+            "current": [current[0], current[1] - base] if current is not None and current[1] > base else None,
+            "waiting_s": round(time.monotonic() - current[2], 3) if current is not None else None,
+            "done": [done[0], done[1] - base] if done is not None and done[1] > base else None,
+        }  # fmt: skip
+
+    def _name_the_absent(self, step: int) -> None:
+        """If this member's last collective was seen inside for about the epoch group's timeout (it timed out:
+        the heartbeat samples every `HEARTBEAT_S`), print which members had not arrived at it (their ``at/RANK``),
+        its number in the epoch, its operation and ``step``. Store reads only then, each bounded."""
+        counter, inside, (epoch, base) = self._counter, self._inside, self._base
+        self._inside = None
+        if counter is None or inside is None or inside[1] != counter.seq or epoch != self.epoch:
+            return
+        if inside[3] - inside[2] < max(self.group_timeout_s - 2 * HEARTBEAT_S, self.group_timeout_s / 2):
+            return  # failed sooner: a lost member's closed connection, an error named by the step's own line
+        records: dict[int, dict | None] = {}
+        for r in (r for r in self.members if r != self.rank):
+            try:
+                raw = self.store.get(f"at/{r}") if self.store.check([f"at/{r}"]) else None
+            except Exception:  # the store's own timeout: that member's record could not be read
+                raw = None
+            records[r] = None if raw is None else read_place(raw, epoch, self.generations.get(r, -1))
+        timeout = (self.group_timeout_s, self.group_timeout_name)
+        report = dropped_report(self.rank, step, epoch, inside[0], inside[1] - base, timeout, records)
+        print(report, file=sys.stderr, flush=True)
+
     def _heartbeat(self) -> None:
         beat = self.store.clone()  # a connection of its own: a step's long wait never delays a heartbeat
-        key = f"hb/{self.rank}/{self.generation}"
+        key, at = f"hb/{self.rank}/{self.generation}", f"at/{self.rank}"
         while not self._stop.is_set():
             try:
                 beat.add(key, 1)
+                place = self.place()
+                if place is not None:
+                    beat.set(at, json.dumps(place))
             except Exception:  # the launcher is gone: the worker dies with it (PDEATHSIG)
                 return
             self._stop.wait(HEARTBEAT_S)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.errors import JobStops
-from loom.fault.quorum import GUARD_KEYS, LEFT_OUT_STATUS, read_guard
+from loom.fault.quorum import GUARD_KEYS, LEFT_OUT_STATUS, read_guard, read_place
 from loom.settings import setting
 
 __all__ = [
@@ -215,7 +215,8 @@ class HealQuorum:
             place = self.dump(r)  # before the kill: a deterministic hang must not be healed without a clue
             waited, name = self._timeout(r, "work_s")
             print(f"loom run: worker rank {r} did not check in within {waited:g} s ({name})"
-                  f"{f', stuck at {place}' if place else ''}: dropped and killed", file=sys.stderr, flush=True)  # fmt: skip
+                  f"{f', stuck at {place}' if place else ''}{self._where(r)}: dropped and killed", file=sys.stderr,
+                  flush=True)  # fmt: skip
             self.kill(r)
             self._count_stuck(r, place)
         new = sorted(set(checked) | set(joiners))
@@ -225,6 +226,22 @@ class HealQuorum:
         if not new:
             return  # every member lost: the replacements will form the next epoch when ready
         self._publish(new)
+
+    def _where(self, rank: int) -> str:
+        """Where rank ``rank``'s member was among the current epoch's collectives, as its heartbeat last said
+        (``at/RANK``, `loom.fault.quorum.Quorum.place`), for the line that drops it; "" when it never said."""
+        key = f"at/{rank}"
+        told = self.store.get(key) if self.store.check([key]) else None
+        place = None if told is None else read_place(told, self.epoch, self.generation[rank])
+        if place is None:
+            return ""
+        if place["current"]:
+            return (
+                f", inside collective #{place['current'][1]} ('{place['current'][0]}') of epoch {self.epoch}"
+            )
+        done = place["done"]
+        after = f" after #{done[1]} ('{done[0]}')" if done else " (none yet)"
+        return f", outside the collectives of epoch {self.epoch}{after}"
 
     def _count_stuck(self, rank: int, place: str | None) -> None:
         """Stop the job when rank ``rank`` was stuck at ``place`` `stuck_repeats` times: a replacement would stop

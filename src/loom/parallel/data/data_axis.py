@@ -257,9 +257,12 @@ HealingT = TypeVar("HealingT", bound="Engine")
 
 
 def join_first_epoch(job: HealingT) -> HealingT:
-    """Join the quorum (a first start and a replacement alike) and take the state of a live member."""
+    """Join the quorum (a first start and a replacement alike) and take the state of a live member. The quorum
+    publishes this member's place among the collectives the guard's watchdog counts (`Quorum.count_with`), so
+    that a collective that times out names who did not arrive."""
     quorum = job.guard.quorum
     assert quorum is not None
+    quorum.count_with(job.guard.watchdog)
     fault_point(1, "join")
     quorum.join()
     try:
