@@ -20,6 +20,7 @@ import pytest
 from conftest import run_workers
 
 import loom.fault.inject as inject
+from loom.comm.counters import CommCounters, Traffic
 
 GRADIENT_PATH = (
     "train/engine.py",
@@ -79,3 +80,19 @@ def test_fault_injection_is_a_hook_held_only_when_planned(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     assert inject.planned() is inject.fault_point
     monkeypatch.setattr(inject, "_mine", None)  # the next reader parses the environment again
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_tally_counts_its_calls_in_every_total_and_reset_clears_it():
+    """`SharedGradients` counts its bytes as a tally (fixed per call) instead of a call into the counters."""
+    counts = CommCounters()
+    counts.record("ring", 10, 20)
+    tally = counts.tally("shm", Traffic(shm_sent=3, shm_received=5))
+    tally.calls += 2
+    assert counts.totals() == (10 + 6, 20 + 10)
+    assert counts.snapshot() == {"bytes_sent": 16, "bytes_received": 30, "ops": {"ring": 1, "shm": 2}}
+    assert counts.by_transport()["shm"] == {"bytes_sent": 6, "bytes_received": 10}
+    assert (counts.shm_bytes_sent, counts.socket_bytes_received) == (6, 20)
+    counts.reset()
+    assert counts.totals() == (0, 0) and counts.ops == {} and tally.calls == 0

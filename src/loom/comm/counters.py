@@ -63,8 +63,8 @@ class CommCounters:
     def __init__(self) -> None:
         # DDP may run communication hooks outside the thread that calls backward, so updates take a lock.
         self._lock = threading.Lock()
-        self._recorded = Traffic()
-        """What `record` added up; the public totals add the tallies' (`_traffic`)."""
+        self._recorded = [0, 0, 0, 0]
+        """What `record` added up, field by field as in `Traffic`; the totals add the tallies' (`_traffic`)."""
         self._ops: dict[str, int] = {}
         self._tallies: list[Tally] = []
 
@@ -73,7 +73,11 @@ class CommCounters:
     ) -> None:
         """Add one call of ``algorithm`` that moved ``sent`` / ``received`` socket bytes (and shm bytes)."""
         with self._lock:
-            self._recorded = self._recorded.plus(Traffic(sent, received, shm_sent, shm_received))
+            recorded = self._recorded
+            recorded[0] += sent
+            recorded[1] += received
+            recorded[2] += shm_sent
+            recorded[3] += shm_received
             self._ops[algorithm] = self._ops.get(algorithm, 0) + 1
 
     def tally(self, algorithm: str, traffic: Traffic) -> Tally:
@@ -84,12 +88,17 @@ class CommCounters:
         return tally
 
     def _traffic(self) -> Traffic:
-        """Everything counted so far: `record`'s sums plus every tally's calls times its traffic."""
-        total = self._recorded
+        """Everything counted so far: `record`'s sums plus every tally's calls times its traffic (a plain loop:
+        the step record reads the totals at every step)."""
+        sent, received, shm_sent, shm_received = self._recorded
         for tally in self._tallies:
-            if tally.calls:
-                total = total.plus(Traffic(*(tally.calls * n for n in tally.traffic)))
-        return total
+            calls, traffic = tally.calls, tally.traffic
+            if calls:
+                sent += calls * traffic.sent
+                received += calls * traffic.received
+                shm_sent += calls * traffic.shm_sent
+                shm_received += calls * traffic.shm_received
+        return Traffic(sent, received, shm_sent, shm_received)
 
     @property
     def socket_bytes_sent(self) -> int:
@@ -123,7 +132,7 @@ class CommCounters:
 
     def reset(self) -> None:
         with self._lock:
-            self._recorded, self._ops = Traffic(), {}
+            self._recorded, self._ops = [0, 0, 0, 0], {}
             for tally in self._tallies:
                 tally.calls = 0
 
