@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.comm.counters import counters
+from loom.comm.counters import Tally, Traffic, counters
 from loom.comm.shm import ShmContext, shm_unsupported_reason
 
 __all__ = ["SharedGradients", "shared_gradients_unusable"]
@@ -100,6 +100,9 @@ class SharedGradients:
             (i, max(a, lo), min(b, hi)) for i, (a, b) in enumerate(self.spans) if max(a, lo) < min(b, hi)
         ]
         """(parameter index, start, end) of the parts of this process's chunk, each within one parameter."""
+        self._tallies: dict[int, Tally] = {}
+        """The byte counts of `average` by its number of extra values (`loom.comm.counters.Tally`): its traffic
+        is fixed by the sizes, so a call counts itself with one addition."""
 
     @property
     def flat(self) -> torch.Tensor:
@@ -154,9 +157,18 @@ class SharedGradients:
         ctx.barrier()
         for p, view in zip(self.params, self.views, strict=True):
             p.grad = view
-        sent = len(self.others) * (hi - lo) * mine.element_size()
-        small = extra.nbytes if extra is not None else 0
-        counters().record("shm", 0, 0, shm_sent=sent + small, shm_received=sent + len(self.others) * small)
+        extras = extra.numel() if extra is not None else 0
+        tally = self._tallies.get(extras)
+        if tally is None:  # the first call with this many extra values
+            tally = self._tallies[extras] = counters().tally("shm", self._traffic(extras))
+        tally.calls += 1
+
+    def _traffic(self, extras: int) -> Traffic:
+        """What one `average` with ``extras`` extra values moves: this process's chunk written into each other
+        slot (and read from it), its extra values written once and every other process's read."""
+        lo, hi = self.chunk
+        sent, small = len(self.others) * (hi - lo) * self.slots[0].element_size(), 8 * extras
+        return Traffic(shm_sent=sent + small, shm_received=sent + len(self.others) * small)
 
 
 def _flat_grad(p: torch.Tensor) -> torch.Tensor | None:

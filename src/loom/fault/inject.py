@@ -4,8 +4,8 @@ The tests of healing (``loom run --on-worker-failure heal``) must kill a worker 
 the engine issues, which a training script cannot reach from its loop (the script-level injector
 ``tests/workers/faults.py`` acts before a step only). So the engine calls `fault_point` at its phase boundaries,
 and this module kills (SIGKILL), freezes (SIGSTOP) or raises there when ``LOOM_FAULTS`` names this rank, step and
-phase. With the variable unset `fault_point` returns at once (one dict lookup, done once per process): observing
-never changes what is observed, and a production job runs the same code.
+phase. A job asks `planned` once at setup: with the variable unset it gets None and its step calls nothing here
+(a production job runs the same code, minus one test of None per injection point).
 
 Text form: ``KIND@RANK:STEP:PHASE[#GENERATION]``, several joined by ``,``, e.g. ``"kill@1:3:during"``. Steps count
 from 1 (the step being attempted, ``job.step + 1``). ``#GENERATION`` (default 0) is the heal generation the launcher
@@ -36,12 +36,13 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loom.errors import InjectedFault
 from loom.settings import setting
 
-__all__ = ["ENV", "GENERATION_ENV", "PHASES", "InjectedFault", "fault_point", "parse_faults"]
+__all__ = ["ENV", "GENERATION_ENV", "PHASES", "InjectedFault", "fault_point", "parse_faults", "planned"]
 
 ENV = "LOOM_FAULTS"
 GENERATION_ENV = "LOOM_HEAL_GENERATION"
@@ -86,6 +87,13 @@ def _faults_here() -> list[PlannedFault]:
         rank, gen = int(os.environ.get("RANK", "0") or 0), int(os.environ.get(GENERATION_ENV, "0") or 0)
         _mine = [f for f in parse_faults(text) if f.rank == rank and f.generation == gen] if text else []
     return _mine
+
+
+def planned() -> Callable[[int, str], None] | None:
+    """`fault_point` when ``LOOM_FAULTS`` plans a fault for this process, else None. A job asks once, at its
+    setup, and its step calls the hook only when it is not None: with the variable unset a step makes no call
+    into this module at all (item 3 of issue 39: a hook that is free when unset)."""
+    return fault_point if _faults_here() else None
 
 
 def fault_point(step: int, phase: str) -> None:

@@ -171,19 +171,12 @@ def peak_rss_bytes() -> int | None:
 
 
 class StepMemory:
-    """One sampled step: `start` resets the peak before the step (None when ``step`` is not sampled), `fields`
-    reads what the step's record carries after it."""
+    """One sampled step: made as the step starts (it resets the peak), `fields` reads what the step's record
+    carries after it. Which steps are sampled is the engine's rule (`loom.train.engine.Engine.memory_every`)."""
 
     def __init__(self) -> None:
         self.peak_reset = reset_peak_rss()
         self.start = rss_bytes()
-
-    @classmethod
-    def start_step(cls, step: int, every: int = MEMORY_EVERY) -> StepMemory | None:
-        """Begin sampling step ``step`` if it is one (steps 1 and 2, and every ``every``-th; ``every`` 0: none)."""
-        if every > 0 and (step <= 2 or step % every == 0):
-            return cls()
-        return None
 
     def fields(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         """``memory`` (the training state by category), ``rss_bytes`` and ``peak_rss_bytes`` where known."""

@@ -16,9 +16,10 @@ strategy supplies only what differs, as the hooks of `Engine`:
                                                       this rank's loss sum and its non-finite flag
  5      synchronize                                   `_synchronize`: gradients averaged (or pushed), the loss,
                                                       the global count and every rank's flag reduced
- 6      the verdict: `StepGuard.judge` on every       (one call, here: the same flags give the same verdict on
-        flag (skip, or stop past the limit); under    every rank; a skipped step's gradients are cleared)
-        healing the commit vote (`StepGuard.commit`)
+ 6      the verdict: `NonFiniteGuard.judge` on       (one call, here: the same flags give the same verdict on
+        every flag (skip, or stop past the limit);    every rank; a skipped step's gradients are cleared)
+        under healing the commit vote
+        (`StepGuard.commit`)
  7      the step, unless skipped                      `_apply`: the optimizer's step (after a data axis's
                                                       gradient sum), or nothing where a server applied it
  8      count the step; the after-step exchange       `_after_step`: LocalSGD, DiLoCo, Gossip
@@ -40,7 +41,8 @@ Healing (``--on-worker-failure heal``, `loom.fault.quorum`): `train_step` wraps 
 an exception anywhere in it (a lost member's collective, an error on this member) or a commit vote that says
 drop means that no member applied the step: the members re-form (`_heal_reform`, then the strategy's
 `_adopt_epoch` makes the new members equal) and retry the same global batch. Fault injection points
-(`loom.fault.inject.fault_point`) sit at the phase boundaries: ``before``, ``after`` (before the vote) and
+(`loom.fault.inject.fault_point`, held only when ``LOOM_FAULTS`` plans one: `loom.fault.inject.planned`) sit at
+the phase boundaries: ``before``, ``after`` (before the vote) and
 ``commit`` (after it); a strategy places ``during`` right before its exchange (no exchange is split for it).
 
 `eval_step`: `_evaluate` gives the names and this rank's ``[sum per name..., samples]``, the
@@ -62,7 +64,7 @@ import torch.distributed as dist
 from loom.data.loader import LazyBatch
 from loom.errors import LeftOutOfQuorum, StepDropped, is_retryable
 from loom.fault.desync import NonFiniteStepError, local_flag
-from loom.fault.inject import fault_point
+from loom.fault.inject import planned
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.observe.straggler_watch import StragglerWatch
@@ -135,6 +137,12 @@ class Engine(Job):
         self.guard = StepGuard.start(self.topology, config, quorum)
         """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
         self.nonfinite = self.guard.nonfinite
+        """The verdict on non-finite steps (`loom.fault.desync.NonFiniteGuard`), judged by the step itself."""
+        self._watchdog = self.guard.watchdog
+        self._fault = planned()
+        """`loom.fault.inject.fault_point` when ``LOOM_FAULTS`` plans a fault for this process, else None."""
+        self._data_layout = (mesh.index(self.data_axis), mesh.size(self.data_axis))
+        """``(shard_index, shard_count)`` a loader batch must carry (`_check_layout`): fixed by the mesh."""
         self.last_step_skipped = False
         """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
 
@@ -142,8 +150,8 @@ class Engine(Job):
     def collective(self, op: str) -> Iterator[int]:
         """The one place a job tells the hang watchdog of a collective (or of several issued as one operation
         ``op``, whose name a hang report gives): every strategy's step and evaluation wrap each exchange in it
-        (`loom.train.guard.StepGuard.collective`, counted by `loom.fault.watchdog`). Yields its number."""
-        with self.guard.collective(op) as seq:
+        (`loom.fault.watchdog.Watchdog.collective`: two attribute writes). Yields its number."""
+        with self._watchdog.collective(op) as seq:
             yield seq
 
     @property
@@ -159,7 +167,7 @@ class Engine(Job):
         any member drops the step on every member (the guard's commit vote); the members re-form
         (`_heal_reform`) and retry the same global batch, up to `MAX_DROPS` times in a row."""
         self._check_can_train()
-        check_batch_layout(batch, self)
+        self._check_layout(batch)
         quorum = getattr(self.guard, "quorum", None)
         if quorum is None:
             return self._attempt(batch)
@@ -229,8 +237,10 @@ class Engine(Job):
 
     def _attempt(self, batch: Any) -> float:
         state = StepState(self.step + 1, batch)
-        fault_point(state.number, "before")
-        sample = StepMemory.start_step(state.number, self.memory_every)
+        if self._fault is not None:
+            self._fault(state.number, "before")
+        every = self.memory_every
+        sample = StepMemory() if every > 0 and (state.number <= 2 or state.number % every == 0) else None
         clock = time.perf_counter
         with self._step_context():
             self._prepare(state)
@@ -244,7 +254,9 @@ class Engine(Job):
             self._refuse_empty(state)
             self._last_synchronized = state
             synchronized = clock()
-            state.skipped = self.guard.judge(state.number, state.flags, state.ranks, state.gradient_finite)
+            state.skipped = self.nonfinite.judge(
+                state.number, state.flags, state.ranks, state.gradient_finite
+            )
             if not self._commit(state):
                 raise StepDropped(f"step {state.number}: a member failed it; no member applied it")
             if state.skipped:
@@ -275,6 +287,15 @@ class Engine(Job):
                 self.metrics.annotate(state.number, **sample.fields(self.module, self.optimizer))
         return state.loss
 
+    def _check_layout(self, batch: Any) -> None:
+        """Step 1: refuse a batch cut for another data layout, or a `LazyBatch` this job does not fetch shares of
+        (`loom.job.check_batch_layout`, called only for a batch it refuses, to name the fix); the layout is the
+        mesh's, read at construction."""
+        count = getattr(batch, "shard_count", None)
+        foreign = count is not None and (batch.shard_index, count) != self._data_layout
+        if foreign or (not self.fetches_shares and isinstance(batch, LazyBatch)):
+            check_batch_layout(batch, self)
+
     def _refuse_empty(self, state: StepState) -> None:
         if state.total == 0:
             raise ValueError(
@@ -303,10 +324,10 @@ class Engine(Job):
         """Exchange what the step needs; set ``total``, ``flags``, ``ranks``, ``gradient_finite``, ``loss``."""
 
     def _commit(self, state: StepState) -> bool:
-        """Whether to apply the step: the guard's commit vote (`StepGuard.commit`; always True without
-        healing). A strategy whose unit of commit is larger than a step (`loom.parallel.replica.round_commit`:
-        a sync round) votes at the unit's end instead."""
-        return self.guard.commit(state.number)
+        """Whether to apply the step: the guard's commit vote under healing (`StepGuard.commit`); without healing
+        there is nothing to vote on. A strategy whose unit of commit is larger than a step
+        (`loom.parallel.replica.round_commit`: a sync round) votes at the unit's end instead."""
+        return self.guard.quorum is None or self.guard.commit(state.number)
 
     def _apply(self, state: StepState) -> None:
         """Apply the update (not called for a skipped step)."""
@@ -405,7 +426,7 @@ class Engine(Job):
     def eval_step(self, batch: Any, metrics: dict[str, MetricFn] | None = None) -> dict[str, float]:
         """The global-batch mean loss and any extra mean-reduced ``metrics``, in eval mode, without gradients.
         Collective over the data axis: every rank calls it, and the result is the same everywhere."""
-        check_batch_layout(batch, self)
+        self._check_layout(batch)
         names, sums = self._evaluate(batch, metrics)
         group = self._eval_group()
         if group is not None:

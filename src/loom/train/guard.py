@@ -6,12 +6,14 @@ Here they are written once:
 
 - `GuardOptions`: the options every strategy's config dataclass inherits (``hang_timeout_s``,
   ``work_timeout_s``, ``liveness_timeout_s``, ``nonfinite``, ``nonfinite_limit``), validated in one place;
-- `StepGuard`: what a job's step asks. `StepGuard.collective` counts a collective for the hang watchdog
-  (`loom.fault.watchdog`: a job whose ranks all wait in collectives past ``hang_timeout_s`` stops, naming who
-  did not arrive; a rank doing its own work is waited for up to ``work_timeout_s``; a host whose heartbeats stop
-  is lost after ``liveness_timeout_s``, `loom.fault.liveness`); `StepGuard.judge` turns
+- `StepGuard`: what a job's step asks, built once by `StepGuard.start`: its ``watchdog`` counts a collective for
+  the hang watchdog (`loom.fault.watchdog`: a job whose ranks all wait in collectives past ``hang_timeout_s``
+  stops, naming who did not arrive; a rank doing its own work is waited for up to ``work_timeout_s``; a host
+  whose heartbeats stop is lost after ``liveness_timeout_s``, `loom.fault.liveness`); its ``nonfinite`` turns
   every rank's non-finite flag into one verdict (`loom.fault.desync.NonFiniteGuard`: ``"skip"`` applies no
-  update anywhere, ``"stop"`` raises), the same on every rank because every rank judges the same flags;
+  update anywhere, ``"stop"`` raises), the same on every rank because every rank judges the same flags. The
+  step calls those two owners directly (`loom.train.engine.Engine.collective`, the engine's verdict): this
+  module builds them, it is not a layer the step passes through;
 - `StepGuard.commit`: under ``--on-worker-failure heal``, the commit vote after the step's exchange and verdict
   (`loom.fault.quorum.Quorum.vote`): a step is applied on every member or on none; the engine retries a dropped
   step on the same global batch with the next membership epoch (`loom.train.engine.Engine.train_step`);
@@ -26,9 +28,8 @@ step costs no extra collective.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard
@@ -137,19 +138,6 @@ class StepGuard:
         guard = cls(watchdog, NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank))
         guard.quorum = quorum
         return guard
-
-    @contextlib.contextmanager
-    def collective(self, op: str) -> Iterator[int]:
-        """Count the collective(s) issued inside this block as one operation ``op`` for the hang watchdog."""
-        with self.watchdog.collective(op) as seq:
-            yield seq
-
-    def judge(
-        self, step: int, flags: Sequence[float], ranks: Sequence[int], averaged_gradient_finite: bool = True
-    ) -> bool:
-        """True when step ``step`` must not be applied (every rank judges the same flags: the same verdict);
-        raises `loom.fault.desync.NonFiniteStepError` under ``"stop"`` or past the limit."""
-        return self.nonfinite.judge(step, flags, ranks, averaged_gradient_finite)
 
     @property
     def skipped(self) -> int:

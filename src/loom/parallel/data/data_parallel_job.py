@@ -44,7 +44,6 @@ from loom.comm.compression import CompressionHook
 from loom.comm.shared_gradients import SharedGradients
 from loom.data.sampler import share_bounds
 from loom.fault.desync import gradients_finite
-from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
@@ -125,6 +124,8 @@ class DataParallelJob(Engine):
         """Under heal: this process is a replacement that took a live member's state (`loom.fit` then resumes no
         checkpoint: the state it holds is newer)."""
         self._synced = False
+        self._device, self._distributed = topology.device, topology.is_distributed
+        """Read once: the step asks them every time, and the topology does not change."""
 
     # -- training --------------------------------------------------------------------------------------------
     def _global_count(self, known: int | None, local: int) -> tuple[int, dict[int, int]]:
@@ -139,10 +140,10 @@ class DataParallelJob(Engine):
             if not self._batchnorm:
                 return total, {}
             shares = [hi - lo for lo, hi in (share_bounds(total, i, world) for i in range(world))]
-        elif not self.topology.is_distributed:
+        elif not self._distributed:
             total, shares = local, [local]
         else:
-            counts = torch.zeros(world, dtype=torch.int64, device=self.topology.device)
+            counts = torch.zeros(world, dtype=torch.int64, device=self._device)
             counts[self.topology.rank] = local
             with self.collective("sample-count all-reduce"):
                 launched = time.perf_counter()
@@ -190,7 +191,7 @@ class DataParallelJob(Engine):
             batch_here, known, state.work["fingerprint"] = member_share(
                 batch_here, self.axis, self.loss_call.inputs_of
             )
-        batch_here = to_device(batch_here, self.topology.device)
+        batch_here = to_device(batch_here, self._device)
         state.local = batch_len(self.loss_call.inputs_of(batch_here))
         state.work["batch"] = batch_here
         self.observer.lap(DATA)
@@ -212,7 +213,7 @@ class DataParallelJob(Engine):
         # [loss sum, flags, every rank's phase times]: stragglers ride on this all-reduce (loom.observe.phases);
         # under heal [loss sum, flags, fingerprints, the "replacement waiting" mark] (see `_heal_marks`)
         loss_sum = (
-            self.observer.loss_buffer(self.topology.device)
+            self.observer.loss_buffer(self._device)
             if self.quorum is None
             else torch.zeros(FLAGS_AT + 2 * world + 1, dtype=torch.float64)
         )
@@ -238,7 +239,8 @@ class DataParallelJob(Engine):
         if self.quorum is not None:
             self._heal_marks(state, loss_sum)
         if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
-            fault_point(state.number, "during")  # the other members are inside the exchange by now
+            if self._fault is not None:  # the other members are inside the exchange by now
+                self._fault(state.number, "during")
             with self.collective("gradient all-reduce"):
                 launched = time.perf_counter()
                 self.shared_gradients.average(loss_sum)  # the loss rides along: no collective of its own
@@ -321,7 +323,7 @@ class DataParallelJob(Engine):
         ``benchmarks/reports/metrics_overhead.md``). Otherwise gloo's all-reduce is launched asynchronously and
         overlaps the check of the averaged gradient. Either way every rank has every flag before the verdict.
         """
-        if not self.topology.is_distributed or self.shared_gradients is not None:
+        if not self._distributed or self.shared_gradients is not None:
             return self._gradients_finite()
         with self.collective("loss all-reduce"):
             native = self._loss_algorithm == "native"

@@ -56,7 +56,6 @@ from loom.comm.compression import INT8_CHUNK, accept_compression
 from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
 from loom.comm.thread import CommThread
 from loom.config_docs import document_options
-from loom.fault.inject import fault_point
 from loom.parallel.consistency import check_same_model
 from loom.parallel.replica._replica_sync import (
     LossFn,
@@ -283,7 +282,8 @@ class DiLoCoJob(ReplicaJob):
         flat = flatten(pieces, weight)
         sent_from = [t.detach().clone() for t in local] if overlap else []
         group = self._sync_group if self._sync_group is not None else self._group
-        fault_point(self.step, "during")  # the other members are inside the exchange by now
+        if self._fault is not None:  # the other members are inside the exchange by now
+            self._fault(self.step, "during")
         args = (flat, self.config.compression, self.allreduce, group)
         if self._thread is not None:
             pending = self._thread.submit(compressed_sum, *args)

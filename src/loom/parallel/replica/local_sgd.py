@@ -31,7 +31,6 @@ from torch import nn
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.config_docs import document_options
-from loom.fault.inject import fault_point
 from loom.parallel.replica._replica_sync import (
     LossFn,
     ReplicaJob,
@@ -112,7 +111,8 @@ class LocalSGDJob(ReplicaJob):
         if not tensors or not self.global_samples:  # no step applied since the last average: still equal
             return
         flat = flatten(tensors, self.samples / self.global_samples)
-        fault_point(self.step, "during")  # the other members are inside the all-reduce by now
+        if self._fault is not None:  # the other members are inside the all-reduce by now
+            self._fault(self.step, "during")
         with self.collective("replica average all-reduce"):
             comm_all_reduce(flat, op="sum", algorithm=self.allreduce, group=self._group)
         unflatten_into(flat, tensors)
