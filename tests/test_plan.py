@@ -347,3 +347,15 @@ def test_the_profile_times_zero_stage_1s_copies_and_leaves_the_model_unchanged()
     before = [p.detach().clone() for p in model.parameters()]
     assert _flat_seconds(model, 3) > 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_fits_verdict_counts_the_launchers_share_and_the_peaks_error_margin():
+    from loom.plan.recommend import MEMORY_MARGIN, needed_per_process
+
+    profile = _profile(sizes=(32, 64))
+    p = predict(Configuration("DataParallel", 2, (("allreduce", "native"),), dp=2), profile, _transport(), 64)
+    needed = needed_per_process(p, job_share=1000)
+    assert needed == int((p.memory["total"] + 1000) * (1 + MEMORY_MARGIN))
+    assert rank([p], memory_limit=needed, job_share=1000)[0].feasible
+    below = rank([p], memory_limit=needed - 1, job_share=1000)[0]
+    assert not below.feasible and "share of the launcher's" in below.reason

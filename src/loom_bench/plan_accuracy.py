@@ -13,8 +13,9 @@ keeps what it measured).
     PYTHONPATH=src python -m loom_bench.plan_accuracy [--out benchmarks/reports] [--steps 5] [--repeats 3]
         [--models small,medium,large] [--hosts 2 --link 100mbit] [--cgroup]
 
-``--cgroup`` (root, one host) runs each configuration once more with every worker in a memory cgroup at its
-predicted peak RSS (`loom_bench.plan_confined`): the column says whether it ran to the end.
+``--cgroup`` (root, one host) runs each configuration once more as a whole job (launcher, zygote, workers,
+servers) in a memory cgroup of ``N x`` its predicted peak RSS per process (`loom_bench.plan_confined`): the
+column says whether it ran to the end, and the group's peak charge.
 """
 
 from __future__ import annotations
@@ -70,29 +71,30 @@ def _verify_on_hosts(hosts: Any, r: Ranked, args: tuple[str, ...], steps: int) -
     return Verification.of(r.prediction, got)
 
 
-def _confined(r: Ranked, args: tuple[str, ...], steps: int) -> str:
-    """``r``'s configuration run once with every worker in a memory cgroup at its predicted peak RSS
-    (`loom_bench.plan_confined`): "ran", or why it did not."""
-    import subprocess
+def _confined(r: Ranked, args: tuple[str, ...], steps: int, job_share: int) -> str:
+    """``r``'s configuration run once as a whole job in a memory cgroup of the smallest memory its "fits" verdict
+    allows (`loom_bench.plan_confined`): ``N x`` what it asks of ``--memory-per-proc`` (`needed_per_process`: the
+    predicted peak, its share of the launcher's, the margin), ``N`` counting parameter servers as workers (their
+    memory is not predicted): "ran", with the group's peak charge, or why it did not."""
+    from loom.plan.recommend import needed_per_process
+    from loom_bench.plan_confined import run_confined
 
-    from loom_bench.plan_confined import remove_groups
-
-    c, peak = r.prediction.config, r.prediction.memory["total"]
+    c = r.prediction.config
     with tempfile.TemporaryDirectory(prefix="loom-plan-confined-") as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "loom.cli", "run", "-n", str(c.nproc), "--run-dir", f"{tmp}/run"]
         command += ["--servers", str(c.servers)] if c.servers else []
-        command += ["-m", "loom_bench.plan_confined", str(peak), "verify", "--out", str(out), "--family", c.family,
+        command += ["-m", "loom.plan.trial", "verify", "--out", str(out), "--family", c.family,
                     "--options", json.dumps(dict(c.options)), "--steps", str(steps), SCRIPT, *args]  # fmt: skip
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=HOSTS_TIMEOUT_S, check=False
-            )
-        finally:
-            remove_groups()
+        # the smallest a "fits" verdict allows: N x what it asks of --memory-per-proc
+        limit = (c.nproc + c.servers) * needed_per_process(r.prediction, job_share)
+        done, charged = run_confined(command, limit, HOSTS_TIMEOUT_S)
         if done.returncode == 0 and out.exists():
-            return "ran"
-        return "failed: " + " | ".join(done.stderr.strip().splitlines()[-2:])[:200]
+            return f"ran ({charged / 2**20:.0f} of {limit / 2**20:.0f} MiB)"
+        return (
+            f"failed under {limit / 2**20:.0f} MiB: "
+            + " | ".join(done.stderr.strip().splitlines()[-3:-1])[:200]
+        )
 
 
 def _rows(
@@ -140,7 +142,7 @@ def _rows(
             print(json.dumps(row), flush=True)
     for r, row in zip(picked, rows, strict=True):
         if cgroup and "error" not in row:
-            row["confined"] = _confined(r, args, steps)
+            row["confined"] = _confined(r, args, steps, result.job_share)
             print(json.dumps({"strategy": row["strategy"], "confined": row["confined"]}), flush=True)
     return rows
 
@@ -161,8 +163,8 @@ def _peaks(rows: list[dict[str, Any]]) -> str:
         return ""
     under = sum(e < -0.05 for e in errs)
     confined = [r["confined"] for r in rows if "confined" in r]
-    ran = (f" Under a memory cgroup at the predicted peak (`--cgroup`): {confined.count('ran')} of {len(confined)} "
-           "ran to the end." if confined else "")  # fmt: skip
+    ran = (f" As whole jobs in a memory cgroup of N x the predicted peak (`--cgroup`): "
+           f"{sum(c.startswith('ran') for c in confined)} of {len(confined)} ran to the end." if confined else "")  # fmt: skip
     return (f" Peak RSS: median |error| {statistics.median(abs(e) for e in errs):.0%}, worst "
             f"{max(errs, key=abs):+.0%}; under-predicted by more than 5 % in {under} of {len(errs)}." + ran)  # fmt: skip
 
@@ -206,7 +208,7 @@ def _markdown(report: dict) -> str:
                   f"({len(errs)} configurations). " + _ranking(model["rows"]) + _peaks(model["rows"]) if errs else "",
                   "",
                   "| configuration | loom run | predicted ms | measured ms | error | state predicted | state measured "
-                  "| peak predicted MiB | peak measured MiB | runs (ms) | load before/after | under a cgroup at the "
+                  "| peak predicted MiB | peak measured MiB | runs (ms) | load before/after | a cgroup of N x the "
                   "predicted peak |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]  # fmt: skip
         for r in model["rows"]:
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link", default=None, help="their link rate, as tc writes it (with --hosts)")
     parser.add_argument("--nproc", type=int, default=2, help="processes planned on this host (one host)")
     parser.add_argument("--cgroup", action="store_true",
-                        help="also run each configuration once under a memory cgroup at its predicted peak (root)")  # fmt: skip
+                        help="also run each configuration once in a memory cgroup of N x its predicted peak (root)")  # fmt: skip
     ns = parser.parse_args(argv)
     if (ns.hosts > 1) != (ns.link is not None):
         parser.error("--hosts H (2 or more) and --link RATE go together")

@@ -1,76 +1,64 @@
-"""A `loom.plan.trial` worker confined to a memory cgroup at a predicted peak RSS (root, cgroup v1 or v2).
+"""A command run inside a memory cgroup of its own (root, cgroup v1 or v2): `loom plan`'s "fits" verdict checked.
 
-    loom run -n N -m loom_bench.plan_confined PEAK_BYTES verify --out F ... SCRIPT [ARGS...]
-
-Each worker moves itself into a memory cgroup of its own, ``loom-bench-<pid>``, and runs `loom.plan.trial`'s
-``main`` with the rest of its arguments. The check is of `loom plan`'s peak-RSS prediction: a "fits" verdict
-under ``--memory-per-proc L`` means a predicted peak at most ``L``, so the strictest limit is the prediction
-itself. A cgroup charges what its process touches after it joined, not the pages it shares with the zygote that
-forked it (torch's code and the interpreter: part of its RSS), nor, on kernels that no longer move charges, what
-it held before joining; so the limit set is the predicted peak less what the process's RSS holds that the
-cgroup was not charged for when it joined: exceeding it is exceeding the predicted RSS (or, where the process
-frees pages charged outside and allocates new ones, less than that: the check errs on the strict side). Past it the kernel reclaims and then kills the worker (no swap here), and the job fails.
-`loom_bench.plan_accuracy --cgroup` runs every configuration once this way; `remove_groups` cleans up.
+`loom plan --memory-per-proc L` calls a configuration feasible when its predicted peak RSS per process is at
+most ``L``; a user who has ``L`` per process has, on one host, ``N x L`` for the job's ``N`` processes (a
+container's limit, a machine's memory). `run_confined` runs a whole ``loom run`` job (its launcher, the zygote
+that forks the workers, the workers, any parameter servers) in one new memory cgroup limited to that: every
+page any of them touches from birth is charged once, as the kernel charges a container. No swap: past the
+limit the kernel reclaims what it can and then kills a process, and the job fails. The strictest ``L`` a
+verdict allows is the prediction itself, which is what `loom_bench.plan_accuracy --cgroup` sets.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
+import subprocess
 from pathlib import Path
 
-__all__ = ["confine", "remove_groups"]
+__all__ = ["run_confined"]
 
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
 PREFIX = "loom-bench-"
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def confine(peak_bytes: int) -> int:
-    """Move this process into a new memory cgroup limited to ``peak_bytes`` of RSS (module docstring); returns
-    the limit written. Raises OSError where cgroups cannot be written (not root, no memory controller)."""
+def _group(limit_bytes: int) -> tuple[Path, str]:
+    """A new memory cgroup limited to ``limit_bytes`` without swap; its path and its peak-usage file's name."""
     v1 = (V1 / "memory.limit_in_bytes").exists()
-    group = (V1 if v1 else V2) / f"{PREFIX}{os.getpid()}"
+    group = (V1 if v1 else V2) / f"{PREFIX}{os.getpid()}-{os.urandom(3).hex()}"
     group.mkdir()
-    if v1:  # move the pages it maps alone (newer kernels refuse: what it holds then stays charged outside)
-        with contextlib.suppress(OSError):
-            (group / "memory.move_charge_at_immigrate").write_text("3")
-    (group / "cgroup.procs").write_text(str(os.getpid()))
-    usage = int((group / ("memory.usage_in_bytes" if v1 else "memory.current")).read_text())
-    limit = max(usage + (1 << 20), peak_bytes - max(0, _rss() - usage))
     if v1:
-        (group / "memory.limit_in_bytes").write_text(str(limit))
+        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
         swap = group / "memory.memsw.limit_in_bytes"
         if swap.exists():
-            swap.write_text(str(limit))
-    else:
-        (group / "memory.max").write_text(str(limit))
-        (group / "memory.swap.max").write_text("0")
-    return limit
+            swap.write_text(str(limit_bytes))
+        return group, "memory.max_usage_in_bytes"
+    (group / "memory.max").write_text(str(limit_bytes))
+    (group / "memory.swap.max").write_text("0")
+    return group, "memory.peak"
 
 
-def remove_groups() -> None:
-    """Remove every empty ``loom-bench-*`` memory cgroup (their workers have exited)."""
-    for root in (V1, V2):
-        for group in root.glob(f"{PREFIX}*") if root.exists() else ():
-            with contextlib.suppress(OSError):
-                group.rmdir()
+def run_confined(
+    command: list[str], limit_bytes: int, timeout_s: float
+) -> tuple[subprocess.CompletedProcess, int]:
+    """Run ``command`` with it and all it starts in a new memory cgroup of ``limit_bytes``; returns the finished
+    process and the group's peak charged bytes (0 where the kernel does not say). Raises OSError where cgroups
+    cannot be written (not root, no memory controller)."""
+    group, peak_file = _group(limit_bytes)
+    procs = str(group / "cgroup.procs")
 
+    def join() -> None:  # in the child, before it runs the command: everything it starts is charged here
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    limit = confine(int(args[0]))
-    print(f"plan_confined: pid {os.getpid()} limited to {limit} bytes of charged memory", file=sys.stderr)
-    from loom.plan.trial import main as trial
-
-    return trial(args[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False,
+                              preexec_fn=join)  # fmt: skip
+        peak = 0
+        with contextlib.suppress(OSError, ValueError):
+            peak = int((group / peak_file).read_text())
+        return done, peak
+    finally:
+        with contextlib.suppress(OSError):
+            group.rmdir()

@@ -26,7 +26,7 @@ from loom.plan.capture import CapturedScript, capture_script
 from loom.plan.configs import CODECS, Configuration, batch_sizes, candidates
 from loom.plan.cost import Prediction, predict
 from loom.plan.profile import CodecCost, ModelProfile, measure_codec, profile_model
-from loom.plan.recommend import Ranked, last_errors, rank, record_errors
+from loom.plan.recommend import Ranked, last_errors, needed_per_process, rank, record_errors
 from loom.plan.transport import Transport
 
 __all__ = ["PlanError", "PlanResult", "Verification", "plan", "verify"]
@@ -71,6 +71,9 @@ class PlanResult:
     """The step engine's time per step no formula contains (`loom.plan.cost`), measured."""
     seconds: dict[str, float]
     """Wall time of each phase: capture, profile, transport, predict."""
+    job_share: int = 0
+    """Each worker's share of what the job's other processes hold of their own (the launcher, the zygote):
+    added to a configuration's peak when it is judged against ``--memory-per-proc``."""
     verifications: list[Verification] = field(default_factory=list)
 
     @property
@@ -128,7 +131,7 @@ def _limits(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) -> dict
             "ps": max(p.grad_bytes, p.param_bytes)}  # fmt: skip
 
 
-def check_fits(ranked: list[Ranked], memory_limit: int | None) -> None:
+def check_fits(ranked: list[Ranked], memory_limit: int | None, job_share: int = 0) -> None:
     """Refuse a memory limit no predicted configuration fits (PlanError naming the smallest and what it needs)."""
     predicted = [r.prediction for r in ranked if not r.prediction.refused]
     if memory_limit is None or not predicted or any(r.feasible for r in ranked):
@@ -136,8 +139,8 @@ def check_fits(ranked: list[Ranked], memory_limit: int | None) -> None:
     smallest = min(predicted, key=lambda p: p.memory["total"])
     raise PlanError(
         f"loom plan: no configuration fits --memory-per-proc {memory_limit} bytes: the smallest, "
-        f"{smallest.config.strategy} [{smallest.config.launch}], needs {smallest.memory['total']} bytes per "
-        "process. HINT: raise --memory-per-proc, or plan more processes (--nproc)"
+        f"{smallest.config.strategy} [{smallest.config.launch}], needs {needed_per_process(smallest, job_share)} "
+        "bytes per process. HINT: raise --memory-per-proc, or plan more processes (--nproc)"
     )
 
 
@@ -212,11 +215,26 @@ def plan(
         predict(c, profile, transport, captured.global_batch_size, codecs, spare, overhead, runtime)
         for c in configs
     ]
-    ranked = rank(predictions, memory_limit, last_errors())
+    # The launcher and the zygote hold memory of their own; the workers' RSS counts the pages they share with
+    # the zygote once each, a cgroup (a container, the machine) once: the job needs N peaks plus the difference
+    extra = int(measured.get("launcher_private_bytes", 0)) - (nproc - 1) * int(
+        measured.get("worker_shared_bytes", 0)
+    )
+    job_share = max(0, extra) // max(1, nproc)
+    ranked = rank(predictions, memory_limit, last_errors(), job_share)
     seconds["predict"] = time.perf_counter() - t
-    check_fits(ranked, memory_limit)
+    check_fits(ranked, memory_limit, job_share)
     return PlanResult(
-        script, nproc, hosts, captured.global_batch_size, profile, transport, ranked, overhead, seconds
+        script,
+        nproc,
+        hosts,
+        captured.global_batch_size,
+        profile,
+        transport,
+        ranked,
+        overhead,
+        seconds,
+        job_share,
     )
 
 

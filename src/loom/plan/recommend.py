@@ -23,7 +23,16 @@ from typing import Any
 
 from loom.plan.cost import Prediction
 
-__all__ = ["Ranked", "last_errors", "rank", "record_errors", "render", "to_json"]
+__all__ = [
+    "MEMORY_MARGIN",
+    "Ranked",
+    "last_errors",
+    "needed_per_process",
+    "rank",
+    "record_errors",
+    "render",
+    "to_json",
+]
 
 
 @dataclass(frozen=True)
@@ -51,15 +60,31 @@ def _why_slower(p: Prediction, top: Prediction) -> str:
     return f"{slower}: {rest * 1e3:.1f} ms of optimizer and step overhead"
 
 
+MEMORY_MARGIN = 0.05
+"""A "fits" verdict leaves this much of the limit unused: the predicted peak's error bound (`docs/plan.md`: never
+under-predicted by more than 5 %), so that a configuration that fits does not run out of memory."""
+
+
+def needed_per_process(p: Prediction, job_share: int = 0) -> int:
+    """The memory per process a "fits" verdict for ``p`` asks of ``--memory-per-proc`` (`rank`)."""
+    return int((p.memory["total"] + job_share) * (1 + MEMORY_MARGIN))
+
+
 def rank(
-    predictions: list[Prediction], memory_limit: int | None, errors: dict[str, float] | None = None
+    predictions: list[Prediction],
+    memory_limit: int | None,
+    errors: dict[str, float] | None = None,
+    job_share: int = 0,
 ) -> list[Ranked]:
-    """Order and explain ``predictions`` (the module docstring)."""
+    """Order and explain ``predictions`` (the module docstring). A configuration fits ``memory_limit`` when its
+    predicted peak per process plus ``job_share`` (each worker's share of the launcher's and the zygote's own
+    memory, measured by the calibration), with `MEMORY_MARGIN` on top, is at most the limit: ``N`` processes
+    with the limit each hold the job."""
     errors = errors or {}
     fits = [
         p
         for p in predictions
-        if not p.refused and (memory_limit is None or p.memory["total"] <= memory_limit)
+        if not p.refused and (memory_limit is None or needed_per_process(p, job_share) <= memory_limit)
     ]
     fits.sort(key=lambda p: -p.samples_per_s)
     out: list[Ranked] = []
@@ -72,7 +97,8 @@ def rank(
         out.append(Ranked(p, True, why, errors.get(p.config.family)))
     big = [p for p in predictions if not p.refused and p not in fits]
     for p in sorted(big, key=lambda p: p.memory["total"]):
-        why = f"does not fit: needs {_gib(p.memory['total'])} per process > --memory-per-proc {_gib(memory_limit or 0)}"
+        why = (f"does not fit: needs {_gib(needed_per_process(p, job_share))} per process (with its share of the "
+               f"launcher's and a {MEMORY_MARGIN:.0%} margin) > --memory-per-proc {_gib(memory_limit or 0)}")  # fmt: skip
         out.append(Ranked(p, False, why, errors.get(p.config.family)))
     out += [Ranked(p, False, p.refused) for p in predictions if p.refused]
     return out

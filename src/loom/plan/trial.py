@@ -30,6 +30,7 @@ Rank 0 writes ``--out`` as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -136,7 +137,41 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     # the planner starts the calibration with a parameter server when it plans some
     data.update(_fixed_costs(captured, max(ns.steps, 10), bool(os.environ.get("LOOM_PS_ADDRS"))))
     data["runtime_bytes"] = max(0, int(runtime.item()))
+    data["launcher_private_bytes"] = _launcher_private_bytes()
+    data["worker_shared_bytes"] = _private_bytes(os.getpid(), shared=True)
     return data
+
+
+def _private_bytes(pid: int, shared: bool = False) -> int:
+    """What process ``pid`` holds alone (``Private_Clean + Private_Dirty`` of ``smaps_rollup``), or with
+    ``shared`` what it shares with other processes (the zygote's pages a forked worker has not written): a cgroup
+    charges a page once, the RSS of each process sharing it counts it; 0 where ``/proc`` cannot tell."""
+    total, kinds = 0, ("Shared_Clean:", "Shared_Dirty:") if shared else ("Private_Clean:", "Private_Dirty:")
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(kinds):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _launcher_private_bytes() -> int:
+    """The memory of the job's processes that are not workers (the zygote that forked this one, the ``loom run``
+    launcher above it), as they hold it alone; 0 where ``/proc`` cannot tell."""
+    total, pid = 0, os.getppid()
+    try:
+        for _ in range(3):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                words = f.read(1 << 16).split(b"\0")
+            if not any(b"loom" in w for w in words):
+                break
+            total += _private_bytes(pid)
+            if b"loom.cli" in words or (b"run" in words and any(w.endswith(b"/loom") for w in words)):
+                break  # the launcher: what started it is not the job's
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return total
+    return total
 
 
 FSDP_UNITS = 6
