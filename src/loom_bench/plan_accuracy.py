@@ -163,7 +163,7 @@ def _peaks(rows: list[dict[str, Any]]) -> str:
         return ""
     under = sum(e < -0.05 for e in errs)
     confined = [r["confined"] for r in rows if "confined" in r]
-    ran = (f" As whole jobs in a memory cgroup of N x the predicted peak (`--cgroup`): "
+    ran = (f" As whole jobs in a memory cgroup of N x what the fits verdict asks per process (`--cgroup`): "
            f"{sum(c.startswith('ran') for c in confined)} of {len(confined)} ran to the end." if confined else "")  # fmt: skip
     return (f" Peak RSS: median |error| {statistics.median(abs(e) for e in errs):.0%}, worst "
             f"{max(errs, key=abs):+.0%}; under-predicted by more than 5 % in {under} of {len(errs)}." + ran)  # fmt: skip
@@ -209,7 +209,7 @@ def _markdown(report: dict) -> str:
                   "",
                   "| configuration | loom run | predicted ms | measured ms | error | state predicted | state measured "
                   "| peak predicted MiB | peak measured MiB | runs (ms) | load before/after | a cgroup of N x the "
-                  "predicted peak |",
+                  "verdict's need |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]  # fmt: skip
         for r in model["rows"]:
             if "error" in r:
