@@ -59,5 +59,8 @@ def test_slowed_asynchronous_parameter_server_worker_is_named(tmp_path, monkeypa
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if '"warnings"' in line)
     found = json.loads(line[line.index("{") :])
-    assert {(w["rank"], w["phase"]) for w in found["warnings"]} == {(1, "compute")}, found
+    # the slowed rank is named at the phase it is slowed in; on a loaded machine its other phases may be named too
+    # (waiting for the server behind the other worker's pushes), never the other rank
+    named = {(w["rank"], w["phase"]) for w in found["warnings"]}
+    assert (1, "compute") in named and {r for r, _ in named} == {1}, found
     assert "straggler: rank 1" in result.stderr

@@ -190,10 +190,9 @@ class Engine(Job):
                         quorum.vote(number, ok=False)
                 if drops > MAX_DROPS:
                     raise
-                what, cause = "failed after its commit" if committed else "dropped", _collective_cause(error)
+                what = "failed after its commit" if committed else "dropped"
                 print(f"loom: rank {self.topology.rank}: step {number} {what} in epoch {quorum.epoch} "
-                      f"({type(cause).__name__}: {str(cause)[:160]}); "
-                      "re-forming the quorum", file=sys.stderr, flush=True)  # fmt: skip
+                      f"({_collective_cause(error)}); re-forming the quorum", file=sys.stderr, flush=True)  # fmt: skip
             # outside the except block: the error's traceback holds the frames that hold the epoch's group, and
             # the group closes its connections only once nothing holds it (`Quorum._abandon_group`)
             self._heal_reform()
@@ -464,12 +463,13 @@ class Engine(Job):
         return self.mesh.group(self.data_axis)
 
 
-def _collective_cause(error: BaseException) -> BaseException:
-    """The error a collective of a membership epoch's group met. torch's logging wrapper of the collectives
-    (``c10d_logger``), on the way out of a failed one, asks for the group's backend, which only groups in torch's
-    own registry have: an epoch's group is not, so its timeout arrives as a ValueError whose context is the real
-    error (gloo's "Timed out waiting ... for recv")."""
+def _collective_cause(error: BaseException) -> str:
+    """``Type: message`` of the error a collective of a membership epoch's group met. torch's logging wrapper of
+    the collectives (``c10d_logger``), on the way out of a failed one, asks for the group's backend, which only
+    groups in torch's own registry have: an epoch's group is not, so its timeout arrives as a ValueError whose
+    context is the real error (gloo's "Timed out waiting ... for recv"). A string, not the error: nothing may
+    keep the error's frames, which hold the epoch's group, past the except block (`Engine.train_step`)."""
     context = error.__context__
     if isinstance(error, ValueError) and "not initialized in the world" in str(error) and context is not None:
-        return context
-    return error
+        error = context
+    return f"{type(error).__name__}: {str(error)[:160]}"
