@@ -359,3 +359,24 @@ def test_a_fits_verdict_counts_the_launchers_share_and_the_peaks_error_margin():
     assert rank([p], memory_limit=needed, job_share=1000)[0].feasible
     below = rank([p], memory_limit=needed - 1, job_share=1000)[0]
     assert not below.feasible and "share of the launcher's" in below.reason
+
+
+def test_replica_sync_buffers_and_fsdps_measured_memory_are_counted():
+    """LocalSGD holds one flat copy of the parameters during its average; DiLoCo its anchor, outer momentum,
+    pseudo-gradient and its flat copy; ZeRO-2/3 their measured memory beyond the formula (``R_z``) and no
+    other configuration does."""
+    profile = _profile(sizes=(32, 64))
+    p = profile.param_bytes
+
+    def other(family: str, options: tuple, extra=None) -> int:
+        config = Configuration(family, 2, options, dp=2)
+        return predict(config, profile, _transport(), 64, fsdp_extra=extra).memory["other"]
+
+    assert other("LocalSGD", (("sync_every", 8),)) == p
+    assert other("DiLoCo", (("sync_every", 8),)) == 4 * p
+    extra = {2: 123, 3: 456}
+    assert other("ShardedDataParallel", (("stage", 2),), extra) == 123
+    assert other("ShardedDataParallel", (("stage", 3),), extra) == 456
+    assert other("ShardedDataParallel", (("stage", 3),)) == 0
+    assert other("ShardedDataParallel", (("stage", 1),), extra) == 0
+    assert other("DataParallel", (("allreduce", "native"),), extra) == 0

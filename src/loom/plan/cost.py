@@ -18,16 +18,19 @@ DataParallel(compression=c)         ``C(b) + exposed(T_native(s_c) + T_gather(N 
 ShardedDataParallel(stage=1)        ``C(b) + T_best(G) + O/N + T_best(P) + e`` (loom's CPU path: the    ``P + (G+S_opt)/N + A``
                                     gradient all-reduced, the parameters gathered by an all-reduce)
 ShardedDataParallel(stage=2|3)      ``C(b) + U f_z + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at   2: ``P + (G+S_opt)/N``;
-                                    stage 3) ``+ T_rs(G_u)) + O/N + e``; ``f_z`` FSDP's measured cost   3: ``(P+G+S_opt)/N``
-                                    per unit at stage z beyond its collectives' bytes
+                                    stage 3) ``+ T_rs(G_u)) + O/N + e``; ``f_z`` FSDP's measured cost   3: ``(P+G+S_opt)/N``;
+                                    per unit at stage z beyond its collectives' bytes                   ``+ R_z`` (below)
 ParameterServer(sync), S servers    ``C(b) + enc(G/S) + N dec(G/S) + O/S + N enc(P/S) + dec(P/S) + 2e``  ``P + G + A`` (servers
                                     (each server decodes every worker's push in turn, steps, encodes    hold ``S_opt/S``)
                                     a reply to each; ``enc``/``dec`` its measured frames, ``e`` the
                                     pull request of the step); several hosts: push and reply each at
                                     least ``N G/S``, ``N P/S`` over the link
 LocalSGD(sync_every=H)              ``C(b) + O + e + T_best(P) / H``                                    ``P + G + S_opt + A``
-DiLoCo(sync_every=H)                ``C(b) + O + e + (T_best(P) + O) / H`` (the outer step: ``O``,      ``+ 2P`` (anchor,
-                                    not measured apart)                                                 outer momentum)
+                                                                                                        ``+ P`` (flat copy)
+DiLoCo(sync_every=H)                ``C(b) + O + e + (T_best(P) + O) / H`` (the outer step: ``O``,      ``+ 4P`` (anchor,
+                                    not measured apart)                                                 outer momentum,
+                                                                                                        pseudo-gradient
+                                                                                                        and its flat copy)
 Pipeline / Hybrid(dp, pp), m, s     replay of loom's instruction streams (`pipeline_schedule.simulate`)  the largest stage:
                                     with each stage's measured ``F``, ``Bw`` at ``b/m``, one-way message  its ``P, G, S_opt`` and
                                     ``T_p2p(D)/2``; ``+ O_stage + T_best(G_stage)`` (dp > 1) ``+ 2e``    ``A_stage(b/m) x`` peak
@@ -46,6 +49,16 @@ less the model's parameters, measured by the calibration job). Two of loom's imp
 lives during backward); DataParallel's shared-memory path (``allreduce="shm"`` without a spare core,
 `comm.shared_gradients`) makes every ``.grad`` a view of one shared segment holding every local process's slot,
 which ``job.memory()`` counts whole: ``L x G`` for ``L`` processes on the host.
+
+The replica strategies' synchronization allocates while the step's own temporaries are still held by the
+allocator (glibc keeps freed blocks of these sizes for reuse; measured: DiLoCo's peak RSS 4-6 ``P`` above
+DataParallel's on the MLP chains of ``loom_bench.plan_accuracy``), so their buffers are added, counted from the
+code: LocalSGD's flat copy of the parameters, DiLoCo's pseudo-gradient pieces and their flat copy beside its
+anchor and outer momentum. FSDP's memory on a host is not its shards: each unit is gathered whole, its gradient
+computed whole, and the allocator keeps those blocks (measured: ZeRO-3 peak RSS 4-8 ``P`` above DataParallel's
+on the chains above, where the formula says 2 ``P`` below it). So ``R_z``, FSDP's memory beyond the formula at
+stage ``z``, is measured as the runtime is: the calibration trains the user's model under ZeRO-2 and ZeRO-3 for a
+few steps and ``R_z`` is that peak less the formula's total.
 
 Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`` sends ``2 (N-1)/N x D``, a
 reduce-scatter or all-gather ``(N-1)/N x D``.
@@ -110,8 +123,9 @@ class _Model:
     """The pieces every formula shares, for one configuration."""
 
     def __init__(self, config: Configuration, profile: ModelProfile, transport: Transport, global_batch: int,
-                 overhead: float = 0.0):  # fmt: skip
+                 overhead: float = 0.0, fsdp_extra: dict[int, int] | None = None):  # fmt: skip
         self.c, self.p, self.t = config, profile, transport
+        self.fsdp_extra = fsdp_extra or {}
         self.n = config.nproc
         self.global_batch = global_batch
         self.share = math.ceil(global_batch / config.dp)
@@ -179,7 +193,8 @@ def _sharded(m: _Model) -> Prediction:
     units = _units(p, at)
     comm = sum(gathers * m.t.time("all_gather", u) + m.t.time("reduce_scatter", u) for u in units)
     params = p.param_bytes / n if stage == 3 else p.param_bytes
-    memory = _memory(params, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes)
+    other = m.fsdp_extra.get(stage, 0)  # FSDP's memory beyond its shards, measured (module docstring)
+    memory = _memory(params, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes, other)
     wire = (n - 1) / n * (gathers * p.param_bytes + p.grad_bytes)
     fixed = len(units) * m.t.fsdp_unit_s.get(f"stage{stage}", 0.0)  # FSDP's own work per unit, measured
     return m.done(at, m.exposed(comm, at.backward_s), optimizer + fixed, memory, wire)
@@ -208,7 +223,7 @@ def _replicas(m: _Model) -> Prediction:
     period = int(m.c.option("sync_every"))
     outer = p.optimizer_s if m.c.family == "DiLoCo" else 0.0
     comm = (m.best_allreduce(p.param_bytes) + outer) / period
-    other = 2 * p.param_bytes if m.c.family == "DiLoCo" else 0
+    other = 4 * p.param_bytes if m.c.family == "DiLoCo" else p.param_bytes  # the docstring's buffers
     memory = _memory(p.param_bytes, p.grad_bytes, p.optimizer_bytes, at.activation_bytes, other)
     return m.done(at, comm, p.optimizer_s + m.small, memory, _ring(n, p.param_bytes) / period)
 
@@ -278,11 +293,13 @@ def predict(
     spare_core: bool = False,
     overhead_s: float = 0.0,
     runtime_bytes: int = 0,
+    fsdp_extra: dict[int, int] | None = None,
 ) -> Prediction:
     """``config``'s prediction by the module docstring's table; a `Prediction` with ``refused`` set when the
-    configuration is not modelled or would need a measurement the plan did not make (never extrapolated)."""
+    configuration is not modelled or would need a measurement the plan did not make (never extrapolated).
+    ``fsdp_extra``: ``R_z`` by ZeRO stage (module docstring); without it, stages 2 and 3 count no such memory."""
     try:
-        m = _Model(config, profile, transport, global_batch, overhead_s)
+        m = _Model(config, profile, transport, global_batch, overhead_s, fsdp_extra)
         if config.family == "DataParallel":
             got = _data_parallel(m, codecs or {}, spare_core)
         elif config.family == "ShardedDataParallel":

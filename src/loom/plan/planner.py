@@ -81,6 +81,19 @@ class PlanResult:
         return self.ranked[0]
 
 
+def _fsdp_extra(measured: dict, profile: ModelProfile, local: Transport, batch: int, nproc: int,
+                runtime: int) -> dict[int, int]:  # fmt: skip
+    """``R_z`` (`loom.plan.cost`): ZeRO-z's measured peak on ``nproc`` processes less its formula's total."""
+    extra: dict[int, int] = {}
+    for stage in (2, 3):
+        peak = measured.get("fsdp_peak_rss", {}).get(f"stage{stage}")
+        if peak:
+            config = Configuration("ShardedDataParallel", nproc, (("stage", stage),), dp=nproc)
+            formula = predict(config, profile, local, batch, runtime_bytes=runtime)
+            extra[stage] = max(0, int(peak) - formula.memory.get("total", int(peak)))
+    return extra
+
+
 def _trial(mode: str, script: str, args: tuple[str, ...], nproc: int, servers: int, options: list[str],
            timeout_s: float) -> dict:  # fmt: skip
     """Run `loom.plan.trial` under ``loom run`` and return what rank 0 wrote (PlanError naming the failure)."""
@@ -211,8 +224,11 @@ def plan(
     runtime = int(measured.get("runtime_bytes", 0))
     if measured.get("reference_peak_rss"):
         runtime = max(0, int(measured["reference_peak_rss"]) - formula.memory["total"])
+    fsdp_extra = _fsdp_extra(measured, profile, local, captured.global_batch_size, calibrated, runtime)
     predictions: list[Prediction] = [
-        predict(c, profile, transport, captured.global_batch_size, codecs, spare, overhead, runtime)
+        predict(
+            c, profile, transport, captured.global_batch_size, codecs, spare, overhead, runtime, fsdp_extra
+        )
         for c in configs
     ]
     # The launcher and the zygote hold memory of their own; the workers' RSS counts the pages they share with

@@ -295,7 +295,8 @@ def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int
     clock = _LayerClock(layers)
     try:
         batches, optimizer_s = {}, []
-        rss, tracked, grown = rss_bytes() or 0, reset_peak_rss(), 0
+        tracked, grown = reset_peak_rss(), 0  # first: it trims the heap, which lowers the RSS
+        rss = rss_bytes() or 0
         for size in sorted(set(batch_sizes), reverse=True):  # the first, largest, creates the training state
             batches[size], opt = _profile_batch(captured, call, clock, size, repeats)
             optimizer_s.append(opt)
@@ -388,7 +389,8 @@ def measure_codec(spec: str, model: nn.Module, world: int, repeats: int = 3) -> 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     try:
         flat = torch.randn(numel, generator=generator)
-        held, reset = rss_bytes() or 0, reset_peak_rss()
+        reset = reset_peak_rss()  # first: it trims the heap, which lowers the RSS
+        held = rss_bytes() or 0
         started = time.perf_counter()
         sizes = _drive(codec, shapes, flat, world)
         times = [time.perf_counter() - started]

@@ -17,6 +17,9 @@ parameters: torch, loom, the script's data; the largest rank's), and runs the re
 ``DataParallel(allreduce="native")``, a few steps on a copy of the model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
 guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
 
+And the peak RSS of ZeRO stages 2 and 3 on the user's model (`_fsdp_peaks`: a few steps each, after the
+allocator has returned what earlier measurements freed): FSDP holds far more than its shards (`loom.plan.cost`).
+
 And the fixed costs no message's time contains (`_fixed_costs`: a tiny chain trained by each): FSDP's per unit at
 ZeRO stages 2 and 3, and a synchronous parameter server's per step.
 
@@ -134,12 +137,26 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     data["reference_step_s"] = reference["step_time_s"]
     # the script's own model stays resident beside the copy the reference trains: not the reference's
     data["reference_peak_rss"] = max(0, reference["memory"]["peak_rss"] - params)
+    data["fsdp_peak_rss"] = _fsdp_peaks(captured, params)
     # the planner starts the calibration with a parameter server when it plans some
     data.update(_fixed_costs(captured, max(ns.steps, 10), bool(os.environ.get("LOOM_PS_ADDRS"))))
     data["runtime_bytes"] = max(0, int(runtime.item()))
     data["launcher_private_bytes"] = _launcher_private_bytes()
     data["worker_shared_bytes"] = _private_bytes(os.getpid(), shared=True)
     return data
+
+
+def _fsdp_peaks(captured: Any, params: int) -> dict[str, int]:
+    """The peak RSS (the largest rank's, less the script's own model as the reference's) of a few steps of
+    ZeRO stages 2 and 3 on a copy of the model, each from a trimmed heap (`reset_peak_rss`)."""
+    from loom.observe.memory import reset_peak_rss
+
+    peaks: dict[str, int] = {}
+    for stage in (2, 3):
+        reset_peak_rss()  # from a trimmed heap
+        got = _verify_steps(_copy(captured), "ShardedDataParallel", {"stage": stage}, 1, 1)
+        peaks[f"stage{stage}"] = max(0, got["memory"]["peak_rss"] - params)
+    return peaks
 
 
 def _private_bytes(pid: int, shared: bool = False) -> int:
