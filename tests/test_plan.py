@@ -11,6 +11,7 @@ import pytest
 
 from loom.parallel.data.sharded_memory import zero_share
 from loom.plan.capture import ScriptCaptureError, capture_script
+from loom.plan.codecs import measure_codec
 from loom.plan.configs import Configuration, candidates
 from loom.plan.cost import predict
 from loom.plan.planner import PlanError, check_fits
@@ -19,7 +20,6 @@ from loom.plan.profile import (
     LayerProfile,
     ModelProfile,
     OutsideCalibration,
-    measure_codec,
     profile_model,
 )
 from loom.plan.recommend import rank, to_json

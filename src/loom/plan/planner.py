@@ -23,9 +23,10 @@ from typing import Any
 
 from loom.errors import PlanError
 from loom.plan.capture import CapturedScript, capture_script
+from loom.plan.codecs import CodecCost, measure_codec
 from loom.plan.configs import CODECS, Configuration, batch_sizes, candidates
 from loom.plan.cost import Prediction, predict
-from loom.plan.profile import CodecCost, ModelProfile, measure_codec, profile_model
+from loom.plan.profile import ModelProfile, profile_model
 from loom.plan.recommend import Ranked, last_errors, needed_per_process, rank, record_errors
 from loom.plan.transport import Transport
 
@@ -83,15 +84,15 @@ class PlanResult:
 
 def _fsdp_extra(measured: dict, profile: ModelProfile, local: Transport, batch: int, nproc: int,
                 runtime: int) -> dict[int, int]:  # fmt: skip
-    """``R_z`` (`loom.plan.cost`): ZeRO-z's measured peak on ``nproc`` processes less its formula's total."""
-    extra: dict[int, int] = {}
-    for stage in (2, 3):
-        peak = measured.get("fsdp_peak_rss", {}).get(f"stage{stage}")
-        if peak:
-            config = Configuration("ShardedDataParallel", nproc, (("stage", stage),), dp=nproc)
-            formula = predict(config, profile, local, batch, runtime_bytes=runtime)
-            extra[stage] = max(0, int(peak) - formula.memory.get("total", int(peak)))
-    return extra
+    """``R_z`` (`loom.plan.cost`): ZeRO-3's measured peak on ``nproc`` processes less its formula's total, for
+    stages 2 and 3 (`loom.plan.trial._fsdp_peak`: stage 2 holds less beyond its formula)."""
+    peak = measured.get("fsdp_peak_rss")
+    if not peak:
+        return {}
+    config = Configuration("ShardedDataParallel", nproc, (("stage", 3),), dp=nproc)
+    formula = predict(config, profile, local, batch, runtime_bytes=runtime)
+    extra = max(0, int(peak) - formula.memory.get("total", int(peak)))
+    return {2: extra, 3: extra}
 
 
 def _trial(mode: str, script: str, args: tuple[str, ...], nproc: int, servers: int, options: list[str],
