@@ -28,10 +28,9 @@ strategy supplies only what differs, as the hooks of `Engine`:
         for the straggler watch                       memory (``memory_every``, `loom.observe.memory`)
 =====  ===========================================  ==========================================================
 
-Stragglers: a strategy that carries every rank's phase times on its step's own collective says so
-(``observes_own_phases``: DataParallel, LocalSGD, DiLoCo, `loom.observe.phases`); every other strategy's ranks
-hand the engine's phase times to `loom.observe.straggler_watch`, which publishes them on the watchdog's record and
-judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
+Stragglers, for every strategy: each rank hands its step's phase times (`_phase_times`: the hooks' boundaries,
+or a strategy's finer `loom.observe.phases` clock) to `loom.observe.straggler_watch`, which publishes them on the
+watchdog's record and judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
 
 What `train_step` returns is ``StepState.loss`` as `_synchronize` sets it: the global-batch mean loss where
 ``loss_scope`` is ``"global"``, this replica's mean loss on its share where it is ``"replica"`` (`loom.job.Job`).
@@ -97,10 +96,6 @@ class Engine(Job):
 
     guard: StepGuard
     _watch: StragglerWatch | None
-    observes_own_phases: bool = False
-    """True for a strategy that times its own phases and carries every rank's on its step's collective
-    (`loom.observe.phases`); the others get the engine's phase times (the hooks' boundaries) and stragglers
-    through the watchdog (`loom.observe.straggler_watch`)."""
     loss_call: LossCall
     """How the model and the loss are called on a batch (`loom.LossCall`)."""
     memory_every: int = MEMORY_EVERY
@@ -279,9 +274,9 @@ class Engine(Job):
             )
             self._record(state)
             self._last_recorded_step = state.number
-            watch = self._straggler_watch()
-            if watch is not None:
-                watch.add(*state.phases)
+            phases = self._phase_times(state)
+            if phases is not None and (watch := self._straggler_watch()) is not None:
+                watch.add(*phases)
             if sample is not None:  # after the record: its time and phases do not include the sampling
                 self.metrics.annotate(state.number, **sample.fields(self.module, self.optimizer))
         return state.loss
@@ -336,10 +331,10 @@ class Engine(Job):
         """Called on every rank after the step is counted (``self.step`` is ``state.number``)."""
 
     def _record(self, state: StepState, **fields: Any) -> None:
-        """Write the step record, with a strategy's own ``fields`` (a subclass passes them through here): the
-        engine's phase times (`StepState.phases`) unless the strategy times its steps itself."""
+        """Write the step record, with a strategy's own ``fields`` (a subclass passes them through here) and the
+        engine's phase times (`StepState.phases`); a strategy with its own clock writes its own record."""
         phases: dict[str, float] = {}
-        if not self.observes_own_phases and state.phases is not None:
+        if state.phases is not None:
             phases = dict(zip(("data_s", "compute_s", "comm_s", "optimizer_s"), state.phases, strict=True))
         extra: dict[str, Any] = {**phases, **fields, **({"skipped": True} if state.skipped else {})}
         self.metrics.record(
@@ -355,17 +350,19 @@ class Engine(Job):
         """The groups of ranks that do the same work, compared with each other for stragglers."""
         return [list(range(self.topology.world_size))]
 
+    def _phase_times(self, state: StepState) -> tuple[float, float, float, float] | None:
+        """The data, compute, comm and optimizer seconds of the step just recorded, for the straggler watch: the
+        engine's (`StepState.phases`); a strategy with a finer clock gives its own, or None when it observes
+        nothing (then there is no watch)."""
+        return state.phases
+
     def _straggler_watch(self) -> StragglerWatch | None:
-        """The `loom.observe.straggler_watch.StragglerWatch` of a strategy that does not carry phase times on a
-        collective of its own (``observes_own_phases``), made at the first step; None for the others, in one
-        process, or without a store for the watchdog."""
+        """The `loom.observe.straggler_watch.StragglerWatch` of this job, made at its first step with phase times;
+        None in one process, or without a store for the watchdog (under heal: its members change)."""
         if not hasattr(self, "_watch"):
-            watch: StragglerWatch | None = None
-            watchdog = self.guard.watchdog
-            path = getattr(self.metrics, "path", None)
-            if not self.observes_own_phases and self.topology.is_distributed and watchdog.store is not None:
-                warnings_path = path.parent / "stragglers.jsonl" if path is not None else None
-                watch = StragglerWatch.attach(watchdog, self._straggler_peers(), warnings_path)
+            watchdog, watch = self.guard.watchdog, None
+            if self.topology.is_distributed and watchdog.store is not None:
+                watch = StragglerWatch.attach(watchdog, self._straggler_peers(), self.metrics)
             self._watch = watch
         return self._watch
 
