@@ -30,10 +30,13 @@ def test_rank_is_judged_against_its_peers_only_and_named_by_its_global_rank():
 
 @pytest.mark.unit
 @pytest.mark.timeout(10)
-def test_a_rank_without_a_full_window_or_still_on_a_previous_job_is_not_judged():
-    previous = StragglerWatch(0, 2, [[0, 1]], config=StragglerConfig(window=3))
-    watch = StragglerWatch(0, 2, [[0, 1]], config=StragglerConfig(window=3))
-    assert watch.job == previous.job + 1  # the n-th watch of a process compares the others' n-th
+def test_a_rank_without_a_full_window_or_still_on_a_previous_job_is_not_judged(monkeypatch):
+    monkeypatch.setenv("LOOM_STRAGGLER_WINDOW", "3")
+    watchdog = SimpleNamespace(rank=0, world_size=2, extras={}, poll_hooks={})  # what a watch uses of one
+    previous = StragglerWatch.attach(watchdog, [[0, 1]])
+    watch = StragglerWatch.attach(watchdog, [[0, 1]])  # a second job on the same rank
+    assert watch.job == previous.job + 1 and watchdog.extras["phases"] == watch.summary
+    assert watchdog.poll_hooks["stragglers"] == watch.poll
     assert watch.judge({0: [watch.job, 9, *FAST], 1: None}) == []
     assert watch.judge({0: [watch.job, 9, *FAST]}) == []
     assert watch.judge({0: [watch.job, 9, *FAST], 1: [previous.job, 9, *SLOW]}) == []

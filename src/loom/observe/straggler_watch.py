@@ -12,7 +12,7 @@ watchdog poll after the window that shows it.
 Only ranks that do the same work are compared (``peers``): every rank of a data-parallel family, the replicas
 of one pipeline stage and tensor shard in a model-parallel job (a pipeline's last stage is busier by design,
 not slow). A rank whose window is not full yet is not judged, nor a row of another job (a process that sets up
-several jobs in turn: each rank's n-th watch is compared with the others' n-th). With asynchronous workers a
+several jobs in turn: the n-th watch on each rank's watchdog is compared with the others' n-th). With asynchronous workers a
 slow rank also takes fewer steps; its per-step times are what show it. Without a store for the watchdog (under
 healing the members change, and the quorum has its own heartbeat) there is no watch.
 """
@@ -20,7 +20,6 @@ healing the members change, and the quorum has its own heartbeat) there is no wa
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import sys
 import time
@@ -37,9 +36,6 @@ __all__ = ["JUDGE_EVERY_S", "StragglerWatch"]
 JUDGE_EVERY_S = 2.0
 """How often rank 0 reads the other ranks' rows and judges them (a store read per rank each time)."""
 
-_attached = itertools.count(1)
-"""Numbers this process's watches in the order they are made (`StragglerWatch.job`)."""
-
 
 class StragglerWatch:
     """One rank's window of phase times, published on its watchdog's record; on rank 0 also the judge."""
@@ -52,10 +48,11 @@ class StragglerWatch:
         warnings_path: Path | None = None,
         config: StragglerConfig | None = None,
         metrics: Any = None,
+        job: int = 1,
     ) -> None:
         self.rank, self.world_size = rank, world_size
-        self.job = next(_attached)
-        """The n-th watch of this process: only rows of the same n are compared (not a previous job's)."""
+        self.job = job
+        """The n-th watch on this rank's watchdog: only rows of the same n are compared (not a previous job's)."""
         self.metrics = metrics
         """Rank 0's `loom.observe.metrics.StepMetrics`, whose ``slowest`` (the progress line) each judgement sets."""
         self.config = config if config is not None else StragglerConfig.from_env()
@@ -78,7 +75,9 @@ class StragglerWatch:
         warnings go beside rank 0's step records (``metrics.path``) when they are written to a file."""
         path = getattr(metrics, "path", None) if watchdog.rank == 0 else None
         warnings_path = path.parent / "stragglers.jsonl" if path is not None else None
-        watch = cls(watchdog.rank, watchdog.world_size, peers, warnings_path, metrics=metrics)
+        previous = getattr(watchdog.extras.get("phases"), "__self__", None)  # an earlier job's watch
+        job = previous.job + 1 if isinstance(previous, StragglerWatch) else 1
+        watch = cls(watchdog.rank, watchdog.world_size, peers, warnings_path, metrics=metrics, job=job)
         watchdog.extras["phases"] = watch.summary
         if watchdog.rank == 0:
             watchdog.poll_hooks["stragglers"] = watch.poll
