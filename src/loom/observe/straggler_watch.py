@@ -64,7 +64,6 @@ class StragglerWatch:
         self._next_judgement = 0.0
         self.warnings: list[StragglerWarning] = []
         """Every warning raised on this rank (rank 0 only)."""
-
         self.judged_steps = 0
         """The fewest steps any rank's row had at the last judgement that judged every peer group (0: none yet):
         what a caller waits on to know that the last steps were judged."""
