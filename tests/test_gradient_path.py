@@ -3,10 +3,10 @@
 `tests/workers/trace_step.py` profiles one ``train_step`` of a 2-process job on one host (shared-memory
 gradients, gloo) after 3 warm-up steps and lists every ``src/loom`` file the step enters. The step's own work,
 from the batch to ``optimizer.step()``, must stay within `GRADIENT_PATH` (at most 8 files); the step record is a
-separate, counted category (`STEP_RECORD`): `loom.observe.phases` reads the clock at the phase boundaries and
-writes this rank's previous phase times into the loss buffer before the exchange (no collective of its own),
-and after the update is applied it writes the record (`loom.observe.metrics`), with the step's bytes read from
-`loom.comm.counters` and, on rank 0, the straggler judgement (`loom.observe.stragglers`). Nothing else may run:
+separate, counted category (`STEP_RECORD`): `loom.observe.phases` reads the clock at the phase boundaries (no
+collective of its own), and after the update is applied it writes the record (`loom.observe.metrics`), with the
+step's bytes read from `loom.comm.counters`, and the engine appends the phase times to the straggler window
+(`loom.observe.straggler_watch`; the judgement runs on rank 0's watchdog thread). Nothing else may run:
 not the fault injector while ``LOOM_FAULTS`` is unset, not the guard's builder, not the mesh's or the topology's
 look-ups (all read once at setup). ``docs/architecture.md`` names the same files in the same order.
 """
@@ -33,7 +33,7 @@ GRADIENT_PATH = (
     "fault/desync.py",
 )
 """The step's own work, in the order of `docs/architecture.md` ("Following one DataParallel gradient")."""
-STEP_RECORD = ("observe/phases.py", "comm/counters.py", "observe/metrics.py", "observe/stragglers.py")
+STEP_RECORD = ("observe/phases.py", "comm/counters.py", "observe/metrics.py", "observe/straggler_watch.py")
 """The step's observation (see the module docstring for what of it runs before the update)."""
 ALWAYS = {"train/engine.py", "parallel/data/data_parallel_job.py", "train/batch.py", "comm/shared_gradients.py",
           "comm/shm.py", "fault/desync.py", "fault/watchdog.py"}  # fmt: skip

@@ -1,6 +1,7 @@
-"""Stragglers for the strategies with no loss all-reduce to carry phase times (`loom.observe.straggler_watch`)."""
+"""Stragglers through the watchdog's records (`loom.observe.straggler_watch`): the one mechanism, every strategy."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from conftest import WORKERS, run_workers
@@ -13,31 +14,45 @@ FAST, SLOW = [0.001, 0.010, 0.002, 0.001], [0.001, 0.040, 0.002, 0.001]
 
 
 @pytest.mark.unit
+@pytest.mark.timeout(10)
 def test_rank_is_judged_against_its_peers_only_and_named_by_its_global_rank():
     # a model-parallel layout: ranks 0 and 2 replicate one stage, 1 and 3 the other (busier by design)
-    watch = StragglerWatch(0, 4, [[0, 2], [1, 3], [4]], config=StragglerConfig(window=3))
-    rows = {0: [9, *FAST], 2: [9, *SLOW], 1: [9, *SLOW], 3: [9, *SLOW]}
+    metrics = SimpleNamespace(slowest=None, path=None)
+    watch = StragglerWatch(0, 4, [[0, 2], [1, 3], [4]], config=StragglerConfig(window=3), metrics=metrics)
+    job = watch.job
+    rows = {0: [job, 9, *FAST], 2: [job, 8, *SLOW], 1: [job, 9, *SLOW], 3: [job, 9, *SLOW]}
     found = watch.judge(rows)
     assert [(w.rank, w.phase, w.step) for w in found] == [(2, "compute", 9)]
+    assert watch.judged_steps == 8  # the fewest steps of any row: what was judged for sure
+    assert metrics.slowest[:2] == (2, "compute")  # the progress line's, by global rank
     assert watch.judge(rows) == []  # named once while it stays slow
 
 
 @pytest.mark.unit
-def test_a_rank_without_a_full_window_is_not_judged():
-    watch = StragglerWatch(0, 2, [[0, 1]], config=StragglerConfig(window=3))
-    assert watch.judge({0: [9, *FAST], 1: None}) == []
-    assert watch.judge({0: [9, *FAST]}) == []
+@pytest.mark.timeout(10)
+def test_a_rank_without_a_full_window_or_still_on_a_previous_job_is_not_judged(monkeypatch):
+    monkeypatch.setenv("LOOM_STRAGGLER_WINDOW", "3")
+    watchdog = SimpleNamespace(rank=0, world_size=2, extras={}, poll_hooks={})  # what a watch uses of one
+    previous = StragglerWatch.attach(watchdog, [[0, 1]])
+    watch = StragglerWatch.attach(watchdog, [[0, 1]])  # a second job on the same rank
+    assert watch.job == previous.job + 1 and watchdog.extras["phases"] == watch.summary
+    assert watchdog.poll_hooks["stragglers"] == watch.poll
+    assert watch.judge({0: [watch.job, 9, *FAST], 1: None}) == []
+    assert watch.judge({0: [watch.job, 9, *FAST]}) == []
+    assert watch.judge({0: [watch.job, 9, *FAST], 1: [previous.job, 9, *SLOW]}) == []
+    assert watch.judged_steps == 0
+    assert [w.rank for w in watch.judge({0: [watch.job, 9, *FAST], 1: [watch.job, 9, *SLOW]})] == [1]
     watch.add(*FAST)
     watch.add(*FAST)
     assert watch.summary() is None
     watch.add(*SLOW)
-    assert watch.summary() == [3.0, *FAST]  # the median row of the window
+    assert watch.summary() == [watch.job, 3.0, *FAST]  # the median row of the window
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["gossip", "hybrid"])
-def test_slowed_rank_is_named_by_a_strategy_without_a_loss_all_reduce(strategy, tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy", ["gossip", "hybrid", "localsgd", "sharded"])
+def test_slowed_rank_is_named_in_every_strategy(strategy, tmp_path, monkeypatch):
     monkeypatch.setenv("LOOM_RUN_DIR", str(tmp_path))
     monkeypatch.setenv("LOOM_STRAGGLER_WINDOW", "5")
     out = run_workers("straggler_watch_run.py", 2, strategy, "20", timeout=120)

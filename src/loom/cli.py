@@ -9,6 +9,7 @@ import importlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,34 +18,24 @@ from loom.settings import check_environment, setting
 __all__ = ["main"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _number(convert: Callable[[str], Any], accept: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse type: ``convert(text)``, refused as not ``what`` unless ``accept`` says yes (NaN never does)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: v > 0, "a number of seconds > 0")
 
 
 def _default_run_dir() -> Path:
@@ -87,13 +78,8 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this node's rank, 0..nnodes-1")
     p.add_argument("--master", default=None, metavar="ADDR:PORT", help="node 0's rendezvous address")
     p.add_argument("--local-addr", default=None, help="the address other nodes reach this node at")
-    p.add_argument(
-        "--join-timeout",
-        type=_positive_float,
-        default=120.0,
-        metavar="SECONDS",
-        help="how long a node waits for the master and for every node to join (default 120)",
-    )
+    p.add_argument("--join-timeout", type=_positive_float, default=120.0, metavar="SECONDS",
+                   help="how long a node waits for the master and for every node to join (default 120)")  # fmt: skip
     p.add_argument(
         "--insecure-no-secret",
         action="store_true",
@@ -110,13 +96,8 @@ def _add_run_parser(sub) -> None:
         help="restarts of each parameter server that dies while the job runs, on its address and from its "
         "checkpoint (default 3); one more death stops the job, naming the server and its signal",
     )
-    p.add_argument(
-        "--trace-steps",
-        type=_trace_window,
-        default=None,
-        metavar="A:B",
-        help="write a Chrome-trace timeline of steps A to B into the run directory",
-    )
+    p.add_argument("--trace-steps", type=_trace_window, default=None, metavar="A:B",
+                   help="write a Chrome-trace timeline of steps A to B into the run directory")  # fmt: skip
     p.add_argument(
         "--cluster",
         default=setting("LOOM_CLUSTER") or None,
@@ -193,15 +174,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if errors:
         print("\n".join(f"loom run: {line}" for line in errors), file=sys.stderr)
         return 2
-    refused = _device_env(
-        ns, None if ns.backend == "ray" or ns.cluster or ns.host_index is not None else ns.nproc
-    )
+    elsewhere = ns.backend == "ray" or ns.cluster or ns.host_index is not None  # not -n workers here
+    refused = _device_env(ns, None if elsewhere else ns.nproc)
     if refused is not None:
         print(refused, file=sys.stderr)
         return 2
-    if ns.max_server_restarts is not None and (
-        ns.backend == "ray" or ns.cluster or ns.host_index is not None
-    ):
+    if ns.max_server_restarts is not None and elsewhere:
         print("loom run: --max-server-restarts applies to the parameter servers of a one-node `loom run "
               "--servers K`; the servers of --backend ray and of --cluster hosts are not restarted yet. HINT: "
               "drop the option", file=sys.stderr)  # fmt: skip
@@ -218,27 +196,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     try:
         spec = LaunchSpec(
-            target=ns.script,
-            args=tuple(ns.args),
-            nproc=ns.nproc,
-            module=ns.module,
-            max_restarts=ns.max_restarts,
-            on_worker_failure=ns.on_worker_failure,
-            max_heals=ns.max_heals,
-            min_workers=ns.min_workers,
-            nnodes=ns.nnodes,
-            node_rank=ns.node_rank,
-            master=ns.master,
-            local_addr=ns.local_addr,
-            run_dir=ns.run_dir or _default_run_dir(),
-            servers=ns.servers,
+            **_spec_options(ns), nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank, master=ns.master,
+            local_addr=ns.local_addr, servers=ns.servers, server_bind=ns.server_bind,
             max_server_restarts=3 if ns.max_server_restarts is None else ns.max_server_restarts,
-            trace_steps=ns.trace_steps,
-            server_bind=ns.server_bind,
-            join_timeout_s=ns.join_timeout,
-            insecure_no_secret=ns.insecure_no_secret,
-            max_nproc=ns.max_nproc,
-        )
+        )  # fmt: skip
     except (ValueError, FileNotFoundError) as error:
         print(f"loom run: {error}", file=sys.stderr)
         return 2
@@ -263,12 +224,16 @@ def _cmd_run_cluster(ns: argparse.Namespace) -> int:
     except ClusterSpecError as error:
         print(f"loom run: {error}", file=sys.stderr)
         return 2
-    options = dict(target=ns.script, args=tuple(ns.args), module=ns.module, max_restarts=ns.max_restarts,
-                   on_worker_failure=ns.on_worker_failure, run_dir=ns.run_dir or _default_run_dir(),
-                   trace_steps=ns.trace_steps, join_timeout_s=ns.join_timeout,
-                   insecure_no_secret=ns.insecure_no_secret, max_nproc=ns.max_nproc, max_heals=ns.max_heals,
-                   min_workers=ns.min_workers)  # fmt: skip
-    return run_host(spec, index, options)
+    return run_host(spec, index, _spec_options(ns))
+
+
+def _spec_options(ns: argparse.Namespace) -> dict[str, Any]:
+    """The `loom.launch.spec.LaunchSpec` fields a cluster spec leaves to the command line (`_cmd_run_cluster`);
+    one node's launch adds the rest (`_cmd_run`)."""
+    return dict(target=ns.script, args=tuple(ns.args), module=ns.module, max_restarts=ns.max_restarts,
+                on_worker_failure=ns.on_worker_failure, run_dir=ns.run_dir or _default_run_dir(),
+                trace_steps=ns.trace_steps, join_timeout_s=ns.join_timeout, insecure_no_secret=ns.insecure_no_secret,
+                max_nproc=ns.max_nproc, max_heals=ns.max_heals, min_workers=ns.min_workers)  # fmt: skip
 
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
@@ -286,13 +251,9 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
     if ns.which == "dp":
-        return _benchmark("data_parallel").run_benchmark(
-            repetitions=ns.repetitions,
-            steps=ns.steps,
-            out_dir=ns.out,
-            nproc=ns.nproc or 2,
-            model=ns.model or "1.9m",
-        )
+        dp = _benchmark("data_parallel")
+        return dp.run_benchmark(repetitions=ns.repetitions, steps=ns.steps, out_dir=ns.out, nproc=ns.nproc or 2,
+                                model=ns.model or "1.9m")  # fmt: skip
     if ns.which == "allreduce":
         if ns.model is not None:
             print(
@@ -417,14 +378,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _build_parser().parse_args(argv)
-    handlers = {
-        "run": _cmd_run,
-        "demo": _cmd_demo,
-        "bench": _cmd_bench,
-        "report": _cmd_report,
-        "export": _cmd_export,
-        "plan": _cmd_plan,
-    }
+    handlers = {"run": _cmd_run, "demo": _cmd_demo, "bench": _cmd_bench, "report": _cmd_report,
+                "export": _cmd_export, "plan": _cmd_plan}  # fmt: skip
     return handlers[ns.command](ns)
 
 

@@ -5,8 +5,8 @@
 Jobs train the same model side by side: ``cnn``, the demo CNN on the 8x8 digits (global batch 64, a step of a
 few ms: the worst case for a fixed per-step cost), or ``mlp``, the benchmark MLP of `loom bench dp`
 (784-1024-1024-10, synthetic data, global batch 256, a step of ~20-40 ms here). They share one process group:
-one with ``DataParallel(observe=True)`` (phase timing, the timed DDP hook, bytes, straggler rows in the loss
-all-reduce, JSON lines written to a file) and two with ``observe=False`` (no records at all, the same all-reduce
+one with ``DataParallel(observe=True)`` (phase timing, the timed DDP hook, bytes, each step's phase times into the
+straggler watch's window, JSON lines written to a file) and two with ``observe=False`` (no records at all, the same all-reduce
 algorithm; the second is the `MODES` control). Their steps alternate one by one (which goes first rotates too),
 so all modes see the same machine: on
 a shared 2-core box the speed drifts by tens of percent over a fraction of a second, which drowned the effect
@@ -118,7 +118,7 @@ def _forever(loader):
 
 
 def direct_cost_us(world_size: int = 2, steps: int = 3000, trials: int = 5) -> float:
-    """The observer's own work per step on rank 0 (clock, records, JSON line, straggler detector), in µs.
+    """The observer's own work per step on rank 0 (clock, records, JSON line, the straggler watch's window), in µs.
 
     Best of ``trials`` loops over the calls a strategy makes, minus the loop doing only what the strategy does
     anyway (a one-element loss buffer): CPU work measured without the noise of a 2-process step.
@@ -127,13 +127,13 @@ def direct_cost_us(world_size: int = 2, steps: int = 3000, trials: int = 5) -> f
 
     from loom.observe.metrics import StepMetrics
     from loom.observe.phases import COMM, DATA, OPTIMIZER, StepObserver
-    from loom.observe.stragglers import StragglerConfig, StragglerDetector
+    from loom.observe.straggler_watch import StragglerWatch
 
     cpu = torch.device("cpu")
     with tempfile.TemporaryDirectory(prefix="loom-overhead-") as tmp:
         metrics = StepMetrics(0, Path(tmp) / "rank0.jsonl")
-        quiet = StragglerConfig(min_excess_s=1e9)  # never print: printing is not a per-step cost
-        observer = StepObserver(metrics, world_size, stragglers=StragglerDetector(world_size, quiet))
+        observer = StepObserver(metrics, world_size)
+        watch = StragglerWatch(0, world_size, [list(range(world_size))])  # judged on the watchdog's thread
 
         def observed(i: int) -> None:
             observer.begin_step(i + 1)
@@ -144,7 +144,8 @@ def direct_cost_us(world_size: int = 2, steps: int = 3000, trials: int = 5) -> f
             buffer[0] += 1.0
             observer.backward_done()
             observer.lap(OPTIMIZER)
-            observer.end_step(i + 1, 32, 64, 1.0, buffer)
+            observer.end_step(i + 1, 32, 64, 1.0)
+            watch.add(*observer.last_phases)  # type: ignore[misc]
 
         def bare(i: int) -> None:
             buffer = torch.zeros(1, dtype=torch.float64)

@@ -42,6 +42,23 @@ def train_steps(job, loader, steps: int, before_step: Callable[[int], None] | No
     return losses
 
 
+def judged_stragglers(job, is_main: bool, timeout_s: float = 30.0):
+    """The job's straggler watch once rank 0 has judged every rank's window through the job's last step (it judges
+    on its watchdog thread every `loom.observe.straggler_watch.JUDGE_EVERY_S`; waited for, at most ``timeout_s``),
+    then a barrier (the other ranks' watchdogs publish their last rows meanwhile). Every rank calls it."""
+    import time
+
+    import torch.distributed as dist
+
+    watch = job._straggler_watch()
+    assert watch is not None, "no straggler watch: is the watchdog's store missing?"
+    deadline = time.monotonic() + timeout_s
+    while is_main and watch.judged_steps < job.step and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dist.barrier()
+    return watch
+
+
 def make_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))

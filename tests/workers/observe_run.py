@@ -2,7 +2,7 @@
 
 Modes: ``plain`` (records into ``LOOM_RUN_DIR`` as under ``loom run``, traced if ``LOOM_TRACE_STEPS`` is set),
 ``data`` (rank 1 sleeps 30 ms before each step: a slow loader), ``compute`` (rank 1's forward sleeps 30 ms).
-Rank 0 prints one JSON line per mode: the straggler warnings it raised.
+Rank 0 prints one JSON line per mode: the straggler warnings it raised once its watch judged the last steps.
 
 Run by tests/test_observe.py, tests/test_report.py.
 """
@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 
 import torch
-from common import make_dataset, make_mlp
+from common import judged_stragglers, make_dataset, make_mlp
 from torch import nn
 
 import loom
@@ -53,13 +53,14 @@ def train(mode: str, out: str, steps: int, topo) -> None:
             if mode == "data" and slow:
                 time.sleep(DELAY_S)
         epoch += 1
+    watch = judged_stragglers(job, topo.is_main)
     job.metrics.close()
     if trace_steps is not None:
         os.environ["LOOM_TRACE_STEPS"] = trace_steps
     if topo.is_main:
-        detector = job.observer.stragglers
-        warnings = [asdict(w) for w in detector.warnings] if detector else []
-        print(json.dumps({"mode": mode, "warnings": warnings, "status": job.metrics.status()}), flush=True)
+        warnings = [asdict(w) for w in watch.warnings]
+        print(json.dumps({"mode": mode, "warnings": warnings, "judged_steps": watch.judged_steps,
+                          "status": job.metrics.status()}), flush=True)  # fmt: skip
 
 
 def main() -> None:

@@ -1,20 +1,19 @@
-"""A strategy without a loss all-reduce, rank 1 slowed in compute: ``straggler_watch_run.py STRATEGY STEPS``.
+"""A strategy, rank 1 slowed in compute: ``straggler_watch_run.py STRATEGY STEPS``.
 
-STRATEGY: ``gossip`` (Gossip, ring), ``hybrid`` (Hybrid(dp=2): a model-parallel job whose replicas are peers) or
-``ps`` (ParameterServer(mode="async"), under ``loom run --servers 1``).
-Rank 1's forward sleeps 30 ms per step. After the steps rank 0 waits (up to 15 s) for its watchdog thread to
-judge the rows (`loom.observe.straggler_watch`), then prints one JSON line: its warnings and the phase fields of
+STRATEGY: ``gossip`` (Gossip, ring), ``hybrid`` (Hybrid(dp=2): a model-parallel job whose replicas are peers),
+``localsgd`` (LocalSGD(sync_every=2): its own phase clock), ``sharded`` (ShardedDataParallel(stage=1)) or ``ps``
+(ParameterServer(mode="async"), under ``loom run --servers 1``).
+Rank 1's forward sleeps 30 ms per step. After the steps rank 0 waits for its watchdog thread to judge every
+rank's rows through the last step (`common.judged_stragglers`), then prints one JSON line: its warnings and the phase fields of
 its last step record. Run by tests/test_straggler_watch.py.
 """
 
 import json
 import sys
-import time
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
-from common import make_dataset, make_mlp
+from common import judged_stragglers, make_dataset, make_mlp
 from observe_run import DELAY_S, SlowForward
 from torch import nn
 
@@ -29,6 +28,10 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     if strategy == "gossip":
         job = loom.Gossip(peers="ring", every=1).setup(model, optimizer, nn.functional.mse_loss)
+    elif strategy == "localsgd":
+        job = loom.LocalSGD(sync_every=2).setup(model, optimizer, nn.functional.mse_loss)
+    elif strategy == "sharded":
+        job = loom.ShardedDataParallel(stage=1).setup(model, optimizer, nn.functional.mse_loss)
     elif strategy == "ps":
         job = loom.ParameterServer(mode="async").setup(model, optimizer, nn.functional.mse_loss)
     else:
@@ -42,12 +45,7 @@ def main() -> None:
             if job.step == steps:
                 break
         epoch += 1
-    watch = job._straggler_watch()
-    assert watch is not None, "no straggler watch: is the watchdog's store missing?"
-    deadline = time.monotonic() + 15
-    while topo.is_main and not watch.warnings and time.monotonic() < deadline:
-        time.sleep(0.1)  # the judgement runs on rank 0's watchdog thread every JUDGE_EVERY_S
-    dist.barrier()
+    watch = judged_stragglers(job, topo.is_main)
     record = job.metrics.records[-1]
     if topo.is_main:
         phases = {k: getattr(record, k) for k in ("data_s", "compute_s", "comm_s", "optimizer_s", "time_s")}

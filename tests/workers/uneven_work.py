@@ -3,7 +3,7 @@
 ``uneven_work.py TIMEOUT_S SLEEP_S PROGRESS_FILE``: DataParallel steps with ``hang_timeout_s=TIMEOUT_S``. After
 step 4 rank 0 sleeps SLEEP_S (well above the timeout) outside any collective while rank 1 goes on into step 5's
 collectives and waits there: not a hang. Twelve more steps follow (straggler windows of 4 judge them), then rank 0
-writes how many straggler warnings it raised. Then rank 1 skips a metric all-reduce that rank 0 enters, and goes
+writes how many straggler warnings it raised once its watch judged every rank's window through step 17. Then rank 1 skips a metric all-reduce that rank 0 enters, and goes
 on into the next step's gradient all-reduce: every rank is inside a collective, and they will never meet, so the
 watchdog stops the job. Rank 0 appends each stage to PROGRESS_FILE (its stdout is lost when the job is stopped).
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import make_dataset, make_mlp
+from common import judged_stragglers, make_dataset, make_mlp
 from torch import nn
 
 import loom
@@ -47,7 +47,8 @@ while step < 17:
             note("evaluated")
         if step == 17:
             break
-note(f"straggler warnings {len(job.observer.stragglers.warnings) if topo.is_main else 0}")
+watch = judged_stragglers(job, topo.is_main)
+note(f"straggler warnings {len(watch.warnings)} judged through {watch.judged_steps}")
 note("entering the metric all-reduce")
 if topo.rank == 1:
     job.train_step(next(iter(loader)))  # skips the metric all-reduce: in the gradient all-reduce instead

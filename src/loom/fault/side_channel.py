@@ -49,7 +49,8 @@ def open_side_channel() -> Any:
             )
     with contextlib.suppress(Exception):
         return dist.distributed_c10d._get_default_store()
-    warnings.warn("loom watchdog: no store to publish progress to; hangs will not be diagnosed", stacklevel=3)
+    warnings.warn("loom watchdog: no store to publish progress to; hangs will not be diagnosed nor stragglers "
+                  "named", stacklevel=3)  # fmt: skip
     return None
 
 

@@ -78,9 +78,7 @@ class _Link:
     def __call__(self, method: str, *args: Any) -> Any:
         try:
             result = getattr(self.store, method)(*args)
-        except (
-            Exception
-        ):  # StoreUnreachable, StoreTimeout, a reset connection: the same, a store not answering
+        except Exception:  # StoreUnreachable, StoreTimeout, a reset connection: a store not answering
             if self.failing_since is None:
                 self.failing_since = time.monotonic()
             return None
@@ -124,11 +122,8 @@ class NodeAgent:
                 what = describe_exit(w) if w.proc.returncode else f"worker rank {w.rank} finished"
                 self._unsent.append(f"{w.rank} {self.generation[w.rank]} {w.proc.returncode} {what}")
                 if self.node and w.proc.returncode:
-                    print(
-                        f"loom run: node {self.node}: {what} (reported to node 0)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(f"loom run: node {self.node}: {what} (reported to node 0)", file=sys.stderr,
+                          flush=True)  # fmt: skip
         while self._unsent:  # in order; what could not be sent now goes at the next tick
             if self.link("set", f"{self.node}/event/{self.events + 1}", self._unsent[0]) is None:
                 break
@@ -136,9 +131,8 @@ class NodeAgent:
                 break
             self.events += 1
             self._unsent.pop(0)
-        count = (
-            self.link("get", f"{self.node}/orders") if self.link("check", [f"{self.node}/orders"]) else None
-        )
+        orders = f"{self.node}/orders"
+        count = self.link("get", orders) if self.link("check", [orders]) else None
         for i in range(self.orders_done + 1, int(count or 0) + 1):
             order = self.link("get", f"{self.node}/order/{i}")
             if order is None:
@@ -171,14 +165,8 @@ class NodeAgent:
 class Authority:
     """Node 0's quorum over every rank of the job, acting through orders and events (module docstring)."""
 
-    def __init__(
-        self,
-        sizes: list[int],
-        policy: HealPolicy,
-        link: _Link,
-        job_store: Any,
-        local: NodeAgent | None = None,
-    ) -> None:
+    def __init__(self, sizes: list[int], policy: HealPolicy, link: _Link, job_store: Any,
+                 local: NodeAgent | None = None) -> None:  # fmt: skip
         """``local``: node 0's own agent, which the authority asks directly (its orders wait for its next tick)."""
         self.link, self.sizes, self.local = link, sizes, local
         self.node_of = [k for k, n in enumerate(sizes) for _ in range(n)]
@@ -270,9 +258,7 @@ class Authority:
 def _register(spec: LaunchSpec, client: Any) -> list[int]:
     """Every node's ``-n``, in node order, once all have registered (within ``--join-timeout``)."""
     if client.add(f"{spec.node_rank}/claim", 1) > 1:
-        raise ValueError(
-            f"two nodes run with --node-rank {spec.node_rank}. HINT: give each node its own rank"
-        )
+        raise ValueError(f"two nodes run with --node-rank {spec.node_rank}. HINT: give each its own rank")
     client.set(f"{spec.node_rank}/nproc", str(spec.nproc))
     keys = [f"{k}/nproc" for k in range(spec.nnodes)]
     try:

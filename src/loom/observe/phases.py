@@ -1,7 +1,7 @@
 """Timing a training step into phases, without adding a collective: what `StepMetrics` records per step.
 
 A strategy calls, in order: `StepObserver.begin_step` as ``train_step`` starts, `lap` at each phase boundary,
-`backward_done` after backward, and `end_step` with the reduced loss buffer. Laps are consecutive readings of
+`backward_done` after backward, and `end_step` once the step is decided. Laps are consecutive readings of
 one clock, so the phases add up to the step time exactly. Definitions (see `loom.observe.metrics`):
 
 - *data*: the gap since the previous step ended (the loader runs between steps) plus moving the batch.
@@ -19,30 +19,23 @@ parameters, the last whose gradients backward computes, and the rest of backward
 (``LOOM_TRACE_STEPS``) shows that wait as one collective event, since timing every bucket would need a Python
 hook, i.e. another path than the one traced. The cost of all this is measured by ``python -m loom_bench.metrics_overhead`` (``benchmarks/reports/metrics_overhead.md``).
 
-Straggler detection: each rank writes its previous step's phase times into its own row of a ``[world x 4]``
-block appended to the loss buffer the strategy all-reduces anyway (sum: every other row is zero), so rank 0
-learns every rank's phases one step late, for the price of a few more bytes in an existing message.
+Stragglers: the phase times of each step (`last_phases`) go to the step engine's straggler watch
+(`loom.observe.straggler_watch`, the one mechanism for every strategy), which needs no collective.
 
-The buffer's layout: ``[loss sum, one non-finite flag per rank, phase rows per rank]``. The flags (set by the
-strategy, see `loom.fault.desync.NonFiniteGuard`) are there even when observing is off: they are not an
-observation but part of the step's decision.
+The loss buffer's layout: ``[loss sum, one non-finite flag per rank]``. The flags (set by the strategy, see
+`loom.fault.desync.NonFiniteGuard`) are not an observation but part of the step's decision.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from loom.comm import counters
 from loom.observe.metrics import StepMetrics
-from loom.observe.stragglers import StragglerConfig, StragglerDetector, StragglerWarning
 from loom.observe.trace import TraceRecorder, trace_from_env
 
 __all__ = ["DATA", "COMPUTE", "COMM", "OPTIMIZER", "FLAGS_AT", "StepObserver", "loss_buffer_size"]
@@ -51,16 +44,12 @@ DATA, COMPUTE, COMM, OPTIMIZER = range(4)
 _NAMES = ("data", "compute", "comm", "optimizer")
 
 
-def loss_buffer_size(world_size: int) -> int:
-    """Values in `StepObserver.loss_buffer` at most: the loss sum, a flag per rank, then 4 phase times per rank."""
-    return 1 + 5 * world_size
-
-
 FLAGS_AT = 1
 """Where the per-rank non-finite flags start in the loss buffer (rank r's is at ``FLAGS_AT + r``)."""
 
 
-def _rows_at(world_size: int) -> int:
+def loss_buffer_size(world_size: int) -> int:
+    """Values in `StepObserver.loss_buffer`: the loss sum, then a flag per rank."""
     return FLAGS_AT + world_size
 
 
@@ -79,19 +68,16 @@ class StepObserver:
         *,
         enabled: bool = True,
         trace: TraceRecorder | None = None,
-        stragglers: StragglerDetector | None = None,
-        warnings_path: str | Path | None = None,
     ) -> None:
         self.metrics = metrics
         self.rank = metrics.rank
         self.world_size = world_size
         self.enabled = enabled
         self.trace = trace
-        self.stragglers = stragglers
-        self._warnings_path = Path(warnings_path) if warnings_path is not None else None
         self._last_end: float | None = None
         self._laps = [0.0, 0.0, 0.0, 0.0]
-        self._previous = [0.0, 0.0, 0.0, 0.0]
+        self.last_phases: tuple[float, float, float, float] | None = None
+        """The data, compute, comm and optimizer seconds of the last step ended (None before, or when off)."""
         self._seq = 0
         self._step = 0
         self._tracing = False
@@ -105,17 +91,10 @@ class StepObserver:
 
     @classmethod
     def for_process(cls, metrics: StepMetrics, world_size: int, *, enabled: bool = True) -> StepObserver:
-        """The observer of a worker: trace window from ``LOOM_TRACE_STEPS``, stragglers judged on rank 0."""
+        """The observer of a worker, with the trace window of ``LOOM_TRACE_STEPS``."""
         if not enabled:
             return cls(metrics, world_size, enabled=False)
-        detector = None
-        warnings_path = None
-        if metrics.rank == 0 and world_size > 1:
-            detector = StragglerDetector(world_size, StragglerConfig.from_env())
-            if metrics.path is not None:
-                warnings_path = metrics.path.parent / "stragglers.jsonl"
-        return cls(metrics, world_size, trace=trace_from_env(metrics.rank), stragglers=detector,
-                   warnings_path=warnings_path)  # fmt: skip
+        return cls(metrics, world_size, trace=trace_from_env(metrics.rank))
 
     # -- the clock ---------------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -232,23 +211,16 @@ class StepObserver:
 
     # -- the reduced buffer ------------------------------------------------------------------------------------
     def loss_buffer(self, device: torch.device) -> torch.Tensor:
-        """``[loss_sum, flags..., phase times...]``: slot 0 for the strategy's loss sum, a zero flag per rank (the
-        strategy sets its own, ``FLAGS_AT + rank``), then this rank's previous-step row (when observing)."""
-        if not self.enabled or self.world_size == 1:
-            return torch.zeros(FLAGS_AT + self.world_size, dtype=torch.float64, device=device)
-        row = _rows_at(self.world_size) + 4 * self.rank
+        """``[loss_sum, flags...]`` all zero: slot 0 for the strategy's loss sum, a flag per rank (the strategy
+        sets its own, ``FLAGS_AT + rank``)."""
         if device.type != "cpu":
-            values = [0.0] * loss_buffer_size(self.world_size)
-            values[row : row + 4] = self._previous
-            return torch.tensor(values, dtype=torch.float64, device=device)
-        # On CPU one buffer is reused, written through its numpy view: building a tensor from a list each step
-        # cost ~20 µs. Safe because the strategy waits for the all-reduce and reads the result before the next step.
+            return torch.zeros(loss_buffer_size(self.world_size), dtype=torch.float64, device=device)
+        # On CPU one buffer is reused, cleared through its numpy view (a new tensor each step cost ~20 µs). Safe
+        # because the strategy waits for the all-reduce and reads the result before the next step.
         if self._buffer is None:
             self._buffer = torch.zeros(loss_buffer_size(self.world_size), dtype=torch.float64)
             self._buffer_view = self._buffer.numpy()
-        view = self._buffer_view
-        view.fill(0.0)
-        view[row : row + 4] = self._previous
+        self._buffer_view.fill(0.0)
         return self._buffer
 
     def end_step(
@@ -257,13 +229,11 @@ class StepObserver:
         samples: int,
         global_samples: int,
         loss: float,
-        reduced: torch.Tensor,
         skipped: bool = False,
         **fields: Any,
     ) -> None:
         """Record the step (``skipped``: its update was not applied, see `loom.fault.desync.NonFiniteGuard`;
-        ``fields``: a strategy's own fields of the record);
-        on rank 0, feed the other ranks' phases (one step late) to the straggler detector."""
+        ``fields``: a strategy's own fields of the record); its phase times become `last_phases`."""
         if not self.enabled:
             return
         self.lap(COMM)  # the tail of the loss all-reduce's wait, and reading the reduced loss
@@ -275,20 +245,6 @@ class StepObserver:
         self.metrics.record(step, now - self._start, samples, global_samples, loss, data_s=data,
                             compute_s=compute, comm_s=comm, optimizer_s=optimizer, bytes_sent=sent,
                             bytes_received=received, **fields, **({"skipped": True} if skipped else {}))  # fmt: skip
-        self._previous = self._laps
-        at = _rows_at(self.world_size)
-        if self.stragglers is not None and reduced.numel() > at and step > 2:  # step 1 is warm-up
-            # the buffer's numpy view, kept since `loss_buffer` made it: .numpy() or .tolist() cost more each step
-            flat = self._buffer_view if reduced is self._buffer else reduced.cpu().numpy()
-            rows = flat[at : at + 4 * self.world_size].reshape(self.world_size, 4)
-            for warning in self.stragglers.observe(step - 1, rows):
-                self._report(warning)
-            self.metrics.slowest = self.stragglers.slowest
+        self.last_phases = (data, compute, comm, optimizer)
         if self.trace is not None and step >= self.trace.last:
             self.trace.flush()
-
-    def _report(self, warning: StragglerWarning) -> None:
-        print(warning.message(), file=sys.stderr, flush=True)
-        if self._warnings_path is not None:
-            with open(self._warnings_path, "a") as f:
-                f.write(json.dumps(asdict(warning)) + "\n")

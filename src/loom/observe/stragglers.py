@@ -1,4 +1,4 @@
-"""Straggler detection on rank 0, from every rank's phase times of each step.
+"""Straggler detection on rank 0, from every rank's typical phase times over a window of steps.
 
 In synchronous training every rank's *step* time is the same: the fast ranks wait for the slow one inside the
 gradient all-reduce. So the slow rank is found by its *busy* time, ``data + compute + optimizer`` (the step
@@ -11,8 +11,8 @@ most. Communication is named when a rank's own communication time stands out whi
 the median (a rank that merely waits for a slower peer shows a long communication time too, but a short busy
 time) — this is what a slow link looks like for point-to-point traffic (push/pull to parameter servers).
 
-The phase times arrive without an extra collective: `loom.observe.phases` piggybacks them on the loss
-all-reduce the strategy already does, one step late.
+The phase times arrive without a collective: each rank's median row over its window rides on its hang
+watchdog's record (`loom.observe.straggler_watch`, for every strategy).
 
 Configuration: `StragglerConfig`, or the environment variables ``LOOM_STRAGGLER_MARGIN`` (fraction over the
 median, default 0.2), ``LOOM_STRAGGLER_WINDOW`` (steps, default 10) and ``LOOM_STRAGGLER_MIN_MS`` (an absolute
@@ -24,9 +24,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 
 __all__ = ["PHASES", "StragglerConfig", "StragglerDetector", "StragglerWarning"]
 
@@ -93,47 +90,21 @@ class StragglerWarning:
 
 
 class StragglerDetector:
-    """Feed one ``[world_size x 4]`` table of phase times per step to `observe`; it returns new warnings."""
+    """Give `judge` one table of every rank's typical phase times at a time; it returns the new warnings."""
 
     def __init__(self, world_size: int, config: StragglerConfig | None = None) -> None:
         self.world_size = world_size
         self.config = config if config is not None else StragglerConfig()
-        self.every = max(1, (self.config.window + 1) // 2)
-        """Judge every this many steps (half a window): a step only appends its row, keeping rank 0's per-step
-        cost to a few microseconds; a warning comes at most ``every - 1`` steps later than a per-step check."""
-        self._window = np.zeros((self.config.window, world_size, 4))
-        """The last ``window`` steps' tables, a ring (row ``seen % window`` is the newest)."""
-        self._seen = 0
         self._flagged: set[tuple[int, str]] = set()
         self.warnings: list[StragglerWarning] = []
         """Every warning raised so far."""
         self.slowest: tuple[int, str, float] | None = None
         """(rank, phase, seconds over the median busy time) over the window at the last judgement."""
 
-    def observe(self, step: int, times: Any) -> list[StragglerWarning]:
-        """Add the phase times of ``step`` (row r: rank r's data, compute, comm, optimizer seconds; a sequence of
-        rows or a ``[world_size, 4]`` array). Rank 0 calls this every step, so it is one array copy; every
-        `every` steps the window's medians are one sort (a Python median per rank and phase cost 10x more at
-        16 ranks)."""
-        if len(times) != self.world_size:
-            raise ValueError(f"expected phase times of {self.world_size} ranks, got {len(times)}")
-        window = self.config.window
-        self._window[self._seen % window] = times  # numpy refuses a row that is not 4 values
-        self._seen += 1
-        if (self._seen - min(self._seen, window)) % self.every:
-            return []
-        n = min(self._seen, window)
-        # per rank, per phase: the median over the window (robust to one long step; see the module docstring);
-        # np.sort and the middle row(s): np.median's generality costs 6x more on a table this small
-        ordered = np.sort(self._window[:n], axis=0)
-        medians = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-        return self.judge(step, medians.tolist(), full=n >= window)
-
     def judge(self, step: int, means: Sequence[Sequence[float]], full: bool = True) -> list[StragglerWarning]:
         """Judge one table of every rank's typical phase times (row r: rank r's median data, compute, comm,
-        optimizer seconds over a window); ``full``: the window is complete (before that only ``slowest`` is
-        updated). `observe` calls it every half window; `loom.observe.straggler_watch` with windows that each
-        rank summarized itself."""
+        optimizer seconds over a window, as `loom.observe.straggler_watch` summarizes it on each rank); ``full``:
+        the window is complete (before that only ``slowest`` is updated)."""
         n = self.config.window
         medians = [_median([m[p] for m in means]) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]

@@ -1,8 +1,6 @@
 """The step engine: the one `train_step` and the one `eval_step` of every strategy.
 
-Before this module five jobs had a step loop each, and every guarantee was wired into each by hand (the hang
-watchdog ran in two of them, the non-finite guard in four). Here the order of a step is written once, and a
-strategy supplies only what differs, as the hooks of `Engine`:
+The order of a step is written once, here; a strategy supplies only what differs, as the hooks of `Engine`:
 
 =====  ===========================================  ==========================================================
  #      the engine does                               the strategy's hook says how
@@ -28,32 +26,24 @@ strategy supplies only what differs, as the hooks of `Engine`:
         for the straggler watch                       memory (``memory_every``, `loom.observe.memory`)
 =====  ===========================================  ==========================================================
 
-Stragglers: a strategy that carries every rank's phase times on its step's own collective says so
-(``observes_own_phases``: DataParallel, LocalSGD, DiLoCo, `loom.observe.phases`); every other strategy's ranks
-hand the engine's phase times to `loom.observe.straggler_watch`, which publishes them on the watchdog's record and
-judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
+Stragglers, for every strategy: each rank hands its step's phase times (`_phase_times`: the hooks' boundaries,
+or a strategy's finer `loom.observe.phases` clock) to `loom.observe.straggler_watch`, which publishes them on the
+watchdog's record and judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
 
 What `train_step` returns is ``StepState.loss`` as `_synchronize` sets it: the global-batch mean loss where
 ``loss_scope`` is ``"global"``, this replica's mean loss on its share where it is ``"replica"`` (`loom.job.Job`).
 A global batch of 0 samples is refused on every rank (every rank knows the same total).
 
-Healing (``--on-worker-failure heal``, `loom.fault.quorum`): `train_step` wraps the step above in a retry loop;
-an exception anywhere in it (a lost member's collective, an error on this member) or a commit vote that says
-drop means that no member applied the step: the members re-form (`_heal_reform`, then the strategy's
-`_adopt_epoch` makes the new members equal) and retry the same global batch. Fault injection points
-(`loom.fault.inject.fault_point`, held only when ``LOOM_FAULTS`` plans one: `loom.fault.inject.planned`) sit at
-the phase boundaries: ``before``, ``after`` (before the vote) and
-``commit`` (after it); a strategy places ``during`` right before its exchange (no exchange is split for it).
-
-`eval_step`: `_evaluate` gives the names and this rank's ``[sum per name..., samples]``, the
-engine adds them up over the data axis (`_eval_group`, under the watchdog) and divides (`share_means`).
+Healing (``--on-worker-failure heal``, `loom.fault.quorum`): `train_step` retries a step no member applied
+(`train_step`, `_heal_reform`). Fault injection points (`loom.fault.inject`, held only when ``LOOM_FAULTS`` plans
+one) sit at the phase boundaries: ``before``, ``after`` (before the vote) and ``commit`` (after it); a strategy
+places ``during`` right before its exchange (no exchange is split for it).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -62,14 +52,15 @@ import torch
 import torch.distributed as dist
 
 from loom.data.loader import LazyBatch
-from loom.errors import LeftOutOfQuorum, StepDropped, is_retryable
-from loom.fault.desync import NonFiniteStepError, local_flag
+from loom.errors import StepDropped
+from loom.fault.desync import local_flag
 from loom.fault.inject import planned
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.observe.straggler_watch import StragglerWatch
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, share_means, to_device
 from loom.train.guard import GuardOptions, StepGuard
+from loom.train.heal_step import reform, retry_step
 from loom.train.step_state import ShareOptions, StepState, check_accumulate
 
 if TYPE_CHECKING:
@@ -77,16 +68,7 @@ if TYPE_CHECKING:
     from loom.mesh import Mesh
     from loom.topology import Topology
 
-__all__ = [
-    "MAX_DROPS",
-    "Engine",
-    "ShareOptions",
-    "StepState",
-    "check_accumulate",
-]  # the last three re-exported
-
-MAX_DROPS = 5
-"""Under healing, a step dropped this many times in a row (each time by a newly formed quorum) raises."""
+__all__ = ["Engine", "ShareOptions", "StepState", "check_accumulate"]  # the last three re-exported
 
 
 class Engine(Job):
@@ -97,10 +79,6 @@ class Engine(Job):
 
     guard: StepGuard
     _watch: StragglerWatch | None
-    observes_own_phases: bool = False
-    """True for a strategy that times its own phases and carries every rank's on its step's collective
-    (`loom.observe.phases`); the others get the engine's phase times (the hooks' boundaries) and stragglers
-    through the watchdog (`loom.observe.straggler_watch`)."""
     loss_call: LossCall
     """How the model and the loss are called on a batch (`loom.LossCall`)."""
     memory_every: int = MEMORY_EVERY
@@ -165,64 +143,19 @@ class Engine(Job):
 
         Under healing (the guard holds a `loom.fault.quorum.Quorum`): an error in the step or its collectives on
         any member drops the step on every member (the guard's commit vote); the members re-form
-        (`_heal_reform`) and retry the same global batch, up to `MAX_DROPS` times in a row."""
+        (`_heal_reform`) and retry the same global batch (`loom.train.heal_step`)."""
         self._check_can_train()
         self._check_layout(batch)
-        quorum = getattr(self.guard, "quorum", None)
+        quorum = self.guard.quorum
         if quorum is None:
             return self._attempt(batch)
-        number, drops = self.step + 1, 0
-        self._wait_for_joiner()
-        while True:
-            try:
-                return self._attempt(batch)
-            except (LeftOutOfQuorum, NonFiniteStepError):
-                raise  # left out: this process ends; non-finite under "stop": every member raises the same
-            except Exception as error:
-                if not is_retryable(
-                    error
-                ):  # `loom.errors.LoomError.retryable`: the retry would meet it again
-                    raise
-                drops += 1
-                committed = quorum.committed >= number
-                if not committed and not isinstance(error, StepDropped):
-                    with contextlib.suppress(Exception):  # the others learn of it: a verdict, or our silence
-                        quorum.vote(number, ok=False)
-                if drops > MAX_DROPS:
-                    raise
-                what = "failed after its commit" if committed else "dropped"
-                print(f"loom: rank {self.topology.rank}: step {number} {what} in epoch {quorum.epoch} "
-                      f"({_collective_cause(error)}); re-forming the quorum", file=sys.stderr, flush=True)  # fmt: skip
-            # outside the except block: the error's traceback holds the frames that hold the epoch's group, and
-            # the group closes its connections only once nothing holds it (`Quorum._abandon_group`)
-            self._heal_reform()
-            synced = self._last_synchronized
-            if self.step >= number and synced is not None and synced.number == number:
-                # the vote had committed the step (every other member applied it) when this member failed:
-                # re-forming made it equal to a member that holds the step, so training the same global batch
-                # again would count it twice; the caller's next batch is the next step. Its share was in the
-                # step: its record is written now if the error came first
-                if self._last_recorded_step < number:
-                    self._record(synced)
-                    self._last_recorded_step = number
-                return synced.loss
+        return retry_step(self, quorum, batch)
 
     def _heal_reform(self) -> None:
-        """Check in for the next membership epoch and make its members equal (`_adopt_epoch`); a failure while
-        doing so (a member lost meanwhile, the sending peer included) checks in again."""
-        quorum = self.guard.quorum
-        assert quorum is not None
-        for _ in range(MAX_DROPS + 1):
-            quorum.reform(self.step)
-            try:
-                self._adopt_epoch()
-                return
-            except Exception as error:
-                if not is_retryable(error):
-                    raise  # (`loom.errors.HealConflict`: re-forming would meet it again)
-                print(f"loom: rank {self.topology.rank}: epoch {quorum.epoch} failed while forming ({error}); "
-                      "re-forming", file=sys.stderr, flush=True)  # fmt: skip
-        raise RuntimeError(f"rank {self.topology.rank}: no membership epoch formed in {MAX_DROPS + 1} tries")
+        """Under healing: check in for the next membership epoch and make its members equal (`_adopt_epoch`;
+        `loom.train.heal_step.reform`)."""
+        assert self.guard.quorum is not None
+        reform(self, self.guard.quorum)
 
     def _wait_for_joiner(self) -> None:
         """Under healing, before a step: wait a bounded moment for a replacement that is starting
@@ -267,21 +200,15 @@ class Engine(Job):
             self.last_step_skipped = state.skipped
             self._after_step(state)
             ended = clock()
-            previous_end, self._step_ended = getattr(self, "_step_ended", None), ended
-            data = (
-                prepared - state.started + (state.started - previous_end if previous_end is not None else 0.0)
-            )
-            state.phases = (
-                data,
-                computed - prepared,
-                synchronized - computed + ended - applied,
-                applied - synchronized,
-            )
+            since = getattr(self, "_step_ended", state.started)  # the gap since the last step counts as data
+            self._step_ended = ended
+            comm = synchronized - computed + ended - applied
+            state.phases = (prepared - since, computed - prepared, comm, applied - synchronized)
             self._record(state)
             self._last_recorded_step = state.number
-            watch = self._straggler_watch()
-            if watch is not None:
-                watch.add(*state.phases)
+            phases = self._phase_times(state)
+            if phases is not None and (watch := self._straggler_watch()) is not None:
+                watch.add(*phases)
             if sample is not None:  # after the record: its time and phases do not include the sampling
                 self.metrics.annotate(state.number, **sample.fields(self.module, self.optimizer))
         return state.loss
@@ -336,36 +263,32 @@ class Engine(Job):
         """Called on every rank after the step is counted (``self.step`` is ``state.number``)."""
 
     def _record(self, state: StepState, **fields: Any) -> None:
-        """Write the step record, with a strategy's own ``fields`` (a subclass passes them through here): the
-        engine's phase times (`StepState.phases`) unless the strategy times its steps itself."""
+        """Write the step record, with a strategy's own ``fields`` (a subclass passes them through here) and the
+        engine's phase times (`StepState.phases`); a strategy with its own clock writes its own record."""
         phases: dict[str, float] = {}
-        if not self.observes_own_phases and state.phases is not None:
+        if state.phases is not None:
             phases = dict(zip(("data_s", "compute_s", "comm_s", "optimizer_s"), state.phases, strict=True))
         extra: dict[str, Any] = {**phases, **fields, **({"skipped": True} if state.skipped else {})}
-        self.metrics.record(
-            state.number,
-            time.perf_counter() - state.started,
-            state.local,
-            state.total or 0,
-            state.loss,
-            **extra,
-        )
+        elapsed = time.perf_counter() - state.started
+        self.metrics.record(state.number, elapsed, state.local, state.total or 0, state.loss, **extra)
 
     def _straggler_peers(self) -> list[list[int]]:
         """The groups of ranks that do the same work, compared with each other for stragglers."""
         return [list(range(self.topology.world_size))]
 
+    def _phase_times(self, state: StepState) -> tuple[float, float, float, float] | None:
+        """The data, compute, comm and optimizer seconds of the step just recorded, for the straggler watch: the
+        engine's (`StepState.phases`); a strategy with a finer clock gives its own, or None when it observes
+        nothing (then there is no watch)."""
+        return state.phases
+
     def _straggler_watch(self) -> StragglerWatch | None:
-        """The `loom.observe.straggler_watch.StragglerWatch` of a strategy that does not carry phase times on a
-        collective of its own (``observes_own_phases``), made at the first step; None for the others, in one
-        process, or without a store for the watchdog."""
+        """The `loom.observe.straggler_watch.StragglerWatch` of this job, made at its first step with phase times;
+        None in one process, or without a store for the watchdog (under heal: its members change)."""
         if not hasattr(self, "_watch"):
-            watch: StragglerWatch | None = None
-            watchdog = self.guard.watchdog
-            path = getattr(self.metrics, "path", None)
-            if not self.observes_own_phases and self.topology.is_distributed and watchdog.store is not None:
-                warnings_path = path.parent / "stragglers.jsonl" if path is not None else None
-                watch = StragglerWatch.attach(watchdog, self._straggler_peers(), warnings_path)
+            watchdog, watch = self.guard.watchdog, None
+            if self.topology.is_distributed and watchdog.store is not None:
+                watch = StragglerWatch.attach(watchdog, self._straggler_peers(), self.metrics)
             self._watch = watch
         return self._watch
 
@@ -414,8 +337,8 @@ class Engine(Job):
             if stop_on_nonfinite and local_flag(value):
                 state.loss_sum, state.flag = loss_sum, 1.0
                 break  # before this piece's backward
+        # the share's mean loss (one micro-batch: the loss itself, not ``loss_sum / local`` rounded twice)
         state.work["share_mean"] = values[0] if len(values) == 1 else loss_sum / state.local
-        """The share's mean loss (one micro-batch: the loss itself, not ``loss_sum / local`` rounded twice)."""
         if state.flag:
             return
         state.loss_sum = loss_sum
@@ -461,15 +384,3 @@ class Engine(Job):
         """The group the evaluation sums are added up over; None: they are global already (one process, or a
         strategy whose `_evaluate` reduced them)."""
         return self.mesh.group(self.data_axis)
-
-
-def _collective_cause(error: BaseException) -> str:
-    """``Type: message`` of the error a collective of a membership epoch's group met. torch's logging wrapper of
-    the collectives (``c10d_logger``), on the way out of a failed one, asks for the group's backend, which only
-    groups in torch's own registry have: an epoch's group is not, so its timeout arrives as a ValueError whose
-    context is the real error (gloo's "Timed out waiting ... for recv"). A string, not the error: nothing may
-    keep the error's frames, which hold the epoch's group, past the except block (`Engine.train_step`)."""
-    context = error.__context__
-    if isinstance(error, ValueError) and "not initialized in the world" in str(error) and context is not None:
-        error = context
-    return f"{type(error).__name__}: {str(error)[:160]}"

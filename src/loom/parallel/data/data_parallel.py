@@ -145,7 +145,7 @@ class DataParallel:
         job = DataParallelJob(
             model, model, optimizer, call, mesh, self.config, metrics, quorum=quorum, topology=topo
         )
-        job.observer = StepObserver(metrics, enabled=self.observe)  # no straggler rows: the members change
+        job.observer = StepObserver(metrics, enabled=self.observe)  # no straggler watch: the members change
         job.gradient_path, job.shared_gradients = path, path.shared
         if topo.is_main:
             print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)

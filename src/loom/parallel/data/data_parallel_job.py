@@ -74,8 +74,6 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 class DataParallelJob(Engine):
     """A model set up for data-parallel training (the `loom.job.Job` contract; its state is replicated)."""
 
-    observes_own_phases = True  # phase rows ride on the loss all-reduce (loom.observe.phases)
-
     replicated_state = True
 
     def __init__(
@@ -210,8 +208,8 @@ class DataParallelJob(Engine):
         call, batch_here, total = self.loss_call, state.work["batch"], state.total
         assert total is not None
         world = self.axis.size
-        # [loss sum, flags, every rank's phase times]: stragglers ride on this all-reduce (loom.observe.phases);
-        # under heal [loss sum, flags, fingerprints, the "replacement waiting" mark] (see `_heal_marks`)
+        # [loss sum, flags]; under heal [loss sum, flags, fingerprints, the "replacement waiting" mark]
+        # (see `_heal_marks`)
         loss_sum = (
             self.observer.loss_buffer(self._device)
             if self.quorum is None
@@ -308,13 +306,16 @@ class DataParallelJob(Engine):
             state.local,
             state.total,
             state.loss,
-            state.work["buffer"],
             skipped=state.skipped,
             **fields,
         )
 
+    def _phase_times(self, state: StepState) -> tuple[float, float, float, float] | None:
+        """The observer's (DDP's all-reduce inside backward counts as comm, not compute), None when it is off."""
+        return self.observer.last_phases
+
     def _reduce_loss(self, loss_sum: torch.Tensor) -> bool:
-        """The all-reduce of ``[loss sum, flags, straggler rows]``; returns whether the averaged gradient is
+        """The all-reduce of ``[loss sum, flags]``; returns whether the averaged gradient is
         finite (checked while the all-reduce runs where it can be).
 
         With shared-memory gradients the buffer was already summed with them (`SharedGradients.average`).

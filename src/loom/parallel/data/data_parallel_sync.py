@@ -221,7 +221,7 @@ def shared_gradients_for(
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, group=topo.group, group_src=0)
-    try:  # the loss and the straggler rows ride along with the gradients
+    try:  # the loss and the non-finite flags ride along with the gradients
         return SharedGradients(model, topo.group, extra_values=loss_buffer_size(topo.world_size))
     except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
         warnings.warn(f"rank {topo.rank}: gradients go through DDP: {error}", stacklevel=3)

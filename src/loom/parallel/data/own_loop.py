@@ -45,7 +45,7 @@ world size.
 
 The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient like `train_step` does
 (``nonfinite`` in `DataParallelConfig`; with ``GradScaler`` such steps never reach it). Not here: step records
-and straggler detection (they ride on `train_step`'s loss all-reduce, and an own loop's loss is its own).
+and straggler detection (`train_step` times its phases and hands them on, and an own loop's step is its own).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Both keep a whole model per process and train it on the process's share of each global batch with the user's
 optimizer, without synchronizing gradients (the *inner* steps). `ReplicaJob` is that inner loop, written once:
 
-- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, phase times, sample
-  count]`` (the loss buffer of `loom.observe.phases` plus one slot), so `train_step` returns the global-batch
+- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, sample count]`` (the
+  loss buffer of `loom.observe.phases` plus one slot), so `train_step` returns the global-batch
   mean loss on every rank, a non-finite loss or gradient on any rank skips the step on every rank
   (`loom.fault.desync.NonFiniteGuard`), and every rank knows how many samples the whole job trained on;
 - each rank counts the samples it trained on since each synchronization, so replicas are averaged weighted by
@@ -52,7 +52,7 @@ from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
+from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver, loss_buffer_size
 from loom.parallel._setup import check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
@@ -169,8 +169,6 @@ class ReplicaStrategy:
 class ReplicaJob(Engine):
     """Inner steps on this rank's share, one loss reduction per step; subclasses synchronize the replicas."""
 
-    observes_own_phases = True  # phase rows ride on the loss all-reduce (loom.observe.phases)
-
     replicated_state = False
     replicas_agree = False
 
@@ -237,7 +235,7 @@ class ReplicaJob(Engine):
         self.observer.backward_done()
 
     def _synchronize(self, state: StepState) -> None:
-        """One small all-reduce: the loss, every flag, the phase rows and the global count (the inner step of
+        """One small all-reduce: the loss, every flag and the global count (the inner step of
         a replica averages no gradient: each replica steps on its own share)."""
         reduced = self._reduce_step(state)
         state.work["reduced"], state.work["pending"] = reduced, bool(reduced[-1] > 0)
@@ -277,21 +275,25 @@ class ReplicaJob(Engine):
             state.local,
             state.total,
             state.loss,
-            state.work["reduced"][:-2],
             skipped=state.skipped,
             **fields,
         )
 
+    def _phase_times(self, state: StepState) -> tuple[float, float, float, float] | None:
+        """The observer's (the synchronization after the step counts as comm), None when it is off."""
+        return self.observer.last_phases
+
     def _reduce_step(self, state: StepState) -> torch.Tensor:
-        """``[loss sum, flags, phase rows, samples, a replacement waiting]`` summed over the data axis (one small
-        all-reduce); under heal (no phase rows) each rank's batch fingerprint after the flags, and the last slot
-        set at a round's last step when a replacement is ready (`RoundCommit.joiner_ready`)."""
-        base, rank = self.observer.loss_buffer(self.topology.device), self.topology.rank
-        prints = self.topology.world_size if self.rounds is not None else 0
-        buffer = torch.cat([base, torch.zeros(prints + 2, dtype=base.dtype, device=base.device)])
+        """``[loss sum, flags, samples, a replacement waiting]`` summed over the data axis (one small all-reduce);
+        under heal each rank's batch fingerprint after the flags, and the last slot set at a round's last step
+        when a replacement is ready (`RoundCommit.joiner_ready`)."""
+        world, rank = self.topology.world_size, self.topology.rank
+        flags_end = loss_buffer_size(world)
+        prints = world if self.rounds is not None else 0
+        buffer = torch.zeros(flags_end + prints + 2, dtype=torch.float64, device=self.topology.device)
         buffer[0], buffer[FLAGS_AT + rank], buffer[-2] = state.loss_sum, state.flag, float(state.local)
         if self.rounds is not None:
-            buffer[len(base) + rank] = state.work["fingerprint"]
+            buffer[flags_end + rank] = state.work["fingerprint"]
             buffer[-1] = float(self.rounds.joiner_ready(self.quorum, state.number))
         self.observer.lap(COMM)
         if self.topology.is_distributed:

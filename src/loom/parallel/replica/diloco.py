@@ -8,12 +8,7 @@ global copy, which every replica then takes as its new local parameters. With ``
 training with 500x less communication. Streaming DiLoCo (Douillard et al., 2025) cuts the model into ``F``
 *fragments* synchronized at staggered steps, each exchange overlapped with the following inner steps and sent in
 low precision; OpenDiLoCo / INTELLECT-1 (Jaghouar et al., 2024) ran the outer all-reduce in int8 over gloo.
-
-```python
-job = loom.DiLoCo(sync_every=50, fragments=4, compression="int8").setup(model, adamw, loss_fn)
-loom.fit(job, job.loader(dataset, global_batch_size=256), steps=5000, checkpoint_dir="ckpt")
-job.synchronize()            # one outer step on every fragment now: every replica holds the global copy
-```
+Usage: ``docs/strategies/local-sgd-diloco.md``.
 
 Here: fragment ``k`` (a contiguous run of parameters, balanced by size; the floating-point buffers travel with
 fragment 0 and are averaged, not stepped) is sent after the steps ``t`` with ``t % H == k * H / F``, so every
@@ -37,7 +32,7 @@ the rounding error is lost.
 
 Checkpoints hold the global copy, the outer optimizer's state, the sample counts, and every exchange in flight
 (waited for, with its result and the step it is due), so a resumed run applies it at the same step: resume is
-bitwise. State is per rank (``replicated_state = False``).
+bitwise.
 """
 
 from __future__ import annotations
@@ -115,8 +110,7 @@ class DiLoCoConfig(ShareOptions):
                 f"where step % {h} == k * {h} / {f}. HINT: use sync_every={-(-h // f) * f} or a number of "
                 f"fragments that divides {h}."
             )
-        # The canonical spec (case and spaces ignored); a spec of the vocabulary DiLoCo cannot use is refused by
-        # name, with the reason and the ones it takes.
+        # the canonical spec; one of the vocabulary DiLoCo cannot use is refused by name, with the reason
         object.__setattr__(
             self, "compression", accept_compression(self.compression, "DiLoCo", SUM_SPECS, WHY_NOT)
         )
@@ -151,10 +145,7 @@ class DiLoCoConfig(ShareOptions):
 
 
 class DiLoCo(ReplicaStrategy):
-    """Strategy: inner steps on each replica, an outer optimizer on the averaged pseudo-gradient every H steps.
-
-    ``DiLoCo(sync_every=500, fragments=1, compression=None, outer_optimizer=None, ...)`` — see `DiLoCoConfig`.
-    """
+    """Strategy: inner steps per replica, every H steps an outer step on the mean pseudo-gradient."""
 
     config_type = DiLoCoConfig
 
@@ -273,9 +264,8 @@ class DiLoCoJob(ReplicaJob):
 
     def _send(self, k: int, overlap: int) -> None:
         local, held = self._fragment_tensors(k)
-        weight = (
-            self._samples[k] / self._global_samples[k] if self._global_samples[k] else 1.0 / self.axis.size
-        )
+        trained, total = self._samples[k], self._global_samples[k]
+        weight = trained / total if total else 1.0 / self.axis.size
         pieces = [g - p.detach() for g, p in zip(held, local, strict=False)]
         pad = self._pad_before_buffers(k)
         pieces += ([torch.zeros(pad, dtype=torch.float32)] if pad else []) + local[len(held) :]
