@@ -6,7 +6,7 @@ over all parameters, ``P``, ``G``, ``S_opt`` the parameter, gradient and optimiz
 activations saved for backward, ``T_op(D)`` the measured time of a collective on ``D`` bytes, ``e`` one small
 all-reduce (the loss and the non-finite flags every synchronous step reduces), ``k`` the measured overlap
 coefficient. Communication that overlaps backward costs ``exposed(X) = X - k * min(X, Bw(b))``: ``k = 1`` would be
-perfect overlap, ``0`` none, below 0 interference (on a busy CPU host the two compete for cores).
+perfect overlap, ``0`` none, below 0 interference (on a busy CPU host the two compete for cores), down to ``-1``.
 
 ==================================  ==================================================================  =====================
 configuration                       step time                                                           memory per process
