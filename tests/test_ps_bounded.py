@@ -355,13 +355,26 @@ def test_frames_with_bad_macs_cost_no_payload_hashing(server):
     job.close()
 
 
+def _exactly(raw: socket.socket, size: int) -> bytes:
+    """``size`` bytes from ``raw``, fewer only if it closed. A socket with a timeout is non-blocking underneath,
+    where ``MSG_WAITALL`` returns what has arrived: libzmq sends its greeting's first 10 bytes before the rest,
+    and on a loaded machine a single read got only those, so the next read took the rest for a command."""
+    data = b""
+    while len(data) < size:
+        got = raw.recv(size - len(data))
+        if not got:
+            break
+        data += got
+    return data
+
+
 def _zmtp_command(raw: socket.socket) -> bytes:
     """The body of the next ZMTP command from ``raw`` (b"" if the connection closed or sent something else)."""
-    head = raw.recv(2, socket.MSG_WAITALL)
+    head = _exactly(raw, 2)
     if len(head) < 2 or head[0] not in (0x04, 0x06):
         return b""
-    size = head[1] if head[0] == 0x04 else int.from_bytes(head[1:] + raw.recv(7, socket.MSG_WAITALL), "big")
-    return raw.recv(size, socket.MSG_WAITALL)
+    size = head[1] if head[0] == 0x04 else int.from_bytes(head[1:] + _exactly(raw, 7), "big")
+    return _exactly(raw, size)
 
 
 def _multipart_flood(address: str, token: str, megabytes: int) -> str:
@@ -375,7 +388,7 @@ def _multipart_flood(address: str, token: str, megabytes: int) -> str:
     try:
         with socket.create_connection((host, int(port)), timeout=20) as raw:
             raw.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"PLAIN".ljust(20, b"\0") + b"\0" * 32)
-            raw.recv(64, socket.MSG_WAITALL)  # the server's greeting
+            _exactly(raw, 64)  # the server's greeting
             hello = b"\x05HELLO" + bytes([4]) + b"loom" + bytes([len(token)]) + token.encode()
             raw.sendall(bytes([0x04, len(hello)]) + hello)
             if not _zmtp_command(raw).startswith(b"\x07WELCOME"):
