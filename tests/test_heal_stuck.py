@@ -64,6 +64,7 @@ def test_a_member_stuck_in_its_own_code_shows_its_stack_and_a_repeat_stops_the_j
     # the guard's timeouts apply under heal (issue 39): the others' collective gives up at the hang timeout, and the
     # launcher waits the work timeout for the stuck member's check-in
     err = result.stderr
+    (tmp_path / "launcher.stderr.log").write_text(err)  # all of it, for a failure
     assert result.returncode == 1, err[-4000:]
     killed = [line for line in err.splitlines() if "did not check in" in line]
     assert killed and all("stuck at File" in line and "stuck_in_its_own_code" in line for line in killed), (
