@@ -125,9 +125,9 @@ class _Model:
     """The pieces every formula shares, for one configuration."""
 
     def __init__(self, config: Configuration, profile: ModelProfile, transport: Transport, global_batch: int,
-                 overhead: float = 0.0, fsdp_extra: dict[int, int] | None = None):  # fmt: skip
+                 overhead: float = 0.0, fsdp_extra: int = 0):  # fmt: skip
         self.c, self.p, self.t = config, profile, transport
-        self.fsdp_extra = fsdp_extra or {}
+        self.fsdp_extra = fsdp_extra
         self.n = config.nproc
         self.global_batch = global_batch
         self.share = math.ceil(global_batch / config.dp)
@@ -195,7 +195,7 @@ def _sharded(m: _Model) -> Prediction:
     units = _units(p, at)
     comm = sum(gathers * m.t.time("all_gather", u) + m.t.time("reduce_scatter", u) for u in units)
     params = p.param_bytes / n if stage == 3 else p.param_bytes
-    other = m.fsdp_extra.get(stage, 0)  # FSDP's memory beyond its shards, measured (module docstring)
+    other = m.fsdp_extra  # FSDP's memory beyond its shards, measured (module docstring)
     memory = _memory(params, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes, other)
     wire = (n - 1) / n * (gathers * p.param_bytes + p.grad_bytes)
     fixed = len(units) * m.t.fsdp_unit_s.get(f"stage{stage}", 0.0)  # FSDP's own work per unit, measured
@@ -295,11 +295,11 @@ def predict(
     spare_core: bool = False,
     overhead_s: float = 0.0,
     runtime_bytes: int = 0,
-    fsdp_extra: dict[int, int] | None = None,
+    fsdp_extra: int = 0,
 ) -> Prediction:
     """``config``'s prediction by the module docstring's table; a `Prediction` with ``refused`` set when the
     configuration is not modelled or would need a measurement the plan did not make (never extrapolated).
-    ``fsdp_extra``: ``R_z`` by ZeRO stage (module docstring); without it, stages 2 and 3 count no such memory."""
+    ``fsdp_extra``: ``R_z``, charged to ZeRO stages 2 and 3 alike (module docstring)."""
     try:
         m = _Model(config, profile, transport, global_batch, overhead_s, fsdp_extra)
         if config.family == "DataParallel":

@@ -83,16 +83,15 @@ class PlanResult:
 
 
 def _fsdp_extra(measured: dict, profile: ModelProfile, local: Transport, batch: int, nproc: int,
-                runtime: int) -> dict[int, int]:  # fmt: skip
+                runtime: int) -> int:  # fmt: skip
     """``R_z`` (`loom.plan.cost`): ZeRO-3's measured peak on ``nproc`` processes less its formula's total, for
-    stages 2 and 3 (`loom.plan.trial._fsdp_peak`: stage 2 holds less beyond its formula)."""
+    stages 2 and 3 alike (`loom.plan.trial._fsdp_peak`: stage 2 holds less beyond its formula); 0 unmeasured."""
     peak = measured.get("fsdp_peak_rss")
     if not peak:
-        return {}
+        return 0
     config = Configuration("ShardedDataParallel", nproc, (("stage", 3),), dp=nproc)
     formula = predict(config, profile, local, batch, runtime_bytes=runtime)
-    extra = max(0, int(peak) - formula.memory.get("total", int(peak)))
-    return {2: extra, 3: extra}
+    return max(0, int(peak) - formula.memory.get("total", int(peak)))
 
 
 def _trial(mode: str, script: str, args: tuple[str, ...], nproc: int, servers: int, options: list[str],
