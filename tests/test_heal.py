@@ -228,3 +228,14 @@ def test_past_max_heals_the_job_stops_naming_the_lost_ranks(tmp_path):
     result, _out, _run = run_heal(tmp_path, "kill@1:3:during", "--max-heals", "0", steps=8)
     assert result.returncode == 1
     assert "past --max-heals 0: the job stops (lost: worker rank 1 was killed by SIGKILL)" in result.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_member_lost_while_the_others_form_an_epoch_with_it(tmp_path):
+    # rank 1 dies in step 3; rank 2 then dies as it is about to build the group of its second epoch, where rank 0
+    # (and rank 1's replacement, if it is listed) wait for it: they must learn of the loss and re-form, not wait in
+    # the group's rendezvous until the launcher kills them for not checking in (which lost the job's every step)
+    result, out, run_dir = run_heal(tmp_path, "kill@1:3:during,kill@2:2:form", steps=10)
+    check_healed_job(result, out, run_dir, 10, {1: 1, 2: 1})
+    assert "did not check in" not in result.stderr, result.stderr[-3000:]

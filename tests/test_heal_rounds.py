@@ -182,6 +182,7 @@ KILLS = {
     "after the vote of a round": ("kill@1:3:commit", {1: 1}),
     "two failures in a row": ("kill@1:3:during,kill@2:4:before", {1: 1, 2: 1}),
     "the healing peer's send": ("kill@1:3:during,kill@0:1:send", {0: 1, 1: 1}),
+    "a member lost as the next epoch forms": ("kill@1:3:during,kill@2:2:form", {1: 1, 2: 1}),
 }
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "ClusterSpecError",
     "CorruptCheckpointError",
     "DifferentBatches",
+    "EpochNotFormed",
     "FrameDropped",
     "FrameRefused",
     "HandshakeRefused",
@@ -183,6 +184,13 @@ class JSONLimitError(LoomError, ValueError):
 # -- healing (`loom.fault.quorum`, `loom.parallel.data.data_axis`, `loom.train.heal_state`) ---------------------
 class StepDropped(LoomError, RuntimeError):
     """The commit vote said drop: no member applied the step; it is retried by the next epoch's members."""
+
+    retryable = True
+
+
+class EpochNotFormed(LoomError, RuntimeError):
+    """A member of a membership epoch was lost, or did not arrive, while the members met to build the epoch's
+    group (`loom.fault.quorum.Quorum._meet`): the others check in again for the next epoch."""
 
     retryable = True
 

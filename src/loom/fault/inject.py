@@ -26,7 +26,10 @@ Phases (`PHASES`), in the order a data-parallel step meets them:
   here STEP counts this process's sends to replacements (1: its first), since the step at which a replacement
   arrives depends on how long it took to start;
 - ``join``: a process (a replacement, with ``#GENERATION``) is about to announce that it is ready to join; STEP is
-  1 (a process joins once): ``slow@1:1:join#1`` makes rank 1's first replacement join late.
+  1 (a process joins once): ``slow@1:1:join#1`` makes rank 1's first replacement join late;
+- ``form``: a member listed in a membership epoch is about to build the epoch's group with the others; STEP counts
+  the epochs this process has been listed in (1: its first), so ``kill@2:2:form`` kills rank 2 while the others
+  wait for it to form its second epoch.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ __all__ = ["ENV", "GENERATION_ENV", "PHASES", "InjectedFault", "fault_point", "p
 
 ENV = "LOOM_FAULTS"
 GENERATION_ENV = "LOOM_HEAL_GENERATION"
-PHASES = ("before", "during", "after", "commit", "send", "join")
+PHASES = ("before", "during", "after", "commit", "send", "join", "form")
 KINDS = ("kill", "freeze", "raise", "slow")
 _FORM = re.compile(r"(?P<kind>[a-z]+)@(?P<rank>\d+):(?P<step>\d+):(?P<phase>[a-z]+)(?:#(?P<gen>\d+))?")
 

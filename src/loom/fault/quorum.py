@@ -58,8 +58,9 @@ import torch
 import torch.distributed as dist
 
 from loom.comm.links import forget_links
-from loom.errors import JobEnded, LeftOutOfQuorum, StepDropped
+from loom.errors import EpochNotFormed, JobEnded, LeftOutOfQuorum, StepDropped
 from loom.fault.hang_report import dropped_report
+from loom.fault.inject import planned
 from loom.settings import setting
 
 __all__ = [
@@ -161,6 +162,10 @@ class Quorum:
         """(epoch, the counter's number of the collective before the epoch's first): one tuple, read whole."""
         self._inside: tuple[str, int, float, float] | None = None
         """The last collective the heartbeat saw this member in: (op, number, start, when seen inside last)."""
+        self._fault = planned()
+        """`loom.fault.inject.fault_point` when a test plans a fault for this process (phase ``form``), else None."""
+        self._listed = 0
+        """How many epochs this process has been listed in (the ``form`` fault's step)."""
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="loom-heal-heartbeat", daemon=True)
         self._beat.start()
@@ -246,8 +251,39 @@ class Quorum:
                 )
             epoch += 1  # a joiner that came too late for this epoch waits for the next
         self._formed(epoch, listed)
+        self._listed += 1
+        if self._fault is not None:
+            self._fault(self._listed, "form")
+        self._meet(epoch)
         prefix = dist.PrefixStore(f"q/{epoch}/pg/", self.store)
         self.group = gloo_group(prefix, self.index, self.size, self.group_timeout_s)
+
+    def _meet(self, epoch: int) -> None:
+        """Before epoch ``epoch``'s group is built: this member says it is here (``q/E/here/RANK``) and waits
+        until every listed member has, up to the group's timeout. gloo's own rendezvous waits for a missing member
+        and looks at nothing else, so the members of an epoch that lost one while forming (the launcher marks
+        ``q/E/dead``) stayed there, unable to check in, until the launcher killed them as silent: every holder of
+        the job's state lost at once, and the replacements started again from step 0. Here the loss, or another
+        member's check-in for the next epoch (it gave up), is seen within a poll (0.2 s) and `EpochNotFormed` makes
+        the members check in again."""
+        self.store.set(f"q/{epoch}/here/{self.rank}", str(self.generation))
+        keys = [f"q/{epoch}/here/{r}" for r in self.members]
+        deadline = time.monotonic() + self.group_timeout_s
+        while True:
+            # the store's own timeout (a lost store fails the check below)
+            with contextlib.suppress(Exception):
+                self.store.wait(keys, datetime.timedelta(seconds=0.2))
+                return
+            if self.store.check([f"q/{epoch}/dead"]):
+                raise EpochNotFormed(f"rank {self.rank}: a member of epoch {epoch} was lost while it formed")
+            if any(self.store.check([f"q/{epoch}/in/{r}"]) for r in self.members if r != self.rank):
+                raise EpochNotFormed(f"rank {self.rank}: another member of epoch {epoch} gave up forming it")
+            if time.monotonic() > deadline:
+                absent = [r for r in self.members if not self.store.check([f"q/{epoch}/here/{r}"])]
+                raise EpochNotFormed(
+                    f"rank {self.rank}: member(s) {absent} of epoch {epoch} did not arrive to form it within "
+                    f"{self.group_timeout_s:g} s ({self.group_timeout_name})"
+                )
 
     def _formed(self, epoch: int, listed: list[tuple[int, ...]]) -> None:
         """Epoch ``epoch`` of the members ``listed`` (rank, generation) is this member's; its collectives are

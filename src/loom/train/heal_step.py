@@ -67,10 +67,11 @@ def retry_step(job: Engine, quorum: Quorum, batch: Any) -> float:
 
 def reform(job: Engine, quorum: Quorum) -> None:
     """Check in for the next membership epoch and make its members equal (``job._adopt_epoch``); a failure while
-    doing so (a member lost meanwhile, the sending peer included) checks in again."""
+    doing so (a member lost meanwhile, while the epoch's group formed or the sending peer) checks in again."""
     for _ in range(MAX_DROPS + 1):
-        quorum.reform(job.step)
         try:
+            # (`loom.errors.EpochNotFormed`: a member lost while the epoch's group formed)
+            quorum.reform(job.step)
             job._adopt_epoch()
             return
         except Exception as error:

@@ -264,11 +264,11 @@ def join_first_epoch(job: HealingT) -> HealingT:
     assert quorum is not None
     quorum.count_with(job.guard.watchdog)
     fault_point(1, "join")
-    quorum.join()
     try:
+        quorum.join()  # listed in an epoch, then `EpochNotFormed` (a member lost as it formed): check in again
         job._adopt_epoch()
     except Exception as error:
-        if not is_retryable(error):  # (HealConflict, HealStateRefused)
+        if not is_retryable(error) or quorum.epoch == 0:  # (HealConflict, HealStateRefused; never listed)
             raise
         print(f"loom: rank {job.topology.rank}: first epoch failed while forming ({error}); re-forming",
               file=sys.stderr, flush=True)  # fmt: skip
