@@ -146,6 +146,26 @@ def test_the_launcher_forms_epochs_replaces_the_dead_and_adds_the_ready(monkeypa
     assert job.members(3) == "0:0,1:1,2:0"
 
 
+def test_an_epoch_of_replacements_only_is_announced_as_the_loss_of_the_trained_state(monkeypatch, capsys):
+    job = Launcher(nproc=2)
+    for r in range(2):
+        job.ready(r)
+    job.quorum.tick()
+    job.store.set("q/1/in/0", "1")
+    job.quorum.tick()  # rank 1 has not checked in yet: no epoch 2
+    job.store.set("q/1/in/1", "1")
+    job.quorum.tick()  # epoch 2 of the same processes: nothing announced
+    assert job.members(2) == "0:0,1:0" and "WARNING" not in capsys.readouterr().err
+    for r in range(2):  # every member lost at once: the replacements form the next epoch alone
+        job.running[r] = False
+        job.quorum.died(r, f"worker rank {r} was killed by SIGKILL")
+        job.ready(r, generation=1)
+    job.quorum.tick()
+    assert job.members(3) == "0:1,1:1", job.members(3)
+    err = capsys.readouterr().err
+    assert "WARNING: none of the members of epoch 3 [0, 1] was a member of epoch 2" in err, err
+
+
 def test_a_member_that_does_not_check_in_is_killed_and_left_out(monkeypatch):
     monkeypatch.setenv("LOOM_HEAL_CHECKIN_TIMEOUT_S", "0.05")
     job = Launcher()

@@ -255,6 +255,11 @@ class HealQuorum:
                            "HINT: fix what hangs there; LOOM_HEAL_STUCK_REPEATS sets how many times a rank may")  # fmt: skip
 
     def _publish(self, ranks: list[int]) -> None:
+        if self.epoch and not any(self.members.get(r) == self.generation[r] for r in ranks):
+            print(f"loom run: WARNING: none of the members of epoch {self.epoch + 1} {ranks} was a member of epoch "
+                  f"{self.epoch}: every process that held the job's trained state was lost, so the job goes on from "
+                  "what its new processes load (the script's start, or its checkpoint): the steps trained since "
+                  "are trained again", file=sys.stderr, flush=True)  # fmt: skip
         self.epoch += 1
         self.members = {r: self.generation[r] for r in ranks}
         self._pending, self._reform_deadline = False, None
