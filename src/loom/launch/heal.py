@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.errors import JobStops
-from loom.fault.quorum import GUARD_KEYS, LEFT_OUT_STATUS, read_guard, read_place
+from loom.fault.quorum_records import GUARD_KEYS, LEFT_OUT_STATUS, read_guard, read_place
 from loom.settings import setting
 
 __all__ = [

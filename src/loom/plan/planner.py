@@ -212,7 +212,8 @@ def plan(
                                     link_bytes_per_s=link_bytes_per_s)  # fmt: skip
     if hosts > 1:
         transport.seconds.pop("allreduce:shm", None)
-    seconds["transport"] = time.perf_counter() - t
+    seconds["transport"] = time.perf_counter() - t  # the whole calibration job, its parts below
+    seconds.update({f"calibration:{k}": float(v) for k, v in measured.get("calibration_seconds", {}).items()})
     t = time.perf_counter()
     spare = (os.cpu_count() or 1) > nproc * profile.threads
     formula = predict(reference, profile, local, captured.global_batch_size, codecs, spare)

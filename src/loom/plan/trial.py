@@ -132,12 +132,21 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     dist.all_reduce(runtime, op=dist.ReduceOp.MAX, group=current().group)
     # Every prediction carries this step's residuals (the engine overhead; the process's memory beyond the
     # formulas'): timed longer than a verify run, and run first, so that its peak RSS is not the transport's
+    clock, parts = time.perf_counter(), {}
+
+    def done(part: str) -> None:  # the calibration's seconds by part, for the time to plan (`PlanResult.seconds`)
+        nonlocal clock
+        parts[part], clock = time.perf_counter() - clock, time.perf_counter()
+
     reset_peak_rss()
     reference = _verify_steps(
         _copy(captured), "DataParallel", {"allreduce": "native"}, max(ns.steps, 12), ns.warmup, budget=True
     )
+    done("reference")
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, json.loads(ns.limits))
+    done("transport")
     overlap = _overlap(captured)
+    done("overlap")
     data = transport.to_json()
     data["overlap"] = overlap["overlap"]
     data["overlap_measurement"] = overlap
@@ -145,8 +154,11 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     # the script's own model stays resident beside the copy the reference trains: not the reference's
     data["reference_peak_rss"] = max(0, reference["memory"]["peak_rss"] - params)
     data["fsdp_peak_rss"] = _fsdp_peak(captured, params)
+    done("fsdp_peak")
     # the planner starts the calibration with a parameter server when it plans some
     data.update(_fixed_costs(captured, max(ns.steps, 10), bool(os.environ.get("LOOM_PS_ADDRS"))))
+    done("fixed_costs")
+    data["calibration_seconds"] = parts
     data["runtime_bytes"] = max(0, int(runtime.item()))
     data["launcher_private_bytes"] = _launcher_private_bytes()
     data["worker_shared_bytes"] = _private_bytes(os.getpid(), shared=True)
