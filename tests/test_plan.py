@@ -379,3 +379,16 @@ def test_replica_sync_buffers_and_fsdps_measured_memory_are_counted():
     assert other("ShardedDataParallel", (("stage", 3),)) == 0
     assert other("ShardedDataParallel", (("stage", 1),), 123) == 0
     assert other("DataParallel", (("allreduce", "native"),), 123) == 0
+
+
+def test_sizes_a_hair_apart_are_measured_once_at_the_larger_and_the_limits_follow():
+    from loom.plan.planner import coalesce
+
+    sizes = [8, 1000, 67_000_000, 168_165_396, 168_824_328, 336_000_000]
+    limits = {"ps": 168_165_396, "all_gather": 168_824_328, "p2p": 1000}
+    kept, raised = coalesce(sizes, limits, cap=1 << 40)
+    assert kept == [8, 1000, 67_000_000, 168_824_328, 336_000_000]
+    assert raised == {"ps": 168_824_328, "all_gather": 168_824_328, "p2p": 1000}
+    # never across a parameter server's largest frame: the size below it stays measured, its limit too
+    kept, raised = coalesce(sizes, limits, cap=168_500_000)
+    assert kept == sizes and raised == limits

@@ -134,7 +134,7 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     # formulas'): timed longer than a verify run, and run first, so that its peak RSS is not the transport's
     clock, parts = time.perf_counter(), {}
 
-    def done(part: str) -> None:  # the calibration's seconds by part, for the time to plan (`PlanResult.seconds`)
+    def done(part: str) -> None:  # the calibration's seconds by part (`PlanResult.seconds`: time to plan)
         nonlocal clock
         parts[part], clock = time.perf_counter() - clock, time.perf_counter()
 
