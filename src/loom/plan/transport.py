@@ -158,14 +158,23 @@ def agreed_reps(first_s: float, most: int, group: Any, budget_s: float, least: i
     return budgeted(slowest.item(), most, budget_s, least)
 
 
-def timed(fn: Callable[[], object], reps: int, group: Any, budget_s: float = REPS_BUDGET_S) -> torch.Tensor:
+def timed(
+    fn: Callable[[], object], reps: int, group: Any, budget_s: float = REPS_BUDGET_S, warm: bool = True
+) -> torch.Tensor:
     """Seconds of each of up to ``reps`` calls of the collective ``fn`` after a warm-up call (as many as fit in
-    ``budget_s``), each started after a barrier, each the slowest rank's."""
+    ``budget_s``), each started after a barrier, each the slowest rank's. Without ``warm`` the first call is a
+    sample too: for an operation with nothing to set up at a new size (a parameter server's frames, whose
+    buffers are new at every call), a warm-up is the same work timed for nothing (seconds at 100 MB)."""
+    if not warm:
+        dist.barrier(group=group)
     started = time.perf_counter()
-    fn()  # warm-up, and set-up (shared memory, links)
-    reps = agreed_reps(time.perf_counter() - started, reps, group, budget_s)
+    fn()  # warm-up, and set-up (shared memory, links); or the first sample
+    first = time.perf_counter() - started
+    reps = agreed_reps(first, reps, group, budget_s)
     out = torch.zeros(reps, dtype=torch.float64)
-    for rep in range(reps):
+    if not warm:
+        out[0] = first
+    for rep in range(0 if warm else 1, reps):
         dist.barrier(group=group)  # start together: a late rank would be charged to the others
         started = time.perf_counter()
         fn()
@@ -287,8 +296,9 @@ def measure_transport(sizes: list[int], reps: int = 5, limits: dict[str, int] | 
                 family = "ps" if name.startswith("ps_") else name.split(":")[0]
                 if size > _words(limits.get(family, size)):
                     seconds[name].append(math.inf)
-                else:
-                    seconds[name].append(statistics.median(timed(fn, reps, group).tolist()))
+                else:  # a parameter server's frame code is warm after its first size
+                    warm = not (name.startswith("ps_") and seconds[name])
+                    seconds[name].append(statistics.median(timed(fn, reps, group, warm=warm).tolist()))
     finally:
         if rig is not None:
             rig.close()
