@@ -185,6 +185,29 @@ def test_topk_sends_exactly_the_k_largest_and_keeps_the_rest():
 
 @pytest.mark.unit
 @pytest.mark.timeout(10)
+def test_topk_selection_on_a_large_bucket_is_the_set_torch_topk_picks():
+    from loom.comm.compression.topk import SAMPLE_STRIDE, top_indices
+
+    n = SAMPLE_STRIDE * 2048
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(n, generator=g).abs()
+    misleading = torch.full((n,), 1e-6)
+    misleading[::SAMPLE_STRIDE] = torch.rand(n // SAMPLE_STRIDE, generator=g) + 1  # all the sample sees
+    with_nan = spread.clone()
+    with_nan[12345] = float("nan")
+    sparse = torch.zeros(n)
+    sparse[:500] = torch.rand(500, generator=g) + 1  # fewer nonzeros than k: the rest are ties at 0
+    for magnitude in (spread, misleading, with_nan, torch.randn(n, generator=g).abs() ** 8):
+        k = math.ceil(0.01 * n)
+        got = top_indices(magnitude, k)
+        assert got.numel() == k
+        assert set(got.tolist()) == set(magnitude.topk(k).indices.tolist())
+    got = top_indices(sparse, 1311)
+    assert set(range(500)) <= set(got.tolist()) and got.numel() == 1311
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
 def test_topk_bytes_are_values_and_indices_from_every_other_rank():
     for n in (2, 3):
         _, sent = exchange_locally([make_codec("topk:0.01") for _ in range(n)], gradients(0, n), SHAPES)

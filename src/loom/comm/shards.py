@@ -20,6 +20,11 @@ from loom.comm.counters import counters
 
 __all__ = ["all_gather", "piece_bounds", "reduce_scatter"]
 
+# The ``*_tensor`` names are deprecated from torch 2.13 (a FutureWarning at every call) in favour of ``*_single``
+# (the same arguments); torch 2.4-2.12 have only the former.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def piece_bounds(numel: int, rank: int, size: int) -> tuple[int, int]:
     """``[lo, hi)`` of rank ``rank``'s piece of ``numel`` elements cut into ``size`` pieces within one element."""
@@ -55,7 +60,7 @@ def reduce_scatter(
         return flat[lo:hi].clone()
     padded, width = _padded(flat, size)
     out = torch.empty(width, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter(out, padded, op=dist.ReduceOp.SUM, group=group)
     if op == "avg":
         out /= size
     moved = (size - 1) * width * flat.element_size()
@@ -79,7 +84,7 @@ def all_gather(piece: torch.Tensor, numel: int, group: dist.ProcessGroup | None 
     mine = torch.zeros(width, dtype=piece.dtype, device=piece.device)
     mine[: hi - lo] = piece
     gathered = torch.empty(width * size, dtype=piece.dtype, device=piece.device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    _all_gather(gathered, mine, group=group)
     out = torch.empty(numel, dtype=piece.dtype, device=piece.device)
     for r in range(size):
         a, b = piece_bounds(numel, r, size)
