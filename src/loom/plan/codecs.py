@@ -15,7 +15,7 @@ from torch import nn
 from loom.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from loom.plan.profile import PROFILE_BUDGET_S, budgeted
 
-__all__ = ["CodecCost", "measure_codec"]
+__all__ = ["CodecCost", "gradient_like", "measure_codec"]
 
 
 @dataclass(frozen=True)
@@ -52,22 +52,30 @@ def _drive(codec: Any, shapes: list[torch.Size], flat: torch.Tensor, world: int)
         return sums, gathers
 
 
-def measure_codec(spec: str, model: nn.Module, world: int, repeats: int = 3) -> CodecCost:
+def gradient_like(model: nn.Module) -> torch.Tensor:
+    """A flat gradient of ``model``'s trainable parameters (seeded normal values), one for every codec measured
+    (`measure_codec` reads it, no codec writes it): drawing 100 M values takes a third of a second."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return torch.randn(numel, generator=torch.Generator().manual_seed(0))
+
+
+def measure_codec(
+    spec: str, model: nn.Module, world: int, repeats: int = 3, gradient: torch.Tensor | None = None
+) -> CodecCost:
     """Run ``spec``'s codec (`loom.comm.compression.make_codec`) on a gradient shaped like ``model``'s
     parameters, as one bucket; the first exchange (state set-up, warm starts) is not timed, and fewer than
     ``repeats`` are timed when they would take more than half of `PROFILE_BUDGET_S` (at least one). A first
     exchange longer than that half is the measurement itself (time to plan: a 100 M-parameter gradient takes
-    seconds through some codecs, next to which their set-up, a few buffers, is small)."""
+    seconds through some codecs, next to which their set-up, a few buffers, is small). ``gradient``: the
+    values to compress (`gradient_like`'s, drawn here when not given)."""
     from loom.comm.compression import make_codec
 
     shapes = [p.shape for p in model.parameters() if p.requires_grad]
-    numel = sum(s.numel() for s in shapes)
     codec = make_codec(spec)
-    generator = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     try:
-        flat = torch.randn(numel, generator=generator)
+        flat = gradient_like(model) if gradient is None else gradient
         reset = reset_peak_rss()  # first: it trims the heap, which lowers the RSS
         held = rss_bytes() or 0
         started = time.perf_counter()

@@ -23,7 +23,7 @@ from typing import Any
 
 from loom.errors import PlanError
 from loom.plan.capture import CapturedScript, capture_script
-from loom.plan.codecs import CodecCost, measure_codec
+from loom.plan.codecs import CodecCost, gradient_like, measure_codec
 from loom.plan.configs import CODECS, Configuration, batch_sizes, candidates
 from loom.plan.cost import Prediction, predict
 from loom.plan.profile import ModelProfile, profile_model
@@ -226,7 +226,9 @@ def plan(
     t = time.perf_counter()
     profile = profile_model(captured, batch_sizes([*configs, reference], captured.global_batch_size))
     seconds["profile:model"] = time.perf_counter() - t
-    codecs = {spec: measure_codec(spec, captured.model, world) for spec in CODECS}
+    gradient = gradient_like(captured.model)
+    codecs = {spec: measure_codec(spec, captured.model, world, gradient=gradient) for spec in CODECS}
+    del gradient
     seconds["profile"] = time.perf_counter() - t
     t = time.perf_counter()
     limits = _limits(profile, codecs, world)

@@ -8,13 +8,14 @@ with the thread count one worker of ``loom run`` gets (``OMP_NUM_THREADS``, 1 un
   layer's output tensor fires when the gradient of that output is ready, which is when the layer's own backward
   starts; it ends when the gradient of the layer before is ready (or backward returns, for the first layer).
   This is exact for a chain, whose backward runs the layers in reverse order, one at a time;
-- the whole step (forward, backward, optimizer step): the median of ``repeats`` timed steps after one warm-up
-  (fewer when they would take more than `PROFILE_BUDGET_S`, at least one);
+- the whole step (forward, backward, optimizer step): the median of ``repeats`` timed steps after one untimed
+  pass (fewer when they would take more than `PROFILE_BUDGET_S`, at least one): a warm-up step at the first
+  (largest) batch size, a forward alone at the others (`_profile_batch`);
 - the step's transient peak (`ModelProfile.transient_bytes`), from the process's peak RSS (``VmHWM``);
 - bytes: parameters, gradients and optimizer state after a step (`loom.observe.memory.state_bytes`, the same
   count `job.memory()` reports), the activations autograd saves for backward per layer (a
-  ``saved_tensors_hooks`` count, storages counted once, parameters excluded; measured on the warm-up step so the
-  timed steps run without it) and each layer's output (what a pipeline stage sends to the next).
+  ``saved_tensors_hooks`` count, storages counted once, parameters excluded; measured on the untimed pass so
+  the timed steps run without it) and each layer's output (what a pipeline stage sends to the next).
 
 The steps are real: the model's parameters change, as the script's first steps would. Nothing is extrapolated:
 a batch size that was not measured is refused (`ModelProfile.at`).
@@ -208,7 +209,16 @@ def _saved_bytes_hooks(clock: _LayerClock, params: set[int]) -> Any:
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def _one_step(captured: CapturedScript, call: Any, batch: Any, clock: _LayerClock, count_saved: bool) -> dict:
+def _one_step(
+    captured: CapturedScript,
+    call: Any,
+    batch: Any,
+    clock: _LayerClock,
+    count_saved: bool,
+    forward_only: bool = False,
+) -> dict:
+    """One training step (timed by phase); ``count_saved`` counts the activations saved for backward (slower:
+    an untimed step); ``forward_only`` stops after the forward, its graph dropped (a counting pass only)."""
     from loom.train.batch import forward_loss
 
     model, optimizer = captured.model, captured.optimizer
@@ -222,6 +232,8 @@ def _one_step(captured: CapturedScript, call: Any, batch: Any, clock: _LayerCloc
     else:
         loss, _ = forward_loss(call, model, batch)
     t1 = time.perf_counter()
+    if forward_only:
+        return {}
     loss.backward()
     t2 = time.perf_counter()
     optimizer.step()
@@ -255,15 +267,24 @@ def _backward_per_layer(clock: _LayerClock, start: float, end: float) -> list[fl
     return times
 
 
-def _profile_batch(captured: CapturedScript, call: Any, clock: _LayerClock, size: int, repeats: int) -> tuple:
+def _profile_batch(
+    captured: CapturedScript, call: Any, clock: _LayerClock, size: int, repeats: int, warm: bool
+) -> tuple:
+    """``repeats`` timed steps at ``size`` (fewer past `PROFILE_BUDGET_S`), after an untimed pass that counts
+    the saved activations: a whole step in a fresh process (it creates the optimizer state and the gradients:
+    3x a later step at 100 M parameters), a forward alone once ``warm`` (a step at a smaller batch finds the
+    state, the gradients and the allocator's blocks in place; the backward and the optimizer step it would
+    add were a second per batch size at 100 M parameters: time to plan)."""
     batch = _batch_of(captured, size)
     started = time.perf_counter()
-    _one_step(captured, call, batch, clock, count_saved=True)  # warm-up; counts saved activations
-    warm_up = time.perf_counter() - started
+    _one_step(captured, call, batch, clock, count_saved=True, forward_only=warm)
+    estimate = None if warm else time.perf_counter() - started  # else: the first timed step's
     saved, outputs = list(clock.saved), list(clock.output)
-    runs = []
-    for _ in range(budgeted(warm_up, repeats, PROFILE_BUDGET_S)):
+    runs: list[tuple] = []
+    while estimate is None or len(runs) < budgeted(estimate, repeats, PROFILE_BUDGET_S):
+        started = time.perf_counter()
         step = _one_step(captured, call, batch, clock, count_saved=False)
+        estimate = time.perf_counter() - started if estimate is None else estimate
         forward = [e - s for s, e in zip(clock.fwd_start, clock.fwd_end, strict=True)]
         runs.append((step, forward, _backward_per_layer(clock, step["start"], step["end"])))
     med = statistics.median
@@ -294,11 +315,12 @@ def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int
     captured.model.train()
     clock = _LayerClock(layers)
     try:
-        batches, optimizer_s = {}, []
+        batches: dict[int, BatchProfile] = {}
+        optimizer_s: list[float] = []
         tracked, grown = reset_peak_rss(), 0  # first: it trims the heap, which lowers the RSS
         rss = rss_bytes() or 0
         for size in sorted(set(batch_sizes), reverse=True):  # the first, largest, creates the training state
-            batches[size], opt = _profile_batch(captured, call, clock, size, repeats)
+            batches[size], opt = _profile_batch(captured, call, clock, size, repeats, warm=bool(batches))
             optimizer_s.append(opt)
             if tracked and size == max(batch_sizes):
                 grown = (peak_rss_bytes() or 0) - rss
@@ -336,4 +358,7 @@ def _flat_seconds(model: nn.Module, repeats: int) -> float:
             p.data.view(-1).copy_(piece)
         return time.perf_counter() - started
 
-    return statistics.median(once() for _ in range(budgeted(once(), repeats, PROFILE_BUDGET_S / 4)))
+    first = once()  # its page faults are the job's too: sharded_flat makes new vectors at every step
+    if first > PROFILE_BUDGET_S / 4:
+        return first  # the measurement itself: a second call would double the time for the same figure
+    return statistics.median(once() for _ in range(budgeted(first, repeats, PROFILE_BUDGET_S / 4)))

@@ -7,9 +7,10 @@ Both run the user's script up to its ``job.loader(...)`` (`loom.plan.capture`) i
 holds the same model, optimizer, loss and data as the script would build.
 
 ``calibrate``: the transport (`loom.plan.transport.measure_transport`) at the given sizes, and the overlap
-coefficient ``k`` of DDP's all-reduce with backward on this host: backward alone (``Bw``, under ``no_sync``),
-the gradient's all-reduce alone (``X``, native) and backward with DDP's all-reduce inside it (``Bw_ddp``), each
-the median of a few steps on this rank's share of the first global batch; ``k = (Bw + X - Bw_ddp) / min(Bw, X)``
+coefficient ``k`` of DDP's all-reduce with backward on this host: backward alone (``Bw``, under ``no_sync``) and
+backward with DDP's all-reduce inside it (``Bw_ddp``), each the median of a few steps on this rank's share of the
+first global batch, and the gradient's all-reduce alone (``X``: the transport's native all-reduce at the
+gradient's size); ``k = (Bw + X - Bw_ddp) / min(Bw, X)``
 (1: the all-reduce entirely hidden, 0: none hidden, below 0: running both at once costs more than in sequence).
 
 It measures the process's runtime bytes (its RSS after running the script up to its loader, less the model's
@@ -75,19 +76,19 @@ def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) 
         loss.backward()
         return time.perf_counter() - started
 
-    out = torch.tensor(
-        [once() for _ in range(agreed_reps(once(), reps, group, BUDGET_S))], dtype=torch.float64
+    out = torch.tensor(  # half the budget: the overlap is two such loops' difference
+        [once() for _ in range(agreed_reps(once(), reps, group, BUDGET_S / 2))], dtype=torch.float64
     )
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(out.tolist())
 
 
-def _overlap(captured: Any, reps: int = 5) -> dict[str, float]:
-    """The overlap coefficient of the module docstring, with the times it comes from."""
+def _overlap(captured: Any, transport: Any, reps: int = 5) -> dict[str, float]:
+    """The overlap coefficient of the module docstring, with the times it comes from: the all-reduce alone is
+    the ``transport``'s, measured at the gradient's size by the same call (time to plan: seconds at 100 M
+    parameters to measure it twice)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from loom.comm import all_reduce
-    from loom.plan.transport import timed
     from loom.topology import current
     from loom.train.batch import LossCall
 
@@ -97,11 +98,7 @@ def _overlap(captured: Any, reps: int = 5) -> dict[str, float]:
     ddp = DistributedDataParallel(captured.model, process_group=group)
     with ddp.no_sync():
         alone = _backward_seconds(ddp, call, batch, reps, group)
-    grads = torch.zeros(sum(p.numel() for p in captured.model.parameters()), dtype=torch.float32)
-    exchange_s = timed(
-        lambda: all_reduce(grads, "sum", algorithm="native", group=group), reps, group, BUDGET_S
-    )
-    exchange = statistics.median(exchange_s.tolist())
+    exchange = transport.time("allreduce:native", 4 * sum(p.numel() for p in captured.model.parameters()))
     together = _backward_seconds(ddp, call, batch, reps, group)
     k = (alone + exchange - together) / max(1e-9, min(alone, exchange))
     # at most one of the two hidden, at most one of them added again: a few-millisecond step's medians differ by
@@ -139,13 +136,15 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
         parts[part], clock = time.perf_counter() - clock, time.perf_counter()
 
     reset_peak_rss()
+    # one untimed step (its optimizer state, DDP's first iteration: 3x a step at 100 M parameters); the second,
+    # DDP's rebuilt buckets' first (1.3x), is one of at least 3 timed blocks, whose median does not see it
     reference = _verify_steps(
-        _copy(captured), "DataParallel", {"allreduce": "native"}, max(ns.steps, 12), ns.warmup, budget=True
+        _copy(captured), "DataParallel", {"allreduce": "native"}, max(ns.steps, 12), 1, budget=True
     )
     done("reference")
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, json.loads(ns.limits))
     done("transport")
-    overlap = _overlap(captured)
+    overlap = _overlap(captured, transport)
     done("overlap")
     data = transport.to_json()
     data["overlap"] = overlap["overlap"]
