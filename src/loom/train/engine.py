@@ -66,6 +66,7 @@ from loom.train.step_state import ShareOptions, StepState, check_accumulate
 if TYPE_CHECKING:
     from loom.fault.quorum import Quorum
     from loom.mesh import Mesh
+    from loom.observe.phases import StepObserver
     from loom.topology import Topology
 
 __all__ = ["Engine", "ShareOptions", "StepState", "check_accumulate"]  # the last three re-exported
@@ -89,6 +90,9 @@ class Engine(Job):
     is not trained again, `train_step`)."""
     _last_recorded_step: int = 0
     """The number of the last step whose record was written."""
+    observer: StepObserver | None = None
+    """A strategy's finer clock of the step's phases (`loom.observe.phases`), where it keeps one: it then writes
+    the step record (`_record`) and gives the straggler watch its phase times (`_phase_times`)."""
 
     def __init__(
         self, module: Any, optimizer: torch.optim.Optimizer, loss_fn: Any, mesh: Mesh, config: GuardOptions,
@@ -264,7 +268,14 @@ class Engine(Job):
 
     def _record(self, state: StepState, **fields: Any) -> None:
         """Write the step record, with a strategy's own ``fields`` (a subclass passes them through here) and the
-        engine's phase times (`StepState.phases`); a strategy with its own clock writes its own record."""
+        phase times: the `observer`'s where the strategy keeps one (nothing when it is off), else the engine's
+        (`StepState.phases`)."""
+        if self.observer is not None:
+            assert state.total is not None
+            self.observer.end_step(
+                state.number, state.local, state.total, state.loss, skipped=state.skipped, **fields
+            )
+            return
         phases: dict[str, float] = {}
         if state.phases is not None:
             phases = dict(zip(("data_s", "compute_s", "comm_s", "optimizer_s"), state.phases, strict=True))
@@ -278,9 +289,9 @@ class Engine(Job):
 
     def _phase_times(self, state: StepState) -> tuple[float, float, float, float] | None:
         """The data, compute, comm and optimizer seconds of the step just recorded, for the straggler watch: the
-        engine's (`StepState.phases`); a strategy with a finer clock gives its own, or None when it observes
-        nothing (then there is no watch)."""
-        return state.phases
+        `observer`'s where the strategy keeps one (None when it is off: then there is no watch), else the
+        engine's (`StepState.phases`)."""
+        return self.observer.last_phases if self.observer is not None else state.phases
 
     def _straggler_watch(self) -> StragglerWatch | None:
         """The `loom.observe.straggler_watch.StragglerWatch` of this job, made at its first step with phase times;

@@ -75,6 +75,7 @@ class DataParallelJob(Engine):
     """A model set up for data-parallel training (the `loom.job.Job` contract; its state is replicated)."""
 
     replicated_state = True
+    observer: StepObserver  # always kept (off where the strategy does not observe)
 
     def __init__(
         self,
@@ -298,21 +299,10 @@ class DataParallelJob(Engine):
         self.observer.lap(OPTIMIZER)
 
     def _record(self, state: StepState, **fields: Any) -> None:
+        """The observer's record (DDP's all-reduce inside backward counts as comm, not compute)."""
         if state.skipped:
             self.observer.lap(OPTIMIZER)
-        assert state.total is not None
-        self.observer.end_step(
-            state.number,
-            state.local,
-            state.total,
-            state.loss,
-            skipped=state.skipped,
-            **fields,
-        )
-
-    def _phase_times(self, state: StepState) -> tuple[float, float, float, float] | None:
-        """The observer's (DDP's all-reduce inside backward counts as comm, not compute), None when it is off."""
-        return self.observer.last_phases
+        super()._record(state, **fields)
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> bool:
         """The all-reduce of ``[loss sum, flags]``; returns whether the averaged gradient is

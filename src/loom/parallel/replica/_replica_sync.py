@@ -171,6 +171,7 @@ class ReplicaJob(Engine):
 
     replicated_state = False
     replicas_agree = False
+    observer: StepObserver  # always kept (off where the strategy does not observe)
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, topology: Topology, config: Any,
@@ -266,22 +267,11 @@ class ReplicaJob(Engine):
         self.observer.lap(COMM)
 
     def _record(self, state: StepState, **fields: Any) -> None:
-        assert state.total is not None
+        """The observer's record (the synchronization after the step counts as comm), or a healing round's."""
         if self.rounds is not None:
             self.rounds.record(self, state, **fields)
             return
-        self.observer.end_step(
-            state.number,
-            state.local,
-            state.total,
-            state.loss,
-            skipped=state.skipped,
-            **fields,
-        )
-
-    def _phase_times(self, state: StepState) -> tuple[float, float, float, float] | None:
-        """The observer's (the synchronization after the step counts as comm), None when it is off."""
-        return self.observer.last_phases
+        super()._record(state, **fields)
 
     def _reduce_step(self, state: StepState) -> torch.Tensor:
         """``[loss sum, flags, samples, a replacement waiting]`` summed over the data axis (one small all-reduce);
