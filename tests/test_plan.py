@@ -23,7 +23,7 @@ from loom.plan.profile import (
     profile_model,
 )
 from loom.plan.recommend import rank, to_json
-from loom.plan.transport import Transport, link_bound_seconds, parse_rate
+from loom.plan.transport import Transport, envelope, link_bound_seconds, parse_rate
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -104,6 +104,14 @@ def test_zero_stages_keep_their_share_of_parameters_gradients_and_optimizer_stat
     assert got_parts == [int(p * share[0]), int(p * share[1]), int(2 * p * share[2])]
     if stage > 1:  # loom's own statement of ZeRO's shares (its stage 1 counts the full gradient of backward)
         assert sum(got_parts) / (4 * p) == pytest.approx(zero_share(stage, world))
+
+
+def test_a_size_measured_slower_than_a_larger_one_takes_the_larger_ones_time():
+    inf = float("inf")
+    # a spike at 100 KB (3 ms between 0.3 and 0.4 ms) is capped by 512 KB's time; nothing above a limit is invented
+    assert envelope([3e-4, 3e-3, 4e-4, inf, inf]) == (3e-4, 4e-4, 4e-4, inf, inf)
+    assert envelope([1e-4, 2e-4, 3e-4]) == (1e-4, 2e-4, 3e-4)  # increasing: unchanged
+    assert envelope([]) == ()
 
 
 def test_a_message_above_the_largest_measured_size_is_refused_not_extrapolated():

@@ -65,6 +65,12 @@ steps) stop at about this much time each, after the first: a model whose step ta
 times, not a dozen (time to plan)."""
 
 
+REPS = 15
+"""Repetitions of a short measurement (a transport operation at one size, a backward): their median is the figure,
+and 5 left it to chance on this 2-core host (a 100 KB all-reduce's median 0.35 ms in one plan, 3 ms in the
+next); a long one stops at its time budget first, so a large model costs no more."""
+
+
 def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) -> float:
     from loom.plan.transport import agreed_reps
     from loom.train.batch import forward_loss
@@ -83,7 +89,7 @@ def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) 
     return statistics.median(out.tolist())
 
 
-def _overlap(captured: Any, transport: Any, reps: int = 5) -> dict[str, float]:
+def _overlap(captured: Any, transport: Any, reps: int = REPS) -> dict[str, float]:
     """The overlap coefficient of the module docstring, with the times it comes from: the all-reduce alone is
     the ``transport``'s, measured at the gradient's size by the same call (time to plan: seconds at 100 M
     parameters to measure it twice)."""
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", choices=["calibrate", "verify"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="4096,65536,1048576")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=REPS)
     parser.add_argument("--limits", default="{}", help="JSON: each operation family's largest size (bytes)")
     parser.add_argument("--family", default="DataParallel")
     parser.add_argument("--options", default="{}")
