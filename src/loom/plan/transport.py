@@ -153,9 +153,11 @@ class Transport:
         )  # fmt: skip
 
 
-REPS_BUDGET_S = 0.3
+REPS_BUDGET_S = 0.1
 """Timed repetitions of one operation stop at about this much time (at least one): a 300 MB all-reduce is
-timed once after its warm-up, a 4 KB one ``reps`` times. Large messages are bandwidth-bound and vary little."""
+timed once after its warm-up, a 4 KB one ``reps`` times (15: the latency-bound sizes are the noisy ones here),
+a 20 ms one 5 times. Large messages are bandwidth-bound and vary little; a spike at one size is capped by a
+larger size's time (`envelope`). 0.3 s with 15 repetitions took 4 s more to plan 100 M parameters."""
 
 
 def agreed_reps(first_s: float, most: int, group: Any, budget_s: float, least: int = 1) -> int:
