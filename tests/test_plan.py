@@ -315,6 +315,20 @@ def test_tensor_parallel_splits_each_linear_pair_and_all_reduces_its_output_and_
     )  # each all-reduce: a layer output of 10 B/sample
     unsplit = predict(config, _profile(layers=4, sizes=(64,)), _transport(), 64)
     assert unsplit.refused.endswith("not profiled")
+    # one host: the all-reduce TensorParallelComm runs, shared memory in one barrier up to its size, loom's
+    # shared-memory all-reduce above; the backend's only where neither was measured (across hosts)
+    transport = _transport(seconds=1e-3)
+    inf = float("inf")
+    local = dataclasses.replace(
+        transport,
+        sizes=(8, 640, 1 << 30),
+        seconds={**{k: (1e-3,) * 3 for k in transport.seconds}, "allreduce:shm": (2e-4,) * 3,
+                 "small_allreduce": (5e-5, 5e-5, inf)},
+    )  # fmt: skip
+    assert predict(config, profile, local, 64).comm_s == pytest.approx(3 * 5e-5)  # 640-byte outputs: small
+    above = dataclasses.replace(local, seconds={**local.seconds, "small_allreduce": (5e-5, inf, inf)},
+                                sizes=(8, 320, 1 << 30))  # fmt: skip
+    assert predict(config, profile, above, 64).comm_s == pytest.approx(3 * 2e-4)  # above its largest: shm
 
 
 def test_the_profile_finds_the_linear_pairs_tensor_parallel_splits():

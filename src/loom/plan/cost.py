@@ -69,8 +69,9 @@ contains: ``E``, measured once per plan as the reference configuration's measure
 (``DataParallel(allreduce="native")``, run by `loom.plan.trial`'s calibration), is added to every configuration.
 
 TensorParallel (one MLP chain, ``tp = N``): ``sum over layers of C_l / (t if split else 1) + sum over pairs of
-(T_native(out_b) + T_native(in_a)) + O f + e`` (`_tensor_parallel`); other models, or a data axis beside it, are
-refused with the reason.
+(T_tp(out_b) + T_tp(in_a)) + O f + e`` (`_tensor_parallel`), ``T_tp`` the all-reduce its layers run
+(`_tp_all_reduce`): shared memory on one host, the backend's across hosts; other models, or a data axis beside
+it, are refused with the reason.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def _tensor_parallel(m: _Model) -> Prediction:
     compute += max(0.0, at.compute_s - sum(x.forward_s + x.backward_s for x in layers))  # the loss
     reduced = [layers[b].output_bytes for _, b in p.tp_pairs]
     reduced += [layers[a - 1].output_bytes for a, _ in p.tp_pairs if a > 0]
-    comm = sum(m.t.time("allreduce:native", d) for d in reduced)
+    comm = sum(_tp_all_reduce(m.t, d) for d in reduced)
     cut = sum(layers[i].param_bytes for i in split)
     f = ((p.param_bytes - cut) + cut / t) / max(1, p.param_bytes)
     acts = sum(x.saved_bytes / (t if i in inside else 1) for i, x in enumerate(layers))
@@ -255,6 +256,15 @@ def _tensor_parallel(m: _Model) -> Prediction:
     step = compute + comm + p.optimizer_s * f + m.small + m.overhead
     wire = sum(_ring(t, d) for d in reduced)
     return Prediction(c, step, m.global_batch / step, memory, int(wire), compute, comm)
+
+
+def _tp_all_reduce(t: Transport, nbytes: float) -> float:
+    """The all-reduce a tensor-parallel layer runs (`TensorParallelComm.all_reduce`): on one host shared memory,
+    in one barrier up to `loom.comm.shm_small.MAX_BYTES` (``small_allreduce``) and `loom.comm.shm`'s above; the
+    backend's across hosts (the transport then has neither)."""
+    if "small_allreduce" in t.seconds and nbytes <= t.finite_up_to("small_allreduce"):
+        return t.time("small_allreduce", nbytes)
+    return t.time("allreduce:shm" if "allreduce:shm" in t.seconds else "allreduce:native", nbytes)
 
 
 def _pipeline(m: _Model) -> Prediction:

@@ -119,7 +119,7 @@ class Transport:
             )
         if math.isinf(table[bisect.bisect_left(self.sizes, nbytes)]):
             raise OutsideCalibration(
-                f"{op} was measured up to {self._finite_up_to(op)} bytes, not {int(nbytes)}"
+                f"{op} was measured up to {self.finite_up_to(op)} bytes, not {int(nbytes)}"
             )
         i = bisect.bisect_left(self.sizes, nbytes)
         if i == 0:
@@ -133,7 +133,8 @@ class Transport:
             )
         return local
 
-    def _finite_up_to(self, op: str) -> int:
+    def finite_up_to(self, op: str) -> int:
+        """The largest size ``op`` was measured at (0: none)."""
         return max(
             (s for s, t in zip(self.sizes, self.seconds[op], strict=True) if not math.isinf(t)), default=0
         )
@@ -254,9 +255,16 @@ class _FrameRig:
 
 
 def _operations(
-    size: int, algorithms: tuple[str, ...], rank: int, world: int, group: Any, rig: _FrameRig | None
+    size: int,
+    algorithms: tuple[str, ...],
+    rank: int,
+    world: int,
+    group: Any,
+    rig: _FrameRig | None,
+    small: Any,
 ) -> dict[str, Callable[[], object]]:
-    """Each timed operation on a float32 message of ``size`` bytes (frames only with a ``rig``)."""
+    """Each timed operation on a float32 message of ``size`` bytes (frames only with a ``rig``; the one-barrier
+    shared-memory all-reduce of tensor-parallel layers, ``small_allreduce``, with ``small``, up to its size)."""
     from loom.comm import all_gather, all_reduce, piece_bounds, reduce_scatter
 
     data = torch.zeros(size // 4, dtype=torch.float32)
@@ -264,6 +272,8 @@ def _operations(
     ops: dict[str, Callable[[], object]] = {}
     for a in algorithms:
         ops[f"allreduce:{a}"] = functools.partial(all_reduce, data, "sum", algorithm=a, group=group)
+    if small is not None:
+        ops["small_allreduce"] = functools.partial(small.all_reduce, data)
     ops["reduce_scatter"] = lambda: reduce_scatter(data, "sum", group=group)
     ops["all_gather"] = lambda: all_gather(data[lo:hi].clone(), data.numel(), group=group)
     ops["p2p"] = lambda: _p2p(data, rank, world, group)
@@ -281,9 +291,12 @@ def _words(nbytes: int) -> int:
 def measure_transport(sizes: list[int], reps: int = 15, limits: dict[str, int] | None = None) -> Transport:
     """Time every operation at every size on the job's group (a collective: every rank calls it), each up to
     its family's limit in ``limits`` (``allreduce``, ``reduce_scatter``, ``all_gather``, ``p2p``, ``ps``: bytes;
-    ``inf`` above; a family not named is measured at every size, except ``ps``: none measured)."""
+    ``inf`` above; a family not named is measured at every size, except ``ps``: none measured). On one host
+    also ``small_allreduce``, `loom.comm.shm_small`'s, up to its largest message."""
     from loom.comm.auto import candidates
     from loom.comm.shm import context_for
+    from loom.comm.shm_small import MAX_BYTES as SMALL_MAX
+    from loom.comm.shm_small import SmallAllReduce
     from loom.topology import current
 
     group = current().group
@@ -300,9 +313,13 @@ def measure_transport(sizes: list[int], reps: int = 15, limits: dict[str, int] |
     if limits["ps"]:
         seconds.update({"ps_encode": [], "ps_decode": []})
     rig = _FrameRig() if limits["ps"] else None
+    small = SmallAllReduce.for_group(group) if "shm" in algorithms else None
+    if small is not None:  # TensorParallelComm's below its size (`loom.plan.cost`'s tensor parallelism)
+        seconds["small_allreduce"] = []
+        limits["small_allreduce"] = min(limits.get("small_allreduce", SMALL_MAX), SMALL_MAX)
     try:
         for size in sizes:
-            for name, fn in _operations(size, algorithms, rank, world, group, rig).items():
+            for name, fn in _operations(size, algorithms, rank, world, group, rig, small).items():
                 family = "ps" if name.startswith("ps_") else name.split(":")[0]
                 if size > _words(limits.get(family, size)):
                     seconds[name].append(math.inf)
