@@ -45,6 +45,7 @@ import torch.distributed as dist
 from loom.plan.profile import OutsideCalibration, budgeted
 
 __all__ = [
+    "REPS",
     "Transport",
     "agreed_reps",
     "envelope",
@@ -159,6 +160,12 @@ REPS_BUDGET_S = 0.1
 timed once after its warm-up, a 4 KB one ``reps`` times (15: the latency-bound sizes are the noisy ones here),
 a 20 ms one 5 times. Large messages are bandwidth-bound and vary little; a spike at one size is capped by a
 larger size's time (`envelope`). 0.3 s with 15 repetitions took 4 s more to plan 100 M parameters."""
+
+
+REPS = 15
+"""Repetitions of a short measurement (a transport operation at one size, the overlap's backward): their median is
+the figure, and 5 left it to chance on this 2-core host (a 100 KB all-reduce's median 0.35 ms in one plan, 3 ms in
+the next); a long one stops at its time budget first, so a large model costs no more."""
 
 
 def agreed_reps(first_s: float, most: int, group: Any, budget_s: float, least: int = 1) -> int:
@@ -288,7 +295,7 @@ def _words(nbytes: int) -> int:
     return max(4, -(-int(nbytes) // 4) * 4)
 
 
-def measure_transport(sizes: list[int], reps: int = 15, limits: dict[str, int] | None = None) -> Transport:
+def measure_transport(sizes: list[int], reps: int = REPS, limits: dict[str, int] | None = None) -> Transport:
     """Time every operation at every size on the job's group (a collective: every rank calls it), each up to
     its family's limit in ``limits`` (``allreduce``, ``reduce_scatter``, ``all_gather``, ``p2p``, ``ps``: bytes;
     ``inf`` above; a family not named is measured at every size, except ``ps``: none measured). On one host

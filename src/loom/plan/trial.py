@@ -47,6 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loom.plan.transport import REPS
+
 __all__ = ["main"]
 
 
@@ -63,12 +65,6 @@ BUDGET_S = 3.0
 """The calibration's repeated measurements (backward alone and with DDP, the all-reduce, the reference's
 steps) stop at about this much time each, after the first: a model whose step takes a second is timed a few
 times, not a dozen (time to plan)."""
-
-
-REPS = 15
-"""Repetitions of a short measurement (a transport operation at one size, a backward): their median is the figure,
-and 5 left it to chance on this 2-core host (a 100 KB all-reduce's median 0.35 ms in one plan, 3 ms in the
-next); a long one stops at its time budget first, so a large model costs no more."""
 
 
 def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) -> float:
