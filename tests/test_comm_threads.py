@@ -158,3 +158,34 @@ def test_a_group_of_one_is_a_no_op_and_counts_nothing_sent():
     comm.counters().reset()
     got = run_ranks(1, lambda rank, group: comm.all_reduce(torch.ones(3), "sum", "ring", group))
     assert torch.equal(got[0], torch.ones(3)) and comm.counters().snapshot()["bytes_sent"] == 0
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_broadcast_module_gives_every_rank_rank_0s_tensors_bitwise_in_their_own_dtypes(size, monkeypatch):
+    from torch import nn
+
+    from loom.parallel.pipeline import pipeline_stages
+
+    # packed buckets and in-place sends both
+    monkeypatch.setattr(pipeline_stages, "BROADCAST_BUCKET_BYTES", 64)
+
+    def build(rank: int) -> nn.Module:  # each rank's own values (a thread's own generator: no shared seed)
+        generator = torch.Generator().manual_seed(rank)
+        model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3).half(), nn.BatchNorm1d(3))
+        model.register_buffer("strided", torch.empty(4, 6).t())  # not contiguous
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        model[2].num_batches_tracked.fill_(2**53 + 1 + rank)  # inexact as a float64
+        return model
+
+    def body(rank, group):
+        model = build(rank)
+        pipeline_stages.broadcast_module(model, group)
+        return model.state_dict()
+
+    expected = build(0).state_dict()
+    for rank, got in enumerate(run_ranks(size, body)):
+        for name, tensor in expected.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (rank, name)
