@@ -414,3 +414,41 @@ def test_sizes_a_hair_apart_are_measured_once_at_the_larger_and_the_limits_follo
     # never across a parameter server's largest frame: the size below it stays measured, its limit too
     kept, raised = coalesce(sizes, limits, cap=168_500_000)
     assert kept == sizes and raised == limits
+
+
+@pytest.mark.parametrize("allreduce_s", [4.0, 6.0, 9.0])
+def test_the_overlap_comes_from_the_reference_and_the_quiet_run_and_moves_only_what_overlaps(allreduce_s):
+    # The calibration's two engine runs on 2 processes: DataParallel(native) 20 s a step, the same with no
+    # exchange 15 s; compute 12 s (backward 8 s), no optimizer time, every operation X s at every size (the small
+    # all-reduce e too). Whatever X the transport measured, the reference and the quiet run are predicted as
+    # measured, and the ring (no overlap) moves only by its own all-reduce, not through the overhead.
+    from loom.plan.planner import _overhead, _with_overlap
+    from loom.plan.trial import QUIET
+
+    profile, measured = _profile(sizes=(32, 64)), {"reference_step_s": 20.0, "quiet_step_s": 15.0}
+    reference = Configuration("DataParallel", 2, (("allreduce", "native"),), dp=2)
+    quiet = Configuration("LocalSGD", 2, (("sync_every", QUIET),), dp=2)
+    transport = _with_overlap(_transport(seconds=allreduce_s), measured, profile, reference, 64)
+    assert transport.overlap == pytest.approx((allreduce_s - 5.0) / min(allreduce_s, 8.0))
+    overhead = _overhead(measured, predict(quiet, profile, transport, 64))
+    assert overhead == pytest.approx(15.0 - (12.0 + allreduce_s + allreduce_s / QUIET))  # C + O + e, X / H
+    assert predict(reference, profile, transport, 64, overhead_s=overhead).step_time_s == pytest.approx(20.0)
+    assert predict(quiet, profile, transport, 64, overhead_s=overhead).step_time_s == pytest.approx(15.0)
+    ring = Configuration("DataParallel", 2, (("allreduce", "ring"),), dp=2)
+    assert predict(ring, profile, transport, 64, overhead_s=overhead).step_time_s == pytest.approx(
+        15.0 + allreduce_s
+    )
+    hidden = _with_overlap(_transport(seconds=1.0), {"reference_step_s": 30.0, "quiet_step_s": 15.0}, profile,
+                           reference, 64)  # fmt: skip
+    assert hidden.overlap == -1.0  # 15 s exposed of a 1 s all-reduce: at most the all-reduce added again
+
+
+def test_a_quiet_run_faster_than_its_formula_corrects_every_configuration_down_at_most_by_half():
+    from loom.plan.planner import _overhead
+    from loom.plan.trial import QUIET
+
+    quiet = predict(
+        Configuration("LocalSGD", 2, (("sync_every", QUIET),), dp=2), _profile(), _transport(), 64
+    )
+    assert _overhead({"quiet_step_s": quiet.step_time_s - 1.0}, quiet) == pytest.approx(-1.0)
+    assert _overhead({"quiet_step_s": 0.0}, quiet) == pytest.approx(-quiet.step_time_s / 2)

@@ -29,6 +29,7 @@ from loom.plan.cost import Prediction, predict
 from loom.plan.profile import ModelProfile, profile_model
 from loom.plan.recommend import Ranked, last_errors, needed_per_process, rank, record_errors
 from loom.plan.transport import Transport
+from loom.plan.trial import QUIET
 
 __all__ = ["PlanError", "PlanResult", "Verification", "plan", "verify"]
 
@@ -92,6 +93,26 @@ def _fsdp_extra(measured: dict, profile: ModelProfile, local: Transport, batch: 
     config = Configuration("ShardedDataParallel", nproc, (("stage", 3),), dp=nproc)
     formula = predict(config, profile, local, batch, runtime_bytes=runtime)
     return max(0, int(peak) - formula.memory.get("total", int(peak)))
+
+
+def _overhead(measured: dict, quiet: Prediction) -> float:
+    """The engine overhead (`loom.plan.cost`): the quiet run's step (no exchange) less its formula's. Negative
+    where the profile timed the compute slower than the job ran it (its noise, ~1 ms of a 10 ms step here): a
+    correction every configuration shares, as the engine's time is; at most half the formula's step below it."""
+    return max(-quiet.step_time_s / 2, float(measured["quiet_step_s"]) - quiet.step_time_s)
+
+
+def _with_overlap(local: Transport, measured: dict, profile: ModelProfile, reference: Configuration,
+                  batch: int) -> Transport:  # fmt: skip
+    """``local`` with the overlap coefficient ``k`` of its native all-reduce with backward: the reference's step
+    exposes ``reference - quiet`` of the all-reduce's ``X``, and ``exposed(X) = X - k * min(X, Bw)``
+    (`loom.plan.cost`), so ``k = (X - (reference - quiet)) / min(X, Bw)``, within [-1, 1]. Both steps are the
+    engine's, on the same model and data, so what they share (the engine, the cores' contention) cancels."""
+    backward = profile.at(math.ceil(batch / reference.dp)).backward_s
+    x = local.time("allreduce:native", profile.grad_bytes)
+    exposed = float(measured["reference_step_s"]) - float(measured["quiet_step_s"])
+    k = (x - exposed) / max(1e-9, min(x, backward))
+    return dataclasses.replace(local, overlap=max(-1.0, min(1.0, k)))
 
 
 def _trial(mode: str, script: str, args: tuple[str, ...], nproc: int, servers: int, options: list[str],
@@ -237,7 +258,10 @@ def plan(
     options = ["--sizes", ",".join(map(str, sizes)), "--limits", json.dumps(limits)]
     servers = int(any(c.family == "ParameterServer" for c in configs))  # its fixed cost is measured
     measured = _trial("calibrate", script, args, calibrated, servers, options, timeout_s)
-    local = Transport.from_json(measured)
+    spare = (os.cpu_count() or 1) > nproc * profile.threads
+    local = _with_overlap(
+        Transport.from_json(measured), measured, profile, reference, captured.global_batch_size
+    )
     transport = dataclasses.replace(local, world_size=world, hosts=hosts,
                                     link_bytes_per_s=link_bytes_per_s)  # fmt: skip
     if hosts > 1:
@@ -246,12 +270,12 @@ def plan(
     seconds["transport"] = time.perf_counter() - t  # the whole calibration job, its parts below
     seconds.update({f"calibration:{k}": float(v) for k, v in measured.get("calibration_seconds", {}).items()})
     t = time.perf_counter()
-    spare = (os.cpu_count() or 1) > nproc * profile.threads
     formula = predict(reference, profile, local, captured.global_batch_size, codecs, spare)
-    overhead = max(0.0, float(measured["reference_step_s"]) - formula.step_time_s)
+    quiet = Configuration("LocalSGD", calibrated, (("sync_every", QUIET),), dp=calibrated)
+    overhead = _overhead(measured, predict(quiet, profile, local, captured.global_batch_size))
     # The process's memory beyond the formulas' (torch, loom, the script's data, DDP's buckets, the allocator's
     # slack): the reference's measured peak less its predicted state, activations and temporaries, as the
-    # overhead above is its step time less the formula's; before a reference peak was measured, the RSS after
+    # overhead is the quiet run's step time less its formula's; before a reference peak was measured, the RSS after
     # the script's set-up less its model
     runtime = int(measured.get("runtime_bytes", 0))
     if measured.get("reference_peak_rss"):

@@ -6,17 +6,16 @@
 Both run the user's script up to its ``job.loader(...)`` (`loom.plan.capture`) in every worker, so every rank
 holds the same model, optimizer, loss and data as the script would build.
 
-``calibrate``: the transport (`loom.plan.transport.measure_transport`) at the given sizes, and the overlap
-coefficient ``k`` of DDP's all-reduce with backward on this host: backward alone (``Bw``, under ``no_sync``) and
-backward with DDP's all-reduce inside it (``Bw_ddp``), each the median of a few steps on this rank's share of the
-first global batch, and the gradient's all-reduce alone (``X``: the transport's native all-reduce at the
-gradient's size); ``k = (Bw + X - Bw_ddp) / min(Bw, X)``
-(1: the all-reduce entirely hidden, 0: none hidden, below 0: running both at once costs more than in sequence).
+``calibrate``: the transport (`loom.plan.transport.measure_transport`) at the given sizes.
 
 It measures the process's runtime bytes (its RSS after running the script up to its loader, less the model's
 parameters: torch, loom, the script's data; the largest rank's), and runs the reference configuration,
-``DataParallel(allreduce="native")``, a few steps on a copy of the model (``reference_step_s``): what the cost model's formulas leave out of a real step (loom's step engine: its
-guard, step records, loader hand-off) is the difference, charged to every configuration (`loom.plan.cost`).
+``DataParallel(allreduce="native")``, a few steps on a copy of the model (``reference_step_s``), then the same steps
+with no exchange, ``LocalSGD`` that never synchronizes (``quiet_step_s``, on a fresh copy). The planner takes the
+engine overhead from the quiet run (its step less its formula: loom's step engine, its guard, step records, loader
+hand-off, and the two processes' contention for the cores) and the overlap coefficient ``k`` from the pair (the
+native all-reduce's exposed time is the reference's step less the quiet one's), so a noisy ``k`` moves only the
+configurations that overlap, never the others' overhead (`loom.plan.cost`).
 
 And the peak RSS of ZeRO stage 3 on the user's model (`_fsdp_peak`: two steps, after the allocator has
 returned what earlier measurements freed): FSDP holds far more than its shards (`loom.plan.cost`).
@@ -37,6 +36,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -52,70 +52,22 @@ from loom.plan.transport import REPS
 __all__ = ["main"]
 
 
-def _share(captured: Any, topology: Any) -> Any:
-    from loom.data.loader import loader
-
-    options = {k: v for k, v in captured.loader_options.items() if k == "collate_fn"}
-    data = loader(captured.dataset, captured.global_batch_size, shuffle=False, topology=topology,
-                  same_data_check=False, **options)  # fmt: skip
-    return next(iter(data))
-
-
 BUDGET_S = 3.0
-"""The calibration's repeated measurements (backward alone and with DDP, the all-reduce, the reference's
-steps) stop at about this much time each, after the first: a model whose step takes a second is timed a few
-times, not a dozen (time to plan)."""
+"""The calibration's repeated measurements (the reference's and the quiet run's steps) stop at about this much
+time each, after the first: a model whose step takes a second is timed a few times, not a dozen (time to plan)."""
 
+STEPS = 40
+"""The reference's and the quiet run's timed steps, at most (`BUDGET_S` caps them for a slow step): their
+difference is the native all-reduce's exposed time, a millisecond or two of a 15 ms step on a small model."""
 
-def _backward_seconds(model: Any, call: Any, batch: Any, reps: int, group: Any) -> float:
-    from loom.plan.transport import agreed_reps
-    from loom.train.batch import forward_loss
-
-    def once() -> float:
-        loss, _ = forward_loss(call, model, batch)
-        dist.barrier(group=group)
-        started = time.perf_counter()
-        loss.backward()
-        return time.perf_counter() - started
-
-    out = torch.tensor(  # half the budget: the overlap is two such loops' difference
-        [once() for _ in range(agreed_reps(once(), reps, group, BUDGET_S / 2))], dtype=torch.float64
-    )
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return statistics.median(out.tolist())
-
-
-def _overlap(captured: Any, transport: Any, reps: int = REPS) -> dict[str, float]:
-    """The overlap coefficient of the module docstring, with the times it comes from: the all-reduce alone is
-    the ``transport``'s, measured at the gradient's size by the same call (time to plan: seconds at 100 M
-    parameters to measure it twice)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from loom.topology import current
-    from loom.train.batch import LossCall
-
-    call, topology = LossCall.of(captured.loss_fn), current()
-    group = topology.group
-    batch = _share(captured, topology)
-    ddp = DistributedDataParallel(captured.model, process_group=group)
-    with ddp.no_sync():
-        alone = _backward_seconds(ddp, call, batch, reps, group)
-    exchange = transport.time("allreduce:native", 4 * sum(p.numel() for p in captured.model.parameters()))
-    together = _backward_seconds(ddp, call, batch, reps, group)
-    k = (alone + exchange - together) / max(1e-9, min(alone, exchange))
-    # at most one of the two hidden, at most one of them added again: a few-millisecond step's medians differ by
-    # more than that under load (k = -4.7 on a 15 k-parameter model at load 2.4)
-    return {
-        "overlap": max(-1.0, min(1.0, k)),
-        "backward_s": alone,
-        "allreduce_s": exchange,
-        "ddp_backward_s": together,
-    }
+QUIET = 10**9
+"""The quiet run's ``sync_every``: `LocalSGD` that never synchronizes within the calibration, so its step is loom's
+step engine with no gradient exchange (the engine overhead's measurement, `loom.plan.cost`)."""
 
 
 def _copy(captured: Any) -> Any:
-    """The captured model and a fresh optimizer of the same kind and settings over the copy (the reference
-    configuration trains on it, so the overlap measurement keeps the script's own model untouched)."""
+    """The captured model and a fresh optimizer of the same kind and settings over the copy (each calibration
+    run trains its own, so the script's model stays untouched and every run starts from the same state)."""
     model = copy.deepcopy(captured.model)
     optimizer = type(captured.optimizer)(model.parameters(), **captured.optimizer.defaults)
     return dataclasses.replace(captured, model=model, optimizer=optimizer)
@@ -140,18 +92,24 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     reset_peak_rss()
     # one untimed step (its optimizer state, DDP's first iteration: 3x a step at 100 M parameters); the second,
     # DDP's rebuilt buckets' first (1.3x), is one of at least 3 timed blocks, whose median does not see it
+    trained = _copy(captured)
     reference = _verify_steps(
-        _copy(captured), "DataParallel", {"allreduce": "native"}, max(ns.steps, 12), 1, budget=True
+        trained, "DataParallel", {"allreduce": "native"}, max(ns.steps, STEPS), 1, budget=True
     )
     done("reference")
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, json.loads(ns.limits))
     done("transport")
-    overlap = _overlap(captured, transport)
-    done("overlap")
+    # the same steps with no exchange: the engine overhead is its step less its formula, and the native
+    # all-reduce's exposed time the reference's step less its (the overlap coefficient, planner). On the
+    # reference's copy, its optimizer state made (a fresh one's first step: 3x a step at 100 M parameters), once
+    # the reference's DDP has let go of it (its reducer's hooks go with it)
+    gc.collect()
+    quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, max(ns.steps, STEPS), 1, budget=True)
+    del trained
+    done("quiet")
     data = transport.to_json()
-    data["overlap"] = overlap["overlap"]
-    data["overlap_measurement"] = overlap
     data["reference_step_s"] = reference["step_time_s"]
+    data["quiet_step_s"] = quiet["step_time_s"]
     # the script's own model stays resident beside the copy the reference trains: not the reference's
     data["reference_peak_rss"] = max(0, reference["memory"]["peak_rss"] - params)
     data["fsdp_peak_rss"] = _fsdp_peak(captured, params)
@@ -233,7 +191,8 @@ def _fixed_costs(captured: Any, steps: int, servers: bool) -> dict[str, Any]:
     dp = _tiny(captured, "DataParallel", {"allreduce": "native"}, steps)
     units = {z: _tiny(captured, "ShardedDataParallel", {"stage": z}, steps) for z in (2, 3)}
     out: dict[str, Any] = {
-        "fsdp_unit_s": {f"stage{z}": max(0.0, (t - dp) / FSDP_UNITS) for z, t in units.items()}
+        "fsdp_unit_s": {f"stage{z}": max(0.0, (t - dp) / FSDP_UNITS) for z, t in units.items()},
+        "tiny_step_s": dp,
     }
     if servers:
         out["ps_fixed_s"] = max(0.0, _tiny(captured, "ParameterServer", {"mode": "sync"}, steps) - dp)
@@ -258,7 +217,8 @@ def _block(family: str, options: dict[str, Any]) -> int:
     """Steps per timed block: a whole sync round for LocalSGD/DiLoCo (their exchange happens once per
     ``sync_every`` steps, and the cost model amortizes it over the round: timing single steps would miss or
     catch it by chance), one step otherwise."""
-    return int(options.get("sync_every", 1)) if family in ("LocalSGD", "DiLoCo") else 1
+    period = int(options.get("sync_every", 1)) if family in ("LocalSGD", "DiLoCo") else 1
+    return 1 if period == QUIET else period
 
 
 def _verify_steps(
