@@ -65,8 +65,10 @@ Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`
 reduce-scatter or all-gather ``(N-1)/N x D``.
 
 Every step also pays loom's step engine (the guard, step records, the batch hand-off), which no formula above
-contains: ``E``, measured once per plan as the reference configuration's measured step minus its formula
-(``DataParallel(allreduce="native")``, run by `loom.plan.trial`'s calibration), is added to every configuration.
+contains: ``E``, measured once per plan as a quiet run's measured step minus its formula (`loom.plan.trial`'s
+calibration: ``LocalSGD`` that never synchronizes, so no ``k`` is in that formula), is added to every
+configuration; ``k`` is the reference's (``DataParallel(allreduce="native")``) step less the quiet one's
+(`loom.plan.planner`).
 
 TensorParallel (one MLP chain, ``tp = N``): ``sum over layers of C_l / (t if split else 1) + sum over pairs of
 (T_tp(out_b) + T_tp(in_a)) + O f + e`` (`_tensor_parallel`), ``T_tp`` the all-reduce its layers run

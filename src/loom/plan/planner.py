@@ -3,7 +3,8 @@
 The order, and what each step costs on a small model: the script runs to its loader (`loom.plan.capture`,
 seconds: the script's own imports and model construction); the model trains a few steps at each batch size the
 configurations need (`loom.plan.profile`); one ``loom run -n N`` job measures the transport at the message sizes
-the configurations need and the overlap coefficient (`loom.plan.trial`, ~10-30 s here, mostly start-up);
+the configurations need and runs two short engine runs, for the engine overhead and the overlap coefficient
+(`loom.plan.trial`, ~10-30 s here, mostly start-up);
 predicting is arithmetic (`loom.plan.cost`, well under a millisecond per configuration).
 """
 
