@@ -263,6 +263,16 @@ def test_a_parameter_server_decodes_every_workers_push_and_encodes_every_reply_i
     assert got.comm_s == pytest.approx((1 + world) * frame + (world + 1) * frame)
     fixed = predict(config, profile, Transport(world, sizes, ops, ps_fixed_s=5e-3), 64)
     assert fixed.step_time_s - got.step_time_s == pytest.approx(5e-3)  # the measured round trips, once a step
+    # each server writes its shard's checkpoint (parameters and optimizer state) after every step
+    saving = predict(
+        config, profile, Transport(world, sizes, ops, ps_fixed_s=0.0, ps_save_bytes_per_s=1e6), 64
+    )
+    state = profile.param_bytes + profile.optimizer_bytes
+    assert saving.step_time_s - got.step_time_s == pytest.approx(state / 1e6)
+    two = Configuration("ParameterServer", world, (("mode", "sync"),), servers=2, dp=world)
+    halves = predict(two, profile, Transport(world, sizes, ops, ps_fixed_s=0.0, ps_save_bytes_per_s=1e6), 64)
+    assert halves.step_time_s - predict(two, profile, Transport(world, sizes, ops, ps_fixed_s=0.0), 64).step_time_s \
+        == pytest.approx(state / 2 / 1e6)  # fmt: skip
     rate = parse_rate("100mbit")
     linked = predict(config, profile, Transport(world, sizes, ops, 0.0, 2, rate, ps_fixed_s=0.0), 64)
     assert linked.comm_s == pytest.approx(world * (profile.grad_bytes + profile.param_bytes) / rate)

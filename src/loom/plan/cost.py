@@ -20,11 +20,12 @@ ShardedDataParallel(stage=1)        ``C(b) + T_best(G) + O/N + T_best(P) + e`` (
 ShardedDataParallel(stage=2|3)      ``C(b) + U f_z + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at   2: ``P + (G+S_opt)/N``;
                                     stage 3) ``+ T_rs(G_u)) + O/N + e``; ``f_z`` FSDP's measured cost   3: ``(P+G+S_opt)/N``;
                                     per unit at stage z beyond its collectives' bytes                   ``+ R_z`` (below)
-ParameterServer(sync), S servers    ``C(b) + enc(G/S) + N dec(G/S) + O/S + N enc(P/S) + dec(P/S) + 2e``  ``P + G + A`` (servers
-                                    (each server decodes every worker's push in turn, steps, encodes    hold ``S_opt/S``)
-                                    a reply to each; ``enc``/``dec`` its measured frames, ``e`` the
-                                    pull request of the step); several hosts: push and reply each at
-                                    least ``N G/S``, ``N P/S`` over the link
+ParameterServer(sync), S servers    ``C(b) + enc(G/S) + N dec(G/S) + O/S + W + N enc(P/S) + dec(P/S)``  ``P + G + A`` (servers
+                                    ``+ 2e`` (each server decodes every worker's push in turn, steps,   hold ``S_opt/S``)
+                                    writes its checkpoint ``W = (P + S_opt) / S`` at the measured
+                                    rate, encodes a reply to each; ``enc``/``dec`` its measured
+                                    frames, ``e`` the pull request of the step); several hosts: push
+                                    and reply each at least ``N G/S``, ``N P/S`` over the link
 LocalSGD(sync_every=H)              ``C(b) + O + e + T_best(P) / H``                                    ``P + G + S_opt + A``
                                                                                                         ``+ P`` (flat copy)
 DiLoCo(sync_every=H)                ``C(b) + O + e + (T_best(P) + O) / H`` (the outer step: ``O``,      ``+ 4P`` (anchor,
@@ -220,7 +221,10 @@ def _parameter_server(m: _Model) -> Prediction:
         push = max(push, n * grads / m.t.link_bytes_per_s)
         reply = max(reply, n * params / m.t.link_bytes_per_s)
     memory = _memory(p.param_bytes, p.grad_bytes, 0, at.activation_bytes)
-    return m.done(at, push + reply, p.optimizer_s / s + 2 * m.small + m.t.ps_fixed_s, memory, p.grad_bytes)
+    rate = m.t.ps_save_bytes_per_s  # each server's checkpoint of its shard, after every step, before replying
+    save = (p.param_bytes + p.optimizer_bytes) / s / rate if rate else 0.0
+    extra = p.optimizer_s / s + 2 * m.small + m.t.ps_fixed_s + save
+    return m.done(at, push + reply, extra, memory, p.grad_bytes)
 
 
 def _replicas(m: _Model) -> Prediction:

@@ -91,8 +91,9 @@ class Transport:
     sizes: tuple[int, ...]
     seconds: dict[str, tuple[float, ...]]
     overlap: float = 0.0
-    """The measured fraction of the shorter of backward and DDP's all-reduce hidden by the other (see
-    `loom.plan.trial`); negative when running both at once is slower than one after the other."""
+    """The measured fraction of the shorter of backward and DDP's all-reduce hidden by the other (the reference's
+    step less the quiet one's, `loom.plan.planner`); negative when running both at once is slower than one after
+    the other."""
     hosts: int = 1
     link_bytes_per_s: float | None = None
     measured: dict[str, str] = field(default_factory=dict)
@@ -102,6 +103,9 @@ class Transport:
     ps_fixed_s: float | None = None
     """A synchronous parameter server's fixed cost per step beyond its frames (round trips, the server's own
     handling), measured by the calibration; None when it ran without a server (parameter servers refused)."""
+    ps_save_bytes_per_s: float | None = None
+    """How fast this host writes a synchronous parameter server's checkpoint, which each server writes after every
+    step by default, before its replies (`ParameterServer(checkpoint_every=)`); None: not measured."""
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -143,7 +147,8 @@ class Transport:
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "sizes": list(self.sizes), "seconds": self.seconds,
                 "overlap": self.overlap, "hosts": self.hosts, "link_bytes_per_s": self.link_bytes_per_s,
-                "fsdp_unit_s": self.fsdp_unit_s, "ps_fixed_s": self.ps_fixed_s}  # fmt: skip
+                "fsdp_unit_s": self.fsdp_unit_s, "ps_fixed_s": self.ps_fixed_s,
+                "ps_save_bytes_per_s": self.ps_save_bytes_per_s}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict) -> Transport:
@@ -152,6 +157,7 @@ class Transport:
             {k: tuple(float(x) for x in v) for k, v in data["seconds"].items()}, float(data.get("overlap", 0.0)),
             fsdp_unit_s={k: float(v) for k, v in data.get("fsdp_unit_s", {}).items()},
             ps_fixed_s=None if data.get("ps_fixed_s") is None else float(data["ps_fixed_s"]),
+            ps_save_bytes_per_s=None if not data.get("ps_save_bytes_per_s") else float(data["ps_save_bytes_per_s"]),
         )  # fmt: skip
 
 
