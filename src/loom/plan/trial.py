@@ -11,7 +11,7 @@ holds the same model, optimizer, loss and data as the script would build.
 It measures the process's runtime bytes (its RSS after running the script up to its loader, less the model's
 parameters: torch, loom, the script's data; the largest rank's), and runs the reference configuration,
 ``DataParallel(allreduce="native")``, a few steps on a copy of the model (``reference_step_s``), then the same steps
-with no exchange, ``LocalSGD`` that never synchronizes (``quiet_step_s``, on a fresh copy). The planner takes the
+with no exchange, ``LocalSGD`` that never synchronizes (``quiet_step_s``, on the reference's copy). The planner takes the
 engine overhead from the quiet run (its step less its formula: loom's step engine, its guard, step records, loader
 hand-off, and the two processes' contention for the cores) and the overlap coefficient ``k`` from the pair (the
 native all-reduce's exposed time is the reference's step less the quiet one's), so a noisy ``k`` moves only the
@@ -192,8 +192,7 @@ def _fixed_costs(captured: Any, steps: int, servers: bool) -> dict[str, Any]:
     dp = _tiny(captured, "DataParallel", {"allreduce": "native"}, steps)
     units = {z: _tiny(captured, "ShardedDataParallel", {"stage": z}, steps) for z in (2, 3)}
     out: dict[str, Any] = {
-        "fsdp_unit_s": {f"stage{z}": max(0.0, (t - dp) / FSDP_UNITS) for z, t in units.items()},
-        "tiny_step_s": dp,
+        "fsdp_unit_s": {f"stage{z}": max(0.0, (t - dp) / FSDP_UNITS) for z, t in units.items()}
     }
     if servers:
         out["ps_fixed_s"] = max(0.0, _tiny(captured, "ParameterServer", {"mode": "sync"}, steps) - dp)
@@ -252,7 +251,7 @@ def _verify(ns: argparse.Namespace, captured: Any) -> dict:
 def _block(family: str, options: dict[str, Any]) -> int:
     """Steps per timed block: a whole sync round for LocalSGD/DiLoCo (their exchange happens once per
     ``sync_every`` steps, and the cost model amortizes it over the round: timing single steps would miss or
-    catch it by chance), one step otherwise."""
+    catch it by chance), one step otherwise, and for the calibration's quiet run (`QUIET`: no round ends)."""
     period = int(options.get("sync_every", 1)) if family in ("LocalSGD", "DiLoCo") else 1
     return 1 if period == QUIET else period
 
