@@ -75,6 +75,17 @@ def test_1f1b_holds_fewer_microbatches_of_activations_than_gpipe():
     assert one_f.memory["activations"] == 2 * stage_activations
 
 
+@pytest.mark.parametrize(("hosts", "slots"), [(1, 2), (2, 1)])
+def test_a_hybrids_data_axis_on_one_host_holds_one_gradient_slot_per_replica(hosts, slots):
+    """`GradientAveraging.for_stage` takes `SharedGradients` over the data axis on one CPU host: every ``.grad``
+    of the stage is a view of a segment with one slot per replica, which ``job.memory()`` counts whole."""
+    profile = _profile(layers=4, sizes=(8, 16, 32, 64))
+    opts = (("dp", 2), ("pp", 2), ("microbatches", 2), ("schedule", "1f1b"))
+    got = predict(Configuration("Hybrid", 4, opts, dp=2, pp=2, hosts=hosts), profile, _transport(world=4), 64)
+    stage = profile.param_bytes // 2  # four equal layers cut in two
+    assert [got.memory[k] for k in ("parameters", "gradients", "optimizer")] == [stage, slots * stage, 2 * stage]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_link_bound_all_reduce_takes_2_n_minus_1_over_n_bytes_over_the_rate(world):
     rate = parse_rate("100mbit")
