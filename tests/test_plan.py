@@ -83,7 +83,8 @@ def test_a_hybrids_data_axis_on_one_host_holds_one_gradient_slot_per_replica(hos
     opts = (("dp", 2), ("pp", 2), ("microbatches", 2), ("schedule", "1f1b"))
     got = predict(Configuration("Hybrid", 4, opts, dp=2, pp=2, hosts=hosts), profile, _transport(world=4), 64)
     stage = profile.param_bytes // 2  # four equal layers cut in two
-    assert [got.memory[k] for k in ("parameters", "gradients", "optimizer")] == [stage, slots * stage, 2 * stage]
+    state = [got.memory[k] for k in ("parameters", "gradients", "optimizer")]
+    assert state == [stage, slots * stage, 2 * stage]
 
 
 @pytest.mark.parametrize("world", [2, 4])
