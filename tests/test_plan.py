@@ -452,7 +452,7 @@ def test_the_overlap_comes_from_the_reference_and_the_quiet_run_and_moves_only_w
     quiet = Configuration("LocalSGD", 2, (("sync_every", QUIET),), dp=2)
     transport = _with_overlap(_transport(seconds=allreduce_s), measured, profile, reference, 64)
     assert transport.overlap == pytest.approx((allreduce_s - 5.0) / min(allreduce_s, 8.0))
-    overhead = _overhead(measured, predict(quiet, profile, transport, 64))
+    overhead = _overhead(measured["quiet_step_s"], predict(quiet, profile, transport, 64))
     assert overhead == pytest.approx(15.0 - (12.0 + allreduce_s + allreduce_s / QUIET))  # C + O + e, X / H
     assert predict(reference, profile, transport, 64, overhead_s=overhead).step_time_s == pytest.approx(20.0)
     assert predict(quiet, profile, transport, 64, overhead_s=overhead).step_time_s == pytest.approx(15.0)
@@ -472,5 +472,24 @@ def test_a_quiet_run_faster_than_its_formula_corrects_every_configuration_down_a
     quiet = predict(
         Configuration("LocalSGD", 2, (("sync_every", QUIET),), dp=2), _profile(), _transport(), 64
     )
-    assert _overhead({"quiet_step_s": quiet.step_time_s - 1.0}, quiet) == pytest.approx(-1.0)
-    assert _overhead({"quiet_step_s": 0.0}, quiet) == pytest.approx(-quiet.step_time_s / 2)
+    assert _overhead(quiet.step_time_s - 1.0, quiet) == pytest.approx(-1.0)
+    assert _overhead(0.0, quiet) == pytest.approx(-quiet.step_time_s / 2)
+
+
+def test_the_calibration_times_the_widest_pipeline_with_the_fewest_microbatches_and_predicts_it_as_measured():
+    from loom.plan.planner import _overhead, _pipeline_probe
+
+    probe = _pipeline_probe(4, True, 8, 64)
+    assert probe is not None
+    assert (probe.family, probe.pp, probe.option("microbatches"), probe.option("schedule")) == (
+        "Pipeline", 4, 2, "gpipe"
+    )  # fmt: skip
+    assert _pipeline_probe(4, False, 8, 64) is None  # not a chain: no Pipeline to time
+    hybrid = _pipeline_probe(4, True, 3, 64)  # a chain of 3 layers: 2 stages at most of 4 processes
+    assert hybrid is not None and (hybrid.family, hybrid.dp, hybrid.pp) == ("Hybrid", 2, 2)
+    profile = _profile(layers=8, sizes=(16, 64))
+    replay = predict(probe, profile, _transport(), 64)
+    overhead = _overhead(replay.step_time_s + 0.5, replay)
+    assert predict(probe, profile, _transport(), 64, overhead_s=overhead).step_time_s == pytest.approx(
+        replay.step_time_s + 0.5
+    )

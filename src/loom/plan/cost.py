@@ -72,8 +72,13 @@ reduce-scatter or all-gather ``(N-1)/N x D``.
 Every step also pays loom's step engine (the guard, step records, the batch hand-off), which no formula above
 contains: ``E``, measured once per plan as a quiet run's measured step minus its formula (`loom.plan.trial`'s
 calibration: ``LocalSGD`` that never synchronizes, so no ``k`` is in that formula), is added to every
-configuration; ``k`` is the reference's (``DataParallel(allreduce="native")``) step less the quiet one's
-(`loom.plan.planner`).
+configuration but the pipelines; ``k`` is the reference's (``DataParallel(allreduce="native")``) step less the quiet
+one's (`loom.plan.planner`). A pipeline schedule's ``E`` is its own, from a pipeline the calibration also runs
+(the planner's ``_pipeline_probe``): its measured step less its replay. Measured on the medium MLP chain of
+``loom_bench.plan_accuracy`` (2 processes), the quiet run's ``E`` put both pipelines 21-28 % above their measured
+step: the data-parallel family's processes each run the whole model's step in lockstep and contend for the
+cores' memory bandwidth (Adam 4.4 ms in the job against 1.3 ms for a stage's half), which a pipeline stage,
+with half the state, does less.
 
 TensorParallel (one MLP chain, ``tp = N``): ``sum over layers of C_l / (t if split else 1) + sum over pairs of
 (T_tp(out_b) + T_tp(in_a)) + O f + e`` (`_tensor_parallel`), ``T_tp`` the all-reduce its layers run

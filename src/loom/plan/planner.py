@@ -77,6 +77,8 @@ class PlanResult:
     job_share: int = 0
     """Each worker's share of what the job's other processes hold of their own (the launcher, the zygote):
     added to a configuration's peak when it is judged against ``--memory-per-proc``."""
+    pipeline_overhead_s: float = 0.0
+    """The same for the pipeline schedules (`Pipeline`, `Hybrid`), from the calibration's pipeline run."""
     verifications: list[Verification] = field(default_factory=list)
 
     @property
@@ -96,11 +98,30 @@ def _fsdp_extra(measured: dict, profile: ModelProfile, local: Transport, batch: 
     return max(0, int(peak) - formula.memory.get("total", int(peak)))
 
 
-def _overhead(measured: dict, quiet: Prediction) -> float:
-    """The engine overhead (`loom.plan.cost`): the quiet run's step (no exchange) less its formula's. Negative
-    where the profile timed the compute slower than the job ran it (its noise, ~1 ms of a 10 ms step here): a
-    correction every configuration shares, as the engine's time is; at most half the formula's step below it."""
-    return max(-quiet.step_time_s / 2, float(measured["quiet_step_s"]) - quiet.step_time_s)
+def _overhead(measured_s: float, formula: Prediction) -> float:
+    """The engine overhead (`loom.plan.cost`): a calibration run's measured step less its formula's (the quiet
+    run's, no exchange; the pipeline's). Negative where the profile timed the compute slower than the job ran it
+    (its noise, ~1 ms of a 10 ms step here): a correction every configuration of that engine shares, as the
+    engine's time is; at most half the formula's step below it."""
+    return max(-formula.step_time_s / 2, float(measured_s) - formula.step_time_s)
+
+
+PIPELINES = ("Pipeline", "Hybrid")
+"""The families whose step is a pipeline schedule: their engine overhead is the calibration pipeline's."""
+
+
+def _pipeline_probe(nproc: int, chain: bool, chain_length: int, batch: int) -> Configuration | None:
+    """The pipeline the calibration times (`loom.plan.trial`'s ``--pipeline``), or None for a model Pipeline
+    cannot cut: the most stages (``nproc`` where the chain is that long; else a `Hybrid`), the fewest
+    micro-batches, GPipe. Its measured step less its replay is the
+    overhead of every pipeline configuration: measured (on the medium MLP of `loom_bench.plan_accuracy`) the
+    schedule runs each stage's half of the step with less contention than the data-parallel family, whose
+    processes each run the whole model's forward, backward and optimizer step in lockstep."""
+    if not chain:
+        return None
+    found = [c for c in candidates(nproc, ("native",), chain_length, batch) if c.family in PIPELINES]
+    return min(found, key=lambda c: (-c.pp, c.option("microbatches"), c.option("schedule") != "gpipe"),
+               default=None)  # fmt: skip
 
 
 def _with_overlap(local: Transport, measured: dict, profile: ModelProfile, reference: Configuration,
@@ -238,15 +259,18 @@ def plan(
     algorithms = ("native", "ring", "shm") if hosts == 1 else ("native", "ring")
     from loom.plan.profile import _layers  # the same list the profile times
 
-    chain = len(_layers(captured.model)[0])
+    chain_layers, is_chain, _ = _layers(captured.model)
+    chain = len(chain_layers)
     configs = [dataclasses.replace(c, hosts=hosts)
                for c in candidates(world, algorithms, chain, captured.global_batch_size)]  # fmt: skip
     # The calibration job runs on this host: nproc processes, at least 2 (one process per host still needs a
     # measured floor for its collectives, and the engine overhead of a job that has peers).
     calibrated = max(2, nproc)
     reference = Configuration("DataParallel", calibrated, (("allreduce", "native"),), dp=calibrated)
+    probe = _pipeline_probe(calibrated, is_chain, chain, captured.global_batch_size)
     t = time.perf_counter()
-    profile = profile_model(captured, batch_sizes([*configs, reference], captured.global_batch_size))
+    probes = [reference] + ([probe] if probe else [])
+    profile = profile_model(captured, batch_sizes([*configs, *probes], captured.global_batch_size))
     seconds["profile:model"] = time.perf_counter() - t
     gradient = gradient_like(captured.model)
     codecs = {spec: measure_codec(spec, captured.model, world, gradient=gradient) for spec in CODECS}
@@ -257,6 +281,7 @@ def plan(
     sizes = sorted(set(_message_sizes(profile, codecs, world)) | {v for v in limits.values() if v > 0})
     sizes, limits = coalesce(sizes, limits)
     options = ["--sizes", ",".join(map(str, sizes)), "--limits", json.dumps(limits)]
+    options += ["--pipeline", json.dumps({probe.family: dict(probe.options)})] if probe else []
     servers = int(any(c.family == "ParameterServer" for c in configs))  # its fixed cost is measured
     measured = _trial("calibrate", script, args, calibrated, servers, options, timeout_s)
     spare = (os.cpu_count() or 1) > nproc * profile.threads
@@ -273,7 +298,11 @@ def plan(
     t = time.perf_counter()
     formula = predict(reference, profile, local, captured.global_batch_size, codecs, spare)
     quiet = Configuration("LocalSGD", calibrated, (("sync_every", QUIET),), dp=calibrated)
-    overhead = _overhead(measured, predict(quiet, profile, local, captured.global_batch_size))
+    overhead = _overhead(measured["quiet_step_s"], predict(quiet, profile, local, captured.global_batch_size))
+    overheads = {family: overhead for family in {c.family for c in configs}}
+    if probe and "pipeline_step_s" in measured:
+        replay = predict(probe, profile, local, captured.global_batch_size)
+        overheads.update({f: _overhead(measured["pipeline_step_s"], replay) for f in PIPELINES})
     # The process's memory beyond the formulas' (torch, loom, the script's data, DDP's buckets, the allocator's
     # slack): the reference's measured peak less its predicted state, activations and temporaries, as the
     # overhead is the quiet run's step time less its formula's; before a reference peak was measured, the RSS after
@@ -282,10 +311,9 @@ def plan(
     if measured.get("reference_peak_rss"):
         runtime = max(0, int(measured["reference_peak_rss"]) - formula.memory["total"])
     fsdp_extra = _fsdp_extra(measured, profile, local, captured.global_batch_size, calibrated, runtime)
+    batch = captured.global_batch_size
     predictions: list[Prediction] = [
-        predict(
-            c, profile, transport, captured.global_batch_size, codecs, spare, overhead, runtime, fsdp_extra
-        )
+        predict(c, profile, transport, batch, codecs, spare, overheads[c.family], runtime, fsdp_extra)
         for c in configs
     ]
     # The launcher and the zygote hold memory of their own; the workers' RSS counts the pages they share with
@@ -308,6 +336,7 @@ def plan(
         overhead,
         seconds,
         job_share,
+        overheads.get("Pipeline", overhead),
     )
 
 

@@ -15,7 +15,9 @@ with no exchange, ``LocalSGD`` that never synchronizes (``quiet_step_s``, on the
 engine overhead from the quiet run (its step less its formula: loom's step engine, its guard, step records, loader
 hand-off, and the two processes' contention for the cores) and the overlap coefficient ``k`` from the pair (the
 native all-reduce's exposed time is the reference's step less the quiet one's), so a noisy ``k`` moves only the
-configurations that overlap, never the others' overhead (`loom.plan.cost`).
+configurations that overlap, never the others' overhead (`loom.plan.cost`). With ``--pipeline``, a pipeline
+(``{"Pipeline": options}`` or ``{"Hybrid": ...}``) too (``pipeline_step_s``): a pipeline schedule's engine
+overhead is its own (planner).
 
 And the peak RSS of ZeRO stage 3 on the user's model (`_fsdp_peak`: two steps, after the allocator has
 returned what earlier measurements freed): FSDP holds far more than its shards (`loom.plan.cost`).
@@ -106,9 +108,15 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     # the reference's DDP has let go of it (its reducer's hooks go with it)
     gc.collect()
     quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, max(ns.steps, STEPS), 1, budget=True)
-    del trained
     done("quiet")
     data = transport.to_json()
+    if ns.pipeline:  # the pipeline engine's own overhead (planner): last, it empties other stages' parameters
+        gc.collect()
+        ((family, options),) = json.loads(ns.pipeline).items()
+        pipeline = _verify_steps(trained, family, options, max(ns.steps, STEPS), 1, budget=True)
+        data["pipeline_step_s"] = pipeline["step_time_s"]
+        done("pipeline")
+    del trained
     data["reference_step_s"] = reference["step_time_s"]
     data["quiet_step_s"] = quiet["step_time_s"]
     # the script's own model stays resident beside the copy the reference trains: not the reference's
@@ -321,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="4096,65536,1048576")
     parser.add_argument("--reps", type=int, default=REPS)
     parser.add_argument("--limits", default="{}", help="JSON: each operation family's largest size (bytes)")
+    parser.add_argument(
+        "--pipeline", default="", help='calibrate: a pipeline to time too, {"Pipeline": {...}}'
+    )
     parser.add_argument("--family", default="DataParallel")
     parser.add_argument("--options", default="{}")
     parser.add_argument("--steps", type=int, default=5)
