@@ -107,13 +107,14 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     # reference's copy, its optimizer state made (a fresh one's first step: 3x a step at 100 M parameters), once
     # the reference's DDP has let go of it (its reducer's hooks go with it)
     gc.collect()
-    quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, max(ns.steps, STEPS), 1, budget=True)
+    # no warm-up step: the reference made the optimizer state; a slower first block is outside the median of 3+
+    quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, max(ns.steps, STEPS), 0, budget=True)
     done("quiet")
     data = transport.to_json()
     if ns.pipeline:  # the pipeline engine's own overhead (planner): last, it empties other stages' parameters
         gc.collect()
         ((family, options),) = json.loads(ns.pipeline).items()
-        pipeline = _verify_steps(trained, family, options, max(ns.steps, STEPS), 1, budget=True)
+        pipeline = _verify_steps(trained, family, options, max(ns.steps, STEPS), 0, budget=True)
         data["pipeline_step_s"] = pipeline["step_time_s"]
         done("pipeline")
     del trained
@@ -269,7 +270,8 @@ def _verify_steps(
 ) -> dict:
     """``count`` timed blocks after ``warmup`` untimed steps; a block's time is the slowest rank's, from a barrier
     before its first step to the end of its last, divided by its steps; the result is the median block. With
-    ``budget``, fewer blocks (at least 3) when ``count`` of them would take more than `BUDGET_S`."""
+    ``budget``, fewer blocks (at least 3) when ``count`` of them would take more than `BUDGET_S`, judged on the
+    last warm-up step or, with no warm-up, on the first timed block."""
     from loom.observe.memory import peak_rss_bytes, rss_bytes
     from loom.plan.transport import agreed_reps
 
@@ -285,13 +287,21 @@ def _verify_steps(
         warm = time.perf_counter() - started
     times: list[float] = []
     group = job.topology.group
-    count = agreed_reps(warm * block, count, group, BUDGET_S, least=3) if budget else count
-    for _ in range(count):
+
+    def timed_block() -> None:
         dist.barrier(group=group)
         started = time.perf_counter()
         for _ in range(block):
             job.train_step(next(batches))
         times.append((time.perf_counter() - started) / block)
+
+    if budget:
+        if not warmup:  # the first block is timed, and budgets the rest (the median of 3 or more leaves it out)
+            timed_block()
+        block_s = (warm if warmup else times[0]) * block
+        count = agreed_reps(block_s, count, group, BUDGET_S, least=3)
+    while len(times) < count:
+        timed_block()
     steps = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
     memory = job.memory()
