@@ -296,7 +296,9 @@ def _verify_steps(
         times.append((time.perf_counter() - started) / block)
 
     if budget:
-        if not warmup:  # the first block is timed, and budgets the rest (the median of 3 or more leaves it out)
+        if (
+            not warmup
+        ):  # the first block is timed, and budgets the rest (the median of 3 or more leaves it out)
             timed_block()
         block_s = (warm if warmup else times[0]) * block
         count = agreed_reps(block_s, count, group, BUDGET_S, least=3)
