@@ -35,7 +35,7 @@ demo: $(DEMO_STAMP)
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --ignore-missing-imports src/loom
+	$(VENV)/bin/mypy --ignore-missing-imports src/loom src/loom_bench
 
 # The documentation site, strict: a broken link, reference or docstring cross-reference fails the build.
 docs: $(TEST_STAMP)
@@ -50,7 +50,7 @@ docs: $(TEST_STAMP)
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --ignore-missing-imports src/loom
+	$(VENV)/bin/mypy --ignore-missing-imports src/loom src/loom_bench
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 	@# loom's and the tests' own .pyc files, once: where PYTHONDONTWRITEBYTECODE is set, every worker process
 	@# would otherwise compile the loom modules it imports again.

@@ -54,8 +54,7 @@ def step_seconds(codec: str | None, steps: int, warmup: int, global_batch: int =
             if i >= warmup:
                 times.append(float(elapsed))
     finally:
-        if job.watchdog is not None:
-            job.watchdog.stop()
+        job.guard.watchdog.stop()
     return times
 
 

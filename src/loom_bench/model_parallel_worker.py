@@ -116,8 +116,10 @@ def loom_pipeline(model, batch, loss_fn, schedule: str, m: int) -> tuple[Callabl
     world = dist.get_world_size()
     names = [name for name, _ in chain_layers(model)]
     cuts = _cuts(names, world)
-    job = loom.Pipeline(stages=world, microbatches=m, schedule=schedule, split=[names[c] for c in cuts[1:-1]])
-    job = job.setup(model, _sgd(model), loss_fn)
+    strategy = loom.Pipeline(
+        stages=world, microbatches=m, schedule=schedule, split=[names[c] for c in cuts[1:-1]]
+    )
+    job = strategy.setup(model, _sgd(model), loss_fn)
     return (lambda: job.train_step(batch)), names
 
 
@@ -185,10 +187,13 @@ def _over_backend(step: Callable[[], float]) -> Callable[[], float]:
 def dtensor_tensor_parallel(model, batch, plan) -> Callable[[], float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel.style import ParallelStyle
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    styles = {name: ColwiseParallel() if kind == "col" else RowwiseParallel() for name, kind in plan.items()}
+    styles: dict[str, ParallelStyle] = {
+        name: ColwiseParallel() if kind == "col" else RowwiseParallel() for name, kind in plan.items()
+    }
     parallelize_module(model, mesh, styles)
     for module in model.modules():
         if isinstance(module, Attention):  # each rank holds n_heads / world heads, as loom sets for itself

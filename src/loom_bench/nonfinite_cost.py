@@ -21,7 +21,7 @@ from loom.fault.desync import check_replicas_agree
 
 allreduce, steps = sys.argv[1], int(sys.argv[2])
 topo = loom.init()
-train_set, _ = digits_datasets()
+train_set = digits_datasets()[0]
 model = digits_cnn()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 job = loom.DataParallel(allreduce=allreduce).setup(model, optimizer, nn.functional.cross_entropy)

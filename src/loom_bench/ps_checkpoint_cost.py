@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 
 def _free_port() -> int:
@@ -53,7 +54,7 @@ def _time_steps(build, mode: str, on: bool, steps: int, address: str, secret: st
     from loom.topology import Topology
 
     model, batch = build()
-    options = {} if on else {"checkpoint_every": 0, "checkpoint_interval_s": 0.0}
+    options: dict[str, Any] = {} if on else {"checkpoint_every": 0, "checkpoint_interval_s": 0.0}
     job = ParameterServer(
         topology=Topology(0, 1, 0, 1, "none"), addresses=(address,), secret=secret, namespace=namespace,
         mode=mode, **options,
