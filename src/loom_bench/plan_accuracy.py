@@ -204,7 +204,8 @@ def _markdown(report: dict) -> str:
         lines += [f"## {name} ({model['params']:,} parameters, {model['args']})", "",
                   f"Plan: {model['plan_seconds']}; measured engine overhead per step {model['overhead_s'] * 1e3:.1f} ms"
                   f" (pipelines {model.get('pipeline_overhead_s', model['overhead_s']) * 1e3:.1f} ms),"
-                  f" overlap coefficient {model['overlap']:.2f}. Step-time |error|: median "
+                  f" overlap coefficient {model['overlap']:.2f} (DDP's extra"
+                  f" {model.get('ddp_extra_s', 0.0) * 1e3:.1f} ms). Step-time |error|: median "
                   f"{statistics.median(errs):.0%}, mean {statistics.mean(errs):.0%}, worst {max(errs):.0%} "
                   f"({len(errs)} configurations). " + _ranking(model["rows"]) + _peaks(model["rows"]) if errs else "",
                   "",
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             report["models"][name] = {
                 "args": " ".join(args), "params": result.profile.param_count, "plan_seconds": seconds,
                 "overhead_s": result.overhead_s, "pipeline_overhead_s": result.pipeline_overhead_s, "overlap": result.transport.overlap,
+                "ddp_extra_s": result.transport.ddp_extra_s,
                 "rows": _rows(result, args, ns.steps, ns.repeats, hosts, ns.cgroup),
             }  # fmt: skip
             ns.out.mkdir(parents=True, exist_ok=True)

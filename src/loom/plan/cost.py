@@ -6,13 +6,15 @@ over all parameters, ``P``, ``G``, ``S_opt`` the parameter, gradient and optimiz
 activations saved for backward, ``T_op(D)`` the measured time of a collective on ``D`` bytes, ``e`` one small
 all-reduce (the loss and the non-finite flags every synchronous step reduces), ``k`` the measured overlap
 coefficient. Communication that overlaps backward costs ``exposed(X) = X - k * min(X, Bw(b))``: ``k = 1`` would be
-perfect overlap, ``0`` none, below 0 interference (on a busy CPU host the two compete for cores), down to ``-1``.
+perfect overlap, ``0`` none, below 0 interference (on a busy CPU host the two compete for cores), down to ``-1``;
+what the reference (native DDP) exposed beyond ``-1`` is ``d``, charged to native DDP alone.
 
 ==================================  ==================================================================  =====================
 configuration                       step time                                                           memory per process
 ==================================  ==================================================================  =====================
 DataParallel(allreduce=a)           ``C(b) + X + O + e``, ``X = T_a(G)``, exposed when DDP runs it      ``P + G + S_opt + A(b)``
-                                    (``native``) or a spare core runs loom's thread, else after backward
+                                    (``native``, plus DDP's measured extra ``d``, above) or a spare core
+                                    runs loom's thread, else after backward
 DataParallel(compression=c)         ``C(b) + exposed(T_native(s_c) + T_gather(N g_c)) + t_c + O + e``,   as above
                                     ``t_c``, ``s_c``, ``g_c`` the codec's measured time and bytes
 ShardedDataParallel(stage=1)        ``C(b) + T_best(G) + O/N + T_best(P) + e`` (loom's CPU path: the    ``P + (G+S_opt)/N + A``
@@ -182,7 +184,7 @@ def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) ->
     algorithm = str(m.c.option("allreduce"))
     comm = m.t.time(f"allreduce:{algorithm}", p.grad_bytes)
     if algorithm == "native" or spare_core:
-        comm = m.exposed(comm, at.backward_s)
+        comm = m.exposed(comm, at.backward_s) + (m.t.ddp_extra_s if algorithm == "native" else 0.0)
     elif algorithm == "shm":  # the shared segment of every local process's slot (module docstring)
         local = m.n // m.c.hosts
         memory = _memory(p.param_bytes, local * p.grad_bytes, p.optimizer_bytes, at.activation_bytes)
