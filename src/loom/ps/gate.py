@@ -154,7 +154,7 @@ def secure_client(socket: zmq.Socket, secret: bytes, address: str) -> None:
     socket.plain_password = connection_token(secret, source_ip(address)).encode()
 
 
-def split_frame(key: bytes, data: bytes | memoryview) -> list[bytes]:
+def split_frame(key: bytes, data: bytes | bytearray | memoryview) -> list[bytes]:
     """The chunks that carry the frame ``data`` (see the module docstring); ``key`` is `chunk_key`."""
     view = memoryview(data).cast("B")
     if len(view) < HEADER.size:
@@ -171,7 +171,9 @@ def split_frame(key: bytes, data: bytes | memoryview) -> list[bytes]:
     return chunks
 
 
-def send_frame(socket: zmq.Socket, key: bytes, data: bytes, identity: bytes | None = None) -> bool:
+def send_frame(
+    socket: zmq.Socket, key: bytes, data: bytes | bytearray, identity: bytes | None = None
+) -> bool:
     """Queue ``data``'s chunks on ``socket`` without blocking (a ROUTER socket: to peer ``identity``); False if
     ZeroMQ refused one (no connection, or its queue full): the receiver drops the incomplete frame."""
     head = [identity] if identity is not None else []

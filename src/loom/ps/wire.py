@@ -133,24 +133,29 @@ def encode(
     seq: int,
     meta: dict[str, Any] | None = None,
     tensors: dict[str, torch.Tensor] | None = None,
-) -> bytes:
-    """One frame: header, JSON meta (with the tensor descriptors), raw tensor bytes, HMAC."""
+) -> bytearray:
+    """One frame: header, JSON meta (with the tensor descriptors), raw tensor bytes, HMAC. Each tensor's bytes are
+    copied once, into the frame (joining per-tensor copies cost three copies: a 5 MB push on a 2-core host spent
+    a third of its worker's time in them, beside a tenth in the HMAC)."""
     descriptors, blobs = [], []
     for name, tensor in (tensors or {}).items():
         t = tensor.detach().contiguous().cpu()
         if t.dtype not in _DTYPE_NAMES:
             raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which the wire format does not carry")
         descriptors.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
-        blobs.append(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        blobs.append(t.reshape(-1).view(torch.uint8).numpy())  # a view of the tensor's bytes, not a copy
     body = json.dumps({**(meta or {}), "tensors": descriptors}, separators=(",", ":")).encode()
-    payload = b"".join(blobs)
-    header = HEADER.pack(
-        MAGIC, VERSION, int(kind), 0, epoch, session, seq, len(body), len(blobs), len(payload)
-    )
-    proof = mac_stream(secret, header)
-    proof.update(body)
-    proof.update(payload)
-    return b"".join((header, body, payload, proof.digest()))
+    payload = sum(blob.nbytes for blob in blobs)
+    header = HEADER.pack(MAGIC, VERSION, int(kind), 0, epoch, session, seq, len(body), len(blobs), payload)
+    frame = bytearray(HEADER.size + len(body) + payload + MAC_BYTES)
+    view = memoryview(frame)
+    end = HEADER.size + len(body)
+    view[:end] = header + body
+    for blob in blobs:
+        view[end : end + blob.nbytes] = blob.data
+        end += blob.nbytes
+    view[end:] = mac_stream(secret, view[:end]).digest()
+    return frame
 
 
 def decode(secret: bytes, data: bytes | memoryview, limits: WireLimits = WireLimits()) -> Frame:
