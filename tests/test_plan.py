@@ -465,7 +465,7 @@ def test_the_overlap_comes_from_the_reference_and_the_quiet_run_and_moves_only_w
     assert hidden.overlap == -1.0  # 15 s exposed of a 1 s all-reduce: at most the all-reduce added again
     assert hidden.ddp_extra_s == pytest.approx(13.0)  # the rest, 15 - (1 + 1), is native DDP's own
     overhead = _overhead(15.0, predict(quiet, profile, hidden, 64))
-    # the reference is predicted as measured; compressed DataParallel (DDP's comm hook) and the ring do not pay it
+    # the reference is predicted as measured; the ring does not pay DDP's extra
     assert predict(reference, profile, hidden, 64, overhead_s=overhead).step_time_s == pytest.approx(30.0)
     assert predict(ring, profile, hidden, 64, overhead_s=overhead).step_time_s == pytest.approx(16.0)
     assert Transport.from_json(hidden.to_json()).ddp_extra_s == hidden.ddp_extra_s

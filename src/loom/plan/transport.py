@@ -152,7 +152,8 @@ class Transport:
 
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "sizes": list(self.sizes), "seconds": self.seconds,
-                "overlap": self.overlap, "ddp_extra_s": self.ddp_extra_s, "hosts": self.hosts, "link_bytes_per_s": self.link_bytes_per_s,
+                "overlap": self.overlap, "ddp_extra_s": self.ddp_extra_s, "hosts": self.hosts,
+                "link_bytes_per_s": self.link_bytes_per_s,
                 "fsdp_unit_s": self.fsdp_unit_s, "ps_fixed_s": self.ps_fixed_s,
                 "ps_save_bytes_per_s": self.ps_save_bytes_per_s}  # fmt: skip
 

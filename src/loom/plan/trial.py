@@ -296,9 +296,8 @@ def _verify_steps(
         times.append((time.perf_counter() - started) / block)
 
     if budget:
-        if (
-            not warmup
-        ):  # the first block is timed, and budgets the rest (the median of 3 or more leaves it out)
+        # with no warm-up the first block is timed, and budgets the rest (the median of 3 or more leaves it out)
+        if not warmup:
             timed_block()
         block_s = (warm if warmup else times[0]) * block
         count = agreed_reps(block_s, count, group, BUDGET_S, least=3)
