@@ -12,7 +12,8 @@ are measured only up to the largest frame a parameter server exchanges. Each ope
 the largest message the plan needs of it (``limits``: a pipeline's activations are far smaller than a gradient, a
 sharded unit than the whole model), ``inf`` above, which `Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts after a barrier, each entry is the
 slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept (as many as fit in
-`REPS_BUDGET_S` after a warm-up call, at least one, at most ``reps``). The sizes are the ones the
+`REPS_BUDGET_S` after a warm-up call, at least one, at most ``reps``; up to `INTERLEAVED_BYTES`, made in rounds
+over every operation and size rather than one size after the other). The sizes are the ones the
 plan needs (the model's gradient, parameter and activation bytes), plus a few small ones for the latency.
 
 `Transport.seconds` interpolates linearly between measured sizes and refuses a size above the largest measured
@@ -52,7 +53,6 @@ __all__ = [
     "link_bound_seconds",
     "measure_transport",
     "parse_rate",
-    "timed",
 ]
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -190,29 +190,37 @@ def agreed_reps(first_s: float, most: int, group: Any, budget_s: float, least: i
     return budgeted(slowest.item(), most, budget_s, least)
 
 
-def timed(
-    fn: Callable[[], object], reps: int, group: Any, budget_s: float = REPS_BUDGET_S, warm: bool = True
-) -> torch.Tensor:
-    """Seconds of each of up to ``reps`` calls of the collective ``fn`` after a warm-up call (as many as fit in
-    ``budget_s``), each started after a barrier, each the slowest rank's. Without ``warm`` the first call is a
-    sample too: for an operation with nothing to set up at a new size (a parameter server's frames, whose
-    buffers are new at every call), a warm-up is the same work timed for nothing (seconds at 100 MB)."""
-    if not warm:
-        dist.barrier(group=group)
+def _call(fn: Callable[[], object], group: Any) -> float:
+    """Seconds of one call of the collective ``fn`` on this rank, started after a barrier (a late rank would be
+    charged to the others)."""
+    dist.barrier(group=group)
     started = time.perf_counter()
-    fn()  # warm-up, and set-up (shared memory, links); or the first sample
-    first = time.perf_counter() - started
-    reps = agreed_reps(first, reps, group, budget_s)
-    out = torch.zeros(reps, dtype=torch.float64)
-    if not warm:
-        out[0] = first
-    for rep in range(0 if warm else 1, reps):
-        dist.barrier(group=group)  # start together: a late rank would be charged to the others
-        started = time.perf_counter()
-        fn()
-        out[rep] = time.perf_counter() - started
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)  # each call lasts as long as its slowest rank
-    return out
+    fn()
+    return time.perf_counter() - started
+
+
+@dataclass
+class _Timing:
+    """One operation at one size: this rank's seconds of each timed call, and how many it gets."""
+
+    name: str
+    index: int
+    fn: Callable[[], object]
+    reps: int
+    seconds: list[float] = field(default_factory=list)
+
+
+INTERLEAVED_BYTES = 16 << 20
+"""Collectives up to this many bytes have their timed calls made in rounds over every operation and size, one
+call each a round (`_complete`), rather than one after the other (`measure_transport`): what disturbs this 2-core
+host (another process scheduled, a late wake-up) comes in phases longer than one size's calls, and made one
+size's median 2.5-4x its neighbours' for every operation at once (a 1 MB all-gather 3.7 ms in one plan in three,
+1.1 and 0.8 in the others; the medium MLP's ZeRO-3 predicted 91 ms against 60 and 55). Larger messages are
+timed at once (a call long enough to span such a phase; their buffers are not all kept for the rounds), and so
+are the parameter servers' frames, after every collective (a frame's decode is of the frame its encode just
+delivered; a frame's fresh buffers come from the allocator in the state many calls leave it, as a training loop
+does: glibc serves a size it has freed before from its heap, without faulting pages in, where after few calls a
+5.3 MB frame's encode took 11-15 ms against 7-11)."""
 
 
 def _p2p(data: torch.Tensor, rank: int, world: int, group: Any) -> None:
@@ -324,33 +332,73 @@ def measure_transport(sizes: list[int], reps: int = REPS, limits: dict[str, int]
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = sorted({_words(s) for s in sizes})
     algorithms = candidates(context_for(group))
-    seconds: dict[str, list[float]] = {f"allreduce:{a}": [] for a in algorithms}
-    seconds.update({"reduce_scatter": [], "all_gather": [], "p2p": []})
+    names = [f"allreduce:{a}" for a in algorithms] + ["reduce_scatter", "all_gather", "p2p"]
     from loom.ps.wire import WireLimits
 
     limits = dict(limits or {})
     # a larger frame is dropped by its receiver
     limits["ps"] = min(limits.get("ps", 0), WireLimits().max_payload)
     if limits["ps"]:
-        seconds.update({"ps_encode": [], "ps_decode": []})
+        names += ["ps_encode", "ps_decode"]
     rig = _FrameRig() if limits["ps"] else None
     small = SmallAllReduce.for_group(group) if "shm" in algorithms else None
     if small is not None:  # TensorParallelComm's below its size (`loom.plan.cost`'s tensor parallelism)
-        seconds["small_allreduce"] = []
+        names.append("small_allreduce")
         limits["small_allreduce"] = min(limits.get("small_allreduce", SMALL_MAX), SMALL_MAX)
+    seconds = {name: [math.inf] * len(sizes) for name in names}  # inf: above its limit, not measured
+    timings: list[_Timing] = []
     try:
-        for size in sizes:
-            for name, fn in _operations(size, algorithms, rank, world, group, rig, small).items():
-                family = "ps" if name.startswith("ps_") else name.split(":")[0]
-                if size > _words(limits.get(family, size)):
-                    seconds[name].append(math.inf)
-                else:  # a parameter server's frame code is warm after its first size
-                    warm = not (name.startswith("ps_") and seconds[name])
-                    seconds[name].append(statistics.median(timed(fn, reps, group, warm=warm).tolist()))
+        for frames in (False, True):  # the frames last (`INTERLEAVED_BYTES`)
+            for index, size in enumerate(sizes):
+                for name, fn in _operations(size, algorithms, rank, world, group, rig, small).items():
+                    family = "ps" if name.startswith("ps_") else name.split(":")[0]
+                    if (family == "ps") == frames and size <= _words(limits.get(family, size)):
+                        timings.append(_first_call(name, index, fn, reps, group, timings))
+                        if size > INTERLEAVED_BYTES or frames:
+                            _complete([timings[-1]], group)
+                            timings[-1].fn = _spent  # its message's buffer is not kept
+            # the rest a round at a time (`INTERLEAVED_BYTES`)
+            _complete([t for t in timings if len(t.seconds) < t.reps], group, rounds=True)
     finally:
         if rig is not None:
             rig.close()
+    # each call lasts as long as its slowest rank
+    table = torch.zeros(len(timings), max((t.reps for t in timings), default=1), dtype=torch.float64)
+    for row, t in zip(table, timings, strict=True):
+        row[: t.reps] = torch.tensor(t.seconds, dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+    for row, t in zip(table.tolist(), timings, strict=True):
+        seconds[t.name][t.index] = statistics.median(row[: t.reps])
     return Transport(world, tuple(sizes), {k: envelope(v) for k, v in seconds.items()})
+
+
+def _first_call(
+    name: str, index: int, fn: Callable[[], object], most: int, group: Any, earlier: list[_Timing]
+) -> _Timing:
+    """The first call of ``name`` at size ``index``: a warm-up (set-up: shared memory, links) that sizes the
+    timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most ``most``); for a parameter
+    server's frames past the first size, a timed call itself (their code is warm, their buffers are new at every
+    call: a warm-up is the same work timed for nothing, seconds at 100 MB)."""
+    warm = not (name.startswith("ps_") and any(t.name == name for t in earlier))
+    first = _call(fn, group)
+    return _Timing(name, index, fn, agreed_reps(first, most, group, REPS_BUDGET_S), [] if warm else [first])
+
+
+def _spent() -> None:
+    """What a `_Timing` whose calls were all made holds instead of its operation."""
+
+
+def _complete(timings: list[_Timing], group: Any, rounds: bool = False) -> None:
+    """Each of ``timings``' remaining calls (every rank makes the same: their counts were agreed); with
+    ``rounds``, one call of each that still needs one a round, each timed call right after an untimed one of the
+    same operation, which leaves its buffers and caches as the call before it would have (without it, a 1 MB
+    ring all-reduce timed between other sizes' calls took 0.84 ms against 0.4-0.6 one call after another)."""
+    for _ in range(max((t.reps - len(t.seconds) for t in timings), default=0)):
+        for t in timings:
+            if len(t.seconds) < t.reps:
+                if rounds:
+                    t.fn()
+                t.seconds.append(_call(t.fn, group))
 
 
 def envelope(seconds: list[float]) -> tuple[float, ...]:
