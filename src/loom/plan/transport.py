@@ -210,17 +210,17 @@ class _Timing:
     seconds: list[float] = field(default_factory=list)
 
 
-INTERLEAVED_BYTES = 16 << 20
+INTERLEAVED_BYTES = 4 << 20
 """Collectives up to this many bytes have their timed calls made in rounds over every operation and size, one
 call each a round (`_complete`), rather than one after the other (`measure_transport`): what disturbs this 2-core
 host (another process scheduled, a late wake-up) comes in phases longer than one size's calls, and made one
 size's median 2.5-4x its neighbours' for every operation at once (a 1 MB all-gather 3.7 ms in one plan in three,
 1.1 and 0.8 in the others; the medium MLP's ZeRO-3 predicted 91 ms against 60 and 55). Larger messages are
 timed at once (a call long enough to span such a phase; their buffers are not all kept for the rounds), and so
-are the parameter servers' frames, after every collective (a frame's decode is of the frame its encode just
-delivered; a frame's fresh buffers come from the allocator in the state many calls leave it, as a training loop
-does: glibc serves a size it has freed before from its heap, without faulting pages in, where after few calls a
-5.3 MB frame's encode took 11-15 ms against 7-11)."""
+are the parameter servers' frames, after the collectives of their size (a frame's decode is of the frame its
+encode just delivered; a frame's fresh buffers come from the allocator in the state many calls leave it, as a
+training loop does: glibc serves a size it has freed before from its heap, without faulting pages in, where after
+few calls a 5.3 MB frame's encode took 11-15 ms against 7-11), the smaller sizes' after every collective."""
 
 
 def _p2p(data: torch.Tensor, rank: int, world: int, group: Any) -> None:
@@ -348,16 +348,22 @@ def measure_transport(sizes: list[int], reps: int = REPS, limits: dict[str, int]
     seconds = {name: [math.inf] * len(sizes) for name in names}  # inf: above its limit, not measured
     timings: list[_Timing] = []
     try:
-        for frames in (False, True):  # the frames last (`INTERLEAVED_BYTES`)
+        # Collectives at every size, frames above `INTERLEAVED_BYTES` right after their size's collectives;
+        # then the rounds; then the smaller sizes' frames, after every collective (`INTERLEAVED_BYTES`)
+        for frames in (False, True):
             for index, size in enumerate(sizes):
+                rounds = size <= INTERLEAVED_BYTES
+                if frames and not rounds:
+                    break
                 for name, fn in _operations(size, algorithms, rank, world, group, rig, small).items():
                     family = "ps" if name.startswith("ps_") else name.split(":")[0]
-                    if (family == "ps") == frames and size <= _words(limits.get(family, size)):
-                        timings.append(_first_call(name, index, fn, reps, group, timings))
-                        if size > INTERLEAVED_BYTES or frames:
+                    now = frames == rounds if family == "ps" else not frames
+                    if now and size <= _words(limits.get(family, size)):
+                        at_once = family == "ps" or not rounds
+                        timings.append(_first_call(name, index, fn, reps, group, timings, not at_once))
+                        if at_once:
                             _complete([timings[-1]], group)
                             timings[-1].fn = _spent  # its message's buffer is not kept
-            # the rest a round at a time (`INTERLEAVED_BYTES`)
             _complete([t for t in timings if len(t.seconds) < t.reps], group, rounds=True)
     finally:
         if rig is not None:
@@ -373,15 +379,23 @@ def measure_transport(sizes: list[int], reps: int = REPS, limits: dict[str, int]
 
 
 def _first_call(
-    name: str, index: int, fn: Callable[[], object], most: int, group: Any, earlier: list[_Timing]
+    name: str,
+    index: int,
+    fn: Callable[[], object],
+    most: int,
+    group: Any,
+    earlier: list[_Timing],
+    rounds: bool,
 ) -> _Timing:
     """The first call of ``name`` at size ``index``: a warm-up (set-up: shared memory, links) that sizes the
-    timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most ``most``); for a parameter
-    server's frames past the first size, a timed call itself (their code is warm, their buffers are new at every
-    call: a warm-up is the same work timed for nothing, seconds at 100 MB)."""
+    timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most ``most``; timed in ``rounds``,
+    each counts with the untimed call before it); for a parameter server's frames past the first size, a timed
+    call itself (their code is warm, their buffers are new at every call: a warm-up is the same work timed for
+    nothing, seconds at 100 MB)."""
     warm = not (name.startswith("ps_") and any(t.name == name for t in earlier))
     first = _call(fn, group)
-    return _Timing(name, index, fn, agreed_reps(first, most, group, REPS_BUDGET_S), [] if warm else [first])
+    reps = agreed_reps(first * (2 if rounds else 1), most, group, REPS_BUDGET_S)
+    return _Timing(name, index, fn, reps, [] if warm else [first])
 
 
 def _spent() -> None:
