@@ -499,3 +499,33 @@ def test_the_calibration_times_the_widest_pipeline_with_the_fewest_microbatches_
     assert predict(probe, profile, _transport(), 64, overhead_s=overhead).step_time_s == pytest.approx(
         replay.step_time_s + 0.5
     )
+
+
+def test_transport_rounds_take_one_call_of_each_operation_a_round_each_timed_right_after_an_untimed_one():
+    """`measure_transport`'s rounds (`INTERLEAVED_BYTES`): a phase of a slow host falls on every size's calls
+    alike, not on consecutive calls of one size; every rank makes the same calls. A parameter server's frame past
+    its first size counts its first call as a sample (no warm-up)."""
+    from threads import run_ranks
+
+    from loom.plan.transport import _complete, _first_call
+
+    def rank_fn(rank: int, group) -> tuple[list[str], list[int], int]:
+        calls: list[str] = []
+
+        def op(tag: str):
+            return lambda: calls.append(tag)
+
+        timings = [
+            _first_call("a", 0, op("a"), 3, group, [], True),
+            _first_call("b", 1, op("b"), 1, group, [], True),
+        ]
+        frame = _first_call("ps_encode", 2, op("f"), 3, group, [timings[0]], False)
+        again = _first_call("ps_encode", 3, op("f"), 3, group, [frame], False)
+        calls.clear()
+        _complete(timings, group, rounds=True)
+        return calls, [len(t.seconds) for t in timings], len(again.seconds)
+
+    for calls, counts, frame_samples in run_ranks(2, rank_fn):
+        assert calls == ["a", "a", "b", "b", "a", "a", "a", "a"]
+        assert counts == [3, 1]
+        assert frame_samples == 1
