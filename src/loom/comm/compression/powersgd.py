@@ -127,16 +127,20 @@ class PowerSGDCodec:
         # shared subspace misses of *this* rank's matrix. Subtracting the averaged P Q^T instead (as PyTorch's
         # powerSGD_hook does) would also keep each rank's deviation from the mean: it cancels in the average but
         # adds up, step after step, in every residual.
-        residual = torch.zeros_like(accumulated)
-        for (_, s), m, p, q in zip(packed, matrices, orthonormal, new_qs, strict=True):
-            residual[s.offset : s.offset + s.numel] = (m - p @ q.T).reshape(-1)
+        # The residual is made in ``accumulated`` itself, each matrix's last use (no second gradient-sized buffer
+        # and no copy into it); the tensors sent exactly leave none.
+        for m, p, q in zip(matrices, orthonormal, new_qs, strict=True):
+            m.sub_(p @ q.T)
+        for s in plain:
+            accumulated[s.offset : s.offset + s.numel] = 0
+        residual = accumulated
         summed = yield Collective("sum", torch.cat([q.reshape(-1) for q in new_qs]), final=True)
 
         cursor = 0
         for (param, s), p in zip(packed, orthonormal, strict=True):
             q = summed[cursor : cursor + s.cols * s.rank].view(s.cols, s.rank) / world_size
             cursor += s.cols * s.rank
-            out[s.offset : s.offset + s.numel] = (p @ q.T).reshape(-1)
+            torch.mm(p, q.T, out=out[s.offset : s.offset + s.numel].view(s.rows, s.cols))
             if bool(torch.isfinite(q).all()) and q.abs().sum() > 0:
                 self._qs[param] = q.clone()
             else:
