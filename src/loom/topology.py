@@ -204,7 +204,7 @@ def _join(backend: str | None, timeout_s: float, device: str | None = None) -> T
             # gloo's connections finish on each rank in its own time: a rank that went on and ended at once (a
             # setup every rank refuses) closed its sockets under a peer still connecting, which then failed
             # with "Gloo connectFullMesh failed ... Connection closed by peer" instead of the refusal
-            dist.barrier()
+            dist.barrier(group=dist.group.WORLD)
     _watch_uncaught_exceptions()
     _current = Topology(rank, world_size, local_rank, local_world_size, short, **where)
     atexit.register(shutdown)
