@@ -507,7 +507,7 @@ def test_transport_rounds_take_one_call_of_each_operation_a_round_each_timed_rig
     its first size counts its first call as a sample (no warm-up)."""
     from threads import run_ranks
 
-    from loom.plan.transport import _complete, _first_call
+    from loom.plan.transport_timing import _complete, _first_call
 
     def rank_fn(rank: int, group) -> tuple[list[str], list[int], int]:
         calls: list[str] = []
@@ -529,3 +529,30 @@ def test_transport_rounds_take_one_call_of_each_operation_a_round_each_timed_rig
         assert calls == ["a", "a", "b", "b", "a", "a", "a", "a"]
         assert counts == [3, 1]
         assert frame_samples == 1
+
+
+def test_transport_measuring_order_times_large_sizes_at_once_and_small_frames_after_every_collective():
+    """`_in_order`: collectives up to `INTERLEAVED_BYTES` wait for the rounds (None), larger ones are timed at
+    once with their frames right after them; the small sizes' frames come after the rounds; every family stops
+    at its limit."""
+    from loom.plan.transport_timing import INTERLEAVED_BYTES, _in_order
+
+    small, large = 4096, 2 * INTERLEAVED_BYTES
+
+    def operations(size: int) -> dict:
+        return {name: (name, size) for name in ("allreduce:ring", "p2p", "ps_encode", "ps_decode")}
+
+    order = [
+        None if call is None else (call[0], call[1], call[3])
+        for call in _in_order([small, large], {"p2p": small, "ps": large}, operations)
+    ]
+    assert order == [
+        (0, "allreduce:ring", False),
+        (0, "p2p", False),
+        (1, "allreduce:ring", True),
+        (1, "ps_encode", True),
+        (1, "ps_decode", True),
+        None,
+        (0, "ps_encode", True),
+        (0, "ps_decode", True),
+    ]

@@ -1,59 +1,29 @@
-"""The transport as the plan sees it: seconds per collective and message size, measured by loom's own code.
+"""The transport as the plan sees it: seconds per collective and message size on this host, and the link between
+hosts.
 
-Measured (`measure_transport`, run inside a ``loom run -n N`` job of `loom.plan.trial`): every all-reduce
-algorithm `loom.comm.auto` would choose between on this topology (``loom.comm.all_reduce(..., algorithm=a)``:
-the very calls `DataParallel` makes), `loom.comm.reduce_scatter` and `loom.comm.all_gather` (the halves sharded
-training uses) and a point-to-point exchange (``isend``/``recv`` both ways between rank pairs: a pipeline's
-activations and gradients); and the parameter servers' own transport, one authenticated frame (`loom.ps.wire`,
-`loom.ps.gate`) over a ZeroMQ TCP loopback pair inside each process: ``ps_encode`` (encode, chunk, send, receive
-and reassemble: the sender's work and the transfer) and ``ps_decode`` (check and decode: the receiver's work),
-apart, because a server decodes every worker's frame in turn while the workers encode theirs at once; frames
-are measured only up to the largest frame a parameter server exchanges. Each operation is measured only up to
-the largest message the plan needs of it (``limits``: a pipeline's activations are far smaller than a gradient, a
-sharded unit than the whole model), ``inf`` above, which `Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts after a barrier, each entry is the
-slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept (as many as fit in
-`REPS_BUDGET_S` after a warm-up call, at least one, at most ``reps``; up to `INTERLEAVED_BYTES`, made in rounds
-over every operation and size rather than one size after the other). The sizes are the ones the
-plan needs (the model's gradient, parameter and activation bytes), plus a few small ones for the latency.
-
-`Transport.seconds` interpolates linearly between measured sizes and refuses a size above the largest measured
-(`OutsideCalibration`): no extrapolation. A size below the smallest costs the smallest's time (latency-bound).
+`Transport` holds what `loom.plan.transport_timing.measure_transport` measured (every all-reduce algorithm
+`loom.comm.auto` would choose between, reduce-scatter, all-gather, point-to-point messages and the parameter
+servers' frames; each entry the slowest rank's median) and the calibration's fixed costs. `Transport.time`
+interpolates linearly between measured sizes and refuses a size above the largest measured (`OutsideCalibration`):
+no extrapolation. A size below the smallest costs the smallest's time (latency-bound). `envelope` caps a size's
+time by a larger size's.
 
 Several hosts (``--hosts H --link RATE``): the measured local time is a floor, and the link adds the
 bandwidth-bound time of a ring over it (Patarasuk & Yuan 2009): an all-reduce of D bytes moves
 ``2 (N - 1) / N * D`` over each link (a reduce-scatter too: gloo's is an all-reduce underneath), an all-gather
-``(N - 1) / N * D``, a point-to-point
-message ``D``; the time is the larger of the two. This is a model, not a measurement, until the namespace-host
-scenarios are measured (`docs/plan.md`).
+``(N - 1) / N * D``, a point-to-point message ``D``; the time is the larger of the two (`link_bound_seconds`).
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import math
-import os
 import re
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-import torch.distributed as dist
+from loom.plan.profile import OutsideCalibration
 
-from loom.plan.profile import OutsideCalibration, budgeted
-
-__all__ = [
-    "REPS",
-    "Transport",
-    "agreed_reps",
-    "envelope",
-    "link_bound_seconds",
-    "measure_transport",
-    "parse_rate",
-]
+__all__ = ["Transport", "envelope", "link_bound_seconds", "parse_rate"]
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
@@ -167,252 +137,6 @@ class Transport:
             ps_fixed_s=None if data.get("ps_fixed_s") is None else float(data["ps_fixed_s"]),
             ps_save_bytes_per_s=None if not data.get("ps_save_bytes_per_s") else float(data["ps_save_bytes_per_s"]),
         )  # fmt: skip
-
-
-REPS_BUDGET_S = 0.1
-"""Timed repetitions of one operation stop at about this much time (at least one): a 300 MB all-reduce is
-timed once after its warm-up, a 4 KB one ``reps`` times (15: the latency-bound sizes are the noisy ones here),
-a 20 ms one 5 times. Large messages are bandwidth-bound and vary little; a spike at one size is capped by a
-larger size's time (`envelope`). 0.3 s with 15 repetitions took 4 s more to plan 100 M parameters."""
-
-
-REPS = 15
-"""Repetitions of a short measurement (a transport operation at one size, the overlap's backward): their median is
-the figure, and 5 left it to chance on this 2-core host (a 100 KB all-reduce's median 0.35 ms in one plan, 3 ms in
-the next); a long one stops at its time budget first, so a large model costs no more."""
-
-
-def agreed_reps(first_s: float, most: int, group: Any, budget_s: float, least: int = 1) -> int:
-    """`loom.plan.profile.budgeted` on the slowest rank's ``first_s``: the same count on every rank (the loops
-    it sizes run collectives)."""
-    slowest = torch.tensor([first_s], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return budgeted(slowest.item(), most, budget_s, least)
-
-
-def _call(fn: Callable[[], object], group: Any) -> float:
-    """Seconds of one call of the collective ``fn`` on this rank, started after a barrier (a late rank would be
-    charged to the others)."""
-    dist.barrier(group=group)
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
-@dataclass
-class _Timing:
-    """One operation at one size: this rank's seconds of each timed call, and how many it gets."""
-
-    name: str
-    index: int
-    fn: Callable[[], object]
-    reps: int
-    seconds: list[float] = field(default_factory=list)
-
-
-INTERLEAVED_BYTES = 4 << 20
-"""Collectives up to this many bytes have their timed calls made in rounds over every operation and size, one
-call each a round (`_complete`), rather than one after the other (`measure_transport`): what disturbs this 2-core
-host (another process scheduled, a late wake-up) comes in phases longer than one size's calls, and made one
-size's median 2.5-4x its neighbours' for every operation at once (a 1 MB all-gather 3.7 ms in one plan in three,
-1.1 and 0.8 in the others; the medium MLP's ZeRO-3 predicted 91 ms against 60 and 55). Larger messages are
-timed at once (a call long enough to span such a phase; their buffers are not all kept for the rounds), and so
-are the parameter servers' frames, after the collectives of their size (a frame's decode is of the frame its
-encode just delivered; a frame's fresh buffers come from the allocator in the state many calls leave it, as a
-training loop does: glibc serves a size it has freed before from its heap, without faulting pages in, where after
-few calls a 5.3 MB frame's encode took 11-15 ms against 7-11), the smaller sizes' after every collective."""
-
-
-def _p2p(data: torch.Tensor, rank: int, world: int, group: Any) -> None:
-    """Each even rank exchanges one message each way with the odd rank after it (a pipeline boundary)."""
-    peer = rank + 1 if rank % 2 == 0 else rank - 1
-    if peer >= world:
-        return
-    recv = torch.empty_like(data)
-    if rank % 2 == 0:
-        dist.send(data, peer, group=group)
-        dist.recv(recv, peer, group=group)
-    else:
-        dist.recv(recv, peer, group=group)
-        dist.send(data, peer, group=group)
-
-
-class _FrameRig:
-    """A ZeroMQ PAIR over TCP loopback inside this process, and the parameter servers' frame code around it."""
-
-    def __init__(self) -> None:
-        import zmq
-
-        from loom.ps.gate import Inbox, InboxLimits, chunk_key
-        from loom.ps.wire import WireLimits
-
-        self.secret = os.urandom(32)
-        self.key = chunk_key(self.secret)
-        self.limits = WireLimits()
-        self.context = zmq.Context()
-        self.send, self.receive = self.context.socket(zmq.PAIR), self.context.socket(zmq.PAIR)
-        port = self.send.bind_to_random_port("tcp://127.0.0.1")
-        self.receive.connect(f"tcp://127.0.0.1:{port}")
-        self.inbox = Inbox(
-            self.key, self.limits, InboxLimits(total_bytes=self.limits.max_frame), lambda _: None
-        )
-        self.seq = 0
-        self.arrived: bytes | memoryview = b""
-
-    def encode(self, data: torch.Tensor) -> None:
-        from loom.ps.gate import split_frame
-        from loom.ps.wire import MessageType, encode
-
-        if data.nbytes > self.limits.max_payload:  # its receiver would drop it: the loop below would not end
-            raise ValueError(f"a frame of {data.nbytes} bytes is above the wire's {self.limits.max_payload}")
-        self.seq += 1
-        frame = encode(self.secret, MessageType.PUSH, epoch=1, session=1, seq=self.seq, tensors={"g0": data})
-        for chunk in split_frame(self.key, frame):
-            self.send.send(chunk, copy=False)
-        whole = None
-        while whole is None:
-            whole = self.inbox.receive(b"", self.receive.recv(copy=False).buffer, time.monotonic())
-        self.arrived = whole
-
-    def decode(self) -> None:
-        from loom.ps.wire import decode
-
-        decode(self.secret, self.arrived, self.limits)
-
-    def close(self) -> None:
-        self.context.destroy(linger=0)
-
-
-def _operations(
-    size: int,
-    algorithms: tuple[str, ...],
-    rank: int,
-    world: int,
-    group: Any,
-    rig: _FrameRig | None,
-    small: Any,
-) -> dict[str, Callable[[], object]]:
-    """Each timed operation on a float32 message of ``size`` bytes (frames only with a ``rig``; the one-barrier
-    shared-memory all-reduce of tensor-parallel layers, ``small_allreduce``, with ``small``, up to its size)."""
-    from loom.comm import all_gather, all_reduce, piece_bounds, reduce_scatter
-
-    data = torch.zeros(size // 4, dtype=torch.float32)
-    lo, hi = piece_bounds(data.numel(), rank, world)
-    ops: dict[str, Callable[[], object]] = {}
-    for a in algorithms:
-        ops[f"allreduce:{a}"] = functools.partial(all_reduce, data, "sum", algorithm=a, group=group)
-    if small is not None:
-        ops["small_allreduce"] = functools.partial(small.all_reduce, data)
-    ops["reduce_scatter"] = lambda: reduce_scatter(data, "sum", group=group)
-    ops["all_gather"] = lambda: all_gather(data[lo:hi].clone(), data.numel(), group=group)
-    ops["p2p"] = lambda: _p2p(data, rank, world, group)
-    if rig is not None:
-        ops["ps_encode"] = lambda: rig.encode(data)
-        ops["ps_decode"] = rig.decode  # the frame ps_encode just delivered (timed right after it)
-    return ops
-
-
-def _words(nbytes: int) -> int:
-    """``nbytes`` rounded up to whole float32 words (the messages are float32), at least one."""
-    return max(4, -(-int(nbytes) // 4) * 4)
-
-
-def measure_transport(sizes: list[int], reps: int = REPS, limits: dict[str, int] | None = None) -> Transport:
-    """Time every operation at every size on the job's group (a collective: every rank calls it), each up to
-    its family's limit in ``limits`` (``allreduce``, ``reduce_scatter``, ``all_gather``, ``p2p``, ``ps``: bytes;
-    ``inf`` above; a family not named is measured at every size, except ``ps``: none measured). On one host
-    also ``small_allreduce``, `loom.comm.shm_small`'s, up to its largest message."""
-    from loom.comm.auto import candidates
-    from loom.comm.shm import context_for
-    from loom.comm.shm_small import MAX_BYTES as SMALL_MAX
-    from loom.comm.shm_small import SmallAllReduce
-    from loom.topology import current
-
-    group = current().group
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sizes = sorted({_words(s) for s in sizes})
-    algorithms = candidates(context_for(group))
-    names = [f"allreduce:{a}" for a in algorithms] + ["reduce_scatter", "all_gather", "p2p"]
-    from loom.ps.wire import WireLimits
-
-    limits = dict(limits or {})
-    # a larger frame is dropped by its receiver
-    limits["ps"] = min(limits.get("ps", 0), WireLimits().max_payload)
-    if limits["ps"]:
-        names += ["ps_encode", "ps_decode"]
-    rig = _FrameRig() if limits["ps"] else None
-    small = SmallAllReduce.for_group(group) if "shm" in algorithms else None
-    if small is not None:  # TensorParallelComm's below its size (`loom.plan.cost`'s tensor parallelism)
-        names.append("small_allreduce")
-        limits["small_allreduce"] = min(limits.get("small_allreduce", SMALL_MAX), SMALL_MAX)
-    seconds = {name: [math.inf] * len(sizes) for name in names}  # inf: above its limit, not measured
-    timings: list[_Timing] = []
-    try:
-        # Collectives at every size, frames above `INTERLEAVED_BYTES` right after their size's collectives;
-        # then the rounds; then the smaller sizes' frames, after every collective (`INTERLEAVED_BYTES`)
-        for frames in (False, True):
-            for index, size in enumerate(sizes):
-                rounds = size <= INTERLEAVED_BYTES
-                if frames and not rounds:
-                    break
-                for name, fn in _operations(size, algorithms, rank, world, group, rig, small).items():
-                    family = "ps" if name.startswith("ps_") else name.split(":")[0]
-                    now = frames == rounds if family == "ps" else not frames
-                    if now and size <= _words(limits.get(family, size)):
-                        at_once = family == "ps" or not rounds
-                        timings.append(_first_call(name, index, fn, reps, group, timings, not at_once))
-                        if at_once:
-                            _complete([timings[-1]], group)
-                            timings[-1].fn = _spent  # its message's buffer is not kept
-            _complete([t for t in timings if len(t.seconds) < t.reps], group, rounds=True)
-    finally:
-        if rig is not None:
-            rig.close()
-    # each call lasts as long as its slowest rank
-    table = torch.zeros(len(timings), max((t.reps for t in timings), default=1), dtype=torch.float64)
-    for row, t in zip(table, timings, strict=True):
-        row[: t.reps] = torch.tensor(t.seconds, dtype=torch.float64)
-    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
-    for row, t in zip(table.tolist(), timings, strict=True):
-        seconds[t.name][t.index] = statistics.median(row[: t.reps])
-    return Transport(world, tuple(sizes), {k: envelope(v) for k, v in seconds.items()})
-
-
-def _first_call(
-    name: str,
-    index: int,
-    fn: Callable[[], object],
-    most: int,
-    group: Any,
-    earlier: list[_Timing],
-    rounds: bool,
-) -> _Timing:
-    """The first call of ``name`` at size ``index``: a warm-up (set-up: shared memory, links) that sizes the
-    timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most ``most``; timed in ``rounds``,
-    each counts with the untimed call before it); for a parameter server's frames past the first size, a timed
-    call itself (their code is warm, their buffers are new at every call: a warm-up is the same work timed for
-    nothing, seconds at 100 MB)."""
-    warm = not (name.startswith("ps_") and any(t.name == name for t in earlier))
-    first = _call(fn, group)
-    reps = agreed_reps(first * (2 if rounds else 1), most, group, REPS_BUDGET_S)
-    return _Timing(name, index, fn, reps, [] if warm else [first])
-
-
-def _spent() -> None:
-    """What a `_Timing` whose calls were all made holds instead of its operation."""
-
-
-def _complete(timings: list[_Timing], group: Any, rounds: bool = False) -> None:
-    """Each of ``timings``' remaining calls (every rank makes the same: their counts were agreed); with
-    ``rounds``, one call of each that still needs one a round, each timed call right after an untimed one of the
-    same operation, which leaves its buffers and caches as the call before it would have (without it, a 1 MB
-    ring all-reduce timed between other sizes' calls took 0.84 ms against 0.4-0.6 one call after another)."""
-    for _ in range(max((t.reps - len(t.seconds) for t in timings), default=0)):
-        for t in timings:
-            if len(t.seconds) < t.reps:
-                if rounds:
-                    t.fn()
-                t.seconds.append(_call(t.fn, group))
 
 
 def envelope(seconds: list[float]) -> tuple[float, ...]:

@@ -6,7 +6,7 @@
 Both run the user's script up to its ``job.loader(...)`` (`loom.plan.capture`) in every worker, so every rank
 holds the same model, optimizer, loss and data as the script would build.
 
-``calibrate``: the transport (`loom.plan.transport.measure_transport`) at the given sizes.
+``calibrate``: the transport (`loom.plan.transport_timing.measure_transport`) at the given sizes.
 
 It measures the process's runtime bytes (its RSS after running the script up to its loader, less the model's
 parameters: torch, loom, the script's data; the largest rank's), and runs the reference configuration,
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.plan.transport import REPS
+from loom.plan.transport_timing import REPS
 
 __all__ = ["main"]
 
@@ -78,7 +78,7 @@ def _copy(captured: Any) -> Any:
 
 def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     from loom.observe.memory import reset_peak_rss, rss_bytes
-    from loom.plan.transport import measure_transport
+    from loom.plan.transport_timing import measure_transport
     from loom.topology import current
 
     params = sum(p.nbytes for p in captured.model.parameters())
@@ -285,7 +285,7 @@ def _verify_steps(
     categories are 0, not counted (``job.memory()`` walks every live tensor: 0.3 s a call at 100 M
     parameters); its peak RSS is measured still."""
     from loom.observe.memory import peak_rss_bytes, rss_bytes
-    from loom.plan.transport import agreed_reps
+    from loom.plan.transport_timing import agreed_reps
 
     before = rss_bytes() or 0  # the script's process with its model and data, before any training state
     job = _strategy(family, options).setup(captured.model, captured.optimizer, captured.loss_fn)
