@@ -22,6 +22,10 @@ for numel in (0, 1, 2, 7, 1000):
         assert torch.equal(piece, expected[lo:hi]), (numel, dtype, piece, expected[lo:hi])
         mean = reduce_scatter(flat, "avg")
         assert torch.allclose(mean, expected[lo:hi] / world), (numel, dtype)
+        # equal pieces go to the backend without a copy: the input is left as it was, the result is new
+        assert torch.equal(flat, torch.arange(numel, dtype=dtype) * (rank + 1) + rank), (numel, dtype)
         whole = all_gather(piece, numel)
         assert torch.equal(whole, expected), (numel, dtype)
+        whole.add_(1)
+        assert torch.equal(piece, expected[lo:hi]), (numel, dtype)
 print("OK", flush=True)
