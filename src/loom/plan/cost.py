@@ -64,8 +64,8 @@ code: LocalSGD's flat copy of the parameters, DiLoCo's pseudo-gradient pieces an
 anchor and outer momentum. FSDP's memory on a host is not its shards: each unit is gathered whole, its gradient
 computed whole, and the allocator keeps those blocks (measured: ZeRO-3 peak RSS 4-8 ``P`` above DataParallel's
 on the chains above, where the formula says 2 ``P`` below it). So ``R_z``, FSDP's memory beyond the formula at
-stage ``z``, is measured as the runtime is: the calibration trains the user's model under ZeRO-3 for two steps
-and ``R_z`` is that peak less stage 3's formula, charged to stage 2 too (an upper bound: stage 2's peak was 5 %
+stage ``z``, is measured as the runtime is: the calibration trains the user's model under ZeRO-3 for a step, its
+optimizer's state made first, and ``R_z`` is that peak less stage 3's formula, charged to stage 2 too (an upper bound: stage 2's peak was 5 %
 below stage 3's on the medium chain, 317 against 333 MiB).
 
 Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`` sends ``2 (N-1)/N x D``, a
