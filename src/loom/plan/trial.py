@@ -94,10 +94,11 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
 
     reset_peak_rss()
     # one untimed step (its optimizer state, DDP's first iteration: 3x a step at 100 M parameters); the second,
-    # DDP's rebuilt buckets' first (1.3x), is one of at least 3 timed blocks, whose median does not see it
+    # DDP's rebuilt buckets' first (1.3x), is one of at least 3 timed blocks, whose median does not see it. Its
+    # step time and peak RSS are used, not the tensors' categories (`_verify_steps`' ``tensors``)
     trained = _copy(captured)
     reference = _verify_steps(
-        trained, "DataParallel", {"allreduce": "native"}, max(ns.steps, STEPS), 1, budget=True
+        trained, "DataParallel", {"allreduce": "native"}, max(ns.steps, STEPS), 1, budget=True, tensors=False
     )
     done("reference")
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, json.loads(ns.limits))
@@ -208,7 +209,8 @@ def _tiny(captured: Any, family: str, options: dict[str, Any], steps: int) -> fl
     tiny = dataclasses.replace(captured, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                loss_fn=torch.nn.functional.mse_loss, dataset=data, global_batch_size=16,
                                loader_options={})  # fmt: skip
-    return float(_verify_steps(tiny, family, options, steps, 3)["step_time_s"])
+    # its step time alone: job.memory() would walk every tensor of the process, the user's model's too
+    return float(_verify_steps(tiny, family, options, steps, 3, tensors=False)["step_time_s"])
 
 
 def _fixed_costs(captured: Any, steps: int, servers: bool) -> dict[str, Any]:
