@@ -5,6 +5,7 @@ the script capture, the profile, and bad input. One process, no sockets (the sys
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import pytest
@@ -556,3 +557,17 @@ def test_transport_measuring_order_times_large_sizes_at_once_and_small_frames_af
         (0, "ps_encode", True),
         (0, "ps_decode", True),
     ]
+
+
+def test_transport_json_is_plain_and_round_trips_unmeasured_sizes():
+    """`Transport.to_json` writes an unmeasured size as null (strict JSON readers refuse ``Infinity``), and
+    `from_json` reads it back as unmeasured, which `Transport.time` refuses."""
+    import json
+
+    measured = Transport(2, (8, 4096), {"p2p": (1e-4, math.inf)}, 0.5, ps_fixed_s=0.002)
+    text = json.dumps(measured.to_json())
+    assert "Infinity" not in text and "null" in text
+    again = Transport.from_json(json.loads(text))
+    assert again == measured
+    with pytest.raises(OutsideCalibration):
+        again.time("p2p", 4096)

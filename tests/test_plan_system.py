@@ -25,7 +25,7 @@ def test_loom_plan_ranks_every_configuration_and_verifies_the_top_two(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=850, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "chosen: fastest predicted" in done.stdout and "strategy = loom." in done.stdout
-    doc = json.loads(out.read_text())
+    doc = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"not plain JSON: {name}"))
     rows = doc["configurations"]
     families = {row["family"] for row in rows}
     assert {
@@ -42,6 +42,11 @@ def test_loom_plan_ranks_every_configuration_and_verifies_the_top_two(tmp_path):
     assert [r["samples_per_s"] for r in feasible] == sorted(
         (r["samples_per_s"] for r in feasible), reverse=True
     )
+    # what the predictions were made of: the transport's table and the fixed costs, as the planner read them
+    measured = doc["transport"]
+    assert measured["world_size"] == 2 and len(measured["sizes"]) > 3
+    assert measured["ps_fixed_s"] is not None and "stage3" in measured["fsdp_unit_s"]
+    assert all(len(v) == len(measured["sizes"]) for v in measured["seconds"].values())
     verified = doc["verified"]
     assert [v["strategy"] for v in verified] == [row["strategy"] for row in feasible[:2]]
     # The persistent state is counted, not timed: within the 2 % (the shm segment rounds up its size).

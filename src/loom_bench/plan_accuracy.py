@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 "args": " ".join(args), "params": result.profile.param_count, "plan_seconds": seconds,
                 "overhead_s": result.overhead_s, "pipeline_overhead_s": result.pipeline_overhead_s, "overlap": result.transport.overlap,
                 "ddp_extra_s": result.transport.ddp_extra_s,
+                "transport": result.transport.to_json(),  # what each prediction was made of
                 "rows": _rows(result, args, ns.steps, ns.repeats, hosts, ns.cgroup),
             }  # fmt: skip
             ns.out.mkdir(parents=True, exist_ok=True)

@@ -105,7 +105,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         extra = {"script": ns.script, "nproc": ns.nproc, "hosts": ns.hosts, "link_bytes_per_s": ns.link,
                  "global_batch_size": result.global_batch_size, "overlap": result.transport.overlap,
                  "ddp_extra_s": result.transport.ddp_extra_s,
-                 "seconds": result.seconds,
+                 "seconds": result.seconds, "transport": result.transport.to_json(),
                  "verified": [{"strategy": v.config.strategy, "launch": v.config.launch, "predicted_s": v.predicted_s,
                                "measured_s": v.measured_s, "error": v.error, "predicted_state_bytes": v.predicted_state,
                                "measured_state_bytes": v.measured_state, "predicted_peak_bytes": v.predicted_peak,

@@ -121,7 +121,9 @@ class Transport:
         )
 
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "sizes": list(self.sizes), "seconds": self.seconds,
+        """Plain JSON (a size above an operation's limit, unmeasured, is ``null``, not ``Infinity``)."""
+        seconds = {k: [None if math.isinf(x) else x for x in v] for k, v in self.seconds.items()}
+        return {"world_size": self.world_size, "sizes": list(self.sizes), "seconds": seconds,
                 "overlap": self.overlap, "ddp_extra_s": self.ddp_extra_s, "hosts": self.hosts,
                 "link_bytes_per_s": self.link_bytes_per_s,
                 "fsdp_unit_s": self.fsdp_unit_s, "ps_fixed_s": self.ps_fixed_s,
@@ -131,7 +133,8 @@ class Transport:
     def from_json(cls, data: dict) -> Transport:
         return cls(
             int(data["world_size"]), tuple(int(s) for s in data["sizes"]),
-            {k: tuple(float(x) for x in v) for k, v in data["seconds"].items()}, float(data.get("overlap", 0.0)),
+            {k: tuple(math.inf if x is None else float(x) for x in v) for k, v in data["seconds"].items()},
+            float(data.get("overlap", 0.0)),
             ddp_extra_s=float(data.get("ddp_extra_s", 0.0)),
             fsdp_unit_s={k: float(v) for k, v in data.get("fsdp_unit_s", {}).items()},
             ps_fixed_s=None if data.get("ps_fixed_s") is None else float(data["ps_fixed_s"]),
