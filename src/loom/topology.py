@@ -200,11 +200,12 @@ def _join(backend: str | None, timeout_s: float, device: str | None = None) -> T
             dist.init_process_group(
                 backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout
             )
-        if chosen == "gloo":
-            # gloo's connections finish on each rank in its own time: a rank that went on and ended at once (a
-            # setup every rank refuses) closed its sockets under a peer still connecting, which then failed
-            # with "Gloo connectFullMesh failed ... Connection closed by peer" instead of the refusal
-            dist.barrier(group=dist.group.WORLD)
+        # gloo's connections finish on each rank in its own time: a rank that went on and ended at once (a
+        # setup every rank refuses) closed its sockets under a peer still connecting, which then failed with
+        # "Gloo connectFullMesh failed ... Connection closed by peer" instead of the refusal. A CPU tensor's
+        # all-reduce runs on gloo in either group (`gloo`, or `cpu:gloo,cuda:nccl`, where a barrier would go
+        # to NCCL and make its communicator before the job needs one)
+        dist.all_reduce(torch.zeros(1), group=dist.group.WORLD)
     _watch_uncaught_exceptions()
     _current = Topology(rank, world_size, local_rank, local_world_size, short, **where)
     atexit.register(shutdown)
