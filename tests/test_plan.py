@@ -286,6 +286,9 @@ def test_a_parameter_server_decodes_every_workers_push_and_encodes_every_reply_i
     halves = predict(two, profile, Transport(world, sizes, ops, ps_fixed_s=0.0, ps_save_bytes_per_s=1e6), 64)
     assert halves.step_time_s - predict(two, profile, Transport(world, sizes, ops, ps_fixed_s=0.0), 64).step_time_s \
         == pytest.approx(state / 2 / 1e6)  # fmt: skip
+    # a worker holds its replies' decoded payloads and the frame being decoded: P (1 + 1/S) beyond its state
+    assert got.memory["other"] == int(2 * profile.param_bytes)
+    assert halves.memory["other"] == int(1.5 * profile.param_bytes)
     rate = parse_rate("100mbit")
     linked = predict(config, profile, Transport(world, sizes, ops, 0.0, 2, rate, ps_fixed_s=0.0), 64)
     assert linked.comm_s == pytest.approx(world * (profile.grad_bytes + profile.param_bytes) / rate)
