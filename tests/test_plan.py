@@ -411,8 +411,8 @@ def test_a_fits_verdict_counts_the_launchers_share_and_the_peaks_error_margin():
 
 def test_replica_sync_buffers_and_fsdps_measured_memory_are_counted():
     """LocalSGD holds one flat copy of the parameters during its average; DiLoCo its anchor, outer momentum,
-    pseudo-gradient and its flat copy; ZeRO-2/3 their measured memory beyond the formula (``R_z``) and no
-    other configuration does."""
+    pseudo-gradient and its flat copy; ZeRO-1 a flat copy of the gradient; ZeRO-2/3 their measured memory beyond
+    the formula (``R_z``) and no other configuration does."""
     profile = _profile(sizes=(32, 64))
     p = profile.param_bytes
 
@@ -425,7 +425,7 @@ def test_replica_sync_buffers_and_fsdps_measured_memory_are_counted():
     assert other("ShardedDataParallel", (("stage", 2),), 123) == 123
     assert other("ShardedDataParallel", (("stage", 3),), 123) == 123
     assert other("ShardedDataParallel", (("stage", 3),)) == 0
-    assert other("ShardedDataParallel", (("stage", 1),), 123) == 0
+    assert other("ShardedDataParallel", (("stage", 1),), 123) == profile.grad_bytes  # its flat gradient
     assert other("DataParallel", (("allreduce", "native"),), 123) == 0
 
 
