@@ -94,11 +94,10 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
 
     reset_peak_rss()
     # one untimed step (its optimizer state, DDP's first iteration: 3x a step at 100 M parameters); the second,
-    # DDP's rebuilt buckets' first (1.3x), is one of at least 3 timed blocks, whose median does not see it. Its
-    # step time and peak RSS are used, not the tensors' categories (`_verify_steps`' ``tensors``)
+    # DDP's rebuilt buckets' first (1.3x), is one of at least 3 timed blocks, whose median does not see it
     trained = _copy(captured)
     reference = _verify_steps(
-        trained, "DataParallel", {"allreduce": "native"}, max(ns.steps, STEPS), 1, budget=True, tensors=False
+        trained, "DataParallel", {"allreduce": "native"}, max(ns.steps, STEPS), 1, budget=True
     )
     done("reference")
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, json.loads(ns.limits))
@@ -109,17 +108,13 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     # the reference's DDP has let go of it (its reducer's hooks go with it)
     gc.collect()
     # no warm-up step: the reference made the optimizer state; a slower first block is outside the median of 3+
-    quiet = _verify_steps(
-        trained, "LocalSGD", {"sync_every": QUIET}, max(ns.steps, STEPS), 0, budget=True, tensors=False
-    )
+    quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, max(ns.steps, STEPS), 0, budget=True)
     done("quiet")
     data = transport.to_json()
     if ns.pipeline:  # the pipeline engine's own overhead (planner): last, it empties other stages' parameters
         gc.collect()
         ((family, options),) = json.loads(ns.pipeline).items()
-        pipeline = _verify_steps(
-            trained, family, options, max(ns.steps, STEPS), 0, budget=True, tensors=False
-        )
+        pipeline = _verify_steps(trained, family, options, max(ns.steps, STEPS), 0, budget=True)
         data["pipeline_step_s"] = pipeline["step_time_s"]
         done("pipeline")
     del trained
@@ -149,15 +144,16 @@ def _fsdp_peak(captured: Any, params: int) -> int:
 
     reset_peak_rss()
     trained = _copy(captured)
-    got = _verify_steps(trained, "ShardedDataParallel", {"stage": 3}, 1, 0, tensors=False, prime=True)
+    got = _verify_steps(trained, "ShardedDataParallel", {"stage": 3}, 1, 0, prime=True)
     return max(0, got["memory"]["peak_rss"] - params)
 
 
 def _prime(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's state as its first step makes it, without that step's forward, backward and collectives: a
     step on zero gradients (of a throwaway copy of the model). ZeRO-3's peak of one step so primed was that of a
-    second step (100 M parameters, 2 processes, both orders: 1248-1251 MiB each way; 1.3 M: within 1 %, primed
-    above), in 4.5-4.8 s against 7.6-7.7 s (time to plan)."""
+    second step (2 processes, both orders in one job: 100 M 1248-1251 MiB each way, 15 k alike, 1.3 M within 1 %
+    with primed above; 11.9 M in fresh jobs primed 575/621 MiB against 526/576, that measurement's own spread),
+    in 4.5-4.8 s against 7.6-7.7 s at 100 M (time to plan)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = torch.zeros_like(p)
@@ -209,8 +205,7 @@ def _tiny(captured: Any, family: str, options: dict[str, Any], steps: int) -> fl
     tiny = dataclasses.replace(captured, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                loss_fn=torch.nn.functional.mse_loss, dataset=data, global_batch_size=16,
                                loader_options={})  # fmt: skip
-    # its step time alone: job.memory() would walk every tensor of the process, the user's model's too
-    return float(_verify_steps(tiny, family, options, steps, 3, tensors=False)["step_time_s"])
+    return float(_verify_steps(tiny, family, options, steps, 3)["step_time_s"])
 
 
 def _fixed_costs(captured: Any, steps: int, servers: bool) -> dict[str, Any]:
@@ -274,7 +269,7 @@ def _strategy(family: str, options: dict[str, Any]) -> Any:
 
 
 def _verify(ns: argparse.Namespace, captured: Any) -> dict:
-    return _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, ns.warmup)
+    return _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, ns.warmup, tensors=True)
 
 
 def _block(family: str, options: dict[str, Any]) -> int:
@@ -292,15 +287,16 @@ def _verify_steps(
     count: int,
     warmup: int,
     budget: bool = False,
-    tensors: bool = True,
+    tensors: bool = False,
     prime: bool = False,
 ) -> dict:
     """``count`` timed blocks after ``warmup`` untimed steps; a block's time is the slowest rank's, from a barrier
     before its first step to the end of its last, divided by its steps; the result is the median block. With
     ``budget``, fewer blocks (at least 3) when ``count`` of them would take more than `BUDGET_S`, judged on the
-    last warm-up step or, with no warm-up, on the first timed block. Without ``tensors``, the memory's tensor
-    categories are 0, not counted (``job.memory()`` walks every live tensor: 0.3 s a call at 100 M
-    parameters); its peak RSS is measured still. With ``prime``, the optimizer's state is made before the steps
+    last warm-up step or, with no warm-up, on the first timed block. The peak RSS is always measured; the
+    memory's tensor categories only with ``tensors`` (``--verify``, which compares the persistent state), 0
+    otherwise: ``job.memory()`` walks every live tensor of the process, the user's model's too (0.3 s a call at
+    100 M parameters), and the calibration's runs read their step time and peak alone. With ``prime``, the optimizer's state is made before the steps
     (`_prime`; the job steps the optimizer it was set up with, rebound in place)."""
     from loom.observe.memory import peak_rss_bytes, rss_bytes
     from loom.plan.transport_timing import agreed_reps
