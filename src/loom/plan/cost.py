@@ -45,46 +45,34 @@ Pipeline / Hybrid(dp, pp), m, s     replay of loom's instruction streams (`pipel
 The stage cut is loom's own (`pipeline_split.balanced_cuts` by parameter count, as ``Pipeline``'s default), the
 bubble comes from replaying the schedule's instruction streams (with equal stages and free messages it is
 ``(p - 1) / (m + p - 1)``, GPipe paper §2.3), and the peak of live micro-batches from `peak_live_microbatches`.
-Memory is the peak of a process: what it holds between steps (what ``job.memory()`` counts then), the
-activations of one step, the step's temporaries (``transient``: autograd's and the optimizer's, measured by the
-profile as the growth of its peak RSS over the first steps, less the state and activations they created) and the
-process's ``runtime`` (torch, loom, the script's data: a worker's RSS after running the script up to its loader,
-less the model's parameters, measured by the calibration job). Two of loom's implementations differ from the textbook there, and the table follows loom: stage 1
-(`sharded_flat`) frees the full gradient once its piece is averaged, so only ``G/N`` stays (the whole ``G``
-lives during backward); DataParallel's shared-memory path (``allreduce="shm"`` without a spare core,
-`comm.shared_gradients`) makes every ``.grad`` a view of one shared segment holding every local process's slot,
-which ``job.memory()`` counts whole: ``L x G`` for ``L`` processes on the host; a ``Hybrid``'s data axis on one
-host takes the same class over its group (`GradientAveraging.for_stage`): ``dp x G_stage`` (measured at 4
-processes, dp = pp = 2: the state was 25 % above the prediction without it).
 
-The replica strategies' synchronization allocates while the step's own temporaries are still held by the
-allocator (glibc keeps freed blocks of these sizes for reuse; measured: DiLoCo's peak RSS 4-6 ``P`` above
-DataParallel's on the MLP chains of ``loom_bench.plan_accuracy``), so their buffers are added, counted from the
-code: LocalSGD's flat copy of the parameters, DiLoCo's pseudo-gradient pieces and their flat copy beside its
-anchor and outer momentum; a parameter-server worker's replies, ``P (1 + 1/S)`` for ``S`` servers (each payload
-decoded into a copy, all held until written into the parameters, and the frame being decoded: the 11.9 M chain's
-worker peaked 13 % above the prediction without them, 64 MiB, 1.4 ``P``); ZeRO stage 1's flat copy of the whole
-gradient, ``G``, made while the gradients are still held (`sharded_flat`: 6-8 % under on the 11.9 M chain, 4.6 %
-on the 1.3 M one, without it). FSDP's memory on a host is not its shards: each unit is gathered whole, its gradient
-computed whole, and the allocator keeps those blocks (measured: ZeRO-3 peak RSS 4-8 ``P`` above DataParallel's
-on the chains above, where the formula says 2 ``P`` below it). So ``R_z``, FSDP's memory beyond the formula at
-stage ``z``, is measured as the runtime is: the calibration trains the user's model under ZeRO-3 for a step, its
-optimizer's state made first, and ``R_z`` is that peak less stage 3's formula, charged to stage 2 too (an upper bound: stage 2's peak was 5 %
-below stage 3's on the medium chain, 317 against 333 MiB).
+Memory is the peak of a process: what it holds between steps (what ``job.memory()`` counts then), the activations
+of one step, the step's temporaries (``transient``: autograd's and the optimizer's, the profile's growth of peak
+RSS over its first steps less the state and activations they created) and the process's ``runtime`` (torch, loom,
+the script's data: a worker's RSS at its loader less the model's parameters, from the calibration job). The table
+follows loom's implementations where they differ from the textbook: ZeRO-1 (`sharded_flat`) keeps ``G/N`` between
+steps but makes a flat copy of the whole gradient while the gradients are held (``other = G``); DataParallel's
+shared-memory path (``allreduce="shm"`` without a spare core, `comm.shared_gradients`) makes every ``.grad`` a view
+of one segment holding every local process's slot (``L x G`` for ``L`` processes on the host), as a ``Hybrid``'s
+data axis on one host does over its group (``dp x G_stage``). Buffers allocated while the step's temporaries are
+still held by the allocator are added, counted from the code: LocalSGD's flat copy of the parameters, DiLoCo's
+pseudo-gradient and its flat copy beside its anchor and outer momentum, a parameter-server worker's decoded
+replies ``P (1 + 1/S)`` (`loom.ps.wire.decode` copies each payload; all are held until written into the
+parameters). FSDP's memory on a host is not its shards (each unit is gathered and its gradient computed whole, and
+the allocator keeps those blocks), so ``R_z`` is measured: the calibration trains the model a step under ZeRO-3,
+its optimizer's state made first, and charges the peak less stage 3's formula to stages 2 and 3 (an upper bound
+for stage 2).
 
 Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`` sends ``2 (N-1)/N x D``, a
 reduce-scatter or all-gather ``(N-1)/N x D``.
 
 Every step also pays loom's step engine (the guard, step records, the batch hand-off), which no formula above
-contains: ``E``, measured once per plan as a quiet run's measured step minus its formula (`loom.plan.trial`'s
-calibration: ``LocalSGD`` that never synchronizes, so no ``k`` is in that formula), is added to every
-configuration but the pipelines; ``k`` is the reference's (``DataParallel(allreduce="native")``) step less the quiet
-one's (`loom.plan.planner`). A pipeline schedule's ``E`` is its own, from a pipeline the calibration also runs
-(the planner's ``_pipeline_probe``): its measured step less its replay. Measured on the medium MLP chain of
-``loom_bench.plan_accuracy`` (2 processes), the quiet run's ``E`` put both pipelines 21-28 % above their measured
-step: the data-parallel family's processes each run the whole model's step in lockstep and contend for the
-cores' memory bandwidth (Adam 4.4 ms in the job against 1.3 ms for a stage's half), which a pipeline stage,
-with half the state, does less.
+contains: ``E``, a quiet run's measured step minus its formula (`loom.plan.trial`'s calibration: ``LocalSGD`` that
+never synchronizes, so no ``k`` is in that formula), added to every configuration but the pipelines; ``k`` is the
+reference's (``DataParallel(allreduce="native")``) step less the quiet one's (`loom.plan.planner`). A pipeline
+schedule's ``E`` is its own, measured on a pipeline the calibration also runs (its step less its replay): the
+data-parallel family's processes each run the whole model's step in lockstep and contend for memory bandwidth,
+which a pipeline stage, with a share of the state, does less.
 
 TensorParallel (one MLP chain, ``tp = N``): ``sum over layers of C_l / (t if split else 1) + sum over pairs of
 (T_tp(out_b) + T_tp(in_a)) + O f + e`` (`_tensor_parallel`), ``T_tp`` the all-reduce its layers run

@@ -4,8 +4,7 @@ The order, and what each step costs on a small model: the script runs to its loa
 seconds: the script's own imports and model construction); the model trains a few steps at each batch size the
 configurations need (`loom.plan.profile`); one ``loom run -n N`` job measures the transport at the message sizes
 the configurations need and runs two short engine runs, for the engine overhead and the overlap coefficient
-(`loom.plan.trial`, ~10-30 s here, mostly start-up);
-predicting is arithmetic (`loom.plan.cost`, well under a millisecond per configuration).
+(`loom.plan.trial`, mostly start-up); predicting is arithmetic (`loom.plan.cost`, well under a millisecond per configuration).
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ def _fsdp_extra(measured: dict, profile: ModelProfile, local: Transport, batch: 
 def _overhead(measured_s: float, formula: Prediction) -> float:
     """The engine overhead (`loom.plan.cost`): a calibration run's measured step less its formula's (the quiet
     run's, no exchange; the pipeline's). Negative where the profile timed the compute slower than the job ran it
-    (its noise, ~1 ms of a 10 ms step here): a correction every configuration of that engine shares, as the
+    (its noise): a correction every configuration of that engine shares, as the
     engine's time is; at most half the formula's step below it."""
     return max(-formula.step_time_s / 2, float(measured_s) - formula.step_time_s)
 
@@ -130,7 +129,7 @@ def _with_overlap(local: Transport, measured: dict, profile: ModelProfile, refer
     exposes ``reference - quiet`` of the all-reduce's ``X``, and ``exposed(X) = X - k * min(X, Bw)``
     (`loom.plan.cost`), so ``k = (X - (reference - quiet)) / min(X, Bw)``, within [-1, 1], and what the
     reference exposed beyond ``k = -1`` its ``ddp_extra_s``: so the reference's own prediction is its measured
-    step (a clamp alone made a small MLP's -19 % on 2 cores). Both steps are the engine's, on the same model and
+    step. Both steps are the engine's, on the same model and
     data, so what they share (the engine, the cores' contention) cancels."""
     backward = profile.at(math.ceil(batch / reference.dp)).backward_s
     x = local.time("allreduce:native", profile.grad_bytes)
@@ -199,8 +198,8 @@ def coalesce(
 ) -> tuple[list[int], dict[str, int]]:
     """``sizes`` less those within `COALESCE` below the next one kept, and ``limits`` raised to the size that
     stands for them, never across ``cap`` (a parameter server's largest frame, `loom.ps.wire.WireLimits`): a
-    gradient's half for one of 2 servers and a codec's gathered message 0.4 % apart were each measured whole,
-    seconds apiece on a 100 M-parameter model (time to plan); between measured sizes the transport interpolates
+    gradient's half for one of 2 servers and a codec's gathered message a fraction of a percent apart need not
+    each be measured whole (time to plan); between measured sizes the transport interpolates
     linearly in bytes, exact where a message is bandwidth-bound as messages of this size are."""
     if cap is None:
         from loom.ps.wire import WireLimits

@@ -79,9 +79,7 @@ class Transport:
     ddp_extra_s: float = 0.0
     """What DDP's native all-reduce exposed in the reference's step beyond the most interference ``overlap``
     stands for (-1: the all-reduce and the shorter of it and backward, one after the other): DDP's own work and
-    the wake-ups of gloo's thread on a busy host (a 15 k-parameter MLP on 2 cores, two plans: 0.3 and 0.8 ms
-    beyond the 0.67 ms that -1 stands for, of a 0.45 ms all-reduce and a 0.22 ms backward).
-    Charged to ``DataParallel(allreduce="native")`` alone, the configuration it was measured on."""
+    the wake-ups of gloo's thread on a busy host. Charged to ``DataParallel(allreduce="native")`` alone, the configuration it was measured on."""
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -145,9 +143,7 @@ class Transport:
 def envelope(seconds: list[float]) -> tuple[float, ...]:
     """Each size's time, or a larger size's where that was measured faster: a message can always be sent padded
     to a larger size, so that size's time bounds it, and what disturbs a measurement here (another process
-    scheduled, a late wake-up) only ever adds time. On this 2-core host a 100 KB all-reduce measured 3 ms in
-    one plan in three (the median of its repetitions) between 0.3 and 0.4 ms at 32 and 512 KB, and made one
-    configuration's prediction 2.5x the others'. Unmeasured sizes (``inf``, above a limit) stay unmeasured."""
+    scheduled, a late wake-up) only ever adds time. Unmeasured sizes (``inf``, above a limit) stay unmeasured."""
     out, best = list(seconds), math.inf
     for i in range(len(out) - 1, -1, -1):
         if math.isfinite(out[i]):

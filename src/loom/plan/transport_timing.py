@@ -37,16 +37,15 @@ __all__ = ["REPS", "agreed_reps", "measure_transport"]
 
 
 REPS_BUDGET_S = 0.1
-"""Timed repetitions of one operation stop at about this much time (at least one): a 300 MB all-reduce is
-timed once after its warm-up, a 4 KB one ``reps`` times (15: the latency-bound sizes are the noisy ones here),
-a 20 ms one 5 times. Large messages are bandwidth-bound and vary little; a spike at one size is capped by a
-larger size's time (`envelope`). 0.3 s with 15 repetitions took 4 s more to plan 100 M parameters."""
+"""Timed repetitions of one operation stop at about this much time (at least one): a large message is timed once
+after its warm-up, a small one ``reps`` times. Large messages are bandwidth-bound and vary little; a spike at one
+size is capped by a larger size's time (`envelope`)."""
 
 
 REPS = 15
 """Repetitions of a short measurement (a transport operation at one size, the overlap's backward): their median is
-the figure, and 5 left it to chance on this 2-core host (a 100 KB all-reduce's median 0.35 ms in one plan, 3 ms in
-the next); a long one stops at its time budget first, so a large model costs no more."""
+the figure (latency-bound sizes are the noisy ones on a busy host); a long one stops at its time budget first, so a
+large model costs no more."""
 
 
 def agreed_reps(first_s: float, most: int, group: Any, budget_s: float, least: int = 1) -> int:
@@ -79,15 +78,13 @@ class _Timing:
 
 INTERLEAVED_BYTES = 4 << 20
 """Collectives up to this many bytes have their timed calls made in rounds over every operation and size, one
-call each a round (`_complete`), rather than one after the other (`measure_transport`): what disturbs this 2-core
-host (another process scheduled, a late wake-up) comes in phases longer than one size's calls, and made one
-size's median 2.5-4x its neighbours' for every operation at once (a 1 MB all-gather 3.7 ms in one plan in three,
-1.1 and 0.8 in the others; the medium MLP's ZeRO-3 predicted 91 ms against 60 and 55). Larger messages are
-timed at once (a call long enough to span such a phase; their buffers are not all kept for the rounds), and so
-are the parameter servers' frames, after the collectives of their size (a frame's decode is of the frame its
-encode just delivered; a frame's fresh buffers come from the allocator in the state many calls leave it, as a
-training loop does: glibc serves a size it has freed before from its heap, without faulting pages in, where after
-few calls a 5.3 MB frame's encode took 11-15 ms against 7-11), the smaller sizes' after every collective."""
+call each a round (`_complete`), rather than one after the other (`measure_transport`): what disturbs a busy host
+(another process scheduled, a late wake-up) comes in phases longer than one size's calls, and would raise one
+size's median for every operation at once. Larger messages are timed at once (a call long enough to span such a
+phase; their buffers are not all kept for the rounds), and so are the parameter servers' frames, after the
+collectives of their size (a frame's decode is of the frame its encode just delivered; its fresh buffers come
+from the allocator in the state many calls leave it, as a training loop does), the smaller sizes' after every
+collective."""
 
 
 def _p2p(data: torch.Tensor, rank: int, world: int, group: Any) -> None:
@@ -283,8 +280,7 @@ def _first_call(
     """The first call of ``name`` at size ``index``: a warm-up (set-up: shared memory, links) that sizes the
     timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most ``most``; timed in ``rounds``,
     each counts with the untimed call before it); for a parameter server's frames past the first size, a timed
-    call itself (their code is warm, their buffers are new at every call: a warm-up is the same work timed for
-    nothing, seconds at 100 MB)."""
+    call itself (their code is warm, their buffers are new at every call: a warm-up would be the same work again)."""
     warm = not (name.startswith("ps_") and any(t.name == name for t in earlier))
     first = _call(fn, group)
     reps = agreed_reps(first * (2 if rounds else 1), most, group, REPS_BUDGET_S)
@@ -298,8 +294,8 @@ def _spent() -> None:
 def _complete(timings: list[_Timing], group: Any, rounds: bool = False) -> None:
     """Each of ``timings``' remaining calls (every rank makes the same: their counts were agreed); with
     ``rounds``, one call of each that still needs one a round, each timed call right after an untimed one of the
-    same operation, which leaves its buffers and caches as the call before it would have (without it, a 1 MB
-    ring all-reduce timed between other sizes' calls took 0.84 ms against 0.4-0.6 one call after another)."""
+    same operation, which leaves its buffers and caches as the call before it would have (a call timed right after
+    other sizes' calls is slower than one after its own)."""
     for _ in range(max((t.reps - len(t.seconds) for t in timings), default=0)):
         for t in timings:
             if len(t.seconds) < t.reps:

@@ -93,8 +93,8 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
         parts[part], clock = time.perf_counter() - clock, time.perf_counter()
 
     reset_peak_rss()
-    # one untimed step (its optimizer state, DDP's first iteration: 3x a step at 100 M parameters); the second,
-    # DDP's rebuilt buckets' first (1.3x), is one of at least 3 timed blocks, whose median does not see it
+    # one untimed step (its optimizer state, DDP's first iteration); the second, DDP's rebuilt buckets' first, is
+    # one of at least 3 timed blocks, whose median does not see it
     trained = _copy(captured)
     reference = _verify_steps(
         trained, "DataParallel", {"allreduce": "native"}, max(ns.steps, STEPS), 1, budget=True
@@ -104,8 +104,8 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     done("transport")
     # the same steps with no exchange: the engine overhead is its step less its formula, and the native
     # all-reduce's exposed time the reference's step less its (the overlap coefficient, planner). On the
-    # reference's copy, its optimizer state made (a fresh one's first step: 3x a step at 100 M parameters), once
-    # the reference's DDP has let go of it (its reducer's hooks go with it)
+    # reference's copy, its optimizer state made, once the reference's DDP has let go of it (its reducer's hooks
+    # go with it)
     gc.collect()
     # no warm-up step: the reference made the optimizer state; a slower first block is outside the median of 3+
     quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, max(ns.steps, STEPS), 0, budget=True)
@@ -138,8 +138,7 @@ def _fsdp_peak(captured: Any, params: int) -> int:
     """The peak RSS (the largest rank's, less the script's own model as the reference's) of a step of ZeRO
     stage 3 on a copy of the model whose optimizer state exists (`_prime`), as at every step after the first,
     from a trimmed heap (`reset_peak_rss`). Stage 3 only (time to plan): it gathers every unit twice a step, and
-    stage 2's peak was below it (medium MLP on 2 processes: 317 MiB against 333 MiB), so the planner charges
-    stage 2 the same memory beyond its formula."""
+    stage 2's peak is at most its, so the planner charges stage 2 the same memory beyond its formula."""
     from loom.observe.memory import reset_peak_rss
 
     reset_peak_rss()
@@ -150,10 +149,8 @@ def _fsdp_peak(captured: Any, params: int) -> int:
 
 def _prime(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's state as its first step makes it, without that step's forward, backward and collectives: a
-    step on zero gradients (of a throwaway copy of the model). ZeRO-3's peak of one step so primed was that of a
-    second step (2 processes, both orders in one job: 100 M 1248-1251 MiB each way, 15 k alike, 1.3 M within 1 %
-    with primed above; 11.9 M in fresh jobs primed 575/621 MiB against 526/576, that measurement's own spread),
-    in 4.5-4.8 s against 7.6-7.7 s at 100 M (time to plan)."""
+    step on zero gradients (of a throwaway copy of the model). ZeRO-3's peak of one step so primed is that of a
+    second step, at the cost of one step fewer (time to plan; the figures are in docs/plan.md)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = torch.zeros_like(p)
@@ -227,15 +224,15 @@ def _fixed_costs(captured: Any, steps: int, servers: bool) -> dict[str, Any]:
 
 
 SAVE_BYTES = 64 << 20
-"""The largest checkpoint `_save_rate` writes (time to plan: a 100 M-parameter model's state is 1.2 GB)."""
+"""The largest checkpoint `_save_rate` writes (time to plan: a large model's state is gigabytes)."""
 
 
 def _save_rate(nbytes: int, reps: int = 3) -> float:
     """Bytes per second of a synchronous parameter server's checkpoint, written as `loom.ps.shard.ModelShard.save`
     writes one after every step by default (a safetensors file beside the last, renamed into place, the last
     removed), ``nbytes`` of it, into a temporary folder in the working directory, where ``loom run`` keeps its
-    runs (else the system's): the median of ``reps``. On this host a medium MLP's real shard (56 tensors, 16 MB)
-    took 6.2 ms a save, four tensors of the same bytes 4.8 ms: a floor."""
+    runs (else the system's): the median of ``reps``. A few large tensors save faster than a real shard's many
+    small ones of the same bytes: a floor."""
     from safetensors.torch import save_file
 
     tensors = {f"t{i}": torch.ones(nbytes // 16) for i in range(4)}  # a shard: parameters and optimizer state
@@ -295,9 +292,9 @@ def _verify_steps(
     ``budget``, fewer blocks (at least 3) when ``count`` of them would take more than `BUDGET_S`, judged on the
     last warm-up step or, with no warm-up, on the first timed block. The peak RSS is always measured; the
     memory's tensor categories only with ``tensors`` (``--verify``, which compares the persistent state), 0
-    otherwise: ``job.memory()`` walks every live tensor of the process, the user's model's too (0.3 s a call at
-    100 M parameters), and the calibration's runs read their step time and peak alone. With ``prime``, the optimizer's state is made before the steps
-    (`_prime`; the job steps the optimizer it was set up with, rebound in place)."""
+    otherwise: ``job.memory()`` walks every live tensor of the process, the user's model's too, and the
+    calibration's runs read their step time and peak alone. With ``prime``, the optimizer's state is made before
+    the steps (`_prime`; the job steps the optimizer it was set up with, rebound in place)."""
     from loom.observe.memory import peak_rss_bytes, rss_bytes
     from loom.plan.transport_timing import agreed_reps
 
