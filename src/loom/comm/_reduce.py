@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import socket
 import threading
 from pathlib import Path
@@ -95,7 +96,7 @@ def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     """``numel`` elements of a buffer kept per (thread, dtype, device) and reused from call to call.
 
     Why: a fresh multi-MiB ``torch.empty`` is a fresh ``mmap`` whose pages fault in (and are zeroed by the
-    kernel) on first touch, every call; at 64 MiB that cost the ring ~25% of its time here. The buffer grows to
+    kernel) on first touch, every call. The buffer grows to
     the largest request and is kept for the thread's lifetime (at most a few segments, see `loom.comm.ring`).
     Per thread, so a communication thread (`loom.comm.ddp_async`) never shares one with the main thread; a
     caller must be done with it before it asks again (nothing in `loom.comm` nests ring calls).
@@ -137,6 +138,11 @@ def host_key() -> str:
     with contextlib.suppress(OSError):  # the boot id tells apart machines that share a host name
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     return f"{socket.gethostname()}/{boot}"
+
+
+def host_digest() -> bytes:
+    """SHA-256 of `host_key`: what processes compare to tell whether they share a host."""
+    return hashlib.sha256(host_key().encode()).digest()
 
 
 def all_gather_bytes(

@@ -15,13 +15,11 @@ members take part): every process listens on one ephemeral port on the address o
 (``GLOO_SOCKET_IFNAME``, which `loom run` sets to the interface holding the node's address; loopback when
 unset), tells its left neighbour where (a gloo point-to-point message), connects to its right neighbour
 while accepting one connection from its left one, then closes the listener. Before any data moves, both
-ends of every connection prove they hold the job secret (``LOOM_JOB_SECRET``, from `loom run`):
-challenge-response with fresh random nonces from both sides (so a recorded handshake cannot be replayed)
-and HMAC-SHA256 under a different label per direction (so one side's proof cannot be reflected back as the
-other's). The listener reads only fixed-size fields before the proof, gives each connection at most
-`CONNECTION_TIMEOUT_S` in all (each on its own thread, so silent clients cannot queue the neighbour behind
-them; past `MAX_PENDING_HANDSHAKES` the oldest is dropped, and the dialer retries a reset handshake), closes and
-counts one that fails, and goes on waiting for its neighbour until `HANDSHAKE_TIMEOUT_S`.
+ends of every connection prove they hold the job secret (``LOOM_JOB_SECRET``, from `loom run`) by the
+challenge-response of `loom.net.handshake`. The listener reads only fixed-size fields before the proof, gives
+each connection at most `CONNECTION_TIMEOUT_S` in all (each on its own thread, so silent clients cannot queue
+the neighbour behind them; past `MAX_PENDING_HANDSHAKES` the oldest is dropped, and the dialer retries a reset
+handshake), closes and counts one that fails, and goes on waiting for its neighbour until `HANDSHAKE_TIMEOUT_S`.
 
 The whole ring uses its links or none of them: when a member cannot link to its right neighbour (no job
 secret, as in a job not started by `loom run`; a neighbour on another host while this process listens on
@@ -55,7 +53,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import backend_name, exchange, group_rank_and_size, host_key
+from loom.comm._reduce import backend_name, exchange, group_rank_and_size, host_digest
 from loom.net.auth import job_secret
 from loom.net.handshake import HandshakeRefused, answer_handshake, dial_handshake
 from loom.net.interfaces import interface_address
@@ -232,7 +230,7 @@ def _connect(group: dist.ProcessGroup | None, members: tuple[int, ...], position
     right, left = members[(position + 1) % size], members[(position - 1) % size]
     me = group_rank_and_size(group)[0]
     secret = _job_secret(me)
-    digest = hashlib.sha256(host_key().encode()).digest()[:16]
+    digest = host_digest()[:16]
     listener, reason = None, ""
     if secret is not None:
         try:

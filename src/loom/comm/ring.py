@@ -70,11 +70,9 @@ __all__ = [
 ]
 
 SEGMENT_BYTES = 8 << 20
-"""Largest message of the pipelined ring; a chunk of at least half of it is cut in at least two segments, so
-that every reduction has a transfer to hide behind (gloo's own ring always cuts chunks in two). Smaller
-segments overlap more, but every message costs a fixed few hundred microseconds here (gloo's send/recv
-protocol, thread wake-ups on a busy host): of 1, 2, 4 and 8 MiB, 4 MiB was best at 16 MiB and 8 MiB at 64 MiB
-against native on the 2-core development machine (N = 2, same-run ratios)."""
+"""Largest message of the pipelined ring over gloo; a chunk of at least half of it is cut in at least two
+segments, so that every reduction has a transfer to hide behind (gloo's own ring always cuts chunks in two).
+Smaller segments overlap more, but every gloo message has a fixed cost (``benchmarks/reports/allreduce.md``)."""
 WINDOW = 2
 """Transfers in flight at once: the one being reduced and the next one arriving."""
 TRANSPORT = "links"
@@ -83,7 +81,7 @@ can have them (`loom.comm.links`; else gloo), or ``"gloo"``, gloo's point-to-poi
 times both)."""
 LINK_SEGMENT_BYTES = 1 << 20
 """`SEGMENT_BYTES` over loom's links, where a message costs little: smaller segments let the reduction of one
-overlap the arrival of the next (of 0.25, 1, 2 and 4 MiB, 1 MiB was fastest at 16 and 64 MiB, N = 2)."""
+overlap the arrival of the next."""
 EXCHANGE_BELOW_BYTES = 1 << 20
 """With two processes, tensors smaller than this are reduced by one exchange (`exchange_schedule`)."""
 
@@ -197,9 +195,7 @@ def run_ring(
     be free); an all-gather receive lands in the result and is posted as soon as every earlier receive is.
     That is safe: all-gather data for a segment can only arrive once the segment is fully reduced, which needs
     this rank's contribution, sent after its last touch of the segment. A receive already posted when the
-    message arrives saves a round of gloo's matching: on the 2-core host, two dependent 2 KiB exchanges took
-    ~0.56 ms with the second receive posted up front against ~1.06 ms without. Empty buffers are skipped on
-    both ends. ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
+    message arrives saves a round of gloo's matching. Empty buffers are skipped on both ends. ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
     """
     if link is not None:
         return _run_on_link(transfers, op, link, divide_by)

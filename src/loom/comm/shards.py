@@ -33,7 +33,7 @@ def piece_bounds(numel: int, rank: int, size: int) -> tuple[int, int]:
 
 def _padded(flat: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
     """``flat`` laid out as ``size`` pieces of equal width, each zero-padded at its end: ``flat`` itself where its
-    pieces are already equal (no copy: a 400 MB gradient's copy cost more than a third of its reduce-scatter)."""
+    pieces are already equal (no copy, which would cost a large part of the reduce-scatter)."""
     width = -(-flat.numel() // size)
     if width * size == flat.numel() and flat.is_contiguous():
         return flat, width

@@ -77,12 +77,7 @@ class SharedGradients:
         extras_at = -(-self.nbytes // _ALIGN) * _ALIGN
         ctx.map_slots(extras_at + 8 * extra_values)
         self.slots = ctx.slots(dtype, numel)
-        segment = ctx.segment
-        assert segment is not None  # one host, several processes: the segment exists
-        self.extras = [
-            segment.data[segment.offset(j) + extras_at :][: 8 * extra_values].view(torch.float64)
-            for j in range(ctx.local_size)
-        ]
+        self.extras = ctx.slots(torch.float64, extra_values, extras_at)
         """Each slot's ``extra_values`` float64 after the gradients: small sums that ride along (the loss)."""
         self.spans: list[tuple[int, int]] = []
         """Each parameter's [start, end) in the flat buffer."""

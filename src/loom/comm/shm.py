@@ -46,7 +46,6 @@ and can differ from ``native`` in the last bits; float16/bfloat16 round once per
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
 import platform
@@ -57,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import all_gather_bytes, combine_into, group_rank_and_size, host_key
+from loom.comm._reduce import all_gather_bytes, combine_into, group_rank_and_size, host_digest
 from loom.comm.counters import Traffic
 from loom.comm.shm_wait import futex_wake, wait_until
 from loom.comm.shm_wait import process_alive as _alive
@@ -93,6 +92,46 @@ def _stride(capacity: int) -> int:
     return -(-capacity // _PAGE) * _PAGE
 
 
+def create_segment(nbytes: int, hint: str = "") -> tuple[str, int, mmap.mmap]:
+    """A new segment of ``nbytes`` under a fresh random name (``O_EXCL``, mode 0600), after sweeping stale names:
+    (name, its token, the mapping). ``hint`` ends the error message of a full /dev/shm."""
+    _sweep_stale()
+    token = secrets.randbits(63)
+    name = f"{PREFIX}{os.getpid()}-{token:016x}"
+    path = SHM_DIR / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS on first touch.
+        os.posix_fallocate(fd, 0, nbytes)
+        return name, token, mmap.mmap(fd, nbytes)
+    except OSError as error:
+        path.unlink(missing_ok=True)
+        raise OSError(
+            f"cannot reserve {nbytes} bytes of shared memory in {SHM_DIR}: {error.strerror}. HINT: free "
+            f"space there or enlarge it (docker run --shm-size=...){hint}"
+        ) from error
+    finally:
+        os.close(fd)
+
+
+def open_segment(name: str, nbytes: int, unlink: bool = False) -> tuple[int, mmap.mmap]:
+    """Map the segment ``name`` a creator announced, refusing another name form or size: (its token, the
+    mapping). ``unlink``: remove the name once opened (or failed to), as the last process to map it."""
+    if not name.startswith(PREFIX) or "/" in name:
+        raise ValueError(f"{name!r} is not the name of a loom shared-memory segment")
+    path = SHM_DIR / name
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        found = os.fstat(fd).st_size
+        if found != nbytes:
+            raise ValueError(f"segment {name} has {found} bytes, expected {nbytes}")
+        return int(name.rsplit("-", 1)[1], 16), mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+        if unlink:
+            path.unlink(missing_ok=True)
+
+
 class Segment:
     """One mapped segment: a header (magic, token, per-process counter and pid), then one slot per process."""
 
@@ -118,23 +157,8 @@ class Segment:
 
     @classmethod
     def create(cls, size: int, capacity: int) -> Segment:
-        token = secrets.randbits(63)
-        name = f"{PREFIX}{os.getpid()}-{token:016x}"
-        path = SHM_DIR / name
         nbytes = _header_bytes(size) + size * _stride(capacity)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS on first touch.
-            os.posix_fallocate(fd, 0, nbytes)
-            mm = mmap.mmap(fd, nbytes)
-        except OSError as error:
-            path.unlink(missing_ok=True)
-            raise OSError(
-                f"cannot reserve {nbytes} bytes of shared memory in {SHM_DIR}: {error.strerror}. HINT: free "
-                "space there or enlarge it (docker run --shm-size=...), or lower loom.comm.shm.MAX_PIECE_BYTES"
-            ) from error
-        finally:
-            os.close(fd)
+        name, token, mm = create_segment(nbytes, ", or lower loom.comm.shm.MAX_PIECE_BYTES")
         words = memoryview(mm)[:32].cast("q")
         words[0], words[1], words[2], words[3] = _MAGIC, token, size, capacity
         words.release()
@@ -143,19 +167,11 @@ class Segment:
     @classmethod
     def attach(cls, name: str, size: int, rank: int, capacity: int) -> Segment:
         """Map the segment ``name`` that this job's creator announced; refuse anything else under that name."""
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            nbytes = os.fstat(fd).st_size
-            expected = _header_bytes(size) + size * _stride(capacity)
-            if nbytes != expected:
-                raise ValueError(f"segment {name} has {nbytes} bytes, expected {expected}")
-            mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        token, mm = open_segment(name, _header_bytes(size) + size * _stride(capacity))
         words = memoryview(mm)[:32].cast("q")
         found = (words[0], words[1], words[2], words[3])
         words.release()
-        if found != (_MAGIC, int(name.rsplit("-", 1)[1], 16), size, capacity):
+        if found != (_MAGIC, token, size, capacity):
             mm.close()
             raise ValueError(f"segment {name} does not carry this job's header (found {found})")
         return cls(name, mm, size, rank, capacity)
@@ -215,7 +231,7 @@ class ShmContext:
         self.group = group
         self.rank, self.size = group_rank_and_size(group)
         reason = shm_unsupported_reason()
-        mine = hashlib.sha256(host_key().encode()).digest() + bytes([reason is None])
+        mine = host_digest() + bytes([reason is None])
         gathered = all_gather_bytes(mine, len(mine), group, self.size)
         first_of: dict[bytes, int] = {}
         self.hosts = [first_of.setdefault(g[:-1], len(first_of)) for g in gathered]
@@ -232,7 +248,7 @@ class ShmContext:
         self.capacity = 0
         self.layout: tuple[int, int] | None = None
         """(element size, elements) of the last piece reduced in the segment: where its results are."""
-        self._views: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._views: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] = {}
         r = self.local_rank
         self.reduce_order = [(r + k) % self.local_size for k in range(1, self.local_size)]
 
@@ -274,7 +290,6 @@ class ShmContext:
         creator = self.local_rank == 0 and self.local_size > 1
         segment, error = None, ""
         if creator:
-            _sweep_stale()
             try:
                 segment = Segment.create(self.local_size, capacity)
             except OSError as e:
@@ -304,17 +319,18 @@ class ShmContext:
         if self.segment is not None:  # a process alone on its host has no segment and no one to wait for
             self.segment.barrier()
 
-    def slots(self, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
-        """The first ``numel`` elements of every slot, as ``dtype`` tensors (cached: DDP repeats sizes)."""
-        key = (dtype, numel)
+    def slots(self, dtype: torch.dtype, numel: int, offset: int = 0) -> list[torch.Tensor]:
+        """``numel`` elements of every slot from byte ``offset`` on, as ``dtype`` tensors (cached: DDP repeats
+        sizes)."""
+        key = (dtype, numel, offset)
         views, seg = self._views.get(key), self.segment
         if views is None:
             if seg is None:
                 raise RuntimeError("no shared-memory segment: call reserve() first")
-            if len(self._views) >= 32:
+            if len(self._views) >= 64:
                 self._views.clear()
-            nbytes = numel * dtype.itemsize
-            views = [seg.data[seg.offset(j) : seg.offset(j) + nbytes].view(dtype) for j in range(seg.size)]
+            starts = [seg.offset(j) + offset for j in range(seg.size)]
+            views = [seg.data[s : s + numel * dtype.itemsize].view(dtype) for s in starts]
             self._views[key] = views
         return views
 

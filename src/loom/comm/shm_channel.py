@@ -26,7 +26,6 @@ receiver whose whole header has arrived takes it straight from the ring as its c
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import struct
 from collections import deque
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import host_key
+from loom.comm._reduce import host_digest
 from loom.comm.shm import shm_unsupported_reason
 from loom.comm.shm_ring import Ring
 from loom.comm.shm_spin import SpinBudget
@@ -50,19 +49,10 @@ DTYPES = [
 ]  # fmt: skip
 _CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 _MAX_WORDS = 4096
-_MAX_SIGNATURES = (
-    256  # header caches per end: a pipeline has a handful of signatures, a varying one is bounded
-)
+_MAX_SIGNATURES = 256
+"""Header caches per end: a pipeline has a handful of signatures, a varying one is bounded."""
 _HELLO_TAG, _ANSWER_TAG = 0x4C4F4F4D, 0x4C4F4F4E  # "LOOM", "LOON": apart from the data's tag 0
 _HELLO_BYTES = 32 + 1 + 7 + 64  # host digest, usable, padding, ring name
-_DIGEST: bytes | None = None
-
-
-def _host_digest() -> bytes:
-    global _DIGEST
-    if _DIGEST is None:
-        _DIGEST = hashlib.sha256(host_key().encode()).digest()
-    return _DIGEST
 
 
 def encode_header(tensors: list[torch.Tensor]) -> bytes:
@@ -91,12 +81,10 @@ class ShmSender:
 
     def __init__(self, ring: Ring, rank: int, peer: int) -> None:
         self.ring, self.rank, self.peer = ring, rank, peer
-        self.check_pid = process_alive(
-            ring.reader_pid()
-        )  # not when the peer's pids are not visible from here
+        # not when the peer's pids are not visible from here
+        self.check_pid = process_alive(ring.reader_pid())
         self._queue: deque[list[Any]] = deque()  # [address, bytes left, object keeping the memory alive]
         self._headers: dict[tuple[tuple[torch.dtype, torch.Size], ...], _Header] = {}
-        self._handle = _SendHandle(self)
         self._budget = SpinBudget()
         self.sent = 0
 
@@ -127,17 +115,15 @@ class ShmSender:
             for t in parts:
                 ring.put(t.data_ptr(), t.nbytes)
             ring.publish()
-            return [(self._handle, None)]
+            return [(self, None)]
         queue = self._queue
         queue.append([header.addr, header.nbytes, header])
-        for t in parts:
-            queue.append(
-                [t.data_ptr(), t.nbytes, t]
-            )  # the tensor stays alive until its bytes are in the ring
+        for t in parts:  # each tensor stays alive until its bytes are in the ring
+            queue.append([t.data_ptr(), t.nbytes, t])
         if self not in _BACKLOG:
             _BACKLOG.append(self)
         self.flush()
-        return [(self._handle, None)]
+        return [(self, None)]
 
     def flush(self) -> bool:
         """Push queued bytes while they fit; whether the queue is empty."""
@@ -164,15 +150,6 @@ class ShmSender:
                 check_pid=self.check_pid, futex=self.ring.writer_futex, busy=lambda: len(_BACKLOG) > 1, budget=self._budget,
                 what=f"shared-memory send of message {self.sent} to rank {self.peer} (its receiver reads no more)",
             )  # fmt: skip
-
-
-class _SendHandle:
-    def __init__(self, sender: ShmSender) -> None:
-        self._sender = sender
-
-    def wait(self) -> None:
-        if self._sender._queue:
-            self._sender.wait()
 
 
 class ShmReceiver:
@@ -298,7 +275,7 @@ def channel_to(dst: int) -> ShmSender | None:
     try:
         if usable:
             ring = Ring.create(CAPACITY)
-            payload = _host_digest() + b"\1" + bytes(7) + ring.name.encode()
+            payload = host_digest() + b"\1" + bytes(7) + ring.name.encode()
             hello[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         dist.send(hello, dst, group=dist.group.WORLD, tag=_HELLO_TAG)
         answer = torch.zeros(1, dtype=torch.uint8)
@@ -323,7 +300,7 @@ def channel_from(src: int) -> ShmReceiver | None:
     dist.recv(hello, src, group=dist.group.WORLD, tag=_HELLO_TAG)
     raw = bytes(hello.tolist())
     receiver = None
-    if raw[32] == 1 and raw[:32] == _host_digest() and shm_unsupported_reason() is None:
+    if raw[32] == 1 and raw[:32] == host_digest() and shm_unsupported_reason() is None:
         try:
             ring = Ring.attach(raw[40:].rstrip(b"\0").decode(), CAPACITY)
             receiver = ShmReceiver(ring, dist.get_rank(), src)

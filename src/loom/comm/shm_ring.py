@@ -20,9 +20,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import secrets
 
-from loom.comm.shm import PREFIX, SHM_DIR, _sweep_stale
+from loom.comm.shm import SHM_DIR, create_segment, open_segment
 from loom.comm.shm_wait import futex_wake
 
 __all__ = ["Ring"]
@@ -57,22 +56,7 @@ class Ring:
 
     @classmethod
     def create(cls, capacity: int) -> Ring:
-        _sweep_stale()
-        token = secrets.randbits(63)
-        name = f"{PREFIX}{os.getpid()}-{token:016x}"
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, _HEADER + capacity)  # a full /dev/shm fails here, not with SIGBUS later
-            mm = mmap.mmap(fd, _HEADER + capacity)
-        except OSError as error:
-            path.unlink(missing_ok=True)
-            raise OSError(
-                f"cannot reserve {_HEADER + capacity} bytes of shared memory in {SHM_DIR}: {error.strerror}. "
-                "HINT: free space there or enlarge it (docker run --shm-size=...)"
-            ) from error
-        finally:
-            os.close(fd)
+        name, token, mm = create_segment(_HEADER + capacity)
         ring = cls(name, mm, capacity)
         words = ring.words
         words[_TOKEN_W], words[_CAPACITY_W], words[_WRITER_PID_W] = token, capacity, os.getpid()
@@ -82,23 +66,11 @@ class Ring:
     @classmethod
     def attach(cls, name: str, capacity: int) -> Ring:
         """Map the ring ``name`` that the writer announced, check its header, and remove its name."""
-        if not name.startswith(PREFIX) or "/" in name:
-            raise ValueError(f"{name!r} is not the name of a loom shared-memory segment")
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            if os.fstat(fd).st_size != _HEADER + capacity:
-                raise ValueError(
-                    f"segment {name} has {os.fstat(fd).st_size} bytes, expected {_HEADER + capacity}"
-                )
-            mm = mmap.mmap(fd, _HEADER + capacity)
-        finally:
-            os.close(fd)
-            path.unlink(missing_ok=True)
+        token, mm = open_segment(name, _HEADER + capacity, unlink=True)
         ring = cls(name, mm, capacity)
         words = ring.words
         found = (words[_MAGIC_W], words[_TOKEN_W], words[_CAPACITY_W])
-        if found != (_MAGIC, int(name.rsplit("-", 1)[1], 16), capacity):
+        if found != (_MAGIC, token, capacity):
             raise ValueError(f"segment {name} does not carry this job's header (found {found})")
         words[_READER_PID_W] = os.getpid()
         return ring

@@ -47,7 +47,6 @@ class SmallAllReduce:
             raise RuntimeError("a one-process group has no shared-memory segment")
         self.segment = segment
         self._base = segment.data.data_ptr()
-        self._views: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] = {}
 
     @staticmethod
     def for_group(group: dist.ProcessGroup | None) -> SmallAllReduce | None:
@@ -59,25 +58,13 @@ class SmallAllReduce:
             _GROUPS[key] = SmallAllReduce(ctx) if usable else None
         return _GROUPS[key]
 
-    def _slots(self, dtype: torch.dtype, numel: int, parity: int) -> list[torch.Tensor]:
-        key = (dtype, numel, parity)
-        views = self._views.get(key)
-        if views is None:
-            seg, nbytes = self.segment, numel * dtype.itemsize
-            starts = [seg.offset(j) + parity * MAX_BYTES for j in range(seg.size)]
-            views = [seg.data[s : s + nbytes].view(dtype) for s in starts]
-            if len(self._views) >= 64:
-                self._views.clear()
-            self._views[key] = views
-        return views
-
     def _publish(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Steps 1-2: this process's input into its slot, the barrier; every process's input, as tensors."""
         seg = self.segment
         parity = (seg.sequence + 1) & 1  # the barrier below is call number sequence + 1
         ctypes.memmove(self._base + seg.offset(seg.rank) + parity * MAX_BYTES, flat.data_ptr(), flat.nbytes)
         seg.barrier()
-        return self._slots(flat.dtype, flat.numel(), parity)
+        return self.ctx.slots(flat.dtype, flat.numel(), parity * MAX_BYTES)
 
     def all_reduce(self, flat: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce the contiguous CPU tensor ``flat`` (at most `MAX_BYTES`) over the group, in place."""

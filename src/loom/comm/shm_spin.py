@@ -1,28 +1,20 @@
 """How long a shared-memory message waiter spins before it sleeps: adapted to its peer and to the machine.
 
 `loom.comm.shm_wait.wait_until` spins, then sleeps on a futex. A fixed short spin (`loom.comm.shm_wait.SPIN_S`)
-is right for barriers, where every process arrives at about the same time, but not for a message answered by
-another one (a pipeline's ping-pong): the peer turns the message around in a few tens of microseconds of Python,
-a waiter that gave up first sleeps, the wake-up costs tens of microseconds on both sides, and two processes that
-sleep on each other answer each other late, so they keep sleeping (measured: 143 us per 4 KiB round trip with a
-20 us spin before the per-message Python work was cut, against ~40 us when both spin). Spinning longer costs only where a core is contended: the spinner
-keeps it from the peer (or anyone) that needs it (measured at load 9 on 2 cores: 327 us per round trip with a
-200 us spin, 107 us with 20 us).
+suits barriers, where every process arrives at about the same time, but not always a message answered by another
+one (a pipeline's ping-pong): a waiter that gives up just before the answer sleeps, the wake-up costs both sides,
+and two processes that sleep on each other keep answering each other late. Spinning longer costs only where a
+core is contended: the spinner keeps it from the peer (or anyone) that needs it.
 
-So `SpinBudget` can follow an adaptive mutex's rule, with one more input: a wait that ended within `SPIN_MAX_S`
-(caught spinning, or woken from a sleep that a longer spin would have avoided) raises the budget to twice that
-wait, at most `SPIN_MAX_S`; a longer wait halves it, down to `SPIN_S` (a peer computing for milliseconds is not
-spun for). And while this process waits for a CPU (`cpu_contended`: the kernel's run-queue delay of this process,
-``/proc/self/schedstat``, above `CONTENDED` of the time it was runnable over the last `CHECK_EVERY_S`) the spin is
-`SPIN_S` whatever the budget: on a machine with more runnable processes than cores, spinning takes a core from
-somebody.
+So `SpinBudget` follows an adaptive mutex's rule, with one more input: a wait that ended within `SPIN_MAX_S`
+raises the budget to twice that wait, at most `SPIN_MAX_S`; a longer wait halves it, down to `SPIN_S` (a peer
+computing for milliseconds is not spun for). And while this process waits for a CPU (`cpu_contended`: the
+kernel's run-queue delay of this process, ``/proc/self/schedstat``, above `CONTENDED` of the time it was runnable
+over the last `CHECK_EVERY_S`) the spin is `SPIN_S` whatever the budget.
 
-By default `SPIN_MAX_S` equals `SPIN_S`, which turns the growth off: once a message's Python work at each end
-came down to a few microseconds, the fixed 20 us spin caught the peer's answer when both processes had a core
-(20-24 us round trips), and on the shared 2-core machine of benchmarks/reports/model_parallel.md the growth did
-not measure better (micro-benchmark, load 2-7, same processes, alternating rounds; median round trip, fixed vs
-growing: 39 vs 115 us and 75 vs 73 us with a 200 us ceiling, 23 vs 59 us with 50 us). A machine with cores to
-spare may raise it (the micro-benchmark's ``--spin-max-us``).
+By default `SPIN_MAX_S` equals `SPIN_S`, which turns the growth off: on the shared 2-core machine the growth did
+not measure better (benchmarks/reports/model_parallel.md). A machine with cores to spare may raise it (the
+micro-benchmark's ``--spin-max-us``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ different delay:
 2. **sleep on a futex** (Linux ``futex(FUTEX_WAIT)`` on the word itself): the process leaves the CPU to whoever
    needs it (often the very peer it waits for, when two processes share a core on a loaded machine) and the
    kernel wakes it as soon as the peer, having changed the word, sees the waiter's "asleep" flag and calls
-   ``futex(FUTEX_WAKE)``. Yielding (``sched_yield``) or short ``sleep`` calls instead were measured on 2 shared
-   cores: rounds where the two processes shared a core cost ~800 us per message, as the yielder kept its core.
+   ``futex(FUTEX_WAKE)``. Yielding (``sched_yield``) or short ``sleep`` calls measured slower where the two
+   processes shared a core: the yielder kept its core.
 
 The kernel sleeps only while the word still holds the value the waiter last saw, so a change made between the
 waiter's last look and its sleep is never lost; each sleep is also bounded (`FUTEX_SLEEP_S`, shorter while this
@@ -122,75 +122,60 @@ def wait_until(
     ``busy()`` true: this process has queued sends, so it sleeps at most `BUSY_SLEEP_S` at a time.
     ``budget``: the waiter's `loom.comm.shm_spin.SpinBudget` (``spin()`` seconds of spinning, ``update(waited)``
     after the wait); None: spin `SPIN_S`."""
-    start = time.perf_counter()
-    if budget is None:
-        _wait(ready, me, peer, pid, what, progress, check_pid, futex, busy, start, SPIN_S)
-        return
-    try:
-        _wait(ready, me, peer, pid, what, progress, check_pid, futex, busy, start, budget.spin())
-    finally:
-        budget.update(time.perf_counter() - start)
-
-
-def _wait(
-    ready: Callable[[], bool],
-    me: str,
-    peer: str,
-    pid: Callable[[], int],
-    what: str,
-    progress: Callable[[], object] | None,
-    check_pid: bool,
-    futex: tuple[int, Callable[[], int], Callable[[int], None]] | None,
-    busy: Callable[[], bool] | None,
-    start: float,
-    spin: float,
-) -> None:
     clock = time.perf_counter
-    until = start + spin
-    while True:
-        if progress is not None:
-            progress()
-        if ready():
-            return
-        if clock() >= until:
-            break
-    until = start + spin + YIELD_S
-    while clock() < until:
-        os.sched_yield()
-        if progress is not None:
-            progress()
-        if ready():
-            return
-    pause, check_at = 1e-6, start + CHECK_EVERY_S
-    while futex is not None and USE_FUTEX:
-        addr, word, asleep = futex
-        if progress is not None:
-            progress()
-        seen = word()
-        if ready():
-            return
-        asleep(1)
-        if not ready():  # looked again after raising the flag: the peer either sees it or changed the word
-            futex_wait(addr, seen, BUSY_SLEEP_S if busy is not None and busy() else FUTEX_SLEEP_S)
-        asleep(0)
-        if ready():
-            return
-        now = clock()
-        if now >= check_at:
+    start = clock()
+    spin = budget.spin() if budget is not None else SPIN_S
+    try:
+        until = start + spin
+        while True:
+            if progress is not None:
+                progress()
+            if ready():
+                return
+            if clock() >= until:
+                break
+        until = start + spin + YIELD_S
+        while clock() < until:
+            os.sched_yield()
+            if progress is not None:
+                progress()
+            if ready():
+                return
+        pause, check_at = 1e-6, start + CHECK_EVERY_S
+        while futex is not None and USE_FUTEX:
+            addr, word, asleep = futex
+            if progress is not None:
+                progress()
+            seen = word()
+            if ready():
+                return
+            asleep(1)
+            if (
+                not ready()
+            ):  # looked again after raising the flag: the peer either sees it or changed the word
+                futex_wait(addr, seen, BUSY_SLEEP_S if busy is not None and busy() else FUTEX_SLEEP_S)
+            asleep(0)
+            if ready():
+                return
+            now = clock()
+            if now >= check_at:
+                check_at = now + CHECK_EVERY_S
+                _check(me, peer, pid(), what, check_pid, now - start)
+        while True:
+            if progress is not None:
+                progress()
+            if ready():
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, MAX_PAUSE_S)
+            now = clock()
+            if now < check_at:
+                continue
             check_at = now + CHECK_EVERY_S
             _check(me, peer, pid(), what, check_pid, now - start)
-    while True:
-        if progress is not None:
-            progress()
-        if ready():
-            return
-        time.sleep(pause)
-        pause = min(2 * pause, MAX_PAUSE_S)
-        now = clock()
-        if now < check_at:
-            continue
-        check_at = now + CHECK_EVERY_S
-        _check(me, peer, pid(), what, check_pid, now - start)
+    finally:
+        if budget is not None:
+            budget.update(clock() - start)
 
 
 def _check(me: str, peer: str, peer_pid: int, what: str, check_pid: bool, waited: float) -> None:

@@ -24,16 +24,19 @@ NONCE_BYTES = 16
 _MAC = 32
 
 
-def read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+def read_exact(sock: socket.socket, n: int, deadline: float | None, what: str = "the handshake") -> bytes:
+    """Exactly ``n`` bytes of ``what``, in pieces of at most 1 MiB; TimeoutError once ``deadline`` (None: none)
+    passes, ConnectionError when the peer closes first."""
     data = bytearray()
     while len(data) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the handshake took too long")
-        sock.settimeout(remaining)
-        chunk = sock.recv(n - len(data))
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{what} took too long")
+            sock.settimeout(remaining)
+        chunk = sock.recv(min(n - len(data), 1 << 20))
         if not chunk:
-            raise ConnectionError("the peer closed the connection during the handshake")
+            raise ConnectionError(f"the peer closed the connection during {what}")
         data += chunk
     return bytes(data)
 

@@ -9,14 +9,11 @@ every local user. So loom hosts its own store: `StoreServer` in node 0's launche
 and ``new_group`` use it as they would a ``TCPStore``), in every process that needs it.
 
 Authentication: before anything else on a connection both sides prove they hold the job secret
-(``LOOM_JOB_SECRET``): the one challenge-response of `loom.net.handshake` -- fresh random nonces from both
-sides, HMAC-SHA256 under a different label per direction -- so a recorded handshake cannot be replayed nor one
-side's proof reflected. Before the proof the server reads exactly one fixed-size hello, gives the connection
-`HANDSHAKE_TIMEOUT_S` in all, and closes it on any mismatch: an unauthenticated peer can neither read nor write
-a key. Values are opaque bytes; nothing is decoded but lengths and decimal integers (``add``).
-
-Wire format after the handshake (`loom.net.store_wire`; the server is `loom.net.store_server`): a request is ``op`` (1 byte), ``n`` (4 bytes) and ``n`` fields, each a 4-byte
-big-endian length and its bytes; a reply is a status byte (0 ok, 1 timed out, 2 error) and fields the same way.
+(``LOOM_JOB_SECRET``) by the one challenge-response of `loom.net.handshake`. Before the proof the server reads
+exactly one fixed-size hello, gives the connection `HANDSHAKE_TIMEOUT_S` in all, and closes it on any mismatch:
+an unauthenticated peer can neither read nor write a key. Values are opaque bytes; nothing is decoded but lengths
+and decimal integers (``add``). The wire format after the handshake is `loom.net.store_wire`'s (statuses: 0 ok,
+1 timed out, 2 error); the server is `loom.net.store_server`.
 
 Bounded: a client gives up connecting after ``connect_timeout_s`` (retrying refused connections until then: the
 server may not be up yet), and waits for any reply at most the operation's own wait plus ``io_timeout_s``; it
@@ -37,30 +34,11 @@ import time
 
 import torch.distributed as dist
 
+from loom.errors import StoreTimeout, StoreUnreachable
+from loom.net import store_wire as wire
 from loom.net.auth import job_secret  # noqa: F401 - the store's callers take it from here
 from loom.net.handshake import HandshakeRefused, dial_handshake
 from loom.net.store_server import HANDSHAKE_TIMEOUT_S, StoreServer
-from loom.net.store_wire import (
-    _ADD,
-    _APPEND,
-    _CHECK,
-    _COMPARE_SET,
-    _DELETE,
-    _GET,
-    _HELLO,
-    _MULTI_GET,
-    _MULTI_SET,
-    _NUM_KEYS,
-    _OK,
-    _PING,
-    _SET,
-    _TIMEOUT,
-    _WAIT,
-    StoreTimeout,
-    StoreUnreachable,
-    _pack,
-    _read_message,
-)  # fmt: skip
 
 __all__ = [
     "HANDSHAKE_TIMEOUT_S",
@@ -147,7 +125,7 @@ class LoomStore(dist.Store):
                 time.sleep(0.2)
         try:
             deadline = time.monotonic() + max(HANDSHAKE_TIMEOUT_S, self.io_timeout_s)
-            dial_handshake(sock, self.secret, b"", deadline, _HELLO, b"store")
+            dial_handshake(sock, self.secret, b"", deadline, wire.HELLO, b"store")
         except HandshakeRefused:
             sock.close()
             raise StoreUnreachable(
@@ -170,8 +148,10 @@ class LoomStore(dist.Store):
                 try:
                     if self._sock is None:
                         self._sock = self._connect()
-                    self._sock.sendall(_pack(op, fields))
-                    status, reply = _read_message(self._sock, time.monotonic() + wait_s + self.io_timeout_s)
+                    self._sock.sendall(wire.pack(op, fields))
+                    status, reply = wire.read_message(
+                        self._sock, time.monotonic() + wait_s + self.io_timeout_s
+                    )
                 except OSError as error:
                     if self._sock is not None:
                         self._sock.close()
@@ -183,10 +163,10 @@ class LoomStore(dist.Store):
                         f"the loom store at {self.address} failed: {why} "
                         f"(waited up to {wait_s + self.io_timeout_s:g} s)"
                     ) from None
-        if status == _TIMEOUT:
+        if status == wire.TIMEOUT:
             missing = reply[0].decode(errors="replace") if reply else "?"
             raise StoreTimeout(f"timed out after {wait_s:g} s waiting for key {missing!r} in {self.address}")
-        if status != _OK:
+        if status != wire.OK:
             raise RuntimeError(
                 f"the loom store at {self.address}: {b''.join(reply).decode(errors='replace')}"
             )
@@ -208,47 +188,47 @@ class LoomStore(dist.Store):
         super().set_timeout(timeout)
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(_SET, [self._key(key), value.encode() if isinstance(value, str) else bytes(value)])
+        self._call(wire.SET, [self._key(key), value.encode() if isinstance(value, str) else bytes(value)])
 
     def get(self, key: str) -> bytes:
         wait_s = self._wait_s(None)
-        return self._call(_GET, [str(int(wait_s * 1000)).encode(), self._key(key)], wait_s)[0]
+        return self._call(wire.GET, [str(int(wait_s * 1000)).encode(), self._key(key)], wait_s)[0]
 
     def add(self, key: str, value: int) -> int:
-        return int(self._call(_ADD, [self._key(key), str(int(value)).encode()])[0])
+        return int(self._call(wire.ADD, [self._key(key), str(int(value)).encode()])[0])
 
     def check(self, keys: list[str]) -> bool:
-        return self._call(_CHECK, [self._key(k) for k in keys])[0] == b"1"
+        return self._call(wire.CHECK, [self._key(k) for k in keys])[0] == b"1"
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         wait_s = self._wait_s(timeout)
-        self._call(_WAIT, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s)
+        self._call(wire.WAIT, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         wait_s = self._wait_s(None)
         return self._call(
-            _MULTI_GET, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s
+            wire.MULTI_GET, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s
         )
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         fields: list[bytes] = []
         for k, v in zip(keys, values, strict=True):
             fields += [self._key(k), v.encode() if isinstance(v, str) else bytes(v)]
-        self._call(_MULTI_SET, fields)
+        self._call(wire.MULTI_SET, fields)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         enc = [x.encode() if isinstance(x, str) else bytes(x) for x in (expected, desired)]
-        return self._call(_COMPARE_SET, [self._key(key), *enc])[0]
+        return self._call(wire.COMPARE_SET, [self._key(key), *enc])[0]
 
     def append(self, key: str, value: str | bytes) -> None:
-        self._call(_APPEND, [self._key(key), value.encode() if isinstance(value, str) else bytes(value)])
+        self._call(wire.APPEND, [self._key(key), value.encode() if isinstance(value, str) else bytes(value)])
 
     def delete_key(self, key: str) -> bool:
-        return self._call(_DELETE, [self._key(key)])[0] == b"1"
+        return self._call(wire.DELETE, [self._key(key)])[0] == b"1"
 
     def num_keys(self) -> int:
-        return int(self._call(_NUM_KEYS, [])[0])
+        return int(self._call(wire.NUM_KEYS, [])[0])
 
     def ping(self) -> None:
         """One round trip (raises `StoreUnreachable` if the server does not answer within ``io_timeout_s``)."""
-        self._call(_PING, [])
+        self._call(wire.PING, [])

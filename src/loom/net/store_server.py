@@ -8,27 +8,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from loom.net import store_wire as wire
 from loom.net.handshake import answer_handshake
-from loom.net.store_wire import (
-    _ADD,
-    _APPEND,
-    _CHECK,
-    _COMPARE_SET,
-    _DELETE,
-    _ERROR,
-    _GET,
-    _HELLO,
-    _MULTI_GET,
-    _MULTI_SET,
-    _NUM_KEYS,
-    _OK,
-    _PING,
-    _SET,
-    _TIMEOUT,
-    _WAIT,
-    _pack,
-    _read_message,
-)  # fmt: skip
 
 __all__ = ["HANDSHAKE_TIMEOUT_S", "StoreServer"]
 
@@ -55,44 +36,44 @@ class _Table:
 
     def apply(self, op: int, f: list[bytes]) -> tuple[int, list[bytes]]:
         """Run one request; waits happen outside the lock except inside `wait`."""
-        if op in (_GET, _WAIT, _MULTI_GET):
+        if op in (wire.GET, wire.WAIT, wire.MULTI_GET):
             timeout_s = int(f[0]) / 1000.0
             keys = f[1:]
             if not self.wait(keys, timeout_s):
                 missing = [k for k in keys if k not in self.data]
-                return _TIMEOUT, missing[:1]
+                return wire.TIMEOUT, missing[:1]
             with self.changed:
-                return _OK, [] if op == _WAIT else [self.data[k] for k in keys]
+                return wire.OK, [] if op == wire.WAIT else [self.data[k] for k in keys]
         with self.changed:
-            if op == _SET:
+            if op == wire.SET:
                 self.data[f[0]] = f[1]
-            elif op == _MULTI_SET:
+            elif op == wire.MULTI_SET:
                 self.data.update(zip(f[0::2], f[1::2], strict=True))
-            elif op == _ADD:
+            elif op == wire.ADD:
                 value = int(self.data.get(f[0], b"0")) + int(f[1])
                 self.data[f[0]] = str(value).encode()
                 self.changed.notify_all()
-                return _OK, [self.data[f[0]]]
-            elif op == _APPEND:
+                return wire.OK, [self.data[f[0]]]
+            elif op == wire.APPEND:
                 self.data[f[0]] = self.data.get(f[0], b"") + f[1]
-            elif op == _COMPARE_SET:
+            elif op == wire.COMPARE_SET:
                 key, expected, desired = f
                 current = self.data.get(key)
                 if (current is None and expected == b"") or current == expected:
                     self.data[key] = desired
                     self.changed.notify_all()
-                    return _OK, [desired]
-                return _OK, [expected if current is None else current]
-            elif op == _CHECK:
-                return _OK, [b"1" if all(k in self.data for k in f) else b"0"]
-            elif op == _DELETE:
-                return _OK, [b"1" if self.data.pop(f[0], None) is not None else b"0"]
-            elif op == _NUM_KEYS:
-                return _OK, [str(len(self.data)).encode()]
-            elif op != _PING:
-                return _ERROR, [f"unknown operation {op}".encode()]
+                    return wire.OK, [desired]
+                return wire.OK, [expected if current is None else current]
+            elif op == wire.CHECK:
+                return wire.OK, [b"1" if all(k in self.data for k in f) else b"0"]
+            elif op == wire.DELETE:
+                return wire.OK, [b"1" if self.data.pop(f[0], None) is not None else b"0"]
+            elif op == wire.NUM_KEYS:
+                return wire.OK, [str(len(self.data)).encode()]
+            elif op != wire.PING:
+                return wire.ERROR, [f"unknown operation {op}".encode()]
             self.changed.notify_all()
-            return _OK, []
+            return wire.OK, []
 
 
 class StoreServer:
@@ -141,7 +122,7 @@ class StoreServer:
     def _handshake(self, sock: socket.socket) -> bool:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
-            answer_handshake(sock, self.secret, 0, lambda ids: True, deadline, _HELLO, b"store")
+            answer_handshake(sock, self.secret, 0, lambda ids: True, deadline, wire.HELLO, b"store")
             sock.settimeout(None)
             return True
         except OSError:
@@ -155,12 +136,12 @@ class StoreServer:
                 self.rejected += 1
                 return
             while not self._closed.is_set():
-                op, fields = _read_message(sock, None)
+                op, fields = wire.read_message(sock, None)
                 try:
                     status, reply = self.table.apply(op, fields)
                 except (ValueError, IndexError) as error:
-                    status, reply = _ERROR, [f"bad request: {error}".encode()]
-                sock.sendall(_pack(status, reply))
+                    status, reply = wire.ERROR, [f"bad request: {error}".encode()]
+                sock.sendall(wire.pack(status, reply))
         except OSError:
             pass
         finally:

@@ -18,11 +18,8 @@ gradients can wait several steps for its turn, and the selection depends on whic
 residuals carry over when DDP re-buckets, see `loom.comm.compression.feedback`). The residual costs one
 gradient's worth of memory. DGC's momentum correction, local clipping and warm-up of the fraction are not
 implemented: plain error feedback works here with SGD momentum applied to the averaged sparse gradient, but
-converges later (on the digits demo, 2 ranks, fraction 0.01: up to 1.7 points behind uncompressed at epochs
-8-12, within 0.6 from epoch 18; a warm-up of the fraction and a per-layer selection did not close that gap in
-our runs). The selection (`top_indices`) runs ``torch.topk`` on the entries above a sampled threshold: about
-1.5 k of them, not the whole bucket (12x faster at 84 M entries), noticeable still next to a small model's
-backward.
+converges later than uncompressed training. The selection (`top_indices`) runs ``torch.topk`` on the entries
+above a sampled threshold, not on the whole bucket, and is still noticeable next to a small model's backward.
 """
 
 from __future__ import annotations
@@ -113,10 +110,9 @@ def top_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of ``magnitude``'s ``k`` largest entries, in no order: the set ``torch.topk`` picks (which of
     equal entries at the k-th value is picked is, as there, the implementation's choice).
 
-    ``torch.topk`` over a whole bucket took 2.4 s for 84 M entries on one thread (time to plan, and every step).
-    Here a threshold is taken from a strided sample, set so that about 1.5 k entries of the whole pass it, and
-    ``topk`` runs on those only: when at least ``k`` entries pass, every one of the k largest is among them, so
-    the set is the same (0.2 s). Otherwise (a sample that misjudged the spread), or with NaN present (``topk``
+    ``torch.topk`` over a whole large bucket is slow. Here a threshold is taken from a strided sample, set so
+    that about 1.5 k entries of the whole pass it, and ``topk`` runs on those only: when at least ``k`` entries
+    pass, every one of the k largest is among them, so the set is the same. Otherwise (a sample that misjudged the spread), or with NaN present (``topk``
     ranks NaN above every number; a threshold does not), or for a small or dense bucket: ``topk`` on the whole."""
     n = magnitude.numel()
     if n < SAMPLE_STRIDE * 1024 or 4 * k > n:
