@@ -37,18 +37,10 @@ def _all_reduce_native(flat: torch.Tensor, op: str, group: dist.ProcessGroup | N
     return Traffic(estimate, estimate)
 
 
-def _all_reduce_ring(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> Traffic:
-    return Traffic(*all_reduce_ring(flat, op, group))
-
-
-def _all_reduce_driver(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> Traffic:
-    return Traffic(*all_reduce_driver(flat, op, group))
-
-
 _ALGORITHMS: dict[str, Callable[[torch.Tensor, str, dist.ProcessGroup | None], Traffic]] = {
     "native": _all_reduce_native,
-    "ring": _all_reduce_ring,
-    "driver": _all_reduce_driver,
+    "ring": lambda flat, op, group: Traffic(*all_reduce_ring(flat, op, group)),
+    "driver": lambda flat, op, group: Traffic(*all_reduce_driver(flat, op, group)),
     "shm": all_reduce_shm,
     "hierarchical": all_reduce_hierarchical,
 }

@@ -105,11 +105,8 @@ def _read_cache(key: str, algorithms: tuple[str, ...]) -> list[list[float]] | No
         entry = json.loads(cache_path().read_text())["entries"][key]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if (entry.get("version"), entry.get("algorithms"), entry.get("sizes")) != (
-        _VERSION,
-        list(algorithms),
-        list(CALIBRATION_SIZES),
-    ):
+    expected = (_VERSION, list(algorithms), list(CALIBRATION_SIZES))
+    if (entry.get("version"), entry.get("algorithms"), entry.get("sizes")) != expected:
         return None
     return entry["seconds"]
 

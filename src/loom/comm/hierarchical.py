@@ -31,12 +31,6 @@ from loom.comm.shm import ShmContext, all_reduce_local, context_for, reduce_scat
 __all__ = ["all_reduce_hierarchical"]
 
 
-def _ring_among_leaders(flat: torch.Tensor, op: str, ctx: ShmContext, divide_by: int) -> tuple[int, int]:
-    """`loom.comm.ring`'s ring over the leaders of ``ctx`` only; ``op`` is not avg (for avg: sum, and
-    ``divide_by`` the number of processes, which the ring applies to each segment once, after its last add)."""
-    return reduce_around(flat, op, tuple(ctx.leaders), ctx.leaders.index(ctx.rank), ctx.group, divide_by)
-
-
 def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:
     local_op = "sum" if op == "avg" else op
     size, leader = ctx.local_size, ctx.local_rank == 0
@@ -51,7 +45,10 @@ def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:
             for j in ctx.reduce_order:
                 part[bounds[j] : bounds[j + 1]].copy_(slots[j][bounds[j] : bounds[j + 1]])
             shm_received += (m - bounds[1]) * esize
-        sent, received = _ring_among_leaders(part, local_op, ctx, ctx.size if op == "avg" else 1)
+        # `loom.comm.ring`'s ring over the leaders only; for avg it sums, and divides each segment by the number
+        # of processes once, after its last add
+        leaders, divide_by = tuple(ctx.leaders), ctx.size if op == "avg" else 1
+        sent, received = reduce_around(part, local_op, leaders, leaders.index(ctx.rank), ctx.group, divide_by)
         if size > 1:
             # Each chunk goes back to the place its owner reduced it in: nobody else touches those bytes
             # before the next piece's first barrier (see `loom.comm.shm` on why no third barrier is needed).

@@ -35,10 +35,6 @@ DIALER_SENDS, DIALER_GETS = len(_HELLO) + 16 + 8 + 32, 16 + 32 + 1
 """Handshake bytes, counted with the traffic: hello, nonce, ids and proof out; nonce, proof and verdict in."""
 
 
-def _ids(dialer: int, listener: int) -> bytes:
-    return dialer.to_bytes(4, "big") + listener.to_bytes(4, "big")
-
-
 def dial(address: str, rank: int, peer: int, secret: bytes, deadline: float) -> socket.socket:
     """A connection to ``peer``'s listener at ``HOST:PORT`` that proved the job secret both ways; raises
     OSError (refused, closed, timed out) or `HandshakeRefused`."""
@@ -48,7 +44,9 @@ def dial(address: str, rank: int, peer: int, secret: bytes, deadline: float) -> 
     except ValueError as error:
         raise OSError(f"not an address: {address!r}") from error
     try:
-        dial_handshake(sock, secret, _ids(rank, peer), deadline, _HELLO, _LABEL)
+        dial_handshake(
+            sock, secret, rank.to_bytes(4, "big") + peer.to_bytes(4, "big"), deadline, _HELLO, _LABEL
+        )
     except (OSError, HandshakeRefused):
         sock.close()
         raise
@@ -99,14 +97,11 @@ class PeerListener:
             self.arrived.append((int.from_bytes(ids[:4], "big"), sock))
             self.wake()
         except OSError:  # ConnectionError and timeouts included: nothing of it was decoded
-            self._count_rejected()
+            with self._lock:
+                self.rejected += 1
             sock.close()
         finally:
             self._pending.done(sock)
-
-    def _count_rejected(self) -> None:
-        with self._lock:
-            self.rejected += 1
 
     def close(self) -> None:
         """Stop admitting; close the connections admitted but not yet taken."""

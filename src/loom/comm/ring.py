@@ -197,13 +197,18 @@ def run_ring(
     this rank's contribution, sent after its last touch of the segment. A receive already posted when the
     message arrives saves a round of gloo's matching. Empty buffers are skipped on both ends. ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
     """
+    sent = received = 0
     if link is not None:
-        return _run_on_link(transfers, op, link, divide_by)
+        for transfer in transfers:
+            link.exchange(transfer.send, transfer.recv)
+            _reduce_received(transfer, op, divide_by)
+            sent += transfer.send.nbytes
+            received += transfer.recv.nbytes
+        return sent, received
     count = len(transfers)
     receiving: list[dist.Work | None] = [None] * count
     sending: list[dist.Work | None] = [None] * count
     next_recv = next_send = 0
-    sent = received = 0
     for k, transfer in enumerate(transfers):
         while next_recv < count and (transfers[next_recv].reduce_into is None or next_recv < k + window):
             recv = transfers[next_recv].recv
@@ -219,16 +224,6 @@ def run_ring(
             if work is not None:
                 work.wait()
         receiving[k] = sending[k] = None
-        _reduce_received(transfer, op, divide_by)
-        sent += transfer.send.nbytes
-        received += transfer.recv.nbytes
-    return sent, received
-
-
-def _run_on_link(transfers: list[Transfer], op: str, link: RingLink, divide_by: int) -> tuple[int, int]:
-    sent = received = 0
-    for transfer in transfers:
-        link.exchange(transfer.send, transfer.recv)
         _reduce_received(transfer, op, divide_by)
         sent += transfer.send.nbytes
         received += transfer.recv.nbytes
