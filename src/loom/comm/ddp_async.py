@@ -8,8 +8,8 @@ gradients, and backward should wait only at its end. The backend's ``async_op=Tr
 ``native``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are plain Python calls that block, and the
 synchronous `loom.comm.allreduce_hook` therefore stalls backward for the whole of every bucket's reduction.
 
-Here each process owns one background *communication thread* (`loom.comm.thread`) that runs the buckets' all-reduces, one after the
-other, in the order the hook submitted them. The hook queues a job that divides the bucket by the group size
+Here each process owns one background *communication thread* (`loom.comm.thread`, which says how it lives and
+ends) that runs the buckets' all-reduces, one after the other, in the order the hook submitted them. The hook queues a job that divides the bucket by the group size
 (as PyTorch's ``allreduce_hook`` does, so float16 does not overflow) and all-reduces it, and returns a
 ``torch.futures.Future`` that the thread completes; DDP waits for the futures at the end of backward.
 
@@ -29,9 +29,6 @@ Why this is safe:
 Errors: an all-reduce that raises settles its bucket's future with a RuntimeError naming the rank, the
 algorithm, the bucket and its size, so DDP's backward raises it instead of waiting forever. Later buckets are
 still attempted (their peers may be waiting for them); the first error is the one reported.
-
-Lifetime: the thread is a daemon started on first use, one per process (made again in a forked child, which
-does not inherit threads), and stopped at interpreter exit (`loom.comm.thread.shutdown_comm_thread`).
 
 Limits: overlap needs spare CPU. The communication thread shares the process's cores with backward: on a host
 with as many busy processes as cores, reductions that are memory copies (shm) or socket copies (ring) compete

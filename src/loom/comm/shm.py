@@ -30,10 +30,8 @@ name behind; the next job's creator removes such names once their creator pid is
 than `STALE_AFTER_S`.
 
 Barrier: a sequence counter per process in the segment's header, one cache line each (with the process's pid
-and an "asleep, waiting for process k" flag). A waiter spins a few microseconds, then sleeps on a futex on the
-counter it waits for, which the peer wakes after raising it (`loom.comm.shm_wait.wait_until`), so 4 processes on
-2 cores let each other run. It checks that the peers are alive and gives up after
-`loom.comm.shm_wait.TIMEOUT_S`, naming the process it waited for.
+and an "asleep, waiting for process k" flag), waited for by `loom.comm.shm_wait.wait_until`: spin, then sleep on
+a futex that the peer wakes after raising its counter; peers are checked alive, and the wait is bounded.
 
 Limits: Linux (POSIX shared memory under /dev/shm, whose size bounds the segment: docker's default 64 MiB
 fits 4 processes at the default 4 MiB slots) on x86-64 only, because the barrier relies on x86's total store

@@ -8,11 +8,9 @@ one writer, so no lock is needed; the order "data, then counter" is what x86-64'
 reason `loom.comm.shm.shm_unsupported_reason` refuses other CPUs). Copies are ``memmove`` between raw addresses:
 for a message of a few KiB the per-call cost of a tensor operation would be most of the time.
 
-Lifetime as in `loom.comm.shm`: the writer creates the segment under a fresh random name
-(``loom-shm-<pid>-<64 random bits>``, ``O_EXCL``, mode 0600), the reader maps it and removes the name at once; from
-then on the memory lives only in the two mappings and the kernel frees it when both processes have exited,
-however they exit. A writer killed before the reader mapped it leaves the name behind, which the next creator's
-sweep removes (`loom.comm.shm._sweep_stale`); a writer whose handshake fails removes it itself.
+Lifetime as in `loom.comm.shm` (`loom.comm.shm.create_segment`): the writer creates the segment, the reader maps
+it and removes the name at once, so the memory lives only in the two mappings and the kernel frees it when both
+processes have exited, however they exit; a writer whose handshake fails removes the name itself.
 """
 
 from __future__ import annotations
@@ -127,10 +125,7 @@ class Ring:
         ctypes.memmove(addr, self.base + pos, first)
         if k > first:
             ctypes.memmove(addr + first, self.base, k - first)
-        self._read = read + k
-        self.words[_READ_W] = self._read  # after the copy: the writer may now reuse these bytes
-        if self.words[_WRITER_ASLEEP_W]:
-            futex_wake(self.writer_futex[0])
+        self.skip(k)
         return k
 
     def peek(self, n: int) -> bytes | None:
@@ -144,9 +139,9 @@ class Ring:
         return self._data[pos:].tobytes() + self._data[: pos + n - cap].tobytes()
 
     def skip(self, n: int) -> None:
-        """Take ``n`` bytes that `peek` returned (reader only)."""
+        """Take ``n`` bytes that `peek` returned or `get` copied (reader only)."""
         self._read += n
-        self.words[_READ_W] = self._read
+        self.words[_READ_W] = self._read  # after the copy: the writer may now reuse these bytes
         if self.words[_WRITER_ASLEEP_W]:
             futex_wake(self.writer_futex[0])
 

@@ -142,37 +142,28 @@ def wait_until(
             if ready():
                 return
         pause, check_at = 1e-6, start + CHECK_EVERY_S
-        while futex is not None and USE_FUTEX:
-            addr, word, asleep = futex
+        while True:
             if progress is not None:
                 progress()
-            seen = word()
-            if ready():
-                return
-            asleep(1)
-            if (
-                not ready()
-            ):  # looked again after raising the flag: the peer either sees it or changed the word
-                futex_wait(addr, seen, BUSY_SLEEP_S if busy is not None and busy() else FUTEX_SLEEP_S)
-            asleep(0)
+            if futex is not None and USE_FUTEX:
+                addr, word, asleep = futex
+                seen = word()
+                if ready():
+                    return
+                asleep(1)
+                # looked again after raising the flag: the peer either sees it or changed the word
+                if not ready():
+                    futex_wait(addr, seen, BUSY_SLEEP_S if busy is not None and busy() else FUTEX_SLEEP_S)
+                asleep(0)
+            elif not ready():
+                time.sleep(pause)
+                pause = min(2 * pause, MAX_PAUSE_S)
             if ready():
                 return
             now = clock()
             if now >= check_at:
                 check_at = now + CHECK_EVERY_S
                 _check(me, peer, pid(), what, check_pid, now - start)
-        while True:
-            if progress is not None:
-                progress()
-            if ready():
-                return
-            time.sleep(pause)
-            pause = min(2 * pause, MAX_PAUSE_S)
-            now = clock()
-            if now < check_at:
-                continue
-            check_at = now + CHECK_EVERY_S
-            _check(me, peer, pid(), what, check_pid, now - start)
     finally:
         if budget is not None:
             budget.update(clock() - start)
