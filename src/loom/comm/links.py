@@ -153,7 +153,8 @@ class RingLink:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return t.detach().view(torch.uint8).numpy().data
+    """The bytes of the contiguous CPU tensor ``t``, flat, without a copy."""
+    return t.detach().view(torch.uint8).numpy().data.cast("B")
 
 
 _LINKS: dict[tuple[object, tuple[int, ...], int], RingLink | None] = {}

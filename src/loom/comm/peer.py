@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from loom.comm import peer_wire as wire
-from loom.comm.links import HandshakeRefused
+from loom.comm.links import HandshakeRefused, _bytes
 from loom.comm.peer_links import DIALER_GETS, DIALER_SENDS, PeerListener, dial
 
 __all__ = ["PeerNode"]
@@ -297,10 +297,9 @@ class PeerNode:
         ``late`` (no answer yet: ``on_reply`` runs in a later `pump` if it comes) or ``unreachable``."""
         deadline = time.monotonic() + deadline_s
         conn = self._outgoing.get(peer)
+        # a peer that exited since the last request
         if conn is not None and conn.request is None and not _open(conn.sock):
-            self._lose(
-                conn, "the connection closed (did it exit?)"
-            )  # a peer that exited since the last request
+            self._lose(conn, "the connection closed (did it exit?)")
             conn = None
         if conn is not None and conn.request is not None:  # an earlier answer is still late: give it up
             self._lose(conn, f"no answer within {deadline_s} s and until the next request")
@@ -379,7 +378,3 @@ def _open(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return t.detach().view(torch.uint8).numpy().data.cast("B")

@@ -175,8 +175,11 @@ class LoomStore(dist.Store):
     def _key(self, key: str | bytes) -> bytes:
         return (self.prefix + (key.decode() if isinstance(key, bytes) else key)).encode()
 
-    def _wait_s(self, timeout: datetime.timedelta | None) -> float:
-        return (timeout if timeout is not None else self.timeout).total_seconds()
+    def _waiting(self, op: int, keys: list[str], timeout: datetime.timedelta | None = None) -> list[bytes]:
+        """``op`` on ``keys``, which the server answers once they all exist or ``timeout`` (default: the store's)
+        passes."""
+        wait_s = (timeout if timeout is not None else self.timeout).total_seconds()
+        return self._call(op, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s)
 
     # -- the c10d Store interface ------------------------------------------------------------------------
     @property
@@ -191,8 +194,7 @@ class LoomStore(dist.Store):
         self._call(wire.SET, [self._key(key), value.encode() if isinstance(value, str) else bytes(value)])
 
     def get(self, key: str) -> bytes:
-        wait_s = self._wait_s(None)
-        return self._call(wire.GET, [str(int(wait_s * 1000)).encode(), self._key(key)], wait_s)[0]
+        return self._waiting(wire.GET, [key])[0]
 
     def add(self, key: str, value: int) -> int:
         return int(self._call(wire.ADD, [self._key(key), str(int(value)).encode()])[0])
@@ -201,14 +203,10 @@ class LoomStore(dist.Store):
         return self._call(wire.CHECK, [self._key(k) for k in keys])[0] == b"1"
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        wait_s = self._wait_s(timeout)
-        self._call(wire.WAIT, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s)
+        self._waiting(wire.WAIT, keys, timeout)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        wait_s = self._wait_s(None)
-        return self._call(
-            wire.MULTI_GET, [str(int(wait_s * 1000)).encode(), *(self._key(k) for k in keys)], wait_s
-        )
+        return self._waiting(wire.MULTI_GET, keys)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         fields: list[bytes] = []
