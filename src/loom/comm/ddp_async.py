@@ -9,9 +9,10 @@ gradients, and backward should wait only at its end. The backend's ``async_op=Tr
 synchronous `loom.comm.allreduce_hook` therefore stalls backward for the whole of every bucket's reduction.
 
 Here each process owns one background *communication thread* (`loom.comm.thread`, which says how it lives and
-ends) that runs the buckets' all-reduces, one after the other, in the order the hook submitted them. The hook queues a job that divides the bucket by the group size
-(as PyTorch's ``allreduce_hook`` does, so float16 does not overflow) and all-reduces it, and returns a
-``torch.futures.Future`` that the thread completes; DDP waits for the futures at the end of backward.
+ends) that runs the buckets' all-reduces, one after the other, in the order the hook submitted them. The hook
+queues a job that divides the bucket by the group size (as PyTorch's ``allreduce_hook`` does, so float16 does
+not overflow) and all-reduces it, and returns a ``torch.futures.Future`` that the thread completes; DDP waits
+for the futures at the end of backward.
 
 Why this is safe:
 
@@ -41,18 +42,15 @@ order.
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and
 # rejects them unless they are the real `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects.
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from loom.comm._reduce import check_algorithm, group_rank_and_size
 from loom.comm.all_reduce import all_reduce
+from loom.comm.ddp_hooks import CommHook
 from loom.comm.thread import CommThread, comm_thread, shutdown_comm_thread, torch_future
 
 __all__ = ["CommThread", "comm_thread", "overlapped_allreduce_hook", "shutdown_comm_thread"]
-
-CommHook = Callable[[dist.ProcessGroup | None, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 def overlapped_allreduce_hook(algorithm: str = "auto") -> CommHook:

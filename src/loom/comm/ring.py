@@ -195,7 +195,8 @@ def run_ring(
     be free); an all-gather receive lands in the result and is posted as soon as every earlier receive is.
     That is safe: all-gather data for a segment can only arrive once the segment is fully reduced, which needs
     this rank's contribution, sent after its last touch of the segment. A receive already posted when the
-    message arrives saves a round of gloo's matching. Empty buffers are skipped on both ends. ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
+    message arrives saves a round of gloo's matching. Empty buffers are skipped on both ends.
+    ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
     """
     sent = received = 0
     if link is not None:

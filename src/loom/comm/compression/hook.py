@@ -44,11 +44,9 @@ import torch.distributed as dist
 from loom.comm.compression.base import Codec, Collective, Exchange
 from loom.comm.compression.factory import make_codec
 from loom.comm.counters import counters
+from loom.comm.shards import _all_gather
 
 __all__ = ["CompressionHook", "compression_hook"]
-
-# `all_gather_into_tensor` is deprecated in newer torch in favour of `all_gather_single` (same semantics).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Flight:

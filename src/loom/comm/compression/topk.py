@@ -112,8 +112,9 @@ def top_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
 
     ``torch.topk`` over a whole large bucket is slow. Here a threshold is taken from a strided sample, set so
     that about 1.5 k entries of the whole pass it, and ``topk`` runs on those only: when at least ``k`` entries
-    pass, every one of the k largest is among them, so the set is the same. Otherwise (a sample that misjudged the spread), or with NaN present (``topk``
-    ranks NaN above every number; a threshold does not), or for a small or dense bucket: ``topk`` on the whole."""
+    pass, every one of the k largest is among them, so the set is the same. Otherwise (a sample that misjudged
+    the spread), or with NaN present (``topk`` ranks NaN above every number; a threshold does not), or for a
+    small or dense bucket: ``topk`` on the whole."""
     n = magnitude.numel()
     if n < SAMPLE_STRIDE * 1024 or 4 * k > n:
         return magnitude.topk(k, sorted=False).indices
