@@ -132,11 +132,14 @@ def wait_for_pending() -> None:
     """Wait for this process's asynchronous save in flight, if any (raising `CheckpointError` if it failed
     and its own `wait()` has not reported it yet), so that a new staging directory can be opened."""
     with _slot_lock:
-        previous = _in_flight
-        if previous is not None:
-            previous._finished.wait()
-            if not previous._reported:
-                previous.wait()
+        _wait_for(_in_flight)
+
+
+def _wait_for(previous: AsyncCheckpoint | None) -> None:
+    if previous is not None:
+        previous._finished.wait()
+        if not previous._reported:  # a failure nobody has seen yet stops what comes next
+            previous.wait()
 
 
 def _start(
@@ -145,10 +148,7 @@ def _start(
     global _in_flight
     with _slot_lock:
         previous, _in_flight = _in_flight, None
-        if previous is not None:
-            previous._finished.wait()
-            if not previous._reported:  # a failure nobody has seen yet stops this save
-                previous.wait()
+        _wait_for(previous)
         skeleton, tensors = flatten_state(state, clone=True)
         state_bytes = encode_state(step, skeleton)  # here, so a state too big to load back is refused now
         handle = AsyncCheckpoint(directory, step)

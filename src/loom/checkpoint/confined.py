@@ -19,13 +19,13 @@ import hashlib
 import io
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 __all__ = ["ConfinedDirectory", "read_exact", "read_limited", "sha256_of"]
 
 _LINK_HINT = "HINT: copy the checkpoint into the directory instead of linking to it."
-_CHUNK = 1 << 20
 
 
 def _link_reason(path: Path) -> str:
@@ -93,16 +93,22 @@ def _open_failure(path: Path, err: OSError, kind: str) -> str:
     return f"cannot be opened ({err.strerror or err})"
 
 
-def read_exact(file: BinaryIO, count: int) -> bytes:
-    """Exactly ``count`` bytes from ``file``; ``ValueError`` if it ends first (it shrank while read). Loops,
-    since one ``read`` of a raw file returns at most ~2 GiB on Linux."""
-    pieces, left = [], count
+def _pieces(file: BinaryIO, count: int, piece: int) -> Iterator[bytes]:
+    """``count`` bytes of ``file`` in reads of at most ``piece`` bytes; ``ValueError`` if it ends first (it
+    shrank while read)."""
+    left = count
     while left:
-        piece = file.read(min(left, 1 << 30))
-        if not piece:
+        data = file.read(min(left, piece))
+        if not data:
             raise ValueError(f"ended after {count - left} of {count} bytes (changed while being read)")
-        pieces.append(piece)
-        left -= len(piece)
+        yield data
+        left -= len(data)
+
+
+def read_exact(file: BinaryIO, count: int) -> bytes:
+    """Exactly ``count`` bytes from ``file``; ``ValueError`` if it ends first. In reads of 1 GiB, since one
+    ``read`` of a raw file returns at most ~2 GiB on Linux."""
+    pieces = list(_pieces(file, count, 1 << 30))
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
@@ -120,11 +126,6 @@ def read_limited(file: BinaryIO, size: int, limit: int) -> bytes:
 def sha256_of(file: BinaryIO, size: int) -> str:
     """The sha256 of ``file``'s ``size`` bytes, read in 1 MiB pieces (memory independent of ``size``)."""
     digest = hashlib.sha256()
-    left = size
-    while left:
-        piece = file.read(min(left, _CHUNK))
-        if not piece:
-            raise ValueError(f"ended {left} bytes early (changed while being read)")
+    for piece in _pieces(file, size, 1 << 20):
         digest.update(piece)
-        left -= len(piece)
     return digest.hexdigest()

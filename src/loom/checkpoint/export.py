@@ -19,26 +19,19 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from loom.checkpoint.find import checkpoint_candidates, no_valid_checkpoint
+from loom.checkpoint.find import newest_intact
 from loom.checkpoint.load import read_checkpoint, read_local_state
-from loom.checkpoint.store import MANIFEST_FILE, CheckpointError, CorruptCheckpointError, list_checkpoints
+from loom.checkpoint.store import MANIFEST_FILE, CheckpointError, list_checkpoints
 
 __all__ = ["export_model", "model_state_dict"]
 
 
 def _newest(directory: Path) -> tuple[Path, int, dict[str, Any]]:
     if (directory / MANIFEST_FILE).is_file() or not list_checkpoints(directory):
-        step, state = read_checkpoint(directory)
-        return directory, step, state
-    candidates, problems = checkpoint_candidates(directory)
-    for candidate in candidates:
-        try:
-            step, state = read_checkpoint(candidate)
-        except CorruptCheckpointError as err:
-            problems.append(str(err))
-            continue
-        return candidate, step, state
-    raise no_valid_checkpoint(directory, problems)
+        return (directory, *read_checkpoint(directory))
+    found = newest_intact(directory)
+    assert found is not None  # there are checkpoints: one is read, or NoValidCheckpointError
+    return found
 
 
 def model_state_dict(checkpoint: str | os.PathLike) -> tuple[int, dict[str, torch.Tensor]]:

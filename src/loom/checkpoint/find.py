@@ -26,7 +26,7 @@ from loom.checkpoint.store import (
     list_checkpoints,
 )
 
-__all__ = ["checkpoint_candidates", "load_checkpoint", "no_valid_checkpoint"]
+__all__ = ["checkpoint_candidates", "load_checkpoint", "newest_intact", "no_valid_checkpoint"]
 
 
 def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, str | None]:
@@ -94,6 +94,26 @@ def no_valid_checkpoint(directory: str | os.PathLike, problems: list[str]) -> No
     )
 
 
+def newest_intact(
+    directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
+) -> tuple[Path, int, dict[str, Any]] | None:
+    """`load_checkpoint`, with the path of the checkpoint read: ``(path, step, state)``."""
+    candidates, problems = checkpoint_candidates(directory, limits=limits)
+    for checkpoint in candidates:
+        try:
+            return (checkpoint, *read_checkpoint(checkpoint, limits=limits))
+        except CorruptCheckpointError as err:
+            problems.append(str(err))
+            warnings.warn(
+                f"checkpoint {checkpoint.name} is damaged: {err}; falling back to an earlier checkpoint",
+                CorruptCheckpointWarning,
+                stacklevel=3,
+            )
+    if not problems:
+        return None
+    raise no_valid_checkpoint(directory, problems)
+
+
 def load_checkpoint(
     directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
 ) -> tuple[int, dict[str, Any]] | None:
@@ -105,17 +125,5 @@ def load_checkpoint(
     throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`). Every rank's file is
     verified (`read_checkpoint`); `loom.fit` reads only each process's own (`read_checkpoint_part`).
     """
-    candidates, problems = checkpoint_candidates(directory, limits=limits)
-    for checkpoint in candidates:
-        try:
-            return read_checkpoint(checkpoint, limits=limits)
-        except CorruptCheckpointError as err:
-            problems.append(str(err))
-            warnings.warn(
-                f"checkpoint {checkpoint.name} is damaged: {err}; falling back to an earlier checkpoint",
-                CorruptCheckpointWarning,
-                stacklevel=2,
-            )
-    if not problems:
-        return None
-    raise no_valid_checkpoint(directory, problems)
+    found = newest_intact(directory, limits=limits)
+    return None if found is None else found[1:]

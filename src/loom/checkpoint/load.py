@@ -275,22 +275,40 @@ def _check_step(checkpoint: Path, step: int) -> None:
         raise CorruptCheckpointError(checkpoint / MANIFEST_FILE, f"step {step} does not match the directory")
 
 
+def _read_own(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits: ReadLimits) -> Any:
+    """The state packed in rank file ``name``, read within the budget of its manifest ``entry``."""
+    metadata, tensors = _read_tensors(folder, name, entry, limits)
+    try:
+        return unpack_tensor_file(metadata, tensors, limits.budgeted(entry["entries"]))
+    except ValueError as err:
+        raise CorruptCheckpointError(folder.path / name, str(err)) from None
+
+
+def _read(checkpoint: Path, limits: ReadLimits, rank: int | None) -> tuple[int, dict[str, Any], Any]:
+    """``(step, state, own)``: the shared files, and with ``rank`` None every rank file verified (own None),
+    else rank ``rank``'s own file unpacked (None when the manifest lists none for it)."""
+    folder, manifest = _open_checkpoint(checkpoint, limits)
+    with folder:
+        step, files, own = manifest["step"], manifest["files"], None
+        _check_step(checkpoint, step)
+        state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
+        _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
+        if rank is None:
+            for name, entry in files.items():  # every rank's file, so damage anywhere falls back
+                if _LOCAL_NAME.fullmatch(name):
+                    _verify(folder, name, entry, limits)
+        elif local_state_file(rank) in files:
+            own = _read_own(folder, local_state_file(rank), files[local_state_file(rank)], limits)
+    entries = files[STATE_FILE]["entries"]
+    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits, entries), own
+
+
 def read_checkpoint(
     checkpoint: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
 ) -> tuple[int, dict[str, Any]]:
     """Verify and read one checkpoint directory; raise `CorruptCheckpointError` naming the first bad file."""
-    checkpoint = Path(checkpoint)
-    folder, manifest = _open_checkpoint(checkpoint, limits)
-    with folder:
-        step, files = manifest["step"], manifest["files"]
-        _check_step(checkpoint, step)
-        state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
-        _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
-        for name, entry in files.items():  # every rank's file, so damage anywhere falls back
-            if _LOCAL_NAME.fullmatch(name):
-                _verify(folder, name, entry, limits)
-    entries = files[STATE_FILE]["entries"]
-    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits, entries)
+    step, state, _ = _read(Path(checkpoint), limits, None)
+    return step, state
 
 
 def read_checkpoint_part(
@@ -301,22 +319,7 @@ def read_checkpoint_part(
     for ``rank``, e.g. at a larger world size). Other ranks' files are not read: each process verifies its own
     part, and `loom.fit` makes the ranks agree on the verdict. Raises `CorruptCheckpointError` naming the
     first bad file."""
-    checkpoint = Path(checkpoint)
-    folder, manifest = _open_checkpoint(checkpoint, limits)
-    with folder:
-        step, files, name = manifest["step"], manifest["files"], local_state_file(rank)
-        _check_step(checkpoint, step)
-        state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
-        _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
-        own = None
-        if name in files:
-            metadata, own_tensors = _read_tensors(folder, name, files[name], limits)
-            try:
-                own = unpack_tensor_file(metadata, own_tensors, limits.budgeted(files[name]["entries"]))
-            except ValueError as err:
-                raise CorruptCheckpointError(checkpoint / name, str(err)) from None
-    entries = files[STATE_FILE]["entries"]
-    return step, parse_state(state_bytes, tensors, step, checkpoint / STATE_FILE, limits, entries), own
+    return _read(Path(checkpoint), limits, rank)
 
 
 def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLimits = DEFAULT_LIMITS) -> Any:
@@ -331,8 +334,4 @@ def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLi
                 f"{checkpoint} holds per-rank state for {len(files) - 2} rank(s), none for rank {rank}. "
                 "HINT: per-rank state is only meaningful at the world size that wrote it."
             )
-        metadata, tensors = _read_tensors(folder, name, files[name], limits)
-    try:
-        return unpack_tensor_file(metadata, tensors, limits.budgeted(files[name]["entries"]))
-    except ValueError as err:
-        raise CorruptCheckpointError(checkpoint / name, str(err)) from None
+        return _read_own(folder, name, files[name], limits)

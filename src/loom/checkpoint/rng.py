@@ -18,17 +18,10 @@ import sys
 import warnings
 from typing import Any
 
+import numpy
 import torch
 
 __all__ = ["capture_rng", "restore_rng"]
-
-
-def _numpy():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
 
 
 def _words(values: Any) -> str:
@@ -54,23 +47,19 @@ def _unwords(value: Any) -> list[int]:
 def capture_rng() -> dict[str, Any]:
     """The state of the global generators, as ``{"torch", "python", "numpy", "cuda"}``."""
     version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
+    name, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
+    return {
         "torch": torch.get_rng_state(),  # a uint8 tensor
         "python": {"version": version, "internal": _words(internal), "gauss_next": gauss_next},
-        "numpy": None,
-        "cuda": [t.clone() for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None,
-    }
-    numpy = _numpy()
-    if numpy is not None:
-        name, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
-        state["numpy"] = {
+        "numpy": {
             "bit_generator": str(name),
             "keys": _words(keys),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
-        }
-    return state
+        },
+        "cuda": [t.clone() for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None,
+    }
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -83,8 +72,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     if python is not None:
         random.setstate((python["version"], tuple(_unwords(python["internal"])), python["gauss_next"]))
     numpy_state = state.get("numpy")
-    numpy = _numpy()
-    if numpy_state is not None and numpy is not None:
+    if numpy_state is not None:
         numpy.random.set_state(
             (
                 numpy_state["bit_generator"],

@@ -97,8 +97,8 @@ def read_tensor_file(
     start), or ``ValueError`` saying what is wrong before anything beyond the header is allocated.
 
     The cyclic garbage collector is paused meanwhile: the header's entries and the tensors are acyclic, and a
-    header of ~14,000 entries (the most the limits admit) otherwise triggers collections over every object of
-    the process (0.45 -> 0.30 s here for that header)."""
+    header of the most entries the limits admit otherwise triggers collections over every object of the
+    process."""
     paused = gc.isenabled()
     gc.disable()
     try:
@@ -131,7 +131,7 @@ def _read_tensor_file(
     metadata, layout = _layout(header, size - 8 - length)
     tensors = {}
     for name, dtype, shape, nbytes in layout:
-        try:  # one tensor object each (not bytes, a view and a reshape: ~35 -> ~12 us a tensor; 14k in a header)
+        try:  # one tensor object each, not bytes, a view and a reshape: a header may list ~14k tensors
             tensor = torch.empty(shape, dtype=dtype)
         except RuntimeError as err:  # e.g. a shape of zero elements whose strides overflow
             raise ValueError(f"tensor {name!r}: cannot be shaped {shape} ({err})") from None

@@ -24,6 +24,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -74,24 +75,16 @@ def sample_fingerprint(batch: Any) -> int:
 @contextlib.contextmanager
 def _fixed_global_rngs(seed: int) -> Iterator[None]:
     """Seed torch's (CPU), Python's and NumPy's global generators for the block, then restore them."""
-    python_state = random.getstate()
-    try:
-        import numpy as np
-
-        numpy_state: Any = np.random.get_state()
-    except ImportError:  # numpy is optional for torch
-        np, numpy_state = None, None  # type: ignore[assignment]
+    python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         random.seed(seed)
-        if np is not None:
-            np.random.seed(seed % 2**32)
+        np.random.seed(seed % 2**32)
         try:
             yield
         finally:
             random.setstate(python_state)
-            if np is not None:
-                np.random.set_state(numpy_state)
+            np.random.set_state(numpy_state)
 
 
 def _summary(dataset: Any, fetch: Callable[[torch.Tensor], Any]) -> list[int]:
