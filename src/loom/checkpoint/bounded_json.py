@@ -52,7 +52,7 @@ def _max_depth(brackets: bytes) -> int:
 _SCAN = 1 << 20
 """Bytes of JSON scanned at a time: ``re.sub`` keeps one object per match until it joins them (~28 bytes of
 memory per input byte for a document of short strings), so the scan's memory is bounded by the piece, not by
-the document (a 64 MB ``state.json`` of short strings cost 1.8 GB before it was refused)."""
+the document."""
 
 
 def _skeleton(data: bytes) -> bytes:

@@ -187,26 +187,25 @@ def _rebuilt(value: list | tuple, items: list) -> Any:
     return tuple(items)
 
 
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to every tensor, keeping its nesting; other leaves are kept whole."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return _rebuilt(value, [_map_tensors(v, fn) for v in value])
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
 def slice_batch(value: Any, lo: int, hi: int) -> Any:
     """Samples ``lo:hi`` of every tensor in ``value``, keeping its nesting; other leaves are kept whole."""
-    if isinstance(value, torch.Tensor):
-        return value[lo:hi]
-    if isinstance(value, (list, tuple)):
-        return _rebuilt(value, [slice_batch(v, lo, hi) for v in value])
-    if isinstance(value, dict):
-        return {k: slice_batch(v, lo, hi) for k, v in value.items()}
-    return value
+    return _map_tensors(value, lambda t: t[lo:hi])
 
 
 def to_device(value: Any, device: torch.device) -> Any:
     """``value`` with every tensor moved to ``device`` (non-blocking), keeping its nesting."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (list, tuple)):
-        return _rebuilt(value, [to_device(v, device) for v in value])
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
+    return _map_tensors(value, lambda t: t.to(device, non_blocking=True))
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:

@@ -11,30 +11,23 @@ optimizer, step), the loader's position in global samples, the LR scheduler, eve
 loop's own counters are restored, so the resumed run takes the same steps on the same samples as an
 uninterrupted one. ``steps`` and ``epochs`` are totals for the whole run, not for this call.
 
-Rank 0 writes each checkpoint, with every rank's RNG state and its local state (gradient compression's error
-feedback, restored when the world size is unchanged); the ranks agree that the write succeeded. See
-`loom.train.fit_checkpoint` for who writes what, how ranks resume, and why restored error feedback does not yet reach
-`DataParallel`'s first step after a resume.
+Every strategy's job runs here: `fit` uses only the `loom.job.Job` contract. Who writes what into a
+checkpoint (every rank its own file, rank 0 the shared state), how ranks resume and why a non-finite state is
+never written: `loom.train.fit_checkpoint`. Jobs whose state differs per rank (pipeline stages, tensor shards)
+resume at the world size and mesh that wrote them.
 
-Every strategy's job runs here: `fit` uses only the `loom.job.Job` contract. Jobs whose state differs per rank
-(pipeline stages, tensor shards) have every rank's part written into the same checkpoint and resume at the
-world size and mesh that wrote them.
-
-Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). The LR scheduler is stepped once per optimizer step. RNG states are restored
-exactly when the world size is unchanged; after a resize rank r takes saved rank ``r mod old_world_size``'s
-state. With ``async_checkpoint=True`` a checkpoint is durable only once the next one starts or `fit` returns (it
-always waits for the last one).
+Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). The LR scheduler
+is stepped once per optimizer step. RNG states are restored exactly when the world size is unchanged; after a
+resize rank r takes saved rank ``r mod old_world_size``'s state. With ``async_checkpoint=True`` a checkpoint is
+durable only once the next one starts or `fit` returns (it always waits for the last one).
 
 Resizing: a checkpoint written with N workers resumes with M; the loader continues at the same global sample
 (see `loom.fault.resize`, which also describes ``scale_lr_with_world_size``, the linear scaling rule). Under
 ``loom run --max-restarts R`` a restarted worker group resumes the same way, losing at most the steps since the
 last checkpoint. ``desync_every`` checks that replicas agree (`loom.fault.desync`) and stops the job if not:
 by default every `DESYNC_EVERY` steps and before every checkpoint, for jobs whose replicas must agree
-(``replicas_agree``) over a data axis of more than one replica.
-
-Non-finite steps: strategies do not apply a step whose loss or gradient is NaN or infinite on some rank (see
-`loom.fault.desync.NonFiniteGuard`; `FitResult.skipped_steps` counts them), and no checkpoint with non-finite
-values is written (`loom.train.fit_checkpoint`), so the kept checkpoints are all finite.
+(``replicas_agree``) over a data axis of more than one replica. A step whose loss or gradient is non-finite on
+some rank is not applied (`loom.fault.desync.NonFiniteGuard`; `FitResult.skipped_steps` counts them).
 """
 
 from __future__ import annotations
@@ -60,10 +53,10 @@ if TYPE_CHECKING:
 __all__ = ["DESYNC_EVERY", "FitResult", "fit"]
 
 DESYNC_EVERY = 100
-"""Default interval, in steps, of the parameter check across replicas. One check is a pass over the parameters
-and an all-gather of 8 bytes per tensor: for a small model a fraction of one step, so every 100 steps it stays
-well under 1 % of the training time (measured with ``tests/workers/nonfinite_cost.py``). It also runs before
-every checkpoint, so a desynchronized state is never saved."""
+"""Default interval, in steps, of the parameter check across replicas: a pass over the parameters and an
+all-gather of 8 bytes per tensor, a small fraction of the training time at this interval
+(``tests/workers/nonfinite_cost.py`` measures it). It also runs before every checkpoint, so a desynchronized
+state is never saved."""
 
 
 @dataclass(frozen=True)
@@ -202,13 +195,9 @@ class _Loop:
                 self.trackers.log(self.job, at.last_loss, at.epoch, at.step)
                 if self.job.last_step_skipped:  # a non-finite step: no update was applied
                     self.skipped += 1
-                saving = self.checkpointer is not None and at.step % self.checkpoint_every == 0
-                if self._desync_check_due(
-                    at.step, saving
-                ):  # before a checkpoint can save a desynchronized state
-                    check_replicas_agree(self.job.module, self.job.mesh.group("dp"), step=at.step)
-                if saving:
-                    self.checkpointer.save(at.step, self.loop_state(at))  # type: ignore[union-attr]
+                self.check_and_save(
+                    at, self.checkpointer is not None and at.step % self.checkpoint_every == 0
+                )
                 if self.steps is not None and at.step >= self.steps:
                     break
             else:
@@ -221,9 +210,14 @@ class _Loop:
                     "HINT: check that the dataset is not empty (or smaller than the batch with drop_last)."
                 )
 
-    def _desync_check_due(self, step: int, saving: bool = False) -> bool:
-        due = bool(self.desync_every) and (step % self.desync_every == 0 or saving)
-        return due and self.job.replicas_agree and self.job.mesh.group("dp") is not None
+    def check_and_save(self, at: _Position, saving: bool) -> None:
+        """The desync check when due (also before every checkpoint, so that none saves a desynchronized state),
+        then the checkpoint of ``at`` when ``saving``."""
+        due = bool(self.desync_every) and (at.step % self.desync_every == 0 or saving)
+        if due and self.job.replicas_agree and self.job.mesh.group("dp") is not None:
+            check_replicas_agree(self.job.module, self.job.mesh.group("dp"), step=at.step)
+        if saving:
+            self.checkpointer.save(at.step, self.loop_state(at))  # type: ignore[union-attr]
 
     @property
     def _loss_label(self) -> str:
@@ -317,9 +311,7 @@ def fit(
             loop.run(at, bar)
         if checkpointer is not None:
             if at.step != checkpointer.saved_step and at.step > first_step:
-                if loop._desync_check_due(at.step, saving=True):
-                    check_replicas_agree(job.module, job.mesh.group("dp"), step=at.step)
-                checkpointer.save(at.step, loop.loop_state(at))
+                loop.check_and_save(at, saving=True)
             checkpointer.finish()
     except BaseException:
         if checkpointer is not None:

@@ -69,6 +69,10 @@ __all__ = ["FitCheckpointer", "NonFiniteStateError", "all_gather_ints", "nonfini
 
 _WRITE_FAILED, _NONFINITE = 1, 2
 """Codes of a rank's verdict in the agreement after a checkpoint."""
+_DIVERGED_HINT = (
+    "HINT: training diverged before this checkpoint; resume from the kept one with a lower learning rate, or "
+    "look for non-finite inputs (DataParallel(nonfinite='skip') drops such steps)."
+)
 
 
 def nonfinite_tensors(state: Any) -> list[str]:
@@ -109,14 +113,8 @@ def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
     mine = capture_rng()
     if not _collective(topo):
         return [mine]
-    wire = dict(
-        mine,
-        torch=mine["torch"].tolist(),
-        cuda=None if mine["cuda"] is None else [t.tolist() for t in mine["cuda"]],
-    )
-    states = [
-        json.loads(raw) for raw in all_gather_sized_bytes(json.dumps(wire).encode(), device=topo.device)
-    ]
+    cuda = None if mine["cuda"] is None else [t.tolist() for t in mine["cuda"]]
+    states = _all_gather_json(dict(mine, torch=mine["torch"].tolist(), cuda=cuda), topo)
     for state in states:
         state["torch"] = torch.tensor(state["torch"], dtype=torch.uint8)
         if state["cuda"] is not None:
@@ -161,9 +159,7 @@ def _check_packed(verdicts: list[dict[str, Any]], topo: Topology, refused: str) 
         detail = verdicts[nonfinite[0]]["detail"]
         raise NonFiniteStateError(
             f"the state of rank(s) {nonfinite} holds NaN or infinite values (rank {nonfinite[0]}: {detail}), "
-            f"seen on rank {topo.rank}: {refused} HINT: training diverged before this checkpoint; resume from "
-            "the kept one with a lower learning rate, or look for non-finite inputs "
-            "(DataParallel(nonfinite='skip') drops such steps)."
+            f"seen on rank {topo.rank}: {refused} {_DIVERGED_HINT}"
         )
     if failed:
         raise CheckpointError(
@@ -278,39 +274,32 @@ class FitCheckpointer:
                 self.pending = publish_async(self.directory, staging, step, state, self.keep, entries)
             else:
                 skeleton, tensors = flatten_state(state)
-                tensor_bytes = safetensors.torch.save(tensors)
-                publish(
-                    self.directory,
-                    staging,
-                    step,
-                    encode_state(step, skeleton),
-                    tensor_bytes,
-                    self.keep,
-                    entries,
-                )
+                encoded, tensor_bytes = encode_state(step, skeleton), safetensors.torch.save(tensors)
+                publish(self.directory, staging, step, encoded, tensor_bytes, self.keep, entries)
         except Exception as err:  # reported on every rank by `_agree`
             abandon_staging(staging)
             return failure_text(err), _WRITE_FAILED
         return "", _WRITE_FAILED
 
+    def _wait_pending(self) -> CheckpointError | None:
+        """Let a pending asynchronous write finish; the error that stopped it, if any."""
+        pending, self.pending = self.pending, None
+        try:
+            if pending is not None:
+                pending.wait()
+        except CheckpointError as err:
+            return err
+        return None
+
     def finish(self) -> None:
-        failure = ""
-        if self.pending is not None:
-            try:
-                self.pending.wait()
-            except CheckpointError as err:
-                failure = failure_text(err)
-            self.pending = None
-        self._agree(failure, "finishing the last checkpoint")
+        error = self._wait_pending()
+        self._agree("" if error is None else failure_text(error), "finishing the last checkpoint")
 
     def abandon(self) -> None:
         """After an error elsewhere: let a pending write finish, without collectives or masking that error."""
-        if self.pending is not None:
-            try:
-                self.pending.wait()
-            except CheckpointError as err:
-                warnings.warn(f"the last asynchronous checkpoint also failed: {err}", stacklevel=3)
-            self.pending = None
+        error = self._wait_pending()
+        if error is not None:
+            warnings.warn(f"the last asynchronous checkpoint also failed: {error}", stacklevel=3)
 
     def _agree(self, failure: str, operation: str, code: int = _WRITE_FAILED, refused: str = "") -> None:
         flags = _all_gather_int(code if failure else 0, self.topo)
@@ -318,9 +307,7 @@ class FitCheckpointer:
             rank = flags.index(_NONFINITE)
             raise NonFiniteStateError(
                 f"{operation}: rank {rank}'s state holds {failure or 'NaN or infinite values'} (seen on rank "
-                f"{self.topo.rank}): {refused} HINT: training diverged before this checkpoint; resume from "
-                "the kept one with a lower learning rate, or look for non-finite inputs "
-                "(DataParallel(nonfinite='skip') drops such steps)."
+                f"{self.topo.rank}): {refused} {_DIVERGED_HINT}"
             )
         if any(flags) and not failure:
             failure = f"rank {next(r for r, f in enumerate(flags) if f)} failed"

@@ -1,8 +1,5 @@
-"""The guard of a training step: one object, built the same way for every strategy's job.
-
-Before this module each strategy wired its own guarantees by hand, and they drifted: the hang watchdog ran in two
-of five step loops, the non-finite check in four (one NaN made every parameter of a parameter-server job NaN).
-Here they are written once:
+"""The guard of a training step: one object, built the same way for every strategy's job, so that its
+guarantees are written once:
 
 - `GuardOptions`: the options every strategy's config dataclass inherits (``hang_timeout_s``,
   ``work_timeout_s``, ``liveness_timeout_s``, ``nonfinite``, ``nonfinite_limit``), validated in one place;
