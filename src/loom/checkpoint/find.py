@@ -49,18 +49,6 @@ def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, s
     return name, None
 
 
-def _read_pointer(directory: Path, limits: ReadLimits) -> str | None:
-    """The checkpoint name ``latest`` holds; None (warning if it exists but is unusable) otherwise."""
-    name, problem = _pointer_problem(directory, limits)
-    if problem is not None:
-        warnings.warn(
-            f"{directory / POINTER_FILE} {problem}; using the newest intact checkpoint",
-            CorruptCheckpointWarning,
-            stacklevel=3,
-        )
-    return name
-
-
 def checkpoint_candidates(
     directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
 ) -> tuple[list[Path], list[str]]:
@@ -69,7 +57,13 @@ def checkpoint_candidates(
     each already warned with `CorruptCheckpointWarning`."""
     directory = Path(directory)
     checkpoints = list_checkpoints(directory)
-    pointer = _read_pointer(directory, limits)
+    pointer, problem = _pointer_problem(directory, limits)
+    if problem is not None:
+        warnings.warn(
+            f"{directory / POINTER_FILE} {problem}; using the newest intact checkpoint",
+            CorruptCheckpointWarning,
+            stacklevel=3,
+        )
     problems: list[str] = []
     candidates = list(checkpoints)
     if pointer is not None:

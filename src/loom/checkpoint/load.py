@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -60,6 +61,7 @@ from loom.checkpoint.tensor_file import read_tensor_file
 from loom.checkpoint.tree import unflatten_state, unpack_tensor_file
 
 __all__ = [
+    "open_checkpoint",
     "parse_manifest",
     "parse_state",
     "read_checkpoint",
@@ -246,8 +248,11 @@ def _verify(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits:
     _check_digest(folder.path / name, digest, entry)
 
 
-def _open_checkpoint(checkpoint: Path, limits: ReadLimits) -> tuple[ConfinedDirectory, dict[str, Any]]:
-    """The step directory, opened confined, and its parsed manifest (read within its bound)."""
+def open_checkpoint(
+    checkpoint: Path, limits: ReadLimits, parse: Callable[[bytes, Path, ReadLimits], Any] | None = None
+) -> tuple[ConfinedDirectory, Any]:
+    """The step directory, opened confined, and its manifest (read within its bound), parsed by ``parse``
+    (default `parse_manifest`); the caller closes the directory."""
     folder = ConfinedDirectory.open(checkpoint)
     if isinstance(folder, str):
         raise CorruptCheckpointError(checkpoint, folder)
@@ -262,7 +267,7 @@ def _open_checkpoint(checkpoint: Path, limits: ReadLimits) -> tuple[ConfinedDire
                 data = read_limited(file, size, limits.max_manifest_bytes)
             except ValueError as err:
                 raise CorruptCheckpointError(path, f"{err}.{_limit_hint('max_manifest_bytes')}") from None
-        return folder, parse_manifest(data, path, limits)
+        return folder, (parse or parse_manifest)(data, path, limits)
     except BaseException:
         folder.close()
         raise
@@ -287,7 +292,7 @@ def _read_own(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limit
 def _read(checkpoint: Path, limits: ReadLimits, rank: int | None) -> tuple[int, dict[str, Any], Any]:
     """``(step, state, own)``: the shared files, and with ``rank`` None every rank file verified (own None),
     else rank ``rank``'s own file unpacked (None when the manifest lists none for it)."""
-    folder, manifest = _open_checkpoint(checkpoint, limits)
+    folder, manifest = open_checkpoint(checkpoint, limits)
     with folder:
         step, files, own = manifest["step"], manifest["files"], None
         _check_step(checkpoint, step)
@@ -326,7 +331,7 @@ def read_local_state(checkpoint: str | os.PathLike, rank: int, *, limits: ReadLi
     """Rank ``rank``'s own state in one checkpoint directory (see `save_checkpoint`'s ``local_states``),
     verified against the manifest. Raises `CheckpointError` when the checkpoint holds none for that rank."""
     checkpoint = Path(checkpoint)
-    folder, manifest = _open_checkpoint(checkpoint, limits)
+    folder, manifest = open_checkpoint(checkpoint, limits)
     files, name = manifest["files"], local_state_file(rank)
     with folder:
         if name not in files:

@@ -54,10 +54,10 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from loom.checkpoint.bounded_json import count_json_values, json_shape_problem
+from loom.checkpoint.bounded_json import count_json_values
 from loom.checkpoint.durable import fsync_directory, replace_durable, unique_name, write_durable
-from loom.checkpoint.limits import BYTES_PER_ENTRY, DEFAULT_LIMITS
-from loom.checkpoint.tree import TAG, PackedState, flatten_state
+from loom.checkpoint.limits import BYTES_PER_ENTRY
+from loom.checkpoint.tree import TAG, PackedState, flatten_state, readable_json
 from loom.errors import CheckpointError, CorruptCheckpointError, NoValidCheckpointError  # noqa: F401 - raised here, defined there
 
 __all__ = [
@@ -156,14 +156,7 @@ def save_checkpoint(
 def encode_state(step: int, skeleton: Any) -> bytes:
     """The bytes of ``state.json`` for a flattened state (see `flatten_state`); ``ValueError`` when loading
     them would break the default `ReadLimits`, so that nothing saved is unreadable."""
-    state_bytes = json.dumps({"step": step, "state": skeleton}, allow_nan=False).encode()
-    problem = json_shape_problem(state_bytes, DEFAULT_LIMITS, "max_state_bytes")
-    if problem is not None:
-        raise ValueError(
-            f"the state's JSON (everything but its tensors) holds {problem}, so loading it would be refused. "
-            "HINT: keep bulky data in tensors, which go to the tensor file, rather than in lists and dicts."
-        )
-    return state_bytes
+    return readable_json({"step": step, "state": skeleton}, "the state's JSON (everything but its tensors)")
 
 
 def write_checkpoint(

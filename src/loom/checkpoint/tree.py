@@ -48,6 +48,7 @@ __all__ = [
     "PackedState",
     "flatten_state",
     "pack_state",
+    "readable_json",
     "unflatten_state",
     "unpack_state",
     "unpack_tensor_file",
@@ -204,18 +205,23 @@ def pack_state(state: Any) -> bytes:
     return safetensors.torch.save(tensors, metadata={TAG: text})
 
 
-def _skeleton_json(state: Any) -> tuple[str, dict[str, torch.Tensor]]:
-    """``state``'s skeleton as JSON and its tensors by key; ``ValueError`` when the JSON breaks the default
-    `ReadLimits` (unpacking it would be refused)."""
-    skeleton, tensors = flatten_state(state)
-    text = json.dumps(skeleton, allow_nan=False)
-    problem = json_shape_problem(text.encode(), DEFAULT_LIMITS, "max_state_bytes")
+def readable_json(document: Any, what: str) -> bytes:
+    """``document`` as JSON; ``ValueError`` naming ``what`` when reading it back would break the default
+    `ReadLimits`, so that nothing loom writes is refused when read."""
+    data = json.dumps(document, allow_nan=False).encode()
+    problem = json_shape_problem(data, DEFAULT_LIMITS, "max_state_bytes")
     if problem is not None:
         raise ValueError(
-            f"the packed state's JSON holds {problem}, so unpacking it would be refused. HINT: keep bulky "
-            "data in tensors rather than in lists and dicts."
+            f"{what} holds {problem}, so reading it back would be refused. HINT: keep bulky data in tensors, "
+            "which go to the tensor file, rather than in lists and dicts."
         )
-    return text, tensors
+    return data
+
+
+def _skeleton_json(state: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    """``state``'s skeleton as JSON (`readable_json`) and its tensors by key."""
+    skeleton, tensors = flatten_state(state)
+    return readable_json(skeleton, "the packed state's JSON").decode(), tensors
 
 
 class PackedState:

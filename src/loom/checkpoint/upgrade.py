@@ -18,6 +18,7 @@ from loom.checkpoint.bounded_json import parse_json
 from loom.checkpoint.confined import ConfinedDirectory, read_exact, read_limited, sha256_of
 from loom.checkpoint.durable import replace_durable
 from loom.checkpoint.limits import DEFAULT_LIMITS, ReadLimits
+from loom.checkpoint.load import open_checkpoint
 from loom.checkpoint.store import MANIFEST_FILE, STATE_FILE, VERSION, CheckpointError, file_entries
 
 __all__ = ["upgrade_checkpoint"]
@@ -47,18 +48,10 @@ def upgrade_checkpoint(checkpoint: str | os.PathLike, *, limits: ReadLimits = DE
     """Rewrite the manifest of the version-1 checkpoint directory ``checkpoint`` as version 2; return its
     path. Raises `CheckpointError` when it is not a version-1 checkpoint or a file does not match it."""
     path = Path(checkpoint)
-    folder = ConfinedDirectory.open(path)
-    if isinstance(folder, str):
-        raise CheckpointError(f"{path} {folder}")
+    folder, manifest = open_checkpoint(
+        path, limits, lambda data, _, bounds: parse_json(data, bounds, "max_manifest_bytes")
+    )
     with folder:
-        opened = folder.open_file(MANIFEST_FILE)
-        if isinstance(opened, str):
-            raise CheckpointError(f"{path / MANIFEST_FILE} {opened}")
-        file, size = opened
-        with file:
-            manifest = parse_json(
-                read_limited(file, size, limits.max_manifest_bytes), limits, "max_manifest_bytes"
-            )
         if (
             not isinstance(manifest, dict)
             or manifest.get("version") != 1

@@ -22,10 +22,9 @@ depends on what the collation returns:
   fingerprints the tensor content instead of the indices; `job.train_step` needs an ``(inputs, targets)`` pair,
   so build one in the dataset or in ``collate_fn``.
 
-Iteration is `DataLoader`'s: every ``iter(loader)`` starts the current epoch from its beginning (a probe
-``next(iter(loader))`` costs the epoch nothing); after ``load_state_dict`` the first iteration starts at the
-restored position, once, as torchdata's ``StatefulDataLoader`` does. ``len(loader)`` is the number of batches
-per epoch; ``len(loader.sampler)`` this rank's samples per epoch, as with ``DistributedSampler``.
+Iteration is `DataLoader`'s, and after ``load_state_dict`` torchdata's ``StatefulDataLoader``'s
+(`loom.data.sampler`). ``len(loader)`` is the number of batches per epoch; ``len(loader.sampler)`` this rank's
+samples per epoch, as with ``DistributedSampler``.
 
 When a loader is built in a distributed job, it checks that every process holds the same dataset
 (`loom.data.same_data`); ``same_data_check=False`` turns that off.
@@ -356,13 +355,10 @@ def loader(
     same_data_check: bool = True,
     device: torch.device | None = None,
 ) -> ShardedLoader:
-    """This process's share of each global batch of ``dataset``.
-
-    Every step consumes the next ``global_batch_size`` samples of one global order fixed by ``(seed, epoch)``;
-    replica r takes a contiguous share (sizes differ by at most one; a share may be empty on a ragged last
-    batch, and is then a zero-sample batch of the usual structure). ``set_epoch(e)`` selects the epoch;
-    ``state_dict()`` records the position in global samples, so a job resumed with a different number of
-    workers continues at exactly the same sample.
+    """This process's share of each global batch of ``dataset``: the order and the shares are
+    `loom.data.sampler`'s (an empty share is a zero-sample batch of the usual structure). ``set_epoch(e)``
+    selects the epoch; ``state_dict()`` records the position in global samples, so a job resumed with a
+    different number of workers continues at exactly the same sample.
 
     ``collate_fn`` turns a list of samples into a batch, as `DataLoader`'s does (default `default_collate`).
     ``topology`` is what the data is sharded over (default: the whole job; `job.loader` passes its data axis).
@@ -371,11 +367,10 @@ def loader(
     `TensorDataset` of CPU tensors collated by default, gets each share gathered and copied there while the step
     before it runs (`loom.data.prefetch`); otherwise shares are yielded where the dataset holds them.
 
-    ``same_data_check``: when the job's process group (``topology.group``) has more than one process (and
-    ``topology`` is not a single-process ``backend="none"`` one), every process must build this loader at the
-    same point: they compare the dataset's length and a fingerprint of a few samples
-    (`loom.data.same_data.check_same_data`) and all raise if any differs. Pass False when the processes hold different data on purpose, or when only some
-    processes build this loader (the comparison would wait for the others).
+    ``same_data_check``: in a job of several processes (``topology.group``; not a ``backend="none"`` one), every
+    process must build this loader at the same point, and all raise if their datasets differ
+    (`loom.data.same_data.check_same_data`). Pass False when the processes hold different data on purpose, or
+    when only some processes build this loader (the comparison would wait for the others).
     """
     topo = topology if topology is not None else current()
     sampler = GlobalBatchSampler(

@@ -64,13 +64,9 @@ def _check_positive_int(name: str, value: Any) -> int:
 
 
 class GlobalBatchSampler:
-    """Yields a `GlobalBatch` per step of the current epoch, for one replica of ``world_size``.
-
-    Each ``iter()`` starts the current epoch from its beginning, except the first one after `load_state_dict`,
-    which starts at the restored position; finishing an epoch moves the position to the start of the next epoch,
-    so a loop that never calls `set_epoch` still sees a fresh order every epoch. ``len()`` counts this replica's
-    samples per epoch (as `DistributedSampler`'s does); `steps_per_epoch` counts the steps.
-    """
+    """Yields a `GlobalBatch` per step of the current epoch, for one replica of ``world_size``; iteration,
+    ``len()`` and the position as the module docstring says. Finishing an epoch moves the position to the start
+    of the next, so a loop that never calls `set_epoch` still sees a fresh order every epoch."""
 
     def __init__(
         self,

@@ -22,8 +22,7 @@ local state is dropped, with a line on stderr saying so when it holds tensors: r
 that kept them, and there is no meaningful way to share them among a different number of ranks (the codecs
 start from zero).
 
-Resuming (`loom.train.fit_resume`): each rank reads the shared files and its own file only, and the ranks agree on
-each candidate's verdict, so damage in any rank's file makes every rank fall back together.
+Resuming: `loom.train.fit_resume`.
 
 Non-finite state is never written: before a checkpoint every rank that writes state checks it (rank 0 the
 replicated job state; every rank its own local state, or its part of a sharded job) for NaN and infinite
@@ -102,10 +101,6 @@ def all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
     gathered = [torch.zeros_like(mine) for _ in range(topo.world_size)]
     dist.all_gather(gathered, mine, group=topo.group)
     return [[int(v) for v in t.tolist()] for t in gathered]
-
-
-def _all_gather_int(value: int, topo: Topology) -> list[int]:
-    return [values[0] for values in all_gather_ints([value], topo)]
 
 
 def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
@@ -302,7 +297,7 @@ class FitCheckpointer:
             warnings.warn(f"the last asynchronous checkpoint also failed: {error}", stacklevel=3)
 
     def _agree(self, failure: str, operation: str, code: int = _WRITE_FAILED, refused: str = "") -> None:
-        flags = _all_gather_int(code if failure else 0, self.topo)
+        flags = [row[0] for row in all_gather_ints([code if failure else 0], self.topo)]
         if _NONFINITE in flags:
             rank = flags.index(_NONFINITE)
             raise NonFiniteStateError(

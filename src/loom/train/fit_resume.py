@@ -41,11 +41,9 @@ def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], 
     ranks all-gather ``(step, verdict)``, so that a checkpoint damaged in any rank's file makes every rank fall
     back to the previous one together, as one process reading every file would. Collective."""
     candidates, problems = checkpoint_candidates(directory)
-    index = 0
-    while True:
+    for checkpoint in [*candidates, None]:  # None: every rank has run out of candidates
         found, verdict = None, 0
         error: CheckpointError | None = None
-        checkpoint = candidates[index] if index < len(candidates) else None
         step = int(checkpoint.name.split("-")[1]) if checkpoint is not None else -1
         if checkpoint is not None:
             try:
@@ -67,21 +65,21 @@ def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], 
                 f"ranks found different checkpoints in {directory} ({described}). HINT: checkpoint_dir must be "
                 "storage every rank sees (a shared filesystem), used by one job at a time."
             )
-        if step < 0:
-            if problems:
-                raise no_valid_checkpoint(directory, problems)
-            return None
+        if checkpoint is None:
+            break
         damaged = [r for r, (_, v) in enumerate(gathered) if v == 1]
         if not damaged:
             return found
         reason = str(error) if error is not None else f"rank(s) {damaged} found a file damaged"
         problems.append(reason)
         warnings.warn(
-            f"checkpoint {candidates[index].name} is damaged: {reason}; falling back to an earlier checkpoint",
+            f"checkpoint {checkpoint.name} is damaged: {reason}; falling back to an earlier checkpoint",
             CorruptCheckpointWarning,
             stacklevel=3,
         )
-        index += 1
+    if problems:
+        raise no_valid_checkpoint(directory, problems)
+    return None
 
 
 def resume_fit(
