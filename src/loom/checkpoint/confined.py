@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from loom.errors import CorruptCheckpointError
+
 __all__ = ["ConfinedDirectory", "read_exact", "read_limited", "sha256_of"]
 
 _LINK_HINT = "HINT: copy the checkpoint into the directory instead of linking to it."
@@ -42,8 +44,8 @@ def _link_reason(path: Path) -> str:
 class ConfinedDirectory:
     """A directory opened without following a link at its last component; files opened inside it only.
 
-    `open` and `open_file` return either what they opened or a sentence saying why not (missing, a link, not
-    a regular file), which the caller raises as its own error naming the path.
+    `open` and `open_file` raise `CorruptCheckpointError` naming the path and why it cannot be read (missing,
+    a link, not a regular file).
     """
 
     def __init__(self, path: Path, fd: int) -> None:
@@ -51,25 +53,26 @@ class ConfinedDirectory:
         self._fd = fd
 
     @classmethod
-    def open(cls, path: Path, *, follow: bool = False) -> ConfinedDirectory | str:
+    def open(cls, path: Path, *, follow: bool = False) -> ConfinedDirectory:
         """Open directory ``path``; with ``follow=False`` a link at ``path`` is refused."""
         flags = os.O_RDONLY | os.O_DIRECTORY | (0 if follow else os.O_NOFOLLOW)
         try:
             return cls(path, os.open(path, flags))
         except OSError as err:
-            return _open_failure(path, err, "directory")
+            raise CorruptCheckpointError(path, _open_failure(path, err, "directory")) from None
 
-    def open_file(self, name: str) -> tuple[BinaryIO, int] | str:
-        """``(file, size)`` for the regular file ``name`` in this directory, or why it cannot be read."""
+    def open_file(self, name: str) -> tuple[BinaryIO, int]:
+        """``(file, size)`` for the regular file ``name`` in this directory."""
         path = self.path / name
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self._fd)
         except OSError as err:
-            return _open_failure(path, err, "file")
+            raise CorruptCheckpointError(path, _open_failure(path, err, "file")) from None
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            return f"is not a regular file (mode {stat.filemode(info.st_mode)}); refusing to read it"
+            mode = stat.filemode(info.st_mode)
+            raise CorruptCheckpointError(path, f"is not a regular file (mode {mode}); refusing to read it")
         os.set_blocking(fd, True)
         return io.FileIO(fd, "rb", closefd=True), info.st_size
 

@@ -31,14 +31,15 @@ __all__ = ["checkpoint_candidates", "load_checkpoint", "newest_intact", "no_vali
 
 def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, str | None]:
     """``(name, None)`` for a usable ``latest``, ``(None, None)`` for none, ``(None, why)`` for a bad one."""
-    root = ConfinedDirectory.open(directory, follow=True)
-    if isinstance(root, str):
+    try:
+        root = ConfinedDirectory.open(directory, follow=True)
+    except CorruptCheckpointError:
         return None, None
-    with root:
-        opened = root.open_file(POINTER_FILE)
-    if isinstance(opened, str):
-        return None, None if opened == "the file is missing" else opened
-    file, size = opened
+    try:
+        with root:
+            file, size = root.open_file(POINTER_FILE)
+    except CorruptCheckpointError as err:
+        return None, None if err.reason == "the file is missing" else err.reason
     with file:
         try:
             name = read_limited(file, size, limits.max_pointer_bytes).decode().strip()

@@ -172,10 +172,7 @@ def _open(
 ) -> tuple[BinaryIO, int]:
     """``(file, size)`` of ``name``, once its size matches the manifest's ``entry`` and is within ``limit``."""
     path = folder.path / name
-    opened = folder.open_file(name)
-    if isinstance(opened, str):
-        raise CorruptCheckpointError(path, opened)
-    file, size = opened
+    file, size = folder.open_file(name)
     if size != entry["size"]:
         file.close()
         raise CorruptCheckpointError(
@@ -254,14 +251,9 @@ def open_checkpoint(
     """The step directory, opened confined, and its manifest (read within its bound), parsed by ``parse``
     (default `parse_manifest`); the caller closes the directory."""
     folder = ConfinedDirectory.open(checkpoint)
-    if isinstance(folder, str):
-        raise CorruptCheckpointError(checkpoint, folder)
     path = checkpoint / MANIFEST_FILE
     try:
-        opened = folder.open_file(MANIFEST_FILE)
-        if isinstance(opened, str):
-            raise CorruptCheckpointError(path, opened)
-        file, size = opened
+        file, size = folder.open_file(MANIFEST_FILE)
         with file:
             try:
                 data = read_limited(file, size, limits.max_manifest_bytes)

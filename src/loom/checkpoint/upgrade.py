@@ -27,10 +27,7 @@ __all__ = ["upgrade_checkpoint"]
 def _read_file(folder: ConfinedDirectory, name: str, limit: int) -> tuple[bytes, int, str]:
     """``(prefix, size, sha256)`` of file ``name``: its first ``limit`` bytes at most (all of a JSON file,
     the length and header of a safetensors file), its size and the sha256 of all of it."""
-    opened = folder.open_file(name)
-    if isinstance(opened, str):
-        raise CheckpointError(f"{folder.path / name} {opened}")
-    file, size = opened
+    file, size = folder.open_file(name)
     with file:
         if name == STATE_FILE:
             data = read_limited(file, size, limit)
