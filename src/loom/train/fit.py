@@ -219,18 +219,12 @@ class _Loop:
         if saving:
             self.checkpointer.save(at.step, self.loop_state(at))  # type: ignore[union-attr]
 
-    @property
-    def _loss_label(self) -> str:
-        """``loss``, or ``replica loss`` for a job whose `train_step` returns its replica's own."""
-        return "loss" if self.job.loss_scope == "global" else "replica loss"
-
     def _report(self, at: _Position, bar: ProgressBar, steps_per_s: float) -> None:
-        bar.advance(info=f"step {at.step} epoch {at.epoch} {self._loss_label} {at.last_loss:.4f}")
+        # "replica loss" for a job whose `train_step` returns its replica's own
+        where = f"step {at.step} epoch {at.epoch} {'' if self.job.loss_scope == 'global' else 'replica '}loss"
+        bar.advance(info=f"{where} {at.last_loss:.4f}")
         if self.log_every is not None and self.job.topology.is_main and at.step % self.log_every == 0:
-            print(
-                f"step {at.step} epoch {at.epoch} {self._loss_label} {at.last_loss:.6g} ({steps_per_s:.2f} steps/s)",
-                flush=True,
-            )
+            print(f"{where} {at.last_loss:.6g} ({steps_per_s:.2f} steps/s)", flush=True)
 
     def completed_epochs(self, at: _Position) -> int:
         """Epochs done, counting one whose last batch was taken though its iterator was not run to the end."""
