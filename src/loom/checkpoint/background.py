@@ -15,6 +15,7 @@ copy for GPU tensors); it is the training loop's pause, the disk time is not.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -99,11 +100,9 @@ def save_checkpoint_async(
     and its own `wait()` has not reported it yet.
     """
     validate_save_arguments(step, state, keep, local_states)
-    local_states = tuple(local_states)
-
-    def write(state_bytes: bytes, tensors: dict) -> Path:
-        return write_checkpoint(Path(directory), step, state_bytes, tensors, keep, local_states)
-
+    write = functools.partial(
+        write_checkpoint, Path(directory), step, keep=keep, local_states=tuple(local_states)
+    )
     return _start(Path(directory), step, state, write)
 
 

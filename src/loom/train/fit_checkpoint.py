@@ -197,10 +197,7 @@ class FitCheckpointer:
         return f"the checkpoint of step {step} is not written to {self.directory}; {kept}."
 
     def save(self, step: int, loop_state: dict[str, Any]) -> None:
-        """Save the checkpoint of ``step``; collective. Each rank writes its own file into rank 0's staging
-        directory, fsyncs it and sends rank 0 its name, size and sha256 (a few bytes); rank 0 then writes the
-        shared files and publishes the manifest (the protocol of `loom.checkpoint.store`). No rank receives
-        another's state."""
+        """Save the checkpoint of ``step`` as the module docstring says (who writes what); collective."""
         writes = getattr(self.job, "writes_checkpoint", None)
         if writes is not None and not writes():
             self.saved_step = step  # another member of the healing job writes it

@@ -35,11 +35,9 @@ __all__ = ["resume_fit"]
 
 # -- resuming ---------------------------------------------------------------------------------------------------
 def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], Any] | None:
-    """The newest checkpoint every rank finds intact: ``(step, shared state, this rank's own part)``, or None.
-
-    Each rank reads the shared files and its own file only (`read_checkpoint_part`); after each candidate the
-    ranks all-gather ``(step, verdict)``, so that a checkpoint damaged in any rank's file makes every rank fall
-    back to the previous one together, as one process reading every file would. Collective."""
+    """The newest checkpoint every rank finds intact: ``(step, shared state, this rank's own part)``, or None;
+    the ranks agree on each candidate as the module docstring says, falling back together as one process
+    reading every file would. Collective."""
     candidates, problems = checkpoint_candidates(directory)
     for checkpoint in [*candidates, None]:  # None: every rank has run out of candidates
         found, verdict = None, 0

@@ -4,13 +4,11 @@ guarantees are written once:
 - `GuardOptions`: the options every strategy's config dataclass inherits (``hang_timeout_s``,
   ``work_timeout_s``, ``liveness_timeout_s``, ``nonfinite``, ``nonfinite_limit``), validated in one place;
 - `StepGuard`: what a job's step asks, built once by `StepGuard.start`: its ``watchdog`` counts a collective for
-  the hang watchdog (`loom.fault.watchdog`: a job whose ranks all wait in collectives past ``hang_timeout_s``
-  stops, naming who did not arrive; a rank doing its own work is waited for up to ``work_timeout_s``; a host
-  whose heartbeats stop is lost after ``liveness_timeout_s``, `loom.fault.liveness`); its ``nonfinite`` turns
-  every rank's non-finite flag into one verdict (`loom.fault.desync.NonFiniteGuard`: ``"skip"`` applies no
-  update anywhere, ``"stop"`` raises), the same on every rank because every rank judges the same flags. The
-  step calls those two owners directly (`loom.train.engine.Engine.collective`, the engine's verdict): this
-  module builds them, it is not a layer the step passes through;
+  the hang watchdog (`loom.fault.watchdog`, `loom.fault.liveness`: the timeouts are `GuardOptions`'); its
+  ``nonfinite`` turns every rank's non-finite flag into one verdict (`loom.fault.desync.NonFiniteGuard`), the
+  same on every rank because every rank judges the same flags. The step calls those two owners directly
+  (`loom.train.engine.Engine.collective`, the engine's verdict): this module builds them, it is not a layer
+  the step passes through;
 - `StepGuard.commit`: under ``--on-worker-failure heal``, the commit vote after the step's exchange and verdict
   (`loom.fault.quorum.Quorum.vote`): a step is applied on every member or on none; the engine retries a dropped
   step on the same global batch with the next membership epoch (`loom.train.engine.Engine.train_step`);
