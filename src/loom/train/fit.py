@@ -81,7 +81,6 @@ class FitResult:
     job's `loom.job.Job.loss_scope` says."""
 
 
-# -- the loop ----------------------------------------------------------------------------------------------------
 def _positive_int(name: str, value: Any, optional: bool = False) -> None:
     if value is None and optional:
         return

@@ -33,7 +33,6 @@ from loom.train.fit_checkpoint import all_gather_ints
 __all__ = ["resume_fit"]
 
 
-# -- resuming ---------------------------------------------------------------------------------------------------
 def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], Any] | None:
     """The newest checkpoint every rank finds intact: ``(step, shared state, this rank's own part)``, or None;
     the ranks agree on each candidate as the module docstring says, falling back together as one process
