@@ -112,44 +112,79 @@ def _reduce_args(op: int, prescale_factor, postscale_factor, grouped=False) -> d
     }
 
 
+class _Collective(torch.autograd.Function):
+    """One collective made differentiable: ``forward`` waits for ``submit(tensors)`` (a handle whose result is a
+    tensor or a list of them); ``backward`` gives the output gradients to ``grad``, the form's Horovod gradient
+    (see the module docstring), which returns one gradient per input."""
+
+    @staticmethod
+    def forward(ctx, submit, grad, *tensors):
+        ctx.grad = grad
+        result = synchronize(submit(list(tensors)))
+        return tuple(result) if isinstance(result, list) else (result,)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *ctx.grad(list(grads)))
+
+
+def _differentiable(submit, grad, tensors, compression=Compression.none) -> list:
+    """``submit``'s outputs for ``tensors`` (compressed on the way), differentiable through `_Collective`."""
+    pairs = [compression.compress(t) for t in tensors]
+    out = _Collective.apply(submit, grad, *[c for c, _ in pairs])
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs, strict=True)]
+
+
 # ----------------------------------------------------------------------------------------------- allreduce
+def _allreduce_async(tensors, grouped, in_place, average, name, op, prescale_factor, postscale_factor,
+                     process_set) -> int:  # fmt: skip
+    args = _reduce_args(_reduce_op(average, op), prescale_factor, postscale_factor, grouped)
+    return _submit("allreduce", tensors, args, name, process_set, outputs=list(tensors) if in_place else None)
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=basics.global_process_set) -> int:  # fmt: skip
-    op = _reduce_op(average, op)
-    return _submit(
-        "allreduce", [tensor], _reduce_args(op, prescale_factor, postscale_factor), name, process_set
-    )
+    return _allreduce_async([tensor], False, False, average, name, op, prescale_factor, postscale_factor,
+                            process_set)  # fmt: skip
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=basics.global_process_set) -> int:  # fmt: skip
-    op = _reduce_op(average, op)
-    args = _reduce_args(op, prescale_factor, postscale_factor)
-    return _submit("allreduce", [tensor], args, name, process_set, outputs=[tensor])
+    return _allreduce_async([tensor], False, True, average, name, op, prescale_factor, postscale_factor,
+                            process_set)  # fmt: skip
 
 
-class _AllreduceFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
-        ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
-        return synchronize(
-            allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-        )
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=basics.global_process_set) -> int:  # fmt: skip
+    return _allreduce_async(tensors, True, False, average, name, op, prescale_factor, postscale_factor,
+                            process_set)  # fmt: skip
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        average, op, pre, post, process_set = ctx.args
-        grad = allreduce(grad_output, average=average, op=op, prescale_factor=pre, postscale_factor=post,
-                         process_set=process_set)  # fmt: skip
-        return grad, None, None, None, None, None, None
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=basics.global_process_set) -> int:  # fmt: skip
+    return _allreduce_async(tensors, True, True, average, name, op, prescale_factor, postscale_factor,
+                            process_set)  # fmt: skip
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=basics.global_process_set):  # fmt: skip
+    """`allreduce` of a list of tensors in one operation; a list of new tensors."""
+    scaling = (op, prescale_factor, postscale_factor, process_set)
+
+    def submit(tensors):
+        return grouped_allreduce_async(tensors, average, name, *scaling)
+
+    def grad(grads):  # the same allreduce of the gradients
+        return grouped_allreduce(grads, average, None, Compression.none, *scaling)
+
+    return _differentiable(submit, grad, tensors, compression)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=basics.global_process_set):  # fmt: skip
     """Reduce ``tensor`` over all ranks (default: average); a new tensor, differentiable."""
-    compressed, ctx = compression.compress(tensor)
-    summed = _AllreduceFn.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(summed, ctx)
+    scaling = (op, prescale_factor, postscale_factor, process_set)
+    return grouped_allreduce([tensor], average, name, compression, *scaling)[0]
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -158,45 +193,6 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
     return synchronize(
         allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
     )
-
-
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=basics.global_process_set) -> int:  # fmt: skip
-    op = _reduce_op(average, op)
-    args = _reduce_args(op, prescale_factor, postscale_factor, grouped=True)
-    return _submit("allreduce", tensors, args, name, process_set)
-
-
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=basics.global_process_set) -> int:  # fmt: skip
-    op = _reduce_op(average, op)
-    args = _reduce_args(op, prescale_factor, postscale_factor, grouped=True)
-    return _submit("allreduce", tensors, args, name, process_set, outputs=list(tensors))
-
-
-class _GroupedAllreduceFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
-        ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
-        handle = grouped_allreduce_async(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                                         process_set)  # fmt: skip
-        return tuple(synchronize(handle))
-
-    @staticmethod
-    def backward(ctx, *grad_output):
-        average, op, pre, post, process_set = ctx.args
-        grads = grouped_allreduce(list(grad_output), average=average, op=op, prescale_factor=pre,
-                                  postscale_factor=post, process_set=process_set)  # fmt: skip
-        return (None, None, None, None, None, None, *grads)
-
-
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=basics.global_process_set):  # fmt: skip
-    """`allreduce` of a list of tensors in one operation; a list of new tensors."""
-    pairs = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduceFn.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                        *[c for c, _ in pairs])  # fmt: skip
-    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs, strict=True)]
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -234,46 +230,32 @@ def allgather_async(tensor, name=None, process_set=basics.global_process_set) ->
     return _submit("allgather", [tensor], {}, name, process_set)
 
 
-class _AllgatherFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, name, process_set):
-        ctx.dim, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
-        return synchronize(allgather_async(tensor, name, process_set))
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad = allreduce(grad_output, average=True, process_set=ctx.process_set)
-        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64), process_set=ctx.process_set).tolist()
-        start = sum(dims[: basics.rank()])
-        return grad.narrow(0, start, ctx.dim), None, None
-
-
-def allgather(tensor, name=None, process_set=basics.global_process_set):
-    """Concatenate every rank's ``tensor`` along the first dimension (which may differ); differentiable."""
-    return _AllgatherFn.apply(tensor, name, process_set)
-
-
 def grouped_allgather_async(tensors, name=None, process_set=basics.global_process_set) -> int:
     return _submit("allgather", tensors, {"grouped": True}, name, process_set)
 
 
-class _GroupedAllgatherFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, name, process_set, *tensors):
-        ctx.dims, ctx.process_set = [t.shape[0] for t in tensors], process_set
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+def _own_rows(dims: list[int], process_set):
+    """The gradient of allgather for inputs with first dimensions ``dims``: each input's rows of the averaged
+    output gradients (every rank's ``dims`` gathered to find where this rank's rows start)."""
 
-    @staticmethod
-    def backward(ctx, *grad_output):
-        grads = grouped_allreduce(list(grad_output), average=True, process_set=ctx.process_set)
-        dims = allgather(torch.tensor([ctx.dims], dtype=torch.int64), process_set=ctx.process_set)
-        starts = dims[: basics.rank()].sum(0).tolist() if basics.rank() else [0] * len(ctx.dims)
-        out = [g.narrow(0, s, d) for g, s, d in zip(grads, starts, ctx.dims, strict=True)]
-        return (None, None, *out)
+    def grad(grads):
+        grads = grouped_allreduce(grads, average=True, process_set=process_set)
+        every = allgather(torch.tensor([dims], dtype=torch.int64), process_set=process_set)
+        starts = every[: basics.rank()].sum(0).tolist() if basics.rank() else [0] * len(dims)
+        return [g.narrow(0, s, d) for g, s, d in zip(grads, starts, dims, strict=True)]
+
+    return grad
+
+
+def allgather(tensor, name=None, process_set=basics.global_process_set):
+    """Concatenate every rank's ``tensor`` along the first dimension (which may differ); differentiable."""
+    grad = _own_rows([tensor.shape[0] if tensor.dim() else 1], process_set)
+    return _differentiable(lambda ts: allgather_async(ts[0], name, process_set), grad, [tensor])[0]
 
 
 def grouped_allgather(tensors, name=None, process_set=basics.global_process_set):
-    return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
+    grad = _own_rows([t.shape[0] for t in tensors], process_set)
+    return _differentiable(lambda ts: grouped_allgather_async(ts, name, process_set), grad, tensors)
 
 
 # ----------------------------------------------------------------------------------------------- broadcast
@@ -292,23 +274,20 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=basics.global_pro
     return _submit("broadcast", [tensor], {"root": _root(root_rank)}, name, process_set, outputs=[tensor])
 
 
-class _BroadcastFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, root_rank, name, process_set):
-        ctx.root_rank, ctx.process_set = root_rank, process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+def _root_only(root_rank, process_set):
+    """The gradient of broadcast: the averaged output gradient on the root, zeros elsewhere."""
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad = allreduce(grad_output, average=True, process_set=ctx.process_set)
-        if basics.rank() != ctx.root_rank:
-            grad = grad * 0
-        return grad, None, None, None
+    def grad(grads):
+        grad = allreduce(grads[0], average=True, process_set=process_set)
+        return [grad if basics.rank() == root_rank else grad * 0]
+
+    return grad
 
 
 def broadcast(tensor, root_rank, name=None, process_set=basics.global_process_set):
     """The root's ``tensor`` on every rank, as a new tensor (``tensor`` is not modified); differentiable."""
-    return _BroadcastFn.apply(tensor, root_rank, name, process_set)
+    grad = _root_only(root_rank, process_set)
+    return _differentiable(lambda ts: broadcast_async(ts[0], root_rank, name, process_set), grad, [tensor])[0]
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=basics.global_process_set):

@@ -14,7 +14,7 @@ import torch
 
 from loom.horovod import basics
 from loom.horovod._ops import ADASUM, AVERAGE, SUM
-from loom.horovod.collectives import _reduce_args, _submit, allgather, grouped_allgather, synchronize
+from loom.horovod.collectives import _differentiable, _reduce_args, _submit, grouped_allgather, synchronize
 from loom.horovod.compression import Compression
 
 __all__ = [
@@ -73,78 +73,45 @@ def alltoall(tensor, splits=None, name=None, process_set=basics.global_process_s
 
 
 # ----------------------------------------------------------------------------------------------- reducescatter
-def _scatter_args(op, prescale_factor, postscale_factor, grouped=False) -> dict:
+def _reducescatter_async(tensors, grouped, name, op, process_set, prescale_factor, postscale_factor) -> int:
     if op == ADASUM:
         raise basics.refuse("Adasum (reducescatter op=hvd.Adasum)", "use op=hvd.Average or hvd.Sum")
     if op not in (AVERAGE, SUM):
         raise ValueError(f"reducescatter supports op=hvd.Average or hvd.Sum, got {op!r}")
-    return _reduce_args(op, prescale_factor, postscale_factor, grouped)
-
-
-def _check_scatterable(tensors) -> None:
-    for t in tensors:
-        if t.dim() == 0:
-            raise ValueError("reducescatter needs tensors of at least one dimension, got a scalar")
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("reducescatter needs tensors of at least one dimension, got a scalar")
+    args = _reduce_args(op, prescale_factor, postscale_factor, grouped)
+    return _submit("reducescatter", tensors, args, name, process_set)
 
 
 def reducescatter_async(tensor, name=None, op=AVERAGE, process_set=basics.global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> int:  # fmt: skip
-    _check_scatterable([tensor])
-    return _submit(
-        "reducescatter", [tensor], _scatter_args(op, prescale_factor, postscale_factor), name, process_set
-    )
+    return _reducescatter_async([tensor], False, name, op, process_set, prescale_factor, postscale_factor)
 
 
-class _ReducescatterFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
-        ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(
-            reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
-        )
+def grouped_reducescatter_async(tensors, name=None, op=AVERAGE, process_set=basics.global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:  # fmt: skip
+    return _reducescatter_async(tensors, True, name, op, process_set, prescale_factor, postscale_factor)
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        op, pre, post, process_set = ctx.args
-        grad = grad_output * (basics.size() if op == SUM else 1) * pre * post
-        return allgather(grad, process_set=process_set), None, None, None, None, None
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=AVERAGE,
+                          process_set=basics.global_process_set, prescale_factor=1.0, postscale_factor=1.0):  # fmt: skip
+    """`reducescatter` of a list of tensors in one operation; a list of new tensors."""
+    scaling = (process_set, prescale_factor, postscale_factor)
+
+    def submit(tensors):
+        return grouped_reducescatter_async(tensors, name, op, *scaling)
+
+    def grad(grads):  # the gathered gradient, times the size for Sum
+        factor = (basics.size() if op == SUM else 1) * prescale_factor * postscale_factor
+        return grouped_allgather([g * factor for g in grads], process_set=process_set)
+
+    return _differentiable(submit, grad, tensors, compression)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=AVERAGE,
                   process_set=basics.global_process_set, prescale_factor=1.0, postscale_factor=1.0):  # fmt: skip
     """Reduce over all ranks, then keep this rank's rows of the first dimension (the first ranks get one
     more row when it does not divide evenly); differentiable."""
-    compressed, ctx = compression.compress(tensor)
-    out = _ReducescatterFn.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
-    return compression.decompress(out, ctx)
-
-
-def grouped_reducescatter_async(tensors, name=None, op=AVERAGE, process_set=basics.global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0) -> int:  # fmt: skip
-    _check_scatterable(tensors)
-    args = _scatter_args(op, prescale_factor, postscale_factor, grouped=True)
-    return _submit("reducescatter", tensors, args, name, process_set)
-
-
-class _GroupedReducescatterFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
-        ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        handle = grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
-                                             postscale_factor)  # fmt: skip
-        return tuple(synchronize(handle))
-
-    @staticmethod
-    def backward(ctx, *grad_output):
-        op, pre, post, process_set = ctx.args
-        factor = (basics.size() if op == SUM else 1) * pre * post
-        grads = grouped_allgather([g * factor for g in grad_output], process_set=process_set)
-        return (None, None, None, None, None, *grads)
-
-
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=AVERAGE,
-                          process_set=basics.global_process_set, prescale_factor=1.0, postscale_factor=1.0):  # fmt: skip
-    pairs = [compression.compress(t) for t in tensors]
-    out = _GroupedReducescatterFn.apply(name, op, process_set, prescale_factor, postscale_factor,
-                                        *[c for c, _ in pairs])  # fmt: skip
-    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs, strict=True)]
+    scaling = (process_set, prescale_factor, postscale_factor)
+    return grouped_reducescatter([tensor], name, compression, op, *scaling)[0]
