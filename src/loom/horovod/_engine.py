@@ -14,8 +14,8 @@ shapes or dtypes become an error on every rank instead of a hang. This engine do
 * every rank sees the same table, so every rank takes the same decision: run it (`loom.horovod._ops`), or fail
   it with the same `RuntimeError` naming the ranks and the difference;
 * idle cycles back off to ``HOROVOD_CYCLE_TIME`` milliseconds (default 5), and to 50 ms after 2 s without
-  any operation (measured here: ~8 % of a core per idle process at 5 ms), so a waiting job costs little; a
-  submission wakes this rank's engine at once, a peer's within its current sleep.
+  any operation, so a waiting job costs little; a submission wakes this rank's engine at once, a peer's
+  within its current sleep.
 
 No pickle anywhere: announcements are JSON, data moves as raw tensor bytes.
 """
@@ -128,7 +128,7 @@ class Engine:
                 now = time.monotonic()
                 if active:
                     idle_since = now
-                # long idle (2 s): cycle at 20 Hz, so a job that waits costs ~1 % of a core instead of ~8 %
+                # long idle (2 s): cycle at 20 Hz at most, so a job that waits costs little CPU
                 ceiling = self._max_sleep if now - idle_since < 2.0 else max(self._max_sleep, 0.05)
                 sleep = 0.0 if active else min(max(sleep * 2, 1e-4), ceiling)
                 if sleep:

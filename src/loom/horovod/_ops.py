@@ -27,8 +27,6 @@ __all__ = ["check", "run", "run_ready", "scale"]
 
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = range(6)
 _BACKEND_OPS = {SUM: "SUM", AVERAGE: "SUM", MIN: "MIN", MAX: "MAX", PRODUCT: "PRODUCT"}
-
-
 _FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(64 * 1024 * 1024)))
 
 
@@ -45,9 +43,8 @@ def run_ready(engine, ready: list[tuple[str, dict[int, dict], Request | None]]) 
         fusable = (
             ref["kind"] == "allreduce" and len(metas) == engine.size and check(engine, name, metas) is None
         )
-        key = (ref.get("op"), ref.get("prescale"), ref.get("postscale"))
         size = sum(math.prod(s) * _itemsize(d) for s, d in zip(ref["shapes"], ref["dtypes"], strict=True))
-        if batch and (not fusable or key != _key(batch[0]) or batch_bytes + size > _FUSION_BYTES):
+        if batch and (not fusable or _key(item) != _key(batch[0]) or batch_bytes + size > _FUSION_BYTES):
             _run_fused(engine, batch)
             batch, batch_bytes = [], 0
         if fusable:
@@ -159,10 +156,6 @@ def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return (tensor.to(compute) * factor).to(tensor.dtype)
 
 
-def _algorithm() -> str:
-    return str(setting("LOOM_HOROVOD_ALLREDUCE"))
-
-
 def _reduce(flat: torch.Tensor, op: int, engine) -> torch.Tensor:
     """Reduce a flat CPU tensor over all ranks, in place where the dtype allows; return the result."""
     if engine.size == 1:
@@ -170,7 +163,7 @@ def _reduce(flat: torch.Tensor, op: int, engine) -> torch.Tensor:
     if flat.dtype == torch.int16:  # gloo cannot reduce int16
         wide = _reduce(flat.to(torch.int32), op, engine)
         return wide.to(torch.int16)
-    algorithm = _algorithm()
+    algorithm = str(setting("LOOM_HOROVOD_ALLREDUCE"))
     if op in (SUM, AVERAGE) and algorithm != "native" and flat.dtype in (torch.float32, torch.float64):
         from loom.comm import all_reduce
 
@@ -308,15 +301,11 @@ def _reducescatter(engine, metas, local):
     return results if local.args.get("grouped") else results[0]
 
 
-def _barrier(engine, metas, local):
-    return None
-
-
 _KERNELS = {
     "allreduce": _allreduce,
     "allgather": _allgather,
     "broadcast": _broadcast,
     "alltoall": _alltoall,
     "reducescatter": _reducescatter,
-    "barrier": _barrier,
+    "barrier": lambda engine, metas, local: None,
 }

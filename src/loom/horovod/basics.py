@@ -208,48 +208,28 @@ def cross_rank() -> int:
     return topo.rank // topo.local_world_size
 
 
-def is_homogeneous() -> bool:
-    return True
+def _fixed(name: str, answer: bool | int):
+    """A Horovod build or capability query whose answer is fixed in loom: gloo only, no MPI, NCCL, CCL, DDL,
+    CUDA or ROCm controller, the same number of workers on every host."""
+
+    def query() -> bool | int:
+        return answer
+
+    query.__name__ = query.__qualname__ = name
+    return query
 
 
-def mpi_threads_supported() -> bool:
-    return False
-
-
-def mpi_enabled() -> bool:
-    return False
-
-
-def mpi_built() -> bool:
-    return False
-
-
-def gloo_enabled() -> bool:
-    return True
-
-
-def gloo_built() -> bool:
-    return True
-
-
-def nccl_built() -> int:
-    return 0
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
+is_homogeneous = _fixed("is_homogeneous", True)
+gloo_enabled = _fixed("gloo_enabled", True)
+gloo_built = _fixed("gloo_built", True)
+nccl_built = _fixed("nccl_built", 0)
+mpi_threads_supported = _fixed("mpi_threads_supported", False)
+mpi_enabled = _fixed("mpi_enabled", False)
+mpi_built = _fixed("mpi_built", False)
+ddl_built = _fixed("ddl_built", False)
+ccl_built = _fixed("ccl_built", False)
+cuda_built = _fixed("cuda_built", False)
+rocm_built = _fixed("rocm_built", False)
 
 
 def start_timeline(file_path, mark_cycles=False) -> None:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from loom.horovod import basics
 from loom.horovod._objects import decode, encode
-from loom.horovod.functions import broadcast_object
+from loom.horovod.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run", "state_dir"]
 
@@ -154,12 +154,8 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         if self.model is not None:
-            from loom.horovod.functions import broadcast_parameters
-
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
-            from loom.horovod.functions import broadcast_optimizer_state
-
             broadcast_optimizer_state(self.optimizer, root_rank=0)
         for key, handler in self._stateful.items():
             handler.load_state_dict(broadcast_object(handler.state_dict(), 0, name=f"elastic.{key}"))

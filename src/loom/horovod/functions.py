@@ -57,18 +57,11 @@ def broadcast_object(obj, root_rank: int = 0, name=None, process_set=basics.glob
     """The root's ``obj`` on every rank (sent as JSON plus tensors; `TypeError` for what that cannot hold)."""
     basics.check_process_set(process_set)
     name = name or "broadcast_object"
-    if basics.rank() == root_rank:
-        data = to_bytes(obj)
-        length = torch.tensor([len(data)], dtype=torch.int64)
-    else:
-        length = torch.zeros(1, dtype=torch.int64)
+    data = to_bytes(obj) if basics.rank() == root_rank else b""  # never empty on the root (a header)
+    length = torch.tensor([len(data)], dtype=torch.int64)
     broadcast_(length, root_rank, name=f"{name}.len", process_set=process_set)
-    if basics.rank() == root_rank:
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if data
-            else torch.empty(0, dtype=torch.uint8)
-        )
+    if data:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
         buf = torch.empty(int(length.item()), dtype=torch.uint8)
     broadcast_(buf, root_rank, name=f"{name}.data", process_set=process_set)

@@ -132,9 +132,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = handle()
                 continue
             output = self._compression.decompress(synchronize(handle), ctx).to(p.grad.dtype)
-            if (
-                p.grad.is_sparse
-            ):  # sparse_as_dense: reduced dense, handed back in the layout the optimizer expects
+            if p.grad.is_sparse:  # sparse_as_dense: reduced dense, given back in the optimizer's layout
                 p.grad = output.to_sparse()
             else:
                 p.grad.set_(output)
