@@ -8,8 +8,8 @@ Retries: a server that does not answer within an attempt window (2 s, doubling t
 chunk by chunk is waited for) is greeted again (a restarted server has a new epoch, and frames of the old epoch
 are dropped by design) and, once it answers, the request is resent under a new sequence number; an answer to the
 request that completes during the greeting is taken. Resending is safe because the server recognises pushes it
-has applied by the worker's clock. The greeting is repeated every half second while it waits, so a server restarted by the launcher
-is found as soon as it listens. A greeting that finds a new epoch records a restart (`PSClient.restarts`, with the
+has applied by the worker's clock. The greeting is repeated every half second while it waits, so a server
+restarted by the launcher is found as soon as it listens. A greeting that finds a new epoch records a restart (`PSClient.restarts`, with the
 version each model was resumed at), which `loom.parallel.ps.parameter_server` turns into a count of lost updates.
 
 A request that gets no answer before its deadline raises `TimeoutError` naming the server, its address, the
@@ -173,15 +173,10 @@ class PSClient:
             wake = min([deadline, *(retry_at[i] for i in pending)])
             poller.poll(max(0, int((wake - now) * 1000)) + 1)
             for i in list(pending):
-                link = self.links[servers[i]]
-                frame = link.receive(pending[i])
-                if frame is None:
-                    continue
-                self._count(kind, 0, frame.nbytes)
-                if frame.type == MessageType.ERROR:
-                    raise RuntimeError(str(frame.meta.get("error", "parameter server error")))
-                replies[i] = frame
-                del pending[i]
+                frame = self.links[servers[i]].receive(pending[i])
+                if frame is not None:
+                    replies[i] = self._answer(kind, frame)
+                    del pending[i]
             now = time.monotonic()
             if pending and now > deadline:
                 late, began = [servers[i] for i in pending], time.time() - (now - start)
@@ -195,10 +190,7 @@ class PSClient:
                         servers[i], min(attempt[i], deadline - now), pending[i]
                     )
                     if isinstance(greeted, Frame):  # the answer came in while greeting
-                        self._count(kind, 0, greeted.nbytes)
-                        if greeted.type == MessageType.ERROR:
-                            raise RuntimeError(str(greeted.meta.get("error", "parameter server error")))
-                        replies[i] = greeted
+                        replies[i] = self._answer(kind, greeted)
                         del pending[i]
                         continue
                     if not greeted:  # down (or restarting): greet again at once, resend once it answers
@@ -208,6 +200,13 @@ class PSClient:
                     attempt[i] = min(10.0, attempt[i] * 2)
                     retry_at[i] = time.monotonic() + attempt[i]
         return [replies[i] for i in range(len(servers))]
+
+    def _answer(self, kind: MessageType, frame: Frame) -> Frame:
+        """Count a reply to a ``kind`` request; raise the server's error when it is one."""
+        self._count(kind, 0, frame.nbytes)
+        if frame.type == MessageType.ERROR:
+            raise RuntimeError(str(frame.meta.get("error", "parameter server error")))
+        return frame
 
     def _send(self, server: int, kind: MessageType, meta, tensors) -> int:
         link = self.links[server]

@@ -9,7 +9,7 @@ has arrived. Three mechanisms bound what a peer can make a receiver hold before 
   A client without it is disconnected after the handshake's few hundred bytes. PLAIN sends the token in clear;
   it is not the job secret (a one-way HMAC of it), frames still need the secret's MAC, and the token admits
   only connections from the address it was made for: whoever sniffs it on the job's network can use it only
-  from that worker's own host. (ZeroMQ's CURVE would encrypt too, at about a sixth of the throughput here.)
+  from that worker's own host. (ZeroMQ's CURVE would encrypt too, at a large cost in throughput.)
   A client reaches its servers only without address translation between them (no NAT).
 - **Chunks.** A frame travels as a sequence of single-part ZeroMQ messages (`split_frame`), each at most
   `CHUNK_BYTES` of frame data (every socket refuses larger messages, ``MAXMSGSIZE``) and each socket queues at
@@ -55,7 +55,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from loom.net.auth import mac, mac_stream, same_proof
 from loom.net.interfaces import route_address
-from loom.ps.wire import HEADER, MAC_BYTES, MAGIC, VERSION, FrameDropped, WireLimits
+from loom.ps.wire import HEADER, FrameDropped, WireLimits, declared_size
 
 __all__ = [
     "CHUNK_BYTES",
@@ -288,8 +288,9 @@ class Inbox:
             HEADER.unpack_from(chunk, _OPEN_HEAD)
         )
         try:
-            self._vet(magic, version, meta_len, n_tensors, payload_len, count)
-            size = HEADER.size + meta_len + payload_len + MAC_BYTES
+            size = declared_size(self.limits, magic, version, meta_len, n_tensors, payload_len)
+            if count != max(1, math.ceil(size / CHUNK_BYTES)):
+                raise FrameDropped("chunk_count", f"{count} chunks for {size} bytes")
             piece = chunk[_OPEN_HEAD:]
             if len(piece) != min(CHUNK_BYTES, size):
                 reason = "truncated" if len(piece) < min(CHUNK_BYTES, size) else "length_mismatch"
@@ -314,18 +315,6 @@ class Inbox:
         self.reserved += size
         self.buffered += len(piece)
         return None
-
-    def _vet(self, magic: bytes, version: int, meta_len: int, n_tensors: int, payload_len: int, count: int):
-        if magic != MAGIC:
-            raise FrameDropped("bad_magic")
-        if version != VERSION:
-            raise FrameDropped("bad_version", f"version {version}")
-        limits = self.limits
-        if meta_len > limits.max_meta or payload_len > limits.max_payload or n_tensors > limits.max_tensors:
-            raise FrameDropped("oversized", f"declares meta {meta_len} B, payload {payload_len} B")
-        size = HEADER.size + meta_len + payload_len + MAC_BYTES
-        if count != max(1, math.ceil(size / CHUNK_BYTES)):
-            raise FrameDropped("chunk_count", f"{count} chunks for {size} bytes")
 
     def _close(self, peer: bytes) -> None:
         held = self._open.pop(peer)
