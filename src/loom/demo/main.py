@@ -17,51 +17,37 @@ from loom.demo.other_load import OtherLoad, caveat
 __all__ = ["run_demo"]
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> int:
-    return subprocess.call(cmd, env=env)
+def _half(console: Console, title: str, which: str, cmd: list[str], env: dict[str, str]):
+    """Run one half of the demo; returns its exit status, its wall time and the other load beside it."""
+    console.rule(f"[bold]{title}")
+    started = time.perf_counter()
+    with OtherLoad() as load:
+        status = subprocess.call(cmd, env=env)
+    if status != 0:
+        console.print(f"[red]the {which} run failed (exit status {status})")
+    return status, time.perf_counter() - started, load
 
 
 def run_demo(nproc: int, epochs: int, run_dir: Path) -> int:
     console = Console()
-    loom_cmd = [sys.executable, "-m", "loom.cli"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     distributed = run_dir / "distributed" / "summary.json"
     single = run_dir / "single" / "summary.json"
-    console.rule(f"[bold]loom demo: DataParallel on {nproc} local workers")
-    started = time.perf_counter()
-    with OtherLoad() as load_distributed:
-        status = _run(
-            [
-                *loom_cmd,
-                "run",
-                "-n",
-                str(nproc),
-                "--run-dir",
-                str(run_dir / "distributed"),
-                "-m",
-                "loom.demo.train",
-                "--epochs",
-                str(epochs),
-                "--summary",
-                str(distributed),
-            ],
-            env,
-        )
+    train = ["-m", "loom.demo.train", "--epochs", str(epochs), "--summary"]
+    launch = [sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(distributed.parent)]
+    title = f"loom demo: DataParallel on {nproc} local workers"
+    status, wall_distributed, load_distributed = _half(
+        console, title, "distributed", [*launch, *train, str(distributed)], env
+    )
     if status != 0:
-        console.print(f"[red]the distributed run failed (exit status {status})")
         return status
-    wall_distributed = time.perf_counter() - started
-    console.rule("[bold]the same training as one process, for comparison")
-    started = time.perf_counter()
-    with OtherLoad() as load_single:
-        status = _run(
-            [sys.executable, "-m", "loom.demo.train", "--epochs", str(epochs), "--summary", str(single)],
-            dict(env, LOOM_RUN_DIR=str(run_dir / "single")),
-        )
+    title = "the same training as one process, for comparison"
+    one_env = dict(env, LOOM_RUN_DIR=str(single.parent))
+    status, wall_single, load_single = _half(
+        console, title, "one-process", [sys.executable, *train, str(single)], one_env
+    )
     if status != 0:
-        console.print(f"[red]the one-process run failed (exit status {status})")
         return status
-    wall_single = time.perf_counter() - started
     d, s = json.loads(distributed.read_text()), json.loads(single.read_text())
     table = Table(title="loom demo summary (one thread per process)")
     table.add_column("")
@@ -78,9 +64,7 @@ def run_demo(nproc: int, epochs: int, run_dir: Path) -> int:
         f"logs and per-rank metrics in {run_dir}"
     )
     note = caveat(load_distributed.share, load_single.share)
-    if note:
-        console.print(
-            note, soft_wrap=True
-        )  # one line, whatever the terminal's width (rich wraps at 80 in a pipe)
+    if note:  # one line, whatever the terminal's width (rich wraps at 80 in a pipe)
+        console.print(note, soft_wrap=True)
     console.print(f"an HTML report of both runs: loom report {run_dir}", soft_wrap=True)
     return 0
