@@ -12,7 +12,7 @@ timeline and SyncBatchNorm raise `NotImplementedError` naming the feature.
 Importing this module does nothing to the process; `init()` does what a job needs.
 """
 
-from loom.horovod import elastic
+from loom.horovod import basics, elastic
 from loom.horovod.basics import (
     Adasum,
     Average,
@@ -94,9 +94,7 @@ class SyncBatchNorm:
     """Refused: loom has no cross-process batch norm for Horovod scripts yet."""
 
     def __init__(self, *args, **kwargs) -> None:
-        from loom.horovod.basics import refuse
-
-        raise refuse("SyncBatchNorm", "use torch.nn.BatchNorm (per-process statistics)")
+        raise basics.refuse("SyncBatchNorm", "use torch.nn.BatchNorm (per-process statistics)")
 
 
 __all__ = [

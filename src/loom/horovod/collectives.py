@@ -70,17 +70,15 @@ def synchronize(handle: int):
     """Wait for the operation behind ``handle``; return its result or raise its error. A handle is used once."""
     request = _request(handle)
     try:
-        return basics.engine().wait(request) if basics.is_initialized() else _wait_stopped(request)
+        if basics.is_initialized():
+            return basics.engine().wait(request)
+        request.done.wait()  # submitted before hvd.shutdown(), which finished it
+        if request.error is not None:
+            raise request.error
+        return request.result
     finally:
         with _handles_lock:
             _handles.pop(handle, None)
-
-
-def _wait_stopped(request: Request):
-    request.done.wait()
-    if request.error is not None:
-        raise request.error
-    return request.result
 
 
 def _request(handle: int) -> Request:
@@ -274,19 +272,13 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=basics.global_pro
     return _submit("broadcast", [tensor], {"root": _root(root_rank)}, name, process_set, outputs=[tensor])
 
 
-def _root_only(root_rank, process_set):
-    """The gradient of broadcast: the averaged output gradient on the root, zeros elsewhere."""
+def broadcast(tensor, root_rank, name=None, process_set=basics.global_process_set):
+    """The root's ``tensor`` on every rank, as a new tensor (``tensor`` is not modified); differentiable."""
 
-    def grad(grads):
+    def grad(grads):  # the averaged gradient on the root, zeros elsewhere
         grad = allreduce(grads[0], average=True, process_set=process_set)
         return [grad if basics.rank() == root_rank else grad * 0]
 
-    return grad
-
-
-def broadcast(tensor, root_rank, name=None, process_set=basics.global_process_set):
-    """The root's ``tensor`` on every rank, as a new tensor (``tensor`` is not modified); differentiable."""
-    grad = _root_only(root_rank, process_set)
     return _differentiable(lambda ts: broadcast_async(ts[0], root_rank, name, process_set), grad, [tensor])[0]
 
 

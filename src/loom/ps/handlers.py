@@ -312,13 +312,14 @@ class RequestHandlers(abc.ABC):
         shard = self.models[name]
         self._reply(identity, frame, {"version": shard.version, "clocks": shard.clocks.clocks})
 
-    def _answer_waiting(self, name: str, message: str) -> None:
-        """Answer every request of model ``name`` still parked with an error (nobody is left waiting)."""
-        for parked in self.parked_pulls.pop(name, {}).values():
-            self._error(parked.identity, parked.frame, message)
+    def _answer_waiting(self, name: str, message: str, pulls: bool = True) -> None:
+        """Answer the pushes (and ``pulls``) of model ``name`` still parked with an error: nobody is left
+        waiting for them."""
+        answered = list(self.parked_pulls.pop(name, {}).values()) if pulls else []
         for waiting in self.parked_pushes.pop(name, {}).values():
-            for parked in waiting.values():
-                self._error(parked.identity, parked.frame, message)
+            answered.extend(waiting.values())
+        for parked in answered:
+            self._error(parked.identity, parked.frame, message)
 
     # -- time -------------------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -347,9 +348,7 @@ class RequestHandlers(abc.ABC):
                    "(killed or hung?). HINT: use mode='async' or 'ssp' to tolerate lost workers")  # fmt: skip
         self.log(f"model {name!r}: {message}")
         self.failed[name] = message
-        for waiting in self.parked_pushes.pop(name, {}).values():
-            for parked in waiting.values():
-                self._error(parked.identity, parked.frame, message)
+        self._answer_waiting(name, message, pulls=False)
 
 
 def _values_if_asked(frame: Frame, shard: ModelShard) -> dict[str, Any] | None:

@@ -16,10 +16,6 @@ from loom.ps.wire import WireLimits
 
 __all__ = ["ServerConfig", "default_checkpoint_dir", "parse_args"]
 
-DESCRIPTION = (
-    "A parameter-server process: ``python -m loom.ps.server --index i --num-servers K --bind ADDR:PORT``."
-)
-
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -48,7 +44,7 @@ class ServerConfig:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loom.ps.server", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m loom.ps.server", description="A parameter-server process.")
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--num-servers", type=int, default=1)
     p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (default: loopback, a free port)")
