@@ -99,10 +99,8 @@ class RequestHandlers(abc.ABC):
         if name in self.failed:
             raise RuntimeError(self.failed[name])
         shard = self.models[name]
-        worker = frame.meta.get("worker")
-        if not isinstance(worker, int):
-            raise ValueError(f"worker {worker!r} is outside 0..{shard.clocks.num_workers - 1}")
-        shard.clocks.check_worker(worker)
+        worker: Any = frame.meta.get("worker")
+        shard.clocks.check_worker(worker)  # an int in range, or ValueError
         if shard.clocks.seen(worker, time.monotonic()):
             self.log(f"model {name!r}: worker {worker} is back")
         return name, shard, worker
