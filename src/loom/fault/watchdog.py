@@ -126,14 +126,10 @@ class Watchdog:
         work_timeout: float | None = None,
         liveness_timeout: float | None = None,
     ) -> None:
-        self.rank, self.world_size, self.timeout_s = rank, world_size, hang_timeout_s(timeout_s)
-        self.work_timeout_s = max(work_timeout_s(work_timeout), self.timeout_s)
-        """How long to wait for a rank doing its own work outside collectives (never below ``timeout_s``)."""
-        give_way_to(self.work_timeout_s + WORK_REPORT_SLACK_S)
-        self.store = store
+        self.rank, self.world_size, self.store = rank, world_size, store
         self._prefix = _PREFIX.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.heartbeat = Heartbeat(rank, world_size, liveness_timeout_s(liveness_timeout), self._prefix)
-        self.poll_s = self._poll_s()
+        self._configure(timeout_s, work_timeout, liveness_timeout)
         self._next_check = 0.0
         self._stacks_asked = False
         """Whether this rank asked the ranks outside collectives for their stacks (once per process)."""
@@ -154,9 +150,15 @@ class Watchdog:
         """Called by the watchdog thread after each publish, by name (a later job's hook replaces an earlier
         one's); an exception counts as a failed store call."""
 
-    def _poll_s(self) -> float:
-        """The watchdog thread's interval: at most 1 s, a tenth of the hang timeout, a fifth of the liveness one."""
-        return min(1.0, self.timeout_s / 10, self.heartbeat.timeout_s / 5)
+    def _configure(self, timeout_s: float | None, work_timeout: float | None, liveness: float | None) -> None:
+        """Set the three timeouts (`hang_timeout_s`, `work_timeout_s`, `liveness_timeout_s` resolve each) and the
+        poll interval: at most 1 s, a tenth of the hang timeout, a fifth of the liveness one."""
+        self.timeout_s = hang_timeout_s(timeout_s)
+        self.work_timeout_s = max(work_timeout_s(work_timeout), self.timeout_s)
+        """How long to wait for a rank doing its own work outside collectives (never below ``timeout_s``)."""
+        give_way_to(self.work_timeout_s + WORK_REPORT_SLACK_S)
+        self.heartbeat.timeout_s = liveness_timeout_s(liveness)
+        self.poll_s = min(1.0, self.timeout_s / 10, self.heartbeat.timeout_s / 5)
 
     @classmethod
     def start(
@@ -170,17 +172,12 @@ class Watchdog:
 
         Without a process group (one process) the watchdog only counts: there is nobody to wait for.
         """
-        timeout = hang_timeout_s(timeout_s)
         reuse = _active
         if reuse is not None and (reuse.rank, reuse.world_size) == (topology.rank, topology.world_size):
-            reuse.timeout_s = timeout  # a second setup() in one process
-            reuse.work_timeout_s = max(work_timeout_s(work_timeout), timeout)
-            give_way_to(reuse.work_timeout_s + WORK_REPORT_SLACK_S)
-            reuse.heartbeat.timeout_s = liveness_timeout_s(liveness_timeout)
-            reuse.poll_s = reuse._poll_s()
+            reuse._configure(timeout_s, work_timeout, liveness_timeout)  # a second setup() in one process
             return reuse
         store = open_side_channel() if topology.is_distributed else None
-        wd = cls(topology.rank, topology.world_size, timeout, store, work_timeout, liveness_timeout)
+        wd = cls(topology.rank, topology.world_size, timeout_s, store, work_timeout, liveness_timeout)
         if store is not None:
             with contextlib.suppress(Exception):  # bounded; the thread retries
                 wd.heartbeat.announce(store, host_description())
@@ -290,13 +287,12 @@ class Watchdog:
         waited = now - current[2]
         if waited > self.work_timeout_s:
             records = self.read_records() if self._store_usable() else {}
-            working = [r for r, rec in records.items() if rec is not None and rec.get("current") is None]
             if not self._stacks_asked and records:  # their stacks in the output before the job ends
                 with contextlib.suppress(Exception):
                     self._ask_for_stacks(current, waited, records)
                     time.sleep(2 * self.poll_s)  # (their watchdog threads print within a poll)
             self._report_and_exit(
-                current, f"ranks {working} were outside collectives longer than the work timeout "
+                current, f"ranks {_working(records)} were outside collectives longer than the work timeout "
                 f"({self.work_timeout_s:.0f} s, LOOM_WORK_TIMEOUT_S)", records or None,
             )  # fmt: skip
         if waited <= self.timeout_s or now < self._next_check:
@@ -317,7 +313,7 @@ class Watchdog:
         """Past the hang timeout with some rank alive outside any collective: ask those ranks (a key each in the
         store, read by their watchdog threads) to print their Python stacks, and say so once for the job."""
         self._stacks_asked = True
-        working = [r for r, rec in records.items() if rec is not None and rec.get("current") is None]
+        working = _working(records)
         if not working:
             return
         for r in working:
@@ -369,6 +365,11 @@ class Watchdog:
 
     def _stop_process(self, text: str, error: type[Exception]) -> None:
         stop_process(text, error, self.rank, self.poll_s)
+
+
+def _working(records: dict[int, dict | None]) -> list[int]:
+    """The ranks whose record shows them alive outside any collective (doing their own work)."""
+    return [r for r, rec in records.items() if rec is not None and rec.get("current") is None]
 
 
 _active: Watchdog | None = None

@@ -19,9 +19,9 @@ The four add up to ``time_s`` by construction (they are consecutive laps of one 
 Records survive a crash: each one is one JSON line handed to the kernel by a single unbuffered ``os.write`` on an
 ``O_APPEND`` descriptor before `StepMetrics.record` returns, so a rank killed by SIGKILL (or the OOM killer) loses
 only the step it was in, and ``loom report`` of a healed run counts every step a lost rank finished. A file
-buffer would save the syscall (~2 µs) but hold up to a second of records that die with the process. Lines stay
-whole: one ``write`` of a few hundred bytes on an append descriptor is not interleaved or torn by a kill (a
-machine crash can still leave a torn last line, which `loom.observe.report.load_records` skips).
+buffer would hold up to a second of records that die with the process. Lines stay whole: one ``write`` of a few
+hundred bytes on an append descriptor is not torn by a kill (a machine crash can leave a torn last line, which
+`loom.observe.report.load_records` skips).
 """
 
 from __future__ import annotations
@@ -106,12 +106,11 @@ def json_line(
     rank: int, step: int, time_s: float, samples: int, global_samples: int, loss: float, wall: float,
     extra: dict[str, Any],
 ) -> bytes:  # fmt: skip
-    """A record as one JSON line (what `loom.observe.report.load_records` reads), in a fraction of the time
-    ``json.dumps`` takes, since the training thread writes one per step: one cached %-template per shape of
-    record, filled in one call. Times and other measured floats get 7 significant digits (0.1 µs of a 1 s step;
-    the records in memory keep every digit), the wall clock the microsecond, the loss every digit (``repr``). A
-    record holding anything but ints and finite floats (a flag, the memory table, NaN) goes through
-    ``json.dumps`` (`_general_line`). Shortest-``repr`` of 13 measured doubles was most of the old cost."""
+    """A record as one JSON line (what `loom.observe.report.load_records` reads), cheaper than ``json.dumps``
+    since the training thread writes one per step: one cached %-template per shape of record, filled in one call.
+    Measured floats get 7 significant digits (the records in memory keep every digit), the wall clock the
+    microsecond, the loss every digit (``repr``). A record holding anything but ints and finite floats (a flag,
+    the memory table, NaN) goes through ``json.dumps`` (`_general_line`)."""
     values = (step, rank, time_s, samples, global_samples, loss, wall, *extra.values())
     kinds = tuple(map(type, values))
     key = (kinds, *extra)
@@ -132,6 +131,13 @@ def _general_line(head: tuple, extra: dict[str, Any]) -> bytes:
     fields = dict(zip(_HEAD_FIELDS, head, strict=True))
     fields.update((k, v) for k, v in extra.items() if v is not None)
     return (json.dumps(fields) + "\n").encode()
+
+
+def _check_fields(fields: dict[str, Any]) -> None:
+    if not _FIELDS.issuperset(fields):
+        raise TypeError(
+            f"StepRecord has no field(s) {sorted(set(fields) - _FIELDS)}; its fields are the record's columns"
+        )
 
 
 class StepMetrics:
@@ -161,10 +167,7 @@ class StepMetrics:
         The record is in the file when this returns (the module docstring: it survives a kill). Cheap on
         purpose: one cached template filled in one call (`json_line`) and one ``write``; the `StepRecord`
         objects are built only when `records` is read."""
-        if not _FIELDS.issuperset(extra):
-            raise TypeError(
-                f"StepRecord has no field(s) {sorted(set(extra) - _FIELDS)}; its fields are the record's columns"
-            )
+        _check_fields(extra)
         raw = (step, time_s, samples, global_samples, loss, time.time(), extra)
         self._raw.append(raw)
         if self._fd is not None:
@@ -182,34 +185,28 @@ class StepMetrics:
         stopped. The record is written again whole (readers keep the last line of a step, as
         `loom.observe.report.load_records` does). False, and nothing done, when ``step`` was not the last
         recorded (a job built with ``observe=False`` records nothing)."""
-        unknown = set(fields) - _FIELDS
-        if unknown:
-            raise TypeError(
-                f"StepRecord has no field(s) {sorted(unknown)}; its fields are the record's columns"
-            )
+        _check_fields(fields)
         if self._raw:
             if self._raw[-1][0] != step:
                 return False
             self._raw[-1][6].update(fields)
-            if self._fd is not None:
-                self._write(self._raw[-1])
-            return True
-        if not self._records or self._records[-1].step != step:
-            return False
-        record = self._records[-1]
-        for name, value in fields.items():
-            setattr(record, name, value)
-        if self._fd is not None:
-            wall, extra = record.wall, {k: v for k, v in vars(record).items() if k not in _HEAD}
-            raw = (
+            raw = self._raw[-1]
+        elif self._records and self._records[-1].step == step:
+            record = self._records[-1]
+            for name, value in fields.items():
+                setattr(record, name, value)
+            head = (
                 record.step,
                 record.time_s,
                 record.samples,
                 record.global_samples,
                 record.loss,
-                wall,
-                extra,
+                record.wall,
             )
+            raw = (*head, {k: v for k, v in vars(record).items() if k not in _HEAD})
+        else:
+            return False
+        if self._fd is not None:
             self._write(raw)
         return True
 

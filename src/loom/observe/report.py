@@ -142,11 +142,16 @@ def _memory_table(rows: list[dict[str, Any]]) -> str:
         return (
             "<p>no memory samples in the records (a job with memory_every=0, or a strategy without them)</p>"
         )
-    header = "".join(f"<th>{html.escape(label)}</th>" for _, label in _MEMORY_COLUMNS)
+    return _table("memory", _MEMORY_COLUMNS, rows)
+
+
+def _table(table_id: str, columns: list[tuple[str, str]], rows: list[dict[str, Any]]) -> str:
+    """An HTML table of ``rows``: one column per ``(key, label)`` of ``columns``, cells formatted by `_cell`."""
+    header = "".join(f"<th>{html.escape(label)}</th>" for _, label in columns)
     body = "".join(
-        "<tr>" + "".join(f"<td>{_cell(c, row[c])}</td>" for c, _ in _MEMORY_COLUMNS) + "</tr>" for row in rows
+        "<tr>" + "".join(f"<td>{_cell(c, row[c])}</td>" for c, _ in columns) + "</tr>" for row in rows
     )
-    return f'<table id="memory"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<table id="{table_id}"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _png_tag(name: str, path: Path) -> str:
@@ -172,27 +177,12 @@ def _summary_table(s: dict[str, Any]) -> str:
         ("final loss", f"{s['final_loss']:.4f}"),
     ]
     job = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in head)
-    cols = ["rank", "steps", "mean_step_ms", "data_ms", "compute_ms", "comm_ms", "optimizer_ms", "waiting_share",
-            "mb_sent"]  # fmt: skip
-    labels = [
-        "rank",
-        "steps",
-        "step ms",
-        "data ms",
-        "compute ms",
-        "comm ms",
-        "optimizer ms",
-        "waiting",
-        "MB sent",
-    ]
+    columns = [("rank", "rank"), ("steps", "steps"), ("mean_step_ms", "step ms"), ("data_ms", "data ms"),
+               ("compute_ms", "compute ms"), ("comm_ms", "comm ms"), ("optimizer_ms", "optimizer ms"),
+               ("waiting_share", "waiting"), ("mb_sent", "MB sent")]  # fmt: skip
     if any(row.get("last_spread") is not None for row in s["ranks"]):  # gossip: how far replicas drifted
-        cols, labels = [*cols, "last_spread"], [*labels, "spread (last)"]
-    body = "".join(
-        "<tr>" + "".join(f"<td>{_cell(c, row[c])}</td>" for c in cols) + "</tr>" for row in s["ranks"]
-    )
-    header = "".join(f"<th>{label}</th>" for label in labels)
-    return (f'<table id="summary">{job}</table><h2>Per rank</h2>'
-            f'<table id="ranks"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>')  # fmt: skip
+        columns.append(("last_spread", "spread (last)"))
+    return f'<table id="summary">{job}</table><h2>Per rank</h2>' + _table("ranks", columns, s["ranks"])
 
 
 def _cell(column: str, value: Any) -> str:
