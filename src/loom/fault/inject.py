@@ -73,10 +73,8 @@ def parse_faults(text: str) -> list[PlannedFault]:
                 f"{ENV}: {item!r} is not KIND@RANK:STEP:PHASE[#GENERATION] with KIND in {KINDS} and PHASE in "
                 f"{PHASES}, e.g. 'kill@1:3:during'"
             )
-        gen = match["gen"]
-        faults.append(
-            PlannedFault(match["kind"], int(match["rank"]), int(match["step"]), match["phase"], int(gen or 0))
-        )
+        rank, step, generation = (int(match[key] or 0) for key in ("rank", "step", "gen"))
+        faults.append(PlannedFault(match["kind"], rank, step, match["phase"], generation))
     return faults
 
 
@@ -102,8 +100,6 @@ def planned() -> Callable[[int, str], None] | None:
 def fault_point(step: int, phase: str) -> None:
     """Carry out this process's fault planned at (``step``, ``phase``), if any (see the module docstring)."""
     faults = _faults_here()
-    if not faults:
-        return
     for fault in faults:
         if fault.step == step and fault.phase == phase:
             if fault.kind == "raise":
@@ -122,12 +118,6 @@ def _note(fault: PlannedFault) -> None:
     measurements of recovery (the process cannot say it afterwards)."""
     run_dir = os.environ.get("LOOM_RUN_DIR")
     if run_dir:
-        line = {
-            "rank": fault.rank,
-            "step": fault.step,
-            "phase": fault.phase,
-            "kind": fault.kind,
-            "time": time.time(),
-        }
+        line = {key: getattr(fault, key) for key in ("rank", "step", "phase", "kind")} | {"time": time.time()}
         with open(os.path.join(run_dir, "faults.jsonl"), "a") as out:
             out.write(json.dumps(line) + "\n")

@@ -5,9 +5,9 @@ launcher as the quorum's authority (`loom.launch.heal`), since on one host it se
 children) and hosts the job's authenticated store (`loom.net.store`):
 
 - **Epochs.** The launcher publishes membership epochs in the store: ``q/E/members`` (``"0:0,2:1"``: the ranks of
-  epoch E with the heal generation of each one's process, immutable once written) and ``q/latest``. Each epoch gets a fresh gloo group built directly on a
-  prefix of the store (``ProcessGroupGloo(PrefixStore("q/E/pg/", store), index, n, timeout)``): the default
-  WORLD group cannot shrink, so nothing in a heal-mode step uses it.
+  epoch E with the heal generation of each one's process, immutable once written) and ``q/latest``. Each epoch
+  gets a fresh gloo group on a prefix of the store (``q/E/pg/``): the default WORLD group cannot shrink, so nothing
+  in a heal-mode step uses it.
 - **Re-forming.** A member that wants a new epoch (its step was dropped, a group failed, a replacement is ready)
   checks in: ``q/E/in/RANK`` = its committed step. The launcher waits until every live member of E checked in
   (or ``checkin_timeout_s`` passed: the silent ones are killed and replaced), adds the replacements that are
@@ -190,7 +190,7 @@ class Quorum:
             except Exception:  # the store's own timeout: look again until our deadline
                 if not joining and self.store.check(
                     ["q/end"]
-                ):  # (a joiner not needed is stopped by the launcher)
+                ):  # (a joiner not needed: the launcher stops it)
                     self._job_ended()
                 continue
             listed = [tuple(map(int, m.split(":"))) for m in self.store.get(key).decode().split(",") if m]
@@ -214,10 +214,9 @@ class Quorum:
     def _meet(self, epoch: int) -> None:
         """Before epoch ``epoch``'s group is built: this member says it is here (``q/E/here/RANK``) and waits
         until every listed member has, up to the group's timeout. gloo's own rendezvous waits for a missing member
-        and looks at nothing else, so the members of an epoch that lost one while forming (the launcher marks
-        ``q/E/dead``) stayed there, unable to check in, until the launcher killed them as silent: every holder of
-        the job's state lost at once, and the replacements started again from step 0. Here the loss, or another
-        member's check-in for the next epoch (it gave up), is seen within a poll (0.2 s) and `EpochNotFormed` makes
+        and looks at nothing else: members of an epoch that lost one while forming (``q/E/dead``) would wait there,
+        unable to check in, until the launcher killed them all as silent (every holder of the job's state). Here
+        the loss, or another member's check-in for the next epoch, is seen within a poll and `EpochNotFormed` makes
         the members check in again."""
         self.store.set(f"q/{epoch}/here/{self.rank}", str(self.generation))
         keys = [f"q/{epoch}/here/{r}" for r in self.members]
@@ -257,12 +256,11 @@ class Quorum:
         ) from None
 
     def wait_for_joiner(self) -> None:
-        """Before a step: while the launcher has a replacement starting (``q/E/joining``) that is not ready yet (no
-        ``q/E/pending``), wait up to ``LOOM_HEAL_JOIN_WAIT_S`` (default 2 s) for it. A replacement forked by the launcher's
-        zygote (`loom.launch.zygote`) is ready soon after a kill here, so the members lose that much time and then train
-        with it at full strength from the next step, instead of training several steps short-handed while it
-        starts; a slower one (a fresh interpreter, a loaded host) is waited for no longer than the bound. One store
-        check per step when nothing is starting."""
+        """Before a step: while the launcher has a replacement starting (``q/E/joining``) that is not ready yet
+        (no ``q/E/pending``), wait up to ``LOOM_HEAL_JOIN_WAIT_S`` for it. A replacement forked by the launcher's
+        zygote (`loom.launch.zygote`) is ready soon after a kill, so the members train with it at full strength
+        from the next step instead of several steps short-handed; a slower one is waited for no longer than the
+        bound. One store check per step when nothing is starting."""
         if self.join_wait_s <= 0 or not self.store.check([f"q/{self.epoch}/joining"]):
             return
         deadline = time.monotonic() + self.join_wait_s
@@ -316,17 +314,12 @@ class Quorum:
         counter = self._counter
         if counter is None:
             return None
-        (epoch, base), current, done = self._base, counter.current, counter.last_done
+        (epoch, base), current = self._base, counter.current
         if current is not None and current[1] > base:
             inside = self._inside
             start = inside[2] if inside is not None and inside[1] == current[1] else current[2]
             self._inside = (current[0], current[1], start, time.monotonic())
-        return {
-            "gen": self.generation, "epoch": epoch, "time": time.time(),
-            "current": [current[0], current[1] - base] if current is not None and current[1] > base else None,
-            "waiting_s": round(time.monotonic() - current[2], 3) if current is not None else None,
-            "done": [done[0], done[1] - base] if done is not None and done[1] > base else None,
-        }  # fmt: skip
+        return {"gen": self.generation, "epoch": epoch, **counter.place(base)}
 
     def _name_the_absent(self, step: int) -> None:
         """If this member's last collective was seen inside for about the epoch group's timeout (it timed out:
@@ -364,11 +357,11 @@ class Quorum:
 
     def _abandon_group(self) -> None:
         """Close this epoch's group, so that a member still waiting in one of its collectives (the others raised,
-        or voted, without it) fails at once instead of at the group's timeout (30 s), which would outlast the
-        launcher's check-in timeout and get that member killed. gloo's ``abort()`` closes nothing (measured: a
-        peer waited the whole timeout); the connections close when the group is destroyed, i.e. when nothing
-        holds it any more: the caller must not hold it (e.g. in an exception's traceback), and a group still
-        alive after our reference is dropped (held by reference cycles) is collected (~0.1 s, so only then)."""
+        or voted, without it) fails at once instead of at the group's timeout, which would outlast the launcher's
+        check-in timeout and get that member killed. gloo's ``abort()`` closes nothing; the connections close
+        when the group is destroyed, i.e. when nothing holds it any more: the caller must not hold it (e.g. in an
+        exception's traceback), and a group still alive after our reference is dropped (held by reference
+        cycles) is collected (costly, so only then)."""
         if self.group is not None:
             forget_links(self.group)  # a ring's links (``allreduce="ring"`` under heal) hold the group too
             alive = weakref.ref(self.group)

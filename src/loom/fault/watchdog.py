@@ -228,15 +228,22 @@ class Watchdog:
 
     def record(self) -> dict[str, Any]:
         """What this rank publishes: its current and last completed operation."""
-        current = self.current
         return {
             "rank": self.rank,
             "pid": os.getpid(),
-            "current": None if current is None else [current[0], current[1]],
-            "waiting_s": None if current is None else round(time.monotonic() - current[2], 3),
-            "done": None if self.last_done is None else list(self.last_done),
-            "time": time.time(),
+            **self.place(),
             **{name: read() for name, read in list(self.extras.items())},
+        }
+
+    def place(self, base: int = 0) -> dict[str, Any]:
+        """This rank's place among its collectives as its record publishes it (`loom.fault.hang_report` reads
+        it), numbered after ``base`` (under heal: within the membership epoch, `loom.fault.quorum.Quorum.place`)."""
+        current, done = self.current, self.last_done
+        return {
+            "current": [current[0], current[1] - base] if current is not None and current[1] > base else None,
+            "waiting_s": None if current is None else round(time.monotonic() - current[2], 3),
+            "done": [done[0], done[1] - base] if done is not None and done[1] > base else None,
+            "time": time.time(),
         }
 
     # -- the watchdog thread ---------------------------------------------------------------------------------

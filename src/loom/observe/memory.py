@@ -6,10 +6,9 @@ Two measurements, for two questions:
 and shards that share memory are counted once; a storage counts whole, padding included) and sorted into the
 first category that claims them: ``parameters`` (the model's parameters, FSDP2's local shards, the optimizer's
 pieces), ``gradients`` (their ``.grad``), ``optimizer`` (the optimizer's state). `state_bytes` counts only those
-three, from the model and the optimizer (well under a millisecond: cheap enough for the step records);
-`live_tensor_bytes` also walks every tensor the Python garbage collector tracks and counts the rest as ``other``
-(data, buffers, activations kept alive): ~0.1 s in a process that imported torch, so it is ``job.memory()``'s,
-never the step's.
+three, from the model and the optimizer (cheap enough for the step records); `live_tensor_bytes` also walks every
+tensor the Python garbage collector tracks and counts the rest as ``other`` (data, buffers, activations kept
+alive): a walk of the heap, so it is ``job.memory()``'s, never the step's.
 
 **How high the step went** (`StepMemory`): the process's resident set size (RSS) high-water mark, reset at the
 start of a sampled step (Linux: ``5`` written to ``/proc/self/clear_refs`` sets ``VmHWM`` to the current RSS)
@@ -20,7 +19,7 @@ tensors) included; a ``TorchDispatchMode`` tracker would see only the tensors di
 would put an interposer on every operation of the step (observing must not change the observed path). Why
 not ``resource.getrusage``'s ``ru_maxrss``: it is the high-water mark of the process's whole life, which
 cannot be reset, so after the first large step it says nothing about later ones. The cost: two small
-``/proc`` accesses, ~0.1 ms; limits: RSS includes what is not tensors (the interpreter and libraries, a few
+``/proc`` accesses. Limits: RSS includes what is not tensors (the interpreter and libraries, a few
 hundred MB with torch) and memory the allocator freed but kept; ranks run as threads of one process share one
 figure. Where ``/proc/self/clear_refs`` is missing (not Linux) the peak is left out of the records.
 
@@ -101,23 +100,27 @@ def _claims(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[
     return [_storages(params), _storages(p.grad for p in params), _storages(tensors)]
 
 
-def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """The training state's bytes: ``parameters``, ``gradients``, ``optimizer`` and their sum ``state``, each
-    storage counted once, in the first category that claims it (no walk of the heap: cheap)."""
-    counted: dict[str, int] = dict.fromkeys(CATEGORIES[:3], 0)
-    seen: set[tuple[str, int]] = set()
-    for category, claim in zip(CATEGORIES, _claims(module, optimizer), strict=False):
+def _count_claimed(counted: dict[str, int], seen: set, claims: list[dict[tuple[str, int], int]]) -> None:
+    """Add each claimed storage not ``seen`` yet to the first category that claims it."""
+    for category, claim in zip(CATEGORIES, claims, strict=False):
         for key, nbytes in claim.items():
             if key not in seen:
                 seen.add(key)
                 counted[category] += nbytes
+
+
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """The training state's bytes: ``parameters``, ``gradients``, ``optimizer`` and their sum ``state``, each
+    storage counted once, in the first category that claims it (no walk of the heap: cheap)."""
+    counted: dict[str, int] = dict.fromkeys(CATEGORIES[:3], 0)
+    _count_claimed(counted, set(), _claims(module, optimizer))
     counted["state"] = sum(counted.values())
     return counted
 
 
 def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
     """This process's tensor bytes by category (the module docstring), plus ``state`` and ``total``: every
-    tensor the garbage collector tracks, after a collection (~0.1 s: not for every step)."""
+    tensor the garbage collector tracks, after a collection (a walk of the heap: not for every step)."""
     claims = _claims(module, optimizer)
     counted: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     seen: set[tuple[str, int]] = set()
@@ -131,11 +134,7 @@ def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None
         seen.add(key)
         category = next((c for c, claim in zip(CATEGORIES, claims, strict=False) if key in claim), "other")
         counted[category] += _nbytes(obj)
-    for category, claim in zip(CATEGORIES, claims, strict=False):  # tensors reachable only from C++
-        for key, nbytes in claim.items():
-            if key not in seen:
-                seen.add(key)
-                counted[category] += nbytes
+    _count_claimed(counted, seen, claims)  # tensors reachable only from C++
     counted["state"] = counted["parameters"] + counted["gradients"] + counted["optimizer"]
     counted["total"] = counted["state"] + counted["other"]
     return counted

@@ -13,11 +13,11 @@ one clock, so the phases add up to the step time exactly. Definitions (see `loom
 - *compute*: the rest of forward and backward. *optimizer*: ``zero_grad`` and ``optimizer.step``.
 
 For loom's algorithms the observer wraps their DDP communication hook and times each call. For DDP's built-in
-all-reduce it registers no hook (a Python hook costs a GIL handoff per bucket, measured at ~15 % of a small
-step): the end of gradient computation is read from post-accumulate-gradient hooks on the model's first
-parameters, the last whose gradients backward computes, and the rest of backward is the wait; a traced run
-(``LOOM_TRACE_STEPS``) shows that wait as one collective event, since timing every bucket would need a Python
-hook, i.e. another path than the one traced. The cost of all this is measured by ``python -m loom_bench.metrics_overhead`` (``benchmarks/reports/metrics_overhead.md``).
+all-reduce it registers no hook (a Python hook costs a GIL handoff per bucket): the end of gradient computation
+is read from post-accumulate-gradient hooks on the model's first parameters, the last whose gradients backward
+computes, and the rest of backward is the wait; a traced run (``LOOM_TRACE_STEPS``) shows that wait as one
+collective event, since timing every bucket would need a Python hook, i.e. another path than the one traced.
+The cost of all this: ``python -m loom_bench.metrics_overhead`` (``benchmarks/reports/metrics_overhead.md``).
 
 Stragglers: the phase times of each step (`last_phases`) go to the step engine's straggler watch
 (`loom.observe.straggler_watch`, the one mechanism for every strategy), which needs no collective.
@@ -171,10 +171,9 @@ class StepObserver:
         ddp.register_comm_hook(ddp.process_group, self._timed(hook, estimate=False))  # they count their bytes
 
     def _watch_gradients(self, module: torch.nn.Module, first: int = 4) -> None:
-        """Native all-reduce, untraced: keep DDP's built-in (C++) all-reduce, since a Python hook costs a GIL
-        handoff per bucket (measured: ~15 % of a 5 ms step). The end of gradient computation is taken from
-        post-accumulate hooks on the model's first ``first`` parameters, whose gradients backward computes last
-        (exact for a sequential model); the rest of backward is DDP waiting for its buckets."""
+        """Native all-reduce: keep DDP's built-in (C++) all-reduce (the module docstring). Gradient computation
+        ends at the post-accumulate hooks of the model's first ``first`` parameters, whose gradients backward
+        computes last (exact for a sequential model); the rest of backward is DDP waiting for its buckets."""
         params = [p for p in module.parameters() if p.requires_grad]
         self._grad_bytes = sum(p.numel() * p.element_size() for p in params)
 
@@ -215,7 +214,7 @@ class StepObserver:
         sets its own, ``FLAGS_AT + rank``)."""
         if device.type != "cpu":
             return torch.zeros(loss_buffer_size(self.world_size), dtype=torch.float64, device=device)
-        # On CPU one buffer is reused, cleared through its numpy view (a new tensor each step cost ~20 µs). Safe
+        # On CPU one buffer is reused, cleared through its numpy view (cheaper than a new tensor each step). Safe
         # because the strategy waits for the all-reduce and reads the result before the next step.
         if self._buffer is None:
             self._buffer = torch.zeros(loss_buffer_size(self.world_size), dtype=torch.float64)

@@ -32,21 +32,15 @@ def draw_figures(runs: dict[int, list[dict[str, Any]]], out_dir: Path) -> dict[s
     return paths
 
 
-def _main_rank(runs: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    return runs[min(runs)]
-
-
 def _loss(runs):
-    recs = _main_rank(runs)
+    recs = runs[min(runs)]  # the first rank's: the loss is the global batch's, the same on every rank
     fig, ax = plt.subplots(figsize=(7, 3.2))
     steps = [r["step"] for r in recs]
     losses = [r["loss"] for r in recs]
     ax.plot(steps, losses, lw=0.8, alpha=0.5, label="global-batch loss")
     k = max(1, len(losses) // 20)
-    smooth = [
-        sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1])
-        for i in range(len(losses))
-    ]
+    windows = (losses[max(0, i - k + 1) : i + 1] for i in range(len(losses)))
+    smooth = [sum(w) / len(w) for w in windows]
     ax.plot(steps, smooth, lw=1.6, label=f"mean of last {k} steps")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -55,7 +49,7 @@ def _loss(runs):
 
 
 def _throughput(runs):
-    recs = _main_rank(runs)
+    recs = runs[min(runs)]
     t0 = recs[0]["wall"] - recs[0]["time_s"]
     fig, ax = plt.subplots(figsize=(7, 3.2))
     xs = [r["wall"] - t0 for r in recs]

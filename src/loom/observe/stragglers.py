@@ -96,54 +96,38 @@ class StragglerDetector:
         self.world_size = world_size
         self.config = config if config is not None else StragglerConfig()
         self._flagged: set[tuple[int, str]] = set()
-        self.warnings: list[StragglerWarning] = []
-        """Every warning raised so far."""
         self.slowest: tuple[int, str, float] | None = None
         """(rank, phase, seconds over the median busy time) over the window at the last judgement."""
 
-    def judge(self, step: int, means: Sequence[Sequence[float]], full: bool = True) -> list[StragglerWarning]:
+    def judge(self, step: int, means: Sequence[Sequence[float]]) -> list[StragglerWarning]:
         """Judge one table of every rank's typical phase times (row r: rank r's median data, compute, comm,
-        optimizer seconds over a window, as `loom.observe.straggler_watch` summarizes it on each rank); ``full``:
-        the window is complete (before that only ``slowest`` is updated)."""
+        optimizer seconds over a full window, as `loom.observe.straggler_watch` summarizes it on each rank)."""
         n = self.config.window
         medians = [_median([m[p] for m in means]) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]
         median_busy = _median(busy)
         slow = max(range(self.world_size), key=lambda r: busy[r])
         self.slowest = (slow, _slowest_phase(means[slow], medians), busy[slow] - median_busy)
-        if not full or self.world_size < 2:
+        if self.world_size < 2:
             return []
         new = []
         for rank in range(self.world_size):
-            for phase, rank_s, median_s in self._suspects(rank, means, medians, busy, median_busy):
+            suspects = []  # (phase, the rank's seconds, the median's)
+            if _exceeds(busy[rank], median_busy, self.config):
+                suspects.append((_slowest_phase(means[rank], medians), busy[rank], median_busy))
+            if busy[rank] >= median_busy and _exceeds(means[rank][2], medians[2], self.config):
+                suspects.append(("comm", means[rank][2], medians[2]))
+            for phase, rank_s, median_s in suspects:
                 if (rank, phase) not in self._flagged:
                     self._flagged.add((rank, phase))
                     new.append(StragglerWarning(step, rank, phase, rank_s, median_s, n))
-            if not self._suspects(rank, means, medians, busy, median_busy):  # recovered: re-arm its warnings
+            if not suspects:  # recovered: re-arm its warnings
                 self._flagged = {f for f in self._flagged if f[0] != rank}
-        self.warnings.extend(new)
         return new
-
-    def _suspects(
-        self,
-        rank: int,
-        means: Sequence[Sequence[float]],
-        medians: list[float],
-        busy: list[float],
-        median_busy: float,
-    ) -> list[tuple[str, float, float]]:
-        cfg = self.config
-        found = []
-        if _exceeds(busy[rank], median_busy, cfg):
-            found.append((_slowest_phase(means[rank], medians), busy[rank], median_busy))
-        comm, median_comm = means[rank][2], medians[2]
-        if busy[rank] >= median_busy and _exceeds(comm, median_comm, cfg):
-            found.append(("comm", comm, median_comm))
-        return found
 
 
 def _median(values: list[float]) -> float:
-    """The median (statistics.median is 5x slower)."""
+    """The median (cheaper than statistics.median)."""
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
