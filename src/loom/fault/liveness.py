@@ -1,10 +1,9 @@
 """Liveness apart from slowness: heartbeats on the watchdog's side channel, and a peer lost when they stop.
 
-A collective may legitimately take minutes, and the hang timeout (`loom.fault.watchdog`, default 180 s) leaves it
-that long. A host that stops answering (a dead link, a partition, a dead machine) is another matter: nothing will
-ever arrive from it, and waiting minutes for it only hides the cause. So the watchdog thread of every rank, each
-poll, sends a heartbeat and listens for one, on the side channel it already has (a client of the job's store, the
-authenticated one under ``loom run``):
+A collective may legitimately take minutes, and the hang timeout (`loom.fault.watchdog`) leaves it that long. A
+host that stops answering (a dead link, a partition, a dead machine) is another matter: nothing will ever arrive
+from it, and waiting minutes for it only hides the cause. So the watchdog thread of every rank, each poll, sends
+a heartbeat and listens for one, on the side channel it already has (a client of the job's store):
 
 - it bumps a counter of its own (``beat<r>``: one small write), and
 - reads the counter of one peer, the next rank on a ring (``(r + 1) % world_size``: one small read),
@@ -21,9 +20,8 @@ a cut has two sides with different evidence:
 - *the side cut off from the store* cannot read anyone's heartbeat. Its own store calls failing, none answered,
   for longer than the liveness timeout is its evidence: it names the store's host and the peer it watched.
 
-Either side then ends its process the way a hang does (`Watchdog`: report on stderr, the message recorded in
-the elastic agent's error file so ``loom run`` prints it, ``os._exit``: the main thread may be blocked in gloo).
-Detection takes between the timeout and the timeout plus one store call (``STORE_CALL_S``) and one poll.
+Either side then ends its process the way a hang does (`loom.fault.watchdog`). Detection takes between the
+timeout and the timeout plus one store call (``STORE_CALL_S``) and one poll.
 
 A peer that has not beaten yet (still loading data, or before its ``setup()``) is not judged, and a rank whose
 watchdog stops (the process ending normally) writes ``-1`` so its silence is not taken for a loss. Under

@@ -15,20 +15,14 @@ counts only the time during which *every* rank is inside a collective (the same 
 they disagree on the order and will never meet) or cannot be heard from (its record unreadable, or not refreshed:
 every rank's thread re-publishes its record each poll, so a live rank's record is never older than a few polls).
 A rank outside any collective and alive is doing its own work; the others wait for it up to ``work_timeout_s``
-(default `DEFAULT_WORK_TIMEOUT_S`, the 30 minutes PyTorch's gloo and ``torchrun`` wait by default), and only then
-stop the job with a report naming it. When a rank has waited past the timeout and the check says hung, the
-thread reads every rank's record, prints a report naming
-
-- the operation and sequence number this rank waits at,
-- the ranks that did not arrive there (their current sequence number is lower, or they are inside another
-  operation at the same number: a mismatch), and
-- every rank's last completed operation and how long ago it published,
-
-records it in the elastic agent's error file (so ``loom run`` names it), and ends the process with exit code
-1 (``os._exit`` after flushing: the main thread is blocked inside C++ and cannot be interrupted). The launcher
-then stops the other workers, so the job never hangs silently. The same thread sends and hears heartbeats on
-the same channel (`loom.fault.liveness`): a host that stops answering is lost after the liveness timeout
-(``liveness_timeout``, 20 s), however long a collective may legitimately take, and stops the process the same way.
+(default `DEFAULT_WORK_TIMEOUT_S`), and only then stop the job with a report naming it. When a rank has waited
+past the timeout and the check says hung, the thread reads every rank's record and prints a report
+(`loom.fault.hang_report`) naming the operation and sequence number this rank waits at, the ranks that did not
+arrive there, and every rank's last completed operation; records it in the elastic agent's error file (so
+``loom run`` names it), and ends the process with exit code 1 (``os._exit``: the main thread is blocked inside
+C++). The launcher then stops the other workers, so the job never hangs silently. The same thread sends and
+hears heartbeats on the same channel (`loom.fault.liveness`): a host that stops answering is lost after the
+liveness timeout, however long a collective may legitimately take, and stops the process the same way.
 
 ```python
 wd = Watchdog.start(topology, timeout_s=120)
@@ -41,11 +35,10 @@ sample-count and evaluation reductions, `loom.parallel.data.own_loop` the gradie
 `loom.fault.desync` its check; DDP's own start-up broadcast and buffer broadcasts are not); a rank blocked in a
 collective that is not counted looks like a rank doing its own work, so it is waited for up to the work timeout.
 The process group's own timeout (``loom.init(timeout_s=...)``) must be at least the work timeout, or gloo gives
-up first with its bare error. The published records lag by the poll interval (at most 1 s, a tenth of the
-hang timeout and a fifth of the liveness timeout), so a rank killed with SIGKILL shows its state from up to that
-long before it died. The store is hosted
-by rank 0; if rank 0 itself died the report says that the other ranks' records could not be read. Detection
-takes between the timeout and the timeout plus one poll interval.
+up first with its bare error. The published records lag by the poll interval (`Watchdog._configure`), so a
+rank killed with SIGKILL shows its state from up to that long before it died. The store is hosted by rank 0; if
+rank 0 itself died the report says that the other ranks' records could not be read. Detection takes between the
+timeout and the timeout plus one poll interval.
 """
 
 from __future__ import annotations
@@ -85,8 +78,7 @@ __all__ = [
 DEFAULT_TIMEOUT_S: float = SETTINGS["LOOM_HANG_TIMEOUT_S"].default
 """How long every rank may sit inside collectives without one completing. No rank is doing its own work then,
 so nothing can still arrive: minutes are a hang on any network (and below the process group's timeout, so loom's
-report comes before gloo's bare error). A host that stops answering is another matter: the liveness timeout
-(`loom.fault.liveness`)."""
+report comes before gloo's bare error)."""
 DEFAULT_WORK_TIMEOUT_S: float = SETTINGS["LOOM_WORK_TIMEOUT_S"].default
 """How long ranks wait in a collective for a rank that is alive and doing its own work outside collectives
 (rank-0-only evaluation, checkpoint writing): PyTorch's default process-group timeout for gloo (30 minutes)."""
@@ -121,7 +113,7 @@ class Watchdog:
         self,
         rank: int,
         world_size: int,
-        timeout_s: float,
+        timeout_s: float | None,
         store: Any = None,
         work_timeout: float | None = None,
         liveness_timeout: float | None = None,

@@ -2,15 +2,11 @@
 
 A strategy calls, in order: `StepObserver.begin_step` as ``train_step`` starts, `lap` at each phase boundary,
 `backward_done` after backward, and `end_step` once the step is decided. Laps are consecutive readings of
-one clock, so the phases add up to the step time exactly. Definitions (see `loom.observe.metrics`):
-
-- *data*: the gap since the previous step ended (the loader runs between steps) plus moving the batch.
-- *comm*: time the training thread was blocked on communication. DDP overlaps the gradient all-reduce with
-  backward, so only what is *not* overlapped counts: the time spent inside the communication hook (the whole
-  all-reduce for loom's synchronous ``ring``/``driver``, only the launch for the asynchronous native one), plus
-  the tail of backward after the last bucket was launched, when autograd has computed every gradient and DDP
-  waits for the buckets to finish. Plus the wait for the loss all-reduce.
-- *compute*: the rest of forward and backward. *optimizer*: ``zero_grad`` and ``optimizer.step``.
+one clock, so the phases (defined in `loom.observe.metrics`) add up to the step time exactly. DDP overlaps the
+gradient all-reduce with backward, so *comm* counts only what is not overlapped: the time inside the
+communication hook (the whole all-reduce for loom's synchronous ``ring``/``driver``, only the launch for the
+asynchronous native one), plus the tail of backward after the last bucket was launched, when autograd has
+computed every gradient and DDP waits for the buckets; plus the wait for the loss all-reduce.
 
 For loom's algorithms the observer wraps their DDP communication hook and times each call. For DDP's built-in
 all-reduce it registers no hook (a Python hook costs a GIL handoff per bucket): the end of gradient computation
