@@ -85,8 +85,9 @@ def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | No
 
     A collective: every rank of ``group`` (default: the whole job) must call it at the same point. A no-op
     without a process group. Ranks are named globally where there is a default group, else by their rank in
-    ``group`` (a group built directly on a store, as the tests' thread harness does). The ranks that differ from the majority are named (on a tie, the side holding the
-    lowest rank counts as the majority); ``step`` only goes into the message.
+    ``group`` (a group built directly on a store, as the tests' thread harness does). The ranks that differ from
+    the majority are named (on a tie, the side holding the lowest rank counts as the majority); ``step`` only
+    goes into the message.
     """
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return

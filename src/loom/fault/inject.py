@@ -10,10 +10,9 @@ phase. A job asks `planned` once at setup: with the variable unset it gets None 
 Text form: ``KIND@RANK:STEP:PHASE[#GENERATION]``, several joined by ``,``, e.g. ``"kill@1:3:during"``. Steps count
 from 1 (the step being attempted, ``job.step + 1``). ``#GENERATION`` (default 0) is the heal generation the launcher
 gives each process of a rank (``LOOM_HEAL_GENERATION``: 0 for the first, 1 for its first replacement...), so a
-replacement does not meet its predecessor's fault again: the ``#ATTEMPT`` idea of the script-level injector, keyed
-on healing instead of group restarts. Kinds: ``kill`` (SIGKILL: a crash, nothing flushed), ``freeze``
-(SIGSTOP: a hang that is no crash), ``raise`` (a `InjectedFault` exception in the step: an error, not a death),
-``slow`` (a pause of ``LOOM_FAULTS_SLOW_S`` seconds, default 3: a process that is late, not lost).
+replacement does not meet its predecessor's fault again. Kinds: ``kill`` (SIGKILL: a crash, nothing flushed),
+``freeze`` (SIGSTOP: a hang that is no crash), ``raise`` (a `InjectedFault` exception in the step: an error, not
+a death), ``slow`` (a pause of ``LOOM_FAULTS_SLOW_S`` seconds, default 3: a process that is late, not lost).
 
 Phases (`PHASES`), in the order a data-parallel step meets them:
 
@@ -91,9 +90,8 @@ def _faults_here() -> list[PlannedFault]:
 
 
 def planned() -> Callable[[int, str], None] | None:
-    """`fault_point` when ``LOOM_FAULTS`` plans a fault for this process, else None. A job asks once, at its
-    setup, and its step calls the hook only when it is not None: with the variable unset a step makes no call
-    into this module at all (item 3 of issue 39: a hook that is free when unset)."""
+    """`fault_point` when ``LOOM_FAULTS`` plans a fault for this process, else None (asked once, at setup: the
+    module docstring)."""
     return fault_point if _faults_here() else None
 
 
