@@ -169,6 +169,73 @@ except AssertionError:
     if rank == 0:
         raise
 
+# Gradients: Horovod's (module docstring of loom.horovod.collectives), against what every rank computes by hand from
+# every rank's upstream gradient `upstream(r, shape)` (the loss is sum(y * upstream), so y's gradient is it).
+
+
+def upstream(r: int, shape) -> torch.Tensor:
+    return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(500 + r))
+
+
+def gradient_of(fn, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    outs = fn(leaves)
+    outs = outs if isinstance(outs, list | tuple) else [outs]
+    sum((y * upstream(rank + 10 * i, y.shape)).sum() for i, y in enumerate(outs)).backward()
+    return [x.grad for x in leaves]
+
+
+def every(shape, i: int = 0) -> list[torch.Tensor]:
+    return [upstream(r + 10 * i, shape) for r in range(size)]
+
+
+x = rank_tensor(rank, torch.float64, (4, 2))
+mean = torch.stack(every((4, 2))).mean(0)
+(g,) = gradient_of(lambda xs: hvd.allreduce(xs[0]), x)
+same(g, mean, "gradient of allreduce (average): the averaged gradient")
+(g,) = gradient_of(lambda xs: hvd.allreduce(xs[0], op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0), x)
+same(g, 1.5 * torch.stack(every((4, 2))).sum(0), "gradient of allreduce (sum, scaled)", atol=1e-12)
+g0, g1 = gradient_of(lambda xs: hvd.grouped_allreduce(xs, op=hvd.Sum), x, x[:1, :1])
+same(g0, torch.stack(every((4, 2))).sum(0), "gradient of grouped_allreduce [0]")
+same(g1, torch.stack(every((1, 1), 1)).sum(0), "gradient of grouped_allreduce [1]")
+rows = [1 + r for r in range(size)]  # uneven first dimensions
+start = sum(rows[:rank])
+(g,) = gradient_of(lambda xs: hvd.allgather(xs[0]), rank_tensor(rank, torch.float64, (rows[rank], 3)))
+same(
+    g,
+    torch.stack(every((sum(rows), 3))).mean(0)[start : start + rows[rank]],
+    "gradient of allgather: own rows",
+)
+g0, g1 = gradient_of(lambda xs: hvd.grouped_allgather(xs), rank_tensor(rank, torch.float64, (rows[rank], 2)),
+                     rank_tensor(rank, torch.float64, (2, 1)))  # fmt: skip
+same(
+    g0,
+    torch.stack(every((sum(rows), 2))).mean(0)[start : start + rows[rank]],
+    "gradient of grouped_allgather [0]",
+)
+same(
+    g1,
+    torch.stack(every((2 * size, 1), 1)).mean(0)[2 * rank : 2 * rank + 2],
+    "gradient of grouped_allgather [1]",
+)
+(g,) = gradient_of(lambda xs: hvd.broadcast(xs[0], 1), x)
+same(
+    g,
+    mean if rank == 1 else torch.zeros_like(mean),
+    "gradient of broadcast: averaged on the root, zeros elsewhere",
+)
+wide = rank_tensor(rank, torch.float64, (2 * size, 3))  # two rows each
+(g,) = gradient_of(lambda xs: hvd.reducescatter(xs[0]), wide)
+same(g, torch.cat(every((2, 3))), "gradient of reducescatter (average): the gathered gradient")
+(g,) = gradient_of(lambda xs: hvd.reducescatter(xs[0], op=hvd.Sum), wide)
+same(g, size * torch.cat(every((2, 3))), "gradient of reducescatter (sum): gathered, times the size")
+(g,) = gradient_of(lambda xs: hvd.alltoall(xs[0]), wide)
+same(
+    g,
+    torch.cat([w[2 * rank : 2 * rank + 2] for w in every((2 * size, 3))]),
+    "gradient of alltoall: sent back",
+)
+
 # mismatches fail on every rank with a RuntimeError, instead of hanging
 try:
     hvd.allreduce(torch.zeros(3 + rank))
