@@ -16,7 +16,7 @@ from torch import nn
 from workers.common import make_dataset, make_mlp
 
 import loom
-from loom.parallel.replica._replica_sync import INT8_CHUNK, dequantize_int8, quantize_int8
+from loom.comm.compression.int8 import INT8_CHUNK, dequantize_int8, quantize_int8
 from loom.parallel.replica.diloco import split_fragments
 from loom.topology import Topology
 

@@ -9,12 +9,15 @@ import torch
 from torch import nn
 
 from loom.errors import StartRefused
+from loom.topology import Topology, current
 from loom.train.batch import LossCall
+from loom.train.options import config_from
 
 __all__ = [
     "HEALS",
     "SURVIVE_LOST_WORKER",
     "StartRefused",
+    "Strategy",
     "check_failure_policy",
     "check_setup_arguments",
     "failure_policy",
@@ -120,3 +123,28 @@ def check_setup_arguments(
                     "HINT: build the optimizer from model.parameters() of the model passed to setup()."
                 )
     return call
+
+
+class Strategy:
+    """The constructor the data strategies share: options into the config dataclass ``config_type``, checked now."""
+
+    config_type: Any
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        topology: Topology | None = None,
+        metrics_path: str | None = None,
+        observe: bool = True,
+        **options: Any,
+    ) -> None:
+        self.config = config_from(self.config_type, config, options, type(self).__name__)
+        self.topology = topology
+        self.metrics_path = metrics_path
+        self.observe = observe
+        """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
+
+    def _topology(self) -> Topology:
+        """The topology given, or the one `loom.init` joined."""
+        return self.topology if self.topology is not None else current()

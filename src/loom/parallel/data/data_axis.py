@@ -37,7 +37,7 @@ import os
 import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,12 +50,11 @@ from loom.errors import DifferentBatches, HealConflict, StartRefused, is_retryab
 from loom.fault.inject import fault_point
 from loom.topology import Topology
 from loom.train.batch import batch_len, slice_batch
+from loom.train.engine import Engine
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
 
-if TYPE_CHECKING:
-    from loom.train.engine import Engine
-
 __all__ = [
+    "AxisJob",
     "DataAxis",
     "FixedAxis",
     "HealConflict",
@@ -64,7 +63,6 @@ __all__ = [
     "healing_metrics_path",
     "healing_store",
     "join_first_epoch",
-    "loader_at_position",
     "member_share",
     "refuse_heal_options",
     "take_live_state",
@@ -276,24 +274,6 @@ def join_first_epoch(job: HealingT) -> HealingT:
     return job
 
 
-def loader_at_position(job: Any, dataset: Any, global_batch_size: int, shuffle: bool, seed: int,
-                       drop_last: bool, **options: Any) -> Any:  # fmt: skip
-    """Unloaded global batches (`LazyBatch`: each member fetches its epoch's share at the step), from the job's
-    data position: a replacement starts at the global batch after the last committed step."""
-    options.setdefault("same_data_check", False)
-    shards = loader(
-        dataset, global_batch_size, shuffle, seed, drop_last, topology=job.data_topology, **options
-    )
-    shards.lazy = True
-    per_epoch = len(shards)
-    if job.step and per_epoch:
-        state = shards.state_dict()
-        state["epoch"] = job.step // per_epoch
-        state["consumed"] = min((job.step % per_epoch) * global_batch_size, shards.sampler.epoch_samples())
-        shards.load_state_dict(state)
-    return shards
-
-
 def refuse_own_loop(rank: int) -> ValueError:
     """The error of `own_loop` under heal."""
     return ValueError(
@@ -301,3 +281,59 @@ def refuse_own_loop(rank: int) -> ValueError:
         "and retried on every member. HINT: train with job.train_step(batch), or use --on-worker-failure stop "
         "with --max-restarts N"
     )
+
+
+class AxisJob(Engine):
+    """What the jobs whose data axis heals share (`DataParallelJob`, the replica job): the axis, the loader and
+    who writes the checkpoint, with or without the quorum."""
+
+    def _join_axis(self, quorum: Any) -> None:
+        """Set the data axis: the topology's, or under heal the ``quorum``'s (called in ``__init__``)."""
+        self.quorum = quorum
+        """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
+        self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(self.topology)
+        """Who trains each global batch and the group they meet in (the topology, or the quorum)."""
+        self.trained_by: list[int] = []
+        """The ranks of the members that trained the last committed step (each on its share)."""
+        self.joined_running = False
+        """Under heal: this process is a replacement that took a live member's state (`loom.fit` then resumes no
+        checkpoint: the state it holds is newer)."""
+        self._synced = False
+
+    def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
+        """`loom.job.Job.loader`; under heal, unloaded global batches (`LazyBatch`: each member fetches its
+        epoch's share at the step) from the job's data position: a replacement starts at the global batch after
+        the last committed step."""
+        if self.quorum is None:
+            return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
+        options.setdefault("same_data_check", False)
+        shards = loader(
+            dataset, global_batch_size, shuffle, seed, drop_last, topology=self.data_topology, **options
+        )
+        shards.lazy = True
+        per_epoch = len(shards)
+        if self.step and per_epoch:
+            state = shards.state_dict()
+            state["epoch"] = self.step // per_epoch
+            state["consumed"] = min(
+                (self.step % per_epoch) * global_batch_size, shards.sampler.epoch_samples()
+            )
+            shards.load_state_dict(state)
+        return shards
+
+    @property
+    def checkpoint_topology(self) -> Topology:
+        """Whose collectives `loom.fit`'s save takes: the job's; under heal one member's, without collectives (the
+        members change between steps and every member holds the same state at a commit)."""
+        return self.topology if self.quorum is None else whole_batches(self.topology)
+
+    def writes_checkpoint(self) -> bool:
+        """Whether this process takes part in writing the checkpoint of the step just committed: always, but under
+        heal only the first member that trained it (every member computes the same answer from the same
+        membership; a checkpoint whose writer dies before publishing it is not written, and the previous one
+        stays the newest)."""
+        return self.quorum is None or (self.trained_by or self.quorum.members)[0] == self.topology.rank
+
+    def _share_more(self, source: int, load: bool) -> None:
+        """Broadcast member ``source``'s state beyond the model and optimizer (DiLoCo's outer state)."""

@@ -37,7 +37,7 @@ from loom.fault.quorum import Quorum
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import StepObserver
-from loom.parallel._setup import check_setup_arguments, joins_healing
+from loom.parallel._setup import Strategy, check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
     healing_metrics_path,
@@ -51,35 +51,22 @@ from loom.parallel.data.data_parallel_config import DataParallelConfig, default_
 from loom.parallel.data.data_parallel_config import data_axis_options as data_axis_options  # re-exported
 from loom.parallel.data.data_parallel_job import DataParallelJob
 from loom.parallel.data.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
-from loom.topology import Topology, current
+from loom.topology import Topology
 from loom.train.batch import LossCall
-from loom.train.options import config_from
 
 __all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-class DataParallel:
+class DataParallel(Strategy):
     """Strategy: replicate the model, shard the data, all-reduce gradients every step.
 
     ``DataParallel(accumulate=1, bucket_cap_mb=25.0, ...)`` — see `DataParallelConfig` for the fields.
     """
 
-    def __init__(
-        self,
-        config: DataParallelConfig | None = None,
-        *,
-        topology: Topology | None = None,
-        metrics_path: str | None = None,
-        observe: bool = True,
-        **options: Any,
-    ):
-        self.config = config_from(DataParallelConfig, config, options, "DataParallel")
-        self.topology = topology
-        self.metrics_path = metrics_path
-        self.observe = observe
-        """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
+    config_type = DataParallelConfig
+    config: DataParallelConfig
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | LossCall | None = None
@@ -88,7 +75,7 @@ class DataParallel:
 
         ``loss_fn``: ``fn(outputs, targets)``, None when the model returns its own loss, or a `loom.LossCall`
         (the conventions are `LossCall`'s table)."""
-        topo = self.topology if self.topology is not None else current()
+        topo = self._topology()
         call = check_setup_arguments(
             model,
             optimizer,

@@ -50,28 +50,25 @@ from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.parallel.data.data_axis import (
-    DataAxis,
-    FixedAxis,
+    AxisJob,
     check_same_batches,
-    loader_at_position,
     member_share,
     refuse_own_loop,
     take_live_state,
-    whole_batches,
 )
 from loom.parallel.data.data_parallel_config import DataParallelConfig
 from loom.parallel.data.data_parallel_shares import batchnorm_layers, refuse_small_batchnorm_shares, zero_loss
 from loom.parallel.data.data_parallel_sync import AxisGradients, GradientPath
 from loom.topology import Topology
 from loom.train.batch import LossCall, batch_len, forward_loss, to_device
-from loom.train.engine import Engine, StepState
+from loom.train.engine import StepState
 
 __all__ = ["DataParallelJob"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-class DataParallelJob(Engine):
+class DataParallelJob(AxisJob):
     """A model set up for data-parallel training (the `loom.job.Job` contract; its state is replicated)."""
 
     replicated_state = True
@@ -99,10 +96,7 @@ class DataParallelJob(Engine):
         self.config: DataParallelConfig = config
         self.observer = StepObserver(metrics, topology.world_size)
         """Times the phases of each step into `metrics`; `DataParallel.setup` gives it the DDP hook."""
-        self.quorum = quorum
-        """Under ``--on-worker-failure heal``: the membership (`loom.fault.quorum`), which is then the data axis."""
-        self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
-        """Who trains each step's global batch: `loom.parallel.data.data_axis` (the topology, or the quorum)."""
+        self._join_axis(quorum)
         algorithm = config.allreduce
         shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
         self._loss_algorithm = algorithm if shared_memory else "native"
@@ -117,12 +111,6 @@ class DataParallelJob(Engine):
         (`loom.comm.shared_gradients`), or over a replaceable axis (`AxisGradients`); then `wrapped` is the model."""
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         self._batchnorm = batchnorm_layers(module)
-        self.trained_by: list[int] = []
-        """The ranks of the members that trained the last committed step (each on its share)."""
-        self.joined_running = False
-        """Under heal: this process is a replacement that took a live member's state (`loom.fit` then resumes no
-        checkpoint: the state it holds is newer)."""
-        self._synced = False
         self._device, self._distributed = topology.device, topology.is_distributed
         """Read once: the step asks them every time, and the topology does not change."""
 
@@ -164,14 +152,6 @@ class DataParallelJob(Engine):
         if self.quorum is not None:
             raise refuse_own_loop(self.topology.rank)
         return OwnLoop.start(self, loader)
-
-    def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
-        """`loom.job.Job.loader`; under heal, unloaded global batches from the job's position (`loader_at_position`:
-        a `loom.data.loader.LazyBatch` per step, of which each member fetches its share at the step)."""
-        if self.quorum is None:
-            return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
-        return loader_at_position(self, dataset, global_batch_size, shuffle, seed, drop_last, **options)
 
     # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
     def _check_can_train(self) -> None:
@@ -274,25 +254,6 @@ class DataParallelJob(Engine):
     def _adopt_epoch(self) -> None:
         """Make a new epoch's members equal (`loom.parallel.data.data_axis.take_live_state`)."""
         take_live_state(self)
-
-    def _share_more(self, source: int, load: bool) -> None:
-        """Broadcast member ``source``'s state beyond the model and optimizer: none here (DiLoCo's outer state)."""
-
-    # -- checkpoints (`loom.fit`) ---------------------------------------------------------------------------------
-    @property
-    def checkpoint_topology(self) -> Topology:
-        """Whose collectives `loom.fit`'s save takes: the job's; under heal one member's, without collectives (the
-        members change between steps and every member holds the same replicated state)."""
-        return self.topology if self.quorum is None else whole_batches(self.topology)
-
-    def writes_checkpoint(self) -> bool:
-        """Whether this process takes part in writing the checkpoint of the step just committed: always, but under
-        heal only the first member of the epoch that committed it (every member computes the same answer from the
-        same membership; a checkpoint whose writer dies before publishing it is not written, and the previous one
-        stays the newest)."""
-        if self.quorum is None:
-            return True
-        return (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     def _apply(self, state: StepState) -> None:
         self.optimizer.step()

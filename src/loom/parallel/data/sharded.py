@@ -59,15 +59,13 @@ from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import FLAGS_AT, StepObserver
-from loom.parallel._setup import check_setup_arguments
+from loom.parallel._setup import Strategy, check_setup_arguments
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_parallel import DataParallelConfig, DataParallelJob, default_metrics_path
 from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
 from loom.parallel.data.sharded_fsdp import FsdpLayout, shard_model
 from loom.parallel.data.sharded_selftest import run_self_test
-from loom.topology import Topology, current
 from loom.train.batch import LossCall, batch_len, forward_loss, to_device
-from loom.train.options import config_from
 
 __all__ = ["ShardedDataParallel", "ShardedDataParallelConfig", "ShardedDataParallelJob"]
 
@@ -136,32 +134,21 @@ class ShardedDataParallelConfig(DataParallelConfig):
             )
 
 
-class ShardedDataParallel:
+class ShardedDataParallel(Strategy):
     """Strategy: shard the data and the training state (ZeRO ``stage`` 1, 2 or 3) over the replicas.
 
     ``ShardedDataParallel(stage=3, accumulate=1, wrap=None, ...)`` — see `ShardedDataParallelConfig`.
     """
 
-    def __init__(
-        self,
-        config: ShardedDataParallelConfig | None = None,
-        *,
-        topology: Topology | None = None,
-        metrics_path: str | None = None,
-        observe: bool = True,
-        **options: Any,
-    ):
-        self.config = config_from(ShardedDataParallelConfig, config, options, "ShardedDataParallel")
-        self.topology = topology
-        self.metrics_path = metrics_path
-        self.observe = observe
+    config_type = ShardedDataParallelConfig
+    config: ShardedDataParallelConfig
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | LossCall | None = None
     ) -> ShardedDataParallelJob:
         """Broadcast rank 0's model, self-test the backend, shard; the optimizer is rebound in place to the
         pieces (keep using the same object, and schedulers built on it)."""
-        topo = self.topology if self.topology is not None else current()
+        topo = self._topology()
         call = check_setup_arguments(
             model, optimizer, loss_fn, strategy="ShardedDataParallel", conventions=True, backend=topo.backend
         )

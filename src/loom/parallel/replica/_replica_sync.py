@@ -43,37 +43,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.comm.compression.int8 import INT8_CHUNK as INT8_CHUNK  # re-exported (its home: comm.compression)
-from loom.comm.compression.int8 import dequantize_int8 as dequantize_int8  # re-exported
-from loom.comm.compression.int8 import quantize_int8 as quantize_int8  # re-exported
-from loom.comm.thread import CommThread as CommThread  # re-exported (its home: loom.comm.thread)
 from loom.devices import place_model
 from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver, loss_buffer_size
-from loom.parallel._setup import check_setup_arguments, joins_healing
+from loom.parallel._setup import Strategy, check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
-    DataAxis,
-    FixedAxis,
+    AxisJob,
     check_same_batches,
     healing_metrics_path,
     healing_store,
     join_first_epoch,
-    loader_at_position,
     member_share,
     whole_batches,
 )
 from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.parallel.replica.round_commit import RoundCommit, refuse_round_options
-from loom.topology import Topology, current
+from loom.topology import Topology
 from loom.train.batch import batch_len, to_device
 from loom.train.engine import Engine, StepState
 from loom.train.heal_state import all_reduce_sum
-from loom.train.options import config_from
 
 __all__ = [
     "ReplicaJob",
@@ -120,25 +113,8 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
             offset += t.numel()
 
 
-class ReplicaStrategy:
-    """The constructor both strategies share: options into the config dataclass ``config_type``, checked now."""
-
-    config_type: Any
-
-    def __init__(
-        self,
-        config: Any = None,
-        *,
-        topology: Topology | None = None,
-        metrics_path: str | None = None,
-        observe: bool = True,
-        **options: Any,
-    ) -> None:
-        self.config = config_from(self.config_type, config, options, type(self).__name__)
-        self.topology = topology
-        self.metrics_path = metrics_path
-        self.observe = observe
-        """Time each step's phases, count bytes, detect stragglers, trace (`loom.observe`); off: no records."""
+class ReplicaStrategy(Strategy):
+    """The setup both strategies share (their constructor is `loom.parallel._setup.Strategy`'s)."""
 
     def _setup(
         self, job_type: type[JobT], model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn
@@ -147,7 +123,7 @@ class ReplicaStrategy:
         (model or optimizer, `loom.parallel.consistency`) and start every replica from rank 0's parameters and
         buffers (as DDP does). Under ``--on-worker-failure heal``: refuse what a round cannot honour; the job
         joins the quorum and takes a live member's state (`join_first_epoch`)."""
-        topo = self.topology if self.topology is not None else current()
+        topo = self._topology()
         strategy = self.config_type.__name__.removesuffix("Config")
         heal = joins_healing(topo.backend)
         check_setup_arguments(
@@ -166,7 +142,7 @@ class ReplicaStrategy:
         return job_type(*args)
 
 
-class ReplicaJob(Engine):
+class ReplicaJob(AxisJob):
     """Inner steps on this rank's share, one loss reduction per step; subclasses synchronize the replicas."""
 
     replicated_state = False
@@ -189,18 +165,11 @@ class ReplicaJob(Engine):
         self.observer = StepObserver.for_process(self.metrics, world, enabled=observe and not heal)
         """Times each step's phases and counts its bytes (synchronizations included) into `metrics`; under heal
         off (the members change; a round's records are `RoundCommit.record`'s)."""
-        self.quorum = quorum
-        self.axis: DataAxis = quorum if quorum is not None else FixedAxis.of(topology)
-        """Who trains each global batch and the group they meet in (`loom.parallel.data.data_axis`)."""
+        self._join_axis(quorum)
         self.rounds = RoundCommit(config.sync_every) if heal else None
         """Under heal, the sync round as the unit of commit (`loom.parallel.replica.round_commit`)."""
         self.allreduce = "native" if heal and config.allreduce == "auto" else config.allreduce
         """The synchronization's all-reduce algorithm (under heal ``auto`` is gloo's over the epoch's group)."""
-        self.trained_by: list[int] = []
-        """The ranks of the members that trained the last step (each on its share)."""
-        self.joined_running = False
-        """Under heal: this process is a replacement that took a live member's state (`loom.fit` resumes none)."""
-        self._synced = False
         self._start()
 
     @property
@@ -256,9 +225,8 @@ class ReplicaJob(Engine):
         self._count_samples(state.local, state.total)
 
     def _after_step(self, state: StepState) -> None:
-        self.trained_by = list(
-            self.axis.members
-        )  # before a replacement joins after a round (`writes_checkpoint`)
+        # before a replacement joins after a round (`writes_checkpoint`)
+        self.trained_by = list(self.axis.members)
         self.observer.lap(OPTIMIZER)
         if self.rounds is None:
             self._exchange()
@@ -322,30 +290,10 @@ class ReplicaJob(Engine):
         assert self.rounds is not None
         self.rounds.adopt_epoch(self, functools.partial(Engine._attempt, self))
 
-    def _share_more(self, source: int, load: bool) -> None:
-        """Broadcast member ``source``'s state beyond the model and optimizer (DiLoCo's outer state)."""
-
     def _state_loaded(self) -> None:
         """After `load_state_dict`: under heal the loaded state is the round's start."""
         if self.rounds is not None:
             self.rounds.take_snapshot(self)
-
-    def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
-        """`loom.job.Job.loader`; under heal, whole global batches from the job's position (`loader_at_position`)."""
-        if self.quorum is None:
-            return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
-        return loader_at_position(self, dataset, global_batch_size, shuffle, seed, drop_last, **options)
-
-    @property
-    def checkpoint_topology(self) -> Topology:
-        """Whose collectives `loom.fit`'s save takes: under heal one member's, without collectives."""
-        return self.topology if self.quorum is None else whole_batches(self.topology)
-
-    def writes_checkpoint(self) -> bool:
-        """Under heal only the first member that trained the step writes (`DataParallelJob`'s rule): every process
-        that saves it trained it, a replacement that joined at an earlier round boundary too."""
-        return self.quorum is None or (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     def _inner_state(self) -> dict[str, Any]:
         return replicated_state(self)
