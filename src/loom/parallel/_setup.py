@@ -22,7 +22,14 @@ __all__ = [
     "check_setup_arguments",
     "failure_policy",
     "joins_healing",
+    "positive_int",
 ]
+
+
+def positive_int(name: str, value: Any, hint: str = "") -> None:
+    """Refuse anything but an int >= 1 (bools included), naming the option and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.{' HINT: ' + hint if hint else ''}")
 
 
 SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(mode='ssp')"

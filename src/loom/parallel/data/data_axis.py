@@ -161,14 +161,29 @@ def healing_metrics_path() -> str | None:
     return f"{run_dir}/metrics/rank{rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
 
 
+def refuse_under_heal(strategy: str, why: dict[str, str], more: str = "") -> None:
+    """Refuse the options in ``why`` (``"name=value"``: the reason) at setup under heal, naming each."""
+    if why:
+        raise StartRefused(
+            f"--on-worker-failure heal: {strategy} cannot honour "
+            + "; ".join(f"{option} ({reason})" for option, reason in why.items())
+            + f". HINT: drop {', '.join(o.partition('=')[0] + '=' for o in why)} under heal{more}"
+        )
+
+
+def heal_allreduce_refusal(config: Any) -> dict[str, str]:
+    """``allreduce`` under heal: only the algorithms that take a group built on a store (`HEAL_ALGORITHMS`)."""
+    if config.allreduce in ("auto", *HEAL_ALGORITHMS):
+        return {}
+    return {
+        f"allreduce={config.allreduce!r}": "the shared-memory algorithms map a segment per group and every "
+        f"membership epoch has a new group (a healing job runs {', '.join(HEAL_ALGORITHMS)})"
+    }
+
+
 def refuse_heal_options(config: Any) -> None:
     """The options of DataParallel that the axis's exchange cannot honour under heal, refused by name with why."""
-    why: dict[str, str] = {}
-    if config.allreduce not in ("auto", *HEAL_ALGORITHMS):
-        why[f"allreduce={config.allreduce!r}"] = (
-            "the shared-memory algorithms map a segment per group and every membership epoch has a new group "
-            f"(the axis runs {', '.join(HEAL_ALGORITHMS)})"
-        )
+    why = heal_allreduce_refusal(config)
     if config.overlap:
         why["overlap=True"] = (
             "the exchange runs after backward: one buffer holds every gradient and the step's marks"
@@ -180,12 +195,7 @@ def refuse_heal_options(config: Any) -> None:
                            {"topk": _STATEFUL, "powersgd": _STATEFUL})  # fmt: skip
     except ValueError as error:
         why[f"compression={config.compression!r}"] = str(error)
-    if why:
-        raise StartRefused(
-            "--on-worker-failure heal: DataParallel cannot honour "
-            + "; ".join(f"{option} ({reason})" for option, reason in why.items())
-            + f". HINT: drop {', '.join(o.partition('=')[0] + '=' for o in why)} under heal"
-        )
+    refuse_under_heal("DataParallel", why)
 
 
 def healing_store() -> Any:

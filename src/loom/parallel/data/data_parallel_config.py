@@ -18,7 +18,6 @@ from loom.train.guard import GuardOptions
 from loom.train.options import refuse_options
 
 __all__ = [
-    "DATA_FIELDS",
     "ONLY_DATA_PARALLEL",
     "DataAxisConfig",
     "DataParallelConfig",
@@ -72,9 +71,6 @@ class DataParallelConfig(GuardOptions):
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
 
-
-DATA_FIELDS = frozenset(f.name for f in fields(DataParallelConfig))
-"""The options of `DataParallelConfig`."""
 
 ONLY_DATA_PARALLEL = {
     "accumulate": "DataParallel only; a model-parallel job accumulates over its micro-batches (microbatches=)",

@@ -1,11 +1,9 @@
-"""How `DataParallel` averages gradients, all in this file: the paths, and `choose_gradient_path`, which picks one.
+"""How `DataParallel` averages gradients: the paths, and `choose_gradient_path` (its docstring is the table).
 
-A gradient takes one of five paths (the table is `choose_gradient_path`'s docstring): DistributedDataParallel
-with its own all-reduce, with a compression hook, or with a loom all-reduce hook (synchronous or on a
-communication thread), or `loom.comm.shared_gradients` without DDP. Every input of the choice is the same
-on all ranks (the configuration, the topology, the model), and the shared-memory path is taken only if every
-rank agrees, so all processes of a job run the same collectives. Observing (metrics, tracing) never changes the
-path. `GradientAveraging` is the same averaging for a data axis outside DDP (model-parallel jobs).
+Every input of the choice is the same on all ranks (the configuration, the topology, the model), and the
+shared-memory path is taken only if every rank agrees, so all processes of a job run the same collectives.
+Observing (metrics, tracing) never changes the path. `GradientAveraging` is the same averaging for a data axis
+outside DDP (model-parallel jobs).
 """
 
 from __future__ import annotations
@@ -88,9 +86,9 @@ def choose_gradient_path(
     cannot take)                                              the hook (synchronous)           no thread competing
     ========================================================  ===============================  ====================
 
-    Each loom path pays for itself against DDP's own all-reduce where it is chosen: see
-    ``benchmarks/reports/dp_allreduce.md`` (measured on a 2-core host, 2 processes) for the figures. A collective
-    (the agreement on the shared path) runs only when the rows above it do not hold, on every rank alike.
+    Each loom path pays for itself against DDP's own all-reduce where it is chosen
+    (``benchmarks/reports/dp_allreduce.md``). A collective (the agreement on the shared path) runs only when the
+    rows above it do not hold, on every rank alike.
     """
     if axis is not None:
         return axis_path(config, model, axis)
@@ -132,16 +130,13 @@ def axis_path(config: DataParallelConfig, model: nn.Module, axis: DataAxis) -> G
 
 
 class AxisGradients:
-    """The trainable gradients averaged after backward over the data axis's current group, flat, with small sums
-    riding along: `SharedGradients`' interface (``average(extra)``, ``flat``, ``nbytes``) over a group that may
-    change between steps (`loom.parallel.data.data_axis`: the quorum's epoch group under heal).
+    """`SharedGradients`' interface (``average(extra)``, ``flat``, ``nbytes``) over a data axis whose group may
+    change between steps (the quorum's epoch group under heal): the trainable gradients averaged after backward,
+    flat, with small sums riding along.
 
-    Without a codec a step makes one collective: `loom.comm.all_reduce` (``algorithm``) of ``[gradients...,
-    extra...]``, summed, then the gradients divided by the axis's size (each member weighted its loss by ``n *
-    size / N``). With a codec (a stateless one, `refuse_heal_options`): the codec's collectives on the gradients,
-    then the extra values' all-reduce, as DDP with a compression hook pays the codec's rounds and the loss
-    all-reduce. The buffer is float32 at least (float64 stays float64), so the flags, the fingerprints (at most
-    251) and the loss sum ride exactly enough in it."""
+    Without a codec one collective: `loom.comm.all_reduce` of ``[gradients..., extra...]``, then the gradients
+    divided by the axis's size. With a (stateless) codec: its collectives, then the extra values' all-reduce. The
+    buffer is float32 at least, so the flags, the fingerprints (at most 251) and the loss sum ride exactly."""
 
     def __init__(self, module: nn.Module, axis: DataAxis, algorithm: str, codec: Codec | None) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -208,23 +203,42 @@ def shared_gradients_for(
     if topo.device.type != "cpu":
         return None
     wanted = (
-        config.allreduce in ("auto", "shm", "hierarchical")
-        and config.compression is None
-        and topo.world_size == topo.local_world_size
-        and not overlap_wanted(config, topo)
+        not overlap_wanted(config, topo)
         and shared_gradients_unusable(model, config.broadcast_buffers) is None
     )
-    everyone = torch.tensor([int(wanted)])
-    dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=topo.group)  # e.g. thread counts may differ
-    if not everyone.item():
+    if not _every_rank_wants_shm(config, topo, wanted):
         return None
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, group=topo.group, group_src=0)
-    try:  # the loss and the non-finite flags ride along with the gradients
-        return SharedGradients(model, topo.group, extra_values=loss_buffer_size(topo.world_size))
-    except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
-        warnings.warn(f"rank {topo.rank}: gradients go through DDP: {error}", stacklevel=3)
+    # the loss and the non-finite flags ride along with the gradients
+    return _shared_or_warn(
+        topo, "gradients go through DDP", model, topo.group, loss_buffer_size(topo.world_size)
+    )
+
+
+def _every_rank_wants_shm(config: DataParallelConfig, topo: Topology, wanted: bool) -> bool:
+    """Whether every rank can average in shared memory (a collective over the job: thread counts may differ):
+    a shared-memory ``allreduce`` on CPU, one host, no compression, and ``wanted`` on each rank."""
+    wanted = (
+        wanted
+        and topo.device.type == "cpu"
+        and config.allreduce in ("auto", "shm", "hierarchical")
+        and config.compression is None
+        and topo.world_size == topo.local_world_size
+    )
+    everyone = torch.tensor([int(wanted)])
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=topo.group)
+    return bool(everyone.item())
+
+
+def _shared_or_warn(topo: Topology, instead: str, module: nn.Module, group: Any, extra: int = 0) -> Any:
+    """`SharedGradients` over ``group``, or None with a warning naming the path taken ``instead`` (its refusal,
+    /dev/shm too small or processes on several hosts, is raised on every rank alike)."""
+    try:
+        return SharedGradients(module, group, extra_values=extra)
+    except (RuntimeError, ValueError) as error:
+        warnings.warn(f"rank {topo.rank}: {instead}: {error}", stacklevel=3)
         return None
 
 
@@ -236,10 +250,9 @@ def overlap_wanted(config: DataParallelConfig, topo: Topology) -> bool:
 def native_because(config: DataParallelConfig, topo: Topology) -> str | None:
     """Why DDP's built-in all-reduce serves ``config`` on ``topo``, or None when loom's path does.
 
-    ``auto`` on one CPU host with a core to spare: on a 16-core host (torch 2.11, gloo, a 1.9 M-parameter MLP,
-    2026-11-28, ``benchmarks/reports/h200_2026-11-28/``) loom's all-reduce on a communication thread reached
-    0.88x and 0.85x DDP's own at 2 and 4 workers (its exchange 4.2 ms exposed at 2), 0.99x at 8; without a core
-    to spare (16 workers there, any 2-core host) the shared-memory path is the faster one (2.44x at 16)."""
+    ``auto`` on one CPU host with a core to spare is DDP's: there loom's all-reduce on a communication thread
+    measured slower than DDP's own, while without a core to spare the shared-memory path is the faster one
+    (``benchmarks/reports/h200_2026-11-28/``)."""
     if config.compression is not None:
         return None
     if config.allreduce == "native":
@@ -287,23 +300,19 @@ def buffer_sync_option(enabled: bool) -> dict[str, bool]:
 
 
 class GradientAveraging:
-    """`DataParallel`'s gradient averaging for a data axis whose gradients are computed outside DDP.
+    """`DataParallel`'s gradient averaging for a data axis outside DDP (model-parallel jobs run their own
+    schedule, so the stage cannot be wrapped in DDP), after the schedule. Gradients arrive weighted as
+    `DataParallel` weights them (``n_r * W / N``, `loom.parallel.pipeline.pipeline_runtime.run_instructions`), so
+    every path *averages*:
 
-    Model-parallel jobs (`loom.parallel.model.model_parallel`) run their own schedule, so their data axis cannot wrap
-    the stage in DDP; after the schedule, this averages each gradient over the data axis's group as `DataParallel`
-    does without DDP. Gradients arrive weighted as `DataParallel` weights them (``n_r * W / N`` for a share of
-    ``n_r`` of ``N`` samples on ``W`` replicas, `loom.parallel.pipeline.pipeline_runtime.run_instructions`), so every
-    path *averages*:
+    - on one CPU host with loom's shared-memory algorithms, `SharedGradients`: the class `DataParallel`'s
+      shared-memory path uses, so ``Hybrid(dp=N)`` and ``DataParallel()`` that both take it end bitwise equal;
+    - with ``compression``, the codec's collectives on the whole flattened gradient (one "bucket", parameters
+      numbered in order, so its error-feedback state is the same at every step and in a resumed run);
+    - otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce`, divided by the group's size.
 
-    - on one CPU host with loom's shared-memory algorithms, `SharedGradients`: the very class `DataParallel`'s
-      shared-memory path uses, so a ``Hybrid(dp=N)`` and a ``DataParallel()`` that both take it end bitwise equal;
-    - with ``compression``, the codec's collectives, one after another, on the whole flattened gradient (one
-      "bucket", parameters numbered in order, so its error-feedback state is the same at every step and in a
-      resumed run);
-    - otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce` (a sum), divided by the group's size.
-
-    Every replica then steps the whole optimizer state (``zero = 0``); `sharded_axis.ShardedDataAxis` is the
-    same interface with the optimizer state sharded over the axis (``zero=1``).
+    Every replica steps the whole optimizer state (``zero = 0``); `sharded_axis.ShardedDataAxis` is the same
+    interface with the optimizer state sharded (``zero=1``).
     """
 
     zero = 0
@@ -327,24 +336,12 @@ class GradientAveraging:
         (each rank says whether shared memory suits it; all take the same kind of path)."""
         if group is None or not topo.is_distributed:
             return cls(config, None)
-        wanted = (
-            topo.device.type == "cpu"
-            and config.allreduce in ("auto", "shm", "hierarchical")
-            and config.compression is None
-            and topo.world_size == topo.local_world_size
-            and shared_gradients_unusable(module, broadcast_buffers=False) is None
+        wanted = shared_gradients_unusable(module, broadcast_buffers=False) is None
+        if not _every_rank_wants_shm(config, topo, wanted):
+            return cls(config, group)
+        return cls(
+            config, group, _shared_or_warn(topo, "the data axis averages through all_reduce", module, group)
         )
-        everyone = torch.tensor([int(wanted)])
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=topo.group)
-        if not everyone.item():
-            return cls(config, group)
-        try:
-            return cls(config, group, SharedGradients(module, group=group))
-        except (RuntimeError, ValueError) as error:  # raised on every rank alike (/dev/shm too small, hosts)
-            warnings.warn(
-                f"rank {topo.rank}: the data axis averages through all_reduce: {error}", stacklevel=2
-            )
-            return cls(config, group)
 
     def average(self, params: list[torch.Tensor]) -> None:
         """Replace each parameter's gradient by its average over the group (a missing gradient counts as

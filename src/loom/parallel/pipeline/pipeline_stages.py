@@ -17,6 +17,7 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
+from loom.parallel._setup import positive_int
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage
 from loom.parallel.pipeline.pipeline_schedule import SCHEDULES
 from loom.parallel.pipeline.pipeline_split import (
@@ -50,9 +51,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            positive_int(name, getattr(self, name))
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
         if isinstance(self.split, str) and self.split != "balanced":

@@ -72,19 +72,12 @@ __all__ = [
     "ReplicaJob",
     "ReplicaStrategy",
     "flatten",
-    "positive_int",
     "synced_tensors",
     "unflatten_into",
 ]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 JobT = TypeVar("JobT", bound="ReplicaJob")
-
-
-def positive_int(name: str, value: Any, hint: str = "") -> None:
-    """Refuse anything but an int >= 1 (bools included), naming the option and the value."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.{' HINT: ' + hint if hint else ''}")
 
 
 def synced_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

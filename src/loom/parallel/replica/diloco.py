@@ -51,13 +51,13 @@ from loom.comm.compression import INT8_CHUNK, accept_compression
 from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
 from loom.comm.thread import CommThread
 from loom.config_docs import document_options
+from loom.parallel._setup import positive_int
 from loom.parallel.consistency import check_same_model
 from loom.parallel.replica._replica_sync import (
     LossFn,
     ReplicaJob,
     ReplicaStrategy,
     flatten,
-    positive_int,
     synced_tensors,
 )
 from loom.train.engine import ShareOptions

@@ -51,10 +51,10 @@ from typing import Any
 
 import torch
 
-from loom.errors import StartRefused, StepDropped
+from loom.errors import StepDropped
 from loom.fault.inject import fault_point
 from loom.parallel._setup import HEALS
-from loom.parallel.data.data_axis import HEAL_ALGORITHMS, take_live_state
+from loom.parallel.data.data_axis import heal_allreduce_refusal, refuse_under_heal, take_live_state
 from loom.train.engine import StepState
 
 __all__ = ["RoundCommit", "refuse_round_options"]
@@ -62,25 +62,14 @@ __all__ = ["RoundCommit", "refuse_round_options"]
 
 def refuse_round_options(config: Any, strategy: str) -> None:
     """The options of LocalSGD and DiLoCo that a healing round cannot honour, refused by name with why."""
-    why: dict[str, str] = {}
-    if config.allreduce not in ("auto", *HEAL_ALGORITHMS):
-        why[f"allreduce={config.allreduce!r}"] = (
-            "the shared-memory algorithms map a segment per group and every membership epoch has a new group "
-            f"(a round runs {', '.join(HEAL_ALGORITHMS)})"
-        )
+    why = heal_allreduce_refusal(config)
     if strategy == "DiLoCo" and config.fragments != 1:
         why[f"fragments={config.fragments}"] = "a round synchronizes the whole model at its end, once"
     if strategy == "DiLoCo" and config.overlap != 0:
         why[f"overlap_steps={config.overlap}"] = (
             "an exchange still in flight at a round's end cannot be voted on"
         )
-    if why:
-        raise StartRefused(
-            f"--on-worker-failure heal: {strategy} cannot honour "
-            + "; ".join(f"{option} ({reason})" for option, reason in why.items())
-            + f". HINT: drop {', '.join(o.partition('=')[0] + '=' for o in why)} under heal (the strategies that "
-            f"heal: {HEALS})"
-        )
+    refuse_under_heal(strategy, why, f" (the strategies that heal: {HEALS})")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
+from loom.parallel._setup import positive_int
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage
 from loom.parallel.tensor.tensor_parallel_layers import (
     ColumnParallelLinear,
@@ -51,8 +52,7 @@ class TensorParallelConfig:
     """``"auto"``, or ``{module name: "mlp" | "attention" | "embedding"}``."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"size must be an int >= 1, got {self.size!r}")
+        positive_int("size", self.size)
         if isinstance(self.plan, str):
             if self.plan != "auto":
                 raise ValueError(f'plan must be "auto" or a dict of module name -> kind, got {self.plan!r}')
