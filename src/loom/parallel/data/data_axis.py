@@ -1,34 +1,23 @@
-"""DataParallel's data axis: who the members are, this process's place among them, the group they meet in.
+"""The data axis of the jobs that heal: who the members are, this process's place among them, their group.
 
-Without healing the axis is the job's topology (`FixedAxis`: every rank, the topology's group, for the job's life).
-Under ``loom run --on-worker-failure heal`` it is the quorum (`loom.fault.quorum.Quorum`: the members of the
-current membership epoch, this process's index among them, and the epoch's gloo group, replaced at every
-re-form). `loom.parallel.data.data_parallel.DataParallelJob` reads its share of each batch, the loss weighting
-(``n * size / N``), the non-finite flags and the exchange from the axis, so the same job serves both; this module
-holds what only a replaceable axis needs (after torchft's Manager: the quorum replaces the group, the step is
-the ordinary one).
+Without healing the axis is the job's topology (`FixedAxis`). Under ``loom run --on-worker-failure heal`` it is
+the quorum (`loom.fault.quorum.Quorum`: the current epoch's members, this process's index, and the epoch's gloo
+group, replaced at every re-form), after torchft's Manager: the quorum replaces the group, the step is the
+ordinary one. `AxisJob` is what the jobs over it share; this module holds what only a replaceable axis needs.
 
-The exchange under heal: DDP's reducer is bound to one process group for its life, while the axis's group is
-replaced at every re-form, so the gradients take the path the shared-memory one takes (averaged after backward,
-flat, no DDP): `loom.parallel.data.data_parallel_sync.AxisGradients`, chosen by ``choose_gradient_path``. One
-collective per step carries the gradients, the loss sum, every member's flag and batch fingerprint and the
-"replacement waiting" mark. The injected fault ``during`` (`loom.fault.inject`) fires right before it, while the
-other members are inside it.
+DDP's reducer is bound to one group for its life, so under heal the gradients are averaged after backward, flat
+(`loom.parallel.data.data_parallel_sync.AxisGradients`), in one collective that also carries the loss sum, every
+member's flag and batch fingerprint and the "replacement waiting" mark.
 
-Exact accounting under heal: a member's share depends on the members present, which the loader cannot know, so
-`job.loader` hands out each global batch unloaded (`loom.data.loader.LazyBatch`: its dataset indices; the
-loader's data topology is one replica, `whole_batches`), and at each attempt of a step the job fetches and
-collates only the share of its index among the epoch's members (`member_share`, by
-`loom.data.sampler.share_bounds`); a retried attempt with other members fetches its new share. Each member's
-loss is weighted by ``n * size / N`` and the gradients averaged, so a committed step is the gradient of the
-global-batch mean loss whatever the membership: the job equals one process on the same global batches. A step
-that is dropped (an error or a lost member anywhere) applied nothing on any member and is retried on the same
-global batch by the next epoch's members. The data position is the committed step (the index of the next global
-batch): a replacement receives it with the model and starts its loader there (`loader_at_position`). A batch of
-the user's own loader (tensors: a `DataLoader` of whole global batches) is accepted as before, each member
-holding it whole and slicing its share: loom cannot defer the loading of a loader it does not drive.
-
-What heal cannot honour is refused at setup, naming why (`refuse_heal_options`).
+Exact accounting: a member's share depends on the members present, which the loader cannot know, so
+`AxisJob.loader` hands out each global batch unloaded (`loom.data.loader.LazyBatch`), and at each attempt of a
+step the job fetches only the share of its index among the epoch's members (`member_share`). Each loss is
+weighted by ``n * size / N``, so a committed step is the gradient of the global-batch mean loss whatever the
+membership: the job equals one process on the same global batches. A dropped step applied nothing on any member
+and is retried on the same global batch by the next epoch. The data position is the committed step: a
+replacement receives it with the model and starts its loader there. A batch of the user's own loader is
+accepted too, each member slicing its share of the whole batch. What heal cannot honour is refused at setup,
+naming why (`refuse_heal_options`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Synchronous data parallelism with global-batch semantics, built on PyTorch's DistributedDataParallel.
 
 Every worker holds the whole model and trains on its share of each global batch; gradients are all-reduced
-during backward (DDP's buckets overlap communication with the rest of backward). Two exceptions: with loom's
-shared-memory algorithms on a single CPU host whose cores are all computing (no overlap to gain), the model is
-not wrapped in DDP and the gradients are averaged in place in shared memory right after backward
-(`loom.comm.shared_gradients`: no bucket copies, two barriers); and under ``--on-worker-failure heal`` the data
-axis is the quorum's membership, whose group is replaced at every re-form, so the gradients are averaged after
-backward over it (`loom.parallel.data.data_axis`). Which path a job takes is decided in one place,
-`data_parallel_sync.choose_gradient_path` (its docstring is the table), and printed by rank 0 at setup. The
-gradient is the same either way, and every process starts from rank 0's parameters and buffers as with DDP (under
-heal: from a live member's state). The job and its exactness under uneven shares:
+during backward (DDP's buckets overlap it with the rest of backward), or averaged after backward without DDP:
+in shared memory on a CPU host whose cores are all computing (`loom.comm.shared_gradients`), and under
+``--on-worker-failure heal`` over the quorum's data axis, whose group is replaced at every re-form
+(`loom.parallel.data.data_axis`). `data_parallel_sync.choose_gradient_path` decides (its docstring is the
+table); rank 0 prints the path at setup. The gradient is the same either way, and every process starts from
+rank 0's parameters and buffers (under heal: a live member's), after `loom.parallel.consistency` checked that
+the replicas hold the same model and optimizer. The job and its exactness under uneven shares:
 `loom.parallel.data.data_parallel_job`.
-
-At setup the replicas must hold the same model (shapes, module types and their hyperparameters) and optimizer
-(type, every param group's hyperparameters), see `loom.parallel.consistency`.
-
-Beside this module: its options (`loom.parallel.data.data_parallel_config`), how gradients travel
-(`loom.parallel.data.data_parallel_sync`) and what uneven shares ask of BatchNorm and empty shares
-(`loom.parallel.data.data_parallel_shares`).
 """
 
 from __future__ import annotations

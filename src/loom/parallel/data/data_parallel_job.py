@@ -1,29 +1,21 @@
-"""The job of `DataParallel` (`loom.parallel.data.data_parallel`): one step's hooks, over the job's data axis.
+"""The job of `DataParallel`: one step's hooks over the job's data axis (`loom.parallel.data.data_axis`: the
+topology, or under ``--on-worker-failure heal`` the quorum), so the same job serves both.
 
-The data axis (`loom.parallel.data.data_axis`) is the job's topology, or under ``--on-worker-failure heal`` the
-quorum's membership; the share of each batch, the loss weighting, the flags and the exchange read it, so the same
-job serves both. Exactness under uneven shares: DDP averages gradients over *processes*, which is the global-batch
-gradient only when every share has the same size. loom scales each replica's mean loss by ``n_r * W / N`` (``n_r``
-its samples, ``W`` the axis's size, ``N`` the global batch) before backward, so the average becomes
-``sum_r n_r/N * grad_r``: the gradient of the global-batch mean loss, i.e. what one process computes on the whole
-batch. An empty share still joins the exchange with a zero-weighted forward (DDP) or zero gradients (after
-backward).
+Exactness under uneven shares: DDP averages gradients over *processes*, the global-batch gradient only when
+every share has the same size. loom scales each replica's mean loss by ``n_r * W / N`` (``n_r`` its samples,
+``W`` the axis's size, ``N`` the global batch) before backward, so the average becomes ``sum_r n_r/N * grad_r``:
+what one process computes on the whole batch. An empty share still joins the exchange with a zero-weighted
+forward (DDP) or zero gradients (after backward).
 
-Guards, all on every rank alike so none is left waiting: at each step a non-finite loss or gradient on any rank is
-never applied (``nonfinite``, see `loom.fault.desync.NonFiniteGuard`: each rank's loss flag rides in the loss
-buffer, and the averaged gradient, the same on every rank, is checked where it lies); and a share too small for
-BatchNorm in training mode (1 sample in a forward, where PyTorch would raise on one rank only) is refused on every
-rank, naming the fix. An empty share is accepted: BatchNorm passes a zero-size batch through without touching its
-running statistics.
+Guards, on every rank alike so none is left waiting: a non-finite loss or gradient on any rank is never applied
+(``nonfinite``, `loom.fault.desync.NonFiniteGuard`: each rank's flag rides in the loss buffer, the averaged
+gradient is checked where it lies); a share too small for BatchNorm in training mode is refused
+(`data_parallel_shares`). Every `loom.LossCall` convention runs (`loom.train.batch.forward_loss`); scripts that
+keep their own loop use `DataParallelJob.own_loop` (`loom.parallel.data.own_loop`).
 
-Calling conventions: every `loom.LossCall` one (``model(*inputs)``, ``loss_fn(outputs, batch)``, a model that
-returns its own loss with ``loss_fn=None``), one function for all strategies (`loom.train.batch.forward_loss`).
-Scripts that keep their own loop take the model, optimizer and loader from `DataParallelJob.own_loop`
-(`loom.parallel.data.own_loop`), with the same weighting.
-
-Limits: the model must accept a zero-size batch when a share is empty. Losses must be mean-reduced over the batch
-(PyTorch's default), since that is what the scaling undoes. With DDP the loss buffer is waited for before the
-optimizer step (the verdict on a non-finite loss needs every rank's flag); the gradient check overlaps it.
+Limits: the model must accept a zero-size batch when a share is empty; losses must be mean-reduced over the
+batch (the scaling undoes that mean). With DDP the loss buffer is waited for before the optimizer step (the
+verdict needs every rank's flag); the gradient check overlaps it.
 """
 
 from __future__ import annotations

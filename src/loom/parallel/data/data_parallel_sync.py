@@ -28,6 +28,7 @@ from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.comm.ddp_hooks import allreduce_hook
 from loom.comm.shared_gradients import SharedGradients, shared_gradients_unusable
 from loom.observe.phases import loss_buffer_size
+from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.topology import Topology
 
 if TYPE_CHECKING:
@@ -208,9 +209,7 @@ def shared_gradients_for(
     )
     if not _every_rank_wants_shm(config, topo, wanted):
         return None
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, group=topo.group, group_src=0)
+    broadcast_module(model, topo.group)
     # the loss and the non-finite flags ride along with the gradients
     return _shared_or_warn(
         topo, "gradients go through DDP", model, topo.group, loss_buffer_size(topo.world_size)

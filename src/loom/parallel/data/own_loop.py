@@ -12,40 +12,33 @@ for x, y in loader:                                           # this rank's shar
     scaler.step(optimizer); scaler.update()
 ```
 
-The idea is Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``: the script's loop stays, the model
-and optimizer come back wrapped. What loom adds is global-batch semantics under uneven shares. The model's
-training forward weights the *gradient* flowing back into each of its outputs by ``w = n * W / N`` (``n`` the
-samples of this call, ``W`` the replicas, ``N`` the global batch: the loader's batches carry it, see
-`loom.data.loader`), an identity in the forward pass. The gradient all-reduce (DDP's, or the shared-memory
-average of `loom.comm.shared_gradients`, run at the end of backward) averages over replicas, so every
-gradient is ``sum_r n_r / N * grad_r``: the gradient of the global-batch mean loss, what one process computes on
-the whole batch, before the loop's ``clip_grad_norm_`` reads it. Weighting the outputs rather than the loss keeps
-the user's ``loss`` (and ``GradScaler``'s scaling of it) untouched, and leaves terms that do not come from the
-outputs (a penalty on the weights) averaged, which is their global value. ``torch.autocast`` needs nothing: the
-weight multiplies whatever dtype the gradient has. ``GradScaler`` needs nothing either: averaged gradients are
-equal on every rank, so its inf check and skipped steps agree everywhere.
+The idea is Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``: the loop stays, the model and
+optimizer come back wrapped. What loom adds is global-batch semantics under uneven shares: the model's training
+forward weights the *gradient* flowing back into each of its outputs by ``w = n * W / N`` (``n`` the samples of
+this call, ``W`` the replicas, ``N`` the global batch, which the loader's batches carry), an identity in the
+forward pass. The gradient all-reduce (DDP's, or the shared-memory average run at the end of backward) then
+gives every rank ``sum_r n_r / N * grad_r``, the gradient of the global-batch mean loss, before the loop's
+``clip_grad_norm_`` reads it. Weighting the outputs rather than the loss leaves the user's ``loss`` (and
+``GradScaler``'s scaling of it) untouched, and terms that do not come from the outputs (a penalty on the
+weights) averaged, which is their global value. ``torch.autocast`` and ``GradScaler`` need nothing: averaged
+gradients are equal on every rank, so the scaler's inf checks and skipped steps agree everywhere.
 
-One forward per loader batch (``n`` must be this rank's share of the last batch the loader gave). A call of
-another size with gradients on is not a training call: evaluation without ``torch.no_grad()`` (Horovod's MNIST
-example calls ``model.eval()`` and no more) runs on the model itself, unweighted, and only a backward through
-it is refused, naming the sizes. Without a loader every training call counts its global batch by a collective,
-so then evaluation on a subset of ranks needs ``torch.no_grad()``. The model's own attributes are reachable on
-the wrapper (``model.estimate_mfu(...)``) and ``model.module`` is the model on every world size. Gradient accumulation over several loader batches, as nanoGPT does, is exact: each
-batch is a global batch of its own, weighted by its own ``N``; skip the all-reduce on all but the last with
-``model.no_sync()`` or ``model.require_backward_grad_sync = False`` as with DDP. Calls under ``torch.no_grad()``
-(evaluation, on any subset of ranks) go straight to the model: no weight, no collective.
+One forward per loader batch (``n`` must be this rank's share of the last loader batch). A call of another size
+with gradients on is not a training call (evaluation without ``torch.no_grad()``): it runs on the model itself,
+unweighted, and only a backward through it is refused, naming the sizes. Calls under ``torch.no_grad()`` go
+straight to the model, on any subset of ranks. ``model.module`` is the model on every world size and the model's
+own attributes are reachable on the wrapper. Accumulation over loader batches, as nanoGPT does, is exact (each
+is a global batch of its own); skip the all-reduce on all but the last with ``model.no_sync()`` or
+``model.require_backward_grad_sync = False``, as with DDP.
 
 A loop that draws its own batches (nanoGPT's ``get_batch``) passes no loader: ``model, optimizer, _ =
-job.own_loop()``. Then each rank's batch is its share, as under DDP: a training call's global batch is the sum
-of the samples the ranks pass to that call, counted by one all-reduce of an integer per training forward, and
-each rank's gradient is weighted by its share (equal draws: DDP's mean, so nanoGPT's DDP script ported this way
-trains bitwise as it does under DDP). The global batch then grows with the world size unless the script divides
-its accumulation steps by it, as nanoGPT does; a loader (`job.loader`) instead fixes one global batch for every
-world size.
+job.own_loop()``. Then each training call's global batch is the sum of the samples the ranks pass to it, counted
+by one all-reduce of an integer per training forward (so evaluation on a subset of ranks needs
+``torch.no_grad()``); equal draws give DDP's mean, so nanoGPT's DDP script trains bitwise as under DDP.
 
 The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient like `train_step` does
-(``nonfinite`` in `DataParallelConfig`; with ``GradScaler`` such steps never reach it). Not here: step records
-and straggler detection (`train_step` times its phases and hands them on, and an own loop's step is its own).
+(with ``GradScaler`` such steps never reach it). Not here: step records and straggler detection (an own loop's
+step is its own).
 """
 
 from __future__ import annotations

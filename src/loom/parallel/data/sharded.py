@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from loom.checkpoint.sharded_state import ShardLayout, load_pieces, rank_state
@@ -65,6 +64,7 @@ from loom.parallel.data.data_parallel import DataParallelConfig, DataParallelJob
 from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
 from loom.parallel.data.sharded_fsdp import FsdpLayout, shard_model
 from loom.parallel.data.sharded_selftest import run_self_test
+from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.train.batch import LossCall, batch_len, forward_loss, to_device
 
 __all__ = ["ShardedDataParallel", "ShardedDataParallelConfig", "ShardedDataParallelJob"]
@@ -161,9 +161,7 @@ class ShardedDataParallel(Strategy):
         fsdp = topo.is_distributed and stage >= 2
         if topo.is_distributed:
             check_same_model(model, topo.rank, world, topo.group, optimizer=optimizer)
-            with torch.no_grad():
-                for tensor in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(tensor, group=topo.group, group_src=0)
+            broadcast_module(model, topo.group)
         reduce = self.config.gradient_reduce
         if reduce == "auto":
             reduce = "all_reduce" if topo.device.type == "cpu" else "reduce_scatter"

@@ -31,15 +31,32 @@ from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.parallel._setup import check_setup_arguments
 from loom.parallel.data.data_parallel import LossFn, default_metrics_path
-from loom.parallel.data.data_parallel_config import DataAxisConfig
+from loom.parallel.data.data_parallel_config import DataAxisConfig, data_axis_options
 from loom.parallel.data.data_parallel_sync import GradientAveraging
 from loom.parallel.data.sharded_axis import ShardedDataAxis
 from loom.parallel.data.sharded_flat import check_elementwise
 from loom.parallel.model.model_parallel import ModelParallelJob, Schedule
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
 from loom.parallel.tensor.tensor_parallel_shard import shard_stage
+from loom.topology import Topology, current
 
-__all__ = ["compose"]
+__all__ = ["ModelParallelStrategy", "compose"]
+
+
+class ModelParallelStrategy:
+    """The constructor `Pipeline`, `TensorParallel` and `Hybrid` share: the data axis's options (`DataAxisConfig`)
+    taken out of the keyword arguments, the rest into ``config_type``."""
+
+    config_type: Any
+
+    def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
+        self.data = data_axis_options(config, type(self).__name__)
+        self.config = self.config_type(**config)
+        self.topology = topology
+        self.metrics_path = metrics_path
+
+    def _topology(self) -> Topology:
+        return self.topology if self.topology is not None else current()
 
 
 def compose(

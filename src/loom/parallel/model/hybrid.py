@@ -23,13 +23,12 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.parallel.data.data_parallel import LossFn, data_axis_options
+from loom.parallel.data.data_parallel import LossFn
 from loom.parallel.data.data_parallel_config import DataAxisConfig
-from loom.parallel.model.compose import compose
+from loom.parallel.model.compose import ModelParallelStrategy, compose
 from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig
 from loom.parallel.tensor.tensor_parallel_shard import TensorParallelConfig
-from loom.topology import Topology, current
 
 __all__ = ["Hybrid", "HybridConfig"]
 
@@ -65,22 +64,19 @@ class HybridConfig:
         )
 
 
-class Hybrid:
+class Hybrid(ModelParallelStrategy):
     """Strategy: pipeline, then tensor parallel, then data parallel on a ``dp × pp × tp`` mesh.
 
     The fields of `HybridConfig` and of `DataAxisConfig` (for the data axis: ``zero=1`` shards its optimizer
     state) are keyword arguments.
     """
 
-    def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
-        self.data = data_axis_options(config, "Hybrid")
-        self.config = HybridConfig(**config)
-        self.topology = topology
-        self.metrics_path = metrics_path
+    config_type = HybridConfig
+    config: HybridConfig
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
         cfg = self.config
-        topo = self.topology if self.topology is not None else current()
+        topo = self._topology()
         mesh = Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, topology=topo)
         return compose(
             model, optimizer, loss_fn, mesh, pipeline=cfg.pipeline(), tp_plan=cfg.tp_plan, data=self.data,

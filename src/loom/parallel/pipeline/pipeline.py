@@ -34,18 +34,17 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.parallel.data.data_parallel import LossFn, data_axis_options
+from loom.parallel.data.data_parallel import LossFn
 from loom.parallel.data.data_parallel_config import DataAxisConfig
-from loom.parallel.model.compose import compose
+from loom.parallel.model.compose import ModelParallelStrategy, compose
 from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.pipeline.pipeline_split import chain_layers
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig, Stages, broadcast_module, split_into_stages
-from loom.topology import Topology, current
 
 __all__ = ["Pipeline", "PipelineConfig", "Stages", "broadcast_module", "split_into_stages"]
 
 
-class Pipeline:
+class Pipeline(ModelParallelStrategy):
     """Strategy: split the layers into stages, run a micro-batch schedule. See `PipelineConfig` for fields.
 
     ``Pipeline(stages=p, ..., **data)``: by default the stages span the world when ``p`` equals the world size;
@@ -54,23 +53,13 @@ class Pipeline:
     on the ``pp`` axis of a mesh of your own instead.
     """
 
-    def __init__(
-        self,
-        *,
-        topology: Topology | None = None,
-        mesh: Mesh | None = None,
-        sample_input: Any = None,
-        metrics_path: str | None = None,
-        **config: Any,
-    ) -> None:
-        if "split" in config and isinstance(config["split"], list):
-            config["split"] = tuple(config["split"])
-        self.data = data_axis_options(config, "Pipeline")
-        self.config = PipelineConfig(**config)
-        self.topology = topology
+    config_type = PipelineConfig
+    config: PipelineConfig
+
+    def __init__(self, *, mesh: Mesh | None = None, sample_input: Any = None, **config: Any) -> None:
+        super().__init__(**config)
         self.mesh = mesh
         self.sample_input = sample_input
-        self.metrics_path = metrics_path
         if self.config.balance_by == "time" and sample_input is None:
             raise ValueError('balance_by="time" needs sample_input=<a batch of inputs> to time the layers on')
 
@@ -78,7 +67,7 @@ class Pipeline:
         """Keep this process's stage of ``model`` (the other stages' parameters are emptied), return the job."""
         if self.config.stages > 1:
             chain_layers(model)  # a model that is not a chain is refused here, before any collective
-        topo = self.topology if self.topology is not None else current()
+        topo = self._topology()
         mesh = self.mesh
         if mesh is None:
             if topo.world_size % self.config.stages:

@@ -1,45 +1,38 @@
 """Data parallelism through sharded parameter servers: workers pull parameters and push gradients.
 
 ``loom run -n 4 --servers 2 train.py`` with ``strategy = loom.ParameterServer(mode="ssp", staleness=2)``: the
-parameters live on the servers, cut into size-balanced pieces (`loom.ps.plan`), and the optimizer given to
-`setup` runs *on the servers* over those pieces (its state is sharded with them; the worker's optimizer object
-only supplies its type and hyperparameters and is never stepped). Each step a worker pulls the parameters, computes
-the gradient of its share of the global batch, and pushes it. The consistency model (`loom.ps.clocks`) is the
-server's: ``sync`` equals one process on the whole global batch (gradients weighted ``n_r / N`` and summed), while
-``async`` and ``ssp`` apply each worker's mean gradient as its own update (so one global batch makes W updates;
-lower the learning rate accordingly, as with Downpour SGD).
+parameters live on the servers in size-balanced pieces (`loom.ps.plan`), and the optimizer given to `setup` runs
+*on the servers* over those pieces (its state sharded with them; the worker's object only supplies its type and
+hyperparameters). Each step a worker pulls the parameters, computes the gradient of its share of the global
+batch and pushes it. The consistency model is the server's (`loom.ps.clocks`): ``sync`` equals one process on
+the whole global batch (gradients weighted ``n_r / N`` and summed); ``async`` and ``ssp`` apply each worker's
+mean gradient as its own update (W updates per global batch: lower the learning rate, as with Downpour SGD).
 
-Sparse tables: the rows of an ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)`` are not pulled
-with the dense parameters; a forward pre-hook pulls just the rows the batch's indices touch, and only those rows'
-gradients are pushed, so traffic grows with touched rows, not with the table (the worker still allocates the table).
+Sparse tables (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): a forward pre-hook pulls just
+the rows the batch touches and only those rows' gradients are pushed, so traffic grows with touched rows, not
+with the table (the worker still allocates it).
 
-Learning-rate schedules: every push carries the learning rate of each param group of the worker's optimizer, and
-the server sets it before applying that push, so a ``torch.optim.lr_scheduler`` stepped on the worker's optimizer
-after each `train_step` drives the servers' optimizer (in ``sync`` the lowest rank's rates are used for a step;
-all ranks run the same schedule). Only ``lr`` travels: schedules of other hyperparameters (``OneCycleLR``'s
-momentum cycling) do not reach the servers.
+Learning-rate schedules: every push carries each param group's ``lr`` and the server sets it before applying the
+push, so a ``torch.optim.lr_scheduler`` stepped on the worker's optimizer drives the servers' (in ``sync`` the
+lowest rank's rates). Only ``lr`` travels (``OneCycleLR``'s momentum cycling does not reach the servers).
 
-Each step's `StepRecord` carries its ``staleness``: how many updates reached the server between the pull the
-gradient was computed on and its own application (the largest over servers); ``metrics.staleness`` is the same
-as a histogram. A worker that joins a model the servers already hold (a restarted worker) continues from its
-clock there, so its pushes are not mistaken for resent ones.
+Each `StepRecord` carries its ``staleness``: the updates that reached the server between the pull the gradient
+was computed on and its application (the largest over servers; ``metrics.staleness`` as a histogram). A restarted
+worker continues from its clock on the servers, so its pushes are not mistaken for resent ones.
 
-Checkpoints (`loom.fit`): every worker's `state_dict` goes into its own file; rank 0's also holds every server's
-whole model, put back on resume (`loom.parallel.ps.parameter_server_state`). The options: `ParameterServerConfig`
-(`loom.parallel.ps.parameter_server_config`); how parameters map onto the servers' pieces:
-`loom.parallel.ps.parameter_server_pieces`.
+Checkpoints (`loom.fit`): every worker's `state_dict` in its own file; rank 0's also holds every server's whole
+model, put back on resume (`loom.parallel.ps.parameter_server_state`). Options: `ParameterServerConfig`;
+parameters onto pieces: `loom.parallel.ps.parameter_server_pieces`.
 
-A server's death (`loom.ps.server`, `loom.launch.servers`): under ``loom run`` a server that dies is restarted on
-its address from its checkpoint, and the workers' requests are resent once it answers. ``sync`` saves every step
-before answering it, so the job ends where an uninterrupted one would (the step in flight is repeated);
-``async``/``ssp`` lose the updates since the last save (``checkpoint_interval_s``), which each worker counts and
-prints when it finds the server back at an older version (``metrics.server_restarts``). A request that times out
-names the server, its address, the operation, this worker's rank and what the launcher knows of the server's death.
+A server's death (`loom.ps.server`, `loom.launch.servers`): under ``loom run`` it is restarted on its address from
+its checkpoint and the workers' requests are resent. ``sync`` saves every step before answering it, so the job
+ends where an uninterrupted one would; ``async``/``ssp`` lose the updates since the last save
+(``checkpoint_interval_s``), which each worker counts (``metrics.server_restarts``). A request that times out
+names the server, its address, the operation, this worker's rank and what the launcher knows of the death.
 
-Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch); a plain tuple is assumed
-to be one of ``world_size`` equal shares. Only element-wise optimizers are accepted (see `loom.ps.shard`).
-`eval_step` sums over the process group, so every worker must call it (``loom.init()`` joins the group).
-Buffers (BatchNorm statistics) stay local to each worker.
+Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch; a plain tuple is taken as
+one of ``world_size`` equal shares). Only element-wise optimizers (`loom.ps.shard`). `eval_step` sums over the
+process group, so every worker calls it. Buffers (BatchNorm statistics) stay local to each worker.
 """
 
 from __future__ import annotations

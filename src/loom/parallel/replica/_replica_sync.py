@@ -3,32 +3,25 @@
 Both keep a whole model per process and train it on the process's share of each global batch with the user's
 optimizer, without synchronizing gradients (the *inner* steps). `ReplicaJob` is that inner loop, written once:
 
-- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, sample count]`` (the
-  loss buffer of `loom.observe.phases` plus one slot), so `train_step` returns the global-batch
-  mean loss on every rank, a non-finite loss or gradient on any rank skips the step on every rank
-  (`loom.fault.desync.NonFiniteGuard`), and every rank knows how many samples the whole job trained on;
-- each rank counts the samples it trained on since each synchronization, so replicas are averaged weighted by
-  ``n_r / N`` (its samples over the job's): with uneven shares (the ragged last batch, empty shares) this is
-  what makes ``LocalSGD(sync_every=1)`` with plain SGD equal synchronous data parallelism, whose gradient is
-  ``sum_r n_r/N * grad_r``;
+- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, sample count]``, so
+  `train_step` returns the global-batch mean loss on every rank, a non-finite loss or gradient on any rank skips
+  the step on every rank (`loom.fault.desync.NonFiniteGuard`), and every rank knows the job's sample count;
+- each rank counts its samples since each synchronization, so replicas are averaged weighted by ``n_r / N``:
+  with uneven shares this is what makes ``LocalSGD(sync_every=1)`` with plain SGD equal synchronous data
+  parallelism, whose gradient is ``sum_r n_r/N * grad_r``;
 - after each step the strategy's `ReplicaJob._exchange` decides whether to synchronize.
 
-A rank whose share is empty runs no forward and no optimizer step (its parameters stay where they were, with
-weight 0 at the next average). State is per rank (``replicated_state = False``): between synchronizations the
-replicas differ, so `loom.fit` writes every rank's part, and a checkpoint resumes at the world size that wrote
-it. Replicas do not agree bitwise between synchronizations, so ``replicas_agree`` is False and fit's desync check
-is skipped.
+A rank whose share is empty runs no forward and no optimizer step (weight 0 at the next average). State is per
+rank: between synchronizations the replicas differ, so `loom.fit` writes every rank's part (resumed at the
+world size that wrote it) and skips its desync check.
 
 Limits: the loss must be mean-reduced over the batch; the model must run the same code on every rank (checked
-at setup as for `DataParallel`: `loom.parallel.consistency`); BatchNorm statistics are local between
-synchronizations and averaged with the parameters (a 1-sample share in training mode raises on that rank only,
-which the hang watchdog then reports: use ``drop_last=True`` with BatchNorm).
+at setup, `loom.parallel.consistency`); BatchNorm statistics are local between synchronizations and averaged
+with the parameters (use ``drop_last=True`` with BatchNorm: a 1-sample share raises on that rank only).
 
-Under ``loom run --on-worker-failure heal`` the same job runs over the quorum's data axis
-(`loom.parallel.data.data_axis`): every member loads whole global batches and trains the share of its index among
-the epoch's members, the per-step all-reduce and the strategy's synchronization run over the epoch's group, and
-what heal adds, the sync round as the unit of commit (its snapshot, replay, vote and joining), is
-`loom.parallel.replica.round_commit.RoundCommit`, called from the hooks below.
+Under ``--on-worker-failure heal`` the same job runs over the quorum's data axis (`loom.parallel.data.data_axis`);
+what heal adds, the sync round as the unit of commit, is `loom.parallel.replica.round_commit.RoundCommit`,
+called from the hooks below.
 """
 
 from __future__ import annotations

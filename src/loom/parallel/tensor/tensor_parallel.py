@@ -28,17 +28,16 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.parallel.data.data_parallel import LossFn, data_axis_options
+from loom.parallel.data.data_parallel import LossFn
 from loom.parallel.data.data_parallel_config import DataAxisConfig
-from loom.parallel.model.compose import compose
+from loom.parallel.model.compose import ModelParallelStrategy, compose
 from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.tensor.tensor_parallel_shard import TensorParallelConfig
-from loom.topology import Topology, current
 
 __all__ = ["TensorParallel", "TensorParallelConfig"]
 
 
-class TensorParallel:
+class TensorParallel(ModelParallelStrategy):
     """Strategy: split MLP, attention and embedding layers over ``size`` processes (see the module docstring).
 
     ``TensorParallel(size=t, plan=..., **data)``: a `loom.parallel.model.compose` of one stage split over the mesh's
@@ -46,16 +45,11 @@ class TensorParallel:
     `DataAxisConfig` fields in ``data`` (``allreduce``, ``compression``, ``zero``, ...).
     """
 
-    def __init__(
-        self, *, topology: Topology | None = None, metrics_path: str | None = None, **config
-    ) -> None:
-        self.data = data_axis_options(config, "TensorParallel")
-        self.config = TensorParallelConfig(**config)
-        self.topology = topology
-        self.metrics_path = metrics_path
+    config_type = TensorParallelConfig
+    config: TensorParallelConfig
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
-        topo = self.topology if self.topology is not None else current()
+        topo = self._topology()
         if topo.world_size % self.config.size:
             raise ValueError(
                 f"TensorParallel(size={self.config.size}) does not divide the world size {topo.world_size}. "
