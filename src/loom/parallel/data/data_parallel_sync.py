@@ -28,6 +28,7 @@ from loom.comm.ddp_async import overlapped_allreduce_hook
 from loom.comm.ddp_hooks import allreduce_hook
 from loom.comm.shared_gradients import SharedGradients, shared_gradients_unusable
 from loom.observe.phases import loss_buffer_size
+from loom.parallel.data.sharded_flat import flat_gradients
 from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.topology import Topology
 
@@ -160,20 +161,17 @@ class AxisGradients:
         ``extra`` (float64) summed over it. Collective over the axis's group."""
         group, size = self.axis.group, self.axis.size
         values = extra if extra is not None else torch.zeros(0, dtype=torch.float64)
-        grads = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.dtype)
-            for p in self.params
-        ]
+        grads = flat_gradients(self.params, self.dtype)
         if self.codec is None:
-            flat = torch.cat([*grads, values.to(self.dtype)])
+            flat = torch.cat([grads, values.to(self.dtype)])
             comm_all_reduce(flat, op="sum", algorithm=self.algorithm, group=group)
             flat[: self.numel].div_(size)
             values.copy_(flat[self.numel :])
         else:
             exchange = self.codec.exchange(
-                list(range(len(grads))), torch.cat(grads), [p.shape for p in self.params], size
+                list(range(len(self.params))), grads, [p.shape for p in self.params], size
             )
-            flat = _run_exchange(exchange, group, size) if size > 1 else torch.cat(grads)
+            flat = _run_exchange(exchange, group, size) if size > 1 else grads
             if values.numel():
                 comm_all_reduce(values, op="sum", algorithm="native", group=group)
         self._flat = flat
@@ -350,9 +348,7 @@ class GradientAveraging:
         if self.shared is not None:
             self.shared.average()
             return
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
+        flat = flat_gradients(params)
         n = dist.get_world_size(self.group)
         if self.codec is None:
             comm_all_reduce(flat, op="sum", algorithm=self.config.allreduce, group=self.group)

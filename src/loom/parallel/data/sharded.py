@@ -18,21 +18,17 @@ stage  per rank, between steps                     built on                     
        around each unit's forward and backward)    forward=True``
 =====  ==========================================  ==============================  ============================
 
-The job is a `DataParallelJob`: the same step (global-batch weighting of uneven and empty shares,
-``accumulate``, the non-finite guard, the hang watchdog, step records) with the narrow hooks a sharded layout
-needs: stage 1 averages the gradients after backward where `DataParallel` averages shared-memory gradients
-(the loss buffer rides with it) and all-gathers the parameters after the optimizer step; stages 2 and 3 let
-FSDP2 reduce inside backward, as DDP does, with `FsdpLayout.no_sync` for accumulation. The non-finite verdict
-is reduced over the ranks (each holds a different piece of the gradient): it rides on the collective the step
-already makes (stage 1's loss all-reduce after the gradient's; with FSDP2, each rank's flag in the loss buffer). In one process every stage is the
-plain model with the stage-1 layout (nothing to shard), so its checkpoints reshard like the others.
+The job is a `DataParallelJob` (the same step: global-batch weighting, ``accumulate``, the guards, step
+records) with the hooks a sharded layout needs: stage 1 averages the gradients after backward where
+`DataParallel` averages shared-memory ones and all-gathers the parameters after the step; stages 2 and 3 let
+FSDP2 reduce inside backward, as DDP does (`FsdpLayout.no_sync` for accumulation). The non-finite verdict,
+each rank holding a different piece of the gradient, rides on a collective the step already makes. In one
+process every stage is the plain model with the stage-1 layout, so its checkpoints reshard like the others.
 
-At setup: rank 0's parameters and buffers are broadcast (as DDP does), the replicas are checked to hold the
-same model and optimizer, and the backend passes a self-test of the collectives (`sharded_selftest`).
-
-State: each rank's part holds its pieces under the original parameter names with their bounds
-(`loom.checkpoint.sharded_state`), so a checkpoint resumes at any world size (``reshards``: `loom.fit` hands
-`load_resharded` every rank's part), and ``loom export`` writes the whole model from it without processes.
+At setup: the replicas are checked to hold the same model and optimizer, rank 0's parameters and buffers are
+broadcast, and the backend passes a self-test of the collectives (`sharded_selftest`). State: each rank's part
+holds its pieces under the original names with their bounds (`loom.checkpoint.sharded_state`), so a checkpoint
+resumes at any world size (`load_resharded`) and ``loom export`` writes the whole model without processes.
 
 Limits: parameters must be contiguous; the optimizer elementwise (stage 1 steps pieces; stages 2 and 3 step
 first-dimension shards); no gradient compression, no ``own_loop``; buffers are broadcast at setup only (each

@@ -1,29 +1,18 @@
 """ZeRO stage 1 on the data axis of a model-parallel job: ``Hybrid(dp=2, tp=2, zero=1)``, torchtitan's 2-D
 layout with the optimizer state sharded over ``dp`` (Rajbhandari et al., 2020, P_os).
 
-Every process of a `loom.parallel.model.model_parallel.ModelParallelJob` holds one pipeline stage, maybe
-tensor-sharded; the ``dp`` replicas of that stage hold equal parameters. `ShardedDataAxis` takes the place of
-`data_parallel_sync.GradientAveraging` there: the stage's trainable parameters are flattened and cut into one
-piece per ``dp`` replica (`sharded_flat.FlatShards` over the ``dp`` group: the very class of
-`ShardedDataParallel`'s stage 1), and the optimizer is rebound to this replica's piece, so its state
-(momentum, Adam's moments) exists for 1/dp of the stage only. A step:
+`ShardedDataAxis` takes the place of `data_parallel_sync.GradientAveraging` in a
+`loom.parallel.model.model_parallel.ModelParallelJob`: the stage's trainable parameters are cut into one piece
+per ``dp`` replica by `sharded_flat.FlatShards` (the class of `ShardedDataParallel`'s stage 1) and the optimizer
+is rebound to this replica's piece. A step: the schedule runs and is judged as without sharding (loss and flags
+reduced before any gradient travels); `average` averages the gradients over ``dp`` into this replica's piece
+and frees the whole ones (between steps only the piece is kept, as ZeRO-2 keeps it); the optimizer steps the
+piece; `gather_parameters` gathers every piece back, exactly. The result equals the unsharded data axis up to
+the order of summation.
 
-1. the schedule runs and the step is judged as without sharding (the loss and the non-finite flags are reduced
-   before any gradient is exchanged, `ModelParallelJob._synchronize`);
-2. `average`: the stage's gradients, flattened, are averaged over ``dp`` into this replica's piece (a
-   reduce-scatter on GPUs; on CPU loom's all-reduce with the axis's ``allreduce`` algorithm then a slice, since
-   gloo's reduce-scatter is an all-reduce per rank), and the whole gradients are freed: between steps only
-   the piece of the gradient is kept, as ZeRO-2 keeps it;
-3. the optimizer steps the piece, in place in the stage's parameters;
-4. `gather_parameters`: every replica's updated piece is gathered back into every replica's parameters, exactly
-   (an all-gather, or on CPU an all-reduce of the piece among zeros, ``x + 0 = x``).
-
-The result equals the unsharded data axis up to the order of the gradient's summation (and one process, within
-floating-point rounding). Limits: the optimizer must be elementwise (`sharded_flat.ELEMENTWISE`: stepping
-pieces equals stepping whole tensors); no ``compression`` (the codecs need the whole gradient); checkpoints
-hold each rank's piece of the optimizer state, so they resume at the mesh (and ``dp``) that wrote them, and
-another ``dp`` is refused naming both. Stages 2 and 3 on this axis (gradients reduced during backward,
-parameters sharded) are not built: a pipeline stage's schedule would have to gather parameters per
+Limits: the optimizer must be elementwise (`sharded_flat.ELEMENTWISE`); no ``compression`` (the codecs need the
+whole gradient); checkpoints resume at the mesh and ``dp`` that wrote them (another is refused naming both).
+Stages 2 and 3 on this axis are not built: a pipeline stage's schedule would have to gather parameters per
 micro-batch.
 """
 

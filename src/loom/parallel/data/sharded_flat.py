@@ -2,30 +2,25 @@
 one contiguous piece of all parameters, flattened and concatenated (Rajbhandari et al., "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", 2020, P_os).
 
-After backward (`FlatShards.average`, called by the step where `DataParallel` averages shared-memory
-gradients): the gradients are flattened into one vector and averaged, and each rank keeps the averaged
-gradient of its piece only; the full gradients are then freed. Two ways (``collective``): ``reduce_scatter``
-(`loom.comm.reduce_scatter`, the bandwidth-optimal collective where the backend has it natively, as NCCL does)
-or an all-reduce with one of `loom.comm.all_reduce`'s algorithms, then a slice. On CPU the all-reduce is
-chosen: gloo's reduce-scatter is one all-reduce per rank underneath, and loom's ``auto`` all-reduce goes
-through shared memory on one host (``benchmarks/reports/sharded.md`` has both measured). The parameters are then all-gathered the same way: an
-all-reduce of the flat vector holding this rank's piece and zeros elsewhere, which is exact (``x + 0 = x``)
-and on one host goes through shared memory, where gloo's all-gather does not. The optimizer holds, in place of the model's parameters, flat *views* of this rank's piece of
-each parameter (``nn.Parameter`` over the parameter's own storage), so its step updates the model in place and
-its state (momentum, Adam's moments) exists for this rank's piece only. After the step
-(`FlatShards.gather_parameters`) the updated pieces are all-gathered into every rank's model.
+The optimizer holds, in place of the model's parameters, flat *views* of this rank's piece of each parameter
+(``nn.Parameter`` over the parameter's own storage), so its step updates the model in place and its state
+(momentum, Adam's moments) exists for this rank's piece only. After backward (`FlatShards.average`) the
+gradients are flattened, averaged, and each rank keeps its piece's only; after the step
+(`FlatShards.gather_parameters`) the updated pieces are gathered into every rank's model. Both by
+``collective``: ``reduce_scatter`` / all-gather (`loom.comm.shards`, native on NCCL), or on CPU an all-reduce
+with one of `loom.comm.all_reduce`'s algorithms (gloo's reduce-scatter is one all-reduce per rank underneath;
+loom's goes through shared memory on one host, ``benchmarks/reports/sharded.md``): the average then a slice,
+and for the parameters the sum of this rank's piece among zeros, which is exact (``x + 0 = x``).
 
-Why not FSDP2 here: FSDP2 cannot shard the optimizer state alone (its smallest sharding is the parameters').
-The optimizer must be elementwise (its update of an element depends on that element's gradient and state
-only: SGD, Adam, AdamW, Adagrad, RMSprop, ...); one that reads whole tensors (LAMB's trust ratio, Adafactor's
-factored moments) would see pieces, so such optimizers are refused at setup (`ELEMENTWISE`).
-
-The same class shards the data axis of model-parallel jobs (``Hybrid(..., zero=1)``,
-`loom.parallel.data.sharded_axis`): there ``module`` is this process's pipeline stage with its tensor shards and
-the group is the mesh's ``dp`` axis (`FlatShards.over_group`).
+Why not FSDP2 here: it cannot shard the optimizer state alone. The optimizer must be elementwise (an element's
+update depends on that element's gradient and state only: SGD, Adam, AdamW, ...); one that reads whole tensors
+(LAMB's trust ratio, Adafactor's factored moments) would see pieces and is refused at setup (`ELEMENTWISE`).
+The same class shards the data axis of model-parallel jobs (``Hybrid(..., zero=1)``, `sharded_axis`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +32,7 @@ from loom.comm._reduce import group_rank_and_size
 from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
 from loom.fault.desync import gradients_finite
 
-__all__ = ["ELEMENTWISE", "FlatShards", "check_elementwise"]
+__all__ = ["ELEMENTWISE", "FlatShards", "check_elementwise", "flat_gradients"]
 
 ELEMENTWISE = (
     torch.optim.SGD,
@@ -66,6 +61,15 @@ def check_elementwise(
             f"tensors only for elementwise optimizers; got {type(optimizer).__name__}. HINT: use one of {names}, "
             f"or {instead}."
         )
+
+
+def flat_gradients(params: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every parameter's gradient (a missing one as zeros), flattened and concatenated, in ``dtype`` (None: the
+    gradients' own)."""
+    if not params:
+        return torch.zeros(0, dtype=dtype or torch.float32)
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    return torch.cat([g.to(dtype) for g in grads] if dtype is not None else grads)
 
 
 class FlatShards:
@@ -156,17 +160,7 @@ class FlatShards:
         whose verdict (any rank's piece non-finite) is left in `finite`. Without ``loss_sum`` (a caller that
         judged the step before averaging, as model-parallel jobs do) there is no second collective and
         `finite` is this rank's piece's own. Collective."""
-        dtype = self.params[0].dtype if self.params else torch.float32
-        flat = (
-            torch.cat(
-                [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
-                    for p in self.params
-                ]
-            )
-            if self.params
-            else torch.zeros(0)
-        )
+        flat = flat_gradients(self.params, self.params[0].dtype if self.params else None)
         for p in self.params:
             p.grad = None
         if not self._distributed():

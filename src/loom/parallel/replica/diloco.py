@@ -65,8 +65,6 @@ from loom.train.heal_state import share_training_state
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "DiLoCoJob", "INT8_CHUNK", "split_fragments"]
 
-COMPRESSIONS = (None, *SUM_SPECS)
-"""The ``compression=`` specs DiLoCo takes (`loom.comm.compression.factory` is the whole vocabulary)."""
 WHY_NOT = {
     "topk": "its error feedback keeps a residual per gradient across steps; the outer exchange has none",
     "powersgd": "its error feedback and warm start keep state across steps; the outer exchange has none",

@@ -1,42 +1,33 @@
 """What ``loom run --on-worker-failure heal`` adds to LocalSGD and DiLoCo: the sync round as the unit of commit.
 
 A round is the ``H = sync_every`` inner steps between two synchronizations, and the synchronization that ends it
-(LocalSGD's weighted average of the replicas, DiLoCo's outer step on the averaged pseudo-gradient). Between two
-synchronizations the replicas differ, so a single inner step cannot be committed on its own: a member lost
-mid-round takes its drift with it, and the others' drift, averaged without its part, is not what any membership
-would have trained. So a failure anywhere in a round (a member's death met at one of the round's collectives,
-an error on a member, a drop vote) makes every member drop the whole round: each restores the state it held at
-the round's start (the snapshot taken when the previous round committed: the job's own ``state_dict``, DiLoCo's
-global copy and outer optimizer included, and the RNG), the members re-form (`loom.fault.quorum`), make
-themselves equal (`loom.parallel.data.data_axis.take_live_state`: a replacement takes a live member's round-start
-state) and redo the round's global batches, each divided among the members present. Hence the job equals a
-one-process simulation of the strategy with the same membership per round, whatever the failures (tested to
-1e-5 in ``tests/test_heal_rounds.py``).
+(LocalSGD's average, DiLoCo's outer step). Between synchronizations the replicas differ, so an inner step cannot
+be committed alone: a member lost mid-round takes its drift with it. So a failure anywhere in a round (a
+member's death met at a collective, an error on a member, a drop vote) makes every member drop the whole round:
+each restores its round-start snapshot (the job's own ``state_dict``, DiLoCo's global copy and outer optimizer
+included, and the RNG), the members re-form (`loom.fault.quorum`), make themselves equal
+(`loom.parallel.data.data_axis.take_live_state`) and redo the round's global batches, each divided among the
+members present. Hence the job equals a one-process simulation of the strategy with the same membership per
+round, whatever the failures (``tests/test_heal_rounds.py``).
 
-The training is the replica job's own (`loom.parallel.replica._replica_sync.ReplicaJob`, with LocalSGD's average
-and DiLoCo's outer step unchanged) over the quorum's data axis (`loom.parallel.data.data_axis`: the members, this
-process's share of each whole global batch, the epoch's group); `RoundCommit` is the part heal adds, which the job
-calls from its hooks:
+`RoundCommit` is the part heal adds to the replica job (`loom.parallel.replica._replica_sync.ReplicaJob`, whose
+training is unchanged), called from its hooks:
 
-- **The vote.** The engine's per-step vote becomes a round's (`commit` lets inner steps through); the round's
-  vote is taken after the synchronization (`end_step` of the round's last step), so the synchronization itself is
-  inside what is committed.
-- **The replay.** The round's global batches are kept (the cost: up to ``H`` whole global batches in memory on
-  every member, on top of the snapshot, a second copy of the training state). The engine retries the
-  `train_step` call that met the failure; before, `adopt_epoch` replays the round's earlier batches from the
-  snapshot. So the call that met the failure returns its own step's loss, the round's earlier inner steps being
-  redone inside it. Step records are written once per committed step, when its round commits.
-- **Joining.** A replacement joins at a round boundary: the members see its ``pending`` mark on the last step's
-  all-reduce and re-form once the round has committed, or it joins the epoch that re-forms after a failure, at
-  the dropped round's start. Under LocalSGD with a momentum optimizer the lost replica's own optimizer state (its
-  momentum) is gone: the replacement takes a live peer's.
+- **The vote.** The engine's per-step vote becomes the round's (`commit` lets inner steps through), taken after
+  the synchronization (`end_step`), so the synchronization is inside what is committed.
+- **The replay.** The round's global batches are kept (up to ``H`` of them in memory on every member, on top of
+  the snapshot). The engine retries the `train_step` call that met the failure; before, `adopt_epoch` replays
+  the round's earlier batches from the snapshot, so that call returns its own step's loss. Step records are
+  written once per committed step, when its round commits.
+- **Joining.** A replacement joins at a round boundary (the members see its ``pending`` mark on the last step's
+  all-reduce and re-form once the round committed), or the epoch that re-forms after a failure. Under LocalSGD
+  with momentum the lost replica's optimizer state is gone: the replacement takes a live peer's.
 
-Member failures at the collectives of members at different inner steps (one raised after a step's all-reduce,
-the others met it at the next step's) need nothing more: each restores the snapshot and replays up to the batch
-its own `train_step` holds, and the replays issue the same collectives, in the same order.
+Members that met a failure at different inner steps need nothing more: each restores the snapshot and replays up
+to the batch its own `train_step` holds, and the replays issue the same collectives in the same order.
 
-Limits: one host (the launcher's quorum, `loom.launch.heal`); what a round cannot honour is refused at setup,
-naming why (`refuse_round_options`); `synchronize` between round boundaries is refused (end on a multiple of
+Limits: one host (the launcher's quorum, `loom.launch.heal`); what a round cannot honour is refused at setup
+(`refuse_round_options`); `synchronize` between round boundaries is refused (end on a multiple of
 ``sync_every``).
 """
 
