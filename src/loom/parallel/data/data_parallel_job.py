@@ -92,8 +92,8 @@ class DataParallelJob(AxisJob):
         algorithm = config.allreduce
         shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
         self._loss_algorithm = algorithm if shared_memory else "native"
-        """The loss all-reduce's algorithm (see `_step_and_reduce_loss`): the job's own where it uses shared
-        memory on CPU; else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
+        """The loss all-reduce's algorithm (`_reduce_loss`): the job's own where it uses shared memory on CPU;
+        else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
         self.compression: CompressionHook | None = None
         """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
         self.gradient_path: GradientPath | None = None
@@ -258,15 +258,10 @@ class DataParallelJob(AxisJob):
         super()._record(state, **fields)
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> bool:
-        """The all-reduce of ``[loss sum, flags]``; returns whether the averaged gradient is
-        finite (checked while the all-reduce runs where it can be).
-
-        With shared-memory gradients the buffer was already summed with them (`SharedGradients.average`).
-        Otherwise, with loom's shared-memory algorithms on CPU the buffer goes through the job's algorithm
-        (gloo's all-reduce of a few values costs about twice a shared-memory one on one host,
-        ``benchmarks/reports/metrics_overhead.md``). Otherwise gloo's all-reduce is launched asynchronously and
-        overlaps the check of the averaged gradient. Either way every rank has every flag before the verdict.
-        """
+        """The all-reduce of ``[loss sum, flags]``; returns whether the averaged gradient is finite. Shared-memory
+        gradients summed the buffer already; with loom's shared-memory algorithms on CPU it takes the job's
+        algorithm (cheaper than gloo's on one host, ``benchmarks/reports/metrics_overhead.md``); else gloo's,
+        launched asynchronously to overlap the gradient check. Every rank has every flag before the verdict."""
         if not self._distributed or self.shared_gradients is not None:
             return self._gradients_finite()
         with self.collective("loss all-reduce"):
@@ -289,7 +284,7 @@ class DataParallelJob(AxisJob):
 
     def _flag_local_loss(self, loss_sum: torch.Tensor) -> None:
         """Set this rank's flag in the buffer when its local loss is NaN or infinite (it rides to every rank).
-        On the CPU through the buffer's numpy view (a tensor op costs ~10x more); elsewhere without a sync."""
+        On the CPU through the buffer's numpy view (cheaper than a tensor op); elsewhere without a sync."""
         slot = FLAGS_AT + self.axis.index
         if loss_sum.device.type == "cpu":
             values = loss_sum.numpy()

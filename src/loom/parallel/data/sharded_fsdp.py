@@ -30,7 +30,7 @@ from torch import nn
 from loom.checkpoint.sharded_state import Piece
 from loom.fault.desync import gradients_finite
 
-if TYPE_CHECKING:  # imported where used: FSDP2 and DTensor cost ~0.9 s of CPU at import, in every process
+if TYPE_CHECKING:  # imported where used: FSDP2 and DTensor are slow to import, in every process
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
 

@@ -360,8 +360,8 @@ class ModelParallelJob(Engine):
 
 def _all_gather(row: torch.Tensor, group: Any) -> list[torch.Tensor]:
     """Every rank's ``row`` of ``group``, in rank order: through shared memory when the group is on one host
-    (`loom.comm.shm_small`: one barrier, tens of microseconds), else the backend's all-gather (hundreds of
-    microseconds on gloo, paid two or three times per step by a model-parallel job)."""
+    (`loom.comm.shm_small`: one barrier, far cheaper than gloo's all-gather, paid two or three times a step),
+    else the backend's all-gather."""
     small = SmallAllReduce.for_group(group)
     if small is not None:
         return small.all_gather(row)
