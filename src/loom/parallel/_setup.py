@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from loom.train.options import config_from
 
 __all__ = [
     "HEALS",
+    "LossFn",
     "SURVIVE_LOST_WORKER",
     "StartRefused",
     "Strategy",
@@ -24,6 +26,10 @@ __all__ = [
     "joins_healing",
     "positive_int",
 ]
+
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+"""``loss_fn(outputs, targets)``: the plain loss convention (`loom.LossCall` has the others)."""
 
 
 def positive_int(name: str, value: Any, hint: str = "") -> None:

@@ -14,8 +14,6 @@ the replicas hold the same model and optimizer. The job and its exactness under 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +26,7 @@ from loom.fault.quorum import Quorum
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import StepObserver
-from loom.parallel._setup import Strategy, check_setup_arguments, joins_healing
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
     healing_metrics_path,
@@ -46,8 +44,6 @@ from loom.topology import Topology
 from loom.train.batch import LossCall
 
 __all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
-
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 class DataParallel(Strategy):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -41,6 +40,7 @@ from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
+from loom.parallel._setup import LossFn
 from loom.parallel.data.data_axis import (
     AxisJob,
     check_same_batches,
@@ -56,8 +56,6 @@ from loom.train.batch import LossCall, batch_len, forward_loss, to_device
 from loom.train.engine import StepState
 
 __all__ = ["DataParallelJob"]
-
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 class DataParallelJob(AxisJob):

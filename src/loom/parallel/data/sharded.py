@@ -54,7 +54,7 @@ from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import FLAGS_AT, StepObserver
-from loom.parallel._setup import Strategy, check_setup_arguments
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_parallel import DataParallelConfig, DataParallelJob, default_metrics_path
 from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
@@ -65,7 +65,6 @@ from loom.train.batch import LossCall, batch_len, forward_loss, to_device
 
 __all__ = ["ShardedDataParallel", "ShardedDataParallelConfig", "ShardedDataParallelJob"]
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 _REFUSED = {
     "compression": "gradient compression is DataParallel's (its codecs need the whole gradient on every rank)",

@@ -4,8 +4,8 @@ FSDP2 shards each parameter on its first dimension over the data axis and reduce
 gradients during backward, unit by unit; stage 3 gathers each unit's parameters around its forward and again
 for its backward (``reshard_after_forward=True``), stage 2 keeps them gathered from forward to the end of
 backward (``False``: PyTorch's ``SHARD_GRAD_OP``, ZeRO-2's communication volume), so between steps both hold
-1/N of the parameters, gradients and optimizer state. Measured here (torch 2.13, gloo): its averaged
-reduce-scatter is correct on CPU, and `loom.parallel.data.sharded_selftest` checks it again at every setup.
+1/N of the parameters, gradients and optimizer state. `loom.parallel.data.sharded_selftest` checks its averaged
+reduce-scatter at every setup.
 
 Units (`default_units`): every child of a ``Sequential``, else every module held in an ``nn.ModuleList`` (the
 blocks of a transformer), else the model as one unit; ``wrap=`` overrides it (module classes, or a function

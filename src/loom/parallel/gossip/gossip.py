@@ -8,34 +8,29 @@ SGP, Assran et al. 2019; asynchronous pairs as in AD-PSGD, Lian et al. 2018).
 
 The exchange is symmetric: the worker sends its parameters ``a`` (`loom.comm.peer`), the peer answers with its
 own ``b`` and takes ``m = (a + b) / 2``; on the answer the worker takes ``m + (x - a)``, ``x`` being what it holds
-by then. When nothing else touched ``x`` (``x == a``) both sides end with the same bits (``a + b`` commutes in
-floating point, halving is exact barring underflow); when the worker answered other peers while it waited,
-``x - a`` keeps their share. So every exchange, interleaved or not, conserves the sum of the replicas'
-parameters, and with learning stopped the replicas converge to the mean of their initial parameters. A pair
-exchange rather than push-sum weights: the replicas hold plain parameters at every step (no de-biasing before a
-forward, no weight lost with a dead peer), and a pair's result is testable bit for bit. Two workers asking each
-other at once: the lower rank answers BUSY, so exactly one exchange happens. Non-finite values are never sent
-nor taken (BUSY).
+by then. When nothing else touched ``x`` both sides end with the same bits; when the worker answered other peers
+meanwhile, ``x - a`` keeps their share. So every exchange, interleaved or not, conserves the sum of the replicas'
+parameters. A pair exchange rather than push-sum weights: the replicas hold plain parameters at every step (no
+de-biasing, no weight lost with a dead peer), and a pair's result is testable bit for bit. Two workers asking
+each other at once: the lower rank answers BUSY, so exactly one exchange happens. Non-finite values are never
+sent nor taken.
 
 Peers: ``ring`` alternates the right and left neighbours, ``exponential`` cycles through rank + 2^k for
 k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly among the others (seeded by ``seed`` and the rank). A dead peer
-(its connection closes or refuses) is skipped at once, a slow one after ``deadline_s``; either is passed over for
-the next ``retry_after`` exchanges and training goes on. A late answer is still applied when it comes (unless the
-next request to that peer abandons it, see `loom.comm.peer`). A worker that joins a running job (its rank set up
-again under the same store: a restarted worker) copies a live neighbour's parameters before its first step.
+is skipped at once, a slow one after ``deadline_s``; either is passed over for the next ``retry_after``
+exchanges and training goes on. A late answer is still applied when it comes (see `loom.comm.peer`). A
+restarted worker copies a live neighbour's parameters before its first step.
 
-Between steps a worker answers its peers from a service thread, so ``job.module``'s parameters may change between
-two `train_step` calls; `paused` holds them still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`
-gives this transport's bytes (point-to-point only; also added to ``loom.comm.counters()`` under ``gossip``), the
-exchanges by outcome, and ``spread``: the largest L2 distance between this replica's parameters and a peer's,
-taken at the last exchange with each peer still reachable, on the values exchanged (no extra traffic).
+A service thread answers peers between steps, so ``job.module``'s parameters may change between two
+`train_step` calls; `paused` holds them still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`
+gives this transport's bytes (also in ``loom.comm.counters()`` under ``gossip``), the exchanges by outcome, and
+``spread``: the largest L2 distance to a peer's parameters at the last exchange with each reachable peer.
 
 Set-up is the only collective part: each worker publishes its listener's address in the job's store and waits
 for the others'; with ``same_start`` rank 0's parameters are broadcast. `train_step` returns THIS replica's mean
-loss on its share (no global loss without a collective); `eval_step` is collective. Checkpoints (`loom.fit`): the
-state is per rank (model, optimizer, step, peer choice), each replica at its own moment (an exchange may straddle
-a checkpoint); `loom.fit`'s saving is collective, so it needs every worker alive. Limits: parameters are
-averaged, buffers (BatchNorm statistics) and optimizer state stay local; floating-point parameters on the CPU.
+loss on its share; `eval_step` is collective. Checkpoints (`loom.fit`): per rank (model, optimizer, step, peer
+choice), each replica at its own moment; the saving is collective, so it needs every worker alive. Limits:
+parameters are averaged, buffers and optimizer state stay local; floating-point parameters on the CPU.
 """
 
 from __future__ import annotations
@@ -58,8 +53,8 @@ from loom.config_docs import document_options
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.parallel._setup import check_setup_arguments
-from loom.parallel.data.data_parallel import LossFn, default_metrics_path
+from loom.parallel._setup import LossFn, check_setup_arguments
+from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.gossip.gossip_config import GossipConfig
 from loom.parallel.gossip.gossip_exchange import (
     IdleServer,

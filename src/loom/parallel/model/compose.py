@@ -29,8 +29,8 @@ from torch import nn
 from loom.devices import place_model, refuse_shared_gpu
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.parallel._setup import check_setup_arguments
-from loom.parallel.data.data_parallel import LossFn, default_metrics_path
+from loom.parallel._setup import LossFn, check_setup_arguments
+from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.data.data_parallel_config import DataAxisConfig, data_axis_options
 from loom.parallel.data.data_parallel_sync import GradientAveraging
 from loom.parallel.data.sharded_axis import ShardedDataAxis

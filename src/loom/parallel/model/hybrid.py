@@ -23,7 +23,7 @@ from torch import nn
 
 from loom.config_docs import document_options
 from loom.mesh import Mesh
-from loom.parallel.data.data_parallel import LossFn
+from loom.parallel._setup import LossFn
 from loom.parallel.data.data_parallel_config import DataAxisConfig
 from loom.parallel.model.compose import ModelParallelStrategy, compose
 from loom.parallel.model.model_parallel import ModelParallelJob

@@ -15,15 +15,12 @@ order: pipeline stages, tensor shards, then the data axis). Each `train_step`:
    `sharded_axis.ShardedDataAxis`) averages them into this replica's slice, steps the optimizer over the
    slice, and gathers the updated slices back over the data axis.
 
-The loss (non-zero on the last stage only) and every stage's busy time and span ride on one all-gather over the
-pipeline; the loss is then summed over the data axis. Each rank's non-finite flag (its local loss, its stage's
-gradients before the data axis sums them) rides on the same two collectives, so every rank knows every flag
-before step 3 and all reach the same verdict (`loom.fault.desync.NonFiniteGuard`, policy ``nonfinite`` of the
-data axis's `DataParallelConfig`): a skipped step runs neither the data axis's sum nor the optimizer. With a
-``dp`` or ``tp`` axis the loss and flags are reduced over the whole job (one slot per replica's loss, one flag
-per rank) rather than over ``dp`` alone, so the tensor shards of a stage, which share no group along which the
-loss travels, reach the verdict too. State is sharded: `state_dict` is this process's stage and
-shards with their layout, `full_state_dict` gathers the whole model on rank 0.
+The loss (non-zero on the last stage only), every stage's busy time and span, and each rank's non-finite flag
+ride on one all-gather over the pipeline, then one reduction over the whole job (one slot per replica's loss,
+one flag per rank, so the tensor shards of a stage reach the verdict too): every rank knows every flag before
+step 3 and all reach the same verdict (`loom.fault.desync.NonFiniteGuard`); a skipped step runs neither the
+data axis's sum nor the optimizer. State is sharded: `state_dict` is this process's stage and shards with their
+layout, `full_state_dict` gathers the whole model on rank 0.
 """
 
 from __future__ import annotations

@@ -9,12 +9,10 @@ Sends are non-blocking (``isend``) so a stage never waits for its neighbour to p
 runtime keeps the handles and waits for them at the end of the step. Receives block: the stage needs the data.
 Messages between two stages in one direction are matched in the order they were sent.
 
-Stages are named by their global ranks, their ranks in the job's group (`loom.topology.Topology.group`, passed as
-``group``; None: torch's default group). Two stages on one host exchange their messages through shared memory
-instead (`loom.comm.shm_channel`: a ring per direction, header and tensors copied once each way, no socket),
-decided per pair by a handshake on the first message of each direction; stages on different hosts keep the
-backend's messages. The shared-memory messages
-always carry the header, so a gradient whose shape differs from the activation it answers is refused by name.
+Stages are named by their ranks in the job's group (``group``; None: torch's default group). Two stages on one
+host exchange messages through shared memory instead (`loom.comm.shm_channel`: a ring per direction, no socket),
+decided per pair by a handshake on the first message of each direction. Shared-memory messages always carry the
+header, so a gradient whose shape differs from the activation it answers is refused by name.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -52,7 +52,7 @@ from loom.config_docs import document_options
 from loom.devices import place_model
 from loom.job import MetricFn
 from loom.mesh import Mesh
-from loom.parallel._setup import check_setup_arguments
+from loom.parallel._setup import LossFn, check_setup_arguments
 from loom.parallel.ps.parameter_server_config import ParameterServerConfig, ParameterServerMetrics
 from loom.parallel.ps.parameter_server_pieces import (
     json_hyperparameters,
@@ -72,8 +72,6 @@ from loom.train.engine import Engine, StepState
 from loom.train.options import config_from
 
 __all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
-
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 class ParameterServer:

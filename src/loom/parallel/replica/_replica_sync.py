@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -42,7 +42,7 @@ from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver, loss_buffer_size
-from loom.parallel._setup import Strategy, check_setup_arguments, joins_healing
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
     AxisJob,
@@ -69,7 +69,6 @@ __all__ = [
     "unflatten_into",
 ]
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 JobT = TypeVar("JobT", bound="ReplicaJob")
 
 

@@ -13,22 +13,17 @@ Usage: ``docs/strategies/local-sgd-diloco.md``.
 Here: fragment ``k`` (a contiguous run of parameters, balanced by size; the floating-point buffers travel with
 fragment 0 and are averaged, not stepped) is sent after the steps ``t`` with ``t % H == k * H / F``, so every
 parameter is synchronized once every ``H`` steps. The pseudo-gradients are averaged weighted by the samples each
-replica trained on since the fragment's previous exchange (`loom.parallel.replica._replica_sync`), so with ``H = 1``,
-inner SGD and an outer SGD of lr 1, DiLoCo is synchronous data parallelism. The exchange runs on a communication
-thread over a process group of its own (the training thread keeps the job's group for its per-step loss), while
-the next ``overlap_steps`` inner steps run; its result is applied after step ``t + overlap_steps`` exactly, a
-deterministic step, so a run is reproducible. Applying it keeps what the replica learned meanwhile: the fragment
-becomes the new global copy plus the replica's own progress since the exchange was sent (with no overlap: the
-global copy itself).
+replica trained on since the fragment's previous exchange, so with ``H = 1``, inner SGD and an outer SGD of lr 1,
+DiLoCo is synchronous data parallelism. The exchange runs on a communication thread over a process group of its
+own while the next ``overlap_steps`` inner steps run; its result is applied after step ``t + overlap_steps``
+exactly, so a run is reproducible. Applying it keeps what the replica learned meanwhile: the fragment becomes the
+new global copy plus the replica's own progress since the exchange was sent.
 
-Compression of the averaged pseudo-gradient (`loom.comm.compression.replicas`, the specs of
-`loom.comm.compression` that keep no state across exchanges): ``fp16`` / ``bf16`` all-reduce it in 16 bits (each
-rank's weighted share is cast, so the sum cannot overflow where the mean fits); ``int8`` quantizes each rank's
-weighted share in chunks of `INT8_CHUNK` values with a float32 scale each (symmetric, round to nearest) and
-all-gathers the codes, and every rank dequantizes and sums them in rank order: bitwise the same result everywhere,
-with ``(W - 1)`` messages of a quarter of the float32 size sent per rank (a ring all-reduce of float32 sends
-``2 (W - 1) / W`` full ones), so for ``W <= 8`` it sends fewer bytes than a float32 all-reduce. No error feedback:
-the rounding error is lost.
+Compression of the averaged pseudo-gradient (`loom.comm.compression.replicas`: the stateless specs):
+``fp16`` / ``bf16`` all-reduce each rank's weighted share cast to 16 bits; ``int8`` quantizes it in chunks of
+`INT8_CHUNK` values with a float32 scale each and all-gathers the codes, which every rank dequantizes and sums
+in rank order (bitwise the same everywhere; ``W - 1`` messages of a quarter of the float32 size per rank, fewer
+bytes than a float32 ring all-reduce for ``W <= 8``). No error feedback: the rounding error is lost.
 
 Checkpoints hold the global copy, the outer optimizer's state, the sample counts, and every exchange in flight
 (waited for, with its result and the step it is due), so a resumed run applies it at the same step: resume is
@@ -51,10 +46,9 @@ from loom.comm.compression import INT8_CHUNK, accept_compression
 from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
 from loom.comm.thread import CommThread
 from loom.config_docs import document_options
-from loom.parallel._setup import positive_int
+from loom.parallel._setup import LossFn, positive_int
 from loom.parallel.consistency import check_same_model
 from loom.parallel.replica._replica_sync import (
-    LossFn,
     ReplicaJob,
     ReplicaStrategy,
     flatten,

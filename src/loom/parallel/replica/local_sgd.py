@@ -31,9 +31,8 @@ from torch import nn
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.config_docs import document_options
-from loom.parallel._setup import positive_int
+from loom.parallel._setup import LossFn, positive_int
 from loom.parallel.replica._replica_sync import (
-    LossFn,
     ReplicaJob,
     ReplicaStrategy,
     flatten,
