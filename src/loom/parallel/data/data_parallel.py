@@ -81,8 +81,6 @@ class DataParallel(Strategy):
         if topo.is_distributed:
             check_same_model(model, topo.rank, topo.world_size, topo.group, optimizer=optimizer)
             path = choose_gradient_path(self.config, topo, model)
-            if topo.is_main:
-                print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)
         wrapped: nn.Module = model
         if path is not None and path.shared is None:
             ddp = DistributedDataParallel(
@@ -98,11 +96,7 @@ class DataParallel(Strategy):
             wrapped = ddp
         mesh = Mesh(dp=topo.world_size, topology=topo)
         job = DataParallelJob(model, wrapped, optimizer, call, mesh, self.config, metrics)
-        job.observer = observer
-        job.gradient_path = path
-        job.shared_gradients = path.shared if path is not None else None
-        job.compression = path.hook if path is not None and isinstance(path.hook, CompressionHook) else None
-        return job
+        return _with_path(job, observer, path)
 
     def _setup_healing(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, call: LossCall, topo: Topology
@@ -119,11 +113,18 @@ class DataParallel(Strategy):
         job = DataParallelJob(
             model, model, optimizer, call, mesh, self.config, metrics, quorum=quorum, topology=topo
         )
-        job.observer = StepObserver(metrics, enabled=self.observe)  # no straggler watch: the members change
-        job.gradient_path, job.shared_gradients = path, path.shared
-        if topo.is_main:
-            print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)
-        return join_first_epoch(job)
+        # no straggler watch: the members change
+        return join_first_epoch(_with_path(job, StepObserver(metrics, enabled=self.observe), path))
+
+
+def _with_path(job: DataParallelJob, observer: StepObserver, path: GradientPath | None) -> DataParallelJob:
+    """``job`` with its observer and gradient path (None in one process), which rank 0 prints."""
+    job.observer, job.gradient_path = observer, path
+    job.shared_gradients = path.shared if path is not None else None
+    job.compression = path.hook if path is not None and isinstance(path.hook, CompressionHook) else None
+    if path is not None and job.topology.is_main:
+        print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)
+    return job
 
 
 document_options(DataParallel, DataParallelConfig)

@@ -12,17 +12,14 @@ batch, ``loss_j`` the mean loss of the micro-batch), so the accumulated gradient
 as one process computes it. A batch not divisible by ``m`` is cut into micro-batches whose sizes differ by at
 most one (correct thanks to the weighting); a batch of fewer than ``m`` samples runs ``n`` micro-batches of one.
 
-The runtime is loom's own (blocking receives, non-blocking sends, one message stream per direction), not
-``torch.distributed.pipelining``: it supports any chain whose stages pass tensors or tuples of tensors, uneven
-micro-batches, and it instruments what the schedules promise: per-stage busy time and span (the bubble) and the
-micro-batches and bytes of activations alive (`StageStats`). Each step's record (`loom.observe.metrics`) carries
-the seconds this stage sat idle in the bubble as ``bubble_s``.
+The runtime is loom's own, not ``torch.distributed.pipelining``: it takes any chain whose stages pass tensors or
+tuples of tensors and uneven micro-batches, and it instruments what the schedules promise: per-stage busy time
+and span (the bubble, ``bubble_s`` in each step record) and the activations alive (`StageStats`).
 
 Limits: the loss must be mean-reduced over the batch; parameters shared between stages (tied embeddings across
 stages) are refused; the optimizer keeps every parameter of the full model, but those of other stages are emptied
-(size 0) and never get a gradient, so optimizers skip them. With a data axis (fewer stages than processes, or
-`Hybrid`) each stage's gradients are summed across its replicas after the schedule, by `DataParallel`'s
-algorithms (`loom.parallel.model.compose`). The job is a `loom.parallel.model.model_parallel.ModelParallelJob`.
+(size 0) and never get a gradient. A data axis (fewer stages than processes) is composed as in
+`loom.parallel.model.compose`; the job is a `loom.parallel.model.model_parallel.ModelParallelJob`.
 """
 
 from __future__ import annotations

@@ -13,11 +13,10 @@ loom.fit(job, job.loader(dataset, global_batch_size=256), steps=1000, checkpoint
 job.synchronize()            # average now, before evaluating or exporting the model
 ```
 
-The average is weighted by the samples each replica trained on since the last one (see
-`loom.parallel.replica._replica_sync`), over the parameters and the floating-point buffers, with any of loom's
-all-reduce algorithms (``allreduce``, `loom.comm.all_reduce`), whose bytes `loom.comm.counters` counts and the
-step records carry. The optimizer's state (momentum, Adam's moments) stays each replica's own, as in torchft's
-``LocalSGD``: with momentum, ``H = 1`` is close to but not the same as synchronous SGD when shares are uneven.
+The average is weighted by the samples each replica trained on since the last one (`_replica_sync`), over the
+parameters and the floating-point buffers, with any of loom's all-reduce algorithms (``allreduce``). The
+optimizer's state stays each replica's own, as in torchft's ``LocalSGD``: with momentum, ``H = 1`` is close to
+but not the same as synchronous SGD when shares are uneven.
 """
 
 from __future__ import annotations
