@@ -75,14 +75,11 @@ def flat_gradients(params: Sequence[torch.Tensor], dtype: torch.dtype | None = N
 class FlatShards:
     """This rank's piece of every trainable parameter, flattened and concatenated; the optimizer steps it.
 
-    Built at setup, it rebinds ``optimizer``'s parameter groups, in place, to flat views of this rank's piece
-    of each parameter (so a scheduler built on the optimizer keeps working); a parameter with no element in
-    this rank's piece leaves the groups. One process: the piece is everything (the layout stays, so its
-    checkpoints reshard to any world size).
-
-    ``module`` is whatever this process trains (a whole model, or a model-parallel job's stage with its tensor
-    shards) and ``group`` the ranks that share its pieces (the whole job, or the ``dp`` axis of a mesh: see
-    `over_group`); parameters of the optimizer that ``module`` does not hold (other pipeline stages') leave it.
+    Built at setup, it rebinds ``optimizer``'s parameter groups, in place (a scheduler built on the optimizer
+    keeps working), to flat views of this rank's piece of each parameter of ``module`` (a whole model, or a
+    model-parallel stage); parameters with no element in the piece, or not in ``module`` (other pipeline
+    stages'), leave the groups. ``group``: the ranks sharing the pieces (`over_group`). One process: the piece
+    is everything (the layout stays, so its checkpoints reshard to any world size).
     """
 
     def __init__(

@@ -28,16 +28,12 @@ __all__ = ["load_worker_state", "worker_state"]
 
 
 def worker_state(job: ParameterServerJob) -> dict[str, Any]:
-    """This worker's part of a checkpoint: its clock (``step``), the server versions it last saw, its
-    module (the servers' current parameters, its own buffers) and its optimizer's param groups (the learning
-    rates its pushes carry); on rank 0 also ``servers``, every server's whole state
-    (`loom.ps.shard.ModelShard.state`: parameters, optimizer state, version, every worker's clock), read
-    with STATE. Tensors and JSON only.
-
-    The servers' state is a consistent snapshot when no worker is inside a step, as at `loom.fit`'s
-    checkpoints (every worker enters them after its step and leaves after the write). Each server's state
-    travels in one frame, so it must fit the wire's payload limit (256 MiB by default: about 21 million
-    float32 parameters per server with Adam's two moments)."""
+    """This worker's part of a checkpoint (tensors and JSON only): its clock (``step``), the server versions it
+    last saw, its module (the servers' current parameters, its own buffers) and its optimizer's param groups
+    (the learning rates its pushes carry); on rank 0 also ``servers``, every server's whole state
+    (`loom.ps.shard.ModelShard.state`), read with STATE: a consistent snapshot when no worker is inside a step,
+    as at `loom.fit`'s checkpoints. Each server's state travels in one frame, so it must fit the wire's payload
+    limit (256 MiB by default: about 21 million float32 parameters per server with Adam's two moments)."""
     servers = None
     if job.topology.rank == 0:
         replies = job._request(MessageType.STATE, {})
