@@ -175,10 +175,10 @@ class AxisGradients:
             if values.numel():
                 comm_all_reduce(values, op="sum", algorithm="native", group=group)
         self._flat = flat
-        offset = 0
-        for p in self.params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
+        for p, grad in zip(
+            self.params, flat[: self.numel].split([p.numel() for p in self.params]), strict=True
+        ):
+            p.grad = grad.view_as(p).to(p.dtype)
 
 
 def _why_not_shared(config: DataParallelConfig, topo: Topology, model: nn.Module) -> str:
@@ -356,10 +356,9 @@ class GradientAveraging:
         else:
             exchange = self.codec.exchange(list(range(len(params))), flat, [p.shape for p in params], n)
             flat = _run_exchange(exchange, self.group, n)
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        sizes = [p.numel() for p in params]  # a codec's result may be padded past the gradients
+        for p, grad in zip(params, flat[: sum(sizes)].split(sizes), strict=True):
+            p.grad = grad.view_as(p).clone()
 
     def gather_parameters(self) -> None:
         """Nothing to gather: every replica stepped its whole parameters."""

@@ -139,7 +139,5 @@ def broadcast_module(model: nn.Module, group: Any) -> None:
 def _broadcast_packed(tensors: list[torch.Tensor], group: Any) -> None:
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     dist.broadcast(flat, group=group, group_src=0)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(piece.view_as(t))

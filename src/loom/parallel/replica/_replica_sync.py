@@ -91,11 +91,9 @@ def flatten(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy consecutive pieces of ``flat`` into ``tensors`` (the inverse of `flatten`)."""
-    offset = 0
     with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(piece.view_as(t))
 
 
 class ReplicaStrategy(Strategy):
