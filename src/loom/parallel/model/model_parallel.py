@@ -44,7 +44,7 @@ from loom.parallel.pipeline.pipeline_communications import recv_tensors, send_te
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.parallel.pipeline.pipeline_schedule import stage_instructions
 from loom.parallel.tensor.tensor_parallel_shard import TensorShards
-from loom.train.batch import batch_len, slice_batch, split_batch, tensors_in, to_device
+from loom.train.batch import batch_len, micro_batches, split_batch, tensors_in, to_device
 from loom.train.engine import Engine, StepState
 
 __all__ = ["ModelParallelJob", "Schedule", "batch_fingerprint"]
@@ -71,13 +71,11 @@ class _Micro:
 
 def _micro_split(inputs: Any, targets: Any, n: int, m: int) -> _Micro:
     """At most ``m`` micro-batches whose sizes differ by at most one (fewer when ``n < m``)."""
-    pieces = min(m, n)
-    bounds = (torch.arange(pieces + 1) * n // pieces).tolist()
     out = _Micro()
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        out.inputs.append(slice_batch(inputs, lo, hi))
-        out.targets.append(slice_batch(targets, lo, hi))
-        out.sizes.append(hi - lo)
+    for (x, y), size in micro_batches((inputs, targets), n, min(m, n)):
+        out.inputs.append(x)
+        out.targets.append(y)
+        out.sizes.append(size)
     return out
 
 
