@@ -198,23 +198,7 @@ def healing_store() -> Any:
     return store
 
 
-class Healing(Protocol):
-    """What `take_live_state` and `join_first_epoch` need of a healing job (DataParallel's, the replica job's)."""
-
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    topology: Topology
-    step: int
-    quorum: Any
-    joined_running: bool
-    _synced: bool
-
-    def _share_more(self, source: int, load: bool) -> None: ...
-    def _adopt_epoch(self) -> None: ...
-    def _heal_reform(self) -> None: ...
-
-
-def take_live_state(job: Healing) -> None:
+def take_live_state(job: AxisJob) -> None:
     """Make a new epoch's members equal: every member's committed step (all-reduced), then the training state of
     the first member holding the highest, broadcast (`share_training_state`, and the job's ``_share_more``): a
     member behind it, or without state yet (a replacement, every member at the first epoch), loads it."""
@@ -251,7 +235,7 @@ def take_live_state(job: Healing) -> None:
           file=sys.stderr, flush=True)  # fmt: skip
 
 
-HealingT = TypeVar("HealingT", bound="Engine")
+HealingT = TypeVar("HealingT", bound="AxisJob")
 
 
 def join_first_epoch(job: HealingT) -> HealingT:
@@ -272,15 +256,6 @@ def join_first_epoch(job: HealingT) -> HealingT:
               file=sys.stderr, flush=True)  # fmt: skip
         job._heal_reform()
     return job
-
-
-def refuse_own_loop(rank: int) -> ValueError:
-    """The error of `own_loop` under heal."""
-    return ValueError(
-        f"rank {rank}: job.own_loop() under --on-worker-failure heal: a step of your own loop cannot be dropped "
-        "and retried on every member. HINT: train with job.train_step(batch), or use --on-worker-failure stop "
-        "with --max-restarts N"
-    )
 
 
 class AxisJob(Engine):

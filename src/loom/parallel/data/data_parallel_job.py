@@ -42,12 +42,7 @@ from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.parallel._setup import LossFn
-from loom.parallel.data.data_axis import (
-    AxisJob,
-    check_same_batches,
-    refuse_own_loop,
-    take_live_state,
-)
+from loom.parallel.data.data_axis import AxisJob, check_same_batches, take_live_state
 from loom.parallel.data.data_parallel_config import DataParallelConfig
 from loom.parallel.data.data_parallel_sync import AxisGradients, GradientPath
 from loom.topology import Topology
@@ -139,7 +134,11 @@ class DataParallelJob(AxisJob):
         from loom.parallel.data.own_loop import OwnLoop  # here: own_loop builds on this module's job
 
         if self.quorum is not None:
-            raise refuse_own_loop(self.topology.rank)
+            raise ValueError(
+                f"rank {self.topology.rank}: job.own_loop() under --on-worker-failure heal: a step of your own loop "
+                "cannot be dropped and retried on every member. HINT: train with job.train_step(batch), or use "
+                "--on-worker-failure stop with --max-restarts N"
+            )
         return OwnLoop.start(self, loader)
 
     # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
