@@ -300,6 +300,4 @@ class ShardedDataParallelJob(DataParallelJob):
 
     def _load_parts(self, parts: Any) -> None:
         self.step = load_pieces(parts, self.layout, self.module, self.optimizer, self.topology.rank)
-        if isinstance(self.layout, FlatShards):  # the whole parameters from every rank's loaded piece
-            with self.collective("parameter all-gather"):
-                self.layout.gather_parameters()
+        self._gather_after_step()  # the whole parameters from every rank's loaded piece
