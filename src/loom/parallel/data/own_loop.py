@@ -187,6 +187,13 @@ class OwnLoopModel(nn.Module):
             self.require_backward_grad_sync = before
 
 
+def _held(name: str) -> Any:
+    """The attribute ``name`` of the held optimizer, read and written through."""
+    return property(
+        lambda self: getattr(self.optimizer, name), lambda self, v: setattr(self.optimizer, name, v)
+    )
+
+
 class OwnLoopOptimizer(torch.optim.Optimizer):
     """The job's optimizer for an own loop: the same state and param groups; ``step`` counts ``job.step`` and
     refuses a non-finite averaged gradient. A `torch.optim.Optimizer`, so LR schedulers and ``GradScaler``
@@ -198,29 +205,9 @@ class OwnLoopOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._loop = loop
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+    param_groups = _held("param_groups")  # type: ignore[assignment]
+    state = _held("state")  # type: ignore[assignment]
+    defaults = _held("defaults")  # type: ignore[assignment]
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loop = self._loop

@@ -238,9 +238,7 @@ class ShardedDataParallelJob(DataParallelJob):
 
     def _gradients_finite(self) -> bool:
         """Stage 1: the verdict `FlatShards.average` reduced; FSDP2: True here, the ranks' flags carry it."""
-        if isinstance(self.layout, FlatShards):
-            return self.layout.finite
-        return True
+        return self.layout.finite if isinstance(self.layout, FlatShards) else True
 
     def _apply(self, state: Any) -> None:
         """The optimizer step (`loom.train.engine.Engine._apply`, called only for an applied step), then stage

@@ -322,9 +322,8 @@ class DiLoCoJob(ReplicaJob):
         for entry in list(self._in_flight):
             self._apply_exchange(entry)
         for k in range(len(self.fragments)):
-            if self._global_samples[
-                k
-            ]:  # the same on every rank; a fragment just synchronized has no progress
+            # the same on every rank; a fragment just synchronized has no progress
+            if self._global_samples[k]:
                 self._send(k, 0)
                 self._apply_exchange(self._in_flight[-1])
 
