@@ -323,8 +323,8 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
 
 def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, max_nproc: int | None) -> int:
     """A server host: its servers run until node 0's store, once reached, is gone."""
-    from loom.launch.servers import _prefix_lines, _stop
     from loom.launch.spec import master_host_port
+    from loom.launch.supervise import pump, stop_processes
     from loom.net.store import LoomStore, StoreUnreachable, job_secret
 
     try:
@@ -349,7 +349,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
                    "--index", str(i), "--num-servers", str(len(addresses)), "--bind", address]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(proc)
-            threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{i}]: "), daemon=True).start()
+            threading.Thread(target=pump, args=(proc.stdout, f"[server{i}]: "), daemon=True).start()
         print(f"loom run: servers {[a for _, a in mine]} started; waiting up to {join_timeout_s:g} s (--join-timeout) "
               f"for the job's first worker host at {spec.master}", file=sys.stderr, flush=True)  # fmt: skip
         first = LoomStore(
@@ -387,4 +387,4 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
                 )  # fmt: skip
                 return 0
     finally:
-        _stop(procs)
+        stop_processes(procs, 5.0)

@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
 from loom.launch import tail_lines
+from loom.launch.supervise import killed_by
 from loom.launch.zygote import Zygote
 
 __all__ = ["AgentOptions", "failure_text", "restart_line", "root_failure", "run_agent"]
@@ -54,8 +55,6 @@ class AgentOptions:
 def failure_text(failure: Any) -> str:
     """What a worker's failure was: the signal that killed it (from outside the agent), else the last line of
     the exception it raised, else how it exited."""
-    import signal
-
     code = failure.exitcode
     lines = [
         line
@@ -63,10 +62,7 @@ def failure_text(failure: Any) -> str:
         if line.strip() and not line.startswith("To enable traceback")
     ]
     if code is not None and code < 0 and (code != -15 or not lines):
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        return killed_by(code)
     if lines and not lines[-1].startswith("Signal "):
         return lines[-1].strip()
     return f"exited with code {code} without a Python exception"

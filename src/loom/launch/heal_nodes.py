@@ -36,22 +36,21 @@ ended the job, 1 when it stopped it or the node lost the store.
 from __future__ import annotations
 
 import datetime
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, seconds_setting, stuck_place
+from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, kill_process, stuck_place
 from loom.launch.spec import LaunchSpec
 from loom.launch.supervise import (
     LauncherStopped,
     Placement,
     Worker,
     describe_exit,
+    end_workers,
     start_worker,
-    stop_workers,
+    stopped_by_signals,
     worker_env,
 )
 from loom.launch.zygote import Zygote
@@ -158,8 +157,8 @@ class NodeAgent:
                 print(f"loom run: node {self.node}: starting rank {rank}'s replacement (generation {generation}), "
                       "as node 0's quorum granted", file=sys.stderr, flush=True)  # fmt: skip
             self._launch(rank, generation)
-        elif self.generation[rank] == generation and self.current[rank].proc.poll() is None:
-            os.kill(self.current[rank].proc.pid, signal.SIGKILL)  # "kill": a frozen or silent worker
+        elif self.generation[rank] == generation:
+            kill_process(self.current[rank].proc)  # "kill": a frozen or silent worker
 
 
 class Authority:
@@ -178,7 +177,7 @@ class Authority:
         self.quorum = HealQuorum(
             len(self.node_of), policy, job_store, self._restart, self._alive, self._kill, self._dump
         )
-        self.grace_s = seconds_setting("LOOM_HEAL_GROUP_TIMEOUT_S")
+        self.grace_s = float(setting("LOOM_HEAL_GROUP_TIMEOUT_S"))
 
     def _alive(self, rank: int) -> bool:
         return rank not in self.quorum.gone and self.running[rank] == self.quorum.generation[rank]
@@ -278,7 +277,7 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     logs.mkdir(parents=True, exist_ok=True)
     server = StoreServer(host, port, secret) if node == 0 else None
     prefix = f"loom/{run_id}/nodes/"
-    lost_after_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
+    lost_after_s = float(setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S"))
     joining = LoomStore(
         host, port, secret, prefix=prefix, server=server, connect_timeout_s=spec.join_timeout_s
     )
@@ -306,37 +305,28 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
         return start_worker(rank, spec.nproc, worker_args, port, run_id, logs, "heal", generation, placement,
                             zygote)  # fmt: skip
 
-    def stop_on(signum: int, _frame: Any) -> None:
-        raise LauncherStopped(signum)
-
-    previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
     agent: NodeAgent | None = None
     try:
-        zygote.start()
-        # This node's agent beats while its zygote imports torch (10 s and more on a loaded host): a fork waits
-        # for that, and node 0 would meanwhile drop this node as lost after LOOM_HEAL_HEARTBEAT_TIMEOUT_S.
-        ready_by = time.monotonic() + float(setting("LOOM_ZYGOTE_READY_S"))
-        while not zygote.settled and time.monotonic() < ready_by:
-            link("add", f"{node}/hb", 1)
-            time.sleep(AGENT_BEAT_S)
-        agent = NodeAgent(node, first, spec.nproc, link, start)
-        if server is None:
-            return _follow(agent, link, host, port)
-        job = LoomStore(prefix=f"loom/{run_id}/job/", server=server)
-        authority = Authority(sizes, HealPolicy(spec.max_heals, spec.min_workers), link, job, local=agent)
-        return _lead(agent, authority, link)
+        with stopped_by_signals():
+            zygote.start()
+            # This node's agent beats while its zygote imports torch (10 s and more on a loaded host): a fork
+            # waits for that, and node 0 would meanwhile drop this node as lost after
+            # LOOM_HEAL_HEARTBEAT_TIMEOUT_S.
+            ready_by = time.monotonic() + float(setting("LOOM_ZYGOTE_READY_S"))
+            while not zygote.settled and time.monotonic() < ready_by:
+                link("add", f"{node}/hb", 1)
+                time.sleep(AGENT_BEAT_S)
+            agent = NodeAgent(node, first, spec.nproc, link, start)
+            if server is None:
+                return _follow(agent, link, host, port)
+            job = LoomStore(prefix=f"loom/{run_id}/job/", server=server)
+            authority = Authority(sizes, HealPolicy(spec.max_heals, spec.min_workers), link, job, local=agent)
+            return _lead(agent, authority, link)
     except LauncherStopped as stop:
         print(f"loom run: node {node} stopped by signal {stop}; its workers were terminated", file=sys.stderr)
         return 128 + stop.signum
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if agent is not None:
-            stop_workers(agent.all, spec.shutdown_timeout_s)
-        zygote.close()
-        for w in agent.all if agent is not None else []:
-            for reader in w.readers:
-                reader.join(timeout=5.0)
+        end_workers(agent.all if agent is not None else [], spec.shutdown_timeout_s, zygote)
         if server is not None:
             server.close()
 

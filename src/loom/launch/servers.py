@@ -33,28 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loom.launch.supervise import pump, stop_processes
 from loom.ps.deaths import describe_exit, write_record
 
 __all__ = ["ServerGroup", "server_processes", "wait_for_servers"]
-
-
-def _prefix_lines(stream, prefix: str) -> None:
-    for line in iter(stream.readline, ""):
-        sys.stdout.write(prefix + line)
-        sys.stdout.flush()
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _listen(host: str) -> socket.socket:
@@ -133,7 +115,7 @@ class ServerGroup:
             env=dict(os.environ),
             pass_fds=(fd,),
         )
-        threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[server{index}]: "), daemon=True).start()
+        threading.Thread(target=pump, args=(proc.stdout, f"[server{index}]: "), daemon=True).start()
         return proc
 
     def _watch(self) -> None:
@@ -196,7 +178,7 @@ class ServerGroup:
                     server.state = "stopped"
         if self._watcher.is_alive() and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
-        _stop(procs, grace_s)
+        stop_processes(procs, grace_s)
         for listener in self.listeners:
             listener.close()
         self._write()

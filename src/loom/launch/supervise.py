@@ -1,42 +1,32 @@
 """Run a one-node job's workers as plain child processes, so that a dead worker does not stop the others.
 
-``loom run --on-worker-failure continue``. PyTorch's elastic agent (`loom.launch.agent`) treats the worker group
-as one unit: when one worker dies it stops all of them (and restarts the group if asked). That is right for
-synchronous training, where the others cannot go on anyway, but wrong for asynchronous parameter-server training
-(``ParameterServer(mode="async"|"ssp")``), where the servers hold the model and the surviving workers can finish
-the job. Here the launcher itself supervises the workers:
+``loom run --on-worker-failure continue``. PyTorch's elastic agent (`loom.launch.agent`) stops the whole worker
+group when one worker dies: right for synchronous training, wrong for asynchronous parameter-server training
+(``ParameterServer(mode="async"|"ssp")``), where the servers hold the model and the survivors can finish. Here
+the launcher supervises the workers itself:
 
-- each worker runs `loom.launch.worker` (which dies with the launcher, PDEATHSIG) with the environment the agent
-  would give it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/MASTER_PORT, the TORCHELASTIC_*
-  variables, LOOM_RUN_DIR and LOOM_JOB_SECRET;
-- the store that ``loom.init()`` joins is hosted by the launcher, not by worker 0: loom's authenticated
-  `loom.net.store` on loopback (``LOOM_STORE_PREFIX``), so any worker may die, rank 0 included, once every
-  worker has joined;
-- when a worker dies, one line names its rank and its signal (or exception), and the others go on;
-- when every worker has ended, the servers are stopped.
+- each worker runs `loom.launch.worker` (which dies with the launcher) with the environment the agent would give
+  it (`worker_env`);
+- the store ``loom.init()`` joins is loom's authenticated `loom.net.store`, hosted by the launcher on loopback,
+  so any worker may die, rank 0 included, once every worker has joined;
+- a dead worker is named on one line (its signal or exception), and the others go on; when every worker has
+  ended, the servers are stopped.
 
-Exit status: 0 when every worker either succeeded or was killed by a signal (SIGKILL, the OOM killer...), at
-least one succeeded, and a warning names the lost ranks; 1 when a worker raised or exited non-zero (a bug is not
-a lost worker), or none succeeded; ``128 + signal`` when the launcher itself was stopped.
+Exit status: 0 when every worker succeeded or was killed by a signal (the OOM killer...), at least one
+succeeded, and a warning names the lost ranks; 1 when a worker raised or exited non-zero (a bug is not a lost
+worker), or none succeeded; ``128 + signal`` when the launcher itself was stopped.
 
-Each worker is told the policy (``LOOM_ON_WORKER_FAILURE=continue``), and a strategy whose ranks cannot go on
-without a lost one (every synchronous strategy, DiLoCo, LocalSGD, a ``sync`` parameter server) refuses to start
-under it (`loom.parallel._setup.check_failure_policy`), naming the alternatives; Gossip and ``async``/``ssp``
-parameter servers accept it.
+Each worker is told the policy (``LOOM_ON_WORKER_FAILURE``), and a strategy whose ranks cannot go on without a
+lost one refuses to start under ``continue`` (`loom.parallel._setup.check_failure_policy`).
 
-``--on-worker-failure heal`` runs on the same supervision: each worker is told ``heal`` and its heal generation
-(``LOOM_HEAL_GENERATION``), and instead of letting a lost rank go, the launcher starts its replacement and acts as
-the quorum's authority over the membership epochs (`loom.launch.heal`; the worker's side is
-`loom.fault.quorum`). A healed job's status is 0 when its workers (the replacements included) finished and none
-raised; a lost worker that was replaced is no failure. A worker that raises (exits non-zero on its own) stops a
-healed job at once, naming the rank and the status: a replacement would repeat the script's error.
+``--on-worker-failure heal`` runs on the same supervision: the launcher starts a lost rank's replacement (heal
+generation ``LOOM_HEAL_GENERATION``) and is the quorum's authority (`loom.launch.heal`; the worker's side is
+`loom.fault.quorum`). A healed job's status is 0 when its workers (replacements included) finished and none
+raised; a worker that raises stops a healed job at once (a replacement would repeat the error).
 
-Limits: one node (healing across nodes is `loom.launch.heal_nodes`, built on this module's workers), no restarts
-(``--max-restarts`` must stay 0). A worker that dies *before* every worker has
-joined the process group leaves the others waiting in ``loom.init()`` until its timeout. What the survivors do
-about a dead peer is the strategy's business: a parameter-server job goes on in ``async``/``ssp``, a gossip job
-goes on with its other neighbours; a script that uses no loom strategy is not checked.
-At exit the survivors' barrier in `loom.shutdown` fails at once on the dead peer and says so on stderr.
+Limits: one node (across nodes: `loom.launch.heal_nodes`, built on these workers), no restarts. A worker that
+dies before every worker has joined leaves the others waiting in ``loom.init()`` until its timeout; what the
+survivors do about a dead peer is the strategy's business.
 """
 
 from __future__ import annotations
@@ -49,7 +39,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -87,11 +78,15 @@ class Worker:
     """The last lines of its stderr (its stacks, when the healing launcher asks for them: `loom.launch.heal`)."""
 
 
-def _pump(stream: IO[str], prefix: str, out: IO[str], log_path: Path, tail: deque[str] | None = None) -> None:
-    """Copy a worker's stream to ours, each line prefixed with its rank, and to its log file; close the stream at
-    its end (the launcher keeps each ended worker's record, and an open pipe per stream leaked 2 descriptors per
-    heal)."""
-    with stream, open(log_path, "w") as log:
+def pump(
+    stream: IO[str], prefix: str, out: IO[str] | None = None, log_path: Path | None = None,
+    tail: deque[str] | None = None,
+) -> None:  # fmt: skip
+    """Copy a child's stream to ``out`` (None: our stdout), each line after ``prefix``, and to its log file if
+    any; close the stream at its end (the launcher keeps each ended worker's record: an open pipe would leak
+    descriptors per heal)."""
+    out = out or sys.stdout
+    with stream, open(log_path or os.devnull, "w") as log:
         for line in iter(stream.readline, ""):
             out.write(prefix + line)
             out.flush()
@@ -167,7 +162,7 @@ def start_worker(
     ):
         log = logs / f"{name}.{stream_name}.log"
         tail = worker.tail if stream_name == "stderr" else None
-        thread = threading.Thread(target=_pump, args=(stream, f"[rank{rank}]: ", out, log, tail), daemon=True)
+        thread = threading.Thread(target=pump, args=(stream, f"[rank{rank}]: ", out, log, tail), daemon=True)
         thread.start()
         worker.readers.append(thread)
     return worker
@@ -185,29 +180,65 @@ def _exception_of(worker: Worker) -> str | None:
     return str(message).strip().splitlines()[-1] if message else None
 
 
-def describe_exit(worker: Worker) -> str:
-    code = worker.proc.returncode
+def killed_by(code: int) -> str:
+    """``killed by SIGKILL`` for the status -9 (``killed by signal N`` for a signal without a name)."""
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def exit_text(name: str, code: int, error: str | None) -> str:
+    """How a process ``name`` ended, as one line: the signal that killed it, else its status and exception."""
     if code < 0:
+        return f"{name} was {killed_by(code)}"
+    return f"{name} failed (exit code {code}): {error or 'exited without a Python exception'}"
+
+
+def describe_exit(worker: Worker) -> str:
+    return exit_text(f"worker rank {worker.rank}", worker.proc.returncode, _exception_of(worker))
+
+
+def stop_processes(procs: list[Any], grace_s: float) -> None:
+    """SIGTERM every process still running, then SIGKILL those not ended within ``grace_s``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
         try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"worker rank {worker.rank} was killed by {name}"
-    reason = _exception_of(worker) or "exited without a Python exception"
-    return f"worker rank {worker.rank} failed (exit code {code}): {reason}"
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stop_workers(workers: list[Worker], grace_s: float) -> None:
+    stop_processes([w.proc for w in workers], grace_s)
+
+
+@contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise `LauncherStopped` meanwhile (the caller stops its workers)."""
+
+    def stop_on(signum: int, _frame: Any) -> None:
+        raise LauncherStopped(signum)
+
+    previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def end_workers(workers: list[Worker], grace_s: float, zygote: Zygote) -> None:
+    """Leave nothing running: the workers stopped, the zygote ended, their output read to the end."""
+    stop_workers(workers, grace_s)
+    zygote.close()
     for w in workers:
-        if w.proc.poll() is None:
-            w.proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for w in workers:
-        try:
-            w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
+        for reader in w.readers:
+            reader.join(timeout=5.0)
 
 
 class _JobFailed(Exception):
@@ -335,41 +366,30 @@ def supervise_workers(
     # worker 0 does not take the rendezvous down with it.
     store = StoreServer("127.0.0.1", 0, job_secret())
 
-    def stop_on(signum: int, _frame) -> None:
-        raise LauncherStopped(signum)
-
-    previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
     workers: list[Worker] = []
     policy = "continue" if heal is None else "heal"
     zygote = Zygote(worker_args, worker_env(0, nproc, store.port, run_id, logs / "zygote.error.json", policy))
     try:
-        zygote.start()
+        with stopped_by_signals():
+            zygote.start()
 
-        def start(rank: int, generation: int) -> Worker:
-            return start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy, generation,
-                                zygote=zygote)  # fmt: skip
+            def start(rank: int, generation: int) -> Worker:
+                return start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy, generation,
+                                    zygote=zygote)  # fmt: skip
 
-        for rank in range(nproc):
-            workers.append(start(rank, 0))
-        if heal is None:
-            _watch(workers, failure)
-        else:
-            _watch_healing(workers, heal, store, start, run_id)
-            return _healed_verdict(workers)
+            for rank in range(nproc):
+                workers.append(start(rank, 0))
+            if heal is None:
+                _watch(workers, failure)
+            else:
+                _watch_healing(workers, heal, store, start, run_id)
+                return _healed_verdict(workers)
     except _JobFailed:
-        stop_workers(workers, grace_s)
         return 1
     except LauncherStopped as stop:
         print(f"loom run: stopped by signal {stop}; workers were terminated", file=sys.stderr)
-        stop_workers(workers, grace_s)
         return 128 + stop.signum
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        stop_workers(workers, grace_s)  # nothing left running, whatever happened above
-        zygote.close()
-        for w in workers:
-            for reader in w.readers:
-                reader.join(timeout=5.0)
+        end_workers(workers, grace_s, zygote)  # nothing left running, whatever happened above
         store.close()
     return _verdict(workers)

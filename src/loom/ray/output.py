@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 from typing import Any
+
+from loom.launch.supervise import exit_text
 
 __all__ = ["blame", "describe_exit", "prefix_print", "write_chunk"]
 
@@ -43,13 +44,7 @@ def write_chunk(run_dir: Path, bases: dict[str, int], rel: str, offset: int, dat
 
 
 def describe_exit(name: str, report: dict[str, Any]) -> str:
-    code = report["exit"]
-    if code < 0:
-        try:
-            return f"{name} was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"{name} was killed by signal {-code}"
-    return f"{name} failed (exit code {code}): {report['error'] or 'exited without a Python exception'}"
+    return exit_text(name, report["exit"], report["error"])
 
 
 def blame(failures: list[tuple[int, float, str]]) -> str:
