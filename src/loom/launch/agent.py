@@ -13,12 +13,9 @@ whole group up to ``max_restarts`` times. loom adds:
 - a one-line failure message naming the failing rank and its error, instead of the agent's table, and a line
   naming a node this one lost contact with.
 
-Workers run `loom.launch.worker`, which runs the user's script and records its exception for the agent.
-
-What is started, and its checks, are `loom.launch.spec`'s (`LaunchSpec`); this module runs it.
-
-With ``on_worker_failure="continue"`` the agent is not used: `loom.launch.supervise` starts the workers itself and
-lets the others finish when one dies (asynchronous parameter-server training); see that module for the exit status.
+Workers run `loom.launch.worker`; what is started, and its checks, are `loom.launch.spec`'s (`LaunchSpec`). With
+``--on-worker-failure continue|heal`` the agent is not used: `loom.launch.supervise` (`loom.launch.heal_nodes`
+across nodes) starts the workers itself.
 """
 
 from __future__ import annotations
@@ -27,11 +24,17 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loom.launch.spec import LaunchSpec, endpoint_and_addr, run_id_of, secret_of
 from loom.net.interfaces import interface_of
 from loom.observe.trace import merge_traces_and_say
+
+if TYPE_CHECKING:
+    from loom.launch.servers import ServerGroup
 
 __all__ = ["launch"]
 
@@ -74,15 +77,13 @@ def _describe_failures(error) -> str:
 
 def launch(spec: LaunchSpec) -> int:
     """Run the job to completion; returns the process exit status (0 on success)."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from loom.fault.liveness import liveness_timeout_s
     from loom.fault.watchdog import hang_timeout_s
-    from loom.launch.elastic import AgentOptions, run_agent
+    from loom.launch.elastic import run_agent
     from loom.launch.rendezvous import LOST_AFTER_GRACE_S, LoomRendezvous, PeerLost
-    from loom.launch.servers import server_processes
     from loom.net.store import StoreTimeout, StoreUnreachable
 
     try:
@@ -95,21 +96,19 @@ def launch(spec: LaunchSpec) -> int:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     _worker_env(spec, local_addr)
     _quiet_agent_logs()
-    run_id = run_id_of(spec)
-    if spec.on_worker_failure == "heal" and spec.nnodes > 1:
-        from loom.launch.heal_nodes import heal_across_nodes
-
+    run_id, logs = run_id_of(spec), spec.run_dir / "logs"
+    cannot_listen = f"loom run: node 0 cannot listen on the master address {host}:{port}"
+    if spec.on_worker_failure in ("continue", "heal"):
         try:
-            status = heal_across_nodes(spec, run_id, host, port, _worker_args(spec))
+            status = _supervised(spec, run_id, host, port)
         except OSError as error:
-            print(f"loom run: node 0 cannot listen on the master address {host}:{port}: {error.strerror or error}",
-                  file=sys.stderr)  # fmt: skip
+            if spec.nnodes == 1:  # node 0's store across nodes: one node's listens on loopback
+                raise
+            print(f"{cannot_listen}: {error.strerror or error}", file=sys.stderr)
             return 2
         if status:
-            print(f"loom run: worker logs are in {spec.run_dir / 'logs'}", file=sys.stderr)
+            print(f"loom run: worker logs are in {logs}", file=sys.stderr)
         return status
-    if spec.on_worker_failure in ("continue", "heal"):
-        return _supervised(spec, run_id)
     try:
         rendezvous = LoomRendezvous(
             spec.node_rank,
@@ -123,48 +122,54 @@ def launch(spec: LaunchSpec) -> int:
             lost_after_s,
         )
     except OSError as error:
-        print(f"loom run: node 0 cannot listen on the master address {host}:{port}: {error.strerror or error}. "
-              "HINT: run node 0 on the host --master names, with a port nothing else uses", file=sys.stderr)  # fmt: skip
+        print(f"{cannot_listen}: {error.strerror or error}. HINT: run node 0 on the host --master names, with a "
+              "port nothing else uses", file=sys.stderr)  # fmt: skip
         return 2
-    options = AgentOptions(
-        nproc=spec.nproc,
-        max_restarts=spec.max_restarts,
-        logs_specs=DefaultLogsSpecs(log_dir=str(spec.run_dir / "logs"), tee=Std.ALL),
-        local_addr=local_addr,
-        shutdown_timeout_s=spec.shutdown_timeout_s,
-    )
     started = time.monotonic()
     servers = None
     try:
-        with server_processes(
-            spec.servers, spec.server_bind, spec.max_server_restarts, spec.run_dir.resolve()
-        ) as servers:
-            if servers.addresses:
-                os.environ["LOOM_PS_ADDRS"] = ",".join(servers.addresses)
-            _, restarts = run_agent(options, rendezvous, sys.executable, _worker_args(spec))
+        with _servers(spec) as servers:
+            _, restarts = run_agent(spec, rendezvous, local_addr, _worker_args(spec))
     except ChildFailedError as error:
         print(_describe_failures(error), file=sys.stderr)
         lost = rendezvous.silent_peers()
         if lost:
             print(f"loom run: {lost}", file=sys.stderr)
-        print(f"loom run: worker logs are in {spec.run_dir / 'logs'}", file=sys.stderr)
+        print(f"loom run: worker logs are in {logs}", file=sys.stderr)
         return 1
     except (PeerLost, StoreUnreachable, StoreTimeout) as error:
         print(f"loom run: {error}", file=sys.stderr)
         return 1
     except SignalException as stop:
         if servers is not None and servers.failure is not None:  # the server watcher stopped the job
-            print(f"loom run: workers were terminated; logs are in {spec.run_dir / 'logs'}", file=sys.stderr)
+            print(f"loom run: workers were terminated; logs are in {logs}", file=sys.stderr)
             return 1
         print(f"loom run: stopped by signal {stop.sigval.name}; workers were terminated", file=sys.stderr)
         return 128 + int(stop.sigval)
     finally:
         rendezvous.shutdown()  # idempotent; the agent calls it too, but not if it failed before starting
+    print(summary_line(spec, time.monotonic() - started, restarts, servers.restarts), file=sys.stderr)
+    return 0
+
+
+@contextmanager
+def _servers(spec: LaunchSpec, on_failure: Callable[[], None] | None = None) -> Iterator[ServerGroup]:
+    """The job's parameter servers (`loom.launch.servers`, their addresses in ``LOOM_PS_ADDRS``) while it runs;
+    the workers' traces merged at its end."""
+    from loom.launch.servers import server_processes
+
+    options = {} if on_failure is None else {"on_failure": on_failure}
+    run_dir = spec.run_dir.resolve()
+    try:
+        with server_processes(
+            spec.servers, spec.server_bind, spec.max_server_restarts, run_dir, **options
+        ) as group:
+            if group.addresses:
+                os.environ["LOOM_PS_ADDRS"] = ",".join(group.addresses)
+            yield group
+    finally:
         if spec.trace_steps:
             merge_traces_and_say(spec.run_dir, "loom run")
-    server_restarts = servers.restarts if servers is not None else 0
-    print(summary_line(spec, time.monotonic() - started, restarts, server_restarts), file=sys.stderr)
-    return 0
 
 
 def summary_line(spec: LaunchSpec, seconds: float, restarts: int, server_restarts: int = 0) -> str:
@@ -209,35 +214,17 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
     return args + list(spec.args)
 
 
-def _supervised(spec: LaunchSpec, run_id: str) -> int:
-    """``--on-worker-failure continue|heal``: `loom.launch.supervise` runs the workers, not the agent."""
-    from loom.launch.servers import server_processes
+def _supervised(spec: LaunchSpec, run_id: str, host: str, port: int) -> int:
+    """``--on-worker-failure continue|heal``: `loom.launch.supervise` runs the workers, not the agent
+    (`loom.launch.heal_nodes` across nodes)."""
+    from loom.launch.heal import HealPolicy
     from loom.launch.supervise import supervise_workers
 
-    logs = spec.run_dir / "logs"
-    try:
-        with server_processes(
-            spec.servers, spec.server_bind, spec.max_server_restarts, spec.run_dir.resolve(), lambda: None
-        ) as servers:
-            if servers.addresses:
-                os.environ["LOOM_PS_ADDRS"] = ",".join(servers.addresses)
-            heal = None
-            if spec.on_worker_failure == "heal":
-                from loom.launch.heal import HealPolicy
+    if spec.on_worker_failure == "heal" and spec.nnodes > 1:
+        from loom.launch.heal_nodes import heal_across_nodes
 
-                heal = HealPolicy(spec.max_heals, spec.min_workers)
-            status = supervise_workers(
-                spec.nproc,
-                _worker_args(spec),
-                run_id,
-                logs,
-                spec.shutdown_timeout_s,
-                lambda: servers.failure,
-                heal,
-            )
-    finally:
-        if spec.trace_steps:
-            merge_traces_and_say(spec.run_dir, "loom run")
-    if status:
-        print(f"loom run: worker logs are in {logs}", file=sys.stderr)
-    return status
+        return heal_across_nodes(spec, run_id, host, port, _worker_args(spec))
+    heal = HealPolicy(spec.max_heals, spec.min_workers) if spec.on_worker_failure == "heal" else None
+    with _servers(spec, lambda: None) as servers:
+        return supervise_workers(spec.nproc, _worker_args(spec), run_id, spec.run_dir / "logs",
+                                 spec.shutdown_timeout_s, lambda: servers.failure, heal)  # fmt: skip

@@ -1,18 +1,16 @@
 """Bounds on what `loom run` accepts, checked before anything is created.
 
-A launcher that trusts its input can be made to do unbounded work by one typo: ``loom run -n 1000000`` once grew
-the launcher to 2.2 GB and made about 90,000 log directories before failing silently, a spec with 100,000 nested
-brackets ended in a `RecursionError` traceback, and a FIFO given as the spec hung the launcher. Every bound here is
-checked before a directory, a socket or a process exists, and a refusal is one line naming the value and the fix.
+A launcher that trusts its input can be made to do unbounded work by one typo (``loom run -n 1000000``: gigabytes
+and tens of thousands of log directories before failing), a spec with deeply nested brackets ends in a
+`RecursionError`, and a FIFO given as the spec hangs the launcher. Every bound here is checked before a
+directory, a socket or a process exists, and a refusal is one line naming the value and the fix.
 
-- Worker processes per host: at most `MAX_NPROC_PER_CORE` times the host's cores (``os.cpu_count()``); more is a
-  typo or a fork bomb, never a training job. ``--max-nproc N`` raises the bound explicitly (a host with a few
-  GPUs and many small workers, a test of the launcher itself), but never past what the host's memory can hold:
-  `MIN_WORKER_BYTES` per worker (``--max-nproc 1000000 -n 1000000`` grew the launcher to 2.3 GB and 245,000
-  directories in 60 s before).
-- A spec file: a regular file (stat before opening, opened with ``O_NONBLOCK`` and checked again on the open
-  descriptor, so a FIFO or a device is refused without a read that could block), at most ``limit`` bytes, and
-  JSON nested at most `MAX_SPEC_NESTING` deep, counted before the JSON parser (which recurses) sees it.
+- Worker processes per host: at most `MAX_NPROC_PER_CORE` times the host's cores; more is a typo or a fork bomb,
+  never a training job. ``--max-nproc N`` raises the bound explicitly, but never past what the host's memory can
+  hold: `MIN_WORKER_BYTES` per worker.
+- A spec file: a regular file (checked before opening and again on the descriptor opened with ``O_NONBLOCK``, so
+  a FIFO or a device is refused without a read that could block), at most ``limit`` bytes, and JSON nested at
+  most `MAX_SPEC_NESTING` deep, counted before the JSON parser (which recurses) sees it.
 """
 
 from __future__ import annotations
@@ -21,16 +19,8 @@ import os
 import re
 import stat
 
-__all__ = [
-    "MAX_NPROC_PER_CORE",
-    "MAX_SPEC_NESTING",
-    "MIN_WORKER_BYTES",
-    "memory_max_nproc",
-    "default_max_nproc",
-    "check_nproc",
-    "json_nesting_depth",
-    "read_regular_file",
-]
+__all__ = ["MAX_NPROC_PER_CORE", "MAX_SPEC_NESTING", "MIN_WORKER_BYTES", "check_nproc", "default_max_nproc",
+           "json_nesting_depth", "memory_max_nproc", "read_regular_file"]  # fmt: skip
 
 MAX_NPROC_PER_CORE = 8
 """Worker processes allowed per core of the host by default (``--max-nproc`` overrides)."""

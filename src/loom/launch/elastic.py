@@ -17,12 +17,11 @@ import inspect
 import os
 import signal
 import sys
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
@@ -31,25 +30,16 @@ from loom.launch import tail_lines
 from loom.launch.supervise import killed_by
 from loom.launch.zygote import Zygote
 
-__all__ = ["AgentOptions", "failure_text", "restart_line", "root_failure", "run_agent"]
+if TYPE_CHECKING:
+    from loom.launch.spec import LaunchSpec
+
+__all__ = ["failure_text", "restart_line", "root_failure", "run_agent"]
 
 RESUME_NOTE = (
     "a script that checkpoints resumes from its latest checkpoint (loom.fit and hvd.elastic.run do), "
     "one that does not starts over"
 )
 """Said of every script, since the launcher cannot tell whether this one uses loom.fit."""
-
-
-@dataclass(frozen=True)
-class AgentOptions:
-    """What the agent needs from `loom run`'s launch spec."""
-
-    nproc: int
-    max_restarts: int
-    logs_specs: LogsSpecs
-    local_addr: str
-    shutdown_timeout_s: int
-    monitor_interval_s: float = 0.1
 
 
 def failure_text(failure: Any) -> str:
@@ -216,30 +206,31 @@ def _process_state(pid: int) -> str | None:
 
 
 def run_agent(
-    options: AgentOptions, rendezvous: RendezvousHandler, entrypoint: str, args: list[str]
+    spec: LaunchSpec, rendezvous: RendezvousHandler, local_addr: str, args: list[str]
 ) -> tuple[dict[int, Any], int]:
-    """Run the worker group to the end; returns the workers' return values and the number of restarts.
+    """Run ``spec``'s worker group (``python ARGS`` each) to the end; returns the workers' return values and the
+    number of restarts.
 
     Raises ``ChildFailedError`` (naming every failed rank) when the group failed after its last restart, as
     ``launch_agent`` does; signals reach the caller as the agent's ``SignalException``.
     """
-    spec = WorkerSpec(
+    worker_spec = WorkerSpec(
         role="default",
-        local_world_size=options.nproc,
-        entrypoint=entrypoint,
+        local_world_size=spec.nproc,
+        entrypoint=sys.executable,
         args=tuple(args),
         rdzv_handler=rendezvous,
-        max_restarts=options.max_restarts,
-        monitor_interval=options.monitor_interval_s,
-        local_addr=options.local_addr,
+        max_restarts=spec.max_restarts,
+        monitor_interval=0.1,
+        local_addr=local_addr,
     )
     agent = _NarratingAgent(
-        spec=spec,
-        logs_specs=options.logs_specs,
+        spec=worker_spec,
+        logs_specs=DefaultLogsSpecs(log_dir=str(spec.run_dir / "logs"), tee=Std.ALL),
         start_method="spawn",
         log_line_prefix_template="[rank${rank}]: ",
     )
-    agent.shutdown_timeout_s = options.shutdown_timeout_s  # see `_NarratingAgent._shutdown`
+    agent.shutdown_timeout_s = spec.shutdown_timeout_s  # see `_NarratingAgent._shutdown`
     agent.zygote = Zygote([*args], {})
     tail_lines.install()  # the workers' lines reach our output whole
     try:
@@ -247,5 +238,5 @@ def run_agent(
     finally:
         agent.zygote.close()
     if result.is_failed():
-        raise ChildFailedError(name=entrypoint, failures=result.failures)
+        raise ChildFailedError(name=sys.executable, failures=result.failures)
     return result.return_values, agent.restarts

@@ -2,39 +2,35 @@
 replacements.
 
 On one host the launcher is the natural authority over membership: the workers are its children (it sees a
-death at once, with its signal), and it hosts the job's authenticated store (`loom.launch.supervise`), so no
-worker's death takes the quorum down. What it does, every `TICK_S` (the protocol is `loom.fault.quorum`'s):
+death at once, with its signal), and it hosts the job's store (`loom.launch.supervise`), so no worker's death
+takes the quorum down. Every `TICK_S` (the protocol is `loom.fault.quorum`'s):
 
 - a worker that dies (a signal, or `LEFT_OUT_STATUS`) is named on one line; while heals remain (``--max-heals``)
   a replacement starts at once with the same RANK and the next heal generation (``LOOM_HEAL_GENERATION``); past
   the budget the job stops, naming the lost ranks. The dead member's epoch is marked (``q/E/dead``) so that the
   others' commit vote does not wait for it;
-- a worker whose heartbeat stops for its strategy's ``liveness_timeout_s`` (``LOOM_LIVENESS_TIMEOUT_S``), else
-  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (default 10 s; a frozen process) is killed, and is then a dead worker like any
-  other (one that said ``bye`` at its exit is left to end). Each worker tells its timeouts in ``guard/RANK/GEN``
-  (`loom.fault.quorum.Quorum.apply_guard`);
-- epoch 1 is published when every first worker is ready; a replacement that is ready marks ``q/E/pending`` (the
-  members re-form after their current step); when a member of E checks in (or one dies), the next epoch is
-  published once every live member of E has checked in, or after the members' ``work_timeout_s``
-  (``LOOM_WORK_TIMEOUT_S``), else ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (default 10 s: the silent ones have their stacks
-  printed and are killed, never waited for again), with the ready replacements added;
+- a worker whose heartbeat stops for its strategy's ``liveness_timeout_s``, else
+  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (a frozen process), is killed, and is then a dead worker like any other (one
+  that said ``bye`` at its exit is left to end). Each worker tells its timeouts in ``guard/RANK/GEN``;
+- epoch 1 is published when every first worker is ready; a ready replacement marks ``q/E/pending`` (the members
+  re-form after their current step); once a member of E checks in (or one dies), the next epoch is published
+  when every live member of E has checked in, or after the members' ``work_timeout_s``, else
+  ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (the silent ones have their stacks printed and are killed), with the ready
+  replacements added;
 - fewer members than ``--min-workers`` stops the job, naming the lost ranks;
-- a worker that exits with any other non-zero status on its own (an uncaught exception in the script: status 1
-  and a traceback) stops the job at once, naming the rank and the status, as ``--on-worker-failure stop`` does.
+- a worker that exits with any other non-zero status on its own (the script's uncaught exception) stops the job
+  at once, naming the rank and the status, as ``--on-worker-failure stop`` does.
 
-Where the line is (`exit_kind`): a death by a signal (SIGKILL, the OOM killer, the launcher's own kill of a frozen
-or silent worker) is a lost machine or process, which a replacement fixes; `LEFT_OUT_STATUS` is the status a
-worker sets on purpose when the quorum tells it to leave (`loom.fault.quorum.LeftOutOfQuorum`, via
-`loom.launch.worker`), also healed; every other status is the script's own doing -- a bug, a bad setting, a step
-that failed `MAX_DROPS` times in a row -- which a replacement started from the same state would only repeat,
-spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
+Where the line is (`exit_kind`): a death by a signal (the OOM killer, the launcher's kill of a frozen or silent
+worker) is a lost process, which a replacement fixes; `LEFT_OUT_STATUS` is set on purpose when the quorum tells a
+worker to leave (`loom.errors.LeftOutOfQuorum`, via `loom.launch.worker`), also healed; every other status is the
+script's own doing (a bug, a bad setting, a step that failed `MAX_DROPS` times in a row), which a replacement
+would only repeat, spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
 
 Across hosts the same `HealQuorum` runs in node 0's agent and acts on the other nodes' workers through their
 agents (`loom.launch.heal_nodes`): ``restart``/``kill`` become orders, a death is an event, and a lost node's
-ranks are dropped (`HealQuorum.drop`) rather than replaced.
-
-The job ends when every worker has ended; a replacement still waiting to join when the others have finished is
-stopped (there is nothing left to train).
+ranks are dropped (`HealQuorum.drop`) rather than replaced. The job ends when every worker has ended; a
+replacement still waiting to join when the others have finished is stopped.
 """
 
 from __future__ import annotations

@@ -1,36 +1,34 @@
 """Healing across hosts: ``loom run --nnodes K --node-rank R --master ADDR:PORT ... --on-worker-failure heal``
 (and ``--cluster``, whose worker hosts run the same node agents).
 
-Design (the one-host design of `loom.launch.heal`, with the launcher's two roles split between the nodes):
+The one-host design of `loom.launch.heal`, with the launcher's two roles split between the nodes:
 
-- **Node 0's agent hosts the job's authenticated store** (`loom.net.store`, on the master address: the workers'
-  prefix as on one host, the agents' own under ``loom/RUN/nodes/``) **and the quorum's authority**
-  (`loom.launch.heal.HealQuorum` over every rank of the job, one ``--max-heals`` budget). The authority never
-  touches a process itself: it writes *orders* (``start RANK GEN``, ``kill RANK GEN``) to the node that holds
-  the rank, and reads that node's *events* (``RANK GEN STATUS WHAT``: a process ended) from the store. So node 0 is
-  an agent like the others, and one code path serves a local and a remote rank.
+- **Node 0's agent hosts the job's store** (`loom.net.store`, on the master address: the workers' prefix as on
+  one host, the agents' own under ``loom/RUN/nodes/``) **and the quorum's authority** (`HealQuorum` over every
+  rank, one ``--max-heals`` budget). The authority never touches a process: it writes *orders* (``start RANK
+  GEN``, ``kill RANK GEN``, ``dump RANK GEN``) to the node that holds the rank, and reads that node's *events*
+  (``RANK GEN STATUS WHAT``: a process ended). So node 0 is an agent like the others, and one code path serves a
+  local and a remote rank.
 - **Every node's agent supervises its own children** as the one-host launcher does (`loom.launch.supervise`):
-  it reports each ended process (its status and one line) and carries out the orders for its ranks, so a
-  replacement starts on the node of the rank it replaces. Every store call of an agent is bounded
-  (``io_timeout_s``); a failed call is retried at the next tick, never waited on.
-- **Heartbeats.** Every worker's go to the store as on one host (a frozen worker is killed by its node on the
-  authority's order, then replaced); every agent's own go to ``nodes/K/hb``. A node whose agent is silent for
-  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is **lost**: its ranks are dropped for good (`HealQuorum.drop`; no heal is
-  spent on a node that cannot be reached), the members left go on down to ``--min-workers``. A survivor caught in
-  a collective with a partitioned peer learns of it only at its group's timeout (``LOOM_HEAL_GROUP_TIMEOUT_S``,
-  30 s: no connection resets across a cut link), so the authority waits that much more for its check-in.
-- **A node that loses the store** (no answer for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``) stops its own workers and
-  exits 1 naming node 0: on the other side of a partition it cannot know whether the job goes on, and its
-  workers must not train alone. **Node 0's loss stops the job** on every node that way: the authority and the
-  store live there (a job that must outlive node 0 needs them replicated, which this does not do).
-- The job ends when every rank's last process has ended (a replacement still waiting when the others finished is
-  stopped): node 0 writes ``end`` (or ``stop`` with the reason, when the job cannot go on healing), the agents
-  stop what is left, say ``bye``, and node 0 closes the store once every node it has not lost said it (bounded).
+  it reports each ended process and carries out the orders for its ranks, so a replacement starts on the node
+  of the rank it replaces. Every store call of an agent is bounded; a failed call is retried at the next tick.
+- **Heartbeats.** Every worker's go to the store as on one host; every agent's own go to ``nodes/K/hb``. A node
+  whose agent is silent for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is **lost**: its ranks are dropped for good
+  (`HealQuorum.drop`; no heal is spent on a node that cannot be reached), down to ``--min-workers``. A survivor
+  in a collective with a partitioned peer learns of it only at its group's timeout
+  (``LOOM_HEAL_GROUP_TIMEOUT_S``: no connection resets across a cut link), so the authority waits that much
+  more for its check-in.
+- **A node that loses the store** (no answer for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``) stops its workers and exits
+  1 naming node 0: across a partition it cannot know whether the job goes on, and its workers must not train
+  alone. **Node 0's loss stops the job**: the authority and the store live there (not replicated).
+- The job ends when every rank's last process has ended: node 0 writes ``end`` (or ``stop`` with the reason),
+  the agents stop what is left and say ``bye``, and node 0 closes the store once every node it has not lost
+  said it (bounded).
 
 Ranks: nodes register their ``-n`` (``nodes/K/nproc``) and number their workers in node order, so hosts of a
 ``--cluster`` spec may run different counts. Exit status: node 0's is 0 when the job trained to the end (lost
-nodes and replaced workers are no failure, and are named), 1 when it stopped; another node's is 0 when node 0
-ended the job, 1 when it stopped it or the node lost the store.
+nodes and replaced workers are named, not failures), 1 when it stopped; another node's is 0 when node 0 ended
+the job, 1 when it stopped it or the node lost the store.
 """
 
 from __future__ import annotations

@@ -35,11 +35,7 @@ import sys
 import threading
 import time
 
-from torch.distributed.elastic.rendezvous import (
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousStoreInfo,
-)
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from loom.errors import PeerLost
 from loom.net.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable

@@ -2,8 +2,7 @@
 
 Every DDP script written for ``torchrun`` calls ``init_process_group()`` itself (``env://``, the default).
 Under ``loom run`` MASTER_ADDR:MASTER_PORT is loom's authenticated store (`loom.net.store`), which torch's
-``TCPStore`` client cannot join: it used to retry for its 30-minute timeout while loom printed nothing. So
-`install`, called by `loom.launch.worker` before the script runs (never at ``import loom``), makes the script's
+``TCPStore`` client cannot join (it would retry for its 30-minute timeout). So `install`, called by `loom.launch.worker` before the script runs (never at ``import loom``), makes the script's
 rendezvous the one `loom.init` makes:
 
 - ``init_method="env://"`` (or none) and ``"tcp://MASTER_ADDR:MASTER_PORT"``: the process group meets in a
@@ -14,8 +13,7 @@ rendezvous the one `loom.init` makes:
   Any other ``tcp://`` address and ``file://`` are torch's own, as under torchrun.
 - ``torch.distributed.TCPStore`` pointed at MASTER_ADDR:MASTER_PORT is refused at once with the fix, instead
   of retrying silently.
-- ``destroy_process_group()`` keeps the groups it destroys alive until the process ends (`_kept`: a gloo group's
-  destructor could deadlock on the GIL when the script's ``main()`` returned).
+- ``destroy_process_group()`` keeps the groups it destroys alive until the process ends (`_kept`).
 - ``--on-worker-failure heal``: refused at the script's ``init_process_group()``: healing changes members between
   steps, which a default group of every rank cannot follow (loom's ``DataParallel`` heals).
 
@@ -59,10 +57,7 @@ _kept: list[Any] = []
 """Every process group the script destroyed, kept until the process ends, which `loom.launch.worker` ends without
 running destructors (`loom.launch.worker.finish`). A group's last reference usually goes when the script's
 ``main()`` returns (its DDP model holds it), and a gloo group's destructor waits for a thread of its own that may
-be waiting for the GIL the main thread holds while it runs that destructor (torch's ``destroy_process_group``
-says as much of Python completion hooks): the job trained and never ended. Seen in CI under load, the tutorial DDP
-script at ``-n 2``: rank 0 in ``main()``'s teardown after ``destroy_process_group()``, beside a thread with a
-Python state and no frame, for 200 s."""
+be waiting for the GIL the main thread holds while it runs that destructor: the job trained and never ended."""
 
 
 def loom_store_address() -> tuple[str, int] | None:

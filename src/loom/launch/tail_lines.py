@@ -2,9 +2,8 @@
 
 ``loom run`` (torch's agent) writes each worker's stdout and stderr to files and tails them into its own output,
 each line after ``[rankN]: ``. torch's `tail_logfile` writes whatever it reads at the end of a file, so a line
-read while its worker was still writing it came out in two pieces, each with the header: under load a 2 KB JSON
-record printed by a worker was split at a page boundary and no longer parsed (test_ps_fit, in a full CI run).
-`tail_whole_lines` holds a line back until its newline is in the file; a line left without one is written after
+read while its worker was still writing it came out in two pieces, each with the header (a JSON record split at
+a page boundary no longer parses). `tail_whole_lines` holds a line back until its newline is in the file; a line left without one is written after
 `PARTIAL_WAIT_S` of no growth (a prompt, a progress bar drawn with ``\\r``) and when the worker has finished.
 """
 

@@ -1,13 +1,13 @@
 """Entry point of every worker process `loom run` starts: ``python -m loom.launch.worker [-m] TARGET ARGS``.
 
 Runs the user's script as ``__main__`` and, if it raises, records the exception in the file the elastic agent
-reads (so the launcher can name the failing rank and its error). A `loom.errors.StartRefused` (a job that
-refuses the launcher's settings) is printed as one line. A `loom.errors.LeftOutOfQuorum` (the healing quorum told
-this worker to leave) is no error either: one line, and the process ends with its ``exit_status`` (75), which the
-launcher reads as "replace me" (any other non-zero status is the script's own error, `loom.launch.heal`). The worker also asks the
-kernel to kill it if the launcher dies, so no worker outlives its job even when the launcher is killed with SIGKILL.
-Before the script runs, its own ``torch.distributed.init_process_group()`` is routed to the job's store
-(`loom.launch.script_init`), so a script written for torchrun runs unported.
+reads (so the launcher can name the failing rank and its error). A `loom.errors.StartRefused` (a job that refuses
+the launcher's settings) is printed as one line; so is a `loom.errors.LeftOutOfQuorum` (the healing quorum told
+this worker to leave), and the process ends with its ``exit_status`` (75), which the launcher reads as "replace
+me" (`loom.launch.heal`). The worker asks the kernel to kill it if the launcher dies, so no worker outlives its
+job even when the launcher is killed with SIGKILL. Before the script runs, its own
+``torch.distributed.init_process_group()`` is routed to the job's store (`loom.launch.script_init`), so a script
+written for torchrun runs unported.
 """
 
 from __future__ import annotations
@@ -116,23 +116,15 @@ def main() -> None:
     die_with_parent()
     install()  # the script's own init_process_group() joins loom's store (no-op outside `loom run`)
     try:
-        record(_run, _atomic_error_handler())(
-            sys.argv[1:]
-        )  # records an exception for the launcher, raises it
-    except Exception as error:
-        if isinstance(error, LeftOutOfQuorum):  # told to leave (healing): ended on purpose, not a bug
-            print(f"loom: rank {os.environ.get('RANK', '?')}: {error}", file=sys.stderr)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(error.exit_status)
-        if not isinstance(error, StartRefused):
-            raise
-        # A refusal at start-up (the same on every rank) is a message, not a bug: one line, no traceback, and
-        # no exit barrier with peers that refuse too.
+        # records an exception for the launcher, raises it
+        record(_run, _atomic_error_handler())(sys.argv[1:])
+    except (LeftOutOfQuorum, StartRefused) as error:
+        # Told to leave (healing), or a refusal at start-up (the same on every rank): ended on purpose, not a
+        # bug: one line, no traceback, and no exit barrier with peers that refuse too.
         print(f"loom: rank {os.environ.get('RANK', '?')}: {error}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(error.exit_status if isinstance(error, LeftOutOfQuorum) else 1)
 
 
 if __name__ == "__main__":

@@ -1,33 +1,28 @@
 """Workers forked from one process that has imported torch and loom: the launcher's zygote.
 
-A fresh worker interpreter spends ~2 s of CPU importing torch and loom (torch.optim's first optimizer imports
-torch._dynamo, and sympy with it) and ~1 s tearing them down at exit, on every rank: on a 2-core host, four
-workers spend ~12 CPU-seconds in imports before the first step, and a replacement for a lost worker keeps the
-survivors waiting that long. So `loom run` starts one zygote per node, which imports what every worker imports
-first (`WARM`), and each worker, restarted and replacement workers included, is a ``fork()`` of it that runs
-`loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS`` would. Under ``--on-worker-failure
-continue|heal`` the launcher's own supervisor (`loom.launch.supervise`, `loom.launch.heal_nodes`) forks them; under
-PyTorch's elastic agent (``restart``, the default; `loom.launch.elastic`) the agent's handler of each worker
-process asks the zygote for it, in a session of its own as the agent starts them:
+A fresh worker interpreter spends seconds of CPU importing torch and loom and tearing them down at exit, on every
+rank, and a replacement for a lost worker keeps the survivors waiting that long. So `loom run` starts one zygote
+per node, which imports what every worker imports first (`WARM`); each worker, restarted and replacement workers
+included, is a ``fork()`` of it that runs `loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS``
+would. Under ``--on-worker-failure continue|heal`` the launcher's supervisor (`loom.launch.supervise`,
+`loom.launch.heal_nodes`) forks them; under PyTorch's elastic agent (`loom.launch.elastic`) the agent's handler of
+each worker process asks the zygote for it, in a session of its own as the agent starts them:
 
-- the launcher sends each request (the worker's environment and arguments, a length-prefixed frame bounded by
-  `MAX_REQUEST`, `loom.launch.zygote_wire`) with the worker's stdin, stdout and stderr as file descriptors
-  (``SCM_RIGHTS``, in the frame's own ``sendmsg``) over a ``socketpair``: no address, nothing listens, only the
-  launcher holds the other end; it sends none before the zygote said it is ready, and waits for each reply as
-  long as the zygote lives (`Zygote`), so no rank is ever started twice;
-- the child replaces ``os.environ`` (so C-level ``getenv`` sees it too, and ``/proc/PID/environ`` shows it),
-  ``sys.argv`` and its standard streams,
-  reseeds numpy's global generator if the zygote imported it (``random`` reseeds itself at fork), dies with the
-  zygote (PDEATHSIG), which dies with the launcher, and ends as an interpreter does: non-daemon threads joined,
-  ``atexit`` run, files flushed, an uncaught exception's traceback printed (`finish`), without the teardown;
-- the zygote reaps its children and reports each exit status; `Forked` gives the launcher the part of
-  `subprocess.Popen` it uses (``poll``, ``wait``, ``kill``, ``terminate``, ``returncode``, ``stdout``...).
+- the launcher sends each request (`loom.launch.zygote_wire`: the worker's environment and arguments, bounded by
+  `MAX_REQUEST`, with its stdin, stdout and stderr as ``SCM_RIGHTS``) over a ``socketpair``: nothing listens;
+  it sends none before the zygote said it is ready, and waits for each reply as long as the zygote lives
+  (`Zygote`), so no rank is ever started twice;
+- the child replaces ``os.environ`` (C-level ``getenv`` and ``/proc/PID/environ`` see it), ``sys.argv`` and its
+  standard streams, reseeds numpy's global generator, dies with the zygote (PDEATHSIG), which dies with the
+  launcher, and ends as an interpreter does, without the teardown (`loom.launch.worker.finish`);
+- the zygote reaps its children and reports each exit status; `Forked` is the part of `subprocess.Popen` the
+  launcher uses.
 
 What a fork cannot change is what was decided when the interpreter, torch or OpenMP started: the zygote starts
-with rank 0's environment less the per-rank variables (`PER_RANK`), and a worker whose startup variables (`STARTUP_PREFIXES`) differ from it is a fresh
-interpreter, as is every worker when the zygote cannot start or died; ``OMP_NUM_THREADS`` is applied with
-``torch.set_num_threads``; every worker shares the zygote's hash seed (a fresh interpreter draws its own).
-``LOOM_ZYGOTE=0`` turns it off (every worker a fresh interpreter).
+with rank 0's environment less the per-rank variables (`PER_RANK`), and a worker whose startup variables
+(`STARTUP_PREFIXES`) differ from it is a fresh interpreter, as is every worker when the zygote cannot start or
+died; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``; every worker shares the zygote's hash seed.
+``LOOM_ZYGOTE=0`` turns it off.
 """
 
 from __future__ import annotations

@@ -93,9 +93,7 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, zygote
         from loom.launch.worker import die_with_parent
 
         die_with_parent()  # (the zygote, which dies with the launcher)
-        if (
-            os.getppid() != zygote
-        ):  # it died before the kernel was told: its launcher counts this rank as lost
+        if os.getppid() != zygote:  # it died before the kernel was told: its launcher counts this rank lost
             os._exit(1)
         if request.get("session"):
             os.setsid()
@@ -135,13 +133,11 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, zygote
 def end_strays(forked: set[int]) -> None:
     """SIGKILL every forked worker not reaped yet, and its session: the launcher ended the zygote, so it counts
     every worker as ended. Workers die with the zygote anyway (PDEATHSIG), but a worker of a `test_ps_fit` run was
-    found alive after its launcher had exited, re-parented and waiting on a futex, its cause not found: nothing of
-    a job may outlive its launcher."""
+    found alive after its launcher had exited: nothing of a job may outlive its launcher."""
     for pid in sorted(forked):
         with contextlib.suppress(OSError):
-            os.killpg(
-                pid, signal.SIGKILL
-            )  # a worker in a session of its own leads its group: what it started too
+            # a worker in a session of its own leads its group: what it started too
+            os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     if forked:
@@ -169,9 +165,7 @@ def main() -> None:
     from loom.launch.worker import die_with_parent
 
     die_with_parent()
-    retitle(
-        [sys.executable, "-m", "loom.launch.zygote_process"]
-    )  # (its placeholder argument is the workers' room)
+    retitle([sys.executable, "-m", "loom.launch.zygote_process"])  # (its placeholder is the workers' room)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (it stops the workers)
     sock = socket.socket(fileno=int(os.environ.pop(_FD_ENV)))
     os.environ.pop(_ROOM_ENV, None)

@@ -97,14 +97,10 @@ class RayConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-        for name in ("num_workers",):
+        for name, least in (("num_workers", 1), ("max_failures", 0), ("servers", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("max_failures", "servers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         if self.placement_strategy not in _STRATEGIES:
             raise ValueError(f"placement_strategy {self.placement_strategy!r}; use one of {_STRATEGIES}")
         for name in ("resources_per_worker", "resources_per_server"):
