@@ -12,23 +12,20 @@ its place in it, the convention ``TF_CONFIG`` set; the host index is ``--host-in
 else the one host whose address is held by an interface of this machine.
 
 Nothing new is launched: the spec maps onto the multi-node launcher (`loom.launch.agent`). Worker hosts, in the
-order listed, are nodes ``0..W-1`` of ``--nnodes W`` with their own ``--nproc``; node 0 (the first worker host)
-hosts the rendezvous store on ``address:master_port``; each node's ``--local-addr`` is its address. A server
-host starts one ``loom.ps.server`` per port, bound to its address, numbered across server hosts in listed order;
-the workers learn them from ``LOOM_PS_ADDRS``. A server host is not a node of the rendezvous: it proves the job
-secret to node 0's store (so it waits for the job to start, at most ``--join-timeout``) and stops its servers
-(SIGTERM: they checkpoint) once that store has gone (it closes or refuses the connection; one that is only slow
-gets 30 s to answer), which is when node 0's launcher has ended. Its exit status is 0 then; it cannot tell
-whether the workers succeeded (their hosts' exit statuses say so).
+order listed, are nodes ``0..W-1`` with their own ``--nproc``; node 0 (the first worker host) hosts the
+rendezvous store on ``address:master_port``; each node's ``--local-addr`` is its address. A server host starts one
+``loom.ps.server`` per port, bound to its address, numbered across server hosts in listed order; the workers learn
+them from ``LOOM_PS_ADDRS``. A server host is not a node of the rendezvous: it proves the job secret to node 0's
+store (waiting at most ``--join-timeout`` for the job to start) and stops its servers (SIGTERM: they checkpoint)
+once that store has gone, which is when node 0's launcher has ended; its exit status is 0 then (the worker hosts'
+statuses say whether the workers succeeded).
 
 A spec with more than one host needs ``LOOM_JOB_SECRET``, the same on every host. A malformed spec fails before
-anything starts, naming the field (``hosts[2].nproc``) and the fix; no name is resolved while checking it, so
-start-up never waits on DNS. The spec is bounded before it is used (`loom.launch.bounds`): a regular file only (a
-FIFO is refused, never read), at most `MAX_SPEC_BYTES`, JSON nested at most `MAX_SPEC_NESTING` deep, at most
-`MAX_SERVER_PORTS` parameter servers in all (counted before any process or argument list is made; their addresses
-travel in one environment variable); each host's own processes (``nproc``, a server host's ports) are bounded by
-its cores like ``loom run -n``. A worker host waits at most ``--join-timeout`` for every parameter server of the
-spec to accept a connection before it starts its workers, and names the ones that did not.
+anything starts, naming the field (``hosts[2].nproc``) and the fix; no name is resolved while checking it. The
+spec is bounded before it is used (`loom.launch.bounds`): a regular file only, at most `MAX_SPEC_BYTES`, JSON
+nested at most `MAX_SPEC_NESTING` deep, at most `MAX_SERVER_PORTS` parameter servers in all; each host's own
+processes are bounded by its cores like ``loom run -n``. A worker host waits at most ``--join-timeout`` for every
+parameter server of the spec to accept a connection before it starts its workers, and names the ones that did not.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +62,9 @@ MAX_SERVER_PORTS = 1024
 ROLES = ("worker", "server")
 _FIELDS = {"worker": {"address", "role", "nproc"}, "server": {"address", "role", "ports"}}
 _STORE_POLL_S = 1.0
+"""How often a server host checks that node 0's store is still there."""
 _MISSED_PINGS = 3
 """Pings of node 0's store in a row that must fail before a server host decides the job has ended."""
-"""How often a server host checks that node 0's store is still there."""
 
 
 @dataclass(frozen=True)
@@ -117,109 +115,90 @@ def _short(value: Any, width: int = 60) -> str:
 
 
 def _port(value: Any, source: str, field: str) -> int:
+    fail = partial(_fail, source)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise _fail(
-            source,
-            field,
-            f"is {_short(value)}, not a port",
-            "give an integer in 1..65535 that nothing else uses",
+        raise fail(
+            field, f"is {_short(value)}, not a port", "give an integer in 1..65535 that nothing else uses"
         )
     return value
 
 
 def _host(entry: Any, index: int, source: str) -> Host:
-    where = f"hosts[{index}]"
+    where, fail = f"hosts[{index}]", partial(_fail, source)
     if not isinstance(entry, dict):
-        raise _fail(
-            source, where, f"is {type(entry).__name__}, not an object", 'write {"address": ..., "role": ...}'
-        )
+        raise fail(where, f"is {type(entry).__name__}, not an object", 'write {"address": ..., "role": ...}')
     for name in ("address", "role"):
         if name not in entry:
-            raise _fail(source, f"{where}.{name}", "is missing", f"every host needs {name!r}")
+            raise fail(f"{where}.{name}", "is missing", f"every host needs {name!r}")
     address, role = entry["address"], entry["role"]
     if not isinstance(address, str) or not address.strip() or any(c.isspace() for c in address):
-        raise _fail(
-            source,
-            f"{where}.address",
-            f"is {_short(address)}",
-            "give the IPv4 address other hosts reach it at",
+        raise fail(
+            f"{where}.address", f"is {_short(address)}", "give the IPv4 address other hosts reach it at"
         )
     if role not in ROLES:
-        raise _fail(
-            source, f"{where}.role", f"is {_short(role)}, an unknown role", f"use one of {', '.join(ROLES)}"
-        )
+        raise fail(f"{where}.role", f"is {_short(role)}, an unknown role", f"use one of {', '.join(ROLES)}")
     unknown = sorted(set(entry) - _FIELDS[role])
     if unknown:
-        raise _fail(source, f"{where}.{unknown[0]}", f"is not a field of a {role} host",
-                    f"a {role} host has {', '.join(sorted(_FIELDS[role]))}")  # fmt: skip
+        raise fail(f"{where}.{unknown[0]}", f"is not a field of a {role} host",
+                   f"a {role} host has {', '.join(sorted(_FIELDS[role]))}")  # fmt: skip
     if role == "worker":
         if "nproc" not in entry:
-            raise _fail(
-                source, f"{where}.nproc", "is missing", "say how many worker processes this host runs"
-            )
+            raise fail(f"{where}.nproc", "is missing", "say how many worker processes this host runs")
         nproc = entry["nproc"]
         if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-            raise _fail(source, f"{where}.nproc", f"is {_short(nproc)}", "give an integer >= 1")
+            raise fail(f"{where}.nproc", f"is {_short(nproc)}", "give an integer >= 1")
         return Host(address, role, nproc=nproc)
     if "ports" not in entry:
-        raise _fail(source, f"{where}.ports", "is missing", "list one port per parameter-server process")
+        raise fail(f"{where}.ports", "is missing", "list one port per parameter-server process")
     ports = entry["ports"]
     if not isinstance(ports, list) or not ports:
-        raise _fail(
-            source, f"{where}.ports", f"is {_short(ports)}", "list one port per parameter-server process"
-        )
+        raise fail(f"{where}.ports", f"is {_short(ports)}", "list one port per parameter-server process")
     checked = tuple(_port(p, source, f"{where}.ports[{i}]") for i, p in enumerate(ports))
     if len(set(checked)) != len(checked):
-        raise _fail(
-            source,
-            f"{where}.ports",
-            f"repeats a port in {_short(list(checked))}",
-            "give each server its own port",
+        raise fail(
+            f"{where}.ports", f"repeats a port in {_short(list(checked))}", "give each server its own port"
         )
     return Host(address, role, ports=checked)
 
 
 def parse_cluster(text: str, source: str = "cluster spec") -> ClusterSpec:
     """The spec in ``text`` (JSON), checked; `ClusterSpecError` names the first bad field."""
+    fail = partial(_fail, source)
     depth = json_nesting_depth(text)
     if depth > MAX_SPEC_NESTING:
-        raise _fail(source, "the JSON", f"is nested {depth} brackets deep (at most {MAX_SPEC_NESTING})",
-                    "a cluster spec is an object with a list of host objects; check the file")  # fmt: skip
+        raise fail("the JSON", f"is nested {depth} brackets deep (at most {MAX_SPEC_NESTING})",
+                   "a cluster spec is an object with a list of host objects; check the file")  # fmt: skip
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as error:
-        raise _fail(source, "the file", f"is not JSON ({error.msg} at line {error.lineno}, column {error.colno})",
-                    "write one JSON object with 'master_port' and 'hosts'") from None  # fmt: skip
+        raise fail("the file", f"is not JSON ({error.msg} at line {error.lineno}, column {error.colno})",
+                   "write one JSON object with 'master_port' and 'hosts'") from None  # fmt: skip
     if not isinstance(raw, dict):
-        raise _fail(source, "the top level", f"is {type(raw).__name__}", "write one JSON object")
+        raise fail("the top level", f"is {type(raw).__name__}", "write one JSON object")
     unknown = sorted(set(raw) - {"hosts", "master_port"})
     if unknown:
-        raise _fail(
-            source, unknown[0], "is not a field of a cluster spec", "the top level has master_port, hosts"
-        )
+        raise fail(unknown[0], "is not a field of a cluster spec", "the top level has master_port, hosts")
     for name in ("master_port", "hosts"):
         if name not in raw:
-            raise _fail(source, name, "is missing", "the top level has master_port and hosts")
+            raise fail(name, "is missing", "the top level has master_port and hosts")
     master_port = _port(raw["master_port"], source, "master_port")
     if not isinstance(raw["hosts"], list) or not raw["hosts"]:
-        raise _fail(
-            source, "hosts", f"is {_short(raw['hosts'])}", "list the hosts, each with address and role"
-        )
+        raise fail("hosts", f"is {_short(raw['hosts'])}", "list the hosts, each with address and role")
     ports = sum(
         len(h["ports"]) for h in raw["hosts"] if isinstance(h, dict) and isinstance(h.get("ports"), list)
     )
     if ports > MAX_SERVER_PORTS:
-        raise _fail(source, "hosts", f"list {ports} parameter-server ports in all (at most {MAX_SERVER_PORTS})",
-                    "one port is one server process; list fewer")  # fmt: skip
+        raise fail("hosts", f"list {ports} parameter-server ports in all (at most {MAX_SERVER_PORTS})",
+                   "one port is one server process; list fewer")  # fmt: skip
     hosts = tuple(_host(entry, i, source) for i, entry in enumerate(raw["hosts"]))
     seen: dict[str, int] = {}
     for i, host in enumerate(hosts):
         if host.address in seen:
-            raise _fail(source, f"hosts[{i}].address", f"{host.address!r} is a duplicate host (also hosts[{seen[host.address]}])",
-                        "list each host once; a host runs one role")  # fmt: skip
+            raise fail(f"hosts[{i}].address", f"{host.address!r} is a duplicate host (also hosts[{seen[host.address]}])",
+                       "list each host once; a host runs one role")  # fmt: skip
         seen[host.address] = i
     if not any(h.role == "worker" for h in hosts):
-        raise _fail(source, "hosts", "has no worker host", 'add a host with "role": "worker" and "nproc"')
+        raise fail("hosts", "has no worker host", 'add a host with "role": "worker" and "nproc"')
     return ClusterSpec(hosts, master_port, source)
 
 

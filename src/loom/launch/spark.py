@@ -16,33 +16,27 @@ state = loom.spark.run(train, 100, num_processes=4, local_mode=False)   # or run
 ``local_mode=False`` starts a Spark barrier stage of ``num_processes`` tasks (all scheduled at once, or none; a
 failed task fails the stage). Each task starts one worker process with loom's environment: ``RANK`` (its
 partition), ``WORLD_SIZE``, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (among the tasks on its host),
-``MASTER_ADDR``/``MASTER_PORT`` (task 0's host, from the barrier context's task infos, and the port of the job's
-store), ``GLOO_SOCKET_IFNAME`` (the interface holding the task's address) and ``LOOM_STORE_PREFIX``, so
-`loom.init` meets the others in loom's authenticated store (`loom.net.store`), which task 0 hosts for the
-stage's lifetime on its own address, not torch's unauthenticated ``TCPStore``. When every task runs on one host
-(a ``local[N]`` master, or one executor host) the store, ``MASTER_ADDR`` and gloo (``GLOO_SOCKET_IFNAME``) use
-127.0.0.1 and its interface instead, as ``loom run`` does on one node, so nothing of loom's listens beyond the host
-(Spark's own driver listens where ``spark.driver.bindAddress`` says: 127.0.0.1 is the setting for one host). The data is read by the function
-itself (a dataset on shared storage): loom's loader shards one global order over the ranks, so no rank is tied
-to a Spark partition.
+``MASTER_ADDR``/``MASTER_PORT`` (task 0's host and the port of the job's store), ``GLOO_SOCKET_IFNAME`` (the
+interface holding the task's address) and ``LOOM_STORE_PREFIX``, so `loom.init` meets the others in loom's
+authenticated store (`loom.net.store`), which task 0 hosts for the stage's lifetime. When every task runs on one
+host, the store, ``MASTER_ADDR`` and gloo use 127.0.0.1 instead, as ``loom run`` does on one node, so nothing of
+loom's listens beyond the host. The function reads its data itself (shared storage): loom's loader shards one
+global order over the ranks, so no rank is tied to a Spark partition.
 
-The job secret (``LOOM_JOB_SECRET``) is made per run by task 0 (``secrets.token_hex(32)``) and handed to the
-other tasks through the barrier's ``allGather``, which travels over Spark's own RPC (authenticated and encrypted
-only when the cluster sets ``spark.authenticate`` and ``spark.network.crypto.enabled``; a warning says so on a
-cluster without them). A task gives it to its worker on the worker's stdin, a pipe only that process reads: never
-in a command line (world-readable in ``/proc``), a file or the Spark worker's own environment (Python workers
-are reused by later tasks); the worker puts it into its own environment for loom's sockets. It is never logged.
+The job secret (``LOOM_JOB_SECRET``) is made per run by task 0 and handed to the other tasks through the
+barrier's ``allGather``, over Spark's own RPC (authenticated and encrypted only when the cluster sets
+``spark.authenticate`` and ``spark.network.crypto.enabled``; a warning says so on a cluster without them). A
+task gives it to its worker on the worker's stdin: never in a command line (world-readable in ``/proc``), a file
+or the Spark worker's own environment (Python workers are reused by later tasks). It is never logged.
 
 ``local_mode=True`` (the default, as for ``TorchDistributor``) runs ``loom run -n N`` on the driver, without
-Spark tasks: the launcher makes the secret and hands it to its workers as always.
+Spark tasks.
 
-A function, its arguments and rank 0's return value cross as cloudpickle (how Spark ships Python functions and
-``TorchDistributor`` returns values) through files in a private temporary folder (mode 0700) on the host that
-runs the worker; a script must exist at the same path on every executor. Each worker's output is prefixed
-``[rankK]: ``; a failed worker fails the run with its rank, exit status and last lines. Workers die with their
-Spark task (``PR_SET_PDEATHSIG`` through `loom.launch.worker`). ``TorchDistributor`` itself also runs loom
-scripts: it starts ``torchrun``, whose environment `loom.init` reads (``env://``; no job secret there, so loom's
-own ring links fall back to gloo's).
+A function, its arguments and rank 0's return value cross as cloudpickle (as Spark ships Python functions)
+through files in a private temporary folder (mode 0700) on the host that runs the worker; a script must exist at
+the same path on every executor. Each worker's output is prefixed ``[rankK]: ``; a failed worker fails the run
+with its rank, exit status and last lines. Workers die with their Spark task (`loom.launch.worker`).
+``TorchDistributor`` itself also runs loom scripts: it starts ``torchrun``, whose environment `loom.init` reads.
 
 Needs ``pyspark`` (``pip install 'loom-train[spark]'``) and the classic (non-Connect) API: ``RDD.barrier``.
 """
@@ -53,7 +47,6 @@ import argparse
 import collections
 import json
 import os
-import runpy
 import secrets
 import subprocess
 import sys
@@ -272,10 +265,9 @@ def _worker_main(argv: list[str]) -> None:
         job_secret(line)  # raises, without echoing it, unless it is a proper secret
         os.environ["LOOM_JOB_SECRET"] = line
     if ns.script is not None:
-        sys.argv = [ns.script, *rest]
-        sys.path.insert(0, os.path.dirname(ns.script))
-        runpy.run_path(ns.script, run_name="__main__")
-        return
+        from loom.launch.worker import run_target
+
+        return run_target([ns.script, *rest])
     import cloudpickle
 
     function, args, kwargs = cloudpickle.loads(ns.call.read_bytes())

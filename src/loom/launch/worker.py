@@ -39,7 +39,8 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _run(argv: list[str]) -> None:
+def run_target(argv: list[str]) -> None:
+    """Run ``[-m MODULE | SCRIPT] ARGS`` as ``__main__``, as ``python`` would."""
     if not argv:
         raise SystemExit("usage: python -m loom.launch.worker [-m MODULE | SCRIPT] [ARGS...]")
     if argv[0] == "-m":
@@ -117,7 +118,7 @@ def main() -> None:
     install()  # the script's own init_process_group() joins loom's store (no-op outside `loom run`)
     try:
         # records an exception for the launcher, raises it
-        record(_run, _atomic_error_handler())(sys.argv[1:])
+        record(run_target, _atomic_error_handler())(sys.argv[1:])
     except (LeftOutOfQuorum, StartRefused) as error:
         # Told to leave (healing), or a refusal at start-up (the same on every rank): ended on purpose, not a
         # bug: one line, no traceback, and no exit barrier with peers that refuse too.

@@ -12,21 +12,20 @@ losses = loom.ray.run(train, num_workers=4, args=(10,), max_failures=2)   # one 
 ```
 
 and from the shell, ``loom run --backend ray -n 4 [--address ADDR] train.py ARGS``: without ``--address`` a
-local Ray instance is started for the job and stopped after it (`loom.ray.local`: no dashboard, loopback only,
-token authentication), with ``--address`` the job joins that cluster (``auto``: the one this node belongs to).
+local Ray instance is started for the job and stopped after it (`loom.ray.local`), with ``--address`` the job
+joins that cluster (``auto``: the one this node belongs to).
 
 Why actors and a placement group, not Ray Train's ``TorchTrainer``: loom already does what Ray Train's Torch
-backend adds on top of actors (the process group and its environment, checkpoints that resume at any world size,
-the data order, restarts from the latest checkpoint), and does it the same way under `loom run`; what loom needs
-from Ray is placement, actors, failure detection and the cluster, which core Ray gives. Core Ray also keeps the
-extra light (``ray`` alone, no ``ray[train]``) and the script unchanged (Ray Train wants its own
-``report``/``Checkpoint`` calls and session in the training function).
+backend adds (the process group and its environment, checkpoints that resume at any world size, the data order,
+restarts from the latest checkpoint), the same way as under `loom run`; what loom needs from Ray is placement,
+actors, failure detection and the cluster, which core Ray gives, with a lighter extra (``ray``, not
+``ray[train]``) and the script unchanged (no ``report``/``Checkpoint`` calls).
 
-How a job runs (placement, environment, restarts, the run directory): `loom.ray.backend`. Security: every rank
-proves ``LOOM_JOB_SECRET`` (fresh per job, passed to the ranks as an actor argument inside Ray's channel, never
-printed) to loom's store before anything is decoded, exactly as under `loom run`; Ray's own ports are Ray's
-business, locked down for the local instance as `loom.ray.local` describes. ``run``'s function and its return
-value travel as Ray sends any function (cloudpickle), between processes of the job only (`loom.ray.function`).
+How a job runs: `loom.ray.backend`. Security: every rank proves ``LOOM_JOB_SECRET`` (fresh per job, passed to the
+ranks inside Ray's channel, never printed) to loom's store before anything is decoded, exactly as under
+`loom run`; Ray's own ports are Ray's business (`loom.ray.local` for the local instance). ``run``'s function and
+its return value travel as Ray sends any function (cloudpickle), between processes of the job only
+(`loom.ray.function`).
 """
 
 from __future__ import annotations

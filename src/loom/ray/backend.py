@@ -64,14 +64,12 @@ class _Rank:
     name: str
     actor: Any
     where: dict[str, Any]
-    local_rank: int = 0
-    local_size: int = 1
-    node_index: int = 0
+    place: dict[str, Any] = field(default_factory=dict)
+    """A worker's `rank_layout` entry: its local rank and size, node index and visible GPUs."""
     done: bool = False
     result: bytes | None = None
-    visible_gpus: str | None = None
-    """CUDA_VISIBLE_DEVICES for the rank: every GPU Ray gave the workers of its node (see `rank_layout`)."""
     bases: dict[str, int] = field(default_factory=dict)
+    """Where this process's copied files start in the run directory's (see `loom.ray.output.write_chunk`)."""
 
     @property
     def title(self) -> str:
@@ -79,8 +77,6 @@ class _Rank:
         if self.name.startswith("server"):
             return f"parameter server {self.name.removeprefix('server')}"
         return f"worker rank {self.name.removeprefix('rank')}"
-
-    """Where this process's copied files start in the run directory's (see `loom.ray.output.write_chunk`)."""
 
 
 @dataclass
@@ -143,13 +139,10 @@ class _Job:
                 self.host_class.options(scheduling_strategy=strategy, **options).remote(f"w{bundle}")
             )
         wheres = self.ray.get([a.where.remote() for a in actors], timeout=self.config.start_timeout_s)
-        ranks = []
-        for r, place in enumerate(rank_layout(wheres)):
-            rank = _Rank(f"rank{r}", actors[place["bundle"]], wheres[place["bundle"]])
-            rank.local_rank, rank.local_size = place["local_rank"], place["local_size"]
-            rank.node_index, rank.visible_gpus = place["node_index"], place["visible_gpus"]
-            ranks.append(rank)
-        return ranks
+        return [
+            _Rank(f"rank{r}", actors[place["bundle"]], wheres[place["bundle"]], place)
+            for r, place in enumerate(rank_layout(wheres))
+        ]
 
     # -- environment ------------------------------------------------------------------------------------------
     def _base_env(self, where: dict[str, Any]) -> dict[str, str]:
@@ -165,16 +158,16 @@ class _Job:
         env = self._base_env(r.where)
         size = str(self.config.num_workers)
         env.update(
-            RANK=str(rank), WORLD_SIZE=size, LOCAL_RANK=str(r.local_rank), LOCAL_WORLD_SIZE=str(r.local_size),
-            GROUP_RANK=str(r.node_index), GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=size,
-            ROLE_NAME="default", MASTER_ADDR=self.address, MASTER_PORT=str(self.store.port),
+            RANK=str(rank), WORLD_SIZE=size, LOCAL_RANK=str(r.place["local_rank"]),
+            LOCAL_WORLD_SIZE=str(r.place["local_size"]), GROUP_RANK=str(r.place["node_index"]),
+            GROUP_WORLD_SIZE=str(nodes), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=size, ROLE_NAME="default", MASTER_ADDR=self.address, MASTER_PORT=str(self.store.port),
             LOOM_STORE_PREFIX=f"loom/{self.run_id}/attempt{attempt}/job/",
             TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(self.config.max_failures),
         )  # fmt: skip
         if self.server_addresses:
             env["LOOM_PS_ADDRS"] = ",".join(self.server_addresses)
-        if r.visible_gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = r.visible_gpus
+        if r.place["visible_gpus"] is not None:  # every GPU Ray gave the workers of its node (`rank_layout`)
+            env["CUDA_VISIBLE_DEVICES"] = r.place["visible_gpus"]
         return env
 
     def _writes_directly(self, where: dict[str, Any]) -> bool:

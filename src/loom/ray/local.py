@@ -1,26 +1,18 @@
 """Connect to Ray for one loom job: an existing cluster, or a local instance started locked down.
 
-A local instance (no ``address``) is started the way an unattended job should: no dashboard
-(``include_dashboard=False``), every Ray process bound to loopback, and Ray's token authentication on with a
-fresh random token for this instance alone (kept in this process's environment while the instance lives, never
-written to disk or printed), so another local user cannot submit work to it either.
+A local instance (no ``address``) is started the way an unattended job should: no dashboard, every Ray process
+bound to loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` while it starts: otherwise Ray resolves the node
+address to the host's outward one even when asked for 127.0.0.1), Ray's token authentication on with a fresh
+random token for this instance alone (kept in this process's environment while the instance lives, never written
+to disk or printed), so another local user cannot submit work to it, and Ray's usage statistics off
+(``RAY_USAGE_STATS_ENABLED=0``). Its object store and raylet sockets are Unix sockets under the session
+directory.
 
-What Ray listens on then (checked with ``ss -ltnp`` during a job, Ray 2.60): the GCS server, the raylet (two
-ports), the driver's and every worker's core-worker gRPC server, and the runtime-env agent's HTTP port, all on
-127.0.0.1 (no dashboard, no dashboard agent, no client server). Ray's token covers its gRPC services; checked
-for the GCS: a driver without the token is refused (``AuthenticationError``). Ray binds these to the node address, which it otherwise resolves to the host's
-outward address even when asked for 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, which Ray reads to choose
-between the two, is set to 0 while the instance starts). Its object store and raylet sockets are Unix sockets
-under the session directory.
-
-Ray's usage statistics are off for it (``RAY_USAGE_STATS_ENABLED=0``): nothing about the job leaves the machine.
-
-`disconnect` stops what `connect` started: ``ray.shutdown()``, then a SIGKILL for any process still running
-whose command line names this instance's session directory (Ray's shutdown leaves stragglers now and then),
-never a process found by name; and it gives back what ``ray.init`` changed in this process and its shutdown
-leaves (Ray's environment variables, the SIGTERM handler, ``sys.excepthook``), so a notebook or a test suite
-goes on as before. A cluster given by ``address`` keeps its own security settings (its token, its
-dashboard) and is only disconnected from.
+`disconnect` stops what `connect` started: ``ray.shutdown()``, then a SIGKILL for any process still running whose
+command line names this instance's session directory (Ray's shutdown leaves stragglers now and then), never a
+process found by name; and it gives back what ``ray.init`` changed in this process and its shutdown leaves (Ray's
+environment variables, the signal handlers, ``sys.excepthook``), so a notebook or a test suite goes on as before.
+A cluster given by ``address`` keeps its own security settings and is only disconnected from.
 """
 
 from __future__ import annotations
