@@ -34,7 +34,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -302,8 +301,9 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
 
 def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, max_nproc: int | None) -> int:
     """A server host: its servers run until node 0's store, once reached, is gone."""
+    from loom.launch.servers import start_server
     from loom.launch.spec import master_host_port
-    from loom.launch.supervise import pump, stop_processes
+    from loom.launch.supervise import stop_processes
     from loom.net.store import LoomStore, StoreUnreachable, job_secret
 
     try:
@@ -324,11 +324,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
     procs: list[subprocess.Popen] = []
     try:
         for i, address in mine:
-            cmd = [sys.executable, "-u", "-m", "loom.launch.worker", "-m", "loom.ps.server",
-                   "--index", str(i), "--num-servers", str(len(addresses)), "--bind", address]  # fmt: skip
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            procs.append(proc)
-            threading.Thread(target=pump, args=(proc.stdout, f"[server{i}]: "), daemon=True).start()
+            procs.append(start_server(i, len(addresses), address, env))
         print(f"loom run: servers {[a for _, a in mine]} started; waiting up to {join_timeout_s:g} s (--join-timeout) "
               f"for the job's first worker host at {spec.master}", file=sys.stderr, flush=True)  # fmt: skip
         first = LoomStore(

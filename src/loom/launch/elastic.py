@@ -1,9 +1,8 @@
 """PyTorch's elastic agent as `loom run` drives it: the same agent, which says what it does.
 
-The agent (the engine behind ``torchrun``) restarts the worker group silently: a user saw a restart only as a
-traceback in one rank's log. Here, each restart prints one line naming the failed rank(s), the attempt and where
-training resumes, and `run_agent` returns how many restarts there were, for the summary line at the end of the
-job (`loom.launch.agent`).
+The agent (the engine behind ``torchrun``) restarts the worker group silently. Here, each restart prints one line
+naming the failed rank(s), the attempt and where training resumes, and `run_agent` returns how many restarts
+there were, for the job's summary line (`loom.launch.agent`).
 
 This is ``torch.distributed.launcher.api.launch_agent`` without what loom does not use (the health-check server,
 metrics and event handlers, the static rendezvous) and with `_NarratingAgent`, a `LocalElasticAgent` whose
@@ -151,8 +150,8 @@ class _NarratingAgent(LocalElasticAgent):
 
     def _wake_stopped_workers(self, only_if_one_died: bool) -> None:
         """SIGCONT the workers stopped by SIGSTOP (or a debugger) once the group is going down: a stopped worker
-        holds the SIGTERM that stops the group pending, so torch waited its 30 s grace before the SIGKILL (a frozen
-        rank stopped the job 37 s after it froze). Reads ``/proc/PID/stat`` of each worker: a few reads per poll."""
+        holds the SIGTERM that stops the group pending, so torch waited its whole grace before the SIGKILL. Reads
+        ``/proc/PID/stat`` of each worker: a few reads per poll."""
         pcontext = self._pcontext
         if pcontext is None:
             return

@@ -39,6 +39,27 @@ from loom.ps.deaths import describe_exit, write_record
 __all__ = ["ServerGroup", "server_processes", "wait_for_servers"]
 
 
+def start_server(
+    index: int,
+    count: int,
+    address: str,
+    env: dict[str, str] | None = None,
+    listener: socket.socket | None = None,
+) -> subprocess.Popen:
+    """Server ``index`` of ``count`` (``loom.ps.server`` through `loom.launch.worker`, so it dies with the
+    launcher) on ``address``, listening on ``listener`` when given; its lines go to our output after
+    ``[serverI]: ``."""
+    cmd = [sys.executable, "-u", "-m", "loom.launch.worker", "-m", "loom.ps.server",
+           "--index", str(index), "--num-servers", str(count), "--bind", address]  # fmt: skip
+    fds = () if listener is None else (listener.fileno(),)
+    cmd += [arg for fd in fds for arg in ("--listen-fd", str(fd))]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, pass_fds=fds
+    )
+    threading.Thread(target=pump, args=(proc.stdout, f"[server{index}]: "), daemon=True).start()
+    return proc
+
+
 def _listen(host: str) -> socket.socket:
     """A TCP socket listening on a free port of ``host``, inheritable by the server processes."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -104,19 +125,7 @@ class ServerGroup:
         self._watcher.start()
 
     def _spawn(self, index: int, address: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-u", "-m", "loom.launch.worker", "-m", "loom.ps.server",
-               "--index", str(index), "--num-servers", str(self.count), "--bind", address]  # fmt: skip
-        fd = self.listeners[index].fileno()
-        proc = subprocess.Popen(
-            [*cmd, "--listen-fd", str(fd)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=dict(os.environ),
-            pass_fds=(fd,),
-        )
-        threading.Thread(target=pump, args=(proc.stdout, f"[server{index}]: "), daemon=True).start()
-        return proc
+        return start_server(index, self.count, address, listener=self.listeners[index])
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):

@@ -131,8 +131,7 @@ class LaunchSpec:
 def _check_heal_options(spec: LaunchSpec) -> None:
     """Heal's options that would be ignored or could never work, refused before anything starts: ``heal`` with
     one worker (a replacement copies a live member's state, and none is left), ``--max-heals``/``--min-workers``
-    without ``heal`` (silently ignored before), and a malformed ``LOOM_FAULTS`` or one naming a rank the job does
-    not have (found before at a worker's first step, or never)."""
+    without ``heal``, and a malformed ``LOOM_FAULTS`` or one naming a rank the job does not have."""
     heal = spec.on_worker_failure == "heal"
     if heal and spec.nnodes == 1 and spec.nproc == 1:
         raise ValueError(

@@ -87,14 +87,14 @@ class Forked:
 
 
 class Zygote:
-    """The launcher's side (see the module docstring): `start` it with rank 0's environment, `fork` each worker
-    (None: start a fresh interpreter instead), `close` it once every worker it forked has ended.
+    """The launcher's side: `start` it with rank 0's environment, `fork` each worker (None: start a fresh
+    interpreter instead), `close` it once every worker it forked has ended.
 
-    Never two processes for one rank: a request is sent only once the zygote has said it is ready (its imports
-    done), and once sent it is waited for as long as the zygote lives, a line every `NOTICE_S` saying what is
-    waited for; a zygote not ready within ``LOOM_ZYGOTE_READY_S`` has forked nothing and is stopped, and every
-    worker then starts as a fresh interpreter (one line says so). A zygote that dies before replying took the
-    child it may have forked with it (PDEATHSIG, checked against the race with its death in `_become`)."""
+    Never two processes for one rank: a request is sent only once the zygote has said it is ready, and once sent
+    it is waited for as long as the zygote lives, a line every `NOTICE_S` saying what is waited for; a zygote not
+    ready within ``LOOM_ZYGOTE_READY_S`` has forked nothing and is stopped, and every worker then starts as a
+    fresh interpreter (one line says so). A zygote that dies before replying took the child it may have forked
+    with it (PDEATHSIG, checked against the race with its death in `loom.launch.zygote_process`)."""
 
     def __init__(self, worker_args: list[str], env: dict[str, str]) -> None:
         runs_worker = "loom.launch.worker" in worker_args

@@ -3,8 +3,7 @@
 A request is a 4-byte big-endian length and that many bytes of JSON, sent by one ``sendmsg`` that carries the
 worker's three standard streams as ``SCM_RIGHTS``; the zygote reads exactly the header, then exactly the body,
 each with ``recvmsg``, so it never reads into the next request's bytes and every descriptor it receives arrives
-with the request it belongs to (a plain ``recv`` reading up to a newline once took two requests as one and
-discarded the second's descriptors). A reply, from the zygote, is one JSON line: ``{"ready": ...}`` once its
+with the request it belongs to. A reply, from the zygote, is one JSON line: ``{"ready": ...}`` once its
 imports are done, ``{"id": N, "pid": P}`` for request N, ``{"exited": P, "status": S}`` when a worker ends.
 """
 

@@ -3,30 +3,28 @@
 One attempt of the job:
 
 1. Ray places ``num_workers`` `loom.ray.rank_host.RankHost` actors in the job's placement group (one bundle of
-   ``resources_per_worker`` each, reserved once for the whole job, so a replaced group lands where the lost one
-   was or wherever Ray has room). Ranks follow the nodes: the ranks on one node are consecutive, so LOCAL_RANK
-   and LOCAL_WORLD_SIZE mean what they mean under `loom run`.
-2. Each actor starts its rank's process with what `loom run` gives a worker (RANK, WORLD_SIZE, LOCAL_RANK,
-   LOCAL_WORLD_SIZE, the TORCHELASTIC_* variables, MASTER_ADDR/MASTER_PORT, LOOM_JOB_SECRET, LOOM_RUN_DIR,
-   GLOO_SOCKET_IFNAME: the interface that holds the node's Ray address, set in `loom.ray.rank_main`), and the
-   driver's LOOM_*, GLOO_*, NCCL_*, TORCH_*, OMP_*, MKL_* and PYTHONPATH. ``loom.init()`` then joins loom's
-   authenticated store (`loom.net.store`), hosted here in the driver for the whole job and reached at the
-   driver's Ray address, under a fresh key prefix per attempt.
+   ``resources_per_worker`` each, reserved once for the whole job). The ranks of one node are consecutive
+   (`loom.ray.layout.rank_layout`), so LOCAL_RANK and LOCAL_WORLD_SIZE mean what they mean under `loom run`.
+2. Each actor starts its rank's process with what `loom run` gives a worker (RANK, WORLD_SIZE, LOCAL_RANK, the
+   TORCHELASTIC_* variables, MASTER_ADDR/MASTER_PORT, LOOM_JOB_SECRET, LOOM_RUN_DIR; GLOO_SOCKET_IFNAME is set
+   in `loom.ray.rank_main`) and the driver's `_FORWARDED` variables. ``loom.init()`` then joins loom's
+   authenticated store (`loom.net.store`), hosted here in the driver for the whole job at the driver's Ray
+   address, under a fresh key prefix per attempt.
 3. The driver polls every actor, prints each output line prefixed with its rank, writes the copied files into
    the run directory, and stops at the first failure: a process that exits non-zero or is killed, or an actor
-   that dies (Ray reports it at the next poll).
+   that dies.
 
 After a failure the whole group is stopped and, up to ``max_failures`` times, replaced by new actors; the
-script's ``loom.fit(..., checkpoint_dir=...)`` resumes from its latest checkpoint, as under
-``loom run --max-restarts``. The synchronous strategies cannot go on without a rank (a collective in flight
-fails on every rank), so replacing one worker means restarting all of them. Parameter servers are actors too,
-started once before the first attempt and kept across restarts, as `loom run --servers` keeps its processes.
+script's ``loom.fit(..., checkpoint_dir=...)`` resumes from its latest checkpoint, as under ``loom run
+--max-restarts`` (a synchronous collective in flight fails on every rank, so replacing one worker means
+restarting all). Parameter servers are actors too, started once before the first attempt and kept across
+restarts.
 
-The run directory has `loom run`'s layout: ``metrics/rank<r>.jsonl`` (so ``loom report`` reads it),
+The run directory has `loom run`'s layout: ``metrics/rank<r>.jsonl`` (``loom report`` reads it),
 ``logs/attempt_<n>/rank<r>.stdout.log`` and ``.stderr.log``, ``logs/server<i>.*.log``, and ``trace.json``.
 
 Limits: the script, its working directory and any ``checkpoint_dir`` must be at the same path on every node
-(a shared filesystem), as `loom.fit` requires of checkpoints anyway; a lost parameter server fails the job.
+(a shared filesystem); a lost parameter server fails the job.
 """
 
 from __future__ import annotations
@@ -42,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from loom.errors import RayJobFailed
+from loom.launch.supervise import exit_text
 from loom.ray.layout import rank_layout
-from loom.ray.output import blame, describe_exit, prefix_print, write_chunk
+from loom.ray.output import blame, prefix_print, write_chunk
 
 __all__ = ["WorkerSpec", "run_job"]
 
@@ -245,7 +244,13 @@ class _Job:
                 write_chunk(self.run_dir, proc.bases, rel, offset, data)
             if report["exit"] not in (None, 0):
                 kind = 1 if report["exit"] < 0 else 2  # killed by a signal, else raised or exited non-zero
-                failures.append((kind, report["ended_at"] or time.time(), describe_exit(proc.title, report)))
+                failures.append(
+                    (
+                        kind,
+                        report["ended_at"] or time.time(),
+                        exit_text(proc.title, report["exit"], report["error"]),
+                    )
+                )
             if report["done"]:
                 proc.done, proc.result = True, report.get("result")
         servers = [f for f in failures if f[2].startswith("parameter server")]

@@ -1,14 +1,11 @@
-"""What the driver does with a rank's poll: print its lines, write its copied files, describe its end."""
+"""What the driver does with a rank's poll: print its lines, write its copied files, blame a failure."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
-from loom.launch.supervise import exit_text
-
-__all__ = ["blame", "describe_exit", "prefix_print", "write_chunk"]
+__all__ = ["blame", "prefix_print", "write_chunk"]
 
 
 def prefix_print(name: str, lines: list[tuple[str, str]], dropped: int) -> None:
@@ -41,10 +38,6 @@ def write_chunk(run_dir: Path, bases: dict[str, int], rel: str, offset: int, dat
         f.seek(start)
         f.write(data)
         f.truncate()
-
-
-def describe_exit(name: str, report: dict[str, Any]) -> str:
-    return exit_text(name, report["exit"], report["error"])
 
 
 def blame(failures: list[tuple[int, float, str]]) -> str:
