@@ -2,8 +2,9 @@
 
 Every DDP script written for ``torchrun`` calls ``init_process_group()`` itself (``env://``, the default).
 Under ``loom run`` MASTER_ADDR:MASTER_PORT is loom's authenticated store (`loom.net.store`), which torch's
-``TCPStore`` client cannot join (it would retry for its 30-minute timeout). So `install`, called by `loom.launch.worker` before the script runs (never at ``import loom``), makes the script's
-rendezvous the one `loom.init` makes:
+``TCPStore`` client cannot join (it would retry for its 30-minute timeout). So `install`, called by
+`loom.launch.worker` before the script runs (never at ``import loom``), makes the script's rendezvous the one
+`loom.init` makes:
 
 - ``init_method="env://"`` (or none) and ``"tcp://MASTER_ADDR:MASTER_PORT"``: the process group meets in a
   `loom.net.store.LoomStore` client of the launcher's store (the job secret proven, every call bounded), under
