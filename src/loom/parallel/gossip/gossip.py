@@ -18,8 +18,8 @@ sent nor taken.
 Peers: ``ring`` alternates the right and left neighbours, ``exponential`` cycles through rank + 2^k for
 k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly among the others (seeded by ``seed`` and the rank). A dead peer
 is skipped at once, a slow one after ``deadline_s``; either is passed over for the next ``retry_after``
-exchanges and training goes on. A late answer is still applied when it comes (see `loom.comm.peer`). A
-restarted worker copies a live neighbour's parameters before its first step.
+exchanges and training goes on. A late answer is still applied when it comes (unless the next
+request to that peer abandons it, see `loom.comm.peer`). A restarted worker copies a live neighbour's parameters before its first step.
 
 A service thread answers peers between steps, so ``job.module``'s parameters may change between two
 `train_step` calls; `paused` holds them still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`

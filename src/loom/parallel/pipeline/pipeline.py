@@ -37,6 +37,7 @@ from loom.parallel.model.compose import ModelParallelStrategy, compose
 from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.pipeline.pipeline_split import chain_layers
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig, Stages, broadcast_module, split_into_stages
+from loom.topology import Topology
 
 __all__ = ["Pipeline", "PipelineConfig", "Stages", "broadcast_module", "split_into_stages"]
 
@@ -53,8 +54,9 @@ class Pipeline(ModelParallelStrategy):
     config_type = PipelineConfig
     config: PipelineConfig
 
-    def __init__(self, *, mesh: Mesh | None = None, sample_input: Any = None, **config: Any) -> None:
-        super().__init__(**config)
+    def __init__(self, *, topology: Topology | None = None, mesh: Mesh | None = None, sample_input: Any = None,
+                 metrics_path: str | None = None, **config: Any) -> None:  # fmt: skip
+        super().__init__(topology=topology, metrics_path=metrics_path, **config)
         self.mesh = mesh
         self.sample_input = sample_input
         if self.config.balance_by == "time" and sample_input is None:
