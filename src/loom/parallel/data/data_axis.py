@@ -37,9 +37,8 @@ from loom.data.loader import LazyBatch, loader
 from loom.data.sampler import share_bounds
 from loom.errors import DifferentBatches, HealConflict, StartRefused, is_retryable
 from loom.fault.inject import fault_point
-from loom.observe.phases import DATA, StepObserver
 from loom.topology import Topology
-from loom.train.batch import batch_len, slice_batch, to_device
+from loom.train.batch import batch_len, slice_batch
 from loom.train.engine import Engine
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
 
@@ -262,8 +261,6 @@ class AxisJob(Engine):
     """What the jobs whose data axis heals share (`DataParallelJob`, the replica job): the axis, the loader and
     who writes the checkpoint, with or without the quorum."""
 
-    observer: StepObserver
-
     def _join_axis(self, quorum: Any) -> None:
         """Set the data axis: the topology's, or under heal the ``quorum``'s (called in ``__init__``)."""
         self.quorum = quorum
@@ -276,18 +273,6 @@ class AxisJob(Engine):
         """Under heal: this process is a replacement that took a live member's state (`loom.fit` then resumes no
         checkpoint: the state it holds is newer)."""
         self._synced = False
-
-    def _take_share(self, state: Any) -> int | None:
-        """Begin the step: this member's share of the batch on the device in ``state.work["batch"]`` (under heal
-        a global batch cut by the member's index, with its fingerprint); the global batch's size where known."""
-        self.observer.begin_step(state.number)
-        batch, known = state.batch, getattr(state.batch, "global_size", None)
-        if self.quorum is not None:
-            batch, known, state.work["fingerprint"] = member_share(batch, self.axis, self.loss_call.inputs_of)
-        state.work["batch"] = batch = to_device(batch, self.topology.device)
-        state.local = batch_len(self.loss_call.inputs_of(batch))
-        self.observer.lap(DATA)
-        return known
 
     def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, **options: Any) -> Any:  # fmt: skip

@@ -40,13 +40,13 @@ from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.observe.phases import COMM, FLAGS_AT, OPTIMIZER, StepObserver
+from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver
 from loom.parallel._setup import LossFn
-from loom.parallel.data.data_axis import AxisJob, check_same_batches, take_live_state
+from loom.parallel.data.data_axis import AxisJob, check_same_batches, member_share, take_live_state
 from loom.parallel.data.data_parallel_config import DataParallelConfig
 from loom.parallel.data.data_parallel_sync import AxisGradients, GradientPath
 from loom.topology import Topology
-from loom.train.batch import LossCall, forward_loss, tensors_in
+from loom.train.batch import LossCall, batch_len, forward_loss, tensors_in, to_device
 from loom.train.engine import StepState
 
 __all__ = ["DataParallelJob"]
@@ -152,7 +152,16 @@ class DataParallelJob(AxisJob):
 
     def _prepare(self, state: StepState) -> None:
         """The share on the device and the global count (one all-reduce unless the loader batch carries it)."""
-        known = self._take_share(state)
+        self.observer.begin_step(state.number)
+        batch_here, known = state.batch, getattr(state.batch, "global_size", None)
+        if self.quorum is not None:  # a global batch: this member's share by its place among the members
+            batch_here, known, state.work["fingerprint"] = member_share(
+                batch_here, self.axis, self.loss_call.inputs_of
+            )
+        batch_here = to_device(batch_here, self._device)
+        state.local = batch_len(self.loss_call.inputs_of(batch_here))
+        state.work["batch"] = batch_here
+        self.observer.lap(DATA)
         state.total, small = self._global_count(known, state.local)
         self.observer.lap(COMM)
         if small and state.total:

@@ -41,7 +41,7 @@ from loom.fault.quorum import Quorum
 from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.observe.phases import COMM, FLAGS_AT, OPTIMIZER, StepObserver, loss_buffer_size
+from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver, loss_buffer_size
 from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
@@ -50,12 +50,14 @@ from loom.parallel.data.data_axis import (
     healing_metrics_path,
     healing_store,
     join_first_epoch,
+    member_share,
     whole_batches,
 )
 from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.parallel.replica.round_commit import RoundCommit, refuse_round_options
 from loom.topology import Topology
+from loom.train.batch import batch_len, to_device
 from loom.train.engine import Engine, StepState
 from loom.train.heal_state import all_reduce_sum
 
@@ -173,7 +175,13 @@ class ReplicaJob(AxisJob):
 
     # -- the inner step: the engine's hooks (`loom.train.engine`) ----------------------------------------------
     def _prepare(self, state: StepState) -> None:
-        self._take_share(state)
+        self.observer.begin_step(state.number)
+        batch = state.batch
+        if self.quorum is not None:  # a global batch: this member's share by its index among the members
+            batch, _, state.work["fingerprint"] = member_share(batch, self.axis, self.loss_call.inputs_of)
+        state.work["batch"] = batch = to_device(batch, self.topology.device)
+        state.local = batch_len(self.loss_call.inputs_of(batch))
+        self.observer.lap(DATA)
 
     def _forward_backward(self, state: StepState) -> None:
         self._backward_share(state, self.config.accumulate, weight_of_total=False)
