@@ -9,20 +9,20 @@ import json
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from test_heal import check_healed_job, run_heal
 from test_heal_units import Launcher, MemoryStore
 
-from loom.fault.quorum import Quorum, read_guard, read_place
+from loom.fault import watchdog as watchdog_module
+from loom.fault.quorum import HEARTBEAT_S, Quorum, read_guard, read_place
 from loom.fault.watchdog import Watchdog
 from loom.train.guard import GuardOptions, set_timeouts
 
 
 def _quorum(store: MemoryStore) -> Quorum:
-    quorum = Quorum(store, rank=1, generation=2)
-    quorum.close()  # no heartbeat thread needed here
-    return quorum
+    return Quorum(store, rank=1, generation=2)
 
 
 @pytest.mark.unit
@@ -45,6 +45,40 @@ def test_the_timeouts_set_reach_the_quorum_and_unset_ones_keep_heals_own(monkeyp
         ValueError, match=r"liveness_timeout_s=0.5 under --on-worker-failure heal.*HINT: use at "
     ):
         quorum.apply_guard(None, None, 0.5)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_under_heal_the_watchdog_thread_sends_the_quorums_heartbeat_and_judges_nothing(monkeypatch):
+    """One heartbeat thread per process (issue 39, item 2): under heal the guard's watchdog thread beats
+    ``hb/RANK/GEN`` and publishes the member's place in ``at/RANK`` for the launcher, and stops nothing itself: a
+    collective past the hang timeout is the epoch group's to end, a lost member the launcher's to replace."""
+    monkeypatch.setattr(watchdog_module, "_active", None)
+    store = MemoryStore()
+    quorum = Quorum(store, rank=1, generation=2)
+    topology = SimpleNamespace(rank=1, world_size=3, is_distributed=True)
+    watchdog = Watchdog.start(topology, timeout_s=0.1, work_timeout=0.1, liveness_timeout=0.5, quorum=quorum)
+    assert watchdog.poll_s == HEARTBEAT_S
+    quorum.count_with(watchdog)
+    try:
+        with watchdog.collective("gradient all-reduce"):
+            time.sleep(
+                5 * HEARTBEAT_S
+            )  # far past the hang and work timeouts: judged, it would end this process
+            beats = int(store.get("hb/1/2"))
+            assert beats >= 3, beats
+            assert read_place(store.get("at/1"), 0, 2)["current"] == ["gradient all-reduce", 1]
+        assert not [
+            k for k in store.data if k.startswith("loom/watchdog/")
+        ]  # no ring heartbeat, no hang record
+    finally:
+        watchdog.stop()
+    stopped = store.get("hb/1/2")
+    time.sleep(2 * HEARTBEAT_S)
+    assert store.get("hb/1/2") == stopped  # the thread ended with the watchdog
+    assert not store.check(["bye/1/2"])  # the quorum says goodbye when it closes, not the watchdog
+    quorum.close()
+    assert store.check(["bye/1/2"])
 
 
 @pytest.mark.unit
@@ -123,9 +157,8 @@ def test_a_frozen_member_is_dropped_at_the_liveness_timeout_and_replaced(tmp_pat
 
 def _counted_quorum(store: MemoryStore, timeout_s: float) -> tuple[Quorum, Watchdog]:
     """Rank 0's quorum in epoch 3 (members 0, 1 and rank 2's first replacement), its collectives counted by a
-    watchdog without a thread (as the guard's is under heal) that had counted 4 before the epoch."""
+    watchdog without a thread (the test calls `place` as the heartbeat does) that had counted 4 before the epoch."""
     quorum = Quorum(store, rank=0, generation=0)
-    quorum.close()  # no heartbeat thread: the test calls `place` as the heartbeat does
     quorum.apply_guard(timeout_s, None, None)
     watchdog = Watchdog(0, 3, 30.0)
     quorum.count_with(watchdog)

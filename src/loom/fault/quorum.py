@@ -19,10 +19,11 @@ children) and hosts the job's authenticated store (`loom.net.store`):
   collective), or the first to see the launcher's ``q/E/dead`` mark, sets ``q/E/sS/verdict`` with the store's
   atomic compare-and-set. So one verdict exists per (epoch, step) and every member applies the step or none does.
   A member waits for the verdict at most ``vote_timeout_s`` and then votes no itself.
-- **Heartbeats.** A thread adds 1 to ``hb/RANK/GEN`` every `HEARTBEAT_S`; the launcher kills a worker whose
-  heartbeat stops for its liveness timeout (a frozen process), which the others then see as a lost member. Under
-  heal this is the one heartbeat: the watchdog's (`loom.fault.liveness`) does not run.
-- **Who did not arrive.** The same thread publishes, in ``at/RANK``, the member's place among its epoch's
+- **Heartbeats.** The guard's watchdog thread, the one heartbeat thread of any loom process, adds 1 to
+  ``hb/RANK/GEN`` every `HEARTBEAT_S` (`Quorum.beat`); the launcher kills a worker whose heartbeat stops for its
+  liveness timeout (a frozen process), which the others then see as a lost member. Under heal the launcher judges
+  the heartbeats, not the peers on a ring (`loom.fault.liveness`): the members change.
+- **Who did not arrive.** The same beat publishes, in ``at/RANK``, the member's place among its epoch's
   collectives as the guard's watchdog counts them (`Quorum.count_with`: the watchdog's record, numbered from the
   epoch's first collective). When a collective of the epoch times out, the member that waited re-forms and first
   names the members that had not arrived at it, with the step and the operation (`loom.fault.hang_report.
@@ -48,7 +49,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 import weakref
 from typing import Any
@@ -60,7 +60,7 @@ from loom.comm.links import forget_links
 from loom.errors import EpochNotFormed, JobEnded, LeftOutOfQuorum, StepDropped
 from loom.fault.hang_report import dropped_report
 from loom.fault.inject import planned
-from loom.fault.quorum_records import GUARD_KEYS, LEFT_OUT_STATUS, read_guard, read_place
+from loom.fault.quorum_records import GUARD_KEYS, HEARTBEAT_S, LEFT_OUT_STATUS, read_guard, read_place
 from loom.settings import setting
 
 __all__ = [
@@ -71,8 +71,6 @@ __all__ = [
 STACK_SIGNAL = signal.SIGUSR1
 """A healing worker prints every thread's Python stack on this signal (`faulthandler`, which works while the main
 thread is stuck, in C code too)."""
-HEARTBEAT_S = 0.5
-"""Seconds between a worker's heartbeats (the launcher's timeout: the liveness timeout, `Quorum.apply_guard`)."""
 MIN_LIVENESS_S = 4 * HEARTBEAT_S
 """The shortest liveness timeout under heal: a few heartbeats, so that a busy host does not get a live member
 killed."""
@@ -119,9 +117,7 @@ class Quorum:
         """`loom.fault.inject.fault_point` when a test plans a fault for this process (phase ``form``), else None."""
         self._listed = 0
         """How many epochs this process has been listed in (the ``form`` fault's step)."""
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name="loom-heal-heartbeat", daemon=True)
-        self._beat.start()
+        self._closed = False
         atexit.register(self.close)
 
     @classmethod
@@ -302,14 +298,14 @@ class Quorum:
     # -- heartbeats and who did not arrive -----------------------------------------------------------------------
     def count_with(self, counter: Any) -> None:
         """Publish this member's place among its epoch's collectives as ``counter`` counts them (the guard's
-        watchdog: ``seq``, ``current``, ``last_done``; it counts under heal without a thread of its own): from
+        watchdog: ``seq``, ``current``, ``last_done``; under heal its thread sends `beat`): from
         now on each heartbeat carries it, and a collective that times out is reported (`_name_the_absent`)."""
         self._counter = counter
         self._base = (self.epoch, counter.seq)
 
     def place(self) -> dict[str, Any] | None:
         """This member's watchdog record numbered within its epoch (`loom.fault.hang_report`'s fields, with the
-        epoch and this process's generation), or None before `count_with`. Called by the heartbeat thread,
+        epoch and this process's generation), or None before `count_with`. Called by each heartbeat (`beat`),
         which notes here the collective it sees this member in (for `_name_the_absent`)."""
         counter = self._counter
         if counter is None:
@@ -342,18 +338,13 @@ class Quorum:
         report = dropped_report(self.rank, step, epoch, inside[0], inside[1] - base, timeout, records)
         print(report, file=sys.stderr, flush=True)
 
-    def _heartbeat(self) -> None:
-        beat = self.store.clone()  # a connection of its own: a step's long wait never delays a heartbeat
-        key, at = f"hb/{self.rank}/{self.generation}", f"at/{self.rank}"
-        while not self._stop.is_set():
-            try:
-                beat.add(key, 1)
-                place = self.place()
-                if place is not None:
-                    beat.set(at, json.dumps(place))
-            except Exception:  # the launcher is gone: the worker dies with it (PDEATHSIG)
-                return
-            self._stop.wait(HEARTBEAT_S)
+    def beat(self, store: Any) -> None:
+        """One heartbeat on ``store`` (the watchdog thread's connection: `loom.fault.watchdog.Watchdog.start`):
+        ``hb/RANK/GEN`` counts, and ``at/RANK`` says this member's place (`place`)."""
+        store.add(f"hb/{self.rank}/{self.generation}", 1)
+        place = self.place()
+        if place is not None:
+            store.set(f"at/{self.rank}", json.dumps(place))
 
     def _abandon_group(self) -> None:
         """Close this epoch's group, so that a member still waiting in one of its collectives (the others raised,
@@ -372,9 +363,9 @@ class Quorum:
     def close(self) -> None:
         """Leave: the last epoch's group closed, and ``bye/RANK/GEN`` tells the launcher that the heartbeats stop
         because the process is ending (its exit may take a while), not because it froze. At exit too."""
-        if self._stop.is_set():
+        if self._closed:
             return
-        self._stop.set()
+        self._closed = True
         self._abandon_group()
         with contextlib.suppress(Exception):
             self.store.set(f"bye/{self.rank}/{self.generation}", "1")

@@ -11,7 +11,11 @@ from typing import Any
 
 from loom.errors import LeftOutOfQuorum
 
-__all__ = ["GUARD_KEYS", "LEFT_OUT_STATUS", "read_guard", "read_place"]
+__all__ = ["GUARD_KEYS", "HEARTBEAT_S", "LEFT_OUT_STATUS", "read_guard", "read_place"]
+
+HEARTBEAT_S = 0.5
+"""Seconds between a healing worker's heartbeats (``hb/RANK/GEN``, sent by its watchdog thread:
+`loom.fault.quorum.Quorum.beat`); the launcher's timeout is the liveness timeout (`Quorum.apply_guard`)."""
 
 GUARD_KEYS = {
     "work_s": "work_timeout_s / LOOM_WORK_TIMEOUT_S",

@@ -57,6 +57,7 @@ from loom.comm.shm_wait import give_way_to
 from loom.errors import HangError, PeerLostError
 from loom.fault.hang_report import all_inside_s, doing, hang_report, print_stacks, stacks_asked, stop_process
 from loom.fault.liveness import Heartbeat, liveness_timeout_s, seconds_setting
+from loom.fault.quorum_records import HEARTBEAT_S
 from loom.fault.side_channel import host_description, open_side_channel
 from loom.settings import SETTINGS
 from loom.topology import Topology
@@ -141,6 +142,10 @@ class Watchdog:
         self.poll_hooks: dict[str, Callable[[Watchdog], None]] = {}
         """Called by the watchdog thread after each publish, by name (a later job's hook replaces an earlier
         one's); an exception counts as a failed store call."""
+        self.quorum: Any = None
+        """Under ``--on-worker-failure heal``, the member's `loom.fault.quorum.Quorum`: the launcher judges this
+        process by the quorum's heartbeat, which this thread sends (`Quorum.beat`), and the thread judges
+        nothing itself (a lost member is replaced, not waited for; each epoch's group bounds its collectives)."""
 
     def _configure(self, timeout_s: float | None, work_timeout: float | None, liveness: float | None) -> None:
         """Set the three timeouts (`hang_timeout_s`, `work_timeout_s`, `liveness_timeout_s` resolve each) and the
@@ -159,21 +164,39 @@ class Watchdog:
         timeout_s: float | None = None,
         work_timeout: float | None = None,
         liveness_timeout: float | None = None,
+        quorum: Any = None,
     ) -> Watchdog:
         """A watchdog for this process, publishing through a new client of the job's TCP store.
 
-        Without a process group (one process) the watchdog only counts: there is nobody to wait for.
+        Without a process group (one process) the watchdog only counts: there is nobody to wait for. With a
+        ``quorum`` (healing) its thread sends the quorum's heartbeat every `HEARTBEAT_S`, on a connection of its
+        own to the launcher's store, and judges nothing (see ``quorum`` in the constructor).
         """
         reuse = _active
-        if reuse is not None and (reuse.rank, reuse.world_size) == (topology.rank, topology.world_size):
+        if (
+            quorum is None
+            and reuse is not None
+            and (reuse.rank, reuse.world_size) == (topology.rank, topology.world_size)
+        ):
             reuse._configure(timeout_s, work_timeout, liveness_timeout)  # a second setup() in one process
             return reuse
-        store = open_side_channel() if topology.is_distributed else None
+        # under heal a connection of its own: a step's long wait on the quorum's never delays a beat
+        if quorum is not None:
+            store = quorum.store.clone()
+        else:
+            store = open_side_channel() if topology.is_distributed else None
         wd = cls(topology.rank, topology.world_size, timeout_s, store, work_timeout, liveness_timeout)
-        if store is not None:
-            with contextlib.suppress(Exception):  # bounded; the thread retries
+        if quorum is not None:
+            wd.quorum, wd.poll_s = quorum, HEARTBEAT_S
+        # A first beat now (bounded; the thread retries): a fault may come before the first poll, and a process
+        # never heard from is never judged.
+        with contextlib.suppress(Exception):
+            if quorum is not None:
+                quorum.beat(store)
+            elif store is not None:
                 wd.heartbeat.announce(store, host_description())
                 wd._publish()
+        if store is not None:
             wd._thread = threading.Thread(target=wd._watch, name=f"loom-watchdog-{wd.rank}", daemon=True)
             wd._thread.start()
             # Registered after `loom.init`'s shutdown, so it runs before it: the thread and the store client
@@ -189,7 +212,8 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5)
         thread_ended = self._thread is not None and not self._thread.is_alive()
-        if thread_ended and self._store_usable():  # never two threads on one store client
+        # never two threads on one store client; under heal the quorum says goodbye (`Quorum.close`)
+        if thread_ended and self._store_usable() and self.quorum is None:
             with contextlib.suppress(Exception):
                 self.heartbeat.leave(self.store)
         self.store = None
@@ -246,6 +270,9 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
+            if self.quorum is not None:
+                self._beat_for_quorum()
+                continue
             current = self.current
             if current is not None:
                 self._judge(current)
@@ -265,6 +292,15 @@ class Watchdog:
             lost = self.heartbeat.verdict()
             if lost is not None:
                 self._lost(lost)
+
+    def _beat_for_quorum(self) -> None:
+        """Under heal: the quorum's heartbeat, judged by the launcher. A store that fails is left alone a while,
+        as above; a launcher gone for good takes its workers with it (``PDEATHSIG``)."""
+        if self._store_usable():
+            try:
+                self.quorum.beat(self.store)
+            except Exception:  # noqa: BLE001 - the store is slow or gone: try again after the backoff
+                self._store_failed_at = time.monotonic()
 
     def _lost(self, lost: str) -> None:
         """A host is lost: stop the process (the launcher stops the rest), unless the job's policy is to go on

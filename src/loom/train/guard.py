@@ -116,12 +116,12 @@ class StepGuard:
     def start(cls, topology: Topology, options: GuardOptions, quorum: Quorum | None = None) -> StepGuard:
         """The guard of a job on ``topology``: a watchdog thread when there are peers to wait for (one process
         only counts), and the non-finite policy of ``options``. With a ``quorum`` (``--on-worker-failure heal``)
-        the guard holds the commit vote, and its watchdog counts without a thread: a lost member is replaced, not
-        waited for, so the timeouts the user set bound the waits before a replacement instead
-        (`loom.fault.quorum.Quorum.apply_guard`: the quorum's heartbeat is the liveness one)."""
-        if topology.is_distributed and quorum is None:
+        the guard holds the commit vote, and its watchdog's thread sends the quorum's heartbeat and judges nothing:
+        a lost member is replaced, not waited for, so the timeouts the user set bound the waits before a
+        replacement instead (`loom.fault.quorum.Quorum.apply_guard`)."""
+        if topology.is_distributed or quorum is not None:
             watchdog = Watchdog.start(
-                topology, options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s
+                topology, options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s, quorum
             )
         else:
             watchdog = Watchdog(
