@@ -16,6 +16,7 @@ from conftest import run_workers
 
 from loom import comm
 from loom.comm import auto, shm
+from loom.comm.shm_segment import PREFIX, SHM_DIR, STALE_AFTER_S, _sweep_stale
 
 DATA_BYTES = 60 * 4  # comm_shm_check.py's float32 tensor of 60 elements
 
@@ -111,7 +112,7 @@ def test_segments_unlinked_while_in_use_and_never_shared_between_jobs(check_run)
     shared_fake_hosts = sum(hosts.count(h) > 1 for h in (0, 1))
     # The default group (twice if it grew), the pieces group, one per pretended host with 2 processes or more.
     assert len(names) == 2 + results[0]["grew"] + shared_fake_hosts, names
-    assert not any((shm.SHM_DIR / name).exists() for name in names)
+    assert not any((SHM_DIR / name).exists() for name in names)
     assert not any(names & earlier for earlier in _NAMES_OF_EARLIER_JOBS), "a job reused an old segment name"
     _NAMES_OF_EARLIER_JOBS.append(names)
 
@@ -134,7 +135,7 @@ def _dead_pid() -> int:
 
 
 def _loom_names() -> set[str]:
-    return {path.name for path in shm.SHM_DIR.glob(shm.PREFIX + "*")}
+    return {path.name for path in SHM_DIR.glob(PREFIX + "*")}
 
 
 @pytest.mark.multiprocess
@@ -151,16 +152,16 @@ def test_sigkilled_creator_leaves_no_segment(tmp_path):
 @pytest.mark.timeout(10)
 def test_stale_names_are_swept_only_when_old_and_orphaned():
     """What a creator killed between create and unlink leaves behind; the next job's creator sweeps it."""
-    stale = shm.SHM_DIR / f"{shm.PREFIX}{_dead_pid()}-{'0' * 16}"
-    recent = shm.SHM_DIR / f"{shm.PREFIX}{_dead_pid()}-{'1' * 16}"  # may still be in its set-up window
-    alive = shm.SHM_DIR / f"{shm.PREFIX}{os.getpid()}-{'2' * 16}"
+    stale = SHM_DIR / f"{PREFIX}{_dead_pid()}-{'0' * 16}"
+    recent = SHM_DIR / f"{PREFIX}{_dead_pid()}-{'1' * 16}"  # may still be in its set-up window
+    alive = SHM_DIR / f"{PREFIX}{os.getpid()}-{'2' * 16}"
     try:
         for path in (stale, recent, alive):
             path.write_bytes(b"not a loom segment")
-        old = time.time() - 2 * shm.STALE_AFTER_S
+        old = time.time() - 2 * STALE_AFTER_S
         os.utime(stale, (old, old))
         os.utime(alive, (old, old))
-        shm._sweep_stale()
+        _sweep_stale()
         assert not stale.exists() and recent.exists() and alive.exists()
     finally:
         for path in (stale, recent, alive):
@@ -171,11 +172,11 @@ def test_stale_names_are_swept_only_when_old_and_orphaned():
 @pytest.mark.timeout(10)
 def test_attach_refuses_a_foreign_segment():
     segment = shm.Segment.create(2, 4096)
-    forged = shm.SHM_DIR / (segment.name[:-16] + "f" * 16)
+    forged = SHM_DIR / (segment.name[:-16] + "f" * 16)
     try:
         with pytest.raises(ValueError, match="expected"):
             shm.Segment.attach(segment.name, 3, 1, 4096)  # another layout than its creator's
-        os.link(shm.SHM_DIR / segment.name, forged)  # the same bytes under a name with another token
+        os.link(SHM_DIR / segment.name, forged)  # the same bytes under a name with another token
         with pytest.raises(ValueError, match="header"):
             shm.Segment.attach(forged.name, 2, 1, 4096)
     finally:

@@ -9,13 +9,14 @@ import pytest
 import torch
 from conftest import run_workers
 
-from loom.comm import shm, shm_wait
+from loom.comm import shm_wait
 from loom.comm.shm_channel import ShmReceiver, ShmSender
 from loom.comm.shm_ring import Ring
+from loom.comm.shm_segment import PREFIX, SHM_DIR
 
 
 def _names_of(pids: list[int]) -> list[str]:
-    return [p.name for p in shm.SHM_DIR.glob(shm.PREFIX + "*") if int(p.name.split("-")[2]) in pids]
+    return [p.name for p in SHM_DIR.glob(PREFIX + "*") if int(p.name.split("-")[2]) in pids]
 
 
 @pytest.mark.multiprocess
@@ -72,7 +73,7 @@ class _Peer:
 def test_a_sender_blocked_on_a_dead_reader_names_it():
     ring = Ring.create(4096)
     peer = _Peer(ring, attach=True)
-    assert not (shm.SHM_DIR / ring.name).exists()  # the reader removed the name when it mapped the ring
+    assert not (SHM_DIR / ring.name).exists()  # the reader removed the name when it mapped the ring
     sender = ShmSender(ring, 0, 1)
     peer.die()
     ((handle, _),) = sender.send([torch.zeros(5000)])  # 20 kB through a 4 kB ring nobody reads
@@ -113,9 +114,9 @@ def test_a_wait_gives_up_after_the_time_out(monkeypatch):
 @pytest.mark.timeout(10)
 def test_a_forged_ring_is_refused():
     ring = Ring.create(4096)
-    forged = shm.SHM_DIR / f"{shm.PREFIX}{os.getpid()}-{12345:016x}"
+    forged = SHM_DIR / f"{PREFIX}{os.getpid()}-{12345:016x}"
     try:
-        os.link(shm.SHM_DIR / ring.name, forged)
+        os.link(SHM_DIR / ring.name, forged)
         with pytest.raises(ValueError, match="header"):
             Ring.attach(forged.name, 4096)
         assert not forged.exists()  # refused, and its name removed all the same

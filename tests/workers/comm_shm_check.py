@@ -24,6 +24,7 @@ import torch.distributed as dist
 import loom
 from loom import comm
 from loom.comm import auto, shm
+from loom.comm.shm_segment import SHM_DIR
 
 topo = loom.init()
 rank, n = topo.rank, topo.world_size
@@ -134,7 +135,7 @@ result["auto_choices"] = [auto.choose_algorithm(1 << k, fake, {}) for k in range
 result.update(
     failures=failures,
     segments=segments,
-    linked=[s for s in segments if (shm.SHM_DIR / s).exists()],
+    linked=[s for s in segments if (SHM_DIR / s).exists()],
     local_rank_fake=shm.context_for(fake).local_rank,
 )
 print(json.dumps(result))

@@ -21,13 +21,9 @@ barrier (every process sees the same sizes, so all of them take it).
 
 Lifetime. One segment per host and process group, made on the first call and remade larger when a larger
 tensor arrives, up to `MAX_PIECE_BYTES` per slot: bigger tensors go piece by piece (bounded memory, and each
-piece stays in cache). The host's first process creates it under a fresh random name
-(``loom-shm-<pid>-<64 random bits>``, ``O_EXCL``), the name travels to the others in a gloo all-gather of bytes,
-and as soon as every process has mapped it (an all-gather of status codes) the creator unlinks the name. From
-then on the memory exists only in the mappings: the kernel frees it when the last process exits, normally or
-killed, and no later job can open it. A process killed inside the short create-to-unlink window leaves the
-name behind; the next job's creator removes such names once their creator pid is dead and they are older
-than `STALE_AFTER_S`.
+piece stays in cache). The host's first process creates it, the name travels to the others in a gloo all-gather,
+and once every process has mapped it (an all-gather of status codes) the creator unlinks the name: from then on
+no later job can open it, and the kernel frees it with the last process (`loom.comm.shm_segment`).
 
 Barrier: a sequence counter per process in the segment's header, one cache line each (with the process's pid
 and an "asleep, waiting for process k" flag), waited for by `loom.comm.shm_wait.wait_until`: spin, then sleep on
@@ -43,30 +39,23 @@ and can differ from ``native`` in the last bits; float16/bfloat16 round once per
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import platform
-import secrets
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from loom.comm._reduce import all_gather_bytes, combine_into, group_rank_and_size, host_digest
 from loom.comm.counters import Traffic
-from loom.comm.shm_wait import futex_wake, wait_until
-from loom.comm.shm_wait import process_alive as _alive
+from loom.comm.shm_segment import SHM_DIR, create_segment, open_segment
+from loom.comm.shm_wait import futex_wake, process_alive, wait_until
 
 __all__ = ["Segment", "ShmContext", "all_reduce_shm", "context_for", "shm_unsupported_reason"]
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "loom-shm-"
 MAX_PIECE_BYTES = 4 << 20
 """Largest slot per process; larger tensors are reduced in pieces of this many bytes (tests lower it)."""
 MIN_CAPACITY = 64 << 10
-STALE_AFTER_S = 60.0
 
 _MAGIC = int.from_bytes(b"LOOMSHM1", "little")
 _LINE_WORDS = 8  # 64 bytes: counters of different processes never share a cache line
@@ -88,46 +77,6 @@ def _header_bytes(size: int) -> int:
 
 def _stride(capacity: int) -> int:
     return -(-capacity // _PAGE) * _PAGE
-
-
-def create_segment(nbytes: int, hint: str = "") -> tuple[str, int, mmap.mmap]:
-    """A new segment of ``nbytes`` under a fresh random name (``O_EXCL``, mode 0600), after sweeping stale names:
-    (name, its token, the mapping). ``hint`` ends the error message of a full /dev/shm."""
-    _sweep_stale()
-    token = secrets.randbits(63)
-    name = f"{PREFIX}{os.getpid()}-{token:016x}"
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS on first touch.
-        os.posix_fallocate(fd, 0, nbytes)
-        return name, token, mmap.mmap(fd, nbytes)
-    except OSError as error:
-        path.unlink(missing_ok=True)
-        raise OSError(
-            f"cannot reserve {nbytes} bytes of shared memory in {SHM_DIR}: {error.strerror}. HINT: free "
-            f"space there or enlarge it (docker run --shm-size=...){hint}"
-        ) from error
-    finally:
-        os.close(fd)
-
-
-def open_segment(name: str, nbytes: int, unlink: bool = False) -> tuple[int, mmap.mmap]:
-    """Map the segment ``name`` a creator announced, refusing another name form or size: (its token, the
-    mapping). ``unlink``: remove the name once opened (or failed to), as the last process to map it."""
-    if not name.startswith(PREFIX) or "/" in name:
-        raise ValueError(f"{name!r} is not the name of a loom shared-memory segment")
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    try:
-        found = os.fstat(fd).st_size
-        if found != nbytes:
-            raise ValueError(f"segment {name} has {found} bytes, expected {nbytes}")
-        return int(name.rsplit("-", 1)[1], 16), mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-        if unlink:
-            path.unlink(missing_ok=True)
 
 
 class Segment:
@@ -202,20 +151,7 @@ class Segment:
         )  # fmt: skip
 
     def peers_visible(self) -> bool:
-        return all(_alive(self._words[w + 1]) for w in self._peer_words)
-
-
-def _sweep_stale() -> None:
-    """Remove names a creator killed between create and unlink left behind (creator dead, name old)."""
-    for path in SHM_DIR.glob(PREFIX + "*"):
-        try:
-            pid = int(path.name[len(PREFIX) :].split("-")[0])
-            age = time.time() - path.stat().st_mtime
-        except (ValueError, OSError):
-            continue
-        if age > STALE_AFTER_S and not _alive(pid):
-            with contextlib.suppress(OSError):
-                path.unlink()
+        return all(process_alive(self._words[w + 1]) for w in self._peer_words)
 
 
 class ShmContext:

@@ -8,7 +8,7 @@ one writer, so no lock is needed; the order "data, then counter" is what x86-64'
 reason `loom.comm.shm.shm_unsupported_reason` refuses other CPUs). Copies are ``memmove`` between raw addresses:
 for a message of a few KiB the per-call cost of a tensor operation would be most of the time.
 
-Lifetime as in `loom.comm.shm` (`loom.comm.shm.create_segment`): the writer creates the segment, the reader maps
+Lifetime as in `loom.comm.shm_segment`: the writer creates the segment, the reader maps
 it and removes the name at once, so the memory lives only in the two mappings and the kernel frees it when both
 processes have exited, however they exit; a writer whose handshake fails removes the name itself.
 """
@@ -19,7 +19,7 @@ import ctypes
 import mmap
 import os
 
-from loom.comm.shm import SHM_DIR, create_segment, open_segment
+from loom.comm.shm_segment import SHM_DIR, create_segment, open_segment
 from loom.comm.shm_wait import futex_wake
 
 __all__ = ["Ring"]
