@@ -55,7 +55,7 @@ __all__ = ["DESYNC_EVERY", "FitResult", "fit"]
 DESYNC_EVERY = 100
 """Default interval, in steps, of the parameter check across replicas: a pass over the parameters and an
 all-gather of 8 bytes per tensor, a small fraction of the training time at this interval
-(``tests/workers/nonfinite_cost.py`` measures it). It also runs before every checkpoint, so a desynchronized
+(``src/loom_bench/nonfinite_cost.py`` measures it). It also runs before every checkpoint, so a desynchronized
 state is never saved."""
 
 
