@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
 from loom.launch import tail_lines
-from loom.launch.supervise import killed_by
+from loom.launch.supervise import exit_cause
 from loom.launch.zygote import Zygote
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def failure_text(failure: Any) -> str:
         if line.strip() and not line.startswith("To enable traceback")
     ]
     if code is not None and code < 0 and (code != -15 or not lines):
-        return killed_by(code)
+        return exit_cause(code)
     if lines and not lines[-1].startswith("Signal "):
         return lines[-1].strip()
     return f"exited with code {code} without a Python exception"

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loom.launch.supervise import pump, stop_processes
-from loom.ps.deaths import describe_exit, write_record
+from loom.launch.supervise import exit_cause, pump, stop_processes
+from loom.ps.deaths import write_record
 
 __all__ = ["ServerGroup", "server_processes", "wait_for_servers"]
 
@@ -138,7 +138,7 @@ class ServerGroup:
                     self._died(server, server.proc.returncode)
 
     def _died(self, server: _Server, status: int) -> None:
-        cause = describe_exit(status)
+        cause = exit_cause(status)
         restart = server.restarts < self.max_restarts
         server.deaths.append({"time": time.time(), "status": status, "cause": cause, "restarted": restart})
         if restart:

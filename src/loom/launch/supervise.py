@@ -180,8 +180,11 @@ def _exception_of(worker: Worker) -> str | None:
     return str(message).strip().splitlines()[-1] if message else None
 
 
-def killed_by(code: int) -> str:
-    """``killed by SIGKILL`` for the status -9 (``killed by signal N`` for a signal without a name)."""
+def exit_cause(code: int) -> str:
+    """How a process with exit status ``code`` ended: ``killed by SIGKILL`` for -9 (``killed by signal N`` for
+    a signal without a name), else ``exit code N``: said of workers and of parameter servers (`loom.launch.servers`)."""
+    if code >= 0:
+        return f"exit code {code}"
     try:
         return f"killed by {signal.Signals(-code).name}"
     except ValueError:
@@ -191,8 +194,8 @@ def killed_by(code: int) -> str:
 def exit_text(name: str, code: int, error: str | None) -> str:
     """How a process ``name`` ended, as one line: the signal that killed it, else its status and exception."""
     if code < 0:
-        return f"{name} was {killed_by(code)}"
-    return f"{name} failed (exit code {code}): {error or 'exited without a Python exception'}"
+        return f"{name} was {exit_cause(code)}"
+    return f"{name} failed ({exit_cause(code)}): {error or 'exited without a Python exception'}"
 
 
 def describe_exit(worker: Worker) -> str:

@@ -13,25 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECORD_NAME", "death_of", "describe_exit", "write_record"]
+__all__ = ["RECORD_NAME", "death_of", "write_record"]
 
 RECORD_NAME = "ps-servers.json"
 _MAX_BYTES = 1 << 20
-
-
-def describe_exit(status: int) -> str:
-    """``killed by SIGKILL`` for a negative status, else ``exited with status N``."""
-    if status < 0:
-        try:
-            return f"killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"killed by signal {-status}"
-    return f"exited with status {status}"
 
 
 def write_record(run_dir: Path, servers: list[dict[str, Any]]) -> None:
