@@ -29,13 +29,13 @@ from torch import nn
 
 from loom.errors import ScriptCaptureError
 
-__all__ = ["CapturedScript", "ScriptCaptureError", "capture_script"]
+__all__ = ["STRATEGIES", "CapturedScript", "ScriptCaptureError", "capture_script"]
 
-_STRATEGIES = (
+STRATEGIES = (
     "DataParallel", "ShardedDataParallel", "Gossip", "Hybrid", "Pipeline", "TensorParallel", "ParameterServer",
     "LocalSGD", "DiLoCo",
 )  # fmt: skip
-"""Every strategy class of `loom.parallel` whose ``setup`` returns a job (`loom.parallel.__all__`)."""
+"""Every strategy class of `loom.parallel` whose ``setup`` returns a job: recorded here, built by `loom.plan.trial`."""
 
 
 @dataclass
@@ -92,7 +92,7 @@ class _PlanningJob:
 def _recording_setup(script: str, found: list[CapturedScript]) -> Iterator[None]:
     import loom.parallel as strategies  # here: the strategies import torch.distributed and the comm stack
 
-    saved = {name: getattr(strategies, name).setup for name in _STRATEGIES}
+    saved = {name: getattr(strategies, name).setup for name in STRATEGIES}
 
     def recorder(strategy_name: str) -> Any:
         def setup(self: Any, model: Any, optimizer: Any, loss_fn: Any = None, *args: Any, **kw: Any) -> Any:
@@ -107,7 +107,7 @@ def _recording_setup(script: str, found: list[CapturedScript]) -> Iterator[None]
         return setup
 
     try:
-        for name in _STRATEGIES:
+        for name in STRATEGIES:
             getattr(strategies, name).setup = recorder(name)
         yield
     finally:

@@ -148,18 +148,13 @@ class _Model:
     def best_allreduce(self, nbytes: float) -> float:
         return min(self.t.time(f"allreduce:{a}", nbytes) for a in self.t.algorithms)
 
-    def done(
-        self, at: BatchProfile, comm: float, extra: float, memory: dict, wire: float, bubble=0.0
-    ) -> Prediction:
-        step = at.compute_s + comm + extra + self.overhead
-        return Prediction(
-            self.c, step, self.global_batch / step, memory, int(wire), at.compute_s, comm, bubble
-        )
+    def done(self, compute: float, comm: float, extra: float, memory: dict, wire: float) -> Prediction:
+        step = compute + comm + extra + self.overhead
+        return Prediction(self.c, step, self.global_batch / step, memory, int(wire), compute, comm)
 
 
 def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) -> Prediction:
     p, at = m.p, m.p.at(m.share)
-    memory = _memory(p.param_bytes, p.grad_bytes, p.optimizer_bytes, at.activation_bytes)
     codec = m.c.option("compression")
     if codec is not None:
         cost = codecs.get(str(codec))
@@ -171,16 +166,17 @@ def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) ->
             p.param_bytes, p.grad_bytes, p.optimizer_bytes, at.activation_bytes, cost.transient_bytes
         )
         return m.done(
-            at, m.exposed(comm, at.backward_s), cost.seconds + p.optimizer_s + m.small, memory, wire
+            at.compute_s, m.exposed(comm, at.backward_s), cost.seconds + p.optimizer_s + m.small, memory, wire
         )
     algorithm = str(m.c.option("allreduce"))
     comm = m.t.time(f"allreduce:{algorithm}", p.grad_bytes)
+    grads = p.grad_bytes
     if algorithm == "native" or spare_core:
         comm = m.exposed(comm, at.backward_s) + (m.t.ddp_extra_s if algorithm == "native" else 0.0)
     elif algorithm == "shm":  # the shared segment of every local process's slot (module docstring)
-        local = m.n // m.c.hosts
-        memory = _memory(p.param_bytes, local * p.grad_bytes, p.optimizer_bytes, at.activation_bytes)
-    return m.done(at, comm, p.optimizer_s + m.small, memory, _ring(m.n, p.grad_bytes))
+        grads *= m.n // m.c.hosts
+    memory = _memory(p.param_bytes, grads, p.optimizer_bytes, at.activation_bytes)
+    return m.done(at.compute_s, comm, p.optimizer_s + m.small, memory, _ring(m.n, p.grad_bytes))
 
 
 def _units(p: ModelProfile, at: BatchProfile) -> list[int]:
@@ -200,7 +196,7 @@ def _sharded(m: _Model) -> Prediction:
         memory = _memory(
             p.param_bytes, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes, p.grad_bytes
         )
-        return m.done(at, comm, optimizer, memory, _ring(n, p.grad_bytes) + _ring(n, p.param_bytes))
+        return m.done(at.compute_s, comm, optimizer, memory, _ring(n, p.grad_bytes) + _ring(n, p.param_bytes))
     gathers = 2 if stage == 3 else 1
     units = _units(p, at)
     comm = sum(gathers * m.t.time("all_gather", u) + m.t.time("reduce_scatter", u) for u in units)
@@ -209,7 +205,7 @@ def _sharded(m: _Model) -> Prediction:
     memory = _memory(params, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes, other)
     wire = (n - 1) / n * (gathers * p.param_bytes + p.grad_bytes)
     fixed = len(units) * m.t.fsdp_unit_s.get(f"stage{stage}", 0.0)  # FSDP's own work per unit, measured
-    return m.done(at, m.exposed(comm, at.backward_s), optimizer + fixed, memory, wire)
+    return m.done(at.compute_s, m.exposed(comm, at.backward_s), optimizer + fixed, memory, wire)
 
 
 def _parameter_server(m: _Model) -> Prediction:
@@ -233,7 +229,7 @@ def _parameter_server(m: _Model) -> Prediction:
     rate = m.t.ps_save_bytes_per_s  # each server's checkpoint of its shard, after every step, before replying
     save = (p.param_bytes + p.optimizer_bytes) / s / rate if rate else 0.0
     extra = p.optimizer_s / s + 2 * m.small + m.t.ps_fixed_s + save
-    return m.done(at, push + reply, extra, memory, p.grad_bytes)
+    return m.done(at.compute_s, push + reply, extra, memory, p.grad_bytes)
 
 
 def _replicas(m: _Model) -> Prediction:
@@ -243,7 +239,7 @@ def _replicas(m: _Model) -> Prediction:
     comm = (m.best_allreduce(p.param_bytes) + outer) / period
     other = 4 * p.param_bytes if m.c.family == "DiLoCo" else p.param_bytes  # the docstring's buffers
     memory = _memory(p.param_bytes, p.grad_bytes, p.optimizer_bytes, at.activation_bytes, other)
-    return m.done(at, comm, p.optimizer_s + m.small, memory, _ring(n, p.param_bytes) / period)
+    return m.done(at.compute_s, comm, p.optimizer_s + m.small, memory, _ring(n, p.param_bytes) / period)
 
 
 def _tensor_parallel(m: _Model) -> Prediction:
@@ -268,9 +264,8 @@ def _tensor_parallel(m: _Model) -> Prediction:
     f = ((p.param_bytes - cut) + cut / t) / max(1, p.param_bytes)
     acts = sum(x.saved_bytes / (t if i in inside else 1) for i, x in enumerate(layers))
     memory = _memory(p.param_bytes * f, p.grad_bytes * f, p.optimizer_bytes * f, acts)
-    step = compute + comm + p.optimizer_s * f + m.small + m.overhead
     wire = sum(_ring(t, d) for d in reduced)
-    return Prediction(c, step, m.global_batch / step, memory, int(wire), compute, comm)
+    return m.done(compute, comm, p.optimizer_s * f + m.small, memory, wire)
 
 
 def _tp_all_reduce(t: Transport, nbytes: float) -> float:

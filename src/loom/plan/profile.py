@@ -237,9 +237,7 @@ def _one_step(
     loss.backward()
     t2 = time.perf_counter()
     optimizer.step()
-    optimizer.zero_grad(
-        set_to_none=False
-    )  # keep the gradients allocated, as a training job between steps does
+    optimizer.zero_grad(set_to_none=False)  # keep the gradients allocated, as a job does between steps
     t3 = time.perf_counter()
     return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "start": t1, "end": t2}
 

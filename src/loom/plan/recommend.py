@@ -149,26 +149,27 @@ def _errors_path() -> Path:
     return Path(root) / f"plan-verified-{socket.gethostname()}.json"
 
 
+def _recorded() -> dict[str, Any]:
+    """The record of the last verifications ({} when there is none, or it is not a small JSON object)."""
+    try:
+        path = _errors_path()
+        data = json.loads(path.read_text()) if path.stat().st_size <= 1 << 20 else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def last_errors() -> dict[str, float]:
     """Each family's step-time error at its last verification on this host (bounded read: a small file)."""
     try:
-        path = _errors_path()
-        if path.stat().st_size > 1 << 20:
-            return {}
-        data = json.loads(path.read_text())
-        return {str(k): float(v["error"]) for k, v in data.items()}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {str(k): float(v["error"]) for k, v in _recorded().items()}
+    except (ValueError, TypeError, KeyError):
         return {}
 
 
 def record_errors(errors: dict[str, float]) -> None:
     """Keep ``errors`` (family: relative step-time error) as the families' last verification."""
-    path = _errors_path()
-    try:
-        data = json.loads(path.read_text()) if path.exists() and path.stat().st_size < 1 << 20 else {}
-        data = data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        data = {}
+    path, data = _errors_path(), _recorded()
     for family, error in errors.items():
         data[family] = {"error": error, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:

@@ -96,11 +96,11 @@ class Transport:
             raise OutsideCalibration(
                 f"{op} of {int(nbytes)} bytes is above the largest measured size {self.sizes[-1]}"
             )
-        if math.isinf(table[bisect.bisect_left(self.sizes, nbytes)]):
+        i = bisect.bisect_left(self.sizes, nbytes)
+        if math.isinf(table[i]):
             raise OutsideCalibration(
                 f"{op} was measured up to {self.finite_up_to(op)} bytes, not {int(nbytes)}"
             )
-        i = bisect.bisect_left(self.sizes, nbytes)
         if i == 0:
             local = table[0]
         else:

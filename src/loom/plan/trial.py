@@ -174,7 +174,7 @@ def _launcher_private_bytes() -> int:
     """The memory of the job's processes that are not workers (the zygote that forked this one, the ``loom run``
     launcher above it), as they hold it alone; 0 where ``/proc`` cannot tell."""
     total, pid = 0, os.getppid()
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for _ in range(3):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 words = f.read(1 << 16).split(b"\0")
@@ -185,8 +185,6 @@ def _launcher_private_bytes() -> int:
                 break  # the launcher: what started it is not the job's
             with open(f"/proc/{pid}/stat") as f:
                 pid = int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return total
     return total
 
 
@@ -257,11 +255,10 @@ def _save_rate(nbytes: int, reps: int = 3) -> float:
 
 def _strategy(family: str, options: dict[str, Any]) -> Any:
     import loom
+    from loom.plan.capture import STRATEGIES
 
-    allowed = ("DataParallel", "ShardedDataParallel", "ParameterServer", "LocalSGD", "DiLoCo", "Pipeline",
-               "Hybrid", "TensorParallel")  # fmt: skip
-    if family not in allowed:
-        raise ValueError(f"unknown strategy family {family!r} (one of {', '.join(allowed)})")
+    if family not in STRATEGIES:
+        raise ValueError(f"unknown strategy family {family!r} (one of {', '.join(STRATEGIES)})")
     return getattr(loom, family)(**options)
 
 
