@@ -54,7 +54,7 @@ __all__ = [
     "Worker",
     "describe_exit",
     "start_worker",
-    "stop_workers",
+    "stop_processes",
     "worker_env",
     "supervise_workers",
 ]
@@ -216,10 +216,6 @@ def stop_processes(procs: list[Any], grace_s: float) -> None:
             proc.wait()
 
 
-def stop_workers(workers: list[Worker], grace_s: float) -> None:
-    stop_processes([w.proc for w in workers], grace_s)
-
-
 @contextmanager
 def stopped_by_signals() -> Iterator[None]:
     """SIGTERM and SIGINT raise `LauncherStopped` meanwhile (the caller stops its workers)."""
@@ -237,7 +233,7 @@ def stopped_by_signals() -> Iterator[None]:
 
 def end_workers(workers: list[Worker], grace_s: float, zygote: Zygote) -> None:
     """Leave nothing running: the workers stopped, the zygote ended, their output read to the end."""
-    stop_workers(workers, grace_s)
+    stop_processes([w.proc for w in workers], grace_s)
     zygote.close()
     for w in workers:
         for reader in w.readers:
