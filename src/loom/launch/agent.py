@@ -20,6 +20,7 @@ across nodes) starts the workers itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -218,13 +219,16 @@ def _supervised(spec: LaunchSpec, run_id: str, host: str, port: int) -> int:
     """``--on-worker-failure continue|heal``: `loom.launch.supervise` runs the workers, not the agent
     (`loom.launch.heal_nodes` across nodes)."""
     from loom.launch.heal import HealPolicy
+    from loom.launch.heal_nodes import heal_across_nodes, heal_on_one_host
     from loom.launch.supervise import supervise_workers
 
     if spec.on_worker_failure == "heal" and spec.nnodes > 1:
-        from loom.launch.heal_nodes import heal_across_nodes
-
         return heal_across_nodes(spec, run_id, host, port, _worker_args(spec))
-    heal = HealPolicy(spec.max_heals, spec.min_workers) if spec.on_worker_failure == "heal" else None
+    heal = None
+    if spec.on_worker_failure == "heal":
+        heal = functools.partial(
+            heal_on_one_host, spec.nproc, run_id, HealPolicy(spec.max_heals, spec.min_workers)
+        )
     with _servers(spec, lambda: None) as servers:
         return supervise_workers(spec.nproc, _worker_args(spec), run_id, spec.run_dir / "logs",
                                  spec.shutdown_timeout_s, lambda: servers.failure, heal)  # fmt: skip

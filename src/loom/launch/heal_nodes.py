@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ from loom.launch.supervise import (
 from loom.launch.zygote import Zygote
 from loom.settings import setting
 
-__all__ = ["Authority", "NodeAgent", "heal_across_nodes"]
+__all__ = ["Authority", "NodeAgent", "heal_across_nodes", "heal_on_one_host"]
 
 TICK_S = 0.02
 AGENT_BEAT_S = 0.25
@@ -108,6 +109,15 @@ class NodeAgent:
 
     def running(self) -> list[Worker]:
         return [w for w in self.current.values() if w.proc.poll() is None]
+
+    def dismiss(self) -> None:
+        """The job has finished: its workers still running are replacements waiting to join, not needed."""
+        for w in self.running():
+            print(f"loom run: worker rank {w.rank}'s replacement was not needed: the others finished",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            w.reported = True
+            w.proc.kill()
+            w.proc.wait()
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -329,17 +339,36 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
             server.close()
 
 
+def heal_on_one_host(
+    nproc: int, run_id: str, policy: HealPolicy, store: Any, start: Callable[[int, int], Worker]
+) -> int:
+    """One host's healing (`loom.launch.supervise` has started the zygote and hosts the job's ``store``): the
+    same agent and authority as across hosts, for one node, whose orders and events stay in this process."""
+    from loom.net.store import LoomStore
+
+    link = _Link(
+        LoomStore(prefix=f"loom/{run_id}/nodes/", server=store),
+        float(setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")),
+    )
+    agent = NodeAgent(0, 0, nproc, link, start)
+    job = LoomStore(prefix=f"loom/{run_id}/job/", server=store)
+    return _lead(agent, Authority([nproc], policy, link, job, local=agent), link)
+
+
 def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> int:
-    """Node 0: its agent's ticks and the authority's, until the job ends; then every node is told and awaited."""
-    status = 0
+    """Node 0 (or the one host): its agent's ticks and the authority's, until every worker has ended or only
+    replacements wait (they are stopped); then every other node is told and awaited."""
+    status, quorum = 0, authority.quorum
     try:
         while not authority.done() and not authority.waiting_only():
             agent.tick()
             authority.tick()
             time.sleep(TICK_S)
+        agent.dismiss()
         link("set", "end", "0")
-        quorum = authority.quorum
-        if quorum.lost:
+        if (
+            quorum.lost and len(authority.sizes) > 1
+        ):  # across hosts, summed up (one host names each as it goes)
             print(f"loom run: the job finished after {len(quorum.lost)} loss(es), {quorum.heals} replacement(s) "
                   f"started: {'; '.join(quorum.lost)}", file=sys.stderr)  # fmt: skip
     except JobStops as stop:
@@ -351,7 +380,10 @@ def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> int:
     while others and time.monotonic() < deadline:
         others = [k for k in others if not link("check", [f"{k}/bye"])]
         time.sleep(TICK_S)
-    return status if authority.quorum.ending or status else 1
+    if status or quorum.ending:
+        return status
+    print("loom run: the job failed: no worker finished", file=sys.stderr)
+    return 1
 
 
 def _follow(agent: NodeAgent, link: _Link, host: str, port: int) -> int:
@@ -371,10 +403,7 @@ def _follow(agent: NodeAgent, link: _Link, host: str, port: int) -> int:
             link("set", f"{agent.node}/bye", "1")
             return 1
         if link("check", ["end"]):
-            for w in agent.running():
-                print(f"loom run: worker rank {w.rank}'s replacement was not needed: the others finished",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                w.reported = True
+            agent.dismiss()
             link("set", f"{agent.node}/bye", "1")
             failed = [w for w in agent.all if exit_kind(w.proc.poll() or 0) == "error"]
             return 1 if failed else 0

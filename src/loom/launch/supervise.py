@@ -60,10 +60,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from loom.launch.heal import HealPolicy
     from loom.net.store import StoreServer
 
-TICK_S = 0.01
 TAIL_LINES = 400
 
 
@@ -287,63 +285,6 @@ def _verdict(workers: list[Worker]) -> int:
     return 0 if succeeded and len(lost) == len(failed) else 1
 
 
-def _watch_healing(
-    workers: list[Worker], policy: HealPolicy, store: StoreServer, start: Callable[[int, int], Worker],
-    run_id: str,
-) -> None:  # fmt: skip
-    """``--on-worker-failure heal``: the quorum's ticks (`loom.launch.heal`) until every worker has ended;
-    raises `_JobFailed` when the job cannot go on healing."""
-    from loom.launch.heal import HealQuorum, JobStops, kill_process, stuck_place
-    from loom.net.store import LoomStore
-
-    current = {w.rank: w for w in workers}
-
-    def restart(rank: int, generation: int) -> None:
-        current[rank] = start(rank, generation)
-        workers.append(current[rank])
-
-    client = LoomStore(prefix=f"loom/{run_id}/job/", server=store)
-    quorum = HealQuorum(len(current), policy, client, restart,
-                        lambda r: current[r].proc.poll() is None, lambda r: kill_process(current[r].proc),
-                        lambda r: stuck_place(current[r].proc.pid, current[r].tail))  # fmt: skip
-    try:
-        while True:
-            for w in list(current.values()):
-                if w.proc.poll() is not None and not w.reported:
-                    w.reported = True
-                    quorum.ended(w.rank, w.proc.returncode, describe_exit(w))
-            running = [w for w in current.values() if w.proc.poll() is None]
-            if not running:
-                return
-            if quorum.ending and not any(quorum.is_member(w.rank) for w in running):
-                for w in running:  # replacements still waiting to join a job that has finished
-                    print(f"loom run: worker rank {w.rank}'s replacement was not needed: the others finished",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    w.reported = True
-                    w.proc.kill()
-                    w.proc.wait()
-                return
-            quorum.tick()
-            time.sleep(TICK_S)
-    except JobStops as stop:
-        print(f"loom run: {stop}", file=sys.stderr, flush=True)
-        raise _JobFailed(str(stop)) from None
-
-
-def _healed_verdict(workers: list[Worker]) -> int:
-    """Under healing: 0 when the last process of every rank that trained to the end exited 0 and nothing
-    raised (a lost worker replaced is no failure); 1 otherwise."""
-    from loom.launch.heal import exit_kind
-
-    last = {w.rank: w for w in workers}
-    failed = [w for w in workers if exit_kind(w.proc.returncode) == "error"]
-    if failed or not any(w.proc.returncode == 0 for w in last.values()):
-        print(f"loom run: the job failed: {'; '.join(describe_exit(w) for w in failed) or 'no worker finished'}",
-              file=sys.stderr)  # fmt: skip
-        return 1
-    return 0
-
-
 def supervise_workers(
     nproc: int,
     worker_args: list[str],
@@ -351,13 +292,15 @@ def supervise_workers(
     logs: Path,
     grace_s: float,
     failure: Callable[[], str | None] = lambda: None,
-    heal: HealPolicy | None = None,
+    heal: Callable[[StoreServer, Callable[[int, int], Worker]], int] | None = None,
 ) -> int:
     """Start ``nproc`` workers (``python WORKER_ARGS``) on this node and wait for all; see the module docstring.
 
     The caller has prepared the job's environment (`loom.launch.agent`) and started any servers; ``failure()``
     returns why the job must stop (a parameter server died once too often, already reported), else None: the
-    workers are then stopped and the status is 1."""
+    workers are then stopped and the status is 1. ``heal(store, start)``: ``--on-worker-failure heal``, which
+    starts the workers with ``start(rank, generation)``, supervises them and returns the status
+    (`loom.launch.heal_nodes.heal_on_one_host`)."""
     from loom.net.store import StoreServer, job_secret
 
     logs.mkdir(parents=True, exist_ok=True)
@@ -373,16 +316,15 @@ def supervise_workers(
             zygote.start()
 
             def start(rank: int, generation: int) -> Worker:
-                return start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy, generation,
-                                    zygote=zygote)  # fmt: skip
+                workers.append(start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy,
+                                            generation, zygote=zygote))  # fmt: skip
+                return workers[-1]
 
+            if heal is not None:
+                return heal(store, start)
             for rank in range(nproc):
-                workers.append(start(rank, 0))
-            if heal is None:
-                _watch(workers, failure)
-            else:
-                _watch_healing(workers, heal, store, start, run_id)
-                return _healed_verdict(workers)
+                start(rank, 0)
+            _watch(workers, failure)
     except _JobFailed:
         return 1
     except LauncherStopped as stop:
