@@ -27,16 +27,15 @@ worker to leave (`loom.errors.LeftOutOfQuorum`, via `loom.launch.worker`), also 
 script's own doing (a bug, a bad setting, a step that failed `MAX_DROPS` times in a row), which a replacement
 would only repeat, spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
 
-Across hosts the same `HealQuorum` runs in node 0's agent and acts on the other nodes' workers through their
-agents (`loom.launch.heal_nodes`): ``restart``/``kill`` become orders, a death is an event, and a lost node's
-ranks are dropped (`HealQuorum.drop`) rather than replaced. The job ends when every worker has ended; a
-replacement still waiting to join when the others have finished is stopped.
+The `HealQuorum` runs in node 0's authority and acts on the workers through each node's agent
+(`loom.launch.heal_nodes`; one host is node 0 alone): ``restart``/``kill`` become orders, a death is an event,
+and a lost node's ranks are dropped (`HealQuorum.drop`) rather than replaced. The job ends when every worker has
+ended; a replacement still waiting to join when the others have finished is stopped.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -361,9 +360,3 @@ def main_thread_place(lines: list[str]) -> str | None:
         if frames and any("loom/launch/worker.py" in frame for frame in frames):
             return frames[0]
     return None
-
-
-def kill_process(proc: Any) -> None:
-    """SIGKILL ``proc`` (a stopped process too: SIGKILL needs no SIGCONT)."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)

@@ -1,7 +1,8 @@
 """Healing across hosts: ``loom run --nnodes K --node-rank R --master ADDR:PORT ... --on-worker-failure heal``
 (and ``--cluster``, whose worker hosts run the same node agents).
 
-The one-host design of `loom.launch.heal`, with the launcher's two roles split between the nodes:
+The one-host design of `loom.launch.heal`, with the launcher's two roles split between the nodes (one host runs
+the same code as node 0 alone, `heal_on_one_host`, its orders and events in the launcher's own store):
 
 - **Node 0's agent hosts the job's store** (`loom.net.store`, on the master address: the workers' prefix as on
   one host, the agents' own under ``loom/RUN/nodes/``) **and the quorum's authority** (`HealQuorum` over every
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, kill_process, stuck_place
+from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind, stuck_place
 from loom.launch.spec import LaunchSpec
 from loom.launch.supervise import (
     LauncherStopped,
@@ -166,7 +167,7 @@ class NodeAgent:
                       "as node 0's quorum granted", file=sys.stderr, flush=True)  # fmt: skip
             self._launch(rank, generation)
         elif self.generation[rank] == generation:
-            kill_process(self.current[rank].proc)  # "kill": a frozen or silent worker
+            self.current[rank].proc.kill()  # "kill": a frozen or silent worker (SIGKILL: a stopped one too)
 
 
 class Authority:

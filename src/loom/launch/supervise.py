@@ -20,8 +20,8 @@ Each worker is told the policy (``LOOM_ON_WORKER_FAILURE``), and a strategy whos
 lost one refuses to start under ``continue`` (`loom.parallel._setup.check_failure_policy`).
 
 ``--on-worker-failure heal`` runs on the same supervision: the launcher starts a lost rank's replacement (heal
-generation ``LOOM_HEAL_GENERATION``) and is the quorum's authority (`loom.launch.heal`; the worker's side is
-`loom.fault.quorum`). A healed job's status is 0 when its workers (replacements included) finished and none
+generation ``LOOM_HEAL_GENERATION``) and is the quorum's authority (`loom.launch.heal`, run as node 0 alone of
+`loom.launch.heal_nodes`; the worker's side is `loom.fault.quorum`). A healed job's status is 0 when its workers (replacements included) finished and none
 raised; a worker that raises stops a healed job at once (a replacement would repeat the error).
 
 Limits: one node (across nodes: `loom.launch.heal_nodes`, built on these workers), no restarts. A worker that
