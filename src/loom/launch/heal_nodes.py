@@ -367,9 +367,8 @@ def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> int:
             time.sleep(TICK_S)
         agent.dismiss()
         link("set", "end", "0")
-        if (
-            quorum.lost and len(authority.sizes) > 1
-        ):  # across hosts, summed up (one host names each as it goes)
+        # across hosts the losses are summed up here (one host names each as it goes)
+        if quorum.lost and len(authority.sizes) > 1:
             print(f"loom run: the job finished after {len(quorum.lost)} loss(es), {quorum.heals} replacement(s) "
                   f"started: {'; '.join(quorum.lost)}", file=sys.stderr)  # fmt: skip
     except JobStops as stop:
