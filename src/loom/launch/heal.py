@@ -3,7 +3,7 @@ replacements.
 
 On one host the launcher is the natural authority over membership: the workers are its children (it sees a
 death at once, with its signal), and it hosts the job's store (`loom.launch.supervise`), so no worker's death
-takes the quorum down. Every `TICK_S` (the protocol is `loom.fault.quorum`'s):
+takes the quorum down. Every tick (`loom.launch.heal_nodes.TICK_S`; the protocol is `loom.fault.quorum`'s):
 
 - a worker that dies (a signal, or `LEFT_OUT_STATUS`) is named on one line; while heals remain (``--max-heals``)
   a replacement starts at once with the same RANK and the next heal generation (``LOOM_HEAL_GENERATION``); past
@@ -55,8 +55,6 @@ __all__ = [
     "seconds_setting",
     "stuck_place",
 ]
-
-TICK_S = 0.01
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ from loom.settings import setting
 
 __all__ = ["Authority", "NodeAgent", "heal_across_nodes", "heal_on_one_host"]
 
-TICK_S = 0.02
+TICK_S = 0.01
+"""Seconds between the ticks of a node's agent and of the authority (one host's included)."""
 AGENT_BEAT_S = 0.25
 BYE_WAIT_S = 10.0
 DUMP_WAIT_S = 5.0
