@@ -11,8 +11,7 @@ Each rank describes its model and optimizer as a list of ``[kind, name, descript
   ``weight_decay``...) and size: SGD on one rank and Adam on another apply different updates to the same gradient.
 
 Only when digests differ are the full descriptions exchanged (as JSON bytes in a uint8 tensor, never pickle) so
-the error can name the first difference and the ranks involved. Every rank raises the same error, so no rank is
-left waiting in a collective.
+the error can name the first difference and the ranks; every rank raises it, so none is left waiting.
 
 Limits: hyperparameters that a module keeps outside its ``extra_repr`` (plain attributes of a custom module) and
 the ``forward`` code itself are not compared; the periodic parameter check of `loom.fit`

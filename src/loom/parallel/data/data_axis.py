@@ -15,9 +15,8 @@ step the job fetches only the share of its index among the epoch's members (`mem
 weighted by ``n * size / N``, so a committed step is the gradient of the global-batch mean loss whatever the
 membership: the job equals one process on the same global batches. A dropped step applied nothing on any member
 and is retried on the same global batch by the next epoch. The data position is the committed step: a
-replacement receives it with the model and starts its loader there. A batch of the user's own loader is
-accepted too, each member slicing its share of the whole batch. What heal cannot honour is refused at setup,
-naming why (`refuse_heal_options`).
+replacement receives it with the model. A batch of the user's own loader is accepted too, each member slicing
+its share. What heal cannot honour is refused at setup, naming why (`refuse_heal_options`).
 """
 
 from __future__ import annotations
@@ -277,8 +276,7 @@ class AxisJob(Engine):
     def loader(self, dataset: Any, global_batch_size: int, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, **options: Any) -> Any:  # fmt: skip
         """`loom.job.Job.loader`; under heal, unloaded global batches (`LazyBatch`: each member fetches its
-        epoch's share at the step) from the job's data position: a replacement starts at the global batch after
-        the last committed step."""
+        epoch's share at the step) from the job's data position, the global batch after the last committed step."""
         if self.quorum is None:
             return super().loader(dataset, global_batch_size, shuffle, seed, drop_last, **options)
         options.setdefault("same_data_check", False)

@@ -1,14 +1,12 @@
 """Synchronous data parallelism with global-batch semantics, built on PyTorch's DistributedDataParallel.
 
 Every worker holds the whole model and trains on its share of each global batch; gradients are all-reduced
-during backward (DDP's buckets overlap it with the rest of backward), or averaged after backward without DDP:
-in shared memory on a CPU host whose cores are all computing (`loom.comm.shared_gradients`), and under
-``--on-worker-failure heal`` over the quorum's data axis, whose group is replaced at every re-form
-(`loom.parallel.data.data_axis`). `data_parallel_sync.choose_gradient_path` decides (its docstring is the
-table); rank 0 prints the path at setup. The gradient is the same either way, and every process starts from
-rank 0's parameters and buffers (under heal: a live member's), after `loom.parallel.consistency` checked that
-the replicas hold the same model and optimizer. The job and its exactness under uneven shares:
-`loom.parallel.data.data_parallel_job`.
+during backward by DDP, or averaged after backward without it (in shared memory on a CPU host whose cores are all
+computing; under heal over the quorum's data axis): `data_parallel_sync.choose_gradient_path` decides (its
+docstring is the table), and rank 0 prints the path at setup. The gradient is the same either way, and every
+process starts from rank 0's parameters and buffers (under heal: a live member's), after
+`loom.parallel.consistency` checked that the replicas hold the same model and optimizer. The job and its
+exactness under uneven shares: `loom.parallel.data.data_parallel_job`.
 """
 
 from __future__ import annotations

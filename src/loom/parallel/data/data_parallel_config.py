@@ -41,17 +41,15 @@ class DataParallelConfig(GuardOptions):
     """Copy rank 0's buffers (e.g. BatchNorm statistics) to every replica at each forward."""
     allreduce: str = "auto"
     """Gradient all-reduce algorithm (see `loom.comm`). ``native`` is DDP's own (C++, gloo/NCCL). The others are
-    loom's, overlapped with backward or not (see `overlap`): ``shm`` through shared
-    memory on one host, ``ring``/``driver`` over sockets, ``hierarchical`` both; ``auto`` picks from a
-    calibration cached per host (on GPUs, and on one CPU host with a core to spare, it is ``native``:
-    `loom.parallel.data.data_parallel_sync.native_because`)."""
+    loom's, overlapped with backward or not (see `overlap`): ``shm`` through shared memory on one host,
+    ``ring``/``driver`` over sockets, ``hierarchical`` both; ``auto`` picks from a calibration cached per host
+    (on GPUs, and on one CPU host with a core to spare, it is ``native``: `data_parallel_sync.native_because`)."""
     overlap: bool | None = None
     """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or after (or
     inside) backward, blocking it (False). None: overlap only when this host has a core to spare for the thread
     (usable cores > local processes x torch threads each): with every core busy computing, the thread only
-    competes with backward (``benchmarks/reports/dp_allreduce.md``). Without overlap, ``auto``/``shm``/
-    ``hierarchical`` on one CPU host average the gradients in shared memory after backward, without DDP, unless
-    the model has buffers to broadcast or parameters of several dtypes."""
+    competes with backward (``benchmarks/reports/dp_allreduce.md``). Without overlap the gradients may be
+    averaged in shared memory after backward, without DDP (`data_parallel_sync.choose_gradient_path`)."""
     compression: str | None = None
     """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``int8``, ``topk:<fraction>`` or
     ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""
@@ -89,11 +87,11 @@ class DataAxisConfig(DataParallelConfig):
 
     zero: int = 0
     """ZeRO stage of the data axis. 0: every replica keeps the whole optimizer state of its stage's (tensor
-    shards') parameters. 1: each of the ``dp`` replicas steps the optimizer over its 1/dp slice of them only
-    (its optimizer state is 1/dp of the unsharded job's), the averaged gradient is kept as that slice alone
-    and the updated slices are gathered back over ``dp`` after the step (`loom.parallel.data.sharded_axis`).
-    The optimizer must be elementwise (SGD, Adam, AdamW, ...); ``compression`` is refused with it. Stages 2
-    and 3 (sharded gradients in backward, sharded parameters) are `ShardedDataParallel`'s only."""
+    shards') parameters. 1: each of the ``dp`` replicas steps the optimizer over its 1/dp slice of them only, the
+    averaged gradient is kept as that slice alone and the updated slices are gathered back over ``dp`` after the
+    step (`loom.parallel.data.sharded_axis`). The optimizer must be elementwise (SGD, Adam, AdamW, ...);
+    ``compression`` is refused with it. Stages 2 and 3 (sharded gradients in backward, sharded parameters) are
+    `ShardedDataParallel`'s only."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -78,7 +78,7 @@ def choose_gradient_path(
                                                                                                overlap backward
     ``allreduce="native"``, or ``"auto"`` on GPUs, or         DDP's built-in all-reduce        C++ buckets overlap
     ``"auto"`` on one CPU host with a core to spare                                            backward; NCCL
-    (``overlap`` unset)                                                                        (a 16-core host)
+    (``overlap`` unset)
     CPU, one host, ``auto``/``shm``/``hierarchical``, no      shared-memory gradients, no DDP  no bucket copies, two
     core to spare (or ``overlap=False``), no buffers to                                        barriers: the fastest
     broadcast, one dtype, every rank agreeing                                                  on a full host
@@ -195,9 +195,8 @@ def shared_gradients_for(
 ) -> SharedGradients | None:
     """`SharedGradients` for ``model`` when its gradients can be averaged in shared memory, else None (DDP).
 
-    That is: loom's shared-memory algorithms (``auto``, ``shm``, ``hierarchical``) on CPU, every process on
-    one host, no compression and no overlap wanted; every input of this decision is the same on all ranks. Like
-    DDP, it starts every process from rank 0's parameters and buffers.
+    The conditions are `choose_gradient_path`'s shared-memory row; every input of this decision is the same on
+    all ranks. Like DDP, it starts every process from rank 0's parameters and buffers.
     """
     if topo.device.type != "cpu":
         return None

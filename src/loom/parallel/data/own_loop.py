@@ -1,38 +1,29 @@
 """Your own training loop with loom's semantics: keep forward, ``loss.backward()``, clipping and the step.
 
-```python
-job = loom.DataParallel().setup(model, optimizer)            # no loss_fn needed: the loop computes its loss
-model, optimizer, loader = job.own_loop(job.loader(dataset, global_batch_size=64))
-for x, y in loader:                                           # this rank's share of each global batch
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)                       # or: logits, loss = model(x, y)
-    scaler.scale(loss).backward()                             # gradients arrive averaged and weighted
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees the averaged gradient
-    scaler.step(optimizer); scaler.update()
-```
+``model, optimizer, loader = job.own_loop(job.loader(dataset, global_batch_size=64))`` after
+``job = loom.DataParallel().setup(model, optimizer)`` (no ``loss_fn``: the loop computes its loss); the loop is
+the script's own. Usage: ``docs/own-loop.md``.
 
 The idea is Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``: the loop stays, the model and
 optimizer come back wrapped. What loom adds is global-batch semantics under uneven shares: the model's training
 forward weights the *gradient* flowing back into each of its outputs by ``w = n * W / N`` (``n`` the samples of
 this call, ``W`` the replicas, ``N`` the global batch, which the loader's batches carry), an identity in the
-forward pass. The gradient all-reduce (DDP's, or the shared-memory average run at the end of backward) then
-gives every rank ``sum_r n_r / N * grad_r``, the gradient of the global-batch mean loss, before the loop's
-``clip_grad_norm_`` reads it. Weighting the outputs rather than the loss leaves the user's ``loss`` (and
-``GradScaler``'s scaling of it) untouched, and terms that do not come from the outputs (a penalty on the
-weights) averaged, which is their global value. ``torch.autocast`` and ``GradScaler`` need nothing: averaged
-gradients are equal on every rank, so the scaler's inf checks and skipped steps agree everywhere.
+forward pass. The gradient all-reduce then gives every rank ``sum_r n_r / N * grad_r``, the gradient of the
+global-batch mean loss, before ``clip_grad_norm_`` reads it. Weighting the outputs rather than the loss leaves the
+user's ``loss`` (and ``GradScaler``'s scaling of it) untouched, and terms that do not come from the outputs (a
+penalty on the weights) averaged, which is their global value. ``autocast`` and ``GradScaler`` need nothing:
+averaged gradients are equal on every rank, so the scaler's inf checks and skipped steps agree everywhere.
 
 One forward per loader batch (``n`` must be this rank's share of the last loader batch). A call of another size
-with gradients on is not a training call (evaluation without ``torch.no_grad()``): it runs on the model itself,
-unweighted, and only a backward through it is refused, naming the sizes. Calls under ``torch.no_grad()`` go
-straight to the model, on any subset of ranks. ``model.module`` is the model on every world size and the model's
-own attributes are reachable on the wrapper. Accumulation over loader batches, as nanoGPT does, is exact (each
-is a global batch of its own); skip the all-reduce on all but the last with ``model.no_sync()`` or
-``model.require_backward_grad_sync = False``, as with DDP.
+with gradients on (evaluation without ``torch.no_grad()``) runs on the model itself, unweighted, and only a
+backward through it is refused, naming the sizes. Calls under ``torch.no_grad()`` go straight to the model, on
+any subset of ranks. ``model.module`` is the model on every world size; the model's own attributes are reachable
+on the wrapper. Accumulation over loader batches is exact (each is a global batch of its own); skip the
+all-reduce on all but the last with ``model.no_sync()`` or ``model.require_backward_grad_sync = False``, as with
+DDP.
 
 A loop that draws its own batches (nanoGPT's ``get_batch``) passes no loader: ``model, optimizer, _ =
-job.own_loop()``. Then each training call's global batch is the sum of the samples the ranks pass to it, counted
+job.own_loop()``. Each training call's global batch is then the sum of the samples the ranks pass to it, counted
 by one all-reduce of an integer per training forward (so evaluation on a subset of ranks needs
 ``torch.no_grad()``); equal draws give DDP's mean, so nanoGPT's DDP script trains bitwise as under DDP.
 
@@ -150,8 +141,7 @@ class OwnLoopModel(nn.Module):
             return self.module(*args, **kwargs)
         mismatch = loop.mismatch(args, kwargs)
         if mismatch is not None:
-            # Not a training call on the loader's batch: evaluation without torch.no_grad() (Horovod's MNIST
-            # example) is one. It runs on the model itself; only a backward through it is refused.
+            # evaluation without torch.no_grad() (Horovod's MNIST example): only a backward through it is refused
             return _refusing_backward(self.module(*args, **kwargs), mismatch)
         weight = loop.weight(args, kwargs)
         outputs = loop.job.wrapped(*args, **kwargs)

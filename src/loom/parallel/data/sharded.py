@@ -1,11 +1,7 @@
 """Sharded data parallelism: ZeRO stages 1, 2 and 3 (Rajbhandari et al., 2020), the training state divided
 among the replicas instead of copied into each.
 
-```python
-job = loom.ShardedDataParallel(stage=3).setup(model, optimizer, loss_fn)
-loom.fit(job, job.loader(dataset, global_batch_size=256), epochs=10, checkpoint_dir="ckpt")
-print(job.memory())       # this rank's bytes: parameters, gradients, optimizer state, other (`loom.job.Job`)
-```
+Usage: ``docs/strategies/sharded.md``; ``job.memory()`` gives this rank's bytes by category (`loom.job.Job`).
 
 =====  ==========================================  ==============================  ============================
 stage  per rank, between steps                     built on                        why
@@ -19,11 +15,10 @@ stage  per rank, between steps                     built on                     
 =====  ==========================================  ==============================  ============================
 
 The job is a `DataParallelJob` (the same step: global-batch weighting, ``accumulate``, the guards, step
-records) with the hooks a sharded layout needs: stage 1 averages the gradients after backward where
-`DataParallel` averages shared-memory ones and all-gathers the parameters after the step; stages 2 and 3 let
-FSDP2 reduce inside backward, as DDP does (`FsdpLayout.no_sync` for accumulation). The non-finite verdict,
-each rank holding a different piece of the gradient, rides on a collective the step already makes. In one
-process every stage is the plain model with the stage-1 layout, so its checkpoints reshard like the others.
+records) with the hooks a sharded layout needs: stage 1 averages the gradients after backward (`sharded_flat`);
+stages 2 and 3 let FSDP2 reduce inside backward, as DDP does (`sharded_fsdp`). The non-finite verdict, each rank
+holding a different piece of the gradient, rides on a collective the step already makes. In one process every
+stage is the plain model with the stage-1 layout, so its checkpoints reshard like the others.
 
 At setup: the replicas are checked to hold the same model and optimizer, rank 0's parameters and buffers are
 broadcast, and the backend passes a self-test of the collectives (`sharded_selftest`). State: each rank's part

@@ -4,11 +4,10 @@ layout with the optimizer state sharded over ``dp`` (Rajbhandari et al., 2020, P
 `ShardedDataAxis` takes the place of `data_parallel_sync.GradientAveraging` in a
 `loom.parallel.model.model_parallel.ModelParallelJob`: the stage's trainable parameters are cut into one piece
 per ``dp`` replica by `sharded_flat.FlatShards` (the class of `ShardedDataParallel`'s stage 1) and the optimizer
-is rebound to this replica's piece. A step: the schedule runs and is judged as without sharding (loss and flags
-reduced before any gradient travels); `average` averages the gradients over ``dp`` into this replica's piece
-and frees the whole ones (between steps only the piece is kept, as ZeRO-2 keeps it); the optimizer steps the
-piece; `gather_parameters` gathers every piece back, exactly. The result equals the unsharded data axis up to
-the order of summation.
+is rebound to this replica's piece. A step: the schedule runs and is judged as without sharding; `average`
+averages the gradients over ``dp`` into this replica's piece and frees the whole ones (between steps only the
+piece is kept, as ZeRO-2 keeps it); the optimizer steps the piece; `gather_parameters` gathers every piece back.
+The result equals the unsharded data axis up to the order of summation.
 
 Limits: the optimizer must be elementwise (`sharded_flat.ELEMENTWISE`); no ``compression`` (the codecs need the
 whole gradient); checkpoints resume at the mesh and ``dp`` that wrote them (another is refused naming both).

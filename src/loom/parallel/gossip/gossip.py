@@ -1,25 +1,23 @@
 """Decentralized, asynchronous data parallelism: each worker averages its parameters with one peer at a time.
 
 ``Gossip(peers="ring", every=1, deadline_s=10.0)``: every worker trains its own replica on its share of each
-global batch (``job.loader``, sharded over the data axis like every strategy) with its own optimizer, and every
-``every`` steps averages its parameters with ONE peer, at its own pace: no all-reduce, no barrier, no collective
-in the training loop, no node everyone waits for (randomized gossip, Boyd et al. 2006; the exponential graph of
-SGP, Assran et al. 2019; asynchronous pairs as in AD-PSGD, Lian et al. 2018).
+global batch with its own optimizer, and every ``every`` steps averages its parameters with ONE peer, at its own
+pace: no all-reduce, no barrier, no node everyone waits for (randomized gossip, Boyd et al. 2006; the exponential
+graph of SGP, Assran et al. 2019; asynchronous pairs as in AD-PSGD, Lian et al. 2018).
 
 The exchange is symmetric: the worker sends its parameters ``a`` (`loom.comm.peer`), the peer answers with its
 own ``b`` and takes ``m = (a + b) / 2``; on the answer the worker takes ``m + (x - a)``, ``x`` being what it holds
-by then. When nothing else touched ``x`` both sides end with the same bits; when the worker answered other peers
-meanwhile, ``x - a`` keeps their share. So every exchange, interleaved or not, conserves the sum of the replicas'
-parameters. A pair exchange rather than push-sum weights: the replicas hold plain parameters at every step (no
-de-biasing, no weight lost with a dead peer), and a pair's result is testable bit for bit. Two workers asking
-each other at once: the lower rank answers BUSY, so exactly one exchange happens. Non-finite values are never
-sent nor taken.
+by then; ``x - a`` keeps the share of peers answered meanwhile. So every exchange, interleaved or not, conserves
+the sum of the replicas' parameters. A pair exchange rather than push-sum weights: the replicas hold plain
+parameters at every step (no de-biasing, no weight lost with a dead peer), and a pair's result is testable bit for
+bit. Two workers asking each other at once: the lower rank answers BUSY, so exactly one exchange happens.
+Non-finite values are never sent nor taken.
 
 Peers: ``ring`` alternates the right and left neighbours, ``exponential`` cycles through rank + 2^k for
 k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly among the others (seeded by ``seed`` and the rank). A dead peer
 is skipped at once, a slow one after ``deadline_s``; either is passed over for the next ``retry_after``
-exchanges and training goes on. A late answer is still applied when it comes (unless the next
-request to that peer abandons it, see `loom.comm.peer`). A restarted worker copies a live neighbour's parameters before its first step.
+exchanges. A late answer is still applied when it comes (unless the next request to that peer abandons it, see
+`loom.comm.peer`). A restarted worker copies a live neighbour's parameters before its first step.
 
 A service thread answers peers between steps, so ``job.module``'s parameters may change between two
 `train_step` calls; `paused` holds them still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`
@@ -29,8 +27,8 @@ gives this transport's bytes (also in ``loom.comm.counters()`` under ``gossip``)
 Set-up is the only collective part: each worker publishes its listener's address in the job's store and waits
 for the others'; with ``same_start`` rank 0's parameters are broadcast. `train_step` returns THIS replica's mean
 loss on its share; `eval_step` is collective. Checkpoints (`loom.fit`): per rank (model, optimizer, step, peer
-choice), each replica at its own moment; the saving is collective, so it needs every worker alive. Limits:
-parameters are averaged, buffers and optimizer state stay local; floating-point parameters on the CPU.
+choice); the saving is collective, so it needs every worker alive. Limits: parameters are averaged, buffers and
+optimizer state stay local; floating-point parameters on the CPU.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """Hybrid parallelism: data × pipeline × tensor parallel on one named mesh.
 
 ``Hybrid(dp=a, pp=b, tp=c, microbatches=m, schedule=..., split=..., tp_plan=..., allreduce=..., compression=...)``
-builds one `Mesh` (validated once: ``a · b · c`` must equal the world size, the error names the degrees and the
-world size) and composes the transforms of `loom.parallel.model.compose` on it, in its documented order: pipeline
-stages, tensor shards inside each stage, then the data axis, which is `DataParallel`'s gradient averaging with
-the `DataAxisConfig` fields given here (``allreduce``, ``compression``, ``zero``, ...).
+builds one `Mesh` (validated once: ``a · b · c`` must equal the world size) and composes the transforms of
+`loom.parallel.model.compose` on it, in its documented order: pipeline stages, tensor shards inside each stage,
+then the data axis with the `DataAxisConfig` fields given here (``allreduce``, ``compression``, ``zero``, ...).
 
 Data is sharded across ``dp`` only: load with ``job.loader(dataset, global_batch_size)`` so every stage and
 tensor shard of a replica sees the same share (a batch cut otherwise is refused). ``train_step`` returns the
 global-batch loss on every process; ``state_dict()`` is this process's shard with its mesh coordinates, stage
-layers and tensor-parallel shard dims; ``full_state_dict()`` (called on every process) returns the whole model
-on rank 0.
+layers and tensor-parallel shard dims (``full_state_dict()`` gathers the whole model on rank 0).
 """
 
 from __future__ import annotations

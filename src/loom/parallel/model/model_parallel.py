@@ -5,15 +5,11 @@ order: pipeline stages, tensor shards, then the data axis). Each `train_step`:
 
 1. checks that the ranks of this model replica (its stages and tensor shards: the mesh's ``replica`` group) hold
    the same samples: one small all-gather of the batch's fingerprint and size before any work, so a loader
-   sharded over the wrong axis raises on every rank of the replica, naming the ranks and the fix, instead of
-   training on mismatched inputs and targets;
-2. splits the share into micro-batches and runs the schedule's instructions for this stage (`pipeline_runtime`);
-   micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` (``N`` the global batch) to backward,
-   so gradients are those of the global-batch mean loss;
-3. sums the gradients over the data axis with `DataParallel`'s algorithms and compression
-   (`data_parallel_sync.GradientAveraging`), then steps the optimizer; with a sharded data axis (``zero=1``,
-   `sharded_axis.ShardedDataAxis`) averages them into this replica's slice, steps the optimizer over the
-   slice, and gathers the updated slices back over the data axis.
+   sharded over the wrong axis raises instead of training on mismatched inputs and targets;
+2. splits the share into micro-batches and runs the schedule's instructions for this stage (`pipeline_runtime`),
+   each weighted so that gradients are those of the global-batch mean loss (`loom.parallel.pipeline.pipeline`);
+3. averages the gradients over the data axis (the last transform of `compose`: `DataParallel`'s algorithms, or
+   with ``zero=1`` into this replica's slice, gathered back after the step), then steps the optimizer.
 
 The loss (non-zero on the last stage only), every stage's busy time and span, and each rank's non-finite flag
 ride on one all-gather over the pipeline, then one reduction over the whole job (one slot per replica's loss,
@@ -202,9 +198,8 @@ class ModelParallelJob(Engine):
         state.work["stats"] = stats
 
     def _synchronize(self, state: StepState) -> None:
-        """One gather over the pipeline gives the loss (non-zero on the last stage only), every stage's busy time
-        and span, and its flag; then the data axis adds up the replicas' losses and flags. The gradients are
-        summed over the data axis in `_apply`, once the step is judged."""
+        """The gather over the pipeline and the reduction over the job of the module docstring; the gradients
+        are averaged in `_apply`, once the step is judged."""
         stats, sched = state.work["stats"], self.schedule
         row = torch.tensor([state.loss_sum, stats.busy_s, stats.span_s, state.flag], dtype=torch.float64)
         rows = [row]

@@ -3,9 +3,8 @@
 ``Pipeline(stages=p, microbatches=m, schedule="1f1b" | "gpipe", split="balanced" | [names])`` cuts the model's
 chain of layers (see `pipeline_split`) into ``p`` stages and keeps stage ``i`` on pipeline rank ``i``. Each
 ``train_step`` splits the batch into ``m`` micro-batches, runs the schedule's instruction stream for this stage
-(`pipeline_schedule`): inputs enter the first stage, activations go forward and gradients backward between
-neighbours, targets meet the outputs at the last stage. The returned loss is the global-batch loss, on every
-process. GPipe is Huang et al. 2019, 1F1B is PipeDream-Flush (Narayanan et al. 2021).
+(`pipeline_schedule`) and returns the global-batch loss on every process. GPipe is Huang et al. 2019, 1F1B is
+PipeDream-Flush (Narayanan et al. 2021).
 
 Exactness: micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` to the backward (``N`` the global
 batch, ``loss_j`` the mean loss of the micro-batch), so the accumulated gradient is that of the global-batch mean,

@@ -6,8 +6,8 @@ last micro-batch, a sequence of another length) without pickle on the wire. A gr
 receiving stage knows the shapes, they are those of the activations it sent.
 
 Sends are non-blocking (``isend``) so a stage never waits for its neighbour to post the matching receive; the
-runtime keeps the handles and waits for them at the end of the step. Receives block: the stage needs the data.
-Messages between two stages in one direction are matched in the order they were sent.
+runtime waits for their handles at the end of the step. Receives block. Messages between two stages in one
+direction are matched in the order they were sent.
 
 Stages are named by their ranks in the job's group (``group``; None: torch's default group). Two stages on one
 host exchange messages through shared memory instead (`loom.comm.shm_channel`: a ring per direction, no socket),

@@ -121,10 +121,10 @@ def run_instructions(
 ) -> tuple[float, StageStats]:
     """Execute ``stream``; return the sum over micro-batches of ``loss_j * n_j`` (last stage; 0 elsewhere).
 
-    Each micro-batch's loss is weighted by ``n_j * replicas / total`` before backward, as `DataParallel`
-    weights a share (``replicas``: the data axis's size), so that the data axis *averages* the gradients
-    exactly as `DataParallel` does (`loom.parallel.data.data_parallel_sync.GradientAveraging`). ``prev`` and
-    ``next_`` are global ranks, ``group`` the job's (`loom.parallel.pipeline.pipeline_communications`)."""
+    Each micro-batch's loss is weighted by ``n_j * replicas / total`` before backward (``replicas``: the data
+    axis's size), as `DataParallel` weights a share, so the data axis *averages* the gradients
+    (`loom.parallel.data.data_parallel_sync.GradientAveraging`). ``prev`` and ``next_`` are global ranks,
+    ``group`` the job's (`loom.parallel.pipeline.pipeline_communications`)."""
     stats = StageStats(stage.index, microbatches=len(sizes))
     received: dict[int, list[torch.Tensor]] = {}
     outputs: dict[int, list[torch.Tensor]] = {}

@@ -12,12 +12,11 @@ in which order each stage runs the forward (F) and backward (B) pass of each mic
 With every stage taking the same time per micro-batch, both leave each stage idle for a fraction
 ``(p - 1) / (m + p - 1)`` of the step (the *bubble*, `bubble_fraction`): the pipeline fills and drains once.
 
-Each compute op expands into instructions with its communication: a forward on a stage that is not the first
-receives its input activation first, and one that is not the last sends its output after; a backward receives
-the output gradient (unless last) and sends the input gradient (unless first). The runtime executes the list in
-order with blocking receives and non-blocking sends; `simulate` replays the same streams with given op durations
-(and would report a deadlock), so schedules are tested without processes. The idea of schedules as generators of
-instructions follows DeepSpeed's ``pipe/schedule.py``.
+Each compute op carries its communication: a forward receives its input (unless on the first stage) and sends
+its output (unless last); a backward receives the output gradient (unless last) and sends the input gradient
+(unless first). The runtime executes the list in order with blocking receives and non-blocking sends; `simulate`
+replays the same streams with given op durations (and would report a deadlock), so schedules are tested without
+processes. Schedules as generators of instructions follow DeepSpeed's ``pipe/schedule.py``.
 """
 
 from __future__ import annotations

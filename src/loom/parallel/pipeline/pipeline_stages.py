@@ -1,9 +1,8 @@
 """The pipeline transform: `PipelineConfig`, and the model's chain cut into stages (`split_into_stages`).
 
-`loom.parallel.model.compose` applies it for `Pipeline` and `Hybrid` (the strategies, `loom.parallel.pipeline.pipeline` and
-`loom.parallel.model.hybrid`); how a chain is found and where it is cut is `loom.parallel.pipeline.pipeline_split`; the
-runtime and the schedules are `pipeline_runtime` and `pipeline_schedule`. Every process starts from rank 0's
-weights (`broadcast_module`, as DDP does) before the cut.
+`loom.parallel.model.compose` applies it for `Pipeline` and `Hybrid`; how a chain is found and where it is cut is
+`loom.parallel.pipeline.pipeline_split`; the runtime and the schedules are `pipeline_runtime` and
+`pipeline_schedule`. Every process starts from rank 0's weights (`broadcast_module`, as DDP does) before the cut.
 """
 
 from __future__ import annotations

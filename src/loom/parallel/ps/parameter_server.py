@@ -20,15 +20,14 @@ Each `StepRecord` carries its ``staleness``: the updates that reached the server
 was computed on and its application (the largest over servers; ``metrics.staleness`` as a histogram). A restarted
 worker continues from its clock on the servers, so its pushes are not mistaken for resent ones.
 
-Checkpoints (`loom.fit`): every worker's `state_dict` in its own file; rank 0's also holds every server's whole
-model, put back on resume (`loom.parallel.ps.parameter_server_state`). Options: `ParameterServerConfig`;
-parameters onto pieces: `loom.parallel.ps.parameter_server_pieces`.
+Checkpoints (`loom.fit`): every worker's `state_dict` in its own file, rank 0's with every server's whole model
+(`loom.parallel.ps.parameter_server_state`). Parameters onto pieces: `loom.parallel.ps.parameter_server_pieces`.
 
 A server's death (`loom.ps.server`, `loom.launch.servers`): under ``loom run`` it is restarted on its address from
 its checkpoint and the workers' requests are resent. ``sync`` saves every step before answering it, so the job
 ends where an uninterrupted one would; ``async``/``ssp`` lose the updates since the last save
 (``checkpoint_interval_s``), which each worker counts (``metrics.server_restarts``). A request that times out
-names the server, its address, the operation, this worker's rank and what the launcher knows of the death.
+names the server, the operation, this worker's rank and what the launcher knows of the death.
 
 Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch; a plain tuple is taken as
 one of ``world_size`` equal shares). Only element-wise optimizers (`loom.ps.shard`). `eval_step` sums over the
@@ -149,11 +148,10 @@ class ParameterServerJob(Engine):
     """A model trained through parameter servers (a `loom.job.Job`): `train_step`, `eval_step`, `state_dict`,
     plus `fetch_parameters`, `server_stats`, `close`.
 
-    ``mesh`` is ``dp = world size`` over the workers. Each worker has its own clock, so the state is not
-    replicated (`loom.fit` writes every worker's part). ``replicas_agree`` holds in ``sync`` without sparse
-    tables: after a step every worker holds the parameters it pulled for that step, the same version everywhere
-    (in ``async``/``ssp`` workers pull different versions, and sparse rows are pulled only where a batch
-    touches them)."""
+    ``mesh`` is ``dp = world size`` over the workers. ``replicas_agree`` holds in ``sync`` without sparse tables:
+    after a step every worker holds the parameters it pulled for that step, the same version everywhere (in
+    ``async``/``ssp`` workers pull different versions, and sparse rows are pulled only where a batch touches
+    them)."""
 
     replicated_state = False
 

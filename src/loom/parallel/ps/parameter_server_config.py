@@ -32,9 +32,9 @@ class ParameterServerConfig(ShareOptions):
     connect_timeout_s: float = 60.0
     """How long `setup` waits for the servers to answer."""
     checkpoint_every: int | None = None
-    """Servers save their shards after this many updates. None (default): every step in ``sync``, saved before
-    the step's replies go out, so a server restarted from it is never behind a worker and only the step in flight
-    is repeated; by time (``checkpoint_interval_s``) in ``async``/``ssp``. 0: not by count."""
+    """Servers save their shards after this many updates. None (default): every step in ``sync``, before the
+    step's replies go out (write-ahead, `loom.ps.server`); by time (``checkpoint_interval_s``) in
+    ``async``/``ssp``. 0: not by count."""
     checkpoint_interval_s: float = 1.0
     """Servers also save once the oldest unsaved update is this many seconds old (and at least 20 times as long
     as their last save took: at most ~5% of a server's time goes to saving a large model). In ``async``/``ssp``

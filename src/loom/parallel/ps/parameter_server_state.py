@@ -1,13 +1,9 @@
 """A parameter-server worker's part of a `loom.fit` checkpoint, and putting it back.
 
-The job (`loom.parallel.ps.parameter_server.ParameterServerJob`) is a `loom.job.Job` whose state is not
-replicated (each worker has its own clock), so every worker's `state_dict` goes into its own file of the
-checkpoint. Rank 0's also holds every server's whole model (parameters, optimizer state, version, every worker's
-clock), read with a STATE request while all workers wait in the checkpoint; on resume rank 0 sends it back with
-RESTORE, which replaces whatever the servers hold (fresh servers of a new job, or servers that went on past the
-checkpoint while the workers were restarted), and the workers agree before anyone pulls. In ``sync``, 10 steps +
-resume + 10 steps equals 20 steps bitwise (tests/test_ps_fit.py). A resume needs the same number of workers and
-servers.
+The job's state is not replicated (each worker has its own clock), so every worker's `state_dict` goes into its
+own file of the checkpoint; rank 0's also holds every server's whole model (`worker_state`), which replaces
+whatever the servers hold on resume (`load_worker_state`). In ``sync``, 10 steps + resume + 10 steps equals 20
+steps bitwise (tests/test_ps_fit.py). A resume needs the same number of workers and servers.
 """
 
 from __future__ import annotations

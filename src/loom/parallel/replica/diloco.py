@@ -17,13 +17,10 @@ replica trained on since the fragment's previous exchange, so with ``H = 1``, in
 DiLoCo is synchronous data parallelism. The exchange runs on a communication thread over a process group of its
 own while the next ``overlap_steps`` inner steps run; its result is applied after step ``t + overlap_steps``
 exactly, so a run is reproducible. Applying it keeps what the replica learned meanwhile: the fragment becomes the
-new global copy plus the replica's own progress since the exchange was sent.
+new global copy plus the replica's own progress since.
 
-Compression of the averaged pseudo-gradient (`loom.comm.compression.replicas`: the stateless specs):
-``fp16`` / ``bf16`` all-reduce each rank's weighted share cast to 16 bits; ``int8`` quantizes it in chunks of
-`INT8_CHUNK` values with a float32 scale each and all-gathers the codes, which every rank dequantizes and sums
-in rank order (bitwise the same everywhere; ``W - 1`` messages of a quarter of the float32 size per rank, fewer
-bytes than a float32 ring all-reduce for ``W <= 8``). No error feedback: the rounding error is lost.
+Compression of the averaged pseudo-gradient: the stateless specs of `loom.comm.compression.replicas` (``fp16``,
+``bf16``, ``int8``; ``int8`` sums bitwise the same everywhere). No error feedback: the rounding error is lost.
 
 Checkpoints hold the global copy, the outer optimizer's state, the sample counts, and every exchange in flight
 (waited for, with its result and the step it is due), so a resumed run applies it at the same step: resume is

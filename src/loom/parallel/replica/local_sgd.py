@@ -7,11 +7,8 @@ batches and then averages the parameters, so it communicates ``H`` times less, a
 drift apart in between. With ``H = 1`` and plain SGD (no momentum) it *is* synchronous data parallelism: the
 weighted average of ``p - lr * g_r`` is ``p - lr * sum_r n_r/N g_r``.
 
-```python
-job = loom.LocalSGD(sync_every=8).setup(model, optimizer, loss_fn)
-loom.fit(job, job.loader(dataset, global_batch_size=256), steps=1000, checkpoint_dir="ckpt")
-job.synchronize()            # average now, before evaluating or exporting the model
-```
+Usage: ``docs/strategies/local-sgd-diloco.md``; ``job.synchronize()`` averages now, before evaluating or
+exporting the model.
 
 The average is weighted by the samples each replica trained on since the last one (`_replica_sync`), over the
 parameters and the floating-point buffers, with any of loom's all-reduce algorithms (``allreduce``). The

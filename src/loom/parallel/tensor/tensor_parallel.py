@@ -13,9 +13,8 @@
 attention module). Everything not in the plan stays replicated and gets identical gradients on every tp rank.
 Each process sees the whole batch (data is sharded across ``dp`` only); the loss is the same on every tp rank.
 
-The job is a one-stage composition (`loom.parallel.model.compose`), so training, evaluation, state and the data
-axis are the pipeline's. ``state_dict()`` holds this process's shards; ``full_state_dict()`` (on every process)
-returns the whole model on rank 0.
+The job is a one-stage composition (`loom.parallel.model.compose`), so training, evaluation, state (this
+process's shards; ``full_state_dict()`` gathers the whole model on rank 0) and the data axis are the pipeline's.
 
 Limits: fused ``qkv`` projections are not recognised (their rows interleave q, k and v); the vocabulary-parallel
 embedding supports neither ``padding_idx`` nor ``max_norm``; an output head tied to the embedding must be untied.

@@ -1,9 +1,9 @@
 """The tensor-parallel transform: `TensorParallelConfig`, the plan (`auto_plan`) and the stage's layers split over
 the ``tp`` group (`shard_stage`, `apply_tensor_parallel`), with `TensorShards` to gather them back.
 
-`loom.parallel.model.compose` applies it for `TensorParallel` and `Hybrid` (the strategies); the layers themselves
-(column- and row-parallel linears, the vocabulary-parallel embedding, ``f``/``g``) are
-`loom.parallel.tensor.tensor_parallel_layers`. See `loom.parallel.tensor.tensor_parallel` for the patterns and the limits.
+`loom.parallel.model.compose` applies it for `TensorParallel` and `Hybrid`; the layers themselves are
+`loom.parallel.tensor.tensor_parallel_layers`. See `loom.parallel.tensor.tensor_parallel` for the patterns and
+the limits.
 """
 
 from __future__ import annotations
