@@ -96,8 +96,8 @@ def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     """``numel`` elements of a buffer kept per (thread, dtype, device) and reused from call to call.
 
     Why: a fresh multi-MiB ``torch.empty`` is a fresh ``mmap`` whose pages fault in (and are zeroed by the
-    kernel) on first touch, every call. The buffer grows to
-    the largest request and is kept for the thread's lifetime (at most a few segments, see `loom.comm.ring`).
+    kernel) on first touch, every call. The buffer grows to the largest request and is kept for the thread's
+    lifetime (at most a few segments, see `loom.comm.ring`).
     Per thread, so a communication thread (`loom.comm.ddp_async`) never shares one with the main thread; a
     caller must be done with it before it asks again (nothing in `loom.comm` nests ring calls).
     """

@@ -1,10 +1,8 @@
 """`all_reduce`: one entry point for every all-reduce algorithm, with the checks they share.
 
-``native`` is the backend's own ``torch.distributed.all_reduce``; ``ring`` (`loom.comm.ring`) and ``driver``
-(`loom.comm.driver`) are written over point-to-point messages so that their traffic can be counted exactly and
-compared (see `loom.comm.counters`); ``shm`` (`loom.comm.shm`) reduces through shared memory between the
-processes of one host, ``hierarchical`` (`loom.comm.hierarchical`) combines it with a ring across hosts, and
-``auto`` (`loom.comm.auto`, the default) picks one of them per call from a calibration.
+``native`` is the backend's own ``torch.distributed.all_reduce``; ``ring`` and ``driver`` are written over
+point-to-point messages so that their traffic can be counted exactly (`loom.comm.counters`); the package
+docstring names the module that explains each algorithm.
 """
 
 from __future__ import annotations

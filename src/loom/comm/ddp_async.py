@@ -8,11 +8,10 @@ gradients, and backward should wait only at its end. The backend's ``async_op=Tr
 ``native``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are plain Python calls that block, and the
 synchronous `loom.comm.allreduce_hook` therefore stalls backward for the whole of every bucket's reduction.
 
-Here each process owns one background *communication thread* (`loom.comm.thread`, which says how it lives and
-ends) that runs the buckets' all-reduces, one after the other, in the order the hook submitted them. The hook
-queues a job that divides the bucket by the group size (as PyTorch's ``allreduce_hook`` does, so float16 does
-not overflow) and all-reduces it, and returns a ``torch.futures.Future`` that the thread completes; DDP waits
-for the futures at the end of backward.
+Here each process owns one background *communication thread* (`loom.comm.thread`) that runs the buckets'
+all-reduces in the order the hook submitted them. The hook queues a job that divides the bucket by the group
+size (as PyTorch's ``allreduce_hook`` does, so float16 does not overflow) and all-reduces it, and returns a
+``torch.futures.Future`` that the thread completes; DDP waits for the futures at the end of backward.
 
 Why this is safe:
 
@@ -21,8 +20,9 @@ Why this is safe:
   thread per process keeps that order. Two threads would not.
 - *One thread uses shm at a time.* `loom.comm.shm` keeps per-process state (barrier sequence, chunk layout)
   without a lock, and the ring's links (`loom.comm.links`) are sockets no two threads may share. While
-  buckets are in flight the main thread is inside backward, which issues no collective, and DDP's wait at the end of backward drains the queue before the caller can issue any (loss averaging,
-  `loom.comm.all_reduce`, the optimizer's...). So exactly one thread touches shm and the backend at a time.
+  buckets are in flight the main thread is inside backward, which issues no collective, and DDP's wait at the
+  end of backward drains the queue before the caller can issue any. So exactly one thread touches shm and the
+  backend at a time.
   A caller that issues collectives from autograd hooks *during* backward would break this; don't.
 - *First calls are collectives too* (shm's segment set-up, ``auto``'s calibration): they run on the same thread,
   in the same order, on every rank.
@@ -35,8 +35,7 @@ Limits: overlap needs spare CPU. The communication thread shares the process's c
 with as many busy processes as cores, reductions that are memory copies (shm) or socket copies (ring) compete
 with the compute they overlap, and the gain is what waiting (barriers, sockets) left idle. Python-level
 algorithms also hold the GIL between their torch calls, which delays the backward thread's own Python work
-(hooks) slightly. Whatever the algorithm, the result matches DDP without a hook up to floating-point summation
-order.
+(hooks) slightly.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and

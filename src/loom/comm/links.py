@@ -4,11 +4,11 @@ Why: a ring step is a send to the right neighbour during a receive from the left
 point-to-point calls each message crosses thread hand-offs in both processes (the caller queues it, gloo's
 I/O thread moves it, a condition variable wakes the caller) and a rendezvous (the sender waits for the
 receiver's "ready" note before sending), which can cost more than moving the data itself below a few MiB
-(the ``ring_gloo`` column of ``benchmarks/reports/allreduce.md``). Here the calling thread moves the bytes: non-blocking
-sockets and one poll loop that sends and receives at once (so two neighbours sending large buffers to each
-other never deadlock on full socket buffers), and no per-message protocol, since both ends know the size of
-every message from the schedule. It is the same kernel TCP path gloo uses, so `ring` against `native` still
-compares algorithms over the same transport.
+(``benchmarks/reports/allreduce.md``). Here the calling thread moves the bytes: non-blocking sockets and one
+poll loop that sends and receives at once (so two neighbours sending large buffers to each other never deadlock
+on full socket buffers), and no per-message protocol, since both ends know the size of every message from the
+schedule. It is the same kernel TCP path gloo uses, so `ring` against `native` still compares algorithms over the
+same transport.
 
 Set-up (`ring_link`, on the first ring call for a group and ordered list of ring members; only those
 members take part): every process listens on one ephemeral port on the address of the interface gloo uses
@@ -16,10 +16,9 @@ members take part): every process listens on one ephemeral port on the address o
 unset), tells its left neighbour where (a gloo point-to-point message), connects to its right neighbour
 while accepting one connection from its left one, then closes the listener. Before any data moves, both
 ends of every connection prove they hold the job secret (``LOOM_JOB_SECRET``, from `loom run`) by the
-challenge-response of `loom.net.handshake`. The listener reads only fixed-size fields before the proof, gives
-each connection at most `CONNECTION_TIMEOUT_S` in all (each on its own thread, so silent clients cannot queue
-the neighbour behind them; past `MAX_PENDING_HANDSHAKES` the oldest is dropped, and the dialer retries a reset
-handshake), closes and counts one that fails, and goes on waiting for its neighbour until `HANDSHAKE_TIMEOUT_S`.
+challenge-response of `loom.net.handshake`. The listener reads only fixed-size fields before the proof, bounds
+each handshake (`_accept`), closes and counts one that fails, and goes on waiting for its neighbour until
+`HANDSHAKE_TIMEOUT_S`.
 
 The whole ring uses its links or none of them: when a member cannot link to its right neighbour (no job
 secret, as in a job not started by `loom run`; a neighbour on another host while this process listens on

@@ -11,8 +11,7 @@ collective or a barrier anywhere. `PeerNode` is one process's end:
   can move on every connection at once, so two workers answering each other with large frames never deadlock on
   full socket buffers, and a node waiting for its own answer keeps answering others.
 
-Frames (`loom.comm.peer_wire`): a fixed header and raw bytes, the values' size known to both ends, every
-header checked before anything is allocated; a refused one closes its connection (counted as ``dropped``).
+Frames: `loom.comm.peer_wire`; a refused one closes its connection (counted as ``dropped``).
 
 Symmetry: two ``EXCHANGE`` requests cross when each was sent before its sender saw the other's (a request carries
 the seq of the receiver's last request its sender had answered, so the receiver can tell). The lower rank answers

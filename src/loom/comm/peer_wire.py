@@ -13,9 +13,8 @@ connection; the declared length is never used to allocate anything.
 
 Kinds: ``EXCHANGE`` carries the sender's values and is answered with ``REPLY`` (the receiver's values) or
 ``BUSY`` (a bare header); ``COPY`` carries nothing and is answered with ``REPLY``. A request's ``answered`` is the
-seq of the last request of the receiver's that the sender had answered when it sent it: it tells the receiver
-whether its own outstanding request crossed this one or was answered already (the answer is on its way on the
-other connection), see `loom.comm.peer`.
+seq of the receiver's last request that the sender had answered when it sent it (the symmetry of
+`loom.comm.peer`).
 """
 
 from __future__ import annotations

@@ -21,17 +21,15 @@ reduction, and the all-gather of the first segments starts before the reduce-sca
 The schedule is data (`ring_schedule`, a list of transfers, checked without processes in the tests);
 `run_ring` posts and waits on it. Segment j of step s only depends on segment j of step s-1, exactly S
 transfers earlier, so a window of at most S transfers never sends a segment before it is reduced. Incoming
-segments of the reduce-scatter land in a small per-thread scratch buffer (`WINDOW` segments, reused across
-calls, see `loom.comm._reduce.scratch_buffer`) and are added in place; the all-gather receives straight into
-the result. With one segment per chunk (chunks under half of the segment size) this is the plain ring. With
-two processes and a tensor under `EXCHANGE_BELOW_BYTES` the two steps collapse into one exchange of the
-whole tensor, the same bytes in one round of messages (`exchange_schedule`).
+segments of the reduce-scatter land in a small per-thread scratch buffer (`loom.comm._reduce.scratch_buffer`)
+and are added in place; the all-gather receives straight into the result. With one segment per chunk (chunks
+under half of the segment size) this is the plain ring. With two processes and a tensor under
+`EXCHANGE_BELOW_BYTES` the two steps collapse into one exchange (`exchange_schedule`).
 
-*Transport* (`TRANSPORT`): messages go over loom's own TCP links between neighbours (`loom.comm.links`:
-authenticated with the job secret, the calling thread moving the bytes), transfer after transfer, in
-segments of `LINK_SEGMENT_BYTES`; where a link cannot be made, over gloo's point-to-point calls with the
-window above, in segments of `SEGMENT_BYTES`. Those are large (MiB, not KiB) because each gloo message has a
-fixed cost in time and CPU (thread wake-ups and gloo's protocol) well above a link's
+*Transport* (`TRANSPORT`): messages go over loom's own TCP links between neighbours (`loom.comm.links`),
+transfer after transfer, in segments of `LINK_SEGMENT_BYTES`; where a link cannot be made, over gloo's
+point-to-point calls with the window above, in segments of `SEGMENT_BYTES`. Those are large (MiB, not KiB)
+because each gloo message has a fixed cost in time and CPU well above a link's
 (``benchmarks/reports/allreduce.md``).
 
 Limits: 2 (N-1) latency-bound steps, so small tensors are faster with a tree or the backend's own algorithm;
@@ -147,10 +145,10 @@ def exchange_schedule(flat: torch.Tensor, scratch: torch.Tensor | None = None) -
     With two processes the ring's reduce-scatter and all-gather each send one half: the same bytes as one
     exchange of the whole tensor, which needs one round of messages instead of two dependent ones; each process
     then reduces the whole tensor instead of half of it, which costs little next to a message for a small
-    tensor; from about 1 MiB on, the pipelined ring is faster than an exchange in segments, hence
-    `EXCHANGE_BELOW_BYTES` (``benchmarks/reports/allreduce.md``). Both processes combine the same
-    two values, in opposite orders, so the results are identical (IEEE addition, max and min are commutative);
-    `run_ring` waits for the send before combining into the tensor it sent.
+    tensor, while a large one is faster through the pipelined ring, hence `EXCHANGE_BELOW_BYTES`
+    (``benchmarks/reports/allreduce.md``). Both processes combine the same two values, in opposite orders, so
+    the results are identical (IEEE addition, max and min are commutative); `run_ring` waits for the send
+    before combining into the tensor it sent.
     """
     if scratch is None:
         scratch = torch.empty_like(flat)

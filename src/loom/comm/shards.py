@@ -6,8 +6,7 @@ Pieces are balanced to within one element (`piece_bounds`, the same cut as `loom
 makes of a batch), so a tensor of any length works on any number of ranks; a rank's piece may be empty. Both run
 on the backend (``torch.distributed``, gloo or NCCL) over an explicit group, padded to equal pieces because the
 backends' collectives need them; bytes are recorded in `loom.comm.counters` as the bandwidth-optimal ring would
-move them. Gloo's reduce-scatter is an all-reduce per rank underneath (N times the optimal traffic); a ring
-variant over loom's links is the next step where it measures faster.
+move them. Limit: gloo's reduce-scatter is an all-reduce per rank underneath (N times the optimal traffic).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ barrier (every process sees the same sizes, so all of them take it).
 Lifetime. One segment per host and process group, made on the first call and remade larger when a larger
 tensor arrives, up to `MAX_PIECE_BYTES` per slot: bigger tensors go piece by piece (bounded memory, and each
 piece stays in cache). The host's first process creates it, the name travels to the others in a gloo all-gather,
-and once every process has mapped it (an all-gather of status codes) the creator unlinks the name: from then on
-no later job can open it, and the kernel frees it with the last process (`loom.comm.shm_segment`).
+and once every process has mapped it (an all-gather of status codes) the creator unlinks the name
+(`loom.comm.shm_segment`).
 
 Barrier: a sequence counter per process in the segment's header, one cache line each (with the process's pid
 and an "asleep, waiting for process k" flag), waited for by `loom.comm.shm_wait.wait_until`: spin, then sleep on

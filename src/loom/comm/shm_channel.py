@@ -89,11 +89,8 @@ class ShmSender:
         self.sent = 0
 
     def send(self, tensors: list[torch.Tensor]) -> list[tuple[Any, Any]]:
-        """Queue one message and push what fits; returns ``[(handle, None)]``, ``handle.wait()`` ends it.
-
-        A message that fits in the ring's free room while nothing is queued (every small message of a
-        pipeline whose receiver keeps up) is copied in at once: its header from a cache per signature
-        (dtypes and shapes), each tensor with one ``memmove``, then published once."""
+        """Queue one message and push what fits (at once when nothing is queued: the module docstring's shortest
+        path); returns ``[(handle, None)]``, ``handle.wait()`` ends it."""
         signature = tuple([(t.dtype, t.shape) for t in tensors])
         header = self._headers.get(signature)
         if header is None:

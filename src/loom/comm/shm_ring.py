@@ -2,15 +2,15 @@
 
 One process writes, one reads (single producer, single consumer). The segment holds a header page (magic, token,
 capacity, the writer's and the reader's pids, two counters: bytes written and bytes read since the start, and
-two "asleep" flags by which a waiting end asks to be woken (`loom.comm.shm_wait`), each on its own cache line) and then the ring of `capacity` bytes. The writer copies into the free part and
-then advances its counter; the reader copies out of the filled part and then advances its own. Each counter has
-one writer, so no lock is needed; the order "data, then counter" is what x86-64's total store order keeps (the
-reason `loom.comm.shm.shm_unsupported_reason` refuses other CPUs). Copies are ``memmove`` between raw addresses:
-for a message of a few KiB the per-call cost of a tensor operation would be most of the time.
+two "asleep" flags by which a waiting end asks to be woken (`loom.comm.shm_wait`), each on its own cache line)
+and then the ring of `capacity` bytes. The writer copies into the free part and then advances its counter; the
+reader copies out of the filled part and then advances its own. Each counter has one writer, so no lock is
+needed; the order "data, then counter" is what x86-64's total store order keeps (the reason
+`loom.comm.shm.shm_unsupported_reason` refuses other CPUs). Copies are ``memmove`` between raw addresses: for a
+message of a few KiB the per-call cost of a tensor operation would be most of the time.
 
-Lifetime as in `loom.comm.shm_segment`: the writer creates the segment, the reader maps
-it and removes the name at once, so the memory lives only in the two mappings and the kernel frees it when both
-processes have exited, however they exit; a writer whose handshake fails removes the name itself.
+Lifetime as in `loom.comm.shm_segment`: the writer creates the segment, the reader maps it and removes the name
+at once; a writer whose handshake fails removes the name itself.
 """
 
 from __future__ import annotations

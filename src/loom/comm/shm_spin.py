@@ -12,9 +12,8 @@ computing for milliseconds is not spun for). And while this process waits for a 
 kernel's run-queue delay of this process, ``/proc/self/schedstat``, above `CONTENDED` of the time it was runnable
 over the last `CHECK_EVERY_S`) the spin is `SPIN_S` whatever the budget.
 
-By default `SPIN_MAX_S` equals `SPIN_S`, which turns the growth off: on the shared 2-core machine the growth did
-not measure better (benchmarks/reports/model_parallel.md). A machine with cores to spare may raise it (the
-micro-benchmark's ``--spin-max-us``).
+By default `SPIN_MAX_S` equals `SPIN_S`, which turns the growth off: it did not measure better
+(benchmarks/reports/model_parallel.md). A machine with cores to spare may raise it (``--spin-max-us``).
 """
 
 from __future__ import annotations

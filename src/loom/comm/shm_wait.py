@@ -54,8 +54,7 @@ and raises this past its own work timeout (`give_way_to`)."""
 def give_way_to(seconds: float) -> None:
     """Wait at least ``seconds`` before giving up. The hang watchdog (`loom.fault.watchdog`) calls it with its work
     timeout and some slack, so that a peer stuck in its own code ends the job with the watchdog's report (the rank,
-    its stack, the variable to change), not with this wait's bare error (both fired at 1800 s, and this one, which
-    looks 10 times a second, won)."""
+    its stack, the variable to change), not with this wait's bare error."""
     global TIMEOUT_S
     TIMEOUT_S = max(TIMEOUT_S, float(seconds))
 

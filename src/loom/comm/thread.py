@@ -7,8 +7,8 @@ them: one FIFO thread per group. loom has two users, both on this class:
 - DDP's overlapped all-reduce hook (`loom.comm.ddp_async`): the process's shared thread, `comm_thread()`, runs
   each gradient bucket's reduction while backward goes on; the hook hands DDP a ``torch.futures.Future``
   (`torch_future`);
-- DiLoCo's outer exchange (`loom.parallel.replica.diloco`): a thread of its own, on a process group of its own, runs
-  while the next inner steps train.
+- DiLoCo's outer exchange (`loom.parallel.replica.diloco`): a thread of its own, on a process group of its own,
+  runs while the next inner steps train.
 
 A daemon, unlike `concurrent.futures.ThreadPoolExecutor`'s threads: when a peer has died and the training thread
 raises, a collective left waiting here must not keep the process alive at exit. Every call's outcome reaches its

@@ -6,15 +6,9 @@
     checkpoint["codec"] = hook.state_dict()                  # residuals and warm starts: tensors, ints, strings
 
 Five codecs, each a small object with its own state (`Codec`), named by one vocabulary of specs that every
-strategy that compresses reads (`loom.comm.compression.factory`: `parse_compression`, `accept_compression`):
-
-- ``fp16`` / ``bf16`` (`loom.comm.compression.cast`): all-reduce in 16 bits, half the bytes, stateless;
-- ``int8`` (`loom.comm.compression.int8`): int8 codes with a float32 scale per chunk, all-gathered and summed in
-  rank order, a quarter of the bytes per message, stateless;
-- ``topk:<fraction>`` (`loom.comm.compression.topk`): the largest entries with their indices, all-gathered,
-  with error feedback (Lin et al. 2018, Deep Gradient Compression; Stich et al. 2018);
-- ``powersgd:<rank>`` (`loom.comm.compression.powersgd`): a rank-r approximation per gradient matrix, two small
-  all-reduces, error feedback and warm start (Vogels et al. 2019).
+strategy that compresses reads (`loom.comm.compression.factory`, whose table names each codec's module): ``fp16``
+/ ``bf16`` and ``int8`` are stateless; ``topk:<fraction>`` (Deep Gradient Compression, Lin et al. 2018) and
+``powersgd:<rank>`` (Vogels et al. 2019) keep error feedback.
 
 A codec describes its communication as a generator of `Collective` steps (`loom.comm.compression.base`);
 `compression_hook` runs them inside DDP's backward, asynchronously, counting bytes in `loom.comm.counters()`;
@@ -22,8 +16,8 @@ A codec describes its communication as a generator of `Collective` steps (`loom.
 kept per parameter (`loom.comm.compression.feedback`), so it survives DDP's bucket rebuilds and a resume.
 
 PyTorch ships ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook``; loom does not use them: DDP
-refuses ``bf16_compress_hook`` without NCCL, ``batched_powerSGD_hook`` crashes on CPU here (issue 3), and none of them
-records its traffic.
+refuses ``bf16_compress_hook`` without NCCL, ``batched_powerSGD_hook`` crashes on CPU (issue 3), and none of
+them records its traffic.
 """
 
 from loom.comm.compression.base import Codec, Collective

@@ -18,7 +18,7 @@ Byte accounting, in `loom.comm.counters()` with the convention of `loom.comm.cou
 bandwidth-optimal ring would move, per process, each way):
 
 - ``op="sum"`` is ``torch.distributed.all_reduce``, recorded under ``"native"`` exactly as
-  `loom.comm.all_reduce(algorithm="native")` records it: ``2 (N-1)/N * D`` bytes for a D-byte message;
+  `loom.comm.all_reduce(algorithm="native")` records it;
 - ``op="gather"`` is an all-gather, recorded under ``"all_gather"``: a ring passes every rank's D-byte message
   to the N-1 others, so each process sends and receives ``(N-1) * D`` bytes.
 
@@ -27,10 +27,8 @@ Bytes are recorded when a collective starts. Totals hence compare directly with 
 
 Parameter numbers: the codec keeps its state per parameter (`loom.comm.compression.feedback`), so the hook
 numbers DDP's parameters 0, 1, 2, ... in the order it first meets them. A fresh DDP's first backward runs its
-initial buckets (by default one bucket, in model order), so a fresh job numbers a model's parameters the same
-way every time, and a codec state saved by one run applies to the same parameters in a resumed one, whatever
-DDP's later bucket rebuilds do. Limit: that holds for the same model and DDP settings (bucket sizes, unused
-parameters), which is what resuming means; a saved parameter whose shape differs is refused.
+initial buckets (in model order), so a fresh job numbers a model's parameters the same way every time, and a
+saved codec state applies to the same parameters in a resumed run with the same model and DDP settings.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and

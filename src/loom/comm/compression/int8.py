@@ -8,8 +8,9 @@ ring all-reduce of float32 sends ``2 (W - 1) / W`` full ones): fewer bytes than 
 
 `int8_payload` encodes one rank's message and `int8_sum` adds up every rank's: DiLoCo's outer exchange sums its
 pre-weighted pseudo-gradients with them (`loom.comm.compression.replicas`), and `Int8Codec` is the same exchange
-as a gradient codec (`loom.comm.compression.base`) for DDP's hook: each rank sends its share of the mean (its gradient divided by the world size, as the ``fp16``
-codec does). No error feedback: the rounding error (at most half a step, ``scale / 2``, per value) is lost.
+as a gradient codec (`loom.comm.compression.base`) for DDP's hook: each rank sends its share of the mean (its
+gradient divided by the world size, as ``fp16`` does). No error feedback: the rounding error (at most
+``scale / 2`` per value) is lost.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """`compressed_sum`: the sum over a group of every rank's flat tensor, through a ``compression=`` spec.
 
-What DiLoCo's outer exchange needs (`loom.parallel.replica.diloco`): each rank's pseudo-gradient, already weighted by
-its share of the samples, summed over the replicas. A gradient codec (`make_codec`) computes a *mean* inside DDP's
-hook; this is the plain sum of values the caller weighted, with the specs that need no state across exchanges:
+What DiLoCo's outer exchange needs (`loom.parallel.replica.diloco`): each rank's pseudo-gradient, already
+weighted by its share of the samples, summed over the replicas. A gradient codec (`make_codec`) computes a *mean*
+inside DDP's hook; this is the plain sum of values the caller weighted, with the stateless specs:
 
 - None: an all-reduce with ``algorithm`` (`loom.comm.all_reduce`) in the tensor's dtype;
-- ``fp16`` / ``bf16``: each rank's share cast to 16 bits (a tensor already that narrow goes as it is), summed with
-  ``algorithm``, cast back (the shares are weighted, so the sum cannot overflow where the mean fits);
+- ``fp16`` / ``bf16``: each rank's share cast to 16 bits (a tensor already that narrow goes as it is), summed
+  with ``algorithm``, cast back (the shares are weighted, so the sum cannot overflow where the mean fits);
 - ``int8``: codes and chunk scales all-gathered with the backend and summed in rank order on every rank
   (`loom.comm.compression.int8`), bitwise the same result everywhere.
 """

@@ -18,8 +18,8 @@ gradients can wait several steps for its turn, and the selection depends on whic
 residuals carry over when DDP re-buckets, see `loom.comm.compression.feedback`). The residual costs one
 gradient's worth of memory. DGC's momentum correction, local clipping and warm-up of the fraction are not
 implemented: plain error feedback works here with SGD momentum applied to the averaged sparse gradient, but
-converges later than uncompressed training. The selection (`top_indices`) runs ``torch.topk`` on the entries
-above a sampled threshold, not on the whole bucket, and is still noticeable next to a small model's backward.
+converges later than uncompressed training. The selection (`top_indices`) is still noticeable next to a small
+model's backward.
 """
 
 from __future__ import annotations
