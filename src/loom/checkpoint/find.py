@@ -118,7 +118,7 @@ def load_checkpoint(
     step past damaged ones, warning with `CorruptCheckpointWarning` for each, naming the file and the reason.
     Raises `NoValidCheckpointError` when checkpoints exist but none is intact: starting over silently would
     throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`). Every rank's file is
-    verified (`read_checkpoint`); `loom.fit` reads only each process's own (`read_checkpoint_part`).
+    verified (`read_checkpoint`).
     """
     found = newest_intact(directory, limits=limits)
     return None if found is None else found[1:]

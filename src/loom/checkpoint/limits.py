@@ -7,13 +7,12 @@ checked for size, nesting depth and number length before it is parsed, so readin
 bounded amount of memory and time and ends in `CorruptCheckpointError`, which makes loading fall back to the
 previous checkpoint.
 
-The defaults are loom's own bound on what a crafted file may cost whatever its manifest says (what the
-costliest JSON they admit costs to read is measured in docs/checkpoints.md). They admit every checkpoint
-`loom.fit` writes up to about 1,000 ranks (its ``state.json`` holds every rank's RNG state, about 7 KB and a
-dozen values per rank: `loom.checkpoint.rng` packs the 32-bit words) and refuse what a parser would choke on.
-`save_checkpoint` refuses a state whose JSON would break the same bounds, so nothing written by loom is
-unreadable with the limits it was saved under; a genuine larger checkpoint is read with larger limits, which
-the refusal names.
+The defaults are loom's own bound on what a crafted file may cost whatever its manifest says (measured in
+docs/checkpoints.md). They admit every checkpoint `loom.fit` writes up to about 1,000 ranks (its ``state.json``
+holds every rank's RNG state, about 7 KB and a dozen values per rank: `loom.checkpoint.rng` packs the 32-bit
+words) and refuse what a parser would choke on. `save_checkpoint` refuses a state whose JSON would break the
+same bounds, so nothing written by loom is unreadable with the limits it was saved under; a genuine larger
+checkpoint is read with larger limits, which the refusal names.
 
 These are absolute bounds. Each file is read within a tighter one, its *read budget*, which its manifest
 lists (``entries``; `ReadLimits.budgeted`): within its budget a file costs at most a small multiple of the

@@ -13,12 +13,9 @@ not parse or does not match the tensor file) and input crafted to exhaust the re
   .bounded_json`): refused before it is parsed;
 - a safetensors header whose lengths, offsets, dtypes or shapes do not fit the file (`loom.checkpoint
   .tensor_file`): refused before any tensor is allocated; tensors are read one by one into their own memory.
-- JSON beyond the file's *read budget*: the manifest lists, for every file, its ``entries`` (its JSON values,
-  or its JSON bytes / `BYTES_PER_ENTRY` where more), and reading tightens the bounds to at most that many
-  values and that many entries of 64 bytes (`ReadLimits.budgeted`), so a file replaced under its manifest
-  entry costs at most a small multiple of the genuine one's, refused from its size before a byte is read
-  (``state.json``) or after 8 bytes (a safetensors header). Manifests of format 1 (no budgets) are refused,
-  naming `loom.checkpoint.upgrade_checkpoint`.
+- JSON beyond the file's *read budget* (`loom.checkpoint.limits`, `ReadLimits.budgeted`): refused from its size
+  before a byte is read (``state.json``) or after 8 bytes (a safetensors header). Manifests of format 1 (no
+  budgets) are refused, naming `loom.checkpoint.upgrade_checkpoint`.
 
 Every file is read once: the sha256 is computed on the same pass that fills the tensors, and rank files are
 only hashed (1 MiB at a time) by `read_checkpoint`, read and unpacked by `read_local_state` and
@@ -27,9 +24,8 @@ only hashed (1 MiB at a time) by `read_checkpoint`, read and unpacked by `read_l
 Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
 before its sha256 can be compared (hashing first would read every genuine checkpoint twice), so the bound on
 what a crafted tensor file costs is that limit, by default the machine's memory. The read budgets come from
-the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone,
-loom's own, which keep the costliest JSON and header they admit under +64 MiB (measured in
-docs/checkpoints.md).
+the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone
+(what the costliest JSON and header they admit cost is measured in docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -313,9 +309,8 @@ def read_checkpoint_part(
 ) -> tuple[int, dict[str, Any], Any]:
     """``(step, state, own)`` of one checkpoint directory as process ``rank`` needs it: the shared state
     (``state.json``, ``tensors.safetensors``) and its own file unpacked (None when the manifest lists none
-    for ``rank``, e.g. at a larger world size). Other ranks' files are not read: each process verifies its own
-    part, and `loom.fit` makes the ranks agree on the verdict. Raises `CorruptCheckpointError` naming the
-    first bad file."""
+    for ``rank``, e.g. at a larger world size). Other ranks' files are not read (`loom.fit` makes the ranks
+    agree on the verdict). Raises `CorruptCheckpointError` naming the first bad file."""
     return _read(Path(checkpoint), limits, rank)
 
 

@@ -23,10 +23,9 @@ The commit protocol, so that a crash at any instant leaves ``latest`` naming a w
    checkpoint is never visible under a ``step-*`` name), and checkpoints *newer* than the one just saved: those
    were written by a run that crashed before moving ``latest``, and this run has replaced their timeline.
 
-Reading is `loom.checkpoint.load`: it trusts nothing (sizes and sha256 sums against the manifest, every
-allocation bounded by `loom.checkpoint.limits.ReadLimits`, links refused) and falls back past damaged
-checkpoints. So that loom never writes what it would then refuse to read, `encode_state` refuses a state whose
-JSON breaks the default bounds.
+Reading is `loom.checkpoint.load`, which trusts nothing and falls back past damaged checkpoints. So that loom
+never writes what it would then refuse to read, `encode_state` refuses a state whose JSON breaks the default
+bounds.
 
 Per-rank files let every process write the piece of the state it alone holds (a pipeline stage, gradient
 compression's error feedback) into the same atomic commit as the rest, without sending it to the writer:

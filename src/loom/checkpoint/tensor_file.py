@@ -8,9 +8,8 @@ header with `parse_json`, and checks that every dtype is known, every shape's by
 and the spans tile the data exactly, *before* allocating anything; then it reads each tensor straight into
 its own memory (never the whole file into one buffer and again into tensors, as ``safetensors.torch.load`` on
 bytes would), hashing every byte on the way, so the caller compares the file's sha256 without a second read.
-
-A header that lies about lengths therefore fails with a ``ValueError`` that names the entry, after reading at
-most the header, and a genuine file costs its tensors' memory plus the header, once.
+A header that lies about lengths fails with a ``ValueError`` that names the entry, after reading at most the
+header.
 """
 
 from __future__ import annotations
