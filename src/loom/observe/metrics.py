@@ -165,8 +165,8 @@ class StepMetrics:
         """Add one step; ``extra`` fills the optional fields of `StepRecord` (phases, bytes, staleness...).
 
         The record is in the file when this returns (the module docstring: it survives a kill). Cheap on
-        purpose: one cached template filled in one call (`json_line`) and one ``write``; the `StepRecord`
-        objects are built only when `records` is read."""
+        purpose: one `json_line` and one ``write``; the `StepRecord` objects are built only when `records` is
+        read."""
         _check_fields(extra)
         raw = (step, time_s, samples, global_samples, loss, time.time(), extra)
         self._raw.append(raw)

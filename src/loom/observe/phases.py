@@ -1,12 +1,12 @@
 """Timing a training step into phases, without adding a collective: what `StepMetrics` records per step.
 
 A strategy calls, in order: `StepObserver.begin_step` as ``train_step`` starts, `lap` at each phase boundary,
-`backward_done` after backward, and `end_step` once the step is decided. Laps are consecutive readings of
-one clock, so the phases (defined in `loom.observe.metrics`) add up to the step time exactly. DDP overlaps the
-gradient all-reduce with backward, so *comm* counts only what is not overlapped: the time inside the
-communication hook (the whole all-reduce for loom's synchronous ``ring``/``driver``, only the launch for the
-asynchronous native one), plus the tail of backward after the last bucket was launched, when autograd has
-computed every gradient and DDP waits for the buckets; plus the wait for the loss all-reduce.
+`backward_done` after backward, and `end_step` once the step is decided (the phases are defined in
+`loom.observe.metrics`). DDP overlaps the gradient all-reduce with backward, so *comm* counts only what is not
+overlapped: the time inside the communication hook (the whole all-reduce for loom's synchronous
+``ring``/``driver``, only the launch for the asynchronous native one), plus the tail of backward after the last
+bucket was launched, when autograd has computed every gradient and DDP waits for the buckets; plus the wait for
+the loss all-reduce.
 
 For loom's algorithms the observer wraps their DDP communication hook and times each call. For DDP's built-in
 all-reduce it registers no hook (a Python hook costs a GIL handoff per bucket): the end of gradient computation
@@ -15,8 +15,7 @@ computes, and the rest of backward is the wait; a traced run (``LOOM_TRACE_STEPS
 collective event, since timing every bucket would need a Python hook, i.e. another path than the one traced.
 The cost of all this: ``python -m loom_bench.metrics_overhead`` (``benchmarks/reports/metrics_overhead.md``).
 
-Stragglers: the phase times of each step (`last_phases`) go to the step engine's straggler watch
-(`loom.observe.straggler_watch`, the one mechanism for every strategy), which needs no collective.
+Stragglers: the phase times of each step (`last_phases`) go to `loom.observe.straggler_watch`.
 
 The loss buffer's layout: ``[loss sum, one non-finite flag per rank]``. The flags (set by the strategy, see
 `loom.fault.desync.NonFiniteGuard`) are not an observation but part of the step's decision.

@@ -12,9 +12,10 @@ watchdog poll after the window that shows it.
 Only ranks that do the same work are compared (``peers``): every rank of a data-parallel family, the replicas
 of one pipeline stage and tensor shard in a model-parallel job (a pipeline's last stage is busier by design,
 not slow). A rank whose window is not full yet is not judged, nor a row of another job (a process that sets up
-several jobs in turn: the n-th watch on each rank's watchdog is compared with the others' n-th). With asynchronous workers a
-slow rank also takes fewer steps; its per-step times are what show it. Without a store for the watchdog (under
-healing the members change: the watchdog's thread sends only the quorum's heartbeat) there is no watch.
+several jobs in turn: the n-th watch on each rank's watchdog is compared with the others' n-th). With
+asynchronous workers a slow rank also takes fewer steps; its per-step times are what show it. Without a store
+for the watchdog (under healing the members change: the watchdog's thread sends only the quorum's heartbeat)
+there is no watch.
 """
 
 from __future__ import annotations

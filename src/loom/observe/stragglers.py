@@ -6,13 +6,11 @@ without the time blocked in communication), compared with the median over ranks.
 taken as their median over a window of steps, not their mean, so a rank counts as slow only when it is slow in
 most steps of the window: work outside steps, such as rank 0 evaluating or writing a checkpoint alone (which
 lands in its *data* phase, the gap since its previous step, and in the others' *comm* phase of the next step),
-is one step in a window and raises no alarm however long it takes. The phase named is the one whose time exceeds that phase's median by the
-most. Communication is named when a rank's own communication time stands out while its busy time is not below
-the median (a rank that merely waits for a slower peer shows a long communication time too, but a short busy
-time) — this is what a slow link looks like for point-to-point traffic (push/pull to parameter servers).
-
-The phase times arrive without a collective: each rank's median row over its window rides on its hang
-watchdog's record (`loom.observe.straggler_watch`, for every strategy).
+is one step in a window and raises no alarm however long it takes. The phase named is the one whose time
+exceeds that phase's median by the most. Communication is named when a rank's own communication time stands out
+while its busy time is not below the median (a rank that merely waits for a slower peer shows a long
+communication time too, but a short busy time) — this is what a slow link looks like for point-to-point traffic
+(push/pull to parameter servers). The phase times arrive without a collective (`loom.observe.straggler_watch`).
 
 Configuration: `StragglerConfig`, or the environment variables ``LOOM_STRAGGLER_MARGIN`` (fraction over the
 median, default 0.2), ``LOOM_STRAGGLER_WINDOW`` (steps, default 10) and ``LOOM_STRAGGLER_MIN_MS`` (an absolute

@@ -1,16 +1,11 @@
 """Experiment trackers: TensorBoard and MLflow, fed by `loom.fit` (or an own loop) from rank 0, once per step.
 
-```python
-tracker = loom.TensorBoardTracker("runs/exp1")           # or loom.MLflowTracker("mlruns", experiment="exp1")
-loom.fit(job, loader, steps=1000, checkpoint_dir="ckpt", trackers=[tracker])
-```
+``loom.fit(job, loader, ..., trackers=[loom.TensorBoardTracker("runs/exp1")])``; usage: ``docs/trackers.md``.
 
 What is logged, and what it costs: `loom.fit` logs, on the main process only, values it already holds after
-each step: the loss `train_step` returned (the global-batch loss, already reduced across the ranks by the step
-itself; ``replica_loss``, rank 0's own, for jobs whose `loom.job.Job.loss_scope` is ``"replica"``), the
-learning rate, the epoch and, when the job records steps (``job.metrics``), rank 0's step time and the global
-batch's samples per second. No value is reduced for a tracker, so a tracker adds no collective, and without
-one `fit` runs exactly as before. Other ranks never import TensorBoard or MLflow.
+each step (`step_metrics`: the loss `train_step` returned, already reduced by the step itself, the learning
+rate, the epoch, rank 0's step time and throughput). No value is reduced for a tracker, so a tracker adds no
+collective. Other ranks never import TensorBoard or MLflow.
 
 Resuming: a tracker's `Tracker.state_dict` (the MLflow run id, TensorBoard's log directory) is saved in `fit`'s
 own checkpoint state, and a resumed `fit` reopens the same run from it with the step it resumes at. Steps
