@@ -9,8 +9,9 @@ chunk by chunk is waited for) is greeted again (a restarted server has a new epo
 are dropped by design) and, once it answers, the request is resent under a new sequence number; an answer to the
 request that completes during the greeting is taken. Resending is safe because the server recognises pushes it
 has applied by the worker's clock. The greeting is repeated every half second while it waits, so a server
-restarted by the launcher is found as soon as it listens. A greeting that finds a new epoch records a restart (`PSClient.restarts`, with the
-version each model was resumed at), which `loom.parallel.ps.parameter_server` turns into a count of lost updates.
+restarted by the launcher is found as soon as it listens. A greeting that finds a new epoch records a restart
+(`PSClient.restarts`, with the version each model was resumed at), which `loom.parallel.ps.parameter_server`
+turns into a count of lost updates.
 
 A request that gets no answer before its deadline raises `TimeoutError` naming the server, its address, the
 operation and the worker, and why: the launcher's record says the server died (with its signal) and was or was not

@@ -8,8 +8,7 @@ parked requests again when no message arrives (a worker silent past its timeout:
 ``sync`` fails the step naming it).
 
 `loom.fit`'s checkpoints: a worker reads a model's whole state with STATE (tensors and JSON) and puts it back
-with RESTORE, which replaces the model outright, answers the requests it leaves waiting with an error, and is
-applied once per request token.
+with RESTORE (`RequestHandlers._restore_model`).
 """
 
 from __future__ import annotations

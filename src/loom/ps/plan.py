@@ -107,7 +107,7 @@ def server_loads(pieces: list[Piece], num_servers: int) -> list[int]:
 def check_frames(plan: list[Piece], params: Mapping[str, torch.Tensor], servers: int) -> None:
     """Refuse a model whose share on one server does not fit one frame: each server's pieces travel together
     (INIT, every push and reply), and a frame above the wire's payload limit is dropped by its receiver, which
-    left the workers waiting for an answer that never came."""
+    would leave the workers waiting for an answer that never comes."""
     limit = WireLimits().max_payload
     held = [0] * servers
     for piece in plan:
