@@ -22,12 +22,9 @@ depends on what the collation returns:
   fingerprints the tensor content instead of the indices; `job.train_step` needs an ``(inputs, targets)`` pair,
   so build one in the dataset or in ``collate_fn``.
 
-Iteration is `DataLoader`'s, and after ``load_state_dict`` torchdata's ``StatefulDataLoader``'s
-(`loom.data.sampler`). ``len(loader)`` is the number of batches per epoch; ``len(loader.sampler)`` this rank's
-samples per epoch, as with ``DistributedSampler``.
-
-When a loader is built in a distributed job, it checks that every process holds the same dataset
-(`loom.data.same_data`); ``same_data_check=False`` turns that off.
+Iteration and ``len`` are `DataLoader`'s and ``DistributedSampler``'s, and after ``load_state_dict`` torchdata's
+``StatefulDataLoader``'s (`loom.data.sampler`). Built in a distributed job, a loader checks that every process
+holds the same dataset (`loom.data.same_data`).
 
 A lazy loader (``ShardedLoader.lazy``: DataParallel's under ``--on-worker-failure heal``, where the replicas are
 known only at the step) yields a `LazyBatch` per step instead: the global batch's indices, nothing loaded.

@@ -6,9 +6,9 @@ that CPU work while the GPU waits. With the share gathered straight into pinned 
 copied on a side stream, the step finds it on the GPU.
 
 Only where nothing of the user's runs off the main thread: a `TensorDataset` collated by default, on CPU tensors,
-for a CUDA job (`usable`); any other dataset or collation is fetched on the step's thread, as before. The sampler's
-position stays the consumer's: `ShardedLoader` reports the position after the batch it last handed out, not after
-the one fetched ahead.
+for a CUDA job (`usable`); any other dataset or collation is fetched on the step's thread. The sampler's position
+stays the consumer's: `ShardedLoader` reports the position after the batch it last handed out, not after the one
+fetched ahead.
 """
 
 from __future__ import annotations
