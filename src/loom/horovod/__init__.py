@@ -6,8 +6,9 @@ and the rank queries (`loom.horovod.basics`), the collectives with their ``_asyn
 (`loom.horovod.collectives`), `broadcast_parameters`/`broadcast_optimizer_state`/`broadcast_object`/
 `allgather_object` (`loom.horovod.functions`, no pickle), `DistributedOptimizer` (`loom.horovod.optimizer`),
 ``elastic`` (`loom.horovod.elastic`, on loom's restarts). Collectives are matched across ranks by name by a
-negotiation thread (`loom.horovod._engine`), as Horovod's controller does. Process sets, Adasum, the
-timeline and SyncBatchNorm raise `NotImplementedError` naming the feature.
+negotiation thread (`loom.horovod._engine`), as Horovod's controller does. Process sets other than the global
+one, Adasum, the timeline, SyncBatchNorm and the MPI/NCCL/CCL/DDL controllers raise `NotImplementedError`
+naming the feature (never a silent difference).
 
 Importing this module does nothing to the process; `init()` does what a job needs.
 """

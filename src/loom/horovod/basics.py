@@ -4,10 +4,7 @@
 work), then starts the negotiation engine (`loom.horovod._engine`) on a gloo process group of its own, so that
 a script's own ``torch.distributed`` calls never interleave with Horovod's. `shutdown()` stops the engine but
 keeps loom's process group, so ``init -> shutdown -> init`` works as it does with Horovod's gloo controller; the
-group itself is left by `loom.shutdown` at exit.
-
-Features loom does not have are refused by name with `NotImplementedError` (never a silent difference):
-process sets other than the global one, Adasum, the timeline, MPI/NCCL/CCL/DDL controllers.
+group itself is left by `loom.shutdown` at exit. What loom does not have is refused by name (`loom.horovod`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 Horovod keeps the surviving processes and re-forms the ring when a worker dies; loom restarts the whole
 worker group (``loom run --max-restarts N``). So a `commit()` is written to disk (rank 0, atomically:
 safetensors for the tensors plus JSON for the rest, no pickle), and `run` starts each attempt by loading the
-last commit on rank 0 and broadcasting it (`State.sync`); after a restart it then calls the reset callbacks,
-as Horovod does after a reset. Work since the last commit is redone, as in Horovod.
+last commit on rank 0 and broadcasting it (`State.sync`). Work since the last commit is redone, as in Horovod.
 
 Where commits go: ``$LOOM_HOROVOD_STATE_DIR``, else ``$LOOM_RUN_DIR/horovod_elastic`` (``loom run`` sets it),
 else nowhere (a single process outside ``loom run`` keeps them in memory). Host discovery (hosts joining a
@@ -203,7 +202,8 @@ def _read_commit(directory: Path):
 def run(func):
     """Decorate ``train(state, ...)``: each attempt starts from the last commit, broadcast from rank 0.
 
-    On a restart (``loom run --max-restarts``) the reset callbacks run before ``train``.
+    On a restart (``loom run --max-restarts``) the reset callbacks run before ``train``, as Horovod runs them
+    after a reset.
     """
 
     @functools.wraps(func)
