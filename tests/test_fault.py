@@ -15,7 +15,8 @@ from workers.faults import ENV, Fault, plan
 
 from loom.fault import Watchdog, scale_learning_rate
 from loom.fault.desync import _fingerprint, fingerprints
-from loom.fault.watchdog import hang_report, hang_timeout_s
+from loom.fault.hang_report import hang_report
+from loom.fault.timeouts import hang_timeout_s
 
 WORKERS = Path(__file__).parent / "workers"
 

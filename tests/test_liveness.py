@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from netns import bridged_hosts, can_make_namespaces
 
-from loom.fault.liveness import DEFAULT_LIVENESS_TIMEOUT_S, Heartbeat, liveness_timeout_s
-from loom.fault.watchdog import DEFAULT_TIMEOUT_S, Watchdog
+from loom.fault.liveness import Heartbeat
+from loom.fault.timeouts import DEFAULT_LIVENESS_TIMEOUT_S, DEFAULT_TIMEOUT_S, liveness_timeout_s
+from loom.fault.watchdog import Watchdog
 from loom.train.guard import GuardOptions
 
 PREFIX = "loom/watchdog/attempt0/"

@@ -80,7 +80,7 @@ def test_unset_means_the_default_and_a_secret_is_never_echoed():
 @pytest.mark.unit
 def test_the_library_reads_the_same_declaration(monkeypatch):
     from loom.fault.quorum import Quorum
-    from loom.fault.watchdog import work_timeout_s
+    from loom.fault.timeouts import work_timeout_s
     from loom.launch.heal import seconds_setting
 
     monkeypatch.setenv("LOOM_WORK_TIMEOUT_S", "-1")

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from loom.fault.watchdog import Watchdog, all_inside_s
+from loom.fault.hang_report import all_inside_s
+from loom.fault.watchdog import Watchdog
 
 TIMEOUT_S, SLEEP_S = 3.0, 8.0
 

@@ -8,9 +8,10 @@
 Restarts themselves are the launcher's (``loom run --max-restarts``) and resuming is `loom.fit`'s.
 """
 
+from loom.errors import HangError
 from loom.fault.desync import ReplicaDesyncError, check_replicas_agree
 from loom.fault.resize import scale_learning_rate
-from loom.fault.watchdog import HangError, Watchdog, collective
+from loom.fault.watchdog import Watchdog, collective
 
 __all__ = [
     "HangError",

@@ -10,7 +10,7 @@ a heartbeat and listens for one, on the side channel it already has (a client of
 
 noting, on its own monotonic clock, when that counter last moved. Two store calls per rank per interval whatever
 the world size, and nothing new listens. A peer is *lost* when its counter has not moved for the liveness
-timeout (``liveness_timeout_s``, default `DEFAULT_LIVENESS_TIMEOUT_S`), which knows nothing of collectives.
+timeout (``liveness_timeout_s``, `loom.fault.timeouts`), which knows nothing of collectives.
 
 The store lives on one host (node 0's launcher under ``loom run``, the agent's ``TCPStore`` under ``torchrun``), so
 a cut has two sides with different evidence:
@@ -40,37 +40,7 @@ import os
 import time
 from typing import Any
 
-from loom.settings import SETTINGS, setting
-
-__all__ = [
-    "DEFAULT_LIVENESS_TIMEOUT_S",
-    "Heartbeat",
-    "liveness_timeout_s",
-    "seconds_setting",
-]
-
-DEFAULT_LIVENESS_TIMEOUT_S: float = SETTINGS["LOOM_LIVENESS_TIMEOUT_S"].default
-"""How long a peer's heartbeat may stay still before it is lost: many polls (one a second) of slack for a busy
-host, far below any hang timeout worth having, so a cut stops a job in under a minute."""
-
-
-def seconds_setting(requested: float | None, variable: str, default: float, what: str) -> float:
-    """``requested``, else the environment ``variable``, else ``default``: a positive number of seconds."""
-    if requested is None:
-        requested = setting(variable)  # (checked where it is declared, `loom.settings`)
-    if isinstance(requested, bool) or not float(requested) > 0:
-        raise ValueError(
-            f"the {what} must be a positive number of seconds, got {requested!r}. HINT: pass seconds, or leave it "
-            f"None to use {variable} (default {default:g} s)"
-        )
-    return float(requested)
-
-
-def liveness_timeout_s(requested: float | None = None) -> float:
-    """The liveness timeout: ``requested``, else ``LOOM_LIVENESS_TIMEOUT_S``, else `DEFAULT_LIVENESS_TIMEOUT_S`."""
-    return seconds_setting(
-        requested, "LOOM_LIVENESS_TIMEOUT_S", DEFAULT_LIVENESS_TIMEOUT_S, "liveness timeout"
-    )
+__all__ = ["Heartbeat"]
 
 
 class Heartbeat:

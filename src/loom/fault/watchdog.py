@@ -10,13 +10,13 @@ checks the clock. Every store call is bounded (`STORE_CALL_S`) and a store that 
 `STORE_BACKOFF_S`, so a partitioned node (the store's host unreachable) still detects its hang on time.
 
 Uneven work between collectives is ordinary: rank 0 evaluating or writing a checkpoint alone while the others
-wait in the next collective is not a hang. So the hang timeout (``timeout_s``, default `DEFAULT_TIMEOUT_S`)
-counts only the time during which *every* rank is inside a collective (the same one, stuck, or different ones:
-they disagree on the order and will never meet) or cannot be heard from (its record unreadable, or not refreshed:
-every rank's thread re-publishes its record each poll, so a live rank's record is never older than a few polls).
-A rank outside any collective and alive is doing its own work; the others wait for it up to ``work_timeout_s``
-(default `DEFAULT_WORK_TIMEOUT_S`), and only then stop the job with a report naming it. When a rank has waited
-past the timeout and the check says hung, the thread reads every rank's record and prints a report
+wait in the next collective is not a hang. So the hang timeout (``timeout_s``; the defaults are in
+`loom.fault.timeouts`) counts only the time during which *every* rank is inside a collective (the same one,
+stuck, or different ones: they disagree on the order and will never meet) or cannot be heard from (its record
+unreadable, or not refreshed: every rank's thread re-publishes its record each poll, so a live rank's record is
+never older than a few polls). A rank outside any collective and alive is doing its own work; the others wait for
+it up to ``work_timeout_s``, and only then stop the job with a report naming it. When a rank has waited past the
+timeout and the check says hung, the thread reads every rank's record and prints a report
 (`loom.fault.hang_report`) naming the operation and sequence number this rank waits at, the ranks that did not
 arrive there, and every rank's last completed operation; records it in the elastic agent's error file (so
 ``loom run`` names it), and ends the process with exit code 1 (``os._exit``: the main thread is blocked inside
@@ -56,33 +56,14 @@ from typing import Any
 from loom.comm.shm_wait import give_way_to
 from loom.errors import HangError, PeerLostError
 from loom.fault.hang_report import all_inside_s, doing, hang_report, print_stacks, stacks_asked, stop_process
-from loom.fault.liveness import Heartbeat, liveness_timeout_s, seconds_setting
+from loom.fault.liveness import Heartbeat
 from loom.fault.quorum_records import HEARTBEAT_S
 from loom.fault.side_channel import host_description, open_side_channel
-from loom.settings import SETTINGS
+from loom.fault.timeouts import hang_timeout_s, liveness_timeout_s, work_timeout_s
 from loom.topology import Topology
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "DEFAULT_WORK_TIMEOUT_S",
-    "HangError",
-    "Watchdog",
-    "active",
-    "all_inside_s",
-    "collective",
-    "hang_report",
-    "hang_timeout_s",
-    "liveness_timeout_s",
-    "work_timeout_s",
-]
+__all__ = ["Watchdog", "active", "collective"]
 
-DEFAULT_TIMEOUT_S: float = SETTINGS["LOOM_HANG_TIMEOUT_S"].default
-"""How long every rank may sit inside collectives without one completing. No rank is doing its own work then,
-so nothing can still arrive: minutes are a hang on any network (and below the process group's timeout, so loom's
-report comes before gloo's bare error)."""
-DEFAULT_WORK_TIMEOUT_S: float = SETTINGS["LOOM_WORK_TIMEOUT_S"].default
-"""How long ranks wait in a collective for a rank that is alive and doing its own work outside collectives
-(rank-0-only evaluation, checkpoint writing): PyTorch's default process-group timeout for gloo (30 minutes)."""
 WORK_REPORT_SLACK_S = 60.0
 """The shared-memory waits (`loom.comm.shm_wait`) give up this long after the work timeout at the earliest: the
 watchdog's report of a rank stuck in its own code (checked every poll, at most 1 s) always comes first."""
@@ -91,17 +72,6 @@ STORE_BACKOFF_S = 5.0
 liveness timeout: the side cut off from the store must try again within it to tell a blip from a cut)."""
 # Keys per restart attempt: a store shared across attempts (torchrun's) still holds the previous attempt's.
 _PREFIX = "loom/watchdog/attempt{}/"
-
-
-def hang_timeout_s(requested: float | None = None) -> float:
-    """The timeout to use: ``requested``, else ``LOOM_HANG_TIMEOUT_S``, else `DEFAULT_TIMEOUT_S`."""
-    return seconds_setting(requested, "LOOM_HANG_TIMEOUT_S", DEFAULT_TIMEOUT_S, "hang timeout")
-
-
-def work_timeout_s(requested: float | None = None) -> float:
-    """The wait for a rank doing its own work: ``requested``, else ``LOOM_WORK_TIMEOUT_S``, else
-    `DEFAULT_WORK_TIMEOUT_S`."""
-    return seconds_setting(requested, "LOOM_WORK_TIMEOUT_S", DEFAULT_WORK_TIMEOUT_S, "work timeout")
 
 
 class Watchdog:

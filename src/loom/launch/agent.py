@@ -81,8 +81,7 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from loom.fault.liveness import liveness_timeout_s
-    from loom.fault.watchdog import hang_timeout_s
+    from loom.fault.timeouts import hang_timeout_s, liveness_timeout_s
     from loom.launch.elastic import run_agent
     from loom.launch.rendezvous import LOST_AFTER_GRACE_S, LoomRendezvous, PeerLost
     from loom.net.store import StoreTimeout, StoreUnreachable

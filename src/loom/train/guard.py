@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum
-from loom.fault.watchdog import Watchdog, hang_timeout_s, liveness_timeout_s, work_timeout_s
+from loom.fault.timeouts import hang_timeout_s, liveness_timeout_s, work_timeout_s
+from loom.fault.watchdog import Watchdog
 from loom.topology import Topology
 
 __all__ = ["GuardOptions", "StepGuard"]
