@@ -81,14 +81,14 @@ def test_unset_means_the_default_and_a_secret_is_never_echoed():
 def test_the_library_reads_the_same_declaration(monkeypatch):
     from loom.fault.quorum import Quorum
     from loom.fault.timeouts import work_timeout_s
-    from loom.launch.heal import seconds_setting
+    from loom.launch.heal import HealPolicy, HealQuorum
 
     monkeypatch.setenv("LOOM_WORK_TIMEOUT_S", "-1")
     with pytest.raises(SettingError, match="LOOM_WORK_TIMEOUT_S='-1'"):
         work_timeout_s()
     monkeypatch.setenv("LOOM_HEAL_HEARTBEAT_TIMEOUT_S", "nan")
     with pytest.raises(SettingError, match="LOOM_HEAL_HEARTBEAT_TIMEOUT_S='nan'"):
-        seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
+        HealQuorum(2, HealPolicy(), None, print, bool, print)  # the launcher's side
     monkeypatch.setenv("LOOM_HEAL_JOIN_WAIT_S", "abc")
     with pytest.raises(SettingError, match="LOOM_HEAL_JOIN_WAIT_S='abc'"):
         Quorum(None, 0, 0)

@@ -52,7 +52,6 @@ __all__ = [
     "JobStops",
     "exit_kind",
     "main_thread_place",
-    "seconds_setting",
     "stuck_place",
 ]
 
@@ -67,11 +66,6 @@ class HealPolicy:
     def __post_init__(self) -> None:
         if self.max_heals < 0 or self.min_workers < 1:
             raise ValueError(f"--max-heals must be >= 0 and --min-workers >= 1, got {self}")
-
-
-def seconds_setting(name: str) -> float:
-    """A timeout of the launcher's, as `loom.settings` declares and checks it."""
-    return float(setting(name))
 
 
 def exit_kind(status: int) -> str:
@@ -116,8 +110,8 @@ class HealQuorum:
 
     def __post_init__(self) -> None:
         self.generation = {r: 0 for r in range(self.nproc)}
-        self.heartbeat_timeout_s = seconds_setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
-        self.checkin_timeout_s = seconds_setting("LOOM_HEAL_CHECKIN_TIMEOUT_S")
+        self.heartbeat_timeout_s: float = setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
+        self.checkin_timeout_s: float = setting("LOOM_HEAL_CHECKIN_TIMEOUT_S")
         self.stuck_repeats = int(setting("LOOM_HEAL_STUCK_REPEATS"))
 
     @property
