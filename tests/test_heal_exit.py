@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_heal import check_healed_job, run_heal
+from test_heal import check_healed_job, reports, run_heal
 
 from loom.fault.quorum import LEFT_OUT_STATUS
 from loom.launch.heal import HealPolicy, HealQuorum, JobStops, exit_kind
@@ -69,3 +69,17 @@ def test_a_worker_told_to_leave_the_quorum_is_replaced_and_the_job_equals_one_pr
     assert (
         "worker rank 1 failed (exit code 75)" in result.stderr and "starting its replacement" in result.stderr
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_replacement_ready_only_after_the_others_finished_is_stopped_and_the_job_succeeds(tmp_path):
+    """Rank 1 lost at the last step's commit: the others apply that step and finish; its replacement, made to
+    join late, is not needed: the launcher says so and stops it, and the job exits 0 with every step once."""
+    result, out, _run = run_heal(tmp_path, "kill@1:10:commit,slow@1:1:join#1", LOOM_FAULTS_SLOW_S="3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "worker rank 1's replacement was not needed: the others finished" in result.stderr, result.stderr
+    found = reports(out)
+    for r in (0, 2):
+        assert [s[0] for s in found[(r, 0)]["steps"]] == list(range(1, 11)), found[(r, 0)]["steps"]
+    assert (1, 1) not in found  # the replacement never trained
