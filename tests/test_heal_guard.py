@@ -82,6 +82,32 @@ def test_under_heal_the_watchdog_thread_sends_the_quorums_heartbeat_and_judges_n
 
 
 @pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_under_heal_a_failed_beat_is_tried_again_at_the_next_poll():
+    """A store call that fails once does not silence the heartbeat for the watchdog's backoff (seconds): the
+    launcher's liveness timeout under heal may be a few beats (``LOOM_HEAL_HEARTBEAT_TIMEOUT_S=2``)."""
+
+    class FailingOnce(MemoryStore):
+        failed = False
+
+        def add(self, key: str, value: int) -> int:
+            if key.startswith("hb/") and not self.failed:
+                self.failed = True
+                raise ConnectionResetError("the store's connection was reset")
+            return super().add(key, value)
+
+    store = FailingOnce()
+    quorum = Quorum(store, rank=1, generation=0)
+    watchdog = Watchdog(1, 3, None, store, liveness_timeout=20.0)  # no thread: the test polls
+    watchdog.quorum = quorum
+    watchdog._beat_for_quorum()
+    assert store.failed and not store.check(["hb/1/0"])
+    watchdog._beat_for_quorum()  # the next poll
+    assert int(store.get("hb/1/0")) == 1
+    quorum.close()
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "raw",
     [b"{", b"[1]", b'{"liveness_s": -1}', b'{"liveness_s": NaN}', b'{"liveness_s": true}', b'{"x": 3}',

@@ -8,6 +8,7 @@ import time
 import pytest
 from test_heal_units import MemoryStore
 
+from loom.errors import LauncherStopped
 from loom.launch.heal import HealPolicy, JobStops
 from loom.launch.heal_nodes import Authority, _Link
 from loom.launch.spec import LaunchSpec
@@ -162,3 +163,20 @@ def test_node_1s_agent_answers_a_dump_order_with_the_place_of_its_worker(monkeyp
     agent._obey("dump 2 7")  # another generation's process: not this one, nothing asked
     assert asked == [4242]
     assert agents.get("1/place/2/0") == b"File a.py, line 3 in f" and agents.get("1/place/2/7") == b""
+
+
+@pytest.mark.unit
+def test_a_stop_signal_during_a_store_call_stops_the_launcher_and_a_failing_store_does_not():
+    """`_Link` turns a store that does not answer into None (retried next tick), never the launcher's stop
+    signal (SIGTERM/SIGINT raise `LauncherStopped` wherever the loop is, a store call included)."""
+
+    class Store:
+        def __init__(self, error: BaseException) -> None:
+            self.error = error
+
+        def check(self, keys: list[str]) -> bool:
+            raise self.error
+
+    assert _Link(Store(ConnectionResetError("reset")), 1.0)("check", ["end"]) is None
+    with pytest.raises(LauncherStopped):
+        _Link(Store(LauncherStopped(15)), 1.0)("check", ["end"])

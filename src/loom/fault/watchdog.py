@@ -6,7 +6,8 @@ them, in issue order, which is the same on every rank of a correct program) and 
 ``(op, seq)`` and the one it is in now. A background thread publishes that record to a side channel that does
 not depend on the stuck collective -- a client of the job's store (``MASTER_ADDR:MASTER_PORT``: loom's
 authenticated store under `loom run`, a ``TCPStore`` under ``torchrun``), under ``loom/watchdog/rank<r>`` -- and
-checks the clock. Every store call is bounded (`STORE_CALL_S`) and a store that fails is left alone for
+checks the clock. Every store call is bounded (`STORE_CALL_S`; under heal, `Watchdog.quorum`, the job store's own
+timeout) and a store that fails is left alone for
 `STORE_BACKOFF_S`, so a partitioned node (the store's host unreachable) still detects its hang on time.
 
 Uneven work between collectives is ordinary: rank 0 evaluating or writing a checkpoint alone while the others
@@ -264,13 +265,11 @@ class Watchdog:
                 self._lost(lost)
 
     def _beat_for_quorum(self) -> None:
-        """Under heal: the quorum's heartbeat, judged by the launcher. A store that fails is left alone a while,
-        as above; a launcher gone for good takes its workers with it (``PDEATHSIG``)."""
-        if self._store_usable():
-            try:
-                self.quorum.beat(self.store)
-            except Exception:  # noqa: BLE001 - the store is slow or gone: try again after the backoff
-                self._store_failed_at = time.monotonic()
+        """Under heal: the quorum's heartbeat, judged by the launcher. A failed beat is tried again at the next
+        poll, not after the backoff (the launcher's liveness timeout may be a few beats); each call is bounded by
+        the job store's own timeout, and a launcher gone for good takes its workers with it (``PDEATHSIG``)."""
+        with contextlib.suppress(Exception):  # the store is slow or gone: the next poll tries again
+            self.quorum.beat(self.store)
 
     def _lost(self, lost: str) -> None:
         """A host is lost: stop the process (the launcher stops the rest), unless the job's policy is to go on

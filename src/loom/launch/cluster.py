@@ -346,7 +346,7 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
             time.sleep(_STORE_POLL_S)
             dead = [(i, p.returncode) for (i, _), p in zip(mine, procs, strict=True) if p.poll() is not None]
             if dead:
-                print(f"loom run: parameter server {dead[0][0]} died ({exit_cause(dead[0][1])}) while the job ran; "
+                print(f"loom run: parameter server {dead[0][0]} ended ({exit_cause(dead[0][1])}) while the job ran; "
                       "see its lines above", file=sys.stderr)  # fmt: skip
                 return 1
             try:

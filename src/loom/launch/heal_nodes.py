@@ -78,6 +78,8 @@ class _Link:
     def __call__(self, method: str, *args: Any) -> Any:
         try:
             result = getattr(self.store, method)(*args)
+        except LauncherStopped:
+            raise  # SIGTERM/SIGINT arrived during the call: the launcher stops, it is no store failure
         except Exception:  # StoreUnreachable, StoreTimeout, a reset connection: a store not answering
             if self.failing_since is None:
                 self.failing_since = time.monotonic()

@@ -53,10 +53,15 @@ __all__ = [
     "Placement",
     "Worker",
     "describe_exit",
+    "end_workers",
+    "exit_cause",
+    "exit_text",
+    "pump",
     "start_worker",
     "stop_processes",
-    "worker_env",
+    "stopped_by_signals",
     "supervise_workers",
+    "worker_env",
 ]
 
 if TYPE_CHECKING:

@@ -1,7 +1,8 @@
 """A parameter-server process: ``python -m loom.ps.server --index i --num-servers K --bind ADDR:PORT``.
 
-One ZeroMQ ROUTER socket, one thread, one event loop. Every incoming message is checked by `loom.ps.wire` (its
-MAC with the job secret from ``LOOM_JOB_SECRET``) before anything in it is decoded; what fails is dropped,
+One ZeroMQ ROUTER socket, one thread, one event loop. Every incoming message is checked by `loom.ps.wire` (size,
+header, MAC with the job secret from ``LOOM_JOB_SECRET``, epoch, sequence number: no replay) before anything in
+it is decoded; what fails is dropped,
 counted by reason, and never answered. What is admitted goes to the handler of its message type
 (`loom.ps.handlers`). How the process is told to run: `loom.ps.server_config`.
 

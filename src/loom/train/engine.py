@@ -295,10 +295,10 @@ class Engine(Job):
 
     def _straggler_watch(self) -> StragglerWatch | None:
         """The `loom.observe.straggler_watch.StragglerWatch` of this job, made at its first step with phase times;
-        None in one process, or without a store for the watchdog (under heal: its members change)."""
+        None in one process, without a store for the watchdog, or under heal (its members change)."""
         if not hasattr(self, "_watch"):
             watchdog, watch = self.guard.watchdog, None
-            if self.topology.is_distributed and watchdog.store is not None:
+            if self.topology.is_distributed and watchdog.store is not None and watchdog.quorum is None:
                 watch = StragglerWatch.attach(watchdog, self._straggler_peers(), self.metrics)
             self._watch = watch
         return self._watch
