@@ -157,14 +157,13 @@ class Watchdog:
         else:
             store = open_side_channel() if topology.is_distributed else None
         wd = cls(topology.rank, topology.world_size, timeout_s, store, work_timeout, liveness_timeout)
+        # A first beat now (the thread retries): a fault may come before the first poll, and a process never
+        # heard from is never judged.
         if quorum is not None:
             wd.quorum, wd.poll_s = quorum, HEARTBEAT_S
-        # A first beat now (bounded; the thread retries): a fault may come before the first poll, and a process
-        # never heard from is never judged.
-        with contextlib.suppress(Exception):
-            if quorum is not None:
-                quorum.beat(store)
-            elif store is not None:
+            wd._beat_for_quorum()
+        elif store is not None:
+            with contextlib.suppress(Exception):  # bounded
                 wd.heartbeat.announce(store, host_description())
                 wd._publish()
         if store is not None:
