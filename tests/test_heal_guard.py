@@ -62,9 +62,11 @@ def test_under_heal_the_watchdog_thread_sends_the_quorums_heartbeat_and_judges_n
     quorum.count_with(watchdog)
     try:
         with watchdog.collective("gradient all-reduce"):
-            time.sleep(
-                5 * HEARTBEAT_S
-            )  # far past the hang and work timeouts: judged, it would end this process
+            # far past the hang and work timeouts (0.1 s): judged, it would end this process; waited for beats,
+            # not for a time (a loaded host may delay the thread)
+            deadline = time.monotonic() + 20
+            while int(store.get("hb/1/2")) < 3 and time.monotonic() < deadline:
+                time.sleep(HEARTBEAT_S)
             beats = int(store.get("hb/1/2"))
             assert beats >= 3, beats
             assert read_place(store.get("at/1"), 0, 2)["current"] == ["gradient all-reduce", 1]
