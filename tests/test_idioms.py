@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import torch_reference
 from torch.utils.data import DataLoader, TensorDataset
 
 import loom
@@ -372,7 +373,17 @@ def test_the_nanogpt_port_equals_one_process_on_the_same_draws_and_nanogpts_own_
     assert worst < 1e-5
     # nanoGPT's own DDP (torchrun, DDP(model)) at 2 processes: the same draws (same seeds), the same result
     ddp = tmp_path / "ddp.safetensors"
-    _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", str(scripts / "nanogpt_ddp.py"), str(ddp)])
+    torchrun = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(scripts / "nanogpt_ddp.py"),
+        str(ddp),
+    ]
+    torch_reference(
+        lambda: _run(torchrun)
+    )  # again on torch's own teardown abort only (conftest.torch_reference)
     assert json.loads(Path(f"{ddp}.rank1.json").read_text()) == draws[1]
     own_ddp = load_file(ddp)
     worst_ddp = max((ported[k] - own_ddp[k]).abs().max().item() for k in reference)

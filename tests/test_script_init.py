@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_diagnosed
+from conftest import run_diagnosed, torch_reference
 
 from loom.launch import script_init
 from loom.net.store import LoomStore, StoreServer
@@ -113,16 +113,8 @@ def _launch(launcher: list[str], script: str, args: list[str], cwd: Path, timeou
 
 
 def _baseline(n: int, script: str, args: list[str], cwd: Path) -> str:
-    """The reference run under torchrun. torch's own teardown sometimes aborts a rank after the script ended
-    ("terminate called without an active exception", seen once in CI under load, in the torchrun run): that run
-    is torch's, not loom's, so it is started again, up to three tries; any other failure fails the test."""
-    for attempt in range(3):
-        try:
-            return _launch(_torchrun(n), script, args, cwd)
-        except AssertionError as error:
-            if "terminate called without an active exception" not in str(error) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    """The reference run under torchrun, started again on torch's own teardown abort (`conftest.torch_reference`)."""
+    return torch_reference(lambda: _launch(_torchrun(n), script, args, cwd))
 
 
 def _loom(n: int, *options: str) -> list[str]:
