@@ -381,9 +381,8 @@ def test_the_nanogpt_port_equals_one_process_on_the_same_draws_and_nanogpts_own_
         str(scripts / "nanogpt_ddp.py"),
         str(ddp),
     ]
-    torch_reference(
-        lambda: _run(torchrun)
-    )  # again on torch's own teardown abort only (conftest.torch_reference)
+    # started again on torch's own teardown abort only (conftest.torch_reference)
+    torch_reference(lambda: _run(torchrun))
     assert json.loads(Path(f"{ddp}.rank1.json").read_text()) == draws[1]
     own_ddp = load_file(ddp)
     worst_ddp = max((ported[k] - own_ddp[k]).abs().max().item() for k in reference)
