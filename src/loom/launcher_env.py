@@ -63,7 +63,7 @@ def read_launcher_env() -> tuple[int, int, int, int]:
 
 def join_timeout_s() -> float:
     """``LOOM_JOIN_TIMEOUT_S`` (seconds > 0), default 120."""
-    return float(setting("LOOM_JOIN_TIMEOUT_S"))
+    return setting("LOOM_JOIN_TIMEOUT_S")
 
 
 def join_env_store(rank: int, world_size: int, timeout_s: float):

@@ -1,27 +1,23 @@
 """Healing across hosts: ``loom run --nnodes K --node-rank R --master ADDR:PORT ... --on-worker-failure heal``
-(and ``--cluster``, whose worker hosts run the same node agents).
+(and ``--cluster``, whose worker hosts run the same node agents); one host runs the same code as node 0 alone
+(`heal_on_one_host`), its orders and events in the launcher's own store.
 
-The one-host design of `loom.launch.heal`, with the launcher's two roles split between the nodes (one host runs
-the same code as node 0 alone, `heal_on_one_host`, its orders and events in the launcher's own store):
-
-- **Node 0's agent hosts the job's store** (`loom.net.store`, on the master address: the workers' prefix as on
-  one host, the agents' own under ``loom/RUN/nodes/``) **and the quorum's authority** (`HealQuorum` over every
-  rank, one ``--max-heals`` budget). The authority never touches a process: it writes *orders* (``start RANK
-  GEN``, ``kill RANK GEN``, ``dump RANK GEN``) to the node that holds the rank, and reads that node's *events*
-  (``RANK GEN STATUS WHAT``: a process ended). So node 0 is an agent like the others, and one code path serves a
-  local and a remote rank.
-- **Every node's agent supervises its own children** as the one-host launcher does (`loom.launch.supervise`):
-  it reports each ended process and carries out the orders for its ranks, so a replacement starts on the node
-  of the rank it replaces. Every store call of an agent is bounded; a failed call is retried at the next tick.
-- **Heartbeats.** Every worker's go to the store as on one host; every agent's own go to ``nodes/K/hb``. A node
-  whose agent is silent for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is **lost**: its ranks are dropped for good
-  (`HealQuorum.drop`; no heal is spent on a node that cannot be reached), down to ``--min-workers``. A survivor
-  in a collective with a partitioned peer learns of it only at its group's timeout
-  (``LOOM_HEAL_GROUP_TIMEOUT_S``: no connection resets across a cut link), so the authority waits that much
-  more for its check-in.
-- **A node that loses the store** (no answer for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``) stops its workers and exits
-  1 naming node 0: across a partition it cannot know whether the job goes on, and its workers must not train
-  alone. **Node 0's loss stops the job**: the authority and the store live there (not replicated).
+- **Node 0 hosts the job's store** (`loom.net.store` on the master address; the agents' keys under
+  ``loom/RUN/nodes/``) **and the quorum's authority** (`HealQuorum` over every rank, one ``--max-heals``
+  budget). The authority never touches a process: it writes *orders* (``start|kill|dump RANK GEN``) to the node
+  that holds the rank and reads that node's *events* (``RANK GEN STATUS WHAT``: a process ended), so a local and
+  a remote rank take one code path.
+- **Every node's agent supervises its own children** (`loom.launch.supervise`): it reports each ended process
+  and carries out the orders for its ranks, so a replacement starts on the node of the rank it replaces. Every
+  store call is bounded; a failed one is retried at the next tick.
+- **Heartbeats.** Workers beat as on one host; each agent to ``nodes/K/hb``. A node silent for
+  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is **lost**: its ranks are dropped for good (no heal is spent on a node that
+  cannot be reached), down to ``--min-workers``. A survivor in a collective with a partitioned peer learns of it
+  only at its group's timeout (``LOOM_HEAL_GROUP_TIMEOUT_S``: a cut link resets no connection), so the authority
+  waits that much more for its check-in.
+- **A node that loses the store** for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` stops its workers and exits 1 naming
+  node 0: across a partition its workers must not train alone. **Node 0's loss stops the job** (the authority
+  and the store are not replicated).
 - The job ends when every rank's last process has ended: node 0 writes ``end`` (or ``stop`` with the reason),
   the agents stop what is left and say ``bye``, and node 0 closes the store once every node it has not lost
   said it (bounded).
@@ -63,8 +59,7 @@ TICK_S = 0.01
 AGENT_BEAT_S = 0.25
 BYE_WAIT_S = 10.0
 DUMP_WAIT_S = 5.0
-"""How long node 0's authority waits for another node to say where a worker that did not check in is stuck (the
-node asks the worker for its stacks and waits up to 3 s for them, `loom.launch.heal.stuck_place`)."""
+"""How long node 0 waits for another node to say where its worker is stuck (`loom.launch.heal.stuck_place`)."""
 
 
 class _Link:
@@ -189,7 +184,7 @@ class Authority:
         self.quorum = HealQuorum(
             len(self.node_of), policy, job_store, self._restart, self._alive, self._kill, self._dump
         )
-        self.grace_s = float(setting("LOOM_HEAL_GROUP_TIMEOUT_S"))
+        self.grace_s = setting("LOOM_HEAL_GROUP_TIMEOUT_S")
 
     def _alive(self, rank: int) -> bool:
         return rank not in self.quorum.gone and self.running[rank] == self.quorum.generation[rank]
@@ -289,7 +284,7 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     logs.mkdir(parents=True, exist_ok=True)
     server = StoreServer(host, port, secret) if node == 0 else None
     prefix = f"loom/{run_id}/nodes/"
-    lost_after_s = float(setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S"))
+    lost_after_s = setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
     joining = LoomStore(
         host, port, secret, prefix=prefix, server=server, connect_timeout_s=spec.join_timeout_s
     )
@@ -321,10 +316,8 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     try:
         with stopped_by_signals():
             zygote.start()
-            # This node's agent beats while its zygote imports torch (10 s and more on a loaded host): a fork
-            # waits for that, and node 0 would meanwhile drop this node as lost after
-            # LOOM_HEAL_HEARTBEAT_TIMEOUT_S.
-            ready_by = time.monotonic() + float(setting("LOOM_ZYGOTE_READY_S"))
+            # beat while the zygote imports torch (10 s and more on a loaded host), or node 0 drops this node
+            ready_by = time.monotonic() + setting("LOOM_ZYGOTE_READY_S")
             while not zygote.settled and time.monotonic() < ready_by:
                 link("add", f"{node}/hb", 1)
                 time.sleep(AGENT_BEAT_S)
@@ -351,8 +344,7 @@ def heal_on_one_host(
     from loom.net.store import LoomStore
 
     link = _Link(
-        LoomStore(prefix=f"loom/{run_id}/nodes/", server=store),
-        float(setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")),
+        LoomStore(prefix=f"loom/{run_id}/nodes/", server=store), setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
     )
     agent = NodeAgent(0, 0, nproc, link, start)
     job = LoomStore(prefix=f"loom/{run_id}/job/", server=store)
