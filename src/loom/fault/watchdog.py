@@ -1,29 +1,23 @@
 """Hang diagnosis: every collective loom issues carries a sequence number, and a stuck one stops the job.
 
-The idea is the one behind NCCL's flight recorder and torchft's timeouts: a collective only completes when
-every rank has entered it, so each rank counts the collectives it issues (one sequence number for all of
-them, in issue order, which is the same on every rank of a correct program) and remembers its last completed
-``(op, seq)`` and the one it is in now. A background thread publishes that record to a side channel that does
-not depend on the stuck collective -- a client of the job's store (``MASTER_ADDR:MASTER_PORT``: loom's
-authenticated store under `loom run`, a ``TCPStore`` under ``torchrun``), under ``loom/watchdog/rank<r>`` -- and
-checks the clock. Every store call is bounded (`STORE_CALL_S`; under heal, `Watchdog.quorum`, the job store's own
-timeout) and a store that fails is left alone for
-`STORE_BACKOFF_S`, so a partitioned node (the store's host unreachable) still detects its hang on time.
+The idea behind NCCL's flight recorder and torchft's timeouts: a collective completes only when every rank has
+entered it, so each rank counts the collectives it issues (one sequence in issue order, the same on every rank of
+a correct program) and remembers its last completed ``(op, seq)`` and the one it is in. A background thread
+publishes that record to a side channel the stuck collective does not depend on -- a client of the job's store
+(loom's authenticated store under `loom run`, a ``TCPStore`` under ``torchrun``), key ``loom/watchdog/rank<r>``
+-- and checks the clock. Every store call is bounded (`STORE_CALL_S`; under heal the job store's own timeout) and
+a failed store is left alone for `STORE_BACKOFF_S`, so a partitioned node still detects its hang on time.
 
-Uneven work between collectives is ordinary: rank 0 evaluating or writing a checkpoint alone while the others
-wait in the next collective is not a hang. So the hang timeout (``timeout_s``; the defaults are in
-`loom.fault.timeouts`) counts only the time during which *every* rank is inside a collective (the same one,
-stuck, or different ones: they disagree on the order and will never meet) or cannot be heard from (its record
-unreadable, or not refreshed: every rank's thread re-publishes its record each poll, so a live rank's record is
-never older than a few polls). A rank outside any collective and alive is doing its own work; the others wait for
-it up to ``work_timeout_s``, and only then stop the job with a report naming it. When a rank has waited past the
-timeout and the check says hung, the thread reads every rank's record and prints a report
-(`loom.fault.hang_report`) naming the operation and sequence number this rank waits at, the ranks that did not
-arrive there, and every rank's last completed operation; records it in the elastic agent's error file (so
-``loom run`` names it), and ends the process with exit code 1 (``os._exit``: the main thread is blocked inside
-C++). The launcher then stops the other workers, so the job never hangs silently. The same thread sends and
-hears heartbeats on the same channel (`loom.fault.liveness`): a host that stops answering is lost after the
-liveness timeout, however long a collective may legitimately take, and stops the process the same way.
+Uneven work between collectives is ordinary (rank 0 evaluating or checkpointing alone while the others wait), so
+the hang timeout (``timeout_s``; defaults in `loom.fault.timeouts`) counts only the time during which *every*
+rank is inside a collective (the same one, or different ones: they will never meet) or cannot be heard from (its
+record unreadable or stale: each rank re-publishes every poll). A rank alive outside any collective is doing its
+own work; the others wait for it up to ``work_timeout_s``, then stop the job with a report naming it. On a hang
+the thread prints a report (`loom.fault.hang_report`: the operation and sequence number this rank waits at, the
+ranks that did not arrive, every rank's last completed operation), records it in the error file (so ``loom run``
+names it) and ends the process with exit code 1 (``os._exit``: the main thread is blocked in C++); the launcher
+stops the others. The same thread sends and hears heartbeats (`loom.fault.liveness`): a host that stops answering
+is lost after the liveness timeout, however long a collective may legitimately take.
 
 ```python
 wd = Watchdog.start(topology, timeout_s=120)
@@ -31,15 +25,12 @@ with wd.collective("loss all-reduce"):
     dist.all_reduce(loss, group=topology.group)
 ```
 
-Limits: only collectives wrapped in `collective` are counted (DataParallel wraps its gradient, loss,
-sample-count and evaluation reductions, `loom.parallel.data.own_loop` the gradient all-reduce of a backward, and
-`loom.fault.desync` its check; DDP's own start-up broadcast and buffer broadcasts are not); a rank blocked in a
-collective that is not counted looks like a rank doing its own work, so it is waited for up to the work timeout.
+Limits: only collectives wrapped in `collective` are counted (DDP's own start-up and buffer broadcasts are not);
+a rank blocked in an uncounted collective looks like one doing its own work, waited for up to the work timeout.
 The process group's own timeout (``loom.init(timeout_s=...)``) must be at least the work timeout, or gloo gives
-up first with its bare error. The published records lag by the poll interval (`Watchdog._configure`), so a
-rank killed with SIGKILL shows its state from up to that long before it died. The store is hosted by rank 0; if
-rank 0 itself died the report says that the other ranks' records could not be read. Detection takes between the
-timeout and the timeout plus one poll interval.
+up first with its bare error. Records lag by the poll interval (`Watchdog._configure`), so a rank killed with
+SIGKILL shows its state from up to that long before. If rank 0 (the store's host) died, the report says the
+others' records could not be read. Detection takes between the timeout and the timeout plus one poll.
 """
 
 from __future__ import annotations
