@@ -70,9 +70,7 @@ Every step also pays loom's step engine (the guard, step records, the batch hand
 contains: ``E``, a quiet run's measured step minus its formula (`loom.plan.trial`'s calibration: ``LocalSGD`` that
 never synchronizes, so no ``k`` is in that formula), added to every configuration but the pipelines; ``k`` is the
 reference's (``DataParallel(allreduce="native")``) step less the quiet one's (`loom.plan.planner`). A pipeline
-schedule's ``E`` is its own, measured on a pipeline the calibration also runs (its step less its replay): the
-data-parallel family's processes each run the whole model's step in lockstep and contend for memory bandwidth,
-which a pipeline stage, with a share of the state, does less.
+schedule's ``E`` is its own: a pipeline's measured step less its replay (`loom.plan.planner._pipeline_probe`: why).
 
 TensorParallel (one MLP chain, ``tp = N``): ``sum over layers of C_l / (t if split else 1) + sum over pairs of
 (T_tp(out_b) + T_tp(in_a)) + O f + e`` (`_tensor_parallel`), ``T_tp`` the all-reduce its layers run
@@ -308,6 +306,10 @@ def _pipeline(m: _Model) -> Prediction:
                       step - sum(replay.busy) / c.pp, replay.bubble)  # fmt: skip
 
 
+_FORMULAS = {"ShardedDataParallel": _sharded, "ParameterServer": _parameter_server, "LocalSGD": _replicas,
+             "DiLoCo": _replicas, "TensorParallel": _tensor_parallel}  # fmt: skip
+
+
 def predict(
     config: Configuration,
     profile: ModelProfile,
@@ -326,16 +328,8 @@ def predict(
         m = _Model(config, profile, transport, global_batch, overhead_s, fsdp_extra)
         if config.family == "DataParallel":
             got = _data_parallel(m, codecs or {}, spare_core)
-        elif config.family == "ShardedDataParallel":
-            got = _sharded(m)
-        elif config.family == "ParameterServer":
-            got = _parameter_server(m)
-        elif config.family in ("LocalSGD", "DiLoCo"):
-            got = _replicas(m)
-        elif config.family == "TensorParallel":
-            got = _tensor_parallel(m)
         else:
-            got = _pipeline(m)
+            got = _FORMULAS.get(config.family, _pipeline)(m)
     except OutsideCalibration as why:
         return Prediction(config, refused=f"outside the calibrated range: {why}")
     return _with_process(got, profile, runtime_bytes)

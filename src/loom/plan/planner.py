@@ -100,8 +100,7 @@ def _fsdp_extra(measured: dict, profile: ModelProfile, local: Transport, batch: 
 def _overhead(measured_s: float, formula: Prediction) -> float:
     """The engine overhead (`loom.plan.cost`): a calibration run's measured step less its formula's (the quiet
     run's, no exchange; the pipeline's). Negative where the profile timed the compute slower than the job ran it
-    (its noise): a correction every configuration of that engine shares, as the
-    engine's time is; at most half the formula's step below it."""
+    (its noise): a correction every configuration of that engine shares; at most half the formula's step."""
     return max(-formula.step_time_s / 2, float(measured_s) - formula.step_time_s)
 
 
@@ -112,10 +111,10 @@ PIPELINES = ("Pipeline", "Hybrid")
 def _pipeline_probe(nproc: int, chain: bool, chain_length: int, batch: int) -> Configuration | None:
     """The pipeline the calibration times (`loom.plan.trial`'s ``--pipeline``), or None for a model Pipeline
     cannot cut: the most stages (``nproc`` where the chain is that long; else a `Hybrid`), the fewest
-    micro-batches, GPipe. Its measured step less its replay is the
-    overhead of every pipeline configuration: measured (on the medium MLP of `loom_bench.plan_accuracy`) the
-    schedule runs each stage's half of the step with less contention than the data-parallel family, whose
-    processes each run the whole model's forward, backward and optimizer step in lockstep."""
+    micro-batches, GPipe. Its measured step less its replay is the overhead of every pipeline configuration:
+    measured (on the medium MLP of `loom_bench.plan_accuracy`) the schedule runs each stage's share of the step
+    with less contention than the data-parallel family, whose processes each run the whole model's step in
+    lockstep and contend for memory bandwidth."""
     if not chain:
         return None
     found = [c for c in candidates(nproc, ("native",), chain_length, batch) if c.family in PIPELINES]
@@ -129,8 +128,8 @@ def _with_overlap(local: Transport, measured: dict, profile: ModelProfile, refer
     exposes ``reference - quiet`` of the all-reduce's ``X``, and ``exposed(X) = X - k * min(X, Bw)``
     (`loom.plan.cost`), so ``k = (X - (reference - quiet)) / min(X, Bw)``, within [-1, 1], and what the
     reference exposed beyond ``k = -1`` its ``ddp_extra_s``: so the reference's own prediction is its measured
-    step. Both steps are the engine's, on the same model and
-    data, so what they share (the engine, the cores' contention) cancels."""
+    step. Both steps are the engine's, on the same model and data: what they share (the engine, the cores'
+    contention) cancels."""
     backward = profile.at(math.ceil(batch / reference.dp)).backward_s
     x = local.time("allreduce:native", profile.grad_bytes)
     exposed = float(measured["reference_step_s"]) - float(measured["quiet_step_s"])

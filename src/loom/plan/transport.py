@@ -66,7 +66,6 @@ class Transport:
     the other."""
     hosts: int = 1
     link_bytes_per_s: float | None = None
-    measured: dict[str, str] = field(default_factory=dict)
     fsdp_unit_s: dict[str, float] = field(default_factory=dict)
     """loom's FSDP fixed cost per unit beyond its collectives, by ZeRO stage (``stage2``, ``stage3``), measured
     by `loom.plan.trial`'s calibration."""
