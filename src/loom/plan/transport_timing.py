@@ -33,7 +33,7 @@ import torch.distributed as dist
 from loom.plan.profile import budgeted
 from loom.plan.transport import Transport, envelope
 
-__all__ = ["REPS", "agreed_reps", "measure_transport"]
+__all__ = ["REPS", "agreed_reps", "measure_transport", "rank_max"]
 
 
 REPS_BUDGET_S = 0.1
@@ -48,12 +48,18 @@ the figure (latency-bound sizes are the noisy ones on a busy host); a long one s
 large model costs no more."""
 
 
+def rank_max(values: list, group: Any) -> list:
+    """Each of ``values`` (numbers, or equal rows of them) at its largest over the group's ranks, as float64 (a
+    collective: every rank calls it)."""
+    largest = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    return largest.tolist()
+
+
 def agreed_reps(first_s: float, most: int, group: Any, budget_s: float, least: int = 1) -> int:
     """`loom.plan.profile.budgeted` on the slowest rank's ``first_s``: the same count on every rank (the loops
     it sizes run collectives)."""
-    slowest = torch.tensor([first_s], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return budgeted(slowest.item(), most, budget_s, least)
+    return budgeted(rank_max([first_s], group)[0], most, budget_s, least)
 
 
 def _call(fn: Callable[[], object], group: Any) -> float:
@@ -227,11 +233,9 @@ def measure_transport(sizes: list[int], reps: int = REPS, limits: dict[str, int]
         if rig is not None:
             rig.close()
     # each call lasts as long as its slowest rank
-    table = torch.zeros(len(timings), max((t.reps for t in timings), default=1), dtype=torch.float64)
+    width = max((t.reps for t in timings), default=1)
+    table = rank_max([t.seconds + [0.0] * (width - t.reps) for t in timings], group)
     for row, t in zip(table, timings, strict=True):
-        row[: t.reps] = torch.tensor(t.seconds, dtype=torch.float64)
-    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
-    for row, t in zip(table.tolist(), timings, strict=True):
         seconds[t.name][t.index] = statistics.median(row[: t.reps])
     return Transport(world, tuple(sizes), {k: envelope(v) for k, v in seconds.items()})
 

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.plan.transport_timing import REPS
+from loom.plan.transport_timing import REPS, rank_max
 
 __all__ = ["main"]
 
@@ -82,8 +82,7 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     from loom.topology import current
 
     params = sum(p.nbytes for p in captured.model.parameters())
-    runtime = torch.tensor([float((rss_bytes() or 0) - params)], dtype=torch.float64)
-    dist.all_reduce(runtime, op=dist.ReduceOp.MAX, group=current().group)
+    (runtime,) = rank_max([float((rss_bytes() or 0) - params)], current().group)
     # Every prediction carries this step's residuals (the engine overhead; the process's memory beyond the
     # formulas'): timed longer than a verify run, and run first, so that its peak RSS is not the transport's
     clock, parts = time.perf_counter(), {}
@@ -128,7 +127,7 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     data.update(_fixed_costs(captured, max(ns.steps, 10), bool(os.environ.get("LOOM_PS_ADDRS"))))
     done("fixed_costs")
     data["calibration_seconds"] = parts
-    data["runtime_bytes"] = max(0, int(runtime.item()))
+    data["runtime_bytes"] = max(0, int(runtime))
     data["launcher_private_bytes"] = _launcher_private_bytes()
     data["worker_shared_bytes"] = _private_bytes(os.getpid(), shared=True)
     return data
@@ -262,10 +261,6 @@ def _strategy(family: str, options: dict[str, Any]) -> Any:
     return getattr(loom, family)(**options)
 
 
-def _verify(ns: argparse.Namespace, captured: Any) -> dict:
-    return _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, ns.warmup, tensors=True)
-
-
 def _block(family: str, options: dict[str, Any]) -> int:
     """Steps per timed block: a whole sync round for LocalSGD/DiLoCo (their exchange happens once per
     ``sync_every`` steps, and the cost model amortizes it over the round: timing single steps would miss or
@@ -325,19 +320,15 @@ def _verify_steps(
         count = agreed_reps(block_s, count, group, BUDGET_S, least=3)
     while len(times) < count:
         timed_block()
-    steps = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
+    steps = rank_max(times, group)
     keys = ["parameters", "gradients", "optimizer", "state", "total"]
     memory = job.memory() if tensors else dict.fromkeys(keys, 0)
     peak = peak_rss_bytes() or 0
-    largest = torch.tensor(
-        [float(memory[k]) for k in keys] + [float(peak), float(before)], dtype=torch.float64
-    )
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-    values = dict(zip([*keys, "peak_rss", "rss_before"], (int(v) for v in largest.tolist()), strict=True))
+    largest = rank_max([float(memory[k]) for k in keys] + [float(peak), float(before)], group)
+    values = dict(zip([*keys, "peak_rss", "rss_before"], map(int, largest), strict=True))
     return {
-        "step_time_s": statistics.median(steps.tolist()),
-        "step_times_s": steps.tolist(),
+        "step_time_s": statistics.median(steps),
+        "step_times_s": steps,
         "steps_per_block": block,
         "memory": values,
     }
@@ -374,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     topology = loom.init()
     captured = capture_script(ns.script, tuple(ns.args))
-    result = _calibrate(ns, captured) if ns.mode == "calibrate" else _verify(ns, captured)
+    if ns.mode == "calibrate":
+        result = _calibrate(ns, captured)
+    else:
+        result = _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, ns.warmup, tensors=True)
     if topology.rank == 0:
         tmp = ns.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))
