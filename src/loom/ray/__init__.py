@@ -183,9 +183,7 @@ def run_from_cli(ns: argparse.Namespace, run_dir: Path) -> int:
               "HINT: drop them, or use --address to choose the cluster", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        if (
-            ns.address is None
-        ):  # a local instance: every worker and server on this host, bounded like loom run's
+        if ns.address is None:  # a local instance: all on this host, bounded as loom run's
             from loom.launch.bounds import check_nproc
 
             check_nproc(ns.nproc, getattr(ns, "max_nproc", None))

@@ -244,13 +244,8 @@ class _Job:
                 write_chunk(self.run_dir, proc.bases, rel, offset, data)
             if report["exit"] not in (None, 0):
                 kind = 1 if report["exit"] < 0 else 2  # killed by a signal, else raised or exited non-zero
-                failures.append(
-                    (
-                        kind,
-                        report["ended_at"] or time.time(),
-                        exit_text(proc.title, report["exit"], report["error"]),
-                    )
-                )
+                text = exit_text(proc.title, report["exit"], report["error"])
+                failures.append((kind, report["ended_at"] or time.time(), text))
             if report["done"]:
                 proc.done, proc.result = True, report.get("result")
         servers = [f for f in failures if f[2].startswith("parameter server")]
@@ -312,8 +307,7 @@ class _Job:
         by_node: dict[str, list[str]] = {}
         for node, path in self.staged:
             by_node.setdefault(node, []).append(path)
-        if by_node.pop(self.node_id, None) is not None:
-            remove_directories([path for node, path in self.staged if node == self.node_id])
+        remove_directories(by_node.pop(self.node_id, []))
         task = self.ray.remote(num_cpus=0, max_retries=0)(remove_directories)
         refs = [
             task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(paths)

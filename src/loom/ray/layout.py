@@ -19,19 +19,16 @@ def rank_layout(wheres: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (CUDA_VISIBLE_DEVICES), but ``loom.init()`` picks ``cuda:LOCAL_RANK``: so every rank of a node sees all the
     node's workers' GPUs, in id order, and the local ranks follow that order too -- with one GPU per worker,
     rank ``cuda:LOCAL_RANK`` is the GPU Ray reserved for it (Ray Train shares them the same way)."""
-    nodes: list[str] = []
-    for where in wheres:
-        if where["node_id"] not in nodes:
-            nodes.append(where["node_id"])
+    nodes = list(dict.fromkeys(where["node_id"] for where in wheres))
 
     def order(bundle: int) -> tuple:
         gpus = sorted(map(str, wheres[bundle].get("gpus") or []), key=_gpu_key)
         return (nodes.index(wheres[bundle]["node_id"]), _gpu_key(gpus[0]) if gpus else (0, ""), bundle)
 
-    layout = []
-    for bundle in sorted(range(len(wheres)), key=order):
+    layout, ordered = [], sorted(range(len(wheres)), key=order)
+    for bundle in ordered:
         node = wheres[bundle]["node_id"]
-        same = [b for b in sorted(range(len(wheres)), key=order) if wheres[b]["node_id"] == node]
+        same = [b for b in ordered if wheres[b]["node_id"] == node]
         gpus = sorted({str(g) for b in same for g in wheres[b].get("gpus") or []}, key=_gpu_key)
         layout.append({"bundle": bundle, "local_rank": same.index(bundle), "local_size": len(same),
                        "node_index": nodes.index(node), "visible_gpus": ",".join(gpus) or None})  # fmt: skip
