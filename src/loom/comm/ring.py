@@ -196,14 +196,12 @@ def run_ring(
     message arrives saves a round of gloo's matching. Empty buffers are skipped on both ends.
     ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
     """
-    sent = received = 0
+    moved = sum(t.send.nbytes for t in transfers), sum(t.recv.nbytes for t in transfers)
     if link is not None:
         for transfer in transfers:
             link.exchange(transfer.send, transfer.recv)
             _reduce_received(transfer, op, divide_by)
-            sent += transfer.send.nbytes
-            received += transfer.recv.nbytes
-        return sent, received
+        return moved
     count = len(transfers)
     receiving: list[dist.Work | None] = [None] * count
     sending: list[dist.Work | None] = [None] * count
@@ -224,9 +222,7 @@ def run_ring(
                 work.wait()
         receiving[k] = sending[k] = None
         _reduce_received(transfer, op, divide_by)
-        sent += transfer.send.nbytes
-        received += transfer.recv.nbytes
-    return sent, received
+    return moved
 
 
 def _reduce_received(transfer: Transfer, op: str, divide_by: int) -> None:

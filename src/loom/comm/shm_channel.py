@@ -26,6 +26,7 @@ receiver whose whole header has arrived takes it straight from the ring as its c
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 from collections import deque
 from typing import Any
@@ -187,10 +188,7 @@ class ShmReceiver:
                     )
                 dtype, dim = DTYPES[words[i]], words[i + 1]
                 shape = tuple(words[i + 2 : i + 2 + dim])
-                numel = 1
-                for size in shape:
-                    numel *= size
-                spec.append((shape, dtype, numel * dtype.itemsize))
+                spec.append((shape, dtype, math.prod(shape) * dtype.itemsize))
                 i += 2 + dim
             if len(self._specs) >= _MAX_SIGNATURES:
                 self._specs.clear()
