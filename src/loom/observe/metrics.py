@@ -195,14 +195,7 @@ class StepMetrics:
             record = self._records[-1]
             for name, value in fields.items():
                 setattr(record, name, value)
-            head = (
-                record.step,
-                record.time_s,
-                record.samples,
-                record.global_samples,
-                record.loss,
-                record.wall,
-            )
+            head = (getattr(record, name) for name in _HEAD_FIELDS if name != "rank")
             raw = (*head, {k: v for k, v in vars(record).items() if k not in _HEAD})
         else:
             return False
