@@ -43,7 +43,8 @@ _in_flight: AsyncCheckpoint | None = None
 class AsyncCheckpoint:
     """Handle of a checkpoint being written in the background: `wait()` for it, `done()` to poll."""
 
-    def __init__(self, directory: Path, step: int) -> None:
+    def __init__(self, directory: Path, step: int, write: Callable[[], Path]) -> None:
+        """Start writing the checkpoint of ``step`` into ``directory`` with ``write`` on a new thread."""
         self.directory = directory
         self.step = step
         self.path: Path | None = None
@@ -51,7 +52,10 @@ class AsyncCheckpoint:
         self._error: BaseException | None = None
         self._reported = False
         self._finished = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(
+            target=self._write, args=(write,), name=f"loom-checkpoint-{step}", daemon=False
+        )
+        self._thread.start()
 
     def _write(self, write: Callable[[], Path]) -> None:
         try:
@@ -68,8 +72,7 @@ class AsyncCheckpoint:
         """Block until the checkpoint is durable; return its path, or raise the error that stopped it."""
         if not self._finished.wait(timeout):
             raise TimeoutError(f"checkpoint of step {self.step} still being written after {timeout} s")
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         if self._error is not None:
             self._reported = True
             raise CheckpointError(
@@ -150,13 +153,5 @@ def _start(
         _wait_for(previous)
         skeleton, tensors = flatten_state(state, clone=True)
         state_bytes = encode_state(step, skeleton)  # here, so a state too big to load back is refused now
-        handle = AsyncCheckpoint(directory, step)
-        handle._thread = threading.Thread(
-            target=handle._write,
-            args=(lambda: write(state_bytes, tensors),),
-            name=f"loom-checkpoint-{step}",
-            daemon=False,
-        )
-        handle._thread.start()
-        _in_flight = handle
+        handle = _in_flight = AsyncCheckpoint(directory, step, lambda: write(state_bytes, tensors))
     return handle
