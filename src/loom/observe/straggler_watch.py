@@ -28,9 +28,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
+from statistics import median
 from typing import Any
 
-from loom.observe.stragglers import StragglerConfig, StragglerDetector, StragglerWarning, _median
+from loom.observe.stragglers import StragglerConfig, StragglerDetector, StragglerWarning
 
 __all__ = ["JUDGE_EVERY_S", "StragglerWatch"]
 
@@ -93,7 +94,7 @@ class StragglerWatch:
         rows = list(self._rows)  # one copy: the training thread appends meanwhile
         if len(rows) < self.config.window:
             return None
-        return [float(self.job), float(self._steps), *(_median([row[p] for row in rows]) for p in range(4))]
+        return [float(self.job), float(self._steps), *(median(row[p] for row in rows) for p in range(4))]
 
     def poll(self, watchdog: Any) -> None:
         """Rank 0's watchdog thread: every `JUDGE_EVERY_S`, read every rank's row and judge each peer group."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import median
 
 __all__ = ["PHASES", "StragglerConfig", "StragglerDetector", "StragglerWarning"]
 
@@ -104,9 +105,9 @@ class StragglerDetector:
         optimizer seconds over a window, as `loom.observe.straggler_watch` summarizes it on each rank); ``full``:
         the window is complete (before that only ``slowest`` is updated)."""
         n = self.config.window
-        medians = [_median([m[p] for m in means]) for p in range(4)]
+        medians = [median(m[p] for m in means) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]
-        median_busy = _median(busy)
+        median_busy = median(busy)
         slow = max(range(self.world_size), key=lambda r: busy[r])
         self.slowest = (slow, _slowest_phase(means[slow], medians), busy[slow] - median_busy)
         if not full or self.world_size < 2:
@@ -126,13 +127,6 @@ class StragglerDetector:
                 self._flagged = {f for f in self._flagged if f[0] != rank}
         self.warnings.extend(new)
         return new
-
-
-def _median(values: list[float]) -> float:
-    """The median (cheaper than statistics.median)."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _exceeds(value: float, median: float, cfg: StragglerConfig) -> bool:
