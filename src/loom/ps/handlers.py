@@ -8,7 +8,7 @@ parked requests again when no message arrives (a worker silent past its timeout:
 ``sync`` fails the step naming it).
 
 `loom.fit`'s checkpoints: a worker reads a model's whole state with STATE (tensors and JSON) and puts it back
-with RESTORE (`RequestHandlers._restore_model`).
+with RESTORE (`RequestHandlers._restore`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from loom.ps.plan import Piece
 from loom.ps.shard import ModelShard, ShardSettings
-from loom.ps.wire import DropCounters, Frame, MessageType
+from loom.ps.wire import DropCounters, Frame
 
 if TYPE_CHECKING:
     from loom.ps.server_config import ServerConfig
@@ -77,20 +77,6 @@ class RequestHandlers(abc.ABC):
     @abc.abstractmethod
     def _save_if_due(self, shard: ModelShard, now: float) -> None: ...
 
-    def _handlers(self):
-        return {
-            MessageType.HELLO: self._hello,
-            MessageType.INIT: self._init,
-            MessageType.PULL: self._pull,
-            MessageType.PULL_ROWS: self._pull_rows,
-            MessageType.PUSH: self._push,
-            MessageType.BYE: self._bye,
-            MessageType.STATS: self._stats,
-            MessageType.SAVE: self._save,
-            MessageType.STATE: self._state,
-            MessageType.RESTORE: self._restore_model,
-        }
-
     def _model(self, frame: Frame) -> tuple[str, ModelShard, int]:
         name = frame.meta.get("ns")
         if not isinstance(name, str) or name not in self.models:
@@ -104,7 +90,7 @@ class RequestHandlers(abc.ABC):
             self.log(f"model {name!r}: worker {worker} is back")
         return name, shard, worker
 
-    # -- handlers ---------------------------------------------------------------------------------------------
+    # -- handlers: `_<message type>` (`loom.ps.server.ParameterServerProcess.handle` finds them by name) -------
     def _hello(self, identity: bytes, frame: Frame) -> None:
         """The server's index, each model's version and, for models this process loaded from its checkpoint,
         the version it resumed at (a client greeting a restarted server learns what was lost)."""
@@ -269,7 +255,7 @@ class RequestHandlers(abc.ABC):
         meta, tensors = shard.state()
         self._reply(identity, frame, {"state": meta}, tensors)
 
-    def _restore_model(self, identity: bytes, frame: Frame) -> None:
+    def _restore(self, identity: bytes, frame: Frame) -> None:
         """Replace the model by the state a STATE reply gave (values, optimizer state, version, every worker's
         clock): a `loom.fit` resume, into fresh servers or into servers that went on past the checkpoint.
 

@@ -86,7 +86,7 @@ class ParameterServerProcess(RequestHandlers):
             self.socket.setsockopt(zmq.USE_FD, config.listen_fd)
         self.socket.bind(f"tcp://{config.bind}")
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
-        self._restore()
+        self._resume()
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -97,7 +97,7 @@ class ParameterServerProcess(RequestHandlers):
         base = self.config.checkpoint_dir
         return None if base is None else base / f"server{self.config.index}"
 
-    def _restore(self) -> None:
+    def _resume(self) -> None:
         """Load every model saved in `shard_dir` (a restarted server). A file that does not load raises
         `ValueError` naming it: starting empty would silently throw the model away."""
         if self.shard_dir is None or not self.shard_dir.is_dir():
@@ -209,12 +209,11 @@ class ParameterServerProcess(RequestHandlers):
             return
         self.counters.accepted += 1
         self.counters.bytes_in += frame.nbytes
-        handler = self._handlers().get(frame.type)
-        if handler is None:
+        if not MessageType.HELLO <= frame.type < MessageType.REPLY:
             self._error(identity, frame, f"message type {frame.type.name} is not a request")
             return
         try:
-            handler(identity, frame)
+            getattr(self, f"_{frame.type.name.lower()}")(identity, frame)
         except (ValueError, KeyError, TypeError, RuntimeError) as error:
             self.counters.drop("rejected")
             self._error(identity, frame, f"{type(error).__name__}: {error}")
