@@ -25,10 +25,11 @@ Every dropped frame is counted by reason (`DropCounters`); the server never answ
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -120,9 +121,8 @@ class Frame:
     """Size of the frame on the wire."""
 
 
-def secret_from_hex(text: str) -> bytes:
-    """The job secret as bytes (`loom.net.auth.job_secret`); ``loom run`` hands it out as hex (32 random bytes)."""
-    return job_secret(text)
+secret_from_hex = job_secret
+"""The job secret as bytes from its hex (``loom run`` hands out 32 random bytes), checked by `job_secret`."""
 
 
 def encode(
@@ -215,9 +215,7 @@ def _tensors(meta: Any, n_tensors: int, payload: memoryview) -> dict[str, torch.
             raise FrameDropped("malformed", f"bad dtype or shape for {name!r}")
         if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
             raise FrameDropped("malformed", f"bad shape for {name!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
         if offset + nbytes > len(payload):
             raise FrameDropped("malformed", "tensors overrun the payload")
@@ -250,12 +248,7 @@ class DropCounters:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "dropped": dict(self.dropped),
-            "accepted": self.accepted,
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-        }
+        return asdict(self)  # a copy: ``dropped`` too
 
 
 class SessionTable:
