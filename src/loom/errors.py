@@ -16,49 +16,6 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-__all__ = [
-    "SettingError",
-    "ScriptCaptureError",
-    "PlanError",
-    "OutsideCalibration",
-    "BackendSelfTestError",
-    "CheckpointError",
-    "ClusterSpecError",
-    "CorruptCheckpointError",
-    "DifferentBatches",
-    "EpochNotFormed",
-    "FrameDropped",
-    "FrameRefused",
-    "HandshakeRefused",
-    "HangError",
-    "HealConflict",
-    "HealStateRefused",
-    "HorovodInternalError",
-    "HostsUpdatedInterrupt",
-    "InjectedFault",
-    "JobEnded",
-    "JobStops",
-    "JSONLimitError",
-    "LauncherStopped",
-    "LeftOutOfQuorum",
-    "LoomError",
-    "ModelMismatchError",
-    "NoValidCheckpointError",
-    "NonFiniteStateError",
-    "NonFiniteStepError",
-    "PeerLost",
-    "PeerLostError",
-    "RayJobFailed",
-    "ReplicaDesyncError",
-    "StartRefused",
-    "StepDropped",
-    "StoreNotForTorch",
-    "StoreTimeout",
-    "StoreUnreachable",
-    "failure_text",
-    "is_retryable",
-]
-
 
 def failure_text(error: BaseException) -> str:
     """``Type: message``, with the errno of the first OS error in its chain named where the message does not
@@ -88,7 +45,11 @@ class LoomError(Exception):
 
     retryable: bool = False
     """Whether the same work can succeed when done again after the group re-forms (see the module docstring);
-    every subclass states its own."""
+    every subclass states its own, as a class keyword: ``class StepDropped(LoomError, retryable=True)``."""
+
+    def __init_subclass__(cls, *, retryable: bool, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.retryable = retryable
 
 
 def is_retryable(error: BaseException) -> bool:
@@ -98,53 +59,37 @@ def is_retryable(error: BaseException) -> bool:
     return error.retryable if isinstance(error, LoomError) else True
 
 
-class HangError(LoomError, RuntimeError):
+class HangError(LoomError, RuntimeError, retryable=True):
     """A collective waited longer than the hang timeout (recorded for the launcher; never raised)."""
 
-    retryable = True
 
-
-class PeerLostError(LoomError, RuntimeError):
+class PeerLostError(LoomError, RuntimeError, retryable=True):
     """A host of the job stopped answering for longer than the liveness timeout (recorded for the launcher; never
     raised)."""
 
-    retryable = True
 
-
-class ReplicaDesyncError(LoomError, RuntimeError):
+class ReplicaDesyncError(LoomError, RuntimeError, retryable=False):
     """Replicas that should be identical hold different parameters."""
 
-    retryable = False
 
-
-class NonFiniteStepError(LoomError, FloatingPointError):
+class NonFiniteStepError(LoomError, FloatingPointError, retryable=False):
     """A step's loss or gradient was non-finite, under policy ``"stop"`` or too many steps in a row."""
 
-    retryable = False
 
-
-class ModelMismatchError(LoomError, ValueError):
+class ModelMismatchError(LoomError, ValueError, retryable=False):
     """The model or optimizer is not the same on every process."""
 
-    retryable = False
 
-
-class ClusterSpecError(LoomError, ValueError):
+class ClusterSpecError(LoomError, ValueError, retryable=False):
     """A malformed cluster spec; the message names the field and the fix."""
 
-    retryable = False
 
-
-class CheckpointError(LoomError, RuntimeError):
+class CheckpointError(LoomError, RuntimeError, retryable=False):
     """A checkpoint could not be written or read."""
 
-    retryable = False
 
-
-class CorruptCheckpointError(CheckpointError):
+class CorruptCheckpointError(CheckpointError, retryable=False):
     """One checkpoint is damaged; ``path`` is the file (or directory) found wrong, ``reason`` says how."""
-
-    retryable = False
 
     def __init__(self, path: Path, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
@@ -152,29 +97,21 @@ class CorruptCheckpointError(CheckpointError):
         self.reason = reason
 
 
-class NoValidCheckpointError(CheckpointError):
+class NoValidCheckpointError(CheckpointError, retryable=False):
     """Checkpoints exist in the directory, but none of them is intact."""
 
-    retryable = False
 
-
-class NonFiniteStateError(CheckpointError):
+class NonFiniteStateError(CheckpointError, retryable=False):
     """The state to checkpoint holds NaN or infinite values: it is not written (the previous checkpoint stays)."""
 
-    retryable = False
 
-
-class RayJobFailed(LoomError, RuntimeError):
+class RayJobFailed(LoomError, RuntimeError, retryable=False):
     """A job on Ray failed after its replacements; the message names the rank and what happened to it."""
 
-    retryable = False
 
-
-class JSONLimitError(LoomError, ValueError):
+class JSONLimitError(LoomError, ValueError, retryable=False):
     """JSON that breaks one of the `loom.checkpoint.limits.ReadLimits`; ``field`` names it, so a message can say
     what to raise."""
-
-    retryable = False
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
@@ -182,107 +119,78 @@ class JSONLimitError(LoomError, ValueError):
 
 
 # -- healing (`loom.fault.quorum`, `loom.parallel.data.data_axis`, `loom.train.heal_state`) ---------------------
-class StepDropped(LoomError, RuntimeError):
+class StepDropped(LoomError, RuntimeError, retryable=True):
     """The commit vote said drop: no member applied the step; it is retried by the next epoch's members."""
 
-    retryable = True
 
-
-class EpochNotFormed(LoomError, RuntimeError):
+class EpochNotFormed(LoomError, RuntimeError, retryable=True):
     """A member of a membership epoch was lost, or did not arrive, while the members met to build the epoch's
     group (`loom.fault.quorum.Quorum._meet`): the others check in again for the next epoch."""
 
-    retryable = True
 
-
-class LeftOutOfQuorum(LoomError, RuntimeError):
+class LeftOutOfQuorum(LoomError, RuntimeError, retryable=False):
     """This worker was not in the epoch it waited for (too slow to check in): it ends and is replaced.
     `loom.launch.worker` ends the process with ``exit_status`` (`loom.fault.quorum.LEFT_OUT_STATUS`), not as an
     error; not retried by this process (it leaves; its replacement joins)."""
 
-    retryable = False
     exit_status = 75
     """sysexits' EX_TEMPFAIL, "try again": the launcher replaces the worker as it does a killed one."""
 
 
-class JobEnded(LoomError, RuntimeError):
+class JobEnded(LoomError, RuntimeError, retryable=False):
     """Another member finished the job (exited 0, the launcher marked ``q/end``) while this one waited for an
     epoch to train another step: this process's loop runs more steps than theirs (an own loop that counts its
     epochs from 0 in a replacement, which starts at the committed step). No epoch will form again."""
 
-    retryable = False
 
-
-class HealConflict(LoomError, RuntimeError):
+class HealConflict(LoomError, RuntimeError, retryable=False):
     """The members of a new epoch claim committed steps more than one apart: copying the highest would spread
     whatever the member claiming it holds (`loom.parallel.data.data_axis.take_live_state`). Not retried: the job stops, naming each claim."""
 
-    retryable = False
 
-
-class DifferentBatches(LoomError, ValueError):
+class DifferentBatches(LoomError, ValueError, retryable=False):
     """The members were given different batches for one step (a loader sharded by rank): not retried."""
 
-    retryable = False
 
-
-class HealStateRefused(LoomError, ValueError):
+class HealStateRefused(LoomError, ValueError, retryable=False):
     """The state a member sent does not fit this process's model and optimizer (a wrong or lying sender): nothing
     is loaded, and the job stops (not retried: the same sender would send it again)."""
 
-    retryable = False
 
-
-class InjectedFault(LoomError, RuntimeError):
+class InjectedFault(LoomError, RuntimeError, retryable=True):
     """The ``raise`` fault of `loom.fault.inject`: an error inside a step (the step must be dropped on every
     member, and retried)."""
 
-    retryable = True
-
 
 # -- starting a job (`loom.parallel`) ---------------------------------------------------------------------------
-class StartRefused(LoomError, ValueError):
+class StartRefused(LoomError, ValueError, retryable=False):
     """A job refused to start under the launcher's settings, the same on every rank. `loom.launch.worker` prints
     it as one line, without a traceback, and the launcher names it once."""
 
-    retryable = False
 
-
-class BackendSelfTestError(LoomError, RuntimeError):
+class BackendSelfTestError(LoomError, RuntimeError, retryable=False):
     """The backend's collectives did not give the values they must; training would be silently wrong."""
-
-    retryable = False
 
 
 # -- the wire (`loom.net`, `loom.comm`, `loom.ps`) --------------------------------------------------------------
-class StoreUnreachable(LoomError, RuntimeError):
+class StoreUnreachable(LoomError, RuntimeError, retryable=True):
     """The store did not answer in time, refused the job secret, or closed the connection."""
 
-    retryable = True
 
-
-class StoreTimeout(LoomError, RuntimeError):
+class StoreTimeout(LoomError, RuntimeError, retryable=True):
     """A wait for keys ran past its timeout (the store answered; the keys did not appear)."""
 
-    retryable = True
 
-
-class HandshakeRefused(LoomError, RuntimeError):
+class HandshakeRefused(LoomError, RuntimeError, retryable=False):
     """The other side of a handshake did not prove the job secret, or refused ours."""
 
-    retryable = False
 
-
-class FrameRefused(LoomError, ValueError):
+class FrameRefused(LoomError, ValueError, retryable=False):
     """A gossip frame header that does not belong on its connection (the message says why)."""
 
-    retryable = False
 
-
-class FrameDropped(LoomError):
+class FrameDropped(LoomError, retryable=False):
     """A parameter-server frame was rejected; ``reason`` is the counter it goes to."""
-
-    retryable = False
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -290,68 +198,52 @@ class FrameDropped(LoomError):
 
 
 # -- launching (`loom.launch`) ----------------------------------------------------------------------------------
-class PeerLost(LoomError, RuntimeError):
+class PeerLost(LoomError, RuntimeError, retryable=True):
     """This node cannot reach a node of its job (or the job's store), or a node did not join in time."""
 
-    retryable = True
 
-
-class JobStops(LoomError):
+class JobStops(LoomError, retryable=False):
     """The job cannot go on healing (past ``--max-heals``, below ``--min-workers``): stop every worker."""
 
-    retryable = False
 
-
-class LauncherStopped(LoomError):
+class LauncherStopped(LoomError, retryable=False):
     """The launcher received ``signum`` (SIGINT, SIGTERM): it stops its workers and exits."""
-
-    retryable = False
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-class StoreNotForTorch(LoomError, RuntimeError):
+class StoreNotForTorch(LoomError, RuntimeError, retryable=False):
     """A torch ``TCPStore`` (or a ``tcp://`` rendezvous that cannot be served) pointed at loom's store."""
-
-    retryable = False
 
 
 # -- loom.horovod: Horovod's names ------------------------------------------------------------------------------
-class HorovodInternalError(LoomError, RuntimeError):
+class HorovodInternalError(LoomError, RuntimeError, retryable=True):
     """A collective failed inside the engine (Horovod's name, a RuntimeError as there); retried as Horovod's is:
     ``hvd.elastic.run`` resumes from the last commit once loom has restarted the group."""
 
-    retryable = True
 
-
-class HostsUpdatedInterrupt(LoomError, RuntimeError):  # noqa: N818 - Horovod's name
+class HostsUpdatedInterrupt(LoomError, RuntimeError, retryable=True):  # noqa: N818 - Horovod's name
     """Horovod raises this when hosts join or leave an elastic job; under loom a changed job is a restart."""
-
-    retryable = True
 
 
 # -- settings and the planner (`loom.settings`, `loom.plan`) --------------------------------------------------
-class SettingError(LoomError, ValueError):
+class SettingError(LoomError, ValueError, retryable=False):
     """A ``LOOM_*`` variable whose value loom refuses (one line: the name, the value, the fix)."""
 
-    retryable = False
 
-
-class ScriptCaptureError(LoomError, ValueError):
+class ScriptCaptureError(LoomError, ValueError, retryable=False):
     """``loom plan`` could not capture the script: it built no model, or raised before handing it over."""
 
-    retryable = False
 
-
-class OutsideCalibration(LoomError, ValueError):
+class OutsideCalibration(LoomError, ValueError, retryable=False):
     """A prediction would need a measurement the plan did not make (a batch size, a message size)."""
 
-    retryable = False
 
-
-class PlanError(LoomError, ValueError):
+class PlanError(LoomError, ValueError, retryable=False):
     """``loom plan``: bad input or a failed measurement (one line, with the fix)."""
 
-    retryable = False
+
+__all__ = [n for n, v in dict(globals()).items() if isinstance(v, type) and issubclass(v, LoomError)]
+__all__ += ["failure_text", "is_retryable"]
