@@ -17,13 +17,12 @@ import os
 import sys
 import time
 
-from loom.settings import SETTINGS, setting
+from loom.settings import setting
 
-__all__ = ["read_launcher_env", "join_timeout_s", "join_env_store"]
+__all__ = ["read_launcher_env", "join_env_store"]
 
 NOTICE_AFTER_S = 10.0
 """Seconds a rank waits for its peers before it says whom it waits for."""
-DEFAULT_JOIN_TIMEOUT_S: float = SETTINGS["LOOM_JOIN_TIMEOUT_S"].default
 _POLL_S = 0.2
 
 
@@ -61,19 +60,14 @@ def read_launcher_env() -> tuple[int, int, int, int]:
     return world_size, rank, local_rank, local_world_size
 
 
-def join_timeout_s() -> float:
-    """``LOOM_JOIN_TIMEOUT_S`` (seconds > 0), default 120."""
-    return setting("LOOM_JOIN_TIMEOUT_S")
-
-
 def join_env_store(rank: int, world_size: int, timeout_s: float):
     """A TCP store at MASTER_ADDR:MASTER_PORT (hosted by rank 0, as torch's ``env://`` does) once every rank has
     joined it, its timeout then set to ``timeout_s`` for the process group. Raises `RuntimeError` naming the
-    missing ranks when they have not all joined within `join_timeout_s`."""
+    missing ranks when they have not all joined within ``LOOM_JOIN_TIMEOUT_S``."""
     from torch.distributed import TCPStore
 
     addr, port = os.environ["MASTER_ADDR"].strip(), int(os.environ["MASTER_PORT"])
-    limit = join_timeout_s()
+    limit = setting("LOOM_JOIN_TIMEOUT_S")
     where = f"MASTER_ADDR:MASTER_PORT {addr}:{port}"
     try:
         store = TCPStore(addr, port, world_size, is_master=rank == 0, multi_tenant=True, wait_for_workers=False,
