@@ -35,7 +35,7 @@ from loom.parallel.data.data_parallel_config import DataAxisConfig, data_axis_op
 from loom.parallel.data.data_parallel_sync import GradientAveraging
 from loom.parallel.data.sharded_axis import ShardedDataAxis
 from loom.parallel.data.sharded_flat import check_elementwise
-from loom.parallel.model.model_parallel import ModelParallelJob, Schedule
+from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
 from loom.parallel.tensor.tensor_parallel_shard import shard_stage
 from loom.topology import Topology, current
@@ -101,8 +101,7 @@ def compose(
     else:
         averaging = GradientAveraging.for_stage(data, mesh.group("dp"), stages.stage, topo)
     metrics = StepMetrics(topo.rank, metrics_path or default_metrics_path(topo))
-    schedule = Schedule(pipeline.stages, pipeline.microbatches, pipeline.schedule)
     return ModelParallelJob(
-        stages.stage, optimizer, loss_fn, mesh, schedule, shards, averaging, metrics, stages.keys,
+        stages.stage, optimizer, loss_fn, mesh, pipeline, shards, averaging, metrics, stages.keys,
         stages.layer_names,
     )  # fmt: skip

@@ -22,7 +22,6 @@ layout, `full_state_dict` gathers the whole model on rank 0.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from loom.parallel.data.sharded_memory import live_tensor_bytes
 from loom.parallel.pipeline.pipeline_communications import recv_tensors, send_tensors
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.parallel.pipeline.pipeline_schedule import stage_instructions
+from loom.parallel.pipeline.pipeline_stages import PipelineConfig
 from loom.parallel.tensor.tensor_parallel_shard import TensorShards
 from loom.train.batch import batch_len, micro_batches, split_batch, tensors_in, to_device
 from loom.train.engine import Engine, StepState
@@ -49,30 +49,8 @@ _FINGERPRINT_BYTES = 1 << 20
 """Of a plain (fingerprint-less) batch, at most this many leading bytes of each tensor are hashed."""
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """How a step runs through the stages: ``stages`` on the ``pp`` axis, ``microbatches``, ``name``."""
-
-    stages: int = 1
-    microbatches: int = 1
-    name: str = "1f1b"
-
-
-@dataclass
-class _Micro:
-    inputs: list[Any] = field(default_factory=list)
-    targets: list[Any] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-
-
-def _micro_split(inputs: Any, targets: Any, n: int, m: int) -> _Micro:
-    """At most ``m`` micro-batches whose sizes differ by at most one (fewer when ``n < m``)."""
-    out = _Micro()
-    for (x, y), size in micro_batches((inputs, targets), n, min(m, n)):
-        out.inputs.append(x)
-        out.targets.append(y)
-        out.sizes.append(size)
-    return out
+Schedule = PipelineConfig
+"""How a step runs through the stages (the name kept for the job's ``schedule``): the pipeline's config."""
 
 
 def batch_fingerprint(batch: Any) -> int:
@@ -102,7 +80,7 @@ class ModelParallelJob(Engine):
         optimizer: torch.optim.Optimizer,
         loss_fn: Any,
         mesh: Mesh,
-        schedule: Schedule,
+        schedule: PipelineConfig,
         shards: TensorShards | None,
         data_axis: GradientAveraging | ShardedDataAxis,
         metrics: StepMetrics,
@@ -170,26 +148,27 @@ class ModelParallelJob(Engine):
         device = self.topology.device
         inputs, targets = to_device(inputs, device), to_device(targets, device)
         state.total = self._global_count(state.batch, local)
-        state.work["micro"] = (
-            _micro_split(inputs, targets, local, self.schedule.microbatches) if local else _Micro()
-        )
+        # ``[((inputs, targets), size), ...]``: at most ``microbatches``, sizes differing by at most one
+        pieces = min(self.schedule.microbatches, local)
+        state.work["micro"] = micro_batches((inputs, targets), local, pieces) if local else []
 
     def _forward_backward(self, state: StepState, train: bool = True) -> None:
         """The pipeline's instruction stream for this stage (forwards only in evaluation)."""
         sched, micro, total = self.schedule, state.work["micro"], state.total
+        inputs, targets, sizes = [x for (x, _), _ in micro], [y for (_, y), _ in micro], [n for _, n in micro]
         if train:  # the optimizer may hold slices of the parameters (zero=1), so its zero_grad misses theirs
             self.module.zero_grad(set_to_none=True)
         assert total is not None
         stream = (
             stage_instructions(
-                sched.name, self.mesh.index("pp"), sched.stages, len(micro.sizes), forward_only=not train
+                sched.schedule, self.mesh.index("pp"), sched.stages, len(micro), forward_only=not train
             )
-            if micro.sizes
+            if micro
             else []
         )
         with self.collective("pipeline schedule (sends and receives between stages)"):
             state.loss_sum, stats = run_instructions(
-                stream, self.module, self.loss_fn, micro.inputs, micro.targets, micro.sizes, total,
+                stream, self.module, self.loss_fn, inputs, targets, sizes, total,
                 prev=self._prev, next_=self._next, train=train, device=self.topology.device,
                 replicas=self.mesh.size("dp"), group=self.topology.group,
             )  # fmt: skip
