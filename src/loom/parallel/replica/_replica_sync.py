@@ -75,16 +75,12 @@ JobT = TypeVar("JobT", bound="ReplicaJob")
 def synced_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The tensors replicas average: every parameter, and the floating-point buffers (BatchNorm's running
     statistics). Integer buffers (``num_batches_tracked``) stay each replica's own."""
-    params: list[torch.Tensor] = list(module.parameters())
-    buffers = [b for b in module.buffers() if b.is_floating_point()]
-    return params, buffers
+    return list(module.parameters()), [b for b in module.buffers() if b.is_floating_point()]
 
 
 def flatten(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
     """One new 1-D tensor of ``tensors`` times ``scale``, in their promoted dtype (one collective for all)."""
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
     return flat.mul_(scale) if scale != 1.0 else flat
 

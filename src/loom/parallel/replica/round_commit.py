@@ -71,8 +71,8 @@ class RoundCommit:
     """The round's global batches so far, the one being trained last."""
     snapshot: tuple[dict[str, Any], torch.Tensor] | None = None
     """The job's ``state_dict`` and the RNG state at the round's start (when the previous round committed)."""
-    held: list[tuple[Any, ...]] = field(default_factory=list)
-    """The records of the round's inner steps, written when the round commits."""
+    held: list[tuple[tuple, dict[str, Any]]] = field(default_factory=list)
+    """The records (arguments, fields) of the round's inner steps, written when the round commits."""
     batch_step: int = 0
     batch_loss: float = 0.0
     join_after: bool = False
@@ -139,8 +139,8 @@ class RoundCommit:
         if not committed:
             job.step = step - 1
             raise StepDropped(f"the round ending at step {step}: a member failed it; no member applied it")
-        for held in self.held:
-            job.metrics.record(*held[:5], **held[5])
+        for args, extra in self.held:
+            job.metrics.record(*args, **extra)
         self.take_snapshot(job)
         self.batches.clear()
         self.join_after = bool(state.work.get("pending"))
@@ -149,18 +149,11 @@ class RoundCommit:
         """The engine's record with its phase times, held until the round commits for the round's inner steps."""
         phases = dict(zip(("data_s", "compute_s", "comm_s", "optimizer_s"), state.phases or (), strict=False))
         extra = {**phases, **fields, **({"skipped": True} if state.skipped else {})}
-        held = (
-            state.number,
-            time.perf_counter() - state.started,
-            state.local,
-            state.total or 0,
-            state.loss,
-            extra,
-        )
+        args = (state.number, time.perf_counter() - state.started, state.local, state.total or 0, state.loss)
         if self.ends(state.number):
-            job.metrics.record(*held[:5], **extra)
+            job.metrics.record(*args, **extra)
         else:
-            self.held.append(held)
+            self.held.append((args, extra))
 
     def refuse_mid_round(self, job: Any) -> None:
         """`synchronize` between round boundaries: a synchronization outside a round could not be dropped and
