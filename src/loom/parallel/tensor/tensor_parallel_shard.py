@@ -65,10 +65,6 @@ def _is_attention(module: nn.Module) -> bool:
     return has_linears and any(isinstance(getattr(module, h, None), int) for h in _HEADS)
 
 
-def _linear_children(module: nn.Module) -> list[tuple[str, nn.Linear]]:
-    return [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
-
-
 _ELEMENTWISE = (
     nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardtanh, nn.Softplus,
     nn.Identity, nn.Dropout,
@@ -110,15 +106,11 @@ def mlp_pairs(module: nn.Module) -> list[tuple[str, str]]:
     (``fc1``, ``fc2``, the activation applied in its ``forward``)."""
     if _is_chain(module):
         return _chain_pairs(module)
-    linears = _linear_children(module)
+    linears = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
     if len(linears) != 2 or len(list(module.children())) > 4:
         return []
     (first_name, first), (second_name, second) = linears
     return [(first_name, second_name)] if first.out_features == second.in_features else []
-
-
-def _is_mlp(module: nn.Module) -> bool:
-    return bool(mlp_pairs(module))
 
 
 def auto_plan(model: nn.Module, allow_empty: bool = False) -> dict[str, str]:
@@ -130,7 +122,7 @@ def auto_plan(model: nn.Module, allow_empty: bool = False) -> dict[str, str]:
             continue
         if _is_attention(module):
             plan[name], inside_attention = "attention", [*inside_attention, name]
-        elif _is_mlp(module):
+        elif mlp_pairs(module):
             plan[name] = "mlp"
         elif isinstance(module, nn.Embedding):
             plan[name] = "embedding"
@@ -240,8 +232,7 @@ def gather_shards(
 def _stage_plan(stage: PipelineStage, plan: Any) -> Any:
     """A plan in the full model's names, restricted to ``stage`` and renamed into it (``layers.<i>...``)."""
     if plan == "auto":
-        found = auto_plan(stage, allow_empty=stage.stages > 1)  # a stage may hold nothing to split
-        return found
+        return auto_plan(stage, allow_empty=stage.stages > 1)  # a stage may hold nothing to split
     renamed = {}
     for key, kind in plan.items():
         for i, layer in enumerate(stage.layer_names):
