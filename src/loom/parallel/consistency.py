@@ -72,18 +72,23 @@ def _digest(signature: list[list[str]]) -> int:
     return int.from_bytes(raw[:8], "little", signed=True)
 
 
-def _first_difference(reference: list[list[str]], other: list[list[str]], rank: int) -> str:
+def _first_difference(reference: list[list[str]], other: list[list[str]], rank: int) -> tuple[str, str]:
+    """What differs first (``"optimizer"`` when both entries are the optimizer's, else ``"model"``) and how."""
     for ref_entry, entry in zip(reference, other, strict=False):
         if ref_entry != entry:
             kind, name, described = ref_entry
             o_kind, o_name, o_described = entry
+            what = "optimizer" if kind == o_kind == "optimizer" else "model"
             if (kind, name) != (o_kind, o_name):
-                return f"{kind} {name!r} on rank 0 vs {o_kind} {o_name!r} on rank {rank} at the same position"
-            return f"{kind} {name!r}: {described} on rank 0 vs {o_described} on rank {rank}"
+                return (
+                    what,
+                    f"{kind} {name!r} on rank 0 vs {o_kind} {o_name!r} on rank {rank} at the same position",
+                )
+            return what, f"{kind} {name!r}: {described} on rank 0 vs {o_described} on rank {rank}"
     if len(reference) != len(other):
         extra = reference[len(other)] if len(reference) > len(other) else other[len(reference)]
-        return f"{len(reference)} vs {len(other)} entries; first unmatched: {extra[0]} {extra[1]!r}"
-    return "unknown difference"
+        return "model", f"{len(reference)} vs {len(other)} entries; first unmatched: {extra[0]} {extra[1]!r}"
+    return "model", "unknown difference"
 
 
 def check_same_model(
@@ -108,18 +113,10 @@ def check_same_model(
     signatures = [json.loads(b) for b in described]
     differing = [r for r in range(world_size) if signatures[r] != signatures[0]]
     first = differing[0]
-    what = "optimizer" if _only_optimizer(signatures[0], signatures[first]) else "model"
+    what, difference = _first_difference(signatures[0], signatures[first], first)
     raise ModelMismatchError(
         f"the {what} differs across processes (seen on rank {rank}): rank 0 vs rank {first}: "
-        f"{_first_difference(signatures[0], signatures[first], first)}; ranks that differ from rank 0: "
+        f"{difference}; ranks that differ from rank 0: "
         f"{differing}. HINT: build the same model and optimizer on every process (same constructor arguments "
         "and hyperparameters, independent of rank)."
     )
-
-
-def _only_optimizer(reference: list[list[str]], other: list[list[str]]) -> bool:
-    """Whether the first difference is in the optimizer's entries."""
-    for a, b in zip(reference, other, strict=False):
-        if a != b:
-            return a[0] == "optimizer" and b[0] == "optimizer"
-    return False
