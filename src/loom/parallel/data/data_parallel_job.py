@@ -178,7 +178,6 @@ class DataParallelJob(AxisJob):
         assert total is not None
         world = self.axis.size
         # [loss sum, flags]; under heal [loss sum, flags, fingerprints, the "replacement waiting" mark]
-        # (see `_heal_marks`)
         loss_sum = (
             self.observer.loss_buffer(self._device)
             if self.quorum is None
@@ -203,8 +202,9 @@ class DataParallelJob(AxisJob):
         """Gradients averaged after backward (the loss buffer rides along), else the loss buffer's all-reduce.
         The injected fault ``during`` (`loom.fault.inject`) fires right before the exchange (free when unset)."""
         loss_sum = state.work["buffer"]
-        if self.quorum is not None:
-            self._heal_marks(state, loss_sum)
+        if self.quorum is not None:  # this member's batch fingerprint; whether a replacement is ready
+            loss_sum[FLAGS_AT + self.axis.size + self.axis.index] = state.work["fingerprint"]
+            loss_sum[-1] = 1.0 if self.quorum.join_pending() else 0.0
         if self.shared_gradients is not None:  # an empty share contributes its gradients of None: zeros
             if self._fault is not None:  # the other members are inside the exchange by now
                 self._fault(state.number, "during")
@@ -226,22 +226,13 @@ class DataParallelJob(AxisJob):
             check_same_batches(self.topology.rank, state.number, self.axis.members, prints)
             state.work["pending"] = float(loss_sum[-1]) > 0
 
-    def _heal_marks(self, state: StepState, buffer: torch.Tensor) -> None:
-        """Under heal, this member's batch fingerprint (every member must hold the same global batch) and whether
-        a replacement is ready (`loom.fault.quorum.Quorum.join_pending`): in the exchange's buffer, summed."""
-        assert self.quorum is not None
-        buffer[FLAGS_AT + self.axis.size + self.axis.index] = state.work["fingerprint"]
-        buffer[-1] = 1.0 if self.quorum.join_pending() else 0.0
-
     def _after_step(self, state: StepState) -> None:
         """Under heal, a replacement is ready: re-form now, at the step boundary every member has reached."""
         self.trained_by = list(state.ranks)
         if state.work.get("pending"):
             self._heal_reform()
 
-    def _adopt_epoch(self) -> None:
-        """Make a new epoch's members equal (`loom.parallel.data.data_axis.take_live_state`)."""
-        take_live_state(self)
+    _adopt_epoch = take_live_state  # makes a new epoch's members equal
 
     def _apply(self, state: StepState) -> None:
         self.optimizer.step()
