@@ -68,16 +68,10 @@ class _WeightGradient(torch.autograd.Function):
         return grad * ctx.weight, None, None
 
 
-def _weighted(value: Any, weight: float, loop: OwnLoop) -> Any:
-    """``value`` (any nesting of tuples, lists and dicts) with each tensor that needs a gradient weighted.
-
-    Every output tensor is weighted or the gradient would mix weighted and unweighted parts, so an output that
-    may hide tensors elsewhere (an object of another type) is refused."""
-    return _map_outputs(value, lambda tensor: _WeightGradient.apply(tensor, weight, loop), strict=True)
-
-
 def _map_outputs(value: Any, fn: Any, strict: bool) -> Any:
-    """``value`` with ``fn`` applied to each tensor that needs a gradient; ``strict``: refuse other types."""
+    """``value`` (any nesting of tuples, lists and dicts) with ``fn`` applied to each tensor that needs a
+    gradient. ``strict`` (weighting) refuses other types: every output tensor is weighted or the gradient would
+    mix weighted and unweighted parts, so an output that may hide tensors elsewhere is refused."""
     if isinstance(value, torch.Tensor):
         return fn(value) if value.requires_grad else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -112,11 +106,6 @@ class _RefuseBackward(torch.autograd.Function):
         raise ValueError(ctx.error)
 
 
-def _refusing_backward(value: Any, error: str) -> Any:
-    """``value`` with every tensor that needs a gradient routed through `_RefuseBackward`."""
-    return _map_outputs(value, lambda tensor: _RefuseBackward.apply(tensor, error), strict=False)
-
-
 class OwnLoopModel(nn.Module):
     """The model for an own loop: call it as the model; ``module`` is the model itself, on every world size (as
     with DDP). Attributes it does not have are the model's (``model.estimate_mfu(...)``, ``model.config``), so
@@ -142,12 +131,15 @@ class OwnLoopModel(nn.Module):
         mismatch = loop.mismatch(args, kwargs)
         if mismatch is not None:
             # evaluation without torch.no_grad() (Horovod's MNIST example): only a backward through it is refused
-            return _refusing_backward(self.module(*args, **kwargs), mismatch)
+            outputs = self.module(*args, **kwargs)
+            return _map_outputs(outputs, lambda t: _RefuseBackward.apply(t, mismatch), strict=False)
         weight = loop.weight(args, kwargs)
         outputs = loop.job.wrapped(*args, **kwargs)
+        if not loop.job.topology.is_distributed:
+            return outputs
         # even at weight 1 (equal shares) the backward must pass through the weighting: it starts the count of
         # the all-reduce and, without DDP, the shared-memory average; one process has neither
-        return _weighted(outputs, weight, loop) if loop.job.topology.is_distributed else outputs
+        return _map_outputs(outputs, lambda t: _WeightGradient.apply(t, weight, loop), strict=True)
 
     def train(self, mode: bool = True) -> OwnLoopModel:
         super().train(mode)
