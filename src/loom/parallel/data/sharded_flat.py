@@ -169,11 +169,9 @@ class FlatShards:
                 self.lo : self.hi
             ].clone()
         del flat
-        offset = 0
-        for view_piece in self.pieces:
-            n = view_piece.hi - view_piece.lo
-            view_piece.param.grad = piece[offset : offset + n]
-            offset += n
+        sizes = [view_piece.hi - view_piece.lo for view_piece in self.pieces]
+        for view_piece, grad in zip(self.pieces, piece.split(sizes), strict=True):
+            view_piece.param.grad = grad
         nonfinite = 0.0 if gradients_finite([], flat=piece) else 1.0  # one sum, not a check per element
         if self._distributed() and loss_sum is not None:
             buffer = torch.cat(
