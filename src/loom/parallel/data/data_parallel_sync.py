@@ -8,6 +8,7 @@ outside DDP (model-parallel jobs).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
@@ -43,9 +44,6 @@ __all__ = [
     "choose_gradient_path",
     "buffer_sync_option",
     "gradient_hook",
-    "has_spare_core",
-    "overlap_wanted",
-    "shared_gradients_for",
 ]
 
 
@@ -143,9 +141,7 @@ class AxisGradients:
     def __init__(self, module: nn.Module, axis: DataAxis, algorithm: str, codec: Codec | None) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.axis, self.algorithm, self.codec = axis, algorithm, codec
-        self.dtype = torch.float32
-        for p in self.params:
-            self.dtype = torch.promote_types(self.dtype, p.dtype)
+        self.dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
         self.numel = sum(p.numel() for p in self.params)
         self.nbytes = self.numel * self.dtype.itemsize
         self._flat = torch.zeros(self.numel, dtype=self.dtype)
