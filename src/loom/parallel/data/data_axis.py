@@ -45,7 +45,6 @@ __all__ = [
     "AxisJob",
     "DataAxis",
     "FixedAxis",
-    "HealConflict",
     "batch_fingerprint",
     "check_same_batches",
     "healing_metrics_path",
