@@ -94,14 +94,9 @@ class ShardedDataParallelConfig(DataParallelConfig):
         super().__post_init__()
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
-        given = {
-            "compression": self.compression is not None,
-            "find_unused_parameters": self.find_unused_parameters,
-            "overlap": self.overlap is not None,
-        }
-        for name, set_ in given.items():
-            if set_:
-                raise ValueError(f"ShardedDataParallel does not take {name}=: {_REFUSED[name]}")
+        for name, why in _REFUSED.items():  # refused when set away from DataParallelConfig's default
+            if getattr(self, name) != getattr(DataParallelConfig, name):
+                raise ValueError(f"ShardedDataParallel does not take {name}=: {why}")
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ValueError(
                 f"mixed_precision must be None, 'bf16' or 'fp16', got {self.mixed_precision!r}. HINT: 'bf16' "
