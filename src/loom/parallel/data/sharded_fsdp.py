@@ -98,9 +98,8 @@ def shard_model(
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     root = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    root.set_reshard_after_forward(
-        reshard
-    )  # the root too (FSDP2 otherwise special-cases it): same everywhere
+    # the root too (FSDP2 otherwise special-cases it): same everywhere
+    root.set_reshard_after_forward(reshard)
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
