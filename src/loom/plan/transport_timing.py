@@ -10,10 +10,9 @@ authenticated frame (`loom.ps.wire`, `loom.ps.gate`) over a ZeroMQ TCP loopback 
 workers encode theirs at once. Each operation is measured only up to the largest message the plan needs of it
 (``limits``: a pipeline's activations are far smaller than a gradient, a sharded unit than the whole model),
 ``inf`` above, which `Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts after a barrier,
-each entry is the slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept (as many as
-fit in `REPS_BUDGET_S` after a warm-up call, at least one, at most ``reps``; up to `INTERLEAVED_BYTES`, made in
-rounds over every operation and size rather than one size after the other). The sizes are the ones the plan
-needs (the model's gradient, parameter and activation bytes), plus a few small ones for the latency.
+each entry is the slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept (how many:
+`REPS_BUDGET_S`; in which order: `INTERLEAVED_BYTES`). The sizes are the ones the plan needs (the model's
+gradient, parameter and activation bytes), plus a few small ones for the latency.
 """
 
 from __future__ import annotations
@@ -249,9 +248,7 @@ def _in_order(
     sizes: list[int], limits: dict[str, int], operations: Callable[[int], dict[str, Callable[[], object]]]
 ) -> Iterator[_Call | None]:
     """Every operation at every size up to its family's limit, in the order they are measured (`INTERLEAVED_BYTES`),
-    None where the rounds are made: first each size's collectives (timed at once above `INTERLEAVED_BYTES`, in the
-    rounds below it), a size's parameter-server frames right after its collectives when it is above; then the
-    rounds; then the smaller sizes' frames, after every collective."""
+    None where the rounds are made."""
 
     def measured(name: str, size: int) -> bool:
         family = "ps" if name.startswith("ps_") else name.split(":")[0]

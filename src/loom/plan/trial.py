@@ -4,32 +4,21 @@
     loom run -n N [--servers S] -m loom.plan.trial verify --out F --family DataParallel --options '{}' SCRIPT ...
 
 Both run the user's script up to its ``job.loader(...)`` (`loom.plan.capture`) in every worker, so every rank
-holds the same model, optimizer, loss and data as the script would build.
+holds the same model, optimizer, loss and data as the script would build. Rank 0 writes ``--out`` as JSON.
 
-``calibrate``: the transport (`loom.plan.transport_timing.measure_transport`) at the given sizes.
-
-It measures the process's runtime bytes (its RSS after running the script up to its loader, less the model's
-parameters: torch, loom, the script's data; the largest rank's), and runs the reference configuration,
-``DataParallel(allreduce="native")``, a few steps on a copy of the model (``reference_step_s``), then the same steps
-with no exchange, ``LocalSGD`` that never synchronizes (``quiet_step_s``, on the reference's copy). The planner takes the
-engine overhead from the quiet run (its step less its formula: loom's step engine, its guard, step records, loader
-hand-off, and the two processes' contention for the cores) and the overlap coefficient ``k`` from the pair (the
-native all-reduce's exposed time is the reference's step less the quiet one's), so a noisy ``k`` moves only the
-configurations that overlap, never the others' overhead (`loom.plan.cost`). With ``--pipeline``, a pipeline
-(``{"Pipeline": options}`` or ``{"Hybrid": ...}``) too (``pipeline_step_s``): a pipeline schedule's engine
-overhead is its own (planner).
-
-And the peak RSS of ZeRO stage 3 on the user's model (`_fsdp_peak`: one step with the optimizer's state made,
-after the allocator has returned what earlier measurements freed): FSDP holds far more than its shards (`loom.plan.cost`).
-
-And the fixed costs no message's time contains (`_fixed_costs`: a tiny chain trained by each): FSDP's per unit at
-ZeRO stages 2 and 3, and a synchronous parameter server's per step.
+``calibrate``: the process's runtime bytes (its RSS after the script's set-up less the model's parameters: torch,
+loom, the script's data; the largest rank's); the transport (`loom.plan.transport_timing.measure_transport`) at
+the given sizes; the reference, ``DataParallel(allreduce="native")``, a few steps on a copy of the model
+(``reference_step_s``), then the same steps with no exchange, ``LocalSGD`` that never synchronizes
+(``quiet_step_s``, on the reference's copy). The planner takes the engine overhead from the quiet run and the
+overlap coefficient ``k`` from the pair, so a noisy ``k`` moves only the configurations that overlap, never the
+others' overhead (`loom.plan.cost`). With ``--pipeline`` (``{"Pipeline": options}`` or ``{"Hybrid": ...}``) a
+pipeline too (``pipeline_step_s``: a schedule's engine overhead is its own). Then ZeRO-3's peak RSS
+(`_fsdp_peak`: FSDP holds far more than its shards) and the fixed costs no message's time contains
+(`_fixed_costs`).
 
 ``verify``: the configuration itself, built from its family and options by name (no ``eval``), a few real steps
-of ``job.train_step``; writes the median step time (of a few timed blocks: a sync round for LocalSGD/DiLoCo,
-one step otherwise; each block the slowest rank's) and the training state's
-bytes by category (`Job.memory`, the largest rank) and the peak RSS.
-Rank 0 writes ``--out`` as JSON.
+of ``job.train_step`` (`_verify_steps`: the median step time, the training state's bytes, the peak RSS).
 """
 
 from __future__ import annotations
