@@ -90,6 +90,7 @@ class _Job:
         from ray.util.placement_group import placement_group
 
         from loom.net.store import StoreServer, job_secret
+        from loom.ray.rank_host import RankHost, ship_by_value
 
         self.ray, self.config, self.work = ray, config, work
         self.run_dir = Path(config.run_dir).resolve()
@@ -99,7 +100,8 @@ class _Job:
         self.address = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.store = StoreServer(self.address, 0, job_secret(self.secret))
-        self.host_class = ray.remote(max_restarts=0)(_rank_host_class())
+        ship_by_value()  # the actors do not import loom (`loom.ray.rank_host`)
+        self.host_class: Any = ray.remote(max_restarts=0)(RankHost)
         self.servers: list[_Rank] = []
         self.server_addresses: list[str] = []
         self.staged: list[tuple[str, str]] = []
@@ -169,13 +171,10 @@ class _Job:
             env["CUDA_VISIBLE_DEVICES"] = r.place["visible_gpus"]
         return env
 
-    def _writes_directly(self, where: dict[str, Any]) -> bool:
-        if self.config.copy_run_dir is None:
-            return where["node_id"] == self.node_id
-        return not self.config.copy_run_dir
-
     def _start(self, r: _Rank, argv: list[str], env: dict[str, str], log_name: str, payload) -> Any:
-        run_dir = str(self.run_dir) if self._writes_directly(r.where) else None
+        copy = self.config.copy_run_dir  # None: a process on the driver's node writes into run_dir itself
+        direct = r.where["node_id"] == self.node_id if copy is None else not copy
+        run_dir = str(self.run_dir) if direct else None
         cwd = self.config.working_dir or os.getcwd()
         return r.actor.start.remote(argv, env, cwd, run_dir, log_name, payload)
 
@@ -314,13 +313,6 @@ class _Job:
             for node, paths in by_node.items()
         ]
         self._settle(refs)
-
-
-def _rank_host_class():
-    from loom.ray.rank_host import RankHost, ship_by_value
-
-    ship_by_value()
-    return RankHost
 
 
 def run_job(config, work: WorkerSpec) -> dict[int, bytes | None]:
