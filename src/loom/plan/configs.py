@@ -81,12 +81,9 @@ def _pipelines(nproc: int, chain_length: int, global_batch: int) -> list[Configu
             for m in MICROBATCHES:
                 if math.ceil(global_batch / dp) < m:
                     continue
-                if dp == 1:
-                    opts: tuple = (("stages", pp), ("microbatches", m), ("schedule", schedule))
-                    out.append(Configuration("Pipeline", nproc, opts, dp=1, pp=pp))
-                else:
-                    opts = (("dp", dp), ("pp", pp), ("microbatches", m), ("schedule", schedule))
-                    out.append(Configuration("Hybrid", nproc, opts, dp=dp, pp=pp))
+                shape: tuple = (("stages", pp),) if dp == 1 else (("dp", dp), ("pp", pp))
+                opts = (*shape, ("microbatches", m), ("schedule", schedule))
+                out.append(Configuration("Pipeline" if dp == 1 else "Hybrid", nproc, opts, dp=dp, pp=pp))
     return out
 
 

@@ -256,22 +256,22 @@ def plan(
     started = time.perf_counter()
     captured: CapturedScript = capture_script(script, args)
     seconds["capture"] = time.perf_counter() - started
+    batch = captured.global_batch_size
     world = nproc * hosts
     algorithms = ("native", "ring", "shm") if hosts == 1 else ("native", "ring")
     from loom.plan.profile import _layers  # the same list the profile times
 
     chain_layers, is_chain, _ = _layers(captured.model)
     chain = len(chain_layers)
-    configs = [dataclasses.replace(c, hosts=hosts)
-               for c in candidates(world, algorithms, chain, captured.global_batch_size)]  # fmt: skip
+    configs = [dataclasses.replace(c, hosts=hosts) for c in candidates(world, algorithms, chain, batch)]
     # The calibration job runs on this host: nproc processes, at least 2 (one process per host still needs a
     # measured floor for its collectives, and the engine overhead of a job that has peers).
     calibrated = max(2, nproc)
     reference = Configuration("DataParallel", calibrated, (("allreduce", "native"),), dp=calibrated)
-    probe = _pipeline_probe(calibrated, is_chain, chain, captured.global_batch_size)
+    probe = _pipeline_probe(calibrated, is_chain, chain, batch)
     t = time.perf_counter()
     probes = [reference] + ([probe] if probe else [])
-    profile = profile_model(captured, batch_sizes([*configs, *probes], captured.global_batch_size))
+    profile = profile_model(captured, batch_sizes([*configs, *probes], batch))
     seconds["profile:model"] = time.perf_counter() - t
     gradient = gradient_like(captured.model)
     codecs = {spec: measure_codec(spec, captured.model, world, gradient=gradient) for spec in CODECS}
@@ -286,9 +286,7 @@ def plan(
     servers = int(any(c.family == "ParameterServer" for c in configs))  # its fixed cost is measured
     measured = _trial("calibrate", script, args, calibrated, servers, options, timeout_s)
     spare = (os.cpu_count() or 1) > nproc * profile.threads
-    local = _with_overlap(
-        Transport.from_json(measured), measured, profile, reference, captured.global_batch_size
-    )
+    local = _with_overlap(Transport.from_json(measured), measured, profile, reference, batch)
     transport = dataclasses.replace(local, world_size=world, hosts=hosts,
                                     link_bytes_per_s=link_bytes_per_s)  # fmt: skip
     if hosts > 1:
@@ -297,12 +295,12 @@ def plan(
     seconds["transport"] = time.perf_counter() - t  # the whole calibration job, its parts below
     seconds.update({f"calibration:{k}": float(v) for k, v in measured.get("calibration_seconds", {}).items()})
     t = time.perf_counter()
-    formula = predict(reference, profile, local, captured.global_batch_size, codecs, spare)
+    formula = predict(reference, profile, local, batch, codecs, spare)
     quiet = Configuration("LocalSGD", calibrated, (("sync_every", QUIET),), dp=calibrated)
-    overhead = _overhead(measured["quiet_step_s"], predict(quiet, profile, local, captured.global_batch_size))
+    overhead = _overhead(measured["quiet_step_s"], predict(quiet, profile, local, batch))
     overheads = {family: overhead for family in {c.family for c in configs}}
     if probe and "pipeline_step_s" in measured:
-        replay = predict(probe, profile, local, captured.global_batch_size)
+        replay = predict(probe, profile, local, batch)
         overheads.update({f: _overhead(measured["pipeline_step_s"], replay) for f in PIPELINES})
     # The process's memory beyond the formulas' (torch, loom, the script's data, DDP's buckets, the allocator's
     # slack): the reference's measured peak less its predicted state, activations and temporaries, as the
@@ -311,8 +309,7 @@ def plan(
     runtime = int(measured.get("runtime_bytes", 0))
     if measured.get("reference_peak_rss"):
         runtime = max(0, int(measured["reference_peak_rss"]) - formula.memory["total"])
-    fsdp_extra = _fsdp_extra(measured, profile, local, captured.global_batch_size, calibrated, runtime)
-    batch = captured.global_batch_size
+    fsdp_extra = _fsdp_extra(measured, profile, local, batch, calibrated, runtime)
     predictions: list[Prediction] = [
         predict(c, profile, transport, batch, codecs, spare, overheads[c.family], runtime, fsdp_extra)
         for c in configs
@@ -330,7 +327,7 @@ def plan(
         script,
         nproc,
         hosts,
-        captured.global_batch_size,
+        batch,
         profile,
         transport,
         ranked,

@@ -8,9 +8,8 @@ with the thread count one worker of ``loom run`` gets (``OMP_NUM_THREADS``, 1 un
   layer's output tensor fires when the gradient of that output is ready, which is when the layer's own backward
   starts; it ends when the gradient of the layer before is ready (or backward returns, for the first layer).
   This is exact for a chain, whose backward runs the layers in reverse order, one at a time;
-- the whole step (forward, backward, optimizer step): the median of ``repeats`` timed steps after one untimed
-  pass (fewer when they would take more than `PROFILE_BUDGET_S`, at least one): a warm-up step at the first
-  (largest) batch size, a forward alone at the others (`_profile_batch`);
+- the whole step (forward, backward, optimizer step): the median of the timed steps after an untimed pass
+  (`_profile_batch`);
 - the step's transient peak (`ModelProfile.transient_bytes`), from the process's peak RSS (``VmHWM``);
 - bytes: parameters, gradients and optimizer state after a step (`loom.observe.memory.state_bytes`, the same
   count `job.memory()` reports), the activations autograd saves for backward per layer (a
