@@ -161,8 +161,7 @@ def _reduce(flat: torch.Tensor, op: int, engine) -> torch.Tensor:
     if engine.size == 1:
         return flat
     if flat.dtype == torch.int16:  # gloo cannot reduce int16
-        wide = _reduce(flat.to(torch.int32), op, engine)
-        return wide.to(torch.int16)
+        return _reduce(flat.to(torch.int32), op, engine).to(torch.int16)
     algorithm = str(setting("LOOM_HOROVOD_ALLREDUCE"))
     if op in (SUM, AVERAGE) and algorithm != "native" and flat.dtype in (torch.float32, torch.float64):
         from loom.comm import all_reduce
@@ -294,10 +293,7 @@ def rows_of(rank: int, size: int, rows: int) -> tuple[int, int]:
 
 def _reducescatter(engine, metas, local):
     reduced = _allreduce_all(engine, metas, local.tensors)
-    results = []
-    for r in reduced:
-        start, end = rows_of(engine.rank, engine.size, r.shape[0])
-        results.append(r[start:end].clone())
+    results = [r[slice(*rows_of(engine.rank, engine.size, r.shape[0]))].clone() for r in reduced]
     return results if local.args.get("grouped") else results[0]
 
 

@@ -102,12 +102,7 @@ def _reduce_op(average, op, kind: str = "allreduce") -> int:
 
 
 def _reduce_args(op: int, prescale_factor, postscale_factor, grouped=False) -> dict:
-    return {
-        "op": op,
-        "prescale": float(prescale_factor),
-        "postscale": float(postscale_factor),
-        "grouped": grouped,
-    }
+    return dict(op=op, prescale=float(prescale_factor), postscale=float(postscale_factor), grouped=grouped)
 
 
 class _Collective(torch.autograd.Function):
@@ -195,10 +190,9 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=basics.global_process_set):  # fmt: skip
-    handle = grouped_allreduce_async_(
-        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     )
-    return synchronize(handle)
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=basics.global_process_set):

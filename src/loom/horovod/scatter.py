@@ -42,9 +42,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=basics.global_pro
         if isinstance(splits, torch.Tensor):
             if splits.dtype != torch.int32:
                 raise ValueError(f"alltoall: splits must be an int32 tensor, got {splits.dtype}")
-            counts = [int(x) for x in splits.reshape(-1).tolist()]
-        else:
-            counts = [int(x) for x in splits]
+            splits = splits.reshape(-1).tolist()
+        counts = [int(x) for x in splits]
         if len(counts) != n or any(c < 0 for c in counts):
             raise ValueError(f"alltoall: splits={counts} must hold {n} non-negative counts")
         if sum(counts) > rows:
