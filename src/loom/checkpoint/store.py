@@ -107,11 +107,7 @@ def list_checkpoints(directory: str | os.PathLike) -> dict[int, Path]:
     root = Path(directory)
     if not root.is_dir():
         return {}
-    found = {}
-    for entry in root.iterdir():
-        match = STEP_NAME.fullmatch(entry.name)
-        if match and entry.is_dir():
-            found[int(match.group(1))] = entry
+    found = {int(m.group(1)): e for e in root.iterdir() if (m := STEP_NAME.fullmatch(e.name)) and e.is_dir()}
     return dict(sorted(found.items()))
 
 
@@ -270,13 +266,9 @@ def file_entries(name: str, data: bytes) -> int:
     (``state.json``; a safetensors file's header and, for a packed state, the skeleton inside it), or its JSON
     bytes divided by `BYTES_PER_ENTRY` where that is more (long strings). Reading allows no more values than
     this and no more JSON bytes than this many entries of `BYTES_PER_ENTRY`."""
-    if name == STATE_FILE:
-        text = data
-        values = count_json_values(text)
-    else:
-        length = int.from_bytes(data[:8], "little")
-        text = data[8 : 8 + length]
-        values = count_json_values(text)
+    text = data if name == STATE_FILE else data[8 : 8 + int.from_bytes(data[:8], "little")]
+    values = count_json_values(text)
+    if name != STATE_FILE:
         skeleton = json.loads(text).get("__metadata__", {}).get(TAG)
         if isinstance(skeleton, str):
             values += count_json_values(skeleton.encode())
