@@ -82,13 +82,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[str, int], int]:
-    found = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            key = _storage_key(t)
-            if key is not None:
-                found[key] = _nbytes(t)
-    return found
+    keyed = ((_storage_key(t), t) for t in tensors if isinstance(t, torch.Tensor))
+    return {key: _nbytes(t) for key, t in keyed if key is not None}
 
 
 def _claims(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[tuple[str, int], int]]:

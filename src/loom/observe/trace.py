@@ -114,9 +114,7 @@ def merge_traces(run_dir: str | Path) -> Path | None:
     parts = sorted(Path(run_dir).glob("trace/rank*.json"), key=lambda p: int(p.stem.removeprefix("rank")))
     if not parts:
         return None
-    events: list[dict[str, Any]] = []
-    for part in parts:
-        events.extend(json.loads(part.read_text())["traceEvents"])
+    events = [event for part in parts for event in json.loads(part.read_text())["traceEvents"]]
     out = Path(run_dir) / "trace.json"
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return out
