@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loom.launch.bounds import check_nproc, refuse
 from loom.settings import SETTINGS, check_environment, setting
 
 __all__ = ["main"]
@@ -37,12 +38,6 @@ _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: v > 0, "a number of seconds > 0")
 _trace_window = _number(SETTINGS["LOOM_TRACE_STEPS"].parse, bool, "FIRST:LAST steps with FIRST < LAST")
-
-
-def _refused(line: str) -> int:
-    """A command refused before it starts anything: ``line`` on stderr, and exit status 2."""
-    print(line, file=sys.stderr)
-    return 2
 
 
 def _default_run_dir() -> Path:
@@ -179,13 +174,13 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     for line in warnings:
         print(f"loom run: warning: {line}", file=sys.stderr)
     if errors:
-        return _refused("\n".join(f"loom run: {line}" for line in errors))
+        return refuse("\n".join(f"loom run: {line}" for line in errors))
     elsewhere = ns.backend == "ray" or ns.cluster or ns.host_index is not None  # not -n workers here
     refused = _device_env(ns, None if elsewhere else ns.nproc)
     if refused is not None:
-        return _refused(refused)
+        return refuse(refused)
     if ns.max_server_restarts is not None and elsewhere:
-        return _refused("loom run: --max-server-restarts applies to the parameter servers of a one-node `loom run "
+        return refuse("loom run: --max-server-restarts applies to the parameter servers of a one-node `loom run "
                         "--servers K`; the servers of --backend ray and of --cluster hosts are not restarted yet. "
                         "HINT: drop the option")  # fmt: skip
     if ns.backend == "ray":
@@ -193,7 +188,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
         return run_from_cli(ns, ns.run_dir or _default_run_dir())
     if ns.address is not None:
-        return _refused("loom run: --address is the Ray cluster's address. HINT: add --backend ray")
+        return refuse("loom run: --address is the Ray cluster's address. HINT: add --backend ray")
     if ns.cluster is not None or ns.host_index is not None:
         return _cmd_run_cluster(ns)
 
@@ -204,7 +199,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             max_server_restarts=3 if ns.max_server_restarts is None else ns.max_server_restarts,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as error:
-        return _refused(f"loom run: {error}")
+        return refuse(f"loom run: {error}")
     return launch(spec)
 
 
@@ -224,7 +219,7 @@ def _cmd_run_cluster(ns: argparse.Namespace) -> int:
         spec = load_cluster(ns.cluster)
         index = pick_host(spec, ns.host_index)
     except ClusterSpecError as error:
-        return _refused(f"loom run: {error}")
+        return refuse(f"loom run: {error}")
     return run_host(spec, index, _spec_options(ns))
 
 
@@ -239,12 +234,11 @@ def _spec_options(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
     from loom.demo.main import run_demo
-    from loom.launch.bounds import check_nproc
 
     try:
         check_nproc(ns.nproc, None, override="the demo runs on this host only")
     except ValueError as error:
-        return _refused(f"loom demo: {error}")
+        return refuse(f"loom demo: {error}")
     return run_demo(nproc=ns.nproc, epochs=ns.epochs, run_dir=ns.run_dir or _default_run_dir())
 
 
@@ -255,13 +249,11 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
                                 model=ns.model or "1.9m")  # fmt: skip
     if ns.which == "allreduce":
         if ns.model is not None:
-            return _refused(
-                "loom bench allreduce: --model applies to `loom bench dp` only. HINT: leave it out"
-            )
+            return refuse("loom bench allreduce: --model applies to `loom bench dp` only. HINT: leave it out")
         sizes = {"world_sizes": (ns.nproc,)} if ns.nproc is not None else {}
         return _benchmark("allreduce").run_allreduce_benchmark(out_dir=ns.out, quick=ns.quick, **sizes)
     if ns.nproc is not None or ns.model is not None:
-        return _refused(f"loom bench {ns.which}: -n/--nproc and --model apply to `loom bench dp` (and -n to "
+        return refuse(f"loom bench {ns.which}: -n/--nproc and --model apply to `loom bench dp` (and -n to "
                         "allreduce) only. HINT: leave them out")  # fmt: skip
     if ns.which == "links":
         return _benchmark("links").run_links_benchmark(out_dir=ns.out, reps=ns.repetitions, quick=ns.quick)
@@ -288,7 +280,7 @@ def _benchmark(name: str) -> Any:
 
 def _cmd_report(ns: argparse.Namespace) -> int:
     if not ns.run_dir.is_dir():
-        return _refused(f"loom report: run directory {str(ns.run_dir)!r} does not exist")
+        return refuse(f"loom report: run directory {str(ns.run_dir)!r} does not exist")
     from loom.observe.report import run_report
 
     return run_report(ns.run_dir)
@@ -301,7 +293,7 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     try:
         step, count = export_model(ns.checkpoint, ns.out)
     except (CheckpointError, OSError, ValueError) as err:
-        return _refused(f"loom export: {err}")
+        return refuse(f"loom export: {err}")
     print(f"loom export: step {step}, {count} tensors -> {ns.out}")
     return 0
 

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loom.launch.bounds import refuse
 from loom.launch.spec import LaunchSpec, endpoint_and_addr, run_id_of, secret_of
 from loom.net.interfaces import interface_of
 from loom.observe.trace import merge_traces_and_say
@@ -91,8 +92,7 @@ def launch(spec: LaunchSpec) -> int:
         host, port, local_addr = endpoint_and_addr(spec)
         lost_after_s = min(liveness_timeout_s() + LOST_AFTER_GRACE_S, hang_timeout_s())
     except ValueError as error:
-        print(f"loom run: {error}", file=sys.stderr)
-        return 2
+        return refuse(f"loom run: {error}")
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     _worker_env(spec, local_addr)
     _quiet_agent_logs()
@@ -104,8 +104,7 @@ def launch(spec: LaunchSpec) -> int:
         except OSError as error:
             if spec.nnodes == 1:  # node 0's store across nodes: one node's listens on loopback
                 raise
-            print(f"{cannot_listen}: {error.strerror or error}", file=sys.stderr)
-            return 2
+            return refuse(f"{cannot_listen}: {error.strerror or error}")
         if status:
             print(f"loom run: worker logs are in {logs}", file=sys.stderr)
         return status
@@ -122,9 +121,8 @@ def launch(spec: LaunchSpec) -> int:
             lost_after_s,
         )
     except OSError as error:
-        print(f"{cannot_listen}: {error.strerror or error}. HINT: run node 0 on the host --master names, with a "
-              "port nothing else uses", file=sys.stderr)  # fmt: skip
-        return 2
+        return refuse(f"{cannot_listen}: {error.strerror or error}. HINT: run node 0 on the host --master names, "
+                      "with a port nothing else uses")  # fmt: skip
     started = time.monotonic()
     servers = None
     try:
@@ -135,15 +133,12 @@ def launch(spec: LaunchSpec) -> int:
         lost = rendezvous.silent_peers()
         if lost:
             print(f"loom run: {lost}", file=sys.stderr)
-        print(f"loom run: worker logs are in {logs}", file=sys.stderr)
-        return 1
+        return refuse(f"loom run: worker logs are in {logs}", 1)
     except (PeerLost, StoreUnreachable, StoreTimeout) as error:
-        print(f"loom run: {error}", file=sys.stderr)
-        return 1
+        return refuse(f"loom run: {error}", 1)
     except SignalException as stop:
         if servers is not None and servers.failure is not None:  # the server watcher stopped the job
-            print(f"loom run: workers were terminated; logs are in {logs}", file=sys.stderr)
-            return 1
+            return refuse(f"loom run: workers were terminated; logs are in {logs}", 1)
         print(f"loom run: stopped by signal {stop.sigval.name}; workers were terminated", file=sys.stderr)
         return 128 + int(stop.sigval)
     finally:
@@ -176,10 +171,9 @@ def summary_line(spec: LaunchSpec, seconds: float, restarts: int, server_restart
     """The job's last line: time, workers, restarts (of parameter servers too, if any) and, when rank 0 kept
     step records, its last step."""
     workers = f"{spec.nproc} worker(s)" + (f" on each of {spec.nnodes} nodes" if spec.nnodes > 1 else "")
-    if server_restarts:
-        restarts_text = f"{restarts} restart(s), {server_restarts} parameter-server restart(s)"
-    else:
-        restarts_text = f"{restarts} restart(s)"
+    restarts_text = f"{restarts} restart(s)" + (
+        f", {server_restarts} parameter-server restart(s)" if server_restarts else ""
+    )
     last = last_recorded_step(spec.run_dir / "metrics" / "rank0.jsonl")
     steps = f", {last} steps" if last is not None and spec.node_rank == 0 else ""
     return (

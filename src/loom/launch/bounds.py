@@ -18,9 +18,10 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 
 __all__ = ["MAX_NPROC_PER_CORE", "MAX_SPEC_NESTING", "MIN_WORKER_BYTES", "check_nproc", "default_max_nproc",
-           "json_nesting_depth", "memory_max_nproc", "read_regular_file"]  # fmt: skip
+           "json_nesting_depth", "memory_max_nproc", "read_regular_file", "refuse"]  # fmt: skip
 
 MAX_NPROC_PER_CORE = 8
 """Worker processes allowed per core of the host by default (``--max-nproc`` overrides)."""
@@ -75,6 +76,13 @@ def check_nproc(
             f"{held * MIN_WORKER_BYTES >> 30} GiB at {MIN_WORKER_BYTES >> 20} MiB per worker, whatever --max-nproc "
             "says). HINT: check the number; spread the workers over more hosts"
         )
+
+
+def refuse(line: str, status: int = 2) -> int:
+    """``line`` on stderr, and the status for the command to exit with: 2 (the default) when it refused to start
+    (a bad option, spec or setting), 1 when the job failed."""
+    print(line, file=sys.stderr)
+    return status
 
 
 def json_nesting_depth(text: str) -> int:

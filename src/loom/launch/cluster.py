@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.errors import ClusterSpecError  # noqa: F401 - raised here, defined there
-from loom.launch.bounds import MAX_SPEC_NESTING, check_nproc, json_nesting_depth, read_regular_file
+from loom.launch.bounds import MAX_SPEC_NESTING, check_nproc, json_nesting_depth, read_regular_file, refuse
 from loom.settings import SettingError, setting
 
 __all__ = [
@@ -255,16 +255,14 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
     ``options`` are the other `loom.launch.spec.LaunchSpec` fields (target, args, run_dir, ...)."""
     host = spec.hosts[index]
     if options.get("on_worker_failure") == "continue" and spec.server_addresses:
-        print("loom run: --on-worker-failure continue runs one node with its parameter servers beside it; a cluster "
-              "spec with server hosts runs with 'stop'. HINT: drop --on-worker-failure, or use loom run -n N "
-              "--servers K --on-worker-failure continue on one host", file=sys.stderr)  # fmt: skip
-        return 2
+        return refuse("loom run: --on-worker-failure continue runs one node with its parameter servers beside it; a "
+                      "cluster spec with server hosts runs with 'stop'. HINT: drop --on-worker-failure, or use loom "
+                      "run -n N --servers K --on-worker-failure continue on one host")  # fmt: skip
     insecure_ok = options.get("insecure_no_secret") and not spec.server_addresses
     if len(spec.hosts) > 1 and not os.environ.get("LOOM_JOB_SECRET") and not insecure_ok:
-        print("loom run: a cluster of several hosts needs LOOM_JOB_SECRET, the same on every host: it "
-              "authenticates the store, the rendezvous and the parameter servers. HINT: export "
-              "LOOM_JOB_SECRET=$(openssl rand -hex 32) on every host", file=sys.stderr)  # fmt: skip
-        return 2
+        return refuse("loom run: a cluster of several hosts needs LOOM_JOB_SECRET, the same on every host: it "
+                      "authenticates the store, the rendezvous and the parameter servers. HINT: export "
+                      "LOOM_JOB_SECRET=$(openssl rand -hex 32) on every host")  # fmt: skip
     if host.role == "server":
         return _serve(
             spec, index, options.get("join_timeout_s", 120.0), options["run_dir"], options.get("max_nproc")
@@ -284,17 +282,15 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
             **options,
         )
     except (ValueError, FileNotFoundError) as error:
-        print(f"loom run: {error}", file=sys.stderr)
-        return 2
+        return refuse(f"loom run: {error}")
     if spec.server_addresses:
         from loom.launch.servers import wait_for_servers
 
         missing = wait_for_servers(spec.server_addresses, launch_spec.join_timeout_s)
         if missing:
-            print(f"loom run: parameter server(s) {', '.join(missing)} of {spec.source} did not accept a connection "
-                  f"within --join-timeout {launch_spec.join_timeout_s:g} s; the workers were not started. HINT: "
-                  "run the same loom run --cluster command on every server host", file=sys.stderr)  # fmt: skip
-            return 1
+            return refuse(f"loom run: parameter server(s) {', '.join(missing)} of {spec.source} did not accept a "
+                          f"connection within --join-timeout {launch_spec.join_timeout_s:g} s; the workers were not "
+                          "started. HINT: run the same loom run --cluster command on every server host", 1)  # fmt: skip
         os.environ["LOOM_PS_ADDRS"] = ",".join(spec.server_addresses)
     return launch(launch_spec)
 
@@ -306,19 +302,14 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
     from loom.launch.supervise import exit_cause, stop_processes
     from loom.net.store import LoomStore, StoreUnreachable, job_secret
 
-    try:
-        master_host, master_port = master_host_port(spec.master)
-        secret = job_secret()
-    except ValueError as error:
-        print(f"loom run: {error}", file=sys.stderr)
-        return 2
     addresses = spec.server_addresses
     mine = [(i, a) for i, a in enumerate(addresses) if a.rpartition(":")[0] == spec.hosts[index].address]
     try:
+        master_host, master_port = master_host_port(spec.master)
+        secret = job_secret()
         check_nproc(len(mine), max_nproc, f"{spec.source}: hosts[{index}].ports lists")
     except ValueError as error:
-        print(f"loom run: {error}", file=sys.stderr)
-        return 2
+        return refuse(f"loom run: {error}")
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, LOOM_RUN_DIR=str(run_dir.resolve()), PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
@@ -333,10 +324,9 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
         try:
             first.ping()
         except StoreUnreachable as error:
-            print(f"loom run: this server host could not join the job: {error} (--join-timeout "
-                  f"{join_timeout_s:g} s). HINT: start the first worker host too, with the same LOOM_JOB_SECRET",
-                  file=sys.stderr)  # fmt: skip
-            return 1
+            return refuse(f"loom run: this server host could not join the job: {error} (--join-timeout "
+                          f"{join_timeout_s:g} s). HINT: start the first worker host too, with the same "
+                          "LOOM_JOB_SECRET", 1)  # fmt: skip
         finally:
             first.close()
         print(f"loom run: servers {[a for _, a in mine]} joined the job at {spec.master}", file=sys.stderr)
@@ -346,9 +336,8 @@ def _serve(spec: ClusterSpec, index: int, join_timeout_s: float, run_dir: Path, 
             time.sleep(_STORE_POLL_S)
             dead = [(i, p.returncode) for (i, _), p in zip(mine, procs, strict=True) if p.poll() is not None]
             if dead:
-                print(f"loom run: parameter server {dead[0][0]} ended ({exit_cause(dead[0][1])}) while the job ran; "
-                      "see its lines above", file=sys.stderr)  # fmt: skip
-                return 1
+                return refuse(f"loom run: parameter server {dead[0][0]} ended ({exit_cause(dead[0][1])}) while the "
+                              "job ran; see its lines above", 1)  # fmt: skip
             try:
                 watch.ping()
                 missed = 0
