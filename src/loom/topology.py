@@ -86,16 +86,6 @@ class Topology:
 _current: Topology | None = None
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
 def _pick_backend(requested: str | None, choice: DeviceChoice) -> str:
     """The default group's backend: the device rule's (`loom.devices`), or the one asked for, checked against
     the device (NCCL needs a GPU of the process's own)."""
@@ -188,18 +178,12 @@ def _join(backend: str | None, timeout_s: float, device: str | None = None) -> T
             # Kept here while the group lives: torch holds only the C++ side of a Python store, and a call to
             # a store whose Python object was collected fails ("Not implemented"), e.g. in every new_group.
             _store = _job_store(rank, timeout_s)
-            dist.init_process_group(
-                backend=chosen, store=_store, rank=rank, world_size=world_size, timeout=timeout
-            )
+            meet: dict[str, Any] = {"store": _store}
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun: its agent bounds the join
-            dist.init_process_group(
-                backend=chosen, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
-            )
+            meet = {"init_method": "env://"}
         else:  # no agent (plain `python` with the variables set): a join bounded by LOOM_JOIN_TIMEOUT_S
-            store = join_env_store(rank, world_size, timeout_s)
-            dist.init_process_group(
-                backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout
-            )
+            meet = {"store": join_env_store(rank, world_size, timeout_s)}
+        dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, timeout=timeout, **meet)
         # gloo's connections finish on each rank in its own time: a rank that went on and ended at once (a
         # setup every rank refuses) closed its sockets under a peer still connecting, which then failed with
         # "Gloo connectFullMesh failed ... Connection closed by peer" instead of the refusal. A CPU tensor's
@@ -217,13 +201,11 @@ _store = None
 
 
 def _job_store(rank: int, timeout_s: float):
-    """A client of the store `loom run` hosts (every call bounded by ``timeout_s``)."""
-    from loom.net.store import (
-        LoomStore,
-        job_secret,
-    )  # the launcher's store; imported only under `loom run`
+    """A client of the store `loom run` hosts (every call bounded by ``timeout_s``); MASTER_ADDR and MASTER_PORT
+    were checked by `loom.launcher_env.read_launcher_env`."""
+    from loom.net.store import LoomStore, job_secret  # the launcher's store: imported only under `loom run`
 
-    addr, port = os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT", 0)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     bound = min(60.0, timeout_s)
     return LoomStore(
         addr, port, job_secret(), prefix=os.environ["LOOM_STORE_PREFIX"],
