@@ -43,7 +43,7 @@ def test_a_nonfinite_stop_is_caught_as_a_loom_error():
         raise AssertionError("no error raised")
 
 
-CONTROL_FLOW = {"loom.launch.supervise._JobFailed", "loom.plan.capture._Captured"}
+CONTROL_FLOW = {"loom.plan.capture._Captured"}
 """Exception classes that are no error of loom's: private signals raised and caught inside one module."""
 
 

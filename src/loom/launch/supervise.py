@@ -243,17 +243,13 @@ def end_workers(workers: list[Worker], grace_s: float, zygote: Zygote) -> None:
             reader.join(timeout=5.0)
 
 
-class _JobFailed(Exception):
-    """The job cannot go on (a parameter server died once too often): stop the workers, exit 1."""
-
-
-def _watch(workers: list[Worker], failure: Callable[[], str | None]) -> None:
-    """Wait for every worker to end, announcing each one that dies while the others go on; raises `_JobFailed`
-    when ``failure()`` says the job cannot go on."""
+def _watch(workers: list[Worker], failure: Callable[[], str | None]) -> bool:
+    """Wait for every worker to end, announcing each one that dies while the others go on; True as soon as
+    ``failure()`` says the job cannot go on (a parameter server died once too often: the workers are stopped)."""
     said: set[str] = set()
     while True:
         if failure() is not None:
-            raise _JobFailed(failure())
+            return True
         running = 0
         for w in workers:
             if w.proc.poll() is None:
@@ -269,7 +265,7 @@ def _watch(workers: list[Worker], failure: Callable[[], str | None]) -> None:
                 print(f"loom run: {what}; {left} other worker(s) go on (--on-worker-failure continue)",
                       file=sys.stderr, flush=True)  # fmt: skip
         if not running:
-            return
+            return False
         time.sleep(0.1)
 
 
@@ -329,9 +325,8 @@ def supervise_workers(
                 return heal(store, start)
             for rank in range(nproc):
                 start(rank, 0)
-            _watch(workers, failure)
-    except _JobFailed:
-        return 1
+            if _watch(workers, failure):
+                return 1
     except LauncherStopped as stop:
         print(f"loom run: stopped by signal {stop}; workers were terminated", file=sys.stderr)
         return 128 + stop.signum
