@@ -68,11 +68,6 @@ def requested_device(device: str | None = None) -> str:
     return name
 
 
-def sharing_gpus() -> bool:
-    """``LOOM_SHARE_GPUS`` (``loom run --share-gpus``): ``1`` lets several local ranks share one GPU."""
-    return bool(setting("LOOM_SHARE_GPUS"))
-
-
 def _too_many(nproc: int, gpus: int) -> str:
     return (
         f"{nproc} processes on this host but {gpus} GPU(s): NCCL gives each process its own GPU. HINT: "
@@ -94,7 +89,7 @@ def choose_device(device: str | None, local_rank: int, local_world_size: int) ->
         )
     gpus = torch.cuda.device_count()
     if local_world_size > gpus:
-        if not sharing_gpus():
+        if not setting("LOOM_SHARE_GPUS"):  # (loom run --share-gpus)
             raise ValueError(_too_many(local_world_size, gpus))
         return DeviceChoice(f"cuda:{local_rank % gpus}", "gloo", shared_gpu=True)
     return DeviceChoice(f"cuda:{local_rank}", MIXED_BACKEND)
@@ -122,7 +117,7 @@ def visible_gpus() -> int:
 def check_gpu_count(nproc: int, device: str | None = None, gpus: int | None = None) -> None:
     """Refuse, before anything starts, ``nproc`` processes on a host with fewer GPUs (unless shared), and
     ``--device cuda`` on a host without one. `ValueError` with the counts and the fixes."""
-    name, shared = requested_device(device), sharing_gpus()  # both checked, whatever the device
+    name, shared = requested_device(device), setting("LOOM_SHARE_GPUS")  # both checked, whatever the device
     if name == "cpu":
         return
     count = visible_gpus() if gpus is None else gpus
@@ -157,7 +152,7 @@ def place_model(model: torch.nn.Module, device: torch.device, optimizer=None, ra
     if optimizer is not None and optimizer.state:
         optimizer.load_state_dict(
             optimizer.state_dict()
-        )  # torch's own rule moves each state tensor to its param's
+        )  # torch's rule moves each state tensor to its param's
     if rank == 0:
         was = ", ".join(sorted(str(p) for p in places))
         print(
