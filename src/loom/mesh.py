@@ -19,6 +19,7 @@ keeps the one it belongs to. Nothing is stored in module globals; the mesh is ha
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -168,16 +169,7 @@ class Mesh:
         """A `Topology` whose ranks are the data-parallel replicas, for ``loom.data.loader(topology=...)``.
 
         Data is sharded across ``dp`` only: every process of one replica (all its stages and tensor shards)
-        loads the same share.
+        loads the same share. The rest is this process's topology, its process group included: the job's group,
+        what a loader's same-data check compares over.
         """
-        t = self.topology
-        return Topology(
-            self.index("dp"),
-            self.size("dp"),
-            t.local_rank,
-            t.local_world_size,
-            t.backend,
-            t.device_name,
-            t.shared_gpu,
-            t.process_group,  # the job's group: what a loader's same-data check compares over
-        )
+        return dataclasses.replace(self.topology, rank=self.index("dp"), world_size=self.size("dp"))
