@@ -136,18 +136,15 @@ class Job(abc.ABC):
         """Where this process's part of the model is (its first parameter's device): a CUDA one gets each share
         copied there ahead of the step (`loom.data.prefetch`). Not the topology's device: a job may keep its
         model elsewhere (a parameter server's worker keeps the user's CPU model on a GPU host)."""
-        for parameter in self.module.parameters():
-            return parameter.device
-        return None
+        return next((parameter.device for parameter in self.module.parameters()), None)
 
     def memory(self) -> dict[str, int]:
         """This process's tensor bytes by category: ``parameters``, ``gradients``, ``optimizer``, ``other``,
         ``state`` (the first three) and ``total``, counted over every live tensor (`loom.observe.memory`; ~0.1 s,
         so call it between steps, not in them). The step records carry the cheap part of it every
         ``memory_every`` steps, with the step's peak RSS."""
-        from loom.observe.memory import (
-            live_tensor_bytes,  # here: observe imports torch only, like this module
-        )
+        # imported here: observe imports torch only, like this module
+        from loom.observe.memory import live_tensor_bytes
 
         return live_tensor_bytes(self.module, getattr(self, "optimizer", None))
 
