@@ -109,16 +109,11 @@ def _run_on_driver(train, args, kwargs, num_processes: int, run_dir) -> Any:
             call, result = Path(private, "call.pkl"), Path(private, "result.pkl")
             call.write_bytes(cloudpickle.dumps((train, args, kwargs)))
             cmd += ["-m", "loom.launch.spark", "--call", str(call), "--result", str(result)]
-        _stream(
-            subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-            ),
-            "",
-            "loom run",
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
         )
-        if isinstance(train, str):
-            return None
-        return cloudpickle.loads(result.read_bytes())
+        _stream(proc, "", "loom run")
+        return None if isinstance(train, str) else cloudpickle.loads(result.read_bytes())
 
 
 def _stream(proc: subprocess.Popen, prefix: str, what: str) -> None:
@@ -160,9 +155,7 @@ def _run_on_barrier_tasks(train, args, kwargs, num_processes: int, spark, run_di
     task = _barrier_task(payload, script, num_processes, None if run_dir is None else str(run_dir))
     rdd = session.sparkContext.parallelize(range(num_processes), num_processes)
     results = rdd.barrier().mapPartitions(task).collect()
-    if payload is None:
-        return None
-    return cloudpickle.loads(results[0])
+    return None if payload is None else cloudpickle.loads(results[0])
 
 
 def _barrier_task(payload: bytes | None, script, num_processes: int, run_dir: str | None):
