@@ -76,10 +76,8 @@ class StageStats:
     """Most bytes autograd had saved for backward at once (summed over the live micro-batches)."""
     microbatches: int = 0
     bubble_s: float = 0.0
-    """Time this stage sat idle in the step: the pipeline's span (the longest of its stages') minus
-    ``busy_s``. Waits for neighbours count, and so does the time after this stage's last instruction while
-    another stage still works. Set by the strategy once the stages' spans are gathered; summed over the
-    stages and divided by ``p`` times the pipeline's span it is the step's measured bubble fraction."""
+    """Time this stage sat idle in the step: the pipeline's span (the longest of its stages') minus ``busy_s``,
+    waits for neighbours included (set by the strategy; `ModelParallelJob.bubble` is their sum's fraction)."""
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -147,9 +145,8 @@ def run_instructions(
             saved_bytes[j] = 0
 
             def pack(t: torch.Tensor, j: int = j) -> torch.Tensor:
-                if (
-                    t.untyped_storage().data_ptr() not in weights
-                ):  # weights are saved too, but not activations
+                # autograd saves the stage's weights too: only activations count
+                if t.untyped_storage().data_ptr() not in weights:
                     saved_bytes[j] += t.numel() * t.element_size()
                 return t
 

@@ -97,19 +97,12 @@ def stage_instructions(
     else:
         order = compute_order(schedule, stage, stages, microbatches)
     out: list[Instruction] = []
-    for kind, j in order:
+    for kind, j in order:  # a receive from the neighbour before, a send to the one after (none past an end)
         if kind == "F":
-            if not first:
-                out.append(Instruction(Op.RECV_ACTIVATION, j))
-            out.append(Instruction(Op.FORWARD, j))
-            if not last:
-                out.append(Instruction(Op.SEND_ACTIVATION, j))
+            ops = [Op.RECV_ACTIVATION] * (not first) + [Op.FORWARD] + [Op.SEND_ACTIVATION] * (not last)
         else:
-            if not last:
-                out.append(Instruction(Op.RECV_GRADIENT, j))
-            out.append(Instruction(Op.BACKWARD, j))
-            if not first:
-                out.append(Instruction(Op.SEND_GRADIENT, j))
+            ops = [Op.RECV_GRADIENT] * (not last) + [Op.BACKWARD] + [Op.SEND_GRADIENT] * (not first)
+        out += [Instruction(op, j) for op in ops]
     return out
 
 

@@ -17,6 +17,7 @@ separate layers sharing a parameter (tied weights) is refused (`refuse_shared_pa
 from __future__ import annotations
 
 import inspect
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -144,9 +145,7 @@ def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
     """
     n = len(weights)
     _check_stage_count(stages, n)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + float(w))
+    prefix = list(itertools.accumulate((float(w) for w in weights), initial=0.0))
     inf = float("inf")
     # best[k][i]: smallest possible heaviest stage when the first i layers form k stages.
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
