@@ -189,8 +189,7 @@ class ShardedLoader:
         """Yield a `LazyBatch` per step (the indices; the job fetches its share at the step) instead of this
         replica's share: set by a job whose replicas are known only at the step (DataParallel under heal)."""
         self.device: torch.device | None = None
-        """The job's device (set by `loader`): a CUDA one gets each share gathered and copied ahead
-        (`loom.data.prefetch`) when the dataset is a TensorDataset of CPU tensors collated by default."""
+        """The job's device, set by `loader` (see its ``device``: a CUDA one may prefetch)."""
         self._prefetcher: Prefetcher | None = None
         self._view: tuple[int, int] | None = None
         """(epoch, consumed) after the share last handed out, while a prefetching iteration has fetched one more

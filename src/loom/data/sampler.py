@@ -157,15 +157,8 @@ class GlobalBatchSampler:
             self.epoch, self.consumed = epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "consumed": self.consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            "global_batch_size": self.global_batch_size,
-            "dataset_size": self.dataset_size,
-        }
+        keys = ("epoch", "consumed", "seed", "shuffle", "drop_last", "global_batch_size", "dataset_size")
+        return {key: getattr(self, key) for key in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved at any world size. The order must be the same one: same dataset size, seed,
