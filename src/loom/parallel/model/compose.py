@@ -58,6 +58,17 @@ class ModelParallelStrategy:
     def _topology(self) -> Topology:
         return self.topology if self.topology is not None else current()
 
+    def _mesh(self, option: str, pp: int = 1, tp: int = 1) -> Mesh:
+        """The ``pp × tp`` mesh with the rest of the world as the data axis (refused unless they divide it)."""
+        topo = self._topology()
+        if topo.world_size % (pp * tp):
+            raise ValueError(
+                f"{type(self).__name__}({option}={pp * tp}) does not divide the world size {topo.world_size}. "
+                f"HINT: use a {option} that divides {topo.world_size} (the rest of the processes is the data "
+                "axis), or loom.Hybrid(dp=..., pp=..., tp=...)."
+            )
+        return Mesh(topo.world_size // (pp * tp), pp, tp, topology=topo)
+
 
 def compose(
     model: nn.Module,

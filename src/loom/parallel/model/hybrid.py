@@ -1,14 +1,11 @@
 """Hybrid parallelism: data × pipeline × tensor parallel on one named mesh.
 
 ``Hybrid(dp=a, pp=b, tp=c, microbatches=m, schedule=..., split=..., tp_plan=..., allreduce=..., compression=...)``
-builds one `Mesh` (validated once: ``a · b · c`` must equal the world size) and composes the transforms of
-`loom.parallel.model.compose` on it, in its documented order: pipeline stages, tensor shards inside each stage,
-then the data axis with the `DataAxisConfig` fields given here (``allreduce``, ``compression``, ``zero``, ...).
-
-Data is sharded across ``dp`` only: load with ``job.loader(dataset, global_batch_size)`` so every stage and
-tensor shard of a replica sees the same share (a batch cut otherwise is refused). ``train_step`` returns the
-global-batch loss on every process; ``state_dict()`` is this process's shard with its mesh coordinates, stage
-layers and tensor-parallel shard dims (``full_state_dict()`` gathers the whole model on rank 0).
+builds one `Mesh` (``a · b · c`` must equal the world size) and composes on it the transforms of
+`loom.parallel.model.compose` in its order: pipeline stages, tensor shards inside each stage, then the data axis
+(the `DataAxisConfig` fields given here). Data is sharded across ``dp`` only: load with ``job.loader(dataset,
+global_batch_size)`` so every stage and tensor shard of a replica sees the same share (another cut is refused).
+Training, evaluation and state (this process's shard; ``full_state_dict()``) are `ModelParallelJob`'s.
 """
 
 from __future__ import annotations

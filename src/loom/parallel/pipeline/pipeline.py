@@ -3,8 +3,7 @@
 ``Pipeline(stages=p, microbatches=m, schedule="1f1b" | "gpipe", split="balanced" | [names])`` cuts the model's
 chain of layers (see `pipeline_split`) into ``p`` stages and keeps stage ``i`` on pipeline rank ``i``. Each
 ``train_step`` splits the batch into ``m`` micro-batches, runs the schedule's instruction stream for this stage
-(`pipeline_schedule`) and returns the global-batch loss on every process. GPipe is Huang et al. 2019, 1F1B is
-PipeDream-Flush (Narayanan et al. 2021).
+(`pipeline_schedule`: GPipe or 1F1B) and returns the global-batch loss on every process.
 
 Exactness: micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` to the backward (``N`` the global
 batch, ``loss_j`` the mean loss of the micro-batch), so the accumulated gradient is that of the global-batch mean,
@@ -65,16 +64,7 @@ class Pipeline(ModelParallelStrategy):
         """Keep this process's stage of ``model`` (the other stages' parameters are emptied), return the job."""
         if self.config.stages > 1:
             chain_layers(model)  # a model that is not a chain is refused here, before any collective
-        topo = self._topology()
-        mesh = self.mesh
-        if mesh is None:
-            if topo.world_size % self.config.stages:
-                raise ValueError(
-                    f"Pipeline(stages={self.config.stages}) does not divide the world size {topo.world_size}. "
-                    "HINT: choose a number of stages that divides the number of processes (the rest is the "
-                    "data axis), or use loom.Hybrid(dp=..., pp=..., tp=...)."
-                )
-            mesh = Mesh(dp=topo.world_size // self.config.stages, pp=self.config.stages, topology=topo)
+        mesh = self.mesh if self.mesh is not None else self._mesh("stages", pp=self.config.stages)
         if mesh.size("pp") != self.config.stages:
             raise ValueError(f"Pipeline(stages={self.config.stages}) on a mesh with pp={mesh.size('pp')}")
         return compose(

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from loom.config_docs import document_options
-from loom.mesh import Mesh
 from loom.parallel._setup import LossFn
 from loom.parallel.data.data_parallel_config import DataAxisConfig
 from loom.parallel.model.compose import ModelParallelStrategy, compose
@@ -39,22 +38,15 @@ __all__ = ["TensorParallel", "TensorParallelConfig"]
 class TensorParallel(ModelParallelStrategy):
     """Strategy: split MLP, attention and embedding layers over ``size`` processes (see the module docstring).
 
-    ``TensorParallel(size=t, plan=..., **data)``: a `loom.parallel.model.compose` of one stage split over the mesh's
-    ``tp`` axis; with ``size`` < the world size the remaining factor is the data axis, configured by the
-    `DataAxisConfig` fields in ``data`` (``allreduce``, ``compression``, ``zero``, ...).
+    ``TensorParallel(size=t, plan=..., **data)``: with ``size`` < the world size the remaining factor is the data
+    axis, configured by the `DataAxisConfig` fields in ``data`` (``allreduce``, ``compression``, ``zero``, ...).
     """
 
     config_type = TensorParallelConfig
     config: TensorParallelConfig
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
-        topo = self._topology()
-        if topo.world_size % self.config.size:
-            raise ValueError(
-                f"TensorParallel(size={self.config.size}) does not divide the world size {topo.world_size}. "
-                "HINT: choose a size that divides the number of processes (the rest is the data axis)."
-            )
-        mesh = Mesh(dp=topo.world_size // self.config.size, tp=self.config.size, topology=topo)
+        mesh = self._mesh("size", tp=self.config.size)
         return compose(
             model, optimizer, loss_fn, mesh, tp_plan=self.config.plan, data=self.data,
             metrics_path=self.metrics_path,
