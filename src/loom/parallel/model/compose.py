@@ -64,8 +64,8 @@ class ModelParallelStrategy:
         if topo.world_size % (pp * tp):
             raise ValueError(
                 f"{type(self).__name__}({option}={pp * tp}) does not divide the world size {topo.world_size}. "
-                f"HINT: use a {option} that divides {topo.world_size} (the rest of the processes is the data "
-                "axis), or loom.Hybrid(dp=..., pp=..., tp=...)."
+                f"HINT: set {option} to a divisor of {topo.world_size} (the rest of the processes is the data "
+                "axis), or use loom.Hybrid(dp=..., pp=..., tp=...)."
             )
         return Mesh(topo.world_size // (pp * tp), pp, tp, topology=topo)
 

@@ -1,15 +1,13 @@
 """The job of every model-parallel strategy: one stage of the model, maybe tensor-sharded, on a data axis.
 
-`loom.parallel.model.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike (the transforms, in
-order: pipeline stages, tensor shards, then the data axis). Each `train_step`:
+`loom.parallel.model.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike. Each `train_step`:
 
 1. checks that the ranks of this model replica (its stages and tensor shards: the mesh's ``replica`` group) hold
    the same samples: one small all-gather of the batch's fingerprint and size before any work, so a loader
    sharded over the wrong axis raises instead of training on mismatched inputs and targets;
 2. splits the share into micro-batches and runs the schedule's instructions for this stage (`pipeline_runtime`),
    each weighted so that gradients are those of the global-batch mean loss (`loom.parallel.pipeline.pipeline`);
-3. averages the gradients over the data axis (the last transform of `compose`: `DataParallel`'s algorithms, or
-   with ``zero=1`` into this replica's slice, gathered back after the step), then steps the optimizer.
+3. averages the gradients over the data axis (the last transform of `compose`), then steps the optimizer.
 
 The loss (non-zero on the last stage only), every stage's busy time and span, and each rank's non-finite flag
 ride on one all-gather over the pipeline, then one reduction over the whole job (one slot per replica's loss,

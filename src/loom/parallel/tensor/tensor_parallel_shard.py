@@ -33,7 +33,6 @@ __all__ = [
     "apply_tensor_parallel",
     "auto_plan",
     "mlp_pairs",
-    "gather_shards",
     "shard_stage",
 ]
 
@@ -213,22 +212,6 @@ def apply_tensor_parallel(model: nn.Module, plan: Any, comm: TensorParallelComm)
     return dims
 
 
-def gather_shards(
-    named: dict[str, torch.Tensor], dims: dict[int, int], comm: TensorParallelComm
-) -> dict[str, torch.Tensor]:
-    """Whole tensors from the tp shards in ``named`` (name -> parameter, as kept); collective over tp."""
-    out = {}
-    for key, value in named.items():
-        t = value.detach()
-        dim = dims.get(id(value))
-        if dim is not None and comm.group is not None:
-            parts = [torch.empty_like(t) for _ in range(comm.size)]
-            dist.all_gather(parts, t.contiguous(), group=comm.group)
-            t = torch.cat(parts, dim=dim)
-        out[key] = t
-    return out
-
-
 def _stage_plan(stage: PipelineStage, plan: Any) -> Any:
     """A plan in the full model's names, restricted to ``stage`` and renamed into it (``layers.<i>...``)."""
     if plan == "auto":
@@ -255,7 +238,15 @@ class TensorShards:
 
     def gather(self, stage: PipelineStage) -> dict[str, torch.Tensor]:
         """The stage's whole tensors, under the full model's names; collective over the tp group."""
-        return gather_shards(stage.named_state(keep_vars=True), self.dims, self.comm)
+        out = {}
+        for key, value in stage.named_state(keep_vars=True).items():
+            t = value.detach()
+            if id(value) in self.dims and self.comm.group is not None:
+                parts = [torch.empty_like(t) for _ in range(self.comm.size)]
+                dist.all_gather(parts, t.contiguous(), group=self.comm.group)
+                t = torch.cat(parts, dim=self.dims[id(value)])
+            out[key] = t
+        return out
 
     def layout(self, stage: PipelineStage) -> dict[str, Any]:
         """The shard layout recorded with the stage's state: tp size and rank, shard dim by name."""
