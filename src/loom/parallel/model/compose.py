@@ -112,7 +112,4 @@ def compose(
     else:
         averaging = GradientAveraging.for_stage(data, mesh.group("dp"), stages.stage, topo)
     metrics = StepMetrics(topo.rank, metrics_path or default_metrics_path(topo))
-    return ModelParallelJob(
-        stages.stage, optimizer, loss_fn, mesh, pipeline, shards, averaging, metrics, stages.keys,
-        stages.layer_names,
-    )  # fmt: skip
+    return ModelParallelJob(stages, optimizer, loss_fn, mesh, pipeline, shards, averaging, metrics)

@@ -36,7 +36,7 @@ from loom.parallel.data.sharded_memory import live_tensor_bytes
 from loom.parallel.pipeline.pipeline_communications import recv_tensors, send_tensors
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.parallel.pipeline.pipeline_schedule import stage_instructions
-from loom.parallel.pipeline.pipeline_stages import PipelineConfig
+from loom.parallel.pipeline.pipeline_stages import PipelineConfig, Stages
 from loom.parallel.tensor.tensor_parallel_shard import TensorShards
 from loom.train.batch import batch_len, micro_batches, split_batch, tensors_in, to_device
 from loom.train.engine import Engine, StepState
@@ -74,7 +74,7 @@ class ModelParallelJob(Engine):
 
     def __init__(
         self,
-        stage: PipelineStage,
+        stages: Stages,
         optimizer: torch.optim.Optimizer,
         loss_fn: Any,
         mesh: Mesh,
@@ -82,17 +82,15 @@ class ModelParallelJob(Engine):
         shards: TensorShards | None,
         data_axis: GradientAveraging | ShardedDataAxis,
         metrics: StepMetrics,
-        stage_keys: list[list[str]],
-        layer_names: list[str],
     ) -> None:
         # `module`: this process's stage (its layers, keeping the full model's names in `state_dict`)
-        super().__init__(stage, optimizer, loss_fn, mesh, data_axis.config, metrics)
+        super().__init__(stages.stage, optimizer, loss_fn, mesh, data_axis.config, metrics)
         self.schedule = schedule
         self.shards = shards
         """The tensor-parallel layout of the stage (None without a ``tp`` axis)."""
         self.gradient_averaging = data_axis
-        self.stage_keys = stage_keys
-        self.layer_names = layer_names
+        self.stage_keys = stages.keys
+        self.layer_names = stages.layer_names
         self.stage_stats: list[StageStats] = []
         """One `StageStats` per step: this stage's busy time, span, idle fraction, activations alive."""
         self.bubble: list[float] = []
