@@ -166,8 +166,7 @@ def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
 
 def stage_ranges(cuts: Sequence[int], n_layers: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` of each stage's layers from the cut points."""
-    bounds = [0, *cuts, n_layers]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+    return list(itertools.pairwise([0, *cuts, n_layers]))
 
 
 def layer_times(layers: list[tuple[str, nn.Module]], sample: Any, repeats: int = 3) -> list[float]:
