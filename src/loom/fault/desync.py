@@ -21,9 +21,8 @@ Non-finite steps are the other silent fault: one NaN sample on one rank makes th
 rank, and from then on every replica holds NaN weights while training "succeeds". `NonFiniteGuard` is the
 policy strategies apply before the optimizer step: each rank flags a non-finite local loss (or, where gradients
 are still local, non-finite gradients) in a slot of the buffer it reduces anyway, and checks the *averaged*
-gradient, which is bitwise the same on every rank; so every rank reaches the same verdict without a collective
-of its own. ``"skip"`` drops the update on every rank (counted, and stopped after ``limit`` in a row);
-``"stop"`` raises `NonFiniteStepError` at once, naming the ranks and the step.
+gradient, which is bitwise the same on every rank; so every rank reaches the same verdict (``policy``) without a
+collective of its own.
 """
 
 from __future__ import annotations
@@ -180,7 +179,10 @@ class NonFiniteGuard:
 
     def __post_init__(self) -> None:
         if self.policy not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite={self.policy!r} is not one of {list(NONFINITE_POLICIES)}")
+            raise ValueError(
+                f"nonfinite={self.policy!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
+                "non-finite step on every rank, 'stop' raises."
+            )
         if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
             raise ValueError(f"nonfinite_limit must be an int >= 1, got {self.limit!r}")
 

@@ -1,24 +1,21 @@
-"""The guard of a training step: one object, built the same way for every strategy's job, so that its
-guarantees are written once:
+"""The guard of a training step, built the same way for every strategy's job so that its guarantees are written
+once:
 
-- `GuardOptions`: the options every strategy's config dataclass inherits (``hang_timeout_s``,
-  ``work_timeout_s``, ``liveness_timeout_s``, ``nonfinite``, ``nonfinite_limit``), validated in one place;
-- `StepGuard`: what a job's step asks, built once by `StepGuard.start`: its ``watchdog`` counts a collective for
-  the hang watchdog (`loom.fault.watchdog`, `loom.fault.liveness`: the timeouts are `GuardOptions`'); its
-  ``nonfinite`` turns every rank's non-finite flag into one verdict (`loom.fault.desync.NonFiniteGuard`), the
-  same on every rank because every rank judges the same flags. The step calls those two owners directly
-  (`loom.train.engine.Engine.collective`, the engine's verdict): this module builds them, it is not a layer
-  the step passes through;
+- `GuardOptions`: the options every strategy's config dataclass inherits, validated in one place;
+- `StepGuard`, started by every job's construction (`StepGuard.start`: a new strategy gets it by building its job
+  on it): its ``watchdog`` counts a collective for the hang watchdog (`loom.fault.watchdog`,
+  `loom.fault.liveness`); its ``nonfinite`` turns every rank's non-finite flag into one verdict
+  (`loom.fault.desync.NonFiniteGuard`), the same on every rank because every rank judges the same flags. The step
+  calls those two owners directly (`loom.train.engine.Engine.collective`, the engine's verdict): this module
+  builds them, it is not a layer the step passes through;
 - `StepGuard.commit`: under ``--on-worker-failure heal``, the commit vote after the step's exchange and verdict
   (`loom.fault.quorum.Quorum.vote`): a step is applied on every member or on none; the engine retries a dropped
-  step on the same global batch with the next membership epoch (`loom.train.engine.Engine.train_step`);
-- `loom.train.options.refuse_options`: an option a strategy cannot honour is refused at construction, naming
-  what to use instead, never silently ignored.
+  step on the same global batch with the next membership epoch (`loom.train.engine.Engine.train_step`).
 
-The guard is started by every job's construction (`StepGuard.start`), so a new strategy gets it by building its
-job on it. Where the flags travel is the strategy's business (they ride on a collective the step runs anyway:
-the loss all-reduce of data parallelism, the pipeline's loss gather, a parameter server's reply), so guarding a
-step costs no extra collective.
+Where the flags travel is the strategy's business (they ride on a collective the step runs anyway: the loss
+all-reduce of data parallelism, the pipeline's loss gather, a parameter server's reply), so guarding a step costs
+no extra collective. An option a strategy cannot honour is refused at construction, naming what to use instead,
+never silently ignored (`loom.train.options.refuse_options`).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loom.fault.desync import NONFINITE_POLICIES, NonFiniteGuard
+from loom.fault.desync import NonFiniteGuard
 from loom.fault.inject import fault_point
 from loom.fault.quorum import Quorum
 from loom.fault.timeouts import hang_timeout_s, liveness_timeout_s, work_timeout_s
@@ -68,14 +65,7 @@ class GuardOptions:
             work_timeout_s(self.work_timeout_s)
         if self.liveness_timeout_s is not None:
             liveness_timeout_s(self.liveness_timeout_s)
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite={self.nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
-                "non-finite step on every rank, 'stop' raises."
-            )
-        limit = self.nonfinite_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"nonfinite_limit must be an int >= 1, got {limit!r}")
+        NonFiniteGuard(self.nonfinite, self.nonfinite_limit)  # its __post_init__ checks the policy and limit
 
 
 def set_timeouts(options: GuardOptions) -> tuple[float | None, float | None, float | None]:
@@ -95,10 +85,10 @@ def set_timeouts(options: GuardOptions) -> tuple[float | None, float | None, flo
 class StepGuard:
     """The hang watchdog and the non-finite verdict of one job (see the module docstring)."""
 
-    def __init__(self, watchdog: Watchdog, nonfinite: NonFiniteGuard) -> None:
+    def __init__(self, watchdog: Watchdog, nonfinite: NonFiniteGuard, quorum: Quorum | None = None) -> None:
         self.watchdog = watchdog
         self.nonfinite = nonfinite
-        self.quorum: Quorum | None = None
+        self.quorum = quorum
         """Set under ``--on-worker-failure heal`` (`loom.fault.quorum`): the step's commit vote."""
 
     def commit(self, step: int) -> bool:
@@ -117,9 +107,8 @@ class StepGuard:
     def start(cls, topology: Topology, options: GuardOptions, quorum: Quorum | None = None) -> StepGuard:
         """The guard of a job on ``topology``: a watchdog thread when there are peers to wait for (one process
         only counts), and the non-finite policy of ``options``. With a ``quorum`` (``--on-worker-failure heal``)
-        the guard holds the commit vote, and its watchdog's thread sends the quorum's heartbeat and judges nothing:
-        a lost member is replaced, not waited for, so the timeouts the user set bound the waits before a
-        replacement instead (`loom.fault.quorum.Quorum.apply_guard`)."""
+        the guard holds the commit vote, its watchdog's thread sends the quorum's heartbeat and judges nothing, and
+        the timeouts the user set bound the waits before a replacement (`loom.fault.quorum.Quorum.apply_guard`)."""
         if topology.is_distributed or quorum is not None:
             watchdog = Watchdog.start(
                 topology, options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s, quorum
@@ -131,9 +120,8 @@ class StepGuard:
             )  # fmt: skip
         if quorum is not None:
             quorum.apply_guard(*set_timeouts(options))
-        guard = cls(watchdog, NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank))
-        guard.quorum = quorum
-        return guard
+        nonfinite = NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank)
+        return cls(watchdog, nonfinite, quorum)
 
     @property
     def skipped(self) -> int:
