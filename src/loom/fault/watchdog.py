@@ -54,7 +54,7 @@ from loom.fault.side_channel import host_description, open_side_channel
 from loom.fault.timeouts import hang_timeout_s, liveness_timeout_s, work_timeout_s
 from loom.topology import Topology
 
-__all__ = ["Watchdog", "active", "collective"]
+__all__ = ["Watchdog", "collective"]
 
 WORK_REPORT_SLACK_S = 60.0
 """The shared-memory waits (`loom.comm.shm_wait`) give up this long after the work timeout at the earliest: the
@@ -134,6 +134,7 @@ class Watchdog:
         ``quorum`` (healing) its thread sends the quorum's heartbeat every `HEARTBEAT_S`, on a connection of its
         own to the launcher's store, and judges nothing (see ``quorum`` in the constructor).
         """
+        global _active
         reuse = _active
         if (
             quorum is None
@@ -164,7 +165,9 @@ class Watchdog:
             # go while the process group (and rank 0's store server) still exist; a thread left inside a store
             # call during interpreter teardown can abort the process.
             atexit.register(wd.stop)
-        _set_active(wd)
+        if _active is not None:
+            _active.stop()
+        _active = wd
         return wd
 
     def stop(self) -> None:
@@ -367,27 +370,10 @@ def _working(records: dict[int, dict | None]) -> list[int]:
 
 
 _active: Watchdog | None = None
+"""The process's watchdog, the one `Watchdog.start` made last: one per process, because a hang stops the process
+as a whole."""
 
 
-def _set_active(wd: Watchdog) -> None:
-    """The process's watchdog: one per process, because a hang stops the process as a whole."""
-    global _active
-    if _active is not None and _active is not wd:
-        _active.stop()
-    _active = wd
-
-
-def active() -> Watchdog | None:
-    """The watchdog `Watchdog.start` made last in this process, or None."""
-    return _active
-
-
-@contextlib.contextmanager
-def collective(op: str) -> Iterator[int | None]:
+def collective(op: str) -> contextlib.AbstractContextManager[int | None]:
     """``with loom.fault.watchdog.collective("my all-gather"): ...`` -- counted by the active watchdog, if any."""
-    wd = _active
-    if wd is None:
-        yield None
-        return
-    with wd.collective(op) as seq:
-        yield seq
+    return _active.collective(op) if _active is not None else contextlib.nullcontext()

@@ -26,18 +26,15 @@ The order of a step is written once, here; a strategy supplies only what differs
         for the straggler watch                       memory (``memory_every``, `loom.observe.memory`)
 =====  ===========================================  ==========================================================
 
-Stragglers, for every strategy: each rank hands its step's phase times (`_phase_times`: the hooks' boundaries,
-or a strategy's finer `loom.observe.phases` clock) to `loom.observe.straggler_watch`, which publishes them on the
-watchdog's record and judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
-
-What `train_step` returns is ``StepState.loss`` as `_synchronize` sets it: the global-batch mean loss where
-``loss_scope`` is ``"global"``, this replica's mean loss on its share where it is ``"replica"`` (`loom.job.Job`).
-A global batch of 0 samples is refused on every rank (every rank knows the same total).
+Stragglers, for every strategy: each rank hands its step's phase times (`_phase_times`) to
+`loom.observe.straggler_watch`, which publishes them on the watchdog's record and judges them on rank 0 among the
+ranks that do the same work (`_straggler_peers`). `train_step` returns ``StepState.loss`` as `_synchronize` sets
+it: the global batch's mean loss, or this replica's on its share (``loss_scope``, `loom.job.Job`). A global batch
+of 0 samples is refused on every rank (every rank knows the same total).
 
 Healing (``--on-worker-failure heal``, `loom.fault.quorum`): `train_step` retries a step no member applied
-(`train_step`, `_heal_reform`). Fault injection points (`loom.fault.inject`, held only when ``LOOM_FAULTS`` plans
-one) sit at the phase boundaries: ``before``, ``after`` (before the vote) and ``commit`` (after it); a strategy
-places ``during`` right before its exchange (no exchange is split for it).
+(`loom.train.heal_step`). Fault injection points (`loom.fault.inject`) sit at the phase boundaries: ``before``,
+``after`` (before the vote) and ``commit`` (after it); a strategy places ``during`` right before its exchange.
 """
 
 from __future__ import annotations
@@ -128,13 +125,11 @@ class Engine(Job):
         self.last_step_skipped = False
         """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
 
-    @contextlib.contextmanager
-    def collective(self, op: str) -> Iterator[int]:
+    def collective(self, op: str) -> contextlib.AbstractContextManager[int]:
         """The one place a job tells the hang watchdog of a collective (or of several issued as one operation
         ``op``, whose name a hang report gives): every strategy's step and evaluation wrap each exchange in it
         (`loom.fault.watchdog.Watchdog.collective`: two attribute writes). Yields its number."""
-        with self._watchdog.collective(op) as seq:
-            yield seq
+        return self._watchdog.collective(op)
 
     @property
     def skipped_steps(self) -> int:
