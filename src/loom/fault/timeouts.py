@@ -28,31 +28,28 @@ DEFAULT_LIVENESS_TIMEOUT_S: float = SETTINGS["LOOM_LIVENESS_TIMEOUT_S"].default
 host, far below any hang timeout worth having, so a cut stops a job in under a minute."""
 
 
-def seconds_setting(requested: float | None, variable: str, default: float, what: str) -> float:
-    """``requested``, else the environment ``variable``, else ``default``: a positive number of seconds."""
+def seconds_setting(requested: float | None, variable: str, what: str) -> float:
+    """``requested``, else the environment ``variable``, else its default: a positive number of seconds."""
     if requested is None:
         requested = setting(variable)  # (checked where it is declared, `loom.settings`)
     if isinstance(requested, bool) or not float(requested) > 0:
         raise ValueError(
             f"the {what} must be a positive number of seconds, got {requested!r}. HINT: pass seconds, or leave it "
-            f"None to use {variable} (default {default:g} s)"
+            f"None to use {variable} (default {SETTINGS[variable].default:g} s)"
         )
     return float(requested)
 
 
 def hang_timeout_s(requested: float | None = None) -> float:
     """The timeout to use: ``requested``, else ``LOOM_HANG_TIMEOUT_S``, else `DEFAULT_TIMEOUT_S`."""
-    return seconds_setting(requested, "LOOM_HANG_TIMEOUT_S", DEFAULT_TIMEOUT_S, "hang timeout")
+    return seconds_setting(requested, "LOOM_HANG_TIMEOUT_S", "hang timeout")
 
 
 def work_timeout_s(requested: float | None = None) -> float:
-    """The wait for a rank doing its own work: ``requested``, else ``LOOM_WORK_TIMEOUT_S``, else
-    `DEFAULT_WORK_TIMEOUT_S`."""
-    return seconds_setting(requested, "LOOM_WORK_TIMEOUT_S", DEFAULT_WORK_TIMEOUT_S, "work timeout")
+    """The work timeout: ``requested``, else ``LOOM_WORK_TIMEOUT_S``, else `DEFAULT_WORK_TIMEOUT_S`."""
+    return seconds_setting(requested, "LOOM_WORK_TIMEOUT_S", "work timeout")
 
 
 def liveness_timeout_s(requested: float | None = None) -> float:
     """The liveness timeout: ``requested``, else ``LOOM_LIVENESS_TIMEOUT_S``, else `DEFAULT_LIVENESS_TIMEOUT_S`."""
-    return seconds_setting(
-        requested, "LOOM_LIVENESS_TIMEOUT_S", DEFAULT_LIVENESS_TIMEOUT_S, "liveness timeout"
-    )
+    return seconds_setting(requested, "LOOM_LIVENESS_TIMEOUT_S", "liveness timeout")
