@@ -19,15 +19,12 @@ children) and hosts the job's authenticated store (`loom.net.store`):
   collective), or the first to see the launcher's ``q/E/dead`` mark, sets ``q/E/sS/verdict`` with the store's
   atomic compare-and-set. So one verdict exists per (epoch, step) and every member applies the step or none does.
   A member waits for the verdict at most ``vote_timeout_s`` and then votes no itself.
-- **Heartbeats.** The guard's watchdog thread, the one heartbeat thread of any loom process, adds 1 to
-  ``hb/RANK/GEN`` every `HEARTBEAT_S` (`Quorum.beat`); the launcher kills a worker whose heartbeat stops for its
-  liveness timeout (a frozen process), which the others then see as a lost member. Under heal the launcher judges
-  the heartbeats, not the peers on a ring (`loom.fault.liveness`): the members change.
-- **Who did not arrive.** The same beat publishes, in ``at/RANK``, the member's place among its epoch's
-  collectives as the guard's watchdog counts them (`Quorum.count_with`: the watchdog's record, numbered from the
-  epoch's first collective). When a collective of the epoch times out, the member that waited re-forms and first
-  names the members that had not arrived at it, with the step and the operation (`loom.fault.hang_report.
-  dropped_report`): the watchdog's report, which under heal would come too late (the members re-form instead).
+- **Heartbeats.** The guard's watchdog thread adds 1 to ``hb/RANK/GEN`` every `HEARTBEAT_S` and publishes in
+  ``at/RANK`` the member's place among its epoch's collectives (`Quorum.beat`, `Quorum.count_with`). The launcher,
+  not the peers on a ring (`loom.fault.liveness`: the members change), kills a worker whose heartbeat stops for
+  its liveness timeout (a frozen process). When a collective of the epoch times out, the member that waited
+  names the members that had not arrived at it before it re-forms (`Quorum._name_the_absent`): the watchdog's
+  report, which under heal would come too late.
 - **The guard's timeouts** (`Quorum.apply_guard`): a member lost under heal is replaced, not waited for, so each
   timeout bounds the wait that comes before a replacement: ``hang_timeout_s`` each collective of an epoch's group
   (past it the step is dropped and the members re-form), ``work_timeout_s`` the launcher's wait for a member's

@@ -6,27 +6,23 @@ loader = job.loader(dataset, global_batch_size=256, seed=0)
 result = loom.fit(job, loader, steps=10_000, checkpoint_dir="ckpt", checkpoint_every=500)
 ```
 
-Run the same command again after a crash and it continues from the newest intact checkpoint: the job (model,
-optimizer, step), the loader's position in global samples, the LR scheduler, every rank's RNG state and the
-loop's own counters are restored, so the resumed run takes the same steps on the same samples as an
-uninterrupted one. ``steps`` and ``epochs`` are totals for the whole run, not for this call.
+Run the same command again after a crash and it continues from the newest intact checkpoint, restoring the job
+(model, optimizer, step), the loader's position in global samples, the LR scheduler, every rank's RNG state and
+the loop's counters, so the resumed run takes the same steps on the same samples as an uninterrupted one.
+``steps`` and ``epochs`` are totals for the whole run, not for this call. `fit` uses only the `loom.job.Job`
+contract, so every strategy's job runs here; who writes what into a checkpoint, how ranks resume and why a
+non-finite state is never written: `loom.train.fit_checkpoint`.
 
-Every strategy's job runs here: `fit` uses only the `loom.job.Job` contract. Who writes what into a
-checkpoint (every rank its own file, rank 0 the shared state), how ranks resume and why a non-finite state is
-never written: `loom.train.fit_checkpoint`. Jobs whose state differs per rank (pipeline stages, tensor shards)
-resume at the world size and mesh that wrote them.
+Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). Jobs whose state
+differs per rank (pipeline stages, tensor shards) resume at the world size and mesh that wrote them. RNG states
+are restored exactly when the world size is unchanged; after a resize rank r takes saved rank
+``r mod old_world_size``'s state. With ``async_checkpoint=True`` a checkpoint is durable only once the next one
+starts or `fit` returns (it always waits for the last one).
 
-Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). The LR scheduler
-is stepped once per optimizer step. RNG states are restored exactly when the world size is unchanged; after a
-resize rank r takes saved rank ``r mod old_world_size``'s state. With ``async_checkpoint=True`` a checkpoint is
-durable only once the next one starts or `fit` returns (it always waits for the last one).
-
-Resizing: a checkpoint written with N workers resumes with M; the loader continues at the same global sample
-(see `loom.fault.resize`, which also describes ``scale_lr_with_world_size``, the linear scaling rule). Under
-``loom run --max-restarts R`` a restarted worker group resumes the same way, losing at most the steps since the
-last checkpoint. ``desync_every`` checks that replicas agree (`loom.fault.desync`) and stops the job if not:
-by default every `DESYNC_EVERY` steps and before every checkpoint, for jobs whose replicas must agree
-(``replicas_agree``) over a data axis of more than one replica. A step whose loss or gradient is non-finite on
+Resizing: a checkpoint written with N workers resumes with M, the loader at the same global sample
+(`loom.fault.resize`, which also describes ``scale_lr_with_world_size``); a worker group restarted under
+``loom run --max-restarts R`` resumes the same way, losing at most the steps since the last checkpoint. Replicas
+are checked to agree (``desync_every``, `loom.fault.desync`), and a step whose loss or gradient is non-finite on
 some rank is not applied (`loom.fault.desync.NonFiniteGuard`; `FitResult.skipped_steps` counts them).
 """
 

@@ -1,43 +1,32 @@
-"""The checkpoints of `loom.fit`: what is saved, who writes it, how every rank resumes from it.
+"""The checkpoints of `loom.fit`: what is saved and who writes it (resuming: `loom.train.fit_resume`).
 
-A checkpoint of the loop holds the job (model, optimizer, step), the loader's position, the LR scheduler,
-every rank's RNG state and the loop's counters, in one atomic checkpoint directory (`loom.checkpoint.store`).
+One atomic checkpoint directory (`loom.checkpoint.store`) holds the job, the loader's position, the LR scheduler,
+every rank's RNG state and the loop's counters. Rank 0 opens the staging directory and all-gathers its name with
+each rank's verdict on its own state; each rank then streams ``rank-R.safetensors`` into it from its tensors
+(`loom.checkpoint.tree.PackedState`) and fsyncs it: its part of a sharded job (a `Pipeline` stage's model and
+optimizer state), or a replicated job's *local state*; the ranks all-gather each file's name, size, sha256 and
+read budget. Rank 0 then writes the shared files (the replicated job's state, the same on every rank, so written
+once; the loader, scheduler, RNG states and counters) and publishes the manifest; a crash before that leaves the
+previous checkpoint the newest. No rank receives another's model state or serializes a copy of its own, so a save
+costs a rank little memory beyond its state (measured in docs/checkpoints.md). A last all-gather agrees that the
+save succeeded, so a failed write stops every rank with the same error instead of leaving some waiting.
 
-Who writes: every rank writes its own file. Rank 0 opens the staging directory and all-gathers its name with
-each rank's verdict on its own state; each rank then writes ``rank-R.safetensors`` into it, streamed from its
-tensors (`loom.checkpoint.tree.PackedState`, the layout of `pack_state`), and fsyncs it: its part of a sharded
-job such as `Pipeline` (its stage's model and optimizer state), or, for a replicated job, its *local state*.
-The ranks all-gather a few bytes each (file name, size, sha256, read budget). Rank 0 then writes the shared
-files (the replicated job's state, the same on every rank, so written once; the loader, the scheduler, every
-rank's RNG state, the loop's counters) and publishes the manifest; a crash before that leaves the previous
-checkpoint the newest. No rank receives another's model state, and none makes a serialized copy of its own,
-so a save costs a rank little memory beyond its state (measured in docs/checkpoints.md). A last all-gather
-agrees that the checkpoint succeeded, so a failed write stops every rank with the same error instead of
-leaving some waiting.
+Local state (a job's ``local_state_dict()``) differs between ranks: gradient compression's error-feedback
+residuals and PowerSGD's warm starts (`DataParallel` with ``compression=``). At the same world size rank r loads
+file r, bitwise; at another it is dropped, said on stderr when it holds tensors: residuals belong to the ranks
+that kept them, and cannot be shared among a different number of ranks (the codecs start from zero).
 
-Local state is what a job's ``local_state_dict()`` returns, when it has one: state that differs between ranks,
-such as gradient compression's error-feedback residuals and PowerSGD's warm starts (`DataParallel` with
-``compression=``). On resume at the same world size rank r loads file r, bitwise. At another world size the
-local state is dropped, with a line on stderr saying so when it holds tensors: residuals belong to the ranks
-that kept them, and there is no meaningful way to share them among a different number of ranks (the codecs
-start from zero).
+Non-finite state is never written: every rank that writes state (rank 0 the replicated job state; every rank its
+local state or its part of a sharded job) checks it for NaN and infinite values, and the ranks agree on the
+verdict over the collectives the write already takes. A non-finite state stops every rank with
+`NonFiniteStateError`, naming the ranks, the tensors and the newest checkpoint, which is kept: every checkpoint on
+disk is finite, so rotation (``keep``) never removes the last good one in favour of a bad one.
 
-Resuming: `loom.train.fit_resume`.
-
-Non-finite state is never written: before a checkpoint every rank that writes state checks it (rank 0 the
-replicated job state; every rank its own local state, or its part of a sharded job) for NaN and infinite
-values, and the ranks agree on the verdict with the collectives the write already takes. A non-finite state
-stops the job on every rank with `NonFiniteStateError`, naming the ranks, the tensors and the newest
-checkpoint, which is kept: the checkpoints on disk are all finite, so rotation (``keep``) never removes the
-last good one in favour of a bad one.
-
-Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem): a rank that cannot find the
-staging directory fails the save on every rank, saying so. With ``async_checkpoint`` only rank 0's shared
-files are written in the background; each rank's own file is written before `save` returns. The codecs key
-their state by parameter (`loom.comm.compression.feedback`), so the restored residuals reach the gradients
-even though a fresh DDP buckets them differently on its first step: a resumed compressed run equals an
-uninterrupted one (tests/test_fit.py), provided the model and DataParallel settings (hence the parameter
-numbering) are the same.
+Limits: a rank that cannot find the staging directory (``checkpoint_dir`` not shared storage) fails the save on
+every rank, saying so. With ``async_checkpoint`` only rank 0's shared files are written in the background. The
+codecs key their state by parameter (`loom.comm.compression.feedback`), so a resumed compressed run equals an
+uninterrupted one (tests/test_fit.py) although a fresh DDP buckets the gradients differently, provided the model
+and DataParallel settings (hence the parameter numbering) are the same.
 """
 
 from __future__ import annotations
