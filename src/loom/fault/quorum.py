@@ -181,9 +181,7 @@ class Quorum:
             try:
                 self.store.wait([key], datetime.timedelta(seconds=min(left, 0.5)))
             except Exception:  # the store's own timeout: look again until our deadline
-                if not joining and self.store.check(
-                    ["q/end"]
-                ):  # (a joiner not needed: the launcher stops it)
+                if not joining and self.store.check(["q/end"]):  # (a joiner is stopped by the launcher)
                     self._job_ended()
                 continue
             listed = [tuple(map(int, m.split(":"))) for m in self.store.get(key).decode().split(",") if m]
@@ -278,11 +276,8 @@ class Quorum:
     def _vote(self, step: int, ok: bool) -> bool:
         key = f"q/{self.epoch}/s{step}/"
         verdict_key = key + "verdict"
-        if ok:
-            if self.store.add(key + "ok", 1) == self.size:
-                return self.store.compare_set(verdict_key, "", "commit") == b"commit"
-        else:
-            return self.store.compare_set(verdict_key, "", "drop") == b"commit"
+        if not ok or self.store.add(key + "ok", 1) == self.size:  # a no, or the last yes: set the verdict
+            return self.store.compare_set(verdict_key, "", "commit" if ok else "drop") == b"commit"
         deadline = time.monotonic() + self.vote_timeout_s
         dead_key = f"q/{self.epoch}/dead"
         while True:
