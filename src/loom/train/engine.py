@@ -95,11 +95,9 @@ class Engine(Job):
         self, module: Any, optimizer: torch.optim.Optimizer, loss_fn: Any, mesh: Mesh, config: GuardOptions,
         metrics: Any, *, topology: Topology | None = None, quorum: Quorum | None = None,
     ) -> None:  # fmt: skip
-        """What every strategy's job holds (the `loom.job.Job` contract) and its guard, started here once:
-        ``loss_fn`` as a `LossCall` (``loss_fn`` then its plain callable), ``topology`` the mesh's unless given
-        (a job under heal trains on the quorum's axis, not the mesh's), the guard on ``config``'s options
-        (`loom.train.guard.StepGuard.start`; ``quorum`` under heal). A strategy's job calls it first, then sets
-        what is its own."""
+        """What every strategy's job holds (the `loom.job.Job` contract) and its guard on ``config``'s options,
+        started here once (`loom.train.guard.StepGuard.start`; ``quorum`` under heal, whose job trains on the
+        quorum's axis: ``topology``, else the mesh's). A strategy's job calls it first, then sets its own."""
         self.module = module
         self.optimizer = optimizer
         self.loss_call = LossCall.of(loss_fn)
@@ -151,8 +149,7 @@ class Engine(Job):
         return retry_step(self, quorum, batch)
 
     def _heal_reform(self) -> None:
-        """Under healing: check in for the next membership epoch and make its members equal (`_adopt_epoch`;
-        `loom.train.heal_step.reform`)."""
+        """Under healing: re-form the membership epoch (`loom.train.heal_step.reform`)."""
         assert self.guard.quorum is not None
         reform(self, self.guard.quorum)
 
