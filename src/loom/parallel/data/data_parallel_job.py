@@ -139,7 +139,7 @@ class DataParallelJob(AxisJob):
                 "cannot be dropped and retried on every member. HINT: train with job.train_step(batch), or use "
                 "--on-worker-failure stop with --max-restarts N"
             )
-        return OwnLoop.start(self, loader)
+        return OwnLoop(self, loader)
 
     # -- the engine's hooks (`loom.train.engine`) ------------------------------------------------------------
     def _check_can_train(self) -> None:

@@ -239,7 +239,7 @@ class _AnnouncingLoader:
 class OwnLoop:
     """``model, optimizer, loader = job.own_loop(loader)``: see the module docstring. Unpacks to those three."""
 
-    def __init__(self, job: DataParallelJob) -> None:
+    def __init__(self, job: DataParallelJob, loader: Any = None) -> None:
         self.job = job
         self.sync = True
         """False between ``no_sync`` passes: gradients accumulate locally (DDP's ``require_backward_grad_sync``)."""
@@ -248,15 +248,9 @@ class OwnLoop:
         self.in_backward = False
         self.model = OwnLoopModel(self)
         self.optimizer = OwnLoopOptimizer(job.optimizer, self)
-        self.loader: Any = None
-
-    @classmethod
-    def start(cls, job: DataParallelJob, loader: Any = None) -> OwnLoop:
-        loop = cls(job)
-        loop.loader = _AnnouncingLoader(loader, loop) if loader is not None else None
+        self.loader = _AnnouncingLoader(loader, self) if loader is not None else None
         job.own_loop_started = True
         job.module.train()
-        return loop
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.model, self.optimizer, self.loader))
