@@ -35,7 +35,6 @@ from loom.parallel.data.data_axis import (
 )
 from loom.parallel.data.data_parallel_config import ONLY_DATA_PARALLEL as ONLY_DATA_PARALLEL  # re-exported
 from loom.parallel.data.data_parallel_config import DataParallelConfig, default_metrics_path
-from loom.parallel.data.data_parallel_config import data_axis_options as data_axis_options  # re-exported
 from loom.parallel.data.data_parallel_job import DataParallelJob
 from loom.parallel.data.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.topology import Topology

@@ -112,14 +112,11 @@ class DataAxisConfig(DataParallelConfig):
             )
 
 
-AXIS_FIELDS = frozenset(f.name for f in fields(DataAxisConfig))
-"""The options of `DataAxisConfig`."""
-
-
 def data_axis_options(options: dict[str, Any], strategy: str) -> DataAxisConfig:
     """Take the data axis's options out of a model-parallel strategy's keyword ``options`` (in place): the
     `DataAxisConfig` of its data axis. The options only `DataParallel` honours are refused, by name."""
-    data = {k: options.pop(k) for k in list(options) if k in AXIS_FIELDS}
+    names = {f.name for f in fields(DataAxisConfig)}
+    data = {k: options.pop(k) for k in list(options) if k in names}
     refuse_options(data, ONLY_DATA_PARALLEL, strategy)
     return DataAxisConfig(**data)
 
