@@ -122,11 +122,9 @@ class DataParallelJob(AxisJob):
                 self.observer.collective("all_reduce sample count", launched, time.perf_counter(), 8 * world)
             shares = counts.tolist()
             total = sum(shares)
-        members = self.axis.members
-        small = (
-            {members[i]: n for i, n in enumerate(shares) if 0 < n < 2 * accumulate} if self._batchnorm else {}
-        )
-        return total, small
+        if not self._batchnorm:
+            return total, {}
+        return total, {r: n for r, n in zip(self.axis.members, shares, strict=True) if 0 < n < 2 * accumulate}
 
     def own_loop(self, loader: Any = None) -> Any:
         """``model, optimizer, loader`` for a script that keeps its own loop (forward, ``loss.backward()``,
