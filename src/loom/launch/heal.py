@@ -18,14 +18,12 @@ takes the quorum down. Every tick (`loom.launch.heal_nodes.TICK_S`; the protocol
   ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (the silent ones have their stacks printed and are killed), with the ready
   replacements added;
 - fewer members than ``--min-workers`` stops the job, naming the lost ranks;
-- a worker that exits with any other non-zero status on its own (the script's uncaught exception) stops the job
-  at once, naming the rank and the status, as ``--on-worker-failure stop`` does.
-
-Where the line is (`exit_kind`): a death by a signal (the OOM killer, the launcher's kill of a frozen or silent
-worker) is a lost process, which a replacement fixes; `LEFT_OUT_STATUS` is set on purpose when the quorum tells a
-worker to leave (`loom.errors.LeftOutOfQuorum`, via `loom.launch.worker`), also healed; every other status is the
-script's own doing (a bug, a bad setting, a step that failed `MAX_DROPS` times in a row), which a replacement
-would only repeat, spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
+- any other non-zero exit stops the job at once, naming the rank and the status, as ``--on-worker-failure stop``
+  does (`exit_kind`): a death by a signal (the OOM killer, the launcher's kill of a frozen or silent worker) is a
+  lost process, which a replacement fixes, and `LEFT_OUT_STATUS` is set on purpose when the quorum tells a worker
+  to leave (`loom.errors.LeftOutOfQuorum`, via `loom.launch.worker`); any other status is the script's own doing
+  (a bug, a bad setting, a step that failed `MAX_DROPS` times in a row), which a replacement would only repeat,
+  spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
 
 The `HealQuorum` runs in node 0's authority and acts on the workers through each node's agent
 (`loom.launch.heal_nodes`; one host is node 0 alone): ``restart``/``kill`` become orders, a death is an event,
@@ -159,7 +157,7 @@ class HealQuorum:
     def died(self, rank: int, what: str) -> None:
         """Rank ``rank``'s process ended badly (``what`` says how): mark its epoch, replace it or stop."""
         self.lost.append(what)
-        if self.members.get(rank) == self.generation[rank]:
+        if self.is_member(rank):
             self.store.set(f"q/{self.epoch}/dead", str(rank))
         if self._finished:
             print(f"loom run: {what}; the others have finished: no replacement", file=sys.stderr, flush=True)
