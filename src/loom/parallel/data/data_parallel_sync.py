@@ -268,11 +268,8 @@ def gradient_hook(config: DataParallelConfig, topo: Topology) -> Callable | None
         return compression_hook(make_codec(config.compression))
     if native_because(config, topo) is not None:
         return None
-    return (
-        overlapped_allreduce_hook(config.allreduce)
-        if overlap_wanted(config, topo)
-        else allreduce_hook(config.allreduce)
-    )
+    hook = overlapped_allreduce_hook if overlap_wanted(config, topo) else allreduce_hook
+    return hook(config.allreduce)
 
 
 def has_spare_core(local_processes: int) -> bool:
