@@ -144,20 +144,19 @@ class ShardedDataParallel(Strategy):
         metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         observer = StepObserver.for_process(metrics, world, enabled=self.observe)
         fsdp = topo.is_distributed and stage >= 2
-        if topo.is_distributed:
-            check_same_model(model, topo.rank, world, topo.group, optimizer=optimizer)
-            broadcast_module(model, topo.group)
-        reduce = self.config.gradient_reduce
-        if reduce == "auto":
-            reduce = "all_reduce" if topo.device.type == "cpu" else "reduce_scatter"
-        collective = "reduce_scatter" if reduce == "reduce_scatter" else self.config.allreduce
         if self.config.mixed_precision is not None and not fsdp:
             raise ValueError(
                 f"rank {topo.rank}: ShardedDataParallel(mixed_precision={self.config.mixed_precision!r}) needs "
                 "FSDP2 units sharded over 2 or more processes; this job has one. HINT: start it with loom run -n "
                 "2 or more, or train this process without mixed_precision."
             )
+        reduce = self.config.gradient_reduce
+        if reduce == "auto":
+            reduce = "all_reduce" if topo.device.type == "cpu" else "reduce_scatter"
+        collective = "reduce_scatter" if reduce == "reduce_scatter" else self.config.allreduce
         if topo.is_distributed:
+            check_same_model(model, topo.rank, world, topo.group, optimizer=optimizer)
+            broadcast_module(model, topo.group)
             run_self_test(topo.rank, world, topo.backend, topo.device, fsdp, topo.group, collective)
         layout: ShardLayout
         flat: FlatShards | None = None
