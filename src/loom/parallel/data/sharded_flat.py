@@ -20,6 +20,7 @@ The same class shards the data axis of model-parallel jobs (``Hybrid(..., zero=1
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -102,12 +103,9 @@ class FlatShards:
                     f"parameter {name!r} is not contiguous. HINT: call .contiguous() on it at build"
                 )
         self.params = [p for _, p in named]
-        self.spans: list[tuple[int, int]] = []
-        offset = 0
-        for p in self.params:
-            self.spans.append((offset, offset + p.numel()))
-            offset += p.numel()
-        self.numel = offset
+        ends = list(itertools.accumulate((p.numel() for p in self.params), initial=0))
+        self.spans = list(itertools.pairwise(ends))
+        self.numel = ends[-1]
         self.lo, self.hi = piece_bounds(self.numel, rank, world_size)
         self.pieces: list[Piece] = []
         view_of: dict[int, nn.Parameter] = {}
