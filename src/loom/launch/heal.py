@@ -346,7 +346,4 @@ def main_thread_place(lines: list[str]) -> str | None:
             blocks.append([])
         elif blocks and line.strip().startswith("File "):
             blocks[-1].append(line.strip())
-    for frames in blocks:
-        if frames and any("loom/launch/worker.py" in frame for frame in frames):
-            return frames[0]
-    return None
+    return next((frames[0] for frames in blocks if any("loom/launch/worker.py" in f for f in frames)), None)
