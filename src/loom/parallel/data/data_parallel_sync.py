@@ -189,11 +189,9 @@ def _why_not_shared(config: DataParallelConfig, topo: Topology, model: nn.Module
 def shared_gradients_for(
     config: DataParallelConfig, topo: Topology, model: nn.Module
 ) -> SharedGradients | None:
-    """`SharedGradients` for ``model`` when its gradients can be averaged in shared memory, else None (DDP).
-
-    The conditions are `choose_gradient_path`'s shared-memory row; every input of this decision is the same on
-    all ranks. Like DDP, it starts every process from rank 0's parameters and buffers.
-    """
+    """`SharedGradients` for ``model`` when its gradients can be averaged in shared memory (the shared-memory row
+    of `choose_gradient_path`), else None (DDP). Like DDP, it starts every process from rank 0's parameters and
+    buffers."""
     if topo.device.type != "cpu":
         return None
     wanted = (
