@@ -17,6 +17,7 @@ A cluster given by ``address`` keeps its own security settings and is only disco
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -52,8 +53,7 @@ _RAY_SETS = ("RAY_", "PYTHONBREAKPOINT")
 
 @dataclass
 class _ProcessState:
-    """The driver's state ``ray.init`` changes and ``ray.shutdown`` leaves changed: Ray's environment variables,
-    the SIGINT/SIGTERM handlers and ``sys.excepthook`` (a notebook or a test suite goes on after the job)."""
+    """The driver's state ``ray.init`` changes and ``ray.shutdown`` leaves changed (the module docstring)."""
 
     env: dict[str, str]
     handlers: dict[int, Any]
@@ -109,8 +109,7 @@ def _start_local(num_cpus: int | None, temp_dir: str | None, saved: _ProcessStat
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    _forget_cached_token()  # a previous instance's token, cached by Ray in this process
-    _reread_ray_config()  # Ray read RAY_AUTH_MODE when it was imported
+    _reset_auth()
     # Ray read the variable when it was imported; its node-address lookup reads this module attribute.
     cluster_flag = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
@@ -133,20 +132,17 @@ def _start_local(num_cpus: int | None, temp_dir: str | None, saved: _ProcessStat
     return RayConnection(True, True, session, saved)
 
 
-def _reread_ray_config() -> None:
-    try:
-        from ray._raylet import Config  # type: ignore[attr-defined]
-    except ImportError:
-        return
-    Config.initialize("")
-
-
-def _forget_cached_token() -> None:
-    try:
+def _reset_auth() -> None:
+    """Have Ray forget the token it cached in this process (a previous instance's) and read ``RAY_AUTH_MODE``
+    again (it read it when it was imported)."""
+    with contextlib.suppress(ImportError):  # a Ray without token authentication
         from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
-    except ImportError:  # a Ray without token authentication
-        return
-    AuthenticationTokenLoader.instance().reset_cache()
+
+        AuthenticationTokenLoader.instance().reset_cache()
+    with contextlib.suppress(ImportError):
+        from ray._raylet import Config  # type: ignore[attr-defined]
+
+        Config.initialize("")
 
 
 def session_processes(session_dir: str) -> list[int]:
@@ -203,6 +199,5 @@ def disconnect(connection: RayConnection, grace_s: float = 5.0) -> list[int]:
     if connection.saved is not None:
         connection.saved.restore()
     if connection.started_local:
-        _forget_cached_token()
-        _reread_ray_config()
+        _reset_auth()
     return killed
