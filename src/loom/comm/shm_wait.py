@@ -21,6 +21,7 @@ after `TIMEOUT_S` it gives up (as the backend's own timeout; the hang watchdog s
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -60,17 +61,15 @@ def give_way_to(seconds: float) -> None:
 
 
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 (the only CPU shared memory is used on)
-_LIBC: list[ctypes.CDLL] = []
 
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+@functools.cache
 def _syscall() -> ctypes.CDLL:
-    if not _LIBC:
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    return _LIBC[0]
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def futex_wait(addr: int, seen: int, timeout_s: float) -> None:
@@ -125,21 +124,17 @@ def wait_until(
     start = clock()
     spin = budget.spin() if budget is not None else SPIN_S
     try:
-        until = start + spin
-        while True:
+        spin_until, yield_until = start + spin, start + spin + YIELD_S
+        while True:  # spin, then yield the CPU between looks
             if progress is not None:
                 progress()
             if ready():
                 return
-            if clock() >= until:
+            now = clock()
+            if now >= yield_until:
                 break
-        until = start + spin + YIELD_S
-        while clock() < until:
-            os.sched_yield()
-            if progress is not None:
-                progress()
-            if ready():
-                return
+            if now >= spin_until:
+                os.sched_yield()
         pause, check_at = 1e-6, start + CHECK_EVERY_S
         while True:
             if progress is not None:

@@ -119,20 +119,15 @@ class StoreServer:
                 continue
             threading.Thread(target=self._serve, args=(sock,), name="loom-store-conn", daemon=True).start()
 
-    def _handshake(self, sock: socket.socket) -> bool:
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        try:
-            answer_handshake(sock, self.secret, 0, lambda ids: True, deadline, wire.HELLO, b"store")
-            sock.settimeout(None)
-            return True
-        except OSError:
-            return False
-
     def _serve(self, sock: socket.socket) -> None:
         with self._lock:
             self._connections.add(sock)
         try:
-            if not self._handshake(sock):
+            try:
+                deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+                answer_handshake(sock, self.secret, 0, lambda ids: True, deadline, wire.HELLO, b"store")
+                sock.settimeout(None)
+            except OSError:
                 self.rejected += 1
                 return
             while not self._closed.is_set():
