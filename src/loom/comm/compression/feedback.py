@@ -54,9 +54,7 @@ class ErrorFeedback:
                     "resume with the same model and DataParallel settings, or start the codec from empty state."
                 )
             self._shapes[param] = torch.Size(shape)
-        group = tuple(params)
-        for param in params:
-            self._buckets[param] = group
+        self._buckets.update(dict.fromkeys(params, tuple(params)))
 
     def add_to(self, accumulated: torch.Tensor, params: Sequence[int], shapes: Sequence[torch.Size]) -> None:
         """Add each parameter's residual, if any, into its slice of the bucket ``accumulated`` (in place)."""

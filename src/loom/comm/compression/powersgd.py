@@ -80,10 +80,8 @@ class PowerSGDCodec:
             rows = int(shape[0]) if len(shape) >= 2 else 0
             cols = numel // rows if rows else 0
             r = min(self.rank, rows, cols)
-            if rows and (rows + cols) * r < rows * cols:
-                segments.append(_Segment(offset, numel, rows, cols, r))
-            else:
-                segments.append(_Segment(offset, numel))
+            compressed = rows and (rows + cols) * r < rows * cols
+            segments.append(_Segment(offset, numel, rows, cols, r) if compressed else _Segment(offset, numel))
             offset += numel
         return segments
 

@@ -116,17 +116,15 @@ def top_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     the spread), or with NaN present (``topk`` ranks NaN above every number; a threshold does not), or for a
     small or dense bucket: ``topk`` on the whole."""
     n = magnitude.numel()
-    if n < SAMPLE_STRIDE * 1024 or 4 * k > n:
-        return magnitude.topk(k, sorted=False).indices
-    sample = magnitude[::SAMPLE_STRIDE]
-    above = min(sample.numel(), math.ceil(1.5 * k / SAMPLE_STRIDE) + 16)
-    threshold = sample.kthvalue(sample.numel() - above + 1).values
-    if bool(torch.isnan(threshold)) or bool(torch.isnan(magnitude).any()):
-        return magnitude.topk(k, sorted=False).indices
-    candidates = (magnitude >= threshold).nonzero().squeeze(1)
-    if candidates.numel() < k:
-        return magnitude.topk(k, sorted=False).indices
-    return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+    if n >= SAMPLE_STRIDE * 1024 and 4 * k <= n:
+        sample = magnitude[::SAMPLE_STRIDE]
+        above = min(sample.numel(), math.ceil(1.5 * k / SAMPLE_STRIDE) + 16)
+        threshold = sample.kthvalue(sample.numel() - above + 1).values
+        if not (bool(torch.isnan(threshold)) or bool(torch.isnan(magnitude).any())):
+            candidates = (magnitude >= threshold).nonzero().squeeze(1)
+            if candidates.numel() >= k:
+                return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+    return magnitude.topk(k, sorted=False).indices
 
 
 def _pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
