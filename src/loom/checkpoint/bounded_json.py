@@ -64,9 +64,8 @@ def _skeleton(data: bytes) -> bytes:
         end = min(size, start + _SCAN)
         while True:
             piece = _ESCAPE.sub(b"__", data[start:end])
-            cut = (
-                len(piece) - 1 if end < size and piece.endswith(b"\\") else len(piece)
-            )  # (escaped byte next)
+            # a backslash at the piece's end escapes the next byte: cut before it
+            cut = len(piece) - 1 if end < size and piece.endswith(b"\\") else len(piece)
             if end < size and piece.count(b'"', 0, cut) % 2:
                 cut = piece.rfind(b'"', 0, cut)  # the string still open at the piece's end starts here
             if cut > 0 or end == size:

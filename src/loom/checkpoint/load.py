@@ -261,13 +261,6 @@ def open_checkpoint(
         raise
 
 
-def _check_step(checkpoint: Path, step: int) -> None:
-    """Refuse a manifest whose step differs from the one its directory's name says."""
-    match = STEP_NAME.fullmatch(checkpoint.name)
-    if match is not None and int(match.group(1)) != step:
-        raise CorruptCheckpointError(checkpoint / MANIFEST_FILE, f"step {step} does not match the directory")
-
-
 def _read_own(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits: ReadLimits) -> Any:
     """The state packed in rank file ``name``, read within the budget of its manifest ``entry``."""
     metadata, tensors = _read_tensors(folder, name, entry, limits)
@@ -283,7 +276,11 @@ def _read(checkpoint: Path, limits: ReadLimits, rank: int | None) -> tuple[int, 
     folder, manifest = open_checkpoint(checkpoint, limits)
     with folder:
         step, files, own = manifest["step"], manifest["files"], None
-        _check_step(checkpoint, step)
+        match = STEP_NAME.fullmatch(checkpoint.name)
+        if match is not None and int(match.group(1)) != step:  # the manifest contradicts its directory's name
+            raise CorruptCheckpointError(
+                checkpoint / MANIFEST_FILE, f"step {step} does not match the directory"
+            )
         state_bytes = _read_small(folder, STATE_FILE, files[STATE_FILE], limits)
         _, tensors = _read_tensors(folder, TENSOR_FILE, files[TENSOR_FILE], limits)
         if rank is None:

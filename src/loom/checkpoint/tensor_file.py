@@ -101,47 +101,41 @@ def read_tensor_file(
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _read_tensor_file(file, size, limits)
+        digest = hashlib.sha256()
+        if size < 8:
+            raise ValueError(f"{size} bytes, too short for a safetensors header")
+        prefix = read_exact(file, 8)
+        length = int.from_bytes(prefix, "little")
+        if length > min(size - 8, limits.max_header_bytes):
+            raise ValueError(
+                f"the header claims {length} bytes, but the file has {size - 8} after the length and the limit "
+                f"is {limits.max_header_bytes}"
+            )
+        header_bytes = read_exact(file, length)
+        digest.update(prefix)
+        digest.update(header_bytes)
+        try:
+            header = parse_json(header_bytes, limits, "max_header_bytes")
+        except ValueError as err:
+            raise ValueError(f"the header: {err}") from None
+        metadata, layout = _layout(header, size - 8 - length)
+        tensors = {}
+        for name, dtype, shape, nbytes in layout:
+            try:  # one tensor object each, not bytes, a view and a reshape: a header may list ~14k tensors
+                tensor = torch.empty(shape, dtype=dtype)
+            except RuntimeError as err:  # e.g. a shape of zero elements whose strides overflow
+                raise ValueError(f"tensor {name!r}: cannot be shaped {shape} ({err})") from None
+            if nbytes:
+                view = tensor.reshape(-1).view(torch.uint8).numpy().data
+                filled = 0
+                while filled < nbytes:
+                    count = file.readinto(view[filled:])  # type: ignore[attr-defined]
+                    if not count:
+                        raise ValueError(f"ended inside tensor {name!r} (changed while being read)")
+                    filled += count
+                digest.update(view)
+            tensors[name] = tensor
+        return metadata, tensors, digest.hexdigest()
     finally:
         if paused:
             gc.enable()
-
-
-def _read_tensor_file(
-    file: BinaryIO, size: int, limits: ReadLimits
-) -> tuple[dict[str, str], dict[str, torch.Tensor], str]:
-    digest = hashlib.sha256()
-    if size < 8:
-        raise ValueError(f"{size} bytes, too short for a safetensors header")
-    prefix = read_exact(file, 8)
-    length = int.from_bytes(prefix, "little")
-    if length > min(size - 8, limits.max_header_bytes):
-        raise ValueError(
-            f"the header claims {length} bytes, but the file has {size - 8} after the length and the limit "
-            f"is {limits.max_header_bytes}"
-        )
-    header_bytes = read_exact(file, length)
-    digest.update(prefix)
-    digest.update(header_bytes)
-    try:
-        header = parse_json(header_bytes, limits, "max_header_bytes")
-    except ValueError as err:
-        raise ValueError(f"the header: {err}") from None
-    metadata, layout = _layout(header, size - 8 - length)
-    tensors = {}
-    for name, dtype, shape, nbytes in layout:
-        try:  # one tensor object each, not bytes, a view and a reshape: a header may list ~14k tensors
-            tensor = torch.empty(shape, dtype=dtype)
-        except RuntimeError as err:  # e.g. a shape of zero elements whose strides overflow
-            raise ValueError(f"tensor {name!r}: cannot be shaped {shape} ({err})") from None
-        if nbytes:
-            view = tensor.reshape(-1).view(torch.uint8).numpy().data
-            filled = 0
-            while filled < nbytes:
-                count = file.readinto(view[filled:])  # type: ignore[attr-defined]
-                if not count:
-                    raise ValueError(f"ended inside tensor {name!r} (changed while being read)")
-                filled += count
-            digest.update(view)
-        tensors[name] = tensor
-    return metadata, tensors, digest.hexdigest()
