@@ -37,10 +37,6 @@ def state_dir() -> Path | None:
     return None
 
 
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
 class State:
     """What an elastic job keeps: `commit` it at safe points; `run` restores it after a restart."""
 
@@ -216,7 +212,7 @@ def run(func):
             if payload is not None:
                 state._load_payload(payload)
         state.sync()
-        if restart_count() > 0:
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
             state.on_reset()
         return func(state, *args, **kwargs)
 

@@ -82,8 +82,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+        self._allreduce_delay = dict.fromkeys(self._allreduce_delay, passes)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
@@ -92,10 +91,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "Increase backward_passes_per_step to accumulate gradients locally."
             )
         self._allreduce_delay[p] -= 1
-        handle, ctx = None, None
-        if self._allreduce_delay[p] == 0:
-            handle, ctx = self._allreduce_grad_async(p)
-        self._handles[p] = (handle, ctx)
+        self._handles[p] = self._allreduce_grad_async(p) if self._allreduce_delay[p] == 0 else (None, None)
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         if p.grad is None:  # not computed here, but maybe on another rank (dynamic graphs)
@@ -111,10 +107,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pre, post = 1.0, 1.0
         if self.op == AVERAGE:  # the engine divides the postscale by the size for Average
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        handle = allreduce_async_(
+        return allreduce_async_(
             compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post
-        )
-        return handle, ctx
+        ), ctx
 
     def synchronize(self) -> None:
         """Wait for every gradient's all-reduce (submitting the ones backward did not); grads are then final."""
