@@ -242,11 +242,9 @@ def _warnings_html(run_dir: Path) -> str:
     lines = path.read_text().splitlines() if path.exists() else []
     if not lines:
         return "<p>none</p>"
-    items = []
-    for line in lines:
-        w = json.loads(line)
-        items.append(f'<li class="warn">step {w["step"]}: rank {w["rank"]} slow in <b>{html.escape(w["phase"])}</b> '
-                     f'({1e3 * w["rank_s"]:.1f} ms vs median {1e3 * w["median_s"]:.1f} ms)</li>')  # fmt: skip
+    items = [f'<li class="warn">step {w["step"]}: rank {w["rank"]} slow in <b>{html.escape(w["phase"])}</b> '
+             f'({1e3 * w["rank_s"]:.1f} ms vs median {1e3 * w["median_s"]:.1f} ms)</li>'
+             for w in map(json.loads, lines)]  # fmt: skip
     return "<ul>" + "".join(items) + "</ul>"
 
 

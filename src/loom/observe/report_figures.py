@@ -95,11 +95,9 @@ def _phases(runs):
     ranks = sorted(runs)
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * len(ranks)))
     left = [0.0] * len(ranks)
+    timed = [runs[rank][1:] or runs[rank] for rank in ranks]
     for phase, color in _PHASE_COLORS.items():
-        means = []
-        for rank in ranks:
-            values = [r.get(f"{phase}_s") or 0.0 for r in runs[rank][1:] or runs[rank]]
-            means.append(1e3 * sum(values) / max(len(values), 1))
+        means = [1e3 * sum(r.get(f"{phase}_s") or 0.0 for r in recs) / max(len(recs), 1) for recs in timed]
         ax.barh([f"rank {r}" for r in ranks], means, left=left, color=color, label=phase)
         left = [a + b for a, b in zip(left, means, strict=True)]
     ax.invert_yaxis()
