@@ -172,11 +172,9 @@ class Engine:
         ready = [n for n in self._order if working and working <= self._table[n].keys()]
         if ready:
             active = True
-            batch = []
             for name in ready:
                 self._order.remove(name)
-                batch.append((name, self._table.pop(name), self._mine.pop(name, None)))
-            _ops.run_ready(self, batch)
+            _ops.run_ready(self, [(n, self._table.pop(n), self._mine.pop(n, None)) for n in ready])
         if len(self._joined) == self.size:
             with self._lock:
                 request, self._join_request = self._join_request, None
