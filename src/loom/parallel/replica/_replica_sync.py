@@ -6,9 +6,8 @@ optimizer, without synchronizing gradients (the *inner* steps). `ReplicaJob` is 
 - each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, sample count]``, so
   `train_step` returns the global-batch mean loss on every rank, a non-finite loss or gradient on any rank skips
   the step on every rank (`loom.fault.desync.NonFiniteGuard`), and every rank knows the job's sample count;
-- each rank counts its samples since each synchronization, so replicas are averaged weighted by ``n_r / N``:
-  with uneven shares this is what makes ``LocalSGD(sync_every=1)`` with plain SGD equal synchronous data
-  parallelism, whose gradient is ``sum_r n_r/N * grad_r``;
+- each rank counts its samples since each synchronization, so replicas are averaged weighted by ``n_r / N``
+  (with uneven shares, what makes ``sync_every=1`` exact: `loom.parallel.replica.local_sgd`);
 - after each step the strategy's `ReplicaJob._exchange` decides whether to synchronize.
 
 A rank whose share is empty runs no forward and no optimizer step (weight 0 at the next average). State is per
