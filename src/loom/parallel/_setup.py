@@ -128,13 +128,12 @@ def check_setup_arguments(
             "inputs argument), or use loom.DataParallel, which runs every loom.LossCall convention."
         )
     owned = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in owned:
-                raise ValueError(
-                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in the model. "
-                    "HINT: build the optimizer from model.parameters() of the model passed to setup()."
-                )
+    stray = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
+    if stray:
+        raise ValueError(
+            f"the optimizer holds a parameter of shape {tuple(stray[0].shape)} that is not in the model. "
+            "HINT: build the optimizer from model.parameters() of the model passed to setup()."
+        )
     return call
 
 
