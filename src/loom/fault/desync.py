@@ -100,7 +100,8 @@ def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | No
         return
     counts = Counter(rows)
     majority = max(counts, key=lambda row: (counts[row], -rows.index(row)))
-    ranks = [_global_rank(i, group) for i in range(world)]
+    named_globally = group is not None and dist.is_initialized()  # else the group's own ranks are the names
+    ranks = [dist.get_global_rank(group, i) if named_globally else i for i in range(world)]
     differing = [ranks[i] for i, row in enumerate(rows) if row != majority]
     agreeing = [ranks[i] for i, row in enumerate(rows) if row == majority]
     first_bad = rows[ranks.index(differing[0])]
@@ -112,12 +113,6 @@ def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | No
         f"(rank {differing[0]} differs in {shown}). HINT: every rank must apply the same update; look for "
         "rank-dependent code that touches the parameters, or a comm hook that returns different values per rank."
     )
-
-
-def _global_rank(group_rank: int, group: Any) -> int:
-    if group is None or not dist.is_initialized():  # no default group: the group's own ranks are the names
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
 
 
 # -- non-finite steps -------------------------------------------------------------------------------------------
