@@ -15,8 +15,7 @@ convention runs (`loom.train.batch.forward_loss`); scripts that keep their own l
 `DataParallelJob.own_loop` (`loom.parallel.data.own_loop`).
 
 Limits: the model must accept a zero-size batch when a share is empty; losses must be mean-reduced over the
-batch (the scaling undoes that mean). With DDP the loss buffer is waited for before the optimizer step (the
-verdict needs every rank's flag); the gradient check overlaps it.
+batch (the scaling undoes that mean).
 """
 
 from __future__ import annotations

@@ -152,8 +152,7 @@ class FsdpLayout:
                 root.set_reshard_after_forward(True)
 
     def local_gradients_finite(self) -> bool:
-        """Whether this rank's shards of the averaged gradient are finite (after backward: FSDP2 reduced them).
-        Ranks hold different shards, so the verdict must travel: `ShardedDataParallelJob` sets it in this
-        rank's flag of the step's loss buffer, whose all-reduce every rank reads."""
+        """Whether this rank's shards of the averaged gradient are finite (after backward: FSDP2 reduced them);
+        ranks hold different shards, so `ShardedDataParallelJob._flag_local_loss` carries it to every rank."""
         grads = [p.param.grad for p in self.pieces]
         return gradients_finite([g.to_local() if isinstance(g, self._dtensor) else g for g in grads])
