@@ -79,11 +79,7 @@ def overlapped_allreduce_hook(algorithm: str = "auto") -> CommHook:
         thread = comm_thread()
         if not thread.is_alive():
             raise RuntimeError(f"{describe()}: the communication thread has stopped (interpreter exiting?)")
-        return torch_future(thread.submit(reduce), describe).then(_value)
+        return torch_future(thread.submit(reduce), describe).then(lambda done: done.value())
 
     hook.__qualname__ = f"overlapped_allreduce_hook({algorithm!r})"
     return hook
-
-
-def _value(done: torch.futures.Future) -> torch.Tensor:
-    return done.value()

@@ -100,7 +100,7 @@ class CompressionHook:
                 self._advance(older, group, n)
         # Chained rather than returned: an exception set on a Python-made future reaches DDP's C++ side as an
         # uncastable value ("Unable to cast ... to Tensor"); raised inside a callback it becomes a real error.
-        return flight.future.then(_value)
+        return flight.future.then(lambda done: done.value())
 
     def _number(self, param: torch.Tensor) -> int:
         number = self._numbers.get(id(param))
@@ -184,10 +184,6 @@ def _finish(flight: _Flight, done: torch.futures.Future) -> None:
 def _fail(flight: _Flight, error: Exception) -> None:
     failure = RuntimeError(f"rank {dist.get_rank()}: {flight.description} failed: {error!r}")
     flight.future.set_exception(failure)  # type: ignore[arg-type]  # torch annotates the argument as T
-
-
-def _value(done: torch.futures.Future) -> torch.Tensor:
-    return done.value()
 
 
 def _complete(flight: _Flight, averaged: torch.Tensor) -> None:
