@@ -75,12 +75,9 @@ class Policy:
     ) -> None:
         self.algorithms, self.sizes, self.seconds = algorithms, sizes, seconds
         """``seconds[a][s]``: slowest rank's time of one call of ``algorithms[a]`` on ``sizes[s]`` bytes."""
-        # Sizes nearer (in log) to sizes[s] than to its neighbours use sizes[s]'s winner.
+        # Sizes nearer (in log) to sizes[s] than to its neighbours use sizes[s]'s winner (ties: the first, native).
         self._bounds = [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:], strict=False)]
-        self._best = []
-        for s in range(len(sizes)):
-            column = [row[s] for row in seconds]
-            self._best.append(algorithms[column.index(min(column))])  # ties: the first, native, wins
+        self._best = [algorithms[c.index(min(c))] for c in zip(*seconds, strict=True)]
 
     def choose(self, nbytes: int) -> str:
         return self._best[bisect.bisect_right(self._bounds, nbytes)]

@@ -36,11 +36,8 @@ def all_reduce_driver(flat: torch.Tensor, op: str, group: dist.ProcessGroup | No
 
     peers = range(1, n)
     incoming = [torch.empty_like(flat) for _ in peers]
-    _wait_all(
-        [dist.irecv(buf, group=group, group_src=peer) for buf, peer in zip(incoming, peers, strict=True)],
-        "irecv",
-        group,
-    )
+    receives = [dist.irecv(buf, group=group, group_src=p) for buf, p in zip(incoming, peers, strict=True)]
+    _wait_all(receives, "irecv", group)
     for buf in incoming:
         combine_into(flat, buf, op)
     if op == "avg":

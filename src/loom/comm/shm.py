@@ -42,6 +42,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import struct
 
 import torch
 import torch.distributed as dist
@@ -106,18 +107,14 @@ class Segment:
     def create(cls, size: int, capacity: int) -> Segment:
         nbytes = _header_bytes(size) + size * _stride(capacity)
         name, token, mm = create_segment(nbytes, ", or lower loom.comm.shm.MAX_PIECE_BYTES")
-        words = memoryview(mm)[:32].cast("q")
-        words[0], words[1], words[2], words[3] = _MAGIC, token, size, capacity
-        words.release()
+        struct.pack_into("4q", mm, 0, _MAGIC, token, size, capacity)
         return cls(name, mm, size, 0, capacity)
 
     @classmethod
     def attach(cls, name: str, size: int, rank: int, capacity: int) -> Segment:
         """Map the segment ``name`` that this job's creator announced; refuse anything else under that name."""
         token, mm = open_segment(name, _header_bytes(size) + size * _stride(capacity))
-        words = memoryview(mm)[:32].cast("q")
-        found = (words[0], words[1], words[2], words[3])
-        words.release()
+        found = struct.unpack_from("4q", mm)
         if found != (_MAGIC, token, size, capacity):
             mm.close()
             raise ValueError(f"segment {name} does not carry this job's header (found {found})")
