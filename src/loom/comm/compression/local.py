@@ -43,15 +43,11 @@ def exchange_locally(
             raise RuntimeError(
                 f"ranks disagree on collective: {[(r.op, tuple(r.tensor.shape)) for r in requests]}"
             )
+        stacked = torch.stack([r.tensor for r in requests])
+        result = stacked.sum(0) if first.op == "sum" else stacked  # "gather": row r is rank r's message
+        replies = [result.clone() for _ in requests]
         nbytes = first.tensor.nbytes
-        if first.op == "sum":
-            total = torch.stack([r.tensor for r in requests]).sum(0)
-            replies = [total.clone() for _ in requests]
-            sent += 2 * (n - 1) * nbytes // n
-        else:
-            gathered = torch.stack([r.tensor for r in requests])
-            replies = [gathered.clone() for _ in requests]
-            sent += (n - 1) * nbytes
+        sent += 2 * (n - 1) * nbytes // n if first.op == "sum" else (n - 1) * nbytes
         results, next_requests = [], []
         for exchange, reply in zip(exchanges, replies, strict=True):
             try:
