@@ -18,12 +18,6 @@ OPS = ("sum", "avg", "max", "min")
 ALGORITHMS = ("native", "ring", "driver", "shm", "hierarchical", "auto")
 
 
-def check_op_and_algorithm(op: str, algorithm: str) -> None:
-    if op not in OPS:
-        raise ValueError(f"unknown all-reduce op={op!r}; valid ops are {', '.join(map(repr, OPS))}")
-    check_algorithm(algorithm)
-
-
 def check_algorithm(algorithm: str) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(

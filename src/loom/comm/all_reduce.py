@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import check_op_and_algorithm, check_tensor, group_rank_and_size, rank_for_messages
+from loom.comm._reduce import OPS, check_algorithm, check_tensor, group_rank_and_size, rank_for_messages
 from loom.comm.auto import choose_algorithm
 from loom.comm.counters import Traffic, counters
 from loom.comm.driver import all_reduce_driver
@@ -68,7 +68,9 @@ def all_reduce(
     ``"auto"``). A group's first ``shm``, ``hierarchical`` or ``auto`` call also sets up (hosts, shared memory,
     calibration): like every collective, all processes of the group must make it.
     """
-    check_op_and_algorithm(op, algorithm)
+    if op not in OPS:
+        raise ValueError(f"unknown all-reduce op={op!r}; valid ops are {', '.join(map(repr, OPS))}")
+    check_algorithm(algorithm)
     check_tensor(tensor, op)
     _, n = group_rank_and_size(group)
     if n == 1 or tensor.numel() == 0:
