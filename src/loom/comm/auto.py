@@ -186,10 +186,9 @@ def choose_algorithm(
     ``algorithms`` maps every candidate name to its low-level function (`loom.comm.all_reduce` passes its own).
     """
     key = group if group is not None else dist.group.WORLD
-    policy = _POLICIES.get(key)
-    if policy is None:
-        policy = _POLICIES[key] = _load_or_calibrate(group, algorithms)
-    return policy.choose(nbytes)
+    if key not in _POLICIES:
+        _POLICIES[key] = _load_or_calibrate(group, algorithms)
+    return _POLICIES[key].choose(nbytes)
 
 
 def policy_for(group: dist.ProcessGroup | None) -> Policy | None:

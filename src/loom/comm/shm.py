@@ -272,10 +272,9 @@ _CONTEXTS: dict[object, ShmContext] = {}
 def context_for(group: dist.ProcessGroup | None) -> ShmContext:
     """The `ShmContext` of ``group`` (the default group for None), made on first use: a collective."""
     key = group if group is not None else dist.group.WORLD
-    context = _CONTEXTS.get(key)
-    if context is None:
-        context = _CONTEXTS[key] = ShmContext(group)
-    return context
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = ShmContext(group)
+    return _CONTEXTS[key]
 
 
 def reduce_scatter_piece(
