@@ -358,7 +358,7 @@ def _accept(
 
     Each accepted connection's handshake runs on its own thread with its own `CONNECTION_TIMEOUT_S`, so clients
     that connect and say nothing cannot hold the neighbour back one after another; at most
-    `MAX_PENDING_HANDSHAKES` run at once (more are closed at once and counted)."""
+    `MAX_PENDING_HANDSHAKES` run at once (one more evicts the oldest: `PendingHandshakes`)."""
     ranks = peer.to_bytes(4, "big") + me.to_bytes(4, "big")
     admitted: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
     pending = PendingHandshakes(MAX_PENDING_HANDSHAKES)

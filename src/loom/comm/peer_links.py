@@ -1,11 +1,10 @@
 """The two ends of a gossip connection (`loom.comm.peer`): dialing a peer, and a listener that admits peers.
 
-Both run the job-secret challenge-response of `loom.comm.links` (`dial_handshake`, `answer_handshake`) with this
-protocol's own hello and label, so a proof made for a ring link is worth nothing here. The listener binds the
-address of the interface gloo uses (``GLOO_SOCKET_IFNAME``, loopback when unset); a thread accepts connections
-and hands each to a short-lived thread for its handshake, at most `MAX_HANDSHAKES` at once (more are closed
-unanswered), each given `CONNECTION_TIMEOUT_S`. Nothing is read from a connection before it proved the secret
-but the fixed-size hello. Admitted connections wait in `PeerListener.arrived` for the thread that pumps.
+Both run the challenge-response of `loom.net.handshake` with this protocol's own hello and label, so a proof made
+for a ring link is worth nothing here. The listener binds the address of the interface gloo uses
+(``GLOO_SOCKET_IFNAME``, loopback when unset); a thread accepts connections and hands each to a short-lived thread
+for its handshake (`CONNECTION_TIMEOUT_S` each, at most `MAX_HANDSHAKES` at once: one more evicts the oldest).
+Admitted connections wait in `PeerListener.arrived` for the thread that pumps.
 """
 
 from __future__ import annotations
