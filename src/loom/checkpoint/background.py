@@ -96,12 +96,8 @@ def save_checkpoint_async(
     local_states: Sequence[bytes] = (),
 ) -> AsyncCheckpoint:
     """Snapshot ``state`` now and write it as `save_checkpoint` would, in the background; return the handle.
-
-    ``local_states`` (each rank's packed state, see `save_checkpoint`) are bytes, already a snapshot.
-
-    Waits first for this process's previous asynchronous save, raising `CheckpointError` if that one failed
-    and its own `wait()` has not reported it yet.
-    """
+    ``local_states`` (each rank's packed state, see `save_checkpoint`) are bytes, already a snapshot. Waits
+    first for this process's previous asynchronous save, raising as `wait_for_pending` does."""
     validate_save_arguments(step, state, keep, local_states)
     write = functools.partial(
         write_checkpoint, Path(directory), step, keep=keep, local_states=tuple(local_states)

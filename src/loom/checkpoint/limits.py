@@ -1,11 +1,9 @@
 """How much reading one checkpoint may cost: the bounds `loom.checkpoint.load` checks before it allocates.
 
-A checkpoint directory is input like any other: a bad disk, a half-copied backup or a hostile user can put
-anything in it. Every size read from it (a file's length, a safetensors header length, a tensor's offsets) is
-checked against these bounds and against the file itself *before* memory is allocated for it, and JSON is
-checked for size, nesting depth and number length before it is parsed, so reading a crafted checkpoint costs a
-bounded amount of memory and time and ends in `CorruptCheckpointError`, which makes loading fall back to the
-previous checkpoint.
+A checkpoint directory is input like any other (a bad disk, a half-copied backup, a hostile user): every size
+read from it is checked against these bounds *before* memory is allocated for it, and JSON before it is parsed
+(`loom.checkpoint.load` lists the checks), so a crafted checkpoint costs bounded memory and time and ends in
+`CorruptCheckpointError`, which makes loading fall back to the previous checkpoint.
 
 The defaults are loom's own bound on what a crafted file may cost whatever its manifest says (measured in
 docs/checkpoints.md). They admit every checkpoint `loom.fit` writes up to about 1,000 ranks (its ``state.json``

@@ -246,9 +246,8 @@ def full_state_dict(parts: Iterable[Any]) -> dict[str, torch.Tensor]:
                 shapes[name] = tuple(saved["shape"])
                 flat[name] = torch.empty(math.prod(shapes[name]), dtype=saved["value"].dtype)
                 covered[name] = 0
-            numel = flat[name].numel()
             covered[name] += _copy_overlap(
-                flat[name], 0, numel, saved["value"], int(saved["lo"]), int(saved["hi"])
+                flat[name], 0, flat[name].numel(), saved["value"], int(saved["lo"]), int(saved["hi"])
             )
     for name, tensor in flat.items():
         if covered[name] != tensor.numel():

@@ -29,6 +29,7 @@ entries that shared a tensor become two tensors). Subclasses of the leaf types c
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import numbers
@@ -114,10 +115,7 @@ class _Flattener:
             raise TypeError(f"cannot checkpoint the {tensor.layout} tensor at {'/'.join(path)!r}: only dense")
         key = "/".join(path) or "<root>"
         if key in self.tensors:  # e.g. {0: t} and {"0": t} give the same path
-            suffix = 1
-            while f"{key}~{suffix}" in self.tensors:
-                suffix += 1
-            key = f"{key}~{suffix}"
+            key = next(f"{key}~{i}" for i in itertools.count(1) if f"{key}~{i}" not in self.tensors)
         # With clone, a copy made now, so later in-place updates (the next optimizer step) cannot reach it.
         data = tensor.detach().to("cpu", copy=self.clone, memory_format=torch.contiguous_format).contiguous()
         storage = data.untyped_storage().data_ptr()
