@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections.abc
+import itertools
 
 import torch
 
@@ -25,11 +26,8 @@ def broadcast_parameters(params, root_rank: int, process_set=basics.global_proce
         raise ValueError(
             f"invalid params of type {type(params).__name__}: pass a dict or (name, tensor) pairs"
         )
-    handles = []
-    for name, p in items:
-        if isinstance(p, torch.Tensor):
-            handles.append(broadcast_async_(p.data, root_rank, name=f"broadcast_parameters.{name}",
-                                            process_set=process_set))  # fmt: skip
+    handles = [broadcast_async_(p.data, root_rank, name=f"broadcast_parameters.{name}", process_set=process_set)
+               for name, p in items if isinstance(p, torch.Tensor)]  # fmt: skip
     for handle in handles:
         synchronize(handle)
 
@@ -76,8 +74,5 @@ def allgather_object(obj, name=None, process_set=basics.global_process_set) -> l
     lengths = allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.len").tolist()
     gathered = allgather(torch.frombuffer(bytearray(data), dtype=torch.uint8), name=f"{name}.data")
     raw = gathered.numpy().tobytes()
-    out, offset = [], 0
-    for n in lengths:
-        out.append(from_bytes(raw[offset : offset + n]))
-        offset += n
-    return out
+    ends = itertools.accumulate(lengths)
+    return [from_bytes(raw[end - n : end]) for n, end in zip(lengths, ends, strict=True)]
