@@ -2,10 +2,9 @@
 
 ``loom.fit(job, loader, ..., trackers=[loom.TensorBoardTracker("runs/exp1")])``; usage: ``docs/trackers.md``.
 
-What is logged, and what it costs: `loom.fit` logs, on the main process only, values it already holds after
-each step (`step_metrics`: the loss `train_step` returned, already reduced by the step itself, the learning
-rate, the epoch, rank 0's step time and throughput). No value is reduced for a tracker, so a tracker adds no
-collective. Other ranks never import TensorBoard or MLflow.
+What is logged, and what it costs: `loom.fit` logs, on the main process only, the values `step_metrics` lists,
+which it already holds after each step: no value is reduced for a tracker, so a tracker adds no collective.
+Other ranks never import TensorBoard or MLflow.
 
 Resuming: a tracker's `Tracker.state_dict` (the MLflow run id, TensorBoard's log directory) is saved in `fit`'s
 own checkpoint state, and a resumed `fit` reopens the same run from it with the step it resumes at. Steps
