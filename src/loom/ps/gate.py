@@ -55,7 +55,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from loom.net.auth import mac, mac_stream, same_proof
 from loom.net.interfaces import route_address
-from loom.ps.wire import HEADER, FrameDropped, WireLimits, declared_size
+from loom.ps.wire import HEADER, FrameDropped, WireLimits, read_header
 
 __all__ = [
     "CHUNK_BYTES",
@@ -284,11 +284,8 @@ class Inbox:
         if not same_proof(tag.digest(), bytes(chunk[_PREFIX.size : _OPEN_HEAD])):
             self._drop("bad_mac")
             return None
-        magic, version, kind, _flags, epoch, session, seq, meta_len, n_tensors, payload_len = (
-            HEADER.unpack_from(chunk, _OPEN_HEAD)
-        )
         try:
-            size = declared_size(self.limits, magic, version, meta_len, n_tensors, payload_len)
+            kind, epoch, session, seq, _, _, size = read_header(chunk, self.limits, _OPEN_HEAD)
             if count != max(1, math.ceil(size / CHUNK_BYTES)):
                 raise FrameDropped("chunk_count", f"{count} chunks for {size} bytes")
             piece = chunk[_OPEN_HEAD:]

@@ -48,9 +48,9 @@ __all__ = [
     "MessageType",
     "SessionTable",
     "WireLimits",
-    "declared_size",
     "decode",
     "encode",
+    "read_header",
     "secret_from_hex",
 ]
 
@@ -166,10 +166,7 @@ def decode(secret: bytes, data: bytes | memoryview, limits: WireLimits = WireLim
         raise FrameDropped("oversized", f"{size} bytes arrived")
     if size < HEADER.size + MAC_BYTES:
         raise FrameDropped("truncated", f"{size} bytes, shorter than a header")
-    magic, version, kind, _flags, epoch, session, seq, meta_len, n_tensors, payload_len = HEADER.unpack_from(
-        view
-    )
-    declared = declared_size(limits, magic, version, meta_len, n_tensors, payload_len)
+    kind, epoch, session, seq, meta_len, n_tensors, declared = read_header(view, limits)
     if declared != size:
         raise FrameDropped("truncated" if declared > size else "length_mismatch", f"{declared} != {size}")
     expected = mac_stream(secret, view[: size - MAC_BYTES]).digest()
@@ -181,21 +178,24 @@ def decode(secret: bytes, data: bytes | memoryview, limits: WireLimits = WireLim
     except (ValueError, UnicodeDecodeError) as error:
         raise FrameDropped("malformed", str(error)) from None
     start = HEADER.size + meta_len
-    tensors = _tensors(meta, n_tensors, view[start : start + payload_len])
+    tensors = _tensors(meta, n_tensors, view[start : size - MAC_BYTES])
     return Frame(kind, epoch, session, seq, meta, tensors, size)
 
 
-def declared_size(limits: WireLimits, magic: bytes, version: int, meta_len: int, n_tensors: int,
-                  payload_len: int) -> int:  # fmt: skip
-    """The frame size a header declares, after checking its magic, version and declared lengths against
-    ``limits`` (`FrameDropped` otherwise): what a receiver knows before it holds any of the frame."""
+def read_header(data: bytes | memoryview, limits: WireLimits, offset: int = 0) -> tuple[int, ...]:
+    """The header at ``offset``: ``(type, epoch, session, seq, meta_len, n_tensors, frame size)``, after its
+    magic, version and declared lengths are checked against ``limits`` (`FrameDropped` otherwise): what a
+    receiver knows before it holds any of the frame."""
+    magic, version, kind, _, epoch, session, seq, meta_len, n_tensors, payload_len = HEADER.unpack_from(
+        data, offset
+    )
     if magic != MAGIC:
         raise FrameDropped("bad_magic")
     if version != VERSION:
         raise FrameDropped("bad_version", f"version {version}")
     if meta_len > limits.max_meta or payload_len > limits.max_payload or n_tensors > limits.max_tensors:
         raise FrameDropped("oversized", f"declares meta {meta_len} B, payload {payload_len} B")
-    return HEADER.size + meta_len + payload_len + MAC_BYTES
+    return kind, epoch, session, seq, meta_len, n_tensors, HEADER.size + meta_len + payload_len + MAC_BYTES
 
 
 def _tensors(meta: Any, n_tensors: int, payload: memoryview) -> dict[str, torch.Tensor]:
