@@ -91,11 +91,7 @@ class ClockTable:
     def expire(self, now: float, waiting: frozenset[int] = frozenset()) -> list[int]:
         """Declare lost every active worker silent for longer than the timeout, except those ``waiting`` for an
         answer from the server (their silence is the server's doing); returns the newly lost."""
-        lost = [
-            w
-            for w in range(self.num_workers)
-            if self.status[w] == "active" and w not in waiting and now - self.last_seen[w] > self.timeout_s
-        ]
+        lost = [w for w in self.active() if w not in waiting and now - self.last_seen[w] > self.timeout_s]
         for w in lost:
             self.status[w] = "lost"
         return lost
@@ -105,8 +101,7 @@ class ClockTable:
 
     def slowest(self) -> int | None:
         """The smallest clock among active workers (None when none is active)."""
-        clocks = [self.clocks[w] for w in self.active()]
-        return min(clocks) if clocks else None
+        return min((self.clocks[w] for w in self.active()), default=None)
 
     def may_pull(self, worker: int, clock: int) -> bool:
         """Whether a pull at ``clock`` may be answered now (always, except in ``ssp``)."""

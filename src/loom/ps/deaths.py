@@ -31,11 +31,11 @@ def write_record(run_dir: Path, servers: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def death_of(index: int, since: float = 0.0, run_dir: str | None = None) -> str | None:
-    """What the record says about server ``index`` when it is dead (``died at 12:03:04 (killed by SIGKILL) and
-    was not restarted: ...``) or died after ``since`` (Unix seconds) and was restarted; None when there is no
-    record or no such death (an older death, since restarted, does not explain a silence now)."""
-    run_dir = run_dir if run_dir is not None else os.environ.get("LOOM_RUN_DIR")
+def death_of(index: int, since: float = 0.0) -> str | None:
+    """What ``$LOOM_RUN_DIR``'s record says of server ``index`` when it is dead (``died at 12:03:04 (killed by
+    SIGKILL) and was not restarted: ...``) or died after ``since`` (Unix seconds) and was restarted; None when
+    there is no record or no such death (an older death, since restarted, does not explain a silence now)."""
+    run_dir = os.environ.get("LOOM_RUN_DIR")
     if not run_dir:
         return None
     path = Path(run_dir) / RECORD_NAME

@@ -5,10 +5,7 @@ admits comes here, to the handler of its message type. A request that must wait 
 worker has pushed that step, an ``ssp`` pull until the slowest worker is close enough) is parked with the address
 to answer and answered later, so one slow worker never blocks the loop; `RequestHandlers._tick` looks at the
 parked requests again when no message arrives (a worker silent past its timeout: ``ssp`` stops waiting for it,
-``sync`` fails the step naming it).
-
-`loom.fit`'s checkpoints: a worker reads a model's whole state with STATE (tensors and JSON) and puts it back
-with RESTORE (`RequestHandlers._restore`).
+``sync`` fails the step naming it). STATE and RESTORE carry `loom.fit`'s checkpoints.
 """
 
 from __future__ import annotations
@@ -311,12 +308,11 @@ class RequestHandlers(abc.ABC):
         for name, shard in self.models.items():
             if name in self.failed or shard.settings.mode == "async":
                 continue
-            if shard.settings.mode == "sync" and not self.parked_pushes.get(name):
+            pushes = self.parked_pushes.get(name, {})
+            if shard.settings.mode == "sync" and not pushes:
                 continue  # in sync a silence only matters while a step waits for it
-            waiting = set(self.parked_pulls.get(name, {}))
-            for step in self.parked_pushes.get(name, {}).values():
-                waiting.update(step)
-            for worker in shard.clocks.expire(now, frozenset(waiting)):
+            waiting = frozenset(self.parked_pulls.get(name, {})).union(*pushes.values())
+            for worker in shard.clocks.expire(now, waiting):
                 silent = now - shard.clocks.last_seen[worker]
                 if shard.settings.mode == "ssp":
                     self.log(f"model {name!r}: worker {worker} silent for {silent:.1f} s "

@@ -267,11 +267,8 @@ class ModelShard:
         try:
             saved = ShardSettings(**meta["settings"])
             settings = settings or saved
-            if (saved.optimizer, saved.num_workers, len(saved.groups)) != (
-                settings.optimizer,
-                settings.num_workers,
-                len(settings.groups),
-            ):
+            kind = (saved.optimizer, saved.num_workers, len(saved.groups))
+            if kind != (settings.optimizer, settings.num_workers, len(settings.groups)):
                 raise ValueError(
                     f"the saved state is for {saved.optimizer} with {len(saved.groups)} param group(s) and "
                     f"{saved.num_workers} workers, this model has {settings.optimizer} with "
