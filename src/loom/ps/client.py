@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -152,7 +153,7 @@ class PSClient:
         self,
         kind: MessageType,
         metas: list[dict[str, Any]],
-        tensors: list[dict[str, torch.Tensor] | None] | None = None,
+        tensors: Sequence[dict[str, torch.Tensor] | None] | None = None,
         *,
         servers: list[int] | None = None,
         timeout_s: float = 60.0,

@@ -122,11 +122,9 @@ class ParameterServer:
         )
         meta = {"ns": cfg.namespace, "worker": topo.rank, "settings": asdict(settings)}
         # Each server is told only its own pieces, so a server's --index need not match its place in the list.
-        metas = [
-            {**meta, "pieces": [p.to_json() for p in plan if p.server == s]} for s in range(len(addresses))
-        ]
-        values: list[dict[str, torch.Tensor] | None] = [{f"p{p.id}": piece_view(params[p.name], p) for p in plan if p.server == s}
-                  for s in range(len(addresses))]  # fmt: skip
+        held = [[p for p in plan if p.server == s] for s in range(len(addresses))]
+        metas = [{**meta, "pieces": [p.to_json() for p in pieces]} for pieces in held]
+        values = [{f"p{p.id}": piece_view(params[p.name], p) for p in pieces} for pieces in held]
         replies = client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
         metrics = ParameterServerMetrics(topo.rank, self.metrics_path)
         # The workers' mesh: the servers are not in the torch process group.
@@ -156,10 +154,8 @@ class ParameterServerJob(Engine):
     replicated_state = False
 
     def __init__(self, module, optimizer, loss_fn, mesh: Mesh, config, client, plan, metrics) -> None:
-        # The guard watches this worker's pulls and pushes; a worker whose loss or gradient is non-finite pushes
-        # only its flag: in ``sync`` the server then applies nothing for the step and tells every worker whose
-        # flag it was (the same verdict everywhere), in ``async``/``ssp`` that worker's update alone is dropped.
-        # `step` is this worker's clock: updates pushed so far.
+        # `step` is this worker's clock: updates pushed so far. The guard's flags travel with the pushes
+        # (`_synchronize`, `_flags`).
         super().__init__(module, optimizer, loss_fn, mesh, config, metrics)
         self.config: ParameterServerConfig = config
         self.client: PSClient = client
@@ -284,21 +280,17 @@ class ParameterServerJob(Engine):
         servers apply it (in ``sync``, once every worker pushed, unless some worker's flag is set) and reply
         with the versions, the staleness and, in ``sync``, every worker's flag and the step's loss sum."""
         sync = self.config.mode == "sync"
-        meta = {"clock": self.step, "loss_sum": state.loss_sum, "lrs": self._learning_rates(), "pull": True}
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]  # as a scheduler on the worker set them
+        meta = {"clock": self.step, "loss_sum": state.loss_sum, "lrs": lrs, "pull": True}
         if state.flag:
             meta["nonfinite"] = state.flag
+            grads: list[dict[str, torch.Tensor]] = [{} for _ in range(self._num_servers)]
+        else:
+            grads = piece_gradients(self._params, self.plan, self._num_servers)
         with self.collective("push to the parameter servers"):
-            replies = self._request(
-                MessageType.PUSH,
-                meta,
-                piece_gradients(self._params, self.plan, self._num_servers)
-                if not state.flag
-                else [{} for _ in range(self._num_servers)],
-                per_server=[{"version": v} for v in self._versions],
-            )
-        self._take_values(
-            replies
-        )  # the parameters after this step's update (or unchanged, for a skipped step)
+            per_server = [{"version": v} for v in self._versions]
+            replies = self._request(MessageType.PUSH, meta, grads, per_server=per_server)
+        self._take_values(replies)  # the parameters after this step's update (unchanged if skipped)
         stale = max(int(r.meta.get("staleness", 0)) for r in replies)
         self.metrics.staleness[stale] = self.metrics.staleness.get(stale, 0) + 1
         state.work["staleness"] = stale
@@ -331,10 +323,6 @@ class ParameterServerJob(Engine):
                 if 0 <= int(worker) < world:
                     flags[int(worker)] = max(flags[int(worker)], float(value))
         return flags, range(world)
-
-    def _learning_rates(self) -> list[float]:
-        """The current ``lr`` of each param group of the local optimizer (where a scheduler changes it)."""
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
         """On the servers' current parameters (pulled first, outside the consistency model); the engine adds up

@@ -69,9 +69,8 @@ class ParameterServerConfig(ShareOptions):
 
     def server_checkpoint_every(self) -> int:
         """``checkpoint_every`` resolved for this mode: 1 in ``sync`` by default, else 0 (by time only)."""
-        if self.checkpoint_every is not None:
-            return self.checkpoint_every
-        return 1 if self.mode == "sync" else 0
+        every = self.checkpoint_every
+        return every if every is not None else 1 if self.mode == "sync" else 0
 
 
 document_options(ParameterServerConfig, ParameterServerConfig)

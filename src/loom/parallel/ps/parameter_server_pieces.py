@@ -29,10 +29,8 @@ def param_specs(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[lis
     for name, p in model.named_parameters():
         if id(p) not in group_of or not p.requires_grad:
             continue  # frozen: stays on the worker
-        if name in sparse_modules:
-            specs.append(ParamSpec(name, p.shape[0], p.shape[1], True, group_of[id(p)]))
-        else:
-            specs.append(ParamSpec(name, p.numel(), 1, False, group_of[id(p)]))
+        rows, width = (p.shape[0], p.shape[1]) if name in sparse_modules else (p.numel(), 1)
+        specs.append(ParamSpec(name, rows, width, name in sparse_modules, group_of[id(p)]))
     return specs, {n: m for n, m in sparse_modules.items() if any(s.name == n for s in specs)}
 
 
