@@ -185,8 +185,7 @@ class GossipJob(Engine):
         assert self.node is not None
         rank, world = self.topology.rank, self.topology.world_size
         nearest = [(rank + 1) % world, (rank - 1) % world, *((rank + d) % world for d in range(2, world))]
-        order = list(dict.fromkeys(nearest))  # right neighbour, left, then the others
-        for peer in order:
+        for peer in dict.fromkeys(nearest):  # right neighbour, left, then the others (once each)
             got: list[torch.Tensor] = []
             if self.node.request(peer, COPY, None, self.config.deadline_s, got.append) == "done":
                 with torch.no_grad():
@@ -215,14 +214,12 @@ class GossipJob(Engine):
     def _gossip(self) -> None:
         assert self.node is not None
         self.attempts += 1
-        peer = None
         for _ in range(self.topology.world_size - 1):
-            candidate = self.choice.next()
-            if self._passed_over.get(candidate, 0) < self.attempts:
-                peer = candidate
+            peer = self.choice.next()
+            if self._passed_over.get(peer, 0) < self.attempts:
                 break
-        if peer is None:
-            return
+        else:
+            return  # every peer is passed over for now
         sent = self.layout.pack()
         if not self.layout.finite(sent):
             return  # a diverged replica keeps its values to itself
@@ -324,11 +321,9 @@ class GossipJob(Engine):
         """Numbers for step records and reports: this transport's bytes and exchanges by outcome (see
         `loom.comm.peer_wire.PeerStats`), ``spread`` (see the module docstring), ``joined_from`` (the peer
         copied when this worker joined a running job, -1: none) and ``step``."""
-        stats: dict[str, float] = dict((self.node.stats if self.node else PeerStats()).as_dict())
-        stats["spread"] = max(self.distance.values(), default=0.0)
-        stats["joined_from"] = -1 if self.joined_from is None else self.joined_from
-        stats["step"] = self.step
-        return stats
+        stats = (self.node.stats if self.node else PeerStats()).as_dict()
+        spread, joined = max(self.distance.values(), default=0.0), self.joined_from
+        return {**stats, "spread": spread, "joined_from": -1 if joined is None else joined, "step": self.step}
 
     def close(self) -> None:
         """Stop serving; wait (at most ``deadline_s``) for this worker's late answers; close the sockets."""

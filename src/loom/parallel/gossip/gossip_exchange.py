@@ -183,10 +183,7 @@ class PeerDirectory:
         keys = [f"{self.prefix}addr/{r}" for r in range(self.topology.world_size)]
         try:
             self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
-        except (
-            RuntimeError,
-            OSError,
-        ) as error:  # torch's DistStoreError and loom's StoreUnreachable included
+        except (RuntimeError, OSError) as error:  # torch's DistStoreError, loom's StoreUnreachable
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
             raise RuntimeError(
                 f"rank {self.topology.rank}: gossip set-up: rank(s) {missing} did not publish their address within "
