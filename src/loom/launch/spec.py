@@ -81,8 +81,9 @@ class LaunchSpec:
         check_nproc(self.nproc, self.max_nproc)
         if self.servers > 0:
             check_nproc(self.servers, self.max_nproc, "--servers")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        for flag in ("max_restarts", "servers", "max_server_restarts", "max_heals"):
+            if getattr(self, flag) < 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
         if self.nnodes > 1 and not self.master:
@@ -91,10 +92,6 @@ class LaunchSpec:
             master_host_port(self.master)
         if not self.join_timeout_s > 0:
             raise ValueError(f"--join-timeout must be > 0 seconds, got {self.join_timeout_s}")
-        if self.servers < 0:
-            raise ValueError(f"--servers must be >= 0, got {self.servers}")
-        if self.max_server_restarts < 0:
-            raise ValueError(f"--max-server-restarts must be >= 0, got {self.max_server_restarts}")
         if self.servers and self.nnodes > 1:
             raise ValueError(
                 "--servers is supported on one-node jobs only (parameter servers start on this host)"
@@ -107,8 +104,6 @@ class LaunchSpec:
             raise ValueError(f"--min-workers {self.min_workers} must be in 1..{self.nproc} (-n)")
         if self.min_workers < 1:  # several nodes: node 0 checks it against the job's workers once all joined
             raise ValueError(f"--min-workers must be >= 1, got {self.min_workers}")
-        if self.max_heals < 0:
-            raise ValueError(f"--max-heals must be >= 0, got {self.max_heals}")
         if self.on_worker_failure == "continue" and (self.max_restarts or self.nnodes > 1):
             raise ValueError(
                 f"--on-worker-failure continue runs one node without restarts; "
