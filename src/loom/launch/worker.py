@@ -44,14 +44,12 @@ def run_target(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("usage: python -m loom.launch.worker [-m MODULE | SCRIPT] [ARGS...]")
     if argv[0] == "-m":
-        module, args = argv[1], argv[2:]
-        sys.argv = [module, *args]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        sys.argv = argv[1:]  # [MODULE, *ARGS]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
-        script, args = argv[0], argv[1:]
-        sys.argv = [script, *args]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def _atomic_error_handler():
