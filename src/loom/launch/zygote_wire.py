@@ -71,10 +71,7 @@ def read_request(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None
         return None
     try:
         size = int.from_bytes(header, "big") if len(header) == _HEADER else -1
-        if not 0 < size <= MAX_REQUEST:
-            raise SystemExit(f"loom zygote: a request over {MAX_REQUEST} bytes or cut short; refused")
-        body = _receive(sock, size, fds)
-        if len(body) < size:
+        if not 0 < size <= MAX_REQUEST or len(body := _receive(sock, size, fds)) < size:
             raise SystemExit(f"loom zygote: a request over {MAX_REQUEST} bytes or cut short; refused")
         try:
             request = json.loads(body)
