@@ -49,15 +49,14 @@ class Setting:
                                + (f" ({self.default:g})" if isinstance(self.default, float) else "")) from None  # fmt: skip
 
 
-def _seconds(low: float = 0.0, zero: bool = False) -> Callable[[str], float]:
+def _seconds(zero: bool = False) -> Callable[[str], float]:
     def parse(raw: str) -> float:
         try:
             value = float(raw)
         except ValueError:
             raise ValueError("not a number of seconds") from None
-        ok = value >= low if zero else value > low
-        if not (math.isfinite(value) and ok and value <= _LONGEST_S):
-            raise ValueError(f"expected seconds {'>=' if zero else '>'} {low:g} and <= {_LONGEST_S:g}")
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0) and value <= _LONGEST_S):
+            raise ValueError(f"expected seconds {'>=' if zero else '>'} 0 and <= {_LONGEST_S:g}")
         return value
 
     return parse
