@@ -7,10 +7,9 @@ the partial outputs. Two conjugate operators make the autograd right:
 - ``f`` (`copy_to_parallel`): identity forward, all-reduce of the input gradient backward — at a block's input;
 - ``g`` (`reduce_from_parallel`): all-reduce forward, identity backward — at a row-parallel layer's output.
 
-So a block costs one all-reduce forward and one backward. Attention is split by heads (its q, k, v projections
-column-parallel, the output projection row-parallel), an embedding by vocabulary rows (each process looks up
-the ids in its range, zeros elsewhere, and ``g`` sums). Every collective goes through a `TensorParallelComm`,
-which counts them, so the tests can check the 1 + 1 per MLP and 2 + 2 per transformer layer.
+So a block costs one all-reduce forward and one backward. Attention is split by heads the same way, an
+embedding by vocabulary rows (`VocabParallelEmbedding`). Every collective goes through a `TensorParallelComm`,
+which counts them: the tests check 1 + 1 per MLP and 2 + 2 per transformer layer.
 
 These all-reduces are small (a micro-batch's activations: a few KiB to a few hundred) and latency-bound, so when
 every process of the group is on one host (decided once, the same on every process, by the group's first
