@@ -83,10 +83,8 @@ def split_into_stages(
     layers = [("", model)] if config.stages == 1 else chain_layers(model)
     ranges = stage_ranges(_cuts(layers, topo, config, sample_input), len(layers))
     refuse_shared_parameters(layers, ranges)
-    stage_index = mesh.index("pp")
-    start, end = ranges[stage_index]
-    stage = PipelineStage(layers[start:end], stage_index, config.stages)
-    keys = [PipelineStage(layers[a:b], s, config.stages).state_keys() for s, (a, b) in enumerate(ranges)]
+    every = [PipelineStage(layers[a:b], s, config.stages) for s, (a, b) in enumerate(ranges)]
+    stage, keys = every[mesh.index("pp")], [s.state_keys() for s in every]
     mine = {id(p) for p in stage.parameters()}
     for p in model.parameters():
         if id(p) not in mine:
