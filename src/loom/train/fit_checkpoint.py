@@ -106,19 +106,16 @@ def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
     return states
 
 
-def _rank_state(job: Job) -> dict[str, Any]:
-    """What this rank writes into its own file: its local state, and its part of the job when not replicated."""
-    if job.replicated_state:
-        return job.local_state_dict()
-    return {"job": job.state_dict(), "local": job.local_state_dict()}
-
-
 def _pack_rank_state(job: Job) -> tuple[PackedState | None, str, str]:
-    """``(packed, status, detail)`` of this rank's `_rank_state`: status ``ok``, ``nonfinite`` (detail: the
-    tensors) or ``failed`` (detail: the error); never raises, so that no rank is left waiting. The packed
-    state refers to the job's tensors (written before the next step changes them), so saving costs no copy."""
+    """``(packed, status, detail)`` of what this rank writes into its own file (its local state, and its part of
+    the job when not replicated): status ``ok``, ``nonfinite`` (detail: the tensors) or ``failed`` (detail: the
+    error); never raises, so that no rank is left waiting. The packed state refers to the job's tensors (written
+    before the next step changes them), so saving costs no copy."""
     try:
-        state = _rank_state(job)
+        if job.replicated_state:
+            state = job.local_state_dict()
+        else:
+            state = {"job": job.state_dict(), "local": job.local_state_dict()}
         nonfinite = nonfinite_tensors(state)
         if nonfinite:
             return None, "nonfinite", _shown(nonfinite)
