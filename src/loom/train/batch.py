@@ -73,9 +73,7 @@ class LossCall:
         clear error for anything else."""
         if isinstance(loss_fn, LossCall):
             return loss_fn
-        if loss_fn is None:
-            return cls(None)
-        if not callable(loss_fn):
+        if loss_fn is not None and not callable(loss_fn):
             raise TypeError(
                 f"setup() expects a callable loss_fn(outputs, targets), None (the model returns its own loss) or a "
                 f"loom.LossCall, got {type(loss_fn).__name__}"
