@@ -135,14 +135,13 @@ class Watchdog:
         own to the launcher's store, and judges nothing (see ``quorum`` in the constructor).
         """
         global _active
-        reuse = _active
         if (
             quorum is None
-            and reuse is not None
-            and (reuse.rank, reuse.world_size) == (topology.rank, topology.world_size)
+            and _active is not None
+            and (_active.rank, _active.world_size) == (topology.rank, topology.world_size)
         ):
-            reuse._configure(timeout_s, work_timeout, liveness_timeout)  # a second setup() in one process
-            return reuse
+            _active._configure(timeout_s, work_timeout, liveness_timeout)  # a second setup() in one process
+            return _active
         # under heal a connection of its own: a step's long wait on the quorum's never delays a beat
         if quorum is not None:
             store = quorum.store.clone()
