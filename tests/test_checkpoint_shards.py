@@ -17,8 +17,10 @@ from conftest import run_workers
 from test_checkpoint_local import assert_rank_state, rank_state
 
 from loom.checkpoint import (
+    CheckpointError,
     CorruptCheckpointWarning,
     NoValidCheckpointError,
+    ReadLimits,
     load_checkpoint,
     local_state_file,
     pack_state,
@@ -127,6 +129,20 @@ def test_format_1_is_refused_naming_the_upgrade_which_converts_it(tmp_path):
     step, state = load_checkpoint(tmp_path)
     assert step == 4 and torch.equal(state["w"], torch.full((3,), 4.0))
     assert_rank_state(read_checkpoint_part(checkpoint, 0)[2], 0)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_upgrade_refuses_an_oversized_state_or_a_cut_tensor_file_with_a_checkpoint_error(tmp_path):
+    save_checkpoint(tmp_path, 5, {"w": torch.ones(3)}, local_states=[pack_state(rank_state(0))])
+    checkpoint = tmp_path / "step-00000005"
+    _as_format_1(checkpoint)
+    with pytest.raises(CheckpointError, match=r"state\.json: .* more than the limit of 4"):
+        upgrade_checkpoint(checkpoint, limits=ReadLimits(max_state_bytes=4))
+    tensor_file = next(p for p in checkpoint.iterdir() if p.suffix == ".safetensors")
+    tensor_file.write_bytes(b"\x01\x02")  # shorter than the 8-byte header length
+    with pytest.raises(CheckpointError, match=tensor_file.name):
+        upgrade_checkpoint(checkpoint)
 
 
 @pytest.mark.unit

@@ -29,14 +29,17 @@ def _read_file(folder: ConfinedDirectory, name: str, limit: int) -> tuple[bytes,
     the length and header of a safetensors file), its size and the sha256 of all of it."""
     file, size = folder.open_file(name)
     with file:
-        if name == STATE_FILE:
-            data = read_limited(file, size, limit)
-        else:
-            prefix = read_exact(file, 8) if size >= 8 else b""
-            length = int.from_bytes(prefix, "little")
-            if length > min(size - 8, limit):
-                raise CheckpointError(f"{folder.path / name}: a safetensors header of {length} bytes")
-            data = prefix + read_exact(file, length)
+        try:
+            if name == STATE_FILE:
+                data = read_limited(file, size, limit)
+            else:
+                prefix = read_exact(file, 8)  # ValueError if the file is shorter
+                length = int.from_bytes(prefix, "little")
+                if length > min(size - 8, limit):
+                    raise ValueError(f"a safetensors header of {length} bytes")
+                data = prefix + read_exact(file, length)
+        except ValueError as error:  # a read limit or a cut file: name the file, not a bare ValueError
+            raise CheckpointError(f"{folder.path / name}: {error} (the limits are ReadLimits')") from None
         file.seek(0)
         return data, size, sha256_of(file, size)
 
