@@ -13,82 +13,13 @@ naming the feature (never a silent difference).
 Importing this module does nothing to the process; `init()` does what a job needs.
 """
 
-from loom.horovod import basics, elastic
-from loom.horovod.basics import (
-    Adasum,
-    Average,
-    HorovodInternalError,
-    HostsUpdatedInterrupt,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from loom.horovod.collectives import (
-    allgather,
-    allgather_async,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    join,
-    poll,
-    sparse_allreduce_async,
-    synchronize,
-)
+from loom.horovod import basics, collectives, elastic, functions, optimizer, scatter
+from loom.horovod.basics import *
+from loom.horovod.collectives import *
 from loom.horovod.compression import Compression
-from loom.horovod.functions import (
-    allgather_object,
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
-from loom.horovod.optimizer import DistributedOptimizer
-from loom.horovod.scatter import (
-    alltoall,
-    alltoall_async,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    reducescatter,
-    reducescatter_async,
-)
+from loom.horovod.functions import *
+from loom.horovod.optimizer import *
+from loom.horovod.scatter import *
 
 
 class SyncBatchNorm:
@@ -99,16 +30,12 @@ class SyncBatchNorm:
 
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Max", "Min", "ProcessSet", "Product", "Sum", "SyncBatchNorm",
-    "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
-    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
-    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
-    "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
-]  # fmt: skip
+    "Compression",
+    "SyncBatchNorm",
+    "elastic",
+    *basics.__all__,
+    *collectives.__all__,
+    *functions.__all__,
+    *optimizer.__all__,
+    *scatter.__all__,
+]

@@ -47,7 +47,6 @@ __all__ = [
     "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
-    "refuse",
     "remove_process_set",
     "rank",
     "rocm_built",
