@@ -196,24 +196,21 @@ class RequestHandlers(abc.ABC):
             if not set(shard.clocks.active()) <= set(waiting):
                 return
             order = sorted(waiting)
-            staleness = [max(0, shard.version - int(waiting[w].frame.meta["version"])) for w in order]
+            frames = [waiting[w].frame for w in order]
+            staleness = [max(0, shard.version - int(f.meta["version"])) for f in frames]
             # A step any worker flagged non-finite is applied nowhere: every worker is told whose flag it was.
-            flags = [[w, _flag(waiting[w].frame)] for w in order if _flag(waiting[w].frame)]
+            flags = [[w, _flag(f)] for w, f in zip(order, frames, strict=True) if _flag(f)]
             if not flags:
-                shard.apply(
-                    [waiting[w].frame.tensors for w in order], waiting[order[0]].frame.meta.get("lrs")
-                )
-            loss_sum = sum(float(waiting[w].frame.meta.get("loss_sum", 0.0)) for w in order)
+                shard.apply([f.tensors for f in frames], frames[0].meta.get("lrs"))
+            loss_sum = sum(float(f.meta.get("loss_sum", 0.0)) for f in frames)
             for w, stale in zip(order, staleness, strict=True):
                 shard.clocks.pushed(w, clock)
                 shard.record_staleness(stale)
             if not flags:
                 self._after_update(shard)
-            for w, stale in zip(order, staleness, strict=True):
+            for w, frame, stale in zip(order, frames, staleness, strict=True):
                 meta = {"version": shard.version, "staleness": stale, "loss_sum": loss_sum, "flags": flags}
-                self._reply(
-                    waiting[w].identity, waiting[w].frame, meta, _values_if_asked(waiting[w].frame, shard)
-                )
+                self._reply(waiting[w].identity, frame, meta, _values_if_asked(frame, shard))
             del steps[clock]
 
     def _after_update(self, shard: ModelShard) -> None:
