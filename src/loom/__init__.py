@@ -82,63 +82,37 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
-    "DataParallel": "loom.parallel",
-    "DataParallelConfig": "loom.parallel",
-    "DiLoCo": "loom.parallel",
-    "DiLoCoConfig": "loom.parallel",
-    "FitResult": "loom.train.fit",
-    "Gossip": "loom.parallel",
-    "GossipConfig": "loom.parallel",
-    "Hybrid": "loom.parallel",
-    "HybridConfig": "loom.parallel",
-    "Job": "loom.job",
-    "LocalSGD": "loom.parallel",
-    "LocalSGDConfig": "loom.parallel",
-    "LossCall": "loom.parallel",
-    "MLflowTracker": "loom.observe.trackers",
-    "Mesh": "loom.mesh",
-    "ParameterServer": "loom.parallel",
-    "ParameterServerConfig": "loom.parallel",
-    "Pipeline": "loom.parallel",
-    "PipelineConfig": "loom.parallel",
-    "ShardedDataParallel": "loom.parallel",
-    "ShardedDataParallelConfig": "loom.parallel",
-    "TensorBoardTracker": "loom.observe.trackers",
-    "TensorParallel": "loom.parallel",
-    "TensorParallelConfig": "loom.parallel",
-    "Topology": "loom.topology",
-    "Tracker": "loom.observe.trackers",
-    "checkpoint": "loom.checkpoint:",
-    "comm": "loom.comm:",
-    "current": "loom.topology",
-    "data": "loom.data:",
-    "errors": "loom.errors:",
-    "fit": "loom.train.fit",
-    "init": "loom.topology",
-    "shutdown": "loom.topology",
+    name: module
+    for module, names in {
+        "loom.job": "Job",
+        "loom.mesh": "Mesh",
+        "loom.observe.trackers": "MLflowTracker TensorBoardTracker Tracker",
+        "loom.parallel": "DataParallel DataParallelConfig DiLoCo DiLoCoConfig Gossip GossipConfig Hybrid HybridConfig "
+        "LocalSGD LocalSGDConfig LossCall ParameterServer ParameterServerConfig Pipeline PipelineConfig "
+        "ShardedDataParallel ShardedDataParallelConfig TensorParallel TensorParallelConfig",
+        "loom.topology": "Topology current init shutdown",
+        "loom.train.fit": "FitResult fit",
+    }.items()
+    for name in names.split()
 }
-"""Every public name, and the module it comes from (a trailing ``:`` marks a subpackage itself)."""
-_LAZY_MODULES = ("ray", "spark")
+"""Every public class and function, and the module it comes from; the subpackages (``loom.checkpoint``,
+``loom.comm``, ``loom.data``, ``loom.errors``, ``loom.ray``, ``loom.spark``) are found as modules."""
 
 
 def __getattr__(name: str) -> object:
     """Each public name on first use (PEP 562), so that ``import loom`` alone imports neither torch nor the
     strategies: ``loom run`` (the launcher, which trains nothing) starts in a fraction of the time, and its
     argument errors come at once. ``loom.ray`` and ``loom.spark`` also need the optional Ray or Spark extras."""
-    where = _LAZY.get(name)
-    if where is None and name in _LAZY_MODULES:
-        where = f"loom.{name}:"
-    if where is None and not name.startswith("_") and importlib.util.find_spec(f"loom.{name}") is not None:
-        where = f"loom.{name}:"  # a subpackage reached as an attribute, as when ``import loom`` imported them
-    if where is None:
-        raise AttributeError(f"module 'loom' has no attribute {name!r}")
-    if where.endswith(":"):
-        value: object = importlib.import_module(where[:-1])
+    value: object
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"loom.{name}") is not None:
+        value = importlib.import_module(f"loom.{name}")  # a subpackage reached as an attribute
     else:
-        value = getattr(importlib.import_module(where), name)
+        raise AttributeError(f"module 'loom' has no attribute {name!r}")
     globals()[name] = value  # once: later lookups do not come here
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, *_LAZY_MODULES})
+    return sorted({*globals(), *__all__, "ray", "spark"})
