@@ -1,20 +1,17 @@
 """How much reading one checkpoint may cost: the bounds `loom.checkpoint.load` checks before it allocates.
 
 A checkpoint directory is input like any other (a bad disk, a half-copied backup, a hostile user): every size
-read from it is checked against these bounds *before* memory is allocated for it, and JSON before it is parsed
-(`loom.checkpoint.load` lists the checks), so a crafted checkpoint costs bounded memory and time and ends in
-`CorruptCheckpointError`, which makes loading fall back to the previous checkpoint.
+read from it is checked against these bounds *before* memory is allocated for it, and JSON before it is parsed,
+so a crafted checkpoint costs bounded memory and time and ends in `CorruptCheckpointError`, which makes
+loading fall back to the previous checkpoint.
 
-The defaults are loom's own bound on what a crafted file may cost whatever its manifest says (measured in
-docs/checkpoints.md). They admit every checkpoint `loom.fit` writes up to about 1,000 ranks (its ``state.json``
-holds every rank's RNG state, about 7 KB and a dozen values per rank: `loom.checkpoint.rng` packs the 32-bit
-words) and refuse what a parser would choke on. `save_checkpoint` refuses a state whose JSON would break the
-same bounds, so nothing written by loom is unreadable with the limits it was saved under; a genuine larger
-checkpoint is read with larger limits, which the refusal names.
-
-These are absolute bounds. Each file is read within a tighter one, its *read budget*, which its manifest
-lists (``entries``; `ReadLimits.budgeted`): within its budget a file costs at most a small multiple of the
-genuine one, and a forged budget is capped by the absolute bounds.
+The defaults are loom's own bound on what a crafted file may cost whatever its manifest says; they admit every
+checkpoint `loom.fit` writes up to about 1,000 ranks (`loom.checkpoint.rng` packs each rank's RNG state into
+a dozen JSON values) and refuse what a parser would choke on (values and their measured cost:
+docs/checkpoints.md). `save_checkpoint` refuses a state whose JSON would break them, so nothing loom writes is
+unreadable with the limits it was saved under; a genuine larger checkpoint is read with larger limits, which
+the refusal names. Each file is also read within its tighter *read budget* from the manifest
+(``entries``; `ReadLimits.budgeted`), capped by these absolute bounds.
 """
 
 from __future__ import annotations

@@ -3,19 +3,12 @@
 `read_checkpoint` reads one checkpoint (`read_checkpoint_part`: the shared files and one rank's own) and
 raises `CorruptCheckpointError` naming the first file found wrong and how (`loom.checkpoint.find` walks back
 past it). "Wrong" covers damage (missing, truncated, a sha256 that differs from the manifest, JSON that does
-not parse or does not match the tensor file) and input crafted to exhaust the reader:
-
-- a ``step-*`` directory or a file in it that is a symbolic link, or not a regular file (`loom.checkpoint
-  .confined`): refused, never followed;
-- a file larger than the manifest says, or than its `ReadLimits` bound: refused from its `fstat` size before
-  a byte is read;
-- JSON too large, too deeply nested, with too many values or a number too long (`loom.checkpoint
-  .bounded_json`): refused before it is parsed;
-- a safetensors header whose lengths, offsets, dtypes or shapes do not fit the file (`loom.checkpoint
-  .tensor_file`): refused before any tensor is allocated; tensors are read one by one into their own memory.
-- JSON beyond the file's *read budget* (`loom.checkpoint.limits`, `ReadLimits.budgeted`): refused from its size
-  before a byte is read (``state.json``) or after 8 bytes (a safetensors header). Manifests of format 1 (no
-  budgets) are refused, naming `loom.checkpoint.upgrade_checkpoint`.
+not parse or does not match the tensor file) and input crafted to exhaust the reader, each refused before the
+allocation it would cause: symbolic links and non-regular files (`loom.checkpoint.confined`), sizes beyond the
+manifest or `ReadLimits` (from `fstat`), costly JSON (`loom.checkpoint.bounded_json`), safetensors headers that
+do not fit the file (`loom.checkpoint.tensor_file`), and JSON beyond the file's read budget
+(`ReadLimits.budgeted`). The full list, the limits and their measured cost: docs/checkpoints.md. Manifests of
+format 1 (no budgets) are refused, naming `loom.checkpoint.upgrade_checkpoint`.
 
 Every file is read once: the sha256 is computed on the same pass that fills the tensors, and rank files are
 only hashed (1 MiB at a time) by `read_checkpoint`, read and unpacked by `read_local_state` and
@@ -24,8 +17,7 @@ only hashed (1 MiB at a time) by `read_checkpoint`, read and unpacked by `read_l
 Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
 before its sha256 can be compared (hashing first would read every genuine checkpoint twice), so the bound on
 what a crafted tensor file costs is that limit, by default the machine's memory. The read budgets come from
-the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone
-(what the costliest JSON and header they admit cost is measured in docs/checkpoints.md).
+the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone.
 """
 
 from __future__ import annotations

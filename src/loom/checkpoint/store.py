@@ -1,35 +1,18 @@
 """Checkpoints on disk: one directory per step, a manifest of checksums, and a `latest` pointer moved last.
 
-Layout of a checkpoint directory::
-
-    directory/
-      step-00000012/
-        state.json              the state's tree, tensors replaced by placeholders (see `loom.checkpoint.tree`)
-        tensors.safetensors     every tensor, keyed by its path in the tree
-        rank-00000.safetensors  optional, one per rank: that rank's own state, packed (`pack_state`)
-        manifest.json           step, format version, and for every file above its size, sha256 and read
-                                budget (``entries``, see `file_entries`)
-      latest                    "step-00000012": the newest checkpoint known to be complete and durable
-
-The commit protocol, so that a crash at any instant leaves ``latest`` naming a whole checkpoint:
-
-1. the publishing writer creates a fresh ``.tmp-*`` staging directory inside ``directory`` (`open_staging`);
-   each rank file is written into it and fsynced (`write_rank_file`: by its own rank under `loom.fit`, on
-   shared storage; by the one writer for `save_checkpoint`); once every one is durable, the writer writes the
-   shared files, fsyncs each, then the manifest last, then fsyncs the staging directory (`publish`);
-2. rename it to ``step-NNNNNNNN`` (atomic) and fsync ``directory``;
-3. replace ``latest`` atomically (temporary file, fsync, ``os.replace``, fsync ``directory``);
-4. only then retire older checkpoints beyond ``keep`` (renamed to ``.trash-*`` first, so a half-deleted
-   checkpoint is never visible under a ``step-*`` name), and checkpoints *newer* than the one just saved: those
-   were written by a run that crashed before moving ``latest``, and this run has replaced their timeline.
+Layout (``step-NNNNNNNN/`` with ``state.json``, ``tensors.safetensors``, optional ``rank-RRRRR.safetensors``
+per rank, ``manifest.json``; ``latest`` beside them), manifest fields and the commit protocol step by step:
+docs/checkpoints.md. The guarantee: a crash at any instant leaves ``latest`` naming a whole checkpoint, because
+every file is fsynced into a fresh ``.tmp-*`` staging directory (`open_staging`, `write_rank_file`, `publish`:
+manifest last), which is renamed to ``step-NNNNNNNN`` atomically before ``latest`` is replaced atomically, and
+only then are older checkpoints beyond ``keep`` retired (through ``.trash-*``, never visible half-deleted) along
+with any *newer* one (a crashed run's timeline, which this run has replaced).
 
 Reading is `loom.checkpoint.load`, which trusts nothing and falls back past damaged checkpoints. So that loom
 never writes what it would then refuse to read, `encode_state` refuses a state whose JSON breaks the default
-bounds.
-
-Per-rank files let every process write the piece of the state it alone holds (a pipeline stage, gradient
-compression's error feedback) into the same atomic commit as the rest, without sending it to the writer:
-only its manifest entry travels; `read_local_state` and `load.read_checkpoint_part` read one back.
+bounds. Per-rank files let every process write the piece of the state it alone holds (a pipeline stage,
+gradient compression's error feedback) into the same atomic commit without sending it to the writer: only its
+manifest entry travels; `read_local_state` and `load.read_checkpoint_part` read one back.
 
 Limits: one writer per directory (temporary directories of crashed writers are removed by the next save, so
 two jobs saving into one directory would disturb each other). Saving holds a serialized copy of the

@@ -1,10 +1,9 @@
 """Split a nested state into JSON plus a flat dict of tensors, and join them back, without pickle.
 
 A checkpoint state is a tree of dicts, lists and tuples whose leaves are tensors, ``None``, bools, ints, floats
-and strings. `flatten_state` walks it once and returns a *skeleton*, a JSON-able copy of the tree in which every
-tensor is replaced by a placeholder naming its key in the tensor file (the key is the tensor's path in the tree,
-e.g. ``job/optimizer/state/0/exp_avg``, so a safetensors file can be read on its own). `unflatten_state` puts the
-tensors back in place.
+and strings. `flatten_state` returns a JSON-able *skeleton* in which every tensor is a placeholder naming its
+key in the tensor file, its path in the tree (e.g. ``job/optimizer/state/0/exp_avg``, so a safetensors file can
+be read on its own); `unflatten_state` puts the tensors back.
 
 JSON alone would lose what PyTorch's state_dicts rely on, so a few shapes are tagged with a ``"__loom__"`` key:
 
@@ -16,10 +15,9 @@ JSON alone would lose what PyTorch's state_dicts rely on, so a few shapes are ta
   (module versions that ``load_state_dict`` reads), when there is one;
 - a non-finite float is ``{"__loom__": "float", "value": "nan"}`` (strict JSON has no NaN or Infinity).
 
-Finite floats are written with ``repr``, which round-trips every double exactly.
-
-`pack_state` puts both parts in one self-contained safetensors file (the skeleton in the header's metadata):
-the form a per-rank state travels in to the process that writes the checkpoint, and is stored in.
+Finite floats are written with ``repr``, which round-trips every double exactly. `pack_state` puts both parts
+in one self-contained safetensors file (the skeleton in the header's metadata): the form a per-rank state
+travels and is stored in.
 
 Limits: tensors come back contiguous, on the CPU, without ``requires_grad``, each with its own memory (two
 entries that shared a tensor become two tensors). Subclasses of the leaf types come back as the base type
