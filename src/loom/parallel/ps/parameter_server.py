@@ -1,37 +1,28 @@
 """Data parallelism through sharded parameter servers: workers pull parameters and push gradients.
 
-``loom run -n 4 --servers 2 train.py`` with ``strategy = loom.ParameterServer(mode="ssp", staleness=2)``: the
-parameters live on the servers in size-balanced pieces (`loom.ps.plan`), and the optimizer given to `setup` runs
-*on the servers* over those pieces (its state sharded with them; the worker's object only supplies its type and
-hyperparameters). Each step a worker pulls the parameters, computes the gradient of its share of the global
-batch and pushes it. The consistency model is the server's (`loom.ps.clocks`): ``sync`` equals one process on
-the whole global batch (gradients weighted ``n_r / N`` and summed); ``async`` and ``ssp`` apply each worker's
-mean gradient as its own update (W updates per global batch: lower the learning rate, as with Downpour SGD).
+User guide, mode table and limits: docs/strategies/parameter-server.md. The parameters live on the servers in
+size-balanced pieces (`loom.ps.plan`; placement: `loom.parallel.ps.parameter_server_pieces`) and the optimizer
+given to `setup` runs *on the servers* (the worker's object only supplies its type and hyperparameters). The
+consistency model is the server's (`loom.ps.clocks`): ``sync`` equals one process on the global batch (shares
+weighted ``n_r / N``); ``async``/``ssp`` apply each worker's mean gradient as its own update.
 
 Sparse tables (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): a forward pre-hook pulls just
-the rows the batch touches and only those rows' gradients are pushed, so traffic grows with touched rows, not
-with the table (the worker still allocates it).
+the rows the batch touches and only those rows' gradients are pushed (the worker still allocates the table).
+Every push carries each param group's ``lr``, set on the server before applying it, so a scheduler stepped on the
+worker drives the servers (in ``sync`` the lowest rank's rates); nothing else of a schedule travels.
 
-Learning-rate schedules: every push carries each param group's ``lr`` and the server sets it before applying the
-push, so a ``torch.optim.lr_scheduler`` stepped on the worker's optimizer drives the servers' (in ``sync`` the
-lowest rank's rates). Only ``lr`` travels (``OneCycleLR``'s momentum cycling does not reach the servers).
+``staleness`` of a `StepRecord`: updates that reached the server between the pull and the application (largest
+over servers). A restarted worker continues from its clock on the servers, so its pushes are not taken as resent.
+Checkpoints: `loom.parallel.ps.parameter_server_state`.
 
-Each `StepRecord` carries its ``staleness``: the updates that reached the server between the pull the gradient
-was computed on and its application (the largest over servers; ``metrics.staleness`` as a histogram). A restarted
-worker continues from its clock on the servers, so its pushes are not mistaken for resent ones.
+A dead server (`loom.ps.server`, `loom.launch.servers`) is restarted under ``loom run`` on its address from its
+checkpoint and requests are resent: ``sync`` saves every step before answering, so the job ends as an
+uninterrupted one would; ``async``/``ssp`` lose the updates since the last save, counted in
+``metrics.server_restarts``. A timed-out request names the server, the operation, this rank and what the
+launcher knows of the death.
 
-Checkpoints (`loom.fit`): every worker's `state_dict` in its own file, rank 0's with every server's whole model
-(`loom.parallel.ps.parameter_server_state`). Parameters onto pieces: `loom.parallel.ps.parameter_server_pieces`.
-
-A server's death (`loom.ps.server`, `loom.launch.servers`): under ``loom run`` it is restarted on its address from
-its checkpoint and the workers' requests are resent. ``sync`` saves every step before answering it, so the job
-ends where an uninterrupted one would; ``async``/``ssp`` lose the updates since the last save
-(``checkpoint_interval_s``), which each worker counts (``metrics.server_restarts``). A request that times out
-names the server, the operation, this worker's rank and what the launcher knows of the death.
-
-Limits: ``sync`` weights shares by ``batch.global_size`` (a `loom.data.loader` batch; a plain tuple is taken as
-one of ``world_size`` equal shares). Only element-wise optimizers (`loom.ps.shard`). `eval_step` sums over the
-process group, so every worker calls it. Buffers (BatchNorm statistics) stay local to each worker.
+Limits: ``sync`` weights shares by ``batch.global_size`` (a plain tuple counts as one of ``world_size`` equal
+shares). Only element-wise optimizers (`loom.ps.shard`). `eval_step` is collective. Buffers stay local.
 """
 
 from __future__ import annotations
