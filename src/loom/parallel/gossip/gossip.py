@@ -1,34 +1,29 @@
 """Decentralized, asynchronous data parallelism: each worker averages its parameters with one peer at a time.
 
-``Gossip(peers="ring", every=1, deadline_s=10.0)``: every worker trains its own replica on its share of each
-global batch with its own optimizer, and every ``every`` steps averages its parameters with ONE peer, at its own
-pace: no all-reduce, no barrier, no node everyone waits for (randomized gossip, Boyd et al. 2006; the exponential
-graph of SGP, Assran et al. 2019; asynchronous pairs as in AD-PSGD, Lian et al. 2018).
+User guide, example and limits: docs/strategies/gossip.md (randomized gossip, Boyd et al. 2006; SGP's exponential
+graph, Assran et al. 2019; AD-PSGD's asynchronous pairs, Lian et al. 2018).
 
 The exchange is symmetric: the worker sends its parameters ``a`` (`loom.comm.peer`), the peer answers with its
 own ``b`` and takes ``m = (a + b) / 2``; on the answer the worker takes ``m + (x - a)``, ``x`` being what it holds
-by then; ``x - a`` keeps the share of peers answered meanwhile. So every exchange, interleaved or not, conserves
-the sum of the replicas' parameters. A pair exchange rather than push-sum weights: the replicas hold plain
-parameters at every step (no de-biasing, no weight lost with a dead peer), and a pair's result is testable bit for
-bit. Two workers asking each other at once: the lower rank answers BUSY, so exactly one exchange happens.
-Non-finite values are never sent nor taken.
+by then, so the share of peers answered meanwhile is kept and every exchange, interleaved or not, conserves the
+sum of the replicas. A pair exchange rather than push-sum weights: replicas hold plain parameters at every step
+(no de-biasing, no weight lost with a dead peer), and a pair's result is testable bit for bit. Two workers asking
+each other at once: the lower rank answers BUSY, so exactly one exchange happens. Non-finite values are never
+sent nor taken.
 
-Peers: ``ring`` alternates the right and left neighbours, ``exponential`` cycles through rank + 2^k for
-k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly among the others (seeded by ``seed`` and the rank). A dead peer
-is skipped at once, a slow one after ``deadline_s``; either is passed over for the next ``retry_after``
-exchanges. A late answer is still applied when it comes (unless the next request to that peer abandons it, see
-`loom.comm.peer`). A restarted worker copies a live neighbour's parameters before its first step.
+Peers: ``ring`` alternates right and left neighbours, ``exponential`` cycles through rank + 2^k for
+k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly (seeded by ``seed`` and the rank). A dead peer is skipped at
+once, a slow one after ``deadline_s``; either is passed over for the next ``retry_after`` exchanges. A late answer
+is still applied unless the next request to that peer abandons it (`loom.comm.peer`).
 
-A service thread answers peers between steps, so ``job.module``'s parameters may change between two
-`train_step` calls; `paused` holds them still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`
-gives this transport's bytes (also in ``loom.comm.counters()`` under ``gossip``), the exchanges by outcome, and
-``spread``: the largest L2 distance to a peer's parameters at the last exchange with each reachable peer.
+A service thread answers peers between steps, so ``job.module`` may change between two `train_step` calls;
+`paused` holds it still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`: bytes (also
+``loom.comm.counters()["gossip"]``), exchanges by outcome, and ``spread`` (largest L2 distance to a peer at the
+last exchange with each reachable peer).
 
-Set-up is the only collective part: each worker publishes its listener's address in the job's store and waits
-for the others'; with ``same_start`` rank 0's parameters are broadcast. `train_step` returns THIS replica's mean
-loss on its share; `eval_step` is collective. Checkpoints (`loom.fit`): per rank (model, optimizer, step, peer
-choice); the saving is collective, so it needs every worker alive. Limits: parameters are averaged, buffers and
-optimizer state stay local; floating-point parameters on the CPU.
+Set-up is the only collective part: listeners' addresses go through the job's store; with ``same_start`` rank
+0's parameters are broadcast. Checkpoints (`loom.fit`) are per rank (model, optimizer, step, peer choice) but saved collectively, so every worker
+must be alive. Limits: `train_step` returns this replica's loss; only floating-point CPU parameters are averaged.
 """
 
 from __future__ import annotations
