@@ -1,35 +1,28 @@
 """Your own training loop with loom's semantics: keep forward, ``loss.backward()``, clipping and the step.
 
-``model, optimizer, loader = job.own_loop(job.loader(dataset, global_batch_size=64))`` after
-``job = loom.DataParallel().setup(model, optimizer)`` (no ``loss_fn``: the loop computes its loss); the loop is
-the script's own. Usage: ``docs/own-loop.md``.
-
-The idea is Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``: the loop stays, the model and
-optimizer come back wrapped. What loom adds is global-batch semantics under uneven shares: the model's training
-forward weights the *gradient* flowing back into each of its outputs by ``w = n * W / N`` (``n`` the samples of
-this call, ``W`` the replicas, ``N`` the global batch, which the loader's batches carry), an identity in the
-forward pass. The gradient all-reduce then gives every rank ``sum_r n_r / N * grad_r``, the gradient of the
-global-batch mean loss, before ``clip_grad_norm_`` reads it. Weighting the outputs rather than the loss leaves the
-user's ``loss`` (and ``GradScaler``'s scaling of it) untouched, and terms that do not come from the outputs (a
-penalty on the weights) averaged, which is their global value. ``autocast`` and ``GradScaler`` need nothing:
-averaged gradients are equal on every rank, so the scaler's inf checks and skipped steps agree everywhere.
+Usage (``job.own_loop(loader)`` after ``DataParallel().setup(model, optimizer)`` without ``loss_fn``):
+docs/own-loop.md. As Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``, the loop stays and the model
+and optimizer come back wrapped; loom adds global-batch semantics under uneven shares. The training forward
+weights the *gradient* flowing back into each output by ``w = n * W / N`` (``n`` this call's samples, ``W`` the
+replicas, ``N`` the global batch the loader's batches carry), an identity in the forward pass, so the all-reduce
+gives every rank ``sum_r n_r / N * grad_r`` before ``clip_grad_norm_`` reads it. Weighting outputs, not the loss,
+leaves the user's ``loss`` and ``GradScaler``'s scaling untouched, and terms not from the outputs (a weight
+penalty) averaged, which is their global value. Averaged gradients are equal on every rank, so ``GradScaler``'s
+inf checks and skipped steps agree everywhere.
 
 One forward per loader batch (``n`` must be this rank's share of the last loader batch). A call of another size
-with gradients on (evaluation without ``torch.no_grad()``) runs on the model itself, unweighted, and only a
-backward through it is refused, naming the sizes. Calls under ``torch.no_grad()`` go straight to the model, on
-any subset of ranks. ``model.module`` is the model on every world size; the model's own attributes are reachable
-on the wrapper. Accumulation over loader batches is exact (each is a global batch of its own); skip the
-all-reduce on all but the last with ``model.no_sync()`` or ``model.require_backward_grad_sync = False``, as with
-DDP.
+with gradients on runs on the model itself, unweighted, and only a backward through it is refused, naming the
+sizes. Calls under ``torch.no_grad()`` go straight to the model, on any subset of ranks. ``model.module`` is the
+model on every world size; its attributes are reachable on the wrapper. Accumulation over loader batches is
+exact (each is a global batch); skip the all-reduce with ``model.no_sync()`` or
+``model.require_backward_grad_sync = False``, as with DDP.
 
-A loop that draws its own batches (nanoGPT's ``get_batch``) passes no loader: ``model, optimizer, _ =
-job.own_loop()``. Each training call's global batch is then the sum of the samples the ranks pass to it, counted
-by one all-reduce of an integer per training forward (so evaluation on a subset of ranks needs
-``torch.no_grad()``); equal draws give DDP's mean, so nanoGPT's DDP script trains bitwise as under DDP.
+Without a loader (nanoGPT's ``get_batch``: ``model, optimizer, _ = job.own_loop()``) each training call's global
+batch is the sum of the ranks' samples, counted by one integer all-reduce per training forward (so evaluation on
+a subset of ranks needs ``torch.no_grad()``); equal draws give DDP's mean, bitwise as under DDP.
 
-The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient like `train_step` does
-(with ``GradScaler`` such steps never reach it). Not here: step records and straggler detection (an own loop's
-step is its own).
+The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient as `train_step` does.
+Not here: step records and straggler detection.
 """
 
 from __future__ import annotations
