@@ -1,34 +1,32 @@
 """The launcher's side of healing (``loom run --on-worker-failure heal``): the quorum's authority and the
-replacements.
+replacements. User-facing behaviour: docs/fault-tolerance.md.
 
 On one host the launcher is the natural authority over membership: the workers are its children (it sees a
 death at once, with its signal), and it hosts the job's store (`loom.launch.supervise`), so no worker's death
 takes the quorum down. Every tick (`loom.launch.heal_nodes.TICK_S`; the protocol is `loom.fault.quorum`'s):
 
-- a worker that dies (a signal, or `LEFT_OUT_STATUS`) is named on one line; while heals remain (``--max-heals``)
-  a replacement starts at once with the same RANK and the next heal generation (``LOOM_HEAL_GENERATION``); past
-  the budget the job stops, naming the lost ranks. The dead member's epoch is marked (``q/E/dead``) so that the
-  others' commit vote does not wait for it;
+- a dead worker (a signal, or `LEFT_OUT_STATUS`) is named on one line; while ``--max-heals`` lasts a replacement
+  starts at once with the same RANK and the next generation (``LOOM_HEAL_GENERATION``), past it the job stops
+  naming the lost ranks. Its epoch is marked (``q/E/dead``) so the others' commit vote does not wait for it;
 - a worker whose heartbeat stops for its strategy's ``liveness_timeout_s``, else
-  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (a frozen process), is killed, and is then a dead worker like any other (one
-  that said ``bye`` at its exit is left to end). Each worker tells its timeouts in ``guard/RANK/GEN``;
-- epoch 1 is published when every first worker is ready; a ready replacement marks ``q/E/pending`` (the members
-  re-form after their current step); once a member of E checks in (or one dies), the next epoch is published
-  when every live member of E has checked in, or after the members' ``work_timeout_s``, else
-  ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (the silent ones have their stacks printed and are killed), with the ready
-  replacements added;
+  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (frozen), is killed and then treated as dead (one that said ``bye`` is left to
+  end). Each worker tells its timeouts in ``guard/RANK/GEN``;
+- epoch 1 is published when every first worker is ready; a ready replacement marks ``q/E/pending`` (members
+  re-form after their current step); once a member of E checks in (or dies), the next epoch, with the ready
+  replacements, is published when every live member of E has checked in, or after the members'
+  ``work_timeout_s``, else ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (the silent ones have their stacks printed and are
+  killed);
 - fewer members than ``--min-workers`` stops the job, naming the lost ranks;
-- any other non-zero exit stops the job at once, naming the rank and the status, as ``--on-worker-failure stop``
-  does (`exit_kind`): a death by a signal (the OOM killer, the launcher's kill of a frozen or silent worker) is a
-  lost process, which a replacement fixes, and `LEFT_OUT_STATUS` is set on purpose when the quorum tells a worker
-  to leave (`loom.errors.LeftOutOfQuorum`, via `loom.launch.worker`); any other status is the script's own doing
-  (a bug, a bad setting, a step that failed `MAX_DROPS` times in a row), which a replacement would only repeat,
-  spending the heal budget and hiding the traceback. ``sys.exit(0)`` is a finished worker.
+- any other non-zero exit stops the job at once, naming rank and status, as ``--on-worker-failure stop`` does
+  (`exit_kind`): a signal is a lost process, which a replacement fixes, and `LEFT_OUT_STATUS` is set on purpose
+  when the quorum tells a worker to leave (`loom.errors.LeftOutOfQuorum`); any other status is the script's own
+  doing, which a replacement would only repeat, spending the budget and hiding the traceback. ``sys.exit(0)`` is
+  a finished worker.
 
-The `HealQuorum` runs in node 0's authority and acts on the workers through each node's agent
-(`loom.launch.heal_nodes`; one host is node 0 alone): ``restart``/``kill`` become orders, a death is an event,
-and a lost node's ranks are dropped (`HealQuorum.drop`) rather than replaced. The job ends when every worker has
-ended; a replacement still waiting to join when the others have finished is stopped.
+`HealQuorum` runs in node 0's authority and acts through each node's agent (`loom.launch.heal_nodes`; one host is
+node 0 alone): ``restart``/``kill`` become orders, a death is an event, and a lost node's ranks are dropped
+(`HealQuorum.drop`), not replaced. The job ends when every worker has ended; a replacement still waiting to join
+then is stopped.
 """
 
 from __future__ import annotations

@@ -1,31 +1,27 @@
-"""Healing across hosts: ``loom run --nnodes K --node-rank R --master ADDR:PORT ... --on-worker-failure heal``
-(and ``--cluster``, whose worker hosts run the same node agents); one host runs the same code as node 0 alone
-(`heal_on_one_host`), its orders and events in the launcher's own store.
+"""Healing across hosts (``--nnodes``/``--node-rank``/``--master`` or ``--cluster`` with ``--on-worker-failure
+heal``); one host runs the same code as node 0 alone (`heal_on_one_host`), orders and events in its own store.
+Behaviour, limits and the tests that check them: docs/fault-tolerance.md ("Across hosts").
 
-- **Node 0 hosts the job's store** (`loom.net.store` on the master address; the agents' keys under
-  ``loom/RUN/nodes/``) **and the quorum's authority** (`HealQuorum` over every rank, one ``--max-heals``
-  budget). The authority never touches a process: it writes *orders* (``start|kill|dump RANK GEN``) to the node
-  that holds the rank and reads that node's *events* (``RANK GEN STATUS WHAT``: a process ended), so a local and
-  a remote rank take one code path.
-- **Every node's agent supervises its own children** (`loom.launch.supervise`): it reports each ended process
-  and carries out the orders for its ranks, so a replacement starts on the node of the rank it replaces. Every
-  store call is bounded; a failed one is retried at the next tick.
-- **Heartbeats.** Workers beat as on one host; each agent to ``nodes/K/hb``. A node silent for
-  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is **lost**: its ranks are dropped for good (no heal is spent on a node that
-  cannot be reached), down to ``--min-workers``. A survivor in a collective with a partitioned peer learns of it
-  only at its group's timeout (``LOOM_HEAL_GROUP_TIMEOUT_S``: a cut link resets no connection), so the authority
-  waits that much more for its check-in.
-- **A node that loses the store** for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` stops its workers and exits 1 naming
-  node 0: across a partition its workers must not train alone. **Node 0's loss stops the job** (the authority
-  and the store are not replicated).
+- **Node 0 hosts the job's store** (`loom.net.store`; the agents' keys under ``loom/RUN/nodes/``) **and the
+  quorum's authority** (`HealQuorum` over every rank, one ``--max-heals`` budget). The authority never touches a
+  process: it writes *orders* (``start|kill|dump RANK GEN``) to the node holding the rank and reads its *events*
+  (``RANK GEN STATUS WHAT``: a process ended), so local and remote ranks take one code path.
+- **Every node's agent supervises its own children** (`loom.launch.supervise`) and carries out the orders for its
+  ranks, so a replacement starts on its rank's node. Every store call is bounded; a failed one is retried at the
+  next tick.
+- **Heartbeats**: each agent beats to ``nodes/K/hb``; a node silent for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is lost
+  and its ranks dropped for good (no heal spent), down to ``--min-workers``. The authority waits
+  ``LOOM_HEAL_GROUP_TIMEOUT_S`` more for a survivor's check-in: a cut link resets no connection, so a peer in a
+  collective learns of the partition only at its group's timeout.
+- **A node that loses the store** for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` stops its workers and exits 1 naming node
+  0: its workers must not train alone. **Node 0's loss stops the job** (store and authority are not replicated).
 - The job ends when every rank's last process has ended: node 0 writes ``end`` (or ``stop`` with the reason),
-  the agents stop what is left and say ``bye``, and node 0 closes the store once every node it has not lost
-  said it (bounded).
+  the agents stop what is left and say ``bye``, and node 0 closes the store once every unlost node said it
+  (bounded).
 
-Ranks: nodes register their ``-n`` (``nodes/K/nproc``) and number their workers in node order, so hosts of a
-``--cluster`` spec may run different counts. Exit status: node 0's is 0 when the job trained to the end (lost
-nodes and replaced workers are named, not failures), 1 when it stopped; another node's is 0 when node 0 ended
-the job, 1 when it stopped it or the node lost the store.
+Ranks: nodes register their ``-n`` (``nodes/K/nproc``) and number workers in node order. Exit status: node 0's is
+0 when the job trained to the end (lost nodes and replaced workers are named, not failures), 1 when it stopped;
+another node's is 0 when node 0 ended the job, 1 when it stopped it or the node lost the store.
 """
 
 from __future__ import annotations
