@@ -1,33 +1,28 @@
 """What ``loom run --on-worker-failure heal`` adds to LocalSGD and DiLoCo: the sync round as the unit of commit.
 
-A round is the ``H = sync_every`` inner steps between two synchronizations, and the synchronization that ends it
-(LocalSGD's average, DiLoCo's outer step). Between synchronizations the replicas differ, so an inner step cannot
-be committed alone: a member lost mid-round takes its drift with it. A failure anywhere in a round (a death met
-at a collective, an error on a member, a drop vote) makes every member drop the whole round:
-each restores its round-start snapshot (the job's own ``state_dict``, DiLoCo's global copy and outer optimizer
-included, and the RNG), the members re-form (`loom.fault.quorum`), make themselves equal
-(`loom.parallel.data.data_axis.take_live_state`) and redo the round's global batches, each divided among the
-members present. Hence the job equals a one-process simulation of the strategy with the same membership per
-round, whatever the failures (``tests/test_heal_rounds.py``).
+User-facing behaviour, cost and options: docs/fault-tolerance.md ("LocalSGD and DiLoCo"). A round is the
+``H = sync_every`` inner steps and the synchronization that ends them. Between synchronizations the replicas
+differ, so an inner step cannot be committed alone (a member lost mid-round takes its drift with it). A failure
+anywhere in a round makes every member restore its round-start snapshot (the job's ``state_dict``, DiLoCo's
+global copy and outer optimizer included, and the RNG), re-form (`loom.fault.quorum`), make themselves equal
+(`loom.parallel.data.data_axis.take_live_state`) and redo the round's global batches among the members present.
+Hence the job equals a one-process simulation with the same membership per round (``tests/test_heal_rounds.py``).
 
-`RoundCommit` is called from the hooks of the replica job (`loom.parallel.replica._replica_sync.ReplicaJob`):
+`RoundCommit` is called from the hooks of `loom.parallel.replica._replica_sync.ReplicaJob`:
 
-- **The vote.** The engine's per-step vote becomes the round's (`commit` lets inner steps through), taken after
-  the synchronization (`end_step`), so the synchronization is inside what is committed.
-- **The replay.** The round's global batches are kept (up to ``H`` of them in memory on every member, on top of
-  the snapshot). The engine retries the `train_step` call that met the failure, after `adopt_epoch` replays the
-  round's earlier batches from the snapshot, so that call returns its own step's loss. Step records are written
-  once per committed step, when its round commits.
-- **Joining.** A replacement joins at a round boundary (the members see its ``pending`` mark on the last step's
-  all-reduce and re-form once the round committed), or the epoch that re-forms after a failure. Under LocalSGD
-  with momentum the lost replica's optimizer state is gone: the replacement takes a live peer's.
+- **The vote** is the round's, taken after the synchronization (`end_step`; `commit` lets inner steps through),
+  so the synchronization is inside what is committed.
+- **The replay.** The round's global batches are kept (up to ``H`` on every member, on top of the snapshot). The
+  engine retries the `train_step` call that met the failure after `adopt_epoch` replays the earlier batches from
+  the snapshot, so that call returns its own step's loss; step records are written when the round commits.
+- **Joining** happens at a round boundary (the members see the ``pending`` mark on the last step's all-reduce) or
+  in the epoch that re-forms after a failure.
 
-Members that met a failure at different inner steps need nothing more: each restores the snapshot and replays up
-to the batch its own `train_step` holds, and the replays issue the same collectives in the same order.
+Members that met a failure at different inner steps need nothing more: each replays up to the batch its own
+`train_step` holds, and the replays issue the same collectives in the same order.
 
-Limits: one host (the launcher's quorum, `loom.launch.heal`); what a round cannot honour is refused at setup
-(`refuse_round_options`); `synchronize` between round boundaries is refused (end on a multiple of
-``sync_every``).
+Limits: one host (`loom.launch.heal`); what a round cannot honour is refused at setup (`refuse_round_options`);
+`synchronize` between round boundaries is refused (end on a multiple of ``sync_every``).
 """
 
 from __future__ import annotations
