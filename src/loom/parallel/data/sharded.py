@@ -1,18 +1,10 @@
 """Sharded data parallelism: ZeRO stages 1, 2 and 3 (Rajbhandari et al., 2020), the training state divided
 among the replicas instead of copied into each.
 
-Usage: ``docs/strategies/sharded.md``; ``job.memory()`` gives this rank's bytes by category (`loom.job.Job`).
-
-=====  ==========================================  ==============================  ============================
-stage  per rank, between steps                     built on                        why
-=====  ==========================================  ==============================  ============================
-1      whole parameters and gradients, 1/N of the  loom: `FlatShards` over         FSDP2 cannot shard the
-       optimizer state                             ``loom.comm.reduce_scatter``    optimizer state alone
-2      1/N of all three (parameters gathered from  FSDP2, ``reshard_after_         its bucketed reduce-scatter
-       forward to the end of backward)             forward=False``                 overlaps backward
-3      1/N of all three (parameters gathered       FSDP2, ``reshard_after_         the same
-       around each unit's forward and backward)    forward=True``
-=====  ==========================================  ==============================  ============================
+Usage, the per-stage memory table and limits: ``docs/strategies/sharded.md``; ``job.memory()`` gives this rank's
+bytes by category (`loom.job.Job`). Stage 1 (1/N of the optimizer state) is loom's own `FlatShards` over
+``loom.comm.reduce_scatter``, because FSDP2 cannot shard the optimizer state alone; stages 2 and 3 are FSDP2
+(``reshard_after_forward=False``/``True``), whose bucketed reduce-scatter overlaps backward.
 
 The job is a `DataParallelJob` (the same step: global-batch weighting, ``accumulate``, the guards, step
 records) with the hooks a sharded layout needs: stage 1 averages the gradients after backward (`sharded_flat`);
@@ -26,8 +18,7 @@ holds its pieces under the original names with their bounds (`loom.checkpoint.sh
 resumes at any world size (`load_resharded`) and ``loom export`` writes the whole model without processes.
 
 Limits: parameters must be contiguous; the optimizer elementwise (stage 1 steps pieces; stages 2 and 3 step
-first-dimension shards); no gradient compression, no ``own_loop``; buffers are broadcast at setup only (each
-rank's BatchNorm statistics then follow its own data, as DDP's with ``broadcast_buffers=False``).
+first-dimension shards); no gradient compression, no ``own_loop``; buffers are broadcast at setup only.
 """
 
 from __future__ import annotations
