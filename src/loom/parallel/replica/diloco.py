@@ -1,14 +1,9 @@
 """DiLoCo: replicas train on their own for ``H`` steps, then an outer optimizer applies their averaged progress.
 
-The idea (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023): each
-replica runs ``H`` *inner* steps with its own optimizer (AdamW in the paper). At a synchronization every replica
-computes its *pseudo-gradient*, the global copy of the parameters minus its local ones (how far it moved), the
-replicas average it, and an *outer* optimizer (SGD with Nesterov momentum, lr 0.7, momentum 0.9) applies it to the
-global copy, which every replica then takes as its new local parameters. With ``H = 500`` it matched synchronous
-training with 500x less communication. Streaming DiLoCo (Douillard et al., 2025) cuts the model into ``F``
-*fragments* synchronized at staggered steps, each exchange overlapped with the following inner steps and sent in
-low precision; OpenDiLoCo / INTELLECT-1 (Jaghouar et al., 2024) ran the outer all-reduce in int8 over gloo.
-Usage: ``docs/strategies/local-sgd-diloco.md``.
+The paper (Douillard et al. 2023), Streaming DiLoCo's fragments (Douillard et al. 2025), OpenDiLoCo's int8
+outer all-reduce (Jaghouar et al. 2024) and usage: ``docs/strategies/local-sgd-diloco.md``. The pseudo-gradient
+is the global copy minus the replica's local parameters; the outer optimizer steps the global copy with its
+average, and every replica takes the result.
 
 Here: fragment ``k`` (a contiguous run of parameters, balanced by size; the floating-point buffers travel with
 fragment 0 and are averaged, not stepped) is sent after the steps ``t`` with ``t % H == k * H / F``, so every
