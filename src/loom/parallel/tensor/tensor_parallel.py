@@ -1,16 +1,10 @@
 """Tensor parallelism: single layers split across the ``tp`` processes, Megatron-style (Shoeybi et al. 2019).
 
-``TensorParallel(size=t, plan="auto" | {module name: kind})`` rewrites blocks of the model in place:
-
-- ``"mlp"``: a block with exactly two ``nn.Linear`` children in a row (``fc1 → activation → fc2``, e.g. an
-  ``nn.Sequential``): ``fc1`` column-parallel, ``fc2`` row-parallel, the block's input through ``f``;
-- ``"attention"``: a module with ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linears and a head count
-  attribute (``n_heads``/``num_heads``/``n_head``) that its ``forward`` uses to reshape: split by heads (q, k, v
-  column-parallel, ``out_proj`` row-parallel), the head count set to ``heads / t``;
-- ``"embedding"``: an ``nn.Embedding`` split by vocabulary rows.
-
-``"auto"`` finds these patterns in the module tree (attention first; the MLP pattern is not searched inside an
-attention module). Everything not in the plan stays replicated and gets identical gradients on every tp rank.
+``TensorParallel(size=t, plan="auto" | {module name: kind})`` rewrites blocks of the model in place; the kinds
+(``"mlp"``, ``"attention"``, ``"embedding"``) and what each pattern must look like: docs/strategies/tensor-parallel.md.
+An MLP's ``fc1`` is column-parallel and ``fc2`` row-parallel, the block's input through ``f``; attention is split
+by heads (q, k, v column-parallel, ``out_proj`` row-parallel, the head count attribute set to ``heads / t``); an
+embedding by vocabulary rows. ``"auto"`` searches attention first and not for MLPs inside an attention module. Everything not in the plan stays replicated and gets identical gradients on every tp rank.
 Each process sees the whole batch (data is sharded across ``dp`` only); the loss is the same on every tp rank.
 
 The job is a one-stage composition (`loom.parallel.model.compose`), so training, evaluation, state (this
