@@ -1,9 +1,8 @@
 """Pipeline parallelism: the model's layers split into stages on different processes, fed in micro-batches.
 
-``Pipeline(stages=p, microbatches=m, schedule="1f1b" | "gpipe", split="balanced" | [names])`` cuts the model's
-chain of layers (see `pipeline_split`) into ``p`` stages and keeps stage ``i`` on pipeline rank ``i``. Each
-``train_step`` splits the batch into ``m`` micro-batches, runs the schedule's instruction stream for this stage
-(`pipeline_schedule`: GPipe or 1F1B) and returns the global-batch loss on every process.
+``Pipeline(stages=p, microbatches=m, schedule=, split=)`` keeps stage ``i`` of the model's chain (`pipeline_split`)
+on pipeline rank ``i``, runs the schedule's instruction stream (`pipeline_schedule`) over ``m`` micro-batches per
+step and returns the global-batch loss on every process. Usage and limits: docs/strategies/pipeline.md.
 
 Exactness: micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` to the backward (``N`` the global
 batch, ``loss_j`` the mean loss of the micro-batch), so the accumulated gradient is that of the global-batch mean,
@@ -14,9 +13,8 @@ The runtime is loom's own, not ``torch.distributed.pipelining``: it takes any ch
 tuples of tensors and uneven micro-batches, and it instruments what the schedules promise: per-stage busy time
 and span (the bubble, ``bubble_s`` in each step record) and the activations alive (`StageStats`).
 
-Limits: the loss must be mean-reduced over the batch; parameters shared between stages (tied embeddings across
-stages) are refused; the optimizer keeps every parameter of the full model, but those of other stages are emptied
-(size 0) and never get a gradient. A data axis (fewer stages than processes) is composed as in
+Limits (the docs page's: a mean-reduced loss, no parameters shared between stages, other stages' parameters
+emptied in the optimizer). A data axis (fewer stages than processes) is composed as in
 `loom.parallel.model.compose`; the job is a `loom.parallel.model.model_parallel.ModelParallelJob`.
 """
 
