@@ -1,14 +1,9 @@
 """Local SGD: every replica steps on its own share; every ``sync_every`` steps the replicas are averaged.
 
-The idea (Stich, "Local SGD converges fast and communicates little", ICLR 2019; Lin et al., "Don't use large
-mini-batches, use local SGD", ICLR 2020; torchft's ``LocalSGD``): synchronous data parallelism all-reduces the
-gradient at every step; local SGD lets each replica take ``H`` optimizer steps on its own shares of the global
-batches and then averages the parameters, so it communicates ``H`` times less, at the price of replicas that
-drift apart in between. With ``H = 1`` and plain SGD (no momentum) it *is* synchronous data parallelism: the
-weighted average of ``p - lr * g_r`` is ``p - lr * sum_r n_r/N g_r``.
-
-Usage: ``docs/strategies/local-sgd-diloco.md``; ``job.synchronize()`` averages now, before evaluating or
-exporting the model.
+The idea (Stich, ICLR 2019; Lin et al., ICLR 2020; torchft's ``LocalSGD``) and usage:
+``docs/strategies/local-sgd-diloco.md``; ``job.synchronize()`` averages now, before evaluating or exporting the
+model. With ``H = 1`` and plain SGD (no momentum) it *is* synchronous data parallelism: the weighted average of
+``p - lr * g_r`` is ``p - lr * sum_r n_r/N g_r``.
 
 The average is weighted by the samples each replica trained on since the last one (`_replica_sync`), over the
 parameters and the floating-point buffers, with any of loom's all-reduce algorithms (``allreduce``). The
