@@ -145,8 +145,7 @@ class ModelShard:
         out = {}
         for key, rows in requests.items():
             piece = self._piece(key, sparse=True)
-            index = self._row_index(piece, rows)
-            out[f"p{piece.id}"] = self.params[piece.id].detach().index_select(0, index)
+            out[f"p{piece.id}"] = self.params[piece.id].detach().index_select(0, self._row_index(piece, rows))
         return out
 
     def _piece(self, key: str, sparse: bool | None = None) -> Piece:
