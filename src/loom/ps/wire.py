@@ -269,10 +269,7 @@ class SessionTable:
     def check(self, kind: int, epoch: int, session: int, seq: int) -> None:
         """Raise `FrameDropped` unless a frame with these header fields would be fresh; records nothing (a
         receiver peeks with it before it keeps a frame's bytes)."""
-        if kind == MessageType.HELLO:
-            if epoch != 0:
-                raise FrameDropped("stale_epoch")
-        elif epoch != self.epoch:
+        if epoch != (0 if kind == MessageType.HELLO else self.epoch):
             raise FrameDropped("stale_epoch")
         last = self._last.get(session)
         if last is None and kind != MessageType.HELLO:
