@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import textwrap
 
 __all__ = ["document_options", "field_docs"]
@@ -32,16 +33,14 @@ def _own_field_docs(config: type) -> dict[str, str]:
     except (OSError, TypeError):  # no source (a frozen application): the fields stay undocumented
         return {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs = {}
-    for node, following in zip(body, body[1:], strict=False):
-        doc = following.value if isinstance(following, ast.Expr) else None
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(doc, ast.Constant)
-        ):
-            docs[node.target.id] = " ".join(str(doc.value).split())
-    return docs
+    return {
+        node.target.id: " ".join(str(doc.value.value).split())
+        for node, doc in itertools.pairwise(body)
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+    }
 
 
 def _options(config: type) -> str:
