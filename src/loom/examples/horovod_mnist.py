@@ -3,15 +3,11 @@
     loom run -n 2 src/loom/examples/horovod_mnist.py       # was: horovodrun -np 2 python pytorch_mnist.py
     python src/loom/examples/horovod_mnist.py              # one process
 
-Written from the documented behaviour of ``examples/pytorch/pytorch_mnist.py`` in the Horovod repository:
-the same options, ``hvd.init()``, a ``DistributedSampler`` over ``hvd.size()`` ranks, the learning rate
-scaled by the number of workers, ``broadcast_parameters``/``broadcast_optimizer_state`` from rank 0,
-``DistributedOptimizer`` (optional fp16 compression, Adasum, gradient predivide factor), and test metrics
-averaged with ``hvd.allreduce``. Two changes, both because this machine has no internet: the data is
+Written from the documented behaviour of ``examples/pytorch/pytorch_mnist.py`` in the Horovod repository: the
+same options and the same Horovod calls. Two changes, both because this machine has no internet: the data is
 scikit-learn's bundled 8x8 digits (1,797 images; 80 % train, 20 % test) instead of downloaded MNIST, and the
 convolutions are sized for 8x8 images. The ``--num-proc`` path through ``horovod.run`` is gone: ``loom run``
-launches. Mixed precision needs CUDA, as in the original. Added: rank 0 prints the training time at the end
-(for ``python -m loom_bench.horovod_suite --throughput``).
+launches. Added: rank 0 prints the training time (for ``python -m loom_bench.horovod_suite --throughput``).
 """
 
 import argparse
