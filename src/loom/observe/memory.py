@@ -10,21 +10,20 @@ three, from the model and the optimizer (cheap enough for the step records); `li
 tensor the Python garbage collector tracks and counts the rest as ``other`` (data, buffers, activations kept
 alive): a walk of the heap, so it is ``job.memory()``'s, never the step's.
 
-**How high the step went** (`StepMemory`): the process's resident set size (RSS) high-water mark, reset at the
-start of a sampled step (Linux: ``5`` written to ``/proc/self/clear_refs`` sets ``VmHWM`` to the current RSS)
-and read at its end (``VmHWM`` in ``/proc/self/status``): two small ``/proc`` accesses. RSS, not a count of
-live tensor bytes, because it is what a memory limit kills a process for, and it counts the allocations made in
-C++ where no Python hook sees them (gloo's buffers, FSDP2's all-gather outputs, autograd's saved tensors); a
-``TorchDispatchMode`` tracker would see only the tensors dispatched through Python, and would put an
-interposer on every operation of the step (observing must not change the observed path). Not
-``resource.getrusage``'s ``ru_maxrss``: it is the high-water mark of the process's whole life and cannot be
-reset. Limits: RSS includes what is not tensors (the interpreter and libraries, a few hundred MB with torch)
-and memory the allocator freed but kept; ranks run as threads of one process share one figure. Where
-``/proc/self/clear_refs`` is missing (not Linux) the peak is left out of the records.
+**How high the step went** (`StepMemory`): the process's RSS high-water mark, reset at the start of a sampled
+step (``5`` written to ``/proc/self/clear_refs`` sets ``VmHWM`` to the current RSS) and read at its end
+(``VmHWM`` in ``/proc/self/status``). RSS because it is what a memory limit kills a process for and it counts
+allocations made in C++ (gloo's buffers, FSDP2's all-gather outputs, autograd's saved tensors); a
+``TorchDispatchMode`` tracker would see only tensors dispatched through Python and interpose on every operation
+of the step (observing must not change the observed path); ``ru_maxrss`` cannot be reset. Limits: RSS includes
+what is not tensors (the interpreter and libraries, a few hundred MB with torch) and memory the allocator freed
+but kept; ranks run as threads of one process share one figure; without ``/proc/self/clear_refs`` (not Linux)
+the peak is left out of the records.
 
 A sampled step's record carries ``memory`` (the three categories and their sum ``state``, after the step),
 ``rss_bytes`` (RSS when the step began) and ``peak_rss_bytes``; `Engine` samples steps 1 and 2 (the first
-allocates the optimizer's state) and every ``memory_every``-th (`MEMORY_EVERY`).
+allocates the optimizer's state) and every ``memory_every``-th (`MEMORY_EVERY`). User-facing description:
+docs/strategies/sharded.md.
 """
 
 from __future__ import annotations

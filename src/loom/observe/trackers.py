@@ -1,21 +1,17 @@
 """Experiment trackers: TensorBoard and MLflow, fed by `loom.fit` (or an own loop) from rank 0, once per step.
 
-``loom.fit(job, loader, ..., trackers=[loom.TensorBoardTracker("runs/exp1")])``; usage: ``docs/trackers.md``.
+``loom.fit(job, loader, ..., trackers=[loom.TensorBoardTracker("runs/exp1")])``; usage, resumed runs, extras
+and limits (MLflow's file-store opt-in): ``docs/trackers.md``.
 
 What is logged, and what it costs: `loom.fit` logs, on the main process only, the values `step_metrics` lists,
 which it already holds after each step: no value is reduced for a tracker, so a tracker adds no collective.
-Other ranks never import TensorBoard or MLflow.
+Other ranks never import TensorBoard or MLflow; both are imported lazily, when a tracker opens.
 
 Resuming: a tracker's `Tracker.state_dict` (the MLflow run id, TensorBoard's log directory) is saved in `fit`'s
 own checkpoint state, and a resumed `fit` reopens the same run from it with the step it resumes at. Steps
 logged after that checkpoint, before a crash, are taken again: TensorBoard discards its earlier events from
 that step on (``purge_step``: the resumed values win); MLflow's metric history cannot be edited, so the resumed
 run skips the steps the run already holds (the first values win). Either way every step appears once.
-
-Both libraries are imported lazily, when a tracker opens: install them with the ``tensorboard`` and ``mlflow``
-extras (``pip install 'loom-train[tensorboard,mlflow]'``; ``mlflow-skinny`` suffices). Since MLflow 3.7 its plain
-directory store (``./mlruns``) is refused unless ``MLFLOW_ALLOW_FILE_STORE=true`` is set; a database or
-server URI (``sqlite:///mlflow.db``, ``http://host:5000``) needs no opt-in.
 """
 
 from __future__ import annotations
