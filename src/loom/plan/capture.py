@@ -1,13 +1,12 @@
 """What a training script trains: its model, optimizer, loss and data, learned by running it up to
 ``job.loader(...)``.
 
-`loom plan` plans an ordinary loom script, whatever strategy it names. The one place every loom script hands
-over what it trains is ``strategy.setup(model, optimizer, loss_fn)``, followed by
-``job.loader(dataset, global_batch_size, ...)``. So the script runs in this process (``runpy``, as
-``python train.py`` would, one process) while every strategy's ``setup`` is replaced, for the duration of the
-run only, by a recorder: it keeps the arguments and returns a stand-in job whose ``loader`` keeps the dataset
-and the global batch size and stops the script with a private exception. Nothing is placed, wrapped, split or
-communicated, so a script that names ``Pipeline(stages=4)`` is planned from one process too.
+The one place every loom script hands over what it trains is ``strategy.setup(model, optimizer, loss_fn)``,
+followed by ``job.loader(dataset, global_batch_size, ...)``. So the script runs in this process (``runpy``, as
+``python train.py`` would) while every strategy's ``setup`` is replaced by a recorder: it keeps the arguments
+and returns a stand-in job whose ``loader`` keeps the dataset and the global batch size and stops the script
+with a private exception. Nothing is placed, wrapped, split or communicated, so a script that names
+``Pipeline(stages=4)`` is planned from one process too.
 
 Why a temporary replacement of ``setup`` rather than a hook in each strategy: the planner must not add a path
 to the strategies' own code (observing never changes what is observed), and the replacement is undone in

@@ -48,18 +48,18 @@ bubble comes from replaying the schedule's instruction streams (with equal stage
 
 Memory is the peak of a process: what it holds between steps (what ``job.memory()`` counts then), the activations
 of one step, the step's temporaries (``transient``, `ModelProfile.transient_bytes`) and the process's ``runtime``
-(torch, loom, the script's data; measured, `loom.plan.planner`). The table follows loom's implementations where
-they differ from the textbook: ZeRO-1 (`sharded_flat`) keeps ``G/N`` between steps but makes a flat copy of the
-whole gradient while the gradients are held (``other = G``); DataParallel's shared-memory path
-(``allreduce="shm"`` without a spare core, `comm.shared_gradients`) makes every ``.grad`` a view of one segment
-holding every local process's slot (``L x G`` for ``L`` processes on the host), as a ``Hybrid``'s data axis on one
-host does over its group (``dp x G_stage``). Buffers allocated while the step's temporaries are still held by the
-allocator are added, counted from the code: LocalSGD's flat copy of the parameters, DiLoCo's pseudo-gradient and
-its flat copy beside its anchor and outer momentum, a parameter-server worker's decoded replies ``P (1 + 1/S)``
-(`loom.ps.wire.decode` copies each payload; all are held until written into the parameters). FSDP's memory on a
-host is not its shards (each unit is gathered and its gradient computed whole, and the allocator keeps those
-blocks), so ``R_z`` is measured: the calibration trains the model a step under ZeRO-3, its optimizer's state made
-first, and charges the peak less stage 3's formula to stages 2 and 3 (an upper bound for stage 2).
+(torch, loom, the script's data; measured, `loom.plan.planner`). Where loom's implementations differ from the
+textbook the table follows them: ZeRO-1 (`sharded_flat`) keeps ``G/N`` between steps but flat-copies the whole
+gradient while the gradients are held (``other = G``); DataParallel's shared-memory path (``allreduce="shm"``
+without a spare core, `comm.shared_gradients`) makes every ``.grad`` a view of one segment holding every local
+process's slot (``L x G`` for ``L`` processes on the host), as a ``Hybrid``'s data axis on one host does
+(``dp x G_stage``). Buffers allocated while the allocator still holds the step's temporaries are added, counted
+from the code: LocalSGD's flat copy, DiLoCo's pseudo-gradient and its flat copy beside its anchor and outer
+momentum, a parameter-server worker's decoded replies ``P (1 + 1/S)`` (`loom.ps.wire.decode` copies each
+payload; all are held until written into the parameters). FSDP's memory is not its shards (each unit is
+gathered and its gradient computed whole, and the allocator keeps those blocks), so ``R_z`` is measured: the
+calibration trains the model a step under ZeRO-3, its optimizer's state made first, and charges the peak less
+stage 3's formula to stages 2 and 3 (an upper bound for stage 2).
 
 Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`` sends ``2 (N-1)/N x D``, a
 reduce-scatter or all-gather ``(N-1)/N x D``.

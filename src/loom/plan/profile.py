@@ -1,20 +1,12 @@
 """A few real training steps of the user's model in this process: time per layer, bytes per category.
 
-What is measured, at each batch size a configuration will run (a data-parallel share, a pipeline micro-batch),
-with the thread count one worker of ``loom run`` gets (``OMP_NUM_THREADS``, 1 unless set):
-
-- the forward and backward time of each layer of the model's chain (`loom.parallel.pipeline.pipeline_split.
-  chain_layers`, else its children). Forward: hooks before and after each layer. Backward: a hook on each
-  layer's output tensor fires when the gradient of that output is ready, which is when the layer's own backward
-  starts; it ends when the gradient of the layer before is ready (or backward returns, for the first layer).
-  This is exact for a chain, whose backward runs the layers in reverse order, one at a time;
-- the whole step (forward, backward, optimizer step): the median of the timed steps after an untimed pass
-  (`_profile_batch`);
-- the step's transient peak (`ModelProfile.transient_bytes`), from the process's peak RSS (``VmHWM``);
-- bytes: parameters, gradients and optimizer state after a step (`loom.observe.memory.state_bytes`, the same
-  count `job.memory()` reports), the activations autograd saves for backward per layer (a
-  ``saved_tensors_hooks`` count, storages counted once, parameters excluded; measured on the untimed pass so
-  the timed steps run without it) and each layer's output (what a pipeline stage sends to the next).
+Measured at each batch size a configuration will run, with the thread count one worker of ``loom run`` gets
+(``OMP_NUM_THREADS``, 1 unless set); the list of what and how: docs/plan.md ("What it measures"). Per layer of
+the model's chain (`loom.parallel.pipeline.pipeline_split.chain_layers`, else its children), forward is timed
+by hooks before and after the layer, backward from a hook on the layer's output tensor (its gradient ready: the
+layer's own backward starts) to the gradient of the layer before (or backward's return): exact for a chain,
+whose backward runs the layers in reverse order, one at a time. The saved activations are counted with
+``saved_tensors_hooks`` on the untimed pass only, so the timed steps (`_profile_batch`) run without it.
 
 The steps are real: the model's parameters change, as the script's first steps would. Nothing is extrapolated:
 a batch size that was not measured is refused (`ModelProfile.at`).

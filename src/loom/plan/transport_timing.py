@@ -1,18 +1,15 @@
 """The transport measured by loom's own code, inside a ``loom run -n N`` job of `loom.plan.trial`.
 
-`measure_transport` times every all-reduce algorithm `loom.comm.auto` would choose between on this topology
-(``loom.comm.all_reduce(..., algorithm=a)``: the very calls `DataParallel` makes), `loom.comm.reduce_scatter` and
-`loom.comm.all_gather` (the halves sharded training uses) and a point-to-point exchange (``send``/``recv`` both
-ways between rank pairs: a pipeline's activations and gradients); and the parameter servers' own transport, one
-authenticated frame (`loom.ps.wire`, `loom.ps.gate`) over a ZeroMQ TCP loopback pair inside each process:
-``ps_encode`` (encode, chunk, send, receive and reassemble: the sender's work and the transfer) and ``ps_decode``
-(check and decode: the receiver's work), apart, because a server decodes every worker's frame in turn while the
-workers encode theirs at once. Each operation is measured only up to the largest message the plan needs of it
-(``limits``: a pipeline's activations are far smaller than a gradient, a sharded unit than the whole model),
-``inf`` above, which `Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts after a barrier,
-each entry is the slowest rank's time (an all-reduce MAX), and the median of the repetitions is kept (how many:
-`REPS_BUDGET_S`; in which order: `INTERLEAVED_BYTES`). The sizes are the ones the plan needs (the model's
-gradient, parameter and activation bytes), plus a few small ones for the latency.
+`measure_transport` times the very calls the strategies make: every all-reduce algorithm `loom.comm.auto` would
+choose between (``loom.comm.all_reduce(..., algorithm=a)``), `loom.comm.reduce_scatter`, `loom.comm.all_gather`,
+point-to-point ``send``/``recv`` both ways between rank pairs, and one authenticated parameter-server frame
+(`loom.ps.wire`, `loom.ps.gate`) over a ZeroMQ TCP loopback pair: ``ps_encode`` (the sender's work and the
+transfer) apart from ``ps_decode`` (the receiver's), because a server decodes every worker's frame in turn while
+the workers encode theirs at once. Each operation is measured only up to the largest message the plan needs of
+it (``limits``), ``inf`` above, which `Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts
+after a barrier, each entry is the slowest rank's time (an all-reduce MAX), and the median of the repetitions is
+kept (how many: `REPS_BUDGET_S`; in which order: `INTERLEAVED_BYTES`). Sizes: the model's gradient, parameter
+and activation bytes, plus a few small ones for the latency (docs/plan.md).
 """
 
 from __future__ import annotations

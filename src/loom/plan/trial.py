@@ -6,16 +6,13 @@
 Both run the user's script up to its ``job.loader(...)`` (`loom.plan.capture`) in every worker, so every rank
 holds the same model, optimizer, loss and data as the script would build. Rank 0 writes ``--out`` as JSON.
 
-``calibrate``: the process's runtime bytes (its RSS after the script's set-up less the model's parameters: torch,
-loom, the script's data; the largest rank's); the transport (`loom.plan.transport_timing.measure_transport`) at
-the given sizes; the reference, ``DataParallel(allreduce="native")``, a few steps on a copy of the model
-(``reference_step_s``), then the same steps with no exchange, ``LocalSGD`` that never synchronizes
-(``quiet_step_s``, on the reference's copy). The planner takes the engine overhead from the quiet run and the
-overlap coefficient ``k`` from the pair, so a noisy ``k`` moves only the configurations that overlap, never the
-others' overhead (`loom.plan.cost`). With ``--pipeline`` (``{"Pipeline": options}`` or ``{"Hybrid": ...}``) a
-pipeline too (``pipeline_step_s``: a schedule's engine overhead is its own). Then ZeRO-3's peak RSS
-(`_fsdp_peak`: FSDP holds far more than its shards) and the fixed costs no message's time contains
-(`_fixed_costs`).
+``calibrate`` (what each measurement is and why: docs/plan.md, "What it measures"): the process's runtime bytes,
+the transport (`loom.plan.transport_timing.measure_transport`) at the given sizes, the reference
+``DataParallel(allreduce="native")`` (``reference_step_s``) then the quiet ``LocalSGD`` that never synchronizes
+(``quiet_step_s``) on the same copy of the model, a pipeline with ``--pipeline`` (``pipeline_step_s``: a
+schedule's engine overhead is its own), ZeRO-3's peak RSS (`_fsdp_peak`) and the fixed costs no message's time
+contains (`_fixed_costs`). The engine overhead comes from the quiet run and ``k`` from the pair, so a noisy ``k``
+moves only the configurations that overlap (`loom.plan.cost`).
 
 ``verify``: the configuration itself, built from its family and options by name (no ``eval``), a few real steps
 of ``job.train_step`` (`_verify_steps`: the median step time, the training state's bytes, the peak RSS).
