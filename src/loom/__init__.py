@@ -6,8 +6,9 @@ job = loom.DataParallel().setup(model, optimizer, loss_fn)   # any strategy: a l
 for batch in job.loader(dataset, global_batch_size=256):
     loss = job.train_step(batch)
 
-Every name is imported on first use (``loom.DataParallel`` imports the strategies and torch), so ``import loom``
-alone imports no torch, and ``loom.ray`` and ``loom.spark`` (running a job on Ray or Spark) no Ray or Spark.
+Every name is imported on first use (PEP 562: ``loom.DataParallel`` imports the strategies and torch), so
+``import loom`` alone imports no torch, and ``loom.ray`` and ``loom.spark`` (optional extras) no Ray or Spark:
+``loom run``, the launcher, which trains nothing, starts in a fraction of the time and reports errors at once.
 """
 
 import importlib
@@ -100,9 +101,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> object:
-    """Each public name on first use (PEP 562), so that ``import loom`` alone imports neither torch nor the
-    strategies: ``loom run`` (the launcher, which trains nothing) starts in a fraction of the time, and its
-    argument errors come at once. ``loom.ray`` and ``loom.spark`` also need the optional Ray or Spark extras."""
+    """Each public name or subpackage, imported on its first use (see the module's docstring for why)."""
     value: object
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
