@@ -1,12 +1,10 @@
 """Horovod's PyTorch API on loom: change ``import horovod.torch as hvd`` to ``import loom.horovod as hvd`` and
 ``horovodrun -np N python train.py`` to ``loom run -n N train.py``.
 
-Names and semantics follow ``horovod.torch`` (see docs/horovod.md for every name and its status): `init`
-and the rank queries (`loom.horovod.basics`), the collectives with their ``_async``/in-place/grouped forms
-(`loom.horovod.collectives`), `broadcast_parameters`/`broadcast_optimizer_state`/`broadcast_object`/
-`allgather_object` (`loom.horovod.functions`, no pickle), `DistributedOptimizer` (`loom.horovod.optimizer`),
-``elastic`` (`loom.horovod.elastic`, on loom's restarts). Collectives are matched across ranks by name by a
-negotiation thread (`loom.horovod._engine`), as Horovod's controller does. Process sets other than the global
+Names and semantics follow ``horovod.torch`` (every name and its status: docs/horovod.md), re-exported from
+`basics`, `collectives`, `scatter`, `functions`, `optimizer`, with `elastic` on loom's restarts.
+Collectives are matched across ranks by name by a negotiation thread (`loom.horovod._engine`), as Horovod's
+controller does; objects travel without pickle (`loom.horovod._objects`). Process sets other than the global
 one, Adasum, the timeline, SyncBatchNorm and the MPI/NCCL/CCL/DDL controllers raise `NotImplementedError`
 naming the feature (never a silent difference).
 
