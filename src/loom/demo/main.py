@@ -17,38 +17,30 @@ from loom.demo.other_load import OtherLoad, caveat
 __all__ = ["run_demo"]
 
 
-def _half(console: Console, title: str, which: str, cmd: list[str], env: dict[str, str]):
-    """Run one half of the demo; returns its exit status, its wall time and the other load beside it."""
-    console.rule(f"[bold]{title}")
-    started = time.perf_counter()
-    with OtherLoad() as load:
-        status = subprocess.call(cmd, env=env)
-    if status != 0:
-        console.print(f"[red]the {which} run failed (exit status {status})")
-    return status, time.perf_counter() - started, load
-
-
 def run_demo(nproc: int, epochs: int, run_dir: Path) -> int:
     console = Console()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    distributed = run_dir / "distributed" / "summary.json"
-    single = run_dir / "single" / "summary.json"
     train = ["-m", "loom.demo.train", "--epochs", str(epochs), "--summary"]
-    launch = [sys.executable, "-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(distributed.parent)]
-    title = f"loom demo: DataParallel on {nproc} local workers"
-    status, wall_distributed, load_distributed = _half(
-        console, title, "distributed", [*launch, *train, str(distributed)], env
-    )
-    if status != 0:
-        return status
-    title = "the same training as one process, for comparison"
-    one_env = dict(env, LOOM_RUN_DIR=str(single.parent))
-    status, wall_single, load_single = _half(
-        console, title, "one-process", [sys.executable, *train, str(single)], one_env
-    )
-    if status != 0:
-        return status
-    d, s = json.loads(distributed.read_text()), json.loads(single.read_text())
+    launch = ["-m", "loom.cli", "run", "-n", str(nproc), "--run-dir", str(run_dir / "distributed")]
+    single_env = dict(env, LOOM_RUN_DIR=str(run_dir / "single"))
+    halves = {  # the half's folder in run_dir: its title, its launcher's arguments, environment and name in errors
+        "distributed": (f"loom demo: DataParallel on {nproc} local workers", launch, env, "distributed"),
+        "single": ("the same training as one process, for comparison", [], single_env, "one-process"),
+    }
+    wall: dict[str, float] = {}
+    share: dict[str, float | None] = {}
+    for half, (title, launcher, half_env, which) in halves.items():
+        console.rule(f"[bold]{title}")
+        started = time.perf_counter()
+        with OtherLoad() as load:
+            status = subprocess.call(
+                [sys.executable, *launcher, *train, str(run_dir / half / "summary.json")], env=half_env
+            )
+        if status != 0:
+            console.print(f"[red]the {which} run failed (exit status {status})")
+            return status
+        wall[half], share[half] = time.perf_counter() - started, load.share
+    d, s = (json.loads((run_dir / half / "summary.json").read_text()) for half in halves)
     table = Table(title="loom demo summary (one thread per process)")
     table.add_column("")
     table.add_column(f"{nproc} workers", justify="right")
@@ -56,14 +48,14 @@ def run_demo(nproc: int, epochs: int, run_dir: Path) -> int:
     table.add_row("test accuracy", f"{100 * d['test_accuracy']:.2f}%", f"{100 * s['test_accuracy']:.2f}%")
     table.add_row("final train loss", f"{d['train_loss']:.4f}", f"{s['train_loss']:.4f}")
     table.add_row("training samples/s", f"{d['samples_per_s']:.0f}", f"{s['samples_per_s']:.0f}")
-    table.add_row("wall time incl. start-up", f"{wall_distributed:.1f} s", f"{wall_single:.1f} s")
+    table.add_row("wall time incl. start-up", f"{wall['distributed']:.1f} s", f"{wall['single']:.1f} s")
     console.print(table)
     speedup = d["samples_per_s"] / s["samples_per_s"]
     console.print(
         f"speed-up {speedup:.2f}x on {nproc} workers (scaling efficiency {100 * speedup / nproc:.0f}%); "
         f"logs and per-rank metrics in {run_dir}"
     )
-    note = caveat(load_distributed.share, load_single.share)
+    note = caveat(share["distributed"], share["single"])
     if note:  # one line, whatever the terminal's width (rich wraps at 80 in a pipe)
         console.print(note, soft_wrap=True)
     console.print(f"an HTML report of both runs: loom report {run_dir}", soft_wrap=True)
