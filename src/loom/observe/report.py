@@ -12,10 +12,9 @@ Summary figures, all excluding the first (warm-up) step:
 - *time lost waiting*: per rank, the time blocked in communication (``comm_s``), absolute and as a share of
   the step time. In synchronous training this is mostly one rank waiting for the slowest.
 
-Memory, per rank, from the steps whose records carry it (`loom.observe.memory`: steps 1, 2 and every
-``memory_every``-th): the training state by category after the last sampled step (parameters, gradients,
-optimizer state), and over the sampled steps the highest RSS peak during a step, with the RSS at that step's
-start (their difference is what the step itself added: activations, gathered parameters, buffers).
+Memory, per rank, from the sampled steps (`loom.observe.memory`): the training state by category after the
+last one, and the highest RSS peak during a step with the RSS at that step's start (their difference is what
+the step itself added: activations, gathered parameters, buffers).
 
 Also merges the per-rank trace files into ``RUN_DIR/trace.json`` if the run was traced and lists the straggler
 warnings rank 0 raised.

@@ -12,9 +12,8 @@ while its busy time is not below the median (a rank that merely waits for a slow
 communication time too, but a short busy time) — this is what a slow link looks like for point-to-point traffic
 (push/pull to parameter servers). The phase times arrive without a collective (`loom.observe.straggler_watch`).
 
-Configuration: `StragglerConfig`, or the environment variables ``LOOM_STRAGGLER_MARGIN`` (fraction over the
-median, default 0.2), ``LOOM_STRAGGLER_WINDOW`` (steps, default 10) and ``LOOM_STRAGGLER_MIN_MS`` (an absolute
-floor on the excess, default 2 ms, so microsecond jitter on tiny steps is not reported).
+Configuration: `StragglerConfig`, from the ``LOOM_STRAGGLER_*`` environment variables (`StragglerConfig.from_env`,
+docs/settings.md); its absolute floor keeps microsecond jitter on tiny steps from being reported.
 """
 
 from __future__ import annotations
