@@ -1,37 +1,22 @@
 """Liveness apart from slowness: heartbeats on the watchdog's side channel, and a peer lost when they stop.
 
-A collective may legitimately take minutes, and the hang timeout (`loom.fault.watchdog`) leaves it that long. A
-host that stops answering (a dead link, a partition, a dead machine) is another matter: nothing will ever arrive
-from it, and waiting minutes for it only hides the cause. So the watchdog thread of every rank, each poll, sends
-a heartbeat and listens for one, on the side channel it already has (a client of the job's store):
+A collective may legitimately take minutes (the hang timeout, `loom.fault.watchdog`), but a host that stops
+answering (a dead link, a partition, a dead machine) will never send anything, and waiting only hides the cause.
+So each poll the watchdog thread of every rank bumps its own counter in the job's store (``beat<r>``) and reads
+that of the next rank on a ring (``(r + 1) % world_size``), noting on its monotonic clock when it last moved: two
+store calls per rank per interval whatever the world size, nothing new listening. A peer is *lost* when its counter
+has not moved for ``liveness_timeout_s`` (`loom.fault.timeouts`), which knows nothing of collectives.
 
-- it bumps a counter of its own (``beat<r>``: one small write), and
-- reads the counter of one peer, the next rank on a ring (``(r + 1) % world_size``: one small read),
+The store lives on one host, so the side of a cut that keeps it names the rank across the cut (a ring crosses
+every cut), and the side cut off names the store's host and its watched peer once its own store calls fail for
+the timeout. Either side then ends its process as a hang does; detection takes between the timeout and the
+timeout plus one store call (``STORE_CALL_S``) and one poll. A peer that has not beaten yet is not judged, and a
+rank whose watchdog stops normally writes ``-1`` so its silence is not taken for a loss. Under
+``--on-worker-failure continue`` a lost peer is named once and the process goes on.
 
-noting, on its own monotonic clock, when that counter last moved. Two store calls per rank per interval whatever
-the world size, and nothing new listens. A peer is *lost* when its counter has not moved for the liveness
-timeout (``liveness_timeout_s``, `loom.fault.timeouts`), which knows nothing of collectives.
-
-The store lives on one host (node 0's launcher under ``loom run``, the agent's ``TCPStore`` under ``torchrun``), so
-a cut has two sides with different evidence:
-
-- *the side that keeps the store* reads on: some rank there watches a rank across the cut (the ring crosses any
-  cut), sees its counter stop, and names it and its host;
-- *the side cut off from the store* cannot read anyone's heartbeat. Its own store calls failing, none answered,
-  for longer than the liveness timeout is its evidence: it names the store's host and the peer it watched.
-
-Either side then ends its process the way a hang does (`loom.fault.watchdog`). Detection takes between the
-timeout and the timeout plus one store call (``STORE_CALL_S``) and one poll.
-
-A peer that has not beaten yet (still loading data, or before its ``setup()``) is not judged, and a rank whose
-watchdog stops (the process ending normally) writes ``-1`` so its silence is not taken for a loss. Under
-``--on-worker-failure continue`` (asynchronous training, where survivors finish without the lost) a lost peer is
-named once and the process goes on.
-
-Limits: liveness is judged through the store, so a link broken between two hosts that both still reach the
-store's host is not seen here (the collective between them is a hang: the hang timeout). A process frozen for
-longer than the timeout (swapping, SIGSTOP, a debugger, an extension holding the GIL) is lost to the job and is
-reported so; raise ``LOOM_LIVENESS_TIMEOUT_S`` for such runs.
+Limits: a link broken between two hosts that both still reach the store's host is not seen here (it is a hang).
+A process frozen longer than the timeout (SIGSTOP, swapping, a debugger, the GIL held) is reported lost; raise
+``LOOM_LIVENESS_TIMEOUT_S`` for such runs. Walkthrough: docs/fault-tolerance.md, "How liveness works".
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Design (after torchft's Manager: a quorum, a per-step ``should_commit``, recovery from a live peer), with the
 launcher as the quorum's authority (`loom.launch.heal`), since on one host it sees every worker die (its
-children) and hosts the job's authenticated store (`loom.net.store`):
+children) and hosts the job's authenticated store (`loom.net.store`). User-facing account, timeouts' table and
+tests: docs/fault-tolerance.md, "--on-worker-failure heal".
 
 - **Epochs.** The launcher publishes membership epochs in the store: ``q/E/members`` (``"0:0,2:1"``: the ranks of
   epoch E with the heal generation of each one's process, immutable once written) and ``q/latest``. Each epoch
@@ -21,16 +22,12 @@ children) and hosts the job's authenticated store (`loom.net.store`):
   A member waits for the verdict at most ``vote_timeout_s`` and then votes no itself.
 - **Heartbeats.** The guard's watchdog thread adds 1 to ``hb/RANK/GEN`` every `HEARTBEAT_S` and publishes in
   ``at/RANK`` the member's place among its epoch's collectives (`Quorum.beat`, `Quorum.count_with`). The launcher,
-  not the peers on a ring (`loom.fault.liveness`: the members change), kills a worker whose heartbeat stops for
-  its liveness timeout (a frozen process). When a collective of the epoch times out, the member that waited
-  names the members that had not arrived at it before it re-forms (`Quorum._name_the_absent`): the watchdog's
-  report, which under heal would come too late.
-- **The guard's timeouts** (`Quorum.apply_guard`): a member lost under heal is replaced, not waited for, so each
-  timeout bounds the wait that comes before a replacement: ``hang_timeout_s`` each collective of an epoch's group
-  (past it the step is dropped and the members re-form), ``work_timeout_s`` the launcher's wait for a member's
-  check-in (a member still in its own code: then its stack is printed and it is replaced), ``liveness_timeout_s``
-  its heartbeat. Each one unset keeps heal's own (``LOOM_HEAL_GROUP_TIMEOUT_S``, ``LOOM_HEAL_CHECKIN_TIMEOUT_S``,
-  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S``).
+  not the peers on a ring (`loom.fault.liveness`: the members change), kills a worker whose heartbeat stops. When
+  a collective of the epoch times out, the member that waited names the absent members before it re-forms
+  (`Quorum._name_the_absent`): the watchdog's report would come too late under heal.
+- **The guard's timeouts** (`Quorum.apply_guard`): a member lost under heal is replaced, not waited for, so
+  ``hang_timeout_s``, ``work_timeout_s`` and ``liveness_timeout_s`` each bound the wait before a replacement (an
+  epoch's collective, the launcher's wait for a check-in, a heartbeat); unset, heal's own apply (``LOOM_HEAL_*_TIMEOUT_S``).
 
 Every store call is bounded (the store's own timeouts); every wait here has a stated deadline.
 """

@@ -3,21 +3,19 @@
 The idea behind NCCL's flight recorder and torchft's timeouts: a collective completes only when every rank has
 entered it, so each rank counts the collectives it issues (one sequence in issue order, the same on every rank of
 a correct program) and remembers its last completed ``(op, seq)`` and the one it is in. A background thread
-publishes that record to a side channel the stuck collective does not depend on -- a client of the job's store
-(loom's authenticated store under `loom run`, a ``TCPStore`` under ``torchrun``), key ``loom/watchdog/rank<r>``
--- and checks the clock. Every store call is bounded (`STORE_CALL_S`; under heal the job store's own timeout) and
-a failed store is left alone for `STORE_BACKOFF_S`, so a partitioned node still detects its hang on time.
+publishes that record to a side channel the stuck collective does not depend on -- a client of the job's store,
+key ``loom/watchdog/rank<r>`` -- and checks the clock. Every store call is bounded (`STORE_CALL_S`; under heal the
+job store's own timeout) and a failed store is left alone for `STORE_BACKOFF_S`, so a partitioned node still
+detects its hang on time.
 
-Uneven work between collectives is ordinary (rank 0 evaluating or checkpointing alone while the others wait), so
-the hang timeout (``timeout_s``; defaults in `loom.fault.timeouts`) counts only the time during which *every*
-rank is inside a collective (the same one, or different ones: they will never meet) or cannot be heard from (its
-record unreadable or stale: each rank re-publishes every poll). A rank alive outside any collective is doing its
-own work; the others wait for it up to ``work_timeout_s``, then stop the job with a report naming it. On a hang
-the thread prints a report (`loom.fault.hang_report`: the operation and sequence number this rank waits at, the
-ranks that did not arrive, every rank's last completed operation), records it in the error file (so ``loom run``
-names it) and ends the process with exit code 1 (``os._exit``: the main thread is blocked in C++); the launcher
-stops the others. The same thread sends and hears heartbeats (`loom.fault.liveness`): a host that stops answering
-is lost after the liveness timeout, however long a collective may legitimately take.
+Uneven work between collectives is ordinary (rank 0 evaluating or checkpointing alone), so the hang timeout
+(``timeout_s``; defaults in `loom.fault.timeouts`) counts only the time during which *every* rank is inside a
+collective (the same one, or different ones: they will never meet) or cannot be heard from (its record unreadable
+or stale). A rank alive outside any collective is waited for up to ``work_timeout_s``, then named. On a hang the
+thread prints a report (`loom.fault.hang_report`), records it in the error file (so ``loom run`` names it) and
+ends the process with exit code 1 (``os._exit``: the main thread is blocked in C++); the launcher stops the
+others. The same thread sends and hears heartbeats (`loom.fault.liveness`). The three timeouts' table:
+docs/fault-tolerance.md, "Slow, stuck or gone".
 
 ```python
 wd = Watchdog.start(topology, timeout_s=120)
