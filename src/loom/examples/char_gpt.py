@@ -11,6 +11,7 @@ block, pre-norm). The text is generated, so the example needs no download.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 
 import torch
@@ -18,7 +19,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import loom
-from loom.parallel.model.hybrid import Hybrid
 
 __all__ = ["Block", "CausalSelfAttention", "CharGPT", "Embed", "Head", "char_dataset", "lm_loss"]
 
@@ -136,18 +136,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = CharGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    strategy = Hybrid(dp=args.dp, pp=args.pp, tp=args.tp, microbatches=args.microbatches)
+    strategy = loom.Hybrid(dp=args.dp, pp=args.pp, tp=args.tp, microbatches=args.microbatches)
     job = strategy.setup(model, optimizer, lm_loss)
     loader = job.loader(char_dataset(), args.batch, seed=0)  # sharded over the data axis only
-    step = 0
-    while step < args.steps:
-        for batch in loader:
-            loss = job.train_step(batch)
-            step += 1
-            if topo.is_main and (step % 10 == 0 or step == 1):
-                print(f"step {step:3d}  loss {loss:.4f}", flush=True)
-            if step == args.steps:
-                break
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))  # epoch after epoch
+    for step, batch in enumerate(itertools.islice(batches, args.steps), start=1):
+        loss = job.train_step(batch)
+        if topo.is_main and (step % 10 == 0 or step == 1):
+            print(f"step {step:3d}  loss {loss:.4f}", flush=True)
     full = job.full_state_dict()
     if full is not None:
         print(
