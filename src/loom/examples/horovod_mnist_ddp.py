@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from loom.examples.horovod_mnist import Net, digits
 
@@ -36,13 +36,9 @@ def main(args) -> None:
     torch.set_num_threads(1)
     train_dataset, test_dataset = digits(train=True), digits(train=False)
     train_sampler: DistributedSampler = DistributedSampler(train_dataset, num_replicas=size, rank=rank)
-    train_loader = torch.utils.data.DataLoader(
-        train_dataset, batch_size=args.batch_size, sampler=train_sampler
-    )
+    train_loader = DataLoader(train_dataset, batch_size=args.batch_size, sampler=train_sampler)
     test_sampler: DistributedSampler = DistributedSampler(test_dataset, num_replicas=size, rank=rank)
-    test_loader = torch.utils.data.DataLoader(
-        test_dataset, batch_size=args.test_batch_size, sampler=test_sampler
-    )
+    test_loader = DataLoader(test_dataset, batch_size=args.test_batch_size, sampler=test_sampler)
     model = DistributedDataParallel(Net())  # broadcasts rank 0's parameters
     optimizer = optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
     start = time.perf_counter()
