@@ -11,7 +11,6 @@ Every name is imported on first use (PEP 562: ``loom.DataParallel`` imports the 
 ``loom run``, the launcher, which trains nothing, starts in a fraction of the time and reports errors at once.
 """
 
-import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
