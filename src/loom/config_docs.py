@@ -13,18 +13,15 @@ import dataclasses
 import inspect
 import itertools
 import textwrap
+from collections import ChainMap
 
 __all__ = ["document_options", "field_docs"]
 
 
 def field_docs(config: type) -> dict[str, str]:
     """``{field: its attribute docstring}`` of a dataclass and its dataclass bases (empty where the source cannot
-    be read)."""
-    docs: dict[str, str] = {}
-    for cls in reversed(config.__mro__):
-        if dataclasses.is_dataclass(cls):
-            docs.update(_own_field_docs(cls))
-    return docs
+    be read); a subclass's docstring wins over its base's."""
+    return dict(ChainMap(*(_own_field_docs(c) for c in config.__mro__ if dataclasses.is_dataclass(c))))
 
 
 def _own_field_docs(config: type) -> dict[str, str]:
