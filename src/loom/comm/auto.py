@@ -1,25 +1,24 @@
 """``auto``: pick native, ring, shm or hierarchical for each call, by topology and message size, from measurements.
 
-The idea (as NCCL's tuning model and Open MPI's ``coll/tuned`` decision tables do, but measured instead of
-modelled): which algorithm is fastest depends on where the processes are and on the message size (latency
-dominates small messages, bandwidth large ones), and on the machine. So on a group's first ``auto`` call loom
-times every candidate at a few sizes (`CALIBRATION_SIZES`, the median of `CALIBRATION_REPS` calls after one
-warm-up) and then, for each call, picks the fastest one at the calibrated size nearest on a log scale.
+As NCCL's tuning model and Open MPI's ``coll/tuned`` decision tables, but measured instead of modelled: the
+fastest algorithm depends on where the processes are, on the message size (latency dominates small messages,
+bandwidth large ones) and on the machine. So a group's first ``auto`` call times every candidate at a few sizes
+(`CALIBRATION_SIZES`, the median of `CALIBRATION_REPS` calls after one warm-up), and each call then takes the
+fastest at the calibrated size nearest on a log scale.
 
-Candidates come from the topology every process learned in `loom.comm.shm.context_for`: one host with several
-processes -> native, ring, shm; several hosts, some with several processes -> native, ring, hierarchical;
-otherwise (or without usable shared memory) native and ring.
+Candidates, from the topology learned in `loom.comm.shm.context_for`: one host with several processes -> native,
+ring, shm; several hosts, some with several processes -> native, ring, hierarchical; otherwise (or without
+usable shared memory) native and ring.
 
-Agreement: every rank must pick the same algorithm for the same call, or the job hangs. The timing table is
-the same everywhere: each entry is the slowest rank's time (an all-reduce MAX), and a cached table is read by
-rank 0 and broadcast. The choice is then a deterministic function of that table and the tensor's size, which
-all ranks share.
+Agreement: every rank must pick the same algorithm for the same call, or the job hangs. So the timing table is
+the same everywhere (each entry is the slowest rank's time, an all-reduce MAX; a cached table is read by rank 0
+and broadcast), and the choice is a deterministic function of it and the tensor's size.
 
-Cache: a JSON file per host, ``$LOOM_CACHE_DIR`` or ``~/.cache/loom``, ``allreduce-<hostname>.json``, keyed by the
-world size and the processes per host. Delete it to calibrate again (after a hardware or software change).
+Cache: one JSON file per host, ``$LOOM_CACHE_DIR`` or ``~/.cache/loom``, ``allreduce-<hostname>.json``, keyed by
+world size and processes per host. Delete it to calibrate again (after a hardware or software change).
 
-Limits: a calibration reflects the load of the moment it ran on a shared machine; it adds a fraction of a
-second to the first call; only float32 messages are timed (the choice is by bytes, whatever the dtype).
+Limits: a calibration reflects the load of its moment on a shared machine; it adds a fraction of a second to
+the first call; only float32 messages are timed (the choice is by bytes, whatever the dtype).
 """
 
 from __future__ import annotations

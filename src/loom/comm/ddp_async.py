@@ -2,40 +2,35 @@
 
     ddp.register_comm_hook(None, overlapped_allreduce_hook("shm"))      # None: all processes
 
-The idea (DDP's own design, Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3): a gradient bucket is
-ready long before backward ends, so its all-reduce should run *while* the remaining layers compute their
-gradients, and backward should wait only at its end. The backend's ``async_op=True`` collectives do that for
-``native``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are plain Python calls that block, and the
-synchronous `loom.comm.allreduce_hook` therefore stalls backward for the whole of every bucket's reduction.
+Why (DDP's own design, Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3): a bucket's all-reduce should
+run *while* the remaining layers compute their gradients, with backward waiting only at its end. ``native`` does
+that with ``async_op=True``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are blocking Python calls,
+so the synchronous `loom.comm.allreduce_hook` stalls backward for every bucket's reduction.
 
-Here each process owns one background *communication thread* (`loom.comm.thread`) that runs the buckets'
-all-reduces in the order the hook submitted them. The hook queues a job that divides the bucket by the group
-size (as PyTorch's ``allreduce_hook`` does, so float16 does not overflow) and all-reduces it, and returns a
-``torch.futures.Future`` that the thread completes; DDP waits for the futures at the end of backward.
+Here each process owns one background *communication thread* (`loom.comm.thread`) that runs the buckets' jobs
+in submission order. A job divides the bucket by the group size (as PyTorch's ``allreduce_hook``, so float16
+does not overflow) and all-reduces it; the hook returns a ``torch.futures.Future`` the thread completes, and DDP
+waits for the futures at the end of backward.
 
 Why this is safe:
 
 - *Same order on every rank.* Every algorithm is a collective matched by call order (gloo by sequence number,
-  shm by its barrier counters). DDP calls the hook for buckets in the same order on every rank, and one FIFO
-  thread per process keeps that order. Two threads would not.
-- *One thread uses shm at a time.* `loom.comm.shm` keeps per-process state (barrier sequence, chunk layout)
-  without a lock, and the ring's links (`loom.comm.links`) are sockets no two threads may share. While
-  buckets are in flight the main thread is inside backward, which issues no collective, and DDP's wait at the
-  end of backward drains the queue before the caller can issue any. So exactly one thread touches shm and the
-  backend at a time.
-  A caller that issues collectives from autograd hooks *during* backward would break this; don't.
-- *First calls are collectives too* (shm's segment set-up, ``auto``'s calibration): they run on the same thread,
-  in the same order, on every rank.
+  shm by its barrier counters); DDP calls the hook in the same bucket order on every rank, and one FIFO thread
+  per process keeps it. Two threads would not.
+- *One thread uses shm and the backend at a time.* `loom.comm.shm` keeps per-process state without a lock, and
+  the ring's links (`loom.comm.links`) are sockets no two threads may share. While buckets are in flight the
+  main thread is inside backward, which issues no collective, and DDP's wait drains the queue before the caller
+  can issue any. A caller that issues collectives from autograd hooks *during* backward breaks this; don't.
+- *First calls are collectives too* (shm's segment set-up, ``auto``'s calibration): same thread, same order.
 
 Errors: an all-reduce that raises settles its bucket's future with a RuntimeError naming the rank, the
-algorithm, the bucket and its size, so DDP's backward raises it instead of waiting forever. Later buckets are
-still attempted (their peers may be waiting for them); the first error is the one reported.
+algorithm, the bucket and its size, so backward raises instead of waiting forever. Later buckets are still
+attempted (their peers may be waiting for them); the first error is the one reported.
 
-Limits: overlap needs spare CPU. The communication thread shares the process's cores with backward: on a host
-with as many busy processes as cores, reductions that are memory copies (shm) or socket copies (ring) compete
-with the compute they overlap, and the gain is what waiting (barriers, sockets) left idle. Python-level
-algorithms also hold the GIL between their torch calls, which delays the backward thread's own Python work
-(hooks) slightly.
+Limits: overlap needs spare CPU. The thread shares the process's cores with backward: with as many busy
+processes as cores, shm's memory copies and the ring's socket copies compete with the compute they overlap,
+and the gain is only what waiting left idle. Python-level algorithms also hold the GIL between torch calls,
+slightly delaying the backward thread's own Python work (hooks).
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and

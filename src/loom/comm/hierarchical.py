@@ -1,22 +1,21 @@
 """Hierarchical all-reduce: shared memory within each host, a ring across hosts, one leader per host.
 
-The idea (two-level all-reduce as in Horovod's hierarchical all-reduce and NCCL's intra-/inter-node split):
-memory inside a host is far faster than the network between hosts, so cross the network once per host, not
-once per process. For every piece of the tensor (see `loom.comm.shm` for pieces and slots):
+Two-level, as Horovod's hierarchical all-reduce and NCCL's intra-/inter-node split: memory inside a host is far
+faster than the network, so cross the network once per host, not per process. For every piece of the tensor
+(pieces and slots: `loom.comm.shm`):
 
-1. within each host, the shared-memory reduce-scatter of `loom.comm.shm` leaves every local chunk reduced
-   in the segment; the host's leader (its first process) copies them out, so it holds the host's sum;
-2. the leaders all-reduce those sums with a ring (`loom.comm.ring`'s schedule among the leaders only, over
-   loom's links between them or gloo's point-to-point messages: no extra process group to create);
-3. each leader writes the result into the segment, a barrier, and the other local processes copy it out.
+1. within each host, `loom.comm.shm`'s shared-memory reduce-scatter leaves every local chunk reduced in the
+   segment; the host's leader (its first process) copies them out, so it holds the host's sum;
+2. the leaders all-reduce those sums with `loom.comm.ring`'s schedule among themselves (over loom's links or
+   gloo's point-to-point messages: no extra process group);
+3. each leader writes the result into the segment; after a barrier the other local processes copy it out.
 
-Network traffic is that of a ring over H hosts, 2 (H-1)/H * D per leader and none for the other processes,
-instead of 2 (N-1)/N * D for every process of a flat ring. With one host it *is* `shm`; with one process per
-host it is a ring. Hosts may hold different numbers of processes. ``avg`` sums and divides once at the end.
+Network traffic: a ring over H hosts, 2 (H-1)/H * D per leader and none for the others, instead of
+2 (N-1)/N * D for every process of a flat ring. One host: it *is* `shm`; one process per host: a ring. Hosts may
+hold different numbers of processes. ``avg`` sums and divides once at the end.
 
-Limits: the three phases run one after another (no overlap of the network phase of one piece with the
-memory phase of the next); leaders do more copying than the others; shared memory carries the limits listed
-in `loom.comm.shm`. Tests pretend to have several hosts on one machine with ``$LOOM_HOST_ID``.
+Limits: the three phases run one after another (no overlap between pieces); leaders copy more than the others;
+shared memory's limits (`loom.comm.shm`) apply. Tests fake several hosts on one machine with ``$LOOM_HOST_ID``.
 """
 
 from __future__ import annotations

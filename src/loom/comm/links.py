@@ -1,39 +1,32 @@
 """loom's own TCP links between ring neighbours: authenticated, one socket per direction, driven by the caller.
 
-Why: a ring step is a send to the right neighbour during a receive from the left one. Through gloo's
-point-to-point calls each message crosses thread hand-offs in both processes (the caller queues it, gloo's
-I/O thread moves it, a condition variable wakes the caller) and a rendezvous (the sender waits for the
-receiver's "ready" note before sending), which can cost more than moving the data itself below a few MiB
-(``benchmarks/reports/allreduce.md``). Here the calling thread moves the bytes: non-blocking sockets and one
-poll loop that sends and receives at once (so two neighbours sending large buffers to each other never deadlock
-on full socket buffers), and no per-message protocol, since both ends know the size of every message from the
-schedule. It is the same kernel TCP path gloo uses, so `ring` against `native` still compares algorithms over the
-same transport.
+Why: through gloo's point-to-point calls each ring message crosses thread hand-offs in both processes and a
+rendezvous (the sender waits for the receiver's "ready"), which below a few MiB can cost more than moving the
+data (``benchmarks/reports/allreduce.md``). Here the calling thread moves the bytes: non-blocking sockets and
+one poll loop that sends and receives at once (so two neighbours sending large buffers to each other never
+deadlock on full socket buffers), and no per-message protocol, since both ends know every message's size from
+the schedule. It is gloo's kernel TCP path, so `ring` against `native` still compares algorithms, not transports.
 
-Set-up (`ring_link`, on the first ring call for a group and ordered list of ring members; only those
-members take part): every process listens on one ephemeral port on the address of the interface gloo uses
-(``GLOO_SOCKET_IFNAME``, which `loom run` sets to the interface holding the node's address; loopback when
-unset), tells its left neighbour where (a gloo point-to-point message), connects to its right neighbour
-while accepting one connection from its left one, then closes the listener. Before any data moves, both
-ends of every connection prove they hold the job secret (``LOOM_JOB_SECRET``, from `loom run`) by the
+Set-up (`ring_link`, on the first ring call for a group and ordered list of ring members; only they take
+part): each process listens on an ephemeral port on gloo's interface (``GLOO_SOCKET_IFNAME``, which `loom run`
+sets to the interface holding the node's address; loopback when unset), tells its left neighbour where (a gloo
+point-to-point message), connects to its right neighbour while accepting its left one, then closes the
+listener. Before any data moves, both ends prove they hold the job secret (``LOOM_JOB_SECRET``) by the
 challenge-response of `loom.net.handshake`. The listener reads only fixed-size fields before the proof, bounds
-each handshake (`_accept`), closes and counts one that fails, and goes on waiting for its neighbour until
+each handshake (`_accept`), closes and counts one that fails, and waits for its neighbour until
 `HANDSHAKE_TIMEOUT_S`.
 
-The whole ring uses its links or none of them: when a member cannot link to its right neighbour (no job
-secret, as in a job not started by `loom run`; a neighbour on another host while this process listens on
-loopback only; two different secrets, as when the nodes of a multi-node job were started without a common
-``LOOM_JOB_SECRET``, which a warning names: the offer carries a 64-bit hash of the secret to tell, never the
-secret), a flag passed round the ring tells every member, and the ring uses gloo's point-to-point calls, so
-that all members cut the data into the same segments.
+All or nothing: when a member cannot link to its right neighbour (no job secret, as outside `loom run`; a
+neighbour on another host while this one listens on loopback; two different secrets, which a warning names
+from a 64-bit hash of the secret in the offer, never the secret), a flag passed round the ring tells every
+member, and the whole ring uses gloo's point-to-point calls, so all members cut the data into the same segments.
 
-Failures: a neighbour that exits closes its sockets, so the next exchange raises an error naming this rank,
-the neighbour and the operation at once instead of waiting; one that stops without exiting is given up after
-`LINK_TIMEOUT_S` without progress.
+Failures: a neighbour that exits closes its sockets, so the next exchange raises at once, naming this rank, the
+neighbour and the operation; one that stops without exiting is given up after `LINK_TIMEOUT_S` without progress.
 
-Limits: IPv4; CPU tensors under the gloo backend; data after the handshake is not authenticated message by
-message (whoever can inject into an established TCP connection could corrupt a reduction, as with gloo's own
-connections); synchronous, and not for two threads at once.
+Limits: IPv4; CPU tensors under gloo; data after the handshake is not authenticated per message (whoever can
+inject into an established TCP connection could corrupt a reduction, as with gloo's own connections);
+synchronous, and not for two threads at once.
 """
 
 from __future__ import annotations

@@ -1,30 +1,28 @@
 """Authenticated point-to-point requests between any two workers, each answered at the receiver's own pace.
 
-Gossip (`loom.parallel.gossip.gossip`) needs what the ring links of `loom.comm.links` do not give: any worker may ask
-any other at any time, and the one asked answers when it gets round to it, or never when it is dead, without a
-collective or a barrier anywhere. `PeerNode` is one process's end:
+Why not the ring links of `loom.comm.links`: gossip (`loom.parallel.gossip.gossip`) needs any worker to ask any
+other at any time, answered when the other gets round to it (never when it is dead), with no collective or
+barrier. `PeerNode` is one process's end:
 
 - a listener (`loom.comm.peer_links`) admits peers that prove the job secret (the handshake of
   `loom.comm.links`, with this protocol's own hello and label);
 - requests go out on a connection this node dials (one per peer, kept open) and their answers come back on it;
-  requests from others arrive on the connections they dialed. Sockets are non-blocking and `pump` moves whatever
-  can move on every connection at once, so two workers answering each other with large frames never deadlock on
-  full socket buffers, and a node waiting for its own answer keeps answering others.
+  requests from others arrive on the connections they dialed. Sockets are non-blocking and `pump` moves what
+  can move on every connection at once, so two workers answering each other with large frames never deadlock,
+  and a node waiting for its own answer keeps answering others.
 
 Frames: `loom.comm.peer_wire`; a refused one closes its connection (counted as ``dropped``).
 
-Symmetry: two ``EXCHANGE`` requests cross when each was sent before its sender saw the other's (a request carries
-the seq of the receiver's last request its sender had answered, so the receiver can tell). The lower rank answers
-the crossing one ``BUSY`` and the higher one serves, so exactly one of the two happens (both serving would make
-each average with the other's stale values). A request whose sender had answered ours already waits until that
-answer, still on its way on the other connection, is applied. So two workers end a pair exchange with the same
-bits however their requests interleave.
+Symmetry: two ``EXCHANGE`` requests cross when each was sent before its sender saw the other's (a request
+carries the seq of the receiver's last request its sender had answered). The lower rank answers the crossing
+one ``BUSY`` and the higher one serves, so exactly one happens (both would average with each other's stale
+values). A request whose sender had already answered ours waits until that answer, still in flight on the other
+connection, is applied. So a pair exchange ends with the same bits on both workers however requests interleave.
 
 Late answers: `request` waits at most its deadline, then returns ``"late"`` and leaves the request outstanding:
-an answer that arrives later is still handed to its callback, so an exchange the peer applied is applied here
-too, unless the next request to that peer comes first and abandons it (closes the connection; the peer's half
-then stays alone, counted as ``abandoned``). A dead peer's connection reports end of file, so requests to it fail
-at once rather than at the deadline.
+a later answer still goes to its callback, so an exchange the peer applied is applied here too, unless the next
+request to that peer comes first and abandons it (closes the connection; the peer's half then stays alone,
+counted as ``abandoned``). A dead peer's connection reports end of file, so requests to it fail at once.
 
 Limits: IPv4; data after the handshake is authenticated by the TCP connection only, as gloo's and the ring's;
 `pump` and `request` must not run in two threads at once (the caller serializes them).

@@ -1,44 +1,36 @@
 """Ring all-reduce: bandwidth-optimal, over point-to-point messages, pipelined in segments.
 
-The idea (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009;
-popularized for deep learning by Baidu's ``baidu-allreduce``, 2017, and used by Horovod and NCCL): arrange the N
-processes in a ring, each sending only to its right neighbour and receiving only from its left one, and split
-the data into N chunks.
+Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009 (as in
+Baidu's ``baidu-allreduce``, Horovod and NCCL): the N processes form a ring, each sending only to its right
+neighbour and receiving only from its left one, and the data is split into N chunks.
 
 1. *Reduce-scatter*, N-1 steps: at step s, rank r sends chunk (r - s) and receives chunk (r - s - 1), which it
-   reduces into its own copy. A chunk travels once round the ring picking up every contribution, so after N-1
-   steps rank r holds chunk (r + 1) fully reduced.
-2. *All-gather*, N-1 steps: the same rotation, but a received chunk overwrites the local one, so every rank ends
-   with every reduced chunk.
+   reduces into its own copy; after N-1 steps rank r holds chunk (r + 1) fully reduced.
+2. *All-gather*, N-1 steps: the same rotation, but a received chunk overwrites the local one.
 
-Each process sends (and receives) 2 (N-1)/N * D bytes for D bytes of data, which is optimal: independent of N
-for large N, against (N-1) * D at the root of a centralized reduce (`loom.comm.driver`).
+Each process sends (and receives) 2 (N-1)/N * D bytes for D bytes of data: optimal, and independent of N for
+large N, against (N-1) * D at the root of a centralized reduce (`loom.comm.driver`).
 
-*Pipelining* (as gloo's ``allreduce_ring_chunked`` and NCCL do): each chunk is cut into S segments of at most
-`SEGMENT_BYTES` (at least two for chunks of half of it or more), so a step becomes S messages, and the next
-`WINDOW` - 1 transfers are already in flight while the current segment is reduced: transfer overlaps
-reduction, and the all-gather of the first segments starts before the reduce-scatter of the last ones ends.
-The schedule is data (`ring_schedule`, a list of transfers, checked without processes in the tests);
-`run_ring` posts and waits on it. Segment j of step s only depends on segment j of step s-1, exactly S
-transfers earlier, so a window of at most S transfers never sends a segment before it is reduced. Incoming
-segments of the reduce-scatter land in a small per-thread scratch buffer (`loom.comm._reduce.scratch_buffer`)
-and are added in place; the all-gather receives straight into the result. With one segment per chunk (chunks
-under half of the segment size) this is the plain ring. With two processes and a tensor under
-`EXCHANGE_BELOW_BYTES` the two steps collapse into one exchange (`exchange_schedule`).
+*Pipelining* (as gloo's ``allreduce_ring_chunked`` and NCCL): each chunk is cut into S segments of at most
+`SEGMENT_BYTES` (at least two for chunks of half of it or more), and the next `WINDOW` - 1 transfers are in
+flight while the current segment is reduced, so transfer overlaps reduction and the all-gather starts before
+the reduce-scatter ends. The schedule is data (`ring_schedule`, tested without processes); `run_ring` runs it.
+Segment j of step s depends only on segment j of step s-1, S transfers earlier, so a window of at most S never
+sends a segment before it is reduced. Reduce-scatter segments land in a per-thread scratch buffer
+(`loom.comm._reduce.scratch_buffer`) and are added in place; the all-gather receives straight into the result.
+Two processes and a tensor under `EXCHANGE_BELOW_BYTES`: one exchange instead (`exchange_schedule`).
 
-*Transport* (`TRANSPORT`): messages go over loom's own TCP links between neighbours (`loom.comm.links`),
-transfer after transfer, in segments of `LINK_SEGMENT_BYTES`; where a link cannot be made, over gloo's
-point-to-point calls with the window above, in segments of `SEGMENT_BYTES`. Those are large (MiB, not KiB)
-because each gloo message has a fixed cost in time and CPU well above a link's
-(``benchmarks/reports/allreduce.md``).
+*Transport* (`TRANSPORT`): loom's own TCP links between neighbours (`loom.comm.links`), transfer after transfer,
+in segments of `LINK_SEGMENT_BYTES`; where a link cannot be made, gloo's point-to-point calls with the window
+above, in segments of `SEGMENT_BYTES`, large (MiB) because each gloo message has a fixed cost well above a
+link's (``benchmarks/reports/allreduce.md``).
 
-Limits: 2 (N-1) latency-bound steps, so small tensors are faster with a tree or the backend's own algorithm;
-chunks are balanced to within one element, so when D is not divisible by N ranks send slightly different amounts
-(and with fewer elements than processes some chunks are empty and their messages skipped). Reductions run in the
-tensor's dtype; for float16/bfloat16 each add rounds once, as the backends do. Each chunk is summed starting
-from a different rank, so floating-point results can differ from `native` in the last bits; they are identical
-on all ranks, since the all-gather copies one result everywhere. Synchronous: it returns when done. The
-segments of one call share a message tag, relying on gloo delivering one pair's messages in posting order.
+Limits: 2 (N-1) latency-bound steps, so small tensors are faster with a tree or the backend's own algorithm.
+Chunks are balanced to within one element (with fewer elements than processes some are empty and their
+messages skipped). Reductions run in the tensor's dtype (float16/bfloat16 round once per add, as the
+backends do). Each chunk is summed from a different rank, so results can differ from `native` in the last bits,
+but are identical on all ranks (the all-gather copies one result everywhere). Synchronous. The segments of one
+call share a message tag, relying on gloo delivering one pair's messages in posting order.
 """
 
 from __future__ import annotations
@@ -138,17 +130,15 @@ def ring_schedule(
 
 
 def exchange_schedule(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[list[Transfer], int]:
-    """The one transfer of either process of a ring of two, for a small tensor: send the whole of ``flat`` to
-    the other process while receiving its tensor into ``scratch`` (``flat.numel()`` elements; None allocates),
-    then combine it into ``flat``.
+    """The one transfer of either process of a ring of two, for a small tensor: send all of ``flat`` while
+    receiving the other's into ``scratch`` (``flat.numel()`` elements; None allocates), then combine into ``flat``.
 
-    With two processes the ring's reduce-scatter and all-gather each send one half: the same bytes as one
-    exchange of the whole tensor, which needs one round of messages instead of two dependent ones; each process
-    then reduces the whole tensor instead of half of it, which costs little next to a message for a small
-    tensor, while a large one is faster through the pipelined ring, hence `EXCHANGE_BELOW_BYTES`
-    (``benchmarks/reports/allreduce.md``). Both processes combine the same two values, in opposite orders, so
-    the results are identical (IEEE addition, max and min are commutative); `run_ring` waits for the send
-    before combining into the tensor it sent.
+    Why: with two processes the reduce-scatter and all-gather each send one half, the same bytes as one exchange
+    of the whole tensor, which needs one round of messages instead of two dependent ones; reducing the whole
+    tensor instead of half costs little next to a message for a small tensor, while a large one is faster through
+    the pipelined ring, hence `EXCHANGE_BELOW_BYTES` (``benchmarks/reports/allreduce.md``). Both processes combine
+    the same two values in opposite orders, so results are identical (IEEE addition, max and min commute);
+    `run_ring` waits for the send before combining into the tensor it sent.
     """
     if scratch is None:
         scratch = torch.empty_like(flat)
@@ -183,17 +173,14 @@ def run_ring(
 ) -> tuple[int, int]:
     """Run a `ring_schedule` with up to ``window`` transfers in flight; return (bytes sent, bytes received).
 
-    With a ``link`` (`loom.comm.links`) the transfers run one after the other through its sockets, the
-    window unused: while a segment is reduced the next one keeps arriving into the kernel's socket buffer.
-    Without one, through gloo's point-to-point calls:
-
-    Sends: transfer k+window is sent only once transfer k is done (received, reduced, sent), so a segment is
-    reduced before it is sent on. Receives run ahead, in transfer order (gloo matches one pair's messages in
-    posting order): a reduce-scatter receive lands in scratch, so it waits for the same window (its slot must
-    be free); an all-gather receive lands in the result and is posted as soon as every earlier receive is.
-    That is safe: all-gather data for a segment can only arrive once the segment is fully reduced, which needs
-    this rank's contribution, sent after its last touch of the segment. A receive already posted when the
-    message arrives saves a round of gloo's matching. Empty buffers are skipped on both ends.
+    With a ``link`` (`loom.comm.links`) the transfers run one after the other, the window unused: while a segment
+    is reduced the next keeps arriving into the kernel's socket buffer. Without one, through gloo's
+    point-to-point calls: transfer k+window is sent only once transfer k is done (received, reduced, sent).
+    Receives run ahead, in transfer order (gloo matches one pair's messages in posting order): a reduce-scatter
+    receive lands in scratch, so it waits for the same window (its slot must be free); an all-gather receive
+    lands in the result and is posted as soon as every earlier receive is, which is safe because its data can
+    only arrive once the segment is fully reduced, after this rank's last touch of it. A receive posted before
+    its message arrives saves a round of gloo's matching. Empty buffers are skipped on both ends.
     ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
     """
     moved = sum(t.send.nbytes for t in transfers), sum(t.recv.nbytes for t in transfers)

@@ -1,26 +1,24 @@
 """Tensor messages between two processes of one host through shared memory, with no socket on the way.
 
 `channel_to(dst)` / `channel_from(src)` return this process's `ShmSender` / `ShmReceiver` for a peer (global
-ranks), or ``None`` when the pair must keep the backend's messages (another host, another CPU than x86-64, no
-/dev/shm, a backend other than gloo). The choice is made once per direction by a handshake on the first message,
-through the backend with tags of its own: the sender creates a `loom.comm.shm_ring.Ring` and sends a digest of
-its host (`loom.comm._reduce.host_key`) and the ring's name; the receiver maps the ring only if the digest is its
-own, and answers whether it did. Both ends thus decide the same, per pair: a pipeline spread over two hosts
-uses shared memory between the stages of one host and the backend between hosts. The first message in each
-direction is therefore a rendezvous (the sender waits until the receiver asks for its first message); the
-pipeline's schedules always receive before they send back, so they never wait on each other there.
+ranks), or ``None`` when the pair must keep the backend's messages (another host, a CPU other than x86-64, no
+/dev/shm, a backend other than gloo). Each direction decides once, by a handshake on its first message through
+the backend (with tags of its own): the sender creates a `loom.comm.shm_ring.Ring` and sends a digest of its
+host (`loom.comm._reduce.host_key`) and the ring's name; the receiver maps the ring only if the digest is its
+own, and answers whether it did. So both ends decide the same, per pair: a pipeline over two hosts uses shared
+memory within a host and the backend between hosts. That first message is a rendezvous (the sender waits for
+the receiver to ask); the pipeline's schedules always receive before they send back, so they never deadlock.
 
 A message is a header (int64 words: how many words follow, the tensor count, then each tensor's dtype code, rank
-and shape), then each tensor's bytes. Sends never block: what does not fit in the ring is queued, and pushed by
-every later call of this process that waits for anything (`progress`), and by the handle's ``wait()``; a
-receive copies straight into the tensor it returns. Waits are `loom.comm.shm_wait.wait_until`: spin (for as long
-as `loom.comm.shm_spin.SpinBudget` finds it pays), then sleep on a futex until the peer wakes it, and raise
-naming both ranks and the operation when the peer dies or the time-out passes.
+and shape), then each tensor's bytes. Sends never block: what does not fit in the ring is queued and pushed by
+every later wait of this process (`progress`) and by the handle's ``wait()``; a receive copies straight into the
+tensor it returns. Waits are `loom.comm.shm_wait.wait_until` (spin while `loom.comm.shm_spin.SpinBudget` finds
+it pays, then futex), raising with both ranks and the operation when the peer dies or the time-out passes.
 
-A small message costs a few microseconds of Python at each end, so the common case takes the shortest path:
-both ends keep their headers per signature (dtypes and shapes; a pipeline repeats a handful), a message that fits
-in the ring while nothing is queued is copied in at once (one ``memmove`` per tensor, one publish), and a
-receiver whose whole header has arrived takes it straight from the ring as its cache key.
+Small messages cost a few microseconds of Python per end, so the common case is short: both ends cache headers
+per signature (dtypes and shapes; a pipeline repeats a handful), a message that fits while nothing is queued is
+copied in at once (one ``memmove`` per tensor, one publish), and a receiver whose whole header has arrived uses
+it straight from the ring as its cache key.
 """
 
 from __future__ import annotations

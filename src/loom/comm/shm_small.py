@@ -1,21 +1,20 @@
 """Small all-reduces through shared memory in one step: publish, one barrier, every process reduces everything.
 
-`loom.comm.shm`'s all-reduce splits the data into chunks and needs three barriers per call, which is right for
-megabytes (each process reduces only its share) and wasteful for the few KiB of a tensor-parallel layer's
-activations, where each barrier (a wake-up of every peer) costs more than the arithmetic. Here each of the ``L``
-processes of the group copies its whole input into its slot and raises its counter (`Segment.barrier`); once all
-counters are up every process reads all ``L`` slots and reduces them itself, in rank order, so every process
-computes bit for bit the same result. Each process reads ``(L-1) D`` bytes instead of ``2 (L-1)/L D``, which is
-nothing at these sizes.
+Why: `loom.comm.shm`'s chunked all-reduce needs three barriers per call, right for megabytes (each process
+reduces only its share) but wasteful for a tensor-parallel layer's few KiB, where each barrier (a wake-up of
+every peer) costs more than the arithmetic. Here each of the ``L`` processes copies its whole input into its slot
+and raises its counter (`Segment.barrier`); once all counters are up every process reduces all ``L`` slots
+itself, in rank order, so all compute bit for bit the same result. Each reads ``(L-1) D`` bytes instead of
+``2 (L-1)/L D``, nothing at these sizes.
 
-Two slots per process, used alternately: call ``k`` writes slot ``k mod 2``, and a process raises its counter
-for call ``k+1`` only after it has read everything of call ``k``; so when call ``k+2`` overwrites slot ``k mod 2``,
-everybody has passed call ``k+1``'s barrier and has finished reading it. One barrier per call, no other waits.
+Two slots per process, used alternately: call ``k`` writes slot ``k mod 2``, and a process raises its counter for
+call ``k+1`` only after reading everything of call ``k``; so when call ``k+2`` overwrites slot ``k mod 2``,
+everybody has finished reading it. One barrier per call, no other waits.
 
-`SmallAllReduce.for_group` is a collective (every process of the group calls it at the same point, which the
-first all-reduce of a group is); it decides once, the same on every process, whether the group can use it
-(every process on one host, x86-64, /dev/shm, CPU tensors). The segment lives as `loom.comm.shm`'s: its name is
-removed as soon as all processes have mapped it.
+`SmallAllReduce.for_group` is a collective (every process of the group calls it at the same point, as the first
+all-reduce of a group does); it decides once, the same everywhere, whether the group can use it (one host,
+x86-64, /dev/shm, CPU tensors). The segment's name is removed once all processes have mapped it, as in
+`loom.comm.shm`.
 """
 
 from __future__ import annotations

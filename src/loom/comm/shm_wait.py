@@ -1,21 +1,19 @@
 """Waiting for a peer process through shared memory: spin briefly, then sleep in the kernel until woken.
 
-A process waiting for a word of shared memory that its peer will write has two ways to wait, each right for a
-different delay:
+Waiting for a word of shared memory that a peer will write, two ways, each right for a different delay:
 
-1. **spin** (look again at once) for `SPIN_S`: the answer to a small message usually arrives within a few
-   microseconds when both processes run, and any sleep costs more;
-2. **sleep on a futex** (Linux ``futex(FUTEX_WAIT)`` on the word itself): the process leaves the CPU to whoever
-   needs it (often the very peer it waits for, when two processes share a core on a loaded machine) and the
-   kernel wakes it as soon as the peer, having changed the word, sees the waiter's "asleep" flag and calls
-   ``futex(FUTEX_WAKE)``. Yielding (``sched_yield``) or short ``sleep`` calls measured slower where the two
-   processes shared a core: the yielder kept its core.
+1. **spin** (look again at once) for `SPIN_S`: when both processes run, the answer to a small message usually
+   arrives within microseconds, and any sleep costs more;
+2. **sleep on a futex** (Linux ``futex(FUTEX_WAIT)`` on the word itself): the CPU goes to whoever needs it
+   (often the very peer, when both share a core on a loaded machine), and the peer, having changed the word,
+   sees the waiter's "asleep" flag and calls ``futex(FUTEX_WAKE)``. ``sched_yield`` or short ``sleep`` calls
+   measured slower where the two processes shared a core: the yielder kept its core.
 
-The kernel sleeps only while the word still holds the value the waiter last saw, so a change made between the
-waiter's last look and its sleep is never lost; each sleep is also bounded (`FUTEX_SLEEP_S`, shorter while this
-process has queued sends to push, see ``progress``). The wait is bounded as a whole: every `CHECK_EVERY_S` it
-checks that the peer process is alive (a dead peer raises at once, naming it, its pid and the operation), and
-after `TIMEOUT_S` it gives up (as the backend's own timeout; the hang watchdog stops hangs long before).
+The kernel sleeps only while the word still holds the value the waiter last saw, so no change is lost between
+the last look and the sleep; each sleep is bounded (`FUTEX_SLEEP_S`, shorter while this process has queued sends
+to push, see ``progress``). The whole wait is bounded: every `CHECK_EVERY_S` it checks the peer is alive (a dead
+peer raises at once, naming it, its pid and the operation), and it gives up after `TIMEOUT_S` (as the backend's
+own timeout; the hang watchdog stops hangs long before).
 """
 
 from __future__ import annotations

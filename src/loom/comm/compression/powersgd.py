@@ -1,32 +1,31 @@
 """``powersgd:<rank>``: send a rank-r approximation of each gradient matrix (Vogels, Karimireddy & Jaggi 2019).
 
 "PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019, Algorithm 1
-with error feedback. Each gradient tensor of a bucket is viewed as a matrix ``M`` (n x m: output dimension by
-everything else, so a conv weight ``(out, in, kh, kw)`` is ``out x in*kh*kw``), after adding the residual kept
-from the previous step. With a matrix ``Q`` (m x r) that every rank holds identically:
+with error feedback. Each gradient of a bucket, plus the residual from the previous step, is viewed as a matrix
+``M`` (n x m: output dimension by everything else, so a conv weight ``(out, in, kh, kw)`` is ``out x in*kh*kw``).
+With a ``Q`` (m x r) identical on every rank:
 
-1. ``P = M Q``, all-reduced (summed) over the ranks: by linearity, ``sum_i M_i Q = (sum_i M_i) Q``;
+1. ``P = M Q``, all-reduced (summed): by linearity, ``sum_i M_i Q = (sum_i M_i) Q``;
 2. ``P`` is orthonormalized (reduced QR), the same on every rank since the sum is;
-3. ``Q = M^T P``, all-reduced and divided by N: the mean gradient projected on the columns of P;
-4. the mean gradient is approximated by ``P Q^T`` (one step of subspace/power iteration); each rank keeps
-   ``M_i - P Q_i^T``, what its own matrix loses in the shared subspace (``Q_i`` its step-3 term before the
-   all-reduce), as its residual (error feedback), so what the approximation missed is sent later.
+3. ``Q = M^T P``, all-reduced and divided by N: the mean gradient projected on P's columns;
+4. the mean gradient is approximated by ``P Q^T`` (one power-iteration step); each rank keeps ``M_i - P Q_i^T``
+   (``Q_i`` its step-3 term before the all-reduce) as its residual, so what the approximation missed is sent later.
 
-*Warm start*: step 3's ``Q`` seeds step 1 of the next step, so the power iteration continues across steps and
-a single iteration per step suffices. The first ``Q`` is drawn from a generator seeded by (seed, parameter
-number), identical on every rank without a broadcast. A ``Q`` that became zero or non-finite is redrawn (zero
-gradients would otherwise keep it zero forever). Residuals and ``Q``'s are kept per parameter
-(`loom.comm.compression.feedback`), so both carry over when DDP regroups its buckets.
+*Warm start*: step 3's ``Q`` seeds the next step's step 1, so the power iteration continues across steps and one
+iteration per step suffices. The first ``Q`` is drawn from a generator seeded by (seed, parameter number),
+identical on every rank without a broadcast; a zero or non-finite ``Q`` is redrawn (zero gradients would keep it
+zero forever). Residuals and ``Q``'s are kept per parameter (`loom.comm.compression.feedback`), so both survive
+DDP regrouping its buckets.
 
-Bytes: ``(n + m) r`` numbers per matrix instead of ``n m``, in two all-reduces (P, then Q). Tensors that do not
-gain from it -- 1-D tensors (biases, norms) and matrices where ``(n + m) r >= n m`` -- are all-reduced exactly,
-packed into the first all-reduce with the P's. Both all-reduces have a fixed size, unlike top-k's all-gather,
-so PowerSGD's saving does not shrink as ranks are added.
+Bytes: ``(n + m) r`` numbers per matrix instead of ``n m``, in two all-reduces. Tensors that do not gain --
+1-D (biases, norms) and matrices where ``(n + m) r >= n m`` -- are all-reduced exactly, packed into the P
+all-reduce. Both all-reduces have a fixed size, unlike top-k's all-gather, so the saving does not shrink as
+ranks are added.
 
-Limits: the approximation is biased and relies on error feedback to converge; the residual costs one
-gradient's worth of memory and the Q's ``m r`` numbers per matrix. The two rounds are sequential: the second
-can only start once the first is reduced (`loom.comm.compression.hook` overlaps them with later buckets).
-Tensors of 16-bit dtypes are compressed in float32 (QR needs it) and cast back.
+Limits: biased, relying on error feedback to converge; the residual costs one gradient of memory, plus ``m r``
+numbers per matrix for Q. The second round can only start once the first is reduced
+(`loom.comm.compression.hook` overlaps them with later buckets). 16-bit tensors are compressed in float32 (QR
+needs it) and cast back.
 """
 
 from __future__ import annotations

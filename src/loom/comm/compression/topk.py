@@ -1,25 +1,23 @@
 """``topk:<fraction>``: send only the largest gradient entries, and keep the rest for later (error feedback).
 
-The idea (Strom 2015; Aji & Heafield 2017; Lin et al., "Deep Gradient Compression", ICLR 2018; analysed by
-Stich, Cordonnier & Jaggi, "Sparsified SGD with memory", NeurIPS 2018): most of a gradient's mass sits in a
-few coordinates. Each rank adds the *residual* it kept from earlier steps to its fresh gradient, sends the
-``k = ceil(fraction * numel)`` entries of largest magnitude (values and indices) and keeps everything it did not
-send as the new residual. Nothing is thrown away, only delayed, which is why this converges where plain top-k
-does not. The messages of all ranks are gathered (an all-gather: each rank picked different indices, so they
-cannot be summed on the wire), scattered into a dense tensor, added and divided by the world size.
+Strom 2015; Aji & Heafield 2017; Lin et al., "Deep Gradient Compression", ICLR 2018; analysed by Stich,
+Cordonnier & Jaggi, "Sparsified SGD with memory", NeurIPS 2018: most of a gradient's mass sits in a few
+coordinates. Each rank adds its *residual* from earlier steps to its fresh gradient, sends the
+``k = ceil(fraction * numel)`` entries of largest magnitude (values and indices) and keeps the rest as the new
+residual: nothing is thrown away, only delayed, which is why this converges where plain top-k does not. The
+messages are all-gathered (each rank picked different indices, so they cannot be summed on the wire),
+scattered into a dense tensor, added and divided by the world size.
 
-Bytes: each rank's message is ``k`` values plus ``k`` indices (int32 while the bucket has fewer than 2**31
-entries). With N ranks every rank receives N-1 messages, so the traffic grows with N where an all-reduce's does
-not: against a ring all-reduce of float32, top-k moves ``2 (N-1)/N * 4 n`` vs ``(N-1) * 8 k`` bytes, a saving of
-``1 / (N * fraction)`` (50x at fraction 0.01 on 2 ranks, 12.5x on 8).
+Bytes: ``k`` values plus ``k`` indices per rank (int32 while the bucket has fewer than 2**31 entries). Every
+rank receives N-1 messages, so traffic grows with N where an all-reduce's does not: ``(N-1) * 8 k`` against a
+float32 ring's ``2 (N-1)/N * 4 n`` bytes, a saving of ``1 / (N * fraction)`` (50x at 0.01 on 2 ranks, 12.5x on 8).
 
-Limits: the selection is over the whole bucket (one global top-k, not per layer), so a layer with small
-gradients can wait several steps for its turn, and the selection depends on which tensors share a bucket (the
-residuals carry over when DDP re-buckets, see `loom.comm.compression.feedback`). The residual costs one
-gradient's worth of memory. DGC's momentum correction, local clipping and warm-up of the fraction are not
-implemented: plain error feedback works here with SGD momentum applied to the averaged sparse gradient, but
-converges later than uncompressed training. The selection (`top_indices`) is still noticeable next to a small
-model's backward.
+Limits: one global top-k over the whole bucket, not per layer, so a layer with small gradients can wait
+several steps, and the selection depends on which tensors share a bucket (residuals carry over when DDP
+re-buckets, see `loom.comm.compression.feedback`). The residual costs one gradient of memory. DGC's momentum
+correction, local clipping and fraction warm-up are not implemented: plain error feedback with SGD momentum on
+the averaged sparse gradient works, but converges later than uncompressed training. The selection
+(`top_indices`) is still noticeable next to a small model's backward.
 """
 
 from __future__ import annotations
