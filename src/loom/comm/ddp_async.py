@@ -14,9 +14,8 @@ waits for the futures at the end of backward.
 
 Why this is safe:
 
-- *Same order on every rank.* Every algorithm is a collective matched by call order (gloo by sequence number,
-  shm by its barrier counters); DDP calls the hook in the same bucket order on every rank, and one FIFO thread
-  per process keeps it. Two threads would not.
+- *Same order on every rank.* DDP calls the hook in the same bucket order on every rank, and one FIFO thread
+  per process keeps it, as collectives matched by call order need (`loom.comm.thread`). Two threads would not.
 - *One thread uses shm and the backend at a time.* `loom.comm.shm` keeps per-process state without a lock, and
   the ring's links (`loom.comm.links`) are sockets no two threads may share. While buckets are in flight the
   main thread is inside backward, which issues no collective, and DDP's wait drains the queue before the caller

@@ -1,14 +1,13 @@
 """DDP communication hooks that all-reduce gradient buckets with a `loom.comm` algorithm.
 
-``model.register_comm_hook(process_group, allreduce_hook("ring"))`` makes DistributedDataParallel average its
-gradient buckets with loom's ring (or driver, or native) all-reduce, so the traffic shows up in
-`loom.comm.counters()` and the algorithms can be compared inside real training. The state DDP passes back is
-the process group (``None`` for all processes). Like PyTorch's own ``allreduce_hook``, each bucket is divided by
-the group size *before* the sum, which keeps float16 gradients from overflowing.
+`allreduce_hook` makes DistributedDataParallel average its buckets with loom's ring, driver or native
+all-reduce, so the traffic shows up in `loom.comm.counters()` and algorithms can be compared inside real
+training; DDP passes back the process group as state (``None``: all processes). As PyTorch's ``allreduce_hook``,
+each bucket is divided by the group size *before* the sum, so float16 gradients do not overflow.
 
-Limits: ``ring`` and ``driver`` run synchronously inside the hook, so their communication does not overlap the
-rest of backward the way the backend's asynchronous all-reduce does; use them to measure and compare, and
-``native`` (or no hook) for speed.
+Limits: the hook runs synchronously, so ``ring`` and ``driver`` do not overlap the rest of backward as the
+backend's asynchronous all-reduce does: use them to measure and compare, ``native`` (or no hook) for speed, and
+`loom.comm.ddp_async` to overlap them.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and

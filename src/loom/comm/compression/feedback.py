@@ -1,18 +1,17 @@
 """`ErrorFeedback`: a codec's residuals kept per parameter, so they survive any change of DDP's buckets.
 
-A lossy codec keeps, on each rank, what it did not send (the residual) and adds it to the next gradient. DDP
-hands gradients over in buckets, and the buckets change: a fresh DDP's first step puts its parameters in one
-bucket in model order, then DDP rebuilds its buckets in the order gradients became ready. A residual kept per
-*bucket* would either be added to the wrong tensors or be dropped at each rebuild -- and after every resume from
-a checkpoint, since the resumed job starts with the initial buckets again. So residuals are kept per
+A lossy codec keeps, per rank, what it did not send (the residual) and adds it to the next gradient. DDP's
+buckets change: a fresh DDP's first step has its parameters in one bucket in model order, then DDP rebuilds
+them in the order gradients became ready, and a resumed job starts from the initial buckets again. A residual
+kept per *bucket* would be added to the wrong tensors or dropped at each rebuild. So residuals are kept per
 *parameter*, named by a stable integer (`loom.comm.compression.hook` numbers DDP's parameters; simulated ranks
-pass their own), and each bucket is mapped onto them by offset: a bucket's flat gradient is the concatenation
-of its tensors, in the order given, with no gaps (checked by `loom.comm.compression.base.check_layout`).
+pass their own), and each bucket maps onto them by offset: its flat gradient is its tensors concatenated in the
+order given, with no gaps (checked by `loom.comm.compression.base.check_layout`).
 
 In a checkpoint the residuals are grouped by the bucket they were last exchanged in: ``state_dict()`` returns
 ``{"0": {"params": [...], "shapes": [[...], ...], "residual": tensor}, ...}`` with the parameters' numbers and
-shapes, so it loads into a codec that will see another bucketing, and a parameter whose shape differs from
-the saved one is refused (the state came from another model). Limit: the numbers are the only link between a
+shapes, so it loads into a codec that will see another bucketing, and a parameter whose shape differs from the
+saved one is refused (the state came from another model). Limit: the numbers are the only link between a
 residual and its parameter; a resumed job must number its parameters the same way (same model and DDP
 settings), which the shape check catches only where the shapes differ.
 """
