@@ -1,27 +1,26 @@
 """loom's key-value store for a job: authenticated, no pickle, every call bounded in time.
 
-Why not PyTorch's ``TCPStore``: it accepts any client that connects, and the elastic agent's c10d rendezvous
-keeps its state there as a *pickle* under a predictable key, which it unpickles -- whoever reaches the port
-runs code in every launcher (issue 13; the Horovod CVEs were this hole). ``TCPStore`` has no authentication
-option, and a proxy in front of it would leave the store itself listening unauthenticated on loopback, open to
-every local user. So loom hosts its own store: `StoreServer` in node 0's launcher, and `LoomStore`, a
-``torch.distributed.Store`` (so the elastic agent, ``init_process_group(store=...)``, gloo's connection set-up
-and ``new_group`` use it as they would a ``TCPStore``), in every process that needs it.
+Why not PyTorch's ``TCPStore``: it accepts any client, and the elastic agent's c10d rendezvous keeps a *pickle*
+there under a predictable key and unpickles it -- whoever reaches the port runs code in every launcher (issue 13;
+the Horovod CVEs were this hole). It has no authentication option, and a proxy in front would leave it listening
+unauthenticated on loopback, open to every local user. So loom hosts its own: `StoreServer` in node 0's
+launcher, and `LoomStore`, a ``torch.distributed.Store`` (used by the elastic agent,
+``init_process_group(store=...)``, gloo's connection set-up and ``new_group`` as a ``TCPStore`` would be), in
+every process that needs it. User-facing summary: docs/launching.md and docs/security.md.
 
-Authentication: before anything else on a connection both sides prove they hold the job secret
-(``LOOM_JOB_SECRET``) by the one challenge-response of `loom.net.handshake`. Before the proof the server reads
-exactly one fixed-size hello, gives the connection `HANDSHAKE_TIMEOUT_S` in all, and closes it on any mismatch:
-an unauthenticated peer can neither read nor write a key. Values are opaque bytes; nothing is decoded but lengths
-and decimal integers (``add``). The wire format after the handshake is `loom.net.store_wire`'s (statuses: 0 ok,
-1 timed out, 2 error); the server is `loom.net.store_server`.
+Authentication: first on every connection, both sides prove the job secret (``LOOM_JOB_SECRET``) by
+`loom.net.handshake`. Before the proof the server reads exactly one fixed-size hello, gives the connection
+`HANDSHAKE_TIMEOUT_S` in all, and closes it on any mismatch: an unauthenticated peer can neither read nor write
+a key. Values are opaque bytes; only lengths and decimal integers (``add``) are decoded. Wire format:
+`loom.net.store_wire` (statuses: 0 ok, 1 timed out, 2 error); server: `loom.net.store_server`.
 
 Bounded: a client gives up connecting after ``connect_timeout_s`` (retrying refused connections until then: the
-server may not be up yet), and waits for any reply at most the operation's own wait plus ``io_timeout_s``; it
-then raises `StoreUnreachable` naming the address, and reconnects on its next call. The server answers a wait
-when its keys appear or its timeout passes, never later.
+server may not be up yet) and waits for a reply at most the operation's own wait plus ``io_timeout_s``, then
+raises `StoreUnreachable` naming the address and reconnects on its next call. The server answers a wait when
+its keys appear or its timeout passes, never later.
 
-Limits: IPv4 and IPv6 by address; traffic after the handshake is authenticated by the TCP connection only (like
-gloo's own connections), not message by message; one server thread per connection.
+Limits: IPv4 and IPv6 by address; after the handshake traffic is authenticated by the TCP connection only (like
+gloo's own connections), not per message; one server thread per connection.
 """
 
 from __future__ import annotations
