@@ -1,14 +1,13 @@
 """`CommThread`: one daemon thread that runs a process group's collectives in the order they were submitted.
 
-Collectives are matched across ranks by call order (gloo by sequence number, shm by its barrier counters), so a
-thread that runs them off the training thread must run them one after another, in the order every rank submits
-them: one FIFO thread per group. loom has two users, both on this class:
+Collectives are matched across ranks by call order (gloo by sequence number, shm by its barrier counters), so
+off the training thread they must run one after another, in the order every rank submits them: one FIFO thread
+per group. Two users:
 
 - DDP's overlapped all-reduce hook (`loom.comm.ddp_async`): the process's shared thread, `comm_thread()`, runs
-  each gradient bucket's reduction while backward goes on; the hook hands DDP a ``torch.futures.Future``
-  (`torch_future`);
-- DiLoCo's outer exchange (`loom.parallel.replica.diloco`): a thread of its own, on a process group of its own,
-  runs while the next inner steps train.
+  each bucket's reduction while backward goes on; the hook hands DDP a ``torch.futures.Future`` (`torch_future`);
+- DiLoCo's outer exchange (`loom.parallel.replica.diloco`): a thread and process group of its own, running
+  while the next inner steps train.
 
 A daemon, unlike `concurrent.futures.ThreadPoolExecutor`'s threads: when a peer has died and the training thread
 raises, a collective left waiting here must not keep the process alive at exit. Every call's outcome reaches its

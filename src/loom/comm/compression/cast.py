@@ -1,16 +1,15 @@
 """``fp16`` and ``bf16``: all-reduce gradients in a 16-bit floating-point format, half the bytes of float32.
 
-The oldest trick of the lot (PyTorch's ``fp16_compress_hook``; mixed-precision training, Micikevicius et al.
-2018, made 16-bit gradients routine). Each rank divides its gradient by the world size *before* casting, so the
-sum cannot overflow where the mean would fit, all-reduces the 16-bit tensor, and casts the result back.
+As PyTorch's ``fp16_compress_hook`` (mixed-precision training, Micikevicius et al. 2018, made 16-bit gradients
+routine): each rank divides its gradient by the world size *before* casting, so the sum cannot overflow where
+the mean would fit, all-reduces the 16-bit tensor, and casts the result back.
 
 Limits: float16 keeps 11 significant bits but only the range ~6e-8..65504, so tiny gradients flush to zero and
-huge ones become inf; bfloat16 keeps float32's range but only 8 significant bits. The sum over ranks is rounded
-in the 16-bit format at each addition, so the error grows with the number of processes. No error feedback: the
-rounding error is simply lost, which is harmless at these precisions. Gradients that are already 16-bit (or
-narrower) go through unchanged in their own dtype.
+huge ones become inf; bfloat16 keeps float32's range but only 8 significant bits. The sum is rounded in 16 bits
+at each addition, so the error grows with the number of processes. No error feedback: the rounding error is
+lost, harmless at these precisions. Gradients already 16-bit (or narrower) go through in their own dtype.
 
-On gloo: PyTorch's ``bf16_compress_hook`` is refused by DDP unless NCCL is present (a name check in
+On gloo: DDP refuses PyTorch's ``bf16_compress_hook`` unless NCCL is present (a name check in
 ``DistributedDataParallel._check_comm_hook``), but gloo itself all-reduces bfloat16 (checked with torch 2.13),
 so this codec simply all-reduces the bfloat16 tensor.
 """
