@@ -1,31 +1,24 @@
 """A cluster spec for plain hosts: one JSON file lists the hosts and their roles; every host runs the same command.
 
-```json
-{"master_port": 29400,
- "hosts": [{"address": "10.0.0.1", "role": "worker", "nproc": 4},
-           {"address": "10.0.0.2", "role": "worker", "nproc": 4},
-           {"address": "10.0.0.3", "role": "server", "ports": [29500]}]}
-```
-``loom run --cluster cluster.json [--host-index K] train.py`` on every host (or ``LOOM_CLUSTER``, a path or the
-JSON itself, as TensorFlow's ``TF_CONFIG`` is). The spec is one description of the job and each process is told
-its place in it, the convention ``TF_CONFIG`` set; the host index is ``--host-index``, else ``LOOM_HOST_INDEX``,
-else the one host whose address is held by an interface of this machine.
+The format, an example and the error shape: docs/launching.md ("Cluster spec"); its bounds:
+docs/fault-tolerance.md ("Launcher input bounds"). The spec (``--cluster`` or ``LOOM_CLUSTER``, a path or the
+JSON itself) describes the job once and each process is told its place in it, the convention TensorFlow's
+``TF_CONFIG`` set; this host is ``--host-index``, else ``LOOM_HOST_INDEX``, else the one host whose address an
+interface of this machine holds.
 
-Nothing new is launched: the spec maps onto the multi-node launcher (`loom.launch.agent`). Worker hosts, in the
-order listed, are nodes ``0..W-1`` with their own ``--nproc``; node 0 (the first worker host) hosts the
-rendezvous store on ``address:master_port``; each node's ``--local-addr`` is its address. A server host starts one
-``loom.ps.server`` per port, bound to its address, numbered across server hosts in listed order; the workers learn
-them from ``LOOM_PS_ADDRS``. A server host is not a node of the rendezvous: it proves the job secret to node 0's
-store (waiting at most ``--join-timeout`` for the job to start) and stops its servers (SIGTERM: they checkpoint)
-once that store has gone, which is when node 0's launcher has ended; its exit status is 0 then (the worker hosts'
-statuses say whether the workers succeeded).
+Nothing new is launched: the spec maps onto the multi-node launcher (`loom.launch.agent`). Worker hosts, in listed
+order, are nodes ``0..W-1`` with their own ``--nproc`` and ``--local-addr``; node 0 hosts the rendezvous store on
+``address:master_port``. A server host starts one ``loom.ps.server`` per port, bound to its address, numbered
+across server hosts in listed order; workers learn them from ``LOOM_PS_ADDRS``. A server host is not a node of the
+rendezvous: it proves the job secret to node 0's store (waiting at most ``--join-timeout``) and stops its servers
+(SIGTERM: they checkpoint) once that store has gone, i.e. node 0's launcher has ended; it then exits 0 (the worker
+hosts' statuses say whether the workers succeeded).
 
-A spec with more than one host needs ``LOOM_JOB_SECRET``, the same on every host. A malformed spec fails before
-anything starts, naming the field (``hosts[2].nproc``) and the fix; no name is resolved while checking it. The
-spec is bounded before it is used (`loom.launch.bounds`): a regular file only, at most `MAX_SPEC_BYTES`, JSON
-nested at most `MAX_SPEC_NESTING` deep, at most `MAX_SERVER_PORTS` parameter servers in all; each host's own
-processes are bounded by its cores like ``loom run -n``. A worker host waits at most ``--join-timeout`` for every
-parameter server of the spec to accept a connection before it starts its workers, and names the ones that did not.
+More than one host needs ``LOOM_JOB_SECRET``, the same on every host. A malformed spec fails before anything
+starts, naming the field (``hosts[2].nproc``) and the fix; no name is resolved while checking it. The spec is
+bounded before use (`loom.launch.bounds`): `MAX_SPEC_BYTES`, `MAX_SPEC_NESTING`, `MAX_SERVER_PORTS` in all, each
+host's processes by its cores. A worker host waits at most ``--join-timeout`` for every server of the spec to
+accept a connection before it starts its workers, and names the ones that did not.
 """
 
 from __future__ import annotations

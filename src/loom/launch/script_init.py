@@ -1,26 +1,23 @@
 """A script's own ``torch.distributed.init_process_group()`` under ``loom run``: it joins loom's store.
 
-Every DDP script written for ``torchrun`` calls ``init_process_group()`` itself (``env://``, the default).
-Under ``loom run`` MASTER_ADDR:MASTER_PORT is loom's authenticated store (`loom.net.store`), which torch's
-``TCPStore`` client cannot join (it would retry for its 30-minute timeout). So `install`, called by
-`loom.launch.worker` before the script runs (never at ``import loom``), makes the script's rendezvous the one
-`loom.init` makes:
+Every DDP script written for ``torchrun`` calls ``init_process_group()`` itself (``env://`` by default). Under
+``loom run`` MASTER_ADDR:MASTER_PORT is loom's authenticated store (`loom.net.store`), which torch's ``TCPStore``
+client cannot join (it would retry for its 30-minute timeout). So `install`, called by `loom.launch.worker` before
+the script runs (never at ``import loom``), makes the script's rendezvous the one `loom.init` makes:
 
-- ``init_method="env://"`` (or none) and ``"tcp://MASTER_ADDR:MASTER_PORT"``: the process group meets in a
-  `loom.net.store.LoomStore` client of the launcher's store (the job secret proven, every call bounded), under
-  the job's ``LOOM_STORE_PREFIX`` (each restart attempt and rendezvous round has its own), so DDP, collectives
-  and ``destroy_process_group()`` work unchanged at ``-n 1``, ``-n N``, on several nodes and after restarts;
-  a group made again after ``destroy_process_group()`` gets keys of its own (the ranks count their groups).
-  Any other ``tcp://`` address and ``file://`` are torch's own, as under torchrun.
-- ``torch.distributed.TCPStore`` pointed at MASTER_ADDR:MASTER_PORT is refused at once with the fix, instead
-  of retrying silently.
-- ``destroy_process_group()`` keeps the groups it destroys alive until the process ends (`_kept`).
-- ``--on-worker-failure heal``: refused at the script's ``init_process_group()``: healing changes members between
-  steps, which a default group of every rank cannot follow (loom's ``DataParallel`` heals).
+- ``env://`` (or none) and ``tcp://MASTER_ADDR:MASTER_PORT``: the group meets in a `loom.net.store.LoomStore`
+  client (secret proven, calls bounded) under the job's ``LOOM_STORE_PREFIX`` (one per restart and round), so DDP,
+  collectives and ``destroy_process_group()`` work unchanged at any ``-n``, across nodes and after restarts; a
+  group made again after ``destroy_process_group()`` gets keys of its own. Other ``tcp://`` addresses and
+  ``file://`` are torch's own, as under torchrun.
+- a ``TCPStore`` pointed at MASTER_ADDR:MASTER_PORT is refused at once with the fix, instead of retrying silently;
+- ``destroy_process_group()`` keeps the groups it destroys alive until the process ends (`_kept`);
+- under ``--on-worker-failure heal`` the script's ``init_process_group()`` is refused: healing changes members
+  between steps, which a default group of every rank cannot follow (loom's ``DataParallel`` heals).
 
-It works by replacing the ``env`` and ``tcp`` entries of torch's table of rendezvous handlers
-(``torch.distributed.rendezvous``; torch offers only ``register_rendezvous_handler``, which refuses a scheme it
-already has), so ``init_process_group`` itself, and every library calling it (``init_device_mesh``), is untouched.
+It replaces the ``env`` and ``tcp`` entries of torch's rendezvous handler table (``torch.distributed.rendezvous``;
+``register_rendezvous_handler`` refuses a scheme it already has), so ``init_process_group`` itself, and every
+library calling it (``init_device_mesh``), is untouched.
 """
 
 from __future__ import annotations

@@ -1,44 +1,23 @@
 """Run a loom training function or script on Spark, one process per barrier task, as ``TorchDistributor`` does.
 
-```python
-import loom.spark
+Usage, the secret's path and what ``local_mode`` means: docs/launching.md ("Spark"); loopback on one host:
+docs/fault-tolerance.md. ``local_mode=False`` starts a barrier stage of ``num_processes`` tasks (all scheduled at
+once or none; a failed task fails the stage). Each task starts one worker with loom's environment (``RANK`` = its
+partition, ``LOCAL_RANK`` among the tasks on its host, ``MASTER_ADDR``/``MASTER_PORT`` = task 0's host and store,
+``GLOO_SOCKET_IFNAME`` = the interface holding the task's address, ``LOOM_STORE_PREFIX``), so `loom.init` meets
+the others in loom's authenticated store (`loom.net.store`), hosted by task 0 for the stage's lifetime. When every
+task runs on one host, everything uses 127.0.0.1, as ``loom run`` on one node. Data comes from shared storage:
+loom's loader shards one global order, so no rank is tied to a Spark partition.
 
-def train(steps):
-    import loom
-    loom.init()
-    job = loom.DataParallel().setup(model, optimizer, loss_fn)
-    ...
-    return job.state_dict()["model"]          # rank 0's value comes back
+The job secret is made per run by task 0 and shared through the barrier's ``allGather`` (Spark's RPC, protected
+only under ``spark.authenticate`` and ``spark.network.crypto.enabled``: a warning says so otherwise). A task hands
+it to its worker on stdin, never in a command line (world-readable in ``/proc``), a file or the Spark worker's
+environment (Python workers are reused by later tasks), and never logs it.
 
-state = loom.spark.run(train, 100, num_processes=4, local_mode=False)   # or run("train.py", "--steps", "100")
-```
-
-``local_mode=False`` starts a Spark barrier stage of ``num_processes`` tasks (all scheduled at once, or none; a
-failed task fails the stage). Each task starts one worker process with loom's environment: ``RANK`` (its
-partition), ``WORLD_SIZE``, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (among the tasks on its host),
-``MASTER_ADDR``/``MASTER_PORT`` (task 0's host and the port of the job's store), ``GLOO_SOCKET_IFNAME`` (the
-interface holding the task's address) and ``LOOM_STORE_PREFIX``, so `loom.init` meets the others in loom's
-authenticated store (`loom.net.store`), which task 0 hosts for the stage's lifetime. When every task runs on one
-host, the store, ``MASTER_ADDR`` and gloo use 127.0.0.1 instead, as ``loom run`` does on one node, so nothing of
-loom's listens beyond the host. The function reads its data itself (shared storage): loom's loader shards one
-global order over the ranks, so no rank is tied to a Spark partition.
-
-The job secret (``LOOM_JOB_SECRET``) is made per run by task 0 and handed to the other tasks through the
-barrier's ``allGather``, over Spark's own RPC (authenticated and encrypted only when the cluster sets
-``spark.authenticate`` and ``spark.network.crypto.enabled``; a warning says so on a cluster without them). A
-task gives it to its worker on the worker's stdin: never in a command line (world-readable in ``/proc``), a file
-or the Spark worker's own environment (Python workers are reused by later tasks). It is never logged.
-
-``local_mode=True`` (the default, as for ``TorchDistributor``) runs ``loom run -n N`` on the driver, without
-Spark tasks.
-
-A function, its arguments and rank 0's return value cross as cloudpickle (as Spark ships Python functions)
-through files in a private temporary folder (mode 0700) on the host that runs the worker; a script must exist at
-the same path on every executor. Each worker's output is prefixed ``[rankK]: ``; a failed worker fails the run
-with its rank, exit status and last lines. Workers die with their Spark task (`loom.launch.worker`).
-``TorchDistributor`` itself also runs loom scripts: it starts ``torchrun``, whose environment `loom.init` reads.
-
-Needs ``pyspark`` (``pip install 'loom-train[spark]'``) and the classic (non-Connect) API: ``RDD.barrier``.
+A function, its arguments and rank 0's result cross as cloudpickle (as Spark ships functions) through files in a
+private 0700 folder on the worker's host; a script must exist at the same path on every executor. Output lines are
+prefixed ``[rankK]: ``; a failed worker fails the run with its rank, exit status and last lines; workers die with
+their task (`loom.launch.worker`). Needs ``pyspark`` (``loom-train[spark]``) and the classic API (``RDD.barrier``).
 """
 
 from __future__ import annotations

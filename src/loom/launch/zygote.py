@@ -1,28 +1,26 @@
 """Workers forked from one process that has imported torch and loom: the launcher's zygote.
 
-A fresh worker interpreter spends seconds of CPU importing torch and loom and tearing them down at exit, on every
-rank, and a replacement for a lost worker keeps the survivors waiting that long. So `loom run` starts one zygote
-per node, which imports what every worker imports first (`WARM`); each worker, restarted and replacement workers
-included, is a ``fork()`` of it that runs `loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS``
-would. Under ``--on-worker-failure continue|heal`` the launcher's supervisor (`loom.launch.supervise`,
-`loom.launch.heal_nodes`) forks them; under PyTorch's elastic agent (`loom.launch.elastic`) the agent's handler of
-each worker process asks the zygote for it, in a session of its own as the agent starts them:
+A fresh worker spends seconds of CPU importing torch and loom and tearing them down, on every rank, and a lost
+worker's replacement keeps the survivors waiting that long. So `loom run` starts one zygote per node, which imports
+what every worker imports first (`WARM`); each worker, restarts and replacements included, is a ``fork()`` of it
+that runs `loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS`` would. The supervisor
+(`loom.launch.supervise`, `loom.launch.heal_nodes`) forks them, or under the elastic agent (`loom.launch.elastic`)
+each worker's handler asks the zygote for it, in a session of its own. Measurements and the issue-37 history
+(never two processes for one rank): docs/fault-tolerance.md ("Workers forked from a zygote").
 
-- the launcher sends each request (`loom.launch.zygote_wire`: the worker's environment and arguments, bounded by
-  `MAX_REQUEST`, with its stdin, stdout and stderr as ``SCM_RIGHTS``) over a ``socketpair``: nothing listens;
-  it sends none before the zygote said it is ready, and waits for each reply as long as the zygote lives
-  (`Zygote`), so no rank is ever started twice;
-- the child replaces ``os.environ`` (C-level ``getenv`` and ``/proc/PID/environ`` see it), ``sys.argv`` and its
-  standard streams, reseeds numpy's global generator, dies with the zygote (PDEATHSIG), which dies with the
-  launcher, and ends as an interpreter does, without the teardown (`loom.launch.worker.finish`);
-- the zygote reaps its children and reports each exit status; `Forked` is the part of `subprocess.Popen` the
+- Requests (`loom.launch.zygote_wire`: environment and arguments bounded by `MAX_REQUEST`, standard streams as
+  ``SCM_RIGHTS``) go over a ``socketpair``, so nothing listens; none is sent before the zygote is ready, and each
+  reply is awaited as long as the zygote lives (`Zygote`), so no rank is ever started twice.
+- The child replaces ``os.environ`` (C-level ``getenv`` and ``/proc/PID/environ`` see it), ``sys.argv`` and its
+  streams, reseeds numpy's global generator, dies with the zygote (PDEATHSIG), which dies with the launcher, and
+  ends as an interpreter does, without the teardown (`loom.launch.worker.finish`).
+- The zygote reaps its children and reports each exit status; `Forked` is the part of ``subprocess.Popen`` the
   launcher uses.
 
-What a fork cannot change is what was decided when the interpreter, torch or OpenMP started: the zygote starts
-with rank 0's environment less the per-rank variables (`PER_RANK`), and a worker whose startup variables
-(`STARTUP_PREFIXES`) differ from it is a fresh interpreter, as is every worker when the zygote cannot start or
-died; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``; every worker shares the zygote's hash seed.
-``LOOM_ZYGOTE=0`` turns it off.
+A fork cannot change what was decided when the interpreter, torch or OpenMP started: the zygote starts with rank
+0's environment less the per-rank variables (`PER_RANK`); a worker whose startup variables (`STARTUP_PREFIXES`)
+differ, or every worker once the zygote failed or died, is a fresh interpreter; ``OMP_NUM_THREADS`` is applied
+with ``torch.set_num_threads``; forked workers share the zygote's hash seed. ``LOOM_ZYGOTE=0`` turns it off.
 """
 
 from __future__ import annotations
