@@ -1,24 +1,16 @@
 """The job contract: what every strategy's ``setup()`` returns, and all that `loom.fit` relies on.
 
-```python
-job = strategy.setup(model, optimizer, loss_fn)        # any strategy
-loader = job.loader(dataset, global_batch_size=256)    # this process's share, over the job's data axis
-for batch in loader:
-    loss = job.train_step(batch)                       # global-batch mean loss, the same on every rank
-```
+Usage and the user's view of the contract: docs/concepts.md ("Job", "Data axis"). Everything around training
+(`loom.fit`, its checkpoints and restarts, desync checks, step records, reports) uses only what `Job` declares
+here, never a strategy's class. Every strategy's job subclasses `loom.train.engine.Engine`, which implements
+`train_step` and `eval_step` once for all (a strategy supplies the engine's hooks), sets the attributes in its
+``__init__`` and implements `state_dict` and `load_state_dict`.
 
-Everything around training (`loom.fit`, its checkpoints and restarts, desync checks, step records, reports)
-uses only what `Job` declares here, never a strategy's class. Every strategy's job subclasses
-`loom.train.engine.Engine`, which implements `train_step` and `eval_step` once for all of them (a strategy
-supplies the engine's hooks), sets the attributes in its ``__init__`` and implements `state_dict` and
-`load_state_dict`.
-
-The data axis: every job has a `Mesh`, and the global batch is sharded over its ``dp`` axis only. The processes
-of one model replica (pipeline stages, tensor-parallel shards: the other axes) must see the same samples, so
-`loader` shards over `data_topology`, not over the world. A batch sharded for another layout (the plain
-``loom.data.loader(dataset, ...)`` of a model-parallel job) is refused by `check_batch_layout` before it is
-trained on, naming the fix; model-parallel jobs also compare a fingerprint of the samples across the ranks of a
-replica at every step (see `loom.parallel.pipeline.pipeline`).
+The data axis: the global batch is sharded over the `Mesh`'s ``dp`` axis only, because the processes of one
+model replica (pipeline stages, tensor shards: the other axes) must see the same samples; so `loader` shards over
+`data_topology`, not the world. A batch sharded for another layout (the plain ``loom.data.loader`` of a
+model-parallel job) is refused by `check_batch_layout` before it is trained on, naming the fix; model-parallel
+jobs also compare a fingerprint of a replica's samples at every step (`loom.parallel.pipeline.pipeline`).
 
 State: `state_dict` is this rank's part of one consistent checkpoint. When ``replicated_state`` is True it is
 the same on every rank and `loom.fit` writes rank 0's; when False (sharded jobs: pipeline stages, tensor shards,

@@ -1,13 +1,12 @@
 """The launcher's environment, read and checked, and a bounded wait for the peers it names.
 
-`loom.init()` reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. A typo there used
-to surface deep inside torch (``MASTER_PORT=notaport``: Python's raw ``invalid literal for int()``), and a process
-started by hand with ``WORLD_SIZE=2 RANK=0`` and no peer waited silently for torch's 30-minute store timeout.
-Here each variable is checked with an error that names it, its value and the fix, and a job started without an
-agent (plain ``python train.py`` with the variables set: no ``loom run``, no ``torchrun``) meets its peers in a
-store whose join is bounded by ``LOOM_JOIN_TIMEOUT_S`` (default 120 s, as ``loom run --join-timeout``): a line
-after `NOTICE_AFTER_S` names the ranks still missing, and at the timeout an error names them and the timeout.
-Under ``loom run`` and ``torchrun`` the launcher's agent bounds the join and this wait is not used.
+`loom.init()` reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; each is checked
+here with an error naming it, its value and the fix, instead of a raw error deep inside torch. A job started
+without an agent (plain ``python train.py`` with the variables set) meets its peers in a store whose join is
+bounded by ``LOOM_JOIN_TIMEOUT_S`` (default 120 s, as ``loom run --join-timeout``), not torch's silent 30 minutes:
+a line after `NOTICE_AFTER_S` names the ranks still missing, and at the timeout an error names them and the
+timeout. Under ``loom run`` and ``torchrun`` the agent bounds the join and this wait is not used. Before/after
+examples: docs/fault-tolerance.md ("The launcher's environment").
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
-"""A named process mesh ``dp × pp × tp``: validated once, one process group per axis.
+"""A named process mesh ``dp × pp × tp``: validated once, one process group per axis (examples: docs/concepts.md).
 
-Hybrid parallelism arranges the world's processes in a 3-D grid. Every process has a coordinate on each axis:
+Every process has a coordinate on each axis: ``dp`` (outermost: replicas that see different shares of the global
+batch), ``pp`` (pipeline stage ``i`` on coordinate ``i``) and ``tp`` (innermost: shards of single layers). Ranks
+are row-major with ``tp`` fastest: ``rank = (dp_i * pp + pp_i) * tp + tp_i``. Tensor parallelism exchanges the
+most data (collectives inside every layer), so its groups are neighbouring ranks, which launchers place on one
+host; data parallelism exchanges the least (once per step) and spans hosts. This is the order of Megatron-LM
+(Shoeybi et al. 2019; Narayanan et al. 2021) and of torchtitan's ``ParallelDims``.
 
-- ``dp`` (data parallel, outermost): replicas that see different shares of the global batch;
-- ``pp`` (pipeline parallel): stages of the model, stage ``i`` on pipeline coordinate ``i``;
-- ``tp`` (tensor parallel, innermost): shards of single layers.
-
-Ranks are laid out row-major with ``tp`` varying fastest: ``rank = (dp_i * pp + pp_i) * tp + tp_i``. Tensor
-parallelism exchanges the most data (collectives inside every layer), so its groups are neighbouring ranks, which
-launchers place on the same host; data parallelism exchanges the least (once per step) and spans hosts. This is
-the order of Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021) and of torchtitan's ``ParallelDims``.
-
-`MeshShape` is the pure arithmetic (coordinates, the ranks along an axis), testable without processes. `Mesh`
-validates the shape against the world size once and creates the process groups: ``dist.new_group`` must be called
-by every process for every group in the same order, so each axis's groups are all created everywhere and a process
-keeps the one it belongs to. Nothing is stored in module globals; the mesh is handed to strategies explicitly.
+`MeshShape` is the pure arithmetic, testable without processes. `Mesh` validates the shape against the world
+size once and creates the groups: ``dist.new_group`` must be called by every process for every group in the same
+order, so each axis's groups are created everywhere and a process keeps its own. Nothing is stored in module
+globals; the mesh is handed to strategies explicitly.
 """
 
 from __future__ import annotations
