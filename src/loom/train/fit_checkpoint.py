@@ -1,24 +1,20 @@
 """The checkpoints of `loom.fit`: what is saved and who writes it (resuming: `loom.train.fit_resume`).
 
 One atomic checkpoint directory (`loom.checkpoint.store`) holds the job, the loader's position, the LR scheduler,
-every rank's RNG state and the loop's counters. Rank 0 opens the staging directory and all-gathers its name with
-each rank's verdict on its own state; each rank then streams ``rank-R.safetensors`` into it from its tensors
-(`loom.checkpoint.tree.PackedState`) and fsyncs it: its part of a sharded job (a `Pipeline` stage's model and
-optimizer state), or a replicated job's *local state*; the ranks all-gather each file's name, size, sha256 and
-read budget. Rank 0 then writes the shared files (the replicated job's state, the same on every rank, so written
-once; the loader, scheduler, RNG states and counters) and publishes the manifest; a crash before that leaves the
-previous checkpoint the newest. No rank receives another's model state or serializes a copy of its own, so a save
-costs a rank little memory beyond its state (measured in docs/checkpoints.md). A last all-gather agrees that the
-save succeeded, so a failed write stops every rank with the same error instead of leaving some waiting.
+every rank's RNG state and the loop's counters. Each rank streams its own ``rank-R.safetensors`` (its part of a
+sharded job, or a replicated job's *local state*) from its tensors (`loom.checkpoint.tree.PackedState`); rank 0
+writes the shared files once and publishes the manifest last, so a crash before that leaves the previous
+checkpoint the newest. No rank receives another's model state or serializes a copy of its own, so a save costs
+a rank little memory beyond its state, and a last all-gather makes a failed write stop every rank with the same
+error. The commit protocol step by step, the file table and the measured memory: docs/checkpoints.md.
 
 Local state (a job's ``local_state_dict()``) differs between ranks: gradient compression's error-feedback
 residuals and PowerSGD's warm starts (`DataParallel` with ``compression=``). At the same world size rank r loads
 file r, bitwise; at another it is dropped, said on stderr when it holds tensors: residuals belong to the ranks
 that kept them, and cannot be shared among a different number of ranks (the codecs start from zero).
 
-Non-finite state is never written: every rank that writes state (rank 0 the replicated job state; every rank its
-local state or its part of a sharded job) checks it for NaN and infinite values, and the ranks agree on the
-verdict over the collectives the write already takes. A non-finite state stops every rank with
+Non-finite state is never written: every rank that writes state checks it for NaN and infinite values, and the
+ranks agree on the verdict over the collectives the write already takes. A non-finite state stops every rank with
 `NonFiniteStateError`, naming the ranks, the tensors and the newest checkpoint, which is kept: every checkpoint on
 disk is finite, so rotation (``keep``) never removes the last good one in favour of a bad one.
 

@@ -1,16 +1,10 @@
 """The guard of a training step, built the same way for every strategy's job so that its guarantees are written
-once:
-
-- `GuardOptions`: the options every strategy's config dataclass inherits, validated in one place;
-- `StepGuard`, started by every job's construction (`StepGuard.start`: a new strategy gets it by building its job
-  on it): its ``watchdog`` counts a collective for the hang watchdog (`loom.fault.watchdog`,
-  `loom.fault.liveness`); its ``nonfinite`` turns every rank's non-finite flag into one verdict
-  (`loom.fault.desync.NonFiniteGuard`), the same on every rank because every rank judges the same flags. The step
-  calls those two owners directly (`loom.train.engine.Engine.collective`, the engine's verdict): this module
-  builds them, it is not a layer the step passes through;
-- `StepGuard.commit`: under ``--on-worker-failure heal``, the commit vote after the step's exchange and verdict
-  (`loom.fault.quorum.Quorum.vote`): a step is applied on every member or on none; the engine retries a dropped
-  step on the same global batch with the next membership epoch (`loom.train.engine.Engine.train_step`).
+once: `GuardOptions` (the options every strategy's config inherits, validated here) and `StepGuard`, started by
+every job's construction. Its ``watchdog`` counts collectives for the hang watchdog (`loom.fault.watchdog`,
+`loom.fault.liveness`); its ``nonfinite`` turns every rank's non-finite flag into one verdict, the same on every
+rank because every rank judges the same flags (`loom.fault.desync.NonFiniteGuard`); under heal `StepGuard.commit`
+is the commit vote (`loom.fault.quorum`). The step calls those owners directly (`loom.train.engine`): this module
+builds them, it is not a layer the step passes through.
 
 Where the flags travel is the strategy's business (they ride on a collective the step runs anyway: the loss
 all-reduce of data parallelism, the pipeline's loss gather, a parameter server's reply), so guarding a step costs
