@@ -26,15 +26,13 @@ The order of a step is written once, here; a strategy supplies only what differs
         for the straggler watch                       memory (``memory_every``, `loom.observe.memory`)
 =====  ===========================================  ==========================================================
 
-Stragglers, for every strategy: each rank hands its step's phase times (`_phase_times`) to
-`loom.observe.straggler_watch`, which publishes them on the watchdog's record and judges them on rank 0 among the
-ranks that do the same work (`_straggler_peers`). `train_step` returns ``StepState.loss`` as `_synchronize` sets
-it: the global batch's mean loss, or this replica's on its share (``loss_scope``, `loom.job.Job`). A global batch
-of 0 samples is refused on every rank (every rank knows the same total).
-
-Healing (``--on-worker-failure heal``, `loom.fault.quorum`): `train_step` retries a step no member applied
-(`loom.train.heal_step`). Fault injection points (`loom.fault.inject`) sit at the phase boundaries: ``before``,
-``after`` (before the vote) and ``commit`` (after it); a strategy places ``during`` right before its exchange.
+The straggler watch of row 9 (`loom.observe.straggler_watch`) publishes the phase times (`_phase_times`) on the
+watchdog's record and judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
+`train_step` returns ``StepState.loss`` as `_synchronize` sets it: the global batch's mean loss, or this replica's
+on its share (``loss_scope``, `loom.job.Job`). A global batch of 0 samples is refused on every rank (every rank
+knows the same total). Under ``--on-worker-failure heal`` `train_step` retries a step no member applied
+(`loom.train.heal_step`). Fault injection points (`loom.fault.inject`): ``before``, ``after`` (before the vote) and
+``commit`` (after it) here; a strategy places ``during`` right before its exchange.
 """
 
 from __future__ import annotations
@@ -136,11 +134,8 @@ class Engine(Job):
 
     # -- the step ------------------------------------------------------------------------------------------------
     def train_step(self, batch: Any) -> float:
-        """One step on the global batch ``batch`` is this rank's share of; returns ``loss_scope``'s loss.
-
-        Under healing (the guard holds a `loom.fault.quorum.Quorum`): an error in the step or its collectives on
-        any member drops the step on every member (the guard's commit vote); the members re-form
-        (`_heal_reform`) and retry the same global batch (`loom.train.heal_step`)."""
+        """One step on the global batch ``batch`` is this rank's share of; returns ``loss_scope``'s loss. Under
+        healing a step dropped on every member is retried in a new epoch (`loom.train.heal_step.retry_step`)."""
         self._check_can_train()
         self._check_layout(batch)
         quorum = self.guard.quorum

@@ -1,18 +1,17 @@
 """Copy a live member's training state to the members of a new epoch: tensors over the group, no pickle.
 
-What a replacement needs to train bitwise like the others at its first step: the model's parameters and
-buffers, the optimizer's state (moments, step counters) and hyperparameters, the committed step (which is also
-the data position: the index of the next global batch), and the RNG states. The model's tensors are broadcast in
-place (every member has the same shapes: the same script built them). The optimizer's state may not exist yet
-on a fresh process (Adam makes it at its first step), so the source describes it in a small JSON header
-(each state entry's key, shape and dtype, the plain values, the param groups' hyperparameters), broadcast as
-bytes, and the tensors follow in that order. JSON, not pickle: nothing on the wire is executed.
+A replacement must train bitwise like the others at its first step, so it receives the model's parameters and
+buffers (broadcast in place: the same script built the same shapes), the optimizer's state and hyperparameters, the
+committed step (also the data position: the index of the next global batch) and the RNG states. The optimizer's
+state may not exist yet on a fresh process (Adam makes it at its first step), so the source describes it in a small
+JSON header (each state entry's key, shape and dtype, the plain values, the param groups' hyperparameters),
+broadcast as bytes, and the tensors follow in that order. JSON, not pickle: nothing on the wire is executed.
 
-Who sends: the first member (lowest index) whose committed step is the highest (`source_of`); every member
-takes part in the broadcasts (collectives), and only those behind it, or every member at the job's first
-epoch, load what they received (the others are bitwise equal to it already: every committed step applied the
-same averaged gradient to the same state). If the source dies during the transfer, the broadcast fails on every
-member and the epoch is re-formed without it (`loom.fault.quorum`): another live member sends.
+Who sends: the first member (lowest index) whose committed step is the highest (`source_of`); every member takes
+part in the broadcasts, and only those behind it, or every member at the job's first epoch, load what they received
+(the others are bitwise equal already: every committed step applied the same averaged gradient to the same state).
+If the source dies during the transfer, the broadcast fails on every member and the epoch is re-formed without it
+(`loom.fault.quorum`): another live member sends.
 """
 
 from __future__ import annotations
