@@ -1,28 +1,26 @@
 """Desync detection: a cheap periodic check that every replica holds the same parameters.
 
-Data parallelism keeps replicas identical only by construction: the same start, the same all-reduced gradient,
-the same optimizer arithmetic. A bug (a rank skipping a step, a comm hook returning different values on
-different ranks, a stray in-place edit, a bit flip) breaks that silently, and training goes on with replicas
-that disagree. The check makes it loud: each rank computes a 64-bit fingerprint per parameter tensor, the ranks
-all-gather these (8 bytes per tensor, one collective), and any rank whose fingerprints differ from the
-majority's is named, with the first tensors that differ, on every rank alike (so nobody is left waiting).
+Data parallelism keeps replicas identical only by construction (the same start, the same all-reduced gradient, the
+same optimizer arithmetic); a bug (a rank skipping a step, a comm hook returning different values on different
+ranks, a stray in-place edit, a bit flip) breaks that silently. The check makes it loud: each rank computes a 64-bit
+fingerprint per parameter tensor, the ranks all-gather them (8 bytes per tensor, one collective), and the ranks that
+differ from the majority are named, with the first tensors that differ, on every rank alike (so nobody is left
+waiting).
 
-The fingerprint is exact, not a float sum: the tensor's bits, read as integers, times position weights, summed
-with 64-bit wrap-around on the device that holds the tensor. It changes when any single element changes, or
-when two elements swap, and costs one pass over the parameters (no copy to the host). Replicas of a correct
-data-parallel job are bitwise equal (every rank applies the same reduced gradient), so exact comparison gives
-no false alarm.
+The fingerprint is exact, not a float sum: the tensor's bits, read as integers, times position weights, summed with
+64-bit wrap-around on the tensor's device. It changes when any single element changes or two swap, and costs one
+pass over the parameters (no copy to the host). Replicas of a correct data-parallel job are bitwise equal, so exact
+comparison gives no false alarm.
 
-Limits: two different tensors can share a fingerprint (a 2**-64 chance per tensor for unrelated changes); the
-check compares parameters only (buffers such as BatchNorm statistics may legitimately differ between ranks when
-buffers are not broadcast); it is meant for replicated strategies, not sharded ones.
+Limits: two different tensors can share a fingerprint (a 2**-64 chance per tensor for unrelated changes); only
+parameters are compared (buffers such as BatchNorm statistics may legitimately differ when not broadcast); it is
+meant for replicated strategies, not sharded ones.
 
-Non-finite steps are the other silent fault: one NaN sample on one rank makes the averaged gradient NaN on every
-rank, and from then on every replica holds NaN weights while training "succeeds". `NonFiniteGuard` is the
-policy strategies apply before the optimizer step: each rank flags a non-finite local loss (or, where gradients
-are still local, non-finite gradients) in a slot of the buffer it reduces anyway, and checks the *averaged*
-gradient, which is bitwise the same on every rank; so every rank reaches the same verdict (``policy``) without a
-collective of its own.
+Non-finite steps are the other silent fault: one NaN sample on one rank makes the averaged gradient, then every
+replica's weights, NaN while training "succeeds". `NonFiniteGuard` is the policy strategies apply before the
+optimizer step: each rank flags a non-finite local loss (or local gradients) in a slot of the buffer it reduces
+anyway, and checks the *averaged* gradient, bitwise the same on every rank; so every rank reaches the same verdict
+(``policy``) without a collective of its own.
 """
 
 from __future__ import annotations

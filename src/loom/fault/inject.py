@@ -1,11 +1,9 @@
 """Faults injected at the step engine's own boundaries, keyed on (rank, step, phase): off unless asked.
 
-The tests of healing (``loom run --on-worker-failure heal``) must kill a worker *inside* a step, at a collective
-the engine issues, which a training script cannot reach from its loop (the script-level injector
-``tests/workers/faults.py`` acts before a step only). So the engine calls `fault_point` at its phase boundaries,
-and this module kills (SIGKILL), freezes (SIGSTOP) or raises there when ``LOOM_FAULTS`` names this rank, step and
-phase. A job asks `planned` once at setup: with the variable unset it gets None and its step calls nothing here
-(a production job runs the same code, minus one test of None per injection point).
+The tests of healing must kill a worker *inside* a step, at a collective the engine issues, which a script's loop
+cannot reach (``tests/workers/faults.py`` acts before a step only). So the engine calls `fault_point` at its phase
+boundaries, which acts when ``LOOM_FAULTS`` names this rank, step and phase. A job asks `planned` once at setup:
+unset, it gets None and its step calls nothing here (production runs the same code, one test of None per point).
 
 Text form: ``KIND@RANK:STEP:PHASE[#GENERATION]``, several joined by ``,``, e.g. ``"kill@1:3:during"``. Steps count
 from 1 (the step being attempted, ``job.step + 1``). ``#GENERATION`` (default 0) is the heal generation the launcher
