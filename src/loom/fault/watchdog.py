@@ -126,12 +126,9 @@ class Watchdog:
         liveness_timeout: float | None = None,
         quorum: Any = None,
     ) -> Watchdog:
-        """A watchdog for this process, publishing through a new client of the job's TCP store.
-
-        Without a process group (one process) the watchdog only counts: there is nobody to wait for. With a
-        ``quorum`` (healing) its thread sends the quorum's heartbeat every `HEARTBEAT_S`, on a connection of its
-        own to the launcher's store, and judges nothing (see ``quorum`` in the constructor).
-        """
+        """A watchdog for this process, publishing through a new client of the job's TCP store; without a process
+        group (one process) it only counts: nobody to wait for. With a ``quorum`` (healing) its thread sends the
+        quorum's heartbeat on a connection of its own and judges nothing (``quorum`` in the constructor)."""
         global _active
         if (
             quorum is None
