@@ -1,19 +1,18 @@
-"""Where this process stands in the job: rank, world size, local rank, backend.
+"""Where this process stands in the job: rank, world size, local rank, backend (user's view: docs/concepts.md).
 
 `init()` reads the environment a launcher leaves (`loom run` and `torchrun` both set RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT), joins the default process group and returns a `Topology`. Under
-`loom run` (``LOOM_STORE_PREFIX`` set) the process group meets in loom's authenticated store at
-MASTER_ADDR:MASTER_PORT (`loom.net.store`: proves ``LOOM_JOB_SECRET``, bounded calls); under ``torchrun`` it
-uses ``env://`` as torch does.
+`loom run` (``LOOM_STORE_PREFIX`` set) the group meets in loom's authenticated store at MASTER_ADDR:MASTER_PORT
+(`loom.net.store`: proves ``LOOM_JOB_SECRET``, bounded calls); under ``torchrun`` it uses ``env://`` as torch does.
 
-A job of one process (``loom run -n 1``, ``torchrun --nproc_per_node 1`` or plain ``python train.py``) gets what
-``torchrun --nproc_per_node 1`` gives a script that calls ``init_process_group``: a default process group of one
-(gloo, over an in-memory store, its socket on loopback), so the script's own ``torch.distributed`` calls
-(``get_rank()``, ``barrier()``, an unconditional ``destroy_process_group()``) work as under torchrun. loom itself
-runs no collective in it (``Topology.backend`` stays ``"none"``). Only an explicit `init()` starts that group;
-`current()` alone (a strategy built without `init()`, as tests do) leaves torch's global state untouched.
+A job of one process (``loom run -n 1``, ``torchrun --nproc_per_node 1`` or ``python train.py``) gets what torchrun
+gives a script that calls ``init_process_group``: a default group of one (gloo over an in-memory store, its socket
+on loopback), so the script's own ``torch.distributed`` calls (``get_rank()``, ``barrier()``, an unconditional
+``destroy_process_group()``) work as under torchrun; loom runs no collective in it (``Topology.backend`` stays
+``"none"``). Only an explicit `init()` starts that group; `current()` alone (a strategy built without `init()`, as
+tests do) leaves torch's global state untouched.
 
-The topology is an ordinary object handed to strategies explicitly. `current()` returns the one `init()` made,
+The topology is an ordinary object handed to strategies explicitly: `current()` returns the one `init()` made,
 for scripts that do not want to carry it around; strategies accept `topology=` to override it (tests do).
 """
 

@@ -1,13 +1,12 @@
 """Entry point of every worker process `loom run` starts: ``python -m loom.launch.worker [-m] TARGET ARGS``.
 
-Runs the user's script as ``__main__`` and, if it raises, records the exception in the file the elastic agent
-reads (so the launcher can name the failing rank and its error). A `loom.errors.StartRefused` (a job that refuses
-the launcher's settings) is printed as one line; so is a `loom.errors.LeftOutOfQuorum` (the healing quorum told
-this worker to leave), and the process ends with its ``exit_status`` (75), which the launcher reads as "replace
-me" (`loom.launch.heal`). The worker asks the kernel to kill it if the launcher dies, so no worker outlives its
-job even when the launcher is killed with SIGKILL. Before the script runs, its own
-``torch.distributed.init_process_group()`` is routed to the job's store (`loom.launch.script_init`), so a script
-written for torchrun runs unported.
+Runs the user's script as ``__main__``; an exception it raises is recorded in the file the elastic agent reads,
+so the launcher can name the failing rank and its error. A `loom.errors.StartRefused` (the job refuses the
+launcher's settings) and a `loom.errors.LeftOutOfQuorum` (the healing quorum told this worker to leave) are
+printed as one line; the latter ends the process with its ``exit_status`` (75), "replace me" to the launcher
+(`loom.launch.heal`). The kernel kills the worker if the launcher dies, even by SIGKILL, so no worker outlives its
+job. The script's own ``init_process_group()`` is routed to the job's store first (`loom.launch.script_init`),
+so a script written for torchrun runs unported.
 """
 
 from __future__ import annotations
