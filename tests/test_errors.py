@@ -90,6 +90,16 @@ def test_retryable_is_read_from_the_class_and_foreign_errors_are_retried():
     assert errors.LeftOutOfQuorum.exit_status == 75 and not errors.LeftOutOfQuorum.retryable
 
 
+def test_a_users_subclass_may_omit_retryable_and_inherits_its_bases():
+    class Mine(errors.StepDropped):  # a user's own refinement of a loom error: no class keyword needed
+        pass
+
+    class Theirs(errors.CheckpointError):
+        pass
+
+    assert Mine.retryable and not Theirs.retryable
+
+
 def test_no_code_reads_retry_ability_by_duck_typing():
     src = Path(loom.__file__).parent
     duck = re.compile(r"(getattr|hasattr)\(\s*\w+\s*,\s*[\"'](loom_\w+|retryable|\w*retr\w*)[\"']")

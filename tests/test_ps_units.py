@@ -261,3 +261,13 @@ def test_a_model_whose_share_on_one_server_exceeds_a_frame_is_refused_naming_the
                                          r"--servers 2 or more\)"):  # fmt: skip
         check_frames(plan_shards(specs, 1), params, 1)
     check_frames(plan_shards(specs, 2), params, 2)  # half each: fits
+
+
+def test_a_frame_reaches_only_the_handler_named_after_its_request_type():
+    from loom.ps.handlers import HANDLERS, RequestHandlers
+    from loom.ps.wire import MessageType
+
+    requests = [kind for kind in MessageType if kind < MessageType.REPLY]
+    assert set(HANDLERS) == set(requests)  # REPLY and ERROR are answers, never dispatched
+    for kind in requests:
+        assert HANDLERS[kind] is vars(RequestHandlers)[f"_{kind.name.lower()}"]

@@ -45,11 +45,13 @@ class LoomError(Exception):
 
     retryable: bool = False
     """Whether the same work can succeed when done again after the group re-forms (see the module docstring);
-    every subclass states its own, as a class keyword: ``class StepDropped(LoomError, retryable=True)``."""
+    each of loom's classes states its own, as a class keyword: ``class StepDropped(LoomError, retryable=True)``;
+    a user's subclass may omit it and inherits its base's."""
 
-    def __init_subclass__(cls, *, retryable: bool, **kwargs: object) -> None:
+    def __init_subclass__(cls, *, retryable: bool | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        cls.retryable = retryable
+        if retryable is not None:
+            cls.retryable = retryable
 
 
 def is_retryable(error: BaseException) -> bool:

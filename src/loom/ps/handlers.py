@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from loom.ps.plan import Piece
 from loom.ps.shard import ModelShard, ShardSettings
-from loom.ps.wire import DropCounters, Frame
+from loom.ps.wire import DropCounters, Frame, MessageType
 
 if TYPE_CHECKING:
     from loom.ps.server_config import ServerConfig
@@ -337,3 +337,12 @@ def _flag(frame: Frame) -> float:
     """The non-finite flag a worker's push carries instead of its gradient (0: none, the push is an update)."""
     value = frame.meta.get("nonfinite", 0)
     return float(value) if isinstance(value, (int, float)) and value == value and value > 0 else 0.0
+
+
+HANDLERS = {
+    kind: getattr(RequestHandlers, f"_{kind.name.lower()}")
+    for kind in MessageType
+    if kind < MessageType.REPLY
+}
+"""Each request type's handler, fixed at import (a request type without one fails the import): these methods, and
+no other, are reachable from a frame."""

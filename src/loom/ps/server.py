@@ -37,7 +37,7 @@ from safetensors import SafetensorError
 from zmq.utils.monitor import recv_monitor_message
 
 from loom.ps.gate import HELLO_BYTES, Inbox, InboxLimits, chunk_key, secure_server, send_frame
-from loom.ps.handlers import RequestHandlers
+from loom.ps.handlers import HANDLERS, RequestHandlers
 from loom.ps.server_config import ServerConfig, default_checkpoint_dir, parse_args
 from loom.ps.shard import ModelShard
 from loom.ps.wire import (
@@ -209,11 +209,12 @@ class ParameterServerProcess(RequestHandlers):
             return
         self.counters.accepted += 1
         self.counters.bytes_in += frame.nbytes
-        if not MessageType.HELLO <= frame.type < MessageType.REPLY:
+        handler = HANDLERS.get(frame.type)
+        if handler is None:
             self._error(identity, frame, f"message type {frame.type.name} is not a request")
             return
         try:
-            getattr(self, f"_{frame.type.name.lower()}")(identity, frame)
+            handler(self, identity, frame)
         except (ValueError, KeyError, TypeError, RuntimeError) as error:
             self.counters.drop("rejected")
             self._error(identity, frame, f"{type(error).__name__}: {error}")
