@@ -107,17 +107,15 @@ class PowerSGDCodec:
         summed = yield Collective("sum", torch.cat(first), final=not packed)
 
         out = torch.empty_like(accumulated)
-        cursor = 0
-        for s in plain:
-            out[s.offset : s.offset + s.numel] = summed[cursor : cursor + s.numel] / world_size
-            cursor += s.numel
+        pieces = summed.split([s.numel for s in plain] + [s.rows * s.rank for _, s in packed])
+        for s, piece in zip(plain, pieces[: len(plain)], strict=True):
+            out[s.offset : s.offset + s.numel] = piece / world_size
         if not packed:
             return out.to(flat.dtype)
-        orthonormal = []
-        for _, s in packed:
-            p = summed[cursor : cursor + s.rows * s.rank].view(s.rows, s.rank)
-            orthonormal.append(_orthonormalize(p))
-            cursor += s.rows * s.rank
+        orthonormal = [
+            _orthonormalize(p.view(s.rows, s.rank))
+            for (_, s), p in zip(packed, pieces[len(plain) :], strict=True)
+        ]
 
         new_qs = [m.T @ p for m, p in zip(matrices, orthonormal, strict=True)]
         # Error feedback with this rank's own approximation P Q_i^T (Algorithm 2 of the paper), i.e. what the
@@ -133,10 +131,9 @@ class PowerSGDCodec:
         residual = accumulated
         summed = yield Collective("sum", torch.cat([q.reshape(-1) for q in new_qs]), final=True)
 
-        cursor = 0
-        for (param, s), p in zip(packed, orthonormal, strict=True):
-            q = summed[cursor : cursor + s.cols * s.rank].view(s.cols, s.rank) / world_size
-            cursor += s.cols * s.rank
+        pieces = summed.split([s.cols * s.rank for _, s in packed])
+        for (param, s), p, piece in zip(packed, orthonormal, pieces, strict=True):
+            q = piece.view(s.cols, s.rank) / world_size
             torch.mm(p, q.T, out=out[s.offset : s.offset + s.numel].view(s.rows, s.cols))
             if bool(torch.isfinite(q).all()) and q.abs().sum() > 0:
                 self._qs[param] = q.clone()
