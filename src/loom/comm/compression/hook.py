@@ -172,11 +172,10 @@ def _finish(flight: _Flight, done: torch.futures.Future) -> None:
             _complete(flight, stop.value)
         except Exception as error:
             _fail(flight, error)
-        return
     except Exception as error:
         _fail(flight, error)
-        return
-    _fail(flight, RuntimeError("the codec asked for another collective after the one it marked final"))
+    else:
+        _fail(flight, RuntimeError("the codec asked for another collective after the one it marked final"))
 
 
 def _fail(flight: _Flight, error: Exception) -> None:
