@@ -64,8 +64,7 @@ class ErrorFeedback:
 
     def keep(self, residual: torch.Tensor, params: Sequence[int], shapes: Sequence[torch.Size]) -> None:
         """Keep the bucket ``residual`` as each parameter's own (views: ``residual`` must not change later)."""
-        for param, piece in zip(params, split_by_shapes(residual, shapes), strict=True):
-            self._residuals[param] = piece
+        self._residuals.update(zip(params, split_by_shapes(residual, shapes), strict=True))
 
     def residual(self, param: int) -> torch.Tensor | None:
         """Parameter ``param``'s residual, 1-D (None before its first step)."""
