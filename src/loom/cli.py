@@ -298,12 +298,6 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_plan(ns: argparse.Namespace) -> int:
-    from loom.plan.command import run_plan
-
-    return run_plan(ns)
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="Distributed training of PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -357,8 +351,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _build_parser().parse_args(argv)
+    from loom.plan.command import run_plan  # imported already, by _build_parser
+
     handlers = {"run": _cmd_run, "demo": _cmd_demo, "bench": _cmd_bench, "report": _cmd_report,
-                "export": _cmd_export, "plan": _cmd_plan}  # fmt: skip
+                "export": _cmd_export, "plan": run_plan}  # fmt: skip
     return handlers[ns.command](ns)
 
 
