@@ -146,12 +146,11 @@ def launch(spec: LaunchSpec) -> int:
 
 
 @contextmanager
-def _servers(spec: LaunchSpec, on_failure: Callable[[], None] | None = None) -> Iterator[ServerGroup]:
-    """The job's parameter servers (`loom.launch.servers`, their addresses in ``LOOM_PS_ADDRS``) while it runs;
-    the workers' traces merged at its end."""
+def _servers(spec: LaunchSpec, **options: Callable[[], None]) -> Iterator[ServerGroup]:
+    """The job's parameter servers (`loom.launch.servers`, their addresses in ``LOOM_PS_ADDRS``; ``options``:
+    its ``on_failure``) while it runs; the workers' traces merged at its end."""
     from loom.launch.servers import server_processes
 
-    options = {} if on_failure is None else {"on_failure": on_failure}
     run_dir = spec.run_dir.resolve()
     try:
         with server_processes(
@@ -220,6 +219,6 @@ def _supervised(spec: LaunchSpec, run_id: str, host: str, port: int) -> int:
         heal = functools.partial(
             heal_on_one_host, spec.nproc, run_id, HealPolicy(spec.max_heals, spec.min_workers)
         )
-    with _servers(spec, lambda: None) as servers:
+    with _servers(spec, on_failure=lambda: None) as servers:
         return supervise_workers(spec.nproc, _worker_args(spec), run_id, spec.run_dir / "logs",
                                  spec.shutdown_timeout_s, lambda: servers.failure, heal)  # fmt: skip
