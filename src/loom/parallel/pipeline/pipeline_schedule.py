@@ -170,15 +170,11 @@ def simulate(
         for s in range(stages):
             while pos[s] < len(streams[s]):
                 ins = streams[s][pos[s]]
-                if ins.op is Op.RECV_ACTIVATION:
-                    ready = finish.get((s - 1, "F", ins.microbatch))
-                elif ins.op is Op.RECV_GRADIENT:
-                    ready = finish.get((s + 1, "B", ins.microbatch))
-                else:
-                    ready = clock[s]
+                sender = {Op.RECV_ACTIVATION: (s - 1, "F"), Op.RECV_GRADIENT: (s + 1, "B")}.get(ins.op)
+                ready = clock[s] if sender is None else finish.get((*sender, ins.microbatch))
                 if ready is None:
                     break
-                if ins.op in (Op.RECV_ACTIVATION, Op.RECV_GRADIENT):
+                if sender is not None:
                     ready += message_time
                 clock[s] = max(clock[s], ready)
                 if ins.op in (Op.FORWARD, Op.BACKWARD):
