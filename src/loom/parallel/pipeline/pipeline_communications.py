@@ -149,9 +149,7 @@ def recv_gradients(like: list[torch.Tensor], src: int, group: Any = None) -> lis
                 "floating-point tensor it received, of its shape (a bug in the pipeline runtime)."
             )
         return got
-    out, group = [], _job_group(group)
-    for t in like:
-        g = torch.empty_like(t)
+    out, group = [torch.empty_like(t) for t in like], _job_group(group)
+    for g in out:
         _recv(g, src, group)
-        out.append(g)
     return out
