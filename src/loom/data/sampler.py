@@ -99,9 +99,7 @@ class GlobalBatchSampler:
     # -- the order -------------------------------------------------------------------------------------------
     def epoch_samples(self) -> int:
         """Samples one epoch consumes (the dataset size, less the ragged tail with ``drop_last``)."""
-        if self.drop_last:
-            return self.dataset_size - self.dataset_size % self.global_batch_size
-        return self.dataset_size
+        return self.dataset_size - (self.dataset_size % self.global_batch_size if self.drop_last else 0)
 
     def steps_per_epoch(self) -> int:
         """Global batches (steps) per epoch, the last one possibly short; ``len(loader)``."""
@@ -119,8 +117,7 @@ class GlobalBatchSampler:
         """The global order of ``epoch``: a permutation of the dataset indices (identity without shuffle)."""
         if not self.shuffle:
             return torch.arange(self.dataset_size)
-        generator = torch.Generator()
-        generator.manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.dataset_size, generator=generator)
 
     # -- position --------------------------------------------------------------------------------------------
