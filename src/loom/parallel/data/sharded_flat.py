@@ -145,9 +145,6 @@ class FlatShards:
         return torch.zeros_like(param, memory_format=torch.preserve_format)
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def _distributed(self) -> bool:
-        return self.world_size > 1
-
     @torch.no_grad()
     def average(self, loss_sum: torch.Tensor | None = None) -> None:
         """Reduce-scatter the averaged gradient to the pieces' ``.grad`` and free the full gradients; sum
@@ -158,7 +155,7 @@ class FlatShards:
         flat = flat_gradients(self.params, self.params[0].dtype if self.params else None)
         for p in self.params:
             p.grad = None
-        if not self._distributed():
+        if self.world_size == 1:
             piece = flat
         elif self.collective == "reduce_scatter":
             piece = reduce_scatter(flat, op="avg", group=self.group)
@@ -171,7 +168,7 @@ class FlatShards:
         for view_piece, grad in zip(self.pieces, piece.split(sizes), strict=True):
             view_piece.param.grad = grad
         nonfinite = 0.0 if gradients_finite([], flat=piece) else 1.0  # one sum, not a check per element
-        if self._distributed() and loss_sum is not None:
+        if self.world_size > 1 and loss_sum is not None:
             buffer = torch.cat(
                 [loss_sum, torch.tensor([nonfinite], dtype=torch.float64, device=loss_sum.device)]
             )
@@ -183,7 +180,7 @@ class FlatShards:
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """All-gather every rank's updated piece into every rank's whole parameters. Collective."""
-        if not self._distributed():
+        if self.world_size == 1:
             return
         mine = torch.cat([p.param.detach().reshape(-1) for p in self.pieces]) if self.pieces else None
         if mine is None:
