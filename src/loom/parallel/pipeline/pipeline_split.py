@@ -185,7 +185,6 @@ def layer_times(layers: list[tuple[str, nn.Module]], sample: Any, repeats: int =
         layer.zero_grad(set_to_none=True)
         times.append(best)
         x = tuple(t.detach() for t in _as_tuple(out))
-        x = x[0] if len(x) == 1 else x
     return times
 
 
