@@ -40,13 +40,11 @@ def model_signature(model: nn.Module) -> list[list[str]]:
         ["parameter", n, f"shape {list(p.shape)} dtype {p.dtype}"] for n, p in model.named_parameters()
     ]
     entries += [["buffer", n, f"shape {list(b.shape)} dtype {b.dtype}"] for n, b in model.named_buffers()]
-    entries += [["module", n or "(the model)", _module_description(m)] for n, m in model.named_modules()]
+    entries += [
+        ["module", n or "(the model)", f"{type(m).__qualname__}({m.extra_repr()})"]
+        for n, m in model.named_modules()
+    ]
     return entries
-
-
-def _module_description(module: nn.Module) -> str:
-    """``Type(hyperparameters)``: the module's own line of its ``repr``, without its children."""
-    return f"{type(module).__qualname__}({module.extra_repr()})"
 
 
 def optimizer_signature(optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -65,11 +63,6 @@ def _value(value: Any) -> str:
     if isinstance(value, tuple):
         value = list(value)
     return repr(value)
-
-
-def _digest(signature: list[list[str]]) -> int:
-    raw = hashlib.sha256(json.dumps(signature).encode()).digest()
-    return int.from_bytes(raw[:8], "little", signed=True)
 
 
 def _first_difference(reference: list[list[str]], other: list[list[str]], rank: int) -> tuple[str, str]:
@@ -104,12 +97,14 @@ def check_same_model(
     signature = model_signature(model)
     if optimizer is not None:
         signature += optimizer_signature(optimizer)
-    mine = torch.tensor([_digest(signature)], dtype=torch.int64)
+    encoded = json.dumps(signature).encode()
+    digest = int.from_bytes(hashlib.sha256(encoded).digest()[:8], "little", signed=True)
+    mine = torch.tensor([digest], dtype=torch.int64)
     digests = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(digests, mine, group=group)
     if all(int(d.item()) == int(digests[0].item()) for d in digests):
         return
-    described = all_gather_sized_bytes(json.dumps(signature).encode(), group)
+    described = all_gather_sized_bytes(encoded, group)
     signatures = [json.loads(b) for b in described]
     differing = [r for r in range(world_size) if signatures[r] != signatures[0]]
     first = differing[0]
