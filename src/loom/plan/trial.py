@@ -25,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -80,10 +81,8 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     reset_peak_rss()
     # one untimed step (its optimizer state, DDP's first iteration); the second, DDP's rebuilt buckets' first, is
     # one of at least 3 timed blocks, whose median does not see it
-    trained = _copy(captured)
-    reference = _verify_steps(
-        trained, "DataParallel", {"allreduce": "native"}, max(ns.steps, STEPS), 1, budget=True
-    )
+    trained, steps = _copy(captured), max(ns.steps, STEPS)
+    reference = _verify_steps(trained, "DataParallel", {"allreduce": "native"}, steps, 1, budget=True)
     done("reference")
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, json.loads(ns.limits))
     done("transport")
@@ -93,13 +92,13 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     # go with it)
     gc.collect()
     # no warm-up step: the reference made the optimizer state; a slower first block is outside the median of 3+
-    quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, max(ns.steps, STEPS), 0, budget=True)
+    quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, steps, 0, budget=True)
     done("quiet")
     data = transport.to_json()
     if ns.pipeline:  # the pipeline engine's own overhead (planner): last, it empties other stages' parameters
         gc.collect()
         ((family, options),) = json.loads(ns.pipeline).items()
-        pipeline = _verify_steps(trained, family, options, max(ns.steps, STEPS), 0, budget=True)
+        pipeline = _verify_steps(trained, family, options, steps, 0, budget=True)
         data["pipeline_step_s"] = pipeline["step_time_s"]
         done("pipeline")
     del trained
@@ -322,11 +321,9 @@ def _verify_steps(
 
 def _endless(loader: Any) -> Any:
     """The loader's batches, epoch after epoch."""
-    epoch = 0
-    while True:
+    for epoch in itertools.count():
         loader.set_epoch(epoch)
         yield from loader
-        epoch += 1
 
 
 def main(argv: list[str] | None = None) -> int:
