@@ -14,6 +14,8 @@ a batch size that was not measured is refused (`ModelProfile.at`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import statistics
 import time
@@ -154,30 +156,23 @@ class _LayerClock:
         self.current = len(layers) - 1
         self.handles: list[Any] = []
         for i, (_, layer) in enumerate(layers):
-            self.handles.append(layer.register_forward_pre_hook(self._pre(i)))
-            self.handles.append(layer.register_forward_hook(self._post(i)))
+            self.handles.append(layer.register_forward_pre_hook(functools.partial(self._pre, i)))
+            self.handles.append(layer.register_forward_hook(functools.partial(self._post, i)))
 
-    def _pre(self, i: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            self.current = i
-            self.fwd_start[i] = time.perf_counter()
+    def _pre(self, i: int, module: nn.Module, args: Any) -> None:
+        self.current = i
+        self.fwd_start[i] = time.perf_counter()
 
-        return hook
+    def _post(self, i: int, module: nn.Module, args: Any, out: Any) -> None:
+        self.fwd_end[i] = time.perf_counter()
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if outs and isinstance(outs[0], torch.Tensor):
+            self.output[i] = sum(t.nbytes for t in outs if isinstance(t, torch.Tensor))
+            if outs[0].requires_grad:
+                outs[0].register_hook(functools.partial(self._mark, i))
 
-    def _post(self, i: int) -> Any:
-        def mark(grad: torch.Tensor) -> None:
-            self.grad_ready[i] = time.perf_counter()
-
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            self.fwd_end[i] = time.perf_counter()
-            first = out[0] if isinstance(out, (tuple, list)) and out else out
-            if isinstance(first, torch.Tensor):
-                self.output[i] = sum(t.nbytes for t in (out if isinstance(out, (tuple, list)) else [out])
-                                     if isinstance(t, torch.Tensor))  # fmt: skip
-                if first.requires_grad:
-                    first.register_hook(mark)
-
-        return hook
+    def _mark(self, i: int, grad: torch.Tensor) -> None:
+        self.grad_ready[i] = time.perf_counter()
 
     def close(self) -> None:
         for handle in self.handles:
@@ -217,10 +212,7 @@ def _one_step(
     clock.grad_ready = [None] * len(clock.layers)
     clock.saved = [0] * len(clock.layers)
     t0 = time.perf_counter()
-    if count_saved:
-        with _saved_bytes_hooks(clock, params):
-            loss, _ = forward_loss(call, model, batch)
-    else:
+    with _saved_bytes_hooks(clock, params) if count_saved else contextlib.nullcontext():
         loss, _ = forward_loss(call, model, batch)
     t1 = time.perf_counter()
     if forward_only:
