@@ -172,7 +172,8 @@ def _message_sizes(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) 
         exact |= {c.sum_bytes, n * c.gather_bytes}
     layers = [x for at in p.batches.values() for x in at.layers]
     per_layer = max((m for x in layers for m in (x.output_bytes, x.param_bytes)), default=8)
-    return sorted(s for s in exact | _grid(8, per_layer) | {per_layer} if s > 0)
+    grid = {8 * 4**i for i in range(32) if 8 * 4**i < per_layer}  # 8 * 4**31 bytes: above any message
+    return sorted(s for s in exact | grid | {per_layer} if s > 0)
 
 
 def _limits(profile: ModelProfile, codecs: dict[str, CodecCost], n: int) -> dict[str, int]:
@@ -225,15 +226,6 @@ def check_fits(ranked: list[Ranked], memory_limit: int | None, job_share: int = 
         f"{smallest.config.strategy} [{smallest.config.launch}], needs {needed_per_process(smallest, job_share)} "
         "bytes per process. HINT: raise --memory-per-proc, or plan more processes (--nproc)"
     )
-
-
-def _grid(lo: int, hi: int) -> set[int]:
-    """Sizes a factor of 4 apart from ``lo`` to ``hi``: the points the interpolation runs between."""
-    out, size = set(), max(8, lo)
-    while size < hi:
-        out.add(size)
-        size *= 4
-    return out
 
 
 def plan(
