@@ -224,15 +224,12 @@ def _save_rate(nbytes: int, reps: int = 3) -> float:
         folder = tempfile.TemporaryDirectory(prefix="loom-plan-save-")
     times = []
     with folder as name:
-        last = None
         for rep in range(reps):
             started = time.perf_counter()
             path = Path(name) / f"shard.v{rep}.safetensors"
             save_file(tensors, str(path) + ".tmp")
             os.replace(str(path) + ".tmp", path)
-            if last is not None:
-                last.unlink()
-            last = path
+            path.with_name(f"shard.v{rep - 1}.safetensors").unlink(missing_ok=True)
             times.append(time.perf_counter() - started)
     return 16 * (nbytes // 16) / max(1e-9, statistics.median(times))
 
