@@ -17,6 +17,7 @@ bandwidth-bound time of a ring over it (Patarasuk & Yuan 2009): an all-reduce of
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -118,13 +119,9 @@ class Transport:
         )
 
     def to_json(self) -> dict:
-        """Plain JSON (a size above an operation's limit, unmeasured, is ``null``, not ``Infinity``)."""
+        """Every field as plain JSON (an unmeasured size, above its limit, is ``null``, not ``Infinity``)."""
         seconds = {k: [None if math.isinf(x) else x for x in v] for k, v in self.seconds.items()}
-        return {"world_size": self.world_size, "sizes": list(self.sizes), "seconds": seconds,
-                "overlap": self.overlap, "ddp_extra_s": self.ddp_extra_s, "hosts": self.hosts,
-                "link_bytes_per_s": self.link_bytes_per_s,
-                "fsdp_unit_s": self.fsdp_unit_s, "ps_fixed_s": self.ps_fixed_s,
-                "ps_save_bytes_per_s": self.ps_save_bytes_per_s}  # fmt: skip
+        return {**dataclasses.asdict(self), "sizes": list(self.sizes), "seconds": seconds}
 
     @classmethod
     def from_json(cls, data: dict) -> Transport:
