@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -210,11 +211,8 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor in ``value`` (a tensor, or any nesting of lists, tuples and dicts), in order."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensors_in(v)
-    elif isinstance(value, dict):
-        for v in value.values():
+    elif isinstance(value, (list, tuple, dict)):
+        for v in value.values() if isinstance(value, dict) else value:
             yield from tensors_in(v)
 
 
@@ -231,7 +229,4 @@ def micro_batches(batch: Any, n: int, pieces: int) -> list[tuple[Any, int]]:
     if pieces == 1:
         return [(batch, n)]
     bounds = torch.arange(pieces + 1) * n // pieces
-    return [
-        (slice_batch(batch, lo, hi), hi - lo)
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
-    ]
+    return [(slice_batch(batch, lo, hi), hi - lo) for lo, hi in pairwise(bounds.tolist())]
