@@ -84,6 +84,10 @@ def _positive_int(name: str, value: Any, optional: bool = False) -> None:
         raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
 
 
+def _lacking(obj: Any, *methods: str) -> list[str]:
+    return [m for m in methods if not callable(getattr(obj, m, None))]
+
+
 def _validate(
     job, loader, epochs, steps, checkpoint_dir, checkpoint_every, keep, async_checkpoint, scheduler, log_every
 ) -> None:
@@ -104,21 +108,14 @@ def _validate(
         )
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
-    if scheduler is not None:
-        lacking = [
-            m for m in ("step", "state_dict", "load_state_dict") if not callable(getattr(scheduler, m, None))
-        ]
-        if lacking:
-            raise TypeError(
-                f"lr_scheduler {type(scheduler).__name__} lacks {lacking}; pass a torch LR scheduler"
-            )
+    lacking = _lacking(scheduler, "step", "state_dict", "load_state_dict")
+    if scheduler is not None and lacking:
+        raise TypeError(f"lr_scheduler {type(scheduler).__name__} lacks {lacking}; pass a torch LR scheduler")
     if checkpoint_dir is None:
         if async_checkpoint:
             raise ValueError("async_checkpoint=True needs a checkpoint_dir")
         return
-    if not (
-        callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
-    ):
+    if _lacking(loader, "state_dict", "load_state_dict"):
         raise TypeError(
             f"checkpointing needs a loader with state_dict()/load_state_dict() to resume its position; "
             f"{type(loader).__name__} has none. HINT: use loom.data.loader(dataset, global_batch_size)."
