@@ -220,12 +220,10 @@ class NonFiniteGuard:
 def describe_nonfinite(bad: dict[int, int], averaged_gradient_finite: bool = True) -> str:
     """``"loss on rank(s) [1]; gradient on rank(s) [0, 1]"``, from the flags of the ranks that set one."""
     parts = []
-    losses = [r for r, f in bad.items() if f & LOSS_FLAG]
-    grads = [r for r, f in bad.items() if f & GRADIENT_FLAG]
-    if losses:
-        parts.append(f"non-finite loss on rank(s) {losses}")
-    if grads:
-        parts.append(f"non-finite gradient on rank(s) {grads}")
+    for bit, what in ((LOSS_FLAG, "loss"), (GRADIENT_FLAG, "gradient")):
+        ranks = [r for r, f in bad.items() if f & bit]
+        if ranks:
+            parts.append(f"non-finite {what} on rank(s) {ranks}")
     if not averaged_gradient_finite:
         parts.append("non-finite averaged gradient (on every rank)")
     return "; ".join(parts)
