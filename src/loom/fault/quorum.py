@@ -134,9 +134,7 @@ class Quorum:
             )
         if hang_s is not None:
             self.group_timeout_s, self.group_timeout_name = hang_s, "hang_timeout_s / LOOM_HANG_TIMEOUT_S"
-        told = {
-            key: value for key, value in (("work_s", work_s), ("liveness_s", liveness_s)) if value is not None
-        }
+        told = {k: v for k, v in {"work_s": work_s, "liveness_s": liveness_s}.items() if v is not None}
         if told:
             self.store.set(f"guard/{self.rank}/{self.generation}", json.dumps(told))
 
