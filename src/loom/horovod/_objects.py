@@ -94,11 +94,8 @@ def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
         return bytes.fromhex(v)
     if tag == "size":
         return torch.Size(v)
-    if tag == "tuple":
-        return tuple(decode(x, tensors) for x in v)
-    if tag in ("set", "frozenset"):
-        items = [decode(x, tensors) for x in v]
-        return set(items) if tag == "set" else frozenset(items)
+    if tag in ("tuple", "set", "frozenset"):
+        return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](decode(x, tensors) for x in v)
     if tag == "dict":
         return {decode(k, tensors): decode(x, tensors) for k, x in v}
     if tag == "dtype":

@@ -123,15 +123,12 @@ def check(engine, name: str, metas: dict[int, dict]) -> str | None:
             f"{kind} {name!r} cannot run while ranks {joined} have joined: like Horovod, loom supports only "
             "allreduce (with zeros from the joined ranks) after hvd.join()"
         )
-    for key in ("dtypes", "op", "root", "prescale", "postscale"):
-        problem = differ(key)
-        if problem:
-            return problem
-    if len({len(m["shapes"]) for m in metas.values()}) > 1:
-        return differ("shapes")
-    if kind in ("allreduce", "broadcast", "reducescatter"):
-        return differ("shapes")
-    if kind in ("allgather", "alltoall"):
+    ragged = len({len(m["shapes"]) for m in metas.values()}) > 1
+    keys: tuple[str, ...] = ("dtypes", "op", "root", "prescale", "postscale")
+    if ragged or kind in ("allreduce", "broadcast", "reducescatter"):
+        keys += ("shapes",)
+    problem = next(filter(None, map(differ, keys)), None)
+    if problem is None and kind in ("allgather", "alltoall"):
         for i, shape in enumerate(ref["shapes"]):
             for r in ranks[1:]:
                 other = metas[r]["shapes"][i]
@@ -140,7 +137,7 @@ def check(engine, name: str, metas: dict[int, dict]) -> str | None:
                         f"{kind} {name!r}: tensors must agree in all but the first dimension: rank {first} has "
                         f"shape {shape}, rank {r} has {other}"
                     )
-    return None
+    return problem
 
 
 def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
