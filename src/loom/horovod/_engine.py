@@ -57,8 +57,7 @@ class Engine:
         self._wake = threading.Event()
         self._submitted: list[Request] = []
         self._mine: dict[str, Request] = {}  # announced, not yet run
-        self._table: dict[str, dict[int, dict]] = {}
-        self._order: list[str] = []
+        self._table: dict[str, dict[int, dict]] = {}  # in announcement order: the order operations run in
         self._joined: set[int] = set()
         self._join_request: Request | None = None
         self._join_announced = False
@@ -155,25 +154,18 @@ class Engine:
         message = {"new": [[r.name, r.meta()] for r in new], "join": join, "stop": stop}
         messages = self._exchange(message)
         active = False
-        stopping = 0
         for rank, m in enumerate(messages):
             for name, meta in m["new"]:
                 active = True
-                if name not in self._table:
-                    self._table[name] = {}
-                    self._order.append(name)
-                self._table[name][rank] = meta
+                self._table.setdefault(name, {})[rank] = meta
             if m["join"]:
                 active = True
                 self._joined.add(rank)
                 self._last_joined = rank
-            stopping += bool(m["stop"])
         working = set(range(self.size)) - self._joined
-        ready = [n for n in self._order if working and working <= self._table[n].keys()]
+        ready = [n for n in self._table if working and working <= self._table[n].keys()]
         if ready:
             active = True
-            for name in ready:
-                self._order.remove(name)
             _ops.run_ready(self, [(n, self._table.pop(n), self._mine.pop(n, None)) for n in ready])
         if len(self._joined) == self.size:
             with self._lock:
@@ -181,7 +173,7 @@ class Engine:
             self._joined.clear()
             if request is not None:
                 request.finish(self._last_joined)
-        if stopping == self.size:
+        if all(m["stop"] for m in messages):
             self._stopping_all = True
         return active
 
