@@ -116,10 +116,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if basics.size() == 1:
             self._synchronized = True
             return
-        for p in self._requires_update - set(self._handles):
-            self._handles[p] = self._allreduce_grad_async(p)
-        for p, (handle, _ctx) in list(self._handles.items()):
-            if handle is None:
+        for p in self._requires_update.union(self._handles):
+            if p not in self._handles or self._handles[p][0] is None:  # not submitted during backward
                 self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, ctx) in self._handles.items():
             self._allreduce_delay[p] = self.backward_passes_per_step
