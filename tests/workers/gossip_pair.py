@@ -82,6 +82,7 @@ if topo.rank == 0:
 with job.paused():
     after_intruder = flat(model).tolist()
 stats_intruder = job.comm_stats()
+dist.barrier()  # rank 0's snapshot is taken before rank 1 rejoins: rank 0 serving its COPY counts as served
 
 # -- 3. rank 1 restarts and joins ------------------------------------------------------------------------------
 joined = None
