@@ -152,12 +152,9 @@ def start_worker(
             [sys.executable, *worker_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
     worker = Worker(rank, proc, error_file, [])
-    for stream, out, stream_name in (
-        (proc.stdout, sys.stdout, "stdout"),
-        (proc.stderr, sys.stderr, "stderr"),
-    ):
-        log = logs / f"{name}.{stream_name}.log"
-        tail = worker.tail if stream_name == "stderr" else None
+    streams = ((proc.stdout, sys.stdout, "stdout", None), (proc.stderr, sys.stderr, "stderr", worker.tail))
+    for stream, out, kind, tail in streams:
+        log = logs / f"{name}.{kind}.log"
         thread = threading.Thread(target=pump, args=(stream, f"[rank{rank}]: ", out, log, tail), daemon=True)
         thread.start()
         worker.readers.append(thread)
