@@ -201,10 +201,8 @@ class Zygote:
                     if waited < limit:
                         _say(f"waiting for the zygote (pid {self._pid()}) to import torch and loom before "
                              f"starting {what} ({waited:.0f} s so far, load average {_load()})")  # fmt: skip
-            if self._ready and not self._dead:
-                return True
-            if self._dead:
-                return False
+            if self._ready or self._dead:
+                return not self._dead
             self._dead = True
         _say(f"the zygote (pid {self._pid()}) was not ready after {limit:g} s (a loaded host?); every worker "
              f"starts as a fresh interpreter instead. HINT: LOOM_ZYGOTE_READY_S sets this wait, LOOM_ZYGOTE=0 "
