@@ -184,10 +184,8 @@ def _load_optimizer(
     received = iter(tensors)
     for param, key, shape, _dtype, value in header["entries"]:
         state.setdefault(param, {})[key] = next(received) if shape is not None else value
-    groups = []
-    for local, sent in zip(mine["param_groups"], header["groups"], strict=True):
-        group = dict(local)
-        for key, value in sent.items():
-            group[key] = tuple(value) if isinstance(local.get(key), tuple) else value
-        groups.append(group)
+    groups = [
+        local | {k: tuple(v) if isinstance(local.get(k), tuple) else v for k, v in sent.items()}
+        for local, sent in zip(mine["param_groups"], header["groups"], strict=True)
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
