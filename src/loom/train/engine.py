@@ -263,9 +263,8 @@ class Engine(Job):
                 state.number, state.local, state.total, state.loss, skipped=state.skipped, **fields
             )
             return
-        phases: dict[str, float] = {}
-        if state.phases is not None:
-            phases = dict(zip(("data_s", "compute_s", "comm_s", "optimizer_s"), state.phases, strict=True))
+        names = ("data_s", "compute_s", "comm_s", "optimizer_s")
+        phases = {} if state.phases is None else dict(zip(names, state.phases, strict=True))
         extra: dict[str, Any] = {**phases, **fields, **({"skipped": True} if state.skipped else {})}
         elapsed = time.perf_counter() - state.started
         self.metrics.record(state.number, elapsed, state.local, state.total or 0, state.loss, **extra)
