@@ -130,12 +130,8 @@ class TorchState(ObjectState):
         super().__init__(**plain)
 
     def _handlers(self) -> dict:
-        handlers = dict(self._stateful)
-        if self.model is not None:
-            handlers["model"] = self.model
-        if self.optimizer is not None:
-            handlers["optimizer"] = self.optimizer
-        return handlers
+        given = {"model": self.model, "optimizer": self.optimizer}
+        return {**self._stateful, **{k: v for k, v in given.items() if v is not None}}
 
     def save(self) -> None:
         super().save()
