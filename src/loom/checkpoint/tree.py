@@ -235,31 +235,26 @@ class PackedState:
         if unknown:
             raise TypeError(f"cannot checkpoint tensors of dtype {', '.join(unknown)}")
         header: dict[str, Any] = {"__metadata__": {TAG: text}}
-        self._order = sorted(tensors)
+        self._tensors = dict(sorted(tensors.items()))  # in the file's order
         offset = 0
-        for key in self._order:
-            t = tensors[key]
-            nbytes = t.numel() * t.element_size()
-            entry = {
+        for key, t in self._tensors.items():
+            header[key] = {
                 "dtype": DTYPE_CODES[t.dtype],
                 "shape": list(t.shape),
-                "data_offsets": [offset, offset + nbytes],
+                "data_offsets": [offset, offset + t.nbytes],
             }
-            header[key] = entry
-            offset += nbytes
+            offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes with spaces
         self.header = len(raw).to_bytes(8, "little") + raw
         """The file's first bytes: the header's length and the header."""
         self.size = len(self.header) + offset
         """The file's size in bytes."""
-        self._tensors = tensors
 
     def chunks(self) -> Iterator[memoryview]:
         """The file's bytes in order: the header, then each tensor's memory (no copy)."""
         yield memoryview(self.header)
-        for key in self._order:
-            t = self._tensors[key]
+        for t in self._tensors.values():
             if t.numel():
                 yield t.reshape(-1).view(torch.uint8).numpy().data
 
