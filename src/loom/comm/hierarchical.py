@@ -36,9 +36,7 @@ def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:
     m, esize = part.numel(), part.element_size()
     shm_sent = shm_received = sent = received = 0
     if size > 1:
-        slots = ctx.slots(part.dtype, m)
-        bounds = [j * m // size for j in range(size + 1)]
-        shm_sent, shm_received = reduce_scatter_piece(ctx, part, local_op, slots, bounds)
+        slots, bounds, shm_sent, shm_received = reduce_scatter_piece(ctx, part, local_op)
     if leader:
         if size > 1:
             for j in ctx.reduce_order:

@@ -274,14 +274,17 @@ def context_for(group: dist.ProcessGroup | None) -> ShmContext:
 
 
 def reduce_scatter_piece(
-    ctx: ShmContext, part: torch.Tensor, op: str, slots: list[torch.Tensor], bounds: list[int]
-) -> tuple[int, int]:
+    ctx: ShmContext, part: torch.Tensor, op: str
+) -> tuple[list[torch.Tensor], list[int], int, int]:
     """Steps 1-2 of the module docstring: leave chunk ``local_rank`` reduced in ``part`` and in this slot.
 
-    ``op="avg"`` divides by the local size. Returns (shm bytes written, shm bytes read).
+    ``op="avg"`` divides by the local size. Returns every slot's view of the piece, the bounds of the local
+    processes' chunks, shm bytes written and shm bytes read.
     """
-    r = ctx.local_rank
-    lo, hi, m = bounds[r], bounds[r + 1], part.numel()
+    r, m = ctx.local_rank, part.numel()
+    slots = ctx.slots(part.dtype, m)
+    bounds = [j * m // ctx.local_size for j in range(ctx.local_size + 1)]
+    lo, hi = bounds[r], bounds[r + 1]
     mine = slots[r]
     if ctx.layout != (part.element_size(), m):
         ctx.barrier()  # the chunks move: wait until every process has read the previous results
@@ -299,24 +302,21 @@ def reduce_scatter_piece(
             own.div_(ctx.local_size)
         mine[lo:hi].copy_(own)
     ctx.barrier()
-    return m * part.element_size(), (ctx.local_size - 1) * (hi - lo) * part.element_size()
+    return slots, bounds, m * part.element_size(), (ctx.local_size - 1) * (hi - lo) * part.element_size()
 
 
 def all_reduce_local(ctx: ShmContext, flat: torch.Tensor, op: str) -> Traffic:
     """All-reduce over the processes of this host's segment, piece by piece."""
     step = ctx.reserve(flat.nbytes) // flat.element_size()
-    size, r = ctx.local_size, ctx.local_rank
+    r = ctx.local_rank
     sent = received = 0
     for start in range(0, flat.numel(), step):
         part = flat[start : start + step]
-        m = part.numel()
-        slots = ctx.slots(part.dtype, m)
-        bounds = [j * m // size for j in range(size + 1)]
-        wrote, read = reduce_scatter_piece(ctx, part, op, slots, bounds)
+        slots, bounds, wrote, read = reduce_scatter_piece(ctx, part, op)
         for j in ctx.reduce_order:  # step 3
             part[bounds[j] : bounds[j + 1]].copy_(slots[j][bounds[j] : bounds[j + 1]])
         sent += wrote
-        received += read + (m - bounds[r + 1] + bounds[r]) * part.element_size()
+        received += read + (part.numel() - bounds[r + 1] + bounds[r]) * part.element_size()
     return Traffic(shm_sent=sent, shm_received=received)
 
 
