@@ -70,10 +70,8 @@ def overlapped_allreduce_hook(algorithm: str = "auto") -> CommHook:
 
         # Chained rather than returned: an exception set on a Python-made future reaches DDP's C++ side as an
         # uncastable value; raised inside a callback it becomes a real error (see loom.comm.compression.hook).
-        thread = comm_thread()
-        if not thread.is_alive():
-            raise RuntimeError(f"{describe()}: the communication thread has stopped (interpreter exiting?)")
-        return torch_future(thread.submit(reduce), describe).then(lambda done: done.value())
+        # comm_thread() restarts a stopped thread; submit refuses one stopped since (interpreter exiting).
+        return torch_future(comm_thread().submit(reduce), describe).then(lambda done: done.value())
 
     hook.__qualname__ = f"overlapped_allreduce_hook({algorithm!r})"
     return hook
