@@ -279,8 +279,7 @@ class HealQuorum:
                 continue  # ending: its heartbeats stopped on purpose
             count = int(self.store.get(name))
             if key not in self._beats:  # a new process of this rank: its predecessors' entries go (no growth)
-                for old in [k for k in self._beats if k[0] == r]:
-                    del self._beats[old]
+                self._beats = {k: v for k, v in self._beats.items() if k[0] != r}
             seen = self._beats.get(key)
             limit, name = self._timeout(r, "liveness_s")
             if seen is None or seen[0] != count:
@@ -301,8 +300,7 @@ class HealQuorum:
             guard = read_guard(self.store.get(name)) if self.store.check([name]) else None
             # a process tells before it joins: a member that has not told never will
             if guard is not None or self.members.get(rank) == key[1]:
-                for old in [k for k in self._guards if k[0] == rank]:
-                    del self._guards[old]
+                self._guards = {k: v for k, v in self._guards.items() if k[0] != rank}
                 self._guards[key] = guard or {}
         told = self._guards.get(key, {}).get(which)
         if told is not None:
