@@ -147,10 +147,8 @@ def place_model(model: torch.nn.Module, device: torch.device, optimizer=None, ra
     if not places or places == {device}:
         return
     model.to(device)  # in place: the optimizer's parameters are the same objects, now on ``device``
-    if optimizer is not None and optimizer.state:
-        optimizer.load_state_dict(
-            optimizer.state_dict()
-        )  # torch's rule moves each state tensor to its param's
+    if optimizer is not None and optimizer.state:  # torch's rule moves each state to its param's device
+        optimizer.load_state_dict(optimizer.state_dict())
     if rank == 0:
         was = ", ".join(sorted(str(p) for p in places))
         print(
