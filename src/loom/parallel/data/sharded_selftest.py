@@ -98,10 +98,8 @@ def run_self_test(
         return all_gather(t.to(device), n, group=group).cpu()
 
     problems = check_collectives(rank, world_size, averaged, gathered)
-    if fsdp:
-        found = _fsdp_gradient_problem(rank, world_size, device)
-        if found:
-            problems.append(found)
+    if fsdp and (found := _fsdp_gradient_problem(rank, world_size, device)):
+        problems.append(found)
     flag = torch.tensor([float(bool(problems))], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item():
