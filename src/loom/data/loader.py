@@ -152,10 +152,6 @@ def _with_layout(batch: Any, *layout: Any) -> Any:
     return batch
 
 
-def _strings(value: Any) -> bool:
-    return bool(value) and all(isinstance(v, (str, bytes)) for v in value)
-
-
 def _zero_samples(batch: Any) -> Any:
     """``batch`` cut to zero samples, keeping its nesting, shapes, dtypes and devices.
 
@@ -167,7 +163,8 @@ def _zero_samples(batch: Any) -> Any:
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_zero_samples(v) for v in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)() if _strings(batch) else type(batch)(_zero_samples(v) for v in batch)
+        strings = bool(batch) and all(isinstance(v, (str, bytes)) for v in batch)
+        return type(batch)() if strings else type(batch)(_zero_samples(v) for v in batch)
     if isinstance(batch, dict):
         return {k: _zero_samples(v) for k, v in batch.items()}
     return batch
