@@ -183,13 +183,8 @@ def run_instructions(
             saved_bytes.pop(j, None)
             stats.busy_s += time.perf_counter() - t0
         elif ins.op is Op.SEND_GRADIENT:
-            xs = _floats(received.pop(j))
-            pending += send_tensors(
-                [t.grad if t.grad is not None else torch.zeros_like(t) for t in xs],
-                _peer(prev, ins, stage.index),
-                with_header=False,
-                group=group,
-            )
+            sent = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _floats(received.pop(j))]
+            pending += send_tensors(sent, _peer(prev, ins, stage.index), with_header=False, group=group)
     stats.span_s = time.perf_counter() - started
     for handle, _ in pending:
         handle.wait()
