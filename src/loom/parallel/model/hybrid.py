@@ -69,8 +69,7 @@ class Hybrid(ModelParallelStrategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> ModelParallelJob:
         cfg = self.config
-        topo = self._topology()
-        mesh = Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, topology=topo)
+        mesh = Mesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, topology=self._topology())
         return compose(
             model, optimizer, loss_fn, mesh, pipeline=cfg.pipeline(), tp_plan=cfg.tp_plan, data=self.data,
             metrics_path=self.metrics_path,
