@@ -49,12 +49,11 @@ def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], 
                 verdict, error = 1, err
             except CheckpointError as err:  # raised on every rank below, so nobody hangs
                 verdict, error = 2, err
-        gathered = all_gather_ints([step, verdict], topo)
-        steps = [s for s, _ in gathered]
-        if any(v == 2 for _, v in gathered):
+        steps, verdicts = zip(*all_gather_ints([step, verdict], topo), strict=True)
+        if 2 in verdicts:
             if isinstance(error, CheckpointError) and verdict == 2:
                 raise error
-            rank = next(r for r, (_, v) in enumerate(gathered) if v == 2)
+            rank = verdicts.index(2)
             raise CheckpointError(f"rank {rank} could not read the checkpoint of step {step} in {directory}")
         if len(set(steps)) > 1:
             described = ", ".join(f"rank {r}: {'none' if s < 0 else s}" for r, s in enumerate(steps))
@@ -64,7 +63,7 @@ def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], 
             )
         if checkpoint is None:
             break
-        damaged = [r for r, (_, v) in enumerate(gathered) if v == 1]
+        damaged = [r for r, v in enumerate(verdicts) if v == 1]
         if not damaged:
             return found
         reason = str(error) if error is not None else f"rank(s) {damaged} found a file damaged"
