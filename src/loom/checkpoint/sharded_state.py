@@ -25,7 +25,6 @@ group (``loom export``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -232,8 +231,7 @@ def _load_buffers(buffers: dict[str, torch.Tensor], module: nn.Module) -> None:
 def full_state_dict(parts: Iterable[Any]) -> dict[str, torch.Tensor]:
     """The whole model's state dict (parameters under their original names, then the buffers) from every rank's
     part; raises ValueError when a parameter is not fully covered (a part missing)."""
-    flat: dict[str, torch.Tensor] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
+    whole: dict[str, torch.Tensor] = {}
     covered: dict[str, int] = {}
     buffers: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -242,20 +240,19 @@ def full_state_dict(parts: Iterable[Any]) -> dict[str, torch.Tensor]:
         buffers = buffers or dict(part["buffers"])
         aliases = aliases or dict(part.get("aliases", {}))
         for name, saved in part["params"].items():
-            if name not in flat:
-                shapes[name] = tuple(saved["shape"])
-                flat[name] = torch.empty(math.prod(shapes[name]), dtype=saved["value"].dtype)
+            if name not in whole:
+                whole[name] = torch.empty(tuple(saved["shape"]), dtype=saved["value"].dtype)
                 covered[name] = 0
+            flat = whole[name].view(-1)
             covered[name] += _copy_overlap(
-                flat[name], 0, flat[name].numel(), saved["value"], int(saved["lo"]), int(saved["hi"])
+                flat, 0, flat.numel(), saved["value"], int(saved["lo"]), int(saved["hi"])
             )
-    for name, tensor in flat.items():
+    for name, tensor in whole.items():
         if covered[name] != tensor.numel():
             raise ValueError(
                 f"parameter {name!r}: the parts cover {covered[name]} of its {tensor.numel()} elements. "
                 "HINT: every rank's file of the checkpoint is needed."
             )
-    result = {name: tensor.view(shapes[name]) for name, tensor in flat.items()}
-    result.update(buffers)
+    result = {**whole, **buffers}
     result.update({alias: result[name] for alias, name in aliases.items() if name in result})
     return result
