@@ -42,8 +42,7 @@ def _loss(runs):
     windows = (losses[max(0, i - k + 1) : i + 1] for i in range(len(losses)))
     smooth = [sum(w) / len(w) for w in windows]
     ax.plot(steps, smooth, lw=1.6, label=f"mean of last {k} steps")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set(xlabel="step", ylabel="loss")
     ax.legend(fontsize=8)
     return fig
 
@@ -55,9 +54,7 @@ def _throughput(runs):
     xs = [r["wall"] - t0 for r in recs]
     ys = [r["global_samples"] / r["time_s"] if r["time_s"] else 0.0 for r in recs]
     ax.plot(xs, ys, lw=0.8, marker=".", ms=2)
-    ax.set_xlabel("seconds since the first step started")
-    ax.set_ylabel("samples/s (global batch)")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="seconds since the first step started", ylabel="samples/s (global batch)", ylim=(0, None))
     return fig
 
 
@@ -114,8 +111,6 @@ def _bytes(runs):
                 label=f"rank {rank} sent")  # fmt: skip
         ax.plot([r["step"] for r in recs], [(r.get("bytes_received") or 0) / 1e6 for r in recs], lw=1, ls="--",
                 label=f"rank {rank} received")  # fmt: skip
-    ax.set_xlabel("step")
-    ax.set_ylabel("MB per step")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="step", ylabel="MB per step", ylim=(0, None))
     ax.legend(fontsize=7, ncol=2)
     return fig
