@@ -51,7 +51,6 @@ class AsyncCheckpoint:
         """The checkpoint's directory, once written."""
         self._error: BaseException | None = None
         self._reported = False
-        self._finished = threading.Event()
         self._thread = threading.Thread(
             target=self._write, args=(write,), name=f"loom-checkpoint-{step}", daemon=False
         )
@@ -62,17 +61,15 @@ class AsyncCheckpoint:
             self.path = write()
         except BaseException as err:  # kept for wait(), which re-raises it in the caller's thread
             self._error = err
-        finally:
-            self._finished.set()
 
     def done(self) -> bool:
-        return self._finished.is_set()
+        return not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> Path:
         """Block until the checkpoint is durable; return its path, or raise the error that stopped it."""
-        if not self._finished.wait(timeout):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
             raise TimeoutError(f"checkpoint of step {self.step} still being written after {timeout} s")
-        self._thread.join()
         if self._error is not None:
             self._reported = True
             raise CheckpointError(
@@ -135,7 +132,7 @@ def wait_for_pending() -> None:
 
 def _wait_for(previous: AsyncCheckpoint | None) -> None:
     if previous is not None:
-        previous._finished.wait()
+        previous._thread.join()
         if not previous._reported:  # a failure nobody has seen yet stops what comes next
             previous.wait()
 
