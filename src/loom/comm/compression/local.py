@@ -45,13 +45,12 @@ def exchange_locally(
             )
         stacked = torch.stack([r.tensor for r in requests])
         result = stacked.sum(0) if first.op == "sum" else stacked  # "gather": row r is rank r's message
-        replies = [result.clone() for _ in requests]
         nbytes = first.tensor.nbytes
         sent += 2 * (n - 1) * nbytes // n if first.op == "sum" else (n - 1) * nbytes
         results, next_requests = [], []
-        for exchange, reply in zip(exchanges, replies, strict=True):
+        for exchange in exchanges:  # each rank gets its own copy of the result
             try:
-                next_requests.append(exchange.send(reply))
+                next_requests.append(exchange.send(result.clone()))
             except StopIteration as stop:
                 results.append(stop.value)
         if len(results) == n:
