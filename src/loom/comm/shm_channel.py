@@ -263,10 +263,9 @@ def channel_to(dst: int) -> ShmSender | None:
         _SENDERS[key] = None
         return None
     rank, ring = dist.get_rank(), None
-    usable = shm_unsupported_reason() is None
     hello = torch.zeros(_HELLO_BYTES, dtype=torch.uint8)
     try:
-        if usable:
+        if shm_unsupported_reason() is None:
             ring = Ring.create(CAPACITY)
             payload = host_digest() + b"\1" + bytes(7) + ring.name.encode()
             hello[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -276,8 +275,7 @@ def channel_to(dst: int) -> ShmSender | None:
     finally:
         if ring is not None:
             ring.unlink()  # the reader removed it already when it mapped it; else nobody will
-    sender = ShmSender(ring, rank, dst) if ring is not None and int(answer[0]) == 1 else None
-    _SENDERS[key] = sender
+    sender = _SENDERS[key] = ShmSender(ring, rank, dst) if ring is not None and int(answer[0]) == 1 else None
     return sender
 
 
