@@ -11,10 +11,8 @@ of visible devices matches the saved one.
 
 from __future__ import annotations
 
-import array
 import base64
 import random
-import sys
 import warnings
 from typing import Any
 
@@ -27,21 +25,14 @@ __all__ = ["capture_rng", "restore_rng"]
 def _words(values: Any) -> str:
     """32-bit words as one base64 string (little-endian): one JSON value instead of 624, which keeps a
     checkpoint's ``state.json`` within its read bounds for thousands of ranks (`loom.checkpoint.limits`)."""
-    words = array.array("I", (int(v) for v in values))
-    if sys.byteorder != "little":
-        words.byteswap()
-    return base64.b64encode(words.tobytes()).decode()
+    return base64.b64encode(numpy.asarray(values, dtype="<u4").tobytes()).decode()
 
 
 def _unwords(value: Any) -> list[int]:
     """The words `_words` packed; a list (what loom wrote before) as it is."""
     if not isinstance(value, str):
         return [int(v) for v in value]
-    words = array.array("I")
-    words.frombytes(base64.b64decode(value, validate=True))
-    if sys.byteorder != "little":
-        words.byteswap()
-    return words.tolist()
+    return numpy.frombuffer(base64.b64decode(value, validate=True), dtype="<u4").tolist()
 
 
 def capture_rng() -> dict[str, Any]:
