@@ -158,6 +158,20 @@ def test_every_configuration_is_ranked_with_a_reason_and_the_json_fields():
     assert ps["launch"] in ("-n 2 --servers 1", "-n 2 --servers 2")
 
 
+def test_a_negative_engine_overhead_never_makes_a_step_time_zero_or_negative():
+    """A negative overhead is the calibration's noise, bounded by half of its own step: a configuration whose
+    formula step is smaller (more processes, a pipeline) must still be predicted positive, at half its step."""
+    profile = _profile(sizes=(16, 32, 64))
+    for c in candidates(2, ("native", "ring"), 4, 64):
+        plain = predict(c, profile, _transport(), 64)
+        if plain.refused:
+            continue
+        noisy = predict(c, profile, _transport(), 64, overhead_s=-1e6)
+        assert noisy.step_time_s == plain.step_time_s / 2 and noisy.samples_per_s > 0, c
+        slight = predict(c, profile, _transport(), 64, overhead_s=-plain.step_time_s / 4)
+        assert slight.step_time_s == plain.step_time_s - plain.step_time_s / 4, c  # unclamped: as before
+
+
 def test_an_impossible_memory_limit_is_one_clear_error():
     profile = _profile(sizes=(16, 32, 64))
     preds = [predict(c, profile, _transport(), 64) for c in candidates(2, ("native",), 4, 64)]

@@ -144,8 +144,13 @@ class _Model:
     def best_allreduce(self, nbytes: float) -> float:
         return min(self.t.time(f"allreduce:{a}", nbytes) for a in self.t.algorithms)
 
+    def plus_overhead(self, step: float) -> float:
+        """``step`` plus the engine overhead; a negative overhead (the calibration's noise) takes at most half of
+        ``step``, as it does of the calibration's own, so a smaller configuration's step stays positive."""
+        return step + max(self.overhead, -step / 2)
+
     def done(self, compute: float, comm: float, extra: float, memory: dict, wire: float) -> Prediction:
-        step = compute + comm + extra + self.overhead
+        step = self.plus_overhead(compute + comm + extra)
         return Prediction(self.c, step, self.global_batch / step, memory, int(wire), compute, comm)
 
 
@@ -298,7 +303,7 @@ def _pipeline(m: _Model) -> Prediction:
     # one host: the data axis averages through `SharedGradients` over its group, one slot per member, all counted
     slots = c.dp if c.dp > 1 and c.hosts == 1 else 1
     memory = _memory(p.param_bytes * f, slots * p.grad_bytes * f, p.optimizer_bytes * f, max(acts))
-    step = replay.makespan + p.optimizer_s * f + data_axis + 2 * m.small + m.overhead
+    step = m.plus_overhead(replay.makespan + p.optimizer_s * f + data_axis + 2 * m.small)
     wire = 2 * micro * boundary + (_ring(c.dp, p.grad_bytes * f) if c.dp > 1 else 0)
     return Prediction(c, step, m.global_batch / step, memory, int(wire), sum(replay.busy) / c.pp,
                       step - sum(replay.busy) / c.pp, replay.bubble)  # fmt: skip
