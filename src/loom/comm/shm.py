@@ -176,8 +176,7 @@ class ShmContext:
         self.layout: tuple[int, int] | None = None
         """(element size, elements) of the last piece reduced in the segment: where its results are."""
         self._views: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] = {}
-        r = self.local_rank
-        self.reduce_order = [(r + k) % self.local_size for k in range(1, self.local_size)]
+        self.reduce_order = [(self.local_rank + k) % self.local_size for k in range(1, self.local_size)]
 
     def require_shared_memory(self, algorithm: str, single_host: bool, tensor: torch.Tensor) -> None:
         if tensor.device.type != "cpu":
