@@ -80,13 +80,9 @@ def _is_loom_store(host: str | None, port: int | None) -> bool:
     return where is not None and port == where[1] and host is not None and _same_host(host, where[0])
 
 
-def _query(url: str) -> dict[str, str]:
-    return dict(pair.split("=", 1) for pair in urlparse(url).query.split("&") if "=" in pair)
-
-
 def _join_loom_store(url: str, timeout: datetime.timedelta) -> Iterator[tuple[Any, int, int]]:
     """The rendezvous torch's ``env://`` handler would do, on loom's store: ``(store, rank, world_size)``."""
-    query = _query(url)
+    query = dict(pair.split("=", 1) for pair in urlparse(url).query.split("&") if "=" in pair)
     rank = int(query.get("rank", os.environ.get("RANK", "0")))
     world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "1")))
     if os.environ.get("LOOM_ON_WORKER_FAILURE") == "heal":
