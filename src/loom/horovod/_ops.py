@@ -76,11 +76,9 @@ def _run_fused(engine, batch) -> None:
         for _, _, local in batch:
             local.finish(error=error)
         return
-    offset = 0
+    pending = iter(results)  # in batch order: each request takes as many as it gave
     for _, _, local in batch:
-        n = len(local.tensors)
-        local.finish(_finish(local, results[offset : offset + n]))
-        offset += n
+        local.finish(_finish(local, [next(pending) for _ in local.tensors]))
 
 
 def run(engine, name: str, metas: dict[int, dict], local: Request | None) -> None:
@@ -192,13 +190,9 @@ def _allreduce_all(engine, metas: dict[int, dict], tensors: list[torch.Tensor]) 
     for indices in by_dtype.values():
         parts = [scale(tensors[i].detach().to("cpu"), pre).reshape(-1) for i in indices]
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        flat = _reduce(flat, op, engine)
-        offset = 0
-        for i in indices:
-            t = tensors[i]
-            piece = flat[offset : offset + t.numel()].view(t.shape)
-            offset += t.numel()
-            results[i] = scale(piece, post).to(t.device)
+        pieces = _reduce(flat, op, engine).split([tensors[i].numel() for i in indices])
+        for i, piece in zip(indices, pieces, strict=True):
+            results[i] = scale(piece.view(tensors[i].shape), post).to(tensors[i].device)
     return results  # type: ignore[return-value]
 
 
@@ -219,12 +213,11 @@ def _allreduce(engine, metas, local):
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
 def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    return data.view(dtype).reshape(shape) if dtype != torch.uint8 else data.reshape(shape)
+    return data.view(dtype).reshape(shape)
 
 
 def _allgather(engine, metas, local):
