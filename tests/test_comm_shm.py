@@ -238,3 +238,8 @@ def test_calibration_cache_round_trip(tmp_path, monkeypatch):
     assert auto._read_cache("world=2,per_host=2", ("native", "ring", "shm")) is None  # other candidates
     auto.cache_path().write_text("{not json")
     assert auto._read_cache("world=2,per_host=2", names) is None
+    auto.cache_path().write_text('{"entries": {"world=2,per_host=2": [1]}}')  # an entry not an object: a miss
+    assert auto._read_cache("world=2,per_host=2", names) is None
+    auto.cache_path().write_text("[1, 2]")  # JSON, not an object: overwritten, not an AttributeError
+    auto._write_cache("world=2,per_host=2", names, table)
+    assert auto._read_cache("world=2,per_host=2", names) == table

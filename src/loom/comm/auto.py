@@ -102,7 +102,10 @@ def _read_cache(key: str, algorithms: tuple[str, ...]) -> list[list[float]] | No
     except (OSError, ValueError, KeyError, TypeError):
         return None
     expected = (_VERSION, list(algorithms), list(CALIBRATION_SIZES))
-    if (entry.get("version"), entry.get("algorithms"), entry.get("sizes")) != expected:
+    if (
+        not isinstance(entry, dict)
+        or (entry.get("version"), entry.get("algorithms"), entry.get("sizes")) != expected
+    ):
         return None
     return entry["seconds"]
 
@@ -111,7 +114,7 @@ def _write_cache(key: str, algorithms: tuple[str, ...], seconds: list[list[float
     path = cache_path()
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(data.get("entries"), dict):
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):  # damaged: start over
             data = {"entries": {}}
     except (OSError, ValueError):
         data = {"entries": {}}
