@@ -150,11 +150,6 @@ class ReplicaJob(AxisJob):
         """The synchronization's all-reduce algorithm (under heal ``auto`` is gloo's over the epoch's group)."""
         self._start()
 
-    @property
-    def _group(self) -> Any:
-        """The data axis's group: the default one, or the quorum's current epoch's (replaced at each re-form)."""
-        return self.axis.group
-
     # -- what a strategy adds ------------------------------------------------------------------------------------
     @abc.abstractmethod
     def _start(self) -> None:
@@ -233,7 +228,7 @@ class ReplicaJob(AxisJob):
             buffer[-1] = float(self.rounds.joiner_ready(self.quorum, state.number))
         self.observer.lap(COMM)
         if self.topology.is_distributed:
-            group = self._group if self._group is not None else dist.group.WORLD
+            group = self.axis.group if self.axis.group is not None else dist.group.WORLD
             assert group is not None  # (a distributed job without heal has its default group)
             with self.collective("loss and sample-count all-reduce"):
                 launched = time.perf_counter()

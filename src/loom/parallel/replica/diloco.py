@@ -202,7 +202,7 @@ class DiLoCoJob(ReplicaJob):
         self._sync_group: Any = None
         self._thread: CommThread | None = None
         # its own group: the training thread's collectives may run meanwhile (under heal no exchange overlaps a
-        # step: a round's runs over the epoch's group, `_group`). A topology that brings its own process group
+        # step: a round's runs over the epoch's group, `axis.group`). A topology that brings its own process group
         # (ranks as threads) has no second one: the exchanges share it, right only with no step beside them.
         if topology.is_distributed and self.quorum is None:
             own = topology.process_group
@@ -255,7 +255,7 @@ class DiLoCoJob(ReplicaJob):
         pieces += ([torch.zeros(pad, dtype=torch.float32)] if pad else []) + local[len(held) :]
         flat = flatten(pieces, weight)
         sent_from = [t.detach().clone() for t in local] if overlap else []
-        group = self._sync_group if self._sync_group is not None else self._group
+        group = self._sync_group if self._sync_group is not None else self.axis.group
         if self._fault is not None:  # the other members are inside the exchange by now
             self._fault(self.step, "during")
         args = (flat, self.config.compression, self.allreduce, group)

@@ -104,7 +104,7 @@ class LocalSGDJob(ReplicaJob):
         if self._fault is not None:  # the other members are inside the all-reduce by now
             self._fault(self.step, "during")
         with self.collective("replica average all-reduce"):
-            comm_all_reduce(flat, op="sum", algorithm=self.allreduce, group=self._group)
+            comm_all_reduce(flat, op="sum", algorithm=self.allreduce, group=self.axis.group)
         unflatten_into(flat, tensors)
         self.samples = self.global_samples = 0
         self.averages += 1
