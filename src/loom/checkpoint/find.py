@@ -50,6 +50,11 @@ def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, s
     return name, None
 
 
+def _warn(message: str) -> None:
+    """Warn with `CorruptCheckpointWarning`, attributed two calls above the function calling this one."""
+    warnings.warn(message, CorruptCheckpointWarning, stacklevel=4)
+
+
 def checkpoint_candidates(
     directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
 ) -> tuple[list[Path], list[str]]:
@@ -60,22 +65,14 @@ def checkpoint_candidates(
     checkpoints = list_checkpoints(directory)
     pointer, problem = _pointer_problem(directory, limits)
     if problem is not None:
-        warnings.warn(
-            f"{directory / POINTER_FILE} {problem}; using the newest intact checkpoint",
-            CorruptCheckpointWarning,
-            stacklevel=3,
-        )
+        _warn(f"{directory / POINTER_FILE} {problem}; using the newest intact checkpoint")
     problems: list[str] = []
     candidates = list(checkpoints)
     if pointer is not None:
         newest = int(STEP_NAME.fullmatch(pointer).group(1))  # type: ignore[union-attr]
         if newest not in checkpoints:
             problems.append(f"{directory / POINTER_FILE} names {pointer}, which does not exist")
-            warnings.warn(
-                problems[-1] + "; falling back to an earlier checkpoint",
-                CorruptCheckpointWarning,
-                stacklevel=3,
-            )
+            _warn(problems[-1] + "; falling back to an earlier checkpoint")
         candidates = [s for s in checkpoints if s <= newest]
     return [checkpoints[s] for s in reversed(candidates)], problems
 
@@ -99,11 +96,7 @@ def newest_intact(
             return (checkpoint, *read_checkpoint(checkpoint, limits=limits))
         except CorruptCheckpointError as err:
             problems.append(str(err))
-            warnings.warn(
-                f"checkpoint {checkpoint.name} is damaged: {err}; falling back to an earlier checkpoint",
-                CorruptCheckpointWarning,
-                stacklevel=3,
-            )
+            _warn(f"checkpoint {checkpoint.name} is damaged: {err}; falling back to an earlier checkpoint")
     if not problems:
         return None
     raise no_valid_checkpoint(directory, problems)
