@@ -62,8 +62,9 @@ class CommCounters:
     def __init__(self) -> None:
         # DDP may run communication hooks outside the thread that calls backward, so updates take a lock.
         self._lock = threading.Lock()
-        self._recorded = Traffic()
-        """What `record` added up; the totals add the tallies' (`_traffic`)."""
+        self._recorded = [0, 0, 0, 0]
+        """What `record` added up, field by field as in `Traffic` (added in place: `record` runs at every
+        collective that has no `Tally`); the totals add the tallies' (`_traffic`)."""
         self._ops: dict[str, int] = {}
         self._tallies: list[Tally] = []
 
@@ -72,7 +73,11 @@ class CommCounters:
     ) -> None:
         """Add one call of ``algorithm`` that moved ``sent`` / ``received`` socket bytes (and shm bytes)."""
         with self._lock:
-            self._recorded = self._recorded.plus(Traffic(sent, received, shm_sent, shm_received))
+            recorded = self._recorded
+            recorded[0] += sent
+            recorded[1] += received
+            recorded[2] += shm_sent
+            recorded[3] += shm_received
             self._ops[algorithm] = self._ops.get(algorithm, 0) + 1
 
     def tally(self, algorithm: str, traffic: Traffic) -> Tally:
@@ -127,7 +132,7 @@ class CommCounters:
 
     def reset(self) -> None:
         with self._lock:
-            self._recorded, self._ops = Traffic(), {}
+            self._recorded, self._ops = [0, 0, 0, 0], {}
             for tally in self._tallies:
                 tally.calls = 0
 
