@@ -122,11 +122,11 @@ def check(engine, name: str, metas: dict[int, dict]) -> str | None:
             "allreduce (with zeros from the joined ranks) after hvd.join()"
         )
     ragged = len({len(m["shapes"]) for m in metas.values()}) > 1
-    keys: tuple[str, ...] = ("dtypes", "op", "root", "prescale", "postscale")
-    if ragged or kind in ("allreduce", "broadcast", "reducescatter"):
-        keys += ("shapes",)
-    problem = next(filter(None, map(differ, keys)), None)
-    if problem is None and kind in ("allgather", "alltoall"):
+    same_shapes = ragged or kind in ("allreduce", "broadcast", "reducescatter")
+    for key in ("dtypes", "op", "root", "prescale", "postscale", *(("shapes",) if same_shapes else ())):
+        if problem := differ(key):
+            return problem
+    if kind in ("allgather", "alltoall"):
         for i, shape in enumerate(ref["shapes"]):
             for r in ranks[1:]:
                 other = metas[r]["shapes"][i]
@@ -135,7 +135,7 @@ def check(engine, name: str, metas: dict[int, dict]) -> str | None:
                         f"{kind} {name!r}: tensors must agree in all but the first dimension: rank {first} has "
                         f"shape {shape}, rank {r} has {other}"
                     )
-    return problem
+    return None
 
 
 def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
