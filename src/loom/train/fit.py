@@ -108,8 +108,7 @@ def _validate(
         )
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"loader must be iterable, got {type(loader).__name__}")
-    lacking = _lacking(scheduler, "step", "state_dict", "load_state_dict")
-    if scheduler is not None and lacking:
+    if scheduler is not None and (lacking := _lacking(scheduler, "step", "state_dict", "load_state_dict")):
         raise TypeError(f"lr_scheduler {type(scheduler).__name__} lacks {lacking}; pass a torch LR scheduler")
     if checkpoint_dir is None:
         if async_checkpoint:
