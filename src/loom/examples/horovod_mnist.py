@@ -8,6 +8,9 @@ same options and the same Horovod calls. Two changes, both because this machine 
 scikit-learn's bundled 8x8 digits (1,797 images; 80 % train, 20 % test) instead of downloaded MNIST, and the
 convolutions are sized for 8x8 images. The ``--num-proc`` path through ``horovod.run`` is gone: ``loom run``
 launches. Added: rank 0 prints the training time (for ``python -m loom_bench.horovod_suite --throughput``).
+
+Horovod's defaults were tuned for MNIST's 60,000 images; on 1,437 an epoch is 23 steps, so at ``--lr 0.01`` the
+accuracy climbs slowly (one process here: 41 % after 10 epochs); ``--lr 0.1`` reaches 96 % in 10 epochs.
 """
 
 import argparse
