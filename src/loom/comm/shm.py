@@ -38,7 +38,6 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import struct
 
 import torch
 import torch.distributed as dist
@@ -77,7 +76,7 @@ def _stride(capacity: int) -> int:
 
 
 class Segment:
-    """One mapped segment: a header (magic, token, per-process counter and pid), then one slot per process."""
+    """One mapped segment: a header (magic, sizes, token, per-process counter and pid), then one slot per process."""
 
     def __init__(self, name: str, mm: mmap.mmap, size: int, rank: int, capacity: int) -> None:
         self.name, self.size, self.rank, self.capacity = name, size, rank, capacity
@@ -101,19 +100,14 @@ class Segment:
 
     @classmethod
     def create(cls, size: int, capacity: int) -> Segment:
-        nbytes = _header_bytes(size) + size * _stride(capacity)
-        name, token, mm = create_segment(nbytes, ", or lower loom.comm.shm.MAX_PIECE_BYTES")
-        struct.pack_into("4q", mm, 0, _MAGIC, token, size, capacity)
+        header, hint = (_MAGIC, size, capacity), ", or lower loom.comm.shm.MAX_PIECE_BYTES"
+        name, mm = create_segment(_header_bytes(size) + size * _stride(capacity), header, hint)
         return cls(name, mm, size, 0, capacity)
 
     @classmethod
     def attach(cls, name: str, size: int, rank: int, capacity: int) -> Segment:
         """Map the segment ``name`` that this job's creator announced; refuse anything else under that name."""
-        token, mm = open_segment(name, _header_bytes(size) + size * _stride(capacity))
-        found = struct.unpack_from("4q", mm)
-        if found != (_MAGIC, token, size, capacity):
-            mm.close()
-            raise ValueError(f"segment {name} does not carry this job's header (found {found})")
+        mm = open_segment(name, _header_bytes(size) + size * _stride(capacity), (_MAGIC, size, capacity))
         return cls(name, mm, size, rank, capacity)
 
     def unlink(self) -> None:

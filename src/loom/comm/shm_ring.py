@@ -1,7 +1,7 @@
 """A one-way byte stream between two processes of one host: a ring buffer in a shared-memory segment.
 
-One process writes, one reads (single producer, single consumer). The segment holds a header page (magic, token,
-capacity, the writer's and the reader's pids, two counters: bytes written and bytes read since the start, and
+One process writes, one reads (single producer, single consumer). The segment holds a header page (magic, capacity,
+token, the writer's and the reader's pids, two counters: bytes written and bytes read since the start, and
 two "asleep" flags by which a waiting end asks to be woken (`loom.comm.shm_wait`), each on its own cache line)
 and then the ring of `capacity` bytes. The writer copies into the free part and then advances its counter; the
 reader copies out of the filled part and then advances its own. Each counter has one writer, so no lock is
@@ -26,7 +26,7 @@ __all__ = ["Ring"]
 
 _MAGIC = int.from_bytes(b"LOOMRNG1", "little")
 _HEADER = 4096
-_MAGIC_W, _TOKEN_W, _CAPACITY_W, _WRITER_PID_W, _READER_PID_W = 0, 1, 2, 3, 4
+_WRITER_PID_W, _READER_PID_W = 3, 4  # after the magic, the capacity and the token (`create_segment`)
 _WRITTEN_W = 8  # own 64-byte cache line
 _READ_W = 16  # own 64-byte cache line
 _READER_ASLEEP_W = 24  # set by a reader sleeping until _WRITTEN_W changes (`loom.comm.shm_wait`)
@@ -54,23 +54,16 @@ class Ring:
 
     @classmethod
     def create(cls, capacity: int) -> Ring:
-        name, token, mm = create_segment(_HEADER + capacity)
+        name, mm = create_segment(_HEADER + capacity, (_MAGIC, capacity))
         ring = cls(name, mm, capacity)
-        words = ring.words
-        words[_TOKEN_W], words[_CAPACITY_W], words[_WRITER_PID_W] = token, capacity, os.getpid()
-        words[_MAGIC_W] = _MAGIC
+        ring.words[_WRITER_PID_W] = os.getpid()
         return ring
 
     @classmethod
     def attach(cls, name: str, capacity: int) -> Ring:
         """Map the ring ``name`` that the writer announced, check its header, and remove its name."""
-        token, mm = open_segment(name, _HEADER + capacity, unlink=True)
-        ring = cls(name, mm, capacity)
-        words = ring.words
-        found = (words[_MAGIC_W], words[_TOKEN_W], words[_CAPACITY_W])
-        if found != (_MAGIC, token, capacity):
-            raise ValueError(f"segment {name} does not carry this job's header (found {found})")
-        words[_READER_PID_W] = os.getpid()
+        ring = cls(name, open_segment(name, _HEADER + capacity, (_MAGIC, capacity), unlink=True), capacity)
+        ring.words[_READER_PID_W] = os.getpid()
         return ring
 
     def _reader_asleep(self, flag: int) -> None:

@@ -2,8 +2,8 @@
 
 Used by the all-reduce segment (`loom.comm.shm`) and the message rings (`loom.comm.shm_ring`). A creator makes a
 segment under a fresh random name (``loom-shm-<pid>-<64 random bits>``, ``O_EXCL``, mode 0600) and announces the
-name; the others map it, refusing another name form or size, and the name is unlinked as soon as every user has
-mapped it. From then on the memory exists only in the mappings: the kernel frees it when the last process exits,
+name; the others map it, refusing another name form, size or header, and the name is unlinked as soon as every
+user has mapped it. From then on the memory exists only in the mappings: the kernel frees it when the last process exits,
 normally or killed, and no later job can open it. A process killed inside the short create-to-unlink window
 leaves the name behind; the next creator removes such names once their creator pid is dead and they are older
 than `STALE_AFTER_S`.
@@ -15,6 +15,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import struct
 import time
 from pathlib import Path
 
@@ -27,9 +28,10 @@ PREFIX = "loom-shm-"
 STALE_AFTER_S = 60.0
 
 
-def create_segment(nbytes: int, hint: str = "") -> tuple[str, int, mmap.mmap]:
-    """A new segment of ``nbytes`` under a fresh random name (``O_EXCL``, mode 0600), after sweeping stale names:
-    (name, its token, the mapping). ``hint`` ends the error message of a full /dev/shm."""
+def create_segment(nbytes: int, header: tuple[int, ...], hint: str = "") -> tuple[str, mmap.mmap]:
+    """A new segment of ``nbytes`` under a fresh random name (``O_EXCL``, mode 0600), after sweeping stale names,
+    starting with the int64 words of ``header`` and the name's token: (name, the mapping). ``hint`` ends the
+    error message of a full /dev/shm."""
     _sweep_stale()
     token = secrets.randbits(63)
     name = f"{PREFIX}{os.getpid()}-{token:016x}"
@@ -38,7 +40,9 @@ def create_segment(nbytes: int, hint: str = "") -> tuple[str, int, mmap.mmap]:
     try:
         # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS on first touch.
         os.posix_fallocate(fd, 0, nbytes)
-        return name, token, mmap.mmap(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+        struct.pack_into(f"{len(header) + 1}q", mm, 0, *header, token)
+        return name, mm
     except OSError as error:
         path.unlink(missing_ok=True)
         raise OSError(
@@ -49,9 +53,10 @@ def create_segment(nbytes: int, hint: str = "") -> tuple[str, int, mmap.mmap]:
         os.close(fd)
 
 
-def open_segment(name: str, nbytes: int, unlink: bool = False) -> tuple[int, mmap.mmap]:
-    """Map the segment ``name`` a creator announced, refusing another name form or size: (its token, the
-    mapping). ``unlink``: remove the name once opened (or failed to), as the last process to map it."""
+def open_segment(name: str, nbytes: int, header: tuple[int, ...], unlink: bool = False) -> mmap.mmap:
+    """Map the segment ``name`` a creator announced, refusing another name form, size or header (``header`` and
+    the name's token, as `create_segment` wrote them). ``unlink``: remove the name once opened (or failed to),
+    as the last process to map it."""
     if not name.startswith(PREFIX) or "/" in name:
         raise ValueError(f"{name!r} is not the name of a loom shared-memory segment")
     path = SHM_DIR / name
@@ -60,7 +65,12 @@ def open_segment(name: str, nbytes: int, unlink: bool = False) -> tuple[int, mma
         found = os.fstat(fd).st_size
         if found != nbytes:
             raise ValueError(f"segment {name} has {found} bytes, expected {nbytes}")
-        return int(name.rsplit("-", 1)[1], 16), mmap.mmap(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+        words = struct.unpack_from(f"{len(header) + 1}q", mm)
+        if words != (*header, int(name.rsplit("-", 1)[1], 16)):
+            mm.close()
+            raise ValueError(f"segment {name} does not carry this job's header (found {words})")
+        return mm
     finally:
         os.close(fd)
         if unlink:
