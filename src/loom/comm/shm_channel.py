@@ -161,9 +161,10 @@ class ShmReceiver:
         self._budget = SpinBudget()
         self.received = 0
 
-    def _read_rest(self, addr: int, n: int, done: int, what: str) -> None:
-        """Wait for and copy the bytes ``done:n`` of a read that `Ring.get` left short."""
+    def _read(self, addr: int, n: int, what: str) -> None:
+        """Copy ``n`` bytes out of the ring to address ``addr``, waiting for those not there yet."""
         ring = self.ring
+        done = ring.get(addr, n)
         while done < n:
             wait_until(
                 ring.readable, me=f"rank {self.rank}", peer=f"rank {self.peer}", pid=ring.writer_pid, progress=progress,
@@ -205,30 +206,23 @@ class ShmReceiver:
                 ring.skip(len(raw))
                 return raw
         scratch = self._scratch_addr
-        done = ring.get(scratch, 8)
-        if done < 8:
-            self._read_rest(scratch, 8, done, what)
+        self._read(scratch, 8, what)
         count = self._count.value
         if not 0 < count < _MAX_WORDS:
             raise RuntimeError(
                 f"rank {self.rank}: corrupt message header from rank {self.peer} ({count} words)"
             )
-        done = ring.get(scratch + 8, 8 * count)
-        if done < 8 * count:
-            self._read_rest(scratch + 8, 8 * count, done, what)
+        self._read(scratch + 8, 8 * count, what)
         return ctypes.string_at(scratch, 8 + 8 * count)
 
     def recv(self, device: torch.device | None = None, what: str = "a message") -> list[torch.Tensor]:
         """The next message's tensors (on ``device``, default CPU)."""
         self.received += 1
-        ring, out = self.ring, []
+        out = []
         for shape, dtype, nbytes in self._spec(self._header(what)):
             t = torch.empty(shape, dtype=dtype)
             if nbytes:
-                addr = t.data_ptr()
-                done = ring.get(addr, nbytes)
-                if done < nbytes:
-                    self._read_rest(addr, nbytes, done, what)
+                self._read(t.data_ptr(), nbytes, what)
             out.append(t)
         if device is not None and device.type != "cpu":
             out = [t.to(device) for t in out]
