@@ -52,11 +52,9 @@ __all__ = [
     "Transfer",
     "all_reduce_ring",
     "exchange_schedule",
-    "plan",
     "reduce_around",
     "ring_schedule",
     "run_ring",
-    "scratch_size",
 ]
 
 SEGMENT_BYTES = 8 << 20
@@ -104,8 +102,8 @@ def ring_schedule(
     """The transfers of rank ``position`` of a ring of ``size`` for ``flat``, and the window to run them with.
 
     Every rank cuts chunk c into the same segments (they depend only on the chunk's length), so transfer k of
-    rank r sends exactly what transfer k of rank r+1 receives. ``scratch`` (``window * longest segment``
-    elements, see `scratch_size`) receives the reduce-scatter's segments in rotation; None allocates it.
+    rank r sends exactly what transfer k of rank r+1 receives. ``scratch`` (``window`` longest segments, as
+    `reduce_around` sizes it) receives the reduce-scatter's segments in rotation; None allocates it.
     """
     bounds = [i * flat.numel() // size for i in range(size + 1)]
     chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(size)]
@@ -151,14 +149,6 @@ def _shape(flat: torch.Tensor, size: int, segment_bytes: int, window: int) -> tu
     chunk_bytes = longest_chunk * flat.element_size()
     segments = max(-(-chunk_bytes // segment_bytes), 2 if 2 * chunk_bytes >= segment_bytes else 1)
     return segments, max(1, min(window, segments)), -(-longest_chunk // segments)
-
-
-def scratch_size(
-    flat: torch.Tensor, size: int, segment_bytes: int = SEGMENT_BYTES, window: int = WINDOW
-) -> int:
-    """Elements of scratch `ring_schedule` needs for ``flat`` on a ring of ``size``."""
-    _, window, longest = _shape(flat, size, segment_bytes, window)
-    return window * longest
 
 
 def run_ring(
@@ -240,20 +230,19 @@ def reduce_around(
 ) -> tuple[int, int]:
     """`run_ring` for ring member ``position`` of ``members`` (ranks in ``group``, in ring order):
     over loom's links when `TRANSPORT` allows and the ring can have them (made on first use, a collective of
-    the ring), else over gloo; ``op`` is not avg. Returns (bytes sent, bytes received)."""
+    the ring), else over gloo; ``op`` is not avg. Returns (bytes sent, bytes received).
+
+    The schedule, in this thread's scratch buffer: one exchange for two members and a small tensor, else the
+    pipelined ring, in segments sized for the transport (the same on every member: the ring has links
+    everywhere or nowhere)."""
     size = len(members)
     link = ring_link(group, members, position, flat) if TRANSPORT == "links" else None
-    transfers, window = plan(flat, position, size, link)
+    if size == 2 and flat.nbytes < EXCHANGE_BELOW_BYTES:
+        transfers, window = exchange_schedule(flat, scratch_buffer(flat.numel(), flat.dtype, flat.device))
+    else:
+        segment_bytes = LINK_SEGMENT_BYTES if link else SEGMENT_BYTES
+        _, window, longest = _shape(flat, size, segment_bytes, WINDOW)
+        scratch = scratch_buffer(window * longest, flat.dtype, flat.device)
+        transfers, window = ring_schedule(flat, position, size, scratch, segment_bytes)
     right, left = members[(position + 1) % size], members[(position - 1) % size]
     return run_ring(transfers, window, op, right, left, group, divide_by, link)
-
-
-def plan(flat: torch.Tensor, position: int, size: int, link: RingLink | None) -> tuple[list[Transfer], int]:
-    """The transfers (and window) of ring member ``position`` of ``size`` for ``flat``, in this thread's
-    scratch buffer: one exchange for two members and a small tensor, else the pipelined ring, in segments
-    sized for the transport (the same on every member: the ring has links everywhere or nowhere)."""
-    if size == 2 and flat.nbytes < EXCHANGE_BELOW_BYTES:
-        return exchange_schedule(flat, scratch_buffer(flat.numel(), flat.dtype, flat.device))
-    segment_bytes = LINK_SEGMENT_BYTES if link else SEGMENT_BYTES
-    scratch = scratch_buffer(scratch_size(flat, size, segment_bytes), flat.dtype, flat.device)
-    return ring_schedule(flat, position, size, scratch, segment_bytes)
