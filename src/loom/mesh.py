@@ -16,7 +16,6 @@ globals; the mesh is handed to strategies explicitly.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,12 +94,9 @@ class MeshShape:
         if axis == REPLICA:
             per_replica = self.pp * self.tp
             return [list(range(d * per_replica, (d + 1) * per_replica)) for d in range(self.dp)]
-        others = [a for a in AXES if a != _check_axis(axis)]
-        out = []
-        for fixed in itertools.product(*(range(self.size(a)) for a in others)):
-            base = dict(zip(others, fixed, strict=True))
-            out.append([self.rank_at(**{**base, axis: i}) for i in range(self.size(axis))])
-        return out
+        # each group once, from its first member (the one at index 0 on the axis), in rank order
+        first = [r for r in range(self.world_size) if self.coordinates(r)[_check_axis(axis)] == 0]
+        return [self.ranks_along(axis, r) for r in first]
 
 
 def _check_axis(axis: str) -> str:
