@@ -192,15 +192,14 @@ class Zygote:
         limit = setting("LOOM_ZYGOTE_READY_S")
         began = time.monotonic()
         with self._changed:
-            while not (self._ready or self._dead):
+            while not self._changed.wait_for(
+                lambda: self.settled, min(NOTICE_S, began + limit - time.monotonic())
+            ):
                 waited = time.monotonic() - began
                 if waited >= limit:
                     break
-                if not self._changed.wait(timeout=min(NOTICE_S, limit - waited)) and not self._ready:
-                    waited = time.monotonic() - began
-                    if waited < limit:
-                        _say(f"waiting for the zygote (pid {self._pid()}) to import torch and loom before "
-                             f"starting {what} ({waited:.0f} s so far, load average {_load()})")  # fmt: skip
+                _say(f"waiting for the zygote (pid {self._pid()}) to import torch and loom before starting {what} "
+                     f"({waited:.0f} s so far, load average {_load()})")  # fmt: skip
             if self._ready or self._dead:
                 return not self._dead
             self._dead = True
@@ -216,10 +215,9 @@ class Zygote:
         so giving up on it would start a second process for the rank); {} when the zygote died."""
         began = time.monotonic()
         with self._changed:
-            while ident not in self._replies and not self._dead:
-                if not self._changed.wait(timeout=NOTICE_S) and ident not in self._replies:
-                    _say(f"waiting for the zygote (pid {self._pid()}) to fork {what} "
-                         f"({time.monotonic() - began:.0f} s so far, load average {_load()})")  # fmt: skip
+            while not self._changed.wait_for(lambda: ident in self._replies or self._dead, NOTICE_S):
+                _say(f"waiting for the zygote (pid {self._pid()}) to fork {what} "
+                     f"({time.monotonic() - began:.0f} s so far, load average {_load()})")  # fmt: skip
             return self._replies.pop(ident, {})
 
     def _pid(self) -> int | str:
