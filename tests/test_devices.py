@@ -94,14 +94,14 @@ def test_loom_run_refuses_minus_n_above_the_gpus_with_one_line(monkeypatch, caps
     from loom import cli
 
     monkeypatch.setattr(devices, "visible_gpus", lambda: 1)
-    ns = argparse.Namespace(device="auto", share_gpus=False)
-    assert cli._device_env(ns, 4) == (
+    monkeypatch.delenv("LOOM_DEVICE", raising=False)  # auto
+    assert cli.main(["run", "-n", "4", "train.py"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
         "loom run: 4 processes on this host but 1 GPU(s): NCCL gives each process its own GPU. HINT: "
         "`loom run -n 1`, or `--device cpu` to train on the CPU, or `--share-gpus` to put several processes on one "
         "GPU (collectives over gloo)"
     )
-    ns = argparse.Namespace(device="cpu", share_gpus=False)
-    assert cli._device_env(ns, 4) is None
+    cli._device_env(argparse.Namespace(device="cpu", share_gpus=False), 4)  # not refused
 
 
 def test_a_model_on_the_jobs_device_is_left_where_it_is_silently(capsys):

@@ -147,22 +147,17 @@ def _add_run_parser(sub) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def _device_env(ns: argparse.Namespace, nproc: int | None) -> str | None:
+def _device_env(ns: argparse.Namespace, nproc: int | None) -> None:
     """Hand ``--device`` and ``--share-gpus`` to the workers (LOOM_DEVICE, LOOM_SHARE_GPUS) and refuse, before
-    anything starts, more workers on this host than its GPUs (`loom.devices.check_gpu_count`); the error line, or
-    None."""
+    anything starts, more workers on this host than its GPUs (`loom.devices.check_gpu_count`: `ValueError`)."""
     from loom.devices import check_gpu_count
 
     if ns.device is not None:  # else the workers read LOOM_DEVICE as the launcher found it (checked already)
         os.environ["LOOM_DEVICE"] = ns.device
     if ns.share_gpus:
         os.environ["LOOM_SHARE_GPUS"] = "1"
-    try:
-        if nproc is not None:
-            check_gpu_count(nproc, ns.device)
-    except ValueError as error:
-        return f"loom run: {error}"
-    return None
+    if nproc is not None:
+        check_gpu_count(nproc, ns.device)
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
@@ -176,9 +171,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if errors:
         return refuse("\n".join(f"loom run: {line}" for line in errors))
     elsewhere = ns.backend == "ray" or ns.cluster or ns.host_index is not None  # not -n workers here
-    refused = _device_env(ns, None if elsewhere else ns.nproc)
-    if refused is not None:
-        return refuse(refused)
+    try:
+        _device_env(ns, None if elsewhere else ns.nproc)
+    except ValueError as error:
+        return refuse(f"loom run: {error}")
     if ns.max_server_restarts is not None and elsewhere:
         return refuse("loom run: --max-server-restarts applies to the parameter servers of a one-node `loom run "
                         "--servers K`; the servers of --backend ray and of --cluster hosts are not restarted yet. "
