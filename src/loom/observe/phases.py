@@ -156,14 +156,12 @@ class StepObserver:
 
     def register_comm_hook(self, ddp: Any, hook: Callable | None) -> None:
         """Register ``hook`` (None: the native all-reduce) on ``ddp``, wrapped to time each gradient bucket."""
-        if not self.enabled:
-            if hook is not None:
-                ddp.register_comm_hook(ddp.process_group, hook)
+        if hook is None:
+            if self.enabled:  # traced or not: observing never changes the path it observes
+                self._watch_gradients(ddp.module)
             return
-        if hook is None:  # traced or not: observing never changes the path it observes
-            self._watch_gradients(ddp.module)
-            return
-        ddp.register_comm_hook(ddp.process_group, self._timed(hook, estimate=False))  # they count their bytes
+        # loom's hooks count their own bytes: the timed one estimates none
+        ddp.register_comm_hook(ddp.process_group, self._timed(hook) if self.enabled else hook)
 
     def _watch_gradients(self, module: torch.nn.Module, first: int = 4) -> None:
         """Native all-reduce: keep DDP's built-in (C++) all-reduce (the module docstring). Gradient computation
@@ -178,7 +176,7 @@ class StepObserver:
         for p in params[:first]:
             p.register_post_accumulate_grad_hook(ready)
 
-    def _timed(self, inner: Callable, estimate: bool) -> Callable:
+    def _timed(self, inner: Callable) -> Callable:
         # Unannotated on purpose: DDP rejects string annotations (this module uses postponed evaluation).
         def timed_hook(state, bucket):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
@@ -186,14 +184,11 @@ class StepObserver:
             returned = time.perf_counter()
             self._hook_s += returned - start
             self._last_hook_end = returned
-            nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
             self._seq += 1
-            seq, step, tracing = self._seq, self._step, self._tracing
-            if estimate:
-                self._estimated += ring_bytes(nbytes, self.world_size)
-
-            if not tracing or self.trace is None:
+            seq, step = self._seq, self._step
+            if not self._tracing or self.trace is None:
                 return future
+            nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
 
             def done(fut: torch.futures.Future) -> torch.Tensor:
                 self.trace.collective("all_reduce grad bucket", seq, start, time.perf_counter(), step, nbytes)  # type: ignore[union-attr]
