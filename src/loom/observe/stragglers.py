@@ -94,24 +94,19 @@ class StragglerDetector:
         self.world_size = world_size
         self.config = config if config is not None else StragglerConfig()
         self._flagged: set[tuple[int, str]] = set()
-        self.warnings: list[StragglerWarning] = []
-        """Every warning raised so far."""
         self.slowest: tuple[int, str, float] | None = None
         """(rank, phase, seconds over the median busy time) over the window at the last judgement."""
 
-    def judge(self, step: int, means: Sequence[Sequence[float]], full: bool = True) -> list[StragglerWarning]:
+    def judge(self, step: int, means: Sequence[Sequence[float]]) -> list[StragglerWarning]:
         """Judge one table of every rank's typical phase times (row r: rank r's median data, compute, comm,
-        optimizer seconds over a window, as `loom.observe.straggler_watch` summarizes it on each rank); ``full``:
-        the window is complete (before that only ``slowest`` is updated)."""
+        optimizer seconds over a full window, as `loom.observe.straggler_watch` summarizes it on each rank)."""
         n = self.config.window
         medians = [median(m[p] for m in means) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]
         median_busy = median(busy)
         slow = max(range(self.world_size), key=lambda r: busy[r])
         self.slowest = (slow, _slowest_phase(means[slow], medians), busy[slow] - median_busy)
-        if not full or self.world_size < 2:
-            return []
-        new = []
+        new = []  # one rank alone is its own median: never above it
         for rank in range(self.world_size):
             suspects = []  # (phase, the rank's seconds, the median's)
             if _exceeds(busy[rank], median_busy, self.config):
@@ -124,7 +119,6 @@ class StragglerDetector:
                     new.append(StragglerWarning(step, rank, phase, rank_s, median_s, n))
             if not suspects:  # recovered: re-arm its warnings
                 self._flagged = {f for f in self._flagged if f[0] != rank}
-        self.warnings.extend(new)
         return new
 
 
