@@ -18,10 +18,11 @@ docs/settings.md); its absolute floor keeps microsecond jitter on tiny steps fro
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import median
+
+from loom.settings import setting
 
 __all__ = ["PHASES", "StragglerConfig", "StragglerDetector", "StragglerWarning"]
 
@@ -50,16 +51,13 @@ class StragglerConfig:
 
     @classmethod
     def from_env(cls) -> StragglerConfig:
-        """Defaults overridden by ``LOOM_STRAGGLER_MARGIN``, ``LOOM_STRAGGLER_WINDOW``, ``LOOM_STRAGGLER_MIN_MS``."""
-        env = os.environ
-        try:
-            return cls(
-                margin=float(env.get("LOOM_STRAGGLER_MARGIN", cls.margin)),
-                window=int(env.get("LOOM_STRAGGLER_WINDOW", cls.window)),
-                min_excess_s=float(env.get("LOOM_STRAGGLER_MIN_MS", cls.min_excess_s * 1e3)) / 1e3,
-            )
-        except ValueError as error:
-            raise ValueError(f"{error}. HINT: check the LOOM_STRAGGLER_* environment variables") from None
+        """``LOOM_STRAGGLER_MARGIN``, ``LOOM_STRAGGLER_WINDOW`` and ``LOOM_STRAGGLER_MIN_MS`` as `loom.settings`
+        reads them (with this class's defaults; a bad value is refused there, naming the variable and the fix)."""
+        return cls(
+            setting("LOOM_STRAGGLER_MARGIN"),
+            setting("LOOM_STRAGGLER_WINDOW"),
+            setting("LOOM_STRAGGLER_MIN_MS") / 1e3,
+        )
 
 
 @dataclass(frozen=True)
