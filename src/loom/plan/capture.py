@@ -144,7 +144,12 @@ def capture_script(script: str | Path, args: tuple[str, ...] = ()) -> CapturedSc
         ) from error
     finally:
         sys.argv = argv
-        _leave_group_of_one()
+        # undo what the script's loom.init() started here (a group of one), so that planning leaves no global
+        # state behind; under loom run, where the planner's trials join a real job, nothing
+        from loom.topology import current, shutdown
+
+        if current().world_size == 1:
+            shutdown()
     if not found:
         raise ScriptCaptureError(
             f"{path} built no model: it never called strategy.setup(model, optimizer, loss_fn). HINT: loom plan "
@@ -154,12 +159,3 @@ def capture_script(script: str | Path, args: tuple[str, ...] = ()) -> CapturedSc
         f"{path} called {found[-1].strategy}.setup(...) but never job.loader(dataset, global_batch_size): loom "
         "plan learns the data and the global batch size from it. HINT: build the loader with job.loader(...)"
     )
-
-
-def _leave_group_of_one() -> None:
-    """Undo what the script's ``loom.init()`` started in this process (a process group of one), so that planning
-    leaves no global state behind; a no-op under ``loom run``, where the planner's trials join a real job."""
-    from loom.topology import current, shutdown
-
-    if current().world_size == 1:
-        shutdown()
