@@ -75,12 +75,6 @@ class _Rank:
         return f"worker rank {self.name.removeprefix('rank')}"
 
 
-@dataclass
-class _Attempt:
-    failure: str | None = None
-    results: dict[int, bytes | None] = field(default_factory=dict)
-
-
 class _Job:
     def __init__(self, config, work: WorkerSpec) -> None:
         import ray
@@ -199,11 +193,11 @@ class _Job:
         self._started(self.servers, starts)
 
     # -- one attempt ------------------------------------------------------------------------------------------
-    def attempt(self, attempt: int) -> _Attempt:
+    def attempt(self, attempt: int) -> tuple[str | None, dict[int, bytes | None]]:
+        """Run one attempt; returns its failure (None: it succeeded) and each rank's result."""
         self._wait_placed()
         ranks = self._place_workers()
         nodes = len({r.where["node_id"] for r in ranks})
-        outcome = _Attempt()
         try:
             starts = [
                 self._start(r, self.work.argv, self._rank_env(i, r, attempt, nodes),
@@ -211,11 +205,10 @@ class _Job:
                 for i, r in enumerate(ranks)
             ]  # fmt: skip
             self._started(ranks, starts)
-            outcome.failure = self._watch(ranks)
-            outcome.results = {i: r.result for i, r in enumerate(ranks)}
+            failure = self._watch(ranks)
+            return failure, {i: r.result for i, r in enumerate(ranks)}
         finally:
             self._stop(ranks)
-        return outcome
 
     def _poll(self, procs: list[_Rank], stopping: bool = False) -> str | None:
         """One poll of every process not done yet; returns the failure to `blame`, if any. A lost parameter
@@ -329,20 +322,20 @@ def run_job(config, work: WorkerSpec) -> dict[int, bytes | None]:
             job.start_servers()
             attempt = 0
             while True:
-                outcome = job.attempt(attempt)
-                if outcome.failure is None:
+                failure, results = job.attempt(attempt)
+                if failure is None:
                     print(f"loom: finished on Ray in {time.monotonic() - started:.1f} s: {config.num_workers} "
                           f"worker(s), {attempt} restart(s); logs and metrics in {job.run_dir}", file=sys.stderr)  # fmt: skip
-                    return outcome.results
+                    return results
                 if attempt >= config.max_failures:
                     raise RayJobFailed(
-                        f"{outcome.failure}; "
+                        f"{failure}; "
                         + (f"no restart left (max_failures={config.max_failures}). " if config.max_failures
                            else "")
                         + f"Logs are in {job.run_dir / 'logs'}"
                     )  # fmt: skip
                 attempt += 1
-                print(f"loom: {outcome.failure}; replacing the worker group (restart {attempt} of "
+                print(f"loom: {failure}; replacing the worker group (restart {attempt} of "
                       f"{config.max_failures}), resuming from the latest checkpoint", file=sys.stderr, flush=True)  # fmt: skip
         finally:
             job.close()

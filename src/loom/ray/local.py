@@ -74,7 +74,7 @@ class _ProcessState:
         sys.excepthook = self.excepthook
 
 
-def connect(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None) -> RayConnection:
+def connect(address: str | None, num_cpus: int | None = None) -> RayConnection:
     """Attach to Ray: reuse this process's connection, join the cluster at ``address`` or ``RAY_ADDRESS``
     (``"auto"``: the one this node belongs to), or start a local instance with ``num_cpus`` CPUs (see the module
     docstring) -- a new one, never a ``ray start`` instance found on this machine."""
@@ -97,10 +97,10 @@ def connect(address: str | None, num_cpus: int | None = None, temp_dir: str | No
             saved.restore()
             raise
         return RayConnection(True, False, None, saved)
-    return _start_local(num_cpus, temp_dir, saved)
+    return _start_local(num_cpus, saved)
 
 
-def _start_local(num_cpus: int | None, temp_dir: str | None, saved: _ProcessState) -> RayConnection:
+def _start_local(num_cpus: int | None, saved: _ProcessState) -> RayConnection:
     import ray
     from ray._private import ray_constants
 
@@ -119,7 +119,6 @@ def _start_local(num_cpus: int | None, temp_dir: str | None, saved: _ProcessStat
             num_cpus=num_cpus,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
-            _temp_dir=temp_dir,
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
