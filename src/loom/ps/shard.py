@@ -121,12 +121,6 @@ class ModelShard:
             groups = [{"params": [torch.zeros(0, requires_grad=True)]}]
         return cls(groups)
 
-    def set_learning_rates(self, lrs: Any) -> None:
-        """Set each param group's ``lr`` from a push: ``lrs[g]`` for the user's group ``g`` (a scheduler ran)."""
-        self.check_learning_rates(lrs)
-        for group, index in zip(self.optimizer.param_groups, self._group_index, strict=False):
-            group["lr"] = float(lrs[index])
-
     def check_learning_rates(self, lrs: Any) -> None:
         """Validate a push's ``lrs``: one finite number >= 0 per param group."""
         n = len(self.settings.groups)
@@ -184,9 +178,11 @@ class ModelShard:
 
     def apply(self, pushes: list[dict[str, torch.Tensor]], lrs: list[float] | None = None) -> None:
         """One optimizer step on the sum of ``pushes`` (summed in the order given; one push in async/ssp), at the
-        learning rates ``lrs`` (one per param group) when given."""
+        learning rates ``lrs`` (``lrs[g]`` for the user's param group ``g``: a scheduler ran) when given."""
         if lrs is not None:
-            self.set_learning_rates(lrs)
+            self.check_learning_rates(lrs)
+            for group, user_group in zip(self.optimizer.param_groups, self._group_index, strict=False):
+                group["lr"] = float(lrs[user_group])
         for pid, param in self.params.items():
             piece = self.pieces[pid]
             grads = [p[f"g{pid}"] for p in pushes if f"g{pid}" in p]
