@@ -40,10 +40,9 @@ ARRIVING_S = 1.0
 
 
 class ServerLink:
-    """One connection to one server: session, sequence numbers, the server's epoch, byte counters."""
+    """One connection to one server: session, sequence numbers, the server's epoch, frames dropped."""
 
-    def __init__(self, context: zmq.Context, index: int, address: str, secret: bytes, limits: WireLimits):
-        self.index = index
+    def __init__(self, context: zmq.Context, address: str, secret: bytes, limits: WireLimits):
         self.address = address
         self.secret = secret
         self.limits = limits
@@ -63,11 +62,12 @@ class ServerLink:
         self.session = int.from_bytes(os.urandom(8), "little") | 1
         self.seq = 0
         self.epoch = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self.dropped = 0
 
-    def send(self, kind: MessageType, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> int:
+    def send(
+        self, kind: MessageType, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None
+    ) -> tuple[int, int]:
+        """Send one frame; returns its sequence number and the bytes handed to ZeroMQ (0: none, see below)."""
         self.seq += 1
         epoch = 0 if kind == MessageType.HELLO else self.epoch
         data = encode(
@@ -75,9 +75,7 @@ class ServerLink:
         )
         # A connection refused at its handshake (a wrong job secret) has no pipe: sending would block. What is
         # not sent is resent after the request's attempt window, then given up on.
-        if send_frame(self.socket, self.chunk_key, data):
-            self.bytes_sent += len(data)
-        return self.seq
+        return self.seq, len(data) if send_frame(self.socket, self.chunk_key, data) else 0
 
     def receive(self, seqs: set[int]) -> Frame | None:
         """A reply to one of the requests ``seqs`` (sends of one request) if waiting; others are dropped."""
@@ -93,7 +91,6 @@ class ServerLink:
             data = self.inbox.receive(b"", chunk.buffer, time.monotonic())
             if data is None:
                 continue
-            self.bytes_received += len(data)
             try:
                 frame = decode(self.secret, data, self.limits)
             except FrameDropped:
@@ -130,8 +127,8 @@ class PSClient:
         self.limits = limits or WireLimits()
         self.links: list[ServerLink] = []
         try:
-            for i, address in enumerate(addresses):
-                self.links.append(ServerLink(self.context, i, address, secret, self.limits))
+            for address in addresses:
+                self.links.append(ServerLink(self.context, address, secret, self.limits))
         except BaseException:  # an address that cannot be reached: leave no socket behind
             self.close()
             raise
@@ -211,13 +208,11 @@ class PSClient:
         return frame
 
     def _send(self, server: int, kind: MessageType, meta, tensors) -> int:
-        link = self.links[server]
-        before = link.bytes_sent
-        seq = link.send(kind, meta, tensors)
-        self._count(kind, link.bytes_sent - before, 0)
+        seq, sent = self.links[server].send(kind, meta, tensors)
+        self._count(kind, sent, 0)
         return seq
 
-    def _rehello(self, server: int, timeout_s: float, waiting: set[int] | None = None) -> bool | Frame:
+    def _rehello(self, server: int, timeout_s: float, waiting: set[int]) -> bool | Frame:
         """Greet ``server`` again (every 0.5 s until it answers or ``timeout_s`` passes): learn its epoch, and
         record a restart when the epoch changed. Returns whether it answered, or the answer to one of the
         requests ``waiting`` (sequence numbers) if that comes in first (it was late, not lost)."""
@@ -230,8 +225,8 @@ class PSClient:
                 seqs.add(self._send(server, MessageType.HELLO, {}, None))
                 resend_at = now + 0.5
             if link.socket.poll(int(max(1, (min(end, resend_at) - now) * 1000))):
-                frame = link.receive(seqs | (waiting or set()))
-                if frame is not None and frame.seq in (waiting or ()):
+                frame = link.receive(seqs | waiting)
+                if frame is not None and frame.seq in waiting:
                     return frame
                 if frame is not None:
                     if link.epoch and frame.epoch != link.epoch:
