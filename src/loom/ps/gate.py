@@ -27,18 +27,11 @@ has arrived. Three mechanisms bound what a peer can make a receiver hold before 
 
 A forged open chunk costs the receiver one short HMAC; its data chunks are dropped unhashed as orphans.
 
-Limit: ZeroMQ itself keeps every part of a *multipart* ZeroMQ message until its last part arrives (libzmq has no
-option to refuse multipart input), so a peer that passed the handshake and writes raw ZMTP frames with the MORE
-flag set can make a server buffer without bound, below the level where `Inbox` sees anything. Binding the token
-to the client's address leaves that to a process on a worker's own host that learns that host's token: by
-reading its traffic (root), or by listening on a server's port while the server is not and taking the token
-from a worker's handshake, since a client does not authenticate its server before PLAIN sends the token. Under
-``loom run --servers`` the launcher holds every server's port from the start and across restarts
-(`loom.launch.servers`), which closes the second way there; servers of ``--cluster`` hosts, of the Ray backend
-and those started by hand bind their own ports, so a local user who takes such a port first (or while the server
-is down) can. The same process can make a worker buffer a never-ended message. Closing it entirely needs the
-client to authenticate the server first (CURVE with keys derived from the secret, at its cost) or a transport
-other than libzmq's.
+Limit (who can use it, and where loom closes part of it: docs/security.md): libzmq keeps every part of a
+*multipart* message until its last part arrives and has no option to refuse multipart input, so a peer past the
+handshake that writes raw ZMTP frames with the MORE flag set can make a server, or a worker, buffer without bound,
+below the level where `Inbox` sees anything. Closing it entirely needs the client to authenticate the server
+first (CURVE with keys derived from the secret, at its cost) or a transport other than libzmq's.
 """
 
 from __future__ import annotations
