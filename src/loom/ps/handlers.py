@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safetensors import SafetensorError
+
 from loom.ps.plan import Piece
 from loom.ps.shard import ModelShard, ShardSettings
 from loom.ps.wire import DropCounters, Frame, MessageType
@@ -43,8 +45,8 @@ class _Parked:
 
 
 class RequestHandlers(abc.ABC):
-    """The models a server holds and the requests on them; `loom.ps.server.ParameterServerProcess` supplies the
-    transport (`_reply`, `_error`), the log and the checkpoint schedule (`_save_shard`, `_save_if_due`)."""
+    """The models a server holds, their checkpoints and the requests on them;
+    `loom.ps.server.ParameterServerProcess` supplies the transport (`_reply`, `_error`)."""
 
     config: ServerConfig
     counters: DropCounters
@@ -57,22 +59,58 @@ class RequestHandlers(abc.ABC):
     """Per model, the tokens of the last RESTOREs applied (a repeat is answered, not applied again)."""
 
     @abc.abstractmethod
-    def log(self, text: str) -> None: ...
-
-    @abc.abstractmethod
     def _reply(self, identity: bytes, frame: Frame, meta: dict[str, Any], tensors=None) -> None: ...
 
     @abc.abstractmethod
     def _error(self, identity: bytes, frame: Frame, message: str) -> None: ...
 
-    @abc.abstractmethod
-    def checkpoint(self) -> list[str]: ...
+    # -- the log and the checkpoints (the schedule: `loom.ps.server`) ------------------------------------------
+    def log(self, text: str) -> None:
+        print(f"loom.ps.server[{self.config.index}]: {text}", flush=True)
 
-    @abc.abstractmethod
-    def _save_shard(self, shard: ModelShard) -> Path | None: ...
+    @property
+    def shard_dir(self) -> Path | None:
+        base = self.config.checkpoint_dir
+        return None if base is None else base / f"server{self.config.index}"
 
-    @abc.abstractmethod
-    def _save_if_due(self, shard: ModelShard, now: float) -> None: ...
+    def checkpoint(self) -> list[str]:
+        """Save every model now; returns the files written."""
+        saved = (self._save_shard(shard) for shard in self.models.values())
+        return [str(path) for path in saved if path is not None]
+
+    def _save_shard(self, shard: ModelShard) -> Path | None:
+        """Save one model; a failure (disk full, permissions) is logged, not raised: training goes on without
+        the protection, and the log says so once (and again when saving works again)."""
+        if self.shard_dir is None:
+            return None
+        started = time.monotonic()
+        try:
+            path = shard.save(self.shard_dir)
+        except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
+            if shard.save_error is None:
+                self.log(f"model {shard.name!r}: could not save its checkpoint into {self.shard_dir}: {error}; "
+                         "training goes on, but a restart of this server would lose the updates since the "
+                         "last save")  # fmt: skip
+            shard.save_error = str(error)
+            return None
+        if shard.save_error is not None:
+            self.log(f"model {shard.name!r}: saving works again")
+            shard.save_error = None
+        shard.save_seconds = time.monotonic() - started
+        shard.saved_at = time.monotonic()
+        shard.unsaved = 0
+        return path
+
+    def _save_if_due(self, shard: ModelShard, now: float) -> None:
+        """Save ``shard`` if its schedule says so (see `loom.ps.server`)."""
+        settings = shard.settings
+        if not shard.unsaved or self.shard_dir is None:
+            return
+        by_count = 0 < settings.checkpoint_every <= shard.unsaved
+        interval = max(settings.checkpoint_interval_s, 20.0 * shard.save_seconds)
+        by_time = settings.checkpoint_interval_s > 0 and now - shard.saved_at >= interval
+        if by_count or by_time:
+            self._save_shard(shard)
 
     def _model(self, frame: Frame) -> tuple[str, ModelShard, int]:
         name = frame.meta.get("ns")

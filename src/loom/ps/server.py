@@ -28,12 +28,10 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
-from safetensors import SafetensorError
 from zmq.utils.monitor import recv_monitor_message
 
 from loom.ps.gate import HELLO_BYTES, Inbox, InboxLimits, chunk_key, secure_server, send_frame
@@ -89,14 +87,6 @@ class ParameterServerProcess(RequestHandlers):
         self._resume()
 
     # -- lifecycle --------------------------------------------------------------------------------------------
-    def log(self, text: str) -> None:
-        print(f"loom.ps.server[{self.config.index}]: {text}", flush=True)
-
-    @property
-    def shard_dir(self) -> Path | None:
-        base = self.config.checkpoint_dir
-        return None if base is None else base / f"server{self.config.index}"
-
     def _resume(self) -> None:
         """Load every model saved in `shard_dir` (a restarted server). A file that does not load raises
         `ValueError` naming it: starting empty would silently throw the model away."""
@@ -106,45 +96,6 @@ class ParameterServerProcess(RequestHandlers):
             shard = ModelShard.load(path)
             self.models[shard.name] = shard
             self.log(f"resumed model {shard.name!r} at version {shard.version} from {path}")
-
-    def checkpoint(self) -> list[str]:
-        """Save every model now; returns the files written."""
-        saved = (self._save_shard(shard) for shard in self.models.values())
-        return [str(path) for path in saved if path is not None]
-
-    def _save_shard(self, shard: ModelShard) -> Path | None:
-        """Save one model; a failure (disk full, permissions) is logged, not raised: training goes on without
-        the protection, and the log says so once (and again when saving works again)."""
-        if self.shard_dir is None:
-            return None
-        started = time.monotonic()
-        try:
-            path = shard.save(self.shard_dir)
-        except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
-            if shard.save_error is None:
-                self.log(f"model {shard.name!r}: could not save its checkpoint into {self.shard_dir}: {error}; "
-                         "training goes on, but a restart of this server would lose the updates since the "
-                         "last save")  # fmt: skip
-            shard.save_error = str(error)
-            return None
-        if shard.save_error is not None:
-            self.log(f"model {shard.name!r}: saving works again")
-            shard.save_error = None
-        shard.save_seconds = time.monotonic() - started
-        shard.saved_at = time.monotonic()
-        shard.unsaved = 0
-        return path
-
-    def _save_if_due(self, shard: ModelShard, now: float) -> None:
-        """Save ``shard`` if its schedule says so (see the module docstring)."""
-        settings = shard.settings
-        if not shard.unsaved or self.shard_dir is None:
-            return
-        by_count = 0 < settings.checkpoint_every <= shard.unsaved
-        interval = max(settings.checkpoint_interval_s, 20.0 * shard.save_seconds)
-        by_time = settings.checkpoint_interval_s > 0 and now - shard.saved_at >= interval
-        if by_count or by_time:
-            self._save_shard(shard)
 
     def stop(self) -> None:
         self._stopping = True
