@@ -65,10 +65,6 @@ class ShardSettings:
     """Save when the oldest unsaved update is this old (0: not by time); see `loom.ps.server`."""
 
 
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}
-
-
 class ModelShard:
     """The pieces of one model (a namespace) held by this server."""
 
@@ -114,8 +110,9 @@ class ModelShard:
         left out)."""
         for index, hyper in enumerate(self.settings.groups):
             params = [self.params[i] for i in sorted(self.params) if self.pieces[i].group == index]
-            if params:
-                groups.append({"params": params, **_hyperparameters(hyper)})
+            if params:  # JSON made the tuples (Adam's betas) lists
+                hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()}
+                groups.append({"params": params, **hyper})
                 self._group_index.append(index)
         if not groups:  # a server with no piece of this model (more servers than parameters)
             groups = [{"params": [torch.zeros(0, requires_grad=True)]}]
