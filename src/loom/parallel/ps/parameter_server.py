@@ -334,11 +334,6 @@ class ParameterServerJob(Engine):
             f.meta for f in self.client.request(MessageType.STATS, [{}] * self._num_servers, timeout_s=30)
         ]
 
-    def save_servers(self) -> list[str]:
-        """Ask every server to checkpoint its shards now; returns the files written."""
-        replies = self.client.request(MessageType.SAVE, [{}] * self._num_servers, timeout_s=60)
-        return [path for r in replies for path in r.meta["saved"]]
-
     def state_dict(self) -> dict[str, Any]:
         """This worker's part of a checkpoint (`loom.parallel.ps.parameter_server_state.worker_state`)."""
         return worker_state(self)
