@@ -35,7 +35,6 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from loom.checkpoint.bounded_json import json_shape_problem, parse_json
@@ -192,13 +191,13 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def pack_state(state: Any) -> bytes:
-    """``state`` as the bytes of one safetensors file: its tensors, and its skeleton as JSON in the metadata.
+    """``state`` as the bytes of one safetensors file: its tensors, and its skeleton as JSON in the metadata
+    (`PackedState`'s file, joined).
 
     The bytes are a snapshot: later in-place updates of ``state``'s tensors do not reach them. Raises
     ``ValueError`` when the skeleton's JSON breaks the default `ReadLimits` (`unpack_state` would refuse it).
     """
-    text, tensors = _skeleton_json(state)
-    return safetensors.torch.save(tensors, metadata={TAG: text})
+    return b"".join(PackedState(state).chunks())
 
 
 def readable_json(document: Any, what: str) -> bytes:
@@ -214,12 +213,6 @@ def readable_json(document: Any, what: str) -> bytes:
     return data
 
 
-def _skeleton_json(state: Any) -> tuple[str, dict[str, torch.Tensor]]:
-    """``state``'s skeleton as JSON (`readable_json`) and its tensors by key."""
-    skeleton, tensors = flatten_state(state)
-    return readable_json(skeleton, "the packed state's JSON").decode(), tensors
-
-
 class PackedState:
     """``state`` as `pack_state` lays it out, without the bytes: the safetensors header built now, the tensors
     kept by reference and streamed by `chunks`. What each rank writes its own checkpoint file from, so the file
@@ -230,7 +223,8 @@ class PackedState:
     between steps). Raises like `pack_state` for a state it could not unpack."""
 
     def __init__(self, state: Any) -> None:
-        text, tensors = _skeleton_json(state)
+        skeleton, tensors = flatten_state(state)
+        text = readable_json(skeleton, "the packed state's JSON").decode()
         unknown = sorted({str(t.dtype) for t in tensors.values() if t.dtype not in DTYPE_CODES})
         if unknown:
             raise TypeError(f"cannot checkpoint tensors of dtype {', '.join(unknown)}")
