@@ -174,18 +174,12 @@ def write_rank_file(staging: Path, rank: int, data: bytes | PackedState) -> dict
     """Write rank ``rank``'s packed state (`pack_state` bytes, or a `PackedState` streamed from its tensors)
     durably into ``staging`` (any process may, the staging directory being shared storage); return its
     manifest entry, which the publishing writer collects."""
-    name = local_state_file(rank)
-    if isinstance(data, bytes):
-        write_durable(staging / name, data)
-        return {"file": name, **describe_file(name, data)}
-    digest = hashlib.sha256()
-    write_durable(staging / name, data.chunks(), digest)
-    return {
-        "file": name,
-        "size": data.size,
-        "sha256": digest.hexdigest(),
-        "entries": file_entries(name, data.header),
-    }
+    name, digest = local_state_file(rank), hashlib.sha256()
+    pieces, size, header = (
+        (data.chunks(), data.size, data.header) if isinstance(data, PackedState) else (data, len(data), data)
+    )
+    write_durable(staging / name, pieces, digest)
+    return {"file": name, "size": size, "sha256": digest.hexdigest(), "entries": file_entries(name, header)}
 
 
 def abandon_staging(staging: Path) -> None:
