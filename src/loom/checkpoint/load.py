@@ -22,10 +22,11 @@ the manifest: an adversary who rewrites the budgets as well is bounded by the ab
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -155,23 +156,32 @@ def parse_state(
     return state
 
 
-def _open(
-    folder: ConfinedDirectory, name: str, entry: dict[str, Any], limit: int | None, field: str
-) -> tuple[BinaryIO, int]:
-    """``(file, size)`` of ``name``, once its size matches the manifest's ``entry`` and is within ``limit``."""
+@contextlib.contextmanager
+def _opened(
+    folder: ConfinedDirectory,
+    name: str,
+    entry: dict[str, Any],
+    limit: int | None,
+    field: str,
+    explain: Callable[[ValueError], str] = str,
+) -> Iterator[tuple[BinaryIO, int]]:
+    """``(file, size)`` of ``name``, once its size matches the manifest's ``entry`` and is within ``limit``; a
+    ``ValueError`` while it is read becomes `CorruptCheckpointError` saying ``explain(err)``."""
     path = folder.path / name
     file, size = folder.open_file(name)
-    if size != entry["size"]:
-        file.close()
-        raise CorruptCheckpointError(
-            path, f"{size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
-        )
-    if limit is not None and size > limit:
-        file.close()
-        raise CorruptCheckpointError(
-            path, f"{size} bytes, more than the limit of {limit}.{_limit_hint(field)}"
-        )
-    return file, size
+    with file:
+        if size != entry["size"]:
+            raise CorruptCheckpointError(
+                path, f"{size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+            )
+        if limit is not None and size > limit:
+            raise CorruptCheckpointError(
+                path, f"{size} bytes, more than the limit of {limit}.{_limit_hint(field)}"
+            )
+        try:
+            yield file, size
+        except ValueError as err:
+            raise CorruptCheckpointError(path, explain(err)) from None
 
 
 def _check_digest(path: Path, digest: str, entry: dict[str, Any]) -> None:
@@ -188,12 +198,8 @@ def _read_small(folder: ConfinedDirectory, name: str, entry: dict[str, Any], lim
             f"the manifest lists {entry['size']} bytes, more than its own read budget of {entry['entries']} "
             f"entries allows ({budget} bytes; crafted or damaged)",
         )
-    file, size = _open(folder, name, entry, limit, "max_state_bytes")
-    with file:
-        try:
-            data = read_limited(file, size, limit)
-        except ValueError as err:
-            raise CorruptCheckpointError(folder.path / name, str(err)) from None
+    with _opened(folder, name, entry, limit, "max_state_bytes") as (file, size):
+        data = read_limited(file, size, limit)
     _check_digest(folder.path / name, hashlib.sha256(data).hexdigest(), entry)
     return data
 
@@ -202,34 +208,26 @@ def _read_tensors(
     folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits: ReadLimits
 ) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """The metadata and tensors of safetensors file ``name``, read and hashed in one bounded pass."""
-    file, size = _open(folder, name, entry, limits.max_tensor_bytes, "max_tensor_bytes")
     budget = limits.budgeted(entry["entries"])
-    with file:
-        try:
-            metadata, tensors, digest = read_tensor_file(file, size, budget)
-        except ValueError as err:
-            tighter = budget.max_header_bytes < limits.max_header_bytes
-            said = (
-                f"; the read budget of its manifest entry is {entry['entries']} entries: at most "
-                f"{entry['entries']} JSON values and {budget.max_header_bytes} bytes of header"
-                if tighter
-                else ""
-            )
-            raise CorruptCheckpointError(
-                folder.path / name, f"not a readable safetensors file ({err}{said})"
-            ) from None
+    said = (
+        f"; the read budget of its manifest entry is {entry['entries']} entries: at most "
+        f"{entry['entries']} JSON values and {budget.max_header_bytes} bytes of header"
+        if budget.max_header_bytes < limits.max_header_bytes
+        else ""
+    )
+    with _opened(
+        folder, name, entry, limits.max_tensor_bytes, "max_tensor_bytes",
+        lambda err: f"not a readable safetensors file ({err}{said})",
+    ) as (file, size):  # fmt: skip
+        metadata, tensors, digest = read_tensor_file(file, size, budget)
     _check_digest(folder.path / name, digest, entry)
     return metadata, tensors
 
 
 def _verify(folder: ConfinedDirectory, name: str, entry: dict[str, Any], limits: ReadLimits) -> None:
     """Check ``name``'s size and sha256 against the manifest, hashing it in pieces (nothing kept)."""
-    file, size = _open(folder, name, entry, limits.max_tensor_bytes, "max_tensor_bytes")
-    with file:
-        try:
-            digest = sha256_of(file, size)
-        except ValueError as err:
-            raise CorruptCheckpointError(folder.path / name, str(err)) from None
+    with _opened(folder, name, entry, limits.max_tensor_bytes, "max_tensor_bytes") as (file, size):
+        digest = sha256_of(file, size)
     _check_digest(folder.path / name, digest, entry)
 
 
