@@ -25,7 +25,7 @@ from loom.checkpoint.bounded_json import parse_json
 from loom.checkpoint.confined import read_exact
 from loom.checkpoint.limits import ReadLimits
 
-__all__ = ["DTYPE_CODES", "read_tensor_file"]
+__all__ = ["DTYPE_CODES", "read_header", "read_tensor_file"]
 
 _DTYPE_NAMES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "C64": "complex64",
@@ -89,6 +89,21 @@ def _layout(
     return metadata, layout
 
 
+def read_header(file: BinaryIO, size: int, limit: int) -> bytes:
+    """The first bytes of the safetensors file ``file`` of ``size`` bytes (read from its start): the header's
+    8-byte length and the header; ``ValueError`` when it claims more than the file or ``limit`` holds."""
+    if size < 8:
+        raise ValueError(f"{size} bytes, too short for a safetensors header")
+    prefix = read_exact(file, 8)
+    length = int.from_bytes(prefix, "little")
+    if length > min(size - 8, limit):
+        raise ValueError(
+            f"the header claims {length} bytes, but the file has {size - 8} after the length and the limit "
+            f"is {limit}"
+        )
+    return prefix + read_exact(file, length)
+
+
 def read_tensor_file(
     file: BinaryIO, size: int, limits: ReadLimits
 ) -> tuple[dict[str, str], dict[str, torch.Tensor], str]:
@@ -101,24 +116,13 @@ def read_tensor_file(
     paused = gc.isenabled()
     gc.disable()
     try:
-        digest = hashlib.sha256()
-        if size < 8:
-            raise ValueError(f"{size} bytes, too short for a safetensors header")
-        prefix = read_exact(file, 8)
-        length = int.from_bytes(prefix, "little")
-        if length > min(size - 8, limits.max_header_bytes):
-            raise ValueError(
-                f"the header claims {length} bytes, but the file has {size - 8} after the length and the limit "
-                f"is {limits.max_header_bytes}"
-            )
-        header_bytes = read_exact(file, length)
-        digest.update(prefix)
-        digest.update(header_bytes)
+        head = read_header(file, size, limits.max_header_bytes)
+        digest = hashlib.sha256(head)
         try:
-            header = parse_json(header_bytes, limits, "max_header_bytes")
+            header = parse_json(head[8:], limits, "max_header_bytes")
         except ValueError as err:
             raise ValueError(f"the header: {err}") from None
-        metadata, layout = _layout(header, size - 8 - length)
+        metadata, layout = _layout(header, size - len(head))
         tensors = {}
         for name, dtype, shape, nbytes in layout:
             try:  # one tensor object each, not bytes, a view and a reshape: a header may list ~14k tensors

@@ -15,11 +15,12 @@ import os
 from pathlib import Path
 
 from loom.checkpoint.bounded_json import parse_json
-from loom.checkpoint.confined import ConfinedDirectory, read_exact, read_limited, sha256_of
+from loom.checkpoint.confined import ConfinedDirectory, read_limited, sha256_of
 from loom.checkpoint.durable import replace_durable
 from loom.checkpoint.limits import DEFAULT_LIMITS, ReadLimits
 from loom.checkpoint.load import open_checkpoint
 from loom.checkpoint.store import MANIFEST_FILE, STATE_FILE, VERSION, CheckpointError, file_entries
+from loom.checkpoint.tensor_file import read_header
 
 __all__ = ["upgrade_checkpoint"]
 
@@ -30,14 +31,7 @@ def _read_file(folder: ConfinedDirectory, name: str, limit: int) -> tuple[bytes,
     file, size = folder.open_file(name)
     with file:
         try:
-            if name == STATE_FILE:
-                data = read_limited(file, size, limit)
-            else:
-                prefix = read_exact(file, 8)  # ValueError if the file is shorter
-                length = int.from_bytes(prefix, "little")
-                if length > min(size - 8, limit):
-                    raise ValueError(f"a safetensors header of {length} bytes")
-                data = prefix + read_exact(file, length)
+            data = read_limited(file, size, limit) if name == STATE_FILE else read_header(file, size, limit)
         except ValueError as error:  # a read limit or a cut file: name the file, not a bare ValueError
             raise CheckpointError(f"{folder.path / name}: {error} (the limits are ReadLimits')") from None
         file.seek(0)
