@@ -34,7 +34,6 @@ from typing import Any
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 
 from loom.checkpoint import (
     AsyncCheckpoint,
@@ -79,13 +78,8 @@ def _collective(topo: Topology) -> bool:
 
 
 def all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
-    """Every rank's short list of ints (the same length on every rank), in rank order."""
-    if not _collective(topo):
-        return [list(values)]
-    mine = torch.tensor(values, dtype=torch.int64, device=topo.device)
-    gathered = [torch.zeros_like(mine) for _ in range(topo.world_size)]
-    dist.all_gather(gathered, mine, group=topo.group)
-    return [[int(v) for v in t.tolist()] for t in gathered]
+    """Every rank's short list of ints, in rank order (`_all_gather_json`'s framing)."""
+    return [[int(v) for v in row] for row in _all_gather_json(list(values), topo)]
 
 
 def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
@@ -120,11 +114,11 @@ def _pack_rank_state(job: Job) -> tuple[PackedState | None, str, str]:
         return None, "failed", repr(err)
 
 
-def _all_gather_json(value: dict[str, Any], topo: Topology) -> list[dict[str, Any]]:
+def _all_gather_json(value: Any, topo: Topology) -> list[Any]:
     """Every rank's small JSON ``value`` (a status, a file name, a hash), in rank order: never model state."""
     if not _collective(topo):
         return [value]
-    raw = all_gather_sized_bytes(json.dumps(value).encode(), device=topo.device)
+    raw = all_gather_sized_bytes(json.dumps(value).encode(), topo.group, topo.device)
     return [json.loads(item) for item in raw]
 
 
