@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -149,9 +149,9 @@ class _Loop:
     epochs: int | None
     steps: int | None
     log_every: int | None
-    desync_every: int = 0
+    desync_every: int
+    trackers: FitTrackers
     skipped: int = 0
-    trackers: FitTrackers = field(default_factory=lambda: FitTrackers(None, False))
 
     def loop_state(self, at: _Position) -> dict[str, Any]:
         """What a checkpoint keeps of the loop: its position, and the trackers' runs when there are any."""
@@ -276,10 +276,8 @@ def fit(
             at = _Position(resumed_from, saved["epoch"], saved["epoch_step"], saved["last_loss"])
             saved_trackers = saved.get("trackers")
         checkpointer.saved_step = resumed_from
-    loop = _Loop(
-        job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every, desync_every,
-        trackers=tracking,
-    )  # fmt: skip
+    loop = _Loop(job, loader, lr_scheduler, checkpointer, checkpoint_every, epochs, steps, log_every, desync_every,
+                 tracking)  # fmt: skip
     first_step, left = at.step, loop.steps_left(at)
     goal = f"step {steps}" if steps is not None else f"epoch {epochs}"
     if resumed_from is not None and job.topology.is_main:
