@@ -113,7 +113,6 @@ class Engine(Job):
         """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
         self.nonfinite = self.guard.nonfinite
         """The verdict on non-finite steps (`loom.fault.desync.NonFiniteGuard`), judged by the step itself."""
-        self._watchdog = self.guard.watchdog
         self._fault = planned()
         """`loom.fault.inject.fault_point` when ``LOOM_FAULTS`` plans a fault for this process, else None."""
         self._data_layout = (mesh.index(self.data_axis), mesh.size(self.data_axis))
@@ -125,12 +124,12 @@ class Engine(Job):
         """The one place a job tells the hang watchdog of a collective (or of several issued as one operation
         ``op``, whose name a hang report gives): every strategy's step and evaluation wrap each exchange in it
         (`loom.fault.watchdog.Watchdog.collective`: two attribute writes). Yields its number."""
-        return self._watchdog.collective(op)
+        return self.guard.watchdog.collective(op)
 
     @property
     def skipped_steps(self) -> int:
         """Steps whose update was not applied because their loss or gradient was non-finite on some rank."""
-        return self.guard.skipped
+        return self.nonfinite.skipped
 
     # -- the step ------------------------------------------------------------------------------------------------
     def train_step(self, batch: Any) -> float:
@@ -244,7 +243,7 @@ class Engine(Job):
         """Whether to apply the step: the guard's commit vote under healing (`StepGuard.commit`); without healing
         there is nothing to vote on. A strategy whose unit of commit is larger than a step
         (`loom.parallel.replica.round_commit`: a sync round) votes at the unit's end instead."""
-        return self.guard.quorum is None or self.guard.commit(state.number)
+        return self.guard.commit(state.number)
 
     def _apply(self, state: StepState) -> None:
         """Apply the update (not called for a skipped step)."""

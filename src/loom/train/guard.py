@@ -116,8 +116,3 @@ class StepGuard:
             quorum.apply_guard(*set_timeouts(options))
         nonfinite = NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank)
         return cls(watchdog, nonfinite, quorum)
-
-    @property
-    def skipped(self) -> int:
-        """Steps skipped so far because they were non-finite on some rank."""
-        return self.nonfinite.skipped
