@@ -23,7 +23,6 @@ __all__ = [
     "forward_loss",
     "micro_batches",
     "model_loss",
-    "share_means",
     "slice_batch",
     "split_batch",
     "tensors_in",
@@ -214,14 +213,6 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple, dict)):
         for v in value.values() if isinstance(value, dict) else value:
             yield from tensors_in(v)
-
-
-def share_means(names: list[str], sums: torch.Tensor, rank: int) -> dict[str, float]:
-    """The global-batch means from the shares' ``[sum per name..., samples]`` added up; refuses a global batch of 0."""
-    count = float(sums[-1].item())
-    if count == 0:
-        raise ValueError(f"rank {rank}: eval_step got a global batch of 0 samples (every share is empty)")
-    return {name: float(sums[i].item()) / count for i, name in enumerate(names)}
 
 
 def micro_batches(batch: Any, n: int, pieces: int) -> list[tuple[Any, int]]:

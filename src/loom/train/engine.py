@@ -53,7 +53,7 @@ from loom.fault.inject import planned
 from loom.job import Job, MetricFn, check_batch_layout
 from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.observe.straggler_watch import StragglerWatch
-from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, share_means, to_device
+from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, to_device
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.heal_step import reform, retry_step
 from loom.train.step_state import ShareOptions, StepState, check_accumulate
@@ -350,7 +350,12 @@ class Engine(Job):
         if group is not None:
             with self.collective("evaluation all-reduce"):
                 dist.all_reduce(sums, group=group)
-        return share_means(names, sums, self.topology.rank)
+        count = float(sums[-1].item())  # the global-batch means from the shares' sums added up
+        if count == 0:
+            raise ValueError(
+                f"rank {self.topology.rank}: eval_step got a global batch of 0 samples (every share is empty)"
+            )
+        return {name: float(sums[i].item()) / count for i, name in enumerate(names)}
 
     @torch.no_grad()
     def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
