@@ -26,8 +26,8 @@ The order of a step is written once, here; a strategy supplies only what differs
         for the straggler watch                       memory (``memory_every``, `loom.observe.memory`)
 =====  ===========================================  ==========================================================
 
-The straggler watch of row 9 (`loom.observe.straggler_watch`) publishes the phase times (`_phase_times`) on the
-watchdog's record and judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
+The straggler watch of row 9 (`loom.observe.straggler_watch`) publishes the phase times on the watchdog's record
+and judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
 `train_step` returns ``StepState.loss`` as `_synchronize` sets it: the global batch's mean loss, or this replica's
 on its share (``loss_scope``, `loom.job.Job`). A global batch of 0 samples is refused on every rank (every rank
 knows the same total). Under ``--on-worker-failure heal`` `train_step` retries a step no member applied
@@ -87,7 +87,7 @@ class Engine(Job):
     """The number of the last step whose record was written."""
     observer: StepObserver | None = None
     """A strategy's finer clock of the step's phases (`loom.observe.phases`), where it keeps one: it then writes
-    the step record (`_record`) and gives the straggler watch its phase times (`_phase_times`)."""
+    the step record (`_record`) and gives the straggler watch its phase times."""
 
     def __init__(
         self, module: Any, optimizer: torch.optim.Optimizer, loss_fn: Any, mesh: Mesh, config: GuardOptions,
@@ -196,7 +196,8 @@ class Engine(Job):
             state.phases = (prepared - since, computed - prepared, comm, applied - synchronized)
             self._record(state)
             self._last_recorded_step = state.number
-            phases = self._phase_times(state)
+            # data, compute, comm and optimizer seconds: the observer's (None when it is off), else the engine's
+            phases = self.observer.last_phases if self.observer is not None else state.phases
             if phases is not None and (watch := self._straggler_watch()) is not None:
                 watch.add(*phases)
             if sample is not None:  # after the record: its time and phases do not include the sampling
@@ -271,12 +272,6 @@ class Engine(Job):
     def _straggler_peers(self) -> list[list[int]]:
         """The groups of ranks that do the same work, compared with each other for stragglers."""
         return [list(range(self.topology.world_size))]
-
-    def _phase_times(self, state: StepState) -> tuple[float, float, float, float] | None:
-        """The data, compute, comm and optimizer seconds of the step just recorded, for the straggler watch: the
-        `observer`'s where the strategy keeps one (None when it is off: then there is no watch), else the
-        engine's (`StepState.phases`)."""
-        return self.observer.last_phases if self.observer is not None else state.phases
 
     def _straggler_watch(self) -> StragglerWatch | None:
         """The `loom.observe.straggler_watch.StragglerWatch` of this job, made at its first step with phase times;
