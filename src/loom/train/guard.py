@@ -103,15 +103,11 @@ class StepGuard:
         only counts), and the non-finite policy of ``options``. With a ``quorum`` (``--on-worker-failure heal``)
         the guard holds the commit vote, its watchdog's thread sends the quorum's heartbeat and judges nothing, and
         the timeouts the user set bound the waits before a replacement (`loom.fault.quorum.Quorum.apply_guard`)."""
+        hang, work, liveness = options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s
         if topology.is_distributed or quorum is not None:
-            watchdog = Watchdog.start(
-                topology, options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s, quorum
-            )
-        else:
-            watchdog = Watchdog(
-                topology.rank, topology.world_size, hang_timeout_s(options.hang_timeout_s), None,
-                options.work_timeout_s, options.liveness_timeout_s,
-            )  # fmt: skip
+            watchdog = Watchdog.start(topology, hang, work, liveness, quorum)
+        else:  # nobody to wait for: it only counts (the constructor resolves and checks the timeouts)
+            watchdog = Watchdog(topology.rank, topology.world_size, hang, None, work, liveness)
         if quorum is not None:
             quorum.apply_guard(*set_timeouts(options))
         nonfinite = NonFiniteGuard(options.nonfinite, options.nonfinite_limit, topology.rank)
