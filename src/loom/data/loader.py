@@ -81,18 +81,9 @@ def _layout(batch: Any) -> tuple:
 class ShardBatch(_ShardLayout, tuple):
     """A tuple ``(inputs, targets, ...)`` plus the global batch it was cut from."""
 
-    def __new__(
-        cls,
-        items: tuple,
-        global_size: int,
-        epoch: int,
-        step: int,
-        shard_index: int | None = None,
-        shard_count: int | None = None,
-        fingerprint: int | None = None,
-    ) -> ShardBatch:
-        batch = super().__new__(cls, items)
-        return _stamp(batch, (global_size, epoch, step, shard_index, shard_count, fingerprint))
+    def __new__(cls, items: tuple, *layout: Any) -> ShardBatch:
+        """``layout``: the values of `_ShardLayout`'s attributes, in their order."""
+        return _stamp(super().__new__(cls, items), layout)
 
     def __reduce__(self) -> tuple:
         # tuple's default passes only the items to __new__: copy, deepcopy and pickle would fail.
@@ -102,18 +93,10 @@ class ShardBatch(_ShardLayout, tuple):
 class ShardDict(_ShardLayout, dict):
     """A dict batch (samples that are dicts) plus the global batch it was cut from."""
 
-    def __init__(
-        self,
-        items: dict,
-        global_size: int,
-        epoch: int,
-        step: int,
-        shard_index: int | None = None,
-        shard_count: int | None = None,
-        fingerprint: int | None = None,
-    ) -> None:
+    def __init__(self, items: dict, *layout: Any) -> None:
+        """``layout``: as `ShardBatch`'s."""
         super().__init__(items)
-        _stamp(self, (global_size, epoch, step, shard_index, shard_count, fingerprint))
+        _stamp(self, layout)
 
 
 _NAMEDTUPLE_SHARDS: dict[type, type] = {}
