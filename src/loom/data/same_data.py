@@ -7,7 +7,8 @@ and targets from another, between the stages of a pipeline). So each process has
 few samples (the first, the last and `RANDOM_PROBES` indices drawn with a fixed seed, each collated as the
 loader collates it; CRC-32 over each tensor's shape, dtype and bytes) and the processes all-gather these few
 integers over the job's process group: one small collective. Any difference is refused on every process,
-naming the ranks and what differs.
+naming the ranks and what differs. `batch_fingerprint` hashes a training batch the same way, for the strategies
+that check that ranks hold the same samples at every step.
 
 Limits: it compares a handful of samples, so two datasets differing elsewhere pass (it catches unseeded or
 rank-dependent data, which differs everywhere). Samples are read under a fixed seed of torch's, Python's and
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["RANDOM_PROBES", "check_same_data", "probe_indices", "sample_fingerprint"]
+__all__ = ["RANDOM_PROBES", "batch_fingerprint", "check_same_data", "probe_indices", "sample_fingerprint"]
 
 RANDOM_PROBES = 3
 """Samples drawn at random (fixed seed) besides the first and the last."""
@@ -56,20 +57,29 @@ def _leaves(value: Any) -> Iterator[Any]:
         yield value
 
 
-def sample_fingerprint(batch: Any) -> int:
-    """CRC-32 of a collated batch: every tensor's shape, dtype and bytes, numbers and strings by value."""
+def sample_fingerprint(batch: Any, limit: int | None = None) -> int:
+    """CRC-32 of a collated batch: every tensor's shape, dtype and bytes (its first ``limit`` bytes; None: all),
+    numbers and strings by value."""
     crc = 0
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor):
             crc = zlib.crc32(repr((tuple(leaf.shape), str(leaf.dtype))).encode(), crc)
             if leaf.layout == torch.strided and leaf.numel():
-                raw = leaf.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-                crc = zlib.crc32(raw.view(torch.uint8).numpy().tobytes(), crc)
+                raw = leaf.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+                crc = zlib.crc32(raw[:limit].cpu().numpy().tobytes(), crc)
         elif isinstance(leaf, (bool, int, float, str, bytes)) or leaf is None:
             crc = zlib.crc32(repr(leaf).encode(), crc)
         else:
             crc = zlib.crc32(type(leaf).__qualname__.encode(), crc)  # a repr may hold an address
     return crc
+
+
+def batch_fingerprint(batch: Any) -> int:
+    """A 32-bit fingerprint of the samples in a training ``batch``, equal on processes given the same samples:
+    the loader's (`loom.data.loader`: from the dataset indices, nothing loaded) when the batch carries one, else
+    `sample_fingerprint` of the first MiB of each tensor."""
+    known = getattr(batch, "fingerprint", None)
+    return int(known) if known is not None else sample_fingerprint(batch, limit=1 << 20)
 
 
 @contextlib.contextmanager

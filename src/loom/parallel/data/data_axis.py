@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import os
 import sys
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree
 
 from loom.comm.compression import accept_compression
+from loom.data import same_data
 from loom.data.loader import LazyBatch, loader
 from loom.data.sampler import share_bounds
 from loom.errors import DifferentBatches, HealConflict, StartRefused, is_retryable
@@ -100,19 +99,10 @@ def whole_batches(topology: Topology) -> Topology:
 
 
 def batch_fingerprint(batch: Any) -> int:
-    """1..251, equal on members given the same global batch: for a `LazyBatch`, from its indices and the
-    dataset's length (nothing loaded); else from the shapes and first 4 KiB of each tensor (a rank-sharded
-    loader's batches differ from the first sample). Small enough to be exact in any gradient dtype (bfloat16
-    holds integers up to 256), so it rides in the step's exchange at no extra collective."""
-    if isinstance(batch, LazyBatch):
-        return batch.fingerprint % 251 + 1
-    crc = 0
-    for leaf in torch.utils._pytree.tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor):
-            head = leaf.detach().reshape(-1)[:4096].cpu().contiguous()
-            crc = zlib.crc32(str((tuple(leaf.shape), str(leaf.dtype))).encode(), crc)
-            crc = zlib.crc32(head.view(torch.uint8).numpy().tobytes(), crc)
-    return crc % 251 + 1
+    """1..251, equal on members given the same global batch: `loom.data.same_data.batch_fingerprint` (for a
+    `LazyBatch` from its indices and the dataset's length, nothing loaded). Small enough to be exact in any
+    gradient dtype (bfloat16 holds integers up to 256), so it rides in the step's exchange at no extra collective."""
+    return same_data.batch_fingerprint(batch) % 251 + 1
 
 
 def member_share(batch: Any, axis: DataAxis, inputs_of: Any) -> tuple[Any, int, int]:

@@ -19,13 +19,13 @@ layout, `full_state_dict` gathers the whole model on rank 0.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from loom.comm.shm_small import SmallAllReduce
+from loom.data.same_data import batch_fingerprint
 from loom.fault.desync import local_flag
 from loom.job import MetricFn
 from loom.mesh import REPLICA, Mesh
@@ -38,32 +38,13 @@ from loom.parallel.pipeline.pipeline_runtime import PipelineStage, StageStats, r
 from loom.parallel.pipeline.pipeline_schedule import stage_instructions
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig, Stages
 from loom.parallel.tensor.tensor_parallel_shard import TensorShards
-from loom.train.batch import batch_len, micro_batches, split_batch, tensors_in, to_device
+from loom.train.batch import batch_len, micro_batches, split_batch, to_device
 from loom.train.engine import Engine, StepState
 
-__all__ = ["ModelParallelJob", "Schedule", "batch_fingerprint"]
-
-_FINGERPRINT_BYTES = 1 << 20
-"""Of a plain (fingerprint-less) batch, at most this many leading bytes of each tensor are hashed."""
-
+__all__ = ["ModelParallelJob", "Schedule"]
 
 Schedule = PipelineConfig
 """How a step runs through the stages (the name kept for the job's ``schedule``): the pipeline's config."""
-
-
-def batch_fingerprint(batch: Any) -> int:
-    """A 32-bit fingerprint of the samples in ``batch``: the loader's, from the dataset indices, when it has
-    one; otherwise a CRC-32 of the leading bytes of its tensors (CPU tensors only; others count by shape)."""
-    known = getattr(batch, "fingerprint", None)
-    if known is not None:
-        return int(known)
-    crc = 0
-    for t in tensors_in(batch):
-        crc = zlib.crc32(repr((tuple(t.shape), str(t.dtype))).encode(), crc)
-        if t.device.type == "cpu" and t.numel():
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)[:_FINGERPRINT_BYTES]
-            crc = zlib.crc32(raw.numpy().tobytes(), crc)
-    return crc
 
 
 class ModelParallelJob(Engine):
