@@ -37,7 +37,6 @@ from torch import nn
 
 from loom.devices import place_model
 from loom.fault.quorum import Quorum
-from loom.job import load_replicated_state, replicated_state
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver, loss_buffer_size
@@ -267,9 +266,3 @@ class ReplicaJob(AxisJob):
         """After `load_state_dict`: under heal the loaded state is the round's start."""
         if self.rounds is not None:
             self.rounds.take_snapshot(self)
-
-    def _inner_state(self) -> dict[str, Any]:
-        return replicated_state(self)
-
-    def _load_inner_state(self, state: dict[str, Any]) -> None:
-        load_replicated_state(self, state)

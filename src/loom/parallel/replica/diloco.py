@@ -38,6 +38,7 @@ from loom.comm.compression import INT8_CHUNK, accept_compression
 from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
 from loom.comm.thread import CommThread
 from loom.config_docs import document_options
+from loom.job import load_replicated_state, replicated_state
 from loom.parallel._setup import LossFn, positive_int
 from loom.parallel.consistency import check_same_model
 from loom.parallel.replica._replica_sync import (
@@ -337,7 +338,7 @@ class DiLoCoJob(ReplicaJob):
             for e in self._in_flight
         ]  # fmt: skip
         return {
-            **self._inner_state(),
+            **replicated_state(self),
             "global": list(self.global_params),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "samples": list(self._samples),
@@ -346,7 +347,7 @@ class DiLoCoJob(ReplicaJob):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_inner_state(state)
+        load_replicated_state(self, state)
         saved = state["global"]
         if len(saved) != len(self.global_params):
             raise ValueError(

@@ -22,6 +22,7 @@ from torch import nn
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.config_docs import document_options
+from loom.job import load_replicated_state, replicated_state
 from loom.parallel._setup import LossFn, positive_int
 from loom.parallel.replica._replica_sync import (
     ReplicaJob,
@@ -111,10 +112,10 @@ class LocalSGDJob(ReplicaJob):
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's model, optimizer, step, and its samples since the last average."""
-        return {**self._inner_state(), "samples": self.samples, "global_samples": self.global_samples}
+        return {**replicated_state(self), "samples": self.samples, "global_samples": self.global_samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_inner_state(state)
+        load_replicated_state(self, state)
         self.samples = int(state["samples"])
         self.global_samples = int(state["global_samples"])
         self._state_loaded()
