@@ -78,11 +78,12 @@ def compose(
     *,
     pipeline: PipelineConfig | None = None,
     tp_plan: Any = "auto",
-    data: DataAxisConfig | None = None,
+    data: DataAxisConfig,
     sample_input: Any = None,
     metrics_path: str | None = None,
 ) -> ModelParallelJob:
-    """Apply the transforms of the module docstring to ``model`` for this process's place on ``mesh``."""
+    """Apply the transforms of the module docstring to ``model`` for this process's place on ``mesh``, whose
+    ``pp`` is ``pipeline``'s stages (the strategies check it; None: a pipeline of ``pp`` stages)."""
     call = check_setup_arguments(
         model,
         optimizer,
@@ -92,9 +93,6 @@ def compose(
     )  # the plain convention only: the loss is called on the last stage, the model with one inputs argument
     loss_fn = call.fn if call.fn is not None else loss_fn
     pipeline = pipeline if pipeline is not None else PipelineConfig(stages=mesh.size("pp"))
-    if pipeline.stages != mesh.size("pp"):
-        raise ValueError(f"a pipeline of {pipeline.stages} stages on a mesh with pp={mesh.size('pp')}")
-    data = data if data is not None else DataAxisConfig()
     if data.zero == 1:  # refused before any collective, on every rank alike
         check_elementwise(optimizer, strategy="a data axis with zero=1", instead="zero=0")
         refuse_shared_gpu("A data axis with zero=1", mesh.topology, "its shards travel by reduce-scatter")
