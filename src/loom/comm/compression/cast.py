@@ -38,21 +38,13 @@ class CastCodec:
         self.spec = spec
         self.wire_dtype = CAST_DTYPES[spec]
 
-    def compress(self, flat: torch.Tensor, world_size: int) -> torch.Tensor:
-        """This rank's share of the mean, in the wire format (a new tensor)."""
-        if flat.element_size() <= self.wire_dtype.itemsize:
-            return flat / world_size
-        return (flat / world_size).to(self.wire_dtype)
-
-    def decompress(self, wire: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The summed wire tensor back in the gradient's dtype."""
-        return wire.to(like.dtype)
-
     def exchange(
         self, params: Sequence[int], flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
     ) -> Exchange:
-        summed = yield Collective("sum", self.compress(flat, world_size), final=True)
-        return self.decompress(summed, flat)
+        share = flat / world_size  # this rank's share of the mean; summed in the wire dtype, cast back
+        wire = share if flat.element_size() <= self.wire_dtype.itemsize else share.to(self.wire_dtype)
+        summed = yield Collective("sum", wire, final=True)
+        return summed.to(flat.dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.spec}
