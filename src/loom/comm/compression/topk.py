@@ -71,23 +71,20 @@ class TopKCodec:
         self._feedback.keep(accumulated, params, shapes)
         return values, indices
 
-    def decompress(
-        self, values: torch.Tensor, indices: torch.Tensor, like: torch.Tensor, world_size: int
-    ) -> torch.Tensor:
-        """The dense mean of the messages of ``world_size`` ranks (``values``/``indices`` stacked or 1-D)."""
-        dense = torch.zeros_like(like)
-        dense.index_add_(0, indices.reshape(-1).long(), values.reshape(-1).to(like.dtype))
-        return dense.div_(world_size)
-
     def exchange(
         self, params: Sequence[int], flat: torch.Tensor, shapes: Sequence[torch.Size], world_size: int
     ) -> Exchange:
         values, indices = self.compress(flat, shapes, params)
         index_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
-        message = _pack(values, indices.to(index_dtype))
-        gathered = yield Collective("gather", message, final=True)
-        all_values, all_indices = _unpack(gathered, len(values), values.dtype, index_dtype)
-        return self.decompress(all_values, all_indices, flat, world_size)
+        # values then indices as one byte string: one all-gather instead of two, whatever the two dtypes
+        parts = [values.contiguous(), indices.to(index_dtype).contiguous()]
+        gathered = yield Collective("gather", torch.cat([p.view(torch.uint8) for p in parts]), final=True)
+        split = values.nbytes  # each row of ``gathered`` is one rank's message
+        all_values = gathered[:, :split].contiguous().view(values.dtype)
+        all_indices = gathered[:, split:].contiguous().view(index_dtype)
+        dense = torch.zeros_like(flat)  # the dense mean of every rank's message
+        dense.index_add_(0, all_indices.reshape(-1).long(), all_values.reshape(-1).to(flat.dtype))
+        return dense.div_(world_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.spec, "buckets": self._feedback.state_dict()}
@@ -123,18 +120,3 @@ def top_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
             if candidates.numel() >= k:
                 return candidates[magnitude[candidates].topk(k, sorted=False).indices]
     return magnitude.topk(k, sorted=False).indices
-
-
-def _pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Values then indices as one byte string: one all-gather instead of two, whatever the two dtypes."""
-    return torch.cat([values.contiguous().view(torch.uint8), indices.contiguous().view(torch.uint8)])
-
-
-def _unpack(
-    gathered: torch.Tensor, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of `_pack` messages (one per rank) back to (values, indices), each of shape (ranks, k)."""
-    split = k * value_dtype.itemsize
-    values = gathered[:, :split].contiguous().view(value_dtype)
-    indices = gathered[:, split:].contiguous().view(index_dtype)
-    return values, indices
