@@ -54,23 +54,19 @@ _HELLO_TAG, _ANSWER_TAG = 0x4C4F4F4D, 0x4C4F4F4E  # "LOOM", "LOON": apart from t
 _HELLO_BYTES = 32 + 1 + 7 + 64  # host digest, usable, padding, ring name
 
 
-def encode_header(tensors: list[torch.Tensor]) -> bytes:
-    words = [len(tensors)]
-    for t in tensors:
-        code = _CODE.get(t.dtype)
-        if code is None:
-            raise TypeError(f"cannot send a {t.dtype} tensor through shared memory; dtypes: {DTYPES}")
-        words += [code, t.dim(), *t.shape]
-    return struct.pack(f"<{len(words) + 1}q", len(words), *words)
-
-
 class _Header:
     """One message signature's encoded header, kept with its address (the ring copies from it)."""
 
     __slots__ = ("buffer", "addr", "nbytes")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        raw = encode_header(tensors)
+        words = [len(tensors)]
+        for t in tensors:
+            code = _CODE.get(t.dtype)
+            if code is None:
+                raise TypeError(f"cannot send a {t.dtype} tensor through shared memory; dtypes: {DTYPES}")
+            words += [code, t.dim(), *t.shape]
+        raw = struct.pack(f"<{len(words) + 1}q", len(words), *words)
         self.buffer = ctypes.create_string_buffer(raw, len(raw))
         self.addr, self.nbytes = ctypes.addressof(self.buffer), len(raw)
 
