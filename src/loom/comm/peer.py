@@ -171,31 +171,23 @@ class PeerNode:
             if conn.got < need:
                 continue
             conn.got = 0
-            if conn.frame is None:
-                if not self._parse(conn):
+            if conn.frame is None:  # a complete header: check it, then read its payload
+                try:
+                    conn.frame = wire.read_header(
+                        bytes(conn.head), peer=conn.peer, answers=self._outgoing.get(conn.peer) is conn,
+                        layout=self.layout, payload_bytes=self.payload_bytes,
+                        outstanding=conn.request.seq if conn.request else None,
+                    )  # fmt: skip
+                except wire.FrameRefused as refused:
+                    self._stats.dropped += 1
+                    self._lose(conn, f"dropped: {refused}")
                     return
-                if conn.frame is not None and conn.frame[2] > 0:
-                    continue  # now read its payload
+                if conn.frame[2]:
+                    conn.payload = torch.empty(conn.frame[2], dtype=torch.uint8)
+                    continue
             frame, payload = conn.frame, conn.payload
             conn.frame, conn.payload = None, None
-            assert frame is not None
             self._dispatch(conn, frame, payload)
-
-    def _parse(self, conn: _Conn) -> bool:
-        """Check a complete header; start reading its payload. False (and the connection closed) if refused."""
-        answers = self._outgoing.get(conn.peer) is conn
-        try:
-            conn.frame = wire.read_header(
-                bytes(conn.head), peer=conn.peer, answers=answers, layout=self.layout,
-                payload_bytes=self.payload_bytes, outstanding=conn.request.seq if conn.request else None,
-            )  # fmt: skip
-        except wire.FrameRefused as refused:
-            self._stats.dropped += 1
-            self._lose(conn, f"dropped: {refused}")
-            return False
-        length = conn.frame[2]
-        conn.payload = torch.empty(length, dtype=torch.uint8) if length else None
-        return True
 
     def _dispatch(self, conn: _Conn, frame: tuple[int, int, int, int], payload: torch.Tensor | None) -> None:
         kind, seq, _, answered = frame
