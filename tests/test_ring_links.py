@@ -25,13 +25,14 @@ def _listener() -> tuple[socket.socket, int]:
 
 
 def _accept_in_thread(server: socket.socket, secret: bytes = SECRET, seconds: float = 30.0):
-    """Run the accepting side (rank 1 waiting for rank 0) in a thread; returns (thread, result dict)."""
-    result: dict = {"rejected": [0]}
+    """Run the accepting side (rank 1 waiting for rank 0) in a thread; returns (thread, result dict: the
+    accepted socket and the `links.Listener` counting the refused connections, or the error)."""
+    result: dict = {}
 
     def run() -> None:
         try:
             deadline = time.monotonic() + seconds
-            result["sock"] = links._accept(server, secret, 0, 1, deadline, result["rejected"])
+            result["sock"], result["listener"] = links._accept(server, secret, 0, 1, deadline)
         except Exception as error:  # noqa: BLE001 - handed to the test
             result["error"] = error
 
@@ -64,7 +65,7 @@ def test_handshake_admits_the_neighbour_with_the_secret():
     thread.join(10)
     accepted = result["sock"]
     dialed.sendall(b"payload")
-    assert accepted.recv(7) == b"payload" and result["rejected"] == [0]
+    assert accepted.recv(7) == b"payload" and result["listener"].rejected == 0
     for sock in (dialed, accepted, server):
         sock.close()
 
@@ -88,7 +89,7 @@ def test_wrong_secret_replay_and_garbage_are_refused_and_the_neighbour_still_adm
     assert thread.is_alive()  # still waiting for rank 0
     dialed = links._dial("127.0.0.1", port, SECRET, 0, 1, time.monotonic() + 20)
     thread.join(20)
-    assert "sock" in result and result["rejected"][0] == 5, result
+    assert "sock" in result and result["listener"].rejected == 5, result
     for sock in (dialed, result["sock"], server):
         sock.close()
 
@@ -108,11 +109,11 @@ def test_silent_clients_do_not_hold_the_neighbour_back_and_are_dropped(monkeypat
     # Served one after another, the neighbour would wait for 13 x 6 s of silence (longer than its 20 s); side
     # by side, it is admitted before any silent client has timed out: at most the 13 + 1 oldest were evicted to
     # make room for it (evictions are counted as their threads notice), none has reached its 6 s deadline.
-    assert result["rejected"][0] <= 14, result
+    assert result["listener"].rejected <= 14, result
     for sock in silent:  # each was dropped at its own deadline
         sock.settimeout(10)
         assert sock.recv(1) == b""
-    assert result["rejected"] == [13 + links.MAX_PENDING_HANDSHAKES], result
+    assert result["listener"].rejected == 13 + links.MAX_PENDING_HANDSHAKES, result
     for sock in (*silent, dialed, result["sock"], server):
         sock.close()
 

@@ -13,7 +13,7 @@ sets to the interface holding the node's address; loopback when unset), tells it
 point-to-point message), connects to its right neighbour while accepting its left one, then closes the
 listener. Before any data moves, both ends prove they hold the job secret (``LOOM_JOB_SECRET``) by the
 challenge-response of `loom.net.handshake`. The listener reads only fixed-size fields before the proof, bounds
-each handshake (`_accept`), closes and counts one that fails, and waits for its neighbour until
+each handshake (`Listener`), closes and counts one that fails, and waits for its neighbour until
 `HANDSHAKE_TIMEOUT_S`.
 
 All or nothing: when a member cannot link to its right neighbour (no job secret, as outside `loom run`; a
@@ -34,13 +34,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import math
 import os
-import queue
 import select
 import socket
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,8 +56,8 @@ __all__ = [
     "HANDSHAKE_TIMEOUT_S",
     "LINK_TIMEOUT_S",
     "MAX_PENDING_HANDSHAKES",
-    "PendingHandshakes",
     "HandshakeRefused",
+    "Listener",
     "RingLink",
     "answer_handshake",
     "close_links",
@@ -72,7 +73,7 @@ HANDSHAKE_TIMEOUT_S = 60.0
 CONNECTION_TIMEOUT_S = 5.0
 """Longest a listener spends on one connection's handshake (a silent or slow client is dropped)."""
 MAX_PENDING_HANDSHAKES = 64
-"""Handshakes a listener runs at once; one more evicts the oldest (`PendingHandshakes`)."""
+"""Handshakes a ring listener runs at once; one more evicts the oldest (`Listener`)."""
 
 _HELLO = b"LOOMRNG1"
 
@@ -262,13 +263,12 @@ def _link_up(
     """Dial the right neighbour while a thread accepts the left one (each waits on a neighbour doing the
     other, so one thread doing both in turn could wait round the ring forever)."""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-    accepted: list[socket.socket] = []
+    accepted: list[tuple[socket.socket, Listener]] = []
     errors: list[BaseException] = []
-    rejected = [0]
 
     def take_left() -> None:
         try:
-            accepted.append(_accept(listener, secret, left, me, deadline, rejected))
+            accepted.append(_accept(listener, secret, left, me, deadline))
         except BaseException as error:  # handed to the calling thread
             errors.append(error)
 
@@ -280,12 +280,12 @@ def _link_up(
     finally:
         thread.join()
         if out is None or errors:
-            for sock in (out, *accepted):
+            for sock in (out, *(a[0] for a in accepted)):
                 if sock is not None:
                     sock.close()
     if errors:
         raise errors[0]
-    return RingLink(right, left, out, accepted[0], rejected[0])
+    return RingLink(right, left, out, accepted[0][0], accepted[0][1].rejected)
 
 
 def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: float) -> socket.socket:
@@ -321,70 +321,98 @@ def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: 
         pause = min(2 * pause, 1.0)
 
 
-class PendingHandshakes:
-    """The connections whose handshake is running on a listener, at most ``limit``: one more evicts the oldest
-    (its socket is shut down, so its handshake fails and is counted), so connections that say nothing can delay
-    a peer by one eviction at most, never lock it out; dialers retry a reset handshake."""
+class Listener:
+    """Admits on the listening ``sock`` the connections that prove ``secret`` (`answer_handshake` under ``hello``
+    and ``label``, with ids of ``id_size`` bytes that ``expected`` accepts) into `arrived`; closes and counts the
+    others (`rejected`). ``wake()`` runs after each admission, and when accepting fails (`error`).
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    A thread accepts; each connection's handshake runs on a thread of its own within `CONNECTION_TIMEOUT_S` (and
+    ``deadline``), so clients that connect and say nothing cannot hold a peer back one after another. At most
+    ``limit`` run at once: one more evicts the oldest (its socket is shut down, so its handshake fails and is
+    counted), so such clients delay a peer by one eviction at most, never lock it out; dialers retry a reset one.
+    """
+
+    def __init__(self, sock: socket.socket, secret: bytes, id_size: int, expected: Callable[[bytes], bool],
+                 hello: bytes, label: bytes, limit: int, wake: Callable[[], None], deadline: float = math.inf,
+                 name: str = "loom-accept") -> None:  # fmt: skip
+        self.sock, self.secret, self.id_size, self.expected = sock, secret, id_size, expected
+        self.hello, self.label, self.limit, self.wake, self.deadline = hello, label, limit, wake, deadline
+        self.arrived: collections.deque[tuple[bytes, socket.socket]] = collections.deque()
+        """(ids, socket) of each admitted connection, oldest first."""
+        self.rejected = 0
+        """Connections closed because they did not prove the job secret (or too many at once)."""
+        self.error: OSError | None = None
+        """Why accepting failed, if it did (no more connections are accepted then)."""
         self._pending: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
+        sock.settimeout(0.5)
+        threading.Thread(target=self._accept_loop, name=name, daemon=True).start()
 
-    def admit(self, sock: socket.socket) -> None:
-        with self._lock:
-            if len(self._pending) >= self.limit:
-                oldest, _ = self._pending.popitem(last=False)
-                with contextlib.suppress(OSError):
-                    oldest.shutdown(socket.SHUT_RDWR)
-            self._pending[sock] = None
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as error:
+                if not self._closed:
+                    self.error = error
+                    self.wake()
+                return
+            with self._lock:
+                if len(self._pending) >= self.limit:
+                    oldest, _ = self._pending.popitem(last=False)
+                    with contextlib.suppress(OSError):
+                        oldest.shutdown(socket.SHUT_RDWR)
+                self._pending[conn] = None
+            threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="loom-handshake").start()
 
-    def done(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._pending.pop(sock, None)
+    def _handshake(self, conn: socket.socket) -> None:
+        until = min(self.deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
+        try:
+            ids = answer_handshake(
+                conn, self.secret, self.id_size, self.expected, until, self.hello, self.label
+            )
+            conn.settimeout(None)
+            self.arrived.append((ids, conn))
+            self.wake()
+        except OSError:  # ConnectionError, timeouts and evictions included: nothing of it was decoded
+            with self._lock:
+                self.rejected += 1  # counted before the client can see its connection closed
+            conn.close()
+        finally:
+            with self._lock:
+                self._pending.pop(conn, None)
+
+    def close(self) -> None:
+        """Stop accepting; close the connections admitted but not yet taken (handshakes under way go on)."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        while self.arrived:
+            self.arrived.popleft()[1].close()
 
 
 def _accept(
-    listener: socket.socket, secret: bytes, peer: int, me: int, deadline: float, rejected: list[int]
-) -> socket.socket:
-    """Accept connections until one is ``peer`` proving the job secret; close and count the others.
-
-    Each accepted connection's handshake runs on its own thread with its own `CONNECTION_TIMEOUT_S`, so clients
-    that connect and say nothing cannot hold the neighbour back one after another; at most
-    `MAX_PENDING_HANDSHAKES` run at once (one more evicts the oldest: `PendingHandshakes`)."""
-    ranks = peer.to_bytes(4, "big") + me.to_bytes(4, "big")
-    admitted: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
-    pending = PendingHandshakes(MAX_PENDING_HANDSHAKES)
-    lock = threading.Lock()
-
-    def handshake(sock: socket.socket) -> None:
-        until = min(deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
-        try:
-            answer_handshake(sock, secret, len(ranks), ranks.__eq__, until, _HELLO, b"ring")
-            sock.settimeout(None)
-            admitted.put(sock)
-        except OSError:  # ConnectionError, timeouts and evictions included
-            with lock:
-                rejected[0] += 1  # counted before the client can see its connection closed
-            sock.close()
-        finally:
-            pending.done(sock)
-
-    while admitted.empty():
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RuntimeError(
-                f"rank {me}: ring link: rank {peer} did not connect and prove the job secret within "
-                f"{HANDSHAKE_TIMEOUT_S:.0f} s ({rejected[0]} other connections refused). HINT: every process "
-                f"needs the same LOOM_JOB_SECRET, and rank {peer} must reach this address"
-            )
-        listener.settimeout(min(remaining, 0.05))  # also how often a finished handshake is looked for
-        try:
-            sock, _ = listener.accept()
-        except TimeoutError:
-            continue
-        except OSError as error:
-            raise RuntimeError(f"rank {me}: ring link: accepting rank {peer} failed: {error}") from None
-        pending.admit(sock)
-        threading.Thread(target=handshake, args=(sock,), daemon=True, name="loom-ring-handshake").start()
-    return admitted.get()
+    listener: socket.socket, secret: bytes, peer: int, me: int, deadline: float
+) -> tuple[socket.socket, Listener]:
+    """``peer``'s connection to ``listener`` once it proves the job secret, and the `Listener` that closed and
+    counted the others (closed on return: handshakes still under way go on counting)."""
+    ranks, event = peer.to_bytes(4, "big") + me.to_bytes(4, "big"), threading.Event()
+    handshakes = Listener(listener, secret, len(ranks), ranks.__eq__, _HELLO, b"ring", MAX_PENDING_HANDSHAKES,
+                          event.set, deadline)  # fmt: skip
+    try:
+        event.wait(max(deadline - time.monotonic(), 0.0))
+        if handshakes.arrived:
+            return handshakes.arrived.popleft()[1], handshakes
+        if handshakes.error is not None:
+            raise RuntimeError(f"rank {me}: ring link: accepting rank {peer} failed: {handshakes.error}")
+        raise RuntimeError(
+            f"rank {me}: ring link: rank {peer} did not connect and prove the job secret within "
+            f"{HANDSHAKE_TIMEOUT_S:.0f} s ({handshakes.rejected} other connections refused). HINT: every process "
+            f"needs the same LOOM_JOB_SECRET, and rank {peer} must reach this address"
+        )
+    finally:
+        handshakes.close()

@@ -43,7 +43,7 @@ import torch
 
 from loom.comm import peer_wire as wire
 from loom.comm.links import HandshakeRefused, _bytes
-from loom.comm.peer_links import DIALER_GETS, DIALER_SENDS, PeerListener, dial
+from loom.comm.peer_links import DIALER_GETS, DIALER_SENDS, dial, listen_for_peers
 
 __all__ = ["PeerNode"]
 
@@ -102,8 +102,8 @@ class PeerNode:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self.listener = PeerListener(rank, world_size, secret, self.wake, host)
-        self.address = self.listener.address
+        self.listener = listen_for_peers(rank, world_size, secret, self.wake, host)
+        self.address = "{}:{}".format(*self.listener.sock.getsockname()[:2])
         """``HOST:PORT`` peers dial."""
 
     @property
@@ -122,7 +122,8 @@ class PeerNode:
         """Move every byte that can move, answer complete requests, hand complete answers to their callbacks;
         wait up to ``timeout_s`` for something to happen (`wake` ends the wait early)."""
         while self.listener.arrived:
-            peer, sock = self.listener.arrived.popleft()
+            ids, sock = self.listener.arrived.popleft()
+            peer = int.from_bytes(ids[:4], "big")
             if self._closed:
                 sock.close()
                 continue
