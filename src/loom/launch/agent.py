@@ -125,7 +125,7 @@ def launch(spec: LaunchSpec) -> int:
     servers = None
     try:
         with _servers(spec) as servers:
-            _, restarts = run_agent(spec, rendezvous, local_addr, _worker_args(spec))
+            restarts = run_agent(spec, rendezvous, local_addr, _worker_args(spec))
     except ChildFailedError as error:
         print(_describe_failures(error), file=sys.stderr)
         lost = rendezvous.silent_peers()

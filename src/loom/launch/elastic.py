@@ -204,11 +204,8 @@ def _process_state(pid: int) -> str | None:
     return stat[end + 2 : end + 3].decode() if end >= 0 else None
 
 
-def run_agent(
-    spec: LaunchSpec, rendezvous: RendezvousHandler, local_addr: str, args: list[str]
-) -> tuple[dict[int, Any], int]:
-    """Run ``spec``'s worker group (``python ARGS`` each) to the end; returns the workers' return values and the
-    number of restarts.
+def run_agent(spec: LaunchSpec, rendezvous: RendezvousHandler, local_addr: str, args: list[str]) -> int:
+    """Run ``spec``'s worker group (``python ARGS`` each) to the end; returns the number of restarts.
 
     Raises ``ChildFailedError`` (naming every failed rank) when the group failed after its last restart, as
     ``launch_agent`` does; signals reach the caller as the agent's ``SignalException``.
@@ -238,4 +235,4 @@ def run_agent(
         agent.zygote.close()
     if result.is_failed():
         raise ChildFailedError(name=sys.executable, failures=result.failures)
-    return result.return_values, agent.restarts
+    return agent.restarts
