@@ -107,17 +107,7 @@ def launch(spec: LaunchSpec) -> int:
             print(f"loom run: worker logs are in {logs}", file=sys.stderr)
         return status
     try:
-        rendezvous = LoomRendezvous(
-            spec.node_rank,
-            spec.nnodes,
-            host,
-            port,
-            secret,
-            run_id,
-            local_addr,
-            spec.join_timeout_s,
-            lost_after_s,
-        )
+        rendezvous = LoomRendezvous(spec, host, port, secret, run_id, local_addr, lost_after_s)
     except OSError as error:
         return refuse(f"{cannot_listen}: {error.strerror or error}. HINT: run node 0 on the host --master names, "
                       "with a port nothing else uses")  # fmt: skip

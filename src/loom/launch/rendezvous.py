@@ -30,11 +30,15 @@ import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from loom.errors import PeerLost
 from loom.net.store import LoomStore, StoreServer, StoreTimeout, StoreUnreachable
+
+if TYPE_CHECKING:
+    from loom.launch.spec import LaunchSpec
 
 __all__ = ["BEAT_S", "LOST_AFTER_GRACE_S", "LoomRendezvous", "PeerLost"]
 
@@ -49,31 +53,30 @@ _SETTING = f" (LOOM_LIVENESS_TIMEOUT_S + {LOST_AFTER_GRACE_S:g} s, or LOOM_HANG_
 
 
 class LoomRendezvous(RendezvousHandler):
-    """The rendezvous of node ``node_rank`` of ``nnodes`` at ``host:port`` (node 0 hosts the store there).
+    """The rendezvous of ``spec``'s node (its ``node_rank`` of ``nnodes``, each waiting ``join_timeout_s`` for the
+    others) at ``host:port`` (node 0 hosts the store there).
 
     Node 0 makes the `StoreServer` in the constructor, so a bad address fails before anything starts."""
 
     def __init__(
         self,
-        node_rank: int,
-        nnodes: int,
+        spec: LaunchSpec,
         host: str,
         port: int,
         secret: bytes,
         run_id: str,
         local_addr: str,
-        join_timeout_s: float,
         lost_after_s: float,
     ) -> None:
-        self.node_rank, self.nnodes, self.run_id, self.local_addr = node_rank, nnodes, run_id, local_addr
-        self.join_timeout_s, self.lost_after_s = join_timeout_s, lost_after_s
-        self.server = StoreServer(host, port, secret) if node_rank == 0 else None
+        self.node_rank, self.nnodes, self.join_timeout_s = spec.node_rank, spec.nnodes, spec.join_timeout_s
+        self.run_id, self.local_addr, self.lost_after_s = run_id, local_addr, lost_after_s
+        self.server = StoreServer(host, port, secret) if self.node_rank == 0 else None
         self.host, self.port = host, (self.server.port if self.server else port)
         self.master = f"{self.host}:{self.port}"
-        timeout = datetime.timedelta(seconds=join_timeout_s)
+        timeout = datetime.timedelta(seconds=self.join_timeout_s)
         self.store = LoomStore(
             host, self.port, secret, prefix=f"loom/{run_id}/", timeout=timeout,
-            connect_timeout_s=join_timeout_s, io_timeout_s=min(10.0, lost_after_s), server=self.server,
+            connect_timeout_s=self.join_timeout_s, io_timeout_s=min(10.0, lost_after_s), server=self.server,
         )  # fmt: skip
         self._beat_store = self.store.with_prefix("")  # a connection of its own, with short timeouts
         self._beat_store.connect_timeout_s = self._beat_store.io_timeout_s = 2.0
