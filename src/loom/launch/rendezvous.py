@@ -123,7 +123,11 @@ class LoomRendezvous(RendezvousHandler):
             self._wait_for_all(store)
             addrs = store.multi_get([f"node{i}" for i in range(self.nnodes)])
         except StoreUnreachable as error:
-            raise PeerLost(self._unreachable_text(error)) from None
+            raise PeerLost(
+                f"node {self.node_rank} cannot reach node 0 (the master at {self.master}): {error}. HINT: start "
+                "node 0 first with the same --master, check the address and firewall, and give every node the same "
+                "LOOM_JOB_SECRET; --join-timeout sets how long to wait"
+            ) from None
         self._peers = {i: a.decode(errors="replace") for i, a in enumerate(addrs)}
         if self._monitor is None and self.nnodes > 1:
             now = time.monotonic()
@@ -172,13 +176,6 @@ class LoomRendezvous(RendezvousHandler):
                 told = True
                 print(f"loom run: node {self.node_rank} waiting for the other nodes at {self.master} (up to "
                       f"{self.join_timeout_s:g} s, --join-timeout)", file=sys.stderr, flush=True)  # fmt: skip
-
-    def _unreachable_text(self, error: Exception) -> str:
-        return (
-            f"node {self.node_rank} cannot reach node 0 (the master at {self.master}): {error}. HINT: start node 0 "
-            "first with the same --master, check the address and firewall, and give every node the same "
-            "LOOM_JOB_SECRET; --join-timeout sets how long to wait"
-        )
 
     def _name(self, node: int) -> str:
         addr = self._peers.get(node, "?")
