@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from loom.launch.supervise import pump
+
 __all__ = ["run"]
 
 _TAIL_LINES = 40
@@ -100,10 +102,7 @@ def _stream(proc: subprocess.Popen, prefix: str, what: str) -> None:
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
     try:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line)
-            sys.stdout.write(prefix + line)
-        sys.stdout.flush()
+        pump(proc.stdout, prefix, tail=tail)
         status = proc.wait()
     finally:
         if proc.poll() is None:
