@@ -122,7 +122,7 @@ def _rows(
             if "error" in row:
                 continue
             before = _load()
-            one = PlanResult(**{**result.__dict__, "ranked": [r], "verifications": []})
+            one = PlanResult(**{**result.__dict__, "ranked": [r]})
             try:
                 v = (
                     _verify_on_hosts(hosts, r, args, steps)

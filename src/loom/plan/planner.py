@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ class Verification:
     measured_s: float
     predicted_state: int
     measured_state: int
-    measured: dict[str, Any] = field(default_factory=dict)
     predicted_peak: int = 0
     """The predicted peak RSS of the largest process (`Prediction.memory`'s total)."""
     measured_peak: int = 0
@@ -56,7 +55,7 @@ class Verification:
         """``prediction`` beside what a `loom.plan.trial` verify run wrote (``got``)."""
         p, memory = prediction, got["memory"]
         state = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer"]
-        return cls(p.config, p.step_time_s, float(got["step_time_s"]), state, int(memory["state"]), got,
+        return cls(p.config, p.step_time_s, float(got["step_time_s"]), state, int(memory["state"]),
                    p.memory["total"], int(memory["peak_rss"]))  # fmt: skip
 
 
@@ -78,7 +77,6 @@ class PlanResult:
     added to a configuration's peak when it is judged against ``--memory-per-proc``."""
     pipeline_overhead_s: float = 0.0
     """The same for the pipeline schedules (`Pipeline`, `Hybrid`), from the calibration's pipeline run."""
-    verifications: list[Verification] = field(default_factory=list)
 
     @property
     def top(self) -> Ranked:
@@ -344,5 +342,4 @@ def verify(result: PlanResult, args: tuple[str, ...] = (), top: int = 2, steps: 
         got = _trial("verify", result.script, args, c.nproc, c.servers, options, timeout_s)
         out.append(Verification.of(p, got))
     record_errors({v.config.family: v.error for v in out if math.isfinite(v.error)})
-    result.verifications = out
     return out
