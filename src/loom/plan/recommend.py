@@ -48,7 +48,11 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
-def _why_slower(p: Prediction, top: Prediction) -> str:
+def _why(p: Prediction, top: Prediction) -> str:
+    """Why ``p`` ranks where it does among the configurations that fit (the module docstring)."""
+    if p is top:
+        return (f"fastest predicted: {p.samples_per_s:.1f} samples/s (compute {p.compute_s * 1e3:.1f} ms, "
+                f"communication {p.comm_s * 1e3:.1f} ms on the critical path)")  # fmt: skip
     slower = f"{p.step_time_s / top.step_time_s - 1:.0%} slower than the top"
     if p.bubble > 0.2:
         return f"{slower}: pipeline bubble {p.bubble:.0%} of the step"
@@ -87,14 +91,7 @@ def rank(
         if not p.refused and (memory_limit is None or needed_per_process(p, job_share) <= memory_limit)
     ]
     fits.sort(key=lambda p: -p.samples_per_s)
-    out: list[Ranked] = []
-    for i, p in enumerate(fits):
-        if i == 0:
-            why = (f"fastest predicted: {p.samples_per_s:.1f} samples/s (compute {p.compute_s * 1e3:.1f} ms, "
-                   f"communication {p.comm_s * 1e3:.1f} ms on the critical path)")  # fmt: skip
-        else:
-            why = _why_slower(p, fits[0])
-        out.append(Ranked(p, True, why, errors.get(p.config.family)))
+    out = [Ranked(p, True, _why(p, fits[0]), errors.get(p.config.family)) for p in fits]
     big = [p for p in predictions if not p.refused and p not in fits]
     for p in sorted(big, key=lambda p: p.memory["total"]):
         why = (f"does not fit: needs {_gib(needed_per_process(p, job_share))} per process (with its share of the "
