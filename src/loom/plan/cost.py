@@ -128,9 +128,9 @@ class _Model:
     """The pieces every formula shares, for one configuration."""
 
     def __init__(self, config: Configuration, profile: ModelProfile, transport: Transport, global_batch: int,
-                 overhead: float = 0.0, fsdp_extra: int = 0):  # fmt: skip
+                 codecs: dict[str, CodecCost], spare_core: bool, overhead: float, fsdp_extra: int):  # fmt: skip
         self.c, self.p, self.t = config, profile, transport
-        self.fsdp_extra = fsdp_extra
+        self.codecs, self.spare_core, self.fsdp_extra = codecs, spare_core, fsdp_extra
         self.n = config.nproc
         self.global_batch = global_batch
         self.share = math.ceil(global_batch / config.dp)
@@ -154,11 +154,11 @@ class _Model:
         return Prediction(self.c, step, self.global_batch / step, memory, int(wire), compute, comm)
 
 
-def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) -> Prediction:
+def _data_parallel(m: _Model) -> Prediction:
     p, at = m.p, m.p.at(m.share)
     codec = m.c.option("compression")
     if codec is not None:
-        cost = codecs.get(str(codec))
+        cost = m.codecs.get(str(codec))
         if cost is None:
             raise OutsideCalibration(f"codec {codec} was not measured")
         comm = m.t.time("allreduce:native", cost.sum_bytes) + m.t.time("all_gather", m.n * cost.gather_bytes)
@@ -172,7 +172,7 @@ def _data_parallel(m: _Model, codecs: dict[str, CodecCost], spare_core: bool) ->
     algorithm = str(m.c.option("allreduce"))
     comm = m.t.time(f"allreduce:{algorithm}", p.grad_bytes)
     grads = p.grad_bytes
-    if algorithm == "native" or spare_core:
+    if algorithm == "native" or m.spare_core:
         comm = m.exposed(comm, at.backward_s) + (m.t.ddp_extra_s if algorithm == "native" else 0.0)
     elif algorithm == "shm":  # the shared segment of every local process's slot (module docstring)
         grads *= m.n // m.c.hosts
@@ -309,8 +309,8 @@ def _pipeline(m: _Model) -> Prediction:
                       step - sum(replay.busy) / c.pp, replay.bubble)  # fmt: skip
 
 
-_FORMULAS = {"ShardedDataParallel": _sharded, "ParameterServer": _parameter_server, "LocalSGD": _replicas,
-             "DiLoCo": _replicas, "TensorParallel": _tensor_parallel}  # fmt: skip
+_FORMULAS = {"DataParallel": _data_parallel, "ShardedDataParallel": _sharded, "ParameterServer": _parameter_server,
+             "LocalSGD": _replicas, "DiLoCo": _replicas, "TensorParallel": _tensor_parallel}  # fmt: skip
 
 
 def predict(
@@ -328,11 +328,8 @@ def predict(
     configuration is not modelled or would need a measurement the plan did not make (never extrapolated).
     ``fsdp_extra``: ``R_z``, charged to ZeRO stages 2 and 3 alike (module docstring)."""
     try:
-        m = _Model(config, profile, transport, global_batch, overhead_s, fsdp_extra)
-        if config.family == "DataParallel":
-            got = _data_parallel(m, codecs or {}, spare_core)
-        else:
-            got = _FORMULAS.get(config.family, _pipeline)(m)
+        m = _Model(config, profile, transport, global_batch, codecs or {}, spare_core, overhead_s, fsdp_extra)
+        got = _FORMULAS.get(config.family, _pipeline)(m)
     except OutsideCalibration as why:
         return Prediction(config, refused=f"outside the calibrated range: {why}")
     return _with_process(got, profile, runtime_bytes)
