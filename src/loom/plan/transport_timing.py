@@ -34,7 +34,7 @@ __all__ = ["REPS", "agreed_reps", "measure_transport", "rank_max"]
 
 REPS_BUDGET_S = 0.1
 """Timed repetitions of one operation stop at about this much time (at least one): a large message is timed once
-after its warm-up, a small one ``reps`` times. Large messages are bandwidth-bound and vary little; a spike at one
+after its warm-up, a small one `REPS` times. Large messages are bandwidth-bound and vary little; a spike at one
 size is capped by a larger size's time (`envelope`)."""
 
 
@@ -183,7 +183,7 @@ def _words(nbytes: int) -> int:
     return max(4, -(-int(nbytes) // 4) * 4)
 
 
-def measure_transport(sizes: list[int], reps: int = REPS, limits: dict[str, int] | None = None) -> Transport:
+def measure_transport(sizes: list[int], limits: dict[str, int] | None = None) -> Transport:
     """Time every operation at every size on the job's group (a collective: every rank calls it), each up to
     its family's limit in ``limits`` (``allreduce``, ``reduce_scatter``, ``all_gather``, ``p2p``, ``ps``: bytes;
     ``inf`` above; a family not named is measured at every size, except ``ps``: none measured). On one host
@@ -221,7 +221,7 @@ def measure_transport(sizes: list[int], reps: int = REPS, limits: dict[str, int]
                 _complete([t for t in timings if len(t.seconds) < t.reps], group, rounds=True)
                 continue
             index, name, fn, at_once = call
-            timings.append(_first_call(name, index, fn, reps, group, timings, not at_once))
+            timings.append(_first_call(name, index, fn, group, timings, not at_once))
             if at_once:
                 _complete([timings[-1]], group)
                 timings[-1].fn = lambda: None  # its calls are all made: its message's buffer is not kept
@@ -270,18 +270,17 @@ def _first_call(
     name: str,
     index: int,
     fn: Callable[[], object],
-    most: int,
     group: Any,
     earlier: list[_Timing],
     rounds: bool,
 ) -> _Timing:
     """The first call of ``name`` at size ``index``: a warm-up (set-up: shared memory, links) that sizes the
-    timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most ``most``; timed in ``rounds``,
+    timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most `REPS`; timed in ``rounds``,
     each counts with the untimed call before it); for a parameter server's frames past the first size, a timed
     call itself (their code is warm, their buffers are new at every call: a warm-up would be the same work again)."""
     warm = not (name.startswith("ps_") and any(t.name == name for t in earlier))
     first = _call(fn, group)
-    reps = agreed_reps(first * (2 if rounds else 1), most, group, REPS_BUDGET_S)
+    reps = agreed_reps(first * (2 if rounds else 1), REPS, group, REPS_BUDGET_S)
     return _Timing(name, index, fn, reps, [] if warm else [first])
 
 

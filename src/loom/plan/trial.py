@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.plan.transport_timing import REPS, rank_max
+from loom.plan.transport_timing import rank_max
 
 __all__ = ["main"]
 
@@ -84,7 +84,7 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     trained, steps = _copy(captured), max(ns.steps, STEPS)
     reference = _verify_steps(trained, "DataParallel", {"allreduce": "native"}, steps, 1, budget=True)
     done("reference")
-    transport = measure_transport([int(s) for s in ns.sizes.split(",")], ns.reps, json.loads(ns.limits))
+    transport = measure_transport([int(s) for s in ns.sizes.split(",")], json.loads(ns.limits))
     done("transport")
     # the same steps with no exchange: the engine overhead is its step less its formula, and the native
     # all-reduce's exposed time the reference's step less its (the overlap coefficient, planner). On the
@@ -331,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", choices=["calibrate", "verify"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="4096,65536,1048576")
-    parser.add_argument("--reps", type=int, default=REPS)
     parser.add_argument("--limits", default="{}", help="JSON: each operation family's largest size (bytes)")
     parser.add_argument(
         "--pipeline", default="", help='calibrate: a pipeline to time too, {"Pipeline": {...}}'
@@ -339,7 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", default="DataParallel")
     parser.add_argument("--options", default="{}")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -348,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.mode == "calibrate":
         result = _calibrate(ns, captured)
     else:
-        result = _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, ns.warmup, tensors=True)
+        result = _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, warmup=2, tensors=True)
     if topology.rank == 0:
         tmp = ns.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))
