@@ -24,26 +24,22 @@ __all__ = ["ProgressBar"]
 class ProgressBar:
     """``with ProgressBar(total, "epoch 1", enabled=topo.is_main) as bar: bar.advance(info="loss 0.12")``."""
 
+    width = 30
+    """Characters of the bar printed as a line."""
+    line_interval_s = 2.0
+    """The least time between two printed lines (the last is printed whatever the time)."""
+
     def __init__(
-        self,
-        total: int,
-        description: str,
-        *,
-        enabled: bool = True,
-        width: int = 30,
-        line_interval_s: float = 2.0,
-        metrics: StepMetrics | None = None,
+        self, total: int, description: str, *, enabled: bool = True, metrics: StepMetrics | None = None
     ) -> None:
         self.metrics = metrics
         self.total = max(total, 1)
         self.description = description
         self.enabled = enabled
-        self.width = width
         self.done = 0
         self._live = enabled and sys.stdout.isatty()
         self._rich: Progress | None = None
         self._task: TaskID | None = None
-        self.line_interval_s = line_interval_s
         self._started = time.perf_counter()
         self._last_line = self._started
         self._last_info = -1.0
