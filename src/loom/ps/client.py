@@ -172,32 +172,30 @@ class PSClient:
             wake = min([deadline, *(retry_at[i] for i in pending)])
             poller.poll(max(0, int((wake - now) * 1000)) + 1)
             for i in list(pending):
-                frame = self.links[servers[i]].receive(pending[i])
-                if frame is not None:
+                if (frame := self.links[servers[i]].receive(pending[i])) is not None:
                     replies[i] = self._answer(kind, frame)
                     del pending[i]
             now = time.monotonic()
             if pending and now > deadline:
                 late, began = [servers[i] for i in pending], time.time() - (now - start)
                 raise self._timeout(kind, late, metas[0].get("worker"), timeout_s, began - 30.0)
-            for i in list(pending):
-                if now >= retry_at[i] and self.links[servers[i]].inbox.arriving(b"", now, ARRIVING_S):
+            for i in [i for i in pending if now >= retry_at[i]]:  # maybe restarted: greet it, then resend
+                if self.links[servers[i]].inbox.arriving(b"", now, ARRIVING_S):
                     retry_at[i] = now + ARRIVING_S  # its answer is coming in: greeting now would drop it
                     continue
-                if now >= retry_at[i]:  # maybe restarted: learn its epoch again, then resend
-                    greeted = kind == MessageType.HELLO or self._rehello(
-                        servers[i], min(attempt[i], deadline - now), pending[i]
-                    )
-                    if isinstance(greeted, Frame):  # the answer came in while greeting
-                        replies[i] = self._answer(kind, greeted)
-                        del pending[i]
-                        continue
-                    if not greeted:  # down (or restarting): greet again at once, resend once it answers
-                        retry_at[i] = time.monotonic()
-                        continue
-                    pending[i].add(self._send(servers[i], kind, metas[i], tensors[i]))
-                    attempt[i] = min(10.0, attempt[i] * 2)
-                    retry_at[i] = time.monotonic() + attempt[i]
+                greeted = kind == MessageType.HELLO or self._rehello(
+                    servers[i], min(attempt[i], deadline - now), pending[i]
+                )
+                if isinstance(greeted, Frame):  # the answer came in while greeting
+                    replies[i] = self._answer(kind, greeted)
+                    del pending[i]
+                    continue
+                if not greeted:  # down (or restarting): greet again at once, resend once it answers
+                    retry_at[i] = time.monotonic()
+                    continue
+                pending[i].add(self._send(servers[i], kind, metas[i], tensors[i]))
+                attempt[i] = min(10.0, attempt[i] * 2)
+                retry_at[i] = time.monotonic() + attempt[i]
         return [replies[i] for i in range(len(servers))]
 
     def _answer(self, kind: MessageType, frame: Frame) -> Frame:
