@@ -90,14 +90,14 @@ def connect(address: str | None, num_cpus: int | None = None) -> RayConnection:
     if ray.is_initialized():
         return RayConnection(False, False, None)
     saved = _ProcessState.capture()
-    if given is not None:
-        try:
-            ray.init(address=given, log_to_driver=False, logging_level=logging.WARNING)
-        except BaseException:
-            saved.restore()
-            raise
+    try:
+        if given is None:
+            return _start_local(num_cpus, saved)
+        ray.init(address=given, log_to_driver=False, logging_level=logging.WARNING)
         return RayConnection(True, False, None, saved)
-    return _start_local(num_cpus, saved)
+    except BaseException:  # a connection that failed leaves this process as it found it
+        saved.restore()
+        raise
 
 
 def _start_local(num_cpus: int | None, saved: _ProcessState) -> RayConnection:
@@ -122,9 +122,6 @@ def _start_local(num_cpus: int | None, saved: _ProcessState) -> RayConnection:
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
-    except BaseException:
-        saved.restore()
-        raise
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_flag
     session = ray._private.worker._global_node.get_session_dir_path()  # type: ignore[attr-defined,union-attr]
