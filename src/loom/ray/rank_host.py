@@ -131,11 +131,8 @@ class RankHost:
                 f"{self.name}: the working directory {cwd!r} does not exist on node {socket.gethostname()}. "
                 "HINT: run the driver from a directory every node has at the same path (a shared filesystem)"
             )
-        if run_dir is None:
-            self.sync_root = Path(tempfile.mkdtemp(prefix=f"loom-ray-{self.name}-"))
-            root = self.sync_root
-        else:
-            root = Path(run_dir)
+        root = Path(run_dir or tempfile.mkdtemp(prefix=f"loom-ray-{self.name}-"))
+        self.sync_root = None if run_dir else root
         log_base = root / "logs" / log_name
         log_base.parent.mkdir(parents=True, exist_ok=True)
         self.error_file = log_base.with_name(log_base.name + ".error.json")
