@@ -236,25 +236,26 @@ class Inbox:
         """Bytes of open frames received so far (never above ``reserved``)."""
 
     def receive(self, peer: bytes, chunk: memoryview, now: float) -> bytes | memoryview | None:
-        """Take one chunk from ``peer``; the whole frame if this chunk completed it, else None."""
-        if len(chunk) < _PREFIX.size:
-            self._drop("malformed")
-            return None
-        tag, frame_id, number = _PREFIX.unpack_from(chunk)
-        if tag == _OPEN:
-            return self._opened(peer, chunk, frame_id, number, now)
-        if tag != _DATA:
-            self._drop("malformed")
-            return None
-        held = self._open.get(peer)
-        if held is None:
-            self._drop("orphan_chunk")
-            return None
-        piece = chunk[_PREFIX.size :]
-        expected = min(CHUNK_BYTES, held.size - held.received)
-        if frame_id != held.frame_id or number != len(held.pieces) or len(piece) != expected:
-            self._close(peer)
-            self._drop("chunk_order")
+        """Take one chunk from ``peer``; the whole frame if this chunk completed it, else None (a chunk dropped is
+        counted by reason)."""
+        try:
+            if len(chunk) < _PREFIX.size:
+                raise FrameDropped("malformed")
+            tag, frame_id, number = _PREFIX.unpack_from(chunk)
+            if tag == _OPEN:
+                return self._opened(peer, chunk, frame_id, number, now)
+            if tag != _DATA:
+                raise FrameDropped("malformed")
+            held = self._open.get(peer)
+            if held is None:
+                raise FrameDropped("orphan_chunk")
+            piece = chunk[_PREFIX.size :]
+            expected = min(CHUNK_BYTES, held.size - held.received)
+            if frame_id != held.frame_id or number != len(held.pieces) or len(piece) != expected:
+                self._close(peer)
+                raise FrameDropped("chunk_order")
+        except FrameDropped as dropped:
+            self._drop(dropped.reason)
             return None
         held.pieces.append(piece)
         held.received += len(piece)
@@ -266,38 +267,33 @@ class Inbox:
         return b"".join(held.pieces)
 
     def _opened(self, peer: bytes, chunk: memoryview, frame_id: int, count: int, now: float):
+        """Vet an open chunk (`FrameDropped` when it is dropped) and open its frame, or return a one-chunk frame."""
         if peer in self._open:  # the peer moved on (a resend under a new sequence number)
             self._close(peer)
             self._drop("abandoned")
         if len(chunk) < _OPEN_HEAD + HEADER.size:
-            self._drop("truncated")
-            return None
+            raise FrameDropped("truncated")
         tag = mac_stream(self.key, chunk[: _PREFIX.size])
         tag.update(chunk[_OPEN_HEAD : _OPEN_HEAD + HEADER.size])
         if not same_proof(tag.digest(), bytes(chunk[_PREFIX.size : _OPEN_HEAD])):
-            self._drop("bad_mac")
-            return None
-        try:
-            kind, epoch, session, seq, _, _, size = read_header(chunk, self.limits, _OPEN_HEAD)
-            if count != max(1, math.ceil(size / CHUNK_BYTES)):
-                raise FrameDropped("chunk_count", f"{count} chunks for {size} bytes")
-            piece = chunk[_OPEN_HEAD:]
-            if len(piece) != min(CHUNK_BYTES, size):
-                reason = "truncated" if len(piece) < min(CHUNK_BYTES, size) else "length_mismatch"
-                raise FrameDropped(reason, f"the open chunk carries {len(piece)} of {size} bytes")
-            if self._check_open is not None:
-                self._check_open(kind, epoch, session, seq, size)
-            rival = self._by_session.get(session)
-            if rival is not None:  # one open frame per session: a replayed open chunk cannot multiply
-                if seq <= self._open[rival].seq:
-                    raise FrameDropped("replay", "an open frame of this session is newer")
-                self._close(rival)
-                self._drop("abandoned")
-            if count > 1 and self.reserved + size > self.budget.total_bytes:
-                raise FrameDropped("budget", f"{self.reserved} + {size} bytes reserved")
-        except FrameDropped as dropped:
-            self._drop(dropped.reason)
-            return None
+            raise FrameDropped("bad_mac")
+        kind, epoch, session, seq, _, _, size = read_header(chunk, self.limits, _OPEN_HEAD)
+        if count != max(1, math.ceil(size / CHUNK_BYTES)):
+            raise FrameDropped("chunk_count", f"{count} chunks for {size} bytes")
+        piece = chunk[_OPEN_HEAD:]
+        if len(piece) != min(CHUNK_BYTES, size):
+            reason = "truncated" if len(piece) < min(CHUNK_BYTES, size) else "length_mismatch"
+            raise FrameDropped(reason, f"the open chunk carries {len(piece)} of {size} bytes")
+        if self._check_open is not None:
+            self._check_open(kind, epoch, session, seq, size)
+        rival = self._by_session.get(session)
+        if rival is not None:  # one open frame per session: a replayed open chunk cannot multiply
+            if seq <= self._open[rival].seq:
+                raise FrameDropped("replay", "an open frame of this session is newer")
+            self._close(rival)
+            self._drop("abandoned")
+        if count > 1 and self.reserved + size > self.budget.total_bytes:
+            raise FrameDropped("budget", f"{self.reserved} + {size} bytes reserved")
         if count == 1:
             return piece
         self._open[peer] = _Open(frame_id, session, seq, count, size, [piece], len(piece), now)
