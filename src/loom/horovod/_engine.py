@@ -179,25 +179,23 @@ class Engine:
 
     def _exchange(self, message: dict) -> list[dict]:
         """All-gather one JSON message per rank (one round when all fit in `_BUFFER` bytes)."""
-        data = json.dumps(message, separators=(",", ":")).encode()
         if self.size == 1:
             return [message]
-        buf = torch.zeros(_BUFFER, dtype=torch.uint8)
-        buf[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
-        if len(data) <= _BUFFER - 8:
-            buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        data = json.dumps(message, separators=(",", ":")).encode()
+        framed = len(data).to_bytes(8, "little") + data
+        bufs = self._all_gather(framed if len(framed) <= _BUFFER else framed[:8], _BUFFER)
+        lengths = [int.from_bytes(b[:8].numpy().tobytes(), "little") for b in bufs]
+        if max(lengths) > _BUFFER - 8:  # a second round, sized for the largest message
+            bufs = self._all_gather(framed, 8 + max(lengths))
+        return [json.loads(b[8 : 8 + n].numpy().tobytes()) for b, n in zip(bufs, lengths, strict=True)]
+
+    def _all_gather(self, data: bytes, size: int) -> list[torch.Tensor]:
+        """Every rank's ``data``, each in a zero-padded buffer of ``size`` bytes."""
+        buf = torch.zeros(size, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         bufs = [torch.empty_like(buf) for _ in range(self.size)]
         dist.all_gather(bufs, buf, group=self.group)
-        lengths = [int.from_bytes(bytes(b[:8].tolist()), "little") for b in bufs]
-        if max(lengths) > _BUFFER - 8:  # a second round, sized for the largest message
-            big = torch.zeros(max(lengths), dtype=torch.uint8)
-            big[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            bigs = [torch.empty_like(big) for _ in range(self.size)]
-            dist.all_gather(bigs, big, group=self.group)
-            raw = [bytes(b[:n].numpy().tobytes()) for b, n in zip(bigs, lengths, strict=True)]
-        else:
-            raw = [bytes(b[8 : 8 + n].numpy().tobytes()) for b, n in zip(bufs, lengths, strict=True)]
-        return [json.loads(r) for r in raw]
+        return bufs
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
