@@ -2,7 +2,7 @@
 
 Horovod keeps the surviving processes and re-forms the ring when a worker dies; loom restarts the whole
 worker group (``loom run --max-restarts N``). So a `commit()` is written to disk (rank 0, atomically:
-safetensors for the tensors plus JSON for the rest, no pickle), and `run` starts each attempt by loading the
+one file of JSON plus the tensors' bytes, no pickle), and `run` starts each attempt by loading the
 last commit on rank 0 and broadcasting it (`State.sync`). Work since the last commit is redone, as in Horovod.
 
 Where commits go: ``$LOOM_HOROVOD_STATE_DIR``, else ``$LOOM_RUN_DIR/horovod_elastic`` (``loom run`` sets it),
@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import math
 import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from loom.horovod import basics
-from loom.horovod._objects import decode, encode
+from loom.horovod._objects import from_bytes, to_bytes
 from loom.horovod.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run", "state_dir"]
+
+_COMMIT = "commit.bin"
 
 
 def state_dir() -> Path | None:
@@ -171,24 +171,16 @@ def _clone(tree):
 
 
 def _write_commit(directory: Path, payload) -> None:
-    """commit.safetensors, then commit.json (the marker a reader trusts), each by atomic rename."""
+    """The payload as one file (`loom.horovod._objects.to_bytes`: JSON plus the tensors' bytes), replaced
+    atomically, so a reader sees the previous commit or this one, whole."""
     directory.mkdir(parents=True, exist_ok=True)
-    tree, tensors = encode(payload)
-    tmp = directory / "commit.safetensors.tmp"
-    save_file({str(i): t.contiguous() for i, t in enumerate(tensors)}, str(tmp))
-    os.replace(tmp, directory / "commit.safetensors")
-    tmp_json = directory / "commit.json.tmp"
-    tmp_json.write_text(json.dumps({"tree": tree, "tensors": len(tensors)}))
-    os.replace(tmp_json, directory / "commit.json")
+    (directory / "commit.tmp").write_bytes(to_bytes(payload))
+    os.replace(directory / "commit.tmp", directory / _COMMIT)
 
 
 def _read_commit(directory: Path):
-    marker = directory / "commit.json"
-    if not marker.exists():
-        return None
-    header = json.loads(marker.read_text())
-    loaded = load_file(str(directory / "commit.safetensors"))
-    return decode(header["tree"], [loaded[str(i)] for i in range(header["tensors"])])
+    path = directory / _COMMIT
+    return from_bytes(path.read_bytes()) if path.exists() else None
 
 
 def run(func):
