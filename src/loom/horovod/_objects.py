@@ -125,13 +125,11 @@ def to_bytes(obj: Any) -> bytes:
 def from_bytes(data: bytes) -> Any:
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
-    offset = 8 + n
-    tensors = []
+    offset, tensors = 8 + n, []
     for dtype_name, shape in header["tensors"]:
-        dtype = getattr(torch, dtype_name)
-        count = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        raw = bytearray(data[offset : offset + count])
-        offset += count
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if count else torch.empty(0, dtype=torch.uint8)
-        tensors.append(flat.view(dtype).reshape(shape) if count else torch.empty(shape, dtype=dtype))
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+        flat = tensor.reshape(-1).view(torch.uint8).numpy()
+        flat[:] = np.frombuffer(data, np.uint8, flat.size, offset)
+        offset += flat.size
+        tensors.append(tensor)
     return decode(header["tree"], tensors)
