@@ -33,29 +33,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]  # the wrapped optimizer's class, as Horovod does
         self._compression = compression
         all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-            if any(not isinstance(x, tuple) or len(x) != 2 for x in named_parameters):
-                raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, e.g. "
-                                 "model.named_parameters()")  # fmt: skip
-            names = [name for name, _ in named_parameters]
-            if len(set(names)) < len(names):
-                dups = sorted({n for n in names if names.count(n) > 1})
-                raise ValueError(f"Parameter names in named_parameters must be unique; repeated: {dups}")
-            named = {id(p) for _, p in named_parameters}
-            unnamed = [i for i, p in enumerate(all_params) if id(p) not in named]
-            if unnamed:
-                raise ValueError(
-                    "named_parameters was specified, but one or more model parameters were not named "
-                    f"(optimizer parameters at positions {unnamed[:10]}). HINT: pass model.named_parameters()"
-                )
-            self._parameter_names = {p: name for name, p in named_parameters}
-        else:
-            self._parameter_names = {
-                p: f"allreduce.noname.{i}.{j}"
+        if named_parameters is None:  # Horovod's names: by group and position
+            named_parameters = [
+                (f"allreduce.noname.{i}.{j}", p)
                 for i, group in enumerate(self.param_groups)
                 for j, p in enumerate(group["params"])
-            }
+            ]
+        named_parameters = list(named_parameters)
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named_parameters):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, e.g. "
+                             "model.named_parameters()")  # fmt: skip
+        names = [name for name, _ in named_parameters]
+        if len(set(names)) < len(names):
+            dups = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"Parameter names in named_parameters must be unique; repeated: {dups}")
+        named = {id(p) for _, p in named_parameters}
+        unnamed = [i for i, p in enumerate(all_params) if id(p) not in named]
+        if unnamed:
+            raise ValueError(
+                "named_parameters was specified, but one or more model parameters were not named "
+                f"(optimizer parameters at positions {unnamed[:10]}). HINT: pass model.named_parameters()"
+            )
+        self._parameter_names = {p: name for name, p in named_parameters}
         self.backward_passes_per_step = int(backward_passes_per_step)
         if self.backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -70,15 +69,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense, self.process_set = sparse_as_dense, process_set
         self._handles: dict = {}
         self._allreduce_delay = {p: self.backward_passes_per_step for p in all_params}
-        self._requires_update: set = set()
+        self._requires_update = {p for p in all_params if p.requires_grad}
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = []
         if basics.size() > 1:
-            for p in all_params:
-                if p.requires_grad:
-                    self._requires_update.add(p)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            for p in self._requires_update:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
