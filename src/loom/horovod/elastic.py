@@ -230,11 +230,8 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.num_replicas = basics.size() if basics.is_initialized() else 1
         self.rank = basics.rank() if basics.is_initialized() else 0
         n = len(self.dataset)
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
         remaining = order[min(self.processed_num, n) :]
         self.num_samples = math.ceil(len(remaining) / self.num_replicas) if remaining else 0
         self.indices = remaining[self.rank :: self.num_replicas]
