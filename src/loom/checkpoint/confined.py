@@ -27,19 +27,6 @@ from loom.errors import CorruptCheckpointError
 
 __all__ = ["ConfinedDirectory", "read_exact", "read_limited", "sha256_of"]
 
-_LINK_HINT = "HINT: copy the checkpoint into the directory instead of linking to it."
-
-
-def _link_reason(path: Path) -> str:
-    try:
-        target = os.readlink(path)
-    except OSError:
-        target = "?"
-    return (
-        f"is a symbolic link (to {target}); step directories and their files must be regular entries inside "
-        f"the checkpoint directory, so links are refused. {_LINK_HINT}"
-    )
-
 
 class ConfinedDirectory:
     """A directory opened without following a link at its last component; files opened inside it only.
@@ -88,7 +75,15 @@ class ConfinedDirectory:
 
 def _open_failure(path: Path, err: OSError, kind: str) -> str:
     if err.errno == errno.ELOOP or (err.errno == errno.ENOTDIR and path.is_symlink()):
-        return _link_reason(path)
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return (
+            f"is a symbolic link (to {target}); step directories and their files must be regular entries "
+            "inside the checkpoint directory, so links are refused. HINT: copy the checkpoint into the "
+            "directory instead of linking to it."
+        )
     if err.errno == errno.ENOENT:
         return f"the {kind} is missing"
     if err.errno == errno.ENOTDIR:
