@@ -216,10 +216,6 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    return data.view(dtype).reshape(shape)
-
-
 def _allgather(engine, metas, local):
     results = []
     for i, t in enumerate(local.tensors):
@@ -237,7 +233,7 @@ def _allgather(engine, metas, local):
             bufs = [torch.empty_like(padded) for _ in range(engine.size)]
             dist.all_gather(bufs, padded, group=engine.group)
             gathered = torch.cat([b[: n * row_bytes] for b, n in zip(bufs, rows, strict=True)])
-        results.append(_from_bytes(gathered, t.dtype, [sum(rows), *rest]).to(t.device))
+        results.append(gathered.view(t.dtype).reshape(sum(rows), *rest).to(t.device))
     return _finish(local, results)
 
 
@@ -248,7 +244,7 @@ def _broadcast(engine, metas, local):
         buf = _as_bytes(t).clone()
         if engine.size > 1:
             dist.broadcast(buf, src=root, group=engine.group)
-        results.append(_from_bytes(buf, t.dtype, list(t.shape)).to(t.device))
+        results.append(buf.view(t.dtype).reshape(t.shape).to(t.device))
     return _finish(local, results)
 
 
@@ -270,20 +266,14 @@ def _alltoall(engine, metas, local):
             input_split_sizes=[n * row_bytes for n in send],
             group=engine.group,
         )  # fmt: skip
-    collected = _from_bytes(out, t.dtype, [sum(recv), *rest]).to(t.device)
+    collected = out.view(t.dtype).reshape(sum(recv), *rest).to(t.device)
     return collected, torch.tensor(recv, dtype=torch.int32)
-
-
-def rows_of(rank: int, size: int, rows: int) -> tuple[int, int]:
-    """The first-dimension slice [start, end) that reducescatter gives ``rank`` (the first ranks one more)."""
-    base, extra = divmod(rows, size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def _reducescatter(engine, metas, local):
     reduced = _allreduce_all(engine, metas, local.tensors)
-    results = [r[slice(*rows_of(engine.rank, engine.size, r.shape[0]))].clone() for r in reduced]
+    # tensor_split gives the first ``rows % size`` ranks one row more, as Horovod does
+    results = [r.tensor_split(engine.size)[engine.rank].clone() for r in reduced]
     return results if local.args.get("grouped") else results[0]
 
 
