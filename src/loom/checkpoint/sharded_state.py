@@ -72,10 +72,6 @@ class ShardLayout(Protocol):
         ...
 
 
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
-
-
 def _parameter_shaped(value: Any, piece: Piece) -> bool:
     return (
         isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(piece.param.shape)
@@ -112,8 +108,9 @@ def rank_state(
         whole[piece.name] = {k: v for k, v in state.items() if not _parameter_shaped(v, piece)}
     groups = []
     for group in optimizer.param_groups:
+        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
         names = [by_param[id(p)].name for p in group["params"] if id(p) in by_param]
-        groups.append(dict(_hyperparameters(group), names=names))
+        groups.append({**settings, "names": names})
     canonical = {id(p): n for n, p in module.named_parameters()}
     entries = module.state_dict(keep_vars=True)
     aliases = {
