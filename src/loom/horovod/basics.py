@@ -100,11 +100,9 @@ global_process_set = ProcessSet()
 
 
 def check_process_set(process_set) -> None:
-    if process_set is None or process_set is global_process_set:
-        return
-    if isinstance(process_set, ProcessSet) and process_set._is_global():
-        return
-    raise refuse(f"process set {process_set!r}", "use the global process set (the default)")
+    """Refuse any process set but the global one (None, `global_process_set`, or a set of every rank)."""
+    if process_set is not None and not (isinstance(process_set, ProcessSet) and process_set._is_global()):
+        raise refuse(f"process set {process_set!r}", "use the global process set (the default)")
 
 
 def add_process_set(process_set):
