@@ -17,6 +17,7 @@ import threading
 import torch
 
 from loom.horovod import basics
+from loom.horovod._engine import Engine
 from loom.horovod._ops import ADASUM, AVERAGE, SUM
 from loom.horovod._request import Request
 from loom.horovod.compression import Compression
@@ -45,7 +46,7 @@ __all__ = [
     "synchronize",
 ]
 
-_handles: dict[int, Request] = {}
+_handles: dict[int, tuple[Engine, Request]] = {}  # each with the engine that runs it, even after a shutdown
 _handles_lock = threading.Lock()
 _next_handle = [0]
 
@@ -57,36 +58,31 @@ def _submit(kind: str, tensors, args: dict, name, process_set, outputs=None) -> 
     with _handles_lock:
         handle = _next_handle[0]
         _next_handle[0] += 1
-        _handles[handle] = request
+        _handles[handle] = engine, request
     return handle
 
 
 def poll(handle: int) -> bool:
     """True when the operation behind ``handle`` has finished (`synchronize` will not block)."""
-    return _request(handle).done.is_set()
+    return _request(handle)[1].done.is_set()
 
 
 def synchronize(handle: int):
     """Wait for the operation behind ``handle``; return its result or raise its error. A handle is used once."""
-    request = _request(handle)
+    engine, request = _request(handle)
     try:
-        if basics.is_initialized():
-            return basics.engine().wait(request)
-        request.done.wait()  # submitted before hvd.shutdown(), which finished it
-        if request.error is not None:
-            raise request.error
-        return request.result
+        return engine.wait(request)  # after hvd.shutdown() too, which finished it
     finally:
         with _handles_lock:
             _handles.pop(handle, None)
 
 
-def _request(handle: int) -> Request:
+def _request(handle: int) -> tuple[Engine, Request]:
     with _handles_lock:
-        request = _handles.get(handle)
-    if request is None:
+        found = _handles.get(handle)
+    if found is None:
         raise ValueError(f"handle {handle!r} is unknown (already synchronized, or from before hvd.init())")
-    return request
+    return found
 
 
 def _reduce_op(average, op, kind: str = "allreduce") -> int:
