@@ -199,11 +199,8 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
-            waiting = list(self._mine.values()) + self._submitted
-            self._mine, self._submitted = {}, []
-            join, self._join_request = self._join_request, None
+            waiting = [*self._mine.values(), *self._submitted, self._join_request]
+            self._mine, self._submitted, self._join_request = {}, [], None
         for r in waiting:
-            if not r.done.is_set():
+            if r is not None and not r.done.is_set():
                 r.finish(error=error)
-        if join is not None and not join.done.is_set():
-            join.finish(error=error)
