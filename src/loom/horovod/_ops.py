@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-from math import prod
 
 import torch
 import torch.distributed as dist
@@ -222,7 +221,7 @@ def _allgather(engine, metas, local):
         shapes = [metas[r]["shapes"][i] or [1] for r in range(engine.size)]
         rows = [s[0] for s in shapes]
         rest = shapes[0][1:]
-        row_bytes = prod(rest) * t.element_size()
+        row_bytes = math.prod(rest) * t.element_size()
         mine = _as_bytes(t)
         if engine.size == 1:
             gathered = mine.clone()
@@ -252,7 +251,7 @@ def _alltoall(engine, metas, local):
     t = local.tensors[0]
     me = engine.rank
     rest = list(t.shape[1:])
-    row_bytes = prod(rest) * t.element_size()
+    row_bytes = math.prod(rest) * t.element_size()
     send = metas[me]["splits"]
     recv = [metas[r]["splits"][me] for r in range(engine.size)]
     mine = _as_bytes(t)
