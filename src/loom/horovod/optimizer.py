@@ -100,11 +100,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 return sparse_allreduce_async(tensor, name=name, op=self.op), "sparse"
         compressed, ctx = self._compression.compress(tensor)
-        pre, post = 1.0, 1.0
-        if self.op == AVERAGE:  # the engine divides the postscale by the size for Average
-            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        f = self.gradient_predivide_factor  # 1.0 unless op is Average (then the engine also divides by size)
         return allreduce_async_(
-            compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post
+            compressed, name=name, op=self.op, prescale_factor=1.0 / f, postscale_factor=f
         ), ctx
 
     def synchronize(self) -> None:
