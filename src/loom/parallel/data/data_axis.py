@@ -21,7 +21,6 @@ its share. What heal cannot honour is refused at setup, naming why (`refuse_heal
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -46,7 +45,6 @@ __all__ = [
     "FixedAxis",
     "batch_fingerprint",
     "check_same_batches",
-    "healing_metrics_path",
     "healing_store",
     "join_first_epoch",
     "member_share",
@@ -129,13 +127,6 @@ def check_same_batches(rank: int, step: int, members: list[int], prints: list[fl
             "committed step. HINT: iterate job.loader(dataset, global_batch_size=...), which every member, a "
             "replacement too, reads from the job's position"
         )
-
-
-def healing_metrics_path() -> str | None:
-    """``RUN_DIR/metrics/rank<r>.jsonl``, and ``rank<r>.heal<g>.jsonl`` for a rank's g-th replacement."""
-    run_dir, rank = os.environ.get("LOOM_RUN_DIR"), os.environ.get("RANK", "0")
-    gen = int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0)
-    return f"{run_dir}/metrics/rank{rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
 
 
 def refuse_under_heal(strategy: str, why: dict[str, str], more: str = "") -> None:

@@ -26,13 +26,7 @@ from loom.observe.metrics import StepMetrics
 from loom.observe.phases import StepObserver
 from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, joins_healing
 from loom.parallel.consistency import check_same_model
-from loom.parallel.data.data_axis import (
-    healing_metrics_path,
-    healing_store,
-    join_first_epoch,
-    refuse_heal_options,
-    whole_batches,
-)
+from loom.parallel.data.data_axis import healing_store, join_first_epoch, refuse_heal_options, whole_batches
 from loom.parallel.data.data_parallel_config import ONLY_DATA_PARALLEL as ONLY_DATA_PARALLEL  # re-exported
 from loom.parallel.data.data_parallel_config import DataParallelConfig, default_metrics_path
 from loom.parallel.data.data_parallel_job import DataParallelJob
@@ -105,7 +99,7 @@ class DataParallel(Strategy):
         place_model(model, topo.device, optimizer, topo.rank)
         quorum = Quorum.from_env(store)
         path = choose_gradient_path(self.config, topo, model, axis=quorum)
-        metrics = StepMetrics(topo.rank, self.metrics_path or healing_metrics_path())
+        metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
         mesh = Mesh(dp=1, topology=whole_batches(topo))  # the loader's view: one replica (global batches)
         job = DataParallelJob(
             model, model, optimizer, call, mesh, self.config, metrics, quorum=quorum, topology=topo

@@ -122,9 +122,10 @@ def data_axis_options(options: dict[str, Any], strategy: str) -> DataAxisConfig:
 
 
 def default_metrics_path(topo: Topology) -> str | None:
-    """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl``."""
-    run_dir = os.environ.get("LOOM_RUN_DIR")
-    return f"{run_dir}/metrics/rank{topo.rank}.jsonl" if run_dir else None
+    """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl`` (under heal
+    ``rank<r>.heal<g>.jsonl`` for a rank's g-th replacement)."""
+    run_dir, gen = os.environ.get("LOOM_RUN_DIR"), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0)
+    return f"{run_dir}/metrics/rank{topo.rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
 
 
 document_options(DataParallelConfig, DataParallelConfig)

@@ -45,7 +45,6 @@ from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
     AxisJob,
     check_same_batches,
-    healing_metrics_path,
     healing_store,
     join_first_epoch,
     member_share,
@@ -133,9 +132,7 @@ class ReplicaJob(AxisJob):
         """``config``: the strategy's config dataclass (the guard's options, `loom.train.guard.GuardOptions`,
         and its own); the strategy's state is set up by `_start`. ``quorum``: under heal, the data axis."""
         world, heal = topology.world_size, quorum is not None
-        metrics = StepMetrics(
-            topology.rank, healing_metrics_path() if heal else metrics_path or default_metrics_path(topology)
-        )
+        metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
         # under heal the loader's view is one replica of whole global batches (`whole_batches`)
         mesh = Mesh(topology=whole_batches(topology)) if heal else Mesh(dp=world, topology=topology)
         super().__init__(module, optimizer, loss_fn, mesh, config, metrics, topology=topology, quorum=quorum)
