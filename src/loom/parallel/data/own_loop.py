@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
@@ -273,15 +272,10 @@ class OwnLoop:
         if not topo.is_distributed:
             return 1.0
         n = _samples(args, kwargs)
-        world, total = topo.world_size, self.global_size
-        if total is None:
-            counts = torch.tensor([n], dtype=torch.int64, device=topo.device)
-            with self.job.collective("sample-count all-reduce"):
-                dist.all_reduce(counts, group=topo.group)
-            total = int(counts.item())
+        total, _ = self.job._global_count(self.global_size, n)  # the loader's, else the step's all-reduce
         if total == 0:
             raise ValueError(f"rank {topo.rank}: a training forward on a global batch of 0 samples")
-        return n * world / total
+        return n * topo.world_size / total
 
     # -- backward: the watchdog's count and the shared-memory average -----------------------------------------
     def _backward_began(self) -> None:
