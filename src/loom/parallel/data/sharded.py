@@ -152,7 +152,7 @@ class ShardedDataParallel(Strategy):
         layout: ShardLayout
         flat: FlatShards | None = None
         if fsdp:
-            root, _, units = shard_model(
+            root, units = shard_model(
                 model, optimizer, stage, world, self.config.wrap, self.config.mixed_precision
             )
             layout = FsdpLayout(root, optimizer, stage)

@@ -31,7 +31,6 @@ from loom.checkpoint.sharded_state import Piece
 from loom.fault.desync import gradients_finite
 
 if TYPE_CHECKING:  # imported where used: FSDP2 and DTensor are slow to import, in every process
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["FsdpLayout", "WrapPolicy", "default_units", "shard_model"]
@@ -77,10 +76,10 @@ def shard_model(
     world_size: int,
     wrap: WrapPolicy,
     mixed_precision: str | None = None,
-) -> tuple[FSDPModule, DeviceMesh, int]:
+) -> tuple[FSDPModule, int]:
     """``fully_shard`` each unit then the root over a CPU/GPU mesh of the whole world, and rebind
-    ``optimizer``'s groups, in place, to the sharded parameters (same names); returns the root, the mesh and
-    the number of units below the root."""
+    ``optimizer``'s groups, in place, to the sharded parameters (same names); returns the root and the number
+    of units below it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -103,7 +102,7 @@ def shard_model(
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-    return root, mesh, len(units)
+    return root, len(units)
 
 
 class FsdpLayout:
