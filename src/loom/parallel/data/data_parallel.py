@@ -114,7 +114,7 @@ def _with_path(job: DataParallelJob, observer: StepObserver, path: GradientPath 
     job.shared_gradients = path.shared if path is not None else None
     job.compression = path.hook if path is not None and isinstance(path.hook, CompressionHook) else None
     if path is not None and job.topology.is_main:
-        print(f"loom: DataParallel gradients: {path.describe()}", file=sys.stderr, flush=True)
+        print(f"loom: DataParallel gradients: {path.name}: {path.reason}", file=sys.stderr, flush=True)
     return job
 
 

@@ -58,9 +58,6 @@ class GradientPath:
     shared: SharedGradients | AxisGradients | None = None
     """Set for the paths that average after backward (shared memory, a replaceable axis): no DDP."""
 
-    def describe(self) -> str:
-        return f"{self.name}: {self.reason}"
-
 
 def choose_gradient_path(
     config: DataParallelConfig, topo: Topology, model: nn.Module, axis: DataAxis | None = None
