@@ -206,15 +206,13 @@ class ShardedLoader:
         return self._shares(iter(self.sampler))  # the start is fixed now, at iter(), as DataLoader's is
 
     def _shares(self, batches: Iterator[GlobalBatch]) -> Iterator[Any]:
-        sampler = self.sampler
-        if not self.lazy and self._prefetching() is not None:
+        rank, world_size = self.sampler.rank, self.sampler.world_size
+        if self.lazy:
+            yield from (LazyBatch(self, batch) for batch in batches)
+        elif self._prefetching() is not None:
             yield from self._prefetched(batches)
-            return
-        for batch in batches:
-            if self.lazy:
-                yield LazyBatch(self, batch)
-            else:
-                yield self.fetch_share(batch, batch.share, sampler.rank, sampler.world_size)
+        else:
+            yield from (self.fetch_share(batch, batch.share, rank, world_size) for batch in batches)
 
     def _prefetching(self) -> Prefetcher | None:
         tensors = getattr(self.dataset, "tensors", ())
