@@ -44,9 +44,6 @@ class PipelineStage(nn.Module):
             x = layer(*x) if isinstance(x, tuple) else layer(x)
         return x
 
-    def state_keys(self) -> list[str]:
-        return list(self.named_state(keep_vars=True))
-
     def named_state(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The stage's parameters and buffers under the names they have in the full model."""
         out = {}

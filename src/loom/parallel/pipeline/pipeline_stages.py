@@ -84,7 +84,7 @@ def split_into_stages(
     ranges = stage_ranges(_cuts(layers, topo, config, sample_input), len(layers))
     refuse_shared_parameters(layers, ranges)
     every = [PipelineStage(layers[a:b], s, config.stages) for s, (a, b) in enumerate(ranges)]
-    stage, keys = every[mesh.index("pp")], [s.state_keys() for s in every]
+    stage, keys = every[mesh.index("pp")], [list(s.named_state(keep_vars=True)) for s in every]
     mine = {id(p) for p in stage.parameters()}
     for p in model.parameters():
         if id(p) not in mine:
