@@ -138,7 +138,7 @@ def check_setup_arguments(
 
 
 class Strategy:
-    """The constructor the data strategies share: options into the config dataclass ``config_type``, checked now."""
+    """The constructor the strategies share: options into the config dataclass ``config_type``, checked now."""
 
     config_type: Any
 

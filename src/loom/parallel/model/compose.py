@@ -29,7 +29,7 @@ from torch import nn
 from loom.devices import place_model, refuse_shared_gpu
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.parallel._setup import LossFn, check_setup_arguments
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments
 from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.data.data_parallel_config import DataAxisConfig, data_axis_options
 from loom.parallel.data.data_parallel_sync import GradientAveraging
@@ -38,25 +38,18 @@ from loom.parallel.data.sharded_flat import check_elementwise
 from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
 from loom.parallel.tensor.tensor_parallel_shard import shard_stage
-from loom.topology import Topology, current
+from loom.topology import Topology
 
 __all__ = ["ModelParallelStrategy", "compose"]
 
 
-class ModelParallelStrategy:
-    """The constructor `Pipeline`, `TensorParallel` and `Hybrid` share: the data axis's options (`DataAxisConfig`)
-    taken out of the keyword arguments, the rest into ``config_type``."""
-
-    config_type: Any
+class ModelParallelStrategy(Strategy):
+    """The constructor `Pipeline`, `TensorParallel` and `Hybrid` share: `Strategy`'s, once the data axis's options
+    (`DataAxisConfig`) are taken out of the keyword arguments (no config object: the data axis has its own)."""
 
     def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
         self.data = data_axis_options(config, type(self).__name__)
-        self.config = self.config_type(**config)
-        self.topology = topology
-        self.metrics_path = metrics_path
-
-    def _topology(self) -> Topology:
-        return self.topology if self.topology is not None else current()
+        super().__init__(topology=topology, metrics_path=metrics_path, **config)
 
     def _mesh(self, option: str, pp: int = 1, tp: int = 1) -> Mesh:
         """The ``pp × tp`` mesh with the rest of the world as the data axis (refused unless they divide it)."""
