@@ -106,11 +106,10 @@ def _phases(runs):
 def _bytes(runs):
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for rank in sorted(runs):
-        recs = runs[rank]
-        ax.plot([r["step"] for r in recs], [(r.get("bytes_sent") or 0) / 1e6 for r in recs], lw=1,
-                label=f"rank {rank} sent")  # fmt: skip
-        ax.plot([r["step"] for r in recs], [(r.get("bytes_received") or 0) / 1e6 for r in recs], lw=1, ls="--",
-                label=f"rank {rank} received")  # fmt: skip
+        steps = [r["step"] for r in runs[rank]]
+        for way, ls in (("sent", "-"), ("received", "--")):
+            megabytes = [(r.get(f"bytes_{way}") or 0) / 1e6 for r in runs[rank]]
+            ax.plot(steps, megabytes, lw=1, ls=ls, label=f"rank {rank} {way}")
     ax.set(xlabel="step", ylabel="MB per step", ylim=(0, None))
     ax.legend(fontsize=7, ncol=2)
     return fig
