@@ -136,6 +136,14 @@ _MEMORY_COLUMNS = [
 ]
 
 
+def _memory_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return (
+            "<p>no memory samples in the records (a job with memory_every=0, or a strategy without them)</p>"
+        )
+    return _table("memory", _MEMORY_COLUMNS, rows)
+
+
 def _table(table_id: str, columns: list[tuple[str, str]], rows: list[dict[str, Any]]) -> str:
     """An HTML table of ``rows``: one column per ``(key, label)`` of ``columns``, cells formatted by `_cell`."""
     header = "".join(f"<th>{html.escape(label)}</th>" for _, label in columns)
@@ -275,9 +283,7 @@ def _write(run_dir: Path) -> tuple[Path, int]:
     page = _PAGE.format(
         title=html.escape(str(run_dir)),
         table=_summary_table(summary),
-        memory=_table("memory", _MEMORY_COLUMNS, summary["memory"])
-        if summary["memory"]
-        else "<p>no memory samples in the records (a job with memory_every=0, or a strategy without them)</p>",
+        memory=_memory_table(summary["memory"]),
         warnings=_warnings_html(run_dir),
         figures=figures,
     )
