@@ -221,7 +221,7 @@ def measure_transport(sizes: list[int], limits: dict[str, int] | None = None) ->
                 _complete([t for t in timings if len(t.seconds) < t.reps], group, rounds=True)
                 continue
             index, name, fn, at_once = call
-            timings.append(_first_call(name, index, fn, group, timings, not at_once))
+            timings.append(_first_call(name, index, fn, REPS, group, timings, not at_once))
             if at_once:
                 _complete([timings[-1]], group)
                 timings[-1].fn = lambda: None  # its calls are all made: its message's buffer is not kept
@@ -270,17 +270,18 @@ def _first_call(
     name: str,
     index: int,
     fn: Callable[[], object],
+    most: int,
     group: Any,
     earlier: list[_Timing],
     rounds: bool,
 ) -> _Timing:
     """The first call of ``name`` at size ``index``: a warm-up (set-up: shared memory, links) that sizes the
-    timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most `REPS`; timed in ``rounds``,
+    timed calls to come (as many as fit in `REPS_BUDGET_S`, at least one, at most ``most``; timed in ``rounds``,
     each counts with the untimed call before it); for a parameter server's frames past the first size, a timed
     call itself (their code is warm, their buffers are new at every call: a warm-up would be the same work again)."""
     warm = not (name.startswith("ps_") and any(t.name == name for t in earlier))
     first = _call(fn, group)
-    reps = agreed_reps(first * (2 if rounds else 1), REPS, group, REPS_BUDGET_S)
+    reps = agreed_reps(first * (2 if rounds else 1), most, group, REPS_BUDGET_S)
     return _Timing(name, index, fn, reps, [] if warm else [first])
 
 
