@@ -27,6 +27,7 @@ hundred bytes on an append descriptor is not torn by a kill (a machine crash can
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import time
@@ -89,9 +90,9 @@ _HEAD_FIELDS = ("step", "rank", "time_s", "samples", "global_samples", "loss", "
 _HEAD = frozenset(_HEAD_FIELDS)
 _HEAD_FORMATS = ("%d", "%d", "%.7g", "%d", "%d", "%r", "%.6f")
 """step, rank, time_s, samples, global_samples, loss (exact), wall (to the microsecond)."""
-_TEMPLATES: dict[tuple, str | None] = {}
 
 
+@functools.lru_cache(maxsize=256)  # shapes are few (one per strategy and option); bound it anyway
 def _template(kinds: tuple[type, ...], names: tuple[str, ...]) -> str | None:
     """The %-template of a record whose values have these types, or None unless every one is an int or a float
     (a flag, a table, a None: `_general_line`)."""
@@ -112,14 +113,7 @@ def json_line(
     microsecond, the loss every digit (``repr``). A record holding anything but ints and finite floats (a flag,
     the memory table, NaN) goes through ``json.dumps`` (`_general_line`)."""
     values = (step, rank, time_s, samples, global_samples, loss, wall, *extra.values())
-    kinds = tuple(map(type, values))
-    key = (kinds, *extra)
-    if key in _TEMPLATES:
-        template = _TEMPLATES[key]
-    else:
-        if len(_TEMPLATES) >= 256:  # shapes are few (one per strategy and option); bound it anyway
-            _TEMPLATES.clear()
-        template = _TEMPLATES[key] = _template(kinds, tuple(extra))
+    template = _template(tuple(map(type, values)), tuple(extra))
     if template is not None:
         total = sum(values)  # NaN and infinities propagate; they need json's spelling
         if total - total == 0.0:
