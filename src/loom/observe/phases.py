@@ -86,10 +86,9 @@ class StepObserver:
 
     @classmethod
     def for_process(cls, metrics: StepMetrics, world_size: int, *, enabled: bool = True) -> StepObserver:
-        """The observer of a worker, with the trace window of ``LOOM_TRACE_STEPS``."""
-        if not enabled:
-            return cls(metrics, world_size, enabled=False)
-        return cls(metrics, world_size, trace=trace_from_env(metrics.rank))
+        """The observer of a worker, with the trace window of ``LOOM_TRACE_STEPS`` (none when it is off)."""
+        trace = trace_from_env(metrics.rank) if enabled else None
+        return cls(metrics, world_size, enabled=enabled, trace=trace)
 
     # -- the clock ---------------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
