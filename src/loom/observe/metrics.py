@@ -87,7 +87,6 @@ class StepRecord:
 
 _FIELDS = frozenset(StepRecord.__dataclass_fields__)
 _HEAD_FIELDS = ("step", "rank", "time_s", "samples", "global_samples", "loss", "wall")
-_HEAD = frozenset(_HEAD_FIELDS)
 _HEAD_FORMATS = ("%d", "%d", "%.7g", "%d", "%d", "%r", "%.6f")
 """step, rank, time_s, samples, global_samples, loss (exact), wall (to the microsecond)."""
 
@@ -190,7 +189,7 @@ class StepMetrics:
             for name, value in fields.items():
                 setattr(record, name, value)
             head = (getattr(record, name) for name in _HEAD_FIELDS if name != "rank")
-            raw = (*head, {k: v for k, v in vars(record).items() if k not in _HEAD})
+            raw = (*head, {k: v for k, v in vars(record).items() if k not in _HEAD_FIELDS})
         else:
             return False
         if self._fd is not None:
