@@ -121,12 +121,8 @@ def _restore_sharded_state(
     """Load this rank's part of a job whose state differs per rank; only the layout that wrote it fits."""
     mesh = job.mesh.shape.describe()
     written_by = saved.get("world_size")
-    if (
-        not job.replicated_state
-        and job.reshards
-        and isinstance(written_by, int)
-        and written_by != topo.world_size
-    ):
+    reshards = not job.replicated_state and job.reshards
+    if reshards and isinstance(written_by, int) and written_by != topo.world_size:
         if topo.is_main:
             print(
                 f"loom.fit: resharding the checkpoint of step {step}, written by {written_by} processes, over "
