@@ -145,21 +145,14 @@ def check_header(header: Any, module: nn.Module, optimizer: torch.optim.Optimize
     budget = 16 * sum(p.numel() * p.element_size() for p in module.parameters()) + (1 << 20)
     total = 0
     for entry in header["entries"]:
-        if not (
-            isinstance(entry, list)
-            and len(entry) == 5
-            and isinstance(entry[0], int)
-            and 0 <= entry[0] < params
-        ):
+        param = entry[0] if isinstance(entry, list) and len(entry) == 5 else None
+        if not isinstance(param, int) or not 0 <= param < params:
             raise refuse(f"has the entry {str(entry)[:80]} (parameter index outside 0..{params - 1})")
         shape, dtype = entry[2], entry[3]
         if shape is None:
             continue
-        if (
-            dtype not in _DTYPES
-            or not isinstance(shape, list)
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
-        ):
+        dims = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)  # (bools refused)
+        if dtype not in _DTYPES or not dims:
             raise refuse(f"has the tensor entry {str(entry)[:80]} (shape or dtype not one a tensor has)")
         total += math.prod(shape) * _DTYPES[dtype].itemsize
         if total > budget:
