@@ -73,10 +73,6 @@ def _shown(keys: list[str]) -> str:
 
 
 # -- collectives (no-ops in a single process) -------------------------------------------------------------------
-def _collective(topo: Topology) -> bool:
-    return topo.is_distributed and topo.group is not None
-
-
 def all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
     """Every rank's short list of ints, in rank order (`_all_gather_json`'s framing)."""
     return [[int(v) for v in row] for row in _all_gather_json(list(values), topo)]
@@ -85,8 +81,6 @@ def all_gather_ints(values: list[int], topo: Topology) -> list[list[int]]:
 def _gather_rng(topo: Topology) -> list[dict[str, Any]]:
     """Every rank's RNG state (as `capture_rng` gives it), in rank order; JSON on the wire, never pickle."""
     mine = capture_rng()
-    if not _collective(topo):
-        return [mine]
     cuda = None if mine["cuda"] is None else [t.tolist() for t in mine["cuda"]]
     states = _all_gather_json(dict(mine, torch=mine["torch"].tolist(), cuda=cuda), topo)
     for state in states:
@@ -116,7 +110,7 @@ def _pack_rank_state(job: Job) -> tuple[PackedState | None, str, str]:
 
 def _all_gather_json(value: Any, topo: Topology) -> list[Any]:
     """Every rank's small JSON ``value`` (a status, a file name, a hash), in rank order: never model state."""
-    if not _collective(topo):
+    if not topo.is_distributed or topo.group is None:
         return [value]
     raw = all_gather_sized_bytes(json.dumps(value).encode(), topo.group, topo.device)
     return [json.loads(item) for item in raw]
