@@ -84,9 +84,9 @@ def gloo_group(store: dist.Store, index: int, size: int, timeout_s: float) -> di
 class Quorum:
     """This worker's membership in a healing job (see the module docstring)."""
 
-    def __init__(self, store: Any, rank: int, generation: int, group_timeout_s: float | None = None) -> None:
+    def __init__(self, store: Any, rank: int, generation: int) -> None:
         self.store, self.rank, self.generation = store, rank, generation
-        self.group_timeout_s = group_timeout_s or setting("LOOM_HEAL_GROUP_TIMEOUT_S")
+        self.group_timeout_s = setting("LOOM_HEAL_GROUP_TIMEOUT_S")
         """Bound on each collective of an epoch's group (a frozen member is killed by the launcher sooner)."""
         self.group_timeout_name = "LOOM_HEAL_GROUP_TIMEOUT_S"
         self.vote_timeout_s = setting("LOOM_HEAL_VOTE_TIMEOUT_S")
