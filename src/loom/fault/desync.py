@@ -148,8 +148,7 @@ def _sum(g: torch.Tensor) -> torch.Tensor:
 
 def local_flag(loss: float | torch.Tensor, grads: Sequence[torch.Tensor | None] = ()) -> float:
     """This rank's flag (`LOSS_FLAG` | `GRADIENT_FLAG` bits) for its local loss and local gradients."""
-    value = float(loss) if isinstance(loss, torch.Tensor) else loss
-    flag = 0 if math.isfinite(value) else LOSS_FLAG
+    flag = 0 if math.isfinite(float(loss)) else LOSS_FLAG
     if grads and not gradients_finite(grads):
         flag |= GRADIENT_FLAG
     return float(flag)
