@@ -175,22 +175,17 @@ def batch_len(inputs: Any) -> int:
     raise TypeError(f"cannot tell the batch size of inputs of type {type(inputs).__name__}")
 
 
-def _rebuilt(value: list | tuple, items: list) -> Any:
-    """``items`` in ``value``'s container: a namedtuple of its type, a list, or a plain tuple (a loader's
-    `ShardBatch` describes the whole share, so a slice or a copy of it is a plain tuple)."""
-    if isinstance(value, list):
-        return items
-    if hasattr(value, "_fields"):
-        return type(value)(*items)
-    return tuple(items)
-
-
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with ``fn`` applied to every tensor, keeping its nesting; other leaves are kept whole."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, (list, tuple)):
-        return _rebuilt(value, [_map_tensors(v, fn) for v in value])
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, tuple):
+        # a namedtuple keeps its type, any other tuple becomes a plain one (a loader's `ShardBatch` describes
+        # the whole share, so a slice or a copy of it is a plain tuple)
+        items = [_map_tensors(v, fn) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, dict):
         return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
