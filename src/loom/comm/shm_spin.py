@@ -63,12 +63,8 @@ class _Contention:
         return self.contended
 
 
-_CONTENTION = _Contention()
-
-
-def cpu_contended() -> bool:
-    """Whether this process waited for a CPU more than `CONTENDED` of its runnable time lately."""
-    return _CONTENTION.check()
+cpu_contended = _Contention().check
+"""Whether this process waited for a CPU more than `CONTENDED` of its runnable time lately."""
 
 
 class SpinBudget:
