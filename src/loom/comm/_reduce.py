@@ -103,26 +103,6 @@ def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     return buffer[:numel]
 
 
-def exchange(
-    send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup | None
-) -> None:
-    """Send ``send`` to ``dst`` while receiving ``recv`` from ``src``; return when both are done.
-
-    ``dst`` and ``src`` are ranks *in* ``group`` (global ranks when it is None), so an explicit group needs no
-    default group behind it. Posting both before waiting on either is what keeps a ring from deadlocking: every
-    process sends and receives at once. Empty buffers are skipped; both ends know the sizes, so they skip the
-    same messages.
-    """
-    works = []
-    if recv.numel():
-        works.append(dist.irecv(recv, group=group, group_src=src))
-    if send.numel():
-        works.append(dist.isend(send, group=group, group_dst=dst))
-    for work in works:
-        if work is not None:  # None only for a process outside ``group``, which group_rank_and_size refuses
-            work.wait()
-
-
 def host_key() -> str:
     """This host's identity: ``$LOOM_HOST_ID`` if set (tests pretend to be several hosts), else name + boot id."""
     override = setting("LOOM_HOST_ID")

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import backend_name, exchange, group_rank_and_size, host_digest
+from loom.comm._reduce import backend_name, group_rank_and_size, host_digest
 from loom.net.auth import job_secret
 from loom.net.handshake import HandshakeRefused, answer_handshake, dial_handshake
 from loom.net.interfaces import interface_address
@@ -206,9 +206,15 @@ def _listen_address() -> str:
 
 
 def _swap(payload: bytes, to: int, frm: int, group: dist.ProcessGroup | None) -> bytes:
-    """Send ``payload`` to ``to`` while receiving as many bytes from ``frm`` (gloo point-to-point)."""
+    """Send ``payload`` to ``to`` while receiving as many bytes from ``frm`` (gloo point-to-point; ranks in
+    ``group``, so an explicit group needs no default group behind it). Both are posted before either is waited
+    for: every member sends and receives at once, so the ring cannot deadlock."""
     incoming = torch.zeros(len(payload), dtype=torch.uint8)
-    exchange(torch.frombuffer(bytearray(payload), dtype=torch.uint8), to, incoming, frm, group)
+    outgoing = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    receive = dist.irecv(incoming, group=group, group_src=frm)
+    for work in (receive, dist.isend(outgoing, group=group, group_dst=to)):
+        if work is not None:  # None only for a process outside ``group``, which group_rank_and_size refuses
+            work.wait()
     return incoming.numpy().tobytes()
 
 
