@@ -137,18 +137,21 @@ def launch(spec: LaunchSpec) -> int:
 
 @contextmanager
 def _servers(spec: LaunchSpec, **options: Callable[[], None]) -> Iterator[ServerGroup]:
-    """The job's parameter servers (`loom.launch.servers`, their addresses in ``LOOM_PS_ADDRS``; ``options``:
-    its ``on_failure``) while it runs; the workers' traces merged at its end."""
-    from loom.launch.servers import server_processes
+    """The job's parameter servers while it runs (`loom.launch.servers.ServerGroup`; none without ``--servers``;
+    ``options``: its ``on_failure``), their addresses in ``LOOM_PS_ADDRS``; the workers' traces merged at its end."""
+    from loom.launch.servers import ServerGroup
 
-    run_dir = spec.run_dir.resolve()
     try:
-        with server_processes(
-            spec.servers, spec.server_bind, spec.max_server_restarts, run_dir, **options
-        ) as group:
-            if group.addresses:
+        group = ServerGroup(
+            spec.servers, spec.server_bind, spec.max_server_restarts, spec.run_dir.resolve(), **options
+        )
+        try:
+            if spec.servers:
+                group.start()
                 os.environ["LOOM_PS_ADDRS"] = ",".join(group.addresses)
             yield group
+        finally:
+            group.stop()
     finally:
         if spec.trace_steps:
             merge_traces_and_say(spec.run_dir, "loom run")

@@ -27,8 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 from loom.launch.supervise import exit_cause, pump, stop_processes
 from loom.ps.deaths import write_record
 
-__all__ = ["ServerGroup", "server_processes", "wait_for_servers"]
+__all__ = ["ServerGroup", "wait_for_servers"]
 
 
 def start_server(
@@ -96,7 +95,6 @@ class ServerGroup:
         max_restarts: int,
         run_dir: Path | None,
         on_failure: Callable[[], None] = _stop_this_launcher,
-        poll_s: float = 0.1,
     ) -> None:
         self.count = count
         self.listeners = [_listen(bind_host) for _ in range(count)]
@@ -105,7 +103,6 @@ class ServerGroup:
         self.max_restarts = max_restarts
         self.run_dir = run_dir
         self.on_failure = on_failure
-        self.poll_s = poll_s
         self.failure: str | None = None
         """Why the job was stopped (a server died more than ``max_restarts`` times); None while it was not."""
         self.servers: list[_Server] = []
@@ -128,7 +125,7 @@ class ServerGroup:
         return start_server(index, self.count, address, listener=self.listeners[index])
 
     def _watch(self) -> None:
-        while not self._stopping.wait(self.poll_s):
+        while not self._stopping.wait(0.1):  # a dead server is noticed within 0.1 s
             for server in self.servers:
                 if server.state != "running" or server.proc.poll() is None:
                     continue
@@ -191,27 +188,6 @@ class ServerGroup:
         for listener in self.listeners:
             listener.close()
         self._write()
-
-
-@contextmanager
-def server_processes(
-    count: int,
-    bind_host: str,
-    max_restarts: int = 3,
-    run_dir: Path | None = None,
-    on_failure: Callable[[], None] = _stop_this_launcher,
-) -> Iterator[ServerGroup]:
-    """Start ``count`` servers listening on ``bind_host``, watched (see the module docstring); yields the
-    group (``addresses``, ``failure``). With ``count == 0``, an empty group that starts nothing. ``on_failure``
-    is called (from the watching thread) when a server died once too often: by default it sends this process
-    SIGTERM, which stops the elastic agent's workers."""
-    group = ServerGroup(count, bind_host, max_restarts, run_dir, on_failure)
-    try:
-        if count:
-            group.start()
-        yield group
-    finally:
-        group.stop()
 
 
 def wait_for_servers(
