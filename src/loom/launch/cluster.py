@@ -257,9 +257,7 @@ def run_host(spec: ClusterSpec, index: int, options: dict[str, Any]) -> int:
                       "authenticates the store, the rendezvous and the parameter servers. HINT: export "
                       "LOOM_JOB_SECRET=$(openssl rand -hex 32) on every host")  # fmt: skip
     if host.role == "server":
-        return _serve(
-            spec, index, options.get("join_timeout_s", 120.0), options["run_dir"], options.get("max_nproc")
-        )
+        return _serve(spec, index, options["join_timeout_s"], options["run_dir"], options["max_nproc"])
     from loom.launch.agent import launch
     from loom.launch.spec import LaunchSpec
 
