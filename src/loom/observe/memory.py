@@ -65,7 +65,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+def _storage(t: torch.Tensor) -> tuple[tuple[str, int], int] | None:
+    """The storage behind ``t`` (its device and address) and its bytes; None without one, or an empty one."""
     t = _local(t)
     if t.device.type == "meta":
         return None
@@ -73,16 +74,12 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
         return None
-    return (str(t.device), storage.data_ptr()) if storage.nbytes() else None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return int(_local(t).untyped_storage().nbytes())
+    nbytes = int(storage.nbytes())
+    return ((str(t.device), storage.data_ptr()), nbytes) if nbytes else None
 
 
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[str, int], int]:
-    keyed = ((_storage_key(t), t) for t in tensors if isinstance(t, torch.Tensor))
-    return {key: _nbytes(t) for key, t in keyed if key is not None}
+    return dict(s for t in tensors if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None)
 
 
 def _claims(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[tuple[str, int], int]]:
@@ -121,12 +118,13 @@ def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.Tensor):  # type(): a proxy (torch.distributed.reduce_op) warns
             continue
-        key = _storage_key(obj)
-        if key is None or key in seen:
+        found = _storage(obj)
+        if found is None or found[0] in seen:
             continue
+        key, nbytes = found
         seen.add(key)
         category = next((c for c, claim in zip(CATEGORIES, claims, strict=False) if key in claim), "other")
-        counted[category] += _nbytes(obj)
+        counted[category] += nbytes
     _count_claimed(counted, seen, claims)  # tensors reachable only from C++
     counted["state"] = counted["parameters"] + counted["gradients"] + counted["optimizer"]
     counted["total"] = counted["state"] + counted["other"]
