@@ -269,10 +269,9 @@ def _verify_steps(
     otherwise: ``job.memory()`` walks every live tensor of the process, the user's model's too, and the
     calibration's runs read their step time and peak alone. With ``prime``, the optimizer's state is made before
     the steps (`_prime`; the job steps the optimizer it was set up with, rebound in place)."""
-    from loom.observe.memory import peak_rss_bytes, rss_bytes
+    from loom.observe.memory import peak_rss_bytes
     from loom.plan.transport_timing import agreed_reps
 
-    before = rss_bytes() or 0  # the script's process with its model and data, before any training state
     job = _strategy(family, options).setup(captured.model, captured.optimizer, captured.loss_fn)
     if prime:
         _prime(captured.optimizer)
@@ -305,15 +304,9 @@ def _verify_steps(
     steps = rank_max(times, group)
     keys = ["parameters", "gradients", "optimizer", "state", "total"]
     memory = job.memory() if tensors else dict.fromkeys(keys, 0)
-    peak = peak_rss_bytes() or 0
-    largest = rank_max([float(memory[k]) for k in keys] + [float(peak), float(before)], group)
-    values = dict(zip([*keys, "peak_rss", "rss_before"], map(int, largest), strict=True))
-    return {
-        "step_time_s": statistics.median(steps),
-        "step_times_s": steps,
-        "steps_per_block": block,
-        "memory": values,
-    }
+    largest = rank_max([float(memory[k]) for k in keys] + [float(peak_rss_bytes() or 0)], group)
+    values = dict(zip([*keys, "peak_rss"], map(int, largest), strict=True))
+    return {"step_time_s": statistics.median(steps), "memory": values}
 
 
 def _endless(loader: Any) -> Any:
