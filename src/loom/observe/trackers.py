@@ -5,13 +5,8 @@ and limits (MLflow's file-store opt-in): ``docs/trackers.md``.
 
 What is logged, and what it costs: `loom.fit` logs, on the main process only, the values `step_metrics` lists,
 which it already holds after each step: no value is reduced for a tracker, so a tracker adds no collective.
-Other ranks never import TensorBoard or MLflow; both are imported lazily, when a tracker opens.
-
-Resuming: a tracker's `Tracker.state_dict` (the MLflow run id, TensorBoard's log directory) is saved in `fit`'s
-own checkpoint state, and a resumed `fit` reopens the same run from it with the step it resumes at. Steps
-logged after that checkpoint, before a crash, are taken again: TensorBoard discards its earlier events from
-that step on (``purge_step``: the resumed values win); MLflow's metric history cannot be edited, so the resumed
-run skips the steps the run already holds (the first values win). Either way every step appears once.
+Other ranks never import TensorBoard or MLflow; both are imported lazily, when a tracker opens. How each tracker
+resumes a run (every step appears once) is said by its class, and in ``docs/trackers.md`` ("Resumed runs").
 """
 
 from __future__ import annotations
@@ -115,7 +110,8 @@ class MLflowTracker(Tracker):
     docstring for its opt-in). ``experiment``: its name, created when missing. ``run_name``, ``params`` and
     ``tags``: set when the run is created. Values are sent in batches (`log_batch`) every ``flush_secs`` and at
     `flush`, so a remote server sees one request per interval, not one per step. ``run_id``: continue that run
-    instead of creating one (a checkpoint's saved id takes precedence).
+    instead of creating one (a checkpoint's saved id takes precedence). Its metric history cannot be edited, so a
+    resumed run skips the steps the run already holds (the first values are kept).
     """
 
     kind = "mlflow"
