@@ -33,7 +33,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loom.observe.figure_titles import FIGURE_TITLES
 from loom.observe.trace import merge_traces
 
 __all__ = ["load_records", "run_report", "summarize"]
@@ -153,9 +152,9 @@ def _table(table_id: str, columns: list[tuple[str, str]], rows: list[dict[str, A
     return f'<table id="{table_id}"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def _png_tag(name: str, path: Path) -> str:
+def _png_tag(name: str, title: str, path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    title = html.escape(FIGURE_TITLES[name])
+    title = html.escape(title)
     return (f'<figure><img class="chart" id="chart-{name}" alt="{title}" '
             f'src="data:image/png;base64,{data}"></figure>')  # fmt: skip
 
@@ -272,13 +271,13 @@ def _write(run_dir: Path) -> tuple[Path, int]:
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     try:  # matplotlib is an optional extra: the library trains without it
-        from loom.observe.report_figures import draw_figures
+        from loom.observe.report_figures import FIGURES, draw_figures
     except ImportError:
         pngs: dict[str, Path] = {}
         figures = f"<p>not drawn: matplotlib is not installed. HINT: {html.escape(PLOT_HINT)}</p>"
     else:
         pngs = draw_figures(runs, out)
-        figures = "\n".join(_png_tag(name, path) for name, path in pngs.items())
+        figures = "\n".join(_png_tag(name, FIGURES[name], path) for name, path in pngs.items())
     merge_traces(run_dir)
     page = _PAGE.format(
         title=html.escape(str(run_dir)),

@@ -12,7 +12,14 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 __all__ = ["FIGURES", "draw_figures"]
 
-from loom.observe.figure_titles import FIGURE_TITLES as FIGURES  # noqa: E402
+FIGURES = {
+    "loss": "Loss per step",
+    "throughput": "Throughput over time",
+    "heatmap": "Step time per rank (stragglers)",
+    "phases": "Where the time goes, per rank",
+    "bytes": "Bytes moved per step",
+}
+"""Figure id -> title; the report's page shows them in this order (`draw_figures` returns them so)."""
 
 _PHASE_COLORS = {"data": "#4c78a8", "compute": "#59a14f", "comm": "#e15759", "optimizer": "#f28e2b"}
 
