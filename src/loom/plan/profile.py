@@ -238,14 +238,9 @@ whose step takes seconds is timed once per batch size after its warm-up."""
 def _backward_per_layer(clock: _LayerClock, start: float, end: float) -> list[float]:
     """Layer i's backward: from its output's gradient (the last layer: backward's start) to the previous
     layer's output gradient (the first layer: backward's end). Layers whose output has no gradient get 0."""
-    n = len(clock.layers)
-    times = [0.0] * n
-    for i in range(n):
-        begin = start if i == n - 1 else clock.grad_ready[i]
-        finish = end if i == 0 else clock.grad_ready[i - 1]
-        if begin is not None and finish is not None:
-            times[i] = max(0.0, finish - begin)
-    return times
+    begins, finishes = [*clock.grad_ready[:-1], start], [end, *clock.grad_ready[:-1]]
+    pairs = zip(begins, finishes, strict=True)
+    return [0.0 if b is None or f is None else max(0.0, f - b) for b, f in pairs]
 
 
 def _profile_batch(
