@@ -30,6 +30,7 @@ from loom.plan.profile import ModelProfile, profile_model
 from loom.plan.recommend import Ranked, last_errors, needed_per_process, rank, record_errors
 from loom.plan.transport import Transport
 from loom.plan.trial import QUIET
+from loom.ps.wire import WireLimits
 
 __all__ = ["PlanError", "PlanResult", "Verification", "plan", "verify"]
 
@@ -191,18 +192,12 @@ COALESCE = 0.02
 """Sizes this close below a larger one are measured at the larger (`coalesce`)."""
 
 
-def coalesce(
-    sizes: list[int], limits: dict[str, int], cap: int | None = None
-) -> tuple[list[int], dict[str, int]]:
+def coalesce(sizes: list[int], limits: dict[str, int], cap: int) -> tuple[list[int], dict[str, int]]:
     """``sizes`` less those within `COALESCE` below the next one kept, and ``limits`` raised to the size that
     stands for them, never across ``cap`` (a parameter server's largest frame, `loom.ps.wire.WireLimits`): a
     gradient's half for one of 2 servers and a codec's gathered message a fraction of a percent apart need not
     each be measured whole (time to plan); between measured sizes the transport interpolates
     linearly in bytes, exact where a message is bandwidth-bound as messages of this size are."""
-    if cap is None:
-        from loom.ps.wire import WireLimits
-
-        cap = WireLimits().max_payload
     kept: list[int] = []
     for size in sorted(sizes, reverse=True):
         if kept and size >= kept[-1] * (1 - COALESCE) and (size > cap or kept[-1] <= cap):
@@ -270,7 +265,7 @@ def plan(
     t = time.perf_counter()
     limits = _limits(profile, codecs, world)
     sizes = sorted(set(_message_sizes(profile, codecs, world)) | {v for v in limits.values() if v > 0})
-    sizes, limits = coalesce(sizes, limits)
+    sizes, limits = coalesce(sizes, limits, WireLimits().max_payload)
     options = ["--sizes", ",".join(map(str, sizes)), "--limits", json.dumps(limits)]
     options += ["--pipeline", json.dumps({probe.family: dict(probe.options)})] if probe else []
     servers = int(any(c.family == "ParameterServer" for c in configs))  # its fixed cost is measured
