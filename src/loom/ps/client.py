@@ -278,8 +278,7 @@ def _why_silent(index: int, address: str, since: float) -> str:
         return death
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            pass
+        socket.create_connection((host, int(port)), timeout=1.0).close()
     except (OSError, ValueError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         return (

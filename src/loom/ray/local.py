@@ -187,11 +187,9 @@ def disconnect(connection: RayConnection, grace_s: float = 5.0) -> list[int]:
         while session_processes(connection.session_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in session_processes(connection.session_dir):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # gone, or not ours after all
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
-            except (ProcessLookupError, PermissionError):  # gone meanwhile, or not ours after all
-                pass
     if connection.saved is not None:
         connection.saved.restore()
     if connection.started_local:

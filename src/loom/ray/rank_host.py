@@ -19,6 +19,7 @@ last poll (at most `FILE_BYTES_PER_POLL`), which the driver writes at the same r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -187,11 +188,9 @@ class RankHost:
                     self.lines.append((kind, text[:LINE_CHARS]))
 
     def _feed(self, stdin: IO[bytes], payload: bytes) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the process died before reading it: its exit status says why
             stdin.write(payload)
             stdin.close()
-        except (BrokenPipeError, OSError):
-            pass  # the process died before reading it: its exit status says why
 
     def _collect_result(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:
