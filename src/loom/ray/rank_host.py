@@ -70,7 +70,7 @@ class RankHost:
         self.sync_root: Path | None = None
         self.sent: dict[str, int] = {}
         self.error_file: Path | None = None
-        self.result: bytearray | None = None
+        self.result: bytes | None = None
         self.ended_at: float | None = None
         """Wall-clock time the process ended (which of several failed ranks failed first)."""
         self.listener: socket.socket | None = None
@@ -162,7 +162,7 @@ class RankHost:
             self._thread(self._pump, stream, kind, path)
         if payload is not None and result_r is not None and result_w is not None:
             os.close(result_w)
-            self.result = bytearray()
+            self.result = b""
             self._thread(self._feed, self.proc.stdin, payload)
             self._thread(self._collect_result, result_r)
         return str(self.sync_root) if self.sync_root is not None else None
@@ -194,9 +194,7 @@ class RankHost:
 
     def _collect_result(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:
-            for chunk in iter(lambda: pipe.read(1 << 20), b""):
-                assert self.result is not None
-                self.result += chunk
+            self.result = pipe.read()  # the pickled return value, once the process closes the pipe
 
     def poll(self) -> dict[str, Any]:
         """What happened since the last poll: ``exit`` (None while running, else the exit status, negative for a
@@ -221,7 +219,7 @@ class RankHost:
             "dropped": dropped,
             "files": files,
             "done": done,
-            "result": bytes(self.result) if done and self.result is not None and code == 0 else None,
+            "result": self.result if done and code == 0 else None,
         }
 
     def _recorded_error(self) -> str | None:
