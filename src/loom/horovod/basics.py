@@ -118,7 +118,6 @@ def remove_process_set(process_set):
 _lock = threading.Lock()
 _engine_now: _engine.Engine | None = None
 _group = None  # the engine's gloo group, made once per process (a collective) and kept across re-inits
-_atexit_registered = False
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -128,7 +127,7 @@ def init(comm=None, process_sets=None) -> None:
     ``HOROVOD_TIMELINE`` naming a file is refused (``DYNAMIC`` is accepted: it records nothing until
     `start_timeline`, which is refused).
     """
-    global _engine_now, _group, _atexit_registered
+    global _engine_now, _group
     if comm is not None:
         raise refuse("init(comm=...) (MPI communicators)", "launch with `loom run -n N`")
     if process_sets not in (None, [], "dynamic"):
@@ -145,9 +144,8 @@ def init(comm=None, process_sets=None) -> None:
         if topo.is_distributed and _group is None:
             _group = dist.new_group(backend="gloo")
         _engine_now = _engine.Engine(topo.rank, topo.world_size, _group)
-        if not _atexit_registered:
-            atexit.register(shutdown)  # after loom.init's: runs before loom leaves the process group
-            _atexit_registered = True
+        atexit.unregister(shutdown)  # registered once, after loom.init's: runs before loom leaves the group
+        atexit.register(shutdown)
 
 
 def shutdown() -> None:
