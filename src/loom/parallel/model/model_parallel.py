@@ -41,10 +41,7 @@ from loom.parallel.tensor.tensor_parallel_shard import TensorShards
 from loom.train.batch import batch_len, micro_batches, split_batch, to_device
 from loom.train.engine import Engine, StepState
 
-__all__ = ["ModelParallelJob", "Schedule"]
-
-Schedule = PipelineConfig
-"""How a step runs through the stages (the name kept for the job's ``schedule``): the pipeline's config."""
+__all__ = ["ModelParallelJob"]
 
 
 class ModelParallelJob(Engine):
@@ -67,6 +64,7 @@ class ModelParallelJob(Engine):
         # `module`: this process's stage (its layers, keeping the full model's names in `state_dict`)
         super().__init__(stages.stage, optimizer, loss_fn, mesh, data_axis.config, metrics)
         self.schedule = schedule
+        """How a step runs through the stages: the pipeline's config."""
         self.shards = shards
         """The tensor-parallel layout of the stage (None without a ``tp`` axis)."""
         self.gradient_averaging = data_axis
