@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.comm.shm_channel import ShmReceiver, ShmSender, channel_from, channel_to
+from loom.comm.shm_channel import DTYPES, ShmReceiver, ShmSender, channel_from, channel_to
 
 __all__ = [
     "MAX_DIMS", "MAX_TENSORS", "backend_messages", "recv_gradients", "recv_tensors", "send_tensors",
@@ -32,19 +32,8 @@ __all__ = [
 
 MAX_TENSORS = 8
 MAX_DIMS = 6
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
-_CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
+_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
+"""Dtype codes: shared memory's (`loom.comm.shm_channel.DTYPES`), so both paths carry the same dtypes."""
 _SLOT = 2 + MAX_DIMS
 _OFF: list[bool] = []
 """Non-empty inside `backend_messages`."""
@@ -128,7 +117,7 @@ def recv_tensors(src: int, device: torch.device, group: Any = None) -> list[torc
     out = []
     for i in range(int(header[0])):
         base = 1 + i * _SLOT
-        dtype = _DTYPES[int(header[base])]
+        dtype = DTYPES[int(header[base])]
         shape = header[base + 2 : base + 2 + int(header[base + 1])].tolist()
         t = torch.empty(shape, dtype=dtype, device=device)
         _recv(t, src, group)
