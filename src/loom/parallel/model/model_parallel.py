@@ -32,7 +32,6 @@ from loom.mesh import REPLICA, Mesh
 from loom.observe.metrics import StepMetrics
 from loom.parallel.data.data_parallel_sync import GradientAveraging
 from loom.parallel.data.sharded_axis import ShardedDataAxis
-from loom.parallel.data.sharded_memory import live_tensor_bytes
 from loom.parallel.pipeline.pipeline_communications import recv_tensors, send_tensors
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage, StageStats, run_instructions
 from loom.parallel.pipeline.pipeline_schedule import stage_instructions
@@ -235,11 +234,6 @@ class ModelParallelJob(Engine):
 
     def _eval_group(self) -> Any:
         return None  # `_synchronize` reduced the loss over the pipeline and the data axis
-
-    def memory(self) -> dict[str, int]:
-        """This rank's bytes by category, counted over every live tensor (`sharded_memory.live_tensor_bytes`):
-        ``parameters``, ``gradients``, ``optimizer``, ``other``, ``state`` (the first three) and ``total``."""
-        return live_tensor_bytes(self.module, self.optimizer)
 
     # -- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
