@@ -92,10 +92,6 @@ def cache_path() -> Path:
     return Path(root) / f"allreduce-{socket.gethostname()}.json"
 
 
-def _cache_key(ctx: ShmContext) -> str:
-    return f"world={ctx.size},per_host={'+'.join(map(str, ctx.host_sizes))}"
-
-
 def _read_cache(key: str, algorithms: tuple[str, ...]) -> list[list[float]] | None:
     try:
         entry = json.loads(cache_path().read_text())["entries"][key]
@@ -155,7 +151,7 @@ def _calibrate(
 
 def _load_or_calibrate(group: dist.ProcessGroup | None, algorithms: Mapping[str, Algorithm]) -> Policy:
     ctx = context_for(group)
-    names, key = candidates(ctx), _cache_key(ctx)
+    names, key = candidates(ctx), f"world={ctx.size},per_host={'+'.join(map(str, ctx.host_sizes))}"
     table = torch.zeros(1 + len(names) * len(CALIBRATION_SIZES), dtype=torch.float64)
     if ctx.rank == 0:
         cached = _read_cache(key, names)
