@@ -163,9 +163,8 @@ class GossipJob(Engine):
         if joins == 1:
             self.directory.wait_for_all(cfg.setup_timeout_s)
             if cfg.same_start:
-                with torch.no_grad():
-                    for p in self.layout.params:
-                        dist.broadcast(p.data, group=topo.group, group_src=0)
+                for p in self.layout.params:
+                    dist.broadcast(p.data, group=topo.group, group_src=0)
         else:
             self._joining = True
             try:

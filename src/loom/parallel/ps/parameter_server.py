@@ -232,12 +232,11 @@ class ParameterServerJob(Engine):
         replies = self._request(MessageType.PULL_ROWS, {}, [requests[s] for s in servers], servers)
         by_id = {p.id: p for p in self.plan}
         weight = self._params[name]
-        with torch.no_grad():
-            for server, reply in zip(servers, replies, strict=True):
-                for key, value in reply.tensors.items():
-                    piece = by_id[int(key[1:])]
-                    rows = requests[server][f"r{piece.id}"].to(weight.device) + piece.start
-                    weight.data[rows] = value.to(weight.device, weight.dtype)
+        for server, reply in zip(servers, replies, strict=True):  # writes through .data: autograd sees none
+            for key, value in reply.tensors.items():
+                piece = by_id[int(key[1:])]
+                rows = requests[server][f"r{piece.id}"].to(weight.device) + piece.start
+                weight.data[rows] = value.to(weight.device, weight.dtype)
 
     def _row_hook(self, name: str):
         def hook(module: nn.Module, args: tuple) -> None:

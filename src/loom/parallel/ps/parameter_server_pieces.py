@@ -57,11 +57,10 @@ def piece_view(param: torch.Tensor, piece: Piece) -> torch.Tensor:
 def set_pieces(params: dict[str, torch.Tensor], plan: list[Piece], values: dict[int, torch.Tensor]) -> None:
     """Write piece values (by piece id, as the servers hold them) into the parameters ``params`` (by name)."""
     by_id = {p.id: p for p in plan}
-    with torch.no_grad():
-        for pid, value in values.items():
-            piece = by_id[pid]
-            view = piece_view(params[piece.name], piece)
-            view.copy_(value.view_as(view))
+    for pid, value in values.items():
+        piece = by_id[pid]
+        view = piece_view(params[piece.name], piece)  # of .data: autograd sees no write
+        view.copy_(value.view_as(view))
 
 
 def piece_gradients(
