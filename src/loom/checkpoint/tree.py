@@ -67,15 +67,11 @@ class _Flattener:
             return str(value) if isinstance(value, str) else value
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path)
-        if isinstance(value, float):
-            value = float(value)
-            if math.isfinite(value):
-                return value
-            return {TAG: "float", "value": repr(value)}  # 'nan', 'inf', '-inf'
         if isinstance(value, numbers.Integral):
             return int(value)
-        if isinstance(value, numbers.Real):  # e.g. numpy.float32: stored as the double it converts to
-            return self.encode(float(value), path)
+        if isinstance(value, numbers.Real):  # float, numpy.float32, ...: stored as the double it converts to
+            value = float(value)
+            return value if math.isfinite(value) else {TAG: "float", "value": repr(value)}  # 'nan', 'inf'
         if isinstance(value, tuple):
             return {TAG: "tuple", "items": [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]}
         if isinstance(value, list):
