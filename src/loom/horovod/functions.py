@@ -58,10 +58,7 @@ def broadcast_object(obj, root_rank: int = 0, name=None, process_set=basics.glob
     data = to_bytes(obj) if basics.rank() == root_rank else b""  # never empty on the root (a header)
     length = torch.tensor([len(data)], dtype=torch.int64)
     broadcast_(length, root_rank, name=f"{name}.len", process_set=process_set)
-    if data:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:
-        buf = torch.empty(int(length.item()), dtype=torch.uint8)
+    buf = torch.frombuffer(bytearray(data or int(length.item())), dtype=torch.uint8)  # zeros off the root
     broadcast_(buf, root_rank, name=f"{name}.data", process_set=process_set)
     return obj if basics.rank() == root_rank else from_bytes(buf.numpy().tobytes())
 
