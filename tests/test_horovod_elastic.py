@@ -54,3 +54,23 @@ def test_killed_worker_resumes_from_the_last_commit(tmp_path):
         f"elastic: resumed at epoch 1 batch 2 after SIGKILL; final params vs uninterrupted one process: {worst:.3g}"
     )
     assert worst < 1e-6
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_commit_is_one_safetensors_file_that_round_trips_tied_tensors(tmp_path):
+    from safetensors import safe_open
+
+    from loom.horovod.elastic import _read_commit, _write_commit
+
+    assert _read_commit(tmp_path) is None
+    shared = torch.arange(6.0)
+    payload = {"epoch": 3, "pair": (1, "a"), "tied": [shared, shared.view(2, 3)], "none": None}
+    _write_commit(tmp_path, payload)
+    _write_commit(tmp_path, payload)  # replaced whole, no leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["commit.safetensors"]
+    with safe_open(str(tmp_path / "commit.safetensors"), "pt") as f:
+        assert "tree" in f.metadata()
+    back = _read_commit(tmp_path)
+    assert back["epoch"] == 3 and back["pair"] == (1, "a") and back["none"] is None
+    assert torch.equal(back["tied"][0], shared) and torch.equal(back["tied"][1], shared.view(2, 3))

@@ -2,7 +2,7 @@
 
 Horovod keeps the surviving processes and re-forms the ring when a worker dies; loom restarts the whole
 worker group (``loom run --max-restarts N``). So a `commit()` is written to disk (rank 0, atomically:
-one file of JSON plus the tensors' bytes, no pickle), and `run` starts each attempt by loading the
+one safetensors file, the rest as JSON in its metadata; no pickle), and `run` starts each attempt by loading the
 last commit on rank 0 and broadcasting it (`State.sync`). Work since the last commit is redone, as in Horovod.
 
 Where commits go: ``$LOOM_HOROVOD_STATE_DIR``, else ``$LOOM_RUN_DIR/horovod_elastic`` (``loom run`` sets it),
@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
 from loom.horovod import basics
-from loom.horovod._objects import from_bytes, to_bytes
+from loom.horovod._objects import decode, encode
 from loom.horovod.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run", "state_dir"]
 
-_COMMIT = "commit.bin"
+_COMMIT = "commit.safetensors"
 
 
 def state_dir() -> Path | None:
@@ -171,16 +174,24 @@ def _clone(tree):
 
 
 def _write_commit(directory: Path, payload) -> None:
-    """The payload as one file (`loom.horovod._objects.to_bytes`: JSON plus the tensors' bytes), replaced
-    atomically, so a reader sees the previous commit or this one, whole."""
+    """The payload as one safetensors file (its tensors; the rest, `loom.horovod._objects`' JSON, in the metadata),
+    replaced atomically, so a reader sees the previous commit or this one, whole. Tensors are cloned: safetensors
+    refuses tensors that share memory (tied weights)."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "commit.tmp").write_bytes(to_bytes(payload))
+    tree, tensors = encode(payload)
+    named = {
+        str(i): t.detach().cpu().clone(memory_format=torch.contiguous_format) for i, t in enumerate(tensors)
+    }
+    (directory / "commit.tmp").write_bytes(save(named, metadata={"tree": json.dumps(tree)}))
     os.replace(directory / "commit.tmp", directory / _COMMIT)
 
 
 def _read_commit(directory: Path):
     path = directory / _COMMIT
-    return from_bytes(path.read_bytes()) if path.exists() else None
+    if not path.exists():
+        return None
+    with safe_open(str(path), "pt") as f:
+        return decode(json.loads(f.metadata()["tree"]), [f.get_tensor(str(i)) for i in range(len(f.keys()))])
 
 
 def run(func):
