@@ -59,8 +59,10 @@ def test_configuration_is_validated(monkeypatch):
     monkeypatch.setenv("LOOM_STRAGGLER_WINDOW", "7")
     assert StragglerConfig.from_env() == StragglerConfig(margin=0.5, window=7)
     assert parse_steps("10:20") == (10, 20)
-    with pytest.raises(ValueError, match="FIRST:LAST"):
-        parse_steps("ten")
+    assert parse_steps("7:7") == (7, 7)  # one step: the launcher's rule (loom.settings) is the workers' rule
+    for bad in ("ten", "0:3", "5:2", "4"):
+        with pytest.raises(ValueError, match="FIRST:LAST"):
+            parse_steps(bad)
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,8 @@ def test_the_settings_page_lists_every_setting_with_its_default():
         ("LOOM_ZYGOTE", "yes", "expected 0 or 1"),
         ("LOOM_STRAGGLER_WINDOW", "0", "expected an integer in 1.."),
         ("LOOM_HOROVOD_ALLREDUCE", "fast", "expected one of native"),
-        ("LOOM_TRACE_STEPS", "5:2", "FIRST < LAST"),
+        ("LOOM_TRACE_STEPS", "5:2", "1 <= FIRST <= LAST"),
+        ("LOOM_TRACE_STEPS", "0:3", "1 <= FIRST <= LAST"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_variable_the_value_and_the_fix(name, value, expected):

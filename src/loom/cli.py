@@ -37,7 +37,7 @@ def _number(convert: Callable[[str], Any], accept: Callable[[Any], bool], what: 
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: v > 0, "a number of seconds > 0")
-_trace_window = _number(SETTINGS["LOOM_TRACE_STEPS"].parse, bool, "FIRST:LAST steps with FIRST < LAST")
+_trace_window = _number(SETTINGS["LOOM_TRACE_STEPS"].parse, bool, "FIRST:LAST steps with 1 <= FIRST <= LAST")
 
 
 def _default_run_dir() -> Path:

@@ -107,8 +107,8 @@ def _text(raw: str) -> str:
 
 def _steps(raw: str) -> str:
     first, sep, last = raw.partition(":")
-    if not sep or not first.isdigit() or not last.isdigit() or int(first) >= int(last):
-        raise ValueError("expected FIRST:LAST steps with FIRST < LAST")
+    if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise ValueError("expected FIRST:LAST steps with 1 <= FIRST <= LAST")
     return raw
 
 

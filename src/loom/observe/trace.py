@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loom.settings import SETTINGS, setting
+
 __all__ = ["TraceRecorder", "merge_traces", "merge_traces_and_say", "parse_steps", "trace_from_env"]
 
 PHASE_TRACK = 0
@@ -31,15 +33,10 @@ COLLECTIVE_TRACK = 1
 
 
 def parse_steps(text: str) -> tuple[int, int]:
-    """``"10:20"`` -> ``(10, 20)``: the first and last step traced, inclusive."""
-    first, sep, last = text.partition(":")
-    try:
-        lo, hi = int(first), int(last) if sep else int(first)
-    except ValueError:
-        raise ValueError(f"--trace-steps expects FIRST:LAST (e.g. 10:20), got {text!r}") from None
-    if lo < 1 or hi < lo:
-        raise ValueError(f"--trace-steps needs 1 <= FIRST <= LAST, got {text!r}")
-    return lo, hi
+    """``"10:20"`` -> ``(10, 20)``: the first and last step traced, inclusive; checked by the one rule of
+    ``LOOM_TRACE_STEPS`` (`loom.settings`, which ``loom run --trace-steps`` applies too)."""
+    first, last = SETTINGS["LOOM_TRACE_STEPS"].parse(text).split(":")
+    return int(first), int(last)
 
 
 class TraceRecorder:
@@ -102,7 +99,7 @@ def _complete(name: str, cat: str, ts: float, dur: float, pid: int, tid: int, ar
 
 def trace_from_env(rank: int) -> TraceRecorder | None:
     """A recorder when ``LOOM_TRACE_STEPS`` and ``LOOM_RUN_DIR`` are set (as ``loom run --trace-steps`` does)."""
-    window, run_dir = os.environ.get("LOOM_TRACE_STEPS"), os.environ.get("LOOM_RUN_DIR")
+    window, run_dir = setting("LOOM_TRACE_STEPS"), os.environ.get("LOOM_RUN_DIR")
     if not window or not run_dir:
         return None
     first, last = parse_steps(window)
