@@ -107,6 +107,8 @@ class DataParallelJob(AxisJob):
         world, accumulate = self.axis.size, self.config.accumulate
         if known is not None:
             total = int(known)
+            if not self._batchnorm:
+                return total, {}
             shares = [hi - lo for lo, hi in (share_bounds(total, i, world) for i in range(world))]
         elif not self._distributed:
             total, shares = local, [local]
