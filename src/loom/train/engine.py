@@ -244,7 +244,7 @@ class Engine(Job):
         """Whether to apply the step: the guard's commit vote under healing (`StepGuard.commit`); without healing
         there is nothing to vote on. A strategy whose unit of commit is larger than a step
         (`loom.parallel.replica.round_commit`: a sync round) votes at the unit's end instead."""
-        return self.guard.commit(state.number)
+        return self.guard.quorum is None or self.guard.commit(state.number)  # no call at all without healing
 
     def _apply(self, state: StepState) -> None:
         """Apply the update (not called for a skipped step)."""
