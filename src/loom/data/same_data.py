@@ -57,15 +57,14 @@ def _leaves(value: Any) -> Iterator[Any]:
         yield value
 
 
-def sample_fingerprint(batch: Any, limit: int | None = None) -> int:
+def sample_fingerprint(batch: Any, limit: int | None = None, off_cpu: bool = True) -> int:
     """CRC-32 of a collated batch: every tensor's shape, dtype and bytes (its first ``limit`` bytes; None: all),
-    numbers and strings by value. With a ``limit`` (a training batch, hashed every step) a tensor off the CPU
-    counts by shape and dtype only: reading its bytes would synchronize the device at every step."""
+    numbers and strings by value; without ``off_cpu`` a tensor off the CPU counts by shape and dtype only."""
     crc = 0
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor):
             crc = zlib.crc32(repr((tuple(leaf.shape), str(leaf.dtype))).encode(), crc)
-            if leaf.layout == torch.strided and leaf.numel() and (limit is None or leaf.is_cpu):
+            if leaf.layout == torch.strided and leaf.numel() and (off_cpu or leaf.is_cpu):
                 raw = leaf.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
                 crc = zlib.crc32(raw[:limit].cpu().numpy().tobytes(), crc)
         elif isinstance(leaf, (bool, int, float, str, bytes)) or leaf is None:
@@ -75,12 +74,12 @@ def sample_fingerprint(batch: Any, limit: int | None = None) -> int:
     return crc
 
 
-def batch_fingerprint(batch: Any) -> int:
+def batch_fingerprint(batch: Any, limit: int, off_cpu: bool) -> int:
     """A 32-bit fingerprint of the samples in a training ``batch``, equal on processes given the same samples:
     the loader's (`loom.data.loader`: from the dataset indices, nothing loaded) when the batch carries one, else
-    `sample_fingerprint` of the first MiB of each CPU tensor."""
+    `sample_fingerprint` of the first ``limit`` bytes of each tensor (``off_cpu``: of CUDA ones too)."""
     known = getattr(batch, "fingerprint", None)
-    return int(known) if known is not None else sample_fingerprint(batch, limit=1 << 20)
+    return int(known) if known is not None else sample_fingerprint(batch, limit, off_cpu)
 
 
 @contextlib.contextmanager

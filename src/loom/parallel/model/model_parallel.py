@@ -84,7 +84,9 @@ class ModelParallelJob(Engine):
         group = self.mesh.group(REPLICA)
         if group is None:
             return
-        mine = torch.tensor([batch_fingerprint(batch), local], dtype=torch.int64)
+        mine = torch.tensor(
+            [batch_fingerprint(batch, 1 << 20, off_cpu=False), local], dtype=torch.int64
+        )  # no sync
         with self.collective("replica sample check all-gather"):
             rows = _all_gather(mine, group)
         seen = [tuple(r.tolist()) for r in rows]
