@@ -272,7 +272,8 @@ class OwnLoop:
         if not topo.is_distributed:
             return 1.0
         n = _samples(args, kwargs)
-        total, _ = self.job._global_count(self.global_size, n)  # the loader's, else the step's all-reduce
+        known = self.global_size  # the loader's, else the step's all-reduce
+        total = known if known is not None else self.job._global_count(None, n)[0]
         if total == 0:
             raise ValueError(f"rank {topo.rank}: a training forward on a global batch of 0 samples")
         return n * topo.world_size / total
