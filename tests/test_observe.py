@@ -61,7 +61,7 @@ def test_configuration_is_validated(monkeypatch):
     assert parse_steps("10:20") == (10, 20)
     assert parse_steps("7:7") == (7, 7)  # one step: the launcher's rule (loom.settings) is the workers' rule
     for bad in ("ten", "0:3", "5:2", "4"):
-        with pytest.raises(ValueError, match="FIRST:LAST"):
+        with pytest.raises(ValueError, match=f"FIRST:LAST.*got '{bad}'"):
             parse_steps(bad)
 
 

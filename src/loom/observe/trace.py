@@ -35,7 +35,10 @@ COLLECTIVE_TRACK = 1
 def parse_steps(text: str) -> tuple[int, int]:
     """``"10:20"`` -> ``(10, 20)``: the first and last step traced, inclusive; checked by the one rule of
     ``LOOM_TRACE_STEPS`` (`loom.settings`, which ``loom run --trace-steps`` applies too)."""
-    first, last = SETTINGS["LOOM_TRACE_STEPS"].parse(text).split(":")
+    try:
+        first, last = SETTINGS["LOOM_TRACE_STEPS"].parse(text).split(":")
+    except ValueError as error:
+        raise ValueError(f"--trace-steps (LOOM_TRACE_STEPS) {error}, got {text!r}") from None
     return int(first), int(last)
 
 
