@@ -103,3 +103,17 @@ def test_objects_round_trip_and_refusals():
 
     with pytest.raises(TypeError, match=r"obj\['x'\]\[0\].*Custom.*never pickle"):
         _objects.to_bytes({"x": [Custom()]})
+
+    # a header declaring more tensor bytes than arrived, a negative dimension or an unknown dtype is refused
+    # before anything is allocated (a 100-byte payload once asked for 4 TiB)
+    import json
+
+    for dtype, shape in (
+        ("float32", [2**40]),
+        ("float32", [-1, 4]),
+        ("manual_seed", [1]),
+        ("float32", [1.5]),
+    ):
+        header = json.dumps({"tree": None, "tensors": [[dtype, shape]]}).encode()
+        with pytest.raises(ValueError, match="not within the"):
+            _objects.from_bytes(len(header).to_bytes(8, "little") + header + bytes(16))

@@ -125,9 +125,19 @@ def to_bytes(obj: Any) -> bytes:
 def from_bytes(data: bytes) -> Any:
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
-    offset, tensors = 8 + n, []
+    offset = 8 + n
+    tensors: list[torch.Tensor] = []
     for dtype_name, shape in header["tensors"]:
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+        dtype = getattr(torch, str(dtype_name), None)
+        valid = all(isinstance(d, int) and d >= 0 for d in shape)
+        if (
+            not isinstance(dtype, torch.dtype)
+            or not valid
+            or math.prod(shape) * dtype.itemsize > len(data) - offset
+        ):
+            raise ValueError(f"an encoded object's tensor {len(tensors)} ({dtype_name}, shape {shape}) is not "
+                             f"within the {len(data)} bytes received")  # fmt: skip
+        tensor = torch.empty(shape, dtype=dtype)
         flat = tensor.reshape(-1).view(torch.uint8).numpy()
         flat[:] = np.frombuffer(data, np.uint8, flat.size, offset)
         offset += flat.size
