@@ -74,3 +74,18 @@ def test_a_commit_is_one_safetensors_file_that_round_trips_tied_tensors(tmp_path
     back = _read_commit(tmp_path)
     assert back["epoch"] == 3 and back["pair"] == (1, "a") and back["none"] is None
     assert torch.equal(back["tied"][0], shared) and torch.equal(back["tied"][1], shared.view(2, 3))
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_commit_without_its_tree_names_the_file_and_the_fix(tmp_path):
+    from safetensors.torch import save_file
+
+    from loom.errors import CheckpointError
+    from loom.horovod.elastic import _read_commit
+
+    save_file({"0": torch.zeros(2)}, str(tmp_path / "commit.safetensors"))  # an older loom's: no metadata
+    with pytest.raises(
+        CheckpointError, match=r"commit.safetensors is not a loom.horovod commit.*HINT: delete"
+    ):
+        _read_commit(tmp_path)

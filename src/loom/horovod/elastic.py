@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from loom.checkpoint.durable import replace_durable
+from loom.errors import CheckpointError
 from loom.horovod import basics
 from loom.horovod._objects import decode, encode
 from loom.horovod.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -182,8 +184,7 @@ def _write_commit(directory: Path, payload) -> None:
     named = {
         str(i): t.detach().cpu().clone(memory_format=torch.contiguous_format) for i, t in enumerate(tensors)
     }
-    (directory / "commit.tmp").write_bytes(save(named, metadata={"tree": json.dumps(tree)}))
-    os.replace(directory / "commit.tmp", directory / _COMMIT)
+    replace_durable(directory / _COMMIT, save(named, metadata={"tree": json.dumps(tree)}))
 
 
 def _read_commit(directory: Path):
@@ -191,7 +192,11 @@ def _read_commit(directory: Path):
     if not path.exists():
         return None
     with safe_open(str(path), "pt") as f:
-        return decode(json.loads(f.metadata()["tree"]), [f.get_tensor(str(i)) for i in range(len(f.keys()))])
+        tree = (f.metadata() or {}).get("tree")
+        if tree is None:
+            raise CheckpointError(f"{path} is not a loom.horovod commit (no 'tree' in its metadata: an older "
+                                  f"loom's?). HINT: delete {directory}/commit.* to start from the beginning")  # fmt: skip
+        return decode(json.loads(tree), [f.get_tensor(str(i)) for i in range(len(f.keys()))])
 
 
 def run(func):
