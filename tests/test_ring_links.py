@@ -26,7 +26,7 @@ def _listener() -> tuple[socket.socket, int]:
 
 def _accept_in_thread(server: socket.socket, secret: bytes = SECRET, seconds: float = 30.0):
     """Run the accepting side (rank 1 waiting for rank 0) in a thread; returns (thread, result dict: the
-    accepted socket and the `links.Listener` counting the refused connections, or the error)."""
+    accepted socket and the `loom.net.listener.Listener` counting the refused connections, or the error)."""
     result: dict = {}
 
     def run() -> None:

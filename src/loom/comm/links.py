@@ -13,7 +13,7 @@ sets to the interface holding the node's address; loopback when unset), tells it
 point-to-point message), connects to its right neighbour while accepting its left one, then closes the
 listener. Before any data moves, both ends prove they hold the job secret (``LOOM_JOB_SECRET``) by the
 challenge-response of `loom.net.handshake`. The listener reads only fixed-size fields before the proof, bounds
-each handshake (`Listener`), closes and counts one that fails, and waits for its neighbour until
+each handshake (`loom.net.listener.Listener`), closes and counts one that fails, and waits for its neighbour until
 `HANDSHAKE_TIMEOUT_S`.
 
 All or nothing: when a member cannot link to its right neighbour (no job secret, as outside `loom run`; a
@@ -31,17 +31,13 @@ synchronous, and not for two threads at once.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import hashlib
-import math
 import os
 import select
 import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,6 +46,7 @@ from loom.comm._reduce import backend_name, group_rank_and_size, host_digest
 from loom.net.auth import job_secret
 from loom.net.handshake import HandshakeRefused, answer_handshake, dial_handshake
 from loom.net.interfaces import interface_address
+from loom.net.listener import Listener
 
 __all__ = [
     "CONNECTION_TIMEOUT_S",
@@ -57,7 +54,6 @@ __all__ = [
     "LINK_TIMEOUT_S",
     "MAX_PENDING_HANDSHAKES",
     "HandshakeRefused",
-    "Listener",
     "RingLink",
     "answer_handshake",
     "close_links",
@@ -73,7 +69,7 @@ HANDSHAKE_TIMEOUT_S = 60.0
 CONNECTION_TIMEOUT_S = 5.0
 """Longest a listener spends on one connection's handshake (a silent or slow client is dropped)."""
 MAX_PENDING_HANDSHAKES = 64
-"""Handshakes a ring listener runs at once; one more evicts the oldest (`Listener`)."""
+"""Handshakes a ring listener runs at once; one more evicts the oldest (`loom.net.listener.Listener`)."""
 
 _HELLO = b"LOOMRNG1"
 
@@ -327,80 +323,6 @@ def _dial(address: str, port: int, secret: bytes, me: int, peer: int, deadline: 
         pause = min(2 * pause, 1.0)
 
 
-class Listener:
-    """Admits on the listening ``sock`` the connections that prove ``secret`` (`answer_handshake` under ``hello``
-    and ``label``, with ids of ``id_size`` bytes that ``expected`` accepts) into `arrived`; closes and counts the
-    others (`rejected`). ``wake()`` runs after each admission, and when accepting fails (`error`).
-
-    A thread accepts; each connection's handshake runs on a thread of its own within `CONNECTION_TIMEOUT_S` (and
-    ``deadline``), so clients that connect and say nothing cannot hold a peer back one after another. At most
-    ``limit`` run at once: one more evicts the oldest (its socket is shut down, so its handshake fails and is
-    counted), so such clients delay a peer by one eviction at most, never lock it out; dialers retry a reset one.
-    """
-
-    def __init__(self, sock: socket.socket, secret: bytes, id_size: int, expected: Callable[[bytes], bool],
-                 hello: bytes, label: bytes, limit: int, wake: Callable[[], None], deadline: float = math.inf,
-                 name: str = "loom-accept") -> None:  # fmt: skip
-        self.sock, self.secret, self.id_size, self.expected = sock, secret, id_size, expected
-        self.hello, self.label, self.limit, self.wake, self.deadline = hello, label, limit, wake, deadline
-        self.arrived: collections.deque[tuple[bytes, socket.socket]] = collections.deque()
-        """(ids, socket) of each admitted connection, oldest first."""
-        self.rejected = 0
-        """Connections closed because they did not prove the job secret (or too many at once)."""
-        self.error: OSError | None = None
-        """Why accepting failed, if it did (no more connections are accepted then)."""
-        self._pending: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self._closed = False
-        sock.settimeout(0.5)
-        threading.Thread(target=self._accept_loop, name=name, daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as error:
-                if not self._closed:
-                    self.error = error
-                    self.wake()
-                return
-            with self._lock:
-                if len(self._pending) >= self.limit:
-                    oldest, _ = self._pending.popitem(last=False)
-                    with contextlib.suppress(OSError):
-                        oldest.shutdown(socket.SHUT_RDWR)
-                self._pending[conn] = None
-            threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="loom-handshake").start()
-
-    def _handshake(self, conn: socket.socket) -> None:
-        until = min(self.deadline, time.monotonic() + CONNECTION_TIMEOUT_S)
-        try:
-            ids = answer_handshake(
-                conn, self.secret, self.id_size, self.expected, until, self.hello, self.label
-            )
-            conn.settimeout(None)
-            self.arrived.append((ids, conn))
-            self.wake()
-        except OSError:  # ConnectionError, timeouts and evictions included: nothing of it was decoded
-            with self._lock:
-                self.rejected += 1  # counted before the client can see its connection closed
-            conn.close()
-        finally:
-            with self._lock:
-                self._pending.pop(conn, None)
-
-    def close(self) -> None:
-        """Stop accepting; close the connections admitted but not yet taken (handshakes under way go on)."""
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        while self.arrived:
-            self.arrived.popleft()[1].close()
-
-
 def _accept(
     listener: socket.socket, secret: bytes, peer: int, me: int, deadline: float
 ) -> tuple[socket.socket, Listener]:
@@ -408,7 +330,7 @@ def _accept(
     counted the others (closed on return: handshakes still under way go on counting)."""
     ranks, event = peer.to_bytes(4, "big") + me.to_bytes(4, "big"), threading.Event()
     handshakes = Listener(listener, secret, len(ranks), ranks.__eq__, _HELLO, b"ring", MAX_PENDING_HANDSHAKES,
-                          event.set, deadline)  # fmt: skip
+                          event.set, CONNECTION_TIMEOUT_S, deadline)  # fmt: skip
     try:
         event.wait(max(deadline - time.monotonic(), 0.0))
         if handshakes.arrived:

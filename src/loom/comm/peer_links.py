@@ -2,7 +2,7 @@
 
 Both run the challenge-response of `loom.net.handshake` with this protocol's own hello and label, so a proof made
 for a ring link is worth nothing here. The listener binds the address of the interface gloo uses
-(``GLOO_SOCKET_IFNAME``, loopback when unset) and admits as the ring's does (`loom.comm.links.Listener`), at most
+(``GLOO_SOCKET_IFNAME``, loopback when unset) and admits as the ring's does (`loom.net.listener.Listener`), at most
 `MAX_HANDSHAKES` handshakes at once. Admitted connections wait in its ``arrived`` for the thread that pumps.
 """
 
@@ -12,12 +12,13 @@ import socket
 import time
 from collections.abc import Callable
 
-from loom.comm.links import HandshakeRefused, Listener, _listen_address, dial_handshake
+from loom.comm.links import CONNECTION_TIMEOUT_S, HandshakeRefused, _listen_address, dial_handshake
+from loom.net.listener import Listener
 
 __all__ = ["DIALER_GETS", "DIALER_SENDS", "MAX_HANDSHAKES", "dial", "listen_for_peers"]
 
 MAX_HANDSHAKES = 16
-"""Connections whose handshake may run at once; one more evicts the oldest (`loom.comm.links.Listener`)."""
+"""Connections whose handshake may run at once; one more evicts the oldest (`loom.net.listener.Listener`)."""
 _HELLO, _LABEL = b"LOOMGSP1", b"gossip"
 DIALER_SENDS, DIALER_GETS = len(_HELLO) + 16 + 8 + 32, 16 + 32 + 1
 """Handshake bytes, counted with the traffic: hello, nonce, ids and proof out; nonce, proof and verdict in."""
@@ -52,6 +53,5 @@ def listen_for_peers(
         return ids[4:] == rank.to_bytes(4, "big") and 0 <= dialer < world_size and dialer != rank
 
     sock = socket.create_server((host or _listen_address(), 0), backlog=64)
-    return Listener(
-        sock, secret, 8, expected, _HELLO, _LABEL, MAX_HANDSHAKES, wake, name=f"loom-gossip-accept-{rank}"
-    )
+    return Listener(sock, secret, 8, expected, _HELLO, _LABEL, MAX_HANDSHAKES, wake, CONNECTION_TIMEOUT_S,
+                    name=f"loom-gossip-accept-{rank}")  # fmt: skip
