@@ -1,23 +1,16 @@
 """Bytes and calls of this process's collectives, kept by every function in `loom.comm`.
 
-Two transports are counted apart and summed in `snapshot()`; `by_transport()` gives them one by one:
+Two transports, counted apart (`by_transport()`) and summed (`snapshot()`):
 
-- *socket*: bytes of messages through the process-group backend (gloo's TCP, or NCCL). ``ring`` and ``driver``
-  count the exact bytes this process sent and received. ``native`` cannot see inside
-  ``torch.distributed.all_reduce`` (the backend picks a ring, a tree or halving-doubling), so it records an
-  *estimate*: a bandwidth-optimal ring's ``2 (N-1)/N * D`` bytes each way for ``D`` bytes on ``N`` processes
-  (rounded down), NCCL's "bus bandwidth" convention; compare it with the ring's exact count knowing it is a model.
-- *shm*: for ``shm`` and ``hierarchical``, the exact bytes this process wrote into the shared segment for others
-  to read ("sent") and read from it ("received"); see `loom.comm.shm`. ``hierarchical`` also sends socket bytes:
-  the ring among host leaders.
+- *socket*: bytes through the process-group backend. ``ring`` and ``driver`` count them exactly; ``native`` cannot
+  see inside ``torch.distributed.all_reduce``, so it records an *estimate*, a bandwidth-optimal ring's
+  ``2 (N-1)/N * D`` bytes each way for ``D`` bytes on ``N`` processes (NCCL's "bus bandwidth" convention).
+- *shm*: the bytes ``shm`` and ``hierarchical`` write into the shared segment for others ("sent") and read from
+  it ("received"); ``hierarchical`` also sends socket bytes among host leaders.
 
-``auto`` records each call under ``"auto"`` with the traffic of the algorithm it picked. One-time set-up traffic
-(host and segment names, ``auto``'s calibration) goes under ``"setup"``, with the ring estimate for its small
-collectives, so a job's totals include everything loom sent.
-
-Every call counts one op under its algorithm, even one that sends nothing (one process, empty tensor). Counts
-are per process: sum `snapshot()` over ranks for job totals. An exchange whose traffic per call is fixed at set-up
-(`loom.comm.shared_gradients`) holds a `Tally` and counts its calls itself; the totals add it.
+``auto`` records each call under ``"auto"``; one-time set-up traffic (host and segment names, calibration) goes
+under ``"setup"``, so a job's totals include everything loom sent. Every call counts one op, even one that sends
+nothing. Counts are per process: sum `snapshot()` over ranks for job totals.
 """
 
 from __future__ import annotations

@@ -2,31 +2,23 @@
 
 Why: through gloo's point-to-point calls each ring message crosses thread hand-offs in both processes and a
 rendezvous (the sender waits for the receiver's "ready"), which below a few MiB can cost more than moving the
-data (``benchmarks/reports/allreduce.md``). Here the calling thread moves the bytes: non-blocking sockets and
-one poll loop that sends and receives at once (so two neighbours sending large buffers to each other never
-deadlock on full socket buffers), and no per-message protocol, since both ends know every message's size from
-the schedule. It is gloo's kernel TCP path, so `ring` against `native` still compares algorithms, not transports.
+data (``benchmarks/reports/allreduce.md``). Here the calling thread moves the bytes in one poll loop that sends
+and receives at once (so two neighbours sending large buffers to each other never deadlock on full socket
+buffers), with no per-message protocol: both ends know every message's size from the schedule. It is gloo's
+kernel TCP path, so `ring` against `native` still compares algorithms, not transports.
 
-Set-up (`ring_link`, on the first ring call for a group and ordered list of ring members; only they take
-part): each process listens on an ephemeral port on gloo's interface (``GLOO_SOCKET_IFNAME``, which `loom run`
-sets to the interface holding the node's address; loopback when unset), tells its left neighbour where (a gloo
-point-to-point message), connects to its right neighbour while accepting its left one, then closes the
-listener. Before any data moves, both ends prove they hold the job secret (``LOOM_JOB_SECRET``) by the
-challenge-response of `loom.net.handshake`. The listener reads only fixed-size fields before the proof, bounds
-each handshake (`loom.net.listener.Listener`), closes and counts one that fails, and waits for its neighbour until
-`HANDSHAKE_TIMEOUT_S`.
-
-All or nothing: when a member cannot link to its right neighbour (no job secret, as outside `loom run`; a
-neighbour on another host while this one listens on loopback; two different secrets, which a warning names
-from a 64-bit hash of the secret in the offer, never the secret), a flag passed round the ring tells every
-member, and the whole ring uses gloo's point-to-point calls, so all members cut the data into the same segments.
+Set-up (`ring_link`, a collective of the ring's members on its first call): each member listens on gloo's
+interface (``GLOO_SOCKET_IFNAME``; loopback when unset), tells its left neighbour where, and links to both
+neighbours once each end has proved the job secret (`loom.net.handshake`; docs/security.md). All or nothing:
+when a member cannot link (no job secret, as outside `loom run`; a neighbour on another host while this one
+listens on loopback; another secret, told by a 64-bit hash in the offer, never the secret), the whole ring uses
+gloo, so all members cut the data into the same segments.
 
 Failures: a neighbour that exits closes its sockets, so the next exchange raises at once, naming this rank, the
 neighbour and the operation; one that stops without exiting is given up after `LINK_TIMEOUT_S` without progress.
 
-Limits: IPv4; CPU tensors under gloo; data after the handshake is not authenticated per message (whoever can
-inject into an established TCP connection could corrupt a reduction, as with gloo's own connections);
-synchronous, and not for two threads at once.
+Limits: IPv4; CPU tensors under gloo; data after the handshake is not authenticated per message (as with gloo's
+own connections); synchronous, and not for two threads at once.
 """
 
 from __future__ import annotations

@@ -2,16 +2,12 @@
 
 Why not the ring links of `loom.comm.links`: gossip (`loom.parallel.gossip.gossip`) needs any worker to ask any
 other at any time, answered when the other gets round to it (never when it is dead), with no collective or
-barrier. `PeerNode` is one process's end:
-
-- a listener (`loom.comm.peer_links`) admits peers that prove the job secret (the handshake of
-  `loom.comm.links`, with this protocol's own hello and label);
-- requests go out on a connection this node dials (one per peer, kept open) and their answers come back on it;
-  requests from others arrive on the connections they dialed. Sockets are non-blocking and `pump` moves what
-  can move on every connection at once, so two workers answering each other with large frames never deadlock,
-  and a node waiting for its own answer keeps answering others.
-
-Frames: `loom.comm.peer_wire`; a refused one closes its connection (counted as ``dropped``).
+barrier. `PeerNode` is one process's end: a listener admits peers that prove the job secret
+(`loom.comm.peer_links`); requests go out on a connection this node dials (one per peer, kept open) and are
+answered on it; requests from others arrive on the connections they dialed. `pump` moves what can move on every
+non-blocking connection at once, so two workers answering each other with large frames never deadlock, and a
+node waiting for its own answer keeps answering others. Frames: `loom.comm.peer_wire`; a refused one closes its
+connection (counted as ``dropped``).
 
 Symmetry: two ``EXCHANGE`` requests cross when each was sent before its sender saw the other's (a request
 carries the seq of the receiver's last request its sender had answered). The lower rank answers the crossing

@@ -1,36 +1,21 @@
 """Ring all-reduce: bandwidth-optimal, over point-to-point messages, pipelined in segments.
 
 Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009 (as in
-Baidu's ``baidu-allreduce``, Horovod and NCCL): the N processes form a ring, each sending only to its right
-neighbour and receiving only from its left one, and the data is split into N chunks.
+Horovod and NCCL): the N processes form a ring, each sending only to its right neighbour, and the data is split
+into N chunks. N-1 *reduce-scatter* steps (at step s rank r sends chunk r - s and reduces the chunk it receives
+into its own) leave rank r holding chunk r + 1 fully reduced; N-1 *all-gather* steps pass the reduced chunks
+around. Each process sends 2 (N-1)/N * D bytes for D bytes of data, against (N-1) * D at the root of a
+centralized reduce (`loom.comm.driver`).
 
-1. *Reduce-scatter*, N-1 steps: at step s, rank r sends chunk (r - s) and receives chunk (r - s - 1), which it
-   reduces into its own copy; after N-1 steps rank r holds chunk (r + 1) fully reduced.
-2. *All-gather*, N-1 steps: the same rotation, but a received chunk overwrites the local one.
-
-Each process sends (and receives) 2 (N-1)/N * D bytes for D bytes of data: optimal, and independent of N for
-large N, against (N-1) * D at the root of a centralized reduce (`loom.comm.driver`).
-
-*Pipelining* (as gloo's ``allreduce_ring_chunked`` and NCCL): each chunk is cut into S segments of at most
-`SEGMENT_BYTES` (at least two for chunks of half of it or more), and the next `WINDOW` - 1 transfers are in
-flight while the current segment is reduced, so transfer overlaps reduction and the all-gather starts before
-the reduce-scatter ends. The schedule is data (`ring_schedule`, tested without processes); `run_ring` runs it.
-Segment j of step s depends only on segment j of step s-1, S transfers earlier, so a window of at most S never
-sends a segment before it is reduced. Reduce-scatter segments land in a per-thread scratch buffer
-(`loom.comm._reduce.scratch_buffer`) and are added in place; the all-gather receives straight into the result.
-Two processes and a tensor under `EXCHANGE_BELOW_BYTES`: one exchange instead (`exchange_schedule`).
-
-*Transport* (`TRANSPORT`): loom's own TCP links between neighbours (`loom.comm.links`), transfer after transfer,
-in segments of `LINK_SEGMENT_BYTES`; where a link cannot be made, gloo's point-to-point calls with the window
-above, in segments of `SEGMENT_BYTES`, large (MiB) because each gloo message has a fixed cost well above a
-link's (``benchmarks/reports/allreduce.md``).
+*Pipelining* (as gloo's ``allreduce_ring_chunked`` and NCCL): chunks are cut into segments and up to `WINDOW`
+transfers are in flight, so transfer overlaps reduction. The schedule is data (`ring_schedule`, tested without
+processes); `run_ring` runs it over `TRANSPORT`. Two processes and a tensor under `EXCHANGE_BELOW_BYTES`: one
+exchange instead (`exchange_schedule`).
 
 Limits: 2 (N-1) latency-bound steps, so small tensors are faster with a tree or the backend's own algorithm.
-Chunks are balanced to within one element (with fewer elements than processes some are empty and their
-messages skipped). Reductions run in the tensor's dtype (float16/bfloat16 round once per add, as the
-backends do). Each chunk is summed from a different rank, so results can differ from `native` in the last bits,
-but are identical on all ranks (the all-gather copies one result everywhere). Synchronous. The segments of one
-call share a message tag, relying on gloo delivering one pair's messages in posting order.
+Reductions run in the tensor's dtype (float16/bfloat16 round once per add, as the backends do). Each chunk is
+summed from a different rank, so results can differ from `native` in the last bits, but are identical on all
+ranks (the all-gather copies one result everywhere). Synchronous.
 """
 
 from __future__ import annotations
@@ -58,18 +43,17 @@ __all__ = [
 ]
 
 SEGMENT_BYTES = 8 << 20
-"""Largest message of the pipelined ring over gloo; a chunk of at least half of it is cut in at least two
-segments, so that every reduction has a transfer to hide behind (gloo's own ring always cuts chunks in two).
-Smaller segments overlap more, but every gloo message has a fixed cost (``benchmarks/reports/allreduce.md``)."""
+"""Largest message of the pipelined ring over gloo, large because every gloo message has a fixed cost
+(``benchmarks/reports/allreduce.md``); a chunk of half of it or more is cut in at least two segments, so that
+every reduction has a transfer to hide behind."""
 WINDOW = 2
 """Transfers in flight at once: the one being reduced and the next one arriving."""
 TRANSPORT = "links"
 """How ring messages travel: ``"links"``, loom's authenticated TCP links between neighbours when the whole ring
-can have them (`loom.comm.links`; else gloo), or ``"gloo"``, gloo's point-to-point calls only (the benchmark
-times both)."""
+can have them (`loom.comm.links`; else gloo), or ``"gloo"``, gloo's point-to-point calls only."""
 LINK_SEGMENT_BYTES = 1 << 20
-"""`SEGMENT_BYTES` over loom's links, where a message costs little: smaller segments let the reduction of one
-overlap the arrival of the next."""
+"""`SEGMENT_BYTES` over loom's links, where a message costs little, so a segment's reduction overlaps the next's
+arrival."""
 EXCHANGE_BELOW_BYTES = 1 << 20
 """With two processes, tensors smaller than this are reduced by one exchange (`exchange_schedule`)."""
 
@@ -101,9 +85,10 @@ def ring_schedule(
 ) -> tuple[list[Transfer], int]:
     """The transfers of rank ``position`` of a ring of ``size`` for ``flat``, and the window to run them with.
 
-    Every rank cuts chunk c into the same segments (they depend only on the chunk's length), so transfer k of
-    rank r sends exactly what transfer k of rank r+1 receives. ``scratch`` (``window`` longest segments, as
-    `reduce_around` sizes it) receives the reduce-scatter's segments in rotation; None allocates it.
+    Every rank cuts chunk c into the same segments, so transfer k of rank r sends exactly what transfer k of rank
+    r+1 receives. The window is at most the segments per chunk S: segment j of step s depends on segment j of step
+    s-1, S transfers earlier. ``scratch`` (``window`` longest segments) receives the reduce-scatter's segments in
+    rotation; None allocates it.
     """
     bounds = [i * flat.numel() // size for i in range(size + 1)]
     chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(size)]
@@ -131,12 +116,9 @@ def exchange_schedule(flat: torch.Tensor, scratch: torch.Tensor | None = None) -
     """The one transfer of either process of a ring of two, for a small tensor: send all of ``flat`` while
     receiving the other's into ``scratch`` (``flat.numel()`` elements; None allocates), then combine into ``flat``.
 
-    Why: with two processes the reduce-scatter and all-gather each send one half, the same bytes as one exchange
-    of the whole tensor, which needs one round of messages instead of two dependent ones; reducing the whole
-    tensor instead of half costs little next to a message for a small tensor, while a large one is faster through
-    the pipelined ring, hence `EXCHANGE_BELOW_BYTES` (``benchmarks/reports/allreduce.md``). Both processes combine
-    the same two values in opposite orders, so results are identical (IEEE addition, max and min commute);
-    `run_ring` waits for the send before combining into the tensor it sent.
+    Why: with two processes the ring sends the same bytes as one exchange, in two dependent rounds instead of
+    one; reducing the whole tensor costs little next to a message while it is small (`EXCHANGE_BELOW_BYTES`).
+    Results are identical on both (IEEE addition, max and min commute).
     """
     if scratch is None:
         scratch = torch.empty_like(flat)
@@ -163,14 +145,12 @@ def run_ring(
 ) -> tuple[int, int]:
     """Run a `ring_schedule` with up to ``window`` transfers in flight; return (bytes sent, bytes received).
 
-    With a ``link`` (`loom.comm.links`) the transfers run one after the other, the window unused: while a segment
-    is reduced the next keeps arriving into the kernel's socket buffer. Without one, through gloo's
-    point-to-point calls: transfer k+window is sent only once transfer k is done (received, reduced, sent).
-    Receives run ahead, in transfer order (gloo matches one pair's messages in posting order): a reduce-scatter
-    receive lands in scratch, so it waits for the same window (its slot must be free); an all-gather receive
-    lands in the result and is posted as soon as every earlier receive is, which is safe because its data can
-    only arrive once the segment is fully reduced, after this rank's last touch of it. A receive posted before
-    its message arrives saves a round of gloo's matching. Empty buffers are skipped on both ends.
+    With a ``link`` (`loom.comm.links`) the transfers run one after the other (the next segment arrives into the
+    socket buffer while one is reduced). Over gloo, transfer k+window is sent once transfer k is done; receives
+    are posted ahead (saving a round of gloo's matching), in transfer order (gloo matches one pair's messages in
+    posting order, so one tag serves the call): a reduce-scatter receive waits for its scratch slot, an
+    all-gather one is posted at once (its data can only arrive once the segment is fully reduced). Empty buffers
+    are skipped on both ends.
     ``right``/``left`` are ranks in ``group`` (global ranks when it is None).
     """
     moved = sum(t.send.nbytes for t in transfers), sum(t.recv.nbytes for t in transfers)
@@ -228,13 +208,10 @@ def reduce_around(
     group: dist.ProcessGroup | None,
     divide_by: int = 1,
 ) -> tuple[int, int]:
-    """`run_ring` for ring member ``position`` of ``members`` (ranks in ``group``, in ring order):
-    over loom's links when `TRANSPORT` allows and the ring can have them (made on first use, a collective of
-    the ring), else over gloo; ``op`` is not avg. Returns (bytes sent, bytes received).
-
-    The schedule, in this thread's scratch buffer: one exchange for two members and a small tensor, else the
-    pipelined ring, in segments sized for the transport (the same on every member: the ring has links
-    everywhere or nowhere)."""
+    """`run_ring` for ring member ``position`` of ``members`` (ranks in ``group``, in ring order), in this thread's
+    scratch buffer: over loom's links when `TRANSPORT` allows and the ring can have them (made on first use, a
+    collective of the ring; everywhere or nowhere), else over gloo; ``op`` is not avg. Returns (bytes sent,
+    bytes received)."""
     size = len(members)
     link = ring_link(group, members, position, flat) if TRANSPORT == "links" else None
     if size == 2 and flat.nbytes < EXCHANGE_BELOW_BYTES:

@@ -1,26 +1,22 @@
 """Gradients averaged in place in shared memory: DataParallel's path when every process is on one CPU host.
 
 Why: with DDP and a loom all-reduce a gradient crosses memory several times after backward (into DDP's bucket,
-published into the segment, reduced, copied back). Here the segment holds the gradients themselves: each
-process has one slot for all its trainable parameters' gradients, flat, in parameter order, and owns one chunk
-of that range (L processes, L chunks, cache-line aligned):
+published into the segment, reduced, copied back). Here the segment holds the gradients themselves: each of the
+L processes has one slot for all its trainable parameters' gradients, flat, and owns one cache-line aligned chunk:
 
 1. after backward, each process copies its gradients *outside its own chunk* into its slot; barrier;
-2. process r sums chunk r: its own gradient (private memory, never copied) plus the other slots' copies, in
-   rank order from its own, divides by L, and writes the average into chunk r of *every* slot; barrier;
-3. every parameter's ``.grad`` becomes a view of this process's slot, now holding the average: the optimizer
-   reads it in place, nothing is copied back.
+2. process r sums chunk r (its own gradient plus the other slots' copies, in rank order from its own), divides by
+   L, and writes the average into chunk r of *every* slot; barrier;
+3. every parameter's ``.grad`` becomes a view of this process's slot: the optimizer reads the average in place.
 
-Per process: (L - 1)/L of the gradient written in step 1, read and written L - 1 times over in step 2, two
-barriers; for 2 processes about 6 half-gradients of memory traffic against about 13 with DDP's bucket and
+For 2 processes that is about 6 half-gradients of memory traffic against about 13 through DDP's bucket and
 `loom.comm.all_reduce(algorithm="shm")`. Slots are reused across steps without more barriers: a process writes
-its slot for step k+1 only after passing step k's second barrier, and the others write into it (step 2 of k+1)
-only after it reaches step k+1's first barrier, i.e. after its optimizer step k.
+its slot for step k+1 only after step k's second barrier, and the others write into it only after it reaches
+step k+1's first barrier, i.e. after its optimizer step k.
 
 Limits: one host, CPU tensors, one floating-point dtype for all trainable parameters; the averaged gradients
 live in memory the others write during the next step's reduction (read or copy them before then). No overlap
-with backward: on a host whose cores all compute, a communication thread only competes with it (see
-``DataParallelConfig.overlap``).
+with backward (see ``DataParallelConfig.overlap``).
 """
 
 from __future__ import annotations

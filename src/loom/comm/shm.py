@@ -1,36 +1,26 @@
 """Shared-memory all-reduce for processes on one host: memory copies through a mapped segment, no sockets.
 
-As the intra-node shared-memory transports of MPI and NCCL, and DeepSpeed's CPU ``shm`` all-reduce: processes
-on one host map the same memory, so reducing needs only copies and the reduction. With L processes the data is
-split into L chunks; rank r owns chunk r, and each process has one *slot* of the segment:
+As the intra-node transports of MPI and NCCL, and DeepSpeed's CPU ``shm`` all-reduce. With L processes the data
+is split into L chunks; rank r owns chunk r, and each process has one *slot* of the segment:
 
 1. publish: rank r copies every chunk of its input *except its own* into its slot;
-2. barrier; rank r reduces chunk r from its own input (private, never copied) plus the L-1 published copies,
-   and writes the result into its slot at chunk r's place, which step 1 left free;
+2. barrier; rank r reduces chunk r from its own input plus the L-1 published copies, and writes the result into
+   its slot at chunk r's place, which step 1 left free;
 3. barrier; rank r copies the L-1 other reduced chunks out of the other slots.
 
-Per process: D bytes written to shared memory and 2 (L-1)/L * D read, as many as a ring sends and receives
-(`loom.comm.counters` counts them as shm bytes), but each byte moves by one memory copy instead of through two
-socket buffers and the kernel. Two calls of the same size and element size need no barrier between them: the
-next step 1 writes only chunks nobody reads in step 3, and a result chunk is rewritten only after every process
-has passed the next call's first barrier. When the size changes the chunk boundaries move, so the call starts
-with a barrier (all processes see the same sizes, so all take it).
+Per process: D bytes written and 2 (L-1)/L * D read, as many as a ring moves, but by one memory copy instead of
+through two socket buffers and the kernel. Consecutive calls of the same size and element size need no barrier
+between them (step 1 writes only chunks nobody reads in step 3, and a result is rewritten only after the next
+call's first barrier); a call whose size changes starts with one.
 
-Lifetime (`loom.comm.shm_segment`): one segment per host and process group, made on the first call and remade
-larger for a larger tensor, up to `MAX_PIECE_BYTES` per slot; bigger tensors go piece by piece (bounded memory,
-each piece stays in cache). The host's first process creates it, a gloo all-gather sends the name to the
-others, and once all have mapped it (an all-gather of status codes) the creator unlinks the name.
+One segment per host and process group (`loom.comm.shm_segment`), made on the first call and remade larger for a
+larger tensor, up to `MAX_PIECE_BYTES` per slot; bigger tensors go piece by piece. The barrier is a sequence
+counter per process, one cache line each, waited for by `loom.comm.shm_wait.wait_until`.
 
-Barrier: a sequence counter per process in the header, one cache line each (with its pid and an "asleep,
-waiting for process k" flag), waited for by `loom.comm.shm_wait.wait_until` (spin, then futex; peers checked
-alive; bounded).
-
-Limits: Linux (POSIX shared memory under /dev/shm, whose size bounds the segment: docker's default 64 MiB
-fits 4 processes at the default 4 MiB slots) on x86-64 only, because the barrier relies on x86's total store
-order (data written before the counter is visible before it) and Python cannot issue the fences weaker CPUs
-(ARM, POWER) need; elsewhere a ValueError names the alternatives. CPU tensors, synchronous. Each chunk is
-reduced once, by its owner, in rank order from the owner on, so results are identical on every process and
-can differ from ``native`` in the last bits; float16/bfloat16 round once per add, as the ring does.
+Limits: Linux (/dev/shm bounds the segment: docker's default 64 MiB fits 4 processes at 4 MiB slots) on x86-64
+only, because the barrier relies on x86's total store order and Python cannot issue the fences weaker CPUs need;
+elsewhere a ValueError names the alternatives. CPU tensors, synchronous. Each chunk is reduced once, by its
+owner, so results are identical on every process and can differ from ``native`` in the last bits.
 """
 
 from __future__ import annotations
