@@ -5,18 +5,14 @@
     ddp.register_comm_hook(None, hook)                       # None: all processes (or a process group)
     checkpoint["codec"] = hook.state_dict()                  # residuals and warm starts: tensors, ints, strings
 
-Five codecs (`Codec`), named by the one spec vocabulary of every strategy that compresses (the table in
-`loom.comm.compression.factory`; usage: docs/strategies/data-parallel.md): ``fp16`` / ``bf16`` and ``int8`` are
-stateless; ``topk:<fraction>`` and ``powersgd:<rank>`` keep error feedback.
-
-A codec yields its communication as `Collective` steps (`loom.comm.compression.base`); `compression_hook` runs
-them inside DDP's backward, asynchronously, counting bytes in `loom.comm.counters()`; `exchange_locally` runs
-them for N simulated ranks in one process (tests, what-if byte counts). State is kept per parameter
-(`loom.comm.compression.feedback`), so it survives DDP's bucket rebuilds and a resume.
+Five codecs (`Codec`), named by the one spec vocabulary of every strategy that compresses
+(`loom.comm.compression.factory`; usage: docs/strategies/data-parallel.md#gradient-compression): ``fp16`` /
+``bf16`` and ``int8`` are stateless; ``topk:<fraction>`` and ``powersgd:<rank>`` keep error feedback, per
+parameter (`loom.comm.compression.feedback`). How a codec's collectives are run: `loom.comm.compression.base`.
 
 Why not PyTorch's ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook``: DDP refuses
-``bf16_compress_hook`` without NCCL, ``batched_powerSGD_hook`` crashes on CPU (issue 3), and none of them
-records its traffic.
+``bf16_compress_hook`` without NCCL, ``batched_powerSGD_hook`` crashes on CPU, and none of them records its
+traffic.
 """
 
 from loom.comm.compression.base import Codec, Collective

@@ -1,32 +1,22 @@
 """`compression_hook`: run a codec's collectives inside DDP's backward, asynchronously, and count their bytes.
 
-    ddp.register_comm_hook(None, compression_hook(make_codec("powersgd:4")))   # None: all processes
+DDP calls the hook per gradient bucket during backward and waits for the returned futures only at its end. The
+hook starts each bucket's first collective with ``async_op=True`` and returns at once, so communication overlaps
+the rest of backward. A codec's *final* collective (`Collective.final`) gets its decoding chained with
+``Future.then``, run on the backend's thread. A two-round codec (PowerSGD: P, then Q) must not start round 2
+from a backend thread: collectives started from callbacks would reach the backend in different orders on
+different ranks (gloo matches collectives by sequence number), and waiting inside a callback can starve the
+backend's threads. So bucket b's next round is started by bucket b+1's hook call, from the backward thread; the
+last bucket drains what is left.
 
-DDP calls the hook per gradient bucket, in bucket order, during backward, and waits for the returned futures
-only at its end. The hook starts each bucket's first collective with ``async_op=True`` and returns at once, so
-communication overlaps the rest of backward:
+Bytes are recorded in `loom.comm.counters()` when a collective starts, so totals compare directly with an
+uncompressed run: ``op="sum"`` under ``"native"``, ``op="gather"`` under ``"all_gather"`` (``(N-1) * D`` bytes
+each way for a D-byte message).
 
-- a codec's *final* collective (`Collective.final`) gets its decoding chained with ``Future.then``, run on the
-  backend's thread when the message arrives, completing the bucket's future;
-- a two-round codec (PowerSGD: P, then Q) must not start round 2 from a backend thread: collectives started
-  from callbacks would reach the backend in different orders on different ranks (gloo matches collectives by
-  sequence number), and waiting inside a callback can starve the backend's threads. So bucket b's next round is
-  started by bucket b+1's hook call, from the backward thread, after b+1's first message is on its way; the
-  last bucket drains what is left.
-
-Bytes, in `loom.comm.counters()` with that module's convention (what a bandwidth-optimal ring would move, per
-process, each way), recorded when a collective starts, so totals compare directly with an uncompressed run
-using ``allreduce_hook("native")``:
-
-- ``op="sum"`` is ``torch.distributed.all_reduce``, recorded under ``"native"`` as
-  `loom.comm.all_reduce(algorithm="native")` records it;
-- ``op="gather"`` is an all-gather, recorded under ``"all_gather"``: ``(N-1) * D`` bytes each way for a
-  D-byte message.
-
-Parameter numbers: the codec keeps state per parameter (`loom.comm.compression.feedback`), so the hook numbers
-DDP's parameters 0, 1, 2, ... in the order it first meets them. A fresh DDP's first backward runs its initial
-buckets (in model order), so the numbering is the same every time, and a saved codec state applies to the same
-parameters in a resumed run with the same model and DDP settings.
+Parameter numbers: the codec keeps state per parameter, so the hook numbers DDP's parameters in the order it
+first meets them. A fresh DDP's first backward runs its initial buckets in model order, so the numbering is the
+same every time, and a saved codec state applies to the same parameters in a resumed run with the same model
+and DDP settings.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and
