@@ -5,7 +5,7 @@ collectives it needs (`Collective`: sum these numbers over the ranks, or gather 
 receives each result back, and finally *returns* the averaged gradient. Who runs the collectives is someone
 else's business: `loom.comm.compression.hook` runs them asynchronously inside DDP's backward, and
 `loom.comm.compression.local.exchange_locally` runs N codecs in one process, which is how the numerics are tested
-without sockets (and how a fault could be injected). The schedule is data; the runtime is separate.
+without sockets. The schedule is data; the runtime is separate.
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ at each addition, so the error grows with the number of processes. No error feed
 lost, harmless at these precisions. Gradients already 16-bit (or narrower) go through in their own dtype.
 
 On gloo: DDP refuses PyTorch's ``bf16_compress_hook`` unless NCCL is present (a name check in
-``DistributedDataParallel._check_comm_hook``), but gloo itself all-reduces bfloat16 (checked with torch 2.13),
-so this codec simply all-reduces the bfloat16 tensor.
+``DistributedDataParallel._check_comm_hook``), but gloo itself all-reduces bfloat16, so this codec does.
 """
 
 from __future__ import annotations

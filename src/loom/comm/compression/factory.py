@@ -1,19 +1,10 @@
 """The one ``compression=`` vocabulary: `parse_compression` reads a spec, `make_codec` builds its gradient codec,
 `accept_compression` is how a strategy takes a spec or refuses it by name.
 
-Every strategy that compresses (DataParallel and a model-parallel job's data axis, DiLoCo) reads the same specs:
-
-==================  =================================================  =====================================
- spec                what travels                                        codec
-==================  =================================================  =====================================
- ``fp16``/``bf16``   each rank's share in 16 bits, all-reduced          `loom.comm.compression.cast`
- ``int8``            int8 codes + a float32 scale per chunk, gathered   `loom.comm.compression.int8`
- ``topk:<f>``        the fraction ``f`` largest entries, gathered       `loom.comm.compression.topk`
- ``powersgd:<r>``    a rank-``r`` approximation per gradient matrix     `loom.comm.compression.powersgd`
-==================  =================================================  =====================================
-
-A strategy that cannot use one of them refuses it by name, with the reason and the ones it takes
-(`accept_compression`), instead of a generic "unknown spec".
+Every strategy that compresses (DataParallel and a model-parallel job's data axis, DiLoCo) reads the same specs,
+listed with what each sends in docs/strategies/data-parallel.md#gradient-compression; each kind's codec is in the
+module of its name (``fp16``/``bf16``: `loom.comm.compression.cast`). A strategy that cannot use one refuses it
+by name, with the reason and the ones it takes (`accept_compression`), instead of a generic "unknown spec".
 """
 
 from __future__ import annotations

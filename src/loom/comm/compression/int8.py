@@ -6,11 +6,9 @@ and scales are all-gathered, and every rank dequantizes every message and adds t
 result is bitwise the same everywhere. Each rank sends ``(W - 1)`` messages of a quarter of the float32 size (a
 ring all-reduce of float32 sends ``2 (W - 1) / W`` full ones): fewer bytes than float32 for ``W <= 8``.
 
-`int8_payload` encodes one rank's message and `int8_sum` adds up every rank's: DiLoCo's outer exchange sums its
-pre-weighted pseudo-gradients with them (`loom.comm.compression.replicas`), and `Int8Codec` is the same exchange
-as a gradient codec (`loom.comm.compression.base`) for DDP's hook: each rank sends its share of the mean (its
-gradient divided by the world size, as ``fp16`` does). No error feedback: the rounding error (at most
-``scale / 2`` per value) is lost.
+`int8_payload` encodes one rank's message and `int8_sum` adds up every rank's, for DiLoCo's outer exchange
+(`loom.comm.compression.replicas`) and for `Int8Codec`, the same exchange as a gradient codec of DDP's hook. No
+error feedback: the rounding error (at most ``scale / 2`` per value) is lost.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ With a ``Q`` (m x r) identical on every rank:
 *Warm start*: step 3's ``Q`` seeds the next step's step 1, so the power iteration continues across steps and one
 iteration per step suffices. The first ``Q`` is drawn from a generator seeded by (seed, parameter number),
 identical on every rank without a broadcast; a zero or non-finite ``Q`` is redrawn (zero gradients would keep it
-zero forever). Residuals and ``Q``'s are kept per parameter (`loom.comm.compression.feedback`), so both survive
-DDP regrouping its buckets.
+zero forever).
 
 Bytes: ``(n + m) r`` numbers per matrix instead of ``n m``, in two all-reduces. Tensors that do not gain --
 1-D (biases, norms) and matrices where ``(n + m) r >= n m`` -- are all-reduced exactly, packed into the P

@@ -13,8 +13,8 @@ rank receives N-1 messages, so traffic grows with N where an all-reduce's does n
 float32 ring's ``2 (N-1)/N * 4 n`` bytes, a saving of ``1 / (N * fraction)`` (50x at 0.01 on 2 ranks, 12.5x on 8).
 
 Limits: one global top-k over the whole bucket, not per layer, so a layer with small gradients can wait
-several steps, and the selection depends on which tensors share a bucket (residuals carry over when DDP
-re-buckets, see `loom.comm.compression.feedback`). The residual costs one gradient of memory. DGC's momentum
+several steps, and the selection depends on which tensors share a bucket. The residual costs one gradient of
+memory. DGC's momentum
 correction, local clipping and fraction warm-up are not implemented: plain error feedback with SGD momentum on
 the averaged sparse gradient works, but converges later than uncompressed training. The selection
 (`top_indices`) is still noticeable next to a small model's backward.
