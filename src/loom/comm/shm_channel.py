@@ -2,23 +2,18 @@
 
 `channel_to(dst)` / `channel_from(src)` return this process's `ShmSender` / `ShmReceiver` for a peer (global
 ranks), or ``None`` when the pair must keep the backend's messages (another host, a CPU other than x86-64, no
-/dev/shm, a backend other than gloo). Each direction decides once, by a handshake on its first message through
-the backend (with tags of its own): the sender creates a `loom.comm.shm_ring.Ring` and sends a digest of its
-host (`loom.comm._reduce.host_key`) and the ring's name; the receiver maps the ring only if the digest is its
-own, and answers whether it did. So both ends decide the same, per pair: a pipeline over two hosts uses shared
+/dev/shm, a backend other than gloo). Each direction decides once, by a handshake through the backend on its
+first message: the sender offers a `loom.comm.shm_ring.Ring` with a digest of its host, and the receiver maps it
+only if the digest is its own. So both ends decide the same, per pair: a pipeline over two hosts uses shared
 memory within a host and the backend between hosts. That first message is a rendezvous (the sender waits for
 the receiver to ask); the pipeline's schedules always receive before they send back, so they never deadlock.
 
 A message is a header (int64 words: how many words follow, the tensor count, then each tensor's dtype code, rank
 and shape), then each tensor's bytes. Sends never block: what does not fit in the ring is queued and pushed by
-every later wait of this process (`progress`) and by the handle's ``wait()``; a receive copies straight into the
-tensor it returns. Waits are `loom.comm.shm_wait.wait_until` (spin while `loom.comm.shm_spin.SpinBudget` finds
-it pays, then futex), raising with both ranks and the operation when the peer dies or the time-out passes.
-
-Small messages cost a few microseconds of Python per end, so the common case is short: both ends cache headers
-per signature (dtypes and shapes; a pipeline repeats a handful), a message that fits while nothing is queued is
-copied in at once (one ``memmove`` per tensor, one publish), and a receiver whose whole header has arrived uses
-it straight from the ring as its cache key.
+every later wait of this process (`progress`) and by the handle's ``wait()``. Waits are
+`loom.comm.shm_wait.wait_until`, raising with both ranks and the operation when the peer dies or the time-out
+passes. Small messages cost a few microseconds of Python per end, so both ends cache headers per signature
+(dtypes and shapes; a pipeline repeats a handful).
 """
 
 from __future__ import annotations
@@ -84,8 +79,8 @@ class ShmSender:
         self.sent = 0
 
     def send(self, tensors: list[torch.Tensor]) -> list[tuple[Any, Any]]:
-        """Queue one message and push what fits (at once when nothing is queued: the module docstring's shortest
-        path); returns ``[(handle, None)]``, ``handle.wait()`` ends it."""
+        """Queue one message and push what fits (copied in at once when nothing is queued); returns
+        ``[(handle, None)]``, ``handle.wait()`` ends it."""
         signature = tuple([(t.dtype, t.shape) for t in tensors])
         header = self._headers.get(signature)
         if header is None:

@@ -1,19 +1,16 @@
 """Waiting for a peer process through shared memory: spin briefly, then sleep in the kernel until woken.
 
-Waiting for a word of shared memory that a peer will write, two ways, each right for a different delay:
-
 1. **spin** (look again at once) for `SPIN_S`: when both processes run, the answer to a small message usually
    arrives within microseconds, and any sleep costs more;
-2. **sleep on a futex** (Linux ``futex(FUTEX_WAIT)`` on the word itself): the CPU goes to whoever needs it
-   (often the very peer, when both share a core on a loaded machine), and the peer, having changed the word,
-   sees the waiter's "asleep" flag and calls ``futex(FUTEX_WAKE)``. ``sched_yield`` or short ``sleep`` calls
-   measured slower where the two processes shared a core: the yielder kept its core.
+2. **sleep on a futex** (Linux ``futex(FUTEX_WAIT)`` on the word the peer will write): the CPU goes to whoever
+   needs it (often the very peer, when both share a core on a loaded machine), and the peer, having changed the
+   word, sees the waiter's "asleep" flag and calls ``futex(FUTEX_WAKE)``. ``sched_yield`` or short ``sleep``
+   calls were slower where the two processes shared a core: the yielder kept its core.
 
 The kernel sleeps only while the word still holds the value the waiter last saw, so no change is lost between
 the last look and the sleep; each sleep is bounded (`FUTEX_SLEEP_S`, shorter while this process has queued sends
-to push, see ``progress``). The whole wait is bounded: every `CHECK_EVERY_S` it checks the peer is alive (a dead
-peer raises at once, naming it, its pid and the operation), and it gives up after `TIMEOUT_S` (as the backend's
-own timeout; the hang watchdog stops hangs long before).
+to push). The whole wait is bounded: every `CHECK_EVERY_S` it checks the peer is alive (a dead peer raises at
+once, naming it, its pid and the operation), and it gives up after `TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ SPIN_S = 20e-6
 """Seconds of busy looking before sleeping (module attribute: the micro-benchmark varies it); the least a
 `loom.comm.shm_spin.SpinBudget` spins."""
 YIELD_S = 0.0
-"""Seconds of yielding the CPU (``sched_yield``) between spinning and sleeping (0: measured best, see above)."""
+"""Seconds of yielding the CPU (``sched_yield``) between spinning and sleeping (0: see the module docstring)."""
 FUTEX_SLEEP_S = 0.01
 """Longest single sleep in the kernel (between two liveness checks, and in case a wake-up was missed)."""
 BUSY_SLEEP_S = 5e-5
