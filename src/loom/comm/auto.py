@@ -2,20 +2,14 @@
 
 As NCCL's tuning model and Open MPI's ``coll/tuned`` decision tables, but measured instead of modelled: the
 fastest algorithm depends on where the processes are, on the message size (latency dominates small messages,
-bandwidth large ones) and on the machine. So a group's first ``auto`` call times every candidate at a few sizes
-(`CALIBRATION_SIZES`, the median of `CALIBRATION_REPS` calls after one warm-up), and each call then takes the
-fastest at the calibrated size nearest on a log scale.
-
-Candidates, from the topology learned in `loom.comm.shm.context_for`: one host with several processes -> native,
-ring, shm; several hosts, some with several processes -> native, ring, hierarchical; otherwise (or without
-usable shared memory) native and ring.
+bandwidth large ones) and on the machine. So a group's first ``auto`` call times every one of its `candidates`
+at a few sizes (`CALIBRATION_SIZES`, the median of `CALIBRATION_REPS` calls after one warm-up), and each call
+then takes the fastest at the calibrated size nearest on a log scale.
 
 Agreement: every rank must pick the same algorithm for the same call, or the job hangs. So the timing table is
 the same everywhere (each entry is the slowest rank's time, an all-reduce MAX; a cached table is read by rank 0
-and broadcast), and the choice is a deterministic function of it and the tensor's size.
-
-Cache: one JSON file per host, ``$LOOM_CACHE_DIR`` or ``~/.cache/loom``, ``allreduce-<hostname>.json``, keyed by
-world size and processes per host. Delete it to calibrate again (after a hardware or software change).
+and broadcast), and the choice is a deterministic function of it and the tensor's size. The table is cached per
+host (`cache_path`; when to delete it: docs/strategies/data-parallel.md#how-gradients-are-averaged).
 
 Limits: a calibration reflects the load of its moment on a shared machine; it adds a fraction of a second to
 the first call; only float32 messages are timed (the choice is by bytes, whatever the dtype).
@@ -60,7 +54,8 @@ Algorithm = Callable[[torch.Tensor, str, "dist.ProcessGroup | None"], Traffic]
 
 
 def candidates(ctx: ShmContext) -> tuple[str, ...]:
-    """The algorithms worth timing for this topology."""
+    """The algorithms worth timing for this topology: native and ring, plus shm on one host or hierarchical on
+    several, where some host has several processes and shared memory is usable."""
     if ctx.unsupported or max(ctx.host_sizes) == 1:
         return ("native", "ring")
     return ("native", "ring", "shm" if len(ctx.host_sizes) == 1 else "hierarchical")
@@ -87,7 +82,7 @@ class Policy:
 
 
 def cache_path() -> Path:
-    """This host's calibration file."""
+    """This host's calibration file, keyed inside by world size and processes per host."""
     root = setting("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom"
     return Path(root) / f"allreduce-{socket.gethostname()}.json"
 
