@@ -1,35 +1,24 @@
 """`overlapped_allreduce_hook`: loom's all-reduce algorithms inside DDP's backward, overlapped like DDP's own.
 
-    ddp.register_comm_hook(None, overlapped_allreduce_hook("shm"))      # None: all processes
-
 Why (DDP's own design, Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3): a bucket's all-reduce should
-run *while* the remaining layers compute their gradients, with backward waiting only at its end. ``native`` does
-that with ``async_op=True``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are blocking Python calls,
-so the synchronous `loom.comm.allreduce_hook` stalls backward for every bucket's reduction.
+run *while* the remaining layers compute their gradients. ``native`` does that with ``async_op=True``; loom's
+``shm``, ``ring``, ``driver`` and ``hierarchical`` are blocking Python calls, so the synchronous
+`loom.comm.allreduce_hook` stalls backward for every bucket. Here each bucket is reduced on the process's
+communication thread (`loom.comm.thread`, which keeps the same order on every rank), and DDP waits for the
+futures at the end of backward.
 
-Here each process owns one background *communication thread* (`loom.comm.thread`) that runs the buckets' jobs
-in submission order. A job divides the bucket by the group size (as PyTorch's ``allreduce_hook``, so float16
-does not overflow) and all-reduces it; the hook returns a ``torch.futures.Future`` the thread completes, and DDP
-waits for the futures at the end of backward.
-
-Why this is safe:
-
-- *Same order on every rank.* DDP calls the hook in the same bucket order on every rank, and one FIFO thread
-  per process keeps it, as collectives matched by call order need (`loom.comm.thread`). Two threads would not.
-- *One thread uses shm and the backend at a time.* `loom.comm.shm` keeps per-process state without a lock, and
-  the ring's links (`loom.comm.links`) are sockets no two threads may share. While buckets are in flight the
-  main thread is inside backward, which issues no collective, and DDP's wait drains the queue before the caller
-  can issue any. A caller that issues collectives from autograd hooks *during* backward breaks this; don't.
-- *First calls are collectives too* (shm's segment set-up, ``auto``'s calibration): same thread, same order.
+Why this is safe: one thread uses shm and the backend at a time (`loom.comm.shm` keeps per-process state without
+a lock, and the ring's links are sockets no two threads may share). While buckets are in flight the main thread
+is inside backward, which issues no collective, and DDP's wait drains the queue before the caller can issue any.
+A caller that issues collectives from autograd hooks *during* backward breaks this; don't. First calls (shm's
+segment set-up, ``auto``'s calibration) are collectives too: same thread, same order.
 
 Errors: an all-reduce that raises settles its bucket's future with a RuntimeError naming the rank, the
 algorithm, the bucket and its size, so backward raises instead of waiting forever. Later buckets are still
 attempted (their peers may be waiting for them); the first error is the one reported.
 
-Limits: overlap needs spare CPU. The thread shares the process's cores with backward: with as many busy
-processes as cores, shm's memory copies and the ring's socket copies compete with the compute they overlap,
-and the gain is only what waiting left idle. Python-level algorithms also hold the GIL between torch calls,
-slightly delaying the backward thread's own Python work (hooks).
+Limits: overlap needs spare CPU: the thread shares the process's cores with backward (the gain is only what
+waiting left idle), and Python-level algorithms hold the GIL between torch calls.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and

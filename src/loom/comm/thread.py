@@ -2,12 +2,8 @@
 
 Collectives are matched across ranks by call order (gloo by sequence number, shm by its barrier counters), so
 off the training thread they must run one after another, in the order every rank submits them: one FIFO thread
-per group. Two users:
-
-- DDP's overlapped all-reduce hook (`loom.comm.ddp_async`): the process's shared thread, `comm_thread()`, runs
-  each bucket's reduction while backward goes on; the hook hands DDP a ``torch.futures.Future`` (`torch_future`);
-- DiLoCo's outer exchange (`loom.parallel.replica.diloco`): a thread and process group of its own, running
-  while the next inner steps train.
+per group: the process's shared `comm_thread()` for DDP's overlapped hook (`loom.comm.ddp_async`), and a thread
+of its own for DiLoCo's outer exchange (`loom.parallel.replica.diloco`).
 
 A daemon, unlike `concurrent.futures.ThreadPoolExecutor`'s threads: when a peer has died and the training thread
 raises, a collective left waiting here must not keep the process alive at exit. Every call's outcome reaches its
