@@ -1,18 +1,17 @@
 """loom's key-value store for a job: authenticated, no pickle, every call bounded in time.
 
 Why not PyTorch's ``TCPStore``: it accepts any client, and the elastic agent's c10d rendezvous keeps a *pickle*
-there under a predictable key and unpickles it -- whoever reaches the port runs code in every launcher (issue 13;
-the Horovod CVEs were this hole). It has no authentication option, and a proxy in front would leave it listening
-unauthenticated on loopback, open to every local user. So loom hosts its own: `StoreServer` in node 0's
-launcher, and `LoomStore`, a ``torch.distributed.Store`` (used by the elastic agent,
-``init_process_group(store=...)``, gloo's connection set-up and ``new_group`` as a ``TCPStore`` would be), in
-every process that needs it. User-facing summary: docs/launching.md and docs/security.md.
+there under a predictable key and unpickles it, so whoever reaches the port runs code in every launcher. It has
+no authentication option, and a proxy in front would leave it listening unauthenticated on loopback, open to
+every local user. So loom hosts its own: `StoreServer` (`loom.net.store_server`) in node 0's launcher, and
+`LoomStore`, a ``torch.distributed.Store`` usable wherever a ``TCPStore`` is (the elastic agent,
+``init_process_group(store=...)``, ``new_group``), in every process that needs it. User-facing summary:
+docs/launching.md and docs/security.md.
 
 Authentication: first on every connection, both sides prove the job secret (``LOOM_JOB_SECRET``) by
-`loom.net.handshake`. Before the proof the server reads exactly one fixed-size hello, gives the connection
-`HANDSHAKE_TIMEOUT_S` in all, and closes it on any mismatch: an unauthenticated peer can neither read nor write
-a key. Values are opaque bytes; only lengths and decimal integers (``add``) are decoded. Wire format:
-`loom.net.store_wire` (statuses: 0 ok, 1 timed out, 2 error); server: `loom.net.store_server`.
+`loom.net.handshake`; the server gives a connection `HANDSHAKE_TIMEOUT_S` for it, and an unauthenticated peer can
+neither read nor write a key. Values are opaque bytes; only lengths and decimal integers (``add``) are decoded
+(`loom.net.store_wire`).
 
 Bounded: a client gives up connecting after ``connect_timeout_s`` (retrying refused connections until then: the
 server may not be up yet) and waits for a reply at most the operation's own wait plus ``io_timeout_s``, then
