@@ -26,9 +26,9 @@ import torch
 from conftest import WORKERS
 from torch import nn
 
-from loom.comm.links import dial_handshake
 from loom.comm.peer import PeerNode
 from loom.comm.peer_wire import EXCHANGE, HEADER, MAGIC, VERSION
+from loom.net.handshake import dial_handshake
 from loom.parallel.gossip.gossip import Gossip, GossipConfig
 from loom.parallel.gossip.gossip_exchange import ParameterLayout, PeerChoice, average_into
 

@@ -22,8 +22,8 @@ from torch import nn
 
 import loom
 from loom.comm import counters
-from loom.comm.links import HandshakeRefused, dial_handshake
 from loom.comm.peer_wire import EXCHANGE, header
+from loom.net.handshake import HandshakeRefused, dial_handshake
 from loom.parallel.gossip.gossip import Gossip
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from loom.comm._reduce import backend_name, group_rank_and_size, host_digest
 from loom.net.auth import job_secret
-from loom.net.handshake import HandshakeRefused, answer_handshake, dial_handshake
+from loom.net.handshake import HandshakeRefused, dial_handshake
 from loom.net.interfaces import interface_address
 from loom.net.listener import Listener
 
@@ -45,12 +45,9 @@ __all__ = [
     "HANDSHAKE_TIMEOUT_S",
     "LINK_TIMEOUT_S",
     "MAX_PENDING_HANDSHAKES",
-    "HandshakeRefused",
     "RingLink",
-    "answer_handshake",
     "close_links",
     "forget_links",
-    "dial_handshake",
     "ring_link",
 ]
 

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from loom.comm import peer_wire as wire
-from loom.comm.links import HandshakeRefused, _bytes
+from loom.comm.links import _bytes
 from loom.comm.peer_links import DIALER_GETS, DIALER_SENDS, dial, listen_for_peers
+from loom.net.handshake import HandshakeRefused
 
 __all__ = ["PeerNode"]
 

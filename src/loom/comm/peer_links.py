@@ -12,7 +12,8 @@ import socket
 import time
 from collections.abc import Callable
 
-from loom.comm.links import CONNECTION_TIMEOUT_S, HandshakeRefused, _listen_address, dial_handshake
+from loom.comm.links import CONNECTION_TIMEOUT_S, _listen_address
+from loom.net.handshake import HandshakeRefused, dial_handshake
 from loom.net.listener import Listener
 
 __all__ = ["DIALER_GETS", "DIALER_SENDS", "MAX_HANDSHAKES", "dial", "listen_for_peers"]
