@@ -4,12 +4,11 @@ Every frame is a `HEADER` (44 bytes, big-endian)::
 
     magic "LMGP" | version u8 | kind u8 | flags u16 | sender u32 | seq u64 | answered u64 | layout u64 | length u64
 
-followed by ``length`` raw bytes. Nothing else is decoded: a payload is the raw bytes of the values, whose size
-both ends know from the set-up (``payload_bytes``), so `read_header` refuses any other length, another
-``layout`` (a fingerprint of the model: a peer with another model), a kind that does not belong on the
-connection (requests travel on the connection their sender dialed, answers come back on it), a sender other
-than the peer the connection authenticated, or an answer to no outstanding request. A refused frame closes its
-connection; the declared length is never used to allocate anything.
+followed by ``length`` raw bytes of values, whose size both ends know from the set-up (``payload_bytes``).
+Nothing else is decoded: `read_header` refuses another length, another ``layout`` (a fingerprint of the model),
+a kind that does not belong on the connection (requests travel on the connection their sender dialed, answers
+come back on it), a sender other than the authenticated peer, or an answer to no outstanding request. A refused
+frame closes its connection; the declared length is never used to allocate anything.
 
 Kinds: ``EXCHANGE`` carries the sender's values and is answered with ``REPLY`` (the receiver's values) or
 ``BUSY`` (a bare header); ``COPY`` carries nothing and is answered with ``REPLY``. A request's ``answered`` is the

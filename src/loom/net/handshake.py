@@ -51,8 +51,7 @@ def dial_handshake(
 ) -> None:
     """The connecting side of the challenge-response on the connected ``sock``: send ``hello``, a fresh nonce
     and ``ids`` (who dials whom, covered by both proofs), check the listener's proof, send ours, wait for the
-    listener's verdict. Each protocol has its own ``hello`` and ``label``, so a proof made for one is worth
-    nothing in another. Raises `HandshakeRefused`, or OSError when the connection fails or ``deadline`` passes."""
+    listener's verdict. Raises `HandshakeRefused`, or OSError when the connection fails or ``deadline`` passes."""
     mine = os.urandom(NONCE_BYTES)
     sock.sendall(hello + mine + ids)
     reply = read_exact(sock, NONCE_BYTES + _MAC, deadline)

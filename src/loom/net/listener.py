@@ -1,8 +1,7 @@
 """Admitting connections that prove the job secret, for loom's point-to-point links (the ring's, gossip's).
 
 A listening socket is an attack surface: this is the one place loom's links accept on one. Nothing is decoded before
-the challenge-response of `loom.net.handshake`, each handshake is bounded, and connections that say nothing can
-delay a peer by one eviction at most (`Listener`).
+the challenge-response of `loom.net.handshake`, and each handshake is bounded (`Listener`).
 """
 
 from __future__ import annotations
