@@ -23,9 +23,7 @@ __all__ = ["all_reduce_driver"]
 
 def all_reduce_driver(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """Centralized all-reduce of a contiguous 1-D tensor in place; returns (bytes sent, bytes received).
-
-    Low level: arguments are not checked. Use `loom.comm.all_reduce(t, algorithm="driver")` as the entry point.
-    """
+    Arguments are not checked: `loom.comm.all_reduce(t, algorithm="driver")` is the entry point."""
     rank, n = group_rank_and_size(group)
     if flat.numel() == 0:
         return 0, 0

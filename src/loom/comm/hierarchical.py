@@ -62,10 +62,8 @@ def _piece(ctx: ShmContext, part: torch.Tensor, op: str) -> Traffic:
 
 
 def all_reduce_hierarchical(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None = None) -> Traffic:
-    """Hierarchical all-reduce of a contiguous 1-D CPU tensor in place; returns its `Traffic`.
-
-    Low level: arguments are not checked. Use `loom.comm.all_reduce(t, algorithm="hierarchical")`.
-    """
+    """Hierarchical all-reduce of a contiguous 1-D CPU tensor in place; returns its `Traffic`. Arguments are not
+    checked: `loom.comm.all_reduce(t, algorithm="hierarchical")` is the entry point."""
     ctx = context_for(group)
     ctx.require_shared_memory("hierarchical", single_host=False, tensor=flat)
     if len(ctx.leaders) == 1:

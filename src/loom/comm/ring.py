@@ -190,10 +190,8 @@ def _reduce_received(transfer: Transfer, op: str, divide_by: int) -> None:
 
 
 def all_reduce_ring(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """Ring all-reduce of a contiguous 1-D tensor in place; returns (bytes sent, bytes received).
-
-    Low level: arguments are not checked. Use `loom.comm.all_reduce(t, algorithm="ring")` as the entry point.
-    """
+    """Ring all-reduce of a contiguous 1-D tensor in place; returns (bytes sent, bytes received). Arguments are
+    not checked: `loom.comm.all_reduce(t, algorithm="ring")` is the entry point."""
     rank, n = group_rank_and_size(group)
     # avg: each segment is divided once, by its owner after its last reduction, before it is copied everywhere
     local_op, divide_by = ("sum", n) if op == "avg" else (op, 1)

@@ -304,11 +304,9 @@ def all_reduce_local(ctx: ShmContext, flat: torch.Tensor, op: str) -> Traffic:
 
 
 def all_reduce_shm(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None = None) -> Traffic:
-    """Shared-memory all-reduce of a contiguous 1-D CPU tensor in place, every process on one host.
-
-    Low level: arguments are not checked. Use `loom.comm.all_reduce(t, algorithm="shm")` as the entry point.
-    Raises ValueError when the group spans several hosts or shared memory is unusable here.
-    """
+    """Shared-memory all-reduce of a contiguous 1-D CPU tensor in place, every process on one host; raises
+    ValueError when the group spans several hosts or shared memory is unusable here. Arguments are not checked
+    otherwise: `loom.comm.all_reduce(t, algorithm="shm")` is the entry point."""
     ctx = context_for(group)
     ctx.require_shared_memory("shm", single_host=True, tensor=flat)
     return all_reduce_local(ctx, flat, op)
