@@ -130,10 +130,8 @@ class CommCounters:
                 tally.calls = 0
 
     def snapshot(self) -> dict[str, Any]:
-        """A copy safe to keep or serialize: ``{"bytes_sent", "bytes_received", "ops": {algorithm: calls}}``.
-
-        The byte totals are over both transports (sockets and shared memory); see `by_transport()`.
-        """
+        """A copy safe to keep or serialize: ``{"bytes_sent", "bytes_received", "ops": {algorithm: calls}}``, the
+        byte totals over both transports (split: `by_transport()`)."""
         sent, received = self.totals()
         return {"bytes_sent": sent, "bytes_received": received, "ops": self.ops}
 

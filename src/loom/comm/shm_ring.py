@@ -1,13 +1,12 @@
 """A one-way byte stream between two processes of one host: a ring buffer in a shared-memory segment.
 
-One process writes, one reads (single producer, single consumer). The segment holds a header page (magic, capacity,
-token, the writer's and the reader's pids, two counters: bytes written and bytes read since the start, and
-two "asleep" flags by which a waiting end asks to be woken (`loom.comm.shm_wait`), each on its own cache line)
-and then the ring of `capacity` bytes. The writer copies into the free part and then advances its counter; the
-reader copies out of the filled part and then advances its own. Each counter has one writer, so no lock is
-needed; the order "data, then counter" is what x86-64's total store order keeps (the reason
-`loom.comm.shm.shm_unsupported_reason` refuses other CPUs). Copies are ``memmove`` between raw addresses: for a
-message of a few KiB the per-call cost of a tensor operation would be most of the time.
+One process writes, one reads (single producer, single consumer). After a header page (pids, the bytes written
+and read since the start, and each end's "asleep" flag, `loom.comm.shm_wait`) comes the ring of `capacity`
+bytes. The writer copies into the free part and then advances its counter; the reader copies out of the filled
+part and then advances its own. Each counter has one writer, so no lock is needed; the order "data, then
+counter" is what x86-64's total store order keeps (the reason `loom.comm.shm.shm_unsupported_reason` refuses
+other CPUs). Copies are ``memmove`` between raw addresses: for a message of a few KiB the per-call cost of a
+tensor operation would be most of the time.
 
 Lifetime as in `loom.comm.shm_segment`: the writer creates the segment, the reader maps it and removes the name
 at once; a writer whose handshake fails removes the name itself.
