@@ -1,12 +1,10 @@
 """loom's key-value store for a job: authenticated, no pickle, every call bounded in time.
 
-Why not PyTorch's ``TCPStore``: it accepts any client, and the elastic agent's c10d rendezvous keeps a *pickle*
-there under a predictable key and unpickles it, so whoever reaches the port runs code in every launcher. It has
-no authentication option, and a proxy in front would leave it listening unauthenticated on loopback, open to
-every local user. So loom hosts its own: `StoreServer` (`loom.net.store_server`) in node 0's launcher, and
-`LoomStore`, a ``torch.distributed.Store`` usable wherever a ``TCPStore`` is (the elastic agent,
-``init_process_group(store=...)``, ``new_group``), in every process that needs it. User-facing summary:
-docs/launching.md and docs/security.md.
+Why not PyTorch's ``TCPStore``: it accepts any client, and the elastic rendezvous unpickles what it finds there
+(docs/security.md#secrets-and-listeners). So loom hosts its own: `StoreServer` (`loom.net.store_server`) in node
+0's launcher, and `LoomStore`, a ``torch.distributed.Store`` usable wherever a ``TCPStore`` is (the elastic
+agent, ``init_process_group(store=...)``, ``new_group``), in every process that needs it. User-facing summary:
+docs/launching.md.
 
 Authentication: first on every connection, both sides prove the job secret (``LOOM_JOB_SECRET``) by
 `loom.net.handshake`; the server gives a connection `HANDSHAKE_TIMEOUT_S` for it, and an unauthenticated peer can
