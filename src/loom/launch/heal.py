@@ -1,32 +1,17 @@
 """The launcher's side of healing (``loom run --on-worker-failure heal``): the quorum's authority and the
-replacements. User-facing behaviour: docs/fault-tolerance.md.
+replacements. User-facing behaviour and its tests: docs/fault-tolerance.md.
 
-On one host the launcher is the natural authority over membership: the workers are its children (it sees a
-death at once, with its signal), and it hosts the job's store (`loom.launch.supervise`), so no worker's death
-takes the quorum down. Every tick (`loom.launch.heal_nodes.TICK_S`; the protocol is `loom.fault.quorum`'s):
+The launcher is the natural authority over membership: the workers are its children (it sees a death at once,
+with its signal), and it hosts the job's store, so no worker's death takes the quorum down. Every tick
+(`loom.launch.heal_nodes.TICK_S`; the protocol is `loom.fault.quorum`'s) `HealQuorum` replaces a lost worker
+(`exit_kind`) with the next generation of its rank (``LOOM_HEAL_GENERATION``) while ``--max-heals`` lasts, kills a
+worker whose heartbeat stops, and publishes the next epoch once every live member has checked in, or after their
+work timeout (the silent ones have their stacks printed and are killed). Each worker tells its timeouts in
+``guard/RANK/GEN``; heal's own ``LOOM_HEAL_*`` settings apply until it has. A script's own error, fewer members
+than ``--min-workers`` or one loss past ``--max-heals`` stops the job (`JobStops`), with one line saying why.
 
-- a dead worker (a signal, or `LEFT_OUT_STATUS`) is named on one line; while ``--max-heals`` lasts a replacement
-  starts at once with the same RANK and the next generation (``LOOM_HEAL_GENERATION``), past it the job stops
-  naming the lost ranks. Its epoch is marked (``q/E/dead``) so the others' commit vote does not wait for it;
-- a worker whose heartbeat stops for its strategy's ``liveness_timeout_s``, else
-  ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` (frozen), is killed and then treated as dead (one that said ``bye`` is left to
-  end). Each worker tells its timeouts in ``guard/RANK/GEN``;
-- epoch 1 is published when every first worker is ready; a ready replacement marks ``q/E/pending`` (members
-  re-form after their current step); once a member of E checks in (or dies), the next epoch, with the ready
-  replacements, is published when every live member of E has checked in, or after the members'
-  ``work_timeout_s``, else ``LOOM_HEAL_CHECKIN_TIMEOUT_S`` (the silent ones have their stacks printed and are
-  killed);
-- fewer members than ``--min-workers`` stops the job, naming the lost ranks;
-- any other non-zero exit stops the job at once, naming rank and status, as ``--on-worker-failure stop`` does
-  (`exit_kind`): a signal is a lost process, which a replacement fixes, and `LEFT_OUT_STATUS` is set on purpose
-  when the quorum tells a worker to leave (`loom.errors.LeftOutOfQuorum`); any other status is the script's own
-  doing, which a replacement would only repeat, spending the budget and hiding the traceback. ``sys.exit(0)`` is
-  a finished worker.
-
-`HealQuorum` runs in node 0's authority and acts through each node's agent (`loom.launch.heal_nodes`; one host is
-node 0 alone): ``restart``/``kill`` become orders, a death is an event, and a lost node's ranks are dropped
-(`HealQuorum.drop`), not replaced. The job ends when every worker has ended; a replacement still waiting to join
-then is stopped.
+`HealQuorum` acts through each node's agent (`loom.launch.heal_nodes`; one host is node 0 alone): ``restart`` and
+``kill`` become orders, a death is an event, and a lost node's ranks are dropped (`HealQuorum.drop`), not replaced.
 """
 
 from __future__ import annotations
@@ -65,8 +50,9 @@ class HealPolicy:
 
 
 def exit_kind(status: int) -> str:
-    """``finished`` (0), ``lost`` (a signal, or `LEFT_OUT_STATUS`: healed) or ``error`` (any other status: the
-    script's own error, which stops the job); see the module docstring."""
+    """``finished`` (0), ``lost`` (a signal, or `LEFT_OUT_STATUS`, set when the quorum tells a worker to leave:
+    healed) or ``error`` (any other status: the script's own error, which a replacement would only repeat,
+    spending the budget and hiding the traceback: the job stops)."""
     if status == 0:
         return "finished"
     return "lost" if status < 0 or status == LEFT_OUT_STATUS else "error"

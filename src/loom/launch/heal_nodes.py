@@ -1,27 +1,19 @@
 """Healing across hosts (``--nnodes``/``--node-rank``/``--master`` or ``--cluster`` with ``--on-worker-failure
-heal``); one host runs the same code as node 0 alone (`heal_on_one_host`), orders and events in its own store.
-Behaviour, limits and the tests that check them: docs/fault-tolerance.md ("Across hosts").
+heal``); one host runs the same code as node 0 alone (`heal_on_one_host`). Behaviour, limits and the tests that
+check them: docs/fault-tolerance.md ("Across hosts").
 
-- **Node 0 hosts the job's store** (`loom.net.store`; the agents' keys under ``loom/RUN/nodes/``) **and the
-  quorum's authority** (`HealQuorum` over every rank, one ``--max-heals`` budget). The authority never touches a
-  process: it writes *orders* (``start|kill|dump RANK GEN``) to the node holding the rank and reads its *events*
-  (``RANK GEN STATUS WHAT``: a process ended), so local and remote ranks take one code path.
-- **Every node's agent supervises its own children** (`loom.launch.supervise`) and carries out the orders for its
-  ranks, so a replacement starts on its rank's node. Every store call is bounded; a failed one is retried at the
-  next tick.
-- **Heartbeats**: each agent beats to ``nodes/K/hb``; a node silent for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is lost
-  and its ranks dropped for good (no heal spent), down to ``--min-workers``. The authority waits
-  ``LOOM_HEAL_GROUP_TIMEOUT_S`` more for a survivor's check-in: a cut link resets no connection, so a peer in a
-  collective learns of the partition only at its group's timeout.
-- **A node that loses the store** for ``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` stops its workers and exits 1 naming node
-  0: its workers must not train alone. **Node 0's loss stops the job** (store and authority are not replicated).
-- The job ends when every rank's last process has ended: node 0 writes ``end`` (or ``stop`` with the reason),
-  the agents stop what is left and say ``bye``, and node 0 closes the store once every unlost node said it
-  (bounded).
+Node 0 hosts the job's store (`loom.net.store`; the agents' keys under ``loom/RUN/nodes/``) and the `Authority`, a
+`HealQuorum` over every rank with one ``--max-heals`` budget. The authority never touches a process: it writes
+*orders* (``start|kill|dump RANK GEN``) to the node holding the rank and reads its *events* (``RANK GEN STATUS
+WHAT``: a process ended), so local and remote ranks take one code path. Each node's `NodeAgent` supervises its own
+children (`loom.launch.supervise`), carries out their orders and beats to ``nodes/K/hb``; a node silent for
+``LOOM_HEAL_HEARTBEAT_TIMEOUT_S`` is lost and its ranks dropped for good (no heal spent), and a node that loses the
+store as long stops its workers (they must not train alone). Every store call is bounded (`_Link`); a failed one
+is retried at the next tick. Node 0's loss stops the job: the store and the authority are not replicated.
 
-Ranks: nodes register their ``-n`` (``nodes/K/nproc``) and number workers in node order. Exit status: node 0's is
-0 when the job trained to the end (lost nodes and replaced workers are named, not failures), 1 when it stopped;
-another node's is 0 when node 0 ended the job, 1 when it stopped it or the node lost the store.
+Ranks are numbered in node order (each node registers its ``-n``). Exit status: node 0's is 0 when the job trained
+to the end (lost nodes and replaced workers are named, not failures), 1 when it stopped; another node's is 0 when
+node 0 ended the job, 1 when it stopped it or the node lost the store.
 """
 
 from __future__ import annotations
