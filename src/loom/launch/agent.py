@@ -1,15 +1,12 @@
 """Start the worker processes of a job on PyTorch's elastic agent (the engine behind ``torchrun``).
 
 The agent starts ``nproc`` workers on this node, watches them, stops all of them when one fails, and restarts the
-group up to ``max_restarts`` times. loom adds (user-facing: docs/launching.md):
-
-- its own rendezvous (`loom.launch.rendezvous`) in its own store (`loom.net.store`) instead of ``c10d``'s: every
-  peer proves the job secret, nothing is unpickled, every call is bounded, each attempt is a fresh round of keys;
-- loopback addresses for one-node jobs; a multi-node job's store listens on the master address only and needs
-  ``LOOM_JOB_SECRET`` (the same on every node) unless ``insecure_no_secret``;
-- output lines prefixed with their rank, and the workers' logs kept under the run directory;
-- a one-line failure naming the failing rank and its error instead of the agent's table, and a line naming a node
-  this one lost contact with.
+group up to ``max_restarts`` times. loom adds (user-facing: docs/launching.md) its own rendezvous
+(`loom.launch.rendezvous`: every peer proves the job secret, nothing is unpickled, every call is bounded, each
+attempt is a fresh round of keys), loopback addresses for one-node jobs (a multi-node job's store listens on the
+master address only and needs ``LOOM_JOB_SECRET`` unless ``insecure_no_secret``), output lines prefixed with their
+rank, the workers' logs under the run directory, and one line naming the failing rank and its error, or a node
+this one lost contact with, instead of the agent's table.
 
 Workers run `loom.launch.worker`; what is started, and its checks, are `loom.launch.spec`'s (`LaunchSpec`). Under
 ``--on-worker-failure continue|heal`` the agent is not used: `loom.launch.supervise` (`loom.launch.heal_nodes`

@@ -1,24 +1,17 @@
 """A cluster spec for plain hosts: one JSON file lists the hosts and their roles; every host runs the same command.
 
-The format, an example and the error shape: docs/launching.md ("Cluster spec"); its bounds:
-docs/fault-tolerance.md ("Launcher input bounds"). The spec (``--cluster`` or ``LOOM_CLUSTER``, a path or the
-JSON itself) describes the job once and each process is told its place in it, the convention TensorFlow's
-``TF_CONFIG`` set; this host is ``--host-index``, else ``LOOM_HOST_INDEX``, else the one host whose address an
-interface of this machine holds.
+The format, an example, how this host is found and the error shape: docs/launching.md ("Cluster spec"); its
+bounds (`MAX_SPEC_BYTES`, `MAX_SPEC_NESTING`, `MAX_SERVER_PORTS`, each host's processes by its cores):
+docs/fault-tolerance.md ("Launcher input bounds"). As with TensorFlow's ``TF_CONFIG``, the spec describes the job
+once and each process is told its place in it; a malformed spec fails before anything starts, and no name is
+resolved while checking it.
 
 Nothing new is launched: the spec maps onto the multi-node launcher (`loom.launch.agent`). Worker hosts, in listed
-order, are nodes ``0..W-1`` with their own ``--nproc`` and ``--local-addr``; node 0 hosts the rendezvous store on
-``address:master_port``. A server host starts one ``loom.ps.server`` per port, bound to its address, numbered
-across server hosts in listed order; workers learn them from ``LOOM_PS_ADDRS``. A server host is not a node of the
-rendezvous: it proves the job secret to node 0's store (waiting at most ``--join-timeout``) and stops its servers
-(SIGTERM: they checkpoint) once that store has gone, i.e. node 0's launcher has ended; it then exits 0 (the worker
-hosts' statuses say whether the workers succeeded).
-
-More than one host needs ``LOOM_JOB_SECRET``, the same on every host. A malformed spec fails before anything
-starts, naming the field (``hosts[2].nproc``) and the fix; no name is resolved while checking it. The spec is
-bounded before use (`loom.launch.bounds`): `MAX_SPEC_BYTES`, `MAX_SPEC_NESTING`, `MAX_SERVER_PORTS` in all, each
-host's processes by its cores. A worker host waits at most ``--join-timeout`` for every server of the spec to
-accept a connection before it starts its workers, and names the ones that did not.
+order, are nodes ``0..W-1`` with their own ``--nproc`` and ``--local-addr``, and wait at most ``--join-timeout``
+for every server of the spec to accept a connection. A server host is not a node of the rendezvous: its servers
+(one ``loom.ps.server`` per port, numbered across server hosts in listed order; workers learn them from
+``LOOM_PS_ADDRS``) run until node 0's store, once reached with the job secret, has gone; it then exits 0 (the
+worker hosts' statuses say whether the workers succeeded).
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """loom's rendezvous for the elastic agent: a fixed set of nodes meeting in loom's authenticated store.
 
-Not the agent's ``c10d`` rendezvous: it keeps its state as a pickle in a ``TCPStore`` that accepts anyone and
-unpickles it (remote code execution in every launcher), with store calls unbounded in practice; nor ``static``,
-the same ``TCPStore``. loom's jobs have a fixed size, so a static rendezvous is enough, held in `loom.net.store`:
-node 0's launcher hosts a `StoreServer` on the master address (loopback for one node), every launcher and worker
-proves the job secret before touching a key, nothing is unpickled, and every call is bounded.
+Not the agent's ``c10d`` rendezvous, which keeps its state as a pickle in a ``TCPStore`` that accepts anyone and
+unpickles it (remote code execution in every launcher), nor ``static`` (the same ``TCPStore``). loom's jobs have a
+fixed size, so a static rendezvous is enough, held in `loom.net.store` (node 0's launcher hosts it on the master
+address, loopback for one node): every peer proves the job secret, nothing is unpickled, every call is bounded.
 
-Rounds: each ``next_rendezvous`` (first start, each group restart) is a new round with its own key prefix, so a
-restart never reads the previous attempt's keys; workers' keys go under ``LOOM_STORE_PREFIX`` (read by
-`loom.init`). A node counts itself in and waits for all ``nnodes`` until ``join_timeout_s``, then names the missing
-ones. A restarting node joins the next round first; the others see it waiting (`num_nodes_waiting`) and restart
-their workers too, as with ``c10d``.
+Each ``next_rendezvous`` (first start, each group restart) is a new round with its own key prefix, so a restart
+never reads the previous attempt's keys; the workers' keys go under ``LOOM_STORE_PREFIX`` (read by `loom.init`). A
+node waits for all ``nnodes`` until ``join_timeout_s``, then names the missing ones. A restarting node joins the
+next round first; the others see it waiting (`num_nodes_waiting`) and restart their workers too, as with ``c10d``.
 
-Liveness (the whole picture: docs/fault-tolerance.md, "How liveness works"): from the first round on, every node
-other than 0 bumps a heartbeat key in node 0's store each `BEAT_S`, which node 0 watches. A peer unheard for
-``lost_after_s`` is lost: the agent's next call (`num_nodes_waiting`, polled each monitor interval, or
-`next_rendezvous`) raises `PeerLost` naming it, and `loom run` stops its workers with one line. ``lost_after_s`` is
-``LOOM_LIVENESS_TIMEOUT_S`` plus `LOST_AFTER_GRACE_S` (or the hang timeout if shorter), so the workers' own report
-(`loom.fault.liveness`, naming ranks) comes first; this is the backstop for a worker without a watchdog, or blocked
-where it does not count. A node whose store connection is refused after it joined knows node 0's launcher has
-ended, and stops at once.
+Liveness (docs/fault-tolerance.md, "How liveness works"): every node other than 0 bumps a heartbeat key in node 0's
+store each `BEAT_S`. A peer unheard for ``lost_after_s`` (``LOOM_LIVENESS_TIMEOUT_S`` plus `LOST_AFTER_GRACE_S`,
+or the hang timeout if shorter) makes the agent's next call raise `PeerLost` naming it: a backstop for a worker
+without a watchdog, or blocked where it does not count. A node whose store connection is refused after it joined
+knows node 0's launcher has ended, and stops at once.
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
 """Parameter-server processes started beside the workers by ``loom run --servers K``, watched and restarted.
 
 The servers are not part of the elastic worker group: they start before it, survive worker restarts, and are
-stopped (SIGTERM, then SIGKILL) once the workers are done. Each runs ``python -m loom.ps.server --index i
---num-servers K --bind ADDR:PORT`` through `loom.launch.worker`, so it dies with the launcher too. Workers learn
-the addresses from ``LOOM_PS_ADDRS``; every process gets the job secret in ``LOOM_JOB_SECRET``.
+stopped (SIGTERM, then SIGKILL) once the workers are done; each dies with the launcher too (`start_server`).
+Workers learn the addresses from ``LOOM_PS_ADDRS``; every process gets the job secret in ``LOOM_JOB_SECRET``.
 
-The launcher binds each server's listening socket itself and hands it to the server (``--listen-fd``), keeping
-its own copy: the port is never free, neither between choosing it and the server's start nor while a dead server
-is being restarted, so no other local process can listen there and take a worker's connection token from its
-handshake; connections made meanwhile wait in the socket's backlog for the next server.
+The launcher binds each server's listening socket itself and hands it to the server (``--listen-fd``), keeping its
+own copy: the port is never free, neither before the server's start nor while a dead server is restarted, so no
+other local process can listen there and take a worker's connection token from its handshake; connections made
+meanwhile wait in the socket's backlog.
 
-A server that exits while the job runs is restarted with the same command, so on the same address (the workers
-know only that), and resumes from its checkpoint in ``$LOOM_RUN_DIR/ps`` (`loom.ps.server`); one line says so. A
-server may die ``max_restarts`` times; once more and the job is stopped (`ServerGroup.failure` says why) - a
-server that keeps dying is a bug or a broken host, not bad luck. Every death (server, exit status or signal, time)
-goes into ``$LOOM_RUN_DIR/ps-servers.json`` (`loom.ps.deaths`), which a worker whose request times out reads to
-name the cause. Exits after the job has begun stopping the servers are not deaths.
+A server that exits while the job runs is restarted on the same address (the workers know only that) and resumes
+from its checkpoint in ``$LOOM_RUN_DIR/ps`` (`loom.ps.server`); one line says so. Past ``max_restarts`` deaths of
+one server the job stops (`ServerGroup.failure`): a server that keeps dying is a bug or a broken host, not bad
+luck. Every death goes into ``$LOOM_RUN_DIR/ps-servers.json`` (`loom.ps.deaths`), which a worker whose request
+times out reads to name the cause; exits once the servers are being stopped are not deaths.
 """
 
 from __future__ import annotations
