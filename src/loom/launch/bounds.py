@@ -1,16 +1,10 @@
-"""Bounds on what `loom run` accepts, checked before anything is created.
+"""Bounds on what `loom run` accepts, checked before anything is created (each bound and what it stops:
+docs/fault-tolerance.md, "Launcher input bounds").
 
-A launcher that trusts its input can be made to do unbounded work by one typo (``loom run -n 1000000``: gigabytes
-and tens of thousands of log directories before failing), a spec with deeply nested brackets ends in a
-`RecursionError`, and a FIFO given as the spec hangs the launcher. Every bound here is checked before a
-directory, a socket or a process exists, and a refusal is one line naming the value and the fix.
-
-- Worker processes per host: at most `MAX_NPROC_PER_CORE` times the host's cores; more is a typo or a fork bomb,
-  never a training job. ``--max-nproc N`` raises the bound explicitly, but never past what the host's memory can
-  hold: `MIN_WORKER_BYTES` per worker.
-- A spec file: a regular file (checked before opening and again on the descriptor opened with ``O_NONBLOCK``, so
-  a FIFO or a device is refused without a read that could block), at most ``limit`` bytes, and JSON nested at
-  most `MAX_SPEC_NESTING` deep, counted before the JSON parser (which recurses) sees it.
+A launcher that trusts its input can be made to do unbounded work by one typo (``loom run -n 1000000``), a spec
+with deeply nested brackets ends in a `RecursionError`, and a FIFO given as the spec hangs the launcher. Every
+bound here is checked before a directory, a socket or a process exists, and a refusal is one line naming the value
+and the fix (`refuse`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """A script's own ``torch.distributed.init_process_group()`` under ``loom run``: it joins loom's store.
 
-Every DDP script written for ``torchrun`` calls ``init_process_group()`` itself (``env://`` by default). Under
-``loom run`` MASTER_ADDR:MASTER_PORT is loom's authenticated store (`loom.net.store`), which torch's ``TCPStore``
-client cannot join (it would retry for its 30-minute timeout). So `install`, called by `loom.launch.worker` before
-the script runs (never at ``import loom``), makes the script's rendezvous the one `loom.init` makes:
+A DDP script written for ``torchrun`` calls ``init_process_group()`` itself (``env://`` by default). Under ``loom
+run`` MASTER_ADDR:MASTER_PORT is loom's authenticated store (`loom.net.store`), which torch's ``TCPStore`` client
+cannot join (it would retry for its 30-minute timeout). So `install`, called by `loom.launch.worker` before the
+script runs (never at ``import loom``), routes ``env://`` and ``tcp://MASTER_ADDR:MASTER_PORT`` to a
+`loom.net.store.LoomStore` client under the job's ``LOOM_STORE_PREFIX`` (one per restart and round; a group made
+again after ``destroy_process_group()`` gets keys of its own), and refuses at once, with the fix, a ``TCPStore`` at
+that address and a script's own group under ``--on-worker-failure heal`` (whose members change between steps).
+``destroy_process_group()`` keeps the groups it destroys alive (`_kept`). User-facing: docs/launching.md.
 
-- ``env://`` (or none) and ``tcp://MASTER_ADDR:MASTER_PORT``: the group meets in a `loom.net.store.LoomStore`
-  client (secret proven, calls bounded) under the job's ``LOOM_STORE_PREFIX`` (one per restart and round), so DDP,
-  collectives and ``destroy_process_group()`` work unchanged at any ``-n``, across nodes and after restarts; a
-  group made again after ``destroy_process_group()`` gets keys of its own. Other ``tcp://`` addresses and
-  ``file://`` are torch's own, as under torchrun.
-- a ``TCPStore`` pointed at MASTER_ADDR:MASTER_PORT is refused at once with the fix, instead of retrying silently;
-- ``destroy_process_group()`` keeps the groups it destroys alive until the process ends (`_kept`);
-- under ``--on-worker-failure heal`` the script's ``init_process_group()`` is refused: healing changes members
-  between steps, which a default group of every rank cannot follow (loom's ``DataParallel`` heals).
-
-It replaces the ``env`` and ``tcp`` entries of torch's rendezvous handler table (``torch.distributed.rendezvous``;
-``register_rendezvous_handler`` refuses a scheme it already has), so ``init_process_group`` itself, and every
-library calling it (``init_device_mesh``), is untouched.
+It replaces the ``env`` and ``tcp`` entries of torch's rendezvous handler table (``register_rendezvous_handler``
+refuses a scheme it already has), so ``init_process_group`` itself, and every library calling it
+(``init_device_mesh``), is untouched; other ``tcp://`` addresses and ``file://`` stay torch's own.
 """
 
 from __future__ import annotations

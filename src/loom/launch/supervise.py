@@ -1,25 +1,18 @@
 """Run a one-node job's workers as plain child processes, so that a dead worker does not stop the others.
 
-``loom run --on-worker-failure continue|heal``; a strategy that cannot go on without a lost rank refuses
-``continue`` (`loom.parallel._setup.check_failure_policy`; which and why: docs/fault-tolerance.md). PyTorch's
-elastic agent (`loom.launch.agent`) stops the whole group when one worker dies: right for synchronous training,
-wrong for asynchronous parameter-server training, where the servers hold the model and the survivors can finish.
-So the launcher supervises the workers itself: each runs `loom.launch.worker` (dying with the launcher) with the
-agent's environment (`worker_env`) plus ``LOOM_ON_WORKER_FAILURE``, and joins loom's authenticated store
-(`loom.net.store`), hosted by the launcher on loopback, so any worker, rank 0 included, may die once all joined. A
-dead worker is named on one line (its signal or exception) and the others go on; when all have ended the servers
-are stopped.
+``loom run --on-worker-failure continue|heal``. PyTorch's elastic agent (`loom.launch.agent`) stops the whole group
+when one worker dies: right for synchronous training, wrong for asynchronous parameter-server training, where the
+servers hold the model and the survivors can finish (which strategies refuse ``continue``, and why:
+docs/fault-tolerance.md). So the launcher supervises the workers itself: each runs `loom.launch.worker` (dying with
+the launcher) with the agent's environment (`worker_env`), and joins loom's authenticated store, hosted by the
+launcher on loopback, so any worker, rank 0 included, may die once all joined; a worker that dies before all have
+joined leaves the others waiting in ``loom.init()`` until its timeout. A dead worker is named on one line and the
+others go on.
 
-Exit status: 0 when every worker succeeded or was killed by a signal (the OOM killer...) and at least one
-succeeded (a warning names the lost ranks); 1 when a worker raised or exited non-zero (a bug is not a lost worker)
-or none succeeded; ``128 + signal`` when the launcher itself was stopped. Under ``heal`` the launcher also starts a
-lost rank's replacement (``LOOM_HEAL_GENERATION``) and is the quorum's authority (`loom.launch.heal`, as node 0
-alone of `loom.launch.heal_nodes`; the worker's side: `loom.fault.quorum`); its status is 0 when the workers, replacements included, finished and none raised, and a
-worker that raises stops it at once (a replacement would repeat the error).
-
-Limits: one node (across nodes: `loom.launch.heal_nodes`), no restarts. A worker that dies before all have joined
-leaves the others waiting in ``loom.init()`` until its timeout; what survivors do about a dead peer is the
-strategy's business.
+Exit status under ``continue``: 0 when every worker succeeded or was killed by a signal (the OOM killer...) and at
+least one succeeded (a warning names the lost ranks); 1 when a worker raised or exited non-zero (a bug is not a
+lost worker) or none succeeded; ``128 + signal`` when the launcher itself was stopped. Under ``heal`` the workers
+are started here and supervised by `loom.launch.heal_nodes` (node 0 alone), which returns the status.
 """
 
 from __future__ import annotations

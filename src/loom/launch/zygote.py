@@ -3,24 +3,15 @@
 A fresh worker spends seconds of CPU importing torch and loom and tearing them down, on every rank, and a lost
 worker's replacement keeps the survivors waiting that long. So `loom run` starts one zygote per node, which imports
 what every worker imports first (`WARM`); each worker, restarts and replacements included, is a ``fork()`` of it
-that runs `loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS`` would. The supervisor
-(`loom.launch.supervise`, `loom.launch.heal_nodes`) forks them, or under the elastic agent (`loom.launch.elastic`)
-each worker's handler asks the zygote for it, in a session of its own. Measurements and the issue-37 history
-(never two processes for one rank): docs/fault-tolerance.md ("Workers forked from a zygote").
-
-- Requests (`loom.launch.zygote_wire`: environment and arguments bounded by `MAX_REQUEST`, standard streams as
-  ``SCM_RIGHTS``) go over a ``socketpair``, so nothing listens; none is sent before the zygote is ready, and each
-  reply is awaited as long as the zygote lives (`Zygote`), so no rank is ever started twice.
-- The child replaces ``os.environ`` (C-level ``getenv`` and ``/proc/PID/environ`` see it), ``sys.argv`` and its
-  streams, reseeds numpy's global generator, dies with the zygote (PDEATHSIG), which dies with the launcher, and
-  ends as an interpreter does, without the teardown (`loom.launch.worker.finish`).
-- The zygote reaps its children and reports each exit status; `Forked` is the part of ``subprocess.Popen`` the
-  launcher uses.
+that runs `loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS`` would (the child's side:
+`loom.launch.zygote_process`; the frames, over a ``socketpair`` so nothing listens: `loom.launch.zygote_wire`).
+Under the elastic agent (`loom.launch.elastic`) each worker's handler asks the zygote for it, in a session of its
+own. What a forked worker shares with a fresh one: docs/fault-tolerance.md ("Workers forked from a zygote").
 
 A fork cannot change what was decided when the interpreter, torch or OpenMP started: the zygote starts with rank
 0's environment less the per-rank variables (`PER_RANK`); a worker whose startup variables (`STARTUP_PREFIXES`)
 differ, or every worker once the zygote failed or died, is a fresh interpreter; ``OMP_NUM_THREADS`` is applied
-with ``torch.set_num_threads``; forked workers share the zygote's hash seed. ``LOOM_ZYGOTE=0`` turns it off.
+with ``torch.set_num_threads``. ``LOOM_ZYGOTE=0`` turns it off.
 """
 
 from __future__ import annotations
