@@ -1,19 +1,16 @@
 """The device rule: which device a process trains on, and which process-group backend serves it.
 
-User-facing rule, examples and what the GPU lane checks: docs/gpu.md. One rule for every job, one process
-included: a process with a GPU trains on ``cuda:LOCAL_RANK``, else on the CPU; ``loom.init(device="cpu")`` or
-``loom run --device cpu`` (``LOOM_DEVICE``) overrides it, and an explicit ``cuda`` where there is none is an error.
-
-More processes on a host than its GPUs is refused before anything starts (`check_gpu_count` in the launcher, and
-`choose_device` in each process for other launchers), naming the counts and the fixes, unless GPUs are shared on
-purpose (``--share-gpus``, ``LOOM_SHARE_GPUS=1``): local rank ``r`` then trains on ``cuda:(r mod G)`` and
-collectives run over gloo, which carries CUDA tensors for all_reduce, broadcast and all_gather (NCCL refuses two
-ranks on one GPU); strategies that send point to point (a gloo send of a CUDA tensor aborts the process) refuse
-a shared GPU by name (`refuse_shared_gpu`).
+The rule, its examples and what the GPU lane checks: docs/gpu.md. A process with a GPU trains on
+``cuda:LOCAL_RANK``, else on the CPU; ``loom.init(device=...)`` or ``loom run --device`` (``LOOM_DEVICE``)
+overrides it, and an explicit ``cuda`` where there is none is an error. More processes on a host than its GPUs is
+refused before anything starts (`check_gpu_count` in the launcher, `choose_device` in each process for other
+launchers), unless GPUs are shared on purpose (``--share-gpus``, ``LOOM_SHARE_GPUS=1``): local rank ``r`` then
+trains on ``cuda:(r mod G)`` and collectives run over gloo, which carries CUDA tensors for all_reduce, broadcast
+and all_gather (NCCL refuses two ranks on one GPU); strategies that send point to point refuse a shared GPU
+(`refuse_shared_gpu`).
 
 A job on its own GPUs uses ``cpu:gloo,cuda:nccl``: CUDA tensors over NCCL, loom's control collectives on CPU
-tensors (flags, same-data checks, the watchdog) over gloo, in one default group. `place_model` leaves a model
-already on the job's device where it is, and moves one elsewhere (with its optimizer's state), saying so on rank 0.
+tensors (flags, same-data checks, the watchdog) over gloo, in one default group.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Every error loom raises on purpose, in one place: ``except loom.errors.LoomError`` catches them all.
 
-Each also derives from the built-in exception it was before (``ValueError`` for bad input, ``RuntimeError`` for
-a failed job), so code that caught those still does. Bad arguments to a function are plain ``ValueError`` /
-``TypeError`` with a message naming the value and the fix; the classes here are the conditions a caller may want to
-tell apart. This module imports nothing of loom's: every layer may raise these.
+Each also derives from a built-in exception (``ValueError`` for bad input, ``RuntimeError`` for a failed job), so
+code that catches those still does. Bad arguments to a function are plain ``ValueError`` / ``TypeError`` naming the
+value and the fix; the classes here are the conditions a caller may want to tell apart. This module imports nothing
+of loom's: every layer may raise these.
 
-Retry-ability is declared, not guessed: every class states ``retryable``. True means the same work can succeed
-when done again once the group has re-formed or restarted (a lost or slow peer, a dropped step); False means doing
-it again would meet the same error (bad input, a refused or conflicting state, a bug), so healing stops the job
-instead of re-forming into it. `is_retryable` is the one place that reads it.
+Retry-ability is declared, not guessed: every class states ``retryable`` (`LoomError.retryable`), which
+`is_retryable` alone reads: healing retries a retryable error and stops the job on any other.
 """
 
 from __future__ import annotations
@@ -44,9 +42,10 @@ class LoomError(Exception):
     """The base of every error in this module."""
 
     retryable: bool = False
-    """Whether the same work can succeed when done again after the group re-forms (see the module docstring);
-    each of loom's classes states its own, as a class keyword: ``class StepDropped(LoomError, retryable=True)``;
-    a user's subclass may omit it and inherits its base's."""
+    """True: the same work can succeed when done again once the group has re-formed or restarted (a lost or slow
+    peer, a dropped step); False: it would meet the same error (bad input, a refused or conflicting state, a bug).
+    Each of loom's classes states it as a class keyword (``class StepDropped(LoomError, retryable=True)``); a
+    user's subclass may omit it and inherits its base's."""
 
     def __init_subclass__(cls, *, retryable: bool | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -131,23 +130,21 @@ class EpochNotFormed(LoomError, RuntimeError, retryable=True):
 
 
 class LeftOutOfQuorum(LoomError, RuntimeError, retryable=False):
-    """This worker was not in the epoch it waited for (too slow to check in): it ends and is replaced.
-    `loom.launch.worker` ends the process with ``exit_status`` (`loom.fault.quorum.LEFT_OUT_STATUS`), not as an
-    error; not retried by this process (it leaves; its replacement joins)."""
+    """This worker was not in the epoch it waited for (too slow to check in): `loom.launch.worker` ends the
+    process with ``exit_status``, not as an error, and the launcher replaces it (this process does not retry)."""
 
     exit_status = 75
     """sysexits' EX_TEMPFAIL, "try again": the launcher replaces the worker as it does a killed one."""
 
 
 class JobEnded(LoomError, RuntimeError, retryable=False):
-    """Another member finished the job (exited 0, the launcher marked ``q/end``) while this one waited for an
-    epoch to train another step: this process's loop runs more steps than theirs (an own loop that counts its
-    epochs from 0 in a replacement, which starts at the committed step). No epoch will form again."""
+    """Another member finished the job (the launcher marked ``q/end``) while this one waited for an epoch to train
+    another step: its loop runs more steps than theirs (e.g. a replacement's own loop counting epochs from 0)."""
 
 
 class HealConflict(LoomError, RuntimeError, retryable=False):
     """The members of a new epoch claim committed steps more than one apart: copying the highest would spread
-    whatever the member claiming it holds (`loom.parallel.data.data_axis.take_live_state`). Not retried: the job stops, naming each claim."""
+    whatever its claimant holds (`loom.parallel.data.data_axis.take_live_state`). The job stops, naming each claim."""
 
 
 class DifferentBatches(LoomError, ValueError, retryable=False):

@@ -6,17 +6,11 @@ here, never a strategy's class. Every strategy's job subclasses `loom.train.engi
 `train_step` and `eval_step` once for all (a strategy supplies the engine's hooks), sets the attributes in its
 ``__init__`` and implements `state_dict` and `load_state_dict`.
 
-The data axis: the global batch is sharded over the `Mesh`'s ``dp`` axis only, because the processes of one
-model replica (pipeline stages, tensor shards: the other axes) must see the same samples; so `loader` shards over
-`data_topology`, not the world. A batch sharded for another layout (the plain ``loom.data.loader`` of a
-model-parallel job) is refused by `check_batch_layout` before it is trained on, naming the fix; model-parallel
-jobs also compare a fingerprint of a replica's samples at every step (`loom.parallel.pipeline.pipeline`).
-
-State: `state_dict` is this rank's part of one consistent checkpoint. When ``replicated_state`` is True it is
-the same on every rank and `loom.fit` writes rank 0's; when False (sharded jobs: pipeline stages, tensor shards,
-parameter-server workers with their own clocks) every rank's part is written, and a checkpoint resumes only at
-the world size and mesh that wrote it. `local_state_dict` is per-rank state that replicated jobs keep beside
-the shared state (gradient compression's error feedback), restored when the world size is unchanged.
+The global batch is sharded over the `Mesh`'s ``dp`` axis only (`Job.data_topology`), because the processes of
+one model replica (pipeline stages, tensor shards: the other axes) must see the same samples; `check_batch_layout`
+refuses a batch cut for another layout. `state_dict` is this rank's part of one consistent checkpoint: the same on
+every rank when ``replicated_state`` (rank 0's is written), else every rank's part is written and the checkpoint
+resumes only at the world size and mesh that wrote it, unless the job ``reshards``.
 """
 
 from __future__ import annotations
@@ -132,9 +126,8 @@ class Job(abc.ABC):
 
     def memory(self) -> dict[str, int]:
         """This process's tensor bytes by category: ``parameters``, ``gradients``, ``optimizer``, ``other``,
-        ``state`` (the first three) and ``total``, counted over every live tensor (`loom.observe.memory`; ~0.1 s,
-        so call it between steps, not in them). The step records carry the cheap part of it every
-        ``memory_every`` steps, with the step's peak RSS."""
+        ``state`` (the first three) and ``total``, counted over every live tensor (`loom.observe.memory`: call it
+        between steps, not in them; the step records carry its cheap part every ``memory_every`` steps)."""
         # imported here: observe imports torch only, like this module
         from loom.observe.memory import live_tensor_bytes
 
@@ -149,7 +142,8 @@ class Job(abc.ABC):
         )
 
     def local_state_dict(self) -> dict[str, Any]:
-        """Per-rank state kept beside a replicated `state_dict` (restored at the same world size); none here."""
+        """Per-rank state kept beside a replicated `state_dict` (gradient compression's error feedback), restored
+        at the same world size; none here."""
         return {}
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:

@@ -158,10 +158,7 @@ class Mesh:
         return self.shape.rank_at(**{**self.coordinates, _check_axis(axis): index})
 
     def data_topology(self) -> Topology:
-        """A `Topology` whose ranks are the data-parallel replicas, for ``loom.data.loader(topology=...)``.
-
-        Data is sharded across ``dp`` only: every process of one replica (all its stages and tensor shards)
-        loads the same share. The rest is this process's topology, its process group included: the job's group,
-        what a loader's same-data check compares over.
-        """
+        """A `Topology` whose ranks are the data-parallel replicas, for ``loom.data.loader(topology=...)``: every
+        process of one replica (all its stages and tensor shards) loads the same share. The rest is this process's
+        topology, its process group included (the job's group, what a loader's same-data check compares over)."""
         return dataclasses.replace(self.topology, rank=self.index("dp"), world_size=self.size("dp"))

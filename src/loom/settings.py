@@ -1,13 +1,11 @@
-"""Every ``LOOM_*`` environment variable loom reads, declared once: its name, type, bounds, default and meaning.
+"""Every ``LOOM_*`` environment variable loom reads, declared once: its name, type, bounds, default and meaning
+(the table: docs/settings.md).
 
-The library reads a setting with `setting` (which parses and checks it here, so a bad value is one line naming the
+The library reads a setting with `setting`, which parses and checks it here (a bad value is one line naming the
 variable, its value and the fix), and ``loom run`` checks every user setting with `check_environment` before it
-starts anything (exit 2): the launcher and the library use the same declaration, so they cannot disagree, and a
-value no worker would accept never costs a start. ``tests/test_settings.py`` checks that every ``LOOM_`` name in
-the sources is declared here.
-
-Settings marked ``internal`` are how ``loom run`` (or a test, or a benchmark) talks to the processes it starts;
-a user does not set them, and ``loom run`` replaces what the environment holds.
+starts anything (exit 2): one declaration for both, so they cannot disagree, and a value no worker would accept
+never costs a start. ``tests/test_settings.py`` checks that every ``LOOM_`` name in the sources is declared here.
+Settings marked ``internal`` are how ``loom run`` (or a test, a benchmark) talks to the processes it starts.
 """
 
 from __future__ import annotations

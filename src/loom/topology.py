@@ -1,19 +1,16 @@
 """Where this process stands in the job: rank, world size, local rank, backend (user's view: docs/concepts.md).
 
-`init()` reads the environment a launcher leaves (`loom run` and `torchrun` both set RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT), joins the default process group and returns a `Topology`. Under
+`init()` reads the environment a launcher leaves (`loom run` and `torchrun` both set RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT: `loom.launcher_env`), joins the default process group and returns a `Topology`; under
 `loom run` (``LOOM_STORE_PREFIX`` set) the group meets in loom's authenticated store at MASTER_ADDR:MASTER_PORT
-(`loom.net.store`: proves ``LOOM_JOB_SECRET``, bounded calls); under ``torchrun`` it uses ``env://`` as torch does.
+(`loom.net.store`), under ``torchrun`` at ``env://`` as torch does. A job of one process gets what torchrun gives
+it: a default group of one (gloo over an in-memory store, on loopback), so the script's own ``torch.distributed``
+calls (``get_rank()``, ``barrier()``, ``destroy_process_group()``) work as under torchrun; loom runs no collective
+in it (``Topology.backend`` stays ``"none"``). Only an explicit `init()` starts that group: `current()` alone (a
+strategy built without `init()`, as tests do) leaves torch's global state untouched.
 
-A job of one process (``loom run -n 1``, ``torchrun --nproc_per_node 1`` or ``python train.py``) gets what torchrun
-gives a script that calls ``init_process_group``: a default group of one (gloo over an in-memory store, its socket
-on loopback), so the script's own ``torch.distributed`` calls (``get_rank()``, ``barrier()``, an unconditional
-``destroy_process_group()``) work as under torchrun; loom runs no collective in it (``Topology.backend`` stays
-``"none"``). Only an explicit `init()` starts that group; `current()` alone (a strategy built without `init()`, as
-tests do) leaves torch's global state untouched.
-
-The topology is an ordinary object handed to strategies explicitly: `current()` returns the one `init()` made,
-for scripts that do not want to carry it around; strategies accept `topology=` to override it (tests do).
+The topology is an ordinary object handed to strategies explicitly (``topology=``); `current()` returns the one
+`init()` made, for scripts that do not want to carry it around.
 """
 
 from __future__ import annotations
@@ -113,8 +110,8 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, device: str | No
     rank does alone between collectives (rank-0-only evaluation, a checkpoint) is ordinary; a true hang is
     stopped much earlier by loom's watchdog (`loom.fault.watchdog`, its hang timeout).
 
-    One process: a process group of one for the script's own ``torch.distributed`` calls (see the module
-    docstring). Idempotent: a second call returns the same topology. Registers `shutdown()` to run at exit.
+    One process: a process group of one for the script's own ``torch.distributed`` calls. Idempotent: a second
+    call returns the same topology. Registers `shutdown()` to run at exit.
     """
     topo = _join(backend, timeout_s, device)
     if topo.world_size == 1 and dist.is_available() and not dist.is_initialized():
@@ -256,7 +253,7 @@ def shutdown(barrier_timeout_s: float = 60.0) -> None:
     ``destroy_process_group()``).
 
     On a normal exit the ranks first meet at a barrier, so none tears its connections down while a peer still
-    uses them (tearing down unsynchronized aborted about 2 processes in 100 here). After an uncaught exception
+    uses them (unsynchronized teardown aborts a peer now and then). After an uncaught exception
     there is no barrier: the failing rank exits at once and the launcher stops the others.
     """
     global _current
