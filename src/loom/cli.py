@@ -355,9 +355,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console() -> None:
-    """The ``loom`` command: `main`, then an exit without freeing torch object by object (~0.7 s of CPU after
-    every ``loom run``); atexit handlers still run and every open file is flushed (`loom.launch.worker.finish`).
-    An exception from `main` takes the interpreter's usual way out."""
+    """The ``loom`` command: `main`, then an exit without freeing torch object by object; atexit handlers still
+    run and every open file is flushed (`loom.launch.worker.finish`). An exception takes the usual way out."""
     from loom.launch.worker import finish
 
     finish(main())

@@ -144,7 +144,8 @@ class JobEnded(LoomError, RuntimeError, retryable=False):
 
 class HealConflict(LoomError, RuntimeError, retryable=False):
     """The members of a new epoch claim committed steps more than one apart: copying the highest would spread
-    whatever its claimant holds (`loom.parallel.data.data_axis.take_live_state`). The job stops, naming each claim."""
+    whatever its claimant holds (`loom.parallel.data.data_axis.take_live_state`). The job stops, naming each
+    claim."""
 
 
 class DifferentBatches(LoomError, ValueError, retryable=False):

@@ -103,8 +103,7 @@ def _pick_backend(requested: str | None, choice: DeviceChoice) -> str:
 def init(backend: str | None = None, timeout_s: float = 1800.0, device: str | None = None) -> Topology:
     """Join the job this process belongs to and return its topology.
 
-    ``device``: ``auto`` (the default: ``cuda:LOCAL_RANK`` where there is a GPU, else the CPU), ``cpu`` or
-    ``cuda``; ``LOOM_DEVICE`` (``loom run --device``) when not given. See `loom.devices` for the rule.
+    ``device``: ``auto`` (the default), ``cpu`` or ``cuda``, else ``LOOM_DEVICE``; the rule is `loom.devices`'.
 
     ``timeout_s`` bounds each collective in the backend (PyTorch's gloo default, 30 minutes), so that work one
     rank does alone between collectives (rank-0-only evaluation, a checkpoint) is ordinary; a true hang is
@@ -120,10 +119,8 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, device: str | No
 
 
 def _start_group_of_one(timeout_s: float) -> None:
-    """The default process group torchrun's one process would have: gloo, one rank, an in-memory store.
-
-    Nobody connects to a group of one, so gloo's listening socket goes on loopback (``GLOO_SOCKET_IFNAME``, set
-    for this call only, unless the user set it)."""
+    """The default process group torchrun's one process would have: gloo, one rank, an in-memory store. Nobody
+    connects to it, so gloo listens on loopback (``GLOO_SOCKET_IFNAME`` for this call, unless the user set it)."""
     loopback = next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
     unset = "GLOO_SOCKET_IFNAME" not in os.environ
     if unset and loopback is not None:
@@ -232,9 +229,7 @@ _previous_excepthook = None
 
 def _watch_uncaught_exceptions() -> None:
     """Note an uncaught exception so `shutdown` skips its exit barrier (the failing rank must exit at once).
-
-    Installed by `init()` for a distributed job, never at import, and undone by `shutdown()`.
-    """
+    Installed by `init()` for a distributed job, never at import, and undone by `shutdown()`."""
     global _previous_excepthook
     if _previous_excepthook is None:
         _previous_excepthook = sys.excepthook
@@ -253,8 +248,8 @@ def shutdown(barrier_timeout_s: float = 60.0) -> None:
     ``destroy_process_group()``).
 
     On a normal exit the ranks first meet at a barrier, so none tears its connections down while a peer still
-    uses them (unsynchronized teardown aborts a peer now and then). After an uncaught exception
-    there is no barrier: the failing rank exits at once and the launcher stops the others.
+    uses them. After an uncaught exception there is none: the failing rank exits at once, the launcher stops the
+    others.
     """
     global _current
     if dist.is_available() and dist.is_initialized():

@@ -78,7 +78,7 @@ def _atomic_error_handler():
 def finish(code: int) -> NoReturn:
     """End a forked process as ``Py_FinalizeEx`` would, as far as a program can observe: non-daemon threads
     joined, ``atexit`` run, every open file flushed; then ``os._exit``, without freeing each object one by one
-    (about 1 s of CPU with torch and loom loaded; loom cleans up in ``atexit``, not in ``__del__``)."""
+    (costly with torch loaded; loom cleans up in ``atexit``, not in ``__del__``)."""
     import atexit
     import gc
     import io

@@ -132,8 +132,7 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, zygote
 
 def end_strays(forked: set[int]) -> None:
     """SIGKILL every forked worker not reaped yet, and its session: the launcher ended the zygote, so it counts
-    every worker as ended. Workers die with the zygote anyway (PDEATHSIG), but a worker of a `test_ps_fit` run was
-    found alive after its launcher had exited: nothing of a job may outlive its launcher."""
+    every worker as ended. A backstop to PDEATHSIG: nothing of a job may outlive its launcher."""
     for pid in sorted(forked):
         with contextlib.suppress(OSError):
             # a worker in a session of its own leads its group: what it started too
