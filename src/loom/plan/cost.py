@@ -1,79 +1,11 @@
 """The cost model: a configuration's step time, memory per process and bytes on the wire, from measurements.
 
-Notation (all measured, `loom.plan.profile` and `loom.plan.transport`): ``B`` the global batch, ``b`` one data
-replica's share ``ceil(B / dp)``, ``C(b) = F(b) + Bw(b)`` forward plus backward at ``b``, ``O`` one optimizer step
-over all parameters, ``P``, ``G``, ``S_opt`` the parameter, gradient and optimizer-state bytes, ``A(b)`` the
-activations saved for backward, ``T_op(D)`` the measured time of a collective on ``D`` bytes, ``e`` one small
-all-reduce (the loss and the non-finite flags every synchronous step reduces), ``k`` the measured overlap
-coefficient. Communication that overlaps backward costs ``exposed(X) = X - k * min(X, Bw(b))``: ``k = 1`` would be
-perfect overlap, ``0`` none, below 0 interference (on a busy CPU host the two compete for cores), down to ``-1``;
-what the reference (native DDP) exposed beyond ``-1`` is ``d``, charged to native DDP alone.
-
-==================================  ==================================================================  =====================
-configuration                       step time                                                           memory per process
-==================================  ==================================================================  =====================
-DataParallel(allreduce=a)           ``C(b) + X + O + e``, ``X = T_a(G)``, exposed when DDP runs it      ``P + G + S_opt + A(b)``
-                                    (``native``, plus DDP's measured extra ``d``, above) or a spare core
-                                    runs loom's thread, else after backward
-DataParallel(compression=c)         ``C(b) + exposed(T_native(s_c) + T_gather(N g_c)) + t_c + O + e``,   as above
-                                    ``t_c``, ``s_c``, ``g_c`` the codec's measured time and bytes
-ShardedDataParallel(stage=1)        ``C(b) + T_best(G) + O/N + T_best(P) + e`` (loom's CPU path: the    ``P + (G+S_opt)/N + A``
-                                    gradient all-reduced, the parameters gathered by an all-reduce)
-ShardedDataParallel(stage=2|3)      ``C(b) + U f_z + exposed(sum over FSDP units u of T_ag(P_u)`` (x2 at   2: ``P + (G+S_opt)/N``;
-                                    stage 3) ``+ T_rs(G_u)) + O/N + e``; ``f_z`` FSDP's measured cost   3: ``(P+G+S_opt)/N``;
-                                    per unit at stage z beyond its collectives' bytes                   ``+ R_z`` (below)
-ParameterServer(sync), S servers    ``C(b) + enc(G/S) + N dec(G/S) + O/S + W + N enc(P/S) + dec(P/S)``  ``P + G + A`` (servers
-                                    ``+ 2e`` (each server decodes every worker's push in turn, steps,   hold ``S_opt/S``)
-                                    writes its checkpoint ``W = (P + S_opt) / S`` at the measured
-                                    rate, encodes a reply to each; ``enc``/``dec`` its measured
-                                    frames, ``e`` the pull request of the step); several hosts: push
-                                    and reply each at least ``N G/S``, ``N P/S`` over the link
-LocalSGD(sync_every=H)              ``C(b) + O + e + T_best(P) / H``                                    ``P + G + S_opt + A``
-                                                                                                        ``+ P`` (flat copy)
-DiLoCo(sync_every=H)                ``C(b) + O + e + (T_best(P) + O) / H`` (the outer step: ``O``,      ``+ 4P`` (anchor,
-                                    not measured apart)                                                 outer momentum,
-                                                                                                        pseudo-gradient
-                                                                                                        and its flat copy)
-Pipeline / Hybrid(dp, pp), m, s     replay of loom's instruction streams (`pipeline_schedule.simulate`)  the largest stage:
-                                    with each stage's measured ``F``, ``Bw`` at ``b/m``, one-way message  its ``P, G, S_opt`` and
-                                    ``T_p2p(D)/2``; ``+ O_stage + T_best(G_stage)`` (dp > 1) ``+ 2e``    ``A_stage(b/m) x`` peak
-                                                                                                        live micro-batches;
-                                                                                                        one host, dp > 1:
-                                                                                                        ``dp x G_stage``
-==================================  ==================================================================  =====================
-
-The stage cut is loom's own (`pipeline_split.balanced_cuts` by parameter count, as ``Pipeline``'s default), the
-bubble comes from replaying the schedule's instruction streams (with equal stages and free messages it is
-``(p - 1) / (m + p - 1)``, GPipe paper §2.3), and the peak of live micro-batches from `peak_live_microbatches`.
-
-Memory is the peak of a process: what it holds between steps (what ``job.memory()`` counts then), the activations
-of one step, the step's temporaries (``transient``, `ModelProfile.transient_bytes`) and the process's ``runtime``
-(torch, loom, the script's data; measured, `loom.plan.planner`). Where loom's implementations differ from the
-textbook the table follows them: ZeRO-1 (`sharded_flat`) keeps ``G/N`` between steps but flat-copies the whole
-gradient while the gradients are held (``other = G``); DataParallel's shared-memory path (``allreduce="shm"``
-without a spare core, `comm.shared_gradients`) makes every ``.grad`` a view of one segment holding every local
-process's slot (``L x G`` for ``L`` processes on the host), as a ``Hybrid``'s data axis on one host does
-(``dp x G_stage``). Buffers allocated while the allocator still holds the step's temporaries are added, counted
-from the code: LocalSGD's flat copy, DiLoCo's pseudo-gradient and its flat copy beside its anchor and outer
-momentum, a parameter-server worker's decoded replies ``P (1 + 1/S)`` (`loom.ps.wire.decode` copies each
-payload; all are held until written into the parameters). FSDP's memory is not its shards (each unit is
-gathered and its gradient computed whole, and the allocator keeps those blocks), so ``R_z`` is measured: the
-calibration trains the model a step under ZeRO-3, its optimizer's state made first, and charges the peak less
-stage 3's formula to stages 2 and 3 (an upper bound for stage 2).
-
-Bytes on the wire are what one process sends per step: a ring all-reduce of ``D`` sends ``2 (N-1)/N x D``, a
-reduce-scatter or all-gather ``(N-1)/N x D``.
-
-Every step also pays loom's step engine (the guard, step records, the batch hand-off), which no formula above
-contains: ``E``, a quiet run's measured step minus its formula (`loom.plan.trial`'s calibration: ``LocalSGD`` that
-never synchronizes, so no ``k`` is in that formula), added to every configuration but the pipelines; ``k`` is the
-reference's (``DataParallel(allreduce="native")``) step less the quiet one's (`loom.plan.planner`). A pipeline
-schedule's ``E`` is its own: a pipeline's measured step less its replay (`loom.plan.planner._pipeline_probe`: why).
-
-TensorParallel (one MLP chain, ``tp = N``): ``sum over layers of C_l / (t if split else 1) + sum over pairs of
-(T_tp(out_b) + T_tp(in_a)) + O f + e`` (`_tensor_parallel`), ``T_tp`` the all-reduce its layers run
-(`_tp_all_reduce`): shared memory on one host, the backend's across hosts; other models, or a data axis beside
-it, are refused with the reason.
+One formula per family (`_FORMULAS`) over the model's profile (`loom.plan.profile`) and the transport's measured
+times (`loom.plan.transport`); the formulas, their notation (``C(b)``, ``O``, ``k``, ``R_z``, ``E``) and where
+loom's memory differs from the textbook are in docs/plan.md#cost-model. Nothing is extrapolated: a formula that
+needs a measurement the plan did not make raises `OutsideCalibration`, and the configuration is refused with that
+reason. Pipelines are the replay of loom's own instruction streams (`pipeline_schedule.simulate`), so the bubble
+follows from the schedule (``(p - 1) / (m + p - 1)`` with equal stages and free messages, GPipe paper §2.3).
 """
 
 from __future__ import annotations
@@ -174,7 +106,7 @@ def _data_parallel(m: _Model) -> Prediction:
     grads = p.grad_bytes
     if algorithm == "native" or m.spare_core:
         comm = m.exposed(comm, at.backward_s) + (m.t.ddp_extra_s if algorithm == "native" else 0.0)
-    elif algorithm == "shm":  # the shared segment of every local process's slot (module docstring)
+    elif algorithm == "shm":  # the shared segment of every local process's slot (docs/plan.md#cost-model)
         grads *= m.n // m.c.hosts
     memory = _memory(p.param_bytes, grads, p.optimizer_bytes, at.activation_bytes)
     return m.done(at.compute_s, comm, p.optimizer_s + m.small, memory, _ring(m.n, p.grad_bytes))
@@ -202,7 +134,7 @@ def _sharded(m: _Model) -> Prediction:
     units = _units(p, at)
     comm = sum(gathers * m.t.time("all_gather", u) + m.t.time("reduce_scatter", u) for u in units)
     params = p.param_bytes / n if stage == 3 else p.param_bytes
-    other = m.fsdp_extra  # FSDP's memory beyond its shards, measured (module docstring)
+    other = m.fsdp_extra  # FSDP's memory beyond its shards, measured (docs/plan.md#cost-model)
     memory = _memory(params, p.grad_bytes / n, p.optimizer_bytes / n, at.activation_bytes, other)
     wire = (n - 1) / n * (gathers * p.param_bytes + p.grad_bytes)
     fixed = len(units) * m.t.fsdp_unit_s.get(f"stage{stage}", 0.0)  # FSDP's own work per unit, measured
@@ -324,9 +256,9 @@ def predict(
     runtime_bytes: int = 0,
     fsdp_extra: int = 0,
 ) -> Prediction:
-    """``config``'s prediction by the module docstring's table; a `Prediction` with ``refused`` set when the
+    """``config``'s prediction by the table of docs/plan.md#cost-model; a `Prediction` with ``refused`` set when the
     configuration is not modelled or would need a measurement the plan did not make (never extrapolated).
-    ``fsdp_extra``: ``R_z``, charged to ZeRO stages 2 and 3 alike (module docstring)."""
+    ``fsdp_extra``: ``R_z``, charged to ZeRO stages 2 and 3 alike (docs/plan.md#cost-model)."""
     try:
         m = _Model(config, profile, transport, global_batch, codecs or {}, spare_core, overhead_s, fsdp_extra)
         got = _FORMULAS.get(config.family, _pipeline)(m)
@@ -337,7 +269,7 @@ def predict(
 
 def _with_process(got: Prediction, profile: ModelProfile, runtime_bytes: int) -> Prediction:
     """The peak of the whole process: the step's temporaries (a pipeline stage's in proportion to its
-    parameters) and the process's runtime (module docstring) added to the training state and activations."""
+    parameters) and the process's runtime (docs/plan.md#cost-model) added to the training state and activations."""
     memory = dict(got.memory)
     share = memory["parameters"] / profile.param_bytes if got.config.family == "Pipeline" else 1.0
     memory["transient"] = int(profile.transient_bytes * share)
