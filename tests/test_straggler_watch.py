@@ -18,7 +18,7 @@ FAST, SLOW = [0.001, 0.010, 0.002, 0.001], [0.001, 0.040, 0.002, 0.001]
 def test_rank_is_judged_against_its_peers_only_and_named_by_its_global_rank():
     # a model-parallel layout: ranks 0 and 2 replicate one stage, 1 and 3 the other (busier by design)
     metrics = SimpleNamespace(slowest=None, path=None)
-    watch = StragglerWatch(0, 4, [[0, 2], [1, 3], [4]], config=StragglerConfig(window=3), metrics=metrics)
+    watch = StragglerWatch([[0, 2], [1, 3], [4]], config=StragglerConfig(window=3), metrics=metrics)
     job = watch.job
     rows = {0: [job, 9, *FAST], 2: [job, 8, *SLOW], 1: [job, 9, *SLOW], 3: [job, 9, *SLOW]}
     found = watch.judge(rows)
@@ -32,7 +32,7 @@ def test_rank_is_judged_against_its_peers_only_and_named_by_its_global_rank():
 @pytest.mark.timeout(10)
 def test_a_rank_without_a_full_window_or_still_on_a_previous_job_is_not_judged(monkeypatch):
     monkeypatch.setenv("LOOM_STRAGGLER_WINDOW", "3")
-    watchdog = SimpleNamespace(rank=0, world_size=2, extras={}, poll_hooks={})  # what a watch uses of one
+    watchdog = SimpleNamespace(rank=0, extras={}, poll_hooks={})  # what a watch uses of one
     previous = StragglerWatch.attach(watchdog, [[0, 1]])
     watch = StragglerWatch.attach(watchdog, [[0, 1]])  # a second job on the same rank
     assert watch.job == previous.job + 1 and watchdog.extras["phases"] == watch.summary

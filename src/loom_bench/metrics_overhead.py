@@ -133,7 +133,7 @@ def direct_cost_us(world_size: int = 2, steps: int = 3000, trials: int = 5) -> f
     with tempfile.TemporaryDirectory(prefix="loom-overhead-") as tmp:
         metrics = StepMetrics(0, Path(tmp) / "rank0.jsonl")
         observer = StepObserver(metrics, world_size)
-        watch = StragglerWatch(0, world_size, [list(range(world_size))])  # judged on the watchdog's thread
+        watch = StragglerWatch([list(range(world_size))])  # judged on the watchdog's thread
 
         def observed(i: int) -> None:
             observer.begin_step(i + 1)

@@ -44,15 +44,12 @@ class StragglerWatch:
 
     def __init__(
         self,
-        rank: int,
-        world_size: int,
         peers: Sequence[Sequence[int]],
         warnings_path: Path | None = None,
         config: StragglerConfig | None = None,
         metrics: Any = None,
         job: int = 1,
     ) -> None:
-        self.rank, self.world_size = rank, world_size
         self.job = job
         """The n-th watch on this rank's watchdog: only rows of the same n are compared (not a previous job's)."""
         self.metrics = metrics
@@ -78,7 +75,7 @@ class StragglerWatch:
         warnings_path = path.parent / "stragglers.jsonl" if path is not None else None
         previous = getattr(watchdog.extras.get("phases"), "__self__", None)  # an earlier job's watch
         job = previous.job + 1 if isinstance(previous, StragglerWatch) else 1
-        watch = cls(watchdog.rank, watchdog.world_size, peers, warnings_path, metrics=metrics, job=job)
+        watch = cls(peers, warnings_path, metrics=metrics, job=job)
         watchdog.extras["phases"] = watch.summary
         if watchdog.rank == 0:
             watchdog.poll_hooks["stragglers"] = watch.poll
