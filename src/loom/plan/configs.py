@@ -1,21 +1,11 @@
 """The configurations a plan compares on N processes: each a strategy line to paste and its ``loom run`` line.
 
-`candidates` lists, for ``nproc`` processes (every one a worker; parameter servers come on top):
-
-- `DataParallel` with each all-reduce algorithm this topology offers (`loom.comm.auto.candidates`) and each
-  compression codec of `CODECS` (on the default algorithm);
-- `ShardedDataParallel` at ZeRO stages 1, 2 and 3;
-- `ParameterServer` in ``sync`` mode with 1 and 2 server processes (``loom run --servers S``);
-- `LocalSGD` and `DiLoCo` at each period of `PERIODS`;
-- `Pipeline` over every ``p`` that divides N (``p > 1``; the rest is the data axis, then written as `Hybrid`),
-  with each schedule and each micro-batch count of `MICROBATCHES`, when the model is a chain of at least ``p``
-  layers;
-- `TensorParallel` (``tp = N``): predicted for a model that is one MLP chain (`loom.plan.cost`), refused with
-  the reason otherwise.
-
-A configuration is data (`Configuration`); the cost model (`loom.plan.cost`) predicts it and the recommender
-(`loom.plan.recommend`) ranks it. ``batch_sizes`` says which batch sizes the profile must measure, so that no
-prediction extrapolates.
+`candidates` lists, for ``nproc`` workers (parameter servers come on top): `DataParallel` with each all-reduce
+algorithm this topology offers (`loom.comm.auto.candidates`) and each codec of `CODECS`; ZeRO stages 1 to 3;
+synchronous parameter servers (1 and 2); `LocalSGD` and `DiLoCo` at each of `PERIODS`; every pipeline depth that
+divides N and fits the model's chain (the rest a data axis: `Hybrid`), with each schedule and each of
+`MICROBATCHES`; `TensorParallel` over all N (predicted for one MLP chain only). `batch_sizes` says which batch
+sizes the profile must measure, so that no prediction extrapolates.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """`plan`: capture the script, measure, predict every configuration, rank; `verify`: run the top ones.
 
-The order, and what each step costs on a small model: the script runs to its loader (`loom.plan.capture`,
-seconds: the script's own imports and model construction); the model trains a few steps at each batch size the
-configurations need (`loom.plan.profile`); one ``loom run -n N`` job measures the transport at the message sizes
-the configurations need and runs two short engine runs, for the engine overhead and the overlap coefficient
-(`loom.plan.trial`, mostly start-up); predicting is arithmetic (`loom.plan.cost`, well under a millisecond per configuration).
+In that order: the script runs to its loader (`loom.plan.capture`); the model trains a few steps at each batch
+size the configurations need (`loom.plan.profile`); one ``loom run -n N`` job measures the transport and the
+engine runs behind the overhead and overlap coefficient (`loom.plan.trial`); predicting is arithmetic
+(`loom.plan.cost`). What each part costs is the result's ``seconds``.
 """
 
 from __future__ import annotations

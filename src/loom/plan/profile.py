@@ -1,15 +1,13 @@
 """A few real training steps of the user's model in this process: time per layer, bytes per category.
 
-Measured at each batch size a configuration will run, with the thread count one worker of ``loom run`` gets
-(``OMP_NUM_THREADS``, 1 unless set); the list of what and how: docs/plan.md ("What it measures"). Per layer of
-the model's chain (`loom.parallel.pipeline.pipeline_split.chain_layers`, else its children), forward is timed
-by hooks before and after the layer, backward from a hook on the layer's output tensor (its gradient ready: the
-layer's own backward starts) to the gradient of the layer before (or backward's return): exact for a chain,
-whose backward runs the layers in reverse order, one at a time. The saved activations are counted with
-``saved_tensors_hooks`` on the untimed pass only, so the timed steps (`_profile_batch`) run without it.
-
-The steps are real: the model's parameters change, as the script's first steps would. Nothing is extrapolated:
-a batch size that was not measured is refused (`ModelProfile.at`).
+Measured at each batch size a configuration will run, with the thread count a ``loom run`` worker gets
+(``OMP_NUM_THREADS``, 1 unless set); what is measured: docs/plan.md#what-it-measures. Each layer of the model's
+chain (`loom.parallel.pipeline.pipeline_split.chain_layers`, else its children) is timed by hooks: forward before
+and after it, backward from its output's gradient (its own backward starts) to the previous layer's (or backward's
+return), exact for a chain, whose backward runs the layers in reverse, one at a time. Saved activations are
+counted (``saved_tensors_hooks``) on the untimed pass only, so the timed steps run without the hooks. The steps are
+real: the parameters change, as the script's first steps would. An unmeasured batch size is refused
+(`ModelProfile.at`): nothing is extrapolated.
 """
 
 from __future__ import annotations
@@ -247,10 +245,9 @@ def _profile_batch(
     captured: CapturedScript, call: Any, clock: _LayerClock, size: int, repeats: int, warm: bool
 ) -> tuple:
     """``repeats`` timed steps at ``size`` (fewer past `PROFILE_BUDGET_S`), after an untimed pass that counts
-    the saved activations: a whole step in a fresh process (it creates the optimizer state and the gradients:
-    3x a later step at 100 M parameters), a forward alone once ``warm`` (a step at a smaller batch finds the
-    state, the gradients and the allocator's blocks in place; the backward and the optimizer step it would
-    add were a second per batch size at 100 M parameters: time to plan)."""
+    the saved activations: a whole step in a fresh process (it creates the optimizer state and the gradients), a
+    forward alone once ``warm`` (a later batch size finds the state, the gradients and the allocator's blocks in
+    place: its backward and optimizer step would only add time to plan)."""
     batch = _batch_of(captured, size)
     started = time.perf_counter()
     _one_step(captured, call, batch, clock, count_saved=True, forward_only=warm)

@@ -1,11 +1,7 @@
 """Rank the predictions, say why, and write them: the table, the JSON file, the strategy line to paste.
 
-Ranked by predicted samples per second among the configurations that fit ``--memory-per-proc``; then those that
-do not fit, then those not predicted. Every configuration carries a reason: the top one why it wins (its
-compute and communication), a slower one what costs it the most (``link-bound`` when communication on the
-critical path exceeds compute, ``bubble`` when a pipeline idles more than a fifth of its step, else the
-communication or optimizer time it adds), a ruled-out one why (``does not fit``, not predicted).
-
+Ranked by predicted samples per second among the configurations that fit ``--memory-per-proc``, then those that
+do not fit, then those not predicted; each with its reason (`_why`: for a slower one, what costs it the most).
 Each family also carries the error of its last ``--verify`` on this host (`last_errors`), kept in
 ``$LOOM_CACHE_DIR`` (default ``~/.cache/loom``), ``plan-verified-<host>.json``, beside loom's all-reduce
 calibration.
@@ -49,7 +45,9 @@ def _gib(n: float) -> str:
 
 
 def _why(p: Prediction, top: Prediction) -> str:
-    """Why ``p`` ranks where it does among the configurations that fit (the module docstring)."""
+    """Why ``p`` ranks where it does among the configurations that fit: the top's why it wins, a slower one's what
+    costs it the most (``bubble`` past a fifth of its step, ``link-bound`` past its compute, else the larger of its
+    communication and the rest)."""
     if p is top:
         return (f"fastest predicted: {p.samples_per_s:.1f} samples/s (compute {p.compute_s * 1e3:.1f} ms, "
                 f"communication {p.comm_s * 1e3:.1f} ms on the critical path)")  # fmt: skip

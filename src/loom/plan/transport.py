@@ -1,17 +1,13 @@
 """The transport as the plan sees it: seconds per collective and message size on this host, and the link between
 hosts.
 
-`Transport` holds what `loom.plan.transport_timing.measure_transport` measured (every all-reduce algorithm
-`loom.comm.auto` would choose between, reduce-scatter, all-gather, point-to-point messages and the parameter
-servers' frames; each entry the slowest rank's median) and the calibration's fixed costs. `Transport.time`
-interpolates linearly between measured sizes and refuses a size above the largest measured (`OutsideCalibration`):
-no extrapolation. A size below the smallest costs the smallest's time (latency-bound). `envelope` caps a size's
-time by a larger size's.
+`Transport` holds what `loom.plan.transport_timing.measure_transport` measured and the calibration's fixed
+costs. `Transport.time` interpolates linearly between measured sizes and refuses a size above the largest measured
+(`OutsideCalibration`): no extrapolation. A size below the smallest costs the smallest's time (latency-bound).
+`envelope` caps a size's time by a larger size's.
 
 Several hosts (``--hosts H --link RATE``): the measured local time is a floor, and the link adds the
-bandwidth-bound time of a ring over it (Patarasuk & Yuan 2009): an all-reduce of D bytes moves
-``2 (N - 1) / N * D`` over each link (a reduce-scatter too: gloo's is an all-reduce underneath), an all-gather
-``(N - 1) / N * D``, a point-to-point message ``D``; the time is the larger of the two (`link_bound_seconds`).
+bandwidth-bound time of a ring over it (`link_bound_seconds`, Patarasuk & Yuan 2009); the time is the larger.
 """
 
 from __future__ import annotations
@@ -41,8 +37,8 @@ def parse_rate(text: str) -> float:
 
 
 def link_bound_seconds(op: str, nbytes: float, world_size: int, rate_bytes_per_s: float) -> float:
-    """Bandwidth-bound time of ``op`` on a link of ``rate_bytes_per_s`` (module docstring): a ring all-reduce
-    moves ``2 (N-1)/N x D`` bytes over each link, all-gather and reduce-scatter half that, point-to-point ``D``."""
+    """Bandwidth-bound time of ``op`` on ``nbytes`` over a link of ``rate_bytes_per_s``: a ring all-reduce moves
+    ``2 (N-1)/N x D`` bytes over each link (a reduce-scatter too), an all-gather half that, point-to-point ``D``."""
     n = world_size
     # A parameter server's frames: their link time depends on how many share the server's link, which the cost
     # model charges (`loom.plan.cost`), not one frame.

@@ -1,15 +1,13 @@
 """The transport measured by loom's own code, inside a ``loom run -n N`` job of `loom.plan.trial`.
 
 `measure_transport` times the very calls the strategies make: every all-reduce algorithm `loom.comm.auto` would
-choose between (``loom.comm.all_reduce(..., algorithm=a)``), `loom.comm.reduce_scatter`, `loom.comm.all_gather`,
-point-to-point ``send``/``recv`` both ways between rank pairs, and one authenticated parameter-server frame
-(`loom.ps.wire`, `loom.ps.gate`) over a ZeroMQ TCP loopback pair: ``ps_encode`` (the sender's work and the
-transfer) apart from ``ps_decode`` (the receiver's), because a server decodes every worker's frame in turn while
-the workers encode theirs at once. Each operation is measured only up to the largest message the plan needs of
-it (``limits``), ``inf`` above, which `Transport.time` refuses. As `loom.comm.auto` calibrates, each call starts
-after a barrier, each entry is the slowest rank's time (an all-reduce MAX), and the median of the repetitions is
-kept (how many: `REPS_BUDGET_S`; in which order: `INTERLEAVED_BYTES`). Sizes: the model's gradient, parameter
-and activation bytes, plus a few small ones for the latency (docs/plan.md).
+choose between, `loom.comm.reduce_scatter`, `loom.comm.all_gather`, point-to-point ``send``/``recv`` between rank
+pairs, and one authenticated parameter-server frame (`loom.ps.wire`, `loom.ps.gate`) over a ZeroMQ TCP loopback
+pair, ``ps_encode`` (the sender's work and the transfer) apart from ``ps_decode`` (the receiver's): a server
+decodes every worker's frame in turn while the workers encode theirs at once. Each operation is measured only up
+to the largest message the plan needs of it (``limits``; ``inf`` above, which `Transport.time` refuses). As
+`loom.comm.auto` calibrates: each call after a barrier, each entry the slowest rank's time (an all-reduce MAX),
+the median of the repetitions kept (how many: `REPS_BUDGET_S`; in which order: `INTERLEAVED_BYTES`).
 """
 
 from __future__ import annotations

@@ -4,18 +4,13 @@
     loom run -n N [--servers S] -m loom.plan.trial verify --out F --family DataParallel --options '{}' SCRIPT ...
 
 Both run the user's script up to its ``job.loader(...)`` (`loom.plan.capture`) in every worker, so every rank
-holds the same model, optimizer, loss and data as the script would build. Rank 0 writes ``--out`` as JSON.
+holds the model, optimizer, loss and data the script would build. Rank 0 writes ``--out`` as JSON.
 
-``calibrate`` (what each measurement is and why: docs/plan.md, "What it measures"): the process's runtime bytes,
-the transport (`loom.plan.transport_timing.measure_transport`) at the given sizes, the reference
-``DataParallel(allreduce="native")`` (``reference_step_s``) then the quiet ``LocalSGD`` that never synchronizes
-(``quiet_step_s``) on the same copy of the model, a pipeline with ``--pipeline`` (``pipeline_step_s``: a
-schedule's engine overhead is its own), ZeRO-3's peak RSS (`_fsdp_peak`) and the fixed costs no message's time
-contains (`_fixed_costs`). The engine overhead comes from the quiet run and ``k`` from the pair, so a noisy ``k``
-moves only the configurations that overlap (`loom.plan.cost`).
-
-``verify``: the configuration itself, built from its family and options by name (no ``eval``), a few real steps
-of ``job.train_step`` (`_verify_steps`: the median step time, the training state's bytes, the peak RSS).
+``calibrate``: the process's runtime bytes, the transport at ``--sizes`` (`measure_transport`), the step of the
+reference ``DataParallel(allreduce="native")`` (``reference_step_s``), of the quiet run (`QUIET`,
+``quiet_step_s``) and with ``--pipeline`` of a pipeline (``pipeline_step_s``), ZeRO-3's peak RSS (`_fsdp_peak`)
+and the fixed costs (`_fixed_costs`); what each is and why: docs/plan.md#what-it-measures. ``verify``: the
+configuration itself, built from its family and options by name (no ``eval``), a few real steps (`_verify_steps`).
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ time each, after the first: a model whose step takes a second is timed a few tim
 
 STEPS = 40
 """The reference's and the quiet run's timed steps, at most (`BUDGET_S` caps them for a slow step): their
-difference is the native all-reduce's exposed time, a millisecond or two of a 15 ms step on a small model."""
+difference is the native all-reduce's exposed time, small beside the step, so it needs many steps."""
 
 QUIET = 10**9
 """The quiet run's ``sync_every``: `LocalSGD` that never synchronizes within the calibration, so its step is loom's
