@@ -1,29 +1,20 @@
 """Memory measured, not assumed: this process's bytes by category, and its peak during a step.
 
-Two measurements, for two questions:
-
 **Which bytes are the training state** (`state_bytes`, `live_tensor_bytes`): tensors counted by *storage* (views
-and shards that share memory are counted once; a storage counts whole, padding included) and sorted into the
-first category that claims them: ``parameters`` (the model's parameters, FSDP2's local shards, the optimizer's
-pieces), ``gradients`` (their ``.grad``), ``optimizer`` (the optimizer's state). `state_bytes` counts only those
-three, from the model and the optimizer (cheap enough for the step records); `live_tensor_bytes` also walks every
-tensor the Python garbage collector tracks and counts the rest as ``other`` (data, buffers, activations kept
-alive): a walk of the heap, so it is ``job.memory()``'s, never the step's.
+and shards that share memory once; a storage whole, padding included), each in the first category that claims
+it: ``parameters`` (the model's parameters, FSDP2's local shards, the optimizer's pieces), ``gradients`` (their
+``.grad``), ``optimizer`` (the optimizer's state). `state_bytes` counts those three from the model and the
+optimizer (cheap enough for the step records); `live_tensor_bytes` also walks every tensor the garbage collector
+tracks and counts the rest as ``other``: a walk of the heap, so ``job.memory()``'s, never the step's.
 
-**How high the step went** (`StepMemory`): the process's RSS high-water mark, reset at the start of a sampled
-step (``5`` written to ``/proc/self/clear_refs`` sets ``VmHWM`` to the current RSS) and read at its end
-(``VmHWM`` in ``/proc/self/status``). RSS because it is what a memory limit kills a process for and it counts
-allocations made in C++ (gloo's buffers, FSDP2's all-gather outputs, autograd's saved tensors); a
-``TorchDispatchMode`` tracker would see only tensors dispatched through Python and interpose on every operation
-of the step (observing must not change the observed path); ``ru_maxrss`` cannot be reset. Limits: RSS includes
-what is not tensors (the interpreter and libraries, a few hundred MB with torch) and memory the allocator freed
-but kept; ranks run as threads of one process share one figure; without ``/proc/self/clear_refs`` (not Linux)
-the peak is left out of the records.
-
-A sampled step's record carries ``memory`` (the three categories and their sum ``state``, after the step),
-``rss_bytes`` (RSS when the step began) and ``peak_rss_bytes``; `Engine` samples steps 1 and 2 (the first
-allocates the optimizer's state) and every ``memory_every``-th (`MEMORY_EVERY`). User-facing description:
-docs/strategies/sharded.md.
+**How high the step went** (`StepMemory`): the process's RSS high-water mark, reset at a sampled step's start
+(``5`` written to ``/proc/self/clear_refs`` sets ``VmHWM`` to the current RSS) and read at its end. RSS because a
+memory limit kills a process for it and it counts allocations made in C++ (gloo's buffers, FSDP2's all-gather
+outputs, autograd's saved tensors); a ``TorchDispatchMode`` tracker would see only tensors dispatched through
+Python and interpose on every operation of the step (observing must not change the observed path); ``ru_maxrss``
+cannot be reset. Limits: RSS includes what is not tensors (the interpreter and libraries) and memory the allocator
+freed but kept; ranks run as threads of one process share one figure; without ``/proc/self/clear_refs`` (not
+Linux) the peak is left out of the records. User-facing description: docs/strategies/sharded.md.
 """
 
 from __future__ import annotations

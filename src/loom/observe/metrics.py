@@ -1,27 +1,24 @@
 """Per-process step records: time split into phases, samples, bytes, loss.
 
 Each process keeps its own records (its local sample count, its step time and phases); the loss recorded is the
-global-batch loss the strategy already reduced, so what a user reads is the same on every rank. `summary()` gives
-throughput from this process's view; job-wide figures come from combining the ranks' records (``loom report``).
+global-batch loss the strategy already reduced, so it reads the same on every rank. `summary()` gives throughput
+from this process's view; job-wide figures combine the ranks' records (``loom report``).
 
-The phases of a step, as strategies that time them define them (see `loom.observe.phases`):
+The phases of a step, as the strategies that time them define them (`loom.observe.phases`), are consecutive laps
+of one clock, so they add up to ``time_s``:
 
 - ``data_s``: from the end of the previous step to the start of this one (the loader runs between steps), plus
-  moving the batch to the device. Anything else the loop does between steps (logging, evaluation) lands here.
+  moving the batch to the device; whatever else the loop does between steps (logging, evaluation) lands here.
 - ``compute_s``: forward and backward, minus the time backward spent blocked on gradient communication.
 - ``comm_s``: time the training thread was blocked in collectives (or push/pull): the gradient all-reduce's
   un-overlapped tail, the loss all-reduce's wait. Communication that overlaps computation is not counted.
 - ``optimizer_s``: ``zero_grad`` and ``optimizer.step``.
 
-The four add up to ``time_s`` by construction (they are consecutive laps of one clock). Experiment trackers
-(TensorBoard, MLflow) are explicit: ``loom.fit(..., trackers=[...])`` (`loom.observe.trackers`).
-
-Records survive a crash: each one is one JSON line handed to the kernel by a single unbuffered ``os.write`` on an
+Records survive a crash: each is one JSON line handed to the kernel by a single unbuffered ``os.write`` on an
 ``O_APPEND`` descriptor before `StepMetrics.record` returns, so a rank killed by SIGKILL (or the OOM killer) loses
-only the step it was in, and ``loom report`` of a healed run counts every step a lost rank finished. A file
-buffer would hold up to a second of records that die with the process. Lines stay whole: one ``write`` of a few
-hundred bytes on an append descriptor is not torn by a kill (a machine crash can leave a torn last line, which
-`loom.observe.report.load_records` skips).
+only the step it was in (a file buffer would lose up to a second of records). One ``write`` of a few hundred bytes
+on an append descriptor is not torn by a kill; a machine crash can leave a torn last line, which
+`loom.observe.report.load_records` skips.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """Timing a training step into phases, without adding a collective: what `StepMetrics` records per step.
 
 A strategy calls, in order: `StepObserver.begin_step` as ``train_step`` starts, `lap` at each phase boundary,
-`backward_done` after backward, and `end_step` once the step is decided (the phases are defined in
-`loom.observe.metrics`). DDP overlaps the gradient all-reduce with backward, so *comm* counts only what is not
-overlapped: the time inside the communication hook (the whole all-reduce for loom's synchronous
-``ring``/``driver``, only the launch for the asynchronous native one), plus the tail of backward after the last
-bucket was launched, when autograd has computed every gradient and DDP waits for the buckets; plus the wait for
-the loss all-reduce.
+`backward_done` after backward, and `end_step` once the step is decided (the phases: `loom.observe.metrics`).
+DDP overlaps the gradient all-reduce with backward, so *comm* counts only what is not overlapped: the time inside
+the communication hook (the whole all-reduce for loom's synchronous ``ring``/``driver``, only the launch for the
+asynchronous native one), plus the tail of backward after the last bucket was launched, plus the wait for the
+loss all-reduce.
 
-For loom's algorithms the observer wraps their DDP communication hook and times each call. For DDP's built-in
-all-reduce it registers no hook (a Python hook costs a GIL handoff per bucket): the end of gradient computation
-is read from post-accumulate-gradient hooks on the model's first parameters, the last whose gradients backward
-computes, and the rest of backward is the wait; a traced run (``LOOM_TRACE_STEPS``) shows that wait as one
-collective event, since timing every bucket would need a Python hook, i.e. another path than the one traced.
-The cost of all this: ``python -m loom_bench.metrics_overhead`` (``benchmarks/reports/metrics_overhead.md``).
-
-Stragglers: the phase times of each step (`last_phases`) go to `loom.observe.straggler_watch`.
+loom's algorithms have their DDP communication hook wrapped and timed. DDP's built-in all-reduce gets no hook (a
+Python hook costs a GIL handoff per bucket): gradient hooks mark where computation ends (`_watch_gradients`), and
+a traced run (``LOOM_TRACE_STEPS``) shows the wait as one collective event, since timing every bucket would take
+another path than the one traced. What all this costs: ``python -m loom_bench.metrics_overhead``. Each step's
+phase times (`last_phases`) feed `loom.observe.straggler_watch`.
 
 The loss buffer's layout: ``[loss sum, one non-finite flag per rank]``. The flags (set by the strategy, see
 `loom.fault.desync.NonFiniteGuard`) are not an observation but part of the step's decision.

@@ -1,8 +1,9 @@
 """``loom report RUN_DIR``: one self-contained HTML file and PNG figures from a run's per-step records.
 
-Reads ``RUN_DIR/metrics/rank<r>.jsonl`` (written by the strategies, see `loom.observe.metrics`), draws the
-figures of `loom.observe.report_figures` into ``RUN_DIR/report/`` and writes ``RUN_DIR/report/report.html`` with
-the PNGs embedded as base64, so it opens offline, from a mail attachment, with no server.
+Reads ``RUN_DIR/metrics/rank<r>.jsonl`` (`loom.observe.metrics`), draws the figures of
+`loom.observe.report_figures` into ``RUN_DIR/report/`` and writes ``RUN_DIR/report/report.html`` with the PNGs
+embedded as base64, so it opens offline, from a mail attachment, with no server. It also merges a traced run's
+per-rank traces into ``RUN_DIR/trace.json`` and lists the straggler warnings rank 0 raised.
 
 Summary figures, all excluding the first (warm-up) step:
 
@@ -10,18 +11,10 @@ Summary figures, all excluding the first (warm-up) step:
 - *scaling efficiency*: when a one-process run of the same script is in ``RUN_DIR/baseline`` (run it with
   ``loom run -n 1 --run-dir RUN_DIR/baseline ...``), ``samples/s / (world size x baseline samples/s)``.
 - *time lost waiting*: per rank, the time blocked in communication (``comm_s``), absolute and as a share of
-  the step time. In synchronous training this is mostly one rank waiting for the slowest.
-
-Memory, per rank, from the sampled steps (`loom.observe.memory`): the training state by category after the
-last one, and the highest RSS peak during a step with the RSS at that step's start (their difference is what
-the step itself added: activations, gathered parameters, buffers).
-
-Also merges the per-rank trace files into ``RUN_DIR/trace.json`` if the run was traced and lists the straggler
-warnings rank 0 raised.
-
-A directory whose runs sit in subdirectories (``loom demo`` writes ``distributed/`` and ``single/``) gets one
-report per run, each named. Without matplotlib (the optional ``plot`` extra) the page holds the tables, and one
-line says how to get the charts: a first report opens after ``make demo`` alone.
+  the step time; in synchronous training mostly one rank waiting for the slowest.
+- *memory*, per rank, from the sampled steps (`loom.observe.memory`): the training state by category after the
+  last one, and the highest RSS peak during a step beside that step's starting RSS (their difference is what the
+  step itself added: activations, gathered parameters, buffers).
 """
 
 from __future__ import annotations

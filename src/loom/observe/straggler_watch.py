@@ -1,21 +1,18 @@
 """Stragglers, for every strategy: each rank's phase times ride on its hang watchdog's record.
 
 Each rank keeps a window of its own steps' phase times (`StragglerWatch.add`, a deque append on the training
-thread, called by the step engine: `loom.train.engine.Engine`), and the median row of that window rides on the
-record its watchdog thread publishes to the job's store every poll anyway (``Watchdog.extras``: no store call
-and no collective of its own, so it serves asynchronous workers too). Rank 0's watchdog thread reads every rank's
-record every `JUDGE_EVERY_S` seconds and judges the rows with
-`loom.observe.stragglers.StragglerDetector.judge`; each warning is a line on stderr and a ``stragglers.jsonl``
-row beside rank 0's step records, which ``loom report`` lists. A warning thus comes up to `JUDGE_EVERY_S` plus a
-watchdog poll after the window that shows it.
+thread, by `loom.train.engine.Engine`); the window's median row rides on the record its watchdog thread publishes
+to the job's store every poll anyway (``Watchdog.extras``: no store call or collective of its own, so it serves
+asynchronous workers too). Rank 0's watchdog thread judges every rank's row every `JUDGE_EVERY_S` seconds
+(`loom.observe.stragglers.StragglerDetector`); each warning is a line on stderr and a ``stragglers.jsonl`` row
+beside rank 0's step records, which ``loom report`` lists: up to `JUDGE_EVERY_S` plus a watchdog poll after the
+window that shows it.
 
-Only ranks that do the same work are compared (``peers``): every rank of a data-parallel family, the replicas
-of one pipeline stage and tensor shard in a model-parallel job (a pipeline's last stage is busier by design,
-not slow). A rank whose window is not full yet is not judged, nor a row of another job (a process that sets up
-several jobs in turn: the n-th watch on each rank's watchdog is compared with the others' n-th). With
-asynchronous workers a slow rank also takes fewer steps; its per-step times are what show it. Without a store
-for the watchdog (under healing the members change: the watchdog's thread sends only the quorum's heartbeat)
-there is no watch.
+Only ranks that do the same work are compared (``peers``): every rank of a data-parallel family, the replicas of
+one pipeline stage and tensor shard in a model-parallel job (a pipeline's last stage is busier by design, not
+slow). A rank whose window is not full yet is not judged, nor a row of another job (`StragglerWatch.job`). With
+asynchronous workers a slow rank also takes fewer steps; its per-step times show it. Without a store for the
+watchdog (under healing the members change: its thread sends only the quorum's heartbeat) there is no watch.
 """
 
 from __future__ import annotations

@@ -2,18 +2,14 @@
 
 In synchronous training every rank's *step* time is the same: the fast ranks wait for the slow one inside the
 gradient all-reduce. So the slow rank is found by its *busy* time, ``data + compute + optimizer`` (the step
-without the time blocked in communication), compared with the median over ranks. Each rank's phase times are
-taken as their median over a window of steps, not their mean, so a rank counts as slow only when it is slow in
-most steps of the window: work outside steps, such as rank 0 evaluating or writing a checkpoint alone (which
-lands in its *data* phase, the gap since its previous step, and in the others' *comm* phase of the next step),
-is one step in a window and raises no alarm however long it takes. The phase named is the one whose time
-exceeds that phase's median by the most. Communication is named when a rank's own communication time stands out
-while its busy time is not below the median (a rank that merely waits for a slower peer shows a long
-communication time too, but a short busy time) — this is what a slow link looks like for point-to-point traffic
-(push/pull to parameter servers). The phase times arrive without a collective (`loom.observe.straggler_watch`).
-
-Configuration: `StragglerConfig`, from the ``LOOM_STRAGGLER_*`` environment variables (`StragglerConfig.from_env`,
-docs/settings.md); its absolute floor keeps microsecond jitter on tiny steps from being reported.
+without the time blocked in communication), against the median over ranks. Each rank's phase times are their
+median over a window of steps, not their mean, so a rank counts as slow only when it is slow in most steps of
+the window: work outside steps (rank 0 alone evaluating or writing a checkpoint) is one step in a window and
+raises no alarm however long it takes. Communication is named when a rank's own communication time stands out
+while its busy time is not below the median (a rank merely waiting for a slower peer has a short busy time):
+what a slow link looks like for point-to-point traffic (push/pull to parameter servers). The thresholds:
+`StragglerConfig` (``LOOM_STRAGGLER_*``, docs/settings.md); its absolute floor keeps microsecond jitter on tiny
+steps from being reported.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ class StragglerConfig:
     margin: float = 0.2
     """How much slower than the median a rank's busy time must be, as a fraction (0.2 = 20 %)."""
     window: int = 10
-    """Steps averaged before judging; a warning needs the rank to stay slow over a whole window."""
+    """Steps whose median phase times are judged; a warning needs the rank to stay slow over most of a window."""
     min_excess_s: float = 0.002
     """Absolute floor on the excess over the median, in seconds."""
 

@@ -2,16 +2,14 @@
 
 ``loom run --trace-steps 10:20`` sets ``LOOM_TRACE_STEPS=10:20`` for the workers: steps 10 to 20 inclusive (steps
 count from 1). Each process records its phases (data, compute, comm wait, optimizer) on one track and every
-collective it issued, from launch to completion with its sequence number, on another; the sequence numbers are
-per process and follow the order of issue, which is the same on every rank, so collective #n on rank 0 and on
-rank 1 are the same all-reduce. Each process writes ``RUN_DIR/trace/rank<r>.json`` when the window closes (or at
-exit), and `merge_traces` joins them into ``RUN_DIR/trace.json``, one process per rank in the viewer.
+collective it issued, from launch to completion with its sequence number, on another; sequence numbers follow the
+order of issue, which is the same on every rank, so collective #n on rank 0 and on rank 1 are the same
+all-reduce. Each process writes ``RUN_DIR/trace/rank<r>.json`` when the window closes (or at exit), and
+`merge_traces` joins them into ``RUN_DIR/trace.json``, one process per rank in the viewer.
 
-Timestamps are wall-clock microseconds, so the ranks of one host line up; across hosts they are only as
-aligned as the hosts' clocks (NTP: typically well under a millisecond).
-
-Format: the "JSON object" form of the Trace Event Format, complete ("X") events plus metadata ("M") events that
-name processes and threads.
+Timestamps are wall-clock microseconds, so the ranks of one host line up; across hosts they are only as aligned as
+the hosts' clocks. Format: the "JSON object" form of the Trace Event Format, complete ("X") events plus metadata
+("M") events that name processes and threads.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Experiment trackers: TensorBoard and MLflow, fed by `loom.fit` (or an own loop) from rank 0, once per step.
 
-``loom.fit(job, loader, ..., trackers=[loom.TensorBoardTracker("runs/exp1")])``; usage, resumed runs, extras
-and limits (MLflow's file-store opt-in): ``docs/trackers.md``.
-
-What is logged, and what it costs: `loom.fit` logs, on the main process only, the values `step_metrics` lists,
-which it already holds after each step: no value is reduced for a tracker, so a tracker adds no collective.
-Other ranks never import TensorBoard or MLflow; both are imported lazily, when a tracker opens. How each tracker
-resumes a run (every step appears once) is said by its class, and in ``docs/trackers.md`` ("Resumed runs").
+``loom.fit(job, loader, ..., trackers=[loom.TensorBoardTracker("runs/exp1")])``; usage, resumed runs (each class
+says its own rule), extras and limits (MLflow's file-store opt-in): docs/trackers.md. `loom.fit` logs, on the main
+process only, the values `step_metrics` lists, which it already holds after each step: no value is reduced for a
+tracker, so a tracker adds no collective. Other ranks never import TensorBoard or MLflow; both are imported when
+a tracker opens.
 """
 
 from __future__ import annotations
@@ -106,8 +104,8 @@ class TensorBoardTracker(Tracker):
 class MLflowTracker(Tracker):
     """Metrics of one MLflow run, through `mlflow.tracking.MlflowClient` (no global active run is touched).
 
-    ``tracking_uri``: a tracking server or database URI, or a directory (MLflow's file store: see the module
-    docstring for its opt-in). ``experiment``: its name, created when missing. ``run_name``, ``params`` and
+    ``tracking_uri``: a tracking server or database URI, or a directory (MLflow's file store: docs/trackers.md
+    says its opt-in). ``experiment``: its name, created when missing. ``run_name``, ``params`` and
     ``tags``: set when the run is created. Values are sent in batches (`log_batch`) every ``flush_secs`` and at
     `flush`, so a remote server sees one request per interval, not one per step. ``run_id``: continue that run
     instead of creating one (a checkpoint's saved id takes precedence). Its metric history cannot be edited, so a
