@@ -1,16 +1,13 @@
 """What a training script trains: its model, optimizer, loss and data, learned by running it up to
 ``job.loader(...)``.
 
-The one place every loom script hands over what it trains is ``strategy.setup(model, optimizer, loss_fn)``,
-followed by ``job.loader(dataset, global_batch_size, ...)``. So the script runs in this process (``runpy``, as
-``python train.py`` would) while every strategy's ``setup`` is replaced by a recorder: it keeps the arguments
-and returns a stand-in job whose ``loader`` keeps the dataset and the global batch size and stops the script
-with a private exception. Nothing is placed, wrapped, split or communicated, so a script that names
-``Pipeline(stages=4)`` is planned from one process too.
-
-Why a temporary replacement of ``setup`` rather than a hook in each strategy: the planner must not add a path
-to the strategies' own code (observing never changes what is observed), and the replacement is undone in
-``finally`` whatever the script does.
+Every loom script hands over what it trains to ``strategy.setup(model, optimizer, loss_fn)``, then
+``job.loader(dataset, global_batch_size, ...)``. So the script runs in this process (``runpy``, as ``python
+train.py`` would) while every strategy's ``setup`` is replaced by a recorder whose job's ``loader`` stops the
+script (`_PlanningJob`). Nothing is placed, wrapped, split or communicated, so a script that names
+``Pipeline(stages=4)`` is planned from one process too. A temporary replacement rather than a hook in each
+strategy: the planner must not add a path to the strategies' own code (observing never changes what is
+observed); it is undone in ``finally`` whatever the script does.
 """
 
 from __future__ import annotations
