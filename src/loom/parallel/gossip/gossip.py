@@ -7,23 +7,13 @@ The exchange is symmetric: the worker sends its parameters ``a`` (`loom.comm.pee
 own ``b`` and takes ``m = (a + b) / 2``; on the answer the worker takes ``m + (x - a)``, ``x`` being what it holds
 by then, so the share of peers answered meanwhile is kept and every exchange, interleaved or not, conserves the
 sum of the replicas. A pair exchange rather than push-sum weights: replicas hold plain parameters at every step
-(no de-biasing, no weight lost with a dead peer), and a pair's result is testable bit for bit. Two workers asking
-each other at once: the lower rank answers BUSY, so exactly one exchange happens. Non-finite values are never
-sent nor taken.
-
-Peers: ``ring`` alternates right and left neighbours, ``exponential`` cycles through rank + 2^k for
-k = 0 .. ⌊log2(W-1)⌋, ``random`` draws uniformly (seeded by ``seed`` and the rank). A dead peer is skipped at
-once, a slow one after ``deadline_s``; either is passed over for the next ``retry_after`` exchanges. A late answer
-is still applied unless the next request to that peer abandons it (`loom.comm.peer`).
+(no de-biasing, no weight lost with a dead peer), and a pair's result is testable bit for bit (crossing and late
+requests: `loom.comm.peer`). Non-finite values are never sent nor taken.
 
 A service thread answers peers between steps, so ``job.module`` may change between two `train_step` calls;
-`paused` holds it still (`state_dict`, `eval_step` and `train_step` do). `comm_stats`: bytes (also
-``loom.comm.counters()["gossip"]``), exchanges by outcome, and ``spread`` (largest L2 distance to a peer at the
-last exchange with each reachable peer).
-
-Set-up is the only collective part: listeners' addresses go through the job's store; with ``same_start`` rank
-0's parameters are broadcast. Checkpoints (`loom.fit`) are per rank (model, optimizer, step, peer choice) but saved collectively, so every worker
-must be alive. Limits: `train_step` returns this replica's loss; only floating-point CPU parameters are averaged.
+`paused` holds it still. Set-up is the only collective part (addresses through the job's store; with
+``same_start``, rank 0's parameters broadcast). Checkpoints are per rank but saved collectively, so every worker
+must be alive.
 """
 
 from __future__ import annotations
@@ -251,8 +241,7 @@ class GossipJob(Engine):
         state.loss = state.work.get("share_mean", 0.0)
 
     def _synchronize(self, state: StepState) -> None:
-        """Nothing to reduce: each replica judges its own step (there is no collective to carry flags, and no
-        replica adopts another's update: a NaN replica's parameters are never sent, as they never change).
+        """Nothing to reduce: each replica judges its own flag (a non-finite replica's values are never sent).
         ``state.loss`` is this replica's mean loss on its share (``loss_scope="replica"``; 0.0 when empty)."""
         state.flags, state.ranks = [state.flag], [self.topology.rank]
 
@@ -312,9 +301,9 @@ class GossipJob(Engine):
             self.attempts = int(state["gossip"]["attempts"])
 
     def comm_stats(self) -> dict[str, float]:
-        """Numbers for step records and reports: this transport's bytes and exchanges by outcome (see
-        `loom.comm.peer_wire.PeerStats`), ``spread`` (see the module docstring), ``joined_from`` (the peer
-        copied when this worker joined a running job, -1: none) and ``step``."""
+        """This transport's bytes (also ``loom.comm.counters()["gossip"]``) and exchanges by outcome
+        (`loom.comm.peer_wire.PeerStats`), ``spread`` (largest L2 distance to a peer at the last exchange with each
+        reachable peer), ``joined_from`` (the peer copied on joining a running job, -1: none) and ``step``."""
         stats = (self.node.stats if self.node else PeerStats()).as_dict()
         spread, joined = max(self.distance.values(), default=0.0), self.joined_from
         return {**stats, "spread": spread, "joined_from": -1 if joined is None else joined, "step": self.step}

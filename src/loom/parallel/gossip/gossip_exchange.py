@@ -1,11 +1,5 @@
-"""What one gossip exchange sends and how it is merged, and whom each worker asks (`loom.parallel.gossip.gossip`).
-
-`ParameterLayout` packs a model's floating-point parameters into the raw bytes `loom.comm.peer` carries;
-`average_into` is the pair exchange's arithmetic (its symmetry and conservation are argued in
-`loom.parallel.gossip.gossip`); `PeerChoice` is the sequence of peers, ring, exponential graph or uniform random;
-`IdleServer` answers peers from a thread while the training thread is elsewhere; `PeerDirectory` finds the
-peers' listeners through the job's store.
-"""
+"""What one gossip exchange sends and how it is merged, and whom each worker asks (`loom.parallel.gossip.gossip`
+argues the exchange's symmetry and conservation)."""
 
 from __future__ import annotations
 
@@ -90,13 +84,11 @@ class ParameterLayout:
 
 
 def average_into(layout: ParameterLayout, theirs: torch.Tensor, sent: torch.Tensor, serving: bool) -> float:
-    """Set ``layout``'s parameters to ``(theirs + sent) / 2`` plus what changed since ``sent`` was packed
-    (nothing on the serving side, which packed it just now); return the L2 distance between the two sides'
-    values (the exchange's contribution to the spread).
+    """Set ``layout``'s parameters to ``(theirs + sent) / 2`` plus their change since ``sent`` was packed (none
+    on the serving side, which packed it just now); return the L2 distance between the two sides' values.
 
-    In place and in few passes, as the symmetry allows: both sides compute ``theirs + sent`` (commutative) and
-    halve it, so they hold the same bits; the requester then adds its own change ``p - sent`` (zero when
-    nothing else touched it, and ``0 + m == m``)."""
+    Both sides compute ``theirs + sent`` (commutative) and halve it, so they hold the same bits; the requester
+    then adds its change ``p - sent`` (``0 + m == m`` when nothing else touched it)."""
     squares = 0.0
     with torch.no_grad():
         for i, p in enumerate(layout.params):
