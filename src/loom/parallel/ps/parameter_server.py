@@ -2,27 +2,17 @@
 
 User guide, mode table and limits: docs/strategies/parameter-server.md. The parameters live on the servers in
 size-balanced pieces (`loom.ps.plan`; placement: `loom.parallel.ps.parameter_server_pieces`) and the optimizer
-given to `setup` runs *on the servers* (the worker's object only supplies its type and hyperparameters). The
-consistency model is the server's (`loom.ps.clocks`): ``sync`` equals one process on the global batch (shares
-weighted ``n_r / N``); ``async``/``ssp`` apply each worker's mean gradient as its own update.
+given to `setup` runs *on the servers* (the worker's object only supplies its type and hyperparameters; every push
+carries each param group's ``lr``, in ``sync`` the lowest rank's). Consistency is the server's (`loom.ps.clocks`).
 
 Sparse tables (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): a forward pre-hook pulls just
 the rows the batch touches and only those rows' gradients are pushed (the worker still allocates the table).
-Every push carries each param group's ``lr``, set on the server before applying it, so a scheduler stepped on the
-worker drives the servers (in ``sync`` the lowest rank's rates); nothing else of a schedule travels.
-
-``staleness`` of a `StepRecord`: updates that reached the server between the pull and the application (largest
-over servers). A restarted worker continues from its clock on the servers, so its pushes are not taken as resent.
-Checkpoints: `loom.parallel.ps.parameter_server_state`.
-
-A dead server (`loom.ps.server`, `loom.launch.servers`) is restarted under ``loom run`` on its address from its
-checkpoint and requests are resent: ``sync`` saves every step before answering, so the job ends as an
-uninterrupted one would; ``async``/``ssp`` lose the updates since the last save, counted in
-``metrics.server_restarts``. A timed-out request names the server, the operation, this rank and what the
-launcher knows of the death.
+A restarted worker continues from its clock on the servers, so its pushes are not taken as resent; a restarted
+server's lost updates are counted (`ParameterServerJob._note_restarts`). Checkpoints:
+`loom.parallel.ps.parameter_server_state`.
 
 Limits: ``sync`` weights shares by ``batch.global_size`` (a plain tuple counts as one of ``world_size`` equal
-shares). Only element-wise optimizers (`loom.ps.shard`). `eval_step` is collective. Buffers stay local.
+shares); `eval_step` is collective.
 """
 
 from __future__ import annotations
@@ -177,12 +167,10 @@ class ParameterServerJob(Engine):
             self._note_restarts()
 
     def _note_restarts(self) -> None:
-        """Account for servers the client found restarted: compare the version each resumed at with the last
-        version this worker saw there; print one ``loom:`` line per restart and record it in
-        ``metrics.server_restarts``. In ``sync`` (write-ahead checkpoints) nothing is lost; in ``async``/``ssp``
-        the updates since the server's last checkpoint are, and this worker counts those it had seen applied
-        (other workers may have seen a few more). A server restarted without the model (no checkpoint) cannot
-        go on: that raises, naming the server."""
+        """Account for servers the client found restarted: one ``loom:`` line each, and an entry in
+        ``metrics.server_restarts`` counting the updates this worker had seen applied there that the server lost
+        (none in ``sync``, whose checkpoints are write-ahead; other workers may have seen a few more). A server
+        restarted without the model (no checkpoint) raises, naming it."""
         for event in self.client.take_restarts():
             server, name = event["server"], self.config.namespace
             who = f"loom: worker rank {self.topology.rank}: parameter server {server} at {event['address']}"

@@ -1,9 +1,5 @@
-"""`ParameterServerConfig`: the options of `loom.ParameterServer`, each documented and checked on construction;
-`ParameterServerMetrics`: what its job records besides the step records (staleness, clocks, server restarts).
-
-The strategy and its job are `loom.parallel.ps.parameter_server`; the servers' side of these options (the
-consistency model, the checkpoint schedule) is `loom.ps.clocks` and `loom.ps.server`.
-"""
+"""`ParameterServerConfig`: the options of `loom.ParameterServer` (`loom.parallel.ps.parameter_server`), each
+documented and checked on construction; `ParameterServerMetrics`: what its job records besides the step records."""
 
 from __future__ import annotations
 

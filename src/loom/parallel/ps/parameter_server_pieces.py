@@ -1,10 +1,4 @@
-"""How a parameter-server worker's parameters map onto the servers' pieces (`loom.ps.plan`).
-
-`param_specs` describes the model for the plan (a sparse table by rows, anything else flat); `piece_view` is the
-slice of a parameter a piece holds, `set_pieces` writes pulled values into the module through those views, and
-`piece_gradients` cuts this worker's gradient into what each server is sent (dense slices; for a sparse table,
-the touched rows and their values). `json_hyperparameters` is an optimizer param group as the servers receive it.
-"""
+"""How a parameter-server worker's parameters map onto the servers' pieces (`loom.ps.plan`)."""
 
 from __future__ import annotations
 
@@ -19,6 +13,8 @@ __all__ = ["json_hyperparameters", "param_specs", "piece_gradients", "piece_view
 
 
 def param_specs(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[ParamSpec], dict]:
+    """The trainable parameters for the plan (a sparse table by rows, anything else flat), and the sparse tables'
+    modules by parameter name."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     sparse_modules = {
         f"{prefix}.weight" if prefix else "weight": m
@@ -35,6 +31,8 @@ def param_specs(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[lis
 
 
 def json_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer param group as the servers receive it (JSON, without ``params``)."""
+
     def convert(key: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             return value.item()

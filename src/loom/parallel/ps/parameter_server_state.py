@@ -1,9 +1,9 @@
 """A parameter-server worker's part of a `loom.fit` checkpoint, and putting it back.
 
 The job's state is not replicated (each worker has its own clock), so every worker's `state_dict` goes into its
-own file of the checkpoint; rank 0's also holds every server's whole model (`worker_state`), which replaces
-whatever the servers hold on resume (`load_worker_state`). In ``sync``, 10 steps + resume + 10 steps equals 20
-steps bitwise (tests/test_ps_fit.py). A resume needs the same number of workers and servers.
+own file of the checkpoint; rank 0's also holds every server's whole model, which replaces whatever the servers
+hold on resume. In ``sync`` a resumed run is bitwise the uninterrupted one. A resume needs the same number of
+workers and servers.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ def worker_state(job: ParameterServerJob) -> dict[str, Any]:
     last saw, its module (the servers' current parameters, its own buffers) and its optimizer's param groups
     (the learning rates its pushes carry); on rank 0 also ``servers``, every server's whole state
     (`loom.ps.shard.ModelShard.state`), read with STATE: a consistent snapshot when no worker is inside a step,
-    as at `loom.fit`'s checkpoints. Each server's state travels in one frame, so it must fit the wire's payload
-    limit (256 MiB by default: about 21 million float32 parameters per server with Adam's two moments)."""
+    as at `loom.fit`'s checkpoints. Each server's state travels in one frame, within the wire's payload limit."""
     servers = None
     if job.topology.rank == 0:
         replies = job._request(MessageType.STATE, {})
@@ -53,11 +52,9 @@ def worker_state(job: ParameterServerJob) -> dict[str, Any]:
 
 def load_worker_state(job: ParameterServerJob, state: dict[str, Any]) -> None:
     """Restore this worker's part of a checkpoint; the part holding ``servers`` (rank 0's) also puts every
-    server back to its saved state (RESTORE). The checkpoint wins over what the servers hold: fresh servers
-    (a new job) or servers that went on past it (workers restarted under ``loom run --max-restarts``) end up
-    at the saved parameters, optimizer state, version and every worker's clock. Each worker sets its own
-    clock; then the workers agree that the restore succeeded (which is also a barrier, so none pulls before
-    it) and pull the restored parameters.
+    server back to its saved state (RESTORE), which wins over what they hold (fresh servers, or servers that
+    went on past it). The workers then agree that the restore succeeded (a barrier: none pulls before it) and
+    pull the restored parameters.
 
     Collective when there is a process group: every worker calls it, as `loom.fit`'s resume does. Without
     one, no worker may train before every worker's call has returned."""
