@@ -1,11 +1,17 @@
-"""What a parameter server does with each request: `RequestHandlers`, the models it holds and their consistency.
+"""What a parameter server does with each request: `RequestHandlers`, the models it holds and their checkpoints.
 
-The server process (`loom.ps.server`) owns the socket, the authentication gate and the event loop; every frame it
-admits comes here, to the handler of its message type. A request that must wait (a ``sync`` push until every
-worker has pushed that step, an ``ssp`` pull until the slowest worker is close enough) is parked with the address
-to answer and answered later, so one slow worker never blocks the loop; `RequestHandlers._tick` looks at the
-parked requests again when no message arrives (a worker silent past its timeout: ``ssp`` stops waiting for it,
-``sync`` fails the step naming it). STATE and RESTORE carry `loom.fit`'s checkpoints.
+Every frame the server process (`loom.ps.server`) admits comes here, to the handler of its message type. A request
+that must wait (a ``sync`` push until every worker has pushed that step, an ``ssp`` pull until the slowest worker
+is close enough) is parked and answered later, so one slow worker never blocks the loop; `RequestHandlers._tick`
+looks at the parked requests again when no message arrives.
+
+Checkpoints, so that a server can die: with a checkpoint directory a model is saved when it is created (INIT) or
+restored (RESTORE), on request (SAVE), at shutdown, and on its workers' schedule (`ParameterServerConfig`'s
+``checkpoint_every`` and ``checkpoint_interval_s``). A sync step is saved *before* its replies go out
+(write-ahead): a restarted server is never behind what a worker has seen, so only the step in flight is repeated;
+in async/ssp the updates since the last save are lost (HELLO answers with the version each model resumed at).
+Li et al. 2014 replicate shards on neighbouring servers to lose nothing; loom does not. `loom.fit`'s checkpoints
+do not use these files: they go through STATE and RESTORE.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ class RequestHandlers(abc.ABC):
     @abc.abstractmethod
     def _error(self, identity: bytes, frame: Frame, message: str) -> None: ...
 
-    # -- the log and the checkpoints (the schedule: `loom.ps.server`) ------------------------------------------
+    # -- the log and the checkpoints ----------------------------------------------------------------------------
     def log(self, text: str) -> None:
         print(f"loom.ps.server[{self.config.index}]: {text}", flush=True)
 
@@ -102,7 +108,7 @@ class RequestHandlers(abc.ABC):
         return path
 
     def _save_if_due(self, shard: ModelShard, now: float) -> None:
-        """Save ``shard`` if its schedule says so (see `loom.ps.server`)."""
+        """Save ``shard`` if its schedule says so (the module docstring)."""
         settings = shard.settings
         if not shard.unsaved or self.shard_dir is None:
             return

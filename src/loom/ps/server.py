@@ -1,25 +1,10 @@
 """A parameter-server process: ``python -m loom.ps.server --index i --num-servers K --bind ADDR:PORT``.
 
-One ZeroMQ ROUTER socket, one thread, one event loop. Every incoming message is checked by `loom.ps.wire` (size,
-header, MAC with the job secret from ``LOOM_JOB_SECRET``, epoch, sequence number: no replay) before anything in
-it is decoded; what fails is dropped,
-counted by reason, and never answered. What is admitted goes to the handler of its message type
-(`loom.ps.handlers`). How the process is told to run: `loom.ps.server_config`.
-
-The server holds any number of models ("namespaces"), each a `ModelShard` with its own plan, optimizer, clocks and
-checkpoint. It listens on loopback unless ``--bind`` names another interface.
-
-Checkpoints, so that a server can die: with a checkpoint directory (`ServerConfig.checkpoint_dir`) a model is
-saved when it is created (INIT) or restored (RESTORE), on request (SAVE), on SIGTERM, and on the schedule its
-workers chose (`loom.parallel.ps.parameter_server.ParameterServerConfig`): after ``checkpoint_every`` updates, or
-by time (``checkpoint_interval_s``, at most about 5% of the server's time). A sync step is saved *before* its
-replies go out (write-ahead): a restarted server is never behind what a worker has seen, so only the step in
-flight is repeated (its workers resend their pushes). A server restarted by the launcher (`loom.launch.servers`)
-resumes from the last save; in async/ssp the updates since then are lost, and the workers see its version go back
-(HELLO answers with the version each model was resumed at). Li et al. 2014 replicate shards on neighbouring
-servers to lose nothing; loom does not.
-
-`loom.fit`'s checkpoints do not use those files: they go through STATE and RESTORE requests (`loom.ps.handlers`).
+One ZeroMQ ROUTER socket, one thread, one event loop. Every incoming message is checked (`loom.ps.gate`,
+`loom.ps.wire`: size, header, MAC with the job secret from ``LOOM_JOB_SECRET``, epoch, sequence number: no replay)
+before anything in it is decoded; what fails is dropped, counted by reason, and never answered. What is admitted
+goes to the handler of its message type (`loom.ps.handlers`, which also holds the models and their checkpoints;
+a restarted server resumes from those). How the process is told to run: `loom.ps.server_config`.
 """
 
 from __future__ import annotations

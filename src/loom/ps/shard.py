@@ -62,7 +62,7 @@ class ShardSettings:
     groups: list[dict[str, Any]]
     """Hyperparameters of each optimizer param group (without ``params``)."""
     checkpoint_interval_s: float = 0.0
-    """Save when the oldest unsaved update is this old (0: not by time); see `loom.ps.server`."""
+    """Save when the oldest unsaved update is this old (0: not by time); see `loom.ps.handlers`."""
 
 
 class ModelShard:

@@ -29,7 +29,7 @@ class ParameterServerConfig(ShareOptions):
     """How long `setup` waits for the servers to answer."""
     checkpoint_every: int | None = None
     """Servers save their shards after this many updates. None (default): every step in ``sync``, before the
-    step's replies go out (write-ahead, `loom.ps.server`); by time (``checkpoint_interval_s``) in
+    step's replies go out (write-ahead, `loom.ps.handlers`); by time (``checkpoint_interval_s``) in
     ``async``/``ssp``. 0: not by count."""
     checkpoint_interval_s: float = 1.0
     """Servers also save once the oldest unsaved update is this many seconds old (and at least 20 times as long
