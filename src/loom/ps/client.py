@@ -1,21 +1,15 @@
 """The worker's side of the transport: one authenticated DEALER connection per server, requests fanned out.
 
-A request goes to several servers at once and the replies are gathered as they come. Replies are authenticated
-like requests (the MAC proves the server holds the job secret) and must answer the exact request sent: same
-session, the sequence number of one of the sends of the request; anything else is dropped and counted.
+A request goes to several servers at once and the replies are gathered as they come. A reply must carry the
+secret's MAC and answer the exact request sent (same session, the sequence number of one of its sends); anything
+else is dropped and counted.
 
-Retries: a server that does not answer within an attempt window (2 s, doubling to 10 s; an answer still arriving
-chunk by chunk is waited for) is greeted again (a restarted server has a new epoch, and frames of the old epoch
-are dropped by design) and, once it answers, the request is resent under a new sequence number; an answer to the
-request that completes during the greeting is taken. Resending is safe because the server recognises pushes it
-has applied by the worker's clock. The greeting is repeated every half second while it waits, so a server
-restarted by the launcher is found as soon as it listens. A greeting that finds a new epoch records a restart
-(`PSClient.restarts`, with the version each model was resumed at), which `loom.parallel.ps.parameter_server`
-turns into a count of lost updates.
-
-A request that gets no answer before its deadline raises `TimeoutError` naming the server, its address, the
-operation and the worker, and why: the launcher's record says the server died (with its signal) and was or was not
-restarted (`loom.ps.deaths`), or nothing listens at its address, or something listens but does not answer.
+Retries: a server silent for an attempt window (2 s, doubling to 10 s; an answer still arriving chunk by chunk is
+waited for) is greeted again every half second until it answers (a restarted server has a new epoch and drops
+frames of the old one), then the request is resent under a new sequence number: safe, because the server
+recognises pushes it has applied by the worker's clock. A greeting that finds a new epoch records a restart
+(`PSClient.restarts`). A request unanswered by its deadline raises `TimeoutError` naming the server, its address,
+the operation, the worker and the likely cause (`_why_silent`).
 """
 
 from __future__ import annotations

@@ -1,37 +1,29 @@
 """Who may send a parameter server anything, and how much a connection can make it hold.
 
 Every frame is authenticated by its MAC (`loom.ps.wire`), but that MAC can be checked only once the whole frame
-has arrived. Three mechanisms bound what a peer can make a receiver hold before then:
+has arrived. Three mechanisms bound what a peer can make a receiver hold before then (what they stop, and what
+not: docs/security.md):
 
-- **Connection authentication.** Servers speak ZeroMQ's PLAIN mechanism and check it with a ZAP handler (a
-  thread in the server): a client must present `connection_token`, derived from the job secret *and the
-  client's IP address as the server sees it*, in its handshake, before the connection may deliver one message.
-  A client without it is disconnected after the handshake's few hundred bytes. PLAIN sends the token in clear;
-  it is not the job secret (a one-way HMAC of it), frames still need the secret's MAC, and the token admits
-  only connections from the address it was made for: whoever sniffs it on the job's network can use it only
-  from that worker's own host. (ZeroMQ's CURVE would encrypt too, at a large cost in throughput.)
-  A client reaches its servers only without address translation between them (no NAT).
-- **Chunks.** A frame travels as a sequence of single-part ZeroMQ messages (`split_frame`), each at most
-  `CHUNK_BYTES` of frame data (every socket refuses larger messages, ``MAXMSGSIZE``) and each socket queues at
-  most `QUEUE_CHUNKS` incoming messages per peer (``RCVHWM``). The first chunk ("open") carries the frame's
-  wire header and a chunk header (a random frame id, the chunk count) under a MAC of their own (`chunk_key`,
-  a key derived from the job secret): a receiver checks that short MAC, the magic, version and declared
-  lengths, the chunk count, and (on a server) the epoch, session and sequence number against its
-  `SessionTable` before it keeps one byte of the frame. Later chunks carry (frame id, index) and must arrive in
-  order with exactly the expected size. The whole-frame MAC is still checked by `wire.decode` at the end.
-- **Budgets.** `Inbox` keeps at most one open frame per peer and per session, reserves its declared size when
-  it opens (so what it buffers never exceeds the reservation), and refuses an open that would take the total
-  reserved over `InboxLimits.total_bytes` (the sender resends after its attempt window). An open frame whose
-  peer stays silent for `InboxLimits.open_timeout_s` is dropped (`Inbox.expire`): a peer that disconnects is
-  silent, so its state goes too. Every drop is counted by reason.
+- **Connection authentication.** Servers speak ZeroMQ's PLAIN mechanism, checked by a ZAP handler thread: a client
+  must present `connection_token`, an HMAC of the job secret *and of the client's IP address as the server sees
+  it*, before the connection may deliver one message. PLAIN sends the token in clear, but it is not the secret,
+  frames still need the secret's MAC, and it admits only connections from the address it was made for (so no NAT
+  between a client and its servers). ZeroMQ's CURVE would encrypt too, at a large cost in throughput.
+- **Chunks.** A frame travels as single-part ZeroMQ messages (`split_frame`) of at most `CHUNK_BYTES` (larger
+  ones are refused, ``MAXMSGSIZE``; at most `QUEUE_CHUNKS` queued per peer, ``RCVHWM``). The first ("open") chunk
+  carries the frame's header and a chunk header (random frame id, chunk count) under a MAC of its own
+  (`chunk_key`): a receiver checks it, the magic, version and declared lengths, the chunk count and (on a server)
+  epoch, session and sequence number (`SessionTable`) before it keeps one byte of the frame. Later chunks must
+  follow in order with exactly the expected size. A forged open chunk costs one short HMAC; data chunks of no
+  open frame are dropped unhashed.
+- **Budgets.** `Inbox` keeps at most one open frame per peer and per session, reserves its declared size when it
+  opens, refuses an open past `InboxLimits.total_bytes` (the sender resends after its attempt window), and drops
+  an open frame whose peer stays silent for `InboxLimits.open_timeout_s`. Every drop is counted by reason.
 
-A forged open chunk costs the receiver one short HMAC; its data chunks are dropped unhashed as orphans.
-
-Limit (who can use it, and where loom closes part of it: docs/security.md): libzmq keeps every part of a
-*multipart* message until its last part arrives and has no option to refuse multipart input, so a peer past the
-handshake that writes raw ZMTP frames with the MORE flag set can make a server, or a worker, buffer without bound,
-below the level where `Inbox` sees anything. Closing it entirely needs the client to authenticate the server
-first (CURVE with keys derived from the secret, at its cost) or a transport other than libzmq's.
+Limit: libzmq keeps every part of a *multipart* message until its last part arrives and cannot refuse multipart
+input, so a peer past the handshake that writes raw ZMTP frames with the MORE flag set can make a server, or a
+worker, buffer without bound, below where `Inbox` sees anything. Closing it needs the client to authenticate the
+server first (CURVE with keys derived from the secret, at its cost) or a transport other than libzmq's.
 """
 
 from __future__ import annotations

@@ -14,10 +14,9 @@ actually arrived, the magic and version, the *declared* lengths against the limi
 arrived, then the MAC; only then does it parse the JSON and copy the payload (whose size is now known to be the
 real, bounded size). A declared length is never used to allocate.
 
-Replay protection lives one level up (`SessionTable`): every server draws a random 64-bit *epoch* at start; a
-client says hello, learns the epoch, and then numbers its frames within its random 64-bit *session* with a
-strictly increasing sequence number. The MAC covers epoch, session and sequence number, so a captured frame can be
-replayed neither within a session (its number is not new) nor against a restarted server (its epoch is old).
+Replay: the MAC covers the server's random *epoch* (drawn at its start), the client's random *session* and a
+sequence number strictly increasing within it, so a captured frame can be replayed neither within a session nor
+against a restarted server (`SessionTable`).
 
 Every dropped frame is counted by reason (`DropCounters`); the server never answers a dropped frame.
 """
