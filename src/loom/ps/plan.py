@@ -7,8 +7,8 @@ ranges, one per server, as in Li et al. (OSDI 2014, "Scaling distributed machine
 server"). A parameter straddling a boundary is split there (on a row boundary for tables), so every server holds
 ``total / K`` values to within one table row, and at most ``K - 1`` parameters are split.
 
-Cutting a parameter is exact only for optimizers that update each element from its own gradient and state
-(SGD with momentum, Adam, AdamW, Adagrad, RMSprop...), which is why the server accepts only those.
+Cutting a parameter is exact only for optimizers that update each element from its own gradient and state, which
+is why the server accepts only those (`loom.ps.shard.ELEMENTWISE_OPTIMIZERS`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""How one parameter-server process runs: `ServerConfig`, and its command line (``python -m loom.ps.server``).
-
-The server's own module (`loom.ps.server`) runs the process; this one says what it is told: its index, where it
-listens (loopback unless an interface is named), where it saves its shards (``--checkpoint-dir``, else
-``$LOOM_PS_CHECKPOINT_DIR``, else ``$LOOM_RUN_DIR/ps``, which ``loom run`` sets) and the wire's bounds.
-"""
+"""How one parameter-server process (`loom.ps.server`) runs: `ServerConfig`, and its command line."""
 
 from __future__ import annotations
 
@@ -57,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def default_checkpoint_dir() -> Path | None:
+    """Without ``--checkpoint-dir``: ``$LOOM_PS_CHECKPOINT_DIR``, else ``$LOOM_RUN_DIR/ps`` (``loom run`` sets it)."""
     if os.environ.get("LOOM_PS_CHECKPOINT_DIR"):
         return Path(os.environ["LOOM_PS_CHECKPOINT_DIR"])
     if os.environ.get("LOOM_RUN_DIR"):

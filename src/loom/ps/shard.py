@@ -1,17 +1,14 @@
 """One model's pieces on one server: the values, the optimizer that updates them, and their checkpoint.
 
 The server runs the user's optimizer *where the parameters live* (Li et al. 2014): ``torch.optim.<Type>`` is
-rebuilt on the server over this server's pieces, with the hyperparameters of the user's param groups, so its state
-(momentum, Adam moments) is sharded exactly like the parameters. Pieces of embedding tables stay ``rows x width``
-matrices and receive sparse COO gradients, as ``nn.Embedding(sparse=True)`` produces in one process; dense pieces
-are flat vectors.
+rebuilt over this server's pieces with the user's param groups' hyperparameters, so its state (momentum, Adam
+moments) is sharded exactly like the parameters. Pieces of embedding tables stay ``rows x width`` matrices and
+receive sparse COO gradients, as ``nn.Embedding(sparse=True)`` produces in one process; dense pieces are flat.
 
-Checkpoints are safetensors (values and optimizer tensors) plus JSON (plan, version, clocks, optimizer scalars):
-``DIR/<namespace>.json`` names the safetensors file it belongs to and is replaced last, atomically, so a crash while
-saving leaves the previous checkpoint intact. Each save writes a safetensors file of its own name (version and a
-random tag), never one the current JSON names: two saves at one version (a RESTORE, a save at shutdown) cannot pair
-one save's JSON with the other's tensors. Files are not fsynced: the checkpoint survives the server process (killed,
-crashed, restarted by the launcher), not the loss of the host's page cache (a power cut).
+Checkpoint files: ``DIR/<namespace>.json`` (plan, version, clocks, optimizer scalars) names its safetensors file
+(values and optimizer tensors; a new name per save, so two saves at one version cannot pair one's JSON with the
+other's tensors) and is replaced last, atomically: a crash while saving leaves the previous checkpoint intact.
+Not fsynced: a checkpoint survives the server process, not the loss of the host's page cache (a power cut).
 """
 
 from __future__ import annotations
