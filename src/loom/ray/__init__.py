@@ -1,21 +1,18 @@
 """loom on Ray: the same training script, placed, restarted and collected by a Ray cluster.
 
-``loom.ray.run(train, num_workers=4, args=(10,), max_failures=2)`` runs a function that calls ``loom.init()``
-as usual and returns one result per rank; ``loom run --backend ray -n 4 [--address ADDR] train.py ARGS`` runs a
-script. Without ``--address`` a local Ray instance is started for the job and stopped after it
-(`loom.ray.local`); with it the job joins that cluster (``auto``: the one this node belongs to). Usage and
-limits: docs/launching.md ("Ray"); how a job runs: `loom.ray.backend`.
+`run` runs a function that calls ``loom.init()`` as usual and returns one result per rank; `run_script` (``loom
+run --backend ray``) runs a script. Usage and limits: docs/launching.md ("Ray"); how a job runs:
+`loom.ray.backend`; the local Ray instance started when no ``address`` is given: `loom.ray.local`.
 
 Why actors and a placement group, not Ray Train's ``TorchTrainer``: loom already does what Ray Train's Torch
 backend adds (the process group and its environment, checkpoints that resume at any world size, the data order,
-restarts from the latest checkpoint), the same way as under `loom run`; what loom needs from Ray is placement,
-actors, failure detection and the cluster, which core Ray gives, with a lighter extra (``ray``, not
-``ray[train]``) and the script unchanged (no ``report``/``Checkpoint`` calls).
+restarts from the latest checkpoint), the same way as under `loom run`; core Ray gives what loom needs
+(placement, actors, failure detection), with a lighter extra (``ray``, not ``ray[train]``) and the script
+unchanged.
 
-Security: every rank proves ``LOOM_JOB_SECRET`` (fresh per job, passed to the ranks inside Ray's channel, never
-printed) to loom's store before anything is decoded, exactly as under `loom run`; Ray's own ports are Ray's
-business (`loom.ray.local` for the local instance). ``run``'s function and its return value travel as Ray sends
-any function (cloudpickle), between processes of the job only (`loom.ray.function`).
+Security: every rank proves ``LOOM_JOB_SECRET`` (fresh per job, passed inside Ray's channel, never printed) to
+loom's store before anything is decoded, as under `loom run`. ``run``'s function and return value travel by
+cloudpickle, between processes of the job only (`loom.ray.function`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The driver of a loom job on Ray: place the workers, hand each loom's environment, watch, replace, collect.
 
-One attempt of the job:
+One attempt: Ray places ``num_workers`` `loom.ray.rank_host.RankHost` actors in the job's placement group (one
+bundle of ``resources_per_worker`` each, reserved once for the whole job), ranked by `loom.ray.layout.rank_layout`.
+Each actor starts its rank's process with the environment `loom run` gives a worker plus the driver's
+`_FORWARDED` variables; ``loom.init()`` joins loom's authenticated store (`loom.net.store`), hosted in the driver
+at its Ray address, under a fresh key prefix per attempt. The driver polls every actor, prints each output line
+prefixed with its rank, writes the copied files into the run directory (`loom run`'s layout, which ``loom
+report`` reads), and stops at the first failure: a process that exits non-zero or is killed, or an actor that dies.
 
-1. Ray places ``num_workers`` `loom.ray.rank_host.RankHost` actors in the job's placement group (one bundle of
-   ``resources_per_worker`` each, reserved once for the whole job). The ranks of one node are consecutive
-   (`loom.ray.layout.rank_layout`), so LOCAL_RANK and LOCAL_WORLD_SIZE mean what they mean under `loom run`.
-2. Each actor starts its rank's process with the environment `loom run` gives a worker (GLOO_SOCKET_IFNAME is
-   set in `loom.ray.rank_main`) plus the driver's `_FORWARDED` variables; ``loom.init()`` joins loom's
-   authenticated store (`loom.net.store`), hosted in the driver for the whole job at its Ray address, under a
-   fresh key prefix per attempt.
-3. The driver polls every actor, prints each output line prefixed with its rank, writes the copied files into
-   the run directory (`loom run`'s layout: ``metrics/rank<r>.jsonl`` for ``loom report``,
-   ``logs/attempt_<n>/rank<r>.stdout.log`` and ``.stderr.log``, ``logs/server<i>.*.log``, ``trace.json``), and
-   stops at the first failure: a process that exits non-zero or is killed, or an actor that dies.
-
-After a failure the whole group is stopped and, up to ``max_failures`` times, replaced by new actors; the
-script's ``loom.fit(..., checkpoint_dir=...)`` resumes from its latest checkpoint, as under ``loom run
---max-restarts`` (a synchronous collective in flight fails on every rank, so replacing one worker means
-restarting all). Parameter servers are actors too, started once before the first attempt and kept across
+After a failure the whole group is stopped (a synchronous collective in flight fails on every rank) and, up to
+``max_failures`` times, replaced by new actors; ``loom.fit(..., checkpoint_dir=...)`` resumes from its latest
+checkpoint, as under ``loom run --max-restarts``. Parameter servers are actors too, started once and kept across
 restarts.
 
 Limits: the script, its working directory and any ``checkpoint_dir`` must be at the same path on every node

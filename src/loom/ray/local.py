@@ -1,16 +1,12 @@
 """Connect to Ray for one loom job: an existing cluster, or a local instance started locked down.
 
-A local instance (no ``address``) is started the way an unattended job should: no dashboard, every Ray process
-bound to loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` while it starts: otherwise Ray resolves the node
-address to the host's outward one even when asked for 127.0.0.1), Ray's token authentication on with a fresh
-random token for this instance alone (kept in this process's environment while the instance lives, never written
-to disk or printed), so another local user cannot submit work to it, and Ray's usage statistics off
-(``RAY_USAGE_STATS_ENABLED=0``). Its object store and raylet sockets are Unix sockets under the session
-directory.
-
-`disconnect` stops what `connect` started: ``ray.shutdown()``, then a SIGKILL for any process still running whose
-command line names this instance's session directory (Ray's shutdown leaves stragglers now and then), never a
-process found by name; and it gives back what ``ray.init`` changed in this process and its shutdown leaves (Ray's
+A local instance (no ``address``) has no dashboard, binds every Ray process to loopback
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` while it starts: otherwise Ray resolves the node address to the host's
+outward one even when asked for 127.0.0.1; its object store and raylet sockets are Unix sockets), turns Ray's token
+authentication on with a fresh token for this instance alone (in this process's environment, never written or
+printed), so another local user cannot submit work to it, and Ray's usage statistics off. `disconnect` stops what
+`connect` started (``ray.shutdown()``, then SIGKILL for stragglers naming this instance's session directory, never
+a process found by name) and gives back what ``ray.init`` changed in this process and its shutdown leaves (Ray's
 environment variables, the signal handlers, ``sys.excepthook``), so a notebook or a test suite goes on as before.
 A cluster given by ``address`` keeps its own security settings and is only disconnected from.
 """

@@ -1,20 +1,15 @@
 """`RankHost`: the Ray actor that holds one process of a loom job (a worker rank or a parameter server).
 
-Ray places the actor; the actor starts the process as `loom run` does, ``python -u -m loom.ray.rank_main [-m]
-TARGET ARGS`` (which ends in `loom.launch.worker`), with the environment the driver hands it, and answers the
-driver's polls with what happened since the last one: the exit status, the recorded exception, new output lines,
-and new bytes of the files the process wrote under its run directory.
-
-Why a process beside the actor rather than the user's code inside it: the process is then exactly what
-`loom run` starts (a fresh interpreter for every attempt), the actor stays free to answer polls while the rank
-trains, and the process dies with the actor (`loom.launch.worker` asks for PDEATHSIG), so killing the actor never
-leaves a rank training on its own. The actor imports nothing of loom (nor torch): the driver sends this module by
-value (`ship_by_value`), and the process completes its environment itself (`loom.ray.rank_main`).
+The actor starts the process as `loom run` does (``python -u -m loom.ray.rank_main [-m] TARGET ARGS``) and answers
+the driver's polls (`RankHost.poll`). Why a process beside the actor rather than the user's code inside it: the
+process is then exactly what `loom run` starts (a fresh interpreter for every attempt), the actor stays free to
+answer polls while the rank trains, and the process dies with the actor (`loom.launch.worker` asks for
+PDEATHSIG). The actor imports nothing of loom (nor torch): the driver sends this module by value
+(`ship_by_value`), and the process completes its environment itself (`loom.ray.rank_main`).
 
 Files: a process on the driver's node writes into the job's run directory itself; elsewhere (or when the driver
-asks for copies) it writes into a private directory on its node, and `poll` returns what was appended since the
-last poll (at most `FILE_BYTES_PER_POLL`), which the driver writes at the same relative path. A file that shrank
-(rewritten) is sent again from its start.
+asks for copies) into a private directory on its node, whose new bytes `poll` returns (at most
+`FILE_BYTES_PER_POLL`; a file that shrank is sent again from its start) for the driver to write at the same path.
 """
 
 from __future__ import annotations
