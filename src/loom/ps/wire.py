@@ -17,8 +17,6 @@ real, bounded size). A declared length is never used to allocate.
 Replay: the MAC covers the server's random *epoch* (drawn at its start), the client's random *session* and a
 sequence number strictly increasing within it, so a captured frame can be replayed neither within a session nor
 against a restarted server (`SessionTable`).
-
-Every dropped frame is counted by reason (`DropCounters`); the server never answers a dropped frame.
 """
 
 from __future__ import annotations
@@ -251,14 +249,12 @@ class DropCounters:
 
 
 class SessionTable:
-    """Replay protection on the server: per-session last sequence number, under this server's epoch.
+    """Replay protection on the server: per-session last sequence number, under this server's epoch (a HELLO,
+    which opens its session, carries epoch 0: the client does not know the epoch yet).
 
-    A HELLO frame carries epoch 0 (the client does not know the epoch yet) and opens its session; every other
-    frame must carry the current epoch. Each frame's sequence number must exceed the last one accepted in its
-    session. The table keeps the ``capacity`` most recently active sessions (a bound on memory against floods of
+    The table keeps the ``capacity`` most recently active sessions (a bound on memory against floods of
     authenticated hellos, which only holders of the secret can produce); a session evicted and then replayed
-    against could accept an old frame, so ``capacity`` should exceed the number of clients by a wide margin.
-    """
+    against could accept an old frame, so ``capacity`` should exceed the number of clients by a wide margin."""
 
     def __init__(self, epoch: int, capacity: int = 4096) -> None:
         self.epoch = epoch

@@ -3,9 +3,8 @@
 It completes loom's environment with what only the rank's own node knows, then hands over to
 `loom.launch.worker` (the entry point of `loom run`'s workers: dies with its actor, records its exception):
 ``GLOO_SOCKET_IFNAME`` becomes the interface that holds the node's Ray address (``LOOM_RAY_NODE_ADDRESS``), so
-gloo listens on the network Ray uses and nowhere else, unless the user chose an interface. This is done here
-and not in the actor, so that the actor never imports loom (and torch): it starts in a fraction of the time and
-memory.
+gloo listens on the network Ray uses and nowhere else, unless the user chose an interface. Done here, not in
+the actor, which never imports loom (`loom.ray.rank_host`).
 """
 
 from __future__ import annotations
