@@ -110,7 +110,7 @@ class _Collective(torch.autograd.Function):
     def forward(ctx, submit, grad, *tensors):
         ctx.grad = grad
         result = synchronize(submit(list(tensors)))
-        return tuple(result) if isinstance(result, list) else (result,)
+        return tuple(result) if isinstance(result, list | tuple) else (result,)
 
     @staticmethod
     def backward(ctx, *grads):

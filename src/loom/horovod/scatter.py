@@ -14,7 +14,7 @@ import torch
 
 from loom.horovod import basics
 from loom.horovod._ops import ADASUM, AVERAGE, SUM
-from loom.horovod.collectives import _differentiable, _reduce_args, _submit, grouped_allgather, synchronize
+from loom.horovod.collectives import _Collective, _differentiable, _reduce_args, _submit, grouped_allgather
 from loom.horovod.compression import Compression
 
 __all__ = [
@@ -51,23 +51,16 @@ def alltoall_async(tensor, splits=None, name=None, process_set=basics.global_pro
     return _submit("alltoall", [tensor], {"splits": counts}, name, process_set)
 
 
-class _AlltoallFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, splits, name, process_set):
-        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
-        ctx.received, ctx.process_set = received, process_set
-        ctx.mark_non_differentiable(received)
-        return output, received
-
-    @staticmethod
-    def backward(ctx, grad_output, *_):
-        grad, _ = alltoall(grad_output, splits=ctx.received, process_set=ctx.process_set)
-        return grad, None, None, None
-
-
 def alltoall(tensor, splits=None, name=None, process_set=basics.global_process_set):
     """Horovod's alltoall: ``(output, received_splits)`` when ``splits`` is given, else ``output``."""
-    output, received = _AlltoallFn.apply(tensor, splits, name, process_set)
+
+    def submit(tensors):
+        return alltoall_async(tensors[0], splits, name, process_set)
+
+    def grad(grads):  # each row's gradient sent back to the rank it came from
+        return [alltoall(grads[0], splits=received, process_set=process_set)[0]]
+
+    output, received = _Collective.apply(submit, grad, tensor)
     return output if splits is None else (output, received)
 
 
