@@ -7,12 +7,10 @@ save_checkpoint("ckpt", step, {"job": job.state_dict(), "loader": loader.state_d
 found = load_checkpoint("ckpt")          # (step, state) of the newest intact checkpoint, or None
 ```
 
-A checkpoint becomes visible only once all of it is on disk (`loom.checkpoint.store` has the protocol), and
-loading one reads within stated bounds (`loom.checkpoint.load`) and falls back past anything damaged or crafted
-(`loom.checkpoint.find`); `save_checkpoint_async` takes the snapshot immediately and writes it in the
-background. State that differs per process is stored one file per rank in the same checkpoint: written by
-each process into the staging directory under `loom.fit` (`loom.train.fit_checkpoint`), or handed to one writer
-packed (``local_states=``, `pack_state`); read back with `read_local_state` or `read_checkpoint_part`.
+A checkpoint becomes visible only once all of it is on disk (`loom.checkpoint.store`); loading reads within
+stated bounds (`loom.checkpoint.load`) and falls back past anything damaged or crafted (`loom.checkpoint.find`).
+State that differs per process is one file per rank in the same checkpoint (`pack_state`, `read_local_state`,
+`read_checkpoint_part`). Format, commit protocol and limits: docs/checkpoints.md.
 """
 
 from loom.checkpoint.background import AsyncCheckpoint, save_checkpoint_async

@@ -1,17 +1,12 @@
 """How much reading one checkpoint may cost: the bounds `loom.checkpoint.load` checks before it allocates.
 
 A checkpoint directory is input like any other (a bad disk, a half-copied backup, a hostile user): every size
-read from it is checked against these bounds *before* memory is allocated for it, and JSON before it is parsed,
-so a crafted checkpoint costs bounded memory and time and ends in `CorruptCheckpointError`, which makes
-loading fall back to the previous checkpoint.
+read from it is checked against these bounds *before* memory is allocated for it, and JSON before it is
+parsed, so a crafted checkpoint costs bounded memory and time and ends in `CorruptCheckpointError`.
 
-The defaults are loom's own bound on what a crafted file may cost whatever its manifest says; they admit every
-checkpoint `loom.fit` writes up to about 1,000 ranks (`loom.checkpoint.rng` packs each rank's RNG state into
-a dozen JSON values) and refuse what a parser would choke on (values and their measured cost:
-docs/checkpoints.md). `save_checkpoint` refuses a state whose JSON would break them, so nothing loom writes is
-unreadable with the limits it was saved under; a genuine larger checkpoint is read with larger limits, which
-the refusal names. Each file is also read within its tighter *read budget* from the manifest
-(``entries``; `ReadLimits.budgeted`), capped by these absolute bounds.
+The defaults admit every checkpoint `loom.fit` writes up to about 1,000 ranks and refuse what a parser would
+choke on (their cost: docs/checkpoints.md#limits); `save_checkpoint` refuses a state whose JSON would break
+them. Each file is also read within its tighter *read budget* from the manifest (`ReadLimits.budgeted`).
 """
 
 from __future__ import annotations
@@ -45,9 +40,8 @@ class ReadLimits:
     """Size of ``state.json`` (the state's tree without its tensors) and of a packed state's JSON: read whole,
     and its strings kept, so about twice this in memory."""
     max_json_values: int = 100_000
-    """JSON values in one document, counted as commas plus opening brackets plus one (about one Python
-    object each, so this bounds the ~70-350 bytes per value a parsed and decoded document costs beyond its
-    text, and the time to decode it)."""
+    """JSON values in one document (commas plus opening brackets plus one): about one Python object each, so
+    this bounds what a parsed and decoded document costs beyond its text, and the time to decode it."""
     max_json_depth: int = 100
     """How deeply JSON arrays and objects may nest: far below Python's recursion limit, which the parser and
     `unflatten_state` would otherwise hit."""
@@ -55,8 +49,7 @@ class ReadLimits:
     """Digits in one JSON number. Python refuses to convert longer integers (``sys.int_max_str_digits``
     defaults to 4300) and converting them takes quadratic time; a float never needs more than 17."""
     max_header_bytes: int = 8 << 20
-    """A safetensors header's length (about 100 bytes per tensor: room for ~150,000 tensors; safetensors itself
-    allows 100 MB, which cost ~700 MiB to parse)."""
+    """A safetensors header's length (about 100 bytes per tensor: room for ~150,000 tensors)."""
     max_tensor_bytes: int | None = field(default_factory=physical_memory)
     """Size of one tensor file (``tensors.safetensors`` or a rank file). The default is this machine's
     physical memory, since every byte of it becomes a tensor in memory; None for no bound."""

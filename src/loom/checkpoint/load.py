@@ -2,22 +2,16 @@
 
 `read_checkpoint` reads one checkpoint (`read_checkpoint_part`: the shared files and one rank's own) and
 raises `CorruptCheckpointError` naming the first file found wrong and how (`loom.checkpoint.find` walks back
-past it). "Wrong" covers damage (missing, truncated, a sha256 that differs from the manifest, JSON that does
-not parse or does not match the tensor file) and input crafted to exhaust the reader, each refused before the
-allocation it would cause: symbolic links and non-regular files (`loom.checkpoint.confined`), sizes beyond the
-manifest or `ReadLimits` (from `fstat`), costly JSON (`loom.checkpoint.bounded_json`), safetensors headers that
-do not fit the file (`loom.checkpoint.tensor_file`), and JSON beyond the file's read budget
-(`ReadLimits.budgeted`). The full list, the limits and their measured cost: docs/checkpoints.md. Manifests of
-format 1 (no budgets) are refused, naming `loom.checkpoint.upgrade_checkpoint`.
-
-Every file is read once: the sha256 is computed on the same pass that fills the tensors, and rank files are
-only hashed (1 MiB at a time) by `read_checkpoint`, read and unpacked by `read_local_state` and
-`read_checkpoint_part` (the caller's own; the others are not opened).
+past it): damaged (missing, truncated, a sha256 unlike the manifest's, JSON that does not parse or does not
+match the tensor file) or crafted to exhaust the reader, refused before the allocation it would cause (links
+and non-regular files: `loom.checkpoint.confined`; sizes beyond the manifest or `ReadLimits`; costly JSON:
+`loom.checkpoint.bounded_json`; safetensors headers: `loom.checkpoint.tensor_file`; JSON beyond the file's read
+budget). The full list and the limits: docs/checkpoints.md#reading. Manifests of format 1 are refused, naming
+`loom.checkpoint.upgrade_checkpoint`. Every file is read once, its sha256 computed on the same pass.
 
 Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
-before its sha256 can be compared (hashing first would read every genuine checkpoint twice), so the bound on
-what a crafted tensor file costs is that limit, by default the machine's memory. The read budgets come from
-the manifest: an adversary who rewrites the budgets as well is bounded by the absolute `ReadLimits` alone.
+before its sha256 can be compared (hashing first would read every genuine checkpoint twice). An adversary who
+rewrites the manifest's budgets as well is bounded by the absolute `ReadLimits` alone.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Checkpoints on disk: one directory per step, a manifest of checksums, and a `latest` pointer moved last.
 
-Layout (``step-NNNNNNNN/`` with ``state.json``, ``tensors.safetensors``, optional ``rank-RRRRR.safetensors``
-per rank, ``manifest.json``; ``latest`` beside them), manifest fields and the commit protocol step by step:
-docs/checkpoints.md. The guarantee: a crash at any instant leaves ``latest`` naming a whole checkpoint, because
-every file is fsynced into a fresh ``.tmp-*`` staging directory (`open_staging`, `write_rank_file`, `publish`:
-manifest last), which is renamed to ``step-NNNNNNNN`` atomically before ``latest`` is replaced atomically, and
-only then are older checkpoints beyond ``keep`` retired (through ``.trash-*``, never visible half-deleted) along
-with any *newer* one (a crashed run's timeline, which this run has replaced).
+The layout, the manifest and the commit protocol step by step: docs/checkpoints.md. The guarantee: a crash at
+any instant leaves ``latest`` naming a whole checkpoint, because every file is fsynced into a fresh ``.tmp-*``
+staging directory (manifest last), which is renamed to ``step-NNNNNNNN`` atomically before ``latest`` is
+replaced atomically; only then are checkpoints beyond ``keep``, and any newer one (a crashed run's timeline),
+retired through ``.trash-*``. Per-rank files let each process write the part it alone holds into the same
+commit; only its manifest entry travels. `encode_state` refuses what `loom.checkpoint.load` would refuse.
 
-Reading is `loom.checkpoint.load`, which trusts nothing and falls back past damaged checkpoints. So that loom
-never writes what it would then refuse to read, `encode_state` refuses a state whose JSON breaks the default
-bounds. Per-rank files let every process write the piece of the state it alone holds (a pipeline stage,
-gradient compression's error feedback) into the same atomic commit without sending it to the writer: only its
-manifest entry travels; `read_local_state` and `load.read_checkpoint_part` read one back.
-
-Limits: one writer per directory (temporary directories of crashed writers are removed by the next save, so
-two jobs saving into one directory would disturb each other). Saving holds a serialized copy of the
-tensors in memory while it writes. Re-saving the step that ``latest`` names has a short window in which a
-crash leaves ``latest`` naming nothing; loading then falls back to the previous checkpoint.
+Limits: one writer per directory (the next save removes other writers' staging directories). Saving holds a
+serialized copy of the shared tensors in memory. Re-saving the step ``latest`` names has a short window in
+which a crash leaves ``latest`` naming nothing; loading then falls back to the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -119,12 +111,9 @@ def save_checkpoint(
     *,
     local_states: Sequence[bytes] = (),
 ) -> Path:
-    """Write ``state`` as the checkpoint of ``step``, durably, and return its path.
-
-    ``state`` is a nested dict of tensors, None, bools, ints, floats, strings, lists, tuples and dicts, e.g.
-    ``{"job": job.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()}``. ``local_states[r]`` is
-    rank r's own state packed with `pack_state`, written to `local_state_file` ``(r)``. Only the newest
-    ``keep`` checkpoints (by step) are kept. When this returns, the checkpoint is on disk and ``latest`` names it.
+    """Write ``state`` (a nested dict of tensors, None, bools, ints, floats, strings, lists, tuples and dicts)
+    as the checkpoint of ``step``, keeping the newest ``keep``; ``local_states[r]`` is rank r's `pack_state`
+    bytes. When this returns, the checkpoint is durable and ``latest`` names it; returns its path.
     """
     validate_save_arguments(step, state, keep, local_states)
     skeleton, tensors = flatten_state(state)
@@ -239,10 +228,8 @@ def publish(
 
 
 def file_entries(name: str, data: bytes) -> int:
-    """The read budget of checkpoint file ``name`` holding ``data``, in entries: the JSON values of its JSON
-    (``state.json``; a safetensors file's header and, for a packed state, the skeleton inside it), or its JSON
-    bytes divided by `BYTES_PER_ENTRY` where that is more (long strings). Reading allows no more values than
-    this and no more JSON bytes than this many entries of `BYTES_PER_ENTRY`."""
+    """The read budget of checkpoint file ``name`` holding ``data``, in entries (what counts:
+    docs/checkpoints.md#on-disk; what reading allows for it: `ReadLimits.budgeted`)."""
     text = data if name == STATE_FILE else data[8 : 8 + int.from_bytes(data[:8], "little")]
     values = count_json_values(text)
     if name != STATE_FILE:

@@ -2,19 +2,9 @@
 
 A checkpoint state is a tree of dicts, lists and tuples whose leaves are tensors, ``None``, bools, ints, floats
 and strings. `flatten_state` returns a JSON-able *skeleton* in which every tensor is a placeholder naming its
-key in the tensor file, its path in the tree (e.g. ``job/optimizer/state/0/exp_avg``, so a safetensors file can
-be read on its own); `unflatten_state` puts the tensors back.
-
-JSON alone would lose what PyTorch's state_dicts rely on, so a few shapes are tagged with a ``"__loom__"`` key:
-
-- a tuple (Adam's ``betas``) is ``{"__loom__": "tuple", "items": [...]}``, a list stays a JSON array;
-- a dict whose keys are not all strings (an optimizer's ``state`` is keyed by parameter index), or that has a
-  ``"__loom__"`` key of its own, is ``{"__loom__": "dict", "items": [[key, value], ...]}``, keys encoded like
-  values, so ``{0: ...}`` and ``{"0": ...}`` stay distinct;
-- an ``OrderedDict`` (a module's state_dict) is ``"odict"``, with the ``_metadata`` attribute PyTorch keeps on it
-  (module versions that ``load_state_dict`` reads), when there is one;
-- a non-finite float is ``{"__loom__": "float", "value": "nan"}`` (strict JSON has no NaN or Infinity).
-
+key in the tensor file (its path in the tree, e.g. ``job/optimizer/state/0/exp_avg``); `unflatten_state` puts
+the tensors back. What JSON alone would lose (tuples, non-string keys, ``OrderedDict`` with its
+``_metadata``, non-finite floats) is tagged with a ``"__loom__"`` key: docs/checkpoints.md#the-states-json.
 Finite floats are written with ``repr``, which round-trips every double exactly. `pack_state` puts both parts
 in one self-contained safetensors file (the skeleton in the header's metadata): the form a per-rank state
 travels and is stored in.
@@ -187,12 +177,8 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def pack_state(state: Any) -> bytes:
-    """``state`` as the bytes of one safetensors file: its tensors, and its skeleton as JSON in the metadata
-    (`PackedState`'s file, joined).
-
-    The bytes are a snapshot: later in-place updates of ``state``'s tensors do not reach them. Raises
-    ``ValueError`` when the skeleton's JSON breaks the default `ReadLimits` (`unpack_state` would refuse it).
-    """
+    """``state`` as the bytes of one safetensors file (`PackedState`'s, joined): a snapshot. Raises
+    ``ValueError`` when the skeleton's JSON breaks the default `ReadLimits` (`unpack_state` would refuse it)."""
     return b"".join(PackedState(state).chunks())
 
 
@@ -210,13 +196,10 @@ def readable_json(document: Any, what: str) -> bytes:
 
 
 class PackedState:
-    """``state`` as `pack_state` lays it out, without the bytes: the safetensors header built now, the tensors
-    kept by reference and streamed by `chunks`. What each rank writes its own checkpoint file from, so the file
-    costs the header's memory only, not a serialized copy of the state (safetensors' ``save`` builds one,
-    and transiently a second).
-
-    The tensors are *not* a snapshot: the caller writes before anything updates them (`loom.fit` saves
-    between steps). Raises like `pack_state` for a state it could not unpack."""
+    """``state`` as one safetensors file, without the bytes: the header (its tensors, and its skeleton as JSON
+    in the metadata) built now, the tensors kept by reference and streamed by `chunks`, so writing a rank's file
+    costs the header's memory, not a serialized copy. The tensors are *not* a snapshot: write before anything
+    updates them (`loom.fit` saves between steps). Raises like `pack_state`."""
 
     def __init__(self, state: Any) -> None:
         skeleton, tensors = flatten_state(state)
