@@ -3,24 +3,12 @@ with their bounds, so that any number of processes can reassemble it.
 
 Every parameter is flattened (row-major, as ``tensor.reshape(-1)``) and each rank holds a contiguous range
 ``[lo, hi)`` of it: stage 1 cuts the concatenation of all parameters into one piece per rank (`FlatShards`),
-FSDP2 (stages 2 and 3) cuts each parameter on its first dimension, which is also a contiguous range of the
-flattened tensor. Each rank writes, under the original parameter names (``model.named_parameters()``):
-
-```
-{"format": "loom-zero/1", "stage": s, "world_size": N, "rank": r, "step": k,
- "params":    {name: {"shape": [...], "lo": lo, "hi": hi, "value": piece}},
- "optimizer": {"groups": [{hyperparameters..., "names": [...]}],
-               "sharded": {name: {key: piece}},     # state shaped like the parameter (momentum, Adam's moments)
-               "whole": {name: {key: value}}},      # state of another shape (Adam's step counter)
- "buffers":   {name: tensor},                       # replicated, written by every rank
- "aliases":   {name: name}}                         # tied parameters: a second name of a saved one
-```
-
-Reading is the same at any world size (`load_pieces`): for each piece this rank holds now, copy the
-overlapping ranges of every saved piece; a rank checks that every element of its pieces was found. The format
-supports optimizers whose state is elementwise per parameter (SGD, Adam, AdamW, ...), the same restriction
-sharding itself needs. `full_state_dict` reassembles the whole model from every rank's part, without a process
-group (``loom export``).
+FSDP2 (stages 2 and 3) cuts each parameter on its first dimension. Each rank writes its pieces under the
+original parameter names (the layout: docs/checkpoints.md#a-shardeddataparallel-ranks-part). Reading is the
+same at any world size (`load_pieces`): each piece this rank holds now copies the overlapping ranges of every
+saved piece, and every element must be found. Only optimizers whose state is elementwise per parameter (SGD,
+Adam, AdamW, ...) are supported, as sharding itself needs. `full_state_dict` reassembles the whole model from
+every rank's part without a process group (``loom export``).
 """
 
 from __future__ import annotations
@@ -88,8 +76,9 @@ def rank_state(
     rank: int,
     step: int,
 ) -> dict[str, Any]:
-    """This rank's part of the checkpoint (the module docstring's layout). The pieces refer to live tensors
-    (no copy), as `loom.checkpoint.tree.PackedState` expects: write them before the next step."""
+    """This rank's part of the checkpoint (docs/checkpoints.md#a-shardeddataparallel-ranks-part). The pieces
+    refer to live tensors (no copy), as `loom.checkpoint.tree.PackedState` expects: write them before the next
+    step."""
     by_param = {id(p.param): p for p in layout.pieces}
     params, sharded, whole = {}, {}, {}
     for piece in layout.pieces:
