@@ -1,16 +1,12 @@
 """Asynchronous checkpoints: copy the state now, write it while training goes on.
 
-`save_checkpoint_async` takes the snapshot inside the call: every tensor is cloned to fresh CPU memory and the
-rest of the tree encoded to JSON before it returns, so the next optimizer step (which updates parameters and
-optimizer moments in place) cannot leak into the checkpoint. Only the file writes, fsyncs and renames happen on
-a background thread, with the same commit protocol as `save_checkpoint`.
+`save_checkpoint_async` takes the snapshot inside the call (every tensor cloned to fresh CPU memory, the rest
+encoded to JSON), so the next optimizer step cannot leak into the checkpoint; only the writes, fsyncs and
+renames run on a background thread, with `save_checkpoint`'s commit protocol. At most one asynchronous save is
+in flight per process (a second waits for the first, raising if it failed), which bounds the snapshots to one
+copy of the state. The writer thread is not a daemon, so a normal interpreter exit lets it finish.
 
-At most one asynchronous save is in flight per process: a second call first waits for the first (and raises if
-it failed), which also bounds the memory held by snapshots to one copy of the state. The writer thread is not a
-daemon, so a normal interpreter exit lets a pending checkpoint finish.
-
-Limits: the snapshot costs one copy of every tensor in host memory and the time to make it (a device-to-host
-copy for GPU tensors); it is the training loop's pause, the disk time is not.
+Limits: the snapshot (a host copy of every tensor) is the training loop's pause; the disk time is not.
 """
 
 from __future__ import annotations

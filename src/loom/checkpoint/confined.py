@@ -1,15 +1,14 @@
 """Open a checkpoint's files only where they are: regular files in a real directory inside the checkpoint
 directory, never through a symbolic link, and read them within a stated size.
 
-A ``step-*`` entry or a file in it that is a symbolic link could make loading read anything the process can
-read (another run's checkpoint, a device, a FIFO that blocks forever), so links are refused, not followed.
-The step directory is opened with ``O_NOFOLLOW`` and its files relative to that descriptor (``dir_fd``), also
-with ``O_NOFOLLOW``, so nothing can be swapped for a link between the check and the open. Files are opened
-non-blocking (a FIFO cannot hang the open) and `fstat` must say "regular file" before a byte is read; sizes
-come from that same `fstat`, so they are known before anything is allocated.
+A link inside a checkpoint could make loading read anything the process can read (another run's checkpoint, a
+device, a FIFO that blocks forever), so links are refused, not followed: the step directory is opened with
+``O_NOFOLLOW`` and its files relative to that descriptor (``dir_fd``, ``O_NOFOLLOW``), so nothing can be
+swapped for a link between the check and the open; files are opened non-blocking and `fstat` must say
+"regular file" (and give the size) before a byte is read.
 
-Limits: POSIX only (``O_NOFOLLOW``, ``dir_fd``). The directory given by the caller may itself be reached
-through links; only what is inside it is confined. A hard link is a regular file and is read like one.
+Limits: POSIX only. The directory given by the caller may itself be reached through links; only what is inside
+it is confined. A hard link is a regular file and is read like one.
 """
 
 from __future__ import annotations

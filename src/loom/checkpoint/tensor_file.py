@@ -1,15 +1,11 @@
 """Read a safetensors file piece by piece, checking its header against the file's size before allocating.
 
-The safetensors layout: an 8-byte little-endian header length N, N bytes of JSON mapping each tensor's name to
-``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data that follows the header)
-plus an optional ``"__metadata__"`` of strings, then the data, which the tensors cover exactly, in order,
-without gaps. `read_tensor_file` checks N against the file size and `ReadLimits.max_header_bytes`, parses the
-header with `parse_json`, and checks that every dtype is known, every shape's bytes equal its offsets' span
-and the spans tile the data exactly, *before* allocating anything; then it reads each tensor straight into
-its own memory (never the whole file into one buffer and again into tensors, as ``safetensors.torch.load`` on
-bytes would), hashing every byte on the way, so the caller compares the file's sha256 without a second read.
-A header that lies about lengths fails with a ``ValueError`` that names the entry, after reading at most the
-header.
+`read_tensor_file` checks the header's length against the file and `ReadLimits.max_header_bytes`, parses it
+with `parse_json`, and checks that every dtype is known, every shape's bytes equal its offsets' span and the
+spans tile the data exactly, *before* allocating anything; a header that lies fails with a ``ValueError``
+naming the entry, after reading at most the header. Then each tensor is read straight into its own memory
+(not the whole file into one buffer first, as ``safetensors.torch.load`` on bytes would), every byte hashed on
+the way, so the caller compares the file's sha256 without a second read.
 """
 
 from __future__ import annotations
