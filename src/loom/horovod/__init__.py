@@ -1,13 +1,10 @@
 """Horovod's PyTorch API on loom: change ``import horovod.torch as hvd`` to ``import loom.horovod as hvd`` and
 ``horovodrun -np N python train.py`` to ``loom run -n N train.py``.
 
-Names and semantics follow ``horovod.torch`` (every name and its status: docs/horovod.md), re-exported from
-`basics`, `collectives`, `scatter`, `functions`, `optimizer`, with `elastic` on loom's restarts.
-Collectives are matched across ranks by name by a negotiation thread (`loom.horovod._engine`), as Horovod's
-controller does; objects travel without pickle (`loom.horovod._objects`). Process sets other than the global
-one, Adasum, the timeline, SyncBatchNorm and the MPI/NCCL/CCL/DDL controllers raise `NotImplementedError`
-naming the feature (never a silent difference).
-
+Names and semantics follow ``horovod.torch``, re-exported from `basics`, `collectives`, `scatter`, `functions`,
+`optimizer`, with `elastic` on loom's restarts; how it works, and every name with its status: docs/horovod.md.
+What loom does not have (process sets other than the global one, Adasum, the timeline, SyncBatchNorm, the
+MPI/NCCL/CCL/DDL controllers) raises `NotImplementedError` naming the feature, never a silent difference.
 Importing this module does nothing to the process; `init()` does what a job needs.
 """
 

@@ -1,23 +1,17 @@
 """The negotiation engine: Horovod's controller, written over one gloo process group.
 
-Horovod matches collectives across ranks by *name*, not by call order: a rank announces the operations it
-has been asked for, and an operation runs once every rank has announced it. That is what lets ranks submit
-gradients in different orders, lets `join` stand in for a rank that ran out of data, and lets a mismatch of
-shapes or dtypes become an error on every rank instead of a hang. This engine does the same:
+Horovod matches collectives across ranks by *name*, not by call order: an operation runs once every rank has
+announced it, so ranks may submit gradients in different orders, `join` can stand in for a rank that ran out
+of data, and a mismatch of shapes or dtypes becomes an error on every rank instead of a hang. Here each
+submitted `Request` gets a name (the caller's, or ``<kind>.noname.<n>``) and a JSON description
+(`Request.meta`). One background thread runs *cycles*: one all-gather of every rank's new announcements (a
+second, larger round only when a message does not fit the fixed buffer) updates the table name -> {rank:
+meta}, then every operation that all active (not joined) ranks have announced runs, in the order names were
+first announced. Every rank sees the same table, so every rank takes the same decision: run it
+(`loom.horovod._ops`) or fail it with the same `RuntimeError` naming the ranks and the difference.
 
-* each submitted `Request` gets a name (the caller's, or ``<kind>.noname.<n>``) and a small JSON description
-  (`Request.meta`: kind, dtypes, shapes, op, scaling, root, splits);
-* one background thread runs *cycles*: it all-gathers every rank's new announcements (JSON in a fixed-size
-  byte buffer, one gloo all-gather per cycle; a larger second round only when a message does not fit), keeps
-  the table name -> {rank: meta}, and runs, in the order names were first announced, every operation that all
-  ranks still active (not joined) have announced;
-* every rank sees the same table, so every rank takes the same decision: run it (`loom.horovod._ops`), or fail
-  it with the same `RuntimeError` naming the ranks and the difference;
-* idle cycles back off to ``HOROVOD_CYCLE_TIME`` milliseconds (default 5), and to 50 ms after 2 s without
-  any operation, so a waiting job costs little; a submission wakes this rank's engine at once, a peer's
-  within its current sleep.
-
-No pickle anywhere: announcements are JSON, data moves as raw tensor bytes.
+Idle cycles back off to ``HOROVOD_CYCLE_TIME`` milliseconds (default 5), and to 50 ms after 2 s without any
+operation; a submission wakes this rank's engine at once, a peer's within its current sleep.
 """
 
 from __future__ import annotations

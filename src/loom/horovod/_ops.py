@@ -1,14 +1,12 @@
 """The data movement of each collective, run by the engine once every rank has announced it.
 
-Every function here receives the metadata of *all* ranks (`loom.horovod._request.Request.meta`), so the checks
-(`check`) give the same verdict on every rank, and variable sizes (allgather's first dimensions, alltoall's
-splits) are known without another exchange. Data that is only moved (allgather, broadcast, alltoall) travels
-as raw bytes, so every dtype works the same way; reductions run in the tensor's dtype on gloo (int16, which
-gloo cannot reduce, through int32), summations optionally through one of loom's all-reduce algorithms
-(``LOOM_HOROVOD_ALLREDUCE=ring|driver|shm|auto``; default ``native``, the backend's).
-
-Scaling follows Horovod: ``prescale_factor`` before the reduction, ``postscale_factor`` (divided by the size
-for ``Average``) after it; integer tensors are scaled in float64 and truncated back, half precision in float32.
+Every function here receives the metadata of *all* ranks (`loom.horovod._request.Request.meta`), so `check`
+gives the same verdict on every rank, and variable sizes (allgather's first dimensions, alltoall's splits) are
+known without another exchange. Data that is only moved travels as raw bytes, so every dtype works alike;
+reductions run in the tensor's dtype on gloo (int16, which gloo cannot reduce, through int32), float sums on
+the loom all-reduce ``LOOM_HOROVOD_ALLREDUCE`` names (default ``native``: gloo's). Scaling follows Horovod:
+``prescale_factor`` before the reduction, ``postscale_factor`` (divided by the size for ``Average``) after it;
+integer tensors are scaled in float64 and truncated back, half precision in float32.
 """
 
 from __future__ import annotations

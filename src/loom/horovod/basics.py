@@ -1,10 +1,9 @@
 """Horovod's process queries and constants on loom's topology: `init`, `rank`, `size`, `Average`, ...
 
-`init()` joins the job through `loom.init()` (so ``loom run -n N train.py`` and plain ``python train.py`` both
-work), then starts the negotiation engine (`loom.horovod._engine`) on a gloo process group of its own, so that
-a script's own ``torch.distributed`` calls never interleave with Horovod's. `shutdown()` stops the engine but
-keeps loom's process group, so ``init -> shutdown -> init`` works as it does with Horovod's gloo controller; the
-group itself is left by `loom.shutdown` at exit. What loom does not have is refused by name (`loom.horovod`).
+`init()` joins the job through `loom.init()`, then starts the negotiation engine (`loom.horovod._engine`) on a
+gloo process group of its own, so that a script's own ``torch.distributed`` calls never interleave with
+Horovod's. `shutdown()` stops the engine but keeps loom's process group (left by `loom.shutdown` at exit), so
+``init -> shutdown -> init`` works as with Horovod's gloo controller.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """`DistributedOptimizer`: Horovod's optimizer wrapper, gradients all-reduced as backward produces them.
 
-Each parameter's gradient is submitted (``allreduce_async_``, named after the parameter) as soon as autograd
-has accumulated it (a post-accumulate-grad hook) on the ``backward_passes_per_step``-th backward pass, so
-communication overlaps the rest of backward; `step` (or `synchronize`) waits for all of them. Parameters
-whose gradient was not computed on this rank are all-reduced as zeros at `synchronize`, because another
-rank may have computed theirs (the engine matches them by name, in any order). Gradients of several
-backward passes are summed by autograd, as in Horovod: divide the loss by ``backward_passes_per_step`` to
-average them.
-
-The returned object is an instance of a subclass of the wrapped optimizer's class (as Horovod's is), sharing
-its ``param_groups`` and ``state``.
+Each parameter's gradient is submitted (``allreduce_async_``, named after the parameter) from a
+post-accumulate-grad hook on the ``backward_passes_per_step``-th backward pass, so communication overlaps the
+rest of backward; `step` (or `synchronize`) waits for all of them, and all-reduces as zeros the gradients this
+rank did not compute (another rank may have: the engine matches them by name). Gradients of several backward
+passes are summed, as in Horovod: divide the loss by ``backward_passes_per_step`` to average them. The
+returned object is an instance of a subclass of the wrapped optimizer's class (as Horovod's is), sharing its
+``param_groups`` and ``state``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Horovod's alltoall and reducescatter (with ``_async`` and grouped forms), on the engine of
-`loom.horovod.collectives`.
-
-``alltoall`` moves rows: ``splits[i]`` consecutive rows go to rank i (equal splits by default); it returns
-``(output, received_splits)`` when ``splits`` is given, else ``output``. ``reducescatter`` reduces over all
-ranks (``Average`` or ``Sum``, with Horovod's pre/post scaling) and keeps this rank's rows of the first
-dimension, the first ``rows % size`` ranks one row more. On gloo it runs as an all-reduce and a slice (gloo's
-reduce-scatter needs equal pieces): correct for any shape, at twice the traffic of a true reduce-scatter.
+`loom.horovod.collectives`. On gloo, reducescatter runs as an all-reduce and a slice (gloo's reduce-scatter
+needs equal pieces): correct for any shape, at twice the traffic of a true reduce-scatter.
 """
 
 from __future__ import annotations
