@@ -1,18 +1,14 @@
 """Parse JSON from a checkpoint only after checking, without recursion, that parsing it is cheap and safe.
 
-Python's `json.loads` recurses once per nesting level (a few thousand ``[`` raise `RecursionError`), raises
-`ValueError` on an integer longer than ``sys.int_max_str_digits`` (and converts long ones in quadratic
-time), and builds ~70 bytes of objects per value. `parse_json` measures all three on the raw bytes first,
-with linear passes in C (regular expressions, `bytes.count`) and numpy:
-
-1. remove every backslash escape (in valid JSON they occur only inside strings), then every string; what is
-   left holds only brackets, commas, colons, numbers and literals, so
-2. the longest run of digits is the longest number, commas plus ``[`` plus ``{`` count the values, and
-3. the running sum of +1 per ``[``/``{`` and -1 per ``]``/``}`` is the nesting depth (in chunks, so the
-   scan needs a bounded amount of memory).
-
-On JSON that is not valid the scan may over- or under-count, but only in text `json.loads` then rejects
-before it nests any deeper than the scan saw.
+Python's `json.loads` recurses once per nesting level (a few thousand ``[`` raise `RecursionError`), refuses
+integers longer than ``sys.int_max_str_digits`` (and converts long ones in quadratic time), and builds an
+object per value. `parse_json` measures all three on the raw bytes first, in linear passes in C (regular
+expressions, `bytes.count`) and numpy: once every backslash escape and then every string is removed, what is
+left holds only brackets, commas, colons, numbers and literals, so the longest run of digits is the longest
+number, commas plus ``[`` plus ``{`` count the values, and the running sum of +1 per ``[``/``{`` and -1 per
+``]``/``}`` is the nesting depth (summed in chunks, so the scan's memory is bounded). On JSON that is not valid
+the scan may over- or under-count, but only in text `json.loads` then rejects before it nests any deeper than
+the scan saw.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Writes that survive a crash: fsync the file, then the directory that names it.
 
-POSIX makes a rename atomic, but not durable: after a power loss the new name may point at a file whose data
-never reached the disk, unless the data was fsynced before the rename and the directory after it. Everything
-here follows that order. (A process crash alone, e.g. SIGKILL, loses nothing the kernel already accepted; the
-fsyncs are for machine crashes.)
+A rename is atomic but not durable: after a power loss the new name may point at data that never reached the
+disk, unless the data was fsynced before the rename and the directory after it; everything here follows that
+order (a process crash alone, e.g. SIGKILL, loses nothing the kernel already accepted).
 
 Limits: some network filesystems do not honour fsync on directories; `fsync_directory` then does nothing
 (it ignores the ``EINVAL``/``EBADF``/``EISDIR`` they raise), and durability is only as good as the filesystem.

@@ -1,12 +1,10 @@
 """``loom export CHECKPOINT OUT.safetensors``: the whole model's state dict, under its original names, from any
 loom checkpoint, in one process, without a process group.
 
-A replicated job's checkpoint (`DataParallel` and the others whose state is the same on every rank) holds the
-model in its shared state (``job.model``); a `ShardedDataParallel` checkpoint holds it in pieces, one file per
-rank, each piece with its bounds (`loom.checkpoint.sharded_state`), reassembled here one rank's file at a time.
-Other sharded jobs (pipeline stages, tensor shards) keep their parts in layouts of their own and are refused,
-naming the fix. ``CHECKPOINT`` is a checkpoint directory of `loom.fit` (its newest intact checkpoint is
-exported) or one ``step-N`` directory in it. The output is a plain safetensors file of contiguous tensors:
+A replicated job's checkpoint holds the model in its shared state (``job.model``); a `ShardedDataParallel`
+checkpoint holds it in pieces, one file per rank (`loom.checkpoint.sharded_state`), reassembled here one rank's
+file at a time. Other sharded jobs' layouts are refused, naming the fix. ``CHECKPOINT`` is a `loom.fit`
+checkpoint directory (its newest intact checkpoint is exported) or one ``step-N`` directory in it;
 ``model.load_state_dict(safetensors.torch.load_file(OUT))`` restores the model.
 """
 

@@ -1,11 +1,8 @@
-"""Convert a checkpoint of format version 1 (before read budgets) to the current format, in place.
+"""Convert a checkpoint of format version 1 (without read budgets) to the current format, in place.
 
-Version 1 manifests list each file's size and sha256 only; version 2 adds each file's read budget
-(``entries``, see `loom.checkpoint.store.file_entries`), which reading enforces. Loading refuses version 1,
-since a crafted manifest could otherwise claim the old format to be read within the absolute limits alone;
-`upgrade_checkpoint` is the explicit step for a checkpoint known to be genuine. The files themselves are the
-same in both versions: only the manifest is rewritten (atomically), after every file's size and sha256 have
-been checked against it.
+Loading refuses version 1, since a crafted manifest could otherwise claim the old format to be read within the
+absolute limits alone; `upgrade_checkpoint` is the explicit step for a checkpoint known to be genuine. Only the
+manifest is rewritten (atomically), after every file's size and sha256 have been checked against it.
 """
 
 from __future__ import annotations

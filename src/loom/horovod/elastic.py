@@ -1,13 +1,11 @@
 """Horovod's elastic API (`run`, `State`, `ObjectState`, `TorchState`, `ElasticSampler`) on loom's restarts.
 
-Horovod keeps the surviving processes and re-forms the ring when a worker dies; loom restarts the whole
-worker group (``loom run --max-restarts N``). So a `commit()` is written to disk (rank 0, atomically:
-one safetensors file, the rest as JSON in its metadata; no pickle), and `run` starts each attempt by loading the
-last commit on rank 0 and broadcasting it (`State.sync`). Work since the last commit is redone, as in Horovod.
-
-Where commits go: ``$LOOM_HOROVOD_STATE_DIR``, else ``$LOOM_RUN_DIR/horovod_elastic`` (``loom run`` sets it),
-else nowhere (a single process outside ``loom run`` keeps them in memory). Host discovery (hosts joining a
-running job) is loom's launcher's business: `State.check_host_updates` never interrupts.
+Horovod keeps the surviving processes when a worker dies; loom restarts the whole worker group (``loom run
+--max-restarts N``). So rank 0 also writes each `commit()` to disk (one safetensors file, replaced atomically;
+no pickle), and `run` starts each attempt from the last commit, broadcast from rank 0 (`State.sync`); work
+since then is redone, as in Horovod. Commits go to ``$LOOM_HOROVOD_STATE_DIR``, else
+``$LOOM_RUN_DIR/horovod_elastic`` (``loom run`` sets it), else memory only. `State.check_host_updates` never
+interrupts: hosts joining a running job are the launcher's business.
 """
 
 from __future__ import annotations
