@@ -29,10 +29,8 @@ __all__ = ["ConfinedDirectory", "read_exact", "read_limited", "sha256_of"]
 
 class ConfinedDirectory:
     """A directory opened without following a link at its last component; files opened inside it only.
-
     `open` and `open_file` raise `CorruptCheckpointError` naming the path and why it cannot be read (missing,
-    a link, not a regular file).
-    """
+    a link, not a regular file)."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path

@@ -105,13 +105,9 @@ def newest_intact(
 def load_checkpoint(
     directory: str | os.PathLike, *, limits: ReadLimits = DEFAULT_LIMITS
 ) -> tuple[int, dict[str, Any]] | None:
-    """The newest intact checkpoint in ``directory`` as ``(step, state)``, or None if there is none.
-
-    Starts from the checkpoint ``latest`` names (the newest if there is no pointer yet) and walks back by
-    step past damaged ones, warning with `CorruptCheckpointWarning` for each, naming the file and the reason.
-    Raises `NoValidCheckpointError` when checkpoints exist but none is intact: starting over silently would
-    throw away a run. ``limits`` bounds what reading may allocate (`ReadLimits`). Every rank's file is
-    verified (`read_checkpoint`).
-    """
+    """The newest intact checkpoint in ``directory`` as ``(step, state)``, or None if there is none, every
+    rank's file verified (`read_checkpoint`) within ``limits``. Each damaged checkpoint on the way back
+    (`checkpoint_candidates`) is warned with `CorruptCheckpointWarning`, naming the file and the reason;
+    `NoValidCheckpointError` when checkpoints exist but none is intact (starting over would throw away a run)."""
     found = newest_intact(directory, limits=limits)
     return None if found is None else found[1:]

@@ -110,11 +110,9 @@ class _Flattener:
 
 
 def flatten_state(state: Any, *, clone: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Return ``(skeleton, tensors)``: a JSON-able copy of ``state`` and the tensors it refers to by key.
-
-    With ``clone=True`` every tensor is copied to fresh CPU memory, so the result cannot change afterwards;
-    otherwise CPU tensors that are already contiguous are shared with ``state``.
-    """
+    """``(skeleton, tensors)``: a JSON-able copy of ``state`` and the tensors it refers to by key. With
+    ``clone=True`` every tensor is copied to fresh CPU memory, so the result cannot change afterwards;
+    otherwise CPU tensors that are already contiguous are shared with ``state``."""
     flattener = _Flattener(clone)
     skeleton = flattener.encode(state, ())
     return skeleton, flattener.tensors

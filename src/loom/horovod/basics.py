@@ -121,11 +121,8 @@ _group = None  # the engine's gloo group, made once per process (a collective) a
 
 def init(comm=None, process_sets=None) -> None:
     """Join the job (`loom.init`) and start the engine; idempotent, and callable again after `shutdown`.
-
-    ``comm`` (an MPI communicator) and ``process_sets`` are refused: loom has one global process set.
-    ``HOROVOD_TIMELINE`` naming a file is refused (``DYNAMIC`` is accepted: it records nothing until
-    `start_timeline`, which is refused).
-    """
+    Refused: ``comm`` (MPI communicators), ``process_sets`` (loom has one global process set) and
+    ``HOROVOD_TIMELINE`` naming a file (``DYNAMIC`` records nothing until `start_timeline`, itself refused)."""
     global _engine_now, _group
     if comm is not None:
         raise refuse("init(comm=...) (MPI communicators)", "launch with `loom run -n N`")

@@ -102,9 +102,9 @@ def _reduce_args(op: int, prescale_factor, postscale_factor, grouped=False) -> d
 
 
 class _Collective(torch.autograd.Function):
-    """One collective made differentiable: ``forward`` waits for ``submit(tensors)`` (a handle whose result is a
-    tensor, or a list or tuple of them); ``backward`` gives the output gradients to ``grad``, the form's Horovod gradient
-    (see the module docstring), which returns one gradient per input."""
+    """One collective made differentiable: ``forward`` waits for ``submit(tensors)`` (a handle whose result is
+    a tensor, or a list or tuple of them); ``backward`` gives the output gradients to ``grad``, the form's
+    Horovod gradient (see the module docstring), which returns one gradient per input."""
 
     @staticmethod
     def forward(ctx, submit, grad, *tensors):

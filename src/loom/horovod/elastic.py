@@ -198,11 +198,8 @@ def _read_commit(directory: Path):
 
 
 def run(func):
-    """Decorate ``train(state, ...)``: each attempt starts from the last commit, broadcast from rank 0.
-
-    On a restart (``loom run --max-restarts``) the reset callbacks run before ``train``, as Horovod runs them
-    after a reset.
-    """
+    """Decorate ``train(state, ...)``: each attempt starts from the last commit, broadcast from rank 0; on a
+    restart (``loom run --max-restarts``) the reset callbacks run first, as Horovod runs them after a reset."""
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
@@ -223,10 +220,8 @@ def run(func):
 
 class ElasticSampler(torch.utils.data.Sampler):
     """Horovod's elastic sampler: shards what is left of this epoch's order over the current workers.
-
-    ``record_batch(batch_idx, batch_size)`` counts a batch as processed on every rank; its ``state_dict``
-    (epoch, processed count) goes into a `TorchState` commit, so a restarted job skips what was done.
-    """
+    ``record_batch`` counts a batch as processed on every rank; its ``state_dict`` (epoch, processed count)
+    goes into a `TorchState` commit, so a restarted job skips what was done."""
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0) -> None:
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed

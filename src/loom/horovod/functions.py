@@ -33,12 +33,10 @@ def broadcast_parameters(params, root_rank: int, process_set=basics.global_proce
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None, process_set=basics.global_process_set):
-    """Give every rank the root's optimizer state and hyperparameters (``param_groups``), in place.
-
-    Horovod runs a dummy ``step()`` with zero gradients on ranks whose state is empty, which moves parameters
-    with weight decay; loom loads the root's state into them instead (same result for the state, parameters
-    untouched). Like Horovod, parameters that require grad and have none get a zero gradient.
-    """
+    """Give every rank the root's optimizer state and hyperparameters (``param_groups``), in place. Where
+    Horovod runs a dummy ``step()`` on ranks without state (which moves parameters under weight decay), loom
+    loads the root's state (parameters untouched); parameters that require grad and have none get a zero
+    gradient, as in Horovod."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     for group in optimizer.param_groups:

@@ -159,11 +159,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=basics.global_process_set):  # fmt: skip
     """Wrap ``optimizer`` so that `step` applies gradients averaged (``op=Average``) or summed over all ranks.
-
-    ``gradient_predivide_factor`` f splits the averaging: gradients are multiplied by 1/f before the sum and by
-    f/size after it. ``num_groups``/``groups`` (Horovod's explicit fusion groups) are accepted and ignored
-    only when left at their defaults; loom fuses by dtype within each operation.
-    """
+    ``gradient_predivide_factor`` f splits the averaging: 1/f before the sum, f/size after it. ``num_groups``
+    and ``groups`` (explicit fusion groups) are refused unless left unset: loom fuses by dtype per operation."""
     if num_groups or groups:
         raise basics.refuse("DistributedOptimizer(num_groups=/groups=) (explicit fusion groups)",
                             "leave them unset")  # fmt: skip
