@@ -1,26 +1,16 @@
-"""Desync detection: a cheap periodic check that every replica holds the same parameters.
+"""Silent faults made loud: replicas that drift apart, and steps that turn the weights NaN.
 
-Data parallelism keeps replicas identical only by construction (the same start, the same all-reduced gradient, the
-same optimizer arithmetic); a bug (a rank skipping a step, a comm hook returning different values on different
-ranks, a stray in-place edit, a bit flip) breaks that silently. The check makes it loud: each rank computes a 64-bit
-fingerprint per parameter tensor, the ranks all-gather them (8 bytes per tensor, one collective), and the ranks that
-differ from the majority are named, with the first tensors that differ, on every rank alike (so nobody is left
-waiting).
+Data parallelism keeps replicas identical only by construction; a bug (a rank skipping a step, a comm hook that
+differs per rank, a stray in-place edit, a bit flip) breaks that silently. `check_replicas_agree` all-gathers an
+exact 64-bit fingerprint per parameter tensor (the tensor's bits as integers times position weights, summed with
+wrap-around on its device: one pass, no copy to the host) and names the ranks that differ from the majority, on
+every rank alike. Replicas of a correct job are bitwise equal, so there is no false alarm. Limits: two tensors
+share a fingerprint with a 2**-64 chance; buffers (BatchNorm statistics) are not compared; it is meant for
+replicated strategies, not sharded ones.
 
-The fingerprint is exact, not a float sum: the tensor's bits, read as integers, times position weights, summed with
-64-bit wrap-around on the tensor's device. It changes when any single element changes or two swap, and costs one
-pass over the parameters (no copy to the host). Replicas of a correct data-parallel job are bitwise equal, so exact
-comparison gives no false alarm.
-
-Limits: two different tensors can share a fingerprint (a 2**-64 chance per tensor for unrelated changes); only
-parameters are compared (buffers such as BatchNorm statistics may legitimately differ when not broadcast); it is
-meant for replicated strategies, not sharded ones.
-
-Non-finite steps are the other silent fault: one NaN sample on one rank makes the averaged gradient, then every
-replica's weights, NaN while training "succeeds". `NonFiniteGuard` is the policy strategies apply before the
-optimizer step: each rank flags a non-finite local loss (or local gradients) in a slot of the buffer it reduces
-anyway, and checks the *averaged* gradient, bitwise the same on every rank; so every rank reaches the same verdict
-(``policy``) without a collective of its own.
+`NonFiniteGuard` is the policy for a step whose loss or gradient is NaN or infinite on some rank: each rank sets a
+flag in a slot of the buffer it reduces anyway, so every rank judges the same flags and reaches the same verdict
+without a collective of its own.
 """
 
 from __future__ import annotations
@@ -54,7 +44,8 @@ _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64: spreads 
 
 
 def _fingerprint(tensor: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
-    """sum_i bits_i * w_i (mod 2**64), in chunks so the temporaries stay small (8 MB per chunk)."""
+    """sum_i bits_i * w_i (mod 2**64): any changed element or swapped pair changes it. In chunks, so the
+    temporaries stay small (8 MB per chunk)."""
     flat = tensor.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)

@@ -1,32 +1,10 @@
 """Faults injected at the step engine's own boundaries, keyed on (rank, step, phase): off unless asked.
 
-The tests of healing must kill a worker *inside* a step, at a collective the engine issues, which a script's loop
-cannot reach (``tests/workers/faults.py`` acts before a step only). So the engine calls `fault_point` at its phase
-boundaries, which acts when ``LOOM_FAULTS`` names this rank, step and phase. A job asks `planned` once at setup:
-unset, it gets None and its step calls nothing here (production runs the same code, one test of None per point).
-
-Text form: ``KIND@RANK:STEP:PHASE[#GENERATION]``, several joined by ``,``, e.g. ``"kill@1:3:during"``. Steps count
-from 1 (the step being attempted, ``job.step + 1``). ``#GENERATION`` (default 0) is the heal generation the launcher
-gives each process of a rank (``LOOM_HEAL_GENERATION``: 0 for the first, 1 for its first replacement...), so a
-replacement does not meet its predecessor's fault again. Kinds: ``kill`` (SIGKILL: a crash, nothing flushed),
-``freeze`` (SIGSTOP: a hang that is no crash), ``raise`` (a `InjectedFault` exception in the step: an error, not
-a death), ``slow`` (a pause of ``LOOM_FAULTS_SLOW_S`` seconds, default 3: a process that is late, not lost).
-
-Phases (`PHASES`), in the order a data-parallel step meets them:
-
-- ``before``: the step begins, before forward and backward;
-- ``during``: right before the step's one exchange collective (a round's, for LocalSGD and DiLoCo under heal),
-  which the other members have entered by then: a kill here leaves them inside it;
-- ``after``: the gradient exchange is complete on this member, before the commit vote;
-- ``commit``: after the commit vote said commit, before the optimizer step;
-- ``send``: a live member is about to send the training state to a replacement (the healing peer's failure);
-  here STEP counts this process's sends to replacements (1: its first), since the step at which a replacement
-  arrives depends on how long it took to start;
-- ``join``: a process (a replacement, with ``#GENERATION``) is about to announce that it is ready to join; STEP is
-  1 (a process joins once): ``slow@1:1:join#1`` makes rank 1's first replacement join late;
-- ``form``: a member listed in a membership epoch is about to build the epoch's group with the others; STEP counts
-  the epochs this process has been listed in (1: its first), so ``kill@2:2:form`` kills rank 2 while the others
-  wait for it to form its second epoch.
+The tests of healing must kill a worker *inside* a step, which a script's loop cannot reach, so the engine calls
+`fault_point` at its phase boundaries; it acts when ``LOOM_FAULTS`` names this rank, step and phase. A job asks
+`planned` once at setup: unset, it gets None and its step calls nothing here. The form
+(``KIND@RANK:STEP:PHASE[#GENERATION]``), the kinds and where each of `PHASES` is met: docs/fault-tolerance.md,
+"Injecting faults".
 """
 
 from __future__ import annotations

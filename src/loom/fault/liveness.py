@@ -1,22 +1,13 @@
 """Liveness apart from slowness: heartbeats on the watchdog's side channel, and a peer lost when they stop.
 
-A collective may legitimately take minutes (the hang timeout, `loom.fault.watchdog`), but a host that stops
-answering (a dead link, a partition, a dead machine) will never send anything, and waiting only hides the cause.
-So each poll the watchdog thread of every rank bumps its own counter in the job's store (``beat<r>``) and reads
-that of the next rank on a ring (``(r + 1) % world_size``), noting on its monotonic clock when it last moved: two
-store calls per rank per interval whatever the world size, nothing new listening. A peer is *lost* when its counter
-has not moved for ``liveness_timeout_s`` (`loom.fault.timeouts`), which knows nothing of collectives.
-
-The store lives on one host, so the side of a cut that keeps it names the rank across the cut (a ring crosses
-every cut), and the side cut off names the store's host and its watched peer once its own store calls fail for
-the timeout. Either side then ends its process as a hang does; detection takes between the timeout and the
-timeout plus one store call (``STORE_CALL_S``) and one poll. A peer that has not beaten yet is not judged, and a
-rank whose watchdog stops normally writes ``-1`` so its silence is not taken for a loss. Under
-``--on-worker-failure continue`` a lost peer is named once and the process goes on.
-
-Limits: a link broken between two hosts that both still reach the store's host is not seen here (it is a hang).
-A process frozen longer than the timeout (SIGSTOP, swapping, a debugger, the GIL held) is reported lost; raise
-``LOOM_LIVENESS_TIMEOUT_S`` for such runs. Walkthrough: docs/fault-tolerance.md, "How liveness works".
+A collective may legitimately take minutes (the hang timeout, `loom.fault.watchdog`), but a host cut off or dead
+will never send anything, and waiting only hides the cause. So each poll the watchdog thread of every rank bumps
+its own counter in the job's store (``beat<r>``) and reads the next rank's on a ring: two store calls per rank per
+interval whatever the world size, nothing new listening. A peer is lost when its counter has not moved for
+``liveness_timeout_s`` (`loom.fault.timeouts`); a rank cut off from the store judges by its own store calls
+failing for that long. A peer that has not beaten yet is not judged; a rank that stops on purpose writes
+``-1``. How both sides of a cut are named, the limits and the measurements: docs/fault-tolerance.md, "How liveness
+works".
 """
 
 from __future__ import annotations

@@ -1,34 +1,22 @@
 """Hang diagnosis: every collective loom issues carries a sequence number, and a stuck one stops the job.
 
 The idea behind NCCL's flight recorder and torchft's timeouts: a collective completes only when every rank has
-entered it, so each rank counts the collectives it issues (one sequence in issue order, the same on every rank of
-a correct program) and remembers its last completed ``(op, seq)`` and the one it is in. A background thread
-publishes that record to a side channel the stuck collective does not depend on -- a client of the job's store,
-key ``loom/watchdog/rank<r>`` -- and checks the clock. Every store call is bounded (`STORE_CALL_S`; under heal the
-job store's own timeout) and a failed store is left alone for `STORE_BACKOFF_S`, so a partitioned node still
-detects its hang on time.
+entered it, so each rank counts the collectives it issues (one sequence, the same on every rank of a correct
+program) and remembers its last completed ``(op, seq)`` and the one it is in. A background thread publishes that
+record through the job's store (`loom.fault.side_channel`), which the stuck collective does not depend on, and
+checks the clock; every store call is bounded, and a failed store is left alone for `STORE_BACKOFF_S`.
 
-Uneven work between collectives is ordinary (rank 0 evaluating or checkpointing alone), so the hang timeout
-(``timeout_s``; defaults in `loom.fault.timeouts`) counts only the time during which *every* rank is inside a
-collective (the same one, or different ones: they will never meet) or cannot be heard from (its record unreadable
-or stale). A rank alive outside any collective is waited for up to ``work_timeout_s``, then named. On a hang the
-thread prints a report (`loom.fault.hang_report`), records it in the error file (so ``loom run`` names it) and
-ends the process with exit code 1 (``os._exit``: the main thread is blocked in C++); the launcher stops the
-others. The same thread sends and hears heartbeats (`loom.fault.liveness`). The three timeouts' table:
-docs/fault-tolerance.md, "Slow, stuck or gone".
+The hang timeout counts only the time during which *every* rank is inside a collective or cannot be heard from;
+a rank alive outside any collective (rank 0 evaluating alone) is waited for up to the work timeout, then named.
+On a hang the thread prints a report (`loom.fault.hang_report`), records it for ``loom run`` and ends the process
+(``os._exit``: the main thread is blocked in C++). The same thread sends and hears heartbeats
+(`loom.fault.liveness`). The three timeouts: docs/fault-tolerance.md, "Slow, stuck or gone".
 
-```python
-wd = Watchdog.start(topology, timeout_s=120)
-with wd.collective("loss all-reduce"):
-    dist.all_reduce(loss, group=topology.group)
-```
-
-Limits: only collectives wrapped in `collective` are counted (DDP's own start-up and buffer broadcasts are not);
-a rank blocked in an uncounted collective looks like one doing its own work, waited for up to the work timeout.
-The process group's own timeout (``loom.init(timeout_s=...)``) must be at least the work timeout, or gloo gives
-up first with its bare error. Records lag by the poll interval (`Watchdog._configure`), so a rank killed with
-SIGKILL shows its state from up to that long before. If rank 0 (the store's host) died, the report says the
-others' records could not be read. Detection takes between the timeout and the timeout plus one poll.
+Limits: only collectives wrapped in `collective` are counted (not DDP's own start-up broadcasts); a rank blocked
+in an uncounted one looks like one doing its own work. The process group's own timeout (``loom.init(timeout_s=)``)
+must be at least the work timeout, or gloo gives up first with its bare error. Records lag by the poll interval
+(`Watchdog._configure`), so a rank killed with SIGKILL shows its state from up to that long before. Detection
+takes between the timeout and the timeout plus one poll.
 """
 
 from __future__ import annotations
