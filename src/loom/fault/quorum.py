@@ -1,33 +1,21 @@
 """The worker's side of healing (``loom run --on-worker-failure heal``): membership epochs and the commit vote.
 
-Design (after torchft's Manager: a quorum, a per-step ``should_commit``, recovery from a live peer), with the
-launcher as the quorum's authority (`loom.launch.heal`), since on one host it sees every worker die (its
-children) and hosts the job's authenticated store (`loom.net.store`). User-facing account, timeouts' table and
-tests: docs/fault-tolerance.md, "--on-worker-failure heal".
+After torchft's Manager (a quorum, a per-step ``should_commit``, recovery from a live peer), with the launcher as
+the quorum's authority (`loom.launch.heal`): it sees every worker die and hosts the job's authenticated store.
+User-facing account and the timeouts' table: docs/fault-tolerance.md, "--on-worker-failure heal". The store's keys:
 
-- **Epochs.** The launcher publishes membership epochs in the store: ``q/E/members`` (``"0:0,2:1"``: the ranks of
-  epoch E with the heal generation of each one's process, immutable once written) and ``q/latest``. Each epoch
-  gets a fresh gloo group on a prefix of the store (``q/E/pg/``): the default WORLD group cannot shrink, so nothing
-  in a heal-mode step uses it.
-- **Re-forming.** A member that wants a new epoch (its step was dropped, a group failed, a replacement is ready)
-  checks in: ``q/E/in/RANK`` = its committed step. The launcher waits until every live member of E checked in
-  (or ``checkin_timeout_s`` passed: the silent ones are killed and replaced), adds the replacements that are
-  ready, and publishes E+1. A worker left out of E+1 raises `LeftOutOfQuorum` (its process ends, the launcher
-  replaces it). Everyone who checks in for E asks for the same E+1, so every member adopts the same epoch at the
-  same step: there is no read race between members.
-- **The commit vote** (`Quorum.vote`): after a step's exchange each member votes; ``q/E/sS/ok`` counts the yes
-  votes, and the first member to see all of them, or the first to vote no (an error in its step or its
-  collective), or the first to see the launcher's ``q/E/dead`` mark, sets ``q/E/sS/verdict`` with the store's
-  atomic compare-and-set. So one verdict exists per (epoch, step) and every member applies the step or none does.
-  A member waits for the verdict at most ``vote_timeout_s`` and then votes no itself.
-- **Heartbeats.** The guard's watchdog thread adds 1 to ``hb/RANK/GEN`` every `HEARTBEAT_S` and publishes in
-  ``at/RANK`` the member's place among its epoch's collectives (`Quorum.beat`, `Quorum.count_with`). The launcher,
-  not the peers on a ring (`loom.fault.liveness`: the members change), kills a worker whose heartbeat stops. When
-  a collective of the epoch times out, the member that waited names the absent members before it re-forms
-  (`Quorum._name_the_absent`): the watchdog's report would come too late under heal.
-- **The guard's timeouts** (`Quorum.apply_guard`): a member lost under heal is replaced, not waited for, so
-  ``hang_timeout_s``, ``work_timeout_s`` and ``liveness_timeout_s`` each bound the wait before a replacement (an
-  epoch's collective, the launcher's wait for a check-in, a heartbeat); unset, heal's own apply (``LOOM_HEAL_*_TIMEOUT_S``).
+- ``q/E/members`` (``"0:0,2:1"``: rank:generation, immutable once written) and ``q/latest``: membership epoch E,
+  published by the launcher. Each epoch gets a fresh gloo group on ``q/E/pg/`` (the default WORLD group cannot
+  shrink, so nothing in a heal-mode step uses it).
+- ``q/E/in/RANK`` = its committed step: a member checks in for E+1 (`Quorum.reform`). The launcher waits for every
+  live member of E (the silent ones are killed and replaced), adds the ready replacements and publishes E+1; a
+  member left out raises `LeftOutOfQuorum`. Everyone who checks in for E asks for the same E+1, so every member
+  adopts the same epoch at the same step.
+- ``q/E/sS/ok`` and ``q/E/sS/verdict``: the commit vote (`Quorum.vote`). The last yes, the first no, or the first
+  member to see the launcher's ``q/E/dead`` mark sets the one verdict with the store's compare-and-set, so every
+  member applies the step or none does; a member waits ``vote_timeout_s`` at most, then votes no.
+- ``hb/RANK/GEN`` and ``at/RANK``: the heartbeat and the member's place among its epoch's collectives, sent by the
+  guard's watchdog thread (`Quorum.beat`) and judged by the launcher, not by peers on a ring (the members change).
 
 Every store call is bounded (the store's own timeouts); every wait here has a stated deadline.
 """
@@ -123,9 +111,10 @@ class Quorum:
         return cls(store, int(os.environ["RANK"]), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0))
 
     def apply_guard(self, hang_s: float | None, work_s: float | None, liveness_s: float | None) -> None:
-        """The guard's timeouts under heal (see the module docstring), each None where the user set none: before
-        `join`, so that every epoch's group is built with ``hang_s`` and the launcher reads the others
-        (``guard/RANK/GEN``) before it judges this process."""
+        """The guard's timeouts under heal, each None where the user set none (heal's ``LOOM_HEAL_*_TIMEOUT_S``
+        apply then): a member lost under heal is replaced, not waited for, so ``hang_s`` bounds each collective of
+        an epoch's group, and ``work_s`` and ``liveness_s`` (``guard/RANK/GEN``) the launcher's wait for a check-in
+        and a heartbeat. Called before `join`, so that the launcher reads them before it judges this process."""
         if liveness_s is not None and liveness_s < MIN_LIVENESS_S:
             raise ValueError(
                 f"rank {self.rank}: liveness_timeout_s={liveness_s:g} under --on-worker-failure heal: a member's "

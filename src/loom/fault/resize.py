@@ -1,20 +1,16 @@
 """Resizing a data-parallel job on resume, and the linear learning-rate scaling rule that may go with it.
 
-A checkpoint written by `loom.fit` with N workers resumes with M: the state of a replicated job is the same on
-every rank, and the loader's position is counted in global samples, so the resumed run continues at exactly the
-sample where the saved one stopped. With loom's global-batch semantics the global batch does not change with
-the world size, so neither should the learning rate, and that is the default.
-
-Jobs that keep the *per-worker* batch fixed instead (global batch = per-worker batch x workers) change the global
-batch when they resize; Goyal et al., "Accurate, Large Minibatch SGD" (2017), scale the learning rate linearly
-with it. ``fit(..., scale_lr_with_world_size=True)`` applies that rule: on resume, every learning rate is
-multiplied by M / N, N being the world size recorded in the checkpoint (so repeated resizes compose).
+A checkpoint written by `loom.fit` with N workers resumes with M at the same global sample (the loader counts
+global samples). With loom's global-batch semantics the global batch, hence the learning rate, does not change
+with the world size: that is the default. A job that keeps the *per-worker* batch fixed changes its global batch
+when it resizes; ``fit(..., scale_lr_with_world_size=True)`` then applies the linear scaling rule of Goyal et al.,
+"Accurate, Large Minibatch SGD" (2017): every learning rate times M / N, N as recorded in the checkpoint (so
+repeated resizes compose).
 
 Limits: the rule is a heuristic for SGD-like optimizers (adaptive ones such as Adam often want square-root
-scaling, or none); warm-up after a large jump is the user's schedule's business. Rescaled are each parameter
-group's ``lr`` and ``initial_lr`` and a scheduler's ``base_lrs`` and last learning rates, which covers torch's
-schedulers that derive the rate from those (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LambdaLR,
-...); schedulers with absolute rates of their own (OneCycleLR's ``max_lr``, CyclicLR's bounds) are refused.
+scaling, or none); warm-up after a large jump is the schedule's business. Rescaled are each parameter group's
+``lr`` and ``initial_lr`` and a scheduler's ``base_lrs`` and last rates (torch's schedulers that derive the rate
+from those); schedulers with absolute rates of their own (OneCycleLR's ``max_lr``, CyclicLR's bounds) are refused.
 """
 
 from __future__ import annotations
