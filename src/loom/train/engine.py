@@ -6,33 +6,27 @@ The order of a step is written once, here; a strategy supplies only what differs
  #      the engine does                               the strategy's hook says how
 =====  ===========================================  ==========================================================
  1      refuse a batch cut for another layout         (`loom.job.check_batch_layout`, for every strategy)
- 2      prepare: batch to the device, its size,       `_prepare`: e.g. the global count's all-reduce, a parameter
+ 2      prepare: the batch on the device, its size,   `_prepare`: e.g. the global count's all-reduce, a parameter
         the global count where it is known first      server's pull, the replica's sample check
  3      train mode, gradients cleared                 (every strategy)
- 4      forward and backward through the schedule     `_forward_backward`: micro-batches weighted by their share
-                                                      of the global batch, or a pipeline's instruction stream;
-                                                      this rank's loss sum and its non-finite flag
- 5      synchronize                                   `_synchronize`: gradients averaged (or pushed), the loss,
+ 4      forward and backward through the schedule     `_forward_backward`: micro-batches weighted by their share,
+                                                      or a pipeline's instructions; the loss sum and the flag
+ 5      synchronize                                   `_synchronize`: gradients averaged (or pushed); the loss,
                                                       the global count and every rank's flag reduced
- 6      the verdict: `NonFiniteGuard.judge` on       (one call, here: the same flags give the same verdict on
-        every flag (skip, or stop past the limit);    every rank; a skipped step's gradients are cleared)
-        under healing the commit vote
-        (`StepGuard.commit`)
- 7      the step, unless skipped                      `_apply`: the optimizer's step (after a data axis's
-                                                      gradient sum), or nothing where a server applied it
+ 6      the verdict, `NonFiniteGuard.judge` (the      `_commit`: a strategy whose unit of commit is larger
+        same flags on every rank); under heal the     votes at the unit's end
+        commit vote
+ 7      the step; a skipped step's gradients are      `_apply`: the optimizer's step, or nothing (a server's)
+        cleared instead
  8      count the step; the after-step exchange       `_after_step`: LocalSGD, DiLoCo, Gossip
- 9      the step record, with the phase times          `_record`: the strategy's own fields (phases, bubble,
-        at the hooks' boundaries; this rank's row      staleness, bytes); on sampled steps the engine adds
-        for the straggler watch                       memory (``memory_every``, `loom.observe.memory`)
+ 9      the step record with the phase times (and     `_record`: the strategy's own fields (phases, bubble,
+        sampled memory); the straggler watch's row    staleness, bytes)
 =====  ===========================================  ==========================================================
 
-The straggler watch of row 9 (`loom.observe.straggler_watch`) publishes the phase times on the watchdog's record
-and judges them on rank 0 among the ranks that do the same work (`_straggler_peers`).
-`train_step` returns ``StepState.loss`` as `_synchronize` sets it: the global batch's mean loss, or this replica's
-on its share (``loss_scope``, `loom.job.Job`). A global batch of 0 samples is refused on every rank (every rank
-knows the same total). Under ``--on-worker-failure heal`` `train_step` retries a step no member applied
-(`loom.train.heal_step`). Fault injection points (`loom.fault.inject`): ``before``, ``after`` (before the vote) and
-``commit`` (after it) here; a strategy places ``during`` right before its exchange.
+`train_step` returns ``StepState.loss``: the global batch's mean loss, or this replica's (``loss_scope``,
+`loom.job.Job`); a global batch of 0 samples is refused on every rank. Under ``--on-worker-failure heal`` a step
+no member applied is retried (`loom.train.heal_step`). Fault points (`loom.fault.inject`): ``before``, ``after``
+(before the vote) and ``commit`` (after it) here; a strategy places ``during`` right before its exchange.
 """
 
 from __future__ import annotations
@@ -79,7 +73,7 @@ class Engine(Job):
     """How the model and the loss are called on a batch (`loom.LossCall`)."""
     memory_every: int = MEMORY_EVERY
     """Steps 1, 2 and every ``memory_every``-th carry this rank's memory in their record: the training state by
-    category and the step's peak RSS (`loom.observe.memory.StepMemory`, ~0.1 ms a sample); 0: never."""
+    category and the step's peak RSS (`loom.observe.memory.StepMemory`); 0: never."""
     _last_synchronized: StepState | None = None
     """The last step that reached its synchronization (under healing: a step committed before this member failed
     is not trained again, `train_step`)."""
