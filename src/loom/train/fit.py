@@ -1,29 +1,17 @@
-"""`fit`: the training loop, with checkpoints, automatic resume, progress and an LR schedule.
+"""`fit`: the training loop, with checkpoints, automatic resume, progress and an LR schedule (an example:
+docs/concepts.md, "Training with loom.fit").
 
-```python
-job = loom.DataParallel().setup(model, optimizer, loss_fn)   # or any strategy
-loader = job.loader(dataset, global_batch_size=256, seed=0)
-result = loom.fit(job, loader, steps=10_000, checkpoint_dir="ckpt", checkpoint_every=500)
-```
-
-Run the same command again after a crash and it continues from the newest intact checkpoint, restoring the job
-(model, optimizer, step), the loader's position in global samples, the LR scheduler, every rank's RNG state and
-the loop's counters, so the resumed run takes the same steps on the same samples as an uninterrupted one.
-``steps`` and ``epochs`` are totals for the whole run, not for this call. `fit` uses only the `loom.job.Job`
-contract, so every strategy's job runs here; who writes what into a checkpoint, how ranks resume and why a
-non-finite state is never written: `loom.train.fit_checkpoint`.
+Run again after a crash (or restarted by ``loom run --max-restarts``), `fit` continues from the newest intact
+checkpoint with the job, the loader's position in global samples, the LR scheduler, every rank's RNG state and the
+loop's counters restored, so it takes the same steps on the same samples as an uninterrupted run. ``steps`` and
+``epochs`` are totals for the run, not for this call. `fit` uses only the `loom.job.Job` contract, so every
+strategy's job runs here; what a checkpoint holds and who writes it: `loom.train.fit_checkpoint`.
 
 Limits: ``checkpoint_dir`` must be storage every rank sees (a shared filesystem across hosts). Jobs whose state
-differs per rank (pipeline stages, tensor shards) resume at the world size and mesh that wrote them. RNG states
-are restored exactly when the world size is unchanged; after a resize rank r takes saved rank
-``r mod old_world_size``'s state. With ``async_checkpoint=True`` a checkpoint is durable only once the next one
-starts or `fit` returns (it always waits for the last one).
-
-Resizing: a checkpoint written with N workers resumes with M, the loader at the same global sample
-(`loom.fault.resize`, which also describes ``scale_lr_with_world_size``); a worker group restarted under
-``loom run --max-restarts R`` resumes the same way, losing at most the steps since the last checkpoint. Replicas
-are checked to agree (``desync_every``, `loom.fault.desync`), and a step whose loss or gradient is non-finite on
-some rank is not applied (`loom.fault.desync.NonFiniteGuard`; `FitResult.skipped_steps` counts them).
+differs per rank (pipeline stages, tensor shards) resume at the world size and mesh that wrote them unless they
+reshard. RNG states are restored exactly at the same world size; after a resize rank r takes saved rank
+``r mod old_world_size``'s (resizing and ``scale_lr_with_world_size``: `loom.fault.resize`). With
+``async_checkpoint=True`` a checkpoint is durable only once the next one starts or `fit` returns.
 """
 
 from __future__ import annotations
@@ -49,10 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["DESYNC_EVERY", "FitResult", "fit"]
 
 DESYNC_EVERY = 100
-"""Default interval, in steps, of the parameter check across replicas: a pass over the parameters and an
-all-gather of 8 bytes per tensor, a small fraction of the training time at this interval
-(``src/loom_bench/nonfinite_cost.py`` measures it). It also runs before every checkpoint, so a desynchronized
-state is never saved."""
+"""Default interval, in steps, of the parameter check across replicas (`check_replicas_agree`: a pass over the
+parameters, an all-gather of 8 bytes per tensor; ``loom_bench.nonfinite_cost`` measures its cost)."""
 
 
 @dataclass(frozen=True)

@@ -2,27 +2,16 @@
 
 One atomic checkpoint directory (`loom.checkpoint.store`) holds the job, the loader's position, the LR scheduler,
 every rank's RNG state and the loop's counters. Each rank streams its own ``rank-R.safetensors`` (its part of a
-sharded job, or a replicated job's *local state*) from its tensors (`loom.checkpoint.tree.PackedState`); rank 0
-writes the shared files once and publishes the manifest last, so a crash before that leaves the previous
-checkpoint the newest. No rank receives another's model state or serializes a copy of its own, so a save costs
-a rank little memory beyond its state, and a last all-gather makes a failed write stop every rank with the same
-error. The commit protocol step by step, the file table and the measured memory: docs/checkpoints.md.
+sharded job, or a replicated job's local state) from its tensors; rank 0 writes the shared files and publishes the
+manifest last. No rank receives another's model state, so a save costs a rank little memory beyond its state.
+The commit protocol, the file table and the limits: docs/checkpoints.md.
 
-Local state (a job's ``local_state_dict()``) differs between ranks: gradient compression's error-feedback
-residuals and PowerSGD's warm starts (`DataParallel` with ``compression=``). At the same world size rank r loads
-file r, bitwise; at another it is dropped, said on stderr when it holds tensors: residuals belong to the ranks
-that kept them, and cannot be shared among a different number of ranks (the codecs start from zero).
-
-Non-finite state is never written: every rank that writes state checks it for NaN and infinite values, and the
-ranks agree on the verdict over the collectives the write already takes. A non-finite state stops every rank with
-`NonFiniteStateError`, naming the ranks, the tensors and the newest checkpoint, which is kept: every checkpoint on
-disk is finite, so rotation (``keep``) never removes the last good one in favour of a bad one.
-
-Limits: a rank that cannot find the staging directory (``checkpoint_dir`` not shared storage) fails the save on
-every rank, saying so. With ``async_checkpoint`` only rank 0's shared files are written in the background. The
-codecs key their state by parameter (`loom.comm.compression.feedback`), so a resumed compressed run equals an
-uninterrupted one (tests/test_fit.py) although a fresh DDP buckets the gradients differently, provided the model
-and DataParallel settings (hence the parameter numbering) are the same.
+Local state (``local_state_dict()``: compression's error-feedback residuals, PowerSGD's warm starts) belongs to
+the ranks that kept it: at the same world size rank r loads file r, bitwise (the codecs key it by parameter,
+`loom.comm.compression.feedback`, so a resumed run equals an uninterrupted one though a fresh DDP buckets
+differently); at another it is dropped (said on stderr when it holds tensors) and the codecs start from zero.
+Non-finite state is never written: a NaN or infinite value in any rank's state stops every rank with
+`NonFiniteStateError` and the newest checkpoint is kept, so rotation (``keep``) never removes the last good one.
 """
 
 from __future__ import annotations
