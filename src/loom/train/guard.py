@@ -1,15 +1,12 @@
 """The guard of a training step, built the same way for every strategy's job so that its guarantees are written
 once: `GuardOptions` (the options every strategy's config inherits, validated here) and `StepGuard`, started by
-every job's construction. Its ``watchdog`` counts collectives for the hang watchdog (`loom.fault.watchdog`,
-`loom.fault.liveness`); its ``nonfinite`` turns every rank's non-finite flag into one verdict, the same on every
-rank because every rank judges the same flags (`loom.fault.desync.NonFiniteGuard`); under heal `StepGuard.commit`
-is the commit vote (`loom.fault.quorum`). The step calls those owners directly (`loom.train.engine`): this module
-builds them, it is not a layer the step passes through.
+every job's construction: the hang watchdog over its collectives (`loom.fault.watchdog`), the non-finite verdict,
+the same on every rank (`loom.fault.desync.NonFiniteGuard`), and under heal the commit vote (`loom.fault.quorum`).
+The step calls those owners directly (`loom.train.engine`): this module builds them, it is not a layer.
 
-Where the flags travel is the strategy's business (they ride on a collective the step runs anyway: the loss
-all-reduce of data parallelism, the pipeline's loss gather, a parameter server's reply), so guarding a step costs
-no extra collective. An option a strategy cannot honour is refused at construction, naming what to use instead,
-never silently ignored (`loom.train.options.refuse_options`).
+The flags ride on a collective the step runs anyway (the loss all-reduce, the pipeline's loss gather, a parameter
+server's reply), so guarding a step costs no extra collective. An option a strategy cannot honour is refused at
+construction, naming what to use instead (`loom.train.options.refuse_options`).
 """
 
 from __future__ import annotations
@@ -30,25 +27,21 @@ __all__ = ["GuardOptions", "StepGuard"]
 
 @dataclass(frozen=True, kw_only=True)
 class GuardOptions:
-    """The step guard's options, shared by every strategy's config (keyword-only)."""
+    """The step guard's options, shared by every strategy's config (keyword-only). The three timeouts and what
+    each covers: docs/fault-tolerance.md, "Slow, stuck or gone"."""
 
     hang_timeout_s: float | None = None
-    """Seconds every rank may spend inside collectives without one completing (the same one stuck, or ranks in
-    different ones) before the job stops with a report of who did not arrive (`loom.fault.watchdog`); None:
-    ``LOOM_HANG_TIMEOUT_S``, else 180. A rank doing its own work outside collectives does not count."""
+    """Seconds every rank may spend inside collectives with none completing before the job stops, naming who did
+    not arrive (`loom.fault.watchdog`); None: ``LOOM_HANG_TIMEOUT_S``, else 180."""
     work_timeout_s: float | None = None
-    """Seconds the others wait in a collective for a rank doing its own work outside collectives (rank-0-only
-    evaluation, checkpoint writing) before the job stops, naming it; None: ``LOOM_WORK_TIMEOUT_S``, else 1800
-    (PyTorch's gloo default)."""
+    """Seconds the others wait in a collective for a rank doing its own work outside collectives before the job
+    stops, naming it; None: ``LOOM_WORK_TIMEOUT_S``, else 1800 (PyTorch's gloo default)."""
     liveness_timeout_s: float | None = None
-    """Seconds a host of the job may stop answering (no heartbeat through the job's store: a dead link, a
-    partition, a dead machine) before the ranks on both sides stop, naming the other side
-    (`loom.fault.liveness`); None: ``LOOM_LIVENESS_TIMEOUT_S``, else 20. Independent of how long a collective
-    takes (that is ``hang_timeout_s``)."""
+    """Seconds a host may send no heartbeat (a dead link, a partition, a dead machine) before the ranks on both
+    sides stop, naming the other side (`loom.fault.liveness`); None: ``LOOM_LIVENESS_TIMEOUT_S``, else 20."""
     nonfinite: str = "skip"
-    """A step whose loss or gradient is NaN or infinite on any rank: ``"skip"`` applies no update on any rank
-    (counted in ``job.skipped_steps`` and marked ``skipped`` in the step record); ``"stop"`` raises
-    `loom.fault.desync.NonFiniteStepError` naming the ranks and the step. Never applied either way."""
+    """A step whose loss or gradient is NaN or infinite on any rank is never applied: ``"skip"`` counts it
+    (``job.skipped_steps``, ``skipped`` in its record), ``"stop"`` raises `NonFiniteStepError` naming the ranks."""
     nonfinite_limit: int = 5
     """Under ``"skip"``, this many non-finite steps in a row stop the job (naming the ranks) all the same."""
 
