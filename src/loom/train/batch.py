@@ -1,11 +1,9 @@
 """What every strategy does to a batch before its own work: take it apart, size it, slice it, move it, and
 turn it into a loss (`LossCall`, `forward_loss`: the one calling convention of every strategy).
 
-A batch is ``(inputs, targets)`` as `loom.data.loader` yields it (a `Sequence` whose first two items are those);
-``inputs`` may be a tensor or any nesting of lists, tuples and dicts of tensors whose first dimension is the
-sample (a model with several inputs). Its size is that first dimension of the first tensor found, so every
-tensor in a batch must share it: these helpers do not check that the others agree. Conventions other than the
-plain one also take a dict batch (``model(**batch)``, Hugging Face style) or a batch of any other shape.
+A batch is ``(inputs, targets)`` as `loom.data.loader` yields it, or another shape `LossCall` accepts; ``inputs``
+may be a tensor or any nesting of lists, tuples and dicts of tensors whose first dimension is the sample. Its size
+is that first dimension of the first tensor found, so every tensor in a batch must share it (not checked here).
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """Copy a live member's training state to the members of a new epoch: tensors over the group, no pickle.
 
 A replacement must train bitwise like the others at its first step, so it receives the model's parameters and
-buffers (broadcast in place: the same script built the same shapes), the optimizer's state and hyperparameters, the
-committed step (also the data position: the index of the next global batch) and the RNG states. The optimizer's
-state may not exist yet on a fresh process (Adam makes it at its first step), so the source describes it in a small
-JSON header (each state entry's key, shape and dtype, the plain values, the param groups' hyperparameters),
-broadcast as bytes, and the tensors follow in that order. JSON, not pickle: nothing on the wire is executed.
+buffers (broadcast in place: the same script built the same shapes), the optimizer's state and hyperparameters,
+the committed step (also the data position) and the RNG state. The optimizer's state may not exist yet on a fresh
+process (Adam makes it at its first step), so the source describes it in a small JSON header, checked before
+anything is allocated from it (`check_header`), and the tensors follow in its order. JSON, not pickle: nothing on
+the wire is executed.
 
-Who sends: the first member (lowest index) whose committed step is the highest (`source_of`); every member takes
-part in the broadcasts, and only those behind it, or every member at the job's first epoch, load what they received
-(the others are bitwise equal already: every committed step applied the same averaged gradient to the same state).
-If the source dies during the transfer, the broadcast fails on every member and the epoch is re-formed without it
-(`loom.fault.quorum`): another live member sends.
+The source is the first member holding the highest committed step (`source_of`); every member takes part in the
+broadcasts, and only those behind it (every member at the job's first epoch) load what they received. If the
+source dies meanwhile, the broadcast fails on every member and the epoch re-forms without it: another one sends.
 """
 
 from __future__ import annotations
@@ -90,9 +88,7 @@ def share_training_state(
 ) -> int:  # fmt: skip
     """Broadcast member ``source``'s model, optimizer, RNG and step to the group; returns the source's step.
     ``load``: this member takes them (a replacement, or every member at the first epoch). ``replacement``: a
-    member joins a running job; the sender counts these sends, and the injected fault ``send`` is keyed on
-    that count (`loom.fault.inject`: ``kill@0:1:send`` kills rank 0 as it starts its first send to a
-    replacement)."""
+    member joins a running job (the sender counts these sends: the ``send`` fault point, `loom.fault.inject`)."""
     global _sends
     sending = index == source
     if sending and replacement:

@@ -1,11 +1,7 @@
 """A step under healing (``--on-worker-failure heal``, `loom.fault.quorum`): retried until a membership epoch
-applies it.
-
-An exception anywhere in a step (a lost member's collective, an error on this member) or a commit vote that says
-drop means that no member applied the step: the members re-form (`reform`: check in for the next epoch, then
-the strategy's ``_adopt_epoch`` makes the new members equal) and retry the same global batch, up to `MAX_DROPS`
-times in a row. Part of the step engine (`loom.train.engine.Engine.train_step` and ``_heal_reform`` call it),
-in a file of its own because a step without healing never enters it.
+applies it. An exception anywhere in a step or a commit vote that says drop means that no member applied it: the
+members re-form (`reform`) and retry the same global batch, up to `MAX_DROPS` times in a row. Part of the step
+engine, in a file of its own because a step without healing never enters it.
 """
 
 from __future__ import annotations
@@ -55,10 +51,8 @@ def retry_step(job: Engine, quorum: Quorum, batch: Any) -> float:
         job._heal_reform()
         synced = job._last_synchronized
         if job.step >= number and synced is not None and synced.number == number:
-            # the vote had committed the step (every other member applied it) when this member failed:
-            # re-forming made it equal to a member that holds the step, so training the same global batch
-            # again would count it twice; the caller's next batch is the next step. Its share was in the
-            # step: its record is written now if the error came first
+            # committed before this member failed: re-forming made it equal to a member that holds the step,
+            # and training the batch again would count it twice. Its record is written if the error came first
             if job._last_recorded_step < number:
                 job._record(synced)
                 job._last_recorded_step = number
