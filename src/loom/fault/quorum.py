@@ -187,12 +187,11 @@ class Quorum:
         self.group = gloo_group(prefix, self.index, self.size, self.group_timeout_s)
 
     def _meet(self, epoch: int) -> None:
-        """Before epoch ``epoch``'s group is built: this member says it is here (``q/E/here/RANK``) and waits
-        until every listed member has, up to the group's timeout. gloo's own rendezvous waits for a missing member
-        and looks at nothing else: members of an epoch that lost one while forming (``q/E/dead``) would wait there,
-        unable to check in, until the launcher killed them all as silent (every holder of the job's state). Here
-        the loss, or another member's check-in for the next epoch, is seen within a poll and `EpochNotFormed` makes
-        the members check in again."""
+        """Before epoch ``epoch``'s group is built: say this member is here (``q/E/here/RANK``) and wait until
+        every listed member has, up to the group's timeout. gloo's own rendezvous would wait for a member lost as
+        the epoch formed, looking at nothing else, until the launcher killed every holder of the job's state as
+        silent; here that loss (``q/E/dead``) or another member's check-in is seen within a poll, and
+        `EpochNotFormed` makes the members check in again."""
         self.store.set(f"q/{epoch}/here/{self.rank}", str(self.generation))
         keys = [f"q/{epoch}/here/{r}" for r in self.members]
         deadline = time.monotonic() + self.group_timeout_s
@@ -232,10 +231,8 @@ class Quorum:
 
     def wait_for_joiner(self) -> None:
         """Before a step: while the launcher has a replacement starting (``q/E/joining``) that is not ready yet
-        (no ``q/E/pending``), wait up to ``LOOM_HEAL_JOIN_WAIT_S`` for it. A replacement forked by the launcher's
-        zygote (`loom.launch.zygote`) is ready soon after a kill, so the members train with it at full strength
-        from the next step instead of several steps short-handed; a slower one is waited for no longer than the
-        bound. One store check per step when nothing is starting."""
+        (no ``q/E/pending``), wait up to ``LOOM_HEAL_JOIN_WAIT_S`` for it, so that the members train with it from
+        the next step instead of short-handed. One store check per step when nothing is starting."""
         if self.join_wait_s <= 0 or not self.store.check([f"q/{self.epoch}/joining"]):
             return
         deadline = time.monotonic() + self.join_wait_s
@@ -323,12 +320,10 @@ class Quorum:
             store.set(f"at/{self.rank}", json.dumps(place))
 
     def _abandon_group(self) -> None:
-        """Close this epoch's group, so that a member still waiting in one of its collectives (the others raised,
-        or voted, without it) fails at once instead of at the group's timeout, which would outlast the launcher's
-        check-in timeout and get that member killed. gloo's ``abort()`` closes nothing; the connections close
-        when the group is destroyed, i.e. when nothing holds it any more: the caller must not hold it (e.g. in an
-        exception's traceback), and a group still alive after our reference is dropped (held by reference
-        cycles) is collected (costly, so only then)."""
+        """Close this epoch's group, so that a member still waiting in one of its collectives fails at once, not
+        at the group's timeout (past the launcher's check-in timeout: it would be killed). gloo's ``abort()``
+        closes nothing; the connections close when nothing holds the group: the caller must not hold it (e.g. in
+        an exception's traceback), and a group kept alive by reference cycles is collected (costly: only then)."""
         if self.group is not None:
             forget_links(self.group)  # a ring's links (``allreduce="ring"`` under heal) hold the group too
             alive = weakref.ref(self.group)

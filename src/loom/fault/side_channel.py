@@ -1,9 +1,8 @@
 """The watchdog's side channel: a client of the job's store of its own, and how this host is named on it.
 
-The hang watchdog (`loom.fault.watchdog`) and the heartbeats (`loom.fault.liveness`) talk through the job's store
-(``MASTER_ADDR:MASTER_PORT``: loom's authenticated store under ``loom run``, a ``TCPStore`` under ``torchrun``),
-never through the process group, whose collectives may be the stuck thing. Every call is bounded by
-`STORE_CALL_S`, so a watchdog thread never waits long on a store that is gone or cut off.
+The hang watchdog and the heartbeats talk through the job's store (loom's authenticated store under ``loom run``,
+a ``TCPStore`` under ``torchrun``), never through the process group, whose collectives may be the stuck thing;
+every call is bounded by `STORE_CALL_S`, so a watchdog thread never waits long on a store gone or cut off.
 """
 
 from __future__ import annotations

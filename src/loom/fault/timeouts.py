@@ -17,15 +17,13 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S: float = SETTINGS["LOOM_HANG_TIMEOUT_S"].default
-"""How long every rank may sit inside collectives without one completing. No rank is doing its own work then,
-so nothing can still arrive: minutes are a hang on any network (and below the process group's timeout, so loom's
-report comes before gloo's bare error)."""
+"""How long every rank may sit inside collectives with none completing (nothing can still arrive): minutes, below
+the process group's timeout, so that loom's report comes before gloo's bare error."""
 DEFAULT_WORK_TIMEOUT_S: float = SETTINGS["LOOM_WORK_TIMEOUT_S"].default
-"""How long ranks wait in a collective for a rank that is alive and doing its own work outside collectives
-(rank-0-only evaluation, checkpoint writing): PyTorch's default process-group timeout for gloo (30 minutes)."""
+"""How long ranks wait in a collective for a rank alive outside collectives: gloo's default timeout (30 minutes)."""
 DEFAULT_LIVENESS_TIMEOUT_S: float = SETTINGS["LOOM_LIVENESS_TIMEOUT_S"].default
-"""How long a peer's heartbeat may stay still before it is lost: many polls (one a second) of slack for a busy
-host, far below any hang timeout worth having, so a cut stops a job in under a minute."""
+"""How long a peer's heartbeat may stay still before it is lost: many polls of slack for a busy host, far below
+any hang timeout worth having."""
 
 
 def seconds_setting(requested: float | None, variable: str, what: str) -> float:
