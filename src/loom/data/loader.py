@@ -1,30 +1,18 @@
 """`loader()`: this process's share of every global batch, collated as PyTorch's `DataLoader` does.
 
-Samples are collated by ``collate_fn`` (default: `torch.utils.data.default_collate`, exactly what a
-`DataLoader` does): a dataset returning one tensor per sample yields one stacked tensor, tuples yield a sequence
-of stacked fields, dicts a dict of stacked values, nested structures stay nested. A `TensorDataset` with the
-default collation skips the per-sample calls and indexes its tensors directly (a view when not shuffling).
+The order, the shares, iteration, ``len`` and the resumable position are `loom.data.sampler`'s (the user's view:
+docs/concepts.md#global-batch-semantics). Samples are collated by ``collate_fn`` (default `default_collate`); a
+`TensorDataset` collated by default is indexed directly instead (a view when not shuffling).
 
-Every batch also carries the global batch it was cut from: ``global_size`` (samples in the whole global batch),
-``epoch``, ``step``, ``shard_index`` of ``shard_count`` (the replica it was cut for) and ``fingerprint`` (CRC-32
-of its samples' dataset indices). Strategies read the size to weight gradients by sample count without an extra
-collective, the layout to refuse a batch cut for another data axis (`loom.job.check_batch_layout`), and the
-fingerprint to check that the ranks of one model replica hold the same samples. Which type carries them
-depends on what the collation returns:
-
-- a tuple or list (``(inputs, targets)``, what strategies train on): a `ShardBatch`, a tuple. `DataLoader`
-  returns a list here; a tuple reads the same (index, unpack, ``len``) but cannot be changed in place;
-- a namedtuple: a subclass of that namedtuple with the attributes (fields and ``isinstance`` kept), unless a
-  field is named like one of them, then the plain namedtuple;
-- a dict: a `ShardDict`, a dict;
-- anything else (a tensor, when each sample is one tensor; a custom object from ``collate_fn``): returned as is,
-  **without** the attributes. A strategy given such a batch counts the global batch with a collective and
-  fingerprints the tensor content instead of the indices; `job.train_step` needs an ``(inputs, targets)`` pair,
-  so build one in the dataset or in ``collate_fn``.
-
-Iteration and ``len`` are `DataLoader`'s and ``DistributedSampler``'s, and after ``load_state_dict`` torchdata's
-``StatefulDataLoader``'s (`loom.data.sampler`). Built in a distributed job, a loader checks that every process
-holds the same dataset (`loom.data.same_data`).
+Every batch carries the global batch it was cut from (`_ShardLayout`): strategies read its size to weight
+gradients without a collective, its layout to refuse a batch cut for another data axis
+(`loom.job.check_batch_layout`), its fingerprint to check that the ranks of one replica hold the same samples.
+The type that carries them follows the collation's result: a tuple or list becomes a `ShardBatch` (a tuple:
+it reads as `DataLoader`'s list but cannot be changed in place), a namedtuple a subclass of it (unless a field
+is named like an attribute: then the plain namedtuple), a dict a `ShardDict`. Anything else (a tensor, a custom
+object) comes as is, **without** them: a strategy then counts the global batch with a collective and
+fingerprints the content; `job.train_step` needs an ``(inputs, targets)`` pair (build one in the dataset or in
+``collate_fn``).
 
 A lazy loader (``ShardedLoader.lazy``: DataParallel's under ``--on-worker-failure heal``, where the replicas are
 known only at the step) yields a `LazyBatch` per step instead: the global batch's indices, nothing loaded.
@@ -265,25 +253,18 @@ class ShardedLoader:
                 lo = int(indices[0])
                 return [t[lo : lo + indices.numel()] for t in tensors]
             return [t[indices] for t in tensors]
-        if indices.numel() == 0:
-            return self._empty_batch()
+        if indices.numel() == 0:  # a batch of zero samples with the right structure, shapes and dtypes
+            if self._empty is None:
+                self._empty = _zero_samples(self.collate_fn([self.dataset[0]]))
+            return self._empty
         return self.collate_fn([self.dataset[int(i)] for i in indices])
-
-    def _empty_batch(self) -> Any:
-        """A batch of zero samples with the right structure, shapes and dtypes (for an empty share)."""
-        if self._empty is None:
-            self._empty = _zero_samples(self.collate_fn([self.dataset[0]]))
-        return self._empty
 
 
 class LazyBatch:
-    """A global batch of a lazy loader, not loaded: the dataset ``indices`` of the whole batch (``global_size``
-    of them; ``epoch``, ``step``: where it sits), and `share` to fetch and collate one replica's share of it once
-    the replicas are known (at the step; again, with other replicas, when the step is retried). Holding it costs
-    the indices only.
-
-    ``fingerprint``: CRC-32 of the dataset's type and length and of the batch's indices, equal on processes given
-    the same global batch of the same data, computed without loading a sample."""
+    """A global batch of a lazy loader, not loaded: its dataset ``indices`` (``global_size`` of them; ``epoch``,
+    ``step``: where it sits), and `share` to fetch one replica's share once the replicas are known (at the step;
+    again, with other replicas, when the step is retried). ``fingerprint``: CRC-32 of the dataset's type and
+    length and of the indices, equal on processes given the same global batch of the same data."""
 
     __slots__ = ("_loader", "_batch", "indices", "global_size", "epoch", "step", "fingerprint")
 
@@ -329,22 +310,17 @@ def loader(
     same_data_check: bool = True,
     device: torch.device | None = None,
 ) -> ShardedLoader:
-    """This process's share of each global batch of ``dataset``: the order and the shares are
-    `loom.data.sampler`'s (an empty share is a zero-sample batch of the usual structure). ``set_epoch(e)``
-    selects the epoch; ``state_dict()`` records the position in global samples, so a job resumed with a
-    different number of workers continues at exactly the same sample.
+    """This process's share of each global batch of ``dataset``, as the module docstring says (an empty share is
+    a zero-sample batch of the usual structure; ``state_dict()`` resumes at any number of workers).
 
-    ``collate_fn`` turns a list of samples into a batch, as `DataLoader`'s does (default `default_collate`).
-    ``topology`` is what the data is sharded over (default: the whole job; `job.loader` passes its data axis).
+    ``topology``: what the data is sharded over (default: the whole job; `job.loader` passes its data axis).
+    ``device``: where the shares are trained on (`job.loader` passes the model's); a CUDA one may prefetch
+    (`loom.data.prefetch`), otherwise shares are yielded where the dataset holds them.
 
-    ``device``: where the shares are trained on (`job.loader` passes the model's device). A CUDA device, with a
-    `TensorDataset` of CPU tensors collated by default, gets each share gathered and copied there while the step
-    before it runs (`loom.data.prefetch`); otherwise shares are yielded where the dataset holds them.
-
-    ``same_data_check``: in a job of several processes (``topology.group``; not a ``backend="none"`` one), every
-    process must build this loader at the same point, and all raise if their datasets differ
-    (`loom.data.same_data.check_same_data`). Pass False when the processes hold different data on purpose, or
-    when only some processes build this loader (the comparison would wait for the others).
+    ``same_data_check``: in a job of several processes (not a ``backend="none"`` one), every process must build
+    this loader at the same point, and all raise if their datasets differ (`loom.data.same_data`). Pass False
+    when the processes hold different data on purpose, or when only some of them build this loader (the
+    comparison would wait for the others).
     """
     topo = topology if topology is not None else current()
     sampler = GlobalBatchSampler(

@@ -1,14 +1,9 @@
 """The next share gathered and copied to the GPU while the current step runs (a CUDA job's TensorDataset loader).
 
-Why: `job.train_step` returns the step's loss as a float, so every step ends in one GPU -> CPU sync (the
-non-finite verdict). A loader that gathers the next share and copies it to the GPU only when it is asked for does
-that CPU work while the GPU waits. With the share gathered straight into pinned memory by a background thread and
-copied on a side stream, the step finds it on the GPU.
-
-Only where nothing of the user's runs off the main thread: a `TensorDataset` collated by default, on CPU tensors,
-for a CUDA job (`usable`); any other dataset or collation is fetched on the step's thread. The sampler's position
-stays the consumer's: `ShardedLoader` reports the position after the batch it last handed out, not after the one
-fetched ahead.
+Why: docs/gpu.md#batches-on-the-gpu-ahead-of-the-step (every step ends in one GPU -> CPU sync, so a share
+gathered only when asked for would leave the GPU waiting). Only where nothing of the user's runs off the main
+thread: a `TensorDataset` collated by default, of CPU tensors (`usable`), for a CUDA job. `ShardedLoader` keeps
+reporting the consumer's position, not the one fetched ahead.
 """
 
 from __future__ import annotations

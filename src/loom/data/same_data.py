@@ -2,19 +2,15 @@
 
 `loom.data.loader` shards one global order of ``dataset`` across processes, which is only right if every
 process holds the same dataset: synthetic data made without a seed, a file read differently per host, or a
-filter that depends on the rank would otherwise train silently on mismatched samples (inputs from one dataset
-and targets from another, between the stages of a pipeline). So each process hashes its dataset's length and a
-few samples (the first, the last and `RANDOM_PROBES` indices drawn with a fixed seed, each collated as the
-loader collates it; CRC-32 over each tensor's shape, dtype and bytes) and the processes all-gather these few
-integers over the job's process group: one small collective. Any difference is refused on every process,
-naming the ranks and what differs. `batch_fingerprint` hashes a training batch the same way, for the strategies
-that check that ranks hold the same samples at every step.
+filter that depends on the rank would otherwise train silently on mismatched samples. So each process hashes its
+dataset's length and a few samples (`probe_indices`, collated as the loader collates them,
+`sample_fingerprint`), and the processes all-gather these few integers over the job's group: one small
+collective. Any difference is refused on every process, naming the ranks and what differs.
 
-Limits: it compares a handful of samples, so two datasets differing elsewhere pass (it catches unseeded or
-rank-dependent data, which differs everywhere). Samples are read under a fixed seed of torch's, Python's and
-NumPy's global generators (restored afterwards), so random augmentation drawn from them agrees; a dataset that
-draws from its own unseeded generator differs by design and needs ``same_data_check=False``. Non-tensor leaves
-other than numbers, strings and bytes are compared by type only.
+Limits: a handful of samples is compared, so datasets differing elsewhere pass (unseeded or rank-dependent data
+differs everywhere). Samples are read under a fixed seed of torch's, Python's and NumPy's global generators
+(restored afterwards), so random augmentation drawn from them agrees; a dataset that draws from its own unseeded
+generator differs by design and needs ``same_data_check=False``.
 """
 
 from __future__ import annotations
@@ -59,7 +55,8 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 def sample_fingerprint(batch: Any, limit: int | None = None, off_cpu: bool = True) -> int:
     """CRC-32 of a collated batch: every tensor's shape, dtype and bytes (its first ``limit`` bytes; None: all),
-    numbers and strings by value; without ``off_cpu`` a tensor off the CPU counts by shape and dtype only."""
+    numbers and strings by value, other objects by type; without ``off_cpu`` a tensor off the CPU counts by shape
+    and dtype only."""
     crc = 0
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor):

@@ -1,21 +1,16 @@
-"""Global-batch sharding: one global order, consumed a global batch at a time, split contiguously.
+"""Global-batch sharding: one global order, consumed a global batch at a time, split contiguously (the user's
+view: docs/concepts.md#global-batch-semantics).
 
-The order of an epoch depends only on ``(seed, epoch)``, never on the number of workers. Step k of an epoch
-consumes samples ``order[k*G : (k+1)*G]`` (G = global batch size; the last batch may be shorter unless
-``drop_last``). Replica r of W takes a contiguous share of that batch: the first ``n % W`` replicas get one sample
-more than the rest, so shares differ by at most one and may be empty when ``n < W``. Nothing is duplicated or
-dropped to pad shards, unlike ``DistributedSampler``.
+The order of an epoch depends only on ``(seed, epoch)``, never on the number of workers. Step k consumes
+``order[k*G : (k+1)*G]`` (the last batch shorter unless ``drop_last``); replica r of W takes a contiguous share
+(`share_bounds`: the first ``n % W`` get one sample more, so shares may be empty when ``n < W``). Nothing is
+duplicated or dropped to pad shards, unlike ``DistributedSampler``. The position (epoch, samples consumed)
+counts *global* samples, so a position saved at one world size resumes at another exactly where it stopped.
 
-The position (epoch, samples consumed) is the sampler's state. Because it is counted in *global* samples, a
-position saved at one world size resumes at another exactly where it stopped.
-
-Iteration follows `DataLoader`: every ``iter()`` starts the current epoch from its beginning, so a probe such as
-``next(iter(loader))`` (PyTorch's DDP tutorial reads the batch size that way) costs the epoch nothing. The one
-exception is a restored position: after `load_state_dict`, the *first* iteration starts at the saved sample, and
-the ones after it at the beginning of their epoch again. An iteration run to the end moves to the next epoch.
-
-``len(sampler)`` is what `DistributedSampler`'s is: the samples this replica gets per epoch;
-`steps_per_epoch` is the number of global batches (``len(loader)``, as with `DataLoader`).
+Iteration follows `DataLoader`: every ``iter()`` starts the current epoch from its beginning (a probe such as
+``next(iter(loader))`` costs the epoch nothing), except the first one after `load_state_dict`, which starts at
+the saved sample; an iteration run to the end moves to the next epoch. ``len(sampler)`` is
+`DistributedSampler`'s (this replica's samples per epoch); `steps_per_epoch` is ``len(loader)``.
 """
 
 from __future__ import annotations
@@ -65,8 +60,8 @@ def _check_positive_int(name: str, value: Any) -> int:
 
 class GlobalBatchSampler:
     """Yields a `GlobalBatch` per step of the current epoch, for one replica of ``world_size``; iteration,
-    ``len()`` and the position as the module docstring says. Finishing an epoch moves the position to the start
-    of the next, so a loop that never calls `set_epoch` still sees a fresh order every epoch."""
+    ``len()`` and the position as the module docstring says (a loop that never calls `set_epoch` still sees a
+    fresh order every epoch)."""
 
     def __init__(
         self,
@@ -106,8 +101,7 @@ class GlobalBatchSampler:
         return -(-self.epoch_samples() // self.global_batch_size)
 
     def __len__(self) -> int:
-        """Samples this replica gets per epoch, as ``len(DistributedSampler)`` (here without padding: replicas
-        may differ by up to one sample per step). The number of steps is `steps_per_epoch`."""
+        """Samples this replica gets per epoch (without padding: replicas may differ by one sample per step)."""
         full, tail = divmod(self.epoch_samples(), self.global_batch_size)
         lo, hi = share_bounds(self.global_batch_size, self.rank, self.world_size)
         tail_lo, tail_hi = share_bounds(tail, self.rank, self.world_size)
