@@ -1,28 +1,14 @@
 """Your own training loop with loom's semantics: keep forward, ``loss.backward()``, clipping and the step.
 
-Usage (``job.own_loop(loader)`` after ``DataParallel().setup(model, optimizer)`` without ``loss_fn``):
-docs/own-loop.md. As Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``, the loop stays and the model
-and optimizer come back wrapped; loom adds global-batch semantics under uneven shares. The training forward
-weights the *gradient* flowing back into each output by ``w = n * W / N`` (``n`` this call's samples, ``W`` the
-replicas, ``N`` the global batch the loader's batches carry), an identity in the forward pass, so the all-reduce
+Usage, and what such a loop may do (accumulation, evaluation, no loader): docs/own-loop.md. As Horovod's
+``DistributedOptimizer`` and Accelerate's ``prepare``, the loop stays and the model and optimizer come back
+wrapped; loom adds global-batch semantics under uneven shares. The training forward weights the *gradient*
+flowing back into each output by ``w = n * W / N`` (``n`` this call's samples, ``W`` the replicas, ``N`` the
+global batch: the loader's, else counted by an all-reduce), an identity in the forward pass, so the all-reduce
 gives every rank ``sum_r n_r / N * grad_r`` before ``clip_grad_norm_`` reads it. Weighting outputs, not the loss,
 leaves the user's ``loss`` and ``GradScaler``'s scaling untouched, and terms not from the outputs (a weight
 penalty) averaged, which is their global value. Averaged gradients are equal on every rank, so ``GradScaler``'s
 inf checks and skipped steps agree everywhere.
-
-One forward per loader batch (``n`` must be this rank's share of the last loader batch). A call of another size
-with gradients on runs on the model itself, unweighted, and only a backward through it is refused, naming the
-sizes. Calls under ``torch.no_grad()`` go straight to the model, on any subset of ranks. ``model.module`` is the
-model on every world size; its attributes are reachable on the wrapper. Accumulation over loader batches is
-exact (each is a global batch); skip the all-reduce with ``model.no_sync()`` or
-``model.require_backward_grad_sync = False``, as with DDP.
-
-Without a loader (nanoGPT's ``get_batch``: ``model, optimizer, _ = job.own_loop()``) each training call's global
-batch is the sum of the ranks' samples, counted by one integer all-reduce per training forward (so evaluation on
-a subset of ranks needs ``torch.no_grad()``); equal draws give DDP's mean, bitwise as under DDP.
-
-The optimizer's ``step`` counts ``job.step`` and refuses a non-finite averaged gradient as `train_step` does.
-Not here: step records and straggler detection.
 """
 
 from __future__ import annotations
@@ -100,8 +86,7 @@ class _RefuseBackward(torch.autograd.Function):
 
 class OwnLoopModel(nn.Module):
     """The model for an own loop: call it as the model; ``module`` is the model itself, on every world size (as
-    with DDP). Attributes it does not have are the model's (``model.estimate_mfu(...)``, ``model.config``), so
-    nanoGPT's ``raw_model = model.module if ddp else model`` works either way."""
+    with DDP), and attributes the wrapper does not have are the model's."""
 
     def __init__(self, loop: OwnLoop) -> None:
         super().__init__()
