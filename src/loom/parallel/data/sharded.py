@@ -1,24 +1,17 @@
 """Sharded data parallelism: ZeRO stages 1, 2 and 3 (Rajbhandari et al., 2020), the training state divided
 among the replicas instead of copied into each.
 
-Usage, the per-stage memory table and limits: ``docs/strategies/sharded.md``; ``job.memory()`` gives this rank's
-bytes by category (`loom.job.Job`). Stage 1 (1/N of the optimizer state) is loom's own `FlatShards` over
-``loom.comm.reduce_scatter``, because FSDP2 cannot shard the optimizer state alone; stages 2 and 3 are FSDP2
-(``reshard_after_forward=False``/``True``), whose bucketed reduce-scatter overlaps backward.
+Usage, how each stage works, the memory table and limits: docs/strategies/sharded.md. Stage 1 is loom's own
+`FlatShards` (`sharded_flat`), because FSDP2 cannot shard the optimizer state alone; stages 2 and 3 are FSDP2
+(`sharded_fsdp`), whose bucketed reduce-scatter overlaps backward.
 
 The job is a `DataParallelJob` (the same step: global-batch weighting, ``accumulate``, the guards, step
-records) with the hooks a sharded layout needs: stage 1 averages the gradients after backward (`sharded_flat`);
-stages 2 and 3 let FSDP2 reduce inside backward, as DDP does (`sharded_fsdp`). The non-finite verdict, each rank
-holding a different piece of the gradient, rides on a collective the step already makes. In one process every
-stage is the plain model with the stage-1 layout, so its checkpoints reshard like the others.
-
-At setup: the replicas are checked to hold the same model and optimizer, rank 0's parameters and buffers are
-broadcast, and the backend passes a self-test of the collectives (`sharded_selftest`). State: each rank's part
-holds its pieces under the original names with their bounds (`loom.checkpoint.sharded_state`), so a checkpoint
-resumes at any world size (`load_resharded`) and ``loom export`` writes the whole model without processes.
-
-Limits: parameters must be contiguous; the optimizer elementwise (stage 1 steps pieces; stages 2 and 3 step
-first-dimension shards); no gradient compression, no ``own_loop``; buffers are broadcast at setup only.
+records) with the hooks a sharded layout needs; the non-finite verdict, each rank holding a different piece of
+the gradient, rides on a collective the step already makes. In one process every stage is the plain model with
+the stage-1 layout, so its checkpoints reshard like the others. Setup checks the replicas hold the same model
+and optimizer, broadcasts rank 0's, and self-tests the backend (`sharded_selftest`). Each rank's state is its
+pieces under the original names with their bounds (`loom.checkpoint.sharded_state`): a checkpoint resumes at
+any world size (`load_resharded`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
 """ZeRO stage 1 on the data axis of a model-parallel job: ``Hybrid(dp=2, tp=2, zero=1)``, torchtitan's 2-D
-layout with the optimizer state sharded over ``dp`` (Rajbhandari et al., 2020, P_os).
+layout with the optimizer state sharded over ``dp`` (Rajbhandari et al., 2020, P_os; the user's view:
+docs/strategies/hybrid.md#a-sharded-data-axis-zero1).
 
-`ShardedDataAxis` takes the place of `data_parallel_sync.GradientAveraging` in a
-`loom.parallel.model.model_parallel.ModelParallelJob`: the stage's trainable parameters are cut into one piece
-per ``dp`` replica by `sharded_flat.FlatShards` (the class of `ShardedDataParallel`'s stage 1) and the optimizer
-is rebound to this replica's piece. A step: the schedule runs and is judged as without sharding; `average`
-averages the gradients over ``dp`` into this replica's piece and frees the whole ones (between steps only the
-piece is kept, as ZeRO-2 keeps it); the optimizer steps the piece; `gather_parameters` gathers every piece back.
-The result equals the unsharded data axis up to the order of summation.
+`ShardedDataAxis` takes the place of `data_parallel_sync.GradientAveraging` in a model-parallel job: the
+stage's trainable parameters are cut into one piece per ``dp`` replica by `sharded_flat.FlatShards` and the
+optimizer steps this replica's piece. The schedule runs and is judged as without sharding; `average` averages
+the gradients into the piece and frees the whole ones (only the piece is kept between steps, as in ZeRO-2);
+`gather_parameters` gathers the updated pieces back. The result equals the unsharded data axis up to the order
+of summation.
 
-Limits: the optimizer must be elementwise (`sharded_flat.ELEMENTWISE`); no ``compression`` (the codecs need the
-whole gradient); checkpoints resume at the mesh and ``dp`` that wrote them (another is refused naming both).
-Stages 2 and 3 on this axis are not built: a pipeline stage's schedule would have to gather parameters per
-micro-batch.
+Limits: an elementwise optimizer; no ``compression`` (the codecs need the whole gradient); checkpoints resume
+at the mesh and ``dp`` that wrote them. Stages 2 and 3 on this axis are not built: a pipeline stage's schedule
+would have to gather parameters per micro-batch.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ __all__ = ["ShardedDataAxis"]
 
 
 class ShardedDataAxis:
-    """A model-parallel job's data axis with ZeRO stage 1: the optimizer steps this replica's piece of the
-    stage (see the module docstring). The interface is `data_parallel_sync.GradientAveraging`'s (``config``,
-    ``zero``, `average`, `gather_parameters`, `state_dict`, `load_state_dict`)."""
+    """A model-parallel job's data axis with ZeRO stage 1 (the module docstring), with
+    `data_parallel_sync.GradientAveraging`'s interface."""
 
     zero = 1
 

@@ -1,21 +1,17 @@
 """ZeRO stage 1, loom's own: every rank keeps the whole model and its gradients, and steps the optimizer over
 one contiguous piece of all parameters, flattened and concatenated (Rajbhandari et al., "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models", 2020, P_os).
+Optimizations Toward Training Trillion Parameter Models", 2020, P_os; the user's view:
+docs/strategies/sharded.md#how-each-stage-works).
 
-The optimizer holds, in place of the model's parameters, flat *views* of this rank's piece of each parameter
-(``nn.Parameter`` over the parameter's own storage), so its step updates the model in place and its state
-(momentum, Adam's moments) exists for this rank's piece only. After backward (`FlatShards.average`) the
-gradients are flattened, averaged, and each rank keeps its piece's only; after the step
-(`FlatShards.gather_parameters`) the updated pieces are gathered into every rank's model. Both by
-``collective``: ``reduce_scatter`` / all-gather (`loom.comm.shards`, native on NCCL), or on CPU an all-reduce
-with one of `loom.comm.all_reduce`'s algorithms (gloo's reduce-scatter is one all-reduce per rank underneath;
-loom's goes through shared memory on one host, ``benchmarks/reports/sharded.md``): the average then a slice,
-and for the parameters the sum of this rank's piece among zeros, which is exact (``x + 0 = x``).
+The optimizer holds flat *views* of this rank's piece of each parameter (``nn.Parameter`` over the parameter's
+own storage), so its step updates the model in place and its state exists for the piece only. ``collective``:
+``reduce_scatter`` and all-gather (`loom.comm.shards`), or on CPU one of `loom.comm.all_reduce`'s algorithms
+(gloo's reduce-scatter is one all-reduce per rank underneath): the average then a slice, and for the parameters
+the sum of this rank's piece among zeros, which is exact (``x + 0 = x``).
 
-Why not FSDP2 here: it cannot shard the optimizer state alone. The optimizer must be elementwise (an element's
-update depends on that element's gradient and state only: SGD, Adam, AdamW, ...); one that reads whole tensors
-(LAMB's trust ratio, Adafactor's factored moments) would see pieces and is refused at setup (`ELEMENTWISE`).
-The same class shards the data axis of model-parallel jobs (``Hybrid(..., zero=1)``, `sharded_axis`).
+The optimizer must be elementwise (`ELEMENTWISE`): one that reads whole tensors (LAMB's trust ratio,
+Adafactor's factored moments) would see pieces. The same class shards the data axis of model-parallel jobs
+(``Hybrid(..., zero=1)``, `sharded_axis`).
 """
 
 from __future__ import annotations

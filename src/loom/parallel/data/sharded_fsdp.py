@@ -1,21 +1,15 @@
 """ZeRO stages 2 and 3 on FSDP2 (``torch.distributed.fsdp.fully_shard``): its units, its pieces, its switches.
 
-FSDP2 shards each parameter on its first dimension over the data axis and reduce-scatters (averaged) the
-gradients during backward, unit by unit; stage 3 gathers each unit's parameters around its forward and again
-for its backward (``reshard_after_forward=True``), stage 2 keeps them gathered from forward to the end of
-backward (``False``: PyTorch's ``SHARD_GRAD_OP``, ZeRO-2's communication volume), so between steps both hold
-1/N of the parameters, gradients and optimizer state. `loom.parallel.data.sharded_selftest` checks its averaged
-reduce-scatter at every setup.
+FSDP2 shards each parameter on its first dimension and reduce-scatters (averaged) the gradients during
+backward, unit by unit; stage 3 reshards each unit's parameters after its forward, stage 2 keeps them gathered
+to the end of backward (PyTorch's ``SHARD_GRAD_OP``). The units (`default_units`, or ``wrap=``): see
+docs/strategies/sharded.md#how-each-stage-works; the root is always a unit of its own, last.
 
-Units (`default_units`): every child of a ``Sequential``, else every module held in an ``nn.ModuleList`` (the
-blocks of a transformer), else the model as one unit; ``wrap=`` overrides it (module classes, or a function
-of the model returning the modules). The root is always a unit of its own, last.
-
-Accumulation (`no_sync`): all but the last micro-batch run without gradient reduction *and* without
+Accumulation (`FsdpLayout.no_sync`): all but the last micro-batch run without gradient reduction *and* without
 resharding, so a rank that runs fewer micro-batches (a share smaller than ``accumulate``, or empty) issues the
 same collectives in the same order as the others: one gather per unit in its first forward (stage 3: and one
-for backward), the reduce-scatters in its last backward. The parameters then stay gathered during the
-accumulation window (the memory of stage 2 at peak), which is FSDP2's own recommendation for accumulation.
+for backward), the reduce-scatters in its last backward. The parameters then stay gathered during the window
+(stage 2's peak memory), as FSDP2 recommends for accumulation.
 """
 
 from __future__ import annotations

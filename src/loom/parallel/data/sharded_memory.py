@@ -1,8 +1,5 @@
-"""ZeRO's prediction: the share of the one-process training state each rank keeps (`zero_share`); the counting
-itself is `loom.observe.memory` (re-exported here).
-
-With Adam in fp32, 16 bytes per parameter on one process, of which stage 1 keeps ``(4 + 4 + 8/N)/16`` per rank,
-stage 2 ``(4 + 12/N)/16`` and stage 3 ``16/N/16``.
+"""ZeRO's prediction: the share of the one-process training state each rank keeps (`zero_share`; the table:
+docs/strategies/sharded.md); the counting itself is `loom.observe.memory` (re-exported here).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""The backend self-test of `ShardedDataParallel`: before training, one tiny averaged reduce-scatter and
-all-gather, checked against the values they must give.
+"""The backend self-test of `ShardedDataParallel` (docs/strategies/sharded.md#guards): before training, one tiny
+averaged reduce-scatter and all-gather, checked against the values they must give.
 
-Why: an averaged reduce-scatter that silently sums instead (PyTorch issue 162338, gloo) trains with gradients
-N times too large and nothing fails; Accelerate #3979 and its kin are the same class of bug. Each rank
-contributes ``base + 1000 * (rank + 1)``, so the mean over N ranks is ``base + 500 * (N + 1)`` and a sum is
-told apart from it (and from a copy of one rank's values). Checked: stage 1's average (`loom.comm.reduce_scatter`
-with ``op="avg"``, or `loom.comm.all_reduce`'s, whichever the job uses) and `loom.comm.all_gather`, and for FSDP2
-(stages 2 and 3) the gradient of a tiny ``fully_shard``-ed linear layer, which goes through FSDP2's own
-reduce-scatter and divide factors. Every rank refuses together, naming the backend and the collective.
+Why: an averaged reduce-scatter that silently sums instead (PyTorch issue 162338, gloo; Accelerate #3979 is of
+the same class) trains with gradients N times too large and nothing fails. Each rank contributes
+``base + 1000 * (rank + 1)``, so the mean over N ranks, ``base + 500 * (N + 1)``, is told apart from a sum and
+from a copy of one rank's values. Checked: stage 1's collectives as the job runs them and, for FSDP2, the
+gradient of a tiny ``fully_shard``-ed layer (FSDP2's own reduce-scatter and divide factors). Every rank refuses
+together, naming the backend and the collective.
 """
 
 from __future__ import annotations
