@@ -1,12 +1,10 @@
 """Synchronous data parallelism with global-batch semantics, built on PyTorch's DistributedDataParallel.
 
-Every worker holds the whole model and trains on its share of each global batch; gradients are all-reduced
-during backward by DDP, or averaged after backward without it (in shared memory on a CPU host whose cores are all
-computing; under heal over the quorum's data axis): `data_parallel_sync.choose_gradient_path` decides (its
-docstring is the table), and rank 0 prints the path at setup. The gradient is the same either way, and every
-process starts from rank 0's parameters and buffers (under heal: a live member's), after
-`loom.parallel.consistency` checked that the replicas hold the same model and optimizer. The job and its
-exactness under uneven shares: `loom.parallel.data.data_parallel_job`.
+Every worker holds the whole model and trains on its share of each global batch; the gradients are averaged by
+DDP during backward, or after backward without it: `data_parallel_sync.choose_gradient_path` decides (its
+docstring is the table) and rank 0 prints the path at setup. Every process starts from rank 0's parameters and
+buffers (under heal: a live member's), after `loom.parallel.consistency` checked that the replicas hold the same
+model and optimizer. The job, and its exactness under uneven shares: `data_parallel_job`.
 """
 
 from __future__ import annotations

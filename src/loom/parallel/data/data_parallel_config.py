@@ -48,8 +48,7 @@ class DataParallelConfig(GuardOptions):
     """Run loom's all-reduce algorithms on a communication thread that overlaps backward (True) or after (or
     inside) backward, blocking it (False). None: overlap only when this host has a core to spare for the thread
     (usable cores > local processes x torch threads each): with every core busy computing, the thread only
-    competes with backward (``benchmarks/reports/dp_allreduce.md``). Without overlap the gradients may be
-    averaged in shared memory after backward, without DDP (`data_parallel_sync.choose_gradient_path`)."""
+    competes with backward (``benchmarks/reports/dp_allreduce.md``)."""
     compression: str | None = None
     """Gradient compression (`loom.comm.compression`): ``fp16``, ``bf16``, ``int8``, ``topk:<fraction>`` or
     ``powersgd:<rank>``, with error feedback where lossy; its collectives overlap backward. None: exact."""

@@ -8,11 +8,8 @@ what one process computes on the whole batch. An empty share still joins the exc
 forward (DDP) or zero gradients (after backward).
 
 Guards, on every rank alike so none is left waiting: a non-finite loss or gradient on any rank is never applied
-(``nonfinite``, `loom.fault.desync.NonFiniteGuard`: each rank's flag rides in the loss buffer, the averaged
-gradient is checked where it lies); a share too small for BatchNorm in training mode (1 sample in a forward,
-where PyTorch would raise on one rank only) is refused (`refuse_small_batchnorm_shares`). Every `loom.LossCall`
-convention runs (`loom.train.batch.forward_loss`); scripts that keep their own loop use
-`DataParallelJob.own_loop` (`loom.parallel.data.own_loop`).
+(`loom.fault.desync.NonFiniteGuard`; each rank's flag rides in the loss buffer); a share too small for BatchNorm
+in training mode, where PyTorch would raise on one rank only, is refused (`refuse_small_batchnorm_shares`).
 
 Limits: the model must accept a zero-size batch when a share is empty; losses must be mean-reduced over the
 batch (the scaling undoes that mean).

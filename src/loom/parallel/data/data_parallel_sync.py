@@ -128,12 +128,11 @@ def axis_path(config: DataParallelConfig, model: nn.Module, axis: DataAxis) -> G
 
 class AxisGradients:
     """`SharedGradients`' interface (``average(extra)``, ``flat``, ``nbytes``) over a data axis whose group may
-    change between steps (the quorum's epoch group under heal): the trainable gradients averaged after backward,
-    flat, with small sums riding along.
+    change between steps (the quorum's under heal): the trainable gradients averaged after backward, flat.
 
-    Without a codec one collective: `loom.comm.all_reduce` of ``[gradients..., extra...]``, then the gradients
-    divided by the axis's size. With a (stateless) codec: its collectives, then the extra values' all-reduce. The
-    buffer is float32 at least, so the flags, the fingerprints (at most 251) and the loss sum ride exactly."""
+    Without a codec one collective: `loom.comm.all_reduce` of ``[gradients..., extra...]`` (float32 at least, so
+    the flags, the fingerprints, at most 251, and the loss sum ride exactly), then the gradients divided by the
+    axis's size. With a (stateless) codec: its collectives, then the extra values' all-reduce."""
 
     def __init__(self, module: nn.Module, axis: DataAxis, algorithm: str, codec: Codec | None) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -284,16 +283,13 @@ def buffer_sync_option(enabled: bool) -> dict[str, bool]:
 
 
 class GradientAveraging:
-    """`DataParallel`'s gradient averaging for a data axis outside DDP (model-parallel jobs run their own
-    schedule, so the stage cannot be wrapped in DDP), after the schedule. Gradients arrive weighted as
-    `DataParallel` weights them (``n_r * W / N``, `loom.parallel.pipeline.pipeline_runtime.run_instructions`), so
-    every path *averages*:
-
-    - on one CPU host with loom's shared-memory algorithms, `SharedGradients`: the class `DataParallel`'s
-      shared-memory path uses, so ``Hybrid(dp=N)`` and ``DataParallel()`` that both take it end bitwise equal;
-    - with ``compression``, the codec's collectives on the whole flattened gradient (one "bucket", parameters
-      numbered in order, so its error-feedback state is the same at every step and in a resumed run);
-    - otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce`, divided by the group's size.
+    """`DataParallel`'s gradient averaging for a data axis outside DDP, after the schedule (a model-parallel stage
+    runs its own schedule, so it cannot be wrapped in DDP). Gradients arrive weighted as `DataParallel` weights
+    them (``n_r * W / N``, `loom.parallel.pipeline.pipeline_runtime.run_instructions`), so every path averages:
+    on one CPU host with loom's shared-memory algorithms `SharedGradients` (`DataParallel`'s class, so
+    ``Hybrid(dp=N)`` and ``DataParallel()`` end bitwise equal); with ``compression`` the codec's collectives on
+    the whole flat gradient (one "bucket", so its error-feedback state is the same at every step and on resume);
+    otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce`, divided by the group's size.
 
     Every replica steps the whole optimizer state (``zero = 0``); `sharded_axis.ShardedDataAxis` is the same
     interface with the optimizer state sharded (``zero=1``).
