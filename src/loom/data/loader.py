@@ -124,11 +124,8 @@ def _with_layout(batch: Any, *layout: Any) -> Any:
 
 
 def _zero_samples(batch: Any) -> Any:
-    """``batch`` cut to zero samples, keeping its nesting, shapes, dtypes and devices.
-
-    Tensors keep their trailing dimensions; a sequence of strings (how `default_collate` batches them) becomes
-    empty; other leaves are kept.
-    """
+    """``batch`` cut to zero samples, keeping its nesting, shapes, dtypes and devices (a sequence of strings, as
+    `default_collate` batches them, becomes empty; other non-tensor leaves are kept)."""
     if isinstance(batch, torch.Tensor):
         return batch[:0]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):

@@ -125,13 +125,10 @@ def _difference(rows: list[list[int]]) -> str | None:
 
 
 def check_same_data(dataset: Any, fetch: Callable[[torch.Tensor], Any], group: Any = None) -> None:
-    """Refuse, on every process of the job, a dataset that differs between them.
-
-    ``fetch(indices)`` returns the collated samples at ``indices`` (how the loader batches them). Collective
-    over ``group``, the job's (`loom.topology.Topology.group`; None: torch's default group): every process that
-    builds the loader, whatever axis it shards over, so every process must call it. A no-op without a group of
-    two or more.
-    """
+    """Refuse, on every process of the job, a dataset that differs between them. ``fetch(indices)``: the
+    collated samples at ``indices``, as the loader batches them. Collective over ``group`` (the whole job's,
+    whatever axis the loader shards over; None: torch's default group), so every process must call it; a no-op
+    without a group of two or more."""
     if group is None and dist.is_available():
         group = dist.group.WORLD
     if group is None or group.size() < 2:

@@ -36,10 +36,7 @@ __all__ = ["DataParallel", "DataParallelConfig", "DataParallelJob"]
 
 
 class DataParallel(Strategy):
-    """Strategy: replicate the model, shard the data, all-reduce gradients every step.
-
-    ``DataParallel(accumulate=1, bucket_cap_mb=25.0, ...)`` — see `DataParallelConfig` for the fields.
-    """
+    """Strategy: replicate the model, shard the data, all-reduce gradients every step (options below)."""
 
     config_type = DataParallelConfig
     config: DataParallelConfig

@@ -85,12 +85,10 @@ class DataAxisConfig(DataParallelConfig):
     options it honours (``allreduce``, ``compression``, the guard's), and ``zero``."""
 
     zero: int = 0
-    """ZeRO stage of the data axis. 0: every replica keeps the whole optimizer state of its stage's (tensor
-    shards') parameters. 1: each of the ``dp`` replicas steps the optimizer over its 1/dp slice of them only, the
-    averaged gradient is kept as that slice alone and the updated slices are gathered back over ``dp`` after the
-    step (`loom.parallel.data.sharded_axis`). The optimizer must be elementwise (SGD, Adam, AdamW, ...);
-    ``compression`` is refused with it. Stages 2 and 3 (sharded gradients in backward, sharded parameters) are
-    `ShardedDataParallel`'s only."""
+    """ZeRO stage of the data axis. 0: every replica keeps the whole optimizer state of its stage's parameters.
+    1: each of the ``dp`` replicas steps the optimizer over its 1/dp slice of them and keeps only that slice of
+    the averaged gradient (`loom.parallel.data.sharded_axis`: an elementwise optimizer, no ``compression``).
+    Stages 2 and 3 are `ShardedDataParallel`'s only."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -104,10 +104,8 @@ class ShardedDataParallelConfig(DataParallelConfig):
 
 
 class ShardedDataParallel(Strategy):
-    """Strategy: shard the data and the training state (ZeRO ``stage`` 1, 2 or 3) over the replicas.
-
-    ``ShardedDataParallel(stage=3, accumulate=1, wrap=None, ...)`` — see `ShardedDataParallelConfig`.
-    """
+    """Strategy: shard the data and the training state (ZeRO ``stage`` 1, 2 or 3) over the replicas (options
+    below)."""
 
     config_type = ShardedDataParallelConfig
     config: ShardedDataParallelConfig

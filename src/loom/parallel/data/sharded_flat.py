@@ -72,11 +72,10 @@ def flat_gradients(params: Sequence[torch.Tensor], dtype: torch.dtype | None = N
 class FlatShards:
     """This rank's piece of every trainable parameter, flattened and concatenated; the optimizer steps it.
 
-    Built at setup, it rebinds ``optimizer``'s parameter groups, in place (a scheduler built on the optimizer
-    keeps working), to flat views of this rank's piece of each parameter of ``module`` (a whole model, or a
-    model-parallel stage); parameters with no element in the piece, or not in ``module`` (other pipeline
-    stages'), leave the groups. ``group``: the ranks sharing the pieces (`over_group`). One process: the piece
-    is everything (the layout stays, so its checkpoints reshard to any world size).
+    Rebinds ``optimizer``'s parameter groups in place (a scheduler built on it keeps working) to flat views of
+    this rank's piece of each parameter of ``module`` (a model, or a model-parallel stage); parameters with no
+    element in the piece, or not in ``module``, leave the groups. One process: the piece is everything (the
+    layout stays, so its checkpoints reshard to any world size).
     """
 
     def __init__(
