@@ -30,7 +30,7 @@ from loom.data.loader import LazyBatch, loader
 from loom.data.sampler import share_bounds
 from loom.errors import DifferentBatches, HealConflict, StartRefused, is_retryable
 from loom.fault.inject import fault_point
-from loom.topology import Topology
+from loom.topology import Topology, job_store
 from loom.train.batch import batch_len, slice_batch
 from loom.train.engine import Engine
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
@@ -164,9 +164,7 @@ def refuse_heal_options(config: Any) -> None:
 
 
 def healing_store() -> Any:
-    """The launcher's store, which the quorum and each epoch's group are built on."""
-    from loom.topology import job_store  # the launcher's store, joined by loom.init()
-
+    """The launcher's store (joined by `loom.init`), which the quorum and each epoch's group are built on."""
     store = job_store()
     if store is None:
         raise RuntimeError("--on-worker-failure heal needs loom.init() under loom run (the launcher's store)")
