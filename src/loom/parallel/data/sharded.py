@@ -212,8 +212,7 @@ class ShardedDataParallelJob(DataParallelJob):
         return self.layout.finite if isinstance(self.layout, FlatShards) else True
 
     def _apply(self, state: Any) -> None:
-        """The optimizer step (`loom.train.engine.Engine._apply`, called only for an applied step), then stage
-        1's all-gather of the updated pieces."""
+        """The optimizer step (only for an applied step), then stage 1's all-gather of the updated pieces."""
         super()._apply(state)
         self._gather_after_step()
 
