@@ -277,9 +277,8 @@ class AxisJob(Engine):
 
     def writes_checkpoint(self) -> bool:
         """Whether this process takes part in writing the checkpoint of the step just committed: always, but under
-        heal only the first member that trained it (every member computes the same answer from the same
-        membership; a checkpoint whose writer dies before publishing it is not written, and the previous one
-        stays the newest)."""
+        heal only the first member that trained it, the same answer on every member (if it dies before publishing
+        it, the previous checkpoint stays the newest)."""
         return self.quorum is None or (self.trained_by or self.quorum.members)[0] == self.topology.rank
 
     def _share_more(self, source: int, load: bool) -> None:

@@ -80,8 +80,9 @@ class DataParallelJob(AxisJob):
         algorithm = config.allreduce
         shared_memory = algorithm in ("auto", "shm", "hierarchical") and topology.device.type == "cpu"
         self._loss_algorithm = algorithm if shared_memory else "native"
-        """The loss all-reduce's algorithm (`_reduce_loss`): the job's own where it uses shared memory on CPU;
-        else gloo's (``ring``/``driver`` pay two latency-bound rounds on a message this small)."""
+        """The loss all-reduce's algorithm (`_reduce_loss`): the job's own where it uses shared memory on CPU
+        (cheaper than gloo's on one host, ``benchmarks/reports/metrics_overhead.md``); else gloo's (``ring`` and
+        ``driver`` pay two latency-bound rounds on a message this small)."""
         self.compression: CompressionHook | None = None
         """The gradient compression hook when ``config.compression`` is set (its state: `local_state_dict`)."""
         self.gradient_path: GradientPath | None = None
@@ -239,10 +240,8 @@ class DataParallelJob(AxisJob):
         super()._record(state, **fields)
 
     def _reduce_loss(self, loss_sum: torch.Tensor) -> bool:
-        """The all-reduce of ``[loss sum, flags]``; returns whether the averaged gradient is finite. Shared-memory
-        gradients summed the buffer already; with loom's shared-memory algorithms on CPU it takes the job's
-        algorithm (cheaper than gloo's on one host, ``benchmarks/reports/metrics_overhead.md``); else gloo's,
-        launched asynchronously to overlap the gradient check. Every rank has every flag before the verdict."""
+        """The all-reduce of ``[loss sum, flags]`` (gloo's launched asynchronously, overlapping the gradient check;
+        none after shared-memory gradients, which summed the buffer); whether the averaged gradient is finite."""
         if not self._distributed or self.shared_gradients is not None:
             return self._gradients_finite()
         with self.collective("loss all-reduce"):
