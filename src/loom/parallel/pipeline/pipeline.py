@@ -5,17 +5,12 @@ on pipeline rank ``i``, runs the schedule's instruction stream (`pipeline_schedu
 step and returns the global-batch loss on every process. Usage and limits: docs/strategies/pipeline.md.
 
 Exactness: micro-batch ``j`` of ``n_j`` samples contributes ``loss_j * n_j / N`` to the backward (``N`` the global
-batch, ``loss_j`` the mean loss of the micro-batch), so the accumulated gradient is that of the global-batch mean,
-as one process computes it. A batch not divisible by ``m`` is cut into micro-batches whose sizes differ by at
-most one (correct thanks to the weighting); a batch of fewer than ``m`` samples runs ``n`` micro-batches of one.
+batch, ``loss_j`` its mean loss), so the accumulated gradient is the global-batch mean's however uneven the
+micro-batches (their sizes differ by at most one; a batch of ``n < m`` samples runs ``n`` micro-batches of one).
 
-The runtime is loom's own, not ``torch.distributed.pipelining``: it takes any chain whose stages pass tensors or
-tuples of tensors and uneven micro-batches, and it instruments what the schedules promise: per-stage busy time
-and span (the bubble, ``bubble_s`` in each step record) and the activations alive (`StageStats`).
-
-Limits (the docs page's: a mean-reduced loss, no parameters shared between stages, other stages' parameters
-emptied in the optimizer). A data axis (fewer stages than processes) is composed as in
-`loom.parallel.model.compose`; the job is a `loom.parallel.model.model_parallel.ModelParallelJob`.
+The runtime is loom's own, not ``torch.distributed.pipelining``, so that it takes any chain passing tensors or
+tuples of tensors and uneven micro-batches, and measures what the schedules promise: each stage's bubble and live
+activations (`StageStats`). With fewer stages than processes the rest is a data axis (`loom.parallel.model.compose`).
 """
 
 from __future__ import annotations

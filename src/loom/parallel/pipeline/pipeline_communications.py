@@ -1,18 +1,14 @@
 """Point-to-point messages between neighbouring pipeline stages: activations forward, gradients backward.
 
-An activation message is a fixed-size int64 header (tensor count, then dtype code, rank and shape of each tensor)
-followed by each tensor's raw data, so a stage can receive activations of a shape it has never seen (an uneven
-last micro-batch, a sequence of another length) without pickle on the wire. A gradient message has no header: the
-receiving stage knows the shapes, they are those of the activations it sent.
+An activation message is a fixed-size int64 header (tensor count, then each tensor's dtype code, rank and shape)
+followed by the raw tensors, so a stage receives shapes it has never seen (an uneven micro-batch, another sequence
+length) without pickle on the wire. A gradient message has no header: its shapes are the activations' it answers.
 
-Sends are non-blocking (``isend``) so a stage never waits for its neighbour to post the matching receive; the
-runtime waits for their handles at the end of the step. Receives block. Messages between two stages in one
-direction are matched in the order they were sent.
-
-Stages are named by their ranks in the job's group (``group``; None: torch's default group). Two stages on one
-host exchange messages through shared memory instead (`loom.comm.shm_channel`: a ring per direction, no socket),
-decided per pair by a handshake on the first message of each direction. Shared-memory messages always carry the
-header, so a gradient whose shape differs from the activation it answers is refused by name.
+Sends are non-blocking (the runtime waits for their handles at the end of the step), so a stage never waits for
+its neighbour to post the receive; receives block; messages between two stages in one direction arrive in the
+order sent. Stages are named by their ranks in the job's ``group`` (None: torch's default group). Two stages on one
+host use shared memory instead (`loom.comm.shm_channel`), decided per pair and direction on the first message;
+those messages always carry the header, so a gradient of the wrong shape is refused by name.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The pipeline runtime: executes one stage's instruction stream (see `pipeline_schedule`) on real tensors.
+"""The pipeline runtime: executes one stage's instruction stream (`pipeline_schedule`) on real tensors.
 
-Kept apart from the schedules (which are pure data) and from the strategy (which splits the model and reduces
-the loss). Per micro-batch it holds the stage's received inputs (they carry the input gradient after backward)
-and its outputs (the autograd graph to run backward through) from the forward until the backward; that is the
-*activation liveness* the schedules differ in, and it is measured here: how many micro-batches are alive at once,
-and the bytes autograd saved for them (counted with ``torch.autograd.graph.saved_tensors_hooks``, leaving out
-the stage's own weights; a tensor saved twice is counted twice, so it is an upper bound of what is resident).
+Per micro-batch it holds the stage's received inputs (they carry the input gradient after backward) and its
+outputs (the graph to run backward through) from forward to backward: the *activation liveness* the schedules
+differ in, measured here (`StageStats`) as the micro-batches alive and the bytes autograd saved for them
+(``saved_tensors_hooks``, the stage's weights left out; a tensor saved twice counts twice: an upper bound).
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Pipeline schedules as data: one instruction stream per stage, executed by a separate runtime.
 
-A pipeline splits a model into ``p`` stages and each step's batch into ``m`` micro-batches. A *schedule* decides
-in which order each stage runs the forward (F) and backward (B) pass of each micro-batch:
+A schedule orders each of the ``p`` stages' forward (F) and backward (B) passes of the step's ``m`` micro-batches:
 
-- **GPipe** (Huang et al. 2019): every stage runs all ``m`` forwards, then all ``m`` backwards (in reverse).
-  Simple, but each stage keeps the activations of all ``m`` micro-batches alive until their backward.
+- **GPipe** (Huang et al. 2019): all ``m`` forwards, then all ``m`` backwards (in reverse); each stage keeps the
+  activations of all ``m`` micro-batches alive until their backward.
 - **1F1B** (PipeDream-Flush, Narayanan et al. 2021): stage ``s`` runs ``p - s - 1`` warm-up forwards, then
-  alternates one forward and one backward, then drains the remaining backwards. Same bubble as GPipe, but stage
-  ``s`` never holds more than ``p - s`` micro-batches of activations (at most ``p``, independent of ``m``).
+  alternates one forward and one backward, then drains: GPipe's bubble, but at most ``p - s`` micro-batches alive.
 
-With every stage taking the same time per micro-batch, both leave each stage idle for a fraction
-``(p - 1) / (m + p - 1)`` of the step (the *bubble*, `bubble_fraction`): the pipeline fills and drains once.
-
-Each compute op carries its communication: a forward receives its input (unless on the first stage) and sends
-its output (unless last); a backward receives the output gradient (unless last) and sends the input gradient
-(unless first). The runtime executes the list in order with blocking receives and non-blocking sends; `simulate`
-replays the same streams with given op durations (and would report a deadlock), so schedules are tested without
-processes. Schedules as generators of instructions follow DeepSpeed's ``pipe/schedule.py``.
+With equal stage times both leave each stage idle a fraction ``(p - 1) / (m + p - 1)`` of the step
+(`bubble_fraction`). Each compute op carries its communication (a forward receives its input and sends its
+output, a backward the gradients; nothing past either end). `simulate` replays the streams with given op
+durations (and reports a deadlock), so schedules are tested without processes. Schedules as generators of
+instructions follow DeepSpeed's ``pipe/schedule.py``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Cutting a model into pipeline stages: its chain of layers, and where to cut it.
 
-A model can be pipelined when its forward is a *chain*: the output of one submodule is the whole input of the
-next. `chain_layers` reads that chain from the module tree: the children of an ``nn.Sequential``, or the
-top-level children of any other module in registration order, with ``nn.Sequential`` and ``nn.ModuleList``
-children expanded into their elements (so ``blocks.0``, ``blocks.1``, … can land on different stages). loom cannot
-see a ``forward`` that does anything else (a residual around two children, a child called twice); such a model
-must be written as a chain — e.g. an encoder–decoder as ``embed → encoder → decoder → head`` where each module
-passes a tuple of tensors on.
+A model can be pipelined when its forward is a *chain* (`SUPPORTED_SHAPES`): each child's output is the whole
+input of the next, with ``nn.Sequential`` and ``nn.ModuleList`` children expanded into their elements (so
+``blocks.0``, ``blocks.1``, … may land on different stages). loom cannot see a ``forward`` that does more (a
+residual around two children, a child called twice): such a model must be written as a chain, e.g. an
+encoder–decoder as ``embed → encoder → decoder → head``, each module passing a tuple of tensors on.
 
-Cut points are either given as names (each the first layer of a new stage) or chosen by `balanced_cuts`:
-contiguous stages minimising the heaviest stage's weight, with weights = parameter counts or measured times
-(`layer_times`: each layer's forward + backward on the activations a sample input produces). A cut that would
-separate layers sharing a parameter (tied weights) is refused (`refuse_shared_parameters`).
+Cut points are given as names (the first layer of each later stage) or chosen by `balanced_cuts` over parameter
+counts or measured times (`layer_times`); a cut between layers that share a parameter is refused.
 """
 
 from __future__ import annotations
@@ -36,13 +32,10 @@ __all__ = [
 
 
 def chain_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's chain of ``(qualified name, module)``; see the module docstring for what counts as a chain.
-
-    Refuses (ValueError, naming the layer) what cannot be a link of a chain, so that `Pipeline.setup` fails and
-    not the first step: a layer without a ``forward`` of its own (an ``nn.ModuleDict``, a container inside an
-    ``nn.Sequential``: the model's forward calls its elements in a way loom cannot see), and a layer whose
-    ``forward`` needs several arguments right after a ``torch.nn`` layer that returns one tensor (PyTorch's
-    pipelining tutorial calls each decoder layer as ``layer(h, h)``)."""
+    """The model's chain of ``(qualified name, module)`` (the module docstring's). Refuses (ValueError, naming the
+    layer) what cannot be a link, so that `Pipeline.setup` fails and not the first step: a layer without a
+    ``forward`` of its own (an ``nn.ModuleDict``, a container inside an ``nn.Sequential``), and one needing
+    several arguments right after a ``torch.nn`` layer returning one tensor (PyTorch's tutorial's ``layer(h, h)``)."""
     layers: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.Sequential, nn.ModuleList)) and not isinstance(model, nn.Sequential):

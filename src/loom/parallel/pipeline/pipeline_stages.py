@@ -113,8 +113,7 @@ of at most this size; a larger one travels alone, in place."""
 
 def broadcast_module(model: nn.Module, group: Any) -> None:
     """Give every process of ``group`` its rank 0's parameters and buffers, as DDP does at construction: bitwise,
-    each in its own dtype (an int64 buffer above 2**53 stays exact); small tensors packed by dtype into buckets
-    of at most `BROADCAST_BUCKET_BYTES`, a large one sent in place (no copy into a fresh buffer)."""
+    each in its own dtype (an int64 buffer above 2**53 stays exact), packed as `BROADCAST_BUCKET_BYTES` says."""
     tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
     with torch.no_grad():
         for dtype in sorted({t.dtype for t in tensors}, key=str):
