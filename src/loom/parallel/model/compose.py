@@ -4,16 +4,13 @@
 the composition of the other two with a data axis, and no strategy patches another's job. The order is the one
 of Megatron-LM and torchtitan (innermost first):
 
-1. **pipeline** (``pp``, `pipeline.split_into_stages`): the model's chain is cut into stages; this process keeps
-   its stage (with one stage the whole model is the stage, and need not be a chain);
-2. **tensor parallel** (``tp``, `tensor_parallel_shard.shard_stage`): the stage's MLP, attention and embedding blocks
-   are split over the tp group (the plan is found in the stage, or given in the full model's names);
-3. **data** (``dp``): `DataParallel`'s gradient averaging (`data_parallel_sync.GradientAveraging`) with the
-   job's `DataAxisConfig` (``allreduce``, ``compression``), applied to the stage's gradients after the
-   schedule. Gradients are already weighted by each replica's share, so N replicas equal one process. With
-   ``zero=1`` the axis is sharded instead (`sharded_axis.ShardedDataAxis`): the optimizer is rebound to this
-   replica's slice of the stage's (tensor-sharded) parameters, the gradients are averaged into that slice and
-   the updated slices gathered back over ``dp``.
+1. **pipeline** (``pp``, `pipeline_stages.split_into_stages`): the model's chain is cut into stages; this process
+   keeps its own (with one stage the whole model is the stage, and need not be a chain);
+2. **tensor parallel** (``tp``, `tensor_parallel_shard.shard_stage`): the stage's MLP, attention and embedding
+   blocks are split over the tp group;
+3. **data** (``dp``): `DataParallel`'s averaging of the stage's gradients after the schedule (`GradientAveraging`,
+   with the job's `DataAxisConfig`); they are already weighted by each replica's share, so N replicas equal one
+   process. ``zero=1`` shards it instead (`ShardedDataAxis`: docs/strategies/hybrid.md#a-sharded-data-axis-zero1).
 
 Every process starts from rank 0's weights (broadcast before the cut, as DDP does). The data is sharded over
 ``dp`` only: `Job.loader` builds the loader for it, and the job refuses a batch cut for another layout.

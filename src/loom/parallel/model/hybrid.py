@@ -1,9 +1,7 @@
 """Hybrid parallelism: data × pipeline × tensor parallel on one named mesh (usage: docs/strategies/hybrid.md).
 
 ``Hybrid(dp=a, pp=b, tp=c, ...)`` builds one `Mesh` (``a · b · c`` must equal the world size) and composes on it
-the transforms of `loom.parallel.model.compose` in its order. Data is sharded across ``dp`` only: load with
-``job.loader`` so every stage and tensor shard of a replica sees the same share (another cut is refused).
-Training, evaluation and state (this process's shard; ``full_state_dict()``) are `ModelParallelJob`'s.
+the transforms of `loom.parallel.model.compose`, in its order; the job is `ModelParallelJob`.
 """
 
 from __future__ import annotations

@@ -2,19 +2,18 @@
 
 `loom.parallel.model.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike. Each `train_step`:
 
-1. checks that the ranks of this model replica (its stages and tensor shards: the mesh's ``replica`` group) hold
-   the same samples: one small all-gather of the batch's fingerprint and size before any work, so a loader
-   sharded over the wrong axis raises instead of training on mismatched inputs and targets;
-2. splits the share into micro-batches and runs the schedule's instructions for this stage (`pipeline_runtime`),
-   each weighted so that gradients are those of the global-batch mean loss (`loom.parallel.pipeline.pipeline`);
-3. averages the gradients over the data axis (the last transform of `compose`), then steps the optimizer.
+1. checks that the ranks of this model replica (the mesh's ``replica`` group: its stages and tensor shards) hold
+   the same samples, by one small all-gather of the batch's fingerprint and size, so a loader sharded over the
+   wrong axis raises instead of training on mismatched inputs and targets;
+2. runs the schedule's instructions for this stage over the share's micro-batches (`pipeline_runtime`), weighted
+   as `loom.parallel.pipeline.pipeline` says;
+3. averages the gradients over the data axis (`compose`'s last transform), then steps the optimizer.
 
-The loss (non-zero on the last stage only), every stage's busy time and span, and each rank's non-finite flag
-ride on one all-gather over the pipeline, then one reduction over the whole job (one slot per replica's loss,
-one flag per rank, so the tensor shards of a stage reach the verdict too): every rank knows every flag before
-step 3 and all reach the same verdict (`loom.fault.desync.NonFiniteGuard`); a skipped step runs neither the
-data axis's sum nor the optimizer. State is sharded: `state_dict` is this process's stage and shards with their
-layout, `full_state_dict` gathers the whole model on rank 0.
+Before 3, the loss (non-zero on the last stage only), each stage's busy time and span, and each rank's non-finite
+flag ride on one all-gather over the pipeline, then one reduction over the job (a slot per replica's loss, a flag
+per rank), so every rank reaches the same verdict (`loom.fault.desync.NonFiniteGuard`); a skipped step runs
+neither the data axis nor the optimizer. `state_dict` is this process's stage and shards with their layout;
+`full_state_dict` gathers the whole model on rank 0.
 """
 
 from __future__ import annotations
