@@ -1,17 +1,12 @@
 """Tensor parallelism: single layers split across the ``tp`` processes, Megatron-style (Shoeybi et al. 2019).
 
-``TensorParallel(size=t, plan="auto" | {module name: kind})`` rewrites blocks of the model in place; the kinds
-(``"mlp"``, ``"attention"``, ``"embedding"``) and what each pattern must look like: docs/strategies/tensor-parallel.md.
-An MLP's ``fc1`` is column-parallel and ``fc2`` row-parallel, the block's input through ``f``; attention is split
-by heads (q, k, v column-parallel, ``out_proj`` row-parallel, the head count attribute set to ``heads / t``); an
-embedding by vocabulary rows. ``"auto"`` searches attention first and not for MLPs inside an attention module. Everything not in the plan stays replicated and gets identical gradients on every tp rank.
-Each process sees the whole batch (data is sharded across ``dp`` only); the loss is the same on every tp rank.
-
-The job is a one-stage composition (`loom.parallel.model.compose`), so training, evaluation, state (this
-process's shards; ``full_state_dict()`` gathers the whole model on rank 0) and the data axis are the pipeline's.
-
-Limits: fused ``qkv`` projections are not recognised (their rows interleave q, k and v); the vocabulary-parallel
-embedding supports neither ``padding_idx`` nor ``max_norm``; an output head tied to the embedding must be untied.
+``TensorParallel(size=t, plan="auto" | {module name: kind})`` rewrites the model's MLP, attention and embedding
+blocks in place (`tensor_parallel_shard`, `tensor_parallel_layers`); the patterns each kind must match, and the
+limits: docs/strategies/tensor-parallel.md. Everything not in the plan stays replicated and gets identical
+gradients on every tp rank. Each process sees the whole batch (data is sharded across ``dp`` only); the loss is
+the same on every tp rank. The job is a one-stage composition (`loom.parallel.model.compose`), so training,
+evaluation, state (this process's shards; ``full_state_dict()`` gathers the whole model) and the data axis are
+the pipeline's.
 """
 
 from __future__ import annotations

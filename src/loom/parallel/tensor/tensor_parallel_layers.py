@@ -7,16 +7,12 @@ the partial outputs. Two conjugate operators make the autograd right:
 - ``f`` (`copy_to_parallel`): identity forward, all-reduce of the input gradient backward — at a block's input;
 - ``g`` (`reduce_from_parallel`): all-reduce forward, identity backward — at a row-parallel layer's output.
 
-So a block costs one all-reduce forward and one backward. Attention is split by heads the same way, an
-embedding by vocabulary rows (`VocabParallelEmbedding`). Every collective goes through a `TensorParallelComm`,
-which counts them: the tests check 1 + 1 per MLP and 2 + 2 per transformer layer.
+So a block costs one all-reduce forward and one backward, counted by its `TensorParallelComm`. They are small
+(a micro-batch's activations) and latency-bound, so on one host (decided once, the same on every process, by the
+group's first all-reduce) they go through shared memory (`loom.comm.shm_small`, `loom.comm.shm` above its
+``MAX_BYTES``); across hosts, and for GPU tensors, the backend's.
 
-These all-reduces are small (a micro-batch's activations: a few KiB to a few hundred) and latency-bound, so when
-every process of the group is on one host (decided once, the same on every process, by the group's first
-all-reduce) they go through shared memory: `loom.comm.shm_small`'s one-barrier all-reduce up to its
-``MAX_BYTES``, `loom.comm.shm`'s chunked one above. Across hosts, and for GPU tensors, the backend's.
-
-Sharding is done *in place*: a split layer keeps the very ``nn.Parameter`` objects of the original (their data
+Sharding is *in place*: a split layer keeps the very ``nn.Parameter`` objects of the original (their data
 narrowed to this process's shard), so an optimizer built on the unsplit model keeps working.
 """
 

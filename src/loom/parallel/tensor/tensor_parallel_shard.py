@@ -2,8 +2,7 @@
 the ``tp`` group (`shard_stage`, `apply_tensor_parallel`), with `TensorShards` to gather them back.
 
 `loom.parallel.model.compose` applies it for `TensorParallel` and `Hybrid`; the layers themselves are
-`loom.parallel.tensor.tensor_parallel_layers`. See `loom.parallel.tensor.tensor_parallel` for the patterns and
-the limits.
+`tensor_parallel_layers`; the patterns and limits: docs/strategies/tensor-parallel.md.
 """
 
 from __future__ import annotations
@@ -113,7 +112,8 @@ def mlp_pairs(module: nn.Module) -> list[tuple[str, str]]:
 
 
 def auto_plan(model: nn.Module, allow_empty: bool = False) -> dict[str, str]:
-    """The blocks of ``model`` that match the patterns of the module docstring."""
+    """The blocks of ``model`` that match the patterns of docs/strategies/tensor-parallel.md; attention first, and
+    no MLP inside an attention module."""
     plan: dict[str, str] = {}
     inside_attention: list[str] = []
     for name, module in model.named_modules():
@@ -156,7 +156,7 @@ def _split_attention(name: str, module: nn.Module, comm: TensorParallelComm, dim
         if not isinstance(linear, nn.Linear):
             raise ValueError(
                 f"module {name!r} planned as 'attention' needs an nn.Linear {proj!r}, "
-                f"got {type(linear).__name__}. HINT: see the 'attention' pattern in the tensor_parallel docstring."
+                f"got {type(linear).__name__}. HINT: see the 'attention' pattern in docs/strategies/tensor-parallel.md."
             )
         projections[proj] = linear
     for proj in _Q_K_V:
