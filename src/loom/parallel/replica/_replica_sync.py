@@ -1,26 +1,20 @@
 """What `LocalSGD` and `DiLoCo` share: replicas that step on their own and meet every few steps.
 
-Both keep a whole model per process and train it on the process's share of each global batch with the user's
-optimizer, without synchronizing gradients (the *inner* steps). `ReplicaJob` is that inner loop, written once:
+Each process keeps a whole model and takes *inner* steps on its share of each global batch with the user's
+optimizer, synchronizing no gradient. `ReplicaJob` is that inner loop, written once:
 
-- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, sample count]``, so
-  `train_step` returns the global-batch mean loss on every rank, a non-finite loss or gradient on any rank skips
-  the step on every rank (`loom.fault.desync.NonFiniteGuard`), and every rank knows the job's sample count;
+- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, sample count]``: every
+  rank returns the global-batch mean loss, skips a step that any rank flagged
+  (`loom.fault.desync.NonFiniteGuard`), and knows the job's sample count;
 - each rank counts its samples since each synchronization, so replicas are averaged weighted by ``n_r / N``
-  (with uneven shares, what makes ``sync_every=1`` exact: `loom.parallel.replica.local_sgd`);
+  (why that makes ``sync_every=1`` exact: `loom.parallel.replica.local_sgd`);
 - after each step the strategy's `ReplicaJob._exchange` decides whether to synchronize.
 
-A rank whose share is empty runs no forward and no optimizer step (weight 0 at the next average). State is per
-rank: between synchronizations the replicas differ, so `loom.fit` writes every rank's part (resumed at the
-world size that wrote it) and skips its desync check.
-
-Limits: the loss must be mean-reduced over the batch; the model must run the same code on every rank (checked
-at setup, `loom.parallel.consistency`); BatchNorm statistics are local between synchronizations and averaged
-with the parameters (use ``drop_last=True`` with BatchNorm: a 1-sample share raises on that rank only).
-
-Under ``--on-worker-failure heal`` the same job runs over the quorum's data axis (`loom.parallel.data.data_axis`);
-what heal adds, the sync round as the unit of commit, is `loom.parallel.replica.round_commit.RoundCommit`,
-called from the hooks below.
+A rank with an empty share runs no forward and no optimizer step (weight 0 at the next average). State is per
+rank (the replicas differ between synchronizations): `loom.fit` writes every rank's part and skips its desync
+check. Limits: docs/strategies/local-sgd-diloco.md#limits. Under ``--on-worker-failure heal`` the job runs over
+the quorum's data axis (`loom.parallel.data.data_axis`), and `round_commit.RoundCommit`, called from the hooks
+below, makes the sync round the unit of commit.
 """
 
 from __future__ import annotations

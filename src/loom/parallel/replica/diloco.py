@@ -1,25 +1,17 @@
 """DiLoCo: replicas train on their own for ``H`` steps, then an outer optimizer applies their averaged progress.
 
-The paper (Douillard et al. 2023), Streaming DiLoCo's fragments (Douillard et al. 2025), OpenDiLoCo's int8
-outer all-reduce (Jaghouar et al. 2024) and usage: ``docs/strategies/local-sgd-diloco.md``. The pseudo-gradient
-is the global copy minus the replica's local parameters; the outer optimizer steps the global copy with its
-average, and every replica takes the result.
+The papers (Douillard et al. 2023; Streaming DiLoCo's fragments, Douillard et al. 2025; OpenDiLoCo's int8 outer
+all-reduce, Jaghouar et al. 2024) and usage: ``docs/strategies/local-sgd-diloco.md``. The pseudo-gradient is the
+global copy minus the replica's local parameters; the outer optimizer steps the global copy with its average,
+and every replica takes the result.
 
-Here: fragment ``k`` (a contiguous run of parameters, balanced by size; the floating-point buffers travel with
-fragment 0 and are averaged, not stepped) is sent after the steps ``t`` with ``t % H == k * H / F``, so every
-parameter is synchronized once every ``H`` steps. The pseudo-gradients are averaged weighted by the samples each
-replica trained on since the fragment's previous exchange, so with ``H = 1``, inner SGD and an outer SGD of lr 1,
-DiLoCo is synchronous data parallelism. The exchange runs on a communication thread over a process group of its
-own while the next ``overlap_steps`` inner steps run; its result is applied after step ``t + overlap_steps``
-exactly, so a run is reproducible. Applying it keeps what the replica learned meanwhile: the fragment becomes the
-new global copy plus the replica's own progress since.
-
-Compression of the averaged pseudo-gradient: the stateless specs of `loom.comm.compression.replicas` (``fp16``,
-``bf16``, ``int8``; ``int8`` sums bitwise the same everywhere). No error feedback: the rounding error is lost.
-
-Checkpoints hold the global copy, the outer optimizer's state, the sample counts, and every exchange in flight
-(waited for, with its result and the step it is due), so a resumed run applies it at the same step: resume is
-bitwise.
+Fragment ``k`` (a contiguous run of parameters, balanced by size; fragment 0 also carries the floating-point
+buffers, averaged, not stepped) is sent after the steps ``t`` with ``t % H == k * H / F``, so every parameter is
+synchronized once every ``H`` steps. The pseudo-gradients are weighted by the samples each replica trained on
+since the fragment's previous exchange, so with ``H = 1``, inner SGD and an outer SGD of lr 1, DiLoCo is
+synchronous data parallelism. An exchange runs on a communication thread over a process group of its own while
+the next ``overlap_steps`` inner steps run, and is applied after step ``t + overlap_steps`` exactly, so a run is
+reproducible (and a resume bitwise: `DiLoCoJob.state_dict`); applying it keeps the replica's own progress since.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Local SGD: every replica steps on its own share; every ``sync_every`` steps the replicas are averaged.
 
 The idea (Stich, ICLR 2019; Lin et al., ICLR 2020; torchft's ``LocalSGD``) and usage:
-``docs/strategies/local-sgd-diloco.md``; ``job.synchronize()`` averages now, before evaluating or exporting the
-model. With ``H = 1`` and plain SGD (no momentum) it *is* synchronous data parallelism: the weighted average of
-``p - lr * g_r`` is ``p - lr * sum_r n_r/N g_r``.
-
-The average is weighted by the samples each replica trained on since the last one (`_replica_sync`), over the
-parameters and the floating-point buffers, with any of loom's all-reduce algorithms (``allreduce``). The
-optimizer's state stays each replica's own, as in torchft's ``LocalSGD``: with momentum, ``H = 1`` is close to
-but not the same as synchronous SGD when shares are uneven.
+``docs/strategies/local-sgd-diloco.md``. The average is weighted by the samples each replica trained on since the
+last one (`_replica_sync`), over the parameters and the floating-point buffers; the optimizer's state stays each
+replica's own. With ``H = 1`` and plain SGD (no momentum) it *is* synchronous data parallelism: the weighted
+average of ``p - lr * g_r`` is ``p - lr * sum_r n_r/N g_r`` (with momentum, only close when shares are uneven).
 """
 
 from __future__ import annotations
@@ -54,10 +50,7 @@ class LocalSGDConfig(ShareOptions):
 
 
 class LocalSGD(ReplicaStrategy):
-    """Strategy: replicas step on their own shares and average their parameters every ``sync_every`` steps.
-
-    ``LocalSGD(sync_every=8, allreduce="auto", ...)`` — see `LocalSGDConfig` for the fields.
-    """
+    """Strategy: replicas step on their own shares and average their parameters every ``sync_every`` steps."""
 
     config_type = LocalSGDConfig
 

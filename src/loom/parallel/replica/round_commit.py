@@ -5,21 +5,16 @@ User-facing behaviour, cost and options: docs/fault-tolerance.md ("LocalSGD and 
 differ, so an inner step cannot be committed alone (a member lost mid-round takes its drift with it). A failure
 anywhere in a round makes every member restore its round-start snapshot (the job's ``state_dict``, DiLoCo's
 global copy and outer optimizer included, and the RNG), re-form (`loom.fault.quorum`), make themselves equal
-(`loom.parallel.data.data_axis.take_live_state`) and redo the round's global batches among the members present.
-Hence the job equals a one-process simulation with the same membership per round (``tests/test_heal_rounds.py``).
+(`loom.parallel.data.data_axis.take_live_state`) and redo the round's global batches among the members present,
+so the job equals a one-process simulation with the same membership per round (``tests/test_heal_rounds.py``).
+`RoundCommit` does it from the hooks of `loom.parallel.replica._replica_sync.ReplicaJob`:
 
-`RoundCommit` is called from the hooks of `loom.parallel.replica._replica_sync.ReplicaJob`:
-
-- **The vote** is the round's, taken after the synchronization (`end_step`; `commit` lets inner steps through),
-  so the synchronization is inside what is committed.
-- **The replay.** The round's global batches are kept (up to ``H`` on every member, on top of the snapshot). The
-  engine retries the `train_step` call that met the failure after `adopt_epoch` replays the earlier batches from
-  the snapshot, so that call returns its own step's loss; step records are written when the round commits.
-- **Joining** happens at a round boundary (the members see the ``pending`` mark on the last step's all-reduce) or
-  in the epoch that re-forms after a failure.
-
-Members that met a failure at different inner steps need nothing more: each replays up to the batch its own
-`train_step` holds, and the replays issue the same collectives in the same order.
+- **The vote** is the round's, after its synchronization (`end_step`; `commit` lets inner steps through).
+- **The replay**: the round's global batches are kept (up to ``H``); `adopt_epoch` replays the earlier ones from
+  the snapshot, then the engine retries the `train_step` that met the failure, which returns its own step's
+  loss. Members that failed at different inner steps replay the same collectives in the same order.
+- **Joining**: at a round boundary (the ``pending`` mark on the last step's all-reduce), or in the epoch that
+  re-forms after a failure. Step records are written when the round commits.
 
 Limits: one host (`loom.launch.heal`); what a round cannot honour is refused at setup (`refuse_round_options`);
 `synchronize` between round boundaries is refused (end on a multiple of ``sync_every``).
