@@ -1,11 +1,10 @@
 """How much of the machine other processes used while the demo ran one of its halves.
 
 The demo's speed-up divides the 2-worker half's samples/s by the one-process half's; on a machine busy with
-other work one half can run beside more load than the other, and the ratio then measures the load, not loom
-(a newcomer saw "2.16x on 2 workers, 108 %" on a loaded machine). `OtherLoad` reads the machine's busy CPU time
-(``/proc/stat``) and subtracts what the demo's own child processes used (``getrusage(RUSAGE_CHILDREN)``, which
-counts every waited-for descendant): the rest is other processes' share of the CPUs during the half.
-Linux only; elsewhere the share is unknown (None) and no caveat is printed.
+other work one half can run beside more load than the other, and the ratio then measures the load, not loom.
+`OtherLoad` reads the machine's busy CPU time (``/proc/stat``) and subtracts what the demo's own child processes
+used (``getrusage(RUSAGE_CHILDREN)``, which counts every waited-for descendant): the rest is other processes'
+share of the CPUs during the half. Linux only; elsewhere the share is unknown (None) and no caveat is printed.
 """
 
 from __future__ import annotations

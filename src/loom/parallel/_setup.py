@@ -59,11 +59,10 @@ def _why_no_heal(strategy: str) -> str:
 
 
 def failure_policy(backend: str) -> str:
-    """The launcher's ``--on-worker-failure`` policy (``LOOM_ON_WORKER_FAILURE``: stop, continue or heal) as it
-    applies to a job over a topology of ``backend``. A job given an explicit one-process ``backend="none"``
-    topology (a reference or evaluation model built inside the launched job) has no peer to lose: it is a plain
-    job ("stop") whatever the launcher's policy; under heal, joining the quorum would re-enter this process's
-    own membership."""
+    """The launcher's ``--on-worker-failure`` policy (``LOOM_ON_WORKER_FAILURE``: stop, continue or heal) for a
+    job over a topology of ``backend``; "stop" for ``backend="none"``, whatever the launcher's: a one-process
+    reference or evaluation model inside the launched job has no peer to lose (and under heal would re-enter
+    this process's own quorum membership)."""
     return "stop" if backend == "none" else os.environ.get("LOOM_ON_WORKER_FAILURE", "stop")
 
 
@@ -76,10 +75,9 @@ def check_failure_policy(
     strategy: str, survives_lost_worker: bool, heals: bool = False, *, backend: str
 ) -> None:
     """Refuse to start ``strategy`` under the `failure_policy` of its ``backend`` when it cannot keep it: heal
-    unless ``heals``; continue unless ``survives_lost_worker`` (the policy promises that the other workers go on,
-    and a strategy whose ranks meet in collectives (or, like DiLoCo, average with every replica) cannot keep
-    that promise: its survivors crash at their next exchange ('Connection reset by peer') with nothing
-    finished). Checked before any collective, the same on every rank."""
+    unless ``heals``; continue unless ``survives_lost_worker`` (the survivors of a strategy whose ranks all meet
+    in its exchanges would crash at the next one, with nothing finished). Checked before any collective, the same
+    on every rank."""
     policy = failure_policy(backend)
     if policy == "heal" and not heals:
         raise StartRefused(

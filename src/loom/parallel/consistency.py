@@ -1,21 +1,18 @@
 """Refuse a model or optimizer that differs across processes before any gradient is exchanged.
 
-Each rank describes its model and optimizer as a list of ``[kind, name, description]`` entries and all-gathers a
-64-bit digest of it. The description covers what replicas must share to stay replicas:
+Each rank describes its model and optimizer as ``[kind, name, description]`` entries and all-gathers a 64-bit
+digest of them. The description covers what replicas must share to stay replicas:
 
 - every parameter and buffer: shape and dtype;
-- every module: its type and hyperparameters, as its ``repr`` shows them without children or tensors
-  (``Linear(in_features=8, out_features=16, bias=True)``, ``Dropout(p=0.1, inplace=False)``, ``Tanh()`` vs
-  ``ReLU()``): models with equal shapes but a different activation or dropout compute different things;
-- the optimizer: its type, and every param group's hyperparameters (``lr``, ``momentum``, ``betas``,
-  ``weight_decay``...) and size: SGD on one rank and Adam on another apply different updates to the same gradient.
+- every module: its type and hyperparameters, as its ``extra_repr`` shows them (``Dropout(p=0.1, inplace=False)``,
+  ``Tanh()`` vs ``ReLU()``): models with equal shapes but another activation or dropout compute other things;
+- the optimizer: its type, and every param group's hyperparameters and size (SGD on one rank and Adam on another
+  apply different updates to the same gradient).
 
-Only when digests differ are the full descriptions exchanged (as JSON bytes in a uint8 tensor, never pickle) so
-the error can name the first difference and the ranks; every rank raises it, so none is left waiting.
-
-Limits: hyperparameters that a module keeps outside its ``extra_repr`` (plain attributes of a custom module) and
-the ``forward`` code itself are not compared; the periodic parameter check of `loom.fit`
-(`loom.fault.desync`) catches what they change.
+Only when digests differ are the descriptions exchanged (JSON bytes, never pickle), so that every rank raises,
+naming the first difference and the ranks, and none is left waiting. Limits: hyperparameters a module keeps
+outside its ``extra_repr`` and the ``forward`` code itself are not compared; `loom.fault.desync`'s periodic
+parameter check under `loom.fit` catches what they change.
 """
 
 from __future__ import annotations
