@@ -56,11 +56,8 @@ class HybridConfig:
 
 
 class Hybrid(ModelParallelStrategy):
-    """Strategy: pipeline, then tensor parallel, then data parallel on a ``dp × pp × tp`` mesh.
-
-    The fields of `HybridConfig` and of `DataAxisConfig` (for the data axis: ``zero=1`` shards its optimizer
-    state) are keyword arguments.
-    """
+    """Strategy: pipeline, then tensor parallel, then data parallel on a ``dp × pp × tp`` mesh; its keyword
+    options are `HybridConfig`'s and the data axis's `DataAxisConfig` (``zero=1`` shards its optimizer state)."""
 
     config_type = HybridConfig
     config: HybridConfig

@@ -34,12 +34,11 @@ __all__ = ["Pipeline", "PipelineConfig", "Stages", "broadcast_module", "split_in
 
 
 class Pipeline(ModelParallelStrategy):
-    """Strategy: split the layers into stages, run a micro-batch schedule. See `PipelineConfig` for fields.
+    """Strategy: split the layers into stages, run a micro-batch schedule (`PipelineConfig`).
 
-    ``Pipeline(stages=p, ..., **data)``: by default the stages span the world when ``p`` equals the world size;
-    with fewer stages the remaining factor is the data axis (``dp = world / p``), configured by the
-    `DataAxisConfig` fields in ``data`` (``allreduce``, ``compression``, ``zero``, ...). ``mesh`` places the pipeline
-    on the ``pp`` axis of a mesh of your own instead.
+    With fewer ``stages`` than processes the rest is the data axis (``dp = world / stages``), its `DataAxisConfig`
+    options (``allreduce``, ``compression``, ``zero``, ...) taken as keywords; ``mesh`` places the pipeline on the
+    ``pp`` axis of a mesh of your own instead.
     """
 
     config_type = PipelineConfig

@@ -143,14 +143,11 @@ def simulate(
 ) -> SimulationResult:
     """Replay every stage's instruction stream with fixed op durations and a fixed cost per message.
 
-    ``forward_time`` and ``backward_time``: one duration for every stage, or one per stage (unequal stages:
-    the planner, `loom.plan.cost`, replays the measured time of each stage).
-
-    A receive waits for the matching op on the neighbouring stage plus ``message_time`` (the message's one-way
-    latency; 0 gives the free communication of the textbook bubble); sends never block (as in the runtime).
-    Messages on the critical path add to the makespan: two per step for GPipe with p = 2, about two per
-    micro-batch for 1F1B, whose steady state leaves no slack. Raises `RuntimeError` if no stage can make
-    progress (a schedule that would deadlock).
+    ``forward_time`` and ``backward_time``: one duration for every stage, or one per stage (`loom.plan.cost`
+    replays each stage's measured time). A receive waits for the matching op on the neighbouring stage plus
+    ``message_time`` (one-way latency; 0: the textbook bubble); sends never block, as in the runtime. Messages on
+    the critical path add to the makespan (two per step for GPipe with p = 2, about two per micro-batch for 1F1B,
+    whose steady state leaves no slack). Raises `RuntimeError` if no stage can make progress (a deadlock).
     """
     if message_time < 0:
         raise ValueError(f"message_time must be >= 0, got {message_time}")

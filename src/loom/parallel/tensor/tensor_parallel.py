@@ -25,11 +25,8 @@ __all__ = ["TensorParallel", "TensorParallelConfig"]
 
 
 class TensorParallel(ModelParallelStrategy):
-    """Strategy: split MLP, attention and embedding layers over ``size`` processes (see the module docstring).
-
-    ``TensorParallel(size=t, plan=..., **data)``: with ``size`` < the world size the remaining factor is the data
-    axis, configured by the `DataAxisConfig` fields in ``data`` (``allreduce``, ``compression``, ``zero``, ...).
-    """
+    """Strategy: split MLP, attention and embedding layers over ``size`` processes (`TensorParallelConfig`); with
+    ``size`` below the world size the rest is the data axis, its `DataAxisConfig` options taken as keywords."""
 
     config_type = TensorParallelConfig
     config: TensorParallelConfig

@@ -155,8 +155,8 @@ def _split_attention(name: str, module: nn.Module, comm: TensorParallelComm, dim
         linear = getattr(module, proj, None)
         if not isinstance(linear, nn.Linear):
             raise ValueError(
-                f"module {name!r} planned as 'attention' needs an nn.Linear {proj!r}, "
-                f"got {type(linear).__name__}. HINT: see the 'attention' pattern in docs/strategies/tensor-parallel.md."
+                f"module {name!r} planned as 'attention' needs an nn.Linear {proj!r}, got "
+                f"{type(linear).__name__}. HINT: see the 'attention' pattern in docs/strategies/tensor-parallel.md."
             )
         projections[proj] = linear
     for proj in _Q_K_V:
