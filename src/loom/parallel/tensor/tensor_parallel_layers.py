@@ -113,12 +113,8 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_parallel(x: torch.Tensor, comm: TensorParallelComm) -> torch.Tensor:
-    return _CopyToParallel.apply(x, comm)
-
-
-def reduce_from_parallel(x: torch.Tensor, comm: TensorParallelComm) -> torch.Tensor:
-    return _ReduceFromParallel.apply(x, comm)
+copy_to_parallel = _CopyToParallel.apply
+reduce_from_parallel = _ReduceFromParallel.apply
 
 
 def _shard_(param: torch.Tensor, dim: int, comm: TensorParallelComm, what: str) -> None:
