@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.comm.shm_channel import DTYPES, ShmReceiver, ShmSender, channel_from, channel_to
+from loom.comm.shm_channel import DTYPES, ShmReceiver, channel_from, channel_to
 
 __all__ = [
     "MAX_DIMS", "MAX_TENSORS", "backend_messages", "recv_gradients", "recv_tensors", "send_tensors",
@@ -44,10 +44,6 @@ def backend_messages() -> Iterator[None]:
         yield
     finally:
         _OFF.pop()
-
-
-def _sender(dst: int) -> ShmSender | None:
-    return None if _OFF or not dist.is_initialized() else channel_to(dst)
 
 
 def _receiver(src: int) -> ShmReceiver | None:
@@ -89,7 +85,7 @@ def send_tensors(
     tensors: list[torch.Tensor], dst: int, *, with_header: bool = True, group: Any = None
 ) -> list[Any]:
     """Start sending ``tensors`` to global rank ``dst``; returns the handles to wait for."""
-    sender = _sender(dst)
+    sender = None if _OFF or not dist.is_initialized() else channel_to(dst)
     if sender is not None:
         return sender.send(tensors)
     tensors = [t.detach().contiguous() for t in tensors]
