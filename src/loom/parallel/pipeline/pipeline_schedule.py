@@ -124,8 +124,6 @@ class SimulationResult:
     """Time from the first instruction to the last, over all stages."""
     busy: list[float]
     """Compute time of each stage."""
-    finish: dict[tuple[int, str, int], float]
-    """End time of every compute op, keyed ``(stage, "F" | "B", microbatch)``."""
 
     @property
     def bubble(self) -> float:
@@ -179,7 +177,7 @@ def simulate(
         if not progressed:
             stuck = {s: streams[s][pos[s]] for s in range(stages) if pos[s] < len(streams[s])}
             raise RuntimeError(f"schedule {schedule!r} deadlocks: stages wait at {stuck}")
-    return SimulationResult(max(clock), busy, finish)
+    return SimulationResult(max(clock), busy)
 
 
 def _per_stage(duration: float | Sequence[float], stages: int) -> list[float]:
