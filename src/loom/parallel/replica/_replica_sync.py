@@ -57,7 +57,6 @@ __all__ = [
     "ReplicaStrategy",
     "flatten",
     "synced_tensors",
-    "unflatten_into",
 ]
 
 JobT = TypeVar("JobT", bound="ReplicaJob")
@@ -74,13 +73,6 @@ def flatten(tensors: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
     return flat.mul_(scale) if scale != 1.0 else flat
-
-
-def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive pieces of ``flat`` into ``tensors`` (the inverse of `flatten`)."""
-    with torch.no_grad():
-        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-            t.copy_(piece.view_as(t))
 
 
 class ReplicaStrategy(Strategy):

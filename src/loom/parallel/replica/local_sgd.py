@@ -25,7 +25,6 @@ from loom.parallel.replica._replica_sync import (
     ReplicaStrategy,
     flatten,
     synced_tensors,
-    unflatten_into,
 )
 from loom.train.engine import ShareOptions
 
@@ -99,7 +98,9 @@ class LocalSGDJob(ReplicaJob):
             self._fault(self.step, "during")
         with self.collective("replica average all-reduce"):
             comm_all_reduce(flat, op="sum", algorithm=self.allreduce, group=self.axis.group)
-        unflatten_into(flat, tensors)
+        with torch.no_grad():  # the average back into the tensors it was flattened from
+            for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                t.copy_(piece.view_as(t))
         self.samples = self.global_samples = 0
         self.averages += 1
 
