@@ -1,13 +1,11 @@
 """What ``loom run --on-worker-failure heal`` adds to LocalSGD and DiLoCo: the sync round as the unit of commit.
 
-User-facing behaviour, cost and options: docs/fault-tolerance.md ("LocalSGD and DiLoCo"). A round is the
-``H = sync_every`` inner steps and the synchronization that ends them. Between synchronizations the replicas
-differ, so an inner step cannot be committed alone (a member lost mid-round takes its drift with it). A failure
-anywhere in a round makes every member restore its round-start snapshot (the job's ``state_dict``, DiLoCo's
-global copy and outer optimizer included, and the RNG), re-form (`loom.fault.quorum`), make themselves equal
-(`loom.parallel.data.data_axis.take_live_state`) and redo the round's global batches among the members present,
-so the job equals a one-process simulation with the same membership per round (``tests/test_heal_rounds.py``).
-`RoundCommit` does it from the hooks of `loom.parallel.replica._replica_sync.ReplicaJob`:
+Why, what a failure costs, and the options: docs/fault-tolerance.md, "LocalSGD and DiLoCo: the sync round is the
+unit of commit". A round is the ``H = sync_every`` inner steps and the synchronization that ends them. A failure
+anywhere in it makes every member restore its round-start snapshot (the job's ``state_dict`` and the RNG),
+re-form (`loom.fault.quorum`), make themselves equal (`loom.parallel.data.data_axis.take_live_state`) and redo
+the round's global batches among the members present. `RoundCommit` does it from the hooks of
+`loom.parallel.replica._replica_sync.ReplicaJob`:
 
 - **The vote** is the round's, after its synchronization (`end_step`; `commit` lets inner steps through).
 - **The replay**: the round's global batches are kept (up to ``H``); `adopt_epoch` replays the earlier ones from
