@@ -215,13 +215,11 @@ class DiLoCoJob(ReplicaJob):
             self._samples[k] += local
             self._global_samples[k] += total
 
-    def _due(self, step: int) -> list[int]:
-        h, f = self.config.sync_every, self.config.fragments
-        return [k for k in range(f) if step % h == k * (h // f)]
-
     def _exchange(self) -> None:
-        for k in self._due(self.step):
-            self._send(k, self.config.overlap)
+        h, f = self.config.sync_every, self.config.fragments
+        for k in range(f):
+            if self.step % h == k * (h // f):  # fragment k's turn (the module docstring)
+                self._send(k, self.config.overlap)
         for entry in [e for e in self._in_flight if e.apply_at == self.step]:
             self._apply_exchange(entry)
 
