@@ -86,11 +86,9 @@ def stage_instructions(
     ``forward_only`` gives the evaluation stream: every micro-batch's forward, no backward.
     """
     first, last = stage == 0, stage == stages - 1
-    if forward_only:
-        _check(schedule, stage, stages, microbatches)
-        order = [("F", j) for j in range(microbatches)]
-    else:
-        order = compute_order(schedule, stage, stages, microbatches)
+    order = compute_order(schedule, stage, stages, microbatches)
+    if forward_only:  # every schedule runs the forwards in micro-batch order
+        order = [op for op in order if op[0] == "F"]
     out: list[Instruction] = []
     for kind, j in order:  # a receive from the neighbour before, a send to the one after (none past an end)
         if kind == "F":
