@@ -12,8 +12,7 @@
 Before 3, the loss (non-zero on the last stage only), each stage's busy time and span, and each rank's non-finite
 flag ride on one all-gather over the pipeline, then one reduction over the job (a slot per replica's loss, a flag
 per rank), so every rank reaches the same verdict (`loom.fault.desync.NonFiniteGuard`); a skipped step runs
-neither the data axis nor the optimizer. `state_dict` is this process's stage and shards with their layout;
-`full_state_dict` gathers the whole model on rank 0.
+neither the data axis nor the optimizer. State is sharded (`state_dict`, `full_state_dict`).
 """
 
 from __future__ import annotations
