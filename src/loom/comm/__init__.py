@@ -17,8 +17,7 @@ DistributedDataParallel on a communication thread that overlaps backward (`allre
 from loom.comm._reduce import ALGORITHMS, OPS
 from loom.comm.all_reduce import all_reduce
 from loom.comm.counters import CommCounters, Traffic, counters
-from loom.comm.ddp_async import overlapped_allreduce_hook
-from loom.comm.ddp_hooks import allreduce_hook
+from loom.comm.ddp_async import allreduce_hook, overlapped_allreduce_hook
 from loom.comm.shards import all_gather, piece_bounds, reduce_scatter
 
 __all__ = [

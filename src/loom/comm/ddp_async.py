@@ -1,11 +1,15 @@
-"""`overlapped_allreduce_hook`: loom's all-reduce algorithms inside DDP's backward, overlapped like DDP's own.
+"""DDP communication hooks that average gradient buckets with a `loom.comm` algorithm, so its traffic shows up
+in `loom.comm.counters()`: `overlapped_allreduce_hook` overlaps backward as DDP's own all-reduce does,
+`allreduce_hook` runs inline (to measure and compare). DDP passes back the process group as state (``None``: all
+processes); as PyTorch's ``allreduce_hook``, each bucket is divided by the group size *before* the sum, so float16
+gradients do not overflow.
 
-Why (DDP's own design, Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3): a bucket's all-reduce should
-run *while* the remaining layers compute their gradients. ``native`` does that with ``async_op=True``; loom's
-``shm``, ``ring``, ``driver`` and ``hierarchical`` are blocking Python calls, so the synchronous
-`loom.comm.allreduce_hook` stalls backward for every bucket. Here each bucket is reduced on the process's
-communication thread (`loom.comm.thread`, which keeps the same order on every rank), and DDP waits for the
-futures at the end of backward.
+Why overlap (DDP's own design, Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3): a bucket's
+all-reduce should run *while* the remaining layers compute their gradients. ``native`` does that with
+``async_op=True``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are blocking Python calls, so
+`allreduce_hook` stalls backward for every bucket. `overlapped_allreduce_hook` reduces each bucket on the
+process's communication thread (`loom.comm.thread`, which keeps the same order on every rank), and DDP waits for
+the futures at the end of backward.
 
 Why this is safe: one thread uses shm and the backend at a time (`loom.comm.shm` keeps per-process state without
 a lock, and the ring's links are sockets no two threads may share). While buckets are in flight the main thread
@@ -24,15 +28,39 @@ waiting left idle), and Python-level algorithms hold the GIL between torch calls
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and
 # rejects them unless they are the real `dist.GradBucket` and `torch.futures.Future[torch.Tensor]` objects.
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from loom.comm._reduce import check_algorithm, group_rank_and_size
 from loom.comm.all_reduce import all_reduce
-from loom.comm.ddp_hooks import CommHook
-from loom.comm.thread import CommThread, comm_thread, shutdown_comm_thread, torch_future
+from loom.comm.thread import comm_thread, torch_future
 
-__all__ = ["CommThread", "comm_thread", "overlapped_allreduce_hook", "shutdown_comm_thread"]
+__all__ = ["allreduce_hook", "overlapped_allreduce_hook"]
+
+CommHook = Callable[[dist.ProcessGroup | None, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+def allreduce_hook(algorithm: str = "ring") -> CommHook:
+    """A DDP communication hook averaging each gradient bucket with `loom.comm.all_reduce(algorithm=...)`, inline.
+
+    Use as ``ddp_model.register_comm_hook(group_or_None, allreduce_hook("ring"))``; the result matches DDP
+    without a hook up to floating-point summation order.
+    """
+    check_algorithm(algorithm)
+
+    def hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        _, n = group_rank_and_size(state)
+        buffer.div_(n)
+        all_reduce(buffer, op="sum", algorithm=algorithm, group=state)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    hook.__qualname__ = f"allreduce_hook({algorithm!r})"
+    return hook
 
 
 def overlapped_allreduce_hook(algorithm: str = "auto") -> CommHook:

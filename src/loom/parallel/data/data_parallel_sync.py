@@ -25,8 +25,7 @@ from loom.comm import all_reduce as comm_all_reduce
 from loom.comm.compression import compression_hook, make_codec
 from loom.comm.compression.base import Codec, Exchange
 from loom.comm.counters import counters
-from loom.comm.ddp_async import overlapped_allreduce_hook
-from loom.comm.ddp_hooks import allreduce_hook
+from loom.comm.ddp_async import allreduce_hook, overlapped_allreduce_hook
 from loom.comm.shared_gradients import SharedGradients, shared_gradients_unusable
 from loom.observe.phases import loss_buffer_size
 from loom.parallel.data.sharded_flat import flat_gradients
