@@ -14,10 +14,9 @@ float32 ring's ``2 (N-1)/N * 4 n`` bytes, a saving of ``1 / (N * fraction)`` (50
 
 Limits: one global top-k over the whole bucket, not per layer, so a layer with small gradients can wait
 several steps, and the selection depends on which tensors share a bucket. The residual costs one gradient of
-memory. DGC's momentum
-correction, local clipping and fraction warm-up are not implemented: plain error feedback with SGD momentum on
-the averaged sparse gradient works, but converges later than uncompressed training. The selection
-(`top_indices`) is still noticeable next to a small model's backward.
+memory. DGC's momentum correction, local clipping and fraction warm-up are not implemented: plain error feedback
+with SGD momentum on the averaged sparse gradient works, but converges later than uncompressed training. The
+selection (`top_indices`) is still noticeable next to a small model's backward.
 """
 
 from __future__ import annotations
