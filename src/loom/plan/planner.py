@@ -109,10 +109,9 @@ PIPELINES = ("Pipeline", "Hybrid")
 def _pipeline_probe(nproc: int, chain: bool, chain_length: int, batch: int) -> Configuration | None:
     """The pipeline the calibration times (`loom.plan.trial`'s ``--pipeline``), or None for a model Pipeline
     cannot cut: the most stages (``nproc`` where the chain is that long; else a `Hybrid`), the fewest
-    micro-batches, GPipe. Its measured step less its replay is the overhead of every pipeline configuration:
-    measured (on the medium MLP of `loom_bench.plan_accuracy`) the schedule runs each stage's share of the step
-    with less contention than the data-parallel family, whose processes each run the whole model's step in
-    lockstep and contend for memory bandwidth."""
+    micro-batches, GPipe. Its measured step less its replay is the overhead of every pipeline configuration: a
+    schedule runs each stage's share of the step with less contention than the data-parallel family, whose
+    processes each run the whole model's step in lockstep and contend for memory bandwidth."""
     if not chain:
         return None
     found = [c for c in candidates(nproc, ("native",), chain_length, batch) if c.family in PIPELINES]
@@ -288,8 +287,8 @@ def plan(
         overheads.update({f: _overhead(measured["pipeline_step_s"], replay) for f in PIPELINES})
     # The process's memory beyond the formulas' (torch, loom, the script's data, DDP's buckets, the allocator's
     # slack): the reference's measured peak less its predicted state, activations and temporaries, as the
-    # overhead is the quiet run's step time less its formula's; before a reference peak was measured, the RSS after
-    # the script's set-up less its model
+    # overhead is the quiet run's step time less its formula's; where no peak could be read (no /proc), the RSS
+    # after the script's set-up less its model
     runtime = int(measured.get("runtime_bytes", 0))
     if measured.get("reference_peak_rss"):
         runtime = max(0, int(measured["reference_peak_rss"]) - formula.memory["total"])
