@@ -30,18 +30,18 @@ def _feed(detector: StragglerDetector, rows, judgements: int = 3):
 def test_detector_names_the_slow_rank_and_phase_not_the_waiting_one():
     fast, waiting = (0.001, 0.010, 0.001, 0.001), (0.001, 0.010, 0.031, 0.001)
     slow_data = (0.031, 0.010, 0.001, 0.001)
-    found = _feed(StragglerDetector(3, StragglerConfig(window=5)), [waiting, slow_data, waiting])
+    found = _feed(StragglerDetector(StragglerConfig(window=5)), [waiting, slow_data, waiting])
     assert [(w.rank, w.phase) for w in found] == [(1, "data")]  # once per episode, not every judgement
     slow_compute = (0.001, 0.040, 0.001, 0.001)
-    found = _feed(StragglerDetector(2, StragglerConfig(window=5)), [waiting, slow_compute])
+    found = _feed(StragglerDetector(StragglerConfig(window=5)), [waiting, slow_compute])
     assert [(w.rank, w.phase) for w in found] == [(1, "compute")]
-    assert _feed(StragglerDetector(2, StragglerConfig(window=5)), [fast, fast]) == []
+    assert _feed(StragglerDetector(StragglerConfig(window=5)), [fast, fast]) == []
 
 
 @pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_detector_rearms_after_recovery_and_names_slow_communication():
-    detector = StragglerDetector(3, StragglerConfig(window=2))
+    detector = StragglerDetector(StragglerConfig(window=2))
     normal, slow = (0.001, 0.010, 0.001, 0.001), (0.001, 0.010, 0.001, 0.001)
     # rank 2's own push/pull is slow, and its busy time is not below the median
     slow_link = (0.001, 0.010, 0.020, 0.001)

@@ -55,7 +55,7 @@ class StragglerWatch:
         self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=self.config.window)
         self._steps = 0
         self.peers = [list(group) for group in peers if len(group) > 1]
-        self._detectors = [StragglerDetector(len(group), self.config) for group in self.peers]
+        self._detectors = [StragglerDetector(self.config) for _ in self.peers]
         self._warnings_path = warnings_path
         self._next_judgement = 0.0
         self.warnings: list[StragglerWarning] = []

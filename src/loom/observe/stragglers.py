@@ -84,8 +84,7 @@ class StragglerWarning:
 class StragglerDetector:
     """Give `judge` one table of every rank's typical phase times at a time; it returns the new warnings."""
 
-    def __init__(self, world_size: int, config: StragglerConfig | None = None) -> None:
-        self.world_size = world_size
+    def __init__(self, config: StragglerConfig | None = None) -> None:
         self.config = config if config is not None else StragglerConfig()
         self._flagged: set[tuple[int, str]] = set()
         self.slowest: tuple[int, str, float] | None = None
@@ -98,10 +97,10 @@ class StragglerDetector:
         medians = [median(m[p] for m in means) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]
         median_busy = median(busy)
-        slow = max(range(self.world_size), key=lambda r: busy[r])
+        slow = max(range(len(means)), key=lambda r: busy[r])
         self.slowest = (slow, _slowest_phase(means[slow], medians), busy[slow] - median_busy)
         new = []  # one rank alone is its own median: never above it
-        for rank in range(self.world_size):
+        for rank in range(len(means)):
             suspects = []  # (phase, the rank's seconds, the median's)
             if _exceeds(busy[rank], median_busy, self.config):
                 suspects.append((_slowest_phase(means[rank], medians), busy[rank], median_busy))
