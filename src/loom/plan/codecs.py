@@ -30,9 +30,8 @@ class CodecCost:
     gather_bytes: int
     """Bytes each rank contributes to gathered collectives (each rank receives ``N`` times as much)."""
     transient_bytes: int = 0
-    """The growth of this process's peak RSS over one exchange: the codec's buffers and outputs (its error
-    feedback, its low-rank factors, the compressed message and what is gathered), which a step holds on top of
-    the training state."""
+    """The growth of this process's peak RSS over one exchange: the codec's buffers and outputs (error feedback,
+    low-rank factors, the message and what is gathered), which a step holds on top of the training state."""
 
 
 def _drive(codec: Any, shapes: list[torch.Size], flat: torch.Tensor, world: int) -> tuple[int, int]:

@@ -58,9 +58,8 @@ class Transport:
     sizes: tuple[int, ...]
     seconds: dict[str, tuple[float, ...]]
     overlap: float = 0.0
-    """The measured fraction of the shorter of backward and DDP's all-reduce hidden by the other (the reference's
-    step less the quiet one's, `loom.plan.planner`); negative when running both at once is slower than one after
-    the other."""
+    """``k`` (docs/plan.md#cost-model): the measured fraction of the shorter of backward and DDP's all-reduce
+    hidden by the other (`loom.plan.planner._with_overlap`); negative when running both at once is slower."""
     hosts: int = 1
     link_bytes_per_s: float | None = None
     fsdp_unit_s: dict[str, float] = field(default_factory=dict)
@@ -73,9 +72,8 @@ class Transport:
     """How fast this host writes a synchronous parameter server's checkpoint, which each server writes after every
     step by default, before its replies (`ParameterServer(checkpoint_every=)`); None: not measured."""
     ddp_extra_s: float = 0.0
-    """What DDP's native all-reduce exposed in the reference's step beyond the most interference ``overlap``
-    stands for (-1: the all-reduce and the shorter of it and backward, one after the other): DDP's own work and
-    the wake-ups of gloo's thread on a busy host. Charged to ``DataParallel(allreduce="native")`` alone, the configuration it was measured on."""
+    """What DDP's native all-reduce exposed in the reference's step beyond ``overlap = -1`` (DDP's own work, the
+    wake-ups of gloo's thread): charged to ``DataParallel(allreduce="native")`` alone, which it was measured on."""
 
     @property
     def algorithms(self) -> tuple[str, ...]:
