@@ -196,11 +196,8 @@ class MLflowTracker(Tracker):
 
 
 def step_metrics(job: Any, loss: float | None, epoch: int, step: int) -> dict[str, float]:
-    """What `loom.fit` logs after step ``step``: values this process already holds, none reduced for logging.
-
-    ``loss`` (``replica_loss`` for a replica-scope job), ``lr`` (the first parameter group's), ``epoch`` and,
-    when the job's step records (``job.metrics``) hold this step, ``step_time_s`` and ``samples_per_s`` (the
-    global batch over rank 0's step time)."""
+    """What `loom.fit` logs after step ``step`` (the table: docs/trackers.md): values this process already holds,
+    none reduced for logging; the step time and throughput only when ``job.metrics`` holds this step."""
     values: dict[str, float] = {"epoch": float(epoch)}
     if loss is not None:
         values["loss" if job.loss_scope == "global" else "replica_loss"] = float(loss)
