@@ -8,7 +8,8 @@ carries each param group's ``lr``, in ``sync`` the lowest rank's). Consistency i
 Sparse tables (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): a forward pre-hook pulls just
 the rows the batch touches and only those rows' gradients are pushed (the worker still allocates the table).
 A restarted worker continues from its clock on the servers, so its pushes are not taken as resent; a restarted
-server's lost updates are counted (`ParameterServerJob._note_restarts`). Checkpoints:
+server's lost updates are counted (`ParameterServerJob._note_restarts`). A step record's ``staleness``: updates
+that reached the server between the pull and the application (largest over servers). Checkpoints:
 `loom.parallel.ps.parameter_server_state`.
 
 Limits: ``sync`` weights shares by ``batch.global_size`` (a plain tuple counts as one of ``world_size`` equal
