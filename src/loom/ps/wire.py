@@ -71,8 +71,7 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class MessageType(IntEnum):
-    """Requests a worker sends (HELLO .. RESTORE) and the two answers a server gives. STATE reads a model's whole
-    state (values, optimizer state, version, clocks) and RESTORE replaces it: `loom.fit`'s checkpoints."""
+    """Requests a worker sends (HELLO .. RESTORE; each handled in `loom.ps.handlers`) and a server's two answers."""
 
     HELLO = 1
     INIT = 2
