@@ -201,7 +201,10 @@ def publish(
                 "format": FORMAT, "version": VERSION, "step": step, "created_unix": time.time()
             }  # fmt: skip
             files = {STATE_FILE: state_bytes, TENSOR_FILE: tensor_bytes}
-            manifest["files"] = {file: describe_file(file, data) for file, data in files.items()}
+            manifest["files"] = {
+                f: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest(), "entries": file_entries(f, d)}
+                for f, d in files.items()
+            }
             for entry in rank_entries:
                 manifest["files"][entry["file"]] = {k: v for k, v in entry.items() if k != "file"}
             for file, data in files.items():
@@ -237,15 +240,6 @@ def file_entries(name: str, data: bytes) -> int:
         if isinstance(skeleton, str):
             values += count_json_values(skeleton.encode())
     return max(values, -(-len(text) // BYTES_PER_ENTRY), 1)
-
-
-def describe_file(name: str, data: bytes) -> dict[str, Any]:
-    """The manifest entry of file ``name``: its size, sha256 and read budget (`file_entries`)."""
-    return {
-        "size": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "entries": file_entries(name, data),
-    }
 
 
 def _remove_leftovers(directory: Path) -> None:
