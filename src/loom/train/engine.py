@@ -49,7 +49,7 @@ from loom.observe.memory import MEMORY_EVERY, StepMemory
 from loom.observe.straggler_watch import StragglerWatch
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, to_device
 from loom.train.guard import GuardOptions, StepGuard
-from loom.train.heal_step import reform, retry_step
+from loom.train.heal_step import retry_step
 from loom.train.step_state import ShareOptions, StepState, check_accumulate
 
 if TYPE_CHECKING:
@@ -135,11 +135,6 @@ class Engine(Job):
         if quorum is None:
             return self._attempt(batch)
         return retry_step(self, quorum, batch)
-
-    def _heal_reform(self) -> None:
-        """Under healing: re-form the membership epoch (`loom.train.heal_step.reform`)."""
-        assert self.guard.quorum is not None
-        reform(self, self.guard.quorum)
 
     def _wait_for_joiner(self) -> None:
         """Under healing, before a step: wait a bounded moment for a replacement that is starting

@@ -48,7 +48,7 @@ def retry_step(job: Engine, quorum: Quorum, batch: Any) -> float:
                   f"({_collective_cause(error)}); re-forming the quorum", file=sys.stderr, flush=True)  # fmt: skip
         # outside the except block: the error's traceback holds the frames that hold the epoch's group, and
         # the group closes its connections only once nothing holds it (`Quorum._abandon_group`)
-        job._heal_reform()
+        reform(job, quorum)
         synced = job._last_synchronized
         if job.step >= number and synced is not None and synced.number == number:
             # committed before this member failed: re-forming made it equal to a member that holds the step,

@@ -34,6 +34,7 @@ from loom.topology import Topology, job_store
 from loom.train.batch import batch_len, slice_batch
 from loom.train.engine import Engine
 from loom.train.heal_state import all_reduce_sum, share_training_state, source_of
+from loom.train.heal_step import reform
 
 __all__ = [
     "AxisJob",
@@ -227,7 +228,7 @@ def join_first_epoch(job: HealingT) -> HealingT:
             raise
         print(f"loom: rank {job.topology.rank}: first epoch failed while forming ({error}); re-forming",
               file=sys.stderr, flush=True)  # fmt: skip
-        job._heal_reform()
+        reform(job, quorum)
     return job
 
 

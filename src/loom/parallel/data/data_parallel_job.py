@@ -44,6 +44,7 @@ from loom.parallel.data.data_parallel_sync import AxisGradients, GradientPath
 from loom.topology import Topology
 from loom.train.batch import LossCall, batch_len, forward_loss, tensors_in, to_device
 from loom.train.engine import StepState
+from loom.train.heal_step import reform
 
 __all__ = ["DataParallelJob"]
 
@@ -225,7 +226,7 @@ class DataParallelJob(AxisJob):
         """Under heal, a replacement is ready: re-form now, at the step boundary every member has reached."""
         self.trained_by = list(state.ranks)
         if state.work.get("pending"):
-            self._heal_reform()
+            reform(self, self.quorum)
 
     _adopt_epoch = take_live_state  # makes a new epoch's members equal
 

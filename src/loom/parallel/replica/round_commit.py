@@ -34,6 +34,7 @@ from loom.fault.inject import fault_point
 from loom.parallel._setup import HEALS
 from loom.parallel.data.data_axis import heal_allreduce_refusal, refuse_under_heal, take_live_state
 from loom.train.engine import StepState
+from loom.train.heal_step import reform
 
 __all__ = ["RoundCommit", "refuse_round_options"]
 
@@ -83,7 +84,7 @@ class RoundCommit:
             fault_point(job.step, "commit")
             if self.join_after:
                 self.join_after = False
-                job._heal_reform()
+                reform(job, job.guard.quorum)
         return self.batch_loss
 
     def adopt_epoch(self, job: Any, attempt: Callable[[Any], float]) -> None:
