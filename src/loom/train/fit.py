@@ -236,9 +236,8 @@ def fit(
     world size (for jobs whose global batch grows with the workers). ``desync_every``: every so many steps,
     and before each checkpoint, check that the replicas' parameters are bitwise equal (0: never; one small
     all-gather per check; skipped for jobs whose ``replicas_agree`` is False). ``trackers``: experiment
-    trackers (`loom.observe.trackers`: TensorBoard, MLflow) the main process logs each step's loss, learning
-    rate and throughput to, without any added collective; their runs are kept in the checkpoints, so a resumed
-    fit continues the same runs, each step logged once.
+    trackers the main process logs each step to, without a collective (docs/trackers.md); their runs are kept in
+    the checkpoints, so a resumed fit continues them, each step logged once.
     Without a checkpoint, counting starts at the job's ``step`` and the loader's ``epoch`` (0 for fresh ones).
     """
     _validate(job, loader, epochs, steps, checkpoint_dir, checkpoint_every, keep, async_checkpoint,
