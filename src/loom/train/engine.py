@@ -101,8 +101,7 @@ class Engine(Job):
         self.metrics = metrics
         self.step = 0
         """Steps committed (for a parameter-server worker: updates pushed, its clock)."""
-        self.fetches_shares = quorum is not None
-        """Under heal the job's `loader` yields `LazyBatch`es and each step fetches this member's share."""
+        self.fetches_shares = quorum is not None  # under heal (`loom.job.Job.fetches_shares`)
         self.guard = StepGuard.start(self.topology, config, quorum)
         """The hang watchdog over this job's communication and the non-finite verdict (`loom.train.guard`)."""
         self.nonfinite = self.guard.nonfinite
@@ -112,7 +111,6 @@ class Engine(Job):
         self._data_layout = (mesh.index(self.data_axis), mesh.size(self.data_axis))
         """``(shard_index, shard_count)`` a loader batch must carry (`_check_layout`): fixed by the mesh."""
         self.last_step_skipped = False
-        """Whether the last `train_step` applied no update (non-finite on some rank; it returned NaN or Inf)."""
 
     def collective(self, op: str) -> contextlib.AbstractContextManager[int]:
         """The one place a job tells the hang watchdog of a collective (or of several issued as one operation
