@@ -1,11 +1,7 @@
-"""Fault tolerance beyond checkpoints: hang diagnosis, replica desync detection, resizing on resume.
-
-- `loom.fault.watchdog`: numbered collectives and a thread that stops a stuck job with a report naming the ranks
-  that did not arrive;
-- `loom.fault.desync`: `check_replicas_agree`, a cheap exact check that data-parallel replicas agree;
-- `loom.fault.resize`: the linear learning-rate scaling rule applied when a job resumes at another world size.
-
-Restarts themselves are the launcher's (``loom run --max-restarts``) and resuming is `loom.fit`'s.
+"""Fault tolerance beyond checkpoints: hang diagnosis (`loom.fault.watchdog`, `loom.fault.liveness`), replicas
+that disagree and non-finite steps (`loom.fault.desync`), healing's membership (`loom.fault.quorum`) and the
+learning rate on a resize (`loom.fault.resize`). Restarts are the launcher's (``loom run --max-restarts``),
+resuming is `loom.fit`'s.
 """
 
 from loom.errors import HangError
