@@ -9,7 +9,6 @@ from loom.settings import SETTINGS, setting
 __all__ = [
     "DEFAULT_LIVENESS_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
-    "DEFAULT_WORK_TIMEOUT_S",
     "hang_timeout_s",
     "liveness_timeout_s",
     "seconds_setting",
@@ -19,8 +18,6 @@ __all__ = [
 DEFAULT_TIMEOUT_S: float = SETTINGS["LOOM_HANG_TIMEOUT_S"].default
 """How long every rank may sit inside collectives with none completing (nothing can still arrive): minutes, below
 the process group's timeout, so that loom's report comes before gloo's bare error."""
-DEFAULT_WORK_TIMEOUT_S: float = SETTINGS["LOOM_WORK_TIMEOUT_S"].default
-"""How long ranks wait in a collective for a rank alive outside collectives: gloo's default timeout (30 minutes)."""
 DEFAULT_LIVENESS_TIMEOUT_S: float = SETTINGS["LOOM_LIVENESS_TIMEOUT_S"].default
 """How long a peer's heartbeat may stay still before it is lost: many polls of slack for a busy host, far below
 any hang timeout worth having."""
@@ -44,7 +41,7 @@ def hang_timeout_s(requested: float | None = None) -> float:
 
 
 def work_timeout_s(requested: float | None = None) -> float:
-    """The work timeout: ``requested``, else ``LOOM_WORK_TIMEOUT_S``, else `DEFAULT_WORK_TIMEOUT_S`."""
+    """The work timeout: ``requested``, else ``LOOM_WORK_TIMEOUT_S``, else its default (gloo's, 30 minutes)."""
     return seconds_setting(requested, "LOOM_WORK_TIMEOUT_S", "work timeout")
 
 
