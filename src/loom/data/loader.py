@@ -151,8 +151,7 @@ class ShardedLoader:
         self._sliced = isinstance(dataset, TensorDataset) and self.collate_fn is default_collate
         """A TensorDataset collated by default: index its tensors, no per-sample calls (same result)."""
         self.lazy = False
-        """Yield a `LazyBatch` per step (the indices; the job fetches its share at the step) instead of this
-        replica's share: set by a job whose replicas are known only at the step (DataParallel under heal)."""
+        """Yield a `LazyBatch` per step instead of this replica's share (see the module docstring)."""
         self.device: torch.device | None = None
         """The job's device, set by `loader` (see its ``device``: a CUDA one may prefetch)."""
         self._prefetcher: Prefetcher | None = None
