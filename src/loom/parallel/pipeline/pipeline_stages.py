@@ -1,8 +1,7 @@
 """The pipeline transform: `PipelineConfig`, and the model's chain cut into stages (`split_into_stages`).
 
-`loom.parallel.model.compose` applies it for `Pipeline` and `Hybrid`; how a chain is found and where it is cut is
-`loom.parallel.pipeline.pipeline_split`; the runtime and the schedules are `pipeline_runtime` and
-`pipeline_schedule`. Every process starts from rank 0's weights (`broadcast_module`, as DDP does) before the cut.
+`loom.parallel.model.compose` applies it for `Pipeline` and `Hybrid`, after `broadcast_module`; the chain and
+its cut points are `pipeline_split`'s, the runtime and the schedules `pipeline_runtime` and `pipeline_schedule`.
 """
 
 from __future__ import annotations
