@@ -51,9 +51,8 @@ class Codec(Protocol):
     """A gradient compression scheme with its own state (error-feedback residuals, warm starts).
 
     Codecs are built by `loom.comm.compression.make_codec` from a spec string and are independent of one
-    another (no base class to inherit). State is kept per *parameter*, named by the integers the caller passes
-    (`loom.comm.compression.feedback`), so it does not depend on how DDP groups gradients into buckets; one codec
-    object serves one DDP model (its parameter numbers); give each model its own codec.
+    another (no base class to inherit). State is kept per *parameter* (`loom.comm.compression.feedback`), named
+    by the integers the caller passes, so one codec object serves one DDP model: give each model its own codec.
     """
 
     spec: str
