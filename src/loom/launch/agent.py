@@ -15,7 +15,6 @@ across nodes) starts the workers itself.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -196,19 +195,15 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
 
 
 def _supervised(spec: LaunchSpec, run_id: str, host: str, port: int) -> int:
-    """``--on-worker-failure continue|heal``: `loom.launch.supervise` runs the workers, not the agent
-    (`loom.launch.heal_nodes` across nodes)."""
-    from loom.launch.heal import HealPolicy
-    from loom.launch.heal_nodes import heal_across_nodes, heal_on_one_host
+    """``--on-worker-failure continue|heal``: the agent is not used; `loom.launch.supervise` runs the workers
+    (`loom.launch.heal_nodes` under heal, one host being node 0 alone)."""
+    from loom.launch.heal_nodes import heal_across_nodes
     from loom.launch.supervise import supervise_workers
 
     if spec.on_worker_failure == "heal" and spec.nnodes > 1:
         return heal_across_nodes(spec, run_id, host, port, _worker_args(spec))
-    heal = None
-    if spec.on_worker_failure == "heal":
-        heal = functools.partial(
-            heal_on_one_host, spec.nproc, run_id, HealPolicy(spec.max_heals, spec.min_workers)
-        )
     with _servers(spec, on_failure=lambda: None) as servers:
+        if spec.on_worker_failure == "heal":  # node 0 alone, its store on loopback as supervise_workers' is
+            return heal_across_nodes(spec, run_id, "127.0.0.1", 0, _worker_args(spec))
         return supervise_workers(spec.nproc, _worker_args(spec), run_id, spec.run_dir / "logs",
-                                 spec.shutdown_timeout_s, lambda: servers.failure, heal)  # fmt: skip
+                                 spec.shutdown_timeout_s, lambda: servers.failure)  # fmt: skip

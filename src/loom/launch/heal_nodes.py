@@ -1,6 +1,6 @@
-"""Healing across hosts (``--nnodes``/``--node-rank``/``--master`` or ``--cluster`` with ``--on-worker-failure
-heal``); one host runs the same code as node 0 alone (`heal_on_one_host`). Behaviour, limits and the tests that
-check them: docs/fault-tolerance.md ("Across hosts").
+"""``--on-worker-failure heal`` across hosts (``--nnodes``/``--node-rank``/``--master`` or ``--cluster``); one host
+runs the same code as node 0 alone. Behaviour, limits and the tests that check them: docs/fault-tolerance.md
+("Across hosts").
 
 Node 0 hosts the job's store (`loom.net.store`; the agents' keys under ``loom/RUN/nodes/``) and the `Authority`, a
 `HealQuorum` over every rank with one ``--max-heals`` budget. The authority never touches a process: it writes
@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from loom.launch.supervise import (
 from loom.launch.zygote import Zygote
 from loom.settings import setting
 
-__all__ = ["Authority", "NodeAgent", "heal_across_nodes", "heal_on_one_host"]
+__all__ = ["Authority", "NodeAgent", "heal_across_nodes"]
 
 TICK_S = 0.01
 """Seconds between the ticks of a node's agent and of the authority (one host's included)."""
@@ -265,12 +264,14 @@ def _register(spec: LaunchSpec, client: Any) -> list[int]:
 
 
 def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worker_args: list[str]) -> int:
-    """Run this node's share of a healing job of ``spec.nnodes`` nodes (module docstring); returns the status."""
+    """Run this node's share of a healing job of ``spec.nnodes`` nodes (module docstring); returns the status.
+    Node 0 hosts the store at ``host:port`` (port 0: one host's, on a port the OS picks)."""
     from loom.net.store import LoomStore, StoreServer, job_secret
 
     secret, node, logs = job_secret(), spec.node_rank, Path(spec.run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     server = StoreServer(host, port, secret) if node == 0 else None
+    port = server.port if server is not None else port
     prefix = f"loom/{run_id}/nodes/"
     lost_after_s = setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
     joining = LoomStore(
@@ -316,27 +317,13 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
             authority = Authority(sizes, HealPolicy(spec.max_heals, spec.min_workers), link, job, local=agent)
             return _lead(agent, authority, link)
     except LauncherStopped as stop:
-        print(f"loom run: node {node} stopped by signal {stop}; its workers were terminated", file=sys.stderr)
+        where = f"node {node} " if spec.nnodes > 1 else ""
+        print(f"loom run: {where}stopped by signal {stop}; its workers were terminated", file=sys.stderr)
         return 128 + stop.signum
     finally:
         end_workers(agent.all if agent is not None else [], spec.shutdown_timeout_s, zygote)
         if server is not None:
             server.close()
-
-
-def heal_on_one_host(
-    nproc: int, run_id: str, policy: HealPolicy, store: Any, start: Callable[[int, int], Worker]
-) -> int:
-    """One host's healing (`loom.launch.supervise` has started the zygote and hosts the job's ``store``): the
-    same agent and authority as across hosts, for one node, whose orders and events stay in this process."""
-    from loom.net.store import LoomStore
-
-    link = _Link(
-        LoomStore(prefix=f"loom/{run_id}/nodes/", server=store), setting("LOOM_HEAL_HEARTBEAT_TIMEOUT_S")
-    )
-    agent = NodeAgent(0, 0, nproc, link, start)
-    job = LoomStore(prefix=f"loom/{run_id}/job/", server=store)
-    return _lead(agent, Authority([nproc], policy, link, job, local=agent), link)
 
 
 def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> int:

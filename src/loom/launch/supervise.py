@@ -1,18 +1,18 @@
 """Run a one-node job's workers as plain child processes, so that a dead worker does not stop the others.
 
-``loom run --on-worker-failure continue|heal``. PyTorch's elastic agent (`loom.launch.agent`) stops the whole group
+``loom run --on-worker-failure continue``. PyTorch's elastic agent (`loom.launch.agent`) stops the whole group
 when one worker dies: right for synchronous training, wrong for asynchronous parameter-server training, where the
 servers hold the model and the survivors can finish (which strategies refuse ``continue``, and why:
 docs/fault-tolerance.md). So the launcher supervises the workers itself: each runs `loom.launch.worker` (dying with
 the launcher) with the agent's environment (`worker_env`), and joins loom's authenticated store, hosted by the
 launcher on loopback, so any worker, rank 0 included, may die once all joined; a worker that dies before all have
 joined leaves the others waiting in ``loom.init()`` until its timeout. A dead worker is named on one line and the
-others go on.
+others go on. `start_worker`, `worker_env` and `end_workers` serve ``--on-worker-failure heal`` too
+(`loom.launch.heal_nodes`, on one host or many).
 
-Exit status under ``continue``: 0 when every worker succeeded or was killed by a signal (the OOM killer...) and at
-least one succeeded (a warning names the lost ranks); 1 when a worker raised or exited non-zero (a bug is not a
-lost worker) or none succeeded; ``128 + signal`` when the launcher itself was stopped. Under ``heal`` the workers
-are started here and supervised by `loom.launch.heal_nodes` (node 0 alone), which returns the status.
+Exit status: 0 when every worker succeeded or was killed by a signal (the OOM killer...) and at least one
+succeeded (a warning names the lost ranks); 1 when a worker raised or exited non-zero (a bug is not a lost worker)
+or none succeeded; ``128 + signal`` when the launcher itself was stopped.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from loom.errors import LauncherStopped
 from loom.launch.zygote import Zygote
@@ -49,9 +49,6 @@ __all__ = [
     "supervise_workers",
     "worker_env",
 ]
-
-if TYPE_CHECKING:
-    from loom.net.store import StoreServer
 
 TAIL_LINES = 400
 
@@ -276,15 +273,12 @@ def supervise_workers(
     logs: Path,
     grace_s: float,
     failure: Callable[[], str | None] = lambda: None,
-    heal: Callable[[StoreServer, Callable[[int, int], Worker]], int] | None = None,
 ) -> int:
     """Start ``nproc`` workers (``python WORKER_ARGS``) on this node and wait for all; see the module docstring.
 
     The caller has prepared the job's environment (`loom.launch.agent`) and started any servers; ``failure()``
     returns why the job must stop (a parameter server died once too often, already reported), else None: the
-    workers are then stopped and the status is 1. ``heal(store, start)``: ``--on-worker-failure heal``, which
-    starts the workers with ``start(rank, generation)``, supervises them and returns the status
-    (`loom.launch.heal_nodes.heal_on_one_host`)."""
+    workers are then stopped and the status is 1."""
     from loom.net.store import StoreServer, job_secret
 
     logs.mkdir(parents=True, exist_ok=True)
@@ -293,21 +287,14 @@ def supervise_workers(
     store = StoreServer("127.0.0.1", 0, job_secret())
 
     workers: list[Worker] = []
-    policy = "continue" if heal is None else "heal"
-    zygote = Zygote(worker_args, worker_env(0, nproc, store.port, run_id, logs / "zygote.error.json", policy))
+    zygote = Zygote(worker_args, worker_env(0, nproc, store.port, run_id, logs / "zygote.error.json"))
     try:
         with stopped_by_signals():
             zygote.start()
-
-            def start(rank: int, generation: int) -> Worker:
-                workers.append(start_worker(rank, nproc, worker_args, store.port, run_id, logs, policy,
-                                            generation, zygote=zygote))  # fmt: skip
-                return workers[-1]
-
-            if heal is not None:
-                return heal(store, start)
             for rank in range(nproc):
-                start(rank, 0)
+                workers.append(
+                    start_worker(rank, nproc, worker_args, store.port, run_id, logs, zygote=zygote)
+                )
             if _watch(workers, failure):
                 return 1
     except LauncherStopped as stop:
