@@ -3,10 +3,8 @@
 `loom.init()` reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; each is checked
 here with an error naming it, its value and the fix, instead of a raw error deep inside torch. A job started
 without an agent (plain ``python train.py`` with the variables set) meets its peers in a store whose join is
-bounded by ``LOOM_JOIN_TIMEOUT_S`` (default 120 s, as ``loom run --join-timeout``), not torch's silent 30 minutes:
-a line after `NOTICE_AFTER_S` names the ranks still missing, and at the timeout an error names them and the
-timeout. Under ``loom run`` and ``torchrun`` the agent bounds the join and this wait is not used. Before/after
-examples: docs/fault-tolerance.md ("The launcher's environment").
+bounded by ``LOOM_JOIN_TIMEOUT_S`` (`join_env_store`), not torch's silent 30 minutes; under ``loom run`` and
+``torchrun`` the agent bounds the join. Before and after: docs/fault-tolerance.md ("The launcher's environment").
 """
 
 from __future__ import annotations
