@@ -60,7 +60,7 @@ class LaunchSpec:
     """``A:B``: workers write a Chrome-trace timeline of steps A..B (handed over as ``LOOM_TRACE_STEPS``)."""
     on_worker_failure: str = "stop"
     """``stop``: a dead worker stops the group (restarted up to ``max_restarts`` times); ``continue``: the
-    others go on (one node, no restarts; for ``ParameterServer(mode="async"|"ssp")``)."""
+    others go on (one node, no restarts: asynchronous training); ``heal``: a replacement joins them."""
     max_heals: int = 3
     """``heal``: replacements the job may start in all (`loom.launch.heal`)."""
     min_workers: int = 1
