@@ -148,3 +148,30 @@ def test_the_launchers_say_where_the_merged_timeline_is_or_why_not(tmp_path, cap
     (tmp_path / "trace" / "rank1.json").write_text("{not json")
     merge_traces_and_say(tmp_path, "loom")
     assert capsys.readouterr().err.startswith("loom: could not merge the trace files: ")
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_a_healed_ranks_replacements_continue_its_series_and_stray_files_are_ignored(tmp_path):
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+
+    def write(name: str, steps: list[int], who: str) -> None:
+        (metrics / name).write_text("".join(json.dumps({"step": s, "who": who}) + "\n" for s in steps))
+
+    write("rank0.jsonl", [1, 2, 3], "first")  # killed during step 3: its replacement re-runs it
+    write("rank0.heal2.jsonl", [5, 6], "second")
+    write("rank0.heal1.jsonl", [3, 4, 5], "first replacement")
+    write("rank1.jsonl", [1, 2, 3, 4, 5, 6], "r1")
+    write("rank1.bak.jsonl", [7], "stray")
+    records = load_records(tmp_path)
+    assert sorted(records) == [0, 1]
+    assert [(r["step"], r["who"]) for r in records[0]] == [
+        (1, "first"),
+        (2, "first"),
+        (3, "first replacement"),
+        (4, "first replacement"),
+        (5, "second"),
+        (6, "second"),
+    ]
+    assert [r["step"] for r in records[1]] == [1, 2, 3, 4, 5, 6]

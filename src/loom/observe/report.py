@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,14 +31,21 @@ from loom.observe.trace import merge_traces
 
 __all__ = ["load_records", "run_report", "summarize"]
 
+_RECORD_FILE = re.compile(r"rank(\d+)(?:\.heal(\d+))?\.jsonl")
+
 
 def load_records(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
-    """``{rank: [record, ...]}`` from ``RUN_DIR/metrics/rank*.jsonl``, sorted by step (last write of a step wins:
-    a resumed job re-runs steps after its checkpoint, a sampled step's memory rewrites its record); lines that
-    are not whole records are skipped."""
-    runs: dict[int, list[dict[str, Any]]] = {}
+    """``{rank: [record, ...]}`` from ``RUN_DIR/metrics/rank<r>.jsonl``, sorted by step (last write of a step wins:
+    a resumed job re-runs steps after its checkpoint, a sampled step's memory rewrites its record). A healed
+    rank's replacements (``rank<r>.heal<g>.jsonl``, `loom.parallel.data.data_parallel_config`) continue its
+    series, read after it in generation order; lines that are not whole records are skipped."""
+    files = []
     for path in Path(run_dir).glob("metrics/rank*.jsonl"):
-        by_step: dict[int, dict[str, Any]] = {}
+        if match := _RECORD_FILE.fullmatch(path.name):
+            files.append((int(match[1]), int(match[2] or 0), path))
+    by_rank: dict[int, dict[int, dict[str, Any]]] = {}
+    for rank, _, path in sorted(files):
+        by_step = by_rank.setdefault(rank, {})
         for line in path.read_text().splitlines():
             try:
                 record = json.loads(line)
@@ -45,9 +53,9 @@ def load_records(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
                 continue
             if isinstance(record, dict) and "step" in record:
                 by_step[record["step"]] = record
-        if by_step:
-            runs[int(path.stem.removeprefix("rank"))] = [by_step[s] for s in sorted(by_step)]
-    return dict(sorted(runs.items()))
+    return {
+        rank: [by_step[s] for s in sorted(by_step)] for rank, by_step in sorted(by_rank.items()) if by_step
+    }
 
 
 def _samples_per_s(records: list[dict[str, Any]]) -> float:
