@@ -2,12 +2,10 @@
 
 `read_checkpoint` reads one checkpoint (`read_checkpoint_part`: the shared files and one rank's own) and
 raises `CorruptCheckpointError` naming the first file found wrong and how (`loom.checkpoint.find` walks back
-past it): damaged (missing, truncated, a sha256 unlike the manifest's, JSON that does not parse or does not
-match the tensor file) or crafted to exhaust the reader, refused before the allocation it would cause (links
-and non-regular files: `loom.checkpoint.confined`; sizes beyond the manifest or `ReadLimits`; costly JSON:
-`loom.checkpoint.bounded_json`; safetensors headers: `loom.checkpoint.tensor_file`; JSON beyond the file's read
-budget). The full list and the limits: docs/checkpoints.md#reading. Manifests of format 1 are refused, naming
-`loom.checkpoint.upgrade_checkpoint`. Every file is read once, its sha256 computed on the same pass.
+past it): damaged, or crafted to exhaust the reader and refused before the allocation it would cause (the
+checks: docs/checkpoints.md#reading; `confined`, `bounded_json` and `tensor_file` make them). Manifests of
+format 1 are refused, naming `loom.checkpoint.upgrade_checkpoint`. Every file is read once, its sha256 computed
+on the same pass.
 
 Limits: a tensor file within `ReadLimits.max_tensor_bytes` whose header is consistent is allocated in full
 before its sha256 can be compared (hashing first would read every genuine checkpoint twice). An adversary who
