@@ -71,11 +71,10 @@ def fingerprints(module: nn.Module) -> tuple[list[str], torch.Tensor]:
 def check_replicas_agree(module: nn.Module, group: Any = None, *, step: int | None = None) -> None:
     """Raise `ReplicaDesyncError` on every rank of ``group`` unless all replicas of ``module`` are bitwise equal.
 
-    A collective: every rank of ``group`` (default: the whole job) must call it at the same point. A no-op
+    A collective: every rank of ``group`` (default: the whole job) must call it at the same point; a no-op
     without a process group. Ranks are named globally where there is a default group, else by their rank in
-    ``group`` (a group built directly on a store, as the tests' thread harness does). The ranks that differ from
-    the majority are named (on a tie, the side holding the lowest rank counts as the majority); ``step`` only
-    goes into the message.
+    ``group``. The ranks that differ from the majority are named (on a tie, the side holding the lowest rank
+    counts as the majority); ``step`` only goes into the message.
     """
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return

@@ -93,9 +93,8 @@ class StepGuard:
     @classmethod
     def start(cls, topology: Topology, options: GuardOptions, quorum: Quorum | None = None) -> StepGuard:
         """The guard of a job on ``topology``: a watchdog thread when there are peers to wait for (one process
-        only counts), and the non-finite policy of ``options``. With a ``quorum`` (``--on-worker-failure heal``)
-        the guard holds the commit vote, its watchdog's thread sends the quorum's heartbeat and judges nothing, and
-        the timeouts the user set bound the waits before a replacement (`loom.fault.quorum.Quorum.apply_guard`)."""
+        only counts), and the non-finite policy of ``options``. With a ``quorum`` (heal) it holds the commit vote,
+        and the timeouts the user set go to `loom.fault.quorum.Quorum.apply_guard`."""
         hang, work, liveness = options.hang_timeout_s, options.work_timeout_s, options.liveness_timeout_s
         if topology.is_distributed or quorum is not None:
             watchdog = Watchdog.start(topology, hang, work, liveness, quorum)
