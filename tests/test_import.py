@@ -21,11 +21,13 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 def test_importing_loom_changes_no_global_state_and_loads_no_benchmark():
     result = run_python(
         """
-        import sys, signal
+        import atexit, sys, signal, torch, torch.distributed
         hook, handlers = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        import loom, loom.train.fit, loom.observe.report, loom.examples.char_gpt
+        at_exit = atexit._ncallbacks()
+        import loom, loom.train.fit, loom.observe.report, loom.examples.char_gpt, loom.comm.ddp_async
         assert sys.excepthook is hook, sys.excepthook
         assert {s: signal.getsignal(s) for s in handlers} == handlers
+        assert atexit._ncallbacks() == at_exit, "an import registered an exit handler"
         def benchmarks():
             return sorted(m for m in sys.modules if m.split(".")[0] == "loom_bench" or m.startswith("loom.bench"))
         assert not benchmarks(), benchmarks()

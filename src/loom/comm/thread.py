@@ -92,22 +92,22 @@ _THREAD_LOCK = threading.Lock()
 
 def comm_thread() -> CommThread:
     """This process's shared communication thread, started on first use (and again in a forked child, which
-    does not inherit threads)."""
+    does not inherit threads); starting it registers `shutdown_comm_thread` at exit, once (not at import:
+    STYLE rule 18)."""
     global _THREAD
     with _THREAD_LOCK:
         if _THREAD is None or _THREAD.pid != os.getpid() or not _THREAD.is_alive():
             _THREAD = CommThread()
+            atexit.unregister(shutdown_comm_thread)
+            atexit.register(shutdown_comm_thread)
         return _THREAD
 
 
 def shutdown_comm_thread() -> None:
     """Stop this process's shared communication thread after its queued calls (waiting at most 5 s); called at
-    interpreter exit."""
+    interpreter exit once the thread has started."""
     global _THREAD
     with _THREAD_LOCK:
         thread, _THREAD = _THREAD, None
     if thread is not None and thread.pid == os.getpid():
         thread.stop(timeout=5.0)
-
-
-atexit.register(shutdown_comm_thread)
