@@ -36,7 +36,7 @@ from loom.config_docs import document_options
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.parallel._setup import LossFn, check_setup_arguments
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments
 from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.gossip.gossip_config import GossipConfig
 from loom.parallel.gossip.gossip_exchange import (
@@ -46,35 +46,29 @@ from loom.parallel.gossip.gossip_exchange import (
     PeerDirectory,
     average_into,
 )
-from loom.topology import Topology, current
 from loom.train.batch import batch_len
 from loom.train.engine import Engine, StepState
-from loom.train.options import config_from
+from loom.train.options import refuse_options
 
 __all__ = ["Gossip", "GossipConfig", "GossipJob"]
 
 
-class Gossip:
+class Gossip(Strategy):
     """Strategy: each worker trains its own replica and averages with one peer at a time, asynchronously.
 
     ``Gossip(peers="ring", every=1, deadline_s=10.0, ...)`` — see `GossipConfig` for the fields.
     """
 
-    def __init__(
-        self,
-        config: GossipConfig | None = None,
-        *,
-        topology: Topology | None = None,
-        metrics_path: str | None = None,
-        **options: Any,
-    ):
-        self.config = config_from(GossipConfig, config, options, "Gossip")
-        self.topology = topology
-        self.metrics_path = metrics_path
+    config_type = GossipConfig
+    config: GossipConfig
+
+    def __init__(self, config: GossipConfig | None = None, **options: Any) -> None:
+        refuse_options(options, {"observe": "its job keeps no step observer to turn off"}, "Gossip")
+        super().__init__(config, **options)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> GossipJob:
         """Listen, publish the address, meet the others in the store; a restarted worker copies a neighbour."""
-        topo = self.topology if self.topology is not None else current()
+        topo = self._topology()
         check_setup_arguments(
             model,
             optimizer,

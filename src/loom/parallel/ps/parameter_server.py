@@ -33,7 +33,7 @@ from loom.config_docs import document_options
 from loom.devices import place_model
 from loom.job import MetricFn
 from loom.mesh import Mesh
-from loom.parallel._setup import LossFn, check_setup_arguments
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments
 from loom.parallel.ps.parameter_server_config import ParameterServerConfig, ParameterServerMetrics
 from loom.parallel.ps.parameter_server_pieces import (
     json_hyperparameters,
@@ -47,34 +47,28 @@ from loom.ps.client import PSClient
 from loom.ps.plan import Piece, check_frames, plan_shards
 from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
-from loom.topology import Topology, current
 from loom.train.batch import batch_len
 from loom.train.engine import Engine, StepState
-from loom.train.options import config_from
+from loom.train.options import refuse_options
 
 __all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
 
 
-class ParameterServer:
+class ParameterServer(Strategy):
     """Strategy: parameters on sharded servers; ``ParameterServer(mode="ssp", staleness=2, ...)``."""
 
-    def __init__(
-        self,
-        config: ParameterServerConfig | None = None,
-        *,
-        topology: Topology | None = None,
-        metrics_path: str | None = None,
-        **options: Any,
-    ):
-        self.config = config_from(ParameterServerConfig, config, options, "ParameterServer")
-        self.topology = topology
-        self.metrics_path = metrics_path
+    config_type = ParameterServerConfig
+    config: ParameterServerConfig
+
+    def __init__(self, config: ParameterServerConfig | None = None, **options: Any) -> None:
+        refuse_options(options, {"observe": "its job keeps no step observer to turn off"}, "ParameterServer")
+        super().__init__(config, **options)
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn
     ) -> ParameterServerJob:
         """Plan the shards, connect, hand the initial parameters and the optimizer to the servers."""
-        topo = self.topology if self.topology is not None else current()
+        topo = self._topology()
         cfg = self.config
         check_setup_arguments(model, optimizer, loss_fn, strategy=f"ParameterServer(mode={cfg.mode!r})", conventions=True,
                               survives_lost_worker=cfg.mode != "sync", backend=topo.backend)  # sync waits for every worker's push  # fmt: skip
