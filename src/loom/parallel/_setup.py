@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from loom.errors import StartRefused
+from loom.observe.metrics import StepMetrics
 from loom.topology import Topology, current
 from loom.train.batch import LossCall
 from loom.train.options import config_from
@@ -25,11 +26,20 @@ __all__ = [
     "failure_policy",
     "joins_healing",
     "positive_int",
+    "step_metrics",
 ]
 
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 """``loss_fn(outputs, targets)``: the plain loss convention (`loom.LossCall` has the others)."""
+
+
+def step_metrics(topo: Topology, path: str | None) -> StepMetrics:
+    """This process's step records, appended to ``path``; by default, under ``loom run``, to
+    ``RUN_DIR/metrics/rank<r>.jsonl`` (under heal ``rank<r>.heal<g>.jsonl`` for a rank's g-th replacement)."""
+    run_dir, gen = os.environ.get("LOOM_RUN_DIR"), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0)
+    default = f"{run_dir}/metrics/rank{topo.rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
+    return StepMetrics(topo.rank, path or default)
 
 
 def positive_int(name: str, value: Any, hint: str = "") -> None:

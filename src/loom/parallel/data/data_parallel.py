@@ -20,13 +20,12 @@ from loom.config_docs import document_options
 from loom.devices import place_model
 from loom.fault.quorum import Quorum
 from loom.mesh import Mesh
-from loom.observe.metrics import StepMetrics
 from loom.observe.phases import StepObserver
-from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, joins_healing
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, joins_healing, step_metrics
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import healing_store, join_first_epoch, refuse_heal_options, whole_batches
 from loom.parallel.data.data_parallel_config import ONLY_DATA_PARALLEL as ONLY_DATA_PARALLEL  # re-exported
-from loom.parallel.data.data_parallel_config import DataParallelConfig, default_metrics_path
+from loom.parallel.data.data_parallel_config import DataParallelConfig
 from loom.parallel.data.data_parallel_job import DataParallelJob
 from loom.parallel.data.data_parallel_sync import GradientPath, buffer_sync_option, choose_gradient_path
 from loom.topology import Topology
@@ -61,7 +60,7 @@ class DataParallel(Strategy):
         if joins_healing(topo.backend):
             return self._setup_healing(model, optimizer, call, topo)
         place_model(model, topo.device, optimizer, topo.rank)
-        metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
+        metrics = step_metrics(topo, self.metrics_path)
         observer = StepObserver.for_process(metrics, topo.world_size, enabled=self.observe)
         path: GradientPath | None = None
         if topo.is_distributed:
@@ -94,7 +93,7 @@ class DataParallel(Strategy):
         place_model(model, topo.device, optimizer, topo.rank)
         quorum = Quorum.from_env(store)
         path = choose_gradient_path(self.config, topo, model, axis=quorum)
-        metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
+        metrics = step_metrics(topo, self.metrics_path)
         mesh = Mesh(dp=1, topology=whole_batches(topo))  # the loader's view: one replica (global batches)
         job = DataParallelJob(
             model, model, optimizer, call, mesh, self.config, metrics, quorum=quorum, topology=topo

@@ -5,14 +5,12 @@ them out of a model-parallel strategy's keyword arguments, refusing by name thos
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from loom.comm import ALGORITHMS
 from loom.comm.compression import make_codec
 from loom.config_docs import document_options
-from loom.topology import Topology
 from loom.train.engine import check_accumulate
 from loom.train.guard import GuardOptions
 from loom.train.options import refuse_options
@@ -22,7 +20,6 @@ __all__ = [
     "DataAxisConfig",
     "DataParallelConfig",
     "data_axis_options",
-    "default_metrics_path",
 ]
 
 
@@ -116,13 +113,6 @@ def data_axis_options(options: dict[str, Any], strategy: str) -> DataAxisConfig:
     data = {k: options.pop(k) for k in list(options) if k in names}
     refuse_options(data, ONLY_DATA_PARALLEL, strategy)
     return DataAxisConfig(**data)
-
-
-def default_metrics_path(topo: Topology) -> str | None:
-    """Under ``loom run``, each process appends its step records to ``RUN_DIR/metrics/rank<r>.jsonl`` (under heal
-    ``rank<r>.heal<g>.jsonl`` for a rank's g-th replacement)."""
-    run_dir, gen = os.environ.get("LOOM_RUN_DIR"), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0)
-    return f"{run_dir}/metrics/rank{topo.rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
 
 
 document_options(DataParallelConfig, DataParallelConfig)

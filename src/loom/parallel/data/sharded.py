@@ -33,9 +33,9 @@ from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
 from loom.observe.phases import FLAGS_AT, StepObserver
-from loom.parallel._setup import LossFn, Strategy, check_setup_arguments
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, step_metrics
 from loom.parallel.consistency import check_same_model
-from loom.parallel.data.data_parallel import DataParallelConfig, DataParallelJob, default_metrics_path
+from loom.parallel.data.data_parallel import DataParallelConfig, DataParallelJob
 from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
 from loom.parallel.data.sharded_fsdp import FsdpLayout, shard_model
 from loom.parallel.data.sharded_selftest import run_self_test
@@ -123,7 +123,7 @@ class ShardedDataParallel(Strategy):
         refuse_shared_gpu("ShardedDataParallel", topo, "its shards travel by reduce-scatter and all-gather")
         stage, world = self.config.stage, topo.world_size
         place_model(model, topo.device, optimizer, topo.rank)
-        metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
+        metrics = step_metrics(topo, self.metrics_path)
         observer = StepObserver.for_process(metrics, world, enabled=self.observe)
         fsdp = topo.is_distributed and stage >= 2
         if self.config.mixed_precision is not None and not fsdp:

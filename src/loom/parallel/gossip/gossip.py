@@ -36,8 +36,7 @@ from loom.config_docs import document_options
 from loom.job import MetricFn
 from loom.mesh import Mesh
 from loom.observe.metrics import StepMetrics
-from loom.parallel._setup import LossFn, Strategy, check_setup_arguments
-from loom.parallel.data.data_parallel import default_metrics_path
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, step_metrics
 from loom.parallel.gossip.gossip_config import GossipConfig
 from loom.parallel.gossip.gossip_exchange import (
     IdleServer,
@@ -85,7 +84,7 @@ class Gossip(Strategy):
                 f"Gossip exchanges floating-point parameters from host memory; this model has {layout.nbytes} "
                 f"bytes of them, on {devices}. HINT: keep the model on the CPU, with floating-point parameters."
             )
-        metrics = StepMetrics(topo.rank, self.metrics_path or default_metrics_path(topo))
+        metrics = step_metrics(topo, self.metrics_path)
         mesh = Mesh(dp=topo.world_size, topology=topo)
         job = GossipJob(model, optimizer, loss_fn, mesh, self.config, layout, metrics)
         if topo.is_distributed:

@@ -25,9 +25,7 @@ from torch import nn
 
 from loom.devices import place_model, refuse_shared_gpu
 from loom.mesh import Mesh
-from loom.observe.metrics import StepMetrics
-from loom.parallel._setup import LossFn, Strategy, check_setup_arguments
-from loom.parallel.data.data_parallel import default_metrics_path
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, step_metrics
 from loom.parallel.data.data_parallel_config import DataAxisConfig, data_axis_options
 from loom.parallel.data.data_parallel_sync import GradientAveraging
 from loom.parallel.data.sharded_axis import ShardedDataAxis
@@ -101,5 +99,5 @@ def compose(
         averaging = ShardedDataAxis.for_stage(data, mesh.group("dp"), stages.stage, optimizer, topo)
     else:
         averaging = GradientAveraging.for_stage(data, mesh.group("dp"), stages.stage, topo)
-    metrics = StepMetrics(topo.rank, metrics_path or default_metrics_path(topo))
+    metrics = step_metrics(topo, metrics_path)
     return ModelParallelJob(stages, optimizer, loss_fn, mesh, pipeline, shards, averaging, metrics)

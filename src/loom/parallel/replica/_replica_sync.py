@@ -32,9 +32,8 @@ from torch import nn
 from loom.devices import place_model
 from loom.fault.quorum import Quorum
 from loom.mesh import Mesh
-from loom.observe.metrics import StepMetrics
 from loom.observe.phases import COMM, DATA, FLAGS_AT, OPTIMIZER, StepObserver, loss_buffer_size
-from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, joins_healing
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, joins_healing, step_metrics
 from loom.parallel.consistency import check_same_model
 from loom.parallel.data.data_axis import (
     AxisJob,
@@ -44,7 +43,6 @@ from loom.parallel.data.data_axis import (
     member_share,
     whole_batches,
 )
-from loom.parallel.data.data_parallel import default_metrics_path
 from loom.parallel.pipeline.pipeline_stages import broadcast_module
 from loom.parallel.replica.round_commit import RoundCommit, refuse_round_options
 from loom.topology import Topology
@@ -118,7 +116,7 @@ class ReplicaJob(AxisJob):
         """``config``: the strategy's config dataclass (the guard's options, `loom.train.guard.GuardOptions`,
         and its own); the strategy's state is set up by `_start`. ``quorum``: under heal, the data axis."""
         world, heal = topology.world_size, quorum is not None
-        metrics = StepMetrics(topology.rank, metrics_path or default_metrics_path(topology))
+        metrics = step_metrics(topology, metrics_path)
         # under heal the loader's view is one replica of whole global batches (`whole_batches`)
         mesh = Mesh(topology=whole_batches(topology)) if heal else Mesh(dp=world, topology=topology)
         super().__init__(module, optimizer, loss_fn, mesh, config, metrics, topology=topology, quorum=quorum)
