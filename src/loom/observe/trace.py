@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loom.checkpoint.durable import replace_durable
 from loom.settings import SETTINGS, setting
 
 __all__ = ["TraceRecorder", "merge_traces", "merge_traces_and_say", "parse_steps", "trace_from_env"]
@@ -81,9 +82,7 @@ class TraceRecorder:
             return
         self._written = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
-        tmp.replace(self.path)
+        replace_durable(self.path, json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}).encode())
 
 
 def _meta(name: str, pid: int, tid: int | None, value: Any, key: str = "name") -> dict[str, Any]:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loom.checkpoint.durable import replace_durable
+
 __all__ = ["RECORD_NAME", "death_of", "write_record"]
 
 RECORD_NAME = "ps-servers.json"
@@ -25,10 +27,7 @@ _MAX_BYTES = 1 << 20
 
 def write_record(run_dir: Path, servers: list[dict[str, Any]]) -> None:
     """Replace the record in ``run_dir`` (a reader never sees half of it)."""
-    path = run_dir / RECORD_NAME
-    tmp = run_dir / (RECORD_NAME + ".tmp")
-    tmp.write_text(json.dumps({"servers": servers}, indent=1))
-    os.replace(tmp, path)
+    replace_durable(run_dir / RECORD_NAME, json.dumps({"servers": servers}, indent=1).encode())
 
 
 def death_of(index: int, since: float = 0.0) -> str | None:
