@@ -97,16 +97,14 @@ def test_the_real_header_passes_and_forged_ones_are_refused_naming_what_is_wrong
     cases = {
         "claims the step -1": lambda h: h.update(step=-1),
         "claims the step 'x'": lambda h: h.update(step="x"),
-        "parameter index outside 0..3": lambda h: h["entries"].append(
-            [99, "exp_avg", [4], "torch.float32", None]
-        ),
-        "shape or dtype not one a tensor has": lambda h: h["entries"].append(
-            [0, "x", [-1], "torch.float32", None]
-        ),
-        "more than": lambda h: h["entries"].append([0, "x", [10**6, 10**6], "torch.float32", None]),
+        "parameter index outside 0..3": lambda h: h["skeleton"]["state"]["items"].append([99, {}]),
+        "shape or dtype not one a tensor has": lambda h: h["tensors"].append(["x", "torch.float32", [-1]]),
+        "a key twice": lambda h: h["tensors"].append(h["tensors"][0]),
+        "more than": lambda h: h["tensors"].append(["x", "torch.float32", [10**6, 10**6]]),
+        "not an optimizer's state": lambda h: h["tensors"].append(["x", "torch.float32", [1]]),
         "RNG state of 3 bytes": lambda h: h.update(rng_numel=3),
-        "2 parameter groups, not 1": lambda h: h.update(groups=[{}, {}]),
-        "has no list of entries": lambda h: h.update(entries="all"),
+        "2 parameter groups holding": lambda h: h["skeleton"]["param_groups"].append({"params": [9]}),
+        "has no list of tensors": lambda h: h.update(tensors="all"),
     }
     for words, change in cases.items():
         with pytest.raises(
@@ -153,8 +151,11 @@ def test_a_header_size_past_the_bound_is_refused_before_any_allocation_and_a_tru
             optimizer = torch_fresh_optimizer(model)
         step = share_training_state(model, optimizer, 9 if rank == 0 else -1, 0, rank, group, load=rank == 1,
                                     replacement=True)  # fmt: skip
-        return step, [p.detach().clone() for p in model.parameters()], len(optimizer.state)
+        return step, [p.detach().clone() for p in model.parameters()], optimizer.state_dict()
 
     (step0, params0, states0), (step1, params1, states1) = run_ranks(2, honest)
-    assert step1 == step0 == 9 and states1 == states0 == 4
+    assert step1 == step0 == 9 and len(states1["state"]) == len(states0["state"]) == 4
     assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True))
+    assert states1["param_groups"] == states0["param_groups"]
+    for sent, got in zip(states0["state"].values(), states1["state"].values(), strict=True):
+        assert sent.keys() == got.keys() and all(torch.equal(sent[k], got[k]) for k in sent)

@@ -3,9 +3,10 @@
 A replacement must train bitwise like the others at its first step, so it receives the model's parameters and
 buffers (broadcast in place: the same script built the same shapes), the optimizer's state and hyperparameters,
 the committed step (also the data position) and the RNG state. The optimizer's state may not exist yet on a fresh
-process (Adam makes it at its first step), so the source describes it in a small JSON header, checked before
-anything is allocated from it (`check_header`), and the tensors follow in its order. JSON, not pickle: nothing on
-the wire is executed.
+process (Adam makes it at its first step), so the source describes it in a small JSON header (the skeleton of
+`loom.checkpoint.tree.flatten_state` and its tensors' keys, dtypes and shapes), checked before anything is
+allocated from it (`check_header`), and the tensors follow in its order. JSON, not pickle: nothing on the wire is
+executed.
 
 The source is the first member holding the highest committed step (`source_of`); every member takes part in the
 broadcasts, and only those behind it (every member at the job's first epoch) load what they received. If the
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.checkpoint.tree import flatten_state, unflatten_state
 from loom.errors import HealStateRefused
 from loom.fault.inject import fault_point
 
@@ -67,19 +69,11 @@ def source_of(steps: list[int]) -> int:
 
 
 def _header(optimizer: torch.optim.Optimizer, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    state = optimizer.state_dict()
-    entries, tensors = [], []
-    for param, values in state["state"].items():
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                entries.append([int(param), key, list(value.shape), str(value.dtype), None])
-                tensors.append(value.detach().contiguous())
-            else:
-                entries.append([int(param), key, None, None, value])
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    skeleton, flat = flatten_state(optimizer.state_dict())
+    listed = [[key, str(t.dtype), list(t.shape)] for key, t in flat.items()]
     rng = torch.get_rng_state()
-    tensors.append(rng)
-    return {"step": step, "entries": entries, "groups": groups, "rng_numel": rng.numel()}, tensors
+    header = {"step": step, "skeleton": skeleton, "tensors": listed, "rng_numel": rng.numel()}
+    return header, [*flat.values(), rng]
 
 
 def share_training_state(
@@ -111,70 +105,65 @@ def share_training_state(
             received = tensor.detach().clone() if not load else tensor.data
             broadcast(received, source, group)
     if not sending:
-        tensors = [torch.empty(shape, dtype=_DTYPES[dtype]) for _, _, shape, dtype, _ in header["entries"]
-                   if shape is not None]  # fmt: skip
+        tensors = [torch.empty(shape, dtype=_DTYPES[dtype]) for _, dtype, shape in header["tensors"]]
         tensors.append(torch.empty(header["rng_numel"], dtype=torch.uint8))
     for tensor in tensors:
         broadcast(tensor, source, group)
     if load and not sending:
-        _load_optimizer(optimizer, header, tensors[:-1])
+        keys = [key for key, _, _ in header["tensors"]]
+        optimizer.load_state_dict(unflatten_state(header["skeleton"], dict(zip(keys, tensors, strict=False))))
         torch.set_rng_state(tensors[-1])
     return int(header["step"])
 
 
 def check_header(header: Any, module: nn.Module, optimizer: torch.optim.Optimizer, source: int) -> None:
     """Refuse (`HealStateRefused`) a header that does not describe this process's optimizer before anything is
-    allocated from it: the step a non-negative int, each entry's parameter one of the optimizer's, its dtype a
-    known one, its shape non-negative ints, the tensors in all at most 16 times the model's parameters (Adam
-    keeps 2) plus 1 MiB, the RNG state the size of this process's, the groups as many as the optimizer's."""
+    allocated from it: the step a non-negative int; each tensor's key new, its dtype a known one, its shape
+    non-negative ints, the tensors in all at most 16 times the model's parameters (Adam keeps 2) plus 1 MiB; the
+    skeleton decoded over them (on the meta device: no memory) a state keyed by the optimizer's parameter indices,
+    its groups holding the optimizer's parameters; the RNG state the size of this process's."""
 
     def refuse(what: str) -> HealStateRefused:
         return HealStateRefused(f"the training state sent by member index {source} {what}: nothing is loaded. "
                                 "HINT: every process must run the same script (the same model and optimizer)")  # fmt: skip
 
-    if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
-        raise refuse("has no list of entries")
+    if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
+        raise refuse("has no list of tensors")
     step = header.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise refuse(f"claims the step {step!r}")
-    params = sum(len(g["params"]) for g in optimizer.param_groups)
     budget = 16 * sum(p.numel() * p.element_size() for p in module.parameters()) + (1 << 20)
-    total = 0
-    for entry in header["entries"]:
-        param = entry[0] if isinstance(entry, list) and len(entry) == 5 else None
-        if not isinstance(param, int) or not 0 <= param < params:
-            raise refuse(f"has the entry {str(entry)[:80]} (parameter index outside 0..{params - 1})")
-        shape, dtype = entry[2], entry[3]
-        if shape is None:
-            continue
+    total, meta = 0, {}
+    for entry in header["tensors"]:
+        key, dtype, shape = entry if isinstance(entry, list) and len(entry) == 3 else (None, None, None)
+        dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
         dims = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)  # (bools refused)
-        if dtype not in _DTYPES or not dims:
-            raise refuse(f"has the tensor entry {str(entry)[:80]} (shape or dtype not one a tensor has)")
-        total += math.prod(shape) * _DTYPES[dtype].itemsize
+        shape = shape if dims else None
+        if not isinstance(key, str) or key in meta or dtype is None or shape is None:
+            raise refuse(
+                f"has the tensor entry {str(entry)[:80]} (a key twice, or a shape or dtype not one a tensor has)"
+            )
+        total += math.prod(shape) * dtype.itemsize
         if total > budget:
             raise refuse(
                 f"describes more than {budget} bytes of optimizer state (16x the model's parameters)"
             )
+        meta[key] = torch.empty(shape, dtype=dtype, device="meta")
+    try:
+        state = unflatten_state(header.get("skeleton"), meta)
+        indices, groups = list(state["state"].keys()), [g["params"] for g in state["param_groups"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise refuse(f"has a skeleton that is not an optimizer's state ({error!s:.80})") from None
+    params = sum(len(g["params"]) for g in optimizer.param_groups)
+    outside = [i for i in indices if not isinstance(i, int) or not 0 <= i < params]
+    if outside:
+        raise refuse(f"has the state of parameter {outside[0]!r} (parameter index outside 0..{params - 1})")
     if header.get("rng_numel") != torch.get_rng_state().numel():
         raise refuse(
             f"has an RNG state of {header.get('rng_numel')!r} bytes, not {torch.get_rng_state().numel()}"
         )
-    if not isinstance(header.get("groups"), list) or len(header["groups"]) != len(optimizer.param_groups):
+    mine = [g["params"] for g in optimizer.state_dict()["param_groups"]]
+    if groups != mine:
         raise refuse(
-            f"has {len(header.get('groups') or [])} parameter groups, not {len(optimizer.param_groups)}"
+            f"has {len(groups)} parameter groups holding {str(groups)[:80]}, not {len(mine)} holding {mine}"
         )
-
-
-def _load_optimizer(
-    optimizer: torch.optim.Optimizer, header: dict[str, Any], tensors: list[torch.Tensor]
-) -> None:
-    mine = optimizer.state_dict()
-    state: dict[int, dict[str, Any]] = {}
-    received = iter(tensors)
-    for param, key, shape, _dtype, value in header["entries"]:
-        state.setdefault(param, {})[key] = next(received) if shape is not None else value
-    groups = [
-        local | {k: tuple(v) if isinstance(local.get(k), tuple) else v for k, v in sent.items()}
-        for local, sent in zip(mine["param_groups"], header["groups"], strict=True)
-    ]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
