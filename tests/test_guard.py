@@ -148,6 +148,16 @@ def test_a_frozen_rank_stops_the_job_naming_it(frozen_runs, strategy):
 
 # -- options: refused by name, or taken as a config object --------------------------------------------------------
 @pytest.mark.unit
+@pytest.mark.parametrize("strategy", ["Pipeline", "TensorParallel", "Hybrid", "Gossip", "ParameterServer"])
+def test_strategies_without_a_step_observer_refuse_observe_naming_the_fix(strategy):
+    sizes = {"Pipeline": {"stages": 1}, "TensorParallel": {"size": 1}}.get(strategy, {})
+    with pytest.raises(
+        ValueError, match=rf"{strategy} does not take observe \(.*no step observer.*drop observe="
+    ):
+        getattr(loom, strategy)(**sizes, observe=False)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("option", sorted(ONLY_DATA_PARALLEL))
 @pytest.mark.parametrize("strategy", ["Pipeline", "TensorParallel", "Hybrid"])
 def test_model_parallel_strategies_refuse_the_options_only_data_parallel_honours(strategy, option):

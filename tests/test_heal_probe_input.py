@@ -94,8 +94,19 @@ def test_the_real_header_passes_and_forged_ones_are_refused_naming_what_is_wrong
         change(bad)
         return bad
 
+    deep: dict = {}
+    for _ in range(100_000):  # past the interpreter's recursion limit
+        deep = {"a": deep}
+
+    def alias(h):  # parameter 1's state names parameter 0's exp_avg too; every tensor still used
+        items = h["skeleton"]["state"]["items"]
+        items[1][1]["extra"] = items[0][1]["exp_avg"]
+
     cases = {
         "claims the step -1": lambda h: h.update(step=-1),
+        "a shape or dtype not one": lambda h: h["tensors"].append(["x", "torch.float32", [2**70, 0]]),
+        "names one tensor for two states": alias,
+        "skeleton that is not an optimizer's state (maximum recursion": lambda h: h.update(skeleton=deep),
         "claims the step 'x'": lambda h: h.update(step="x"),
         "parameter index outside 0..3": lambda h: h["skeleton"]["state"]["items"].append([99, {}]),
         "shape or dtype not one a tensor has": lambda h: h["tensors"].append(["x", "torch.float32", [-1]]),

@@ -37,7 +37,7 @@ _RECORD_FILE = re.compile(r"rank(\d+)(?:\.heal(\d+))?\.jsonl")
 def load_records(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """``{rank: [record, ...]}`` from ``RUN_DIR/metrics/rank<r>.jsonl``, sorted by step (last write of a step wins:
     a resumed job re-runs steps after its checkpoint, a sampled step's memory rewrites its record). A healed
-    rank's replacements (``rank<r>.heal<g>.jsonl``, `loom.parallel.data.data_parallel_config`) continue its
+    rank's replacements (``rank<r>.heal<g>.jsonl``, `loom.parallel._setup.step_metrics`) continue its
     series, read after it in generation order; lines that are not whole records are skipped."""
     files = []
     for path in Path(run_dir).glob("metrics/rank*.jsonl"):

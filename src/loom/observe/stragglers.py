@@ -85,6 +85,8 @@ class StragglerDetector:
     """Give `judge` one table of every rank's typical phase times at a time; it returns the new warnings."""
 
     def __init__(self, config: StragglerConfig | None = None) -> None:
+        if config is not None and not isinstance(config, StragglerConfig):
+            raise TypeError(f"StragglerDetector takes a StragglerConfig or None, got {config!r}")
         self.config = config if config is not None else StragglerConfig()
         self._flagged: set[tuple[int, str]] = set()
         self.slowest: tuple[int, str, float] | None = None

@@ -97,7 +97,11 @@ def share_training_state(
                                f"{int(size)} bytes (at most {MAX_HEADER_BYTES}): nothing is loaded")  # fmt: skip
     buffer = raw if raw is not None else torch.empty(int(size), dtype=torch.uint8)
     broadcast(buffer, source, group)
-    header = json.loads(bytes(buffer.tolist()).decode())
+    try:
+        header = json.loads(bytes(buffer.tolist()).decode())
+    except (ValueError, RecursionError) as error:  # RecursionError: nested past the interpreter's limit
+        raise HealStateRefused(f"the member sending the training state (index {source}) sent a header that is "
+                               f"not JSON ({error!s:.80}): nothing is loaded") from None  # fmt: skip
     if not sending:
         check_header(header, module, optimizer, source)
     with torch.no_grad():
@@ -119,9 +123,10 @@ def share_training_state(
 def check_header(header: Any, module: nn.Module, optimizer: torch.optim.Optimizer, source: int) -> None:
     """Refuse (`HealStateRefused`) a header that does not describe this process's optimizer before anything is
     allocated from it: the step a non-negative int; each tensor's key new, its dtype a known one, its shape
-    non-negative ints, the tensors in all at most 16 times the model's parameters (Adam keeps 2) plus 1 MiB; the
-    skeleton decoded over them (on the meta device: no memory) a state keyed by the optimizer's parameter indices,
-    its groups holding the optimizer's parameters; the RNG state the size of this process's."""
+    non-negative ints within the byte budget, the tensors in all at most 16 times the model's parameters (Adam
+    keeps 2) plus 1 MiB; the skeleton decoded over them (on the meta device: no memory) a state keyed by the
+    optimizer's parameter indices, each tensor in one place, its groups holding the optimizer's parameters; the RNG
+    state the size of this process's."""
 
     def refuse(what: str) -> HealStateRefused:
         return HealStateRefused(f"the training state sent by member index {source} {what}: nothing is loaded. "
@@ -137,7 +142,7 @@ def check_header(header: Any, module: nn.Module, optimizer: torch.optim.Optimize
     for entry in header["tensors"]:
         key, dtype, shape = entry if isinstance(entry, list) and len(entry) == 3 else (None, None, None)
         dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
-        dims = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)  # (bools refused)
+        dims = isinstance(shape, list) and all(type(n) is int and 0 <= n <= budget for n in shape)  # no bools
         shape = shape if dims else None
         if not isinstance(key, str) or key in meta or dtype is None or shape is None:
             raise refuse(
@@ -152,8 +157,11 @@ def check_header(header: Any, module: nn.Module, optimizer: torch.optim.Optimize
     try:
         state = unflatten_state(header.get("skeleton"), meta)
         indices, groups = list(state["state"].keys()), [g["params"] for g in state["param_groups"]]
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        found = [v for s in state["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
         raise refuse(f"has a skeleton that is not an optimizer's state ({error!s:.80})") from None
+    if len({id(t) for t in found}) < len(found):
+        raise refuse("names one tensor for two states")
     params = sum(len(g["params"]) for g in optimizer.param_groups)
     outside = [i for i in indices if not isinstance(i, int) or not 0 <= i < params]
     if outside:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-__all__ = ["config_from", "refuse_options"]
+__all__ = ["NO_OBSERVER", "config_from", "refuse_options"]
 
 C = TypeVar("C")
 
@@ -34,6 +34,11 @@ def config_from(config_type: type[C], config: C | None, options: Mapping[str, An
             f"them in the config: dataclasses.replace(config, {', '.join(f'{k}=...' for k in options)})."
         )
     return config
+
+
+NO_OBSERVER = {"observe": "its job keeps no step observer to turn off; drop observe="}
+"""What `refuse_options` says of ``observe=`` to a strategy without a step observer (gossip, parameter servers,
+model parallelism)."""
 
 
 def refuse_options(given: Mapping[str, Any], refused: Mapping[str, str], strategy: str) -> None:

@@ -47,7 +47,7 @@ from loom.parallel.gossip.gossip_exchange import (
 )
 from loom.train.batch import batch_len
 from loom.train.engine import Engine, StepState
-from loom.train.options import refuse_options
+from loom.train.options import NO_OBSERVER, refuse_options
 
 __all__ = ["Gossip", "GossipConfig", "GossipJob"]
 
@@ -62,7 +62,7 @@ class Gossip(Strategy):
     config: GossipConfig
 
     def __init__(self, config: GossipConfig | None = None, **options: Any) -> None:
-        refuse_options(options, {"observe": "its job keeps no step observer to turn off"}, "Gossip")
+        refuse_options(options, NO_OBSERVER, "Gossip")
         super().__init__(config, **options)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> GossipJob:

@@ -34,7 +34,7 @@ from loom.parallel.model.model_parallel import ModelParallelJob
 from loom.parallel.pipeline.pipeline_stages import PipelineConfig, broadcast_module, split_into_stages
 from loom.parallel.tensor.tensor_parallel_shard import shard_stage
 from loom.topology import Topology
-from loom.train.options import refuse_options
+from loom.train.options import NO_OBSERVER, refuse_options
 
 __all__ = ["ModelParallelStrategy", "compose"]
 
@@ -45,7 +45,7 @@ class ModelParallelStrategy(Strategy):
 
     def __init__(self, *, topology: Topology | None = None, metrics_path: str | None = None, **config: Any):
         self.data = data_axis_options(config, type(self).__name__)
-        refuse_options(config, {"observe": "its job keeps no step observer to turn off"}, type(self).__name__)
+        refuse_options(config, NO_OBSERVER, type(self).__name__)
         super().__init__(topology=topology, metrics_path=metrics_path, **config)
 
     def _mesh(self, option: str, pp: int = 1, tp: int = 1) -> Mesh:

@@ -49,7 +49,7 @@ from loom.ps.shard import ShardSettings
 from loom.ps.wire import MessageType, secret_from_hex
 from loom.train.batch import batch_len
 from loom.train.engine import Engine, StepState
-from loom.train.options import refuse_options
+from loom.train.options import NO_OBSERVER, refuse_options
 
 __all__ = ["ParameterServer", "ParameterServerConfig", "ParameterServerJob", "ParameterServerMetrics"]
 
@@ -61,7 +61,7 @@ class ParameterServer(Strategy):
     config: ParameterServerConfig
 
     def __init__(self, config: ParameterServerConfig | None = None, **options: Any) -> None:
-        refuse_options(options, {"observe": "its job keeps no step observer to turn off"}, "ParameterServer")
+        refuse_options(options, NO_OBSERVER, "ParameterServer")
         super().__init__(config, **options)
 
     def setup(
