@@ -235,6 +235,16 @@ same(
     torch.cat([w[2 * rank : 2 * rank + 2] for w in every((2 * size, 3))]),
     "gradient of alltoall: sent back",
 )
+uneven = [j + 1 for j in range(size)]  # rank r sends j + 1 rows to rank j, so receives r + 1 from each
+(g,) = gradient_of(
+    lambda xs: hvd.alltoall(xs[0], torch.tensor(uneven, dtype=torch.int32))[0],
+    rank_tensor(rank, torch.float64, (sum(uneven), 3)),
+)
+same(
+    g,
+    torch.cat([upstream(j, (size * (j + 1), 3))[rank * (j + 1) : (rank + 1) * (j + 1)] for j in range(size)]),
+    "gradient of alltoall with uneven splits: each block sent back to its sender",
+)
 
 # mismatches fail on every rank with a RuntimeError, instead of hanging
 try:
