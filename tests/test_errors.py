@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 def test_every_error_class_is_a_loom_error_and_keeps_its_builtin_base():
     classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
-    functions = {"is_retryable", "failure_text"}
+    functions = {"check_int", "is_retryable", "failure_text"}
     assert sorted(c.__name__ for c in classes) == sorted(n for n in errors.__all__ if n not in functions)
     assert all(issubclass(c, errors.LoomError) for c in classes)
     assert issubclass(errors.ModelMismatchError, ValueError) and issubclass(errors.HangError, RuntimeError)
@@ -108,3 +108,16 @@ def test_no_code_reads_retry_ability_by_duck_typing():
     ]
     assert found == []
     assert not [p for p in src.rglob("*.py") if "loom_not_retried" in p.read_text()]
+
+
+def test_check_int_refuses_a_non_int_a_bool_or_too_small_naming_the_option_the_value_and_the_fix():
+    errors.check_int("n", 3)
+    errors.check_int("n", 0, 0)
+    errors.check_int("n", None, optional=True)
+    for bad in (True, 2.5, "3", None, 0):
+        with pytest.raises(ValueError, match=rf"^n must be an int >= 1, got {bad!r}$"):
+            errors.check_int("n", bad)
+    with pytest.raises(
+        ValueError, match=r"^keep must be None or an int >= 1, got -1\. HINT: None keeps all$"
+    ):
+        errors.check_int("keep", -1, optional=True, hint="None keeps all")

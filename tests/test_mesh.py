@@ -14,7 +14,7 @@ def test_product_must_equal_world_size_and_the_error_names_everything():
         ValueError, match=r"mesh dp=3 × pp=2 × tp=1 needs 6 processes, but the world size is 4"
     ):
         Mesh(dp=3, pp=2, topology=Topology(0, 4, 0, 4, "gloo"))
-    with pytest.raises(ValueError, match="mesh degree tp=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="mesh degree tp must be an int >= 1, got 0"):
         MeshShape(tp=0)
 
 

@@ -246,4 +246,15 @@ class PlanError(LoomError, ValueError, retryable=False):
 
 
 __all__ = [n for n, v in dict(globals()).items() if isinstance(v, type) and issubclass(v, LoomError)]
-__all__ += ["failure_text", "is_retryable"]
+__all__ += ["check_int", "failure_text", "is_retryable"]
+
+
+def check_int(name: str, value: object, least: int = 1, *, optional: bool = False, hint: str = "") -> None:
+    """Refuse anything but an int >= ``least`` (bools too; None passes where ``optional``): a ValueError
+    naming the option ``name``, the value and, where given, the ``hint`` (the fix)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        either = "None or " if optional else ""
+        hint = f". HINT: {hint}" if hint else ""
+        raise ValueError(f"{name} must be {either}an int >= {least}, got {value!r}{hint}")

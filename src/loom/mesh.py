@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from loom.errors import check_int
 from loom.topology import Topology, current
 
 __all__ = ["AXES", "REPLICA", "Mesh", "MeshShape"]
@@ -44,9 +45,7 @@ class MeshShape:
 
     def __post_init__(self) -> None:
         for axis in AXES:
-            value = getattr(self, axis)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"mesh degree {axis}={value!r} must be an int >= 1")
+            check_int(f"mesh degree {axis}", getattr(self, axis))
 
     @property
     def world_size(self) -> int:

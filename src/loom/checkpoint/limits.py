@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from loom.errors import check_int
+
 __all__ = ["BYTES_PER_ENTRY", "DEFAULT_LIMITS", "ReadLimits", "physical_memory"]
 
 BYTES_PER_ENTRY = 64
@@ -57,14 +59,12 @@ class ReadLimits:
     """Size of the ``latest`` pointer, which holds one checkpoint name."""
 
     def __post_init__(self) -> None:
+        fix = (
+            "the defaults fit every checkpoint loom.fit writes up to a few thousand ranks; raise only the bound "
+            "a message named."
+        )
         for name, value in vars(self).items():
-            if value is None and name == "max_tensor_bytes":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"ReadLimits.{name} must be an int >= 1, got {value!r}. HINT: the defaults fit every "
-                    "checkpoint loom.fit writes up to a few thousand ranks; raise only the bound a message named."
-                )
+            check_int(f"ReadLimits.{name}", value, optional=name == "max_tensor_bytes", hint=fix)
 
     def budgeted(self, entries: int) -> ReadLimits:
         """These limits tightened to one file's budget of ``entries`` (from its manifest entry): at most

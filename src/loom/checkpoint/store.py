@@ -32,7 +32,7 @@ from loom.checkpoint.bounded_json import count_json_values
 from loom.checkpoint.durable import fsync_directory, replace_durable, unique_name, write_durable
 from loom.checkpoint.limits import BYTES_PER_ENTRY
 from loom.checkpoint.tree import TAG, PackedState, flatten_state, readable_json
-from loom.errors import CheckpointError, CorruptCheckpointError, NoValidCheckpointError  # noqa: F401 - raised here, defined there
+from loom.errors import CheckpointError, CorruptCheckpointError, NoValidCheckpointError, check_int  # noqa: F401 - raised here, defined there
 
 __all__ = [
     "CheckpointError",
@@ -89,10 +89,8 @@ def list_checkpoints(directory: str | os.PathLike) -> dict[int, Path]:
 def validate_save_arguments(step: Any, state: Any, keep: Any, local_states: Any = ()) -> None:
     """Refuse a bad step, state, keep or local states before anything is written (shared with the
     asynchronous save)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be an int >= 1 (or None to keep every checkpoint), got {keep!r}")
+    check_int("step", step, 0)
+    check_int("keep", keep, optional=True, hint="None keeps every checkpoint")
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     if not isinstance(local_states, Sequence) or not all(isinstance(b, bytes) for b in local_states):

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from loom.errors import check_int
+
 __all__ = ["GlobalBatchSampler", "GlobalBatch", "share_bounds"]
 
 
@@ -50,14 +52,6 @@ class GlobalBatch:
         return int(self.indices.numel())
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
-
-
 class GlobalBatchSampler:
     """Yields a `GlobalBatch` per step of the current epoch, for one replica of ``world_size``; iteration,
     ``len()`` and the position as the module docstring says (a loop that never calls `set_epoch` still sees a
@@ -74,11 +68,12 @@ class GlobalBatchSampler:
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 0:
-            raise ValueError(f"dataset size must be a non-negative int, got {dataset_size!r}")
+        check_int("dataset_size", dataset_size, 0)
+        check_int("global_batch_size", global_batch_size)
+        check_int("world_size", world_size)
         self.dataset_size = dataset_size
-        self.global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
-        self.world_size = _check_positive_int("world_size", world_size)
+        self.global_batch_size = global_batch_size
+        self.world_size = world_size
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         self.rank = rank
@@ -117,8 +112,7 @@ class GlobalBatchSampler:
     # -- position --------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch``; a no-op if the position is already inside that epoch (resume)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        check_int("epoch", epoch, 0)
         if epoch != self.epoch:
             self.epoch = epoch
             self.consumed = 0

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.errors import NonFiniteStepError, ReplicaDesyncError  # noqa: F401 - raised here, defined there
+from loom.errors import NonFiniteStepError, ReplicaDesyncError, check_int  # noqa: F401 - raised here, defined there
 from loom.fault.watchdog import collective
 
 __all__ = [
@@ -165,8 +165,7 @@ class NonFiniteGuard:
                 f"nonfinite={self.policy!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
                 "non-finite step on every rank, 'stop' raises."
             )
-        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
-            raise ValueError(f"nonfinite_limit must be an int >= 1, got {self.limit!r}")
+        check_int("nonfinite_limit", self.limit)
 
     def judge(
         self, step: int, flags: Sequence[float], ranks: Sequence[int], averaged_gradient_finite: bool = True

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import median
 
+from loom.errors import check_int
 from loom.settings import setting
 
 __all__ = ["PHASES", "StragglerConfig", "StragglerDetector", "StragglerWarning"]
@@ -40,8 +41,7 @@ class StragglerConfig:
     def __post_init__(self) -> None:
         if not self.margin >= 0:
             raise ValueError(f"straggler margin must be >= 0, got {self.margin!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"straggler window must be an int >= 1, got {self.window!r}")
+        check_int("straggler window", self.window)
         if not self.min_excess_s >= 0:
             raise ValueError(f"straggler min_excess_s must be >= 0, got {self.min_excess_s!r}")
 

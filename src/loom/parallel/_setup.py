@@ -25,7 +25,6 @@ __all__ = [
     "check_setup_arguments",
     "failure_policy",
     "joins_healing",
-    "positive_int",
     "step_metrics",
 ]
 
@@ -40,12 +39,6 @@ def step_metrics(topo: Topology, path: str | None) -> StepMetrics:
     run_dir, gen = os.environ.get("LOOM_RUN_DIR"), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0)
     default = f"{run_dir}/metrics/rank{topo.rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
     return StepMetrics(topo.rank, path or default)
-
-
-def positive_int(name: str, value: Any, hint: str = "") -> None:
-    """Refuse anything but an int >= 1 (bools included), naming the option and the value."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.{' HINT: ' + hint if hint else ''}")
 
 
 SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(mode='ssp')"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.config_docs import document_options
-from loom.errors import RayJobFailed  # noqa: F401 - raised by run(), defined there
+from loom.errors import RayJobFailed, check_int  # noqa: F401 - raised by run(), defined there
 
 __all__ = ["RayConfig", "RayJobFailed", "run", "run_script"]
 
@@ -84,9 +84,7 @@ class RayConfig:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         for name, least in (("num_workers", 1), ("max_failures", 0), ("servers", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+            check_int(name, getattr(self, name), least)
         if self.placement_strategy not in _STRATEGIES:
             raise ValueError(f"placement_strategy {self.placement_strategy!r}; use one of {_STRATEGIES}")
         for name in ("resources_per_worker", "resources_per_server"):

@@ -50,7 +50,7 @@ from loom.observe.straggler_watch import StragglerWatch
 from loom.train.batch import LossCall, batch_len, forward_loss, micro_batches, to_device
 from loom.train.guard import GuardOptions, StepGuard
 from loom.train.heal_step import retry_step
-from loom.train.step_state import ShareOptions, StepState, check_accumulate
+from loom.train.step_state import ShareOptions, StepState
 
 if TYPE_CHECKING:
     from loom.fault.quorum import Quorum
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from loom.observe.phases import StepObserver
     from loom.topology import Topology
 
-__all__ = ["Engine", "ShareOptions", "StepState", "check_accumulate"]  # the last three re-exported
+__all__ = ["Engine", "ShareOptions", "StepState"]  # the last two re-exported
 
 
 class Engine(Job):

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loom.errors import check_int
 from loom.fault.desync import check_replicas_agree
 from loom.job import Job
 from loom.observe.progress import ProgressBar
@@ -63,13 +64,6 @@ class FitResult:
     job's `loom.job.Job.loss_scope` says."""
 
 
-def _positive_int(name: str, value: Any, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
-
-
 def _lacking(obj: Any, *methods: str) -> list[str]:
     return [m for m in methods if not callable(getattr(obj, m, None))]
 
@@ -82,11 +76,11 @@ def _validate(
             f"pass exactly one of epochs= or steps=, got epochs={epochs!r}, steps={steps!r}. "
             "HINT: steps counts optimizer steps, epochs full passes over the data; both are totals for the run."
         )
-    _positive_int("epochs", epochs, optional=True)
-    _positive_int("steps", steps, optional=True)
-    _positive_int("checkpoint_every", checkpoint_every)
-    _positive_int("keep", keep)
-    _positive_int("log_every", log_every, optional=True)
+    check_int("epochs", epochs, optional=True)
+    check_int("steps", steps, optional=True)
+    check_int("checkpoint_every", checkpoint_every)
+    check_int("keep", keep)
+    check_int("log_every", log_every, optional=True)
     if not isinstance(job, Job):
         raise TypeError(
             f"fit() expects a job from a strategy's setup() (a loom.job.Job), got {type(job).__name__}. "
@@ -242,8 +236,7 @@ def fit(
     """
     _validate(job, loader, epochs, steps, checkpoint_dir, checkpoint_every, keep, async_checkpoint,
               lr_scheduler, log_every)  # fmt: skip
-    if isinstance(desync_every, bool) or not isinstance(desync_every, int) or desync_every < 0:
-        raise ValueError(f"desync_every must be an int >= 0 (0: never), got {desync_every!r}")
+    check_int("desync_every", desync_every, 0, hint="0 never checks")
     tracking = FitTrackers(trackers, job.topology.is_main)
     at = _Position(int(getattr(job, "step", 0)), int(getattr(loader, "epoch", 0)))
     resumed_from, checkpointer, saved_trackers = None, None, None

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.errors import check_int
 from loom.train.guard import GuardOptions
 
-__all__ = ["ShareOptions", "StepState", "check_accumulate"]
+__all__ = ["ShareOptions", "StepState"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,12 +26,7 @@ class ShareOptions(GuardOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_accumulate(self.accumulate)
-
-
-def check_accumulate(value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"accumulate must be an int >= 1, got {value!r}")
+        check_int("accumulate", self.accumulate)
 
 
 @dataclass

@@ -38,6 +38,7 @@ import torch
 
 from loom.comm.compression.base import Collective, Exchange, check_codec_state, check_layout
 from loom.comm.compression.feedback import ErrorFeedback
+from loom.errors import check_int
 
 __all__ = ["PowerSGDCodec"]
 
@@ -61,8 +62,7 @@ class PowerSGDCodec:
     """Rank-``rank`` PowerSGD with error feedback and warm start; see the module docstring."""
 
     def __init__(self, rank: int, seed: int = 0) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"PowerSGD rank must be an int >= 1, got {rank!r}")
+        check_int("PowerSGD rank", rank)
         self.rank = rank
         self.seed = int(seed)
         self.spec = f"powersgd:{rank}"

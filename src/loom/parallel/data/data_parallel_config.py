@@ -11,7 +11,7 @@ from typing import Any
 from loom.comm import ALGORITHMS
 from loom.comm.compression import make_codec
 from loom.config_docs import document_options
-from loom.train.engine import check_accumulate
+from loom.errors import check_int
 from loom.train.guard import GuardOptions
 from loom.train.options import refuse_options
 
@@ -61,7 +61,7 @@ class DataParallelConfig(GuardOptions):
                     f"compression={self.compression!r} runs its own collectives; it cannot be combined with "
                     f"allreduce={self.allreduce!r}. HINT: leave allreduce at its default when compressing."
                 )
-        check_accumulate(self.accumulate)
+        check_int("accumulate", self.accumulate)
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config_docs import document_options
-from loom.parallel._setup import positive_int
+from loom.errors import check_int
 from loom.train.engine import ShareOptions
 
 __all__ = ["PEERS", "GossipConfig"]
@@ -46,7 +46,7 @@ class GossipConfig(ShareOptions):
         if self.peers not in PEERS:
             raise ValueError(f"peers={self.peers!r} is not one of {list(PEERS)}")
         for name in ("every", "retry_after"):
-            positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for name in ("deadline_s", "setup_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

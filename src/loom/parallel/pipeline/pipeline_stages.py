@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config_docs import document_options
+from loom.errors import check_int
 from loom.mesh import Mesh
-from loom.parallel._setup import positive_int
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage
 from loom.parallel.pipeline.pipeline_schedule import SCHEDULES
 from loom.parallel.pipeline.pipeline_split import (
@@ -49,7 +49,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches"):
-            positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
         if isinstance(self.split, str) and self.split != "balanced":

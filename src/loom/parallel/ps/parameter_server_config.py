@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.config_docs import document_options
+from loom.errors import check_int
 from loom.observe.metrics import StepMetrics
 from loom.train.engine import ShareOptions
 
@@ -49,15 +50,12 @@ class ParameterServerConfig(ShareOptions):
         super().__post_init__()
         if self.mode not in ("sync", "async", "ssp"):
             raise ValueError(f"mode={self.mode!r}; use 'sync', 'async' or 'ssp'")
-        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
-            raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
+        check_int("staleness", self.staleness, 0)
         if self.staleness and self.mode != "ssp":
             raise ValueError(f"staleness={self.staleness} applies to mode='ssp' only, not {self.mode!r}")
         if not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s!r}")
-        every = self.checkpoint_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-            raise ValueError(f"checkpoint_every must be None or an int >= 0, got {every!r}")
+        check_int("checkpoint_every", self.checkpoint_every, 0, optional=True)
         if not 0 <= self.checkpoint_interval_s < float("inf"):
             raise ValueError(
                 f"checkpoint_interval_s must be a number of seconds >= 0 (0: off), got {self.checkpoint_interval_s!r}"

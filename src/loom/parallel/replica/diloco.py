@@ -30,8 +30,9 @@ from loom.comm.compression import INT8_CHUNK, accept_compression
 from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
 from loom.comm.thread import CommThread
 from loom.config_docs import document_options
+from loom.errors import check_int
 from loom.job import load_replicated_state, replicated_state
-from loom.parallel._setup import LossFn, positive_int
+from loom.parallel._setup import LossFn
 from loom.parallel.consistency import check_same_model
 from loom.parallel.replica._replica_sync import (
     ReplicaJob,
@@ -78,8 +79,8 @@ class DiLoCoConfig(ShareOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        positive_int("sync_every", self.sync_every, "the paper synchronizes every 500 inner steps.")
-        positive_int("fragments", self.fragments, "1 synchronizes the whole model at once.")
+        check_int("sync_every", self.sync_every, hint="the paper synchronizes every 500 inner steps.")
+        check_int("fragments", self.fragments, hint="1 synchronizes the whole model at once.")
         h, f = self.sync_every, self.fragments
         if h % f:
             raise ValueError(

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config_docs import document_options
+from loom.errors import check_int
 from loom.mesh import Mesh
-from loom.parallel._setup import positive_int
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage
 from loom.parallel.tensor.tensor_parallel_layers import (
     ColumnParallelLinear,
@@ -50,7 +50,7 @@ class TensorParallelConfig:
     """``"auto"``, or ``{module name: "mlp" | "attention" | "embedding"}``."""
 
     def __post_init__(self) -> None:
-        positive_int("size", self.size)
+        check_int("size", self.size)
         if isinstance(self.plan, str):
             if self.plan != "auto":
                 raise ValueError(f'plan must be "auto" or a dict of module name -> kind, got {self.plan!r}')
