@@ -263,7 +263,5 @@ def test_loom_run_forks_its_workers_from_the_zygote_unless_turned_off(tmp_path, 
     assert result.returncode == 0, result.stderr[-3000:]
     lines = sorted(line.split(": ", 1)[1] for line in result.stdout.splitlines() if " parent " in line)
     parent = "zygote" if zygote == "1" else "launcher"
-    session = (
-        policy == "restart"
-    )  # torch's agent starts each worker in its own session; loom's supervisor does not
+    session = policy == "restart"  # under stop each worker has a session of its own, as under torchrun
     assert lines == [f"rank {r} parent {parent} own-session {session}" for r in (0, 1)], result.stdout

@@ -48,7 +48,7 @@ def _add_run_parser(sub) -> None:
     p = sub.add_parser(
         "run",
         help="launch a training script on N local worker processes",
-        description="Launch SCRIPT on N worker processes (PyTorch's elastic agent); each line is prefixed with "
+        description="Launch SCRIPT on N worker processes; each line is prefixed with "
         "its rank. Multi-node: run the same command on every node with --nnodes, --node-rank and --master.",
     )
     p.add_argument("-n", "--nproc", type=_positive_int, default=1, help="worker processes on this node")
@@ -119,7 +119,7 @@ def _add_run_parser(sub) -> None:
         "--backend",
         choices=["local", "ray"],
         default="local",
-        help="local (default): this host's processes (PyTorch's elastic agent); ray: one Ray actor per worker "
+        help="local (default): this host's processes; ray: one Ray actor per worker "
         "in a placement group (pip install 'loom-train[ray]'; see loom.ray)",
     )
     p.add_argument(

@@ -214,6 +214,11 @@ class LauncherStopped(LoomError, retryable=False):
         self.signum = signum
 
 
+class GroupFailed(LoomError, retryable=False):
+    """``loom run``'s worker group failed after its last restart (the launcher has said how), or a parameter
+    server stopped it (`loom.launch.restarts`)."""
+
+
 class StoreNotForTorch(LoomError, RuntimeError, retryable=False):
     """A torch ``TCPStore`` (or a ``tcp://`` rendezvous that cannot be served) pointed at loom's store."""
 

@@ -4,7 +4,7 @@
 here with an error naming it, its value and the fix, instead of a raw error deep inside torch. A job started
 without an agent (plain ``python train.py`` with the variables set) meets its peers in a store whose join is
 bounded by ``LOOM_JOIN_TIMEOUT_S`` (`join_env_store`), not torch's silent 30 minutes; under ``loom run`` and
-``torchrun`` the agent bounds the join. Before and after: docs/fault-tolerance.md ("The launcher's environment").
+``torchrun`` the launcher bounds the join. Before and after: docs/fault-tolerance.md ("The launcher's environment").
 """
 
 from __future__ import annotations

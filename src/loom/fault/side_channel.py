@@ -55,7 +55,7 @@ def open_side_channel() -> Any:
 
 def host_description() -> str:
     """This host in words for the others' reports: ``node N, ADDRESS`` (the node from ``GROUP_RANK``, set by the
-    elastic agent; the address this host reaches ``MASTER_ADDR`` from, else its host name)."""
+    launcher; the address this host reaches ``MASTER_ADDR`` from, else its host name)."""
     address = socket.gethostname()
     master = os.environ.get("MASTER_ADDR")
     if master:

@@ -1,21 +1,16 @@
-"""Start the worker processes of a job on PyTorch's elastic agent (the engine behind ``torchrun``).
+"""Start a job's worker processes on this node and say how it ended: `launch`, which ``loom run`` (and
+``--cluster``, `loom.launch.cluster`) calls once the options are checked (`loom.launch.spec`).
 
-The agent starts ``nproc`` workers on this node, watches them, stops all of them when one fails, and restarts the
-group up to ``max_restarts`` times. loom adds (user-facing: docs/launching.md) its own rendezvous
-(`loom.launch.rendezvous`: every peer proves the job secret, nothing is unpickled, every call is bounded, each
-attempt is a fresh round of keys), loopback addresses for one-node jobs (a multi-node job's store listens on the
-master address only and needs ``LOOM_JOB_SECRET`` unless ``insecure_no_secret``), output lines prefixed with their
-rank, the workers' logs under the run directory, and one line naming the failing rank and its error, or a node
-this one lost contact with, instead of the agent's table.
-
-Workers run `loom.launch.worker`; what is started, and its checks, are `loom.launch.spec`'s (`LaunchSpec`). Under
-``--on-worker-failure continue|heal`` the agent is not used: `loom.launch.supervise` (`loom.launch.heal_nodes`
-across nodes) starts the workers itself.
+One supervisor, three policies: ``stop`` (the default; the group restarted up to ``--max-restarts`` times, one
+node or many: `loom.launch.restarts`), ``continue`` (`loom.launch.supervise`) and ``heal``
+(`loom.launch.heal_nodes`). Each starts `loom.launch.worker` with torchrun's environment, forked by the zygote,
+its output prefixed with its rank and logged under the run directory; each node meets the others in loom's
+authenticated store (loopback for one-node jobs; a multi-node job's listens on the master address only and needs
+``LOOM_JOB_SECRET`` unless ``insecure_no_secret``). User-facing: docs/launching.md.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -24,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loom.errors import GroupFailed, PeerLost
 from loom.launch.bounds import refuse
 from loom.launch.spec import LaunchSpec, endpoint_and_addr, run_id_of, secret_of
 from loom.net.interfaces import interface_of
@@ -36,7 +32,7 @@ __all__ = ["launch"]
 
 
 def _worker_env(spec: LaunchSpec, local_addr: str) -> None:
-    """Environment every worker inherits (the agent copies this process's environment).
+    """Environment every worker inherits (each starts with this process's environment).
 
     gloo binds to the interface named by GLOO_SOCKET_IFNAME; unless the user chose one, it is the interface
     that holds this node's address (loopback for one-node jobs), so nothing listens on other networks."""
@@ -51,34 +47,12 @@ def _worker_env(spec: LaunchSpec, local_addr: str) -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
-def _quiet_agent_logs() -> None:
-    # The agent narrates every rendezvous at WARNING; loom prints its own summary of failures.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def _describe_failures(error) -> str:
-    """One line for the root cause (`root_failure`), one for the workers stopped because of it."""
-    from loom.launch.elastic import failure_text, root_failure
-
-    failures = error.failures
-    root = root_failure(failures)
-    failure = failures[root]
-    lines = [f"loom run: worker rank {root} failed (exit code {failure.exitcode}): {failure_text(failure)}"]
-    others = sorted(r for r in failures if r != root)
-    if others:
-        lines.append(f"loom run: stopped the other workers (ranks {others})")
-    return "\n".join(lines)
-
-
 def launch(spec: LaunchSpec) -> int:
     """Run the job to completion; returns the process exit status (0 on success)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     from loom.fault.timeouts import hang_timeout_s, liveness_timeout_s
-    from loom.launch.elastic import run_agent
-    from loom.launch.rendezvous import LOST_AFTER_GRACE_S, LoomRendezvous, PeerLost
+    from loom.launch.restarts import LOST_AFTER_GRACE_S, Rounds, run_group
+    from loom.launch.supervise import LauncherStopped, stopped_by_signals
+    from loom.launch.zygote import Zygote
     from loom.net.store import StoreTimeout, StoreUnreachable
 
     try:
@@ -89,7 +63,6 @@ def launch(spec: LaunchSpec) -> int:
         return refuse(f"loom run: {error}")
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     _worker_env(spec, local_addr)
-    _quiet_agent_logs()
     run_id, logs = run_id_of(spec), spec.run_dir / "logs"
     cannot_listen = f"loom run: node 0 cannot listen on the master address {host}:{port}"
     if spec.on_worker_failure in ("continue", "heal"):
@@ -103,30 +76,28 @@ def launch(spec: LaunchSpec) -> int:
             print(f"loom run: worker logs are in {logs}", file=sys.stderr)
         return status
     try:
-        rendezvous = LoomRendezvous(spec, host, port, secret, run_id, local_addr, lost_after_s)
+        rounds = Rounds(spec, host, port, secret, run_id, local_addr, lost_after_s)
     except OSError as error:
         return refuse(f"{cannot_listen}: {error.strerror or error}. HINT: run node 0 on the host --master names, "
                       "with a port nothing else uses")  # fmt: skip
-    started = time.monotonic()
+    started, args = time.monotonic(), _worker_args(spec)
+    zygote = Zygote(args, {})
     servers = None
     try:
-        with _servers(spec) as servers:
-            restarts = run_agent(spec, rendezvous, local_addr, _worker_args(spec))
-    except ChildFailedError as error:
-        print(_describe_failures(error), file=sys.stderr)
-        lost = rendezvous.silent_peers()
-        if lost:
-            print(f"loom run: {lost}", file=sys.stderr)
+        with stopped_by_signals(), _servers(spec, on_failure=lambda: None) as servers:
+            restarts = run_group(spec, rounds, args, zygote, lambda: servers.failure)
+    except GroupFailed:
+        if servers is not None and servers.failure is not None:  # a parameter server stopped the job
+            return refuse(f"loom run: workers were terminated; logs are in {logs}", 1)
         return refuse(f"loom run: worker logs are in {logs}", 1)
     except (PeerLost, StoreUnreachable, StoreTimeout) as error:
         return refuse(f"loom run: {error}", 1)
-    except SignalException as stop:
-        if servers is not None and servers.failure is not None:  # the server watcher stopped the job
-            return refuse(f"loom run: workers were terminated; logs are in {logs}", 1)
-        print(f"loom run: stopped by signal {stop.sigval.name}; workers were terminated", file=sys.stderr)
-        return 128 + int(stop.sigval)
+    except LauncherStopped as stop:
+        print(f"loom run: stopped by signal {stop}; workers were terminated", file=sys.stderr)
+        return 128 + stop.signum
     finally:
-        rendezvous.shutdown()  # idempotent; the agent calls it too, but not if it failed before starting
+        zygote.close()
+        rounds.close()
     print(summary_line(spec, time.monotonic() - started, restarts, servers.restarts), file=sys.stderr)
     return 0
 
@@ -195,8 +166,8 @@ def _worker_args(spec: LaunchSpec) -> list[str]:
 
 
 def _supervised(spec: LaunchSpec, run_id: str, host: str, port: int) -> int:
-    """``--on-worker-failure continue|heal``: the agent is not used; `loom.launch.supervise` runs the workers
-    (`loom.launch.heal_nodes` under heal, one host being node 0 alone)."""
+    """``--on-worker-failure continue|heal``: `loom.launch.supervise` runs the workers (`loom.launch.heal_nodes`
+    under heal, one host being node 0 alone)."""
     from loom.launch.heal_nodes import heal_across_nodes
     from loom.launch.supervise import supervise_workers
 

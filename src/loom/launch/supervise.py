@@ -1,14 +1,14 @@
 """Run a one-node job's workers as plain child processes, so that a dead worker does not stop the others.
 
-``loom run --on-worker-failure continue``. PyTorch's elastic agent (`loom.launch.agent`) stops the whole group
+``loom run --on-worker-failure continue``. The default policy (`loom.launch.restarts`) stops the whole group
 when one worker dies: right for synchronous training, wrong for asynchronous parameter-server training, where the
 servers hold the model and the survivors can finish (which strategies refuse ``continue``, and why:
 docs/fault-tolerance.md). So the launcher supervises the workers itself: each runs `loom.launch.worker` (dying with
-the launcher) with the agent's environment (`worker_env`), and joins loom's authenticated store, hosted by the
+the launcher) with torchrun's environment (`worker_env`), and joins loom's authenticated store, hosted by the
 launcher on loopback, so any worker, rank 0 included, may die once all joined; a worker that dies before all have
 joined leaves the others waiting in ``loom.init()`` until its timeout. A dead worker is named on one line and the
-others go on. `start_worker`, `worker_env` and `end_workers` serve ``--on-worker-failure heal`` too
-(`loom.launch.heal_nodes`, on one host or many).
+others go on. `start_worker`, `worker_env` and `stop_processes` serve ``stop`` (`loom.launch.restarts`) and
+``heal`` (`loom.launch.heal_nodes`) too.
 
 Exit status: 0 when every worker succeeded or was killed by a signal (the OOM killer...) and at least one
 succeeded (a warning names the lost ranks); 1 when a worker raised or exited non-zero (a bug is not a lost worker)
@@ -17,6 +17,7 @@ or none succeeded; ``128 + signal`` when the launcher itself was stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ __all__ = [
     "Worker",
     "describe_exit",
     "end_workers",
+    "exception_of",
     "exit_cause",
     "exit_text",
     "pump",
@@ -95,10 +97,10 @@ class Placement:
 
 def worker_env(
     rank: int, nproc: int, store_port: int, run_id: str, error_file: Path, policy: str = "continue",
-    generation: int = 0, placement: Placement | None = None,
+    generation: int = 0, placement: Placement | None = None, overrides: dict[str, str] | None = None,
 ) -> dict[str, str]:  # fmt: skip
-    """What the elastic agent would set for this worker (attempt 0), on top of this environment: one node unless
-    ``placement`` says otherwise (``rank`` is then the global rank)."""
+    """What torchrun would set for this worker (attempt 0 unless ``overrides`` say otherwise), on top of this
+    environment: one node unless ``placement`` says otherwise (``rank`` is then the global rank)."""
     where = placement or Placement(0, nproc, 0, 1, "127.0.0.1")
     env = dict(os.environ)
     env.update(
@@ -122,6 +124,7 @@ def worker_env(
         LOOM_ON_WORKER_FAILURE=policy,  # a strategy that cannot go on without a lost rank refuses to start
         LOOM_HEAL_GENERATION=str(generation),
     )
+    env.update(overrides or {})
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     return env
 
@@ -129,18 +132,19 @@ def worker_env(
 def start_worker(
     rank: int, nproc: int, worker_args: list[str], store_port: int, run_id: str, logs: Path,
     policy: str = "continue", generation: int = 0, placement: Placement | None = None, zygote: Zygote | None = None,
+    overrides: dict[str, str] | None = None, new_session: bool = False,
 ) -> Worker:  # fmt: skip
     """Start worker ``rank`` (a replacement: ``generation`` > 0), forked by ``zygote`` where it can
-    (`loom.launch.zygote`), else as a fresh ``python WORKER_ARGS``; its output is prefixed and logged."""
+    (`loom.launch.zygote`), else as a fresh ``python WORKER_ARGS``, in a session of its own if ``new_session``;
+    its output is prefixed and logged."""
     name = f"rank{rank}" + (f".heal{generation}" if generation else "")
     error_file = logs / f"{name}.error.json"
     error_file.unlink(missing_ok=True)
-    env = worker_env(rank, nproc, store_port, run_id, error_file, policy, generation, placement)
-    proc: Any = zygote.fork(env) if zygote is not None else None
+    env = worker_env(rank, nproc, store_port, run_id, error_file, policy, generation, placement, overrides)
+    proc: Any = zygote.fork(env, new_session) if zygote is not None else None
     if proc is None:
-        proc = subprocess.Popen(
-            [sys.executable, *worker_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        proc = subprocess.Popen([sys.executable, *worker_args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=new_session)  # fmt: skip
     worker = Worker(rank, proc, error_file, [])
     streams = ((proc.stdout, sys.stdout, "stdout", None), (proc.stderr, sys.stderr, "stderr", worker.tail))
     for stream, out, kind, tail in streams:
@@ -151,7 +155,7 @@ def start_worker(
     return worker
 
 
-def _exception_of(worker: Worker) -> str | None:
+def exception_of(worker: Worker) -> str | None:
     """The ``Type: message`` the worker recorded (`loom.launch.worker` writes it on an uncaught exception)."""
     try:
         data = json.loads(worker.error_file.read_text())
@@ -182,7 +186,7 @@ def exit_text(name: str, code: int, error: str | None) -> str:
 
 
 def describe_exit(worker: Worker) -> str:
-    return exit_text(f"worker rank {worker.rank}", worker.proc.returncode, _exception_of(worker))
+    return exit_text(f"worker rank {worker.rank}", worker.proc.returncode, exception_of(worker))
 
 
 def stop_processes(procs: list[Any], grace_s: float) -> None:
@@ -214,13 +218,30 @@ def stopped_by_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def end_workers(workers: list[Worker], grace_s: float, zygote: Zygote) -> None:
-    """Leave nothing running: the workers stopped, the zygote ended, their output read to the end."""
+def end_workers(workers: list[Worker], grace_s: float, zygote: Zygote | None = None) -> None:
+    """Leave nothing running: the workers stopped (the stopped ones, by SIGSTOP or a debugger, woken first: they
+    would hold the SIGTERM pending for the whole grace), the zygote ended, their output read to the end."""
+    for w in workers:
+        if w.proc.poll() is None and _process_state(w.proc.pid) in ("T", "t"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(w.proc.pid, signal.SIGCONT)
     stop_processes([w.proc for w in workers], grace_s)
-    zygote.close()
+    if zygote is not None:
+        zygote.close()
     for w in workers:
         for reader in w.readers:
             reader.join(timeout=5.0)
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+    except OSError:
+        return None
+    end = stat.rfind(b")")  # the command name, in parentheses, may itself hold spaces and parentheses
+    return stat[end + 2 : end + 3].decode() if end >= 0 else None
 
 
 def _watch(workers: list[Worker], failure: Callable[[], str | None]) -> bool:
@@ -282,8 +303,8 @@ def supervise_workers(
     from loom.net.store import StoreServer, job_secret
 
     logs.mkdir(parents=True, exist_ok=True)
-    # The store outlives every worker: workers connect as clients, as under the elastic agent, so the death of
-    # worker 0 does not take the rendezvous down with it.
+    # The store outlives every worker: workers connect as clients, so the death of worker 0 does not take the
+    # store down with it.
     store = StoreServer("127.0.0.1", 0, job_secret())
 
     workers: list[Worker] = []

@@ -1,6 +1,6 @@
 """Entry point of every worker process `loom run` starts: ``python -m loom.launch.worker [-m] TARGET ARGS``.
 
-Runs the user's script as ``__main__``; an exception it raises is recorded in the file the elastic agent reads,
+Runs the user's script as ``__main__``; an exception it raises is recorded in its error file (torchrun's format),
 so the launcher can name the failing rank and its error. A `loom.errors.StartRefused` (the job refuses the
 launcher's settings) and a `loom.errors.LeftOutOfQuorum` (the healing quorum told this worker to leave) are
 printed as one line; the latter ends the process with its ``exit_status`` (75), "replace me" to the launcher
@@ -53,8 +53,8 @@ def run_target(argv: list[str]) -> None:
 
 def _atomic_error_handler():
     """torch's error-file writer, writing the file whole or not at all: torch's opens the file (emptying it) and
-    then writes, so a worker stopped meanwhile (the agent's SIGTERM to the group, while it records its own
-    exception) left an empty file, and the agent died reading it (``JSONDecodeError``) instead of restarting."""
+    then writes, so a worker stopped meanwhile (the launcher's SIGTERM to the group, while it records its own
+    exception) left an empty file, which torch's elastic agent died reading (``JSONDecodeError``)."""
     import json
     import tempfile
 

@@ -5,8 +5,8 @@ worker's replacement keeps the survivors waiting that long. So `loom run` starts
 what every worker imports first (`WARM`); each worker, restarts and replacements included, is a ``fork()`` of it
 that runs `loom.launch.worker` as ``python -u -m loom.launch.worker SCRIPT ARGS`` would (the child's side:
 `loom.launch.zygote_process`; the frames, over a ``socketpair`` so nothing listens: `loom.launch.zygote_wire`).
-Under the elastic agent (`loom.launch.elastic`) each worker's handler asks the zygote for it, in a session of its
-own. What a forked worker shares with a fresh one: docs/fault-tolerance.md ("Workers forked from a zygote").
+Under ``--on-worker-failure stop`` (`loom.launch.restarts`) each worker runs in a session of its own, as under
+torchrun. What a forked worker shares with a fresh one: docs/fault-tolerance.md ("Workers forked from a zygote").
 
 A fork cannot change what was decided when the interpreter, torch or OpenMP started: the zygote starts with rank
 0's environment less the per-rank variables (`PER_RANK`); a worker whose startup variables (`STARTUP_PREFIXES`)
@@ -127,11 +127,10 @@ class Zygote:
         """The command a fresh worker runs, which a forked one stands for."""
         return [sys.executable, *self.interpreter, "-m", "loom.launch.worker", *self.args]
 
-    def fork(self, env: dict[str, str], stdout: IO | None = None, stderr: IO | None = None,
-             new_session: bool = False) -> Forked | None:  # fmt: skip
-        """Worker with ``env``, forked, its output into ``stdout`` and ``stderr`` (open files) or else into pipes
-        (`Forked.stdout`, `Forked.stderr`), in a session of its own if ``new_session`` (as ``Popen(...,
-        start_new_session=True)``); None when the zygote is off, dead, refuses, or started differently."""
+    def fork(self, env: dict[str, str], new_session: bool = False) -> Forked | None:
+        """Worker with ``env``, forked, its output into pipes (`Forked.stdout`, `Forked.stderr`), in a session of
+        its own if ``new_session`` (as ``Popen(..., start_new_session=True)``); None when the zygote is off, dead,
+        refuses, or started differently."""
         if self._sock is None or self._dead or startup_view(env) != startup_view(self.env):
             return None
         what = f"worker rank {env.get('RANK', '?')}"
@@ -146,14 +145,11 @@ class Zygote:
             stdin = os.open(os.devnull, os.O_RDONLY)
             ours.append(stdin)
         streams = []
-        for given in (stdout, stderr):
-            if given is not None:
-                streams.append(given.fileno())
-            else:
-                read, write = os.pipe()
-                pipes.append(read)
-                ours.append(write)
-                streams.append(write)
+        for _ in range(2):
+            read, write = os.pipe()
+            pipes.append(read)
+            ours.append(write)
+            streams.append(write)
         sent, ident = False, 0
         try:
             with self._sending:
@@ -172,9 +168,7 @@ class Zygote:
             for fd in pipes:
                 os.close(fd)
             return None
-        opened = iter([open(fd, errors="replace") for fd in pipes])  # noqa: SIM115
-        out = None if stdout is not None else next(opened)
-        err = None if stderr is not None else next(opened)
+        out, err = (open(fd, errors="replace") for fd in pipes)  # noqa: SIM115
         return Forked(self, pid, self.command(), out, err)
 
     def _wait_ready(self, what: str) -> bool:
