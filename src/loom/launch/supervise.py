@@ -156,12 +156,14 @@ def start_worker(
 
 
 def exception_of(worker: Worker) -> str | None:
-    """The ``Type: message`` the worker recorded (`loom.launch.worker` writes it on an uncaught exception)."""
+    """The ``Type: message`` the worker recorded (`loom.launch.worker` writes it on an uncaught exception); None
+    when there is none, or the file is not such a record or past 1 MiB (read within that bound)."""
     try:
-        data = json.loads(worker.error_file.read_text())
+        with open(worker.error_file, errors="replace") as f:
+            data = json.loads(f.read(1 << 20))
     except (OSError, ValueError):
         return None
-    message = data.get("message")
+    message = data.get("message") if isinstance(data, dict) else None
     if isinstance(message, dict):
         message = message.get("message")
     return str(message).strip().splitlines()[-1] if message else None

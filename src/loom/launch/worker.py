@@ -54,7 +54,7 @@ def run_target(argv: list[str]) -> None:
 def _atomic_error_handler():
     """torch's error-file writer, writing the file whole or not at all: torch's opens the file (emptying it) and
     then writes, so a worker stopped meanwhile (the launcher's SIGTERM to the group, while it records its own
-    exception) left an empty file, which torch's elastic agent died reading (``JSONDecodeError``)."""
+    exception) left an empty file, and the launcher lost the exception that named the root failure."""
     import json
     import tempfile
 
