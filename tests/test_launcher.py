@@ -161,6 +161,7 @@ def test_restart_after_a_failure_works_every_time(tmp_path):
     [
         ("SIGTERM", "stop"),
         ("SIGINT", "stop"),
+        ("SIGHUP", "stop"),
         ("SIGKILL", "stop"),
         ("SIGTERM", "continue"),
         ("SIGKILL", "continue"),
@@ -205,12 +206,57 @@ def test_signals_to_the_launcher_leave_no_worker_behind(tmp_path, how, on_failur
         code = proc.wait(timeout=20)
         assert code != 0
         assert wait_until_gone(str(script), timeout=15) == [], f"orphan workers after {how}"
+        if how != "SIGKILL":  # the launcher handled it: its workers stopped, and it says so
+            out = proc.communicate()[0]
+            assert f"stopped by signal {how}" in out and code == 128 + getattr(signal, how), (
+                code,
+                out[-2000:],
+            )
     finally:
         for pid in processes_mentioning(str(script)):
             os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        if not proc.stdout.closed:  # read above when the launcher handled the signal
+            proc.communicate()
+
+
+@pytest.mark.system
+@pytest.mark.timeout(90)
+def test_what_a_worker_started_is_stopped_with_it_and_does_not_delay_the_restart(tmp_path):
+    """A worker leads a session of its own: stopping it stops the processes it started (they hold its output
+    pipes), those of the worker that failed too."""
+    script = write_script(
+        tmp_path,
+        "child_job.py",
+        """
+        import os, subprocess, sys, time
+        rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        child = subprocess.Popen(["sleep", "301"])
+        with open(f"child-{attempt}-{rank}", "w") as f:
+            f.write(str(child.pid))
+        if attempt == 0 and rank == 1:
+            time.sleep(1)
+            sys.exit(3)
+        if attempt == 0:
+            time.sleep(120)
+    """,
+    )
+    result = run_loom(
+        ["run", "-n", "2", "--max-restarts", "1", "--run-dir", tmp_path / "run", script], tmp_path, 80
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "worker rank 1 failed (exited with code 3" in result.stderr, result.stderr[-3000:]
+    children = [int((tmp_path / f"child-{a}-{r}").read_text()) for a in (0, 1) for r in (0, 1)]
+    time.sleep(0.5)
+    alive = [
+        pid
+        for pid in children
+        if Path(f"/proc/{pid}").exists() and "sleep" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"the workers' children outlived them: {alive}"
 
 
 @pytest.mark.system

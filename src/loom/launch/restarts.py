@@ -29,6 +29,7 @@ from loom.launch.spec import LaunchSpec
 from loom.launch.supervise import (
     Placement,
     Worker,
+    describe_exit,
     end_workers,
     exception_of,
     exit_cause,
@@ -268,9 +269,7 @@ def _say_failed(failures: dict[int, Worker], workers: list[Worker], rounds: Roun
     lines = ["loom run: a worker on another node failed; stopped this node's workers"]
     if failures:
         root = failures[root_failure(failures)]
-        lines = [
-            f"loom run: worker rank {root.rank} failed (exit code {root.proc.returncode}): {failure_text(root)}"
-        ]
+        lines = [f"loom run: {describe_exit(root)}"]
         others = [w.rank for w in workers if w.rank != root.rank]
         lines += [f"loom run: stopped the other workers (ranks {others})"] if others else []
     lost = rounds.silent_peers()

@@ -62,6 +62,8 @@ class Worker:
     error_file: Path
     readers: list[threading.Thread]
     reported: bool = False
+    session: bool = False
+    """Whether it leads a session (and process group) of its own, which it shares with the processes it starts."""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     """The last lines of its stderr (its stacks, when the healing launcher asks for them: `loom.launch.heal`)."""
 
@@ -145,7 +147,7 @@ def start_worker(
     if proc is None:
         proc = subprocess.Popen([sys.executable, *worker_args], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=new_session)  # fmt: skip
-    worker = Worker(rank, proc, error_file, [])
+    worker = Worker(rank, proc, error_file, [], session=new_session)
     streams = ((proc.stdout, sys.stdout, "stdout", None), (proc.stderr, sys.stderr, "stderr", worker.tail))
     for stream, out, kind, tail in streams:
         log = logs / f"{name}.{kind}.log"
@@ -192,27 +194,39 @@ def describe_exit(worker: Worker) -> str:
 
 
 def stop_processes(procs: list[Any], grace_s: float) -> None:
-    """SIGTERM every process still running, then SIGKILL those not ended within ``grace_s``."""
+    """SIGTERM every process still running, then SIGKILL those not ended within ``grace_s``; a process that leads
+    a process group of its own (a worker in its own session) is signalled with its group, the processes it
+    started included."""
     for proc in procs:
         if proc.poll() is None:
-            proc.terminate()
+            _signal(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _signal(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
 
 
 @contextmanager
 def stopped_by_signals() -> Iterator[None]:
-    """SIGTERM and SIGINT raise `LauncherStopped` meanwhile (the caller stops its workers)."""
+    """SIGTERM, SIGINT, SIGHUP (the terminal closed) and SIGQUIT raise `LauncherStopped` meanwhile (the caller
+    stops its workers)."""
 
     def stop_on(signum: int, _frame: Any) -> None:
         raise LauncherStopped(signum)
 
-    previous = {s: signal.signal(s, stop_on) for s in (signal.SIGTERM, signal.SIGINT)}
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    previous = {s: signal.signal(s, stop_on) for s in signals}
     try:
         yield
     finally:
@@ -228,6 +242,10 @@ def end_workers(workers: list[Worker], grace_s: float, zygote: Zygote | None = N
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(w.proc.pid, signal.SIGCONT)
     stop_processes([w.proc for w in workers], grace_s)
+    for w in workers:  # what a worker in its own session started and left behind (it holds the output pipes)
+        if w.session:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
     if zygote is not None:
         zygote.close()
     for w in workers:
