@@ -47,3 +47,17 @@ def test_the_recorded_exception_is_read_within_bounds_and_anything_else_is_none(
         assert exception_of(worker) is None, text[:40]
     worker.error_file.write_text('{"message": {"message": "Traceback ...\\nValueError: bad lr 7"}}')
     assert exception_of(worker) == "ValueError: bad lr 7"
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_line_past_a_mib_is_copied_in_pieces_under_one_prefix(tmp_path):
+    read_end, write_end = os.pipe()
+    out = io.StringIO()
+    reader = threading.Thread(target=pump, args=(os.fdopen(read_end), "[rank1]: ", out, tmp_path / "log"))
+    reader.start()
+    long = "x" * (3 << 20)
+    with os.fdopen(write_end, "w") as pipe:
+        pipe.write(f"{long}\nnext\n")
+    reader.join(timeout=20)
+    assert out.getvalue() == f"[rank1]: {long}\n[rank1]: next\n"

@@ -74,13 +74,15 @@ def pump(
 ) -> None:  # fmt: skip
     """Copy a child's stream to ``out`` (None: our stdout), each line after ``prefix``, and to its log file if
     any; close the stream at its end (the launcher keeps each ended worker's record: an open pipe would leak
-    descriptors per heal)."""
-    out = out or sys.stdout
+    descriptors per heal). A line is read at most a MiB at a time, so a child's endless line costs bounded
+    memory."""
+    out, starts = out or sys.stdout, True
     with stream, open(log_path or os.devnull, "w") as log:
-        for line in iter(stream.readline, ""):
-            out.write(prefix + line)
+        for line in iter(lambda: stream.readline(1 << 20), ""):
+            out.write(prefix + line if starts else line)
             out.flush()
             log.write(line)
+            starts = line.endswith("\n")
             if tail is not None:
                 tail.append(line)
 
