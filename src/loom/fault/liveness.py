@@ -76,7 +76,7 @@ class Heartbeat:
                 self.left = True
             elif count > 0:
                 self.left, self.heard_at = False, now
-        if self.heard_at is not None and self.watched_host is None:
+        if self.watched_host is None:  # each beat until known: a link cut early must still name the peer
             key = self.key(self.watched, "host")
             if store.check([key]):
                 self.watched_host = store.get(key).decode(errors="replace")
