@@ -9,9 +9,8 @@ by name, with the reason and the ones it takes (`accept_compression`), instead o
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+import contextlib
+from collections.abc import Mapping, Sequence
 
 from loom.comm.compression.base import Codec
 from loom.comm.compression.cast import CastCodec
@@ -20,8 +19,6 @@ from loom.comm.compression.powersgd import PowerSGDCodec
 from loom.comm.compression.topk import TopKCodec
 
 __all__ = ["CODEC_FORMS", "accept_compression", "make_codec", "parse_compression"]
-
-T = TypeVar("T")
 
 CODEC_FORMS = ("fp16", "bf16", "int8", "topk:<fraction in (0, 1]>", "powersgd:<rank >= 1>")
 """The spec forms `parse_compression` accepts, for help texts and error messages."""
@@ -38,13 +35,8 @@ def parse_compression(spec: str) -> tuple[str, str]:
     name, _, argument = canonical.partition(":")
     if name in ("fp16", "bf16", "int8") and not argument:
         return name, name
-    if name == "topk" and argument:
-        fraction = _parse(argument, float)
-        if fraction is not None and math.isfinite(fraction) and 0.0 < fraction <= 1.0:
-            return name, canonical
-    if name == "powersgd" and argument:
-        rank = _parse(argument, int)
-        if rank is not None and rank >= 1:
+    with contextlib.suppress(ValueError):  # not a number: refused below (NaN and inf fail the comparisons)
+        if (name == "topk" and 0.0 < float(argument) <= 1.0) or (name == "powersgd" and int(argument) >= 1):
             return name, canonical
     raise ValueError(
         f"unknown or invalid gradient codec spec {spec!r}; valid forms are {', '.join(CODEC_FORMS)} "
@@ -82,10 +74,3 @@ def accept_compression(
         reason = why_not.get(kind, "not implemented for it")
         raise ValueError(f"{strategy} cannot use {canonical} ({reason}); it takes {', '.join(takes)}")
     return canonical
-
-
-def _parse(text: str, kind: Callable[[str], T]) -> T | None:
-    try:
-        return kind(text)
-    except ValueError:
-        return None
