@@ -15,6 +15,7 @@ at once; a writer whose handshake fails removes the name itself.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 
@@ -37,16 +38,15 @@ class Ring:
 
     def __init__(self, name: str, mm: mmap.mmap, capacity: int) -> None:
         self.name, self.capacity = name, capacity
-        self._mm = mm
-        self.words = memoryview(mm)[:_HEADER].cast("q")
+        self.words = words = memoryview(mm)[:_HEADER].cast("q")
         self._anchor = ctypes.c_char.from_buffer(mm)  # keeps the mapping's address valid for memmove
-        self.base = ctypes.addressof(self._anchor) + _HEADER
-        self._data = memoryview(mm)[_HEADER:]
         start = ctypes.addressof(self._anchor)
-        words = self.words
-        self.reader_futex = (start + 8 * _WRITTEN_W, lambda: words[_WRITTEN_W], self._reader_asleep)
+        self.base = start + _HEADER
+        self._data = memoryview(mm)[_HEADER:]
+        flag = functools.partial(functools.partial, words.__setitem__)  # flag(word)(value) sets it
+        self.reader_futex = (start + 8 * _WRITTEN_W, lambda: words[_WRITTEN_W], flag(_READER_ASLEEP_W))
         """What a reader waiting for data sleeps on (`loom.comm.shm_wait.wait_until`'s ``futex``)."""
-        self.writer_futex = (start + 8 * _READ_W, lambda: words[_READ_W], self._writer_asleep)
+        self.writer_futex = (start + 8 * _READ_W, lambda: words[_READ_W], flag(_WRITER_ASLEEP_W))
         """What a writer waiting for room sleeps on."""
         self._written = self.words[_WRITTEN_W]
         self._read = self.words[_READ_W]
@@ -64,12 +64,6 @@ class Ring:
         ring = cls(name, open_segment(name, _HEADER + capacity, (_MAGIC, capacity), unlink=True), capacity)
         ring.words[_READER_PID_W] = os.getpid()
         return ring
-
-    def _reader_asleep(self, flag: int) -> None:
-        self.words[_READER_ASLEEP_W] = flag
-
-    def _writer_asleep(self, flag: int) -> None:
-        self.words[_WRITER_ASLEEP_W] = flag
 
     def unlink(self) -> None:
         (SHM_DIR / self.name).unlink(missing_ok=True)
