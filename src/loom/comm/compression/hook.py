@@ -156,16 +156,14 @@ def _finish(flight: _Flight, done: torch.futures.Future) -> None:
     # Everything is caught: a future left unsettled would make DDP wait forever at the end of backward.
     try:
         done.value()  # raises if the collective failed
-        flight.exchange.send(flight.result)
-    except StopIteration as stop:
         try:
+            flight.exchange.send(flight.result)
+        except StopIteration as stop:
             _complete(flight, stop.value)
-        except Exception as error:
-            _fail(flight, error)
+            return
+        raise RuntimeError("the codec asked for another collective after the one it marked final")
     except Exception as error:
         _fail(flight, error)
-    else:
-        _fail(flight, RuntimeError("the codec asked for another collective after the one it marked final"))
 
 
 def _fail(flight: _Flight, error: Exception) -> None:
