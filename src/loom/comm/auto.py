@@ -88,17 +88,13 @@ def cache_path() -> Path:
 
 
 def _read_cache(key: str, algorithms: tuple[str, ...]) -> list[list[float]] | None:
-    try:
+    expected = (_VERSION, list(algorithms), list(CALIBRATION_SIZES))
+    try:  # a damaged file or entry (not JSON, not a dict, a field missing) reads as no entry
         entry = json.loads(cache_path().read_text())["entries"][key]
+        found = (entry["version"], entry["algorithms"], entry["sizes"])
+        return entry["seconds"] if found == expected else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    expected = (_VERSION, list(algorithms), list(CALIBRATION_SIZES))
-    if (
-        not isinstance(entry, dict)
-        or (entry.get("version"), entry.get("algorithms"), entry.get("sizes")) != expected
-    ):
-        return None
-    return entry["seconds"]
 
 
 def _write_cache(key: str, algorithms: tuple[str, ...], seconds: list[list[float]]) -> None:
