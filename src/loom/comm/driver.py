@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import combine_into, group_rank_and_size, rank_for_messages
+from loom.comm._reduce import combine_into, group_rank_and_size
 
 __all__ = ["all_reduce_driver"]
 
@@ -28,28 +28,23 @@ def all_reduce_driver(flat: torch.Tensor, op: str, group: dist.ProcessGroup | No
     if flat.numel() == 0:
         return 0, 0
     if rank != 0:  # ranks in ``group`` throughout, so an explicit group needs no default group behind it
-        _wait_all([dist.isend(flat, group=group, group_dst=0)], "send", group)
-        _wait_all([dist.irecv(flat, group=group, group_src=0)], "recv", group)
+        _wait_all([dist.isend(flat, group=group, group_dst=0)])
+        _wait_all([dist.irecv(flat, group=group, group_src=0)])
         return flat.nbytes, flat.nbytes
 
     peers = range(1, n)
     incoming = [torch.empty_like(flat) for _ in peers]
     receives = [dist.irecv(buf, group=group, group_src=p) for buf, p in zip(incoming, peers, strict=True)]
-    _wait_all(receives, "irecv", group)
+    _wait_all(receives)
     for buf in incoming:
         combine_into(flat, buf, op)
     if op == "avg":
         flat.div_(n)
-    _wait_all([dist.isend(flat, group=group, group_dst=peer) for peer in peers], "isend", group)
+    _wait_all([dist.isend(flat, group=group, group_dst=peer) for peer in peers])
     return (n - 1) * flat.nbytes, (n - 1) * flat.nbytes
 
 
-def _wait_all(works: list[dist.Work | None], op: str, group: dist.ProcessGroup | None) -> None:
-    """Wait for every posted operation; ``None`` (torch's answer when this rank is not in the group) is a bug."""
+def _wait_all(works: list[dist.Work | None]) -> None:
     for work in works:
-        if work is None:
-            raise RuntimeError(
-                f"rank {rank_for_messages(group)}: driver all-reduce {op} returned no handle "
-                "(this rank is not in the group)"
-            )
-        work.wait()
+        if work is not None:  # None only for a process outside ``group``, which group_rank_and_size refuses
+            work.wait()
