@@ -75,15 +75,11 @@ class Segment:
         header = _header_bytes(size)
         self._words = memoryview(mm)[:header].cast("q")
         self.data = torch.frombuffer(mm, dtype=torch.uint8)
-        self._seq = 0
+        self.sequence = 0
+        """How many barriers this process has passed."""
         self._seq_word = [_LINE_WORDS * (1 + r) for r in range(size)]
         self._peer_words = [w for r, w in enumerate(self._seq_word) if r != rank]
         self._words[self._seq_word[rank] + 1] = os.getpid()
-
-    @property
-    def sequence(self) -> int:
-        """How many barriers this process has passed."""
-        return self._seq
 
     def offset(self, slot: int) -> int:
         return _header_bytes(self.size) + slot * _stride(self.capacity)
@@ -105,8 +101,8 @@ class Segment:
 
     def barrier(self) -> None:
         """Return once every process of the segment has called `barrier` as many times as this one."""
-        self._seq += 1
-        seq, words = self._seq, self._words
+        self.sequence += 1
+        seq, words = self.sequence, self._words
         mine = self._seq_word[self.rank]
         words[mine] = seq
         if any(words[w + 2] == self.rank + 1 for w in self._peer_words):  # a peer sleeps until this changes
