@@ -22,16 +22,13 @@ __all__ = ["CommCounters", "Tally", "Traffic", "counters"]
 
 
 class Traffic(NamedTuple):
-    """Bytes one collective moved, per transport (see the module docstring for what each field counts)."""
+    """Bytes one collective moved through the backend's sockets and through shared memory (written for others,
+    read from others' writes; the module docstring says what each transport counts)."""
 
     sent: int = 0
-    """Bytes sent through the backend's sockets."""
     received: int = 0
-    """Bytes received through the backend's sockets."""
     shm_sent: int = 0
-    """Bytes written into shared memory for other processes to read."""
     shm_received: int = 0
-    """Bytes read from shared memory that other processes wrote."""
 
     def plus(self, other: Traffic) -> Traffic:
         """Field-wise sum (``+`` would concatenate the tuples)."""
