@@ -58,13 +58,6 @@ def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def rank_for_messages(group: dist.ProcessGroup | None) -> int:
-    """The rank an error should name: the global one where there is a default group, else the rank in ``group``."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return group_rank_and_size(group)[0]
-
-
 def backend_name(group: dist.ProcessGroup | None) -> str:
     """``"gloo"``, ``"nccl"``, ...: the backend of ``group`` (the default group's for None), whether or not
     ``group`` was registered with torch.distributed."""

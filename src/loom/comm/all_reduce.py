@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from loom.comm._reduce import OPS, check_algorithm, check_tensor, group_rank_and_size, rank_for_messages
+from loom.comm._reduce import OPS, check_algorithm, check_tensor, group_rank_and_size
 from loom.comm.auto import choose_algorithm
 from loom.comm.counters import Traffic, counters
 from loom.comm.driver import all_reduce_driver
@@ -72,7 +72,7 @@ def all_reduce(
         raise ValueError(f"unknown all-reduce op={op!r}; valid ops are {', '.join(map(repr, OPS))}")
     check_algorithm(algorithm)
     check_tensor(tensor, op)
-    _, n = group_rank_and_size(group)
+    group_rank, n = group_rank_and_size(group)
     if n == 1 or tensor.numel() == 0:
         counters().record(algorithm, 0, 0)
         return tensor
@@ -86,8 +86,9 @@ def all_reduce(
         traffic = _ALGORITHMS[chosen](work.view(-1), op, group)
     except RuntimeError as error:
         picked = f" (auto chose {chosen!r})" if chosen != algorithm else ""
+        rank = dist.get_rank() if dist.is_initialized() else group_rank  # the global rank, if any
         raise RuntimeError(
-            f"rank {rank_for_messages(group)}: all_reduce(op={op!r}, algorithm={algorithm!r}){picked} of a "
+            f"rank {rank}: all_reduce(op={op!r}, algorithm={algorithm!r}){picked} of a "
             f"{tuple(tensor.shape)} {tensor.dtype} tensor over {n} processes failed: {error}"
         ) from error
     if work is not tensor:
