@@ -73,7 +73,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_
     # The launcher says what it did: the restart (who, how, which attempt), the resume, and a summary at the end.
     restart = [line for line in result.stderr.splitlines() if "restarting the worker group" in line]
     assert len(restart) == 1, result.stderr[-3000:]
-    assert "worker rank 1 failed (killed by SIGKILL)" in restart[0]
+    assert "worker rank 1 was killed by SIGKILL" in restart[0]
     assert "attempt 2 of 3 (--max-restarts 2)" in restart[0]
     assert "loom.fit: resumed from the checkpoint of step 6" in result.stdout + result.stderr
     summary = result.stderr.strip().splitlines()[-1]

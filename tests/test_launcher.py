@@ -147,7 +147,7 @@ def test_restart_after_a_failure_works_every_time(tmp_path):
     assert "[rank1]: attempt 3 rank 1 sum 2" in result.stdout, result.stdout[-2000:]
     restarts = [line for line in result.stderr.splitlines() if "restarting the worker group" in line]
     assert [line.split(";")[0] for line in restarts] == [
-        f"loom run: worker rank {attempt % 2} failed (RuntimeError: fail on attempt {attempt} on purpose)"
+        f"loom run: worker rank {attempt % 2} failed (exit code 1): RuntimeError: fail on attempt {attempt} on purpose"
         for attempt in range(3)
     ], result.stderr[-2000:]
     assert "3 restart(s)" in result.stderr.strip().splitlines()[-1]
@@ -246,7 +246,9 @@ def test_what_a_worker_started_is_stopped_with_it_and_does_not_delay_the_restart
         ["run", "-n", "2", "--max-restarts", "1", "--run-dir", tmp_path / "run", script], tmp_path, 80
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "worker rank 1 failed (exited with code 3" in result.stderr, result.stderr[-3000:]
+    assert "worker rank 1 failed (exit code 3): exited without a Python exception" in result.stderr, (
+        result.stderr[-3000:]
+    )
     children = [int((tmp_path / f"child-{a}-{r}").read_text()) for a in (0, 1) for r in (0, 1)]
     time.sleep(0.5)
     alive = [

@@ -32,7 +32,6 @@ from loom.launch.supervise import (
     describe_exit,
     end_workers,
     exception_of,
-    exit_cause,
     start_worker,
     worker_env,
 )
@@ -58,15 +57,6 @@ _CONSEQUENCES = ("Connection reset by peer", "Connection closed by peer", "Broke
 _STORE_ERRORS = (StoreUnreachable, StoreTimeout, OSError)
 
 
-def failure_text(worker: Worker) -> str:
-    """What a worker's failure was: the signal that killed it, else the last line of the exception it raised,
-    else how it exited."""
-    code, error = worker.proc.returncode, exception_of(worker)
-    if code < 0:
-        return exit_cause(code)
-    return error or f"exited with code {code} without a Python exception"
-
-
 def root_failure(failures: dict[int, Worker]) -> int:
     """The rank whose failure caused the others: one killed by a signal from outside (not the launcher's SIGTERM:
     SIGKILL, the OOM killer, a crash), else one that raised an error not about a lost peer, else one that
@@ -84,10 +74,7 @@ def root_failure(failures: dict[int, Worker]) -> int:
 def restart_line(failures: dict[int, Worker], attempt: int, max_restarts: int) -> str:
     """The line printed when the worker group restarts: who failed and how (``failures`` empty: a worker on
     another node), which attempt this is, and what the workers do next."""
-    rank = root_failure(failures) if failures else None
-    cause = "a worker on another node failed"
-    if rank is not None:
-        cause = f"worker rank {rank} failed ({failure_text(failures[rank])})"
+    cause = describe_exit(failures[root_failure(failures)]) if failures else "a worker on another node failed"
     return (
         f"loom run: {cause}; restarting the worker group, attempt {attempt + 1} of {max_restarts + 1} "
         f"(--max-restarts {max_restarts}); {RESUME_NOTE}"
