@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from loom.errors import check_int
 from loom.launch.supervise import pump
 
 __all__ = ["run"]
@@ -54,8 +55,7 @@ def run(
     step records; a path every executor can write for ``local_mode=False``); default: none for barrier tasks,
     a temporary folder removed afterwards for ``local_mode=True``.
     """
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
+    check_int("num_processes", num_processes)
     if isinstance(train, str):
         if kwargs:
             raise TypeError(

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.errors import check_int
 from loom.launch.bounds import check_nproc
 from loom.net.interfaces import route_address
 
@@ -75,15 +76,12 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name))
         check_nproc(self.nproc, self.max_nproc)
         if self.servers > 0:
             check_nproc(self.servers, self.max_nproc, "--servers")
         for flag in ("max_restarts", "servers", "max_server_restarts", "max_heals"):
-            if getattr(self, flag) < 0:
-                raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
+            check_int(f"--{flag.replace('_', '-')}", getattr(self, flag), 0)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
         if self.nnodes > 1 and not self.master:
@@ -102,8 +100,7 @@ class LaunchSpec:
             )
         if self.on_worker_failure == "heal" and self.nnodes == 1 and not 1 <= self.min_workers <= self.nproc:
             raise ValueError(f"--min-workers {self.min_workers} must be in 1..{self.nproc} (-n)")
-        if self.min_workers < 1:  # several nodes: node 0 checks it against the job's workers once all joined
-            raise ValueError(f"--min-workers must be >= 1, got {self.min_workers}")
+        check_int("--min-workers", self.min_workers)  # several nodes: also checked once all joined
         if self.on_worker_failure == "continue" and (self.max_restarts or self.nnodes > 1):
             raise ValueError(
                 f"--on-worker-failure continue runs one node without restarts; "
