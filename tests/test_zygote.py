@@ -159,7 +159,7 @@ def _run(zygote: Zygote, env: dict[str, str], what: str) -> tuple[int, str, str,
     assert proc is not None, "the zygote did not fork"
     if what == "sleep":
         proc.stdout.readline()
-        proc.terminate()
+        os.kill(proc.pid, signal.SIGTERM)  # as the launcher stops a worker (supervise.stop_processes)
     code = proc.wait(timeout=60)
     return code, proc.stdout.read(), proc.stderr.read(), proc
 

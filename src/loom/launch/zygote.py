@@ -63,16 +63,10 @@ class Forked:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return self.returncode
 
-    def send_signal(self, signum: int) -> None:
+    def kill(self) -> None:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
 
 
 class Zygote:
