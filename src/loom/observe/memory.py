@@ -124,11 +124,9 @@ def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None
 
 def rss_bytes() -> int | None:
     """This process's resident set size now (``/proc/self/statm``), or None where there is no ``/proc``."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return None
 
 
 def reset_peak_rss() -> bool:
@@ -137,23 +135,18 @@ def reset_peak_rss() -> bool:
     is allocated from now on, not hidden in blocks that earlier work freed and the allocator kept."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+        return True  # unless closing (the write's flush) fails: then False, below
+    return False
 
 
 def peak_rss_bytes() -> int | None:
     """The RSS high-water mark since the last `reset_peak_rss` (``VmHWM``), or None where unavailable."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
