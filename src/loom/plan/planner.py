@@ -25,7 +25,7 @@ from loom.plan.capture import CapturedScript, capture_script
 from loom.plan.codecs import CodecCost, gradient_like, measure_codec
 from loom.plan.configs import CODECS, Configuration, batch_sizes, candidates
 from loom.plan.cost import Prediction, predict
-from loom.plan.profile import ModelProfile, profile_model
+from loom.plan.profile import ModelProfile, _layers, profile_model  # _layers: the list the profile times
 from loom.plan.recommend import Ranked, last_errors, needed_per_process, rank, record_errors
 from loom.plan.transport import Transport
 from loom.plan.trial import QUIET
@@ -242,8 +242,6 @@ def plan(
     batch = captured.global_batch_size
     world = nproc * hosts
     algorithms = ("native", "ring", "shm") if hosts == 1 else ("native", "ring")
-    from loom.plan.profile import _layers  # the same list the profile times
-
     chain_layers, is_chain, _ = _layers(captured.model)
     chain = len(chain_layers)
     configs = [dataclasses.replace(c, hosts=hosts) for c in candidates(world, algorithms, chain, batch)]
@@ -306,18 +304,9 @@ def plan(
     ranked = rank(predictions, memory_limit, last_errors(), job_share)
     seconds["predict"] = time.perf_counter() - t
     check_fits(ranked, memory_limit, job_share)
+    pipeline = overheads.get("Pipeline", overhead)
     return PlanResult(
-        script,
-        nproc,
-        hosts,
-        batch,
-        profile,
-        transport,
-        ranked,
-        overhead,
-        seconds,
-        job_share,
-        overheads.get("Pipeline", overhead),
+        script, nproc, hosts, batch, profile, transport, ranked, overhead, seconds, job_share, pipeline
     )
 
 
