@@ -9,6 +9,7 @@ calibration.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.checkpoint.durable import replace_durable
 from loom.plan.cost import Prediction
 
 __all__ = [
@@ -167,10 +169,6 @@ def record_errors(errors: dict[str, float]) -> None:
     path, data = _errors_path(), _recorded()
     for family, error in errors.items():
         data[family] = {"error": error, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
+    with contextlib.suppress(OSError):  # a plan without its record is still a plan; the next verify writes it
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a plan without its record is still a plan; the next verification writes it
+        replace_durable(path, json.dumps(data, indent=1).encode())
