@@ -1,29 +1,23 @@
 """Who may send a parameter server anything, and how much a connection can make it hold.
 
 Every frame is authenticated by its MAC (`loom.ps.wire`), but that MAC can be checked only once the whole frame
-has arrived. Three mechanisms bound what a peer can make a receiver hold before then (what they stop, and what
-not: docs/security.md):
+has arrived. Three mechanisms bound what a peer can make a receiver hold before then (what they stop, what not,
+and what was measured: docs/security.md):
 
 - **Connection authentication.** Servers speak ZeroMQ's PLAIN mechanism, checked by a ZAP handler thread: a client
   must present `connection_token`, an HMAC of the job secret *and of the client's IP address as the server sees
-  it*, before the connection may deliver one message. PLAIN sends the token in clear, but it is not the secret,
-  frames still need the secret's MAC, and it admits only connections from the address it was made for (so no NAT
-  between a client and its servers). ZeroMQ's CURVE would encrypt too, at a large cost in throughput.
-- **Chunks.** A frame travels as single-part ZeroMQ messages (`split_frame`) of at most `CHUNK_BYTES` (larger
-  ones are refused, ``MAXMSGSIZE``; at most `QUEUE_CHUNKS` queued per peer, ``RCVHWM``). The first ("open") chunk
-  carries the frame's header and a chunk header (random frame id, chunk count) under a MAC of its own
-  (`chunk_key`): a receiver checks it, the magic, version and declared lengths, the chunk count and (on a server)
-  epoch, session and sequence number (`SessionTable`) before it keeps one byte of the frame. Later chunks must
-  follow in order with exactly the expected size. A forged open chunk costs one short HMAC; data chunks of no
-  open frame are dropped unhashed.
-- **Budgets.** `Inbox` keeps at most one open frame per peer and per session, reserves its declared size when it
-  opens, refuses an open past `InboxLimits.total_bytes` (the sender resends after its attempt window), and drops
-  an open frame whose peer stays silent for `InboxLimits.open_timeout_s`. Every drop is counted by reason.
+  it* (so no NAT between a client and its servers), before the connection may deliver one message.
+- **Chunks.** A frame travels as single-part ZeroMQ messages (`split_frame`) of at most `CHUNK_BYTES`. The first
+  ("open") chunk carries the frame's header under a MAC of its own (`chunk_key`), checked with the declared
+  lengths, the chunk count and (on a server) epoch, session and sequence (`SessionTable`) before one byte of the
+  frame is kept; later chunks must follow in order with exactly the expected size (of no open frame: dropped
+  unhashed).
+- **Budgets.** `Inbox` keeps at most one open frame per peer and per session, reserves its declared size against
+  `InboxLimits.total_bytes` and drops it after `InboxLimits.open_timeout_s` of silence. Every drop is counted.
 
-Limit: libzmq keeps every part of a *multipart* message until its last part arrives and cannot refuse multipart
-input, so a peer past the handshake that writes raw ZMTP frames with the MORE flag set can make a server, or a
-worker, buffer without bound, below where `Inbox` sees anything. Closing it needs the client to authenticate the
-server first (CURVE with keys derived from the secret, at its cost) or a transport other than libzmq's.
+Limit: libzmq buffers every part of a *multipart* message until its last arrives, below where `Inbox` sees
+anything, so a peer past the handshake can make a server or a worker buffer without bound; closing it needs the
+client to authenticate the server first (CURVE, at its cost) or a transport other than libzmq's.
 """
 
 from __future__ import annotations
