@@ -132,9 +132,6 @@ class ParameterServerProcess(RequestHandlers):
     def handle(self, parts: list) -> None:
         """Decode, admit and answer one whole frame: ``parts`` is [identity, frame] (``zmq.Frame``s or the frame's
         bytes, as `Inbox` reassembles it)."""
-        if len(parts) != 2:
-            self.counters.drop("malformed")
-            return
         identity = parts[0].bytes
         data = parts[1].buffer if hasattr(parts[1], "buffer") else parts[1]
         try:
