@@ -147,12 +147,8 @@ class ParameterServerJob(Engine):
         it already has (`_pull_dense`)."""
         self._closed = False
 
-    @property
-    def _num_servers(self) -> int:
-        return len(self.client.links)
-
     def _request(self, kind, meta, tensors=None, servers=None, timeout_s=None, per_server=None):
-        servers = list(range(self._num_servers)) if servers is None else servers
+        servers = list(range(len(self.client.links))) if servers is None else servers
         base = {"ns": self.config.namespace, "worker": self.topology.rank, **meta}
         metas = [{**base, **(per_server[s] if per_server else {})} for s in servers]
         timeout = timeout_s if timeout_s is not None else self.config.worker_timeout_s + 30.0
@@ -257,9 +253,9 @@ class ParameterServerJob(Engine):
         meta = {"clock": self.step, "loss_sum": state.loss_sum, "lrs": lrs, "pull": True}
         if state.flag:
             meta["nonfinite"] = state.flag
-            grads: list[dict[str, torch.Tensor]] = [{} for _ in range(self._num_servers)]
+            grads: list[dict[str, torch.Tensor]] = [{} for _ in range(len(self.client.links))]
         else:
-            grads = piece_gradients(self._params, self.plan, self._num_servers)
+            grads = piece_gradients(self._params, self.plan, len(self.client.links))
         with self.collective("push to the parameter servers"):
             per_server = [{"version": v} for v in self._versions]
             replies = self._request(MessageType.PUSH, meta, grads, per_server=per_server)
@@ -312,9 +308,8 @@ class ParameterServerJob(Engine):
     # -- state ------------------------------------------------------------------------------------------------
     def server_stats(self) -> list[dict[str, Any]]:
         """Each server's counters: dropped frames by reason, bytes, and per model version, staleness, clocks."""
-        return [
-            f.meta for f in self.client.request(MessageType.STATS, [{}] * self._num_servers, timeout_s=30)
-        ]
+        replies = self.client.request(MessageType.STATS, [{}] * len(self.client.links), timeout_s=30)
+        return [f.meta for f in replies]
 
     def state_dict(self) -> dict[str, Any]:
         """This worker's part of a checkpoint (`loom.parallel.ps.parameter_server_state.worker_state`)."""

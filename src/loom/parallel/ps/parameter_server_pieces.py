@@ -47,9 +47,7 @@ def json_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def piece_view(param: torch.Tensor, piece: Piece) -> torch.Tensor:
     """The values of ``piece`` inside ``param`` (a view, writable)."""
-    if piece.sparse:
-        return param.data[piece.start : piece.stop]
-    return param.data.view(-1)[piece.start : piece.stop]
+    return (param.data if piece.sparse else param.data.view(-1))[piece.start : piece.stop]
 
 
 def set_pieces(params: dict[str, torch.Tensor], plan: list[Piece], values: dict[int, torch.Tensor]) -> None:

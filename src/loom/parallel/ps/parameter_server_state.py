@@ -77,15 +77,15 @@ def load_worker_state(job: ParameterServerJob, state: dict[str, Any]) -> None:
             )
     if failure is not None:
         raise failure
-    job._versions = [0] * job._num_servers  # the restore set the versions back on purpose: nothing lost
+    job._versions = [0] * len(job.client.links)  # the restore set the versions back on purpose: nothing lost
     job._pull_dense(peek=True)
 
 
 def _restore_servers(job: ParameterServerJob, servers: list[dict[str, Any]]) -> None:
-    if len(servers) != job._num_servers:
+    if len(servers) != len(job.client.links):
         raise ValueError(
             f"the checkpoint holds the state of {len(servers)} parameter server(s), this job has "
-            f"{job._num_servers}. HINT: resume with the same number of servers (loom run --servers)."
+            f"{len(job.client.links)}. HINT: resume with the same number of servers (loom run --servers)."
         )
     # One token for every send of this restore: a resent copy arriving late is not applied again.
     job._request(
