@@ -93,8 +93,7 @@ class RayConfig:
                 not isinstance(v, int | float) or isinstance(v, bool) or v < 0 for v in resources.values()
             ):
                 raise ValueError(f"{name} must map resource names to amounts >= 0, got {resources!r}")
-        worker = self.resources_per_worker or {}
-        if not any(v > 0 for v in worker.values()):
+        if not any(v > 0 for v in (self.resources_per_worker or {}).values()):
             raise ValueError(
                 f"resources_per_worker needs a positive amount (a placement-group bundle cannot be empty), got "
                 f"{self.resources_per_worker!r}. HINT: {{'CPU': 1}}"

@@ -92,14 +92,9 @@ class RankHost:
 
         if self.listener is None:
             address = ray.util.get_node_ip_address()
-            listener = socket.socket(
-                socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM
-            )
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((address, 0))
-            listener.listen(128)
-            listener.set_inheritable(True)
-            self.listener = listener
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            self.listener = socket.create_server((address, 0), family=family, backlog=128)  # SO_REUSEADDR set
+            self.listener.set_inheritable(True)
         return int(self.listener.getsockname()[1])
 
     # -- the process ------------------------------------------------------------------------------------------
