@@ -321,12 +321,8 @@ def run_job(config, work: WorkerSpec) -> dict[int, bytes | None]:
                           f"worker(s), {attempt} restart(s); logs and metrics in {job.run_dir}", file=sys.stderr)  # fmt: skip
                     return results
                 if attempt >= config.max_failures:
-                    raise RayJobFailed(
-                        f"{failure}; "
-                        + (f"no restart left (max_failures={config.max_failures}). " if config.max_failures
-                           else "")
-                        + f"Logs are in {job.run_dir / 'logs'}"
-                    )  # fmt: skip
+                    left = f"no restart left (max_failures={config.max_failures}). " if attempt else ""
+                    raise RayJobFailed(f"{failure}; {left}Logs are in {job.run_dir / 'logs'}")
                 attempt += 1
                 print(f"loom: {failure}; replacing the worker group (restart {attempt} of "
                       f"{config.max_failures}), resuming from the latest checkpoint", file=sys.stderr, flush=True)  # fmt: skip
