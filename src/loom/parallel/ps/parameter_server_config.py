@@ -63,8 +63,7 @@ class ParameterServerConfig(ShareOptions):
 
     def server_checkpoint_every(self) -> int:
         """``checkpoint_every`` resolved for this mode: 1 in ``sync`` by default, else 0 (by time only)."""
-        every = self.checkpoint_every
-        return every if every is not None else 1 if self.mode == "sync" else 0
+        return (1 if self.mode == "sync" else 0) if self.checkpoint_every is None else self.checkpoint_every
 
 
 document_options(ParameterServerConfig, ParameterServerConfig)
