@@ -12,8 +12,7 @@ requests: `loom.comm.peer`). Non-finite values are never sent nor taken.
 
 A service thread answers peers between steps, so ``job.module`` may change between two `train_step` calls;
 `paused` holds it still. Set-up is the only collective part (addresses through the job's store; with
-``same_start``, rank 0's parameters broadcast). Checkpoints are per rank but saved collectively, so every worker
-must be alive.
+``same_start``, rank 0's parameters broadcast), besides `eval_step` and `loom.fit`'s checkpoints (docs page).
 """
 
 from __future__ import annotations
