@@ -184,12 +184,10 @@ class PSClient:
                     replies[i] = self._answer(kind, greeted)
                     del pending[i]
                     continue
-                if not greeted:  # down (or restarting): greet again at once, resend once it answers
-                    retry_at[i] = time.monotonic()
-                    continue
-                pending[i].add(self._send(servers[i], kind, metas[i], tensors[i]))
-                attempt[i] = min(10.0, attempt[i] * 2)
-                retry_at[i] = time.monotonic() + attempt[i]
+                if greeted:  # else down (or restarting): greet again at once, resend once it answers
+                    pending[i].add(self._send(servers[i], kind, metas[i], tensors[i]))
+                    attempt[i] = min(10.0, attempt[i] * 2)
+                retry_at[i] = time.monotonic() + (attempt[i] if greeted else 0.0)
         return [replies[i] for i in range(len(servers))]
 
     def _answer(self, kind: MessageType, frame: Frame) -> Frame:
