@@ -85,13 +85,11 @@ def run(engine, name: str, metas: dict[int, dict], local: Request | None) -> Non
         if problem is not None:
             raise HorovodInternalError(problem)
         kind = next(iter(metas.values()))["kind"]
-        result = _KERNELS[kind](engine, metas, local)
+        result, failure = _KERNELS[kind](engine, metas, local), None
     except Exception as error:  # noqa: BLE001 - handed to the waiting caller
-        if local is not None:
-            local.finish(error=error)
-        return
+        result, failure = None, error
     if local is not None:
-        local.finish(result)
+        local.finish(result, failure)
 
 
 def check(engine, name: str, metas: dict[int, dict]) -> str | None:
@@ -139,12 +137,8 @@ def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """``tensor * factor`` in Horovod's arithmetic (ints in float64, half in float32), in ``tensor``'s dtype."""
     if factor == 1.0:
         return tensor
-    if not tensor.is_floating_point():
-        compute = torch.float64
-    elif tensor.dtype in (torch.float16, torch.bfloat16):
-        compute = torch.float32
-    else:
-        compute = tensor.dtype
+    floating = tensor.is_floating_point()  # half precision computes in float32, the wider floats in their own
+    compute = torch.promote_types(tensor.dtype, torch.float32) if floating else torch.float64
     return (tensor.to(compute) * factor).to(tensor.dtype)
 
 

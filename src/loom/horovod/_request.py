@@ -33,7 +33,7 @@ class Request:
             "kind": self.kind,
             "dtypes": [str(t.dtype) for t in self.tensors],
             "shapes": [list(t.shape) for t in self.tensors],
-            **{k: v for k, v in self.args.items() if k != "compute"},
+            **self.args,
         }
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
