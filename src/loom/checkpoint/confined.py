@@ -102,9 +102,8 @@ def _pieces(file: BinaryIO, count: int, piece: int) -> Iterator[bytes]:
 
 def read_exact(file: BinaryIO, count: int) -> bytes:
     """Exactly ``count`` bytes from ``file``; ``ValueError`` if it ends first. In reads of 1 GiB, since one
-    ``read`` of a raw file returns at most ~2 GiB on Linux."""
-    pieces = list(_pieces(file, count, 1 << 30))
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    ``read`` of a raw file returns at most ~2 GiB on Linux (one piece is returned itself, not copied)."""
+    return b"".join(_pieces(file, count, 1 << 30))
 
 
 def read_limited(file: BinaryIO, size: int, limit: int) -> bytes:

@@ -32,14 +32,10 @@ __all__ = ["checkpoint_candidates", "load_checkpoint", "newest_intact", "no_vali
 def _pointer_problem(directory: Path, limits: ReadLimits) -> tuple[str | None, str | None]:
     """``(name, None)`` for a usable ``latest``, ``(None, None)`` for none, ``(None, why)`` for a bad one."""
     try:
-        root = ConfinedDirectory.open(directory, follow=True)
-    except CorruptCheckpointError:
-        return None, None
-    try:
-        with root:
+        with ConfinedDirectory.open(directory, follow=True) as root:
             file, size = root.open_file(POINTER_FILE)
-    except CorruptCheckpointError as err:
-        return None, None if err.reason == "the file is missing" else err.reason
+    except CorruptCheckpointError as err:  # no directory, or no pointer in it: no pointer
+        return None, None if err.path == directory or err.reason == "the file is missing" else err.reason
     with file:
         try:
             name = read_limited(file, size, limits.max_pointer_bytes).decode().strip()

@@ -158,7 +158,10 @@ def load_pieces(
         if step is None:
             step = int(part["step"])
             _load_hyperparameters(part["optimizer"]["groups"], optimizer)
-            _load_buffers(part["buffers"], module)
+            own = dict(module.named_buffers())
+            for name, value in part["buffers"].items():
+                if name in own:
+                    own[name].copy_(value)
         for name, saved in part["params"].items():
             piece = wanted.get(name)
             if piece is None:
@@ -205,13 +208,6 @@ def _load_hyperparameters(groups: list[dict[str, Any]], optimizer: torch.optim.O
         for key, value in saved.items():
             if key != "names" and key in group:
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
-
-
-def _load_buffers(buffers: dict[str, torch.Tensor], module: nn.Module) -> None:
-    own = dict(module.named_buffers())
-    for name, value in buffers.items():
-        if name in own:
-            own[name].copy_(value)
 
 
 def full_state_dict(parts: Iterable[Any]) -> dict[str, torch.Tensor]:
