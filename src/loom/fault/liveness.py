@@ -99,11 +99,8 @@ class Heartbeat:
         setting = f"(liveness_timeout_s={self.timeout_s:g}, LOOM_LIVENESS_TIMEOUT_S)"
         peer = f"rank {self.watched}" + (f" ({self.watched_host})" if self.watched_host else "")
         silent_store = now - self.answered_at
-        if (
-            self.failed_at is not None
-            and self.failed_at >= self.answered_at
-            and silent_store > self.timeout_s
-        ):
+        failing = self.failed_at is not None and self.failed_at >= self.answered_at  # none answered since
+        if failing and silent_store > self.timeout_s:
             return (
                 f"lost the job's store at {self.store_address} (the host of rank 0 and its launcher) and every "
                 f"rank it reaches: no heartbeat for {silent_store:.0f} s {setting}, none of its calls answered "
@@ -114,7 +111,7 @@ class Heartbeat:
         if self.left or self.heard_at is None or self.world_size < 2:
             return None
         silent_peer = now - self.heard_at
-        if silent_peer > self.timeout_s and now - self.answered_at < self.timeout_s:
+        if silent_peer > self.timeout_s and silent_store < self.timeout_s:
             return (
                 f"lost {peer}: no heartbeat for {silent_peer:.0f} s {setting} while the job's store at "
                 f"{self.store_address} answers: that host is down, or cut off from the store's. HINT: check that "
