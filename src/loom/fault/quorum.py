@@ -169,13 +169,12 @@ class Quorum:
                     self._job_ended()
                 continue
             listed = [tuple(map(int, m.split(":"))) for m in self.store.get(key).decode().split(",") if m]
-            members = [r for r, _ in listed]
             if (self.rank, self.generation) in listed:
                 break
             if not joining:
                 raise LeftOutOfQuorum(
-                    f"rank {self.rank}: left out of membership epoch {epoch} (members {members}): it did not "
-                    "check in within the launcher's LOOM_HEAL_CHECKIN_TIMEOUT_S"
+                    f"rank {self.rank}: left out of membership epoch {epoch} (members {[r for r, _ in listed]}): it "
+                    "did not check in within the launcher's LOOM_HEAL_CHECKIN_TIMEOUT_S"
                 )
             epoch += 1  # a joiner that came too late for this epoch waits for the next
         self._formed(epoch, listed)
@@ -249,8 +248,7 @@ class Quorum:
     # -- the commit vote ----------------------------------------------------------------------------------------
     def vote(self, step: int, ok: bool) -> bool:
         """This member's vote on step ``step`` of the current epoch; returns the one verdict (True: commit)."""
-        verdict = self._vote(step, ok)
-        if verdict:
+        if verdict := self._vote(step, ok):
             self.committed = max(self.committed, step)
         return verdict
 
