@@ -130,9 +130,7 @@ class Engine(Job):
         self._check_can_train()
         self._check_layout(batch)
         quorum = self.guard.quorum
-        if quorum is None:
-            return self._attempt(batch)
-        return retry_step(self, quorum, batch)
+        return self._attempt(batch) if quorum is None else retry_step(self, quorum, batch)
 
     def _wait_for_joiner(self) -> None:
         """Under healing, before a step: wait a bounded moment for a replacement that is starting
