@@ -7,6 +7,7 @@ arrive at a collective that timed out."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import sys
 import time
@@ -128,8 +129,6 @@ def doing(current: tuple[str, int, float] | None) -> str:
 def print_stacks(rank: int) -> None:
     """Print every thread's Python stack of this process to stderr (the launcher's output): other ranks wait for
     this one while it is outside any collective, and asked where it is."""
-    import faulthandler
-
     print(
         f"loom watchdog: rank {rank} is outside any collective while other ranks wait for it; its Python "
         "stack (every thread, most recent call first):",
