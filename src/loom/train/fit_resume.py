@@ -92,9 +92,8 @@ def resume_fit(
             f"the checkpoint of step {step} in {directory} was not written by loom.fit (no 'fit' entry). "
             "HINT: pass a checkpoint_dir of its own to fit()."
         )
-    checkpoint = directory / checkpoint_name(step)
     if state["fit"].get("sharded") or not job.replicated_state:
-        _restore_sharded_state(job, state["fit"], checkpoint, step, topo, own)
+        _restore_sharded_state(job, state["fit"], directory / checkpoint_name(step), step, topo, own)
     else:
         job.load_state_dict(state["job"])
         _restore_local_state(job, state["fit"], step, topo, own)
