@@ -10,13 +10,8 @@ The hang timeout counts only the time during which *every* rank is inside a coll
 a rank alive outside any collective (rank 0 evaluating alone) is waited for up to the work timeout, then named.
 On a hang the thread prints a report (`loom.fault.hang_report`), records it for ``loom run`` and ends the process
 (``os._exit``: the main thread is blocked in C++). The same thread sends and hears heartbeats
-(`loom.fault.liveness`). The three timeouts: docs/fault-tolerance.md, "Slow, stuck or gone".
-
-Limits: only collectives wrapped in `collective` are counted (not DDP's own start-up broadcasts); a rank blocked
-in an uncounted one looks like one doing its own work. The process group's own timeout (``loom.init(timeout_s=)``)
-must be at least the work timeout, or gloo gives up first with its bare error. Records lag by the poll interval
-(`Watchdog._configure`), so a rank killed with SIGKILL shows its state from up to that long before. Detection
-takes between the timeout and the timeout plus one poll.
+(`loom.fault.liveness`). The three timeouts and the watchdog's limits: docs/fault-tolerance.md, "Slow, stuck
+or gone".
 """
 
 from __future__ import annotations
