@@ -1,16 +1,6 @@
-"""Resizing a data-parallel job on resume, and the linear learning-rate scaling rule that may go with it.
-
-A checkpoint written by `loom.fit` with N workers resumes with M at the same global sample (the loader counts
-global samples). With loom's global-batch semantics the global batch, hence the learning rate, does not change
-with the world size: that is the default. A job that keeps the *per-worker* batch fixed changes its global batch
-when it resizes; ``fit(..., scale_lr_with_world_size=True)`` then applies the linear scaling rule of Goyal et al.,
-"Accurate, Large Minibatch SGD" (2017): every learning rate times M / N, N as recorded in the checkpoint (so
-repeated resizes compose).
-
-Limits: the rule is a heuristic for SGD-like optimizers (adaptive ones such as Adam often want square-root
-scaling, or none); warm-up after a large jump is the schedule's business. Rescaled are each parameter group's
-``lr`` and ``initial_lr`` and a scheduler's ``base_lrs`` and last rates (torch's schedulers that derive the rate
-from those); schedulers with absolute rates of their own (OneCycleLR's ``max_lr``, CyclicLR's bounds) are refused.
+"""Resizing a data-parallel job on resume: the linear learning-rate scaling rule of
+``fit(..., scale_lr_with_world_size=True)``, every learning rate times M / N (N as the checkpoint records it). When
+to use it, what is rescaled and its limits: docs/fault-tolerance.md, "Resizing on resume".
 """
 
 from __future__ import annotations
