@@ -1,16 +1,14 @@
 """Silent faults made loud: replicas that drift apart, and steps that turn the weights NaN.
 
 Data parallelism keeps replicas identical only by construction; a bug (a rank skipping a step, a comm hook that
-differs per rank, a stray in-place edit, a bit flip) breaks that silently. `check_replicas_agree` all-gathers an
-exact 64-bit fingerprint per parameter tensor (the tensor's bits as integers times position weights, summed with
-wrap-around on its device: one pass, no copy to the host) and names the ranks that differ from the majority, on
-every rank alike. Replicas of a correct job are bitwise equal, so there is no false alarm. Limits: two tensors
-share a fingerprint with a 2**-64 chance; buffers (BatchNorm statistics) are not compared; it is meant for
-replicated strategies, not sharded ones.
+differs per rank, a stray in-place edit, a bit flip) breaks that silently. `check_replicas_agree` compares an exact
+64-bit fingerprint of each parameter tensor (`_fingerprint`: one pass on its device, no copy to the host) across the
+ranks; replicas of a correct job are bitwise equal, so there is no false alarm. Limits: two tensors share a
+fingerprint with a 2**-64 chance; buffers (BatchNorm statistics) are not compared; it is meant for replicated
+strategies, not sharded ones.
 
-`NonFiniteGuard` is the policy for a step whose loss or gradient is NaN or infinite on some rank: each rank sets a
-flag in a slot of the buffer it reduces anyway, so every rank judges the same flags and reaches the same verdict
-without a collective of its own.
+`NonFiniteGuard` is the policy for a step whose loss or gradient is NaN or infinite on some rank, the same verdict
+on every rank from the flags the step reduces anyway (`loom.train.guard`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Liveness apart from slowness: heartbeats on the watchdog's side channel, and a peer lost when they stop.
 
-A collective may legitimately take minutes (the hang timeout, `loom.fault.watchdog`), but a host cut off or dead
-will never send anything, and waiting only hides the cause. So each poll the watchdog thread of every rank bumps
-its own counter in the job's store (``beat<r>``) and reads the next rank's on a ring: two store calls per rank per
-interval whatever the world size, nothing new listening. A peer is lost when its counter has not moved for
-``liveness_timeout_s`` (`loom.fault.timeouts`); a rank cut off from the store judges by its own store calls
-failing for that long. A peer that has not beaten yet is not judged; a rank that stops on purpose writes
-``-1``. How both sides of a cut are named, the limits and the measurements: docs/fault-tolerance.md, "How liveness
-works".
+Each poll the watchdog thread of every rank bumps its own counter in the job's store (``beat<r>``) and reads the
+next rank's on a ring. A peer is lost when its counter has not moved for ``liveness_timeout_s``
+(`loom.fault.timeouts`); a rank cut off from the store judges by its own store calls failing for that long. A peer
+that has not beaten yet is not judged; a rank that stops on purpose writes ``-1``. Why, the cost, how both sides of
+a cut are named, the limits and the measurements: docs/fault-tolerance.md, "How liveness works".
 """
 
 from __future__ import annotations
