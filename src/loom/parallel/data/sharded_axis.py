@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.parallel.data.data_parallel_config import DataAxisConfig
-from loom.parallel.data.sharded_flat import FlatShards, check_elementwise
+from loom.parallel.data.sharded_flat import FlatShards
 from loom.topology import Topology
 
 __all__ = ["ShardedDataAxis"]
@@ -52,8 +52,7 @@ class ShardedDataAxis:
         topo: Topology,
     ) -> ShardedDataAxis:
         """Rebind ``optimizer`` to this replica's piece of ``module``'s parameters over ``group`` (the ``dp``
-        axis; None: one replica, the piece is everything). Refuses an optimizer that is not elementwise."""
-        check_elementwise(optimizer, strategy="a data axis with zero=1", instead="zero=0")
+        axis; None: one replica, the piece is everything; compose checked that the optimizer is elementwise)."""
         collective = config.allreduce if topo.device.type == "cpu" else "reduce_scatter"
         return cls(config, FlatShards.over_group(module, optimizer, group, collective), topo.rank)
 

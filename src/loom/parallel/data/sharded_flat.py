@@ -127,9 +127,7 @@ class FlatShards:
     ) -> FlatShards:
         """The pieces of ``module``'s parameters over the ranks of ``group`` (None: this process alone; an
         explicit group answers for itself, so one built directly on a store works too)."""
-        if group is None:
-            return cls(module, optimizer, 0, 1, None, collective)
-        rank, size = group_rank_and_size(group)
+        rank, size = group_rank_and_size(group) if group is not None else (0, 1)
         return cls(module, optimizer, rank, size, group, collective)
 
     # -- ShardLayout ------------------------------------------------------------------------------------------

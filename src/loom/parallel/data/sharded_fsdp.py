@@ -132,17 +132,15 @@ class FsdpLayout:
     def no_sync(self) -> Iterator[None]:
         """One micro-batch without gradient reduction or resharding (the module docstring's accumulation)."""
         root = self.root
-        root.set_requires_gradient_sync(False)
-        root.set_reshard_after_backward(False)
-        if self.stage == 3:
-            root.set_reshard_after_forward(False)
+        switches = [root.set_requires_gradient_sync, root.set_reshard_after_backward]
+        switches += [root.set_reshard_after_forward] if self.stage == 3 else []
+        for switch in switches:
+            switch(False)
         try:
             yield
         finally:
-            root.set_requires_gradient_sync(True)
-            root.set_reshard_after_backward(True)
-            if self.stage == 3:
-                root.set_reshard_after_forward(True)
+            for switch in switches:
+                switch(True)
 
     def local_gradients_finite(self) -> bool:
         """Whether this rank's shards of the averaged gradient are finite (after backward: FSDP2 reduced them);
