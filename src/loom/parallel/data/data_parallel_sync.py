@@ -238,12 +238,10 @@ def native_because(config: DataParallelConfig, topo: Topology) -> str | None:
     ``auto`` on one CPU host with a core to spare is DDP's: there loom's all-reduce on a communication thread
     measured slower than DDP's own, while without a core to spare the shared-memory path is the faster one
     (``benchmarks/reports/h200_2026-11-28/``)."""
-    if config.compression is not None:
+    if config.compression is not None or config.allreduce not in ("native", "auto"):
         return None
     if config.allreduce == "native":
         return "allreduce='native'"
-    if config.allreduce != "auto":
-        return None
     if topo.device.type == "cuda":
         return "allreduce='auto' on GPUs"
     if (
