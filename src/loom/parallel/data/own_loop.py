@@ -290,9 +290,7 @@ class OwnLoop:
     def skip_step(self) -> bool:
         """Whether the averaged gradient is non-finite (the same verdict on every rank; see `NonFiniteGuard`)."""
         job = self.job
-        grads = [p.grad for p in job.module.parameters() if p.requires_grad]
-        finite = gradients_finite(grads)
-        skip = job.nonfinite.judge(job.step + 1, [], [], finite)
+        skip = job.nonfinite.judge(job.step + 1, [], [], gradients_finite([p.grad for p in job._trainable]))
         job.last_step_skipped = skip
         if skip:
             job.optimizer.zero_grad(set_to_none=True)
