@@ -20,6 +20,7 @@ known only at the step) yields a `LazyBatch` per step instead: the global batch'
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -87,19 +88,14 @@ class ShardDict(_ShardLayout, dict):
         _stamp(self, layout)
 
 
-_NAMEDTUPLE_SHARDS: dict[type, type] = {}
-
-
+@functools.cache
 def _namedtuple_shard(kind: type) -> type | None:
     """A subclass of namedtuple ``kind`` that carries the layout, or None when a field would shadow it."""
-    if kind not in _NAMEDTUPLE_SHARDS:
-        clash = set(kind._fields) & set(_LAYOUT)  # type: ignore[attr-defined]
-        shard = None
-        if not clash:
-            shard = type(kind.__name__, (_ShardLayout, kind), {"__module__": kind.__module__})
-            shard.__reduce__ = _reduce_namedtuple_shard  # type: ignore[method-assign,assignment]
-        _NAMEDTUPLE_SHARDS[kind] = shard  # type: ignore[assignment]
-    return _NAMEDTUPLE_SHARDS[kind]
+    if set(kind._fields) & set(_LAYOUT):  # type: ignore[attr-defined]
+        return None
+    shard = type(kind.__name__, (_ShardLayout, kind), {"__module__": kind.__module__})
+    shard.__reduce__ = _reduce_namedtuple_shard  # type: ignore[method-assign,assignment]
+    return shard
 
 
 def _reduce_namedtuple_shard(batch: Any) -> tuple:
