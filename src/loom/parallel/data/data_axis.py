@@ -262,12 +262,9 @@ class AxisJob(Engine):
         shards.lazy = True
         per_epoch = len(shards)
         if self.step and per_epoch:
-            state = shards.state_dict()
-            state["epoch"] = self.step // per_epoch
-            state["consumed"] = min(
-                (self.step % per_epoch) * global_batch_size, shards.sampler.epoch_samples()
-            )
-            shards.load_state_dict(state)
+            epoch, step = divmod(self.step, per_epoch)
+            consumed = min(step * global_batch_size, shards.sampler.epoch_samples())
+            shards.load_state_dict({**shards.state_dict(), "epoch": epoch, "consumed": consumed})
         return shards
 
     @property
