@@ -68,7 +68,7 @@ class DataParallel(Strategy):
             path = choose_gradient_path(self.config, topo, model)
         wrapped: nn.Module = model
         if path is not None and path.shared is None:
-            ddp = DistributedDataParallel(
+            wrapped = DistributedDataParallel(
                 model,
                 device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
                 process_group=topo.group,
@@ -77,8 +77,7 @@ class DataParallel(Strategy):
                 gradient_as_bucket_view=True,  # no copy between gradients and buckets
                 **buffer_sync_option(self.config.broadcast_buffers),  # type: ignore[arg-type]
             )
-            observer.register_comm_hook(ddp, path.hook)
-            wrapped = ddp
+            observer.register_comm_hook(wrapped, path.hook)
         mesh = Mesh(dp=topo.world_size, topology=topo)
         job = DataParallelJob(model, wrapped, optimizer, call, mesh, self.config, metrics)
         return _with_path(job, observer, path)

@@ -248,8 +248,7 @@ class DataParallelJob(AxisJob):
         with self.collective("loss all-reduce"):
             native = self._loss_algorithm == "native"
             launched = time.perf_counter()
-            group = self.axis.group  # launched asynchronously: it overlaps the check
-            pending = dist.all_reduce(loss_sum, group=group, async_op=True) if native else None
+            pending = dist.all_reduce(loss_sum, group=self.axis.group, async_op=True) if native else None
             finite = self._gradients_finite()
             self.observer.lap(OPTIMIZER)
             if pending is not None:
