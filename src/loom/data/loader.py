@@ -7,12 +7,8 @@ docs/concepts.md#global-batch-semantics). Samples are collated by ``collate_fn``
 Every batch carries the global batch it was cut from (`_ShardLayout`): strategies read its size to weight
 gradients without a collective, its layout to refuse a batch cut for another data axis
 (`loom.job.check_batch_layout`), its fingerprint to check that the ranks of one replica hold the same samples.
-The type that carries them follows the collation's result: a tuple or list becomes a `ShardBatch` (a tuple:
-it reads as `DataLoader`'s list but cannot be changed in place), a namedtuple a subclass of it (unless a field
-is named like an attribute: then the plain namedtuple), a dict a `ShardDict`. Anything else (a tensor, a custom
-object) comes as is, **without** them: a strategy then counts the global batch with a collective and
-fingerprints the content; `job.train_step` needs an ``(inputs, targets)`` pair (build one in the dataset or in
-``collate_fn``).
+Which collated types carry them (`_with_layout`): docs/concepts.md#global-batch-semantics; a tensor or custom
+object does not, and a strategy then counts and fingerprints it with a collective.
 
 A lazy loader (``ShardedLoader.lazy``: DataParallel's under ``--on-worker-failure heal``, where the replicas are
 known only at the step) yields a `LazyBatch` per step instead: the global batch's indices, nothing loaded.
