@@ -191,12 +191,11 @@ class ShardedLoader:
             yield from (self.fetch_share(batch, batch.share, rank, world_size) for batch in batches)
 
     def _prefetching(self) -> Prefetcher | None:
-        tensors = getattr(self.dataset, "tensors", ())
         if (
             self._prefetcher is None
             and self._sliced
             and self.device is not None
-            and usable(tensors, self.device)
+            and usable(getattr(self.dataset, "tensors", ()), self.device)
         ):
             self._prefetcher = Prefetcher(self.device)
         return self._prefetcher
