@@ -286,11 +286,8 @@ class GradientAveraging:
     on one CPU host with loom's shared-memory algorithms `SharedGradients` (`DataParallel`'s class, so
     ``Hybrid(dp=N)`` and ``DataParallel()`` end bitwise equal); with ``compression`` the codec's collectives on
     the whole flat gradient (one "bucket", so its error-feedback state is the same at every step and on resume);
-    otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce`, divided by the group's size.
-
-    Every replica steps the whole optimizer state (``zero = 0``); `sharded_axis.ShardedDataAxis` is the same
-    interface with the optimizer state sharded (``zero=1``).
-    """
+    otherwise the ``allreduce`` algorithm of `loom.comm.all_reduce`, divided by the group's size. Every replica
+    steps the whole optimizer state (``zero = 0``; sharded, ``zero=1``: `sharded_axis.ShardedDataAxis`)."""
 
     zero = 0
 
