@@ -92,11 +92,6 @@ class FlatShards:
         """``reduce_scatter``, or the `loom.comm.all_reduce` algorithm that averages the whole gradient."""
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         named = [(n, p) for n, p in module.named_parameters() if id(p) in in_optimizer]
-        for name, p in named:
-            if not p.is_contiguous():
-                raise ValueError(
-                    f"parameter {name!r} is not contiguous. HINT: call .contiguous() on it at build"
-                )
         self.params = [p for _, p in named]
         ends = list(itertools.accumulate((p.numel() for p in self.params), initial=0))
         self.spans = list(itertools.pairwise(ends))
@@ -105,6 +100,10 @@ class FlatShards:
         self.pieces: list[Piece] = []
         view_of: dict[int, nn.Parameter] = {}
         for (name, p), (start, end) in zip(named, self.spans, strict=True):
+            if not p.is_contiguous():  # before its view; the optimizer is rebound only after every check
+                raise ValueError(
+                    f"parameter {name!r} is not contiguous. HINT: call .contiguous() on it at build"
+                )
             a, b = max(start, self.lo), min(end, self.hi)
             if a < b:
                 view = nn.Parameter(p.data.view(-1)[a - start : b - start])
