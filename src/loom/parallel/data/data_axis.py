@@ -3,16 +3,14 @@
 Without healing the axis is the job's topology (`FixedAxis`). Under ``loom run --on-worker-failure heal`` it is
 the quorum (`loom.fault.quorum.Quorum`: the current epoch's members, this process's index, and the epoch's gloo
 group, replaced at every re-form), after torchft's Manager: the quorum replaces the group, the step is the
-ordinary one, its gradients averaged after backward without DDP (`data_parallel_sync.AxisGradients`, in one
-collective with the loss sum, the flags, the batch fingerprints and the "replacement waiting" mark).
+ordinary one, its gradients averaged after backward without DDP (`data_parallel_sync.AxisGradients`).
 
 Exact accounting: a member's share depends on the members present, which the loader cannot know, so
 `AxisJob.loader` hands out each global batch unloaded (`loom.data.loader.LazyBatch`) and at each attempt of a
 step the job fetches only its index's share among the epoch's members (`member_share`). Each loss is weighted by
 ``n * size / N``, so a committed step is the gradient of the global-batch mean loss whatever the membership. A
 dropped step applied nothing on any member and is retried on the same global batch by the next epoch. The data
-position is the committed step: a replacement receives it with the model. What heal cannot honour is refused
-at setup, naming why (`refuse_heal_options`).
+position is the committed step: a replacement receives it with the model.
 """
 
 from __future__ import annotations

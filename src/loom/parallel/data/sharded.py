@@ -8,10 +8,9 @@ Usage, how each stage works, the memory table and limits: docs/strategies/sharde
 The job is a `DataParallelJob` (the same step: global-batch weighting, ``accumulate``, the guards, step
 records) with the hooks a sharded layout needs; the non-finite verdict, each rank holding a different piece of
 the gradient, rides on a collective the step already makes. In one process every stage is the plain model with
-the stage-1 layout, so its checkpoints reshard like the others. Setup checks the replicas hold the same model
-and optimizer, broadcasts rank 0's, and self-tests the backend (`sharded_selftest`). Each rank's state is its
-pieces under the original names with their bounds (`loom.checkpoint.sharded_state`): a checkpoint resumes at
-any world size (`load_resharded`).
+the stage-1 layout, so its checkpoints reshard like the others. Each rank's state is its pieces under the
+original names with their bounds (`loom.checkpoint.sharded_state`): a checkpoint resumes at any world size
+(`load_resharded`).
 """
 
 from __future__ import annotations
@@ -113,8 +112,8 @@ class ShardedDataParallel(Strategy):
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | LossCall | None = None
     ) -> ShardedDataParallelJob:
-        """Broadcast rank 0's model, self-test the backend, shard; the optimizer is rebound in place to the
-        pieces (keep using the same object, and schedulers built on it)."""
+        """Check the replicas agree, broadcast rank 0's model, self-test the backend, shard; the optimizer is
+        rebound in place to the pieces (keep using the same object, and schedulers built on it)."""
         topo = self._topology()
         call = check_setup_arguments(
             model, optimizer, loss_fn, strategy="ShardedDataParallel", conventions=True, backend=topo.backend
