@@ -139,13 +139,9 @@ class AxisGradients:
         self.dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
         self.numel = sum(p.numel() for p in self.params)
         self.nbytes = self.numel * self.dtype.itemsize
-        self._flat = torch.zeros(self.numel, dtype=self.dtype)
-
-    @property
-    def flat(self) -> torch.Tensor:
+        self.flat = torch.zeros(self.numel, dtype=self.dtype)
         """Every trainable parameter's averaged gradient, flat, in order, after `average` (the same on every
         member: a check of it reaches the same verdict everywhere)."""
-        return self._flat[: self.numel]
 
     def average(self, extra: torch.Tensor | None = None) -> None:
         """Leave every parameter's ``.grad`` the average over the axis (a missing gradient counts as zeros) and
@@ -165,10 +161,8 @@ class AxisGradients:
             flat = _run_exchange(exchange, group, size) if size > 1 else grads
             if values.numel():
                 comm_all_reduce(values, op="sum", algorithm="native", group=group)
-        self._flat = flat
-        for p, grad in zip(
-            self.params, flat[: self.numel].split([p.numel() for p in self.params]), strict=True
-        ):
+        self.flat = flat[: self.numel]
+        for p, grad in zip(self.params, self.flat.split([p.numel() for p in self.params]), strict=True):
             p.grad = grad.view_as(p).to(p.dtype)
 
 
