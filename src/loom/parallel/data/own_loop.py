@@ -1,14 +1,12 @@
 """Your own training loop with loom's semantics: keep forward, ``loss.backward()``, clipping and the step.
 
 Usage, what such a loop may do and its limits (one training forward per loader batch; no step records):
-docs/own-loop.md. As Horovod's ``DistributedOptimizer`` and Accelerate's ``prepare``, the loop stays and the model
-and optimizer come back wrapped, with global-batch semantics under uneven shares. The training forward weights the
-*gradient* flowing back into each output by ``w = n * W / N`` (``n`` this call's samples, ``W`` the replicas, ``N``
-the global batch: the loader's, else counted by an all-reduce), an identity in the forward pass, so the all-reduce
-gives every rank ``sum_r n_r / N * grad_r`` before ``clip_grad_norm_`` reads it. Weighting outputs, not the loss,
-leaves the user's ``loss`` and ``GradScaler``'s scaling untouched, and terms not from the outputs (a weight penalty)
-averaged, which is their global value. Averaged gradients are equal on every rank, so ``GradScaler``'s inf checks
-and skipped steps agree everywhere.
+docs/own-loop.md. The model and optimizer come back wrapped. The training forward weights the *gradient* flowing
+back into each output by ``w = n * W / N`` (``n`` this call's samples, ``W`` the replicas, ``N`` the global batch:
+the loader's, else counted by an all-reduce), an identity in the forward pass, so the all-reduce gives every rank
+``sum_r n_r / N * grad_r`` before ``clip_grad_norm_`` reads it. Weighting outputs, not the loss, leaves the user's
+``loss`` and ``GradScaler``'s scaling untouched, and terms not from the outputs (a weight penalty) averaged, which
+is their global value. Averaged gradients are equal on every rank, so ``GradScaler``'s skipped steps agree.
 """
 
 from __future__ import annotations
