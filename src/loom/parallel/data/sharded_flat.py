@@ -1,7 +1,6 @@
-"""ZeRO stage 1, loom's own: every rank keeps the whole model and its gradients, and steps the optimizer over
-one contiguous piece of all parameters, flattened and concatenated (Rajbhandari et al., "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models", 2020, P_os; the user's view:
-docs/strategies/sharded.md#how-each-stage-works).
+"""ZeRO stage 1 (P_os, Rajbhandari et al., 2020), loom's own: every rank keeps the whole model and its gradients,
+and steps the optimizer over one contiguous piece of all parameters, flattened and concatenated (the user's
+view: docs/strategies/sharded.md#how-each-stage-works).
 
 The optimizer holds flat *views* of this rank's piece of each parameter (``nn.Parameter`` over the parameter's
 own storage), so its step updates the model in place and its state exists for the piece only. ``collective``:
