@@ -86,8 +86,16 @@ def choose_gradient_path(
     (``benchmarks/reports/dp_allreduce.md``). A collective (the agreement on the shared path) runs only when the
     rows above it do not hold, on every rank alike.
     """
-    if axis is not None:
-        return axis_path(config, model, axis)
+    if axis is not None:  # options it cannot honour were refused by `refuse_heal_options`; ``auto``: gloo's
+        algorithm = "native" if config.allreduce == "auto" else config.allreduce
+        codec = make_codec(config.compression) if config.compression is not None else None
+        how = f"compression={config.compression!r}" if codec is not None else f"{algorithm!r} all-reduce"
+        return GradientPath(
+            f"flat gradients over the data axis's group, no DDP ({how})",
+            "--on-worker-failure heal: the axis's group is replaced at every re-form "
+            "(DDP is bound to one group)",
+            shared=AxisGradients(model, axis, algorithm, codec),
+        )
     if config.compression is not None:
         return GradientPath("DDP + compression hook", f"compression={config.compression!r}",
                             hook=gradient_hook(config, topo))  # fmt: skip
@@ -109,19 +117,6 @@ def choose_gradient_path(
         f"DDP + loom {config.allreduce!r} all-reduce, synchronous",
         _why_not_shared(config, topo, model),
         hook=gradient_hook(config, topo),
-    )
-
-
-def axis_path(config: DataParallelConfig, model: nn.Module, axis: DataAxis) -> GradientPath:
-    """The path over a replaceable data axis (`loom.parallel.data.data_axis`; options it cannot honour were
-    refused by `refuse_heal_options`): ``allreduce`` over the axis's group (``auto``: gloo's), or a codec."""
-    algorithm = "native" if config.allreduce == "auto" else config.allreduce
-    codec = make_codec(config.compression) if config.compression is not None else None
-    how = f"compression={config.compression!r}" if codec is not None else f"{algorithm!r} all-reduce"
-    return GradientPath(
-        f"flat gradients over the data axis's group, no DDP ({how})",
-        "--on-worker-failure heal: the axis's group is replaced at every re-form (DDP is bound to one group)",
-        shared=AxisGradients(model, axis, algorithm, codec),
     )
 
 
