@@ -133,13 +133,8 @@ class ModelParallelJob(Engine):
         if train:  # the optimizer may hold slices of the parameters (zero=1), so its zero_grad misses theirs
             self.module.zero_grad(set_to_none=True)
         assert total is not None
-        stream = (
-            stage_instructions(
-                sched.schedule, self.mesh.index("pp"), sched.stages, len(micro), forward_only=not train
-            )
-            if micro
-            else []
-        )
+        where = (sched.schedule, self.mesh.index("pp"), sched.stages, len(micro))
+        stream = stage_instructions(*where, forward_only=not train) if micro else []
         with self.collective("pipeline schedule (sends and receives between stages)"):
             state.loss_sum, stats = run_instructions(
                 stream, self.module, self.loss_fn, inputs, targets, sizes, total,
