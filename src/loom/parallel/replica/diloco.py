@@ -274,13 +274,9 @@ class DiLoCoJob(ReplicaJob):
         """The outer step on the fragment's global copy, then the local values from it."""
         averaged = self._wait(entry)
         local, held = self._fragment_tensors(entry.fragment)
-        sizes = [t.numel() for t in local]
-        pad = self._pad_before_buffers(entry.fragment)
-        if pad:
-            sizes.insert(len(held), pad)
-        views = list(averaged.split(sizes))
-        if pad:
-            del views[len(held)]
+        sizes, n = [t.numel() for t in local], len(held)
+        views = list(averaged.split([*sizes[:n], self._pad_before_buffers(entry.fragment), *sizes[n:]]))
+        del views[n]  # the zeros before the buffers (empty without int8)
         self.outer_optimizer.zero_grad(set_to_none=True)
         for g, piece in zip(held, views, strict=False):
             g.grad = piece.view_as(g).to(g.dtype)
