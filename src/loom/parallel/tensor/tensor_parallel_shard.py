@@ -159,13 +159,12 @@ def _split_attention(name: str, module: nn.Module, comm: TensorParallelComm, dim
                 f"{type(linear).__name__}. HINT: see the 'attention' pattern in docs/strategies/tensor-parallel.md."
             )
         projections[proj] = linear
-    for proj in _Q_K_V:
-        layer = ColumnParallelLinear(projections[proj], comm, f"{name}.{proj} (heads={heads})")
+    for proj, linear in projections.items():
+        split = RowParallelLinear if proj == "out_proj" else ColumnParallelLinear
+        what = "in_features " if proj == "out_proj" else ""
+        layer = split(linear, comm, f"{name}.{proj} {what}(heads={heads})")
         setattr(module, proj, layer)
         dims.update(layer.shard_dims)
-    out = RowParallelLinear(projections["out_proj"], comm, f"{name}.out_proj in_features (heads={heads})")
-    module.out_proj = out
-    dims.update(out.shard_dims)
     setattr(module, attr, heads // comm.size)
     _enter_block(module, comm)
 
