@@ -152,15 +152,14 @@ def run_instructions(
                     loss_sum += float(loss.detach().double()) * sizes[j]
                     out = loss * (sizes[j] * replicas / total)
             outputs[j] = _tensors(out)
-            if not train:  # nothing to keep for a backward
-                received.pop(j, None)
-                if next_ is None:
-                    outputs.pop(j)
             stats.busy_s += time.perf_counter() - t0
             stats.peak_live_microbatches = max(stats.peak_live_microbatches, len(outputs) if train else 1)
             stats.peak_activation_bytes = max(stats.peak_activation_bytes, sum(saved_bytes.values()))
-            if not train:
+            if not train:  # nothing to keep for a backward
+                received.pop(j, None)
                 saved_bytes.pop(j)
+                if next_ is None:
+                    outputs.pop(j)
         elif ins.op is Op.SEND_ACTIVATION:
             sent = outputs[j] if train else outputs.pop(j)
             pending += send_tensors(sent, _peer(next_, ins, stage.index), group=group)
