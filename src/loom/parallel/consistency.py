@@ -64,17 +64,12 @@ def _value(value: Any) -> str:
 
 def _first_difference(reference: list[list[str]], other: list[list[str]], rank: int) -> tuple[str, str]:
     """What differs first (``"optimizer"`` when both entries are the optimizer's, else ``"model"``) and how."""
-    for ref_entry, entry in zip(reference, other, strict=False):
-        if ref_entry != entry:
-            kind, name, described = ref_entry
-            o_kind, o_name, o_described = entry
-            what = "optimizer" if kind == o_kind == "optimizer" else "model"
-            if (kind, name) != (o_kind, o_name):
-                return (
-                    what,
-                    f"{kind} {name!r} on rank 0 vs {o_kind} {o_name!r} on rank {rank} at the same position",
-                )
-            return what, f"{kind} {name!r}: {described} on rank 0 vs {o_described} on rank {rank}"
+    for (kind, name, described), (kind2, name2, described2) in zip(reference, other, strict=False):
+        what = "optimizer" if kind == kind2 == "optimizer" else "model"
+        if (kind, name) != (kind2, name2):
+            return what, f"{kind} {name!r} on rank 0 vs {kind2} {name2!r} on rank {rank} at the same position"
+        if described != described2:
+            return what, f"{kind} {name!r}: {described} on rank 0 vs {described2} on rank {rank}"
     if len(reference) != len(other):
         extra = reference[len(other)] if len(reference) > len(other) else other[len(reference)]
         return "model", f"{len(reference)} vs {len(other)} entries; first unmatched: {extra[0]} {extra[1]!r}"
