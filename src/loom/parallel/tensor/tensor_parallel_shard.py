@@ -115,12 +115,11 @@ def auto_plan(model: nn.Module, allow_empty: bool = False) -> dict[str, str]:
     """The blocks of ``model`` that match the patterns of docs/strategies/tensor-parallel.md; attention first, and
     no MLP inside an attention module."""
     plan: dict[str, str] = {}
-    inside_attention: list[str] = []
     for name, module in model.named_modules():
-        if any(name.startswith(a + ".") for a in inside_attention):
+        if any(name.startswith(a + ".") for a, kind in plan.items() if kind == "attention"):
             continue
         if _is_attention(module):
-            plan[name], inside_attention = "attention", [*inside_attention, name]
+            plan[name] = "attention"
         elif mlp_pairs(module):
             plan[name] = "mlp"
         elif isinstance(module, nn.Embedding):
