@@ -1,21 +1,15 @@
 """What ``loom run --on-worker-failure heal`` adds to LocalSGD and DiLoCo: the sync round as the unit of commit.
 
-Why, what a failure costs, and the options: docs/fault-tolerance.md, "LocalSGD and DiLoCo: the sync round is the
-unit of commit". A round is the ``H = sync_every`` inner steps and the synchronization that ends them. A failure
-anywhere in it makes every member restore its round-start snapshot (the job's ``state_dict`` and the RNG),
-re-form (`loom.fault.quorum`), make themselves equal (`loom.parallel.data.data_axis.take_live_state`) and redo
-the round's global batches among the members present. `RoundCommit` does it from the hooks of
-`loom.parallel.replica._replica_sync.ReplicaJob`:
-
-- **The vote** is the round's, after its synchronization (`end_step`; `commit` lets inner steps through).
-- **The replay**: the round's global batches are kept (up to ``H``); `adopt_epoch` replays the earlier ones from
-  the snapshot, then the engine retries the `train_step` that met the failure, which returns its own step's
-  loss. Members that failed at different inner steps replay the same collectives in the same order.
-- **Joining**: at a round boundary (the ``pending`` mark on the last step's all-reduce), or in the epoch that
-  re-forms after a failure. Step records are written when the round commits.
-
-Limits: one host (`loom.launch.heal`); what a round cannot honour is refused at setup (`refuse_round_options`);
-`synchronize` between round boundaries is refused (end on a multiple of ``sync_every``).
+Why, what a failure costs, the options and the limits (one host: `loom.launch.heal`): docs/fault-tolerance.md,
+"LocalSGD and DiLoCo: the sync round is the unit of commit". A round is the ``H = sync_every`` inner steps and the
+synchronization that ends them. A failure anywhere in it makes every member restore its round-start snapshot (the
+job's ``state_dict`` and the RNG), re-form (`loom.fault.quorum`), make themselves equal
+(`loom.parallel.data.data_axis.take_live_state`) and redo the round's global batches among the members present.
+`RoundCommit` does it from the hooks of `loom.parallel.replica._replica_sync.ReplicaJob`: the vote follows the
+round's synchronization (`end_step`); the replay (`adopt_epoch`) runs the round's earlier batches from the
+snapshot, then the engine retries the `train_step` that met the failure, so members that failed at different inner
+steps replay the same collectives in the same order; a replacement joins at a round boundary (`joiner_ready`) or
+in the epoch that re-forms after a failure. Step records are written when the round commits.
 """
 
 from __future__ import annotations
