@@ -1,14 +1,11 @@
 """What `LocalSGD` and `DiLoCo` share: replicas that step on their own and meet every few steps.
 
 Each process keeps a whole model and takes *inner* steps on its share of each global batch with the user's
-optimizer, synchronizing no gradient. `ReplicaJob` is that inner loop, written once:
-
-- each step ends with one small all-reduce of ``[loss sum, one non-finite flag per rank, sample count]``: every
-  rank returns the global-batch mean loss, skips a step that any rank flagged
-  (`loom.fault.desync.NonFiniteGuard`), and knows the job's sample count;
-- each rank counts its samples since each synchronization, so replicas are averaged weighted by ``n_r / N``
-  (why that makes ``sync_every=1`` exact: `loom.parallel.replica.local_sgd`);
-- after each step the strategy's `ReplicaJob._exchange` decides whether to synchronize.
+optimizer, synchronizing no gradient. `ReplicaJob` is that inner loop, written once: each step ends with one
+small all-reduce (`ReplicaJob._reduce_step`), so that every rank returns the global-batch mean loss, skips a step
+any rank flagged (`loom.fault.desync.NonFiniteGuard`) and counts the samples since each synchronization, by which
+the replicas are averaged (``n_r / N``; why that makes ``sync_every=1`` exact: `loom.parallel.replica.local_sgd`);
+then the strategy's `ReplicaJob._exchange` synchronizes when due.
 
 A rank with an empty share runs no forward and no optimizer step (weight 0 at the next average). State is per
 rank (the replicas differ between synchronizations): `loom.fit` writes every rank's part and skips its desync
