@@ -119,8 +119,7 @@ class ModelParallelJob(Engine):
         inputs, targets = split_batch(state.batch)
         state.local = local = batch_len(inputs)
         self._check_replica_samples(state.batch, local)
-        device = self.topology.device
-        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        inputs, targets = to_device((inputs, targets), self.topology.device)
         state.total = self._global_count(state.batch, local)
         # ``[((inputs, targets), size), ...]``: at most ``microbatches``, sizes differing by at most one
         pieces = min(self.schedule.microbatches, local)
