@@ -188,8 +188,7 @@ class DiLoCoJob(ReplicaJob):
         """Indices into ``module.parameters()`` of each fragment's parameters."""
         names = [n for n, _ in module.named_parameters()]
         self.fragment_names = [[names[i] for i in run] for run in self.fragments]
-        count = config.fragments
-        self._samples, self._global_samples = [0] * count, [0] * count
+        self._samples, self._global_samples = [0] * config.fragments, [0] * config.fragments
         self._in_flight: list[_Exchange] = []
         self.sync_log: list[tuple[int, int, int]] = []
         """``(fragment, step sent, step applied)`` of every exchange applied by this job object."""
