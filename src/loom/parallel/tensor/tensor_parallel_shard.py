@@ -181,8 +181,7 @@ def _split_mlp(name: str, module: nn.Module, comm: TensorParallelComm, dims: dic
         row = RowParallelLinear(second, comm, f"the hidden size of {name!r} ({second_name}.in_features)")
         setattr(module, first_name, col)
         setattr(module, second_name, row)
-        dims.update(col.shard_dims)
-        dims.update(row.shard_dims)
+        dims.update(col.shard_dims | row.shard_dims)
         # ``f`` at the pair's input: the block's input for a block, the first linear's inside a chain.
         _enter_block(col if _is_chain(module) else module, comm)
 
