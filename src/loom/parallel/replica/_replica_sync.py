@@ -158,7 +158,7 @@ class ReplicaJob(AxisJob):
         """One small all-reduce: the loss, every flag and the global count (the inner step of
         a replica averages no gradient: each replica steps on its own share)."""
         reduced = self._reduce_step(state)
-        state.work["reduced"], state.work["pending"] = reduced, bool(reduced[-1] > 0)
+        state.work["pending"] = bool(reduced[-1] > 0)
         state.total = int(reduced[-2].item())
         world = self.topology.world_size
         state.flags, state.ranks = reduced[FLAGS_AT : FLAGS_AT + world].tolist(), range(world)
