@@ -170,10 +170,8 @@ _POLICIES: dict[object, Policy] = {}
 def choose_algorithm(
     nbytes: int, group: dist.ProcessGroup | None, algorithms: Mapping[str, Algorithm]
 ) -> str:
-    """The algorithm ``auto`` uses for an ``nbytes`` message on ``group``; calibrates (collectively) on first use.
-
-    ``algorithms`` maps every candidate name to its low-level function (`loom.comm.all_reduce` passes its own).
-    """
+    """The algorithm ``auto`` uses for an ``nbytes`` message on ``group``; calibrates (collectively) on first use
+    with ``algorithms``, every candidate name's low-level function (`loom.comm.all_reduce` passes its own)."""
     key = group if group is not None else dist.group.WORLD
     if key not in _POLICIES:
         _POLICIES[key] = _load_or_calibrate(group, algorithms)

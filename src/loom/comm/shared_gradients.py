@@ -49,10 +49,8 @@ def shared_gradients_unusable(module: nn.Module, broadcast_buffers: bool) -> str
 
 
 class SharedGradients:
-    """The trainable parameters of ``module`` and a shared segment holding one flat gradient slot per process.
-
-    Construction is a collective over ``group`` (every process of it must construct one, for the same model).
-    """
+    """The trainable parameters of ``module`` and a shared segment holding one flat gradient slot per process;
+    construction is a collective over ``group`` (every process of it constructs one, for the same model)."""
 
     def __init__(
         self, module: nn.Module, group: dist.ProcessGroup | None = None, extra_values: int = 0

@@ -128,11 +128,8 @@ class Segment:
 
 
 class ShmContext:
-    """What shm and hierarchical all-reduce keep per process group: hosts, and this host's segment.
-
-    Made by `context_for` on a group's first shared-memory call: a collective over the group that exchanges
-    a digest of every process's `host_key` (and whether it can use shared memory) once.
-    """
+    """What shm and hierarchical all-reduce keep per process group: hosts, and this host's segment. Building
+    it is a collective exchanging each process's `host_key` digest and whether it can use shared memory."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -255,11 +252,9 @@ def context_for(group: dist.ProcessGroup | None) -> ShmContext:
 def reduce_scatter_piece(
     ctx: ShmContext, part: torch.Tensor, op: str
 ) -> tuple[list[torch.Tensor], list[int], int, int]:
-    """Steps 1-2 of the module docstring: leave chunk ``local_rank`` reduced in ``part`` and in this slot.
-
-    ``op="avg"`` divides by the local size. Returns every slot's view of the piece, the bounds of the local
-    processes' chunks, shm bytes written and shm bytes read.
-    """
+    """Steps 1-2 of the module docstring: leave chunk ``local_rank`` reduced (``avg``: divided by the local size)
+    in ``part`` and in this slot. Returns every slot's view of the piece, the chunks' bounds, shm bytes written
+    and shm bytes read."""
     r, m = ctx.local_rank, part.numel()
     slots = ctx.slots(part.dtype, m)
     bounds = [j * m // ctx.local_size for j in range(ctx.local_size + 1)]

@@ -45,10 +45,8 @@ def parse_compression(spec: str) -> tuple[str, str]:
 
 
 def make_codec(spec: str) -> Codec:
-    """``"fp16"``, ``"bf16"``, ``"int8"``, ``"topk:0.01"`` or ``"powersgd:4"`` -> a new codec with empty state.
-
-    Raises ValueError naming the bad spec and the valid forms (`parse_compression`).
-    """
+    """``"fp16"``, ``"bf16"``, ``"int8"``, ``"topk:0.01"`` or ``"powersgd:4"`` -> a new codec with empty state;
+    raises ValueError naming the bad spec and the valid forms (`parse_compression`)."""
     kind, canonical = parse_compression(spec)
     _, _, argument = canonical.partition(":")
     if kind in ("fp16", "bf16"):

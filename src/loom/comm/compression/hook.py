@@ -50,11 +50,8 @@ class _Flight:
 
 
 class CompressionHook:
-    """A DDP communication hook averaging each bucket with ``codec``; `compression_hook` builds it.
-
-    ``hook.codec`` is the codec, whose `state_dict()` holds the error-feedback residuals and warm starts to
-    checkpoint with the model (`state_dict` / `load_state_dict` here delegate to it).
-    """
+    """A DDP communication hook averaging each bucket with ``hook.codec`` (built by `compression_hook`); its
+    `state_dict` is the codec's: the error-feedback residuals and warm starts, to checkpoint with the model."""
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
