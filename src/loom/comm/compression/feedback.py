@@ -72,9 +72,7 @@ class ErrorFeedback:
 
     def buckets(self) -> list[tuple[int, ...]]:
         """The parameters grouped as last exchanged (a parameter since moved is left out of its old group)."""
-        groups: dict[tuple[int, ...], None] = {}
-        for group in self._buckets.values():
-            groups.setdefault(tuple(p for p in group if self._buckets[p] == group), None)
+        groups = dict.fromkeys(tuple(p for p in g if self._buckets[p] == g) for g in self._buckets.values())
         return [group for group in groups if group]
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
