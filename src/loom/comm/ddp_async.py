@@ -5,11 +5,10 @@ processes); as PyTorch's ``allreduce_hook``, each bucket is divided by the group
 gradients do not overflow.
 
 Why overlap (DDP's own design, Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3): a bucket's
-all-reduce should run *while* the remaining layers compute their gradients. ``native`` does that with
-``async_op=True``; loom's ``shm``, ``ring``, ``driver`` and ``hierarchical`` are blocking Python calls, so
-`allreduce_hook` stalls backward for every bucket. `overlapped_allreduce_hook` reduces each bucket on the
-process's communication thread (`loom.comm.thread`, which keeps the same order on every rank), and DDP waits for
-the futures at the end of backward.
+all-reduce should run *while* the remaining layers compute their gradients, as ``native`` does with
+``async_op=True``; loom's other algorithms are blocking Python calls, for each of which `allreduce_hook`
+stalls backward. `overlapped_allreduce_hook` reduces each bucket on the process's communication thread
+(`loom.comm.thread`: the same order on every rank), and DDP waits for the futures at the end of backward.
 
 Why this is safe: one thread uses shm and the backend at a time (`loom.comm.shm` keeps per-process state without
 a lock, and the ring's links are sockets no two threads may share). While buckets are in flight the main thread

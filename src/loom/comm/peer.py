@@ -6,8 +6,7 @@ barrier. `PeerNode` is one process's end: a listener admits peers that prove the
 (`loom.comm.peer_links`); requests go out on a connection this node dials (one per peer, kept open) and are
 answered on it; requests from others arrive on the connections they dialed. `pump` moves what can move on every
 non-blocking connection at once, so two workers answering each other with large frames never deadlock, and a
-node waiting for its own answer keeps answering others. Frames: `loom.comm.peer_wire`; a refused one closes its
-connection (counted as ``dropped``).
+node waiting for its own answer keeps answering others. Frames: `loom.comm.peer_wire`.
 
 Symmetry: two ``EXCHANGE`` requests cross when each was sent before its sender saw the other's (a request
 carries the seq of the receiver's last request its sender had answered). The lower rank answers the crossing

@@ -6,10 +6,9 @@ Why not PyTorch's ``TCPStore``: it accepts any client, and the elastic rendezvou
 agent, ``init_process_group(store=...)``, ``new_group``), in every process that needs it. User-facing summary:
 docs/launching.md.
 
-Authentication: first on every connection, both sides prove the job secret (``LOOM_JOB_SECRET``) by
-`loom.net.handshake`; the server gives a connection `HANDSHAKE_TIMEOUT_S` for it, and an unauthenticated peer can
-neither read nor write a key. Values are opaque bytes; only lengths and decimal integers (``add``) are decoded
-(`loom.net.store_wire`).
+Authentication: every connection starts with both sides proving ``LOOM_JOB_SECRET`` (`loom.net.handshake`,
+within `HANDSHAKE_TIMEOUT_S`); an unauthenticated peer can neither read nor write a key. Values are opaque
+bytes; only lengths and decimal integers (``add``) are decoded (`loom.net.store_wire`).
 
 Bounded: a client gives up connecting after ``connect_timeout_s`` (retrying refused connections until then: the
 server may not be up yet) and waits for a reply at most the operation's own wait plus ``io_timeout_s``, then

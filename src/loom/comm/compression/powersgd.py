@@ -11,20 +11,17 @@ With a ``Q`` (m x r) identical on every rank:
 4. the mean gradient is approximated by ``P Q^T`` (one power-iteration step); each rank keeps ``M_i - P Q_i^T``
    (``Q_i`` its step-3 term before the all-reduce) as its residual, so what the approximation missed is sent later.
 
-*Warm start*: step 3's ``Q`` seeds the next step's step 1, so the power iteration continues across steps and one
-iteration per step suffices. The first ``Q`` is drawn from a generator seeded by (seed, parameter number),
-identical on every rank without a broadcast; a zero or non-finite ``Q`` is redrawn (zero gradients would keep it
-zero forever).
+*Warm start*: step 3's ``Q`` seeds the next step's step 1, so one power iteration per step suffices. The first
+``Q`` is drawn from a generator seeded by (seed, parameter number), identical on every rank without a
+broadcast; a zero or non-finite ``Q`` is redrawn (zero gradients would keep it zero forever).
 
-Bytes: ``(n + m) r`` numbers per matrix instead of ``n m``, in two all-reduces. Tensors that do not gain --
-1-D (biases, norms) and matrices where ``(n + m) r >= n m`` -- are all-reduced exactly, packed into the P
-all-reduce. Both all-reduces have a fixed size, unlike top-k's all-gather, so the saving does not shrink as
-ranks are added.
+Bytes: ``(n + m) r`` numbers per matrix instead of ``n m``, in two all-reduces whose size, unlike top-k's
+all-gather, does not grow with the ranks. Tensors that do not gain (1-D ones, and matrices where ``(n + m) r
+>= n m``) are all-reduced exactly, packed into the P all-reduce.
 
 Limits: biased, relying on error feedback to converge; the residual costs one gradient of memory, plus ``m r``
-numbers per matrix for Q. The second round can only start once the first is reduced
-(`loom.comm.compression.hook` overlaps them with later buckets). 16-bit tensors are compressed in float32 (QR
-needs it) and cast back.
+numbers per matrix for Q; round 2 waits for round 1 (`loom.comm.compression.hook` overlaps them with later
+buckets). 16-bit tensors are compressed in float32 (QR needs it) and cast back.
 """
 
 from __future__ import annotations
