@@ -165,8 +165,7 @@ class ShmReceiver:
             done += ring.get(addr + done, n - done)
 
     def _spec(self, raw: bytes) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
-        """The (shape, dtype, bytes) of each tensor of a header (``raw``: all its words, the count first;
-        cached per header, as a pipeline repeats a few)."""
+        """The (shape, dtype, bytes) of each tensor of a header (``raw``: all its words, the count first)."""
         spec = self._specs.get(raw)
         if spec is None:
             words = struct.unpack(f"<{len(raw) // 8}q", raw)

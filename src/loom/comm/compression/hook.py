@@ -13,10 +13,9 @@ Bytes are recorded in `loom.comm.counters()` when a collective starts, so totals
 uncompressed run: ``op="sum"`` under ``"native"``, ``op="gather"`` under ``"all_gather"`` (``(N-1) * D`` bytes
 each way for a D-byte message).
 
-Parameter numbers: the codec keeps state per parameter, so the hook numbers DDP's parameters in the order it
-first meets them. A fresh DDP's first backward runs its initial buckets in model order, so the numbering is the
-same every time, and a saved codec state applies to the same parameters in a resumed run with the same model
-and DDP settings.
+Parameter numbers (the keys of the codec's state): DDP's parameters in the order the hook first meets them,
+which a fresh DDP's first backward makes model order; so a saved codec state applies to the same parameters in
+a resumed run with the same model and DDP settings.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at registration and
