@@ -10,9 +10,6 @@ itself, in rank order, so all compute bit for bit the same result. Each reads ``
 Two slots per process, used alternately: call ``k`` writes slot ``k mod 2``, and a process raises its counter for
 call ``k+1`` only after reading everything of call ``k``; so when call ``k+2`` overwrites slot ``k mod 2``,
 everybody has finished reading it. One barrier per call, no other waits.
-
-`SmallAllReduce.for_group` decides once, the same on every process, whether the group can use it (one host,
-x86-64, /dev/shm, CPU tensors).
 """
 
 from __future__ import annotations
@@ -47,8 +44,9 @@ class SmallAllReduce:
 
     @staticmethod
     def for_group(group: dist.ProcessGroup | None) -> SmallAllReduce | None:
-        """The group's small all-reduce, or None when it cannot have one. Collective on the first call (every
-        process of the group makes it at the same point, as the first all-reduce of a group does)."""
+        """The group's small all-reduce, or None, the same on every process, when it cannot have one (several
+        hosts, a CPU other than x86-64, no /dev/shm). Collective on the first call (every process of the group
+        makes it at the same point, as the first all-reduce of a group does)."""
         key = group if group is not None else dist.group.WORLD
         if key not in _GROUPS:
             ctx = ShmContext(group)  # its own segment: shm's all-reduce keeps its layout in context_for's
