@@ -37,9 +37,8 @@ class _Table:
     def apply(self, op: int, f: list[bytes]) -> tuple[int, list[bytes]]:
         """Run one request; waits happen outside the lock except inside `wait`."""
         if op in (wire.GET, wire.WAIT, wire.MULTI_GET):
-            timeout_s = int(f[0]) / 1000.0
             keys = f[1:]
-            if not self.wait(keys, timeout_s):
+            if not self.wait(keys, int(f[0]) / 1000.0):  # the wait's timeout in milliseconds, then the keys
                 missing = [k for k in keys if k not in self.data]
                 return wire.TIMEOUT, missing[:1]
             with self.changed:
