@@ -70,10 +70,8 @@ def combine_into(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
     """``acc = op(acc, incoming)`` elementwise, in ``acc``'s dtype (``avg`` sums; the caller divides once)."""
     if op in ("sum", "avg"):
         acc.add_(incoming)
-    elif op == "max":
-        torch.maximum(acc, incoming, out=acc)
     else:
-        torch.minimum(acc, incoming, out=acc)
+        (torch.maximum if op == "max" else torch.minimum)(acc, incoming, out=acc)
 
 
 _SCRATCH = threading.local()
@@ -124,9 +122,8 @@ def all_gather_bytes(
     For one-time set-up and control messages; its traffic is recorded under ``"setup"`` with the ring estimate.
     ``device`` is where the backend wants its tensors (a GPU under NCCL).
     """
-    mine = torch.zeros(length, dtype=torch.uint8)
+    mine = torch.zeros(length, dtype=torch.uint8, device=device)
     mine[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
-    mine = mine.to(device) if device is not None else mine
     out = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(out, mine, group=group)
     counters().record("setup", (n - 1) * length, (n - 1) * length)
