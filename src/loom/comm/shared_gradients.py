@@ -145,16 +145,12 @@ class SharedGradients:
             p.grad = view
         extras = extra.numel() if extra is not None else 0
         tally = self._tallies.get(extras)
-        if tally is None:  # the first call with this many extra values
-            tally = self._tallies[extras] = counters().tally("shm", self._traffic(extras))
+        if tally is None:  # the first call with this many extra values, whose traffic is fixed: this chunk
+            # written into (and read from) each other slot, these extra values written once and the others' read
+            sent, small = len(self.others) * (hi - lo) * mine.element_size(), 8 * extras
+            traffic = Traffic(shm_sent=sent + small, shm_received=sent + len(self.others) * small)
+            tally = self._tallies[extras] = counters().tally("shm", traffic)
         tally.calls += 1
-
-    def _traffic(self, extras: int) -> Traffic:
-        """What one `average` with ``extras`` extra values moves: this process's chunk written into each other
-        slot (and read from it), its extra values written once and every other process's read."""
-        lo, hi = self.chunk
-        sent, small = len(self.others) * (hi - lo) * self.slots[0].element_size(), 8 * extras
-        return Traffic(shm_sent=sent + small, shm_received=sent + len(self.others) * small)
 
 
 def _flat_grad(p: torch.Tensor) -> torch.Tensor | None:
