@@ -143,3 +143,17 @@ def test_the_library_imports_no_benchmark():
 def test_no_new_cycle_between_files_and_the_known_ones_are_still_listed():
     cycles = _cycles(_graph())
     assert sorted(map(sorted, cycles)) == sorted(map(sorted, KNOWN_FILE_CYCLES))
+
+
+def test_loom_names_its_public_names_alike_for_type_checkers_and_at_run_time():
+    """``loom/__init__`` lists its public names twice: imported under ``if TYPE_CHECKING:`` (what a type checker
+    sees) and in ``_LAZY`` (what ``__getattr__`` imports, from where); both must name the same, and each resolve."""
+    import loom
+
+    guarded = next(
+        node for node in ast.parse((SRC / "__init__.py").read_text()).body if isinstance(node, ast.If)
+    )
+    typed = {alias.name: node.module for node in guarded.body for alias in node.names}
+    assert {name: module for name, module in typed.items() if module != "loom"} == loom._LAZY
+    assert sorted(typed) == loom.__all__
+    assert all(getattr(loom, name) is not None for name in loom.__all__)

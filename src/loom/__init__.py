@@ -15,70 +15,41 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time each is imported on first use
-    from loom import checkpoint, comm, data, errors
-    from loom.job import Job
-    from loom.mesh import Mesh
-    from loom.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
-    from loom.parallel import (
-        DataParallel,
-        DataParallelConfig,
-        DiLoCo,
-        DiLoCoConfig,
-        Gossip,
-        GossipConfig,
-        Hybrid,
-        HybridConfig,
-        LocalSGD,
-        LocalSGDConfig,
-        LossCall,
-        ParameterServer,
-        ParameterServerConfig,
-        Pipeline,
-        PipelineConfig,
-        ShardedDataParallel,
-        ShardedDataParallelConfig,
-        TensorParallel,
-        TensorParallelConfig,
-    )
-    from loom.topology import Topology, current, init, shutdown
-    from loom.train.fit import FitResult, fit
+    from loom import checkpoint as checkpoint
+    from loom import comm as comm
+    from loom import data as data
+    from loom import errors as errors
+    from loom.job import Job as Job
+    from loom.mesh import Mesh as Mesh
+    from loom.observe.trackers import MLflowTracker as MLflowTracker
+    from loom.observe.trackers import TensorBoardTracker as TensorBoardTracker
+    from loom.observe.trackers import Tracker as Tracker
+    from loom.parallel import DataParallel as DataParallel
+    from loom.parallel import DataParallelConfig as DataParallelConfig
+    from loom.parallel import DiLoCo as DiLoCo
+    from loom.parallel import DiLoCoConfig as DiLoCoConfig
+    from loom.parallel import Gossip as Gossip
+    from loom.parallel import GossipConfig as GossipConfig
+    from loom.parallel import Hybrid as Hybrid
+    from loom.parallel import HybridConfig as HybridConfig
+    from loom.parallel import LocalSGD as LocalSGD
+    from loom.parallel import LocalSGDConfig as LocalSGDConfig
+    from loom.parallel import LossCall as LossCall
+    from loom.parallel import ParameterServer as ParameterServer
+    from loom.parallel import ParameterServerConfig as ParameterServerConfig
+    from loom.parallel import Pipeline as Pipeline
+    from loom.parallel import PipelineConfig as PipelineConfig
+    from loom.parallel import ShardedDataParallel as ShardedDataParallel
+    from loom.parallel import ShardedDataParallelConfig as ShardedDataParallelConfig
+    from loom.parallel import TensorParallel as TensorParallel
+    from loom.parallel import TensorParallelConfig as TensorParallelConfig
+    from loom.topology import Topology as Topology
+    from loom.topology import current as current
+    from loom.topology import init as init
+    from loom.topology import shutdown as shutdown
+    from loom.train.fit import FitResult as FitResult
+    from loom.train.fit import fit as fit
 
-__all__ = [
-    "DataParallel",
-    "DataParallelConfig",
-    "DiLoCo",
-    "DiLoCoConfig",
-    "FitResult",
-    "Gossip",
-    "GossipConfig",
-    "Hybrid",
-    "HybridConfig",
-    "Job",
-    "LocalSGD",
-    "LocalSGDConfig",
-    "LossCall",
-    "MLflowTracker",
-    "Mesh",
-    "ParameterServer",
-    "ParameterServerConfig",
-    "Pipeline",
-    "PipelineConfig",
-    "ShardedDataParallel",
-    "ShardedDataParallelConfig",
-    "TensorBoardTracker",
-    "TensorParallel",
-    "TensorParallelConfig",
-    "Topology",
-    "Tracker",
-    "checkpoint",
-    "comm",
-    "current",
-    "data",
-    "errors",
-    "fit",
-    "init",
-    "shutdown",
-]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -97,6 +68,7 @@ _LAZY = {
 }
 """Every public class and function, and the module it comes from; the subpackages (``loom.checkpoint``,
 ``loom.comm``, ``loom.data``, ``loom.errors``, ``loom.ray``, ``loom.spark``) are found as modules."""
+__all__ = sorted([*_LAZY, "checkpoint", "comm", "data", "errors"])
 
 
 def __getattr__(name: str) -> object:
