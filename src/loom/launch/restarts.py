@@ -88,12 +88,8 @@ class Rounds:
     def __init__(self, spec: LaunchSpec, host: str, port: int, secret: bytes, run_id: str, local_addr: str,
                  lost_after_s: float) -> None:  # fmt: skip
         self.node, self.nnodes, self.join_timeout_s = spec.node_rank, spec.nnodes, spec.join_timeout_s
-        self.nproc, self.run_id, self.local_addr, self.lost_after_s = (
-            spec.nproc,
-            run_id,
-            local_addr,
-            lost_after_s,
-        )
+        self.nproc, self.run_id = spec.nproc, run_id
+        self.local_addr, self.lost_after_s = local_addr, lost_after_s
         self.server = StoreServer(host, port, secret) if self.node == 0 else None
         self.host, self.port = host, (self.server.port if self.server else port)
         self.master = f"{self.host}:{self.port}"
@@ -175,11 +171,8 @@ class Rounds:
             self.server.close()
 
     def _name(self, node: int) -> str:
-        return (
-            f"node 0 (the master at {self.master})"
-            if node == 0
-            else f"node {node} ({self.peers.get(node, '?')})"
-        )
+        where = f"the master at {self.master}" if node == 0 else self.peers.get(node, "?")
+        return f"node {node} ({where})"
 
     def silent_peers(self, min_s: float = 3 * BEAT_S) -> str | None:
         """Which peers this node has not heard from for ``min_s`` seconds, in words, or None."""
