@@ -1,18 +1,14 @@
 """Run a loom training function or script on Spark, one process per barrier task, as ``TorchDistributor`` does.
 
-Usage, the secret's path and what ``local_mode`` means: docs/launching.md ("Spark"). ``local_mode=False`` starts a
-barrier stage of ``num_processes`` tasks (all scheduled at once or none; a failed task fails the stage). Each task
-starts one worker with loom's environment (``RANK`` = its partition, ``LOCAL_RANK`` among the tasks on its host,
-``MASTER_ADDR``/``MASTER_PORT`` = task 0's host and store, ``GLOO_SOCKET_IFNAME`` = the interface holding the
-task's address), so `loom.init` meets the others in loom's authenticated store, hosted by task 0 for the stage's
-lifetime (on 127.0.0.1 when every task runs on one host).
-
-The job secret is made per run by task 0 and shared through the barrier's ``allGather``; a task hands it to its
-worker on stdin, never in a command line (world-readable in ``/proc``), a file or the Spark worker's environment
-(Python workers are reused by later tasks), and never logs it. A function, its arguments and rank 0's result cross
-as cloudpickle (as Spark ships functions) through files in a private 0700 folder on the worker's host; a script
-must exist at the same path on every executor. Needs ``pyspark`` (``loom-train[spark]``) and the classic API
-(``RDD.barrier``).
+Usage, ``local_mode`` and the job secret's path (made per run by task 0, shared through the barrier's
+``allGather``, handed to each worker on stdin: never in a command line, a file, a log or the Spark worker's
+environment, which later tasks reuse): docs/launching.md ("Spark"). Each task starts one worker with loom's
+environment (``RANK`` = its partition, ``LOCAL_RANK`` among the tasks on its host, ``MASTER_ADDR``/``MASTER_PORT``
+= task 0's host and store, ``GLOO_SOCKET_IFNAME`` = the interface holding the task's address), so `loom.init`
+meets the others in loom's authenticated store, hosted by task 0 for the stage's lifetime (on 127.0.0.1 when every
+task runs on one host). A function, its arguments and rank 0's result cross as cloudpickle through files in a
+private 0700 folder on the worker's host; a script must exist at the same path on every executor. Needs
+``pyspark`` (``loom-train[spark]``) and the classic API (``RDD.barrier``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Run a one-node job's workers as plain child processes, so that a dead worker does not stop the others.
 
-``loom run --on-worker-failure continue``. The default policy (`loom.launch.restarts`) stops the whole group
-when one worker dies: right for synchronous training, wrong for asynchronous parameter-server training, where the
-servers hold the model and the survivors can finish (which strategies refuse ``continue``, and why:
-docs/fault-tolerance.md). So the launcher supervises the workers itself: each runs `loom.launch.worker` (dying with
-the launcher) with torchrun's environment (`worker_env`), and joins loom's authenticated store, hosted by the
-launcher on loopback, so any worker, rank 0 included, may die once all joined; a worker that dies before all have
-joined leaves the others waiting in ``loom.init()`` until its timeout. A dead worker is named on one line and the
-others go on. `start_worker`, `worker_env` and `stop_processes` serve ``stop`` (`loom.launch.restarts`) and
-``heal`` (`loom.launch.heal_nodes`) too.
+``loom run --on-worker-failure continue``, for asynchronous parameter-server training, where the servers hold the
+model and the survivors can finish (the default, `loom.launch.restarts`, stops the group; which strategies refuse
+``continue``, and why: docs/fault-tolerance.md). Each worker runs `loom.launch.worker` (dying with the launcher)
+with torchrun's environment (`worker_env`) and joins loom's authenticated store, hosted by the launcher on
+loopback, so any worker, rank 0 included, may die once all joined; one that dies before all have joined leaves the
+others waiting in ``loom.init()`` until its timeout. A dead worker is named on one line. `start_worker`,
+`worker_env` and `stop_processes` serve ``stop`` and ``heal`` (`loom.launch.heal_nodes`) too.
 
 Exit status: 0 when every worker succeeded or was killed by a signal (the OOM killer...) and at least one
 succeeded (a warning names the lost ranks); 1 when a worker raised or exited non-zero (a bug is not a lost worker)
