@@ -131,19 +131,15 @@ class Zygote:
         if not self._wait_ready(what):
             return None
         ours: list[int] = []  # descriptors made here, closed here once sent
-        pipes = []
         try:
             os.fstat(0)
             stdin = 0  # a fresh worker inherits the launcher's standard input: so does a forked one
         except OSError:
             stdin = os.open(os.devnull, os.O_RDONLY)
             ours.append(stdin)
-        streams = []
-        for _ in range(2):
-            read, write = os.pipe()
-            pipes.append(read)
-            ours.append(write)
-            streams.append(write)
+        pipes = [os.pipe() for _ in range(2)]  # (read, write) for its stdout and its stderr
+        streams = [write for _, write in pipes]
+        ours += streams
         sent, ident = False, 0
         try:
             with self._sending:
@@ -159,10 +155,10 @@ class Zygote:
                 os.close(fd)
         pid = self._await_reply(ident, what).get("pid") if sent else None
         if not isinstance(pid, int):
-            for fd in pipes:
-                os.close(fd)
+            for read, _ in pipes:
+                os.close(read)
             return None
-        out, err = (open(fd, errors="replace") for fd in pipes)  # noqa: SIM115
+        out, err = (open(read, errors="replace") for read, _ in pipes)  # noqa: SIM115
         return Forked(self, pid, self.command(), out, err)
 
     def _wait_ready(self, what: str) -> bool:
