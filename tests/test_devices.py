@@ -3,8 +3,6 @@ choices, refusals and messages are checked here; the GPU lane (tests/test_gpu.py
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from torch import nn
@@ -101,7 +99,8 @@ def test_loom_run_refuses_minus_n_above_the_gpus_with_one_line(monkeypatch, caps
         "`loom run -n 1`, or `--device cpu` to train on the CPU, or `--share-gpus` to put several processes on one "
         "GPU (collectives over gloo)"
     )
-    cli._device_env(argparse.Namespace(device="cpu", share_gpus=False), 4)  # not refused
+    assert cli.main(["run", "-n", "4", "--device", "cpu", "no_such_script.py"]) == 2  # (LOOM_DEVICE restored)
+    assert "GPU" not in capsys.readouterr().err  # refused for the missing script, not for the GPUs
 
 
 def test_a_model_on_the_jobs_device_is_left_where_it_is_silently(capsys):

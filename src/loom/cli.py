@@ -147,20 +147,8 @@ def _add_run_parser(sub) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def _device_env(ns: argparse.Namespace, nproc: int | None) -> None:
-    """Hand ``--device`` and ``--share-gpus`` to the workers (LOOM_DEVICE, LOOM_SHARE_GPUS) and refuse, before
-    anything starts, more workers on this host than its GPUs (`loom.devices.check_gpu_count`: `ValueError`)."""
-    from loom.devices import check_gpu_count
-
-    if ns.device is not None:  # else the workers read LOOM_DEVICE as the launcher found it (checked already)
-        os.environ["LOOM_DEVICE"] = ns.device
-    if ns.share_gpus:
-        os.environ["LOOM_SHARE_GPUS"] = "1"
-    if nproc is not None:
-        check_gpu_count(nproc, ns.device)
-
-
 def _cmd_run(ns: argparse.Namespace) -> int:
+    from loom.devices import check_gpu_count
     from loom.launch.agent import launch
     from loom.launch.spec import LaunchSpec
 
@@ -170,9 +158,14 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         print(f"loom run: warning: {line}", file=sys.stderr)
     if errors:
         return refuse("\n".join(f"loom run: {line}" for line in errors))
+    if ns.device is not None:  # else the workers read LOOM_DEVICE as the launcher found it (checked already)
+        os.environ["LOOM_DEVICE"] = ns.device
+    if ns.share_gpus:
+        os.environ["LOOM_SHARE_GPUS"] = "1"
     elsewhere = ns.backend == "ray" or ns.cluster or ns.host_index is not None  # not -n workers here
-    try:
-        _device_env(ns, None if elsewhere else ns.nproc)
+    try:  # more workers on this host than its GPUs, refused before anything starts
+        if not elsewhere:
+            check_gpu_count(ns.nproc, ns.device)
     except ValueError as error:
         return refuse(f"loom run: {error}")
     if ns.max_server_restarts is not None and elsewhere:
