@@ -38,7 +38,7 @@ def _profile(layers: int = 4, fwd: float = 1.0, bwd: float = 2.0, params: int = 
         row = [
             LayerProfile(f"{i}", 4 * params, params, fwd, bwd, 100 * size, 10 * size) for i in range(layers)
         ]
-        return BatchProfile(size, fwd * layers, bwd * layers, (fwd + bwd) * layers, tuple(row))
+        return BatchProfile(size, fwd * layers, bwd * layers, tuple(row))
 
     total = 4 * params * layers
     return ModelProfile(total, total, 2 * total, params * layers, 0.0, True, "", 1, {s: at(s) for s in sizes})

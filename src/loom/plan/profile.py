@@ -50,8 +50,6 @@ class BatchProfile:
     batch_size: int
     forward_s: float
     backward_s: float
-    step_s: float
-    """Forward, backward and optimizer step together, as measured (median)."""
     layers: tuple[LayerProfile, ...]
 
     @property
@@ -268,11 +266,8 @@ def _profile_batch(
         )
         for i, (name, layer) in enumerate(clock.layers)
     )  # fmt: skip
-    profile = BatchProfile(
-        size, med(r[0]["forward"] for r in runs), med(r[0]["backward"] for r in runs),
-        med(r[0]["forward"] + r[0]["backward"] + r[0]["optimizer"] for r in runs), layers,
-    )  # fmt: skip
-    return profile, med(r[0]["optimizer"] for r in runs)
+    forward, backward, optimizer = (med(r[0][k] for r in runs) for k in ("forward", "backward", "optimizer"))
+    return BatchProfile(size, forward, backward, layers), optimizer
 
 
 def profile_model(captured: CapturedScript, batch_sizes: list[int], repeats: int = 3) -> ModelProfile:
