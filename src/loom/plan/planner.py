@@ -121,11 +121,9 @@ def _pipeline_probe(nproc: int, chain: bool, chain_length: int, batch: int) -> C
 
 def _with_overlap(local: Transport, measured: dict, profile: ModelProfile, reference: Configuration,
                   batch: int) -> Transport:  # fmt: skip
-    """``local`` with the overlap coefficient ``k`` of its native all-reduce with backward: the reference's step
-    exposes ``reference - quiet`` of the all-reduce's ``X``, and ``exposed(X) = X - k * min(X, Bw)``
-    (`loom.plan.cost`), so ``k = (X - (reference - quiet)) / min(X, Bw)``, within [-1, 1], and what the
-    reference exposed beyond ``k = -1`` its ``ddp_extra_s``: so the reference's own prediction is its measured
-    step. Both steps are the engine's, on the same model and data: what they share (the engine, the cores'
+    """``local`` with the overlap coefficient ``k`` and ``ddp_extra_s`` from the reference's and the quiet run's
+    steps, as docs/plan.md#what-it-measures derives them, so that the reference's own prediction is its measured
+    step. Both steps are the engine's on the same model and data: what they share (the engine, the cores'
     contention) cancels."""
     backward = profile.at(math.ceil(batch / reference.dp)).backward_s
     x = local.time("allreduce:native", profile.grad_bytes)
@@ -151,10 +149,8 @@ def _trial(mode: str, script: str, args: tuple[str, ...], nproc: int, servers: i
         if done.returncode != 0 or not out.exists():
             tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
             raise PlanError(f"loom plan: the {mode} run failed (exit {done.returncode}): {tail}")
-        if out.stat().st_size > 1 << 22:
-            raise PlanError(
-                f"loom plan: the {mode} run wrote {out.stat().st_size} bytes; expected a small JSON"
-            )
+        if (size := out.stat().st_size) > 1 << 22:
+            raise PlanError(f"loom plan: the {mode} run wrote {size} bytes; expected a small JSON")
         return json.loads(out.read_text())
 
 
