@@ -12,9 +12,6 @@ Python hook costs a GIL handoff per bucket): gradient hooks mark where computati
 a traced run (``LOOM_TRACE_STEPS``) shows the wait as one collective event, since timing every bucket would take
 another path than the one traced. What all this costs: ``python -m loom_bench.metrics_overhead``. Each step's
 phase times (`last_phases`) feed `loom.observe.straggler_watch`.
-
-The loss buffer's layout: ``[loss sum, one non-finite flag per rank]``. The flags (set by the strategy, see
-`loom.fault.desync.NonFiniteGuard`) are not an observation but part of the step's decision.
 """
 
 from __future__ import annotations
@@ -61,7 +58,6 @@ class StepObserver:
         trace: TraceRecorder | None = None,
     ) -> None:
         self.metrics = metrics
-        self.rank = metrics.rank
         self.world_size = world_size
         self.enabled = enabled
         self.trace = trace
@@ -195,8 +191,9 @@ class StepObserver:
 
     # -- the reduced buffer ------------------------------------------------------------------------------------
     def loss_buffer(self, device: torch.device) -> torch.Tensor:
-        """``[loss_sum, flags...]`` all zero: slot 0 for the strategy's loss sum, a flag per rank (the strategy
-        sets its own, ``FLAGS_AT + rank``)."""
+        """``[loss_sum, flags...]`` all zero: slot 0 for the strategy's loss sum, a non-finite flag per rank (the
+        strategy sets its own, ``FLAGS_AT + rank``: not an observation but part of the step's decision,
+        `loom.fault.desync.NonFiniteGuard`)."""
         if device.type != "cpu":
             return torch.zeros(loss_buffer_size(self.world_size), dtype=torch.float64, device=device)
         # On CPU one buffer is reused, cleared through its numpy view (cheaper than a new tensor each step). Safe
