@@ -39,11 +39,10 @@ class StragglerConfig:
     """Absolute floor on the excess over the median, in seconds."""
 
     def __post_init__(self) -> None:
-        if not self.margin >= 0:
-            raise ValueError(f"straggler margin must be >= 0, got {self.margin!r}")
+        for name, value in (("margin", self.margin), ("min_excess_s", self.min_excess_s)):
+            if not value >= 0:  # NaN too
+                raise ValueError(f"straggler {name} must be >= 0, got {value!r}")
         check_int("straggler window", self.window)
-        if not self.min_excess_s >= 0:
-            raise ValueError(f"straggler min_excess_s must be >= 0, got {self.min_excess_s!r}")
 
     @classmethod
     def from_env(cls) -> StragglerConfig:
@@ -95,7 +94,6 @@ class StragglerDetector:
     def judge(self, step: int, means: Sequence[Sequence[float]]) -> list[StragglerWarning]:
         """Judge one table of every rank's typical phase times (row r: rank r's median data, compute, comm,
         optimizer seconds over a full window, as `loom.observe.straggler_watch` summarizes it on each rank)."""
-        n = self.config.window
         medians = [median(m[p] for m in means) for p in range(4)]
         busy = [m[0] + m[1] + m[3] for m in means]
         median_busy = median(busy)
@@ -111,7 +109,7 @@ class StragglerDetector:
             for phase, rank_s, median_s in suspects:
                 if (rank, phase) not in self._flagged:
                     self._flagged.add((rank, phase))
-                    new.append(StragglerWarning(step, rank, phase, rank_s, median_s, n))
+                    new.append(StragglerWarning(step, rank, phase, rank_s, median_s, self.config.window))
             if not suspects:  # recovered: re-arm its warnings
                 self._flagged = {f for f in self._flagged if f[0] != rank}
         return new
