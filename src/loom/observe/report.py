@@ -39,10 +39,8 @@ def load_records(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     a resumed job re-runs steps after its checkpoint, a sampled step's memory rewrites its record). A healed
     rank's replacements (``rank<r>.heal<g>.jsonl``, `loom.parallel._setup.step_metrics`) continue its
     series, read after it in generation order; lines that are not whole records are skipped."""
-    files = []
-    for path in Path(run_dir).glob("metrics/rank*.jsonl"):
-        if match := _RECORD_FILE.fullmatch(path.name):
-            files.append((int(match[1]), int(match[2] or 0), path))
+    found = ((_RECORD_FILE.fullmatch(path.name), path) for path in Path(run_dir).glob("metrics/rank*.jsonl"))
+    files = [(int(match[1]), int(match[2] or 0), path) for match, path in found if match]
     by_rank: dict[int, dict[int, dict[str, Any]]] = {}
     for rank, _, path in sorted(files):
         by_step = by_rank.setdefault(rank, {})
