@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import time
@@ -85,11 +86,8 @@ def rank(
     memory, measured by the calibration), with `MEMORY_MARGIN` on top, is at most the limit: ``N`` processes
     with the limit each hold the job."""
     errors = errors or {}
-    fits = [
-        p
-        for p in predictions
-        if not p.refused and (memory_limit is None or needed_per_process(p, job_share) <= memory_limit)
-    ]
+    limit = math.inf if memory_limit is None else memory_limit
+    fits = [p for p in predictions if not p.refused and needed_per_process(p, job_share) <= limit]
     fits.sort(key=lambda p: -p.samples_per_s)
     out = [Ranked(p, True, _why(p, fits[0]), errors.get(p.config.family)) for p in fits]
     big = [p for p in predictions if not p.refused and p not in fits]
