@@ -62,11 +62,8 @@ class _PlanningJob:
         self._record = record
 
     def loader(self, dataset: Any, global_batch_size: int, *args: Any, **options: Any) -> Any:
-        if (
-            isinstance(global_batch_size, bool)
-            or not isinstance(global_batch_size, int)
-            or global_batch_size < 1
-        ):
+        size = global_batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ScriptCaptureError(
                 f"{self._record.script}: job.loader(dataset, global_batch_size={global_batch_size!r}): loom plan "
                 "needs a positive integer global batch size. HINT: pass global_batch_size=<int>"
