@@ -86,10 +86,8 @@ class TraceRecorder:
 
 
 def _meta(name: str, pid: int, tid: int | None, value: Any, key: str = "name") -> dict[str, Any]:
-    event: dict[str, Any] = {"name": name, "ph": "M", "pid": pid, "args": {key: value}}
-    if tid is not None:
-        event["tid"] = tid
-    return event
+    thread = {} if tid is None else {"tid": tid}  # a process's metadata names no thread
+    return {"name": name, "ph": "M", "pid": pid, "args": {key: value}, **thread}
 
 
 def _complete(name: str, cat: str, ts: float, dur: float, pid: int, tid: int, args: dict) -> dict[str, Any]:
