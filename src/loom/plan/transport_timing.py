@@ -201,9 +201,8 @@ def measure_transport(sizes: list[int], limits: dict[str, int] | None = None) ->
     limits = dict(limits or {})
     # a larger frame is dropped by its receiver
     limits["ps"] = min(limits.get("ps", 0), WireLimits().max_payload)
-    if limits["ps"]:
-        names += ["ps_encode", "ps_decode"]
     rig = _FrameRig() if limits["ps"] else None
+    names += ["ps_encode", "ps_decode"] if rig else []
     small = SmallAllReduce.for_group(group) if "shm" in algorithms else None
     if small is not None:  # TensorParallelComm's below its size (`loom.plan.cost`'s tensor parallelism)
         names.append("small_allreduce")
