@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loom.checkpoint.durable import replace_durable
 from loom.plan.transport_timing import rank_max
 
 __all__ = ["main"]
@@ -336,9 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = _verify_steps(captured, ns.family, json.loads(ns.options), ns.steps, warmup=2, tensors=True)
     if topology.rank == 0:
-        tmp = ns.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(ns.out)
+        replace_durable(ns.out, json.dumps(result).encode())
     loom.shutdown()
     return 0
 
