@@ -52,9 +52,8 @@ class Configuration:
     def launch(self) -> str:
         """The ``loom run`` arguments, e.g. ``-n 2 --servers 1``."""
         nodes = f" --nnodes {self.hosts}" if self.hosts > 1 else ""
-        return f"-n {self.nproc // self.hosts}{nodes}" + (
-            f" --servers {self.servers}" if self.servers else ""
-        )
+        servers = f" --servers {self.servers}" if self.servers else ""
+        return f"-n {self.nproc // self.hosts}{nodes}{servers}"
 
     @property
     def name(self) -> str:
