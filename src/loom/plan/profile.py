@@ -2,12 +2,10 @@
 
 Measured at each batch size a configuration will run, with the thread count a ``loom run`` worker gets
 (``OMP_NUM_THREADS``, 1 unless set); what is measured: docs/plan.md#what-it-measures. Each layer of the model's
-chain (`loom.parallel.pipeline.pipeline_split.chain_layers`, else its children) is timed by hooks: forward before
-and after it, backward from its output's gradient (its own backward starts) to the previous layer's (or backward's
-return), exact for a chain, whose backward runs the layers in reverse, one at a time. Saved activations are
-counted (``saved_tensors_hooks``) on the untimed pass only, so the timed steps run without the hooks. The steps are
-real: the parameters change, as the script's first steps would. An unmeasured batch size is refused
-(`ModelProfile.at`): nothing is extrapolated.
+chain (`loom.parallel.pipeline.pipeline_split.chain_layers`, else its children) is timed by hooks (`_LayerClock`,
+`_backward_per_layer`), exact for a chain, whose backward runs the layers in reverse, one at a time. Saved
+activations are counted (``saved_tensors_hooks``) on the untimed pass only, so the timed steps run without the
+hooks. The steps are real: the parameters change, as the script's first steps would.
 """
 
 from __future__ import annotations
