@@ -2,11 +2,8 @@
 
 On a terminal it is a live rich progress bar. Under ``loom run`` a worker's output goes through the launcher,
 which prefixes every *line* with the rank, so a bar that redraws itself with carriage returns would smear:
-there the bar is printed as a fresh line instead: at most every ``line_interval_s`` seconds, and once at the
-end.
-
-Given the job's `StepMetrics` (``metrics=job.metrics``), the bar shows its `StepMetrics.status`: loss,
-throughput over recent steps and, on rank 0 of a multi-process job, the slowest rank and its slow phase.
+there the bar is printed as a fresh line instead (`ProgressBar.line_interval_s`). Given the job's `StepMetrics`
+(``metrics=job.metrics``), the bar shows its `StepMetrics.status`.
 """
 
 from __future__ import annotations
