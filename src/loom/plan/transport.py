@@ -1,13 +1,10 @@
 """The transport as the plan sees it: seconds per collective and message size on this host, and the link between
 hosts.
 
-`Transport` holds what `loom.plan.transport_timing.measure_transport` measured and the calibration's fixed
-costs. `Transport.time` interpolates linearly between measured sizes and refuses a size above the largest measured
-(`OutsideCalibration`): no extrapolation. A size below the smallest costs the smallest's time (latency-bound).
-`envelope` caps a size's time by a larger size's.
-
-Several hosts (``--hosts H --link RATE``): the measured local time is a floor, and the link adds the
-bandwidth-bound time of a ring over it (`link_bound_seconds`, Patarasuk & Yuan 2009); the time is the larger.
+`Transport` holds what `loom.plan.transport_timing.measure_transport` measured (`envelope`: each size capped by
+a larger size's time) and the calibration's fixed costs; `Transport.time` never extrapolates. Several hosts
+(``--hosts H --link RATE``): the measured local time is a floor, and the link adds the bandwidth-bound time of a
+ring over it (`link_bound_seconds`, Patarasuk & Yuan 2009); the time is the larger.
 """
 
 from __future__ import annotations
@@ -80,7 +77,8 @@ class Transport:
         return tuple(k.split(":", 1)[1] for k in self.seconds if k.startswith("allreduce:"))
 
     def time(self, op: str, nbytes: float) -> float:
-        """Seconds of one ``op`` on ``nbytes`` (interpolated; refused above the largest measured size)."""
+        """Seconds of one ``op`` on ``nbytes``: interpolated linearly between measured sizes, the smallest's time
+        below them (latency-bound); refused above the largest measured (`OutsideCalibration`)."""
         if op not in self.seconds:
             raise OutsideCalibration(f"{op} was not measured (measured: {', '.join(self.seconds)})")
         if nbytes <= 0:
