@@ -293,10 +293,8 @@ def plan(
     ]
     # The launcher and the zygote hold memory of their own; the workers' RSS counts the pages they share with
     # the zygote once each, a cgroup (a container, the machine) once: the job needs N peaks plus the difference
-    extra = int(measured.get("launcher_private_bytes", 0)) - (nproc - 1) * int(
-        measured.get("worker_shared_bytes", 0)
-    )
-    job_share = max(0, extra) // max(1, nproc)
+    shared = (nproc - 1) * int(measured.get("worker_shared_bytes", 0))
+    job_share = max(0, int(measured.get("launcher_private_bytes", 0)) - shared) // max(1, nproc)
     ranked = rank(predictions, memory_limit, last_errors(), job_share)
     seconds["predict"] = time.perf_counter() - t
     check_fits(ranked, memory_limit, job_share)
