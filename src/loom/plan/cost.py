@@ -98,9 +98,8 @@ def _data_parallel(m: _Model) -> Prediction:
         memory = _memory(
             p.param_bytes, p.grad_bytes, p.optimizer_bytes, at.activation_bytes, cost.transient_bytes
         )
-        return m.done(
-            at.compute_s, m.exposed(comm, at.backward_s), cost.seconds + p.optimizer_s + m.small, memory, wire
-        )
+        extra = cost.seconds + p.optimizer_s + m.small
+        return m.done(at.compute_s, m.exposed(comm, at.backward_s), extra, memory, wire)
     algorithm = str(m.c.option("allreduce"))
     comm = m.t.time(f"allreduce:{algorithm}", p.grad_bytes)
     grads = p.grad_bytes

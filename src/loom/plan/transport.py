@@ -40,10 +40,8 @@ def link_bound_seconds(op: str, nbytes: float, world_size: int, rate_bytes_per_s
     # A parameter server's frames: their link time depends on how many share the server's link, which the cost
     # model charges (`loom.plan.cost`), not one frame.
     # gloo has no reduce-scatter of its own: an all-reduce underneath, whose bytes it moves.
-    share = {"p2p": 1.0, "all_gather": (n - 1) / n, "ps_encode": 0.0, "ps_decode": 0.0}.get(
-        op, 2 * (n - 1) / n
-    )
-    return share * nbytes / rate_bytes_per_s
+    shares = {"p2p": 1.0, "all_gather": (n - 1) / n, "ps_encode": 0.0, "ps_decode": 0.0}
+    return shares.get(op, 2 * (n - 1) / n) * nbytes / rate_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -99,16 +97,14 @@ class Transport:
             lo, hi = self.sizes[i - 1], self.sizes[i]
             local = table[i - 1] + (table[i] - table[i - 1]) * (nbytes - lo) / (hi - lo)
         if self.hosts > 1 and self.link_bytes_per_s:
-            return max(
-                local, link_bound_seconds(op.split(":")[0], nbytes, self.world_size, self.link_bytes_per_s)
-            )
+            link = link_bound_seconds(op.split(":")[0], nbytes, self.world_size, self.link_bytes_per_s)
+            return max(local, link)
         return local
 
     def finite_up_to(self, op: str) -> int:
         """The largest size ``op`` was measured at (0: none)."""
-        return max(
-            (s for s, t in zip(self.sizes, self.seconds[op], strict=True) if not math.isinf(t)), default=0
-        )
+        measured = (s for s, t in zip(self.sizes, self.seconds[op], strict=True) if not math.isinf(t))
+        return max(measured, default=0)
 
     def to_json(self) -> dict:
         """Every field as plain JSON (an unmeasured size, above its limit, is ``null``, not ``Infinity``)."""
