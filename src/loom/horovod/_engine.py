@@ -1,14 +1,12 @@
 """The negotiation engine: Horovod's controller, written over one gloo process group.
 
-Horovod matches collectives across ranks by *name*, not by call order: an operation runs once every rank has
-announced it, so ranks may submit gradients in different orders, `join` can stand in for a rank that ran out
-of data, and a mismatch of shapes or dtypes becomes an error on every rank instead of a hang. Here each
-submitted `Request` gets a name (the caller's, or ``<kind>.noname.<n>``) and a JSON description
-(`Request.meta`). One background thread runs *cycles*: one all-gather of every rank's new announcements (a
-second, larger round only when a message does not fit the fixed buffer) updates the table name -> {rank:
-meta}, then every operation that all active (not joined) ranks have announced runs, in the order names were
-first announced. Every rank sees the same table, so every rank takes the same decision: run it
-(`loom.horovod._ops`) or fail it with the same `RuntimeError` naming the ranks and the difference.
+Collectives are matched across ranks by *name*, not by call order, as Horovod's are (why:
+docs/horovod.md#how-it-works): each submitted `Request` gets a name (the caller's, or ``<kind>.noname.<n>``)
+and a JSON description (`Request.meta`). One background thread runs *cycles*: one all-gather of every rank's
+new announcements (a second, larger round only when a message does not fit the fixed buffer) updates the table
+name -> {rank: meta}, then every operation that all active (not joined) ranks have announced runs, in the
+order names were first announced. Every rank sees the same table, so every rank takes the same decision: run
+it (`loom.horovod._ops`) or fail it with the same `RuntimeError` naming the ranks and the difference.
 
 Idle cycles back off to ``HOROVOD_CYCLE_TIME`` milliseconds (default 5), and to 50 ms after 2 s without any
 operation; a submission wakes this rank's engine at once, a peer's within its current sleep.
@@ -115,8 +113,8 @@ class Engine:
         sleep, idle_since = 0.0, time.monotonic()
         try:
             while True:
-                active = self._cycle()
-                if self._stopping_all:
+                active, everyone_stops = self._cycle()
+                if everyone_stops:
                     break
                 now = time.monotonic()
                 if active:
@@ -135,9 +133,8 @@ class Engine:
             self._fail_all(HorovodInternalError(f"rank {self.rank}: Horovod was shut down"))
             self._stopped.set()
 
-    _stopping_all = False
-
-    def _cycle(self) -> bool:
+    def _cycle(self) -> tuple[bool, bool]:
+        """``(active, everyone_stops)``: whether anything was announced or ran; whether every rank asked to stop."""
         with self._lock:
             new, self._submitted = self._submitted, []
             for r in new:
@@ -145,31 +142,24 @@ class Engine:
             join = self._join_request is not None and not self._join_announced
             self._join_announced = self._join_announced or join
             stop = self._stop
-        message = {"new": [[r.name, r.meta()] for r in new], "join": join, "stop": stop}
-        messages = self._exchange(message)
-        active = False
+        messages = self._exchange({"new": [[r.name, r.meta()] for r in new], "join": join, "stop": stop})
         for rank, m in enumerate(messages):
             for name, meta in m["new"]:
-                active = True
                 self._table.setdefault(name, {})[rank] = meta
             if m["join"]:
-                active = True
                 self._joined.add(rank)
                 self._last_joined = rank
         working = set(range(self.size)) - self._joined
         ready = [n for n in self._table if working and working <= self._table[n].keys()]
-        if ready:
-            active = True
-            _ops.run_ready(self, [(n, self._table.pop(n), self._mine.pop(n, None)) for n in ready])
+        _ops.run_ready(self, [(n, self._table.pop(n), self._mine.pop(n, None)) for n in ready])
         if len(self._joined) == self.size:
             with self._lock:
                 request, self._join_request = self._join_request, None
             self._joined.clear()
             if request is not None:
                 request.finish(self._last_joined)
-        if all(m["stop"] for m in messages):
-            self._stopping_all = True
-        return active
+        active = bool(ready) or any(m["new"] or m["join"] for m in messages)
+        return active, all(m["stop"] for m in messages)
 
     def _exchange(self, message: dict) -> list[dict]:
         """All-gather one JSON message per rank (one round when all fit in `_BUFFER` bytes)."""
