@@ -90,13 +90,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:  # not computed here, but maybe on another rank (dynamic graphs)
             p.grad = torch.zeros_like(p)
         name = self._parameter_names.get(p)
-        tensor = p.grad
-        if tensor.is_sparse:
-            if self.sparse_as_dense:
-                tensor = tensor.to_dense()
-            else:
-                return sparse_allreduce_async(tensor, name=name, op=self.op), "sparse"
-        compressed, ctx = self._compression.compress(tensor)
+        if p.grad.is_sparse and not self.sparse_as_dense:
+            return sparse_allreduce_async(p.grad, name=name, op=self.op), "sparse"
+        compressed, ctx = self._compression.compress(p.grad.to_dense())  # (a dense gradient itself)
         f = self.gradient_predivide_factor  # 1.0 unless op is Average (then the engine also divides by size)
         return allreduce_async_(
             compressed, name=name, op=self.op, prescale_factor=1.0 / f, postscale_factor=f
