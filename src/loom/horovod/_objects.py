@@ -77,6 +77,12 @@ def _enc(obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
     )
 
 
+_FROM_VALUE: dict[str, Any] = {  # the tags whose "v" alone gives the object back
+    "float": float, "complex": lambda v: complex(v[0], v[1]), "bytes": bytes.fromhex, "size": torch.Size,
+    "dtype": lambda v: getattr(torch, v), "device": torch.device,
+}  # fmt: skip
+
+
 def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(tree, list):
         return [decode(x, tensors) for x in tree]
@@ -86,22 +92,12 @@ def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
     if tag is None:
         return {k: decode(v, tensors) for k, v in tree.items()}
     v: Any = tree.get("v")
-    if tag == "float":
-        return float(v)
-    if tag == "complex":
-        return complex(v[0], v[1])
-    if tag == "bytes":
-        return bytes.fromhex(v)
-    if tag == "size":
-        return torch.Size(v)
+    if tag in _FROM_VALUE:
+        return _FROM_VALUE[tag](v)
     if tag in ("tuple", "set", "frozenset"):
         return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](decode(x, tensors) for x in v)
     if tag == "dict":
         return {decode(k, tensors): decode(x, tensors) for k, x in v}
-    if tag == "dtype":
-        return getattr(torch, v)
-    if tag == "device":
-        return torch.device(v)
     if tag == "tensor":
         t = tensors[tree["i"]]
         return t.requires_grad_(True) if tree.get("rg") and t.is_floating_point() else t
