@@ -124,13 +124,9 @@ def from_bytes(data: bytes) -> Any:
     offset = 8 + n
     tensors: list[torch.Tensor] = []
     for dtype_name, shape in header["tensors"]:
-        dtype = getattr(torch, str(dtype_name), None)
-        valid = all(isinstance(d, int) and d >= 0 for d in shape)
-        if (
-            not isinstance(dtype, torch.dtype)
-            or not valid
-            or math.prod(shape) * dtype.itemsize > len(data) - offset
-        ):
+        dtype: Any = getattr(torch, str(dtype_name), None)
+        valid = isinstance(dtype, torch.dtype) and all(isinstance(d, int) and d >= 0 for d in shape)
+        if not valid or math.prod(shape) * dtype.itemsize > len(data) - offset:
             raise ValueError(f"an encoded object's tensor {len(tensors)} ({dtype_name}, shape {shape}) is not "
                              f"within the {len(data)} bytes received")  # fmt: skip
         tensor = torch.empty(shape, dtype=dtype)

@@ -218,8 +218,7 @@ def _allgather(engine, metas, local):
         if engine.size == 1:
             gathered = mine.clone()
         else:
-            longest = max(rows) * row_bytes
-            padded = torch.zeros(max(longest, 1), dtype=torch.uint8)
+            padded = torch.zeros(max(max(rows) * row_bytes, 1), dtype=torch.uint8)
             padded[: mine.numel()] = mine
             bufs = [torch.empty_like(padded) for _ in range(engine.size)]
             dist.all_gather(bufs, padded, group=engine.group)

@@ -179,9 +179,7 @@ def _write_commit(directory: Path, payload) -> None:
     refuses tensors that share memory (tied weights)."""
     directory.mkdir(parents=True, exist_ok=True)
     tree, tensors = encode(payload)
-    named = {
-        str(i): t.detach().cpu().clone(memory_format=torch.contiguous_format) for i, t in enumerate(tensors)
-    }
+    named = {str(i): t.clone() for i, t in enumerate(tensors)}  # encode made them contiguous, on the CPU
     replace_durable(directory / _COMMIT, save(named, metadata={"tree": json.dumps(tree)}))
 
 
