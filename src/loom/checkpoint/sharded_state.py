@@ -224,9 +224,8 @@ def full_state_dict(parts: Iterable[Any]) -> dict[str, torch.Tensor]:
         for name, saved in part["params"].items():
             if name not in whole:
                 whole[name] = torch.empty(tuple(saved["shape"]), dtype=saved["value"].dtype)
-                covered[name] = 0
             flat = whole[name].view(-1)
-            covered[name] += _copy_overlap(
+            covered[name] = covered.get(name, 0) + _copy_overlap(
                 flat, 0, flat.numel(), saved["value"], int(saved["lo"]), int(saved["hi"])
             )
     for name, tensor in whole.items():

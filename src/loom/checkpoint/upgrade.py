@@ -43,13 +43,10 @@ def upgrade_checkpoint(checkpoint: str | os.PathLike, *, limits: ReadLimits = DE
         path, limits, lambda data, _, bounds: parse_json(data, bounds, "max_manifest_bytes")
     )
     with folder:
-        if (
-            not isinstance(manifest, dict)
-            or manifest.get("version") != 1
-            or not isinstance(manifest.get("files"), dict)
-        ):
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, dict) or manifest.get("version") != 1:
             raise CheckpointError(f"{path / MANIFEST_FILE} is not a version-1 loom checkpoint manifest")
-        for name, entry in manifest["files"].items():
+        for name, entry in files.items():
             if not isinstance(name, str) or "/" in name or not isinstance(entry, dict):
                 raise CheckpointError(f"{path / MANIFEST_FILE}: a bad entry {name!r:.80}")
             limit = limits.max_state_bytes if name == STATE_FILE else limits.max_header_bytes
