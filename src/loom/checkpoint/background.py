@@ -127,10 +127,8 @@ def wait_for_pending() -> None:
 
 
 def _wait_for(previous: AsyncCheckpoint | None) -> None:
-    if previous is not None:
-        previous._thread.join()
-        if not previous._reported:  # a failure nobody has seen yet stops what comes next
-            previous.wait()
+    if previous is not None and not previous._reported:  # wait; an unseen failure stops what follows
+        previous.wait()
 
 
 def _start(

@@ -106,8 +106,7 @@ def parse_manifest(data: bytes, path: Path, limits: ReadLimits = DEFAULT_LIMITS)
             f"{local_state_file(0)}... for ranks 0 to n-1 if any",
         )
     for name, entry in files.items():
-        size = entry.get("size") if isinstance(entry, dict) else None
-        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
         if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(digest, str):
             raise CorruptCheckpointError(path, f"the entry of {name} must be an object with size and sha256")
         if not _SHA256.fullmatch(digest):
