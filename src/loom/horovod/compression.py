@@ -35,10 +35,7 @@ class NoneCompressor(Compressor):
 class FP16Compressor(Compressor):
     @staticmethod
     def compress(tensor):
-        dtype = tensor.dtype
-        if dtype.is_floating_point:
-            return tensor.type(torch.float16), dtype
-        return tensor, dtype
+        return (tensor.type(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
 
     @staticmethod
     def decompress(tensor, ctx):
