@@ -55,8 +55,7 @@ def model_state_dict(checkpoint: str | os.PathLike) -> tuple[int, dict[str, torc
             f"{fit.get('mesh')}): export supports replicated jobs and ShardedDataParallel. HINT: load it into "
             "the strategy that wrote it and save job.module.state_dict() from each part."
         )
-    parts = (first if r == 0 else read_local_state(path, r)["job"] for r in range(world))
-    return step, full_state_dict(parts)
+    return step, full_state_dict(first if r == 0 else read_local_state(path, r)["job"] for r in range(world))
 
 
 def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike) -> tuple[int, int]:

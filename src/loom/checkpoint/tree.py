@@ -114,8 +114,7 @@ def flatten_state(state: Any, *, clone: bool = False) -> tuple[Any, dict[str, to
     ``clone=True`` every tensor is copied to fresh CPU memory, so the result cannot change afterwards;
     otherwise CPU tensors that are already contiguous are shared with ``state``."""
     flattener = _Flattener(clone)
-    skeleton = flattener.encode(state, ())
-    return skeleton, flattener.tensors
+    return flattener.encode(state, ()), flattener.tensors
 
 
 class _Unflattener:
@@ -236,8 +235,7 @@ def unpack_tensor_file(metadata: dict[str, str], tensors: dict[str, torch.Tensor
     if TAG not in metadata:
         raise ValueError(f"not a state made by pack_state (its metadata has no {TAG!r} entry)")
     try:
-        skeleton = parse_json(metadata[TAG].encode(), limits, "max_state_bytes")
-        return unflatten_state(skeleton, tensors)
+        return unflatten_state(parse_json(metadata[TAG].encode(), limits, "max_state_bytes"), tensors)
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"not a state made by pack_state ({type(err).__name__}: {err!s:.300})") from None
 
