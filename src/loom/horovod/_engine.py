@@ -72,8 +72,7 @@ class Engine:
                 n = self._counters.get(request.kind, 0)
                 self._counters[request.kind] = n + 1
                 name = f"{request.kind}.noname.{n}"
-            pending = {r.name for r in self._submitted}
-            if name in self._mine or name in pending:
+            if name in self._mine or any(r.name == name for r in self._submitted):
                 raise ValueError(
                     f"rank {self.rank}: a {request.kind} named {name!r} is already in progress; Horovod requires "
                     "the names of outstanding operations to be unique. HINT: synchronize the first one, or "
@@ -126,8 +125,7 @@ class Engine:
                     self._wake.wait(sleep)
                     self._wake.clear()
         except BaseException as error:  # noqa: BLE001 - every waiter must learn why
-            failure = HorovodInternalError(f"rank {self.rank}: the Horovod engine failed: {error!r}")
-            self._fail_all(failure)
+            self._fail_all(HorovodInternalError(f"rank {self.rank}: the Horovod engine failed: {error!r}"))
             raise
         finally:
             self._fail_all(HorovodInternalError(f"rank {self.rank}: Horovod was shut down"))

@@ -256,8 +256,7 @@ def _alltoall(engine, metas, local):
             input_split_sizes=[n * row_bytes for n in send],
             group=engine.group,
         )  # fmt: skip
-    collected = out.view(t.dtype).reshape(sum(recv), *rest).to(t.device)
-    return collected, torch.tensor(recv, dtype=torch.int32)
+    return out.view(t.dtype).reshape(sum(recv), *rest).to(t.device), torch.tensor(recv, dtype=torch.int32)
 
 
 def _reducescatter(engine, metas, local):
