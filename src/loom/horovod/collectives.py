@@ -1,6 +1,5 @@
-"""Horovod's tensor collectives: allreduce, allgather, broadcast, alltoall, reducescatter, their grouped,
-in-place (``_``) and ``_async`` forms, `poll`, `synchronize`, `join`, `barrier`, `sparse_allreduce_async`
-(alltoall and reducescatter are in `loom.horovod.scatter`).
+"""Horovod's tensor collectives: allreduce, allgather, broadcast, their grouped, in-place (``_``) and
+``_async`` forms, `poll`, `synchronize`, `join`, `barrier`, `sparse_allreduce_async` (`scatter` has the rest).
 
 Signatures and semantics follow ``horovod.torch``: an ``_async`` call returns an integer handle at once (the
 work runs on the engine thread); `synchronize` waits and returns the result; the plain forms are
