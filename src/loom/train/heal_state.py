@@ -1,16 +1,15 @@
 """Copy a live member's training state to the members of a new epoch: tensors over the group, no pickle.
 
-A replacement must train bitwise like the others at its first step, so it receives the model's parameters and
-buffers (broadcast in place: the same script built the same shapes), the optimizer's state and hyperparameters,
-the committed step (also the data position) and the RNG state. The optimizer's state may not exist yet on a fresh
+A replacement must train bitwise like the others at its first step: it receives the model's parameters and buffers
+(broadcast in place: the same script built the same shapes), the optimizer's state and hyperparameters, the
+committed step (also the data position) and the RNG state. The optimizer's state may not exist yet on a fresh
 process (Adam makes it at its first step), so the source describes it in a small JSON header (the skeleton of
-`loom.checkpoint.tree.flatten_state` and its tensors' keys, dtypes and shapes), checked before anything is
-allocated from it (`check_header`), and the tensors follow in its order. JSON, not pickle: nothing on the wire is
-executed.
+`loom.checkpoint.tree.flatten_state`, its tensors' keys, dtypes and shapes), checked before anything is allocated
+from it (`check_header`); the tensors follow in its order. Nothing on the wire is executed.
 
-The source is the first member holding the highest committed step (`source_of`); every member takes part in the
-broadcasts, and only those behind it (every member at the job's first epoch) load what they received. If the
-source dies meanwhile, the broadcast fails on every member and the epoch re-forms without it: another one sends.
+Every member takes part in the broadcasts from `source_of`'s member; only those behind it (every member at the job's
+first epoch) load what they received. If the source dies meanwhile, the broadcast fails on every member and the
+epoch re-forms without it: another one sends.
 """
 
 from __future__ import annotations
