@@ -241,13 +241,12 @@ def fit(
     at = _Position(int(getattr(job, "step", 0)), int(getattr(loader, "epoch", 0)))
     resumed_from, checkpointer, saved_trackers = None, None, None
     if checkpoint_dir is not None:
-        checkpointer = FitCheckpointer(
-            job, loader, lr_scheduler, Path(checkpoint_dir), keep, async_checkpoint
-        )
+        directory = Path(checkpoint_dir)
+        checkpointer = FitCheckpointer(job, loader, lr_scheduler, directory, keep, async_checkpoint)
         # a healing job's checkpoints are one member's, without collectives (`DataParallelJob.checkpoint_topology`),
         # and a replacement that joined a running job holds a live member's state, newer than any checkpoint
         resumed = None if getattr(job, "joined_running", False) else resume_fit(
-            job, loader, lr_scheduler, Path(checkpoint_dir), checkpointer.topo, scale_lr_with_world_size
+            job, loader, lr_scheduler, directory, checkpointer.topo, scale_lr_with_world_size
         )  # fmt: skip
         if resumed is not None:
             resumed_from, saved = resumed
