@@ -110,8 +110,7 @@ class Watchdog:
         quorum: Any = None,
     ) -> Watchdog:
         """A watchdog for this process, publishing through a new client of the job's TCP store; without a process
-        group (one process) it only counts: nobody to wait for. With a ``quorum`` (healing) its thread sends the
-        quorum's heartbeat on a connection of its own and judges nothing (``quorum`` in the constructor)."""
+        group (one process) it only counts: nobody to wait for. With a ``quorum``: the constructor's ``quorum``."""
         global _active
         if (
             quorum is None
