@@ -190,9 +190,8 @@ class Engine(Job):
         return state.loss
 
     def _check_layout(self, batch: Any) -> None:
-        """Step 1: refuse a batch cut for another data layout, or a `LazyBatch` this job does not fetch shares of
-        (`loom.job.check_batch_layout`, called only for a batch it refuses, to name the fix); the layout is the
-        mesh's, read at construction."""
+        """Step 1: refuse a batch cut for another data layout (`_data_layout`), or a `LazyBatch` this job does not
+        fetch shares of (`loom.job.check_batch_layout`, called only for a batch it refuses, to name the fix)."""
         count = getattr(batch, "shard_count", None)
         foreign = count is not None and (batch.shard_index, count) != self._data_layout
         if foreign or (not self.fetches_shares and isinstance(batch, LazyBatch)):
