@@ -1,18 +1,16 @@
 """The job of every model-parallel strategy: one stage of the model, maybe tensor-sharded, on a data axis.
 
-`loom.parallel.model.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike. Each `train_step`:
+`loom.parallel.model.compose` builds it for `Pipeline`, `TensorParallel` and `Hybrid` alike. Each `train_step`
+checks that the ranks of this model replica (its stages and tensor shards) hold the same samples
+(`_check_replica_samples`: a loader sharded over the wrong axis raises instead of training on mismatched inputs
+and targets), runs the schedule's instructions for this stage over the share's micro-batches (`pipeline_runtime`,
+weighted as `loom.parallel.pipeline.pipeline` says), then averages the gradients over the data axis (`compose`'s
+last transform) and steps the optimizer.
 
-1. checks that the ranks of this model replica (the mesh's ``replica`` group: its stages and tensor shards) hold
-   the same samples, by one small all-gather of the batch's fingerprint and size, so a loader sharded over the
-   wrong axis raises instead of training on mismatched inputs and targets;
-2. runs the schedule's instructions for this stage over the share's micro-batches (`pipeline_runtime`), weighted
-   as `loom.parallel.pipeline.pipeline` says;
-3. averages the gradients over the data axis (`compose`'s last transform), then steps the optimizer.
-
-Before 3, the loss (non-zero on the last stage only), each stage's busy time and span, and each rank's non-finite
-flag ride on one all-gather over the pipeline, then one reduction over the job (a slot per replica's loss, a flag
-per rank), so every rank reaches the same verdict (`loom.fault.desync.NonFiniteGuard`); a skipped step runs
-neither the data axis nor the optimizer. State is sharded (`state_dict`, `full_state_dict`).
+Before the average, the loss (non-zero on the last stage only), each stage's busy time and span, and each rank's
+non-finite flag ride on one all-gather over the pipeline, then one reduction over the job (a slot per replica's
+loss, a flag per rank), so every rank reaches the same verdict (`loom.fault.desync.NonFiniteGuard`); a skipped
+step runs neither the data axis nor the optimizer. State is sharded (`state_dict`, `full_state_dict`).
 """
 
 from __future__ import annotations
@@ -78,7 +76,8 @@ class ModelParallelJob(Engine):
 
     # -- one step ---------------------------------------------------------------------------------------------
     def _check_replica_samples(self, batch: Any, local: int) -> None:
-        """Raise on every rank of this model replica unless all of its ranks hold the same samples."""
+        """Raise on every rank of this model replica (the mesh's ``replica`` group) unless all of its ranks hold
+        the same samples: one small all-gather of the batch's fingerprint and size."""
         group = self.mesh.group(REPLICA)
         if group is None:
             return
