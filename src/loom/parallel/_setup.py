@@ -19,7 +19,6 @@ __all__ = [
     "HEALS",
     "LossFn",
     "SURVIVE_LOST_WORKER",
-    "StartRefused",
     "Strategy",
     "check_failure_policy",
     "check_setup_arguments",
