@@ -145,9 +145,8 @@ def _memory_table(rows: list[dict[str, Any]]) -> str:
 def _table(table_id: str, columns: list[tuple[str, str]], rows: list[dict[str, Any]]) -> str:
     """An HTML table of ``rows``: one column per ``(key, label)`` of ``columns``, cells formatted by `_cell`."""
     header = "".join(f"<th>{html.escape(label)}</th>" for _, label in columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{_cell(c, row[c])}</td>" for c, _ in columns) + "</tr>" for row in rows
-    )
+    cells = ("".join(f"<td>{_cell(c, row[c])}</td>" for c, _ in columns) for row in rows)
+    body = "".join(f"<tr>{row}</tr>" for row in cells)
     return f'<table id="{table_id}"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>'
 
 
