@@ -117,9 +117,8 @@ class _FrameRig:
         self.send, self.receive = self.context.socket(zmq.PAIR), self.context.socket(zmq.PAIR)
         port = self.send.bind_to_random_port("tcp://127.0.0.1")
         self.receive.connect(f"tcp://127.0.0.1:{port}")
-        self.inbox = Inbox(
-            self.key, self.limits, InboxLimits(total_bytes=self.limits.max_frame), lambda _: None
-        )
+        whole = InboxLimits(total_bytes=self.limits.max_frame)
+        self.inbox = Inbox(self.key, self.limits, whole, lambda _: None)
         self.seq = 0
         self.arrived: bytes | memoryview = b""
 
