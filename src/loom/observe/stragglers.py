@@ -48,11 +48,8 @@ class StragglerConfig:
     def from_env(cls) -> StragglerConfig:
         """``LOOM_STRAGGLER_MARGIN``, ``LOOM_STRAGGLER_WINDOW`` and ``LOOM_STRAGGLER_MIN_MS`` as `loom.settings`
         reads them (with this class's defaults; a bad value is refused there, naming the variable and the fix)."""
-        return cls(
-            setting("LOOM_STRAGGLER_MARGIN"),
-            setting("LOOM_STRAGGLER_WINDOW"),
-            setting("LOOM_STRAGGLER_MIN_MS") / 1e3,
-        )
+        margin, window, min_ms = (setting(f"LOOM_STRAGGLER_{n}") for n in ("MARGIN", "WINDOW", "MIN_MS"))
+        return cls(margin, window, min_ms / 1e3)
 
 
 @dataclass(frozen=True)
