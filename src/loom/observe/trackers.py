@@ -79,10 +79,8 @@ class TensorBoardTracker(Tracker):
             ) from err
         if state is not None:
             self.log_dir = state["log_dir"]
-        resuming = state is not None and step > 0
-        self._writer = SummaryWriter(
-            log_dir=self.log_dir, flush_secs=self.flush_secs, purge_step=step + 1 if resuming else None
-        )
+        purge = step + 1 if state is not None and step > 0 else None  # resumed: drop retaken steps' events
+        self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.flush_secs, purge_step=purge)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
