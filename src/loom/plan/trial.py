@@ -189,10 +189,8 @@ def _fixed_costs(captured: Any, steps: int, servers: bool) -> dict[str, Any]:
     collectives' latency), and with ``servers`` a synchronous parameter server's (its requests' round trips,
     the server's own handling and wake-ups)."""
     dp = _tiny(captured, "DataParallel", {"allreduce": "native"}, steps)
-    units = {z: _tiny(captured, "ShardedDataParallel", {"stage": z}, steps) for z in (2, 3)}
-    out: dict[str, Any] = {
-        "fsdp_unit_s": {f"stage{z}": max(0.0, (t - dp) / FSDP_UNITS) for z, t in units.items()}
-    }
+    units = {f"stage{z}": _tiny(captured, "ShardedDataParallel", {"stage": z}, steps) for z in (2, 3)}
+    out: dict[str, Any] = {"fsdp_unit_s": {k: max(0.0, (t - dp) / FSDP_UNITS) for k, t in units.items()}}
     if servers:
         out["ps_fixed_s"] = max(0.0, _tiny(captured, "ParameterServer", {"mode": "sync"}, steps) - dp)
         params = sum(p.nbytes for p in captured.model.parameters())
