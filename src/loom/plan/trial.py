@@ -82,10 +82,8 @@ def _calibrate(ns: argparse.Namespace, captured: Any) -> dict:
     done("reference")
     transport = measure_transport([int(s) for s in ns.sizes.split(",")], json.loads(ns.limits))
     done("transport")
-    # the same steps with no exchange: the engine overhead is its step less its formula, and the native
-    # all-reduce's exposed time the reference's step less its (the overlap coefficient, planner). On the
-    # reference's copy, its optimizer state made, once the reference's DDP has let go of it (its reducer's hooks
-    # go with it)
+    # the same steps with no exchange (what for: docs/plan.md#what-it-measures), on the reference's copy, its
+    # optimizer state made, once the reference's DDP has let go of it (its reducer's hooks go with it)
     gc.collect()
     # no warm-up step: the reference made the optimizer state; a slower first block is outside the median of 3+
     quiet = _verify_steps(trained, "LocalSGD", {"sync_every": QUIET}, steps, 0, budget=True)
