@@ -279,10 +279,8 @@ def plan(
     if probe and "pipeline_step_s" in measured:
         replay = predict(probe, profile, local, batch)
         overheads.update({f: _overhead(measured["pipeline_step_s"], replay) for f in PIPELINES})
-    # The process's memory beyond the formulas' (torch, loom, the script's data, DDP's buckets, the allocator's
-    # slack): the reference's measured peak less its predicted state, activations and temporaries, as the
-    # overhead is the quiet run's step time less its formula's; where no peak could be read (no /proc), the RSS
-    # after the script's set-up less its model
+    # The process's runtime memory (docs/plan.md#what-it-measures): the reference's measured peak less its
+    # formula's total; where no peak could be read (no /proc), the RSS after the script's set-up less its model
     runtime = int(measured.get("runtime_bytes", 0))
     if measured.get("reference_peak_rss"):
         runtime = max(0, int(measured["reference_peak_rss"]) - formula.memory["total"])
