@@ -91,7 +91,7 @@ _HEAD_FORMATS = ("%d", "%d", "%.7g", "%d", "%d", "%r", "%.6f")
 @functools.lru_cache(maxsize=256)  # shapes are few (one per strategy and option); bound it anyway
 def _template(kinds: tuple[type, ...], names: tuple[str, ...]) -> str | None:
     """The %-template of a record whose values have these types, or None unless every one is an int or a float
-    (a flag, a table, a None: `_general_line`)."""
+    (a flag, a table, a None: `json_line` writes those through ``json.dumps``)."""
     if any(kind is not int and kind is not float for kind in kinds):
         return None
     specs = [*_HEAD_FORMATS, *("%.7g" if kind is float else "%d" for kind in kinds[7:])]
@@ -107,18 +107,14 @@ def json_line(
     since the training thread writes one per step: one cached %-template per shape of record, filled in one call.
     Measured floats get 7 significant digits (the records in memory keep every digit), the wall clock the
     microsecond, the loss every digit (``repr``). A record holding anything but ints and finite floats (a flag,
-    the memory table, NaN) goes through ``json.dumps`` (`_general_line`)."""
+    the memory table, NaN) goes through ``json.dumps``, its None fields left out."""
     values = (step, rank, time_s, samples, global_samples, loss, wall, *extra.values())
     template = _template(tuple(map(type, values)), tuple(extra))
     if template is not None:
         total = sum(values)  # NaN and infinities propagate; they need json's spelling
         if total - total == 0.0:
             return (template % values).encode()
-    return _general_line(values[:7], extra)
-
-
-def _general_line(head: tuple, extra: dict[str, Any]) -> bytes:
-    fields = dict(zip(_HEAD_FIELDS, head, strict=True))
+    fields = dict(zip(_HEAD_FIELDS, values[:7], strict=True))
     fields.update((k, v) for k, v in extra.items() if v is not None)
     return (json.dumps(fields) + "\n").encode()
 
