@@ -64,15 +64,9 @@ def restore_rng(state: dict[str, Any]) -> None:
         random.setstate((python["version"], tuple(_unwords(python["internal"])), python["gauss_next"]))
     numpy_state = state.get("numpy")
     if numpy_state is not None:
-        numpy.random.set_state(
-            (
-                numpy_state["bit_generator"],
-                numpy.asarray(_unwords(numpy_state["keys"]), dtype=numpy.uint32),
-                numpy_state["pos"],
-                numpy_state["has_gauss"],
-                numpy_state["cached_gaussian"],
-            )
-        )
+        keys = numpy.asarray(_unwords(numpy_state["keys"]), dtype=numpy.uint32)
+        rest = (numpy_state[k] for k in ("pos", "has_gauss", "cached_gaussian"))
+        numpy.random.set_state((numpy_state["bit_generator"], keys, *rest))
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         if len(cuda) == torch.cuda.device_count():
