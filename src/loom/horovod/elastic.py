@@ -223,8 +223,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0) -> None:
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
-        self.epoch, self.processed_num = 0, 0
-        self.reset()
+        self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.processed_num = epoch, 0
