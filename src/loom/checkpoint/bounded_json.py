@@ -90,8 +90,7 @@ def json_shape_problem(data: bytes, limits: ReadLimits, size_field: str) -> JSON
     if len(data) > max_bytes:
         return JSONLimitError(f"{len(data)} bytes of JSON, more than the limit of {max_bytes}", size_field)
     skeleton = _skeleton(data)
-    digits = re.search(rb"[0-9]{%d}" % (limits.max_number_digits + 1), skeleton)
-    if digits is not None:
+    if re.search(rb"[0-9]{%d}" % (limits.max_number_digits + 1), skeleton):
         return JSONLimitError(
             f"a number of more than {limits.max_number_digits} digits (no checkpoint value needs one)",
             "max_number_digits",

@@ -36,8 +36,7 @@ def write_durable(path: Path, data: bytes | Iterable[memoryview], digest: Any = 
                 digest.update(piece)
             view = piece.cast("B")
             while view:
-                written = os.write(fd, view)
-                view = view[written:]
+                view = view[os.write(fd, view) :]  # os.write may write less than asked
         os.fsync(fd)
     finally:
         os.close(fd)
