@@ -228,12 +228,11 @@ def _allgather(engine, metas, local):
 
 
 def _broadcast(engine, metas, local):
-    root = local.args["root"]
     results = []
     for t in local.tensors:
         buf = _as_bytes(t).clone()
         if engine.size > 1:
-            dist.broadcast(buf, src=root, group=engine.group)
+            dist.broadcast(buf, src=local.args["root"], group=engine.group)
         results.append(buf.view(t.dtype).reshape(t.shape).to(t.device))
     return _finish(local, results)
 
