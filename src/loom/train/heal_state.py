@@ -120,12 +120,9 @@ def share_training_state(
 
 
 def check_header(header: Any, module: nn.Module, optimizer: torch.optim.Optimizer, source: int) -> None:
-    """Refuse (`HealStateRefused`) a header that does not describe this process's optimizer before anything is
-    allocated from it: the step a non-negative int; each tensor's key new, its dtype a known one, its shape
-    non-negative ints within the byte budget, the tensors in all at most 16 times the model's parameters (Adam
-    keeps 2) plus 1 MiB; the skeleton decoded over them (on the meta device: no memory) a state keyed by the
-    optimizer's parameter indices, each tensor in one place, its groups holding the optimizer's parameters; the RNG
-    state the size of this process's."""
+    """Refuse (`HealStateRefused`, each check with its own message) a header that does not describe this process's
+    optimizer, before anything is allocated from it: its tensors in all at most 16 times the model's parameters
+    (Adam keeps 2) plus 1 MiB, its skeleton decoded over them on the meta device (no memory)."""
 
     def refuse(what: str) -> HealStateRefused:
         return HealStateRefused(f"the training state sent by member index {source} {what}: nothing is loaded. "
