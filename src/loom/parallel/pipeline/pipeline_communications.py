@@ -62,10 +62,8 @@ def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
             raise TypeError(f"cannot send a {t.dtype} tensor between pipeline stages")
         if t.dim() > MAX_DIMS:
             raise ValueError(f"cannot send a {t.dim()}-d tensor between pipeline stages (at most {MAX_DIMS})")
-        base = 1 + i * _SLOT
-        header[base] = _CODE[t.dtype]
-        header[base + 1] = t.dim()
-        header[base + 2 : base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        slot = [_CODE[t.dtype], t.dim(), *t.shape]
+        header[1 + i * _SLOT : 1 + i * _SLOT + len(slot)] = torch.tensor(slot, dtype=torch.int64)
     return header
 
 
@@ -108,10 +106,8 @@ def recv_tensors(src: int, device: torch.device, group: Any = None) -> list[torc
     _recv(header, src, group)
     out = []
     for i in range(int(header[0])):
-        base = 1 + i * _SLOT
-        dtype = DTYPES[int(header[base])]
-        shape = header[base + 2 : base + 2 + int(header[base + 1])].tolist()
-        t = torch.empty(shape, dtype=dtype, device=device)
+        code, dims, *shape = header[1 + i * _SLOT : 1 + (i + 1) * _SLOT].tolist()
+        t = torch.empty(shape[:dims], dtype=DTYPES[code], device=device)
         _recv(t, src, group)
         out.append(t)
     return out
