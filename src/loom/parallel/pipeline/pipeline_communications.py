@@ -87,13 +87,9 @@ def send_tensors(
     if sender is not None:
         return sender.send(tensors)
     tensors = [t.detach().contiguous() for t in tensors]
-    group, handles = _job_group(group), []
-    if with_header:
-        header = _header(tensors)
-        handles.append((dist.isend(header, group=group, group_dst=dst), header))
-    for t in tensors:  # the tensor is kept alive with its handle until waited
-        handles.append((dist.isend(t, group=group, group_dst=dst), t))
-    return handles
+    group = _job_group(group)
+    sent = [_header(tensors), *tensors] if with_header else tensors  # each kept with its handle until waited
+    return [(dist.isend(t, group=group, group_dst=dst), t) for t in sent]
 
 
 def recv_tensors(src: int, device: torch.device, group: Any = None) -> list[torch.Tensor]:
