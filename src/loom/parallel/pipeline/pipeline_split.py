@@ -115,14 +115,13 @@ def cuts_from_names(layers: Sequence[tuple[str, nn.Module]], names: Sequence[str
             "(the first layer of every stage after the first)"
         )
     index = {name: i for i, (name, _) in enumerate(layers)}
-    cuts = []
-    for name in names:
-        if name not in index:
-            raise ValueError(
-                f"split point {name!r} is not a layer of the model's chain; the layers are "
-                f"{[n for n, _ in layers]}"
-            )
-        cuts.append(index[name])
+    unknown = [name for name in names if name not in index]
+    if unknown:
+        raise ValueError(
+            f"split point {unknown[0]!r} is not a layer of the model's chain; the layers are "
+            f"{[n for n, _ in layers]}"
+        )
+    cuts = [index[name] for name in names]
     if cuts != sorted(set(cuts)) or cuts[0] == 0:
         raise ValueError(
             f"split points {list(names)} must be distinct, in chain order, and not the first layer "
