@@ -1,9 +1,6 @@
-"""Resuming `loom.fit` from its checkpoints (written by `loom.train.fit_checkpoint`, which has the format's story).
-
-Each rank reads the shared files and its own file only (`loom.checkpoint.read_checkpoint_part`); after each
-candidate (newest first, `loom.checkpoint.find.checkpoint_candidates`) the ranks all-gather ``(step, verdict)``,
-so that a checkpoint damaged in any rank's file makes every rank fall back to the previous one together, and
-ranks that find different checkpoints (storage not shared) stop with an error naming each rank's step.
+"""Resuming `loom.fit` from its checkpoints (written by `loom.train.fit_checkpoint`, which has the format's story):
+each rank reads the shared files and its own file only (`loom.checkpoint.read_checkpoint_part`), and the ranks agree
+on each candidate (`_load_agreed`; docs/checkpoints.md, "Reading").
 """
 
 from __future__ import annotations
@@ -34,9 +31,10 @@ __all__ = ["resume_fit"]
 
 
 def _load_agreed(directory: Path, topo: Topology) -> tuple[int, dict[str, Any], Any] | None:
-    """The newest checkpoint every rank finds intact: ``(step, shared state, this rank's own part)``, or None;
-    the ranks agree on each candidate as the module docstring says, falling back together as one process
-    reading every file would. Collective."""
+    """Collective: the newest checkpoint every rank finds intact, ``(step, shared state, this rank's own part)``, or
+    None. After each candidate (newest first) the ranks all-gather ``(step, verdict)``: one damaged in any rank's
+    file makes every rank fall back together, as one process reading every file would, and ranks that find different
+    checkpoints (storage not shared) stop, naming each rank's step."""
     candidates, problems = checkpoint_candidates(directory)
     for checkpoint in [*candidates, None]:  # None: every rank has run out of candidates
         found, verdict = None, 0
