@@ -112,9 +112,8 @@ class Quorum:
 
     def apply_guard(self, hang_s: float | None, work_s: float | None, liveness_s: float | None) -> None:
         """The guard's timeouts under heal, each None where the user set none (heal's ``LOOM_HEAL_*_TIMEOUT_S``
-        apply then): a member lost under heal is replaced, not waited for, so ``hang_s`` bounds each collective of
-        an epoch's group, and ``work_s`` and ``liveness_s`` (``guard/RANK/GEN``) the launcher's wait for a check-in
-        and a heartbeat. Called before `join`, so that the launcher reads them before it judges this process."""
+        apply then); what each bounds there: docs/fault-tolerance.md, "The guard's timeouts under heal". Called
+        before `join`, so that the launcher reads them (``guard/RANK/GEN``) before it judges this process."""
         if liveness_s is not None and liveness_s < MIN_LIVENESS_S:
             raise ValueError(
                 f"rank {self.rank}: liveness_timeout_s={liveness_s:g} under --on-worker-failure heal: a member's "
