@@ -18,7 +18,7 @@ from loom.parallel.pipeline.pipeline_schedule import peak_live_microbatches, sim
 from loom.parallel.pipeline.pipeline_split import balanced_cuts, stage_ranges
 from loom.plan.codecs import CodecCost
 from loom.plan.configs import Configuration
-from loom.plan.profile import BatchProfile, ModelProfile, OutsideCalibration
+from loom.plan.profile import ModelProfile, OutsideCalibration
 from loom.plan.transport import Transport
 from loom.ps.wire import WireLimits
 
@@ -111,12 +111,6 @@ def _data_parallel(m: _Model) -> Prediction:
     return m.done(at.compute_s, comm, p.optimizer_s + m.small, memory, _ring(m.n, p.grad_bytes))
 
 
-def _units(p: ModelProfile, at: BatchProfile) -> list[int]:
-    units = [layer.param_bytes for layer in at.layers if layer.param_bytes]
-    rest = p.param_bytes - sum(units)
-    return units + ([rest] if rest > 0 else [])
-
-
 def _sharded(m: _Model) -> Prediction:
     p, at, n = m.p, m.p.at(m.share), m.n
     stage = int(m.c.option("stage"))
@@ -130,7 +124,8 @@ def _sharded(m: _Model) -> Prediction:
         )
         return m.done(at.compute_s, comm, optimizer, memory, _ring(n, p.grad_bytes) + _ring(n, p.param_bytes))
     gathers = 2 if stage == 3 else 1
-    units = _units(p, at)
+    units = [layer.param_bytes for layer in at.layers if layer.param_bytes]  # FSDP's: each layer's,
+    units += [rest] if (rest := p.param_bytes - sum(units)) > 0 else []  # and the parameters outside them
     comm = sum(gathers * m.t.time("all_gather", u) + m.t.time("reduce_scatter", u) for u in units)
     params = p.param_bytes / n if stage == 3 else p.param_bytes
     other = m.fsdp_extra  # FSDP's memory beyond its shards, measured (docs/plan.md#cost-model)
