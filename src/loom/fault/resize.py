@@ -1,6 +1,6 @@
 """Resizing a data-parallel job on resume: the linear learning-rate scaling rule of
 ``fit(..., scale_lr_with_world_size=True)``, every learning rate times M / N (N as the checkpoint records it). When
-to use it, what is rescaled and its limits: docs/fault-tolerance.md, "Resizing on resume".
+to use it, what is rescaled and its limits: docs/fault-tolerance.md#resizing-on-resume.
 """
 
 from __future__ import annotations
