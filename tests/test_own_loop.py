@@ -173,3 +173,23 @@ def test_model_parallel_strategies_refuse_conventions_they_cannot_run():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.unit
+def test_a_nan_in_a_layer_unfrozen_after_setup_skips_the_step():
+    """The own loop judges the gradients of the parameters trainable at each step, not at set-up: a fine-tuning loop
+    that unfreezes a layer later is guarded there too (a NaN must not reach the weights)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    job = loom.DataParallel().setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    module, optimizer, loader = job.own_loop(job.loader(data, global_batch_size=8))
+    model[0].requires_grad_(True)
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(module(x), y).backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    optimizer.step()
+    assert job.last_step_skipped
+    assert torch.isfinite(model[0].weight).all()

@@ -286,9 +286,11 @@ class OwnLoop:
 
     # -- the step -----------------------------------------------------------------------------------------------
     def skip_step(self) -> bool:
-        """Whether the averaged gradient is non-finite (the same verdict on every rank; see `NonFiniteGuard`)."""
+        """Whether the averaged gradient of the parameters trainable now (a loop may unfreeze layers after set-up) is
+        non-finite (the same verdict on every rank; see `NonFiniteGuard`)."""
         job = self.job
-        skip = job.nonfinite.judge(job.step + 1, [], [], gradients_finite([p.grad for p in job._trainable]))
+        grads = [p.grad for p in job.module.parameters() if p.requires_grad]
+        skip = job.nonfinite.judge(job.step + 1, [], [], gradients_finite(grads))
         job.last_step_skipped = skip
         if skip:
             job.optimizer.zero_grad(set_to_none=True)
