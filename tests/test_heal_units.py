@@ -180,6 +180,13 @@ def test_a_member_that_does_not_check_in_is_killed_and_left_out(monkeypatch):
     assert job.running[2] is False and job.members(2) == "0:0,1:0"
 
 
+@pytest.mark.parametrize("heals, least", [(-1, 1), (3, 0)])
+def test_a_policy_out_of_range_is_refused_on_construction(heals, least):
+    """`HealPolicy` is public: built directly (not through `loom run`'s checks) it still refuses what cannot hold."""
+    with pytest.raises(ValueError, match=r"--max-heals must be >= 0 and --min-workers >= 1, got HealPolicy"):
+        HealPolicy(max_heals=heals, min_workers=least)
+
+
 def test_the_budgets_stop_the_job_naming_the_lost_ranks(monkeypatch):
     job = Launcher(max_heals=1)
     for r in range(3):

@@ -42,7 +42,11 @@ class HealPolicy:
     max_heals: int = 3
     """Replacements the job may start in all; one more lost worker stops the job, naming the ranks."""
     min_workers: int = 1
-    """Members below which the job stops, naming the lost ranks (both checked by `loom.launch.spec.LaunchSpec`)."""
+    """Members below which the job stops, naming the lost ranks."""
+
+    def __post_init__(self) -> None:
+        if self.max_heals < 0 or self.min_workers < 1:
+            raise ValueError(f"--max-heals must be >= 0 and --min-workers >= 1, got {self}")
 
 
 def exit_kind(status: int) -> str:
