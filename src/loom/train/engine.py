@@ -336,6 +336,16 @@ class Engine(Job):
             )
         return {name: float(sums[i].item()) / count for i, name in enumerate(names)}
 
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """The model in eval mode for the block, then back in the mode it was in (an exception too)."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(was_training)
+
     @torch.no_grad()
     def _evaluate(self, batch: Any, metrics: dict[str, MetricFn] | None) -> tuple[list[str], torch.Tensor]:
         """``names`` and this rank's ``[sum per name..., samples]``: the share's loss and
@@ -347,17 +357,13 @@ class Engine(Job):
         local = batch_len(call.inputs_of(batch_here))
         sums = torch.zeros(len(metrics or {}) + 2, dtype=torch.float64, device=device)
         sums[-1] = local
-        was_training = self.module.training
-        self.module.eval()
-        try:
+        with self._eval_mode():
             if local:
                 loss, outputs = forward_loss(call, self.module, batch_here)
                 second = call.second_argument(batch_here)
                 values = [loss, *(fn(outputs, second) for fn in (metrics or {}).values())]
                 for i, value in enumerate(values):
                     sums[i] = float(value) * local
-        finally:
-            self.module.train(was_training)
         return ["loss", *(metrics or {})], sums
 
     def _eval_group(self) -> Any:

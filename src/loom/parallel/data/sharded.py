@@ -234,12 +234,8 @@ class ShardedDataParallelJob(DataParallelJob):
         if self._fsdp is not None:
             batch_here = to_device(batch, self.topology.device)
             if batch_len(self.loss_call.inputs_of(batch_here)) == 0:
-                was_training = self.module.training
-                self.module.eval()
-                try:
+                with self._eval_mode():
                     forward_loss(self.loss_call, self.module, batch_here)
-                finally:
-                    self.module.train(was_training)
         return super()._evaluate(batch, metrics)
 
     # -- state ------------------------------------------------------------------------------------------------

@@ -214,15 +214,11 @@ class ModelParallelJob(Engine):
                 "into an unsplit model on rank 0 for other metrics."
             )
         state = StepState(self.step + 1, batch)
-        was_training = self.module.training
-        self.module.eval()
-        try:
+        with self._eval_mode():
             self._prepare(state)
             self._refuse_empty(state)
             self._forward_backward(state, train=False)
             self._synchronize(state)
-        finally:
-            self.module.train(was_training)
         return ["loss"], torch.tensor([state.work["loss_sum"], float(state.total or 0)], dtype=torch.float64)
 
     def _eval_group(self) -> Any:
