@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 def test_every_error_class_is_a_loom_error_and_keeps_its_builtin_base():
     classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
-    functions = {"check_int", "is_retryable", "failure_text"}
+    functions = {"check_choice", "check_int", "is_retryable", "failure_text"}
     assert sorted(c.__name__ for c in classes) == sorted(n for n in errors.__all__ if n not in functions)
     assert all(issubclass(c, errors.LoomError) for c in classes)
     assert issubclass(errors.ModelMismatchError, ValueError) and issubclass(errors.HangError, RuntimeError)
@@ -121,3 +121,14 @@ def test_check_int_refuses_a_non_int_a_bool_or_too_small_naming_the_option_the_v
         ValueError, match=r"^keep must be None or an int >= 1, got -1\. HINT: None keeps all$"
     ):
         errors.check_int("keep", -1, optional=True, hint="None keeps all")
+
+
+def test_check_choice_refuses_a_value_not_among_the_choices_naming_the_option_the_value_the_choices_and_the_fix():
+    errors.check_choice("stage", 2, (1, 2, 3))
+    errors.check_choice("mixed_precision", None, (None, "bf16"))
+    errors.check_choice("flag", True, (True, False))
+    for bad in (True, 4, "1", None):  # a bool is not the int it equals
+        with pytest.raises(ValueError, match=rf"^stage must be one of 1, 2, 3, got {bad!r}$"):
+            errors.check_choice("stage", bad, (1, 2, 3))
+    with pytest.raises(ValueError, match=r"^mode must be one of 'sync', 'ssp', got 'x'\. HINT: use 'sync'$"):
+        errors.check_choice("mode", "x", ("sync", "ssp"), hint="use 'sync'")

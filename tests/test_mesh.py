@@ -42,5 +42,5 @@ def test_single_process_mesh_and_data_topology():
     assert mesh.group("dp") is None and mesh.index("pp") == 0 and mesh.peer("pp", 0) == 0
     data = mesh.data_topology()
     assert (data.rank, data.world_size) == (0, 1)
-    with pytest.raises(ValueError, match="unknown mesh axis 'ep'"):
+    with pytest.raises(ValueError, match="mesh axis must be one of 'dp', 'pp', 'tp', got 'ep'"):
         mesh.size("ep")

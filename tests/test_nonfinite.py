@@ -59,14 +59,17 @@ def test_guard_skips_counts_stops_and_names_ranks():
     assert guard.history == [2, 4, 5, 6]
     with pytest.raises(NonFiniteStepError, match=r"step 7 is non-finite: non-finite loss on rank\(s\) \[3\]"):
         NonFiniteGuard("stop", rank=0).judge(7, [0, 1], [2, 3])
-    with pytest.raises(ValueError, match="nonfinite='maybe'"):
+    with pytest.raises(ValueError, match="nonfinite must be one of 'skip', 'stop', got 'maybe'"):
         NonFiniteGuard("maybe")
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "config, message",
-    [({"nonfinite": "ignore"}, "nonfinite='ignore'"), ({"nonfinite_limit": 0}, "nonfinite_limit")],
+    [
+        ({"nonfinite": "ignore"}, "nonfinite must be one of 'skip', 'stop', got 'ignore'"),
+        ({"nonfinite_limit": 0}, "nonfinite_limit"),
+    ],
 )
 def test_data_parallel_refuses_a_bad_policy(config, message):
     with pytest.raises(ValueError, match=message):

@@ -159,7 +159,10 @@ def test_tied_parameters_export_under_both_names():
 def test_mixed_precision_is_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="stage=1\\) does not take mixed_precision='bf16'"):
         loom.ShardedDataParallel(stage=1, mixed_precision="bf16")
-    with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16' or 'fp16', got 'fp8'"):
+    with pytest.raises(
+        ValueError,
+        match="mixed_precision must be one of None, 'bf16', 'fp16', got 'fp8'. HINT: 'bf16' computes in bfloat16",
+    ):
         loom.ShardedDataParallel(stage=3, mixed_precision="fp8")
     model = nn.Linear(4, 2)
     with pytest.raises(ValueError, match="needs FSDP2 units sharded over 2 or more processes"):

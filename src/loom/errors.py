@@ -251,7 +251,7 @@ class PlanError(LoomError, ValueError, retryable=False):
 
 
 __all__ = [n for n, v in dict(globals()).items() if isinstance(v, type) and issubclass(v, LoomError)]
-__all__ += ["check_int", "failure_text", "is_retryable"]
+__all__ += ["check_choice", "check_int", "failure_text", "is_retryable"]
 
 
 def check_int(name: str, value: object, least: int = 1, *, optional: bool = False, hint: str = "") -> None:
@@ -263,3 +263,11 @@ def check_int(name: str, value: object, least: int = 1, *, optional: bool = Fals
         either = "None or " if optional else ""
         hint = f". HINT: {hint}" if hint else ""
         raise ValueError(f"{name} must be {either}an int >= {least}, got {value!r}{hint}")
+
+
+def check_choice(name: str, value: object, choices: tuple[object, ...], hint: str = "") -> None:
+    """Refuse a ``value`` not among ``choices`` (a bool is not the int it equals): a ValueError naming the
+    option ``name``, the value, the allowed values and, where given, the ``hint`` (the fix)."""
+    if not any(c == value and isinstance(c, bool) == isinstance(value, bool) for c in choices):
+        hint = f". HINT: {hint}" if hint else ""
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from loom.errors import check_int
+from loom.errors import check_choice, check_int
 from loom.topology import Topology, current
 
 __all__ = ["AXES", "REPLICA", "Mesh", "MeshShape"]
@@ -99,8 +99,7 @@ class MeshShape:
 
 
 def _check_axis(axis: str) -> str:
-    if axis not in AXES:
-        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
+    check_choice("mesh axis", axis, AXES)
     return axis
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from loom.comm.counters import counters
+from loom.errors import check_choice
 from loom.settings import setting
 
 OPS = ("sum", "avg", "max", "min")
@@ -19,10 +20,7 @@ ALGORITHMS = ("native", "ring", "driver", "shm", "hierarchical", "auto")
 
 
 def check_algorithm(algorithm: str) -> None:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"unknown all-reduce algorithm={algorithm!r}; valid algorithms are {', '.join(map(repr, ALGORITHMS))}"
-        )
+    check_choice("algorithm", algorithm, ALGORITHMS)
 
 
 def check_tensor(tensor: object, op: str) -> None:

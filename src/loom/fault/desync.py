@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.errors import NonFiniteStepError, ReplicaDesyncError, check_int  # noqa: F401 - raised here, defined there
+from loom.errors import NonFiniteStepError, ReplicaDesyncError, check_choice, check_int  # noqa: F401 - raised here, defined there
 from loom.fault.watchdog import collective
 
 __all__ = [
@@ -158,11 +158,8 @@ class NonFiniteGuard:
     """The step numbers of the skipped steps."""
 
     def __post_init__(self) -> None:
-        if self.policy not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite={self.policy!r} is not one of {list(NONFINITE_POLICIES)}. HINT: 'skip' drops a "
-                "non-finite step on every rank, 'stop' raises."
-            )
+        hint = "'skip' drops a non-finite step on every rank, 'stop' raises."
+        check_choice("nonfinite", self.policy, NONFINITE_POLICIES, hint)
         check_int("nonfinite_limit", self.limit)
 
     def judge(

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loom.errors import check_int
+from loom.errors import check_choice, check_int
 from loom.launch.bounds import check_nproc
 from loom.net.interfaces import route_address
 
@@ -94,10 +94,7 @@ class LaunchSpec:
             raise ValueError(
                 "--servers is supported on one-node jobs only (parameter servers start on this host)"
             )
-        if self.on_worker_failure not in ("stop", "continue", "heal"):
-            raise ValueError(
-                f"--on-worker-failure {self.on_worker_failure!r}; use 'stop', 'continue' or 'heal'"
-            )
+        check_choice("--on-worker-failure", self.on_worker_failure, ("stop", "continue", "heal"))
         if self.on_worker_failure == "heal" and self.nnodes == 1 and not 1 <= self.min_workers <= self.nproc:
             raise ValueError(f"--min-workers {self.min_workers} must be in 1..{self.nproc} (-n)")
         check_int("--min-workers", self.min_workers)  # several nodes: also checked once all joined

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.config_docs import document_options
-from loom.errors import RayJobFailed, check_int  # noqa: F401 - raised by run(), defined there
+from loom.errors import RayJobFailed, check_choice, check_int  # noqa: F401 - raised by run(), defined there
 
 __all__ = ["RayConfig", "RayJobFailed", "run", "run_script"]
 
@@ -85,8 +85,7 @@ class RayConfig:
                 object.__setattr__(self, name, value)
         for name, least in (("num_workers", 1), ("max_failures", 0), ("servers", 0)):
             check_int(name, getattr(self, name), least)
-        if self.placement_strategy not in _STRATEGIES:
-            raise ValueError(f"placement_strategy {self.placement_strategy!r}; use one of {_STRATEGIES}")
+        check_choice("placement_strategy", self.placement_strategy, _STRATEGIES)
         for name in ("resources_per_worker", "resources_per_server"):
             resources = getattr(self, name)
             if not isinstance(resources, dict) or any(

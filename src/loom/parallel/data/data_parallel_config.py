@@ -11,7 +11,7 @@ from typing import Any
 from loom.comm import ALGORITHMS
 from loom.comm.compression import make_codec
 from loom.config_docs import document_options
-from loom.errors import check_int
+from loom.errors import check_choice, check_int
 from loom.train.guard import GuardOptions
 from loom.train.options import refuse_options
 
@@ -52,8 +52,7 @@ class DataParallelConfig(GuardOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.allreduce not in ALGORITHMS:
-            raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
+        check_choice("allreduce", self.allreduce, ALGORITHMS)
         if self.compression is not None:
             make_codec(self.compression)  # refuses a malformed spec now, naming the valid forms
             if self.allreduce not in ("native", "auto"):

@@ -27,6 +27,7 @@ from torch import nn
 from loom.checkpoint.sharded_state import ShardLayout, load_pieces, rank_state
 from loom.config_docs import document_options
 from loom.devices import place_model, refuse_shared_gpu
+from loom.errors import check_choice
 from loom.fault.desync import GRADIENT_FLAG
 from loom.job import MetricFn
 from loom.mesh import Mesh
@@ -75,26 +76,19 @@ class ShardedDataParallelConfig(DataParallelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
-            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        check_choice("stage", self.stage, (1, 2, 3))
         for name, why in _REFUSED.items():  # refused when set away from DataParallelConfig's default
             if getattr(self, name) != getattr(DataParallelConfig, name):
                 raise ValueError(f"ShardedDataParallel does not take {name}=: {why}")
-        if self.mixed_precision not in (None, "bf16", "fp16"):
-            raise ValueError(
-                f"mixed_precision must be None, 'bf16' or 'fp16', got {self.mixed_precision!r}. HINT: 'bf16' "
-                "computes in bfloat16 and reduces and steps in float32."
-            )
+        hint = "'bf16' computes in bfloat16 and reduces and steps in float32."
+        check_choice("mixed_precision", self.mixed_precision, (None, "bf16", "fp16"), hint)
         if self.mixed_precision is not None and self.stage == 1:
             raise ValueError(
                 f"ShardedDataParallel(stage=1) does not take mixed_precision={self.mixed_precision!r}: stage 1 "
                 "keeps whole parameters in their own dtype and shards only the optimizer state. HINT: stage=2 "
                 "casts each unit's parameters for compute and keeps float32 master weights."
             )
-        if self.gradient_reduce not in ("auto", "reduce_scatter", "all_reduce"):
-            raise ValueError(
-                f"gradient_reduce must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.gradient_reduce!r}"
-            )
+        check_choice("gradient_reduce", self.gradient_reduce, ("auto", "reduce_scatter", "all_reduce"))
         if self.allreduce not in ("auto", "native"):
             raise ValueError(
                 f"ShardedDataParallel does not take allreduce={self.allreduce!r}: its gradients are "

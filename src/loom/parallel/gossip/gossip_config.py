@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config_docs import document_options
-from loom.errors import check_int
+from loom.errors import check_choice, check_int
 from loom.train.engine import ShareOptions
 
 __all__ = ["PEERS", "GossipConfig"]
@@ -43,8 +43,7 @@ class GossipConfig(ShareOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.peers not in PEERS:
-            raise ValueError(f"peers={self.peers!r} is not one of {list(PEERS)}")
+        check_choice("peers", self.peers, PEERS)
         for name in ("every", "retry_after"):
             check_int(name, getattr(self, name))
         for name in ("deadline_s", "setup_timeout_s"):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config_docs import document_options
-from loom.errors import check_int
+from loom.errors import check_choice, check_int
 from loom.mesh import Mesh
 from loom.parallel.pipeline.pipeline_runtime import PipelineStage
 from loom.parallel.pipeline.pipeline_schedule import SCHEDULES
@@ -50,14 +50,12 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches"):
             check_int(name, getattr(self, name))
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
+        check_choice("schedule", self.schedule, SCHEDULES)
         if isinstance(self.split, str) and self.split != "balanced":
             raise ValueError(f'split must be "balanced" or a list of layer names, got {self.split!r}')
         if not isinstance(self.split, str):
             object.__setattr__(self, "split", tuple(self.split))
-        if self.balance_by not in ("params", "time"):
-            raise ValueError(f'balance_by must be "params" or "time", got {self.balance_by!r}')
+        check_choice("balance_by", self.balance_by, ("params", "time"))
 
 
 document_options(PipelineConfig, PipelineConfig)

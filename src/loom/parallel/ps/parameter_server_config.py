@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.config_docs import document_options
-from loom.errors import check_int
+from loom.errors import check_choice, check_int
 from loom.observe.metrics import StepMetrics
 from loom.train.engine import ShareOptions
 
@@ -48,8 +48,7 @@ class ParameterServerConfig(ShareOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mode not in ("sync", "async", "ssp"):
-            raise ValueError(f"mode={self.mode!r}; use 'sync', 'async' or 'ssp'")
+        check_choice("mode", self.mode, ("sync", "async", "ssp"))
         check_int("staleness", self.staleness, 0)
         if self.staleness and self.mode != "ssp":
             raise ValueError(f"staleness={self.staleness} applies to mode='ssp' only, not {self.mode!r}")

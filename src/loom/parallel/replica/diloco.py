@@ -30,7 +30,7 @@ from loom.comm.compression import INT8_CHUNK, accept_compression
 from loom.comm.compression.replicas import SUM_SPECS, compressed_sum
 from loom.comm.thread import CommThread
 from loom.config_docs import document_options
-from loom.errors import check_int
+from loom.errors import check_choice, check_int
 from loom.job import load_replicated_state, replicated_state
 from loom.parallel._setup import LossFn
 from loom.parallel.consistency import check_same_model
@@ -106,8 +106,7 @@ class DiLoCoConfig(ShareOptions):
                 f"overlap_steps={self.overlap_steps!r} must be an int from 0 to sync_every - 1 = {h - 1}: an "
                 f"exchange must be applied before its fragment's next one. HINT: 0 blocks, 1 overlaps one step."
             )
-        if self.allreduce not in ALGORITHMS:
-            raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
+        check_choice("allreduce", self.allreduce, ALGORITHMS)
         if self.compression == "int8" and self.allreduce not in ("auto", "native"):
             raise ValueError(
                 f"compression='int8' all-gathers the codes with the backend; it cannot be combined with "

@@ -18,7 +18,7 @@ from torch import nn
 from loom.comm import ALGORITHMS
 from loom.comm import all_reduce as comm_all_reduce
 from loom.config_docs import document_options
-from loom.errors import check_int
+from loom.errors import check_choice, check_int
 from loom.job import load_replicated_state, replicated_state
 from loom.parallel._setup import LossFn
 from loom.parallel.replica._replica_sync import (
@@ -45,8 +45,7 @@ class LocalSGDConfig(ShareOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("sync_every", self.sync_every, hint="1 averages after every step, 8 every eighth step.")
-        if self.allreduce not in ALGORITHMS:
-            raise ValueError(f"allreduce={self.allreduce!r} is not one of {sorted(ALGORITHMS)}")
+        check_choice("allreduce", self.allreduce, ALGORITHMS)
 
 
 class LocalSGD(ReplicaStrategy):
