@@ -154,3 +154,7 @@ def test_restarted_sync_job_continues_from_the_servers_clocks(tmp_path):
     for result in done.values():
         assert result["attempt"] == 1 and len(result["losses"]) == 10
         assert result["clock"] == 13 and result["server_version"] == 13
+    # The step records go where every strategy's do (`loom report` reads them), and the summary counts them.
+    records = (tmp_path / "run" / "metrics" / "rank0.jsonl").read_text().splitlines()
+    assert json.loads(records[-1])["step"] == 13
+    assert ", 13 steps; " in err

@@ -32,12 +32,12 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 """``loss_fn(outputs, targets)``: the plain loss convention (`loom.LossCall` has the others)."""
 
 
-def step_metrics(topo: Topology, path: str | None) -> StepMetrics:
-    """This process's step records, appended to ``path``; by default, under ``loom run``, to
+def step_metrics(topo: Topology, path: str | None, kind: type[StepMetrics] = StepMetrics) -> StepMetrics:
+    """This process's step records (a ``kind``), appended to ``path``; by default, under ``loom run``, to
     ``RUN_DIR/metrics/rank<r>.jsonl`` (under heal ``rank<r>.heal<g>.jsonl`` for a rank's g-th replacement)."""
     run_dir, gen = os.environ.get("LOOM_RUN_DIR"), int(os.environ.get("LOOM_HEAL_GENERATION", "0") or 0)
     default = f"{run_dir}/metrics/rank{topo.rank}{f'.heal{gen}' if gen else ''}.jsonl" if run_dir else None
-    return StepMetrics(topo.rank, path or default)
+    return kind(topo.rank, path or default)
 
 
 SURVIVE_LOST_WORKER = "Gossip, ParameterServer(mode='async') or ParameterServer(mode='ssp')"

@@ -33,7 +33,7 @@ from loom.config_docs import document_options
 from loom.devices import place_model
 from loom.job import MetricFn
 from loom.mesh import Mesh
-from loom.parallel._setup import LossFn, Strategy, check_setup_arguments
+from loom.parallel._setup import LossFn, Strategy, check_setup_arguments, step_metrics
 from loom.parallel.ps.parameter_server_config import ParameterServerConfig, ParameterServerMetrics
 from loom.parallel.ps.parameter_server_pieces import (
     json_hyperparameters,
@@ -102,7 +102,7 @@ class ParameterServer(Strategy):
         metas = [{**meta, "pieces": [p.to_json() for p in pieces]} for pieces in held]
         values = [{f"p{p.id}": piece_view(params[p.name], p) for p in pieces} for pieces in held]
         replies = client.request(MessageType.INIT, metas, values, timeout_s=cfg.connect_timeout_s)
-        metrics = ParameterServerMetrics(topo.rank, self.metrics_path)
+        metrics = step_metrics(topo, self.metrics_path, ParameterServerMetrics)
         # The workers' mesh: the servers are not in the torch process group.
         mesh = Mesh(dp=topo.world_size, topology=topo)
         job = ParameterServerJob(model, optimizer, loss_fn, mesh, cfg, client, plan, metrics)
