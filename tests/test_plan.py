@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
+import types
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,21 @@ def test_every_configuration_is_ranked_with_a_reason_and_the_json_fields():
     assert tp["feasible"] is False and "not predicted" in tp["reason"]
     ps = next(row for row in doc["configurations"] if row["family"] == "ParameterServer")
     assert ps["launch"] in ("-n 2 --servers 1", "-n 2 --servers 2")
+
+
+def test_the_run_line_to_paste_carries_the_scripts_own_arguments_shell_quoted(monkeypatch, capsys):
+    import loom.plan.planner
+    from loom.cli import main
+
+    profile = _profile(sizes=(16, 32, 64))
+    ranked = rank(
+        [predict(c, profile, _transport(1e-3), 64) for c in candidates(2, ("native",), 4, 64)], None
+    )
+    result = types.SimpleNamespace(ranked=ranked, top=ranked[0], global_batch_size=64)
+    monkeypatch.setattr(loom.plan.planner, "plan", lambda *args: result)
+    assert main(["plan", TINY, "dp", "a b"]) == 0
+    out = capsys.readouterr().out
+    assert f"loom run {ranked[0].prediction.config.launch} {shlex.join([TINY, 'dp', 'a b'])}\n" in out
 
 
 def test_a_negative_engine_overhead_never_makes_a_step_time_zero_or_negative():

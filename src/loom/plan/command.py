@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,15 +84,14 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(f"loom plan: {refusal}", file=sys.stderr)
         return 2
     args = tuple(a for a in ns.args if a != "--")
+    script = shlex.join([ns.script, *args])  # as the shell takes it back, the script's own arguments with it
     console = Console(width=200)
     try:
         result = plan(ns.script, args, ns.nproc, ns.hosts, ns.link, ns.memory_per_proc)
-        console.print(render(result.ranked, f"loom plan {ns.script}: {ns.nproc * ns.hosts} processes, global batch "
+        console.print(render(result.ranked, f"loom plan {script}: {ns.nproc * ns.hosts} processes, global batch "
                                             f"{result.global_batch_size}"))  # fmt: skip
         top = result.top.prediction.config
-        print(
-            f"\nchosen: {result.top.reason}\n  strategy = {top.strategy}\n  loom run {top.launch} {ns.script}"
-        )
+        print(f"\nchosen: {result.top.reason}\n  strategy = {top.strategy}\n  loom run {top.launch} {script}")
         verified = verify(result, args, ns.verify_top, ns.steps) if ns.verify else []
     except (ScriptCaptureError, PlanError) as error:
         text = str(error)
