@@ -175,6 +175,18 @@ def test_the_run_line_to_paste_carries_the_scripts_own_arguments_shell_quoted(mo
     assert f"loom run {ranked[0].prediction.config.launch} {shlex.join([TINY, 'dp', 'a b'])}\n" in out
 
 
+@pytest.mark.parametrize("memory_limit", [None, 1000])
+def test_local_sgd_and_diloco_say_they_do_not_train_as_one_process(memory_limit):
+    profile = _profile(sizes=(16, 32, 64))
+    preds = [predict(c, profile, _transport(1e-3), 64) for c in candidates(2, ("native",), 4, 64)]
+    for r in rank(preds, memory_limit):
+        config = r.prediction.config
+        apart = f"; replicas average every {config.option('sync_every')} steps: not equal to one process"
+        assert (apart in r.reason) == (
+            config.family in ("LocalSGD", "DiLoCo") and not r.prediction.refused
+        ), r
+
+
 def test_a_negative_engine_overhead_never_makes_a_step_time_zero_or_negative():
     """A negative overhead is the calibration's noise, bounded by half of its own step: a configuration whose
     formula step is smaller (more processes, a pipeline) must still be predicted positive, at half its step."""

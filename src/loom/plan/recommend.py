@@ -65,6 +65,13 @@ def _why(p: Prediction, top: Prediction) -> str:
     return f"{slower}: {rest * 1e3:.1f} ms of optimizer and step overhead"
 
 
+def _apart(p: Prediction) -> str:
+    """The clause a LocalSGD or DiLoCo reason ends with: the ranking is by speed, their training is not one process's."""
+    if p.config.family not in ("LocalSGD", "DiLoCo"):
+        return ""
+    return f"; replicas average every {p.config.option('sync_every')} steps: not equal to one process"
+
+
 MEMORY_MARGIN = 0.05
 """A "fits" verdict leaves this much of the limit unused: the predicted peak's error bound (`docs/plan.md`: never
 under-predicted by more than 5 %), so that a configuration that fits does not run out of memory."""
@@ -89,12 +96,12 @@ def rank(
     limit = math.inf if memory_limit is None else memory_limit
     fits = [p for p in predictions if not p.refused and needed_per_process(p, job_share) <= limit]
     fits.sort(key=lambda p: -p.samples_per_s)
-    out = [Ranked(p, True, _why(p, fits[0]), errors.get(p.config.family)) for p in fits]
+    out = [Ranked(p, True, _why(p, fits[0]) + _apart(p), errors.get(p.config.family)) for p in fits]
     big = [p for p in predictions if not p.refused and p not in fits]
     for p in sorted(big, key=lambda p: p.memory["total"]):
         why = (f"does not fit: needs {_gib(needed_per_process(p, job_share))} per process (with its share of the "
                f"launcher's and a {MEMORY_MARGIN:.0%} margin) > --memory-per-proc {_gib(memory_limit or 0)}")  # fmt: skip
-        out.append(Ranked(p, False, why, errors.get(p.config.family)))
+        out.append(Ranked(p, False, why + _apart(p), errors.get(p.config.family)))
     out += [Ranked(p, False, p.refused) for p in predictions if p.refused]
     return out
 
