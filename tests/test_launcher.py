@@ -116,6 +116,7 @@ def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
     assert result.returncode != 0
     assert "worker rank 1 failed" in result.stderr
     assert "ValueError: bad value on purpose" in result.stderr
+    assert "[rank1]: Traceback" in result.stderr and "[rank1]: [rank1]:" not in result.stderr, "labelled once"
     # Stopped, not waited for: rank 0 sleeps 120 s; half of that is a bound load does not reach.
     assert finished - float(stamp.read_text()) < 60.0
     assert wait_until_gone(str(script)) == []

@@ -176,7 +176,10 @@ def _join(backend: str | None, timeout_s: float, device: str | None = None) -> T
             meet = {"init_method": "env://"}
         else:  # no agent (plain `python` with the variables set): a join bounded by LOOM_JOIN_TIMEOUT_S
             meet = {"store": join_env_store(rank, world_size, timeout_s)}
+        hook = sys.excepthook
         dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, timeout=timeout, **meet)
+        if "LOOM_STORE_PREFIX" in os.environ:  # loom run labels each line; torch's hook: twice
+            sys.excepthook = hook
         # gloo's connections finish on each rank in its own time: a rank that went on and ended at once (a
         # setup every rank refuses) closed its sockets under a peer still connecting, which then failed with
         # "Gloo connectFullMesh failed ... Connection closed by peer" instead of the refusal. A CPU tensor's
