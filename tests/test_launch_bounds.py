@@ -86,6 +86,38 @@ def test_a_directory_as_the_script_is_called_a_directory(tmp_path, capsys):
     one_line(capsys.readouterr().err, "is a directory")
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "args",
+    [["run", "-n", "0"], ["run", "-n", "two"], ["run", "--max-restarts", "-1"], ["run", "--max-heals", "-1"],
+     ["run", "--min-workers", "0"], ["demo", "--epochs", "0"], ["launch"]],
+)  # fmt: skip
+def test_a_bad_option_value_is_one_line_naming_it_and_exit_2(args, script, capsys):
+    """argparse's error without its usage dump (it printed 11 lines of usage first)."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*args, str(script)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"loom{' ' * (args[0] != 'launch')}") and "--help lists the options" in err, err
+    assert args[-1] in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["-n", "2", "nothere.py"], "script 'nothere.py' does not exist (working directory "),
+     (["-n", "2", "--on-worker-failure", "heal", "--min-workers", "3"], "1..2 (-n). HINT: give --min-workers at "
+      "most 2"),
+     (["--on-worker-failure", "continue", "--max-restarts", "1"], "got --max-restarts 1. HINT: leave it out")],
+)  # fmt: skip
+def test_a_refused_launch_names_the_fix(args, needle, script, capsys):
+    """Each said what was wrong but not the fix; continue's named the default --nnodes 1 as a conflict."""
+    assert cli.main(["run", *args, str(script)]) == 2
+    assert "HINT" in one_line(capsys.readouterr().err, needle)
+
+
 def _spec(nproc: int = 1, ports: list[int] | None = None) -> dict:
     hosts: list[dict] = [{"address": "127.0.0.1", "role": "worker", "nproc": nproc}]
     if ports is not None:

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from loom.launch.bounds import check_nproc, refuse
 from loom.settings import SETTINGS, check_environment, setting
@@ -38,6 +38,14 @@ _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: v > 0, "a number of seconds > 0")
 _trace_window = _number(SETTINGS["LOOM_TRACE_STEPS"].parse, bool, "FIRST:LAST steps with 1 <= FIRST <= LAST")
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parse error is one line naming the value and where the options are listed, exit 2 (no usage dump);
+    every subcommand's parser is one of these (``add_subparsers`` makes its parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
 def _default_run_dir() -> Path:
@@ -288,7 +296,7 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loom", description="Distributed training of PyTorch models.")
+    parser = _Parser(prog="loom", description="Distributed training of PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)
 

@@ -96,13 +96,14 @@ class LaunchSpec:
             )
         check_choice("--on-worker-failure", self.on_worker_failure, ("stop", "continue", "heal"))
         if self.on_worker_failure == "heal" and self.nnodes == 1 and not 1 <= self.min_workers <= self.nproc:
-            raise ValueError(f"--min-workers {self.min_workers} must be in 1..{self.nproc} (-n)")
+            raise ValueError(f"--min-workers {self.min_workers} must be in 1..{self.nproc} (-n). HINT: give "
+                             f"--min-workers at most {self.nproc}, or start more workers with -n")  # fmt: skip
         check_int("--min-workers", self.min_workers)  # several nodes: also checked once all joined
-        if self.on_worker_failure == "continue" and (self.max_restarts or self.nnodes > 1):
-            raise ValueError(
-                f"--on-worker-failure continue runs one node without restarts; "
-                f"got --max-restarts {self.max_restarts}, --nnodes {self.nnodes}. HINT: drop one of them"
-            )
+        got = [f"{flag} {value}" for flag, value, default in (("--max-restarts", self.max_restarts, 0),
+               ("--nnodes", self.nnodes, 1)) if value != default]  # fmt: skip
+        if self.on_worker_failure == "continue" and got:
+            raise ValueError(f"--on-worker-failure continue runs one node without restarts; got {', '.join(got)}. "
+                             "HINT: leave it out, or use --on-worker-failure stop or heal")  # fmt: skip
         if self.on_worker_failure == "heal" and self.max_restarts:
             raise ValueError(
                 f"--on-worker-failure heal replaces lost workers instead of restarting the group; got "
@@ -114,7 +115,8 @@ class LaunchSpec:
                 f"script {self.target!r} is a directory. HINT: give the training script's path"
             )
         if not self.module and not Path(self.target).is_file():
-            raise FileNotFoundError(f"script {self.target!r} does not exist")
+            raise FileNotFoundError(f"script {self.target!r} does not exist (working directory {os.getcwd()}). "
+                                    "HINT: check the path and the directory you run in, or add -m for a module")  # fmt: skip
 
 
 def _check_heal_options(spec: LaunchSpec) -> None:
