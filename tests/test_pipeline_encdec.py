@@ -89,8 +89,9 @@ def test_split_balanced_by_measured_time(workers):
             label = f"{kind} {schedule}"
             cut = _check_split(per_rank, label)
             if kind == "mlp_time":
-                # Rank 0 times layer 5 (a Tanh) as the slow one, rank 1 layer 1: rank 0's cut isolates its slow
-                # layer ("5"), unlike the parameter-count cut ("3"); rank 1 alone would have cut at "2".
-                assert cut == ["5"], f"{label}: cut {cut}"
+                # Rank 0 times layer 5 (a Tanh) as the slow one, rank 1 layer 1: the cut is rank 0's, next to its
+                # slow layer ("5" or "6": which side the microsecond layers fall is the machine's noise, and one
+                # loaded CI cut at "6"), unlike the parameter-count cut ("3"); rank 1 alone would cut at "1" or "2".
+                assert cut in (["5"], ["6"]), f"{label}: cut {cut}"
             for rank, run in enumerate(per_rank):
                 _check_exact(run, ref_losses, ref_params, f"rank {rank} {label}")

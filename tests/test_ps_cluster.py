@@ -66,12 +66,15 @@ def check_sync_runs(outputs: dict, world_size: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def three_workers(cluster):
+def three_workers(cluster, tmp_path_factory):
     """Job A, 3 workers: 4 sync runs; async and ssp (one worker slowed) on least squares; then rank 2 kills
     itself in an async run, and an ssp run follows without it."""
     runs = [
         *SYNC_RUNS,
-        {"mode": "async", "problem": "lsq", "steps": 40, "global_batch": 48, "lr": 0.05},
+        # every worker set up before any trains, paced: others' pushes land between a pull and its push (without
+        # it, a loaded CI once ran the three one after another: every staleness 0)
+        {"mode": "async", "problem": "lsq", "steps": 40, "global_batch": 48, "lr": 0.05,
+         "barrier_dir": str(tmp_path_factory.mktemp("async_start")), "pace_s": 0.005},
         {"mode": "ssp", "staleness": 2, "problem": "lsq", "steps": 20, "global_batch": 48, "servers": [1],
          "slow_rank": 0, "slow_s": 0.05},
         {"mode": "async", "problem": "lsq", "steps": 30, "global_batch": 48, "kill_rank": 2, "kill_step": 5},

@@ -2,6 +2,8 @@
 
 The argument is JSON ``{"tag": str, "runs": [run, ...]}``; a run has: mode, staleness, steps, global_batch,
 problem ("mlp" or "lsq"), optimizer, servers (indices into LOOM_PS_ADDRS), slow_rank/slow_s (sleep per step),
+barrier_dir (every worker set up before any trains; then each sleeps pace_s per step, so that their steps
+interleave however loaded the machine),
 kill_rank/kill_step (SIGKILL itself there), timeout_s (worker timeout), lr (lsq), scheduler ("step": StepLR(2, 0.5),
 "lambda": LambdaLR(1 / (1 + step)); stepped after every train_step).
 
@@ -12,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from common import least_squares, make_dataset, make_mlp, make_optimizer
@@ -63,6 +66,11 @@ for index, cfg in enumerate(job_config["runs"]):
     loader = loom.data.loader(data, cfg["global_batch"], seed=1, topology=topo)
     kill = [Fault("kill", cfg["kill_rank"], cfg["kill_step"] + 1)] if "kill_rank" in cfg else []
     faults = Injector(rank, kill)
+    if "barrier_dir" in cfg:
+        Path(cfg["barrier_dir"], str(rank)).touch()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(cfg["barrier_dir"])) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
     losses, error, started = [], None, time.perf_counter()
     try:
         while len(losses) < cfg["steps"]:
@@ -70,6 +78,7 @@ for index, cfg in enumerate(job_config["runs"]):
                 faults.before_step(len(losses) + 1)
                 if rank == cfg.get("slow_rank"):
                     time.sleep(cfg["slow_s"])
+                time.sleep(cfg.get("pace_s", 0))
                 losses.append(job.train_step(batch))
                 if scheduler is not None:
                     scheduler.step()
