@@ -59,6 +59,8 @@ def test_a_worker_whose_script_raises_stops_the_healed_job_naming_its_rank_and_s
     assert "[rank1]: [rank0]:" not in result.stderr, "torch's label of the group of one under heal (issue 37)"
     assert "starting its replacement" not in result.stderr
     assert not list((tmp_path / "run" / "logs").glob("rank1.heal*")), "no replacement was started"
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("loom run: failed after ") and "3 worker(s), 0 heal(s)" in summary, summary
 
 
 @pytest.mark.multiprocess
@@ -69,6 +71,10 @@ def test_a_worker_told_to_leave_the_quorum_is_replaced_and_the_job_equals_one_pr
     assert (
         "worker rank 1 failed (exit code 75)" in result.stderr and "starting its replacement" in result.stderr
     )
+    summary = result.stderr.strip().splitlines()[-1]  # a healed job ends with the summary, naming its heals
+    assert summary.startswith("loom run: finished in ") and summary.endswith(
+        f"3 worker(s), 1 heal(s), 8 steps; logs and metrics in {run_dir}"
+    ), summary
 
 
 @pytest.mark.multiprocess

@@ -114,6 +114,8 @@ def test_a_worker_killed_on_node_1_is_replaced_there_and_the_job_equals_one_proc
         ), texts[0]
     assert "worker rank 3 was killed by SIGKILL; starting its replacement (heal 1 of 3" in texts[0], texts[0]
     assert "node 1: starting rank 3's replacement (generation 1)" in texts[1], texts[1]
+    for text in texts:  # each node's summary names the heal (node 1's as node 0 tells it)
+        assert "loom run: finished in " in text and "2 worker(s) on each of 2 nodes, 1 heal(s)" in text, text
     found = reports(tmp_path / "out")
     assert set(found) == {(0, 0), (1, 0), (2, 0), (3, 0), (3, 1)}, sorted(found)
     check_steps_agree(found, steps)

@@ -216,7 +216,7 @@ class LauncherStopped(LoomError, retryable=False):
 
 class GroupFailed(LoomError, retryable=False):
     """``loom run``'s worker group failed after its last restart (the launcher has said how), or a parameter
-    server stopped it (`loom.launch.restarts`)."""
+    server stopped it (`loom.launch.restarts`); its argument: the restarts done."""
 
 
 class StoreNotForTorch(LoomError, RuntimeError, retryable=False):

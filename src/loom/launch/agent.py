@@ -63,18 +63,15 @@ def launch(spec: LaunchSpec) -> int:
         return refuse(f"loom run: {error}")
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     _worker_env(spec, local_addr)
-    run_id, logs = run_id_of(spec), spec.run_dir / "logs"
+    run_id = run_id_of(spec)
     cannot_listen = f"loom run: node 0 cannot listen on the master address {host}:{port}"
     if spec.on_worker_failure in ("continue", "heal"):
         try:
-            status = _supervised(spec, run_id, host, port)
+            return _supervised(spec, run_id, host, port)
         except OSError as error:
             if spec.nnodes == 1:  # node 0's store across nodes: one node's listens on loopback
                 raise
             return refuse(f"{cannot_listen}: {error.strerror or error}")
-        if status:
-            print(f"loom run: worker logs are in {logs}", file=sys.stderr)
-        return status
     try:
         rounds = Rounds(spec, host, port, secret, run_id, local_addr, lost_after_s)
     except OSError as error:
@@ -86,10 +83,11 @@ def launch(spec: LaunchSpec) -> int:
     try:
         with stopped_by_signals(), _servers(spec, on_failure=lambda: None) as servers:
             restarts = run_group(spec, rounds, args, zygote, lambda: servers.failure)
-    except GroupFailed:
+    except GroupFailed as failed:
         if servers is not None and servers.failure is not None:  # a parameter server stopped the job
-            return refuse(f"loom run: workers were terminated; logs are in {logs}", 1)
-        return refuse(f"loom run: worker logs are in {logs}", 1)
+            print("loom run: workers were terminated", file=sys.stderr)
+        seconds, server_restarts = time.monotonic() - started, servers.restarts if servers is not None else 0
+        return refuse(summary_line(spec, seconds, failed.args[0], server_restarts, failed=True), 1)
     except (PeerLost, StoreUnreachable, StoreTimeout) as error:
         return refuse(f"loom run: {error}", 1)
     except LauncherStopped as stop:
@@ -124,17 +122,18 @@ def _servers(spec: LaunchSpec, **options: Callable[[], None]) -> Iterator[Server
             merge_traces_and_say(spec.run_dir, "loom run")
 
 
-def summary_line(spec: LaunchSpec, seconds: float, restarts: int, server_restarts: int = 0) -> str:
-    """The job's last line: time, workers, restarts (of parameter servers too, if any) and, when rank 0 kept
-    step records, its last step."""
+def summary_line(spec: LaunchSpec, seconds: float, restarts: int, server_restarts: int = 0,
+                 failed: bool = False) -> str:  # fmt: skip
+    """The job's last line, whether it finished or ``failed``: time, workers, restarts (heals under ``heal``; of
+    parameter servers too, if any) and, when rank 0 kept step records, its last step."""
     workers = f"{spec.nproc} worker(s)" + (f" on each of {spec.nnodes} nodes" if spec.nnodes > 1 else "")
-    restarts_text = f"{restarts} restart(s)" + (
+    restarts_text = f"{restarts} {'heal' if spec.on_worker_failure == 'heal' else 'restart'}(s)" + (
         f", {server_restarts} parameter-server restart(s)" if server_restarts else ""
     )
     last = last_recorded_step(spec.run_dir / "metrics" / "rank0.jsonl")
     steps = f", {last} steps" if last is not None and spec.node_rank == 0 else ""
     return (
-        f"loom run: finished in {seconds:.1f} s: {workers}, {restarts_text}{steps}; "
+        f"loom run: {'failed after' if failed else 'finished in'} {seconds:.1f} s: {workers}, {restarts_text}{steps}; "
         f"logs and metrics in {spec.run_dir}"
     )
 
@@ -171,10 +170,19 @@ def _supervised(spec: LaunchSpec, run_id: str, host: str, port: int) -> int:
     from loom.launch.heal_nodes import heal_across_nodes
     from loom.launch.supervise import supervise_workers
 
+    started, server_restarts = time.monotonic(), 0
     if spec.on_worker_failure == "heal" and spec.nnodes > 1:
-        return heal_across_nodes(spec, run_id, host, port, _worker_args(spec))
-    with _servers(spec, on_failure=lambda: None) as servers:
-        if spec.on_worker_failure == "heal":  # node 0 alone, its store on loopback as supervise_workers' is
-            return heal_across_nodes(spec, run_id, "127.0.0.1", 0, _worker_args(spec))
-        return supervise_workers(spec.nproc, _worker_args(spec), run_id, spec.run_dir / "logs",
-                                 spec.shutdown_timeout_s, lambda: servers.failure)  # fmt: skip
+        status, heals = heal_across_nodes(spec, run_id, host, port, _worker_args(spec))
+    else:
+        with _servers(spec, on_failure=lambda: None) as servers:
+            # heal: node 0 alone, its store on loopback as supervise_workers' is
+            if spec.on_worker_failure == "heal":
+                status, heals = heal_across_nodes(spec, run_id, "127.0.0.1", 0, _worker_args(spec))
+            else:
+                status, heals = supervise_workers(spec.nproc, _worker_args(spec), run_id, spec.run_dir / "logs",
+                                                  spec.shutdown_timeout_s, lambda: servers.failure), 0  # fmt: skip
+        server_restarts = servers.restarts
+    seconds = time.monotonic() - started
+    if status < 128:  # a signal's stop is said where it is caught
+        print(summary_line(spec, seconds, heals, server_restarts, failed=status != 0), file=sys.stderr)
+    return status

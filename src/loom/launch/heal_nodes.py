@@ -263,8 +263,10 @@ def _register(spec: LaunchSpec, client: Any) -> list[int]:
     return [int(client.get(key)) for key in keys]
 
 
-def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worker_args: list[str]) -> int:
-    """Run this node's share of a healing job of ``spec.nnodes`` nodes (module docstring); returns the status.
+def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int,
+                      worker_args: list[str]) -> tuple[int, int]:  # fmt: skip
+    """Run this node's share of a healing job of ``spec.nnodes`` nodes (module docstring); returns the status and
+    the replacements started.
     Node 0 hosts the store at ``host:port`` (port 0: one host's, on a port the OS picks)."""
     from loom.net.store import LoomStore, StoreServer, job_secret
 
@@ -286,7 +288,7 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
         print(f"loom run: node {node}: {error}", file=sys.stderr, flush=True)
         if server is not None:
             server.close()
-        return 2
+        return 2, 0
     bound_s = min(2.0, lost_after_s)
     bounded = LoomStore(host, port, secret, prefix=prefix, server=server, connect_timeout_s=bound_s,
                         io_timeout_s=bound_s)  # fmt: skip
@@ -319,14 +321,14 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int, worke
     except LauncherStopped as stop:
         where = f"node {node} " if spec.nnodes > 1 else ""
         print(f"loom run: {where}stopped by signal {stop}; its workers were terminated", file=sys.stderr)
-        return 128 + stop.signum
+        return 128 + stop.signum, 0
     finally:
         end_workers(agent.all if agent is not None else [], spec.shutdown_timeout_s, zygote)
         if server is not None:
             server.close()
 
 
-def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> int:
+def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> tuple[int, int]:
     """Node 0 (or the one host): its agent's ticks and the authority's, until every worker has ended or only
     replacements wait (they are stopped); then every other node is told and awaited."""
     status, quorum = 0, authority.quorum
@@ -336,7 +338,7 @@ def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> int:
             authority.tick()
             time.sleep(TICK_S)
         agent.dismiss()
-        link("set", "end", "0")
+        link("set", "end", str(quorum.heals))  # the followers' summary names them
         # across hosts the losses are summed up here (one host names each as it goes)
         if quorum.lost and len(authority.sizes) > 1:
             print(f"loom run: the job finished after {len(quorum.lost)} loss(es), {quorum.heals} replacement(s) "
@@ -351,12 +353,12 @@ def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> int:
         others = [k for k in others if not link("check", [f"{k}/bye"])]
         time.sleep(TICK_S)
     if status or quorum.ending:
-        return status
+        return status, quorum.heals
     print("loom run: the job failed: no worker finished", file=sys.stderr)
-    return 1
+    return 1, quorum.heals
 
 
-def _follow(agent: NodeAgent, link: _Link, host: str, port: int) -> int:
+def _follow(agent: NodeAgent, link: _Link, host: str, port: int) -> tuple[int, int]:
     """Node K > 0: its agent's ticks until node 0 ends or stops the job, or the store is lost."""
     while True:
         agent.tick()
@@ -365,16 +367,16 @@ def _follow(agent: NodeAgent, link: _Link, host: str, port: int) -> int:
             print(f"loom run: node {agent.node} lost node 0 (the job's store and quorum at {host}:{port}): no "
                   f"answer for {link.lost_after_s:g} s (LOOM_HEAL_HEARTBEAT_TIMEOUT_S); stopping its workers "
                   f"(ranks {ranks})", file=sys.stderr, flush=True)  # fmt: skip
-            return 1
+            return 1, 0
         if link("check", ["stop"]):
             reason = link("get", "stop")
             print(f"loom run: node {agent.node}: node 0 stopped the job: {reason.decode() if reason else '?'}",
                   file=sys.stderr, flush=True)  # fmt: skip
             link("set", f"{agent.node}/bye", "1")
-            return 1
+            return 1, 0
         if link("check", ["end"]):
             agent.dismiss()
             link("set", f"{agent.node}/bye", "1")
             failed = [w for w in agent.all if exit_kind(w.proc.poll() or 0) == "error"]
-            return 1 if failed else 0
+            return (1 if failed else 0), int(link("get", "end") or 0)
         time.sleep(TICK_S)

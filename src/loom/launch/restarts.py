@@ -212,7 +212,7 @@ class Rounds:
 def run_group(spec: LaunchSpec, rounds: Rounds, worker_args: list[str], zygote: Zygote,
               server_failure: Callable[[], object]) -> int:  # fmt: skip
     """Run this node's workers, attempt after attempt, until every node's succeeded (returns the number of
-    restarts) or the last attempt failed (`GroupFailed`, as when ``server_failure()`` is not None: a parameter
+    restarts) or the last attempt failed (`GroupFailed`, its argument the restarts done, as when ``server_failure()`` is not None: a parameter
     server died once too often); `PeerLost` when a node is lost or does not join."""
     for attempt in range(spec.max_restarts + 1):
         sizes = rounds.join(attempt)
@@ -239,7 +239,9 @@ def run_group(spec: LaunchSpec, rounds: Rounds, worker_args: list[str], zygote: 
             print(restart_line(failures, attempt + 1, spec.max_restarts), file=sys.stderr, flush=True)
             continue
         _say_failed(failures, workers, rounds)
-        raise GroupFailed
+        print(f"loom run: the job failed in attempt {attempt + 1} of {attempt + 1}; no restart left "
+              f"(--max-restarts {spec.max_restarts})", file=sys.stderr)  # fmt: skip
+        raise GroupFailed(attempt)
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
@@ -263,7 +265,7 @@ def _watch(rounds: Rounds, attempt: int, workers: list[Worker],
     key, said_done = f"round{attempt}/", False
     while True:
         if server_failure() is not None:
-            raise GroupFailed
+            raise GroupFailed(attempt)
         if rounds.lost:
             raise PeerLost(rounds.lost)
         failed = {w.rank: w for w in workers if w.proc.poll() not in (None, 0)}
