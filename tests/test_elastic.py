@@ -74,7 +74,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_
     restart = [line for line in result.stderr.splitlines() if "restarting the worker group" in line]
     assert len(restart) == 1, result.stderr[-3000:]
     assert "worker rank 1 was killed by SIGKILL" in restart[0]
-    assert "attempt 2 of 3 (--max-restarts 2)" in restart[0]
+    assert "attempt 2 of 3 (logs/attempt_1; --max-restarts 2)" in restart[0]  # the attempt's log folder
     assert "loom.fit: resumed from the checkpoint of step 6" in result.stdout + result.stderr
     summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith("loom run: finished in ") and "2 worker(s), 1 restart(s), 12 steps" in summary

@@ -71,3 +71,14 @@ def test_two_nodes_restart_together_after_a_failure_on_one(tmp_path):
                 p.communicate()
     assert [p.returncode for p in nodes] == [0, 0], outputs
     assert "[rank0]: rank 0 sum 2" in outputs[0] and "[rank1]: rank 1 sum 2" in outputs[1], outputs
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(10)
+def test_the_restart_line_names_the_attempts_log_folder():
+    """Attempts count from 1 in the line, their folders from 0 (``logs/attempt_K``): the line names the folder."""
+    from loom.launch.restarts import restart_line
+
+    line = restart_line({}, 1, 2)
+    assert "a worker on another node failed; restarting the worker group, attempt 2 of 3 " in line, line
+    assert "(logs/attempt_1; --max-restarts 2)" in line, line

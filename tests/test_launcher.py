@@ -119,7 +119,8 @@ def test_a_failing_worker_stops_the_job_quickly_and_is_named(tmp_path):
     assert "[rank1]: Traceback" in result.stderr and "[rank1]: [rank1]:" not in result.stderr, "labelled once"
     # the last lines: the attempt that failed, no restart left, and the summary naming the run directory
     said, summary = result.stderr.strip().splitlines()[-2:]
-    assert said == "loom run: the job failed in attempt 1 of 1; no restart left (--max-restarts 0)", said
+    want = "loom run: the job failed in attempt 1 of 1 (logs/attempt_0); no restart left (--max-restarts 0)"
+    assert said == want, said
     assert summary.startswith("loom run: failed after ") and summary.endswith(
         f"2 worker(s), 0 restart(s); logs and metrics in {tmp_path / 'run'}"
     ), summary

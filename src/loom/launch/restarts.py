@@ -77,7 +77,7 @@ def restart_line(failures: dict[int, Worker], attempt: int, max_restarts: int) -
     cause = describe_exit(failures[root_failure(failures)]) if failures else "a worker on another node failed"
     return (
         f"loom run: {cause}; restarting the worker group, attempt {attempt + 1} of {max_restarts + 1} "
-        f"(--max-restarts {max_restarts}); {RESUME_NOTE}"
+        f"(logs/attempt_{attempt}; --max-restarts {max_restarts}); {RESUME_NOTE}"
     )
 
 
@@ -239,8 +239,8 @@ def run_group(spec: LaunchSpec, rounds: Rounds, worker_args: list[str], zygote: 
             print(restart_line(failures, attempt + 1, spec.max_restarts), file=sys.stderr, flush=True)
             continue
         _say_failed(failures, workers, rounds)
-        print(f"loom run: the job failed in attempt {attempt + 1} of {attempt + 1}; no restart left "
-              f"(--max-restarts {spec.max_restarts})", file=sys.stderr)  # fmt: skip
+        print(f"loom run: the job failed in attempt {attempt + 1} of {attempt + 1} (logs/attempt_{attempt}); no "
+              f"restart left (--max-restarts {spec.max_restarts})", file=sys.stderr)  # fmt: skip
         raise GroupFailed(attempt)
     raise AssertionError("unreachable: the last attempt returns or raises")
 
