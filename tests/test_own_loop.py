@@ -4,6 +4,7 @@ each equal to one process on the same global batches; and the loss-calling conve
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import importlib.util
 import sys
@@ -171,14 +172,10 @@ def test_model_parallel_strategies_refuse_conventions_they_cannot_run():
         )
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
-
 @pytest.mark.unit
 def test_a_nan_in_a_layer_unfrozen_after_setup_skips_the_step():
-    """The own loop judges the gradients of the parameters trainable at each step, not at set-up: a fine-tuning loop
-    that unfreezes a layer later is guarded there too (a NaN must not reach the weights)."""
+    """In one process the own loop judges the gradients of the parameters trainable at each step, not at set-up: a
+    fine-tuning loop that unfreezes a layer later is guarded there too (a NaN must not reach the weights)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[0].requires_grad_(False)
@@ -193,3 +190,26 @@ def test_a_nan_in_a_layer_unfrozen_after_setup_skips_the_step():
     optimizer.step()
     assert job.last_step_skipped
     assert torch.isfinite(model[0].weight).all()
+
+
+@pytest.mark.unit
+def test_unfreezing_after_setup_across_processes_is_refused_naming_the_fix():
+    """Across processes only the set-up's trainable parameters are averaged: a changed set is refused at the step,
+    not trained on unaveraged gradients (the review saw ranks diverge silently). Two processes are stood for by
+    the job's topology: the refusal is decided before any collective."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    job = loom.DataParallel().setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    module, optimizer, loader = job.own_loop(job.loader(data, global_batch_size=8))
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(module(x), y).backward()
+    job.topology = dataclasses.replace(job.topology, world_size=2)
+    model[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"rank 0: own loop step .*require grad changed after setup .*HINT: set "
+                       r"requires_grad before strategy.setup"):  # fmt: skip
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -286,11 +286,20 @@ class OwnLoop:
 
     # -- the step -----------------------------------------------------------------------------------------------
     def skip_step(self) -> bool:
-        """Whether the averaged gradient of the parameters trainable now (a loop may unfreeze layers after set-up) is
-        non-finite (the same verdict on every rank; see `NonFiniteGuard`)."""
+        """Whether the averaged gradient of the parameters trainable now is non-finite (the same verdict on every
+        rank; see `NonFiniteGuard`). One process may unfreeze layers after set-up; several refuse it (only the
+        set-up's trainable parameters are averaged), naming the fix."""
         job = self.job
-        grads = [p.grad for p in job.module.parameters() if p.requires_grad]
-        skip = job.nonfinite.judge(job.step + 1, [], [], gradients_finite(grads))
+        trainable = [p for p in job.module.parameters() if p.requires_grad]
+        world = job.topology.world_size
+        if world > 1 and list(map(id, trainable)) != list(map(id, job._trainable)):
+            raise RuntimeError(
+                f"rank {job.topology.rank}: own loop step {job.step + 1}: which parameters require grad changed after "
+                f"setup ({len(trainable)} now, {len(job._trainable)} at set-up); across {world} processes only the "
+                "set-up's are averaged. HINT: set requires_grad before strategy.setup(...), and set up again after "
+                "freezing or unfreezing layers"
+            )
+        skip = job.nonfinite.judge(job.step + 1, [], [], gradients_finite([p.grad for p in trainable]))
         job.last_step_skipped = skip
         if skip:
             job.optimizer.zero_grad(set_to_none=True)
