@@ -170,9 +170,13 @@ def test_the_run_line_to_paste_carries_the_scripts_own_arguments_shell_quoted(mo
     )
     result = types.SimpleNamespace(ranked=ranked, top=ranked[0], global_batch_size=64)
     monkeypatch.setattr(loom.plan.planner, "plan", lambda *args: result)
-    assert main(["plan", TINY, "dp", "a b"]) == 0
+    assert main(["plan", TINY, "dp", "a b", "[red]x", "data/[/x]"]) == 0  # brackets: text, not rich markup
     out = capsys.readouterr().out
-    assert f"loom run {ranked[0].prediction.config.launch} {shlex.join([TINY, 'dp', 'a b'])}\n" in out
+    assert f"loom plan {shlex.join([TINY, 'dp', 'a b', '[red]x', 'data/[/x]'])}: 2 processes" in out
+    assert (
+        f"loom run {ranked[0].prediction.config.launch} {shlex.join([TINY, 'dp', 'a b', '[red]x', 'data/[/x]'])}\n"
+        in out
+    )
 
 
 @pytest.mark.parametrize("memory_limit", [None, 1000])

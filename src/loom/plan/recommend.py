@@ -125,10 +125,11 @@ def to_json(ranked: list[Ranked], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(ranked: list[Ranked], title: str) -> Any:
-    """A rich table of ``ranked``."""
+    """A rich table of ``ranked``; its text is escaped, not read as rich markup (a script argument may hold ``[``)."""
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")
     for name, justify in (("#", "right"), ("strategy", "left"), ("loom run", "left"), ("step ms", "right"),
                           ("samples/s", "right"), ("memory/proc", "right"), ("wire/step", "right"),
                           ("last err", "right"), ("why", "left")):  # fmt: skip
@@ -137,11 +138,13 @@ def render(ranked: list[Ranked], title: str) -> Any:
         p = r.prediction
         err = f"{r.last_error:+.0%}" if r.last_error is not None else "-"
         if p.refused:
-            table.add_row(str(i), p.config.strategy, p.config.launch, "-", "-", "-", "-", err, r.reason)
+            table.add_row(
+                str(i), escape(p.config.strategy), p.config.launch, "-", "-", "-", "-", err, escape(r.reason)
+            )
             continue
         table.add_row(
-            str(i), p.config.strategy, p.config.launch, f"{p.step_time_s * 1e3:.1f}", f"{p.samples_per_s:.1f}",
-            _gib(p.memory["total"]), _gib(p.wire_bytes), err, r.reason, style=None if r.feasible else "dim",
+            str(i), escape(p.config.strategy), p.config.launch, f"{p.step_time_s * 1e3:.1f}", f"{p.samples_per_s:.1f}",
+            _gib(p.memory["total"]), _gib(p.wire_bytes), err, escape(r.reason), style=None if r.feasible else "dim",
         )  # fmt: skip
     return table
 
