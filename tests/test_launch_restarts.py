@@ -76,9 +76,13 @@ def test_two_nodes_restart_together_after_a_failure_on_one(tmp_path):
 @pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_the_restart_line_names_the_attempts_log_folder():
-    """Attempts count from 1 in the line, their folders from 0 (``logs/attempt_K``): the line names the folder."""
+    """Attempts count from 1 in the line, their folders from 0 (``logs/attempt_K``): the line names the failed
+    attempt's folder and the next one's."""
     from loom.launch.restarts import restart_line
 
     line = restart_line({}, 1, 2)
-    assert "a worker on another node failed; restarting the worker group, attempt 2 of 3 " in line, line
+    assert (
+        "a worker on another node failed (logs/attempt_0); restarting the worker group, attempt 2 of 3 "
+        in line
+    )
     assert "(logs/attempt_1; --max-restarts 2)" in line, line

@@ -155,7 +155,8 @@ def test_restart_after_a_failure_works_every_time(tmp_path):
     assert "[rank1]: attempt 3 rank 1 sum 2" in result.stdout, result.stdout[-2000:]
     restarts = [line for line in result.stderr.splitlines() if "restarting the worker group" in line]
     assert [line.split(";")[0] for line in restarts] == [
-        f"loom run: worker rank {attempt % 2} failed (exit code 1): RuntimeError: fail on attempt {attempt} on purpose"
+        f"loom run: worker rank {attempt % 2} failed (exit code 1): RuntimeError: fail on attempt {attempt} on purpose "
+        f"(logs/attempt_{attempt})"
         for attempt in range(3)
     ], result.stderr[-2000:]
     assert "3 restart(s)" in result.stderr.strip().splitlines()[-1]

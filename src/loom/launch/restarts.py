@@ -72,11 +72,13 @@ def root_failure(failures: dict[int, Worker]) -> int:
 
 
 def restart_line(failures: dict[int, Worker], attempt: int, max_restarts: int) -> str:
-    """The line printed when the worker group restarts: who failed and how (``failures`` empty: a worker on
-    another node), which attempt this is, and what the workers do next."""
+    """The line printed when the worker group restarts into ``attempt`` (0-based): who failed and how
+    (``failures`` empty: a worker on another node), the failed attempt's log folder, which attempt this is, and
+    what the workers do next."""
     cause = describe_exit(failures[root_failure(failures)]) if failures else "a worker on another node failed"
     return (
-        f"loom run: {cause}; restarting the worker group, attempt {attempt + 1} of {max_restarts + 1} "
+        f"loom run: {cause} (logs/attempt_{attempt - 1}); restarting the worker group, attempt {attempt + 1} of "
+        f"{max_restarts + 1} "
         f"(logs/attempt_{attempt}; --max-restarts {max_restarts}); {RESUME_NOTE}"
     )
 
