@@ -89,3 +89,24 @@ def test_a_replacement_ready_only_after_the_others_finished_is_stopped_and_the_j
     for r in (0, 2):
         assert [s[0] for s in found[(r, 0)]["steps"]] == list(range(1, 11)), found[(r, 0)]["steps"]
     assert (1, 1) not in found  # the replacement never trained
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_first_generation_worker_still_running_when_another_finishes_is_awaited_not_dismissed():
+    """Review finding A: a script that raises on rank 1 (before any epoch formed) just as rank 0 finishes was
+    dismissed as a replacement "not needed" and the job exited 0, its error lost: rank 1 is awaited now, so its
+    exit is judged (`HealQuorum.ended`: the job stops naming it)."""
+    from loom.launch.heal_nodes import Authority
+
+    authority = Authority([2], HealPolicy(), lambda *args: None, _Store())
+    authority.running[0] = None
+    authority.quorum.ended(0, 0, "")
+    assert authority.quorum.ending and not authority.waiting_only(), "rank 1 (generation 0) is awaited"
+    with pytest.raises(
+        JobStops, match=r"worker rank 1 failed \(exit code 1\): ValueError: boom; the script's own"
+    ):
+        authority.quorum.ended(1, 1, "worker rank 1 failed (exit code 1): ValueError: boom")
+    # a replacement outside the epoch, still waiting: not needed
+    authority.quorum.generation[1] = authority.running[1] = 1
+    assert authority.waiting_only()

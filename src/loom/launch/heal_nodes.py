@@ -207,9 +207,11 @@ class Authority:
         return not any(self._alive(r) for r in self.running)
 
     def waiting_only(self) -> bool:
-        """The job is ending and no rank still running is a member: only replacements wait (not needed)."""
-        return self.quorum.ending and not any(
-            self._alive(r) and self.quorum.is_member(r) for r in self.running
+        """The job is ending and every rank still running is a replacement (generation > 0) outside the epoch: only
+        replacements wait (not needed). A first-generation worker is awaited: its own error fails the job."""
+        q = self.quorum
+        return q.ending and not any(
+            self._alive(r) and (q.is_member(r) or not q.generation[r]) for r in self.running
         )
 
     def tick(self) -> None:
