@@ -4,6 +4,7 @@ commit vote (`loom.fault.quorum.Quorum.vote`), each on an in-memory store."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -180,10 +181,17 @@ def test_a_member_that_does_not_check_in_is_killed_and_left_out(monkeypatch):
     assert job.running[2] is False and job.members(2) == "0:0,1:0"
 
 
-@pytest.mark.parametrize("heals, least", [(-1, 1), (3, 0)])
-def test_a_policy_out_of_range_is_refused_on_construction(heals, least):
-    """`HealPolicy` is public: built directly (not through `loom run`'s checks) it still refuses what cannot hold."""
-    with pytest.raises(ValueError, match=r"--max-heals must be >= 0 and --min-workers >= 1, got HealPolicy"):
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "heals, least, said",
+    [(-1, 1, "--max-heals must be an int >= 0, got -1"), (3, 0, "--min-workers must be an int >= 1, got 0"),
+     ("2", 1, "--max-heals must be an int >= 0, got '2'"), (True, 1, "--max-heals must be an int >= 0, got True"),
+     (3, 1.5, "--min-workers must be an int >= 1, got 1.5")],
+)  # fmt: skip
+def test_a_policy_out_of_range_is_refused_on_construction(heals, least, said):
+    """`HealPolicy` is public: built directly (not through `loom run`'s checks) it still refuses what cannot hold,
+    a wrong type too (review2 finding 7: "2" raised a TypeError, 1.5 and True were accepted), naming the fix."""
+    with pytest.raises(ValueError, match=re.escape(said) + r"\. HINT: HealPolicy\("):
         HealPolicy(max_heals=heals, min_workers=least)
 
 

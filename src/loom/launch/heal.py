@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.errors import JobStops
+from loom.errors import JobStops, check_int
 from loom.fault.quorum_records import GUARD_KEYS, LEFT_OUT_STATUS, read_guard, read_place
 from loom.settings import setting
 
@@ -45,8 +45,8 @@ class HealPolicy:
     """Members below which the job stops, naming the lost ranks."""
 
     def __post_init__(self) -> None:
-        if self.max_heals < 0 or self.min_workers < 1:
-            raise ValueError(f"--max-heals must be >= 0 and --min-workers >= 1, got {self}")
+        check_int("--max-heals", self.max_heals, 0, hint="HealPolicy(max_heals=...): replacements in all")
+        check_int("--min-workers", self.min_workers, hint="HealPolicy(min_workers=...): the fewest members")
 
 
 def exit_kind(status: int) -> str:
