@@ -180,3 +180,42 @@ def test_a_stop_signal_during_a_store_call_stops_the_launcher_and_a_failing_stor
     assert _Link(Store(ConnectionResetError("reset")), 1.0)("check", ["end"]) is None
     with pytest.raises(LauncherStopped):
         _Link(Store(LauncherStopped(15)), 1.0)("check", ["end"])
+
+
+class _Agent:
+    """What `_follow` asks of node 1's agent (its workers already ended)."""
+
+    node, all = 1, []
+
+    def tick(self) -> None:
+        pass
+
+    def running(self) -> list:
+        return []
+
+    def dismiss(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(10)
+def test_a_follower_names_the_heals_node_0_told_when_it_stopped_the_job_or_ended_it(tmp_path, capsys):
+    """Review2 findings 2 and 6: the follower said "0 heal(s)" when node 0 stopped the job (past --max-heals, the
+    common failing case); node 0 now sets ``heals`` before ``stop``. The count is read from the store: only an int
+    in 0..--max-heals is believed, anything else is unknown (None), not a traceback nor "-5 heal(s)"."""
+    from loom.launch.agent import summary_line
+    from loom.launch.heal_nodes import _follow
+
+    agents = MemoryStore()
+    link = _Link(agents, 1.0)
+    agents.set("heals", "1")
+    agents.set("stop", "worker rank 1 was killed by SIGKILL; past --max-heals 1: the job stops")
+    assert _follow(_Agent(), link, "127.0.0.1", 1, 1) == (1, 1)
+    assert "node 0 stopped the job: worker rank 1 was killed" in capsys.readouterr().err
+    del agents.data["stop"]
+    for told, heals in [("2", 2), ("3", 3), ("4", None), ("-5", None), ("x", None), ("9" * 5000, None)]:
+        agents.set("end", told)
+        assert _follow(_Agent(), link, "127.0.0.1", 1, 3) == (0, heals), told
+    script = tmp_path / "train.py"
+    script.write_text("")
+    spec = LaunchSpec(str(script), nnodes=2, master="127.0.0.1:1", on_worker_failure="heal", run_dir=tmp_path)
+    assert "2 nodes, heals unknown; logs and metrics in" in summary_line(spec, 1.0, None, failed=True)

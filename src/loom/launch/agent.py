@@ -122,12 +122,13 @@ def _servers(spec: LaunchSpec, **options: Callable[[], None]) -> Iterator[Server
             merge_traces_and_say(spec.run_dir, "loom run")
 
 
-def summary_line(spec: LaunchSpec, seconds: float, restarts: int, server_restarts: int = 0,
+def summary_line(spec: LaunchSpec, seconds: float, restarts: int | None, server_restarts: int = 0,
                  failed: bool = False) -> str:  # fmt: skip
     """The job's last line, whether it finished or ``failed``: time, workers, restarts (heals under ``heal``; of
-    parameter servers too, if any) and, when rank 0 kept step records, its last step."""
+    parameter servers too, if any; None: unknown) and, when rank 0 kept step records, its last step."""
     workers = f"{spec.nproc} worker(s)" + (f" on each of {spec.nnodes} nodes" if spec.nnodes > 1 else "")
-    restarts_text = f"{restarts} {'heal' if spec.on_worker_failure == 'heal' else 'restart'}(s)" + (
+    kind = "heal" if spec.on_worker_failure == "heal" else "restart"
+    restarts_text = (f"{kind}s unknown" if restarts is None else f"{restarts} {kind}(s)") + (
         f", {server_restarts} parameter-server restart(s)" if server_restarts else ""
     )
     last = last_recorded_step(spec.run_dir / "metrics" / "rank0.jsonl")

@@ -266,9 +266,9 @@ def _register(spec: LaunchSpec, client: Any) -> list[int]:
 
 
 def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int,
-                      worker_args: list[str]) -> tuple[int, int]:  # fmt: skip
+                      worker_args: list[str]) -> tuple[int, int | None]:  # fmt: skip
     """Run this node's share of a healing job of ``spec.nnodes`` nodes (module docstring); returns the status and
-    the replacements started.
+    the replacements started (None: unknown, node 0 lost).
     Node 0 hosts the store at ``host:port`` (port 0: one host's, on a port the OS picks)."""
     from loom.net.store import LoomStore, StoreServer, job_secret
 
@@ -316,7 +316,7 @@ def heal_across_nodes(spec: LaunchSpec, run_id: str, host: str, port: int,
                 time.sleep(AGENT_BEAT_S)
             agent = NodeAgent(node, first, spec.nproc, link, start)
             if server is None:
-                return _follow(agent, link, host, port)
+                return _follow(agent, link, host, port, spec.max_heals)
             job = LoomStore(prefix=f"loom/{run_id}/job/", server=server)
             authority = Authority(sizes, HealPolicy(spec.max_heals, spec.min_workers), link, job, local=agent)
             return _lead(agent, authority, link)
@@ -347,6 +347,7 @@ def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> tuple[int, int
                   f"started: {'; '.join(quorum.lost)}", file=sys.stderr)  # fmt: skip
     except JobStops as stop:
         print(f"loom run: {stop}", file=sys.stderr, flush=True)
+        link("set", "heals", str(quorum.heals))  # before "stop": the followers' summary names them
         link("set", "stop", str(stop))
         status = 1
     deadline = time.monotonic() + BYE_WAIT_S
@@ -360,8 +361,20 @@ def _lead(agent: NodeAgent, authority: Authority, link: _Link) -> tuple[int, int
     return 1, quorum.heals
 
 
-def _follow(agent: NodeAgent, link: _Link, host: str, port: int) -> tuple[int, int]:
-    """Node K > 0: its agent's ticks until node 0 ends or stops the job, or the store is lost."""
+def _told_heals(link: _Link, key: str, most: int) -> int | None:
+    """The heals node 0 told under ``key``, read from the store: only an int in 0..``most`` (--max-heals) is
+    believed; anything else (or no answer) is None, unknown."""
+    told = link("get", key)
+    try:
+        heals = int(told) if isinstance(told, bytes) else -1
+    except ValueError:
+        return None
+    return heals if 0 <= heals <= most else None
+
+
+def _follow(agent: NodeAgent, link: _Link, host: str, port: int, most: int) -> tuple[int, int | None]:
+    """Node K > 0: its agent's ticks until node 0 ends or stops the job, or the store is lost (the heals unknown);
+    ``most``: --max-heals, the bound of the heals node 0 tells."""
     while True:
         agent.tick()
         if link.lost:
@@ -369,16 +382,16 @@ def _follow(agent: NodeAgent, link: _Link, host: str, port: int) -> tuple[int, i
             print(f"loom run: node {agent.node} lost node 0 (the job's store and quorum at {host}:{port}): no "
                   f"answer for {link.lost_after_s:g} s (LOOM_HEAL_HEARTBEAT_TIMEOUT_S); stopping its workers "
                   f"(ranks {ranks})", file=sys.stderr, flush=True)  # fmt: skip
-            return 1, 0
+            return 1, None
         if link("check", ["stop"]):
             reason = link("get", "stop")
             print(f"loom run: node {agent.node}: node 0 stopped the job: {reason.decode() if reason else '?'}",
                   file=sys.stderr, flush=True)  # fmt: skip
             link("set", f"{agent.node}/bye", "1")
-            return 1, 0
+            return 1, _told_heals(link, "heals", most)
         if link("check", ["end"]):
             agent.dismiss()
             link("set", f"{agent.node}/bye", "1")
             failed = [w for w in agent.all if exit_kind(w.proc.poll() or 0) == "error"]
-            return (1 if failed else 0), int(link("get", "end") or 0)
+            return (1 if failed else 0), _told_heals(link, "end", most)
         time.sleep(TICK_S)
