@@ -219,3 +219,22 @@ def test_a_follower_names_the_heals_node_0_told_when_it_stopped_the_job_or_ended
     script.write_text("")
     spec = LaunchSpec(str(script), nnodes=2, master="127.0.0.1:1", on_worker_failure="heal", run_dir=tmp_path)
     assert "2 nodes, heals unknown; logs and metrics in" in summary_line(spec, 1.0, None, failed=True)
+
+
+@pytest.mark.timeout(10)
+def test_a_refused_heal_job_is_one_line_without_a_summary_and_an_unknown_count_is_said(
+    tmp_path, monkeypatch, capsys
+):
+    """Review2 finding 3: a job refused at registration (status 2: it never started) printed a "failed after"
+    summary after its one-line refusal; a follower that lost node 0 (heals None) says "heals unknown"."""
+    from loom.launch import agent, heal_nodes
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    spec = LaunchSpec(str(script), nnodes=2, master="127.0.0.1:1", on_worker_failure="heal", run_dir=tmp_path)
+    monkeypatch.setattr(heal_nodes, "heal_across_nodes", lambda *args: (2, 0))
+    assert agent._supervised(spec, "r", "127.0.0.1", 1) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(heal_nodes, "heal_across_nodes", lambda *args: (1, 2))
+    assert agent._supervised(spec, "r", "127.0.0.1", 1) == 1
+    assert "loom run: failed after " in capsys.readouterr().err

@@ -184,6 +184,6 @@ def _supervised(spec: LaunchSpec, run_id: str, host: str, port: int) -> int:
                                                   spec.shutdown_timeout_s, lambda: servers.failure), 0  # fmt: skip
         server_restarts = servers.restarts
     seconds = time.monotonic() - started
-    if status < 128:  # a signal's stop is said where it is caught
+    if status in (0, 1):  # 2: refused before it started (its one line); a signal's stop is said where caught
         print(summary_line(spec, seconds, heals, server_restarts, failed=status != 0), file=sys.stderr)
     return status
