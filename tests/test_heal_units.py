@@ -340,3 +340,23 @@ def test_the_members_wait_for_a_starting_replacement_until_it_is_ready_and_no_lo
     joining_quorum(late, 0.2).wait_for_joiner()  # never ready: the bound ends the wait
     assert time.monotonic() - started >= 0.2
     joining_quorum(late, 0.0).wait_for_joiner()  # LOOM_HEAL_JOIN_WAIT_S=0: never waits
+
+
+@pytest.mark.timeout(10)
+def test_the_summary_counts_the_steps_of_rank_0s_latest_replacement(tmp_path):
+    """Review2 finding 4: the summary read rank0.jsonl only, so once rank 0 was replaced it named the step its
+    first process died at (5), not the job's last (10), which its replacement wrote to rank0.heal1.jsonl."""
+    from loom.launch.agent import summary_line
+    from loom.launch.spec import LaunchSpec
+
+    (tmp_path / "train.py").write_text("")
+    spec = LaunchSpec(str(tmp_path / "train.py"), nproc=2, on_worker_failure="heal", run_dir=tmp_path)
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    (metrics / "rank0.jsonl").write_text('{"step": 5}\n')
+    assert summary_line(spec, 1.0, 0).endswith(", 5 steps; logs and metrics in " + str(tmp_path))
+    (metrics / "rank0.heal1.jsonl").write_text('{"step": 10}\n')
+    (metrics / "rank1.heal2.jsonl").write_text('{"step": 3}\n')
+    assert ", 1 heal(s), 10 steps;" in summary_line(spec, 1.0, 1)
+    (metrics / "rank0.heal12.jsonl").write_text('{"step": 12}\n')
+    assert ", 12 steps;" in summary_line(spec, 1.0, 2)

@@ -125,13 +125,18 @@ def _servers(spec: LaunchSpec, **options: Callable[[], None]) -> Iterator[Server
 def summary_line(spec: LaunchSpec, seconds: float, restarts: int | None, server_restarts: int = 0,
                  failed: bool = False) -> str:  # fmt: skip
     """The job's last line, whether it finished or ``failed``: time, workers, restarts (heals under ``heal``; of
-    parameter servers too, if any; None: unknown) and, when rank 0 kept step records, its last step."""
+    parameter servers too, if any; None: unknown) and, when rank 0 (its latest generation) kept step records, its
+    last step."""
     workers = f"{spec.nproc} worker(s)" + (f" on each of {spec.nnodes} nodes" if spec.nnodes > 1 else "")
     kind = "heal" if spec.on_worker_failure == "heal" else "restart"
     restarts_text = (f"{kind}s unknown" if restarts is None else f"{restarts} {kind}(s)") + (
         f", {server_restarts} parameter-server restart(s)" if server_restarts else ""
     )
-    last = last_recorded_step(spec.run_dir / "metrics" / "rank0.jsonl")
+    # under heal, the file of rank 0's latest replacement (`loom.parallel._setup.step_metrics` names them)
+    metrics = spec.run_dir / "metrics"
+    gens = [p.name[10:-6] for p in metrics.glob("rank0.heal*.jsonl")]
+    gen = max((int(g) for g in gens if g.isdigit()), default=0)
+    last = last_recorded_step(metrics / f"rank0{f'.heal{gen}' if gen else ''}.jsonl")
     steps = f", {last} steps" if last is not None and spec.node_rank == 0 else ""
     return (
         f"loom run: {'failed after' if failed else 'finished in'} {seconds:.1f} s: {workers}, {restarts_text}{steps}; "
