@@ -84,7 +84,8 @@ def test_a_replacement_ready_only_after_the_others_finished_is_stopped_and_the_j
     join late, is not needed: the launcher says so and stops it, and the job exits 0 with every step once."""
     result, out, _run = run_heal(tmp_path, "kill@1:10:commit,slow@1:1:join#1", LOOM_FAULTS_SLOW_S="3")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "worker rank 1's replacement was not needed: the others finished" in result.stderr, result.stderr
+    assert ("worker rank 1's replacement (generation 1) was still running, outside the job's epoch, when the "
+            "others finished: stopped (the job is over)") in result.stderr, result.stderr  # fmt: skip
     found = reports(out)
     for r in (0, 2):
         assert [s[0] for s in found[(r, 0)]["steps"]] == list(range(1, 11)), found[(r, 0)]["steps"]
@@ -110,3 +111,39 @@ def test_a_first_generation_worker_still_running_when_another_finishes_is_awaite
     # a replacement outside the epoch, still waiting: not needed
     authority.quorum.generation[1] = authority.running[1] = 1
     assert authority.waiting_only()
+
+
+class _Proc:
+    """A worker's process still running when the job ends, whose exit status is ``status`` once killed."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+    def poll(self) -> int | None:
+        return None
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self) -> int:
+        return self.status
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+def test_a_dismissed_replacement_is_said_stopped_only_if_it_was_still_running(capsys):
+    """Review2 finding B: "replacement was not needed" was printed for a replacement that had run and finished (it
+    exited 0 as it was dismissed): it is said only of one the kill stopped, with its generation."""
+    from types import SimpleNamespace
+
+    from loom.launch.heal_nodes import NodeAgent
+
+    said = "worker rank 1's replacement (generation 1) was still running, outside the job's epoch, when the others"
+    for status in (0, -9):
+        agent = NodeAgent(
+            0, 1, 1, lambda *args: None, lambda r, g, s=status: SimpleNamespace(rank=r, proc=_Proc(s))
+        )
+        agent._launch(1, 1)  # rank 1's replacement, dismissed
+        agent.dismiss()
+        err = capsys.readouterr().err
+        assert (said in err) if status else ("replacement" not in err), err

@@ -97,13 +97,15 @@ class NodeAgent:
         return [w for w in self.current.values() if w.proc.poll() is None]
 
     def dismiss(self) -> None:
-        """The job has finished: its workers still running are replacements waiting to join, not needed."""
+        """The job has finished: its workers still running are replacements outside the epoch, not needed (one
+        that exits 0 as it is stopped had finished: nothing is said of it)."""
         for w in self.running():
-            print(f"loom run: worker rank {w.rank}'s replacement was not needed: the others finished",
-                  file=sys.stderr, flush=True)  # fmt: skip
             w.reported = True
             w.proc.kill()
-            w.proc.wait()
+            if w.proc.wait():
+                print(f"loom run: worker rank {w.rank}'s replacement (generation {self.generation[w.rank]}) was still "
+                      "running, outside the job's epoch, when the others finished: stopped (the job is over)",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
     def tick(self) -> None:
         now = time.monotonic()
