@@ -73,7 +73,7 @@ def test_sync_job_survives_a_killed_server_and_ends_where_an_uninterrupted_run_d
     assert status == 0, err[-3000:]
     assert left == []
     assert RESTART_LINE.search(err), err[-3000:]
-    assert "2 worker(s), 0 restart(s), 1 parameter-server restart(s);" in err, err[-3000:]
+    assert "2 worker(s), 0 restart(s), 1 parameter-server restart(s), 12 steps;" in err, err[-3000:]
     assert "resumed model 'default' at version 5" in out, out[-3000:]
     done = results(tmp_path)
     reference = one_process_reference(12)
