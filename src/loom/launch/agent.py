@@ -23,6 +23,7 @@ from loom.errors import GroupFailed, PeerLost
 from loom.launch.bounds import refuse
 from loom.launch.spec import LaunchSpec, endpoint_and_addr, run_id_of, secret_of
 from loom.net.interfaces import interface_of
+from loom.observe.report import record_files
 from loom.observe.trace import merge_traces_and_say
 
 if TYPE_CHECKING:
@@ -132,11 +133,8 @@ def summary_line(spec: LaunchSpec, seconds: float, restarts: int | None, server_
     restarts_text = (f"{kind}s unknown" if restarts is None else f"{restarts} {kind}(s)") + (
         f", {server_restarts} parameter-server restart(s)" if server_restarts else ""
     )
-    # under heal, the file of rank 0's latest replacement (`loom.parallel._setup.step_metrics` names them)
-    metrics = spec.run_dir / "metrics"
-    gens = [p.name[10:-6] for p in metrics.glob("rank0.heal*.jsonl")]
-    gen = max((int(g) for g in gens if g.isdigit()), default=0)
-    last = last_recorded_step(metrics / f"rank0{f'.heal{gen}' if gen else ''}.jsonl")
+    rank0 = [path for rank, _, path in record_files(spec.run_dir / "metrics") if rank == 0]
+    last = last_recorded_step(rank0[-1]) if rank0 else None
     steps = f", {last} steps" if last is not None and spec.node_rank == 0 else ""
     return (
         f"loom run: {'failed after' if failed else 'finished in'} {seconds:.1f} s: {workers}, {restarts_text}{steps}; "

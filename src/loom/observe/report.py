@@ -29,7 +29,7 @@ from typing import Any
 
 from loom.observe.trace import merge_traces
 
-__all__ = ["load_records", "run_report", "summarize"]
+__all__ = ["load_records", "record_files", "run_report", "summarize"]
 
 _RECORD_FILE = re.compile(r"rank(\d+)(?:\.heal(\d+))?\.jsonl")
 
@@ -39,10 +39,8 @@ def load_records(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     a resumed job re-runs steps after its checkpoint, a sampled step's memory rewrites its record). A healed
     rank's replacements (``rank<r>.heal<g>.jsonl``, `loom.parallel._setup.step_metrics`) continue its
     series, read after it in generation order; lines that are not whole records are skipped."""
-    found = ((_RECORD_FILE.fullmatch(path.name), path) for path in Path(run_dir).glob("metrics/rank*.jsonl"))
-    files = [(int(match[1]), int(match[2] or 0), path) for match, path in found if match]
     by_rank: dict[int, dict[int, dict[str, Any]]] = {}
-    for rank, _, path in sorted(files):
+    for rank, _, path in record_files(Path(run_dir) / "metrics"):
         by_step = by_rank.setdefault(rank, {})
         for line in path.read_text().splitlines():
             try:
@@ -54,6 +52,13 @@ def load_records(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     return {
         rank: [by_step[s] for s in sorted(by_step)] for rank, by_step in sorted(by_rank.items()) if by_step
     }
+
+
+def record_files(metrics_dir: str | Path) -> list[tuple[int, int, Path]]:
+    """``(rank, generation, path)`` of each step-record file in ``metrics_dir``, sorted: ``rank<r>.jsonl`` is
+    generation 0, a healed rank's replacements write ``rank<r>.heal<g>.jsonl`` (`loom.parallel._setup.step_metrics`)."""
+    found = ((_RECORD_FILE.fullmatch(path.name), path) for path in Path(metrics_dir).glob("rank*.jsonl"))
+    return sorted((int(match[1]), int(match[2] or 0), path) for match, path in found if match)
 
 
 def _samples_per_s(records: list[dict[str, Any]]) -> float:
