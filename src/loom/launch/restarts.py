@@ -214,8 +214,8 @@ class Rounds:
 def run_group(spec: LaunchSpec, rounds: Rounds, worker_args: list[str], zygote: Zygote,
               server_failure: Callable[[], object]) -> int:  # fmt: skip
     """Run this node's workers, attempt after attempt, until every node's succeeded (returns the number of
-    restarts) or the last attempt failed (`GroupFailed`, its argument the restarts done, as when ``server_failure()`` is not None: a parameter
-    server died once too often); `PeerLost` when a node is lost or does not join."""
+    restarts) or the last attempt failed, or ``server_failure()`` is not None (a parameter server died once too
+    often): `GroupFailed`, its argument the restarts done; `PeerLost` when a node is lost or does not join."""
     for attempt in range(spec.max_restarts + 1):
         sizes = rounds.join(attempt)
         first, logs = sum(sizes[: spec.node_rank]), spec.run_dir / "logs" / f"attempt_{attempt}"
